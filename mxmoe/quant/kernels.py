@@ -1,0 +1,102 @@
+"""One way to pick a cast kernel: the backends, their availability, and `auto`.
+
+A backend is a module exposing `quantize_dim0`, `quantize_dim1`, `quantize_dim0_dim1` and
+`dequantize` with the signatures of `mxmoe.quant.torch_cast`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from types import ModuleType
+
+import torch
+
+KERNELS = ("torch", "triton", "cuda")
+# Preference of `kernel="auto"` on a CUDA device, fastest first (see docs/benchmarks.md).
+AUTO_ORDER_CUDA = ("cuda", "triton", "torch")
+
+_MODULES = {
+    "torch": "mxmoe.quant.torch_cast",
+    "triton": "mxmoe.quant.triton_cast",
+    "cuda": "mxmoe.quant.cuda_cast",
+}
+
+
+def triton_interpret() -> bool:
+    """True when Triton runs its kernels on CPU tensors through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _has_cuda_toolkit() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME is not None or shutil.which("nvcc") is not None
+
+
+def why_unavailable(kernel: str, device: torch.device) -> str | None:
+    """None if `kernel` can run on tensors on `device` here, else the reason."""
+    if kernel not in KERNELS:
+        return f"unknown kernel {kernel!r}; expected one of {list(KERNELS) + ['auto']}"
+    if kernel == "torch":
+        return None
+    if kernel == "triton":
+        if not _has_triton():
+            return "kernel='triton' needs the triton package, which is not installed"
+        if device.type == "cuda":
+            return None
+        if device.type == "cpu" and triton_interpret():
+            return None
+        return (
+            f"kernel='triton' needs a CUDA tensor (got a {device.type} tensor), or TRITON_INTERPRET=1 "
+            "to run the kernels on CPU through the Triton interpreter"
+        )
+    # cuda
+    if device.type != "cuda":
+        return f"kernel='cuda' needs a CUDA tensor (got a {device.type} tensor)"
+    if not torch.cuda.is_available():
+        return "kernel='cuda' needs a CUDA GPU and torch built with CUDA"
+    if not _has_cuda_toolkit():
+        return "kernel='cuda' builds its extension on first use and needs nvcc (set CUDA_HOME)"
+    return None
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def available_kernels(device: torch.device | str | None = None) -> list[str]:
+    """Cast kernels that can run on tensors of `device` (default: the GPU if any, else CPU)."""
+    device = default_device() if device is None else torch.device(device)
+    return [k for k in KERNELS if why_unavailable(k, device) is None]
+
+
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """Map `auto` to the fastest available backend and check that `kernel` can run on `device`."""
+    if not isinstance(kernel, str):
+        raise TypeError(f"kernel must be a str, got {type(kernel).__name__}")
+    if kernel == "auto":
+        if device.type != "cuda":
+            return "torch"
+        for k in AUTO_ORDER_CUDA:
+            if why_unavailable(k, device) is None:
+                return k
+        return "torch"
+    reason = why_unavailable(kernel, device)
+    if reason is not None:
+        raise ValueError(reason) if kernel not in KERNELS else RuntimeError(reason)
+    return kernel
+
+
+def backend(kernel: str) -> ModuleType:
+    """The module implementing a concrete kernel name (imports it on first use)."""
+    return importlib.import_module(_MODULES[kernel])

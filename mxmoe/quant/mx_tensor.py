@@ -1,0 +1,174 @@
+"""`MXTensor` and the public cast API: `to_mx`, `to_mx_dim0_dim1`.
+
+Layout convention (docs/mx-format.md): an MXTensor quantized along `axis` *stores* its data with
+that axis moved last, so every block of `block_size` elements is contiguous in memory:
+
+    storage qdata: x.movedim(axis, -1).shape, contiguous
+    storage scale: same with the last dim divided by block_size
+
+`.qdata` and `.scale` are views with the *logical* shape (`qdata.shape == x.shape`, `scale.shape ==
+x.shape` with `shape[axis] // block_size`), so `qdata[i, j]` is the element of `x[i, j]` whatever the
+storage. `.qdata_blocked` / `.scale_blocked` give the storage itself (what GEMMs and the
+all-to-all use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mxmoe.formats import (
+    ScalingMode,
+    check_block_size,
+    check_elem_dtype,
+    check_input_dtype,
+    check_scaling_mode,
+)
+from mxmoe.quant import custom_ops
+from mxmoe.quant.kernels import resolve_kernel
+
+
+@dataclass
+class MXTensor:
+    """A tensor in MX format.
+
+    qdata_blocked: elem dtype, x.movedim(axis, -1).shape, contiguous.
+    scale_blocked: float8_e8m0fnu, same shape with the last dim // block_size, contiguous.
+    axis: the (non-negative) logical axis the blocks run along.
+    orig_dtype: the dtype of the tensor that was quantized (default of `dequantize`).
+    """
+
+    qdata_blocked: Tensor
+    scale_blocked: Tensor
+    axis: int
+    block_size: int = 32
+    scaling_mode: str = "rceil"
+    orig_dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def ndim(self) -> int:
+        return self.qdata_blocked.ndim
+
+    @property
+    def qdata(self) -> Tensor:
+        """Elements with the logical shape of the original tensor (a view of the storage)."""
+        return self.qdata_blocked.movedim(-1, self.axis)
+
+    @property
+    def scale(self) -> Tensor:
+        """E8M0 scales, logical shape = x.shape with shape[axis] // block_size (a view)."""
+        return self.scale_blocked.movedim(-1, self.axis)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qdata.shape
+
+    @property
+    def elem_dtype(self) -> torch.dtype:
+        return self.qdata_blocked.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qdata_blocked.device
+
+    def dequantize(self, dtype: torch.dtype | None = None, kernel: str = "auto") -> Tensor:
+        """High-precision tensor of the logical shape (a view: the storage order is kept)."""
+        dtype = self.orig_dtype if dtype is None else dtype
+        check_input_dtype("dtype", torch.empty(0, dtype=dtype))
+        kernel = resolve_kernel(kernel, self.device)
+        q = self.qdata_blocked
+        out = custom_ops.dequantize(
+            q.reshape(-1, q.shape[-1]),
+            self.scale_blocked.reshape(-1, self.scale_blocked.shape[-1]),
+            self.block_size,
+            dtype,
+            kernel,
+        )
+        return out.view(q.shape).movedim(-1, self.axis)
+
+    def __repr__(self) -> str:
+        return (
+            f"MXTensor(shape={tuple(self.shape)}, axis={self.axis}, elem={self.elem_dtype}, "
+            f"block_size={self.block_size}, scaling_mode={self.scaling_mode!r})"
+        )
+
+
+def _check_x(x: Tensor, block_size: int, axis: int) -> int:
+    check_input_dtype("x", x)
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension")
+    if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
+    ax = axis % x.ndim
+    if ax < x.ndim - 2:
+        raise ValueError(
+            f"axis={axis} of a {x.ndim}D tensor is not supported: blocks run along one of the last "
+            "two dims (axis=-1 or axis=-2)"
+        )
+    if x.shape[ax] % block_size:
+        raise ValueError(
+            f"x.shape[{axis}]={x.shape[ax]} is not divisible by block_size={block_size}"
+        )
+    return ax
+
+
+def to_mx(
+    x: Tensor,
+    axis: int = -1,
+    scaling_mode: str | ScalingMode = "rceil",
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    block_size: int = 32,
+    kernel: str = "auto",
+) -> MXTensor:
+    """Quantize x (bf16 or fp32) to MX along `axis` (-1: "dim0" cast, -2 / 0 of 2D: "dim1").
+
+    Any layout is accepted: if x already has `axis` contiguous (e.g. a transposed view) it is
+    quantized in place of a copy; otherwise the dim1 kernel reads it row-major.
+    """
+    block_size = check_block_size(block_size)
+    mode = check_scaling_mode(scaling_mode).value
+    check_elem_dtype(elem_dtype)
+    ax = _check_x(x, block_size, axis)
+    kernel = resolve_kernel(kernel, x.device)
+    moved = x.movedim(ax, -1)
+    if ax == x.ndim - 1 or moved.is_contiguous():
+        flat = moved.contiguous().reshape(-1, moved.shape[-1])
+        q, s = custom_ops.quantize_dim0(flat, block_size, mode, elem_dtype, kernel)
+    else:  # blocks along dim -2 of a row-major tensor: the transposing kernel
+        x3 = x.contiguous().reshape(-1, x.shape[-2], x.shape[-1])
+        q, s = custom_ops.quantize_dim1(x3, block_size, mode, elem_dtype, kernel)
+    return MXTensor(
+        q.view(moved.shape),
+        s.view(*moved.shape[:-1], moved.shape[-1] // block_size),
+        ax,
+        block_size,
+        mode,
+        x.dtype,
+    )
+
+
+def to_mx_dim0_dim1(
+    x: Tensor,
+    scaling_mode: str | ScalingMode = "rceil",
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    block_size: int = 32,
+    kernel: str = "auto",
+) -> tuple[MXTensor, MXTensor]:
+    """Both casts of a 2D x (R, C) from one read: (along dim -1, along dim 0)."""
+    block_size = check_block_size(block_size)
+    mode = check_scaling_mode(scaling_mode).value
+    check_elem_dtype(elem_dtype)
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2D for the fused dim0+dim1 cast, got shape {tuple(x.shape)}")
+    _check_x(x, block_size, 0)
+    _check_x(x, block_size, 1)
+    kernel = resolve_kernel(kernel, x.device)
+    q0, s0, q1, s1 = custom_ops.quantize_dim0_dim1(
+        x.contiguous(), block_size, mode, elem_dtype, kernel
+    )
+    return (
+        MXTensor(q0, s0, 1, block_size, mode, x.dtype),
+        MXTensor(q1, s1, 0, block_size, mode, x.dtype),
+    )

@@ -1,0 +1,91 @@
+"""The `torch` cast backend: plain PyTorch, eager or under torch.compile, CPU or GPU.
+
+This is the executable form of docs/mx-format.md; the Triton and CUDA backends must agree with it
+bit for bit. All functions take contiguous inputs and quantize along the *last* dim in blocks of
+`spec.block_size`; scales come back as `torch.float8_e8m0fnu`.
+
+Scale exponents are derived from integer views of fp32 bit patterns so the result does not depend
+on how a device treats fp32 subnormals (flush-to-zero): see the RCEIL thresholds in formats.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxmoe.formats import E8M0_BIAS, E8M0_NAN, CastSpec, ScalingMode
+
+_ABS_MASK = 0x7FFFFFFF
+_F32_INF_BITS = 0x7F800000
+_MANT_MASK = 0x7FFFFF
+
+
+def scale_exponent(amax_bits: torch.Tensor, spec: CastSpec) -> torch.Tensor:
+    """Unbiased block exponent e (int32, clamped to [-127, 127]) from the fp32 bit pattern of each
+    finite block amax (int32, >= 0)."""
+    emax = spec.elem.emax
+    mode = spec.mode
+    if mode is ScalingMode.FLOOR:
+        e = (amax_bits >> 23) - 127 - emax
+    elif mode is ScalingMode.CEIL:
+        e = (amax_bits >> 23) - 127 + ((amax_bits & _MANT_MASK) != 0).to(torch.int32) - emax
+    elif mode is ScalingMode.EVEN:
+        e = ((amax_bits + (1 << (22 - spec.elem.mbits))) >> 23) - 127 - emax
+    elif mode is ScalingMode.RCEIL:
+        d = (amax_bits.view(torch.float32) * spec.rceil_c).view(torch.int32)
+        e = (d >> 23) - 127 + ((d & _MANT_MASK) != 0).to(torch.int32)
+        e = torch.where(amax_bits <= spec.rceil_t126, -126, e)
+        e = torch.where(amax_bits <= spec.rceil_t127, -127, e)
+    else:  # pragma: no cover - ScalingMode is closed
+        raise ValueError(f"unknown scaling mode {mode}")
+    return e.clamp(-127, 127)
+
+
+def quantize_dim0(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (R, C) bf16/fp32 contiguous -> qdata (R, C) elem dtype, scale (R, C // bs) e8m0."""
+    R, C = x.shape
+    bs = spec.block_size
+    xf = x.float().reshape(R, C // bs, bs)
+    amax_bits = (xf.view(torch.int32) & _ABS_MASK).amax(dim=-1)
+    nonfinite = amax_bits >= _F32_INF_BITS
+    e = scale_exponent(amax_bits, spec)
+    # 2^-e as fp32 built from its bits; e <= 120 for any finite fp32 input, so it is normal.
+    recip = ((127 - e) << 23).view(torch.float32)
+    y = (xf * recip.unsqueeze(-1)).clamp(-spec.elem.max_normal, spec.elem.max_normal)
+    y = torch.where(nonfinite.unsqueeze(-1), float("nan"), y)
+    q = y.to(spec.elem.dtype).reshape(R, C)
+    s = torch.where(nonfinite, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
+    return q, s.view(torch.float8_e8m0fnu)
+
+
+def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (B, R, C) contiguous, blocks along R -> qdata (B, C, R), scale (B, C, R // bs)."""
+    B, R, C = x.shape
+    q, s = quantize_dim0(x.transpose(1, 2).reshape(B * C, R), spec)
+    return q.view(B, C, R), s.view(B, C, R // spec.block_size)
+
+
+def quantize_dim0_dim1(x: torch.Tensor, spec: CastSpec):
+    """x: (R, C) -> (q0 (R, C), s0 (R, C//bs), q1 (C, R), s1 (C, R//bs))."""
+    q0, s0 = quantize_dim0(x, spec)
+    q1, s1 = quantize_dim1(x.unsqueeze(0), spec)
+    return q0, s0, q1[0], s1[0]
+
+
+def scale_to_f32(s: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8 view) -> fp32 2^(s-127), built from bits: byte 0 is the subnormal 2^-127,
+    0xFF is NaN."""
+    si = s.to(torch.int32)
+    bits = torch.where(si == 0, 0x00400000, si << 23)
+    bits = torch.where(si == E8M0_NAN, 0x7FC00000, bits)
+    return bits.view(torch.float32)
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor, block_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """q: (R, C) elem dtype, s: (R, C // bs) e8m0 -> (R, C) out_dtype.
+
+    Value = q * 2^(s - 127): exact in fp32 (q has <= 4 significant bits), then one rounding to
+    out_dtype."""
+    R, C = q.shape
+    scale = scale_to_f32(s.view(torch.uint8))
+    y = q.float().reshape(R, C // block_size, block_size) * scale.unsqueeze(-1)
+    return y.reshape(R, C).to(out_dtype)
