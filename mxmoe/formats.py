@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
@@ -20,7 +20,7 @@ SCALE_EXP_MIN = -127
 SCALE_EXP_MAX = 127
 
 
-class ScalingMode(str, Enum):
+class ScalingMode(StrEnum):
     """How a block's shared exponent is chosen from its amax (docs/mx-format.md)."""
 
     FLOOR = "floor"

@@ -38,6 +38,10 @@ class MXTensor:
     scale_blocked: float8_e8m0fnu, same shape with the last dim // block_size, contiguous.
     axis: the (non-negative) logical axis the blocks run along.
     orig_dtype: the dtype of the tensor that was quantized (default of `dequantize`).
+    grad_anchor: optional zero-stride tensor of the logical shape (no memory) through which
+        autograd routes the gradient of the dequantized value back to whatever produced this
+        MXTensor (e.g. the MXFP8 dispatch). Ops that consume an MXTensor take it as their
+        differentiable input and return the high-precision gradient for it.
     """
 
     qdata_blocked: Tensor
@@ -46,6 +50,7 @@ class MXTensor:
     block_size: int = 32
     scaling_mode: str = "rceil"
     orig_dtype: torch.dtype = torch.bfloat16
+    grad_anchor: Tensor | None = None
 
     @property
     def ndim(self) -> int:
@@ -88,11 +93,49 @@ class MXTensor:
         )
         return out.view(q.shape).movedim(-1, self.axis)
 
+    def index_rows(self, index: Tensor) -> MXTensor:
+        """Rows `index` (int64, 1D) of a dim0-quantized 2D MXTensor, keeping the grad anchor."""
+        if self.ndim != 2 or self.axis != 1:
+            raise ValueError("index_rows needs a 2D MXTensor quantized along axis=-1")
+        anchor = self.grad_anchor
+        if anchor is not None:
+            anchor = _IndexAnchor.apply(anchor, index)
+        return MXTensor(
+            self.qdata_blocked.index_select(0, index),
+            self.scale_blocked.index_select(0, index),
+            self.axis,
+            self.block_size,
+            self.scaling_mode,
+            self.orig_dtype,
+            anchor,
+        )
+
     def __repr__(self) -> str:
         return (
             f"MXTensor(shape={tuple(self.shape)}, axis={self.axis}, elem={self.elem_dtype}, "
             f"block_size={self.block_size}, scaling_mode={self.scaling_mode!r})"
         )
+
+
+def make_grad_anchor(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero-stride tensor of `shape` (one element of memory) to carry a gradient."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+class _IndexAnchor(torch.autograd.Function):
+    """Row gather of a grad anchor: forward stays zero-stride, backward scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = anchor.shape[0]
+        return make_grad_anchor((index.numel(), *anchor.shape[1:]), anchor.dtype, anchor.device)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        return out.index_add_(0, index, grad), None
 
 
 def _check_x(x: Tensor, block_size: int, axis: int) -> int:

@@ -1,0 +1,5 @@
+import sys
+
+from mxmoe.cli import main
+
+sys.exit(main())

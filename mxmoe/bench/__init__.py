@@ -1,0 +1,1 @@
+"""Benchmarks. `mxmoe.bench.timing` is the one timing utility and table printer they all use."""

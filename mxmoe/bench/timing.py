@@ -1,0 +1,132 @@
+"""The one timing utility and table printer every benchmark uses.
+
+Timing is honest: every rank synchronizes its device and meets at a barrier before a measurement,
+the function runs `warmup` times untimed, then `iters` times each bracketed by CUDA events; we
+report the median. Inputs can be rotated (a list of argument tuples) so the L2 cache cannot serve
+them. The ceilings (device copy bandwidth, bf16 GEMM rate) are measured with the same utility, in
+the same run, so every speed is reported as a ratio to a number measured next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+def require_cuda(what: str) -> None:
+    """Refuse clearly on a machine without a GPU."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{what} measures GPU kernels and needs a CUDA GPU; none is available here")
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    iters: int
+
+
+def _barrier(group=None) -> None:
+    torch.cuda.synchronize()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier(group=group)
+        torch.cuda.synchronize()
+
+
+def bench(
+    fn: Callable,
+    args: Sequence[tuple] = ((),),
+    *,
+    warmup: int = 10,
+    iters: int = 50,
+    group=None,
+) -> Timing:
+    """Median time of fn(*args[i % len(args)]) in ms over `iters` runs, after `warmup` runs.
+
+    With torch.distributed initialized, all ranks of `group` barrier before timing, and the
+    result is the maximum over ranks of each run's time (the collective finishes when the slowest
+    rank does), so every rank reports the same number.
+    """
+    for i in range(warmup):
+        fn(*args[i % len(args)])
+    _barrier(group)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn(*args[i % len(args)])
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        t = times.cuda()
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+        times = t.cpu()
+    ts = times.tolist()
+    return Timing(statistics.median(ts), min(ts), max(ts), iters)
+
+
+def rotation_count(bytes_per_set: int, l2_bytes: int | None = None) -> int:
+    """How many input sets to rotate so that their total is >= 3x the L2 (at least 2)."""
+    if l2_bytes is None:
+        l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size if torch.cuda.is_available() else 0
+    return max(2, min(16, -(-3 * l2_bytes // max(1, bytes_per_set))))
+
+
+def copy_bandwidth_tbs(nbytes: int = 1 << 30, iters: int = 50) -> float:
+    """Device-to-device copy bandwidth in TB/s (bytes read + bytes written)."""
+    n = nbytes // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src), warmup=5, iters=iters)
+    return 2 * src.numel() * src.element_size() / (t.median_ms * 1e-3) / 1e12
+
+
+def bf16_gemm_tflops(n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    t = bench(lambda: a @ b, warmup=3, iters=iters)
+    return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
+
+
+def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".3f") -> str:
+    """Print rows (dicts with the same keys) as one table; returns the text."""
+    from tabulate import tabulate
+
+    text = tabulate(rows, headers="keys", floatfmt=floatfmt, tablefmt="github")
+    if title:
+        text = f"{title}\n{text}"
+    print(text, flush=True)
+    return text
+
+
+def write_json(path: str, payload) -> None:
+    def default(o):
+        if hasattr(o, "__dataclass_fields__"):
+            return asdict(o)
+        return str(o)
+
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=default)
+
+
+def environment() -> dict:
+    """GPU, versions: what docs/benchmarks.md records next to every table."""
+    import platform
+
+    env = {"torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+    return env
