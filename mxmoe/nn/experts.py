@@ -1,0 +1,56 @@
+"""Routed experts: the high-precision `GroupedExperts` (what the model builds, what
+`mxmoe.convert` swaps for its MX version).
+
+Weights are stored torchtitan-style as (E, N, K) — out-features by in-features per expert — and
+used through transposed (E, K, N) views by the grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def offsets_from_counts(num_tokens_per_expert: Tensor) -> Tensor:
+    """(E,) token counts -> (E,) int32 cumulative end offsets, as torch._grouped_mm wants."""
+    return torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+
+
+def grouped_mm(a: Tensor, b_t: Tensor, offs: Tensor) -> Tensor:
+    """High-precision grouped GEMM: a (T, K) rows grouped by expert, b_t (E, K, N), offs (E,)
+    int32 cumulative ends -> (T, N). torch._grouped_mm on CUDA bf16; an exact loop elsewhere."""
+    if a.is_cuda and a.dtype == torch.bfloat16 and b_t.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b_t, offs=offs)
+    out = a.new_zeros(a.shape[0], b_t.shape[-1])
+    start = 0
+    ends = offs.tolist()
+    for e, end in enumerate(ends):
+        if end > start:
+            out[start:end] = a[start:end] @ b_t[e]
+        start = end
+    return out
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts. forward(x (T, dim) sorted by expert, num_tokens_per_expert (E,)) -> (T, dim)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float | None = None) -> None:
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.trunc_normal_(w, std=std if std is not None else 1.0 / math.sqrt(w.shape[-1]))
+
+    def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
+        offs = offsets_from_counts(num_tokens_per_expert)
+        h = F.silu(grouped_mm(x, self.w1.transpose(-2, -1), offs))
+        h = h * grouped_mm(x, self.w3.transpose(-2, -1), offs)
+        return grouped_mm(h, self.w2.transpose(-2, -1), offs)
