@@ -5,11 +5,23 @@ from mxmoe.quant import MXTensor, available_kernels, to_mx, to_mx_dim0_dim1
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # `mxmoe.convert` / `mxmoe.MXConfig` import the nn stack on first use only.
+    if name in ("convert", "MXConfig"):
+        import mxmoe.nn
+
+        return getattr(mxmoe.nn, name)
+    raise AttributeError(f"module 'mxmoe' has no attribute {name!r}")
+
+
 __all__ = [
     "ELEM_FORMATS",
+    "MXConfig",
     "MXTensor",
     "ScalingMode",
     "available_kernels",
+    "convert",
     "to_mx",
     "to_mx_dim0_dim1",
 ]

@@ -1,1 +1,16 @@
-"""nn"""
+"""Modules: the high-precision GroupedExperts, their MX versions, and `convert`."""
+
+from mxmoe.nn.converter import MXConfig, convert
+from mxmoe.nn.experts import GroupedExperts, grouped_mm, offsets_from_counts
+from mxmoe.nn.linear import MXLinear
+from mxmoe.nn.mx_experts import MXGroupedExperts
+
+__all__ = [
+    "GroupedExperts",
+    "MXConfig",
+    "MXGroupedExperts",
+    "MXLinear",
+    "convert",
+    "grouped_mm",
+    "offsets_from_counts",
+]

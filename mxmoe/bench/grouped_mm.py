@@ -1,0 +1,128 @@
+"""`mxmoe bench grouped_mm`: forward+backward of an MoE grouped GEMM, bf16 torch._grouped_mm vs
+mx_grouped_mm (each recipe), split into casts alone and GEMMs alone, bf16 GEMM ceiling measured in
+the same run."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from mxmoe.bench.timing import bench, bf16_gemm_tflops, environment, print_table, require_cuda, write_json
+
+RECIPES = {"mxfp8": "floor", "mxfp8_rceil": "rceil"}
+# (T tokens, K in, N out, E experts): DeepSeek-V3 w1 (7168 -> 2048) and w2, Llama4 (5120 <-> 8192).
+SHAPES = [(65536, 7168, 2048, 8), (65536, 2048, 7168, 8), (65536, 5120, 8192, 8), (65536, 8192, 5120, 8)]
+
+
+def _parse_shape(s: str) -> tuple[int, int, int, int]:
+    try:
+        t, k, n, e = (int(v) for v in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {s!r}: expected TxKxNxE, e.g. 65536x7168x2048x8") from None
+    return t, k, n, e
+
+
+def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, iters: int) -> list[dict]:
+    from mxmoe.ops import MXOpConfig, mx_gemm, mx_grouped_mm
+    from mxmoe.ops.grouped import group_padding, pad_groups
+    from mxmoe.ops.linear import transpose_2d
+    from mxmoe.quant.mx_tensor import to_mx, to_mx_dim0_dim1
+
+    a = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5).requires_grad_()
+    dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    offs = torch.full((E,), T // E, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    offs[-1] = T
+    flops = 6 * T * K * N
+    name = f"{T}x{K}->{N}, {E} groups"
+
+    def bf16_step():
+        torch._grouped_mm(a, w.transpose(-2, -1), offs=offs).backward(dy)
+
+    def bf16_gemms():
+        ad, wd = a.detach(), w.detach()
+        torch._grouped_mm(ad, wd.transpose(-2, -1), offs=offs)
+        torch._grouped_mm(dy, wd, offs=offs)
+        torch._grouped_mm(dy.t(), ad, offs=offs)
+
+    t_bf16 = bench(bf16_step, iters=iters).median_ms
+    t_bf16_gemm = bench(bf16_gemms, iters=iters).median_ms
+    rows = [
+        {
+            "shape": name,
+            "recipe": "bf16",
+            "fwd+bwd ms": t_bf16,
+            "TFLOP/s": flops / t_bf16 / 1e9,
+            "vs bf16": 1.0,
+            "casts ms": 0.0,
+            "gemms ms": t_bf16_gemm,
+            "cast share": 0.0,
+        }
+    ]
+    pos, offs_pad, cap = group_padding(offs, T, 32)
+    for recipe in recipes:
+        cfg = MXOpConfig(scaling_mode=RECIPES[recipe], kernel=kernel, dim1_kernel=kernel)
+        ck, ck1 = cfg.cast_kwargs(), cfg.cast_kwargs(dim1=True)
+
+        def mx_step(cfg=cfg):
+            mx_grouped_mm(a, w.transpose(-2, -1), offs, cfg).backward(dy)
+
+        def cast_all(ck=ck, ck1=ck1):
+            p0, a1 = to_mx_dim0_dim1(pad_groups(a.detach(), offs, pos, cap), **ck1)
+            a0 = p0.index_rows(pos)
+            w0 = to_mx(w.detach().transpose(-2, -1), axis=-2, **ck)
+            q0, dy1 = to_mx_dim0_dim1(pad_groups(dy, offs, pos, cap), **ck1)
+            dy0 = q0.index_rows(pos)
+            w1 = to_mx(w.detach(), axis=-2, **ck1)
+            return a0, a1, w0, dy0, dy1, w1
+
+        a0, a1, w0, dy0, dy1, w1 = cast_all()
+
+        def gemms(cfg=cfg, a0=a0, a1=a1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
+            mx_gemm(a0, w0, offs, kernel=cfg.kernel)
+            mx_gemm(dy0, w1, offs, kernel=cfg.kernel)
+            mx_gemm(transpose_2d(dy1), a1, offs_pad, kernel=cfg.kernel)
+
+        t = bench(mx_step, iters=iters).median_ms
+        tc = bench(cast_all, iters=iters).median_ms
+        tg = bench(gemms, iters=iters).median_ms
+        rows.append(
+            {
+                "shape": name,
+                "recipe": recipe,
+                "fwd+bwd ms": t,
+                "TFLOP/s": flops / t / 1e9,
+                "vs bf16": t_bf16 / t,
+                "casts ms": tc,
+                "gemms ms": tg,
+                "cast share": tc / t,
+            }
+        )
+        del a0, a1, w0, dy0, dy1, w1
+    a.grad = w.grad = None
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mxmoe bench grouped_mm", description=__doc__)
+    p.add_argument(
+        "--shape", type=_parse_shape, action="append", help="TxKxNxE (repeatable); default: MoE shapes"
+    )
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument("--kernel", default="auto", help="cast kernel: auto | torch | triton | cuda")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
+    args = p.parse_args(argv)
+    require_cuda("mxmoe bench grouped_mm")
+    ceiling = bf16_gemm_tflops()
+    rows = []
+    for T, K, N, E in args.shape or SHAPES:
+        rows += run_shape(T, K, N, E, args.recipes, args.kernel, args.iters)
+        torch.cuda.empty_cache()
+    print_table(
+        rows, title=f"grouped GEMM fwd+bwd (3 GEMMs); bf16 GEMM ceiling 8192^3: {ceiling:.0f} TFLOP/s"
+    )
+    if args.json:
+        write_json(args.json, {"env": environment(), "bf16_gemm_tflops": ceiling, "rows": rows})
+    return 0

@@ -1,0 +1,53 @@
+"""`MXGroupedExperts`: GroupedExperts with every grouped GEMM on MX operands."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
+from mxmoe.ops import MXOpConfig, mx_grouped_mm
+from mxmoe.quant.mx_tensor import MXTensor
+
+
+class MXGroupedExperts(GroupedExperts):
+    """E SwiGLU experts, same parameters as GroupedExperts: w1, w3 (E, hidden, dim), w2 (E, dim, hidden).
+
+    forward(x, num_tokens_per_expert (E,) int) -> (T, dim) in x's (orig) dtype; x is (T, dim)
+    bf16/fp32 sorted by expert, or a 2D MXTensor blocked along dim (the MXFP8 dispatch's output):
+    the w1/w3 GEMMs then use it without requantizing, and its gradient flows to `x.grad_anchor`.
+    dim and hidden_dim must be divisible by the block size (32). Group sizes are arbitrary.
+    """
+
+    accepts_mx_input = True
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, config: MXOpConfig | None = None):
+        super().__init__(dim, hidden_dim, num_experts)
+        self.mx_config = MXOpConfig() if config is None else config
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, config: MXOpConfig | None = None) -> MXGroupedExperts:
+        """An MXGroupedExperts sharing `experts`' Parameter objects."""
+        if not isinstance(experts, GroupedExperts):
+            raise TypeError(f"from_experts needs a GroupedExperts, got {type(experts).__name__}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)  # no fresh weights: the parameters are shared
+        new.dim, new.hidden_dim, new.num_experts = experts.dim, experts.hidden_dim, experts.num_experts
+        new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
+        new.mx_config = MXOpConfig() if config is None else config
+        new.train(experts.training)
+        return new
+
+    def forward(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
+        cfg = self.mx_config
+        offs = offsets_from_counts(num_tokens_per_expert)
+        h = F.silu(mx_grouped_mm(x, self.w1.transpose(-2, -1), offs, cfg))
+        h = h * mx_grouped_mm(x, self.w3.transpose(-2, -1), offs, cfg)
+        return mx_grouped_mm(h, self.w2.transpose(-2, -1), offs, cfg)
+
+    def extra_repr(self) -> str:
+        c = self.mx_config
+        return (
+            f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
+            f"mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}"
+        )

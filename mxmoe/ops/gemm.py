@@ -1,0 +1,113 @@
+"""The GEMM on MX operands: one function, `mx_gemm`, with a backend choice.
+
+Backends:
+  "emulated": dequantize both operands to `compute_dtype` (bf16 or fp32) and run a dense or grouped
+      high-precision GEMM (fp32 accumulation). Exact up to the GEMM's fp32 summation: the
+      dequantized values are the MX values themselves (see MXOpConfig.gemm_dtype for the bf16
+      limits). Hopper has no block-scaled MMA, so this is the Hopper path.
+Room for later backends (block-scaled MMA on sm_100, fp8 MMA per 32-K slice on sm_90): add a
+function with the same signature to `_BACKENDS`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mxmoe.quant.mx_tensor import MXTensor
+
+
+@torch.library.custom_op("mxmoe::grouped_mm_hp", mutates_args=())
+def grouped_mm_hp(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """High-precision grouped GEMM with fp32 accumulation, opaque to torch.compile.
+
+    2D x 3D: a (T, K), b (E, K, N), offs (E,) int32 cumulative row ends -> (T, N); rows of group e
+        are a[offs[e-1]:offs[e]] @ b[e]; rows at or after offs[-1] are zero.
+    2D x 2D: a (M, T), b (T, N), offs over T -> (E, M, N), out[e] = a[:, group e] @ b[group e, :];
+        empty groups give zeros.
+    bf16 on CUDA runs torch._grouped_mm; anything else an exact loop over groups (syncs for offs).
+    """
+    if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
+        out = torch._grouped_mm(a, b, offs=offs)
+        if b.ndim == 3:  # rows past the last group are left unwritten by the kernel
+            out[int(offs[-1]) :] = 0
+        return out
+    ends = offs.tolist()
+    if b.ndim == 3:
+        out = a.new_zeros(a.shape[0], b.shape[-1])
+    else:
+        out = a.new_zeros(len(ends), a.shape[0], b.shape[-1])
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            if b.ndim == 3:
+                torch.mm(a[start:end], b[e], out=out[start:end])
+            else:
+                torch.mm(a[:, start:end], b[start:end], out=out[e])
+        start = end
+    return out
+
+
+@grouped_mm_hp.register_fake
+def _(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    if b.ndim == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])
+
+
+def _check_operands(a: MXTensor, b: MXTensor, offs: Tensor | None) -> None:
+    if not isinstance(a, MXTensor) or not isinstance(b, MXTensor):
+        raise TypeError(f"mx_gemm takes MXTensors, got {type(a).__name__} and {type(b).__name__}")
+    if a.ndim != 2 or a.axis != 1:
+        raise ValueError(f"a must be a 2D MXTensor blocked along its last dim, got {a}")
+    if b.ndim == 3:
+        if offs is None:
+            raise ValueError("b is 3D (E, K, N): grouped GEMM needs offs")
+        if b.axis != 1:
+            raise ValueError(f"3D b (E, K, N) must be blocked along K (axis=1), got {b}")
+    elif b.ndim != 2 or b.axis != 0:
+        raise ValueError(f"2D b (K, N) must be blocked along K (axis=0), got {b}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"reduction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
+
+
+def _emulated(
+    a: MXTensor, b: MXTensor, offs: Tensor | None, compute_dtype: torch.dtype, kernel: str
+) -> Tensor:
+    a_hp = a.dequantize(compute_dtype, kernel=kernel)
+    b_hp = b.dequantize(compute_dtype, kernel=kernel)
+    if offs is None:
+        return a_hp @ b_hp
+    return grouped_mm_hp(a_hp, b_hp, offs)
+
+
+_BACKENDS = {"emulated": _emulated}
+
+
+def mx_gemm(
+    a: MXTensor,
+    b: MXTensor,
+    offs: Tensor | None = None,
+    *,
+    backend: str = "emulated",
+    out_dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | None = None,
+    kernel: str = "auto",
+) -> Tensor:
+    """a @ b on MX operands, each blocked along the reduction dim.
+
+    a: MXTensor, logical (M, K), blocked along K (axis=1).
+    b: MXTensor, logical (K, N) blocked along K (axis=0); or (E, K, N) blocked along K (axis=1).
+    offs: None (dense), or (E,) int32 cumulative group ends: with 3D b, over the rows of a
+        (MoE forward/dgrad, -> (M, N)); with 2D b, over K (MoE wgrad, -> (E, M, N)).
+    backend: "emulated" (see module docstring). compute_dtype: operand dtype of the emulated GEMM
+        (default bf16 on CUDA, fp32 elsewhere). kernel: dequantize kernel.
+    Returns a contiguous tensor of `out_dtype` (default: a's orig_dtype).
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not a GEMM backend; expected one of {list(_BACKENDS)}")
+    _check_operands(a, b, offs)
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if a.device.type == "cuda" else torch.float32
+    out = _BACKENDS[backend](a, b, offs, compute_dtype, kernel)
+    return out.to(a.orig_dtype if out_dtype is None else out_dtype)

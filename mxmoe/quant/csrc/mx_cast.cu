@@ -1,0 +1,687 @@
+// MX cast kernels for Hopper (sm_90), bit-identical to mxmoe/quant/torch_cast.py (docs/mx-format.md).
+//
+// Numerics. Block scales come from integer fp32 bit patterns (amax = integer max of |bits|). The
+// only float arithmetic is (a) the RCEIL descale amax * fp32(1/max), used only above the T126
+// threshold where it is a normal number, (b) the element product x * 2^-e and (c) the dequantize
+// product q * 2^(s-127). All three are written as `mul.rn.f32` in inline PTX, which never flushes
+// subnormals whatever -ftz / --use_fast_math says. fp32 -> fp8 uses the sm_89+ conversion
+// `cvt.rn.satfinite.{e4m3,e5m2}x2.f32` (round to nearest even, fp8 subnormals, saturating), after
+// an explicit clamp to +-max as the spec says.
+//
+// Kernels (threads, tiles, vector widths):
+//   dim0, block 32:   256 threads; each thread owns 16-byte input vectors (8 bf16 / 4 fp32), 4
+//                     independent vectors in flight; the 4 (bf16) / 8 (fp32) lanes of a block reduce
+//                     amax with __shfl_xor; 8-byte / 4-byte fp8 stores; persistent grid-stride.
+//   dim1, block 32:   256 threads per 128-row x 64-col tile; 16-byte coalesced loads into shared
+//                     memory, one thread per (column, 32-row block) computes amax and quantizes 32
+//                     values into a transposed fp8 tile (pitch 144 B: conflict-free 16-byte
+//                     accesses), then 16-byte stores along rows (128 contiguous bytes per column) and
+//                     4-byte scale stores. Arbitrary cols (masked), rows a multiple of 32, batch via
+//                     the grid index.
+//   dim0+dim1:        the dim1 kernel also quantizes the shared-memory tile along its rows.
+//   dequantize:       256 threads, each 16 output bytes per vector (8 bf16 / 4 fp32), 4 in flight.
+//   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
+#include "mx_cast.h"
+
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
+constexpr uint32_t kInfBits = 0x7F800000u;
+constexpr uint32_t kNan4 = 0x7F7F7F7Fu;  // four fp8 NaN bytes (0x7F) of a non-finite block
+
+struct ScaleArgs {
+  int mode;
+  uint32_t t127;
+  uint32_t t126;
+  float rceil_c;
+};
+
+template <int ELEM>
+struct Elem;
+template <>
+struct Elem<MX_E4M3> {
+  static constexpr int emax = 8;
+  static constexpr int mbits = 3;
+  static constexpr float max = 448.0f;
+  static constexpr __nv_fp8_interpretation_t interp = __NV_E4M3;
+};
+template <>
+struct Elem<MX_E5M2> {
+  static constexpr int emax = 15;
+  static constexpr int mbits = 2;
+  static constexpr float max = 57344.0f;
+  static constexpr __nv_fp8_interpretation_t interp = __NV_E5M2;
+};
+
+// Raw storage of an input element: bf16 bits or fp32 bits.
+template <int IN>
+using Raw = typename std::conditional<IN == MX_BF16, uint16_t, uint32_t>::type;
+
+template <int IN>
+__device__ __forceinline__ uint32_t f32_bits(Raw<IN> v) {
+  if constexpr (IN == MX_BF16) {
+    return static_cast<uint32_t>(v) << 16;
+  } else {
+    return v;
+  }
+}
+
+// fp32 bits of element j of a 16-byte vector held as four 32-bit words (little endian).
+template <int IN>
+__device__ __forceinline__ uint32_t vec_bits(const uint32_t (&w)[4], int j) {
+  if constexpr (IN == MX_BF16) {
+    return (j & 1) ? (w[j >> 1] & 0xFFFF0000u) : (w[j >> 1] << 16);
+  } else {
+    return w[j];
+  }
+}
+
+// IEEE fp32 multiply, round to nearest even, subnormal inputs and results kept (no .ftz).
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float d;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// Unbiased block exponent e in [-127, 127] from the amax bit pattern A of a finite block
+// (torch_cast.scale_exponent). For a non-finite A the value is unused (but well defined).
+template <int ELEM>
+__device__ __forceinline__ int block_exponent(uint32_t A, const ScaleArgs& p) {
+  constexpr int emax = Elem<ELEM>::emax;
+  int e;
+  if (p.mode == MX_FLOOR) {
+    e = static_cast<int>(A >> 23) - 127 - emax;
+  } else if (p.mode == MX_CEIL) {
+    e = static_cast<int>(A >> 23) - 127 + ((A & 0x7FFFFFu) != 0u) - emax;
+  } else if (p.mode == MX_EVEN) {
+    e = static_cast<int>((A + (1u << (22 - Elem<ELEM>::mbits))) >> 23) - 127 - emax;
+  } else {  // RCEIL: the fp32 product is only formed where it is a normal number
+    if (A <= p.t127) {
+      e = -127;
+    } else if (A <= p.t126) {
+      e = -126;
+    } else {
+      const uint32_t d = __float_as_uint(mul_rn(__uint_as_float(A), p.rceil_c));
+      e = static_cast<int>(d >> 23) - 127 + ((d & 0x7FFFFFu) != 0u);
+    }
+  }
+  return min(max(e, -127), 127);
+}
+
+// 2^-e as an fp32 number built from bits (normal for e in [-127, 126]).
+__device__ __forceinline__ float recip_pow2(int e) { return __uint_as_float(static_cast<uint32_t>(127 - e) << 23); }
+
+__device__ __forceinline__ uint32_t scale_byte(uint32_t A, int e) {
+  return A >= kInfBits ? 0xFFu : static_cast<uint32_t>(e + 127);
+}
+
+// Two elements (fp32 bits) -> two fp8 bytes (a in the low byte): y = x * r, clamp, RNE + satfinite.
+template <int ELEM>
+__device__ __forceinline__ uint32_t quant2(uint32_t a_bits, uint32_t b_bits, float r) {
+  constexpr float m = Elem<ELEM>::max;
+  float a = mul_rn(__uint_as_float(a_bits), r);
+  float b = mul_rn(__uint_as_float(b_bits), r);
+  a = fminf(fmaxf(a, -m), m);
+  b = fminf(fmaxf(b, -m), m);
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, Elem<ELEM>::interp));
+}
+
+// Four elements -> one 32-bit word of fp8 bytes (element 0 in the low byte).
+template <int ELEM>
+__device__ __forceinline__ uint32_t quant4(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3, float r) {
+  return quant2<ELEM>(x0, x1, r) | (quant2<ELEM>(x2, x3, r) << 16);
+}
+
+// One 16-byte input vector of a 32-element block shared by LPB consecutive lanes: amax across the
+// lanes, then VEC fp8 bytes in out[0 .. VEC/4). Every lane of the warp must call it (shuffles).
+template <int IN, int ELEM>
+__device__ __forceinline__ uint32_t quantize_vec32(const uint4& v, const ScaleArgs& p, uint32_t (&out)[4]) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+  constexpr int LPB = 32 / VEC;
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t A = 0;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) A = max(A, vec_bits<IN>(w, j) & kAbsMask);
+#pragma unroll
+  for (int o = 1; o < LPB; o <<= 1) A = max(A, __shfl_xor_sync(0xFFFFFFFFu, A, o));
+  const int e = block_exponent<ELEM>(A, p);
+  const float r = recip_pow2(e);
+  const bool nonfinite = A >= kInfBits;
+#pragma unroll
+  for (int k = 0; k < VEC / 4; ++k) {
+    const uint32_t packed = quant4<ELEM>(vec_bits<IN>(w, 4 * k), vec_bits<IN>(w, 4 * k + 1),
+                                         vec_bits<IN>(w, 4 * k + 2), vec_bits<IN>(w, 4 * k + 3), r);
+    out[k] = nonfinite ? kNan4 : packed;
+  }
+  return scale_byte(A, e);
+}
+
+// Store the VEC fp8 bytes of quantize_vec32 (8 bytes for bf16 input, 4 for fp32).
+template <int IN>
+__device__ __forceinline__ void store_q_vec(uint8_t* dst, const uint32_t (&out)[4]) {
+  if constexpr (IN == MX_BF16) {
+    __stcs(reinterpret_cast<uint2*>(dst), make_uint2(out[0], out[1]));
+  } else {
+    __stcs(reinterpret_cast<unsigned int*>(dst), out[0]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dim0, block 32: x viewed as nvec 16-byte vectors; q, s flat.
+template <int IN, int ELEM>
+__global__ void __launch_bounds__(kThreads) dim0_bs32_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q,
+                                                             uint8_t* __restrict__ s, int64_t nvec, ScaleArgs p) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+  constexpr int LPB = 32 / VEC;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
+  // The loop bound is uniform per CTA, so every lane reaches the shuffles.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll; base < nvec; base += step) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kThreads + threadIdx.x;
+      v[u] = i < nvec ? __ldcs(x + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kThreads + threadIdx.x;
+      uint32_t out[4];
+      const uint32_t sb = quantize_vec32<IN, ELEM>(v[u], p, out);
+      if (i < nvec) {
+        store_q_vec<IN>(q + i * VEC, out);
+        if (threadIdx.x % LPB == 0) s[i / LPB] = static_cast<uint8_t>(sb);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dim1 (and fused dim0+dim1), block 32: one CTA per (batch, 128-row, 64-col) tile.
+constexpr int kTR = 128;  // tile rows (4 blocks of 32)
+constexpr int kTC = 64;   // tile cols
+constexpr int kQPitch = kTR + 16;  // transposed fp8 tile pitch: 16-byte accesses conflict-free
+
+// bf16: at most 40 registers so that 6 CTAs (96 KB of loads in flight) fit an SM without spills;
+// fp32 (42 KB tiles): 4 CTAs per SM.
+template <int IN, int ELEM, bool FUSED>
+__global__ void __launch_bounds__(kThreads, IN == MX_BF16 ? 6 : 4)
+    dim1_bs32_kernel(const void* __restrict__ xv, uint8_t* __restrict__ q1, uint8_t* __restrict__ s1,
+                     uint8_t* __restrict__ q0, uint8_t* __restrict__ s0, int64_t R, int64_t C, int64_t tiles_r,
+                     int64_t tiles_c, int vec_ok, int s1_aligned4, ScaleArgs p) {
+  using Rw = Raw<IN>;
+  constexpr int BS = 32;
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Rw));  // elements per 16-byte vector
+  constexpr int CPR = kTC / VEC;                          // 16-byte vectors per tile row
+  constexpr int NB = kTR / BS;                            // row blocks per tile
+  static_assert(kTC * NB == kThreads, "one thread per (column, row block)");
+  static_assert((kTR * CPR) % kThreads == 0, "tile vectors spread evenly over the threads");
+
+  __shared__ __align__(16) Rw tile[kTR][kTC];
+  __shared__ __align__(16) uint8_t qt[kTC][kQPitch];
+  __shared__ __align__(4) uint8_t st[kTC][NB];
+
+  int64_t t = blockIdx.x;
+  const int64_t ct = t % tiles_c;
+  t /= tiles_c;
+  const int64_t rt = t % tiles_r;
+  const int64_t b = t / tiles_r;
+  const int64_t r0 = rt * kTR, c0 = ct * kTC;
+  const Rw* __restrict__ x = static_cast<const Rw*>(xv) + b * R * C;
+  const int tid = threadIdx.x;
+
+  // Phase 1: global -> shared. Out-of-range elements read as 0 (never stored).
+  if (vec_ok) {  // C % VEC == 0 and x 16-byte aligned: a vector is wholly inside or outside
+    constexpr int N = kTR * CPR / kThreads;
+    uint4 v[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int idx = k * kThreads + tid;
+      const int64_t r = r0 + idx / CPR, c = c0 + (idx % CPR) * VEC;
+      v[k] = (r < R && c < C) ? __ldcs(reinterpret_cast<const uint4*>(x + r * C + c)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int idx = k * kThreads + tid;
+      *reinterpret_cast<uint4*>(&tile[idx / CPR][(idx % CPR) * VEC]) = v[k];
+    }
+  } else {
+    constexpr int N = kTR * kTC / kThreads;
+#pragma unroll 8
+    for (int k = 0; k < N; ++k) {
+      const int idx = k * kThreads + tid;
+      const int64_t r = r0 + idx / kTC, c = c0 + idx % kTC;
+      tile[idx / kTC][idx % kTC] = (r < R && c < C) ? x[r * C + c] : Rw(0);
+    }
+  }
+  __syncthreads();
+
+  if constexpr (FUSED) {
+    // Blocks along the tile's rows (C % 32 == 0, so the LPB lanes of a block agree on validity).
+    constexpr int N = kTR * CPR / kThreads;
+    constexpr int LPB = BS / VEC;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int idx = k * kThreads + tid;
+      const int rr = idx / CPR, cc = (idx % CPR) * VEC;
+      const int64_t r = r0 + rr, c = c0 + cc;
+      uint32_t out[4];
+      const uint32_t sb = quantize_vec32<IN, ELEM>(*reinterpret_cast<const uint4*>(&tile[rr][cc]), p, out);
+      if (r < R && c < C) {
+        store_q_vec<IN>(q0 + r * C + c, out);
+        if (tid % LPB == 0) s0[r * (C / BS) + c / BS] = static_cast<uint8_t>(sb);
+      }
+    }
+  }
+
+  // Phase 2: one thread per (column, 32-row block) -> transposed fp8 tile in shared memory.
+  {
+    const int col = tid % kTC, rb = tid / kTC;
+    if (c0 + col < C && r0 + rb * BS < R) {
+      uint32_t xb[BS];
+      uint32_t A = 0;
+#pragma unroll
+      for (int i = 0; i < BS; ++i) {
+        xb[i] = f32_bits<IN>(tile[rb * BS + i][col]);
+        A = max(A, xb[i] & kAbsMask);
+      }
+      const int e = block_exponent<ELEM>(A, p);
+      const float r = recip_pow2(e);
+      const bool nonfinite = A >= kInfBits;
+      uint32_t w[BS / 4];
+#pragma unroll
+      for (int k = 0; k < BS / 4; ++k) {
+        const uint32_t packed = quant4<ELEM>(xb[4 * k], xb[4 * k + 1], xb[4 * k + 2], xb[4 * k + 3], r);
+        w[k] = nonfinite ? kNan4 : packed;
+      }
+      *reinterpret_cast<uint4*>(&qt[col][rb * BS]) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(&qt[col][rb * BS + 16]) = make_uint4(w[4], w[5], w[6], w[7]);
+      st[col][rb] = static_cast<uint8_t>(scale_byte(A, e));
+    }
+  }
+  __syncthreads();
+
+  // Phase 3: 16-byte stores along rows of the transposed output (R % 32 == 0: whole vectors).
+  {
+    constexpr int CH = kTR / 16;  // 16-byte chunks per output column
+    uint8_t* __restrict__ qb = q1 + b * C * R;
+#pragma unroll
+    for (int k = 0; k < kTC * CH / kThreads; ++k) {
+      const int idx = k * kThreads + tid;
+      const int col = idx / CH, ch = idx % CH;
+      const int64_t c = c0 + col, r = r0 + ch * 16;
+      if (c < C && r < R) {
+        __stcs(reinterpret_cast<uint4*>(qb + c * R + r), *reinterpret_cast<const uint4*>(&qt[col][ch * 16]));
+      }
+    }
+    if (tid < kTC && c0 + tid < C) {
+      const int64_t nsr = R / BS;  // scales per output row
+      uint8_t* dst = s1 + (b * C + c0 + tid) * nsr + r0 / BS;
+      const int64_t nb = min(static_cast<int64_t>(NB), (R - r0) / BS);
+      if (s1_aligned4 && nb == NB) {
+        *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&st[tid][0]);
+      } else {
+        for (int j = 0; j < nb; ++j) dst[j] = st[tid][j];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generic kernels: any block size, any alignment. One thread per block.
+template <int IN, int ELEM>
+__device__ __forceinline__ uint8_t quant1(uint32_t x_bits, float r) {
+  return static_cast<uint8_t>(quant2<ELEM>(x_bits, 0u, r) & 0xFFu);
+}
+
+// Blocks of bs consecutive elements at x + blk * bs (dim0) or strided by `stride` (dim1).
+template <int IN, int ELEM>
+__device__ __forceinline__ void quantize_block_generic(const Raw<IN>* x, int64_t stride, int bs, uint8_t* q,
+                                                       uint8_t* s, const ScaleArgs& p) {
+  uint32_t A = 0;
+  for (int i = 0; i < bs; ++i) A = max(A, f32_bits<IN>(x[i * stride]) & kAbsMask);
+  const int e = block_exponent<ELEM>(A, p);
+  const float r = recip_pow2(e);
+  const bool nonfinite = A >= kInfBits;
+  for (int i = 0; i < bs; ++i) q[i] = nonfinite ? uint8_t(0x7F) : quant1<IN, ELEM>(f32_bits<IN>(x[i * stride]), r);
+  *s = static_cast<uint8_t>(scale_byte(A, e));
+}
+
+template <int IN, int ELEM>
+__global__ void __launch_bounds__(kThreads) dim0_generic_kernel(const Raw<IN>* __restrict__ x, uint8_t* __restrict__ q,
+                                                                uint8_t* __restrict__ s, int64_t nblk, int bs,
+                                                                ScaleArgs p) {
+  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; blk < nblk;
+       blk += static_cast<int64_t>(gridDim.x) * kThreads) {
+    quantize_block_generic<IN, ELEM>(x + blk * bs, 1, bs, q + blk * bs, s + blk, p);
+  }
+}
+
+// x (B, R, C) -> q (B, C, R), s (B, C, R / bs); one thread per (b, row block, c), c fastest.
+template <int IN, int ELEM>
+__global__ void __launch_bounds__(kThreads) dim1_generic_kernel(const Raw<IN>* __restrict__ x, uint8_t* __restrict__ q,
+                                                                uint8_t* __restrict__ s, int64_t B, int64_t R,
+                                                                int64_t C, int bs, ScaleArgs p) {
+  const int64_t nrb = R / bs;
+  const int64_t total = B * nrb * C;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t c = idx % C;
+    const int64_t rest = idx / C;
+    const int64_t rb = rest % nrb, b = rest / nrb;
+    quantize_block_generic<IN, ELEM>(x + (b * R + rb * bs) * C + c, C, bs, q + (b * C + c) * R + rb * bs,
+                                     s + (b * C + c) * nrb + rb, p);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dequantize.
+__device__ __forceinline__ float e8m0_to_f32(uint32_t sb) {
+  const uint32_t bits = sb == 0u ? 0x00400000u : (sb == 0xFFu ? 0x7FC00000u : sb << 23);
+  return __uint_as_float(bits);
+}
+
+__device__ __forceinline__ float half_bits_to_f32(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+// Two fp8 bytes (low byte first) -> two exact fp32 values.
+template <int ELEM>
+__device__ __forceinline__ float2 fp8x2_to_f32(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xFFFFu), Elem<ELEM>::interp);
+  return make_float2(half_bits_to_f32(h.x), half_bits_to_f32(h.y));
+}
+
+__device__ __forceinline__ uint32_t bf16_bits_rn(float v) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+
+// q * scale with a canonical NaN: fp32 0x7FC00000, bf16 0x7FC0 (what torch's CPU bf16 conversion writes).
+template <int OUT>
+__device__ __forceinline__ uint32_t dequant_bits(float qv, float scale) {
+  const float v = mul_rn(qv, scale);
+  if constexpr (OUT == MX_BF16) {
+    return v != v ? 0x7FC0u : bf16_bits_rn(v);
+  } else {
+    return v != v ? 0x7FC00000u : __float_as_uint(v);
+  }
+}
+
+// Each thread-vector: EPT fp8 bytes in (8 for bf16 out, 4 for fp32 out) -> 16 bytes out.
+template <int OUT, int ELEM>
+__global__ void __launch_bounds__(kThreads) dequant_vec_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
+                                                               uint4* __restrict__ out, int64_t nvec, int lg_bs) {
+  constexpr int EPT = OUT == MX_BF16 ? 8 : 4;
+  constexpr int LG_EPT = OUT == MX_BF16 ? 3 : 2;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll; base < nvec; base += step) {
+    uint32_t w[kUnroll][2];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kThreads + threadIdx.x;
+      w[u][0] = w[u][1] = 0u;
+      if (i < nvec) {
+        if constexpr (EPT == 8) {
+          const uint2 v = __ldcs(reinterpret_cast<const uint2*>(q) + i);
+          w[u][0] = v.x;
+          w[u][1] = v.y;
+        } else {
+          w[u][0] = __ldcs(reinterpret_cast<const unsigned int*>(q) + i);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kThreads + threadIdx.x;
+      if (i >= nvec) continue;
+      const int64_t e0 = i * EPT;  // flat index of the first element
+      float sc[EPT];
+      if (lg_bs >= LG_EPT) {  // the whole vector lies in one block
+        const float one = e8m0_to_f32(s[e0 >> lg_bs]);
+#pragma unroll
+        for (int j = 0; j < EPT; ++j) sc[j] = one;
+      } else {
+#pragma unroll
+        for (int j = 0; j < EPT; ++j) sc[j] = e8m0_to_f32(s[(e0 + j) >> lg_bs]);
+      }
+      uint32_t o[4];
+#pragma unroll
+      for (int k = 0; k < EPT / 2; ++k) {
+        const float2 f = fp8x2_to_f32<ELEM>(w[u][k >> 1] >> (16 * (k & 1)));
+        const uint32_t a = dequant_bits<OUT>(f.x, sc[2 * k]);
+        const uint32_t c = dequant_bits<OUT>(f.y, sc[2 * k + 1]);
+        if constexpr (OUT == MX_BF16) {
+          o[k] = a | (c << 16);
+        } else {
+          o[2 * k] = a;
+          o[2 * k + 1] = c;
+        }
+      }
+      __stcs(out + i, make_uint4(o[0], o[1], o[2], o[3]));
+    }
+  }
+}
+
+// Elements [start, n), one per thread.
+template <int OUT, int ELEM>
+__global__ void __launch_bounds__(kThreads) dequant_generic_kernel(const uint8_t* __restrict__ q,
+                                                                   const uint8_t* __restrict__ s, void* __restrict__ out,
+                                                                   int64_t start, int64_t n, int lg_bs) {
+  for (int64_t i = start + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const float qv = fp8x2_to_f32<ELEM>(q[i]).x;
+    const uint32_t bits = dequant_bits<OUT>(qv, e8m0_to_f32(s[i >> lg_bs]));
+    if constexpr (OUT == MX_BF16) {
+      static_cast<uint16_t*>(out)[i] = static_cast<uint16_t>(bits);
+    } else {
+      static_cast<uint32_t*>(out)[i] = bits;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
+
+int log2_pow2(int v) {
+  int lg = 0;
+  while ((1 << lg) < v) ++lg;
+  return lg;
+}
+
+bool valid_common(int dtype, int block_size, int elem) {
+  return (dtype == MX_BF16 || dtype == MX_F32) && (elem == MX_E4M3 || elem == MX_E5M2) && block_size >= 2 &&
+         (block_size & (block_size - 1)) == 0;
+}
+
+int sm_count() {
+  static int cache[64] = {};  // per device; benign race: every writer stores the same value
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+  if (dev >= 0 && dev < 64 && cache[dev] > 0) return cache[dev];
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1) sms = 132;
+  if (dev >= 0 && dev < 64) cache[dev] = sms;
+  return sms;
+}
+
+// Resident CTAs per SM of one kernel at kThreads threads (computed once per kernel).
+template <auto Kernel>
+int ctas_per_sm() {
+  static const int value = [] {
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0) != cudaSuccess || per_sm < 1) {
+      per_sm = 1;
+    }
+    return per_sm;
+  }();
+  return value;
+}
+
+// CTAs for a grid-stride kernel: enough to fill the device, at most `want`.
+template <auto Kernel>
+unsigned grid_for(int64_t want) {
+  const int64_t cap = static_cast<int64_t>(sm_count()) * ctas_per_sm<Kernel>();
+  return static_cast<unsigned>(want < 1 ? 1 : (want < cap ? want : cap));
+}
+
+template <int A, int B>
+struct Pair {
+  static constexpr int first = A;
+  static constexpr int second = B;
+};
+
+// Calls f(Pair<dtype, elem>{}) with compile-time codes.
+template <typename F>
+cudaError_t dispatch(int dtype, int elem, F&& f) {
+  if (dtype == MX_BF16) {
+    return elem == MX_E4M3 ? f(Pair<MX_BF16, MX_E4M3>{}) : f(Pair<MX_BF16, MX_E5M2>{});
+  }
+  return elem == MX_E4M3 ? f(Pair<MX_F32, MX_E4M3>{}) : f(Pair<MX_F32, MX_E5M2>{});
+}
+
+// Any earlier error (a failed launch, a sticky fault) surfaces here.
+cudaError_t launch_status() { return cudaGetLastError(); }
+
+}  // namespace
+
+cudaError_t mx_quantize_dim0(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t n, int block_size, int mode,
+                             int elem, uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream) {
+  if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || n < 0 || n % block_size) {
+    return cudaErrorInvalidValue;
+  }
+  if (n == 0) return cudaSuccess;
+  const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
+    constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
+    if (block_size == 32 && aligned(x, 16) && aligned(q, 16)) {
+      constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+      const int64_t nvec = n / VEC;
+      auto kernel = dim0_bs32_kernel<IN, EL>;
+      const unsigned grid = grid_for<dim0_bs32_kernel<IN, EL>>((nvec + kThreads * kUnroll - 1) / (kThreads * kUnroll));
+      kernel<<<grid, kThreads, 0, st>>>(static_cast<const uint4*>(x), q, s, nvec, p);
+    } else {
+      const int64_t nblk = n / block_size;
+      auto kernel = dim0_generic_kernel<IN, EL>;
+      const unsigned grid = grid_for<dim0_generic_kernel<IN, EL>>((nblk + kThreads - 1) / kThreads);
+      kernel<<<grid, kThreads, 0, st>>>(static_cast<const Raw<IN>*>(x), q, s, nblk, block_size, p);
+    }
+    return launch_status();
+  });
+}
+
+namespace {
+
+template <int IN, int EL, bool FUSED>
+cudaError_t launch_dim1_bs32(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0, int64_t B, int64_t R,
+                             int64_t C, const ScaleArgs& p, cudaStream_t st) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+  const int64_t tiles_r = (R + kTR - 1) / kTR, tiles_c = (C + kTC - 1) / kTC;
+  const int64_t tiles = B * tiles_r * tiles_c;
+  if (tiles > INT_MAX) return cudaErrorInvalidValue;
+  const int vec_ok = aligned(x, 16) && C % VEC == 0;
+  const int s1_aligned4 = aligned(s1, 4) && (R / 32) % 4 == 0;
+  dim1_bs32_kernel<IN, EL, FUSED><<<static_cast<unsigned>(tiles), kThreads, 0, st>>>(
+      x, q1, s1, q0, s0, R, C, tiles_r, tiles_c, vec_ok, s1_aligned4, p);
+  return launch_status();
+}
+
+template <int IN, int EL>
+cudaError_t launch_dim1_generic(const void* x, uint8_t* q, uint8_t* s, int64_t B, int64_t R, int64_t C, int bs,
+                                const ScaleArgs& p, cudaStream_t st) {
+  const int64_t total = B * (R / bs) * C;
+  auto kernel = dim1_generic_kernel<IN, EL>;
+  const unsigned grid = grid_for<dim1_generic_kernel<IN, EL>>((total + kThreads - 1) / kThreads);
+  kernel<<<grid, kThreads, 0, st>>>(static_cast<const Raw<IN>*>(x), q, s, B, R, C, bs, p);
+  return launch_status();
+}
+
+}  // namespace
+
+cudaError_t mx_quantize_dim1(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t batch, int64_t rows,
+                             int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
+                             uint32_t rceil_t126, float rceil_c, intptr_t stream) {
+  if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || batch < 0 || rows < 0 || cols < 0 ||
+      rows % block_size) {
+    return cudaErrorInvalidValue;
+  }
+  if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
+  const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
+    constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
+    if (block_size == 32 && aligned(q, 16)) {
+      return launch_dim1_bs32<IN, EL, false>(x, q, s, nullptr, nullptr, batch, rows, cols, p, st);
+    }
+    return launch_dim1_generic<IN, EL>(x, q, s, batch, rows, cols, block_size, p, st);
+  });
+}
+
+cudaError_t mx_quantize_dim0_dim1(const void* x, int in_dtype, uint8_t* q0, uint8_t* s0, uint8_t* q1, uint8_t* s1,
+                                  int64_t rows, int64_t cols, int block_size, int mode, int elem,
+                                  uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream) {
+  if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || rows < 0 || cols < 0 ||
+      rows % block_size || cols % block_size) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
+    constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
+    if (block_size == 32 && aligned(q0, 16) && aligned(q1, 16)) {
+      return launch_dim1_bs32<IN, EL, true>(x, q1, s1, q0, s0, 1, rows, cols, p, st);
+    }
+    // Generic fallback: two passes over x.
+    const int64_t n = rows * cols, nblk = n / block_size;
+    auto kernel = dim0_generic_kernel<IN, EL>;
+    const unsigned grid = grid_for<dim0_generic_kernel<IN, EL>>((nblk + kThreads - 1) / kThreads);
+    kernel<<<grid, kThreads, 0, st>>>(static_cast<const Raw<IN>*>(x), q0, s0, nblk, block_size, p);
+    const cudaError_t err = launch_status();
+    if (err != cudaSuccess) return err;
+    return launch_dim1_generic<IN, EL>(x, q1, s1, 1, rows, cols, block_size, p, st);
+  });
+}
+
+cudaError_t mx_dequantize(const uint8_t* q, const uint8_t* s, void* out, int out_dtype, int64_t n, int block_size,
+                          int elem, intptr_t stream) {
+  if (!valid_common(out_dtype, block_size, elem) || n < 0 || n % block_size) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const int lg_bs = log2_pow2(block_size);
+  return dispatch(out_dtype, elem, [&](auto codes) -> cudaError_t {
+    constexpr int OUT = decltype(codes)::first, EL = decltype(codes)::second;
+    constexpr int EPT = OUT == MX_BF16 ? 8 : 4;
+    int64_t start = 0;
+    if (aligned(q, EPT) && aligned(out, 16)) {
+      const int64_t nvec = n / EPT;
+      if (nvec > 0) {
+        auto kernel = dequant_vec_kernel<OUT, EL>;
+        const unsigned grid = grid_for<dequant_vec_kernel<OUT, EL>>((nvec + kThreads * kUnroll - 1) / (kThreads * kUnroll));
+        kernel<<<grid, kThreads, 0, st>>>(q, s, static_cast<uint4*>(out), nvec, lg_bs);
+        const cudaError_t err = launch_status();
+        if (err != cudaSuccess) return err;
+      }
+      start = nvec * EPT;
+    }
+    if (start < n) {  // unaligned pointers, or the last n % EPT elements
+      auto kernel = dequant_generic_kernel<OUT, EL>;
+      const unsigned grid = grid_for<dequant_generic_kernel<OUT, EL>>((n - start + kThreads - 1) / kThreads);
+      kernel<<<grid, kThreads, 0, st>>>(q, s, out, start, n, lg_bs);
+      return launch_status();
+    }
+    return cudaSuccess;
+  });
+}

@@ -1,0 +1,47 @@
+// MX casts on CUDA (docs/mx-format.md): host launchers with a plain C-like interface.
+//
+// No torch headers here or in mx_cast.cu: scripts/check_cuda_build.sh compiles mx_cast.cu alone.
+// All tensors are raw device pointers to contiguous row-major data; every launcher enqueues on the
+// stream given as an integer handle (torch.cuda.current_stream().cuda_stream) and returns the
+// error of its launch(es) (cudaSuccess, or cudaErrorInvalidValue for bad arguments).
+//
+// Codes (they equal mxmoe.formats.MODE_IDS and the order of mxmoe.formats.ELEM_FORMATS):
+//   in_dtype / out_dtype: 0 = bfloat16, 1 = float32
+//   elem:                 0 = float8_e4m3fn, 1 = float8_e5m2
+//   mode:                 0 = FLOOR, 1 = RCEIL, 2 = CEIL, 3 = EVEN
+// RCEIL needs the fp32 constant c = fp32(1/max) and the amax thresholds T127 <= T126 (fp32 bit
+// patterns) from mxmoe.formats.CastSpec.{rceil_c, rceil_t127, rceil_t126}.
+// Scales are E8M0 bytes; elements are fp8 bytes.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+enum MxDtype : int { MX_BF16 = 0, MX_F32 = 1 };
+enum MxElem : int { MX_E4M3 = 0, MX_E5M2 = 1 };
+enum MxMode : int { MX_FLOOR = 0, MX_RCEIL = 1, MX_CEIL = 2, MX_EVEN = 3 };
+
+// x: (n,) elements in blocks of block_size along the flat index (a contiguous (R, C) tensor with
+// C % block_size == 0); q: (n,) bytes; s: (n / block_size,) bytes.
+cudaError_t mx_quantize_dim0(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t n,
+                             int block_size, int mode, int elem, uint32_t rceil_t127,
+                             uint32_t rceil_t126, float rceil_c, intptr_t stream);
+
+// x: (batch, rows, cols), blocks along rows (rows % block_size == 0); q: (batch, cols, rows);
+// s: (batch, cols, rows / block_size).
+cudaError_t mx_quantize_dim1(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t batch,
+                             int64_t rows, int64_t cols, int block_size, int mode, int elem,
+                             uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream);
+
+// x: (rows, cols), both divisible by block_size, read once:
+// q0 (rows, cols), s0 (rows, cols / bs) along cols; q1 (cols, rows), s1 (cols, rows / bs) along rows.
+cudaError_t mx_quantize_dim0_dim1(const void* x, int in_dtype, uint8_t* q0, uint8_t* s0, uint8_t* q1,
+                                  uint8_t* s1, int64_t rows, int64_t cols, int block_size, int mode,
+                                  int elem, uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c,
+                                  intptr_t stream);
+
+// q: (n,) fp8 bytes, s: (n / block_size,) E8M0 bytes -> out: (n,) of out_dtype,
+// value = q * 2^(s - 127) exact in fp32, then one round-to-nearest-even to out_dtype.
+cudaError_t mx_dequantize(const uint8_t* q, const uint8_t* s, void* out, int out_dtype, int64_t n,
+                          int block_size, int elem, intptr_t stream);

@@ -1,0 +1,218 @@
+"""The `cuda` cast backend: CUDA C++ kernels (csrc/mx_cast.cu) compiled on first use.
+
+Same interface and bit-for-bit the same results as `mxmoe.quant.torch_cast` (docs/mx-format.md):
+inputs are bf16 or fp32 CUDA tensors, quantized along their *last* dim in blocks of
+`spec.block_size`; scales come back as `torch.float8_e8m0fnu`. Block size 32 takes the fast
+kernels (16-byte vector accesses, shared-memory transposes); other powers of two take generic
+kernels (correct, slower).
+
+The extension (csrc/binding.cpp + csrc/mx_cast.cu) is built once per process with
+`torch.utils.cpp_extension.load` for the current GPU's architecture (sm_90 on Hopper) and cached
+under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so later processes reuse the build.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from mxmoe.formats import ELEM_FORMATS, MODE_IDS, CastSpec, ScalingMode, check_block_size
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = (_CSRC / "binding.cpp", _CSRC / "mx_cast.cu")
+# Codes of csrc/mx_cast.h.
+_ELEM_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+# The format constants compiled into the kernels (struct Elem in mx_cast.cu): (emax, mbits, max).
+_KERNEL_ELEM_CONSTANTS = {torch.float8_e4m3fn: (8, 3, 448.0), torch.float8_e5m2: (15, 2, 57344.0)}
+
+_lock = threading.Lock()
+_ext: ModuleType | None = None
+_build_error: RuntimeError | None = None
+
+
+def _check_constants() -> None:
+    for dtype, (emax, mbits, vmax) in _KERNEL_ELEM_CONSTANTS.items():
+        f = ELEM_FORMATS[dtype]
+        if (f.emax, f.mbits, f.max_normal) != (emax, mbits, vmax):
+            raise RuntimeError(
+                f"mxmoe.formats.ELEM_FORMATS[{dtype}] = (emax={f.emax}, mbits={f.mbits}, "
+                f"max={f.max_normal}) disagrees with the constants compiled into csrc/mx_cast.cu "
+                f"{(emax, mbits, vmax)}"
+            )
+    kernel_modes = {ScalingMode.FLOOR: 0, ScalingMode.RCEIL: 1, ScalingMode.CEIL: 2, ScalingMode.EVEN: 3}
+    if MODE_IDS != kernel_modes:
+        raise RuntimeError(f"mxmoe.formats.MODE_IDS {MODE_IDS} disagrees with csrc/mx_cast.h")
+
+
+def _arch_flag() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        raise RuntimeError(
+            f"kernel='cuda' needs a GPU with compute capability >= 8.9 (fp8 conversions); "
+            f"this one is sm_{major}{minor}"
+        )
+    return f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"
+
+
+def load_extension() -> ModuleType:
+    """Build (first call in a process) or load the compiled extension; RuntimeError if impossible."""
+    global _ext, _build_error
+    if _ext is not None:
+        return _ext
+    with _lock:
+        if _ext is not None:
+            return _ext
+        if _build_error is not None:  # do not retry a failed build in this process
+            raise _build_error
+        if not torch.cuda.is_available():
+            raise RuntimeError("kernel='cuda' needs a CUDA GPU and torch built with CUDA")
+        _check_constants()
+        arch = _arch_flag()
+        from torch.utils import cpp_extension
+
+        name = "mxmoe_cuda_cast_" + arch.rsplit("=", 1)[1]
+        try:
+            _ext = cpp_extension.load(
+                name=name,
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=["-O3"],
+                # No fast-math / -ftz: the kernels rely on IEEE fp32 subnormals.
+                extra_cuda_cflags=["-O3", arch, "-lineinfo"],
+                verbose=False,
+            )
+        except Exception as err:  # compiler missing, compile error, link error, ...
+            _build_error = RuntimeError(
+                f"kernel='cuda': building the CUDA extension {name} from "
+                f"{[str(p) for p in _SOURCES]} with flags {arch} failed: {type(err).__name__}: {err}"
+            )
+            raise _build_error from err
+        return _ext
+
+
+def _check_x(x: torch.Tensor, ndim: int, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cuda":
+        raise RuntimeError(f"kernel='cuda' needs a CUDA tensor (got a {x.device.type} tensor)")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"x has dtype {x.dtype}; expected one of ['torch.bfloat16', 'torch.float32']")
+    if x.ndim != ndim:
+        raise ValueError(f"{what} wants a {ndim}D x, got shape {tuple(x.shape)}")
+    return x.contiguous()
+
+
+def _check_divisible(name: str, value: int, block_size: int) -> None:
+    if value % block_size:
+        raise ValueError(f"{name}={value} is not divisible by block_size={block_size}")
+
+
+def _spec_args(spec: CastSpec, x: torch.Tensor) -> tuple:
+    """(block_size, mode, elem, T127, T126, c, stream) as the binding takes them."""
+    return (
+        spec.block_size,
+        MODE_IDS[spec.mode],
+        _ELEM_CODES[spec.elem.dtype],
+        spec.rceil_t127,
+        spec.rceil_t126,
+        spec.rceil_c,
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )
+
+
+def quantize_dim0(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (R, C) bf16/fp32 CUDA -> qdata (R, C) elem dtype, scale (R, C // bs) float8_e8m0fnu.
+
+    Blocks of bs consecutive elements along C; both outputs contiguous on x's device."""
+    x = _check_x(x, 2, "quantize_dim0")
+    R, C = x.shape
+    bs = spec.block_size
+    _check_divisible("x.shape[-1]", C, bs)
+    q = torch.empty((R, C), dtype=spec.elem.dtype, device=x.device)
+    s = torch.empty((R, C // bs), dtype=torch.uint8, device=x.device)
+    if x.numel():
+        ext = load_extension()
+        with torch.cuda.device(x.device):
+            ext.quantize_dim0(x, q.view(torch.uint8), s, *_spec_args(spec, x))
+    return q, s.view(torch.float8_e8m0fnu)
+
+
+def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (B, R, C) bf16/fp32 CUDA, blocks along R -> qdata (B, C, R), scale (B, C, R // bs)
+    float8_e8m0fnu, contiguous: stored transposed so that every block is contiguous."""
+    x = _check_x(x, 3, "quantize_dim1")
+    B, R, C = x.shape
+    bs = spec.block_size
+    _check_divisible("x.shape[-2]", R, bs)
+    q = torch.empty((B, C, R), dtype=spec.elem.dtype, device=x.device)
+    s = torch.empty((B, C, R // bs), dtype=torch.uint8, device=x.device)
+    if x.numel():
+        ext = load_extension()
+        with torch.cuda.device(x.device):
+            ext.quantize_dim1(x, q.view(torch.uint8), s, *_spec_args(spec, x))
+    return q, s.view(torch.float8_e8m0fnu)
+
+
+def quantize_dim0_dim1(
+    x: torch.Tensor, spec: CastSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: (R, C) bf16/fp32 CUDA, read once -> q0 (R, C), s0 (R, C // bs) along C and
+    q1 (C, R), s1 (C, R // bs) along R (stored transposed); all contiguous, scales float8_e8m0fnu."""
+    x = _check_x(x, 2, "quantize_dim0_dim1")
+    R, C = x.shape
+    bs = spec.block_size
+    _check_divisible("x.shape[0]", R, bs)
+    _check_divisible("x.shape[1]", C, bs)
+    q0 = torch.empty((R, C), dtype=spec.elem.dtype, device=x.device)
+    s0 = torch.empty((R, C // bs), dtype=torch.uint8, device=x.device)
+    q1 = torch.empty((C, R), dtype=spec.elem.dtype, device=x.device)
+    s1 = torch.empty((C, R // bs), dtype=torch.uint8, device=x.device)
+    if x.numel():
+        ext = load_extension()
+        with torch.cuda.device(x.device):
+            ext.quantize_dim0_dim1(
+                x, q0.view(torch.uint8), s0, q1.view(torch.uint8), s1, *_spec_args(spec, x)
+            )
+    return q0, s0.view(torch.float8_e8m0fnu), q1, s1.view(torch.float8_e8m0fnu)
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor, block_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """q: (R, C) float8_e4m3fn/e5m2 CUDA, s: (R, C // bs) float8_e8m0fnu (or uint8) -> (R, C) out_dtype
+    (bf16 or fp32), contiguous. Value q * 2^(s-127) exact in fp32, one RNE rounding to out_dtype;
+    NaN (scale 0xFF or element NaN) is written as the canonical quiet NaN."""
+    if not isinstance(q, torch.Tensor) or not isinstance(s, torch.Tensor):
+        raise TypeError("q and s must be torch.Tensors")
+    if q.device.type != "cuda" or s.device != q.device:
+        raise RuntimeError(f"kernel='cuda' needs q and s on one CUDA device (got {q.device} and {s.device})")
+    if q.dtype not in _ELEM_CODES:
+        raise TypeError(f"q has dtype {q.dtype}; expected one of {[str(d) for d in _ELEM_CODES]}")
+    if s.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"s has dtype {s.dtype}; expected torch.float8_e8m0fnu")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype={out_dtype}; expected one of ['torch.bfloat16', 'torch.float32']")
+    if q.ndim != 2:
+        raise ValueError(f"dequantize wants a 2D q, got shape {tuple(q.shape)}")
+    check_block_size(block_size)
+    R, C = q.shape
+    _check_divisible("q.shape[-1]", C, block_size)
+    if tuple(s.shape) != (R, C // block_size):
+        raise ValueError(
+            f"s has shape {tuple(s.shape)}; expected {(R, C // block_size)} for block_size={block_size}"
+        )
+    q = q.contiguous()
+    s = s.contiguous()
+    out = torch.empty((R, C), dtype=out_dtype, device=q.device)
+    if q.numel():
+        ext = load_extension()
+        with torch.cuda.device(q.device):
+            ext.dequantize(
+                q.view(torch.uint8),
+                s.view(torch.uint8),
+                out,
+                block_size,
+                _ELEM_CODES[q.dtype],
+                torch.cuda.current_stream(q.device).cuda_stream,
+            )
+    return out

@@ -1,0 +1,260 @@
+"""MXLinear, MXGroupedExperts, mxmoe.convert: drop-in behaviour, errors, compile, FSDP2, GPU."""
+
+import copy
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import mxmoe
+from mxmoe.nn import GroupedExperts, MXConfig, MXGroupedExperts, MXLinear, convert
+from mxmoe.ops import MXOpConfig, mx_grouped_mm
+from mxmoe.quant.mx_tensor import make_grad_anchor, to_mx
+
+CPU_CFG = MXConfig(mxfp8_dim1_cast_kernel_choice="torch", mxfp8_dim0_cast_kernel_choice="torch")
+COUNTS = [9, 0, 40, 15]  # fixed routing: 64 tokens, one empty expert, sizes not multiples of 32
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, dim=64, hidden=32, experts=4):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden, experts)
+        self.mid = nn.Linear(dim, 96, bias=False)
+        self.odd = nn.Linear(96, 40)  # 40 not divisible by 32: skipped
+        self.output = nn.Linear(40, 8)
+
+    def forward(self, x, counts):
+        h = self.inp(x)
+        h = h + self.experts(h, counts) + 0 * self.router(h).sum()
+        return self.output(self.odd(torch.relu(self.mid(h))))
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return TinyMoE()
+
+
+def train_losses(model, steps=3, compile_=False, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(sum(COUNTS), 64, generator=g) for _ in range(steps)]
+    counts = torch.tensor(COUNTS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def loss_fn(x):
+        return (model(x, counts) ** 2).mean()
+
+    fn = torch.compile(loss_fn, fullgraph=True, backend="aot_eager") if compile_ else loss_fn
+    out = []
+    for x in xs:
+        loss = fn(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def test_convert_swaps_and_logs(caplog):
+    model = make_model()
+    ref = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="mxmoe"):
+        assert mxmoe.convert(model, CPU_CFG) is model
+    assert isinstance(model.inp, MXLinear) and isinstance(model.mid, MXLinear)
+    assert isinstance(model.experts, MXGroupedExperts) and model.experts.accepts_mx_input
+    assert (
+        type(model.router) is nn.Linear and type(model.output) is nn.Linear and type(model.odd) is nn.Linear
+    )
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "mxmoe"]
+    assert (
+        "2 Linear" in line and "1 GroupedExperts" in line and "odd (dims 96x40" in line and "router" in line
+    )
+    # Same keys and values both ways
+    sd = model.state_dict()
+    assert list(sd) == list(ref.state_dict())
+    ref.load_state_dict(sd)
+    model.load_state_dict(make_model(seed=7).state_dict())
+    assert torch.equal(model.experts.w2, make_model(seed=7).experts.w2)
+
+
+def test_convert_errors():
+    with pytest.raises(ValueError, match="tensor parallelism with MX is not supported yet"):
+        convert(make_model(), CPU_CFG, parallel_dims={"dp_shard": 4, "ep": 2, "tp": 2})
+
+    class PD:
+        tp_enabled = True
+
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        convert(make_model(), CPU_CFG, parallel_dims=PD())
+    convert(make_model(), CPU_CFG, parallel_dims={"dp_shard": 2, "tp": 1})
+    with pytest.raises(ValueError, match="recipe_name='mxfp4'"):
+        convert(make_model(), MXConfig(recipe_name="mxfp4"))
+    with pytest.raises(ValueError, match="kernel='cuda'"):
+        convert(make_model(), MXConfig(mxfp8_dim1_cast_kernel_choice="cuda"))
+    with pytest.raises(ValueError, match="mxfp8_dim1_cast_kernel_choice='tritonn'"):
+        convert(make_model(), MXConfig(mxfp8_dim1_cast_kernel_choice="tritonn"))
+
+
+def test_mxlinear_from_linear_shares_params_and_matches_mx_mm():
+    lin = nn.Linear(64, 32)
+    mx = MXLinear.from_linear(lin, MXOpConfig(kernel="torch", dim1_kernel="torch"))
+    assert mx.weight is lin.weight and mx.bias is lin.bias
+    x = torch.randn(3, 5, 64)
+    y = mx(x)
+    ref = (
+        to_mx(x.reshape(-1, 64)).dequantize(torch.float32)
+        @ to_mx(lin.weight.detach()).dequantize(torch.float32).t()
+        + lin.bias.detach()
+    )
+    torch.testing.assert_close(y.reshape(-1, 32), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mx_experts_mx_input_equals_plain():
+    torch.manual_seed(3)
+    cfg = MXOpConfig(kernel="torch", dim1_kernel="torch")
+    ex = MXGroupedExperts(64, 32, 4, config=cfg)
+    counts = torch.tensor(COUNTS)
+    x = torch.randn(sum(COUNTS), 64, dtype=torch.bfloat16)
+    x_mx = to_mx(x, kernel="torch")
+    x_mx.grad_anchor = make_grad_anchor(x_mx.shape, torch.bfloat16, x.device).requires_grad_()
+    ex.to(torch.bfloat16)
+    y = ex(x_mx, counts)
+    y.float().square().sum().backward()
+    g_mx = [p.grad.clone() for p in ex.parameters()]
+    ex.zero_grad()
+    xp = x_mx.dequantize(kernel="torch").detach().requires_grad_()
+    y2 = ex(xp, counts)
+    y2.float().square().sum().backward()
+    assert torch.equal(y, y2) and torch.equal(x_mx.grad_anchor.grad, xp.grad)
+    for g, p in zip(g_mx, ex.parameters(), strict=True):
+        assert torch.equal(g, p.grad)
+
+
+def test_mx_model_trains_close_to_bf16_and_compiles():
+    base = train_losses(make_model())
+    mx_model = convert(make_model(), CPU_CFG)
+    eager = train_losses(mx_model)
+    compiled = train_losses(convert(make_model(), CPU_CFG), compile_=True)
+    for b, e in zip(base, eager, strict=True):
+        assert abs(b - e) <= 0.05 * abs(b)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(rank, world, port, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch.set_num_threads(1)
+        model = convert(make_model(), CPU_CFG)
+        mesh = init_device_mesh("cpu", (world,))
+        for m in (model.inp, model.experts, model.mid):
+            fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        losses = train_losses(model)  # every rank sees the same data: losses equal the unsharded run
+        full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        if rank == 0:
+            torch.save((losses, full), path)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_fsdp2_two_ranks_same_losses(tmp_path):
+    torch.set_num_threads(1)
+    ref_model = convert(make_model(), CPU_CFG)
+    ref = train_losses(ref_model)
+    ctx = mp.get_context("spawn")
+    path = str(tmp_path / "rank0.pt")
+    port = _free_port()
+    procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, port, path)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    losses, sd = torch.load(path)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+    plain = make_model()
+    plain.load_state_dict(sd)  # sharded-and-converted keys load into the unconverted model
+    for k, v in ref_model.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _gpu_cpu_losses(model_fn, cfg_cpu, cfg_gpu):
+    cpu = train_losses(convert(model_fn(), cfg_cpu))
+    gpu_model = convert(model_fn().cuda(), cfg_gpu)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(sum(COUNTS), 64, generator=g) for _ in range(3)]
+    opt = torch.optim.SGD(gpu_model.parameters(), lr=0.05)
+    out = []
+    for x in xs:
+        loss = (gpu_model(x.cuda(), torch.tensor(COUNTS, device="cuda")) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return cpu, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_rceil"])
+def test_gpu_same_loss_as_cpu(recipe, gemm_dtype):
+    """MXLinear + MX experts on the H200 (triton dim1 cast) vs CPU (torch casts), same seed."""
+    cfg = MXConfig(recipe_name=recipe, mxfp8_dim1_cast_kernel_choice="triton", gemm_dtype=gemm_dtype)
+    cpu_cfg = MXConfig(
+        recipe_name=recipe, mxfp8_dim1_cast_kernel_choice="torch", mxfp8_dim0_cast_kernel_choice="torch"
+    )
+    cpu, gpu = _gpu_cpu_losses(make_model, cpu_cfg, cfg)
+    tol = 1e-5 if gemm_dtype == "float32" else 2e-2
+    torch.testing.assert_close(torch.tensor(gpu), torch.tensor(cpu), rtol=tol, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["torch", "triton", "cuda"])
+def test_gpu_grouped_matches_cpu(kernel):
+    torch.manual_seed(0)
+    counts = [0, 5, 31, 33, 64, 0, 100, 7]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    a = torch.randn(sum(counts), 256, dtype=torch.bfloat16)
+    w = torch.randn(8, 128, 256, dtype=torch.bfloat16) * 0.05
+    dy = torch.randn(sum(counts), 128, dtype=torch.bfloat16)
+    res = []
+    for dev, cfg in (
+        ("cpu", MXOpConfig(kernel="torch", dim1_kernel="torch")),
+        ("cuda", MXOpConfig(kernel=kernel, dim1_kernel=kernel)),
+    ):
+        a_, w_ = a.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        y = mx_grouped_mm(a_, w_.transpose(-2, -1), offs.to(dev), cfg)
+        y.backward(dy.to(dev))
+        res.append([t.float().cpu() for t in (y, a_.grad, w_.grad)])
+    for c, g in zip(*res, strict=True):
+        torch.testing.assert_close(g, c, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_inductor_model():
+    cfg = MXConfig(mxfp8_dim1_cast_kernel_choice="triton")
+    model = convert(make_model().cuda(), cfg)
+    counts = torch.tensor(COUNTS, device="cuda")
+    x = torch.randn(sum(COUNTS), 64, device="cuda")
+    eager = (model(x, counts) ** 2).mean()
+    compiled = torch.compile(lambda x: (model(x, counts) ** 2).mean(), fullgraph=True)(x)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=0)

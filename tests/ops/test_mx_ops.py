@@ -1,0 +1,217 @@
+"""mx_mm / mx_grouped_mm against an fp64 reference of the same quantized math, against bf16
+autograd, the MXTensor input path, and torch.compile(fullgraph=True)."""
+
+import pytest
+import torch
+
+from mxmoe import to_mx
+from mxmoe.ops import MXOpConfig, mx_gemm, mx_grouped_mm, mx_mm
+from mxmoe.quant.mx_tensor import make_grad_anchor
+
+CFG = MXOpConfig(kernel="torch", dim1_kernel="torch")
+
+
+def dq(t, axis, cfg=CFG):
+    """fp64 of the MX values of t quantized along axis (rows zero-padded to the block size)."""
+    if axis == 0 and t.shape[0] % cfg.block_size:
+        t = torch.cat([t, t.new_zeros(-t.shape[0] % cfg.block_size, *t.shape[1:])])
+    kw = dict(
+        scaling_mode=cfg.scaling_mode, elem_dtype=cfg.elem_dtype, block_size=cfg.block_size, kernel="torch"
+    )
+    return to_mx(t.detach(), axis=axis, **kw).dequantize(torch.float32).double()
+
+
+def assert_close_sum(got, ref, a_abs, b_abs, k):
+    """|got - ref| within fp32 summation error of a k-term dot product (plus output rounding)."""
+    bound = (a_abs @ b_abs) * (k + 2) * 2.0**-23 + 1e-30
+    if got.dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2.0**-8
+    err = (got.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max err {err.max().item()}, max excess {(err - bound).max().item()}"
+
+
+def ref_mm(x, w, dy, cfg=CFG):
+    M = x.shape[0]
+    xq, wq = dq(x, -1, cfg), dq(w, -1, cfg)
+    y = xq @ wq.t()
+    dyq0, wq1 = dq(dy, -1, cfg), dq(w, 0, cfg)
+    dx = dyq0 @ wq1
+    dyq1, xq1 = dq(dy, 0, cfg)[:M], dq(x, 0, cfg)[:M]
+    dw = dyq1.t() @ xq1
+    return (y, (xq.abs(), wq.abs().t())), (dx, (dyq0.abs(), wq1.abs())), (dw, (dyq1.abs().t(), xq1.abs()))
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+@pytest.mark.parametrize("M", [32, 45])
+def test_mx_mm_matches_quantized_reference(mode, M):
+    cfg = MXOpConfig(scaling_mode=mode, kernel="torch", dim1_kernel="torch")
+    torch.manual_seed(M)
+    x = torch.randn(M, 64, requires_grad=True)
+    w = (torch.randn(96, 64) * 0.1).requires_grad_()
+    y = mx_mm(x, w.t(), cfg)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    (yr, yab), (dxr, dxab), (dwr, dwab) = ref_mm(x, w, dy, cfg)
+    assert_close_sum(y, yr, *yab, 64)
+    assert_close_sum(x.grad, dxr, *dxab, 96)
+    assert_close_sum(w.grad, dwr, *dwab, M)
+
+
+def test_mx_mm_batched_and_bf16_close_to_bf16_autograd():
+    torch.manual_seed(1)
+    x = torch.randn(2, 24, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+    y = mx_mm(x, w.t(), CFG)
+    assert y.shape == (2, 24, 64) and y.dtype == torch.bfloat16
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y2 = x2 @ w2.t()
+    y2.backward(dy)
+    for got, ref in ((y, y2), (x.grad, x2.grad), (w.grad, w2.grad)):
+        rel = (got.float() - ref.float()).norm() / ref.float().norm()
+        assert rel < 0.05, rel
+
+
+def test_mx_mm_only_one_grad():
+    torch.manual_seed(2)
+    x = torch.randn(32, 64)
+    w = torch.randn(32, 64, requires_grad=True)
+    dy = torch.randn(32, 32)
+    mx_mm(x, w.t(), CFG).backward(dy)
+    *_, (dwr, _) = ref_mm(x, w, dy)
+    torch.testing.assert_close(w.grad.double(), dwr, rtol=1e-5, atol=1e-5)
+    x.requires_grad_()
+    w2 = w.detach()
+    mx_mm(x, w2.t(), CFG).backward(dy)
+    _, (dxr, _), _ = ref_mm(x, w, dy)
+    torch.testing.assert_close(x.grad.double(), dxr, rtol=1e-5, atol=1e-5)
+
+
+def test_mx_mm_errors():
+    with pytest.raises(ValueError, match="N=40"):
+        mx_mm(torch.randn(4, 64), torch.randn(64, 40), CFG)
+    with pytest.raises(ValueError, match="K=48"):
+        mx_mm(torch.randn(4, 48), torch.randn(48, 64), CFG)
+    with pytest.raises(ValueError, match="gemm_backend"):
+        MXOpConfig(gemm_backend="cublas")
+    with pytest.raises(ValueError, match="dim1_kernel"):
+        MXOpConfig(dim1_kernel="tirton")
+
+
+def grouped_reference(a, w, counts, dy, cfg=CFG):
+    """Per-expert fp64 reference: y, da, dw (and the abs operands for error bounds)."""
+    ys, das, dws, bounds = [], [], [], []
+    s = 0
+    for e, c in enumerate(counts):
+        ae, dye, we = a[s : s + c], dy[s : s + c], w[e]
+        aq, wq, dyq, wq1 = dq(ae, -1, cfg), dq(we, -1, cfg), dq(dye, -1, cfg), dq(we, 0, cfg)
+        ys.append(aq @ wq.t())
+        das.append(dyq @ wq1)
+        if c:
+            dy1, a1 = dq(dye, 0, cfg), dq(ae, 0, cfg)
+            dws.append(dy1.t() @ a1)
+            bounds.append((dy1.abs().t() @ a1.abs()) * (c + 2) * 2.0**-23)
+        else:
+            dws.append(torch.zeros(w.shape[1:], dtype=torch.float64))
+            bounds.append(torch.zeros(w.shape[1:], dtype=torch.float64))
+        s += c
+    return torch.cat(ys), torch.cat(das), torch.stack(dws), torch.stack(bounds)
+
+
+@pytest.mark.parametrize("counts", [[0, 5, 31, 33, 64], [32, 0, 0, 1], [0, 0, 0]])
+def test_mx_grouped_mm_matches_quantized_reference(counts):
+    torch.manual_seed(sum(counts))
+    E, N, K = len(counts), 64, 96
+    T = sum(counts)
+    a = torch.randn(T, K, requires_grad=True)
+    w = (torch.randn(E, N, K) * 0.1).requires_grad_()
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    y = mx_grouped_mm(a, w.transpose(-2, -1), offs, CFG)
+    assert y.shape == (T, N)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr, dar, dwr, dwb = grouped_reference(a.detach(), w.detach(), counts, dy)
+    assert bool(((y.double() - yr).abs() <= 1e-5 * (1 + yr.abs())).all())
+    assert bool(((a.grad.double() - dar).abs() <= 1e-5 * (1 + dar.abs())).all())
+    assert bool(((w.grad.double() - dwr).abs() <= dwb + 1e-30).all())
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert bool((w.grad[e] == 0).all())
+
+
+def test_mx_grouped_mm_close_to_bf16():
+    torch.manual_seed(3)
+    counts = [40, 7, 0, 17]
+    a = torch.randn(sum(counts), 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    y = mx_grouped_mm(a, w.transpose(-2, -1), offs, CFG)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    a2, w2 = a.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y2 = torch._grouped_mm(a2, w2.transpose(-2, -1), offs=offs)
+    y2.backward(dy)
+    for got, ref in ((y, y2), (a.grad, a2.grad), (w.grad, w2.grad)):
+        rel = (got.float() - ref.float()).norm() / ref.float().norm()
+        assert rel < 0.05, rel
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_mx_input_path_equals_plain_path(mode):
+    cfg = MXOpConfig(scaling_mode=mode, kernel="torch", dim1_kernel="torch")
+    torch.manual_seed(4)
+    counts = [5, 0, 33, 26]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(counts), 64, dtype=torch.bfloat16)
+    a_mx = to_mx(x, axis=-1, scaling_mode=mode, kernel="torch")
+    a_mx.grad_anchor = make_grad_anchor(a_mx.shape, torch.bfloat16, x.device).requires_grad_()
+    w = torch.randn(4, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = mx_grouped_mm(a_mx, w.transpose(-2, -1), offs, cfg)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    a_plain = a_mx.dequantize(torch.bfloat16, kernel="torch").detach().requires_grad_()
+    w2 = w.detach().clone().requires_grad_()
+    y2 = mx_grouped_mm(a_plain, w2.transpose(-2, -1), offs, cfg)
+    y2.backward(dy)
+    assert torch.equal(y, y2)
+    assert torch.equal(a_mx.grad_anchor.grad, a_plain.grad)
+    assert torch.equal(w.grad, w2.grad)
+
+
+def test_grouped_errors():
+    w = torch.randn(2, 32, 64)
+    with pytest.raises(TypeError, match="int32"):
+        mx_grouped_mm(torch.randn(4, 64), w.transpose(-2, -1), torch.tensor([2, 4]), CFG)
+    with pytest.raises(ValueError, match="E=2"):
+        mx_grouped_mm(torch.randn(4, 64), w.transpose(-2, -1), torch.tensor([4], dtype=torch.int32), CFG)
+    with pytest.raises(ValueError, match="N=40"):
+        mx_grouped_mm(
+            torch.randn(4, 64), torch.randn(2, 64, 40), torch.tensor([2, 4], dtype=torch.int32), CFG
+        )
+    a = to_mx(torch.randn(4, 64))
+    with pytest.raises(ValueError, match="axis"):
+        mx_gemm(a, to_mx(torch.randn(64, 32), axis=-1))
+
+
+def test_compile_fullgraph_same_results():
+    torch.manual_seed(5)
+    counts = [5, 0, 27]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+
+    def step(x, w_lin, w_exp):
+        h = mx_mm(x, w_lin.t(), CFG)
+        y = mx_grouped_mm(h, w_exp.transpose(-2, -1), offs, CFG)
+        return (y.float() ** 2).mean()
+
+    x = torch.randn(32, 64)
+    w_lin = torch.randn(32, 64) * 0.2
+    w_exp = torch.randn(3, 64, 32) * 0.2
+    grads = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        ps = [x.clone().requires_grad_(), w_lin.clone().requires_grad_(), w_exp.clone().requires_grad_()]
+        loss = fn(*ps)
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad for p in ps])
+    for g0, g1 in zip(*grads, strict=True):
+        torch.testing.assert_close(g0, g1, rtol=1e-6, atol=1e-7)
