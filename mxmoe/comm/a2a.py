@@ -1,0 +1,454 @@
+"""All-to-alls for expert parallelism: MXFP8 (exact, overlapped) and plain high precision.
+
+Every function exchanges *rows*: x is (rows_in, ...) ordered by destination rank, `input_splits[p]`
+rows go to rank p, and the result is (sum(output_splits), ...) ordered by source rank. Splits are
+lists of ints or 1D integer tensors (any device); they may be uneven or zero.
+
+MXFP8 exchanges quantize rows along the last dim (blocks of 32, e4m3, RCEIL) and move the element
+bytes plus the E8M0 scale bytes (1 + 1/32 bytes per element instead of 2 for bf16). The result is
+bit-for-bit what `reference_mxfp8_a2a` computes (quantize -> all_to_all_single -> dequantize).
+
+How the exchange is overlapped (CUDA, `chunks=None` or an int >= 1):
+  * The rank's own slice never goes through the network: one fused Triton pass (`qdq_into`)
+    quantizes and dequantizes it locally, straight into its rows of the output.
+  * The rows for each peer are cut into `k` pieces (k from the pair's size, same on both sides). Round
+    c quantizes piece c for every peer on a *producer* stream and posts the sends/receives of round c
+    (one NCCL group: batch_isend_irecv of elements and scales) from that stream, so NCCL starts as soon
+    as the round is quantized while the producer goes on with round c+1 and then a piece of the local
+    slice. A *consumer* stream waits for round c's transfer and dequantizes each received piece into its
+    final rows of the output (`mxmoe.comm.kernels.dequantize_into`, no copies).
+  * The caller's stream waits for both side streams at the end; every temporary is kept alive until
+    then, and side streams first wait for the caller's stream, so the caching allocator cannot hand a
+    buffer to new work while a side stream or NCCL still uses it.
+On CPU (gloo) the same rounds run one after another (`chunks` >= 1) or, by default, the simple path:
+one quantize, one all_to_all_single of elements and of scales, one dequantize. Both give identical
+results (quantization is row-local and deterministic).
+
+Timeouts: nothing here waits without a bound; a peer that never joins is reported by the process
+group's timeout (`init_process_group(timeout=...)`; NCCL's watchdog aborts the collective).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mxmoe.comm.kernels import dequantize_into, qdq_into
+from mxmoe.comm.splits import BLOCK_SIZE, Plan, check_and_plan, offsets
+from mxmoe.formats import make_spec
+from mxmoe.quant import custom_ops
+from mxmoe.quant.kernels import backend, resolve_kernel
+from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, to_mx
+
+ELEM_DTYPE = torch.float8_e4m3fn
+SCALING_MODE = "rceil"
+# Auto chunking: pieces of at least this many fp8 bytes, at most this many pieces per pair of ranks.
+MIN_PIECE_BYTES = 16 << 20
+MAX_CHUNKS = 8
+# How the own slice is quantized+dequantized: "auto" (fused Triton kernel on CUDA), "copy" (cast backend
+# quantize, then dequantize), "triton". Both give the same bits; the env var is an escape hatch.
+SELF_QDQ_IMPL = os.environ.get("MXMOE_A2A_SELF_QDQ", "auto")
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks (also used by the benchmark)
+# --------------------------------------------------------------------------------------------
+
+
+_SPEC = make_spec(BLOCK_SIZE, SCALING_MODE, ELEM_DTYPE)
+
+
+def quantize_rows(x: Tensor, kernel: str = "auto") -> tuple[Tensor, Tensor]:
+    """x (R, C) bf16/fp32 contiguous -> (q (R, C) float8_e4m3fn, s (R, C // 32) float8_e8m0fnu), RCEIL."""
+    return _quantize(x, resolve_kernel(kernel, x.device))
+
+
+def _quantize(x: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
+    # `kernel` is concrete. The backend is called directly: the same kernel as the custom op, without
+    # the dispatcher's per-call cost (the pipeline makes several calls per round).
+    if x.numel() == 0:
+        return custom_ops.quantize_dim0(x, BLOCK_SIZE, SCALING_MODE, ELEM_DTYPE, kernel)
+    return backend(kernel).quantize_dim0(x, _SPEC)
+
+
+def all_to_all_rows(out: Tensor, inp: Tensor, output_splits, input_splits, group=None) -> Tensor:
+    """all_to_all_single of row-major tensors of any dtype (moved as bytes, so gloo and NCCL accept
+    every dtype). out: (sum(output_splits), ...) contiguous; inp: (sum(input_splits), ...)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return out.copy_(inp)
+    o = out.view(out.shape[0], -1).view(torch.uint8) if out.numel() else out.view(torch.uint8)
+    i = inp.view(inp.shape[0], -1).view(torch.uint8) if inp.numel() else inp.view(torch.uint8)
+    dist.all_to_all_single(o, i, list(output_splits), list(input_splits), group=group)
+    return out
+
+
+def _pieces(n: int, k: int) -> list[tuple[int, int]]:
+    """Cut n rows into k near-equal (start, length) pieces (both sides compute the same)."""
+    return [((n * c) // k, (n * (c + 1)) // k - (n * c) // k) for c in range(k)]
+
+
+def _num_chunks(n: int, dim: int, chunks: int | None) -> int:
+    if chunks is not None:
+        return max(1, min(chunks, n)) if n else 1
+    return max(1, min(MAX_CHUNKS, math.ceil(n * dim / MIN_PIECE_BYTES)))
+
+
+def _use_pipeline(x: Tensor, chunks: int | None) -> bool:
+    if chunks is not None:
+        return chunks >= 1
+    return x.is_cuda
+
+
+# --------------------------------------------------------------------------------------------
+# The MXFP8 exchange
+# --------------------------------------------------------------------------------------------
+
+
+def _simple_mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: bool):
+    dim = x.shape[1]
+    q, s = _quantize(x, kernel)
+    rows_out = sum(plan.output_splits)
+    q_out = torch.empty((rows_out, dim), dtype=torch.uint8, device=x.device)
+    s_out = torch.empty((rows_out, dim // BLOCK_SIZE), dtype=torch.uint8, device=x.device)
+    all_to_all_rows(q_out, q.view(torch.uint8), plan.output_splits, plan.input_splits, group)
+    all_to_all_rows(s_out, s.view(torch.uint8), plan.output_splits, plan.input_splits, group)
+    q_out, s_out = q_out.view(ELEM_DTYPE), s_out.view(torch.float8_e8m0fnu)
+    if not dequant:
+        return q_out, s_out
+    return custom_ops.dequantize(q_out, s_out, BLOCK_SIZE, x.dtype, kernel)
+
+
+class _Streams:
+    """Producer / consumer side streams per device, created once."""
+
+    _by_device: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+    @classmethod
+    def get(cls, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in cls._by_device:
+            cls._by_device[idx] = (torch.cuda.Stream(device=idx), torch.cuda.Stream(device=idx))
+        return cls._by_device[idx]
+
+
+def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: bool, chunks: int | None):
+    dim = x.shape[1]
+    sdim = dim // BLOCK_SIZE
+    dev = x.device
+    me, world = plan.rank, plan.world
+    in_off, out_off = plan.in_offsets, plan.out_offsets
+    rows_out = sum(plan.output_splits)
+    # Peers in a staggered order (me+1, me+2, ...) so ranks do not all hit the same peer first.
+    peers = [(me + i) % world for i in range(1, world)]
+    # P2POp takes global ranks.
+    peer_id = {p: p if group is None else dist.get_global_rank(group, p) for p in peers}
+
+    def cut(n: int) -> list[tuple[int, int]]:
+        return _pieces(n, _num_chunks(n, dim, chunks))
+
+    send_pieces = {p: cut(plan.input_splits[p]) for p in peers}
+    recv_pieces = {p: cut(plan.output_splits[p]) for p in peers}
+    rounds = max([len(v) for v in send_pieces.values()] + [len(v) for v in recv_pieces.values()] + [1])
+    n_self = plan.input_splits[me]
+    self_pieces = _pieces(n_self, rounds if peers else _num_chunks(n_self, dim, chunks))
+
+    cuda = x.is_cuda
+    if cuda:
+        cur = torch.cuda.current_stream(dev)
+        prod, cons = _Streams.get(dev)
+        prod.wait_stream(cur)
+        cons.wait_stream(cur)
+
+        def on(stream):
+            return torch.cuda.stream(stream)
+    else:
+        cur = prod = cons = None
+
+        def on(stream):
+            return contextlib.nullcontext()
+
+    # Outputs and receive buffers live on the caller's stream.
+    y = torch.empty((rows_out, dim), dtype=x.dtype, device=dev) if dequant else None
+    # Received elements and scales: at their output rows (dispatch), or packed peer after peer
+    # without the own rows (dequantize; the buffer is temporary).
+    if dequant:
+        recv_rows = [0 if p == me else n for p, n in enumerate(plan.output_splits)]
+        dst_off = offsets(recv_rows)
+    else:
+        recv_rows, dst_off = plan.output_splits, out_off
+    q_dst = torch.empty((sum(recv_rows), dim), dtype=torch.uint8, device=dev)
+    s_dst = torch.empty((sum(recv_rows), sdim), dtype=torch.uint8, device=dev)
+    keep: list = []  # temporaries kept alive until the caller's stream has waited for everything
+
+    def self_piece(c: int) -> None:
+        start, n = self_pieces[c]
+        if n == 0:
+            return
+        r0, o0 = in_off[me] + start, out_off[me] + start
+        if dequant:  # one fused pass on CUDA: read x once, write y once
+            qdq_into(x[r0 : r0 + n], y[o0 : o0 + n], kernel, impl=SELF_QDQ_IMPL)
+        else:
+            q, s = _quantize(x[r0 : r0 + n], kernel)
+            keep.append((q, s))
+            q_dst[o0 : o0 + n].copy_(q.view(torch.uint8))
+            s_dst[o0 : o0 + n].copy_(s.view(torch.uint8))
+
+    works_of_round: list[tuple[list, list]] = []
+    for c in range(rounds):
+        ops, received = [], []
+        with on(prod):
+            for p in peers:
+                if c < len(send_pieces[p]):
+                    start, n = send_pieces[p][c]
+                    if n:
+                        r0 = in_off[p] + start
+                        q, s = _quantize(x[r0 : r0 + n], kernel)
+                        keep.append((q, s))
+                        ops.append(dist.P2POp(dist.isend, q.view(torch.uint8), peer_id[p], group, tag=2 * c))
+                        ops.append(
+                            dist.P2POp(dist.isend, s.view(torch.uint8), peer_id[p], group, tag=2 * c + 1)
+                        )
+                if c < len(recv_pieces[p]):
+                    start, n = recv_pieces[p][c]
+                    if n:
+                        o0, d0 = out_off[p] + start, dst_off[p] + start
+                        qv, sv = q_dst[d0 : d0 + n], s_dst[d0 : d0 + n]
+                        ops.append(dist.P2POp(dist.irecv, qv, peer_id[p], group, tag=2 * c))
+                        ops.append(dist.P2POp(dist.irecv, sv, peer_id[p], group, tag=2 * c + 1))
+                        received.append((qv, sv, o0, n))
+            works = dist.batch_isend_irecv(ops) if ops else []
+            keep.append(works)
+            # The local slice fills the producer stream while round c travels (one round behind,
+            # so that round c+1 is quantized before the local piece c-1).
+            if c >= 1:
+                self_piece(c - 1)
+        works_of_round.append((works, received))
+        if dequant:
+            with on(cons):
+                for w in works:
+                    w.wait()
+                for qv, sv, o0, n in received:
+                    dequantize_into(qv, sv, y[o0 : o0 + n], kernel)
+    with on(prod):
+        self_piece(rounds - 1)
+        for c in range(rounds, len(self_pieces)):
+            self_piece(c)
+    if not dequant:
+        with on(cons):
+            for works, _ in works_of_round:
+                for w in works:
+                    w.wait()
+    if cuda:
+        cur.wait_stream(prod)
+        cur.wait_stream(cons)
+    keep.clear()
+    if dequant:
+        return y
+    return q_dst.view(ELEM_DTYPE), s_dst.view(torch.float8_e8m0fnu)
+
+
+def _mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: bool, chunks: int | None):
+    """Quantize x's rows, exchange per plan, and (if dequant) dequantize: y (rows_out, dim) x.dtype,
+    else (q (rows_out, dim) e4m3, s (rows_out, dim // 32) e8m0)."""
+    x = x.contiguous()
+    kernel = resolve_kernel(kernel, x.device)
+    if plan.world == 1 and not _use_pipeline(x, chunks):
+        q, s = _quantize(x, kernel)
+        return custom_ops.dequantize(q, s, BLOCK_SIZE, x.dtype, kernel) if dequant else (q, s)
+    if _use_pipeline(x, chunks):
+        return _pipelined_mx_exchange(x, plan, group, kernel, dequant, chunks)
+    return _simple_mx_exchange(x, plan, group, kernel, dequant)
+
+
+def _hp_exchange(x: Tensor, plan: Plan, group) -> Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(plan.output_splits), *x.shape[1:]))
+    return all_to_all_rows(out, x, plan.output_splits, plan.input_splits, group)
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd functions
+# --------------------------------------------------------------------------------------------
+
+
+class _MXA2A(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan, group, kernel, chunks):
+        ctx.args = (plan, group, kernel, chunks)
+        return _mx_exchange(x, plan, group, kernel, True, chunks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, group, kernel, chunks = ctx.args
+        return _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks), None, None, None, None
+
+
+class _HPA2A(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan, group):
+        ctx.args = (plan, group)
+        return _hp_exchange(x, plan, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, group = ctx.args
+        return _hp_exchange(grad, plan.reversed(), group), None, None
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan, group, kernel, chunks):
+        ctx.args = (plan, group)
+        q, s = _mx_exchange(x, plan, group, kernel, False, chunks)
+        anchor = make_grad_anchor((q.shape[0], q.shape[1]), x.dtype, x.device)
+        ctx.mark_non_differentiable(q, s)
+        return anchor, q, s
+
+    @staticmethod
+    def backward(ctx, grad, _gq, _gs):
+        plan, group = ctx.args
+        return _hp_exchange(grad, plan.reversed(), group), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan, group, kernel, chunks):
+        ctx.args = (plan, group, kernel, chunks)
+        return _hp_exchange(x, plan, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, group, kernel, chunks = ctx.args
+        return _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks), None, None, None, None
+
+
+def _check_chunks(chunks) -> int | None:
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0):
+        raise ValueError(f"chunks={chunks!r}; expected None (auto), 0 (no pipelining) or an int >= 1")
+    return chunks
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def to_mxfp8_a2a_dequant(
+    x: Tensor,
+    output_splits,
+    input_splits,
+    group=None,
+    *,
+    check: bool = True,
+    chunks: int | None = None,
+    kernel: str = "auto",
+) -> Tensor:
+    """MXFP8 all-to-all of rows, dequantized on arrival; differentiable (backward: the same MXFP8
+    exchange of the gradient, in reverse).
+
+    x: (sum(input_splits), dim) bfloat16 or float32, dim % 32 == 0, rows ordered by destination.
+    Returns (sum(output_splits), dim), x.dtype, contiguous, rows ordered by source rank; bit for bit
+    `reference_mxfp8_a2a`. check: one small all_gather validating every rank's arguments (every rank
+    raises if one is bad). chunks: None = pipelined on CUDA / simple on CPU, 0 = simple, k >= 1 =
+    pipelined with up to k pieces per pair of ranks (must be equal on all ranks). kernel: the cast
+    backend ("auto" = fastest available).
+    """
+    chunks = _check_chunks(chunks)
+    plan = check_and_plan(
+        "to_mxfp8_a2a_dequant", x, output_splits, input_splits, group, check=check, chunks=chunks
+    )
+    return _MXA2A.apply(x, plan, group, kernel, chunks)
+
+
+def a2a_dispatch_mxfp8(
+    x: Tensor,
+    output_splits,
+    input_splits,
+    group=None,
+    *,
+    check: bool = True,
+    chunks: int | None = None,
+    kernel: str = "auto",
+) -> MXTensor:
+    """MXFP8 all-to-all of rows without dequantizing, for an MX expert GEMM.
+
+    x: (sum(input_splits), dim) bfloat16 or float32, dim % 32 == 0. Returns a 2D MXTensor quantized
+    along axis=1 (RCEIL, e4m3): storage qdata (sum(output_splits), dim) e4m3, scale (rows, dim // 32)
+    e8m0, orig_dtype x.dtype, and `grad_anchor`, a zero-stride (rows, dim) tensor whose gradient (the
+    high-precision gradient of the dequantized rows) is sent back to x's rows with a plain
+    high-precision all-to-all. Consumers take `mx.grad_anchor` as their differentiable input.
+    """
+    chunks = _check_chunks(chunks)
+    plan = check_and_plan(
+        "a2a_dispatch_mxfp8", x, output_splits, input_splits, group, check=check, chunks=chunks
+    )
+    anchor, q, s = _Dispatch.apply(x, plan, group, kernel, chunks)
+    return MXTensor(q, s, 1, BLOCK_SIZE, SCALING_MODE, x.dtype, anchor)
+
+
+def a2a_combine(
+    x: Tensor,
+    output_splits,
+    input_splits,
+    group=None,
+    *,
+    check: bool = True,
+    chunks: int | None = None,
+    kernel: str = "auto",
+) -> Tensor:
+    """High-precision all-to-all of rows whose backward exchanges the gradient in MXFP8.
+
+    x: (sum(input_splits), dim) bfloat16 or float32, dim % 32 == 0. Returns (sum(output_splits), dim),
+    x.dtype. Backward: the gradient (rows_out, dim) is quantized (RCEIL, e4m3), sent back with the
+    splits swapped and dequantized to x.dtype, exactly like `to_mxfp8_a2a_dequant`'s forward.
+    """
+    chunks = _check_chunks(chunks)
+    plan = check_and_plan("a2a_combine", x, output_splits, input_splits, group, check=check, chunks=chunks)
+    return _Combine.apply(x, plan, group, kernel, chunks)
+
+
+def all_to_all_hp(x: Tensor, output_splits, input_splits, group=None, *, check: bool = True) -> Tensor:
+    """Plain differentiable all-to-all of rows in x's own dtype (bf16 expert parallelism).
+
+    x: (sum(input_splits), ...) any dtype. Returns (sum(output_splits), ...), contiguous. Backward:
+    the same exchange of the gradient in reverse.
+    """
+    plan = check_and_plan("all_to_all_hp", x, output_splits, input_splits, group, check=check, mx=False)
+    return _HPA2A.apply(x, plan, group)
+
+
+class _Reference(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, outs, ins, group, kernel):
+        ctx.args = (outs, ins, group, kernel)
+        return _reference_once(x, outs, ins, group, kernel)
+
+    @staticmethod
+    def backward(ctx, grad):
+        outs, ins, group, kernel = ctx.args
+        return _reference_once(grad.contiguous(), ins, outs, group, kernel), None, None, None, None
+
+
+def _reference_once(x: Tensor, outs: list[int], ins: list[int], group, kernel: str) -> Tensor:
+    mx = to_mx(x, axis=-1, scaling_mode=SCALING_MODE, elem_dtype=ELEM_DTYPE, kernel=kernel)
+    rows, dim = sum(outs), x.shape[1]
+    q = torch.empty((rows, dim), dtype=torch.uint8, device=x.device)
+    s = torch.empty((rows, dim // BLOCK_SIZE), dtype=torch.uint8, device=x.device)
+    all_to_all_rows(q, mx.qdata_blocked.view(torch.uint8), outs, ins, group)
+    all_to_all_rows(s, mx.scale_blocked.view(torch.uint8), outs, ins, group)
+    out = MXTensor(q.view(ELEM_DTYPE), s.view(torch.float8_e8m0fnu), 1, BLOCK_SIZE, SCALING_MODE, x.dtype)
+    return out.dequantize(kernel=kernel)
+
+
+def reference_mxfp8_a2a(x: Tensor, output_splits, input_splits, group=None, kernel: str = "auto") -> Tensor:
+    """The definition the MXFP8 all-to-all must match: quantize (to_mx, RCEIL, e4m3, along dim) ->
+    plain all_to_all_single of element and scale bytes -> dequantize to x.dtype. Differentiable:
+    backward does the same to the gradient with the splits swapped. No overlap, no checks."""
+    outs = list(output_splits.tolist() if isinstance(output_splits, Tensor) else output_splits)
+    ins = list(input_splits.tolist() if isinstance(input_splits, Tensor) else input_splits)
+    return _Reference.apply(x, outs, ins, group, kernel)

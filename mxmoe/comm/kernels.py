@@ -1,0 +1,266 @@
+"""Dequantize MXFP8 e4m3 rows straight into a slice of a larger output (no temporary, no copy).
+
+The all-to-all writes each received piece into its final rows of the output, so it needs a dequantize
+with a destination: `dequantize_into(q, s, out)`. It computes exactly what
+`mxmoe.quant.custom_ops.dequantize` defines (docs/mx-format.md): value = q x 2^(s-127), exact in
+fp32, rounded once (to nearest even) to the output dtype; NaN where the element is NaN (0x7F/0xFF)
+or the scale byte is 0xFF. NaNs are written as the canonical quiet NaN (payloads are not part of
+the format).
+
+The Triton kernel never relies on how the GPU treats fp32 subnormals: element bytes are decoded
+with integer arithmetic; a program whose smallest scale byte is >= 10 multiplies in fp32 (every
+product is then a normal number with at most 4 significant bits, so exact); otherwise it builds
+the fp32 bit pattern of the product with integers (subnormal products included) and rounds to
+bf16 on the bits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mxmoe.quant import custom_ops
+from mxmoe.quant.kernels import resolve_kernel, triton_interpret
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is optional
+    triton = None
+
+BLOCK_SIZE = 32
+_BLOCK = 4096
+
+if triton is not None:
+
+    @triton.jit
+    def _int_dequant_bits(byte, s):
+        # Exact fp32 bit pattern (magnitude) of e4m3 `byte` (sign ignored) x 2^(s - 127), integers only.
+        a = byte & 0x7F
+        e_el = a >> 3
+        sig = tl.where(e_el == 0, a & 7, (a & 7) | 8)
+        t = tl.where(e_el == 0, 1, e_el) - 10 + s - 127
+        p = (sig >= 2).to(tl.int32) + (sig >= 4).to(tl.int32) + (sig >= 8).to(tl.int32)
+        biased = t + p + 127
+        normal_bits = (biased << 23) | ((sig << (23 - p)) & 0x7FFFFF)
+        sub_bits = sig << tl.minimum(tl.maximum(t + 149, 0), 31)
+        bits = tl.where(biased >= 1, normal_bits, sub_bits)
+        bits = tl.where(biased >= 255, 0x7F800000, bits)
+        return tl.where(sig == 0, 0, bits)
+
+    @triton.jit
+    def _dequant_e4m3_kernel(
+        q_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr, BS: tl.constexpr, OUT_BF16: tl.constexpr
+    ):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        b = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
+        s = tl.load(s_ptr + offs // BS, mask=mask, other=127).to(tl.int32)
+        a = b & 0x7F
+        neg = (b >> 7).to(tl.int32)
+        nan = (a == 0x7F) | (s == 255)
+        smin = tl.min(s, axis=0)
+        if smin >= 10:
+            # normal e4m3: rebias the exponent (7 -> 127); subnormal: mant x 2^-9 (both exact).
+            normal = ((a << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+            sub = (a & 7).to(tl.float32) * 0.001953125
+            mag = tl.where(a >= 8, normal, sub)
+            v = mag * (s << 23).to(tl.float32, bitcast=True)
+            bits = v.to(tl.int32, bitcast=True)
+        else:
+            # value = sig x 2^t with sig < 16: build the exact fp32 bits with integers.
+            bits = _int_dequant_bits(a, s)
+        if OUT_BF16:
+            r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            r = tl.where(nan, 0x7FC0, r | (neg << 15))
+            tl.store(out_ptr + offs, r.to(tl.int16), mask=mask)
+        else:
+            r = tl.where(nan, 0x7FC00000, bits | (neg << 31))
+            tl.store(out_ptr + offs, r, mask=mask)
+
+    @triton.jit
+    def _qdq_kernel(
+        x_ptr,
+        out_ptr,
+        n_blocks,
+        rceil_c,
+        T127,
+        T126,
+        NB: tl.constexpr,
+        IN_BF16: tl.constexpr,
+        FORCE_SLOW: tl.constexpr,
+    ):
+        """Quantize blocks of 32 (RCEIL, e4m3) and dequantize them again, in registers."""
+        pid = tl.program_id(0)
+        blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
+        bmask = blk < n_blocks
+        offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+        mask = bmask[:, None]
+        if IN_BF16:  # bf16 bits -> fp32 bits by a shift: exact for subnormals on every backend
+            xb = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32) << 16
+        else:
+            xb = tl.load(x_ptr + offs, mask=mask, other=0)
+        x = xb.to(tl.float32, bitcast=True)
+        m = xb & 0x7FFFFFFF
+        neg = (xb >> 31) & 1
+        amax = tl.max(m, axis=1)
+        nonfinite = amax >= 0x7F800000
+        d = (amax.to(tl.float32, bitcast=True) * rceil_c).to(tl.int32, bitcast=True)
+        e = (d >> 23) - 127 + ((d & 0x7FFFFF) != 0).to(tl.int32)
+        e = tl.where(amax <= T126, -126, e)
+        e = tl.where(amax <= T127, -127, e)
+        e = tl.minimum(tl.maximum(e, -127), 127)
+        emin = tl.min(tl.where(nonfinite | (~bmask), 127, e), axis=0)
+        if FORCE_SLOW:
+            emin = emin - 1000
+        if emin >= -115:
+            # Every fp32 value that matters is normal here, so flush-to-zero cannot change a result.
+            recip = ((127 - e) << 23).to(tl.float32, bitcast=True)
+            y = tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)
+            q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            v = q.to(tl.float32) * scale[:, None]
+            bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        else:
+            # x = sig x 2^E exactly; y = x x 2^-e rounded to e4m3 (nearest even) with integers.
+            exp_f = m >> 23
+            sig = tl.where(exp_f == 0, m, (m & 0x7FFFFF) | 0x800000)
+            F = tl.where(exp_f == 0, -149, exp_f - 150) - e[:, None]
+            lg_sub = (m.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+            lg = tl.where(exp_f == 0, lg_sub, 23)
+            ey = lg + F
+            qe = tl.maximum(ey, -6) - 3
+            k = qe - F
+            kc = tl.minimum(tl.maximum(k, 1), 30)
+            q0 = sig >> kc
+            rem = sig & ((1 << kc) - 1)
+            half = 1 << (kc - 1)
+            up = (rem > half) | ((rem == half) & ((q0 & 1) == 1))
+            n = tl.where(k >= 1, q0 + up.to(tl.int32), sig << tl.minimum(tl.maximum(-k, 0), 31))
+            byte = tl.where(ey >= -6, ((qe + 10) << 3) + n - 8, n)
+            byte = tl.where(n == 0, 0, tl.minimum(byte, 0x7E))
+            bits = _int_dequant_bits(byte, (e + 127)[:, None])
+        nan = nonfinite[:, None]
+        if IN_BF16:
+            r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            r = tl.where(nan, 0x7FC0, r | (neg << 15))
+            tl.store(out_ptr + offs, r.to(tl.int16), mask=mask)
+        else:
+            r = tl.where(nan, 0x7FC00000, bits | (neg << 31))
+            tl.store(out_ptr + offs, r, mask=mask)
+
+
+def triton_usable(device: torch.device) -> bool:
+    """True when the Triton dequantize can run on tensors of `device` here."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and triton_interpret())
+
+
+def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", impl: str = "auto") -> Tensor:
+    """Dequantize MXFP8 rows into `out` (written in place; returned).
+
+    q: (R, C) float8_e4m3fn (or its uint8 view), contiguous. s: (R, C // 32) float8_e8m0fnu (or
+    uint8), contiguous. out: (R, C) bfloat16 or float32, contiguous (e.g. a row slice of a larger
+    contiguous tensor). impl: "triton" (the kernel above), "copy" (`custom_ops.dequantize` with
+    `kernel`, then a copy into `out`) or "auto" (triton on CUDA when available, else copy).
+    """
+    if impl not in ("auto", "triton", "copy"):
+        raise ValueError(f"impl={impl!r} is not one of 'auto', 'triton', 'copy'")
+    if q.shape != out.shape or s.shape != (q.shape[0], q.shape[1] // BLOCK_SIZE):
+        raise ValueError(
+            f"dequantize_into: q {tuple(q.shape)}, s {tuple(s.shape)} and out {tuple(out.shape)} do not "
+            "match (expected q and out (R, C), s (R, C // 32))"
+        )
+    if out.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out has dtype {out.dtype}; expected torch.bfloat16 or torch.float32")
+    if not (q.is_contiguous() and s.is_contiguous() and out.is_contiguous()):
+        raise ValueError("dequantize_into needs contiguous q, s and out")
+    if q.numel() == 0:
+        return out
+    if impl == "auto":
+        impl = "triton" if out.is_cuda and triton_usable(out.device) else "copy"
+    if impl == "copy":
+        kernel = resolve_kernel(kernel, out.device)
+        deq = custom_ops.dequantize(
+            q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), BLOCK_SIZE, out.dtype, kernel
+        )
+        return out.copy_(deq)
+    if not triton_usable(out.device):
+        raise RuntimeError("impl='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    bf16 = out.dtype == torch.bfloat16
+    out_bits = out.view(torch.int16 if bf16 else torch.int32)
+    n = q.numel()
+    grid = (triton.cdiv(n, _BLOCK),)
+    _dequant_e4m3_kernel[grid](
+        q.view(torch.uint8),
+        s.view(torch.uint8),
+        out_bits,
+        n,
+        BLOCK=_BLOCK,
+        BS=BLOCK_SIZE,
+        OUT_BF16=bf16,
+        num_warps=8,
+    )
+    return out
+
+
+_NB = 64
+
+
+def qdq_into(
+    x: Tensor, out: Tensor, kernel: str = "auto", impl: str = "auto", force_slow: bool = False
+) -> Tensor:
+    """out = dequantize(quantize(x)) (MXFP8 e4m3, RCEIL, blocks of 32 along the last dim), in one pass.
+
+    x: (R, C) bfloat16/float32 contiguous, C % 32 == 0. out: (R, C) of x.dtype, contiguous (e.g. a row
+    slice of a larger tensor); written in place and returned. Bit for bit what `quantize_dim0` followed
+    by `dequantize` gives (NaN blocks as canonical NaN). impl: "triton" (one fused kernel: reads x once,
+    writes out once), "copy" (the cast backend `kernel`, then `dequantize_into`) or "auto" (triton on
+    CUDA when available). force_slow: use the kernel's all-integer path everywhere (for tests).
+    """
+    if impl not in ("auto", "triton", "copy"):
+        raise ValueError(f"impl={impl!r} is not one of 'auto', 'triton', 'copy'")
+    if x.shape != out.shape or x.ndim != 2 or x.shape[1] % BLOCK_SIZE:
+        raise ValueError(
+            f"qdq_into: x {tuple(x.shape)} and out {tuple(out.shape)} must be equal 2D shapes (R, C) with "
+            f"C % {BLOCK_SIZE} == 0"
+        )
+    if x.dtype not in (torch.bfloat16, torch.float32) or out.dtype != x.dtype:
+        raise TypeError(f"x has dtype {x.dtype} and out {out.dtype}; expected both bfloat16 or both float32")
+    if not (x.is_contiguous() and out.is_contiguous()):
+        raise ValueError("qdq_into needs contiguous x and out")
+    if x.numel() == 0:
+        return out
+    if impl == "auto":
+        impl = "triton" if out.is_cuda and triton_usable(out.device) else "copy"
+    if impl == "copy":
+        kernel = resolve_kernel(kernel, x.device)
+        q, s = custom_ops.quantize_dim0(x, BLOCK_SIZE, "rceil", torch.float8_e4m3fn, kernel)
+        return dequantize_into(q, s, out, kernel)
+    if not triton_usable(out.device):
+        raise RuntimeError("impl='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    spec = _rceil_spec()
+    bf16 = out.dtype == torch.bfloat16
+    n_blocks = x.numel() // BLOCK_SIZE
+    bits = torch.int16 if bf16 else torch.int32
+    _qdq_kernel[(triton.cdiv(n_blocks, _NB),)](
+        x.view(bits),
+        out.view(bits),
+        n_blocks,
+        spec.rceil_c,
+        spec.rceil_t127,
+        spec.rceil_t126,
+        NB=_NB,
+        IN_BF16=bf16,
+        FORCE_SLOW=force_slow,
+        num_warps=4,
+    )
+    return out
+
+
+def _rceil_spec():
+    from mxmoe.formats import make_spec
+
+    return make_spec(BLOCK_SIZE, "rceil", torch.float8_e4m3fn)

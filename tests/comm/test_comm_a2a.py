@@ -1,0 +1,306 @@
+"""MXFP8 all-to-all on gloo/CPU: bit-exact against the reference, forward and backward, for 1, 2
+and 4 ranks, uneven/zero splits, chunked and simple paths, and every error case raising on every
+rank. Many checks share one process launch (spawning costs seconds on a busy machine)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mxmoe.comm import (
+    a2a_combine,
+    a2a_dispatch_mxfp8,
+    all_to_all_hp,
+    dequantize_into,
+    qdq_into,
+    reference_mxfp8_a2a,
+    to_mxfp8_a2a_dequant,
+)
+from mxmoe.comm.a2a import all_to_all_rows
+from mxmoe.quant import custom_ops
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    """Equal shapes, dtypes, NaN positions, and bit patterns everywhere else."""
+    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
+    na, nb = a.isnan(), b.isnan()
+    assert torch.equal(na, nb), f"{what}: NaN positions differ"
+    ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    ba, bb = a.view(ints)[~na], b.view(ints)[~nb]
+    if not torch.equal(ba, bb):
+        bad = (ba != bb).nonzero()[:5].flatten().tolist()
+        raise AssertionError(f"{what}: {int((ba != bb).sum())} elements differ, e.g. at {bad}")
+
+
+def make_rows(n: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows with awkward blocks: zeros, subnormal-scale blocks, large values, NaN, Inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g) * torch.exp2(torch.randint(-20, 20, (n, 1), generator=g).float())
+    if n >= 4 and dim >= 64:
+        x[0, :32] = 0.0
+        x[1, :32] = torch.randn(32, generator=g) * 2.0**-130
+        x[2, 32:64] = torch.randn(32, generator=g) * 2.0**100
+        x[3, 5] = float("nan")
+        x[3, 40] = float("inf")
+    return x.to(dtype)
+
+
+def split_matrix(world: int, kind: str) -> list[list[int]]:
+    """S[r][p]: rows rank r sends to rank p."""
+    if kind == "equal":
+        return [[4] * world for _ in range(world)]
+    if kind == "uneven":
+        return [[(3 * r + 5 * p + 1) % 7 + 1 for p in range(world)] for r in range(world)]
+    if kind == "zeros":  # zero rows between some pairs, rank 1 sends nothing at all
+        return [[0 if r == 1 or (r + p) % 3 == 0 else 2 + r + p for p in range(world)] for r in range(world)]
+    raise ValueError(kind)
+
+
+def _check_all_paths(
+    rank: int, world: int, dim: int, dtype: torch.dtype, kind: str, seed: int, group=None, device="cpu"
+) -> None:
+    S = split_matrix(world, kind)
+    ins = S[rank]
+    outs = [S[p][rank] for p in range(world)]
+    x0 = make_rows(sum(ins), dim, dtype, seed + rank).to(device)
+    g = make_rows(sum(outs), dim, dtype, seed + 100 + rank).to(device)
+
+    xr = x0.clone().requires_grad_()
+    yr = reference_mxfp8_a2a(xr, outs, ins, group)
+    yr.backward(g)
+    for chunks in (None, 0, 1, 3):
+        for splits_as in ("list", "tensor"):
+            o, i = (
+                (outs, ins) if splits_as == "list" else (torch.tensor(outs, device=device), torch.tensor(ins))
+            )
+            what = f"rank {rank} {kind} {dtype} chunks={chunks} {splits_as}"
+            x = x0.clone().requires_grad_()
+            y = to_mxfp8_a2a_dequant(x, o, i, group, chunks=chunks)
+            assert_same_bits(y, yr.detach(), "forward " + what)
+            y.backward(g)
+            assert_same_bits(x.grad, xr.grad, "backward " + what)
+
+        # dispatch: MX rows equal the reference; gradient goes back in high precision
+        x = x0.clone().requires_grad_()
+        mx = a2a_dispatch_mxfp8(x, outs, ins, group, chunks=chunks)
+        assert mx.qdata_blocked.shape == (sum(outs), dim) and mx.axis == 1 and mx.orig_dtype == dtype
+        assert_same_bits(mx.dequantize(), yr.detach(), "dispatch " + what)
+        q_ref, s_ref = custom_ops.quantize_dim0(x0, 32, "rceil", torch.float8_e4m3fn, "torch")
+        q_exp = torch.empty(sum(outs), dim, dtype=torch.uint8, device=device)
+        all_to_all_rows(q_exp, q_ref.view(torch.uint8), outs, ins, group)
+        assert torch.equal(mx.qdata_blocked.view(torch.uint8), q_exp), "dispatch bytes " + what
+        (mx.grad_anchor * g).sum().backward()
+        g_back = torch.empty_like(x0)
+        all_to_all_rows(g_back, g, ins, outs, group)
+        assert_same_bits(x.grad, g_back, "dispatch backward " + what)
+
+        # combine: exact high-precision forward, MXFP8 backward
+        x = x0.clone().requires_grad_()
+        y = a2a_combine(x, outs, ins, group, chunks=chunks)
+        y_exp = torch.empty(sum(outs), dim, dtype=dtype, device=device)
+        all_to_all_rows(y_exp, x0, outs, ins, group)
+        assert_same_bits(y, y_exp, "combine " + what)
+        y.backward(g)
+        assert_same_bits(x.grad, reference_mxfp8_a2a(g, ins, outs, group), "combine backward " + what)
+
+    # plain high-precision all-to-all, any dtype and trailing shape
+    x = x0.clone().requires_grad_()
+    y = all_to_all_hp(x, outs, ins, group)
+    assert_same_bits(y, y_exp, "all_to_all_hp")
+    y.backward(g)
+    assert_same_bits(x.grad, g_back, "all_to_all_hp backward")
+    xi = torch.arange(sum(ins) * 6, dtype=torch.int64, device=device).view(-1, 2, 3) + 1000 * rank
+    yi = all_to_all_hp(xi, outs, ins, group)
+    assert yi.shape == (sum(outs), 2, 3)
+    yi_exp = torch.empty_like(yi)
+    dist.all_to_all_single(yi_exp, xi, outs, ins, group=group)
+    assert torch.equal(yi, yi_exp)
+
+
+def _expect_error_everywhere(rank: int, exc: type, needle: str, fn, *args, **kwargs) -> None:
+    with pytest.raises(exc) as info:
+        fn(*args, **kwargs)
+    assert needle in str(info.value), f"rank {rank}: {needle!r} not in {info.value}"
+    # The group is still in step: a collective right after the error completes.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
+
+
+def _check_errors(rank: int, world: int) -> None:
+    ok = [2] * world
+    x = torch.randn(2 * world, 64)
+    fns = (to_mxfp8_a2a_dequant, a2a_dispatch_mxfp8, a2a_combine)
+    for fn in fns:
+        # a bad argument on rank 1 only: every rank raises
+        bad_sum = [3] + [2] * (world - 1) if rank == 1 else ok
+        _expect_error_everywhere(rank, ValueError, "input_splits", fn, x, ok, bad_sum)
+        short = ok[:-1] if rank == 1 else ok
+        _expect_error_everywhere(rank, ValueError, "output_splits has", fn, x, short, ok)
+        neg = [-1, 3] + [2] * (world - 2) if rank == world - 1 else ok
+        _expect_error_everywhere(rank, ValueError, "negative", fn, x, ok, neg)
+        xh = x.half() if rank == 1 else x
+        _expect_error_everywhere(rank, TypeError, "dtype", fn, xh, ok, ok)
+        _expect_error_everywhere(rank, ValueError, "divisible", fn, torch.randn(2 * world, 48), ok, ok)
+        xd = torch.randn(2 * world, 96) if rank == 0 else x
+        _expect_error_everywhere(rank, ValueError, "same shape", fn, xd, ok, ok)
+        xt = x.bfloat16() if rank == 0 else x
+        _expect_error_everywhere(rank, TypeError, "same dtype", fn, xt, ok, ok)
+        # rank 0 expects 3 rows from rank 1, which sends 2 (local checks cannot see it)
+        outs = [2, 3] + [2] * (world - 2) if rank == 0 else ok
+        _expect_error_everywhere(rank, ValueError, "output_splits[1]=3 on rank 0", fn, x, outs, ok)
+        _expect_error_everywhere(rank, ValueError, "chunks", fn, x, ok, ok, chunks=2 if rank else None)
+        _expect_error_everywhere(rank, TypeError, "not an int", fn, x, ok, [2.0] * world)
+    _expect_error_everywhere(rank, ValueError, "input_splits", all_to_all_hp, x, ok, [1] * world)
+    with pytest.raises(ValueError, match="chunks"):
+        to_mxfp8_a2a_dequant(x, ok, ok, chunks=-1)
+
+
+def _worker(rank: int, world: int, port: int, jobs: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
+    )
+    try:
+        for job in jobs:
+            if job == "errors":
+                _check_errors(rank, world)
+            elif job.startswith("subgroups:"):
+                # ranks {0, 2} and {1, 3}: group ranks differ from global ranks
+                groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+                group = groups[rank % 2]
+                kind, dtype, dim = job.split(":")[1:]
+                grank = dist.get_rank(group)
+                _check_all_paths(grank, 2, int(dim), getattr(torch, dtype), kind, seed=rank % 2, group=group)
+            else:
+                kind, dtype, dim = job.split(":")
+                _check_all_paths(rank, world, int(dim), getattr(torch, dtype), kind, seed=7 * world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(world: int, jobs: list[str]) -> None:
+    mp.spawn(_worker, args=(world, _free_port(), jobs), nprocs=world, join=True)
+
+
+def test_two_ranks():
+    _launch(2, ["equal:bfloat16:64", "uneven:float32:96", "zeros:bfloat16:64", "errors"])
+
+
+def test_four_ranks():
+    _launch(4, ["uneven:bfloat16:64", "zeros:float32:32", "subgroups:uneven:bfloat16:64", "errors"])
+
+
+def test_single_rank_without_and_with_process_group():
+    x0 = make_rows(6, 64, torch.bfloat16, 3)
+    g = make_rows(6, 64, torch.bfloat16, 4)
+    q, s = custom_ops.quantize_dim0(x0, 32, "rceil", torch.float8_e4m3fn, "torch")
+    expect = custom_ops.dequantize(q, s, 32, torch.bfloat16, "torch")
+    for chunks in (None, 0, 4):
+        x = x0.clone().requires_grad_()
+        y = to_mxfp8_a2a_dequant(x, [6], [6], chunks=chunks)
+        assert_same_bits(y, expect)
+        y.backward(g)
+        qg, sg = custom_ops.quantize_dim0(g, 32, "rceil", torch.float8_e4m3fn, "torch")
+        assert_same_bits(x.grad, custom_ops.dequantize(qg, sg, 32, torch.bfloat16, "torch"))
+    with pytest.raises(ValueError, match="input_splits has 2 entries but the group has 1"):
+        to_mxfp8_a2a_dequant(x0, [6], [3, 3])
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=TIMEOUT
+    )
+    try:
+        for chunks in (None, 0, 2):
+            assert_same_bits(to_mxfp8_a2a_dequant(x0, torch.tensor([6]), [6], chunks=chunks), expect)
+            assert_same_bits(a2a_dispatch_mxfp8(x0, [6], [6], chunks=chunks).dequantize(), expect)
+        assert_same_bits(a2a_combine(x0, [6], [6]), x0)
+        assert_same_bits(reference_mxfp8_a2a(x0, [6], [6]), expect)
+    finally:
+        dist.destroy_process_group()
+
+
+def _all_byte_scale_pairs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Every e4m3 byte under every e8m0 scale byte: q (2048, 32) uint8, s (2048, 1) uint8."""
+    q = torch.arange(256, dtype=torch.uint8).view(8, 32).repeat(256, 1)
+    s = torch.arange(256, dtype=torch.uint8).repeat_interleave(8).view(-1, 1)
+    return q, s
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflow notes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_into_triton_matches_definition(dtype):
+    device = _needs_triton_here()
+    q, s = _all_byte_scale_pairs()
+    # sorted scales: most programs take the fp32 path; shuffled: every program has a tiny scale
+    shuffled = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(0))
+    for perm in (torch.arange(q.shape[0]), shuffled):
+        qq, ss = q[perm].contiguous(), s[perm].contiguous()
+        q8, s8 = qq.view(torch.float8_e4m3fn), ss.view(torch.float8_e8m0fnu)
+        expect = custom_ops.dequantize(q8, s8, 32, dtype, "torch")
+        qq, ss = qq.to(device), ss.to(device)
+        big = torch.full((qq.shape[0] + 3, 32), 7.0, dtype=dtype, device=device)
+        dequantize_into(qq, ss, big[2:-1], impl="triton")
+        assert_same_bits(big[2:-1].cpu(), expect)
+        assert (big[:2] == 7).all() and (big[-1] == 7).all()  # nothing written outside the slice
+        out = torch.empty(qq.shape, dtype=dtype)
+        assert_same_bits(dequantize_into(qq.cpu(), ss.cpu(), out, impl="copy"), expect, "copy")
+
+
+def _needs_triton_here() -> str:
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qdq_into_matches_quantize_then_dequantize(dtype):
+    """The fused own-slice kernel against the torch backend, over every binade 2^-150..2^127 plus zero,
+    subnormal, huge, NaN and Inf blocks. The integer path is checked everywhere; the fp32 path (which
+    relies on the GPU's fp32 -> e4m3 convert) only on a GPU: the interpreter does not round like one."""
+    device = _needs_triton_here()
+    g = torch.Generator().manual_seed(1)
+    e = torch.randint(-150, 128, (256, 1), generator=g).float()
+    binades = (torch.randn(256, 32, generator=g) * torch.exp2(e)).to(dtype).view(-1, 128)
+    # normal range only (every program takes the fp32 path on a GPU); bf16 data hits e4m3 ties often
+    normal = (torch.randn(1024, 32, generator=g) * torch.exp2(e.repeat(4, 1).clamp(-100, 100))).to(dtype)
+    for x in (make_rows(16, 128, dtype, 5), binades, normal.view(-1, 256)):
+        q, s = custom_ops.quantize_dim0(x, 32, "rceil", torch.float8_e4m3fn, "torch")
+        expect = custom_ops.dequantize(q, s, 32, dtype, "torch")
+        for force_slow in (True, False) if device == "cuda" else (True,):
+            big = torch.full((x.shape[0] + 2, x.shape[1]), 7.0, dtype=dtype, device=device)
+            qdq_into(x.to(device), big[1:-1], impl="triton", force_slow=force_slow)
+            assert_same_bits(big[1:-1].cpu(), expect, f"force_slow={force_slow}")
+            assert (big[0] == 7).all() and (big[-1] == 7).all()
+        out = torch.empty_like(x)
+        assert_same_bits(qdq_into(x, out, impl="copy"), expect, "copy")
+
+
+def test_dequantize_into_rejects_bad_arguments():
+    q = torch.zeros(4, 64, dtype=torch.uint8)
+    s = torch.zeros(4, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_into(q, s, torch.empty(4, 32))
+    with pytest.raises(TypeError, match="dtype"):
+        dequantize_into(q, s, torch.empty(4, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="impl"):
+        dequantize_into(q, s, torch.empty(4, 64), impl="fast")
+    with pytest.raises(ValueError, match="equal 2D shapes"):
+        qdq_into(torch.empty(4, 48), torch.empty(4, 48))
+    with pytest.raises(TypeError, match="dtype"):
+        qdq_into(torch.empty(4, 64), torch.empty(4, 64, dtype=torch.bfloat16))
