@@ -1,0 +1,242 @@
+"""`mxmoe bench cast`: speed of the MX cast kernels as a fraction of the device copy bandwidth.
+
+Every cast is called the way users get it: the `triton` and `cuda` backends through the
+`mxmoe::*` custom ops, the `torch` backend compiled with `torch.compile` (its only fast form).
+Bytes counted per call: input read + elements and scales written (the fused dim0+dim1 cast reads x
+once and writes both outputs; dequantize reads elements and scales and writes the output). The
+copy ceiling is measured in the same run with the same timing utility (mxmoe.bench.timing).
+
+    mxmoe bench cast                                    # every mode, kernel, scaling, default shape
+    mxmoe bench cast --mode dim1 --kernel triton --shape 16384x16384 --json out.json
+    mxmoe bench cast --mode 3d --shape 8x2048x7168      # expert weights, blocks along either dim
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from mxmoe.bench import timing
+
+MODES = ("dim0", "dim1", "dim0_dim1", "3d", "dequant")
+SCALINGS = ("floor", "rceil")
+KERNELS = ("torch", "triton", "cuda")
+DEFAULT_SHAPES_2D = ((16384, 16384), (131072, 7168), (131072, 2048))
+DEFAULT_SHAPES_3D = ((8, 2048, 7168), (8, 7168, 2048))
+ELEMS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+BLOCK = 32
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(t) for t in text.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) not in (2, 3) or any(d <= 0 for d in dims):
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r} is not RxC or BxRxC with positive integers (e.g. 16384x16384, 8x2048x7168)"
+        )
+    if dims[-1] % BLOCK or dims[-2] % BLOCK:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: the last two dims must be multiples of {BLOCK}")
+    return dims
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mxmoe bench cast",
+        description="Time the MX cast kernels (median of CUDA-event timings, inputs rotated past the "
+        "L2) against the device copy bandwidth measured in the same run.",
+    )
+    p.add_argument("--mode", choices=(*MODES, "all"), default="all",
+                   help="dim0: blocks along the last dim; dim1: blocks along dim 0, stored transposed; "
+                   "dim0_dim1: both from one read; 3d: expert weights (E, N, K) along K and along N; "
+                   "dequant: back to bf16")
+    p.add_argument("--scaling", choices=(*SCALINGS, "all"), default="all", help="scale mode")
+    p.add_argument("--kernel", choices=(*KERNELS, "all"), action="append",
+                   help="backend(s), repeatable (torch = torch_cast under torch.compile); default all")
+    p.add_argument("--shape", type=_shape, action="append",
+                   help="RxC for 2D modes or ExNxK for 3d, repeatable; defaults: "
+                   + ", ".join("x".join(map(str, s)) for s in DEFAULT_SHAPES_2D + DEFAULT_SHAPES_3D))
+    p.add_argument("--elem", choices=tuple(ELEMS), default="e4m3", help="element format")
+    p.add_argument("--iters", type=_positive, default=50, help="timed iterations (median reported)")
+    p.add_argument("--warmup", type=_positive, default=10, help="untimed iterations first")
+    p.add_argument("--triton-config", action="append", dest="triton_config",
+                   help="Triton tile config(s) to time, repeatable (mxmoe.quant.triton_cast.CONFIGS); "
+                   "default: MXMOE_TRITON_CAST_CONFIG or 'default'")
+    p.add_argument("--triton-round", choices=("auto", "soft", "hw"), default=None,
+                   help="Triton element rounding (default MXMOE_TRITON_CAST_ROUND or auto = hardware)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
+    return p
+
+
+@dataclass
+class Case:
+    mode: str  # row label
+    kernel: str  # row label, e.g. "triton" or "triton[wide]"
+    backend: str  # torch | triton | cuda
+    scaling: str
+    shape: tuple[int, ...]
+    triton_config: str | None = None
+
+
+def _cases(args) -> list[Case]:
+    modes = MODES if args.mode == "all" else (args.mode,)
+    scalings = SCALINGS if args.scaling == "all" else (args.scaling,)
+    kernels = KERNELS if not args.kernel or "all" in args.kernel else tuple(dict.fromkeys(args.kernel))
+    shapes = args.shape or []
+    s2 = [s for s in shapes if len(s) == 2] or list(DEFAULT_SHAPES_2D)
+    s3 = [s for s in shapes if len(s) == 3] or list(DEFAULT_SHAPES_3D)
+    cases = []
+    for mode in modes:
+        for shape in s3 if mode == "3d" else s2:
+            for scaling in scalings if mode != "dequant" else ("-",):
+                for k in kernels:
+                    if k == "triton" and args.triton_config:
+                        for cfg in args.triton_config:
+                            cases.append(Case(mode, f"triton[{cfg}]", k, scaling, shape, cfg))
+                    else:
+                        cases.append(Case(mode, k, k, scaling, shape))
+    return cases
+
+
+def _bytes(mode: str, shape, in_size: int, out_size: int = 2) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    elems_and_scales = n + n // BLOCK
+    if mode == "dequant":
+        return elems_and_scales + n * out_size
+    if mode == "dim0_dim1":
+        return n * in_size + 2 * elems_and_scales
+    return n * in_size + elems_and_scales
+
+
+def _make_fns(case: Case, elem: torch.dtype):
+    """{row label: fn} calling the cast like a user does; fn takes one input set (x,) or (q, s)."""
+    from mxmoe.formats import make_spec
+    from mxmoe.quant import custom_ops, torch_cast
+
+    spec = make_spec(BLOCK, case.scaling if case.scaling != "-" else "rceil", elem)
+    k = case.backend
+    if k == "torch":
+        casts = {
+            "dim0": lambda x: torch_cast.quantize_dim0(x, spec),
+            "dim1": lambda x: torch_cast.quantize_dim1(x.unsqueeze(0), spec),
+            "dim0_dim1": lambda x: torch_cast.quantize_dim0_dim1(x, spec),
+            "3d axis=-1": lambda x: torch_cast.quantize_dim0(x.view(-1, x.shape[-1]), spec),
+            "3d axis=-2": lambda x: torch_cast.quantize_dim1(x, spec),
+            "dequant": lambda q, s: torch_cast.dequantize(q, s, BLOCK, torch.bfloat16),
+        }
+        return {m: torch.compile(f, dynamic=False) for m, f in casts.items()}
+    args = (BLOCK, spec.mode.value, elem, k)
+    return {
+        "dim0": lambda x: custom_ops.quantize_dim0(x, *args),
+        "dim1": lambda x: custom_ops.quantize_dim1(x.unsqueeze(0), *args),
+        "dim0_dim1": lambda x: custom_ops.quantize_dim0_dim1(x, *args),
+        "3d axis=-1": lambda x: custom_ops.quantize_dim0(x.view(-1, x.shape[-1]), *args),
+        "3d axis=-2": lambda x: custom_ops.quantize_dim1(x, *args),
+        "dequant": lambda q, s: custom_ops.dequantize(q, s, BLOCK, torch.bfloat16, k),
+    }
+
+
+def _inputs(mode: str, shape, elem: torch.dtype, count: int) -> list[tuple]:
+    sets = []
+    for i in range(count):
+        x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        x.mul_(2.0 ** ((i % 7) - 3))
+        if mode == "dequant":
+            from mxmoe.formats import make_spec
+            from mxmoe.quant import torch_cast
+
+            q, s = torch_cast.quantize_dim0(x, make_spec(BLOCK, "rceil", elem))
+            del x
+            sets.append((q, s))
+        else:
+            sets.append((x,))
+    return sets
+
+
+def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict]:
+    from mxmoe.quant.kernels import why_unavailable
+
+    labels = ("3d axis=-1", "3d axis=-2") if case.mode == "3d" else (case.mode,)
+    shape_s = "x".join(map(str, case.shape))
+    base = {"kernel": case.kernel, "scaling": case.scaling, "shape": shape_s}
+
+    def error_rows(msg: str) -> list[dict]:
+        msg = " ".join(str(msg).split())[:160]
+        return [{"mode": m, **base, "us": None, "TB/s": None, "% of copy": None, "note": msg} for m in labels]
+
+    reason = why_unavailable(case.backend, torch.device("cuda"))
+    if reason is not None:
+        return error_rows(reason)
+    rows = []
+    try:
+        import contextlib
+
+        ctx = contextlib.nullcontext()
+        if case.backend == "triton" and (case.triton_config or args.triton_round):
+            from mxmoe.quant import triton_cast
+
+            ctx = triton_cast.use_config(case.triton_config, args.triton_round)
+        with ctx:
+            fns = _make_fns(case, elem)
+            for label in labels:
+                nbytes = _bytes("dequant" if label == "dequant" else case.mode, case.shape, 2)
+                count = timing.rotation_count(nbytes)
+                sets = _inputs(label, case.shape, elem, count)
+                fn = fns[label]
+                t = timing.bench(fn, sets, warmup=args.warmup, iters=args.iters)
+                tbs = nbytes / (t.median_ms * 1e-3) / 1e12
+                rows.append({"mode": label, **base, "us": t.median_ms * 1e3, "TB/s": tbs,
+                             "% of copy": 100 * tbs / copy_tbs, "note": ""})
+                del sets
+    except Exception as e:  # a kernel that fails to build or run is a row, not a crash
+        done = {r["mode"] for r in rows}
+        rows += [r for r in error_rows(f"{type(e).__name__}: {e}") if r["mode"] not in done]
+    finally:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.triton_config:
+        try:
+            from mxmoe.quant.triton_cast import CONFIGS
+        except ImportError:
+            CONFIGS = None
+        bad = [c for c in args.triton_config if CONFIGS is not None and c not in CONFIGS]
+        if bad:
+            build_parser().error(
+                f"--triton-config {bad[0]!r} is not a config; expected one of {list(CONFIGS)}"
+            )
+    timing.require_cuda("mxmoe bench cast")
+    from tqdm import tqdm
+
+    elem = ELEMS[args.elem]
+    cases = _cases(args)
+    copy_tbs = timing.copy_bandwidth_tbs()
+    rows = []
+    for case in tqdm(cases, desc="bench cast", unit="case"):
+        rows += _run_case(case, args, copy_tbs, elem)
+    env = timing.environment()
+    title = (f"MX cast ({args.elem}, block {BLOCK}, bf16 in/out) on {env.get('gpu')}; "
+             f"copy bandwidth {copy_tbs:.3f} TB/s (same run); median of {args.iters} iters")
+    timing.print_table(rows, title=title)
+    if args.json:
+        timing.write_json(args.json, {"env": env, "copy_tbs": copy_tbs, "elem": args.elem,
+                                      "iters": args.iters, "rows": rows})
+    return 0

@@ -1,0 +1,56 @@
+"""`mxmoe bench cast`: argument checking and the clear refusal without a GPU (CPU-only tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxmoe.bench import cast
+from mxmoe.cli import main as cli_main
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--mode", "dim2"], "--mode"),
+        (["--scaling", "round"], "--scaling"),
+        (["--kernel", "cutlass"], "--kernel"),
+        (["--shape", "16384"], "not RxC"),
+        (["--shape", "0x64"], "not RxC"),
+        (["--shape", "100x64"], "multiples of 32"),
+        (["--iters", "0"], "positive integer"),
+        (["--triton-config", "nope"], "not a config"),
+    ],
+)
+def test_bad_arguments_are_rejected(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cast.main(argv)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_cases_cover_defaults_and_configs():
+    args = cast.build_parser().parse_args(["--kernel", "triton", "--triton-config", "default",
+                                           "--triton-config", "wide"])
+    cases = cast._cases(args)
+    shapes = {c.shape for c in cases}
+    assert shapes == set(cast.DEFAULT_SHAPES_2D) | set(cast.DEFAULT_SHAPES_3D)
+    assert {c.kernel for c in cases} == {"triton[default]", "triton[wide]"}
+    assert {c.mode for c in cases} == set(cast.MODES)
+    assert {c.scaling for c in cases if c.mode != "dequant"} == {"floor", "rceil"}
+    # 3D shapes only feed the 3d mode, 2D shapes the others
+    assert all((len(c.shape) == 3) == (c.mode == "3d") for c in cases)
+
+
+def test_bytes_counted():
+    n = 64 * 128
+    assert cast._bytes("dim0", (64, 128), 2) == 2 * n + n + n // 32
+    assert cast._bytes("dim0_dim1", (64, 128), 2) == 2 * n + 2 * (n + n // 32)
+    assert cast._bytes("dequant", (64, 128), 2) == n + n // 32 + 2 * n
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_refuses_without_gpu():
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", "cast", "--mode", "dim0"])
+    assert "needs a CUDA GPU" in str(exc.value.code)
