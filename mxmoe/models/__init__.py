@@ -1,1 +1,15 @@
-"""models"""
+"""Models: a decoder-only MoE transformer (and its dense variant) with expert parallelism."""
+
+from mxmoe.models.expert_parallel import expert_major_index, routed_experts
+from mxmoe.models.moe import PRESETS, ModelArgs, MoE, Router, Transformer, model_args
+
+__all__ = [
+    "PRESETS",
+    "ModelArgs",
+    "MoE",
+    "Router",
+    "Transformer",
+    "expert_major_index",
+    "model_args",
+    "routed_experts",
+]

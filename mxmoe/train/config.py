@@ -1,0 +1,284 @@
+"""Trainer configuration: dataclass sections, a TOML file, `--section.key=value` overrides.
+
+    mxmoe train --config configs/debug_moe.toml --model.converters=mx --mx.recipe_name=mxfp8 \
+        --training.compile --training.steps=100
+
+Values are typed from the field types: int, float, str, bool (true/false/1/0/yes/no; a bare
+`--section.flag` means true), `X | None` ("none" gives None) and list[str] / list[int] (comma
+separated). Unknown sections or keys and badly typed values raise `ConfigError` naming them.
+Every field carries a one-line doc (`mxmoe train --help` prints them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A bad config file or command-line override; the message names the key and value."""
+
+
+def _f(default, doc: str):
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class Model:
+    name: str = _f(
+        "debug_moe",
+        "model preset (mxmoe.models.PRESETS): debug_moe, debug_dense, moe_small, moe_1b, dense_1b",
+    )
+    converters: list[str] = _f(
+        [], "model converters applied after building; 'mx' swaps in MXFP8 linears/experts"
+    )
+    dim: int | None = _f(None, "override the preset's model width")
+    n_layers: int | None = _f(None, "override the preset's number of blocks")
+    n_heads: int | None = _f(None, "override the preset's attention heads")
+    num_experts: int | None = _f(None, "override the preset's routed experts (0 = dense model)")
+    top_k: int | None = _f(None, "override the preset's experts per token")
+    moe_hidden_dim: int | None = _f(None, "override the preset's expert hidden width (multiple of 32 for mx)")
+    num_shared_experts: int | None = _f(None, "override the preset's always-on shared experts")
+    load_balance: str | None = _f(None, "router load balancing: aux_loss | bias | none")
+    aux_loss_coef: float | None = _f(None, "weight of the load-balancing aux loss in the training loss")
+    bias_update_rate: float | None = _f(None, "step of the bias-based balancing update per optimizer step")
+
+
+@dataclass
+class MX:
+    recipe_name: str = _f("mxfp8", "MX recipe passed to mxmoe.convert: mxfp8 (FLOOR scales) or mxfp8_rceil")
+    mxfp8_dim1_cast_kernel_choice: str = _f(
+        "triton", "kernel for the dim1 (transposing) casts: triton | cuda | torch"
+    )
+    filter_fqns: list[str] = _f(
+        ["output", "router"], "modules whose name contains one of these stay high precision"
+    )
+    convert_grouped_experts: bool = _f(
+        True, "also convert the routed experts (MX grouped GEMM, MXFP8 all-to-all)"
+    )
+
+
+@dataclass
+class Training:
+    steps: int = _f(100, "optimizer steps to train for (total, including resumed ones)")
+    batch_size: int = _f(8, "sequences per rank per step")
+    seq_len: int = _f(256, "tokens per sequence")
+    lr: float = _f(3e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    warmup_steps: int = _f(10, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    max_norm: float = _f(1.0, "gradient clipping max norm (0 disables)")
+    seed: int = _f(0, "seed of the model init, the data order and the RNG")
+    compile: bool = _f(False, "torch.compile each transformer block")
+    mixed_precision: str = _f(
+        "bf16", "compute dtype on CUDA: bf16 (autocast; fp32 master weights) | fp32; CPU is fp32"
+    )
+    device: str = _f("auto", "auto | cpu | cuda")
+    cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default; 1 suits tiny models)")
+    val_interval: int = _f(50, "validation loss every this many steps (0 disables; also at the last step)")
+    val_batches: int = _f(4, "batches per validation")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = _f(
+        -1, "FSDP degree of the dense parameters; -1 = world size (only value supported)"
+    )
+    expert_parallel_degree: int = _f(
+        1, "ranks the experts are sharded over (divides world size and num_experts)"
+    )
+    tensor_parallel_degree: int = _f(1, "tensor parallelism: not supported (mx converter refuses > 1)")
+    timeout_s: int = _f(300, "process-group timeout in seconds (collectives fail instead of hanging)")
+
+
+@dataclass
+class Data:
+    path: str = _f("", "text file or folder of text files; empty = the Python stdlib's own source")
+    val_fraction: float = _f(0.05, "fraction of files (chosen by file-name hash) held out for validation")
+    max_files: int = _f(0, "use at most this many files (after the split, by hash order); 0 = all")
+    extensions: list[str] = _f([".py"], "file suffixes read from a folder")
+
+
+@dataclass
+class Checkpoint:
+    folder: str = _f("", "checkpoint folder (empty disables checkpointing)")
+    interval: int = _f(0, "save every this many steps (0 = only at the end / on SIGTERM)")
+    keep_latest: int = _f(2, "complete checkpoints kept (older ones deleted; 0 keeps all)")
+    resume: bool = _f(True, "resume from the latest complete checkpoint in folder if there is one")
+
+
+@dataclass
+class Metrics:
+    folder: str = _f("runs/debug", "metrics folder: metrics.jsonl (+ TensorBoard events if importable)")
+    log_freq: int = _f(10, "log loss, tokens/s and memory every this many steps")
+    tensorboard: bool = _f(True, "also write TensorBoard events when torch.utils.tensorboard imports")
+    progress_bar: bool = _f(True, "tqdm progress bar on rank 0")
+
+
+@dataclass
+class JobConfig:
+    model: Model = field(default_factory=Model)
+    mx: MX = field(default_factory=MX)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    data: Data = field(default_factory=Data)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _section_types(section: str) -> dict[str, typing.Any]:
+    cls = typing.get_type_hints(JobConfig)[section]
+    return typing.get_type_hints(cls)
+
+
+def _convert_str(key: str, text: str, tp) -> typing.Any:
+    """Parse the command-line text of `key` as type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if text.strip().lower() in ("none", "null"):
+            return None
+        return _convert_str(key, text, args[0])
+    if origin is list:
+        (elem,) = typing.get_args(tp)
+        return [_convert_str(key, t.strip(), elem) for t in text.split(",") if t.strip()]
+    if tp is bool:
+        low = text.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ConfigError(f"--{key}={text!r}: expected a bool (true/false)")
+    try:
+        return tp(text)
+    except ValueError:
+        raise ConfigError(f"--{key}={text!r}: expected {tp.__name__}") from None
+
+
+def _check_value(key: str, value, tp) -> typing.Any:
+    """Type-check a TOML value for `key`; ints are accepted for float fields."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _check_value(key, value, args[0])
+    if origin is list:
+        (elem,) = typing.get_args(tp)
+        if isinstance(value, str):
+            return _convert_str(key, value, tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r}: expected a list of {elem.__name__}")
+        return [_check_value(key, v, elem) for v in value]
+    ok = (
+        isinstance(value, bool)
+        if tp is bool
+        else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if tp is float
+        else isinstance(value, tp) and not (tp is int and isinstance(value, bool))
+    )
+    if not ok:
+        raise ConfigError(f"{key} = {value!r}: expected {tp.__name__}, got {type(value).__name__}")
+    return float(value) if tp is float else value
+
+
+def _set(cfg: JobConfig, key: str, value, from_text: bool) -> None:
+    if "." not in key:
+        raise ConfigError(f"option {key!r} is not of the form section.key; sections: {list(SECTIONS)}")
+    section, name = key.split(".", 1)
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"unknown config section {section!r} (in {key!r}); expected one of {list(SECTIONS)}"
+        )
+    hints = _section_types(section)
+    if name not in hints:
+        raise ConfigError(f"unknown config key {key!r}; section {section!r} has {sorted(hints)}")
+    tp = hints[name]
+    value = _convert_str(key, value, tp) if from_text else _check_value(key, value, tp)
+    setattr(getattr(cfg, section), name, value)
+
+
+def load_toml(path: str, cfg: JobConfig | None = None) -> JobConfig:
+    """Read a TOML config into `cfg` (default: a fresh JobConfig)."""
+    cfg = JobConfig() if cfg is None else cfg
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path!r}: file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path!r}: invalid TOML: {e}") from None
+    for section, body in data.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+        for name, value in body.items():
+            _set(cfg, f"{section}.{name}", value, from_text=False)
+    return cfg
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """`--config PATH` (applied first) then `--section.key=value` / `--section.key value` /
+    `--section.flag` overrides, in order."""
+    argv = list(argv)
+    cfg = JobConfig()
+    config_path = None
+    overrides: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key=value")
+        body = arg[2:]
+        key, eq, val = body.partition("=")
+        if not eq:
+            val = None
+            takes_value = key == "config" or not _is_bool(key)
+            if takes_value:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError(f"option --{key} needs a value")
+                val = argv[i + 1]
+                i += 1
+        if key == "config":
+            config_path = val
+        else:
+            overrides.append((key, val))
+        i += 1
+    if config_path is not None:
+        load_toml(config_path, cfg)
+    for key, val in overrides:
+        _set(cfg, key, "true" if val is None else val, from_text=True)
+    return cfg
+
+
+def _is_bool(key: str) -> bool:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS:
+        return False  # _set reports it
+    return _section_types(section).get(name) is bool
+
+
+def help_text() -> str:
+    lines = ["usage: mxmoe train [--config FILE.toml] [--section.key=value ...] [--section.flag]", ""]
+    defaults = JobConfig()
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        hints = _section_types(section)
+        for f in dataclasses.fields(getattr(defaults, section)):
+            tp = hints[f.name]
+            tname = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+            default = getattr(getattr(defaults, section), f.name)
+            lines.append(f"  --{section}.{f.name} ({tname}, default {default!r}): {f.metadata['doc']}")
+        lines.append("")
+    return "\n".join(lines)

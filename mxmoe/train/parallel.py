@@ -1,0 +1,167 @@
+"""Process groups, expert parallelism and FSDP2 for the trainer.
+
+Layout over W ranks with expert-parallel degree ep (ep divides W):
+  - dense parameters: FSDP2 (`fully_shard`) over all W ranks (a 1D "dp" mesh);
+  - experts: rank r holds experts [(r % ep) * E/ep, ...) of every MoE layer; ranks r and r' with
+    the same r % ep hold the same experts (the "edp" replicas, W / ep of them). The (edp, ep) mesh
+    has rank = edp_index * ep + ep_index, so each ep group is ep consecutive ranks.
+Every rank is data-parallel (reads its own batch). Gradients: FSDP averages dense gradients over
+W; expert gradients arrive summed over the ep group through the all-to-all backward, are summed
+over the edp replicas and divided by W (`reduce_expert_grads`), which is the gradient of the mean
+of the per-rank losses, as for the dense ones.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of parallelism (what `mxmoe.convert` checks: it refuses tp > 1)."""
+
+    world_size: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    tp: int = 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+
+def init_distributed(device_pref: str, timeout_s: int) -> tuple[int, int, torch.device, bool]:
+    """(rank, world_size, device, initialized_here). Starts the default process group when
+    launched by torchrun with WORLD_SIZE > 1: nccl on CUDA, gloo on CPU, with `timeout_s`."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device_pref not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"training.device={device_pref!r}: expected auto, cpu or cuda")
+    use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("training.device='cuda' but no CUDA GPU is available")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world == 1 or dist.is_initialized():
+        return (dist.get_rank() if dist.is_initialized() else 0), world, device, False
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if use_cuda else None,
+    )
+    return dist.get_rank(), dist.get_world_size(), device, True
+
+
+def make_parallel_dims(world: int, dp_shard: int, ep: int, tp: int) -> ParallelDims:
+    return ParallelDims(world_size=world, dp_shard=world if dp_shard == -1 else dp_shard, ep=ep, tp=tp)
+
+
+def check_parallel_dims(pd: ParallelDims, num_experts: int) -> None:
+    """Validate degrees against the world size and the model (tp is refused elsewhere)."""
+    if pd.dp_shard != pd.world_size:
+        raise ValueError(
+            f"parallelism.data_parallel_shard_degree={pd.dp_shard}: only -1 or the world size "
+            f"({pd.world_size}) is supported (dense parameters are sharded over every rank)"
+        )
+    if pd.ep < 1 or pd.world_size % pd.ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={pd.ep} must be >= 1 and divide the world size "
+            f"{pd.world_size}"
+        )
+    if pd.ep > 1 and (num_experts == 0 or num_experts % pd.ep):
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={pd.ep} must divide model num_experts={num_experts}"
+        )
+    if pd.tp != 1:
+        raise ValueError(
+            f"parallelism.tensor_parallel_degree={pd.tp}: tensor parallelism is not supported (use 1)"
+        )
+
+
+def build_meshes(pd: ParallelDims, device: torch.device):
+    """(dp_mesh over all ranks, expert mesh (edp, ep) or None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = device.type
+    dp_mesh = init_device_mesh(dev, (pd.world_size,), mesh_dim_names=("dp",))
+    ep_mesh = None
+    if pd.ep > 1:
+        ep_mesh = init_device_mesh(dev, (pd.world_size // pd.ep, pd.ep), mesh_dim_names=("edp", "ep"))
+    return dp_mesh, ep_mesh
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for n, p in model.named_parameters() if ".experts." in n]
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, ignore_experts: bool) -> None:
+    """FSDP2 on each block and the root. With expert parallelism (`ignore_experts`) the expert
+    weights are left out (sharded by EP instead); without it they are FSDP-sharded like the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    for blk in model.layers:
+        ignored = (
+            {p for n, p in blk.named_parameters() if n.startswith("moe.experts.")}
+            if ignore_experts
+            else set()
+        )
+        fully_shard(blk, mesh=dp_mesh, ignored_params=ignored or None)
+    root_ignored = set(expert_params(model)) if ignore_experts else set()
+    fully_shard(model, mesh=dp_mesh, ignored_params=root_ignored or None, reshard_after_forward=False)
+
+
+def reduce_expert_grads(params: list[nn.Parameter], edp_group, world_size: int) -> None:
+    """Sum expert gradients over the edp replicas and divide by the world size (see module doc)."""
+    for p in params:
+        if p.grad is None:
+            continue
+        if edp_group is not None and dist.get_world_size(edp_group) > 1:
+            dist.all_reduce(p.grad, group=edp_group)
+        p.grad.div_(world_size)
+
+
+def clip_grad_norm(
+    dense: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float, replicas: int, distributed: bool
+) -> float:
+    """Clip all gradients to a global L2 norm of `max_norm` (0: only measure). Dense gradients may
+    be FSDP DTensor shards; expert gradients are identical on their `replicas` edp copies."""
+    from torch.distributed.tensor import DTensor
+
+    def local(g: Tensor) -> Tensor:
+        return g.to_local() if isinstance(g, DTensor) else g
+
+    dev = next((p.device for p in dense + experts), torch.device("cpu"))
+    sq = torch.zeros((), dtype=torch.float32, device=dev)
+    for p in dense:
+        if p.grad is not None:
+            sq += local(p.grad).float().pow(2).sum()
+    esq = torch.zeros((), dtype=torch.float32, device=dev)
+    for p in experts:
+        if p.grad is not None:
+            esq += p.grad.float().pow(2).sum()
+    sq = sq + esq / replicas
+    if distributed:
+        dist.all_reduce(sq)
+    norm = float(sq.sqrt())
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in dense + experts:
+            if p.grad is not None:
+                local(p.grad).mul_(coef)
+    return norm

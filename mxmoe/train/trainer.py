@@ -1,0 +1,393 @@
+"""`mxmoe train`: train an MoE (or dense) byte-level language model, bf16 or MXFP8.
+
+One process on CPU or one GPU; several with torchrun (FSDP2 for dense parameters, expert
+parallelism for experts, see mxmoe.train.parallel). Configuration: mxmoe.train.config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mxmoe.models import Transformer, model_args
+from mxmoe.train import parallel
+from mxmoe.train.checkpoint import Checkpointer
+from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
+from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_tokens
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory: CUDA max allocated on a GPU, else the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class MetricsWriter:
+    """metrics.jsonl (one JSON object per logged step) + TensorBoard if importable; rank 0 only."""
+
+    def __init__(self, folder: str, enabled: bool, tensorboard: bool, config: dict):
+        self.enabled = enabled
+        self.fh = self.tb = None
+        if not enabled:
+            return
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self.fh = open(path / "metrics.jsonl", "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(path / "tb"))
+            except Exception:  # tensorboard not installed: JSONL only
+                self.tb = None
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.fh.write(json.dumps(record) + "\n")
+        self.fh.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def lr_lambda(cfg: JobConfig):
+    t = cfg.training
+
+    def f(step: int) -> float:  # step = optimizer steps taken so far
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        span = max(1, t.steps - t.warmup_steps)
+        frac = min(1.0, (step - t.warmup_steps) / span)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    return f
+
+
+def build_optimizer(model: torch.nn.Module, cfg: JobConfig, distributed: bool) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
+    t = cfg.training
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        foreach=not distributed,  # FSDP DTensors and EP-local tensors do not mix in foreach kernels
+    )
+
+
+def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims) -> None:
+    import mxmoe
+    from mxmoe.nn import MXConfig
+
+    mx = cfg.mx
+    mxmoe.convert(
+        model,
+        MXConfig(
+            recipe_name=mx.recipe_name,
+            mxfp8_dim1_cast_kernel_choice=mx.mxfp8_dim1_cast_kernel_choice,
+            filter_fqns=list(mx.filter_fqns),
+            convert_grouped_experts=mx.convert_grouped_experts,
+        ),
+        parallel_dims=pd,
+    )
+
+
+class _Stop:
+    """SIGTERM sets a flag; the loop finishes its step, checkpoints and returns."""
+
+    def __init__(self):
+        self.requested = False
+        self.prev = None
+
+    def install(self) -> None:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.prev = signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        if self.prev is not None:
+            signal.signal(signal.SIGTERM, self.prev)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return 0
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as e:
+        print(f"mxmoe train: {e}", file=sys.stderr)
+        return 2
+    try:
+        return train(cfg)
+    except (ValueError, TypeError, NotImplementedError) as e:  # bad settings: a clear message, no trace
+        print(f"mxmoe train: error: {e}", file=sys.stderr)
+        return 2
+
+
+def train(cfg: JobConfig) -> int:
+    t, p = cfg.training, cfg.parallelism
+    unknown = sorted(set(cfg.model.converters) - {"mx"})
+    if unknown:
+        raise ValueError(
+            f"model.converters={cfg.model.converters!r}: unknown converter(s) {unknown}; expected 'mx'"
+        )
+    use_mx = "mx" in cfg.model.converters
+    if t.mixed_precision not in ("bf16", "fp32"):
+        raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16 or fp32")
+    if t.cpu_threads < 0:
+        raise ValueError(f"training.cpu_threads={t.cpu_threads}: expected >= 0 (0 = torch's default)")
+    rank, world, device, own_pg = parallel.init_distributed(t.device, p.timeout_s)
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and t.cpu_threads > 0:
+        torch.set_num_threads(t.cpu_threads)
+    distributed = dist.is_initialized()
+    stop = _Stop()
+    try:
+        return _train(cfg, rank, world, device, distributed, use_mx, stop)
+    finally:
+        stop.restore()
+        torch.set_num_threads(threads)
+        if own_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(
+    cfg: JobConfig, rank: int, world: int, device: torch.device, distributed: bool, use_mx: bool, stop: _Stop
+) -> int:
+    t, p, m = cfg.training, cfg.parallelism, cfg.model
+    pd = parallel.make_parallel_dims(
+        world, p.data_parallel_shard_degree, p.expert_parallel_degree, p.tensor_parallel_degree
+    )
+    overrides = {
+        k: getattr(m, k)
+        for k in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "num_experts",
+            "top_k",
+            "moe_hidden_dim",
+            "num_shared_experts",
+            "load_balance",
+            "aux_loss_coef",
+            "bias_update_rate",
+        )
+    }
+    margs = model_args(m.name, vocab_size=VOCAB_SIZE, max_seq_len=t.seq_len, **overrides)
+    if pd.tp > 1 and use_mx:
+        # the converter owns this refusal: let it raise its own error before anything is built
+        _mx_convert(Transformer(model_args("debug_moe")), cfg, pd)
+    parallel.check_parallel_dims(pd, margs.num_experts)
+
+    torch.manual_seed(t.seed)
+    with torch.device(device):
+        model = Transformer(margs)
+    dp_mesh = ep_mesh = edp_group = None
+    if distributed:
+        dp_mesh, ep_mesh = parallel.build_meshes(pd, device)
+        if ep_mesh is not None:
+            ep_group, edp_group = ep_mesh.get_group("ep"), ep_mesh.get_group("edp")
+            ep_rank = dist.get_rank(ep_group)
+            for moe in model.moe_layers():
+                moe.set_ep_group(ep_group, pd.ep, ep_rank)
+    if use_mx:
+        _mx_convert(model, cfg, pd)
+    if t.compile:
+        for blk in model.layers:  # submodules only: FSDP hooks and the all-to-all stay eager
+            for sub in (blk.attention, blk.attention_norm, blk.ffn_norm, blk.feed_forward):
+                if sub is not None:
+                    sub.compile()
+            if blk.moe is not None:
+                blk.moe.router.compile()
+                if blk.moe.shared_expert is not None:
+                    blk.moe.shared_expert.compile()
+        model.norm.compile()
+    exp_params = parallel.expert_params(model) if ep_mesh is not None else []
+    if distributed:
+        parallel.apply_fsdp(model, dp_mesh, ignore_experts=ep_mesh is not None)
+    exp_ids = {id(q) for q in exp_params}
+    dense_params = [q for q in model.parameters() if id(q) not in exp_ids]
+    optimizer = build_optimizer(model, cfg, distributed)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+    d = cfg.data
+    train_tokens, val_tokens = load_tokens(d.path, d.val_fraction, d.max_files, d.extensions)
+    train_ds = PackedDataset(train_tokens, t.seq_len)
+    val_ds = PackedDataset(val_tokens, t.seq_len) if t.val_interval > 0 and t.val_batches > 0 else None
+    sampler = ShardedSampler(len(train_ds), t.batch_size, rank, world, t.seed)
+
+    ckpt = (
+        Checkpointer(cfg.checkpoint.folder, cfg.checkpoint.keep_latest, ep_mesh)
+        if cfg.checkpoint.folder
+        else None
+    )
+    step = 0
+    if ckpt is not None and cfg.checkpoint.resume and (path := ckpt.latest()) is not None:
+        st = ckpt.load(path, model, optimizer, _train_state(0, scheduler, sampler))
+        step = int(st["step"])
+        for group in optimizer.param_groups:  # the saving run may have had another world size
+            group["foreach"] = not distributed
+        scheduler.load_state_dict(st["scheduler"])
+        sampler.load_state_dict(st["sampler"])
+        if rank == 0:
+            print(f"resumed from {path} at step {step}", file=sys.stderr)
+
+    total, active = margs.num_params()
+    if rank == 0:
+        print(
+            f"model {m.name}: {total / 1e6:.1f}M params ({active / 1e6:.1f}M active), "
+            f"{'MXFP8 ' + cfg.mx.recipe_name if use_mx else 'high precision'}, device {device}, "
+            f"world {world} (ep {pd.ep}), {len(train_ds)} train / "
+            f"{len(val_ds) if val_ds else 0} val sequences",
+            file=sys.stderr,
+        )
+    metrics = MetricsWriter(cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, cfg.to_dict())
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda" and t.mixed_precision == "bf16"
+        else contextlib.nullcontext()
+    )
+    aux_coef = margs.aux_loss_coef if margs.load_balance == "aux_loss" else 0.0
+    world_group = dist.group.WORLD if distributed else None
+    tokens_per_step = t.batch_size * t.seq_len * world
+
+    def loss_of(x, y):
+        with amp:
+            logits, aux = model(x)
+        ce = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), y.reshape(-1))
+        return ce, aux
+
+    def validate() -> float:
+        model.eval()
+        total_loss = torch.zeros((), device=device)
+        with torch.no_grad():
+            for b in range(t.val_batches):
+                start = (b * world + rank) * t.batch_size
+                idx = torch.arange(start, start + t.batch_size) % len(val_ds)
+                x, y = (a.to(device) for a in val_ds.batch(idx))
+                total_loss += loss_of(x, y)[0].float()
+        model.train()
+        if distributed:
+            dist.all_reduce(total_loss)
+        return float(total_loss) / (t.val_batches * world)
+
+    def save(at: int) -> None:
+        ckpt.save(at, model, optimizer, _train_state(at, scheduler, sampler))
+
+    bar = None
+    if rank == 0 and cfg.metrics.progress_bar:
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.steps, initial=step, desc="train", dynamic_ncols=True, file=sys.stderr)
+    if step >= t.steps and rank == 0:
+        print(f"already at step {step} >= training.steps={t.steps}: nothing to train (raise "
+              "--training.steps or use a new --checkpoint.folder)", file=sys.stderr)
+    stop.install()
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    last_t, last_step, saved_at = time.perf_counter(), step, step
+    while step < t.steps:
+        step += 1
+        x, y = (a.to(device, non_blocking=True) for a in train_ds.batch(sampler.next_indices()))
+        ce, aux = loss_of(x, y)
+        (ce + aux_coef * aux).backward()
+        if exp_params:
+            parallel.reduce_expert_grads(exp_params, edp_group, world)
+        norm = parallel.clip_grad_norm(
+            dense_params, exp_params, t.max_norm, max(1, world // pd.ep), distributed
+        )
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.update_router_bias(world_group)
+
+        last = step == t.steps
+        record = None
+        if step % cfg.metrics.log_freq == 0 or last or (t.val_interval and step % t.val_interval == 0):
+            stats = torch.stack([ce.detach().float(), aux.detach().float()])
+            if distributed:
+                dist.all_reduce(stats)
+                stats /= world
+            now = time.perf_counter()
+            tps = tokens_per_step * (step - last_step) / max(now - last_t, 1e-9)
+            last_t, last_step = now, step
+            record = {
+                "step": step,
+                "loss": float(stats[0]),
+                "aux_loss": float(stats[1]),
+                "tokens_per_s": tps,
+                "memory_gib": memory_gib(device),
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": norm,
+            }
+        if val_ds is not None and (step % t.val_interval == 0 or last):
+            record["val_loss"] = validate()
+            last_t = time.perf_counter()  # validation time is not training throughput
+        if record is not None:
+            metrics.log(record)
+            if bar is not None:
+                bar.set_postfix(
+                    loss=f"{record['loss']:.4f}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    mem=f"{record['memory_gib']:.2f}GiB",
+                )
+        if bar is not None:
+            bar.update(1)
+        if ckpt is not None and ((cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or last):
+            save(step)
+            saved_at = step
+        requested = stop.requested
+        if distributed:
+            flag = torch.tensor([float(requested)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            requested = bool(flag.item())
+        if requested:
+            if ckpt is not None and saved_at != step:
+                save(step)
+            if rank == 0:
+                print(
+                    f"\nSIGTERM: stopped after step {step}"
+                    + (f", checkpoint in {ckpt.folder}" if ckpt else ""),
+                    file=sys.stderr,
+                )
+            break
+    if bar is not None:
+        bar.close()
+    metrics.close()
+    return 0
+
+
+def _train_state(step: int, scheduler, sampler) -> dict:
+    return {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Config parsing: TOML + --section.key=value overrides, and their errors."""
+
+from pathlib import Path
+
+import pytest
+
+from mxmoe.train import trainer
+from mxmoe.train.config import ConfigError, load_toml, parse_args
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
+
+
+def test_torchtitan_flags_as_typed():
+    cfg = parse_args(
+        [
+            "--model.converters=mx",
+            "--mx.recipe_name=mxfp8",
+            "--mx.mxfp8_dim1_cast_kernel_choice=cuda",
+            "--training.compile",
+            "--training.steps=100",
+        ]
+    )
+    assert cfg.model.converters == ["mx"] and cfg.mx.recipe_name == "mxfp8"
+    assert cfg.mx.mxfp8_dim1_cast_kernel_choice == "cuda"
+    assert cfg.training.compile is True and cfg.training.steps == 100
+
+
+def test_override_forms_and_types(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('[training]\nsteps = 7\nlr = 1\n[mx]\nfilter_fqns = ["a"]\n[model]\nconverters = []\n')
+    cfg = parse_args(
+        [
+            "--config",
+            str(toml),
+            "--training.lr",
+            "0.5",
+            "--mx.filter_fqns=x, y",
+            "--model.dim=none",
+            "--model.n_layers=3",
+            "--training.compile=false",
+            "--metrics.tensorboard",
+        ]
+    )
+    assert cfg.training.steps == 7 and cfg.training.lr == 0.5 and isinstance(cfg.training.lr, float)
+    assert cfg.mx.filter_fqns == ["x", "y"]
+    assert cfg.model.dim is None and cfg.model.n_layers == 3
+    assert cfg.training.compile is False and cfg.metrics.tensorboard is True
+    assert load_toml(str(toml)).training.lr == 1.0  # TOML int accepted for a float field
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--trainig.steps=3"], "unknown config section 'trainig'"),
+        (["--training.stepz=3"], "unknown config key 'training.stepz'"),
+        (["--training.steps=abc"], "--training.steps='abc': expected int"),
+        (["--training.compile=maybe"], "expected a bool"),
+        (["--training.steps"], "--training.steps needs a value"),
+        (["steps=3"], "unexpected argument 'steps=3'"),
+        (["--steps=3"], "not of the form section.key"),
+        (["--config", "/nonexistent.toml"], "file not found"),
+    ],
+)
+def test_bad_overrides_name_the_key(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ("[nope]\nx = 1\n", "unknown config section 'nope'"),
+        ("[training]\nsteps = 1\nbogus = 2\n", "unknown config key 'training.bogus'"),
+        ('[training]\nsteps = "10"\n', "training.steps = '10': expected int, got str"),
+        ("[training]\ncompile = 1\n", "expected bool, got int"),
+        ("[training]\nsteps = true\n", "expected int, got bool"),
+        ("steps = 3\n", "must be a \\[section\\] table"),
+        ("[training\n", "invalid TOML"),
+    ],
+)
+def test_bad_toml_names_the_key(tmp_path, body, match):
+    p = tmp_path / "bad.toml"
+    p.write_text(body)
+    with pytest.raises(ConfigError, match=match):
+        load_toml(str(p))
+
+
+def test_main_reports_config_errors(capsys):
+    assert trainer.main(["--training.stepz=3"]) == 2
+    assert "training.stepz" in capsys.readouterr().err
+
+
+def test_help_lists_every_field_with_doc(capsys):
+    assert trainer.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for key in (
+        "--mx.mxfp8_dim1_cast_kernel_choice",
+        "--checkpoint.interval",
+        "--metrics.log_freq",
+        "--parallelism.expert_parallel_degree",
+        "--data.path",
+        "--training.compile",
+    ):
+        assert key in out
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_parse(path):
+    cfg = load_toml(str(path))
+    assert cfg.training.steps > 0
+
+
+def test_debug_config_trains_with_mx_on_cpu_kernels():
+    cfg = load_toml(str(Path(__file__).parents[2] / "configs" / "debug_moe.toml"))
+    assert cfg.model.converters == ["mx"] and cfg.mx.mxfp8_dim1_cast_kernel_choice == "torch"

@@ -1,0 +1,41 @@
+"""GPU smoke runs of the trainer (run on the H200 with `pytest -m gpu tests/train`)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mxmoe.train import trainer
+
+pytestmark = pytest.mark.gpu
+
+TINY_GPU = [
+    "--model.dim=128",
+    "--model.n_heads=4",
+    "--model.n_layers=2",
+    "--model.num_experts=8",
+    "--model.top_k=2",
+    "--model.moe_hidden_dim=128",
+    "--training.seq_len=128",
+    "--training.batch_size=4",
+    "--training.val_interval=3",
+    "--training.val_batches=1",
+    "--metrics.progress_bar=false",
+    "--metrics.log_freq=1",
+    "--data.max_files=20",
+    "--training.steps=6",
+    "--training.device=cuda",
+]
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compile"])
+@pytest.mark.parametrize(
+    "mx", [[], ["--model.converters=mx", "--mx.recipe_name=mxfp8_rceil"]], ids=["bf16", "mx"]
+)
+def test_gpu_train_runs_and_learns(tmp_path, mx, compile_):
+    argv = TINY_GPU + mx + [f"--metrics.folder={tmp_path}", f"--training.compile={compile_}"]
+    assert trainer.main(argv) == 0
+    recs = [json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    assert recs[-1]["loss"] < recs[0]["loss"] and recs[-1]["memory_gib"] > 0
+    assert "val_loss" in recs[2] and "val_loss" in recs[5]

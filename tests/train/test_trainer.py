@@ -1,0 +1,221 @@
+"""End-to-end trainer runs on CPU: resume exactness, SIGTERM, TP refusal, 2-process FSDP2 + EP with MX."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from mxmoe.train import trainer
+from mxmoe.train.checkpoint import Checkpointer
+
+REPO = Path(__file__).parents[2]
+TINY = [
+    "--model.dim=32",
+    "--model.n_heads=2",
+    "--model.n_layers=1",
+    "--model.num_experts=4",
+    "--model.top_k=2",
+    "--model.moe_hidden_dim=32",
+    "--training.seq_len=32",
+    "--training.batch_size=2",
+    "--training.warmup_steps=2",
+    "--training.val_interval=0",
+    "--metrics.progress_bar=false",
+    "--metrics.log_freq=1",
+    "--metrics.tensorboard=false",
+    "--data.max_files=6",
+    "--training.cpu_threads=1",
+]
+MX = ["--model.converters=mx", "--mx.mxfp8_dim1_cast_kernel_choice=torch"]
+
+
+def losses(folder) -> dict[int, float]:
+    lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def test_resume_reproduces_losses_exactly(tmp_path):
+    common = TINY + MX + ["--model.load_balance=bias", "--training.steps=6", "--checkpoint.keep_latest=0"]
+    full = tmp_path / "full"
+    assert (
+        trainer.main(
+            common
+            + [f"--metrics.folder={full}", f"--checkpoint.folder={full}/ckpt", "--checkpoint.interval=3"]
+        )
+        == 0
+    )
+    ref = losses(full)
+    assert sorted(ref) == list(range(1, 7))
+    assert (full / "ckpt" / "step-00000003").is_dir() and (full / "ckpt" / "step-00000006").is_dir()
+    # a run interrupted after step 3: its folder holds only the step-3 checkpoint
+    part = tmp_path / "part"
+    (part / "ckpt").mkdir(parents=True)
+    shutil.copytree(full / "ckpt" / "step-00000003", part / "ckpt" / "step-00000003")
+    assert trainer.main(common + [f"--metrics.folder={part}", f"--checkpoint.folder={part}/ckpt"]) == 0
+    got = losses(part)
+    assert sorted(got) == [4, 5, 6]
+    assert all(got[s] == ref[s] for s in (4, 5, 6)), (got, ref)
+
+
+def test_incomplete_checkpoint_is_ignored(tmp_path):
+    ck = tmp_path / "ckpt"
+    (ck / "step-00000004").mkdir(parents=True)  # complete: has .metadata
+    (ck / "step-00000004" / ".metadata").write_bytes(b"x")
+    (ck / "step-00000008.tmp").mkdir()  # interrupted save
+    (ck / "step-00000008.tmp" / ".metadata").write_bytes(b"x")
+    (ck / "step-00000009").mkdir()  # no metadata
+    assert Checkpointer(str(ck)).latest() == ck / "step-00000004"
+
+
+def test_sigterm_stops_cleanly_with_loadable_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    argv = TINY + [
+        f"--metrics.folder={run}",
+        f"--checkpoint.folder={run}/ckpt",
+        "--checkpoint.interval=2",
+        "--training.steps=100000",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mxmoe", "train", *argv], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "training did not log 3 steps in 120 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "SIGTERM: stopped after step" in err
+    last = max(losses(run))
+    ck = Checkpointer(str(run / "ckpt"))
+    assert ck.latest() == run / "ckpt" / f"step-{last:08d}"
+    assert not list((run / "ckpt").glob("*.tmp"))
+    # loadable: a resumed run continues from exactly that step
+    assert (
+        trainer.main(
+            TINY
+            + [
+                f"--metrics.folder={run}/resumed",
+                f"--checkpoint.folder={run}/ckpt",
+                f"--training.steps={last + 1}",
+            ]
+        )
+        == 0
+    )
+    assert sorted(losses(run / "resumed")) == [last + 1]
+
+
+def test_tensor_parallel_with_mx_is_refused_by_the_converter(tmp_path, capsys):
+    rc = trainer.main(TINY + MX + ["--parallelism.tensor_parallel_degree=2", f"--metrics.folder={tmp_path}"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "tensor parallelism with MX is not supported" in err and "tp=2" in err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    rc = trainer.main(argv)
+    Path(out, f"rc{rank}").write_text(str(rc))
+
+
+def test_two_process_fsdp_ep_mx_matches_one_process(tmp_path):
+    """ep=2 over 2 gloo ranks (batch 2 each) vs one process (batch 4): same data, same losses."""
+    common = TINY + MX + ["--training.steps=2", "--parallelism.timeout_s=60"]
+    dist_run, one_run = tmp_path / "ep2", tmp_path / "one"
+    argv = common + [
+        "--parallelism.expert_parallel_degree=2",
+        f"--metrics.folder={dist_run}",
+        f"--checkpoint.folder={dist_run}/ckpt",
+    ]
+    mp.start_processes(
+        _worker, args=(2, _free_port(), argv, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
+    assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+    assert trainer.main(common + ["--training.batch_size=4", f"--metrics.folder={one_run}"]) == 0
+    d, o = losses(dist_run), losses(one_run)
+    assert sorted(d) == sorted(o) == [1, 2]
+    assert d[1] == pytest.approx(o[1], rel=1e-5) and d[2] == pytest.approx(o[2], rel=1e-4)
+    assert o[2] != o[1]
+    # experts were sharded (2 of 4 per rank) and are saved whole
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(dist_run / "ckpt" / "step-00000002")).read_metadata().state_dict_metadata
+    assert tuple(meta["model.layers.0.moe.experts.w1"].size) == (4, 32, 32)
+    # the EP-sharded checkpoint loads into one process and continues
+    shutil.copytree(dist_run / "ckpt", one_run / "ckpt")
+    assert (
+        trainer.main(
+            common
+            + [
+                "--training.batch_size=4",
+                "--training.steps=3",
+                f"--metrics.folder={one_run}/resumed",
+                f"--checkpoint.folder={one_run}/ckpt",
+            ]
+        )
+        == 0
+    )
+    assert sorted(losses(one_run / "resumed")) == [3]
+
+
+def test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint(tmp_path):
+    """High-precision experts (all_to_all_hp exchange): a one-process checkpoint loads into ep=2 and
+    the resumed step's loss matches the uninterrupted one-process run."""
+    common = TINY + ["--training.steps=2", "--parallelism.timeout_s=60", "--checkpoint.keep_latest=0"]
+    one_run, ep_run = tmp_path / "one", tmp_path / "ep2"
+    assert (
+        trainer.main(
+            common
+            + [
+                "--training.batch_size=4",
+                f"--metrics.folder={one_run}",
+                f"--checkpoint.folder={one_run}/ckpt",
+            ]
+            + ["--checkpoint.interval=1"]
+        )
+        == 0
+    )
+    (ep_run / "ckpt").mkdir(parents=True)
+    shutil.copytree(one_run / "ckpt" / "step-00000001", ep_run / "ckpt" / "step-00000001")
+    argv = common + [
+        "--parallelism.expert_parallel_degree=2",
+        f"--metrics.folder={ep_run}",
+        f"--checkpoint.folder={ep_run}/ckpt",
+    ]
+    mp.start_processes(
+        _worker, args=(2, _free_port(), argv, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
+    assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+    o, d = losses(one_run), losses(ep_run)
+    assert sorted(d) == [2]
+    assert d[2] == pytest.approx(o[2], rel=1e-4)
