@@ -1,0 +1,168 @@
+"""Bad arguments to the cast API raise before any kernel runs, with an error naming the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mxmoe
+from mxmoe.quant import MXTensor, to_mx, to_mx_dim0_dim1
+
+KERNELS = mxmoe.available_kernels("cpu")
+X = torch.ones(4, 64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("kernel", ["auto", *KERNELS])
+@pytest.mark.parametrize(
+    "dtype", [torch.int32, torch.int8, torch.float16, torch.float64, torch.float8_e4m3fn]
+)
+def test_wrong_input_dtype(kernel, dtype):
+    x = torch.ones(4, 64).to(dtype)
+    with pytest.raises(TypeError, match=rf"x has dtype {dtype}"):
+        to_mx(x, kernel=kernel)
+    with pytest.raises(TypeError, match=rf"x has dtype {dtype}"):
+        to_mx_dim0_dim1(torch.ones(64, 64).to(dtype), kernel=kernel)
+
+
+def test_not_a_tensor():
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        to_mx([[1.0] * 32])
+
+
+@pytest.mark.parametrize("elem", [torch.float16, torch.bfloat16, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+                                  torch.uint8, "float8_e4m3fn"])
+def test_wrong_elem_dtype(elem):
+    with pytest.raises(TypeError, match="elem_dtype="):
+        to_mx(X, elem_dtype=elem)
+    with pytest.raises(TypeError, match="elem_dtype="):
+        to_mx_dim0_dim1(torch.ones(64, 64), elem_dtype=elem)
+
+
+@pytest.mark.parametrize("bs", [0, 1, 3, 48, -32, 24, True, 32.0, "32", None])
+def test_bad_block_size(bs):
+    with pytest.raises(ValueError, match=r"block_size=.*power of two"):
+        to_mx(X, block_size=bs)
+    with pytest.raises(ValueError, match=r"block_size=.*power of two"):
+        to_mx_dim0_dim1(torch.ones(64, 64), block_size=bs)
+
+
+@pytest.mark.parametrize("mode", ["round", "", "nearest", None, 1])
+def test_unknown_scaling_mode(mode):
+    with pytest.raises(ValueError, match="scaling_mode="):
+        to_mx(X, scaling_mode=mode)
+    with pytest.raises(ValueError, match="scaling_mode="):
+        to_mx_dim0_dim1(torch.ones(64, 64), scaling_mode=mode)
+
+
+def test_scaling_mode_is_case_insensitive_and_accepts_the_enum():
+    a = to_mx(X * 3, scaling_mode="RCEIL", kernel="torch")
+    b = to_mx(X * 3, scaling_mode=mxmoe.ScalingMode.RCEIL, kernel="torch")
+    assert torch.equal(a.scale_blocked.view(torch.uint8), b.scale_blocked.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape,axis,bs", [((4, 48), -1, 32), ((48, 4), 0, 32), ((4, 64), -1, 128),
+                                          ((2, 3, 40), -1, 16), ((2, 40, 3), -2, 16), ((4, 6), -1, 4)])
+def test_size_not_divisible_by_block(shape, axis, bs):
+    with pytest.raises(ValueError, match=rf"not divisible by block_size={bs}"):
+        to_mx(torch.ones(shape), axis=axis, block_size=bs)
+
+
+def test_fused_size_not_divisible_by_block():
+    with pytest.raises(ValueError, match="not divisible by block_size=32"):
+        to_mx_dim0_dim1(torch.ones(48, 64))
+    with pytest.raises(ValueError, match="not divisible by block_size=32"):
+        to_mx_dim0_dim1(torch.ones(64, 48))
+
+
+@pytest.mark.parametrize("kernel", ["tritonn", "cutlass", "TORCH", ""])
+def test_unknown_kernel(kernel):
+    with pytest.raises(ValueError, match=rf"unknown kernel {kernel!r}"):
+        to_mx(X, kernel=kernel)
+    with pytest.raises(ValueError, match=rf"unknown kernel {kernel!r}"):
+        to_mx_dim0_dim1(torch.ones(64, 64), kernel=kernel)
+    mx = to_mx(X, kernel="torch")
+    with pytest.raises(ValueError, match=rf"unknown kernel {kernel!r}"):
+        mx.dequantize(kernel=kernel)
+
+
+def test_kernel_not_a_string():
+    with pytest.raises(TypeError, match="kernel must be a str"):
+        to_mx(X, kernel=None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
+def test_unavailable_kernel_cuda_on_cpu():
+    with pytest.raises(RuntimeError, match="kernel='cuda' needs a CUDA tensor"):
+        to_mx(X, kernel="cuda")
+    with pytest.raises(RuntimeError, match="kernel='cuda'"):
+        to_mx_dim0_dim1(torch.ones(64, 64), kernel="cuda")
+    with pytest.raises(RuntimeError, match="kernel='cuda'"):
+        to_mx(X, kernel="torch").dequantize(kernel="cuda")
+
+
+def test_unavailable_kernel_triton_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "triton" not in mxmoe.available_kernels("cpu")
+    with pytest.raises(RuntimeError, match="kernel='triton'.*TRITON_INTERPRET=1"):
+        to_mx(X, kernel="triton")
+
+
+@pytest.mark.parametrize("shape,axis", [((4, 64), 2), ((4, 64), -3), ((2, 4, 64), 3), ((2, 4, 64), -4),
+                                        ((64,), 1)])
+def test_axis_out_of_range(shape, axis):
+    with pytest.raises(ValueError, match=rf"axis={axis} is out of range"):
+        to_mx(torch.ones(shape), axis=axis)
+
+
+@pytest.mark.parametrize("shape,axis", [((2, 64, 64), 0), ((2, 64, 64), -3), ((2, 2, 64, 64), 1)])
+def test_axis_not_one_of_the_last_two(shape, axis):
+    with pytest.raises(ValueError, match=rf"axis={axis} of a {len(shape)}D tensor is not supported"):
+        to_mx(torch.ones(shape), axis=axis)
+
+
+def test_axis_not_an_int():
+    with pytest.raises(ValueError, match="axis="):
+        to_mx(X, axis=1.0)
+
+
+def test_fused_needs_2d():
+    with pytest.raises(ValueError, match="x must be 2D"):
+        to_mx_dim0_dim1(torch.ones(2, 64, 64))
+    with pytest.raises(ValueError, match="x must be 2D"):
+        to_mx_dim0_dim1(torch.ones(64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32, torch.float8_e4m3fn])
+def test_dequantize_wrong_dtype(dtype):
+    mx = to_mx(X, kernel="torch")
+    with pytest.raises(TypeError, match=rf"dtype has dtype {dtype}"):
+        mx.dequantize(dtype)
+
+
+def test_errors_raise_before_any_kernel(monkeypatch):
+    """Argument errors come from the checks, not from a backend: no backend module is touched."""
+    from mxmoe.quant import kernels
+
+    def boom(kernel):
+        raise AssertionError(f"backend {kernel} called")
+
+    monkeypatch.setattr(kernels, "backend", boom)
+    monkeypatch.setattr("mxmoe.quant.custom_ops.backend", boom)
+    for kwargs in (dict(block_size=3), dict(scaling_mode="x"), dict(elem_dtype=torch.float16), dict(axis=5)):
+        with pytest.raises((ValueError, TypeError)):
+            to_mx(X, kernel="torch", **kwargs)
+    with pytest.raises(TypeError):
+        to_mx(X.half(), kernel="torch")
+
+
+def test_empty_tensor_is_fine():
+    """A (0, 64) input quantizes to empty storage of the right shapes (no error, no kernel)."""
+    mx = to_mx(torch.ones(0, 64), kernel="torch")
+    assert tuple(mx.qdata_blocked.shape) == (0, 64) and tuple(mx.scale_blocked.shape) == (0, 2)
+    assert tuple(mx.dequantize(kernel="torch").shape) == (0, 64)
+
+
+def test_mxtensor_repr_names_the_layout():
+    mx = to_mx(X, kernel="torch")
+    assert isinstance(mx, MXTensor)
+    assert repr(mx).startswith("MXTensor(shape=(4, 64), axis=1, elem=torch.float8_e4m3fn, block_size=32")
