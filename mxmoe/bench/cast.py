@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=_positive, default=50, help="timed iterations (median reported)")
     p.add_argument("--warmup", type=_positive, default=10, help="untimed iterations first")
     p.add_argument("--triton-config", action="append", dest="triton_config",
-                   help="Triton tile config(s) to time, repeatable (mxmoe.quant.triton_cast.CONFIGS); "
-                   "default: MXMOE_TRITON_CAST_CONFIG or 'default'")
+                   help="Triton tile config(s) to time, repeatable (mxmoe.quant.triton_cast.CONFIGS, or "
+                   "'default' = the per-cast DEFAULTS); default: MXMOE_TRITON_CAST_CONFIG or 'default'")
     p.add_argument("--triton-round", choices=("auto", "soft", "hw"), default=None,
                    help="Triton element rounding (default MXMOE_TRITON_CAST_ROUND or auto = hardware)")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
@@ -218,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
             from mxmoe.quant.triton_cast import CONFIGS
         except ImportError:
             CONFIGS = None
-        bad = [c for c in args.triton_config if CONFIGS is not None and c not in CONFIGS]
+        bad = [c for c in args.triton_config
+               if CONFIGS is not None and c != "default" and c not in CONFIGS]
         if bad:
             build_parser().error(
-                f"--triton-config {bad[0]!r} is not a config; expected one of {list(CONFIGS)}"
+                f"--triton-config {bad[0]!r} is not a config; expected 'default' or one of {list(CONFIGS)}"
             )
     timing.require_cuda("mxmoe bench cast")
     from tqdm import tqdm

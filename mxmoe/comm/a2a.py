@@ -8,7 +8,8 @@ MXFP8 exchanges quantize rows along the last dim (blocks of 32, e4m3, RCEIL) and
 bytes plus the E8M0 scale bytes (1 + 1/32 bytes per element instead of 2 for bf16). The result is
 bit-for-bit what `reference_mxfp8_a2a` computes (quantize -> all_to_all_single -> dequantize).
 
-How the exchange is overlapped (CUDA, `chunks=None` or an int >= 1):
+How the exchange is overlapped (CUDA, `chunks` an int >= 1, or `None` for tensors of at least
+PIPELINE_MIN_ELEMS elements; smaller ones take the simple path, which measured faster there):
   * The rank's own slice never goes through the network: one fused Triton pass (`qdq_into`)
     quantizes and dequantizes it locally, straight into its rows of the output.
   * The rows for each peer are cut into `k` pieces (k from the pair's size, same on both sides). Round
@@ -47,9 +48,13 @@ from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, to_mx
 
 ELEM_DTYPE = torch.float8_e4m3fn
 SCALING_MODE = "rceil"
-# Auto chunking: pieces of at least this many fp8 bytes, at most this many pieces per pair of ranks.
-MIN_PIECE_BYTES = 16 << 20
-MAX_CHUNKS = 8
+# Auto policy, from the 2 x H200 measurements in docs/benchmarks.md (16x8192x5120 bf16, fwd+bwd):
+# simple path 4.50 ms, 2 pieces 3.94, 4 pieces 6.01, 8 pieces 8.46; below ~100 MB per peer every
+# pipelined variant measured lost to the simple path. So on CUDA, pipeline only tensors of at least
+# PIPELINE_MIN_ELEMS elements, in pieces of at least MIN_PIECE_BYTES, at most MAX_CHUNKS per pair.
+PIPELINE_MIN_ELEMS = 512 << 20
+MIN_PIECE_BYTES = 128 << 20
+MAX_CHUNKS = 2
 # How the own slice is quantized+dequantized: "auto" (fused Triton kernel on CUDA), "copy" (cast backend
 # quantize, then dequantize), "triton". Both give the same bits; the env var is an escape hatch.
 SELF_QDQ_IMPL = os.environ.get("MXMOE_A2A_SELF_QDQ", "auto")
@@ -101,7 +106,7 @@ def _num_chunks(n: int, dim: int, chunks: int | None) -> int:
 def _use_pipeline(x: Tensor, chunks: int | None) -> bool:
     if chunks is not None:
         return chunks >= 1
-    return x.is_cuda
+    return x.is_cuda and x.numel() >= PIPELINE_MIN_ELEMS
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,7 +359,8 @@ def to_mxfp8_a2a_dequant(
     x: (sum(input_splits), dim) bfloat16 or float32, dim % 32 == 0, rows ordered by destination.
     Returns (sum(output_splits), dim), x.dtype, contiguous, rows ordered by source rank; bit for bit
     `reference_mxfp8_a2a`. check: one small all_gather validating every rank's arguments (every rank
-    raises if one is bad). chunks: None = pipelined on CUDA / simple on CPU, 0 = simple, k >= 1 =
+    raises if one is bad). chunks: None = auto (pipelined on CUDA for large tensors,
+    else simple), 0 = simple, k >= 1 =
     pipelined with up to k pieces per pair of ranks (must be equal on all ranks). kernel: the cast
     backend ("auto" = fastest available).
     """

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from mxmoe.ops.config import MXOpConfig
 from mxmoe.ops.gemm import mx_gemm
-from mxmoe.ops.linear import transpose_2d
+from mxmoe.ops.linear import needs_grads, transpose_2d, wants_grad
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 
 
@@ -69,7 +69,7 @@ class _MXGroupedMM(torch.autograd.Function):
         # a: (T, K) high precision, or the grad anchor of an MX activation given as (a_q, a_s).
         is_mx = a_q is not None
         T = a.shape[0]
-        need_dw = b_t.requires_grad
+        need_dw = wants_grad(b_t)
         ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode = cfg, is_mx, out_dtype, a_mode
         pos = offs_pad = a1 = None
         cap = 0
@@ -104,7 +104,7 @@ class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         cfg: MXOpConfig = ctx.cfg
-        need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+        need_da, need_dw = needs_grads(ctx, 0, 4)
         b_t, offs = ctx.saved_tensors[:2]
         kw = {
             "backend": cfg.gemm_backend,

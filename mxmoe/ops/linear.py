@@ -21,6 +21,28 @@ from mxmoe.ops.config import MXOpConfig
 from mxmoe.ops.gemm import mx_gemm
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 
+_tracing = torch.compiler.is_compiling  # module-level so tests can simulate a trace in eager
+
+
+def needs_grads(ctx, *indices: int) -> tuple[bool, ...]:
+    """`ctx.needs_input_grad[i]` for each index; all True while torch.compile traces the backward.
+
+    Dynamo bakes `needs_input_grad` into the graph as constants taken from its own `requires_grad`
+    bookkeeping, which some releases get wrong for tensors produced by another autograd.Function
+    (seen on torch 2.11: the input gradient of an op fed by `mx_mm` traced as not needed, so
+    AOTAutograd silently gave that input a zero gradient). Under compile we therefore return every
+    gradient; AOTAutograd's joint graph drops the ones nothing consumes (no backward cost).
+    """
+    if _tracing():
+        return (True,) * len(indices)
+    return tuple(bool(ctx.needs_input_grad[i]) for i in indices)
+
+
+def wants_grad(t: Tensor) -> bool:
+    """`t.requires_grad` in a forward; True while torch.compile traces (same reason as `needs_grads`):
+    a compiled forward always keeps what the wgrad needs (x's dim1 cast, fp8), even for a frozen W."""
+    return True if _tracing() else t.requires_grad
+
 
 def transpose_2d(t: MXTensor) -> MXTensor:
     """The transpose of a 2D MXTensor: same storage, blocks along the other logical axis."""
@@ -67,7 +89,7 @@ class _MXMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_t: Tensor, cfg: MXOpConfig) -> Tensor:
         compute = cfg.compute_dtype(x.device)
-        need_dw = w_t.requires_grad
+        need_dw = wants_grad(w_t)
         if need_dw:
             x0, x1 = cast_both(x, cfg)
         else:
@@ -86,7 +108,7 @@ class _MXMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         cfg: MXOpConfig = ctx.cfg
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_dx, need_dw = needs_grads(ctx, 0, 1)
         w_t = ctx.saved_tensors[0]
         compute = cfg.compute_dtype(dy.device)
         kw = {"backend": cfg.gemm_backend, "compute_dtype": compute, "kernel": cfg.kernel}

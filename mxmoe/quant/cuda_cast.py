@@ -9,10 +9,16 @@ kernels (correct, slower).
 The extension (csrc/binding.cpp + csrc/mx_cast.cu) is built once per process with
 `torch.utils.cpp_extension.load` for the current GPU's architecture (sm_90 on Hopper) and cached
 under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so later processes reuse the build.
+
+Kernel variants. Every cast has several bit-identical kernel implementations (csrc/mx_cast.h lists
+them); `DEFAULT_VARIANTS` picks one per cast. The environment variable MXMOE_CUDA_CAST_VARIANT
+overrides it, either for every cast ("2") or per cast ("dim0=1,dim1=2,dim0_dim1=1,dequant=1"; casts
+not named keep their default), read at each call. A `variant=` argument overrides both.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +33,13 @@ _SOURCES = (_CSRC / "binding.cpp", _CSRC / "mx_cast.cu")
 _ELEM_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 # The format constants compiled into the kernels (struct Elem in mx_cast.cu): (emax, mbits, max).
 _KERNEL_ELEM_CONSTANTS = {torch.float8_e4m3fn: (8, 3, 448.0), torch.float8_e5m2: (15, 2, 57344.0)}
+
+# Number of variants per cast (csrc/mx_cast.h: MX_DIM0_VARIANTS, MX_DIM1_VARIANTS, MX_DEQUANT_VARIANTS).
+NUM_VARIANTS = {"dim0": 6, "dim1": 3, "dim0_dim1": 3, "dequant": 4}
+# Default variant per cast: edit after a sweep (scripts/gpu/sweep_cuda_cast.sh). "dim1" also covers
+# expert weights quantized along axis=-2, "dim0" along axis=-1.
+DEFAULT_VARIANTS = {"dim0": 0, "dim1": 0, "dim0_dim1": 0, "dequant": 0}
+VARIANT_ENV = "MXMOE_CUDA_CAST_VARIANT"
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
@@ -92,6 +105,44 @@ def load_extension() -> ModuleType:
         return _ext
 
 
+def _parse_variant_env(text: str) -> dict[str, int]:
+    """MXMOE_CUDA_CAST_VARIANT text -> {cast: variant} (all casts for a bare integer)."""
+    text = text.strip()
+    if not text:
+        return {}
+    try:
+        if "=" not in text:
+            return dict.fromkeys(NUM_VARIANTS, int(text))
+        out = {}
+        for item in text.split(","):
+            if not item.strip():
+                continue
+            name, value = (part.strip() for part in item.split("=", 1))
+            if name not in NUM_VARIANTS:
+                raise ValueError(f"unknown cast {name!r}")
+            out[name] = int(value)
+        return out
+    except ValueError as err:
+        raise ValueError(
+            f"{VARIANT_ENV}={text!r} is not valid ({err}); expected an integer or "
+            f"'cast=int,...' with casts from {list(NUM_VARIANTS)}"
+        ) from None
+
+
+def resolve_variant(cast: str, variant: int | None = None) -> int:
+    """The kernel variant used for `cast` ('dim0', 'dim1', 'dim0_dim1', 'dequant'): `variant` if
+    given, else MXMOE_CUDA_CAST_VARIANT, else DEFAULT_VARIANTS; ValueError if out of range."""
+    if cast not in NUM_VARIANTS:
+        raise ValueError(f"cast={cast!r}; expected one of {list(NUM_VARIANTS)}")
+    if variant is None:
+        variant = _parse_variant_env(os.environ.get(VARIANT_ENV, "")).get(cast, DEFAULT_VARIANTS[cast])
+    if isinstance(variant, bool) or not isinstance(variant, int):
+        raise TypeError(f"variant must be an int, got {type(variant).__name__}")
+    if not 0 <= variant < NUM_VARIANTS[cast]:
+        raise ValueError(f"variant={variant} for cast {cast!r}; expected 0 .. {NUM_VARIANTS[cast] - 1}")
+    return variant
+
+
 def _check_x(x: torch.Tensor, ndim: int, what: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -122,10 +173,14 @@ def _spec_args(spec: CastSpec, x: torch.Tensor) -> tuple:
     )
 
 
-def quantize_dim0(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_dim0(
+    x: torch.Tensor, spec: CastSpec, variant: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (R, C) bf16/fp32 CUDA -> qdata (R, C) elem dtype, scale (R, C // bs) float8_e8m0fnu.
 
-    Blocks of bs consecutive elements along C; both outputs contiguous on x's device."""
+    Blocks of bs consecutive elements along C; both outputs contiguous on x's device.
+    `variant`: kernel variant (see resolve_variant)."""
+    v = resolve_variant("dim0", variant)
     x = _check_x(x, 2, "quantize_dim0")
     R, C = x.shape
     bs = spec.block_size
@@ -135,13 +190,17 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
     if x.numel():
         ext = load_extension()
         with torch.cuda.device(x.device):
-            ext.quantize_dim0(x, q.view(torch.uint8), s, *_spec_args(spec, x))
+            ext.quantize_dim0(x, q.view(torch.uint8), s, *_spec_args(spec, x), v)
     return q, s.view(torch.float8_e8m0fnu)
 
 
-def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_dim1(
+    x: torch.Tensor, spec: CastSpec, variant: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (B, R, C) bf16/fp32 CUDA, blocks along R -> qdata (B, C, R), scale (B, C, R // bs)
-    float8_e8m0fnu, contiguous: stored transposed so that every block is contiguous."""
+    float8_e8m0fnu, contiguous: stored transposed so that every block is contiguous.
+    `variant`: kernel variant (see resolve_variant)."""
+    v = resolve_variant("dim1", variant)
     x = _check_x(x, 3, "quantize_dim1")
     B, R, C = x.shape
     bs = spec.block_size
@@ -151,15 +210,17 @@ def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
     if x.numel():
         ext = load_extension()
         with torch.cuda.device(x.device):
-            ext.quantize_dim1(x, q.view(torch.uint8), s, *_spec_args(spec, x))
+            ext.quantize_dim1(x, q.view(torch.uint8), s, *_spec_args(spec, x), v)
     return q, s.view(torch.float8_e8m0fnu)
 
 
 def quantize_dim0_dim1(
-    x: torch.Tensor, spec: CastSpec
+    x: torch.Tensor, spec: CastSpec, variant: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: (R, C) bf16/fp32 CUDA, read once -> q0 (R, C), s0 (R, C // bs) along C and
-    q1 (C, R), s1 (C, R // bs) along R (stored transposed); all contiguous, scales float8_e8m0fnu."""
+    q1 (C, R), s1 (C, R // bs) along R (stored transposed); all contiguous, scales float8_e8m0fnu.
+    `variant`: kernel variant (see resolve_variant)."""
+    v = resolve_variant("dim0_dim1", variant)
     x = _check_x(x, 2, "quantize_dim0_dim1")
     R, C = x.shape
     bs = spec.block_size
@@ -173,15 +234,19 @@ def quantize_dim0_dim1(
         ext = load_extension()
         with torch.cuda.device(x.device):
             ext.quantize_dim0_dim1(
-                x, q0.view(torch.uint8), s0, q1.view(torch.uint8), s1, *_spec_args(spec, x)
+                x, q0.view(torch.uint8), s0, q1.view(torch.uint8), s1, *_spec_args(spec, x), v
             )
     return q0, s0.view(torch.float8_e8m0fnu), q1, s1.view(torch.float8_e8m0fnu)
 
 
-def dequantize(q: torch.Tensor, s: torch.Tensor, block_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, s: torch.Tensor, block_size: int, out_dtype: torch.dtype, variant: int | None = None
+) -> torch.Tensor:
     """q: (R, C) float8_e4m3fn/e5m2 CUDA, s: (R, C // bs) float8_e8m0fnu (or uint8) -> (R, C) out_dtype
     (bf16 or fp32), contiguous. Value q * 2^(s-127) exact in fp32, one RNE rounding to out_dtype;
-    NaN (scale 0xFF or element NaN) is written as the canonical quiet NaN."""
+    NaN (scale 0xFF or element NaN) is written as the canonical quiet NaN.
+    `variant`: kernel variant (see resolve_variant)."""
+    v = resolve_variant("dequant", variant)
     if not isinstance(q, torch.Tensor) or not isinstance(s, torch.Tensor):
         raise TypeError("q and s must be torch.Tensors")
     if q.device.type != "cuda" or s.device != q.device:
@@ -214,5 +279,6 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, block_size: int, out_dtype: tor
                 block_size,
                 _ELEM_CODES[q.dtype],
                 torch.cuda.current_stream(q.device).cuda_stream,
+                v,
             )
     return out

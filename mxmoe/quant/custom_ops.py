@@ -15,6 +15,15 @@ from mxmoe.formats import make_spec
 from mxmoe.quant.kernels import backend
 
 
+def _contiguous(outs):
+    """The fake implementations promise contiguous outputs (torch.compile relies on it: inductor
+    asserts the strides, AOTAutograd replays views with them), so the real ops must return them.
+    A no-op for outputs that already are (the torch backend's dim1 result of a 2D input is not)."""
+    if isinstance(outs, tuple):
+        return tuple(t.contiguous() for t in outs)
+    return outs.contiguous()
+
+
 def _empty_like_rows(x: Tensor, shape, dtype) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=x.device)
 
@@ -27,7 +36,7 @@ def quantize_dim0(
     spec = make_spec(block_size, scaling_mode, elem_dtype)
     if x.numel() == 0:
         return _fake_dim0(x, block_size, scaling_mode, elem_dtype, kernel)
-    return backend(kernel).quantize_dim0(x, spec)
+    return _contiguous(backend(kernel).quantize_dim0(x, spec))
 
 
 @quantize_dim0.register_fake
@@ -48,7 +57,7 @@ def quantize_dim1(
     spec = make_spec(block_size, scaling_mode, elem_dtype)
     if x.numel() == 0:
         return _fake_dim1(x, block_size, scaling_mode, elem_dtype, kernel)
-    return backend(kernel).quantize_dim1(x, spec)
+    return _contiguous(backend(kernel).quantize_dim1(x, spec))
 
 
 @quantize_dim1.register_fake
@@ -68,7 +77,7 @@ def quantize_dim0_dim1(
     spec = make_spec(block_size, scaling_mode, elem_dtype)
     if x.numel() == 0:
         return _fake_dim0_dim1(x, block_size, scaling_mode, elem_dtype, kernel)
-    return backend(kernel).quantize_dim0_dim1(x, spec)
+    return _contiguous(backend(kernel).quantize_dim0_dim1(x, spec))
 
 
 @quantize_dim0_dim1.register_fake
@@ -86,7 +95,7 @@ def dequantize(
     """qdata (R, C), scale (R, C // block_size) e8m0 -> (R, C) out_dtype."""
     if qdata.numel() == 0:
         return torch.empty(qdata.shape, dtype=out_dtype, device=qdata.device)
-    return backend(kernel).dequantize(qdata, scale, block_size, out_dtype)
+    return _contiguous(backend(kernel).dequantize(qdata, scale, block_size, out_dtype))
 
 
 @dequantize.register_fake

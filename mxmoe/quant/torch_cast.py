@@ -60,7 +60,7 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
 def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (B, R, C) contiguous, blocks along R -> qdata (B, C, R), scale (B, C, R // bs)."""
     B, R, C = x.shape
-    q, s = quantize_dim0(x.transpose(1, 2).reshape(B * C, R), spec)
+    q, s = quantize_dim0(x.transpose(1, 2).contiguous().view(B * C, R), spec)
     return q.view(B, C, R), s.view(B, C, R // spec.block_size)
 
 

@@ -4,7 +4,8 @@ Same interface as `mxmoe.quant.torch_cast` (docs/mx-format.md is the spec); see 
 the kernel designs and the benchmark. Inputs are contiguous bf16/fp32; outputs are fresh
 contiguous tensors; scales are `torch.float8_e8m0fnu` (kernels see them as uint8).
 
-Exactness does not depend on how the GPU treats fp32 subnormals (FTZ):
+With the FTZ guard (TileConfig.guard), exactness does not depend on how the GPU treats fp32
+subnormals (FTZ):
 - inputs are loaded as integers (bf16 bits << 16 or fp32 bits), the block amax is an integer max
   of |bits| and scale exponents are integer arithmetic (RCEIL multiplies in fp32 only above the
   T126 threshold, where the product is a normal number);
@@ -22,8 +23,11 @@ Exactness does not depend on how the GPU treats fp32 subnormals (FTZ):
 Config knobs (read at every call, so a benchmark can switch them between runs):
 - MXMOE_TRITON_CAST_ROUND = auto | soft | hw: element rounding (auto: hw on a GPU, soft under the
   Triton interpreter, whose fp32->fp8 conversion does not round correctly).
-- MXMOE_TRITON_CAST_CONFIG = one of CONFIGS (tile sizes / warps), default "default";
+- MXMOE_TRITON_CAST_CONFIG = one of CONFIGS (tiles, warps, transpose variant, FTZ guard, eviction
+  hints) for every cast, or "default" (the default): each cast uses the config DEFAULTS names;
   `use_config(name)` overrides both for a `with` block.
+Configs with guard=False skip the subnormal rewrite below and rely on fp32 multiplies that keep
+subnormals (true of Triton 3.6 on sm_90 and of the interpreter); the GPU tests check them.
 """
 
 from __future__ import annotations
@@ -47,45 +51,65 @@ from mxmoe.quant.kernels import triton_interpret
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes and warps of each kernel (elements are counted along the block axis)."""
+    """Tile sizes, warps and variants of each kernel (elements are counted along the block axis)."""
 
-    dim0_elems: int  # elements per program of the dim0 / dequantize kernels (a multiple of bs)
+    dim0_elems: int  # elements per program of the dim0 kernel (a multiple of bs)
     dim0_warps: int
+    dim1_impl: str  # "permute": transpose the fp8 bytes; "pack4": transpose int32 words of 4 rows
     dim1_rows: int  # rows (along R, the block axis) per dim1 program; output runs are this long
     dim1_cols: int  # columns (along C) per dim1 program
     dim1_warps: int
+    fused_impl: str  # as dim1_impl, for the dim1 half of the fused kernel
     fused_rows: int  # tile of the fused dim0+dim1 kernel
     fused_cols: int
     fused_warps: int
     dequant_elems: int
     dequant_warps: int
+    guard: bool = True  # FTZ guard: subnormal-safe products on tiles with tiny scales (see module doc)
+    evict: bool = False  # eviction_policy="evict_first" on the streaming loads and stores
 
 
 # Elements per thread in brackets; all read 16-byte vectors. Registers (sm_90, Triton 3.6): about
 # 64 at 16 elements per thread, 110-120 at 32, 210 at 64.
 CONFIGS: dict[str, TileConfig] = {
-    # dim0 [32], dim1 128x64 [32], fused 64x64 [16], dequant [32]
-    "default": TileConfig(8192, 8, 128, 64, 8, 64, 64, 8, 8192, 8),
-    # everything at 16 elements per thread: more resident warps, fewer registers each
-    "small": TileConfig(4096, 8, 64, 64, 8, 32, 64, 4, 4096, 8),
-    # wider column tiles (dim1 rows of 128 B bf16 in, 64 B out)
-    "wide": TileConfig(16384, 8, 64, 128, 8, 32, 128, 8, 16384, 8),
-    # more work per thread: dim1 128x128 [64], fused 64x64 [32]
-    "tall": TileConfig(8192, 4, 128, 128, 8, 64, 64, 4, 8192, 4),
+    # the first backend's tiles: dim0 [32], dim1 128x64 byte permute [32], fused 64x64 [16]
+    "v0": TileConfig(8192, 8, "permute", 128, 64, 8, "permute", 64, 64, 8, 8192, 8),
+    # packed transposes (4 fp8 bytes of consecutive rows per int32 word), no FTZ guard
+    "p4": TileConfig(8192, 8, "pack4", 128, 64, 8, "pack4", 64, 64, 4, 8192, 8, guard=False),
+    # as p4 with the FTZ guard: measures what the guard costs
+    "p4g": TileConfig(8192, 8, "pack4", 128, 64, 8, "pack4", 64, 64, 4, 8192, 8, guard=True),
+    # as p4 with evict_first hints on every stream
+    "p4e": TileConfig(8192, 8, "pack4", 128, 64, 8, "pack4", 64, 64, 4, 8192, 8, guard=False, evict=True),
+    # fewer registers, more resident programs: [16] everywhere, 4 warps
+    "p4s": TileConfig(4096, 8, "pack4", 64, 64, 4, "pack4", 64, 64, 8, 4096, 8, guard=False),
+    # more bytes per program: dim0 / dequant 16 K elements [64], dim1 128x128 [64], fused 128x64 [32]
+    "p4w": TileConfig(16384, 8, "pack4", 128, 128, 8, "pack4", 128, 64, 8, 16384, 8, guard=False),
+    # long output rows: dim1 256x64 (256 B per output row) [64], dim0 / dequant 4 warps [64]
+    "p4t": TileConfig(8192, 4, "pack4", 256, 64, 8, "pack4", 128, 64, 8, 8192, 4, guard=False),
 }
+# The config each cast uses when none is chosen (MXMOE_TRITON_CAST_CONFIG unset or "default").
+# Set from the H200 sweep (scripts/gpu/sweep_triton_cast.sh); edit here.
+DEFAULTS: dict[str, str] = {"dim0": "p4", "dim1": "p4", "dim0_dim1": "p4", "dequant": "p4"}
 _ROUND_MODES = ("auto", "soft", "hw")
 _MAX_TILE = 16384  # elements per dim1 program at most (large block sizes shrink the columns)
 _FUSED_MAX_BS = 128  # larger blocks: the fused cast runs the dim0 and dim1 kernels (x read twice)
 _override: dict[str, str] = {}
 
 
-def _config_name() -> str:
+def _config_name(cast: str) -> str:
+    """The config name cast `cast` (a key of DEFAULTS) runs with."""
     name = _override.get("config") or os.environ.get("MXMOE_TRITON_CAST_CONFIG", "default")
+    if name == "default":
+        return DEFAULTS[cast]
     if name not in CONFIGS:
         raise ValueError(
-            f"MXMOE_TRITON_CAST_CONFIG={name!r} is not a config; expected one of {list(CONFIGS)}"
+            f"MXMOE_TRITON_CAST_CONFIG={name!r} is not a config; expected 'default' or one of {list(CONFIGS)}"
         )
     return name
+
+
+def _config(cast: str) -> TileConfig:
+    return CONFIGS[_config_name(cast)]
 
 
 def _soft_round(device: torch.device) -> bool:
@@ -105,10 +129,12 @@ def _soft_round(device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def use_config(config: str | None = None, round: str | None = None) -> Iterator[None]:
-    """Within the block, use tile config `config` (a key of CONFIGS) and rounding `round`
-    (auto | soft | hw) instead of the environment variables."""
-    if config is not None and config not in CONFIGS:
-        raise ValueError(f"config={config!r} is not a config; expected one of {list(CONFIGS)}")
+    """Within the block, use tile config `config` (a key of CONFIGS, or "default" for the per-cast
+    DEFAULTS) and rounding `round` (auto | soft | hw) instead of the environment variables."""
+    if config is not None and config != "default" and config not in CONFIGS:
+        raise ValueError(
+            f"config={config!r} is not a config; expected 'default' or one of {list(CONFIGS)}"
+        )
     if round is not None and round not in _ROUND_MODES:
         raise ValueError(f"round={round!r} is not a rounding mode; expected one of {_ROUND_MODES}")
     saved = dict(_override)
@@ -129,12 +155,24 @@ def use_config(config: str | None = None, round: str | None = None) -> Iterator[
 
 
 @triton.jit
-def _load_bits(ptr, offs, mask, IN_BF16: tl.constexpr):
+def _load_bits(ptr, offs, mask, IN_BF16: tl.constexpr, EVICT: tl.constexpr = False):
     """fp32 bit patterns (int32) of bf16 (int16 view) or fp32 (int32 view) inputs; 0 where masked."""
-    if IN_BF16:
-        return tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) << 16
+    if EVICT:
+        v = tl.load(ptr + offs, mask=mask, other=0, eviction_policy="evict_first")
     else:
-        return tl.load(ptr + offs, mask=mask, other=0)
+        v = tl.load(ptr + offs, mask=mask, other=0)
+    if IN_BF16:
+        return v.to(tl.int32) << 16
+    else:
+        return v
+
+
+@triton.jit
+def _store(ptr, offs, val, mask, EVICT: tl.constexpr = False):
+    if EVICT:
+        tl.store(ptr + offs, val, mask=mask, eviction_policy="evict_first")
+    else:
+        tl.store(ptr + offs, val, mask=mask)
 
 
 @triton.jit
@@ -190,43 +228,68 @@ def _to_elem(y, IS_E5M2: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexp
 
 
 @triton.jit
-def _quantize(X, AXIS: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
-              MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
-              T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
-    """Quantize blocks that span axis AXIS of X (int32 fp32 bits, any rank).
-    Returns (element bytes, uint8, X's shape; scale bytes, uint8, X's shape without AXIS)."""
-    # |bits| ordered as unsigned (X << 1): one shift, no mask, before the integer max
-    A = (tl.max((X << 1).to(tl.uint32, bitcast=True), axis=AXIS) >> 1).to(tl.int32, bitcast=True)
+def _abs_key(X):
+    """|bits| ordered as unsigned (X << 1): one shift, no mask, before an integer max."""
+    return (X << 1).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _block_scale(K, MODE: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, RCEIL_C: tl.constexpr,
+                 T127: tl.constexpr, T126: tl.constexpr):
+    """From the max of _abs_key over a block (uint32) -> (e, int32 exponent; nonfinite, bool;
+    scale byte, uint8; emin, the smallest e of the tile's finite nonzero blocks)."""
+    A = (K >> 1).to(tl.int32, bitcast=True)
     nonfinite = A >= 0x7F800000
     e = _scale_exp(tl.where(nonfinite, 0, A), MODE, EMAX, MBITS, RCEIL_C, T127, T126)
-    # 2^-e, normal. A non-finite block gets r = NaN in hardware mode: x * NaN is the canonical NaN
-    # 0x7FFFFFFF on the GPU and `cvt.rn.satfinite` writes NaN as 0x7F (checked by the GPU tests),
-    # which saves a select per element; software mode selects the byte explicitly.
-    rb = (127 - e) << 23
-    if not SOFT:
-        rb = tl.where(nonfinite, 0x7FC00000, rb)
-    r = tl.expand_dims(rb.to(tl.float32, bitcast=True), AXIS)
-    # With every block exponent >= E_FAST, a subnormal x has |x * 2^-e| < 2^(-126-e), below half
-    # the smallest element subnormal: flushing it (FTZ) gives the same +-0 as exact rounding.
-    E_FAST: tl.constexpr = MBITS - MIN_EXP - 125
-    # (all-zero blocks, e.g. padding, and non-finite blocks do not count)
-    if tl.min(tl.where(nonfinite | (A == 0), 127, e)) >= E_FAST:
-        y = X.to(tl.float32, bitcast=True) * r
-    else:
-        # subnormal x = m * 2^-149 becomes (1 + m * 2^-23) - 1 = m * 2^-23 (exact, normal) times
-        # 2^(-126 - e) (built from bits; 0 when it underflows, as y is then negligible)
-        r_sub = tl.expand_dims((tl.maximum(1 - e, 0) << 23).to(tl.float32, bitcast=True), AXIS)
-        ax = X & 0x7FFFFFFF
-        is_sub = ax < 0x800000
-        xs = tl.where(is_sub, ((ax & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0,
-                      ax.to(tl.float32, bitcast=True))
-        ya = xs * tl.where(is_sub, r_sub, r)
-        y = (ya.to(tl.int32, bitcast=True) | (X & -2147483648)).to(tl.float32, bitcast=True)
-        y = tl.where(tl.expand_dims(nonfinite, AXIS), ya, y)  # the positive NaN, as above
-    q = _to_elem(y, IS_E5M2, MBITS, MIN_EXP, MAXBITS, SOFT)
-    if SOFT:
-        q = tl.where(tl.expand_dims(nonfinite, AXIS), 0x7F, q).to(tl.uint8)
     s = tl.where(nonfinite, 255, e + 127).to(tl.uint8)
+    # (all-zero blocks, e.g. padding, and non-finite blocks do not count)
+    emin = tl.min(tl.where(nonfinite | (A == 0), 127, e))
+    return e, nonfinite, s, emin
+
+
+@triton.jit
+def _apply(X, e, nonfinite, emin, IS_E5M2: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr,
+           MAXBITS: tl.constexpr, SOFT: tl.constexpr, GUARD: tl.constexpr):
+    """Element bytes (uint8, X's shape) of X (int32 fp32 bits) in blocks of exponent e and
+    non-finite flag `nonfinite` (both broadcastable to X). Non-finite blocks get byte 0x7F,
+    selected explicitly (the hardware's NaN encoding is not relied on)."""
+    # 2^-e, a normal number for every finite block (e <= 120); non-finite blocks have e = -127
+    r = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    E_FAST: tl.constexpr = MBITS - MIN_EXP - 125
+    if GUARD:
+        # With every block exponent >= E_FAST, a subnormal x has |x * 2^-e| < 2^(-126-e), below half
+        # the smallest element subnormal: flushing it (FTZ) gives the same +-0 as exact rounding.
+        if emin >= E_FAST:
+            y = X.to(tl.float32, bitcast=True) * r
+        else:
+            # subnormal x = m * 2^-149 becomes (1 + m * 2^-23) - 1 = m * 2^-23 (exact, normal) times
+            # 2^(-126 - e) (built from bits; 0 when it underflows, as y is then negligible)
+            r_sub = (tl.maximum(1 - e, 0) << 23).to(tl.float32, bitcast=True)
+            ax = X & 0x7FFFFFFF
+            is_sub = ax < 0x800000
+            xs = tl.where(is_sub, ((ax & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0,
+                          ax.to(tl.float32, bitcast=True))
+            ya = xs * tl.where(is_sub, r_sub, r)
+            y = (ya.to(tl.int32, bitcast=True) | (X & -2147483648)).to(tl.float32, bitcast=True)
+    else:
+        # No guard: relies on fp32 multiplies that keep subnormals (measured on sm_90 with Triton
+        # 3.6; numpy in the interpreter). Then x * 2^-e is exact whenever it is a normal number and
+        # rounds to +-0 as an element otherwise.
+        y = X.to(tl.float32, bitcast=True) * r
+    q = _to_elem(y, IS_E5M2, MBITS, MIN_EXP, MAXBITS, SOFT)
+    return tl.where(nonfinite, 0x7F, q).to(tl.uint8)
+
+
+@triton.jit
+def _quantize(X, AXIS: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
+              MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
+              T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr, GUARD: tl.constexpr):
+    """Quantize blocks that span axis AXIS of X (int32 fp32 bits, any rank).
+    Returns (element bytes, uint8, X's shape; scale bytes, uint8, X's shape without AXIS)."""
+    e, nonfinite, s, emin = _block_scale(tl.max(_abs_key(X), axis=AXIS), MODE, EMAX, MBITS, RCEIL_C,
+                                         T127, T126)
+    q = _apply(X, tl.expand_dims(e, AXIS), tl.expand_dims(nonfinite, AXIS), emin, IS_E5M2, MBITS,
+               MIN_EXP, MAXBITS, SOFT, GUARD)
     return q, s
 
 
@@ -239,7 +302,8 @@ def _quantize(X, AXIS: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, 
 def _dim0_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BS: tl.constexpr, NB: tl.constexpr,
                  IN_BF16: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
                  MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
-                 RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
+                 RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr,
+                 GUARD: tl.constexpr, EVICT: tl.constexpr):
     """(R, C) with blocks along C is a flat sequence of blocks: program p quantizes blocks
     [p*NB, (p+1)*NB) as an (NB, BS) tile; scales are the flat (R * C / BS) sequence."""
     pid = tl.program_id(0)
@@ -250,9 +314,10 @@ def _dim0_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BS: tl.constexpr, NB: tl.constex
     b = tl.arange(0, NB)
     bmask = b < n_blocks - blk0
     offs = b[:, None] * BS + tl.arange(0, BS)[None, :]
-    X = _load_bits(x_ptr, offs, bmask[:, None], IN_BF16)
-    q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
-    tl.store(q_ptr + offs, q, mask=bmask[:, None])
+    X = _load_bits(x_ptr, offs, bmask[:, None], IN_BF16, EVICT)
+    q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT,
+                     GUARD)
+    _store(q_ptr, offs, q, bmask[:, None], EVICT)
     tl.store(s_ptr + b, s, mask=bmask)
 
 
@@ -260,7 +325,8 @@ def _dim0_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BS: tl.constexpr, NB: tl.constex
 def _dim1_kernel(x_ptr, q_ptr, s_ptr, R, C, BS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                  IN_BF16: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
                  MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
-                 RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
+                 RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr,
+                 GUARD: tl.constexpr, EVICT: tl.constexpr):
     """x (B, R, C), blocks along R -> q (B, C, R), s (B, C, R/BS). Program (i, j, b) loads the
     (BR, BC) tile at rows i*BR, cols j*BC as (BR/BS, BS, BC) row-major, reduces over axis 1 and
     stores the tile transposed so that runs of BR output bytes are contiguous."""
@@ -281,11 +347,12 @@ def _dim1_kernel(x_ptr, q_ptr, s_ptr, R, C, BS: tl.constexpr, BR: tl.constexpr, 
     cmask = c < C - c0
     offs = (rb[:, None, None] * BS + j[None, :, None]) * C + c[None, None, :]
     mask = rmask[:, None, None] & cmask[None, None, :]
-    X = _load_bits(x_ptr, offs, mask, IN_BF16)
-    q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+    X = _load_bits(x_ptr, offs, mask, IN_BF16, EVICT)
+    q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT,
+                     GUARD)
     offs_t = c[:, None, None] * R + rb[None, :, None] * BS + j[None, None, :]
     mask_t = cmask[:, None, None] & rmask[None, :, None]
-    tl.store(q_ptr + offs_t, tl.permute(q, (2, 0, 1)), mask=mask_t)
+    _store(q_ptr, offs_t, tl.permute(q, (2, 0, 1)), mask_t, EVICT)
     tl.store(s_ptr + c[:, None] * nrb + rb[None, :], tl.trans(s), mask=cmask[:, None] & rmask[None, :])
 
 
@@ -294,7 +361,8 @@ def _dim0_dim1_kernel(x_ptr, q0_ptr, s0_ptr, q1_ptr, s1_ptr, R, C, BS: tl.conste
                       BC: tl.constexpr, IN_BF16: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
                       EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr,
                       MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr, T127: tl.constexpr,
-                      T126: tl.constexpr, SOFT: tl.constexpr):
+                      T126: tl.constexpr, SOFT: tl.constexpr, GUARD: tl.constexpr,
+                      EVICT: tl.constexpr):
     """x (R, C) read once as (BR/BS, BS, BC/BS, BS) tiles: blocks along C (axis 3) give q0 (R, C),
     s0 (R, C/BS); blocks along R (axis 1) give q1 (C, R), s1 (C, R/BS), stored transposed."""
     NBR: tl.constexpr = BR // BS
@@ -318,16 +386,18 @@ def _dim0_dim1_kernel(x_ptr, q0_ptr, s0_ptr, q1_ptr, s1_ptr, R, C, BS: tl.conste
     kmask = k < ncb - pid_c * NBC
     mask = imask & kmask
     offs = (i * BS + j) * C + k * BS + m
-    X = _load_bits(x_ptr, offs, mask, IN_BF16)
-    q0, s0 = _quantize(X, 3, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
-    tl.store(q0_ptr + offs, q0, mask=mask)
+    X = _load_bits(x_ptr, offs, mask, IN_BF16, EVICT)
+    q0, s0 = _quantize(X, 3, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT,
+                     GUARD)
+    _store(q0_ptr, offs, q0, mask, EVICT)
     # s0: (NBR, BS, NBC) -> s0[row, col block]
     s0_offs = (tl.arange(0, NBR)[:, None, None] * BS + tl.arange(0, BS)[None, :, None]) * ncb + \
         tl.arange(0, NBC)[None, None, :]
     s0_mask = (tl.arange(0, NBR)[:, None, None] < nrb - pid_r * NBR) & \
         (tl.arange(0, NBC)[None, None, :] < ncb - pid_c * NBC)
     tl.store(s0_ptr + s0_offs, s0, mask=s0_mask)
-    q1, s1 = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+    q1, s1 = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT,
+                     GUARD)
     # q1 (i, j, k, m) -> (k, m, i, j): element (row i*BS+j, col k*BS+m) at q1[col, row]
     it = tl.arange(0, NBR)[None, None, :, None]
     jt = tl.arange(0, BS)[None, None, None, :]
@@ -335,13 +405,139 @@ def _dim0_dim1_kernel(x_ptr, q0_ptr, s0_ptr, q1_ptr, s1_ptr, R, C, BS: tl.conste
     mt = tl.arange(0, BS)[None, :, None, None]
     offs_t = (kt * BS + mt) * R + it * BS + jt
     mask_t = (kt < ncb - pid_c * NBC) & (it < nrb - pid_r * NBR)
-    tl.store(q1_ptr + offs_t, tl.permute(q1, (2, 3, 0, 1)), mask=mask_t)
+    _store(q1_ptr, offs_t, tl.permute(q1, (2, 3, 0, 1)), mask_t, EVICT)
     # s1: (NBR, NBC, BS) -> (NBC, BS, NBR): s1[col, row block]
     ks = tl.arange(0, NBC)[:, None, None]
     ms = tl.arange(0, BS)[None, :, None]
     i_s = tl.arange(0, NBR)[None, None, :]
     s1_mask = (ks < ncb - pid_c * NBC) & (i_s < nrb - pid_r * NBR)
     tl.store(s1_ptr + (ks * BS + ms) * nrb + i_s, tl.permute(s1, (1, 2, 0)), mask=s1_mask)
+
+
+@triton.jit
+def _dim1_pack4(X0, X1, X2, X3, q_ptr, s_ptr, R, c, i, rb, cmask, rmask, rbmask, nrb, BS: tl.constexpr,
+                BC: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
+                MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
+                T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr, GUARD: tl.constexpr,
+                EVICT: tl.constexpr):
+    """Blocks along the rows of a tile held as four (BR/4, BC) row quads Xm (rows 4*i + m, same
+    register layout): quantize, pack the four bytes of rows 4i..4i+3 into one int32 (in-thread),
+    and store the int32 tile transposed: q_ptr (int32) gets word [c, i] at c * R/4 + i, s_ptr
+    byte [c, rb] at c * nrb + rb."""
+    Q4: tl.constexpr = X0.shape[0]
+    NBR: tl.constexpr = Q4 * 4 // BS
+    K = tl.maximum(tl.maximum(_abs_key(X0), _abs_key(X1)), tl.maximum(_abs_key(X2), _abs_key(X3)))
+    K = tl.max(tl.reshape(K, (NBR, BS // 4, BC)), axis=1)
+    e, nonfinite, s, emin = _block_scale(K, MODE, EMAX, MBITS, RCEIL_C, T127, T126)
+    eb = tl.reshape(tl.broadcast_to(tl.expand_dims(e, 1), (NBR, BS // 4, BC)), (Q4, BC))
+    nb = tl.reshape(tl.broadcast_to(tl.expand_dims(nonfinite, 1), (NBR, BS // 4, BC)), (Q4, BC))
+    W = _apply(X0, eb, nb, emin, IS_E5M2, MBITS, MIN_EXP, MAXBITS, SOFT, GUARD).to(tl.int32)
+    W |= _apply(X1, eb, nb, emin, IS_E5M2, MBITS, MIN_EXP, MAXBITS, SOFT, GUARD).to(tl.int32) << 8
+    W |= _apply(X2, eb, nb, emin, IS_E5M2, MBITS, MIN_EXP, MAXBITS, SOFT, GUARD).to(tl.int32) << 16
+    W |= _apply(X3, eb, nb, emin, IS_E5M2, MBITS, MIN_EXP, MAXBITS, SOFT, GUARD).to(tl.int32) << 24
+    _store(q_ptr, c[:, None] * (R // 4) + i[None, :], tl.trans(W), cmask[:, None] & rmask[None, :], EVICT)
+    tl.store(s_ptr + c[:, None] * nrb + rb[None, :], tl.trans(s), mask=cmask[:, None] & rbmask[None, :])
+
+
+@triton.jit
+def _dim1_pack4_kernel(x_ptr, q_ptr, s_ptr, R, C, BS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                       IN_BF16: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
+                       EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                       MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr, T127: tl.constexpr,
+                       T126: tl.constexpr, SOFT: tl.constexpr, GUARD: tl.constexpr, EVICT: tl.constexpr):
+    """x (B, R, C), blocks along R -> q (B, C, R) as int32 words (B, C, R/4), s (B, C, R/BS).
+    Needs BS >= 4. The (BR, BC) tile is loaded as four quads of rows 4i + m (each load coalesced
+    along C, all in the same layout), so the four bytes of an output word are in one thread and
+    the transpose moves int32 words, not bytes."""
+    NBR: tl.constexpr = BR // BS
+    Q4: tl.constexpr = BR // 4
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    nrb = R // BS
+    r0 = pid_r * BR
+    c0 = pid_c * BC
+    x_ptr += pid_b * R * C + r0.to(tl.int64) * C + c0
+    q_ptr += pid_b * (R // 4) * C + c0.to(tl.int64) * (R // 4) + r0 // 4
+    s_ptr += pid_b * nrb * C + c0.to(tl.int64) * nrb + pid_r * NBR
+    i = tl.arange(0, Q4)
+    c = tl.arange(0, BC)
+    rb = tl.arange(0, NBR)
+    rmask = i < (R - r0) // 4
+    cmask = c < C - c0
+    mask = rmask[:, None] & cmask[None, :]
+    offs = (4 * i)[:, None] * C + c[None, :]
+    X0 = _load_bits(x_ptr, offs, mask, IN_BF16, EVICT)
+    X1 = _load_bits(x_ptr, offs + C, mask, IN_BF16, EVICT)
+    X2 = _load_bits(x_ptr, offs + 2 * C, mask, IN_BF16, EVICT)
+    X3 = _load_bits(x_ptr, offs + 3 * C, mask, IN_BF16, EVICT)
+    _dim1_pack4(X0, X1, X2, X3, q_ptr, s_ptr, R, c, i, rb, cmask, rmask, rb < nrb - pid_r * NBR, nrb,
+                BS, BC, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT, GUARD,
+                EVICT)
+
+
+@triton.jit
+def _dim0_rows(X, q_ptr, s_ptr, rows, C, c, cb, mask, smask, BS: tl.constexpr, MODE: tl.constexpr,
+               IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr,
+               MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr,
+               SOFT: tl.constexpr, GUARD: tl.constexpr, EVICT: tl.constexpr):
+    """Blocks along the columns of X (NROWS, BC): q row `rows[k]` at q_ptr + rows[k] * C + c,
+    scales at s_ptr + rows[k] * C/BS + cb."""
+    NROWS: tl.constexpr = X.shape[0]
+    BC: tl.constexpr = X.shape[1]
+    q, s = _quantize(tl.reshape(X, (NROWS, BC // BS, BS)), 2, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS,
+                     RCEIL_C, T127, T126, SOFT, GUARD)
+    _store(q_ptr, rows[:, None] * C + c[None, :], tl.reshape(q, (NROWS, BC)), mask, EVICT)
+    tl.store(s_ptr + rows[:, None] * (C // BS) + cb[None, :], s, mask=smask)
+
+
+@triton.jit
+def _dim0_dim1_pack4_kernel(x_ptr, q0_ptr, s0_ptr, q1_ptr, s1_ptr, R, C, BS: tl.constexpr,
+                            BR: tl.constexpr, BC: tl.constexpr, IN_BF16: tl.constexpr, MODE: tl.constexpr,
+                            IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+                            MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
+                            T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr,
+                            GUARD: tl.constexpr, EVICT: tl.constexpr):
+    """x (R, C) read once as four (BR/4, BC) row quads: each quad gives its dim0 rows (q0 (R, C),
+    s0 (R, C/BS)) directly; the quads together give the dim1 blocks, stored as packed int32 words
+    (q1 (C, R/4) int32 view of (C, R) bytes, s1 (C, R/BS)) as in _dim1_pack4_kernel."""
+    NBR: tl.constexpr = BR // BS
+    NBC: tl.constexpr = BC // BS
+    Q4: tl.constexpr = BR // 4
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    nrb = R // BS
+    r0 = pid_r * BR
+    c0 = pid_c * BC
+    x_ptr += r0.to(tl.int64) * C + c0
+    q0_ptr += r0.to(tl.int64) * C + c0
+    s0_ptr += r0.to(tl.int64) * (C // BS) + pid_c * NBC
+    q1_ptr += c0.to(tl.int64) * (R // 4) + r0 // 4
+    s1_ptr += c0.to(tl.int64) * nrb + pid_r * NBR
+    i = tl.arange(0, Q4)
+    c = tl.arange(0, BC)
+    cb = tl.arange(0, NBC)
+    rb = tl.arange(0, NBR)
+    rmask = i < (R - r0) // 4
+    cmask = c < C - c0
+    mask = rmask[:, None] & cmask[None, :]
+    smask = rmask[:, None] & (cb < C // BS - pid_c * NBC)[None, :]
+    offs = (4 * i)[:, None] * C + c[None, :]
+    X0 = _load_bits(x_ptr, offs, mask, IN_BF16, EVICT)
+    X1 = _load_bits(x_ptr, offs + C, mask, IN_BF16, EVICT)
+    X2 = _load_bits(x_ptr, offs + 2 * C, mask, IN_BF16, EVICT)
+    X3 = _load_bits(x_ptr, offs + 3 * C, mask, IN_BF16, EVICT)
+    _dim0_rows(X0, q0_ptr, s0_ptr, 4 * i, C, c, cb, mask, smask, BS, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP,
+               MAXBITS, RCEIL_C, T127, T126, SOFT, GUARD, EVICT)
+    _dim0_rows(X1, q0_ptr, s0_ptr, 4 * i + 1, C, c, cb, mask, smask, BS, MODE, IS_E5M2, EMAX, MBITS,
+               MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT, GUARD, EVICT)
+    _dim0_rows(X2, q0_ptr, s0_ptr, 4 * i + 2, C, c, cb, mask, smask, BS, MODE, IS_E5M2, EMAX, MBITS,
+               MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT, GUARD, EVICT)
+    _dim0_rows(X3, q0_ptr, s0_ptr, 4 * i + 3, C, c, cb, mask, smask, BS, MODE, IS_E5M2, EMAX, MBITS,
+               MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT, GUARD, EVICT)
+    _dim1_pack4(X0, X1, X2, X3, q1_ptr, s1_ptr, R, c, i, rb, cmask, rmask, rb < nrb - pid_r * NBR, nrb,
+                BS, BC, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT, GUARD,
+                EVICT)
 
 
 @triton.jit
@@ -367,7 +563,7 @@ def _dequant_specials(o, qb, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr):
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BS: tl.constexpr, NB: tl.constexpr,
                     IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr, SAFE_S: tl.constexpr,
-                    SOFT: tl.constexpr):
+                    SOFT: tl.constexpr, EVICT: tl.constexpr):
     """q (R, C) element bytes, s (R, C/BS) scale bytes, both as flat block sequences -> out.
 
     A tile whose scale bytes are all >= SAFE_S has only normal fp32 results (or 0, Inf, NaN): one
@@ -383,7 +579,10 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BS: tl.constexpr, NB: tl.co
     b = tl.arange(0, NB)
     bmask = b < n_blocks - blk0
     offs = b[:, None] * BS + tl.arange(0, BS)[None, :]
-    qb = tl.load(q_ptr + offs, mask=bmask[:, None], other=0)
+    if EVICT:
+        qb = tl.load(q_ptr + offs, mask=bmask[:, None], other=0, eviction_policy="evict_first")
+    else:
+        qb = tl.load(q_ptr + offs, mask=bmask[:, None], other=0)
     s = tl.load(s_ptr + b, mask=bmask, other=127).to(tl.int32)
     if IS_E5M2:
         qf = qb.to(tl.float8e5, bitcast=True).to(tl.float32)
@@ -415,7 +614,7 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BS: tl.constexpr, NB: tl.co
         else:
             o = (ra | (Q & -2147483648)).to(tl.float32, bitcast=True)
         o = _dequant_specials(o, qb, s, IS_E5M2, OUT_BF16)
-    tl.store(out_ptr + offs, o, mask=bmask[:, None])
+    _store(out_ptr, offs, o, bmask[:, None], EVICT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,7 +640,7 @@ def _bits_view(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32)
 
 
-def _spec_args(spec: CastSpec, device: torch.device) -> dict:
+def _spec_args(spec: CastSpec, device: torch.device, cfg: TileConfig) -> dict:
     f: ElemFormat = spec.elem
     return dict(
         MODE=MODE_IDS[spec.mode],
@@ -454,6 +653,8 @@ def _spec_args(spec: CastSpec, device: torch.device) -> dict:
         T127=spec.rceil_t127,
         T126=spec.rceil_t126,
         SOFT=_soft_round(device),
+        GUARD=cfg.guard,
+        EVICT=cfg.evict,
     )
 
 
@@ -475,11 +676,11 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
     n_blocks = R * C // bs
     if n_blocks == 0:
         return q, s
-    cfg = CONFIGS[_config_name()]
+    cfg = _config("dim0")
     nb = _blocks_per_program(cfg.dim0_elems, bs, n_blocks)
     _dim0_kernel[(triton.cdiv(n_blocks, nb),)](
         _bits_view(x), q.view(torch.uint8), s.view(torch.uint8), n_blocks, BS=bs, NB=nb,
-        IN_BF16=x.dtype == torch.bfloat16, num_warps=cfg.dim0_warps, **_spec_args(spec, x.device),
+        IN_BF16=x.dtype == torch.bfloat16, num_warps=cfg.dim0_warps, **_spec_args(spec, x.device, cfg),
     )
     return q, s
 
@@ -503,14 +704,17 @@ def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
         return q, s
     if B > 65535:
         raise ValueError(f"x.shape[0]={B} exceeds the 65535 batches the dim1 kernel's grid allows")
-    cfg = CONFIGS[_config_name()]
+    cfg = _config("dim1")
     br, bc = _dim1_tile(R, C, bs, cfg.dim1_rows, cfg.dim1_cols)
     grid = (triton.cdiv(R, br), triton.cdiv(C, bc), B)
     if grid[1] > 65535:
         raise ValueError(f"x.shape[-1]={C} is too wide for the dim1 kernel's grid (at most {65535 * bc})")
-    _dim1_kernel[grid](
-        _bits_view(x), q.view(torch.uint8), s.view(torch.uint8), R, C, BS=bs, BR=br, BC=bc,
-        IN_BF16=x.dtype == torch.bfloat16, num_warps=cfg.dim1_warps, **_spec_args(spec, x.device),
+    packed = cfg.dim1_impl == "pack4" and bs >= 4  # R % 4 == 0: every output row is whole int32 words
+    kernel = _dim1_pack4_kernel if packed else _dim1_kernel
+    kernel[grid](
+        _bits_view(x), q.view(torch.int32 if packed else torch.uint8), s.view(torch.uint8), R, C, BS=bs,
+        BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, num_warps=cfg.dim1_warps,
+        **_spec_args(spec, x.device, cfg),
     )
     return q, s
 
@@ -536,16 +740,18 @@ def quantize_dim0_dim1(
         q0, s0 = quantize_dim0(x, spec)
         q1, s1 = quantize_dim1(x.unsqueeze(0), spec)
         return q0, s0, q1[0], s1[0]
-    cfg = CONFIGS[_config_name()]
+    cfg = _config("dim0_dim1")
     br = max(bs, min(cfg.fused_rows, triton.next_power_of_2(R)))
     bc = max(bs, min(cfg.fused_cols, triton.next_power_of_2(C)))
     grid = (triton.cdiv(R, br), triton.cdiv(C, bc))
     if grid[1] > 65535:
         raise ValueError(f"x.shape[-1]={C} is too wide for the fused kernel's grid (at most {65535 * bc})")
-    _dim0_dim1_kernel[grid](
-        _bits_view(x), q0.view(torch.uint8), s0.view(torch.uint8), q1.view(torch.uint8),
-        s1.view(torch.uint8), R, C, BS=bs, BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16,
-        num_warps=cfg.fused_warps, **_spec_args(spec, dev),
+    packed = cfg.fused_impl == "pack4" and bs >= 4
+    kernel = _dim0_dim1_pack4_kernel if packed else _dim0_dim1_kernel
+    kernel[grid](
+        _bits_view(x), q0.view(torch.uint8), s0.view(torch.uint8),
+        q1.view(torch.int32 if packed else torch.uint8), s1.view(torch.uint8), R, C, BS=bs, BR=br, BC=bc,
+        IN_BF16=x.dtype == torch.bfloat16, num_warps=cfg.fused_warps, **_spec_args(spec, dev, cfg),
     )
     return q0, s0, q1, s1
 
@@ -572,11 +778,11 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, block_size: int, out_dtype: tor
     is_e5m2 = q.dtype == torch.float8_e5m2
     # smallest nonzero |q|: 2^-9 (e4m3) / 2^-16 (e5m2); q * 2^(s-127) >= 2^-126 iff s >= 10 / 17
     safe_s = 17 if is_e5m2 else 10
-    cfg = CONFIGS[_config_name()]
+    cfg = _config("dequant")
     nb = _blocks_per_program(cfg.dequant_elems, block_size, n_blocks)
     _dequant_kernel[(triton.cdiv(n_blocks, nb),)](
         q.view(torch.uint8), s.view(torch.uint8), out, n_blocks, BS=block_size, NB=nb,
         IS_E5M2=is_e5m2, OUT_BF16=out_dtype == torch.bfloat16, SAFE_S=safe_s, SOFT=_soft_round(q.device),
-        num_warps=cfg.dequant_warps,
+        EVICT=cfg.evict, num_warps=cfg.dequant_warps,
     )
     return out

@@ -240,7 +240,9 @@ def test_gpu_grouped_matches_cpu(kernel):
         ("cpu", MXOpConfig(kernel="torch", dim1_kernel="torch")),
         ("cuda", MXOpConfig(kernel=kernel, dim1_kernel=kernel)),
     ):
-        a_, w_ = a.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        # Fresh leaves on each device (a.to('cpu') is `a` itself: requires_grad_ on it would make
+        # the CUDA copy a non-leaf without .grad).
+        a_, w_ = (t.detach().to(dev).clone().requires_grad_() for t in (a, w))
         y = mx_grouped_mm(a_, w_.transpose(-2, -1), offs.to(dev), cfg)
         y.backward(dy.to(dev))
         res.append([t.float().cpu() for t in (y, a_.grad, w_.grad)])

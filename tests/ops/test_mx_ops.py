@@ -6,6 +6,7 @@ import torch
 
 from mxmoe import to_mx
 from mxmoe.ops import MXOpConfig, mx_gemm, mx_grouped_mm, mx_mm
+from mxmoe.quant import custom_ops
 from mxmoe.quant.mx_tensor import make_grad_anchor
 
 CFG = MXOpConfig(kernel="torch", dim1_kernel="torch")
@@ -194,7 +195,11 @@ def test_grouped_errors():
         mx_gemm(a, to_mx(torch.randn(64, 32), axis=-1))
 
 
-def test_compile_fullgraph_same_results():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_same_results(backend):
+    """Compiled (fullgraph) mx_mm -> mx_grouped_mm: the same loss and gradients as eager. inductor on
+    CPU asserts the custom ops' real output strides against their fake ones (caught the torch
+    backend's transposed dim1 output for a single block of rows)."""
     torch.manual_seed(5)
     counts = [5, 0, 27]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -208,10 +213,143 @@ def test_compile_fullgraph_same_results():
     w_lin = torch.randn(32, 64) * 0.2
     w_exp = torch.randn(3, 64, 32) * 0.2
     grads = []
-    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+    for fn in (step, torch.compile(step, fullgraph=True, backend=backend)):
         ps = [x.clone().requires_grad_(), w_lin.clone().requires_grad_(), w_exp.clone().requires_grad_()]
         loss = fn(*ps)
         loss.backward()
         grads.append([loss.detach()] + [p.grad for p in ps])
     for g0, g1 in zip(*grads, strict=True):
         torch.testing.assert_close(g0, g1, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["torch", "triton", "cuda"])
+def test_gpu_compile_inductor_grads_match_eager(kernel):
+    """mx_mm -> mx_grouped_mm on the GPU (bf16 emulated GEMMs), inductor vs eager: same loss and
+    gradients up to the rounding of dy by a differently fused (y**2).mean() backward, which can move
+    single fp8 elements of dy by one step; never zero or garbage gradients."""
+    cfg = MXOpConfig(kernel=kernel, dim1_kernel=kernel)
+    torch.manual_seed(5)
+    offs = torch.tensor([5, 0, 27, 64]).cumsum(0).to(torch.int32).cuda()
+
+    def step(x, w_lin, w_exp):
+        h = mx_mm(x, w_lin.t(), cfg)
+        y = mx_grouped_mm(h, w_exp.transpose(-2, -1), offs, cfg)
+        return (y.float() ** 2).mean()
+
+    x = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16)
+    w_lin = (torch.randn(64, 64, device="cuda") * 0.2).bfloat16()
+    w_exp = (torch.randn(4, 64, 64, device="cuda") * 0.2).bfloat16()
+    grads = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        ps = [t.clone().requires_grad_() for t in (x, w_lin, w_exp)]
+        loss = fn(*ps)
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad.float() for p in ps])
+    for name, g0, g1 in zip(("loss", "x", "w_lin", "w_exp"), *grads, strict=True):
+        rel = ((g1 - g0).norm() / g0.norm()).item()
+        assert rel < 1e-2, f"{name}: relative difference {rel}"
+
+
+class _StaleFlags:
+    """A backward ctx whose `needs_input_grad` says that no input needs a gradient: what dynamo
+    traced on torch 2.11 for inputs produced by another autograd.Function (zero grads after compile)."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    @property
+    def needs_input_grad(self):
+        return (False,) * len(self._ctx.needs_input_grad)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
+@pytest.mark.parametrize("op", ["mx_mm", "mx_grouped_mm"])
+def test_traced_backward_does_not_trust_needs_input_grad(op, monkeypatch):
+    """While torch.compile traces, the ops must compute every gradient whatever the trace-time
+    requires_grad / needs_input_grad flags say (they are wrong on some torch releases)."""
+    import mxmoe.ops.linear as lin
+
+    torch.manual_seed(6)
+    counts = [5, 0, 27]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x, w = torch.randn(32, 64), torch.randn(3, 32, 64) * 0.2
+    if op == "mx_mm":
+        w = w[0]
+
+    def run(x, w):
+        if op == "mx_mm":
+            return mx_mm(x, w.t(), CFG)
+        return mx_grouped_mm(x, w.transpose(-2, -1), offs, CFG)
+
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = run(xe, we)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    monkeypatch.setattr(lin, "_tracing", lambda: True)
+    # Inputs that do not require grad in forward, flags saying "no grad" in backward: still all grads.
+    y2 = run(x.clone().requires_grad_(), w.clone())
+    assert torch.equal(y2, y)
+    grads = type(y2.grad_fn)._forward_cls.backward(_StaleFlags(y2.grad_fn), dy)
+    gx = grads[0]
+    gw = grads[1] if op == "mx_mm" else grads[4]
+    assert gx is not None and gw is not None
+    assert torch.equal(gx, xe.grad)
+    assert torch.equal(gw, we.grad.transpose(-2, -1))
+
+
+def _fake_vs_real(op, *args):
+    """(shape, stride, dtype, storage offset) of op's outputs run for real and on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def meta(outs):
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return [(tuple(t.shape), t.stride(), t.dtype, t.storage_offset()) for t in outs]
+
+    real = meta(op(*args))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = meta(op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]))
+    return real, fake
+
+
+def check_custom_op_layouts(device, kernel):
+    """Every mxmoe custom op's real outputs have exactly the layout its fake promises (torch.compile
+    builds on the fake: inductor asserts strides, AOTAutograd replays views with them)."""
+    from mxmoe.ops.gemm import grouped_mm_hp
+
+    for rows, cols in ((32, 64), (64, 96), (96, 32)):  # one block of rows is the transposed case
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, cols, dtype=dtype, device=device)
+            for elem in (torch.float8_e4m3fn, torch.float8_e5m2):
+                args = (32, "rceil", elem, kernel)
+                for op, inp in (
+                    (custom_ops.quantize_dim0, x),
+                    (custom_ops.quantize_dim1, x.view(1, rows, cols)),
+                    (custom_ops.quantize_dim0_dim1, x),
+                ):
+                    real, fake = _fake_vs_real(op, inp, *args)
+                    assert real == fake, (op, rows, cols, dtype, elem)
+                q, sc = custom_ops.quantize_dim0(x, *args)
+                for out_dtype in (torch.float32, torch.bfloat16):
+                    real, fake = _fake_vs_real(custom_ops.dequantize, q, sc, 32, out_dtype, kernel)
+                    assert real == fake, ("dequantize", rows, cols, dtype, elem, out_dtype)
+    offs = torch.tensor([5, 5, 40], dtype=torch.int32, device=device)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(48, 64, dtype=dtype, device=device)
+        b = torch.randn(3, 64, 32, dtype=dtype, device=device)
+        real, fake = _fake_vs_real(grouped_mm_hp, a, b, offs)
+        assert real == fake, ("grouped_mm_hp 3D", dtype)
+        real, fake = _fake_vs_real(grouped_mm_hp, a.t().contiguous(), a, offs)
+        assert real == fake, ("grouped_mm_hp 2D", dtype)
+
+
+def test_custom_op_layouts_cpu():
+    check_custom_op_layouts("cpu", "torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["torch", "triton", "cuda"])
+def test_custom_op_layouts_gpu(kernel):
+    check_custom_op_layouts("cuda", kernel)

@@ -268,6 +268,40 @@ def test_kernel_format_constants_match_formats():
     cuda_cast._check_constants()
 
 
+def test_variant_counts_match_header():
+    text = CU_FILE.with_name("mx_cast.h").read_text()
+    for cast, macro in (
+        ("dim0", "MX_DIM0_VARIANTS"),
+        ("dim1", "MX_DIM1_VARIANTS"),
+        ("dequant", "MX_DEQUANT_VARIANTS"),
+    ):
+        assert f"{macro} = {cuda_cast.NUM_VARIANTS[cast]}" in text, (cast, macro)
+    assert cuda_cast.NUM_VARIANTS["dim0_dim1"] == cuda_cast.NUM_VARIANTS["dim1"]
+    assert set(cuda_cast.DEFAULT_VARIANTS) == set(cuda_cast.NUM_VARIANTS)
+
+
+def test_resolve_variant_env_and_argument(monkeypatch):
+    monkeypatch.delenv(cuda_cast.VARIANT_ENV, raising=False)
+    for cast, v in cuda_cast.DEFAULT_VARIANTS.items():
+        assert cuda_cast.resolve_variant(cast) == v
+    monkeypatch.setenv(cuda_cast.VARIANT_ENV, "2")
+    assert {c: cuda_cast.resolve_variant(c) for c in ("dim0", "dim1", "dequant")} == dict.fromkeys(
+        ("dim0", "dim1", "dequant"), 2
+    )
+    monkeypatch.setenv(cuda_cast.VARIANT_ENV, "dim0=3, dequant=1")
+    assert cuda_cast.resolve_variant("dim0") == 3
+    assert cuda_cast.resolve_variant("dequant") == 1
+    assert cuda_cast.resolve_variant("dim1") == cuda_cast.DEFAULT_VARIANTS["dim1"]
+    assert cuda_cast.resolve_variant("dim0", 1) == 1  # the argument wins
+    with pytest.raises(ValueError, match=r"variant=3 for cast 'dim1'; expected 0 \.\. 2"):
+        cuda_cast.resolve_variant("dim1", 3)
+    monkeypatch.setenv(cuda_cast.VARIANT_ENV, "dim7=1")
+    with pytest.raises(ValueError, match="MXMOE_CUDA_CAST_VARIANT='dim7=1' is not valid"):
+        cuda_cast.resolve_variant("dim0")
+    with pytest.raises(ValueError, match="cast='dim2'"):
+        cuda_cast.resolve_variant("dim2", 0)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU tests: bitwise against torch_cast on the CPU.
 
@@ -405,6 +439,97 @@ def test_public_api_kernel_cuda_matches_torch(mode):
     for g_, w_ in zip(got, want, strict=True):
         assert_same_bits(g_.qdata_blocked, w_.qdata_blocked, "to_mx_dim0_dim1 qdata")
         assert_same_bits(g_.scale_blocked, w_.scale_blocked, "to_mx_dim0_dim1 scale")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", CLASSES)
+def test_variants_bitwise(cls):
+    """Every kernel variant of every cast, bit for bit against torch_cast (one reference per input).
+    Shapes with partial groups / tiles / scale words: dim0 (67, 320) and (3, 4128); dim1 (2, 160, 200)
+    (vector loads, partial column tiles), (1, 96, 136); fused (160, 96), (64, 352); dequant
+    (40, 224) and (8, 4128)."""
+    for mode in MODES:
+        for elem in ELEMS:
+            spec = make_spec(32, mode, elem)
+            for dtype in IN_DTYPES:
+                tag = f"{cls} {mode} {elem} {dtype}"
+                for shape in [(67, 320), (3, 4128)]:
+                    x = make_input(cls, shape, dtype, elem, seed=11)
+                    xc = x.cuda()
+                    wq, ws = torch_cast.quantize_dim0(x, spec)
+                    for v in range(cuda_cast.NUM_VARIANTS["dim0"]):
+                        q, s = cuda_cast.quantize_dim0(xc, spec, variant=v)
+                        assert_same_bits(q, wq, f"dim0 v{v} {shape} {tag} qdata")
+                        assert_same_bits(s, ws, f"dim0 v{v} {shape} {tag} scale")
+                for shape in [(2, 160, 200), (1, 96, 136)]:
+                    x = make_input(cls, shape, dtype, elem, seed=12)
+                    xc = x.cuda()
+                    wq, ws = torch_cast.quantize_dim1(x, spec)
+                    for v in range(cuda_cast.NUM_VARIANTS["dim1"]):
+                        q, s = cuda_cast.quantize_dim1(xc, spec, variant=v)
+                        assert_same_bits(q, wq, f"dim1 v{v} {shape} {tag} qdata")
+                        assert_same_bits(s, ws, f"dim1 v{v} {shape} {tag} scale")
+                for shape in [(160, 96), (64, 352)]:
+                    x = make_input(cls, shape, dtype, elem, seed=13)
+                    xc = x.cuda()
+                    want = torch_cast.quantize_dim0_dim1(x, spec)
+                    for v in range(cuda_cast.NUM_VARIANTS["dim0_dim1"]):
+                        got = cuda_cast.quantize_dim0_dim1(xc, spec, variant=v)
+                        for name, g_, w_ in zip(("q0", "s0", "q1", "s1"), got, want, strict=True):
+                            assert_same_bits(g_, w_, f"dim0_dim1 v{v} {shape} {tag} {name}")
+            for shape in [(40, 224), (8, 4128)]:
+                q, s = torch_cast.quantize_dim0(make_input(cls, shape, torch.float32, elem, seed=14), spec)
+                qc, sc = q.cuda(), s.cuda()
+                for out_dtype in OUT_DTYPES:
+                    want = torch_cast.dequantize(q, s, 32, out_dtype)
+                    for v in range(cuda_cast.NUM_VARIANTS["dequant"]):
+                        got = cuda_cast.dequantize(qc, sc, 32, out_dtype, variant=v)
+                        assert_same_bits(got, want, f"dequant v{v} {shape} {cls} {mode} {elem} {out_dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("elem", ELEMS, ids=str)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+def test_dequant_variants_all_codes(elem, out_dtype):
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256, 32)  # (256, 8192)
+    s = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].expand(256, 256).contiguous()
+    q, s = q.view(elem), s.view(torch.float8_e8m0fnu)
+    want = torch_cast.dequantize(q, s, 32, out_dtype)
+    for v in range(cuda_cast.NUM_VARIANTS["dequant"]):
+        assert_same_bits(cuda_cast.dequantize(q.cuda(), s.cuda(), 32, out_dtype, variant=v), want, f"v{v}")
+
+
+@pytest.mark.gpu
+def test_variants_large_persistent_loops():
+    """Several persistent-grid trips / pipelined tiles per CTA for every variant."""
+    spec = make_spec(32, "rceil", torch.float8_e4m3fn)
+    x = make_input("wide", (4096, 4096), torch.bfloat16, torch.float8_e4m3fn, seed=15)
+    xc = x.cuda()
+    wq, ws = torch_cast.quantize_dim0(x, spec)
+    for v in range(cuda_cast.NUM_VARIANTS["dim0"]):
+        q, s = cuda_cast.quantize_dim0(xc, spec, variant=v)
+        assert_same_bits(q, wq, f"dim0 v{v} qdata")
+        assert_same_bits(s, ws, f"dim0 v{v} scale")
+    want = torch_cast.quantize_dim0_dim1(x[:2048], spec)
+    for v in range(cuda_cast.NUM_VARIANTS["dim0_dim1"]):
+        for name, g_, w_ in zip(
+            ("q0", "s0", "q1", "s1"),
+            cuda_cast.quantize_dim0_dim1(xc[:2048], spec, variant=v),
+            want,
+            strict=True,
+        ):
+            assert_same_bits(g_, w_, f"dim0_dim1 v{v} {name}")
+    w = x.reshape(8, 512, 4096)
+    wq1, ws1 = torch_cast.quantize_dim1(w, spec)
+    for v in range(cuda_cast.NUM_VARIANTS["dim1"]):
+        q, s = cuda_cast.quantize_dim1(xc.reshape(8, 512, 4096), spec, variant=v)
+        assert_same_bits(q, wq1, f"dim1 v{v} qdata")
+        assert_same_bits(s, ws1, f"dim1 v{v} scale")
+    want_d = torch_cast.dequantize(wq, ws, 32, torch.bfloat16)
+    for v in range(cuda_cast.NUM_VARIANTS["dequant"]):
+        assert_same_bits(
+            cuda_cast.dequantize(wq.cuda(), ws.cuda(), 32, torch.bfloat16, variant=v), want_d, f"v{v}"
+        )
 
 
 @pytest.mark.gpu

@@ -44,8 +44,13 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         nan = want.isnan()
         assert torch.equal(got.isnan(), nan), f"{what}: NaN positions differ"
         got, want = got.masked_fill(nan, 0), want.masked_fill(nan, 0)
-    diff = (_bits(got) != _bits(want)).nonzero()
-    assert diff.numel() == 0, f"{what}: {diff.shape[0]} bytes differ, first at byte {diff[0].item()}"
+    gb, wb = _bits(got).reshape(-1), _bits(want).reshape(-1)
+    diff = (gb != wb).nonzero().flatten()
+    if diff.numel():
+        k = int(diff[0])
+        raise AssertionError(f"{what}: {diff.numel()} of {gb.numel()} bytes differ; first at flat byte {k} "
+                             f"(of shape {tuple(got.shape)} {got.dtype}): got 0x{int(gb[k]):02x}, "
+                             f"expected 0x{int(wb[k]):02x}")
 
 
 def special_values(dtype: torch.dtype) -> torch.Tensor:
@@ -162,7 +167,7 @@ def test_dim1_special_blocks_transposed(elem):
             assert_same(g, w, f"fused specials {mode}")
 
 
-@pytest.mark.parametrize("bs", [2, 8, 64, 256])
+@pytest.mark.parametrize("bs", [2, 4, 8, 64, 256])
 def test_other_block_sizes(bs):
     spec = make_spec(bs, "rceil", torch.float8_e4m3fn)
     x = random_input((2 * bs if bs > 8 else 24, 2 * bs if bs > 8 else 40), torch.bfloat16, seed=bs)
@@ -177,6 +182,34 @@ def test_other_block_sizes(bs):
                              torch_cast.quantize_dim0_dim1(x, spec),
                              strict=True):
             assert_same(got, want, f"fused bs={bs}")
+
+
+@pytest.mark.parametrize("config", ["default", *sorted(triton_cast.CONFIGS)])
+def test_nonfinite_blocks_every_config(config):
+    """A NaN or +-Inf makes the whole block NaN (scale 0xFF, every byte 0x7F), whatever the other
+    elements are: zeros, subnormals, normals; in both directions and both element formats."""
+    rows = []
+    for special in (float("nan"), float("inf"), float("-inf")):
+        for fill in ([0.0] * 31, [math.ldexp(1.0 + i / 32, -140) for i in range(31)],
+                     [math.ldexp(1.0 + i / 32, i % 9) for i in range(31)]):
+            rows.append(fill[:7] + [special] + fill[7:])
+    rows += [[1.5] * 32] * (64 - len(rows))  # (64, 32): also a whole dim1 block per column pair
+    x = torch.tensor(rows, dtype=torch.float32)
+    x = torch.cat([x, x.flip(0)], dim=1).contiguous()  # (64, 64)
+    with triton_cast.use_config(config):
+        for elem in ELEMS:
+            spec = make_spec(32, "rceil", elem)
+            xt = x.t().contiguous()  # non-finite blocks along dim1 as well
+            for xx in (x, xt):
+                got = (*_dim0(xx, spec), *triton_cast.quantize_dim0_dim1(xx.to(DEV), spec),
+                       *triton_cast.quantize_dim1(xx.unsqueeze(0).to(DEV), spec))
+                want = (*torch_cast.quantize_dim0(xx, spec), *torch_cast.quantize_dim0_dim1(xx, spec),
+                        *torch_cast.quantize_dim1(xx.unsqueeze(0), spec))
+                for g, w in zip(got, want, strict=True):
+                    assert_same(g, w, f"non-finite blocks {config} {elem}")
+            q, s = _dim0(x, spec)
+            assert (s.view(torch.uint8)[:9, 0] == 255).all()
+            assert (q.view(torch.uint8)[:9, :32] == 0x7F).all()
 
 
 @pytest.mark.parametrize("config", sorted(triton_cast.CONFIGS))

@@ -38,7 +38,7 @@ void check_launch(cudaError_t err, const char* what) {
 
 void quantize_dim0(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t block_size,
                    int64_t mode, int64_t elem, int64_t rceil_t127, int64_t rceil_t126, double rceil_c,
-                   int64_t stream) {
+                   int64_t stream, int64_t variant) {
   check_cuda_tensor(x, "x");
   const int in = float_code(x, "x");
   TORCH_CHECK(block_size > 0, "mxmoe cuda cast: block_size must be positive, got ", block_size);
@@ -47,13 +47,13 @@ void quantize_dim0(const torch::Tensor& x, const torch::Tensor& q, const torch::
   check_launch(mx_quantize_dim0(x.data_ptr(), in, q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), x.numel(),
                                 static_cast<int>(block_size), static_cast<int>(mode), static_cast<int>(elem),
                                 static_cast<uint32_t>(rceil_t127), static_cast<uint32_t>(rceil_t126),
-                                static_cast<float>(rceil_c), static_cast<intptr_t>(stream)),
+                                static_cast<float>(rceil_c), static_cast<intptr_t>(stream), static_cast<int>(variant)),
                "mx_quantize_dim0");
 }
 
 void quantize_dim1(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t block_size,
                    int64_t mode, int64_t elem, int64_t rceil_t127, int64_t rceil_t126, double rceil_c,
-                   int64_t stream) {
+                   int64_t stream, int64_t variant) {
   check_cuda_tensor(x, "x");
   TORCH_CHECK(x.dim() == 3, "mxmoe cuda cast: quantize_dim1 wants x of shape (B, R, C), got ", x.sizes());
   const int in = float_code(x, "x");
@@ -64,13 +64,14 @@ void quantize_dim1(const torch::Tensor& x, const torch::Tensor& q, const torch::
                                 x.size(1), x.size(2), static_cast<int>(block_size), static_cast<int>(mode),
                                 static_cast<int>(elem), static_cast<uint32_t>(rceil_t127),
                                 static_cast<uint32_t>(rceil_t126), static_cast<float>(rceil_c),
-                                static_cast<intptr_t>(stream)),
+                                static_cast<intptr_t>(stream), static_cast<int>(variant)),
                "mx_quantize_dim1");
 }
 
 void quantize_dim0_dim1(const torch::Tensor& x, const torch::Tensor& q0, const torch::Tensor& s0,
                         const torch::Tensor& q1, const torch::Tensor& s1, int64_t block_size, int64_t mode,
-                        int64_t elem, int64_t rceil_t127, int64_t rceil_t126, double rceil_c, int64_t stream) {
+                        int64_t elem, int64_t rceil_t127, int64_t rceil_t126, double rceil_c, int64_t stream,
+                        int64_t variant) {
   check_cuda_tensor(x, "x");
   TORCH_CHECK(x.dim() == 2, "mxmoe cuda cast: quantize_dim0_dim1 wants x of shape (R, C), got ", x.sizes());
   const int in = float_code(x, "x");
@@ -83,12 +84,12 @@ void quantize_dim0_dim1(const torch::Tensor& x, const torch::Tensor& q0, const t
                                      q1.data_ptr<uint8_t>(), s1.data_ptr<uint8_t>(), x.size(0), x.size(1),
                                      static_cast<int>(block_size), static_cast<int>(mode), static_cast<int>(elem),
                                      static_cast<uint32_t>(rceil_t127), static_cast<uint32_t>(rceil_t126),
-                                     static_cast<float>(rceil_c), static_cast<intptr_t>(stream)),
+                                     static_cast<float>(rceil_c), static_cast<intptr_t>(stream), static_cast<int>(variant)),
                "mx_quantize_dim0_dim1");
 }
 
 void dequantize(const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& out, int64_t block_size,
-                int64_t elem, int64_t stream) {
+                int64_t elem, int64_t stream, int64_t variant) {
   TORCH_CHECK(block_size > 0, "mxmoe cuda cast: block_size must be positive, got ", block_size);
   check_bytes(q, "q", q.numel());
   check_bytes(s, "s", q.numel() / block_size);
@@ -97,7 +98,8 @@ void dequantize(const torch::Tensor& q, const torch::Tensor& s, const torch::Ten
   TORCH_CHECK(out.numel() == q.numel(), "mxmoe cuda cast: out has ", out.numel(), " elements, expected ",
               q.numel());
   check_launch(mx_dequantize(q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), out.data_ptr(), od, q.numel(),
-                             static_cast<int>(block_size), static_cast<int>(elem), static_cast<intptr_t>(stream)),
+                             static_cast<int>(block_size), static_cast<int>(elem), static_cast<intptr_t>(stream),
+                             static_cast<int>(variant)),
                "mx_dequantize");
 }
 

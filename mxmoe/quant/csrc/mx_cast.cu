@@ -125,25 +125,30 @@ __device__ __forceinline__ uint32_t scale_byte(uint32_t A, int e) {
 }
 
 // Two elements (fp32 bits) -> two fp8 bytes (a in the low byte): y = x * r, clamp, RNE + satfinite.
-template <int ELEM>
+// CLAMP=false drops the explicit clamp: cvt.rn.satfinite already maps every finite |y| > max to
+// +-max (PTX ISA: "if the absolute value of the input is greater than MAX_NORM ... the result is
+// sign-preserved MAX_NORM"), and y is always finite here (|y| < 2^(emax+1) for finite blocks).
+template <int ELEM, bool CLAMP = true>
 __device__ __forceinline__ uint32_t quant2(uint32_t a_bits, uint32_t b_bits, float r) {
   constexpr float m = Elem<ELEM>::max;
   float a = mul_rn(__uint_as_float(a_bits), r);
   float b = mul_rn(__uint_as_float(b_bits), r);
-  a = fminf(fmaxf(a, -m), m);
-  b = fminf(fmaxf(b, -m), m);
+  if constexpr (CLAMP) {
+    a = fminf(fmaxf(a, -m), m);
+    b = fminf(fmaxf(b, -m), m);
+  }
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, Elem<ELEM>::interp));
 }
 
 // Four elements -> one 32-bit word of fp8 bytes (element 0 in the low byte).
-template <int ELEM>
+template <int ELEM, bool CLAMP = true>
 __device__ __forceinline__ uint32_t quant4(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3, float r) {
-  return quant2<ELEM>(x0, x1, r) | (quant2<ELEM>(x2, x3, r) << 16);
+  return quant2<ELEM, CLAMP>(x0, x1, r) | (quant2<ELEM, CLAMP>(x2, x3, r) << 16);
 }
 
 // One 16-byte input vector of a 32-element block shared by LPB consecutive lanes: amax across the
 // lanes, then VEC fp8 bytes in out[0 .. VEC/4). Every lane of the warp must call it (shuffles).
-template <int IN, int ELEM>
+template <int IN, int ELEM, bool CLAMP = true>
 __device__ __forceinline__ uint32_t quantize_vec32(const uint4& v, const ScaleArgs& p, uint32_t (&out)[4]) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
   constexpr int LPB = 32 / VEC;
@@ -158,7 +163,7 @@ __device__ __forceinline__ uint32_t quantize_vec32(const uint4& v, const ScaleAr
   const bool nonfinite = A >= kInfBits;
 #pragma unroll
   for (int k = 0; k < VEC / 4; ++k) {
-    const uint32_t packed = quant4<ELEM>(vec_bits<IN>(w, 4 * k), vec_bits<IN>(w, 4 * k + 1),
+    const uint32_t packed = quant4<ELEM, CLAMP>(vec_bits<IN>(w, 4 * k), vec_bits<IN>(w, 4 * k + 1),
                                          vec_bits<IN>(w, 4 * k + 2), vec_bits<IN>(w, 4 * k + 3), r);
     out[k] = nonfinite ? kNan4 : packed;
   }
@@ -336,6 +341,269 @@ __global__ void __launch_bounds__(kThreads, IN == MX_BF16 ? 6 : 4)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Variant kernels (selected at run time by the launchers' `variant` argument; see mx_cast.h).
+// Same numerics helpers as above, so every variant is bit-identical to variant 0.
+
+// Load / store cache hints. LDH: 0 = ld.global.cs (__ldcs), 1 = ld.global.nc.L1::no_allocate,
+// 2 = ld.global.nc (__ldg). STH: 0 = st.global.cs (__stcs), 1 = plain st.global.
+template <int LDH>
+__device__ __forceinline__ uint4 ld16(const uint4* p) {
+  if constexpr (LDH == 0) {
+    return __ldcs(p);
+  } else if constexpr (LDH == 1) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+  } else {
+    return __ldg(p);
+  }
+}
+
+template <int STH>
+__device__ __forceinline__ void st16(uint4* p, const uint4& v) {
+  if constexpr (STH == 0) {
+    __stcs(p, v);
+  } else {
+    *p = v;
+  }
+}
+
+// dim0, block 32, "grouped": a warp handles a group of G chunks of 32 consecutive 16-byte vectors
+// (G = 2 for bf16, 4 for fp32; GV = 32 * G vectors). Lane l loads vector l of every chunk (each
+// load instruction is 512 contiguous bytes), quantizes it (amax over the LPB lanes of a block, as in
+// quantize_vec32), then G lanes exchange their fp8 words with shuffles so that every lane holds 16
+// contiguous fp8 bytes (G consecutive vectors of one chunk): one 16-byte store per lane instead of
+// G 8- / 4-byte stores. The 16 scale bytes of a group are gathered by lanes 0..3 (4 shuffles) and
+// written as four 4-byte words (one store instruction) instead of 16 one-byte stores.
+// U groups per warp per loop trip, all U * G loads issued before the first use.
+template <int IN, int ELEM, int U, int LDH, int STH>
+__global__ void __launch_bounds__(kThreads) dim0_grp_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q,
+                                                            uint8_t* __restrict__ s, int64_t nvec, ScaleArgs p) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));  // elements per vector: 8 / 4
+  constexpr int LPB = 32 / VEC;                                 // lanes per block: 4 / 8
+  constexpr int WV = VEC / 4;                                   // fp8 words per vector: 2 / 1
+  constexpr int G = 4 / WV;                                     // chunks per group: 2 / 4
+  constexpr int GV = 32 * G;                                    // vectors per group
+  constexpr int BPC = 32 / LPB;                                 // blocks per chunk: 8 / 4
+  static_assert(G * BPC == 16, "16 scale bytes per group");
+  constexpr int WARPS = kThreads / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int j = lane & (G - 1);
+  const int64_t ngroups = (nvec + GV - 1) / GV;
+  const int64_t nblk = nvec / LPB;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * WARPS * U;
+  // The loop bound is uniform per CTA, so every lane reaches the shuffles.
+  for (int64_t g0 = static_cast<int64_t>(blockIdx.x) * WARPS * U; g0 < ngroups; g0 += step) {
+    uint4 v[U][G];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t gbase = (g0 + u * WARPS + warp) * GV;
+#pragma unroll
+      for (int c = 0; c < G; ++c) {
+        const int64_t i = gbase + c * 32 + lane;
+        v[u][c] = i < nvec ? ld16<LDH>(x + i) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t grp = g0 + u * WARPS + warp;
+      uint32_t out[G][4];
+      uint32_t S = 0;
+#pragma unroll
+      for (int c = 0; c < G; ++c) S |= quantize_vec32<IN, ELEM, false>(v[u][c], p, out[c]) << (8 * c);
+      // Transpose within each G-lane group: lane G*m + j ends with out[j] of lanes G*m + 0 .. G-1.
+      uint32_t fin[4];
+#pragma unroll
+      for (int r = 0; r < G; ++r) {
+        const int send_c = (j - r) & (G - 1);
+        const int k = (j + r) & (G - 1);
+#pragma unroll
+        for (int w = 0; w < WV; ++w) {
+          uint32_t send = out[0][w];
+#pragma unroll
+          for (int c = 1; c < G; ++c) send = send_c == c ? out[c][w] : send;
+          const uint32_t recv = r == 0 ? send : __shfl_sync(0xFFFFFFFFu, send, (lane & ~(G - 1)) | k);
+#pragma unroll
+          for (int kk = 0; kk < G; ++kk) {
+            if (kk == k) fin[kk * WV + w] = recv;
+          }
+        }
+      }
+      const int64_t vi = grp * GV + j * 32 + (lane & ~(G - 1));  // first of this lane's G vectors
+      if (vi < nvec) st16<STH>(reinterpret_cast<uint4*>(q + vi * VEC), make_uint4(fin[0], fin[1], fin[2], fin[3]));
+      // Scales: lane w < 4 writes blocks 4w .. 4w+3 of the group.
+      uint32_t sw = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int b = 4 * (lane & 3) + i;
+        const int c = b / BPC;
+        const uint32_t t = __shfl_sync(0xFFFFFFFFu, S, (b % BPC) * LPB);
+        sw |= ((t >> (8 * c)) & 0xFFu) << (8 * i);
+      }
+      const int64_t b0 = grp * 16 + 4 * lane;
+      if (lane < 4 && b0 < nblk) {
+        if (b0 + 4 <= nblk) {
+          *reinterpret_cast<uint32_t*>(s + b0) = sw;
+        } else {
+          for (int i = 0; b0 + i < nblk; ++i) s[b0 + i] = static_cast<uint8_t>(sw >> (8 * i));
+        }
+      }
+    }
+  }
+}
+
+// dim1 (and fused dim0+dim1), block 32, "pipelined": persistent CTAs loop over (batch, 128-row,
+// TC-col) tiles; the next tile is fetched with cp.async (16 bytes, zero-fill outside the tensor)
+// into the second of two shared-memory buffers while this tile is quantized and stored, so loads
+// of tile i+1 overlap compute and stores of tile i. Needs x 16-byte aligned and C % VEC == 0.
+// Dynamic shared memory: 2 input tiles + the transposed fp8 tile + scales.
+template <int IN, int TC>
+struct PipeSmem {
+  static constexpr int kTile = kTR * TC * static_cast<int>(sizeof(Raw<IN>));
+  static constexpr int kQt = TC * kQPitch;
+  static constexpr int kBytes = 2 * kTile + kQt + TC * (kTR / 32);
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(src_size) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+template <int IN, int ELEM, bool FUSED, int TC>
+__global__ void __launch_bounds__(kThreads)
+    dim1_pipe_kernel(const void* __restrict__ xv, uint8_t* __restrict__ q1, uint8_t* __restrict__ s1,
+                     uint8_t* __restrict__ q0, uint8_t* __restrict__ s0, int64_t R, int64_t C, int64_t tiles_r,
+                     int64_t tiles_c, int64_t ntiles, int s1_aligned4, ScaleArgs p) {
+  using Rw = Raw<IN>;
+  constexpr int BS = 32;
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Rw));
+  constexpr int CPR = TC / VEC;  // 16-byte vectors per tile row
+  constexpr int NB = kTR / BS;
+  constexpr int NV = kTR * CPR / kThreads;  // vectors per thread per tile
+  static_assert((kTR * CPR) % kThreads == 0 && (TC * NB) % kThreads == 0, "even split");
+  extern __shared__ __align__(16) uint8_t smem[];
+  Rw(*tiles)[kTR][TC] = reinterpret_cast<Rw(*)[kTR][TC]>(smem);
+  uint8_t(*qt)[kQPitch] = reinterpret_cast<uint8_t(*)[kQPitch]>(smem + 2 * PipeSmem<IN, TC>::kTile);
+  uint8_t(*st)[NB] = reinterpret_cast<uint8_t(*)[NB]>(smem + 2 * PipeSmem<IN, TC>::kTile + PipeSmem<IN, TC>::kQt);
+  const Rw* __restrict__ xall = static_cast<const Rw*>(xv);
+  const int tid = threadIdx.x;
+
+  auto coords = [&](int64_t t, int64_t& b, int64_t& r0, int64_t& c0) {
+    const int64_t ct = t % tiles_c;
+    t /= tiles_c;
+    r0 = (t % tiles_r) * kTR;
+    b = t / tiles_r;
+    c0 = ct * TC;
+  };
+  auto issue = [&](int64_t t, int buf) {
+    int64_t b, r0, c0;
+    coords(t, b, r0, c0);
+    const Rw* x = xall + b * R * C;
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int idx = k * kThreads + tid;
+      const int rr = idx / CPR, cc = (idx % CPR) * VEC;
+      const int64_t r = r0 + rr, c = c0 + cc;
+      const bool ok = r < R && c < C;
+      cp_async16(&tiles[buf][rr][cc], ok ? static_cast<const void*>(x + r * C + c) : xv, ok);
+    }
+  };
+
+  int64_t t = blockIdx.x;
+  int buf = 0;
+  if (t < ntiles) issue(t, 0);
+  cp_async_commit();
+  for (; t < ntiles; t += gridDim.x) {
+    const int64_t tn = t + gridDim.x;
+    if (tn < ntiles) issue(tn, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait1();
+    __syncthreads();
+    int64_t b, r0, c0;
+    coords(t, b, r0, c0);
+    Rw(*tile)[TC] = tiles[buf];
+
+    if constexpr (FUSED) {
+      constexpr int LPB = BS / VEC;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) {
+        const int idx = k * kThreads + tid;
+        const int rr = idx / CPR, cc = (idx % CPR) * VEC;
+        const int64_t r = r0 + rr, c = c0 + cc;
+        uint32_t out[4];
+        const uint32_t sb =
+            quantize_vec32<IN, ELEM, false>(*reinterpret_cast<const uint4*>(&tile[rr][cc]), p, out);
+        if (r < R && c < C) {
+          store_q_vec<IN>(q0 + r * C + c, out);
+          if (tid % LPB == 0) s0[r * (C / BS) + c / BS] = static_cast<uint8_t>(sb);
+        }
+      }
+    }
+
+#pragma unroll
+    for (int k = 0; k < TC * NB / kThreads; ++k) {
+      const int idx = k * kThreads + tid;
+      const int col = idx % TC, rb = idx / TC;
+      if (c0 + col < C && r0 + rb * BS < R) {
+        uint32_t xb[BS];
+        uint32_t A = 0;
+#pragma unroll
+        for (int i = 0; i < BS; ++i) {
+          xb[i] = f32_bits<IN>(tile[rb * BS + i][col]);
+          A = max(A, xb[i] & kAbsMask);
+        }
+        const int e = block_exponent<ELEM>(A, p);
+        const float rr = recip_pow2(e);
+        const bool nonfinite = A >= kInfBits;
+        uint32_t w[BS / 4];
+#pragma unroll
+        for (int kk = 0; kk < BS / 4; ++kk) {
+          const uint32_t packed = quant4<ELEM, false>(xb[4 * kk], xb[4 * kk + 1], xb[4 * kk + 2], xb[4 * kk + 3], rr);
+          w[kk] = nonfinite ? kNan4 : packed;
+        }
+        *reinterpret_cast<uint4*>(&qt[col][rb * BS]) = make_uint4(w[0], w[1], w[2], w[3]);
+        *reinterpret_cast<uint4*>(&qt[col][rb * BS + 16]) = make_uint4(w[4], w[5], w[6], w[7]);
+        st[col][rb] = static_cast<uint8_t>(scale_byte(A, e));
+      }
+    }
+    __syncthreads();  // qt / st complete; tiles[buf] free for the load issued next trip
+
+    constexpr int CH = kTR / 16;
+    uint8_t* __restrict__ qb = q1 + b * C * R;
+#pragma unroll
+    for (int k = 0; k < TC * CH / kThreads; ++k) {
+      const int idx = k * kThreads + tid;
+      const int col = idx / CH, ch = idx % CH;
+      const int64_t c = c0 + col, r = r0 + ch * 16;
+      if (c < C && r < R) {
+        __stcs(reinterpret_cast<uint4*>(qb + c * R + r), *reinterpret_cast<const uint4*>(&qt[col][ch * 16]));
+      }
+    }
+    for (int col = tid; col < TC; col += kThreads) {
+      if (c0 + col < C) {
+        const int64_t nsr = R / BS;
+        uint8_t* dst = s1 + (b * C + c0 + col) * nsr + r0 / BS;
+        const int64_t nb = min(static_cast<int64_t>(NB), (R - r0) / BS);
+        if (s1_aligned4 && nb == NB) {
+          *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&st[col][0]);
+        } else {
+          for (int jj = 0; jj < nb; ++jj) dst[jj] = st[col][jj];
+        }
+      }
+    }
+    // Next trip's phase 2 rewrites qt / st only after its first __syncthreads, by which time every
+    // thread has finished these stores.
+    buf ^= 1;
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
 // Generic kernels: any block size, any alignment. One thread per block.
 template <int IN, int ELEM>
 __device__ __forceinline__ uint8_t quant1(uint32_t x_bits, float r) {
@@ -420,16 +688,16 @@ __device__ __forceinline__ uint32_t dequant_bits(float qv, float scale) {
 }
 
 // Each thread-vector: EPT fp8 bytes in (8 for bf16 out, 4 for fp32 out) -> 16 bytes out.
-template <int OUT, int ELEM>
+template <int OUT, int ELEM, int U = kUnroll>
 __global__ void __launch_bounds__(kThreads) dequant_vec_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                                                uint4* __restrict__ out, int64_t nvec, int lg_bs) {
   constexpr int EPT = OUT == MX_BF16 ? 8 : 4;
   constexpr int LG_EPT = OUT == MX_BF16 ? 3 : 2;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll; base < nvec; base += step) {
-    uint32_t w[kUnroll][2];
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * U;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * U; base < nvec; base += step) {
+    uint32_t w[U][2];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int64_t i = base + u * kThreads + threadIdx.x;
       w[u][0] = w[u][1] = 0u;
       if (i < nvec) {
@@ -443,7 +711,7 @@ __global__ void __launch_bounds__(kThreads) dequant_vec_kernel(const uint8_t* __
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int64_t i = base + u * kThreads + threadIdx.x;
       if (i >= nvec) continue;
       const int64_t e0 = i * EPT;  // flat index of the first element
@@ -470,6 +738,53 @@ __global__ void __launch_bounds__(kThreads) dequant_vec_kernel(const uint8_t* __
         }
       }
       __stcs(out + i, make_uint4(o[0], o[1], o[2], o[3]));
+    }
+  }
+}
+
+// Dequantize variant: each thread-vector is 16 fp8 bytes (one 16-byte load) in one block (needs
+// block_size >= 16) -> 32 (bf16) / 64 (fp32) output bytes as 2 / 4 16-byte stores; U in flight.
+template <int OUT, int ELEM, int U, int LDH, int STH>
+__global__ void __launch_bounds__(kThreads) dequant_v16_kernel(const uint4* __restrict__ q, const uint8_t* __restrict__ s,
+                                                               uint4* __restrict__ out, int64_t nvec, int lg_bs) {
+  constexpr int NST = OUT == MX_BF16 ? 2 : 4;  // 16-byte output stores per input vector
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * U;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * U; base < nvec; base += step) {
+    uint4 v[U];
+    uint32_t sb[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = base + u * kThreads + threadIdx.x;
+      v[u] = make_uint4(0u, 0u, 0u, 0u);
+      sb[u] = 0u;
+      if (i < nvec) {
+        v[u] = ld16<LDH>(q + i);
+        sb[u] = __ldg(s + ((i * 16) >> lg_bs));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = base + u * kThreads + threadIdx.x;
+      if (i >= nvec) continue;
+      const float sc = e8m0_to_f32(sb[u]);
+      const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+      uint32_t o[16];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {  // fp8 pairs
+        const float2 f = fp8x2_to_f32<ELEM>(w[k >> 1] >> (16 * (k & 1)));
+        const uint32_t a = dequant_bits<OUT>(f.x, sc);
+        const uint32_t c = dequant_bits<OUT>(f.y, sc);
+        if constexpr (OUT == MX_BF16) {
+          o[k] = a | (c << 16);
+        } else {
+          o[2 * k] = a;
+          o[2 * k + 1] = c;
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < NST; ++k) {
+        st16<STH>(out + i * NST + k, make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]));
+      }
     }
   }
 }
@@ -516,12 +831,14 @@ int sm_count() {
   return sms;
 }
 
-// Resident CTAs per SM of one kernel at kThreads threads (computed once per kernel).
-template <auto Kernel>
+// Resident CTAs per SM of one kernel at kThreads threads and SMEM bytes of dynamic shared memory
+// (computed once per kernel; raises the kernel's dynamic shared-memory limit first when SMEM > 0).
+template <auto Kernel, int SMEM = 0>
 int ctas_per_sm() {
   static const int value = [] {
+    if (SMEM > 0) cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0) != cudaSuccess || per_sm < 1) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, SMEM) != cudaSuccess || per_sm < 1) {
       per_sm = 1;
     }
     return per_sm;
@@ -530,9 +847,9 @@ int ctas_per_sm() {
 }
 
 // CTAs for a grid-stride kernel: enough to fill the device, at most `want`.
-template <auto Kernel>
+template <auto Kernel, int SMEM = 0>
 unsigned grid_for(int64_t want) {
-  const int64_t cap = static_cast<int64_t>(sm_count()) * ctas_per_sm<Kernel>();
+  const int64_t cap = static_cast<int64_t>(sm_count()) * ctas_per_sm<Kernel, SMEM>();
   return static_cast<unsigned>(want < 1 ? 1 : (want < cap ? want : cap));
 }
 
@@ -556,9 +873,33 @@ cudaError_t launch_status() { return cudaGetLastError(); }
 
 }  // namespace
 
+namespace {
+
+// dim0 grouped variants: U groups per warp per trip, load / store hints, persistent grid or one CTA
+// per (8 warps x U groups).
+template <int IN, int EL, int U, int LDH, int STH>
+cudaError_t launch_dim0_grp(const void* x, uint8_t* q, uint8_t* s, int64_t n, bool persistent, const ScaleArgs& p,
+                            cudaStream_t st) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+  constexpr int GV = 32 * (4 / (VEC / 4));
+  const int64_t nvec = n / VEC;
+  const int64_t per_cta = static_cast<int64_t>(kThreads / 32) * U * GV;
+  const int64_t want = (nvec + per_cta - 1) / per_cta;
+  if (!persistent && want > INT_MAX) return cudaErrorInvalidValue;
+  auto kernel = dim0_grp_kernel<IN, EL, U, LDH, STH>;
+  const unsigned grid =
+      persistent ? grid_for<dim0_grp_kernel<IN, EL, U, LDH, STH>>(want) : static_cast<unsigned>(want < 1 ? 1 : want);
+  kernel<<<grid, kThreads, 0, st>>>(static_cast<const uint4*>(x), q, s, nvec, p);
+  return launch_status();
+}
+
+}  // namespace
+
 cudaError_t mx_quantize_dim0(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t n, int block_size, int mode,
-                             int elem, uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream) {
-  if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || n < 0 || n % block_size) {
+                             int elem, uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream,
+                             int variant) {
+  if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || n < 0 || n % block_size || variant < 0 ||
+      variant >= MX_DIM0_VARIANTS) {
     return cudaErrorInvalidValue;
   }
   if (n == 0) return cudaSuccess;
@@ -567,6 +908,15 @@ cudaError_t mx_quantize_dim0(const void* x, int in_dtype, uint8_t* q, uint8_t* s
   return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
     constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
     if (block_size == 32 && aligned(x, 16) && aligned(q, 16)) {
+      if (variant != 0 && aligned(s, 4)) {
+        switch (variant) {
+          case 1: return launch_dim0_grp<IN, EL, 2, 0, 0>(x, q, s, n, true, p, st);
+          case 2: return launch_dim0_grp<IN, EL, 4, 0, 0>(x, q, s, n, true, p, st);
+          case 3: return launch_dim0_grp<IN, EL, 2, 1, 1>(x, q, s, n, true, p, st);
+          case 4: return launch_dim0_grp<IN, EL, 2, 0, 0>(x, q, s, n, false, p, st);
+          default: return launch_dim0_grp<IN, EL, 4, 1, 1>(x, q, s, n, false, p, st);
+        }
+      }
       constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
       const int64_t nvec = n / VEC;
       auto kernel = dim0_bs32_kernel<IN, EL>;
@@ -598,6 +948,31 @@ cudaError_t launch_dim1_bs32(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q
   return launch_status();
 }
 
+template <int IN, int EL, bool FUSED, int TC>
+cudaError_t launch_dim1_pipe(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0, int64_t B, int64_t R,
+                             int64_t C, const ScaleArgs& p, cudaStream_t st) {
+  constexpr int SMEM = PipeSmem<IN, TC>::kBytes;
+  const int64_t tiles_r = (R + kTR - 1) / kTR, tiles_c = (C + TC - 1) / TC;
+  const int64_t tiles = B * tiles_r * tiles_c;
+  const int s1_aligned4 = aligned(s1, 4) && (R / 32) % 4 == 0;
+  auto kernel = dim1_pipe_kernel<IN, EL, FUSED, TC>;
+  const unsigned grid = grid_for<dim1_pipe_kernel<IN, EL, FUSED, TC>, SMEM>(tiles);
+  kernel<<<grid, kThreads, SMEM, st>>>(x, q1, s1, q0, s0, R, C, tiles_r, tiles_c, tiles, s1_aligned4, p);
+  return launch_status();
+}
+
+// Variant 0: one CTA per 128x64 tile; 1: pipelined 128x64; 2: pipelined 128x128 (see mx_cast.h).
+template <int IN, int EL, bool FUSED>
+cudaError_t launch_dim1_variant(int variant, const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0,
+                                int64_t B, int64_t R, int64_t C, const ScaleArgs& p, cudaStream_t st) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+  if (variant != 0 && aligned(x, 16) && C % VEC == 0) {
+    if (variant == 1) return launch_dim1_pipe<IN, EL, FUSED, 64>(x, q1, s1, q0, s0, B, R, C, p, st);
+    return launch_dim1_pipe<IN, EL, FUSED, 128>(x, q1, s1, q0, s0, B, R, C, p, st);
+  }
+  return launch_dim1_bs32<IN, EL, FUSED>(x, q1, s1, q0, s0, B, R, C, p, st);
+}
+
 template <int IN, int EL>
 cudaError_t launch_dim1_generic(const void* x, uint8_t* q, uint8_t* s, int64_t B, int64_t R, int64_t C, int bs,
                                 const ScaleArgs& p, cudaStream_t st) {
@@ -612,9 +987,9 @@ cudaError_t launch_dim1_generic(const void* x, uint8_t* q, uint8_t* s, int64_t B
 
 cudaError_t mx_quantize_dim1(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t batch, int64_t rows,
                              int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
-                             uint32_t rceil_t126, float rceil_c, intptr_t stream) {
+                             uint32_t rceil_t126, float rceil_c, intptr_t stream, int variant) {
   if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || batch < 0 || rows < 0 || cols < 0 ||
-      rows % block_size) {
+      rows % block_size || variant < 0 || variant >= MX_DIM1_VARIANTS) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
@@ -623,7 +998,7 @@ cudaError_t mx_quantize_dim1(const void* x, int in_dtype, uint8_t* q, uint8_t* s
   return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
     constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
     if (block_size == 32 && aligned(q, 16)) {
-      return launch_dim1_bs32<IN, EL, false>(x, q, s, nullptr, nullptr, batch, rows, cols, p, st);
+      return launch_dim1_variant<IN, EL, false>(variant, x, q, s, nullptr, nullptr, batch, rows, cols, p, st);
     }
     return launch_dim1_generic<IN, EL>(x, q, s, batch, rows, cols, block_size, p, st);
   });
@@ -631,9 +1006,10 @@ cudaError_t mx_quantize_dim1(const void* x, int in_dtype, uint8_t* q, uint8_t* s
 
 cudaError_t mx_quantize_dim0_dim1(const void* x, int in_dtype, uint8_t* q0, uint8_t* s0, uint8_t* q1, uint8_t* s1,
                                   int64_t rows, int64_t cols, int block_size, int mode, int elem,
-                                  uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream) {
+                                  uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream,
+                                  int variant) {
   if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || rows < 0 || cols < 0 ||
-      rows % block_size || cols % block_size) {
+      rows % block_size || cols % block_size || variant < 0 || variant >= MX_DIM1_VARIANTS) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0 || cols == 0) return cudaSuccess;
@@ -642,7 +1018,7 @@ cudaError_t mx_quantize_dim0_dim1(const void* x, int in_dtype, uint8_t* q0, uint
   return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
     constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
     if (block_size == 32 && aligned(q0, 16) && aligned(q1, 16)) {
-      return launch_dim1_bs32<IN, EL, true>(x, q1, s1, q0, s0, 1, rows, cols, p, st);
+      return launch_dim1_variant<IN, EL, true>(variant, x, q1, s1, q0, s0, 1, rows, cols, p, st);
     }
     // Generic fallback: two passes over x.
     const int64_t n = rows * cols, nblk = n / block_size;
@@ -656,8 +1032,11 @@ cudaError_t mx_quantize_dim0_dim1(const void* x, int in_dtype, uint8_t* q0, uint
 }
 
 cudaError_t mx_dequantize(const uint8_t* q, const uint8_t* s, void* out, int out_dtype, int64_t n, int block_size,
-                          int elem, intptr_t stream) {
-  if (!valid_common(out_dtype, block_size, elem) || n < 0 || n % block_size) return cudaErrorInvalidValue;
+                          int elem, intptr_t stream, int variant) {
+  if (!valid_common(out_dtype, block_size, elem) || n < 0 || n % block_size || variant < 0 ||
+      variant >= MX_DEQUANT_VARIANTS) {
+    return cudaErrorInvalidValue;
+  }
   if (n == 0) return cudaSuccess;
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const int lg_bs = log2_pow2(block_size);
@@ -665,7 +1044,33 @@ cudaError_t mx_dequantize(const uint8_t* q, const uint8_t* s, void* out, int out
     constexpr int OUT = decltype(codes)::first, EL = decltype(codes)::second;
     constexpr int EPT = OUT == MX_BF16 ? 8 : 4;
     int64_t start = 0;
-    if (aligned(q, EPT) && aligned(out, 16)) {
+    if ((variant == 1 || variant == 2) && block_size >= 16 && aligned(q, 16) && aligned(out, 16)) {
+      const int64_t nvec = n / 16;
+      if (nvec > 0) {
+        if (variant == 1) {
+          auto kernel = dequant_v16_kernel<OUT, EL, 2, 0, 0>;
+          const unsigned grid = grid_for<dequant_v16_kernel<OUT, EL, 2, 0, 0>>((nvec + kThreads * 2 - 1) / (kThreads * 2));
+          kernel<<<grid, kThreads, 0, st>>>(reinterpret_cast<const uint4*>(q), s, static_cast<uint4*>(out), nvec, lg_bs);
+        } else {
+          auto kernel = dequant_v16_kernel<OUT, EL, 4, 1, 1>;
+          const unsigned grid = grid_for<dequant_v16_kernel<OUT, EL, 4, 1, 1>>((nvec + kThreads * 4 - 1) / (kThreads * 4));
+          kernel<<<grid, kThreads, 0, st>>>(reinterpret_cast<const uint4*>(q), s, static_cast<uint4*>(out), nvec, lg_bs);
+        }
+        const cudaError_t err = launch_status();
+        if (err != cudaSuccess) return err;
+      }
+      start = nvec * 16;
+    } else if (variant == 3 && aligned(q, EPT) && aligned(out, 16)) {
+      const int64_t nvec = n / EPT;
+      if (nvec > 0) {
+        auto kernel = dequant_vec_kernel<OUT, EL, 8>;
+        const unsigned grid = grid_for<dequant_vec_kernel<OUT, EL, 8>>((nvec + kThreads * 8 - 1) / (kThreads * 8));
+        kernel<<<grid, kThreads, 0, st>>>(q, s, static_cast<uint4*>(out), nvec, lg_bs);
+        const cudaError_t err = launch_status();
+        if (err != cudaSuccess) return err;
+      }
+      start = nvec * EPT;
+    } else if (aligned(q, EPT) && aligned(out, 16)) {
       const int64_t nvec = n / EPT;
       if (nvec > 0) {
         auto kernel = dequant_vec_kernel<OUT, EL>;

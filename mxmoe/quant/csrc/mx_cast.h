@@ -12,6 +12,28 @@
 // RCEIL needs the fp32 constant c = fp32(1/max) and the amax thresholds T127 <= T126 (fp32 bit
 // patterns) from mxmoe.formats.CastSpec.{rceil_c, rceil_t127, rceil_t126}.
 // Scales are E8M0 bytes; elements are fp8 bytes.
+//
+// `variant` picks a kernel implementation (all bit-identical; mxmoe/quant/cuda_cast.py chooses the
+// default per cast). Where a variant's preconditions do not hold (block size, alignment) the
+// launcher falls back to variant 0, which itself falls back to the generic kernels.
+//   dim0     0: 4 x 16-byte loads / thread, 8-byte (bf16) fp8 stores, 1-byte scale stores, persistent
+//            1: grouped (16-byte fp8 stores via lane shuffles, 4-byte scale stores), 2 groups in
+//               flight per warp, ld/st .cs, persistent grid        (needs s 4-byte aligned)
+//            2: as 1 with 4 groups in flight
+//            3: as 1 with ld.global.nc.L1::no_allocate loads and plain stores
+//            4: as 1 with a one-shot grid (one CTA per 16 groups)
+//            5: as 2 with .nc.L1::no_allocate loads, plain stores and a one-shot grid
+//   dim1 and dim0_dim1
+//            0: one CTA per 128-row x 64-col tile (load, sync, quantize, sync, store)
+//            1: persistent CTAs, cp.async double-buffered 128 x 64 tiles (needs x 16-byte aligned,
+//               cols % (16 / sizeof(in)) == 0)
+//            2: as 1 with 128 x 128 tiles
+//   dequant  0: 8 (bf16 out) / 4 (fp32 out) fp8 bytes per thread-vector, 4 in flight
+//            1: 16 fp8 bytes per thread-vector (one 16-byte load, 2 / 4 16-byte stores), 2 in flight,
+//               .cs hints (needs block_size >= 16, q 16-byte aligned)
+//            2: as 1 with 4 in flight, .nc.L1::no_allocate loads, plain stores
+//            3: as 0 with 8 in flight
+enum MxVariants : int { MX_DIM0_VARIANTS = 6, MX_DIM1_VARIANTS = 3, MX_DEQUANT_VARIANTS = 4 };
 #pragma once
 
 #include <cstdint>
@@ -26,22 +48,23 @@ enum MxMode : int { MX_FLOOR = 0, MX_RCEIL = 1, MX_CEIL = 2, MX_EVEN = 3 };
 // C % block_size == 0); q: (n,) bytes; s: (n / block_size,) bytes.
 cudaError_t mx_quantize_dim0(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t n,
                              int block_size, int mode, int elem, uint32_t rceil_t127,
-                             uint32_t rceil_t126, float rceil_c, intptr_t stream);
+                             uint32_t rceil_t126, float rceil_c, intptr_t stream, int variant);
 
 // x: (batch, rows, cols), blocks along rows (rows % block_size == 0); q: (batch, cols, rows);
 // s: (batch, cols, rows / block_size).
 cudaError_t mx_quantize_dim1(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t batch,
                              int64_t rows, int64_t cols, int block_size, int mode, int elem,
-                             uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream);
+                             uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream,
+                             int variant);
 
 // x: (rows, cols), both divisible by block_size, read once:
 // q0 (rows, cols), s0 (rows, cols / bs) along cols; q1 (cols, rows), s1 (cols, rows / bs) along rows.
 cudaError_t mx_quantize_dim0_dim1(const void* x, int in_dtype, uint8_t* q0, uint8_t* s0, uint8_t* q1,
                                   uint8_t* s1, int64_t rows, int64_t cols, int block_size, int mode,
                                   int elem, uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c,
-                                  intptr_t stream);
+                                  intptr_t stream, int variant);
 
 // q: (n,) fp8 bytes, s: (n / block_size,) E8M0 bytes -> out: (n,) of out_dtype,
 // value = q * 2^(s - 127) exact in fp32, then one round-to-nearest-even to out_dtype.
 cudaError_t mx_dequantize(const uint8_t* q, const uint8_t* s, void* out, int out_dtype, int64_t n,
-                          int block_size, int elem, intptr_t stream);
+                          int block_size, int elem, intptr_t stream, int variant);
