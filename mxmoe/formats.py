@@ -6,7 +6,6 @@ numerics are defined in exactly one place.
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
@@ -172,8 +171,3 @@ def make_spec(block_size: int, scaling_mode: str | ScalingMode, elem_dtype: torc
         check_block_size(block_size), check_scaling_mode(scaling_mode), check_elem_dtype(elem_dtype)
     )
 
-
-def max_rel_error(elem: ElemFormat) -> float:
-    """Bound on |dequant(q) - x| / amax_block for finite x in a normal-range block: half an ulp
-    of the element format at the top binade, relative to the block amax (used by tests)."""
-    return math.ldexp(1.0, -elem.mbits)

@@ -4,23 +4,15 @@ the same run."""
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from mxmoe.bench.timing import bench, bf16_gemm_tflops, environment, print_table, require_cuda, write_json
+from mxmoe.bench import gemm_common
+from mxmoe.bench.gemm_common import RECIPES, row
+from mxmoe.bench.timing import bench
 
-RECIPES = {"mxfp8": "floor", "mxfp8_rceil": "rceil"}
 # (T tokens, K in, N out, E experts): DeepSeek-V3 w1 (7168 -> 2048) and w2, Llama4 (5120 <-> 8192).
 SHAPES = [(65536, 7168, 2048, 8), (65536, 2048, 7168, 8), (65536, 5120, 8192, 8), (65536, 8192, 5120, 8)]
 
-
-def _parse_shape(s: str) -> tuple[int, int, int, int]:
-    try:
-        t, k, n, e = (int(v) for v in s.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {s!r}: expected TxKxNxE, e.g. 65536x7168x2048x8") from None
-    return t, k, n, e
 
 
 def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, iters: int) -> list[dict]:
@@ -87,42 +79,19 @@ def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, i
         t = bench(mx_step, iters=iters).median_ms
         tc = bench(cast_all, iters=iters).median_ms
         tg = bench(gemms, iters=iters).median_ms
-        rows.append(
-            {
-                "shape": name,
-                "recipe": recipe,
-                "fwd+bwd ms": t,
-                "TFLOP/s": flops / t / 1e9,
-                "vs bf16": t_bf16 / t,
-                "casts ms": tc,
-                "gemms ms": tg,
-                "cast share": tc / t,
-            }
-        )
+        rows.append(row(name, recipe, t, t_bf16, flops, tc, tg))
         del a0, a1, w0, dy0, dy1, w1
     a.grad = w.grad = None
     return rows
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mxmoe bench grouped_mm", description=__doc__)
-    p.add_argument(
-        "--shape", type=_parse_shape, action="append", help="TxKxNxE (repeatable); default: MoE shapes"
+    return gemm_common.main(
+        argv,
+        name="grouped_mm",
+        doc=__doc__,
+        pattern="TxKxNxE",
+        example="65536x7168x2048x8",
+        shapes=SHAPES,
+        run_shape=run_shape,
     )
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    p.add_argument("--kernel", default="auto", help="cast kernel: auto | torch | triton | cuda")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
-    args = p.parse_args(argv)
-    require_cuda("mxmoe bench grouped_mm")
-    ceiling = bf16_gemm_tflops()
-    rows = []
-    for T, K, N, E in args.shape or SHAPES:
-        rows += run_shape(T, K, N, E, args.recipes, args.kernel, args.iters)
-        torch.cuda.empty_cache()
-    print_table(
-        rows, title=f"grouped GEMM fwd+bwd (3 GEMMs); bf16 GEMM ceiling 8192^3: {ceiling:.0f} TFLOP/s"
-    )
-    if args.json:
-        write_json(args.json, {"env": environment(), "bf16_gemm_tflops": ceiling, "rows": rows})
-    return 0

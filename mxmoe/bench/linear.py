@@ -3,24 +3,16 @@ time split into casts alone and GEMMs alone, and the bf16 GEMM ceiling measured 
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
-from mxmoe.bench.timing import bench, bf16_gemm_tflops, environment, print_table, require_cuda, write_json
+from mxmoe.bench import gemm_common
+from mxmoe.bench.gemm_common import RECIPES, row
+from mxmoe.bench.timing import bench
 
-RECIPES = {"mxfp8": "floor", "mxfp8_rceil": "rceil"}
 # (M tokens, K in, N out): DeepSeek-V3 expert-sized and Llama4 expert-sized projections.
 SHAPES = [(131072, 7168, 2048), (131072, 2048, 7168), (131072, 5120, 8192), (131072, 8192, 5120)]
 
-
-def _parse_shape(s: str) -> tuple[int, int, int]:
-    try:
-        m, k, n = (int(v) for v in s.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {s!r}: expected MxKxN, e.g. 131072x7168x2048") from None
-    return m, k, n
 
 
 def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: int) -> list[dict]:
@@ -79,40 +71,19 @@ def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: in
         t = bench(mx_step, iters=iters).median_ms
         tc = bench(casts, iters=iters).median_ms
         tg = bench(gemms, iters=iters).median_ms
-        rows.append(
-            {
-                "shape": f"{M}x{K}->{N}",
-                "recipe": recipe,
-                "fwd+bwd ms": t,
-                "TFLOP/s": flops / t / 1e9,
-                "vs bf16": t_bf16 / t,
-                "casts ms": tc,
-                "gemms ms": tg,
-                "cast share": tc / t,
-            }
-        )
+        rows.append(row(f"{M}x{K}->{N}", recipe, t, t_bf16, flops, tc, tg))
         del x0, x1, w0, dy0, dy1, w1
     x.grad = w.grad = None
     return rows
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mxmoe bench linear", description=__doc__)
-    p.add_argument(
-        "--shape", type=_parse_shape, action="append", help="MxKxN (repeatable); default: MoE shapes"
+    return gemm_common.main(
+        argv,
+        name="linear",
+        doc=__doc__,
+        pattern="MxKxN",
+        example="131072x7168x2048",
+        shapes=SHAPES,
+        run_shape=run_shape,
     )
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    p.add_argument("--kernel", default="auto", help="cast kernel: auto | torch | triton | cuda")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
-    args = p.parse_args(argv)
-    require_cuda("mxmoe bench linear")
-    ceiling = bf16_gemm_tflops()
-    rows = []
-    for M, K, N in args.shape or SHAPES:
-        rows += run_shape(M, K, N, args.recipes, args.kernel, args.iters)
-        torch.cuda.empty_cache()
-    print_table(rows, title=f"linear fwd+bwd (3 GEMMs); bf16 GEMM ceiling 8192^3: {ceiling:.0f} TFLOP/s")
-    if args.json:
-        write_json(args.json, {"env": environment(), "bf16_gemm_tflops": ceiling, "rows": rows})
-    return 0

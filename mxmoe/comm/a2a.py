@@ -359,10 +359,9 @@ def to_mxfp8_a2a_dequant(
     x: (sum(input_splits), dim) bfloat16 or float32, dim % 32 == 0, rows ordered by destination.
     Returns (sum(output_splits), dim), x.dtype, contiguous, rows ordered by source rank; bit for bit
     `reference_mxfp8_a2a`. check: one small all_gather validating every rank's arguments (every rank
-    raises if one is bad). chunks: None = auto (pipelined on CUDA for large tensors,
-    else simple), 0 = simple, k >= 1 =
-    pipelined with up to k pieces per pair of ranks (must be equal on all ranks). kernel: the cast
-    backend ("auto" = fastest available).
+    raises if one is bad). chunks: None = auto (pipelined on CUDA for large tensors, else simple),
+    0 = simple, k >= 1 = pipelined with up to k pieces per pair of ranks (must be equal on all
+    ranks). kernel: the cast backend ("auto" = fastest available).
     """
     chunks = _check_chunks(chunks)
     plan = check_and_plan(

@@ -1,0 +1,28 @@
+"""CPU checks of the GEMM benchmarks' command lines (the timing itself needs a GPU)."""
+
+import pytest
+import torch
+
+from mxmoe.bench import grouped_mm, linear
+from mxmoe.bench.gemm_common import row, shape_parser
+
+
+@pytest.mark.parametrize("module,bad", [(linear, "1x2"), (grouped_mm, "2x3x4"), (linear, "0x2x3")])
+def test_bad_shape_is_rejected(module, bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        module.main(["--shape", bad])
+    assert e.value.code == 2
+    assert "expected" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("module", [linear, grouped_mm])
+def test_refuses_without_gpu(module):
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        module.main(["--iters", "1"])
+
+
+def test_shape_parser_and_row():
+    assert shape_parser("MxKxN", "1x2x3")("4x5x6") == (4, 5, 6)
+    r = row("s", "mxfp8", t=2.0, t_bf16=1.0, flops=4e9, tc=0.5, tg=1.0)
+    assert r["vs bf16"] == 0.5 and r["TFLOP/s"] == 2.0 and r["cast share"] == 0.25
