@@ -168,7 +168,11 @@ def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", imp
     """
     if impl not in ("auto", "triton", "copy"):
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'triton', 'copy'")
-    if q.shape != out.shape or s.shape != (q.shape[0], q.shape[1] // BLOCK_SIZE):
+    if q.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"q has dtype {q.dtype}; expected torch.float8_e4m3fn (or its uint8 view)")
+    if s.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"s has dtype {s.dtype}; expected torch.float8_e8m0fnu (or its uint8 view)")
+    if q.ndim != 2 or q.shape != out.shape or s.shape != (q.shape[0], q.shape[1] // BLOCK_SIZE):
         raise ValueError(
             f"dequantize_into: q {tuple(q.shape)}, s {tuple(s.shape)} and out {tuple(out.shape)} do not "
             "match (expected q and out (R, C), s (R, C // 32))"
@@ -177,6 +181,10 @@ def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", imp
         raise TypeError(f"out has dtype {out.dtype}; expected torch.bfloat16 or torch.float32")
     if not (q.is_contiguous() and s.is_contiguous() and out.is_contiguous()):
         raise ValueError("dequantize_into needs contiguous q, s and out")
+    if not (q.device == s.device == out.device):
+        raise ValueError(
+            f"dequantize_into: q, s and out must be on one device, got {q.device}, {s.device}, {out.device}"
+        )
     if q.numel() == 0:
         return out
     if impl == "auto":
@@ -231,6 +239,8 @@ def qdq_into(
         raise TypeError(f"x has dtype {x.dtype} and out {out.dtype}; expected both bfloat16 or both float32")
     if not (x.is_contiguous() and out.is_contiguous()):
         raise ValueError("qdq_into needs contiguous x and out")
+    if x.device != out.device:
+        raise ValueError(f"qdq_into: x and out must be on one device, got {x.device} and {out.device}")
     if x.numel() == 0:
         return out
     if impl == "auto":

@@ -60,6 +60,11 @@ class MXConfig:
                 f"mxfp8_dim1_cast_kernel_choice={self.mxfp8_dim1_cast_kernel_choice!r}; "
                 f"expected one of {KERNELS}"
             )
+        if self.mxfp8_dim0_cast_kernel_choice != "auto" and self.mxfp8_dim0_cast_kernel_choice not in KERNELS:
+            raise ValueError(
+                f"mxfp8_dim0_cast_kernel_choice={self.mxfp8_dim0_cast_kernel_choice!r}; "
+                f"expected 'auto' or one of {KERNELS}"
+            )
         if self.gemm_backend not in GEMM_BACKENDS:
             raise ValueError(f"gemm_backend={self.gemm_backend!r}; expected one of {GEMM_BACKENDS}")
         return MXOpConfig(

@@ -14,6 +14,7 @@ all-to-all use).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -81,12 +82,14 @@ class MXTensor:
     def dequantize(self, dtype: torch.dtype | None = None, kernel: str = "auto") -> Tensor:
         """High-precision tensor of the logical shape (a view: the storage order is kept)."""
         dtype = self.orig_dtype if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype={dtype!r} is not a torch.dtype; expected torch.bfloat16 or torch.float32")
         check_input_dtype("dtype", torch.empty(0, dtype=dtype))
         kernel = resolve_kernel(kernel, self.device)
         q = self.qdata_blocked
         out = custom_ops.dequantize(
-            q.reshape(-1, q.shape[-1]),
-            self.scale_blocked.reshape(-1, self.scale_blocked.shape[-1]),
+            q.reshape(_rows(q.shape, 1), q.shape[-1]),
+            self.scale_blocked.reshape(_rows(q.shape, 1), self.scale_blocked.shape[-1]),
             self.block_size,
             dtype,
             kernel,
@@ -138,6 +141,12 @@ class _IndexAnchor(torch.autograd.Function):
         return out.index_add_(0, index, grad), None
 
 
+def _rows(shape: torch.Size, trailing: int) -> int:
+    """Product of all but the last `trailing` dims: an explicit leading size for reshape, which
+    cannot infer -1 when a trailing dim is 0."""
+    return math.prod(shape[: len(shape) - trailing])
+
+
 def _check_x(x: Tensor, block_size: int, axis: int) -> int:
     check_input_dtype("x", x)
     if x.ndim < 1:
@@ -165,10 +174,14 @@ def to_mx(
     block_size: int = 32,
     kernel: str = "auto",
 ) -> MXTensor:
-    """Quantize x (bf16 or fp32) to MX along `axis` (-1: "dim0" cast, -2 / 0 of 2D: "dim1").
+    """Quantize x (bf16 or fp32, any shape with ndim >= 1) to MX along `axis`, one of the last two
+    dims (-1: "dim0" cast, -2 / 0 of 2D: "dim1"); x.shape[axis] % block_size == 0.
 
-    Any layout is accepted: if x already has `axis` contiguous (e.g. a transposed view) it is
-    quantized in place of a copy; otherwise the dim1 kernel reads it row-major.
+    Returns an MXTensor whose storage is `x.movedim(axis, -1)` made contiguous: qdata_blocked in
+    `elem_dtype` of that shape, scale_blocked float8_e8m0fnu with the last dim // block_size
+    (docs/mx-format.md, Layouts). Any input layout is accepted: if x already has `axis` innermost
+    in memory (e.g. a transposed view) it is quantized without a copy; otherwise the dim1 kernel
+    reads it row-major.
     """
     block_size = check_block_size(block_size)
     mode = check_scaling_mode(scaling_mode).value
@@ -177,10 +190,10 @@ def to_mx(
     kernel = resolve_kernel(kernel, x.device)
     moved = x.movedim(ax, -1)
     if ax == x.ndim - 1 or moved.is_contiguous():
-        flat = moved.contiguous().reshape(-1, moved.shape[-1])
+        flat = moved.contiguous().reshape(_rows(moved.shape, 1), moved.shape[-1])
         q, s = custom_ops.quantize_dim0(flat, block_size, mode, elem_dtype, kernel)
     else:  # blocks along dim -2 of a row-major tensor: the transposing kernel
-        x3 = x.contiguous().reshape(-1, x.shape[-2], x.shape[-1])
+        x3 = x.contiguous().reshape(_rows(x.shape, 2), x.shape[-2], x.shape[-1])
         q, s = custom_ops.quantize_dim1(x3, block_size, mode, elem_dtype, kernel)
     return MXTensor(
         q.view(moved.shape),
@@ -199,10 +212,15 @@ def to_mx_dim0_dim1(
     block_size: int = 32,
     kernel: str = "auto",
 ) -> tuple[MXTensor, MXTensor]:
-    """Both casts of a 2D x (R, C) from one read: (along dim -1, along dim 0)."""
+    """Both casts of a 2D x (R, C), bf16 or fp32, R and C divisible by block_size, from one read.
+
+    Returns (along dim -1: storage qdata (R, C), scale (R, C // bs); along dim 0: storage qdata
+    (C, R), scale (C, R // bs)), elements in `elem_dtype`, scales float8_e8m0fnu, all contiguous.
+    """
     block_size = check_block_size(block_size)
     mode = check_scaling_mode(scaling_mode).value
     check_elem_dtype(elem_dtype)
+    check_input_dtype("x", x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2D for the fused dim0+dim1 cast, got shape {tuple(x.shape)}")
     _check_x(x, block_size, 0)

@@ -194,7 +194,8 @@ def _check_value(key: str, value, tp) -> typing.Any:
     return float(value) if tp is float else value
 
 
-def _set(cfg: JobConfig, key: str, value, from_text: bool) -> None:
+def _field_type(key: str) -> typing.Any:
+    """The type of `section.name`; ConfigError naming the key if there is no such field."""
     if "." not in key:
         raise ConfigError(f"option {key!r} is not of the form section.key; sections: {list(SECTIONS)}")
     section, name = key.split(".", 1)
@@ -205,7 +206,12 @@ def _set(cfg: JobConfig, key: str, value, from_text: bool) -> None:
     hints = _section_types(section)
     if name not in hints:
         raise ConfigError(f"unknown config key {key!r}; section {section!r} has {sorted(hints)}")
-    tp = hints[name]
+    return hints[name]
+
+
+def _set(cfg: JobConfig, key: str, value, from_text: bool) -> None:
+    tp = _field_type(key)
+    section, name = key.split(".", 1)
     value = _convert_str(key, value, tp) if from_text else _check_value(key, value, tp)
     setattr(getattr(cfg, section), name, value)
 
@@ -244,7 +250,7 @@ def parse_args(argv: list[str]) -> JobConfig:
         key, eq, val = body.partition("=")
         if not eq:
             val = None
-            takes_value = key == "config" or not _is_bool(key)
+            takes_value = key == "config" or _field_type(key) is not bool
             if takes_value:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
                     raise ConfigError(f"option --{key} needs a value")
@@ -260,13 +266,6 @@ def parse_args(argv: list[str]) -> JobConfig:
     for key, val in overrides:
         _set(cfg, key, "true" if val is None else val, from_text=True)
     return cfg
-
-
-def _is_bool(key: str) -> bool:
-    section, _, name = key.partition(".")
-    if section not in SECTIONS:
-        return False  # _set reports it
-    return _section_types(section).get(name) is bool
 
 
 def help_text() -> str:

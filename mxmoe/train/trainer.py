@@ -163,6 +163,18 @@ def train(cfg: JobConfig) -> int:
         raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16 or fp32")
     if t.cpu_threads < 0:
         raise ValueError(f"training.cpu_threads={t.cpu_threads}: expected >= 0 (0 = torch's default)")
+    for key, value, low in (
+        ("training.batch_size", t.batch_size, 1),
+        ("training.seq_len", t.seq_len, 1),
+        ("training.warmup_steps", t.warmup_steps, 0),
+        ("training.val_interval", t.val_interval, 0),
+        ("training.val_batches", t.val_batches, 0),
+        ("checkpoint.interval", cfg.checkpoint.interval, 0),
+        ("checkpoint.keep_latest", cfg.checkpoint.keep_latest, 0),
+        ("metrics.log_freq", cfg.metrics.log_freq, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{key}={value}: expected >= {low}")
     rank, world, device, own_pg = parallel.init_distributed(t.device, p.timeout_s)
     threads = torch.get_num_threads()
     if device.type == "cpu" and t.cpu_threads > 0:
@@ -203,7 +215,7 @@ def _train(
     margs = model_args(m.name, vocab_size=VOCAB_SIZE, max_seq_len=t.seq_len, **overrides)
     if pd.tp > 1 and use_mx:
         # the converter owns this refusal: let it raise its own error before anything is built
-        _mx_convert(Transformer(model_args("debug_moe")), cfg, pd)
+        _mx_convert(torch.nn.Module(), cfg, pd)
     parallel.check_parallel_dims(pd, margs.num_experts)
 
     torch.manual_seed(t.seed)

@@ -300,6 +300,18 @@ def test_dequantize_into_rejects_bad_arguments():
         dequantize_into(q, s, torch.empty(4, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="impl"):
         dequantize_into(q, s, torch.empty(4, 64), impl="fast")
+    with pytest.raises(TypeError, match="q has dtype torch.float8_e5m2"):
+        dequantize_into(q.view(torch.float8_e5m2), s, torch.empty(4, 64))
+    with pytest.raises(TypeError, match="q has dtype torch.bfloat16"):
+        dequantize_into(torch.zeros(4, 64, dtype=torch.bfloat16), s, torch.empty(4, 64))
+    with pytest.raises(TypeError, match="s has dtype torch.float32"):
+        dequantize_into(q, torch.zeros(4, 2), torch.empty(4, 64))
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_into(q.view(-1), s, torch.empty(256))
+    with pytest.raises(ValueError, match="one device"):
+        dequantize_into(q, s.to("meta"), torch.empty(4, 64))
+    with pytest.raises(ValueError, match="one device"):
+        qdq_into(torch.empty(4, 64), torch.empty(4, 64, device="meta"))
     with pytest.raises(ValueError, match="equal 2D shapes"):
         qdq_into(torch.empty(4, 48), torch.empty(4, 48))
     with pytest.raises(TypeError, match="dtype"):

@@ -99,6 +99,8 @@ def test_convert_errors():
         convert(make_model(), MXConfig(mxfp8_dim1_cast_kernel_choice="cuda"))
     with pytest.raises(ValueError, match="mxfp8_dim1_cast_kernel_choice='tritonn'"):
         convert(make_model(), MXConfig(mxfp8_dim1_cast_kernel_choice="tritonn"))
+    with pytest.raises(ValueError, match="mxfp8_dim0_cast_kernel_choice='cpu'"):
+        convert(make_model(), MXConfig(mxfp8_dim0_cast_kernel_choice="cpu"))
 
 
 def test_mxlinear_from_linear_shares_params_and_matches_mx_mm():

@@ -162,6 +162,29 @@ def test_empty_tensor_is_fine():
     assert tuple(mx.dequantize(kernel="torch").shape) == (0, 64)
 
 
+@pytest.mark.parametrize(
+    "shape,axis", [((4, 0), -1), ((0, 64), 0), ((2, 0, 64), -2), ((0, 32, 64), -2), ((3, 0, 32), -1)]
+)
+def test_zero_size_dims_are_fine(shape, axis):
+    """A zero-size dim anywhere (e.g. an expert with no tokens) gives empty storage, no reshape error."""
+    mx = to_mx(torch.ones(shape), axis=axis, kernel="torch")
+    assert tuple(mx.qdata.shape) == shape
+    scale_shape = list(shape)
+    scale_shape[axis] //= 32
+    assert tuple(mx.scale.shape) == tuple(scale_shape)
+    assert tuple(mx.dequantize(kernel="torch").shape) == shape
+
+
+def test_fused_not_a_tensor():
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        to_mx_dim0_dim1([[1.0] * 32] * 32)
+
+
+def test_dequantize_dtype_not_a_dtype():
+    with pytest.raises(TypeError, match="dtype='bf16' is not a torch.dtype"):
+        to_mx(X, kernel="torch").dequantize("bf16")
+
+
 def test_mxtensor_repr_names_the_layout():
     mx = to_mx(X, kernel="torch")
     assert isinstance(mx, MXTensor)

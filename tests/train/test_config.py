@@ -56,6 +56,10 @@ def test_override_forms_and_types(tmp_path):
         (["--training.steps=abc"], "--training.steps='abc': expected int"),
         (["--training.compile=maybe"], "expected a bool"),
         (["--training.steps"], "--training.steps needs a value"),
+        # a bare unknown key is reported as unknown, not as missing a value
+        (["--training.stepz"], "unknown config key 'training.stepz'"),
+        (["--training.stepz", "--training.steps=3"], "unknown config key 'training.stepz'"),
+        (["--trainig.compile"], "unknown config section 'trainig'"),
         (["steps=3"], "unexpected argument 'steps=3'"),
         (["--steps=3"], "not of the form section.key"),
         (["--config", "/nonexistent.toml"], "file not found"),
@@ -88,6 +92,20 @@ def test_bad_toml_names_the_key(tmp_path, body, match):
 def test_main_reports_config_errors(capsys):
     assert trainer.main(["--training.stepz=3"]) == 2
     assert "training.stepz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arg, match",
+    [
+        ("--metrics.log_freq=0", "metrics.log_freq=0: expected >= 1"),
+        ("--training.batch_size=0", "training.batch_size=0: expected >= 1"),
+        ("--checkpoint.keep_latest=-1", "checkpoint.keep_latest=-1: expected >= 0"),
+    ],
+)
+def test_main_rejects_out_of_range_values(capsys, arg, match):
+    # checked before any model or data is built: an error naming the key, not a ZeroDivisionError
+    assert trainer.main([arg, "--training.device=cpu"]) == 2
+    assert match in capsys.readouterr().err
 
 
 def test_help_lists_every_field_with_doc(capsys):
