@@ -5,7 +5,7 @@
 
 Each rank holds batch x seq tokens of `dim` (bf16) and sends an equal share to every rank. Rows:
 forward, backward and forward+backward times of the bf16 all-to-all (`all_to_all_hp`) and of the MXFP8
-one (`to_mxfp8_a2a_dequant`, pipelined), median of >= 20 runs, maximum over ranks
+one (`to_mxfp8_a2a_dequant`, one row per --chunks choice), median of >= 20 runs, maximum over ranks
 (mxmoe.bench.timing.bench). The breakdown times each stage alone: quantize all rows, the NCCL exchange
 of the MXFP8 bytes (elements + scales, all_to_all_single), dequantize all rows, and their serial sum.
 Before timing, every shape is checked bit for bit against `reference_mxfp8_a2a` (forward and backward),

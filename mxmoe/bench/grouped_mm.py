@@ -14,7 +14,6 @@ from mxmoe.bench.timing import bench
 SHAPES = [(65536, 7168, 2048, 8), (65536, 2048, 7168, 8), (65536, 5120, 8192, 8), (65536, 8192, 5120, 8)]
 
 
-
 def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, iters: int) -> list[dict]:
     from mxmoe.ops import MXOpConfig, mx_gemm, mx_grouped_mm
     from mxmoe.ops.grouped import group_padding, pad_groups
@@ -40,18 +39,7 @@ def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, i
 
     t_bf16 = bench(bf16_step, iters=iters).median_ms
     t_bf16_gemm = bench(bf16_gemms, iters=iters).median_ms
-    rows = [
-        {
-            "shape": name,
-            "recipe": "bf16",
-            "fwd+bwd ms": t_bf16,
-            "TFLOP/s": flops / t_bf16 / 1e9,
-            "vs bf16": 1.0,
-            "casts ms": 0.0,
-            "gemms ms": t_bf16_gemm,
-            "cast share": 0.0,
-        }
-    ]
+    rows = [row(name, "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
     pos, offs_pad, cap = group_padding(offs, T, 32)
     for recipe in recipes:
         cfg = MXOpConfig(scaling_mode=RECIPES[recipe], kernel=kernel, dim1_kernel=kernel)

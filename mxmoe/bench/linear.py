@@ -14,7 +14,6 @@ from mxmoe.bench.timing import bench
 SHAPES = [(131072, 7168, 2048), (131072, 2048, 7168), (131072, 5120, 8192), (131072, 8192, 5120)]
 
 
-
 def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: int) -> list[dict]:
     from mxmoe.ops import MXOpConfig, mx_gemm, mx_mm
     from mxmoe.ops.linear import cast_both, transpose_2d
@@ -34,18 +33,7 @@ def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: in
 
     t_bf16 = bench(bf16_step, iters=iters).median_ms
     t_bf16_gemm = bench(bf16_gemms, iters=iters).median_ms
-    rows = [
-        {
-            "shape": f"{M}x{K}->{N}",
-            "recipe": "bf16",
-            "fwd+bwd ms": t_bf16,
-            "TFLOP/s": flops / t_bf16 / 1e9,
-            "vs bf16": 1.0,
-            "casts ms": 0.0,
-            "gemms ms": t_bf16_gemm,
-            "cast share": 0.0,
-        }
-    ]
+    rows = [row(f"{M}x{K}->{N}", "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
     for recipe in recipes:
         cfg = MXOpConfig(scaling_mode=RECIPES[recipe], kernel=kernel, dim1_kernel=kernel)
         ck = cfg.cast_kwargs()

@@ -50,8 +50,9 @@ ELEM_DTYPE = torch.float8_e4m3fn
 SCALING_MODE = "rceil"
 # Auto policy, from the 2 x H200 measurements in docs/benchmarks.md (16x8192x5120 bf16, fwd+bwd):
 # simple path 4.50 ms, 2 pieces 3.94, 4 pieces 6.01, 8 pieces 8.46; below ~100 MB per peer every
-# pipelined variant measured lost to the simple path. So on CUDA, pipeline only tensors of at least
-# PIPELINE_MIN_ELEMS elements, in pieces of at least MIN_PIECE_BYTES, at most MAX_CHUNKS per pair.
+# pipelined variant measured lost to the simple path. So on CUDA, pipeline only when the group's
+# mean elements per rank reach PIPELINE_MIN_ELEMS (from the checked plan: every rank decides alike),
+# in ceil(fp8 bytes / MIN_PIECE_BYTES) pieces, at most MAX_CHUNKS per pair.
 PIPELINE_MIN_ELEMS = 512 << 20
 MIN_PIECE_BYTES = 128 << 20
 MAX_CHUNKS = 2
@@ -103,10 +104,16 @@ def _num_chunks(n: int, dim: int, chunks: int | None) -> int:
     return max(1, min(MAX_CHUNKS, math.ceil(n * dim / MIN_PIECE_BYTES)))
 
 
-def _use_pipeline(x: Tensor, chunks: int | None) -> bool:
+def _use_pipeline(is_cuda: bool, plan: Plan, chunks: int | None) -> bool:
+    """Pipelined path or simple one: the same answer on every rank (and for forward and backward),
+    since auto decides from the group-wide row count of the checked plan. Unchecked plans
+    (check=False, several ranks) take the simple path unless `chunks` asks for pieces."""
     if chunks is not None:
         return chunks >= 1
-    return x.is_cuda and x.numel() >= PIPELINE_MIN_ELEMS
+    if not is_cuda or plan.global_rows is None:
+        return False
+    row_numel = math.prod(plan.row_shape)
+    return plan.global_rows * row_numel >= PIPELINE_MIN_ELEMS * plan.world
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,10 +269,11 @@ def _mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: bool, chunk
     else (q (rows_out, dim) e4m3, s (rows_out, dim // 32) e8m0)."""
     x = x.contiguous()
     kernel = resolve_kernel(kernel, x.device)
-    if plan.world == 1 and not _use_pipeline(x, chunks):
+    pipelined = _use_pipeline(x.is_cuda, plan, chunks)
+    if plan.world == 1 and not pipelined:
         q, s = _quantize(x, kernel)
         return custom_ops.dequantize(q, s, BLOCK_SIZE, x.dtype, kernel) if dequant else (q, s)
-    if _use_pipeline(x, chunks):
+    if pipelined:
         return _pipelined_mx_exchange(x, plan, group, kernel, dequant, chunks)
     return _simple_mx_exchange(x, plan, group, kernel, dequant)
 
@@ -332,12 +340,6 @@ class _Combine(torch.autograd.Function):
         return _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks), None, None, None, None
 
 
-def _check_chunks(chunks) -> int | None:
-    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0):
-        raise ValueError(f"chunks={chunks!r}; expected None (auto), 0 (no pipelining) or an int >= 1")
-    return chunks
-
-
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
@@ -363,7 +365,6 @@ def to_mxfp8_a2a_dequant(
     0 = simple, k >= 1 = pipelined with up to k pieces per pair of ranks (must be equal on all
     ranks). kernel: the cast backend ("auto" = fastest available).
     """
-    chunks = _check_chunks(chunks)
     plan = check_and_plan(
         "to_mxfp8_a2a_dequant", x, output_splits, input_splits, group, check=check, chunks=chunks
     )
@@ -388,7 +389,6 @@ def a2a_dispatch_mxfp8(
     high-precision gradient of the dequantized rows) is sent back to x's rows with a plain
     high-precision all-to-all. Consumers take `mx.grad_anchor` as their differentiable input.
     """
-    chunks = _check_chunks(chunks)
     plan = check_and_plan(
         "a2a_dispatch_mxfp8", x, output_splits, input_splits, group, check=check, chunks=chunks
     )
@@ -412,7 +412,6 @@ def a2a_combine(
     x.dtype. Backward: the gradient (rows_out, dim) is quantized (RCEIL, e4m3), sent back with the
     splits swapped and dequantized to x.dtype, exactly like `to_mxfp8_a2a_dequant`'s forward.
     """
-    chunks = _check_chunks(chunks)
     plan = check_and_plan("a2a_combine", x, output_splits, input_splits, group, check=check, chunks=chunks)
     return _Combine.apply(x, plan, group, kernel, chunks)
 

@@ -1,6 +1,6 @@
 """Argument checks for the all-to-alls: splits, shapes, dtypes, and the optional cross-rank check.
 
-Local checks (types, lengths, sums, dtype, dim) run on every rank. With `check=True` their outcome
+Local checks (types, lengths, sums, dtype, dim, chunks) run on every rank. With `check=True` their outcome
 and a few ints per rank (dim, dtype, chunks, both split lists) are exchanged with one small
 all_gather, so a bad argument on one rank raises on *every* rank instead of leaving the others
 waiting in the exchange, and mismatches between ranks (dims, dtypes, output_splits that disagree
@@ -10,7 +10,7 @@ between ranks surfaces as the process group's timeout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,10 @@ class Plan:
     input_splits: tuple[int, ...]  # rows of x sent to each rank, in rank order
     output_splits: tuple[int, ...]  # rows received from each rank, in rank order
     row_shape: tuple[int, ...]  # x.shape[1:]
+    # Rows sent by all ranks together: known (and equal on every rank) after the shared check, or
+    # with one rank; None otherwise. Decisions every rank must take alike (the pipelined path or
+    # not) are made from it, never from this rank's own size.
+    global_rows: int | None = None
 
     @property
     def in_offsets(self) -> list[int]:
@@ -54,7 +58,9 @@ class Plan:
 
     def reversed(self) -> Plan:
         """The plan of the backward exchange: send back what was received."""
-        return Plan(self.rank, self.world, self.output_splits, self.input_splits, self.row_shape)
+        return Plan(
+            self.rank, self.world, self.output_splits, self.input_splits, self.row_shape, self.global_rows
+        )
 
 
 def offsets(splits) -> list[int]:
@@ -134,6 +140,13 @@ def _local_plan(fn: str, x, output_splits, input_splits, rank: int, world: int, 
     return Plan(rank, world, ins, outs, tuple(x.shape[1:]))
 
 
+def check_chunks(chunks) -> int | None:
+    """`chunks` of the MXFP8 all-to-alls: None (auto), 0 (no pipelining) or an int >= 1."""
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0):
+        raise ValueError(f"chunks={chunks!r}; expected None (auto), 0 (no pipelining) or an int >= 1")
+    return chunks
+
+
 def _meta_device(group, x) -> torch.device:
     backend = str(dist.get_backend(group))
     if "nccl" in backend and torch.cuda.is_available():
@@ -163,13 +176,14 @@ def check_and_plan(
     err: Exception | None = None
     plan = None
     try:
+        check_chunks(chunks)
         plan = _local_plan(fn, x, output_splits, input_splits, rank, world, mx)
     except (TypeError, ValueError) as e:
         err = e
     if not check or world == 1:
         if err is not None:
             raise err
-        return plan
+        return replace(plan, global_rows=sum(plan.input_splits)) if world == 1 else plan
 
     # One all_gather of [error, dtype, row numel, ndim, chunks, input_splits..., output_splits...].
     device = _meta_device(group, x)
@@ -226,7 +240,7 @@ def check_and_plan(
                     f"{ins_of[p][r]} rows to rank {r} (its input_splits[{r}]); output_splits must "
                     "equal what each peer sends"
                 )
-    return plan
+    return replace(plan, global_rows=sum(sum(ins) for ins in ins_of))
 
 
 def _name(code: int) -> str:

@@ -4,9 +4,10 @@
         --training.compile --training.steps=100
 
 Values are typed from the field types: int, float, str, bool (true/false/1/0/yes/no; a bare
-`--section.flag` means true), `X | None` ("none" gives None) and list[str] / list[int] (comma
-separated). Unknown sections or keys and badly typed values raise `ConfigError` naming them.
-Every field carries a one-line doc (`mxmoe train --help` prints them).
+`--section.flag` means true), `X | None` ("none" gives None, except for `str | None` fields, where
+it is the string "none") and list[str] / list[int] (comma separated). Unknown sections or keys
+and badly typed values raise `ConfigError` naming them. Every field carries a one-line doc
+(`mxmoe train --help` prints them).
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def _convert_str(key: str, text: str, tp) -> typing.Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if text.strip().lower() in ("none", "null"):
+        # "none" is a legitimate value of an optional str field (model.load_balance=none)
+        if args[0] is not str and text.strip().lower() in ("none", "null"):
             return None
         return _convert_str(key, text, args[0])
     if origin is list:

@@ -94,8 +94,13 @@ def check_parallel_dims(pd: ParallelDims, num_experts: int) -> None:
         )
 
 
-def build_meshes(pd: ParallelDims, device: torch.device):
-    """(dp_mesh over all ranks, expert mesh (edp, ep) or None)."""
+def build_meshes(pd: ParallelDims, device: torch.device, timeout_s: int | None = None):
+    """(dp_mesh over all ranks, expert mesh (edp, ep) or None).
+
+    timeout_s: the collective timeout of every mesh group. init_device_mesh creates sub-groups
+    (ep, edp) with torch's default timeout (30 min gloo, 10 min nccl), not the default group's,
+    so it is set on each of them here (as torchtitan does).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     dev = device.type
@@ -103,6 +108,13 @@ def build_meshes(pd: ParallelDims, device: torch.device):
     ep_mesh = None
     if pd.ep > 1:
         ep_mesh = init_device_mesh(dev, (pd.world_size // pd.ep, pd.ep), mesh_dim_names=("edp", "ep"))
+    if timeout_s is not None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        groups = [dp_mesh.get_group("dp")]
+        if ep_mesh is not None:
+            groups += [ep_mesh.get_group("edp"), ep_mesh.get_group("ep")]
+        for group in groups:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
     return dp_mesh, ep_mesh
 
 

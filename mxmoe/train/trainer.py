@@ -223,7 +223,7 @@ def _train(
         model = Transformer(margs)
     dp_mesh = ep_mesh = edp_group = None
     if distributed:
-        dp_mesh, ep_mesh = parallel.build_meshes(pd, device)
+        dp_mesh, ep_mesh = parallel.build_meshes(pd, device, p.timeout_s)
         if ep_mesh is not None:
             ep_group, edp_group = ep_mesh.get_group("ep"), ep_mesh.get_group("edp")
             ep_rank = dist.get_rank(ep_group)
@@ -336,6 +336,7 @@ def _train(
         norm = parallel.clip_grad_norm(
             dense_params, exp_params, t.max_norm, max(1, world // pd.ep), distributed
         )
+        lr = scheduler.get_last_lr()[0]  # the rate this step used (scheduler.step() moves to the next)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -357,7 +358,7 @@ def _train(
                 "aux_loss": float(stats[1]),
                 "tokens_per_s": tps,
                 "memory_gib": memory_gib(device),
-                "lr": scheduler.get_last_lr()[0],
+                "lr": lr,
                 "grad_norm": norm,
             }
         if val_ds is not None and (step % t.val_interval == 0 or last):

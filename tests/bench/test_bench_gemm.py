@@ -26,3 +26,10 @@ def test_shape_parser_and_row():
     assert shape_parser("MxKxN", "1x2x3")("4x5x6") == (4, 5, 6)
     r = row("s", "mxfp8", t=2.0, t_bf16=1.0, flops=4e9, tc=0.5, tg=1.0)
     assert r["vs bf16"] == 0.5 and r["TFLOP/s"] == 2.0 and r["cast share"] == 0.25
+
+
+def test_bf16_baseline_row():
+    """The bf16 row both GEMM benches print: ratio 1, no cast time."""
+    r = row("s", "bf16", t=2.0, t_bf16=2.0, flops=4e9, tc=0.0, tg=1.5)
+    assert r == {"shape": "s", "recipe": "bf16", "fwd+bwd ms": 2.0, "TFLOP/s": 2.0, "vs bf16": 1.0,
+                 "casts ms": 0.0, "gemms ms": 1.5, "cast share": 0.0}

@@ -164,6 +164,9 @@ def _check_errors(rank: int, world: int) -> None:
         outs = [2, 3] + [2] * (world - 2) if rank == 0 else ok
         _expect_error_everywhere(rank, ValueError, "output_splits[1]=3 on rank 0", fn, x, outs, ok)
         _expect_error_everywhere(rank, ValueError, "chunks", fn, x, ok, ok, chunks=2 if rank else None)
+        # an invalid chunks on one rank: checked with the collective, so every rank raises
+        bad_chunks = -1 if rank == 1 else None
+        _expect_error_everywhere(rank, ValueError, "chunks=-1", fn, x, ok, ok, chunks=bad_chunks)
         _expect_error_everywhere(rank, TypeError, "not an int", fn, x, ok, [2.0] * world)
     _expect_error_everywhere(rank, ValueError, "input_splits", all_to_all_hp, x, ok, [1] * world)
     with pytest.raises(ValueError, match="chunks"):
@@ -316,3 +319,24 @@ def test_dequantize_into_rejects_bad_arguments():
         qdq_into(torch.empty(4, 48), torch.empty(4, 48))
     with pytest.raises(TypeError, match="dtype"):
         qdq_into(torch.empty(4, 64), torch.empty(4, 64, dtype=torch.bfloat16))
+
+
+def test_auto_pipeline_decision_is_the_same_on_every_rank():
+    """Auto chooses the pipelined path from the group-wide row count of the checked plan, so ranks
+    with very different local sizes (uneven MoE routing) never take different paths and hang."""
+    from mxmoe.comm.a2a import PIPELINE_MIN_ELEMS, _use_pipeline
+    from mxmoe.comm.splits import Plan
+
+    dim = 4096
+    big = PIPELINE_MIN_ELEMS // dim  # rows that alone cross the threshold
+    # rank 0 sends almost everything, rank 1 almost nothing: local sizes straddle the threshold
+    ins = [(big, big // 2), (1, 2)]
+    total = sum(map(sum, ins))
+    plans = [Plan(r, 2, tuple(ins[r]), tuple(ins[p][r] for p in range(2)), (dim,), total) for r in range(2)]
+    fwd = {_use_pipeline(True, p, None) for p in plans}
+    bwd = {_use_pipeline(True, p.reversed(), None) for p in plans}
+    assert len(fwd) == 1 and fwd == bwd
+    unchecked = Plan(0, 2, tuple(ins[0]), (big, 1), (dim,), None)
+    assert _use_pipeline(True, unchecked, None) is False
+    assert _use_pipeline(True, unchecked, 2) is True and _use_pipeline(True, unchecked, 0) is False
+    assert _use_pipeline(False, plans[0], None) is False

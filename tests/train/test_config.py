@@ -48,6 +48,13 @@ def test_override_forms_and_types(tmp_path):
     assert load_toml(str(toml)).training.lr == 1.0  # TOML int accepted for a float field
 
 
+def test_none_is_a_string_value_for_optional_str_fields():
+    # model.load_balance accepts "none" (no balancing); it used to parse as None = the preset's default
+    assert parse_args(["--model.load_balance=none"]).model.load_balance == "none"
+    assert parse_args(["--model.load_balance", "bias"]).model.load_balance == "bias"
+    assert parse_args(["--model.top_k=none"]).model.top_k is None
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [

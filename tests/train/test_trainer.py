@@ -55,6 +55,11 @@ def test_resume_reproduces_losses_exactly(tmp_path):
     )
     ref = losses(full)
     assert sorted(ref) == list(range(1, 7))
+    # the logged lr is the one the step used: lr_lambda(steps taken before it) x training.lr
+    lam = trainer.lr_lambda(trainer.parse_args(common))
+    recs = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in recs] == pytest.approx([3e-3 * lam(r["step"] - 1) for r in recs], rel=1e-12)
+    assert recs[0]["lr"] == pytest.approx(1.5e-3)  # warmup_steps=2: half the peak on step 1
     assert (full / "ckpt" / "step-00000003").is_dir() and (full / "ckpt" / "step-00000006").is_dir()
     # a run interrupted after step 3: its folder holds only the step-3 checkpoint
     part = tmp_path / "part"

@@ -1,0 +1,47 @@
+"""Process groups of the trainer's meshes honour parallelism.timeout_s (4 gloo ranks on CPU)."""
+
+import datetime
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mxmoe.train import parallel
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    pd = parallel.make_parallel_dims(4, -1, 2, 1)
+    _, ep_mesh = parallel.build_meshes(pd, torch.device("cpu"), timeout_s=2)
+    gave_up = Path(out, "rank1_gave_up")
+    if rank == 0:  # rank 1, in the same ep group, never joins this all_reduce
+        try:
+            dist.all_reduce(torch.ones(1), group=ep_mesh.get_group("ep"))
+            result = "completed"
+        except RuntimeError:
+            result = "peer gone" if gave_up.exists() else "timed out"
+        Path(out, "result").write_text(result)
+    elif rank == 1:  # waits for rank 0's verdict; gives up (closing its sockets) after 60 s
+        deadline = time.monotonic() + 60
+        while not Path(out, "result").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        gave_up.touch()
+    os._exit(0)  # skip destroy_process_group: rank 0's ep group is broken
+
+
+def test_ep_groups_use_the_configured_timeout(tmp_path):
+    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=4, join=True, start_method="spawn")
+    # without the timeout on the sub-groups, rank 0 waits until rank 1 gives up (gloo: 30 min default)
+    assert (tmp_path / "result").read_text() == "timed out"
