@@ -52,6 +52,11 @@ def bench(
     result is the maximum over ranks of each run's time (the collective finishes when the slowest
     rank does), so every rank reports the same number.
     """
+    if iters < 1 or warmup < 0 or not args:
+        raise ValueError(
+            f"bench needs iters >= 1, warmup >= 0 and at least one argument set; got iters={iters}, "
+            f"warmup={warmup}, {len(args)} argument sets"
+        )
     for i in range(warmup):
         fn(*args[i % len(args)])
     _barrier(group)

@@ -12,15 +12,9 @@ Flow for T tokens, top-k, E experts, EP degree `ep` (E_l = E / ep experts per ra
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-
-
-def _default_run(experts: nn.Module, x, counts: Tensor) -> Tensor:
-    return experts(x, counts)
 
 
 def expert_major_index(recv_counts: Tensor) -> Tensor:
@@ -45,13 +39,12 @@ def routed_experts(
     num_experts: int,
     group: dist.ProcessGroup | None = None,
     ep_size: int = 1,
-    run: Callable[[nn.Module, Tensor, Tensor], Tensor] = _default_run,
 ) -> Tensor:
     """x (T, D) tokens, idx (T, k) int64 global expert ids, weights (T, k) fp32 gate weights ->
     (T, D) in x's dtype: sum_j weights[t, j] * expert_{idx[t, j]}(x[t]).
 
     `experts` holds all E experts (group None / ep_size 1) or this rank's E / ep_size of them.
-    `run(experts, rows, counts)` evaluates the experts on rows grouped by expert.
+    `experts(rows, counts)` evaluates the experts on rows grouped by expert.
     """
     T, D = x.shape
     k = idx.shape[1]
@@ -61,14 +54,14 @@ def routed_experts(
     counts = torch.bincount(flat, minlength=num_experts)  # (E,) int64
     x_sorted = x.index_select(0, token_of)  # (T*k, D)
     if group is None or ep_size == 1:
-        y = run(experts, x_sorted, counts)
+        y = experts(x_sorted, counts)
     else:
-        y = _ep_experts(x_sorted, counts, experts, group, ep_size, run)
+        y = _ep_experts(x_sorted, counts, experts, group, ep_size)
     y = y.float() * weights.reshape(-1).index_select(0, perm).unsqueeze(-1)
     return y.new_zeros(T, D).index_add_(0, token_of, y).to(x.dtype)
 
 
-def _ep_experts(x_sorted: Tensor, counts: Tensor, experts: nn.Module, group, ep: int, run) -> Tensor:
+def _ep_experts(x_sorted: Tensor, counts: Tensor, experts: nn.Module, group, ep: int) -> Tensor:
     """Rows (N, D) grouped by global expert -> expert outputs (N, D), experts sharded over `group`."""
     E = counts.numel()
     El = E // ep
@@ -87,10 +80,10 @@ def _ep_experts(x_sorted: Tensor, counts: Tensor, experts: nn.Module, group, ep:
         from mxmoe.comm import a2a_combine, a2a_dispatch_mxfp8
 
         xr = a2a_dispatch_mxfp8(x_sorted, output_splits, input_splits, group)  # MXTensor, source-major
-        y = run(experts, xr.index_rows(index), local_counts)
+        y = experts(xr.index_rows(index), local_counts)
         return a2a_combine(y.index_select(0, inverse), input_splits, output_splits, group)
     from mxmoe.comm import all_to_all_hp
 
     xr = all_to_all_hp(x_sorted, output_splits, input_splits, group)
-    y = run(experts, xr.index_select(0, index), local_counts)
+    y = experts(xr.index_select(0, index), local_counts)
     return all_to_all_hp(y.index_select(0, inverse), input_splits, output_splits, group)

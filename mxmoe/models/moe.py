@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mxmoe.nn.experts import GroupedExperts, grouped_mm, offsets_from_counts
+from mxmoe.nn.experts import GroupedExperts
 
 LOAD_BALANCE = ("aux_loss", "bias", "none")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -246,20 +246,6 @@ class Router(nn.Module):
         counts.zero_()
 
 
-def _hp_experts(experts: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
-    """Run high-precision GroupedExperts; under CUDA bf16 autocast, feed the grouped GEMM bf16
-    operands (autocast does not cover torch._grouped_mm) so that it runs as one kernel."""
-    if type(experts) is GroupedExperts and x.is_cuda and torch.is_autocast_enabled("cuda"):
-        dt = torch.get_autocast_dtype("cuda")
-        with torch.autocast("cuda", enabled=False):
-            xs = x.to(dt)
-            offs = offsets_from_counts(counts)
-            w1, w2, w3 = (w.to(dt).transpose(-2, -1) for w in (experts.w1, experts.w2, experts.w3))
-            h = F.silu(grouped_mm(xs, w1, offs)) * grouped_mm(xs, w3, offs)
-            return grouped_mm(h, w2, offs)
-    return experts(x, counts)
-
-
 class MoE(nn.Module):
     """Routed SwiGLU experts (+ shared experts). forward(x (B, S, dim)) -> (out (B, S, dim), aux ())."""
 
@@ -301,7 +287,7 @@ class MoE(nn.Module):
         xt = x.reshape(B * S, D)
         idx, w, aux = self.router(xt)
         out = routed_experts(
-            xt, idx, w, self.experts, self.num_experts, self.ep_group, self.ep_size, run=_hp_experts
+            xt, idx, w, self.experts, self.num_experts, self.ep_group, self.ep_size
         )
         if self.shared_expert is not None:
             out = out + self.shared_expert(xt)

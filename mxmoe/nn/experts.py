@@ -51,6 +51,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         offs = offsets_from_counts(num_tokens_per_expert)
-        h = F.silu(grouped_mm(x, self.w1.transpose(-2, -1), offs))
-        h = h * grouped_mm(x, self.w3.transpose(-2, -1), offs)
-        return grouped_mm(h, self.w2.transpose(-2, -1), offs)
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):
+            # autocast does not cover torch._grouped_mm: give it operands of the autocast dtype so
+            # the grouped GEMM runs as one kernel instead of the fp32 loop
+            dt = torch.get_autocast_dtype("cuda")
+            x, w1, w2, w3 = (t.to(dt) for t in (x, w1, w2, w3))
+        h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs))
+        h = h * grouped_mm(x, w3.transpose(-2, -1), offs)
+        return grouped_mm(h, w2.transpose(-2, -1), offs)

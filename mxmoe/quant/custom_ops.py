@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mxmoe.formats import make_spec
+from mxmoe.formats import OUTPUT_DTYPES, check_block_size, check_elem_dtype, make_spec
 from mxmoe.quant.kernels import backend
 
 
@@ -88,11 +88,33 @@ def _fake_dim0_dim1(x, block_size, scaling_mode, elem_dtype, kernel):
     return q0, s0, q1[0], s1[0]
 
 
+def check_dequantize_args(qdata: Tensor, scale: Tensor, block_size: int, out_dtype: torch.dtype) -> None:
+    """The one argument check of every dequantize backend: errors name the argument."""
+    check_block_size(block_size)
+    check_elem_dtype(qdata.dtype)
+    if out_dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype} is not supported; expected one of {list(OUTPUT_DTYPES)}")
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"scale has dtype {scale.dtype}; expected torch.float8_e8m0fnu (or its uint8 view)")
+    if qdata.ndim != 2 or qdata.shape[1] % block_size:
+        raise ValueError(
+            f"qdata must be 2D (R, C) with C divisible by block_size={block_size}, got {tuple(qdata.shape)}"
+        )
+    want = (qdata.shape[0], qdata.shape[1] // block_size)
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"scale has shape {tuple(scale.shape)}; expected {want} for qdata {tuple(qdata.shape)}"
+        )
+    if scale.device != qdata.device:
+        raise ValueError(f"scale is on {scale.device} but qdata on {qdata.device}; expected one device")
+
+
 @torch.library.custom_op("mxmoe::dequantize", mutates_args=())
 def dequantize(
     qdata: Tensor, scale: Tensor, block_size: int, out_dtype: torch.dtype, kernel: str
 ) -> Tensor:
     """qdata (R, C), scale (R, C // block_size) e8m0 -> (R, C) out_dtype."""
+    check_dequantize_args(qdata, scale, block_size, out_dtype)
     if qdata.numel() == 0:
         return torch.empty(qdata.shape, dtype=out_dtype, device=qdata.device)
     return _contiguous(backend(kernel).dequantize(qdata, scale, block_size, out_dtype))

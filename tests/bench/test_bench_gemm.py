@@ -33,3 +33,11 @@ def test_bf16_baseline_row():
     r = row("s", "bf16", t=2.0, t_bf16=2.0, flops=4e9, tc=0.0, tg=1.5)
     assert r == {"shape": "s", "recipe": "bf16", "fwd+bwd ms": 2.0, "TFLOP/s": 2.0, "vs bf16": 1.0,
                  "casts ms": 0.0, "gemms ms": 1.5, "cast share": 0.0}
+
+
+@pytest.mark.parametrize("kw", [{"iters": 0}, {"warmup": -1}, {"args": ()}])
+def test_bench_rejects_bad_counts(kw):
+    from mxmoe.bench.timing import bench
+
+    with pytest.raises(ValueError, match="bench needs"):
+        bench(lambda: None, **kw)

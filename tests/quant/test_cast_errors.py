@@ -189,3 +189,22 @@ def test_mxtensor_repr_names_the_layout():
     mx = to_mx(X, kernel="torch")
     assert isinstance(mx, MXTensor)
     assert repr(mx).startswith("MXTensor(shape=(4, 64), axis=1, elem=torch.float8_e4m3fn, block_size=32")
+
+
+def test_dequantize_op_checks_its_arguments_for_every_backend():
+    """mxmoe::dequantize validates before any backend runs (same errors whatever the kernel)."""
+    from mxmoe.quant import custom_ops
+
+    q = torch.zeros(4, 64, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(4, 2, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert custom_ops.dequantize(q, s, 32, torch.float32, "torch").shape == (4, 64)
+    with pytest.raises(TypeError, match="elem_dtype"):
+        custom_ops.dequantize(q.view(torch.uint8), s, 32, torch.float32, "torch")
+    with pytest.raises(TypeError, match="out_dtype"):
+        custom_ops.dequantize(q, s, 32, torch.float16, "torch")
+    with pytest.raises(TypeError, match="scale has dtype"):
+        custom_ops.dequantize(q, s.view(torch.uint8).float(), 32, torch.float32, "torch")
+    with pytest.raises(ValueError, match="scale has shape"):
+        custom_ops.dequantize(q, s[:, :1], 32, torch.float32, "torch")
+    with pytest.raises(ValueError, match="block_size"):
+        custom_ops.dequantize(q, s, 48, torch.float32, "torch")
