@@ -18,6 +18,7 @@ not named keep their default), read at each call. A `variant=` argument override
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -70,6 +71,11 @@ def _arch_flag() -> str:
     return f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"
 
 
+def build_failed() -> bool:
+    """True once a build attempt in this process has failed (then `load_extension` raises)."""
+    return _build_error is not None
+
+
 def load_extension() -> ModuleType:
     """Build (first call in a process) or load the compiled extension; RuntimeError if impossible."""
     global _ext, _build_error
@@ -87,6 +93,7 @@ def load_extension() -> ModuleType:
         from torch.utils import cpp_extension
 
         name = "mxmoe_cuda_cast_" + arch.rsplit("=", 1)[1]
+        logging.getLogger("mxmoe").info("loading CUDA cast extension %s (built on first use, ~1 min)", name)
         try:
             _ext = cpp_extension.load(
                 name=name,

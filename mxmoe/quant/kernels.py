@@ -80,6 +80,20 @@ def available_kernels(device: torch.device | str | None = None) -> list[str]:
     return [k for k in KERNELS if why_unavailable(k, device) is None]
 
 
+def _cuda_extension_ready() -> bool:
+    """For `auto`: build (first use) or load the CUDA extension; False, so that `auto` falls back to
+    the next backend, if that fails. While torch.compile traces, only the recorded outcome is read."""
+    from mxmoe.quant import cuda_cast
+
+    if torch.compiler.is_compiling():
+        return cuda_cast.build_failed() is False
+    try:
+        cuda_cast.load_extension()
+    except RuntimeError:
+        return False
+    return True
+
+
 def resolve_kernel(kernel: str, device: torch.device) -> str:
     """Map `auto` to the fastest available backend and check that `kernel` can run on `device`."""
     if not isinstance(kernel, str):
@@ -88,7 +102,7 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
         if device.type != "cuda":
             return "torch"
         for k in AUTO_ORDER_CUDA:
-            if why_unavailable(k, device) is None:
+            if why_unavailable(k, device) is None and (k != "cuda" or _cuda_extension_ready()):
                 return k
         return "torch"
     reason = why_unavailable(kernel, device)

@@ -208,3 +208,18 @@ def test_dequantize_op_checks_its_arguments_for_every_backend():
         custom_ops.dequantize(q, s[:, :1], 32, torch.float32, "torch")
     with pytest.raises(ValueError, match="block_size"):
         custom_ops.dequantize(q, s, 48, torch.float32, "torch")
+
+
+def test_auto_falls_back_when_the_cuda_extension_cannot_build(monkeypatch):
+    """kernel='auto' on a CUDA device skips `cuda` whose build failed, instead of raising."""
+    from mxmoe.quant import cuda_cast, kernels
+
+    monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: None)
+
+    def broken():
+        raise RuntimeError("kernel='cuda': building the CUDA extension failed")
+
+    monkeypatch.setattr(cuda_cast, "load_extension", broken)
+    assert kernels.resolve_kernel("auto", torch.device("cuda")) == "triton"
+    monkeypatch.setattr(cuda_cast, "load_extension", lambda: object())
+    assert kernels.resolve_kernel("auto", torch.device("cuda")) == "cuda"
