@@ -30,7 +30,10 @@ def read_metrics(run: str) -> list[dict]:
                     out.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-    return out
+    # A resumed run appends to the same file and logs some steps again: the last record of a step
+    # (the one the surviving run wrote) wins, in step order.
+    by_step = {r["step"]: r for r in out if "step" in r}
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def _ema(values: list[float], beta: float) -> list[float]:

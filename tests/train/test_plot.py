@@ -33,3 +33,12 @@ def test_plot_errors(tmp_path, capsys):
     assert "no metrics file" in capsys.readouterr().err
     a = _run(tmp_path / "a", 0.0)
     assert main([str(a), "--labels", "x,y", "--out", str(tmp_path / "x.png")]) == 2
+
+
+def test_resumed_run_records_are_deduplicated(tmp_path):
+    """A resumed run appends steps it had already logged: the later record of a step wins."""
+    f = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": v} for s, v in [(1, 3.0), (2, 2.5), (2, 2.4), (3, 2.0)]]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = read_metrics(str(tmp_path))
+    assert [(r["step"], r["loss"]) for r in got] == [(1, 3.0), (2, 2.4), (3, 2.0)]
