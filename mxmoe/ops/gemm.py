@@ -25,12 +25,14 @@ def grouped_mm_hp(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
         are a[offs[e-1]:offs[e]] @ b[e]; rows at or after offs[-1] are zero.
     2D x 2D: a (M, T), b (T, N), offs over T -> (E, M, N), out[e] = a[:, group e] @ b[group e, :];
         empty groups give zeros.
-    bf16 on CUDA runs torch._grouped_mm; anything else an exact loop over groups (syncs for offs).
+    bf16 on CUDA runs torch._grouped_mm (no host sync); anything else an exact loop over groups
+    (syncs for offs).
     """
     if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
         out = torch._grouped_mm(a, b, offs=offs)
-        if b.ndim == 3:  # rows past the last group are left unwritten by the kernel
-            out[int(offs[-1]) :] = 0
+        if b.ndim == 3:  # rows past the last group are left unwritten: zero them without a host sync
+            tail = torch.arange(a.shape[0], device=a.device) >= offs[-1]
+            out = out.masked_fill(tail.unsqueeze(1), 0)
         return out
     ends = offs.tolist()
     if b.ndim == 3:

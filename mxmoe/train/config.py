@@ -124,6 +124,17 @@ class Metrics:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = _f(False, "torch.profiler traces of training steps (torchtitan's flag)")
+    save_traces_folder: str = _f(
+        "profile_traces", "trace folder, relative to metrics.folder unless absolute"
+    )
+    profile_freq: int = _f(10, "profile the last profile_active steps of every profile_freq steps")
+    profile_active: int = _f(1, "steps recorded per trace (1 <= profile_active < profile_freq)")
+    profile_repeat: int = _f(1, "traces written per run (0 = one every profile_freq steps)")
+
+
+@dataclass
 class JobConfig:
     model: Model = field(default_factory=Model)
     mx: MX = field(default_factory=MX)
@@ -132,6 +143,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mxmoe.models import Transformer, model_args
-from mxmoe.train import parallel
+from mxmoe.train import parallel, profiling
 from mxmoe.train.checkpoint import Checkpointer
 from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
 from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_tokens
@@ -175,6 +175,7 @@ def train(cfg: JobConfig) -> int:
     ):
         if value < low:
             raise ValueError(f"{key}={value}: expected >= {low}")
+    profiling.check(cfg.profiling)
     rank, world, device, own_pg = parallel.init_distributed(t.device, p.timeout_s)
     threads = torch.get_num_threads()
     if device.type == "cpu" and t.cpu_threads > 0:
@@ -326,72 +327,75 @@ def _train(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     last_t, last_step, saved_at = time.perf_counter(), step, step
-    while step < t.steps:
-        step += 1
-        x, y = (a.to(device, non_blocking=True) for a in train_ds.batch(sampler.next_indices()))
-        ce, aux = loss_of(x, y)
-        (ce + aux_coef * aux).backward()
-        if exp_params:
-            parallel.reduce_expert_grads(exp_params, edp_group, world)
-        norm = parallel.clip_grad_norm(
-            dense_params, exp_params, t.max_norm, max(1, world // pd.ep), distributed
-        )
-        lr = scheduler.get_last_lr()[0]  # the rate this step used (scheduler.step() moves to the next)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        model.update_router_bias(world_group)
+    with profiling.step_profiler(cfg.profiling, cfg.metrics.folder, rank, device, step + 1) as prof_step:
+        while step < t.steps:
+            step += 1
+            x, y = (a.to(device, non_blocking=True) for a in train_ds.batch(sampler.next_indices()))
+            ce, aux = loss_of(x, y)
+            (ce + aux_coef * aux).backward()
+            if exp_params:
+                parallel.reduce_expert_grads(exp_params, edp_group, world)
+            norm = parallel.clip_grad_norm(
+                dense_params, exp_params, t.max_norm, max(1, world // pd.ep), distributed
+            )
+            lr = scheduler.get_last_lr()[0]  # the rate this step used (scheduler.step() moves to the next)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            model.update_router_bias(world_group)
+            prof_step()
 
-        last = step == t.steps
-        record = None
-        if step % cfg.metrics.log_freq == 0 or last or (t.val_interval and step % t.val_interval == 0):
-            stats = torch.stack([ce.detach().float(), aux.detach().float()])
-            if distributed:
-                dist.all_reduce(stats)
-                stats /= world
-            now = time.perf_counter()
-            tps = tokens_per_step * (step - last_step) / max(now - last_t, 1e-9)
-            last_t, last_step = now, step
-            record = {
-                "step": step,
-                "loss": float(stats[0]),
-                "aux_loss": float(stats[1]),
-                "tokens_per_s": tps,
-                "memory_gib": memory_gib(device),
-                "lr": lr,
-                "grad_norm": norm,
-            }
-        if val_ds is not None and (step % t.val_interval == 0 or last):
-            record["val_loss"] = validate()
-            last_t = time.perf_counter()  # validation time is not training throughput
-        if record is not None:
-            metrics.log(record)
+            last = step == t.steps
+            record = None
+            if step % cfg.metrics.log_freq == 0 or last or (t.val_interval and step % t.val_interval == 0):
+                stats = torch.stack([ce.detach().float(), aux.detach().float()])
+                if distributed:
+                    dist.all_reduce(stats)
+                    stats /= world
+                now = time.perf_counter()
+                tps = tokens_per_step * (step - last_step) / max(now - last_t, 1e-9)
+                last_t, last_step = now, step
+                record = {
+                    "step": step,
+                    "loss": float(stats[0]),
+                    "aux_loss": float(stats[1]),
+                    "tokens_per_s": tps,
+                    "memory_gib": memory_gib(device),
+                    "lr": lr,
+                    "grad_norm": norm,
+                }
+            if val_ds is not None and (step % t.val_interval == 0 or last):
+                record["val_loss"] = validate()
+                last_t = time.perf_counter()  # validation time is not training throughput
+            if record is not None:
+                metrics.log(record)
+                if bar is not None:
+                    bar.set_postfix(
+                        loss=f"{record['loss']:.4f}",
+                        tok_s=f"{record['tokens_per_s']:.0f}",
+                        mem=f"{record['memory_gib']:.2f}GiB",
+                    )
             if bar is not None:
-                bar.set_postfix(
-                    loss=f"{record['loss']:.4f}",
-                    tok_s=f"{record['tokens_per_s']:.0f}",
-                    mem=f"{record['memory_gib']:.2f}GiB",
-                )
-        if bar is not None:
-            bar.update(1)
-        if ckpt is not None and ((cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or last):
-            save(step)
-            saved_at = step
-        requested = stop.requested
-        if distributed:
-            flag = torch.tensor([float(requested)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            requested = bool(flag.item())
-        if requested:
-            if ckpt is not None and saved_at != step:
+                bar.update(1)
+            every = cfg.checkpoint.interval
+            if ckpt is not None and ((every and step % every == 0) or last):
                 save(step)
-            if rank == 0:
-                print(
-                    f"\nSIGTERM: stopped after step {step}"
-                    + (f", checkpoint in {ckpt.folder}" if ckpt else ""),
-                    file=sys.stderr,
-                )
-            break
+                saved_at = step
+            requested = stop.requested
+            if distributed:
+                flag = torch.tensor([float(requested)], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                requested = bool(flag.item())
+            if requested:
+                if ckpt is not None and saved_at != step:
+                    save(step)
+                if rank == 0:
+                    print(
+                        f"\nSIGTERM: stopped after step {step}"
+                        + (f", checkpoint in {ckpt.folder}" if ckpt else ""),
+                        file=sys.stderr,
+                    )
+                break
     if bar is not None:
         bar.close()
     metrics.close()

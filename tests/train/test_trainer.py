@@ -224,3 +224,33 @@ def test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint(tmp_pa
     o, d = losses(one_run), losses(ep_run)
     assert sorted(d) == [2]
     assert d[2] == pytest.approx(o[2], rel=1e-4)
+
+
+def test_profiling_writes_a_trace_and_an_operator_table(tmp_path):
+    run = tmp_path / "run"
+    args = TINY + MX + ["--training.steps=5", f"--metrics.folder={run}", "--profiling.enable_profiling"]
+    assert trainer.main(args + ["--profiling.profile_freq=3", "--profiling.profile_active=2"]) == 0
+    # steps 1..3 form one cycle: step 1 warms up, steps 2-3 are recorded; profile_repeat=1 stops there
+    traces = sorted(p.name for p in (run / "profile_traces").iterdir())
+    assert traces == ["rank0_step00000003.json", "rank0_step00000003.txt"]
+    trace = json.loads((run / "profile_traces" / traces[0]).read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    # the profiler counts steps from 0: our steps 2 and 3 are its #1 and #2
+    assert "mxmoe::quantize_dim0" in names and "ProfilerStep#1" in names and "ProfilerStep#2" in names
+    assert "ProfilerStep#0" not in names
+    table = (run / "profile_traces" / traces[1]).read_text()
+    assert "aten::mm" in table and "Self CPU" in table
+
+
+@pytest.mark.parametrize(
+    "opt, message",
+    [
+        ("--profiling.profile_active=10", r"profiling.profile_active=10: expected 1 .. profile_freq - 1"),
+        ("--profiling.profile_freq=1", r"profiling.profile_freq=1: expected >= 2"),
+        ("--profiling.profile_repeat=-1", r"profiling.profile_repeat=-1: expected >= 0"),
+    ],
+)
+def test_profiling_settings_are_checked(tmp_path, capsys, opt, message):
+    args = TINY + ["--training.steps=1", f"--metrics.folder={tmp_path}", "--profiling.enable_profiling", opt]
+    assert trainer.main(args) == 2
+    assert message in capsys.readouterr().err

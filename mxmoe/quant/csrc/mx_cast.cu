@@ -370,6 +370,30 @@ __device__ __forceinline__ void st16(uint4* p, const uint4& v) {
   }
 }
 
+// Transpose within each G-lane group (G * WV == 4): lane G*m + j ends with out[j][0 .. WV) of lanes
+// G*m + 0 .. G-1, in lane order, in fin[0 .. 4). Every lane of the warp must call it (shuffles).
+template <int G, int WV>
+__device__ __forceinline__ void group_transpose(const uint32_t (&out)[G][4], int lane, uint32_t (&fin)[4]) {
+  static_assert(G * WV == 4, "16 bytes per lane");
+  const int j = lane & (G - 1);
+#pragma unroll
+  for (int r = 0; r < G; ++r) {
+    const int send_c = (j - r) & (G - 1);
+    const int k = (j + r) & (G - 1);
+#pragma unroll
+    for (int w = 0; w < WV; ++w) {
+      uint32_t send = out[0][w];
+#pragma unroll
+      for (int c = 1; c < G; ++c) send = send_c == c ? out[c][w] : send;
+      const uint32_t recv = r == 0 ? send : __shfl_sync(0xFFFFFFFFu, send, (lane & ~(G - 1)) | k);
+#pragma unroll
+      for (int kk = 0; kk < G; ++kk) {
+        if (kk == k) fin[kk * WV + w] = recv;
+      }
+    }
+  }
+}
+
 // dim0, block 32, "grouped": a warp handles a group of G chunks of 32 consecutive 16-byte vectors
 // (G = 2 for bf16, 4 for fp32; GV = 32 * G vectors). Lane l loads vector l of every chunk (each
 // load instruction is 512 contiguous bytes), quantizes it (amax over the LPB lanes of a block, as in
@@ -413,24 +437,8 @@ __global__ void __launch_bounds__(kThreads) dim0_grp_kernel(const uint4* __restr
       uint32_t S = 0;
 #pragma unroll
       for (int c = 0; c < G; ++c) S |= quantize_vec32<IN, ELEM, false>(v[u][c], p, out[c]) << (8 * c);
-      // Transpose within each G-lane group: lane G*m + j ends with out[j] of lanes G*m + 0 .. G-1.
       uint32_t fin[4];
-#pragma unroll
-      for (int r = 0; r < G; ++r) {
-        const int send_c = (j - r) & (G - 1);
-        const int k = (j + r) & (G - 1);
-#pragma unroll
-        for (int w = 0; w < WV; ++w) {
-          uint32_t send = out[0][w];
-#pragma unroll
-          for (int c = 1; c < G; ++c) send = send_c == c ? out[c][w] : send;
-          const uint32_t recv = r == 0 ? send : __shfl_sync(0xFFFFFFFFu, send, (lane & ~(G - 1)) | k);
-#pragma unroll
-          for (int kk = 0; kk < G; ++kk) {
-            if (kk == k) fin[kk * WV + w] = recv;
-          }
-        }
-      }
+      group_transpose<G, WV>(out, lane, fin);
       const int64_t vi = grp * GV + j * 32 + (lane & ~(G - 1));  // first of this lane's G vectors
       if (vi < nvec) st16<STH>(reinterpret_cast<uint4*>(q + vi * VEC), make_uint4(fin[0], fin[1], fin[2], fin[3]));
       // Scales: lane w < 4 writes blocks 4w .. 4w+3 of the group.

@@ -1,0 +1,74 @@
+"""torch.profiler over training steps (`--profiling.enable_profiling`, torchtitan's flag names).
+
+Every `profile_freq` steps the last `profile_active` steps are recorded (the step before them warms
+the profiler up); each recording writes, per rank, a Chrome trace `rank{R}_step{S}.json` (open in
+chrome://tracing or https://ui.perfetto.dev) and `rank{R}_step{S}.txt`, the operator table sorted by
+device time on CUDA (CPU time on CPU). S is the last recorded step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from mxmoe.train.config import Profiling
+
+
+def check(cfg: Profiling) -> None:
+    """ValueError naming the setting if the profiling section is inconsistent."""
+    if not cfg.enable_profiling:
+        return
+    if cfg.profile_freq < 2:
+        raise ValueError(f"profiling.profile_freq={cfg.profile_freq}: expected >= 2")
+    if not 1 <= cfg.profile_active < cfg.profile_freq:
+        raise ValueError(
+            f"profiling.profile_active={cfg.profile_active}: expected 1 .. profile_freq - 1 "
+            f"(= {cfg.profile_freq - 1})"
+        )
+    if cfg.profile_repeat < 0:
+        raise ValueError(f"profiling.profile_repeat={cfg.profile_repeat}: expected >= 0 (0 = no limit)")
+
+
+def traces_folder(cfg: Profiling, metrics_folder: str) -> str:
+    return cfg.save_traces_folder if os.path.isabs(cfg.save_traces_folder) else os.path.join(
+        metrics_folder, cfg.save_traces_folder
+    )
+
+
+@contextlib.contextmanager
+def step_profiler(cfg: Profiling, metrics_folder: str, rank: int, device: torch.device, first_step: int):
+    """Context yielding `step()`, to call after every training step; a no-op when disabled.
+    `first_step` is the number of the first step run under it (resumed runs start later)."""
+    if not cfg.enable_profiling:
+        yield lambda: None
+        return
+    folder = traces_folder(cfg, metrics_folder)
+    os.makedirs(folder, exist_ok=True)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    done = [first_step - 1]  # the last finished step, for file names
+
+    def on_ready(prof) -> None:
+        stem = os.path.join(folder, f"rank{rank}_step{done[0]:08d}")
+        prof.export_chrome_trace(stem + ".json")
+        with open(stem + ".txt", "w") as fh:
+            fh.write(prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=80))
+        if rank == 0:
+            print(f"\nprofiler: wrote {stem}.json and .txt", file=sys.stderr)
+
+    active = cfg.profile_active
+    sched = schedule(
+        wait=cfg.profile_freq - active - 1, warmup=1, active=active, repeat=cfg.profile_repeat
+    )
+    with profile(activities=activities, schedule=sched, on_trace_ready=on_ready, record_shapes=True) as prof:
+
+        def step() -> None:
+            done[0] += 1
+            prof.step()
+
+        yield step
