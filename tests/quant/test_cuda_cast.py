@@ -293,8 +293,11 @@ def test_resolve_variant_env_and_argument(monkeypatch):
     assert cuda_cast.resolve_variant("dequant") == 1
     assert cuda_cast.resolve_variant("dim1") == cuda_cast.DEFAULT_VARIANTS["dim1"]
     assert cuda_cast.resolve_variant("dim0", 1) == 1  # the argument wins
-    with pytest.raises(ValueError, match=r"variant=3 for cast 'dim1'; expected 0 \.\. 2"):
-        cuda_cast.resolve_variant("dim1", 3)
+    n1 = cuda_cast.NUM_VARIANTS["dim1"]
+    with pytest.raises(ValueError, match=rf"variant={n1} for cast 'dim1'; expected 0 \.\. {n1 - 1}"):
+        cuda_cast.resolve_variant("dim1", n1)
+    with pytest.raises(ValueError, match=r"variant=-1 for cast 'dim0_dim1'"):
+        cuda_cast.resolve_variant("dim0_dim1", -1)
     monkeypatch.setenv(cuda_cast.VARIANT_ENV, "dim7=1")
     with pytest.raises(ValueError, match="MXMOE_CUDA_CAST_VARIANT='dim7=1' is not valid"):
         cuda_cast.resolve_variant("dim0")
@@ -446,8 +449,9 @@ def test_public_api_kernel_cuda_matches_torch(mode):
 def test_variants_bitwise(cls):
     """Every kernel variant of every cast, bit for bit against torch_cast (one reference per input).
     Shapes with partial groups / tiles / scale words: dim0 (67, 320) and (3, 4128); dim1 (2, 160, 200)
-    (vector loads, partial column tiles), (1, 96, 136); fused (160, 96), (64, 352); dequant
-    (40, 224) and (8, 4128)."""
+    (vector loads, partial column tiles), (1, 96, 136), (3, 256, 72) (whole 4- / 8-byte scale words
+    per column, partial column tiles); fused (160, 96), (64, 352), (256, 256) (whole 2- / 4-byte dim0
+    and 4- / 8-byte dim1 scale words); dequant (40, 224) and (8, 4128)."""
     for mode in MODES:
         for elem in ELEMS:
             spec = make_spec(32, mode, elem)
@@ -461,7 +465,7 @@ def test_variants_bitwise(cls):
                         q, s = cuda_cast.quantize_dim0(xc, spec, variant=v)
                         assert_same_bits(q, wq, f"dim0 v{v} {shape} {tag} qdata")
                         assert_same_bits(s, ws, f"dim0 v{v} {shape} {tag} scale")
-                for shape in [(2, 160, 200), (1, 96, 136)]:
+                for shape in [(2, 160, 200), (1, 96, 136), (3, 256, 72)]:
                     x = make_input(cls, shape, dtype, elem, seed=12)
                     xc = x.cuda()
                     wq, ws = torch_cast.quantize_dim1(x, spec)
@@ -469,7 +473,7 @@ def test_variants_bitwise(cls):
                         q, s = cuda_cast.quantize_dim1(xc, spec, variant=v)
                         assert_same_bits(q, wq, f"dim1 v{v} {shape} {tag} qdata")
                         assert_same_bits(s, ws, f"dim1 v{v} {shape} {tag} scale")
-                for shape in [(160, 96), (64, 352)]:
+                for shape in [(160, 96), (64, 352), (256, 256)]:
                     x = make_input(cls, shape, dtype, elem, seed=13)
                     xc = x.cuda()
                     want = torch_cast.quantize_dim0_dim1(x, spec)

@@ -19,6 +19,8 @@
 //                     4-byte scale stores. Arbitrary cols (masked), rows a multiple of 32, batch via
 //                     the grid index.
 //   dim0+dim1:        the dim1 kernel also quantizes the shared-memory tile along its rows.
+//   dim1 / dim0+dim1 variants 3 .. 6: dim1_tile_kernel (TR x TC tiles, column-pair quantization,
+//                     16-byte fused dim0 stores; see there and mx_cast.h).
 //   dequantize:       256 threads, each 16 output bytes per vector (8 bf16 / 4 fp32), 4 in flight.
 //   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
 #include "mx_cast.h"
@@ -611,6 +613,236 @@ __global__ void __launch_bounds__(kThreads)
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
+// dim1 (and fused dim0+dim1), block 32, "tiled": one CTA per (batch, TR-row, TC-col) tile, as
+// variant 0, generalized:
+//  - TR x TC tiles (TR = 128 / 256: 128 / 256 contiguous fp8 bytes per output column; TC = 64 / 128:
+//    128 / 256 contiguous input bytes per tile row for bf16), dynamic shared memory;
+//  - loads: LD = 0 / 1 / 2 16-byte register loads with the ld16<LD> hint (issued in batches of at
+//    most 8 per thread before their shared-memory stores), LD = kLdCpAsync: cp.async.cg (zero-fill
+//    outside the tensor, no registers); stores with the st16<STH> hint;
+//  - dim1 quantization: bf16 threads own a column pair (32-bit shared-memory reads of 32 rows, the
+//    packed amax with one 16x2 max per word), fp32 threads one column; the transposed fp8 tile puts
+//    column c at row (c % CPT) * (TC / CPT) + c / CPT so that both 16-byte store instructions of a
+//    warp are conflict-free (pitch TR + 16); no explicit clamp (see quant2);
+//  - fused dim0 part: each thread quantizes 16-byte vectors of the shared tile along its rows
+//    (quantize_vec32), G vectors at a time; group_transpose gives each lane 16 contiguous fp8 bytes
+//    (one 16-byte store) and the row's first lane gathers the TC / 32 scale bytes of the tile row
+//    (shuffles) and writes them with one 2- / 4-byte store where aligned.
+// Needs x 16-byte aligned and C % VEC == 0 (the launcher falls back to variant 0 otherwise);
+// arbitrary C (masked), R % 32 == 0, batch via the grid index.
+constexpr int kLdCpAsync = 3;
+
+template <int IN, int TR, int TC>
+struct TileSmem {
+  static constexpr int kTile = TR * TC * static_cast<int>(sizeof(Raw<IN>));
+  static constexpr int kPitch = TR + 16;  // transposed fp8 tile pitch
+  static constexpr int kQt = TC * kPitch;
+  static constexpr int kBytes = kTile + kQt + TC * (TR / 32);
+};
+
+// Packed amax of two bf16 bit patterns per word (per 16-bit half; unsigned).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) { return __vmaxu2(a, b); }
+
+template <int IN, int ELEM, bool FUSED, int TR, int TC, int LD, int STH, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB)
+    dim1_tile_kernel(const void* __restrict__ xv, uint8_t* __restrict__ q1, uint8_t* __restrict__ s1,
+                     uint8_t* __restrict__ q0, uint8_t* __restrict__ s0, int64_t R, int64_t C, int64_t tiles_r,
+                     int64_t tiles_c, int s1_wide, int s0_wide, ScaleArgs p) {
+  using Rw = Raw<IN>;
+  using Cfg = TileSmem<IN, TR, TC>;
+  constexpr int BS = 32;
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Rw));  // elements per 16-byte vector
+  constexpr int CPR = TC / VEC;                           // 16-byte vectors per tile row
+  constexpr int NB = TR / BS;                             // row blocks per tile (scale bytes per column)
+  constexpr int NV = TR * CPR / kThreads;                 // tile vectors per thread
+  constexpr int PITCH = Cfg::kPitch;
+  static_assert(NV * kThreads == TR * CPR, "tile vectors spread evenly over the threads");
+  static_assert(CPR <= 32 && 32 % CPR == 0, "a tile row's vectors lie in one warp");
+  static_assert(TR % BS == 0 && TC % BS == 0 && (NB == 4 || NB == 8), "tile shape");
+  extern __shared__ __align__(16) uint8_t smem[];
+  Rw(*tile)[TC] = reinterpret_cast<Rw(*)[TC]>(smem);
+  uint8_t(*qt)[PITCH] = reinterpret_cast<uint8_t(*)[PITCH]>(smem + Cfg::kTile);
+  uint8_t(*st)[NB] = reinterpret_cast<uint8_t(*)[NB]>(smem + Cfg::kTile + Cfg::kQt);
+
+  int64_t t = blockIdx.x;
+  const int64_t ct = t % tiles_c;
+  t /= tiles_c;
+  const int64_t rt = t % tiles_r;
+  const int64_t b = t / tiles_r;
+  const int64_t r0 = rt * TR, c0 = ct * TC;
+  const Rw* __restrict__ x = static_cast<const Rw*>(xv) + b * R * C;
+  const int tid = threadIdx.x;
+
+  // Phase 1: global -> shared (C % VEC == 0: a vector is wholly inside or outside; outside reads 0).
+  if constexpr (LD == kLdCpAsync) {
+#pragma unroll
+    for (int k = 0; k < NV; ++k) {
+      const int idx = k * kThreads + tid;
+      const int rr = idx / CPR, cc = (idx % CPR) * VEC;
+      const int64_t r = r0 + rr, c = c0 + cc;
+      const bool ok = r < R && c < C;
+      cp_async16(&tile[rr][cc], ok ? static_cast<const void*>(x + r * C + c) : xv, ok);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else {
+    constexpr int NL = NV < 8 ? NV : 8;  // loads in flight per thread
+    static_assert(NV % NL == 0, "whole load batches");
+#pragma unroll
+    for (int k0 = 0; k0 < NV; k0 += NL) {
+      uint4 v[NL];
+#pragma unroll
+      for (int k = 0; k < NL; ++k) {
+        const int idx = (k0 + k) * kThreads + tid;
+        const int64_t r = r0 + idx / CPR, c = c0 + (idx % CPR) * VEC;
+        v[k] = (r < R && c < C) ? ld16<LD>(reinterpret_cast<const uint4*>(x + r * C + c)) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int k = 0; k < NL; ++k) {
+        const int idx = (k0 + k) * kThreads + tid;
+        *reinterpret_cast<uint4*>(&tile[idx / CPR][(idx % CPR) * VEC]) = v[k];
+      }
+    }
+  }
+  __syncthreads();
+
+  if constexpr (FUSED) {
+    // Blocks along the tile rows (C % 32 == 0: the LPB lanes of a block, and the G vectors of a
+    // 16-byte output, agree on validity). Vector idx = k * kThreads + tid; lanes of one tile row
+    // are the CPR consecutive lanes lane0 .. lane0 + CPR - 1 of one warp.
+    constexpr int LPB = BS / VEC;  // lanes per block: 4 / 8
+    constexpr int WV = VEC / 4;    // fp8 words per vector: 2 / 1
+    constexpr int G = 4 / WV;      // vectors per 16-byte output: 2 / 4
+    constexpr int NBC = TC / BS;   // blocks (scale bytes) per tile row: 2 / 4
+    static_assert(NV % G == 0 && CPR % G == 0 && (NBC == 2 || NBC == 4), "fused tile shape");
+    const int lane = tid & 31;
+    const int j = lane & (G - 1);
+    const int row_lane0 = lane & ~(CPR - 1);
+    const int64_t nblk_row = C / BS;  // scale bytes per row of s0
+    const int64_t nbc = min(static_cast<int64_t>(NBC), (C - c0) / BS);  // valid blocks of this tile row
+#pragma unroll
+    for (int k0 = 0; k0 < NV; k0 += G) {
+      uint32_t out[G][4];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int idx = (k0 + g) * kThreads + tid;
+        const int rr = idx / CPR, cc = (idx % CPR) * VEC;
+        const uint32_t sb =
+            quantize_vec32<IN, ELEM, false>(*reinterpret_cast<const uint4*>(&tile[rr][cc]), p, out[g]);
+        // The first lane of the tile row gathers its NBC scale bytes.
+        uint32_t sw = 0;
+#pragma unroll
+        for (int bb = 0; bb < NBC; ++bb) sw |= __shfl_sync(0xFFFFFFFFu, sb, row_lane0 + bb * LPB) << (8 * bb);
+        const int64_t r = r0 + rr;
+        if (lane == row_lane0 && r < R && nbc > 0) {
+          uint8_t* dst = s0 + r * nblk_row + c0 / BS;
+          if (s0_wide && nbc == NBC) {
+            if constexpr (NBC == 2) {
+              *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(sw);
+            } else {
+              *reinterpret_cast<uint32_t*>(dst) = sw;
+            }
+          } else {
+            for (int bb = 0; bb < nbc; ++bb) dst[bb] = static_cast<uint8_t>(sw >> (8 * bb));
+          }
+        }
+      }
+      uint32_t fin[4];
+      group_transpose<G, WV>(out, lane, fin);
+      // This lane: vectors (tid & ~(G-1)) .. + G-1 of vector row k0 + j: 16 contiguous fp8 bytes.
+      const int idx = (k0 + j) * kThreads + (tid & ~(G - 1));
+      const int64_t r = r0 + idx / CPR, c = c0 + (idx % CPR) * VEC;
+      if (r < R && c < C) st16<STH>(reinterpret_cast<uint4*>(q0 + r * C + c), make_uint4(fin[0], fin[1], fin[2], fin[3]));
+    }
+  }
+
+  // Phase 2: one thread per (CPT columns, 32-row block) -> transposed fp8 tile in shared memory.
+  {
+    constexpr int CPT = IN == MX_BF16 ? 2 : 1;  // columns per thread (one 32-bit word per row)
+    constexpr int NP = TC / CPT;                // column groups per tile
+    constexpr int UNITS = NP * NB;
+    static_assert(NP % 32 == 0, "a warp reads one row block");
+#pragma unroll
+    for (int k = 0; k < (UNITS + kThreads - 1) / kThreads; ++k) {
+      const int u = k * kThreads + tid;
+      const int cp = u % NP, rb = u / NP;
+      if ((UNITS % kThreads == 0 || u < UNITS) && c0 + cp * CPT < C && r0 + rb * BS < R) {
+        uint32_t w[BS];
+        uint32_t M = 0;
+#pragma unroll
+        for (int i = 0; i < BS; ++i) {
+          w[i] = *reinterpret_cast<const uint32_t*>(&tile[rb * BS + i][cp * CPT]);
+          if constexpr (IN == MX_BF16) {
+            M = max_u16x2(M, w[i] & 0x7FFF7FFFu);
+          } else {
+            M = max(M, w[i] & kAbsMask);
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < CPT; ++h) {
+          const int col = cp * CPT + h;
+          if (h > 0 && c0 + col >= C) break;
+          // fp32 bits of row i of this column.
+          auto bits = [&](int i) -> uint32_t {
+            if constexpr (IN == MX_BF16) {
+              return h == 0 ? w[i] << 16 : w[i] & 0xFFFF0000u;
+            } else {
+              return w[i];
+            }
+          };
+          const uint32_t A = IN == MX_BF16 ? (h == 0 ? M << 16 : M & 0xFFFF0000u) : M;
+          const int e = block_exponent<ELEM>(A, p);
+          const float rs = recip_pow2(e);
+          const bool nonfinite = A >= kInfBits;
+          uint32_t o[BS / 4];
+#pragma unroll
+          for (int kk = 0; kk < BS / 4; ++kk) {
+            const uint32_t packed = quant4<ELEM, false>(bits(4 * kk), bits(4 * kk + 1), bits(4 * kk + 2), bits(4 * kk + 3), rs);
+            o[kk] = nonfinite ? kNan4 : packed;
+          }
+          uint8_t* qrow = qt[h * NP + cp];  // column col = cp * CPT + h
+          *reinterpret_cast<uint4*>(qrow + rb * BS) = make_uint4(o[0], o[1], o[2], o[3]);
+          *reinterpret_cast<uint4*>(qrow + rb * BS + 16) = make_uint4(o[4], o[5], o[6], o[7]);
+          st[col][rb] = static_cast<uint8_t>(scale_byte(A, e));
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // Phase 3: 16-byte stores along rows of the transposed output (R % 32 == 0: whole vectors).
+  {
+    constexpr int CPT = IN == MX_BF16 ? 2 : 1;
+    constexpr int NP = TC / CPT;
+    constexpr int CH = TR / 16;  // 16-byte chunks per output column
+    static_assert((TC * CH) % kThreads == 0 && TC <= kThreads, "even split");
+    uint8_t* __restrict__ qb = q1 + b * C * R;
+#pragma unroll
+    for (int k = 0; k < TC * CH / kThreads; ++k) {
+      const int idx = k * kThreads + tid;
+      const int col = idx / CH, ch = idx % CH;
+      const int64_t c = c0 + col, r = r0 + ch * 16;
+      if (c < C && r < R) {
+        st16<STH>(reinterpret_cast<uint4*>(qb + c * R + r),
+                  *reinterpret_cast<const uint4*>(&qt[(col % CPT) * NP + col / CPT][ch * 16]));
+      }
+    }
+    if (tid < TC && c0 + tid < C) {
+      const int64_t nsr = R / BS;  // scales per output row
+      uint8_t* dst = s1 + (b * C + c0 + tid) * nsr + r0 / BS;
+      const int64_t nb = min(static_cast<int64_t>(NB), (R - r0) / BS);
+      if (s1_wide && nb == NB) {
+        if constexpr (NB == 4) {
+          *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&st[tid][0]);
+        } else {
+          *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(&st[tid][0]);
+        }
+      } else {
+        for (int jj = 0; jj < nb; ++jj) dst[jj] = st[tid][jj];
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Generic kernels: any block size, any alignment. One thread per block.
 template <int IN, int ELEM>
@@ -969,14 +1201,45 @@ cudaError_t launch_dim1_pipe(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q
   return launch_status();
 }
 
-// Variant 0: one CTA per 128x64 tile; 1: pipelined 128x64; 2: pipelined 128x128 (see mx_cast.h).
+// One CTA per TR x TC tile of dim1_tile_kernel (x 16-byte aligned, C % VEC == 0: checked by the caller).
+// MINB (bf16, fp32): CTAs per SM that __launch_bounds__ asks registers for.
+template <int IN, int EL, bool FUSED, int TR, int TC, int LD, int STH, int MINB_BF16, int MINB_F32>
+cudaError_t launch_dim1_tile(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0, int64_t B, int64_t R,
+                             int64_t C, const ScaleArgs& p, cudaStream_t st) {
+  constexpr int MINB = IN == MX_BF16 ? MINB_BF16 : MINB_F32;
+  constexpr int SMEM = TileSmem<IN, TR, TC>::kBytes;
+  constexpr int NB = TR / 32, NBC = TC / 32;
+  const int64_t tiles_r = (R + TR - 1) / TR, tiles_c = (C + TC - 1) / TC;
+  const int64_t tiles = B * tiles_r * tiles_c;
+  if (tiles > INT_MAX) return cudaErrorInvalidValue;
+  auto kernel = dim1_tile_kernel<IN, EL, FUSED, TR, TC, LD, STH, MINB>;
+  if (SMEM > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    if (err != cudaSuccess) return err;
+  }
+  const int s1_wide = aligned(s1, NB) && (R / 32) % NB == 0;
+  const int s0_wide = FUSED && aligned(s0, NBC) && (C / 32) % NBC == 0;
+  kernel<<<static_cast<unsigned>(tiles), kThreads, SMEM, st>>>(x, q1, s1, q0, s0, R, C, tiles_r, tiles_c, s1_wide,
+                                                               s0_wide, p);
+  return launch_status();
+}
+
+// Variant 0: one CTA per 128x64 tile; 1: pipelined 128x64; 2: pipelined 128x128; 3 .. 6: tiled
+// (dim1_tile_kernel) 128x64, 256x64, 128x128, 256x128 (see mx_cast.h).
 template <int IN, int EL, bool FUSED>
 cudaError_t launch_dim1_variant(int variant, const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0,
                                 int64_t B, int64_t R, int64_t C, const ScaleArgs& p, cudaStream_t st) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
   if (variant != 0 && aligned(x, 16) && C % VEC == 0) {
-    if (variant == 1) return launch_dim1_pipe<IN, EL, FUSED, 64>(x, q1, s1, q0, s0, B, R, C, p, st);
-    return launch_dim1_pipe<IN, EL, FUSED, 128>(x, q1, s1, q0, s0, B, R, C, p, st);
+    switch (variant) {
+      case 1: return launch_dim1_pipe<IN, EL, FUSED, 64>(x, q1, s1, q0, s0, B, R, C, p, st);
+      case 2: return launch_dim1_pipe<IN, EL, FUSED, 128>(x, q1, s1, q0, s0, B, R, C, p, st);
+      case 3: return launch_dim1_tile<IN, EL, FUSED, 128, 64, 1, 1, 4, 4>(x, q1, s1, q0, s0, B, R, C, p, st);
+      case 4: return launch_dim1_tile<IN, EL, FUSED, 256, 64, 1, 1, 4, 2>(x, q1, s1, q0, s0, B, R, C, p, st);
+      case 5: return launch_dim1_tile<IN, EL, FUSED, 128, 128, 1, 1, 4, 2>(x, q1, s1, q0, s0, B, R, C, p, st);
+      default:
+        return launch_dim1_tile<IN, EL, FUSED, 256, 128, kLdCpAsync, 1, 2, 1>(x, q1, s1, q0, s0, B, R, C, p, st);
+    }
   }
   return launch_dim1_bs32<IN, EL, FUSED>(x, q1, s1, q0, s0, B, R, C, p, st);
 }

@@ -28,12 +28,21 @@
 //            1: persistent CTAs, cp.async double-buffered 128 x 64 tiles (needs x 16-byte aligned,
 //               cols % (16 / sizeof(in)) == 0)
 //            2: as 1 with 128 x 128 tiles
+//            3: "tiled" (one CTA per tile, as 0): bf16 threads quantize column pairs (32-bit shared
+//               reads, packed 16x2 amax), fused dim0 part with 16-byte fp8 stores (lane shuffles)
+//               and one 2-byte scale store per tile row, ld.global.nc.L1::no_allocate loads, plain
+//               stores; 128 x 64 tiles (needs x 16-byte aligned, cols % (16 / sizeof(in)) == 0)
+//            4: as 3 with 256 x 64 tiles (256 contiguous fp8 bytes per output column, 8-byte scale
+//               stores)
+//            5: as 3 with 128 x 128 tiles (256 contiguous input bytes per bf16 tile row, 4-byte
+//               dim0 scale stores)
+//            6: as 3 with 256 x 128 tiles, loads by cp.async.cg
 //   dequant  0: 8 (bf16 out) / 4 (fp32 out) fp8 bytes per thread-vector, 4 in flight
 //            1: 16 fp8 bytes per thread-vector (one 16-byte load, 2 / 4 16-byte stores), 2 in flight,
 //               .cs hints (needs block_size >= 16, q 16-byte aligned)
 //            2: as 1 with 4 in flight, .nc.L1::no_allocate loads, plain stores
 //            3: as 0 with 8 in flight
-enum MxVariants : int { MX_DIM0_VARIANTS = 6, MX_DIM1_VARIANTS = 3, MX_DEQUANT_VARIANTS = 4 };
+enum MxVariants : int { MX_DIM0_VARIANTS = 6, MX_DIM1_VARIANTS = 7, MX_DEQUANT_VARIANTS = 4 };
 #pragma once
 
 #include <cstdint>
