@@ -338,5 +338,9 @@ def _profile(args, rank, world, dev) -> None:
             torch.cuda.synchronize()
         path = os.path.join(args.profile, f"a2a_{name}_{max(args.batches)}x{args.seq}x{dim}_rank{rank}.json")
         prof.export_chrome_trace(path)
+        with open(path[: -len(".json")] + ".txt", "w") as fh:  # where the host and device time goes
+            for key in ("self_cpu_time_total", "self_device_time_total"):
+                fh.write(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+                fh.write("\n")
         if rank == 0:
-            print(f"wrote {path}", flush=True)
+            print(f"wrote {path} and .txt", flush=True)

@@ -25,8 +25,9 @@ def grouped_mm_hp(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
         are a[offs[e-1]:offs[e]] @ b[e]; rows at or after offs[-1] are zero.
     2D x 2D: a (M, T), b (T, N), offs over T -> (E, M, N), out[e] = a[:, group e] @ b[group e, :];
         empty groups give zeros.
-    bf16 on CUDA runs torch._grouped_mm (no host sync); anything else an exact loop over groups
-    (syncs for offs).
+    bf16 on CUDA runs torch._grouped_mm (no host sync; 2D x 2D then needs every group boundary a
+    multiple of 8, as torch._grouped_mm does: mx_grouped_mm passes multiples of 32); anything else
+    an exact loop over groups (syncs for offs).
     """
     if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
         out = torch._grouped_mm(a, b, offs=offs)
@@ -112,4 +113,7 @@ def mx_gemm(
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if a.device.type == "cuda" else torch.float32
     out = _BACKENDS[backend](a, b, offs, compute_dtype, kernel)
-    return out.to(a.orig_dtype if out_dtype is None else out_dtype)
+    dtype = a.orig_dtype if out_dtype is None else out_dtype
+    # no `.to()` when the dtype already matches: torch 2.11's dynamo gives an autograd.Function
+    # whose output is such a no-op `.to()` of an intermediate a zero gradient under torch.compile
+    return out if out.dtype == dtype else out.to(dtype)

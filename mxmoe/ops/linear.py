@@ -21,27 +21,15 @@ from mxmoe.ops.config import MXOpConfig
 from mxmoe.ops.gemm import mx_gemm
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 
-_tracing = torch.compiler.is_compiling  # module-level so tests can simulate a trace in eager
-
 
 def needs_grads(ctx, *indices: int) -> tuple[bool, ...]:
-    """`ctx.needs_input_grad[i]` for each index; all True while torch.compile traces the backward.
-
-    Dynamo bakes `needs_input_grad` into the graph as constants taken from its own `requires_grad`
-    bookkeeping, which some releases get wrong for tensors produced by another autograd.Function
-    (seen on torch 2.11: the input gradient of an op fed by `mx_mm` traced as not needed, so
-    AOTAutograd silently gave that input a zero gradient). Under compile we therefore return every
-    gradient; AOTAutograd's joint graph drops the ones nothing consumes (no backward cost).
-    """
-    if _tracing():
-        return (True,) * len(indices)
+    """`ctx.needs_input_grad[i]` for each index."""
     return tuple(bool(ctx.needs_input_grad[i]) for i in indices)
 
 
 def wants_grad(t: Tensor) -> bool:
-    """`t.requires_grad` in a forward; True while torch.compile traces (same reason as `needs_grads`):
-    a compiled forward always keeps what the wgrad needs (x's dim1 cast, fp8), even for a frozen W."""
-    return True if _tracing() else t.requires_grad
+    """Whether a forward must keep what the gradient of `t` needs (`t.requires_grad`)."""
+    return t.requires_grad
 
 
 def transpose_2d(t: MXTensor) -> MXTensor:

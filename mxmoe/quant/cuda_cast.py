@@ -39,7 +39,7 @@ _KERNEL_ELEM_CONSTANTS = {torch.float8_e4m3fn: (8, 3, 448.0), torch.float8_e5m2:
 NUM_VARIANTS = {"dim0": 6, "dim1": 7, "dim0_dim1": 7, "dequant": 4}
 # Default variant per cast: edit after a sweep (scripts/gpu/sweep_cuda_cast.sh). "dim1" also covers
 # expert weights quantized along axis=-2, "dim0" along axis=-1.
-DEFAULT_VARIANTS = {"dim0": 0, "dim1": 0, "dim0_dim1": 0, "dequant": 0}
+DEFAULT_VARIANTS = {"dim0": 4, "dim1": 6, "dim0_dim1": 5, "dequant": 0}
 VARIANT_ENV = "MXMOE_CUDA_CAST_VARIANT"
 
 _lock = threading.Lock()

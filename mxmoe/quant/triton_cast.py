@@ -89,9 +89,9 @@ CONFIGS: dict[str, TileConfig] = {
 }
 # The config each cast uses when none is chosen (MXMOE_TRITON_CAST_CONFIG unset or "default").
 # Set from the H200 sweep (scripts/gpu/sweep_triton_cast.sh); edit here.
-# v0: the kernels measured and checked on an H200 (docs/benchmarks.md); the p4 configs are exact under
-# the interpreter but not yet measured on a GPU, so they are opt-in until a sweep says otherwise.
-DEFAULTS: dict[str, str] = {"dim0": "v0", "dim1": "v0", "dim0_dim1": "v0", "dequant": "v0"}
+# From the 2026-11-29 H200 sweep (docs/benchmarks.md; every config bit-exact there, hardware and
+# software rounding): the fastest config of each cast.
+DEFAULTS: dict[str, str] = {"dim0": "p4", "dim1": "p4", "dim0_dim1": "p4e", "dequant": "p4s"}
 _ROUND_MODES = ("auto", "soft", "hw")
 _MAX_TILE = 16384  # elements per dim1 program at most (large block sizes shrink the columns)
 _FUSED_MAX_BS = 128  # larger blocks: the fused cast runs the dim0 and dim1 kernels (x read twice)
