@@ -6,6 +6,7 @@ A backend is a module exposing `quantize_dim0`, `quantize_dim1`, `quantize_dim0_
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import shutil
@@ -14,8 +15,16 @@ from types import ModuleType
 import torch
 
 KERNELS = ("torch", "triton", "cuda")
-# Preference of `kernel="auto"` on a CUDA device, fastest first (see docs/benchmarks.md).
-AUTO_ORDER_CUDA = ("cuda", "triton", "torch")
+CASTS = ("dim0", "dim1", "dim0_dim1", "dequant")
+# Preference of `kernel="auto"` on a CUDA device, fastest first, per cast (H200 table in
+# docs/benchmarks.md: Triton's dim0 cast reaches 101-104 % of copy bandwidth, CUDA's 90 %; CUDA leads
+# the dim1 (92 % vs 78-84 %), fused (69-72 % vs 53-70 %) and dequantize casts).
+AUTO_ORDER_CUDA: dict[str, tuple[str, ...]] = {
+    "dim0": ("triton", "cuda", "torch"),
+    "dim1": ("cuda", "triton", "torch"),
+    "dim0_dim1": ("cuda", "triton", "torch"),
+    "dequant": ("cuda", "triton", "torch"),
+}
 
 _MODULES = {
     "torch": "mxmoe.quant.torch_cast",
@@ -29,6 +38,7 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.cache
 def _has_triton() -> bool:
     try:
         import triton  # noqa: F401
@@ -37,6 +47,7 @@ def _has_triton() -> bool:
     return True
 
 
+@functools.cache
 def _has_cuda_toolkit() -> bool:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -94,14 +105,18 @@ def _cuda_extension_ready() -> bool:
     return True
 
 
-def resolve_kernel(kernel: str, device: torch.device) -> str:
-    """Map `auto` to the fastest available backend and check that `kernel` can run on `device`."""
+def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str:
+    """Map `auto` to the fastest available backend for `cast` (one of CASTS; the default, dim1's
+    order, suits code that runs several casts with one kernel) and check that `kernel` can run on
+    `device`."""
     if not isinstance(kernel, str):
         raise TypeError(f"kernel must be a str, got {type(kernel).__name__}")
+    if cast not in AUTO_ORDER_CUDA:
+        raise ValueError(f"cast={cast!r}; expected one of {list(CASTS)}")
     if kernel == "auto":
         if device.type != "cuda":
             return "torch"
-        for k in AUTO_ORDER_CUDA:
+        for k in AUTO_ORDER_CUDA[cast]:
             if why_unavailable(k, device) is None and (k != "cuda" or _cuda_extension_ready()):
                 return k
         return "torch"

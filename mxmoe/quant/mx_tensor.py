@@ -85,7 +85,7 @@ class MXTensor:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype={dtype!r} is not a torch.dtype; expected torch.bfloat16 or torch.float32")
         check_input_dtype("dtype", torch.empty(0, dtype=dtype))
-        kernel = resolve_kernel(kernel, self.device)
+        kernel = resolve_kernel(kernel, self.device, "dequant")
         q = self.qdata_blocked
         out = custom_ops.dequantize(
             q.reshape(_rows(q.shape, 1), q.shape[-1]),
@@ -187,14 +187,15 @@ def to_mx(
     mode = check_scaling_mode(scaling_mode).value
     check_elem_dtype(elem_dtype)
     ax = _check_x(x, block_size, axis)
-    kernel = resolve_kernel(kernel, x.device)
     moved = x.movedim(ax, -1)
     if ax == x.ndim - 1 or moved.is_contiguous():
         flat = moved.contiguous().reshape(_rows(moved.shape, 1), moved.shape[-1])
-        q, s = custom_ops.quantize_dim0(flat, block_size, mode, elem_dtype, kernel)
+        k = resolve_kernel(kernel, x.device, "dim0")
+        q, s = custom_ops.quantize_dim0(flat, block_size, mode, elem_dtype, k)
     else:  # blocks along dim -2 of a row-major tensor: the transposing kernel
         x3 = x.contiguous().reshape(_rows(x.shape, 2), x.shape[-2], x.shape[-1])
-        q, s = custom_ops.quantize_dim1(x3, block_size, mode, elem_dtype, kernel)
+        k = resolve_kernel(kernel, x.device, "dim1")
+        q, s = custom_ops.quantize_dim1(x3, block_size, mode, elem_dtype, k)
     return MXTensor(
         q.view(moved.shape),
         s.view(*moved.shape[:-1], moved.shape[-1] // block_size),
@@ -225,7 +226,7 @@ def to_mx_dim0_dim1(
         raise ValueError(f"x must be 2D for the fused dim0+dim1 cast, got shape {tuple(x.shape)}")
     _check_x(x, block_size, 0)
     _check_x(x, block_size, 1)
-    kernel = resolve_kernel(kernel, x.device)
+    kernel = resolve_kernel(kernel, x.device, "dim0_dim1")
     q0, s0, q1, s1 = custom_ops.quantize_dim0_dim1(
         x.contiguous(), block_size, mode, elem_dtype, kernel
     )

@@ -223,3 +223,23 @@ def test_auto_falls_back_when_the_cuda_extension_cannot_build(monkeypatch):
     assert kernels.resolve_kernel("auto", torch.device("cuda")) == "triton"
     monkeypatch.setattr(cuda_cast, "load_extension", lambda: object())
     assert kernels.resolve_kernel("auto", torch.device("cuda")) == "cuda"
+
+
+def test_auto_order_is_per_cast(monkeypatch):
+    """kernel='auto' on a CUDA device takes, per cast, the first available kernel of
+    AUTO_ORDER_CUDA (Triton for dim0, CUDA for the others on the H200), skipping unavailable ones;
+    CPU tensors always get the torch backend."""
+    from mxmoe.quant import cuda_cast, kernels
+
+    monkeypatch.setattr(cuda_cast, "load_extension", lambda: object())
+    monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: None)
+    got = {c: kernels.resolve_kernel("auto", torch.device("cuda"), c) for c in kernels.CASTS}
+    assert got == {"dim0": "triton", "dim1": "cuda", "dim0_dim1": "cuda", "dequant": "cuda"}
+    assert set(kernels.AUTO_ORDER_CUDA) == set(kernels.CASTS)
+    assert all(sorted(order) == sorted(kernels.KERNELS) for order in kernels.AUTO_ORDER_CUDA.values())
+    # no Triton: dim0 falls back to CUDA
+    monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: "missing" if k == "triton" else None)
+    assert kernels.resolve_kernel("auto", torch.device("cuda"), "dim0") == "cuda"
+    assert all(kernels.resolve_kernel("auto", torch.device("cpu"), c) == "torch" for c in kernels.CASTS)
+    with pytest.raises(ValueError, match="cast='dim2'; expected one of"):
+        kernels.resolve_kernel("auto", torch.device("cuda"), "dim2")
