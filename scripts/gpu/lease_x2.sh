@@ -3,15 +3,8 @@
 # cast tests; GPU 1: every other cast, op, module and bench test), then the cast table with the default
 # kernels (GPU 1) and an all-to-all profile (both GPUs). Results: $OUT/results.tar.gz.
 # Usage (device tool, kind nvidia-h200-x2): bash scripts/gpu/lease_x2.sh
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/mxmoe_out}; R=/tmp/res; mkdir -p "$OUT" "$R"
-T0=$(date +%s); DEADLINE=${DEADLINE:-570}
-el() { echo $(( $(date +%s) - T0 )); }
-lim() { local l=$1 left=$(( DEADLINE - $(date +%s) + T0 )); echo $(( l < left ? l : (left > 5 ? left : 5) )); }
+source "$(dirname "$0")/lease_common.sh"
 trap 'tar czf "$OUT/results.tar.gz" -C /tmp res' EXIT
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$R/env.txt"
 python -c "from mxmoe.quant import cuda_cast; cuda_cast.load_extension()" > "$R/build.log" 2>&1
 echo "== cuda extension build rc=$? at $(el)s"
 suite() {  # NAME GPUS WORKERS pytest-args...

@@ -7,16 +7,10 @@
 # One training run per GPU, so each run's tokens/s is its own. Results: $OUT/results.tar.gz (logs,
 # metrics, profiler tables, sweeps) and $OUT/moe_1b_loss_h200.png.
 # Usage (device tool, kind nvidia-h200-x4): bash scripts/gpu/lease_x4.sh
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/mxmoe_out}; R=/tmp/res; mkdir -p "$OUT" "$R/runs"
-T0=$(date +%s); DEADLINE=${DEADLINE:-570}
-el() { echo $(( $(date +%s) - T0 )); }
-lim() { local l=$1 left=$(( DEADLINE - $(date +%s) + T0 )); echo $(( l < left ? l : (left > 5 ? left : 5) )); }
+source "$(dirname "$0")/lease_common.sh"
+mkdir -p "$R/runs"
 finish() { cp "$R/moe_1b_loss_h200.png" "$OUT/" 2>/dev/null; tar czf "$OUT/results.tar.gz" -C /tmp res; }
 trap finish EXIT
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$R/env.txt"
 
 train() {  # GPU NAME [extra args]
   local gpu=$1 name=$2; shift 2
@@ -50,7 +44,7 @@ train 3 mxfp8_rceil $MX --mx.recipe_name=mxfp8_rceil & P_RC=$!
 ) & P_G0=$!
 
 wait $P_BF16
-CUDA_VISIBLE_DEVICES=0,1 OUT=$R N=4 LIMIT=$(lim 120) bash scripts/gpu/suite.sh train > "$R/suite_train.txt" 2>&1
+CUDA_VISIBLE_DEVICES=0,1 OUT=$R N=4 LIMIT=$(lim 120) bash scripts/gpu/suite.sh multi > "$R/suite_train.txt" 2>&1
 echo "== train shard done at $(el)s"; cat "$R/suite_train.txt"
 CUDA_VISIBLE_DEVICES=1 timeout "$(lim 160)" python scripts/gpu/sweep_cuda_cast.py --iters 20 \
   --json "$R/cuda_sweep.json" > "$R/cuda_sweep.txt" 2>&1

@@ -445,6 +445,7 @@ def test_public_api_kernel_cuda_matches_torch(mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # every kernel variant: scripts/gpu/suite.sh runs these as their own part
 @pytest.mark.parametrize("cls", CLASSES)
 def test_variants_bitwise(cls):
     """Every kernel variant of every cast, bit for bit against torch_cast (one reference per input).
@@ -492,6 +493,7 @@ def test_variants_bitwise(cls):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # every kernel variant: scripts/gpu/suite.sh runs these as their own part
 @pytest.mark.parametrize("elem", ELEMS, ids=str)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 def test_dequant_variants_all_codes(elem, out_dtype):
@@ -504,6 +506,7 @@ def test_dequant_variants_all_codes(elem, out_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # every kernel variant: scripts/gpu/suite.sh runs these as their own part
 def test_variants_large_persistent_loops():
     """Several persistent-grid trips / pipelined tiles per CTA for every variant."""
     spec = make_spec(32, "rceil", torch.float8_e4m3fn)
