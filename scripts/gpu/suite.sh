@@ -29,7 +29,7 @@ python -c "from mxmoe.quant import cuda_cast; cuda_cast.load_extension()" > "$OU
 for name in ${@:-cuda variants casts triton ops multi}; do
   part_args "$name" || continue
   t0=$(date +%s)
-  timeout "${LIMIT:-540}" python -m pytest -v -n "$N" -p no:cacheprovider --tb=short "${ARGS[@]}" > "$OUT/$name.log" 2>&1
+  timeout "${LIMIT:-540}" python -m pytest -v -n "$N" -p no:cacheprovider --tb=short --durations=15 "${ARGS[@]}" > "$OUT/$name.log" 2>&1
   echo "== $name rc=$? $(( $(date +%s) - t0 ))s: $(grep -c ' PASSED' "$OUT/$name.log") passed," \
     "$(grep -c ' FAILED' "$OUT/$name.log") failed; $(tail -n 1 "$OUT/$name.log" | cut -c1-120)"
   grep -E " FAILED|^E  " "$OUT/$name.log" | cut -c1-200 | head -12

@@ -22,6 +22,8 @@
 //   dim1 / dim0+dim1 variants 3 .. 6: dim1_tile_kernel (TR x TC tiles, column-pair quantization,
 //                     16-byte fused dim0 stores; see there and mx_cast.h).
 //   dequantize:       256 threads, each 16 output bytes per vector (8 bf16 / 4 fp32), 4 in flight.
+//   dequantize variants 4 .. 6: dequant_flat_kernel, one-shot grid, 4- / 8-byte fp8 loads, one or
+//                     two vectors per thread (see mx_cast.h).
 //   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
 #include "mx_cast.h"
 
@@ -928,6 +930,24 @@ __device__ __forceinline__ uint32_t dequant_bits(float qv, float scale) {
 }
 
 // Each thread-vector: EPT fp8 bytes in (8 for bf16 out, 4 for fp32 out) -> 16 bytes out.
+// NP fp8 pairs of the words w (element 0 in the low byte), all of one block with scale sc ->
+// output words o: bf16 pairs (NP words) or fp32 values (2 * NP words).
+template <int OUT, int ELEM, int NP>
+__device__ __forceinline__ void dequant_pairs(const uint32_t* w, float sc, uint32_t* o) {
+#pragma unroll
+  for (int k = 0; k < NP; ++k) {
+    const float2 f = fp8x2_to_f32<ELEM>(w[k >> 1] >> (16 * (k & 1)));
+    const uint32_t a = dequant_bits<OUT>(f.x, sc);
+    const uint32_t c = dequant_bits<OUT>(f.y, sc);
+    if constexpr (OUT == MX_BF16) {
+      o[k] = a | (c << 16);
+    } else {
+      o[2 * k] = a;
+      o[2 * k + 1] = c;
+    }
+  }
+}
+
 template <int OUT, int ELEM, int U = kUnroll>
 __global__ void __launch_bounds__(kThreads) dequant_vec_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
                                                                uint4* __restrict__ out, int64_t nvec, int lg_bs) {
@@ -1009,21 +1029,63 @@ __global__ void __launch_bounds__(kThreads) dequant_v16_kernel(const uint4* __re
       const float sc = e8m0_to_f32(sb[u]);
       const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
       uint32_t o[16];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {  // fp8 pairs
-        const float2 f = fp8x2_to_f32<ELEM>(w[k >> 1] >> (16 * (k & 1)));
-        const uint32_t a = dequant_bits<OUT>(f.x, sc);
-        const uint32_t c = dequant_bits<OUT>(f.y, sc);
-        if constexpr (OUT == MX_BF16) {
-          o[k] = a | (c << 16);
-        } else {
-          o[2 * k] = a;
-          o[2 * k + 1] = c;
-        }
-      }
+      dequant_pairs<OUT, ELEM, 8>(w, sc, o);
 #pragma unroll
       for (int k = 0; k < NST; ++k) {
         st16<STH>(out + i * NST + k, make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]));
+      }
+    }
+  }
+}
+
+// Dequantize variants 4 .. 6: one-shot grid (no grid-stride loop), THREADS threads per CTA, each
+// thread V independent thread-vectors of EPT fp8 bytes (one 4- / 8-byte load) in one block (needs
+// block_size >= EPT) -> EPT bf16 / fp32 values (one 8- / 16-byte store, or two 16-byte stores).
+// Vector u of thread t of CTA b is vec_begin + (b * V + u) * THREADS + t: each load / store
+// instruction of a warp covers contiguous memory. The scale byte is loaded per vector (__ldg; the
+// repeats within a block are served by L1). Same numerics helpers as dequant_vec_kernel.
+template <int OUT, int ELEM, int EPT, int V, int THREADS>
+__global__ void __launch_bounds__(THREADS) dequant_flat_kernel(const uint8_t* __restrict__ q,
+                                                                const uint8_t* __restrict__ s,
+                                                                uint32_t* __restrict__ out, int64_t vec_begin,
+                                                                int64_t nvec, int lg_bs) {
+  static_assert(EPT == 4 || EPT == 8, "EPT: 4 or 8 fp8 bytes per thread-vector");
+  constexpr int NWI = EPT / 4;                        // 32-bit input words per vector
+  constexpr int NWO = OUT == MX_BF16 ? EPT / 2 : EPT;  // 32-bit output words per vector
+  const int64_t first = vec_begin + static_cast<int64_t>(blockIdx.x) * (THREADS * V) + threadIdx.x;
+  uint32_t w[V][NWI];
+  uint32_t sb[V];
+#pragma unroll
+  for (int u = 0; u < V; ++u) {
+    const int64_t i = first + u * THREADS;
+#pragma unroll
+    for (int k = 0; k < NWI; ++k) w[u][k] = 0u;
+    sb[u] = 0u;
+    if (i < nvec) {
+      if constexpr (NWI == 2) {
+        const uint2 v = reinterpret_cast<const uint2*>(q)[i];
+        w[u][0] = v.x;
+        w[u][1] = v.y;
+      } else {
+        w[u][0] = reinterpret_cast<const uint32_t*>(q)[i];
+      }
+      sb[u] = __ldg(s + ((i * EPT) >> lg_bs));
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < V; ++u) {
+    const int64_t i = first + u * THREADS;
+    if (i >= nvec) continue;
+    const float sc = e8m0_to_f32(sb[u]);
+    uint32_t o[NWO];
+    dequant_pairs<OUT, ELEM, EPT / 2>(w[u], sc, o);
+    uint32_t* dst = out + i * NWO;
+    if constexpr (NWO == 2) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(o[0], o[1]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < NWO / 4; ++k) {
+        reinterpret_cast<uint4*>(dst)[k] = make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
       }
     }
   }
@@ -1110,6 +1172,24 @@ cudaError_t dispatch(int dtype, int elem, F&& f) {
 
 // Any earlier error (a failed launch, a sticky fault) surfaces here.
 cudaError_t launch_status() { return cudaGetLastError(); }
+
+// Dequantize variants 4 .. 6: dequant_flat_kernel over vectors [0, nvec) with a one-shot grid, in
+// as many launches as gridDim.x's limit needs (one for any n below 2^40 elements).
+template <int OUT, int EL, int EPT, int V, int THREADS>
+cudaError_t launch_dequant_flat(const uint8_t* q, const uint8_t* s, void* out, int64_t nvec, int lg_bs,
+                                cudaStream_t st) {
+  constexpr int64_t kPerCta = static_cast<int64_t>(THREADS) * V;
+  constexpr int64_t kMaxCtas = int64_t{1} << 30;  // below gridDim.x's limit 2^31 - 1
+  for (int64_t begin = 0; begin < nvec; begin += kMaxCtas * kPerCta) {
+    const int64_t want = (nvec - begin + kPerCta - 1) / kPerCta;
+    const unsigned grid = static_cast<unsigned>(want < kMaxCtas ? want : kMaxCtas);
+    dequant_flat_kernel<OUT, EL, EPT, V, THREADS>
+        <<<grid, THREADS, 0, st>>>(q, s, static_cast<uint32_t*>(out), begin, nvec, lg_bs);
+    const cudaError_t err = launch_status();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
 
 }  // namespace
 
@@ -1341,6 +1421,22 @@ cudaError_t mx_dequantize(const uint8_t* q, const uint8_t* s, void* out, int out
         if (err != cudaSuccess) return err;
       }
       start = nvec * EPT;
+    } else if (variant >= 4 && block_size >= (variant == 4 ? 4 : 8) && aligned(q, variant == 4 ? 4 : 8) &&
+               aligned(out, OUT == MX_BF16 && variant == 4 ? 8 : 16)) {
+      // fp8 bytes per thread-vector: 4 (variant 4) or 8; the (4-byte-load) vector of variant 4 is
+      // stored as 8 (bf16) / 16 (fp32) bytes, the 8-byte one as 16 / 2 x 16 bytes.
+      const int vec = variant == 4 ? 4 : 8;
+      const int64_t nvec = n / vec;
+      cudaError_t err = cudaSuccess;
+      if (variant == 4) {
+        err = launch_dequant_flat<OUT, EL, 4, 1, 256>(q, s, out, nvec, lg_bs, st);
+      } else if (variant == 5) {
+        err = launch_dequant_flat<OUT, EL, 8, 1, 128>(q, s, out, nvec, lg_bs, st);
+      } else {
+        err = launch_dequant_flat<OUT, EL, 8, 2, 256>(q, s, out, nvec, lg_bs, st);
+      }
+      if (err != cudaSuccess) return err;
+      start = nvec * vec;
     } else if (aligned(q, EPT) && aligned(out, 16)) {
       const int64_t nvec = n / EPT;
       if (nvec > 0) {

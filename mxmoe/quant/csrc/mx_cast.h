@@ -42,7 +42,15 @@
 //               .cs hints (needs block_size >= 16, q 16-byte aligned)
 //            2: as 1 with 4 in flight, .nc.L1::no_allocate loads, plain stores
 //            3: as 0 with 8 in flight
-enum MxVariants : int { MX_DIM0_VARIANTS = 6, MX_DIM1_VARIANTS = 7, MX_DEQUANT_VARIANTS = 4 };
+//            4: one-shot grid (one CTA of 256 threads per 1024 elements, no grid-stride loop), each
+//               thread one 4-byte fp8 load -> one 8-byte (bf16) / 16-byte (fp32) store, one scale
+//               byte load per thread, plain loads and stores (needs block_size >= 4, q 4-byte and
+//               out 8- (bf16) / 16-byte (fp32) aligned)
+//            5: as 4 with one 8-byte fp8 load -> one 16-byte (bf16) / two 16-byte (fp32) stores per
+//               thread, 128 threads per CTA (1024 elements, the launch shape of inductor's Triton
+//               kernel) (needs block_size >= 8, q 8-byte and out 16-byte aligned)
+//            6: as 5 with 2 vectors per thread, 256 threads per CTA (4096 elements)
+enum MxVariants : int { MX_DIM0_VARIANTS = 6, MX_DIM1_VARIANTS = 7, MX_DEQUANT_VARIANTS = 7 };
 #pragma once
 
 #include <cstdint>
