@@ -1,11 +1,13 @@
 """`mxmoe bench a2a`: MXFP8 vs bf16 all-to-all for expert parallelism, on N GPUs.
 
     torchrun --nproc-per-node 2 -m mxmoe bench a2a [--batches 1,2,4,8,16] [--seq 8192] \
-        [--dims 5120,7168] [--chunks auto,2,4,8] [--profile DIR] [--json PATH] [--check-only]
+        [--dims 5120,7168] [--transport symm,nccl] [--chunks auto,2,4,8] [--profile DIR] [--json PATH]
+        [--check-only]
 
 Each rank holds batch x seq tokens of `dim` (bf16) and sends an equal share to every rank. Rows:
-forward, backward and forward+backward times of the bf16 all-to-all (`all_to_all_hp`) and of the MXFP8
-one (`to_mxfp8_a2a_dequant`, one row per --chunks choice), median of >= 20 runs, maximum over ranks
+forward, backward and forward+backward times of the bf16 all-to-all (`all_to_all_hp`, NCCL) and of the
+MXFP8 one (`to_mxfp8_a2a_dequant`, one row per --transport x --chunks choice; symm ignores chunks),
+median of >= 20 runs, maximum over ranks
 (mxmoe.bench.timing.bench). The breakdown times each stage alone: quantize all rows, the NCCL exchange
 of the MXFP8 bytes (elements + scales, all_to_all_single), dequantize all rows, and their serial sum.
 Before timing, every shape is checked bit for bit against `reference_mxfp8_a2a` (forward and backward),
@@ -46,6 +48,24 @@ def _chunks(text: str) -> list[int | None]:
     return [None if v == "auto" else int(v) for v in text.split(",") if v]
 
 
+def _transports(text: str) -> list[str]:
+    out = [v for v in text.split(",") if v]
+    bad = [v for v in out if v not in ("auto", "nccl", "symm")]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of auto, nccl, symm")
+    return out
+
+
+def variants(transports: list[str], chunks: list[int | None]) -> list[tuple[str, int | None]]:
+    """(transport, chunks) pairs to time, in order; symm takes no chunks, so it appears once."""
+    out = []
+    for t in transports:
+        for c in [None] if t == "symm" else chunks:
+            if (t, c) not in out:
+                out.append((t, c))
+    return out
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="mxmoe bench a2a", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -59,6 +79,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=[None],
         help="pieces per pair of ranks for the pipeline: a comma list of auto / 0 (no pipelining) / k >= 1, "
         "each timed in its own rows; the first is used for checks, breakdown and profile (default: auto)",
+    )
+    p.add_argument(
+        "--transport",
+        type=_transports,
+        default=["auto"],
+        help="MXFP8 transports to time (comma list of auto, nccl, symm; default auto)",
     )
     p.add_argument("--kernel", default="auto", help="cast kernel: auto, cuda, triton, torch")
     p.add_argument("--iters", type=int, default=30, help="timed runs per measurement (>= 20)")
@@ -81,6 +107,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.iters < 20:
         p.error(f"--iters={args.iters}; use at least 20 (the median needs them)")
+    args.variants = variants(args.transport, args.chunks)
     return args
 
 
@@ -116,24 +143,27 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(na, nb) and torch.equal(a.view(ints)[~na], b.view(ints)[~nb]))
 
 
-def check_exact(x: torch.Tensor, g: torch.Tensor, outs, ins, chunks: int | None, kernel: str) -> list[str]:
+def check_exact(
+    x: torch.Tensor, g: torch.Tensor, outs, ins, chunks: int | None, kernel: str, transport: str = "auto"
+) -> list[str]:
     """Names of the checks that are NOT bit-exact against the reference (forward and backward)."""
+    kw = dict(chunks=chunks, kernel=kernel, transport=transport)
     failed = []
     xr = x.detach().clone().requires_grad_()
     yr = reference_mxfp8_a2a(xr, outs, ins, kernel=kernel)
     yr.backward(g)
     xm = x.detach().clone().requires_grad_()
-    ym = to_mxfp8_a2a_dequant(xm, outs, ins, chunks=chunks, kernel=kernel)
+    ym = to_mxfp8_a2a_dequant(xm, outs, ins, **kw)
     ym.backward(g)
     if not _same_bits(ym, yr):
         failed.append("forward")
     if not _same_bits(xm.grad, xr.grad):
         failed.append("backward")
-    mx = a2a_dispatch_mxfp8(x.detach(), outs, ins, chunks=chunks, kernel=kernel)
+    mx = a2a_dispatch_mxfp8(x.detach(), outs, ins, **kw)
     if not _same_bits(mx.dequantize(kernel=kernel), yr.detach()):
         failed.append("dispatch")
     xc = x.detach().clone().requires_grad_()
-    yc = a2a_combine(xc, outs, ins, chunks=chunks, kernel=kernel)
+    yc = a2a_combine(xc, outs, ins, **kw)
     yc.backward(yr.detach())
     if not _same_bits(xc.grad, reference_mxfp8_a2a(yr.detach(), ins, outs, kernel=kernel)):
         failed.append("combine backward")
@@ -163,9 +193,9 @@ def _check(args, rank: int, world: int, dev, say) -> list[dict]:
             torch.randn(sum(outs), 512, device=dev)
             * torch.exp2(torch.randint(-135, 100, (sum(outs), 1), device=dev))
         ).to(dtype)
-        for chunks in dict.fromkeys([*args.chunks, 0, 3]):
-            ok = _all_ok(check_exact(x, g, outs, ins, chunks, args.kernel))
-            case = f"uneven splits {dtype} chunks={chunks}"
+        for transport, chunks in dict.fromkeys([*args.variants, ("nccl", 0), ("nccl", 3)]):
+            ok = _all_ok(check_exact(x, g, outs, ins, chunks, args.kernel, transport))
+            case = f"uneven splits {dtype} transport={transport} chunks={chunks}"
             checks.append({"case": case, "exact": ok})
             say(f"check {case}: {'exact' if ok else 'MISMATCH'}")
     return checks
@@ -194,33 +224,38 @@ def _bench_shape(xs, gs, splits, shape, world, args, rows, breakdown) -> None:
     timed = dict(warmup=args.warmup, iters=args.iters)
     bf = _time_op(lambda t: all_to_all_hp(t, splits, splits, check=False), xs, gs, timed)
     fwd = {}
-    for chunks in args.chunks:
+    for transport, chunks in args.variants:
 
-        def mxfp8(t, chunks=chunks):
-            return to_mxfp8_a2a_dequant(t, splits, splits, check=False, chunks=chunks, kernel=args.kernel)
+        def mxfp8(t, chunks=chunks, transport=transport):
+            return to_mxfp8_a2a_dequant(
+                t, splits, splits, check=False, chunks=chunks, kernel=args.kernel, transport=transport
+            )
 
         mx = _time_op(mxfp8, xs, gs, timed)
-        fwd[chunks] = mx["forward"]
+        fwd[transport, chunks] = mx["forward"]
         for part in ("forward", "backward", "both"):
             rows.append(
                 {
                     "pass": part,
                     "input_shape": shape,
                     "num_splits": world,
-                    "chunks": "auto" if chunks is None else chunks,
+                    "transport": transport,
+                    "chunks": "-" if transport == "symm" else "auto" if chunks is None else chunks,
                     "bf16_ms": bf[part],
                     "mxfp8_ms": mx[part],
                     "speedup": bf[part] / mx[part],
                 }
             )
-    chunks = args.chunks[0]
+    transport, chunks = args.variants[0]
     with torch.no_grad():
         checked = bench(
-            lambda t: to_mxfp8_a2a_dequant(t, splits, splits, check=True, chunks=chunks, kernel=args.kernel),
+            lambda t: to_mxfp8_a2a_dequant(
+                t, splits, splits, check=True, chunks=chunks, kernel=args.kernel, transport=transport
+            ),
             [(x,) for x in xs],
             **timed,
         ).median_ms
-    breakdown.append(_breakdown(xs, splits, shape, args, bf["forward"], fwd[chunks], checked))
+    breakdown.append(_breakdown(xs, splits, shape, args, bf["forward"], fwd[transport, chunks], checked))
 
 
 def main(argv: list[str]) -> int:
@@ -230,7 +265,8 @@ def main(argv: list[str]) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     nccl_env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "MXMOE_"))}
     say(
-        f"mxmoe bench a2a: {world} ranks, {environment()}, chunks={args.chunks}, kernel={args.kernel}, "
+        f"mxmoe bench a2a: {world} ranks, {environment()}, (transport, chunks)={args.variants}, "
+        f"kernel={args.kernel}, "
         f"env {nccl_env}"
     )
     rows, breakdown, checks = [], [], []
@@ -247,7 +283,8 @@ def main(argv: list[str]) -> int:
                 gs = [torch.randn(n, dim, device=dev, dtype=torch.bfloat16) for _ in range(2)]
                 shape = f"{batch}x{args.seq}x{dim}"
                 if args.check or args.check_only:
-                    ok = _all_ok(check_exact(xs[0], gs[0], splits, splits, args.chunks[0], args.kernel))
+                    t0, c0 = args.variants[0]
+                    ok = _all_ok(check_exact(xs[0], gs[0], splits, splits, c0, args.kernel, t0))
                     checks.append({"case": shape, "exact": ok})
                     say(f"check {shape}: {'exact' if ok else 'MISMATCH'}")
                 if not args.check_only:
@@ -258,7 +295,8 @@ def main(argv: list[str]) -> int:
             for part in ("forward", "backward", "both"):
                 print_table([r for r in rows if r["pass"] == part], title=f"\n{part}")
             print_table(
-                breakdown, title="\nbreakdown (each stage timed alone, ms; mxfp8 rows: first --chunks)"
+                breakdown,
+                title="\nbreakdown (each stage timed alone, ms; NCCL stages; mxfp8 rows: the first variant)",
             )
         if args.profile and not args.check_only:
             _profile(args, rank, world, dev)
@@ -307,7 +345,7 @@ def _breakdown(xs, splits, shape, args, bf16_fwd, mx_fwd, checked_fwd) -> dict:
         "serial_sum_ms": t_q + t_x + t_d,
         "dequantize_into_ms": t_di,
         "fused_qdq_ms": t_qdq,
-        "pipelined_fwd_ms": mx_fwd,
+        "mx_fwd_ms": mx_fwd,
         "checked_fwd_ms": checked_fwd,
         "bf16_exchange_ms": bf16_fwd,
     }
@@ -324,7 +362,13 @@ def _profile(args, rank, world, dev) -> None:
     ops = {
         "bf16": lambda: all_to_all_hp(x, splits, splits, check=False).backward(g),
         "mxfp8": lambda: to_mxfp8_a2a_dequant(
-            x, splits, splits, check=False, chunks=args.chunks[0], kernel=args.kernel
+            x,
+            splits,
+            splits,
+            check=False,
+            chunks=args.variants[0][1],
+            kernel=args.kernel,
+            transport=args.variants[0][0],
         ).backward(g),
     }
     for name, fn in ops.items():

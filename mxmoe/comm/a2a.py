@@ -8,7 +8,12 @@ MXFP8 exchanges quantize rows along the last dim (blocks of 32, e4m3, RCEIL) and
 bytes plus the E8M0 scale bytes (1 + 1/32 bytes per element instead of 2 for bf16). The result is
 bit-for-bit what `reference_mxfp8_a2a` computes (quantize -> all_to_all_single -> dequantize).
 
-How the exchange is overlapped (CUDA, `chunks` an int >= 1, or `None` for tensors of at least
+Transports. On GPUs of one host (transport "auto" or "symm") the quantize kernel writes each peer's
+rows straight into that peer's symmetric-memory buffer, a device barrier follows, and each rank
+dequantizes what it received: `mxmoe.comm.symm` explains it. Otherwise ("nccl", or "auto" with
+`chunks` given) NCCL moves the bytes, as follows.
+
+How the NCCL exchange is overlapped (CUDA, `chunks` an int >= 1, or `None` for tensors of at least
 PIPELINE_MIN_ELEMS elements; smaller ones take the simple path, which measured faster there):
   * The rank's own slice never goes through the network: one fused Triton pass (`qdq_into`)
     quantizes and dequantizes it locally, straight into its rows of the output.
@@ -41,6 +46,7 @@ from torch import Tensor
 
 from mxmoe.comm.kernels import dequantize_into, qdq_into
 from mxmoe.comm.splits import BLOCK_SIZE, Plan, check_and_plan, offsets
+from mxmoe.comm.symm import SymmWorkspace, gather_matrix, symm_mx_exchange, symm_usable
 from mxmoe.formats import make_spec
 from mxmoe.quant import custom_ops
 from mxmoe.quant.kernels import backend, resolve_kernel
@@ -59,6 +65,9 @@ MAX_CHUNKS = 2
 # How the own slice is quantized+dequantized: "auto" (fused Triton kernel on CUDA), "copy" (cast backend
 # quantize, then dequantize), "triton". Both give the same bits; the env var is an escape hatch.
 SELF_QDQ_IMPL = os.environ.get("MXMOE_A2A_SELF_QDQ", "auto")
+# transport="auto" takes symmetric memory where it can run (docs/benchmarks.md); MXMOE_A2A_SYMM=0 makes
+# auto take NCCL.
+SYMM_AUTO = os.environ.get("MXMOE_A2A_SYMM", "1") != "0"
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,10 +273,33 @@ def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: b
     return q_dst.view(ELEM_DTYPE), s_dst.view(torch.float8_e8m0fnu)
 
 
-def _mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: bool, chunks: int | None):
+def _pick_transport(x: Tensor, plan: Plan, group, chunks: int | None, transport: str) -> str:
+    """Returns "symm" or "nccl" (NCCL, or gloo on CPU): the same on every rank, from facts every rank
+    shares. auto: symmetric memory when it can run here and no `chunks` asks for the NCCL pipeline."""
+    if transport == "nccl" or plan.world == 1:
+        return "nccl"
+    usable = symm_usable(group, x.device)
+    if transport == "symm":
+        if not usable:
+            raise RuntimeError(
+                "transport='symm' needs CUDA tensors, an NCCL process group of GPUs on one host, "
+                "torch.distributed._symmetric_memory and triton; use transport='nccl' or 'auto'"
+            )
+        return "symm"
+    return "symm" if usable and chunks is None and SYMM_AUTO else "nccl"
+
+
+def _mx_exchange(
+    x: Tensor, plan: Plan, group, kernel: str, dequant: bool, chunks: int | None, transport: str = "nccl"
+):
     """Quantize x's rows, exchange per plan, and (if dequant) dequantize: y (rows_out, dim) x.dtype,
     else (q (rows_out, dim) e4m3, s (rows_out, dim // 32) e8m0)."""
     x = x.contiguous()
+    if _pick_transport(x, plan, group, chunks, transport) == "symm":
+        resolve_kernel(kernel, x.device)  # a clear error for a kernel that cannot run here
+        matrix = plan.matrix if plan.matrix is not None else gather_matrix(plan.input_splits, group, x.device)
+        ws = SymmWorkspace.get(group, x.device)
+        return symm_mx_exchange(x, matrix, plan.rank, ws, kernel, dequant, SELF_QDQ_IMPL)
     kernel = resolve_kernel(kernel, x.device)
     pipelined = _use_pipeline(x.is_cuda, plan, chunks)
     if plan.world == 1 and not pipelined:
@@ -291,14 +323,15 @@ def _hp_exchange(x: Tensor, plan: Plan, group) -> Tensor:
 
 class _MXA2A(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, kernel, chunks):
-        ctx.args = (plan, group, kernel, chunks)
-        return _mx_exchange(x, plan, group, kernel, True, chunks)
+    def forward(ctx, x, plan, group, kernel, chunks, transport):
+        ctx.args = (plan, group, kernel, chunks, transport)
+        return _mx_exchange(x, plan, group, kernel, True, chunks, transport)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, group, kernel, chunks = ctx.args
-        return _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks), None, None, None, None
+        plan, group, kernel, chunks, transport = ctx.args
+        y = _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks, transport)
+        return y, None, None, None, None, None
 
 
 class _HPA2A(torch.autograd.Function):
@@ -315,9 +348,9 @@ class _HPA2A(torch.autograd.Function):
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, kernel, chunks):
+    def forward(ctx, x, plan, group, kernel, chunks, transport):
         ctx.args = (plan, group)
-        q, s = _mx_exchange(x, plan, group, kernel, False, chunks)
+        q, s = _mx_exchange(x, plan, group, kernel, False, chunks, transport)
         anchor = make_grad_anchor((q.shape[0], q.shape[1]), x.dtype, x.device)
         ctx.mark_non_differentiable(q, s)
         return anchor, q, s
@@ -325,19 +358,20 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _gq, _gs):
         plan, group = ctx.args
-        return _hp_exchange(grad, plan.reversed(), group), None, None, None, None
+        return _hp_exchange(grad, plan.reversed(), group), None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, kernel, chunks):
-        ctx.args = (plan, group, kernel, chunks)
+    def forward(ctx, x, plan, group, kernel, chunks, transport):
+        ctx.args = (plan, group, kernel, chunks, transport)
         return _hp_exchange(x, plan, group)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, group, kernel, chunks = ctx.args
-        return _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks), None, None, None, None
+        plan, group, kernel, chunks, transport = ctx.args
+        y = _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks, transport)
+        return y, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,6 +388,7 @@ def to_mxfp8_a2a_dequant(
     check: bool = True,
     chunks: int | None = None,
     kernel: str = "auto",
+    transport: str = "auto",
 ) -> Tensor:
     """MXFP8 all-to-all of rows, dequantized on arrival; differentiable (backward: the same MXFP8
     exchange of the gradient, in reverse).
@@ -363,12 +398,22 @@ def to_mxfp8_a2a_dequant(
     `reference_mxfp8_a2a`. check: one small all_gather validating every rank's arguments (every rank
     raises if one is bad). chunks: None = auto (pipelined on CUDA for large tensors, else simple),
     0 = simple, k >= 1 = pipelined with up to k pieces per pair of ranks (must be equal on all
-    ranks). kernel: the cast backend ("auto" = fastest available).
+    ranks). kernel: the cast backend ("auto" = fastest available). transport: "symm" (quantize
+    straight into the peers' symmetric-memory buffers: `mxmoe.comm.symm`; CUDA, NCCL group on one
+    host), "nccl" (the process group's all-to-all or the `chunks` pipeline) or "auto" (symm where it
+    can run and chunks is None, else nccl); equal on all ranks.
     """
     plan = check_and_plan(
-        "to_mxfp8_a2a_dequant", x, output_splits, input_splits, group, check=check, chunks=chunks
+        "to_mxfp8_a2a_dequant",
+        x,
+        output_splits,
+        input_splits,
+        group,
+        check=check,
+        chunks=chunks,
+        transport=transport,
     )
-    return _MXA2A.apply(x, plan, group, kernel, chunks)
+    return _MXA2A.apply(x, plan, group, kernel, chunks, transport)
 
 
 def a2a_dispatch_mxfp8(
@@ -380,6 +425,7 @@ def a2a_dispatch_mxfp8(
     check: bool = True,
     chunks: int | None = None,
     kernel: str = "auto",
+    transport: str = "auto",
 ) -> MXTensor:
     """MXFP8 all-to-all of rows without dequantizing, for an MX expert GEMM.
 
@@ -388,11 +434,19 @@ def a2a_dispatch_mxfp8(
     e8m0, orig_dtype x.dtype, and `grad_anchor`, a zero-stride (rows, dim) tensor whose gradient (the
     high-precision gradient of the dequantized rows) is sent back to x's rows with a plain
     high-precision all-to-all. Consumers take `mx.grad_anchor` as their differentiable input.
+    check, chunks, kernel, transport: as in `to_mxfp8_a2a_dequant`.
     """
     plan = check_and_plan(
-        "a2a_dispatch_mxfp8", x, output_splits, input_splits, group, check=check, chunks=chunks
+        "a2a_dispatch_mxfp8",
+        x,
+        output_splits,
+        input_splits,
+        group,
+        check=check,
+        chunks=chunks,
+        transport=transport,
     )
-    anchor, q, s = _Dispatch.apply(x, plan, group, kernel, chunks)
+    anchor, q, s = _Dispatch.apply(x, plan, group, kernel, chunks, transport)
     return MXTensor(q, s, 1, BLOCK_SIZE, SCALING_MODE, x.dtype, anchor)
 
 
@@ -405,15 +459,19 @@ def a2a_combine(
     check: bool = True,
     chunks: int | None = None,
     kernel: str = "auto",
+    transport: str = "auto",
 ) -> Tensor:
     """High-precision all-to-all of rows whose backward exchanges the gradient in MXFP8.
 
     x: (sum(input_splits), dim) bfloat16 or float32, dim % 32 == 0. Returns (sum(output_splits), dim),
     x.dtype. Backward: the gradient (rows_out, dim) is quantized (RCEIL, e4m3), sent back with the
     splits swapped and dequantized to x.dtype, exactly like `to_mxfp8_a2a_dequant`'s forward.
+    check, chunks, kernel, transport: as in `to_mxfp8_a2a_dequant`.
     """
-    plan = check_and_plan("a2a_combine", x, output_splits, input_splits, group, check=check, chunks=chunks)
-    return _Combine.apply(x, plan, group, kernel, chunks)
+    plan = check_and_plan(
+        "a2a_combine", x, output_splits, input_splits, group, check=check, chunks=chunks, transport=transport
+    )
+    return _Combine.apply(x, plan, group, kernel, chunks, transport)
 
 
 def all_to_all_hp(x: Tensor, output_splits, input_splits, group=None, *, check: bool = True) -> Tensor:

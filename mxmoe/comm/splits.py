@@ -47,6 +47,9 @@ class Plan:
     # with one rank; None otherwise. Decisions every rank must take alike (the pipelined path or
     # not) are made from it, never from this rank's own size.
     global_rows: int | None = None
+    # matrix[r][p]: rows rank r sends to rank p, every rank's splits (after the shared check, or with
+    # one rank); None otherwise.
+    matrix: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def in_offsets(self) -> list[int]:
@@ -58,8 +61,15 @@ class Plan:
 
     def reversed(self) -> Plan:
         """The plan of the backward exchange: send back what was received."""
+        matrix = None if self.matrix is None else tuple(zip(*self.matrix, strict=True))
         return Plan(
-            self.rank, self.world, self.output_splits, self.input_splits, self.row_shape, self.global_rows
+            self.rank,
+            self.world,
+            self.output_splits,
+            self.input_splits,
+            self.row_shape,
+            self.global_rows,
+            matrix,
         )
 
 
@@ -147,6 +157,16 @@ def check_chunks(chunks) -> int | None:
     return chunks
 
 
+TRANSPORTS = ("auto", "nccl", "symm")
+
+
+def check_transport(transport) -> str:
+    """`transport` of the MXFP8 all-to-alls: "auto", "nccl" or "symm"."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}; expected one of {list(TRANSPORTS)}")
+    return transport
+
+
 def _meta_device(group, x) -> torch.device:
     backend = str(dist.get_backend(group))
     if "nccl" in backend and torch.cuda.is_available():
@@ -166,6 +186,7 @@ def check_and_plan(
     check: bool = True,
     mx: bool = True,
     chunks: int | None = None,
+    transport: str = "auto",
 ) -> Plan:
     """Validate the arguments of an all-to-all and return its Plan.
 
@@ -177,24 +198,28 @@ def check_and_plan(
     plan = None
     try:
         check_chunks(chunks)
+        check_transport(transport)
         plan = _local_plan(fn, x, output_splits, input_splits, rank, world, mx)
     except (TypeError, ValueError) as e:
         err = e
     if not check or world == 1:
         if err is not None:
             raise err
-        return replace(plan, global_rows=sum(plan.input_splits)) if world == 1 else plan
+        if world == 1:
+            return replace(plan, global_rows=sum(plan.input_splits), matrix=(plan.input_splits,))
+        return plan
 
-    # One all_gather of [error, dtype, row numel, ndim, chunks, input_splits..., output_splits...].
+    # One all_gather of [error, dtype, row numel, ndim, chunks, transport, input_splits...,
+    # output_splits...].
     device = _meta_device(group, x)
     if plan is None:
-        row = [1] + [-1] * (4 + 2 * world)
+        row = [1] + [-1] * (5 + 2 * world)
     else:
         numel = 1
         for d in plan.row_shape:
             numel *= d
         code = _DTYPE_CODES.index(x.dtype) if x.dtype in _DTYPE_CODES else len(_DTYPE_CODES)
-        row = [0, code, numel, x.ndim, -1 if chunks is None else int(chunks)]
+        row = [0, code, numel, x.ndim, -1 if chunks is None else int(chunks), TRANSPORTS.index(transport)]
         row += list(plan.input_splits) + list(plan.output_splits)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -230,8 +255,13 @@ def check_and_plan(
                 f"{fn}: chunks={_chunks_name(meta[r][4])} on rank {r} but {_chunks_name(meta[0][4])} "
                 "on rank 0; all ranks must pass the same chunks"
             )
-    ins_of = [m[5 : 5 + world] for m in meta]
-    outs_of = [m[5 + world : 5 + 2 * world] for m in meta]
+        if meta[r][5] != meta[0][5]:
+            raise ValueError(
+                f"{fn}: transport={TRANSPORTS[meta[r][5]]!r} on rank {r} but {TRANSPORTS[meta[0][5]]!r} "
+                "on rank 0; all ranks must pass the same transport"
+            )
+    ins_of = [m[6 : 6 + world] for m in meta]
+    outs_of = [m[6 + world : 6 + 2 * world] for m in meta]
     for r in range(world):
         for p in range(world):
             if outs_of[r][p] != ins_of[p][r]:
@@ -240,7 +270,7 @@ def check_and_plan(
                     f"{ins_of[p][r]} rows to rank {r} (its input_splits[{r}]); output_splits must "
                     "equal what each peer sends"
                 )
-    return replace(plan, global_rows=sum(sum(ins) for ins in ins_of))
+    return replace(plan, global_rows=sum(sum(ins) for ins in ins_of), matrix=tuple(map(tuple, ins_of)))
 
 
 def _name(code: int) -> str:

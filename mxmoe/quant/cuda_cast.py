@@ -27,6 +27,7 @@ from types import ModuleType
 import torch
 
 from mxmoe.formats import ELEM_FORMATS, MODE_IDS, CastSpec, ScalingMode, check_block_size
+from mxmoe.quant.kernels import dim0_outputs
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "binding.cpp", _CSRC / "mx_cast.cu")
@@ -181,24 +182,23 @@ def _spec_args(spec: CastSpec, x: torch.Tensor) -> tuple:
 
 
 def quantize_dim0(
-    x: torch.Tensor, spec: CastSpec, variant: int | None = None
+    x: torch.Tensor, spec: CastSpec, variant: int | None = None, out=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (R, C) bf16/fp32 CUDA -> qdata (R, C) elem dtype, scale (R, C // bs) float8_e8m0fnu.
 
-    Blocks of bs consecutive elements along C; both outputs contiguous on x's device.
-    `variant`: kernel variant (see resolve_variant)."""
+    Blocks of bs consecutive elements along C; both outputs contiguous on x's device (or written
+    into `out`, a preallocated (q, s): see kernels.dim0_outputs). `variant`: kernel variant (see
+    resolve_variant)."""
     v = resolve_variant("dim0", variant)
     x = _check_x(x, 2, "quantize_dim0")
     R, C = x.shape
-    bs = spec.block_size
-    _check_divisible("x.shape[-1]", C, bs)
-    q = torch.empty((R, C), dtype=spec.elem.dtype, device=x.device)
-    s = torch.empty((R, C // bs), dtype=torch.uint8, device=x.device)
+    _check_divisible("x.shape[-1]", C, spec.block_size)
+    q, s = dim0_outputs(x, spec, out)
     if x.numel():
         ext = load_extension()
         with torch.cuda.device(x.device):
-            ext.quantize_dim0(x, q.view(torch.uint8), s, *_spec_args(spec, x), v)
-    return q, s.view(torch.float8_e8m0fnu)
+            ext.quantize_dim0(x, q.view(torch.uint8), s.view(torch.uint8), *_spec_args(spec, x), v)
+    return q, s
 
 
 def quantize_dim1(

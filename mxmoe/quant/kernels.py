@@ -129,3 +129,34 @@ def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str
 def backend(kernel: str) -> ModuleType:
     """The module implementing a concrete kernel name (imports it on first use)."""
     return importlib.import_module(_MODULES[kernel])
+
+
+def dim0_outputs(
+    x: torch.Tensor, spec, out: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (qdata, scale) a dim0 cast of x (R, C) writes: new tensors, or `out` checked and viewed.
+
+    out: (q, s) preallocated, contiguous, on x's device: q (R, C) of spec.elem.dtype or uint8,
+    s (R, C // block_size) float8_e8m0fnu or uint8 (e.g. slices of a communication buffer).
+    Returns q as spec.elem.dtype and s as float8_e8m0fnu (views of `out` when given)."""
+    R, C = x.shape
+    shapes = ((R, C), (R, C // spec.block_size))
+    if out is None:
+        return (
+            torch.empty(shapes[0], dtype=spec.elem.dtype, device=x.device),
+            torch.empty(shapes[1], dtype=torch.float8_e8m0fnu, device=x.device),
+        )
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise TypeError("out must be a pair (q, s) of tensors")
+    views = []
+    dtypes = (spec.elem.dtype, torch.float8_e8m0fnu)
+    for name, t, shape, dtype in zip(("out[0]", "out[1]"), out, shapes, dtypes, strict=True):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (dtype, torch.uint8):
+            raise TypeError(f"{name} must be a {dtype} (or uint8) tensor, got {getattr(t, 'dtype', type(t))}")
+        if tuple(t.shape) != shape or not t.is_contiguous() or t.device != x.device:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}); "
+                f"expected a contiguous {shape} tensor on {x.device}"
+            )
+        views.append(t.view(dtype))
+    return views[0], views[1]

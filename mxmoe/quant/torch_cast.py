@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from mxmoe.formats import E8M0_BIAS, E8M0_NAN, CastSpec, ScalingMode
+from mxmoe.quant.kernels import dim0_outputs
 
 _ABS_MASK = 0x7FFFFFFF
 _F32_INF_BITS = 0x7F800000
@@ -40,8 +41,13 @@ def scale_exponent(amax_bits: torch.Tensor, spec: CastSpec) -> torch.Tensor:
     return e.clamp(-127, 127)
 
 
-def quantize_dim0(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: (R, C) bf16/fp32 contiguous -> qdata (R, C) elem dtype, scale (R, C // bs) e8m0."""
+def quantize_dim0(x: torch.Tensor, spec: CastSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (R, C) bf16/fp32 contiguous -> qdata (R, C) elem dtype, scale (R, C // bs) e8m0.
+    out: optional preallocated (q, s) to write into (see kernels.dim0_outputs)."""
+    if out is not None:
+        qo, so = dim0_outputs(x, spec, out)
+        q, s = quantize_dim0(x, spec)
+        return qo.copy_(q), so.view(torch.uint8).copy_(s.view(torch.uint8)).view(torch.float8_e8m0fnu)
     R, C = x.shape
     bs = spec.block_size
     xf = x.float().reshape(R, C // bs, bs)

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from mxmoe.formats import MODE_IDS, CastSpec, ElemFormat, f32_bits
-from mxmoe.quant.kernels import triton_interpret
+from mxmoe.quant.kernels import dim0_outputs, triton_interpret
 
 # ----------------------------------------------------------------------------------------------
 # Configurations
@@ -666,15 +666,15 @@ def _blocks_per_program(elems: int, bs: int, n_blocks: int) -> int:
     return max(1, min(nb, triton.next_power_of_2(max(1, n_blocks))))
 
 
-def quantize_dim0(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_dim0(x: torch.Tensor, spec: CastSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (R, C) bf16/fp32 contiguous -> qdata (R, C) elem dtype, scale (R, C // bs) e8m0;
-    blocks of bs consecutive elements along C."""
+    blocks of bs consecutive elements along C. out: optional preallocated (q, s) to write into (any
+    memory the GPU can store to, e.g. a peer's buffer: see kernels.dim0_outputs)."""
     _check(x, 2)
     R, C = x.shape
     bs = spec.block_size
     _check_div(C, bs, "x.shape[-1]")
-    q = torch.empty((R, C), dtype=spec.elem.dtype, device=x.device)
-    s = torch.empty((R, C // bs), dtype=torch.float8_e8m0fnu, device=x.device)
+    q, s = dim0_outputs(x, spec, out)
     n_blocks = R * C // bs
     if n_blocks == 0:
         return q, s

@@ -82,21 +82,25 @@ def _check_all_paths(
     xr = x0.clone().requires_grad_()
     yr = reference_mxfp8_a2a(xr, outs, ins, group)
     yr.backward(g)
-    for chunks in (None, 0, 1, 3):
+    modes = [(None, "auto"), (None, "nccl"), (0, "auto"), (1, "auto"), (3, "nccl")]
+    if device != "cpu":
+        modes.append((None, "symm"))
+    for chunks, transport in modes:
         for splits_as in ("list", "tensor"):
             o, i = (
                 (outs, ins) if splits_as == "list" else (torch.tensor(outs, device=device), torch.tensor(ins))
             )
-            what = f"rank {rank} {kind} {dtype} chunks={chunks} {splits_as}"
+            what = f"rank {rank} {kind} {dtype} chunks={chunks} transport={transport} {splits_as}"
             x = x0.clone().requires_grad_()
-            y = to_mxfp8_a2a_dequant(x, o, i, group, chunks=chunks)
+            check = splits_as == "list"  # symm: the matrix from the check, or gathered without it
+            y = to_mxfp8_a2a_dequant(x, o, i, group, chunks=chunks, transport=transport, check=check)
             assert_same_bits(y, yr.detach(), "forward " + what)
             y.backward(g)
             assert_same_bits(x.grad, xr.grad, "backward " + what)
 
         # dispatch: MX rows equal the reference; gradient goes back in high precision
         x = x0.clone().requires_grad_()
-        mx = a2a_dispatch_mxfp8(x, outs, ins, group, chunks=chunks)
+        mx = a2a_dispatch_mxfp8(x, outs, ins, group, chunks=chunks, transport=transport)
         assert mx.qdata_blocked.shape == (sum(outs), dim) and mx.axis == 1 and mx.orig_dtype == dtype
         assert_same_bits(mx.dequantize(), yr.detach(), "dispatch " + what)
         q_ref, s_ref = custom_ops.quantize_dim0(x0, 32, "rceil", torch.float8_e4m3fn, "torch")
@@ -110,7 +114,7 @@ def _check_all_paths(
 
         # combine: exact high-precision forward, MXFP8 backward
         x = x0.clone().requires_grad_()
-        y = a2a_combine(x, outs, ins, group, chunks=chunks)
+        y = a2a_combine(x, outs, ins, group, chunks=chunks, transport=transport, check=False)
         y_exp = torch.empty(sum(outs), dim, dtype=dtype, device=device)
         all_to_all_rows(y_exp, x0, outs, ins, group)
         assert_same_bits(y, y_exp, "combine " + what)
@@ -168,9 +172,16 @@ def _check_errors(rank: int, world: int) -> None:
         bad_chunks = -1 if rank == 1 else None
         _expect_error_everywhere(rank, ValueError, "chunks=-1", fn, x, ok, ok, chunks=bad_chunks)
         _expect_error_everywhere(rank, TypeError, "not an int", fn, x, ok, [2.0] * world)
+        tr = "nccl" if rank == 1 else "auto"
+        _expect_error_everywhere(rank, ValueError, "transport='nccl' on rank 1", fn, x, ok, ok, transport=tr)
+        bad_tr = "nvlink" if rank == 0 else "auto"
+        _expect_error_everywhere(rank, ValueError, "transport='nvlink'", fn, x, ok, ok, transport=bad_tr)
     _expect_error_everywhere(rank, ValueError, "input_splits", all_to_all_hp, x, ok, [1] * world)
     with pytest.raises(ValueError, match="chunks"):
         to_mxfp8_a2a_dequant(x, ok, ok, chunks=-1)
+    # symmetric memory needs CUDA tensors: asked for on gloo/CPU, every rank says so (no collective ran)
+    with pytest.raises(RuntimeError, match="transport='symm' needs CUDA tensors"):
+        to_mxfp8_a2a_dequant(x, ok, ok, transport="symm", check=False)
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[str]) -> None:

@@ -1,0 +1,135 @@
+"""Where the time of the symmetric-memory MXFP8 exchange goes, stage by stage (2+ GPUs, torchrun).
+
+    torchrun --standalone --nproc-per-node 2 scripts/gpu/symm_probe.py [--json PATH]
+
+Per shape (rows per rank x 5120, bf16, equal splits): the dim0 cast of the peers' rows into a local
+buffer and straight into the peer's buffer; a copy-engine copy of those bytes to the peer; the device
+barrier; dequantize of the received rows; the fused quantize+dequantize of the own rows; whole forward
+exchanges (symm copy / store modes with the split matrix given, the public API without it, NCCL, bf16);
+and host time per call (enqueue only). CUDA-event medians, maximum over ranks (mxmoe.bench.timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from mxmoe.bench.timing import bench, environment, print_table, write_json
+from mxmoe.comm import all_to_all_hp, dequantize_into, qdq_into, to_mxfp8_a2a_dequant
+from mxmoe.comm.symm import Layout, SymmWorkspace, symm_mx_exchange
+from mxmoe.formats import make_spec
+from mxmoe.quant import triton_cast
+
+SPEC = make_spec(32, "rceil", torch.float8_e4m3fn)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="8192,32768,131072")
+    ap.add_argument("--dim", type=int, default=5120)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--cprofile", action="store_true", help="host profile (rank 0) of 50 calls per op")
+    args = ap.parse_args(argv)
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    me, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", local)
+    say = print if me == 0 else (lambda *a, **k: None)
+    say(f"symm probe: {world} ranks, {environment()}")
+    rows = []
+    ws = SymmWorkspace.get(None, dev)
+    for n in [int(v) for v in args.rows.split(",")]:
+        dim = args.dim
+        splits = [n // world] * world
+        M = tuple(tuple(splits) for _ in range(world))
+        xs = [torch.randn(n, dim, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+        half = n // world
+        peer = (me + 1) % world
+        lay = Layout(cap=n, dim=dim)
+        ws.ensure(lay.nbytes)
+        qp, sp = lay.regions(ws.buffers[peer], 0)
+        ql, sl = torch.empty(half, dim, dtype=torch.uint8, device=dev), torch.empty(half, dim // 32, dtype=torch.uint8, device=dev)
+        out = torch.empty(half, dim, dtype=torch.bfloat16, device=dev)
+        t = {}
+        t["quantize_local"] = bench(lambda: triton_cast.quantize_dim0(xs[0][:half], SPEC, out=(ql, sl)), iters=30)
+        dist.barrier()
+        t["quantize_into_peer"] = bench(lambda: triton_cast.quantize_dim0(xs[0][:half], SPEC, out=(qp[:half], sp[:half])), iters=30)
+        dist.barrier()
+
+        def ce():
+            qp[:half].copy_(ql)
+            sp[:half].copy_(sl)
+
+        t["ce_copy_to_peer"] = bench(ce, iters=30)
+        t["barrier"] = bench(ws.barrier, iters=30)
+        t["dequantize_into"] = bench(lambda: dequantize_into(ql, sl, out), iters=30)
+        t["qdq_own_rows"] = bench(lambda: qdq_into(xs[0][:half], out), iters=30)
+        t["symm_matrix_given"] = bench(
+            lambda x: symm_mx_exchange(x, M, me, ws, "auto", True), [(x,) for x in xs], iters=30
+        )
+        ops = {
+            "api_symm_check_false": lambda x: to_mxfp8_a2a_dequant(x, splits, splits, check=False, transport="symm"),
+            "api_symm_check_true": lambda x: to_mxfp8_a2a_dequant(x, splits, splits, check=True, transport="symm"),
+            "api_nccl_check_false": lambda x: to_mxfp8_a2a_dequant(x, splits, splits, check=False, transport="nccl"),
+            "bf16_nccl": lambda x: all_to_all_hp(x, splits, splits, check=False),
+        }
+        with torch.no_grad():
+            for name, op in ops.items():
+                t[name] = bench(op, [(x,) for x in xs], iters=30)
+        host = {}
+        with torch.no_grad():
+            for name, op in [("symm_matrix_given", lambda x: symm_mx_exchange(x, M, me, ws, "auto", True))] + list(ops.items()):
+                torch.cuda.synchronize()
+                dist.barrier()
+                h0 = time.perf_counter()
+                for i in range(20):
+                    op(xs[i % 2])
+                host[name] = (time.perf_counter() - h0) / 20 * 1e3
+                torch.cuda.synchronize()
+        for k, v in t.items():
+            rows.append({"rows_per_rank": n, "stage": k, "ms": v.median_ms})
+        for k, v in host.items():
+            rows.append({"rows_per_rank": n, "stage": f"host {k}", "ms": v})
+        if args.cprofile and n == min(int(v) for v in args.rows.split(",")):
+            _cprofile(me, {"symm": lambda x: symm_mx_exchange(x, M, me, ws, "auto", True), **ops}, xs)
+        del xs
+        torch.cuda.empty_cache()
+    say("")
+    if me == 0:
+        print_table(rows, title="stages (CUDA-event medians, max over ranks; host rows: enqueue time per call)")
+        if args.json:
+            write_json(args.json, {"env": environment(), "world": world, "rows": rows})
+    dist.destroy_process_group()
+    return 0
+
+
+def _cprofile(me: int, ops: dict, xs) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    for name, op in ops.items():
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with torch.no_grad():
+            prof.enable()
+            for i in range(50):
+                op(xs[i % 2])
+            prof.disable()
+        torch.cuda.synchronize()
+        if me == 0:
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+            lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()][3:]
+            print(f"\n== host profile, 50 calls of {name}\n" + "\n".join(ln[:170] for ln in lines), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
