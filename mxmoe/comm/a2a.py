@@ -46,7 +46,7 @@ from torch import Tensor
 
 from mxmoe.comm.kernels import dequantize_into, qdq_into
 from mxmoe.comm.splits import BLOCK_SIZE, Plan, check_and_plan, offsets
-from mxmoe.comm.symm import SymmWorkspace, gather_matrix, symm_mx_exchange, symm_usable
+from mxmoe.comm.symm import SymmWorkspace, symm_mx_exchange, symm_usable
 from mxmoe.formats import make_spec
 from mxmoe.quant import custom_ops
 from mxmoe.quant.kernels import backend, resolve_kernel
@@ -297,9 +297,10 @@ def _mx_exchange(
     x = x.contiguous()
     if _pick_transport(x, plan, group, chunks, transport) == "symm":
         resolve_kernel(kernel, x.device)  # a clear error for a kernel that cannot run here
-        matrix = plan.matrix if plan.matrix is not None else gather_matrix(plan.input_splits, group, x.device)
         ws = SymmWorkspace.get(group, x.device)
-        return symm_mx_exchange(x, matrix, plan.rank, ws, kernel, dequant, SELF_QDQ_IMPL)
+        return symm_mx_exchange(
+            x, plan.input_splits, plan.output_splits, plan.rank, ws, kernel, dequant, SELF_QDQ_IMPL
+        )
     kernel = resolve_kernel(kernel, x.device)
     pipelined = _use_pipeline(x.is_cuda, plan, chunks)
     if plan.world == 1 and not pipelined:

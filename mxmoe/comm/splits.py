@@ -47,9 +47,6 @@ class Plan:
     # with one rank; None otherwise. Decisions every rank must take alike (the pipelined path or
     # not) are made from it, never from this rank's own size.
     global_rows: int | None = None
-    # matrix[r][p]: rows rank r sends to rank p, every rank's splits (after the shared check, or with
-    # one rank); None otherwise.
-    matrix: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def in_offsets(self) -> list[int]:
@@ -61,15 +58,8 @@ class Plan:
 
     def reversed(self) -> Plan:
         """The plan of the backward exchange: send back what was received."""
-        matrix = None if self.matrix is None else tuple(zip(*self.matrix, strict=True))
         return Plan(
-            self.rank,
-            self.world,
-            self.output_splits,
-            self.input_splits,
-            self.row_shape,
-            self.global_rows,
-            matrix,
+            self.rank, self.world, self.output_splits, self.input_splits, self.row_shape, self.global_rows
         )
 
 
@@ -205,9 +195,7 @@ def check_and_plan(
     if not check or world == 1:
         if err is not None:
             raise err
-        if world == 1:
-            return replace(plan, global_rows=sum(plan.input_splits), matrix=(plan.input_splits,))
-        return plan
+        return replace(plan, global_rows=sum(plan.input_splits)) if world == 1 else plan
 
     # One all_gather of [error, dtype, row numel, ndim, chunks, transport, input_splits...,
     # output_splits...].
@@ -270,7 +258,7 @@ def check_and_plan(
                     f"{ins_of[p][r]} rows to rank {r} (its input_splits[{r}]); output_splits must "
                     "equal what each peer sends"
                 )
-    return replace(plan, global_rows=sum(sum(ins) for ins in ins_of), matrix=tuple(map(tuple, ins_of)))
+    return replace(plan, global_rows=sum(sum(ins) for ins in ins_of))
 
 
 def _name(code: int) -> str:

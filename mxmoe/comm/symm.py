@@ -5,27 +5,32 @@ fight for the same SMs and memory when overlapped); see docs/benchmarks.md. Here
 itself is the send: its stores go over NVLink into the receiving GPU's buffer, so the element and
 scale bytes cross the link once, at the rate of the link, with no staging copy and no NCCL kernel.
 
-One exchange on rank `me` of W ranks, with the split matrix M[src][dst] (rows src sends to dst)
-known to every rank (from the checked plan, or one small all_gather):
-  * Every rank has a workspace (torch symmetric memory, one per process group and device) of two
-    halves used by alternate exchanges. A half holds the rows the rank receives, in the order of its
-    output: elements (cap, C) then scales (cap, C // 32), where cap is the largest number of rows any
-    rank receives (the same on every rank, so every rank computes the same layout).
-  * The own rows never leave the GPU: on a side stream they are quantized and dequantized straight
-    into their output rows (`qdq_into`; the dispatch quantizes them into its output).
-  * For each peer p: the rows for p are quantized by the dim0 cast kernel with p's workspace as its
-    output, at the rows where p's output keeps rank `me`'s rows.
+Layout. Every rank has a workspace (torch symmetric memory, one per process group and device, size
+MXMOE_SYMM_WORKSPACE_MB, default 1024) of two halves used by alternate exchanges. A half has one slot
+per peer; a slot holds up to `slot_rows` rows (elements (slot_rows, C), then scales (slot_rows, C//32)).
+Rows from source s sit in slot (s - r - 1) mod W of receiver r, from row 0. So a rank needs only its
+own splits: where its rows go in a peer, and where a peer's rows are in its own slots, follow from
+the ranks alone (no split matrix, no collective, no host sync).
+
+One exchange on rank `me` of W ranks:
+  * For each peer p (staggered: me+1, me+2, ...): the dim0 cast kernel, with few programs
+    (MXMOE_SYMM_STORE_PROGRAMS, default 32: NVLink is the limit, so the other SMs stay free), stores
+    the rows for p into p's slot for `me`.
+  * Meanwhile, on a side stream, the own rows are quantized and dequantized straight into their output
+    rows (`qdq_into`; the dispatch quantizes them into its output).
+  * A pair whose rows exceed slot_rows (both ends see it: it is input_splits[p] on one side and
+    output_splits[me] on the other) goes through NCCL send/recv instead.
   * A device-side barrier of the group (release/acquire at system scope): every rank's stores are
     done and visible.
-  * The received rows are dequantized from the own workspace into the output (at most two launches:
-    the rows before and after the own ones), or copied out for the dispatch.
+  * Each received slot is dequantized into its output rows (or copied out, for the dispatch).
 Alternate halves make a barrier before the stores unnecessary: a rank writing half h of exchange n
 has passed the barrier of exchange n-1, which every peer reached only after reading half h for
 exchange n-2.
 
-Every rank must make the same exchanges in the same order (as with any collective). The barrier
-waits at most MXMOE_SYMM_TIMEOUT_MS milliseconds (default 300000), then traps: the process fails with
-a CUDA error instead of hanging. NVLink multicast is never used (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+Every rank must make the same exchanges in the same order (as with any collective), with consistent
+splits. The barrier waits at most MXMOE_SYMM_TIMEOUT_MS milliseconds (default 300000), then traps:
+the process fails with a CUDA error instead of hanging. NVLink multicast is never used
+(TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from mxmoe.quant.kernels import backend, resolve_kernel
 ELEM_DTYPE = torch.float8_e4m3fn
 _SPEC = make_spec(BLOCK_SIZE, "rceil", ELEM_DTYPE)
 _ALIGN = 256  # bytes: region starts
-MIN_WORKSPACE_BYTES = 64 << 20
+WORKSPACE_BYTES = int(os.environ.get("MXMOE_SYMM_WORKSPACE_MB", "1024")) << 20
+STORE_PROGRAMS = int(os.environ.get("MXMOE_SYMM_STORE_PROGRAMS", "32"))
 TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
 
 
@@ -57,30 +63,36 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where one exchange's received rows live in a workspace half (bytes from the half's start)."""
+    """The slots of one workspace half for rows of `dim` elements among `world` ranks."""
 
-    cap: int  # rows
+    world: int
     dim: int
+    half_bytes: int
 
     @property
-    def q_bytes(self) -> int:
-        return _align(self.cap * self.dim)
+    def slot_rows(self) -> int:
+        per_row = self.dim + self.dim // BLOCK_SIZE
+        slots = max(1, self.world - 1)
+        return max(0, (self.half_bytes // slots - 2 * _ALIGN) // per_row)
 
     @property
-    def nbytes(self) -> int:
-        return self.q_bytes + _align(self.cap * (self.dim // BLOCK_SIZE))
+    def slot_bytes(self) -> int:
+        return self.half_bytes // max(1, self.world - 1) // _ALIGN * _ALIGN
 
-    def regions(self, buf: Tensor, base: int) -> tuple[Tensor, Tensor]:
-        """(elements (cap, dim) uint8, scales (cap, dim // 32) uint8) in `buf` (1D uint8) at `base`."""
-        q = buf[base : base + self.cap * self.dim].view(self.cap, self.dim)
-        s0 = base + self.q_bytes
-        s = buf[s0 : s0 + self.cap * (self.dim // BLOCK_SIZE)].view(self.cap, self.dim // BLOCK_SIZE)
-        return q, s
+    def slot(self, buf: Tensor, base: int, src: int, dst: int) -> tuple[Tensor, Tensor]:
+        """Slot of source rank `src` in receiver `dst`'s half at byte `base` of `buf` (1D uint8, dst's
+        workspace): (elements (slot_rows, dim) uint8, scales (slot_rows, dim // 32) uint8)."""
+        n, d, sd = self.slot_rows, self.dim, self.dim // BLOCK_SIZE
+        start = base + ((src - dst - 1) % self.world) * self.slot_bytes
+        q = buf[start : start + n * d].view(n, d)
+        s0 = start + _align(n * d)
+        return q, buf[s0 : s0 + n * sd].view(n, sd)
 
 
 class SymmWorkspace:
     """A symmetric-memory buffer of one process group on one device, with every rank's buffer mapped
-    here (`buffers[r]`, 1D uint8) and the group's device barrier."""
+    here (`buffers[r]`, 1D uint8), the group's device barrier, and NCCL send/recv for the rows that
+    do not fit."""
 
     _cache: dict[tuple[str, int], SymmWorkspace] = {}
     _lock = threading.Lock()
@@ -91,7 +103,6 @@ class SymmWorkspace:
         self.nbytes = 0
         self.buffers: list[Tensor] = []
         self._handle = None
-        self._keep: list = []  # earlier buffers: peers may still hold mappings of them
         self._calls = 0
 
     @classmethod
@@ -104,27 +115,20 @@ class SymmWorkspace:
                 cls._cache[key] = cls(g, torch.device("cuda", idx))
             return cls._cache[key]
 
-    def ensure(self, half_bytes: int) -> None:
-        """Grow (collectively: every rank calls this with the same size) so that a half holds
-        half_bytes."""
-        need = 2 * _align(half_bytes)
-        if need <= self.nbytes:
+    def ensure(self) -> None:
+        """Allocate and map the workspace (collective: the first exchange of every rank calls it)."""
+        if self._handle is not None:
             return
         import torch.distributed._symmetric_memory as symm_mem
 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        size = max(MIN_WORKSPACE_BYTES, 1 << (need - 1).bit_length())
-        # Nothing queued on this device may still use the old buffers' layout.
-        torch.cuda.synchronize(self.device)
-        if self._handle is not None:
-            self._keep.append((self.buffers, self._handle))
-        t = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
+        t = symm_mem.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(t, self.group)
         self.buffers = [
-            t if r == handle.rank else handle.get_buffer(r, (size,), torch.uint8)
+            t if r == handle.rank else handle.get_buffer(r, (WORKSPACE_BYTES,), torch.uint8)
             for r in range(handle.world_size)
         ]
-        self._handle, self.nbytes, self._calls = handle, size, 0
+        self._handle, self.nbytes = handle, WORKSPACE_BYTES
 
     def next_base(self) -> int:
         """Byte offset of the half the next exchange uses (halves alternate)."""
@@ -134,6 +138,17 @@ class SymmWorkspace:
 
     def barrier(self) -> None:
         self._handle.barrier(channel=0, timeout_ms=TIMEOUT_MS)
+
+    def send_recv(self, sends: dict[int, tuple[Tensor, ...]], recvs: dict[int, tuple[Tensor, ...]]) -> None:
+        """NCCL point-to-point: sends[p] to group rank p, recvs[s] from group rank s (the current
+        stream waits for them)."""
+        ops = []
+        for p, ts in sends.items():
+            ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(self.group, p), self.group) for t in ts]
+        for s, ts in recvs.items():
+            ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(self.group, s), self.group) for t in ts]
+        for w in dist.batch_isend_irecv(ops) if ops else []:
+            w.wait()
 
 
 _usable: dict[str, bool] = {}
@@ -165,50 +180,48 @@ def symm_usable(group, device: torch.device) -> bool:
     return _usable[key]
 
 
-def gather_matrix(input_splits, group, device: torch.device) -> tuple[tuple[int, ...], ...]:
-    """M[r][p] = rows rank r sends to rank p, from every rank's input_splits (one all_gather)."""
-    mine = torch.tensor(list(input_splits), dtype=torch.int64, device=device)
-    world = mine.numel()
-    out = torch.empty(world * world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine, group=group)
-    m = out.view(world, world).tolist()
-    return tuple(tuple(r) for r in m)
 
+def symm_mx_exchange(
+    x: Tensor, input_splits, output_splits, me: int, ws, kernel: str, dequant: bool,
+    self_qdq_impl: str = "auto",
+):
+    """One MXFP8 exchange of x's rows (x (sum(input_splits), C), contiguous) through workspace `ws`
+    (a SymmWorkspace, or any object with its `buffers`, `nbytes`, `ensure`, `next_base`, `barrier` and
+    `send_recv`).
 
-def _ranges_without(n_rows: int, start: int, length: int) -> list[tuple[int, int]]:
-    """[0, n_rows) minus [start, start + length), as (start, stop) pairs of nonempty ranges."""
-    return [(a, b) for a, b in ((0, start), (start + length, n_rows)) if b > a]
-
-
-def symm_mx_exchange(x: Tensor, matrix, me: int, ws, kernel: str, dequant: bool, self_qdq_impl: str = "auto"):
-    """One MXFP8 exchange of x's rows (x (sum(matrix[me]), C), contiguous) through workspace `ws`
-    (a SymmWorkspace, or any object with its `buffers`, `ensure`, `next_base` and `barrier`).
-
-    Returns y (rows_out, C) in x.dtype (dequant) or (q (rows_out, C) e4m3, s (rows_out, C // 32)
-    e8m0) in the output order: rows by source rank. Bit for bit the reference exchange."""
-    world = len(matrix)
+    Returns y (sum(output_splits), C) in x.dtype (dequant) or (q e4m3, s e8m0) rows, in the output
+    order (rows by source rank). Bit for bit the reference exchange."""
+    world = len(input_splits)
     dim = x.shape[1]
     sdim = dim // BLOCK_SIZE
-    ins = matrix[me]
-    outs = [matrix[s][me] for s in range(world)]
-    in_off = offsets(ins)
+    ins, outs = list(input_splits), list(output_splits)
+    in_off, out_off = offsets(ins), offsets(outs)
     rows_out = sum(outs)
-    recv_counts = [sum(matrix[s][r] for s in range(world)) for r in range(world)]
-    layout = Layout(cap=max(recv_counts + [1]), dim=dim)
-    ws.ensure(layout.nbytes)
+    ws.ensure()
+    lay = Layout(world, dim, ws.nbytes // 2)
+    cap = lay.slot_rows
     base = ws.next_base()
     quant_kernel = resolve_kernel(kernel, x.device, "dim0")
     cast = backend(quant_kernel)
     dev = x.device
+    cuda = x.is_cuda
+    store_kw = {"programs": STORE_PROGRAMS} if cuda and quant_kernel == "triton" else {}
 
     if dequant:
         y = torch.empty((rows_out, dim), dtype=x.dtype, device=dev)
     else:
         q_out = torch.empty((rows_out, dim), dtype=ELEM_DTYPE, device=dev)
         s_out = torch.empty((rows_out, sdim), dtype=torch.float8_e8m0fnu, device=dev)
-    my_out = offsets(outs)[me]
 
-    cuda = x.is_cuda
+    peers = [(me + i) % world for i in range(1, world)]
+    # 1. Stores into the peers' slots for me (few programs: NVLink-bound).
+    for p in peers:
+        n = ins[p]
+        if 0 < n <= cap:
+            q_dst, s_dst = lay.slot(ws.buffers[p], base, me, p)
+            cast.quantize_dim0(x[in_off[p] : in_off[p] + n], _SPEC, out=(q_dst[:n], s_dst[:n]), **store_kw)
+
+    # 2. The own rows, on a side stream, on the SMs the stores leave free.
     side = None
     if cuda:
         cur = torch.cuda.current_stream(dev)
@@ -217,40 +230,53 @@ def symm_mx_exchange(x: Tensor, matrix, me: int, ws, kernel: str, dequant: bool,
     n_self = ins[me]
     if n_self:
         xs = x[in_off[me] : in_off[me] + n_self]
+        o0 = out_off[me]
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             if dequant:
-                qdq_into(xs, y[my_out : my_out + n_self], kernel, impl=self_qdq_impl)
+                qdq_into(xs, y[o0 : o0 + n_self], kernel, impl=self_qdq_impl)
             else:
-                cast.quantize_dim0(
-                    xs, _SPEC, out=(q_out[my_out : my_out + n_self], s_out[my_out : my_out + n_self])
-                )
+                cast.quantize_dim0(xs, _SPEC, out=(q_out[o0 : o0 + n_self], s_out[o0 : o0 + n_self]))
 
-    # The peers' rows, peer after peer in a staggered order (me+1, me+2, ...).
-    peers = [(me + i) % world for i in range(1, world) if ins[(me + i) % world]]
-    # The cast kernel stores straight into each peer's half, at the rows p's output keeps for me.
-    for p in peers:
-        n, at = ins[p], sum(matrix[s][p] for s in range(me))
-        q_dst, s_dst = layout.regions(ws.buffers[p], base)
-        cast.quantize_dim0(x[in_off[p] : in_off[p] + n], _SPEC, out=(q_dst[at : at + n], s_dst[at : at + n]))
+    # 3. Pairs that do not fit a slot: NCCL send/recv (both ends know).
+    sends = {
+        p: tuple(t.view(torch.uint8) for t in cast.quantize_dim0(x[in_off[p] : in_off[p] + ins[p]], _SPEC))
+        for p in peers
+        if ins[p] > cap
+    }
+    recvs = {
+        s: (torch.empty((outs[s], dim), dtype=torch.uint8, device=dev),
+            torch.empty((outs[s], sdim), dtype=torch.uint8, device=dev))
+        for s in peers
+        if outs[s] > cap
+    }
+    if sends or recvs:
+        ws.send_recv(sends, recvs)
+
+    # 4. Everyone's stores are done and visible.
     ws.barrier()
 
-    q_loc, s_loc = layout.regions(ws.buffers[me], base)
-    for a, b in _ranges_without(rows_out, my_out, n_self):
+    # 5. Received rows into the output.
+    for s in peers:
+        n = outs[s]
+        if not n:
+            continue
+        q_in, s_in = recvs[s] if s in recvs else (t[:n] for t in lay.slot(ws.buffers[me], base, s, me))
+        o0 = out_off[s]
         if dequant:
-            dequantize_into(q_loc[a:b], s_loc[a:b], y[a:b], kernel)
+            dequantize_into(q_in, s_in, y[o0 : o0 + n], kernel)
         else:
-            q_out[a:b].view(torch.uint8).copy_(q_loc[a:b])
-            s_out[a:b].view(torch.uint8).copy_(s_loc[a:b])
+            q_out[o0 : o0 + n].view(torch.uint8).copy_(q_in)
+            s_out[o0 : o0 + n].view(torch.uint8).copy_(s_in)
     if cuda:  # everything used on the side stream was allocated on (or before) `cur`, which waits
         cur.wait_stream(side)
     return y if dequant else (q_out, s_out)
 
 
-_side_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+_side_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device, which: int = 0) -> torch.cuda.Stream:
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if (idx, which) not in _side_streams:
-        _side_streams[idx, which] = torch.cuda.Stream(device=idx)
-    return _side_streams[idx, which]
+    if idx not in _side_streams:
+        _side_streams[idx] = torch.cuda.Stream(device=idx)
+    return _side_streams[idx]

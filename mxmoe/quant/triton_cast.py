@@ -324,6 +324,28 @@ def _dim0_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BS: tl.constexpr, NB: tl.constex
 
 
 @triton.jit
+def _dim0_persistent_kernel(x_ptr, q_ptr, s_ptr, n_blocks, tiles_per_program, n_programs, BS: tl.constexpr,
+                            NB: tl.constexpr,
+                            IN_BF16: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
+                            EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                            MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr, T127: tl.constexpr,
+                            T126: tl.constexpr, SOFT: tl.constexpr, GUARD: tl.constexpr, EVICT: tl.constexpr):
+    """_dim0_kernel's tiles, program p taking tiles p, p + P, p + 2P, ... (P programs): a few programs
+    keep the rest of the GPU free, e.g. while their stores travel to a peer GPU at NVLink speed."""
+    pid = tl.program_id(0)
+    b = tl.arange(0, NB)
+    offs = b[:, None] * BS + tl.arange(0, BS)[None, :]
+    for i in range(0, tiles_per_program):
+        blk0 = (pid + i * n_programs).to(tl.int64) * NB
+        bmask = b < n_blocks - blk0  # all false past the last tile
+        X = _load_bits(x_ptr + blk0 * BS, offs, bmask[:, None], IN_BF16, EVICT)
+        q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT,
+                         GUARD)
+        _store(q_ptr + blk0 * BS, offs, q, bmask[:, None], EVICT)
+        tl.store(s_ptr + blk0 + b, s, mask=bmask)
+
+
+@triton.jit
 def _dim1_kernel(x_ptr, q_ptr, s_ptr, R, C, BS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                  IN_BF16: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
                  MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
@@ -666,10 +688,13 @@ def _blocks_per_program(elems: int, bs: int, n_blocks: int) -> int:
     return max(1, min(nb, triton.next_power_of_2(max(1, n_blocks))))
 
 
-def quantize_dim0(x: torch.Tensor, spec: CastSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_dim0(
+    x: torch.Tensor, spec: CastSpec, out=None, programs: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (R, C) bf16/fp32 contiguous -> qdata (R, C) elem dtype, scale (R, C // bs) e8m0;
     blocks of bs consecutive elements along C. out: optional preallocated (q, s) to write into (any
-    memory the GPU can store to, e.g. a peer's buffer: see kernels.dim0_outputs)."""
+    memory the GPU can store to, e.g. a peer's buffer: see kernels.dim0_outputs). programs: run at
+    most this many programs, each looping over tiles (None: one program per tile; the same bytes)."""
     _check(x, 2)
     R, C = x.shape
     bs = spec.block_size
@@ -680,6 +705,19 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec, out=None) -> tuple[torch.Tens
         return q, s
     cfg = _config("dim0")
     nb = _blocks_per_program(cfg.dim0_elems, bs, n_blocks)
+    if programs is not None:
+        if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+            raise ValueError(f"programs={programs!r}; expected None or an int >= 1")
+    # (The interpreter of triton 3.6 cannot run loops with a runtime bound: it runs one program per tile.)
+    if programs is not None and not triton_interpret():
+        n_tiles = triton.cdiv(n_blocks, nb)
+        grid = min(programs, n_tiles)
+        _dim0_persistent_kernel[(grid,)](
+            _bits_view(x), q.view(torch.uint8), s.view(torch.uint8), n_blocks, triton.cdiv(n_tiles, grid),
+            grid, BS=bs, NB=nb,
+            IN_BF16=x.dtype == torch.bfloat16, num_warps=cfg.dim0_warps, **_spec_args(spec, x.device, cfg),
+        )
+        return q, s
     _dim0_kernel[(triton.cdiv(n_blocks, nb),)](
         _bits_view(x), q.view(torch.uint8), s.view(torch.uint8), n_blocks, BS=bs, NB=nb,
         IN_BF16=x.dtype == torch.bfloat16, num_warps=cfg.dim0_warps, **_spec_args(spec, x.device, cfg),

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from mxmoe.bench.timing import bench, environment, print_table, write_json
 from mxmoe.comm import all_to_all_hp, dequantize_into, qdq_into, to_mxfp8_a2a_dequant
+from mxmoe.comm import symm
 from mxmoe.comm.symm import Layout, SymmWorkspace, symm_mx_exchange
 from mxmoe.formats import make_spec
 from mxmoe.quant import triton_cast
@@ -47,20 +48,22 @@ def main(argv: list[str]) -> int:
     for n in [int(v) for v in args.rows.split(",")]:
         dim = args.dim
         splits = [n // world] * world
-        M = tuple(tuple(splits) for _ in range(world))
         xs = [torch.randn(n, dim, device=dev, dtype=torch.bfloat16) for _ in range(2)]
         half = n // world
         peer = (me + 1) % world
-        lay = Layout(cap=n, dim=dim)
-        ws.ensure(lay.nbytes)
-        qp, sp = lay.regions(ws.buffers[peer], 0)
+        ws.ensure()
+        qp, sp = Layout(world, dim, ws.nbytes // 2).slot(ws.buffers[peer], 0, me, peer)
         ql, sl = torch.empty(half, dim, dtype=torch.uint8, device=dev), torch.empty(half, dim // 32, dtype=torch.uint8, device=dev)
         out = torch.empty(half, dim, dtype=torch.bfloat16, device=dev)
         t = {}
         t["quantize_local"] = bench(lambda: triton_cast.quantize_dim0(xs[0][:half], SPEC, out=(ql, sl)), iters=30)
         dist.barrier()
-        t["quantize_into_peer"] = bench(lambda: triton_cast.quantize_dim0(xs[0][:half], SPEC, out=(qp[:half], sp[:half])), iters=30)
-        dist.barrier()
+        for prog in (None, 16, 32, 64):
+            t[f"quantize_into_peer programs={prog}"] = bench(
+                lambda prog=prog: triton_cast.quantize_dim0(xs[0][:half], SPEC, out=(qp[:half], sp[:half]), programs=prog),
+                iters=30,
+            )
+            dist.barrier()
 
         def ce():
             qp[:half].copy_(ql)
@@ -70,12 +73,14 @@ def main(argv: list[str]) -> int:
         t["barrier"] = bench(ws.barrier, iters=30)
         t["dequantize_into"] = bench(lambda: dequantize_into(ql, sl, out), iters=30)
         t["qdq_own_rows"] = bench(lambda: qdq_into(xs[0][:half], out), iters=30)
-        t["symm_matrix_given"] = bench(
-            lambda x: symm_mx_exchange(x, M, me, ws, "auto", True), [(x,) for x in xs], iters=30
-        )
+        for prog in (16, 32, 64, 132):
+            symm.STORE_PROGRAMS = prog
+            t[f"symm_exchange programs={prog}"] = bench(
+                lambda x: symm_mx_exchange(x, splits, splits, me, ws, "auto", True), [(x,) for x in xs], iters=30
+            )
+        symm.STORE_PROGRAMS = 32
         ops = {
             "api_symm_check_false": lambda x: to_mxfp8_a2a_dequant(x, splits, splits, check=False, transport="symm"),
-            "api_symm_check_true": lambda x: to_mxfp8_a2a_dequant(x, splits, splits, check=True, transport="symm"),
             "api_nccl_check_false": lambda x: to_mxfp8_a2a_dequant(x, splits, splits, check=False, transport="nccl"),
             "bf16_nccl": lambda x: all_to_all_hp(x, splits, splits, check=False),
         }
@@ -84,7 +89,7 @@ def main(argv: list[str]) -> int:
                 t[name] = bench(op, [(x,) for x in xs], iters=30)
         host = {}
         with torch.no_grad():
-            for name, op in [("symm_matrix_given", lambda x: symm_mx_exchange(x, M, me, ws, "auto", True))] + list(ops.items()):
+            for name, op in ops.items():
                 torch.cuda.synchronize()
                 dist.barrier()
                 h0 = time.perf_counter()
@@ -97,7 +102,7 @@ def main(argv: list[str]) -> int:
         for k, v in host.items():
             rows.append({"rows_per_rank": n, "stage": f"host {k}", "ms": v})
         if args.cprofile and n == min(int(v) for v in args.rows.split(",")):
-            _cprofile(me, {"symm": lambda x: symm_mx_exchange(x, M, me, ws, "auto", True), **ops}, xs)
+            _cprofile(me, ops, xs)
         del xs
         torch.cuda.empty_cache()
     say("")

@@ -32,8 +32,12 @@ def test_single_gpu_pipeline_matches_reference(dtype, chunks):
     assert_same_bits(a2a_dispatch_mxfp8(x0, [4099], [4099], chunks=chunks).dequantize(), yr.detach())
 
 
-def _nccl_worker(rank: int, world: int, port: int) -> None:
+def _nccl_worker(rank: int, world: int, port: int, workspace_bytes: int | None = None) -> None:
     torch.cuda.set_device(rank)
+    if workspace_bytes is not None:  # slots of a few rows: larger pairs take the NCCL send/recv fallback
+        from mxmoe.comm import symm
+
+        symm.WORKSPACE_BYTES = workspace_bytes
     dist.init_process_group(
         "nccl",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -55,5 +59,6 @@ def _nccl_worker(rank: int, world: int, port: int) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_two_gpus_nccl_matches_reference():
-    mp.spawn(_nccl_worker, args=(2, _free_port()), nprocs=2, join=True)
+@pytest.mark.parametrize("workspace_bytes", [None, 8192], ids=["default-workspace", "tiny-workspace"])
+def test_two_gpus_nccl_matches_reference(workspace_bytes):
+    mp.spawn(_nccl_worker, args=(2, _free_port(), workspace_bytes), nprocs=2, join=True)

@@ -17,7 +17,8 @@ from mxmoe.quant import custom_ops
 
 
 class FakeWorld:
-    """W ranks' workspaces, filled with garbage so that a row never written cannot pass."""
+    """W ranks' workspaces, filled with garbage so that a row never written cannot pass, and a mailbox
+    for the point-to-point fallback."""
 
     def __init__(self, world: int, nbytes: int) -> None:
         g = torch.Generator().manual_seed(0)
@@ -25,24 +26,41 @@ class FakeWorld:
             torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(world)
         ]
         self.sync = threading.Barrier(world, timeout=60)
-        self.ensured: list[int] = []
+        self.mail: dict[tuple[int, int], list] = {}  # (src, dst) -> [tensors...] per exchange, in order
+        self.posted = threading.Condition()
+        self.p2p_pairs: set[tuple[int, int]] = set()
 
 
 class FakeWorkspace:
-    def __init__(self, world: FakeWorld) -> None:
-        self.world, self.buffers, self._calls = world, world.buffers, 0
+    def __init__(self, world: FakeWorld, rank: int) -> None:
+        self.world, self.rank, self.buffers, self._calls = world, rank, world.buffers, 0
+        self.nbytes = self.buffers[0].numel()
 
-    def ensure(self, half_bytes: int) -> None:
-        self.world.ensured.append(half_bytes)
-        assert 2 * half_bytes <= self.buffers[0].numel(), "test workspace too small"
+    def ensure(self) -> None:
+        pass
 
     def next_base(self) -> int:
-        base = (self._calls % 2) * (self.buffers[0].numel() // 2)
+        base = (self._calls % 2) * (self.nbytes // 2)
         self._calls += 1
         return base
 
     def barrier(self) -> None:
         self.world.sync.wait()
+
+    def send_recv(self, sends, recvs) -> None:
+        """Pairwise, like NCCL send/recv: only the two ends of a pair take part."""
+        w = self.world
+        with w.posted:
+            for p, ts in sends.items():
+                w.mail.setdefault((self.rank, p), []).append(tuple(t.clone() for t in ts))
+                w.p2p_pairs.add((self.rank, p))
+            w.posted.notify_all()
+        for s, ts in recvs.items():
+            with w.posted:
+                assert w.posted.wait_for(lambda s=s: w.mail.get((s, self.rank)), timeout=60), "no send"
+                got = w.mail[s, self.rank].pop(0)
+            for dst, src in zip(ts, got, strict=True):
+                dst.copy_(src)
 
 
 def expected(xs: list[torch.Tensor], M, r: int, dequant: bool):
@@ -84,24 +102,28 @@ def run_ranks(fn, world: int) -> list:
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("kind", ["equal", "uneven", "zeros"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_symm_exchange_matches_routing(world, kind, dtype):
+@pytest.mark.parametrize("nbytes", [1 << 16, 3000], ids=["fits", "p2p"])
+def test_symm_exchange_matches_routing(world, kind, dtype, nbytes):
+    """nbytes 3000: slots of a few rows, so the larger pairs take the send/recv fallback."""
     dim = 64
     M = split_matrix(world, kind)
     Mt = [list(c) for c in zip(*M, strict=True)]
     xs = [make_rows(sum(M[r]), dim, dtype, seed=3 + r) for r in range(world)]
     gs = [make_rows(sum(Mt[r]), dim, dtype, seed=50 + r) for r in range(world)]
-    fw = FakeWorld(world, 1 << 16)
+    fw = FakeWorld(world, nbytes)
+    cap = Layout(world, dim, nbytes // 2).slot_rows
 
     def rank(r: int):
-        ws = FakeWorkspace(fw)
-        y = symm_mx_exchange(xs[r], M, r, ws, "torch", True)
-        q, s = symm_mx_exchange(xs[r], M, r, ws, "torch", False)
-        back = symm_mx_exchange(gs[r], Mt, r, ws, "torch", True)  # the backward's exchange
-        again = symm_mx_exchange(xs[r], M, r, ws, "torch", True)  # a half used before
+        ws = FakeWorkspace(fw, r)
+        ins, outs = M[r], Mt[r]
+        y = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", True)
+        q, s = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", False)
+        back = symm_mx_exchange(gs[r], outs, ins, r, ws, "torch", True)  # the backward's exchange
+        again = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", True)  # a half used before
         return y, q, s, back, again
 
     for r, (y, q, s, back, again) in enumerate(run_ranks(rank, world)):
-        what = f"rank {r} of {world}, {kind}, {dtype}"
+        what = f"rank {r} of {world}, {kind}, {dtype}, slots of {cap} rows"
         want = expected(xs, M, r, True)
         assert_same_bits(y, want, "forward " + what)
         assert_same_bits(again, want, "repeat " + what)
@@ -110,18 +132,30 @@ def test_symm_exchange_matches_routing(world, kind, dtype):
         assert torch.equal(s.view(torch.uint8), wsc.view(torch.uint8)), "dispatch scales " + what
         assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu
         assert_same_bits(back, expected(gs, Mt, r, True), "backward " + what)
-    # every rank asked for the same workspace size (the growth decision must agree)
-    per_call = [fw.ensured[i::4] for i in range(4)]
-    assert all(len(set(v)) == 1 for v in per_call), fw.ensured
+    big = {(a, b) for a in range(world) for b in range(world) if a != b and (M[a][b] > cap or M[b][a] > cap)}
+    assert fw.p2p_pairs <= big and (nbytes > 3000 or not big or fw.p2p_pairs), (fw.p2p_pairs, big)
+    if nbytes > 3000:
+        assert not fw.p2p_pairs
 
 
-def test_layout_regions_do_not_overlap():
-    lay = Layout(cap=1000, dim=96)
-    buf = torch.zeros(2 * lay.nbytes + 512, dtype=torch.uint8)
-    q, s = lay.regions(buf, 512)
-    q.fill_(1)
-    s.fill_(2)
-    assert int((buf == 1).sum()) == 1000 * 96 and int((buf == 2).sum()) == 1000 * 3
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_layout_slots_are_disjoint_and_inside_the_half(world):
+    dim, half = 96, 200_192  # a multiple of 256, like every real half (MiB multiples)
+    lay = Layout(world, dim, half)
+    assert lay.slot_rows > 0
+    buf = torch.zeros(2 * half, dtype=torch.uint8)
     b0 = buf.data_ptr()
-    assert (q.data_ptr() - b0) % 256 == 0 and (s.data_ptr() - b0) % 256 == 0
-    assert s.data_ptr() + s.numel() <= buf.data_ptr() + 512 + lay.nbytes
+    for base in (0, half):
+        for dst in range(world):
+            for src in (r for r in range(world) if r != dst):
+                q, s = lay.slot(buf, base, src, dst)
+                assert q.shape == (lay.slot_rows, dim) and s.shape == (lay.slot_rows, dim // 32)
+                assert (q.data_ptr() - b0) % 256 == 0 and (s.data_ptr() - b0) % 256 == 0
+                assert base <= q.data_ptr() - b0 and s.data_ptr() + s.numel() - b0 <= base + half
+                if dst == 0:  # every slot of one receiver marked once: no overlap
+                    q.add_(1)
+                    s.add_(1)
+        if base == 0:
+            assert int(buf.max()) == 1
+            assert int((buf == 1).sum()) == (world - 1) * lay.slot_rows * (dim + dim // 32)
+            buf.zero_()

@@ -51,3 +51,19 @@ def test_out_rejects_bad_buffers(kernel):
         cast(x, spec, out=(q.float(), s))
     with pytest.raises(TypeError, match="pair"):
         cast(x, spec, out=q)
+
+
+@pytest.mark.skipif("triton" not in KERNELS, reason="needs triton (GPU or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("programs", [1, 3, 1000])
+def test_triton_persistent_programs_match(programs):
+    """quantize_dim0(programs=P): P programs looping over the tiles give the same bytes."""
+    from mxmoe.quant import triton_cast
+
+    spec = make_spec(32, "rceil", torch.float8_e4m3fn)
+    x = make_rows(300, 128, torch.bfloat16, seed=9).to(DEVICE)
+    q_ref, s_ref = triton_cast.quantize_dim0(x, spec)
+    q, s = triton_cast.quantize_dim0(x, spec, programs=programs)  # 5 tiles of 256 blocks
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+    with pytest.raises(ValueError, match="programs=0"):
+        triton_cast.quantize_dim0(x, spec, programs=0)
