@@ -13,10 +13,10 @@ own splits: where its rows go in a peer, and where a peer's rows are in its own 
 the ranks alone (no split matrix, no collective, no host sync).
 
 One exchange on rank `me` of W ranks:
-  * For each peer p (staggered: me+1, me+2, ...): the dim0 cast kernel, with few programs
-    (MXMOE_SYMM_STORE_PROGRAMS, default 32: NVLink is the limit, so the other SMs stay free), stores
-    the rows for p into p's slot for `me`.
-  * Meanwhile, on a side stream, the own rows are quantized and dequantized straight into their output
+  * For each peer p (staggered: me+1, me+2, ...): the dim0 cast kernel stores the rows for p into
+    p's slot for `me` (MXMOE_SYMM_STORE_PROGRAMS=P limits it to P looping programs; fewer than one per
+    tile measured slower: NVLink stores need many SMs in flight).
+  * Then, on a side stream, the own rows are quantized and dequantized straight into their output
     rows (`qdq_into`; the dispatch quantizes them into its output).
   * A pair whose rows exceed slot_rows (both ends see it: it is input_splits[p] on one side and
     output_splits[me] on the other) goes through NCCL send/recv instead.
@@ -53,7 +53,9 @@ ELEM_DTYPE = torch.float8_e4m3fn
 _SPEC = make_spec(BLOCK_SIZE, "rceil", ELEM_DTYPE)
 _ALIGN = 256  # bytes: region starts
 WORKSPACE_BYTES = int(os.environ.get("MXMOE_SYMM_WORKSPACE_MB", "1024")) << 20
-STORE_PROGRAMS = int(os.environ.get("MXMOE_SYMM_STORE_PROGRAMS", "32"))
+# Programs of the cast kernel that stores into a peer (0: one per tile, the default: fewer measured slower,
+# NVLink stores need many SMs in flight; docs/benchmarks.md).
+STORE_PROGRAMS = int(os.environ.get("MXMOE_SYMM_STORE_PROGRAMS", "0"))
 TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
 
 
@@ -205,7 +207,7 @@ def symm_mx_exchange(
     cast = backend(quant_kernel)
     dev = x.device
     cuda = x.is_cuda
-    store_kw = {"programs": STORE_PROGRAMS} if cuda and quant_kernel == "triton" else {}
+    store_kw = {"programs": STORE_PROGRAMS} if STORE_PROGRAMS and cuda and quant_kernel == "triton" else {}
 
     if dequant:
         y = torch.empty((rows_out, dim), dtype=x.dtype, device=dev)
@@ -214,14 +216,14 @@ def symm_mx_exchange(
         s_out = torch.empty((rows_out, sdim), dtype=torch.float8_e8m0fnu, device=dev)
 
     peers = [(me + i) % world for i in range(1, world)]
-    # 1. Stores into the peers' slots for me (few programs: NVLink-bound).
+    # 1. Stores into the peers' slots for me.
     for p in peers:
         n = ins[p]
         if 0 < n <= cap:
             q_dst, s_dst = lay.slot(ws.buffers[p], base, me, p)
             cast.quantize_dim0(x[in_off[p] : in_off[p] + n], _SPEC, out=(q_dst[:n], s_dst[:n]), **store_kw)
 
-    # 2. The own rows, on a side stream, on the SMs the stores leave free.
+    # 2. The own rows, on a side stream.
     side = None
     if cuda:
         cur = torch.cuda.current_stream(dev)
