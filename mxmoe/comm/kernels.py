@@ -163,11 +163,12 @@ def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", imp
 
     q: (R, C) float8_e4m3fn (or its uint8 view), contiguous. s: (R, C // 32) float8_e8m0fnu (or
     uint8), contiguous. out: (R, C) bfloat16 or float32, contiguous (e.g. a row slice of a larger
-    contiguous tensor). impl: "triton" (the kernel above), "copy" (`custom_ops.dequantize` with
-    `kernel`, then a copy into `out`) or "auto" (triton on CUDA when available, else copy).
+    contiguous tensor). impl: "cuda" (the CUDA extension's dequantize, writing into `out`), "triton"
+    (the kernel above), "copy" (`custom_ops.dequantize` with `kernel`, then a copy into `out`) or
+    "auto" (cuda, else triton, on CUDA; copy elsewhere). All give the same bits.
     """
-    if impl not in ("auto", "triton", "copy"):
-        raise ValueError(f"impl={impl!r} is not one of 'auto', 'triton', 'copy'")
+    if impl not in ("auto", "cuda", "triton", "copy"):
+        raise ValueError(f"impl={impl!r} is not one of 'auto', 'cuda', 'triton', 'copy'")
     if q.dtype not in (torch.float8_e4m3fn, torch.uint8):
         raise TypeError(f"q has dtype {q.dtype}; expected torch.float8_e4m3fn (or its uint8 view)")
     if s.dtype not in (torch.float8_e8m0fnu, torch.uint8):
@@ -188,7 +189,16 @@ def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", imp
     if q.numel() == 0:
         return out
     if impl == "auto":
-        impl = "triton" if out.is_cuda and triton_usable(out.device) else "copy"
+        if out.is_cuda and resolve_kernel("auto", out.device, "dequant") == "cuda":
+            impl = "cuda"
+        else:
+            impl = "triton" if out.is_cuda and triton_usable(out.device) else "copy"
+    if impl == "cuda":
+        from mxmoe.quant import cuda_cast
+
+        resolve_kernel("cuda", out.device)  # a clear error where it cannot run
+        cuda_cast.dequantize(q.view(torch.float8_e4m3fn), s.view(torch.uint8), BLOCK_SIZE, out.dtype, out=out)
+        return out
     if impl == "copy":
         kernel = resolve_kernel(kernel, out.device)
         deq = custom_ops.dequantize(

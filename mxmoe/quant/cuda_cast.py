@@ -247,12 +247,18 @@ def quantize_dim0_dim1(
 
 
 def dequantize(
-    q: torch.Tensor, s: torch.Tensor, block_size: int, out_dtype: torch.dtype, variant: int | None = None
+    q: torch.Tensor,
+    s: torch.Tensor,
+    block_size: int,
+    out_dtype: torch.dtype,
+    variant: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: (R, C) float8_e4m3fn/e5m2 CUDA, s: (R, C // bs) float8_e8m0fnu (or uint8) -> (R, C) out_dtype
     (bf16 or fp32), contiguous. Value q * 2^(s-127) exact in fp32, one RNE rounding to out_dtype;
     NaN (scale 0xFF or element NaN) is written as the canonical quiet NaN.
-    `variant`: kernel variant (see resolve_variant)."""
+    `variant`: kernel variant (see resolve_variant). out: optional contiguous (R, C) out_dtype tensor
+    on q's device to write into (e.g. rows of a larger output)."""
     v = resolve_variant("dequant", variant)
     if not isinstance(q, torch.Tensor) or not isinstance(s, torch.Tensor):
         raise TypeError("q and s must be torch.Tensors")
@@ -275,7 +281,13 @@ def dequantize(
         )
     q = q.contiguous()
     s = s.contiguous()
-    out = torch.empty((R, C), dtype=out_dtype, device=q.device)
+    if out is None:
+        out = torch.empty((R, C), dtype=out_dtype, device=q.device)
+    elif not out.is_contiguous() or (out.dtype, out.shape, out.device) != (out_dtype, (R, C), q.device):
+        raise ValueError(
+            f"out is a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device} (contiguous: "
+            f"{out.is_contiguous()}); expected a contiguous {out_dtype} ({R}, {C}) tensor on {q.device}"
+        )
     if q.numel():
         ext = load_extension()
         with torch.cuda.device(q.device):

@@ -16,7 +16,7 @@ step build 240 python -c "from mxmoe.quant import cuda_cast; cuda_cast.load_exte
 grep -E "^\|" "$R/probe.log" | cut -c1-120
 step comm_tests 200 python -m pytest -v -m gpu -p no:cacheprovider --tb=short tests/comm
 grep -E "(PASSED|FAILED|ERROR)|^E  |passed|failed" "$R/comm_tests.log" | cut -c1-220 | tail -25
-step a2a 240 $TR -m mxmoe bench a2a --dims 5120 --transport symm,nccl --chunks auto --json "$R/a2a_2.json"
+step a2a 240 $TR -m mxmoe bench a2a --dims ${DIMS:-5120} --transport symm,nccl --chunks auto --json "$R/a2a_2.json"
 grep -E "^\| (forward|both)|exact|MISMATCH" "$R/a2a.log" | cut -c1-200
 [ -n "${EP:-1}" ] && step ep2_mxfp8 120 $TR -m mxmoe train --config configs/moe_1b_ep2.toml --model.converters=mx \
   --mx.recipe_name=mxfp8_rceil --parallelism.expert_parallel_degree=2 --training.steps=30 --metrics.log_freq=5 \

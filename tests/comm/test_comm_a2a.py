@@ -266,10 +266,11 @@ def test_dequantize_into_triton_matches_definition(dtype):
         q8, s8 = qq.view(torch.float8_e4m3fn), ss.view(torch.float8_e8m0fnu)
         expect = custom_ops.dequantize(q8, s8, 32, dtype, "torch")
         qq, ss = qq.to(device), ss.to(device)
-        big = torch.full((qq.shape[0] + 3, 32), 7.0, dtype=dtype, device=device)
-        dequantize_into(qq, ss, big[2:-1], impl="triton")
-        assert_same_bits(big[2:-1].cpu(), expect)
-        assert (big[:2] == 7).all() and (big[-1] == 7).all()  # nothing written outside the slice
+        for impl in ("triton", "cuda") if torch.cuda.is_available() else ("triton",):
+            big = torch.full((qq.shape[0] + 3, 32), 7.0, dtype=dtype, device=device)
+            dequantize_into(qq, ss, big[2:-1], impl=impl)
+            assert_same_bits(big[2:-1].cpu(), expect, impl)
+            assert (big[:2] == 7).all() and (big[-1] == 7).all()  # nothing written outside the slice
         out = torch.empty(qq.shape, dtype=dtype)
         assert_same_bits(dequantize_into(qq.cpu(), ss.cpu(), out, impl="copy"), expect, "copy")
 
@@ -314,6 +315,9 @@ def test_dequantize_into_rejects_bad_arguments():
         dequantize_into(q, s, torch.empty(4, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="impl"):
         dequantize_into(q, s, torch.empty(4, 64), impl="fast")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="kernel='cuda' needs a CUDA tensor"):
+            dequantize_into(q, s, torch.empty(4, 64), impl="cuda")
     with pytest.raises(TypeError, match="q has dtype torch.float8_e5m2"):
         dequantize_into(q.view(torch.float8_e5m2), s, torch.empty(4, 64))
     with pytest.raises(TypeError, match="q has dtype torch.bfloat16"):
