@@ -3,7 +3,7 @@
 # line streamed to $OUT/<part>.log (-v), so a part cut off by its time limit still says what ran.
 #   bash scripts/gpu/suite.sh [PART...]      (default: every part, one after another)
 # Parts (seen on 2026-11-29, one H200, other jobs sharing the host; give a part its own command):
-#   cuda      CUDA cast kernels, default variants, every input class   (1001 tests; ~5 min, 14 workers)
+#   cuda      CUDA cast kernels, default variants, every input class, dequantize variants (1014 tests; ~5 min)
 #   variants  every CUDA kernel variant: the slow tests                  (14 tests; > 5 min)
 #   casts     public API casts on every GPU backend, inductor, configs   (~890 tests; > 5 min)
 #   triton    Triton kernels, hardware and software rounding             (141 tests; ~2-3 min)

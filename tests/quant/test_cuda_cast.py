@@ -493,7 +493,25 @@ def test_variants_bitwise(cls):
 
 
 @pytest.mark.gpu
-@pytest.mark.slow  # every kernel variant: scripts/gpu/suite.sh runs these as their own part
+@pytest.mark.parametrize("cls", CLASSES)
+def test_dequant_variants_bitwise(cls):
+    """Every dequantize variant, every input class, mode, element type and output dtype: the dequantize
+    part of test_variants_bitwise on its own (quick), so the default GPU part checks the variants
+    that may become the default."""
+    for mode in MODES:
+        for elem in ELEMS:
+            spec = make_spec(32, mode, elem)
+            for shape in [(40, 224), (8, 4128), (3, 32)]:
+                q, s = torch_cast.quantize_dim0(make_input(cls, shape, torch.float32, elem, seed=14), spec)
+                qc, sc = q.cuda(), s.cuda()
+                for out_dtype in OUT_DTYPES:
+                    want = torch_cast.dequantize(q, s, 32, out_dtype)
+                    for v in range(cuda_cast.NUM_VARIANTS["dequant"]):
+                        got = cuda_cast.dequantize(qc, sc, 32, out_dtype, variant=v)
+                        assert_same_bits(got, want, f"dequant v{v} {shape} {cls} {mode} {elem} {out_dtype}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("elem", ELEMS, ids=str)
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 def test_dequant_variants_all_codes(elem, out_dtype):
