@@ -31,6 +31,7 @@ from mxmoe.comm import (
     dequantize_into,
     qdq_into,
     reference_mxfp8_a2a,
+    symm,
     to_mxfp8_a2a_dequant,
 )
 from mxmoe.comm.a2a import all_to_all_rows, quantize_rows
@@ -50,17 +51,26 @@ def _chunks(text: str) -> list[int | None]:
 
 def _transports(text: str) -> list[str]:
     out = [v for v in text.split(",") if v]
-    bad = [v for v in out if v not in ("auto", "nccl", "symm")]
+    bad = [v for v in out if v not in TRANSPORT_LABELS]
     if bad or not out:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of auto, nccl, symm")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of {', '.join(TRANSPORT_LABELS)}")
     return out
+
+
+# symm-copy / symm-store: transport "symm" with that mode of mxmoe.comm.symm (MXMOE_SYMM_MODE)
+TRANSPORT_LABELS = ("auto", "nccl", "symm", *(f"symm-{m}" for m in symm.MODES))
+
+
+def _api(label: str) -> tuple[str, str | None]:
+    """(transport argument, symm mode or None) of a --transport label."""
+    return ("symm", label[5:]) if label.startswith("symm-") else (label, None)
 
 
 def variants(transports: list[str], chunks: list[int | None]) -> list[tuple[str, int | None]]:
     """(transport, chunks) pairs to time, in order; symm takes no chunks, so it appears once."""
     out = []
     for t in transports:
-        for c in [None] if t == "symm" else chunks:
+        for c in [None] if t.startswith("symm") else chunks:
             if (t, c) not in out:
                 out.append((t, c))
     return out
@@ -147,7 +157,13 @@ def check_exact(
     x: torch.Tensor, g: torch.Tensor, outs, ins, chunks: int | None, kernel: str, transport: str = "auto"
 ) -> list[str]:
     """Names of the checks that are NOT bit-exact against the reference (forward and backward)."""
-    kw = dict(chunks=chunks, kernel=kernel, transport=transport)
+    transport, mode = _api(transport)
+    with symm.using_mode(mode):
+        return _check_exact(x, g, outs, ins, dict(chunks=chunks, kernel=kernel, transport=transport))
+
+
+def _check_exact(x, g, outs, ins, kw) -> list[str]:
+    kernel = kw["kernel"]
     failed = []
     xr = x.detach().clone().requires_grad_()
     yr = reference_mxfp8_a2a(xr, outs, ins, kernel=kernel)
@@ -227,9 +243,11 @@ def _bench_shape(xs, gs, splits, shape, world, args, rows, breakdown) -> None:
     for transport, chunks in args.variants:
 
         def mxfp8(t, chunks=chunks, transport=transport):
-            return to_mxfp8_a2a_dequant(
-                t, splits, splits, check=False, chunks=chunks, kernel=args.kernel, transport=transport
-            )
+            api, mode = _api(transport)
+            with symm.using_mode(mode):
+                return to_mxfp8_a2a_dequant(
+                    t, splits, splits, check=False, chunks=chunks, kernel=args.kernel, transport=api
+                )
 
         mx = _time_op(mxfp8, xs, gs, timed)
         fwd[transport, chunks] = mx["forward"]
@@ -240,17 +258,18 @@ def _bench_shape(xs, gs, splits, shape, world, args, rows, breakdown) -> None:
                     "input_shape": shape,
                     "num_splits": world,
                     "transport": transport,
-                    "chunks": "-" if transport == "symm" else "auto" if chunks is None else chunks,
+                    "chunks": "-" if transport.startswith("symm") else "auto" if chunks is None else chunks,
                     "bf16_ms": bf[part],
                     "mxfp8_ms": mx[part],
                     "speedup": bf[part] / mx[part],
                 }
             )
     transport, chunks = args.variants[0]
-    with torch.no_grad():
+    api, mode = _api(transport)
+    with torch.no_grad(), symm.using_mode(mode):
         checked = bench(
             lambda t: to_mxfp8_a2a_dequant(
-                t, splits, splits, check=True, chunks=chunks, kernel=args.kernel, transport=transport
+                t, splits, splits, check=True, chunks=chunks, kernel=args.kernel, transport=api
             ),
             [(x,) for x in xs],
             **timed,

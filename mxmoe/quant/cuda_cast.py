@@ -37,10 +37,10 @@ _ELEM_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 _KERNEL_ELEM_CONSTANTS = {torch.float8_e4m3fn: (8, 3, 448.0), torch.float8_e5m2: (15, 2, 57344.0)}
 
 # Number of variants per cast (csrc/mx_cast.h: MX_DIM0_VARIANTS, MX_DIM1_VARIANTS, MX_DEQUANT_VARIANTS).
-NUM_VARIANTS = {"dim0": 6, "dim1": 7, "dim0_dim1": 7, "dequant": 7}
+NUM_VARIANTS = {"dim0": 6, "dim1": 9, "dim0_dim1": 9, "dequant": 7}
 # Default variant per cast: edit after a sweep (scripts/gpu/sweep_cuda_cast.sh). "dim1" also covers
 # expert weights quantized along axis=-2, "dim0" along axis=-1.
-DEFAULT_VARIANTS = {"dim0": 4, "dim1": 6, "dim0_dim1": 5, "dequant": 0}
+DEFAULT_VARIANTS = {"dim0": 4, "dim1": 6, "dim0_dim1": 6, "dequant": 6}
 VARIANT_ENV = "MXMOE_CUDA_CAST_VARIANT"
 
 _lock = threading.Lock()

@@ -4,8 +4,8 @@
 
 Per shape (rows per rank x 5120, bf16, equal splits): the dim0 cast of the peers' rows into a local
 buffer and straight into the peer's buffer; a copy-engine copy of those bytes to the peer; the device
-barrier; dequantize of the received rows; the fused quantize+dequantize of the own rows; whole forward
-exchanges (symm copy / store modes with the split matrix given, the public API without it, NCCL, bf16);
+barrier; the flag wait kernel; dequantize of the received rows; the fused quantize+dequantize of the own rows; whole forward
+exchanges (store mode; copy mode with several piece sizes), the public API (copy, store, NCCL), bf16;
 and host time per call (enqueue only). CUDA-event medians, maximum over ranks (mxmoe.bench.timing).
 """
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mxmoe.bench.timing import bench, environment, print_table, write_json
 from mxmoe.comm import all_to_all_hp, dequantize_into, qdq_into, to_mxfp8_a2a_dequant
 from mxmoe.comm import symm
-from mxmoe.comm.symm import Layout, SymmWorkspace, symm_mx_exchange
+from mxmoe.comm.symm import Layout, SymmWorkspace, halves_bytes, symm_mx_exchange
 from mxmoe.formats import make_spec
 from mxmoe.quant import triton_cast
 
@@ -52,18 +52,16 @@ def main(argv: list[str]) -> int:
         half = n // world
         peer = (me + 1) % world
         ws.ensure()
-        qp, sp = Layout(world, dim, ws.nbytes // 2).slot(ws.buffers[peer], 0, me, peer)
-        ql, sl = torch.empty(half, dim, dtype=torch.uint8, device=dev), torch.empty(half, dim // 32, dtype=torch.uint8, device=dev)
+        qp, sp = Layout(world, dim, halves_bytes(ws.nbytes)).slot(ws.buffers[peer], 0, me, peer)
+        ql = torch.empty(half, dim, dtype=torch.uint8, device=dev)
+        sl = torch.empty(half, dim // 32, dtype=torch.uint8, device=dev)
         out = torch.empty(half, dim, dtype=torch.bfloat16, device=dev)
+        x0 = xs[0][:half]
         t = {}
-        t["quantize_local"] = bench(lambda: triton_cast.quantize_dim0(xs[0][:half], SPEC, out=(ql, sl)), iters=30)
+        t["quantize_local"] = bench(lambda: triton_cast.quantize_dim0(x0, SPEC, out=(ql, sl)), iters=30)
         dist.barrier()
-        for prog in (None, 16, 32, 64):
-            t[f"quantize_into_peer programs={prog}"] = bench(
-                lambda prog=prog: triton_cast.quantize_dim0(xs[0][:half], SPEC, out=(qp[:half], sp[:half]), programs=prog),
-                iters=30,
-            )
-            dist.barrier()
+        t["quantize_into_peer"] = bench(lambda: triton_cast.quantize_dim0(x0, SPEC, out=(qp[:half], sp[:half])), iters=30)
+        dist.barrier()
 
         def ce():
             qp[:half].copy_(ql)
@@ -71,17 +69,31 @@ def main(argv: list[str]) -> int:
 
         t["ce_copy_to_peer"] = bench(ce, iters=30)
         t["barrier"] = bench(ws.barrier, iters=30)
+        t["wait_flag (raised)"] = bench(lambda: ws.wait(0, 0), iters=30)
         t["dequantize_into"] = bench(lambda: dequantize_into(ql, sl, out), iters=30)
-        t["qdq_own_rows"] = bench(lambda: qdq_into(xs[0][:half], out), iters=30)
-        for prog in (16, 32, 64, 132):
-            symm.STORE_PROGRAMS = prog
-            t[f"symm_exchange programs={prog}"] = bench(
-                lambda x: symm_mx_exchange(x, splits, splits, me, ws, "auto", True), [(x,) for x in xs], iters=30
+        for cfg in ((64, 4), (32, 4), (128, 4), (128, 8), (256, 8)):
+            t[f"qdq_own_rows config={cfg}"] = bench(lambda cfg=cfg: qdq_into(x0, out, config=cfg), iters=30)
+        ex = {"store": ("store", symm.PIECE_ROWS)}
+        for pr in (4096, 8192, 16384, 1 << 30):
+            ex[f"copy piece_rows={pr}"] = ("copy", pr)
+        for name, (mode, pr) in ex.items():
+            symm.PIECE_ROWS = pr
+            t[f"symm_exchange {name}"] = bench(
+                lambda x, mode=mode: symm_mx_exchange(x, splits, splits, me, ws, "auto", True, mode=mode),
+                [(x,) for x in xs], iters=30,
             )
-        symm.STORE_PROGRAMS = 32
+        symm.PIECE_ROWS = 8192
+
+        def api(mode):
+            def f(x):
+                with symm.using_mode(mode):
+                    return to_mxfp8_a2a_dequant(x, splits, splits, check=False, transport="symm")
+            return f
+
         ops = {
-            "api_symm_check_false": lambda x: to_mxfp8_a2a_dequant(x, splits, splits, check=False, transport="symm"),
-            "api_nccl_check_false": lambda x: to_mxfp8_a2a_dequant(x, splits, splits, check=False, transport="nccl"),
+            "api_symm_copy": api("copy"),
+            "api_symm_store": api("store"),
+            "api_nccl": lambda x: to_mxfp8_a2a_dequant(x, splits, splits, check=False, transport="nccl"),
             "bf16_nccl": lambda x: all_to_all_hp(x, splits, splits, check=False),
         }
         with torch.no_grad():

@@ -298,10 +298,11 @@ def test_qdq_into_matches_quantize_then_dequantize(dtype):
         q, s = custom_ops.quantize_dim0(x, 32, "rceil", torch.float8_e4m3fn, "torch")
         expect = custom_ops.dequantize(q, s, 32, dtype, "torch")
         for force_slow in (True, False) if device == "cuda" else (True,):
-            big = torch.full((x.shape[0] + 2, x.shape[1]), 7.0, dtype=dtype, device=device)
-            qdq_into(x.to(device), big[1:-1], impl="triton", force_slow=force_slow)
-            assert_same_bits(big[1:-1].cpu(), expect, f"force_slow={force_slow}")
-            assert (big[0] == 7).all() and (big[-1] == 7).all()
+            for config in (None, (256, 8), (16, 1)):  # program sizes: masked tails, several programs
+                big = torch.full((x.shape[0] + 2, x.shape[1]), 7.0, dtype=dtype, device=device)
+                qdq_into(x.to(device), big[1:-1], impl="triton", force_slow=force_slow, config=config)
+                assert_same_bits(big[1:-1].cpu(), expect, f"force_slow={force_slow} config={config}")
+                assert (big[0] == 7).all() and (big[-1] == 7).all()
         out = torch.empty_like(x)
         assert_same_bits(qdq_into(x, out, impl="copy"), expect, "copy")
 
@@ -334,6 +335,8 @@ def test_dequantize_into_rejects_bad_arguments():
         qdq_into(torch.empty(4, 48), torch.empty(4, 48))
     with pytest.raises(TypeError, match="dtype"):
         qdq_into(torch.empty(4, 64), torch.empty(4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="config"):
+        qdq_into(torch.empty(4, 64), torch.empty(4, 64), config=(48, 4))
 
 
 def test_auto_pipeline_decision_is_the_same_on_every_rank():

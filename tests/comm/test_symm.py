@@ -1,7 +1,9 @@
-"""The symmetric-memory exchange's layout logic on CPU: W ranks as threads of one process, their
+"""The symmetric-memory exchange's layout and protocol on CPU: W ranks as threads of one process, their
 workspaces plain tensors that every thread can write (as NVLink peers can), the device barrier a
-thread barrier. Each rank's result must equal quantize -> route rows -> dequantize, for uneven and zero
-splits, both dtypes, the dispatch form, and consecutive exchanges (alternating halves, growing)."""
+thread barrier, a piece's flag a word of the receiver's workspace that its waits block on. Each rank's
+result must equal quantize -> route rows -> dequantize, for uneven and zero splits, both dtypes, the
+dispatch form, consecutive exchanges (alternating halves), both modes ("copy": pieces and flags,
+"store": stores and a barrier), one and many pieces per pair."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import pytest
 import torch
 from test_comm_a2a import assert_same_bits, make_rows, split_matrix
 
+from mxmoe.comm import symm
 from mxmoe.comm.splits import offsets
-from mxmoe.comm.symm import Layout, symm_mx_exchange
+from mxmoe.comm.symm import FLAG_BYTES, MAX_PIECES, Layout, halves_bytes, pieces, symm_mx_exchange
 from mxmoe.quant import custom_ops
 
 
@@ -25,6 +28,10 @@ class FakeWorld:
         self.buffers = [
             torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(world)
         ]
+        for b in self.buffers:  # as SymmWorkspace.ensure: the flags start at 0
+            b[nbytes - FLAG_BYTES :].zero_()
+        self.flags = [b[nbytes - FLAG_BYTES :].view(torch.int32) for b in self.buffers]
+        self.raised = threading.Condition()
         self.sync = threading.Barrier(world, timeout=60)
         self.mail: dict[tuple[int, int], list] = {}  # (src, dst) -> [tensors...] per exchange, in order
         self.posted = threading.Condition()
@@ -39,13 +46,26 @@ class FakeWorkspace:
     def ensure(self) -> None:
         pass
 
-    def next_base(self) -> int:
-        base = (self._calls % 2) * (self.nbytes // 2)
+    def next_epoch(self) -> int:
         self._calls += 1
-        return base
+        return self._calls
 
     def barrier(self) -> None:
         self.world.sync.wait()
+
+    def put(self, dst, src) -> None:
+        dst.copy_(src)
+
+    def signal(self, peer: int, index: int, value: int) -> None:
+        w = self.world
+        with w.raised:
+            w.flags[peer][index] = value
+            w.raised.notify_all()
+
+    def wait(self, index: int, value: int) -> None:
+        w = self.world
+        with w.raised:
+            assert w.raised.wait_for(lambda: int(w.flags[self.rank][index]) >= value, timeout=60), "no flag"
 
     def send_recv(self, sends, recvs) -> None:
         """Pairwise, like NCCL send/recv: only the two ends of a pair take part."""
@@ -102,24 +122,28 @@ def run_ranks(fn, world: int) -> list:
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("kind", ["equal", "uneven", "zeros"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("nbytes", [1 << 16, 3000], ids=["fits", "p2p"])
-def test_symm_exchange_matches_routing(world, kind, dtype, nbytes):
-    """nbytes 3000: slots of a few rows, so the larger pairs take the send/recv fallback."""
+@pytest.mark.parametrize("nbytes", [(1 << 16) + FLAG_BYTES, 3000 + FLAG_BYTES], ids=["fits", "p2p"])
+@pytest.mark.parametrize("mode,piece_rows", [("copy", 8192), ("copy", 3), ("store", 8192)],
+                         ids=["copy", "copy-pieces", "store"])
+def test_symm_exchange_matches_routing(world, kind, dtype, nbytes, mode, piece_rows, monkeypatch):
+    """nbytes 3000 (+ flags): slots of a few rows, so the larger pairs take the send/recv fallback.
+    piece_rows 3: many pieces per pair (each with its flag)."""
+    monkeypatch.setattr(symm, "PIECE_ROWS", piece_rows)
     dim = 64
     M = split_matrix(world, kind)
     Mt = [list(c) for c in zip(*M, strict=True)]
     xs = [make_rows(sum(M[r]), dim, dtype, seed=3 + r) for r in range(world)]
     gs = [make_rows(sum(Mt[r]), dim, dtype, seed=50 + r) for r in range(world)]
     fw = FakeWorld(world, nbytes)
-    cap = Layout(world, dim, nbytes // 2).slot_rows
+    cap = Layout(world, dim, halves_bytes(nbytes)).slot_rows
 
     def rank(r: int):
         ws = FakeWorkspace(fw, r)
         ins, outs = M[r], Mt[r]
-        y = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", True)
-        q, s = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", False)
-        back = symm_mx_exchange(gs[r], outs, ins, r, ws, "torch", True)  # the backward's exchange
-        again = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", True)  # a half used before
+        y = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", True, mode=mode)
+        q, s = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", False, mode=mode)
+        back = symm_mx_exchange(gs[r], outs, ins, r, ws, "torch", True, mode=mode)  # the backward's
+        again = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", True, mode=mode)  # a half used before
         return y, q, s, back, again
 
     for r, (y, q, s, back, again) in enumerate(run_ranks(rank, world)):
@@ -134,8 +158,43 @@ def test_symm_exchange_matches_routing(world, kind, dtype, nbytes):
         assert_same_bits(back, expected(gs, Mt, r, True), "backward " + what)
     big = {(a, b) for a in range(world) for b in range(world) if a != b and (M[a][b] > cap or M[b][a] > cap)}
     assert fw.p2p_pairs <= big and (nbytes > 3000 or not big or fw.p2p_pairs), (fw.p2p_pairs, big)
-    if nbytes > 3000:
+    if nbytes > 3000 + FLAG_BYTES:
         assert not fw.p2p_pairs
+    if mode == "copy":  # every pair that used a slot raised each of its pieces' flags, 4 exchanges
+        for dst in range(world):
+            for src in (s for s in range(world) if s != dst):
+                n = max(M[src][dst], M[dst][src])
+                if n <= cap:
+                    idx = symm.flag_index(src, dst, world, 0)
+                    assert int(fw.flags[dst][idx]) == 4, (src, dst)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 100, 8191, 8192, 8193, 65536, 10**6])
+@pytest.mark.parametrize("piece_rows", [1, 3, 8192])
+def test_pieces_cover_the_rows_in_order(n, piece_rows, monkeypatch):
+    monkeypatch.setattr(symm, "PIECE_ROWS", piece_rows)
+    ps = pieces(n)
+    assert 1 <= len(ps) <= MAX_PIECES
+    assert ps[0][0] == 0 and ps[-1][1] == n
+    assert all(b0 == a1 for (_, b0), (a1, _) in zip(ps, ps[1:], strict=False))
+    sizes = [b - a for a, b in ps]
+    assert max(sizes) - min(sizes) <= 1 and (n == 0 or min(sizes) >= 1)
+    assert len(ps) == min(MAX_PIECES, max(1, -(-n // piece_rows)))
+
+
+def test_flag_words_fit_and_differ():
+    for world in (2, 3, 8):
+        seen = {symm.flag_index(s, d, world, i) for d in range(world) for s in range(world) if s != d
+                for i in range(MAX_PIECES)}
+        per_dst = (world - 1) * MAX_PIECES
+        assert max(seen) < per_dst <= FLAG_BYTES // 4
+        words = {symm.flag_index(s, 0, world, i) for s in range(1, world) for i in range(MAX_PIECES)}
+        assert len(words) == per_dst
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="MXMOE_SYMM_MODE='fast'"):
+        symm_mx_exchange(torch.zeros(4, 32), [4], [4], 0, None, "torch", True, mode="fast")
 
 
 @pytest.mark.parametrize("world", [2, 3, 8])

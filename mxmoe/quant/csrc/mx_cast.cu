@@ -19,8 +19,9 @@
 //                     4-byte scale stores. Arbitrary cols (masked), rows a multiple of 32, batch via
 //                     the grid index.
 //   dim0+dim1:        the dim1 kernel also quantizes the shared-memory tile along its rows.
-//   dim1 / dim0+dim1 variants 3 .. 6: dim1_tile_kernel (TR x TC tiles, column-pair quantization,
-//                     16-byte fused dim0 stores; see there and mx_cast.h).
+//   dim1 / dim0+dim1 variants 3 .. 8: dim1_tile_kernel (TR x TC tiles, column-pair quantization,
+//                     16-byte fused dim0 stores; 7, 8: shuffle-free fused dim0 part by row owners
+//                     on a padded tile; see there and mx_cast.h).
 //   dequantize:       256 threads, each 16 output bytes per vector (8 bf16 / 4 fp32), 4 in flight.
 //   dequantize variants 4 .. 6: dequant_flat_kernel, one-shot grid, 4- / 8-byte fp8 loads, one or
 //                     two vectors per thread (see mx_cast.h).
@@ -79,9 +80,9 @@ __device__ __forceinline__ uint32_t f32_bits(Raw<IN> v) {
   }
 }
 
-// fp32 bits of element j of a 16-byte vector held as four 32-bit words (little endian).
-template <int IN>
-__device__ __forceinline__ uint32_t vec_bits(const uint32_t (&w)[4], int j) {
+// fp32 bits of element j of N 32-bit words of input (a 16-byte vector: N = 4; little endian).
+template <int IN, int N>
+__device__ __forceinline__ uint32_t vec_bits(const uint32_t (&w)[N], int j) {
   if constexpr (IN == MX_BF16) {
     return (j & 1) ? (w[j >> 1] & 0xFFFF0000u) : (w[j >> 1] << 16);
   } else {
@@ -98,15 +99,17 @@ __device__ __forceinline__ float mul_rn(float a, float b) {
 
 // Unbiased block exponent e in [-127, 127] from the amax bit pattern A of a finite block
 // (torch_cast.scale_exponent). For a non-finite A the value is unused (but well defined).
-template <int ELEM>
+// FM >= 0: the mode is that compile-time constant (p.mode is ignored; the launcher dispatched on it).
+template <int ELEM, int FM = -1>
 __device__ __forceinline__ int block_exponent(uint32_t A, const ScaleArgs& p) {
   constexpr int emax = Elem<ELEM>::emax;
+  const int mode = FM >= 0 ? FM : p.mode;
   int e;
-  if (p.mode == MX_FLOOR) {
+  if (mode == MX_FLOOR) {
     e = static_cast<int>(A >> 23) - 127 - emax;
-  } else if (p.mode == MX_CEIL) {
+  } else if (mode == MX_CEIL) {
     e = static_cast<int>(A >> 23) - 127 + ((A & 0x7FFFFFu) != 0u) - emax;
-  } else if (p.mode == MX_EVEN) {
+  } else if (mode == MX_EVEN) {
     e = static_cast<int>((A + (1u << (22 - Elem<ELEM>::mbits))) >> 23) - 127 - emax;
   } else {  // RCEIL: the fp32 product is only formed where it is a normal number
     if (A <= p.t127) {
@@ -152,17 +155,25 @@ __device__ __forceinline__ uint32_t quant4(uint32_t x0, uint32_t x1, uint32_t x2
 
 // One 16-byte input vector of a 32-element block shared by LPB consecutive lanes: amax across the
 // lanes, then VEC fp8 bytes in out[0 .. VEC/4). Every lane of the warp must call it (shuffles).
-template <int IN, int ELEM, bool CLAMP = true>
+// bf16: the amax of the vector by packed 16x2 integer max of the absolute bit patterns (then the two
+// halves as fp32 bit patterns), fp32: one max per element.
+template <int IN, int ELEM, bool CLAMP = true, int FM = -1>
 __device__ __forceinline__ uint32_t quantize_vec32(const uint4& v, const ScaleArgs& p, uint32_t (&out)[4]) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
   constexpr int LPB = 32 / VEC;
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   uint32_t A = 0;
+  if constexpr (IN == MX_BF16) {
+    const uint32_t M = __vmaxu2(__vmaxu2(w[0] & 0x7FFF7FFFu, w[1] & 0x7FFF7FFFu),
+                                __vmaxu2(w[2] & 0x7FFF7FFFu, w[3] & 0x7FFF7FFFu));
+    A = max(M << 16, M & 0xFFFF0000u);
+  } else {
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) A = max(A, vec_bits<IN>(w, j) & kAbsMask);
+    for (int j = 0; j < VEC; ++j) A = max(A, vec_bits<IN>(w, j) & kAbsMask);
+  }
 #pragma unroll
   for (int o = 1; o < LPB; o <<= 1) A = max(A, __shfl_xor_sync(0xFFFFFFFFu, A, o));
-  const int e = block_exponent<ELEM>(A, p);
+  const int e = block_exponent<ELEM, FM>(A, p);
   const float r = recip_pow2(e);
   const bool nonfinite = A >= kInfBits;
 #pragma unroll
@@ -629,40 +640,136 @@ __global__ void __launch_bounds__(kThreads)
 //  - fused dim0 part: each thread quantizes 16-byte vectors of the shared tile along its rows
 //    (quantize_vec32), G vectors at a time; group_transpose gives each lane 16 contiguous fp8 bytes
 //    (one 16-byte store) and the row's first lane gathers the TC / 32 scale bytes of the tile row
-//    (shuffles) and writes them with one 2- / 4-byte store where aligned.
+//    (shuffles) and writes them with one 2- / 4-byte store where aligned;
+//  - ROWS = true: shuffle-free fused dim0 part by row owners (see dim0_rows); the input tile's
+//    row pitch is padded by 16 bytes (TC * sizeof(in) + 16, a multiple of 16 for cp.async, and
+//    16 mod 128 so that 32 lanes reading the same 16-byte column of 32 consecutive rows hit
+//    distinct banks in each quarter-warp). The loads and phase 2 use the same padded pitch (their
+//    accesses stay conflict-free: a warp's lanes read along one or two rows).
 // Needs x 16-byte aligned and C % VEC == 0 (the launcher falls back to variant 0 otherwise);
 // arbitrary C (masked), R % 32 == 0, batch via the grid index.
 constexpr int kLdCpAsync = 3;
 
-template <int IN, int TR, int TC>
+template <int IN, int TR, int TC, bool ROWS = false>
 struct TileSmem {
-  static constexpr int kTile = TR * TC * static_cast<int>(sizeof(Raw<IN>));
+  static constexpr int kRowPitch = TC * static_cast<int>(sizeof(Raw<IN>)) + (ROWS ? 16 : 0);  // input tile, bytes
+  static constexpr int kTile = TR * kRowPitch;
   static constexpr int kPitch = TR + 16;  // transposed fp8 tile pitch
   static constexpr int kQt = TC * kPitch;
   static constexpr int kBytes = kTile + kQt + TC * (TR / 32);
+  static_assert(kRowPitch % 16 == 0 && (!ROWS || kRowPitch % 128 == 16), "16-byte aligned rows; padded: 16 mod 128");
 };
 
 // Packed amax of two bf16 bit patterns per word (per 16-bit half; unsigned).
 __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) { return __vmaxu2(a, b); }
 
-template <int IN, int ELEM, bool FUSED, int TR, int TC, int LD, int STH, int MINB>
+// Fused dim0 part of dim1_tile_kernel<ROWS = true>: shuffle-free, by row owners. Unit
+// u = k * kThreads + tid is BPT consecutive 32-element blocks (segment u / TR) of tile row u % TR:
+// whole tile rows where TR >= kThreads, halves (quarters, ...) where TR < kThreads, so that every
+// thread has work; the lanes of a warp own 32 consecutive rows. Per block: 4 (bf16) / 8 (fp32)
+// 16-byte shared reads of the same columns in every lane (conflict-free with the padded pitch),
+// amax by packed integer max of the absolute bit patterns, block_exponent / quant4 / scale_byte as
+// quantize_vec32 (kNan4 words for a non-finite block), and the block's 32 fp8 bytes as two 16-byte
+// stores straight to q0 (r * C + c is a multiple of 32). The unit's BPT scale bytes go out as one
+// BPT-byte store where s0_wide (s0 NBC-byte aligned, (C / 32) % NBC == 0) and the unit's blocks are
+// all inside the tensor, else byte by byte. Rows r >= R and blocks past C (C % 32 == 0) are skipped.
+template <int IN, int ELEM, int TR, int TC, int TPE, int STH>
+__device__ __forceinline__ void dim0_rows(const Raw<IN> (*tile)[TPE], uint8_t* __restrict__ q0,
+                                          uint8_t* __restrict__ s0, int64_t R, int64_t C, int64_t r0, int64_t c0,
+                                          int s0_wide, const ScaleArgs& p) {
+  using Rw = Raw<IN>;
+  constexpr int BS = 32;
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Rw));   // elements per 16-byte vector
+  constexpr int VPB = BS / VEC;                            // 16-byte vectors per block: 4 / 8
+  constexpr int NBC = TC / BS;                             // blocks per tile row
+  constexpr int SPR = TR < kThreads ? kThreads / TR : 1;   // units (segments) per tile row
+  constexpr int BPT = NBC / SPR;                           // blocks per unit
+  constexpr int UPT = TR * SPR / kThreads;                 // units per thread
+  static_assert(kThreads % TR == 0 || TR % kThreads == 0, "rows spread evenly over the threads");
+  static_assert(BPT * SPR == NBC && UPT * kThreads == TR * SPR, "units spread evenly");
+  static_assert(BPT == 1 || BPT == 2 || BPT == 4, "scale store width");
+  const int tid = threadIdx.x;
+  const int64_t nblk_row = C / BS;                                            // scale bytes per row of s0
+  const int nbc = static_cast<int>(min(static_cast<int64_t>(NBC), (C - c0) / BS));  // valid blocks per tile row
+#pragma unroll
+  for (int k = 0; k < UPT; ++k) {
+    const int u = k * kThreads + tid;
+    const int rr = u % TR, blk0 = (u / TR) * BPT;
+    const int64_t r = r0 + rr;
+    if (r >= R || blk0 >= nbc) continue;
+    uint8_t* __restrict__ qrow = q0 + r * C + c0;
+    uint32_t sw = 0;
+#pragma unroll
+    for (int bb = 0; bb < BPT; ++bb) {
+      const int blk = blk0 + bb;
+      if (BPT > 1 && blk >= nbc) break;
+      uint32_t w[4 * VPB];
+#pragma unroll
+      for (int v = 0; v < VPB; ++v) {
+        const uint4 x = *reinterpret_cast<const uint4*>(&tile[rr][blk * BS + v * VEC]);
+        w[4 * v] = x.x;
+        w[4 * v + 1] = x.y;
+        w[4 * v + 2] = x.z;
+        w[4 * v + 3] = x.w;
+      }
+      uint32_t A = 0;
+      if constexpr (IN == MX_BF16) {
+        uint32_t M = 0;
+#pragma unroll
+        for (int i = 0; i < 4 * VPB; ++i) M = max_u16x2(M, w[i] & 0x7FFF7FFFu);
+        A = max(M << 16, M & 0xFFFF0000u);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4 * VPB; ++i) A = max(A, w[i] & kAbsMask);
+      }
+      const int e = block_exponent<ELEM>(A, p);
+      const float rs = recip_pow2(e);
+      const bool nonfinite = A >= kInfBits;
+      uint32_t o[BS / 4];
+#pragma unroll
+      for (int kk = 0; kk < BS / 4; ++kk) {
+        const uint32_t packed = quant4<ELEM, false>(vec_bits<IN>(w, 4 * kk), vec_bits<IN>(w, 4 * kk + 1),
+                                                    vec_bits<IN>(w, 4 * kk + 2), vec_bits<IN>(w, 4 * kk + 3), rs);
+        o[kk] = nonfinite ? kNan4 : packed;
+      }
+      uint4* dst = reinterpret_cast<uint4*>(qrow + blk * BS);
+      st16<STH>(dst, make_uint4(o[0], o[1], o[2], o[3]));
+      st16<STH>(dst + 1, make_uint4(o[4], o[5], o[6], o[7]));
+      sw |= scale_byte(A, e) << (8 * bb);
+    }
+    uint8_t* dst = s0 + r * nblk_row + c0 / BS + blk0;
+    const int nv = min(BPT, nbc - blk0);  // >= 1
+    if (BPT > 1 && s0_wide && nv == BPT) {
+      if constexpr (BPT == 4) {
+        *reinterpret_cast<uint32_t*>(dst) = sw;
+      } else if constexpr (BPT == 2) {
+        *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(sw);
+      }
+    } else {
+      for (int bb = 0; bb < nv; ++bb) dst[bb] = static_cast<uint8_t>(sw >> (8 * bb));
+    }
+  }
+}
+
+template <int IN, int ELEM, bool FUSED, int TR, int TC, int LD, int STH, int MINB, bool ROWS = false, int FM = -1>
 __global__ void __launch_bounds__(kThreads, MINB)
     dim1_tile_kernel(const void* __restrict__ xv, uint8_t* __restrict__ q1, uint8_t* __restrict__ s1,
                      uint8_t* __restrict__ q0, uint8_t* __restrict__ s0, int64_t R, int64_t C, int64_t tiles_r,
                      int64_t tiles_c, int s1_wide, int s0_wide, ScaleArgs p) {
   using Rw = Raw<IN>;
-  using Cfg = TileSmem<IN, TR, TC>;
+  using Cfg = TileSmem<IN, TR, TC, ROWS>;
   constexpr int BS = 32;
   constexpr int VEC = 16 / static_cast<int>(sizeof(Rw));  // elements per 16-byte vector
   constexpr int CPR = TC / VEC;                           // 16-byte vectors per tile row
   constexpr int NB = TR / BS;                             // row blocks per tile (scale bytes per column)
   constexpr int NV = TR * CPR / kThreads;                 // tile vectors per thread
   constexpr int PITCH = Cfg::kPitch;
+  constexpr int TPE = Cfg::kRowPitch / static_cast<int>(sizeof(Rw));  // input tile row pitch, elements
   static_assert(NV * kThreads == TR * CPR, "tile vectors spread evenly over the threads");
   static_assert(CPR <= 32 && 32 % CPR == 0, "a tile row's vectors lie in one warp");
   static_assert(TR % BS == 0 && TC % BS == 0 && (NB == 4 || NB == 8), "tile shape");
   extern __shared__ __align__(16) uint8_t smem[];
-  Rw(*tile)[TC] = reinterpret_cast<Rw(*)[TC]>(smem);
+  Rw(*tile)[TPE] = reinterpret_cast<Rw(*)[TPE]>(smem);
   uint8_t(*qt)[PITCH] = reinterpret_cast<uint8_t(*)[PITCH]>(smem + Cfg::kTile);
   uint8_t(*st)[NB] = reinterpret_cast<uint8_t(*)[NB]>(smem + Cfg::kTile + Cfg::kQt);
 
@@ -707,7 +814,9 @@ __global__ void __launch_bounds__(kThreads, MINB)
   }
   __syncthreads();
 
-  if constexpr (FUSED) {
+  if constexpr (FUSED && ROWS) {
+    dim0_rows<IN, ELEM, TR, TC, TPE, STH>(tile, q0, s0, R, C, r0, c0, s0_wide, p);
+  } else if constexpr (FUSED) {
     // Blocks along the tile rows (C % 32 == 0: the LPB lanes of a block, and the G vectors of a
     // 16-byte output, agree on validity). Vector idx = k * kThreads + tid; lanes of one tile row
     // are the CPR consecutive lanes lane0 .. lane0 + CPR - 1 of one warp.
@@ -729,7 +838,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
         const int idx = (k0 + g) * kThreads + tid;
         const int rr = idx / CPR, cc = (idx % CPR) * VEC;
         const uint32_t sb =
-            quantize_vec32<IN, ELEM, false>(*reinterpret_cast<const uint4*>(&tile[rr][cc]), p, out[g]);
+            quantize_vec32<IN, ELEM, false, FM>(*reinterpret_cast<const uint4*>(&tile[rr][cc]), p, out[g]);
         // The first lane of the tile row gathers its NBC scale bytes.
         uint32_t sw = 0;
 #pragma unroll
@@ -792,7 +901,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
             }
           };
           const uint32_t A = IN == MX_BF16 ? (h == 0 ? M << 16 : M & 0xFFFF0000u) : M;
-          const int e = block_exponent<ELEM>(A, p);
+          const int e = block_exponent<ELEM, FM>(A, p);
           const float rs = recip_pow2(e);
           const bool nonfinite = A >= kInfBits;
           uint32_t o[BS / 4];
@@ -1282,17 +1391,19 @@ cudaError_t launch_dim1_pipe(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q
 }
 
 // One CTA per TR x TC tile of dim1_tile_kernel (x 16-byte aligned, C % VEC == 0: checked by the caller).
-// MINB (bf16, fp32): CTAs per SM that __launch_bounds__ asks registers for.
-template <int IN, int EL, bool FUSED, int TR, int TC, int LD, int STH, int MINB_BF16, int MINB_F32>
+// MINB (bf16, fp32): CTAs per SM that __launch_bounds__ asks registers for. ROWS: row-owner fused
+// dim0 part and padded input tile pitch (variants 7, 8).
+template <int IN, int EL, bool FUSED, int TR, int TC, int LD, int STH, int MINB_BF16, int MINB_F32, bool ROWS = false,
+          int FM = -1>
 cudaError_t launch_dim1_tile(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0, int64_t B, int64_t R,
                              int64_t C, const ScaleArgs& p, cudaStream_t st) {
   constexpr int MINB = IN == MX_BF16 ? MINB_BF16 : MINB_F32;
-  constexpr int SMEM = TileSmem<IN, TR, TC>::kBytes;
+  constexpr int SMEM = TileSmem<IN, TR, TC, ROWS>::kBytes;
   constexpr int NB = TR / 32, NBC = TC / 32;
   const int64_t tiles_r = (R + TR - 1) / TR, tiles_c = (C + TC - 1) / TC;
   const int64_t tiles = B * tiles_r * tiles_c;
   if (tiles > INT_MAX) return cudaErrorInvalidValue;
-  auto kernel = dim1_tile_kernel<IN, EL, FUSED, TR, TC, LD, STH, MINB>;
+  auto kernel = dim1_tile_kernel<IN, EL, FUSED, TR, TC, LD, STH, MINB, ROWS, FM>;
   if (SMEM > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     if (err != cudaSuccess) return err;
@@ -1305,7 +1416,8 @@ cudaError_t launch_dim1_tile(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q
 }
 
 // Variant 0: one CTA per 128x64 tile; 1: pipelined 128x64; 2: pipelined 128x128; 3 .. 6: tiled
-// (dim1_tile_kernel) 128x64, 256x64, 128x128, 256x128 (see mx_cast.h).
+// (dim1_tile_kernel) 128x64, 256x64, 128x128, 256x128; 7, 8: tiled with the row-owner fused dim0
+// part, 256x128, 128x128 (see mx_cast.h).
 template <int IN, int EL, bool FUSED>
 cudaError_t launch_dim1_variant(int variant, const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0,
                                 int64_t B, int64_t R, int64_t C, const ScaleArgs& p, cudaStream_t st) {
@@ -1316,9 +1428,28 @@ cudaError_t launch_dim1_variant(int variant, const void* x, uint8_t* q1, uint8_t
       case 2: return launch_dim1_pipe<IN, EL, FUSED, 128>(x, q1, s1, q0, s0, B, R, C, p, st);
       case 3: return launch_dim1_tile<IN, EL, FUSED, 128, 64, 1, 1, 4, 4>(x, q1, s1, q0, s0, B, R, C, p, st);
       case 4: return launch_dim1_tile<IN, EL, FUSED, 256, 64, 1, 1, 4, 2>(x, q1, s1, q0, s0, B, R, C, p, st);
-      case 5: return launch_dim1_tile<IN, EL, FUSED, 128, 128, 1, 1, 4, 2>(x, q1, s1, q0, s0, B, R, C, p, st);
-      default:
+      case 5:
+        if constexpr (EL == MX_E4M3) {  // the fast modes with the mode compiled in
+          if (p.mode == MX_RCEIL)
+            return launch_dim1_tile<IN, EL, FUSED, 128, 128, 1, 1, 4, 2, false, MX_RCEIL>(x, q1, s1, q0, s0, B, R, C, p, st);
+          if (p.mode == MX_FLOOR)
+            return launch_dim1_tile<IN, EL, FUSED, 128, 128, 1, 1, 4, 2, false, MX_FLOOR>(x, q1, s1, q0, s0, B, R, C, p, st);
+        }
+        return launch_dim1_tile<IN, EL, FUSED, 128, 128, 1, 1, 4, 2>(x, q1, s1, q0, s0, B, R, C, p, st);
+      case 6:
+        if constexpr (EL == MX_E4M3) {
+          if (p.mode == MX_RCEIL)
+            return launch_dim1_tile<IN, EL, FUSED, 256, 128, kLdCpAsync, 1, 2, 1, false, MX_RCEIL>(x, q1, s1, q0, s0, B, R,
+                                                                                              C, p, st);
+          if (p.mode == MX_FLOOR)
+            return launch_dim1_tile<IN, EL, FUSED, 256, 128, kLdCpAsync, 1, 2, 1, false, MX_FLOOR>(x, q1, s1, q0, s0, B, R,
+                                                                                              C, p, st);
+        }
         return launch_dim1_tile<IN, EL, FUSED, 256, 128, kLdCpAsync, 1, 2, 1>(x, q1, s1, q0, s0, B, R, C, p, st);
+      case 7:
+        return launch_dim1_tile<IN, EL, FUSED, 256, 128, kLdCpAsync, 1, 2, 1, true>(x, q1, s1, q0, s0, B, R, C, p, st);
+      default:
+        return launch_dim1_tile<IN, EL, FUSED, 128, 128, kLdCpAsync, 1, 4, 2, true>(x, q1, s1, q0, s0, B, R, C, p, st);
     }
   }
   return launch_dim1_bs32<IN, EL, FUSED>(x, q1, s1, q0, s0, B, R, C, p, st);

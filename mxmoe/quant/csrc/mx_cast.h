@@ -37,6 +37,11 @@
 //            5: as 3 with 128 x 128 tiles (256 contiguous input bytes per bf16 tile row, 4-byte
 //               dim0 scale stores)
 //            6: as 3 with 256 x 128 tiles, loads by cp.async.cg
+//            7: as 6 with a shuffle-free fused dim0 part: input tile row pitch padded by 16 bytes
+//               (conflict-free 16-byte column reads), each thread quantizes whole 32-element blocks
+//               of one tile row (packed integer amax), two 16-byte fp8 stores per block, one
+//               4-byte scale store per tile row
+//            8: as 7 with 128 x 128 tiles (each thread half a tile row: 2-byte scale stores)
 //   dequant  0: 8 (bf16 out) / 4 (fp32 out) fp8 bytes per thread-vector, 4 in flight
 //            1: 16 fp8 bytes per thread-vector (one 16-byte load, 2 / 4 16-byte stores), 2 in flight,
 //               .cs hints (needs block_size >= 16, q 16-byte aligned)
@@ -50,7 +55,7 @@
 //               thread, 128 threads per CTA (1024 elements, the launch shape of inductor's Triton
 //               kernel) (needs block_size >= 8, q 8-byte and out 16-byte aligned)
 //            6: as 5 with 2 vectors per thread, 256 threads per CTA (4096 elements)
-enum MxVariants : int { MX_DIM0_VARIANTS = 6, MX_DIM1_VARIANTS = 7, MX_DEQUANT_VARIANTS = 7 };
+enum MxVariants : int { MX_DIM0_VARIANTS = 6, MX_DIM1_VARIANTS = 9, MX_DEQUANT_VARIANTS = 7 };
 #pragma once
 
 #include <cstdint>
