@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "'default' = the per-cast DEFAULTS); default: MXMOE_TRITON_CAST_CONFIG or 'default'")
     p.add_argument("--triton-round", choices=("auto", "soft", "hw"), default=None,
                    help="Triton element rounding (default MXMOE_TRITON_CAST_ROUND or auto = hardware)")
+    p.add_argument("--graph", action="store_true",
+                   help="time CUDA-graph replays of each call (the kernels' GPU time without the host's "
+                   "per-call cost; see mxmoe.bench.timing.bench)")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
     return p
 
@@ -198,7 +201,7 @@ def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict
                 count = timing.rotation_count(nbytes)
                 sets = _inputs(label, case.shape, elem, count)
                 fn = fns[label]
-                t = timing.bench(fn, sets, warmup=args.warmup, iters=args.iters)
+                t = timing.bench(fn, sets, warmup=args.warmup, iters=args.iters, graph=args.graph)
                 tbs = nbytes / (t.median_ms * 1e-3) / 1e12
                 rows.append({"mode": label, **base, "us": t.median_ms * 1e3, "TB/s": tbs,
                              "% of copy": 100 * tbs / copy_tbs, "note": ""})
@@ -235,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += _run_case(case, args, copy_tbs, elem)
     env = timing.environment()
     title = (f"MX cast ({args.elem}, block {BLOCK}, bf16 in/out) on {env.get('gpu')}; "
-             f"copy bandwidth {copy_tbs:.3f} TB/s (same run); median of {args.iters} iters")
+             f"copy bandwidth {copy_tbs:.3f} TB/s (same run); median of {args.iters} iters"
+             + (" of CUDA-graph replays" if args.graph else ""))
     timing.print_table(rows, title=title)
     if args.json:
         timing.write_json(args.json, {"env": env, "copy_tbs": copy_tbs, "elem": args.elem,
-                                      "iters": args.iters, "rows": rows})
+                                      "iters": args.iters, "graph": args.graph, "rows": rows})
     return 0

@@ -45,12 +45,17 @@ def bench(
     warmup: int = 10,
     iters: int = 50,
     group=None,
+    graph: bool = False,
 ) -> Timing:
     """Median time of fn(*args[i % len(args)]) in ms over `iters` runs, after `warmup` runs.
 
     With torch.distributed initialized, all ranks of `group` barrier before timing, and the
     result is the maximum over ranks of each run's time (the collective finishes when the slowest
     rank does), so every rank reports the same number.
+
+    graph=True: each argument set's call is captured once into a CUDA graph (after the warm-up) and
+    the replays are timed: the GPU's time for the call's kernels without the host's per-call cost
+    (Python, dispatch, launches), which otherwise shows in calls shorter than that cost.
     """
     if iters < 1 or warmup < 0 or not args:
         raise ValueError(
@@ -59,12 +64,22 @@ def bench(
         )
     for i in range(warmup):
         fn(*args[i % len(args)])
+    calls = [lambda a=a: fn(*a) for a in args]
+    graphs = []
+    if graph:
+        torch.cuda.synchronize()
+        for a in args:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn(*a)
+            graphs.append(g)
+        calls = [g.replay for g in graphs]
     _barrier(group)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
         starts[i].record()
-        fn(*args[i % len(args)])
+        calls[i % len(calls)]()
         ends[i].record()
     torch.cuda.synchronize()
     times = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)])

@@ -1,11 +1,11 @@
-"""`mxmoe bench cast`: argument checking and the clear refusal without a GPU (CPU-only tests)."""
+"""`mxmoe bench cast`: argument checking and the clear refusal without a GPU (CPU); graph timing (GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mxmoe.bench import cast
+from mxmoe.bench import cast, timing
 from mxmoe.cli import main as cli_main
 
 
@@ -54,3 +54,13 @@ def test_refuses_without_gpu():
     with pytest.raises(SystemExit) as exc:
         cli_main(["bench", "cast", "--mode", "dim0"])
     assert "needs a CUDA GPU" in str(exc.value.code)
+
+
+@pytest.mark.gpu
+def test_graph_timing_replays_the_captured_call():
+    """graph=True: the warm-up runs eagerly, the capture records without running, each timed iteration
+    replays the call once."""
+    x = torch.zeros(1 << 20, device="cuda")
+    t = timing.bench(lambda y: y.add_(1), [(x,)], warmup=2, iters=5, graph=True)
+    assert t.iters == 5 and 0 < t.min_ms <= t.median_ms <= t.max_ms
+    assert float(x[0]) == 7.0 and bool((x == 7).all())
