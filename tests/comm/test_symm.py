@@ -218,3 +218,30 @@ def test_layout_slots_are_disjoint_and_inside_the_half(world):
             assert int(buf.max()) == 1
             assert int((buf == 1).sum()) == (world - 1) * lay.slot_rows * (dim + dim // 32)
             buf.zero_()
+
+
+def test_backward_uses_the_forward_symm_mode(monkeypatch):
+    """The backward's exchange runs in the symm mode the forward ran in, even if MODE changed between
+    (the benchmark times backward passes outside the forward's `using_mode`)."""
+    from mxmoe.comm import a2a
+    from mxmoe.comm.splits import Plan
+
+    seen = []
+
+    def fake_exchange(x, plan, group, kernel, dequant, chunks, transport="nccl", symm_mode=None):
+        seen.append(symm_mode)
+        return x.clone()
+
+    monkeypatch.setattr(a2a, "_mx_exchange", fake_exchange)
+    plan = Plan(rank=0, world=1, input_splits=(4,), output_splits=(4,), row_shape=(32,))
+    for fn in (a2a._MXA2A, a2a._Combine):
+        seen.clear()
+        x = torch.zeros(4, 32, requires_grad=True)
+        with symm.using_mode("copy"):
+            y = fn.apply(x, plan, None, "torch", None, "symm")
+        with symm.using_mode("store"):
+            y.sum().backward()
+        assert seen[-1] == "copy", (fn.__name__, seen)
+    with pytest.raises(ValueError, match="symm mode 'fast'"):
+        with symm.using_mode("fast"):
+            pass
