@@ -38,14 +38,15 @@ if triton is not None:
     from triton.language.extra.cuda import globaltimer as _globaltimer
 
     @triton.jit
-    def _wait_flag_kernel(flag_ptr, value, timeout_ns):
-        # Spin (acquire loads at system scope) until *flag >= value; trap after timeout_ns.
+    def _wait_flag_kernel(flag_ptr, count, value, timeout_ns):
+        # Spin (acquire loads at system scope) until flag[i] >= value for i < count; trap after timeout_ns.
         start = _globaltimer()
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        while seen < value:
-            if _globaltimer() - start > timeout_ns:
-                tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        for i in range(count):
+            seen = tl.atomic_add(flag_ptr + i, 0, sem="acquire", scope="sys")
+            while seen < value:
+                if _globaltimer() - start > timeout_ns:
+                    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+                seen = tl.atomic_add(flag_ptr + i, 0, sem="acquire", scope="sys")
 
     @triton.jit
     def _int_dequant_bits(byte, s):
@@ -306,10 +307,13 @@ def _rceil_spec():
     return make_spec(BLOCK_SIZE, "rceil", torch.float8_e4m3fn)
 
 
-def wait_flag(flag: Tensor, value: int, timeout_ms: int) -> None:
-    """The current CUDA stream waits until flag[0] (int32, GPU memory another GPU or a copy engine
-    writes) is >= value: one single-thread program polling with acquire loads at system scope. After
-    timeout_ms it executes `trap`: the process then fails with a CUDA error instead of hanging."""
+def wait_flag(flag: Tensor, value: int, timeout_ms: int, count: int = 1) -> None:
+    """The current CUDA stream waits until flag[0 .. count) (int32, GPU memory another GPU or a copy
+    engine writes) are all >= value: one single-thread program polling with acquire loads at system
+    scope. After timeout_ms it executes `trap`: the process then fails with a CUDA error instead of
+    hanging."""
     if triton is None or not flag.is_cuda or flag.dtype != torch.int32:
         raise ValueError(f"wait_flag: flag must be int32 on CUDA (and triton installed), got {flag.dtype}")
-    _wait_flag_kernel[(1,)](flag, int(value), int(timeout_ms) * 1_000_000, num_warps=1)
+    if not 1 <= count <= flag.numel():
+        raise ValueError(f"wait_flag: count={count}, expected 1 .. {flag.numel()} (the words of flag)")
+    _wait_flag_kernel[(1,)](flag, int(count), int(value), int(timeout_ms) * 1_000_000, num_warps=1)

@@ -68,7 +68,8 @@ def main(argv: list[str]) -> int:
             sp[:half].copy_(sl)
 
         t["ce_copy_to_peer"] = bench(ce, iters=30)
-        t["barrier"] = bench(ws.barrier, iters=30)
+        t["barrier (torch)"] = bench(ws.barrier, iters=30)
+        t["barrier (flags)"] = bench(lambda: ws.barrier(ws.next_epoch()), iters=30)
         t["wait_flag (raised)"] = bench(lambda: ws.wait(0, 0), iters=30)
         t["dequantize_into"] = bench(lambda: dequantize_into(ql, sl, out), iters=30)
         for cfg in ((64, 4), (32, 4), (128, 4), (128, 8), (256, 8)):

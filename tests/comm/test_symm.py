@@ -50,8 +50,13 @@ class FakeWorkspace:
         self._calls += 1
         return self._calls
 
-    def barrier(self) -> None:
-        self.world.sync.wait()
+    def barrier(self, epoch: int | None = None) -> None:
+        """As SymmWorkspace: the flag barrier (signal / wait below) for an exchange, else a thread
+        barrier."""
+        if epoch is not None and symm.BARRIER == "flags":
+            symm.flag_barrier(self, self.rank, len(self.buffers), epoch)
+        else:
+            self.world.sync.wait()
 
     def put(self, dst, src) -> None:
         dst.copy_(src)
@@ -62,10 +67,12 @@ class FakeWorkspace:
             w.flags[peer][index] = value
             w.raised.notify_all()
 
-    def wait(self, index: int, value: int) -> None:
+    def wait(self, index: int, value: int, count: int = 1) -> None:
         w = self.world
+        words = w.flags[self.rank][index : index + count]
+        assert words.numel() == count
         with w.raised:
-            assert w.raised.wait_for(lambda: int(w.flags[self.rank][index]) >= value, timeout=60), "no flag"
+            assert w.raised.wait_for(lambda: bool((words >= value).all()), timeout=60), "no flag"
 
     def send_recv(self, sends, recvs) -> None:
         """Pairwise, like NCCL send/recv: only the two ends of a pair take part."""
@@ -123,12 +130,15 @@ def run_ranks(fn, world: int) -> list:
 @pytest.mark.parametrize("kind", ["equal", "uneven", "zeros"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("nbytes", [(1 << 16) + FLAG_BYTES, 3000 + FLAG_BYTES], ids=["fits", "p2p"])
-@pytest.mark.parametrize("mode,piece_rows", [("copy", 8192), ("copy", 3), ("store", 8192)],
-                         ids=["copy", "copy-pieces", "store"])
-def test_symm_exchange_matches_routing(world, kind, dtype, nbytes, mode, piece_rows, monkeypatch):
+@pytest.mark.parametrize("mode,piece_rows,barrier", [("copy", 8192, "flags"), ("copy", 3, "flags"),
+                                                    ("store", 8192, "flags"), ("store", 8192, "torch")],
+                         ids=["copy", "copy-pieces", "store", "store-torch-barrier"])
+def test_symm_exchange_matches_routing(world, kind, dtype, nbytes, mode, piece_rows, barrier, monkeypatch):
     """nbytes 3000 (+ flags): slots of a few rows, so the larger pairs take the send/recv fallback.
-    piece_rows 3: many pieces per pair (each with its flag)."""
+    piece_rows 3: many pieces per pair (each with its flag). barrier: the store mode's flag barrier,
+    or a plain (thread) barrier standing for the symmetric-memory handle's."""
     monkeypatch.setattr(symm, "PIECE_ROWS", piece_rows)
+    monkeypatch.setattr(symm, "BARRIER", barrier)
     dim = 64
     M = split_matrix(world, kind)
     Mt = [list(c) for c in zip(*M, strict=True)]
@@ -160,13 +170,14 @@ def test_symm_exchange_matches_routing(world, kind, dtype, nbytes, mode, piece_r
     assert fw.p2p_pairs <= big and (nbytes > 3000 or not big or fw.p2p_pairs), (fw.p2p_pairs, big)
     if nbytes > 3000 + FLAG_BYTES:
         assert not fw.p2p_pairs
-    if mode == "copy":  # every pair that used a slot raised each of its pieces' flags, 4 exchanges
-        for dst in range(world):
-            for src in (s for s in range(world) if s != dst):
-                n = max(M[src][dst], M[dst][src])
-                if n <= cap:
-                    idx = symm.flag_index(src, dst, world, 0)
-                    assert int(fw.flags[dst][idx]) == 4, (src, dst)
+    for dst in range(world):
+        for src in (s for s in range(world) if s != dst):
+            if mode == "copy":  # every pair that used a slot raised each of its pieces' flags, 4 exchanges
+                if max(M[src][dst], M[dst][src]) <= cap:
+                    assert int(fw.flags[dst][symm.flag_index(src, dst, world, 0)]) == 4, (src, dst)
+            else:  # every rank raised its barrier word in every peer at each of the 4 exchanges
+                want = 4 if barrier == "flags" else 0
+                assert int(fw.flags[dst][symm.barrier_index(src, dst, world)]) == want, (src, dst)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 100, 8191, 8192, 8193, 65536, 10**6])
@@ -187,7 +198,10 @@ def test_flag_words_fit_and_differ():
         seen = {symm.flag_index(s, d, world, i) for d in range(world) for s in range(world) if s != d
                 for i in range(MAX_PIECES)}
         per_dst = (world - 1) * MAX_PIECES
-        assert max(seen) < per_dst <= FLAG_BYTES // 4
+        assert max(seen) < per_dst <= symm.BARRIER_BASE
+        bar = sorted(symm.barrier_index(s, 0, world) for s in range(1, world))  # consecutive: one wait
+        assert bar == list(range(symm.BARRIER_BASE, symm.BARRIER_BASE + world - 1))
+        assert bar[-1] < FLAG_BYTES // 4
         words = {symm.flag_index(s, 0, world, i) for s in range(1, world) for i in range(MAX_PIECES)}
         assert len(words) == per_dst
 
