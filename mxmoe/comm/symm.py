@@ -20,9 +20,9 @@ One exchange on rank `me` of W ranks:
     rows (`qdq_into`; the dispatch quantizes them into its output).
   * A pair whose rows exceed slot_rows (both ends see it: it is input_splits[p] on one side and
     output_splits[me] on the other) goes through NCCL send/recv instead.
-  * A device-side barrier of the group (each rank raises a flag word in every peer with a fenced
-    cuStreamWriteValue32, then waits for its peers' words; MXMOE_SYMM_BARRIER=torch: the symmetric
-    memory handle's barrier): every rank's stores are
+  * A device-side barrier of the group (the symmetric memory handle's; MXMOE_SYMM_BARRIER=flags: each
+    rank raises a flag word in every peer with a fenced cuStreamWriteValue32, then waits for its peers'
+    words): every rank's stores are
     done and visible.
   * Each received slot is dequantized into its output rows (or copied out, for the dispatch).
 Alternate halves make a barrier before the stores unnecessary: a rank writing half h of exchange n
@@ -69,10 +69,11 @@ PIECE_ROWS = int(os.environ.get("MXMOE_SYMM_PIECE_ROWS", "8192"))  # rows per pi
 MAX_PIECES = 32  # pieces per (source, receiver) pair
 FLAG_BYTES = 4096  # the flag words at the end of the workspace (uint32): pieces, then barrier words
 BARRIER_BASE = FLAG_BYTES // 4 - 64  # first barrier word: one per peer slot (at most 64 peers)
-# The store mode's barrier: "flags" (each rank raises a word in every peer after its stores, with a
-# fenced cuStreamWriteValue32, then one kernel waits for its peers' words) or "torch" (the symmetric
-# memory handle's barrier; measured ~0.46 ms of host time per call on the H200 hosts).
-BARRIER = os.environ.get("MXMOE_SYMM_BARRIER", "flags")
+# The store mode's barrier: "torch" (the symmetric memory handle's barrier, the default) or "flags"
+# (each rank raises a word in every peer after its stores, with a fenced cuStreamWriteValue32, then one
+# kernel waits for its peers' words). Both exact; A/B on 2 H200s: equal from 8x8192 tokens per rank,
+# mixed and noisy below (host-bound), so no reason yet to change the default (docs/benchmarks.md).
+BARRIER = os.environ.get("MXMOE_SYMM_BARRIER", "torch")
 
 
 @contextlib.contextmanager
