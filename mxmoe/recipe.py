@@ -1,0 +1,94 @@
+"""`MXRecipe`: the one object that says how mxmoe quantizes, read by every layer.
+
+Casts (`mxmoe.quant`), the MXFP8 exchange (`mxmoe.comm`), the MX GEMMs (`mxmoe.ops`), the modules
+and converter (`mxmoe.nn`) and the trainer all take an `MXRecipe`; `DEFAULT_RECIPE` is the one
+default everywhere (`MXRecipe()` == `recipe("mxfp8_rceil")`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from mxmoe.formats import check_block_size, check_elem_dtype, check_scaling_mode
+
+CAST_KERNELS = ("torch", "triton", "cuda")
+"""Concrete cast kernels; a recipe may also name "auto" (the fastest available per cast)."""
+GEMM_BACKENDS = ("emulated",)
+"""GEMMs on MX operands (docs/training-ops.md)."""
+GEMM_DTYPES = (None, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class MXRecipe:
+    """How every MX operand is made and multiplied (hashable, immutable; checked on creation)."""
+
+    elem_dtype: torch.dtype = torch.float8_e4m3fn
+    """Element format: torch.float8_e4m3fn (MXFP8, default) or torch.float8_e5m2."""
+    block_size: int = 32
+    """Elements per scale along the reduction axis: a power of two >= 2 (MX uses 32)."""
+    scaling_mode: str = "rceil"
+    """Block exponent rule: "rceil" (cuBLAS round-up, never saturates; default), "floor" (OCP),
+    "ceil", "even"."""
+    dim0_kernel: str = "auto"
+    """Kernel for casts along the last dim and for dequantizing: "auto" | "torch" | "triton" | "cuda"."""
+    dim1_kernel: str = "auto"
+    """Kernel for every cast producing a dim1 (transposed) result, the fused dim0+dim1 cast
+    included: "auto" | "torch" | "triton" | "cuda"."""
+    gemm_backend: str = "emulated"
+    """GEMM on MX operands. "emulated": dequantize both operands exactly and run a high-precision
+    GEMM with fp32 accumulation (the Hopper path: sm_90 has no block-scaled MMA)."""
+    gemm_dtype: torch.dtype | None = None
+    """Operand dtype of the emulated GEMM. None: bf16 on CUDA, fp32 elsewhere. bf16 holds every
+    dequantized e4m3 value exactly unless its block scale byte is < 3 (e5m2: < 10), i.e. blocks
+    with amax below ~2^-116; fp32 holds all of them exactly."""
+
+    def __post_init__(self) -> None:
+        check_elem_dtype(self.elem_dtype)
+        check_block_size(self.block_size)
+        object.__setattr__(self, "scaling_mode", check_scaling_mode(self.scaling_mode).value)
+        for name in ("dim0_kernel", "dim1_kernel"):
+            value = getattr(self, name)
+            if value != "auto" and value not in CAST_KERNELS:
+                raise ValueError(
+                    f"{name}={value!r} is not a cast kernel; expected 'auto' or one of {list(CAST_KERNELS)}"
+                )
+        if self.gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(
+                f"gemm_backend={self.gemm_backend!r} is not a GEMM backend; expected one of "
+                f"{list(GEMM_BACKENDS)}"
+            )
+        if self.gemm_dtype not in GEMM_DTYPES:
+            raise TypeError(
+                f"gemm_dtype={self.gemm_dtype} is not supported; expected None, torch.bfloat16 or "
+                "torch.float32"
+            )
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The emulated GEMM's operand dtype on `device`."""
+        if self.gemm_dtype is not None:
+            return self.gemm_dtype
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def replace(self, **changes) -> MXRecipe:
+        """A copy with some fields changed (checked again)."""
+        return replace(self, **changes)
+
+
+RECIPES: dict[str, MXRecipe] = {
+    "mxfp8_rceil": MXRecipe(scaling_mode="rceil"),
+    "mxfp8": MXRecipe(scaling_mode="floor"),
+}
+"""Named recipes (torchtitan's spellings): "mxfp8_rceil" (RCEIL scales; the default) and
+"mxfp8" (FLOOR scales, the OCP rule: a block's max can saturate to 448)."""
+DEFAULT_RECIPE_NAME = "mxfp8_rceil"
+DEFAULT_RECIPE = RECIPES[DEFAULT_RECIPE_NAME]
+assert DEFAULT_RECIPE == MXRecipe()
+
+
+def recipe(name: str = DEFAULT_RECIPE_NAME, **changes) -> MXRecipe:
+    """The named recipe, with `changes` applied (e.g. `recipe("mxfp8", dim1_kernel="cuda")`)."""
+    if name not in RECIPES:
+        raise ValueError(f"recipe name {name!r} is not an MX recipe; expected one of {list(RECIPES)}")
+    return RECIPES[name].replace(**changes) if changes else RECIPES[name]
