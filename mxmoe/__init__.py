@@ -2,6 +2,7 @@
 
 from mxmoe.formats import ELEM_FORMATS, ScalingMode
 from mxmoe.quant import MXTensor, available_kernels, to_mx, to_mx_dim0_dim1
+from mxmoe.recipe import DEFAULT_RECIPE, RECIPES, MXRecipe, recipe
 
 __version__ = "0.1.0"
 
@@ -16,12 +17,16 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "DEFAULT_RECIPE",
     "ELEM_FORMATS",
+    "MXRecipe",
+    "RECIPES",
     "MXConfig",
     "MXTensor",
     "ScalingMode",
     "available_kernels",
     "convert",
+    "recipe",
     "to_mx",
     "to_mx_dim0_dim1",
 ]

@@ -29,6 +29,7 @@ from mxmoe.formats import (
 )
 from mxmoe.quant import custom_ops
 from mxmoe.quant.kernels import resolve_kernel
+from mxmoe.recipe import MXRecipe
 
 
 @dataclass
@@ -166,6 +167,23 @@ def _check_x(x: Tensor, block_size: int, axis: int) -> int:
     return ax
 
 
+def _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel) -> None:
+    if not isinstance(recipe, MXRecipe):
+        raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
+    given = {
+        k: v
+        for k, v, default in (
+            ("scaling_mode", scaling_mode, "rceil"),
+            ("elem_dtype", elem_dtype, torch.float8_e4m3fn),
+            ("block_size", block_size, 32),
+            ("kernel", kernel, "auto"),
+        )
+        if v != default
+    }
+    if given:
+        raise ValueError(f"pass either recipe= or {sorted(given)}, not both (the recipe holds them)")
+
+
 def to_mx(
     x: Tensor,
     axis: int = -1,
@@ -173,6 +191,8 @@ def to_mx(
     elem_dtype: torch.dtype = torch.float8_e4m3fn,
     block_size: int = 32,
     kernel: str = "auto",
+    *,
+    recipe: MXRecipe | None = None,
 ) -> MXTensor:
     """Quantize x (bf16 or fp32, any shape with ndim >= 1) to MX along `axis`, one of the last two
     dims (-1: "dim0" cast, -2 / 0 of 2D: "dim1"); x.shape[axis] % block_size == 0.
@@ -182,7 +202,15 @@ def to_mx(
     (docs/mx-format.md, Layouts). Any input layout is accepted: if x already has `axis` innermost
     in memory (e.g. a transposed view) it is quantized without a copy; otherwise the dim1 kernel
     reads it row-major.
+
+    recipe: an `MXRecipe`; when given it supplies scaling_mode, elem_dtype, block_size and the
+    kernel (its dim0_kernel for a cast along the last dim, its dim1_kernel otherwise), and the
+    other keyword arguments must be left at their defaults.
     """
+    if recipe is not None:
+        _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel)
+        scaling_mode, elem_dtype, block_size = recipe.scaling_mode, recipe.elem_dtype, recipe.block_size
+        kernel = recipe.dim0_kernel if axis in (-1, getattr(x, "ndim", 0) - 1) else recipe.dim1_kernel
     block_size = check_block_size(block_size)
     mode = check_scaling_mode(scaling_mode).value
     check_elem_dtype(elem_dtype)
@@ -212,12 +240,19 @@ def to_mx_dim0_dim1(
     elem_dtype: torch.dtype = torch.float8_e4m3fn,
     block_size: int = 32,
     kernel: str = "auto",
+    *,
+    recipe: MXRecipe | None = None,
 ) -> tuple[MXTensor, MXTensor]:
     """Both casts of a 2D x (R, C), bf16 or fp32, R and C divisible by block_size, from one read.
 
     Returns (along dim -1: storage qdata (R, C), scale (R, C // bs); along dim 0: storage qdata
     (C, R), scale (C, R // bs)), elements in `elem_dtype`, scales float8_e8m0fnu, all contiguous.
+    recipe: as in `to_mx` (the fused cast uses its dim1_kernel).
     """
+    if recipe is not None:
+        _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel)
+        scaling_mode, elem_dtype = recipe.scaling_mode, recipe.elem_dtype
+        block_size, kernel = recipe.block_size, recipe.dim1_kernel
     block_size = check_block_size(block_size)
     mode = check_scaling_mode(scaling_mode).value
     check_elem_dtype(elem_dtype)
