@@ -36,7 +36,7 @@ from mxmoe.comm import (
 )
 from mxmoe.comm.a2a import all_to_all_rows, quantize_rows
 from mxmoe.quant import custom_ops
-from mxmoe.quant.kernels import resolve_kernel
+from mxmoe.quant.backends import resolve_kernel
 
 _DEVICE = ["cuda"]  # where the small result reductions live (a list so a CPU smoke test can swap it)
 

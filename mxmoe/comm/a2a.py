@@ -50,7 +50,7 @@ from mxmoe.comm.splits import BLOCK_SIZE, Plan, check_and_plan, offsets
 from mxmoe.comm.symm import SymmWorkspace, symm_mx_exchange, symm_usable
 from mxmoe.formats import make_spec
 from mxmoe.quant import custom_ops
-from mxmoe.quant.kernels import backend, resolve_kernel
+from mxmoe.quant.backends import backend, resolve_kernel
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, to_mx
 
 ELEM_DTYPE = torch.float8_e4m3fn

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from mxmoe.quant import custom_ops
-from mxmoe.quant.kernels import resolve_kernel, triton_interpret
+from mxmoe.quant.backends import resolve_kernel, triton_interpret
 
 try:
     import triton

@@ -49,7 +49,7 @@ from torch import Tensor
 from mxmoe.comm.kernels import dequantize_into, qdq_into
 from mxmoe.comm.splits import BLOCK_SIZE, offsets
 from mxmoe.formats import make_spec
-from mxmoe.quant.kernels import backend, resolve_kernel
+from mxmoe.quant.backends import backend, resolve_kernel
 
 ELEM_DTYPE = torch.float8_e4m3fn
 _SPEC = make_spec(BLOCK_SIZE, "rceil", ELEM_DTYPE)
