@@ -31,12 +31,11 @@ from mxmoe.comm import (
     dequantize_into,
     qdq_into,
     reference_mxfp8_a2a,
-    symm,
     to_mxfp8_a2a_dequant,
 )
 from mxmoe.comm.a2a import all_to_all_rows, quantize_rows
 from mxmoe.quant import custom_ops
-from mxmoe.quant.kernels import resolve_kernel
+from mxmoe.quant.backends import resolve_kernel
 
 _DEVICE = ["cuda"]  # where the small result reductions live (a list so a CPU smoke test can swap it)
 
@@ -57,13 +56,7 @@ def _transports(text: str) -> list[str]:
     return out
 
 
-# symm-copy / symm-store: transport "symm" with that mode of mxmoe.comm.symm (MXMOE_SYMM_MODE)
-TRANSPORT_LABELS = ("auto", "nccl", "symm", *(f"symm-{m}" for m in symm.MODES))
-
-
-def _api(label: str) -> tuple[str, str | None]:
-    """(transport argument, symm mode or None) of a --transport label."""
-    return ("symm", label[5:]) if label.startswith("symm-") else (label, None)
+TRANSPORT_LABELS = ("auto", "nccl", "symm")
 
 
 def variants(transports: list[str], chunks: list[int | None]) -> list[tuple[str, int | None]]:
@@ -157,9 +150,7 @@ def check_exact(
     x: torch.Tensor, g: torch.Tensor, outs, ins, chunks: int | None, kernel: str, transport: str = "auto"
 ) -> list[str]:
     """Names of the checks that are NOT bit-exact against the reference (forward and backward)."""
-    transport, mode = _api(transport)
-    with symm.using_mode(mode):
-        return _check_exact(x, g, outs, ins, dict(chunks=chunks, kernel=kernel, transport=transport))
+    return _check_exact(x, g, outs, ins, dict(chunks=chunks, kernel=kernel, transport=transport))
 
 
 def _check_exact(x, g, outs, ins, kw) -> list[str]:
@@ -243,11 +234,9 @@ def _bench_shape(xs, gs, splits, shape, world, args, rows, breakdown) -> None:
     for transport, chunks in args.variants:
 
         def mxfp8(t, chunks=chunks, transport=transport):
-            api, mode = _api(transport)
-            with symm.using_mode(mode):
-                return to_mxfp8_a2a_dequant(
-                    t, splits, splits, check=False, chunks=chunks, kernel=args.kernel, transport=api
-                )
+            return to_mxfp8_a2a_dequant(
+                t, splits, splits, check=False, chunks=chunks, kernel=args.kernel, transport=transport
+            )
 
         mx = _time_op(mxfp8, xs, gs, timed)
         fwd[transport, chunks] = mx["forward"]
@@ -265,11 +254,10 @@ def _bench_shape(xs, gs, splits, shape, world, args, rows, breakdown) -> None:
                 }
             )
     transport, chunks = args.variants[0]
-    api, mode = _api(transport)
-    with torch.no_grad(), symm.using_mode(mode):
+    with torch.no_grad():
         checked = bench(
             lambda t: to_mxfp8_a2a_dequant(
-                t, splits, splits, check=True, chunks=chunks, kernel=args.kernel, transport=api
+                t, splits, splits, check=True, chunks=chunks, kernel=args.kernel, transport=transport
             ),
             [(x,) for x in xs],
             **timed,

@@ -72,11 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--elem", choices=tuple(ELEMS), default="e4m3", help="element format")
     p.add_argument("--iters", type=_positive, default=50, help="timed iterations (median reported)")
     p.add_argument("--warmup", type=_positive, default=10, help="untimed iterations first")
-    p.add_argument("--triton-config", action="append", dest="triton_config",
-                   help="Triton tile config(s) to time, repeatable (mxmoe.quant.triton_cast.CONFIGS, or "
-                   "'default' = the per-cast DEFAULTS); default: MXMOE_TRITON_CAST_CONFIG or 'default'")
-    p.add_argument("--triton-round", choices=("auto", "soft", "hw"), default=None,
-                   help="Triton element rounding (default MXMOE_TRITON_CAST_ROUND or auto = hardware)")
     p.add_argument("--graph", action="store_true",
                    help="time CUDA-graph replays of each call (the kernels' GPU time without the host's "
                    "per-call cost; see mxmoe.bench.timing.bench)")
@@ -87,11 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass
 class Case:
     mode: str  # row label
-    kernel: str  # row label, e.g. "triton" or "triton[wide]"
+    kernel: str  # row label
     backend: str  # torch | triton | cuda
     scaling: str
     shape: tuple[int, ...]
-    triton_config: str | None = None
 
 
 def _cases(args) -> list[Case]:
@@ -106,11 +100,7 @@ def _cases(args) -> list[Case]:
         for shape in s3 if mode == "3d" else s2:
             for scaling in scalings if mode != "dequant" else ("-",):
                 for k in kernels:
-                    if k == "triton" and args.triton_config:
-                        for cfg in args.triton_config:
-                            cases.append(Case(mode, f"triton[{cfg}]", k, scaling, shape, cfg))
-                    else:
-                        cases.append(Case(mode, k, k, scaling, shape))
+                    cases.append(Case(mode, k, k, scaling, shape))
     return cases
 
 
@@ -172,7 +162,7 @@ def _inputs(mode: str, shape, elem: torch.dtype, count: int) -> list[tuple]:
 
 
 def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict]:
-    from mxmoe.quant.kernels import why_unavailable
+    from mxmoe.quant.backends import why_unavailable
 
     labels = ("3d axis=-1", "3d axis=-2") if case.mode == "3d" else (case.mode,)
     shape_s = "x".join(map(str, case.shape))
@@ -187,25 +177,17 @@ def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict
         return error_rows(reason)
     rows = []
     try:
-        import contextlib
-
-        ctx = contextlib.nullcontext()
-        if case.backend == "triton" and (case.triton_config or args.triton_round):
-            from mxmoe.quant import triton_cast
-
-            ctx = triton_cast.use_config(case.triton_config, args.triton_round)
-        with ctx:
-            fns = _make_fns(case, elem)
-            for label in labels:
-                nbytes = _bytes("dequant" if label == "dequant" else case.mode, case.shape, 2)
-                count = timing.rotation_count(nbytes)
-                sets = _inputs(label, case.shape, elem, count)
-                fn = fns[label]
-                t = timing.bench(fn, sets, warmup=args.warmup, iters=args.iters, graph=args.graph)
-                tbs = nbytes / (t.median_ms * 1e-3) / 1e12
-                rows.append({"mode": label, **base, "us": t.median_ms * 1e3, "TB/s": tbs,
-                             "% of copy": 100 * tbs / copy_tbs, "note": ""})
-                del sets
+        fns = _make_fns(case, elem)
+        for label in labels:
+            nbytes = _bytes("dequant" if label == "dequant" else case.mode, case.shape, 2)
+            count = timing.rotation_count(nbytes)
+            sets = _inputs(label, case.shape, elem, count)
+            fn = fns[label]
+            t = timing.bench(fn, sets, warmup=args.warmup, iters=args.iters, graph=args.graph)
+            tbs = nbytes / (t.median_ms * 1e-3) / 1e12
+            rows.append({"mode": label, **base, "us": t.median_ms * 1e3, "TB/s": tbs,
+                         "% of copy": 100 * tbs / copy_tbs, "note": ""})
+            del sets
     except Exception as e:  # a kernel that fails to build or run is a row, not a crash
         done = {r["mode"] for r in rows}
         rows += [r for r in error_rows(f"{type(e).__name__}: {e}") if r["mode"] not in done]
@@ -216,17 +198,6 @@ def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.triton_config:
-        try:
-            from mxmoe.quant.triton_cast import CONFIGS
-        except ImportError:
-            CONFIGS = None
-        bad = [c for c in args.triton_config
-               if CONFIGS is not None and c != "default" and c not in CONFIGS]
-        if bad:
-            build_parser().error(
-                f"--triton-config {bad[0]!r} is not a config; expected 'default' or one of {list(CONFIGS)}"
-            )
     timing.require_cuda("mxmoe bench cast")
     from tqdm import tqdm
 

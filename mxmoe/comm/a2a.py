@@ -44,13 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mxmoe.comm import symm as _symm
 from mxmoe.comm.kernels import dequantize_into, qdq_into
 from mxmoe.comm.splits import BLOCK_SIZE, Plan, check_and_plan, offsets
 from mxmoe.comm.symm import SymmWorkspace, symm_mx_exchange, symm_usable
 from mxmoe.formats import make_spec
 from mxmoe.quant import custom_ops
-from mxmoe.quant.kernels import backend, resolve_kernel
+from mxmoe.quant.backends import backend, resolve_kernel
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, to_mx
 
 ELEM_DTYPE = torch.float8_e4m3fn
@@ -291,8 +290,7 @@ def _pick_transport(x: Tensor, plan: Plan, group, chunks: int | None, transport:
 
 
 def _mx_exchange(
-    x: Tensor, plan: Plan, group, kernel: str, dequant: bool, chunks: int | None, transport: str = "nccl",
-    symm_mode: str | None = None,
+    x: Tensor, plan: Plan, group, kernel: str, dequant: bool, chunks: int | None, transport: str = "nccl"
 ):
     """Quantize x's rows, exchange per plan, and (if dequant) dequantize: y (rows_out, dim) x.dtype,
     else (q (rows_out, dim) e4m3, s (rows_out, dim // 32) e8m0)."""
@@ -301,8 +299,7 @@ def _mx_exchange(
         resolve_kernel(kernel, x.device)  # a clear error for a kernel that cannot run here
         ws = SymmWorkspace.get(group, x.device)
         return symm_mx_exchange(
-            x, plan.input_splits, plan.output_splits, plan.rank, ws, kernel, dequant, SELF_QDQ_IMPL,
-            mode=symm_mode,
+            x, plan.input_splits, plan.output_splits, plan.rank, ws, kernel, dequant, SELF_QDQ_IMPL
         )
     kernel = resolve_kernel(kernel, x.device)
     pipelined = _use_pipeline(x.is_cuda, plan, chunks)
@@ -328,14 +325,13 @@ def _hp_exchange(x: Tensor, plan: Plan, group) -> Tensor:
 class _MXA2A(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, group, kernel, chunks, transport):
-        # the backward's exchange uses the symm mode of the forward (MODE may change in between)
-        ctx.args = (plan, group, kernel, chunks, transport, _symm.MODE)
+        ctx.args = (plan, group, kernel, chunks, transport)
         return _mx_exchange(x, plan, group, kernel, True, chunks, transport)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, group, kernel, chunks, transport, mode = ctx.args
-        y = _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks, transport, mode)
+        plan, group, kernel, chunks, transport = ctx.args
+        y = _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks, transport)
         return y, None, None, None, None, None
 
 
@@ -369,13 +365,13 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, group, kernel, chunks, transport):
-        ctx.args = (plan, group, kernel, chunks, transport, _symm.MODE)
+        ctx.args = (plan, group, kernel, chunks, transport)
         return _hp_exchange(x, plan, group)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, group, kernel, chunks, transport, mode = ctx.args
-        y = _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks, transport, mode)
+        plan, group, kernel, chunks, transport = ctx.args
+        y = _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks, transport)
         return y, None, None, None, None, None
 
 

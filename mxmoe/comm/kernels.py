@@ -16,13 +16,11 @@ bf16 on the bits.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from mxmoe.quant import custom_ops
-from mxmoe.quant.kernels import resolve_kernel, triton_interpret
+from mxmoe.quant.backends import resolve_kernel, triton_interpret
 
 try:
     import triton
@@ -34,19 +32,6 @@ BLOCK_SIZE = 32
 _BLOCK = 4096
 
 if triton is not None:
-
-    from triton.language.extra.cuda import globaltimer as _globaltimer
-
-    @triton.jit
-    def _wait_flag_kernel(flag_ptr, count, value, timeout_ns):
-        # Spin (acquire loads at system scope) until flag[i] >= value for i < count; trap after timeout_ns.
-        start = _globaltimer()
-        for i in range(count):
-            seen = tl.atomic_add(flag_ptr + i, 0, sem="acquire", scope="sys")
-            while seen < value:
-                if _globaltimer() - start > timeout_ns:
-                    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-                seen = tl.atomic_add(flag_ptr + i, 0, sem="acquire", scope="sys")
 
     @triton.jit
     def _int_dequant_bits(byte, s):
@@ -239,13 +224,12 @@ def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", imp
     return out
 
 
-# Blocks of 32 per program and warps of the fused quantize+dequantize kernel (MXMOE_QDQ_CONFIG="NB,W").
-QDQ_CONFIG = tuple(int(v) for v in os.environ.get("MXMOE_QDQ_CONFIG", "64,4").split(","))
+# Blocks of 32 per program and warps of the fused quantize+dequantize kernel (the H200 sweep's best).
+_QDQ_BLOCKS, _QDQ_WARPS = 64, 4
 
 
 def qdq_into(
-    x: Tensor, out: Tensor, kernel: str = "auto", impl: str = "auto", force_slow: bool = False,
-    config: tuple[int, int] | None = None,
+    x: Tensor, out: Tensor, kernel: str = "auto", impl: str = "auto", force_slow: bool = False
 ) -> Tensor:
     """out = dequantize(quantize(x)) (MXFP8 e4m3, RCEIL, blocks of 32 along the last dim), in one pass.
 
@@ -254,13 +238,9 @@ def qdq_into(
     by `dequantize` gives (NaN blocks as canonical NaN). impl: "triton" (one fused kernel: reads x once,
     writes out once), "copy" (the cast backend `kernel`, then `dequantize_into`) or "auto" (triton on
     CUDA when available). force_slow: use the kernel's all-integer path everywhere (for tests).
-    config: (blocks per program, warps) of the Triton kernel (None: QDQ_CONFIG); blocks a power of 2.
     """
     if impl not in ("auto", "triton", "copy"):
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'triton', 'copy'")
-    nb, warps = QDQ_CONFIG if config is None else config
-    if nb < 1 or nb & (nb - 1) or warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"qdq_into config {(nb, warps)}: expected (power of 2, warps in 1..16 a power of 2)")
     if x.shape != out.shape or x.ndim != 2 or x.shape[1] % BLOCK_SIZE:
         raise ValueError(
             f"qdq_into: x {tuple(x.shape)} and out {tuple(out.shape)} must be equal 2D shapes (R, C) with "
@@ -286,17 +266,17 @@ def qdq_into(
     bf16 = out.dtype == torch.bfloat16
     n_blocks = x.numel() // BLOCK_SIZE
     bits = torch.int16 if bf16 else torch.int32
-    _qdq_kernel[(triton.cdiv(n_blocks, nb),)](
+    _qdq_kernel[(triton.cdiv(n_blocks, _QDQ_BLOCKS),)](
         x.view(bits),
         out.view(bits),
         n_blocks,
         spec.rceil_c,
         spec.rceil_t127,
         spec.rceil_t126,
-        NB=nb,
+        NB=_QDQ_BLOCKS,
         IN_BF16=bf16,
         FORCE_SLOW=force_slow,
-        num_warps=warps,
+        num_warps=_QDQ_WARPS,
     )
     return out
 
@@ -305,15 +285,3 @@ def _rceil_spec():
     from mxmoe.formats import make_spec
 
     return make_spec(BLOCK_SIZE, "rceil", torch.float8_e4m3fn)
-
-
-def wait_flag(flag: Tensor, value: int, timeout_ms: int, count: int = 1) -> None:
-    """The current CUDA stream waits until flag[0 .. count) (int32, GPU memory another GPU or a copy
-    engine writes) are all >= value: one single-thread program polling with acquire loads at system
-    scope. After timeout_ms it executes `trap`: the process then fails with a CUDA error instead of
-    hanging."""
-    if triton is None or not flag.is_cuda or flag.dtype != torch.int32:
-        raise ValueError(f"wait_flag: flag must be int32 on CUDA (and triton installed), got {flag.dtype}")
-    if not 1 <= count <= flag.numel():
-        raise ValueError(f"wait_flag: count={count}, expected 1 .. {flag.numel()} (the words of flag)")
-    _wait_flag_kernel[(1,)](flag, int(count), int(value), int(timeout_ms) * 1_000_000, num_warps=1)

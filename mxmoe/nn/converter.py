@@ -13,7 +13,7 @@ from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
 from mxmoe.nn.mx_experts import MXGroupedExperts
 from mxmoe.ops import GEMM_BACKENDS, MXOpConfig
-from mxmoe.quant.kernels import KERNELS, why_unavailable
+from mxmoe.quant.backends import KERNELS, why_unavailable
 
 log = logging.getLogger("mxmoe")
 

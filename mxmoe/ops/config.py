@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from mxmoe.formats import check_block_size, check_elem_dtype, check_scaling_mode
-from mxmoe.quant.kernels import KERNELS
+from mxmoe.quant.backends import KERNELS
 
 GEMM_BACKENDS = ("emulated",)
 GEMM_DTYPES = (None, torch.bfloat16, torch.float32)

@@ -21,14 +21,16 @@ import torch
 from torch import Tensor
 
 from mxmoe.formats import (
+    OUTPUT_DTYPES,
     ScalingMode,
     check_block_size,
     check_elem_dtype,
     check_input_dtype,
     check_scaling_mode,
 )
-from mxmoe.quant import custom_ops
-from mxmoe.quant.kernels import resolve_kernel
+from mxmoe.quant import dispatch
+from mxmoe.quant.backends import resolve_kernel
+from mxmoe.quant.checks import check_no_grad, check_x, spec_of
 from mxmoe.recipe import MXRecipe
 
 
@@ -83,14 +85,19 @@ class MXTensor:
     def dequantize(self, dtype: torch.dtype | None = None, kernel: str = "auto") -> Tensor:
         """High-precision tensor of the logical shape (a view: the storage order is kept)."""
         dtype = self.orig_dtype if dtype is None else dtype
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype={dtype!r} is not a torch.dtype; expected torch.bfloat16 or torch.float32")
-        check_input_dtype("dtype", torch.empty(0, dtype=dtype))
-        kernel = resolve_kernel(kernel, self.device, "dequant")
+        if dtype not in OUTPUT_DTYPES:
+            what = "an output dtype" if isinstance(dtype, torch.dtype) else "a torch.dtype"
+            raise TypeError(f"dtype={dtype!r} is not {what}; expected torch.bfloat16 or torch.float32")
+        return self.dequantize_trusted(dtype, resolve_kernel(kernel, self.device, "dequant"))
+
+    def dequantize_trusted(self, dtype: torch.dtype, kernel: str) -> Tensor:
+        """`dequantize` without checks, for the ops layer: dtype bf16/fp32, kernel concrete (from
+        `resolve_kernel`). Returns the logical shape (a view of a contiguous (.., K) result)."""
         q = self.qdata_blocked
-        out = custom_ops.dequantize(
-            q.reshape(_rows(q.shape, 1), q.shape[-1]),
-            self.scale_blocked.reshape(_rows(q.shape, 1), self.scale_blocked.shape[-1]),
+        rows = _rows(q.shape, 1)
+        out = dispatch.dequantize(
+            q.reshape(rows, q.shape[-1]),
+            self.scale_blocked.reshape(rows, self.scale_blocked.shape[-1]),
             self.block_size,
             dtype,
             kernel,
@@ -148,25 +155,6 @@ def _rows(shape: torch.Size, trailing: int) -> int:
     return math.prod(shape[: len(shape) - trailing])
 
 
-def _check_x(x: Tensor, block_size: int, axis: int) -> int:
-    check_input_dtype("x", x)
-    if x.ndim < 1:
-        raise ValueError("x must have at least one dimension")
-    if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
-        raise ValueError(f"axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
-    ax = axis % x.ndim
-    if ax < x.ndim - 2:
-        raise ValueError(
-            f"axis={axis} of a {x.ndim}D tensor is not supported: blocks run along one of the last "
-            "two dims (axis=-1 or axis=-2)"
-        )
-    if x.shape[ax] % block_size:
-        raise ValueError(
-            f"x.shape[{axis}]={x.shape[ax]} is not divisible by block_size={block_size}"
-        )
-    return ax
-
-
 def _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel) -> None:
     if not isinstance(recipe, MXRecipe):
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
@@ -209,27 +197,46 @@ def to_mx(
     """
     if recipe is not None:
         _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel)
-        scaling_mode, elem_dtype, block_size = recipe.scaling_mode, recipe.elem_dtype, recipe.block_size
-        kernel = recipe.dim0_kernel if axis in (-1, getattr(x, "ndim", 0) - 1) else recipe.dim1_kernel
+        ax = check_x(x, recipe.block_size, axis)
+        return mx_cast(x, ax, recipe)
     block_size = check_block_size(block_size)
     mode = check_scaling_mode(scaling_mode).value
     check_elem_dtype(elem_dtype)
-    ax = _check_x(x, block_size, axis)
+    ax = check_x(x, block_size, axis)
+    return _cast(x, ax, spec_of(block_size, mode, elem_dtype), kernel, kernel)
+
+
+def mx_cast(x: Tensor, ax: int, recipe: MXRecipe, kernel: str | None = None) -> MXTensor:
+    """`to_mx(x, ax, recipe=recipe)` without checks: the fast entry for the ops layer.
+
+    The caller guarantees what `to_mx` would check: x is a bf16/fp32 tensor that does not need a
+    gradient here (grad mode off or x detached), `ax` is x.ndim - 1 or x.ndim - 2 (non-negative),
+    x.shape[ax] % recipe.block_size == 0; `recipe` is an MXRecipe (checked when it was made).
+    kernel: overrides the recipe's kernel for this cast ("auto" or a concrete name).
+    Returns the same MXTensor as `to_mx`, bit for bit."""
+    spec = spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype)
+    if kernel is None:
+        return _cast(x, ax, spec, recipe.dim0_kernel, recipe.dim1_kernel)
+    return _cast(x, ax, spec, kernel, kernel)
+
+
+def _cast(x: Tensor, ax: int, spec, dim0_kernel: str, dim1_kernel: str) -> MXTensor:
     moved = x.movedim(ax, -1)
+    bs = spec.block_size
     if ax == x.ndim - 1 or moved.is_contiguous():
         flat = moved.contiguous().reshape(_rows(moved.shape, 1), moved.shape[-1])
-        k = resolve_kernel(kernel, x.device, "dim0")
-        q, s = custom_ops.quantize_dim0(flat, block_size, mode, elem_dtype, k)
+        k = resolve_kernel(dim0_kernel, x.device, "dim0")
+        q, s = dispatch.quantize_dim0(flat, spec, k)
     else:  # blocks along dim -2 of a row-major tensor: the transposing kernel
         x3 = x.contiguous().reshape(_rows(x.shape, 2), x.shape[-2], x.shape[-1])
-        k = resolve_kernel(kernel, x.device, "dim1")
-        q, s = custom_ops.quantize_dim1(x3, block_size, mode, elem_dtype, k)
+        k = resolve_kernel(dim1_kernel, x.device, "dim1")
+        q, s = dispatch.quantize_dim1(x3, spec, k)
     return MXTensor(
         q.view(moved.shape),
-        s.view(*moved.shape[:-1], moved.shape[-1] // block_size),
+        s.view(*moved.shape[:-1], moved.shape[-1] // bs),
         ax,
-        block_size,
-        mode,
+        bs,
+        spec.mode.value,
         x.dtype,
     )
 
@@ -253,19 +260,33 @@ def to_mx_dim0_dim1(
         _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel)
         scaling_mode, elem_dtype = recipe.scaling_mode, recipe.elem_dtype
         block_size, kernel = recipe.block_size, recipe.dim1_kernel
-    block_size = check_block_size(block_size)
-    mode = check_scaling_mode(scaling_mode).value
-    check_elem_dtype(elem_dtype)
+    else:
+        block_size = check_block_size(block_size)
+        scaling_mode = check_scaling_mode(scaling_mode).value
+        check_elem_dtype(elem_dtype)
     check_input_dtype("x", x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2D for the fused dim0+dim1 cast, got shape {tuple(x.shape)}")
-    _check_x(x, block_size, 0)
-    _check_x(x, block_size, 1)
-    kernel = resolve_kernel(kernel, x.device, "dim0_dim1")
-    q0, s0, q1, s1 = custom_ops.quantize_dim0_dim1(
-        x.contiguous(), block_size, mode, elem_dtype, kernel
-    )
+    for ax in (0, 1):
+        if x.shape[ax] % block_size:
+            raise ValueError(f"x.shape[{ax}]={x.shape[ax]} is not divisible by block_size={block_size}")
+    check_no_grad(x)
+    return _cast_dim0_dim1(x, spec_of(block_size, scaling_mode, elem_dtype), kernel)
+
+
+def mx_cast_dim0_dim1(x: Tensor, recipe: MXRecipe, kernel: str | None = None) -> tuple[MXTensor, MXTensor]:
+    """`to_mx_dim0_dim1(x, recipe=recipe)` without checks: the fast entry for the ops layer.
+    The caller guarantees x is a 2D bf16/fp32 tensor (no gradient wanted here) with both dims
+    divisible by recipe.block_size. kernel: overrides recipe.dim1_kernel."""
+    spec = spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype)
+    return _cast_dim0_dim1(x, spec, recipe.dim1_kernel if kernel is None else kernel)
+
+
+def _cast_dim0_dim1(x: Tensor, spec, kernel: str) -> tuple[MXTensor, MXTensor]:
+    k = resolve_kernel(kernel, x.device, "dim0_dim1")
+    q0, s0, q1, s1 = dispatch.quantize_dim0_dim1(x.contiguous(), spec, k)
+    bs, mode = spec.block_size, spec.mode.value
     return (
-        MXTensor(q0, s0, 1, block_size, mode, x.dtype),
-        MXTensor(q1, s1, 0, block_size, mode, x.dtype),
+        MXTensor(q0, s0, 1, bs, mode, x.dtype),
+        MXTensor(q1, s1, 0, bs, mode, x.dtype),
     )

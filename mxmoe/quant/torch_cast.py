@@ -11,9 +11,10 @@ on how a device treats fp32 subnormals (flush-to-zero): see the RCEIL thresholds
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from mxmoe.formats import E8M0_BIAS, E8M0_NAN, CastSpec, ScalingMode
-from mxmoe.quant.kernels import dim0_outputs
+from mxmoe.quant.checks import dim0_outputs
 
 _ABS_MASK = 0x7FFFFFFF
 _F32_INF_BITS = 0x7F800000
@@ -41,9 +42,9 @@ def scale_exponent(amax_bits: torch.Tensor, spec: CastSpec) -> torch.Tensor:
     return e.clamp(-127, 127)
 
 
-def quantize_dim0(x: torch.Tensor, spec: CastSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (R, C) bf16/fp32 contiguous -> qdata (R, C) elem dtype, scale (R, C // bs) e8m0.
-    out: optional preallocated (q, s) to write into (see kernels.dim0_outputs)."""
+    out: optional preallocated (q, s) to write into (checked by checks.check_dim0_out)."""
     if out is not None:
         qo, so = dim0_outputs(x, spec, out)
         q, s = quantize_dim0(x, spec)
@@ -86,12 +87,15 @@ def scale_to_f32(s: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def dequantize(q: torch.Tensor, s: torch.Tensor, block_size: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """q: (R, C) elem dtype, s: (R, C // bs) e8m0 -> (R, C) out_dtype.
+def dequantize(
+    q: torch.Tensor, s: torch.Tensor, block_size: int, out_dtype: torch.dtype, *, out: Tensor | None = None
+) -> torch.Tensor:
+    """q: (R, C) elem dtype, s: (R, C // bs) e8m0 (or uint8) -> (R, C) out_dtype, contiguous.
+    out: optional contiguous (R, C) out_dtype tensor to write into (e.g. rows of a larger output).
 
     Value = q * 2^(s - 127): exact in fp32 (q has <= 4 significant bits), then one rounding to
     out_dtype."""
     R, C = q.shape
     scale = scale_to_f32(s.view(torch.uint8))
-    y = q.float().reshape(R, C // block_size, block_size) * scale.unsqueeze(-1)
-    return y.reshape(R, C).to(out_dtype)
+    y = (q.float().reshape(R, C // block_size, block_size) * scale.unsqueeze(-1)).reshape(R, C)
+    return y.to(out_dtype) if out is None else out.copy_(y)

@@ -19,7 +19,6 @@ from mxmoe.cli import main as cli_main
         (["--shape", "0x64"], "not RxC"),
         (["--shape", "100x64"], "multiples of 32"),
         (["--iters", "0"], "positive integer"),
-        (["--triton-config", "nope"], "not a config"),
     ],
 )
 def test_bad_arguments_are_rejected(argv, needle, capsys):
@@ -29,13 +28,12 @@ def test_bad_arguments_are_rejected(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
-def test_cases_cover_defaults_and_configs():
-    args = cast.build_parser().parse_args(["--kernel", "triton", "--triton-config", "default",
-                                           "--triton-config", "wide"])
+def test_cases_cover_defaults():
+    args = cast.build_parser().parse_args(["--kernel", "triton"])
     cases = cast._cases(args)
     shapes = {c.shape for c in cases}
     assert shapes == set(cast.DEFAULT_SHAPES_2D) | set(cast.DEFAULT_SHAPES_3D)
-    assert {c.kernel for c in cases} == {"triton[default]", "triton[wide]"}
+    assert {c.kernel for c in cases} == {"triton"}
     assert {c.mode for c in cases} == set(cast.MODES)
     assert {c.scaling for c in cases if c.mode != "dequant"} == {"floor", "rceil"}
     # 3D shapes only feed the 3d mode, 2D shapes the others

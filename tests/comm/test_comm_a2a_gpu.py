@@ -32,14 +32,10 @@ def test_single_gpu_pipeline_matches_reference(dtype, chunks):
     assert_same_bits(a2a_dispatch_mxfp8(x0, [4099], [4099], chunks=chunks).dequantize(), yr.detach())
 
 
-def _nccl_worker(
-    rank: int, world: int, port: int, workspace_bytes: int | None = None, mode: str = "copy",
-    piece_rows: int = 8192,
-) -> None:
+def _nccl_worker(rank: int, world: int, port: int, workspace_bytes: int | None = None) -> None:
     from mxmoe.comm import symm
 
     torch.cuda.set_device(rank)
-    symm.MODE, symm.PIECE_ROWS = mode, piece_rows
     if workspace_bytes is not None:  # slots of a few rows: larger pairs take the NCCL send/recv fallback
         symm.WORKSPACE_BYTES = workspace_bytes
     dist.init_process_group(
@@ -63,15 +59,8 @@ def _nccl_worker(
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize(
-    "workspace_bytes,mode,piece_rows",
-    [
-        (None, "copy", 8192), (None, "copy", 50), (None, "store", 8192),
-        (12288, "copy", 8192), (12288, "store", 8192),
-    ],
-    ids=["copy", "copy-pieces", "store", "copy-tiny-workspace", "store-tiny-workspace"],
-)
-def test_two_gpus_nccl_matches_reference(workspace_bytes, mode, piece_rows):
-    """Every path (symmetric memory in both modes, NCCL) against the reference on 2 GPUs; a tiny workspace
-    (slots of a few rows) sends the larger pairs through NCCL send/recv; piece_rows 50: many pieces."""
-    mp.spawn(_nccl_worker, args=(2, _free_port(), workspace_bytes, mode, piece_rows), nprocs=2, join=True)
+@pytest.mark.parametrize("workspace_bytes", [None, 8192], ids=["symm", "symm-tiny-workspace"])
+def test_two_gpus_nccl_matches_reference(workspace_bytes):
+    """Every path (symmetric memory, NCCL) against the reference on 2 GPUs; a tiny workspace (slots of a
+    few rows) sends the larger pairs through NCCL send/recv."""
+    mp.spawn(_nccl_worker, args=(2, _free_port(), workspace_bytes), nprocs=2, join=True)

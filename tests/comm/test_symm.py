@@ -1,9 +1,8 @@
 """The symmetric-memory exchange's layout and protocol on CPU: W ranks as threads of one process, their
 workspaces plain tensors that every thread can write (as NVLink peers can), the device barrier a
-thread barrier, a piece's flag a word of the receiver's workspace that its waits block on. Each rank's
-result must equal quantize -> route rows -> dequantize, for uneven and zero splits, both dtypes, the
-dispatch form, consecutive exchanges (alternating halves), both modes ("copy": pieces and flags,
-"store": stores and a barrier), one and many pieces per pair."""
+thread barrier. Each rank's result must equal quantize -> route rows -> dequantize, for uneven and
+zero splits, both dtypes, the dispatch form, consecutive exchanges (alternating halves), and pairs too
+large for a slot (the send/recv fallback)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ import pytest
 import torch
 from test_comm_a2a import assert_same_bits, make_rows, split_matrix
 
-from mxmoe.comm import symm
 from mxmoe.comm.splits import offsets
-from mxmoe.comm.symm import FLAG_BYTES, MAX_PIECES, Layout, halves_bytes, pieces, symm_mx_exchange
+from mxmoe.comm.symm import Layout, halves_bytes, symm_mx_exchange
 from mxmoe.quant import custom_ops
 
 
@@ -28,10 +26,6 @@ class FakeWorld:
         self.buffers = [
             torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(world)
         ]
-        for b in self.buffers:  # as SymmWorkspace.ensure: the flags start at 0
-            b[nbytes - FLAG_BYTES :].zero_()
-        self.flags = [b[nbytes - FLAG_BYTES :].view(torch.int32) for b in self.buffers]
-        self.raised = threading.Condition()
         self.sync = threading.Barrier(world, timeout=60)
         self.mail: dict[tuple[int, int], list] = {}  # (src, dst) -> [tensors...] per exchange, in order
         self.posted = threading.Condition()
@@ -50,29 +44,9 @@ class FakeWorkspace:
         self._calls += 1
         return self._calls
 
-    def barrier(self, epoch: int | None = None) -> None:
-        """As SymmWorkspace: the flag barrier (signal / wait below) for an exchange, else a thread
-        barrier."""
-        if epoch is not None and symm.BARRIER == "flags":
-            symm.flag_barrier(self, self.rank, len(self.buffers), epoch)
-        else:
-            self.world.sync.wait()
-
-    def put(self, dst, src) -> None:
-        dst.copy_(src)
-
-    def signal(self, peer: int, index: int, value: int) -> None:
-        w = self.world
-        with w.raised:
-            w.flags[peer][index] = value
-            w.raised.notify_all()
-
-    def wait(self, index: int, value: int, count: int = 1) -> None:
-        w = self.world
-        words = w.flags[self.rank][index : index + count]
-        assert words.numel() == count
-        with w.raised:
-            assert w.raised.wait_for(lambda: bool((words >= value).all()), timeout=60), "no flag"
+    def barrier(self) -> None:
+        """As SymmWorkspace's device barrier: every rank's stores are done and visible."""
+        self.world.sync.wait()
 
     def send_recv(self, sends, recvs) -> None:
         """Pairwise, like NCCL send/recv: only the two ends of a pair take part."""
@@ -129,16 +103,9 @@ def run_ranks(fn, world: int) -> list:
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("kind", ["equal", "uneven", "zeros"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("nbytes", [(1 << 16) + FLAG_BYTES, 3000 + FLAG_BYTES], ids=["fits", "p2p"])
-@pytest.mark.parametrize("mode,piece_rows,barrier", [("copy", 8192, "flags"), ("copy", 3, "flags"),
-                                                    ("store", 8192, "flags"), ("store", 8192, "torch")],
-                         ids=["copy", "copy-pieces", "store", "store-torch-barrier"])
-def test_symm_exchange_matches_routing(world, kind, dtype, nbytes, mode, piece_rows, barrier, monkeypatch):
-    """nbytes 3000 (+ flags): slots of a few rows, so the larger pairs take the send/recv fallback.
-    piece_rows 3: many pieces per pair (each with its flag). barrier: the store mode's flag barrier,
-    or a plain (thread) barrier standing for the symmetric-memory handle's."""
-    monkeypatch.setattr(symm, "PIECE_ROWS", piece_rows)
-    monkeypatch.setattr(symm, "BARRIER", barrier)
+@pytest.mark.parametrize("nbytes", [1 << 16, 3000], ids=["fits", "p2p"])
+def test_symm_exchange_matches_routing(world, kind, dtype, nbytes):
+    """nbytes 3000: slots of a few rows, so the larger pairs take the send/recv fallback."""
     dim = 64
     M = split_matrix(world, kind)
     Mt = [list(c) for c in zip(*M, strict=True)]
@@ -150,10 +117,10 @@ def test_symm_exchange_matches_routing(world, kind, dtype, nbytes, mode, piece_r
     def rank(r: int):
         ws = FakeWorkspace(fw, r)
         ins, outs = M[r], Mt[r]
-        y = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", True, mode=mode)
-        q, s = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", False, mode=mode)
-        back = symm_mx_exchange(gs[r], outs, ins, r, ws, "torch", True, mode=mode)  # the backward's
-        again = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", True, mode=mode)  # a half used before
+        y = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", True)
+        q, s = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", False)
+        back = symm_mx_exchange(gs[r], outs, ins, r, ws, "torch", True)  # the backward's
+        again = symm_mx_exchange(xs[r], ins, outs, r, ws, "torch", True)  # a half used before
         return y, q, s, back, again
 
     for r, (y, q, s, back, again) in enumerate(run_ranks(rank, world)):
@@ -168,47 +135,8 @@ def test_symm_exchange_matches_routing(world, kind, dtype, nbytes, mode, piece_r
         assert_same_bits(back, expected(gs, Mt, r, True), "backward " + what)
     big = {(a, b) for a in range(world) for b in range(world) if a != b and (M[a][b] > cap or M[b][a] > cap)}
     assert fw.p2p_pairs <= big and (nbytes > 3000 or not big or fw.p2p_pairs), (fw.p2p_pairs, big)
-    if nbytes > 3000 + FLAG_BYTES:
+    if nbytes > 3000:
         assert not fw.p2p_pairs
-    for dst in range(world):
-        for src in (s for s in range(world) if s != dst):
-            if mode == "copy":  # every pair that used a slot raised each of its pieces' flags, 4 exchanges
-                if max(M[src][dst], M[dst][src]) <= cap:
-                    assert int(fw.flags[dst][symm.flag_index(src, dst, world, 0)]) == 4, (src, dst)
-            else:  # every rank raised its barrier word in every peer at each of the 4 exchanges
-                want = 4 if barrier == "flags" else 0
-                assert int(fw.flags[dst][symm.barrier_index(src, dst, world)]) == want, (src, dst)
-
-
-@pytest.mark.parametrize("n", [0, 1, 2, 7, 100, 8191, 8192, 8193, 65536, 10**6])
-@pytest.mark.parametrize("piece_rows", [1, 3, 8192])
-def test_pieces_cover_the_rows_in_order(n, piece_rows, monkeypatch):
-    monkeypatch.setattr(symm, "PIECE_ROWS", piece_rows)
-    ps = pieces(n)
-    assert 1 <= len(ps) <= MAX_PIECES
-    assert ps[0][0] == 0 and ps[-1][1] == n
-    assert all(b0 == a1 for (_, b0), (a1, _) in zip(ps, ps[1:], strict=False))
-    sizes = [b - a for a, b in ps]
-    assert max(sizes) - min(sizes) <= 1 and (n == 0 or min(sizes) >= 1)
-    assert len(ps) == min(MAX_PIECES, max(1, -(-n // piece_rows)))
-
-
-def test_flag_words_fit_and_differ():
-    for world in (2, 3, 8):
-        seen = {symm.flag_index(s, d, world, i) for d in range(world) for s in range(world) if s != d
-                for i in range(MAX_PIECES)}
-        per_dst = (world - 1) * MAX_PIECES
-        assert max(seen) < per_dst <= symm.BARRIER_BASE
-        bar = sorted(symm.barrier_index(s, 0, world) for s in range(1, world))  # consecutive: one wait
-        assert bar == list(range(symm.BARRIER_BASE, symm.BARRIER_BASE + world - 1))
-        assert bar[-1] < FLAG_BYTES // 4
-        words = {symm.flag_index(s, 0, world, i) for s in range(1, world) for i in range(MAX_PIECES)}
-        assert len(words) == per_dst
-
-
-def test_bad_mode_is_refused():
-    with pytest.raises(ValueError, match="MXMOE_SYMM_MODE='fast'"):
-        symm_mx_exchange(torch.zeros(4, 32), [4], [4], 0, None, "torch", True, mode="fast")
 
 
 @pytest.mark.parametrize("world", [2, 3, 8])
@@ -232,30 +160,3 @@ def test_layout_slots_are_disjoint_and_inside_the_half(world):
             assert int(buf.max()) == 1
             assert int((buf == 1).sum()) == (world - 1) * lay.slot_rows * (dim + dim // 32)
             buf.zero_()
-
-
-def test_backward_uses_the_forward_symm_mode(monkeypatch):
-    """The backward's exchange runs in the symm mode the forward ran in, even if MODE changed between
-    (the benchmark times backward passes outside the forward's `using_mode`)."""
-    from mxmoe.comm import a2a
-    from mxmoe.comm.splits import Plan
-
-    seen = []
-
-    def fake_exchange(x, plan, group, kernel, dequant, chunks, transport="nccl", symm_mode=None):
-        seen.append(symm_mode)
-        return x.clone()
-
-    monkeypatch.setattr(a2a, "_mx_exchange", fake_exchange)
-    plan = Plan(rank=0, world=1, input_splits=(4,), output_splits=(4,), row_shape=(32,))
-    for fn in (a2a._MXA2A, a2a._Combine):
-        seen.clear()
-        x = torch.zeros(4, 32, requires_grad=True)
-        with symm.using_mode("copy"):
-            y = fn.apply(x, plan, None, "torch", None, "symm")
-        with symm.using_mode("store"):
-            y.sum().backward()
-        assert seen[-1] == "copy", (fn.__name__, seen)
-    with pytest.raises(ValueError, match="symm mode 'fast'"):
-        with symm.using_mode("fast"):
-            pass

@@ -135,19 +135,17 @@ def test_fused_needs_2d():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32, torch.float8_e4m3fn])
 def test_dequantize_wrong_dtype(dtype):
     mx = to_mx(X, kernel="torch")
-    with pytest.raises(TypeError, match=rf"dtype has dtype {dtype}"):
+    with pytest.raises(TypeError, match=rf"dtype={dtype} is not an output dtype"):
         mx.dequantize(dtype)
 
 
 def test_errors_raise_before_any_kernel(monkeypatch):
     """Argument errors come from the checks, not from a backend: no backend module is touched."""
-    from mxmoe.quant import kernels
-
-    def boom(kernel):
+    def boom(kernel, cast):
         raise AssertionError(f"backend {kernel} called")
 
-    monkeypatch.setattr(kernels, "backend", boom)
-    monkeypatch.setattr("mxmoe.quant.custom_ops.backend", boom)
+    monkeypatch.setattr("mxmoe.quant.dispatch.cast_fn", boom)
+    monkeypatch.setattr("mxmoe.quant.custom_ops.cast_fn", boom)
     for kwargs in (dict(block_size=3), dict(scaling_mode="x"), dict(elem_dtype=torch.float16), dict(axis=5)):
         with pytest.raises((ValueError, TypeError)):
             to_mx(X, kernel="torch", **kwargs)
@@ -191,36 +189,59 @@ def test_mxtensor_repr_names_the_layout():
     assert repr(mx).startswith("MXTensor(shape=(4, 64), axis=1, elem=torch.float8_e4m3fn, block_size=32")
 
 
-def test_dequantize_op_checks_its_arguments_for_every_backend():
-    """mxmoe::dequantize validates before any backend runs (same errors whatever the kernel)."""
-    from mxmoe.quant import custom_ops
+def test_arguments_are_checked_once_per_public_call(monkeypatch):
+    """The public API checks its arguments once; everything below trusts them. With a recipe (checked
+    when it was made) the block size is not checked again at all."""
+    import mxmoe.quant.mx_tensor as mt
+    from mxmoe.recipe import recipe
 
-    q = torch.zeros(4, 64, dtype=torch.float8_e4m3fn)
-    s = torch.zeros(4, 2, dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    assert custom_ops.dequantize(q, s, 32, torch.float32, "torch").shape == (4, 64)
-    with pytest.raises(TypeError, match="elem_dtype"):
-        custom_ops.dequantize(q.view(torch.uint8), s, 32, torch.float32, "torch")
-    with pytest.raises(TypeError, match="out_dtype"):
-        custom_ops.dequantize(q, s, 32, torch.float16, "torch")
-    with pytest.raises(TypeError, match="scale has dtype"):
-        custom_ops.dequantize(q, s.view(torch.uint8).float(), 32, torch.float32, "torch")
-    with pytest.raises(ValueError, match="scale has shape"):
-        custom_ops.dequantize(q, s[:, :1], 32, torch.float32, "torch")
-    with pytest.raises(ValueError, match="block_size"):
-        custom_ops.dequantize(q, s, 48, torch.float32, "torch")
+    calls = []
+
+    def counting(block_size):
+        calls.append(block_size)
+        return block_size
+
+    monkeypatch.setattr(mt, "check_block_size", counting)
+    monkeypatch.setattr("mxmoe.formats.check_block_size", counting)
+    x = torch.randn(64, 64)
+    to_mx(x, -1, kernel="torch")
+    to_mx(x, 0, kernel="torch").dequantize(kernel="torch")
+    to_mx_dim0_dim1(x, kernel="torch")
+    assert calls == [32, 32, 32]
+    calls.clear()
+    r = recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch")
+    to_mx(x, -1, recipe=r).dequantize(kernel="torch")
+    to_mx(x, 0, recipe=r)
+    to_mx_dim0_dim1(x, recipe=r)
+    assert calls == []
+
+
+def test_to_mx_of_a_tensor_that_needs_grad_says_how_to_train():
+    """A cast has no gradient: refuse up front, naming the differentiable entry points."""
+    w = torch.randn(64, 64, requires_grad=True)
+    for call in (lambda: to_mx(w, kernel="torch"), lambda: to_mx_dim0_dim1(w, kernel="torch")):
+        with pytest.raises(RuntimeError, match="MXLinear, mxmoe.ops.mx_mm or mxmoe.ops.mx_grouped_mm"):
+            call()
+    with torch.no_grad():
+        to_mx(w, kernel="torch")
+    to_mx(w.detach(), kernel="torch")
 
 
 def test_auto_falls_back_when_the_cuda_extension_cannot_build(monkeypatch):
     """kernel='auto' on a CUDA device skips `cuda` whose build failed, instead of raising."""
-    from mxmoe.quant import cuda_cast, kernels
+    from mxmoe.quant import backends as kernels
+    from mxmoe.quant import cuda_cast
 
     monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: None)
+    kernels.clear_resolved()
+    monkeypatch.setattr(kernels, "_resolved", {})
 
     def broken():
         raise RuntimeError("kernel='cuda': building the CUDA extension failed")
 
     monkeypatch.setattr(cuda_cast, "load_extension", broken)
     assert kernels.resolve_kernel("auto", torch.device("cuda")) == "triton"
+    kernels.clear_resolved()
     monkeypatch.setattr(cuda_cast, "load_extension", lambda: object())
     assert kernels.resolve_kernel("auto", torch.device("cuda")) == "cuda"
 
@@ -229,16 +250,19 @@ def test_auto_order_is_per_cast(monkeypatch):
     """kernel='auto' on a CUDA device takes, per cast, the first available kernel of
     AUTO_ORDER_CUDA (Triton for dim0, CUDA for the others on the H200), skipping unavailable ones;
     CPU tensors always get the torch backend."""
-    from mxmoe.quant import cuda_cast, kernels
+    from mxmoe.quant import backends as kernels
+    from mxmoe.quant import cuda_cast
 
     monkeypatch.setattr(cuda_cast, "load_extension", lambda: object())
     monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: None)
+    monkeypatch.setattr(kernels, "_resolved", {})
     got = {c: kernels.resolve_kernel("auto", torch.device("cuda"), c) for c in kernels.CASTS}
     assert got == {"dim0": "triton", "dim1": "cuda", "dim0_dim1": "cuda", "dequant": "cuda"}
     assert set(kernels.AUTO_ORDER_CUDA) == set(kernels.CASTS)
     assert all(sorted(order) == sorted(kernels.KERNELS) for order in kernels.AUTO_ORDER_CUDA.values())
     # no Triton: dim0 falls back to CUDA
     monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: "missing" if k == "triton" else None)
+    kernels.clear_resolved()
     assert kernels.resolve_kernel("auto", torch.device("cuda"), "dim0") == "cuda"
     assert all(kernels.resolve_kernel("auto", torch.device("cpu"), c) == "torch" for c in kernels.CASTS)
     with pytest.raises(ValueError, match="cast='dim2'; expected one of"):

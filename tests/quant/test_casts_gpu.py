@@ -2,16 +2,13 @@
 
 Run on a GPU machine: `PYTHONPATH=. python -m pytest -m gpu tests/quant -q`.
 
-Kernels: `torch` (eager, through the custom ops), `triton` (default tile config and rounding) and
-`cuda` run the whole matrix; `triton:<config>:<round>` (every other tile config of
-mxmoe.quant.triton_cast, hardware and software fp8 rounding) and the inductor-compiled torch backend
-(torch_cast's functions compiled by torch.compile: Triton code generated from the reference) run
-the main casts on every combo. A backend that does not import or build fails here.
+Kernels: `torch` (eager), `triton` and `cuda` run the whole matrix; the inductor-compiled torch
+backend (torch_cast's functions compiled by torch.compile: Triton code generated from the
+reference) runs the main casts on every combo. A backend that does not import or build fails here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy as np
@@ -40,20 +37,7 @@ BS = 32
 ROWS, NB = 1000, 64  # (1000, 2048) inputs
 
 
-def _triton_variants() -> list[str]:
-    try:
-        from mxmoe.quant import triton_cast
-
-        configs = list(triton_cast.CONFIGS)
-    except Exception:  # noqa: BLE001 - reported by the test that uses it
-        return ["triton:import-failed:hw"]
-    out = [f"triton:default:{r}" for r in ("soft",)]
-    out += [f"triton:{c}:{r}" for c in configs if c != "default" for r in ("hw", "soft")]
-    return out
-
-
 VARIANTS = ["torch", "triton", "cuda"]
-TRITON_VARIANTS = _triton_variants()
 DEVICE = "cuda"
 
 
@@ -66,33 +50,17 @@ variant_p = pytest.mark.parametrize("variant", VARIANTS)
 combo_p = pytest.mark.parametrize("combo", COMBOS, ids=[combo_id(c) for c in COMBOS])
 
 
-@contextlib.contextmanager
-def backend(variant: str):
-    """Yields the kernel name to pass to the API, with the Triton config/rounding set if asked."""
-    if variant.startswith("triton:"):
-        from mxmoe.quant import triton_cast
-
-        _, config, rnd = variant.split(":")
-        with triton_cast.use_config(config, rnd):
-            yield "triton"
-    else:
-        yield variant
-
-
 def cast(variant: str, x: torch.Tensor, axis: int, mode: str, elem, bs: int = BS) -> MXTensor:
-    with backend(variant) as kernel:
-        return to_mx(x, axis=axis, scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=kernel)
+    return to_mx(x, axis=axis, scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=variant)
 
 
 def cast_fused(variant: str, x: torch.Tensor, mode: str, elem, bs: int = BS):
-    with backend(variant) as kernel:
-        return to_mx_dim0_dim1(x, scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=kernel)
+    return to_mx_dim0_dim1(x, scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=variant)
 
 
 def dequant(variant: str, mx: MXTensor, out: torch.dtype) -> torch.Tensor:
     """Dequantized values in the *storage* layout (rows of blocks)."""
-    with backend(variant) as kernel:
-        y = mx.dequantize(out, kernel=kernel)
+    y = mx.dequantize(out, kernel=variant)
     return y.movedim(mx.axis, -1).reshape(-1, mx.qdata_blocked.shape[-1])
 
 
@@ -228,31 +196,13 @@ def test_all_gpu_variants_agree_on_nan_inf():
         for mode in MODES:
             for elem in ELEMS:
                 ref = None
-                for variant in VARIANTS + TRITON_VARIANTS:
+                for variant in VARIANTS:
                     mx = cast(variant, x, -1, mode, elem)
                     s, q = ubytes(mx.scale_blocked), ubytes(mx.qdata_blocked)
                     assert np.all(s[mask] == 0xFF) and np.all(q.reshape(8, 8, BS)[mask] == 0x7F), variant
                     if ref is None:
                         ref = (s, q)
                     assert np.array_equal(s, ref[0]) and np.array_equal(q, ref[1]), variant
-
-
-@pytest.mark.parametrize("variant", TRITON_VARIANTS)
-@combo_p
-def test_triton_configs_gpu(variant, combo):
-    """Every Triton tile config and rounding: dim0, dim1, fused and dequantize == the oracle."""
-    mode, elem, dtype = combo
-    g32 = data(1024, BS, mode, elem, dtype, "full", 0, NB)
-    w, wt = want(1024, mode, elem, dtype, False), want(1024, mode, elem, dtype, True)
-    mx = cast(variant, to_torch(g32, dtype, DEVICE), -1, mode, elem)
-    check_quant(mx.scale_blocked, mx.qdata_blocked, g32, BS, mode, elem, f"dim0 {variant}", w)
-    check_dequant(dequant(variant, mx, torch.bfloat16), *w, BS, elem, f"dequant {variant}")
-    mx = cast(variant, to_torch(g32.T, dtype, DEVICE), 0, mode, elem)
-    check_quant(mx.scale_blocked, mx.qdata_blocked, g32, BS, mode, elem, f"dim1 {variant}", w)
-    m0, m1 = cast_fused(variant, to_torch(g32.T, dtype, DEVICE), mode, elem)
-    check_quant(m0.scale_blocked, m0.qdata_blocked, np.ascontiguousarray(g32.T), BS, mode, elem,
-                f"fused dim0 {variant}", wt)
-    check_quant(m1.scale_blocked, m1.qdata_blocked, g32, BS, mode, elem, f"fused dim1 {variant}", w)
 
 
 @combo_p
@@ -316,7 +266,7 @@ def test_random_problems_gpu(kernel):
 def test_auto_picks_per_cast_and_matches_torch():
     """kernel='auto' on the H200: Triton for dim0, CUDA for dim1 / fused / dequantize, each result
     bit-identical to the torch backend's."""
-    from mxmoe.quant import kernels
+    from mxmoe.quant import backends as kernels
 
     dev = torch.device("cuda")
     got = {c: kernels.resolve_kernel("auto", dev, c) for c in kernels.CASTS}

@@ -12,6 +12,7 @@ Standalone GPU self-check (correctness sweep, then bandwidth vs device copy):
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -254,55 +255,23 @@ def test_cuda_kernel_on_cpu_tensor_raises_through_to_mx():
 
 
 def test_cuda_backend_direct_call_on_cpu_tensor_raises():
+    """Without a GPU the backend cannot load; on a GPU machine the C++ operators have no CPU kernel."""
     spec = make_spec(32, "rceil", torch.float8_e4m3fn)
-    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
+    with pytest.raises(RuntimeError):
         cuda_cast.quantize_dim0(torch.randn(2, 64), spec)
-    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
+    with pytest.raises(RuntimeError):
         cuda_cast.quantize_dim1(torch.randn(1, 64, 8), spec)
-    q, s = torch_cast.quantize_dim0(torch.randn(2, 64), spec)
-    with pytest.raises(RuntimeError, match="kernel='cuda' needs q and s on one CUDA device"):
-        cuda_cast.dequantize(q, s, 32, torch.bfloat16)
 
 
-def test_kernel_format_constants_match_formats():
-    cuda_cast._check_constants()
-
-
-def test_variant_counts_match_header():
-    text = CU_FILE.with_name("mx_cast.h").read_text()
-    for cast, macro in (
-        ("dim0", "MX_DIM0_VARIANTS"),
-        ("dim1", "MX_DIM1_VARIANTS"),
-        ("dequant", "MX_DEQUANT_VARIANTS"),
-    ):
-        assert f"{macro} = {cuda_cast.NUM_VARIANTS[cast]}" in text, (cast, macro)
-    assert cuda_cast.NUM_VARIANTS["dim0_dim1"] == cuda_cast.NUM_VARIANTS["dim1"]
-    assert set(cuda_cast.DEFAULT_VARIANTS) == set(cuda_cast.NUM_VARIANTS)
-
-
-def test_resolve_variant_env_and_argument(monkeypatch):
-    monkeypatch.delenv(cuda_cast.VARIANT_ENV, raising=False)
-    for cast, v in cuda_cast.DEFAULT_VARIANTS.items():
-        assert cuda_cast.resolve_variant(cast) == v
-    monkeypatch.setenv(cuda_cast.VARIANT_ENV, "2")
-    assert {c: cuda_cast.resolve_variant(c) for c in ("dim0", "dim1", "dequant")} == dict.fromkeys(
-        ("dim0", "dim1", "dequant"), 2
-    )
-    monkeypatch.setenv(cuda_cast.VARIANT_ENV, "dim0=3, dequant=1")
-    assert cuda_cast.resolve_variant("dim0") == 3
-    assert cuda_cast.resolve_variant("dequant") == 1
-    assert cuda_cast.resolve_variant("dim1") == cuda_cast.DEFAULT_VARIANTS["dim1"]
-    assert cuda_cast.resolve_variant("dim0", 1) == 1  # the argument wins
-    n1 = cuda_cast.NUM_VARIANTS["dim1"]
-    with pytest.raises(ValueError, match=rf"variant={n1} for cast 'dim1'; expected 0 \.\. {n1 - 1}"):
-        cuda_cast.resolve_variant("dim1", n1)
-    with pytest.raises(ValueError, match=r"variant=-1 for cast 'dim0_dim1'"):
-        cuda_cast.resolve_variant("dim0_dim1", -1)
-    monkeypatch.setenv(cuda_cast.VARIANT_ENV, "dim7=1")
-    with pytest.raises(ValueError, match="MXMOE_CUDA_CAST_VARIANT='dim7=1' is not valid"):
-        cuda_cast.resolve_variant("dim0")
-    with pytest.raises(ValueError, match="cast='dim2'"):
-        cuda_cast.resolve_variant("dim2", 0)
+def test_binding_compiles_and_registers_every_operator():
+    """binding.cpp's TORCH_LIBRARY block defines every operator cuda_cast calls, with a CUDA kernel."""
+    text = CU_FILE.with_name("binding.cpp").read_text()
+    called = set(re.findall(r"torch\.ops\.mxmoe_cuda\.(\w+)", Path(cuda_cast.__file__).read_text()))
+    assert called >= {"quantize_dim0", "quantize_dim0_out", "quantize_dim1", "quantize_dim0_dim1",
+                      "dequantize", "dequantize_out", "format_constants"}
+    for op in called:
+        assert f'm.def("{op}(' in text, op
+        assert op == "format_constants" or f'm.impl("{op}", &{op});' in text, op
 
 
 # ------------------------------------------------------------------------------------------------
@@ -445,116 +414,121 @@ def test_public_api_kernel_cuda_matches_torch(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.slow  # every kernel variant: scripts/gpu/suite.sh runs these as their own part
 @pytest.mark.parametrize("cls", CLASSES)
-def test_variants_bitwise(cls):
-    """Every kernel variant of every cast, bit for bit against torch_cast (one reference per input).
-    Shapes with partial groups / tiles / scale words: dim0 (67, 320) and (3, 4128); dim1 (2, 160, 200)
-    (vector loads, partial column tiles), (1, 96, 136), (3, 256, 72) (whole 4- / 8-byte scale words
-    per column, partial column tiles); fused (160, 96), (64, 352), (256, 256) (whole 2- / 4-byte dim0
-    and 4- / 8-byte dim1 scale words); dequant (40, 224) and (8, 4128)."""
+def test_tile_edges_bitwise(cls):
+    """Shapes with partial groups / tiles / scale words, bit for bit against torch_cast: dim0 (67, 320)
+    and (3, 4128); dim1 (2, 160, 200) (partial column tiles), (1, 96, 136), (3, 256, 72) (whole 4- /
+    8-byte scale words per column); fused (160, 96), (64, 352), (256, 256) (whole 2- / 4-byte dim0
+    and 4- / 8-byte dim1 scale words); dequant (40, 224), (8, 4128) and (3, 32)."""
     for mode in MODES:
         for elem in ELEMS:
             spec = make_spec(32, mode, elem)
             for dtype in IN_DTYPES:
                 tag = f"{cls} {mode} {elem} {dtype}"
                 for shape in [(67, 320), (3, 4128)]:
-                    x = make_input(cls, shape, dtype, elem, seed=11)
-                    xc = x.cuda()
-                    wq, ws = torch_cast.quantize_dim0(x, spec)
-                    for v in range(cuda_cast.NUM_VARIANTS["dim0"]):
-                        q, s = cuda_cast.quantize_dim0(xc, spec, variant=v)
-                        assert_same_bits(q, wq, f"dim0 v{v} {shape} {tag} qdata")
-                        assert_same_bits(s, ws, f"dim0 v{v} {shape} {tag} scale")
+                    check_dim0(make_input(cls, shape, dtype, elem, seed=11), spec, f"dim0 {shape} {tag}")
                 for shape in [(2, 160, 200), (1, 96, 136), (3, 256, 72)]:
-                    x = make_input(cls, shape, dtype, elem, seed=12)
-                    xc = x.cuda()
-                    wq, ws = torch_cast.quantize_dim1(x, spec)
-                    for v in range(cuda_cast.NUM_VARIANTS["dim1"]):
-                        q, s = cuda_cast.quantize_dim1(xc, spec, variant=v)
-                        assert_same_bits(q, wq, f"dim1 v{v} {shape} {tag} qdata")
-                        assert_same_bits(s, ws, f"dim1 v{v} {shape} {tag} scale")
+                    check_dim1(make_input(cls, shape, dtype, elem, seed=12), spec, f"dim1 {shape} {tag}")
                 for shape in [(160, 96), (64, 352), (256, 256)]:
                     x = make_input(cls, shape, dtype, elem, seed=13)
-                    xc = x.cuda()
-                    want = torch_cast.quantize_dim0_dim1(x, spec)
-                    for v in range(cuda_cast.NUM_VARIANTS["dim0_dim1"]):
-                        got = cuda_cast.quantize_dim0_dim1(xc, spec, variant=v)
-                        for name, g_, w_ in zip(("q0", "s0", "q1", "s1"), got, want, strict=True):
-                            assert_same_bits(g_, w_, f"dim0_dim1 v{v} {shape} {tag} {name}")
-            for shape in [(40, 224), (8, 4128)]:
-                q, s = torch_cast.quantize_dim0(make_input(cls, shape, torch.float32, elem, seed=14), spec)
-                qc, sc = q.cuda(), s.cuda()
-                for out_dtype in OUT_DTYPES:
-                    want = torch_cast.dequantize(q, s, 32, out_dtype)
-                    for v in range(cuda_cast.NUM_VARIANTS["dequant"]):
-                        got = cuda_cast.dequantize(qc, sc, 32, out_dtype, variant=v)
-                        assert_same_bits(got, want, f"dequant v{v} {shape} {cls} {mode} {elem} {out_dtype}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cls", CLASSES)
-def test_dequant_variants_bitwise(cls):
-    """Every dequantize variant, every input class, mode, element type and output dtype: the dequantize
-    part of test_variants_bitwise on its own (quick), so the default GPU part checks the variants
-    that may become the default."""
-    for mode in MODES:
-        for elem in ELEMS:
-            spec = make_spec(32, mode, elem)
+                    check_dim0_dim1(x, spec, f"fused {shape} {tag}")
             for shape in [(40, 224), (8, 4128), (3, 32)]:
                 q, s = torch_cast.quantize_dim0(make_input(cls, shape, torch.float32, elem, seed=14), spec)
-                qc, sc = q.cuda(), s.cuda()
                 for out_dtype in OUT_DTYPES:
-                    want = torch_cast.dequantize(q, s, 32, out_dtype)
-                    for v in range(cuda_cast.NUM_VARIANTS["dequant"]):
-                        got = cuda_cast.dequantize(qc, sc, 32, out_dtype, variant=v)
-                        assert_same_bits(got, want, f"dequant v{v} {shape} {cls} {mode} {elem} {out_dtype}")
+                    check_dequant(q, s, 32, out_dtype, f"dequant {shape} {cls} {mode} {elem}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("elem", ELEMS, ids=str)
-@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
-def test_dequant_variants_all_codes(elem, out_dtype):
-    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256, 32)  # (256, 8192)
-    s = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].expand(256, 256).contiguous()
-    q, s = q.view(elem), s.view(torch.float8_e8m0fnu)
-    want = torch_cast.dequantize(q, s, 32, out_dtype)
-    for v in range(cuda_cast.NUM_VARIANTS["dequant"]):
-        assert_same_bits(cuda_cast.dequantize(q.cuda(), s.cuda(), 32, out_dtype, variant=v), want, f"v{v}")
+def test_kernel_format_constants_match_formats():
+    cuda_cast.load_extension()
+    cuda_cast._check_constants()
 
 
 @pytest.mark.gpu
-@pytest.mark.slow  # every kernel variant: scripts/gpu/suite.sh runs these as their own part
-def test_variants_large_persistent_loops():
-    """Several persistent-grid trips / pipelined tiles per CTA for every variant."""
+def test_out_variants_write_into_slices():
+    """quantize_dim0(out=) and dequantize(out=) (the C++ *_out operators) write into row slices of
+    larger buffers (e.g. a peer's slot) exactly what the allocating calls return, nothing else."""
+    spec = make_spec(32, "rceil", torch.float8_e4m3fn)
+    R, C = 37, 96
+    x = make_input("wide", (R, C), torch.bfloat16, torch.float8_e4m3fn, seed=21)
+    wq, ws = torch_cast.quantize_dim0(x, spec)
+    qbuf = torch.full((R + 9, C), 0xA5, dtype=torch.uint8, device="cuda")
+    sbuf = torch.full((R + 9, C // 32), 0x5A, dtype=torch.uint8, device="cuda")
+    q, s = cuda_cast.quantize_dim0(x.cuda(), spec, out=(qbuf[4 : 4 + R], sbuf[4 : 4 + R]))
+    assert q.data_ptr() == qbuf[4].data_ptr() and s.data_ptr() == sbuf[4].data_ptr()
+    assert_same_bits(q, wq, "out= qdata")
+    assert_same_bits(s, ws, "out= scale")
+    assert bool((qbuf[:4] == 0xA5).all() and (qbuf[4 + R :] == 0xA5).all())
+    assert bool((sbuf[:4] == 0x5A).all() and (sbuf[4 + R :] == 0x5A).all())
+    ybuf = torch.zeros(R + 2, C, dtype=torch.bfloat16, device="cuda")
+    y = cuda_cast.dequantize(wq.cuda(), ws.cuda(), 32, torch.bfloat16, out=ybuf[1 : 1 + R])
+    assert y.data_ptr() == ybuf[1].data_ptr()
+    assert_same_bits(y, torch_cast.dequantize(wq, ws, 32, torch.bfloat16), "dequantize out=")
+    assert bool((ybuf[0] == 0).all() and (ybuf[-1] == 0).all())
+
+
+@pytest.mark.gpu
+def test_cpp_operators_check_their_arguments():
+    """The C++ operators check in C++ and name the argument."""
+    cuda_cast.load_extension()
+    ops = torch.ops.mxmoe_cuda
+    x = torch.randn(4, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="not divisible by block_size=48"):
+        ops.quantize_dim0(x, 48, 1, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="block_size must be a power of two"):
+        ops.quantize_dim0(x, 24, 1, torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="elem_dtype"):
+        ops.quantize_dim0(x, 32, 1, torch.float16)
+    with pytest.raises(TypeError, match="x is"):
+        ops.quantize_dim0(x.half(), 32, 1, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="x must be 3D"):
+        ops.quantize_dim1(x, 32, 1, torch.float8_e4m3fn)
+    q, s = ops.quantize_dim0(x, 32, 1, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="s must be"):
+        ops.dequantize(q, s[:, :1], 32, torch.bfloat16)
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.dequantize(q, s, 32, torch.float16)
+
+
+@pytest.mark.gpu
+def test_cpp_operators_compile_fullgraph():
+    """torch.compile(fullgraph=True) traces the C++ operators (fake implementations registered by
+    cuda_cast) and the compiled results equal eager, bit for bit; so does the public API with
+    kernel='cuda'."""
+    cuda_cast.load_extension()
+    spec = make_spec(32, "rceil", torch.float8_e4m3fn)
+
+    def direct(x):
+        q0, s0 = cuda_cast.quantize_dim0(x, spec)
+        q1, s1 = cuda_cast.quantize_dim1(x.unsqueeze(0), spec)
+        f = cuda_cast.quantize_dim0_dim1(x, spec)
+        return q0, s0, q1, s1, *f, cuda_cast.dequantize(q0, s0, 32, torch.bfloat16)
+
+    def public(x):
+        a = mxmoe.to_mx(x, kernel="cuda")
+        b = mxmoe.to_mx(x, axis=0, kernel="cuda")
+        c0, c1 = mxmoe.to_mx_dim0_dim1(x, kernel="cuda")
+        return a.qdata_blocked, b.scale_blocked, c1.qdata_blocked, a.dequantize(kernel="cuda")
+
+    x = make_input("wide", (256, 512), torch.bfloat16, torch.float8_e4m3fn, seed=22).cuda()
+    for fn in (direct, public):
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(fn)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        for got, want in zip(torch.compile(fn, fullgraph=True)(x), fn(x), strict=True):
+            assert_same_bits(got, want.cpu(), f"compiled {fn.__name__}")
+
+
+@pytest.mark.gpu
+def test_large_shapes_many_tiles():
+    """Large shapes: many CTAs of the one-shot grids, many dim1 tiles, 3D expert weights."""
     spec = make_spec(32, "rceil", torch.float8_e4m3fn)
     x = make_input("wide", (4096, 4096), torch.bfloat16, torch.float8_e4m3fn, seed=15)
-    xc = x.cuda()
-    wq, ws = torch_cast.quantize_dim0(x, spec)
-    for v in range(cuda_cast.NUM_VARIANTS["dim0"]):
-        q, s = cuda_cast.quantize_dim0(xc, spec, variant=v)
-        assert_same_bits(q, wq, f"dim0 v{v} qdata")
-        assert_same_bits(s, ws, f"dim0 v{v} scale")
-    want = torch_cast.quantize_dim0_dim1(x[:2048], spec)
-    for v in range(cuda_cast.NUM_VARIANTS["dim0_dim1"]):
-        for name, g_, w_ in zip(
-            ("q0", "s0", "q1", "s1"),
-            cuda_cast.quantize_dim0_dim1(xc[:2048], spec, variant=v),
-            want,
-            strict=True,
-        ):
-            assert_same_bits(g_, w_, f"dim0_dim1 v{v} {name}")
-    w = x.reshape(8, 512, 4096)
-    wq1, ws1 = torch_cast.quantize_dim1(w, spec)
-    for v in range(cuda_cast.NUM_VARIANTS["dim1"]):
-        q, s = cuda_cast.quantize_dim1(xc.reshape(8, 512, 4096), spec, variant=v)
-        assert_same_bits(q, wq1, f"dim1 v{v} qdata")
-        assert_same_bits(s, ws1, f"dim1 v{v} scale")
-    want_d = torch_cast.dequantize(wq, ws, 32, torch.bfloat16)
-    for v in range(cuda_cast.NUM_VARIANTS["dequant"]):
-        assert_same_bits(
-            cuda_cast.dequantize(wq.cuda(), ws.cuda(), 32, torch.bfloat16, variant=v), want_d, f"v{v}"
-        )
+    check_dim0(x, spec, "dim0 4096x4096")
+    check_dim0_dim1(x[:2048], spec, "dim0_dim1 2048x4096")
+    check_dim1(x.reshape(8, 512, 4096), spec, "dim1 8x512x4096")
+    q, s = torch_cast.quantize_dim0(x, spec)
+    check_dequant(q, s, 32, torch.bfloat16, "dequant 4096x4096")
 
 
 @pytest.mark.gpu

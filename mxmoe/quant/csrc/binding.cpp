@@ -1,114 +1,224 @@
-// Thin torch binding of the MX cast launchers in mx_cast.cu (see mx_cast.h for the codes).
+// The MX cast launchers of mx_cast.cu as torch operators (namespace mxmoe_cuda), so that a call from
+// Python or from a compiled graph goes through the dispatcher straight to the kernel: the checks,
+// the output allocation, the device guard and the current stream are all here, in C++.
 //
-// Python (mxmoe/quant/cuda_cast.py) allocates every output, passes fp8 / E8M0 tensors as uint8
-// views, sets the current device to the tensors' device and passes the current stream as an integer
-// (torch.cuda.current_stream().cuda_stream). Every launch's cudaError_t is checked here and turned
-// into a RuntimeError naming the launcher.
-#include <torch/extension.h>
+//   quantize_dim0(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor q, Tensor s)
+//       x (R, C) bf16/fp32 -> q (R, C) elem_dtype, s (R, C / bs) float8_e8m0fnu; blocks along C
+//   quantize_dim0_out(Tensor x, int block_size, int mode, Tensor(a!) q, Tensor(b!) s) -> ()
+//       the same into q (R, C) and s (R, C / bs) (fp8 / e8m0 or their uint8 views; e.g. a peer's
+//       buffer); the element format is q's dtype (uint8: e4m3)
+//   quantize_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor q, Tensor s)
+//       x (B, R, C) -> q (B, C, R), s (B, C, R / bs); blocks along R, stored transposed
+//   quantize_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype)
+//       -> (Tensor q0, Tensor s0, Tensor q1, Tensor s1): x (R, C) read once, both of the above
+//   dequantize(Tensor q, Tensor s, int block_size, ScalarType out_dtype) -> Tensor
+//       q (R, C) fp8, s (R, C / bs) e8m0 (or uint8) -> (R, C) bf16 / fp32
+//   dequantize_out(Tensor q, Tensor s, int block_size, Tensor(a!) out) -> ()
+//   format_constants(ScalarType elem_dtype) -> int[]
+//       [emax, mbits, bits of max, bits of fp32(1/max), T127, T126]: what the kernels compile in,
+//       compared with mxmoe.formats when the extension loads
+// mode: mxmoe.formats.MODE_IDS (0 FLOOR, 1 RCEIL, 2 CEIL, 3 EVEN). Every output is contiguous.
+// Fake (meta) implementations for torch.compile are registered from Python (mxmoe/quant/cuda_cast.py).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
 
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 #include "mx_cast.h"
 
 namespace {
 
-void check_cuda_tensor(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "mxmoe cuda cast: ", name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.is_contiguous(), "mxmoe cuda cast: ", name, " must be contiguous");
+using at::Tensor;
+
+struct ElemConstants {
+  int64_t emax, mbits, max_bits, rceil_c_bits, t127, t126;
+};
+
+// mxmoe.formats: ELEM_FORMATS, rceil_constant, rceil_subnormal_thresholds (checked at load).
+ElemConstants constants(int elem) {
+  if (elem == MX_E4M3) return {8, 3, 0x43E00000, 0x3B124925, 0x4600001, 0x4E00000};
+  return {15, 2, 0x47600000, 0x37924925, 0x7E00001, 0x8600000};
 }
 
-void check_bytes(const torch::Tensor& t, const char* name, int64_t numel) {
-  check_cuda_tensor(t, name);
-  TORCH_CHECK(t.scalar_type() == torch::kByte, "mxmoe cuda cast: ", name, " must be a uint8 view, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.numel() == numel, "mxmoe cuda cast: ", name, " has ", t.numel(), " elements, expected ", numel);
-}
-
-int float_code(const torch::Tensor& t, const char* name) {
-  if (t.scalar_type() == torch::kBFloat16) return MX_BF16;
-  if (t.scalar_type() == torch::kFloat) return MX_F32;
-  TORCH_CHECK(false, "mxmoe cuda cast: ", name, " must be bfloat16 or float32, got ", t.scalar_type());
+int elem_code(at::ScalarType t, const char* name) {
+  if (t == at::kFloat8_e4m3fn) return MX_E4M3;
+  if (t == at::kFloat8_e5m2) return MX_E5M2;
+  TORCH_CHECK_TYPE(false, "mxmoe_cuda: ", name, " is ", t, "; expected Float8_e4m3fn or Float8_e5m2");
   return -1;
 }
 
+int float_code(at::ScalarType t, const char* name) {
+  if (t == at::kBFloat16) return MX_BF16;
+  if (t == at::kFloat) return MX_F32;
+  TORCH_CHECK_TYPE(false, "mxmoe_cuda: ", name, " is ", t, "; expected BFloat16 or Float");
+  return -1;
+}
+
+void check_args(const Tensor& x, int64_t ndim, int64_t block_size, int64_t mode) {
+  TORCH_CHECK(x.is_cuda(), "mxmoe_cuda: x must be a CUDA tensor, got device ", x.device());
+  TORCH_CHECK(x.dim() == ndim, "mxmoe_cuda: x must be ", ndim, "D, got shape ", x.sizes());
+  TORCH_CHECK(block_size >= 2 && (block_size & (block_size - 1)) == 0,
+              "mxmoe_cuda: block_size must be a power of two >= 2, got ", block_size);
+  TORCH_CHECK(mode >= 0 && mode <= 3, "mxmoe_cuda: mode must be 0..3 (FLOOR, RCEIL, CEIL, EVEN), got ", mode);
+  float_code(x.scalar_type(), "x");
+}
+
+void check_out(const Tensor& t, const char* name, at::IntArrayRef shape, const Tensor& x) {
+  TORCH_CHECK(t.device() == x.device(), "mxmoe_cuda: ", name, " is on ", t.device(), ", x on ", x.device());
+  TORCH_CHECK(t.sizes() == shape && t.is_contiguous(), "mxmoe_cuda: ", name, " must be contiguous of shape ",
+              shape, ", got ", t.sizes());
+}
+
 void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "mxmoe cuda cast: ", what, " failed: ", cudaGetErrorName(err), " (",
+  TORCH_CHECK(err == cudaSuccess, "mxmoe_cuda: ", what, " failed: ", cudaGetErrorName(err), " (",
               cudaGetErrorString(err), ")");
 }
 
-void quantize_dim0(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t block_size,
-                   int64_t mode, int64_t elem, int64_t rceil_t127, int64_t rceil_t126, double rceil_c,
-                   int64_t stream, int64_t variant) {
-  check_cuda_tensor(x, "x");
-  const int in = float_code(x, "x");
-  TORCH_CHECK(block_size > 0, "mxmoe cuda cast: block_size must be positive, got ", block_size);
-  check_bytes(q, "q", x.numel());
-  check_bytes(s, "s", x.numel() / block_size);
-  check_launch(mx_quantize_dim0(x.data_ptr(), in, q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), x.numel(),
-                                static_cast<int>(block_size), static_cast<int>(mode), static_cast<int>(elem),
-                                static_cast<uint32_t>(rceil_t127), static_cast<uint32_t>(rceil_t126),
-                                static_cast<float>(rceil_c), static_cast<intptr_t>(stream), static_cast<int>(variant)),
+uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
+
+intptr_t stream_of(const Tensor& t) {
+  return reinterpret_cast<intptr_t>(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
+}
+
+// Launch the dim0 cast of contiguous x (R, C) into q, s (checked).
+void launch_dim0(const Tensor& x, const Tensor& q, const Tensor& s, int64_t block_size, int64_t mode, int elem) {
+  const ElemConstants k = constants(elem);
+  check_launch(mx_quantize_dim0(x.data_ptr(), float_code(x.scalar_type(), "x"), bytes(q), bytes(s), x.numel(),
+                                static_cast<int>(block_size), static_cast<int>(mode), elem,
+                                static_cast<uint32_t>(k.t127), static_cast<uint32_t>(k.t126),
+                                c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits)), stream_of(x)),
                "mx_quantize_dim0");
 }
 
-void quantize_dim1(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t block_size,
-                   int64_t mode, int64_t elem, int64_t rceil_t127, int64_t rceil_t126, double rceil_c,
-                   int64_t stream, int64_t variant) {
-  check_cuda_tensor(x, "x");
-  TORCH_CHECK(x.dim() == 3, "mxmoe cuda cast: quantize_dim1 wants x of shape (B, R, C), got ", x.sizes());
-  const int in = float_code(x, "x");
-  TORCH_CHECK(block_size > 0, "mxmoe cuda cast: block_size must be positive, got ", block_size);
-  check_bytes(q, "q", x.numel());
-  check_bytes(s, "s", x.numel() / block_size);
-  check_launch(mx_quantize_dim1(x.data_ptr(), in, q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), x.size(0),
-                                x.size(1), x.size(2), static_cast<int>(block_size), static_cast<int>(mode),
-                                static_cast<int>(elem), static_cast<uint32_t>(rceil_t127),
-                                static_cast<uint32_t>(rceil_t126), static_cast<float>(rceil_c),
-                                static_cast<intptr_t>(stream), static_cast<int>(variant)),
-               "mx_quantize_dim1");
+std::tuple<Tensor, Tensor> quantize_dim0(const Tensor& x_, int64_t block_size, int64_t mode, at::ScalarType elem) {
+  check_args(x_, 2, block_size, mode);
+  const int el = elem_code(elem, "elem_dtype");
+  const Tensor x = x_.contiguous();
+  const int64_t R = x.size(0), C = x.size(1);
+  TORCH_CHECK(C % block_size == 0, "mxmoe_cuda: x.shape[-1]=", C, " is not divisible by block_size=", block_size);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor q = at::empty({R, C}, x.options().dtype(elem));
+  Tensor s = at::empty({R, C / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
+  if (x.numel()) launch_dim0(x, q, s, block_size, mode, el);
+  return {q, s};
 }
 
-void quantize_dim0_dim1(const torch::Tensor& x, const torch::Tensor& q0, const torch::Tensor& s0,
-                        const torch::Tensor& q1, const torch::Tensor& s1, int64_t block_size, int64_t mode,
-                        int64_t elem, int64_t rceil_t127, int64_t rceil_t126, double rceil_c, int64_t stream,
-                        int64_t variant) {
-  check_cuda_tensor(x, "x");
-  TORCH_CHECK(x.dim() == 2, "mxmoe cuda cast: quantize_dim0_dim1 wants x of shape (R, C), got ", x.sizes());
-  const int in = float_code(x, "x");
-  TORCH_CHECK(block_size > 0, "mxmoe cuda cast: block_size must be positive, got ", block_size);
-  check_bytes(q0, "q0", x.numel());
-  check_bytes(s0, "s0", x.numel() / block_size);
-  check_bytes(q1, "q1", x.numel());
-  check_bytes(s1, "s1", x.numel() / block_size);
-  check_launch(mx_quantize_dim0_dim1(x.data_ptr(), in, q0.data_ptr<uint8_t>(), s0.data_ptr<uint8_t>(),
-                                     q1.data_ptr<uint8_t>(), s1.data_ptr<uint8_t>(), x.size(0), x.size(1),
-                                     static_cast<int>(block_size), static_cast<int>(mode), static_cast<int>(elem),
-                                     static_cast<uint32_t>(rceil_t127), static_cast<uint32_t>(rceil_t126),
-                                     static_cast<float>(rceil_c), static_cast<intptr_t>(stream), static_cast<int>(variant)),
-               "mx_quantize_dim0_dim1");
+void quantize_dim0_out(const Tensor& x_, int64_t block_size, int64_t mode, const Tensor& q, const Tensor& s) {
+  check_args(x_, 2, block_size, mode);
+  const int el = q.scalar_type() == at::kByte ? MX_E4M3 : elem_code(q.scalar_type(), "q");
+  TORCH_CHECK(s.scalar_type() == at::kFloat8_e8m0fnu || s.scalar_type() == at::kByte,
+              "mxmoe_cuda: s must be Float8_e8m0fnu or uint8, got ", s.scalar_type());
+  const Tensor x = x_.contiguous();
+  const int64_t R = x.size(0), C = x.size(1);
+  TORCH_CHECK(C % block_size == 0, "mxmoe_cuda: x.shape[-1]=", C, " is not divisible by block_size=", block_size);
+  check_out(q, "q", {R, C}, x);
+  check_out(s, "s", {R, C / block_size}, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (x.numel()) launch_dim0(x, q, s, block_size, mode, el);
 }
 
-void dequantize(const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& out, int64_t block_size,
-                int64_t elem, int64_t stream, int64_t variant) {
-  TORCH_CHECK(block_size > 0, "mxmoe cuda cast: block_size must be positive, got ", block_size);
-  check_bytes(q, "q", q.numel());
-  check_bytes(s, "s", q.numel() / block_size);
-  check_cuda_tensor(out, "out");
-  const int od = float_code(out, "out");
-  TORCH_CHECK(out.numel() == q.numel(), "mxmoe cuda cast: out has ", out.numel(), " elements, expected ",
-              q.numel());
-  check_launch(mx_dequantize(q.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), out.data_ptr(), od, q.numel(),
-                             static_cast<int>(block_size), static_cast<int>(elem), static_cast<intptr_t>(stream),
-                             static_cast<int>(variant)),
-               "mx_dequantize");
+std::tuple<Tensor, Tensor> quantize_dim1(const Tensor& x_, int64_t block_size, int64_t mode, at::ScalarType elem) {
+  check_args(x_, 3, block_size, mode);
+  const int el = elem_code(elem, "elem_dtype");
+  const Tensor x = x_.contiguous();
+  const int64_t B = x.size(0), R = x.size(1), C = x.size(2);
+  TORCH_CHECK(R % block_size == 0, "mxmoe_cuda: x.shape[-2]=", R, " is not divisible by block_size=", block_size);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor q = at::empty({B, C, R}, x.options().dtype(elem));
+  Tensor s = at::empty({B, C, R / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
+  if (x.numel()) {
+    const ElemConstants k = constants(el);
+    check_launch(mx_quantize_dim1(x.data_ptr(), float_code(x.scalar_type(), "x"), bytes(q), bytes(s), B, R, C,
+                                  static_cast<int>(block_size), static_cast<int>(mode), el,
+                                  static_cast<uint32_t>(k.t127), static_cast<uint32_t>(k.t126),
+                                  c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits)), stream_of(x)),
+                 "mx_quantize_dim1");
+  }
+  return {q, s};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_dim0_dim1(const Tensor& x_, int64_t block_size, int64_t mode,
+                                                              at::ScalarType elem) {
+  check_args(x_, 2, block_size, mode);
+  const int el = elem_code(elem, "elem_dtype");
+  const Tensor x = x_.contiguous();
+  const int64_t R = x.size(0), C = x.size(1);
+  TORCH_CHECK(R % block_size == 0 && C % block_size == 0, "mxmoe_cuda: x of shape ", x.sizes(),
+              " must have both dims divisible by block_size=", block_size);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor q0 = at::empty({R, C}, x.options().dtype(elem));
+  Tensor s0 = at::empty({R, C / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
+  Tensor q1 = at::empty({C, R}, x.options().dtype(elem));
+  Tensor s1 = at::empty({C, R / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
+  if (x.numel()) {
+    const ElemConstants k = constants(el);
+    check_launch(mx_quantize_dim0_dim1(x.data_ptr(), float_code(x.scalar_type(), "x"), bytes(q0), bytes(s0),
+                                       bytes(q1), bytes(s1), R, C, static_cast<int>(block_size),
+                                       static_cast<int>(mode), el, static_cast<uint32_t>(k.t127),
+                                       static_cast<uint32_t>(k.t126),
+                                       c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits)), stream_of(x)),
+                 "mx_quantize_dim0_dim1");
+  }
+  return {q0, s0, q1, s1};
+}
+
+void dequantize_out(const Tensor& q_, const Tensor& s_, int64_t block_size, const Tensor& out) {
+  TORCH_CHECK(q_.is_cuda() && q_.dim() == 2, "mxmoe_cuda: q must be a 2D CUDA tensor, got ", q_.sizes(), " on ",
+              q_.device());
+  TORCH_CHECK(block_size >= 2 && (block_size & (block_size - 1)) == 0,
+              "mxmoe_cuda: block_size must be a power of two >= 2, got ", block_size);
+  const int el = elem_code(q_.scalar_type(), "q");
+  TORCH_CHECK(s_.scalar_type() == at::kFloat8_e8m0fnu || s_.scalar_type() == at::kByte,
+              "mxmoe_cuda: s must be Float8_e8m0fnu or uint8, got ", s_.scalar_type());
+  const int64_t R = q_.size(0), C = q_.size(1);
+  TORCH_CHECK(C % block_size == 0, "mxmoe_cuda: q.shape[-1]=", C, " is not divisible by block_size=", block_size);
+  TORCH_CHECK(s_.sizes() == at::IntArrayRef({R, C / block_size}) && s_.device() == q_.device(),
+              "mxmoe_cuda: s must be (", R, ", ", C / block_size, ") on ", q_.device(), ", got ", s_.sizes(), " on ",
+              s_.device());
+  check_out(out, "out", {R, C}, q_);
+  const int od = float_code(out.scalar_type(), "out");
+  const Tensor q = q_.contiguous(), s = s_.contiguous();
+  const c10::cuda::CUDAGuard guard(q.device());
+  if (q.numel()) {
+    check_launch(mx_dequantize(bytes(q), bytes(s), out.data_ptr(), od, q.numel(), static_cast<int>(block_size), el,
+                               stream_of(q)),
+                 "mx_dequantize");
+  }
+}
+
+Tensor dequantize(const Tensor& q, const Tensor& s, int64_t block_size, at::ScalarType out_dtype) {
+  float_code(out_dtype, "out_dtype");
+  Tensor out = at::empty(q.sizes(), q.options().dtype(out_dtype));
+  dequantize_out(q, s, block_size, out);
+  return out;
+}
+
+std::vector<int64_t> format_constants(at::ScalarType elem) {
+  const ElemConstants k = constants(elem_code(elem, "elem_dtype"));
+  return {k.emax, k.mbits, k.max_bits, k.rceil_c_bits, k.t127, k.t126};
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "mxmoe MX cast kernels (CUDA, sm_90)";
-  m.def("quantize_dim0", &quantize_dim0, "x (R, C) -> q (R, C) uint8, s (R, C / bs) uint8");
-  m.def("quantize_dim1", &quantize_dim1, "x (B, R, C) -> q (B, C, R) uint8, s (B, C, R / bs) uint8");
-  m.def("quantize_dim0_dim1", &quantize_dim0_dim1, "x (R, C) -> q0, s0 (along C) and q1, s1 (along R)");
-  m.def("dequantize", &dequantize, "q (n,) uint8, s (n / bs,) uint8 -> out (n,) bf16 / fp32");
+TORCH_LIBRARY(mxmoe_cuda, m) {
+  m.def("quantize_dim0(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor, Tensor)");
+  m.def("quantize_dim0_out(Tensor x, int block_size, int mode, Tensor(a!) q, Tensor(b!) s) -> ()");
+  m.def("quantize_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor, Tensor)");
+  m.def("quantize_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("dequantize(Tensor q, Tensor s, int block_size, ScalarType out_dtype) -> Tensor");
+  m.def("dequantize_out(Tensor q, Tensor s, int block_size, Tensor(a!) out) -> ()");
+  m.def("format_constants(ScalarType elem_dtype) -> int[]", &format_constants);
+}
+
+TORCH_LIBRARY_IMPL(mxmoe_cuda, CUDA, m) {
+  m.impl("quantize_dim0", &quantize_dim0);
+  m.impl("quantize_dim0_out", &quantize_dim0_out);
+  m.impl("quantize_dim1", &quantize_dim1);
+  m.impl("quantize_dim0_dim1", &quantize_dim0_dim1);
+  m.impl("dequantize", &dequantize);
+  m.impl("dequantize_out", &dequantize_out);
 }

@@ -8,23 +8,18 @@
 // `cvt.rn.satfinite.{e4m3,e5m2}x2.f32` (round to nearest even, fp8 subnormals, saturating), after
 // an explicit clamp to +-max as the spec says.
 //
-// Kernels (threads, tiles, vector widths):
-//   dim0, block 32:   256 threads; each thread owns 16-byte input vectors (8 bf16 / 4 fp32), 4
-//                     independent vectors in flight; the 4 (bf16) / 8 (fp32) lanes of a block reduce
-//                     amax with __shfl_xor; 8-byte / 4-byte fp8 stores; persistent grid-stride.
-//   dim1, block 32:   256 threads per 128-row x 64-col tile; 16-byte coalesced loads into shared
-//                     memory, one thread per (column, 32-row block) computes amax and quantizes 32
-//                     values into a transposed fp8 tile (pitch 144 B: conflict-free 16-byte
-//                     accesses), then 16-byte stores along rows (128 contiguous bytes per column) and
-//                     4-byte scale stores. Arbitrary cols (masked), rows a multiple of 32, batch via
-//                     the grid index.
-//   dim0+dim1:        the dim1 kernel also quantizes the shared-memory tile along its rows.
-//   dim1 / dim0+dim1 variants 3 .. 8: dim1_tile_kernel (TR x TC tiles, column-pair quantization,
-//                     16-byte fused dim0 stores; 7, 8: shuffle-free fused dim0 part by row owners
-//                     on a padded tile; see there and mx_cast.h).
-//   dequantize:       256 threads, each 16 output bytes per vector (8 bf16 / 4 fp32), 4 in flight.
-//   dequantize variants 4 .. 6: dequant_flat_kernel, one-shot grid, 4- / 8-byte fp8 loads, one or
-//                     two vectors per thread (see mx_cast.h).
+//
+// Kernels (one per cast, the fastest of the H200 sweep, plus generic kernels for everything else):
+//   dim0, block 32:   dim0_grp_kernel: 256 threads, a warp quantizes groups of 16-byte input vectors
+//                     (lane shuffles give each lane 16 contiguous fp8 bytes to store, 4-byte scale
+//                     stores), two groups in flight per warp, one CTA per 16 groups.
+//   dim1 / dim0+dim1, block 32: dim1_tile_kernel: one CTA per 256-row x 128-col tile loaded with
+//                     cp.async into shared memory, column-pair quantization into a transposed fp8
+//                     tile, 16-byte stores along the output rows; the fused cast also quantizes the
+//                     tile along its rows (16-byte fp8 stores via lane shuffles).
+//   dequantize:       dequant_flat_kernel: one-shot grid, 8 fp8 bytes per thread-vector, two vectors
+//                     per thread, 256 threads per CTA.
+//   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
 //   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
 #include "mx_cast.h"
 
@@ -38,7 +33,6 @@
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
 constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
 constexpr uint32_t kInfBits = 0x7F800000u;
 constexpr uint32_t kNan4 = 0x7F7F7F7Fu;  // four fp8 NaN bytes (0x7F) of a non-finite block
@@ -185,206 +179,6 @@ __device__ __forceinline__ uint32_t quantize_vec32(const uint4& v, const ScaleAr
   return scale_byte(A, e);
 }
 
-// Store the VEC fp8 bytes of quantize_vec32 (8 bytes for bf16 input, 4 for fp32).
-template <int IN>
-__device__ __forceinline__ void store_q_vec(uint8_t* dst, const uint32_t (&out)[4]) {
-  if constexpr (IN == MX_BF16) {
-    __stcs(reinterpret_cast<uint2*>(dst), make_uint2(out[0], out[1]));
-  } else {
-    __stcs(reinterpret_cast<unsigned int*>(dst), out[0]);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// dim0, block 32: x viewed as nvec 16-byte vectors; q, s flat.
-template <int IN, int ELEM>
-__global__ void __launch_bounds__(kThreads) dim0_bs32_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q,
-                                                             uint8_t* __restrict__ s, int64_t nvec, ScaleArgs p) {
-  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
-  constexpr int LPB = 32 / VEC;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
-  // The loop bound is uniform per CTA, so every lane reaches the shuffles.
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll; base < nvec; base += step) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      v[u] = i < nvec ? __ldcs(x + i) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      uint32_t out[4];
-      const uint32_t sb = quantize_vec32<IN, ELEM>(v[u], p, out);
-      if (i < nvec) {
-        store_q_vec<IN>(q + i * VEC, out);
-        if (threadIdx.x % LPB == 0) s[i / LPB] = static_cast<uint8_t>(sb);
-      }
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// dim1 (and fused dim0+dim1), block 32: one CTA per (batch, 128-row, 64-col) tile.
-constexpr int kTR = 128;  // tile rows (4 blocks of 32)
-constexpr int kTC = 64;   // tile cols
-constexpr int kQPitch = kTR + 16;  // transposed fp8 tile pitch: 16-byte accesses conflict-free
-
-// bf16: at most 40 registers so that 6 CTAs (96 KB of loads in flight) fit an SM without spills;
-// fp32 (42 KB tiles): 4 CTAs per SM.
-template <int IN, int ELEM, bool FUSED>
-__global__ void __launch_bounds__(kThreads, IN == MX_BF16 ? 6 : 4)
-    dim1_bs32_kernel(const void* __restrict__ xv, uint8_t* __restrict__ q1, uint8_t* __restrict__ s1,
-                     uint8_t* __restrict__ q0, uint8_t* __restrict__ s0, int64_t R, int64_t C, int64_t tiles_r,
-                     int64_t tiles_c, int vec_ok, int s1_aligned4, ScaleArgs p) {
-  using Rw = Raw<IN>;
-  constexpr int BS = 32;
-  constexpr int VEC = 16 / static_cast<int>(sizeof(Rw));  // elements per 16-byte vector
-  constexpr int CPR = kTC / VEC;                          // 16-byte vectors per tile row
-  constexpr int NB = kTR / BS;                            // row blocks per tile
-  static_assert(kTC * NB == kThreads, "one thread per (column, row block)");
-  static_assert((kTR * CPR) % kThreads == 0, "tile vectors spread evenly over the threads");
-
-  __shared__ __align__(16) Rw tile[kTR][kTC];
-  __shared__ __align__(16) uint8_t qt[kTC][kQPitch];
-  __shared__ __align__(4) uint8_t st[kTC][NB];
-
-  int64_t t = blockIdx.x;
-  const int64_t ct = t % tiles_c;
-  t /= tiles_c;
-  const int64_t rt = t % tiles_r;
-  const int64_t b = t / tiles_r;
-  const int64_t r0 = rt * kTR, c0 = ct * kTC;
-  const Rw* __restrict__ x = static_cast<const Rw*>(xv) + b * R * C;
-  const int tid = threadIdx.x;
-
-  // Phase 1: global -> shared. Out-of-range elements read as 0 (never stored).
-  if (vec_ok) {  // C % VEC == 0 and x 16-byte aligned: a vector is wholly inside or outside
-    constexpr int N = kTR * CPR / kThreads;
-    uint4 v[N];
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const int idx = k * kThreads + tid;
-      const int64_t r = r0 + idx / CPR, c = c0 + (idx % CPR) * VEC;
-      v[k] = (r < R && c < C) ? __ldcs(reinterpret_cast<const uint4*>(x + r * C + c)) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const int idx = k * kThreads + tid;
-      *reinterpret_cast<uint4*>(&tile[idx / CPR][(idx % CPR) * VEC]) = v[k];
-    }
-  } else {
-    constexpr int N = kTR * kTC / kThreads;
-#pragma unroll 8
-    for (int k = 0; k < N; ++k) {
-      const int idx = k * kThreads + tid;
-      const int64_t r = r0 + idx / kTC, c = c0 + idx % kTC;
-      tile[idx / kTC][idx % kTC] = (r < R && c < C) ? x[r * C + c] : Rw(0);
-    }
-  }
-  __syncthreads();
-
-  if constexpr (FUSED) {
-    // Blocks along the tile's rows (C % 32 == 0, so the LPB lanes of a block agree on validity).
-    constexpr int N = kTR * CPR / kThreads;
-    constexpr int LPB = BS / VEC;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const int idx = k * kThreads + tid;
-      const int rr = idx / CPR, cc = (idx % CPR) * VEC;
-      const int64_t r = r0 + rr, c = c0 + cc;
-      uint32_t out[4];
-      const uint32_t sb = quantize_vec32<IN, ELEM>(*reinterpret_cast<const uint4*>(&tile[rr][cc]), p, out);
-      if (r < R && c < C) {
-        store_q_vec<IN>(q0 + r * C + c, out);
-        if (tid % LPB == 0) s0[r * (C / BS) + c / BS] = static_cast<uint8_t>(sb);
-      }
-    }
-  }
-
-  // Phase 2: one thread per (column, 32-row block) -> transposed fp8 tile in shared memory.
-  {
-    const int col = tid % kTC, rb = tid / kTC;
-    if (c0 + col < C && r0 + rb * BS < R) {
-      uint32_t xb[BS];
-      uint32_t A = 0;
-#pragma unroll
-      for (int i = 0; i < BS; ++i) {
-        xb[i] = f32_bits<IN>(tile[rb * BS + i][col]);
-        A = max(A, xb[i] & kAbsMask);
-      }
-      const int e = block_exponent<ELEM>(A, p);
-      const float r = recip_pow2(e);
-      const bool nonfinite = A >= kInfBits;
-      uint32_t w[BS / 4];
-#pragma unroll
-      for (int k = 0; k < BS / 4; ++k) {
-        const uint32_t packed = quant4<ELEM>(xb[4 * k], xb[4 * k + 1], xb[4 * k + 2], xb[4 * k + 3], r);
-        w[k] = nonfinite ? kNan4 : packed;
-      }
-      *reinterpret_cast<uint4*>(&qt[col][rb * BS]) = make_uint4(w[0], w[1], w[2], w[3]);
-      *reinterpret_cast<uint4*>(&qt[col][rb * BS + 16]) = make_uint4(w[4], w[5], w[6], w[7]);
-      st[col][rb] = static_cast<uint8_t>(scale_byte(A, e));
-    }
-  }
-  __syncthreads();
-
-  // Phase 3: 16-byte stores along rows of the transposed output (R % 32 == 0: whole vectors).
-  {
-    constexpr int CH = kTR / 16;  // 16-byte chunks per output column
-    uint8_t* __restrict__ qb = q1 + b * C * R;
-#pragma unroll
-    for (int k = 0; k < kTC * CH / kThreads; ++k) {
-      const int idx = k * kThreads + tid;
-      const int col = idx / CH, ch = idx % CH;
-      const int64_t c = c0 + col, r = r0 + ch * 16;
-      if (c < C && r < R) {
-        __stcs(reinterpret_cast<uint4*>(qb + c * R + r), *reinterpret_cast<const uint4*>(&qt[col][ch * 16]));
-      }
-    }
-    if (tid < kTC && c0 + tid < C) {
-      const int64_t nsr = R / BS;  // scales per output row
-      uint8_t* dst = s1 + (b * C + c0 + tid) * nsr + r0 / BS;
-      const int64_t nb = min(static_cast<int64_t>(NB), (R - r0) / BS);
-      if (s1_aligned4 && nb == NB) {
-        *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&st[tid][0]);
-      } else {
-        for (int j = 0; j < nb; ++j) dst[j] = st[tid][j];
-      }
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Variant kernels (selected at run time by the launchers' `variant` argument; see mx_cast.h).
-// Same numerics helpers as above, so every variant is bit-identical to variant 0.
-
-// Load / store cache hints. LDH: 0 = ld.global.cs (__ldcs), 1 = ld.global.nc.L1::no_allocate,
-// 2 = ld.global.nc (__ldg). STH: 0 = st.global.cs (__stcs), 1 = plain st.global.
-template <int LDH>
-__device__ __forceinline__ uint4 ld16(const uint4* p) {
-  if constexpr (LDH == 0) {
-    return __ldcs(p);
-  } else if constexpr (LDH == 1) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-  } else {
-    return __ldg(p);
-  }
-}
-
-template <int STH>
-__device__ __forceinline__ void st16(uint4* p, const uint4& v) {
-  if constexpr (STH == 0) {
-    __stcs(p, v);
-  } else {
-    *p = v;
-  }
-}
-
 // Transpose within each G-lane group (G * WV == 4): lane G*m + j ends with out[j][0 .. WV) of lanes
 // G*m + 0 .. G-1, in lane order, in fin[0 .. 4). Every lane of the warp must call it (shuffles).
 template <int G, int WV>
@@ -416,10 +210,20 @@ __device__ __forceinline__ void group_transpose(const uint32_t (&out)[G][4], int
 // contiguous fp8 bytes (G consecutive vectors of one chunk): one 16-byte store per lane instead of
 // G 8- / 4-byte stores. The 16 scale bytes of a group are gathered by lanes 0..3 (4 shuffles) and
 // written as four 4-byte words (one store instruction) instead of 16 one-byte stores.
-// U groups per warp per loop trip, all U * G loads issued before the first use.
-template <int IN, int ELEM, int U, int LDH, int STH>
+
+// dim0, block 32, "grouped": a warp handles a group of G chunks of 32 consecutive 16-byte vectors
+// (G = 2 for bf16, 4 for fp32; GV = 32 * G vectors). Lane l loads vector l of every chunk (each
+// load instruction is 512 contiguous bytes), quantizes it (amax over the LPB lanes of a block, as in
+// quantize_vec32), then G lanes exchange their fp8 words with shuffles so that every lane holds 16
+// contiguous fp8 bytes (G consecutive vectors of one chunk): one 16-byte store per lane instead of
+// G 8- / 4-byte stores. The 16 scale bytes of a group are gathered by lanes 0..3 (4 shuffles) and
+// written as four 4-byte words (one store instruction) instead of 16 one-byte stores.
+// U = 2 groups per warp per loop trip, all U * G loads issued before the first use; the launcher
+// gives one CTA per 8 warps x U groups (the loop runs once), a one-shot grid.
+template <int IN, int ELEM>
 __global__ void __launch_bounds__(kThreads) dim0_grp_kernel(const uint4* __restrict__ x, uint8_t* __restrict__ q,
                                                             uint8_t* __restrict__ s, int64_t nvec, ScaleArgs p) {
+  constexpr int U = 2;
   constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));  // elements per vector: 8 / 4
   constexpr int LPB = 32 / VEC;                                 // lanes per block: 4 / 8
   constexpr int WV = VEC / 4;                                   // fp8 words per vector: 2 / 1
@@ -442,7 +246,7 @@ __global__ void __launch_bounds__(kThreads) dim0_grp_kernel(const uint4* __restr
 #pragma unroll
       for (int c = 0; c < G; ++c) {
         const int64_t i = gbase + c * 32 + lane;
-        v[u][c] = i < nvec ? ld16<LDH>(x + i) : make_uint4(0u, 0u, 0u, 0u);
+        v[u][c] = i < nvec ? __ldcs(x + i) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
 #pragma unroll
@@ -455,7 +259,7 @@ __global__ void __launch_bounds__(kThreads) dim0_grp_kernel(const uint4* __restr
       uint32_t fin[4];
       group_transpose<G, WV>(out, lane, fin);
       const int64_t vi = grp * GV + j * 32 + (lane & ~(G - 1));  // first of this lane's G vectors
-      if (vi < nvec) st16<STH>(reinterpret_cast<uint4*>(q + vi * VEC), make_uint4(fin[0], fin[1], fin[2], fin[3]));
+      if (vi < nvec) __stcs(reinterpret_cast<uint4*>(q + vi * VEC), make_uint4(fin[0], fin[1], fin[2], fin[3]));
       // Scales: lane w < 4 writes blocks 4w .. 4w+3 of the group.
       uint32_t sw = 0;
 #pragma unroll
@@ -477,162 +281,10 @@ __global__ void __launch_bounds__(kThreads) dim0_grp_kernel(const uint4* __restr
   }
 }
 
-// dim1 (and fused dim0+dim1), block 32, "pipelined": persistent CTAs loop over (batch, 128-row,
-// TC-col) tiles; the next tile is fetched with cp.async (16 bytes, zero-fill outside the tensor)
-// into the second of two shared-memory buffers while this tile is quantized and stored, so loads
-// of tile i+1 overlap compute and stores of tile i. Needs x 16-byte aligned and C % VEC == 0.
-// Dynamic shared memory: 2 input tiles + the transposed fp8 tile + scales.
-template <int IN, int TC>
-struct PipeSmem {
-  static constexpr int kTile = kTR * TC * static_cast<int>(sizeof(Raw<IN>));
-  static constexpr int kQt = TC * kQPitch;
-  static constexpr int kBytes = 2 * kTile + kQt + TC * (kTR / 32);
-};
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(src_size) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-
-template <int IN, int ELEM, bool FUSED, int TC>
-__global__ void __launch_bounds__(kThreads)
-    dim1_pipe_kernel(const void* __restrict__ xv, uint8_t* __restrict__ q1, uint8_t* __restrict__ s1,
-                     uint8_t* __restrict__ q0, uint8_t* __restrict__ s0, int64_t R, int64_t C, int64_t tiles_r,
-                     int64_t tiles_c, int64_t ntiles, int s1_aligned4, ScaleArgs p) {
-  using Rw = Raw<IN>;
-  constexpr int BS = 32;
-  constexpr int VEC = 16 / static_cast<int>(sizeof(Rw));
-  constexpr int CPR = TC / VEC;  // 16-byte vectors per tile row
-  constexpr int NB = kTR / BS;
-  constexpr int NV = kTR * CPR / kThreads;  // vectors per thread per tile
-  static_assert((kTR * CPR) % kThreads == 0 && (TC * NB) % kThreads == 0, "even split");
-  extern __shared__ __align__(16) uint8_t smem[];
-  Rw(*tiles)[kTR][TC] = reinterpret_cast<Rw(*)[kTR][TC]>(smem);
-  uint8_t(*qt)[kQPitch] = reinterpret_cast<uint8_t(*)[kQPitch]>(smem + 2 * PipeSmem<IN, TC>::kTile);
-  uint8_t(*st)[NB] = reinterpret_cast<uint8_t(*)[NB]>(smem + 2 * PipeSmem<IN, TC>::kTile + PipeSmem<IN, TC>::kQt);
-  const Rw* __restrict__ xall = static_cast<const Rw*>(xv);
-  const int tid = threadIdx.x;
-
-  auto coords = [&](int64_t t, int64_t& b, int64_t& r0, int64_t& c0) {
-    const int64_t ct = t % tiles_c;
-    t /= tiles_c;
-    r0 = (t % tiles_r) * kTR;
-    b = t / tiles_r;
-    c0 = ct * TC;
-  };
-  auto issue = [&](int64_t t, int buf) {
-    int64_t b, r0, c0;
-    coords(t, b, r0, c0);
-    const Rw* x = xall + b * R * C;
-#pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int idx = k * kThreads + tid;
-      const int rr = idx / CPR, cc = (idx % CPR) * VEC;
-      const int64_t r = r0 + rr, c = c0 + cc;
-      const bool ok = r < R && c < C;
-      cp_async16(&tiles[buf][rr][cc], ok ? static_cast<const void*>(x + r * C + c) : xv, ok);
-    }
-  };
-
-  int64_t t = blockIdx.x;
-  int buf = 0;
-  if (t < ntiles) issue(t, 0);
-  cp_async_commit();
-  for (; t < ntiles; t += gridDim.x) {
-    const int64_t tn = t + gridDim.x;
-    if (tn < ntiles) issue(tn, buf ^ 1);
-    cp_async_commit();
-    cp_async_wait1();
-    __syncthreads();
-    int64_t b, r0, c0;
-    coords(t, b, r0, c0);
-    Rw(*tile)[TC] = tiles[buf];
-
-    if constexpr (FUSED) {
-      constexpr int LPB = BS / VEC;
-#pragma unroll
-      for (int k = 0; k < NV; ++k) {
-        const int idx = k * kThreads + tid;
-        const int rr = idx / CPR, cc = (idx % CPR) * VEC;
-        const int64_t r = r0 + rr, c = c0 + cc;
-        uint32_t out[4];
-        const uint32_t sb =
-            quantize_vec32<IN, ELEM, false>(*reinterpret_cast<const uint4*>(&tile[rr][cc]), p, out);
-        if (r < R && c < C) {
-          store_q_vec<IN>(q0 + r * C + c, out);
-          if (tid % LPB == 0) s0[r * (C / BS) + c / BS] = static_cast<uint8_t>(sb);
-        }
-      }
-    }
-
-#pragma unroll
-    for (int k = 0; k < TC * NB / kThreads; ++k) {
-      const int idx = k * kThreads + tid;
-      const int col = idx % TC, rb = idx / TC;
-      if (c0 + col < C && r0 + rb * BS < R) {
-        uint32_t xb[BS];
-        uint32_t A = 0;
-#pragma unroll
-        for (int i = 0; i < BS; ++i) {
-          xb[i] = f32_bits<IN>(tile[rb * BS + i][col]);
-          A = max(A, xb[i] & kAbsMask);
-        }
-        const int e = block_exponent<ELEM>(A, p);
-        const float rr = recip_pow2(e);
-        const bool nonfinite = A >= kInfBits;
-        uint32_t w[BS / 4];
-#pragma unroll
-        for (int kk = 0; kk < BS / 4; ++kk) {
-          const uint32_t packed = quant4<ELEM, false>(xb[4 * kk], xb[4 * kk + 1], xb[4 * kk + 2], xb[4 * kk + 3], rr);
-          w[kk] = nonfinite ? kNan4 : packed;
-        }
-        *reinterpret_cast<uint4*>(&qt[col][rb * BS]) = make_uint4(w[0], w[1], w[2], w[3]);
-        *reinterpret_cast<uint4*>(&qt[col][rb * BS + 16]) = make_uint4(w[4], w[5], w[6], w[7]);
-        st[col][rb] = static_cast<uint8_t>(scale_byte(A, e));
-      }
-    }
-    __syncthreads();  // qt / st complete; tiles[buf] free for the load issued next trip
-
-    constexpr int CH = kTR / 16;
-    uint8_t* __restrict__ qb = q1 + b * C * R;
-#pragma unroll
-    for (int k = 0; k < TC * CH / kThreads; ++k) {
-      const int idx = k * kThreads + tid;
-      const int col = idx / CH, ch = idx % CH;
-      const int64_t c = c0 + col, r = r0 + ch * 16;
-      if (c < C && r < R) {
-        __stcs(reinterpret_cast<uint4*>(qb + c * R + r), *reinterpret_cast<const uint4*>(&qt[col][ch * 16]));
-      }
-    }
-    for (int col = tid; col < TC; col += kThreads) {
-      if (c0 + col < C) {
-        const int64_t nsr = R / BS;
-        uint8_t* dst = s1 + (b * C + c0 + col) * nsr + r0 / BS;
-        const int64_t nb = min(static_cast<int64_t>(NB), (R - r0) / BS);
-        if (s1_aligned4 && nb == NB) {
-          *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(&st[col][0]);
-        } else {
-          for (int jj = 0; jj < nb; ++jj) dst[jj] = st[col][jj];
-        }
-      }
-    }
-    // Next trip's phase 2 rewrites qt / st only after its first __syncthreads, by which time every
-    // thread has finished these stores.
-    buf ^= 1;
-  }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-}
-
-// dim1 (and fused dim0+dim1), block 32, "tiled": one CTA per (batch, TR-row, TC-col) tile, as
-// variant 0, generalized:
-//  - TR x TC tiles (TR = 128 / 256: 128 / 256 contiguous fp8 bytes per output column; TC = 64 / 128:
-//    128 / 256 contiguous input bytes per tile row for bf16), dynamic shared memory;
-//  - loads: LD = 0 / 1 / 2 16-byte register loads with the ld16<LD> hint (issued in batches of at
-//    most 8 per thread before their shared-memory stores), LD = kLdCpAsync: cp.async.cg (zero-fill
-//    outside the tensor, no registers); stores with the st16<STH> hint;
+// dim1 (and fused dim0+dim1), block 32: one CTA per (batch, TR-row, TC-col) tile (TR = 256: 256
+// contiguous fp8 bytes per output column; TC = 128: 256 contiguous input bytes per bf16 tile row),
+// dynamic shared memory:
+//  - loads: cp.async.cg, 16 bytes (zero-fill outside the tensor, no registers);
 //  - dim1 quantization: bf16 threads own a column pair (32-bit shared-memory reads of 32 rows, the
 //    packed amax with one 16x2 max per word), fp32 threads one column; the transposed fp8 tile puts
 //    column c at row (c % CPT) * (TC / CPT) + c / CPT so that both 16-byte store instructions of a
@@ -640,124 +292,32 @@ __global__ void __launch_bounds__(kThreads)
 //  - fused dim0 part: each thread quantizes 16-byte vectors of the shared tile along its rows
 //    (quantize_vec32), G vectors at a time; group_transpose gives each lane 16 contiguous fp8 bytes
 //    (one 16-byte store) and the row's first lane gathers the TC / 32 scale bytes of the tile row
-//    (shuffles) and writes them with one 2- / 4-byte store where aligned;
-//  - ROWS = true: shuffle-free fused dim0 part by row owners (see dim0_rows); the input tile's
-//    row pitch is padded by 16 bytes (TC * sizeof(in) + 16, a multiple of 16 for cp.async, and
-//    16 mod 128 so that 32 lanes reading the same 16-byte column of 32 consecutive rows hit
-//    distinct banks in each quarter-warp). The loads and phase 2 use the same padded pitch (their
-//    accesses stay conflict-free: a warp's lanes read along one or two rows).
-// Needs x 16-byte aligned and C % VEC == 0 (the launcher falls back to variant 0 otherwise);
-// arbitrary C (masked), R % 32 == 0, batch via the grid index.
-constexpr int kLdCpAsync = 3;
+//    (shuffles) and writes them with one 2- / 4-byte store where aligned.
+// FM >= 0 compiles the scale mode in (the launcher dispatches RCEIL and FLOOR of e4m3 so).
+// Needs x 16-byte aligned and C % VEC == 0 (the launcher falls back to the generic kernels
+// otherwise); arbitrary C (masked), R % 32 == 0, batch via the grid index.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(src_size) : "memory");
+}
 
-template <int IN, int TR, int TC, bool ROWS = false>
+template <int IN, int TR, int TC>
 struct TileSmem {
-  static constexpr int kRowPitch = TC * static_cast<int>(sizeof(Raw<IN>)) + (ROWS ? 16 : 0);  // input tile, bytes
+  static constexpr int kRowPitch = TC * static_cast<int>(sizeof(Raw<IN>));  // input tile, bytes
   static constexpr int kTile = TR * kRowPitch;
   static constexpr int kPitch = TR + 16;  // transposed fp8 tile pitch
   static constexpr int kQt = TC * kPitch;
   static constexpr int kBytes = kTile + kQt + TC * (TR / 32);
-  static_assert(kRowPitch % 16 == 0 && (!ROWS || kRowPitch % 128 == 16), "16-byte aligned rows; padded: 16 mod 128");
 };
 
-// Packed amax of two bf16 bit patterns per word (per 16-bit half; unsigned).
-__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) { return __vmaxu2(a, b); }
-
-// Fused dim0 part of dim1_tile_kernel<ROWS = true>: shuffle-free, by row owners. Unit
-// u = k * kThreads + tid is BPT consecutive 32-element blocks (segment u / TR) of tile row u % TR:
-// whole tile rows where TR >= kThreads, halves (quarters, ...) where TR < kThreads, so that every
-// thread has work; the lanes of a warp own 32 consecutive rows. Per block: 4 (bf16) / 8 (fp32)
-// 16-byte shared reads of the same columns in every lane (conflict-free with the padded pitch),
-// amax by packed integer max of the absolute bit patterns, block_exponent / quant4 / scale_byte as
-// quantize_vec32 (kNan4 words for a non-finite block), and the block's 32 fp8 bytes as two 16-byte
-// stores straight to q0 (r * C + c is a multiple of 32). The unit's BPT scale bytes go out as one
-// BPT-byte store where s0_wide (s0 NBC-byte aligned, (C / 32) % NBC == 0) and the unit's blocks are
-// all inside the tensor, else byte by byte. Rows r >= R and blocks past C (C % 32 == 0) are skipped.
-template <int IN, int ELEM, int TR, int TC, int TPE, int STH>
-__device__ __forceinline__ void dim0_rows(const Raw<IN> (*tile)[TPE], uint8_t* __restrict__ q0,
-                                          uint8_t* __restrict__ s0, int64_t R, int64_t C, int64_t r0, int64_t c0,
-                                          int s0_wide, const ScaleArgs& p) {
-  using Rw = Raw<IN>;
-  constexpr int BS = 32;
-  constexpr int VEC = 16 / static_cast<int>(sizeof(Rw));   // elements per 16-byte vector
-  constexpr int VPB = BS / VEC;                            // 16-byte vectors per block: 4 / 8
-  constexpr int NBC = TC / BS;                             // blocks per tile row
-  constexpr int SPR = TR < kThreads ? kThreads / TR : 1;   // units (segments) per tile row
-  constexpr int BPT = NBC / SPR;                           // blocks per unit
-  constexpr int UPT = TR * SPR / kThreads;                 // units per thread
-  static_assert(kThreads % TR == 0 || TR % kThreads == 0, "rows spread evenly over the threads");
-  static_assert(BPT * SPR == NBC && UPT * kThreads == TR * SPR, "units spread evenly");
-  static_assert(BPT == 1 || BPT == 2 || BPT == 4, "scale store width");
-  const int tid = threadIdx.x;
-  const int64_t nblk_row = C / BS;                                            // scale bytes per row of s0
-  const int nbc = static_cast<int>(min(static_cast<int64_t>(NBC), (C - c0) / BS));  // valid blocks per tile row
-#pragma unroll
-  for (int k = 0; k < UPT; ++k) {
-    const int u = k * kThreads + tid;
-    const int rr = u % TR, blk0 = (u / TR) * BPT;
-    const int64_t r = r0 + rr;
-    if (r >= R || blk0 >= nbc) continue;
-    uint8_t* __restrict__ qrow = q0 + r * C + c0;
-    uint32_t sw = 0;
-#pragma unroll
-    for (int bb = 0; bb < BPT; ++bb) {
-      const int blk = blk0 + bb;
-      if (BPT > 1 && blk >= nbc) break;
-      uint32_t w[4 * VPB];
-#pragma unroll
-      for (int v = 0; v < VPB; ++v) {
-        const uint4 x = *reinterpret_cast<const uint4*>(&tile[rr][blk * BS + v * VEC]);
-        w[4 * v] = x.x;
-        w[4 * v + 1] = x.y;
-        w[4 * v + 2] = x.z;
-        w[4 * v + 3] = x.w;
-      }
-      uint32_t A = 0;
-      if constexpr (IN == MX_BF16) {
-        uint32_t M = 0;
-#pragma unroll
-        for (int i = 0; i < 4 * VPB; ++i) M = max_u16x2(M, w[i] & 0x7FFF7FFFu);
-        A = max(M << 16, M & 0xFFFF0000u);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 4 * VPB; ++i) A = max(A, w[i] & kAbsMask);
-      }
-      const int e = block_exponent<ELEM>(A, p);
-      const float rs = recip_pow2(e);
-      const bool nonfinite = A >= kInfBits;
-      uint32_t o[BS / 4];
-#pragma unroll
-      for (int kk = 0; kk < BS / 4; ++kk) {
-        const uint32_t packed = quant4<ELEM, false>(vec_bits<IN>(w, 4 * kk), vec_bits<IN>(w, 4 * kk + 1),
-                                                    vec_bits<IN>(w, 4 * kk + 2), vec_bits<IN>(w, 4 * kk + 3), rs);
-        o[kk] = nonfinite ? kNan4 : packed;
-      }
-      uint4* dst = reinterpret_cast<uint4*>(qrow + blk * BS);
-      st16<STH>(dst, make_uint4(o[0], o[1], o[2], o[3]));
-      st16<STH>(dst + 1, make_uint4(o[4], o[5], o[6], o[7]));
-      sw |= scale_byte(A, e) << (8 * bb);
-    }
-    uint8_t* dst = s0 + r * nblk_row + c0 / BS + blk0;
-    const int nv = min(BPT, nbc - blk0);  // >= 1
-    if (BPT > 1 && s0_wide && nv == BPT) {
-      if constexpr (BPT == 4) {
-        *reinterpret_cast<uint32_t*>(dst) = sw;
-      } else if constexpr (BPT == 2) {
-        *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(sw);
-      }
-    } else {
-      for (int bb = 0; bb < nv; ++bb) dst[bb] = static_cast<uint8_t>(sw >> (8 * bb));
-    }
-  }
-}
-
-template <int IN, int ELEM, bool FUSED, int TR, int TC, int LD, int STH, int MINB, bool ROWS = false, int FM = -1>
+template <int IN, int ELEM, bool FUSED, int TR, int TC, int MINB, int FM = -1>
 __global__ void __launch_bounds__(kThreads, MINB)
     dim1_tile_kernel(const void* __restrict__ xv, uint8_t* __restrict__ q1, uint8_t* __restrict__ s1,
                      uint8_t* __restrict__ q0, uint8_t* __restrict__ s0, int64_t R, int64_t C, int64_t tiles_r,
                      int64_t tiles_c, int s1_wide, int s0_wide, ScaleArgs p) {
   using Rw = Raw<IN>;
-  using Cfg = TileSmem<IN, TR, TC, ROWS>;
+  using Cfg = TileSmem<IN, TR, TC>;
   constexpr int BS = 32;
   constexpr int VEC = 16 / static_cast<int>(sizeof(Rw));  // elements per 16-byte vector
   constexpr int CPR = TC / VEC;                           // 16-byte vectors per tile row
@@ -783,40 +343,18 @@ __global__ void __launch_bounds__(kThreads, MINB)
   const int tid = threadIdx.x;
 
   // Phase 1: global -> shared (C % VEC == 0: a vector is wholly inside or outside; outside reads 0).
-  if constexpr (LD == kLdCpAsync) {
 #pragma unroll
-    for (int k = 0; k < NV; ++k) {
-      const int idx = k * kThreads + tid;
-      const int rr = idx / CPR, cc = (idx % CPR) * VEC;
-      const int64_t r = r0 + rr, c = c0 + cc;
-      const bool ok = r < R && c < C;
-      cp_async16(&tile[rr][cc], ok ? static_cast<const void*>(x + r * C + c) : xv, ok);
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-  } else {
-    constexpr int NL = NV < 8 ? NV : 8;  // loads in flight per thread
-    static_assert(NV % NL == 0, "whole load batches");
-#pragma unroll
-    for (int k0 = 0; k0 < NV; k0 += NL) {
-      uint4 v[NL];
-#pragma unroll
-      for (int k = 0; k < NL; ++k) {
-        const int idx = (k0 + k) * kThreads + tid;
-        const int64_t r = r0 + idx / CPR, c = c0 + (idx % CPR) * VEC;
-        v[k] = (r < R && c < C) ? ld16<LD>(reinterpret_cast<const uint4*>(x + r * C + c)) : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int k = 0; k < NL; ++k) {
-        const int idx = (k0 + k) * kThreads + tid;
-        *reinterpret_cast<uint4*>(&tile[idx / CPR][(idx % CPR) * VEC]) = v[k];
-      }
-    }
+  for (int k = 0; k < NV; ++k) {
+    const int idx = k * kThreads + tid;
+    const int rr = idx / CPR, cc = (idx % CPR) * VEC;
+    const int64_t r = r0 + rr, c = c0 + cc;
+    const bool ok = r < R && c < C;
+    cp_async16(&tile[rr][cc], ok ? static_cast<const void*>(x + r * C + c) : xv, ok);
   }
+  asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
 
-  if constexpr (FUSED && ROWS) {
-    dim0_rows<IN, ELEM, TR, TC, TPE, STH>(tile, q0, s0, R, C, r0, c0, s0_wide, p);
-  } else if constexpr (FUSED) {
+  if constexpr (FUSED) {
     // Blocks along the tile rows (C % 32 == 0: the LPB lanes of a block, and the G vectors of a
     // 16-byte output, agree on validity). Vector idx = k * kThreads + tid; lanes of one tile row
     // are the CPR consecutive lanes lane0 .. lane0 + CPR - 1 of one warp.
@@ -862,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
       // This lane: vectors (tid & ~(G-1)) .. + G-1 of vector row k0 + j: 16 contiguous fp8 bytes.
       const int idx = (k0 + j) * kThreads + (tid & ~(G - 1));
       const int64_t r = r0 + idx / CPR, c = c0 + (idx % CPR) * VEC;
-      if (r < R && c < C) st16<STH>(reinterpret_cast<uint4*>(q0 + r * C + c), make_uint4(fin[0], fin[1], fin[2], fin[3]));
+      if (r < R && c < C) *reinterpret_cast<uint4*>(q0 + r * C + c) = make_uint4(fin[0], fin[1], fin[2], fin[3]);
     }
   }
 
@@ -883,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, MINB)
         for (int i = 0; i < BS; ++i) {
           w[i] = *reinterpret_cast<const uint32_t*>(&tile[rb * BS + i][cp * CPT]);
           if constexpr (IN == MX_BF16) {
-            M = max_u16x2(M, w[i] & 0x7FFF7FFFu);
+            M = __vmaxu2(M, w[i] & 0x7FFF7FFFu);
           } else {
             M = max(M, w[i] & kAbsMask);
           }
@@ -933,8 +471,8 @@ __global__ void __launch_bounds__(kThreads, MINB)
       const int col = idx / CH, ch = idx % CH;
       const int64_t c = c0 + col, r = r0 + ch * 16;
       if (c < C && r < R) {
-        st16<STH>(reinterpret_cast<uint4*>(qb + c * R + r),
-                  *reinterpret_cast<const uint4*>(&qt[(col % CPT) * NP + col / CPT][ch * 16]));
+        *reinterpret_cast<uint4*>(qb + c * R + r) =
+            *reinterpret_cast<const uint4*>(&qt[(col % CPT) * NP + col / CPT][ch * 16]);
       }
     }
     if (tid < TC && c0 + tid < C) {
@@ -1057,102 +595,12 @@ __device__ __forceinline__ void dequant_pairs(const uint32_t* w, float sc, uint3
   }
 }
 
-template <int OUT, int ELEM, int U = kUnroll>
-__global__ void __launch_bounds__(kThreads) dequant_vec_kernel(const uint8_t* __restrict__ q, const uint8_t* __restrict__ s,
-                                                               uint4* __restrict__ out, int64_t nvec, int lg_bs) {
-  constexpr int EPT = OUT == MX_BF16 ? 8 : 4;
-  constexpr int LG_EPT = OUT == MX_BF16 ? 3 : 2;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * U;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * U; base < nvec; base += step) {
-    uint32_t w[U][2];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      w[u][0] = w[u][1] = 0u;
-      if (i < nvec) {
-        if constexpr (EPT == 8) {
-          const uint2 v = __ldcs(reinterpret_cast<const uint2*>(q) + i);
-          w[u][0] = v.x;
-          w[u][1] = v.y;
-        } else {
-          w[u][0] = __ldcs(reinterpret_cast<const unsigned int*>(q) + i);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      if (i >= nvec) continue;
-      const int64_t e0 = i * EPT;  // flat index of the first element
-      float sc[EPT];
-      if (lg_bs >= LG_EPT) {  // the whole vector lies in one block
-        const float one = e8m0_to_f32(s[e0 >> lg_bs]);
-#pragma unroll
-        for (int j = 0; j < EPT; ++j) sc[j] = one;
-      } else {
-#pragma unroll
-        for (int j = 0; j < EPT; ++j) sc[j] = e8m0_to_f32(s[(e0 + j) >> lg_bs]);
-      }
-      uint32_t o[4];
-#pragma unroll
-      for (int k = 0; k < EPT / 2; ++k) {
-        const float2 f = fp8x2_to_f32<ELEM>(w[u][k >> 1] >> (16 * (k & 1)));
-        const uint32_t a = dequant_bits<OUT>(f.x, sc[2 * k]);
-        const uint32_t c = dequant_bits<OUT>(f.y, sc[2 * k + 1]);
-        if constexpr (OUT == MX_BF16) {
-          o[k] = a | (c << 16);
-        } else {
-          o[2 * k] = a;
-          o[2 * k + 1] = c;
-        }
-      }
-      __stcs(out + i, make_uint4(o[0], o[1], o[2], o[3]));
-    }
-  }
-}
-
-// Dequantize variant: each thread-vector is 16 fp8 bytes (one 16-byte load) in one block (needs
-// block_size >= 16) -> 32 (bf16) / 64 (fp32) output bytes as 2 / 4 16-byte stores; U in flight.
-template <int OUT, int ELEM, int U, int LDH, int STH>
-__global__ void __launch_bounds__(kThreads) dequant_v16_kernel(const uint4* __restrict__ q, const uint8_t* __restrict__ s,
-                                                               uint4* __restrict__ out, int64_t nvec, int lg_bs) {
-  constexpr int NST = OUT == MX_BF16 ? 2 : 4;  // 16-byte output stores per input vector
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads * U;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * U; base < nvec; base += step) {
-    uint4 v[U];
-    uint32_t sb[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      v[u] = make_uint4(0u, 0u, 0u, 0u);
-      sb[u] = 0u;
-      if (i < nvec) {
-        v[u] = ld16<LDH>(q + i);
-        sb[u] = __ldg(s + ((i * 16) >> lg_bs));
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t i = base + u * kThreads + threadIdx.x;
-      if (i >= nvec) continue;
-      const float sc = e8m0_to_f32(sb[u]);
-      const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-      uint32_t o[16];
-      dequant_pairs<OUT, ELEM, 8>(w, sc, o);
-#pragma unroll
-      for (int k = 0; k < NST; ++k) {
-        st16<STH>(out + i * NST + k, make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]));
-      }
-    }
-  }
-}
-
-// Dequantize variants 4 .. 6: one-shot grid (no grid-stride loop), THREADS threads per CTA, each
+// Dequantize: one-shot grid (no grid-stride loop), THREADS threads per CTA, each
 // thread V independent thread-vectors of EPT fp8 bytes (one 4- / 8-byte load) in one block (needs
 // block_size >= EPT) -> EPT bf16 / fp32 values (one 8- / 16-byte store, or two 16-byte stores).
 // Vector u of thread t of CTA b is vec_begin + (b * V + u) * THREADS + t: each load / store
 // instruction of a warp covers contiguous memory. The scale byte is loaded per vector (__ldg; the
-// repeats within a block are served by L1). Same numerics helpers as dequant_vec_kernel.
+// repeats within a block are served by L1).
 template <int OUT, int ELEM, int EPT, int V, int THREADS>
 __global__ void __launch_bounds__(THREADS) dequant_flat_kernel(const uint8_t* __restrict__ q,
                                                                 const uint8_t* __restrict__ s,
@@ -1242,14 +690,12 @@ int sm_count() {
   return sms;
 }
 
-// Resident CTAs per SM of one kernel at kThreads threads and SMEM bytes of dynamic shared memory
-// (computed once per kernel; raises the kernel's dynamic shared-memory limit first when SMEM > 0).
-template <auto Kernel, int SMEM = 0>
+// Resident CTAs per SM of one kernel at kThreads threads (computed once per kernel).
+template <auto Kernel>
 int ctas_per_sm() {
   static const int value = [] {
-    if (SMEM > 0) cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, SMEM) != cudaSuccess || per_sm < 1) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0) != cudaSuccess || per_sm < 1) {
       per_sm = 1;
     }
     return per_sm;
@@ -1258,9 +704,9 @@ int ctas_per_sm() {
 }
 
 // CTAs for a grid-stride kernel: enough to fill the device, at most `want`.
-template <auto Kernel, int SMEM = 0>
+template <auto Kernel>
 unsigned grid_for(int64_t want) {
-  const int64_t cap = static_cast<int64_t>(sm_count()) * ctas_per_sm<Kernel, SMEM>();
+  const int64_t cap = static_cast<int64_t>(sm_count()) * ctas_per_sm<Kernel>();
   return static_cast<unsigned>(want < 1 ? 1 : (want < cap ? want : cap));
 }
 
@@ -1282,132 +728,43 @@ cudaError_t dispatch(int dtype, int elem, F&& f) {
 // Any earlier error (a failed launch, a sticky fault) surfaces here.
 cudaError_t launch_status() { return cudaGetLastError(); }
 
-// Dequantize variants 4 .. 6: dequant_flat_kernel over vectors [0, nvec) with a one-shot grid, in
-// as many launches as gridDim.x's limit needs (one for any n below 2^40 elements).
-template <int OUT, int EL, int EPT, int V, int THREADS>
+// dequant_flat_kernel<8 bytes, 2 vectors, 256 threads> over vectors [0, nvec) with a one-shot grid,
+// in as many launches as gridDim.x's limit needs (one for any n below 2^40 elements).
+template <int OUT, int EL>
 cudaError_t launch_dequant_flat(const uint8_t* q, const uint8_t* s, void* out, int64_t nvec, int lg_bs,
                                 cudaStream_t st) {
-  constexpr int64_t kPerCta = static_cast<int64_t>(THREADS) * V;
+  constexpr int kEpt = 8, kVecs = 2, kCta = 256;
+  constexpr int64_t kPerCta = static_cast<int64_t>(kCta) * kVecs;
   constexpr int64_t kMaxCtas = int64_t{1} << 30;  // below gridDim.x's limit 2^31 - 1
   for (int64_t begin = 0; begin < nvec; begin += kMaxCtas * kPerCta) {
     const int64_t want = (nvec - begin + kPerCta - 1) / kPerCta;
     const unsigned grid = static_cast<unsigned>(want < kMaxCtas ? want : kMaxCtas);
-    dequant_flat_kernel<OUT, EL, EPT, V, THREADS>
-        <<<grid, THREADS, 0, st>>>(q, s, static_cast<uint32_t*>(out), begin, nvec, lg_bs);
+    dequant_flat_kernel<OUT, EL, kEpt, kVecs, kCta>
+        <<<grid, kCta, 0, st>>>(q, s, static_cast<uint32_t*>(out), begin, nvec, lg_bs);
     const cudaError_t err = launch_status();
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
 
-}  // namespace
-
-namespace {
-
-// dim0 grouped variants: U groups per warp per trip, load / store hints, persistent grid or one CTA
-// per (8 warps x U groups).
-template <int IN, int EL, int U, int LDH, int STH>
-cudaError_t launch_dim0_grp(const void* x, uint8_t* q, uint8_t* s, int64_t n, bool persistent, const ScaleArgs& p,
-                            cudaStream_t st) {
-  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
-  constexpr int GV = 32 * (4 / (VEC / 4));
-  const int64_t nvec = n / VEC;
-  const int64_t per_cta = static_cast<int64_t>(kThreads / 32) * U * GV;
-  const int64_t want = (nvec + per_cta - 1) / per_cta;
-  if (!persistent && want > INT_MAX) return cudaErrorInvalidValue;
-  auto kernel = dim0_grp_kernel<IN, EL, U, LDH, STH>;
-  const unsigned grid =
-      persistent ? grid_for<dim0_grp_kernel<IN, EL, U, LDH, STH>>(want) : static_cast<unsigned>(want < 1 ? 1 : want);
-  kernel<<<grid, kThreads, 0, st>>>(static_cast<const uint4*>(x), q, s, nvec, p);
-  return launch_status();
-}
-
-}  // namespace
-
-cudaError_t mx_quantize_dim0(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t n, int block_size, int mode,
-                             int elem, uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream,
-                             int variant) {
-  if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || n < 0 || n % block_size || variant < 0 ||
-      variant >= MX_DIM0_VARIANTS) {
-    return cudaErrorInvalidValue;
-  }
-  if (n == 0) return cudaSuccess;
-  const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
-  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
-    constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
-    if (block_size == 32 && aligned(x, 16) && aligned(q, 16)) {
-      if (variant != 0 && aligned(s, 4)) {
-        switch (variant) {
-          case 1: return launch_dim0_grp<IN, EL, 2, 0, 0>(x, q, s, n, true, p, st);
-          case 2: return launch_dim0_grp<IN, EL, 4, 0, 0>(x, q, s, n, true, p, st);
-          case 3: return launch_dim0_grp<IN, EL, 2, 1, 1>(x, q, s, n, true, p, st);
-          case 4: return launch_dim0_grp<IN, EL, 2, 0, 0>(x, q, s, n, false, p, st);
-          default: return launch_dim0_grp<IN, EL, 4, 1, 1>(x, q, s, n, false, p, st);
-        }
-      }
-      constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
-      const int64_t nvec = n / VEC;
-      auto kernel = dim0_bs32_kernel<IN, EL>;
-      const unsigned grid = grid_for<dim0_bs32_kernel<IN, EL>>((nvec + kThreads * kUnroll - 1) / (kThreads * kUnroll));
-      kernel<<<grid, kThreads, 0, st>>>(static_cast<const uint4*>(x), q, s, nvec, p);
-    } else {
-      const int64_t nblk = n / block_size;
-      auto kernel = dim0_generic_kernel<IN, EL>;
-      const unsigned grid = grid_for<dim0_generic_kernel<IN, EL>>((nblk + kThreads - 1) / kThreads);
-      kernel<<<grid, kThreads, 0, st>>>(static_cast<const Raw<IN>*>(x), q, s, nblk, block_size, p);
-    }
-    return launch_status();
-  });
-}
-
-namespace {
-
-template <int IN, int EL, bool FUSED>
-cudaError_t launch_dim1_bs32(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0, int64_t B, int64_t R,
-                             int64_t C, const ScaleArgs& p, cudaStream_t st) {
-  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
-  const int64_t tiles_r = (R + kTR - 1) / kTR, tiles_c = (C + kTC - 1) / kTC;
-  const int64_t tiles = B * tiles_r * tiles_c;
-  if (tiles > INT_MAX) return cudaErrorInvalidValue;
-  const int vec_ok = aligned(x, 16) && C % VEC == 0;
-  const int s1_aligned4 = aligned(s1, 4) && (R / 32) % 4 == 0;
-  dim1_bs32_kernel<IN, EL, FUSED><<<static_cast<unsigned>(tiles), kThreads, 0, st>>>(
-      x, q1, s1, q0, s0, R, C, tiles_r, tiles_c, vec_ok, s1_aligned4, p);
-  return launch_status();
-}
-
-template <int IN, int EL, bool FUSED, int TC>
-cudaError_t launch_dim1_pipe(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0, int64_t B, int64_t R,
-                             int64_t C, const ScaleArgs& p, cudaStream_t st) {
-  constexpr int SMEM = PipeSmem<IN, TC>::kBytes;
-  const int64_t tiles_r = (R + kTR - 1) / kTR, tiles_c = (C + TC - 1) / TC;
-  const int64_t tiles = B * tiles_r * tiles_c;
-  const int s1_aligned4 = aligned(s1, 4) && (R / 32) % 4 == 0;
-  auto kernel = dim1_pipe_kernel<IN, EL, FUSED, TC>;
-  const unsigned grid = grid_for<dim1_pipe_kernel<IN, EL, FUSED, TC>, SMEM>(tiles);
-  kernel<<<grid, kThreads, SMEM, st>>>(x, q1, s1, q0, s0, R, C, tiles_r, tiles_c, tiles, s1_aligned4, p);
-  return launch_status();
-}
-
-// One CTA per TR x TC tile of dim1_tile_kernel (x 16-byte aligned, C % VEC == 0: checked by the caller).
-// MINB (bf16, fp32): CTAs per SM that __launch_bounds__ asks registers for. ROWS: row-owner fused
-// dim0 part and padded input tile pitch (variants 7, 8).
-template <int IN, int EL, bool FUSED, int TR, int TC, int LD, int STH, int MINB_BF16, int MINB_F32, bool ROWS = false,
-          int FM = -1>
+// One CTA per 256 x 128 tile of dim1_tile_kernel (x 16-byte aligned, C % VEC == 0: checked by the
+// caller); RCEIL and FLOOR of e4m3 with the mode compiled in.
+template <int IN, int EL, bool FUSED, int FM = -1>
 cudaError_t launch_dim1_tile(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0, int64_t B, int64_t R,
                              int64_t C, const ScaleArgs& p, cudaStream_t st) {
-  constexpr int MINB = IN == MX_BF16 ? MINB_BF16 : MINB_F32;
-  constexpr int SMEM = TileSmem<IN, TR, TC, ROWS>::kBytes;
-  constexpr int NB = TR / 32, NBC = TC / 32;
+  if constexpr (FM < 0 && EL == MX_E4M3) {
+    if (p.mode == MX_RCEIL) return launch_dim1_tile<IN, EL, FUSED, MX_RCEIL>(x, q1, s1, q0, s0, B, R, C, p, st);
+    if (p.mode == MX_FLOOR) return launch_dim1_tile<IN, EL, FUSED, MX_FLOOR>(x, q1, s1, q0, s0, B, R, C, p, st);
+  }
+  constexpr int TR = 256, TC = 128, NB = TR / 32, NBC = TC / 32;
+  constexpr int MINB = IN == MX_BF16 ? 2 : 1;  // CTAs per SM that __launch_bounds__ asks registers for
+  constexpr int SMEM = TileSmem<IN, TR, TC>::kBytes;
   const int64_t tiles_r = (R + TR - 1) / TR, tiles_c = (C + TC - 1) / TC;
   const int64_t tiles = B * tiles_r * tiles_c;
   if (tiles > INT_MAX) return cudaErrorInvalidValue;
-  auto kernel = dim1_tile_kernel<IN, EL, FUSED, TR, TC, LD, STH, MINB, ROWS, FM>;
-  if (SMEM > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    if (err != cudaSuccess) return err;
-  }
+  auto kernel = dim1_tile_kernel<IN, EL, FUSED, TR, TC, MINB, FM>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  if (err != cudaSuccess) return err;
   const int s1_wide = aligned(s1, NB) && (R / 32) % NB == 0;
   const int s0_wide = FUSED && aligned(s0, NBC) && (C / 32) % NBC == 0;
   kernel<<<static_cast<unsigned>(tiles), kThreads, SMEM, st>>>(x, q1, s1, q0, s0, R, C, tiles_r, tiles_c, s1_wide,
@@ -1415,44 +772,14 @@ cudaError_t launch_dim1_tile(const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q
   return launch_status();
 }
 
-// Variant 0: one CTA per 128x64 tile; 1: pipelined 128x64; 2: pipelined 128x128; 3 .. 6: tiled
-// (dim1_tile_kernel) 128x64, 256x64, 128x128, 256x128; 7, 8: tiled with the row-owner fused dim0
-// part, 256x128, 128x128 (see mx_cast.h).
-template <int IN, int EL, bool FUSED>
-cudaError_t launch_dim1_variant(int variant, const void* x, uint8_t* q1, uint8_t* s1, uint8_t* q0, uint8_t* s0,
-                                int64_t B, int64_t R, int64_t C, const ScaleArgs& p, cudaStream_t st) {
-  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
-  if (variant != 0 && aligned(x, 16) && C % VEC == 0) {
-    switch (variant) {
-      case 1: return launch_dim1_pipe<IN, EL, FUSED, 64>(x, q1, s1, q0, s0, B, R, C, p, st);
-      case 2: return launch_dim1_pipe<IN, EL, FUSED, 128>(x, q1, s1, q0, s0, B, R, C, p, st);
-      case 3: return launch_dim1_tile<IN, EL, FUSED, 128, 64, 1, 1, 4, 4>(x, q1, s1, q0, s0, B, R, C, p, st);
-      case 4: return launch_dim1_tile<IN, EL, FUSED, 256, 64, 1, 1, 4, 2>(x, q1, s1, q0, s0, B, R, C, p, st);
-      case 5:
-        if constexpr (EL == MX_E4M3) {  // the fast modes with the mode compiled in
-          if (p.mode == MX_RCEIL)
-            return launch_dim1_tile<IN, EL, FUSED, 128, 128, 1, 1, 4, 2, false, MX_RCEIL>(x, q1, s1, q0, s0, B, R, C, p, st);
-          if (p.mode == MX_FLOOR)
-            return launch_dim1_tile<IN, EL, FUSED, 128, 128, 1, 1, 4, 2, false, MX_FLOOR>(x, q1, s1, q0, s0, B, R, C, p, st);
-        }
-        return launch_dim1_tile<IN, EL, FUSED, 128, 128, 1, 1, 4, 2>(x, q1, s1, q0, s0, B, R, C, p, st);
-      case 6:
-        if constexpr (EL == MX_E4M3) {
-          if (p.mode == MX_RCEIL)
-            return launch_dim1_tile<IN, EL, FUSED, 256, 128, kLdCpAsync, 1, 2, 1, false, MX_RCEIL>(x, q1, s1, q0, s0, B, R,
-                                                                                              C, p, st);
-          if (p.mode == MX_FLOOR)
-            return launch_dim1_tile<IN, EL, FUSED, 256, 128, kLdCpAsync, 1, 2, 1, false, MX_FLOOR>(x, q1, s1, q0, s0, B, R,
-                                                                                              C, p, st);
-        }
-        return launch_dim1_tile<IN, EL, FUSED, 256, 128, kLdCpAsync, 1, 2, 1>(x, q1, s1, q0, s0, B, R, C, p, st);
-      case 7:
-        return launch_dim1_tile<IN, EL, FUSED, 256, 128, kLdCpAsync, 1, 2, 1, true>(x, q1, s1, q0, s0, B, R, C, p, st);
-      default:
-        return launch_dim1_tile<IN, EL, FUSED, 128, 128, kLdCpAsync, 1, 4, 2, true>(x, q1, s1, q0, s0, B, R, C, p, st);
-    }
-  }
-  return launch_dim1_bs32<IN, EL, FUSED>(x, q1, s1, q0, s0, B, R, C, p, st);
+template <int IN, int EL>
+cudaError_t launch_dim0_generic(const void* x, uint8_t* q, uint8_t* s, int64_t n, int bs, const ScaleArgs& p,
+                                cudaStream_t st) {
+  const int64_t nblk = n / bs;
+  auto kernel = dim0_generic_kernel<IN, EL>;
+  const unsigned grid = grid_for<dim0_generic_kernel<IN, EL>>((nblk + kThreads - 1) / kThreads);
+  kernel<<<grid, kThreads, 0, st>>>(static_cast<const Raw<IN>*>(x), q, s, nblk, bs, p);
+  return launch_status();
 }
 
 template <int IN, int EL>
@@ -1465,13 +792,44 @@ cudaError_t launch_dim1_generic(const void* x, uint8_t* q, uint8_t* s, int64_t B
   return launch_status();
 }
 
+// The tiled dim1 kernel's preconditions: block 32, 16-byte vectors of x never straddle a row.
+template <int IN>
+bool dim1_fast(const void* x, int64_t C, int block_size) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+  return block_size == 32 && aligned(x, 16) && C % VEC == 0;
+}
+
 }  // namespace
+
+cudaError_t mx_quantize_dim0(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t n, int block_size, int mode,
+                             int elem, uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream) {
+  if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || n < 0 || n % block_size) {
+    return cudaErrorInvalidValue;
+  }
+  if (n == 0) return cudaSuccess;
+  const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
+    constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
+    if (block_size == 32 && aligned(x, 16) && aligned(q, 16) && aligned(s, 4)) {
+      constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+      constexpr int64_t kPerCta = (kThreads / 32) * 2 * 32 * (4 / (VEC / 4));  // 8 warps x 2 groups
+      const int64_t nvec = n / VEC;
+      const int64_t want = (nvec + kPerCta - 1) / kPerCta;
+      if (want > INT_MAX) return cudaErrorInvalidValue;
+      dim0_grp_kernel<IN, EL><<<static_cast<unsigned>(want), kThreads, 0, st>>>(static_cast<const uint4*>(x), q, s,
+                                                                              nvec, p);
+      return launch_status();
+    }
+    return launch_dim0_generic<IN, EL>(x, q, s, n, block_size, p, st);
+  });
+}
 
 cudaError_t mx_quantize_dim1(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t batch, int64_t rows,
                              int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
-                             uint32_t rceil_t126, float rceil_c, intptr_t stream, int variant) {
+                             uint32_t rceil_t126, float rceil_c, intptr_t stream) {
   if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || batch < 0 || rows < 0 || cols < 0 ||
-      rows % block_size || variant < 0 || variant >= MX_DIM1_VARIANTS) {
+      rows % block_size) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
@@ -1479,8 +837,8 @@ cudaError_t mx_quantize_dim1(const void* x, int in_dtype, uint8_t* q, uint8_t* s
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
     constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
-    if (block_size == 32 && aligned(q, 16)) {
-      return launch_dim1_variant<IN, EL, false>(variant, x, q, s, nullptr, nullptr, batch, rows, cols, p, st);
+    if (dim1_fast<IN>(x, cols, block_size) && aligned(q, 16)) {
+      return launch_dim1_tile<IN, EL, false>(x, q, s, nullptr, nullptr, batch, rows, cols, p, st);
     }
     return launch_dim1_generic<IN, EL>(x, q, s, batch, rows, cols, block_size, p, st);
   });
@@ -1488,10 +846,9 @@ cudaError_t mx_quantize_dim1(const void* x, int in_dtype, uint8_t* q, uint8_t* s
 
 cudaError_t mx_quantize_dim0_dim1(const void* x, int in_dtype, uint8_t* q0, uint8_t* s0, uint8_t* q1, uint8_t* s1,
                                   int64_t rows, int64_t cols, int block_size, int mode, int elem,
-                                  uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream,
-                                  int variant) {
+                                  uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream) {
   if (!valid_common(in_dtype, block_size, elem) || mode < 0 || mode > 3 || rows < 0 || cols < 0 ||
-      rows % block_size || cols % block_size || variant < 0 || variant >= MX_DIM1_VARIANTS) {
+      rows % block_size || cols % block_size) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0 || cols == 0) return cudaSuccess;
@@ -1499,92 +856,29 @@ cudaError_t mx_quantize_dim0_dim1(const void* x, int in_dtype, uint8_t* q0, uint
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
     constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
-    if (block_size == 32 && aligned(q0, 16) && aligned(q1, 16)) {
-      return launch_dim1_variant<IN, EL, true>(variant, x, q1, s1, q0, s0, 1, rows, cols, p, st);
+    if (dim1_fast<IN>(x, cols, block_size) && aligned(q0, 16) && aligned(q1, 16)) {
+      return launch_dim1_tile<IN, EL, true>(x, q1, s1, q0, s0, 1, rows, cols, p, st);
     }
     // Generic fallback: two passes over x.
-    const int64_t n = rows * cols, nblk = n / block_size;
-    auto kernel = dim0_generic_kernel<IN, EL>;
-    const unsigned grid = grid_for<dim0_generic_kernel<IN, EL>>((nblk + kThreads - 1) / kThreads);
-    kernel<<<grid, kThreads, 0, st>>>(static_cast<const Raw<IN>*>(x), q0, s0, nblk, block_size, p);
-    const cudaError_t err = launch_status();
+    const cudaError_t err = launch_dim0_generic<IN, EL>(x, q0, s0, rows * cols, block_size, p, st);
     if (err != cudaSuccess) return err;
     return launch_dim1_generic<IN, EL>(x, q1, s1, 1, rows, cols, block_size, p, st);
   });
 }
 
 cudaError_t mx_dequantize(const uint8_t* q, const uint8_t* s, void* out, int out_dtype, int64_t n, int block_size,
-                          int elem, intptr_t stream, int variant) {
-  if (!valid_common(out_dtype, block_size, elem) || n < 0 || n % block_size || variant < 0 ||
-      variant >= MX_DEQUANT_VARIANTS) {
-    return cudaErrorInvalidValue;
-  }
+                          int elem, intptr_t stream) {
+  if (!valid_common(out_dtype, block_size, elem) || n < 0 || n % block_size) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   const int lg_bs = log2_pow2(block_size);
   return dispatch(out_dtype, elem, [&](auto codes) -> cudaError_t {
     constexpr int OUT = decltype(codes)::first, EL = decltype(codes)::second;
-    constexpr int EPT = OUT == MX_BF16 ? 8 : 4;
-    int64_t start = 0;
-    if ((variant == 1 || variant == 2) && block_size >= 16 && aligned(q, 16) && aligned(out, 16)) {
-      const int64_t nvec = n / 16;
-      if (nvec > 0) {
-        if (variant == 1) {
-          auto kernel = dequant_v16_kernel<OUT, EL, 2, 0, 0>;
-          const unsigned grid = grid_for<dequant_v16_kernel<OUT, EL, 2, 0, 0>>((nvec + kThreads * 2 - 1) / (kThreads * 2));
-          kernel<<<grid, kThreads, 0, st>>>(reinterpret_cast<const uint4*>(q), s, static_cast<uint4*>(out), nvec, lg_bs);
-        } else {
-          auto kernel = dequant_v16_kernel<OUT, EL, 4, 1, 1>;
-          const unsigned grid = grid_for<dequant_v16_kernel<OUT, EL, 4, 1, 1>>((nvec + kThreads * 4 - 1) / (kThreads * 4));
-          kernel<<<grid, kThreads, 0, st>>>(reinterpret_cast<const uint4*>(q), s, static_cast<uint4*>(out), nvec, lg_bs);
-        }
-        const cudaError_t err = launch_status();
-        if (err != cudaSuccess) return err;
-      }
-      start = nvec * 16;
-    } else if (variant == 3 && aligned(q, EPT) && aligned(out, 16)) {
-      const int64_t nvec = n / EPT;
-      if (nvec > 0) {
-        auto kernel = dequant_vec_kernel<OUT, EL, 8>;
-        const unsigned grid = grid_for<dequant_vec_kernel<OUT, EL, 8>>((nvec + kThreads * 8 - 1) / (kThreads * 8));
-        kernel<<<grid, kThreads, 0, st>>>(q, s, static_cast<uint4*>(out), nvec, lg_bs);
-        const cudaError_t err = launch_status();
-        if (err != cudaSuccess) return err;
-      }
-      start = nvec * EPT;
-    } else if (variant >= 4 && block_size >= (variant == 4 ? 4 : 8) && aligned(q, variant == 4 ? 4 : 8) &&
-               aligned(out, OUT == MX_BF16 && variant == 4 ? 8 : 16)) {
-      // fp8 bytes per thread-vector: 4 (variant 4) or 8; the (4-byte-load) vector of variant 4 is
-      // stored as 8 (bf16) / 16 (fp32) bytes, the 8-byte one as 16 / 2 x 16 bytes.
-      const int vec = variant == 4 ? 4 : 8;
-      const int64_t nvec = n / vec;
-      cudaError_t err = cudaSuccess;
-      if (variant == 4) {
-        err = launch_dequant_flat<OUT, EL, 4, 1, 256>(q, s, out, nvec, lg_bs, st);
-      } else if (variant == 5) {
-        err = launch_dequant_flat<OUT, EL, 8, 1, 128>(q, s, out, nvec, lg_bs, st);
-      } else {
-        err = launch_dequant_flat<OUT, EL, 8, 2, 256>(q, s, out, nvec, lg_bs, st);
-      }
-      if (err != cudaSuccess) return err;
-      start = nvec * vec;
-    } else if (aligned(q, EPT) && aligned(out, 16)) {
-      const int64_t nvec = n / EPT;
-      if (nvec > 0) {
-        auto kernel = dequant_vec_kernel<OUT, EL>;
-        const unsigned grid = grid_for<dequant_vec_kernel<OUT, EL>>((nvec + kThreads * kUnroll - 1) / (kThreads * kUnroll));
-        kernel<<<grid, kThreads, 0, st>>>(q, s, static_cast<uint4*>(out), nvec, lg_bs);
-        const cudaError_t err = launch_status();
-        if (err != cudaSuccess) return err;
-      }
-      start = nvec * EPT;
-    }
-    if (start < n) {  // unaligned pointers, or the last n % EPT elements
-      auto kernel = dequant_generic_kernel<OUT, EL>;
-      const unsigned grid = grid_for<dequant_generic_kernel<OUT, EL>>((n - start + kThreads - 1) / kThreads);
-      kernel<<<grid, kThreads, 0, st>>>(q, s, out, start, n, lg_bs);
-      return launch_status();
-    }
-    return cudaSuccess;
+    // 8 fp8 bytes per thread-vector (one block: block_size >= 8), stored as 16 / 2 x 16 bytes.
+    if (block_size >= 8 && aligned(q, 8) && aligned(out, 16)) return launch_dequant_flat<OUT, EL>(q, s, out, n / 8, lg_bs, st);
+    auto kernel = dequant_generic_kernel<OUT, EL>;
+    const unsigned grid = grid_for<dequant_generic_kernel<OUT, EL>>((n + kThreads - 1) / kThreads);
+    kernel<<<grid, kThreads, 0, st>>>(q, s, out, 0, n, lg_bs);
+    return launch_status();
   });
 }

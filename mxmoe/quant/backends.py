@@ -1,7 +1,16 @@
-"""One way to pick a cast kernel: the backends, their availability, and `auto`.
+"""The cast backends ("torch", "triton", "cuda"), where each can run, and what `kernel="auto"` picks.
 
-A backend is a module exposing `quantize_dim0`, `quantize_dim1`, `quantize_dim0_dim1` and
-`dequantize` with the signatures of `mxmoe.quant.torch_cast`.
+Backend protocol. A backend is a module with these functions (the same arguments in the same
+order in every backend; `mxmoe.quant.torch_cast` is the reference):
+
+    quantize_dim0(x, spec, *, out=None) -> (q, s)       x (R, C), blocks along C
+    quantize_dim1(x, spec) -> (q, s)                    x (B, R, C), blocks along R, stored (B, C, R)
+    quantize_dim0_dim1(x, spec) -> (q0, s0, q1, s1)     x (R, C), both of the above from one read
+    dequantize(q, s, block_size, out_dtype, *, out=None) -> y
+
+Backends trust their arguments: x is a non-empty contiguous bf16/fp32 tensor whose blocked dims are
+divisible by spec.block_size, `out` was checked by `mxmoe.quant.checks` (the public API checks
+everything once per call). Scales are float8_e8m0fnu; every output is contiguous.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ import functools
 import importlib
 import os
 import shutil
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -25,12 +35,8 @@ AUTO_ORDER_CUDA: dict[str, tuple[str, ...]] = {
     "dim0_dim1": ("cuda", "triton", "torch"),
     "dequant": ("cuda", "triton", "torch"),
 }
-
-_MODULES = {
-    "torch": "mxmoe.quant.torch_cast",
-    "triton": "mxmoe.quant.triton_cast",
-    "cuda": "mxmoe.quant.cuda_cast",
-}
+_FUNCTIONS = {"dim0": "quantize_dim0", "dim1": "quantize_dim1", "dim0_dim1": "quantize_dim0_dim1",
+              "dequant": "dequantize"}
 
 
 def triton_interpret() -> bool:
@@ -105,58 +111,59 @@ def _cuda_extension_ready() -> bool:
     return True
 
 
+# (kernel, device type, cast, interpreter on) -> concrete kernel: `auto` and the availability checks
+# run once per combination (an unavailable kernel raises, so only answers that can run are kept).
+_resolved: dict[tuple, str] = {}
+
+
+def clear_resolved() -> None:
+    """Forget the cached `resolve_kernel` answers (after the environment changed, e.g. in tests)."""
+    _resolved.clear()
+
+
 def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str:
     """Map `auto` to the fastest available backend for `cast` (one of CASTS; the default, dim1's
     order, suits code that runs several casts with one kernel) and check that `kernel` can run on
-    `device`."""
+    `device`. Cached: repeated calls cost a dict lookup."""
+    key = (kernel, device.type, cast, triton_interpret())
+    hit = _resolved.get(key)
+    if hit is not None:
+        return hit
     if not isinstance(kernel, str):
         raise TypeError(f"kernel must be a str, got {type(kernel).__name__}")
     if cast not in AUTO_ORDER_CUDA:
         raise ValueError(f"cast={cast!r}; expected one of {list(CASTS)}")
     if kernel == "auto":
-        if device.type != "cuda":
-            return "torch"
-        for k in AUTO_ORDER_CUDA[cast]:
-            if why_unavailable(k, device) is None and (k != "cuda" or _cuda_extension_ready()):
-                return k
-        return "torch"
-    reason = why_unavailable(kernel, device)
-    if reason is not None:
-        raise ValueError(reason) if kernel not in KERNELS else RuntimeError(reason)
-    return kernel
+        out = "torch"
+        if device.type == "cuda":
+            for k in AUTO_ORDER_CUDA[cast]:
+                if why_unavailable(k, device) is None and (k != "cuda" or _cuda_extension_ready()):
+                    out = k
+                    break
+    else:
+        reason = why_unavailable(kernel, device)
+        if reason is not None:
+            raise ValueError(reason) if kernel not in KERNELS else RuntimeError(reason)
+        out = kernel
+    if not torch.compiler.is_compiling():  # a traced answer may rest on a build not yet tried
+        _resolved[key] = out
+    return out
 
 
+_MODULES = {
+    "torch": "mxmoe.quant.torch_cast",
+    "triton": "mxmoe.quant.triton_cast",
+    "cuda": "mxmoe.quant.cuda_cast",
+}
+
+
+@functools.cache
 def backend(kernel: str) -> ModuleType:
-    """The module implementing a concrete kernel name (imports it on first use)."""
+    """The module implementing a concrete kernel name (imported on first use)."""
     return importlib.import_module(_MODULES[kernel])
 
 
-def dim0_outputs(
-    x: torch.Tensor, spec, out: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (qdata, scale) a dim0 cast of x (R, C) writes: new tensors, or `out` checked and viewed.
-
-    out: (q, s) preallocated, contiguous, on x's device: q (R, C) of spec.elem.dtype or uint8,
-    s (R, C // block_size) float8_e8m0fnu or uint8 (e.g. slices of a communication buffer).
-    Returns q as spec.elem.dtype and s as float8_e8m0fnu (views of `out` when given)."""
-    R, C = x.shape
-    shapes = ((R, C), (R, C // spec.block_size))
-    if out is None:
-        return (
-            torch.empty(shapes[0], dtype=spec.elem.dtype, device=x.device),
-            torch.empty(shapes[1], dtype=torch.float8_e8m0fnu, device=x.device),
-        )
-    if not (isinstance(out, tuple | list) and len(out) == 2):
-        raise TypeError("out must be a pair (q, s) of tensors")
-    views = []
-    dtypes = (spec.elem.dtype, torch.float8_e8m0fnu)
-    for name, t, shape, dtype in zip(("out[0]", "out[1]"), out, shapes, dtypes, strict=True):
-        if not isinstance(t, torch.Tensor) or t.dtype not in (dtype, torch.uint8):
-            raise TypeError(f"{name} must be a {dtype} (or uint8) tensor, got {getattr(t, 'dtype', type(t))}")
-        if tuple(t.shape) != shape or not t.is_contiguous() or t.device != x.device:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}); "
-                f"expected a contiguous {shape} tensor on {x.device}"
-            )
-        views.append(t.view(dtype))
-    return views[0], views[1]
+@functools.cache
+def cast_fn(kernel: str, cast: str) -> Callable:
+    """Backend `kernel`'s function for `cast` (one of CASTS), looked up once."""
+    return getattr(backend(kernel), _FUNCTIONS[cast])

@@ -1,0 +1,95 @@
+"""The argument checks of the public cast API, and the output allocation every backend shares.
+
+Checks run once per public call (`to_mx`, `to_mx_dim0_dim1`, `MXTensor.dequantize`, the comm
+layer's entry points); everything below them (`mxmoe.quant.dispatch`, the custom ops, the backends)
+trusts its arguments. Errors name the argument, the value received and what is accepted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mxmoe.formats import (
+    ELEM_FORMATS,
+    INPUT_DTYPES,
+    CastSpec,
+    ScalingMode,
+    check_input_dtype,
+)
+
+
+@functools.cache
+def spec_of(block_size: int, scaling_mode: str, elem_dtype: torch.dtype) -> CastSpec:
+    """The CastSpec of already-checked arguments (cached: no work per call)."""
+    return CastSpec(block_size, ScalingMode(scaling_mode), ELEM_FORMATS[elem_dtype])
+
+
+def check_no_grad(x: torch.Tensor) -> None:
+    """Casts are not differentiable: refuse a tensor autograd would track, before backward fails."""
+    if x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            "to_mx got a tensor that requires grad with grad mode on; an MX cast has no gradient. "
+            "For training use mxmoe.nn.MXLinear, mxmoe.ops.mx_mm or mxmoe.ops.mx_grouped_mm (they "
+            "quantize inside and return high-precision gradients), or cast x.detach() (or under "
+            "torch.no_grad()) if no gradient is wanted."
+        )
+
+
+def check_x(x: torch.Tensor, block_size: int, axis: int) -> int:
+    """x is a bf16/fp32 tensor whose `axis` (one of the last two dims) is divisible by block_size;
+    returns the non-negative axis."""
+    check_input_dtype("x", x)
+    if x.ndim < 1:
+        raise ValueError("x must have at least one dimension")
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
+    ax = axis % x.ndim
+    if ax < x.ndim - 2:
+        raise ValueError(
+            f"axis={axis} of a {x.ndim}D tensor is not supported: blocks run along one of the last "
+            "two dims (axis=-1 or axis=-2)"
+        )
+    if x.shape[ax] % block_size:
+        raise ValueError(f"x.shape[{axis}]={x.shape[ax]} is not divisible by block_size={block_size}")
+    check_no_grad(x)
+    return ax
+
+
+def check_dim0_out(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """`out` for a dim0 cast of x (R, C): a pair (q, s), contiguous, on x's device, q (R, C) of
+    spec's element dtype or uint8, s (R, C // block_size) float8_e8m0fnu or uint8 (e.g. slices of a
+    communication buffer). Returns them viewed as (element dtype, float8_e8m0fnu)."""
+    if x.dtype not in INPUT_DTYPES or x.ndim != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous 2D bf16/fp32 tensor, got {x.dtype} {tuple(x.shape)}")
+    R, C = x.shape
+    if C % spec.block_size:
+        raise ValueError(f"x.shape[-1]={C} is not divisible by block_size={spec.block_size}")
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise TypeError("out must be a pair (q, s) of tensors")
+    shapes = ((R, C), (R, C // spec.block_size))
+    dtypes = (spec.elem.dtype, torch.float8_e8m0fnu)
+    views = []
+    for name, t, shape, dtype in zip(("out[0]", "out[1]"), out, shapes, dtypes, strict=True):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (dtype, torch.uint8):
+            raise TypeError(f"{name} must be a {dtype} (or uint8) tensor, got {getattr(t, 'dtype', type(t))}")
+        if tuple(t.shape) != shape or not t.is_contiguous() or t.device != x.device:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}); "
+                f"expected a contiguous {shape} tensor on {x.device}"
+            )
+        views.append(t.view(dtype))
+    return views[0], views[1]
+
+
+def dim0_outputs(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (q, s) a dim0 cast of x (R, C) writes: `out` (already checked by check_dim0_out) viewed
+    as (element dtype, float8_e8m0fnu), or new contiguous tensors (R, C), (R, C // block_size)."""
+    if out is not None:
+        return out[0].view(spec.elem.dtype), out[1].view(torch.float8_e8m0fnu)
+    R, C = x.shape
+    return (
+        torch.empty((R, C), dtype=spec.elem.dtype, device=x.device),
+        torch.empty((R, C // spec.block_size), dtype=torch.float8_e8m0fnu, device=x.device),
+    )
