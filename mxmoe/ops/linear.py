@@ -55,9 +55,6 @@ def swap_last2(t: MXTensor) -> MXTensor:
     )
 
 
-transpose_2d = swap_last2
-
-
 def _slice_rows(t: MXTensor, rows: int) -> MXTensor:
     """First `rows` rows of a dim0-blocked 2D MXTensor (a view, stays contiguous)."""
     return MXTensor(
