@@ -205,3 +205,17 @@ def test_gpu_qdq_triton_matches_oracle_and_torch(combo):
         for out in DTYPES:
             for a, b in zip(fn(t, rt, out), fn(t, rg, out), strict=True):
                 assert torch.equal(_bytes(a), _bytes(b)), (shape, out)
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_fake_matches_real_triton():
+    """The Triton backend's outputs have the layout the fake implementation promises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(3, 96, 160, device="cuda", dtype=torch.bfloat16)
+    for dim0, dim1 in ((True, 0), (False, 1), (True, 1), (True, 2)):
+        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, dim1, "triton")
+        real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args)]
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = [(t.shape, t.stride(), t.dtype) for t in qdq_op(mode.from_tensor(x), *args)]
+        assert real == fake, (dim0, dim1)
