@@ -70,7 +70,7 @@ def cached_cast(w: Tensor, key: tuple, make: Callable[[], T]) -> T:
     """`make()`, the cast of weight `w` described by the hashable `key` (cast kind, recipe, dtype),
     reused from the innermost active scope while `w` is unchanged; computed afresh outside a scope,
     under torch.compile, and for tensors that are not (views of) an nn.Parameter."""
-    if not _scopes or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _scopes:  # (compiling first: dynamo never reads _scopes)
         return make()
     base = w if w._base is None else w._base
     if not isinstance(base, nn.Parameter):
