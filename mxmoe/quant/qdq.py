@@ -116,9 +116,9 @@ def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, d
     else:
         y1 = s1 = x
     f = spec.elem
-    from mxmoe.quant.triton_qdq import qdq_kernel as triton_qdq_kernel
+    from mxmoe.quant.triton_qdq import qdq_triton_kernel
 
-    triton_qdq_kernel[grid](
+    qdq_triton_kernel[grid](
         x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1, s1, R, C,
         BS=bs, BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
         DIM0=dim0, DIM1=dim1, MODE=MODE_IDS[spec.mode], IS_E5M2=f.dtype == torch.float8_e5m2,

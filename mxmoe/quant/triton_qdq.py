@@ -40,7 +40,7 @@ def _deq_bits(qb, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr):
         return tl.where(s == 255, 0x7FC00000, ra | (Q & -2147483648))
 
 @triton.jit
-def qdq_kernel(x_ptr, y0_ptr, y1_ptr, s1_ptr, R, C, BS: tl.constexpr, BR: tl.constexpr,
+def qdq_triton_kernel(x_ptr, y0_ptr, y1_ptr, s1_ptr, R, C, BS: tl.constexpr, BR: tl.constexpr,
                 BC: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, DIM0: tl.constexpr,
                 DIM1: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
                 MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
