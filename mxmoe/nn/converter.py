@@ -123,7 +123,7 @@ def convert(model: nn.Module, config: MXConfig | None = None, parallel_dims=None
     device = _model_device(model)
     for name, kernel in (
         ("mxfp8_dim1_cast_kernel_choice", op_config.dim1_kernel),
-        ("mxfp8_dim0_cast_kernel_choice", op_config.kernel),
+        ("mxfp8_dim0_cast_kernel_choice", op_config.dim0_kernel),
     ):
         if kernel != "auto":
             reason = why_unavailable(kernel, device)

@@ -262,3 +262,18 @@ def test_gpu_compile_inductor_model():
     compiled = torch.compile(lambda x: (model(x, counts) ** 2).mean(), fullgraph=True)(x)
     compiled.backward()
     torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=0)
+
+
+def test_modules_take_the_recipe():
+    """MXLinear / MXGroupedExperts take an MXRecipe (MXOpConfig builds the same one); anything else
+    is a TypeError naming what is accepted."""
+    r = mxmoe.recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch")
+    lin = nn.Linear(64, 32)
+    a = MXLinear.from_linear(lin, r)
+    b = MXLinear.from_linear(lin, MXOpConfig(scaling_mode="floor", kernel="torch", dim1_kernel="torch"))
+    assert a.mx_config == b.mx_config == r
+    x = torch.randn(5, 64)
+    assert torch.equal(a(x), b(x))
+    assert MXGroupedExperts(64, 32, 2).mx_config == mxmoe.DEFAULT_RECIPE
+    with pytest.raises(TypeError, match="config must be an mxmoe.MXRecipe"):
+        MXGroupedExperts(64, 32, 2, config={"scaling_mode": "floor"})
