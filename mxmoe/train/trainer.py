@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mxmoe.models import Transformer, model_args
+from mxmoe.models import Transformer, apply_expert_parallel, model_args
 from mxmoe.train import parallel, profiling
 from mxmoe.train.checkpoint import Checkpointer
 from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
@@ -227,9 +227,7 @@ def _train(
         dp_mesh, ep_mesh = parallel.build_meshes(pd, device, p.timeout_s)
         if ep_mesh is not None:
             ep_group, edp_group = ep_mesh.get_group("ep"), ep_mesh.get_group("edp")
-            ep_rank = dist.get_rank(ep_group)
-            for moe in model.moe_layers():
-                moe.set_ep_group(ep_group, pd.ep, ep_rank)
+            apply_expert_parallel(model, ep_group)
     if use_mx:
         _mx_convert(model, cfg, pd)
     if t.compile:
