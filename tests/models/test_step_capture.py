@@ -53,3 +53,12 @@ def test_graphed_step_needs_cuda_tensors():
     else:
         with pytest.raises(ValueError, match="example_batch must be CUDA tensors"):
             GraphedStep(lambda t: _loss(m, t), m.parameters(), (torch.zeros(2, 16, dtype=torch.long),))
+
+
+def test_trainer_cuda_graph_needs_one_gpu(capsys):
+    from mxmoe.train import trainer
+
+    assert (
+        trainer.main(["--training.device=cpu", "--training.cuda_graph", "--metrics.progress_bar=false"]) == 2
+    )
+    assert "training.cuda_graph=true captures one GPU's step" in capsys.readouterr().err
