@@ -254,9 +254,8 @@ def _train(
         if ep_mesh is not None:
             ep_group, edp_group = ep_mesh.get_group("ep"), ep_mesh.get_group("edp")
             apply_expert_parallel(model, ep_group)
-    conversion = _mx_convert(model, cfg, pd) if use_mx else None
-    if rank == 0 and conversion is not None:
-        print(conversion.summary(), file=sys.stderr)
+    if use_mx:
+        _mx_convert(model, cfg, pd)
     if t.compile:
         compile_submodules(model)
     exp_params = parallel.expert_params(model) if ep_mesh is not None else []
@@ -293,8 +292,7 @@ def _train(
     if rank == 0:
         print(
             f"model {m.name}: {total / 1e6:.1f}M params ({active / 1e6:.1f}M active), "
-            f"{'MXFP8 ' + cfg.mx.recipe_name if conversion and conversion.is_mx else 'high precision'}, "
-            f"device {device}, "
+            f"{'MXFP8 ' + cfg.mx.recipe_name if use_mx else 'high precision'}, device {device}, "
             f"world {world} (ep {pd.ep}), {len(train_ds)} train / "
             f"{len(val_ds) if val_ds else 0} val sequences",
             file=sys.stderr,
