@@ -100,9 +100,8 @@ def recipe_name(r: MXRecipe) -> str:
 
 
 def module_config(r: MXRecipe):
-    """What MXLinear / MXGroupedExperts take as `config` for recipe `r`."""
-    if MXOpConfig is MXRecipe:  # the ops take the recipe itself
-        return r
+    """What MXLinear / MXGroupedExperts take as `config` for recipe `r` (the recipe's fields under
+    the op config's names; where the ops take an MXRecipe, `MXOpConfig` builds one equal to `r`)."""
     return MXOpConfig(
         elem_dtype=r.elem_dtype,
         block_size=r.block_size,
