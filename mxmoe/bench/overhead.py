@@ -170,7 +170,11 @@ def run(args) -> list[dict]:
             init_method=f"tcp://127.0.0.1:{_free_port()}",
             rank=0,
             world_size=1,
-            **({"device_id": device} if device.type == "cuda" else {}),
+            **(
+                {"device_id": torch.device("cuda", torch.cuda.current_device())}
+                if device.type == "cuda"
+                else {}
+            ),
         )
         own_pg = True
     rows: list[dict] = []
