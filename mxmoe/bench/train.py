@@ -9,6 +9,8 @@ on one fixed batch, in each mode:
   eager          no compilation
   compile        the trainer's `training.compile` (each block's parts compiled; experts eager)
   compile_full   the whole model compiled with fullgraph=True (possible at EP=1: no host syncs)
+  reduce_overhead  the same with mode="reduce-overhead" (inductor's CUDA graphs of forward and
+                 backward); CUDA only
   graph          forward+backward captured in one CUDA graph (`mxmoe.models.GraphedStep`; the
                  trainer's `training.cuda_graph`), optimizer eager; CUDA only
   compile_full+graph   both
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from mxmoe.bench import timing
 
-MODES = ("eager", "compile", "compile_full", "graph", "compile_full+graph")
+MODES = ("eager", "compile", "compile_full", "reduce_overhead", "graph", "compile_full+graph")
 VARIANTS = ("bf16", "mx")
 
 
@@ -115,7 +117,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
 
     t = cfg.training
     graph = "graph" in mode
-    if graph and device.type != "cuda":
+    if (graph or mode == "reduce_overhead") and device.type != "cuda":
         raise RuntimeError("CUDA graphs need a CUDA device")
     margs = build_model_args(cfg)
     torch.manual_seed(t.seed)
@@ -128,9 +130,11 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         compile_submodules(model)
     elif mode.startswith("compile_full"):
         model.compile(fullgraph=True, backend=args.compile_backend)
+    elif mode == "reduce_overhead":
+        model.compile(fullgraph=True, backend=args.compile_backend, mode="reduce-overhead")
     opt = build_optimizer(model, cfg, distributed=False)
     amp = (
-        torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not graph)
+        torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not (graph or mode == "reduce_overhead"))
         if device.type == "cuda" and t.mixed_precision == "bf16"
         else contextlib.nullcontext()
     )
@@ -152,6 +156,8 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
                 graphed = GraphedStep(step_fn, model.parameters(), (x, y))
             _, ce = graphed(x, y)
         else:
+            if mode == "reduce_overhead":  # a new step: inductor's graphs may reuse their outputs
+                torch.compiler.cudagraph_mark_step_begin()
             loss, ce = step_fn(x, y)
             loss.backward()
         opt.step()
