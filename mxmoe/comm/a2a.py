@@ -57,6 +57,7 @@ from mxmoe.quant.kernels import backend, resolve_kernel
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, to_mx
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 
+# The format the fused kernels (own rows' quantize+dequantize, symmetric memory) are written for.
 ELEM_DTYPE = torch.float8_e4m3fn
 SCALING_MODE = "rceil"
 # Auto policy, from the 2 x H200 measurements in docs/benchmarks.md (16x8192x5120 bf16, fwd+bwd):
@@ -113,9 +114,6 @@ def _fmt(recipe: MXRecipe | None, kernel: str | None, fn: str) -> _Fmt:
     return _Fmt(
         r.elem_dtype, r.block_size, r.scaling_mode, k, make_spec(r.block_size, r.scaling_mode, r.elem_dtype)
     )
-
-
-_DEFAULT_FMT = _fmt(None, None, "quantize_rows")
 
 
 def quantize_rows(x: Tensor, kernel: str = "auto") -> tuple[Tensor, Tensor]:
