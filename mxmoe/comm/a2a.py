@@ -40,6 +40,7 @@ group's timeout (`init_process_group(timeout=...)`; NCCL's watchdog aborts the c
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -110,10 +111,13 @@ def _fmt(recipe: MXRecipe | None, kernel: str | None, fn: str) -> _Fmt:
             f"(dim0_kernel={recipe.dim0_kernel!r}), not both"
         )
     r = DEFAULT_RECIPE if recipe is None else recipe
-    k = r.dim0_kernel if kernel is None else kernel
-    return _Fmt(
-        r.elem_dtype, r.block_size, r.scaling_mode, k, make_spec(r.block_size, r.scaling_mode, r.elem_dtype)
-    )
+    return _fmt_of(r.elem_dtype, r.block_size, r.scaling_mode, r.dim0_kernel if kernel is None else kernel)
+
+
+@functools.lru_cache(maxsize=64)
+def _fmt_of(elem_dtype: torch.dtype, block_size: int, scaling_mode: str, kernel: str) -> _Fmt:
+    # cached: the cast spec's constants are computed once per format, not per exchange
+    return _Fmt(elem_dtype, block_size, scaling_mode, kernel, make_spec(block_size, scaling_mode, elem_dtype))
 
 
 def quantize_rows(x: Tensor, kernel: str = "auto") -> tuple[Tensor, Tensor]:
