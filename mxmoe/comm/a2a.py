@@ -93,11 +93,7 @@ class _Fmt:
 
     def resolved(self, device: torch.device) -> _Fmt:
         k = resolve_kernel(self.kernel, device)
-        return (
-            self
-            if k == self.kernel
-            else _Fmt(self.elem_dtype, self.block_size, self.scaling_mode, k, self.spec)
-        )
+        return self if k == self.kernel else _fmt_of(self.elem_dtype, self.block_size, self.scaling_mode, k)
 
 
 def _fmt(recipe: MXRecipe | None, kernel: str | None, fn: str) -> _Fmt:
