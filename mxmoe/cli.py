@@ -1,4 +1,5 @@
-"""The `mxmoe` command: `mxmoe train ...`, `mxmoe plot ...`, `mxmoe bench {cast,a2a,linear,grouped_mm} ...`.
+"""The `mxmoe` command: `mxmoe train ...`, `mxmoe plot ...`,
+`mxmoe bench {cast,a2a,linear,grouped_mm,overhead,train} ...`.
 
 Each subcommand lives in its own module exposing `main(argv: list[str]) -> int`; it is imported
 only when used, so `mxmoe --help` stays fast.
@@ -18,6 +19,8 @@ BENCHES = {
     "a2a": "mxmoe.bench.a2a",
     "linear": "mxmoe.bench.linear",
     "grouped_mm": "mxmoe.bench.grouped_mm",
+    "overhead": "mxmoe.bench.overhead",
+    "train": "mxmoe.bench.train",
 }
 
 USAGE = f"""usage: mxmoe COMMAND [ARGS...]

@@ -21,8 +21,6 @@ class MXGroupedExperts(GroupedExperts):
     dim and hidden_dim must be divisible by the block size (32). Group sizes are arbitrary.
     """
 
-    accepts_mx_input = True
-
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, config: MXRecipe | None = None):
         super().__init__(dim, hidden_dim, num_experts)
         self.mx_config = as_recipe(config)

@@ -78,6 +78,9 @@ class Training:
     max_norm: float = _f(1.0, "gradient clipping max norm (0 disables)")
     seed: int = _f(0, "seed of the model init, the data order and the RNG")
     compile: bool = _f(False, "torch.compile each transformer block")
+    cuda_graph: bool = _f(
+        False, "capture forward+backward in one CUDA graph and replay it (one GPU, no EP/FSDP)"
+    )
     mixed_precision: str = _f(
         "bf16", "compute dtype on CUDA: bf16 (autocast; fp32 master weights) | fp32; CPU is fp32"
     )

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mxmoe.models import Transformer, model_args
+from mxmoe.models import GraphedStep, Transformer, apply_expert_parallel, model_args
 from mxmoe.train import parallel, profiling
 from mxmoe.train.checkpoint import Checkpointer
 from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
@@ -96,7 +96,42 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig, distributed: bool) -
     )
 
 
-def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims) -> None:
+def build_model_args(cfg: JobConfig):
+    """The ModelArgs of cfg's model (preset + overrides; byte vocabulary, seq_len positions)."""
+    m = cfg.model
+    overrides = {
+        k: getattr(m, k)
+        for k in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "num_experts",
+            "top_k",
+            "moe_hidden_dim",
+            "num_shared_experts",
+            "load_balance",
+            "aux_loss_coef",
+            "bias_update_rate",
+        )
+    }
+    return model_args(m.name, vocab_size=VOCAB_SIZE, max_seq_len=cfg.training.seq_len, **overrides)
+
+
+def compile_submodules(model: Transformer) -> None:
+    """training.compile: torch.compile each block's parts (FSDP hooks and the all-to-all stay eager)."""
+    for blk in model.layers:
+        for sub in (blk.attention, blk.attention_norm, blk.ffn_norm, blk.feed_forward):
+            if sub is not None:
+                sub.compile()
+        if blk.moe is not None:
+            blk.moe.router.compile()
+            if blk.moe.shared_expert is not None:
+                blk.moe.shared_expert.compile()
+    model.norm.compile()
+
+
+def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims):
+    """mxmoe.convert with cfg.mx; returns its ConversionReport."""
     import mxmoe
     from mxmoe.nn import MXConfig
 
@@ -111,6 +146,7 @@ def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDim
         ),
         parallel_dims=pd,
     )
+    return model.mx_conversion
 
 
 class _Stop:
@@ -198,22 +234,12 @@ def _train(
     pd = parallel.make_parallel_dims(
         world, p.data_parallel_shard_degree, p.expert_parallel_degree, p.tensor_parallel_degree
     )
-    overrides = {
-        k: getattr(m, k)
-        for k in (
-            "dim",
-            "n_layers",
-            "n_heads",
-            "num_experts",
-            "top_k",
-            "moe_hidden_dim",
-            "num_shared_experts",
-            "load_balance",
-            "aux_loss_coef",
-            "bias_update_rate",
+    margs = build_model_args(cfg)
+    if t.cuda_graph and (device.type != "cuda" or world > 1):
+        raise ValueError(
+            f"training.cuda_graph=true captures one GPU's step: needs device cuda and one process "
+            f"(no FSDP / expert parallelism), got device {device.type} and world size {world}"
         )
-    }
-    margs = model_args(m.name, vocab_size=VOCAB_SIZE, max_seq_len=t.seq_len, **overrides)
     if pd.tp > 1 and use_mx:
         # the converter owns this refusal: let it raise its own error before anything is built
         _mx_convert(torch.nn.Module(), cfg, pd)
@@ -227,21 +253,11 @@ def _train(
         dp_mesh, ep_mesh = parallel.build_meshes(pd, device, p.timeout_s)
         if ep_mesh is not None:
             ep_group, edp_group = ep_mesh.get_group("ep"), ep_mesh.get_group("edp")
-            ep_rank = dist.get_rank(ep_group)
-            for moe in model.moe_layers():
-                moe.set_ep_group(ep_group, pd.ep, ep_rank)
+            apply_expert_parallel(model, ep_group)
     if use_mx:
         _mx_convert(model, cfg, pd)
     if t.compile:
-        for blk in model.layers:  # submodules only: FSDP hooks and the all-to-all stay eager
-            for sub in (blk.attention, blk.attention_norm, blk.ffn_norm, blk.feed_forward):
-                if sub is not None:
-                    sub.compile()
-            if blk.moe is not None:
-                blk.moe.router.compile()
-                if blk.moe.shared_expert is not None:
-                    blk.moe.shared_expert.compile()
-        model.norm.compile()
+        compile_submodules(model)
     exp_params = parallel.expert_params(model) if ep_mesh is not None else []
     if distributed:
         parallel.apply_fsdp(model, dp_mesh, ignore_experts=ep_mesh is not None)
@@ -283,7 +299,8 @@ def _train(
         )
     metrics = MetricsWriter(cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, cfg.to_dict())
     amp = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
+        # a captured step must not keep autocast's weight casts in a cache outside the graph
+        torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not t.cuda_graph)
         if device.type == "cuda" and t.mixed_precision == "bf16"
         else contextlib.nullcontext()
     )
@@ -295,6 +312,25 @@ def _train(
         with amp:
             logits, aux = model(x)
         ce = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), y.reshape(-1))
+        return ce, aux
+
+    graphed = None
+
+    def train_step(x, y):
+        """Forward + backward of one batch: (ce, aux)."""
+        nonlocal graphed
+        if not t.cuda_graph:
+            ce, aux = loss_of(x, y)
+            (ce + aux_coef * aux).backward()
+            return ce, aux
+        if graphed is None:  # captured on the first batch (static shapes from then on)
+
+            def step_fn(xs, ys):
+                ce, aux = loss_of(xs, ys)
+                return ce + aux_coef * aux, ce, aux
+
+            graphed = GraphedStep(step_fn, model.parameters(), (x, y))
+        _, ce, aux = graphed(x, y)
         return ce, aux
 
     def validate() -> float:
@@ -331,8 +367,7 @@ def _train(
         while step < t.steps:
             step += 1
             x, y = (a.to(device, non_blocking=True) for a in train_ds.batch(sampler.next_indices()))
-            ce, aux = loss_of(x, y)
-            (ce + aux_coef * aux).backward()
+            ce, aux = train_step(x, y)
             if exp_params:
                 parallel.reduce_expert_grads(exp_params, edp_group, world)
             norm = parallel.clip_grad_norm(
