@@ -92,17 +92,23 @@ class Checkpointer:
         return DTensor.from_local(t, self.expert_mesh, [Replicate(), Shard(0)], run_check=False)
 
     def _state(self, model, optimizer, train_state: dict) -> dict:
-        msd = get_model_state_dict(model)
+        """The DCP state dict. Every dict in it is new: `get_optimizer_state_dict` hands back the
+        optimizer's own per-parameter state dicts, and putting the DTensor wrappers into those
+        would make the next `optimizer.step()` mix DTensors with plain tensors. The tensors
+        themselves are shared (views), so `dcp.load` writes straight into the live state."""
+        msd = {
+            k: self._wrap(v) if self._is_expert(k) else v for k, v in get_model_state_dict(model).items()
+        }
         osd = get_optimizer_state_dict(model, optimizer)
-        for k in list(msd):
-            if self._is_expert(k):
-                msd[k] = self._wrap(msd[k])
+        optim_state = {}
         for fqn, st in osd["state"].items():
-            if self._is_expert(fqn):
-                for name, v in st.items():
-                    if isinstance(v, torch.Tensor) and v.ndim > 0:
-                        st[name] = self._wrap(v)
-        return {"model": msd, "optim": osd, "train": train_state, f"rng_rank{self.rank}": rng_state()}
+            expert = self._is_expert(fqn)
+            optim_state[fqn] = {
+                name: self._wrap(v) if expert and isinstance(v, torch.Tensor) and v.ndim > 0 else v
+                for name, v in st.items()
+            }
+        optim = {**osd, "state": optim_state}
+        return {"model": msd, "optim": optim, "train": train_state, f"rng_rank{self.rank}": rng_state()}
 
     @staticmethod
     def _unwrap(sd: dict) -> None:

@@ -268,3 +268,30 @@ def test_compiled_mx_training_matches_eager(tmp_path):
         runs[name] = [(r["loss"], r["grad_norm"]) for r in recs]
     assert all(g > 0 for _, g in runs["compiled"])
     torch.testing.assert_close(torch.tensor(runs["compiled"]), torch.tensor(runs["eager"]), rtol=1e-4, atol=0)
+
+
+def test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly(tmp_path):
+    """EP=2 over 2 gloo ranks: training goes on after a periodic save (the checkpointer once wrapped
+    the live optimizer state in DTensors: `aten.lerp_` mixed Tensor and DTensor on the next step),
+    and a run resumed from that save logs the uninterrupted run's losses."""
+    common = TINY + ["--training.steps=4", "--parallelism.timeout_s=60", "--checkpoint.keep_latest=0"]
+    common += ["--parallelism.expert_parallel_degree=2"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    argv = common + [f"--metrics.folder={full}", f"--checkpoint.folder={full}/ckpt"]
+    argv += ["--checkpoint.interval=2"]
+    mp.start_processes(
+        _worker, args=(2, _free_port(), argv, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
+    assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+    ref = losses(full)
+    assert sorted(ref) == [1, 2, 3, 4]
+    (part / "ckpt").mkdir(parents=True)
+    shutil.copytree(full / "ckpt" / "step-00000002", part / "ckpt" / "step-00000002")
+    argv = common + [f"--metrics.folder={part}", f"--checkpoint.folder={part}/ckpt"]
+    mp.start_processes(
+        _worker, args=(2, _free_port(), argv, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
+    assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+    got = losses(part)
+    assert sorted(got) == [3, 4]
+    assert got[3] == ref[3] and got[4] == ref[4], (got, ref)
