@@ -113,6 +113,11 @@ class Checkpoint:
     interval: int = _f(0, "save every this many steps (0 = only at the end / on SIGTERM)")
     keep_latest: int = _f(2, "complete checkpoints kept (older ones deleted; 0 keeps all)")
     resume: bool = _f(True, "resume from the latest complete checkpoint in folder if there is one")
+    fallback: bool = _f(
+        False,
+        "when the latest checkpoint fails its checksums, move it aside (step-N.corrupt) and resume "
+        "from the previous complete one (default: stop with an error naming the bad file)",
+    )
 
 
 @dataclass

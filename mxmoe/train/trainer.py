@@ -7,6 +7,7 @@ parallelism for experts, see mxmoe.train.parallel). Configuration: mxmoe.train.c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import resource
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from mxmoe.models import Transformer, model_args
 from mxmoe.train import parallel, profiling
-from mxmoe.train.checkpoint import Checkpointer
+from mxmoe.train.checkpoint import Checkpointer, CheckpointError
 from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
 from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_tokens
 
@@ -70,6 +71,10 @@ class MetricsWriter:
             self.tb.close()
 
 
+_TUNABLE_MODEL_ARGS = ("max_seq_len", "aux_loss_coef", "bias_update_rate", "init_std")
+"""ModelArgs fields a resumed run may change (max_seq_len follows training.seq_len, checked apart)."""
+
+
 def lr_lambda(cfg: JobConfig):
     t = cfg.training
 
@@ -113,6 +118,10 @@ def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDim
     )
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stopped being finite; the run stops before the optimizer step."""
+
+
 class _Stop:
     """SIGTERM sets a flag; the loop finishes its step, checkpoints and returns."""
 
@@ -149,6 +158,38 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, NotImplementedError) as e:  # bad settings: a clear message, no trace
         print(f"mxmoe train: error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, TrainingDiverged) as e:  # the run cannot go on: say why, exit 1
+        print(f"mxmoe train: error: {e}", file=sys.stderr)
+        return 1
+
+
+def check_values(cfg: JobConfig) -> None:
+    """ValueError naming the setting, the value and what is accepted, before anything is built."""
+    t = cfg.training
+    for key, value, low in (
+        ("training.steps", t.steps, 1),
+        ("training.batch_size", t.batch_size, 1),
+        ("training.seq_len", t.seq_len, 1),
+        ("training.warmup_steps", t.warmup_steps, 0),
+        ("training.val_interval", t.val_interval, 0),
+        ("training.val_batches", t.val_batches, 0),
+        ("checkpoint.interval", cfg.checkpoint.interval, 0),
+        ("checkpoint.keep_latest", cfg.checkpoint.keep_latest, 0),
+        ("metrics.log_freq", cfg.metrics.log_freq, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{key}={value}: expected >= {low}")
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        raise ValueError(f"training.lr={t.lr!r}: expected a finite number > 0")
+    for key, value, ok, accepted in (
+        ("training.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "0 <= value <= 1"),
+        ("training.max_norm", t.max_norm, t.max_norm >= 0, "a number >= 0 (0 disables clipping)"),
+        ("training.weight_decay", t.weight_decay, 0 <= t.weight_decay < math.inf, "a finite number >= 0"),
+        ("training.beta1", t.beta1, 0 <= t.beta1 < 1, "0 <= value < 1"),
+        ("training.beta2", t.beta2, 0 <= t.beta2 < 1, "0 <= value < 1"),
+    ):
+        if not ok:  # NaN fails every comparison
+            raise ValueError(f"{key}={value!r}: expected {accepted}")
 
 
 def train(cfg: JobConfig) -> int:
@@ -163,18 +204,7 @@ def train(cfg: JobConfig) -> int:
         raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16 or fp32")
     if t.cpu_threads < 0:
         raise ValueError(f"training.cpu_threads={t.cpu_threads}: expected >= 0 (0 = torch's default)")
-    for key, value, low in (
-        ("training.batch_size", t.batch_size, 1),
-        ("training.seq_len", t.seq_len, 1),
-        ("training.warmup_steps", t.warmup_steps, 0),
-        ("training.val_interval", t.val_interval, 0),
-        ("training.val_batches", t.val_batches, 0),
-        ("checkpoint.interval", cfg.checkpoint.interval, 0),
-        ("checkpoint.keep_latest", cfg.checkpoint.keep_latest, 0),
-        ("metrics.log_freq", cfg.metrics.log_freq, 1),
-    ):
-        if value < low:
-            raise ValueError(f"{key}={value}: expected >= {low}")
+    check_values(cfg)
     profiling.check(cfg.profiling)
     rank, world, device, own_pg = parallel.init_distributed(t.device, p.timeout_s)
     threads = torch.get_num_threads()
@@ -256,13 +286,21 @@ def _train(
     val_ds = PackedDataset(val_tokens, t.seq_len) if t.val_interval > 0 and t.val_batches > 0 else None
     sampler = ShardedSampler(len(train_ds), t.batch_size, rank, world, t.seed)
 
+    # what a resumed run must share with the saving one (another world size is fine when the global
+    # batch is the same; hyperparameters such as aux_loss_coef may change)
+    shape = {k: v for k, v in dataclasses.asdict(margs).items() if k not in _TUNABLE_MODEL_ARGS}
+    run_shape = {"model": shape, "global_batch": t.batch_size * world, "seq_len": t.seq_len}
     ckpt = (
-        Checkpointer(cfg.checkpoint.folder, cfg.checkpoint.keep_latest, ep_mesh)
+        Checkpointer(cfg.checkpoint.folder, cfg.checkpoint.keep_latest, ep_mesh, run=run_shape)
         if cfg.checkpoint.folder
         else None
     )
     step = 0
-    if ckpt is not None and cfg.checkpoint.resume and (path := ckpt.latest()) is not None:
+    if (
+        ckpt is not None
+        and cfg.checkpoint.resume
+        and (path := ckpt.resume_path(cfg.checkpoint.fallback)) is not None
+    ):
         st = ckpt.load(path, model, optimizer, _train_state(0, scheduler, sampler))
         step = int(st["step"])
         for group in optimizer.param_groups:  # the saving run may have had another world size
@@ -336,9 +374,18 @@ def _train(
             if exp_params:
                 parallel.reduce_expert_grads(exp_params, edp_group, world)
             norm = parallel.clip_grad_norm(
-                dense_params, exp_params, t.max_norm, max(1, world // pd.ep), distributed
+                dense_params, exp_params, t.max_norm, max(1, world // pd.ep), distributed, loss=ce
             )
             lr = scheduler.get_last_lr()[0]  # the rate this step used (scheduler.step() moves to the next)
+            if not math.isfinite(norm):  # the same on every rank: all stop here, nothing is saved
+                local = float(ce.detach())
+                what = "gradient norm" if math.isfinite(local) else f"loss ({local} on rank {rank})"
+                last_ckpt = f"; the last checkpoint is {ckpt.latest()}" if ckpt is not None else ""
+                raise TrainingDiverged(
+                    f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
+                    f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower training.lr "
+                    "or training.max_norm, or check the data"
+                )
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -107,6 +107,16 @@ def test_main_reports_config_errors(capsys):
         ("--metrics.log_freq=0", "metrics.log_freq=0: expected >= 1"),
         ("--training.batch_size=0", "training.batch_size=0: expected >= 1"),
         ("--checkpoint.keep_latest=-1", "checkpoint.keep_latest=-1: expected >= 0"),
+        ("--training.steps=0", "training.steps=0: expected >= 1"),
+        ("--training.lr=inf", "training.lr=inf: expected a finite number > 0"),
+        ("--training.lr=nan", "training.lr=nan: expected a finite number > 0"),
+        ("--training.lr=0", "training.lr=0.0: expected a finite number > 0"),
+        ("--training.lr=-1e-3", "training.lr=-0.001: expected a finite number > 0"),
+        ("--training.min_lr_ratio=1.5", "training.min_lr_ratio=1.5: expected 0 <= value <= 1"),
+        ("--training.min_lr_ratio=-0.1", "training.min_lr_ratio=-0.1: expected 0 <= value <= 1"),
+        ("--training.max_norm=nan", "training.max_norm=nan: expected a number >= 0"),
+        ("--training.beta2=1", "training.beta2=1.0: expected 0 <= value < 1"),
+        ("--training.weight_decay=inf", "training.weight_decay=inf: expected a finite number >= 0"),
     ],
 )
 def test_main_rejects_out_of_range_values(capsys, arg, match):
