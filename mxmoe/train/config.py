@@ -18,6 +18,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from mxmoe.recipe import DEFAULT_RECIPE_NAME, RECIPES
+
 
 class ConfigError(ValueError):
     """A bad config file or command-line override; the message names the key and value."""
@@ -52,7 +54,11 @@ class Model:
 
 @dataclass
 class MX:
-    recipe_name: str = _f("mxfp8", "MX recipe passed to mxmoe.convert: mxfp8 (FLOOR scales) or mxfp8_rceil")
+    recipe_name: str = _f(
+        DEFAULT_RECIPE_NAME,
+        f"MX recipe passed to mxmoe.convert, one of mxmoe.recipe.RECIPES: {', '.join(RECIPES)} "
+        "(mxfp8_rceil: RCEIL scales, never saturate; mxfp8: FLOOR scales, the OCP rule)",
+    )
     mxfp8_dim1_cast_kernel_choice: str = _f(
         "triton", "kernel for the dim1 (transposing) casts: triton | cuda | torch"
     )

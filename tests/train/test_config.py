@@ -148,3 +148,12 @@ def test_shipped_configs_parse(path):
 def test_debug_config_trains_with_mx_on_cpu_kernels():
     cfg = load_toml(str(Path(__file__).parents[2] / "configs" / "debug_moe.toml"))
     assert cfg.model.converters == ["mx"] and cfg.mx.mxfp8_dim1_cast_kernel_choice == "torch"
+
+
+def test_mx_recipe_default_is_the_library_default_and_help_lists_recipes(capsys):
+    from mxmoe.recipe import DEFAULT_RECIPE_NAME, RECIPES
+
+    assert parse_args([]).mx.recipe_name == DEFAULT_RECIPE_NAME == "mxfp8_rceil"
+    assert trainer.main(["--help"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "--mx.recipe_name" in x]
+    assert "default 'mxfp8_rceil'" in line and all(name in line for name in RECIPES)
