@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+log = logging.getLogger("mxmoe.train")
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 MANIFEST = "manifest.json"
 
@@ -196,7 +197,7 @@ class Checkpointer:
                     )
                     raise CheckpointError(f"cannot resume: {e}; {hint}") from None
                 if self.rank == 0:
-                    print(f"mxmoe train: warning: {e}; moved aside as {path.name}.corrupt", file=sys.stderr)
+                    log.warning("%s; moved aside as %s.corrupt", e, path.name)
                     aside = path.with_name(path.name + ".corrupt")
                     shutil.rmtree(aside, ignore_errors=True)
                     os.replace(path, aside)

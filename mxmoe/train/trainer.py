@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
+import os
 import resource
 import signal
 import sys
@@ -25,6 +27,53 @@ from mxmoe.train import parallel, profiling
 from mxmoe.train.checkpoint import Checkpointer, CheckpointError
 from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
 from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_tokens
+
+log = logging.getLogger("mxmoe.train")
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """Writes through `tqdm.write`, so lines land above a live progress bar, not through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def console_logging(rank: int):
+    """The "mxmoe" logger for one command-line run: INFO (rank 0 only: progress lines, the
+    `mxmoe.convert` report, the summary) to stdout, warnings and errors (every rank) to stderr.
+    Removed again on exit, so runs in one process (tests) do not stack handlers."""
+    logger = logging.getLogger("mxmoe")
+    handlers = []
+    if rank == 0:
+        out = _ConsoleHandler(sys.stdout)
+        out.setLevel(logging.INFO)
+        out.addFilter(lambda r: r.levelno < logging.WARNING)
+        out.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        handlers.append(out)
+    err = _ConsoleHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    where = f" (rank {rank})" if rank else ""
+    err.setFormatter(logging.Formatter(f"mxmoe %(levelname)s{where}: %(message)s"))
+    handlers.append(err)
+    saved = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for h in handlers:
+        logger.addHandler(h)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            logger.removeHandler(h)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 def memory_gib(device: torch.device) -> float:
@@ -49,10 +98,14 @@ class MetricsWriter:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
+            except ImportError:
+                log.warning(
+                    "metrics.tensorboard is on but the tensorboard package is not installed: writing "
+                    "metrics.jsonl only. Install it with `pip install 'mxmoe[tensorboard]'` (or pass "
+                    "--metrics.tensorboard=false)"
+                )
+            else:
                 self.tb = SummaryWriter(str(path / "tb"))
-            except Exception:  # tensorboard not installed: JSONL only
-                self.tb = None
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -153,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"mxmoe train: {e}", file=sys.stderr)
         return 2
+    rank = int(os.environ.get("RANK", "0"))
+    with console_logging(rank):
+        return _main(cfg)
+
+
+def _main(cfg: JobConfig) -> int:
     try:
         return train(cfg)
     except (ValueError, TypeError, NotImplementedError) as e:  # bad settings: a clear message, no trace
@@ -307,18 +366,22 @@ def _train(
             group["foreach"] = not distributed
         scheduler.load_state_dict(st["scheduler"])
         sampler.load_state_dict(st["sampler"])
-        if rank == 0:
-            print(f"resumed from {path} at step {step}", file=sys.stderr)
+        log.info("resumed from %s at step %d", path, step)
 
     total, active = margs.num_params()
-    if rank == 0:
-        print(
-            f"model {m.name}: {total / 1e6:.1f}M params ({active / 1e6:.1f}M active), "
-            f"{'MXFP8 ' + cfg.mx.recipe_name if use_mx else 'high precision'}, device {device}, "
-            f"world {world} (ep {pd.ep}), {len(train_ds)} train / "
-            f"{len(val_ds) if val_ds else 0} val sequences",
-            file=sys.stderr,
-        )
+    log.info(
+        "model %s: %.1fM params (%.1fM active), %s, device %s, world %d (ep %d), %d train / %d val "
+        "sequences",
+        m.name,
+        total / 1e6,
+        active / 1e6,
+        _precision(model, cfg) if use_mx else "high precision",
+        device,
+        world,
+        pd.ep,
+        len(train_ds),
+        len(val_ds) if val_ds else 0,
+    )
     metrics = MetricsWriter(cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, cfg.to_dict())
     amp = (
         torch.autocast("cuda", dtype=torch.bfloat16)
@@ -353,100 +416,155 @@ def _train(
         ckpt.save(at, model, optimizer, _train_state(at, scheduler, sampler))
 
     bar = None
-    if rank == 0 and cfg.metrics.progress_bar:
+    # a bar only on a terminal: redirected to a file, tqdm's frames are one endless line
+    if rank == 0 and cfg.metrics.progress_bar and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=t.steps, initial=step, desc="train", dynamic_ncols=True, file=sys.stderr)
-    if step >= t.steps and rank == 0:
-        print(f"already at step {step} >= training.steps={t.steps}: nothing to train (raise "
-              "--training.steps or use a new --checkpoint.folder)", file=sys.stderr)
+    if step >= t.steps:
+        log.warning(
+            "already at step %d >= training.steps=%d: nothing to train (raise --training.steps or use "
+            "a new --checkpoint.folder)",
+            step,
+            t.steps,
+        )
     stop.install()
     model.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    last_t, last_step, saved_at = time.perf_counter(), step, step
-    with profiling.step_profiler(cfg.profiling, cfg.metrics.folder, rank, device, step + 1) as prof_step:
-        while step < t.steps:
-            step += 1
-            x, y = (a.to(device, non_blocking=True) for a in train_ds.batch(sampler.next_indices()))
-            ce, aux = loss_of(x, y)
-            (ce + aux_coef * aux).backward()
-            if exp_params:
-                parallel.reduce_expert_grads(exp_params, edp_group, world)
-            norm = parallel.clip_grad_norm(
-                dense_params, exp_params, t.max_norm, max(1, world // pd.ep), distributed, loss=ce
-            )
-            lr = scheduler.get_last_lr()[0]  # the rate this step used (scheduler.step() moves to the next)
-            if not math.isfinite(norm):  # the same on every rank: all stop here, nothing is saved
-                local = float(ce.detach())
-                what = "gradient norm" if math.isfinite(local) else f"loss ({local} on rank {rank})"
-                last_ckpt = f"; the last checkpoint is {ckpt.latest()}" if ckpt is not None else ""
-                raise TrainingDiverged(
-                    f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
-                    f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower training.lr "
-                    "or training.max_norm, or check the data"
+    start_step, start_t = step, time.perf_counter()
+    last_t, last_step, saved_at = start_t, step, step
+    loss_sum = torch.zeros(2, device=device)  # (ce, aux) summed over the steps since the last record
+    record: dict | None = None
+    val_loss = None
+    try:
+        with profiling.step_profiler(cfg.profiling, cfg.metrics.folder, rank, device, step + 1) as prof_step:
+            while step < t.steps:
+                step += 1
+                x, y = (a.to(device, non_blocking=True) for a in train_ds.batch(sampler.next_indices()))
+                ce, aux = loss_of(x, y)
+                (ce + aux_coef * aux).backward()
+                if exp_params:
+                    parallel.reduce_expert_grads(exp_params, edp_group, world)
+                norm = parallel.clip_grad_norm(
+                    dense_params, exp_params, t.max_norm, max(1, world // pd.ep), distributed, loss=ce
                 )
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            model.update_router_bias(world_group)
-            prof_step()
+                lr = scheduler.get_last_lr()[0]  # the rate this step used (scheduler.step() moves on)
+                if not math.isfinite(norm):  # the same on every rank: all stop here, nothing is saved
+                    local = float(ce.detach())
+                    what = "gradient norm" if math.isfinite(local) else f"loss ({local} on rank {rank})"
+                    last_ckpt = f"; the last checkpoint is {ckpt.latest()}" if ckpt is not None else ""
+                    raise TrainingDiverged(
+                        f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
+                        f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower training.lr "
+                        "or training.max_norm, or check the data"
+                    )
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                model.update_router_bias(world_group)
+                prof_step()
+                loss_sum += torch.stack([ce.detach().float(), aux.detach().float()])
 
-            last = step == t.steps
-            record = None
-            if step % cfg.metrics.log_freq == 0 or last or (t.val_interval and step % t.val_interval == 0):
-                stats = torch.stack([ce.detach().float(), aux.detach().float()])
-                if distributed:
-                    dist.all_reduce(stats)
-                    stats /= world
-                now = time.perf_counter()
-                tps = tokens_per_step * (step - last_step) / max(now - last_t, 1e-9)
-                last_t, last_step = now, step
-                record = {
-                    "step": step,
-                    "loss": float(stats[0]),
-                    "aux_loss": float(stats[1]),
-                    "tokens_per_s": tps,
-                    "memory_gib": memory_gib(device),
-                    "lr": lr,
-                    "grad_norm": norm,
-                }
-            if val_ds is not None and (step % t.val_interval == 0 or last):
-                record["val_loss"] = validate()
-                last_t = time.perf_counter()  # validation time is not training throughput
-            if record is not None:
-                metrics.log(record)
+                last = step == t.steps
+                val_step = val_ds is not None and (step % t.val_interval == 0 or last)
+                if step % cfg.metrics.log_freq == 0 or last or val_step:
+                    # the training loss of a record is the mean over its interval's steps and ranks
+                    n = step - last_step
+                    stats = loss_sum / n
+                    if distributed:
+                        dist.all_reduce(stats)
+                        stats /= world
+                    loss_sum.zero_()
+                    now = time.perf_counter()
+                    tps = tokens_per_step * n / max(now - last_t, 1e-9)
+                    last_t, last_step = now, step
+                    record = {
+                        "step": step,
+                        "loss": float(stats[0]),
+                        "loss_steps": n,
+                        "aux_loss": float(stats[1]),
+                        "tokens_per_s": tps,
+                        "memory_gib": memory_gib(device),
+                        "lr": lr,
+                        "grad_norm": norm,
+                    }
+                    if val_step:
+                        record["val_loss"] = val_loss = validate()
+                        last_t = time.perf_counter()  # validation time is not training throughput
+                    metrics.log(record)
+                    if bar is None or "val_loss" in record:
+                        log.info(_progress_line(record, t.steps))
+                    if bar is not None:
+                        bar.set_postfix(
+                            loss=f"{record['loss']:.4f}",
+                            tok_s=f"{record['tokens_per_s']:.0f}",
+                            mem=f"{record['memory_gib']:.2f}GiB",
+                        )
                 if bar is not None:
-                    bar.set_postfix(
-                        loss=f"{record['loss']:.4f}",
-                        tok_s=f"{record['tokens_per_s']:.0f}",
-                        mem=f"{record['memory_gib']:.2f}GiB",
-                    )
-            if bar is not None:
-                bar.update(1)
-            every = cfg.checkpoint.interval
-            if ckpt is not None and ((every and step % every == 0) or last):
-                save(step)
-                saved_at = step
-            requested = stop.requested
-            if distributed:
-                flag = torch.tensor([float(requested)], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                requested = bool(flag.item())
-            if requested:
-                if ckpt is not None and saved_at != step:
+                    bar.update(1)
+                every = cfg.checkpoint.interval
+                if ckpt is not None and ((every and step % every == 0) or last):
                     save(step)
-                if rank == 0:
-                    print(
-                        f"\nSIGTERM: stopped after step {step}"
-                        + (f", checkpoint in {ckpt.folder}" if ckpt else ""),
-                        file=sys.stderr,
+                    saved_at = step
+                requested = stop.requested
+                if distributed:
+                    flag = torch.tensor([float(requested)], device=device)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                    requested = bool(flag.item())
+                if requested:
+                    if ckpt is not None and saved_at != step:
+                        save(step)
+                        saved_at = step
+                    log.warning(
+                        "SIGTERM: stopped after step %d%s",
+                        step,
+                        f", checkpoint in {ckpt.folder}" if ckpt else "",
                     )
-                break
-    if bar is not None:
-        bar.close()
-    metrics.close()
+                    break
+    finally:
+        if bar is not None:
+            bar.close()
+        metrics.close()
+    if step > start_step:
+        elapsed = time.perf_counter() - start_t
+        log.info(
+            "done: steps %d..%d of %d in %.1f s (%.0f tokens/s including validation and checkpoints); "
+            "last training loss %.4f%s; peak memory %.2f GiB; metrics in %s%s",
+            start_step + 1,
+            step,
+            t.steps,
+            elapsed,
+            tokens_per_step * (step - start_step) / max(elapsed, 1e-9),
+            record["loss"] if record else float("nan"),
+            f", validation loss {val_loss:.4f}" if val_loss is not None else "",
+            memory_gib(device),
+            cfg.metrics.folder,
+            f"; checkpoint {ckpt.folder / f'step-{saved_at:08d}'}" if ckpt is not None and saved_at else "",
+        )
     return 0
+
+
+def _progress_line(record: dict, steps: int) -> str:
+    """One plain log line from a metrics record."""
+    line = (
+        f"step {record['step']}/{steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+        f"grad_norm {record['grad_norm']:.3g}  {record['tokens_per_s']:.0f} tokens/s  "
+        f"memory {record['memory_gib']:.2f} GiB"
+    )
+    if "val_loss" in record:
+        line += f"  val_loss {record['val_loss']:.4f}"
+    return line
+
+
+def _precision(model: torch.nn.Module, cfg: JobConfig) -> str:
+    """What the mx converter actually did: the modules now MX, or that it swapped none."""
+    from mxmoe.nn import MXGroupedExperts, MXLinear
+
+    n = sum(isinstance(mod, (MXLinear, MXGroupedExperts)) for mod in model.modules())
+    if n == 0:
+        return "high precision (the mx converter swapped no module)"
+    return f"MXFP8 {cfg.mx.recipe_name} in {n} modules"
 
 
 def _train_state(step: int, scheduler, sampler) -> dict:
