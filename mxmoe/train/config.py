@@ -131,7 +131,7 @@ class Metrics:
     folder: str = _f("runs/debug", "metrics folder: metrics.jsonl (+ TensorBoard events if importable)")
     log_freq: int = _f(10, "log loss (mean over the interval), lr, tokens/s and memory every this many steps")
     tensorboard: bool = _f(
-        True, "also write TensorBoard events (needs the tensorboard extra: pip install 'mxmoe[tensorboard]')"
+        False, "also write TensorBoard events (needs the tensorboard extra: pip install 'mxmoe[tensorboard]')"
     )
     progress_bar: bool = _f(
         True, "tqdm progress bar on rank 0 when stderr is a terminal (else a plain line every log_freq steps)"
