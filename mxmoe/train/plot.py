@@ -69,8 +69,9 @@ def plot_runs(runs: list[str], out: str, labels: list[str] | None = None, smooth
     ax = axes[0][0]
     curves = []
     for recs, label in zip(data, labels, strict=True):
-        tr = [(r["step"], r["loss"]) for r in recs if "loss" in r]
-        va = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+        # a non-finite value is written as null (see mxmoe.train.metrics): not drawn
+        tr = [(r["step"], r["loss"]) for r in recs if r.get("loss") is not None]
+        va = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
         steps, loss = [s for s, _ in tr], [v for _, v in tr]
         curves.append(dict(zip(steps, loss, strict=True)))
         (line,) = ax.plot(steps, _ema(loss, smooth) if smooth else loss, label=f"{label} train")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -16,7 +15,6 @@ import resource
 import signal
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +25,7 @@ from mxmoe.train import parallel, profiling
 from mxmoe.train.checkpoint import Checkpointer, CheckpointError
 from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
 from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_tokens
+from mxmoe.train.metrics import MetricsWriter, RunLock, new_run_id
 
 log = logging.getLogger("mxmoe.train")
 
@@ -81,47 +80,6 @@ def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-class MetricsWriter:
-    """metrics.jsonl (one JSON object per logged step) + TensorBoard if importable; rank 0 only."""
-
-    def __init__(self, folder: str, enabled: bool, tensorboard: bool, config: dict):
-        self.enabled = enabled
-        self.fh = self.tb = None
-        if not enabled:
-            return
-        path = Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.fh = open(path / "metrics.jsonl", "a")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                log.warning(
-                    "metrics.tensorboard is on but the tensorboard package is not installed: writing "
-                    "metrics.jsonl only. Install it with `pip install 'mxmoe[tensorboard]'` (or pass "
-                    "--metrics.tensorboard=false)"
-                )
-            else:
-                self.tb = SummaryWriter(str(path / "tb"))
-
-    def log(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.fh.write(json.dumps(record) + "\n")
-        self.fh.flush()
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
-
-    def close(self) -> None:
-        if self.fh is not None:
-            self.fh.close()
-        if self.tb is not None:
-            self.tb.close()
 
 
 _TUNABLE_MODEL_ARGS = ("max_seq_len", "aux_loss_coef", "bias_update_rate", "init_std")
@@ -271,9 +229,25 @@ def train(cfg: JobConfig) -> int:
         torch.set_num_threads(t.cpu_threads)
     distributed = dist.is_initialized()
     stop = _Stop()
+    run_id, lock = new_run_id(), None
     try:
-        return _train(cfg, rank, world, device, distributed, use_mx, stop)
+        # one live run per metrics folder: rank 0 takes the lock and every rank learns the outcome
+        busy = None
+        if rank == 0:
+            try:
+                lock = RunLock(cfg.metrics.folder, run_id)
+            except ValueError as e:
+                busy = str(e)
+        if distributed:
+            box = [busy]
+            dist.broadcast_object_list(box, src=0)
+            busy = box[0]
+        if busy is not None:
+            raise ValueError(busy)
+        return _train(cfg, rank, world, device, distributed, use_mx, stop, run_id)
     finally:
+        if lock is not None:
+            lock.release()
         stop.restore()
         torch.set_num_threads(threads)
         if own_pg and dist.is_initialized():
@@ -281,7 +255,14 @@ def train(cfg: JobConfig) -> int:
 
 
 def _train(
-    cfg: JobConfig, rank: int, world: int, device: torch.device, distributed: bool, use_mx: bool, stop: _Stop
+    cfg: JobConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+    distributed: bool,
+    use_mx: bool,
+    stop: _Stop,
+    run_id: str,
 ) -> int:
     t, p, m = cfg.training, cfg.parallelism, cfg.model
     pd = parallel.make_parallel_dims(
@@ -369,6 +350,7 @@ def _train(
         log.info("resumed from %s at step %d", path, step)
 
     total, active = margs.num_params()
+    log.info("run %s, metrics in %s", run_id, cfg.metrics.folder)
     log.info(
         "model %s: %.1fM params (%.1fM active), %s, device %s, world %d (ep %d), %d train / %d val "
         "sequences",
@@ -382,7 +364,9 @@ def _train(
         len(train_ds),
         len(val_ds) if val_ds else 0,
     )
-    metrics = MetricsWriter(cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, cfg.to_dict())
+    metrics = MetricsWriter(
+        cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, cfg.to_dict(), run_id, start_step=step
+    )
     amp = (
         torch.autocast("cuda", dtype=torch.bfloat16)
         if device.type == "cuda" and t.mixed_precision == "bf16"
