@@ -24,7 +24,7 @@ from mxmoe.models import Transformer, model_args
 from mxmoe.train import parallel, profiling
 from mxmoe.train.checkpoint import Checkpointer, CheckpointError
 from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
-from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_tokens
+from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, eval_windows, load_tokens
 from mxmoe.train.metrics import MetricsWriter, RunLock, new_run_id
 
 log = logging.getLogger("mxmoe.train")
@@ -382,19 +382,31 @@ def _train(
         ce = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), y.reshape(-1))
         return ce, aux
 
+    # the validation sample: val_batches x batch_size x world windows spread over the whole set
+    val_idx = eval_windows(len(val_ds), t.val_batches * t.batch_size * world, world) if val_ds else None
+    val_tokens = val_idx.numel() * t.seq_len if val_ds else 0
+    if val_ds is not None:
+        log.info(
+            "validation: %d of %d windows (%d tokens%s), spread over the whole validation set",
+            val_idx.numel(),
+            len(val_ds),
+            val_tokens,
+            ", the whole set" if val_idx.numel() == len(val_ds) else "",
+        )
+
     def validate() -> float:
+        """Mean cross-entropy per token over the validation sample (all ranks)."""
         model.eval()
-        total_loss = torch.zeros((), device=device)
+        total = torch.zeros(2, device=device, dtype=torch.float64)  # (loss x tokens, tokens)
         with torch.no_grad():
-            for b in range(t.val_batches):
-                start = (b * world + rank) * t.batch_size
-                idx = torch.arange(start, start + t.batch_size) % len(val_ds)
+            for idx in val_idx[rank].split(t.batch_size):
                 x, y = (a.to(device) for a in val_ds.batch(idx))
-                total_loss += loss_of(x, y)[0].float()
+                total[0] += loss_of(x, y)[0].double() * y.numel()
+                total[1] += y.numel()
         model.train()
         if distributed:
-            dist.all_reduce(total_loss)
-        return float(total_loss) / (t.val_batches * world)
+            dist.all_reduce(total)
+        return float(total[0] / total[1])
 
     def save(at: int) -> None:
         ckpt.save(at, model, optimizer, _train_state(at, scheduler, sampler))
@@ -475,6 +487,7 @@ def _train(
                     }
                     if val_step:
                         record["val_loss"] = val_loss = validate()
+                        record["val_tokens"] = val_tokens
                         last_t = time.perf_counter()  # validation time is not training throughput
                     metrics.log(record)
                     if bar is None or "val_loss" in record:

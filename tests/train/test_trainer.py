@@ -276,6 +276,7 @@ def test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly(tm
     and a run resumed from that save logs the uninterrupted run's losses."""
     common = TINY + ["--training.steps=4", "--parallelism.timeout_s=60", "--checkpoint.keep_latest=0"]
     common += ["--parallelism.expert_parallel_degree=2"]
+    common += ["--training.val_interval=2", "--training.val_batches=1"]
     full, part = tmp_path / "full", tmp_path / "part"
     argv = common + [f"--metrics.folder={full}", f"--checkpoint.folder={full}/ckpt"]
     argv += ["--checkpoint.interval=2"]
@@ -295,3 +296,6 @@ def test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly(tm
     got = losses(part)
     assert sorted(got) == [3, 4]
     assert got[3] == ref[3] and got[4] == ref[4], (got, ref)
+    (val,) = [json.loads(x)["val_loss"] for x in (part / "metrics.jsonl").read_text().splitlines()[1:]]
+    ref_val = [json.loads(x).get("val_loss") for x in (full / "metrics.jsonl").read_text().splitlines()]
+    assert val == ref_val[3] and ref_val[1] > ref_val[3] > 0
