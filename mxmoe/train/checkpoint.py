@@ -112,13 +112,15 @@ class Checkpointer:
 
     # -- discovery ---------------------------------------------------------------------------
     def complete(self) -> list[tuple[int, Path]]:
-        """(step, path) of complete checkpoints, oldest first."""
+        """(step, path) of complete checkpoints (saves that finished), oldest first."""
         if not self.folder.is_dir():
             return []
         out = []
         for p in self.folder.iterdir():
             m = _STEP_DIR.match(p.name)
-            if m and p.is_dir() and (p / ".metadata").is_file():
+            # a final name means the save finished (tmp dirs are renamed last); one that has lost
+            # its .metadata since is still listed, so that resuming reports the damage
+            if m and p.is_dir() and ((p / ".metadata").is_file() or (p / MANIFEST).is_file()):
                 out.append((int(m.group(1)), p))
         return sorted(out)
 

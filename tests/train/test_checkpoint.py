@@ -46,6 +46,7 @@ def test_every_checkpoint_has_a_manifest_of_sizes_and_sha256(tmp_path, four_step
         ("flip", "does not match its SHA-256"),
         ("truncate", "bytes, its manifest says"),
         ("delete", "is missing"),
+        ("metadata", ".metadata is missing"),
         ("manifest", f"has no {MANIFEST}"),
     ],
 )
@@ -62,13 +63,15 @@ def test_a_damaged_checkpoint_is_a_clear_error_and_nothing_is_pruned(
         shard.write_bytes(bytes(data[: len(data) // 2]))
     elif damage == "delete":
         shard.unlink()
+    elif damage == "metadata":
+        (step4 / ".metadata").unlink()
     else:
         (step4 / MANIFEST).unlink()
     capsys.readouterr()
     assert _train(tmp_path, "resumed", "--training.steps=6", "--checkpoint.interval=2") == 1
     err = capsys.readouterr().err
     assert message in err and "--checkpoint.fallback=true" in err and "step-00000002" in err, err
-    if damage != "manifest":
+    if damage in ("flip", "truncate", "delete"):
         assert str(shard) in err
     assert "Traceback" not in err
     # nothing trained, nothing pruned
