@@ -7,8 +7,35 @@ only when used, so `mxmoe --help` stays fast. Lists are given one way everywhere
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+def comma_list(
+    item: Callable[[str], T] = str, choices: Sequence[str] | None = None
+) -> Callable[[str], list[T]]:
+    """An argparse `type` for list options: "a,b,c" -> [item("a"), item("b"), item("c")]. With
+    `action="extend"` the option may also be repeated (`--k a,b --k c` == `--k a,b,c`)."""
+
+    def parse(text: str) -> list[T]:
+        parts = [t.strip() for t in text.split(",") if t.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"{text!r} is empty; expected a comma-separated list")
+        bad = [t for t in parts if choices is not None and t not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(choices)}")
+        try:
+            return [item(t) for t in parts]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+    parse.__name__ = "comma list"  # argparse names the type in its errors
+    return parse
+
 
 COMMANDS = {
     "train": "mxmoe.train.trainer",

@@ -6,6 +6,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 import mxmoe
 from mxmoe import cli
@@ -81,3 +82,26 @@ def test_cli_help_version_and_status(capsys, argv, status, stream, text):
     assert cli.main(argv) == status
     out, err = capsys.readouterr()
     assert text in (out if stream == "out" else err)
+
+
+def test_lists_are_comma_separated_in_every_subcommand(capsys):
+    from mxmoe.bench import cast, linear
+    from mxmoe.train.config import parse_args
+    from mxmoe.train.plot import main as plot_main
+
+    assert parse_args(["--mx.filter_fqns=output,router"]).mx.filter_fqns == ["output", "router"]
+    args = cast.build_parser().parse_args(["--kernel", "triton,cuda", "--shape", "64x64,8x64x64"])
+    assert args.kernel == ["triton", "cuda"] and args.shape == [(64, 64), (8, 64, 64)]
+    again = cast.build_parser().parse_args(["--kernel", "triton", "--kernel", "cuda"])  # repeating adds
+    assert again.kernel == ["triton", "cuda"]
+    with pytest.raises(SystemExit):
+        cast.build_parser().parse_args(["--kernel", "triton,cutlass"])
+    assert "'cutlass' is not one of torch, triton, cuda, all" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        linear.main(["--recipes", "mxfp8,nope"])
+    assert "'nope' is not one of" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # parsed fine; then refused for want of a GPU
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            linear.main(["--recipes", "mxfp8,mxfp8_rceil", "--shape", "64x64x64,32x32x32"])
+    assert plot_main(["/nonexistent", "--labels", "a,b"]) == 2
+    assert "labels has 2 names for 1 runs" in capsys.readouterr().err
