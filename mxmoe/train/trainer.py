@@ -238,6 +238,8 @@ def train(cfg: JobConfig) -> int:
                 lock = RunLock(cfg.metrics.folder, run_id)
             except ValueError as e:
                 busy = str(e)
+            except OSError as e:  # e.g. a read-only folder: every rank must hear of it, not hang
+                busy = f"metrics.folder={cfg.metrics.folder!r}: cannot lock it for this run: {e}"
         if distributed:
             box = [busy]
             dist.broadcast_object_list(box, src=0)
