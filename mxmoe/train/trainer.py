@@ -386,13 +386,13 @@ def _train(
 
     # the validation sample: val_batches x batch_size x world windows spread over the whole set
     val_idx = eval_windows(len(val_ds), t.val_batches * t.batch_size * world, world) if val_ds else None
-    val_tokens = val_idx.numel() * t.seq_len if val_ds else 0
+    val_sample_tokens = val_idx.numel() * t.seq_len if val_ds else 0
     if val_ds is not None:
         log.info(
             "validation: %d of %d windows (%d tokens%s), spread over the whole validation set",
             val_idx.numel(),
             len(val_ds),
-            val_tokens,
+            val_sample_tokens,
             ", the whole set" if val_idx.numel() == len(val_ds) else "",
         )
 
@@ -489,7 +489,7 @@ def _train(
                     }
                     if val_step:
                         record["val_loss"] = val_loss = validate()
-                        record["val_tokens"] = val_tokens
+                        record["val_tokens"] = val_sample_tokens
                         last_t = time.perf_counter()  # validation time is not training throughput
                     metrics.log(record)
                     if bar is None or "val_loss" in record:
