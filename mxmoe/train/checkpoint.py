@@ -210,11 +210,17 @@ class Checkpointer:
 
     def _check_run(self, path: Path, saved: dict) -> None:
         """CheckpointError if the checkpoint's run shape differs from this run's."""
-        diffs = [
-            f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}"
-            for k, v in self.run.items()
-            if k in saved and saved[k] != v
-        ]
+        diffs = []
+        for k, v in self.run.items():
+            old = saved.get(k, v)
+            if isinstance(v, dict) and isinstance(old, dict):  # name the differing fields only
+                diffs += [
+                    f"{k}.{f}: checkpoint {old.get(f)!r}, this run {v.get(f)!r}"
+                    for f in sorted(set(v) | set(old))
+                    if old.get(f) != v.get(f)
+                ]
+            elif old != v:
+                diffs.append(f"{k}: checkpoint {old!r}, this run {v!r}")
         if diffs:
             raise CheckpointError(
                 f"checkpoint {path} was written by a run of another shape ({'; '.join(diffs)}): resume "

@@ -124,7 +124,7 @@ def test_nonfinite_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
     [
         ("--training.batch_size=4", "global_batch: checkpoint 2, this run 4"),
         ("--training.seq_len=64", "seq_len: checkpoint 32, this run 64"),
-        ("--model.dim=64", "'dim': 32"),
+        ("--model.dim=64", "model.dim: checkpoint 32, this run 64"),
     ],
 )
 def test_resuming_a_run_of_another_shape_is_a_clear_error(tmp_path, capsys, change, message):
