@@ -157,3 +157,10 @@ def test_mx_recipe_default_is_the_library_default_and_help_lists_recipes(capsys)
     assert trainer.main(["--help"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if "--mx.recipe_name" in x]
     assert "default 'mxfp8_rceil'" in line and all(name in line for name in RECIPES)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_use_the_default_recipe(path):
+    from mxmoe.recipe import DEFAULT_RECIPE_NAME
+
+    assert load_toml(str(path)).mx.recipe_name == DEFAULT_RECIPE_NAME
