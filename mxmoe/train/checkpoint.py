@@ -151,8 +151,8 @@ class Checkpointer:
             files = manifest["files"]
         except FileNotFoundError:
             raise CheckpointError(
-                f"checkpoint {path} has no {MANIFEST} (checksums): it was not written by a complete "
-                "mxmoe save, or the file was deleted"
+                f"checkpoint {path} has no {MANIFEST} (checksums): the file was deleted, or the "
+                "checkpoint predates checksummed checkpoints (mxmoe 0.1.0 before them cannot be verified)"
             ) from None
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(
