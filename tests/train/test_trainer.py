@@ -225,7 +225,7 @@ def test_profiling_writes_a_trace_and_an_operator_table(tmp_path):
     trace = json.loads((run / "profile_traces" / traces[0]).read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     # the profiler counts steps from 0: our steps 2 and 3 are its #1 and #2
-    assert "mxmoe::quantize_dim0" in names and "ProfilerStep#1" in names and "ProfilerStep#2" in names
+    assert "mxmoe::qdq" in names and "ProfilerStep#1" in names and "ProfilerStep#2" in names
     assert "ProfilerStep#0" not in names
     table = (run / "profile_traces" / traces[1]).read_text()
     assert "aten::mm" in table and "Self CPU" in table
