@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import assert_same_bits, free_port, spawn_ranks
 
 from mxmoe.comm import (
     a2a_combine,
@@ -33,24 +32,6 @@ OTHER_RECIPES = (
 )
 
 TIMEOUT = datetime.timedelta(seconds=60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    """Equal shapes, dtypes, NaN positions, and bit patterns everywhere else."""
-    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
-    na, nb = a.isnan(), b.isnan()
-    assert torch.equal(na, nb), f"{what}: NaN positions differ"
-    ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[a.dtype]
-    ba, bb = a.view(ints)[~na], b.view(ints)[~nb]
-    if not torch.equal(ba, bb):
-        bad = (ba != bb).nonzero()[:5].flatten().tolist()
-        raise AssertionError(f"{what}: {int((ba != bb).sum())} elements differ, e.g. at {bad}")
 
 
 def make_rows(n: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -250,7 +231,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[str]) -> None:
 
 
 def _launch(world: int, jobs: list[str]) -> None:
-    mp.spawn(_worker, args=(world, _free_port(), jobs), nprocs=world, join=True)
+    spawn_ranks(_worker, world, jobs)
 
 
 def test_two_ranks():
@@ -276,7 +257,7 @@ def test_single_rank_without_and_with_process_group():
     with pytest.raises(ValueError, match="input_splits has 2 entries but the group has 1"):
         to_mxfp8_a2a_dequant(x0, [6], [3, 3])
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=TIMEOUT
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=TIMEOUT
     )
     try:
         for chunks in (None, 0, 2):

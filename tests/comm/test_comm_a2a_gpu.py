@@ -8,8 +8,8 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_comm_a2a import _check_all_paths, _free_port, assert_same_bits, make_rows
+from conftest import assert_same_bits, spawn_ranks
+from test_comm_a2a import _check_all_paths, make_rows
 
 from mxmoe.comm import a2a_dispatch_mxfp8, reference_mxfp8_a2a, to_mxfp8_a2a_dequant
 
@@ -83,4 +83,4 @@ def _nccl_worker(rank: int, world: int, port: int, workspace_bytes: int | None =
 def test_two_gpus_nccl_matches_reference(workspace_bytes):
     """Every path (symmetric memory, NCCL) against the reference on 2 GPUs; a tiny workspace (slots of a
     few rows) sends the larger pairs through NCCL send/recv."""
-    mp.spawn(_nccl_worker, args=(2, _free_port(), workspace_bytes), nprocs=2, join=True)
+    spawn_ranks(_nccl_worker, 2, workspace_bytes)

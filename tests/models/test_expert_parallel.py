@@ -5,12 +5,11 @@ applied before or after `mxmoe.convert`, and matches one process holding every e
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import spawn_ranks
 
 import mxmoe
 from mxmoe.models import ExpertParallel, LocalExperts, Transformer, apply_expert_parallel, model_args
@@ -18,12 +17,6 @@ from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import recipe
 
 RECIPE = recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch")  # FLOOR: not the exchange's default
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(num_experts: int = 4) -> Transformer:
@@ -42,7 +35,7 @@ def _run(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.
     return logits.detach(), model.layers[0].moe.experts.w1.grad.clone()
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -89,7 +82,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 def test_expert_parallel_follows_the_experts_recipe_and_matches_one_process(tmp_path):
     out = str(tmp_path / "ep")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, out)
     # one process, every expert, both ranks' tokens as one batch
     m = mxmoe.convert(_model(), RECIPE)
     assert isinstance(m.layers[0].moe.dispatch, LocalExperts)

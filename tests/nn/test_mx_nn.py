@@ -3,12 +3,11 @@
 import copy
 import logging
 import os
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn_ranks
 from torch import nn
 
 import mxmoe
@@ -148,12 +147,6 @@ def test_mx_model_trains_close_to_bf16_and_compiles():
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsdp_worker(rank, world, port, path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -179,17 +172,8 @@ def test_fsdp2_two_ranks_same_losses(tmp_path):
     torch.set_num_threads(1)
     ref_model = convert(make_model(), CPU_CFG)
     ref = train_losses(ref_model)
-    ctx = mp.get_context("spawn")
     path = str(tmp_path / "rank0.pt")
-    port = _free_port()
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, port, path)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    spawn_ranks(_fsdp_worker, 2, path)
     losses, sd = torch.load(path)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
     plain = make_model()
