@@ -15,6 +15,12 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'mxmoe[torchtitan]')")
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12):
+    pytest.skip(
+        "torchtitan 0.3 needs torch >= 2.12 (torch.distributed.fsdp.DataParallelMeshDims, "
+        f"torch.compiler._is_non_strict_tracing); this is torch {torch.__version__}",
+        allow_module_level=True,
+    )
 
 from conftest import assert_same_bits, spawn_ranks  # noqa: E402
 from torchtitan.models.common.linear import Linear  # noqa: E402

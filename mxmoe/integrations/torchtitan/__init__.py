@@ -19,6 +19,8 @@ Tensor parallelism is refused (when the model is parallelized).
 
 from __future__ import annotations
 
+import torch
+
 try:
     import torchtitan  # noqa: F401
 except ImportError as e:  # a clear message instead of a deep import error
@@ -45,6 +47,15 @@ from mxmoe.integrations.torchtitan.dispatcher import (
     MXFP8TokenDispatcherConverter,
     mxfp8_dispatcher_config,
 )
+
+MIN_TORCH = (2, 12)
+"""torchtitan 0.3.0's trainer and models import torch.distributed.fsdp.DataParallelMeshDims and its
+token dispatcher calls torch.compiler._is_non_strict_tracing; torch 2.11 has neither."""
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
+    raise ImportError(
+        f"torchtitan 0.3 needs torch >= 2.12, this is torch {torch.__version__} (it lacks "
+        "torch.distributed.fsdp.DataParallelMeshDims and torch.compiler._is_non_strict_tracing)"
+    )
 
 LINEAR_OVERRIDE_FQNS = ["*layers.*.attention.*", "*layers.*.feed_forward.*", "*layers.*.moe.shared_experts.*"]
 """Linear layers the `mxmoe_linear` override converts (FQN globs, matched against
