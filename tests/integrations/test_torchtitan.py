@@ -275,64 +275,87 @@ class _QDQGrad(torch.autograd.Function):
         return qdq(g.contiguous())
 
 
-def _dispatcher_worker(rank: int, world: int, port: int, dtype: torch.dtype) -> None:
+def _dispatcher_worker(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
-    from torchtitan.distributed.utils import set_spmd_backend
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-        E, K, T, D = 8, 3, 21 + 6 * rank, 64
-        ref = AllToAllTokenDispatcher.Config(num_experts=E, top_k=K).build()
-        mx = MXFP8AllToAllTokenDispatcher.Config(
-            num_experts=E, top_k=K, a2a_transport="nccl", mxfp8_a2a_kernel_choice="torch"
-        ).build()
-        # ref's combine exchange, with the gradient quantize-dequantized as MXFP8 moves it
-        ref_combine = ref._combine_token_exchange
-        ref._combine_token_exchange = lambda *a: _QDQGrad.apply(ref_combine(*a))
-        for d in (ref, mx):
-            d.wire_meshes(ep_mesh=mesh)
-        g = torch.Generator().manual_seed(10 + rank)
-        x = (torch.randn(T, D, generator=g) * torch.exp2(torch.randint(-8, 8, (T, 1), generator=g))).to(dtype)
-        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-        if rank == 1:
-            ids[ids >= E // 2] -= E // 2  # rank 1 sends nothing to rank 1's experts 4..7: zero splits
-        scores = torch.rand(T, K, generator=g)
-        counts = torch.bincount(ids.view(-1), minlength=E)
-
-        # torchtitan's default spmd_types backend runs the MoE under the EP mesh; its bf16 exchange
-        # there (list all_to_all) fails on gloo with uneven splits, so the bf16 reference runs on the
-        # partial_dtensor backend (functional all_to_all_single), the MXFP8 dispatcher on both.
-        w = torch.randn(D, D, generator=g).to(dtype) / 8
-        go = torch.randn(T, D, generator=g).to(dtype)
-
-        def run(d, x_in, backend):
-            set_spmd_backend(backend)
-            ctx = set_current_spmd_mesh(mesh) if backend == "spmd_types" else contextlib.nullcontext()
-            with ctx:
-                x_in = x_in.clone().requires_grad_()
-                rows, counts_e, meta = d.dispatch(x_in, scores, ids, counts)
-                out = d.combine(rows @ w, meta, x_in)  # expert outputs: any function of the rows
-                out.backward(go)
-            return rows.detach(), counts_e, meta, out.detach(), x_in.grad
-
-        ref_out = run(ref, qdq(x), "partial_dtensor")
-        for backend in ("spmd_types", "partial_dtensor"):
-            ra, ca, ma, oa, ga = run(mx, x, backend)
-            rb, cb, mb, ob, gb = ref_out
-            assert torch.equal(ca, cb)
-            assert ma.input_splits == mb.input_splits and ma.output_splits == mb.output_splits
-            assert_same_bits(ra, rb, f"rank {rank} {backend}: dispatched rows")
-            assert_same_bits(oa, ob, f"rank {rank} {backend}: combined output")
-            # combine's gradient exchanged in MXFP8, dispatch's gradient in high precision
-            assert_same_bits(ga, gb, f"rank {rank} {backend}: input grad")
+        for dtype in (torch.bfloat16, torch.float32):
+            _check_dispatch(rank, mesh, dtype)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_mxfp8_dispatcher_equals_bf16_dispatch_of_qdq_rows(dtype):
-    spawn_ranks(_dispatcher_worker, 2, dtype, timeout_s=120)
+def _check_dispatch(rank: int, mesh, dtype: torch.dtype) -> None:
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    """One dtype: the MXFP8 dispatcher against the bf16 one on quantize-dequantized rows."""
+    E, K, T, D = 8, 3, 21 + 6 * rank, 64
+    ref = AllToAllTokenDispatcher.Config(num_experts=E, top_k=K).build()
+    mx = MXFP8AllToAllTokenDispatcher.Config(
+        num_experts=E, top_k=K, a2a_transport="nccl", mxfp8_a2a_kernel_choice="torch"
+    ).build()
+    # ref's combine exchange, with the gradient quantize-dequantized as MXFP8 moves it
+    ref_combine = ref._combine_token_exchange
+    ref._combine_token_exchange = lambda *a: _QDQGrad.apply(ref_combine(*a))
+    for d in (ref, mx):
+        d.wire_meshes(ep_mesh=mesh)
+    g = torch.Generator().manual_seed(10 + rank)
+    x = (torch.randn(T, D, generator=g) * torch.exp2(torch.randint(-8, 8, (T, 1), generator=g))).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if rank == 1:
+        ids[ids >= E // 2] -= E // 2  # rank 1 sends nothing to rank 1's experts 4..7: zero splits
+    scores = torch.rand(T, K, generator=g)
+    counts = torch.bincount(ids.view(-1), minlength=E)
+
+    # torchtitan's default spmd_types backend runs the MoE under the EP mesh; its bf16 exchange
+    # there (list all_to_all) fails on gloo with uneven splits, so the bf16 reference runs on the
+    # partial_dtensor backend (functional all_to_all_single), the MXFP8 dispatcher on both.
+    w = torch.randn(D, D, generator=g).to(dtype) / 8
+    go = torch.randn(T, D, generator=g).to(dtype)
+
+    def run(d, x_in, backend):
+        set_spmd_backend(backend)
+        ctx = set_current_spmd_mesh(mesh) if backend == "spmd_types" else contextlib.nullcontext()
+        with ctx:
+            x_in = x_in.clone().requires_grad_()
+            rows, counts_e, meta = d.dispatch(x_in, scores, ids, counts)
+            out = d.combine(rows @ w, meta, x_in)  # expert outputs: any function of the rows
+            out.backward(go)
+        return rows.detach(), counts_e, meta, out.detach(), x_in.grad
+
+    ref_out = run(ref, qdq(x), "partial_dtensor")
+    for backend in ("spmd_types", "partial_dtensor"):
+        ra, ca, ma, oa, ga = run(mx, x, backend)
+        rb, cb, mb, ob, gb = ref_out
+        assert torch.equal(ca, cb)
+        assert ma.input_splits == mb.input_splits and ma.output_splits == mb.output_splits
+        assert_same_bits(ra, rb, f"rank {rank} {backend}: dispatched rows")
+        assert_same_bits(oa, ob, f"rank {rank} {backend}: combined output")
+        # combine's gradient exchanged in MXFP8, dispatch's gradient in high precision
+        assert_same_bits(ga, gb, f"rank {rank} {backend}: input grad")
+
+
+def test_mxfp8_dispatcher_equals_bf16_dispatch_of_qdq_rows():
+    spawn_ranks(_dispatcher_worker, 2, timeout_s=120)  # one launch: spawning costs seconds
+
+
+def test_text_dataset_reads_as_torchtitan_c4_test(tmp_path):
+    """The offline dataset writer produces what torchtitan's c4_test loader reads."""
+    from datasets import load_dataset
+
+    from mxmoe.integrations.torchtitan.data import write_text_dataset
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text('print("héllo")\n')
+    (src / "b.py").write_text("x = 1\n")
+    (src / "empty.py").write_text("\n")
+    (src / "c.txt").write_text("not taken\n")
+    assert write_text_dataset(tmp_path / "out", str(src)) == 2
+    ds = load_dataset(str(tmp_path / "out"), split="train", cache_dir=str(tmp_path / "cache"))
+    assert [r["text"] for r in ds] == ['print("héllo")\n', "x = 1\n"]
