@@ -285,8 +285,21 @@ def _dispatcher_worker(rank: int, world: int, port: int) -> None:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
         for dtype in (torch.bfloat16, torch.float32):
             _check_dispatch(rank, mesh, dtype)
+        _check_sharded_linear_refused(mesh)  # needs a process group too: shares the launch
     finally:
         dist.destroy_process_group()
+
+
+def _check_sharded_linear_refused(mesh) -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    lin = MXLinear.Config(in_features=64, out_features=64).build()
+    x = torch.randn(4, 64)
+    lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Replicate()]))
+    assert lin(x).shape == (4, 64)  # whole weights: computes
+    lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.full_tensor().detach(), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match=r"MXLinear.weight is a DTensor with placements \(Shard"):
+        lin(x)
 
 
 def _check_dispatch(rank: int, mesh, dtype: torch.dtype) -> None:

@@ -93,6 +93,19 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _replicated(t: Tensor, name: str) -> Tensor:
+    # A Linear's parameters reach forward whole (FSDP unshards them); a sharded DTensor here would
+    # mean a layout this module does not implement (tensor parallelism), not one to compute on.
+    if isinstance(t, DTensor):
+        if not all(p.is_replicate() for p in t.placements):
+            raise ValueError(
+                f"MXLinear.{name} is a DTensor with placements {t.placements}; MXLinear computes on "
+                "whole (replicated) parameters only (no tensor parallelism)"
+            )
+        return t.to_local()
+    return t
+
+
 OPTION_NAMES = (
     "recipe_name",
     "mxfp8_dim1_cast_kernel_choice",
@@ -130,8 +143,8 @@ class MXLinear(Linear):
         self._mx_op_config = op_config(self.mx_recipe)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = mx_mm(x, _local(self.weight).t(), self._mx_op_config)
-        return y if self.bias is None else y + _local(self.bias).to(y.dtype)
+        y = mx_mm(x, _replicated(self.weight, "weight").t(), self._mx_op_config)
+        return y if self.bias is None else y + _replicated(self.bias, "bias").to(y.dtype)
 
     def parallelize(self, parallel_dims) -> None:
         _refuse_tensor_parallel(self, parallel_dims)
