@@ -83,6 +83,7 @@ def test_converters_swap_the_debug_moe_model():
         disp = mods[f"layers.{i}.moe.routed_experts"].token_dispatcher
         assert type(disp) is MXFP8AllToAllTokenDispatcher
     assert mods["layers.1.attention.wq"].mx_recipe.scaling_mode == "floor"
+    model.verify_module_protocol()  # the trainer's check after build
 
 
 def test_linear_converter_fqns_and_filter():
