@@ -82,8 +82,21 @@ def test_converters_swap_the_debug_moe_model():
         assert exp.mx_recipe == mx_recipe("mxfp8")
         disp = mods[f"layers.{i}.moe.routed_experts"].token_dispatcher
         assert type(disp) is MXFP8AllToAllTokenDispatcher
+        assert disp.mx_rows is False  # FLOOR experts requantize: rows arrive dequantized
     assert mods["layers.1.attention.wq"].mx_recipe.scaling_mode == "floor"
     model.verify_module_protocol()  # the trainer's check after build
+
+
+@pytest.mark.parametrize("order", ["experts_first", "dispatcher_first"])
+def test_mx_rows_linked_when_the_experts_take_them(order):
+    convs = all_converters()  # mxfp8_rceil: the exchange's own quantization
+    if order == "dispatcher_first":
+        convs = [convs[2], convs[0], convs[1]]
+    spec = debug_moe_spec(convs)
+    from torchtitan.models.common.moe import RoutedExperts
+
+    routed = [c for _, c, _, _ in spec.model.traverse(RoutedExperts.Config)]
+    assert len(routed) == 5 and all(c.token_dispatcher.mx_rows for c in routed)
 
 
 def test_linear_converter_fqns_and_filter():
@@ -287,8 +300,55 @@ def _dispatcher_worker(rank: int, world: int, port: int) -> None:
         for dtype in (torch.bfloat16, torch.float32):
             _check_dispatch(rank, mesh, dtype)
         _check_sharded_linear_refused(mesh)  # needs a process group too: shares the launch
+        _check_mx_rows_path(rank, mesh)
     finally:
         dist.destroy_process_group()
+
+
+def _check_mx_rows_path(rank: int, mesh) -> None:
+    """RoutedExperts (EP=2) with the MX rows handed to the experts equals the same module with
+    rows dequantized on arrival, bit for bit: output and every gradient."""
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.moe import RoutedExperts
+
+    from mxmoe.integrations.torchtitan import mx_grouped_experts_cls
+
+    E, K, T, D, F = 8, 2, 19 + 5 * rank, 64, 96
+    experts_cfg = mx_grouped_experts_cls(GroupedExperts).Config(dim=D, hidden_dim=F, num_experts=E // 2)
+    mods = []
+    for mx_rows in (True, False):
+        cfg = RoutedExperts.Config(
+            inner_experts=experts_cfg,
+            token_dispatcher=MXFP8AllToAllTokenDispatcher.Config(
+                num_experts=E, top_k=K, a2a_transport="nccl", mx_rows=mx_rows
+            ),
+        )
+        torch.manual_seed(5 + rank)  # same weights for both
+        m = cfg.build()
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        m.token_dispatcher.wire_meshes(ep_mesh=mesh)
+        mods.append(m)
+    g = torch.Generator().manual_seed(20 + rank)
+    x = torch.randn(1, T, D, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).view(1, T, K)
+    scores = torch.rand(1, T, K, generator=g)
+    counts = torch.bincount(ids.view(-1), minlength=E)
+    go = torch.randn(1, T, D, generator=g).to(torch.bfloat16)
+    results = []
+    set_spmd_backend("spmd_types")
+    with set_current_spmd_mesh(mesh):
+        for m in mods:
+            xi = x.clone().requires_grad_()
+            y = m(xi, scores, ids, counts)
+            y.backward(go)
+            results.append((y.detach(), xi.grad, [p.grad for p in m.parameters()]))
+    (ya, ga, pa), (yb, gb, pb) = results
+    assert_same_bits(ya, yb, f"rank {rank}: MX-rows output")
+    assert_same_bits(ga, gb, f"rank {rank}: MX-rows input grad")
+    for i, (a, b) in enumerate(zip(pa, pb, strict=True)):
+        assert_same_bits(a, b, f"rank {rank}: MX-rows weight grad {i}")
 
 
 def _check_sharded_linear_refused(mesh) -> None:

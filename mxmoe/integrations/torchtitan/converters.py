@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass, field, fields
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torchtitan.components.quantization import QuantizationConverter
@@ -25,6 +26,7 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
 from mxmoe.ops import MXOpConfig, mx_grouped_mm, mx_mm
+from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import CAST_KERNELS, RECIPES, MXRecipe, recipe
 
 log = logging.getLogger("mxmoe")
@@ -170,6 +172,10 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
     if not (isinstance(parent_cls, type) and issubclass(parent_cls, GroupedExperts)):
         raise TypeError(f"parent_cls must be a GroupedExperts subclass, got {parent_cls!r}")
     parent_config_cls = parent_cls.Config
+    # MX rows from the MXFP8 dispatcher are understood where the forward is torchtitan's SwiGLU
+    # GroupedExperts.forward (re-implemented below for MXTensor input), not by subclasses with
+    # their own forward (GPT-OSS: biases, clamped SwiGLU), which get dequantized rows.
+    accepts_mx_rows = parent_cls.forward is GroupedExperts.forward
 
     class MXGroupedExperts(parent_cls):
         @dataclass(kw_only=True, slots=True)
@@ -179,13 +185,29 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
             mxfp8_dim0_cast_kernel_choice: str = "auto"
             gemm_dtype: str = "auto"
 
+        ACCEPTS_MX_ROWS = accepts_mx_rows
+        """forward takes the MXFP8 dispatcher's MXTensor rows (see `takes_mx_rows`)."""
+
         def __init__(self, config):
             super().__init__(config)
             self.mx_recipe = mx_recipe(**_options(config))
             self._mx_op_config = op_config(self.mx_recipe)
 
-        def _grouped_mm(self, *, A: Tensor, B_t: Tensor, offs: Tensor) -> Tensor:
+        def _grouped_mm(self, *, A: Tensor | MXTensor, B_t: Tensor, offs: Tensor) -> Tensor:
             return mx_grouped_mm(A, B_t, offs, self._mx_op_config)
+
+        if accepts_mx_rows:
+
+            def forward(self, x_RD: Tensor | MXTensor, num_tokens_per_expert_E: Tensor) -> Tensor:
+                if not isinstance(x_RD, MXTensor):
+                    return super().forward(x_RD, num_tokens_per_expert_E)
+                # MXFP8 rows from the dispatcher (bf16 origin): the w1 / w3 GEMMs take them as
+                # they are; otherwise torchtitan's GroupedExperts.forward, step for step.
+                w1, w2, w3 = (_local(w).bfloat16() for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+                offs = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+                h = F.silu(self._grouped_mm(A=x_RD, B_t=w1.transpose(-2, -1), offs=offs))
+                h = h * self._grouped_mm(A=x_RD, B_t=w3.transpose(-2, -1), offs=offs)
+                return self._grouped_mm(A=h, B_t=w2.transpose(-2, -1), offs=offs)
 
         def parallelize(self, parallel_dims) -> None:
             _refuse_tensor_parallel(self, parallel_dims)
@@ -195,6 +217,26 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
     MXGroupedExperts.Config.__qualname__ = f"MX{parent_cls.__name__}.Config"
     _mx_experts_cache[parent_cls] = MXGroupedExperts
     return MXGroupedExperts
+
+
+A2A_RECIPE = MXRecipe(scaling_mode="rceil")
+"""What mxmoe's MXFP8 exchange produces: e4m3 elements, blocks of 32, RCEIL scales."""
+
+
+def takes_mx_rows(experts_config) -> bool:
+    """Whether experts built from `experts_config` take the MXFP8 dispatcher's rows as MXTensor
+    without a change in results: an MX experts config with torchtitan's SwiGLU forward whose
+    recipe quantizes the rows as the exchange does (RCEIL, e4m3, blocks of 32), so that
+    requantizing the dequantized rows would give the same values."""
+    owner = getattr(type(experts_config), "_owner", None)
+    if not getattr(owner, "ACCEPTS_MX_ROWS", False):
+        return False
+    r = mx_recipe(**_options(experts_config))
+    return (r.elem_dtype, r.block_size, r.scaling_mode) == (
+        A2A_RECIPE.elem_dtype,
+        A2A_RECIPE.block_size,
+        A2A_RECIPE.scaling_mode,
+    )
 
 
 def _replace(model_config, parent, attr, new_config):
@@ -293,6 +335,10 @@ class MXGroupedExpertsConverter(QuantizationConverter):
             new_cls = mx_grouped_experts_cls(base_cls).Config
             new = new_cls(**{f.name: getattr(exp, f.name) for f in fields(exp)}, **_options(self.config))
             model_config = _replace(model_config, parent, attr, new)
+            if hasattr(parent, "token_dispatcher"):  # parent: the RoutedExperts.Config
+                from mxmoe.integrations.torchtitan.dispatcher import link_mx_rows
+
+                link_mx_rows(parent)
             converted += 1
         log.info(
             "mxmoe: %d GroupedExperts -> MX grouped GEMMs (recipe %s); skipped: %s",

@@ -29,6 +29,8 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 from torchtitan.protocols.model import ModelConfigConverter
 
 from mxmoe.comm import a2a_combine, a2a_dispatch_mxfp8
+from mxmoe.integrations.torchtitan.converters import takes_mx_rows
+from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import CAST_KERNELS
 
 log = logging.getLogger("mxmoe")
@@ -75,12 +77,17 @@ class MXFP8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
         a2a_transport: str = "auto"
         """mxmoe.comm transport: "auto" (symmetric memory between GPUs of one host where it can
         run, else the process group) | "symm" | "nccl" (the process group: NCCL, or gloo on CPU)."""
+        mx_rows: bool = False
+        """Hand bf16 rows to the experts as received, an MXTensor (no dequantize, no requantize
+        in the expert GEMMs). Set by the converters when the sibling experts take them
+        (`link_mx_rows`); same results as the dequantized rows."""
 
     def __init__(self, config: Config):
         super().__init__(config)
         _check_choices(config.mxfp8_a2a_kernel_choice, config.a2a_transport)
         self.kernel = config.mxfp8_a2a_kernel_choice
         self.transport = config.a2a_transport
+        self.mx_rows = config.mx_rows
 
     def _dispatch_token_exchange(
         self, routed_input_ND: Tensor, pg, output_splits: list[int], input_splits: list[int]
@@ -96,8 +103,20 @@ class MXFP8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
             kernel=self.kernel,
             transport=self.transport,
         )
+        if self.mx_rows and routed_input_ND.dtype == torch.bfloat16:
+            return mx  # (R, D) MXTensor blocked along D; gradient through mx.grad_anchor
         rows = mx.dequantize(kernel=self.kernel)
         return _DequantizedRows.apply(mx.grad_anchor, rows)
+
+    def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
+        if not isinstance(routed_input_RD, MXTensor):
+            return super()._permute(routed_input_RD, num_global_tokens_per_local_expert_E)
+        # torchtitan's index computation, run on a (R, 0) stand-in; the MX rows are gathered
+        # (elements and scales) with their gradient anchor.
+        R, D = routed_input_RD.shape
+        stand_in = torch.empty((R, 0), device=routed_input_RD.device)
+        _, _, permuted_indices, counts = super()._permute(stand_in, num_global_tokens_per_local_expert_E)
+        return torch.Size((R, D)), routed_input_RD.index_rows(permuted_indices), permuted_indices, counts
 
     def _combine_token_exchange(
         self, routed_output_RD: Tensor, pg, input_splits: list[int], output_splits: list[int]
@@ -139,6 +158,7 @@ class MXFP8TokenDispatcherConverter(ModelConfigConverter):
                 swapped += 1
             elif not isinstance(d, MXFP8AllToAllTokenDispatcher.Config):
                 kept.append(f"{fqn}.token_dispatcher ({type(d).__qualname__})")
+            link_mx_rows(routed)
         log.info(
             "mxmoe: %d token dispatchers -> MXFP8 all-to-all; kept: %s", swapped, ", ".join(kept) or "none"
         )
@@ -149,6 +169,14 @@ class MXFP8TokenDispatcherConverter(ModelConfigConverter):
             "mxfp8_a2a_kernel_choice": self.config.mxfp8_a2a_kernel_choice,
             "a2a_transport": self.config.a2a_transport,
         }
+
+
+def link_mx_rows(routed_experts_config) -> None:
+    """Let an MXFP8 dispatcher hand MX rows to its sibling experts when they take them
+    (`takes_mx_rows`); called by both converters, whichever runs last decides."""
+    d = routed_experts_config.token_dispatcher
+    if isinstance(d, MXFP8AllToAllTokenDispatcher.Config):
+        d.mx_rows = takes_mx_rows(routed_experts_config.inner_experts)
 
 
 def mxfp8_dispatcher_config(
