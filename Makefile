@@ -6,13 +6,15 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.6.0
 
-.PHONY: test lint train gpu-test clean
+.PHONY: test lint train clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION) \
 		numpy tabulate tqdm matplotlib pytest pytest-timeout hypothesis ruff "setuptools>=77"
+	# the torchtitan integration's tests (torch stays pinned)
+	$(BIN)/python -m pip install -q torchtitan==0.3.0 torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -1,0 +1,434 @@
+"""mxmoe inside torchtitan 0.3 on CPU: converters and overrides swap the debug MoE model's modules;
+the swapped modules equal mxmoe's own ops bit for bit, forward and backward; the MXFP8 token
+dispatcher (2 gloo ranks) equals torchtitan's bf16 dispatcher run on quantize-dequantized rows
+(the oracle's), and its gradients follow mxmoe's exchange rules."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'mxmoe[torchtitan]')")
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12):
+    pytest.skip(
+        "torchtitan 0.3 needs torch >= 2.12 (torch.distributed.fsdp.DataParallelMeshDims, "
+        f"torch.compiler._is_non_strict_tracing); this is torch {torch.__version__}",
+        allow_module_level=True,
+    )
+
+from conftest import assert_same_bits, spawn_ranks  # noqa: E402
+from torchtitan.models.common.linear import Linear  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  # noqa: E402
+
+import mxmoe.nn  # noqa: E402
+from mxmoe.integrations.torchtitan import (  # noqa: E402
+    MXFP8AllToAllTokenDispatcher,
+    MXFP8TokenDispatcherConverter,
+    MXGroupedExpertsConverter,
+    MXLinear,
+    MXLinearConverter,
+    mx_recipe,
+)
+from mxmoe.ops import mx_grouped_mm  # noqa: E402
+from tests.quant import helpers as H  # noqa: E402
+from tests.quant import oracle as O  # noqa: E402
+
+
+def debug_moe_spec(converters=None):
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    return model_registry("debugmodel", converters=converters)
+
+
+def all_converters(**options):
+    return [
+        MXLinearConverter.Config(**options),
+        MXGroupedExpertsConverter.Config(**options),
+        MXFP8TokenDispatcherConverter.Config(),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# Converters and overrides
+# ------------------------------------------------------------------------------------------------
+
+
+def test_converters_swap_the_debug_moe_model():
+    ref_spec = debug_moe_spec()
+    spec = debug_moe_spec(all_converters(recipe_name="mxfp8"))
+    with torch.device("meta"):
+        ref, model = ref_spec.model.build(), spec.model.build()
+    mods = dict(model.named_modules())
+    # parameters (names and shapes) are untouched: checkpoints and optimizers see the same model
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [
+        (n, p.shape) for n, p in ref.named_parameters()
+    ]
+    mx_linears = {n for n, m in mods.items() if isinstance(m, MXLinear)}
+    plain_linears = {n for n, m in mods.items() if type(m) is Linear}
+    assert "layers.1.attention.wq" in mx_linears and "layers.0.feed_forward.w1" in mx_linears
+    assert "layers.1.moe.shared_experts.w2" in mx_linears
+    assert plain_linears == {"lm_head"} | {f"layers.{i}.moe.router.gate" for i in range(1, 6)}
+    for i in range(1, 6):
+        exp = mods[f"layers.{i}.moe.routed_experts.inner_experts"]
+        assert isinstance(exp, GroupedExperts) and type(exp).__name__ == "MXGroupedExperts"
+        assert exp.mx_recipe == mx_recipe("mxfp8")
+        disp = mods[f"layers.{i}.moe.routed_experts"].token_dispatcher
+        assert type(disp) is MXFP8AllToAllTokenDispatcher
+        assert disp.mx_rows is False  # FLOOR experts requantize: rows arrive dequantized
+    assert mods["layers.1.attention.wq"].mx_recipe.scaling_mode == "floor"
+    model.verify_module_protocol()  # the trainer's check after build
+
+
+@pytest.mark.parametrize("order", ["experts_first", "dispatcher_first"])
+def test_mx_rows_linked_when_the_experts_take_them(order):
+    convs = all_converters()  # mxfp8_rceil: the exchange's own quantization
+    if order == "dispatcher_first":
+        convs = [convs[2], convs[0], convs[1]]
+    spec = debug_moe_spec(convs)
+    from torchtitan.models.common.moe import RoutedExperts
+
+    routed = [c for _, c, _, _ in spec.model.traverse(RoutedExperts.Config)]
+    assert len(routed) == 5 and all(c.token_dispatcher.mx_rows for c in routed)
+
+
+def test_linear_converter_fqns_and_filter():
+    spec = debug_moe_spec([MXLinearConverter.Config(fqns=["attention"], filter_fqns=["wkv_b"])])
+    kinds = {fqn: type(c) for fqn, c, _, _ in spec.model.traverse(Linear.Config)}
+    assert kinds["layers.2.attention.wq"] is MXLinear.Config
+    assert kinds["layers.2.attention.wkv_b"] is Linear.Config  # filtered
+    assert kinds["layers.2.moe.shared_experts.w1"] is Linear.Config  # not in fqns
+
+
+def test_overrides_from_the_command_line():
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.config.override import apply_overrides
+
+    config = ConfigManager().parse_args(
+        [
+            "--module",
+            "deepseek_v3",
+            "--config",
+            "deepseek_v3_debugmodel",
+            "--override.imports",
+            'mxmoe.integrations.torchtitan.mxmoe_linear={"recipe_name": "mxfp8"}',
+            "mxmoe.integrations.torchtitan.mxmoe_grouped_mm,mxmoe.integrations.torchtitan.mxmoe_a2a",
+        ]
+    )
+    lines = apply_overrides(config.override, config)
+    model = config.model_spec.model
+    linears = {fqn: c for fqn, c, _, _ in model.traverse(Linear.Config)}
+    assert type(linears["layers.3.attention.wo"]) is MXLinear.Config
+    assert linears["layers.3.attention.wo"].recipe_name == "mxfp8"
+    assert type(linears["lm_head"]) is Linear.Config
+    assert type(linears["layers.3.moe.router.gate"]) is Linear.Config
+    experts = [c for _, c, _, _ in model.traverse(GroupedExperts.Config)]
+    assert len(experts) == 5 and all(type(c).__qualname__.startswith("MXGroupedExperts") for c in experts)
+    assert all(c.recipe_name == "mxfp8_rceil" for c in experts)
+    dispatchers = [c for _, c, _, _ in model.traverse(AllToAllTokenDispatcher.Config)]
+    assert len(dispatchers) == 5 and all(type(c) is MXFP8AllToAllTokenDispatcher.Config for c in dispatchers)
+    for fqn, c in linears.items():
+        if any(k in fqn for k in ("attention.w", "feed_forward.", "shared_experts.")):
+            assert type(c) is MXLinear.Config, fqn
+    assert all(line.startswith("[Override] mxmoe.integrations.torchtitan.mxmoe_") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"recipe_name": "nvfp4"}, "recipe_name='nvfp4'"),
+        ({"mxfp8_dim1_cast_kernel_choice": "cutedsl"}, "mxfp8_dim1_cast_kernel_choice='cutedsl'"),
+        ({"gemm_dtype": "float16"}, "gemm_dtype='float16'"),
+    ],
+)
+def test_bad_options_name_the_option(options, match):
+    with pytest.raises(ValueError, match=match):
+        MXLinearConverter.Config(**options).build()
+    with pytest.raises(ValueError, match=match):
+        MXGroupedExpertsConverter.Config(**options).build()
+
+
+def test_tensor_parallel_is_refused():
+    lin = MXLinear.Config(in_features=64, out_features=32).build()
+    with pytest.raises(ValueError, match="tensor_parallel_degree=2"):
+        lin.parallelize(SimpleNamespace(tp=2))
+    spec = debug_moe_spec([MXGroupedExpertsConverter.Config()])
+    cfg = next(c for _, c, _, _ in spec.model.traverse(GroupedExperts.Config))
+    with torch.device("meta"):
+        experts = cfg.build()
+    with pytest.raises(ValueError, match="tensor_parallel_degree=4"):
+        experts.parallelize(SimpleNamespace(tp=4))
+
+
+# ------------------------------------------------------------------------------------------------
+# Numerics: the swapped modules run mxmoe's ops, bit for bit
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mx_linear_equals_mxmoe_mxlinear(dtype):
+    torch.manual_seed(0)
+    lin = MXLinear.Config(in_features=96, out_features=64, bias=True).build()
+    lin.reset_parameters()
+    ref = mxmoe.nn.MXLinear.from_linear(
+        torch.nn.Linear(96, 64, bias=True), mx_recipe("mxfp8_rceil")
+    )
+    with torch.no_grad():
+        ref.weight.copy_(lin.weight)
+        ref.bias.copy_(lin.bias)
+    x = torch.randn(3, 37, 96, dtype=dtype)
+    g = torch.randn(3, 37, 64, dtype=dtype)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = lin(xa), ref(xb)
+    assert_same_bits(ya, yb, "forward")
+    ya.backward(g)
+    yb.backward(g)
+    assert_same_bits(xa.grad, xb.grad, "dgrad")
+    assert_same_bits(lin.weight.grad, ref.weight.grad, "wgrad")
+    assert_same_bits(lin.bias.grad, ref.bias.grad, "bias grad")
+
+
+def _experts_pair(base_cfg, options):
+    """(converted experts, unconverted torchtitan experts whose _grouped_mm is mxmoe's op), same weights."""
+    torch.manual_seed(1)
+    ref = base_cfg.build()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    new_cfg = MXGroupedExpertsConverter.Config(**options).build().convert(base_cfg)
+    mx = new_cfg.build()
+    mx.load_state_dict(ref.state_dict())
+    cfg = mx_recipe(**options)
+    ref._grouped_mm = lambda *, A, B_t, offs: mx_grouped_mm(A, B_t, offs, cfg)
+    return mx, ref
+
+
+def _check_experts(mx, ref, dim, counts):
+    counts = torch.tensor(counts, dtype=torch.int64)
+    rows = int(counts.sum()) + 5  # rows past the last group (padding) belong to no expert
+    x = torch.randn(rows, dim)
+    g = torch.randn(rows, dim)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = mx(xa, counts), ref(xb, counts)
+    assert_same_bits(ya, yb, "forward")
+    ya.backward(g)
+    yb.backward(g)
+    assert_same_bits(xa.grad, xb.grad, "input grad")
+    for (n, pa), (_, pb) in zip(mx.named_parameters(), ref.named_parameters(), strict=True):
+        assert_same_bits(pa.grad, pb.grad, f"grad {n}")
+
+
+def test_grouped_experts_equal_mx_grouped_mm():
+    cfg = GroupedExperts.Config(dim=64, hidden_dim=96, num_experts=4)
+    mx, ref = _experts_pair(cfg, {"recipe_name": "mxfp8_rceil", "gemm_dtype": "float32"})
+    assert type(mx).__name__ == "MXGroupedExperts"
+    _check_experts(mx, ref, 64, [7, 0, 33, 20])  # an empty expert, groups not multiples of 32
+
+
+def test_gpt_oss_experts_equal_mx_grouped_mm():
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+    cfg = GptOssGroupedExperts.Config(dim=64, hidden_dim=32, num_experts=3)
+    mx, ref = _experts_pair(cfg, {"recipe_name": "mxfp8"})
+    assert isinstance(mx, GptOssGroupedExperts) and type(mx).__name__ == "MXGptOssGroupedExperts"
+    _check_experts(mx, ref, 64, [12, 40, 1])
+
+
+def test_debug_moe_layer_trains_close_to_bf16():
+    """The debug model's MoE block, converted, forward + backward on CPU: finite, close to the
+    unconverted block (MXFP8 error, not a wiring error)."""
+    ref_cfg = debug_moe_spec().model.layers[1].moe
+    mx_cfg = debug_moe_spec(all_converters()).model.layers[1].moe
+    torch.manual_seed(2)
+    ref = ref_cfg.build()
+    ref.init_states()
+    mx = mx_cfg.build()
+    mx.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 48, 256)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = mx(xa), ref(xb)
+    rel = ((ya - yb).norm() / yb.norm()).item()
+    assert torch.isfinite(ya).all() and rel < 0.1, rel
+    ya.square().mean().backward()
+    yb.square().mean().backward()
+    for (n, pa), (_, pb) in zip(mx.named_parameters(), ref.named_parameters(), strict=True):
+        if pb.grad is None:
+            continue
+        rel = ((pa.grad - pb.grad).norm() / pb.grad.norm()).item()
+        assert rel < 0.2, (n, rel)
+
+
+# ------------------------------------------------------------------------------------------------
+# MXFP8 token dispatcher, 2 gloo ranks
+# ------------------------------------------------------------------------------------------------
+
+
+def qdq(x: torch.Tensor) -> torch.Tensor:
+    """The oracle's MXFP8 quantize-dequantize of rows (e4m3, RCEIL, blocks of 32 along dim 1)."""
+    scale, codes = O.oracle_quantize(H.to_f32_numpy(x), 32, "rceil", "float8_e4m3fn")
+    values = O.oracle_dequantize(scale, codes, 32, "float8_e4m3fn", str(x.dtype))
+    return H.to_torch(values.astype(np.float32), x.dtype)
+
+
+class _QDQGrad(torch.autograd.Function):
+    """Identity whose backward quantize-dequantizes the gradient (what an MXFP8 exchange of the
+    gradient does, row by row)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return qdq(g.contiguous())
+
+
+def _dispatcher_worker(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        for dtype in (torch.bfloat16, torch.float32):
+            _check_dispatch(rank, mesh, dtype)
+        _check_sharded_linear_refused(mesh)  # needs a process group too: shares the launch
+        _check_mx_rows_path(rank, mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_mx_rows_path(rank: int, mesh) -> None:
+    """RoutedExperts (EP=2) with the MX rows handed to the experts equals the same module with
+    rows dequantized on arrival, bit for bit: output and every gradient."""
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.moe import RoutedExperts
+
+    from mxmoe.integrations.torchtitan import mx_grouped_experts_cls
+
+    E, K, T, D, F = 8, 2, 19 + 5 * rank, 64, 96
+    experts_cfg = mx_grouped_experts_cls(GroupedExperts).Config(dim=D, hidden_dim=F, num_experts=E // 2)
+    mods = []
+    for mx_rows in (True, False):
+        cfg = RoutedExperts.Config(
+            inner_experts=experts_cfg,
+            token_dispatcher=MXFP8AllToAllTokenDispatcher.Config(
+                num_experts=E, top_k=K, a2a_transport="nccl", mx_rows=mx_rows
+            ),
+        )
+        torch.manual_seed(5 + rank)  # same weights for both
+        m = cfg.build()
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        m.token_dispatcher.wire_meshes(ep_mesh=mesh)
+        mods.append(m)
+    g = torch.Generator().manual_seed(20 + rank)
+    x = torch.randn(1, T, D, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).view(1, T, K)
+    scores = torch.rand(1, T, K, generator=g)
+    counts = torch.bincount(ids.view(-1), minlength=E)
+    go = torch.randn(1, T, D, generator=g).to(torch.bfloat16)
+    results = []
+    set_spmd_backend("spmd_types")
+    with set_current_spmd_mesh(mesh):
+        for m in mods:
+            xi = x.clone().requires_grad_()
+            y = m(xi, scores, ids, counts)
+            y.backward(go)
+            results.append((y.detach(), xi.grad, [p.grad for p in m.parameters()]))
+    (ya, ga, pa), (yb, gb, pb) = results
+    assert_same_bits(ya, yb, f"rank {rank}: MX-rows output")
+    assert_same_bits(ga, gb, f"rank {rank}: MX-rows input grad")
+    for i, (a, b) in enumerate(zip(pa, pb, strict=True)):
+        assert_same_bits(a, b, f"rank {rank}: MX-rows weight grad {i}")
+
+
+def _check_sharded_linear_refused(mesh) -> None:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    lin = MXLinear.Config(in_features=64, out_features=64).build()
+    x = torch.randn(4, 64)
+    lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Replicate()]))
+    assert lin(x).shape == (4, 64)  # whole weights: computes
+    lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.full_tensor().detach(), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match=r"MXLinear.weight is a DTensor with placements \(Shard"):
+        lin(x)
+
+
+def _check_dispatch(rank: int, mesh, dtype: torch.dtype) -> None:
+    from torchtitan.distributed.spmd_types import set_current_spmd_mesh
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    """One dtype: the MXFP8 dispatcher against the bf16 one on quantize-dequantized rows."""
+    E, K, T, D = 8, 3, 21 + 6 * rank, 64
+    ref = AllToAllTokenDispatcher.Config(num_experts=E, top_k=K).build()
+    mx = MXFP8AllToAllTokenDispatcher.Config(
+        num_experts=E, top_k=K, a2a_transport="nccl", mxfp8_a2a_kernel_choice="torch"
+    ).build()
+    # ref's combine exchange, with the gradient quantize-dequantized as MXFP8 moves it
+    ref_combine = ref._combine_token_exchange
+    ref._combine_token_exchange = lambda *a: _QDQGrad.apply(ref_combine(*a))
+    for d in (ref, mx):
+        d.wire_meshes(ep_mesh=mesh)
+    g = torch.Generator().manual_seed(10 + rank)
+    x = (torch.randn(T, D, generator=g) * torch.exp2(torch.randint(-8, 8, (T, 1), generator=g))).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if rank == 1:
+        ids[ids >= E // 2] -= E // 2  # rank 1 sends nothing to rank 1's experts 4..7: zero splits
+    scores = torch.rand(T, K, generator=g)
+    counts = torch.bincount(ids.view(-1), minlength=E)
+
+    # torchtitan's default spmd_types backend runs the MoE under the EP mesh; its bf16 exchange
+    # there (list all_to_all) fails on gloo with uneven splits, so the bf16 reference runs on the
+    # partial_dtensor backend (functional all_to_all_single), the MXFP8 dispatcher on both.
+    w = torch.randn(D, D, generator=g).to(dtype) / 8
+    go = torch.randn(T, D, generator=g).to(dtype)
+
+    def run(d, x_in, backend):
+        set_spmd_backend(backend)
+        ctx = set_current_spmd_mesh(mesh) if backend == "spmd_types" else contextlib.nullcontext()
+        with ctx:
+            x_in = x_in.clone().requires_grad_()
+            rows, counts_e, meta = d.dispatch(x_in, scores, ids, counts)
+            out = d.combine(rows @ w, meta, x_in)  # expert outputs: any function of the rows
+            out.backward(go)
+        return rows.detach(), counts_e, meta, out.detach(), x_in.grad
+
+    ref_out = run(ref, qdq(x), "partial_dtensor")
+    for backend in ("spmd_types", "partial_dtensor"):
+        ra, ca, ma, oa, ga = run(mx, x, backend)
+        rb, cb, mb, ob, gb = ref_out
+        assert torch.equal(ca, cb)
+        assert ma.input_splits == mb.input_splits and ma.output_splits == mb.output_splits
+        assert_same_bits(ra, rb, f"rank {rank} {backend}: dispatched rows")
+        assert_same_bits(oa, ob, f"rank {rank} {backend}: combined output")
+        # combine's gradient exchanged in MXFP8, dispatch's gradient in high precision
+        assert_same_bits(ga, gb, f"rank {rank} {backend}: input grad")
+
+
+def test_mxfp8_dispatcher_equals_bf16_dispatch_of_qdq_rows():
+    spawn_ranks(_dispatcher_worker, 2, timeout_s=120)  # one launch: spawning costs seconds
+
+
+def test_text_dataset_reads_as_torchtitan_c4_test(tmp_path):
+    """The offline dataset writer produces what torchtitan's c4_test loader reads."""
+    from datasets import load_dataset
+
+    from mxmoe.integrations.torchtitan.data import write_text_dataset
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text('print("héllo")\n')
+    (src / "b.py").write_text("x = 1\n")
+    (src / "empty.py").write_text("\n")
+    (src / "c.txt").write_text("not taken\n")
+    assert write_text_dataset(tmp_path / "out", str(src)) == 2
+    ds = load_dataset(str(tmp_path / "out"), split="train", cache_dir=str(tmp_path / "cache"))
+    assert [r["text"] for r in ds] == ['print("héllo")\n', "x = 1\n"]
