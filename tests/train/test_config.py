@@ -145,9 +145,16 @@ def test_shipped_configs_parse(path):
     assert cfg.training.steps > 0
 
 
-def test_debug_config_trains_with_mx_on_cpu_kernels():
+def test_debug_config_trains_with_mx_and_the_default_recipe():
+    from mxmoe.nn import MXConfig
+
     cfg = load_toml(str(Path(__file__).parents[2] / "configs" / "debug_moe.toml"))
-    assert cfg.model.converters == ["mx"] and cfg.mx.mxfp8_dim1_cast_kernel_choice == "torch"
+    assert cfg.model.converters == ["mx"]
+    # the trainer's defaults are MXConfig()'s: one recipe (its "auto" kernels run torch on CPU)
+    mine = MXConfig(
+        recipe_name=cfg.mx.recipe_name, mxfp8_dim1_cast_kernel_choice=cfg.mx.mxfp8_dim1_cast_kernel_choice
+    )
+    assert mine.to_recipe() == MXConfig().to_recipe()
 
 
 def test_mx_recipe_default_is_the_library_default_and_help_lists_recipes(capsys):
