@@ -224,9 +224,16 @@ def mx_cast(x: Tensor, ax: int, recipe: MXRecipe, kernel: str | None = None) -> 
 def _cast(x: Tensor, ax: int, spec, dim0_kernel: str, dim1_kernel: str) -> MXTensor:
     # (Shapes as tuples of ints: Tensor.view(torch.Size) costs several microseconds more per call.)
     bs, nd = spec.block_size, x.ndim
-    if nd == 2 and ax == 1:  # the common case: no reshapes
-        q, s = dispatch.quantize_dim0(x.contiguous(), spec, resolve_kernel(dim0_kernel, x.device, "dim0"))
-        return MXTensor(q, s, 1, bs, spec.mode.value, x.dtype)
+    if nd == 2:  # the common cases, with the fewest reshapes
+        R, C = x.shape
+        if ax == 1 or x.stride(0) == 1 and x.stride(1) == R:  # blocks innermost in memory: dim0
+            xs = x.contiguous() if ax == 1 else x.t()
+            q, s = dispatch.quantize_dim0(xs, spec, resolve_kernel(dim0_kernel, x.device, "dim0"))
+        else:
+            x3 = x.contiguous().view(1, R, C)
+            q, s = dispatch.quantize_dim1(x3, spec, resolve_kernel(dim1_kernel, x.device, "dim1"))
+            q, s = q.view(C, R), s.view(C, R // bs)
+        return MXTensor(q, s, ax, bs, spec.mode.value, x.dtype)
     moved = x.movedim(ax, -1) if ax != nd - 1 else x
     shape = tuple(moved.shape)
     if ax == nd - 1 or moved.is_contiguous():
