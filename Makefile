@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION) \
-		numpy tabulate tqdm matplotlib pytest pytest-timeout hypothesis ruff setuptools
+		numpy tabulate tqdm matplotlib pytest pytest-timeout hypothesis ruff "setuptools>=77"
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -1,13 +1,42 @@
-"""The `mxmoe` command: `mxmoe train ...`, `mxmoe plot ...`, `mxmoe bench {cast,a2a,linear,grouped_mm} ...`.
+"""The `mxmoe` command: `mxmoe train ...`, `mxmoe plot ...`,
+`mxmoe bench {cast,a2a,linear,grouped_mm,overhead,train} ...`.
 
 Each subcommand lives in its own module exposing `main(argv: list[str]) -> int`; it is imported
-only when used, so `mxmoe --help` stays fast.
+only when used, so `mxmoe --help` stays fast. Lists are given one way everywhere: comma separated
+(`--mx.filter_fqns=output,router`, `mxmoe plot --labels a,b`, `mxmoe bench a2a --dims 5120,7168`).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+def comma_list(
+    item: Callable[[str], T] = str, choices: Sequence[str] | None = None
+) -> Callable[[str], list[T]]:
+    """An argparse `type` for list options: "a,b,c" -> [item("a"), item("b"), item("c")]. With
+    `action="extend"` the option may also be repeated (`--k a,b --k c` == `--k a,b,c`)."""
+
+    def parse(text: str) -> list[T]:
+        parts = [t.strip() for t in text.split(",") if t.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"{text!r} is empty; expected a comma-separated list")
+        bad = [t for t in parts if choices is not None and t not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(choices)}")
+        try:
+            return [item(t) for t in parts]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+    parse.__name__ = "comma list"  # argparse names the type in its errors
+    return parse
+
 
 COMMANDS = {
     "train": "mxmoe.train.trainer",
@@ -18,28 +47,55 @@ BENCHES = {
     "a2a": "mxmoe.bench.a2a",
     "linear": "mxmoe.bench.linear",
     "grouped_mm": "mxmoe.bench.grouped_mm",
+    "overhead": "mxmoe.bench.overhead",
+    "train": "mxmoe.bench.train",
 }
 
 USAGE = f"""usage: mxmoe COMMAND [ARGS...]
+       mxmoe --version
 
 commands:
   train            train a model (TOML config + --section.key=value overrides)
   plot             draw loss curves of runs to a PNG
   bench NAME       benchmarks on a GPU; NAME is one of {", ".join(BENCHES)}
 
-`mxmoe COMMAND --help` describes each command."""
+`mxmoe COMMAND --help` describes each command; lists are comma separated everywhere."""
+
+BENCH_USAGE = f"""usage: mxmoe bench NAME [ARGS...]
+
+benchmarks (each needs a CUDA GPU; `mxmoe bench NAME --help` lists its options):
+  cast             MX cast kernels (torch, triton, cuda): time and bandwidth per shape
+  a2a              MXFP8 vs bf16 all-to-all dispatch/combine (run under torchrun)
+  linear           MXLinear vs nn.Linear forward + backward
+  grouped_mm       MX grouped GEMM of the experts vs the high-precision one
+
+NAME is one of {", ".join(BENCHES)}."""
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `mxmoe ARGS`; returns the exit status (0 ok, 2 usage error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:  # no command is a usage error: help on stderr, status 2 (as argparse does)
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from mxmoe import __version__
+
+        print(f"mxmoe {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
+        if rest and rest[0] in ("-h", "--help"):
+            print(BENCH_USAGE)
+            return 0
         if not rest or rest[0] not in BENCHES:
-            got = rest[0] if rest else "nothing"
-            print(f"mxmoe bench: expected one of {list(BENCHES)}, got {got}", file=sys.stderr)
+            got = repr(rest[0]) if rest else "nothing"
+            err = f"mxmoe bench: expected a benchmark name, one of {list(BENCHES)}; got {got}"
+            print(err, file=sys.stderr)
+            print(f"\n{BENCH_USAGE}", file=sys.stderr)
             return 2
         module, rest = BENCHES[rest[0]], rest[1:]
     elif cmd in COMMANDS:

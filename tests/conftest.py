@@ -1,9 +1,18 @@
-"""Test set-up: on a machine without a GPU, Triton kernels run through its interpreter.
+"""Shared test set-up and helpers.
 
-TRITON_INTERPRET must be set before any `@triton.jit` runs (at import of the kernel modules).
+- On a machine without a GPU, Triton kernels run through its interpreter (TRITON_INTERPRET must be
+  set before any `@triton.jit` runs, i.e. before the kernel modules are imported).
+- GPU-only tests carry `@pytest.mark.gpu` and are skipped without a CUDA GPU; select them with
+  `pytest -m gpu`, or a package with `pytest tests/<package>` (scripts/gpu/suite.sh runs them in parts).
+- Helpers shared by several packages' tests: `free_port`, `spawn_ranks` (gloo process groups in
+  spawned processes) and `assert_same_bits`, as plain functions (usable inside spawned workers via
+  `from conftest import ...`) and as fixtures of the same names.
 """
 
+from __future__ import annotations
+
 import os
+import socket
 
 import pytest
 import torch
@@ -19,3 +28,71 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> None:
+    """Run fn(rank, world, port, *args) in `world` spawned processes and wait at most `timeout_s`.
+
+    `fn` must be a module-level function (spawn pickles it by name); `port` is a fresh free port for
+    the ranks' rendezvous (e.g. `init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", ...)`
+    or MASTER_PORT). Fails the test, after killing every straggler, if a rank exits non-zero or is
+    still running at the deadline: a distributed test never hangs the suite.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=fn, args=(rank, world, port, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    assert not hung, f"ranks {hung} still running after {timeout_s:.0f} s (killed); exit codes {codes}"
+    assert codes == [0] * world, f"exit codes {codes}"
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    """Equal shapes and dtypes, NaNs at the same places, and equal bit patterns everywhere else
+    (so +0 != -0, and float8 / e8m0 tensors compare byte for byte)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
+    if a.dtype.itemsize == 1:
+        ba, bb = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    else:
+        na, nb = a.isnan(), b.isnan()
+        assert torch.equal(na, nb), f"{what}: NaN positions differ"
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
+        ba, bb = a.contiguous().view(ints)[~na], b.contiguous().view(ints)[~nb]
+    if not torch.equal(ba, bb):
+        bad = (ba != bb).nonzero()[:5].flatten().tolist()
+        raise AssertionError(f"{what}: bits differ at flat indices {bad} (first 5)")
+
+
+@pytest.fixture(name="free_port")
+def _free_port_fixture() -> int:
+    return free_port()
+
+
+@pytest.fixture(name="spawn_ranks")
+def _spawn_ranks_fixture():
+    return spawn_ranks
+
+
+@pytest.fixture(name="assert_same_bits")
+def _assert_same_bits_fixture():
+    return assert_same_bits

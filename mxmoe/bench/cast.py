@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mxmoe.bench import timing
+from mxmoe.cli import comma_list
 
 MODES = ("dim0", "dim1", "dim0_dim1", "3d", "dequant")
 SCALINGS = ("floor", "rceil")
@@ -64,10 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "dim0_dim1: both from one read; 3d: expert weights (E, N, K) along K and along N; "
                    "dequant: back to bf16")
     p.add_argument("--scaling", choices=(*SCALINGS, "all"), default="all", help="scale mode")
-    p.add_argument("--kernel", choices=(*KERNELS, "all"), action="append",
-                   help="backend(s), repeatable (torch = torch_cast under torch.compile); default all")
-    p.add_argument("--shape", type=_shape, action="append",
-                   help="RxC for 2D modes or ExNxK for 3d, repeatable; defaults: "
+    p.add_argument("--kernel", type=comma_list(choices=(*KERNELS, "all")), action="extend",
+                   help="backend(s), comma list (torch = torch_cast under torch.compile); default all")
+    p.add_argument("--shape", type=comma_list(_shape), action="extend",
+                   help="RxC for 2D modes or ExNxK for 3d, comma list; defaults: "
                    + ", ".join("x".join(map(str, s)) for s in DEFAULT_SHAPES_2D + DEFAULT_SHAPES_3D))
     p.add_argument("--elem", choices=tuple(ELEMS), default="e4m3", help="element format")
     p.add_argument("--iters", type=_positive, default=50, help="timed iterations (median reported)")

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mxmoe.bench.timing import bf16_gemm_tflops, environment, print_table, require_cuda, write_json
+from mxmoe.cli import comma_list
 
 RECIPES = {"mxfp8": "floor", "mxfp8_rceil": "rceil"}
 
@@ -57,11 +58,13 @@ def main(
     p = argparse.ArgumentParser(prog=f"mxmoe bench {name}", description=doc)
     p.add_argument(
         "--shape",
-        type=shape_parser(pattern, example),
-        action="append",
-        help=f"{pattern} (repeatable); default: MoE shapes",
+        type=comma_list(shape_parser(pattern, example)),
+        action="extend",
+        help=f"{pattern}, comma list; default: MoE shapes",
     )
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument(
+        "--recipes", type=comma_list(choices=list(RECIPES)), action="extend", help="comma list; default: all"
+    )
     p.add_argument("--kernel", default="auto", help="cast kernel: auto | torch | triton | cuda")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
@@ -70,7 +73,7 @@ def main(
     ceiling = bf16_gemm_tflops()
     rows = []
     for shape in args.shape or shapes:
-        rows += run_shape(*shape, args.recipes, args.kernel, args.iters)
+        rows += run_shape(*shape, args.recipes or list(RECIPES), args.kernel, args.iters)
         torch.cuda.empty_cache()
     title = f"{name} fwd+bwd (3 GEMMs); bf16 GEMM ceiling 8192^3: {ceiling:.0f} TFLOP/s"
     print_table(rows, title=title)

@@ -15,10 +15,11 @@ SHAPES = [(65536, 7168, 2048, 8), (65536, 2048, 7168, 8), (65536, 5120, 8192, 8)
 
 
 def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, iters: int) -> list[dict]:
-    from mxmoe.ops import MXOpConfig, mx_gemm, mx_grouped_mm
+    from mxmoe.ops import MXOpConfig, mx_grouped_mm
+    from mxmoe.ops.gemm import hp_gemm
     from mxmoe.ops.grouped import group_padding, pad_groups
-    from mxmoe.ops.linear import transpose_2d
-    from mxmoe.quant.mx_tensor import to_mx, to_mx_dim0_dim1
+    from mxmoe.quant.mx_tensor import MXTensor
+    from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 
     a = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5).requires_grad_()
@@ -41,28 +42,33 @@ def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, i
     t_bf16_gemm = bench(bf16_gemms, iters=iters).median_ms
     rows = [row(name, "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
     pos, offs_pad, cap = group_padding(offs, T, 32)
+    bf = torch.bfloat16
     for recipe in recipes:
         cfg = MXOpConfig(scaling_mode=RECIPES[recipe], kernel=kernel, dim1_kernel=kernel)
-        ck, ck1 = cfg.cast_kwargs(), cfg.cast_kwargs(dim1=True)
 
         def mx_step(cfg=cfg):
             mx_grouped_mm(a, w.transpose(-2, -1), offs, cfg).backward(dy)
 
-        def cast_all(ck=ck, ck1=ck1):
-            p0, a1 = to_mx_dim0_dim1(pad_groups(a.detach(), offs, pos, cap), **ck1)
-            a0 = p0.index_rows(pos)
-            w0 = to_mx(w.detach().transpose(-2, -1), axis=-2, **ck)
-            q0, dy1 = to_mx_dim0_dim1(pad_groups(dy, offs, pos, cap), **ck1)
-            dy0 = q0.index_rows(pos)
-            w1 = to_mx(w.detach(), axis=-2, **ck1)
-            return a0, a1, w0, dy0, dy1, w1
+        # the emulated GEMM's operand casts (fused quantize-dequantize), as mx_grouped_mm runs them
+        def cast_all(cfg=cfg):
+            p0, q1, s1 = qdq_dim0_dim1(
+                pad_groups(a.detach(), offs, pos, cap), recipe=cfg, out_dtype=bf, dim1_mx=True
+            )
+            a0 = p0.index_select(0, pos)
+            MXTensor(q1, s1, 0, 32, cfg.scaling_mode, bf).dequantize(bf)  # backward: a along M
+            w0 = qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)
+            q0, dy1 = qdq_dim0_dim1(pad_groups(dy, offs, pos, cap), recipe=cfg, out_dtype=bf)
+            dy0 = q0.index_select(0, pos)
+            w1 = qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)
+            return a0, w0, dy0, dy1, w1
 
-        a0, a1, w0, dy0, dy1, w1 = cast_all()
+        a0, w0, dy0, dy1, w1 = cast_all()
+        a1 = qdq(pad_groups(a.detach(), offs, pos, cap), -2, recipe=cfg, out_dtype=bf)
 
-        def gemms(cfg=cfg, a0=a0, a1=a1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
-            mx_gemm(a0, w0, offs, kernel=cfg.kernel)
-            mx_gemm(dy0, w1, offs, kernel=cfg.kernel)
-            mx_gemm(transpose_2d(dy1), a1, offs_pad, kernel=cfg.kernel)
+        def gemms(a0=a0, a1=a1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
+            hp_gemm(a0, w0.transpose(-2, -1), offs, bf)
+            hp_gemm(dy0, w1, offs, bf)
+            hp_gemm(dy1.t(), a1, offs_pad, bf)
 
         t = bench(mx_step, iters=iters).median_ms
         tc = bench(cast_all, iters=iters).median_ms

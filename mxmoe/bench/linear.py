@@ -15,9 +15,11 @@ SHAPES = [(131072, 7168, 2048), (131072, 2048, 7168), (131072, 5120, 8192), (131
 
 
 def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: int) -> list[dict]:
-    from mxmoe.ops import MXOpConfig, mx_gemm, mx_mm
-    from mxmoe.ops.linear import cast_both, transpose_2d
-    from mxmoe.quant.mx_tensor import to_mx
+    from mxmoe.ops import MXOpConfig, mx_mm
+    from mxmoe.ops.gemm import hp_gemm
+    from mxmoe.ops.linear import pad_rows
+    from mxmoe.quant.mx_tensor import MXTensor
+    from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5).requires_grad_()
@@ -34,27 +36,29 @@ def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: in
     t_bf16 = bench(bf16_step, iters=iters).median_ms
     t_bf16_gemm = bench(bf16_gemms, iters=iters).median_ms
     rows = [row(f"{M}x{K}->{N}", "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
+    bf = torch.bfloat16
     for recipe in recipes:
         cfg = MXOpConfig(scaling_mode=RECIPES[recipe], kernel=kernel, dim1_kernel=kernel)
-        ck = cfg.cast_kwargs()
 
         def mx_step(cfg=cfg):
             mx_mm(x, w.t(), cfg).backward(dy)
 
-        def casts(cfg=cfg, ck=ck):
-            cast_both(x.detach(), cfg)  # forward: x both ways
-            to_mx(w.detach().t(), axis=0, **ck)  # forward: W along K
-            cast_both(dy, cfg)  # backward: dy both ways
-            to_mx(w.detach(), axis=0, **cfg.cast_kwargs(dim1=True))  # backward: W along N
+        # the emulated GEMM's operand casts (fused quantize-dequantize), as mx_mm runs them
+        def casts(cfg=cfg):
+            _, q1, s1 = qdq_dim0_dim1(pad_rows(x.detach(), 32), recipe=cfg, out_dtype=bf, dim1_mx=True)
+            qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)  # forward: W along K
+            MXTensor(q1, s1, 0, 32, cfg.scaling_mode, bf).dequantize(bf)  # backward: x along M
+            qdq_dim0_dim1(pad_rows(dy, 32), recipe=cfg, out_dtype=bf)  # backward: dy both ways
+            qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)  # backward: W along N
 
-        x0, x1 = cast_both(x.detach(), cfg)
-        w0 = to_mx(w.detach().t(), axis=0, **ck)
-        dy0, dy1 = cast_both(dy, cfg)
-        w1 = to_mx(w.detach(), axis=0, **cfg.cast_kwargs(dim1=True))
+        x0, _, _ = qdq_dim0_dim1(pad_rows(x.detach(), 32), recipe=cfg, out_dtype=bf, dim1_mx=True)
+        x1 = qdq(pad_rows(x.detach(), 32), -2, recipe=cfg, out_dtype=bf)
+        w0 = qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)
+        dy0, dy1 = qdq_dim0_dim1(pad_rows(dy, 32), recipe=cfg, out_dtype=bf)
+        w1 = qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)
 
-        def gemms(cfg=cfg, x0=x0, x1=x1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
-            kw = {"kernel": cfg.kernel}
-            mx_gemm(x0, w0, **kw), mx_gemm(dy0, w1, **kw), mx_gemm(transpose_2d(dy1), x1, **kw)
+        def gemms(x0=x0, x1=x1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
+            hp_gemm(x0, w0.t(), None, bf), hp_gemm(dy0, w1, None, bf), hp_gemm(dy1.t(), x1, None, bf)
 
         t = bench(mx_step, iters=iters).median_ms
         tc = bench(casts, iters=iters).median_ms

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -89,6 +90,45 @@ def bench(
         times = t.cpu()
     ts = times.tolist()
     return Timing(statistics.median(ts), min(ts), max(ts), iters)
+
+
+def sync() -> None:
+    """Wait for the GPU when there is one (a no-op on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def wall_us_per_call(fn: Callable, *, iters: int = 300, warmup: int = 20) -> float:
+    """Host cost of a call: wall time of `iters` back-to-back calls of fn() in microseconds per call,
+    after `warmup` calls, synchronizing the device only before and after the loop. For calls whose
+    kernels are shorter than the host's work (Python, dispatch, launches) this is the host cost;
+    otherwise it is the GPU time. Runs on CPU too."""
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"wall_us_per_call needs iters >= 1 and warmup >= 0; got {iters}, {warmup}")
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def graph_replay_us(fn: Callable, *, iters: int = 300, warmup: int = 3) -> float:
+    """fn() captured once in a CUDA graph (after `warmup` eager calls on a side stream): wall
+    microseconds per replay, measured like `wall_us_per_call`. CUDA only."""
+    require_cuda("graph_replay_us")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return wall_us_per_call(g.replay, iters=iters, warmup=2)
 
 
 def rotation_count(bytes_per_set: int, l2_bytes: int | None = None) -> int:

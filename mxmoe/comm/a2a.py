@@ -4,9 +4,12 @@ Every function exchanges *rows*: x is (rows_in, ...) ordered by destination rank
 rows go to rank p, and the result is (sum(output_splits), ...) ordered by source rank. Splits are
 lists of ints or 1D integer tensors (any device); they may be uneven or zero.
 
-MXFP8 exchanges quantize rows along the last dim (blocks of 32, e4m3, RCEIL) and move the element
+MXFP8 exchanges quantize rows along the last dim with an `MXRecipe` (its elem dtype, block size,
+scaling mode and dim0 kernel; default `DEFAULT_RECIPE`: e4m3, blocks of 32, RCEIL) and move the element
 bytes plus the E8M0 scale bytes (1 + 1/32 bytes per element instead of 2 for bf16). The result is
-bit-for-bit what `reference_mxfp8_a2a` computes (quantize -> all_to_all_single -> dequantize).
+bit-for-bit what `reference_mxfp8_a2a` computes (quantize -> all_to_all_single -> dequantize). The
+fused kernels (own rows' quantize+dequantize, symmetric memory) serve the default format; other
+recipes take the same paths with the generic cast kernels (NCCL/gloo transport).
 
 Transports. On GPUs of one host (transport "auto" or "symm") the quantize kernel writes each peer's
 rows straight into that peer's symmetric-memory buffer, a device barrier follows, and each rank
@@ -37,8 +40,9 @@ group's timeout (`init_process_group(timeout=...)`; NCCL's watchdog aborts the c
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,11 +51,13 @@ from torch import Tensor
 from mxmoe.comm.kernels import dequantize_into, qdq_into
 from mxmoe.comm.splits import BLOCK_SIZE, Plan, check_and_plan, offsets
 from mxmoe.comm.symm import SymmWorkspace, symm_mx_exchange, symm_usable
-from mxmoe.formats import make_spec
+from mxmoe.formats import CastSpec, make_spec
 from mxmoe.quant import custom_ops
 from mxmoe.quant.backends import backend, resolve_kernel
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, to_mx
+from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 
+# The format the fused kernels (own rows' quantize+dequantize, symmetric memory) are written for.
 ELEM_DTYPE = torch.float8_e4m3fn
 SCALING_MODE = "rceil"
 # Auto policy, from the 2 x H200 measurements in docs/benchmarks.md (16x8192x5120 bf16, fwd+bwd):
@@ -62,12 +68,6 @@ SCALING_MODE = "rceil"
 PIPELINE_MIN_ELEMS = 512 << 20
 MIN_PIECE_BYTES = 128 << 20
 MAX_CHUNKS = 2
-# How the own slice is quantized+dequantized: "auto" (fused Triton kernel on CUDA), "copy" (cast backend
-# quantize, then dequantize), "triton". Both give the same bits; the env var is an escape hatch.
-SELF_QDQ_IMPL = os.environ.get("MXMOE_A2A_SELF_QDQ", "auto")
-# transport="auto" takes symmetric memory where it can run (docs/benchmarks.md); MXMOE_A2A_SYMM=0 makes
-# auto take NCCL.
-SYMM_AUTO = os.environ.get("MXMOE_A2A_SYMM", "1") != "0"
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,20 +75,79 @@ SYMM_AUTO = os.environ.get("MXMOE_A2A_SYMM", "1") != "0"
 # --------------------------------------------------------------------------------------------
 
 
-_SPEC = make_spec(BLOCK_SIZE, SCALING_MODE, ELEM_DTYPE)
+@dataclass(frozen=True)
+class _Fmt:
+    """The exchange's format, from a recipe: elements, block, scaling mode and the concrete (or "auto",
+    before resolution) dim0 kernel; `fast` when the fused default-format kernels apply."""
+
+    elem_dtype: torch.dtype
+    block_size: int
+    scaling_mode: str
+    kernel: str
+    spec: CastSpec
+
+    @property
+    def fast(self) -> bool:
+        return (self.elem_dtype, self.block_size, self.scaling_mode) == (ELEM_DTYPE, BLOCK_SIZE, SCALING_MODE)
+
+    def resolved(self, device: torch.device) -> _Fmt:
+        k = resolve_kernel(self.kernel, device)
+        return self if k == self.kernel else _fmt_of(self.elem_dtype, self.block_size, self.scaling_mode, k)
+
+
+def _fmt(recipe: MXRecipe | None, kernel: str | None, fn: str) -> _Fmt:
+    """The format of an exchange: `recipe` (default DEFAULT_RECIPE: RCEIL, e4m3, blocks of 32) with its
+    dim0_kernel, or `kernel` when given without a recipe."""
+    if recipe is not None and not isinstance(recipe, MXRecipe):
+        raise TypeError(f"{fn}: recipe must be an mxmoe.MXRecipe or None, got {type(recipe).__name__}")
+    if recipe is not None and kernel is not None:
+        raise ValueError(
+            f"{fn}: give the cast kernel either as kernel={kernel!r} or through the recipe "
+            f"(dim0_kernel={recipe.dim0_kernel!r}), not both"
+        )
+    r = DEFAULT_RECIPE if recipe is None else recipe
+    return _fmt_of(r.elem_dtype, r.block_size, r.scaling_mode, r.dim0_kernel if kernel is None else kernel)
+
+
+@functools.lru_cache(maxsize=64)
+def _fmt_of(elem_dtype: torch.dtype, block_size: int, scaling_mode: str, kernel: str) -> _Fmt:
+    # cached: the cast spec's constants are computed once per format, not per exchange
+    return _Fmt(elem_dtype, block_size, scaling_mode, kernel, make_spec(block_size, scaling_mode, elem_dtype))
 
 
 def quantize_rows(x: Tensor, kernel: str = "auto") -> tuple[Tensor, Tensor]:
     """x (R, C) bf16/fp32 contiguous -> (q (R, C) float8_e4m3fn, s (R, C // 32) float8_e8m0fnu), RCEIL."""
-    return _quantize(x, resolve_kernel(kernel, x.device))
+    return _quantize(x, _fmt(None, kernel, "quantize_rows").resolved(x.device))
 
 
-def _quantize(x: Tensor, kernel: str) -> tuple[Tensor, Tensor]:
-    # `kernel` is concrete. The backend is called directly: the same kernel as the custom op, without
+def _quantize(x: Tensor, f: _Fmt) -> tuple[Tensor, Tensor]:
+    # `f.kernel` is concrete. The backend is called directly: the same kernel as the custom op, without
     # the dispatcher's per-call cost (the pipeline makes several calls per round).
     if x.numel() == 0:
-        return custom_ops.quantize_dim0(x, BLOCK_SIZE, SCALING_MODE, ELEM_DTYPE, kernel)
-    return backend(kernel).quantize_dim0(x, _SPEC)
+        return custom_ops.quantize_dim0(x, f.block_size, f.scaling_mode, f.elem_dtype, f.kernel)
+    return backend(f.kernel).quantize_dim0(x, f.spec)
+
+
+def _dequantize(q: Tensor, s: Tensor, dtype: torch.dtype, f: _Fmt) -> Tensor:
+    """q (R, C) elements (or uint8 view), s (R, C // block) scales (or uint8 view) -> (R, C) dtype."""
+    return custom_ops.dequantize(
+        q.view(f.elem_dtype), s.view(torch.float8_e8m0fnu), f.block_size, dtype, f.kernel
+    )
+
+
+def _dequantize_into(q: Tensor, s: Tensor, out: Tensor, f: _Fmt) -> None:
+    if f.fast:
+        dequantize_into(q, s, out, f.kernel)
+    elif q.numel():
+        out.copy_(_dequantize(q, s, out.dtype, f))
+
+
+def _qdq_into(x: Tensor, out: Tensor, f: _Fmt) -> None:
+    """out = dequantize(quantize(x)): one fused pass for the default format."""
+    if f.fast:
+        qdq_into(x, out, f.kernel)
+    elif x.numel():
+        out.copy_(_dequantize(*_quantize(x, f), out.dtype, f))
 
 
 def all_to_all_rows(out: Tensor, inp: Tensor, output_splits, input_splits, group=None) -> Tensor:
@@ -130,18 +189,18 @@ def _use_pipeline(is_cuda: bool, plan: Plan, chunks: int | None) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _simple_mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: bool):
+def _simple_mx_exchange(x: Tensor, plan: Plan, group, f: _Fmt, dequant: bool):
     dim = x.shape[1]
-    q, s = _quantize(x, kernel)
+    q, s = _quantize(x, f)
     rows_out = sum(plan.output_splits)
     q_out = torch.empty((rows_out, dim), dtype=torch.uint8, device=x.device)
-    s_out = torch.empty((rows_out, dim // BLOCK_SIZE), dtype=torch.uint8, device=x.device)
+    s_out = torch.empty((rows_out, dim // f.block_size), dtype=torch.uint8, device=x.device)
     all_to_all_rows(q_out, q.view(torch.uint8), plan.output_splits, plan.input_splits, group)
     all_to_all_rows(s_out, s.view(torch.uint8), plan.output_splits, plan.input_splits, group)
-    q_out, s_out = q_out.view(ELEM_DTYPE), s_out.view(torch.float8_e8m0fnu)
+    q_out, s_out = q_out.view(f.elem_dtype), s_out.view(torch.float8_e8m0fnu)
     if not dequant:
         return q_out, s_out
-    return custom_ops.dequantize(q_out, s_out, BLOCK_SIZE, x.dtype, kernel)
+    return _dequantize(q_out, s_out, x.dtype, f)
 
 
 class _Streams:
@@ -157,9 +216,9 @@ class _Streams:
         return cls._by_device[idx]
 
 
-def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: bool, chunks: int | None):
+def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, f: _Fmt, dequant: bool, chunks: int | None):
     dim = x.shape[1]
-    sdim = dim // BLOCK_SIZE
+    sdim = dim // f.block_size
     dev = x.device
     me, world = plan.rank, plan.world
     in_off, out_off = plan.in_offsets, plan.out_offsets
@@ -212,9 +271,9 @@ def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: b
             return
         r0, o0 = in_off[me] + start, out_off[me] + start
         if dequant:  # one fused pass on CUDA: read x once, write y once
-            qdq_into(x[r0 : r0 + n], y[o0 : o0 + n], kernel, impl=SELF_QDQ_IMPL)
+            _qdq_into(x[r0 : r0 + n], y[o0 : o0 + n], f)
         else:
-            q, s = _quantize(x[r0 : r0 + n], kernel)
+            q, s = _quantize(x[r0 : r0 + n], f)
             keep.append((q, s))
             q_dst[o0 : o0 + n].copy_(q.view(torch.uint8))
             s_dst[o0 : o0 + n].copy_(s.view(torch.uint8))
@@ -228,7 +287,7 @@ def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: b
                     start, n = send_pieces[p][c]
                     if n:
                         r0 = in_off[p] + start
-                        q, s = _quantize(x[r0 : r0 + n], kernel)
+                        q, s = _quantize(x[r0 : r0 + n], f)
                         keep.append((q, s))
                         ops.append(dist.P2POp(dist.isend, q.view(torch.uint8), peer_id[p], group, tag=2 * c))
                         ops.append(
@@ -254,7 +313,7 @@ def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: b
                 for w in works:
                     w.wait()
                 for qv, sv, o0, n in received:
-                    dequantize_into(qv, sv, y[o0 : o0 + n], kernel)
+                    _dequantize_into(qv, sv, y[o0 : o0 + n], f)
     with on(prod):
         self_piece(rounds - 1)
         for c in range(rounds, len(self_pieces)):
@@ -270,12 +329,13 @@ def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, kernel: str, dequant: b
     keep.clear()
     if dequant:
         return y
-    return q_dst.view(ELEM_DTYPE), s_dst.view(torch.float8_e8m0fnu)
+    return q_dst.view(f.elem_dtype), s_dst.view(torch.float8_e8m0fnu)
 
 
-def _pick_transport(x: Tensor, plan: Plan, group, chunks: int | None, transport: str) -> str:
+def _pick_transport(x: Tensor, plan: Plan, group, chunks: int | None, transport: str, f: _Fmt) -> str:
     """Returns "symm" or "nccl" (NCCL, or gloo on CPU): the same on every rank, from facts every rank
-    shares. auto: symmetric memory when it can run here and no `chunks` asks for the NCCL pipeline."""
+    shares. auto: symmetric memory when it can run here, the format is the default one and no `chunks`
+    asks for the NCCL pipeline."""
     if transport == "nccl" or plan.world == 1:
         return "nccl"
     usable = symm_usable(group, x.device)
@@ -285,30 +345,41 @@ def _pick_transport(x: Tensor, plan: Plan, group, chunks: int | None, transport:
                 "transport='symm' needs CUDA tensors, an NCCL process group of GPUs on one host, "
                 "torch.distributed._symmetric_memory and triton; use transport='nccl' or 'auto'"
             )
+        if not f.fast:
+            raise ValueError(
+                f"transport='symm' exchanges the default format only (RCEIL, e4m3, blocks of 32); the "
+                f"recipe asks for {f.scaling_mode}, {f.elem_dtype}, blocks of {f.block_size}: use "
+                "transport='nccl' or 'auto'"
+            )
         return "symm"
-    return "symm" if usable and chunks is None and SYMM_AUTO else "nccl"
+    return "symm" if usable and chunks is None and f.fast else "nccl"
 
 
 def _mx_exchange(
-    x: Tensor, plan: Plan, group, kernel: str, dequant: bool, chunks: int | None, transport: str = "nccl"
+    x: Tensor,
+    plan: Plan,
+    group,
+    f: _Fmt,
+    dequant: bool,
+    chunks: int | None,
+    transport: str = "nccl",
 ):
-    """Quantize x's rows, exchange per plan, and (if dequant) dequantize: y (rows_out, dim) x.dtype,
-    else (q (rows_out, dim) e4m3, s (rows_out, dim // 32) e8m0)."""
+    """Quantize x's rows in format f, exchange per plan, and (if dequant) dequantize: y (rows_out, dim)
+    x.dtype, else (q (rows_out, dim) f.elem_dtype, s (rows_out, dim // f.block_size) e8m0)."""
     x = x.contiguous()
-    if _pick_transport(x, plan, group, chunks, transport) == "symm":
-        resolve_kernel(kernel, x.device)  # a clear error for a kernel that cannot run here
+    f = f.resolved(x.device)  # a clear error for a kernel that cannot run here
+    if _pick_transport(x, plan, group, chunks, transport, f) == "symm":
         ws = SymmWorkspace.get(group, x.device)
         return symm_mx_exchange(
-            x, plan.input_splits, plan.output_splits, plan.rank, ws, kernel, dequant, SELF_QDQ_IMPL
+            x, plan.input_splits, plan.output_splits, plan.rank, ws, f.kernel, dequant
         )
-    kernel = resolve_kernel(kernel, x.device)
     pipelined = _use_pipeline(x.is_cuda, plan, chunks)
     if plan.world == 1 and not pipelined:
-        q, s = _quantize(x, kernel)
-        return custom_ops.dequantize(q, s, BLOCK_SIZE, x.dtype, kernel) if dequant else (q, s)
+        q, s = _quantize(x, f)
+        return _dequantize(q, s, x.dtype, f) if dequant else (q, s)
     if pipelined:
-        return _pipelined_mx_exchange(x, plan, group, kernel, dequant, chunks)
-    return _simple_mx_exchange(x, plan, group, kernel, dequant)
+        return _pipelined_mx_exchange(x, plan, group, f, dequant, chunks)
+    return _simple_mx_exchange(x, plan, group, f, dequant)
 
 
 def _hp_exchange(x: Tensor, plan: Plan, group) -> Tensor:
@@ -324,14 +395,14 @@ def _hp_exchange(x: Tensor, plan: Plan, group) -> Tensor:
 
 class _MXA2A(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, kernel, chunks, transport):
-        ctx.args = (plan, group, kernel, chunks, transport)
-        return _mx_exchange(x, plan, group, kernel, True, chunks, transport)
+    def forward(ctx, x, plan, group, f, chunks, transport):
+        ctx.args = (plan, group, f, chunks, transport)
+        return _mx_exchange(x, plan, group, f, True, chunks, transport)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, group, kernel, chunks, transport = ctx.args
-        y = _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks, transport)
+        plan, group, f, chunks, transport = ctx.args
+        y = _mx_exchange(grad, plan.reversed(), group, f, True, chunks, transport)
         return y, None, None, None, None, None
 
 
@@ -349,9 +420,9 @@ class _HPA2A(torch.autograd.Function):
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, kernel, chunks, transport):
+    def forward(ctx, x, plan, group, f, chunks, transport):
         ctx.args = (plan, group)
-        q, s = _mx_exchange(x, plan, group, kernel, False, chunks, transport)
+        q, s = _mx_exchange(x, plan, group, f, False, chunks, transport)
         anchor = make_grad_anchor((q.shape[0], q.shape[1]), x.dtype, x.device)
         ctx.mark_non_differentiable(q, s)
         return anchor, q, s
@@ -364,14 +435,14 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, kernel, chunks, transport):
-        ctx.args = (plan, group, kernel, chunks, transport)
+    def forward(ctx, x, plan, group, f, chunks, transport):
+        ctx.args = (plan, group, f, chunks, transport)
         return _hp_exchange(x, plan, group)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, group, kernel, chunks, transport = ctx.args
-        y = _mx_exchange(grad, plan.reversed(), group, kernel, True, chunks, transport)
+        plan, group, f, chunks, transport = ctx.args
+        y = _mx_exchange(grad, plan.reversed(), group, f, True, chunks, transport)
         return y, None, None, None, None, None
 
 
@@ -388,22 +459,27 @@ def to_mxfp8_a2a_dequant(
     *,
     check: bool = True,
     chunks: int | None = None,
-    kernel: str = "auto",
+    kernel: str | None = None,
     transport: str = "auto",
+    recipe: MXRecipe | None = None,
 ) -> Tensor:
     """MXFP8 all-to-all of rows, dequantized on arrival; differentiable (backward: the same MXFP8
     exchange of the gradient, in reverse).
 
-    x: (sum(input_splits), dim) bfloat16 or float32, dim % 32 == 0, rows ordered by destination.
+    x: (sum(input_splits), dim) bfloat16 or float32, dim % block_size == 0, rows ordered by destination.
     Returns (sum(output_splits), dim), x.dtype, contiguous, rows ordered by source rank; bit for bit
-    `reference_mxfp8_a2a`. check: one small all_gather validating every rank's arguments (every rank
-    raises if one is bad). chunks: None = auto (pipelined on CUDA for large tensors, else simple),
-    0 = simple, k >= 1 = pipelined with up to k pieces per pair of ranks (must be equal on all
-    ranks). kernel: the cast backend ("auto" = fastest available). transport: "symm" (quantize
-    straight into the peers' symmetric-memory buffers: `mxmoe.comm.symm`; CUDA, NCCL group on one
-    host), "nccl" (the process group's all-to-all or the `chunks` pipeline) or "auto" (symm where it
-    can run and chunks is None, else nccl); equal on all ranks.
+    `reference_mxfp8_a2a` with the same recipe. check: one small all_gather validating every rank's
+    arguments (every rank raises if one is bad). chunks: None = auto (pipelined on CUDA for large
+    tensors, else simple), 0 = simple, k >= 1 = pipelined with up to k pieces per pair of ranks (must
+    be equal on all ranks). recipe: the `MXRecipe` whose elem_dtype, block_size, scaling_mode and
+    dim0_kernel the exchange uses (None: DEFAULT_RECIPE, RCEIL e4m3 blocks of 32); give the model's
+    recipe so that EP and EP=1 quantize alike. kernel: the cast kernel without a recipe (None/"auto":
+    fastest available). transport: "symm" (quantize straight into the peers' symmetric-memory
+    buffers: `mxmoe.comm.symm`; CUDA, NCCL group on one host, default format), "nccl" (the process
+    group's all-to-all or the `chunks` pipeline) or "auto" (symm where it can run, the format is the
+    default and chunks is None, else nccl); equal on all ranks.
     """
+    f = _fmt(recipe, kernel, "to_mxfp8_a2a_dequant")
     plan = check_and_plan(
         "to_mxfp8_a2a_dequant",
         x,
@@ -413,8 +489,9 @@ def to_mxfp8_a2a_dequant(
         check=check,
         chunks=chunks,
         transport=transport,
+        block_size=f.block_size,
     )
-    return _MXA2A.apply(x, plan, group, kernel, chunks, transport)
+    return _MXA2A.apply(x, plan, group, f, chunks, transport)
 
 
 def a2a_dispatch_mxfp8(
@@ -425,18 +502,21 @@ def a2a_dispatch_mxfp8(
     *,
     check: bool = True,
     chunks: int | None = None,
-    kernel: str = "auto",
+    kernel: str | None = None,
     transport: str = "auto",
+    recipe: MXRecipe | None = None,
 ) -> MXTensor:
     """MXFP8 all-to-all of rows without dequantizing, for an MX expert GEMM.
 
-    x: (sum(input_splits), dim) bfloat16 or float32, dim % 32 == 0. Returns a 2D MXTensor quantized
-    along axis=1 (RCEIL, e4m3): storage qdata (sum(output_splits), dim) e4m3, scale (rows, dim // 32)
-    e8m0, orig_dtype x.dtype, and `grad_anchor`, a zero-stride (rows, dim) tensor whose gradient (the
-    high-precision gradient of the dequantized rows) is sent back to x's rows with a plain
-    high-precision all-to-all. Consumers take `mx.grad_anchor` as their differentiable input.
-    check, chunks, kernel, transport: as in `to_mxfp8_a2a_dequant`.
+    x: (sum(input_splits), dim) bfloat16 or float32, dim % block_size == 0. Returns a 2D MXTensor
+    quantized along axis=1 with the recipe (default RCEIL, e4m3, blocks of 32): storage qdata
+    (sum(output_splits), dim) elem_dtype, scale (rows, dim // block_size) e8m0, orig_dtype x.dtype, and
+    `grad_anchor`, a zero-stride (rows, dim) tensor whose gradient (the high-precision gradient of the
+    dequantized rows) is sent back to x's rows with a plain high-precision all-to-all. Consumers take
+    `mx.grad_anchor` as their differentiable input.
+    check, chunks, kernel, transport, recipe: as in `to_mxfp8_a2a_dequant`.
     """
+    f = _fmt(recipe, kernel, "a2a_dispatch_mxfp8")
     plan = check_and_plan(
         "a2a_dispatch_mxfp8",
         x,
@@ -446,9 +526,10 @@ def a2a_dispatch_mxfp8(
         check=check,
         chunks=chunks,
         transport=transport,
+        block_size=f.block_size,
     )
-    anchor, q, s = _Dispatch.apply(x, plan, group, kernel, chunks, transport)
-    return MXTensor(q, s, 1, BLOCK_SIZE, SCALING_MODE, x.dtype, anchor)
+    anchor, q, s = _Dispatch.apply(x, plan, group, f, chunks, transport)
+    return MXTensor(q, s, 1, f.block_size, f.scaling_mode, x.dtype, anchor)
 
 
 def a2a_combine(
@@ -459,20 +540,31 @@ def a2a_combine(
     *,
     check: bool = True,
     chunks: int | None = None,
-    kernel: str = "auto",
+    kernel: str | None = None,
     transport: str = "auto",
+    recipe: MXRecipe | None = None,
 ) -> Tensor:
     """High-precision all-to-all of rows whose backward exchanges the gradient in MXFP8.
 
-    x: (sum(input_splits), dim) bfloat16 or float32, dim % 32 == 0. Returns (sum(output_splits), dim),
-    x.dtype. Backward: the gradient (rows_out, dim) is quantized (RCEIL, e4m3), sent back with the
-    splits swapped and dequantized to x.dtype, exactly like `to_mxfp8_a2a_dequant`'s forward.
-    check, chunks, kernel, transport: as in `to_mxfp8_a2a_dequant`.
+    x: (sum(input_splits), dim) bfloat16 or float32, dim % block_size == 0. Returns
+    (sum(output_splits), dim), x.dtype. Backward: the gradient (rows_out, dim) is quantized with the
+    recipe (default RCEIL, e4m3, blocks of 32), sent back with the splits swapped and dequantized to
+    x.dtype, exactly like `to_mxfp8_a2a_dequant`'s forward.
+    check, chunks, kernel, transport, recipe: as in `to_mxfp8_a2a_dequant`.
     """
+    f = _fmt(recipe, kernel, "a2a_combine")
     plan = check_and_plan(
-        "a2a_combine", x, output_splits, input_splits, group, check=check, chunks=chunks, transport=transport
+        "a2a_combine",
+        x,
+        output_splits,
+        input_splits,
+        group,
+        check=check,
+        chunks=chunks,
+        transport=transport,
+        block_size=f.block_size,
     )
-    return _Combine.apply(x, plan, group, kernel, chunks, transport)
+    return _Combine.apply(x, plan, group, f, chunks, transport)
 
 
 def all_to_all_hp(x: Tensor, output_splits, input_splits, group=None, *, check: bool = True) -> Tensor:
@@ -487,31 +579,44 @@ def all_to_all_hp(x: Tensor, output_splits, input_splits, group=None, *, check: 
 
 class _Reference(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, outs, ins, group, kernel):
-        ctx.args = (outs, ins, group, kernel)
-        return _reference_once(x, outs, ins, group, kernel)
+    def forward(ctx, x, outs, ins, group, r):
+        ctx.args = (outs, ins, group, r)
+        return _reference_once(x, outs, ins, group, r)
 
     @staticmethod
     def backward(ctx, grad):
-        outs, ins, group, kernel = ctx.args
-        return _reference_once(grad.contiguous(), ins, outs, group, kernel), None, None, None, None
+        outs, ins, group, r = ctx.args
+        return _reference_once(grad.contiguous(), ins, outs, group, r), None, None, None, None
 
 
-def _reference_once(x: Tensor, outs: list[int], ins: list[int], group, kernel: str) -> Tensor:
-    mx = to_mx(x, axis=-1, scaling_mode=SCALING_MODE, elem_dtype=ELEM_DTYPE, kernel=kernel)
+def _reference_once(x: Tensor, outs: list[int], ins: list[int], group, r: MXRecipe) -> Tensor:
+    mx = to_mx(x, axis=-1, recipe=r)
     rows, dim = sum(outs), x.shape[1]
     q = torch.empty((rows, dim), dtype=torch.uint8, device=x.device)
-    s = torch.empty((rows, dim // BLOCK_SIZE), dtype=torch.uint8, device=x.device)
+    s = torch.empty((rows, dim // r.block_size), dtype=torch.uint8, device=x.device)
     all_to_all_rows(q, mx.qdata_blocked.view(torch.uint8), outs, ins, group)
     all_to_all_rows(s, mx.scale_blocked.view(torch.uint8), outs, ins, group)
-    out = MXTensor(q.view(ELEM_DTYPE), s.view(torch.float8_e8m0fnu), 1, BLOCK_SIZE, SCALING_MODE, x.dtype)
-    return out.dequantize(kernel=kernel)
+    out = MXTensor(
+        q.view(r.elem_dtype), s.view(torch.float8_e8m0fnu), 1, r.block_size, r.scaling_mode, x.dtype
+    )
+    return out.dequantize(kernel=r.dim0_kernel)
 
 
-def reference_mxfp8_a2a(x: Tensor, output_splits, input_splits, group=None, kernel: str = "auto") -> Tensor:
-    """The definition the MXFP8 all-to-all must match: quantize (to_mx, RCEIL, e4m3, along dim) ->
-    plain all_to_all_single of element and scale bytes -> dequantize to x.dtype. Differentiable:
-    backward does the same to the gradient with the splits swapped. No overlap, no checks."""
+def reference_mxfp8_a2a(
+    x: Tensor,
+    output_splits,
+    input_splits,
+    group=None,
+    kernel: str | None = None,
+    *,
+    recipe: MXRecipe | None = None,
+) -> Tensor:
+    """The definition the MXFP8 all-to-all must match: quantize (to_mx with the recipe, default
+    DEFAULT_RECIPE: RCEIL, e4m3, along dim) -> plain all_to_all_single of element and scale bytes ->
+    dequantize to x.dtype. Differentiable: backward does the same to the gradient with the splits
+    swapped. No overlap, no checks. kernel: the cast kernel without a recipe."""
+    f = _fmt(recipe, kernel, "reference_mxfp8_a2a")
+    r = (DEFAULT_RECIPE if recipe is None else recipe).replace(dim0_kernel=f.kernel)
     outs = list(output_splits.tolist() if isinstance(output_splits, Tensor) else output_splits)
     ins = list(input_splits.tolist() if isinstance(input_splits, Tensor) else input_splits)
-    return _Reference.apply(x, outs, ins, group, kernel)
+    return _Reference.apply(x, outs, ins, group, r)

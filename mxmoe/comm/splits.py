@@ -116,7 +116,9 @@ def normalize_splits(name: str, splits, world: int) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _local_plan(fn: str, x, output_splits, input_splits, rank: int, world: int, mx: bool) -> Plan:
+def _local_plan(
+    fn: str, x, output_splits, input_splits, rank: int, world: int, mx: bool, block_size: int = BLOCK_SIZE
+) -> Plan:
     if not isinstance(x, Tensor):
         raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
     if mx:
@@ -124,9 +126,9 @@ def _local_plan(fn: str, x, output_splits, input_splits, rank: int, world: int, 
             raise TypeError(f"{fn}: x has dtype {x.dtype}; expected torch.bfloat16 or torch.float32")
         if x.ndim != 2:
             raise ValueError(f"{fn}: x must be 2D (tokens, dim), got shape {tuple(x.shape)}")
-        if x.shape[1] % BLOCK_SIZE:
+        if x.shape[1] % block_size:
             raise ValueError(
-                f"{fn}: x.shape[1]={x.shape[1]} (dim) is not divisible by the MX block size {BLOCK_SIZE}"
+                f"{fn}: x.shape[1]={x.shape[1]} (dim) is not divisible by the MX block size {block_size}"
             )
     elif x.ndim < 1:
         raise ValueError(f"{fn}: x must have at least one dim (rows first), got a 0-dim tensor")
@@ -177,6 +179,7 @@ def check_and_plan(
     mx: bool = True,
     chunks: int | None = None,
     transport: str = "auto",
+    block_size: int = BLOCK_SIZE,
 ) -> Plan:
     """Validate the arguments of an all-to-all and return its Plan.
 
@@ -189,7 +192,7 @@ def check_and_plan(
     try:
         check_chunks(chunks)
         check_transport(transport)
-        plan = _local_plan(fn, x, output_splits, input_splits, rank, world, mx)
+        plan = _local_plan(fn, x, output_splits, input_splits, rank, world, mx, block_size)
     except (TypeError, ValueError) as e:
         err = e
     if not check or world == 1:

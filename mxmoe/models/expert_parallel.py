@@ -1,12 +1,23 @@
-"""Token routing through the experts, locally or with expert parallelism (all-to-all).
+"""Token routing through the experts, and expert parallelism as a strategy applied from outside.
+
+`routed_experts` is what every MoE layer runs: sort the token->expert assignments by expert, run
+the experts on the sorted rows, scale by the gate weights and sum back into the tokens. Which
+experts run where is the `dispatch` strategy the MoE layer holds (`MoE.dispatch`):
+  - `LocalExperts` (the default): all E experts here; no host sync anywhere, so the step compiles
+    with fullgraph=True and can be captured in a CUDA graph (row counts are static: T * top_k);
+  - `ExpertParallel(group)`, installed by `apply_expert_parallel(model, group)` (as torchtitan's
+    ExpertParallel ParallelStyle): each rank of `group` keeps E / ep experts, and tokens travel to
+    them by all-to-all. For MX experts (`MXGroupedExperts`) the rows go as MXFP8 in the experts'
+    recipe (`a2a_dispatch_mxfp8`, used by the first grouped GEMM without requantizing) and come back
+    in high precision with an MXFP8 gradient (`a2a_combine`); otherwise both ways in high precision
+    (`all_to_all_hp`).
 
 Flow for T tokens, top-k, E experts, EP degree `ep` (E_l = E / ep experts per rank):
   1. sort the T*k assignments by global expert id (so also by destination rank);
-  2. ep > 1: exchange the per-expert counts (all_to_all_single on E int64), then the token rows
-     (MXFP8 `a2a_dispatch_mxfp8` when the experts take MX input, else the bf16 `all_to_all_hp`);
+  2. ep > 1: exchange the per-expert counts (all_to_all_single on E int64), then the token rows;
      received rows are (source rank, local expert)-major and get permuted to local-expert-major;
   3. the grouped experts run on rows grouped by expert;
-  4. ep > 1: rows are permuted back and returned by `a2a_combine` / `all_to_all_hp`;
+  4. ep > 1: rows are permuted back and returned;
   5. each output row is scaled by its gate weight and summed into its token (index_add, fp32).
 """
 
@@ -15,6 +26,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from mxmoe.nn.mx_experts import MXGroupedExperts
+
+
+def expert_counts(idx: Tensor, num_experts: int) -> Tensor:
+    """idx (...) int64 expert ids in [0, num_experts) -> (num_experts,) int64 counts. A scatter-add
+    with a static output size: no host sync (torch.bincount syncs on CUDA), compiles fullgraph."""
+    flat = idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
 
 
 def expert_major_index(recv_counts: Tensor) -> Tensor:
@@ -31,62 +53,122 @@ def expert_major_index(recv_counts: Tensor) -> Tensor:
     return torch.arange(n, device=recv_counts.device) + shift
 
 
+class LocalExperts:
+    """The default dispatch: every expert is on this rank. __call__(rows (N, D) grouped by expert,
+    counts (E,) int64, experts) -> (N, D) experts(rows, counts)."""
+
+    def __call__(self, x_sorted: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
+        return experts(x_sorted, counts)
+
+    def __repr__(self) -> str:
+        return "LocalExperts()"
+
+
+class ExpertParallel:
+    """Experts sharded over `group` (ep ranks, E / ep experts each), tokens moved by all-to-all.
+
+    `apply(moe)` shards the layer's experts (rank r of the group keeps experts [r E/ep, (r+1) E/ep)
+    of the full set, which must be identical on every rank) and installs this strategy as
+    `moe.dispatch`. transport, chunks: of the MXFP8 exchanges (mxmoe.comm.to_mxfp8_a2a_dequant).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, transport: str = "auto", chunks: int | None = None):
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        self.transport, self.chunks = transport, chunks
+
+    def apply(self, moe: nn.Module) -> None:
+        """Shard `moe.experts` (call once per MoE layer, on every rank) and install this dispatch."""
+        ex, ep = moe.experts, self.ep_size
+        if moe.num_experts % ep:
+            raise ValueError(
+                f"num_experts={moe.num_experts} is not divisible by the expert-parallel degree {ep}"
+            )
+        if ex.num_experts != moe.num_experts or not isinstance(moe.dispatch, LocalExperts):
+            raise RuntimeError("apply_expert_parallel: the experts of this MoE layer are already sharded")
+        n = moe.num_experts // ep
+        with torch.no_grad():
+            for name in ("w1", "w2", "w3"):
+                full = getattr(ex, name)
+                setattr(ex, name, nn.Parameter(full[self.ep_rank * n : (self.ep_rank + 1) * n].clone()))
+        ex.num_experts = n
+        moe.dispatch = self
+
+    def __call__(self, x_sorted: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
+        """Rows (N, D) grouped by global expert, counts (E,) int64 -> expert outputs (N, D)."""
+        from mxmoe.comm import a2a_combine, a2a_dispatch_mxfp8, all_to_all_hp
+
+        group, ep = self.group, self.ep_size
+        E = counts.numel()
+        El = E // ep
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)  # chunk s: counts of source s for my experts
+        recv = recv_counts.view(ep, El)
+        input_splits = counts.view(ep, El).sum(1).tolist()
+        output_splits = recv.sum(1).tolist()
+        index = expert_major_index(recv)
+        inverse = torch.empty_like(index)
+        inverse[index] = torch.arange(index.numel(), device=index.device)
+        local_counts = recv.sum(0)
+        if x_sorted.is_cuda and torch.is_autocast_enabled("cuda"):  # exchange bf16, not fp32, rows
+            x_sorted = x_sorted.to(torch.get_autocast_dtype("cuda"))
+        # The splits come from the counts exchange above, so they agree across ranks by construction:
+        # skip the exchanges' own cross-rank check (one all_gather and a host sync per call).
+        if isinstance(experts, MXGroupedExperts):
+            kw = {"check": False, "transport": self.transport, "chunks": self.chunks}
+            r = experts.mx_config
+            xr = a2a_dispatch_mxfp8(x_sorted, output_splits, input_splits, group, recipe=r, **kw)
+            y = experts(xr.index_rows(index), local_counts)  # an MXTensor, source-major -> expert-major
+            return a2a_combine(y.index_select(0, inverse), input_splits, output_splits, group, recipe=r, **kw)
+        xr = all_to_all_hp(x_sorted, output_splits, input_splits, group, check=False)
+        y = experts(xr.index_select(0, index), local_counts)
+        return all_to_all_hp(y.index_select(0, inverse), input_splits, output_splits, group, check=False)
+
+    def __repr__(self) -> str:
+        return f"ExpertParallel(ep={self.ep_size}, rank={self.ep_rank}, transport={self.transport!r})"
+
+
+def apply_expert_parallel(
+    model: nn.Module, group: dist.ProcessGroup, *, transport: str = "auto", chunks: int | None = None
+) -> nn.Module:
+    """Expert parallelism over `group` for every MoE layer of `model` (in place; returns `model`).
+
+    Call on every rank of `group` after building the model identically (same seed), before or after
+    `mxmoe.convert` (the dispatch reads the experts' type and recipe at each call). Each layer keeps
+    experts [r E/ep, (r+1) E/ep) for group rank r; parameter names are unchanged.
+    """
+    from mxmoe.models.moe import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError(f"apply_expert_parallel: {type(model).__name__} has no MoE layer")
+    for moe in layers:
+        ExpertParallel(group, transport=transport, chunks=chunks).apply(moe)
+    return model
+
+
 def routed_experts(
     x: Tensor,
     idx: Tensor,
     weights: Tensor,
     experts: nn.Module,
     num_experts: int,
-    group: dist.ProcessGroup | None = None,
-    ep_size: int = 1,
+    dispatch=None,
 ) -> Tensor:
     """x (T, D) tokens, idx (T, k) int64 global expert ids, weights (T, k) fp32 gate weights ->
     (T, D) in x's dtype: sum_j weights[t, j] * expert_{idx[t, j]}(x[t]).
 
-    `experts` holds all E experts (group None / ep_size 1) or this rank's E / ep_size of them.
-    `experts(rows, counts)` evaluates the experts on rows grouped by expert.
+    `dispatch(rows, counts, experts)` runs the experts on the rows grouped by global expert
+    (default `LocalExperts`: `experts` holds all E experts). No host sync with the default dispatch.
     """
     T, D = x.shape
     k = idx.shape[1]
     flat = idx.reshape(-1)
     perm = torch.argsort(flat, stable=True)  # (T*k,) assignment order grouped by expert
     token_of = perm // k
-    counts = torch.bincount(flat, minlength=num_experts)  # (E,) int64
+    counts = expert_counts(flat, num_experts)  # (E,) int64
     x_sorted = x.index_select(0, token_of)  # (T*k, D)
-    if group is None or ep_size == 1:
-        y = experts(x_sorted, counts)
-    else:
-        y = _ep_experts(x_sorted, counts, experts, group, ep_size)
+    y = (LocalExperts() if dispatch is None else dispatch)(x_sorted, counts, experts)
     y = y.float() * weights.reshape(-1).index_select(0, perm).unsqueeze(-1)
     return y.new_zeros(T, D).index_add_(0, token_of, y).to(x.dtype)
-
-
-def _ep_experts(x_sorted: Tensor, counts: Tensor, experts: nn.Module, group, ep: int) -> Tensor:
-    """Rows (N, D) grouped by global expert -> expert outputs (N, D), experts sharded over `group`."""
-    E = counts.numel()
-    El = E // ep
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)  # chunk s: counts of source s for my experts
-    recv = recv_counts.view(ep, El)
-    input_splits = counts.view(ep, El).sum(1).tolist()
-    output_splits = recv.sum(1).tolist()
-    index = expert_major_index(recv)
-    inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(index.numel(), device=index.device)
-    local_counts = recv.sum(0)
-    if x_sorted.is_cuda and torch.is_autocast_enabled("cuda"):  # exchange bf16, not fp32, rows
-        x_sorted = x_sorted.to(torch.get_autocast_dtype("cuda"))
-    # The splits come from the counts exchange above, so they agree across ranks by construction:
-    # skip the exchanges' own cross-rank check (one all_gather and a host sync per call).
-    if getattr(experts, "accepts_mx_input", False):
-        from mxmoe.comm import a2a_combine, a2a_dispatch_mxfp8
-
-        # MXTensor, source-major
-        xr = a2a_dispatch_mxfp8(x_sorted, output_splits, input_splits, group, check=False)
-        y = experts(xr.index_rows(index), local_counts)
-        return a2a_combine(y.index_select(0, inverse), input_splits, output_splits, group, check=False)
-    from mxmoe.comm import all_to_all_hp
-
-    xr = all_to_all_hp(x_sorted, output_splits, input_splits, group, check=False)
-    y = experts(xr.index_select(0, index), local_counts)
-    return all_to_all_hp(y.index_select(0, inverse), input_splits, output_splits, group, check=False)

@@ -13,8 +13,10 @@ Load balancing (`load_balance`):
     only to *choose* experts, is nudged by `bias_update_rate * sign(mean_load - load_e)` after each
     optimizer step (`Transformer.update_router_bias`); the gate weights are the unbiased scores.
   - "none".
-With an expert-parallel group set (`MoE.set_ep_group`), the experts module holds only this rank's
-`num_experts // ep` experts and tokens travel to them by all-to-all (mxmoe.models.expert_parallel).
+Expert parallelism is applied from outside (`mxmoe.models.apply_expert_parallel(model, group)`):
+it installs a dispatch strategy in each MoE layer (`MoE.dispatch`), after which the experts module
+holds only this rank's `num_experts // ep` experts and tokens travel to them by all-to-all
+(mxmoe.models.expert_parallel). The MoE layer itself does not know how it is parallelized.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mxmoe.models.expert_parallel import LocalExperts, expert_counts, routed_experts
 from mxmoe.nn.experts import GroupedExperts
 
 LOAD_BALANCE = ("aux_loss", "bias", "none")
@@ -217,7 +220,7 @@ class Router(nn.Module):
         w = scores.gather(-1, idx)
         if (self.top_k > 1 and self.score_func == "softmax") or self.score_func == "sigmoid":
             w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
-        counts = torch.bincount(idx.flatten(), minlength=self.num_experts).float()
+        counts = expert_counts(idx, self.num_experts).float()  # no host sync (bincount syncs on CUDA)
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
@@ -259,36 +262,15 @@ class MoE(nn.Module):
             if args.num_shared_experts
             else None
         )
-        self.ep_group = None
-        self.ep_size, self.ep_rank = 1, 0
-
-    def set_ep_group(self, group, ep_size: int, ep_rank: int) -> None:
-        """Shard the experts: keep experts [ep_rank * E/ep, (ep_rank+1) * E/ep) of the current full
-        set (call once, on every rank, after building the model identically) and route by all-to-all."""
-        if self.num_experts % ep_size:
-            raise ValueError(
-                f"num_experts={self.num_experts} is not divisible by expert_parallel_degree={ep_size}"
-            )
-        n = self.num_experts // ep_size
-        ex = self.experts
-        if ex.num_experts != self.num_experts:
-            raise RuntimeError("set_ep_group: the experts are already sharded")
-        with torch.no_grad():
-            for name in ("w1", "w2", "w3"):
-                full = getattr(ex, name)
-                setattr(ex, name, nn.Parameter(full[ep_rank * n : (ep_rank + 1) * n].clone()))
-        ex.num_experts = n
-        self.ep_group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
+        self.dispatch = LocalExperts()
+        """How the routed rows reach the experts: `LocalExperts` (all here) or an `ExpertParallel`
+        installed by `apply_expert_parallel`."""
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        from mxmoe.models.expert_parallel import routed_experts
-
         B, S, D = x.shape
         xt = x.reshape(B * S, D)
         idx, w, aux = self.router(xt)
-        out = routed_experts(
-            xt, idx, w, self.experts, self.num_experts, self.ep_group, self.ep_size
-        )
+        out = routed_experts(xt, idx, w, self.experts, self.num_experts, self.dispatch)
         if self.shared_expert is not None:
             out = out + self.shared_expert(xt)
         return out.view(B, S, D), aux

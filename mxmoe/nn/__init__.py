@@ -1,11 +1,12 @@
 """Modules: the high-precision GroupedExperts, their MX versions, and `convert`."""
 
-from mxmoe.nn.converter import MXConfig, convert
+from mxmoe.nn.converter import ConversionReport, MXConfig, convert
 from mxmoe.nn.experts import GroupedExperts, grouped_mm, offsets_from_counts
 from mxmoe.nn.linear import MXLinear
 from mxmoe.nn.mx_experts import MXGroupedExperts
 
 __all__ = [
+    "ConversionReport",
     "GroupedExperts",
     "MXConfig",
     "MXGroupedExperts",

@@ -1,9 +1,16 @@
 """`mxmoe.convert(model, MXConfig(...))`: swap a model's Linear and GroupedExperts modules for
-their MX versions in place (torchtitan's MX converter, for Hopper)."""
+their MX versions in place (torchtitan's MX converter, for Hopper).
+
+`MXConfig` keeps torchtitan's option spellings and maps them to one `mxmoe.recipe.MXRecipe`
+(`MXConfig().to_recipe() == DEFAULT_RECIPE`); every swapped module gets that recipe, and the
+MXFP8 exchange of expert parallelism reads it from the experts. `convert` also accepts an
+`MXRecipe` directly.
+"""
 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -12,70 +19,120 @@ from torch import nn
 from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
 from mxmoe.nn.mx_experts import MXGroupedExperts
-from mxmoe.ops import GEMM_BACKENDS, MXOpConfig
-from mxmoe.quant.backends import KERNELS, why_unavailable
+from mxmoe.quant.backends import why_unavailable
+from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE_NAME, GEMM_BACKENDS, RECIPES, MXRecipe
 
 log = logging.getLogger("mxmoe")
 
-RECIPES = {"mxfp8": "floor", "mxfp8_rceil": "rceil"}
 GEMM_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
 class MXConfig:
-    """What `convert` swaps and how the swapped modules quantize (MXFP8: e4m3 elements, blocks of 32)."""
+    """What `convert` swaps and how the swapped modules quantize (one `MXRecipe`, see `to_recipe`)."""
 
-    recipe_name: str = "mxfp8_rceil"
-    """"mxfp8_rceil": RCEIL scales (cuBLAS round-up; never saturates; default) | "mxfp8": FLOOR
-    scales (OCP; the block max can saturate to 448)."""
+    recipe_name: str = DEFAULT_RECIPE_NAME
+    """A name in `mxmoe.RECIPES`: "mxfp8_rceil" (RCEIL scales, cuBLAS round-up, never saturates;
+    default) | "mxfp8" (FLOOR scales, OCP; the block max can saturate to 448)."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output", "router"])
-    """Modules whose fully qualified name contains any of these substrings stay high precision.
-    Default: the output projection (as torchtitan) and the MoE router (its routing decisions and
-    tiny out dim E are precision-sensitive)."""
+    """Modules whose fully qualified name contains any of these substrings stay high precision
+    (a list of strings). Default: the output projection (as torchtitan) and the MoE router (its
+    routing decisions and tiny out dim E are precision-sensitive)."""
     convert_linears: bool = True
     """Swap nn.Linear for MXLinear."""
     convert_grouped_experts: bool = True
     """Swap mxmoe.nn.GroupedExperts for MXGroupedExperts."""
-    mxfp8_dim1_cast_kernel_choice: str = "triton"
-    """Kernel for every cast producing a dim1 (transposed) result: "triton" | "cuda" | "torch"."""
+    mxfp8_dim1_cast_kernel_choice: str = "auto"
+    """The recipe's dim1_kernel (casts producing a dim1 result): "auto" | "triton" | "cuda" | "torch"."""
     mxfp8_dim0_cast_kernel_choice: str = "auto"
-    """Kernel for dim0 casts and dequantization: "auto" (fastest available) | "triton" | "cuda" | "torch"."""
+    """The recipe's dim0_kernel (dim0 casts, dequantize): "auto" | "triton" | "cuda" | "torch"."""
     gemm_backend: str = "emulated"
-    """GEMM on MX operands: "emulated" (dequantize exactly, bf16/fp32 GEMM; the Hopper path)."""
+    """The recipe's gemm_backend: "emulated" (dequantize exactly, bf16/fp32 GEMM; the Hopper path)."""
     gemm_dtype: str = "auto"
-    """Operand dtype of the emulated GEMM: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32"."""
+    """The recipe's gemm_dtype: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32"."""
 
-    def op_config(self) -> MXOpConfig:
-        """The MXOpConfig every swapped module gets (validates recipe and choices)."""
+    def __post_init__(self) -> None:
+        f = self.filter_fqns
+        if isinstance(f, str) or not isinstance(f, (list, tuple)) or not all(isinstance(s, str) for s in f):
+            hint = f" (use filter_fqns=[{f!r}])" if isinstance(f, str) else ""
+            raise TypeError(f"filter_fqns must be a list of strings, got {f!r}{hint}")
+
+    def to_recipe(self) -> MXRecipe:
+        """The one MXRecipe these options describe (ValueError naming the option that is wrong)."""
         if self.recipe_name not in RECIPES:
             raise ValueError(
                 f"recipe_name={self.recipe_name!r} is not an MX recipe; expected one of {list(RECIPES)}"
             )
+        for name in ("mxfp8_dim1_cast_kernel_choice", "mxfp8_dim0_cast_kernel_choice"):
+            value = getattr(self, name)
+            if value != "auto" and value not in CAST_KERNELS:
+                raise ValueError(f"{name}={value!r}; expected 'auto' or one of {list(CAST_KERNELS)}")
+        if self.gemm_backend not in GEMM_BACKENDS:
+            raise ValueError(f"gemm_backend={self.gemm_backend!r}; expected one of {list(GEMM_BACKENDS)}")
         if self.gemm_dtype not in GEMM_DTYPES:
             raise ValueError(
                 f"gemm_dtype={self.gemm_dtype!r} is not supported; expected one of {list(GEMM_DTYPES)}"
             )
-        if self.mxfp8_dim1_cast_kernel_choice not in KERNELS:
-            raise ValueError(
-                f"mxfp8_dim1_cast_kernel_choice={self.mxfp8_dim1_cast_kernel_choice!r}; "
-                f"expected one of {KERNELS}"
-            )
-        if self.mxfp8_dim0_cast_kernel_choice != "auto" and self.mxfp8_dim0_cast_kernel_choice not in KERNELS:
-            raise ValueError(
-                f"mxfp8_dim0_cast_kernel_choice={self.mxfp8_dim0_cast_kernel_choice!r}; "
-                f"expected 'auto' or one of {KERNELS}"
-            )
-        if self.gemm_backend not in GEMM_BACKENDS:
-            raise ValueError(f"gemm_backend={self.gemm_backend!r}; expected one of {GEMM_BACKENDS}")
-        return MXOpConfig(
-            elem_dtype=torch.float8_e4m3fn,
-            block_size=32,
-            scaling_mode=RECIPES[self.recipe_name],
-            kernel=self.mxfp8_dim0_cast_kernel_choice,
+        return RECIPES[self.recipe_name].replace(
+            dim0_kernel=self.mxfp8_dim0_cast_kernel_choice,
             dim1_kernel=self.mxfp8_dim1_cast_kernel_choice,
             gemm_backend=self.gemm_backend,
             gemm_dtype=GEMM_DTYPES[self.gemm_dtype],
         )
+
+
+def recipe_name(r: MXRecipe) -> str:
+    """A short description of `r`: its name in RECIPES when it is one (with changed kernels listed)."""
+    for name, base in RECIPES.items():
+        if (base.elem_dtype, base.block_size, base.scaling_mode) == (
+            r.elem_dtype,
+            r.block_size,
+            r.scaling_mode,
+        ):
+            extra = [
+                f"{k}={getattr(r, k)}"
+                for k in ("dim0_kernel", "dim1_kernel", "gemm_backend", "gemm_dtype")
+                if getattr(r, k) != getattr(base, k)
+            ]
+            return name + (f" ({', '.join(extra)})" if extra else "")
+    return repr(r)
+
+
+@dataclass
+class ConversionReport:
+    """What one `convert` call did (also kept as `model.mx_conversion`)."""
+
+    recipe: MXRecipe
+    converted: dict[str, list[str]] = field(default_factory=lambda: {"Linear": [], "GroupedExperts": []})
+    """FQNs swapped for MX modules, by kind."""
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(FQN, why) of the candidate modules left high precision."""
+    reconfigured: list[str] = field(default_factory=list)
+    """FQNs already MX with another recipe, now given this one."""
+
+    @property
+    def num_converted(self) -> int:
+        return sum(len(v) for v in self.converted.values())
+
+    @property
+    def is_mx(self) -> bool:
+        """True when some module now computes in MX (converted now or before)."""
+        return self.num_converted + len(self.reconfigured) > 0
+
+    def summary(self) -> str:
+        """One line: what was converted, what was skipped and why."""
+        lin, exp = len(self.converted["Linear"]), len(self.converted["GroupedExperts"])
+        if self.is_mx:
+            head = (
+                f"MXFP8 recipe {recipe_name(self.recipe)}: {lin} Linear -> MXLinear, "
+                f"{exp} GroupedExperts -> MXGroupedExperts"
+            )
+            if self.reconfigured:
+                head += f", {len(self.reconfigured)} MX modules re-given this recipe"
+        else:
+            head = "nothing converted, the model stays high precision"
+        skipped = ", ".join(f"{fqn} ({why})" for fqn, why in self.skipped) or "none"
+        return f"mxmoe.convert: {head}; skipped {len(self.skipped)}: {skipped}"
 
 
 def _tp_degree(parallel_dims) -> int:
@@ -99,75 +156,81 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def convert(model: nn.Module, config: MXConfig | None = None, parallel_dims=None) -> nn.Module:
+def convert(model: nn.Module, config: MXConfig | MXRecipe | None = None, parallel_dims=None) -> nn.Module:
     """Swap matching modules of `model` in place for their MX versions; returns `model`.
 
     nn.Linear -> MXLinear and GroupedExperts -> MXGroupedExperts (sharing the Parameter objects,
-    so state-dict keys and optimizer state are unchanged), except modules whose FQN contains a
-    `filter_fqns` substring and modules with a dim not divisible by 32 (skipped, named in the log
-    line). Convert before applying FSDP (`fully_shard`) or torch.compile. Logs one line.
+    so state-dict keys and optimizer state are unchanged), all with one recipe
+    (`MXConfig.to_recipe()`, or `config` itself when it is an MXRecipe; default DEFAULT_RECIPE),
+    except modules whose FQN contains a `filter_fqns` substring and modules with a dim not
+    divisible by the block size (both skipped). Modules already MX with another recipe get the new
+    one, with a warning. Convert before applying FSDP (`fully_shard`) or torch.compile.
 
+    Logs one line (`ConversionReport.summary`) and keeps the report as `model.mx_conversion`.
     Raises ValueError for an unknown recipe/choice, tensor parallelism (tp > 1), or a cast kernel
     that cannot run on the model's device (meta counts as CUDA).
     """
-    config = MXConfig() if config is None else config
-    if not isinstance(config, MXConfig):
-        raise TypeError(f"config must be an MXConfig, got {type(config).__name__}")
+    if config is None:
+        config = MXConfig()
+    if isinstance(config, MXRecipe):
+        r, filter_fqns, do_lin, do_exp = config, MXConfig().filter_fqns, True, True
+    elif isinstance(config, MXConfig):
+        config.__post_init__()  # fields may have been changed after construction
+        r, filter_fqns = config.to_recipe(), list(config.filter_fqns)
+        do_lin, do_exp = config.convert_linears, config.convert_grouped_experts
+    else:
+        raise TypeError(f"config must be an MXConfig or an MXRecipe, got {type(config).__name__}")
     tp = _tp_degree(parallel_dims)
     if tp > 1:
         raise ValueError(
             f"tensor parallelism with MX is not supported yet (parallel_dims has tp={tp}); "
             "use tp=1 with data/expert parallelism"
         )
-    op_config = config.op_config()
     device = _model_device(model)
-    for name, kernel in (
-        ("mxfp8_dim1_cast_kernel_choice", op_config.dim1_kernel),
-        ("mxfp8_dim0_cast_kernel_choice", op_config.kernel),
-    ):
+    for name, kernel in (("dim1_kernel", r.dim1_kernel), ("dim0_kernel", r.dim0_kernel)):
         if kernel != "auto":
             reason = why_unavailable(kernel, device)
             if reason is not None:
-                raise ValueError(f"{name}={kernel!r} cannot run for a model on {device}: {reason}")
+                raise ValueError(f"recipe {name}={kernel!r} cannot run for a model on {device}: {reason}")
 
-    swapped = {"Linear": 0, "GroupedExperts": 0}
-    skipped: list[str] = []
+    report = ConversionReport(r)
 
     def visit(parent: nn.Module, prefix: str) -> None:
         for child_name, child in list(parent.named_children()):
             fqn = f"{prefix}.{child_name}" if prefix else child_name
-            new = None
             if isinstance(child, (MXLinear, MXGroupedExperts)):
+                if child.mx_config != r:
+                    report.reconfigured.append(fqn)
+                    child.mx_config = r
                 continue
-            if isinstance(child, nn.Linear) and config.convert_linears:
+            if isinstance(child, nn.Linear) and do_lin:
                 kind, dims = "Linear", (child.in_features, child.out_features)
-            elif isinstance(child, GroupedExperts) and config.convert_grouped_experts:
+            elif isinstance(child, GroupedExperts) and do_exp:
                 kind, dims = "GroupedExperts", (child.dim, child.hidden_dim)
             else:
                 visit(child, fqn)
                 continue
-            if any(f in fqn for f in config.filter_fqns):
-                skipped.append(f"{fqn} (filter_fqns)")
+            hit = next((f for f in filter_fqns if f in fqn), None)
+            if hit is not None:
+                report.skipped.append((fqn, f"filter_fqns {hit!r}"))
                 continue
-            if any(d % op_config.block_size for d in dims):
-                skipped.append(f"{fqn} (dims {dims[0]}x{dims[1]} not divisible by {op_config.block_size})")
+            if any(d % r.block_size for d in dims):
+                report.skipped.append((fqn, f"dims {dims[0]}x{dims[1]} not divisible by {r.block_size}"))
                 continue
             if kind == "Linear":
-                new = MXLinear.from_linear(child, op_config)
+                new = MXLinear.from_linear(child, r)
             else:
-                new = MXGroupedExperts.from_experts(child, op_config)
+                new = MXGroupedExperts.from_experts(child, r)
             setattr(parent, child_name, new)
-            swapped[kind] += 1
+            report.converted[kind].append(fqn)
 
     visit(model, "")
-    log.info(
-        "mxmoe.convert: %d Linear -> MXLinear, %d GroupedExperts -> MXGroupedExperts (recipe %s, "
-        "dim1 cast %s, gemm %s); skipped: %s",
-        swapped["Linear"],
-        swapped["GroupedExperts"],
-        config.recipe_name,
-        op_config.dim1_kernel,
-        op_config.gemm_backend,
-        ", ".join(skipped) or "none",
-    )
+    if report.reconfigured:
+        warnings.warn(
+            f"mxmoe.convert: {len(report.reconfigured)} modules were already MX with another recipe "
+            f"(e.g. {report.reconfigured[0]}); they now use {recipe_name(r)}",
+            stacklevel=2,
+        )
+    model.mx_conversion = report
+    log.info("%s", report.summary())
     return model

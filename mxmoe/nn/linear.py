@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from mxmoe.ops import MXOpConfig, mx_mm
+from mxmoe.ops import mx_mm
+from mxmoe.ops.config import as_recipe
+from mxmoe.recipe import MXRecipe
 
 
 class MXLinear(nn.Linear):
@@ -14,12 +16,12 @@ class MXLinear(nn.Linear):
     out_features must be divisible by the block size (32). The bias add is high precision.
     """
 
-    def __init__(self, *args, config: MXOpConfig | None = None, **kwargs):
+    def __init__(self, *args, config: MXRecipe | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.mx_config = MXOpConfig() if config is None else config
+        self.mx_config = as_recipe(config)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: MXOpConfig | None = None) -> MXLinear:
+    def from_linear(cls, linear: nn.Linear, config: MXRecipe | None = None) -> MXLinear:
         """An MXLinear sharing `linear`'s Parameter objects (no copy; optimizers keep working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")

@@ -6,8 +6,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
-from mxmoe.ops import MXOpConfig, mx_grouped_mm
+from mxmoe.ops import mx_grouped_mm
+from mxmoe.ops.config import as_recipe
 from mxmoe.quant.mx_tensor import MXTensor
+from mxmoe.recipe import MXRecipe
 
 
 class MXGroupedExperts(GroupedExperts):
@@ -19,14 +21,12 @@ class MXGroupedExperts(GroupedExperts):
     dim and hidden_dim must be divisible by the block size (32). Group sizes are arbitrary.
     """
 
-    accepts_mx_input = True
-
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, config: MXOpConfig | None = None):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, config: MXRecipe | None = None):
         super().__init__(dim, hidden_dim, num_experts)
-        self.mx_config = MXOpConfig() if config is None else config
+        self.mx_config = as_recipe(config)
 
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, config: MXOpConfig | None = None) -> MXGroupedExperts:
+    def from_experts(cls, experts: GroupedExperts, config: MXRecipe | None = None) -> MXGroupedExperts:
         """An MXGroupedExperts sharing `experts`' Parameter objects."""
         if not isinstance(experts, GroupedExperts):
             raise TypeError(f"from_experts needs a GroupedExperts, got {type(experts).__name__}")
@@ -34,7 +34,7 @@ class MXGroupedExperts(GroupedExperts):
         nn.Module.__init__(new)  # no fresh weights: the parameters are shared
         new.dim, new.hidden_dim, new.num_experts = experts.dim, experts.hidden_dim, experts.num_experts
         new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
-        new.mx_config = MXOpConfig() if config is None else config
+        new.mx_config = as_recipe(config)
         new.train(experts.training)
         return new
 

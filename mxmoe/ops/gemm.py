@@ -1,12 +1,15 @@
-"""The GEMM on MX operands: one function, `mx_gemm`, with a backend choice.
+"""The GEMM on MX operands: one function, `mx_gemm`, with a backend choice (the recipe's
+`gemm_backend`).
 
 Backends:
   "emulated": dequantize both operands to `compute_dtype` (bf16 or fp32) and run a dense or grouped
       high-precision GEMM (fp32 accumulation). Exact up to the GEMM's fp32 summation: the
-      dequantized values are the MX values themselves (see MXOpConfig.gemm_dtype for the bf16
-      limits). Hopper has no block-scaled MMA, so this is the Hopper path.
+      dequantized values are the MX values themselves (see MXRecipe.gemm_dtype for the bf16
+      limits). Hopper has no block-scaled MMA, so this is the Hopper path. The training ops
+      (`mx_mm`, `mx_grouped_mm`) feed it through `hp_gemm` with operands made by the fused
+      quantize-dequantize (`mxmoe.quant.qdq`), the same values without the fp8 round trip.
 Room for later backends (block-scaled MMA on sm_100, fp8 MMA per 32-K slice on sm_90): add a
-function with the same signature to `_BACKENDS`.
+function with the same signature to `_BACKENDS`; the ops give such a backend MXTensors.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mxmoe.ops.config import as_recipe
 from mxmoe.quant.mx_tensor import MXTensor
+from mxmoe.recipe import MXRecipe
 
 
 @torch.library.custom_op("mxmoe::grouped_mm_hp", mutates_args=())
@@ -85,17 +90,32 @@ def _emulated(
 
 
 _BACKENDS = {"emulated": _emulated}
+QDQ_BACKENDS = frozenset({"emulated"})
+"""Backends that are a high-precision GEMM of dequantized operands: the training ops give them
+fused quantize-dequantize values (`hp_gemm`) instead of MXTensors."""
+
+
+def uses_qdq(recipe: MXRecipe) -> bool:
+    """Whether the ops feed `recipe`'s GEMM backend qdq'd high-precision operands."""
+    return recipe.gemm_backend in QDQ_BACKENDS
+
+
+def hp_gemm(a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """The emulated backend's GEMM on already dequantized operands (same shapes and offs as
+    `mx_gemm`, plain tensors of the compute dtype, any strides); result in `out_dtype`."""
+    out = a @ b if offs is None else grouped_mm_hp(a, b, offs)
+    # no `.to()` when the dtype already matches: torch 2.11's dynamo gives an autograd.Function
+    # whose output is such a no-op `.to()` of an intermediate a zero gradient under torch.compile
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def mx_gemm(
     a: MXTensor,
     b: MXTensor,
     offs: Tensor | None = None,
+    config: MXRecipe | None = None,
     *,
-    backend: str = "emulated",
     out_dtype: torch.dtype | None = None,
-    compute_dtype: torch.dtype | None = None,
-    kernel: str = "auto",
 ) -> Tensor:
     """a @ b on MX operands, each blocked along the reduction dim.
 
@@ -103,17 +123,16 @@ def mx_gemm(
     b: MXTensor, logical (K, N) blocked along K (axis=0); or (E, K, N) blocked along K (axis=1).
     offs: None (dense), or (E,) int32 cumulative group ends: with 3D b, over the rows of a
         (MoE forward/dgrad, -> (M, N)); with 2D b, over K (MoE wgrad, -> (E, M, N)).
-    backend: "emulated" (see module docstring). compute_dtype: operand dtype of the emulated GEMM
-        (default bf16 on CUDA, fp32 elsewhere). kernel: dequantize kernel.
+    config: the MXRecipe (default DEFAULT_RECIPE): its gemm_backend, gemm_dtype (the emulated
+        GEMM's operand dtype: default bf16 on CUDA, fp32 elsewhere) and dim0_kernel (dequantize).
     Returns a contiguous tensor of `out_dtype` (default: a's orig_dtype).
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r} is not a GEMM backend; expected one of {list(_BACKENDS)}")
+    cfg = as_recipe(config)
+    if cfg.gemm_backend not in _BACKENDS:
+        raise ValueError(
+            f"gemm_backend={cfg.gemm_backend!r} is not a GEMM backend; expected one of {list(_BACKENDS)}"
+        )
     _check_operands(a, b, offs)
-    if compute_dtype is None:
-        compute_dtype = torch.bfloat16 if a.device.type == "cuda" else torch.float32
-    out = _BACKENDS[backend](a, b, offs, compute_dtype, kernel)
+    out = _BACKENDS[cfg.gemm_backend](a, b, offs, cfg.compute_dtype(a.device), cfg.dim0_kernel)
     dtype = a.orig_dtype if out_dtype is None else out_dtype
-    # no `.to()` when the dtype already matches: torch 2.11's dynamo gives an autograd.Function
-    # whose output is such a no-op `.to()` of an intermediate a zero gradient under torch.compile
     return out if out.dtype == dtype else out.to(dtype)

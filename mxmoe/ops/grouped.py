@@ -16,6 +16,12 @@ tensor; the dim0 result is gathered back to the T real rows (an fp8 row gather).
 MX activations (an `MXTensor` from the MXFP8 dispatch, 2D, blocked along K) feed the forward GEMM
 as they are, without dequantize/requantize; their gradient flows through `a.grad_anchor`. The
 wgrad needs them along M: they are dequantized (to their orig_dtype), padded and cast along M.
+They must have been quantized with the op's recipe (scaling mode, element dtype, block size).
+
+The emulated GEMM takes fused quantize-dequantize operands as `mx_mm` does (see mxmoe.ops.linear):
+the padded tokens both ways from one read (dim0 values gathered back to the T rows, dim1 kept as
+the MX cast for the wgrad), dy both ways, the weights through `cache_weight_casts`; bit-identical
+to the MX path.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mxmoe.ops.config import MXOpConfig
-from mxmoe.ops.gemm import mx_gemm
-from mxmoe.ops.linear import needs_grads, transpose_2d, wants_grad
+from mxmoe.ops.config import as_recipe
+from mxmoe.ops.gemm import hp_gemm, mx_gemm, uses_qdq
+from mxmoe.ops.linear import needs_grads, swap_last2, wants_grad, weight_mx, weight_qdq
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
+from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
+from mxmoe.recipe import MXRecipe
 
 
 def group_padding(offs: Tensor, rows: int, block_size: int) -> tuple[Tensor, Tensor, int]:
@@ -59,98 +67,122 @@ def pad_groups(x: Tensor, offs: Tensor, pos: Tensor, cap: int) -> Tensor:
     return x.new_zeros(cap, x.shape[1]).index_copy(0, pos, src)
 
 
-def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXOpConfig, mode: str, dtype: torch.dtype) -> MXTensor:
+def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:
     return MXTensor(q, s, axis, cfg.block_size, mode, dtype)
 
 
 class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, a_q, a_s, a_mode, b_t, offs, cfg: MXOpConfig, out_dtype):
+    def forward(ctx, a, a_q, a_s, a_mode, b_t, offs, cfg: MXRecipe, out_dtype):
         # a: (T, K) high precision, or the grad anchor of an MX activation given as (a_q, a_s).
+        # b_t: (E, K, N), the transposed view of the expert weights w (E, N, K).
         is_mx = a_q is not None
         T = a.shape[0]
         need_dw = wants_grad(b_t)
+        hp = uses_qdq(cfg)
+        compute = cfg.compute_dtype(b_t.device)
         ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode = cfg, is_mx, out_dtype, a_mode
-        pos = offs_pad = a1 = None
+        pos = offs_pad = a1q = a1s = None
         cap = 0
         if need_dw:
             pos, offs_pad, cap = group_padding(offs, T, cfg.block_size)
+        w = b_t.transpose(-2, -1)
         if is_mx:
             a0 = _mx(a_q, a_s, 1, cfg, a_mode, out_dtype)
+            if hp:
+                a0 = a0.dequantize(compute, kernel=cfg.dim0_kernel)
+        elif need_dw and hp:
+            p0, a1q, a1s = qdq_dim0_dim1(
+                pad_groups(a, offs, pos, cap), recipe=cfg, out_dtype=compute, dim1_mx=True
+            )
+            a0 = p0.index_select(0, pos)
         elif need_dw:
-            p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), **cfg.cast_kwargs(dim1=True))
-            a0 = p0.index_rows(pos)
+            p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), recipe=cfg)
+            a0, a1q, a1s = p0.index_rows(pos), a1.qdata_blocked, a1.scale_blocked
+        elif hp:
+            a0 = qdq(a, -1, recipe=cfg, out_dtype=compute)
         else:
-            a0 = to_mx(a, axis=-1, **cfg.cast_kwargs())
-        w0 = to_mx(b_t, axis=-2, **cfg.cast_kwargs())  # (E, K, N) along K: w's rows, read in place
-        y = mx_gemm(
-            a0,
-            w0,
-            offs,
-            backend=cfg.gemm_backend,
-            compute_dtype=cfg.compute_dtype(b_t.device),
-            kernel=cfg.kernel,
-            out_dtype=out_dtype,
-        )
+            a0 = to_mx(a, axis=-1, recipe=cfg)
+        # w (E, N, K) along K: its rows, read in place
+        if hp:
+            y = hp_gemm(a0, weight_qdq(w, -1, cfg, compute).transpose(-2, -1), offs, out_dtype)
+        else:
+            y = mx_gemm(a0, swap_last2(weight_mx(w, -1, cfg)), offs, cfg, out_dtype=out_dtype)
         ctx.cap = cap
         if not need_dw:
             ctx.save_for_backward(b_t, offs)
         elif is_mx:
             ctx.save_for_backward(b_t, offs, pos, offs_pad, a_q, a_s)
-        else:
-            ctx.save_for_backward(b_t, offs, pos, offs_pad, a1.qdata_blocked, a1.scale_blocked)
+        else:  # the tokens along M as MX: (K, cap) elements and scales
+            ctx.save_for_backward(b_t, offs, pos, offs_pad, a1q, a1s)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        cfg: MXOpConfig = ctx.cfg
+        cfg: MXRecipe = ctx.cfg
         need_da, need_dw = needs_grads(ctx, 0, 4)
         b_t, offs = ctx.saved_tensors[:2]
-        kw = {
-            "backend": cfg.gemm_backend,
-            "compute_dtype": cfg.compute_dtype(dy.device),
-            "kernel": cfg.kernel,
-        }
+        w = b_t.transpose(-2, -1)
+        hp = uses_qdq(cfg)
+        compute = cfg.compute_dtype(dy.device)
         dy = dy.contiguous()
         da = db_t = None
+        dy0 = dy1 = None
         if need_dw:
             pos, offs_pad, sq, ss = ctx.saved_tensors[2:]
             dy_pad = pad_groups(dy, offs, pos, ctx.cap)
-            if need_da:
-                p0, dy1 = to_mx_dim0_dim1(dy_pad, **cfg.cast_kwargs(dim1=True))
+            if hp and need_da:
+                p0, dy1 = qdq_dim0_dim1(dy_pad, recipe=cfg, out_dtype=compute)
+                dy0 = p0.index_select(0, pos)
+            elif hp:
+                dy1 = qdq(dy_pad, -2, recipe=cfg, out_dtype=compute)
+            elif need_da:
+                p0, dy1 = to_mx_dim0_dim1(dy_pad, recipe=cfg)
                 dy0 = p0.index_rows(pos)
             else:
-                dy0, dy1 = None, to_mx(dy_pad, axis=0, **cfg.cast_kwargs(dim1=True))
+                dy1 = to_mx(dy_pad, axis=0, recipe=cfg)
             if ctx.is_mx:  # dequantize the MX activation and cast it along M (see module docstring)
-                a_hp = _mx(sq, ss, 1, cfg, ctx.a_mode, ctx.a_dtype).dequantize(kernel=cfg.kernel)
-                a1 = to_mx(pad_groups(a_hp, offs, pos, ctx.cap), axis=0, **cfg.cast_kwargs(dim1=True))
+                a_hp = _mx(sq, ss, 1, cfg, ctx.a_mode, ctx.a_dtype).dequantize(kernel=cfg.dim0_kernel)
+                a_pad = pad_groups(a_hp, offs, pos, ctx.cap)
+                if hp:
+                    a1 = qdq(a_pad, -2, recipe=cfg, out_dtype=compute)
+                else:
+                    a1 = to_mx(a_pad, axis=0, recipe=cfg)
             else:
                 a1 = _mx(sq, ss, 0, cfg, cfg.scaling_mode, ctx.a_dtype)
-            dw = mx_gemm(transpose_2d(dy1), a1, offs_pad, out_dtype=b_t.dtype, **kw)  # (E, N, K)
+                if hp:
+                    a1 = a1.dequantize(compute, kernel=cfg.dim0_kernel)
+            if hp:  # (E, N, K)
+                dw = hp_gemm(dy1.t(), a1, offs_pad, b_t.dtype)
+            else:
+                dw = mx_gemm(swap_last2(dy1), a1, offs_pad, cfg, out_dtype=b_t.dtype)
             db_t = dw.transpose(-2, -1)
         elif need_da:
-            dy0 = to_mx(dy, axis=-1, **cfg.cast_kwargs())
-        if need_da:
-            # w (E, N, K) along N: the transposing cast of the contiguous weights.
-            w1 = to_mx(b_t.transpose(-2, -1), axis=-2, **cfg.cast_kwargs(dim1=True))
-            da = mx_gemm(dy0, w1, offs, out_dtype=ctx.a_dtype, **kw)
+            dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute) if hp else to_mx(dy, axis=-1, recipe=cfg)
+        if need_da:  # w (E, N, K) along N: the transposing cast of the contiguous weights
+            if hp:
+                da = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), offs, ctx.a_dtype)
+            else:
+                da = mx_gemm(dy0, weight_mx(w, -2, cfg), offs, cfg, out_dtype=ctx.a_dtype)
         return da, None, None, None, db_t, None, None, None
 
 
 def mx_grouped_mm(
-    a: Tensor | MXTensor, b_t: Tensor, offs: Tensor, config: MXOpConfig | None = None
+    a: Tensor | MXTensor, b_t: Tensor, offs: Tensor, config: MXRecipe | None = None
 ) -> Tensor:
     """Drop-in for torch._grouped_mm(a, b_t, offs=offs) with MX operands in forward and backward.
 
     a: (T, K) bf16/fp32 tokens grouped by expert (group e = rows offs[e-1]:offs[e]); or a 2D
        MXTensor blocked along K (axis=1), e.g. from mxmoe.comm.a2a_dispatch_mxfp8: used as is in
-       the forward GEMM; differentiable through `a.grad_anchor` (dense gradient) when present.
+       the forward GEMM; differentiable through `a.grad_anchor` (dense gradient) when present. It
+       must match the recipe: same scaling_mode, element dtype and block size.
     b_t: (E, K, N) bf16/fp32, the transposed view of (E, N, K) expert weights.
     offs: (E,) int32 cumulative group ends, offs[-1] <= T (rows after it belong to no group and
        give zero output). Any group sizes, including 0 and sizes not a multiple of 32.
+    config: the MXRecipe (default mxmoe.DEFAULT_RECIPE; `MXOpConfig(...)` builds one).
     K and N must be divisible by config.block_size. Returns (T, N) contiguous in a's (orig) dtype.
     """
-    cfg = MXOpConfig() if config is None else config
+    cfg = as_recipe(config)
     if not isinstance(b_t, Tensor) or b_t.ndim != 3:
         raise ValueError(
             f"b_t must be a 3D tensor (E, K, N), got {getattr(b_t, 'shape', type(b_t).__name__)}"
@@ -163,10 +195,19 @@ def mx_grouped_mm(
     if isinstance(a, MXTensor):
         if a.ndim != 2 or a.axis != 1:
             raise ValueError(f"an MXTensor a must be 2D and blocked along K (axis=-1), got {a}")
-        if a.block_size != cfg.block_size or a.elem_dtype != cfg.elem_dtype:
+        diff = [
+            f"{name}={got!r} (recipe: {want!r})"
+            for name, got, want in (
+                ("scaling_mode", a.scaling_mode, cfg.scaling_mode),
+                ("elem_dtype", a.elem_dtype, cfg.elem_dtype),
+                ("block_size", a.block_size, cfg.block_size),
+            )
+            if got != want
+        ]
+        if diff:
             raise ValueError(
-                f"MXTensor a has block_size={a.block_size}, elem {a.elem_dtype}; the config wants "
-                f"block_size={cfg.block_size}, elem {cfg.elem_dtype}"
+                f"MXTensor a does not match the op's recipe: it has {', '.join(diff)}. Quantize "
+                "the activations with the experts' recipe, or give the op a recipe that matches them"
             )
         T = a.shape[0]
         anchor = a.grad_anchor

@@ -1,14 +1,21 @@
 """`mx_mm`: y = a @ b for a linear layer, every GEMM of forward and backward on MX operands.
 
 With y = x Wᵀ (x: M x K, W: N x K, b = Wᵀ a (K, N) view), each operand is quantized along the
-dim its GEMM reduces over (../shared/design/mx-numerics.md):
+dim its GEMM reduces over (docs/training-ops.md):
   forward  y  = x Wᵀ : x along K (dim0 of x),  W along K (dim0 of W)
   dgrad    dx = dy W : dy along N (dim0 of dy), W along N (dim1 of W)
   wgrad    dW = dyᵀ x: dy along M (dim1 of dy), x along M (dim1 of x)
-x and dy are cast both ways by the fused dim0+dim1 cast (one read); the forward keeps x's dim1
-cast (fp8, half of bf16 x) for the wgrad instead of x itself. W is re-cast along N in backward
-from the parameter (free to keep). Rows are zero-padded to a multiple of the block size for the
-casts along M (zero rows add nothing to dW).
+Rows are zero-padded to a multiple of the block size for the casts along M (zero rows add
+nothing to dW).
+
+Emulated GEMM (the recipe's gemm_backend "emulated"): each operand is made by the fused
+quantize-dequantize (`mxmoe.quant.qdq`): x and dy both ways from one read. The forward keeps x's
+dim1 *MX cast* (fp8 + scales, about half of a bf16 copy; it comes out of the same read as x's
+dim0 values) for the wgrad and dequantizes it there, so what is saved for backward is what the
+quantize-then-dequantize path saved. The weight casts (along K in forward, along N in backward)
+go through `cache_weight_casts` (once per optimizer step inside its scope). The values, their
+layouts and the GEMM calls are those of the MX path, so the results are bit-identical to it.
+Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) and `mx_gemm`.
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mxmoe.ops.config import MXOpConfig
-from mxmoe.ops.gemm import mx_gemm
+from mxmoe.ops.config import as_recipe
+from mxmoe.ops.gemm import hp_gemm, mx_gemm, uses_qdq
+from mxmoe.ops.weight_cache import cached_cast
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
+from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
+from mxmoe.recipe import MXRecipe
 
 
 def needs_grads(ctx, *indices: int) -> tuple[bool, ...]:
@@ -32,12 +42,13 @@ def wants_grad(t: Tensor) -> bool:
     return t.requires_grad
 
 
-def transpose_2d(t: MXTensor) -> MXTensor:
-    """The transpose of a 2D MXTensor: same storage, blocks along the other logical axis."""
+def swap_last2(t: MXTensor) -> MXTensor:
+    """The MXTensor whose logical shape has the last two dims of `t` swapped: same storage, the
+    block axis follows its dim (2D: the transpose)."""
     return MXTensor(
         t.qdata_blocked,
         t.scale_blocked,
-        1 - t.axis,
+        2 * t.ndim - 3 - t.axis,
         t.block_size,
         t.scaling_mode,
         t.orig_dtype,
@@ -56,79 +67,118 @@ def _slice_rows(t: MXTensor, rows: int) -> MXTensor:
     )
 
 
-def cast_both(x: Tensor, cfg: MXOpConfig) -> tuple[MXTensor, MXTensor]:
+def pad_rows(x: Tensor, block_size: int) -> Tensor:
+    """x (M, C) with zero rows appended up to a multiple of block_size (x itself if none needed)."""
+    pad = -x.shape[0] % block_size
+    return F.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+def cast_both(x: Tensor, cfg: MXRecipe) -> tuple[MXTensor, MXTensor]:
     """x (M, C) -> (along C: logical (M, C) axis 1, along M: logical (M_pad, C) axis 0), M_pad =
     M rounded up to the block size with zero rows, from one fused read."""
     M = x.shape[0]
-    pad = -M % cfg.block_size
-    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
-    d0, d1 = to_mx_dim0_dim1(xp, **cfg.cast_kwargs(dim1=True))
-    return (_slice_rows(d0, M) if pad else d0), d1
+    d0, d1 = to_mx_dim0_dim1(pad_rows(x, cfg.block_size), recipe=cfg)
+    return (_slice_rows(d0, M) if d0.shape[0] != M else d0), d1
 
 
-def cast_rows(x: Tensor, cfg: MXOpConfig) -> MXTensor:
+def cast_rows(x: Tensor, cfg: MXRecipe) -> MXTensor:
     """x (M, C) -> along M, logical (M_pad, C) axis 0, zero-padded rows."""
-    pad = -x.shape[0] % cfg.block_size
-    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
-    return to_mx(xp, axis=0, **cfg.cast_kwargs(dim1=True))
+    return to_mx(pad_rows(x, cfg.block_size), axis=0, recipe=cfg)
+
+
+def weight_qdq(w: Tensor, axis: int, cfg: MXRecipe, dtype: torch.dtype) -> Tensor:
+    """qdq of a weight (any strides, e.g. W (N, K) or w (E, N, K)) along `axis` (-1 or -2) in
+    `dtype`, reused within a `cache_weight_casts` scope while w is unchanged."""
+    return cached_cast(w, ("qdq", axis, cfg, dtype), lambda: qdq(w, axis, recipe=cfg, out_dtype=dtype))
+
+
+def weight_mx(w: Tensor, axis: int, cfg: MXRecipe) -> MXTensor:
+    """to_mx of a weight along `axis`, reused like `weight_qdq`."""
+    return cached_cast(w, ("mx", axis, cfg), lambda: to_mx(w, axis, recipe=cfg))
 
 
 class _MXMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w_t: Tensor, cfg: MXOpConfig) -> Tensor:
+    def forward(ctx, x: Tensor, w_t: Tensor, cfg: MXRecipe) -> Tensor:
+        # x (M, K); w_t (K, N), the transposed view of W (N, K)
         compute = cfg.compute_dtype(x.device)
         need_dw = wants_grad(w_t)
-        if need_dw:
-            x0, x1 = cast_both(x, cfg)
+        M, bs = x.shape[0], cfg.block_size
+        w = w_t.t()
+        x1q = x1s = None
+        if uses_qdq(cfg):
+            if need_dw:
+                x0, x1q, x1s = qdq_dim0_dim1(pad_rows(x, bs), recipe=cfg, out_dtype=compute, dim1_mx=True)
+                x0 = x0[:M]
+            else:
+                x0 = qdq(x, -1, recipe=cfg, out_dtype=compute)
+            y = hp_gemm(x0, weight_qdq(w, -1, cfg, compute).t(), None, x.dtype)
         else:
-            x0, x1 = to_mx(x, axis=-1, **cfg.cast_kwargs()), None
-        w0 = to_mx(w_t, axis=0, **cfg.cast_kwargs())  # (K, N) along K: W's rows, read in place
-        y = mx_gemm(x0, w0, backend=cfg.gemm_backend, compute_dtype=compute, kernel=cfg.kernel)
+            if need_dw:
+                x0, x1 = cast_both(x, cfg)
+                x1q, x1s = x1.qdata_blocked, x1.scale_blocked
+            else:
+                x0 = to_mx(x, axis=-1, recipe=cfg)
+            y = mx_gemm(x0, swap_last2(weight_mx(w, -1, cfg)), config=cfg)
         ctx.cfg = cfg
-        ctx.m = x.shape[0]
         ctx.x_dtype = x.dtype
-        if need_dw:
-            ctx.save_for_backward(w_t, x1.qdata_blocked, x1.scale_blocked)
+        if need_dw:  # x along M as MX: (K, M_pad) elements and scales
+            ctx.save_for_backward(w_t, x1q, x1s)
         else:
             ctx.save_for_backward(w_t)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        cfg: MXOpConfig = ctx.cfg
+        cfg: MXRecipe = ctx.cfg
         need_dx, need_dw = needs_grads(ctx, 0, 1)
         w_t = ctx.saved_tensors[0]
+        w = w_t.t()
         compute = cfg.compute_dtype(dy.device)
-        kw = {"backend": cfg.gemm_backend, "compute_dtype": compute, "kernel": cfg.kernel}
+        M, bs = dy.shape[0], cfg.block_size
         dx = dw_t = None
         dy = dy.contiguous()
+        x1 = None
+        if need_dw:
+            _, xq, xs = ctx.saved_tensors
+            x1 = MXTensor(xq, xs, 0, bs, cfg.scaling_mode, ctx.x_dtype)  # logical (M_pad, K)
+        if uses_qdq(cfg):
+            if need_dx and need_dw:
+                dy0, dy1 = qdq_dim0_dim1(pad_rows(dy, bs), recipe=cfg, out_dtype=compute)
+                dy0 = dy0[:M]
+            elif need_dx:
+                dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute)
+            else:
+                dy1 = qdq(pad_rows(dy, bs), -2, recipe=cfg, out_dtype=compute)
+            if need_dx:  # W (N, K) along N: stored (K, N)
+                dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), None, ctx.x_dtype)
+            if need_dw:
+                x1_hp = x1.dequantize(compute, kernel=cfg.dim0_kernel)
+                dw_t = hp_gemm(dy1.t(), x1_hp, None, w_t.dtype).t()  # (N, K) -> (K, N)
+            return dx, dw_t, None
         if need_dx and need_dw:
             dy0, dy1 = cast_both(dy, cfg)
         elif need_dx:
-            dy0, dy1 = to_mx(dy, axis=-1, **cfg.cast_kwargs()), None
+            dy0 = to_mx(dy, axis=-1, recipe=cfg)
         else:
-            dy0, dy1 = None, cast_rows(dy, cfg)
+            dy1 = cast_rows(dy, cfg)
         if need_dx:
-            # W (N, K) along N: to_mx of the (K, N) view along its last dim reads W by columns.
-            w1 = to_mx(w_t.t(), axis=0, **cfg.cast_kwargs(dim1=True))  # logical (N, K), axis 0
-            dx = mx_gemm(dy0, w1, out_dtype=ctx.x_dtype, **kw)
+            dx = mx_gemm(dy0, weight_mx(w, 0, cfg), config=cfg, out_dtype=ctx.x_dtype)
         if need_dw:
-            _, xq, xs = ctx.saved_tensors
-            x1 = MXTensor(xq, xs, 0, cfg.block_size, cfg.scaling_mode, ctx.x_dtype)  # (M_pad, K)
-            dw = mx_gemm(transpose_2d(dy1), x1, out_dtype=w_t.dtype, **kw)  # (N, K)
-            dw_t = dw.t()
+            dw_t = mx_gemm(swap_last2(dy1), x1, config=cfg, out_dtype=w_t.dtype).t()
         return dx, dw_t, None
 
 
-def mx_mm(a: Tensor, b: Tensor, config: MXOpConfig | None = None) -> Tensor:
+def mx_mm(a: Tensor, b: Tensor, config: MXRecipe | None = None) -> Tensor:
     """y = a @ b with MX operands in forward, dgrad and wgrad (differentiable).
 
     a: (..., K) bf16/fp32 activations, any leading dims (flattened to M rows; M need not be a
        multiple of the block size).
     b: (K, N) bf16/fp32, typically `weight.t()` of a (N, K) nn.Linear weight.
+    config: the MXRecipe (default mxmoe.DEFAULT_RECIPE; `MXOpConfig(...)` builds one).
     K and N must be divisible by config.block_size. Returns (..., N) in a's dtype, contiguous.
     """
-    cfg = MXOpConfig() if config is None else config
+    cfg = as_recipe(config)
     if not isinstance(a, Tensor) or not isinstance(b, Tensor):
         raise TypeError(f"mx_mm takes tensors, got a: {type(a).__name__}, b: {type(b).__name__}")
     if b.ndim != 2 or a.ndim < 1 or a.shape[-1] != b.shape[0]:

@@ -1,9 +1,18 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, lr scheduler, data
 sampler position, step and every rank's RNG state.
 
-Layout: `folder/step-00000100/` (DCP files + `.metadata`). A save writes `step-XXXXXXXX.tmp/` and
-renames it once every rank has finished, so an interrupted save (SIGTERM, SIGKILL, a crash) never
-leaves a half-written directory under a final name; `latest()` only returns complete ones.
+Layout: `folder/step-00000100/` (DCP files + `.metadata` + `manifest.json`). A save writes
+`step-XXXXXXXX.tmp/` and renames it once every rank has finished, so an interrupted save (SIGTERM,
+SIGKILL, a crash) never leaves a half-written directory under a final name; `latest()` only
+returns complete ones.
+
+`manifest.json` holds the size and SHA-256 of every file of the checkpoint (each rank hashes a
+share of them) and the run's shape (model arguments, global batch, sequence length). A resume
+verifies both before loading anything: a corrupted, truncated or missing file, or a run of another
+shape, is a `CheckpointError` naming it, never a torch traceback or a silent continuation.
+`resume_path(fallback=True)` instead moves a corrupt checkpoint aside (`step-XXXXXXXX.corrupt/`)
+and takes the previous complete one. Pruning (`keep_latest`) never deletes the checkpoint just
+written (verified by the hashing).
 
 Expert-parallel experts are plain local tensors holding E / ep experts each; for saving they are
 wrapped as DTensors on the (edp, ep) mesh (Shard(0) over ep, replicated over edp), so DCP stores
@@ -12,9 +21,13 @@ the full expert weights once and reloads each rank's slice.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -28,7 +41,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+log = logging.getLogger("mxmoe.train")
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the file or the setting."""
 
 
 def _dist() -> bool:
@@ -38,6 +57,27 @@ def _dist() -> bool:
 def _barrier() -> None:
     if _dist():
         dist.barrier()
+
+
+def _all_gather(obj) -> list:
+    if not _dist():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def rng_state() -> dict:
@@ -60,27 +100,133 @@ class Checkpointer:
     expert_mesh: the (edp, ep) DeviceMesh when experts are sharded by expert parallelism, else None.
     """
 
-    def __init__(self, folder: str, keep_latest: int = 2, expert_mesh=None):
+    def __init__(self, folder: str, keep_latest: int = 2, expert_mesh=None, run: dict | None = None):
+        """run: what a resumed run must match (JSON-able; e.g. model arguments, global batch and
+        sequence length), stored in each checkpoint's manifest and compared by `load`."""
         self.folder = Path(folder)
         self.keep_latest = keep_latest
         self.expert_mesh = expert_mesh
+        self.run = run or {}
         self.rank = dist.get_rank() if _dist() else 0
+        self.world = dist.get_world_size() if _dist() else 1
 
     # -- discovery ---------------------------------------------------------------------------
     def complete(self) -> list[tuple[int, Path]]:
-        """(step, path) of complete checkpoints, oldest first."""
+        """(step, path) of complete checkpoints (saves that finished), oldest first."""
         if not self.folder.is_dir():
             return []
         out = []
         for p in self.folder.iterdir():
             m = _STEP_DIR.match(p.name)
-            if m and p.is_dir() and (p / ".metadata").is_file():
+            # a final name means the save finished (tmp dirs are renamed last); one that has lost
+            # its .metadata since is still listed, so that resuming reports the damage
+            if m and p.is_dir() and ((p / ".metadata").is_file() or (p / MANIFEST).is_file()):
                 out.append((int(m.group(1)), p))
         return sorted(out)
 
     def latest(self) -> Path | None:
         done = self.complete()
         return done[-1][1] if done else None
+
+    # -- integrity -----------------------------------------------------------------------------
+    def _hash_files(self, path: Path, names: list[str]) -> dict[str, dict]:
+        """{name: {"size", "sha256"}} of `names` under `path`, each rank hashing a share; the same
+        dict on every rank. A missing file has size -1."""
+        mine = {}
+        for name in names[self.rank :: self.world]:
+            f = path / name
+            ok = f.is_file()
+            mine[name] = {"size": f.stat().st_size if ok else -1, "sha256": _sha256(f) if ok else ""}
+        out: dict[str, dict] = {}
+        for part in _all_gather(mine):
+            out.update(part)
+        return out
+
+    def verify(self, path: Path) -> dict:
+        """Check `path` against its manifest (every file present, of the recorded size and SHA-256);
+        returns the manifest. CheckpointError naming the first bad file otherwise (same on every rank)."""
+        manifest_file = path / MANIFEST
+        try:
+            manifest = json.loads(manifest_file.read_text())
+            files = manifest["files"]
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"checkpoint {path} has no {MANIFEST} (checksums): the file was deleted, or the "
+                "checkpoint predates checksummed checkpoints (mxmoe 0.1.0 before them cannot be verified)"
+            ) from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"{manifest_file} is not a valid manifest ({e}): the checkpoint is corrupt"
+            ) from None
+        got = self._hash_files(path, sorted(files))
+        for name in sorted(files):
+            want, have = files[name], got[name]
+            f = path / name
+            if have["size"] < 0:
+                raise CheckpointError(f"checkpoint file {f} is missing")
+            if have["size"] != want["size"]:
+                raise CheckpointError(
+                    f"checkpoint file {f} has {have['size']} bytes, its manifest says {want['size']}: "
+                    "truncated or overwritten"
+                )
+            if have["sha256"] != want["sha256"]:
+                raise CheckpointError(
+                    f"checkpoint file {f} does not match its SHA-256 in {MANIFEST}: the file is corrupted"
+                )
+        return manifest
+
+    def resume_path(self, fallback: bool = False) -> Path | None:
+        """The newest complete checkpoint that verifies, or None if the folder has none.
+
+        A newest checkpoint that fails verification is a CheckpointError unless `fallback`: then it
+        is renamed `step-XXXXXXXX.corrupt` (kept for inspection, never resumed from or pruned as a
+        good one) and the previous complete checkpoint is tried."""
+        done = self.complete()
+        for i in range(len(done) - 1, -1, -1):
+            path = done[i][1]
+            try:
+                self.verify(path)
+                return path
+            except CheckpointError as e:
+                prev = done[i - 1][1] if i > 0 else None
+                if not fallback:
+                    hint = (
+                        f"pass --checkpoint.fallback=true to resume from the previous complete checkpoint "
+                        f"{prev.name} instead"
+                        if prev is not None
+                        else "there is no earlier checkpoint: use another --checkpoint.folder or "
+                        "--checkpoint.resume=false"
+                    )
+                    raise CheckpointError(f"cannot resume: {e}; {hint}") from None
+                if self.rank == 0:
+                    log.warning("%s; moved aside as %s.corrupt", e, path.name)
+                    aside = path.with_name(path.name + ".corrupt")
+                    shutil.rmtree(aside, ignore_errors=True)
+                    os.replace(path, aside)
+                _barrier()
+        if done:
+            raise CheckpointError(f"cannot resume: no checkpoint in {self.folder} verifies (all moved aside)")
+        return None
+
+    def _check_run(self, path: Path, saved: dict) -> None:
+        """CheckpointError if the checkpoint's run shape differs from this run's."""
+        diffs = []
+        for k, v in self.run.items():
+            old = saved.get(k, v)
+            if isinstance(v, dict) and isinstance(old, dict):  # name the differing fields only
+                diffs += [
+                    f"{k}.{f}: checkpoint {old.get(f)!r}, this run {v.get(f)!r}"
+                    for f in sorted(set(v) | set(old))
+                    if old.get(f) != v.get(f)
+                ]
+            elif old != v:
+                diffs.append(f"{k}: checkpoint {old!r}, this run {v!r}")
+        if diffs:
+            raise CheckpointError(
+                f"checkpoint {path} was written by a run of another shape ({'; '.join(diffs)}): resume "
+                "with the same model, training.batch_size x world size and training.seq_len, or start "
+                "a new --checkpoint.folder (or --checkpoint.resume=false)"
+            )
 
     # -- state -------------------------------------------------------------------------------
     def _is_expert(self, fqn: str) -> bool:
@@ -92,17 +238,23 @@ class Checkpointer:
         return DTensor.from_local(t, self.expert_mesh, [Replicate(), Shard(0)], run_check=False)
 
     def _state(self, model, optimizer, train_state: dict) -> dict:
-        msd = get_model_state_dict(model)
+        """The DCP state dict. Every dict in it is new: `get_optimizer_state_dict` hands back the
+        optimizer's own per-parameter state dicts, and putting the DTensor wrappers into those
+        would make the next `optimizer.step()` mix DTensors with plain tensors. The tensors
+        themselves are shared (views), so `dcp.load` writes straight into the live state."""
+        msd = {
+            k: self._wrap(v) if self._is_expert(k) else v for k, v in get_model_state_dict(model).items()
+        }
         osd = get_optimizer_state_dict(model, optimizer)
-        for k in list(msd):
-            if self._is_expert(k):
-                msd[k] = self._wrap(msd[k])
+        optim_state = {}
         for fqn, st in osd["state"].items():
-            if self._is_expert(fqn):
-                for name, v in st.items():
-                    if isinstance(v, torch.Tensor) and v.ndim > 0:
-                        st[name] = self._wrap(v)
-        return {"model": msd, "optim": osd, "train": train_state, f"rng_rank{self.rank}": rng_state()}
+            expert = self._is_expert(fqn)
+            optim_state[fqn] = {
+                name: self._wrap(v) if expert and isinstance(v, torch.Tensor) and v.ndim > 0 else v
+                for name, v in st.items()
+            }
+        optim = {**osd, "state": optim_state}
+        return {"model": msd, "optim": optim, "train": train_state, f"rng_rank{self.rank}": rng_state()}
 
     @staticmethod
     def _unwrap(sd: dict) -> None:
@@ -116,7 +268,7 @@ class Checkpointer:
 
     # -- save / load ---------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, train_state: dict) -> Path:
-        """Write checkpoint `step` atomically (temp dir, then rename) and prune old ones."""
+        """Write checkpoint `step` atomically (temp dir, checksums, then rename) and prune old ones."""
         final = self.folder / f"step-{step:08d}"
         tmp = self.folder / f"step-{step:08d}.tmp"
         if self.rank == 0:
@@ -131,24 +283,33 @@ class Checkpointer:
             )
             dcp.save(state, checkpoint_id=str(tmp))
         _barrier()
+        files = self._hash_files(tmp, sorted(p.name for p in tmp.iterdir() if p.is_file()))
         if self.rank == 0:
+            manifest = {"step": step, "time": time.time(), "run": self.run, "files": files}
+            with open(tmp / MANIFEST, "w") as fh:
+                json.dump(manifest, fh, indent=1)
+                fh.flush()
+                os.fsync(fh.fileno())
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            fd = os.open(self.folder, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_dir(self.folder)
             if self.keep_latest > 0:
+                # the checkpoint just written (its files hashed back from disk) is never pruned,
+                # even when the folder holds checkpoints of higher steps from an earlier run
                 for _, old in self.complete()[: -self.keep_latest]:
-                    shutil.rmtree(old, ignore_errors=True)
+                    if old != final:
+                        shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return final
 
     def load(self, path: Path, model, optimizer, train_state: dict) -> dict:
-        """Load `path` into model and optimizer, restore this rank's RNG; returns the train state
-        (a dict shaped like `train_state`, with the saved values)."""
+        """Load `path` (verified by `resume_path` or `verify`) into model and optimizer, restore this
+        rank's RNG; returns the train state (a dict shaped like `train_state`, with the saved values).
+        CheckpointError if the checkpoint's run shape differs from this run's, or it does not load."""
+        manifest_file = path / MANIFEST
+        if manifest_file.is_file():
+            self._check_run(path, json.loads(manifest_file.read_text()).get("run", {}))
         state = self._state(model, optimizer, train_state)
         # RNG states are per rank and per device type: restore those the checkpoint has (a run
         # saved with fewer ranks, or on CPU, has none for this rank / for CUDA; they stay as seeded)
@@ -161,7 +322,10 @@ class Checkpointer:
             warnings.filterwarnings(
                 "ignore", message=".*assuming the intent is to load in a single process.*"
             )
-            dcp.load(state, checkpoint_id=str(path))
+            try:
+                dcp.load(state, checkpoint_id=str(path))
+            except Exception as e:  # DCP wraps every rank's failure in one long exception
+                raise CheckpointError(f"checkpoint {path} does not load into this model: {e}") from e
         self._unwrap(state)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optim"])

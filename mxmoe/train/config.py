@@ -18,6 +18,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from mxmoe.recipe import DEFAULT_RECIPE_NAME, RECIPES
+
 
 class ConfigError(ValueError):
     """A bad config file or command-line override; the message names the key and value."""
@@ -52,7 +54,11 @@ class Model:
 
 @dataclass
 class MX:
-    recipe_name: str = _f("mxfp8", "MX recipe passed to mxmoe.convert: mxfp8 (FLOOR scales) or mxfp8_rceil")
+    recipe_name: str = _f(
+        DEFAULT_RECIPE_NAME,
+        f"MX recipe passed to mxmoe.convert, one of mxmoe.recipe.RECIPES: {', '.join(RECIPES)} "
+        "(mxfp8_rceil: RCEIL scales, never saturate; mxfp8: FLOOR scales, the OCP rule)",
+    )
     mxfp8_dim1_cast_kernel_choice: str = _f(
         "triton", "kernel for the dim1 (transposing) casts: triton | cuda | torch"
     )
@@ -78,6 +84,9 @@ class Training:
     max_norm: float = _f(1.0, "gradient clipping max norm (0 disables)")
     seed: int = _f(0, "seed of the model init, the data order and the RNG")
     compile: bool = _f(False, "torch.compile each transformer block")
+    cuda_graph: bool = _f(
+        False, "capture forward+backward in one CUDA graph and replay it (one GPU, no EP/FSDP)"
+    )
     mixed_precision: str = _f(
         "bf16", "compute dtype on CUDA: bf16 (autocast; fp32 master weights) | fp32; CPU is fp32"
     )
@@ -113,14 +122,23 @@ class Checkpoint:
     interval: int = _f(0, "save every this many steps (0 = only at the end / on SIGTERM)")
     keep_latest: int = _f(2, "complete checkpoints kept (older ones deleted; 0 keeps all)")
     resume: bool = _f(True, "resume from the latest complete checkpoint in folder if there is one")
+    fallback: bool = _f(
+        False,
+        "when the latest checkpoint fails its checksums, move it aside (step-N.corrupt) and resume "
+        "from the previous complete one (default: stop with an error naming the bad file)",
+    )
 
 
 @dataclass
 class Metrics:
     folder: str = _f("runs/debug", "metrics folder: metrics.jsonl (+ TensorBoard events if importable)")
-    log_freq: int = _f(10, "log loss, tokens/s and memory every this many steps")
-    tensorboard: bool = _f(True, "also write TensorBoard events when torch.utils.tensorboard imports")
-    progress_bar: bool = _f(True, "tqdm progress bar on rank 0")
+    log_freq: int = _f(10, "log loss (mean over the interval), lr, tokens/s and memory every this many steps")
+    tensorboard: bool = _f(
+        False, "also write TensorBoard events (needs the tensorboard extra: pip install 'mxmoe[tensorboard]')"
+    )
+    progress_bar: bool = _f(
+        True, "tqdm progress bar on rank 0 when stderr is a terminal (else a plain line every log_freq steps)"
+    )
 
 
 @dataclass

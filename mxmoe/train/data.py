@@ -9,6 +9,10 @@ packed into windows of seq_len + 1 tokens (input = window[:-1], target = window[
 `ShardedSampler` visits the train windows in a seeded random order, one epoch after another; each
 step takes `batch_size * world_size` consecutive indices of the permutation and rank r takes its
 `batch_size` slice. Its position (epoch, step in epoch) is checkpointed.
+
+Validation (`eval_windows`) uses a fixed sample of windows spread evenly over the whole validation
+stream (every file, not its first few KiB), the same at every evaluation; the whole set when it has
+no more windows than the sample.
 """
 
 from __future__ import annotations
@@ -115,6 +119,24 @@ class PackedDataset:
         offs = indices[:, None] * self.seq_len + torch.arange(self.seq_len + 1)
         w = self.tokens[offs].long()
         return w[:, :-1], w[:, 1:]
+
+
+def eval_windows(n: int, count: int, world: int) -> Tensor:
+    """The validation sample: (world, per_rank) int64 window indices, row r for rank r.
+
+    `count` windows spread evenly over range(n) (window floor((i + 1/2) n / count), i < count): a
+    stratified sample of the whole set, fixed across evaluations. When count >= n, all n windows.
+    The number is rounded down to a multiple of `world` (at least `world`), so every rank runs the
+    same number of forward passes (expert parallelism exchanges tokens in each)."""
+    if n < world:
+        raise ValueError(
+            f"the validation set has {n} windows, fewer than the {world} ranks: use more data, a larger "
+            "data.val_fraction or a smaller training.seq_len"
+        )
+    k = min(count, n)
+    k = max(world, k - k % world)
+    idx = torch.arange(n) if k == n else ((torch.arange(k, dtype=torch.float64) + 0.5) * (n / k)).long()
+    return idx.reshape(-1, world).t().contiguous()
 
 
 class ShardedSampler:

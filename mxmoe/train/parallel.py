@@ -149,10 +149,19 @@ def reduce_expert_grads(params: list[nn.Parameter], edp_group, world_size: int) 
 
 
 def clip_grad_norm(
-    dense: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float, replicas: int, distributed: bool
+    dense: list[nn.Parameter],
+    experts: list[nn.Parameter],
+    max_norm: float,
+    replicas: int,
+    distributed: bool,
+    loss: Tensor | None = None,
 ) -> float:
     """Clip all gradients to a global L2 norm of `max_norm` (0: only measure). Dense gradients may
-    be FSDP DTensor shards; expert gradients are identical on their `replicas` edp copies."""
+    be FSDP DTensor shards; expert gradients are identical on their `replicas` edp copies.
+
+    loss: this rank's loss (a scalar); if it is not finite the returned norm is NaN on every rank
+    (folded into the norm's all-reduce, so ranks agree without another collective). Gradients
+    are not scaled when the norm is not finite."""
     from torch.distributed.tensor import DTensor
 
     def local(g: Tensor) -> Tensor:
@@ -168,6 +177,8 @@ def clip_grad_norm(
         if p.grad is not None:
             esq += p.grad.float().pow(2).sum()
     sq = sq + esq / replicas
+    if loss is not None:
+        sq = sq + loss.detach().float() * 0.0  # inf * 0 and NaN * 0 are NaN
     if distributed:
         dist.all_reduce(sq)
     norm = float(sq.sqrt())

@@ -46,7 +46,12 @@ def _ema(values: list[float], beta: float) -> list[float]:
 
 def plot_runs(runs: list[str], out: str, labels: list[str] | None = None, smooth: float = 0.0) -> Path:
     """Draw the runs' loss curves into the PNG `out`; returns its path."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ModuleNotFoundError(
+            "plotting needs matplotlib, which is not installed: `pip install 'mxmoe[plot]'`"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -64,8 +69,9 @@ def plot_runs(runs: list[str], out: str, labels: list[str] | None = None, smooth
     ax = axes[0][0]
     curves = []
     for recs, label in zip(data, labels, strict=True):
-        tr = [(r["step"], r["loss"]) for r in recs if "loss" in r]
-        va = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+        # a non-finite value is written as null (see mxmoe.train.metrics): not drawn
+        tr = [(r["step"], r["loss"]) for r in recs if r.get("loss") is not None]
+        va = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
         steps, loss = [s for s, _ in tr], [v for _, v in tr]
         curves.append(dict(zip(steps, loss, strict=True)))
         (line,) = ax.plot(steps, _ema(loss, smooth) if smooth else loss, label=f"{label} train")
@@ -113,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
     try:
         path = plot_runs(args.runs, args.out, labels, args.smooth)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"mxmoe plot: {e}", file=sys.stderr)
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
+        print(f"mxmoe plot: error: {e}", file=sys.stderr)
         return 2
     print(path)
     return 0

@@ -9,8 +9,8 @@ device time on CUDA (CPU time on CPU). S is the last recorded step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -59,7 +59,7 @@ def step_profiler(cfg: Profiling, metrics_folder: str, rank: int, device: torch.
         with open(stem + ".txt", "w") as fh:
             fh.write(prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=80))
         if rank == 0:
-            print(f"\nprofiler: wrote {stem}.json and .txt", file=sys.stderr)
+            logging.getLogger("mxmoe.train").info("profiler: wrote %s.json and .txt", stem)
 
     active = cfg.profile_active
     sched = schedule(

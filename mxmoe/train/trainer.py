@@ -7,23 +7,72 @@ parallelism for experts, see mxmoe.train.parallel). Configuration: mxmoe.train.c
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
+import logging
 import math
+import os
 import resource
 import signal
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mxmoe.models import Transformer, model_args
+from mxmoe.models import GraphedStep, Transformer, apply_expert_parallel, model_args
 from mxmoe.train import parallel, profiling
-from mxmoe.train.checkpoint import Checkpointer
+from mxmoe.train.checkpoint import Checkpointer, CheckpointError
 from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
-from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_tokens
+from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, eval_windows, load_tokens
+from mxmoe.train.metrics import MetricsWriter, RunLock, new_run_id
+
+log = logging.getLogger("mxmoe.train")
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """Writes through `tqdm.write`, so lines land above a live progress bar, not through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def console_logging(rank: int):
+    """The "mxmoe" logger for one command-line run: INFO (rank 0 only: progress lines, the
+    `mxmoe.convert` report, the summary) to stdout, warnings and errors (every rank) to stderr.
+    Removed again on exit, so runs in one process (tests) do not stack handlers."""
+    logger = logging.getLogger("mxmoe")
+    handlers = []
+    if rank == 0:
+        out = _ConsoleHandler(sys.stdout)
+        out.setLevel(logging.INFO)
+        out.addFilter(lambda r: r.levelno < logging.WARNING)
+        out.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        handlers.append(out)
+    err = _ConsoleHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    where = f" (rank {rank})" if rank else ""
+    err.setFormatter(logging.Formatter(f"mxmoe %(levelname)s{where}: %(message)s"))
+    handlers.append(err)
+    saved = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for h in handlers:
+        logger.addHandler(h)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            logger.removeHandler(h)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 def memory_gib(device: torch.device) -> float:
@@ -33,41 +82,8 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-class MetricsWriter:
-    """metrics.jsonl (one JSON object per logged step) + TensorBoard if importable; rank 0 only."""
-
-    def __init__(self, folder: str, enabled: bool, tensorboard: bool, config: dict):
-        self.enabled = enabled
-        self.fh = self.tb = None
-        if not enabled:
-            return
-        path = Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.fh = open(path / "metrics.jsonl", "a")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(path / "tb"))
-            except Exception:  # tensorboard not installed: JSONL only
-                self.tb = None
-
-    def log(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self.fh.write(json.dumps(record) + "\n")
-        self.fh.flush()
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
-
-    def close(self) -> None:
-        if self.fh is not None:
-            self.fh.close()
-        if self.tb is not None:
-            self.tb.close()
+_TUNABLE_MODEL_ARGS = ("max_seq_len", "aux_loss_coef", "bias_update_rate", "init_std")
+"""ModelArgs fields a resumed run may change (max_seq_len follows training.seq_len, checked apart)."""
 
 
 def lr_lambda(cfg: JobConfig):
@@ -96,7 +112,42 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig, distributed: bool) -
     )
 
 
-def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims) -> None:
+def build_model_args(cfg: JobConfig):
+    """The ModelArgs of cfg's model (preset + overrides; byte vocabulary, seq_len positions)."""
+    m = cfg.model
+    overrides = {
+        k: getattr(m, k)
+        for k in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "num_experts",
+            "top_k",
+            "moe_hidden_dim",
+            "num_shared_experts",
+            "load_balance",
+            "aux_loss_coef",
+            "bias_update_rate",
+        )
+    }
+    return model_args(m.name, vocab_size=VOCAB_SIZE, max_seq_len=cfg.training.seq_len, **overrides)
+
+
+def compile_submodules(model: Transformer) -> None:
+    """training.compile: torch.compile each block's parts (FSDP hooks and the all-to-all stay eager)."""
+    for blk in model.layers:
+        for sub in (blk.attention, blk.attention_norm, blk.ffn_norm, blk.feed_forward):
+            if sub is not None:
+                sub.compile()
+        if blk.moe is not None:
+            blk.moe.router.compile()
+            if blk.moe.shared_expert is not None:
+                blk.moe.shared_expert.compile()
+    model.norm.compile()
+
+
+def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims):
+    """mxmoe.convert with cfg.mx; returns its ConversionReport."""
     import mxmoe
     from mxmoe.nn import MXConfig
 
@@ -111,6 +162,11 @@ def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDim
         ),
         parallel_dims=pd,
     )
+    return model.mx_conversion
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stopped being finite; the run stops before the optimizer step."""
 
 
 class _Stop:
@@ -144,11 +200,49 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"mxmoe train: {e}", file=sys.stderr)
         return 2
+    rank = int(os.environ.get("RANK", "0"))
+    with console_logging(rank):
+        return _main(cfg)
+
+
+def _main(cfg: JobConfig) -> int:
     try:
         return train(cfg)
     except (ValueError, TypeError, NotImplementedError) as e:  # bad settings: a clear message, no trace
         print(f"mxmoe train: error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, TrainingDiverged) as e:  # the run cannot go on: say why, exit 1
+        print(f"mxmoe train: error: {e}", file=sys.stderr)
+        return 1
+
+
+def check_values(cfg: JobConfig) -> None:
+    """ValueError naming the setting, the value and what is accepted, before anything is built."""
+    t = cfg.training
+    for key, value, low in (
+        ("training.steps", t.steps, 1),
+        ("training.batch_size", t.batch_size, 1),
+        ("training.seq_len", t.seq_len, 1),
+        ("training.warmup_steps", t.warmup_steps, 0),
+        ("training.val_interval", t.val_interval, 0),
+        ("training.val_batches", t.val_batches, 0),
+        ("checkpoint.interval", cfg.checkpoint.interval, 0),
+        ("checkpoint.keep_latest", cfg.checkpoint.keep_latest, 0),
+        ("metrics.log_freq", cfg.metrics.log_freq, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{key}={value}: expected >= {low}")
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        raise ValueError(f"training.lr={t.lr!r}: expected a finite number > 0")
+    for key, value, ok, accepted in (
+        ("training.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "0 <= value <= 1"),
+        ("training.max_norm", t.max_norm, t.max_norm >= 0, "a number >= 0 (0 disables clipping)"),
+        ("training.weight_decay", t.weight_decay, 0 <= t.weight_decay < math.inf, "a finite number >= 0"),
+        ("training.beta1", t.beta1, 0 <= t.beta1 < 1, "0 <= value < 1"),
+        ("training.beta2", t.beta2, 0 <= t.beta2 < 1, "0 <= value < 1"),
+    ):
+        if not ok:  # NaN fails every comparison
+            raise ValueError(f"{key}={value!r}: expected {accepted}")
 
 
 def train(cfg: JobConfig) -> int:
@@ -163,18 +257,7 @@ def train(cfg: JobConfig) -> int:
         raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16 or fp32")
     if t.cpu_threads < 0:
         raise ValueError(f"training.cpu_threads={t.cpu_threads}: expected >= 0 (0 = torch's default)")
-    for key, value, low in (
-        ("training.batch_size", t.batch_size, 1),
-        ("training.seq_len", t.seq_len, 1),
-        ("training.warmup_steps", t.warmup_steps, 0),
-        ("training.val_interval", t.val_interval, 0),
-        ("training.val_batches", t.val_batches, 0),
-        ("checkpoint.interval", cfg.checkpoint.interval, 0),
-        ("checkpoint.keep_latest", cfg.checkpoint.keep_latest, 0),
-        ("metrics.log_freq", cfg.metrics.log_freq, 1),
-    ):
-        if value < low:
-            raise ValueError(f"{key}={value}: expected >= {low}")
+    check_values(cfg)
     profiling.check(cfg.profiling)
     rank, world, device, own_pg = parallel.init_distributed(t.device, p.timeout_s)
     threads = torch.get_num_threads()
@@ -182,9 +265,27 @@ def train(cfg: JobConfig) -> int:
         torch.set_num_threads(t.cpu_threads)
     distributed = dist.is_initialized()
     stop = _Stop()
+    run_id, lock = new_run_id(), None
     try:
-        return _train(cfg, rank, world, device, distributed, use_mx, stop)
+        # one live run per metrics folder: rank 0 takes the lock and every rank learns the outcome
+        busy = None
+        if rank == 0:
+            try:
+                lock = RunLock(cfg.metrics.folder, run_id)
+            except ValueError as e:
+                busy = str(e)
+            except OSError as e:  # e.g. a read-only folder: every rank must hear of it, not hang
+                busy = f"metrics.folder={cfg.metrics.folder!r}: cannot lock it for this run: {e}"
+        if distributed:
+            box = [busy]
+            dist.broadcast_object_list(box, src=0)
+            busy = box[0]
+        if busy is not None:
+            raise ValueError(busy)
+        return _train(cfg, rank, world, device, distributed, use_mx, stop, run_id)
     finally:
+        if lock is not None:
+            lock.release()
         stop.restore()
         torch.set_num_threads(threads)
         if own_pg and dist.is_initialized():
@@ -192,28 +293,25 @@ def train(cfg: JobConfig) -> int:
 
 
 def _train(
-    cfg: JobConfig, rank: int, world: int, device: torch.device, distributed: bool, use_mx: bool, stop: _Stop
+    cfg: JobConfig,
+    rank: int,
+    world: int,
+    device: torch.device,
+    distributed: bool,
+    use_mx: bool,
+    stop: _Stop,
+    run_id: str,
 ) -> int:
     t, p, m = cfg.training, cfg.parallelism, cfg.model
     pd = parallel.make_parallel_dims(
         world, p.data_parallel_shard_degree, p.expert_parallel_degree, p.tensor_parallel_degree
     )
-    overrides = {
-        k: getattr(m, k)
-        for k in (
-            "dim",
-            "n_layers",
-            "n_heads",
-            "num_experts",
-            "top_k",
-            "moe_hidden_dim",
-            "num_shared_experts",
-            "load_balance",
-            "aux_loss_coef",
-            "bias_update_rate",
+    margs = build_model_args(cfg)
+    if t.cuda_graph and (device.type != "cuda" or world > 1):
+        raise ValueError(
+            f"training.cuda_graph=true captures one GPU's step: needs device cuda and one process "
+            f"(no FSDP / expert parallelism), got device {device.type} and world size {world}"
         )
-    }
-    margs = model_args(m.name, vocab_size=VOCAB_SIZE, max_seq_len=t.seq_len, **overrides)
     if pd.tp > 1 and use_mx:
         # the converter owns this refusal: let it raise its own error before anything is built
         _mx_convert(torch.nn.Module(), cfg, pd)
@@ -227,21 +325,11 @@ def _train(
         dp_mesh, ep_mesh = parallel.build_meshes(pd, device, p.timeout_s)
         if ep_mesh is not None:
             ep_group, edp_group = ep_mesh.get_group("ep"), ep_mesh.get_group("edp")
-            ep_rank = dist.get_rank(ep_group)
-            for moe in model.moe_layers():
-                moe.set_ep_group(ep_group, pd.ep, ep_rank)
+            apply_expert_parallel(model, ep_group)
     if use_mx:
         _mx_convert(model, cfg, pd)
     if t.compile:
-        for blk in model.layers:  # submodules only: FSDP hooks and the all-to-all stay eager
-            for sub in (blk.attention, blk.attention_norm, blk.ffn_norm, blk.feed_forward):
-                if sub is not None:
-                    sub.compile()
-            if blk.moe is not None:
-                blk.moe.router.compile()
-                if blk.moe.shared_expert is not None:
-                    blk.moe.shared_expert.compile()
-        model.norm.compile()
+        compile_submodules(model)
     exp_params = parallel.expert_params(model) if ep_mesh is not None else []
     if distributed:
         parallel.apply_fsdp(model, dp_mesh, ignore_experts=ep_mesh is not None)
@@ -256,34 +344,50 @@ def _train(
     val_ds = PackedDataset(val_tokens, t.seq_len) if t.val_interval > 0 and t.val_batches > 0 else None
     sampler = ShardedSampler(len(train_ds), t.batch_size, rank, world, t.seed)
 
+    # what a resumed run must share with the saving one (another world size is fine when the global
+    # batch is the same; hyperparameters such as aux_loss_coef may change)
+    shape = {k: v for k, v in dataclasses.asdict(margs).items() if k not in _TUNABLE_MODEL_ARGS}
+    run_shape = {"model": shape, "global_batch": t.batch_size * world, "seq_len": t.seq_len}
     ckpt = (
-        Checkpointer(cfg.checkpoint.folder, cfg.checkpoint.keep_latest, ep_mesh)
+        Checkpointer(cfg.checkpoint.folder, cfg.checkpoint.keep_latest, ep_mesh, run=run_shape)
         if cfg.checkpoint.folder
         else None
     )
     step = 0
-    if ckpt is not None and cfg.checkpoint.resume and (path := ckpt.latest()) is not None:
+    if (
+        ckpt is not None
+        and cfg.checkpoint.resume
+        and (path := ckpt.resume_path(cfg.checkpoint.fallback)) is not None
+    ):
         st = ckpt.load(path, model, optimizer, _train_state(0, scheduler, sampler))
         step = int(st["step"])
         for group in optimizer.param_groups:  # the saving run may have had another world size
             group["foreach"] = not distributed
         scheduler.load_state_dict(st["scheduler"])
         sampler.load_state_dict(st["sampler"])
-        if rank == 0:
-            print(f"resumed from {path} at step {step}", file=sys.stderr)
+        log.info("resumed from %s at step %d", path, step)
 
     total, active = margs.num_params()
-    if rank == 0:
-        print(
-            f"model {m.name}: {total / 1e6:.1f}M params ({active / 1e6:.1f}M active), "
-            f"{'MXFP8 ' + cfg.mx.recipe_name if use_mx else 'high precision'}, device {device}, "
-            f"world {world} (ep {pd.ep}), {len(train_ds)} train / "
-            f"{len(val_ds) if val_ds else 0} val sequences",
-            file=sys.stderr,
-        )
-    metrics = MetricsWriter(cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, cfg.to_dict())
+    log.info("run %s, metrics in %s", run_id, cfg.metrics.folder)
+    log.info(
+        "model %s: %.1fM params (%.1fM active), %s, device %s, world %d (ep %d), %d train / %d val "
+        "sequences",
+        m.name,
+        total / 1e6,
+        active / 1e6,
+        _precision(model, cfg) if use_mx else "high precision",
+        device,
+        world,
+        pd.ep,
+        len(train_ds),
+        len(val_ds) if val_ds else 0,
+    )
+    metrics = MetricsWriter(
+        cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, cfg.to_dict(), run_id, start_step=step
+    )
     amp = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
+        # a captured step must not keep autocast's weight casts in a cache outside the graph
+        torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not t.cuda_graph)
         if device.type == "cuda" and t.mixed_precision == "bf16"
         else contextlib.nullcontext()
     )
@@ -297,109 +401,204 @@ def _train(
         ce = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), y.reshape(-1))
         return ce, aux
 
+    graphed = None
+
+    def train_step(x, y):
+        """Forward + backward of one batch: (ce, aux)."""
+        nonlocal graphed
+        if not t.cuda_graph:
+            ce, aux = loss_of(x, y)
+            (ce + aux_coef * aux).backward()
+            return ce, aux
+        if graphed is None:  # captured on the first batch (static shapes from then on)
+
+            def step_fn(xs, ys):
+                ce, aux = loss_of(xs, ys)
+                return ce + aux_coef * aux, ce, aux
+
+            graphed = GraphedStep(step_fn, model.parameters(), (x, y))
+        _, ce, aux = graphed(x, y)
+        return ce, aux
+
+    # the validation sample: val_batches x batch_size x world windows spread over the whole set
+    val_idx = eval_windows(len(val_ds), t.val_batches * t.batch_size * world, world) if val_ds else None
+    val_sample_tokens = val_idx.numel() * t.seq_len if val_ds else 0
+    if val_ds is not None:
+        log.info(
+            "validation: %d of %d windows (%d tokens%s), spread over the whole validation set",
+            val_idx.numel(),
+            len(val_ds),
+            val_sample_tokens,
+            ", the whole set" if val_idx.numel() == len(val_ds) else "",
+        )
+
     def validate() -> float:
+        """Mean cross-entropy per token over the validation sample (all ranks)."""
         model.eval()
-        total_loss = torch.zeros((), device=device)
+        total = torch.zeros(2, device=device, dtype=torch.float64)  # (loss x tokens, tokens)
         with torch.no_grad():
-            for b in range(t.val_batches):
-                start = (b * world + rank) * t.batch_size
-                idx = torch.arange(start, start + t.batch_size) % len(val_ds)
+            for idx in val_idx[rank].split(t.batch_size):
                 x, y = (a.to(device) for a in val_ds.batch(idx))
-                total_loss += loss_of(x, y)[0].float()
+                total[0] += loss_of(x, y)[0].double() * y.numel()
+                total[1] += y.numel()
         model.train()
         if distributed:
-            dist.all_reduce(total_loss)
-        return float(total_loss) / (t.val_batches * world)
+            dist.all_reduce(total)
+        return float(total[0] / total[1])
 
     def save(at: int) -> None:
         ckpt.save(at, model, optimizer, _train_state(at, scheduler, sampler))
 
     bar = None
-    if rank == 0 and cfg.metrics.progress_bar:
+    # a bar only on a terminal: redirected to a file, tqdm's frames are one endless line
+    if rank == 0 and cfg.metrics.progress_bar and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(total=t.steps, initial=step, desc="train", dynamic_ncols=True, file=sys.stderr)
-    if step >= t.steps and rank == 0:
-        print(f"already at step {step} >= training.steps={t.steps}: nothing to train (raise "
-              "--training.steps or use a new --checkpoint.folder)", file=sys.stderr)
+    if step >= t.steps:
+        log.warning(
+            "already at step %d >= training.steps=%d: nothing to train (raise --training.steps or use "
+            "a new --checkpoint.folder)",
+            step,
+            t.steps,
+        )
     stop.install()
     model.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    last_t, last_step, saved_at = time.perf_counter(), step, step
-    with profiling.step_profiler(cfg.profiling, cfg.metrics.folder, rank, device, step + 1) as prof_step:
-        while step < t.steps:
-            step += 1
-            x, y = (a.to(device, non_blocking=True) for a in train_ds.batch(sampler.next_indices()))
-            ce, aux = loss_of(x, y)
-            (ce + aux_coef * aux).backward()
-            if exp_params:
-                parallel.reduce_expert_grads(exp_params, edp_group, world)
-            norm = parallel.clip_grad_norm(
-                dense_params, exp_params, t.max_norm, max(1, world // pd.ep), distributed
-            )
-            lr = scheduler.get_last_lr()[0]  # the rate this step used (scheduler.step() moves to the next)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            model.update_router_bias(world_group)
-            prof_step()
+    start_step, start_t = step, time.perf_counter()
+    last_t, last_step, saved_at = start_t, step, step
+    loss_sum = torch.zeros(2, device=device)  # (ce, aux) summed over the steps since the last record
+    record: dict | None = None
+    val_loss = None
+    try:
+        with profiling.step_profiler(cfg.profiling, cfg.metrics.folder, rank, device, step + 1) as prof_step:
+            while step < t.steps:
+                step += 1
+                x, y = (a.to(device, non_blocking=True) for a in train_ds.batch(sampler.next_indices()))
+                ce, aux = train_step(x, y)
+                if exp_params:
+                    parallel.reduce_expert_grads(exp_params, edp_group, world)
+                norm = parallel.clip_grad_norm(
+                    dense_params, exp_params, t.max_norm, max(1, world // pd.ep), distributed, loss=ce
+                )
+                lr = scheduler.get_last_lr()[0]  # the rate this step used (scheduler.step() moves on)
+                if not math.isfinite(norm):  # the same on every rank: all stop here, nothing is saved
+                    local = float(ce.detach())
+                    what = "gradient norm" if math.isfinite(local) else f"loss ({local} on rank {rank})"
+                    last_ckpt = f"; the last checkpoint is {ckpt.latest()}" if ckpt is not None else ""
+                    raise TrainingDiverged(
+                        f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
+                        f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower training.lr "
+                        "or training.max_norm, or check the data"
+                    )
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                model.update_router_bias(world_group)
+                prof_step()
+                loss_sum += torch.stack([ce.detach().float(), aux.detach().float()])
 
-            last = step == t.steps
-            record = None
-            if step % cfg.metrics.log_freq == 0 or last or (t.val_interval and step % t.val_interval == 0):
-                stats = torch.stack([ce.detach().float(), aux.detach().float()])
-                if distributed:
-                    dist.all_reduce(stats)
-                    stats /= world
-                now = time.perf_counter()
-                tps = tokens_per_step * (step - last_step) / max(now - last_t, 1e-9)
-                last_t, last_step = now, step
-                record = {
-                    "step": step,
-                    "loss": float(stats[0]),
-                    "aux_loss": float(stats[1]),
-                    "tokens_per_s": tps,
-                    "memory_gib": memory_gib(device),
-                    "lr": lr,
-                    "grad_norm": norm,
-                }
-            if val_ds is not None and (step % t.val_interval == 0 or last):
-                record["val_loss"] = validate()
-                last_t = time.perf_counter()  # validation time is not training throughput
-            if record is not None:
-                metrics.log(record)
+                last = step == t.steps
+                val_step = val_ds is not None and (step % t.val_interval == 0 or last)
+                if step % cfg.metrics.log_freq == 0 or last or val_step:
+                    # the training loss of a record is the mean over its interval's steps and ranks
+                    n = step - last_step
+                    stats = loss_sum / n
+                    if distributed:
+                        dist.all_reduce(stats)
+                        stats /= world
+                    loss_sum.zero_()
+                    now = time.perf_counter()
+                    tps = tokens_per_step * n / max(now - last_t, 1e-9)
+                    last_t, last_step = now, step
+                    record = {
+                        "step": step,
+                        "loss": float(stats[0]),
+                        "loss_steps": n,
+                        "aux_loss": float(stats[1]),
+                        "tokens_per_s": tps,
+                        "memory_gib": memory_gib(device),
+                        "lr": lr,
+                        "grad_norm": norm,
+                    }
+                    if val_step:
+                        record["val_loss"] = val_loss = validate()
+                        record["val_tokens"] = val_sample_tokens
+                        last_t = time.perf_counter()  # validation time is not training throughput
+                    metrics.log(record)
+                    if bar is None or "val_loss" in record:
+                        log.info(_progress_line(record, t.steps))
+                    if bar is not None:
+                        bar.set_postfix(
+                            loss=f"{record['loss']:.4f}",
+                            tok_s=f"{record['tokens_per_s']:.0f}",
+                            mem=f"{record['memory_gib']:.2f}GiB",
+                        )
                 if bar is not None:
-                    bar.set_postfix(
-                        loss=f"{record['loss']:.4f}",
-                        tok_s=f"{record['tokens_per_s']:.0f}",
-                        mem=f"{record['memory_gib']:.2f}GiB",
-                    )
-            if bar is not None:
-                bar.update(1)
-            every = cfg.checkpoint.interval
-            if ckpt is not None and ((every and step % every == 0) or last):
-                save(step)
-                saved_at = step
-            requested = stop.requested
-            if distributed:
-                flag = torch.tensor([float(requested)], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                requested = bool(flag.item())
-            if requested:
-                if ckpt is not None and saved_at != step:
+                    bar.update(1)
+                every = cfg.checkpoint.interval
+                if ckpt is not None and ((every and step % every == 0) or last):
                     save(step)
-                if rank == 0:
-                    print(
-                        f"\nSIGTERM: stopped after step {step}"
-                        + (f", checkpoint in {ckpt.folder}" if ckpt else ""),
-                        file=sys.stderr,
+                    saved_at = step
+                requested = stop.requested
+                if distributed:
+                    flag = torch.tensor([float(requested)], device=device)
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                    requested = bool(flag.item())
+                if requested:
+                    if ckpt is not None and saved_at != step:
+                        save(step)
+                        saved_at = step
+                    log.warning(
+                        "SIGTERM: stopped after step %d%s",
+                        step,
+                        f", checkpoint in {ckpt.folder}" if ckpt else "",
                     )
-                break
-    if bar is not None:
-        bar.close()
-    metrics.close()
+                    break
+    finally:
+        if bar is not None:
+            bar.close()
+        metrics.close()
+    if step > start_step:
+        elapsed = time.perf_counter() - start_t
+        log.info(
+            "done: steps %d..%d of %d in %.1f s (%.0f tokens/s including validation and checkpoints); "
+            "last training loss %.4f%s; peak memory %.2f GiB; metrics in %s%s",
+            start_step + 1,
+            step,
+            t.steps,
+            elapsed,
+            tokens_per_step * (step - start_step) / max(elapsed, 1e-9),
+            record["loss"] if record else float("nan"),
+            f", validation loss {val_loss:.4f}" if val_loss is not None else "",
+            memory_gib(device),
+            cfg.metrics.folder,
+            f"; checkpoint {ckpt.folder / f'step-{saved_at:08d}'}" if ckpt is not None and saved_at else "",
+        )
     return 0
+
+
+def _progress_line(record: dict, steps: int) -> str:
+    """One plain log line from a metrics record."""
+    line = (
+        f"step {record['step']}/{steps}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+        f"grad_norm {record['grad_norm']:.3g}  {record['tokens_per_s']:.0f} tokens/s  "
+        f"memory {record['memory_gib']:.2f} GiB"
+    )
+    if "val_loss" in record:
+        line += f"  val_loss {record['val_loss']:.4f}"
+    return line
+
+
+def _precision(model: torch.nn.Module, cfg: JobConfig) -> str:
+    """What the mx converter actually did: the modules now MX, or that it swapped none."""
+    from mxmoe.nn import MXGroupedExperts, MXLinear
+
+    n = sum(isinstance(mod, (MXLinear, MXGroupedExperts)) for mod in model.modules())
+    if n == 0:
+        return "high precision (the mx converter swapped no module)"
+    return f"MXFP8 {cfg.mx.recipe_name} in {n} modules"
 
 
 def _train_state(step: int, scheduler, sampler) -> dict:

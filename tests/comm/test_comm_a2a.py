@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import assert_same_bits, free_port, spawn_ranks
 
 from mxmoe.comm import (
     a2a_combine,
@@ -24,26 +23,15 @@ from mxmoe.comm import (
 )
 from mxmoe.comm.a2a import all_to_all_rows
 from mxmoe.quant import custom_ops
+from mxmoe.recipe import MXRecipe, recipe
+
+# Recipes other than the default: the exchange follows them (FLOOR; e5m2 with blocks of 16, "even").
+OTHER_RECIPES = (
+    recipe("mxfp8", dim0_kernel="torch"),
+    MXRecipe(elem_dtype=torch.float8_e5m2, block_size=16, scaling_mode="even", dim0_kernel="torch"),
+)
 
 TIMEOUT = datetime.timedelta(seconds=60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    """Equal shapes, dtypes, NaN positions, and bit patterns everywhere else."""
-    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
-    na, nb = a.isnan(), b.isnan()
-    assert torch.equal(na, nb), f"{what}: NaN positions differ"
-    ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[a.dtype]
-    ba, bb = a.view(ints)[~na], b.view(ints)[~nb]
-    if not torch.equal(ba, bb):
-        bad = (ba != bb).nonzero()[:5].flatten().tolist()
-        raise AssertionError(f"{what}: {int((ba != bb).sum())} elements differ, e.g. at {bad}")
 
 
 def make_rows(n: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -121,6 +109,8 @@ def _check_all_paths(
         y.backward(g)
         assert_same_bits(x.grad, reference_mxfp8_a2a(g, ins, outs, group), "combine backward " + what)
 
+    _check_recipes(x0, g, outs, ins, group, f"rank {rank} {kind} {dtype}")
+
     # plain high-precision all-to-all, any dtype and trailing shape
     x = x0.clone().requires_grad_()
     y = all_to_all_hp(x, outs, ins, group)
@@ -133,6 +123,32 @@ def _check_all_paths(
     yi_exp = torch.empty_like(yi)
     dist.all_to_all_single(yi_exp, xi, outs, ins, group=group)
     assert torch.equal(yi, yi_exp)
+
+
+def _check_recipes(x0, g, outs, ins, group, what: str) -> None:
+    """Every exchange quantizes with the recipe it is given, bit for bit the reference with that recipe."""
+    for r in OTHER_RECIPES:
+        xr = x0.clone().requires_grad_()
+        yr = reference_mxfp8_a2a(xr, outs, ins, group, recipe=r)
+        yr.backward(g)
+        for chunks, transport in ((None, "auto"), (2, "nccl")):
+            w = f"{what} {r.scaling_mode}/{r.elem_dtype}/{r.block_size} chunks={chunks}"
+            x = x0.clone().requires_grad_()
+            y = to_mxfp8_a2a_dequant(x, outs, ins, group, chunks=chunks, transport=transport, recipe=r)
+            assert_same_bits(y, yr.detach(), "forward " + w)
+            y.backward(g)
+            assert_same_bits(x.grad, xr.grad, "backward " + w)
+            mx = a2a_dispatch_mxfp8(x0, outs, ins, group, chunks=chunks, transport=transport, recipe=r)
+            assert (mx.scaling_mode, mx.elem_dtype, mx.block_size) == (
+                r.scaling_mode,
+                r.elem_dtype,
+                r.block_size,
+            )
+            assert_same_bits(mx.dequantize(), yr.detach(), "dispatch " + w)
+            x = x0.clone().requires_grad_()
+            a2a_combine(x, outs, ins, group, chunks=chunks, transport=transport, recipe=r).backward(g)
+            expect = reference_mxfp8_a2a(g, ins, outs, group, recipe=r)
+            assert_same_bits(x.grad, expect, "combine backward " + w)
 
 
 def _expect_error_everywhere(rank: int, exc: type, needle: str, fn, *args, **kwargs) -> None:
@@ -182,6 +198,12 @@ def _check_errors(rank: int, world: int) -> None:
     # symmetric memory needs CUDA tensors: asked for on gloo/CPU, every rank says so (no collective ran)
     with pytest.raises(RuntimeError, match="transport='symm' needs CUDA tensors"):
         to_mxfp8_a2a_dequant(x, ok, ok, transport="symm", check=False)
+    with pytest.raises(ValueError, match="either as kernel='torch' or through the recipe"):
+        to_mxfp8_a2a_dequant(x, ok, ok, kernel="torch", recipe=OTHER_RECIPES[0])
+    with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe"):
+        a2a_dispatch_mxfp8(x, ok, ok, recipe="mxfp8")
+    with pytest.raises(ValueError, match="not divisible by the MX block size 64"):
+        a2a_combine(torch.randn(2 * world, 96), ok, ok, recipe=MXRecipe(block_size=64), check=False)
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[str]) -> None:
@@ -209,7 +231,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[str]) -> None:
 
 
 def _launch(world: int, jobs: list[str]) -> None:
-    mp.spawn(_worker, args=(world, _free_port(), jobs), nprocs=world, join=True)
+    spawn_ranks(_worker, world, jobs)
 
 
 def test_two_ranks():
@@ -235,7 +257,7 @@ def test_single_rank_without_and_with_process_group():
     with pytest.raises(ValueError, match="input_splits has 2 entries but the group has 1"):
         to_mxfp8_a2a_dequant(x0, [6], [3, 3])
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=TIMEOUT
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=TIMEOUT
     )
     try:
         for chunks in (None, 0, 2):

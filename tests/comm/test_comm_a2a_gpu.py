@@ -8,8 +8,8 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_comm_a2a import _check_all_paths, _free_port, assert_same_bits, make_rows
+from conftest import assert_same_bits, spawn_ranks
+from test_comm_a2a import _check_all_paths, make_rows
 
 from mxmoe.comm import a2a_dispatch_mxfp8, reference_mxfp8_a2a, to_mxfp8_a2a_dequant
 
@@ -30,6 +30,26 @@ def test_single_gpu_pipeline_matches_reference(dtype, chunks):
     y.backward(g)
     assert_same_bits(x.grad, xr.grad, "backward")
     assert_same_bits(a2a_dispatch_mxfp8(x0, [4099], [4099], chunks=chunks).dequantize(), yr.detach())
+
+
+@pytest.mark.parametrize("chunks", [None, 3])
+def test_single_gpu_exchange_follows_the_recipe(chunks):
+    """A non-default recipe on CUDA (generic casts in the pipeline's own-rows and landing steps)."""
+    from test_comm_a2a import OTHER_RECIPES
+
+    x0 = make_rows(4099, 256, torch.bfloat16, 5).cuda()
+    g = make_rows(4099, 256, torch.bfloat16, 6).cuda()
+    for r in OTHER_RECIPES:
+        xr = x0.clone().requires_grad_()
+        yr = reference_mxfp8_a2a(xr, [4099], [4099], recipe=r)
+        yr.backward(g)
+        x = x0.clone().requires_grad_()
+        y = to_mxfp8_a2a_dequant(x, [4099], [4099], chunks=chunks, recipe=r)
+        assert_same_bits(y, yr.detach(), f"forward {r}")
+        y.backward(g)
+        assert_same_bits(x.grad, xr.grad, f"backward {r}")
+        mx = a2a_dispatch_mxfp8(x0, [4099], [4099], chunks=chunks, recipe=r)
+        assert_same_bits(mx.dequantize(), yr.detach(), f"dispatch {r}")
 
 
 def _nccl_worker(rank: int, world: int, port: int, workspace_bytes: int | None = None) -> None:
@@ -63,4 +83,4 @@ def _nccl_worker(rank: int, world: int, port: int, workspace_bytes: int | None =
 def test_two_gpus_nccl_matches_reference(workspace_bytes):
     """Every path (symmetric memory, NCCL) against the reference on 2 GPUs; a tiny workspace (slots of a
     few rows) sends the larger pairs through NCCL send/recv."""
-    mp.spawn(_nccl_worker, args=(2, _free_port(), workspace_bytes), nprocs=2, join=True)
+    spawn_ranks(_nccl_worker, 2, workspace_bytes)

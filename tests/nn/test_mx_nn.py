@@ -3,12 +3,11 @@
 import copy
 import logging
 import os
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn_ranks
 from torch import nn
 
 import mxmoe
@@ -67,7 +66,7 @@ def test_convert_swaps_and_logs(caplog):
     with caplog.at_level(logging.INFO, logger="mxmoe"):
         assert mxmoe.convert(model, CPU_CFG) is model
     assert isinstance(model.inp, MXLinear) and isinstance(model.mid, MXLinear)
-    assert isinstance(model.experts, MXGroupedExperts) and model.experts.accepts_mx_input
+    assert isinstance(model.experts, MXGroupedExperts)
     assert (
         type(model.router) is nn.Linear and type(model.output) is nn.Linear and type(model.odd) is nn.Linear
     )
@@ -148,12 +147,6 @@ def test_mx_model_trains_close_to_bf16_and_compiles():
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fsdp_worker(rank, world, port, path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -179,17 +172,8 @@ def test_fsdp2_two_ranks_same_losses(tmp_path):
     torch.set_num_threads(1)
     ref_model = convert(make_model(), CPU_CFG)
     ref = train_losses(ref_model)
-    ctx = mp.get_context("spawn")
     path = str(tmp_path / "rank0.pt")
-    port = _free_port()
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, port, path)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    spawn_ranks(_fsdp_worker, 2, path)
     losses, sd = torch.load(path)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
     plain = make_model()
@@ -262,3 +246,18 @@ def test_gpu_compile_inductor_model():
     compiled = torch.compile(lambda x: (model(x, counts) ** 2).mean(), fullgraph=True)(x)
     compiled.backward()
     torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=0)
+
+
+def test_modules_take_the_recipe():
+    """MXLinear / MXGroupedExperts take an MXRecipe (MXOpConfig builds the same one); anything else
+    is a TypeError naming what is accepted."""
+    r = mxmoe.recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch")
+    lin = nn.Linear(64, 32)
+    a = MXLinear.from_linear(lin, r)
+    b = MXLinear.from_linear(lin, MXOpConfig(scaling_mode="floor", kernel="torch", dim1_kernel="torch"))
+    assert a.mx_config == b.mx_config == r
+    x = torch.randn(5, 64)
+    assert torch.equal(a(x), b(x))
+    assert MXGroupedExperts(64, 32, 2).mx_config == mxmoe.DEFAULT_RECIPE
+    with pytest.raises(TypeError, match="config must be an mxmoe.MXRecipe"):
+        MXGroupedExperts(64, 32, 2, config={"scaling_mode": "floor"})

@@ -107,6 +107,16 @@ def test_main_reports_config_errors(capsys):
         ("--metrics.log_freq=0", "metrics.log_freq=0: expected >= 1"),
         ("--training.batch_size=0", "training.batch_size=0: expected >= 1"),
         ("--checkpoint.keep_latest=-1", "checkpoint.keep_latest=-1: expected >= 0"),
+        ("--training.steps=0", "training.steps=0: expected >= 1"),
+        ("--training.lr=inf", "training.lr=inf: expected a finite number > 0"),
+        ("--training.lr=nan", "training.lr=nan: expected a finite number > 0"),
+        ("--training.lr=0", "training.lr=0.0: expected a finite number > 0"),
+        ("--training.lr=-1e-3", "training.lr=-0.001: expected a finite number > 0"),
+        ("--training.min_lr_ratio=1.5", "training.min_lr_ratio=1.5: expected 0 <= value <= 1"),
+        ("--training.min_lr_ratio=-0.1", "training.min_lr_ratio=-0.1: expected 0 <= value <= 1"),
+        ("--training.max_norm=nan", "training.max_norm=nan: expected a number >= 0"),
+        ("--training.beta2=1", "training.beta2=1.0: expected 0 <= value < 1"),
+        ("--training.weight_decay=inf", "training.weight_decay=inf: expected a finite number >= 0"),
     ],
 )
 def test_main_rejects_out_of_range_values(capsys, arg, match):
@@ -138,3 +148,19 @@ def test_shipped_configs_parse(path):
 def test_debug_config_trains_with_mx_on_cpu_kernels():
     cfg = load_toml(str(Path(__file__).parents[2] / "configs" / "debug_moe.toml"))
     assert cfg.model.converters == ["mx"] and cfg.mx.mxfp8_dim1_cast_kernel_choice == "torch"
+
+
+def test_mx_recipe_default_is_the_library_default_and_help_lists_recipes(capsys):
+    from mxmoe.recipe import DEFAULT_RECIPE_NAME, RECIPES
+
+    assert parse_args([]).mx.recipe_name == DEFAULT_RECIPE_NAME == "mxfp8_rceil"
+    assert trainer.main(["--help"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "--mx.recipe_name" in x]
+    assert "default 'mxfp8_rceil'" in line and all(name in line for name in RECIPES)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_use_the_default_recipe(path):
+    from mxmoe.recipe import DEFAULT_RECIPE_NAME
+
+    assert load_toml(str(path)).mx.recipe_name == DEFAULT_RECIPE_NAME

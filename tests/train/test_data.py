@@ -79,3 +79,36 @@ def test_sampler_shards_and_resumes():
     other = ShardedSampler(n, b, 0, 2, seed=6)
     other_first = other.next_indices().tolist()
     assert ShardedSampler(n, b, 0, 2, seed=5).next_indices().tolist() != other_first
+
+
+def test_validation_sample_spreads_over_the_whole_set_and_is_split_evenly():
+    from mxmoe.train.data import eval_windows
+
+    idx = eval_windows(1000, 8, world=2)
+    assert idx.shape == (2, 4) and idx.dtype == torch.int64
+    flat = sorted(idx.flatten().tolist())
+    assert flat == [62, 187, 312, 437, 562, 687, 812, 937]  # floor((i + 1/2) * 1000 / 8)
+    assert torch.equal(idx, eval_windows(1000, 8, world=2))  # fixed across evaluations
+    # a small set is used whole (rounded down to a multiple of the ranks)
+    assert sorted(eval_windows(7, 100, world=1).flatten().tolist()) == list(range(7))
+    assert eval_windows(7, 100, world=2).shape == (2, 3)
+    assert eval_windows(7, 1, world=2).shape == (2, 1)  # at least one window per rank
+
+
+def test_validation_uses_the_documented_number_of_tokens(tmp_path):
+    import json
+
+    from mxmoe.train import trainer
+
+    text = tmp_path / "data.txt"
+    text.write_bytes(bytes(range(256)) * 12)  # 3072 bytes; the last 20% (614) are validation
+    args = ["--model.name=debug_dense", "--model.dim=32", "--model.n_heads=2", "--model.n_layers=1"]
+    args += ["--training.seq_len=32", "--training.batch_size=2", "--training.steps=2"]
+    args += ["--training.val_interval=1", f"--data.path={text}", "--data.val_fraction=0.2"]
+    args += ["--training.cpu_threads=1"]
+    for val_batches, tokens in ((1, 2 * 32), (100, (613 // 32) * 32)):  # a sample; the whole set
+        run = tmp_path / f"run{val_batches}"
+        assert trainer.main(args + [f"--training.val_batches={val_batches}", f"--metrics.folder={run}"]) == 0
+        recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["val_tokens"] for r in recs] == [tokens, tokens]
+        assert all(r["val_loss"] > 0 for r in recs)

@@ -1,6 +1,7 @@
 """GPU smoke runs of the trainer (run on the H200 with `pytest -m gpu tests/train`)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,21 @@ def test_gpu_train_runs_and_learns(tmp_path, mx, compile_):
     assert [r["step"] for r in recs] == list(range(1, 7))
     assert recs[-1]["loss"] < recs[0]["loss"] and recs[-1]["memory_gib"] > 0
     assert "val_loss" in recs[2] and "val_loss" in recs[5]
+
+
+def test_gpu_periodic_checkpoint_resume_and_validation_sample(tmp_path):
+    """On CUDA: training goes on after a periodic save (manifest hashed), a resume from it verifies
+    and continues (close to the uninterrupted run: index_add atomics make GPU runs inexact), and the
+    validation records carry the sample's token count."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = TINY_GPU + ["--model.converters=mx", "--checkpoint.keep_latest=0"]
+    assert trainer.main(common + [f"--metrics.folder={full}", f"--checkpoint.folder={full}/ckpt",
+                                  "--checkpoint.interval=3"]) == 0
+    (part / "ckpt").mkdir(parents=True)
+    shutil.copytree(full / "ckpt" / "step-00000003", part / "ckpt" / "step-00000003")
+    assert trainer.main(common + [f"--metrics.folder={part}", f"--checkpoint.folder={part}/ckpt"]) == 0
+    ref = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [4, 5, 6]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref[3:]], rel=1e-2)
+    assert ref[2]["val_tokens"] == 4 * 128 and got[-1]["val_tokens"] == 4 * 128

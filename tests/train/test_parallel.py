@@ -2,25 +2,18 @@
 
 import datetime
 import os
-import socket
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import spawn_ranks
 
 from mxmoe.train import parallel
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     pd = parallel.make_parallel_dims(4, -1, 2, 1)
@@ -42,6 +35,6 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_ep_groups_use_the_configured_timeout(tmp_path):
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=4, join=True, start_method="spawn")
+    spawn_ranks(_worker, 4, str(tmp_path))
     # without the timeout on the sub-groups, rank 0 waits until rank 1 gives up (gloo: 30 min default)
     assert (tmp_path / "result").read_text() == "timed out"

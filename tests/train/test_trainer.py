@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from conftest import spawn_ranks
 
 from mxmoe.train import trainer
 from mxmoe.train.checkpoint import Checkpointer
@@ -134,12 +133,6 @@ def test_tensor_parallel_with_mx_is_refused_by_the_converter(tmp_path, capsys):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -162,9 +155,7 @@ def test_two_process_fsdp_ep_mx_matches_one_process(tmp_path):
         f"--metrics.folder={dist_run}",
         f"--checkpoint.folder={dist_run}/ckpt",
     ]
-    mp.start_processes(
-        _worker, args=(2, _free_port(), argv, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
-    )
+    spawn_ranks(_worker, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
     assert trainer.main(common + ["--training.batch_size=4", f"--metrics.folder={one_run}"]) == 0
     d, o = losses(dist_run), losses(one_run)
@@ -217,9 +208,7 @@ def test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint(tmp_pa
         f"--metrics.folder={ep_run}",
         f"--checkpoint.folder={ep_run}/ckpt",
     ]
-    mp.start_processes(
-        _worker, args=(2, _free_port(), argv, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
-    )
+    spawn_ranks(_worker, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
     o, d = losses(one_run), losses(ep_run)
     assert sorted(d) == [2]
@@ -236,7 +225,7 @@ def test_profiling_writes_a_trace_and_an_operator_table(tmp_path):
     trace = json.loads((run / "profile_traces" / traces[0]).read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     # the profiler counts steps from 0: our steps 2 and 3 are its #1 and #2
-    assert "mxmoe::quantize_dim0" in names and "ProfilerStep#1" in names and "ProfilerStep#2" in names
+    assert "mxmoe::qdq" in names and "ProfilerStep#1" in names and "ProfilerStep#2" in names
     assert "ProfilerStep#0" not in names
     table = (run / "profile_traces" / traces[1]).read_text()
     assert "aten::mm" in table and "Self CPU" in table
@@ -268,3 +257,30 @@ def test_compiled_mx_training_matches_eager(tmp_path):
         runs[name] = [(r["loss"], r["grad_norm"]) for r in recs]
     assert all(g > 0 for _, g in runs["compiled"])
     torch.testing.assert_close(torch.tensor(runs["compiled"]), torch.tensor(runs["eager"]), rtol=1e-4, atol=0)
+
+
+def test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly(tmp_path):
+    """EP=2 over 2 gloo ranks: training goes on after a periodic save (the checkpointer once wrapped
+    the live optimizer state in DTensors: `aten.lerp_` mixed Tensor and DTensor on the next step),
+    and a run resumed from that save logs the uninterrupted run's losses."""
+    common = TINY + ["--training.steps=4", "--parallelism.timeout_s=60", "--checkpoint.keep_latest=0"]
+    common += ["--parallelism.expert_parallel_degree=2"]
+    common += ["--training.val_interval=2", "--training.val_batches=1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    argv = common + [f"--metrics.folder={full}", f"--checkpoint.folder={full}/ckpt"]
+    argv += ["--checkpoint.interval=2"]
+    spawn_ranks(_worker, 2, argv, str(tmp_path))
+    assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+    ref = losses(full)
+    assert sorted(ref) == [1, 2, 3, 4]
+    (part / "ckpt").mkdir(parents=True)
+    shutil.copytree(full / "ckpt" / "step-00000002", part / "ckpt" / "step-00000002")
+    argv = common + [f"--metrics.folder={part}", f"--checkpoint.folder={part}/ckpt"]
+    spawn_ranks(_worker, 2, argv, str(tmp_path))
+    assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+    got = losses(part)
+    assert sorted(got) == [3, 4]
+    assert got[3] == ref[3] and got[4] == ref[4], (got, ref)
+    (val,) = [json.loads(x)["val_loss"] for x in (part / "metrics.jsonl").read_text().splitlines()[1:]]
+    ref_val = [json.loads(x).get("val_loss") for x in (full / "metrics.jsonl").read_text().splitlines()]
+    assert val == ref_val[3] and ref_val[1] > ref_val[3] > 0

@@ -1,0 +1,269 @@
+"""`mxmoe bench train`: bf16 and MX training steps of the same model and batch, in one process.
+
+The model comes from the trainer's configuration (`--config FILE.toml` and `--section.key=value`
+overrides, as `mxmoe train` takes them): the same ModelArgs, the same `mxmoe.convert` settings
+(`[mx]`), the same AdamW and loss (cross-entropy + aux loss, bf16 autocast on CUDA). Each variant
+(bf16 = the high-precision model, mx = converted) is built fresh from the same seed and trained
+on one fixed batch, in each mode:
+
+  eager          no compilation
+  compile        the trainer's `training.compile` (each block's parts compiled; experts eager)
+  compile_full   the whole model compiled with fullgraph=True (possible at EP=1: no host syncs)
+  reduce_overhead  the same with mode="reduce-overhead" (inductor's CUDA graphs of forward and
+                 backward); CUDA only
+  graph          forward+backward captured in one CUDA graph (`mxmoe.models.GraphedStep`; the
+                 trainer's `training.cuda_graph`), optimizer eager; CUDA only
+  compile_full+graph   both
+
+After `--warmup-steps` untimed steps (compilation, capture, autotuning), `--steps` steps are timed
+by wall clock with the device synchronized only at both ends: tokens/s, ms per step, peak memory
+(CUDA: max allocated during the variant; CPU: the process's peak RSS so far), final loss. A mode
+that fails is reported with its error. Runs on CPU (tiny config) too.
+
+    mxmoe bench train --config configs/moe_1b.toml --json train.json
+    mxmoe bench train --config configs/debug_moe.toml --training.device=cpu --modes eager --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mxmoe.bench import timing
+
+MODES = ("eager", "compile", "compile_full", "reduce_overhead", "graph", "compile_full+graph")
+VARIANTS = ("bf16", "mx")
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return v
+
+
+def _choices(allowed: tuple[str, ...], what: str):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{what} {text!r}: expected a comma list of {list(allowed)}")
+        return items
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mxmoe bench train",
+        description="bf16 vs MX training steps of one model and batch (tokens/s, step time, peak memory), "
+        "eager, compiled and CUDA-graphed. Other options (--config, --section.key=value) are the "
+        "trainer's (`mxmoe train --help`).",
+    )
+    p.add_argument(
+        "--variants",
+        type=_choices(VARIANTS, "--variants"),
+        default=list(VARIANTS),
+        help="bf16 (high precision) and/or mx (the [mx] converter settings); default both",
+    )
+    p.add_argument(
+        "--modes",
+        type=_choices(MODES, "--modes"),
+        default=None,
+        help=f"comma list of {list(MODES)}; default all on CUDA, eager on CPU",
+    )
+    p.add_argument("--steps", type=_positive, default=20, help="timed steps (default 20)")
+    p.add_argument("--warmup-steps", type=_positive, default=10, help="untimed steps first (default 10)")
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend (default inductor; aot_eager for a quick CPU check)",
+    )
+    p.add_argument(
+        "--json", metavar="PATH", help="also write the rows, the config and the environment as JSON"
+    )
+    return p
+
+
+def _tokens(cfg, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    from mxmoe.train.data import VOCAB_SIZE
+
+    t = cfg.training
+    g = torch.Generator().manual_seed(t.seed + 1)
+    seq = torch.randint(0, VOCAB_SIZE, (t.batch_size, t.seq_len + 1), generator=g).to(device)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
+    """Build, warm up and time one variant in one mode."""
+    from mxmoe.models import GraphedStep, Transformer
+    from mxmoe.train import parallel
+    from mxmoe.train.data import VOCAB_SIZE
+    from mxmoe.train.trainer import (
+        _mx_convert,
+        build_model_args,
+        build_optimizer,
+        compile_submodules,
+        memory_gib,
+    )
+
+    t = cfg.training
+    graph = "graph" in mode
+    if (graph or mode == "reduce_overhead") and device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    margs = build_model_args(cfg)
+    torch.manual_seed(t.seed)
+    with torch.device(device):
+        model = Transformer(margs)
+    report = None
+    if variant == "mx":
+        report = _mx_convert(model, cfg, parallel.make_parallel_dims(1, -1, 1, 1))
+    if mode == "compile":
+        compile_submodules(model)
+    elif mode.startswith("compile_full"):
+        model.compile(fullgraph=True, backend=args.compile_backend)
+    elif mode == "reduce_overhead":
+        model.compile(fullgraph=True, backend=args.compile_backend, mode="reduce-overhead")
+    opt = build_optimizer(model, cfg, distributed=False)
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not (graph or mode == "reduce_overhead"))
+        if device.type == "cuda" and t.mixed_precision == "bf16"
+        else contextlib.nullcontext()
+    )
+    aux_coef = margs.aux_loss_coef if margs.load_balance == "aux_loss" else 0.0
+    x, y = _tokens(cfg, device)
+
+    def step_fn(xs, ys):
+        with amp:
+            logits, aux = model(xs)
+        ce = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), ys.reshape(-1))
+        return ce + aux_coef * aux, ce
+
+    graphed = None
+
+    def step() -> torch.Tensor:
+        nonlocal graphed
+        if graph:
+            if graphed is None:
+                graphed = GraphedStep(step_fn, model.parameters(), (x, y))
+            _, ce = graphed(x, y)
+        else:
+            if mode == "reduce_overhead":  # a new step: inductor's graphs may reuse their outputs
+                torch.compiler.cudagraph_mark_step_begin()
+            loss, ce = step_fn(x, y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return ce
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(args.warmup_steps):
+        step()
+    timing.sync()
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        ce = step()
+    timing.sync()
+    dt = (time.perf_counter() - t0) / args.steps
+    return {
+        "variant": variant,
+        "mode": mode,
+        "tokens_per_s": t.batch_size * t.seq_len / dt,
+        "step_ms": dt * 1e3,
+        "peak_mem_gib": memory_gib(device),
+        "warmup_s": warm_s,
+        "loss": float(ce.detach()),
+        "converted": report.summary() if report is not None else "",
+    }
+
+
+def run(cfg, args) -> list[dict]:
+    from mxmoe.train import parallel
+
+    _, _, device, own_pg = parallel.init_distributed(cfg.training.device, cfg.parallelism.timeout_s)
+    if cfg.training.cpu_threads:
+        torch.set_num_threads(cfg.training.cpu_threads)
+    modes = args.modes or (list(MODES) if device.type == "cuda" else ["eager"])
+    rows = []
+    try:
+        for mode in modes:
+            for variant in args.variants:
+                try:
+                    row = _one(cfg, variant, mode, device, args)
+                except Exception as e:  # reported in the table; the other modes still run
+                    row = {"variant": variant, "mode": mode, "error": f"{type(e).__name__}: {e}"[:200]}
+                rows.append(row)
+                gc.collect()
+                torch._dynamo.reset()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        if own_pg:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    base = {r["mode"]: r["tokens_per_s"] for r in rows if r["variant"] == "bf16" and "tokens_per_s" in r}
+    for r in rows:
+        if "tokens_per_s" in r and r["mode"] in base:
+            r["vs_bf16"] = r["tokens_per_s"] / base[r["mode"]]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mxmoe.train.config import ConfigError, parse_args
+
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = parse_args(rest)
+    except ConfigError as e:
+        parser.error(str(e))
+    rows = run(cfg, args)
+    keys = (
+        "variant",
+        "mode",
+        "tokens_per_s",
+        "vs_bf16",
+        "step_ms",
+        "peak_mem_gib",
+        "warmup_s",
+        "loss",
+        "error",
+    )
+    table = [{k: r.get(k, "") for k in keys if any(k in q for q in rows)} for r in rows]
+    t, env = cfg.training, timing.environment()
+    where = ", ".join(f"{k} {v}" for k, v in env.items())
+    timing.print_table(
+        table,
+        title=f"training steps, model {cfg.model.name}, {t.batch_size}x{t.seq_len} tokens/step, "
+        f"{args.steps} timed after {args.warmup_steps} warm-up ({where})",
+        floatfmt=".4g",
+    )
+    for r in rows:
+        if r.get("converted"):
+            print(f"{r['variant']} {r['mode']}: {r['converted']}")
+            break
+    if args.json:
+        timing.write_json(
+            args.json,
+            {
+                "bench": "train",
+                "config": cfg.to_dict(),
+                "steps": args.steps,
+                "warmup_steps": args.warmup_steps,
+                "environment": env,
+                "rows": rows,
+            },
+        )
+    return 0 if all("error" not in r for r in rows) else 1

@@ -1,0 +1,269 @@
+"""Fused quantize-dequantize (qdq): bf16/fp32 -> MX-rounded values in bf16/fp32, one pass.
+
+`qdq(x, axis, recipe=r, out_dtype=d)` equals `to_mx(x, axis, recipe=r).dequantize(d)` bit for bit
+(same values, same logical shape and the same storage layout), without writing the fp8 elements
+and scales and reading them back. The emulated GEMM of `mxmoe.ops` feeds its operands this way.
+
+Layouts (x viewed as (B, R, C), contiguous):
+  dim0 (blocks along the last dim C): out (B, R, C), the input's layout.
+  dim1 (blocks along dim -2, R): out stored (B, C, R) contiguous and returned as its transposed
+      view, i.e. exactly the storage `to_mx(x, axis=-2).dequantize()` returns. The GEMM results
+      depend on the operand layout (bf16 CPU GEMMs differ bitwise between a row-major operand and
+      a transposed one), so this is what keeps the emulated GEMMs bit-identical to the
+      quantize-then-dequantize path.
+  dim0+dim1 from one read: both of the above; or the dim0 values plus the dim1 cast in MX
+      (elements (C, R) and e8m0 scales (C, R // bs), exactly `to_mx(x, axis=-2)`'s storage), which
+      is what a forward keeps for the weight-gradient GEMM (fp8: half the bytes of a bf16 copy).
+
+Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize, CPU or GPU)
+and "triton" (one kernel for every mode; on CPU under TRITON_INTERPRET=1). A recipe's "cuda" cast
+kernel maps to the Triton qdq (there is no CUDA qdq kernel). The ops are `torch.library` custom
+ops with fake implementations (torch.compile fullgraph).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from mxmoe.formats import OUTPUT_DTYPES, CastSpec, check_input_dtype, make_spec
+from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
+
+QDQ_KERNELS = ("torch", "triton")
+DIM1_NONE, DIM1_QDQ, DIM1_MX = 0, 1, 2
+"""What the dim1 half of `mxmoe::qdq` writes: nothing, dequantized values, or the MX cast."""
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def qdq_kernel(kernel: str, device: torch.device) -> str:
+    """The qdq backend for a recipe's cast kernel choice on `device`: "torch" for "torch" and for
+    "auto" off CUDA, "triton" otherwise (CUDA, or the interpreter for an explicit "triton")."""
+    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
+        return "torch"
+    if kernel not in ("auto", "triton", "cuda"):
+        raise ValueError(
+            f"kernel={kernel!r} is not a cast kernel; expected 'auto', 'torch', 'triton' or 'cuda'"
+        )
+    if device.type == "cuda" or (kernel == "triton" and device.type == "cpu" and _interpret()):
+        return "triton"
+    raise RuntimeError(
+        f"kernel={kernel!r}: the qdq kernel needs a CUDA tensor (got a {device.type} tensor), or "
+        "TRITON_INTERPRET=1 for kernel='triton' on CPU"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# torch backend (reference)
+# ----------------------------------------------------------------------------------------------
+
+
+def _torch_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: int) -> list[Tensor]:
+    """x (B, R, C) contiguous -> the outputs listed in `qdq_op`, via torch_cast quantize+dequantize."""
+    from mxmoe.quant import torch_cast
+
+    B, R, C = x.shape
+    bs = spec.block_size
+    outs: list[Tensor] = []
+    if dim0:
+        q, s = torch_cast.quantize_dim0(x.reshape(B * R, C), spec)
+        outs.append(torch_cast.dequantize(q, s, bs, out_dtype).view(B, R, C))
+    if dim1:
+        xt = x.transpose(1, 2).contiguous().view(B * C, R)  # (B, C, R): blocks along R contiguous
+        q, s = torch_cast.quantize_dim0(xt, spec)
+        if dim1 == DIM1_QDQ:
+            outs.append(torch_cast.dequantize(q, s, bs, out_dtype).view(B, C, R))
+        else:
+            outs += [q.view(B, C, R), s.view(B, C, R // bs)]
+    return outs
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton backend
+# ----------------------------------------------------------------------------------------------
+
+_TILE = 64  # rows and columns per program (elements 64 x 64: 16 per thread at 8 warps)
+_MAX_BS = 128  # the tile holds whole blocks both ways: (bs, bs) at least
+
+
+def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: int, outs):
+    import triton
+
+    from mxmoe.formats import MODE_IDS, f32_bits
+
+    B, R, C = x.shape
+    bs = spec.block_size
+    if bs > _MAX_BS:
+        raise ValueError(f"block_size={bs}: the Triton qdq kernel supports block sizes up to {_MAX_BS}")
+    if x.numel() == 0:
+        return
+    br = max(bs, min(_TILE, triton.next_power_of_2(R)))
+    bc = max(bs, min(_TILE, triton.next_power_of_2(C)))
+    grid = (triton.cdiv(R, br), triton.cdiv(C, bc), B)
+    if grid[1] > 65535 or B > 65535:
+        raise ValueError(f"x of shape {tuple(x.shape)} is too large for the qdq kernel's grid")
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    it = iter(outs)
+    y0 = next(it).view(bits) if dim0 else x
+    if dim1 == DIM1_QDQ:
+        y1, s1 = next(it).view(bits), x
+    elif dim1 == DIM1_MX:
+        y1, s1 = next(it).view(torch.uint8), next(it).view(torch.uint8)
+    else:
+        y1 = s1 = x
+    f = spec.elem
+    from mxmoe.quant.triton_qdq import qdq_triton_kernel
+
+    qdq_triton_kernel[grid](
+        x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1, s1, R, C,
+        BS=bs, BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
+        DIM0=dim0, DIM1=dim1, MODE=MODE_IDS[spec.mode], IS_E5M2=f.dtype == torch.float8_e5m2,
+        EMAX=f.emax, MBITS=f.mbits, MIN_EXP=f.min_normal_exp, MAXBITS=f32_bits(f.max_normal),
+        RCEIL_C=spec.rceil_c, T127=spec.rceil_t127, T126=spec.rceil_t126,
+        # software rounding under the interpreter, whose fp32 -> fp8 conversion misrounds
+        SOFT=x.device.type != "cuda" or _interpret(), num_warps=8,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The custom op
+# ----------------------------------------------------------------------------------------------
+
+
+def _empty_outputs(x: Tensor, elem_dtype, out_dtype, block_size: int, dim0: bool, dim1: int) -> list[Tensor]:
+    B, R, C = x.shape
+    outs = []
+    if dim0:
+        outs.append(torch.empty((B, R, C), dtype=out_dtype, device=x.device))
+    if dim1 == DIM1_QDQ:
+        outs.append(torch.empty((B, C, R), dtype=out_dtype, device=x.device))
+    elif dim1 == DIM1_MX:
+        outs.append(torch.empty((B, C, R), dtype=elem_dtype, device=x.device))
+        outs.append(torch.empty((B, C, R // block_size), dtype=torch.float8_e8m0fnu, device=x.device))
+    return outs
+
+
+@torch.library.custom_op("mxmoe::qdq", mutates_args=())
+def qdq_op(
+    x: Tensor,
+    block_size: int,
+    scaling_mode: str,
+    elem_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    dim0: bool,
+    dim1: int,
+    kernel: str,
+) -> list[Tensor]:
+    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0 (and R % block_size == 0 when dim1).
+
+    Returns, in order: if dim0, y0 (B, R, C) out_dtype = MX-rounded along C; if dim1 == 1, y1
+    (B, C, R) out_dtype = MX-rounded along R, stored transposed; if dim1 == 2, q1 (B, C, R)
+    elem_dtype and s1 (B, C, R // block_size) float8_e8m0fnu = the MX cast along R (to_mx's
+    storage). All contiguous. kernel: "torch" | "triton" (concrete, see `qdq_kernel`).
+    """
+    spec = make_spec(block_size, scaling_mode, elem_dtype)
+    if kernel == "torch":
+        if x.numel() == 0:
+            return _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
+        return [t.contiguous() for t in _torch_qdq(x, spec, out_dtype, dim0, dim1)]
+    if kernel != "triton":
+        raise ValueError(f"kernel={kernel!r} is not a qdq kernel; expected one of {list(QDQ_KERNELS)}")
+    outs = _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
+    _triton_qdq(x, spec, out_dtype, dim0, dim1, outs)
+    return outs
+
+
+@qdq_op.register_fake
+def _(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel):
+    return _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python API
+# ----------------------------------------------------------------------------------------------
+
+
+def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, axes: tuple[int, ...]) -> None:
+    """The one argument check of a public qdq call (x is 2D or 3D here)."""
+    if not isinstance(recipe, MXRecipe):
+        raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
+    check_input_dtype("x", x)
+    if out_dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype} is not supported; expected one of {list(OUTPUT_DTYPES)}")
+    for ax in axes:
+        if x.shape[ax] % recipe.block_size:
+            raise ValueError(
+                f"x.shape[{ax}]={x.shape[ax]} (x {tuple(x.shape)}) is not divisible by "
+                f"block_size={recipe.block_size}"
+            )
+
+
+def _as3d(x: Tensor) -> Tensor:
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 dims for qdq, got shape {tuple(x.shape)}")
+    return x.contiguous().view(-1, x.shape[-2], x.shape[-1])
+
+
+def qdq(
+    x: Tensor, axis: int = -1, *, recipe: MXRecipe = DEFAULT_RECIPE, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """`to_mx(x, axis, recipe=recipe).dequantize(out_dtype)` in one pass, bit for bit.
+
+    x: bf16/fp32, ndim >= 2, any strides (made contiguous); axis -1 (blocks along the last dim,
+    kernel recipe.dim0_kernel) or -2 (blocks along dim -2, kernel recipe.dim1_kernel);
+    x.shape[axis] % recipe.block_size == 0. out_dtype: bf16 or fp32 (default x.dtype).
+    Returns x's shape in out_dtype: axis -1 row-major contiguous; axis -2 stored with the last two
+    dims swapped (a transposed view of a contiguous tensor), as the dequantized dim1 cast is.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
+        raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
+    dim1 = axis in (-2, x.ndim - 2)
+    x3 = _as3d(x)
+    _check(x3, recipe, out_dtype, (1,) if dim1 else (2,))
+    kernel = qdq_kernel(recipe.dim1_kernel if dim1 else recipe.dim0_kernel, x.device)
+    (y,) = qdq_op(
+        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, not dim1,
+        DIM1_QDQ if dim1 else DIM1_NONE, kernel,
+    )
+    if dim1:
+        return y.view(*x.shape[:-2], x.shape[-1], x.shape[-2]).transpose(-2, -1)
+    return y.view(x.shape)
+
+
+def qdq_dim0_dim1(
+    x: Tensor,
+    *,
+    recipe: MXRecipe = DEFAULT_RECIPE,
+    out_dtype: torch.dtype | None = None,
+    dim1_mx: bool = False,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    """Both directions of a 2D x (R, C), bf16/fp32, R and C divisible by the block size, from one
+    read (kernel recipe.dim1_kernel).
+
+    Returns y0 = qdq(x, -1) ((R, C) contiguous, out_dtype) and, with dim1_mx=False, y1 = qdq(x, -2)
+    ((R, C) logical, stored (C, R) contiguous); with dim1_mx=True instead the MX cast along R as
+    (q1 (C, R) elem dtype, s1 (C, R // bs) float8_e8m0fnu), equal to to_mx(x, axis=0)'s
+    qdata_blocked and scale_blocked.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2D for qdq_dim0_dim1, got shape {tuple(x.shape)}")
+    x3 = x.contiguous().unsqueeze(0)
+    _check(x3, recipe, out_dtype, (1, 2))
+    kernel = qdq_kernel(recipe.dim1_kernel, x.device)
+    outs = qdq_op(
+        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True,
+        DIM1_MX if dim1_mx else DIM1_QDQ, kernel,
+    )
+    y0 = outs[0][0]
+    if dim1_mx:
+        return y0, outs[1][0], outs[2][0]
+    return y0, outs[1][0].t()
+
+
+__all__ = ["QDQ_KERNELS", "qdq", "qdq_dim0_dim1", "qdq_kernel", "qdq_op"]

@@ -1,0 +1,97 @@
+"""The Triton kernel of the fused quantize-dequantize (`mxmoe.quant.qdq`, which documents the
+layouts). Imported on first use of the "triton" qdq backend.
+
+The quantize step is the cast backend's own (`triton_cast._quantize`: one definition of the block
+scale and the element rounding for every Triton kernel); the dequantize step builds the result from
+integer bits, as the Triton dequantize kernel does for tiles with tiny scales, so nothing depends
+on how the GPU treats fp32 subnormals.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mxmoe.quant.triton_cast import _load_bits, _quantize
+
+
+@triton.jit
+def _deq_bits(qb, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Bits (int16 for bf16, int32 for fp32) of q * 2^(s - 127) rounded once to the output type:
+    element bytes qb (uint8), scale bytes s (int32, broadcastable; 255 = NaN). Built from integer
+    bits (exact also where the result is an fp32 subnormal, scale byte < 10 / 17), RNE to bf16."""
+    if IS_E5M2:
+        qf = qb.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        qf = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    Q = qf.to(tl.int32, bitcast=True)
+    a = Q & 0x7FFFFFFF
+    k = s - 127
+    F = (a >> 23) + k  # biased exponent of the result
+    norm = a + (k << 23)
+    sub = ((a & 0x7FFFFF) | 0x800000) >> tl.minimum(tl.maximum(1 - F, 0), 31)
+    ra = tl.where(F >= 1, norm, sub)
+    ra = tl.where(F >= 255, 0x7F800000, ra)
+    ra = tl.where(a == 0, 0, ra)
+    if OUT_BF16:
+        rh = ((ra + 0x7FFF + ((ra >> 16) & 1)) >> 16) | ((Q >> 16) & 0x8000)
+        return tl.where(s == 255, 0x7FC0, rh).to(tl.int16)
+    else:
+        return tl.where(s == 255, 0x7FC00000, ra | (Q & -2147483648))
+
+@triton.jit
+def qdq_triton_kernel(x_ptr, y0_ptr, y1_ptr, s1_ptr, R, C, BS: tl.constexpr, BR: tl.constexpr,
+                BC: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, DIM0: tl.constexpr,
+                DIM1: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
+                MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
+                RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
+    """x (B, R, C) read once as (BR/BS, BS, BC/BS, BS) tiles (element (i, j, k, m) at row
+    i*BS + j, col k*BS + m). DIM0: y0 (B, R, C) = qdq along C. DIM1 = 1: y1 (B, C, R) = qdq
+    along R, stored transposed; DIM1 = 2: y1 (B, C, R) element bytes and s1 (B, C, R/BS) scale
+    bytes of the cast along R (to_mx's storage)."""
+    NBR: tl.constexpr = BR // BS
+    NBC: tl.constexpr = BC // BS
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    r0 = pid_r * BR
+    c0 = pid_c * BC
+    base = pid_b * R * C
+    i = tl.arange(0, NBR)[:, None, None, None]
+    j = tl.arange(0, BS)[None, :, None, None]
+    k = tl.arange(0, NBC)[None, None, :, None]
+    m = tl.arange(0, BS)[None, None, None, :]
+    row = i * BS + j
+    col = k * BS + m
+    mask = (row < R - r0) & (col < C - c0)
+    offs = row * C + col
+    X = _load_bits(x_ptr + base + r0.to(tl.int64) * C + c0, offs, mask, IN_BF16)
+    if DIM0:
+        q0, s0 = _quantize(X, 3, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126,
+                           SOFT)
+        y0 = _deq_bits(q0, tl.expand_dims(s0.to(tl.int32), 3), IS_E5M2, OUT_BF16)
+        tl.store(y0_ptr + base + r0.to(tl.int64) * C + c0 + offs, y0, mask=mask)
+    if DIM1 != 0:
+        q1, s1 = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126,
+                           SOFT)
+        # (i, j, k, m) -> (k, m, i, j): element (row, col) lands at y1[col, row]
+        it = tl.arange(0, NBR)[None, None, :, None]
+        jt = tl.arange(0, BS)[None, None, None, :]
+        kt = tl.arange(0, NBC)[:, None, None, None]
+        mt = tl.arange(0, BS)[None, :, None, None]
+        offs_t = (kt * BS + mt) * R + it * BS + jt
+        mask_t = (kt * BS + mt < C - c0) & (it * BS + jt < R - r0)
+        y1_base = y1_ptr + base + c0.to(tl.int64) * R + r0
+        if DIM1 == 1:
+            y1 = _deq_bits(q1, tl.expand_dims(s1.to(tl.int32), 1), IS_E5M2, OUT_BF16)
+            tl.store(y1_base + offs_t, tl.permute(y1, (2, 3, 0, 1)), mask=mask_t)
+        else:
+            tl.store(y1_base + offs_t, tl.permute(q1, (2, 3, 0, 1)), mask=mask_t)
+            # s1 (i, k, m) -> (k, m, i): scale of column col, row block r0/BS + i
+            ks = tl.arange(0, NBC)[:, None, None]
+            ms = tl.arange(0, BS)[None, :, None]
+            i_s = tl.arange(0, NBR)[None, None, :]
+            nrb = R // BS
+            s_mask = (ks * BS + ms < C - c0) & (i_s < nrb - pid_r * NBR)
+            s_base = s1_ptr + pid_b * nrb * C + c0.to(tl.int64) * nrb + pid_r * NBR
+            tl.store(s_base + (ks * BS + ms) * nrb + i_s, tl.permute(s1, (1, 2, 0)), mask=s_mask)

@@ -1,0 +1,144 @@
+"""One run, one folder: the metrics folder's lock and its records.
+
+`RunLock` holds an exclusive `flock` on `folder/.lock` for as long as a run is live (the kernel
+drops it when the process ends, however it ends), so a second run on the same folder stops with an
+error naming the live one instead of interleaving its records. `MetricsWriter` writes
+`metrics.jsonl`: one strict JSON object per logged step, each with the run's id and a timestamp;
+NaN and infinities are written as null and listed under "nonfinite". A run resumed at step S first
+moves the folder's records of steps > S (written after that checkpoint by the run that stopped) to
+`metrics.dropped.jsonl`, so every step appears once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+log = logging.getLogger("mxmoe.train")
+METRICS = "metrics.jsonl"
+DROPPED = "metrics.dropped.jsonl"
+
+
+class RunFolderBusy(ValueError):
+    """Another live run holds the metrics folder."""
+
+
+def new_run_id() -> str:
+    """UTC start time and a random suffix, e.g. "20261130-091502-3fa2c1"."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
+class RunLock:
+    """An exclusive lock on `folder` (created if needed) for one live run; `release()` ends it."""
+
+    def __init__(self, folder: str | Path, run_id: str):
+        self.path = Path(folder) / ".lock"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise RunFolderBusy(
+                f"metrics.folder={str(self.path.parent)!r} is in use by a live run ({holder}); wait for "
+                "it to finish or give this run another --metrics.folder"
+            ) from None
+        info = f"run {run_id}, pid {os.getpid()} on {socket.gethostname()}"
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, info.encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def strict_record(record: dict) -> dict:
+    """`record` with NaN / inf floats replaced by None and their keys listed under "nonfinite"."""
+    bad = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))
+    if not bad:
+        return record
+    out = {k: (None if k in bad else v) for k, v in record.items()}
+    out["nonfinite"] = bad
+    return out
+
+
+class MetricsWriter:
+    """metrics.jsonl (+ TensorBoard events when asked and installed); a no-op unless `enabled`
+    (rank 0). `start_step`: the step the run starts after (its resume step; 0 for a new run)."""
+
+    def __init__(
+        self, folder: str, enabled: bool, tensorboard: bool, config: dict, run_id: str, start_step: int = 0
+    ):
+        self.enabled, self.run_id = enabled, run_id
+        self.fh = self.tb = None
+        if not enabled:
+            return
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps({"run_id": run_id, **config}, indent=2, default=str))
+        self._drop_after(path / METRICS, start_step)
+        self.fh = open(path / METRICS, "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log.warning(
+                    "metrics.tensorboard is on but the tensorboard package is not installed: writing "
+                    "metrics.jsonl only. Install it with `pip install 'mxmoe[tensorboard]'` (or pass "
+                    "--metrics.tensorboard=false)"
+                )
+            else:
+                self.tb = SummaryWriter(str(path / "tb"))
+
+    @staticmethod
+    def _drop_after(file: Path, step: int) -> None:
+        """Move the records of steps > `step` from `file` to metrics.dropped.jsonl (atomically)."""
+        if not file.is_file():
+            return
+        keep, drop = [], []
+        for line in file.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec_step = json.loads(line).get("step", 0)
+            except ValueError:  # a line cut short by a killed run: not a record
+                rec_step = None
+            (keep if rec_step is not None and rec_step <= step else drop).append(line)
+        if not drop:
+            return
+        with open(file.with_name(DROPPED), "a") as fh:
+            fh.write("".join(x + "\n" for x in drop))
+        tmp = file.with_name(file.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        os.replace(tmp, file)
+        log.info("%s: moved %d records after step %d (redone now) to %s", file, len(drop), step, DROPPED)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        full = {"step": record["step"], "run_id": self.run_id, "time": round(time.time(), 3), **record}
+        self.fh.write(json.dumps(strict_record(full), allow_nan=False) + "\n")
+        self.fh.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None

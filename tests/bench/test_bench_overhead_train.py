@@ -1,0 +1,104 @@
+"""`mxmoe bench overhead` and `mxmoe bench train` run end to end on CPU (tiny shapes, few calls/steps)
+and write their JSON; bad arguments are refused clearly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mxmoe.cli import main as cli_main
+
+TINY_TRAIN = [
+    "--config",
+    "configs/debug_moe.toml",
+    "--training.device=cpu",
+    "--training.batch_size=2",
+    "--training.seq_len=32",
+    "--model.n_layers=1",
+    "--mx.mxfp8_dim1_cast_kernel_choice=torch",
+]
+
+
+def test_overhead_runs_on_cpu_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    argv = ["bench", "overhead", "--shape", "128x128", "--kernel", "torch", "--iters", "2", "--warmup", "1"]
+    assert cli_main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {(r["op"], r["impl"]): r for r in data["rows"]}
+    for key in [
+        ("copy_", "native"),
+        ("x.to(float8_e4m3fn)", "native"),
+        ("torch.mm fwd+bwd", "native"),
+        ("to_mx dim0", "torch"),
+        ("to_mx dim1", "torch"),
+        ("to_mx_dim0_dim1", "torch"),
+        ("to_mx 3D along K", "torch"),
+        ("to_mx 3D along N", "torch"),
+        ("dequantize", "torch"),
+        ("mx_mm fwd", "auto"),
+        ("mx_mm fwd+bwd", "auto"),
+        ("mx_grouped_mm fwd", "auto"),
+        ("mx_grouped_mm fwd+bwd", "auto"),
+        ("all_to_all_hp, 1 rank", "native"),
+        ("to_mxfp8_a2a_dequant, 1 rank", "auto"),
+    ]:
+        assert rows[key]["error"] == "" and rows[key]["host_us"] > 0, (key, rows[key])
+    assert rows[("x.to(float8_e4m3fn)", "native")]["x_to_fp8"] == 1.0
+    assert "host cost per call, 128x128" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,needle", [(["--shape", "100x128"], "multiples of 128"), (["--iters", "0"], "positive")]
+)
+def test_overhead_rejects_bad_arguments(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", "overhead", *argv])
+    assert exc.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_train_bench_runs_bf16_and_mx_on_cpu(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager", "--steps", "2", "--warmup-steps", "1"]
+    assert cli_main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {(r["variant"], r["mode"]): r for r in data["rows"]}
+    assert set(rows) == {("bf16", "eager"), ("mx", "eager")}
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["peak_mem_gib"] > 0 and r["loss"] > 0
+    assert rows[("bf16", "eager")]["vs_bf16"] == 1.0
+    assert rows[("mx", "eager")]["converted"].startswith("mxmoe.convert: MXFP8 recipe mxfp8")
+    assert data["config"]["model"]["name"] == "debug_moe"
+    text = capsys.readouterr().out
+    assert "training steps, model debug_moe, 2x32 tokens/step" in text
+
+
+def test_train_bench_reports_a_mode_that_cannot_run(capsys):
+    argv = [
+        "bench",
+        "train",
+        *TINY_TRAIN,
+        "--modes",
+        "graph",
+        "--variants",
+        "mx",
+        "--steps",
+        "1",
+        "--warmup-steps",
+        "1",
+    ]
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("graphs run on a GPU")
+    assert cli_main(argv) == 1
+    assert "CUDA graphs need a CUDA device" in capsys.readouterr().out
+
+
+def test_train_bench_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", "train", "--modes", "eager,fast"])
+    assert exc.value.code == 2 and "--modes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", "train", "--training.nope=1"])
+    assert exc.value.code == 2 and "nope" in capsys.readouterr().err

@@ -1,0 +1,326 @@
+"""The emulated GEMM's fused quantize-dequantize path against the MX path (quantize, write, read
+back, dequantize): bit-identical forward and backward, the same bytes saved for backward; the
+weight-cast cache (reuse within a scope, never stale); the recipe as the ops' config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mxmoe.ops.gemm as gemm_mod
+import mxmoe.ops.linear as linear_mod
+from mxmoe import to_mx
+from mxmoe.ops import MXOpConfig, cache_weight_casts, mx_gemm, mx_grouped_mm, mx_mm
+from mxmoe.ops.weight_cache import cache_size
+from mxmoe.quant.mx_tensor import make_grad_anchor
+from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def rec(mode="rceil", elem=torch.float8_e4m3fn, kernel="torch", gemm_dtype=None) -> MXRecipe:
+    return MXRecipe(
+        scaling_mode=mode, elem_dtype=elem, dim0_kernel=kernel, dim1_kernel=kernel, gemm_dtype=gemm_dtype
+    )
+
+
+def wide_range(shape, dtype, seed):
+    """Random data whose 32-blocks span the whole range, tiny blocks (scale byte < 3, where bf16
+    compute rounds the dequantized values) and zero rows included."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    k = torch.randint(-135, 100, shape[:-1] + (shape[-1] // 32,), generator=g).float()
+    x = x * torch.exp2(k).repeat_interleave(32, dim=-1)
+    x[..., 1, :] = 0
+    return x.to(dtype)
+
+
+def run_mm(x, w, dy, cfg, req):
+    xs = x.clone().requires_grad_(req[0])
+    ws = w.clone().requires_grad_(req[1])
+    y = mx_mm(xs, ws.t(), cfg)
+    y.backward(dy)
+    return [y, xs.grad, ws.grad]
+
+
+def run_grouped(a, w, offs, dy, cfg, req, mx_input=False):
+    ws = w.clone().requires_grad_(req[1])
+    if mx_input:
+        am = to_mx(a, recipe=cfg)
+        am.grad_anchor = make_grad_anchor(am.shape, a.dtype, a.device).requires_grad_(req[0])
+        y = mx_grouped_mm(am, ws.transpose(-2, -1), offs, cfg)
+        y.backward(dy)
+        return [y, am.grad_anchor.grad, ws.grad]
+    as_ = a.clone().requires_grad_(req[0])
+    y = mx_grouped_mm(as_, ws.transpose(-2, -1), offs, cfg)
+    y.backward(dy)
+    return [y, as_.grad, ws.grad]
+
+
+def both_paths(monkeypatch, fn):
+    """(qdq path result, MX path result, saved bytes of each) of fn()."""
+    out = []
+    for qdq_backends in (gemm_mod.QDQ_BACKENDS, frozenset()):
+        monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", qdq_backends)
+        saved: list[int] = []
+
+        def pack(t, saved=saved):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            res = fn()
+        out.append((res, sum(saved)))
+    return out
+
+
+def assert_same(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is None:
+            assert g is None, (what, i)
+            continue
+        assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride(), (what, i)
+        assert torch.equal(g.view(-1).view(torch.uint8), w.view(-1).view(torch.uint8)), (what, i)
+
+
+REQS = [(True, True), (True, False), (False, True)]
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype,gemm_dtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16)])
+def test_mx_mm_qdq_path_bit_identical(monkeypatch, mode, dtype, gemm_dtype):
+    """mx_mm: y, dx, dW equal bit for bit, layouts included, for every requires-grad combination
+    and a row count that needs padding; the saved-for-backward bytes are the same."""
+    cfg = rec(mode, gemm_dtype=gemm_dtype)
+    x = wide_range((45, 128), dtype, 0)
+    w = wide_range((96, 128), dtype, 1) * 0.1
+    dy = wide_range((45, 96), dtype, 2)
+    for req in REQS:
+        (new, nb), (old, ob) = both_paths(monkeypatch, lambda req=req: run_mm(x, w, dy, cfg, req))
+        assert_same(new, old, f"mx_mm {req}")
+        assert nb == ob, (req, nb, ob)
+
+
+@pytest.mark.parametrize("mode,elem", [("rceil", torch.float8_e4m3fn), ("even", torch.float8_e5m2)])
+@pytest.mark.parametrize("mx_input", [False, True])
+def test_mx_grouped_mm_qdq_path_bit_identical(monkeypatch, mode, elem, mx_input):
+    """mx_grouped_mm (plain and MX-activation input), groups of size 0, not multiples of 32, and
+    rows past the last group; bf16 operands with bf16 compute."""
+    cfg = rec(mode, elem, gemm_dtype=torch.bfloat16)
+    counts = [0, 5, 33, 0, 40]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    T = sum(counts) + 3
+    a = wide_range((T, 64), torch.bfloat16, 3)
+    w = wide_range((5, 96, 64), torch.bfloat16, 4)
+    dy = wide_range((T, 96), torch.bfloat16, 5)
+    for req in REQS:
+        (new, nb), (old, ob) = both_paths(
+            monkeypatch, lambda req=req: run_grouped(a, w, offs, dy, cfg, req, mx_input)
+        )
+        assert_same(new, old, f"grouped {req}")
+        assert nb == ob, (req, nb, ob)
+
+
+def test_qdq_path_triton_interpreter_bit_identical(monkeypatch):
+    """The Triton qdq kernel (interpreter) in the ops == the MX path with the torch casts."""
+    x = wide_range((40, 64), torch.bfloat16, 6)
+    w = wide_range((32, 64), torch.bfloat16, 7)
+    dy = wide_range((40, 32), torch.bfloat16, 8)
+    cfg_t = rec(kernel="triton", gemm_dtype=torch.bfloat16)
+    monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
+    old = run_mm(x, w, dy, rec(gemm_dtype=torch.bfloat16), (True, True))
+    monkeypatch.undo()
+    assert_same(run_mm(x, w, dy, cfg_t, (True, True)), old, "triton qdq")
+
+
+# ---------------------------------------------------------------------------------------------
+# weight-cast cache
+# ---------------------------------------------------------------------------------------------
+
+
+def count_weight_casts(monkeypatch, weights):
+    """Patch the ops' qdq to count calls on the given weights (by storage)."""
+    ptrs = {w.data_ptr() for w in weights}
+    calls = []
+    real = linear_mod.qdq
+
+    def counting(x, *args, **kw):
+        if x.data_ptr() in ptrs:
+            calls.append(x.shape)
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(linear_mod, "qdq", counting)
+    return calls
+
+
+def test_weight_cache_reuses_within_scope_and_matches(monkeypatch):
+    """Two micro-batches in one scope: each weight cast (along K, along N) is made once, and the
+    gradients equal those computed without the cache."""
+    cfg = rec()
+    lin = nn.Linear(64, 96, bias=False)
+    xs = [torch.randn(37, 64, requires_grad=True), torch.randn(37, 64, requires_grad=True)]
+    ref = []
+    for x in xs:
+        mx_mm(x, lin.weight.t(), cfg).square().sum().backward()
+        ref.append(lin.weight.grad.clone())
+    lin.weight.grad = None
+    calls = count_weight_casts(monkeypatch, [lin.weight])
+    got = []
+    with cache_weight_casts():
+        for x in xs:
+            mx_mm(x, lin.weight.t(), cfg).square().sum().backward()
+            got.append(lin.weight.grad.clone())
+        assert cache_size() == 2
+    assert cache_size() == 0
+    assert len(calls) == 2  # along K (forward) and along N (backward), once each
+    for g, r in zip(got, ref, strict=True):
+        assert torch.equal(g, r)
+
+
+def test_weight_cache_never_stale(monkeypatch):
+    """An optimizer step, an in-place update, and a different parameter each give a new cast: the
+    outputs equal a run without any cache."""
+    cfg = rec()
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=False)
+    x = torch.randn(16, 64)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+
+    def fresh():
+        return mx_mm(x, lin.weight.detach().clone().t(), cfg)
+
+    calls = count_weight_casts(monkeypatch, [lin.weight])
+    with cache_weight_casts():
+        y0 = mx_mm(x, lin.weight.t(), cfg)
+        y0.square().sum().backward()
+        opt.step()  # changes the weight: the next forward must not reuse the old cast
+        y1 = mx_mm(x, lin.weight.t(), cfg)
+        assert torch.equal(y1, fresh()) and not torch.equal(y1, y0)
+        with torch.no_grad():
+            lin.weight.mul_(-1)  # bumps the version counter
+        y2 = mx_mm(x, lin.weight.t(), cfg)
+        assert torch.equal(y2, fresh())
+        other = nn.Linear(64, 32, bias=False)
+        assert torch.equal(mx_mm(x, other.weight.t(), cfg), mx_mm(x, other.weight.detach().t(), cfg))
+    assert len(calls) == 3  # the first forward, after the step, after the in-place update
+
+
+def test_weight_cache_grouped_and_compile():
+    """MXGroupedExperts-style weights are cached too; under torch.compile the cache is bypassed and
+    results equal eager."""
+    cfg = rec()
+    torch.manual_seed(1)
+    w = nn.Parameter(torch.randn(3, 64, 32) * 0.1)
+    offs = torch.tensor([5, 5, 40], dtype=torch.int32)
+    a = torch.randn(40, 32, requires_grad=True)
+
+    def step(a):
+        return mx_grouped_mm(a, w.transpose(-2, -1), offs, cfg).square().sum()
+
+    step(a).backward()
+    ref = w.grad.clone()
+    w.grad = None
+    with cache_weight_casts():
+        step(a).backward()
+        assert cache_size() == 2
+        assert torch.equal(w.grad, ref)
+        w.grad = None
+        torch.compile(step, fullgraph=True, backend="aot_eager")(a).backward()
+    torch.testing.assert_close(w.grad, ref, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# the recipe as config
+# ---------------------------------------------------------------------------------------------
+
+
+def test_mxopconfig_builds_the_recipe():
+    assert MXOpConfig() == DEFAULT_RECIPE
+    r = MXOpConfig(scaling_mode="floor", kernel="torch", dim1_kernel="triton", gemm_dtype=torch.float32)
+    assert isinstance(r, MXRecipe)
+    assert (r.scaling_mode, r.dim0_kernel, r.dim1_kernel, r.gemm_dtype) == (
+        "floor",
+        "torch",
+        "triton",
+        torch.float32,
+    )
+    with pytest.raises(ValueError, match="dim0_kernel='cpu'"):
+        MXOpConfig(kernel="cpu")
+    with pytest.raises(TypeError, match="config must be an mxmoe.MXRecipe .* got dict"):
+        mx_mm(torch.randn(4, 32), torch.randn(32, 32), {"block_size": 32})
+    with pytest.raises(TypeError, match="config must be an mxmoe.MXRecipe"):
+        mx_gemm(to_mx(torch.randn(4, 32)), to_mx(torch.randn(32, 32), axis=0), None, "mxfp8")
+
+
+@pytest.mark.parametrize(
+    "quant,match",
+    [
+        (dict(scaling_mode="floor"), "scaling_mode='floor' \\(recipe: 'rceil'\\)"),
+        (dict(elem_dtype=torch.float8_e5m2), "elem_dtype=torch.float8_e5m2 \\(recipe: torch.float8_e4m3"),
+        (dict(block_size=16), "block_size=16 \\(recipe: 32\\)"),
+    ],
+)
+def test_grouped_mx_input_must_match_recipe(quant, match):
+    a = to_mx(torch.randn(8, 64), **quant)
+    w = torch.randn(2, 32, 64)
+    with pytest.raises(ValueError, match="does not match the op's recipe: it has " + match):
+        mx_grouped_mm(a, w.transpose(-2, -1), torch.tensor([4, 8], dtype=torch.int32), rec())
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["auto", "triton", "cuda"])
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_gpu_qdq_path_bit_identical(monkeypatch, kernel, mode):
+    """On the H200 (bf16 emulated GEMMs: torch.mm and torch._grouped_mm): the Triton qdq path ==
+    the MX path with the same recipe's casts (auto / triton / cuda), bit for bit, layouts and
+    saved bytes included, for mx_mm and mx_grouped_mm (plain and MX input), all grad subsets."""
+    cfg = rec(mode, kernel=kernel)
+    dev = "cuda"
+    x = wide_range((1000, 512), torch.bfloat16, 0).to(dev)
+    w = wide_range((768, 512), torch.bfloat16, 1).to(dev)
+    dy = wide_range((1000, 768), torch.bfloat16, 2).to(dev)
+    counts = [0, 100, 333, 0, 567]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(dev)
+    a = wide_range((1000, 512), torch.bfloat16, 3).to(dev)
+    we = wide_range((5, 768, 512), torch.bfloat16, 4).to(dev)
+    for req in REQS:
+        (new, nb), (old, ob) = both_paths(monkeypatch, lambda req=req: run_mm(x, w, dy, cfg, req))
+        assert_same(new, old, f"gpu mx_mm {req}")
+        assert nb == ob
+        for mx_input in (False, True):
+            (new, nb), (old, ob) = both_paths(
+                monkeypatch, lambda req=req, m=mx_input: run_grouped(a, we, offs, dy, cfg, req, m)
+            )
+            assert_same(new, old, f"gpu grouped {req} mx_input={mx_input}")
+            assert nb == ob
+
+
+@pytest.mark.gpu
+def test_gpu_weight_cache_and_compile():
+    """On the GPU: cached weight casts give the uncached gradients; inductor (fullgraph) inside a
+    cache scope matches eager closely (the cache is bypassed while compiling)."""
+    cfg = rec(kernel="auto")
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 256, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(x):
+        return mx_mm(x, lin.weight.t(), cfg).float().square().mean()
+
+    step(x).backward()
+    ref = [x.grad.clone(), lin.weight.grad.clone()]
+    x.grad = lin.weight.grad = None
+    with cache_weight_casts():
+        for _ in range(2):
+            step(x).backward()
+            assert torch.equal(x.grad, ref[0]) and torch.equal(lin.weight.grad, ref[1])
+            x.grad = lin.weight.grad = None
+        torch.compile(step, fullgraph=True)(x).backward()
+    for g, r in zip((x.grad, lin.weight.grad), ref, strict=True):
+        assert ((g.float() - r.float()).norm() / r.float().norm()).item() < 1e-2

@@ -1,0 +1,78 @@
+"""The one recipe object: defaults, named recipes, checks, and the casts reading it."""
+
+import pytest
+import torch
+
+import mxmoe
+from mxmoe.recipe import DEFAULT_RECIPE, DEFAULT_RECIPE_NAME, RECIPES, MXRecipe, recipe
+
+
+def test_one_default_everywhere():
+    assert MXRecipe() == DEFAULT_RECIPE == recipe() == RECIPES[DEFAULT_RECIPE_NAME]
+    assert DEFAULT_RECIPE_NAME == "mxfp8_rceil" and DEFAULT_RECIPE.scaling_mode == "rceil"
+    assert recipe("mxfp8").scaling_mode == "floor"
+    assert DEFAULT_RECIPE.elem_dtype == torch.float8_e4m3fn and DEFAULT_RECIPE.block_size == 32
+    assert mxmoe.MXRecipe is MXRecipe and mxmoe.DEFAULT_RECIPE is DEFAULT_RECIPE
+
+
+def test_frozen_hashable_and_replace_checks_again():
+    r = recipe("mxfp8", dim1_kernel="torch")
+    assert r.dim1_kernel == "torch" and r.scaling_mode == "floor"
+    assert hash(r) == hash(MXRecipe(scaling_mode="floor", dim1_kernel="torch"))
+    with pytest.raises(AttributeError):
+        r.block_size = 16  # type: ignore[misc]
+    with pytest.raises(ValueError, match="dim0_kernel='cutlass' is not a cast kernel"):
+        r.replace(dim0_kernel="cutlass")
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        ({"scaling_mode": "round"}, ValueError, "scaling_mode='round'"),
+        ({"block_size": 24}, ValueError, "block_size=24"),
+        ({"elem_dtype": torch.bfloat16}, TypeError, "elem_dtype=torch.bfloat16"),
+        ({"dim1_kernel": "x"}, ValueError, "dim1_kernel='x'"),
+        ({"gemm_backend": "magic"}, ValueError, "gemm_backend='magic'"),
+        ({"gemm_dtype": torch.float16}, TypeError, "gemm_dtype=torch.float16"),
+    ],
+)
+def test_bad_fields_are_named(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        MXRecipe(**kwargs)
+
+
+def test_unknown_recipe_name():
+    with pytest.raises(ValueError, match="recipe name 'mxfp4' is not an MX recipe"):
+        recipe("mxfp4")
+
+
+def test_compute_dtype():
+    assert MXRecipe().compute_dtype(torch.device("cpu")) == torch.float32
+    assert MXRecipe().compute_dtype(torch.device("cuda")) == torch.bfloat16
+    assert MXRecipe(gemm_dtype=torch.float32).compute_dtype(torch.device("cuda")) == torch.float32
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_casts_read_the_recipe(name, assert_same_bits):
+    r = recipe(name, dim0_kernel="torch", dim1_kernel="torch")
+    x = torch.randn(64, 96) * 3
+    for axis in (-1, 0):
+        a = mxmoe.to_mx(x, axis=axis, recipe=r)
+        b = mxmoe.to_mx(x, axis=axis, scaling_mode=r.scaling_mode, kernel="torch")
+        assert a.scaling_mode == r.scaling_mode
+        assert_same_bits(a.qdata_blocked, b.qdata_blocked)
+        assert_same_bits(a.scale_blocked, b.scale_blocked)
+    (d0, d1), (e0, e1) = mxmoe.to_mx_dim0_dim1(x, recipe=r), mxmoe.to_mx_dim0_dim1(
+        x, scaling_mode=r.scaling_mode, kernel="torch"
+    )
+    for a, b in ((d0, e0), (d1, e1)):
+        assert_same_bits(a.qdata_blocked, b.qdata_blocked)
+        assert_same_bits(a.scale_blocked, b.scale_blocked)
+
+
+def test_recipe_and_loose_arguments_conflict():
+    x = torch.randn(32, 32)
+    with pytest.raises(ValueError, match=r"pass either recipe= or \['block_size', 'kernel'\]"):
+        mxmoe.to_mx(x, block_size=16, kernel="torch", recipe=DEFAULT_RECIPE)
+    with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe, got str"):
+        mxmoe.to_mx_dim0_dim1(x, recipe="mxfp8")

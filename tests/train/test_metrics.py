@@ -1,0 +1,70 @@
+"""One run, one folder: a live run locks its metrics folder, records carry a run id and a time, are
+strict JSON, and a resumed run's records continue without duplicates."""
+
+import json
+import math
+import shutil
+
+from test_trainer import TINY, losses
+
+from mxmoe.train import trainer
+from mxmoe.train.metrics import DROPPED, MetricsWriter, RunLock
+
+
+def _strict(line: str) -> dict:
+    def no_constants(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    return json.loads(line, parse_constant=no_constants)
+
+
+def _records(folder) -> list[dict]:
+    return [_strict(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_second_run_on_a_live_folder_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    live = RunLock(run, "live-run-id")  # another run holding the folder
+    try:
+        assert trainer.main(TINY + ["--training.steps=1", f"--metrics.folder={run}"]) == 2
+        err = capsys.readouterr().err
+        assert "is in use by a live run (run live-run-id, pid" in err and "--metrics.folder" in err, err
+        assert not (run / "metrics.jsonl").exists()
+    finally:
+        live.release()
+    # once it has finished, the folder is free again (and a finished run leaves it free too)
+    assert trainer.main(TINY + ["--training.steps=1", f"--metrics.folder={run}"]) == 0
+    RunLock(run, "next").release()
+
+
+def test_records_carry_run_id_and_time_and_are_strict_json(tmp_path):
+    assert trainer.main(TINY + ["--training.steps=2", f"--metrics.folder={tmp_path}"]) == 0
+    recs = _records(tmp_path)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert len({r["run_id"] for r in recs}) == 1 and recs[0]["run_id"]
+    assert json.loads((tmp_path / "config.json").read_text())["run_id"] == recs[0]["run_id"]
+    assert all(isinstance(r["time"], float) and r["time"] > 1.7e9 for r in recs)
+    w = MetricsWriter(str(tmp_path / "nan"), True, False, {}, "rid")
+    w.log({"step": 1, "loss": math.nan, "grad_norm": math.inf, "lr": 1e-3})
+    w.close()
+    (rec,) = _records(tmp_path / "nan")
+    assert rec["loss"] is None and rec["grad_norm"] is None and rec["lr"] == 1e-3
+    assert rec["nonfinite"] == ["grad_norm", "loss"]
+
+
+def test_a_resumed_run_continues_the_records_without_duplicates(tmp_path):
+    run = tmp_path / "run"
+    args = TINY + [f"--metrics.folder={run}", f"--checkpoint.folder={run}/ckpt", "--checkpoint.keep_latest=0"]
+    assert trainer.main(args + ["--training.steps=4", "--checkpoint.interval=2"]) == 0
+    first = _records(run)
+    # the run died after logging step 4 but before its checkpoint: the resume starts at step 2
+    shutil.rmtree(run / "ckpt" / "step-00000004")
+    assert trainer.main(args + ["--training.steps=4"]) == 0
+    recs = _records(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert recs[:2] == first[:2]
+    assert recs[2]["run_id"] == recs[3]["run_id"] != first[0]["run_id"]
+    assert [r["loss"] for r in recs[2:]] == [r["loss"] for r in first[2:]]  # resumed exactly
+    dropped = [_strict(x) for x in (run / DROPPED).read_text().splitlines()]
+    assert dropped == first[2:]
+    assert sorted(losses(run)) == [1, 2, 3, 4]
