@@ -2,7 +2,7 @@
 
 The all-to-all writes each received piece into its final rows of the output, so it needs a dequantize
 with a destination: `dequantize_into(q, s, out)`. It computes exactly what
-`mxmoe.quant.custom_ops.dequantize` defines (docs/mx-format.md): value = q x 2^(s-127), exact in
+`mxmoe.quant.torch_cast.dequantize` defines (docs/mx-format.md): value = q x 2^(s-127), exact in
 fp32, rounded once (to nearest even) to the output dtype; NaN where the element is NaN (0x7F/0xFF)
 or the scale byte is 0xFF. NaNs are written as the canonical quiet NaN (payloads are not part of
 the format).
@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mxmoe.quant import custom_ops
-from mxmoe.quant.backends import resolve_kernel, triton_interpret
+from mxmoe.quant import dispatch
+from mxmoe.quant.backends import cast_fn, resolve_kernel, triton_interpret
+from mxmoe.quant.checks import spec_of
 
 try:
     import triton
@@ -164,7 +165,7 @@ def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", imp
     q: (R, C) float8_e4m3fn (or its uint8 view), contiguous. s: (R, C // 32) float8_e8m0fnu (or
     uint8), contiguous. out: (R, C) bfloat16 or float32, contiguous (e.g. a row slice of a larger
     contiguous tensor). impl: "cuda" (the CUDA extension's dequantize, writing into `out`), "triton"
-    (the kernel above), "copy" (`custom_ops.dequantize` with `kernel`, then a copy into `out`) or
+    (the kernel above), "copy" (the cast backend `kernel`, writing into `out`) or
     "auto" (cuda, else triton, on CUDA; copy elsewhere). All give the same bits.
     """
     if impl not in ("auto", "cuda", "triton", "copy"):
@@ -200,11 +201,8 @@ def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", imp
         cuda_cast.dequantize(q.view(torch.float8_e4m3fn), s.view(torch.uint8), BLOCK_SIZE, out.dtype, out=out)
         return out
     if impl == "copy":
-        kernel = resolve_kernel(kernel, out.device)
-        deq = custom_ops.dequantize(
-            q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), BLOCK_SIZE, out.dtype, kernel
-        )
-        return out.copy_(deq)
+        deq = cast_fn(resolve_kernel(kernel, out.device, "dequant"), "dequant")
+        return deq(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), BLOCK_SIZE, out.dtype, out=out)
     if not triton_usable(out.device):
         raise RuntimeError("impl='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
     bf16 = out.dtype == torch.bfloat16
@@ -258,7 +256,7 @@ def qdq_into(
         impl = "triton" if out.is_cuda and triton_usable(out.device) else "copy"
     if impl == "copy":
         kernel = resolve_kernel(kernel, x.device)
-        q, s = custom_ops.quantize_dim0(x, BLOCK_SIZE, "rceil", torch.float8_e4m3fn, kernel)
+        q, s = dispatch.quantize_dim0(x, _rceil_spec(), kernel)
         return dequantize_into(q, s, out, kernel)
     if not triton_usable(out.device):
         raise RuntimeError("impl='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
@@ -282,6 +280,4 @@ def qdq_into(
 
 
 def _rceil_spec():
-    from mxmoe.formats import make_spec
-
-    return make_spec(BLOCK_SIZE, "rceil", torch.float8_e4m3fn)
+    return spec_of(BLOCK_SIZE, "rceil", torch.float8_e4m3fn)

@@ -111,8 +111,9 @@ def _cuda_extension_ready() -> bool:
     return True
 
 
-# (kernel, device type, cast, interpreter on) -> concrete kernel: `auto` and the availability checks
-# run once per combination (an unavailable kernel raises, so only answers that can run are kept).
+# (kernel, device type, cast) -> concrete kernel: `auto` and the availability checks run once per
+# combination (an unavailable kernel raises, so only answers that can run are kept; TRITON_INTERPRET
+# is read when a combination is first resolved, as Triton itself reads it once).
 _resolved: dict[tuple, str] = {}
 
 
@@ -125,7 +126,7 @@ def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str
     """Map `auto` to the fastest available backend for `cast` (one of CASTS; the default, dim1's
     order, suits code that runs several casts with one kernel) and check that `kernel` can run on
     `device`. Cached: repeated calls cost a dict lookup."""
-    key = (kernel, device.type, cast, triton_interpret())
+    key = (kernel, device.type, cast)
     hit = _resolved.get(key)
     if hit is not None:
         return hit

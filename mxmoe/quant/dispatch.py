@@ -31,6 +31,27 @@ def _traced(kernel: str) -> bool:
     return kernel != "cuda" or not cuda_cast.ops_loaded
 
 
+def _fn(kernel: str, cast: str):
+    """The backend function; while tracing, cuda_cast's own (no cached lookup for dynamo to trace)."""
+    if kernel == "cuda" and torch.compiler.is_compiling():
+        return getattr(cuda_cast, _NAMES[cast])
+    return cast_fn(kernel, cast)
+
+
+_NAMES = {"dim0": "quantize_dim0", "dim1": "quantize_dim1", "dim0_dim1": "quantize_dim0_dim1",
+          "dequant": "dequantize"}
+
+
+def _run(kernel: str, cast: str, *args, **kwargs):
+    """Call the backend; under the profiler, inside a range named like the custom op
+    ("mxmoe::quantize_dim0", ...), so that profiles show the casts whichever path ran them."""
+    fn = _fn(kernel, cast)
+    if not torch.compiler.is_compiling() and torch.autograd._profiler_enabled():
+        with torch.profiler.record_function("mxmoe::" + _NAMES[cast]):
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 def quantize_dim0(x: Tensor, spec: CastSpec, kernel: str, *, out=None) -> tuple[Tensor, Tensor]:
     """x (R, C) -> qdata (R, C) elem dtype, scale (R, C // bs); blocks along C. out: a (q, s) pair
     checked by checks.check_dim0_out (eager only)."""
@@ -40,7 +61,7 @@ def quantize_dim0(x: Tensor, spec: CastSpec, kernel: str, *, out=None) -> tuple[
         if out is None:
             return custom_ops.fake_dim0(x, spec.block_size, spec.elem.dtype)
         return out[0].view(spec.elem.dtype), out[1].view(torch.float8_e8m0fnu)
-    return cast_fn(kernel, "dim0")(x, spec, out=out)
+    return _run(kernel, "dim0", x, spec, out=out)
 
 
 def quantize_dim1(x: Tensor, spec: CastSpec, kernel: str) -> tuple[Tensor, Tensor]:
@@ -49,7 +70,7 @@ def quantize_dim1(x: Tensor, spec: CastSpec, kernel: str) -> tuple[Tensor, Tenso
         return custom_ops.quantize_dim1(x, spec.block_size, spec.mode.value, spec.elem.dtype, kernel)
     if x.numel() == 0:
         return custom_ops.fake_dim1(x, spec.block_size, spec.elem.dtype)
-    return cast_fn(kernel, "dim1")(x, spec)
+    return _run(kernel, "dim1", x, spec)
 
 
 def quantize_dim0_dim1(x: Tensor, spec: CastSpec, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -58,7 +79,7 @@ def quantize_dim0_dim1(x: Tensor, spec: CastSpec, kernel: str) -> tuple[Tensor, 
         return custom_ops.quantize_dim0_dim1(x, spec.block_size, spec.mode.value, spec.elem.dtype, kernel)
     if x.numel() == 0:
         return custom_ops.fake_dim0_dim1(x, spec.block_size, spec.elem.dtype)
-    return cast_fn(kernel, "dim0_dim1")(x, spec)
+    return _run(kernel, "dim0_dim1", x, spec)
 
 
 def dequantize(q: Tensor, s: Tensor, block_size: int, out_dtype: torch.dtype, kernel: str) -> Tensor:
@@ -67,4 +88,4 @@ def dequantize(q: Tensor, s: Tensor, block_size: int, out_dtype: torch.dtype, ke
         return custom_ops.dequantize(q, s, block_size, out_dtype, kernel)
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=out_dtype, device=q.device)
-    return cast_fn(kernel, "dequant")(q, s, block_size, out_dtype)
+    return _run(kernel, "dequant", q, s, block_size, out_dtype)

@@ -93,16 +93,15 @@ class MXTensor:
     def dequantize_trusted(self, dtype: torch.dtype, kernel: str) -> Tensor:
         """`dequantize` without checks, for the ops layer: dtype bf16/fp32, kernel concrete (from
         `resolve_kernel`). Returns the logical shape (a view of a contiguous (.., K) result)."""
-        q = self.qdata_blocked
-        rows = _rows(q.shape, 1)
-        out = dispatch.dequantize(
-            q.reshape(rows, q.shape[-1]),
-            self.scale_blocked.reshape(rows, self.scale_blocked.shape[-1]),
-            self.block_size,
-            dtype,
-            kernel,
-        )
-        return out.view(q.shape).movedim(-1, self.axis)
+        q, sc = self.qdata_blocked, self.scale_blocked
+        if q.ndim == 2:
+            out = dispatch.dequantize(q, sc, self.block_size, dtype, kernel)
+            return out if self.axis == 1 else out.t()
+        shape = tuple(q.shape)
+        rows = _rows(shape, 1)
+        q2, s2 = q.view(rows, shape[-1]), sc.view(rows, sc.shape[-1])
+        out = dispatch.dequantize(q2, s2, self.block_size, dtype, kernel)
+        return out.view(*shape).movedim(-1, self.axis)
 
     def index_rows(self, index: Tensor) -> MXTensor:
         """Rows `index` (int64, 1D) of a dim0-quantized 2D MXTensor, keeping the grad anchor."""
@@ -158,6 +157,8 @@ def _rows(shape: torch.Size, trailing: int) -> int:
 def _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel) -> None:
     if not isinstance(recipe, MXRecipe):
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
+    if (scaling_mode, block_size, kernel) == ("rceil", 32, "auto") and elem_dtype is torch.float8_e4m3fn:
+        return  # nothing given besides the recipe: the common case, checked cheaply
     given = {
         k: v
         for k, v, default in (
@@ -221,23 +222,28 @@ def mx_cast(x: Tensor, ax: int, recipe: MXRecipe, kernel: str | None = None) -> 
 
 
 def _cast(x: Tensor, ax: int, spec, dim0_kernel: str, dim1_kernel: str) -> MXTensor:
-    moved = x.movedim(ax, -1)
-    bs = spec.block_size
-    if ax == x.ndim - 1 or moved.is_contiguous():
-        flat = moved.contiguous().reshape(_rows(moved.shape, 1), moved.shape[-1])
-        k = resolve_kernel(dim0_kernel, x.device, "dim0")
-        q, s = dispatch.quantize_dim0(flat, spec, k)
+    # (Shapes as tuples of ints: Tensor.view(torch.Size) costs several microseconds more per call.)
+    bs, nd = spec.block_size, x.ndim
+    if nd == 2:  # the common cases, with the fewest reshapes
+        R, C = x.shape
+        if ax == 1 or x.stride(0) == 1 and x.stride(1) == R:  # blocks innermost in memory: dim0
+            xs = x.contiguous() if ax == 1 else x.t()
+            q, s = dispatch.quantize_dim0(xs, spec, resolve_kernel(dim0_kernel, x.device, "dim0"))
+        else:
+            x3 = x.contiguous().view(1, R, C)
+            q, s = dispatch.quantize_dim1(x3, spec, resolve_kernel(dim1_kernel, x.device, "dim1"))
+            q, s = q.view(C, R), s.view(C, R // bs)
+        return MXTensor(q, s, ax, bs, spec.mode.value, x.dtype)
+    moved = x.movedim(ax, -1) if ax != nd - 1 else x
+    shape = tuple(moved.shape)
+    if ax == nd - 1 or moved.is_contiguous():
+        flat = moved.contiguous().view(_rows(shape, 1), shape[-1])
+        q, s = dispatch.quantize_dim0(flat, spec, resolve_kernel(dim0_kernel, x.device, "dim0"))
     else:  # blocks along dim -2 of a row-major tensor: the transposing kernel
-        x3 = x.contiguous().reshape(_rows(x.shape, 2), x.shape[-2], x.shape[-1])
-        k = resolve_kernel(dim1_kernel, x.device, "dim1")
-        q, s = dispatch.quantize_dim1(x3, spec, k)
+        x3 = x.contiguous().view(_rows(shape, 2), shape[-1], shape[-2])
+        q, s = dispatch.quantize_dim1(x3, spec, resolve_kernel(dim1_kernel, x.device, "dim1"))
     return MXTensor(
-        q.view(moved.shape),
-        s.view(*moved.shape[:-1], moved.shape[-1] // bs),
-        ax,
-        bs,
-        spec.mode.value,
-        x.dtype,
+        q.view(*shape), s.view(*shape[:-1], shape[-1] // bs), ax, bs, spec.mode.value, x.dtype
     )
 
 

@@ -102,6 +102,7 @@ def test_unavailable_kernel_cuda_on_cpu():
 
 def test_unavailable_kernel_triton_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr("mxmoe.quant.backends._resolved", {})  # resolved answers are cached
     assert "triton" not in mxmoe.available_kernels("cpu")
     with pytest.raises(RuntimeError, match="kernel='triton'.*TRITON_INTERPRET=1"):
         to_mx(X, kernel="triton")
@@ -267,3 +268,21 @@ def test_auto_order_is_per_cast(monkeypatch):
     assert all(kernels.resolve_kernel("auto", torch.device("cpu"), c) == "torch" for c in kernels.CASTS)
     with pytest.raises(ValueError, match="cast='dim2'; expected one of"):
         kernels.resolve_kernel("auto", torch.device("cuda"), "dim2")
+
+
+def test_fast_entries_equal_the_public_casts():
+    """mx_cast / mx_cast_dim0_dim1 (no checks, for the ops layer) give to_mx's bytes."""
+    from mxmoe.quant import mx_cast, mx_cast_dim0_dim1
+    from mxmoe.recipe import recipe
+
+    r = recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch")
+    x3 = torch.randn(2, 64, 96) * 3
+    for x, ax in ((x3[0], 1), (x3[0], 0), (x3, 2), (x3, 1), (x3[0].t(), 0)):
+        a, b = mx_cast(x, ax, r), to_mx(x, ax, recipe=r)
+        assert a.axis == b.axis and a.scaling_mode == b.scaling_mode == "floor"
+        assert torch.equal(a.qdata_blocked.view(torch.uint8), b.qdata_blocked.view(torch.uint8))
+        assert torch.equal(a.scale_blocked.view(torch.uint8), b.scale_blocked.view(torch.uint8))
+        assert torch.equal(a.dequantize(kernel="torch"), b.dequantize(kernel="torch"))
+    for a, b in zip(mx_cast_dim0_dim1(x3[0], r), to_mx_dim0_dim1(x3[0], recipe=r), strict=True):
+        assert torch.equal(a.qdata_blocked.view(torch.uint8), b.qdata_blocked.view(torch.uint8))
+        assert torch.equal(a.scale_blocked.view(torch.uint8), b.scale_blocked.view(torch.uint8))

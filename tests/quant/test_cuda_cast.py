@@ -272,6 +272,14 @@ def test_binding_compiles_and_registers_every_operator():
     for op in called:
         assert f'm.def("{op}(' in text, op
         assert op == "format_constants" or f'm.impl("{op}", &{op});' in text, op
+    # every schema parses, and the mutating ones say what they write
+    schemas = {m.group(1): m.group(0)[len('m.def("'):-1]
+               for m in re.finditer(r'm\.def\("(\w+)\([^"]*"', text)}
+    assert set(schemas) == called
+    for op, text_schema in schemas.items():
+        parsed = torch._C.parse_schema("mxmoe_cuda::" + text_schema)
+        mutated = [a.name for a in parsed.arguments if a.alias_info is not None and a.alias_info.is_write]
+        assert mutated == {"quantize_dim0_out": ["q", "s"], "dequantize_out": ["out"]}.get(op, []), op
 
 
 # ------------------------------------------------------------------------------------------------

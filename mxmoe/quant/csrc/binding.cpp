@@ -107,7 +107,7 @@ std::tuple<Tensor, Tensor> quantize_dim0(const Tensor& x_, int64_t block_size, i
   return {q, s};
 }
 
-void quantize_dim0_out(const Tensor& x_, int64_t block_size, int64_t mode, const Tensor& q, const Tensor& s) {
+void quantize_dim0_out(const Tensor& x_, int64_t block_size, int64_t mode, Tensor& q, Tensor& s) {
   check_args(x_, 2, block_size, mode);
   const int el = q.scalar_type() == at::kByte ? MX_E4M3 : elem_code(q.scalar_type(), "q");
   TORCH_CHECK(s.scalar_type() == at::kFloat8_e8m0fnu || s.scalar_type() == at::kByte,
@@ -166,7 +166,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_dim0_dim1(const Tensor& x_, 
   return {q0, s0, q1, s1};
 }
 
-void dequantize_out(const Tensor& q_, const Tensor& s_, int64_t block_size, const Tensor& out) {
+void dequantize_out(const Tensor& q_, const Tensor& s_, int64_t block_size, Tensor& out) {
   TORCH_CHECK(q_.is_cuda() && q_.dim() == 2, "mxmoe_cuda: q must be a 2D CUDA tensor, got ", q_.sizes(), " on ",
               q_.device());
   TORCH_CHECK(block_size >= 2 && (block_size & (block_size - 1)) == 0,
