@@ -9,7 +9,7 @@ import torch
 from mxmoe.formats import check_block_size, check_elem_dtype, check_scaling_mode
 from mxmoe.quant.kernels import KERNELS
 
-GEMM_BACKENDS = ("emulated",)
+GEMM_BACKENDS = ("emulated", "fp8")
 GEMM_DTYPES = (None, torch.bfloat16, torch.float32)
 
 
@@ -34,8 +34,8 @@ class MXOpConfig:
     dim0+dim1 cast of gradients and activations: "auto" | "torch" | "triton" | "cuda"."""
     gemm_backend: str = "emulated"
     """GEMM on MX operands. "emulated": dequantize both operands (exactly, see `gemm_dtype`) and
-    run a high-precision GEMM with fp32 accumulation. The only backend on Hopper (no
-    block-scaled MMA on sm_90)."""
+    run a high-precision GEMM with fp32 accumulation (the default). "fp8": one fp8 MMA per 32-block
+    of K on sm_90's tensor cores, promoted with the block scales (opt-in; e4m3, block 32)."""
     gemm_dtype: torch.dtype | None = None
     """Operand dtype of the emulated GEMM. None: bf16 on CUDA, fp32 elsewhere. bf16 holds every
     dequantized e4m3 value exactly unless its block scale byte is < 3 (e5m2: < 10), i.e. blocks with

@@ -5,8 +5,12 @@ Backends:
       high-precision GEMM (fp32 accumulation). Exact up to the GEMM's fp32 summation: the
       dequantized values are the MX values themselves (see MXOpConfig.gemm_dtype for the bf16
       limits). Hopper has no block-scaled MMA, so this is the Hopper path.
-Room for later backends (block-scaled MMA on sm_100, fp8 MMA per 32-K slice on sm_90): add a
-function with the same signature to `_BACKENDS`.
+  "fp8": the fp8 tensor cores of sm_90 (mxmoe/ops/fp8_gemm.py): one fp8 MMA per 32-block of K into
+      an fp32 temporary, promoted into the fp32 accumulator with the two blocks' scales. e4m3,
+      block 32 only; runs on sm_90, or on CPU under TRITON_INTERPRET=1; its output is
+      `compute_dtype` (bf16 on CUDA by default) before mx_gemm's final cast.
+Room for later backends (block-scaled MMA on sm_100): add a function with the same signature to
+`_BACKENDS`.
 """
 
 from __future__ import annotations
@@ -84,7 +88,23 @@ def _emulated(
     return grouped_mm_hp(a_hp, b_hp, offs)
 
 
-_BACKENDS = {"emulated": _emulated}
+def _fp8(a: MXTensor, b: MXTensor, offs: Tensor | None, compute_dtype: torch.dtype, kernel: str) -> Tensor:
+    from mxmoe.ops import fp8_gemm
+
+    reason = fp8_gemm.why_unavailable(a.device)
+    if reason is not None:
+        raise RuntimeError(reason)
+    for name, t in (("a", a), ("b", b)):
+        if t.elem_dtype != torch.float8_e4m3fn or t.block_size != fp8_gemm.BLOCK:
+            raise ValueError(
+                f"gemm_backend='fp8' takes e4m3 operands with block_size={fp8_gemm.BLOCK}; {name} is {t}"
+            )
+    return fp8_gemm.fp8_mx_gemm(
+        a.qdata_blocked, a.scale_blocked, b.qdata_blocked, b.scale_blocked, offs, compute_dtype
+    )
+
+
+_BACKENDS = {"emulated": _emulated, "fp8": _fp8}
 
 
 def mx_gemm(
@@ -103,8 +123,9 @@ def mx_gemm(
     b: MXTensor, logical (K, N) blocked along K (axis=0); or (E, K, N) blocked along K (axis=1).
     offs: None (dense), or (E,) int32 cumulative group ends: with 3D b, over the rows of a
         (MoE forward/dgrad, -> (M, N)); with 2D b, over K (MoE wgrad, -> (E, M, N)).
-    backend: "emulated" (see module docstring). compute_dtype: operand dtype of the emulated GEMM
-        (default bf16 on CUDA, fp32 elsewhere). kernel: dequantize kernel.
+    backend: "emulated" or "fp8" (see module docstring). compute_dtype: operand dtype of the
+        emulated GEMM, output dtype of the fp8 one (default bf16 on CUDA, fp32 elsewhere).
+        kernel: dequantize kernel (emulated).
     Returns a contiguous tensor of `out_dtype` (default: a's orig_dtype).
     """
     if backend not in _BACKENDS:
