@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mxmoe.bench import gemm_common
-from mxmoe.bench.gemm_common import RECIPES, row
+from mxmoe.bench.gemm_common import RECIPES, forward_row, row, rowwise_fp8, timed_or_reason
 from mxmoe.bench.timing import bench
 
 # (T tokens, K in, N out, E experts): DeepSeek-V3 w1 (7168 -> 2048) and w2, Llama4 (5120 <-> 8192).
@@ -73,6 +73,42 @@ def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, i
     return rows
 
 
+def run_forward(T: int, K: int, N: int, E: int, kernel: str, iters: int) -> list[dict]:
+    """y = a Wₑᵀ per group alone: bf16 torch._grouped_mm, fp8 row-wise torch._scaled_grouped_mm,
+    MX (rceil) on pre-cast operands; E equal groups."""
+    from mxmoe.ops import mx_gemm
+    from mxmoe.quant.mx_tensor import to_mx
+
+    a = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+    offs = torch.full((E,), T // E, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    offs[-1] = T
+    flops, name = 2 * T * K * N, f"{T}x{K}->{N}, {E} groups"
+    t_bf16 = bench(lambda: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs), iters=iters).median_ms
+    rows = [forward_row(name, "bf16 torch._grouped_mm", t_bf16, t_bf16, flops)]
+    aq, as_ = rowwise_fp8(a)
+    wq, ws = rowwise_fp8(w)
+    for fast in (True, False):
+        t, why = timed_or_reason(
+            lambda fast=fast: torch._scaled_grouped_mm(
+                aq, wq.transpose(-2, -1), as_.squeeze(-1), ws.squeeze(-1), offs=offs,
+                out_dtype=torch.bfloat16, use_fast_accum=fast,
+            ),
+            iters,
+        )
+        rows.append(
+            forward_row(name, f"fp8 row-wise _scaled_grouped_mm fast_accum={fast}", t, t_bf16, flops, why)
+        )
+    a0 = to_mx(a, axis=-1, kernel=kernel)
+    w0 = to_mx(w.transpose(-2, -1), axis=-2, kernel=kernel)
+    for backend in ("emulated", "fp8"):
+        t, why = timed_or_reason(
+            lambda backend=backend: mx_gemm(a0, w0, offs, backend=backend, kernel=kernel), iters
+        )
+        rows.append(forward_row(name, f"mxfp8_rceil mx_gemm {backend}", t, t_bf16, flops, why))
+    return rows
+
+
 def main(argv: list[str]) -> int:
     return gemm_common.main(
         argv,
@@ -82,4 +118,5 @@ def main(argv: list[str]) -> int:
         example="65536x7168x2048x8",
         shapes=SHAPES,
         run_shape=run_shape,
+        run_forward=run_forward,
     )

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mxmoe.bench import gemm_common
-from mxmoe.bench.gemm_common import RECIPES, row
+from mxmoe.bench.gemm_common import RECIPES, forward_row, row, rowwise_fp8, timed_or_reason
 from mxmoe.bench.timing import bench
 
 # (M tokens, K in, N out): DeepSeek-V3 expert-sized and Llama4 expert-sized projections.
@@ -65,6 +65,36 @@ def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: in
     return rows
 
 
+def run_forward(M: int, K: int, N: int, kernel: str, iters: int) -> list[dict]:
+    """y = x Wᵀ alone: bf16 torch.mm, fp8 row-wise torch._scaled_mm, MX (rceil) on pre-cast operands."""
+    from mxmoe.ops import mx_gemm
+    from mxmoe.quant.mx_tensor import to_mx
+
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+    flops, name = 2 * M * K * N, f"{M}x{K}->{N}"
+    t_bf16 = bench(lambda: x @ w.t(), iters=iters).median_ms
+    rows = [forward_row(name, "bf16 torch.mm", t_bf16, t_bf16, flops)]
+    xq, xs = rowwise_fp8(x)
+    wq, ws = rowwise_fp8(w)
+    for fast in (True, False):
+        t, why = timed_or_reason(
+            lambda fast=fast: torch._scaled_mm(
+                xq, wq.t(), xs, ws.t(), out_dtype=torch.bfloat16, use_fast_accum=fast
+            ),
+            iters,
+        )
+        rows.append(forward_row(name, f"fp8 row-wise _scaled_mm fast_accum={fast}", t, t_bf16, flops, why))
+    x0 = to_mx(x, axis=-1, kernel=kernel)
+    w0 = to_mx(w.t(), axis=0, kernel=kernel)
+    for backend in ("emulated", "fp8"):
+        t, why = timed_or_reason(
+            lambda backend=backend: mx_gemm(x0, w0, backend=backend, kernel=kernel), iters
+        )
+        rows.append(forward_row(name, f"mxfp8_rceil mx_gemm {backend}", t, t_bf16, flops, why))
+    return rows
+
+
 def main(argv: list[str]) -> int:
     return gemm_common.main(
         argv,
@@ -74,4 +104,5 @@ def main(argv: list[str]) -> int:
         example="131072x7168x2048",
         shapes=SHAPES,
         run_shape=run_shape,
+        run_forward=run_forward,
     )
