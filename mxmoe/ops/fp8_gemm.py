@@ -109,9 +109,9 @@ def _e8m0_to_f32(s):
 
 
 @triton.jit
-def _to_out(acc, out_ty: tl.constexpr):
-    """fp32 -> out_ty; bf16 rounded to nearest-even by hand (the interpreter's cast truncates)."""
-    if out_ty == tl.bfloat16:
+def _to_out(acc, OUT_BF16: tl.constexpr):
+    """fp32 -> the output dtype; bf16 rounded to nearest-even by hand (the interpreter's cast truncates)."""
+    if OUT_BF16:
         bits = acc.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)  # NaN stays NaN, large finite rounds to inf
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -121,27 +121,38 @@ def _to_out(acc, out_ty: tl.constexpr):
 @triton.jit
 def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_hi,
             stride_am, stride_sam, stride_bn, stride_sbn,
-            BK: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc += the MX product of K elements [k, k + BK) (masked to < k_hi), one MMA per 32-block."""
+            BK: tl.constexpr, EVEN_K: tl.constexpr, NO_MASK: tl.constexpr):
+    """acc += the MX product of K elements [k, k + BK) (masked to < k_hi), one MMA per 32-block.
+    ok_a / ok_b: rows of A / columns of B inside the tensors; NO_MASK: all are, and K % BK == 0."""
     kr = tl.arange(0, 32)
     for kk in tl.static_range(BK // 32):
         kb = k + kk * 32
         ka = kb + kr
-        if EVEN_K:
-            ma = ok_a[:, None]
-            mb = ok_b[:, None]
-            msa = ok_a
-            msb = ok_b
+        a_p = a_ptr + rows_a[:, None] * stride_am + ka[None, :]
+        b_p = b_ptr + cols_b[:, None] * stride_bn + ka[None, :]
+        sa_p = sa_ptr + rows_a * stride_sam + kb // 32
+        sb_p = sb_ptr + cols_b * stride_sbn + kb // 32
+        if NO_MASK:
+            a = tl.load(a_p)
+            b = tl.load(b_p)
+            sa = tl.load(sa_p)
+            sb = tl.load(sb_p)
         else:
-            ma = ok_a[:, None] & (ka < k_hi)[None, :]
-            mb = ok_b[:, None] & (ka < k_hi)[None, :]
-            msa = ok_a & (kb < k_hi)
-            msb = ok_b & (kb < k_hi)
-        a = tl.load(a_ptr + rows_a[:, None] * stride_am + ka[None, :], mask=ma, other=0.0)
-        b = tl.load(b_ptr + cols_b[:, None] * stride_bn + ka[None, :], mask=mb, other=0.0)
-        # masked blocks read scale 1.0 (byte 127): their part is 0, so they add exactly nothing
-        sa = tl.load(sa_ptr + rows_a * stride_sam + kb // 32, mask=msa, other=127)
-        sb = tl.load(sb_ptr + cols_b * stride_sbn + kb // 32, mask=msb, other=127)
+            if EVEN_K:
+                ma = ok_a[:, None]
+                mb = ok_b[:, None]
+                msa = ok_a
+                msb = ok_b
+            else:
+                ma = ok_a[:, None] & (ka < k_hi)[None, :]
+                mb = ok_b[:, None] & (ka < k_hi)[None, :]
+                msa = ok_a & (kb < k_hi)
+                msb = ok_b & (kb < k_hi)
+            a = tl.load(a_p, mask=ma, other=0.0)
+            b = tl.load(b_p, mask=mb, other=0.0)
+            # masked blocks read scale 1.0 (byte 127): their part is 0, so they add exactly nothing
+            sa = tl.load(sa_p, mask=msa, other=127)
+            sb = tl.load(sb_p, mask=msb, other=127)
         part = tl.dot(a, tl.trans(b))
         acc += (part * _e8m0_to_f32(sa)[:, None]) * _e8m0_to_f32(sb)[None, :]
     return acc
@@ -151,18 +162,20 @@ def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_
 def _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k_lo, k_hi,
               stride_am, stride_sam, stride_bn, stride_sbn,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-              INTERPRET: tl.constexpr, K_ITERS: tl.constexpr, NUM_STAGES: tl.constexpr):
+              NO_MASK: tl.constexpr, INTERPRET: tl.constexpr, K_ITERS: tl.constexpr,
+              NUM_STAGES: tl.constexpr):
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if INTERPRET:
-        # triton 3.6's interpreter cannot loop to a runtime bound: a fixed count, masked past k_hi
+        # triton 3.6's interpreter cannot loop to a runtime bound: a fixed count (cdiv(K, BK)),
+        # masked past k_hi (EVEN_K and NO_MASK are False in the grouped-K mode, the one with k_lo > 0)
         for i in range(K_ITERS):
             acc = _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b,
                           k_lo + i * BK, k_hi, stride_am, stride_sam, stride_bn, stride_sbn,
-                          BK, False)
+                          BK, EVEN_K, NO_MASK)
     else:
         for k in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
             acc = _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b,
-                          k, k_hi, stride_am, stride_sam, stride_bn, stride_sbn, BK, EVEN_K)
+                          k, k_hi, stride_am, stride_sam, stride_bn, stride_sbn, BK, EVEN_K, NO_MASK)
     return acc
 
 
@@ -173,7 +186,8 @@ def _fp8_mx_gemm_kernel(
     stride_am, stride_sam, stride_be, stride_bn, stride_sbe, stride_sbn, stride_ce, stride_cm,
     MODE: tl.constexpr, E_POW2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, K_ITERS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, NO_MASK: tl.constexpr, OUT_BF16: tl.constexpr,
+    INTERPRET: tl.constexpr, K_ITERS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # program -> tile, GROUP_M row tiles sweep the columns together (L2 reuse of B)
     pid = tl.program_id(0)
@@ -187,15 +201,14 @@ def _fp8_mx_gemm_kernel(
     m0 = pid_m * BM
     rows = m0 + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
-    ok_n = cols < N
-    out_ty = c_ptr.dtype.element_ty
+    in_m = rows < M
+    in_n = cols < N
+    c = c_ptr + rows[:, None] * stride_cm + cols[None, :]
     if MODE == 0:
-        ok_m = rows < M
-        acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, ok_m, cols, ok_n, 0, K,
+        acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, 0, K,
                         stride_am, stride_sam, stride_bn, stride_sbn,
-                        BM, BN, BK, EVEN_K, INTERPRET, K_ITERS, NUM_STAGES)
-        c = c_ptr + rows[:, None] * stride_cm + cols[None, :]
-        tl.store(c, _to_out(acc, out_ty), mask=ok_m[:, None] & ok_n[None, :])
+                        BM, BN, BK, EVEN_K, NO_MASK, INTERPRET, K_ITERS, NUM_STAGES)
+        tl.store(c, _to_out(acc, OUT_BF16), mask=in_m[:, None] & in_n[None, :])
     elif MODE == 1:
         ge = tl.arange(0, E_POW2)
         ends = tl.load(offs_ptr + ge, mask=ge < E, other=2147483647)
@@ -203,33 +216,30 @@ def _fp8_mx_gemm_kernel(
         last = tl.minimum(m0 + BM, M) - 1
         g = tl.sum((ends <= m0).to(tl.int32), axis=0)  # group of row m0 (E: past every group)
         g_end = tl.minimum(tl.sum((ends <= last).to(tl.int32), axis=0), E - 1) + 1
-        # a tile may straddle group boundaries: one pass per group it touches, writing that group's rows
+        # a tile may straddle group boundaries: one pass per group it touches, storing that group's
+        # rows (the loads take any row < M: the other groups' rows are computed and not stored)
         while g < g_end:
             lo = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
             hi = tl.load(offs_ptr + g)
-            ok_m = (rows >= lo) & (rows < hi) & (rows < M)
-            if tl.max(ok_m.to(tl.int32), axis=0) > 0:
+            ok_m = (rows >= lo) & (rows < hi) & in_m
+            if hi > lo:
                 acc = _mainloop(a_ptr, sa_ptr, b_ptr + g * stride_be, sb_ptr + g * stride_sbe,
-                                rows, ok_m, cols, ok_n, 0, K,
+                                rows, in_m, cols, in_n, 0, K,
                                 stride_am, stride_sam, stride_bn, stride_sbn,
-                                BM, BN, BK, EVEN_K, INTERPRET, K_ITERS, NUM_STAGES)
-                c = c_ptr + rows[:, None] * stride_cm + cols[None, :]
-                tl.store(c, _to_out(acc, out_ty), mask=ok_m[:, None] & ok_n[None, :])
+                                BM, BN, BK, EVEN_K, NO_MASK, INTERPRET, K_ITERS, NUM_STAGES)
+                tl.store(c, _to_out(acc, OUT_BF16), mask=ok_m[:, None] & in_n[None, :])
             g += 1
         if last >= total:  # rows in no group
-            tail = (rows >= total) & (rows < M)
-            c = c_ptr + rows[:, None] * stride_cm + cols[None, :]
-            tl.store(c, tl.zeros((BM, BN), dtype=out_ty), mask=tail[:, None] & ok_n[None, :])
+            tail = (rows >= total) & in_m
+            tl.store(c, tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=tail[:, None] & in_n[None, :])
     else:
         e = tl.program_id(1)
         k_lo = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         k_hi = tl.load(offs_ptr + e)
-        ok_m = rows < M
-        acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, ok_m, cols, ok_n, k_lo, k_hi,
+        acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, k_lo, k_hi,
                         stride_am, stride_sam, stride_bn, stride_sbn,
-                        BM, BN, BK, False, INTERPRET, K_ITERS, NUM_STAGES)
-        c = c_ptr + e * stride_ce + rows[:, None] * stride_cm + cols[None, :]
-        tl.store(c, _to_out(acc, out_ty), mask=ok_m[:, None] & ok_n[None, :])
+                        BM, BN, BK, False, False, INTERPRET, K_ITERS, NUM_STAGES)
+        tl.store(c + e * stride_ce, _to_out(acc, OUT_BF16), mask=in_m[:, None] & in_n[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,6 +323,8 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         return out.zero_()
     offs_arg = offs if offs is not None else torch.zeros(1, dtype=torch.int32, device=a_q.device)
     grid = (triton.cdiv(M, cfg.bm) * triton.cdiv(N, cfg.bn), E if mode == 2 else 1)
+    # whole tiles and whole K steps: loads without masks (grouped-K ranges are runtime: masked)
+    no_mask = mode != 2 and M % cfg.bm == 0 and N % cfg.bn == 0 and K % cfg.bk == 0
     _fp8_mx_gemm_kernel[grid](
         a_q, a_s.view(torch.uint8), b_q, b_s.view(torch.uint8), out, offs_arg,
         M, N, K, E,
@@ -322,7 +334,8 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         out.stride(0) if mode == 2 else 0, out.stride(-2),
         MODE=mode, E_POW2=triton.next_power_of_2(E),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-        EVEN_K=K % cfg.bk == 0, INTERPRET=interp, K_ITERS=triton.cdiv(K, cfg.bk) if interp else 0,
+        EVEN_K=K % cfg.bk == 0, NO_MASK=no_mask, OUT_BF16=out_dtype == torch.bfloat16,
+        INTERPRET=interp, K_ITERS=triton.cdiv(K, cfg.bk) if interp else 0,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return out
