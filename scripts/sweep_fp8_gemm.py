@@ -1,7 +1,11 @@
 """Tile sweep of the fp8 MX GEMM (mxmoe/ops/fp8_gemm.py) on one GPU: forward TFLOP/s per config at
 the issue's shapes, beside bf16 torch.mm / torch._grouped_mm measured in the same run.
 
-    python scripts/sweep_fp8_gemm.py [--json PATH] [--iters N] [--configs 0 1 ...]
+    python scripts/sweep_fp8_gemm.py [--json PATH] [--iters N] [--configs 0 1 ...] [--warm P]
+
+--warm P only compiles every (config, kind) in P processes at once, on small operands with the same
+Triton specialization (sizes and strides multiples of 16, whole tiles), into Triton's cache; a later
+run without it then times without compiling.
 
 Prints one line per (shape, config) as it goes: ms, TFLOP/s, ratio to bf16, and whether the output
 equals the first config's bit for bit (every config sums the same 32-blocks in the same order).
@@ -19,15 +23,16 @@ from mxmoe.bench.timing import bench, environment
 from mxmoe.ops.fp8_gemm import Fp8GemmConfig, launch
 from mxmoe.quant.mx_tensor import to_mx
 
-CONFIGS = [
+CONFIGS = [  # (bm, bn, bk, group_m, num_warps, num_stages); 0 is DEFAULT_CONFIG
     Fp8GemmConfig(128, 128, 128, 8, 8, 3),
-    Fp8GemmConfig(128, 128, 32, 8, 8, 6),
     Fp8GemmConfig(128, 128, 64, 8, 8, 4),
-    Fp8GemmConfig(64, 128, 128, 8, 4, 4),
-    Fp8GemmConfig(128, 64, 128, 8, 4, 4),
+    Fp8GemmConfig(128, 128, 32, 8, 8, 6),
+    Fp8GemmConfig(64, 128, 128, 8, 4, 3),
+    Fp8GemmConfig(64, 128, 64, 8, 4, 4),
     Fp8GemmConfig(64, 128, 32, 8, 4, 8),
-    Fp8GemmConfig(128, 256, 64, 8, 8, 3),
-    Fp8GemmConfig(256, 128, 64, 8, 8, 3),
+    Fp8GemmConfig(256, 128, 64, 8, 16, 3),
+    Fp8GemmConfig(128, 256, 64, 8, 16, 3),
+    Fp8GemmConfig(64, 256, 64, 8, 8, 3),
 ]
 # (name, M or T, K, N, E): E = 0 dense; "wgrad" = 2D x 2D grouped over K (M x N per group).
 SHAPES = [
@@ -58,13 +63,46 @@ def operands(kind: str, M: int, K: int, N: int, E: int):
     return a, b, offs, lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
+def _compile_one(job: tuple[int, str]) -> str:
+    ci, kind = job
+    cfg = CONFIGS[ci]
+    t0 = time.time()
+    try:
+        a, b, offs, _ = operands(kind, *SMALL[kind])
+        launch(a.qdata_blocked, a.scale_blocked, b.qdata_blocked, b.scale_blocked, offs, torch.bfloat16, cfg)
+        torch.cuda.synchronize()
+        return f"compiled {kind} {cfg} in {time.time() - t0:.1f} s"
+    except Exception as e:  # noqa: BLE001 - reported; the timing pass reports it again
+        return f"FAILED {kind} {cfg}: {type(e).__name__}: {str(e)[:300]}"
+
+
+# operands with the specialization of SHAPES (multiples of 16, whole 256-tiles, K % 128 == 0)
+SMALL = {"grouped": (512, 512, 512, 8), "dense": (512, 512, 512, 0), "wgrad": (512, 1024, 512, 8)}
+
+
+def warm(processes: int, configs: list[int], kinds: set[str]) -> None:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(ci, kind) for kind in sorted(kinds) for ci in configs]
+    t0 = time.time()
+    with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
+        for line in pool.map(_compile_one, jobs):
+            print(line, flush=True)
+    print(f"warm: {len(jobs)} compiles in {time.time() - t0:.1f} s", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--configs", type=int, nargs="+", default=list(range(len(CONFIGS))))
     p.add_argument("--shapes", type=int, nargs="+", default=list(range(len(SHAPES))))
+    p.add_argument("--warm", type=int, default=0, metavar="P", help="only compile, in P processes")
     args = p.parse_args()
+    if args.warm:
+        warm(args.warm, args.configs, {SHAPES[i][0] for i in args.shapes})
+        return
     out = {"env": environment(), "rows": []}
     for si in args.shapes:
         kind, M, K, N, E = SHAPES[si]

@@ -81,7 +81,7 @@ def main(
     run_shape: Callable[..., list[dict]],
     run_forward: Callable[..., list[dict]] | None = None,
 ) -> int:
-    """The command line of a GEMM bench: `run_shape(*shape, recipes, kernel, iters)` per shape;
+    """The command line of a GEMM bench: `run_shape(*shape, recipes, kernel, iters, gemm_backend=)` per shape;
     with --forward, `run_forward(*shape, kernel, iters)` instead: the forward GEMM alone, bf16 vs fp8
     row-wise (torch) vs the MX backends on pre-cast operands."""
     p = argparse.ArgumentParser(prog=f"mxmoe bench {name}", description=doc)
@@ -93,6 +93,9 @@ def main(
     )
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--kernel", default="auto", help="cast kernel: auto | torch | triton | cuda")
+    p.add_argument(
+        "--gemm-backend", default="emulated", choices=["emulated", "fp8"], help="MX GEMM backend of fwd+bwd"
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
     if run_forward is not None:
@@ -115,9 +118,12 @@ def main(
         return 0
     rows = []
     for shape in args.shape or shapes:
-        rows += run_shape(*shape, args.recipes, args.kernel, args.iters)
+        rows += run_shape(*shape, args.recipes, args.kernel, args.iters, gemm_backend=args.gemm_backend)
         torch.cuda.empty_cache()
-    title = f"{name} fwd+bwd (3 GEMMs); bf16 GEMM ceiling 8192^3: {ceiling:.0f} TFLOP/s"
+    title = (
+        f"{name} fwd+bwd (3 GEMMs), MX GEMM backend {args.gemm_backend}; bf16 GEMM ceiling 8192^3: "
+        f"{ceiling:.0f} TFLOP/s"
+    )
     print_table(rows, title=title)
     if args.json:
         write_json(args.json, {"env": environment(), "bf16_gemm_tflops": ceiling, "rows": rows})

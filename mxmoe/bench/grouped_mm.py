@@ -14,7 +14,10 @@ from mxmoe.bench.timing import bench
 SHAPES = [(65536, 7168, 2048, 8), (65536, 2048, 7168, 8), (65536, 5120, 8192, 8), (65536, 8192, 5120, 8)]
 
 
-def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, iters: int) -> list[dict]:
+def run_shape(
+    T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, iters: int,
+    gemm_backend: str = "emulated",
+) -> list[dict]:
     from mxmoe.ops import MXOpConfig, mx_gemm, mx_grouped_mm
     from mxmoe.ops.grouped import group_padding, pad_groups
     from mxmoe.ops.linear import transpose_2d
@@ -42,7 +45,9 @@ def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, i
     rows = [row(name, "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
     pos, offs_pad, cap = group_padding(offs, T, 32)
     for recipe in recipes:
-        cfg = MXOpConfig(scaling_mode=RECIPES[recipe], kernel=kernel, dim1_kernel=kernel)
+        cfg = MXOpConfig(
+            scaling_mode=RECIPES[recipe], kernel=kernel, dim1_kernel=kernel, gemm_backend=gemm_backend
+        )
         ck, ck1 = cfg.cast_kwargs(), cfg.cast_kwargs(dim1=True)
 
         def mx_step(cfg=cfg):
@@ -60,9 +65,9 @@ def run_shape(T: int, K: int, N: int, E: int, recipes: list[str], kernel: str, i
         a0, a1, w0, dy0, dy1, w1 = cast_all()
 
         def gemms(cfg=cfg, a0=a0, a1=a1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
-            mx_gemm(a0, w0, offs, kernel=cfg.kernel)
-            mx_gemm(dy0, w1, offs, kernel=cfg.kernel)
-            mx_gemm(transpose_2d(dy1), a1, offs_pad, kernel=cfg.kernel)
+            mx_gemm(a0, w0, offs, kernel=cfg.kernel, backend=gemm_backend)
+            mx_gemm(dy0, w1, offs, kernel=cfg.kernel, backend=gemm_backend)
+            mx_gemm(transpose_2d(dy1), a1, offs_pad, kernel=cfg.kernel, backend=gemm_backend)
 
         t = bench(mx_step, iters=iters).median_ms
         tc = bench(cast_all, iters=iters).median_ms

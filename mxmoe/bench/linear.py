@@ -14,7 +14,10 @@ from mxmoe.bench.timing import bench
 SHAPES = [(131072, 7168, 2048), (131072, 2048, 7168), (131072, 5120, 8192), (131072, 8192, 5120)]
 
 
-def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: int) -> list[dict]:
+def run_shape(
+    M: int, K: int, N: int, recipes: list[str], kernel: str, iters: int,
+    gemm_backend: str = "emulated",
+) -> list[dict]:
     from mxmoe.ops import MXOpConfig, mx_gemm, mx_mm
     from mxmoe.ops.linear import cast_both, transpose_2d
     from mxmoe.quant.mx_tensor import to_mx
@@ -35,7 +38,9 @@ def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: in
     t_bf16_gemm = bench(bf16_gemms, iters=iters).median_ms
     rows = [row(f"{M}x{K}->{N}", "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
     for recipe in recipes:
-        cfg = MXOpConfig(scaling_mode=RECIPES[recipe], kernel=kernel, dim1_kernel=kernel)
+        cfg = MXOpConfig(
+            scaling_mode=RECIPES[recipe], kernel=kernel, dim1_kernel=kernel, gemm_backend=gemm_backend
+        )
         ck = cfg.cast_kwargs()
 
         def mx_step(cfg=cfg):
@@ -53,7 +58,7 @@ def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: in
         w1 = to_mx(w.detach(), axis=0, **cfg.cast_kwargs(dim1=True))
 
         def gemms(cfg=cfg, x0=x0, x1=x1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
-            kw = {"kernel": cfg.kernel}
+            kw = {"kernel": cfg.kernel, "backend": gemm_backend}
             mx_gemm(x0, w0, **kw), mx_gemm(dy0, w1, **kw), mx_gemm(transpose_2d(dy1), x1, **kw)
 
         t = bench(mx_step, iters=iters).median_ms
