@@ -60,6 +60,10 @@ class Fp8GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    predecode: bool = True
+    """Decode the scales to fp32 with the row index innermost ((K/32, M), (..., K/32, N)) before
+    the kernel (one small torch pass), so that it reads each 32-block's scales as a contiguous
+    vector; False: the kernel reads and decodes the e8m0 bytes in place."""
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -73,6 +77,16 @@ class Fp8GemmConfig:
 DEFAULT_CONFIG = Fp8GemmConfig()
 # The interpreter runs numpy on CPU: small tiles keep tests fast; bk=64 still runs two 32-blocks per step.
 INTERPRET_CONFIG = Fp8GemmConfig(bm=32, bn=32, bk=64, group_m=2, num_warps=4, num_stages=1)
+
+
+def _scales(s: Tensor, predecode: bool) -> tuple[Tensor, int, int, int]:
+    """(scale tensor for the kernel, row stride, k-block stride, expert stride) of e8m0 s
+    (..., rows, K/32)."""
+    e_stride = lambda t: t.stride(0) if t.ndim == 3 else 0  # noqa: E731
+    if predecode:  # exact: e8m0 -> fp32 gives 2^(b-127), the subnormal 2^-127 for 0, NaN for 255
+        f = s.float().transpose(-1, -2).contiguous()
+        return f, 1, f.stride(-2), e_stride(f)
+    return s.view(torch.uint8), s.stride(-2), 1, e_stride(s)
 
 
 def why_unavailable(device: torch.device) -> str | None:
@@ -109,6 +123,14 @@ def _e8m0_to_f32(s):
 
 
 @triton.jit
+def _scale_f32(s):
+    """Scales as loaded -> fp32: e8m0 bytes are decoded here; fp32 (pre-decoded) pass through."""
+    if s.dtype == tl.uint8:
+        return _e8m0_to_f32(s)
+    return s
+
+
+@triton.jit
 def _to_out(acc, OUT_BF16: tl.constexpr):
     """fp32 -> the output dtype; bf16 rounded to nearest-even by hand (the interpreter's cast truncates)."""
     if OUT_BF16:
@@ -120,7 +142,7 @@ def _to_out(acc, OUT_BF16: tl.constexpr):
 
 @triton.jit
 def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_hi,
-            stride_am, stride_sam, stride_bn, stride_sbn,
+            stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
             BK: tl.constexpr, EVEN_K: tl.constexpr, NO_MASK: tl.constexpr):
     """acc += the MX product of K elements [k, k + BK) (masked to < k_hi), one MMA per 32-block.
     ok_a / ok_b: rows of A / columns of B inside the tensors; NO_MASK: all are, and K % BK == 0."""
@@ -130,8 +152,8 @@ def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_
         ka = kb + kr
         a_p = a_ptr + rows_a[:, None] * stride_am + ka[None, :]
         b_p = b_ptr + cols_b[:, None] * stride_bn + ka[None, :]
-        sa_p = sa_ptr + rows_a * stride_sam + kb // 32
-        sb_p = sb_ptr + cols_b * stride_sbn + kb // 32
+        sa_p = sa_ptr + rows_a * stride_sam + (kb // 32) * stride_sak
+        sb_p = sb_ptr + cols_b * stride_sbn + (kb // 32) * stride_sbk
         if NO_MASK:
             a = tl.load(a_p)
             b = tl.load(b_p)
@@ -150,17 +172,18 @@ def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_
                 msb = ok_b & (kb < k_hi)
             a = tl.load(a_p, mask=ma, other=0.0)
             b = tl.load(b_p, mask=mb, other=0.0)
-            # masked blocks read scale 1.0 (byte 127): their part is 0, so they add exactly nothing
+            # masked blocks read a finite scale (byte 127 = 1.0, or fp32 127.0): their part is 0, so
+            # they add exactly nothing
             sa = tl.load(sa_p, mask=msa, other=127)
             sb = tl.load(sb_p, mask=msb, other=127)
         part = tl.dot(a, tl.trans(b))
-        acc += (part * _e8m0_to_f32(sa)[:, None]) * _e8m0_to_f32(sb)[None, :]
+        acc += (part * _scale_f32(sa)[:, None]) * _scale_f32(sb)[None, :]
     return acc
 
 
 @triton.jit
 def _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k_lo, k_hi,
-              stride_am, stride_sam, stride_bn, stride_sbn,
+              stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
               NO_MASK: tl.constexpr, INTERPRET: tl.constexpr, K_ITERS: tl.constexpr,
               NUM_STAGES: tl.constexpr):
@@ -170,12 +193,13 @@ def _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k_lo, k_
         # masked past k_hi (EVEN_K and NO_MASK are False in the grouped-K mode, the one with k_lo > 0)
         for i in range(K_ITERS):
             acc = _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b,
-                          k_lo + i * BK, k_hi, stride_am, stride_sam, stride_bn, stride_sbn,
-                          BK, EVEN_K, NO_MASK)
+                          k_lo + i * BK, k_hi, stride_am, stride_sam, stride_sak,
+                          stride_bn, stride_sbn, stride_sbk, BK, EVEN_K, NO_MASK)
     else:
         for k in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
             acc = _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b,
-                          k, k_hi, stride_am, stride_sam, stride_bn, stride_sbn, BK, EVEN_K, NO_MASK)
+                          k, k_hi, stride_am, stride_sam, stride_sak,
+                          stride_bn, stride_sbn, stride_sbk, BK, EVEN_K, NO_MASK)
     return acc
 
 
@@ -183,7 +207,8 @@ def _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k_lo, k_
 def _fp8_mx_gemm_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, offs_ptr,
     M, N, K, E,
-    stride_am, stride_sam, stride_be, stride_bn, stride_sbe, stride_sbn, stride_ce, stride_cm,
+    stride_am, stride_sam, stride_sak, stride_be, stride_bn, stride_sbe, stride_sbn, stride_sbk,
+    stride_ce, stride_cm,
     MODE: tl.constexpr, E_POW2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, NO_MASK: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -206,7 +231,7 @@ def _fp8_mx_gemm_kernel(
     c = c_ptr + rows[:, None] * stride_cm + cols[None, :]
     if MODE == 0:
         acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, 0, K,
-                        stride_am, stride_sam, stride_bn, stride_sbn,
+                        stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
                         BM, BN, BK, EVEN_K, NO_MASK, INTERPRET, K_ITERS, NUM_STAGES)
         tl.store(c, _to_out(acc, OUT_BF16), mask=in_m[:, None] & in_n[None, :])
     elif MODE == 1:
@@ -225,7 +250,7 @@ def _fp8_mx_gemm_kernel(
             if hi > lo:
                 acc = _mainloop(a_ptr, sa_ptr, b_ptr + g * stride_be, sb_ptr + g * stride_sbe,
                                 rows, in_m, cols, in_n, 0, K,
-                                stride_am, stride_sam, stride_bn, stride_sbn,
+                                stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
                                 BM, BN, BK, EVEN_K, NO_MASK, INTERPRET, K_ITERS, NUM_STAGES)
                 tl.store(c, _to_out(acc, OUT_BF16), mask=ok_m[:, None] & in_n[None, :])
             g += 1
@@ -237,7 +262,7 @@ def _fp8_mx_gemm_kernel(
         k_lo = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         k_hi = tl.load(offs_ptr + e)
         acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, k_lo, k_hi,
-                        stride_am, stride_sam, stride_bn, stride_sbn,
+                        stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
                         BM, BN, BK, False, False, INTERPRET, K_ITERS, NUM_STAGES)
         tl.store(c + e * stride_ce, _to_out(acc, OUT_BF16), mask=in_m[:, None] & in_n[None, :])
 
@@ -325,12 +350,14 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
     grid = (triton.cdiv(M, cfg.bm) * triton.cdiv(N, cfg.bn), E if mode == 2 else 1)
     # whole tiles and whole K steps: loads without masks (grouped-K ranges are runtime: masked)
     no_mask = mode != 2 and M % cfg.bm == 0 and N % cfg.bn == 0 and K % cfg.bk == 0
+    sa, sa_m, sa_k, _ = _scales(a_s, cfg.predecode)
+    sb, sb_n, sb_k, sb_e = _scales(b_s, cfg.predecode)
     _fp8_mx_gemm_kernel[grid](
-        a_q, a_s.view(torch.uint8), b_q, b_s.view(torch.uint8), out, offs_arg,
+        a_q, sa, b_q, sb, out, offs_arg,
         M, N, K, E,
-        a_q.stride(0), a_s.stride(0),
+        a_q.stride(0), sa_m, sa_k,
         b_q.stride(0) if b_q.ndim == 3 else 0, b_q.stride(-2),
-        b_s.stride(0) if b_s.ndim == 3 else 0, b_s.stride(-2),
+        sb_e, sb_n, sb_k,
         out.stride(0) if mode == 2 else 0, out.stride(-2),
         MODE=mode, E_POW2=triton.next_power_of_2(E),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
