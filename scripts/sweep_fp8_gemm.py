@@ -23,17 +23,20 @@ from mxmoe.bench.timing import bench, environment
 from mxmoe.ops.fp8_gemm import Fp8GemmConfig, launch
 from mxmoe.quant.mx_tensor import to_mx
 
-CONFIGS = [  # (bm, bn, bk, group_m, num_warps, num_stages, predecode); 0 is DEFAULT_CONFIG
-    Fp8GemmConfig(128, 128, 128, 8, 8, 3),
-    Fp8GemmConfig(128, 128, 128, 8, 8, 3, predecode=False),
-    Fp8GemmConfig(128, 128, 64, 8, 8, 4),
-    Fp8GemmConfig(128, 128, 32, 8, 8, 6),
-    Fp8GemmConfig(64, 128, 128, 8, 4, 3),
-    Fp8GemmConfig(64, 128, 64, 8, 4, 4),
-    Fp8GemmConfig(64, 128, 32, 8, 4, 8),
-    Fp8GemmConfig(256, 128, 64, 8, 16, 3),
-    Fp8GemmConfig(128, 256, 64, 8, 16, 3),
-    Fp8GemmConfig(64, 128, 64, 8, 4, 4, predecode=False),
+C = Fp8GemmConfig
+CONFIGS = [  # (bm, bn, bk, group_m, num_warps, num_stages, ...); 0 is DEFAULT_CONFIG
+    C(128, 128, 128, 8, 8, 3),
+    C(128, 128, 128, 8, 8, 3, predecode=False),
+    C(128, 128, 64, 8, 8, 4),
+    C(128, 128, 32, 8, 8, 6),
+    C(64, 128, 128, 8, 4, 3),
+    C(64, 128, 64, 8, 4, 4),
+    C(64, 128, 64, 8, 4, 4, maxnreg=168),
+    C(128, 128, 128, 8, 8, 3, tma=True),
+    C(128, 128, 64, 8, 8, 4, tma=True),
+    C(64, 128, 64, 8, 4, 4, tma=True),
+    C(128, 64, 128, 8, 4, 3),
+    C(64, 128, 32, 8, 4, 8),
 ]
 # (name, M or T, K, N, E): E = 0 dense; "wgrad" = 2D x 2D grouped over K (M x N per group).
 SHAPES = [

@@ -64,6 +64,11 @@ class Fp8GemmConfig:
     """Decode the scales to fp32 with the row index innermost ((K/32, M), (..., K/32, N)) before
     the kernel (one small torch pass), so that it reads each 32-block's scales as a contiguous
     vector; False: the kernel reads and decodes the e8m0 bytes in place."""
+    tma: bool = False
+    """Load operands and (pre-decoded) scales with TMA tensor descriptors (dense and grouped-rows
+    modes, when M and N are multiples of 4); False or not possible: pointer loads (cp.async)."""
+    maxnreg: int | None = None
+    """Register cap per thread (ptxas .maxnreg; None: up to 255), for more programs per SM."""
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -126,40 +131,58 @@ def _e8m0_to_f32(s):
 def _scale_f32(s):
     """Scales as loaded -> fp32: e8m0 bytes are decoded here; fp32 (pre-decoded) pass through."""
     if s.dtype == tl.uint8:
-        return _e8m0_to_f32(s)
-    return s
+        f = _e8m0_to_f32(s)
+    else:
+        f = s
+    return f
 
 
 @triton.jit
-def _to_out(acc, OUT_BF16: tl.constexpr):
-    """fp32 -> the output dtype; bf16 rounded to nearest-even by hand (the interpreter's cast truncates)."""
+def _store_out(c, acc, mask, OUT_BF16: tl.constexpr):
+    """Store fp32 acc as the output dtype; bf16 rounded to nearest-even by hand (the interpreter's
+    cast truncates)."""
     if OUT_BF16:
         bits = acc.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)  # NaN stays NaN, large finite rounds to inf
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return acc
+        tl.store(c, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(c, acc, mask=mask)
 
 
 @triton.jit
 def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_hi,
-            stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
-            BK: tl.constexpr, EVEN_K: tl.constexpr, NO_MASK: tl.constexpr):
+            stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk, tma_rows,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+            NO_MASK: tl.constexpr, USE_TMA: tl.constexpr):
     """acc += the MX product of K elements [k, k + BK) (masked to < k_hi), one MMA per 32-block.
-    ok_a / ok_b: rows of A / columns of B inside the tensors; NO_MASK: all are, and K % BK == 0."""
+    ok_a / ok_b: rows of A / columns of B inside the tensors; NO_MASK: all are, and K % BK == 0.
+    USE_TMA: the four operands are tensor descriptors (A (M, K), B (E*N, K), fp32 scales
+    (K/32, M) and (E*K/32, N)); tma_rows = (first row of A, first column of B, and the group's
+    first rows in B and in B's scales)."""
     kr = tl.arange(0, 32)
     for kk in tl.static_range(BK // 32):
         kb = k + kk * 32
         ka = kb + kr
-        a_p = a_ptr + rows_a[:, None] * stride_am + ka[None, :]
-        b_p = b_ptr + cols_b[:, None] * stride_bn + ka[None, :]
-        sa_p = sa_ptr + rows_a * stride_sam + (kb // 32) * stride_sak
-        sb_p = sb_ptr + cols_b * stride_sbn + (kb // 32) * stride_sbk
-        if NO_MASK:
+        if USE_TMA:
+            m0, n0, b_row0, sb_row0 = tma_rows
+            a = a_ptr.load([m0, kb])
+            b = b_ptr.load([b_row0 + n0, kb])
+            sa = tl.reshape(sa_ptr.load([kb // 32, m0]), (BM,))
+            sb = tl.reshape(sb_ptr.load([sb_row0 + kb // 32, n0]), (BN,))
+        elif NO_MASK:
+            a_p = a_ptr + rows_a[:, None] * stride_am + ka[None, :]
+            b_p = b_ptr + cols_b[:, None] * stride_bn + ka[None, :]
+            sa_p = sa_ptr + rows_a * stride_sam + (kb // 32) * stride_sak
+            sb_p = sb_ptr + cols_b * stride_sbn + (kb // 32) * stride_sbk
             a = tl.load(a_p)
             b = tl.load(b_p)
             sa = tl.load(sa_p)
             sb = tl.load(sb_p)
         else:
+            a_p = a_ptr + rows_a[:, None] * stride_am + ka[None, :]
+            b_p = b_ptr + cols_b[:, None] * stride_bn + ka[None, :]
+            sa_p = sa_ptr + rows_a * stride_sam + (kb // 32) * stride_sak
+            sb_p = sb_ptr + cols_b * stride_sbn + (kb // 32) * stride_sbk
             if EVEN_K:
                 ma = ok_a[:, None]
                 mb = ok_b[:, None]
@@ -183,10 +206,10 @@ def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_
 
 @triton.jit
 def _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k_lo, k_hi,
-              stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
+              stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk, tma_rows,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-              NO_MASK: tl.constexpr, INTERPRET: tl.constexpr, K_ITERS: tl.constexpr,
-              NUM_STAGES: tl.constexpr):
+              NO_MASK: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+              K_ITERS: tl.constexpr, NUM_STAGES: tl.constexpr):
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if INTERPRET:
         # triton 3.6's interpreter cannot loop to a runtime bound: a fixed count (cdiv(K, BK)),
@@ -194,12 +217,14 @@ def _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k_lo, k_
         for i in range(K_ITERS):
             acc = _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b,
                           k_lo + i * BK, k_hi, stride_am, stride_sam, stride_sak,
-                          stride_bn, stride_sbn, stride_sbk, BK, EVEN_K, NO_MASK)
+                          stride_bn, stride_sbn, stride_sbk, tma_rows, BM, BN, BK, EVEN_K, NO_MASK,
+                          USE_TMA)
     else:
         for k in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
             acc = _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b,
                           k, k_hi, stride_am, stride_sam, stride_sak,
-                          stride_bn, stride_sbn, stride_sbk, BK, EVEN_K, NO_MASK)
+                          stride_bn, stride_sbn, stride_sbk, tma_rows, BM, BN, BK, EVEN_K, NO_MASK,
+                          USE_TMA)
     return acc
 
 
@@ -211,7 +236,7 @@ def _fp8_mx_gemm_kernel(
     stride_ce, stride_cm,
     MODE: tl.constexpr, E_POW2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, NO_MASK: tl.constexpr, OUT_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr, NO_MASK: tl.constexpr, USE_TMA: tl.constexpr, OUT_BF16: tl.constexpr,
     INTERPRET: tl.constexpr, K_ITERS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # program -> tile, GROUP_M row tiles sweep the columns together (L2 reuse of B)
@@ -232,8 +257,9 @@ def _fp8_mx_gemm_kernel(
     if MODE == 0:
         acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, 0, K,
                         stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
-                        BM, BN, BK, EVEN_K, NO_MASK, INTERPRET, K_ITERS, NUM_STAGES)
-        tl.store(c, _to_out(acc, OUT_BF16), mask=in_m[:, None] & in_n[None, :])
+                        (m0, pid_n * BN, 0, 0),
+                        BM, BN, BK, EVEN_K, NO_MASK, USE_TMA, INTERPRET, K_ITERS, NUM_STAGES)
+        _store_out(c, acc, in_m[:, None] & in_n[None, :], OUT_BF16)
     elif MODE == 1:
         ge = tl.arange(0, E_POW2)
         ends = tl.load(offs_ptr + ge, mask=ge < E, other=2147483647)
@@ -248,11 +274,18 @@ def _fp8_mx_gemm_kernel(
             hi = tl.load(offs_ptr + g)
             ok_m = (rows >= lo) & (rows < hi) & in_m
             if hi > lo:
-                acc = _mainloop(a_ptr, sa_ptr, b_ptr + g * stride_be, sb_ptr + g * stride_sbe,
-                                rows, in_m, cols, in_n, 0, K,
-                                stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
-                                BM, BN, BK, EVEN_K, NO_MASK, INTERPRET, K_ITERS, NUM_STAGES)
-                tl.store(c, _to_out(acc, OUT_BF16), mask=ok_m[:, None] & in_n[None, :])
+                if USE_TMA:  # descriptors over (E*N, K) and (E*K/32, N): the group's first rows
+                    acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, 0, K,
+                                    stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
+                                    (m0, pid_n * BN, g * N, g * (K // 32)),
+                                    BM, BN, BK, EVEN_K, NO_MASK, USE_TMA, INTERPRET, K_ITERS, NUM_STAGES)
+                else:
+                    acc = _mainloop(a_ptr, sa_ptr, b_ptr + g * stride_be, sb_ptr + g * stride_sbe,
+                                    rows, in_m, cols, in_n, 0, K,
+                                    stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
+                                    (0, 0, 0, 0),
+                                    BM, BN, BK, EVEN_K, NO_MASK, USE_TMA, INTERPRET, K_ITERS, NUM_STAGES)
+                _store_out(c, acc, ok_m[:, None] & in_n[None, :], OUT_BF16)
             g += 1
         if last >= total:  # rows in no group
             tail = (rows >= total) & in_m
@@ -262,9 +295,9 @@ def _fp8_mx_gemm_kernel(
         k_lo = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         k_hi = tl.load(offs_ptr + e)
         acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, k_lo, k_hi,
-                        stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
-                        BM, BN, BK, False, False, INTERPRET, K_ITERS, NUM_STAGES)
-        tl.store(c + e * stride_ce, _to_out(acc, OUT_BF16), mask=in_m[:, None] & in_n[None, :])
+                        stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk, (0, 0, 0, 0),
+                        BM, BN, BK, False, False, False, INTERPRET, K_ITERS, NUM_STAGES)
+        _store_out(c + e * stride_ce, acc, in_m[:, None] & in_n[None, :], OUT_BF16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,8 +385,20 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
     no_mask = mode != 2 and M % cfg.bm == 0 and N % cfg.bn == 0 and K % cfg.bk == 0
     sa, sa_m, sa_k, _ = _scales(a_s, cfg.predecode)
     sb, sb_n, sb_k, sb_e = _scales(b_s, cfg.predecode)
+    # TMA: 16-byte aligned row strides of the fp32 scales (K/32, M) and (E*K/32, N) need M, N % 4 == 0
+    use_tma = cfg.tma and cfg.predecode and mode != 2 and M % 4 == 0 and N % 4 == 0
+    ops = (a_q, sa, b_q, sb)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        ops = (
+            TensorDescriptor.from_tensor(a_q, [cfg.bm, BLOCK]),
+            TensorDescriptor.from_tensor(sa, [1, cfg.bm]),
+            TensorDescriptor.from_tensor(b_q.reshape(-1, K), [cfg.bn, BLOCK]),
+            TensorDescriptor.from_tensor(sb.reshape(-1, N), [1, cfg.bn]),
+        )
     _fp8_mx_gemm_kernel[grid](
-        a_q, sa, b_q, sb, out, offs_arg,
+        *ops, out, offs_arg,
         M, N, K, E,
         a_q.stride(0), sa_m, sa_k,
         b_q.stride(0) if b_q.ndim == 3 else 0, b_q.stride(-2),
@@ -361,9 +406,10 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         out.stride(0) if mode == 2 else 0, out.stride(-2),
         MODE=mode, E_POW2=triton.next_power_of_2(E),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-        EVEN_K=K % cfg.bk == 0, NO_MASK=no_mask, OUT_BF16=out_dtype == torch.bfloat16,
+        EVEN_K=K % cfg.bk == 0, NO_MASK=no_mask, USE_TMA=use_tma, OUT_BF16=out_dtype == torch.bfloat16,
         INTERPRET=interp, K_ITERS=triton.cdiv(K, cfg.bk) if interp else 0,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interp else {}),
     )
     return out
 
