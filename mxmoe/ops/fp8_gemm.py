@@ -385,9 +385,12 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
     no_mask = mode != 2 and M % cfg.bm == 0 and N % cfg.bn == 0 and K % cfg.bk == 0
     sa, sa_m, sa_k, _ = _scales(a_s, cfg.predecode)
     sb, sb_n, sb_k, sb_e = _scales(b_s, cfg.predecode)
-    # TMA: 16-byte aligned row strides of the fp32 scales (K/32, M) and (E*K/32, N) need M, N % 4 == 0
-    use_tma = cfg.tma and cfg.predecode and mode != 2 and M % 4 == 0 and N % 4 == 0
+    # TMA: 16-byte aligned bases, and row strides of the fp32 scales (K/32, M), (E*K/32, N): M, N % 4 == 0
     ops = (a_q, sa, b_q, sb)
+    use_tma = (
+        cfg.tma and cfg.predecode and mode != 2 and M % 4 == 0 and N % 4 == 0
+        and all(t.data_ptr() % 16 == 0 for t in ops)
+    )
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
