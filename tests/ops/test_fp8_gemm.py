@@ -280,6 +280,9 @@ def test_compile_fullgraph_and_fake():
 def test_recipe_and_config_accept_fp8():
     assert recipe(gemm_backend="fp8").gemm_backend == "fp8"
     assert MXOpConfig(gemm_backend="fp8").gemm_backend == "fp8"
+    from mxmoe.nn.converter import MXConfig
+
+    assert MXConfig(gemm_backend="fp8").gemm_backend == "fp8"
     with pytest.raises(ValueError, match="gemm_backend='fp9'"):
         MXOpConfig(gemm_backend="fp9")
 
