@@ -13,7 +13,7 @@ step() { echo "=== [$(( $(date +%s) - T0 )) s] $*"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/env.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 step "GPU tests, kernels compiling in parallel"
-(timeout 120 $PY -m pytest -m gpu -q -p no:cacheprovider --maxfail=10 -rA tests/ops/test_fp8_gemm.py \
+(timeout 120 $PY -m pytest -m gpu -v -p no:cacheprovider --maxfail=10 -rA tests/ops/test_fp8_gemm.py \
     > "$OUT/pytest.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/pytest.txt") &
 timeout 110 $PY scripts/sweep_fp8_gemm.py --warm 12 > "$OUT/warm.txt" 2>&1
 echo "warm rc=$?" >> "$OUT/warm.txt"
