@@ -22,8 +22,9 @@ Numerics (what the tests check):
     practice: any scale from real data; the adversarial 2^127 scales of the tests are paired with
     small partners).
   - On sm_90 the fp8 MMA sums the 32 products of one block with a narrower adder than fp32 (about 13
-    mantissa bits after alignment to the largest product; see docs): the GPU bound per block is
-    2^-8 · Σ|a_k b_k| (worst case), against (32 + 2)·2^-23 · Σ|a_k b_k| for fp32 (the interpreter).
+    mantissa bits after alignment to the largest product; see docs): the GPU tests' bound per block
+    is 2^-7 · Σ|a_k b_k| (a worst case of that model), against (k + 2)·2^-23 · Σ|a_k b_k| for fp32
+    (the interpreter).
 Output: bf16 or fp32 (rounded once from the fp32 accumulator).
 
 Three orientations, one kernel (`MODE`):
