@@ -25,6 +25,7 @@ from mxmoe.quant.mx_tensor import to_mx
 
 C = Fp8GemmConfig
 CONFIGS = [  # (bm, bn, bk, group_m, num_warps, num_stages, ...); 0 is DEFAULT_CONFIG
+    C(128, 64, 128, 8, 4, 3),
     C(128, 128, 128, 8, 8, 3),
     C(128, 128, 128, 8, 8, 3, predecode=False),
     C(128, 128, 64, 8, 8, 4),
@@ -35,7 +36,6 @@ CONFIGS = [  # (bm, bn, bk, group_m, num_warps, num_stages, ...); 0 is DEFAULT_C
     C(128, 128, 128, 8, 8, 3, tma=True),
     C(128, 128, 64, 8, 8, 4, tma=True),
     C(64, 128, 64, 8, 4, 4, tma=True),
-    C(128, 64, 128, 8, 4, 3),
     C(64, 128, 32, 8, 4, 8),
 ]
 # (name, M or T, K, N, E): E = 0 dense; "wgrad" = 2D x 2D grouped over K (M x N per group).

@@ -56,10 +56,10 @@ class Fp8GemmConfig:
     """Tile of one program: BM rows x BN columns, K in steps of BK (a multiple of 32)."""
 
     bm: int = 128
-    bn: int = 128
+    bn: int = 64
     bk: int = 128
     group_m: int = 8
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3
     predecode: bool = True
     """Decode the scales to fp32 with the row index innermost ((K/32, M), (..., K/32, N)) before
@@ -80,7 +80,11 @@ class Fp8GemmConfig:
             raise ValueError(f"bk={self.bk} must be a multiple of {BLOCK}")
 
 
+# From the H200 sweep (scripts/sweep_fp8_gemm.py; docs/training-ops.md): 128x64x128 with 4 warps was the
+# fastest tile at 8192^3 and 32768x4096->14336/8 groups. The grouped-K (wgrad) mode steps one 32-block at a
+# time (bk=32): group ends are multiples of 32, so such steps need no K mask.
 DEFAULT_CONFIG = Fp8GemmConfig()
+DEFAULT_CONFIG_GROUPED_K = Fp8GemmConfig(bm=64, bn=128, bk=32, num_warps=4, num_stages=8)
 # The interpreter runs numpy on CPU: small tiles keep tests fast; bk=64 still runs two 32-blocks per step.
 INTERPRET_CONFIG = Fp8GemmConfig(bm=32, bn=32, bk=64, group_m=2, num_warps=4, num_stages=1)
 
@@ -185,15 +189,15 @@ def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_
             sa_p = sa_ptr + rows_a * stride_sam + (kb // 32) * stride_sak
             sb_p = sb_ptr + cols_b * stride_sbn + (kb // 32) * stride_sbk
             if EVEN_K:
-                ma = ok_a[:, None]
-                mb = ok_b[:, None]
                 msa = ok_a
                 msb = ok_b
             else:
-                ma = ok_a[:, None] & (ka < k_hi)[None, :]
-                mb = ok_b[:, None] & (ka < k_hi)[None, :]
+                # k_lo, k_hi and K are multiples of 32: a whole 32-block is in or out, so the mask
+                # is uniform along K (per-element K masks would make the loads byte loads)
                 msa = ok_a & (kb < k_hi)
                 msb = ok_b & (kb < k_hi)
+            ma = msa[:, None] & (kr < 32)[None, :]
+            mb = msb[:, None] & (kr < 32)[None, :]
             a = tl.load(a_p, mask=ma, other=0.0)
             b = tl.load(b_p, mask=mb, other=0.0)
             # masked blocks read a finite scale (byte 127 = 1.0, or fp32 127.0): their part is 0, so
@@ -293,11 +297,13 @@ def _fp8_mx_gemm_kernel(
             tl.store(c, tl.zeros((BM, BN), dtype=c_ptr.dtype.element_ty), mask=tail[:, None] & in_n[None, :])
     else:
         e = tl.program_id(1)
-        k_lo = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-        k_hi = tl.load(offs_ptr + e)
+        # group ends are multiples of 32 (the op's contract): telling the compiler keeps the loads
+        # 16-byte vectors (an unknown alignment makes them byte loads)
+        k_lo = tl.multiple_of(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 32)
+        k_hi = tl.multiple_of(tl.load(offs_ptr + e), 32)
         acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, k_lo, k_hi,
                         stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk, (0, 0, 0, 0),
-                        BM, BN, BK, False, False, False, INTERPRET, K_ITERS, NUM_STAGES)
+                        BM, BN, BK, EVEN_K, NO_MASK, False, INTERPRET, K_ITERS, NUM_STAGES)
         _store_out(c + e * stride_ce, acc, in_m[:, None] & in_n[None, :], OUT_BF16)
 
 
@@ -366,7 +372,12 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
     if reason is not None:
         raise RuntimeError(reason)
     interp = a_q.device.type == "cpu"
-    cfg = config or (INTERPRET_CONFIG if interp else DEFAULT_CONFIG)
+    if config is not None:
+        cfg = config
+    elif interp:
+        cfg = INTERPRET_CONFIG
+    else:
+        cfg = DEFAULT_CONFIG_GROUPED_K if offs is not None and b_q.ndim == 2 else DEFAULT_CONFIG
     out = torch.empty(_out_shape(a_q, b_q, offs), dtype=out_dtype, device=a_q.device)
     M, K = a_q.shape
     N = b_q.shape[-2]
@@ -382,8 +393,11 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         return out.zero_()
     offs_arg = offs if offs is not None else torch.zeros(1, dtype=torch.int32, device=a_q.device)
     grid = (triton.cdiv(M, cfg.bm) * triton.cdiv(N, cfg.bn), E if mode == 2 else 1)
-    # whole tiles and whole K steps: loads without masks (grouped-K ranges are runtime: masked)
-    no_mask = mode != 2 and M % cfg.bm == 0 and N % cfg.bn == 0 and K % cfg.bk == 0
+    # whole tiles and whole K steps: loads without masks
+    # grouped K: a step of bk=32 never crosses a group end (multiples of 32), except in the
+    # interpreter, which runs a fixed step count past it (masked)
+    even_k = (cfg.bk == BLOCK and not interp) if mode == 2 else K % cfg.bk == 0
+    no_mask = even_k and M % cfg.bm == 0 and N % cfg.bn == 0
     sa, sa_m, sa_k, _ = _scales(a_s, cfg.predecode)
     sb, sb_n, sb_k, sb_e = _scales(b_s, cfg.predecode)
     # TMA: 16-byte aligned bases, and row strides of the fp32 scales (K/32, M), (E*K/32, N): M, N % 4 == 0
@@ -410,7 +424,7 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         out.stride(0) if mode == 2 else 0, out.stride(-2),
         MODE=mode, E_POW2=triton.next_power_of_2(E),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-        EVEN_K=K % cfg.bk == 0, NO_MASK=no_mask, USE_TMA=use_tma, OUT_BF16=out_dtype == torch.bfloat16,
+        EVEN_K=even_k, NO_MASK=no_mask, USE_TMA=use_tma, OUT_BF16=out_dtype == torch.bfloat16,
         INTERPRET=interp, K_ITERS=triton.cdiv(K, cfg.bk) if interp else 0,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interp else {}),

@@ -433,7 +433,8 @@ from mxmoe.ops import fp8_gemm
 from mxmoe.ops.fp8_gemm import Fp8GemmConfig
 
 for mode in (0, 1, 2):
-    for cfg in (fp8_gemm.DEFAULT_CONFIG, Fp8GemmConfig(128, 128, 64, 8, 8, 4, tma=True)):
+    default = fp8_gemm.DEFAULT_CONFIG_GROUPED_K if mode == 2 else fp8_gemm.DEFAULT_CONFIG
+    for cfg in (default, Fp8GemmConfig(128, 128, 64, 8, 8, 4, tma=True)):
         tma = cfg.tma and mode != 2
         sig = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32",
                "c_ptr": "*bf16", "offs_ptr": "*i32"}
@@ -444,7 +445,7 @@ for mode in (0, 1, 2):
                 "stride_sbe", "stride_sbn", "stride_sbk", "stride_ce", "stride_cm"]
         sig.update({n: "i32" for n in ints})
         const = dict(MODE=mode, E_POW2=8, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-                     EVEN_K=True, NO_MASK=mode != 2, USE_TMA=tma, OUT_BF16=True, INTERPRET=False,
+                     EVEN_K=True, NO_MASK=True, USE_TMA=tma, OUT_BF16=True, INTERPRET=False,
                      K_ITERS=0, NUM_STAGES=cfg.num_stages)
         sig.update({n: "constexpr" for n in const})
         names = list(sig)
@@ -452,8 +453,10 @@ for mode in (0, 1, 2):
         src = ASTSource(fp8_gemm._fp8_mx_gemm_kernel, sig, constexprs=const, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
         ptx = k.asm["ptx"]
-        assert ptx.count("wgmma.mma_async.sync.aligned.m64n") == cfg.bk // 32, (mode, cfg)
+        # one fp8 wgmma per 32-block per m64 tile of each warpgroup (warps split along M)
+        assert ptx.count("wgmma.mma_async.sync.aligned.m64n") == cfg.bk // 32 * cfg.bm // (16 * cfg.num_warps)
         assert ("cp.async.bulk.tensor" in ptx) == tma, (mode, cfg)
+        assert "ld.global.b8" not in ptx, (mode, cfg)  # operand loads stay 16-byte vectors
 print("compiled")
 """
 
