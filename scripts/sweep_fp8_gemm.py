@@ -37,6 +37,8 @@ CONFIGS = [  # (bm, bn, bk, group_m, num_warps, num_stages, ...); 0 is DEFAULT_C
     C(128, 128, 64, 8, 8, 4, tma=True),
     C(64, 128, 64, 8, 4, 4, tma=True),
     C(64, 128, 32, 8, 4, 8),
+    C(128, 64, 64, 8, 4, 4, tma=True),  # not yet measured: the two best ideas of the first sweep combined
+    C(256, 64, 128, 8, 8, 3),
 ]
 # (name, M or T, K, N, E): E = 0 dense; "wgrad" = 2D x 2D grouped over K (M x N per group).
 SHAPES = [
