@@ -8,28 +8,28 @@ set -u
 OUT=${OUT:-out}
 PY=${PY:-python}
 mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1  # one text file (the device returns few files): log.txt, pytest.txt, *.json
 T0=$(date +%s)
 step() { echo "=== [$(( $(date +%s) - T0 )) s] $*"; }
-nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/env.txt"
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 step "GPU tests, kernels compiling in parallel"
 (timeout 120 $PY -m pytest -m gpu -v -p no:cacheprovider --maxfail=10 -rA tests/ops/test_fp8_gemm.py \
     > "$OUT/pytest.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/pytest.txt") &
-timeout 110 $PY scripts/sweep_fp8_gemm.py --warm 12 > "$OUT/warm.txt" 2>&1
-echo "warm rc=$?" >> "$OUT/warm.txt"
-grep -E "FAILED|warm" "$OUT/warm.txt" | cut -c1-400 | head -20
+timeout 110 $PY scripts/sweep_fp8_gemm.py --warm 12 2>&1 | cut -c1-400
+echo "warm rc=${PIPESTATUS[0]}"
 wait
 step "tests done"
 grep -E "passed|failed|PASSED|FAILED|Error|error|assert" "$OUT/pytest.txt" | cut -c1-300 | head -40
 step "forward, grouped"
 timeout 45 $PY -m mxmoe bench grouped_mm --forward --kernel triton --shape 65536x7168x2048x8 \
-    --shape 32768x4096x14336x8 --json "$OUT/grouped_fwd.json" 2>&1 | tee "$OUT/grouped_fwd.txt"
+    --shape 32768x4096x14336x8 --json "$OUT/grouped_fwd.json"
 step "forward, dense"
 timeout 25 $PY -m mxmoe bench linear --forward --kernel triton --shape 8192x8192x8192 \
-    --json "$OUT/linear_fwd.json" 2>&1 | tee "$OUT/linear_fwd.txt"
+    --json "$OUT/linear_fwd.json"
 step "tile sweep"
-timeout 70 $PY scripts/sweep_fp8_gemm.py --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt"
+timeout 70 $PY scripts/sweep_fp8_gemm.py --json "$OUT/sweep.json"
 step "fwd+bwd grouped, fp8 backend"
 timeout 35 $PY -m mxmoe bench grouped_mm --gemm-backend fp8 --recipes mxfp8_rceil --kernel triton \
-    --shape 65536x7168x2048x8 --iters 10 --json "$OUT/grouped_fwdbwd_fp8.json" 2>&1 | tee "$OUT/grouped_fwdbwd_fp8.txt"
+    --shape 65536x7168x2048x8 --iters 10 --json "$OUT/grouped_fwdbwd_fp8.json"
 step "end"
