@@ -16,9 +16,10 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 step "GPU tests, kernels compiling in parallel"
 (timeout 120 $PY -m pytest -m gpu -v -p no:cacheprovider --maxfail=10 -rA tests/ops/test_fp8_gemm.py \
     > "$OUT/pytest.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/pytest.txt") &
+TESTS=$!
 timeout 110 $PY scripts/sweep_fp8_gemm.py --warm 12 2>&1 | cut -c1-400
 echo "warm rc=${PIPESTATUS[0]}"
-wait
+wait "$TESTS"  # (a bare wait would also wait for the tee of the log)
 step "tests done"
 grep -E "passed|failed|PASSED|FAILED|Error|error|assert" "$OUT/pytest.txt" | cut -c1-300 | head -40
 step "forward, grouped"
