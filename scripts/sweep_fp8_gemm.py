@@ -24,15 +24,13 @@ from mxmoe.ops.fp8_gemm import Fp8GemmConfig, launch
 from mxmoe.quant.mx_tensor import to_mx
 
 C = Fp8GemmConfig
-CONFIGS = [  # (bm, bn, bk, group_m, num_warps, num_stages, ...); 0 is DEFAULT_CONFIG
+CONFIGS = [  # (bm, bn, bk, group_m, num_warps, num_stages, tma); 0 is DEFAULT_CONFIG
     C(128, 64, 128, 8, 4, 3),
     C(128, 128, 128, 8, 8, 3),
-    C(128, 128, 128, 8, 8, 3, predecode=False),
     C(128, 128, 64, 8, 8, 4),
     C(128, 128, 32, 8, 8, 6),
     C(64, 128, 128, 8, 4, 3),
     C(64, 128, 64, 8, 4, 4),
-    C(64, 128, 64, 8, 4, 4, maxnreg=168),
     C(128, 128, 128, 8, 8, 3, tma=True),
     C(128, 128, 64, 8, 8, 4, tma=True),
     C(64, 128, 64, 8, 4, 4, tma=True),

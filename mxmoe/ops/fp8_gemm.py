@@ -6,15 +6,16 @@ casts produce them (`MXTensor.qdata_blocked` / `.scale_blocked`):
     a_q (M, K) float8_e4m3fn, a_s (M, K/32) float8_e8m0fnu      rows of A, K innermost
     b_q (N, K) or (E, N, K) float8_e4m3fn, b_s (..., N, K/32)    columns of B, K innermost
 
-The kernel walks K in steps of BK and, for each 32-element block along K, issues one fp8 MMA
-(`tl.dot` on float8e4nv operands: `wgmma` on sm_90) into a fresh fp32 temporary `part`, then
-promotes it into the fp32 accumulator with that block's scales:
+The scales are first decoded to fp32 with the rows innermost ((K/32, M), (..., K/32, N); one small
+torch pass). The kernel walks K in steps of BK and, for each 32-element block along K, issues one
+fp8 MMA (`tl.dot` on float8e4nv operands: `wgmma` on sm_90) into a fresh fp32 temporary `part`,
+then promotes it into the fp32 accumulator with that block's scales:
 
     acc += (part * sa[:, None]) * sb[None, :]      sa = 2^(a_s - 127) per row, sb per column
 
 Numerics (what the tests check):
   - e8m0 byte 255 is NaN (every output its row or column touches is NaN); byte 0 is 2^-127, a
-    subnormal fp32 factor (exact unless the device flushes subnormals).
+    subnormal fp32 factor (exact: sm_90 does not flush it, the GPU tests check).
   - `part` is a multiple of 2^-18 (every e4m3 product is), so `part * sa` is exact whenever it does
     not overflow; the single rounding is in `* sb` and the add (fused into one FMA). So each block's
     contribution is rounded once, as in an fp32 GEMM of the dequantized operands, provided
@@ -61,15 +62,9 @@ class Fp8GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    predecode: bool = True
-    """Decode the scales to fp32 with the row index innermost ((K/32, M), (..., K/32, N)) before
-    the kernel (one small torch pass), so that it reads each 32-block's scales as a contiguous
-    vector; False: the kernel reads and decodes the e8m0 bytes in place."""
     tma: bool = False
     """Load operands and (pre-decoded) scales with TMA tensor descriptors (dense and grouped-rows
     modes, when M and N are multiples of 4); False or not possible: pointer loads (cp.async)."""
-    maxnreg: int | None = None
-    """Register cap per thread (ptxas .maxnreg; None: up to 255), for more programs per SM."""
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -89,14 +84,14 @@ DEFAULT_CONFIG_GROUPED_K = Fp8GemmConfig(bm=64, bn=128, bk=32, num_warps=4, num_
 INTERPRET_CONFIG = Fp8GemmConfig(bm=32, bn=32, bk=64, group_m=2, num_warps=4, num_stages=1)
 
 
-def _scales(s: Tensor, predecode: bool) -> tuple[Tensor, int, int, int]:
-    """(scale tensor for the kernel, row stride, k-block stride, expert stride) of e8m0 s
-    (..., rows, K/32)."""
-    e_stride = lambda t: t.stride(0) if t.ndim == 3 else 0  # noqa: E731
-    if predecode:  # exact: e8m0 -> fp32 gives 2^(b-127), the subnormal 2^-127 for 0, NaN for 255
-        f = s.float().transpose(-1, -2).contiguous()
-        return f, 1, f.stride(-2), e_stride(f)
-    return s.view(torch.uint8), s.stride(-2), 1, e_stride(s)
+def _scales(s: Tensor) -> tuple[Tensor, int, int, int]:
+    """e8m0 scales s (..., rows, K/32) -> (fp32 (..., K/32, rows) contiguous, row stride, k-block
+    stride, expert stride): rows innermost, so that the kernel reads each 32-block's scales as one
+    contiguous vector, already decoded (exact: e8m0 -> fp32 gives 2^(b-127), the subnormal 2^-127
+    for byte 0, NaN for 255). One small torch pass (K/32 values per row); decoding the bytes in the
+    kernel instead ran at half the speed on the H200 (byte loads, more registers)."""
+    f = s.float().transpose(-1, -2).contiguous()
+    return f, 1, f.stride(-2), f.stride(0) if f.ndim == 3 else 0
 
 
 def why_unavailable(device: torch.device) -> str | None:
@@ -122,24 +117,6 @@ def why_unavailable(device: torch.device) -> str | None:
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _e8m0_to_f32(s):
-    """uint8 e8m0 bytes -> fp32 2^(s-127): byte 0 is the subnormal 2^-127, byte 255 NaN."""
-    e = s.to(tl.int32)
-    bits = tl.where(e == 0, 0x00400000, tl.where(e == 255, 0x7FC00000, tl.minimum(e, 254) << 23))
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _scale_f32(s):
-    """Scales as loaded -> fp32: e8m0 bytes are decoded here; fp32 (pre-decoded) pass through."""
-    if s.dtype == tl.uint8:
-        f = _e8m0_to_f32(s)
-    else:
-        f = s
-    return f
 
 
 @triton.jit
@@ -200,12 +177,12 @@ def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_
             mb = msb[:, None] & (kr < 32)[None, :]
             a = tl.load(a_p, mask=ma, other=0.0)
             b = tl.load(b_p, mask=mb, other=0.0)
-            # masked blocks read a finite scale (byte 127 = 1.0, or fp32 127.0): their part is 0, so
+            # masked blocks read a finite scale (127.0): their part is 0, so
             # they add exactly nothing
-            sa = tl.load(sa_p, mask=msa, other=127)
-            sb = tl.load(sb_p, mask=msb, other=127)
+            sa = tl.load(sa_p, mask=msa, other=127.0)
+            sb = tl.load(sb_p, mask=msb, other=127.0)
         part = tl.dot(a, tl.trans(b))
-        acc += (part * _scale_f32(sa)[:, None]) * _scale_f32(sb)[None, :]
+        acc += (part * sa[:, None]) * sb[None, :]
     return acc
 
 
@@ -398,12 +375,12 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
     # interpreter, which runs a fixed step count past it (masked)
     even_k = (cfg.bk == BLOCK and not interp) if mode == 2 else K % cfg.bk == 0
     no_mask = even_k and M % cfg.bm == 0 and N % cfg.bn == 0
-    sa, sa_m, sa_k, _ = _scales(a_s, cfg.predecode)
-    sb, sb_n, sb_k, sb_e = _scales(b_s, cfg.predecode)
+    sa, sa_m, sa_k, _ = _scales(a_s)
+    sb, sb_n, sb_k, sb_e = _scales(b_s)
     # TMA: 16-byte aligned bases, and row strides of the fp32 scales (K/32, M), (E*K/32, N): M, N % 4 == 0
     ops = (a_q, sa, b_q, sb)
     use_tma = (
-        cfg.tma and cfg.predecode and mode != 2 and M % 4 == 0 and N % 4 == 0
+        cfg.tma and mode != 2 and M % 4 == 0 and N % 4 == 0
         and all(t.data_ptr() % 16 == 0 for t in ops)
     )
     if use_tma:
@@ -427,7 +404,6 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         EVEN_K=even_k, NO_MASK=no_mask, USE_TMA=use_tma, OUT_BF16=out_dtype == torch.bfloat16,
         INTERPRET=interp, K_ITERS=triton.cdiv(K, cfg.bk) if interp else 0,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interp else {}),
     )
     return out
 
