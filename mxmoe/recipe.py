@@ -15,7 +15,7 @@ from mxmoe.formats import check_block_size, check_elem_dtype, check_scaling_mode
 
 CAST_KERNELS = ("torch", "triton", "cuda")
 """Concrete cast kernels; a recipe may also name "auto" (the fastest available per cast)."""
-GEMM_BACKENDS = ("emulated",)
+GEMM_BACKENDS = ("emulated", "fp8")
 """GEMMs on MX operands (docs/training-ops.md)."""
 GEMM_DTYPES = (None, torch.bfloat16, torch.float32)
 
@@ -38,7 +38,8 @@ class MXRecipe:
     included: "auto" | "torch" | "triton" | "cuda"."""
     gemm_backend: str = "emulated"
     """GEMM on MX operands. "emulated": dequantize both operands exactly and run a high-precision
-    GEMM with fp32 accumulation (the Hopper path: sm_90 has no block-scaled MMA)."""
+    GEMM with fp32 accumulation (the default; sm_90 has no block-scaled MMA). "fp8": one fp8 MMA per
+    32-block of K on sm_90's tensor cores, promoted with the block scales (opt-in; e4m3, block 32)."""
     gemm_dtype: torch.dtype | None = None
     """Operand dtype of the emulated GEMM. None: bf16 on CUDA, fp32 elsewhere. bf16 holds every
     dequantized e4m3 value exactly unless its block scale byte is < 3 (e5m2: < 10), i.e. blocks

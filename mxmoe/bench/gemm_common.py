@@ -7,11 +7,11 @@ import argparse
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import Tensor
 
-from mxmoe.bench.timing import bf16_gemm_tflops, environment, print_table, require_cuda, write_json
+from mxmoe.bench.timing import bench, bf16_gemm_tflops, environment, print_table, require_cuda, write_json
 from mxmoe.cli import comma_list
-
-RECIPES = {"mxfp8": "floor", "mxfp8_rceil": "rceil"}
+from mxmoe.recipe import RECIPES  # the named recipes the benches time
 
 
 def shape_parser(pattern: str, example: str) -> Callable[[str], tuple[int, ...]]:
@@ -44,6 +44,32 @@ def row(shape: str, recipe: str, t: float, t_bf16: float, flops: float, tc: floa
     }
 
 
+def forward_row(shape: str, gemm: str, t: float | None, t_bf16: float, flops: float, note: str = "") -> dict:
+    """One forward-GEMM row: time t (ms; None: could not run, `note` says why), TFLOP/s, ratio to bf16."""
+    return {
+        "shape": shape,
+        "forward GEMM": gemm,
+        "ms": t,
+        "TFLOP/s": None if t is None else flops / t / 1e9,
+        "vs bf16": None if t is None else t_bf16 / t,
+        "note": note,
+    }
+
+
+def rowwise_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (..., K) -> (e4m3 (..., K), fp32 scale (..., 1)) with x ~ q * scale: torch's row-wise fp8."""
+    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / 448.0
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def timed_or_reason(fn: Callable[[], object], iters: int) -> tuple[float | None, str]:
+    """(median ms, "") of fn, or (None, the error) when fn cannot run here (e.g. an op torch lacks)."""
+    try:
+        return bench(fn, iters=iters).median_ms, ""
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError) as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+
+
 def main(
     argv: list[str],
     *,
@@ -53,8 +79,11 @@ def main(
     example: str,
     shapes: Sequence[tuple[int, ...]],
     run_shape: Callable[..., list[dict]],
+    run_forward: Callable[..., list[dict]] | None = None,
 ) -> int:
-    """The command line of a GEMM bench: `run_shape(*shape, recipes, kernel, iters)` per shape."""
+    """The command line of a GEMM bench: `run_shape(*shape, recipes, kernel, iters, gemm_backend=)` per shape;
+    with --forward, `run_forward(*shape, kernel, iters)` instead: the forward GEMM alone, bf16 vs fp8
+    row-wise (torch) vs the MX backends on pre-cast operands."""
     p = argparse.ArgumentParser(prog=f"mxmoe bench {name}", description=doc)
     p.add_argument(
         "--shape",
@@ -66,16 +95,39 @@ def main(
         "--recipes", type=comma_list(choices=list(RECIPES)), action="extend", help="comma list; default: all"
     )
     p.add_argument("--kernel", default="auto", help="cast kernel: auto | torch | triton | cuda")
+    p.add_argument(
+        "--gemm-backend", default="emulated", choices=["emulated", "fp8"], help="MX GEMM backend of fwd+bwd"
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
+    if run_forward is not None:
+        p.add_argument(
+            "--forward",
+            action="store_true",
+            help="the forward GEMM alone: bf16, torch fp8 row-wise, MX emulated and MX fp8 backends",
+        )
     args = p.parse_args(argv)
     require_cuda(f"mxmoe bench {name}")
     ceiling = bf16_gemm_tflops()
+    if run_forward is not None and args.forward:
+        rows = []
+        for shape in args.shape or shapes:
+            rows += run_forward(*shape, args.kernel, args.iters)
+            torch.cuda.empty_cache()
+        print_table(rows, title=f"{name} forward GEMM; bf16 GEMM ceiling 8192^3: {ceiling:.0f} TFLOP/s")
+        if args.json:
+            write_json(args.json, {"env": environment(), "bf16_gemm_tflops": ceiling, "rows": rows})
+        return 0
     rows = []
     for shape in args.shape or shapes:
-        rows += run_shape(*shape, args.recipes or list(RECIPES), args.kernel, args.iters)
+        rows += run_shape(
+            *shape, args.recipes or list(RECIPES), args.kernel, args.iters, gemm_backend=args.gemm_backend
+        )
         torch.cuda.empty_cache()
-    title = f"{name} fwd+bwd (3 GEMMs); bf16 GEMM ceiling 8192^3: {ceiling:.0f} TFLOP/s"
+    title = (
+        f"{name} fwd+bwd (3 GEMMs), MX GEMM backend {args.gemm_backend}; bf16 GEMM ceiling 8192^3: "
+        f"{ceiling:.0f} TFLOP/s"
+    )
     print_table(rows, title=title)
     if args.json:
         write_json(args.json, {"env": environment(), "bf16_gemm_tflops": ceiling, "rows": rows})

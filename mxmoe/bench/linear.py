@@ -7,15 +7,19 @@ import torch
 import torch.nn.functional as F
 
 from mxmoe.bench import gemm_common
-from mxmoe.bench.gemm_common import RECIPES, row
+from mxmoe.bench.gemm_common import forward_row, row, rowwise_fp8, timed_or_reason
 from mxmoe.bench.timing import bench
+from mxmoe.recipe import RECIPES as NAMED
 
 # (M tokens, K in, N out): DeepSeek-V3 expert-sized and Llama4 expert-sized projections.
 SHAPES = [(131072, 7168, 2048), (131072, 2048, 7168), (131072, 5120, 8192), (131072, 8192, 5120)]
 
 
-def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: int) -> list[dict]:
-    from mxmoe.ops import MXOpConfig, mx_mm
+def run_shape(
+    M: int, K: int, N: int, recipes: list[str], kernel: str, iters: int,
+    gemm_backend: str = "emulated",
+) -> list[dict]:
+    from mxmoe.ops import mx_mm
     from mxmoe.ops.gemm import hp_gemm
     from mxmoe.ops.linear import pad_rows
     from mxmoe.quant.mx_tensor import MXTensor
@@ -38,7 +42,7 @@ def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: in
     rows = [row(f"{M}x{K}->{N}", "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
     bf = torch.bfloat16
     for recipe in recipes:
-        cfg = MXOpConfig(scaling_mode=RECIPES[recipe], kernel=kernel, dim1_kernel=kernel)
+        cfg = NAMED[recipe].replace(dim0_kernel=kernel, dim1_kernel=kernel, gemm_backend=gemm_backend)
 
         def mx_step(cfg=cfg):
             mx_mm(x, w.t(), cfg).backward(dy)
@@ -61,11 +65,44 @@ def run_shape(M: int, K: int, N: int, recipes: list[str], kernel: str, iters: in
             hp_gemm(x0, w0.t(), None, bf), hp_gemm(dy0, w1, None, bf), hp_gemm(dy1.t(), x1, None, bf)
 
         t = bench(mx_step, iters=iters).median_ms
-        tc = bench(casts, iters=iters).median_ms
-        tg = bench(gemms, iters=iters).median_ms
+        emulated = gemm_backend == "emulated"  # the split below is the emulated path's
+        tc = bench(casts, iters=iters).median_ms if emulated else float("nan")
+        tg = bench(gemms, iters=iters).median_ms if emulated else float("nan")
         rows.append(row(f"{M}x{K}->{N}", recipe, t, t_bf16, flops, tc, tg))
         del x0, x1, w0, dy0, dy1, w1
     x.grad = w.grad = None
+    return rows
+
+
+def run_forward(M: int, K: int, N: int, kernel: str, iters: int) -> list[dict]:
+    """y = x Wᵀ alone: bf16 torch.mm, fp8 row-wise torch._scaled_mm, MX (rceil) on pre-cast operands."""
+    from mxmoe.ops import mx_gemm
+    from mxmoe.quant.mx_tensor import to_mx
+
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+    flops, name = 2 * M * K * N, f"{M}x{K}->{N}"
+    t_bf16 = bench(lambda: x @ w.t(), iters=iters).median_ms
+    rows = [forward_row(name, "bf16 torch.mm", t_bf16, t_bf16, flops)]
+    xq, xs = rowwise_fp8(x)
+    wq, ws = rowwise_fp8(w)
+    for fast in (True, False):
+        t, why = timed_or_reason(
+            lambda fast=fast: torch._scaled_mm(
+                xq, wq.t(), xs, ws.t(), out_dtype=torch.bfloat16, use_fast_accum=fast
+            ),
+            iters,
+        )
+        rows.append(forward_row(name, f"fp8 row-wise _scaled_mm fast_accum={fast}", t, t_bf16, flops, why))
+    x0 = to_mx(x, axis=-1, kernel=kernel)
+    w0 = to_mx(w.t(), axis=0, kernel=kernel)
+    for backend in ("emulated", "fp8"):
+        r = NAMED["mxfp8_rceil"].replace(dim0_kernel=kernel, gemm_backend=backend)
+        t, why = timed_or_reason(
+            lambda r=r: mx_gemm(x0, w0, config=r),
+            iters,
+        )
+        rows.append(forward_row(name, f"mxfp8_rceil mx_gemm {backend}", t, t_bf16, flops, why))
     return rows
 
 
@@ -78,4 +115,5 @@ def main(argv: list[str]) -> int:
         example="131072x7168x2048",
         shapes=SHAPES,
         run_shape=run_shape,
+        run_forward=run_forward,
     )

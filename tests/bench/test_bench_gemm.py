@@ -41,3 +41,19 @@ def test_bench_rejects_bad_counts(kw):
 
     with pytest.raises(ValueError, match="bench needs"):
         bench(lambda: None, **kw)
+
+
+def test_forward_row_and_flag():
+    from mxmoe.bench.gemm_common import forward_row, rowwise_fp8
+
+    r = forward_row("s", "fp8", t=2.0, t_bf16=3.0, flops=4e9)
+    assert r["TFLOP/s"] == 2.0 and r["vs bf16"] == 1.5 and r["note"] == ""
+    r = forward_row("s", "fp8", t=None, t_bf16=3.0, flops=4e9, note="no such op")
+    assert r["TFLOP/s"] is None and r["vs bf16"] is None and r["note"] == "no such op"
+    x = torch.tensor([[1.0, -448.0], [0.5, 0.25]])
+    q, s = rowwise_fp8(x)
+    assert torch.equal(q.float() * s, x)
+    if not torch.cuda.is_available():
+        for module in (linear, grouped_mm):
+            with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+                module.main(["--forward", "--iters", "1"])

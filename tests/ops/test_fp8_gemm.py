@@ -1,0 +1,482 @@
+"""The "fp8" GEMM backend (mxmoe/ops/fp8_gemm.py) against the fp64 product of the dequantized
+operands: random and adversarial scales (2^-127..2^127, zero blocks, NaN bytes), ragged and empty
+groups. CPU runs the Triton kernel through the interpreter (small shapes); `-m gpu` on the H200.
+
+Bounds (stated in the module docstring): per 32-block the sum of products is fp32 in the
+interpreter ((k + 2) 2^-23 Σ|a b| for the whole dot, as tests/ops/test_mx_ops.py) and the sm_90 fp8
+MMA's narrower adder on the GPU (2^-7 Σ|a b|, worst case of ~13 kept bits per product); plus
+the output rounding (bf16: 2^-8 |ref|) and 2^-126 per block for contributions below fp32's normal
+range.
+"""
+
+import pytest
+import torch
+
+from mxmoe.ops import MXOpConfig, fp8_gemm, mx_gemm, mx_grouped_mm, mx_mm
+from mxmoe.ops.fp8_gemm import Fp8GemmConfig, fp8_mx_gemm, why_unavailable
+from mxmoe.quant.mx_tensor import MXTensor, to_mx
+from mxmoe.recipe import recipe
+
+E4M3_FINITE = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+
+
+def dev() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rand_q(*shape, gen, max_byte=0x7E, device="cpu"):
+    """Random e4m3 elements: uniform over the finite bit patterns with magnitude byte <= max_byte."""
+    pool = E4M3_FINITE[(E4M3_FINITE & 0x7F) <= max_byte]
+    idx = torch.randint(0, pool.numel(), shape, generator=gen)
+    return pool[idx].view(torch.float8_e4m3fn).to(device)
+
+
+def scales(bytes_: torch.Tensor, device) -> torch.Tensor:
+    return bytes_.to(torch.uint8).view(torch.float8_e8m0fnu).to(device)
+
+
+def dq64(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp64 value of K-innermost MX storage: q (..., K) e4m3, s (..., K/32) e8m0 (255 = NaN)."""
+    b = s.view(torch.uint8).cpu().to(torch.float64)
+    f = torch.where(b == 255, torch.nan, torch.exp2(b - 127))
+    return q.cpu().double() * torch.repeat_interleave(f, 32, dim=-1)
+
+
+def bound(a_abs, b_abs_t, ref, k, out_dtype, gpu):
+    """a_abs (M, K) and b_abs_t (N, K) fp64 magnitudes of the dequantized operands."""
+    acc = 2.0**-7 if gpu else (k + 2) * 2.0**-23
+    b = (a_abs @ b_abs_t.t()) * acc + (k // 32 + 1) * 2.0**-126
+    if out_dtype == torch.bfloat16:
+        b = b + ref.abs() * 2.0**-8
+    return b
+
+
+def check(got, ref, a_abs, b_abs_t, k, gpu):
+    out_dtype = got.dtype
+    got = got.cpu().double()
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(got), nan), "NaN pattern differs from the reference"
+    err = (got - ref).abs()[~nan]
+    bnd = bound(a_abs, b_abs_t, ref, k, out_dtype, gpu)[~nan]
+    assert bool((err <= bnd).all()), f"max err {err.max().item()}, max excess {(err - bnd).max().item()}"
+
+
+def _rand_operand(rows, k, gen, lo=110, hi=140, device="cpu"):
+    q = rand_q(rows, k, gen=gen, device=device)
+    s = scales(torch.randint(lo, hi, (rows, k // 32), generator=gen), device)
+    return q, s
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense and grouped, random scales
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(32, 32, 64), (45, 50, 96), (7, 70, 256)])
+def test_dense_random(M, N, K, out_dtype):
+    gen = torch.Generator().manual_seed(M * N + K)
+    aq, as_ = _rand_operand(M, K, gen)
+    bq, bs = _rand_operand(N, K, gen)
+    got = fp8_mx_gemm(aq, as_, bq, bs, None, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (M, N) and got.is_contiguous()
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    check(got, A @ B.t(), A.abs(), B.abs(), K, gpu=False)
+
+
+def grouped_rows_ref(A, B3, ends):
+    out = torch.zeros(A.shape[0], B3.shape[1], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(ends):
+        out[start:end] = A[start:end] @ B3[e].t()
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("counts,T", [([5, 0, 28], 40), ([0, 0, 33], 33), ([40, 1, 0, 7], 60), ([0], 8)])
+def test_grouped_rows(counts, T):
+    """2D x 3D: ragged and empty groups, rows past the last group zero."""
+    E, N, K = len(counts), 36, 64
+    gen = torch.Generator().manual_seed(T + E)
+    aq, as_ = _rand_operand(T, K, gen)
+    bq, bs = _rand_operand(E * N, K, gen)
+    bq, bs = bq.view(E, N, K), bs.view(E, N, K // 32)
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    offs = torch.tensor(ends, dtype=torch.int32)
+    got = fp8_mx_gemm(aq, as_, bq, bs, offs, torch.float32)
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    ref = grouped_rows_ref(A, B, ends)
+    bnd = grouped_rows_ref(A.abs(), B.abs(), ends) * (K + 2) * 2.0**-23 + 2.0**-120
+    assert bool(((got.double() - ref).abs() <= bnd).all())
+    assert not got[ends[-1]:].any()
+
+
+@pytest.mark.parametrize("counts", [[32, 0, 64, 64], [0, 96], [64, 0], [0, 0], [160]])
+def test_grouped_k(counts):
+    """2D x 2D grouped over K (wgrad): group sizes multiples of 32, empty groups give zeros."""
+    M, N = 40, 33
+    T = max(32, sum(counts))
+    gen = torch.Generator().manual_seed(sum(counts) + len(counts))
+    aq, as_ = _rand_operand(M, T, gen)
+    bq, bs = _rand_operand(N, T, gen)
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    got = fp8_mx_gemm(aq, as_, bq, bs, torch.tensor(ends, dtype=torch.int32), torch.float32)
+    assert got.shape == (len(counts), M, N)
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    start = 0
+    for e, end in enumerate(ends):
+        ref = A[:, start:end] @ B[:, start:end].t()
+        if end == start:
+            assert not got[e].any()
+        check(got[e], ref, A[:, start:end].abs(), B[:, start:end].abs(), end - start, gpu=False)
+        start = end
+
+
+# ------------------------------------------------------------------------------------------------
+# Adversarial scales
+# ------------------------------------------------------------------------------------------------
+
+
+def adversarial(M, N, K, gen, device):
+    """A with scale bytes 0..3 in even blocks and 251..254 in odd ones; B the mirror (products near
+    2^0). The huge-scale A blocks hold small elements (|a| <= 2^-6, B <= 1 there) so |part| sa <
+    2^128; block 0 of A is zero with scale 254 against B's 254 (must give 0, not NaN)."""
+    nb = K // 32
+    even = torch.arange(nb) % 2 == 0
+    ea = torch.where(even, torch.randint(0, 4, (M, nb), generator=gen),
+                     torch.randint(251, 255, (M, nb), generator=gen))
+    eb = torch.where(even, torch.randint(251, 255, (N, nb), generator=gen),
+                     torch.randint(0, 4, (N, nb), generator=gen))
+    aq = rand_q(M, K, gen=gen).view(torch.uint8).view(M, nb, 32)
+    bq = rand_q(N, K, gen=gen).view(torch.uint8).view(N, nb, 32)
+    small_a = rand_q(M, K, gen=gen, max_byte=0x08).view(torch.uint8).view(M, nb, 32)  # <= 2^-6
+    small_b = rand_q(N, K, gen=gen, max_byte=0x38).view(torch.uint8).view(N, nb, 32)  # <= 1
+    aq = torch.where(even[None, :, None], aq, small_a)
+    bq = torch.where(even[None, :, None], bq, small_b)
+    aq[:, 0] = 0
+    ea[:, 0] = 254
+    eb[:, 0] = 254
+    aq = aq.reshape(M, K).view(torch.float8_e4m3fn).to(device)
+    bq = bq.reshape(N, K).view(torch.float8_e4m3fn).to(device)
+    return aq, scales(ea, device), bq, scales(eb, device)
+
+
+def run_adversarial(M, N, K, device):
+    gen = torch.Generator().manual_seed(K)
+    aq, as_, bq, bs = adversarial(M, N, K, gen, device)
+    got = fp8_mx_gemm(aq, as_, bq, bs, None, torch.float32)
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    assert torch.isfinite(got).all()
+    check(got, A @ B.t(), A.abs(), B.abs(), K, gpu=device == "cuda")
+
+
+def test_adversarial_scales():
+    run_adversarial(40, 36, 256, "cpu")
+
+
+def exact_case(M, N, K, gen, device):
+    """Small-integer elements and scales with ea[m, k] + eb[n, k] = x_m + z_n: every block's
+    contribution has the same power of two per output, so the exact result is an fp32 integer times
+    one power of two, from 2^-127 (both bytes 0) up; any adder of >= 16 bits gets it exactly."""
+    nb = K // 32
+    y = torch.randint(0, 64, (nb,), generator=gen)
+    x = torch.randint(0, 64, (M,), generator=gen)
+    x[0] = y[0] = 0  # row 0, block 0: byte 0 (2^-127)
+    z = torch.randint(127, 191, (N,), generator=gen)
+    ea = x[:, None] + y[None, :]
+    eb = z[:, None] - y[None, :]
+    ints = torch.tensor([-2.0, -1.0, 0.0, 1.0, 2.0])
+    aq = ints[torch.randint(0, 5, (M, K), generator=gen)].to(torch.float8_e4m3fn)
+    bq = ints[torch.randint(0, 5, (N, K), generator=gen)].to(torch.float8_e4m3fn)
+    return aq.to(device), scales(ea, device), bq.to(device), scales(eb, device)
+
+
+def test_exact_power_of_two_scales():
+    gen = torch.Generator().manual_seed(3)
+    aq, as_, bq, bs = exact_case(33, 40, 128, gen, "cpu")
+    got = fp8_mx_gemm(aq, as_, bq, bs, None, torch.float32)
+    assert torch.equal(got.double(), dq64(aq, as_) @ dq64(bq, bs).t())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, on the expected inf
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN scales
+def test_scale_byte_extremes():
+    """Byte 255 is NaN (its row / column), byte 0 is 2^-127 exactly, a product of two tiny scales
+    below fp32's range adds (almost) nothing instead of NaN, one above it is inf (as the fp32
+    dequantized operands would be)."""
+    K = 64
+    one = torch.full((4, K), 1.0).to(torch.float8_e4m3fn)
+    sa = scales(torch.tensor([[255, 127], [0, 127], [0, 0], [127, 127]]), "cpu")
+    sb = scales(torch.tensor([[127, 127], [254, 127], [0, 127], [127, 255]]), "cpu")
+    got = fp8_mx_gemm(one, sa, one, sb, None, torch.float32)
+    ref = dq64(one, sa) @ dq64(one, sb).t()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert torch.isnan(got[0]).all() and torch.isnan(got[:, 3]).all()
+    assert got[1, 1].item() == 32 * 2.0**0 + 32  # 2^-127 * 2^127 block, then a 1 * 1 block
+    # block 0 of row 2 x col 2 is 32 * 2^-254, below fp32's range: it adds nothing (bound 2^-126)
+    assert got[2, 2].item() == 32 * 2.0**-127
+    assert got[1, 2].item() == 32.0
+    assert got[3, 1].item() == float("inf")  # 32 * 2^127 + 32: beyond fp32
+
+
+# ------------------------------------------------------------------------------------------------
+# Through mx_gemm, mx_mm and mx_grouped_mm
+# ------------------------------------------------------------------------------------------------
+
+FP8 = MXOpConfig(kernel="torch", dim1_kernel="torch", gemm_backend="fp8")
+EMU = MXOpConfig(kernel="torch", dim1_kernel="torch")
+
+
+def test_mx_mm_fp8_matches_emulated():
+    torch.manual_seed(0)
+    x = torch.randn(45, 64, requires_grad=True)
+    w = (torch.randn(96, 64) * 0.1).requires_grad_()
+    dy = torch.randn(45, 96)
+    outs = []
+    for cfg in (FP8, EMU):
+        x.grad = w.grad = None
+        y = mx_mm(x, w.t(), cfg)
+        y.backward(dy)
+        outs.append((y.detach(), x.grad, w.grad))
+    for got, ref in zip(outs[0], outs[1], strict=True):
+        # same quantized operands, both fp32-accumulated: equal within fp32 summation
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_mx_grouped_mm_fp8_matches_emulated():
+    torch.manual_seed(1)
+    E, K, N = 3, 64, 32
+    a = torch.randn(50, K, requires_grad=True)
+    w = (torch.randn(E, N, K) * 0.1).requires_grad_()
+    offs = torch.tensor([20, 20, 45], dtype=torch.int32)
+    dy = torch.randn(50, N)
+    outs = []
+    for cfg in (FP8, EMU):
+        a.grad = w.grad = None
+        y = mx_grouped_mm(a, w.transpose(-2, -1), offs, cfg)
+        y.backward(dy)
+        outs.append((y.detach(), a.grad, w.grad))
+    for got, ref in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_compile_fullgraph_and_fake():
+    gen = torch.Generator().manual_seed(5)
+    aq, as_ = _rand_operand(32, 64, gen)
+    bq, bs = _rand_operand(48, 64, gen)
+    torch.library.opcheck(fp8_mx_gemm, (aq, as_, bq, bs, None, torch.bfloat16),
+                          test_utils=("test_faketensor",))
+    a = MXTensor(aq, as_, 1)
+    b = MXTensor(bq, bs, 0)  # logical (K, N) blocked along K: storage (N, K)
+    f = torch.compile(lambda a, b: mx_gemm(a, b, config=FP8), fullgraph=True, backend="eager")
+    torch.testing.assert_close(f(a, b), mx_gemm(a, b, config=FP8), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_recipe_and_config_accept_fp8():
+    assert recipe(gemm_backend="fp8").gemm_backend == "fp8"
+    assert MXOpConfig(gemm_backend="fp8").gemm_backend == "fp8"
+    from mxmoe.nn.converter import MXConfig
+
+    assert MXConfig(gemm_backend="fp8").gemm_backend == "fp8"
+    with pytest.raises(ValueError, match="gemm_backend='fp9'"):
+        MXOpConfig(gemm_backend="fp9")
+
+
+def test_unavailable_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "TRITON_INTERPRET=1" in why_unavailable(torch.device("cpu"))
+    x = to_mx(torch.randn(32, 64), axis=-1, kernel="torch")
+    w = to_mx(torch.randn(64, 32), axis=0, kernel="torch")
+    with pytest.raises(RuntimeError, match="gemm_backend='fp8' needs an sm_90"):
+        mx_gemm(x, w, config=FP8)
+
+
+def test_bad_operands():
+    x = to_mx(torch.randn(32, 64), axis=-1, kernel="torch", elem_dtype=torch.float8_e5m2)
+    w = to_mx(torch.randn(64, 32), axis=0, kernel="torch", elem_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="e4m3 operands with block_size=32"):
+        mx_gemm(x, w, config=FP8)
+    gen = torch.Generator().manual_seed(0)
+    aq, as_ = _rand_operand(32, 64, gen)
+    bq, bs = _rand_operand(32, 96, gen)
+    with pytest.raises(ValueError, match="same K"):
+        fp8_mx_gemm(aq, as_, bq, bs, None, torch.float32)
+    with pytest.raises(TypeError, match="float8_e8m0fnu"):
+        fp8_mx_gemm(aq, as_.view(torch.uint8), aq, as_, None, torch.float32)
+    with pytest.raises(TypeError, match="out_dtype"):
+        fp8_mx_gemm(aq, as_, aq, as_, None, torch.float16)
+    with pytest.raises(ValueError, match="power of two"):
+        Fp8GemmConfig(bm=96)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (sm_90): larger shapes, the MMA's own adder
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(512, 768, 1024), (1000, 300, 4096)])
+def test_gpu_dense(M, N, K):
+    gen = torch.Generator().manual_seed(M)
+    aq, as_ = _rand_operand(M, K, gen, device="cuda")
+    bq, bs = _rand_operand(N, K, gen, device="cuda")
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    ref, mag = A @ B.t(), A.abs() @ B.abs().t()
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = fp8_mx_gemm(aq, as_, bq, bs, None, out_dtype)
+        check(got, ref, A.abs(), B.abs(), K, gpu=True)
+        err = (got.cpu().double() - ref).abs()
+        # the measured accumulation error of the MMA, for the docs (the bound above is the test)
+        print(f"{M}x{N}x{K} {out_dtype}: max |err| / sum|ab| = {(err / mag).max().item():.3e}, "
+              f"max |err| / |ref| = {(err / ref.abs().clamp(min=1e-30)).max().item():.3e}")
+
+
+@pytest.mark.gpu
+def test_gpu_exact_and_adversarial():
+    gen = torch.Generator().manual_seed(7)
+    aq, as_, bq, bs = exact_case(300, 264, 2048, gen, "cuda")
+    got = fp8_mx_gemm(aq, as_, bq, bs, None, torch.float32)
+    assert torch.equal(got.cpu().double(), dq64(aq, as_) @ dq64(bq, bs).t())
+    run_adversarial(256, 320, 1024, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_grouped():
+    gen = torch.Generator().manual_seed(11)
+    counts = [0, 300, 1, 0, 555, 128, 0, 40]
+    E, N, K = len(counts), 256, 512
+    T = sum(counts) + 17
+    aq, as_ = _rand_operand(T, K, gen, device="cuda")
+    bq, bs = _rand_operand(E * N, K, gen, device="cuda")
+    bq, bs = bq.view(E, N, K), bs.view(E, N, K // 32)
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    got = fp8_mx_gemm(aq, as_, bq, bs, torch.tensor(ends, dtype=torch.int32, device="cuda"), torch.float32)
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    ref = grouped_rows_ref(A, B, ends)
+    bnd = grouped_rows_ref(A.abs(), B.abs(), ends) * 2.0**-7 + 2.0**-120
+    assert bool(((got.cpu().double() - ref).abs() <= bnd).all())
+    assert not got[ends[-1]:].any()
+    kc = [0, 320, 32, 0, 640, 96]
+    ek = torch.tensor(kc).cumsum(0).tolist()
+    M2, N2 = 200, 136
+    aq, as_ = _rand_operand(M2, sum(kc), gen, device="cuda")
+    bq, bs = _rand_operand(N2, sum(kc), gen, device="cuda")
+    got = fp8_mx_gemm(aq, as_, bq, bs, torch.tensor(ek, dtype=torch.int32, device="cuda"), torch.float32)
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    start = 0
+    for e, end in enumerate(ek):
+        check(got[e], A[:, start:end] @ B[:, start:end].t(), A[:, start:end].abs(), B[:, start:end].abs(),
+              end - start, gpu=True)
+        start = end
+
+
+@pytest.mark.gpu
+def test_gpu_mx_ops_fp8_close_to_emulated():
+    torch.manual_seed(0)
+    cfg8 = MXOpConfig(gemm_backend="fp8", kernel="triton", dim1_kernel="triton")
+    x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16) * 0.03).requires_grad_()
+    y8 = mx_mm(x, w.t(), cfg8)
+    ye = mx_mm(x, w.t(), MXOpConfig(kernel="triton", dim1_kernel="triton"))
+    torch.testing.assert_close(y8, ye, rtol=2e-2, atol=2e-2)
+    y8.float().square().sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+    assert fp8_gemm.why_unavailable(x.device) is None
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_tma_path_matches_pointer_path(grouped):
+    """Config.tma (tensor-descriptor loads) gives the same bits as the pointer loads."""
+    gen = torch.Generator().manual_seed(9)
+    M, N, K = 96, 64, 128
+    aq, as_ = _rand_operand(M, K, gen)
+    offs = torch.tensor([30, 30, 96], dtype=torch.int32) if grouped else None
+    bq, bs = _rand_operand(3 * N if grouped else N, K, gen)
+    if grouped:
+        bq, bs = bq.view(3, N, K), bs.view(3, N, K // 32)
+    outs = [
+        fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, Fp8GemmConfig(32, 32, 64, 2, 4, 1, tma=t))
+        for t in (False, True)
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
+AOT_CHECK = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxmoe.ops import fp8_gemm
+from mxmoe.ops.fp8_gemm import Fp8GemmConfig
+
+for mode in (0, 1, 2):
+    default = fp8_gemm.DEFAULT_CONFIG_GROUPED_K if mode == 2 else fp8_gemm.DEFAULT_CONFIG
+    for cfg in (default, Fp8GemmConfig(128, 128, 64, 8, 8, 4, tma=True)):
+        tma = cfg.tma and mode != 2
+        sig = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32",
+               "c_ptr": "*bf16", "offs_ptr": "*i32"}
+        if tma:
+            sig.update(a_ptr=f"tensordesc<fp8e4nv[{cfg.bm},32]>", sa_ptr=f"tensordesc<fp32[1,{cfg.bm}]>",
+                       b_ptr=f"tensordesc<fp8e4nv[{cfg.bn},32]>", sb_ptr=f"tensordesc<fp32[1,{cfg.bn}]>")
+        ints = ["M", "N", "K", "E", "stride_am", "stride_sam", "stride_sak", "stride_be", "stride_bn",
+                "stride_sbe", "stride_sbn", "stride_sbk", "stride_ce", "stride_cm"]
+        sig.update({n: "i32" for n in ints})
+        const = dict(MODE=mode, E_POW2=8, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
+                     EVEN_K=True, NO_MASK=True, USE_TMA=tma, OUT_BF16=True, INTERPRET=False,
+                     K_ITERS=0, NUM_STAGES=cfg.num_stages)
+        sig.update({n: "constexpr" for n in const})
+        names = list(sig)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names[:6] + ints if sig[n][0] in "*i"}
+        src = ASTSource(fp8_gemm._fp8_mx_gemm_kernel, sig, constexprs=const, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+        ptx = k.asm["ptx"]
+        # one fp8 wgmma per 32-block per m64 tile of each warpgroup (warps split along M)
+        assert ptx.count("wgmma.mma_async.sync.aligned.m64n") == cfg.bk // 32 * cfg.bm // (16 * cfg.num_warps)
+        assert ("cp.async.bulk.tensor" in ptx) == tma, (mode, cfg)
+        assert "ld.global.b8" not in ptx, (mode, cfg)  # operand loads stay 16-byte vectors
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """Ahead-of-time compile of every mode for sm_90 with Triton's bundled ptxas (no GPU needed;
+    a subprocess, since the interpreter replaces the jit functions here): the default config and
+    the TMA path. Catches what the interpreter accepts and the compiler does not."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run(
+        [sys.executable, "-c", AOT_CHECK], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
+    """MoE experts forward, dgrad and wgrad (grouped rows and grouped K, ragged and empty groups)
+    on the fp8 backend against the emulated one, same quantized operands."""
+    torch.manual_seed(1)
+    kw = {"kernel": "triton", "dim1_kernel": "triton"}
+    E, K, N = 6, 512, 384
+    counts = [0, 300, 7, 0, 650, 64]
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    a = torch.randn(sum(counts) + 5, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5).requires_grad_()
+    dy = torch.randn(a.shape[0], N, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for backend in ("fp8", "emulated"):
+        a.grad = w.grad = None
+        y = mx_grouped_mm(a, w.transpose(-2, -1), offs, MXOpConfig(gemm_backend=backend, **kw))
+        y.backward(dy)
+        outs.append((y.detach().float(), a.grad.float(), w.grad.float()))
+    for got, ref in zip(outs[0], outs[1], strict=True):
+        scale = ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= 2e-2 * scale
+    assert not outs[0][2][0].any() and not outs[0][2][3].any()  # empty experts: zero dW
