@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mxmoe.quant.kernels import triton_interpret
+from mxmoe.quant.backends import triton_interpret
 
 BLOCK = 32
 """Elements per e8m0 scale along K (the MX block; one fp8 MMA k-step on sm_90)."""
@@ -75,7 +75,7 @@ class Fp8GemmConfig:
             raise ValueError(f"bk={self.bk} must be a multiple of {BLOCK}")
 
 
-# From the H200 sweep (scripts/sweep_fp8_gemm.py; docs/training-ops.md): 128x64x128 with 4 warps was the
+# From the H200 tile sweep of 2026-11-30 (docs/training-ops.md): 128x64x128 with 4 warps was the
 # fastest tile at 8192^3 and 32768x4096->14336/8 groups. The grouped-K (wgrad) mode steps one 32-block at a
 # time (bk=32): group ends are multiples of 32, so such steps need no K mask.
 DEFAULT_CONFIG = Fp8GemmConfig()
