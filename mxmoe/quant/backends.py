@@ -26,11 +26,13 @@ import torch
 
 KERNELS = ("torch", "triton", "cuda")
 CASTS = ("dim0", "dim1", "dim0_dim1", "dequant")
-# Preference of `kernel="auto"` on a CUDA device, fastest first, per cast (H200 table in
-# docs/benchmarks.md: Triton's dim0 cast reaches 101-104 % of copy bandwidth, CUDA's 90 %; CUDA leads
-# the dim1 (92 % vs 78-84 %), fused (69-72 % vs 53-70 %) and dequantize casts).
+# Preference of `kernel="auto"` on a CUDA device, fastest first, per cast (H200, docs/benchmarks.md).
+# CUDA everywhere: it leads the dim1 (92 % of copy bandwidth vs 78-84 %), fused (72-79 % vs 53-70 %)
+# and dequantize (96-97 % vs 81 %) kernels, and its C++ operators cost 12-32 µs of host time per call
+# against Triton's 35-72 µs (`mxmoe bench overhead`, 2026-11-30); Triton's dim0 kernel is ~10 % faster
+# on the GPU (101-103 % vs 92 %), which only pays for tensors far above a typical activation.
 AUTO_ORDER_CUDA: dict[str, tuple[str, ...]] = {
-    "dim0": ("triton", "cuda", "torch"),
+    "dim0": ("cuda", "triton", "torch"),
     "dim1": ("cuda", "triton", "torch"),
     "dim0_dim1": ("cuda", "triton", "torch"),
     "dequant": ("cuda", "triton", "torch"),

@@ -249,7 +249,7 @@ def test_auto_falls_back_when_the_cuda_extension_cannot_build(monkeypatch):
 
 def test_auto_order_is_per_cast(monkeypatch):
     """kernel='auto' on a CUDA device takes, per cast, the first available kernel of
-    AUTO_ORDER_CUDA (Triton for dim0, CUDA for the others on the H200), skipping unavailable ones;
+    AUTO_ORDER_CUDA (CUDA first for every cast on the H200), skipping unavailable ones;
     CPU tensors always get the torch backend."""
     from mxmoe.quant import backends as kernels
     from mxmoe.quant import cuda_cast
@@ -258,13 +258,13 @@ def test_auto_order_is_per_cast(monkeypatch):
     monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: None)
     monkeypatch.setattr(kernels, "_resolved", {})
     got = {c: kernels.resolve_kernel("auto", torch.device("cuda"), c) for c in kernels.CASTS}
-    assert got == {"dim0": "triton", "dim1": "cuda", "dim0_dim1": "cuda", "dequant": "cuda"}
+    assert got == {"dim0": "cuda", "dim1": "cuda", "dim0_dim1": "cuda", "dequant": "cuda"}
     assert set(kernels.AUTO_ORDER_CUDA) == set(kernels.CASTS)
     assert all(sorted(order) == sorted(kernels.KERNELS) for order in kernels.AUTO_ORDER_CUDA.values())
-    # no Triton: dim0 falls back to CUDA
-    monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: "missing" if k == "triton" else None)
+    # no CUDA toolkit: every cast falls back to Triton
+    monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: "missing" if k == "cuda" else None)
     kernels.clear_resolved()
-    assert kernels.resolve_kernel("auto", torch.device("cuda"), "dim0") == "cuda"
+    assert all(kernels.resolve_kernel("auto", torch.device("cuda"), c) == "triton" for c in kernels.CASTS)
     assert all(kernels.resolve_kernel("auto", torch.device("cpu"), c) == "torch" for c in kernels.CASTS)
     with pytest.raises(ValueError, match="cast='dim2'; expected one of"):
         kernels.resolve_kernel("auto", torch.device("cuda"), "dim2")
