@@ -70,7 +70,6 @@ def test_graphed_step_matches_eager(mx):
     assert graph_losses == pytest.approx(eager_losses, rel=1e-3)
     for a, b in zip(graph_params, eager_params, strict=True):
         assert float((a - b).norm()) <= 1e-3 * float(b.norm()) + 1e-6
-    assert graph_losses[-1] < graph_losses[0]
 
 
 def test_graphed_compiled_mx_step_matches_eager():

@@ -481,15 +481,15 @@ def test_cpp_operators_check_their_arguments():
     cuda_cast.load_extension()
     ops = torch.ops.mxmoe_cuda
     x = torch.randn(4, 64, device="cuda")
-    with pytest.raises(RuntimeError, match="not divisible by block_size=48"):
-        ops.quantize_dim0(x, 48, 1, torch.float8_e4m3fn)
-    with pytest.raises(RuntimeError, match="block_size must be a power of two"):
+    with pytest.raises(RuntimeError, match=r"x.shape\[-1\]=64 is not divisible by block_size=128"):
+        ops.quantize_dim0(x, 128, 1, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="block_size must be a power of two >= 2, got 24"):
         ops.quantize_dim0(x, 24, 1, torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="elem_dtype"):
         ops.quantize_dim0(x, 32, 1, torch.float16)
     with pytest.raises(TypeError, match="x is"):
         ops.quantize_dim0(x.half(), 32, 1, torch.float8_e4m3fn)
-    with pytest.raises(RuntimeError, match="x must be 3D"):
+    with pytest.raises(RuntimeError, match=r"x must be 3D, got shape \(4, 64\)"):
         ops.quantize_dim1(x, 32, 1, torch.float8_e4m3fn)
     q, s = ops.quantize_dim0(x, 32, 1, torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match="s must be"):

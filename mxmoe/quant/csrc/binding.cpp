@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -38,6 +39,27 @@ struct ElemConstants {
   int64_t emax, mbits, max_bits, rceil_c_bits, t127, t126;
 };
 
+// Check messages are built here into one std::string. c10::str of integer, shape or device
+// arguments segfaulted inside this extension when a check failed (torch 2.11 image on the H200,
+// 2026-11-30), while std::string messages were raised as clean Python errors.
+void append(std::string& o, const char* v) { o += v; }
+void append(std::string& o, const std::string& v) { o += v; }
+void append(std::string& o, int64_t v) { o += std::to_string(v); }
+void append(std::string& o, int v) { o += std::to_string(v); }
+void append(std::string& o, at::ScalarType v) { o += c10::toString(v); }
+void append(std::string& o, const c10::Device& v) { o += v.str(); }
+void append(std::string& o, at::IntArrayRef v) {
+  o += "(";
+  for (size_t i = 0; i < v.size(); ++i) o += (i ? ", " : "") + std::to_string(v[i]);
+  o += ")";
+}
+template <typename... Args>
+std::string msg(const Args&... args) {
+  std::string o;
+  (append(o, args), ...);
+  return o;
+}
+
 // mxmoe.formats: ELEM_FORMATS, rceil_constant, rceil_subnormal_thresholds (checked at load).
 ElemConstants constants(int elem) {
   if (elem == MX_E4M3) return {8, 3, 0x43E00000, 0x3B124925, 0x4600001, 0x4E00000};
@@ -47,35 +69,32 @@ ElemConstants constants(int elem) {
 int elem_code(at::ScalarType t, const char* name) {
   if (t == at::kFloat8_e4m3fn) return MX_E4M3;
   if (t == at::kFloat8_e5m2) return MX_E5M2;
-  TORCH_CHECK_TYPE(false, "mxmoe_cuda: ", name, " is ", t, "; expected Float8_e4m3fn or Float8_e5m2");
+  TORCH_CHECK_TYPE(false, msg("mxmoe_cuda: ", name, " is ", t, "; expected Float8_e4m3fn or Float8_e5m2"));
   return -1;
 }
 
 int float_code(at::ScalarType t, const char* name) {
   if (t == at::kBFloat16) return MX_BF16;
   if (t == at::kFloat) return MX_F32;
-  TORCH_CHECK_TYPE(false, "mxmoe_cuda: ", name, " is ", t, "; expected BFloat16 or Float");
+  TORCH_CHECK_TYPE(false, msg("mxmoe_cuda: ", name, " is ", t, "; expected BFloat16 or Float"));
   return -1;
 }
 
 void check_args(const Tensor& x, int64_t ndim, int64_t block_size, int64_t mode) {
-  TORCH_CHECK(x.is_cuda(), "mxmoe_cuda: x must be a CUDA tensor, got device ", x.device());
-  TORCH_CHECK(x.dim() == ndim, "mxmoe_cuda: x must be ", ndim, "D, got shape ", x.sizes());
-  TORCH_CHECK(block_size >= 2 && (block_size & (block_size - 1)) == 0,
-              "mxmoe_cuda: block_size must be a power of two >= 2, got ", block_size);
-  TORCH_CHECK(mode >= 0 && mode <= 3, "mxmoe_cuda: mode must be 0..3 (FLOOR, RCEIL, CEIL, EVEN), got ", mode);
+  TORCH_CHECK_WITH(Error, x.is_cuda(), msg("mxmoe_cuda: x must be a CUDA tensor, got device ", x.device()));
+  TORCH_CHECK_WITH(Error, x.dim() == ndim, msg("mxmoe_cuda: x must be ", ndim, "D, got shape ", x.sizes()));
+  TORCH_CHECK_WITH(Error, block_size >= 2 && (block_size & (block_size - 1)) == 0, msg("mxmoe_cuda: block_size must be a power of two >= 2, got ", block_size));
+  TORCH_CHECK_WITH(Error, mode >= 0 && mode <= 3, msg("mxmoe_cuda: mode must be 0..3 (FLOOR, RCEIL, CEIL, EVEN), got ", mode));
   float_code(x.scalar_type(), "x");
 }
 
 void check_out(const Tensor& t, const char* name, at::IntArrayRef shape, const Tensor& x) {
-  TORCH_CHECK(t.device() == x.device(), "mxmoe_cuda: ", name, " is on ", t.device(), ", x on ", x.device());
-  TORCH_CHECK(t.sizes() == shape && t.is_contiguous(), "mxmoe_cuda: ", name, " must be contiguous of shape ",
-              shape, ", got ", t.sizes());
+  TORCH_CHECK_WITH(Error, t.device() == x.device(), msg("mxmoe_cuda: ", name, " is on ", t.device(), ", x on ", x.device()));
+  TORCH_CHECK_WITH(Error, t.sizes() == shape && t.is_contiguous(), msg("mxmoe_cuda: ", name, " must be contiguous of shape ", shape, ", got ", t.sizes()));
 }
 
 void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "mxmoe_cuda: ", what, " failed: ", cudaGetErrorName(err), " (",
-              cudaGetErrorString(err), ")");
+  TORCH_CHECK_WITH(Error, err == cudaSuccess, msg("mxmoe_cuda: ", what, " failed: ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
 
 uint8_t* bytes(const Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); }
@@ -99,7 +118,7 @@ std::tuple<Tensor, Tensor> quantize_dim0(const Tensor& x_, int64_t block_size, i
   const int el = elem_code(elem, "elem_dtype");
   const Tensor x = x_.contiguous();
   const int64_t R = x.size(0), C = x.size(1);
-  TORCH_CHECK(C % block_size == 0, "mxmoe_cuda: x.shape[-1]=", C, " is not divisible by block_size=", block_size);
+  TORCH_CHECK_WITH(Error, C % block_size == 0, msg("mxmoe_cuda: x.shape[-1]=", C, " is not divisible by block_size=", block_size));
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor q = at::empty({R, C}, x.options().dtype(elem));
   Tensor s = at::empty({R, C / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
@@ -110,11 +129,10 @@ std::tuple<Tensor, Tensor> quantize_dim0(const Tensor& x_, int64_t block_size, i
 void quantize_dim0_out(const Tensor& x_, int64_t block_size, int64_t mode, Tensor& q, Tensor& s) {
   check_args(x_, 2, block_size, mode);
   const int el = q.scalar_type() == at::kByte ? MX_E4M3 : elem_code(q.scalar_type(), "q");
-  TORCH_CHECK(s.scalar_type() == at::kFloat8_e8m0fnu || s.scalar_type() == at::kByte,
-              "mxmoe_cuda: s must be Float8_e8m0fnu or uint8, got ", s.scalar_type());
+  TORCH_CHECK_WITH(Error, s.scalar_type() == at::kFloat8_e8m0fnu || s.scalar_type() == at::kByte, msg("mxmoe_cuda: s must be Float8_e8m0fnu or uint8, got ", s.scalar_type()));
   const Tensor x = x_.contiguous();
   const int64_t R = x.size(0), C = x.size(1);
-  TORCH_CHECK(C % block_size == 0, "mxmoe_cuda: x.shape[-1]=", C, " is not divisible by block_size=", block_size);
+  TORCH_CHECK_WITH(Error, C % block_size == 0, msg("mxmoe_cuda: x.shape[-1]=", C, " is not divisible by block_size=", block_size));
   check_out(q, "q", {R, C}, x);
   check_out(s, "s", {R, C / block_size}, x);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -126,7 +144,7 @@ std::tuple<Tensor, Tensor> quantize_dim1(const Tensor& x_, int64_t block_size, i
   const int el = elem_code(elem, "elem_dtype");
   const Tensor x = x_.contiguous();
   const int64_t B = x.size(0), R = x.size(1), C = x.size(2);
-  TORCH_CHECK(R % block_size == 0, "mxmoe_cuda: x.shape[-2]=", R, " is not divisible by block_size=", block_size);
+  TORCH_CHECK_WITH(Error, R % block_size == 0, msg("mxmoe_cuda: x.shape[-2]=", R, " is not divisible by block_size=", block_size));
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor q = at::empty({B, C, R}, x.options().dtype(elem));
   Tensor s = at::empty({B, C, R / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
@@ -147,8 +165,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_dim0_dim1(const Tensor& x_, 
   const int el = elem_code(elem, "elem_dtype");
   const Tensor x = x_.contiguous();
   const int64_t R = x.size(0), C = x.size(1);
-  TORCH_CHECK(R % block_size == 0 && C % block_size == 0, "mxmoe_cuda: x of shape ", x.sizes(),
-              " must have both dims divisible by block_size=", block_size);
+  TORCH_CHECK_WITH(Error, R % block_size == 0 && C % block_size == 0, msg("mxmoe_cuda: x of shape ", x.sizes(), " must have both dims divisible by block_size=", block_size));
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor q0 = at::empty({R, C}, x.options().dtype(elem));
   Tensor s0 = at::empty({R, C / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
@@ -167,18 +184,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_dim0_dim1(const Tensor& x_, 
 }
 
 void dequantize_out(const Tensor& q_, const Tensor& s_, int64_t block_size, Tensor& out) {
-  TORCH_CHECK(q_.is_cuda() && q_.dim() == 2, "mxmoe_cuda: q must be a 2D CUDA tensor, got ", q_.sizes(), " on ",
-              q_.device());
-  TORCH_CHECK(block_size >= 2 && (block_size & (block_size - 1)) == 0,
-              "mxmoe_cuda: block_size must be a power of two >= 2, got ", block_size);
+  TORCH_CHECK_WITH(Error, q_.is_cuda() && q_.dim() == 2, msg("mxmoe_cuda: q must be a 2D CUDA tensor, got ", q_.sizes(), " on ", q_.device()));
+  TORCH_CHECK_WITH(Error, block_size >= 2 && (block_size & (block_size - 1)) == 0, msg("mxmoe_cuda: block_size must be a power of two >= 2, got ", block_size));
   const int el = elem_code(q_.scalar_type(), "q");
-  TORCH_CHECK(s_.scalar_type() == at::kFloat8_e8m0fnu || s_.scalar_type() == at::kByte,
-              "mxmoe_cuda: s must be Float8_e8m0fnu or uint8, got ", s_.scalar_type());
+  TORCH_CHECK_WITH(Error, s_.scalar_type() == at::kFloat8_e8m0fnu || s_.scalar_type() == at::kByte, msg("mxmoe_cuda: s must be Float8_e8m0fnu or uint8, got ", s_.scalar_type()));
   const int64_t R = q_.size(0), C = q_.size(1);
-  TORCH_CHECK(C % block_size == 0, "mxmoe_cuda: q.shape[-1]=", C, " is not divisible by block_size=", block_size);
-  TORCH_CHECK(s_.sizes() == at::IntArrayRef({R, C / block_size}) && s_.device() == q_.device(),
-              "mxmoe_cuda: s must be (", R, ", ", C / block_size, ") on ", q_.device(), ", got ", s_.sizes(), " on ",
-              s_.device());
+  TORCH_CHECK_WITH(Error, C % block_size == 0, msg("mxmoe_cuda: q.shape[-1]=", C, " is not divisible by block_size=", block_size));
+  TORCH_CHECK_WITH(Error, s_.sizes() == at::IntArrayRef({R, C / block_size}) && s_.device() == q_.device(), msg("mxmoe_cuda: s must be (", R, ", ", C / block_size, ") on ", q_.device(), ", got ", s_.sizes(), " on ", s_.device()));
   check_out(out, "out", {R, C}, q_);
   const int od = float_code(out.scalar_type(), "out");
   const Tensor q = q_.contiguous(), s = s_.contiguous();
