@@ -38,6 +38,17 @@ def comma_list(
     return parse
 
 
+def positive_int(text: str) -> int:
+    """An argparse `type` for counts: an int >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return v
+
+
 COMMANDS = {
     "train": "mxmoe.train.trainer",
     "plot": "mxmoe.train.plot",

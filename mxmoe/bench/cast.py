@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mxmoe.bench import timing
-from mxmoe.cli import comma_list
+from mxmoe.cli import comma_list, positive_int
 
 MODES = ("dim0", "dim1", "dim0_dim1", "3d", "dequant")
 SCALINGS = ("floor", "rceil")
@@ -44,16 +44,6 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mxmoe bench cast",
@@ -71,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RxC for 2D modes or ExNxK for 3d, comma list; defaults: "
                    + ", ".join("x".join(map(str, s)) for s in DEFAULT_SHAPES_2D + DEFAULT_SHAPES_3D))
     p.add_argument("--elem", choices=tuple(ELEMS), default="e4m3", help="element format")
-    p.add_argument("--iters", type=_positive, default=50, help="timed iterations (median reported)")
-    p.add_argument("--warmup", type=_positive, default=10, help="untimed iterations first")
+    p.add_argument("--iters", type=positive_int, default=50, help="timed iterations (median reported)")
+    p.add_argument("--warmup", type=positive_int, default=10, help="untimed iterations first")
     p.add_argument("--graph", action="store_true",
                    help="time CUDA-graph replays of each call (the kernels' GPU time without the host's "
                    "per-call cost; see mxmoe.bench.timing.bench)")

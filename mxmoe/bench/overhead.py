@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from mxmoe.bench import timing
+from mxmoe.cli import positive_int
 
 BLOCK = 32
 NUM_GROUPS = 4
@@ -41,16 +42,6 @@ def _shape(text: str) -> tuple[int, int]:
     return dims
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mxmoe bench overhead",
@@ -66,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "torch", "triton", "cuda"),
         help="MX cast kernel(s), repeatable; default: auto and every kernel available here",
     )
-    p.add_argument("--iters", type=_positive, default=300, help="calls per measurement (default 300)")
-    p.add_argument("--warmup", type=_positive, default=20, help="untimed calls first (default 20)")
+    p.add_argument("--iters", type=positive_int, default=300, help="calls per measurement (default 300)")
+    p.add_argument("--warmup", type=positive_int, default=20, help="untimed calls first (default 20)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: cuda if any")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")

@@ -35,30 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from mxmoe.bench import timing
+from mxmoe.cli import comma_list, positive_int
 
 MODES = ("eager", "compile", "compile_full", "reduce_overhead", "graph", "compile_full+graph")
 VARIANTS = ("bf16", "mx")
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return v
-
-
-def _choices(allowed: tuple[str, ...], what: str):
-    def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in allowed]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"{what} {text!r}: expected a comma list of {list(allowed)}")
-        return items
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,18 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--variants",
-        type=_choices(VARIANTS, "--variants"),
+        type=comma_list(choices=VARIANTS),
         default=list(VARIANTS),
         help="bf16 (high precision) and/or mx (the [mx] converter settings); default both",
     )
     p.add_argument(
         "--modes",
-        type=_choices(MODES, "--modes"),
+        type=comma_list(choices=MODES),
         default=None,
         help=f"comma list of {list(MODES)}; default all on CUDA, eager on CPU",
     )
-    p.add_argument("--steps", type=_positive, default=20, help="timed steps (default 20)")
-    p.add_argument("--warmup-steps", type=_positive, default=10, help="untimed steps first (default 10)")
+    p.add_argument("--steps", type=positive_int, default=20, help="timed steps (default 20)")
+    p.add_argument("--warmup-steps", type=positive_int, default=10, help="untimed steps first (default 10)")
     p.add_argument(
         "--compile-backend",
         default="inductor",
