@@ -23,7 +23,7 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
-	./scripts/check_cuda_build.sh
+	PYTHON=$(BIN)/python ./scripts/check_cuda_build.sh
 
 train: $(STAMP)
 	$(BIN)/mxmoe train --config configs/debug_moe.toml
