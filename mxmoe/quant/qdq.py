@@ -23,22 +23,17 @@ ops with fake implementations (torch.compile fullgraph).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from mxmoe.formats import OUTPUT_DTYPES, CastSpec, check_input_dtype
+from mxmoe.quant.backends import triton_interpret
 from mxmoe.quant.checks import spec_of
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 
 QDQ_KERNELS = ("torch", "triton")
 DIM1_NONE, DIM1_QDQ, DIM1_MX = 0, 1, 2
 """What the dim1 half of `mxmoe::qdq` writes: nothing, dequantized values, or the MX cast."""
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def qdq_kernel(kernel: str, device: torch.device) -> str:
@@ -50,7 +45,7 @@ def qdq_kernel(kernel: str, device: torch.device) -> str:
         raise ValueError(
             f"kernel={kernel!r} is not a cast kernel; expected 'auto', 'torch', 'triton' or 'cuda'"
         )
-    if device.type == "cuda" or (kernel == "triton" and device.type == "cpu" and _interpret()):
+    if device.type == "cuda" or (kernel == "triton" and device.type == "cpu" and triton_interpret()):
         return "triton"
     raise RuntimeError(
         f"kernel={kernel!r}: the qdq kernel needs a CUDA tensor (got a {device.type} tensor), or "
@@ -126,7 +121,7 @@ def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, d
         EMAX=f.emax, MBITS=f.mbits, MIN_EXP=f.min_normal_exp, MAXBITS=f32_bits(f.max_normal),
         RCEIL_C=spec.rceil_c, T127=spec.rceil_t127, T126=spec.rceil_t126,
         # software rounding under the interpreter, whose fp32 -> fp8 conversion misrounds
-        SOFT=x.device.type != "cuda" or _interpret(), num_warps=8,
+        SOFT=x.device.type != "cuda" or triton_interpret(), num_warps=8,
     )
 
 
