@@ -68,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.compile backend (default inductor; aot_eager for a quick CPU check)",
     )
     p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after timing, record --profile-steps more steps of each variant and mode with "
+        "torch.profiler: DIR/<variant>_<mode>.txt (operator table by device time, GPU time per kernel "
+        "category) and the categories per step in the rows",
+    )
+    p.add_argument(
+        "--profile-steps", type=positive_int, default=2, help="steps recorded with --profile (default 2)"
+    )
+    p.add_argument(
         "--json", metavar="PATH", help="also write the rows, the config and the environment as JSON"
     )
     return p
@@ -156,6 +166,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         ce = step()
     timing.sync()
     dt = (time.perf_counter() - t0) / args.steps
+    prof = _profile(step, variant, mode, device, args) if args.profile else {}
     return {
         "variant": variant,
         "mode": mode,
@@ -165,7 +176,36 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         "warmup_s": warm_s,
         "loss": float(ce.detach()),
         "converted": report.summary() if report is not None else "",
+        **prof,
     }
+
+
+def _profile(step, variant: str, mode: str, device: torch.device, args) -> dict:
+    """Record `args.profile_steps` more steps; write the table, return GPU ms per step by category."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from mxmoe.train.profiling import kernel_breakdown
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    n = args.profile_steps
+    timing.sync()
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            step()
+        timing.sync()
+    os.makedirs(args.profile, exist_ok=True)
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    per_step = {k: v / n for k, v in kernel_breakdown(prof).items()} if cuda else {}
+    with open(os.path.join(args.profile, f"{variant}_{mode}.txt"), "w") as fh:
+        fh.write(f"{variant}, {mode}: {n} steps recorded\n")
+        if per_step:
+            fh.write("GPU ms per step by kernel category: ")
+            fh.write(", ".join(f"{k} {v:.2f}" for k, v in per_step.items()) + "\n\n")
+        fh.write(prof.key_averages().table(sort_by=sort_by, row_limit=50, max_name_column_width=90))
+    return {"gpu_ms_per_step": per_step} if per_step else {}
 
 
 def run(cfg, args) -> list[dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -72,3 +73,36 @@ def step_profiler(cfg: Profiling, metrics_folder: str, rank: int, device: torch.
             prof.step()
 
         yield step
+
+
+# Kernel names -> what they do, first match wins (GEMMs before casts: the fp8 MX GEMM's name has "mx").
+KERNEL_CATEGORIES = (
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|matmul|_mm_|sm90_"),
+    ("mx cast / qdq", r"qdq|dim0|dim1|dequant|quant|_mx_|e8m0"),
+    ("attention", r"flash|fmha|attn|attention"),
+    ("optimizer", r"multi_tensor|adam|foreach"),
+    ("copy / index / pad", r"copy|index|gather|scatter|\bcat\b|catarray|fill|memset|memcpy|zero|pad|sort"),
+    ("inductor fused", r"^triton_"),
+    ("other", r""),
+)
+
+
+_PATTERNS = [(name, re.compile(p, re.IGNORECASE)) for name, p in KERNEL_CATEGORIES]
+
+
+def kernel_category(kernel_name: str) -> str:
+    """The `KERNEL_CATEGORIES` name of a GPU kernel's name."""
+    return next(name for name, p in _PATTERNS if p.search(kernel_name))
+
+
+def kernel_breakdown(prof) -> dict[str, float]:
+    """GPU time in ms per category of kernel (`KERNEL_CATEGORIES`) over everything `prof` recorded;
+    "total" is their sum (the GPU's busy time when kernels do not overlap)."""
+    from torch.autograd import DeviceType
+
+    out = {name: 0.0 for name, _ in KERNEL_CATEGORIES}
+    for evt in prof.key_averages():
+        if evt.device_type == DeviceType.CUDA:
+            out[kernel_category(evt.key)] += evt.self_device_time_total / 1e3
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,31 @@
+"""Kernel categories of the profile breakdown (`mxmoe bench train --profile`)."""
+
+import pytest
+
+from mxmoe.train.profiling import KERNEL_CATEGORIES, kernel_category
+
+
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT", "gemm"),
+        ("_fp8_mx_gemm_kernel", "gemm"),  # an MX GEMM is a GEMM, not a cast
+        ("qdq_triton_kernel", "mx cast / qdq"),
+        ("void dim1_tile_kernel<__nv_bfloat16, 1, 2>(void const*, unsigned char*)", "mx cast / qdq"),
+        ("void dequant_flat_kernel<256>(unsigned char const*)", "mx cast / qdq"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
+        ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+        ("void at::native::index_elementwise_kernel<128, 4>", "copy / index / pad"),
+        ("Memset (Device)", "copy / index / pad"),
+        ("triton_poi_fused_add_mul_silu_0", "inductor fused"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "other"),
+    ],
+)
+def test_kernel_category(name, want):
+    assert kernel_category(name) == want
+
+
+def test_every_category_is_reachable_and_other_is_last():
+    assert KERNEL_CATEGORIES[-1] == ("other", "")
+    assert len({c for c, _ in KERNEL_CATEGORIES}) == len(KERNEL_CATEGORIES)
