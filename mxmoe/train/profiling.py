@@ -75,11 +75,12 @@ def step_profiler(cfg: Profiling, metrics_folder: str, rank: int, device: torch.
         yield step
 
 
-# Kernel names -> what they do, first match wins (GEMMs before casts: the fp8 MX GEMM's name has "mx").
+# Kernel names -> what they do, first match wins (attention before GEMMs: cuDNN's attention kernels
+# name sm90 and wgmma; GEMMs before casts: the fp8 MX GEMM's name has "mx").
 KERNEL_CATEGORIES = (
+    ("attention", r"flash|fmha|attn|attention|sdpa"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|matmul|_mm_|sm90_"),
     ("mx cast / qdq", r"qdq|dim0|dim1|dequant|quant|_mx_|e8m0"),
-    ("attention", r"flash|fmha|attn|attention"),
     ("optimizer", r"multi_tensor|adam|foreach"),
     ("copy / index / pad", r"copy|index|gather|scatter|\bcat\b|catarray|fill|memset|memcpy|zero|pad|sort"),
     ("inductor fused", r"^triton_"),
@@ -96,13 +97,14 @@ def kernel_category(kernel_name: str) -> str:
 
 
 def kernel_breakdown(prof) -> dict[str, float]:
-    """GPU time in ms per category of kernel (`KERNEL_CATEGORIES`) over everything `prof` recorded;
+    """GPU time in ms per category of kernel (`KERNEL_CATEGORIES`) over everything `prof` recorded
+    (kernels and copies; not the annotations that span them);
     "total" is their sum (the GPU's busy time when kernels do not overlap)."""
     from torch.autograd import DeviceType
 
     out = {name: 0.0 for name, _ in KERNEL_CATEGORIES}
     for evt in prof.key_averages():
-        if evt.device_type == DeviceType.CUDA:
+        if evt.device_type == DeviceType.CUDA and not evt.is_user_annotation:
             out[kernel_category(evt.key)] += evt.self_device_time_total / 1e3
     out["total"] = sum(out.values())
     return out
