@@ -70,6 +70,11 @@ class MX:
     convert_grouped_experts: bool = _f(
         True, "also convert the routed experts (MX grouped GEMM, MXFP8 all-to-all)"
     )
+    gemm_backend: str = _f(
+        "emulated",
+        "GEMM on MX operands: emulated (exact dequantize, bf16 GEMM) | fp8 (H100/H200 fp8 tensor "
+        "cores, one MMA per 32-block of K; opt-in, see docs/training-ops.md)",
+    )
 
 
 @dataclass

@@ -159,6 +159,7 @@ def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDim
             mxfp8_dim1_cast_kernel_choice=mx.mxfp8_dim1_cast_kernel_choice,
             filter_fqns=list(mx.filter_fqns),
             convert_grouped_experts=mx.convert_grouped_experts,
+            gemm_backend=mx.gemm_backend,
         ),
         parallel_dims=pd,
     )
@@ -243,6 +244,10 @@ def check_values(cfg: JobConfig) -> None:
     ):
         if not ok:  # NaN fails every comparison
             raise ValueError(f"{key}={value!r}: expected {accepted}")
+    from mxmoe.recipe import GEMM_BACKENDS
+
+    if cfg.mx.gemm_backend not in GEMM_BACKENDS:
+        raise ValueError(f"mx.gemm_backend={cfg.mx.gemm_backend!r}: expected one of {list(GEMM_BACKENDS)}")
 
 
 def train(cfg: JobConfig) -> int:
