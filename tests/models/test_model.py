@@ -28,7 +28,9 @@ def test_forward_shapes_and_param_count(name):
         assert aux.item() == 0.0 and not model.moe_layers()
 
 
-@pytest.mark.parametrize("name, low, high", [("moe_1b", 0.5e9, 1.1e9), ("dense_1b", 0.5e9, 1.1e9), ("moe_2b", 1.5e9, 2.5e9)])
+@pytest.mark.parametrize(
+    "name, low, high", [("moe_1b", 0.5e9, 1.1e9), ("dense_1b", 0.5e9, 1.1e9), ("moe_2b", 1.5e9, 2.5e9)]
+)
 def test_preset_param_counts_on_meta(name, low, high):
     with torch.device("meta"):
         model = Transformer(PRESETS[name])
