@@ -31,40 +31,13 @@ from torch import Tensor
 
 from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import hp_gemm, mx_gemm, uses_qdq
-from mxmoe.ops.linear import needs_grads, swap_last2, wants_grad, weight_mx, weight_qdq
+from mxmoe.ops.linear import needs_grads, swap_last2, wants_grad, weight_mx, weight_qdq, wgrad_mx
+from mxmoe.quant.groups import group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 from mxmoe.recipe import MXRecipe
 
-
-def group_padding(offs: Tensor, rows: int, block_size: int) -> tuple[Tensor, Tensor, int]:
-    """Where each of `rows` tokens goes when every group starts at a multiple of `block_size`.
-
-    offs: (E,) int cumulative group ends. Returns pos (rows,) int64 destination rows, offs_pad (E,)
-    int32 padded cumulative ends (the last extended to the padded size), and the padded size
-    roundup(rows + (block_size - 1) E, block_size). Rows at or after offs[-1] (in no group) go to
-    the tail, after the last padded group, and are zeroed by `pad_groups`.
-    """
-    E = offs.shape[0]
-    cap = -(-(rows + (block_size - 1) * E) // block_size) * block_size
-    ends = offs.to(torch.int64)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded = (counts + block_size - 1) // block_size * block_size
-    ends_pad = torch.cumsum(padded, 0)
-    t = torch.arange(rows, device=offs.device)
-    g = torch.searchsorted(ends, t, right=True)
-    gc = g.clamp(max=E - 1)
-    pos = (ends_pad - padded)[gc] + t - (ends - counts)[gc]
-    pos = torch.where(g < E, pos, ends_pad[-1] + t - ends[-1])
-    offs_pad = torch.cat([ends_pad[:-1], ends_pad.new_full((1,), cap)]).to(torch.int32)
-    return pos, offs_pad, cap
-
-
-def pad_groups(x: Tensor, offs: Tensor, pos: Tensor, cap: int) -> Tensor:
-    """x (T, C) -> (cap, C): row t moved to pos[t], gaps zero, rows outside every group zeroed."""
-    valid = (torch.arange(x.shape[0], device=x.device) < offs[-1].to(torch.int64)).unsqueeze(1)
-    src = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    return x.new_zeros(cap, x.shape[1]).index_copy(0, pos, src)
+__all__ = ["group_padding", "mx_grouped_mm", "pad_groups"]
 
 
 def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:
@@ -82,20 +55,17 @@ class _MXGroupedMM(torch.autograd.Function):
         hp = uses_qdq(cfg)
         compute = cfg.compute_dtype(b_t.device)
         ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode = cfg, is_mx, out_dtype, a_mode
-        pos = offs_pad = a1q = a1s = None
+        pos = offs_pad = a1q = a1s = a1 = None
         cap = 0
-        if need_dw:
+        if need_dw and not hp:
             pos, offs_pad, cap = group_padding(offs, T, cfg.block_size)
         w = b_t.transpose(-2, -1)
         if is_mx:
             a0 = _mx(a_q, a_s, 1, cfg, a_mode, out_dtype)
             if hp:
                 a0 = a0.dequantize(compute, kernel=cfg.dim0_kernel)
-        elif need_dw and hp:
-            p0, a1q, a1s = qdq_dim0_dim1(
-                pad_groups(a, offs, pos, cap), recipe=cfg, out_dtype=compute, dim1_mx=True
-            )
-            a0 = p0.index_select(0, pos)
+        elif need_dw and hp:  # one read of a: along K, and along M in groups (kept for the wgrad)
+            a0, a1 = qdq_dim0_dim1(a, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
         elif need_dw:
             p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), recipe=cfg)
             a0, a1q, a1s = p0.index_rows(pos), a1.qdata_blocked, a1.scale_blocked
@@ -111,8 +81,12 @@ class _MXGroupedMM(torch.autograd.Function):
         ctx.cap = cap
         if not need_dw:
             ctx.save_for_backward(b_t, offs)
+        elif is_mx and hp:
+            ctx.save_for_backward(b_t, offs, a_q, a_s)
         elif is_mx:
             ctx.save_for_backward(b_t, offs, pos, offs_pad, a_q, a_s)
+        elif hp:  # the tokens along M in groups, (T, K) compute dtype
+            ctx.save_for_backward(b_t, offs, a1)
         else:  # the tokens along M as MX: (K, cap) elements and scales
             ctx.save_for_backward(b_t, offs, pos, offs_pad, a1q, a1s)
         return y
@@ -128,35 +102,33 @@ class _MXGroupedMM(torch.autograd.Function):
         dy = dy.contiguous()
         da = db_t = None
         dy0 = dy1 = None
-        if need_dw:
+        if need_dw and hp:
+            if need_da:  # one read of dy: along N, and along M in groups
+                dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
+            else:
+                dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
+            if ctx.is_mx:  # dequantize the MX activation and cast it along M (see module docstring)
+                sq, ss = ctx.saved_tensors[2:]
+                a_hp = _mx(sq, ss, 1, cfg, ctx.a_mode, ctx.a_dtype).dequantize(kernel=cfg.dim0_kernel)
+                a1 = qdq(a_hp, -2, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
+            else:
+                (a1,) = ctx.saved_tensors[2:]
+            # K-grouped (E, N, K): dy1ᵀ (N, T) and a1 (T, K), both T-major, grouped by the real offs
+            db_t = hp_gemm(dy1.t(), a1, offs, b_t.dtype).transpose(-2, -1)
+        elif need_dw:
             pos, offs_pad, sq, ss = ctx.saved_tensors[2:]
             dy_pad = pad_groups(dy, offs, pos, ctx.cap)
-            if hp and need_da:
-                p0, dy1 = qdq_dim0_dim1(dy_pad, recipe=cfg, out_dtype=compute)
-                dy0 = p0.index_select(0, pos)
-            elif hp:
-                dy1 = qdq(dy_pad, -2, recipe=cfg, out_dtype=compute)
-            elif need_da:
+            if need_da:
                 p0, dy1 = to_mx_dim0_dim1(dy_pad, recipe=cfg)
                 dy0 = p0.index_rows(pos)
             else:
                 dy1 = to_mx(dy_pad, axis=0, recipe=cfg)
             if ctx.is_mx:  # dequantize the MX activation and cast it along M (see module docstring)
                 a_hp = _mx(sq, ss, 1, cfg, ctx.a_mode, ctx.a_dtype).dequantize(kernel=cfg.dim0_kernel)
-                a_pad = pad_groups(a_hp, offs, pos, ctx.cap)
-                if hp:
-                    a1 = qdq(a_pad, -2, recipe=cfg, out_dtype=compute)
-                else:
-                    a1 = to_mx(a_pad, axis=0, recipe=cfg)
+                a1 = to_mx(pad_groups(a_hp, offs, pos, ctx.cap), axis=0, recipe=cfg)
             else:
                 a1 = _mx(sq, ss, 0, cfg, cfg.scaling_mode, ctx.a_dtype)
-                if hp:
-                    a1 = a1.dequantize(compute, kernel=cfg.dim0_kernel)
-            if hp:  # (E, N, K)
-                dw = hp_gemm(dy1.t(), a1, offs_pad, b_t.dtype)
-            else:
-                dw = mx_gemm(swap_last2(dy1), a1, offs_pad, cfg, out_dtype=b_t.dtype)
-            db_t = dw.transpose(-2, -1)
+            db_t = wgrad_mx(dy1, a1, pos, offs, offs_pad, cfg, b_t.dtype).transpose(-2, -1)
         elif need_da:
             dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute) if hp else to_mx(dy, axis=-1, recipe=cfg)
         if need_da:  # w (E, N, K) along N: the transposing cast of the contiguous weights

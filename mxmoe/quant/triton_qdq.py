@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mxmoe.quant.triton_cast import _load_bits, _quantize
+from mxmoe.quant.triton_cast import _abs_key, _apply, _block_scale, _load_bits, _quantize
 
 
 @triton.jit
@@ -95,3 +95,106 @@ def qdq_triton_kernel(x_ptr, y0_ptr, y1_ptr, s1_ptr, R, C, BS: tl.constexpr, BR:
             s_mask = (ks * BS + ms < C - c0) & (i_s < nrb - pid_r * NBR)
             s_base = s1_ptr + pid_b * nrb * C + c0.to(tl.int64) * nrb + pid_r * NBR
             tl.store(s_base + (ks * BS + ms) * nrb + i_s, tl.permute(s1, (1, 2, 0)), mask=s_mask)
+
+
+@triton.jit
+def _deq_out(qb, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr, SOFT: tl.constexpr):
+    """`_deq_bits` (same bits) with the hardware on a GPU: q * 2^(s - 127) is one fp32 multiply,
+    exact because the product is representable (q has at most 4 significant bits on a grid of at
+    least 2^-16, the scale is 2^-127..2^127, so the product sits on a grid >= 2^-143, inside fp32's
+    subnormal range, and never overflows for a finite block), then the hardware's round to nearest
+    even into bf16 (cvt.rn without .ftz: subnormal results round like any other). Scale byte 255 is
+    the NaN 0x7FC0 / 0x7FC00000. Under the interpreter (SOFT) the integer construction."""
+    if SOFT:
+        return _deq_bits(qb, s, IS_E5M2, OUT_BF16)
+    if IS_E5M2:
+        qf = qb.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        qf = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    # 2^(s - 127): the normal number s << 23, or the subnormal 2^-127 for s = 0
+    scale = tl.where(s == 0, 0x400000, s << 23).to(tl.float32, bitcast=True)
+    y = qf * scale
+    if OUT_BF16:
+        yb = y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+        return tl.where(s == 255, 0x7FC0, yb).to(tl.int16)
+    else:
+        return tl.where(s == 255, 0x7FC00000, y.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, NSL: tl.constexpr,
+                    W: tl.constexpr, RS: tl.constexpr, NB: tl.constexpr, N_ITER: tl.constexpr,
+                    EP: tl.constexpr,
+                    GROUPED: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+                    DIM0: tl.constexpr, DIM1: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
+                    EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
+                    RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
+    """x (T, C) -> y0 (T, C) qdq along C (DIM0) and y1 (T, C) qdq along T (DIM1), both in x's
+    row-major layout, from one read of x.
+
+    Program (p, q) owns one dim1 block of BS rows and the column tiles q*N_ITER .. (q+1)*N_ITER - 1
+    (W*NB*BS columns each). Without GROUPED, block p is rows p*BS .. p*BS + BS - 1 (the last one
+    short). With GROUPED, p counts blocks in the padded row space of `mxmoe.quant.groups`: group e
+    (rows offs[e-1]:offs[e], offs (E,) int32 read here, E <= EP) has ceil(n_e / BS) blocks starting
+    at its first row, the last one short; blocks past the last group cover the rows after offs[-1],
+    which belong to no group and get zeros in y0 and y1.
+
+    A tile is held as (NSL, W, RS, NB, BS): element (m, w, i, b, k) is row m*RS + i of the block and
+    column (w*NB + b)*BS + k of the tile. With RS*NB*BS/8 = 32 lanes per warp along (RS, NB, BS)
+    and the W warps along w, Triton's default layout keeps the NSL slices of a thread in registers:
+    the dim1 amax is a max over the thread's slices, then across the RS lanes; the dim0 amax one
+    across the lanes of a 32-column block (no shared memory)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    if GROUPED:
+        e = tl.arange(0, EP)
+        emask = e < E
+        ends = tl.load(offs_ptr + e, mask=emask, other=0)
+        prev = tl.load(offs_ptr + e - 1, mask=emask & (e > 0), other=0)
+        pend = tl.cumsum(tl.where(emask, (tl.maximum(ends - prev, 0) + BS - 1) // BS, 0), 0)
+        before = emask & (pend <= pid_r)  # groups that end at or before this block
+        in_group = tl.sum(before.to(tl.int32)) < E
+        blk0 = tl.max(tl.where(before, pend, 0))  # first block of this block's group (or tail)
+        t0 = tl.max(tl.where(before, ends, 0)) + (pid_r - blk0) * BS
+        t_end = tl.minimum(tl.min(tl.where(emask & ~before, ends, T)), T)
+    else:
+        in_group = True
+        t0 = pid_r * BS
+        t_end = T
+    BCT: tl.constexpr = W * NB * BS
+    m = tl.arange(0, NSL)[:, None, None, None, None]
+    w = tl.arange(0, W)[None, :, None, None, None]
+    i = tl.arange(0, RS)[None, None, :, None, None]
+    b = tl.arange(0, NB)[None, None, None, :, None]
+    k = tl.arange(0, BS)[None, None, None, None, :]
+    r = m * RS + i
+    rmask = r < t_end - t0
+    col = (w * NB + b) * BS + k
+    base = t0.to(tl.int64) * C
+    x_ptr += base
+    y0_ptr += base
+    y1_ptr += base
+    for it in range(N_ITER):
+        c0 = (pid_c * N_ITER + it) * BCT
+        cc = c0 + col
+        mask = rmask & (cc < C)
+        offs = r * C + cc
+        X = _load_bits(x_ptr, offs, mask, IN_BF16)
+        if DIM0:
+            q0, s0 = _quantize(X, 4, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126,
+                               SOFT)
+            y0 = _deq_out(q0, tl.expand_dims(s0.to(tl.int32), 4), IS_E5M2, OUT_BF16, SOFT)
+            if GROUPED:
+                y0 = tl.where(in_group, y0, 0)
+            tl.store(y0_ptr + offs, y0, mask=mask)
+        if DIM1:
+            K = tl.max(tl.max(_abs_key(X), axis=0), axis=1)  # (W, NB, BS): over the block's rows
+            e1, nf1, s1 = _block_scale(K, MODE, EMAX, MBITS, RCEIL_C, T127, T126)
+            e1 = tl.expand_dims(tl.expand_dims(e1, 0), 2)
+            nf1 = tl.expand_dims(tl.expand_dims(nf1, 0), 2)
+            s1 = tl.expand_dims(tl.expand_dims(s1.to(tl.int32), 0), 2)
+            q1 = _apply(X, e1, nf1, IS_E5M2, MBITS, MIN_EXP, MAXBITS, SOFT)
+            y1 = _deq_out(q1, s1, IS_E5M2, OUT_BF16, SOFT)
+            if GROUPED:
+                y1 = tl.where(in_group, y1, 0)
+            tl.store(y1_ptr + offs, y1, mask=mask)
