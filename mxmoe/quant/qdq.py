@@ -312,6 +312,8 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, axes: tuple[int,
 
 def _check_rows(x: Tensor, layout: str, offs: Tensor | None, recipe: MXRecipe, kernel: str) -> bool:
     """Checks `layout` and `offs`; whether the dim1 result is in rows layout."""
+    if not isinstance(recipe, MXRecipe):
+        raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; expected one of {list(LAYOUTS)}")
     if layout == "rows" or offs is not None:
@@ -369,7 +371,7 @@ def qdq(
     if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
         raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
     dim1 = axis in (-2, x.ndim - 2)
-    kernel = qdq_kernel(recipe.dim1_kernel if dim1 else recipe.dim0_kernel, x.device)
+    kernel = qdq_kernel(getattr(recipe, "dim1_kernel" if dim1 else "dim0_kernel", "torch"), x.device)
     rows = _check_rows(x, layout, offs, recipe, kernel)
     if dim1 and offs is not None and not rows:
         raise ValueError("offs with axis=-2 needs layout='rows' (group blocks in x's own layout)")
@@ -410,7 +412,7 @@ def qdq_dim0_dim1(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.ndim != 2:
         raise ValueError(f"x must be 2D for qdq_dim0_dim1, got shape {tuple(x.shape)}")
-    kernel = qdq_kernel(recipe.dim1_kernel, x.device)
+    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device)
     rows = _check_rows(x, layout, offs, recipe, kernel)
     if offs is not None and not rows:
         raise ValueError("offs needs layout='rows' (group blocks in x's own layout)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mxmoe.quant.triton_cast import _abs_key, _apply, _block_scale, _load_bits, _quantize
+from mxmoe.quant.triton_cast import _abs_key, _block_scale, _load_bits, _quantize, _to_elem
 
 
 @triton.jit
@@ -98,27 +98,34 @@ def qdq_triton_kernel(x_ptr, y0_ptr, y1_ptr, s1_ptr, R, C, BS: tl.constexpr, BR:
 
 
 @triton.jit
-def _deq_out(qb, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr, SOFT: tl.constexpr):
-    """`_deq_bits` (same bits) with the hardware on a GPU: q * 2^(s - 127) is one fp32 multiply,
-    exact because the product is representable (q has at most 4 significant bits on a grid of at
-    least 2^-16, the scale is 2^-127..2^127, so the product sits on a grid >= 2^-143, inside fp32's
-    subnormal range, and never overflows for a finite block), then the hardware's round to nearest
-    even into bf16 (cvt.rn without .ftz: subnormal results round like any other). Scale byte 255 is
-    the NaN 0x7FC0 / 0x7FC00000. Under the interpreter (SOFT) the integer construction."""
+def _qdq_elems(X, e, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr, MBITS: tl.constexpr,
+               MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, SOFT: tl.constexpr):
+    """Output bits (int16 for bf16, int32 for fp32) of the MX-rounded X (int32 fp32 bits) in blocks
+    of exponent e and scale byte s (int32; both broadcastable to X, from `_block_scale`).
+
+    The element is the cast backend's: RNE(clamp(X * 2^-e)) on the element grid, by the hardware's
+    cvt.rn.satfinite on a GPU (`_to_elem`). On a GPU it goes back to fp32 by the hardware
+    conversion (exact) and is scaled by one fp32 multiply, exact because the product is
+    representable (at most 4 significant bits on a grid of at least 2^-16, times 2^-127..2^127:
+    a grid >= 2^-143, inside fp32's subnormal range, and no overflow for a finite block); then the
+    hardware's round to nearest even into bf16 (cvt.rn without .ftz: subnormal results round like
+    any other). A non-finite block (s = 255) multiplies by NaN: NaN whatever its elements (the
+    hardware's NaN payload). Under the interpreter (SOFT): `_to_elem`'s software rounding and the
+    integer construction of `_deq_bits` (NaN 0x7FC0 / 0x7FC00000)."""
+    y = X.to(tl.float32, bitcast=True) * ((127 - e) << 23).to(tl.float32, bitcast=True)
     if SOFT:
-        return _deq_bits(qb, s, IS_E5M2, OUT_BF16)
+        return _deq_bits(_to_elem(y, IS_E5M2, MBITS, MIN_EXP, MAXBITS, True), s, IS_E5M2, OUT_BF16)
     if IS_E5M2:
-        qf = qb.to(tl.float8e5, bitcast=True).to(tl.float32)
+        v = y.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.float32)
     else:
-        qf = qb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    # 2^(s - 127): the normal number s << 23, or the subnormal 2^-127 for s = 0
-    scale = tl.where(s == 0, 0x400000, s << 23).to(tl.float32, bitcast=True)
-    y = qf * scale
+        v = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+    # 2^(s - 127): the normal number s << 23, the subnormal 2^-127 for s = 0, NaN for s = 255
+    scale = tl.where(s == 255, 0x7FC00000, tl.where(s == 0, 0x400000, s << 23)).to(tl.float32, bitcast=True)
+    o = v * scale
     if OUT_BF16:
-        yb = y.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
-        return tl.where(s == 255, 0x7FC0, yb).to(tl.int16)
+        return o.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
     else:
-        return tl.where(s == 255, 0x7FC00000, y.to(tl.int32, bitcast=True))
+        return o.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -139,11 +146,12 @@ def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, 
     at its first row, the last one short; blocks past the last group cover the rows after offs[-1],
     which belong to no group and get zeros in y0 and y1.
 
-    A tile is held as (NSL, W, RS, NB, BS): element (m, w, i, b, k) is row m*RS + i of the block and
-    column (w*NB + b)*BS + k of the tile. With RS*NB*BS/8 = 32 lanes per warp along (RS, NB, BS)
-    and the W warps along w, Triton's default layout keeps the NSL slices of a thread in registers:
-    the dim1 amax is a max over the thread's slices, then across the RS lanes; the dim0 amax one
-    across the lanes of a 32-column block (no shared memory)."""
+    A tile is held as (NB, RS, W, NSL, BS): element (b, i, w, m, k) is row m*RS + i of the block and
+    column (w*NB + b)*BS + k of the tile. Triton's default layout for it puts the 16-byte vectors
+    along k, then the lanes along k, b and i (NB*RS*BS/8 = 32 for bf16), the W warps along w, and
+    the NSL slices in each thread's registers: the dim1 amax is a max over a thread's slices, then
+    across the RS lanes; the dim0 amax one across the lanes of a 32-column block; no shared memory
+    (the SASS for sm_90 has 16-byte LDG/STG only, and no local memory)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     if GROUPED:
@@ -162,10 +170,10 @@ def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, 
         t0 = pid_r * BS
         t_end = T
     BCT: tl.constexpr = W * NB * BS
-    m = tl.arange(0, NSL)[:, None, None, None, None]
-    w = tl.arange(0, W)[None, :, None, None, None]
-    i = tl.arange(0, RS)[None, None, :, None, None]
-    b = tl.arange(0, NB)[None, None, None, :, None]
+    b = tl.arange(0, NB)[:, None, None, None, None]
+    i = tl.arange(0, RS)[None, :, None, None, None]
+    w = tl.arange(0, W)[None, None, :, None, None]
+    m = tl.arange(0, NSL)[None, None, None, :, None]
     k = tl.arange(0, BS)[None, None, None, None, :]
     r = m * RS + i
     rmask = r < t_end - t0
@@ -180,21 +188,20 @@ def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, 
         mask = rmask & (cc < C)
         offs = r * C + cc
         X = _load_bits(x_ptr, offs, mask, IN_BF16)
-        if DIM0:
-            q0, s0 = _quantize(X, 4, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126,
-                               SOFT)
-            y0 = _deq_out(q0, tl.expand_dims(s0.to(tl.int32), 4), IS_E5M2, OUT_BF16, SOFT)
+        key = _abs_key(X)
+        if DIM0:  # blocks along the columns: the BS elements of axis 4
+            e0, _, s0 = _block_scale(tl.max(key, axis=4), MODE, EMAX, MBITS, RCEIL_C, T127, T126)
+            y0 = _qdq_elems(X, tl.expand_dims(e0, 4), tl.expand_dims(s0.to(tl.int32), 4), IS_E5M2,
+                            OUT_BF16, MBITS, MIN_EXP, MAXBITS, SOFT)
             if GROUPED:
                 y0 = tl.where(in_group, y0, 0)
             tl.store(y0_ptr + offs, y0, mask=mask)
-        if DIM1:
-            K = tl.max(tl.max(_abs_key(X), axis=0), axis=1)  # (W, NB, BS): over the block's rows
-            e1, nf1, s1 = _block_scale(K, MODE, EMAX, MBITS, RCEIL_C, T127, T126)
-            e1 = tl.expand_dims(tl.expand_dims(e1, 0), 2)
-            nf1 = tl.expand_dims(tl.expand_dims(nf1, 0), 2)
-            s1 = tl.expand_dims(tl.expand_dims(s1.to(tl.int32), 0), 2)
-            q1 = _apply(X, e1, nf1, IS_E5M2, MBITS, MIN_EXP, MAXBITS, SOFT)
-            y1 = _deq_out(q1, s1, IS_E5M2, OUT_BF16, SOFT)
+        if DIM1:  # blocks along the rows: a thread's NSL slices (axis 3), then the RS lanes (axis 1)
+            e1, _, s1 = _block_scale(tl.max(tl.max(key, axis=3), axis=1), MODE, EMAX, MBITS, RCEIL_C,
+                                     T127, T126)
+            e1 = tl.expand_dims(tl.expand_dims(e1, 1), 3)
+            s1 = tl.expand_dims(tl.expand_dims(s1.to(tl.int32), 1), 3)
+            y1 = _qdq_elems(X, e1, s1, IS_E5M2, OUT_BF16, MBITS, MIN_EXP, MAXBITS, SOFT)
             if GROUPED:
                 y1 = tl.where(in_group, y1, 0)
             tl.store(y1_ptr + offs, y1, mask=mask)
