@@ -296,7 +296,8 @@ def _qdq(*args) -> list[Tensor]:
 
 
 def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, axes: tuple[int, ...]) -> None:
-    """The one argument check of a public qdq call (x is 2D or 3D here)."""
+    """The one argument check of a public qdq call: x as the caller gave it, axes (-1 and/or -2)
+    that must be whole blocks."""
     if not isinstance(recipe, MXRecipe):
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
     check_input_dtype("x", x)
@@ -375,8 +376,8 @@ def qdq(
     rows = _check_rows(x, layout, offs, recipe, kernel)
     if dim1 and offs is not None and not rows:
         raise ValueError("offs with axis=-2 needs layout='rows' (group blocks in x's own layout)")
+    _check(x, recipe, out_dtype, (-1,) if rows or not dim1 else (-2,))
     x3 = _as3d(x)
-    _check(x3, recipe, out_dtype, (2,) if rows or not dim1 else (1,))
     if dim1:
         mode = DIM1_ROWS if rows else DIM1_QDQ
     else:
@@ -418,8 +419,8 @@ def qdq_dim0_dim1(
         raise ValueError("offs needs layout='rows' (group blocks in x's own layout)")
     if dim1_mx and rows:
         raise ValueError("dim1_mx=True gives the MX cast's transposed storage; it needs layout='transposed'")
+    _check(x, recipe, out_dtype, (-1,) if rows else (-2, -1))
     x3 = x.contiguous().unsqueeze(0)
-    _check(x3, recipe, out_dtype, (2,) if rows else (1, 2))
     mode = DIM1_ROWS if rows else (DIM1_MX if dim1_mx else DIM1_QDQ)
     outs = _qdq(
         x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, mode, kernel, offs
