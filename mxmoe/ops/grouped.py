@@ -6,22 +6,32 @@ offs (E,) int32 cumulative ends. Axes (y = a Wₑᵀ per group):
   dgrad    da = dy Wₑ   : dy along N (dim0), Wₑ along N (dim1 of w)
   wgrad    dWₑ = dyₑᵀ aₑ: dy and a along M (dim1), reduced over each expert's tokens only.
 
-Wgrad blocks along M must not straddle two experts, so the casts along M run on a copy of the
-tokens in which each group starts at a multiple of the block size: group e occupies
-ceil(nₑ/32)·32 rows, the gaps are zero (zeros add nothing to dWₑ). The padded tensor has the
-static size roundup(T + 31·E, 32), so nothing syncs with the host and torch.compile sees fixed
-shapes. Empty experts get zero rows and dWₑ = 0. The fused dim0+dim1 cast runs on the padded
-tensor; the dim0 result is gathered back to the T real rows (an fp8 row gather).
+Wgrad blocks along M must not straddle two experts: each expert's blocks along M start at its first
+token (group e = rows offs[e-1]:offs[e], its last block short, equal to zero-padding it to a multiple
+of 32: zeros change no block's amax and add nothing to dWₑ). Empty experts give dWₑ = 0; rows at or
+after offs[-1] belong to no expert and get zero output and gradient. Nothing syncs with the host and
+the shapes are static (torch.compile).
+
+Emulated GEMM (the recipe's gemm_backend "emulated"): the fused quantize-dequantize
+(`mxmoe.quant.qdq`) computes the group boundaries on the device: one read of the tokens gives them
+along K (forward) and along M per group (kept for the wgrad, bf16 (T, K), the bytes bf16 training
+keeps for its own wgrad), one read of dy gives dy along N (dgrad) and along M per group. No padded
+copy, no gather, nothing dequantized in the backward. The wgrad is torch._grouped_mm's K-grouped
+form with the real offs: dy1ᵀ (N, T) and a1 (T, K), both T-major, the layout in which
+torch._grouped_mm takes any group sizes (empty included). The weights go through
+`cache_weight_casts`.
+
+Other backends (the MX path, e.g. "fp8"): the casts along M run on a copy of the tokens in which each
+group starts at a multiple of the block size (`mxmoe.quant.groups`: group e occupies ceil(nₑ/32)·32
+rows, gaps zero, static size roundup(T + 31·E, 32)); the fused dim0+dim1 cast runs on it, the dim0
+result is gathered back to the T rows (an fp8 row gather), and the wgrad GEMM takes the padded
+operands. The "emulated" backend taken through this path (tests) gathers its dequantized operands
+back and makes the qdq path's wgrad call, so the two paths are bit-identical.
 
 MX activations (an `MXTensor` from the MXFP8 dispatch, 2D, blocked along K) feed the forward GEMM
 as they are, without dequantize/requantize; their gradient flows through `a.grad_anchor`. The
-wgrad needs them along M: they are dequantized (to their orig_dtype), padded and cast along M.
+wgrad needs them along M: they are dequantized (to their orig_dtype) and cast along M per group.
 They must have been quantized with the op's recipe (scaling mode, element dtype, block size).
-
-The emulated GEMM takes fused quantize-dequantize operands as `mx_mm` does (see mxmoe.ops.linear):
-the padded tokens both ways from one read (dim0 values gathered back to the T rows, dim1 kept as
-the MX cast for the wgrad), dy both ways, the weights through `cache_weight_casts`; bit-identical
-to the MX path.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 from mxmoe.recipe import MXRecipe
 
-__all__ = ["group_padding", "mx_grouped_mm", "pad_groups"]
+__all__ = ["mx_grouped_mm"]
 
 
 def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:

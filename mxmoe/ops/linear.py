@@ -5,17 +5,18 @@ dim its GEMM reduces over (docs/training-ops.md):
   forward  y  = x Wᵀ : x along K (dim0 of x),  W along K (dim0 of W)
   dgrad    dx = dy W : dy along N (dim0 of dy), W along N (dim1 of W)
   wgrad    dW = dyᵀ x: dy along M (dim1 of dy), x along M (dim1 of x)
-Rows are zero-padded to a multiple of the block size for the casts along M (zero rows add
-nothing to dW).
+M need not be a multiple of the block size: the last block along M is short (equal to zero-padding
+it: zeros change no block's amax and add nothing to dW).
 
 Emulated GEMM (the recipe's gemm_backend "emulated"): each operand is made by the fused
-quantize-dequantize (`mxmoe.quant.qdq`): x and dy both ways from one read. The forward keeps x's
-dim1 *MX cast* (fp8 + scales, about half of a bf16 copy; it comes out of the same read as x's
-dim0 values) for the wgrad and dequantizes it there, so what is saved for backward is what the
-quantize-then-dequantize path saved. The weight casts (along K in forward, along N in backward)
-go through `cache_weight_casts` (once per optimizer step inside its scope). The values, their
-layouts and the GEMM calls are those of the MX path, so the results are bit-identical to it.
-Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) and `mx_gemm`.
+quantize-dequantize (`mxmoe.quant.qdq`): x and dy both ways from one read, both results in the
+operand's own row-major layout. The forward keeps x along M in the compute dtype (bf16 on CUDA:
+what bf16 training keeps for its wgrad) and the backward uses it as is: dW = dy1ᵀ x1, both M-major,
+the layout of bf16 training's wgrad. The weight casts (along K in forward, along N in backward)
+go through `cache_weight_casts` (once per optimizer step inside its scope).
+Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) of zero-padded rows and `mx_gemm`; the
+"emulated" backend taken through that path (tests) makes the qdq path's wgrad call on its
+dequantized operands (`wgrad_mx`), so the two paths are bit-identical.
 """
 
 from __future__ import annotations
