@@ -146,6 +146,8 @@ def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bo
     tile = _rows_tile(bs, x.element_size())
     bct = tile["W"] * tile["NB"] * bs
     E = 0 if offs is None else offs.shape[0]
+    # blocks: sum of ceil(n_e / bs) <= floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for
+    # the rows after the last group: <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups)
     row_blocks = triton.cdiv(T + (bs - 1) * E, bs)
     tiles_c = max(1, triton.cdiv(C, bct))
     # column tiles per program: up to 8 (a power of two: few compiled variants), fewer where

@@ -259,7 +259,8 @@ def test_qdq_rows_matches_oracle(kernel, grouped):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_qdq_rows_edge_groups(kernel):
     """Groups that are all empty but one, one group of every row, a single row, offs[-1] == 0
-    (every row in no group: zeros), block size 16 and fp32 in and out, against the padded form."""
+    (every row in no group: zeros), groups and tail of 32k + 1 rows (the most blocks per row),
+    block size 16 and fp32 in and out, against the padded form."""
     r16 = recipe(kernel, "floor", torch.float8_e5m2, 16)
     r = recipe(kernel, "rceil", torch.float8_e4m3fn)
     g = np.random.default_rng(3)
@@ -267,6 +268,8 @@ def test_qdq_rows_edge_groups(kernel):
         (r, [0, 0, 70, 0], 0, torch.bfloat16),
         (r, [70], 0, torch.float32),
         (r, [1], 0, torch.bfloat16),
+        (r, [1], 1, torch.bfloat16),  # every group and the tail one row past whole blocks
+        (r, [33, 1, 65], 1, torch.bfloat16),
         (r, [0, 0], 5, torch.bfloat16),
         (r16, [3, 17, 16, 0, 40], 9, torch.float32),
     ):
@@ -280,6 +283,27 @@ def test_qdq_rows_edge_groups(kernel):
             y0, y1 = qdq_dim0_dim1(x, recipe=rr, out_dtype=out, layout="rows", offs=offs_of(counts))
             check_values(y0, w0, f"{counts} {tail} dim0")
             check_values(y1, w1, f"{counts} {tail} dim1")
+
+
+def test_qdq_rows_kernel_writes_every_row():
+    """The rows kernel's grid covers every block: outputs pre-filled with NaN are all overwritten
+    (with the torch backend's values) for group sizes and a tail of 32k + 1 rows (the most blocks
+    per row) and for empty groups."""
+    from mxmoe.quant.checks import spec_of
+    from mxmoe.quant.qdq import _triton_qdq_rows
+
+    spec = spec_of(BS, "rceil", torch.float8_e4m3fn)
+    rg = recipe("torch", "rceil", torch.float8_e4m3fn)
+    torch.manual_seed(2)
+    for counts, tail in (([1], 1), ([33, 1, 0, 65], 1), ([0, 0, 0], 33), ([1] * 9, 0)):
+        T = sum(counts) + tail
+        x = torch.randn(T, 64)
+        offs = offs_of(counts)
+        outs = [torch.full((T, 64), float("nan")) for _ in range(2)]
+        _triton_qdq_rows(x, spec, torch.float32, True, True, offs, outs)
+        want = qdq_dim0_dim1(x, recipe=rg, layout="rows", offs=offs)
+        for a, b in zip(outs, want, strict=True):
+            assert torch.equal(_bytes(a), _bytes(b)), (counts, tail)
 
 
 def test_qdq_rows_triton_interpreter_equals_torch_random():
