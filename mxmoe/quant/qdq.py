@@ -1,8 +1,9 @@
 """Fused quantize-dequantize (qdq): bf16/fp32 -> MX-rounded values in bf16/fp32, one pass.
 
 `qdq(x, axis, recipe=r, out_dtype=d)` equals `to_mx(x, axis, recipe=r).dequantize(d)` bit for bit
-(same values, same logical shape and the same storage layout), without writing the fp8 elements
-and scales and reading them back. The emulated GEMM of `mxmoe.ops` feeds its operands this way.
+(same values, same logical shape and the same storage layout; NaN where NaN, its payload not
+specified, as for `dequantize`), without writing the fp8 elements and scales and reading them back.
+The emulated GEMM of `mxmoe.ops` feeds its operands this way.
 
 Layouts (x viewed as (B, R, C), contiguous):
   dim0 (blocks along the last dim C): out (B, R, C), the input's layout.
@@ -27,9 +28,9 @@ Layouts (x viewed as (B, R, C), contiguous):
 Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize, CPU or GPU;
 padding and gathering for the rows layout) and "triton" (on CPU under TRITON_INTERPRET=1): the
 rows-layout kernel for dim0 and for the rows layout, the tile-transposing kernel for the dim1
-modes stored transposed. A recipe's "cuda" cast
-kernel maps to the Triton qdq (there is no CUDA qdq kernel). The ops are `torch.library` custom
-ops with fake implementations (torch.compile fullgraph).
+modes stored transposed. A recipe's "cuda" cast kernel maps to the Triton qdq (there is no CUDA qdq
+kernel). The ops are `torch.library` custom ops with fake implementations (torch.compile
+fullgraph).
 """
 
 from __future__ import annotations
