@@ -320,15 +320,12 @@ def _check_rows(x: Tensor, layout: str, offs: Tensor | None, recipe: MXRecipe, k
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}; expected one of {list(LAYOUTS)}")
-    if layout == "rows" or offs is not None:
-        if x.ndim != 2:
-            raise ValueError(
-                f"x must be 2D (T, C) for layout='rows' or offs, got shape {tuple(x.shape)}"
-            )
-        if kernel == "triton" and recipe.block_size > _MAX_BS:
-            raise ValueError(
-                f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to {_MAX_BS}"
-            )
+    if (layout == "rows" or offs is not None) and x.ndim != 2:
+        raise ValueError(f"x must be 2D (T, C) for layout='rows' or offs, got shape {tuple(x.shape)}")
+    if kernel == "triton" and recipe.block_size > _MAX_BS:
+        raise ValueError(
+            f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to {_MAX_BS}"
+        )
     if offs is not None:
         if not isinstance(offs, Tensor) or offs.ndim != 1 or offs.dtype != torch.int32:
             got = f"{offs.dtype} of shape {tuple(offs.shape)}" if isinstance(offs, Tensor) else repr(offs)
