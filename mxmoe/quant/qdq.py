@@ -86,7 +86,8 @@ def _torch_qdq(
         q, s = torch_cast.quantize_dim0(x.reshape(B * R, C), spec)
         y0 = torch_cast.dequantize(q, s, bs, out_dtype).view(B, R, C)
         if offs is not None:  # rows in no group are zero
-            y0 = torch.where(in_groups(offs, R), y0[0], torch.zeros((), dtype=out_dtype)).unsqueeze(0)
+            zero = torch.zeros((), dtype=out_dtype, device=x.device)
+            y0 = torch.where(in_groups(offs, R), y0[0], zero).unsqueeze(0)
         outs.append(y0)
     if dim1 == DIM1_ROWS:  # 2D: pad (each group, or the end) to whole blocks, cast, gather back
         x2 = x[0]
