@@ -1,10 +1,16 @@
-"""The Triton kernel of the fused quantize-dequantize (`mxmoe.quant.qdq`, which documents the
+"""The Triton kernels of the fused quantize-dequantize (`mxmoe.quant.qdq`, which documents the
 layouts). Imported on first use of the "triton" qdq backend.
 
-The quantize step is the cast backend's own (`triton_cast._quantize`: one definition of the block
-scale and the element rounding for every Triton kernel); the dequantize step builds the result from
-integer bits, as the Triton dequantize kernel does for tiles with tiny scales, so nothing depends
-on how the GPU treats fp32 subnormals.
+`qdq_rows_kernel`: every output in x's own row-major layout (dim0, dim1 with blocks of rows or of
+each group's rows, both from one read): the training ops' activations and gradients, and dim0 of
+anything. `qdq_triton_kernel`: the tile-transposing kernel for the dim1 outputs stored transposed
+(the weights along N) and the dim1 MX cast.
+
+The quantize step is the cast backend's own (`triton_cast`'s block scale and `_to_elem`'s element
+rounding: one definition for every Triton kernel). The transposing kernel builds the dequantized
+result from integer bits, as the Triton dequantize kernel does for tiles with tiny scales; the rows
+kernel uses the hardware conversions and one exact multiply on a GPU (`_qdq_elems`) and the
+integer construction under the interpreter.
 """
 
 from __future__ import annotations
