@@ -167,6 +167,7 @@ def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bo
     qdq_rows_kernel[(row_blocks, progs_c)](
         x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1,
         x if offs is None else offs, T, C, E, BS=bs, N_ITER=n_iter, EP=triton.next_power_of_2(max(E, 1)),
+        I64=row_blocks * bs * C + bct >= 2**31,  # above the largest offset a program forms (masked too)
         GROUPED=offs is not None, IN_BF16=x.dtype == torch.bfloat16,
         OUT_BF16=out_dtype == torch.bfloat16, DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS,
         **tile, **_spec_args(spec, x.device.type != "cuda" or triton_interpret()),

@@ -137,8 +137,8 @@ def _qdq_elems(X, e, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr, MBITS: tl
 @triton.jit
 def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, NSL: tl.constexpr,
                     W: tl.constexpr, RS: tl.constexpr, NB: tl.constexpr, N_ITER: tl.constexpr,
-                    EP: tl.constexpr,
-                    GROUPED: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+                    EP: tl.constexpr, I64: tl.constexpr, GROUPED: tl.constexpr, IN_BF16: tl.constexpr,
+                    OUT_BF16: tl.constexpr,
                     DIM0: tl.constexpr, DIM1: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
                     EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
                     RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
@@ -157,7 +157,8 @@ def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, 
     along k, then the lanes along k, b and i (NB*RS*BS/8 = 32 for bf16), the W warps along w, and
     the NSL slices in each thread's registers: the dim1 amax is a max over a thread's slices, then
     across the RS lanes; the dim0 amax one across the lanes of a 32-column block; no shared memory
-    (the SASS for sm_90 has 16-byte LDG/STG only, and no local memory)."""
+    (the SASS for sm_90 has 16-byte LDG/STG only, and no local memory). I64: element offsets can
+    reach 2^31 (then 64-bit row pointers, which cost registers)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     if GROUPED:
@@ -184,10 +185,14 @@ def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, 
     r = m * RS + i
     rmask = r < t_end - t0
     col = (w * NB + b) * BS + k
-    base = t0.to(tl.int64) * C
-    x_ptr += base
-    y0_ptr += base
-    y1_ptr += base
+    if I64:  # offsets past 2^31 elements: a 64-bit row base (per thread: t0 comes from offs)
+        base = t0.to(tl.int64) * C
+        x_ptr += base
+        y0_ptr += base
+        y1_ptr += base
+        row0 = 0
+    else:  # 32-bit offsets from the tensors' starts: fewer registers than 64-bit row pointers
+        row0 = t0
     for it in range(N_ITER):
         c0 = (pid_c * N_ITER + it) * BCT
         # the last column program may have fewer tiles, and with groups the grid's upper bound on
@@ -195,7 +200,7 @@ def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, 
         if (c0 < C) & (t0 < t_end):
             cc = c0 + col
             mask = rmask & (cc < C)
-            offs = r * C + cc
+            offs = (row0 + r) * C + cc
             # rows in no group read as zeros, whose qdq is +0 both ways
             X = _load_bits(x_ptr, offs, mask & in_group, IN_BF16)
             key = _abs_key(X)
