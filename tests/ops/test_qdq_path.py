@@ -156,15 +156,23 @@ def test_mx_grouped_mm_qdq_path_bit_identical(monkeypatch, mode, elem, mx_input)
 
 
 def test_qdq_path_triton_interpreter_bit_identical(monkeypatch):
-    """The Triton qdq kernel (interpreter) in the ops == the MX path with the torch casts."""
+    """The Triton qdq kernel (interpreter) in the ops == the MX path with the torch casts: mx_mm
+    (M no multiple of 32) and mx_grouped_mm (ragged and empty groups, rows after the last)."""
     x = wide_range((40, 64), torch.bfloat16, 6)
     w = wide_range((32, 64), torch.bfloat16, 7)
     dy = wide_range((40, 32), torch.bfloat16, 8)
+    counts = [7, 0, 33, 1]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    we = wide_range((4, 32, 64), torch.bfloat16, 9)
+    a = torch.cat([x, x[:5]])  # 45 rows: 4 after the last group
+    dya = torch.cat([dy, dy[:5]])
     cfg_t = rec(kernel="triton", gemm_dtype=torch.bfloat16)
     monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
     old = run_mm(x, w, dy, rec(gemm_dtype=torch.bfloat16), (True, True))
+    old_g = run_grouped(a, we, offs, dya, rec(gemm_dtype=torch.bfloat16), (True, True))
     monkeypatch.undo()
     assert_same(run_mm(x, w, dy, cfg_t, (True, True)), old, "triton qdq")
+    assert_same(run_grouped(a, we, offs, dya, cfg_t, (True, True)), old_g, "triton qdq grouped")
 
 
 # ---------------------------------------------------------------------------------------------
