@@ -116,10 +116,12 @@ def _torch_qdq(
 _TILE = 64  # rows and columns per program (elements 64 x 64: 16 per thread at 8 warps)
 _MAX_BS = 128  # the tile holds whole blocks both ways: (bs, bs) at least
 # Rows-layout kernel: one dim1 block (bs rows) x _ROWS_WARPS * 64 columns per tile, 64 elements
-# (bf16) per thread; programs loop over column tiles, with enough programs to fill the GPU.
+# (bf16) per thread; each program does up to _ROWS_ITERS column tiles (amortizing the group
+# lookup; one value: one compiled variant per format), e.g. 2056 x 7 programs for 65536 x 7168 in
+# 8 groups, 512 x 4 for 16384 x 4096.
 _ROWS_WARPS = 4
-_ROWS_PROGRAMS = 2048  # at least this many programs (when the tensor has that many tiles)
-_MAX_GROUPS = 4096  # offs entries the rows kernel reads per program
+_ROWS_ITERS = 4
+_MAX_GROUPS = 4096  # offs entries the rows kernel reads per program (in powers of two from 128)
 
 
 def _rows_tile(bs: int, elem_size: int) -> dict:
@@ -151,22 +153,15 @@ def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bo
     # blocks: sum of ceil(n_e / bs) <= floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for
     # the rows after the last group: <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups)
     row_blocks = triton.cdiv(T + (bs - 1) * E, bs)
-    tiles_c = max(1, triton.cdiv(C, bct))
-    # column tiles per program: up to 8 (a power of two: few compiled variants), fewer where
-    # the grid would have fewer than _ROWS_PROGRAMS programs
-    n_iter = 1
-    while n_iter < 8 and 2 * n_iter <= tiles_c and (
-        row_blocks * triton.cdiv(tiles_c, 2 * n_iter) >= _ROWS_PROGRAMS
-    ):
-        n_iter *= 2
-    progs_c = triton.cdiv(tiles_c, n_iter)
+    progs_c = triton.cdiv(triton.cdiv(C, bct), _ROWS_ITERS)
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
     it = iter(outs)
     y0 = next(it).view(bits) if dim0 else x
     y1 = next(it).view(bits) if dim1 else x
     qdq_rows_kernel[(row_blocks, progs_c)](
         x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1,
-        x if offs is None else offs, T, C, E, BS=bs, N_ITER=n_iter, EP=triton.next_power_of_2(max(E, 1)),
+        x if offs is None else offs, T, C, E, BS=bs, N_ITER=_ROWS_ITERS,
+        EP=max(128, triton.next_power_of_2(E)),
         I64=row_blocks * bs * C + bct >= 2**31,  # above the largest offset a program forms (masked too)
         GROUPED=offs is not None, IN_BF16=x.dtype == torch.bfloat16,
         OUT_BF16=out_dtype == torch.bfloat16, DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS,

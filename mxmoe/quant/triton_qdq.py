@@ -134,7 +134,7 @@ def _qdq_elems(X, e, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr, MBITS: tl
         return o.to(tl.int32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "E"])  # only masks use them: one variant for every T and E
 def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, NSL: tl.constexpr,
                     W: tl.constexpr, RS: tl.constexpr, NB: tl.constexpr, N_ITER: tl.constexpr,
                     EP: tl.constexpr, I64: tl.constexpr, GROUPED: tl.constexpr, IN_BF16: tl.constexpr,
