@@ -375,6 +375,7 @@ def qdq(
         raise ValueError("offs with axis=-2 needs layout='rows' (group blocks in x's own layout)")
     _check(x, recipe, out_dtype, (-1,) if rows or not dim1 else (-2,))
     x3 = _as3d(x)
+    offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     if dim1:
         mode = DIM1_ROWS if rows else DIM1_QDQ
     else:
@@ -418,6 +419,7 @@ def qdq_dim0_dim1(
         raise ValueError("dim1_mx=True gives the MX cast's transposed storage; it needs layout='transposed'")
     _check(x, recipe, out_dtype, (-1,) if rows else (-2, -1))
     x3 = x.contiguous().unsqueeze(0)
+    offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     mode = DIM1_ROWS if rows else (DIM1_MX if dim1_mx else DIM1_QDQ)
     outs = _qdq(
         x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, mode, kernel, offs

@@ -285,6 +285,18 @@ def test_qdq_rows_edge_groups(kernel):
             check_values(y1, w1, f"{counts} {tail} dim1")
 
 
+def test_qdq_rows_noncontiguous_offs():
+    """offs may be any 1D view (the kernel gets a contiguous copy)."""
+    x = torch.randn(50, 64)
+    offs = torch.tensor([10, 99, 33, 99, 45], dtype=torch.int32)[::2]
+    for k in KERNELS:
+        r = recipe(k, "rceil", torch.float8_e4m3fn)
+        got = qdq_dim0_dim1(x, recipe=r, layout="rows", offs=offs)
+        want = qdq_dim0_dim1(x, recipe=r, layout="rows", offs=offs.contiguous())
+        assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(got, want, strict=True))
+        assert torch.equal(_bytes(qdq(x, -2, recipe=r, layout="rows", offs=offs)), _bytes(want[1]))
+
+
 def test_qdq_rows_kernel_writes_every_row():
     """The rows kernel's grid covers every block: outputs pre-filled with NaN are all overwritten
     (with the torch backend's values) for group sizes and a tail of 32k + 1 rows (the most blocks
