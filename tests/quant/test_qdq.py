@@ -440,21 +440,20 @@ def test_gpu_qdq_fake_matches_real_triton():
 @pytest.mark.parametrize("combo", COMBOS, ids=[combo_id(c) for c in COMBOS])
 def test_gpu_qdq_rows_triton_matches_oracle(combo):
     """On the GPU: the Triton rows kernel == the oracle's padded form on every input class (full
-    level): ragged groups (empty ones, sizes 1, 31, 32, 33, rows after the last) with bf16 and fp32
-    out, and 45 rows without groups (a short last block) with bf16 out."""
+    level), ragged groups (empty ones, sizes 1, 31, 32, 33, rows after the last); bf16 out, and fp32
+    out too for fp32 in (each output format is a compiled variant: kept few for the GPU run's time;
+    no groups and a short last block: test_gpu_qdq_rows_triton_equals_torch_large)."""
     mode, elem, dtype = combo
     src = np.ascontiguousarray(data(64, BS, mode, elem, dtype, "full").T)
     rt = recipe("triton", mode, elem)
-    for grouped, outs in ((True, DTYPES), (False, (torch.bfloat16,))):
-        x32 = grouped_rows(src, COUNTS, TAIL) if grouped else src[:45]
-        ends = np.cumsum(COUNTS).tolist() if grouped else None
-        x = to_torch(x32, dtype, "cuda")
-        offs = offs_of(COUNTS, "cuda") if grouped else None
-        for out in outs:
-            w0, w1 = oracle_rows(x32, BS, mode, elem, out, ends)
-            y0, y1 = qdq_dim0_dim1(x, recipe=rt, out_dtype=out, layout="rows", offs=offs)
-            check_values(y0, w0, f"gpu rows dim0 grouped={grouped} -> {out}")
-            check_values(y1, w1, f"gpu rows dim1 grouped={grouped} -> {out}")
+    x32 = grouped_rows(src, COUNTS, TAIL)
+    ends = np.cumsum(COUNTS).tolist()
+    x = to_torch(x32, dtype, "cuda")
+    for out in DTYPES if dtype == torch.float32 else (torch.bfloat16,):
+        w0, w1 = oracle_rows(x32, BS, mode, elem, out, ends)
+        y0, y1 = qdq_dim0_dim1(x, recipe=rt, out_dtype=out, layout="rows", offs=offs_of(COUNTS, "cuda"))
+        check_values(y0, w0, f"gpu rows dim0 -> {out}")
+        check_values(y1, w1, f"gpu rows dim1 -> {out}")
 
 
 @pytest.mark.gpu
