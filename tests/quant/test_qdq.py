@@ -285,6 +285,27 @@ def test_qdq_rows_edge_groups(kernel):
             check_values(y1, w1, f"{counts} {tail} dim1")
 
 
+@pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_qdq_rows_gpu_dequantize_formula_is_exact(elem):
+    """The arithmetic of the rows kernel's GPU element path (`_qdq_elems`, not run by the
+    interpreter), done here with IEEE fp32 on CPU: the element value (exact in fp32) times the scale
+    2^(s - 127) as one fp32 (the normal s << 23, the subnormal 2^-127 for s = 0, NaN for 255), then
+    round to nearest even into bf16, equals the oracle's dequantize for every finite element byte
+    and every scale byte, into bf16 and fp32."""
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(elem)
+    qf = q.float()
+    finite = torch.isfinite(qf)
+    sb = torch.arange(256, dtype=torch.int32)
+    scale_bits = torch.where(sb == 255, 0x7FC00000, torch.where(sb == 0, 0x400000, sb << 23))
+    prod = qf[None, finite] * scale_bits.view(torch.float32)[:, None]  # (256 scales, finite elements)
+    qbytes = np.broadcast_to(q.view(torch.uint8)[finite].numpy(), prod.shape)
+    sbytes = np.arange(256, dtype=np.uint8)[:, None]  # one block per element: block size 1
+    for out, got in ((torch.float32, prod), (torch.bfloat16, prod.to(torch.bfloat16))):
+        want = O.oracle_dequantize(sbytes.repeat(prod.shape[1], 1), np.ascontiguousarray(qbytes), 1,
+                                   dname(elem), dname(out))
+        check_values(got, want, f"{dname(elem)} -> {dname(out)}")
+
+
 def test_qdq_rows_noncontiguous_offs():
     """offs may be any 1D view (the kernel gets a contiguous copy)."""
     x = torch.randn(50, 64)
