@@ -9,6 +9,12 @@ copy ceiling is measured in the same run with the same timing utility (mxmoe.ben
     mxmoe bench cast                                    # every mode, kernel, scaling, default shape
     mxmoe bench cast --mode dim1 --kernel triton --shape 16384x16384 --json out.json
     mxmoe bench cast --mode 3d --shape 8x2048x7168      # expert weights, blocks along either dim
+    mxmoe bench cast --mode qdq --kernel triton         # fused quantize-dequantize, rows layout
+
+The qdq rows (`mxmoe.quant.qdq`, the Triton kernel the emulated GEMM's operands come from, bf16 in
+and out) count the input read and each bf16 output written: dim0 or dim1 alone 4 bytes per element,
+both 6. "E=8" / "E=256": dim1 blocks per expert group (ragged groups, some empty, rows after the
+last), as `mx_grouped_mm` casts tokens and dy; the others as `mx_mm` does.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import torch
 from mxmoe.bench import timing
 from mxmoe.cli import comma_list, positive_int
 
-MODES = ("dim0", "dim1", "dim0_dim1", "3d", "dequant")
+MODES = ("dim0", "dim1", "dim0_dim1", "3d", "dequant", "qdq")
+QDQ_LABELS = ("qdq dim0", "qdq dim1 rows", "qdq dim0+dim1 rows", "qdq dim0+dim1 rows E=8",
+              "qdq dim0+dim1 rows E=256")
 SCALINGS = ("floor", "rceil")
 KERNELS = ("torch", "triton", "cuda")
 DEFAULT_SHAPES_2D = ((16384, 16384), (131072, 7168), (131072, 2048))
@@ -53,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=(*MODES, "all"), default="all",
                    help="dim0: blocks along the last dim; dim1: blocks along dim 0, stored transposed; "
                    "dim0_dim1: both from one read; 3d: expert weights (E, N, K) along K and along N; "
-                   "dequant: back to bf16")
+                   "dequant: back to bf16; qdq: fused quantize-dequantize (Triton only)")
     p.add_argument("--scaling", choices=(*SCALINGS, "all"), default="all", help="scale mode")
     p.add_argument("--kernel", type=comma_list(choices=(*KERNELS, "all")), action="extend",
                    help="backend(s), comma list (torch = torch_cast under torch.compile); default all")
@@ -91,7 +99,8 @@ def _cases(args) -> list[Case]:
         for shape in s3 if mode == "3d" else s2:
             for scaling in scalings if mode != "dequant" else ("-",):
                 for k in kernels:
-                    cases.append(Case(mode, k, k, scaling, shape))
+                    if mode != "qdq" or k == "triton":  # every recipe's qdq runs the Triton kernel
+                        cases.append(Case(mode, k, k, scaling, shape))
     return cases
 
 
@@ -99,6 +108,8 @@ def _bytes(mode: str, shape, in_size: int, out_size: int = 2) -> int:
     n = 1
     for d in shape:
         n *= d
+    if mode.startswith("qdq"):  # read once, one or two outputs of out_size bytes
+        return n * in_size + (2 if "dim0+dim1" in mode else 1) * n * out_size
     elems_and_scales = n + n // BLOCK
     if mode == "dequant":
         return elems_and_scales + n * out_size
@@ -114,6 +125,8 @@ def _make_fns(case: Case, elem: torch.dtype):
 
     spec = make_spec(BLOCK, case.scaling if case.scaling != "-" else "rceil", elem)
     k = case.backend
+    if case.mode == "qdq":
+        return _qdq_fns(case, elem)
     if k == "torch":
         casts = {
             "dim0": lambda x: torch_cast.quantize_dim0(x, spec),
@@ -132,6 +145,34 @@ def _make_fns(case: Case, elem: torch.dtype):
         "3d axis=-1": lambda x: custom_ops.quantize_dim0(x.view(-1, x.shape[-1]), *args),
         "3d axis=-2": lambda x: custom_ops.quantize_dim1(x, *args),
         "dequant": lambda q, s: custom_ops.dequantize(q, s, BLOCK, torch.bfloat16, k),
+    }
+
+
+def _qdq_fns(case: Case, elem: torch.dtype):
+    """{qdq label: fn(x)} through the public qdq API (bf16 out), groups as the label says."""
+    from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
+    from mxmoe.recipe import MXRecipe
+
+    r = MXRecipe(elem_dtype=elem, scaling_mode=case.scaling, dim0_kernel="triton", dim1_kernel="triton")
+    bf = torch.bfloat16
+    R = case.shape[0]
+
+    def ragged(E: int) -> torch.Tensor:  # E ragged groups (every 5th empty), 7 rows after the last
+        g = torch.Generator().manual_seed(E)
+        w = torch.rand(E, generator=g) + 0.5
+        w[::5] = 0
+        counts = (w / w.sum() * (R - 7)).floor().to(torch.int64)
+        return counts.cumsum(0).to(torch.int32).cuda()
+
+    o8, o256 = ragged(8), ragged(256)
+    return {
+        "qdq dim0": lambda x: qdq(x, -1, recipe=r, out_dtype=bf),
+        "qdq dim1 rows": lambda x: qdq(x, -2, recipe=r, out_dtype=bf, layout="rows"),
+        "qdq dim0+dim1 rows": lambda x: qdq_dim0_dim1(x, recipe=r, out_dtype=bf, layout="rows"),
+        "qdq dim0+dim1 rows E=8": lambda x: qdq_dim0_dim1(x, recipe=r, out_dtype=bf, layout="rows", offs=o8),
+        "qdq dim0+dim1 rows E=256": lambda x: qdq_dim0_dim1(
+            x, recipe=r, out_dtype=bf, layout="rows", offs=o256
+        ),
     }
 
 
@@ -155,7 +196,7 @@ def _inputs(mode: str, shape, elem: torch.dtype, count: int) -> list[tuple]:
 def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict]:
     from mxmoe.quant.backends import why_unavailable
 
-    labels = ("3d axis=-1", "3d axis=-2") if case.mode == "3d" else (case.mode,)
+    labels = {"3d": ("3d axis=-1", "3d axis=-2"), "qdq": QDQ_LABELS}.get(case.mode, (case.mode,))
     shape_s = "x".join(map(str, case.shape))
     base = {"kernel": case.kernel, "scaling": case.scaling, "shape": shape_s}
 
@@ -170,7 +211,7 @@ def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict
     try:
         fns = _make_fns(case, elem)
         for label in labels:
-            nbytes = _bytes("dequant" if label == "dequant" else case.mode, case.shape, 2)
+            nbytes = _bytes(label if label in QDQ_LABELS else case.mode, case.shape, 2)
             count = timing.rotation_count(nbytes)
             sets = _inputs(label, case.shape, elem, count)
             fn = fns[label]

@@ -21,8 +21,6 @@ def run_shape(
 ) -> list[dict]:
     from mxmoe.ops import mx_grouped_mm
     from mxmoe.ops.gemm import hp_gemm
-    from mxmoe.ops.grouped import group_padding, pad_groups
-    from mxmoe.quant.mx_tensor import MXTensor
     from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 
     a = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -45,7 +43,6 @@ def run_shape(
     t_bf16 = bench(bf16_step, iters=iters).median_ms
     t_bf16_gemm = bench(bf16_gemms, iters=iters).median_ms
     rows = [row(name, "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
-    pos, offs_pad, cap = group_padding(offs, T, 32)
     bf = torch.bfloat16
     for recipe in recipes:
         cfg = NAMED[recipe].replace(dim0_kernel=kernel, dim1_kernel=kernel, gemm_backend=gemm_backend)
@@ -54,25 +51,19 @@ def run_shape(
             mx_grouped_mm(a, w.transpose(-2, -1), offs, cfg).backward(dy)
 
         # the emulated GEMM's operand casts (fused quantize-dequantize), as mx_grouped_mm runs them
-        def cast_all(cfg=cfg):
-            p0, q1, s1 = qdq_dim0_dim1(
-                pad_groups(a.detach(), offs, pos, cap), recipe=cfg, out_dtype=bf, dim1_mx=True
-            )
-            a0 = p0.index_select(0, pos)
-            MXTensor(q1, s1, 0, 32, cfg.scaling_mode, bf).dequantize(bf)  # backward: a along M
+        def cast_all(cfg=cfg):  # a and dy: along K / N, and along M per group, one read each
+            a0, a1 = qdq_dim0_dim1(a.detach(), recipe=cfg, out_dtype=bf, offs=offs, layout="rows")
             w0 = qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)
-            q0, dy1 = qdq_dim0_dim1(pad_groups(dy, offs, pos, cap), recipe=cfg, out_dtype=bf)
-            dy0 = q0.index_select(0, pos)
+            dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=bf, offs=offs, layout="rows")
             w1 = qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)
-            return a0, w0, dy0, dy1, w1
+            return a0, a1, w0, dy0, dy1, w1
 
-        a0, w0, dy0, dy1, w1 = cast_all()
-        a1 = qdq(pad_groups(a.detach(), offs, pos, cap), -2, recipe=cfg, out_dtype=bf)
+        a0, a1, w0, dy0, dy1, w1 = cast_all()
 
         def gemms(a0=a0, a1=a1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
             hp_gemm(a0, w0.transpose(-2, -1), offs, bf)
             hp_gemm(dy0, w1, offs, bf)
-            hp_gemm(dy1.t(), a1, offs_pad, bf)
+            hp_gemm(dy1.t(), a1, offs, bf)
 
         t = bench(mx_step, iters=iters).median_ms
         emulated = gemm_backend == "emulated"  # the split below is the emulated path's

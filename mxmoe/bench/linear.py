@@ -21,8 +21,6 @@ def run_shape(
 ) -> list[dict]:
     from mxmoe.ops import mx_mm
     from mxmoe.ops.gemm import hp_gemm
-    from mxmoe.ops.linear import pad_rows
-    from mxmoe.quant.mx_tensor import MXTensor
     from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -49,17 +47,13 @@ def run_shape(
 
         # the emulated GEMM's operand casts (fused quantize-dequantize), as mx_mm runs them
         def casts(cfg=cfg):
-            _, q1, s1 = qdq_dim0_dim1(pad_rows(x.detach(), 32), recipe=cfg, out_dtype=bf, dim1_mx=True)
-            qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)  # forward: W along K
-            MXTensor(q1, s1, 0, 32, cfg.scaling_mode, bf).dequantize(bf)  # backward: x along M
-            qdq_dim0_dim1(pad_rows(dy, 32), recipe=cfg, out_dtype=bf)  # backward: dy both ways
-            qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)  # backward: W along N
+            x0, x1 = qdq_dim0_dim1(x.detach(), recipe=cfg, out_dtype=bf, layout="rows")  # x both ways
+            w0 = qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)  # forward: W along K
+            dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=bf, layout="rows")  # dy both ways
+            w1 = qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)  # backward: W along N
+            return x0, x1, w0, dy0, dy1, w1
 
-        x0, _, _ = qdq_dim0_dim1(pad_rows(x.detach(), 32), recipe=cfg, out_dtype=bf, dim1_mx=True)
-        x1 = qdq(pad_rows(x.detach(), 32), -2, recipe=cfg, out_dtype=bf)
-        w0 = qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)
-        dy0, dy1 = qdq_dim0_dim1(pad_rows(dy, 32), recipe=cfg, out_dtype=bf)
-        w1 = qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)
+        x0, x1, w0, dy0, dy1, w1 = casts()
 
         def gemms(x0=x0, x1=x1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
             hp_gemm(x0, w0.t(), None, bf), hp_gemm(dy0, w1, None, bf), hp_gemm(dy1.t(), x1, None, bf)

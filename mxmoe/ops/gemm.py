@@ -35,9 +35,11 @@ def grouped_mm_hp(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
         are a[offs[e-1]:offs[e]] @ b[e]; rows at or after offs[-1] are zero.
     2D x 2D: a (M, T), b (T, N), offs over T -> (E, M, N), out[e] = a[:, group e] @ b[group e, :];
         empty groups give zeros.
-    bf16 on CUDA runs torch._grouped_mm (no host sync; 2D x 2D then needs every group boundary a
-    multiple of 8, as torch._grouped_mm does: mx_grouped_mm passes multiples of 32); anything else
-    an exact loop over groups (syncs for offs).
+    bf16 on CUDA runs torch._grouped_mm (no host sync). 2D x 2D there takes any group sizes (empty
+    included) when both operands are T-major (a column-major, b row-major: what mx_grouped_mm's
+    qdq path passes, dy1ᵀ and the tokens along M); with T contiguous in either operand
+    torch._grouped_mm needs every group boundary a multiple of 8 (the MX path's padded groups are
+    multiples of 32). Anything else: an exact loop over groups (syncs for offs).
     """
     if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
         out = torch._grouped_mm(a, b, offs=offs)

@@ -6,22 +6,32 @@ offs (E,) int32 cumulative ends. Axes (y = a Wₑᵀ per group):
   dgrad    da = dy Wₑ   : dy along N (dim0), Wₑ along N (dim1 of w)
   wgrad    dWₑ = dyₑᵀ aₑ: dy and a along M (dim1), reduced over each expert's tokens only.
 
-Wgrad blocks along M must not straddle two experts, so the casts along M run on a copy of the
-tokens in which each group starts at a multiple of the block size: group e occupies
-ceil(nₑ/32)·32 rows, the gaps are zero (zeros add nothing to dWₑ). The padded tensor has the
-static size roundup(T + 31·E, 32), so nothing syncs with the host and torch.compile sees fixed
-shapes. Empty experts get zero rows and dWₑ = 0. The fused dim0+dim1 cast runs on the padded
-tensor; the dim0 result is gathered back to the T real rows (an fp8 row gather).
+Wgrad blocks along M must not straddle two experts: each expert's blocks along M start at its first
+token (group e = rows offs[e-1]:offs[e], its last block short, equal to zero-padding it to a multiple
+of 32: zeros change no block's amax and add nothing to dWₑ). Empty experts give dWₑ = 0; rows at or
+after offs[-1] belong to no expert and get zero output and gradient. Nothing syncs with the host and
+the shapes are static (torch.compile).
+
+Emulated GEMM (the recipe's gemm_backend "emulated"): the fused quantize-dequantize
+(`mxmoe.quant.qdq`) computes the group boundaries on the device: one read of the tokens gives them
+along K (forward) and along M per group (kept for the wgrad, bf16 (T, K), the bytes bf16 training
+keeps for its own wgrad), one read of dy gives dy along N (dgrad) and along M per group. No padded
+copy, no gather, nothing dequantized in the backward. The wgrad is torch._grouped_mm's K-grouped
+form with the real offs: dy1ᵀ (N, T) and a1 (T, K), both T-major, the layout in which
+torch._grouped_mm takes any group sizes (empty included). The weights go through
+`cache_weight_casts`.
+
+Other backends (the MX path, e.g. "fp8"): the casts along M run on a copy of the tokens in which each
+group starts at a multiple of the block size (`mxmoe.quant.groups`: group e occupies ceil(nₑ/32)·32
+rows, gaps zero, static size roundup(T + 31·E, 32)); the fused dim0+dim1 cast runs on it, the dim0
+result is gathered back to the T rows (an fp8 row gather), and the wgrad GEMM takes the padded
+operands. The "emulated" backend taken through this path (tests) gathers its dequantized operands
+back and makes the qdq path's wgrad call, so the two paths are bit-identical.
 
 MX activations (an `MXTensor` from the MXFP8 dispatch, 2D, blocked along K) feed the forward GEMM
 as they are, without dequantize/requantize; their gradient flows through `a.grad_anchor`. The
-wgrad needs them along M: they are dequantized (to their orig_dtype), padded and cast along M.
+wgrad needs them along M: they are dequantized (to their orig_dtype) and cast along M per group.
 They must have been quantized with the op's recipe (scaling mode, element dtype, block size).
-
-The emulated GEMM takes fused quantize-dequantize operands as `mx_mm` does (see mxmoe.ops.linear):
-the padded tokens both ways from one read (dim0 values gathered back to the T rows, dim1 kept as
-the MX cast for the wgrad), dy both ways, the weights through `cache_weight_casts`; bit-identical
-to the MX path.
 """
 
 from __future__ import annotations
@@ -31,40 +41,13 @@ from torch import Tensor
 
 from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import hp_gemm, mx_gemm, uses_qdq
-from mxmoe.ops.linear import needs_grads, swap_last2, wants_grad, weight_mx, weight_qdq
+from mxmoe.ops.linear import needs_grads, swap_last2, wants_grad, weight_mx, weight_qdq, wgrad_mx
+from mxmoe.quant.groups import group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 from mxmoe.recipe import MXRecipe
 
-
-def group_padding(offs: Tensor, rows: int, block_size: int) -> tuple[Tensor, Tensor, int]:
-    """Where each of `rows` tokens goes when every group starts at a multiple of `block_size`.
-
-    offs: (E,) int cumulative group ends. Returns pos (rows,) int64 destination rows, offs_pad (E,)
-    int32 padded cumulative ends (the last extended to the padded size), and the padded size
-    roundup(rows + (block_size - 1) E, block_size). Rows at or after offs[-1] (in no group) go to
-    the tail, after the last padded group, and are zeroed by `pad_groups`.
-    """
-    E = offs.shape[0]
-    cap = -(-(rows + (block_size - 1) * E) // block_size) * block_size
-    ends = offs.to(torch.int64)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    padded = (counts + block_size - 1) // block_size * block_size
-    ends_pad = torch.cumsum(padded, 0)
-    t = torch.arange(rows, device=offs.device)
-    g = torch.searchsorted(ends, t, right=True)
-    gc = g.clamp(max=E - 1)
-    pos = (ends_pad - padded)[gc] + t - (ends - counts)[gc]
-    pos = torch.where(g < E, pos, ends_pad[-1] + t - ends[-1])
-    offs_pad = torch.cat([ends_pad[:-1], ends_pad.new_full((1,), cap)]).to(torch.int32)
-    return pos, offs_pad, cap
-
-
-def pad_groups(x: Tensor, offs: Tensor, pos: Tensor, cap: int) -> Tensor:
-    """x (T, C) -> (cap, C): row t moved to pos[t], gaps zero, rows outside every group zeroed."""
-    valid = (torch.arange(x.shape[0], device=x.device) < offs[-1].to(torch.int64)).unsqueeze(1)
-    src = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    return x.new_zeros(cap, x.shape[1]).index_copy(0, pos, src)
+__all__ = ["mx_grouped_mm"]
 
 
 def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:
@@ -82,20 +65,17 @@ class _MXGroupedMM(torch.autograd.Function):
         hp = uses_qdq(cfg)
         compute = cfg.compute_dtype(b_t.device)
         ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode = cfg, is_mx, out_dtype, a_mode
-        pos = offs_pad = a1q = a1s = None
+        pos = offs_pad = a1q = a1s = a1 = None
         cap = 0
-        if need_dw:
+        if need_dw and not hp:
             pos, offs_pad, cap = group_padding(offs, T, cfg.block_size)
         w = b_t.transpose(-2, -1)
         if is_mx:
             a0 = _mx(a_q, a_s, 1, cfg, a_mode, out_dtype)
             if hp:
                 a0 = a0.dequantize(compute, kernel=cfg.dim0_kernel)
-        elif need_dw and hp:
-            p0, a1q, a1s = qdq_dim0_dim1(
-                pad_groups(a, offs, pos, cap), recipe=cfg, out_dtype=compute, dim1_mx=True
-            )
-            a0 = p0.index_select(0, pos)
+        elif need_dw and hp:  # one read of a: along K, and along M in groups (kept for the wgrad)
+            a0, a1 = qdq_dim0_dim1(a, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
         elif need_dw:
             p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), recipe=cfg)
             a0, a1q, a1s = p0.index_rows(pos), a1.qdata_blocked, a1.scale_blocked
@@ -111,8 +91,12 @@ class _MXGroupedMM(torch.autograd.Function):
         ctx.cap = cap
         if not need_dw:
             ctx.save_for_backward(b_t, offs)
+        elif is_mx and hp:
+            ctx.save_for_backward(b_t, offs, a_q, a_s)
         elif is_mx:
             ctx.save_for_backward(b_t, offs, pos, offs_pad, a_q, a_s)
+        elif hp:  # the tokens along M in groups, (T, K) compute dtype
+            ctx.save_for_backward(b_t, offs, a1)
         else:  # the tokens along M as MX: (K, cap) elements and scales
             ctx.save_for_backward(b_t, offs, pos, offs_pad, a1q, a1s)
         return y
@@ -128,35 +112,33 @@ class _MXGroupedMM(torch.autograd.Function):
         dy = dy.contiguous()
         da = db_t = None
         dy0 = dy1 = None
-        if need_dw:
+        if need_dw and hp:
+            if need_da:  # one read of dy: along N, and along M in groups
+                dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
+            else:
+                dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
+            if ctx.is_mx:  # dequantize the MX activation and cast it along M (see module docstring)
+                sq, ss = ctx.saved_tensors[2:]
+                a_hp = _mx(sq, ss, 1, cfg, ctx.a_mode, ctx.a_dtype).dequantize(kernel=cfg.dim0_kernel)
+                a1 = qdq(a_hp, -2, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
+            else:
+                (a1,) = ctx.saved_tensors[2:]
+            # K-grouped (E, N, K): dy1ᵀ (N, T) and a1 (T, K), both T-major, grouped by the real offs
+            db_t = hp_gemm(dy1.t(), a1, offs, b_t.dtype).transpose(-2, -1)
+        elif need_dw:
             pos, offs_pad, sq, ss = ctx.saved_tensors[2:]
             dy_pad = pad_groups(dy, offs, pos, ctx.cap)
-            if hp and need_da:
-                p0, dy1 = qdq_dim0_dim1(dy_pad, recipe=cfg, out_dtype=compute)
-                dy0 = p0.index_select(0, pos)
-            elif hp:
-                dy1 = qdq(dy_pad, -2, recipe=cfg, out_dtype=compute)
-            elif need_da:
+            if need_da:
                 p0, dy1 = to_mx_dim0_dim1(dy_pad, recipe=cfg)
                 dy0 = p0.index_rows(pos)
             else:
                 dy1 = to_mx(dy_pad, axis=0, recipe=cfg)
             if ctx.is_mx:  # dequantize the MX activation and cast it along M (see module docstring)
                 a_hp = _mx(sq, ss, 1, cfg, ctx.a_mode, ctx.a_dtype).dequantize(kernel=cfg.dim0_kernel)
-                a_pad = pad_groups(a_hp, offs, pos, ctx.cap)
-                if hp:
-                    a1 = qdq(a_pad, -2, recipe=cfg, out_dtype=compute)
-                else:
-                    a1 = to_mx(a_pad, axis=0, recipe=cfg)
+                a1 = to_mx(pad_groups(a_hp, offs, pos, ctx.cap), axis=0, recipe=cfg)
             else:
                 a1 = _mx(sq, ss, 0, cfg, cfg.scaling_mode, ctx.a_dtype)
-                if hp:
-                    a1 = a1.dequantize(compute, kernel=cfg.dim0_kernel)
-            if hp:  # (E, N, K)
-                dw = hp_gemm(dy1.t(), a1, offs_pad, b_t.dtype)
-            else:
-                dw = mx_gemm(swap_last2(dy1), a1, offs_pad, cfg, out_dtype=b_t.dtype)
-            db_t = dw.transpose(-2, -1)
+            db_t = wgrad_mx(dy1, a1, pos, offs, offs_pad, cfg, b_t.dtype).transpose(-2, -1)
         elif need_da:
             dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute) if hp else to_mx(dy, axis=-1, recipe=cfg)
         if need_da:  # w (E, N, K) along N: the transposing cast of the contiguous weights

@@ -5,17 +5,18 @@ dim its GEMM reduces over (docs/training-ops.md):
   forward  y  = x Wᵀ : x along K (dim0 of x),  W along K (dim0 of W)
   dgrad    dx = dy W : dy along N (dim0 of dy), W along N (dim1 of W)
   wgrad    dW = dyᵀ x: dy along M (dim1 of dy), x along M (dim1 of x)
-Rows are zero-padded to a multiple of the block size for the casts along M (zero rows add
-nothing to dW).
+M need not be a multiple of the block size: the last block along M is short (equal to zero-padding
+it: zeros change no block's amax and add nothing to dW).
 
 Emulated GEMM (the recipe's gemm_backend "emulated"): each operand is made by the fused
-quantize-dequantize (`mxmoe.quant.qdq`): x and dy both ways from one read. The forward keeps x's
-dim1 *MX cast* (fp8 + scales, about half of a bf16 copy; it comes out of the same read as x's
-dim0 values) for the wgrad and dequantizes it there, so what is saved for backward is what the
-quantize-then-dequantize path saved. The weight casts (along K in forward, along N in backward)
-go through `cache_weight_casts` (once per optimizer step inside its scope). The values, their
-layouts and the GEMM calls are those of the MX path, so the results are bit-identical to it.
-Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) and `mx_gemm`.
+quantize-dequantize (`mxmoe.quant.qdq`): x and dy both ways from one read, both results in the
+operand's own row-major layout. The forward keeps x along M in the compute dtype (bf16 on CUDA:
+what bf16 training keeps for its wgrad) and the backward uses it as is: dW = dy1ᵀ x1, both M-major,
+the layout of bf16 training's wgrad. The weight casts (along K in forward, along N in backward)
+go through `cache_weight_casts` (once per optimizer step inside its scope).
+Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) of zero-padded rows and `mx_gemm`; the
+"emulated" backend taken through that path (tests) makes the qdq path's wgrad call on its
+dequantized operands (`wgrad_mx`), so the two paths are bit-identical.
 """
 
 from __future__ import annotations
@@ -97,19 +98,42 @@ def weight_mx(w: Tensor, axis: int, cfg: MXRecipe) -> MXTensor:
     return cached_cast(w, ("mx", axis, cfg), lambda: to_mx(w, axis, recipe=cfg))
 
 
+def wgrad_mx(
+    dy1: MXTensor, x1: MXTensor, rows: Tensor | int, offs: Tensor | None, offs_pad: Tensor | None,
+    cfg: MXRecipe, out_dtype: torch.dtype,
+) -> Tensor:
+    """The MX path's weight gradient dy1ᵀ x1 from the casts along M of zero-padded copies: dy1
+    logical (M_pad, N), x1 (M_pad, K), both blocked along M; rows: M (dense: the real rows are the
+    first M) or pos (grouped: where each real row sits in the padded copy); offs_pad groups the
+    padded rows (None: dense). Returns (N, K), or (E, N, K) when grouped.
+
+    The emulated backend dequantizes, takes the real rows back (row-major (M, ·)) and makes the GEMM
+    call of the qdq path (`hp_gemm(dy1ᵀ, x1, offs)`), so the two paths stay bit-identical (a GEMM's
+    result depends on its operands' layout and reduction length, not only on their values). Other
+    backends get the padded MX operands (32-aligned groups)."""
+    if cfg.gemm_backend != "emulated":
+        return mx_gemm(swap_last2(dy1), x1, offs_pad, cfg, out_dtype=out_dtype)
+    compute = cfg.compute_dtype(x1.device)
+    d, a = (t.dequantize(compute, kernel=cfg.dim0_kernel) for t in (dy1, x1))
+    if isinstance(rows, Tensor):
+        d, a = d.index_select(0, rows), a.index_select(0, rows)
+    else:
+        d, a = d[:rows].contiguous(), a[:rows].contiguous()
+    return hp_gemm(d.t(), a, offs, out_dtype)
+
+
 class _MXMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_t: Tensor, cfg: MXRecipe) -> Tensor:
         # x (M, K); w_t (K, N), the transposed view of W (N, K)
         compute = cfg.compute_dtype(x.device)
         need_dw = wants_grad(w_t)
-        M, bs = x.shape[0], cfg.block_size
         w = w_t.t()
-        x1q = x1s = None
-        if uses_qdq(cfg):
-            if need_dw:
-                x0, x1q, x1s = qdq_dim0_dim1(pad_rows(x, bs), recipe=cfg, out_dtype=compute, dim1_mx=True)
-                x0 = x0[:M]
+        x1q = x1s = x1 = None
+        hp = uses_qdq(cfg)
+        if hp:
+            if need_dw:  # one read of x: along K, and along M (kept for the wgrad, row-major)
+                x0, x1 = qdq_dim0_dim1(x, recipe=cfg, out_dtype=compute, layout="rows")
             else:
                 x0 = qdq(x, -1, recipe=cfg, out_dtype=compute)
             y = hp_gemm(x0, weight_qdq(w, -1, cfg, compute).t(), None, x.dtype)
@@ -122,7 +146,9 @@ class _MXMM(torch.autograd.Function):
             y = mx_gemm(x0, swap_last2(weight_mx(w, -1, cfg)), config=cfg)
         ctx.cfg = cfg
         ctx.x_dtype = x.dtype
-        if need_dw:  # x along M as MX: (K, M_pad) elements and scales
+        if need_dw and hp:  # x along M, (M, K) compute dtype
+            ctx.save_for_backward(w_t, x1)
+        elif need_dw:  # x along M as MX: (K, M_pad) elements and scales
             ctx.save_for_backward(w_t, x1q, x1s)
         else:
             ctx.save_for_backward(w_t)
@@ -138,24 +164,22 @@ class _MXMM(torch.autograd.Function):
         M, bs = dy.shape[0], cfg.block_size
         dx = dw_t = None
         dy = dy.contiguous()
+        if uses_qdq(cfg):
+            if need_dx and need_dw:  # one read of dy: along N, and along M (row-major)
+                dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute, layout="rows")
+            elif need_dx:
+                dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute)
+            else:
+                dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute, layout="rows")
+            if need_dx:  # W (N, K) along N: stored (K, N)
+                dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), None, ctx.x_dtype)
+            if need_dw:  # dy1ᵀ (N, M) and x1 (M, K), both M-major, as bf16 training's wgrad
+                dw_t = hp_gemm(dy1.t(), ctx.saved_tensors[1], None, w_t.dtype).t()  # (N, K) -> (K, N)
+            return dx, dw_t, None
         x1 = None
         if need_dw:
             _, xq, xs = ctx.saved_tensors
             x1 = MXTensor(xq, xs, 0, bs, cfg.scaling_mode, ctx.x_dtype)  # logical (M_pad, K)
-        if uses_qdq(cfg):
-            if need_dx and need_dw:
-                dy0, dy1 = qdq_dim0_dim1(pad_rows(dy, bs), recipe=cfg, out_dtype=compute)
-                dy0 = dy0[:M]
-            elif need_dx:
-                dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute)
-            else:
-                dy1 = qdq(pad_rows(dy, bs), -2, recipe=cfg, out_dtype=compute)
-            if need_dx:  # W (N, K) along N: stored (K, N)
-                dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), None, ctx.x_dtype)
-            if need_dw:
-                x1_hp = x1.dequantize(compute, kernel=cfg.dim0_kernel)
-                dw_t = hp_gemm(dy1.t(), x1_hp, None, w_t.dtype).t()  # (N, K) -> (K, N)
-            return dx, dw_t, None
         if need_dx and need_dw:
             dy0, dy1 = cast_both(dy, cfg)
         elif need_dx:
@@ -165,7 +189,7 @@ class _MXMM(torch.autograd.Function):
         if need_dx:
             dx = mx_gemm(dy0, weight_mx(w, 0, cfg), config=cfg, out_dtype=ctx.x_dtype)
         if need_dw:
-            dw_t = mx_gemm(swap_last2(dy1), x1, config=cfg, out_dtype=w_t.dtype).t()
+            dw_t = wgrad_mx(dy1, x1, M, None, None, cfg, w_t.dtype).t()
         return dx, dw_t, None
 
 

@@ -1,8 +1,9 @@
 """Fused quantize-dequantize (qdq): bf16/fp32 -> MX-rounded values in bf16/fp32, one pass.
 
 `qdq(x, axis, recipe=r, out_dtype=d)` equals `to_mx(x, axis, recipe=r).dequantize(d)` bit for bit
-(same values, same logical shape and the same storage layout), without writing the fp8 elements
-and scales and reading them back. The emulated GEMM of `mxmoe.ops` feeds its operands this way.
+(same values, same logical shape and the same storage layout; NaN where NaN, its payload not
+specified, as for `dequantize`), without writing the fp8 elements and scales and reading them back.
+The emulated GEMM of `mxmoe.ops` feeds its operands this way.
 
 Layouts (x viewed as (B, R, C), contiguous):
   dim0 (blocks along the last dim C): out (B, R, C), the input's layout.
@@ -12,13 +13,24 @@ Layouts (x viewed as (B, R, C), contiguous):
       a transposed one), so this is what keeps the emulated GEMMs bit-identical to the
       quantize-then-dequantize path.
   dim0+dim1 from one read: both of the above; or the dim0 values plus the dim1 cast in MX
-      (elements (C, R) and e8m0 scales (C, R // bs), exactly `to_mx(x, axis=-2)`'s storage), which
-      is what a forward keeps for the weight-gradient GEMM (fp8: half the bytes of a bf16 copy).
+      (elements (C, R) and e8m0 scales (C, R // bs), exactly `to_mx(x, axis=-2)`'s storage).
+  dim1 in rows layout (`layout="rows"`, 2D x (T, C)): out (T, C) in x's own row-major layout (what
+      the training ops feed their weight-gradient GEMMs: torch._grouped_mm takes a K-grouped
+      operand this way with any group sizes). T needs no padding: the last block is short, equal to
+      the zero-padded cast's (zeros do not change a block's amax). With `offs` (E,) int32
+      cumulative group ends (as torch._grouped_mm), the blocks start at each group's first row
+      (group e = rows offs[e-1]:offs[e], its last block short): equal to padding every group to a
+      multiple of the block size, casting, dequantizing and gathering the real rows back, without
+      the copies. Rows at or after offs[-1] belong to no group and are zero in every output (dim0
+      included), as in that padded form. The boundaries are computed on the device from offs (no
+      host sync).
 
-Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize, CPU or GPU)
-and "triton" (one kernel for every mode; on CPU under TRITON_INTERPRET=1). A recipe's "cuda" cast
-kernel maps to the Triton qdq (there is no CUDA qdq kernel). The ops are `torch.library` custom
-ops with fake implementations (torch.compile fullgraph).
+Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize, CPU or GPU;
+padding and gathering for the rows layout) and "triton" (on CPU under TRITON_INTERPRET=1): the
+rows-layout kernel for dim0 and for the rows layout, the tile-transposing kernel for the dim1
+modes stored transposed. A recipe's "cuda" cast kernel maps to the Triton qdq (there is no CUDA qdq
+kernel). The ops are `torch.library` custom ops with fake implementations (torch.compile
+fullgraph).
 """
 
 from __future__ import annotations
@@ -29,11 +41,14 @@ from torch import Tensor
 from mxmoe.formats import OUTPUT_DTYPES, CastSpec, check_input_dtype
 from mxmoe.quant.backends import triton_interpret
 from mxmoe.quant.checks import spec_of
+from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 
 QDQ_KERNELS = ("torch", "triton")
-DIM1_NONE, DIM1_QDQ, DIM1_MX = 0, 1, 2
-"""What the dim1 half of `mxmoe::qdq` writes: nothing, dequantized values, or the MX cast."""
+LAYOUTS = ("transposed", "rows")
+DIM1_NONE, DIM1_QDQ, DIM1_MX, DIM1_ROWS = 0, 1, 2, 3
+"""What the dim1 half of `mxmoe::qdq` writes: nothing, dequantized values stored transposed, the
+MX cast, or dequantized values in x's layout (group-aware with offs)."""
 
 
 def qdq_kernel(kernel: str, device: torch.device) -> str:
@@ -58,7 +73,9 @@ def qdq_kernel(kernel: str, device: torch.device) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _torch_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: int) -> list[Tensor]:
+def _torch_qdq(
+    x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: int, offs: Tensor | None
+) -> list[Tensor]:
     """x (B, R, C) contiguous -> the outputs listed in `qdq_op`, via torch_cast quantize+dequantize."""
     from mxmoe.quant import torch_cast
 
@@ -67,8 +84,22 @@ def _torch_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, di
     outs: list[Tensor] = []
     if dim0:
         q, s = torch_cast.quantize_dim0(x.reshape(B * R, C), spec)
-        outs.append(torch_cast.dequantize(q, s, bs, out_dtype).view(B, R, C))
-    if dim1:
+        y0 = torch_cast.dequantize(q, s, bs, out_dtype).view(B, R, C)
+        if offs is not None:  # rows in no group are zero
+            zero = torch.zeros((), dtype=out_dtype, device=x.device)
+            y0 = torch.where(in_groups(offs, R), y0[0], zero).unsqueeze(0)
+        outs.append(y0)
+    if dim1 == DIM1_ROWS:  # 2D: pad (each group, or the end) to whole blocks, cast, gather back
+        x2 = x[0]
+        if offs is None:
+            pos, xp = None, torch.nn.functional.pad(x2, (0, 0, 0, -R % bs))
+        else:
+            pos, _, cap = group_padding(offs, R, bs)
+            xp = pad_groups(x2, offs, pos, cap)
+        q, s = torch_cast.quantize_dim0(xp.t().contiguous(), spec)
+        y1 = torch_cast.dequantize(q, s, bs, out_dtype).t()
+        outs.append((y1[:R] if pos is None else y1.index_select(0, pos)).unsqueeze(0))
+    elif dim1:
         xt = x.transpose(1, 2).contiguous().view(B * C, R)  # (B, C, R): blocks along R contiguous
         q, s = torch_cast.quantize_dim0(xt, spec)
         if dim1 == DIM1_QDQ:
@@ -84,6 +115,58 @@ def _torch_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, di
 
 _TILE = 64  # rows and columns per program (elements 64 x 64: 16 per thread at 8 warps)
 _MAX_BS = 128  # the tile holds whole blocks both ways: (bs, bs) at least
+# Rows-layout kernel: one dim1 block (bs rows) x _ROWS_WARPS * 64 columns per tile, 64 elements
+# (bf16) per thread; each program does up to _ROWS_ITERS column tiles (amortizing the group
+# lookup; one value: one compiled variant per format), e.g. 2056 x 7 programs for 65536 x 7168 in
+# 8 groups, 512 x 4 for 16384 x 4096.
+_ROWS_WARPS = 4
+_ROWS_ITERS = 4
+_MAX_GROUPS = 4096  # offs entries the rows kernel reads per program (in powers of two from 128)
+
+
+def _rows_tile(bs: int, elem_size: int) -> dict:
+    """(NSL, W, RS, NB) of the rows kernel: a warp's 32 lanes cover RS rows x NB blocks of bs
+    columns with 16-byte vectors (8 bf16 / 4 fp32 elements per lane); NSL = bs / RS slices per
+    thread."""
+    vec = 16 // elem_size
+    lanes_k = max(1, min(32, bs // vec))
+    nb = max(1, min(32 // lanes_k, 64 // bs))  # a warp's lanes cover at least 64 columns
+    rs = max(1, min(bs, 32 // (lanes_k * nb)))
+    return dict(NSL=bs // rs, W=_ROWS_WARPS, RS=rs, NB=nb)
+
+
+def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool,
+                     offs: Tensor | None, outs) -> None:
+    """The rows-layout kernel on x (T, C): y0 and/or y1 (T, C) in `outs`."""
+    import triton
+
+    from mxmoe.quant.triton_cast import _spec_args
+    from mxmoe.quant.triton_qdq import qdq_rows_kernel
+
+    T, C = x.shape
+    bs = spec.block_size
+    if x.numel() == 0:
+        return
+    tile = _rows_tile(bs, x.element_size())
+    bct = tile["W"] * tile["NB"] * bs
+    E = 0 if offs is None else offs.shape[0]
+    # blocks: sum of ceil(n_e / bs) <= floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for
+    # the rows after the last group: <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups)
+    row_blocks = triton.cdiv(T + (bs - 1) * E, bs)
+    progs_c = triton.cdiv(triton.cdiv(C, bct), _ROWS_ITERS)
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    it = iter(outs)
+    y0 = next(it).view(bits) if dim0 else x
+    y1 = next(it).view(bits) if dim1 else x
+    qdq_rows_kernel[(row_blocks, progs_c)](
+        x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1,
+        x if offs is None else offs, T, C, E, BS=bs, N_ITER=_ROWS_ITERS,
+        EP=max(128, triton.next_power_of_2(E)),
+        I64=row_blocks * bs * C + bct >= 2**31,  # above the largest offset a program forms (masked too)
+        GROUPED=offs is not None, IN_BF16=x.dtype == torch.bfloat16,
+        OUT_BF16=out_dtype == torch.bfloat16, DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS,
+        **tile, **_spec_args(spec, x.device.type != "cuda" or triton_interpret()),
+    )
 
 
 def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: int, outs):
@@ -93,8 +176,6 @@ def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, d
 
     B, R, C = x.shape
     bs = spec.block_size
-    if bs > _MAX_BS:
-        raise ValueError(f"block_size={bs}: the Triton qdq kernel supports block sizes up to {_MAX_BS}")
     if x.numel() == 0:
         return
     br = max(bs, min(_TILE, triton.next_power_of_2(R)))
@@ -140,6 +221,8 @@ def _empty_outputs(x: Tensor, elem_dtype, out_dtype, block_size: int, dim0: bool
     elif dim1 == DIM1_MX:
         outs.append(torch.empty((B, C, R), dtype=elem_dtype, device=x.device))
         outs.append(torch.empty((B, C, R // block_size), dtype=torch.float8_e8m0fnu, device=x.device))
+    elif dim1 == DIM1_ROWS:
+        outs.append(torch.empty((B, R, C), dtype=out_dtype, device=x.device))
     return outs
 
 
@@ -153,34 +236,45 @@ def qdq_op(
     dim0: bool,
     dim1: int,
     kernel: str,
+    offs: Tensor | None = None,
 ) -> list[Tensor]:
-    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0 (and R % block_size == 0 when dim1).
+    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0 (and R % block_size == 0 when dim1 is
+    1 or 2; B == 1 when dim1 is 3 or offs is given).
 
     Returns, in order: if dim0, y0 (B, R, C) out_dtype = MX-rounded along C; if dim1 == 1, y1
     (B, C, R) out_dtype = MX-rounded along R, stored transposed; if dim1 == 2, q1 (B, C, R)
     elem_dtype and s1 (B, C, R // block_size) float8_e8m0fnu = the MX cast along R (to_mx's
-    storage). All contiguous. kernel: "torch" | "triton" (concrete, see `qdq_kernel`).
+    storage); if dim1 == 3, y1 (B, R, C) out_dtype = MX-rounded along R in x's layout, blocks
+    starting at every group start when offs is given. offs: None, or (E,) int32 cumulative group
+    ends on x's device (dim1 0 or 3); rows at or after offs[-1] are zero in every output. All
+    contiguous. kernel: "torch" | "triton" (concrete, see `qdq_kernel`).
     """
-    return _qdq_impl(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel)
+    return _qdq_impl(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs)
 
 
-def _qdq_impl(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel) -> list[Tensor]:
+def _qdq_impl(
+    x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None
+) -> list[Tensor]:
     """qdq_op's body, called directly in eager mode (a custom op call costs tens of microseconds of
     Python); arguments already checked."""
     spec = spec_of(block_size, scaling_mode, elem_dtype)
     if kernel == "torch":
         if x.numel() == 0:
             return _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
-        return [t.contiguous() for t in _torch_qdq(x, spec, out_dtype, dim0, dim1)]
+        return [t.contiguous() for t in _torch_qdq(x, spec, out_dtype, dim0, dim1, offs)]
     if kernel != "triton":
         raise ValueError(f"kernel={kernel!r} is not a qdq kernel; expected one of {list(QDQ_KERNELS)}")
     outs = _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
-    _triton_qdq(x, spec, out_dtype, dim0, dim1, outs)
+    if dim1 in (DIM1_NONE, DIM1_ROWS):  # every row-major output: the rows kernel on (B * R, C)
+        _triton_qdq_rows(x.view(-1, x.shape[-1]), spec, out_dtype, dim0, dim1 == DIM1_ROWS, offs,
+                         [t.view(-1, x.shape[-1]) for t in outs])
+    else:
+        _triton_qdq(x, spec, out_dtype, dim0, dim1, outs)
     return outs
 
 
 @qdq_op.register_fake
-def _(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel):
+def _(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None):
     return _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
 
 
@@ -202,7 +296,8 @@ def _qdq(*args) -> list[Tensor]:
 
 
 def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, axes: tuple[int, ...]) -> None:
-    """The one argument check of a public qdq call (x is 2D or 3D here)."""
+    """The one argument check of a public qdq call: x as the caller gave it, axes (-1 and/or -2)
+    that must be whole blocks."""
     if not isinstance(recipe, MXRecipe):
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
     check_input_dtype("x", x)
@@ -216,6 +311,32 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, axes: tuple[int,
             )
 
 
+def _check_rows(x: Tensor, layout: str, offs: Tensor | None, recipe: MXRecipe, kernel: str) -> bool:
+    """Checks `layout` and `offs`; whether the dim1 result is in rows layout."""
+    if not isinstance(recipe, MXRecipe):
+        raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; expected one of {list(LAYOUTS)}")
+    if (layout == "rows" or offs is not None) and x.ndim != 2:
+        raise ValueError(f"x must be 2D (T, C) for layout='rows' or offs, got shape {tuple(x.shape)}")
+    if kernel == "triton" and recipe.block_size > _MAX_BS:
+        raise ValueError(
+            f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to {_MAX_BS}"
+        )
+    if offs is not None:
+        if not isinstance(offs, Tensor) or offs.ndim != 1 or offs.dtype != torch.int32:
+            got = f"{offs.dtype} of shape {tuple(offs.shape)}" if isinstance(offs, Tensor) else repr(offs)
+            raise TypeError(
+                "offs must be a 1D torch.int32 tensor of cumulative group ends (as torch._grouped_mm), "
+                f"got {got}"
+            )
+        if not 1 <= offs.shape[0] <= _MAX_GROUPS:
+            raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
+        if offs.device != x.device:
+            raise ValueError(f"offs is on {offs.device} but x on {x.device}; they must share a device")
+    return layout == "rows"
+
+
 def _as3d(x: Tensor) -> Tensor:
     if x.ndim < 2:
         raise ValueError(f"x must have at least 2 dims for qdq, got shape {tuple(x.shape)}")
@@ -223,28 +344,47 @@ def _as3d(x: Tensor) -> Tensor:
 
 
 def qdq(
-    x: Tensor, axis: int = -1, *, recipe: MXRecipe = DEFAULT_RECIPE, out_dtype: torch.dtype | None = None
+    x: Tensor,
+    axis: int = -1,
+    *,
+    recipe: MXRecipe = DEFAULT_RECIPE,
+    out_dtype: torch.dtype | None = None,
+    offs: Tensor | None = None,
+    layout: str = "transposed",
 ) -> Tensor:
     """`to_mx(x, axis, recipe=recipe).dequantize(out_dtype)` in one pass, bit for bit.
 
     x: bf16/fp32, ndim >= 2, any strides (made contiguous); axis -1 (blocks along the last dim,
     kernel recipe.dim0_kernel) or -2 (blocks along dim -2, kernel recipe.dim1_kernel);
-    x.shape[axis] % recipe.block_size == 0. out_dtype: bf16 or fp32 (default x.dtype).
-    Returns x's shape in out_dtype: axis -1 row-major contiguous; axis -2 stored with the last two
-    dims swapped (a transposed view of a contiguous tensor), as the dequantized dim1 cast is.
+    x.shape[-1] % recipe.block_size == 0. out_dtype: bf16 or fp32 (default x.dtype).
+    Returns x's shape in out_dtype: axis -1 row-major contiguous; axis -2 with layout="transposed"
+    (x.shape[-2] % block_size == 0) stored with the last two dims swapped (a transposed view of a
+    contiguous tensor), as the dequantized dim1 cast is; with layout="rows" (2D x (T, C), any T)
+    row-major contiguous, the last block short (the zero-padded cast's values).
+    offs: None, or (E,) int32 cumulative group ends on x's device (2D x; axis -1, or axis -2 with
+    layout="rows"): blocks along T start at every group start; rows at or after offs[-1] are zero
+    (module docstring).
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
         raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
     dim1 = axis in (-2, x.ndim - 2)
+    kernel = qdq_kernel(getattr(recipe, "dim1_kernel" if dim1 else "dim0_kernel", "torch"), x.device)
+    rows = _check_rows(x, layout, offs, recipe, kernel)
+    if dim1 and offs is not None and not rows:
+        raise ValueError("offs with axis=-2 needs layout='rows' (group blocks in x's own layout)")
+    _check(x, recipe, out_dtype, (-1,) if rows or not dim1 else (-2,))
     x3 = _as3d(x)
-    _check(x3, recipe, out_dtype, (1,) if dim1 else (2,))
-    kernel = qdq_kernel(recipe.dim1_kernel if dim1 else recipe.dim0_kernel, x.device)
-    (y,) = _qdq(
-        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, not dim1,
-        DIM1_QDQ if dim1 else DIM1_NONE, kernel,
-    )
+    offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     if dim1:
+        mode = DIM1_ROWS if rows else DIM1_QDQ
+    else:
+        mode = DIM1_NONE
+    (y,) = _qdq(
+        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, not dim1, mode, kernel,
+        offs,
+    )
+    if dim1 and not rows:
         return y.view(*x.shape[:-2], x.shape[-1], x.shape[-2]).transpose(-2, -1)
     return y.view(x.shape)
 
@@ -255,29 +395,39 @@ def qdq_dim0_dim1(
     recipe: MXRecipe = DEFAULT_RECIPE,
     out_dtype: torch.dtype | None = None,
     dim1_mx: bool = False,
+    offs: Tensor | None = None,
+    layout: str = "transposed",
 ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
-    """Both directions of a 2D x (R, C), bf16/fp32, R and C divisible by the block size, from one
-    read (kernel recipe.dim1_kernel).
+    """Both directions of a 2D x (R, C), bf16/fp32, C divisible by the block size (and R, unless
+    layout="rows"), from one read (kernel recipe.dim1_kernel).
 
-    Returns y0 = qdq(x, -1) ((R, C) contiguous, out_dtype) and, with dim1_mx=False, y1 = qdq(x, -2)
-    ((R, C) logical, stored (C, R) contiguous); with dim1_mx=True instead the MX cast along R as
+    Returns y0 = qdq(x, -1) ((R, C) contiguous, out_dtype) and y1 = qdq(x, -2, layout=layout, offs=offs):
+    layout="transposed": (R, C) logical, stored (C, R) contiguous; layout="rows": (R, C) row-major
+    contiguous, any R, group-aware with offs (then rows at or after offs[-1] are zero in y0 too).
+    With dim1_mx=True (layout "transposed" only) the dim1 half is instead the MX cast along R as
     (q1 (C, R) elem dtype, s1 (C, R // bs) float8_e8m0fnu), equal to to_mx(x, axis=0)'s
     qdata_blocked and scale_blocked.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.ndim != 2:
         raise ValueError(f"x must be 2D for qdq_dim0_dim1, got shape {tuple(x.shape)}")
+    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device)
+    rows = _check_rows(x, layout, offs, recipe, kernel)
+    if offs is not None and not rows:
+        raise ValueError("offs needs layout='rows' (group blocks in x's own layout)")
+    if dim1_mx and rows:
+        raise ValueError("dim1_mx=True gives the MX cast's transposed storage; it needs layout='transposed'")
+    _check(x, recipe, out_dtype, (-1,) if rows else (-2, -1))
     x3 = x.contiguous().unsqueeze(0)
-    _check(x3, recipe, out_dtype, (1, 2))
-    kernel = qdq_kernel(recipe.dim1_kernel, x.device)
+    offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
+    mode = DIM1_ROWS if rows else (DIM1_MX if dim1_mx else DIM1_QDQ)
     outs = _qdq(
-        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True,
-        DIM1_MX if dim1_mx else DIM1_QDQ, kernel,
+        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, mode, kernel, offs
     )
     y0 = outs[0][0]
     if dim1_mx:
         return y0, outs[1][0], outs[2][0]
-    return y0, outs[1][0].t()
+    return y0, (outs[1][0] if rows else outs[1][0].t())
 
 
-__all__ = ["QDQ_KERNELS", "qdq", "qdq_dim0_dim1", "qdq_kernel", "qdq_op"]
+__all__ = ["LAYOUTS", "QDQ_KERNELS", "qdq", "qdq_dim0_dim1", "qdq_kernel", "qdq_op"]

@@ -1,10 +1,16 @@
-"""The Triton kernel of the fused quantize-dequantize (`mxmoe.quant.qdq`, which documents the
+"""The Triton kernels of the fused quantize-dequantize (`mxmoe.quant.qdq`, which documents the
 layouts). Imported on first use of the "triton" qdq backend.
 
-The quantize step is the cast backend's own (`triton_cast._quantize`: one definition of the block
-scale and the element rounding for every Triton kernel); the dequantize step builds the result from
-integer bits, as the Triton dequantize kernel does for tiles with tiny scales, so nothing depends
-on how the GPU treats fp32 subnormals.
+`qdq_rows_kernel`: every output in x's own row-major layout (dim0, dim1 with blocks of rows or of
+each group's rows, both from one read): the training ops' activations and gradients, and dim0 of
+anything. `qdq_triton_kernel`: the tile-transposing kernel for the dim1 outputs stored transposed
+(the weights along N) and the dim1 MX cast.
+
+The quantize step is the cast backend's own (`triton_cast`'s block scale and `_to_elem`'s element
+rounding: one definition for every Triton kernel). The transposing kernel builds the dequantized
+result from integer bits, as the Triton dequantize kernel does for tiles with tiny scales; the rows
+kernel uses the hardware conversions and one exact multiply on a GPU (`_qdq_elems`) and the
+integer construction under the interpreter.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mxmoe.quant.triton_cast import _load_bits, _quantize
+from mxmoe.quant.triton_cast import _abs_key, _block_scale, _load_bits, _quantize, _to_elem
 
 
 @triton.jit
@@ -95,3 +101,118 @@ def qdq_triton_kernel(x_ptr, y0_ptr, y1_ptr, s1_ptr, R, C, BS: tl.constexpr, BR:
             s_mask = (ks * BS + ms < C - c0) & (i_s < nrb - pid_r * NBR)
             s_base = s1_ptr + pid_b * nrb * C + c0.to(tl.int64) * nrb + pid_r * NBR
             tl.store(s_base + (ks * BS + ms) * nrb + i_s, tl.permute(s1, (1, 2, 0)), mask=s_mask)
+
+
+@triton.jit
+def _qdq_elems(X, e, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr, MBITS: tl.constexpr,
+               MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, SOFT: tl.constexpr):
+    """Output bits (int16 for bf16, int32 for fp32) of the MX-rounded X (int32 fp32 bits) in blocks
+    of exponent e and scale byte s (int32; both broadcastable to X, from `_block_scale`).
+
+    The element is the cast backend's: RNE(clamp(X * 2^-e)) on the element grid, by the hardware's
+    cvt.rn.satfinite on a GPU (`_to_elem`). On a GPU it goes back to fp32 by the hardware
+    conversion (exact) and is scaled by one fp32 multiply, exact because the product is
+    representable (at most 4 significant bits on a grid of at least 2^-16, times 2^-127..2^127:
+    a grid >= 2^-143, inside fp32's subnormal range, and no overflow for a finite block); then the
+    hardware's round to nearest even into bf16 (cvt.rn without .ftz: subnormal results round like
+    any other). A non-finite block (s = 255) multiplies by NaN: NaN whatever its elements (the
+    hardware's NaN payload). Under the interpreter (SOFT): `_to_elem`'s software rounding and the
+    integer construction of `_deq_bits` (NaN 0x7FC0 / 0x7FC00000)."""
+    y = X.to(tl.float32, bitcast=True) * ((127 - e) << 23).to(tl.float32, bitcast=True)
+    if SOFT:
+        return _deq_bits(_to_elem(y, IS_E5M2, MBITS, MIN_EXP, MAXBITS, True), s, IS_E5M2, OUT_BF16)
+    if IS_E5M2:
+        v = y.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        v = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+    # 2^(s - 127): the normal number s << 23, the subnormal 2^-127 for s = 0, NaN for s = 255
+    scale = tl.where(s == 255, 0x7FC00000, tl.where(s == 0, 0x400000, s << 23)).to(tl.float32, bitcast=True)
+    o = v * scale
+    if OUT_BF16:
+        return o.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+    else:
+        return o.to(tl.int32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["T", "E"])  # only masks use them: one variant for every T and E
+def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, NSL: tl.constexpr,
+                    W: tl.constexpr, RS: tl.constexpr, NB: tl.constexpr, N_ITER: tl.constexpr,
+                    EP: tl.constexpr, I64: tl.constexpr, GROUPED: tl.constexpr, IN_BF16: tl.constexpr,
+                    OUT_BF16: tl.constexpr,
+                    DIM0: tl.constexpr, DIM1: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
+                    EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
+                    RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
+    """x (T, C) -> y0 (T, C) qdq along C (DIM0) and y1 (T, C) qdq along T (DIM1), both in x's
+    row-major layout, from one read of x.
+
+    Program (p, q) owns one dim1 block of BS rows and the column tiles q*N_ITER .. (q+1)*N_ITER - 1
+    (W*NB*BS columns each). Without GROUPED, block p is rows p*BS .. p*BS + BS - 1 (the last one
+    short). With GROUPED, p counts blocks in the padded row space of `mxmoe.quant.groups`: group e
+    (rows offs[e-1]:offs[e], offs (E,) int32 read here, E <= EP) has ceil(n_e / BS) blocks starting
+    at its first row, the last one short; blocks past the last group cover the rows after offs[-1],
+    which belong to no group and get zeros in y0 and y1.
+
+    A tile is held as (NB, RS, W, NSL, BS): element (b, i, w, m, k) is row m*RS + i of the block and
+    column (w*NB + b)*BS + k of the tile. Triton's default layout for it puts the 16-byte vectors
+    along k, then the lanes along k, b and i (NB*RS*BS/8 = 32 for bf16), the W warps along w, and
+    the NSL slices in each thread's registers: the dim1 amax is a max over a thread's slices, then
+    across the RS lanes; the dim0 amax one across the lanes of a 32-column block; no shared memory
+    (the SASS for sm_90 has 16-byte LDG/STG only, and no local memory). I64: element offsets can
+    reach 2^31 (then 64-bit row pointers, which cost registers)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    if GROUPED:
+        e = tl.arange(0, EP)
+        emask = e < E
+        ends = tl.load(offs_ptr + e, mask=emask, other=0)
+        prev = tl.load(offs_ptr + e - 1, mask=emask & (e > 0), other=0)
+        pend = tl.cumsum(tl.where(emask, (tl.maximum(ends - prev, 0) + BS - 1) // BS, 0), 0)
+        before = emask & (pend <= pid_r)  # groups that end at or before this block
+        in_group = tl.sum(before.to(tl.int32)) < E
+        blk0 = tl.max(tl.where(before, pend, 0))  # first block of this block's group (or tail)
+        t0 = tl.max(tl.where(before, ends, 0)) + (pid_r - blk0) * BS
+        t_end = tl.minimum(tl.min(tl.where(emask & ~before, ends, T)), T)
+    else:
+        in_group = True
+        t0 = pid_r * BS
+        t_end = T
+    BCT: tl.constexpr = W * NB * BS
+    b = tl.arange(0, NB)[:, None, None, None, None]
+    i = tl.arange(0, RS)[None, :, None, None, None]
+    w = tl.arange(0, W)[None, None, :, None, None]
+    m = tl.arange(0, NSL)[None, None, None, :, None]
+    k = tl.arange(0, BS)[None, None, None, None, :]
+    r = m * RS + i
+    rmask = r < t_end - t0
+    col = (w * NB + b) * BS + k
+    if I64:  # offsets past 2^31 elements: a 64-bit row base (per thread: t0 comes from offs)
+        base = t0.to(tl.int64) * C
+        x_ptr += base
+        y0_ptr += base
+        y1_ptr += base
+        row0 = 0
+    else:  # 32-bit offsets from the tensors' starts: fewer registers than 64-bit row pointers
+        row0 = t0
+    for it in range(N_ITER):
+        c0 = (pid_c * N_ITER + it) * BCT
+        # the last column program may have fewer tiles, and with groups the grid's upper bound on
+        # blocks leaves programs with no rows: skip them (a scalar branch, no fully masked work)
+        if (c0 < C) & (t0 < t_end):
+            cc = c0 + col
+            mask = rmask & (cc < C)
+            offs = (row0 + r) * C + cc
+            # rows in no group read as zeros, whose qdq is +0 both ways
+            X = _load_bits(x_ptr, offs, mask & in_group, IN_BF16)
+            key = _abs_key(X)
+            if DIM0:  # blocks along the columns: the BS elements of axis 4
+                e0, _, s0 = _block_scale(tl.max(key, axis=4), MODE, EMAX, MBITS, RCEIL_C, T127, T126)
+                y0 = _qdq_elems(X, tl.expand_dims(e0, 4), tl.expand_dims(s0.to(tl.int32), 4), IS_E5M2,
+                                OUT_BF16, MBITS, MIN_EXP, MAXBITS, SOFT)
+                tl.store(y0_ptr + offs, y0, mask=mask)
+            if DIM1:  # blocks along the rows: a thread's NSL slices (axis 3), then the RS lanes (axis 1)
+                e1, _, s1 = _block_scale(tl.max(tl.max(key, axis=3), axis=1), MODE, EMAX, MBITS, RCEIL_C,
+                                         T127, T126)
+                e1 = tl.expand_dims(tl.expand_dims(e1, 1), 3)
+                s1 = tl.expand_dims(tl.expand_dims(s1.to(tl.int32), 1), 3)
+                y1 = _qdq_elems(X, e1, s1, IS_E5M2, OUT_BF16, MBITS, MIN_EXP, MAXBITS, SOFT)
+                tl.store(y1_ptr + offs, y1, mask=mask)

@@ -45,6 +45,13 @@ def test_bytes_counted():
     assert cast._bytes("dim0", (64, 128), 2) == 2 * n + n + n // 32
     assert cast._bytes("dim0_dim1", (64, 128), 2) == 2 * n + 2 * (n + n // 32)
     assert cast._bytes("dequant", (64, 128), 2) == n + n // 32 + 2 * n
+    assert cast._bytes("qdq dim1 rows", (64, 128), 2) == 2 * n + 2 * n
+    assert cast._bytes("qdq dim0+dim1 rows E=8", (64, 128), 2) == 2 * n + 4 * n
+
+
+def test_qdq_mode_runs_the_triton_kernel_only():
+    args = cast.build_parser().parse_args(["--mode", "qdq", "--kernel", "torch,triton,cuda"])
+    assert {c.kernel for c in cast._cases(args)} == {"triton"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

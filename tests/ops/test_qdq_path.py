@@ -58,10 +58,13 @@ def run_grouped(a, w, offs, dy, cfg, req, mx_input=False):
     return [y, as_.grad, ws.grad]
 
 
+QDQ_BACKENDS = gemm_mod.QDQ_BACKENDS  # as shipped (both_paths patches the module's)
+
+
 def both_paths(monkeypatch, fn):
     """(qdq path result, MX path result, saved bytes of each) of fn()."""
     out = []
-    for qdq_backends in (gemm_mod.QDQ_BACKENDS, frozenset()):
+    for qdq_backends in (QDQ_BACKENDS, frozenset()):
         monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", qdq_backends)
         saved: list[int] = []
 
@@ -87,11 +90,39 @@ def assert_same(got, want, what):
 REQS = [(True, True), (True, False), (False, True)]
 
 
+def fp8_dim1_bytes(rows_padded: int, cols: int) -> int:
+    """Bytes of an MX cast along the rows of a (rows_padded, cols) tensor: elements and scales."""
+    return rows_padded * cols + rows_padded // 32 * cols
+
+
+def saved_delta_mm(M: int, K: int, compute: torch.dtype, need_dw: bool) -> int:
+    """qdq path minus MX path saved bytes of mx_mm: x along M in the compute dtype (M, K) instead
+    of its MX cast of the zero-padded (M_pad, K)."""
+    if not need_dw:
+        return 0
+    m_pad = -(-M // 32) * 32
+    return M * K * compute.itemsize - fp8_dim1_bytes(m_pad, K)
+
+
+def saved_delta_grouped(T: int, K: int, E: int, compute: torch.dtype, need_dw: bool, mx_input: bool) -> int:
+    """qdq path minus MX path saved bytes of mx_grouped_mm: the qdq path keeps neither the padding
+    map (pos (T,) int64, offs_pad (E,) int32) nor the padded MX cast; it keeps the tokens along M in
+    the compute dtype (T, K), or for an MX input the same MX input as the MX path."""
+    if not need_dw:
+        return 0
+    cap = -(-(T + 31 * E) // 32) * 32
+    delta = -(T * 8 + E * 4)
+    if not mx_input:
+        delta += T * K * compute.itemsize - fp8_dim1_bytes(cap, K)
+    return delta
+
+
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
 @pytest.mark.parametrize("dtype,gemm_dtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16)])
 def test_mx_mm_qdq_path_bit_identical(monkeypatch, mode, dtype, gemm_dtype):
     """mx_mm: y, dx, dW equal bit for bit, layouts included, for every requires-grad combination
-    and a row count that needs padding; the saved-for-backward bytes are the same."""
+    and a row count that is no multiple of 32; the qdq path saves x along M in the compute dtype
+    where the MX path saves its MX cast."""
     cfg = rec(mode, gemm_dtype=gemm_dtype)
     x = wide_range((45, 128), dtype, 0)
     w = wide_range((96, 128), dtype, 1) * 0.1
@@ -99,14 +130,15 @@ def test_mx_mm_qdq_path_bit_identical(monkeypatch, mode, dtype, gemm_dtype):
     for req in REQS:
         (new, nb), (old, ob) = both_paths(monkeypatch, lambda req=req: run_mm(x, w, dy, cfg, req))
         assert_same(new, old, f"mx_mm {req}")
-        assert nb == ob, (req, nb, ob)
+        assert nb - ob == saved_delta_mm(45, 128, cfg.compute_dtype(x.device), req[1]), (req, nb, ob)
 
 
 @pytest.mark.parametrize("mode,elem", [("rceil", torch.float8_e4m3fn), ("even", torch.float8_e5m2)])
 @pytest.mark.parametrize("mx_input", [False, True])
 def test_mx_grouped_mm_qdq_path_bit_identical(monkeypatch, mode, elem, mx_input):
     """mx_grouped_mm (plain and MX-activation input), groups of size 0, not multiples of 32, and
-    rows past the last group; bf16 operands with bf16 compute."""
+    rows past the last group; bf16 operands with bf16 compute. The qdq path casts the tokens and dy
+    along M group by group without a padded copy and saves the tokens' cast in bf16."""
     cfg = rec(mode, elem, gemm_dtype=torch.bfloat16)
     counts = [0, 5, 33, 0, 40]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -119,19 +151,28 @@ def test_mx_grouped_mm_qdq_path_bit_identical(monkeypatch, mode, elem, mx_input)
             monkeypatch, lambda req=req: run_grouped(a, w, offs, dy, cfg, req, mx_input)
         )
         assert_same(new, old, f"grouped {req}")
-        assert nb == ob, (req, nb, ob)
+        want = saved_delta_grouped(T, 64, 5, torch.bfloat16, req[1], mx_input)
+        assert nb - ob == want, (req, nb, ob)
 
 
 def test_qdq_path_triton_interpreter_bit_identical(monkeypatch):
-    """The Triton qdq kernel (interpreter) in the ops == the MX path with the torch casts."""
+    """The Triton qdq kernel (interpreter) in the ops == the MX path with the torch casts: mx_mm
+    (M no multiple of 32) and mx_grouped_mm (ragged and empty groups, rows after the last)."""
     x = wide_range((40, 64), torch.bfloat16, 6)
     w = wide_range((32, 64), torch.bfloat16, 7)
     dy = wide_range((40, 32), torch.bfloat16, 8)
+    counts = [7, 0, 33, 1]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    we = wide_range((4, 32, 64), torch.bfloat16, 9)
+    a = torch.cat([x, x[:5]])  # 45 rows: 4 after the last group
+    dya = torch.cat([dy, dy[:5]])
     cfg_t = rec(kernel="triton", gemm_dtype=torch.bfloat16)
     monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
     old = run_mm(x, w, dy, rec(gemm_dtype=torch.bfloat16), (True, True))
+    old_g = run_grouped(a, we, offs, dya, rec(gemm_dtype=torch.bfloat16), (True, True))
     monkeypatch.undo()
     assert_same(run_mm(x, w, dy, cfg_t, (True, True)), old, "triton qdq")
+    assert_same(run_grouped(a, we, offs, dya, cfg_t, (True, True)), old_g, "triton qdq grouped")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,8 +319,8 @@ def test_grouped_mx_input_must_match_recipe(quant, match):
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
 def test_gpu_qdq_path_bit_identical(monkeypatch, kernel, mode):
     """On the H200 (bf16 emulated GEMMs: torch.mm and torch._grouped_mm): the Triton qdq path ==
-    the MX path with the same recipe's casts (auto / triton / cuda), bit for bit, layouts and
-    saved bytes included, for mx_mm and mx_grouped_mm (plain and MX input), all grad subsets."""
+    the MX path with the same recipe's casts (auto / triton / cuda), bit for bit, layouts included
+    (saved bytes as expected), for mx_mm and mx_grouped_mm (plain and MX input), all grad subsets."""
     cfg = rec(mode, kernel=kernel)
     dev = "cuda"
     x = wide_range((1000, 512), torch.bfloat16, 0).to(dev)
@@ -292,13 +333,15 @@ def test_gpu_qdq_path_bit_identical(monkeypatch, kernel, mode):
     for req in REQS:
         (new, nb), (old, ob) = both_paths(monkeypatch, lambda req=req: run_mm(x, w, dy, cfg, req))
         assert_same(new, old, f"gpu mx_mm {req}")
-        assert nb == ob
+        assert nb - ob == saved_delta_mm(1000, 512, torch.bfloat16, req[1])
         for mx_input in (False, True):
             (new, nb), (old, ob) = both_paths(
                 monkeypatch, lambda req=req, m=mx_input: run_grouped(a, we, offs, dy, cfg, req, m)
             )
             assert_same(new, old, f"gpu grouped {req} mx_input={mx_input}")
-            assert nb == ob
+            assert nb - ob == saved_delta_grouped(1000, 512, 5, torch.bfloat16, req[1], mx_input)
+            if req[1]:  # empty experts (torch._grouped_mm's K-grouped GEMM over 0 rows): dW = 0
+                assert not new[2][[0, 3]].any()
 
 
 @pytest.mark.gpu

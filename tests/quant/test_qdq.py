@@ -22,6 +22,7 @@ from tests.quant.helpers import (
     data,
     dname,
     level,
+    to_f32_numpy,
     to_torch,
 )
 
@@ -136,7 +137,7 @@ def test_qdq_equals_to_mx_dequantize_noncontiguous():
 
 def test_qdq_errors():
     r = recipe("torch", "rceil", torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"x.shape\[2\]=40 .* block_size=32"):
+    with pytest.raises(ValueError, match=r"x.shape\[-1\]=40 \(x \(4, 40\)\) .* block_size=32"):
         qdq(torch.randn(4, 40), recipe=r)
     with pytest.raises(ValueError, match="axis=0"):
         qdq(torch.randn(3, 32, 32), 0, recipe=r)
@@ -146,7 +147,7 @@ def test_qdq_errors():
         qdq(torch.randn(4, 32), recipe=r, out_dtype=torch.float16)
     with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe"):
         qdq(torch.randn(4, 32), recipe="mxfp8")
-    with pytest.raises(ValueError, match=r"x.shape\[1\]=4 .*block_size=32"):
+    with pytest.raises(ValueError, match=r"x.shape\[-2\]=4 .*block_size=32"):
         qdq_dim0_dim1(torch.randn(4, 32), recipe=r)
 
 
@@ -169,6 +170,241 @@ def test_qdq_fake_matches_real_and_compiles():
 
     got = torch.compile(f, fullgraph=True, backend="inductor")(x)
     assert torch.equal(got, f(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# rows layout: dim1 in x's own layout, any row count, blocks per group (offs)
+# ---------------------------------------------------------------------------------------------
+
+COUNTS = [0, 1, 31, 32, 33, 0, 45]  # groups: empty, 1, 31, 32, 33, empty, 45 rows
+TAIL = 7  # rows after the last group (in no group)
+
+
+def grouped_rows(src: np.ndarray, counts: list[int], tail: int, bs: int = BS) -> np.ndarray:
+    """(sum(counts) + tail, C) rows of src (S, C), S a multiple of bs: each group (and the tail)
+    starts at a whole block of src, so the special blocks of tests/quant/cases.py stay whole
+    blocks of the groups (the last block of a group is a prefix of one)."""
+    out, p = [], 0
+    for n in [*counts, tail]:
+        out.append(src[(p + np.arange(n)) % src.shape[0]])
+        p = (p + -(-n // bs) * bs) % src.shape[0]
+    return np.concatenate(out)
+
+
+def oracle_rows(x32: np.ndarray, bs: int, mode: str, elem, out, ends: list[int] | None):
+    """Expected (y0, y1) float64 values (NaN where NaN) of qdq_dim0_dim1(x, layout="rows",
+    offs=ends) from the oracle, as the padded form defines them: y0 the cast along the columns;
+    y1: each group (or all rows when ends is None) zero-padded to whole blocks of rows, cast along
+    the rows, dequantized, its real rows taken; rows at or after ends[-1] zero in both."""
+    T, C = x32.shape
+    o, e = dname(out), dname(elem)
+    y0 = O.oracle_dequantize(*oracle(x32, bs, mode, elem), bs, e, o)
+    y1 = np.zeros((T, C))
+    bounds = [(0, T)] if ends is None else list(zip([0, *ends[:-1]], ends, strict=True))
+    for a, b in bounds:
+        n = b - a
+        if n:
+            blk = np.zeros((-(-n // bs) * bs, C), np.float32)
+            blk[:n] = x32[a:b]
+            s, q = oracle(np.ascontiguousarray(blk.T), bs, mode, elem)
+            y1[a:b] = O.oracle_dequantize(s, q, bs, e, o).T[:n]
+    if ends is not None:
+        y0[ends[-1]:] = 0
+    return y0, y1
+
+
+def check_values(got: torch.Tensor, want: np.ndarray, what: str) -> None:
+    """got (bf16/fp32) == want (float64 values of got's dtype) bit for bit, NaN where NaN."""
+    out = dname(got.dtype)
+    g = got.detach().cpu().contiguous()
+    gbits = (g.view(torch.int16).numpy().view(np.uint16) if out == "bfloat16"
+             else g.view(torch.int32).numpy().view(np.uint32))
+    gnan, wnan = np.isnan(to_f32_numpy(g)), np.isnan(want)
+    assert g.shape == want.shape, f"{what}: shape {tuple(g.shape)}, expected {want.shape}"
+    assert np.array_equal(gnan, wnan), f"{what}: NaN mask differs at {np.argwhere(gnan != wnan)[:8].tolist()}"
+    bad = np.argwhere((gbits != O.value_bits(np.where(wnan, 0.0, want), out)) & ~wnan)
+    assert not len(bad), f"{what}: {len(bad)} values differ, first at {bad[:8].tolist()}"
+
+
+def offs_of(counts: list[int], device="cpu") -> torch.Tensor:
+    return torch.tensor(np.cumsum(counts), dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_qdq_rows_matches_oracle(kernel, grouped):
+    """layout="rows": y0 and y1 (T, C) row-major == the oracle's padded form (module helper
+    oracle_rows), every scale mode, element, input and output dtype; T = 45 (a short last
+    block) without groups; ragged groups with empty ones, sizes 1, 31, 32, 33, and rows after the
+    last group with offs. qdq along one axis gives the same bits as the fused call."""
+    for mode, elem, dtype in run_combos(kernel):
+        src = np.ascontiguousarray(data(64, BS, mode, elem, dtype, level(kernel)).T)  # blocks along rows
+        x32 = grouped_rows(src, COUNTS, TAIL) if grouped else src[:45]
+        ends = np.cumsum(COUNTS).tolist() if grouped else None
+        offs = offs_of(COUNTS) if grouped else None
+        x = to_torch(x32, dtype)
+        r = recipe(kernel, mode, elem)
+        for out in DTYPES:
+            what = f"rows {kernel} {mode} {dname(elem)} {dname(dtype)} -> {dname(out)} grouped={grouped}"
+            w0, w1 = oracle_rows(x32, BS, mode, elem, out, ends)
+            y0, y1 = qdq_dim0_dim1(x, recipe=r, out_dtype=out, layout="rows", offs=offs)
+            assert y0.is_contiguous() and y1.is_contiguous() and y1.shape == x.shape
+            check_values(y0, w0, what + " dim0")
+            check_values(y1, w1, what + " dim1")
+            z1 = qdq(x, -2, recipe=r, out_dtype=out, layout="rows", offs=offs)
+            z0 = qdq(x, -1, recipe=r, out_dtype=out, offs=offs)
+            assert torch.equal(_bytes(z1), _bytes(y1)) and torch.equal(_bytes(z0), _bytes(y0)), what
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_qdq_rows_edge_groups(kernel):
+    """Groups that are all empty but one, one group of every row, a single row, offs[-1] == 0
+    (every row in no group: zeros), groups and tail of 32k + 1 rows (the most blocks per row),
+    block size 16 and fp32 in and out, against the padded form."""
+    r16 = recipe(kernel, "floor", torch.float8_e5m2, 16)
+    r = recipe(kernel, "rceil", torch.float8_e4m3fn)
+    g = np.random.default_rng(3)
+    for rr, counts, tail, dtype in (
+        (r, [0, 0, 70, 0], 0, torch.bfloat16),
+        (r, [70], 0, torch.float32),
+        (r, [1], 0, torch.bfloat16),
+        (r, [1], 1, torch.bfloat16),  # every group and the tail one row past whole blocks
+        (r, [33, 1, 65], 1, torch.bfloat16),
+        (r, [0, 0], 5, torch.bfloat16),
+        (r16, [3, 17, 16, 0, 40], 9, torch.float32),
+    ):
+        T = sum(counts) + tail
+        x32 = (g.standard_normal((T, 2 * rr.block_size)) * np.exp2(g.integers(-20, 20, (T, 1))))
+        x = to_torch(x32.astype(np.float32), torch.float32).to(dtype)
+        x32 = to_f32_numpy(x)
+        ends = np.cumsum(counts).tolist()
+        for out in DTYPES:
+            w0, w1 = oracle_rows(x32, rr.block_size, rr.scaling_mode, rr.elem_dtype, out, ends)
+            y0, y1 = qdq_dim0_dim1(x, recipe=rr, out_dtype=out, layout="rows", offs=offs_of(counts))
+            check_values(y0, w0, f"{counts} {tail} dim0")
+            check_values(y1, w1, f"{counts} {tail} dim1")
+
+
+@pytest.mark.parametrize("elem", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_qdq_rows_gpu_dequantize_formula_is_exact(elem):
+    """The arithmetic of the rows kernel's GPU element path (`_qdq_elems`, not run by the
+    interpreter), done here with IEEE fp32 on CPU: the element value (exact in fp32) times the scale
+    2^(s - 127) as one fp32 (the normal s << 23, the subnormal 2^-127 for s = 0, NaN for 255), then
+    round to nearest even into bf16, equals the oracle's dequantize for every finite element byte
+    and every scale byte, into bf16 and fp32."""
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(elem)
+    qf = q.float()
+    finite = torch.isfinite(qf)
+    sb = torch.arange(256, dtype=torch.int32)
+    scale_bits = torch.where(sb == 255, 0x7FC00000, torch.where(sb == 0, 0x400000, sb << 23))
+    prod = qf[None, finite] * scale_bits.view(torch.float32)[:, None]  # (256 scales, finite elements)
+    qbytes = np.broadcast_to(q.view(torch.uint8)[finite].numpy(), prod.shape)
+    sbytes = np.arange(256, dtype=np.uint8)[:, None]  # one block per element: block size 1
+    for out, got in ((torch.float32, prod), (torch.bfloat16, prod.to(torch.bfloat16))):
+        want = O.oracle_dequantize(sbytes.repeat(prod.shape[1], 1), np.ascontiguousarray(qbytes), 1,
+                                   dname(elem), dname(out))
+        check_values(got, want, f"{dname(elem)} -> {dname(out)}")
+
+
+def test_qdq_rows_noncontiguous_offs():
+    """offs may be any 1D view (the kernel gets a contiguous copy)."""
+    x = torch.randn(50, 64)
+    offs = torch.tensor([10, 99, 33, 99, 45], dtype=torch.int32)[::2]
+    for k in KERNELS:
+        r = recipe(k, "rceil", torch.float8_e4m3fn)
+        got = qdq_dim0_dim1(x, recipe=r, layout="rows", offs=offs)
+        want = qdq_dim0_dim1(x, recipe=r, layout="rows", offs=offs.contiguous())
+        assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(got, want, strict=True))
+        assert torch.equal(_bytes(qdq(x, -2, recipe=r, layout="rows", offs=offs)), _bytes(want[1]))
+
+
+def test_qdq_rows_kernel_writes_every_row():
+    """The rows kernel's grid covers every block: outputs pre-filled with NaN are all overwritten
+    (with the torch backend's values) for group sizes and a tail of 32k + 1 rows (the most blocks
+    per row) and for empty groups."""
+    from mxmoe.quant.checks import spec_of
+    from mxmoe.quant.qdq import _triton_qdq_rows
+
+    spec = spec_of(BS, "rceil", torch.float8_e4m3fn)
+    rg = recipe("torch", "rceil", torch.float8_e4m3fn)
+    torch.manual_seed(2)
+    for counts, tail in (([1], 1), ([33, 1, 0, 65], 1), ([0, 0, 0], 33), ([1] * 9, 0)):
+        T = sum(counts) + tail
+        x = torch.randn(T, 64)
+        offs = offs_of(counts)
+        outs = [torch.full((T, 64), float("nan")) for _ in range(2)]
+        _triton_qdq_rows(x, spec, torch.float32, True, True, offs, outs)
+        want = qdq_dim0_dim1(x, recipe=rg, layout="rows", offs=offs)
+        for a, b in zip(outs, want, strict=True):
+            assert torch.equal(_bytes(a), _bytes(b)), (counts, tail)
+
+
+def test_qdq_rows_triton_interpreter_equals_torch_random():
+    """The Triton rows kernel (interpreter) == the torch backend on random wide-range data, several
+    column tiles per program (C = 1024) and ragged groups."""
+    torch.manual_seed(0)
+    counts = [40, 0, 3, 100, 1]
+    T = sum(counts) + 2
+    x = torch.randn(T, 1024) * torch.exp2(torch.randint(-60, 60, (T, 32)).float()).repeat_interleave(32, 1)
+    rt, rg = (recipe(k, "rceil", torch.float8_e4m3fn) for k in ("triton", "torch"))
+    for dtype in DTYPES:
+        xd = x.to(dtype)
+        for offs in (None, offs_of(counts)):
+            got = qdq_dim0_dim1(xd, recipe=rt, layout="rows", offs=offs)
+            want = qdq_dim0_dim1(xd, recipe=rg, layout="rows", offs=offs)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(_bytes(a), _bytes(b)), (dtype, offs)
+
+
+def test_qdq_rows_errors():
+    r = recipe("torch", "rceil", torch.float8_e4m3fn)
+    x = torch.randn(40, 64)
+    offs = torch.tensor([10, 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="layout='cols'; expected one of \\['transposed', 'rows'\\]"):
+        qdq(x, -2, recipe=r, layout="cols")
+    with pytest.raises(TypeError, match="offs must be a 1D torch.int32 .* got torch.int64 of shape"):
+        qdq(x, -2, recipe=r, layout="rows", offs=offs.long())
+    with pytest.raises(TypeError, match="offs must be a 1D torch.int32 tensor .* got \\[10, 40\\]"):
+        qdq(x, -2, recipe=r, layout="rows", offs=[10, 40])
+    with pytest.raises(ValueError, match="offs has 0 groups; expected 1 to"):
+        qdq(x, -2, recipe=r, layout="rows", offs=offs[:0])
+    with pytest.raises(ValueError, match="x must be 2D \\(T, C\\) for layout='rows' or offs, got shape"):
+        qdq(torch.randn(2, 40, 64), -2, recipe=r, layout="rows")
+    with pytest.raises(ValueError, match="offs with axis=-2 needs layout='rows'"):
+        qdq(x, -2, recipe=r, offs=offs)
+    with pytest.raises(ValueError, match="offs needs layout='rows'"):
+        qdq_dim0_dim1(x, recipe=r, offs=offs)
+    with pytest.raises(ValueError, match="dim1_mx=True .* needs layout='transposed'"):
+        qdq_dim0_dim1(x, recipe=r, layout="rows", dim1_mx=True)
+    with pytest.raises(ValueError, match=r"x.shape\[-1\]=48 .*block_size=32"):
+        qdq(torch.randn(40, 48), -2, recipe=r, layout="rows")
+    r256 = recipe("triton", "rceil", torch.float8_e4m3fn, 256)
+    with pytest.raises(ValueError, match="block_size=256: the Triton qdq kernel supports block sizes up to"):
+        qdq(torch.randn(4, 256), -2, recipe=r256, layout="rows")
+
+
+def test_qdq_rows_fake_matches_real_and_compiles():
+    """The rows layout's fake outputs have the real ones' layout; a grouped qdq traces with
+    fullgraph (offs a graph input: no host sync) and equals eager."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(1, 45, 96)
+    offs = offs_of([5, 0, 30])
+    for dim0, o in ((True, None), (False, None), (True, offs), (False, offs)):
+        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, 3, "torch", o)
+        real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args)]
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fo = None if o is None else mode.from_tensor(o)
+            fake = [(t.shape, t.stride(), t.dtype) for t in qdq_op(mode.from_tensor(x), *args[:-1], fo)]
+        assert real == fake, (dim0, o)
+    r = recipe("torch", "floor", torch.float8_e4m3fn)
+
+    def f(x, offs):
+        a, b = qdq_dim0_dim1(x, recipe=r, out_dtype=torch.float32, layout="rows", offs=offs)
+        return a + b + qdq(x, -2, recipe=r, out_dtype=torch.float32, layout="rows")
+
+    got = torch.compile(f, fullgraph=True, backend="inductor")(x[0], offs)
+    assert torch.equal(got, f(x[0], offs))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -219,3 +455,82 @@ def test_gpu_qdq_fake_matches_real_triton():
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = [(t.shape, t.stride(), t.dtype) for t in qdq_op(mode.from_tensor(x), *args)]
         assert real == fake, (dim0, dim1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", COMBOS, ids=[combo_id(c) for c in COMBOS])
+def test_gpu_qdq_rows_triton_matches_oracle(combo):
+    """On the GPU: the Triton rows kernel == the oracle's padded form on every input class (full
+    level), ragged groups (empty ones, sizes 1, 31, 32, 33, rows after the last); bf16 out, and fp32
+    out too for fp32 in (each output format is a compiled variant: kept few for the GPU run's time;
+    no groups and a short last block: test_gpu_qdq_rows_triton_equals_torch_large)."""
+    mode, elem, dtype = combo
+    src = np.ascontiguousarray(data(64, BS, mode, elem, dtype, "full").T)
+    rt = recipe("triton", mode, elem)
+    x32 = grouped_rows(src, COUNTS, TAIL)
+    ends = np.cumsum(COUNTS).tolist()
+    x = to_torch(x32, dtype, "cuda")
+    for out in DTYPES if dtype == torch.float32 else (torch.bfloat16,):
+        w0, w1 = oracle_rows(x32, BS, mode, elem, out, ends)
+        y0, y1 = qdq_dim0_dim1(x, recipe=rt, out_dtype=out, layout="rows", offs=offs_of(COUNTS, "cuda"))
+        check_values(y0, w0, f"gpu rows dim0 -> {out}")
+        check_values(y1, w1, f"gpu rows dim1 -> {out}")
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_rows_triton_equals_torch_large():
+    """On the GPU: the Triton rows kernel == the torch backend bit for bit on a large wide-range
+    input, T no multiple of 32, 100 ragged groups (every 7th empty) and 13 rows after the last,
+    7168 columns (several column tiles per program, a short last column program): both directions
+    with and without groups, dim1 alone with groups; e4m3 RCEIL bf16 and e5m2 FLOOR fp32 in."""
+    g = torch.Generator().manual_seed(1)
+    counts = torch.randint(0, 200, (100,), generator=g)
+    counts[::7] = 0
+    T = int(counts.sum()) + 13
+    offs = counts.cumsum(0).to(torch.int32).cuda()
+    scale = torch.logspace(-30, 30, T, device="cuda").view(-1, 1)
+    for mode, elem, dtype in (("rceil", torch.float8_e4m3fn, torch.bfloat16),
+                              ("floor", torch.float8_e5m2, torch.float32)):
+        rt, rg = recipe("triton", mode, elem), recipe("torch", mode, elem)
+        t = (torch.randn(T, 7168, device="cuda") * scale).to(dtype)
+        for o in (None, offs):
+            got = qdq_dim0_dim1(t, recipe=rt, out_dtype=torch.bfloat16, layout="rows", offs=o)
+            want = qdq_dim0_dim1(t, recipe=rg, out_dtype=torch.bfloat16, layout="rows", offs=o)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(_bytes(a), _bytes(b)), (mode, o is None)
+        got = qdq(t, -2, recipe=rt, out_dtype=torch.bfloat16, layout="rows", offs=offs)
+        assert torch.equal(_bytes(got), _bytes(want[1])), mode
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_rows_fake_matches_real_triton():
+    """The Triton rows kernel's outputs have the layout the fake implementation promises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(1, 1000, 512, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([100, 100, 999], dtype=torch.int32, device="cuda")
+    for dim0, o in ((True, None), (False, offs), (True, offs)):
+        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, 3, "triton")
+        real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args, o)]
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fo = None if o is None else mode.from_tensor(o)
+            fake = [(t.shape, t.stride(), t.dtype) for t in qdq_op(mode.from_tensor(x), *args, fo)]
+        assert real == fake, (dim0, o is None)
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_rows_beyond_2_31_elements():
+    """More than 2^31 elements (the kernel's 64-bit row offsets): the groups at the end and the
+    first rows equal the same kernel on small slices (32-bit offsets)."""
+    r = recipe("triton", "rceil", torch.float8_e4m3fn)
+    C = 8192
+    T = 2**31 // C + 300
+    x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
+    counts = [T - 350, 150, 0, 100]  # then 100 rows in no group
+    offs = offs_of(counts, "cuda")
+    y0, y1 = qdq_dim0_dim1(x, recipe=r, layout="rows", offs=offs)
+    s = T - 350
+    z0, z1 = qdq_dim0_dim1(x[s:], recipe=r, layout="rows", offs=offs[1:] - s)
+    assert torch.equal(_bytes(y0[s:]), _bytes(z0)) and torch.equal(_bytes(y1[s:]), _bytes(z1))
+    h0, h1 = qdq_dim0_dim1(x[:992], recipe=r, layout="rows", offs=offs_of([992], "cuda"))
+    assert torch.equal(_bytes(y0[:992]), _bytes(h0)) and torch.equal(_bytes(y1[:992]), _bytes(h1))
