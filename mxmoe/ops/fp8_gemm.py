@@ -46,6 +46,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from mxmoe.ops import fp8_wgmma
+from mxmoe.ops.fp8_wgmma import WgmmaConfig
 from mxmoe.quant.backends import triton_interpret
 
 BLOCK = 32
@@ -339,16 +341,30 @@ def _check(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
 
 
 def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | None,
-           out_dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> Tensor:
+           out_dtype: torch.dtype, config: Fp8GemmConfig | WgmmaConfig | None = None) -> Tensor:
     """Run the kernel (no custom-op wrapper: the benchmarks pass `config` to compare tiles).
 
-    Shapes and layouts as in the module docstring; returns a new contiguous tensor of `out_dtype`.
+    On the GPU the dense and grouped-rows modes run the Gluon kernel (`mxmoe.ops.fp8_wgmma`, config a
+    `WgmmaConfig`); the grouped-K mode, and every mode in the interpreter, the Triton kernel here
+    (config an `Fp8GemmConfig`). Shapes and layouts as in the module docstring; returns a new
+    contiguous tensor of `out_dtype`.
     """
     _check(a_q, a_s, b_q, b_s, offs, out_dtype)
     reason = why_unavailable(a_q.device)
     if reason is not None:
         raise RuntimeError(reason)
     interp = a_q.device.type == "cpu"
+    if not interp and (offs is None or b_q.ndim == 3):
+        if config is not None and not isinstance(config, WgmmaConfig):
+            raise TypeError(f"config={config!r}: dense and grouped rows on a GPU take a WgmmaConfig")
+        out = torch.empty(_out_shape(a_q, b_q, offs), dtype=out_dtype, device=a_q.device)
+        if out.numel() == 0:
+            return out
+        if a_q.shape[1] == 0:
+            return out.zero_()
+        return fp8_wgmma.launch(a_q, a_s, b_q, b_s, offs, out, config or fp8_wgmma.DEFAULT_CONFIG)
+    if config is not None and not isinstance(config, Fp8GemmConfig):
+        raise TypeError(f"config={config!r}: grouped K, and the interpreter, take an Fp8GemmConfig")
     if config is not None:
         cfg = config
     elif interp:

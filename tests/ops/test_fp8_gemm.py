@@ -12,8 +12,9 @@ range.
 import pytest
 import torch
 
-from mxmoe.ops import MXOpConfig, fp8_gemm, mx_gemm, mx_grouped_mm, mx_mm
+from mxmoe.ops import MXOpConfig, fp8_gemm, fp8_wgmma, mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.ops.fp8_gemm import Fp8GemmConfig, fp8_mx_gemm, why_unavailable
+from mxmoe.ops.fp8_wgmma import WgmmaConfig
 from mxmoe.quant.mx_tensor import MXTensor, to_mx
 from mxmoe.recipe import recipe
 
@@ -198,17 +199,12 @@ def test_exact_power_of_two_scales():
     assert torch.equal(got.double(), dq64(aq, as_) @ dq64(bq, bs).t())
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, on the expected inf
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN scales
-def test_scale_byte_extremes():
-    """Byte 255 is NaN (its row / column), byte 0 is 2^-127 exactly, a product of two tiny scales
-    below fp32's range adds (almost) nothing instead of NaN, one above it is inf (as the fp32
-    dequantized operands would be)."""
+def run_scale_byte_extremes(device):
     K = 64
-    one = torch.full((4, K), 1.0).to(torch.float8_e4m3fn)
-    sa = scales(torch.tensor([[255, 127], [0, 127], [0, 0], [127, 127]]), "cpu")
-    sb = scales(torch.tensor([[127, 127], [254, 127], [0, 127], [127, 255]]), "cpu")
-    got = fp8_mx_gemm(one, sa, one, sb, None, torch.float32)
+    one = torch.full((4, K), 1.0).to(torch.float8_e4m3fn).to(device)
+    sa = scales(torch.tensor([[255, 127], [0, 127], [0, 0], [127, 127]]), device)
+    sb = scales(torch.tensor([[127, 127], [254, 127], [0, 127], [127, 255]]), device)
+    got = fp8_mx_gemm(one, sa, one, sb, None, torch.float32).cpu()
     ref = dq64(one, sa) @ dq64(one, sb).t()
     assert torch.equal(torch.isnan(got), torch.isnan(ref))
     assert torch.isnan(got[0]).all() and torch.isnan(got[:, 3]).all()
@@ -217,6 +213,15 @@ def test_scale_byte_extremes():
     assert got[2, 2].item() == 32 * 2.0**-127
     assert got[1, 2].item() == 32.0
     assert got[3, 1].item() == float("inf")  # 32 * 2^127 + 32: beyond fp32
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, on the expected inf
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on NaN scales
+def test_scale_byte_extremes():
+    """Byte 255 is NaN (its row / column), byte 0 is 2^-127 exactly, a product of two tiny scales
+    below fp32's range adds (almost) nothing instead of NaN, one above it is inf (as the fp32
+    dequantized operands would be)."""
+    run_scale_byte_extremes("cpu")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -480,3 +485,114 @@ def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
         scale = ref.abs().max().item()
         assert (got - ref).abs().max().item() <= 2e-2 * scale
     assert not outs[0][2][0].any() and not outs[0][2][3].any()  # empty experts: zero dW
+
+
+# ------------------------------------------------------------------------------------------------
+# The Gluon kernel (dense and grouped rows on sm_90): edges, tiles, ptxas
+# ------------------------------------------------------------------------------------------------
+
+WGMMA_CONFIGS = [
+    fp8_wgmma.DEFAULT_CONFIG,
+    WgmmaConfig(128, 128, 64, 8, 8),
+    WgmmaConfig(64, 128, 128, 4, 4),
+    WgmmaConfig(128, 64, 128, 6, 4),
+]
+
+
+@pytest.mark.gpu
+def test_gpu_scale_byte_extremes():
+    run_scale_byte_extremes("cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_wgmma_edges_and_tiles():
+    """Ragged M and N (not multiples of 4 or of the tile), K not a multiple of the stage (33
+    blocks), A with a row stride != K; every tile config gives the same bits (the same blocks
+    promoted in the same order) within the bound."""
+    gen = torch.Generator().manual_seed(21)
+    M, N, K = 333, 250, 1056
+    big, bigs = _rand_operand(M, K + 64, gen, device="cuda")
+    aq, as_ = big[:, 32:32 + K], bigs[:, 1:1 + K // 32]
+    bq, bs = _rand_operand(N, K, gen, device="cuda")
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    first = None
+    for cfg in WGMMA_CONFIGS:
+        got = fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, cfg)
+        check(got, A @ B.t(), A.abs(), B.abs(), K, gpu=True)
+        first = got if first is None else first
+        assert torch.equal(got, first), cfg
+    counts = [0, 130, 1, 0, 70, 128, 0]
+    E = len(counts)
+    aq, as_ = _rand_operand(sum(counts) + 9, K, gen, device="cuda")
+    bq, bs = _rand_operand(E * N, K, gen, device="cuda")
+    bq, bs = bq.view(E, N, K), bs.view(E, N, K // 32)
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    ref = grouped_rows_ref(A, B, ends)
+    bnd = grouped_rows_ref(A.abs(), B.abs(), ends) * 2.0**-7 + 2.0**-120
+    first = None
+    for cfg in WGMMA_CONFIGS:
+        got = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, cfg)
+        assert bool(((got.cpu().double() - ref).abs() <= bnd).all()), cfg
+        assert not got[ends[-1]:].any()
+        first = got if first is None else first
+        assert torch.equal(got, first), cfg
+
+
+WGMMA_AOT_CHECK = """
+import re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.backends.nvidia.compiler import get_ptxas
+from mxmoe.ops import fp8_wgmma as W
+
+cfg = W.DEFAULT_CONFIG
+la, lb, lsa, lsb, nb = W._layouts(cfg)
+a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+s = torch.empty(16, 256)
+for grouped in (False, True):
+    sig = {
+        "a_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk], la)),
+        "b_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bn, cfg.bk], lb)),
+        "sa_desc": mangle_type(TensorDescriptor.from_tensor(s, [nb, cfg.bm], lsa)),
+        "sb_desc": mangle_type(TensorDescriptor.from_tensor(s, [nb, cfg.bn], lsb)),
+        "c_ptr": "*bf16", "offs_ptr": "*i32",
+    }
+    sig.update({n: "i32" for n in ["M", "N", "K", "E", "KB_PAD", "stride_cm"]})
+    const = dict(GROUPED=grouped, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages,
+                 GROUP_M=cfg.group_m, num_warps=cfg.num_warps)
+    sig.update({n: "constexpr" for n in const})
+    src = GluonASTSource(W._fp8_wgmma_kernel, sig, constexprs=const)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    ptx = k.asm["ptx"]
+    # one m64 fp8 wgmma per 32-block per warpgroup, and the overlap: waits leaving one in flight
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n") == cfg.bk // 32 * cfg.bm // (16 * cfg.num_warps)
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    with tempfile.TemporaryDirectory() as d:
+        open(d + "/k.ptx", "w").write(ptx)
+        r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", d + "/k.ptx", "-o", d + "/k.cubin"],
+                           capture_output=True, text=True)
+    info = r.stdout + r.stderr
+    assert r.returncode == 0, info
+    assert "C7514" not in info, info  # ptxas serializing the wgmmas would undo the overlap
+    assert " 0 bytes spill stores" in info, info
+print("compiled")
+"""
+
+
+def test_wgmma_kernel_compiles_for_sm90():
+    """Ahead-of-time compile of the Gluon kernel (dense and grouped rows, default config) for sm_90
+    with Triton's bundled ptxas: no wgmma serialization (ptxas C7514), no spills."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run(
+        [sys.executable, "-c", WGMMA_AOT_CHECK], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]

@@ -1,0 +1,296 @@
+"""The fp8 backend's sm_90 kernel for the dense and grouped-rows modes (a Gluon kernel).
+
+Same operands, layouts and numerics contract as `mxmoe.ops.fp8_gemm` (its docstring), but the
+scaled promotion of one 32-K block overlaps the MMA of the next (the DeepGEMM technique):
+
+    for each 32-block k:  issue async wgmma  t_k = A_k B_k^T   (fresh fp32 temporary, use_acc=False)
+                          wait until only t_k is in flight
+                          acc += (t_{k-1} * sa_{k-1}[:, None]) * sb_{k-1}[None, :]
+
+so the CUDA cores promote block k-1 (2 FP32 ops per element: FMUL, FFMA) while the tensor cores run
+block k. Triton's `tl.dot` cannot express this: it waits for each MMA before its result is used.
+
+Operands arrive by TMA into a multi-stage shared-memory ring (one mbarrier per stage):
+    A tile (BM, BK) and B tile (BN, BK) fp8, K innermost (128-byte swizzle when BK = 128),
+    fp32 scale tiles (BK/32, BM) of the decoded A scales and (BK/32, BN) of B's (rows innermost).
+Each stage holds BK/32 blocks; one CTA-wide barrier per stage guards its reuse.
+
+Tensors (device, 16-byte aligned; built by `launch`):
+    a_q (M, K) float8_e4m3fn, K innermost; b_q (E*N, K) float8_e4m3fn (E = 1 dense), K innermost
+    sa (K/32, Mp) float32, sb (E*K/32, Np) float32: decoded scales, rows innermost, Mp/Np = M/N
+        rounded up to a multiple of 4 (TMA's 16-byte row strides)
+    out (M, N) bf16 or fp32, row-major
+    offs (E,) int32 cumulative row ends (grouped rows mode), rows at or after offs[-1] are zero.
+Tiles, like the Triton kernel, may straddle group boundaries in M: one pass of the main loop per group
+the tile touches, each storing its group's rows (at most E - 1 extra tile passes per column).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """One CTA: BM x BN outputs, BK of K per pipeline stage (BK/32 MMAs), `stages` stages in shared
+    memory, `num_warps` warps (4 per warpgroup, warpgroups split BM; each thread holds
+    BM*BN/(32*num_warps) fp32 of the accumulator and twice that in the two temporaries)."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 128
+    stages: int = 4
+    num_warps: int = 8
+    group_m: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("bm", "bn", "bk"):
+            v = getattr(self, name)
+            if v < 32 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two >= 32")
+        if self.bk % BLOCK or self.bk > 128:
+            raise ValueError(f"bk={self.bk} must be 32, 64 or 128")
+        if self.num_warps % 4 or self.bm < 16 * self.num_warps:
+            raise ValueError(f"num_warps={self.num_warps} must be a multiple of 4 with bm >= 16*num_warps")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages} must be >= 2")
+
+
+DEFAULT_CONFIG = WgmmaConfig()
+
+
+@gluon.jit
+def _promote(acc, part, sa, sb):
+    """acc += (part * sa) * sb: part * sa is exact (a multiple of 2^-18 times a power of two), the
+    multiply by sb and the add round once (contracted to one FMA)."""
+    return acc + (part * sa[:, None]) * sb[None, :]
+
+
+@gluon.jit
+def _scale_row(smem, slot, j, NB: gl.constexpr, W: gl.constexpr):
+    """Row j (one 32-block's W scales) of the (NB, W) fp32 scale tile in ring slot `slot` (stored
+    unswizzled, so a plain row-major view of it is exact)."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    return smem.index(slot)._reinterpret(gl.float32, [NB * W], plain).slice(j * W, W)
+
+
+@gluon.jit
+def _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+                 slot, kstep, m0, n0, b_row, sb_row, pred, BK: gl.constexpr):
+    NB: gl.constexpr = BK // 32
+    bar = ready.index(slot)
+    nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                            + sa_desc.block_type.nbytes + sb_desc.block_type.nbytes)
+    mbarrier.expect(bar, nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [m0, kstep * BK], bar, a_smem.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [b_row, kstep * BK], bar, b_smem.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(sa_desc, [kstep * NB, m0], bar, sa_smem.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(sb_desc, [sb_row + kstep * NB, n0], bar,
+                                    sb_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
+              m0, n0, b_row, sb_row, k_iters,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              MMA: gl.constexpr):
+    """The fp32 accumulator (BM, BN) of one tile over all of K. `base`: pipeline steps run by this
+    CTA before (the ring's slot and phase continue across the passes of a grouped tile).
+
+    Within a stage, block j's promotion overlaps block j+1's MMA; the stage's last block is promoted
+    after a full wait. No wgmma stays in flight across the loop's back edge: ptxas serializes every
+    wgmma of the kernel (C7514) when registers of one are read after the back edge."""
+    NB: gl.constexpr = BK // 32
+    # prologue: the first STAGES steps in flight
+    for p in gl.static_range(STAGES):
+        _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+                     (base + p) % STAGES, p, m0, n0, b_row, sb_row, p < k_iters, BK)
+    acc = gl.zeros((BM, BN), gl.float32, MMA)
+    zero = gl.zeros((BM, BN), gl.float32, MMA)
+    for i in range(k_iters):
+        it = base + i
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        prev = warpgroup_mma(a_smem.index(s).slice(0, 32, dim=1),
+                             b_smem.index(s).slice(0, 32, dim=1).permute((1, 0)),
+                             zero, use_acc=False, is_async=True)
+        for j in gl.static_range(1, NB):
+            cur = warpgroup_mma(a_smem.index(s).slice(j * 32, 32, dim=1),
+                                b_smem.index(s).slice(j * 32, 32, dim=1).permute((1, 0)),
+                                zero, use_acc=False, is_async=True)
+            sa = _scale_row(sa_smem, s, j - 1, NB, BM).load(gl.SliceLayout(1, MMA))
+            sb = _scale_row(sb_smem, s, j - 1, NB, BN).load(gl.SliceLayout(0, MMA))
+            part = warpgroup_mma_wait(1, deps=(prev,))
+            acc = _promote(acc, part, sa, sb)
+            prev = cur
+        sa = _scale_row(sa_smem, s, NB - 1, NB, BM).load(gl.SliceLayout(1, MMA))
+        sb = _scale_row(sb_smem, s, NB - 1, NB, BN).load(gl.SliceLayout(0, MMA))
+        part = warpgroup_mma_wait(0, deps=(prev,))
+        acc = _promote(acc, part, sa, sb)
+        gl.thread_barrier()  # every warpgroup is done with slot s (its MMAs and scales): refill it
+        nxt = i + STAGES
+        _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+                     s, nxt, m0, n0, b_row, sb_row, nxt < k_iters, BK)
+    return acc
+
+
+@gluon.jit
+def _store_tile(c_ptr, acc, m0, n0, row_lo, row_hi, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr,
+                MMA: gl.constexpr):
+    """Store the rows of the tile in [row_lo, row_hi) and columns < N (rounded once to c's dtype)."""
+    rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+    mask = ((rows >= row_lo) & (rows < row_hi))[:, None] & (cols < N)[None, :]
+    ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E, KB_PAD, stride_cm,
+                      GROUPED: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                      num_warps: gl.constexpr):
+    NB: gl.constexpr = BK // 32
+    # warpgroups split the rows; one wgmma m64nBNk32 per warpgroup per 32-block
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BN, 32])
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], b_desc.layout)
+    sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BM], sa_desc.layout)
+    sb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BN], sb_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+
+    # program -> tile: GROUP_M row tiles sweep the columns together (L2 reuse of B)
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, BM)
+    if GROUPED:
+        num_m += E + 1
+    num_n = gl.cdiv(N, BN)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    m0 = pid_m * BM
+    n0 = pid_n * BN
+    k_iters = gl.cdiv(K, BK)
+    if GROUPED:
+        # row tile pid_m -> (group g, rows [m0, hi)): each group's rows are cut into its own
+        # cdiv(count, BM) tiles, then the rows after offs[-1] into zero tiles; the grid has
+        # cdiv(M, BM) + E + 1 row tiles, an upper bound on both together (the rest do nothing)
+        first = 0
+        g = -1
+        lo = 0
+        row_lo = 0
+        row_hi = 0
+        for e in range(E):
+            hi = gl.load(offs_ptr + e)
+            nt = gl.cdiv(hi - lo, BM)
+            mine = (pid_m >= first) & (pid_m < first + nt)
+            g = gl.where(mine, e, g)
+            row_lo = gl.where(mine, lo + (pid_m - first) * BM, row_lo)
+            row_hi = gl.where(mine, hi, row_hi)
+            first += nt
+            lo = hi
+        if g >= 0:
+            acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+                            0, row_lo, n0, g * N + n0, g * KB_PAD, k_iters, BM, BN, BK, STAGES, MMA)
+            _store_tile(c_ptr, acc, row_lo, n0, row_lo, row_hi, N, stride_cm, BM, BN, MMA)
+        else:
+            z0 = lo + (pid_m - first) * BM  # lo is offs[-1] here
+            if (pid_m >= first) & (z0 < M):
+                _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), z0, n0, z0, M, N, stride_cm,
+                            BM, BN, MMA)
+    else:
+        acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+                        0, m0, n0, n0, 0, k_iters, BM, BN, BK, STAGES, MMA)
+        _store_tile(c_ptr, acc, m0, n0, 0, M, N, stride_cm, BM, BN, MMA)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def _layouts(cfg: WgmmaConfig) -> tuple:
+    nb = cfg.bk // BLOCK
+    return (
+        gl.NVMMASharedLayout.get_default_for([cfg.bm, cfg.bk], gl.float8e4nv),
+        gl.NVMMASharedLayout.get_default_for([cfg.bn, cfg.bk], gl.float8e4nv),
+        # scale tiles unswizzled: the promotion reads their rows through a plain view
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+        nb,
+    )
+
+
+def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int) -> Tensor:
+    """e8m0 s (groups*cols, K/32) -> fp32 (groups*kb_pad, cols_pad): decoded (2^(b-127), the
+    subnormal 2^-127 for byte 0, NaN for 255), rows innermost, zero padding. The padding k-blocks
+    meet zero-filled operands (TMA reads past K as zeros): 0 * 0 adds exactly nothing, and no tile
+    reads the next group's scales."""
+    kb = s.shape[-1]
+    cols = s.shape[0] // groups
+    out = torch.zeros(groups, kb_pad, cols_pad, dtype=torch.float32, device=s.device)
+    out[:, :kb, :cols] = s.reshape(groups, cols, kb).float().transpose(-1, -2)
+    return out.view(groups * kb_pad, cols_pad)
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """t itself if TMA can read it (16-byte aligned base and row stride), else a contiguous copy."""
+    if t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | None, out: Tensor,
+           cfg: WgmmaConfig = DEFAULT_CONFIG) -> Tensor:
+    """Dense ((M, K) x (N, K), offs None) or grouped rows ((T, K) x (E, N, K), offs (E,) int32) into
+    `out` (M, N) bf16/fp32 contiguous. Operands checked by the caller (`fp8_gemm._check`)."""
+    M, K = a_q.shape
+    N = b_q.shape[-2]
+    E = b_q.shape[0] if b_q.ndim == 3 else 1
+    la, lb, lsa, lsb, nb = _layouts(cfg)
+    kb_pad = triton.cdiv(K // BLOCK, nb) * nb
+    mp, np_ = triton.cdiv(M, 4) * 4, triton.cdiv(N, 4) * 4
+    sa = _decoded_scales(a_s, 1, kb_pad, mp)
+    sb = _decoded_scales(b_s.reshape(E * N, K // BLOCK), E, kb_pad, np_)  # (E*kb_pad, Np)
+    a2 = _aligned(a_q)
+    b2 = _aligned(b_q.reshape(E * N, K))
+    descs = (
+        TensorDescriptor.from_tensor(a2, [cfg.bm, cfg.bk], la),
+        TensorDescriptor.from_tensor(b2, [cfg.bn, cfg.bk], lb),
+        TensorDescriptor.from_tensor(sa, [nb, cfg.bm], lsa),
+        TensorDescriptor.from_tensor(sb, [nb, cfg.bn], lsb),
+    )
+    offs_arg = offs if offs is not None else torch.zeros(1, dtype=torch.int32, device=a_q.device)
+    num_m = triton.cdiv(M, cfg.bm) + (E + 1 if offs is not None else 0)
+    grid = (num_m * triton.cdiv(N, cfg.bn),)
+    _fp8_wgmma_kernel[grid](
+        *descs, out, offs_arg, M, N, K, E, kb_pad, out.stride(0),
+        GROUPED=offs is not None,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+    )
+    return out

@@ -1,0 +1,77 @@
+"""Tile sweep of the fp8 backend's Gluon kernel (mxmoe/ops/fp8_wgmma.py) on an sm_90 GPU: TFLOP/s of
+`fp8_gemm.launch` per WgmmaConfig beside bf16 torch.mm / torch._grouped_mm, at 8192^3 and the MoE
+forward shapes of issue 15. Temporary: deleted once DEFAULT_CONFIG is picked from its output.
+
+    python scripts/fp8_wgmma_sweep.py [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from mxmoe.bench.timing import bench, require_cuda
+from mxmoe.ops import fp8_gemm
+from mxmoe.ops.fp8_wgmma import WgmmaConfig
+
+CONFIGS = [
+    WgmmaConfig(128, 128, 128, 4, 8),
+    WgmmaConfig(128, 128, 128, 5, 8),
+    WgmmaConfig(128, 128, 64, 8, 8),
+    WgmmaConfig(64, 128, 128, 4, 4),
+    WgmmaConfig(128, 64, 128, 6, 4),
+]
+SHAPES = [(8192, 8192, 8192, 0), (65536, 7168, 2048, 8), (32768, 4096, 14336, 8)]  # M, K, N, groups
+
+
+def operands(M, K, N, E):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randint(-100, 100, (M, K), device="cuda", generator=g).to(torch.float8_e4m3fn)
+    b = torch.randint(-100, 100, (max(E, 1) * N, K), device="cuda", generator=g).to(torch.float8_e4m3fn)
+    sa = torch.randint(120, 130, (M, K // 32), device="cuda", generator=g).to(torch.uint8)
+    sb = torch.randint(120, 130, (max(E, 1) * N, K // 32), device="cuda", generator=g).to(torch.uint8)
+    sa, sb = sa.view(torch.float8_e8m0fnu), sb.view(torch.float8_e8m0fnu)
+    offs = None
+    if E:
+        b, sb = b.view(E, N, K), sb.view(E, N, K // 32)
+        offs = torch.linspace(M / E, M, E, device="cuda").round().to(torch.int32)
+    return a, sa, b, sb, offs
+
+
+def sweep(M: int, K: int, N: int, E: int, iters: int) -> None:
+    flops = 2 * M * K * N
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(max(E, 1), N, K, device="cuda", dtype=torch.bfloat16)
+    a, sa, b, sb, offs = operands(M, K, N, E)
+    if E:
+        t_bf16 = bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), iters=iters).median_ms
+    else:
+        t_bf16 = bench(lambda: x @ w[0].t(), iters=iters).median_ms
+    print(f"{M}x{K}->{N} E={E}: bf16 {flops / t_bf16 / 1e9:.0f} TFLOP/s", flush=True)
+    ref = fp8_gemm.launch(a, sa, b, sb, offs, torch.float32, CONFIGS[0])
+    for cfg in CONFIGS:
+        try:
+            same = torch.equal(fp8_gemm.launch(a, sa, b, sb, offs, torch.float32, cfg), ref)
+            t = bench(lambda cfg=cfg: fp8_gemm.launch(a, sa, b, sb, offs, torch.bfloat16, cfg),
+                      iters=iters).median_ms
+            print(f"  {cfg}: {flops / t / 1e9:.0f} TFLOP/s = {t_bf16 / t:.2f}x bf16, "
+                  f"same bits as the first: {same}", flush=True)
+        except Exception as e:  # a config that fails to compile or launch: report, keep sweeping
+            print(f"  {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args(argv)
+    require_cuda("fp8_wgmma_sweep")
+    for shape in SHAPES:
+        sweep(*shape, args.iters)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
