@@ -1,4 +1,10 @@
-"""The "fp8" GEMM backend: MXFP8 operands on Hopper's fp8 tensor cores (a Triton kernel).
+"""The "fp8" GEMM backend: MXFP8 operands on Hopper's fp8 tensor cores.
+
+Two kernels, one contract (below): on an sm_90 GPU the dense and grouped-rows modes run the Gluon
+kernel of `mxmoe.ops.fp8_wgmma` (async wgmma, each block's promotion overlapped with the next
+block's MMA); the grouped-K mode (MoE wgrad), and every mode under TRITON_INTERPRET=1 on CPU (Gluon
+has no interpreter), run the Triton kernel of this module, which waits for each MMA before
+promoting it.
 
 Every MX GEMM in mxmoe is "NT": both operands are stored with the reduction dim K innermost, as the
 casts produce them (`MXTensor.qdata_blocked` / `.scale_blocked`):
@@ -34,7 +40,9 @@ Three orientations, one kernel (`MODE`):
                   after offs[-1] are zero (MoE forward / dgrad)
   2 grouped K:    (M, T) x (N, T), offs over T (multiples of 32) -> (E, M, N); empty groups give
                   zeros (MoE wgrad)
-Nothing syncs with the host: the grouped modes read offs on the device.
+Nothing syncs with the host: the grouped modes read offs on the device. The Gluon kernel meets the
+same bounds (each block's contribution rounded once, in the same block order: its result does not
+depend on its tile config) and handles grouped rows without recomputation (its own docstring).
 """
 
 from __future__ import annotations

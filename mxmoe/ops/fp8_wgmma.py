@@ -10,19 +10,30 @@ scaled promotion of one 32-K block overlaps the MMA of the next (the DeepGEMM te
 so the CUDA cores promote block k-1 (2 FP32 ops per element: FMUL, FFMA) while the tensor cores run
 block k. Triton's `tl.dot` cannot express this: it waits for each MMA before its result is used.
 
+Within a stage of BK/32 blocks each block's promotion overlaps the next block's MMA; the stage's last
+block is promoted after a full wait (no wgmma may stay in flight across the loop's back edge: ptxas
+then serializes every wgmma of the kernel, warning C7514), so BK = 256 leaves 1/8 of the
+promotions exposed, BK = 128 1/4.
+
 Operands arrive by TMA into a multi-stage shared-memory ring (one mbarrier per stage):
-    A tile (BM, BK) and B tile (BN, BK) fp8, K innermost (128-byte swizzle when BK = 128),
+    A (BM, BK) and B (BN, BK) fp8, K innermost, as boxes of min(BK, 128) K-bytes (128-byte swizzle),
     fp32 scale tiles (BK/32, BM) of the decoded A scales and (BK/32, BN) of B's (rows innermost).
-Each stage holds BK/32 blocks; one CTA-wide barrier per stage guards its reuse.
+One CTA-wide barrier per stage guards a slot's reuse (both warpgroups done with its MMAs and scales).
+Per thread: the accumulator and the two temporaries, BM*BN/(32*num_warps) fp32 registers each, and
+a block's BN/4 B scales; 128x128 with 8 warps uses ~250 of the 255 registers.
 
 Tensors (device, 16-byte aligned; built by `launch`):
-    a_q (M, K) float8_e4m3fn, K innermost; b_q (E*N, K) float8_e4m3fn (E = 1 dense), K innermost
-    sa (K/32, Mp) float32, sb (E*K/32, Np) float32: decoded scales, rows innermost, Mp/Np = M/N
-        rounded up to a multiple of 4 (TMA's 16-byte row strides)
-    out (M, N) bf16 or fp32, row-major
-    offs (E,) int32 cumulative row ends (grouped rows mode), rows at or after offs[-1] are zero.
-Tiles, like the Triton kernel, may straddle group boundaries in M: one pass of the main loop per group
-the tile touches, each storing its group's rows (at most E - 1 extra tile passes per column).
+    a_q (M, K) float8_e4m3fn, K innermost (row stride a multiple of 16);
+    b_q (E*N, K) float8_e4m3fn (E = 1 dense), K innermost
+    sa (KBp, Mp) float32, sb (E*KBp, Np) float32: decoded scales (2^(b-127); byte 0 the subnormal
+        2^-127, 255 NaN), rows innermost; KBp = K/32 rounded up to BK/32, Mp/Np = M/N rounded up to a
+        multiple of 4 (TMA's 16-byte row strides); the padding is zero
+    out (M, N) bf16 or fp32, row-major, rounded once from the fp32 accumulator
+    offs (E,) int32 cumulative row ends (grouped rows), rows at or after offs[-1] are zero.
+Grouped rows: tiles never straddle groups. Row tile t maps on the device (a loop over offs) to group
+g and rows [lo_g + i*BM, min(lo_g + (i+1)*BM, offs[g])): each group's rows are cut into its own
+tiles (TMA reads past the group's end; those rows are computed and not stored), then the rows after
+offs[-1] into zero tiles. The grid has cdiv(M, BM) + E + 1 row tiles, an upper bound; spare ones exit.
 """
 
 from __future__ import annotations
@@ -64,8 +75,8 @@ class WgmmaConfig:
             v = getattr(self, name)
             if v < 32 or v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two >= 32")
-        if self.bk % BLOCK or self.bk > 128:
-            raise ValueError(f"bk={self.bk} must be 32, 64 or 128")
+        if self.bk > 256:
+            raise ValueError(f"bk={self.bk} must be 32, 64, 128 or 256")
         if self.num_warps % 4 or self.bm < 16 * self.num_warps:
             raise ValueError(f"num_warps={self.num_warps} must be a multiple of 4 with bm >= 16*num_warps")
         if self.stages < 2:
@@ -93,25 +104,44 @@ def _scale_row(smem, slot, j, NB: gl.constexpr, W: gl.constexpr):
 @gluon.jit
 def _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
                  slot, kstep, m0, n0, b_row, sb_row, pred, BK: gl.constexpr):
+    """Stage `kstep` (K elements [kstep*BK, +BK)) into ring slot `slot`: A and B as BK/BOX boxes
+    of BOX = min(BK, 128) K-bytes (the 128-byte swizzle's width), the two scale tiles as one box
+    each; all on the slot's mbarrier."""
     NB: gl.constexpr = BK // 32
+    BOX: gl.constexpr = a_desc.block_type.shape[1]
+    SUBS: gl.constexpr = BK // BOX
     bar = ready.index(slot)
-    nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    nbytes: gl.constexpr = (SUBS * (a_desc.block_type.nbytes + b_desc.block_type.nbytes)
                             + sa_desc.block_type.nbytes + sb_desc.block_type.nbytes)
     mbarrier.expect(bar, nbytes, pred=pred)
-    tma.async_copy_global_to_shared(a_desc, [m0, kstep * BK], bar, a_smem.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(b_desc, [b_row, kstep * BK], bar, b_smem.index(slot), pred=pred)
+    for h in gl.static_range(SUBS):
+        k = kstep * BK + h * BOX
+        tma.async_copy_global_to_shared(a_desc, [m0, k], bar, a_smem.index(slot * SUBS + h), pred=pred)
+        tma.async_copy_global_to_shared(b_desc, [b_row, k], bar, b_smem.index(slot * SUBS + h), pred=pred)
     tma.async_copy_global_to_shared(sa_desc, [kstep * NB, m0], bar, sa_smem.index(slot), pred=pred)
     tma.async_copy_global_to_shared(sb_desc, [sb_row + kstep * NB, n0], bar,
                                     sb_smem.index(slot), pred=pred)
 
 
 @gluon.jit
-def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
+def _mma_block(a_smem, b_smem, slot, j, zero, BK: gl.constexpr):
+    """Issue (async) the MMA of 32-block j of the stage in ring slot `slot` into a fresh temporary."""
+    BOX: gl.constexpr = a_smem.shape[2]
+    SUBS: gl.constexpr = BK // BOX
+    h: gl.constexpr = j // (BOX // 32)
+    kk: gl.constexpr = (j % (BOX // 32)) * 32
+    a = a_smem.index(slot * SUBS + h).slice(kk, 32, dim=1)
+    b = b_smem.index(slot * SUBS + h).slice(kk, 32, dim=1).permute((1, 0))
+    return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
               m0, n0, b_row, sb_row, k_iters,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               MMA: gl.constexpr):
-    """The fp32 accumulator (BM, BN) of one tile over all of K. `base`: pipeline steps run by this
-    CTA before (the ring's slot and phase continue across the passes of a grouped tile).
+    """The fp32 accumulator (BM, BN) of one tile over all of K: rows m0.. of A, rows b_row.. of B,
+    scale rows sb_row.. of B's scales (the group's), columns n0.. of B's scales.
 
     Within a stage, block j's promotion overlaps block j+1's MMA; the stage's last block is promoted
     after a full wait. No wgmma stays in flight across the loop's back edge: ptxas serializes every
@@ -120,20 +150,15 @@ def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem
     # prologue: the first STAGES steps in flight
     for p in gl.static_range(STAGES):
         _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                     (base + p) % STAGES, p, m0, n0, b_row, sb_row, p < k_iters, BK)
+                     p, p, m0, n0, b_row, sb_row, p < k_iters, BK)
     acc = gl.zeros((BM, BN), gl.float32, MMA)
     zero = gl.zeros((BM, BN), gl.float32, MMA)
     for i in range(k_iters):
-        it = base + i
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        prev = warpgroup_mma(a_smem.index(s).slice(0, 32, dim=1),
-                             b_smem.index(s).slice(0, 32, dim=1).permute((1, 0)),
-                             zero, use_acc=False, is_async=True)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        prev = _mma_block(a_smem, b_smem, s, 0, zero, BK)
         for j in gl.static_range(1, NB):
-            cur = warpgroup_mma(a_smem.index(s).slice(j * 32, 32, dim=1),
-                                b_smem.index(s).slice(j * 32, 32, dim=1).permute((1, 0)),
-                                zero, use_acc=False, is_async=True)
+            cur = _mma_block(a_smem, b_smem, s, j, zero, BK)
             sa = _scale_row(sa_smem, s, j - 1, NB, BM).load(gl.SliceLayout(1, MMA))
             sb = _scale_row(sb_smem, s, j - 1, NB, BN).load(gl.SliceLayout(0, MMA))
             part = warpgroup_mma_wait(1, deps=(prev,))
@@ -170,8 +195,9 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
     # warpgroups split the rows; one wgmma m64nBNk32 per warpgroup per 32-block
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BN, 32])
-    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], b_desc.layout)
+    BOX: gl.constexpr = a_desc.block_type.shape[1]
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BM, BOX], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BN, BOX], b_desc.layout)
     sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BM], sa_desc.layout)
     sb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BN], sb_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -213,7 +239,7 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
             lo = hi
         if g >= 0:
             acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                            0, row_lo, n0, g * N + n0, g * KB_PAD, k_iters, BM, BN, BK, STAGES, MMA)
+                            row_lo, n0, g * N + n0, g * KB_PAD, k_iters, BM, BN, BK, STAGES, MMA)
             _store_tile(c_ptr, acc, row_lo, n0, row_lo, row_hi, N, stride_cm, BM, BN, MMA)
         else:
             z0 = lo + (pid_m - first) * BM  # lo is offs[-1] here
@@ -222,7 +248,7 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
                             BM, BN, MMA)
     else:
         acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                        0, m0, n0, n0, 0, k_iters, BM, BN, BK, STAGES, MMA)
+                        m0, n0, n0, 0, k_iters, BM, BN, BK, STAGES, MMA)
         _store_tile(c_ptr, acc, m0, n0, 0, M, N, stride_cm, BM, BN, MMA)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -235,9 +261,10 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
 
 def _layouts(cfg: WgmmaConfig) -> tuple:
     nb = cfg.bk // BLOCK
+    box = min(cfg.bk, 128)
     return (
-        gl.NVMMASharedLayout.get_default_for([cfg.bm, cfg.bk], gl.float8e4nv),
-        gl.NVMMASharedLayout.get_default_for([cfg.bn, cfg.bk], gl.float8e4nv),
+        gl.NVMMASharedLayout.get_default_for([cfg.bm, box], gl.float8e4nv),
+        gl.NVMMASharedLayout.get_default_for([cfg.bn, box], gl.float8e4nv),
         # scale tiles unswizzled: the promotion reads their rows through a plain view
         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
@@ -252,8 +279,12 @@ def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int) -> Tenso
     reads the next group's scales."""
     kb = s.shape[-1]
     cols = s.shape[0] // groups
-    out = torch.zeros(groups, kb_pad, cols_pad, dtype=torch.float32, device=s.device)
+    out = torch.empty(groups, kb_pad, cols_pad, dtype=torch.float32, device=s.device)
     out[:, :kb, :cols] = s.reshape(groups, cols, kb).float().transpose(-1, -2)
+    if kb_pad > kb:
+        out[:, kb:].zero_()
+    if cols_pad > cols:
+        out[:, :, cols:].zero_()
     return out.view(groups * kb_pad, cols_pad)
 
 
@@ -279,8 +310,8 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
     a2 = _aligned(a_q)
     b2 = _aligned(b_q.reshape(E * N, K))
     descs = (
-        TensorDescriptor.from_tensor(a2, [cfg.bm, cfg.bk], la),
-        TensorDescriptor.from_tensor(b2, [cfg.bn, cfg.bk], lb),
+        TensorDescriptor.from_tensor(a2, [cfg.bm, min(cfg.bk, 128)], la),
+        TensorDescriptor.from_tensor(b2, [cfg.bn, min(cfg.bk, 128)], lb),
         TensorDescriptor.from_tensor(sa, [nb, cfg.bm], lsa),
         TensorDescriptor.from_tensor(sb, [nb, cfg.bn], lsb),
     )

@@ -493,9 +493,10 @@ def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
 
 WGMMA_CONFIGS = [
     fp8_wgmma.DEFAULT_CONFIG,
+    WgmmaConfig(128, 128, 256, 3, 8),  # two TMA boxes per operand and stage
     WgmmaConfig(128, 128, 64, 8, 8),
-    WgmmaConfig(64, 128, 128, 4, 4),
-    WgmmaConfig(128, 64, 128, 6, 4),
+    WgmmaConfig(64, 128, 256, 2, 4),
+    WgmmaConfig(128, 64, 128, 3, 4),  # two m64 wgmmas per warpgroup and block
 ]
 
 
@@ -556,8 +557,8 @@ a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
 s = torch.empty(16, 256)
 for grouped in (False, True):
     sig = {
-        "a_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bm, cfg.bk], la)),
-        "b_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bn, cfg.bk], lb)),
+        "a_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bm, min(cfg.bk, 128)], la)),
+        "b_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bn, min(cfg.bk, 128)], lb)),
         "sa_desc": mangle_type(TensorDescriptor.from_tensor(s, [nb, cfg.bm], lsa)),
         "sb_desc": mangle_type(TensorDescriptor.from_tensor(s, [nb, cfg.bn], lsb)),
         "c_ptr": "*bf16", "offs_ptr": "*i32",
