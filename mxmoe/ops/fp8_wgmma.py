@@ -101,6 +101,23 @@ def _scale_row(smem, slot, j, NB: gl.constexpr, W: gl.constexpr):
     return smem.index(slot)._reinterpret(gl.float32, [NB * W], plain).slice(j * W, W)
 
 
+@gluon.constexpr_function
+def _sb_perm_layout(W):
+    """Shared layout of one 32-block's W B scales as `_decoded_scales` stores them: column
+    c = c0 + 2 c1 + 8 c2 (c0 < 2, c1 < 4) at offset c0 + 2 c2 + (W/4) c1, so that the W/4 columns
+    one thread holds in the wgmma accumulator layout (c1 = lane % 4) are contiguous: 16-byte shared
+    loads instead of 8-byte ones. Bases: the column of each offset bit."""
+    bases = [[1]] + [[8 << i] for i in range((W // 8).bit_length() - 1)] + [[2], [4]]
+    return gl.SharedLinearLayout(bases)
+
+
+@gluon.jit
+def _sb_row(smem, slot, j, NB: gl.constexpr, W: gl.constexpr):
+    """Row j (one 32-block's W column scales, permuted: `_sb_perm_layout`) of the B-scale tile in
+    ring slot `slot`."""
+    return _scale_row(smem, slot, j, NB, W)._reinterpret(gl.float32, [W], _sb_perm_layout(W))
+
+
 @gluon.jit
 def _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
                  slot, kstep, m0, n0, b_row, sb_row, pred, BK: gl.constexpr):
@@ -160,12 +177,12 @@ def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem
         for j in gl.static_range(1, NB):
             cur = _mma_block(a_smem, b_smem, s, j, zero, BK)
             sa = _scale_row(sa_smem, s, j - 1, NB, BM).load(gl.SliceLayout(1, MMA))
-            sb = _scale_row(sb_smem, s, j - 1, NB, BN).load(gl.SliceLayout(0, MMA))
+            sb = _sb_row(sb_smem, s, j - 1, NB, BN).load(gl.SliceLayout(0, MMA))
             part = warpgroup_mma_wait(1, deps=(prev,))
             acc = _promote(acc, part, sa, sb)
             prev = cur
         sa = _scale_row(sa_smem, s, NB - 1, NB, BM).load(gl.SliceLayout(1, MMA))
-        sb = _scale_row(sb_smem, s, NB - 1, NB, BN).load(gl.SliceLayout(0, MMA))
+        sb = _sb_row(sb_smem, s, NB - 1, NB, BN).load(gl.SliceLayout(0, MMA))
         part = warpgroup_mma_wait(0, deps=(prev,))
         acc = _promote(acc, part, sa, sb)
         gl.thread_barrier()  # every warpgroup is done with slot s (its MMAs and scales): refill it
@@ -272,20 +289,22 @@ def _layouts(cfg: WgmmaConfig) -> tuple:
     )
 
 
-def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int) -> Tensor:
-    """e8m0 s (groups*cols, K/32) -> fp32 (groups*kb_pad, cols_pad): decoded (2^(b-127), the
-    subnormal 2^-127 for byte 0, NaN for 255), rows innermost, zero padding. The padding k-blocks
-    meet zero-filled operands (TMA reads past K as zeros): 0 * 0 adds exactly nothing, and no tile
-    reads the next group's scales."""
+def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int, tile: int = 0) -> Tensor:
+    """e8m0 s (groups*cols, K/32) -> fp32 (groups*kb_pad, cols_pad), one pass: decoded (2^(b-127),
+    the subnormal 2^-127 for byte 0, NaN for 255), rows innermost, zero padding. The padding
+    k-blocks meet zero-filled operands (TMA reads past K as zeros): 0 * 0 adds exactly nothing, and
+    no tile reads the next group's scales. tile > 0 (cols_pad a multiple of it): the columns of each
+    `tile`-wide tile in the order of `_sb_perm_layout`."""
     kb = s.shape[-1]
     cols = s.shape[0] // groups
-    out = torch.empty(groups, kb_pad, cols_pad, dtype=torch.float32, device=s.device)
-    out[:, :kb, :cols] = s.reshape(groups, cols, kb).float().transpose(-1, -2)
-    if kb_pad > kb:
-        out[:, kb:].zero_()
-    if cols_pad > cols:
-        out[:, :, cols:].zero_()
-    return out.view(groups * kb_pad, cols_pad)
+    f = s.reshape(groups, cols, kb).float()
+    if cols_pad > cols or kb_pad > kb:
+        f = torch.nn.functional.pad(f, (0, kb_pad - kb, 0, cols_pad - cols))
+    f = f.transpose(1, 2)  # (groups, kb_pad, cols_pad), a view
+    if tile:
+        # column t*tile + 8 c2 + 2 c1 + c0 -> t*tile + (tile/4) c1 + 2 c2 + c0
+        f = f.reshape(groups, kb_pad, cols_pad // tile, tile // 8, 4, 2).permute(0, 1, 2, 4, 3, 5)
+    return f.reshape(groups * kb_pad, cols_pad)  # copies into a contiguous tensor
 
 
 def _aligned(t: Tensor) -> Tensor:
@@ -304,9 +323,9 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
     E = b_q.shape[0] if b_q.ndim == 3 else 1
     la, lb, lsa, lsb, nb = _layouts(cfg)
     kb_pad = triton.cdiv(K // BLOCK, nb) * nb
-    mp, np_ = triton.cdiv(M, 4) * 4, triton.cdiv(N, 4) * 4
+    mp, np_ = triton.cdiv(M, 4) * 4, triton.cdiv(N, cfg.bn) * cfg.bn
     sa = _decoded_scales(a_s, 1, kb_pad, mp)
-    sb = _decoded_scales(b_s.reshape(E * N, K // BLOCK), E, kb_pad, np_)  # (E*kb_pad, Np)
+    sb = _decoded_scales(b_s.reshape(E * N, K // BLOCK), E, kb_pad, np_, cfg.bn)  # (E*kb_pad, Np)
     a2 = _aligned(a_q)
     b2 = _aligned(b_q.reshape(E * N, K))
     descs = (
