@@ -16,13 +16,15 @@ from mxmoe.bench.timing import bench, require_cuda
 from mxmoe.ops import fp8_gemm
 from mxmoe.ops.fp8_wgmma import WgmmaConfig
 
-CONFIGS = [  # all compiled for sm_90a first (no spills, no wgmma serialization)
+CONFIGS = [  # all compiled for sm_90a first (overlapping wgmma, no spills outside the noted ones)
     WgmmaConfig(128, 128, 128, 4, 8),
-    WgmmaConfig(128, 128, 256, 3, 8),
-    WgmmaConfig(128, 128, 64, 8, 8),
+    WgmmaConfig(128, 128, 128, 4, 8, persistent=True),  # a few spill ops per stage
+    WgmmaConfig(128, 128, 256, 3, 8),  # a few spill ops per stage
+    WgmmaConfig(128, 128, 256, 3, 8, persistent=True),  # a few spill ops per stage
     WgmmaConfig(64, 128, 128, 4, 4),  # 2 CTAs per SM
-    WgmmaConfig(64, 128, 256, 2, 4),  # 2 CTAs per SM
+    WgmmaConfig(64, 128, 256, 2, 4),  # 2 CTAs per SM; a few spill ops per stage
     WgmmaConfig(128, 64, 128, 3, 4),  # 2 CTAs per SM
+    WgmmaConfig(128, 64, 128, 3, 4, persistent=True),
 ]
 SHAPES = [(8192, 8192, 8192, 0), (65536, 7168, 2048, 8), (32768, 4096, 14336, 8)]  # M, K, N, groups
 

@@ -69,6 +69,9 @@ class WgmmaConfig:
     stages: int = 4
     num_warps: int = 8
     group_m: int = 8
+    persistent: bool = False
+    """One CTA per SM slot walks the tiles, loading the next tile's first stages during this tile's
+    epilogue; False: one CTA per tile."""
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -153,26 +156,34 @@ def _mma_block(a_smem, b_smem, slot, j, zero, BK: gl.constexpr):
 
 
 @gluon.jit
-def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+def _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
+              m0, n0, b_row, sb_row, k_iters, BK: gl.constexpr, STAGES: gl.constexpr):
+    """Put a tile's first STAGES stages in flight (ring steps base.., see `_mainloop`)."""
+    for p in gl.static_range(STAGES):
+        _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+                     (base + p) % STAGES, p, m0, n0, b_row, sb_row, p < k_iters, BK)
+
+
+@gluon.jit
+def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
               m0, n0, b_row, sb_row, k_iters,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
               MMA: gl.constexpr):
     """The fp32 accumulator (BM, BN) of one tile over all of K: rows m0.. of A, rows b_row.. of B,
-    scale rows sb_row.. of B's scales (the group's), columns n0.. of B's scales.
+    scale rows sb_row.. of B's scales (the group's), columns n0.. of B's scales. Its first STAGES
+    stages were put in flight by `_prologue`; `base` counts the ring steps this CTA ran before (slot
+    (base + i) % STAGES, phase ((base + i) // STAGES) & 1), so tiles of a persistent CTA continue
+    the ring.
 
     Within a stage, block j's promotion overlaps block j+1's MMA; the stage's last block is promoted
     after a full wait. No wgmma stays in flight across the loop's back edge: ptxas serializes every
     wgmma of the kernel (C7514) when registers of one are read after the back edge."""
     NB: gl.constexpr = BK // 32
-    # prologue: the first STAGES steps in flight
-    for p in gl.static_range(STAGES):
-        _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                     p, p, m0, n0, b_row, sb_row, p < k_iters, BK)
     acc = gl.zeros((BM, BN), gl.float32, MMA)
     zero = gl.zeros((BM, BN), gl.float32, MMA)
     for i in range(k_iters):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        s = (base + i) % STAGES
+        mbarrier.wait(ready.index(s), ((base + i) // STAGES) & 1)
         prev = _mma_block(a_smem, b_smem, s, 0, zero, BK)
         for j in gl.static_range(1, NB):
             cur = _mma_block(a_smem, b_smem, s, j, zero, BK)
@@ -193,53 +204,32 @@ def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem
 
 
 @gluon.jit
-def _store_tile(c_ptr, acc, m0, n0, row_lo, row_hi, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr,
+def _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr,
                 MMA: gl.constexpr):
-    """Store the rows of the tile in [row_lo, row_hi) and columns < N (rounded once to c's dtype)."""
+    """Store the tile's rows below row_hi and columns below N (rounded once to c's dtype)."""
     rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
-    mask = ((rows >= row_lo) & (rows < row_hi))[:, None] & (cols < N)[None, :]
+    mask = (rows < row_hi)[:, None] & (cols < N)[None, :]
     ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
     gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E, KB_PAD, stride_cm,
-                      GROUPED: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                      num_warps: gl.constexpr):
-    NB: gl.constexpr = BK // 32
-    # warpgroups split the rows; one wgmma m64nBNk32 per warpgroup per 32-block
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BN, 32])
-    BOX: gl.constexpr = a_desc.block_type.shape[1]
-    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BM, BOX], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BN, BOX], b_desc.layout)
-    sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BM], sa_desc.layout)
-    sb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BN], sb_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-    fence_async_shared()
-
-    # program -> tile: GROUP_M row tiles sweep the columns together (L2 reuse of B)
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BM)
-    if GROUPED:
-        num_m += E + 1
-    num_n = gl.cdiv(N, BN)
+def _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n, GROUPED: gl.constexpr, BM: gl.constexpr,
+          BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile index -> (kind, first row, first column, first row of B, first row of B's scales, row
+    end): kind 1 computes rows [first row, row end), 2 zeroes rows [first row, M) (grouped rows
+    after offs[-1]), 0 nothing (a spare tile of the grouped grid). GROUP_M row tiles sweep the
+    columns together (L2 reuse of B)."""
     width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
+    first_m = (tile // width) * GROUP_M
     size_m = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    m0 = pid_m * BM
-    n0 = pid_n * BN
-    k_iters = gl.cdiv(K, BK)
+    pid_m = first_m + (tile % width) % size_m
+    n0 = ((tile % width) // size_m) * BN
     if GROUPED:
-        # row tile pid_m -> (group g, rows [m0, hi)): each group's rows are cut into its own
-        # cdiv(count, BM) tiles, then the rows after offs[-1] into zero tiles; the grid has
-        # cdiv(M, BM) + E + 1 row tiles, an upper bound on both together (the rest do nothing)
+        # row tile pid_m -> group g: each group's rows are cut into its own cdiv(count, BM) tiles,
+        # then the rows after offs[-1] into zero tiles; the grid's cdiv(M, BM) + E + 1 row tiles
+        # bound both together (the rest do nothing)
         first = 0
         g = -1
         lo = 0
@@ -254,19 +244,95 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
             row_hi = gl.where(mine, hi, row_hi)
             first += nt
             lo = hi
-        if g >= 0:
-            acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                            row_lo, n0, g * N + n0, g * KB_PAD, k_iters, BM, BN, BK, STAGES, MMA)
-            _store_tile(c_ptr, acc, row_lo, n0, row_lo, row_hi, N, stride_cm, BM, BN, MMA)
-        else:
-            z0 = lo + (pid_m - first) * BM  # lo is offs[-1] here
-            if (pid_m >= first) & (z0 < M):
-                _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), z0, n0, z0, M, N, stride_cm,
-                            BM, BN, MMA)
+        z0 = lo + (pid_m - first) * BM  # lo is offs[-1] here
+        kind = gl.where(g >= 0, 1, gl.where((pid_m >= first) & (z0 < M), 2, 0))
+        m0 = gl.where(g >= 0, row_lo, z0)
+        gg = gl.maximum(g, 0)
+        return kind, m0, n0, gg * N + n0, gg * KB_PAD, row_hi
     else:
-        acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                        m0, n0, n0, 0, k_iters, BM, BN, BK, STAGES, MMA)
-        _store_tile(c_ptr, acc, m0, n0, 0, M, N, stride_cm, BM, BN, MMA)
+        return 1, pid_m * BM, n0, n0, 0, M
+
+
+@gluon.jit
+def _computes(kind, GROUPED: gl.constexpr):
+    """Whether a tile of `_tile`'s kind runs the main loop (every dense tile does)."""
+    if GROUPED:
+        return kind == 1
+    else:
+        return gl.to_tensor(True)
+
+
+@gluon.jit
+def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E, KB_PAD, stride_cm,
+                      GROUPED: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                      PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+    NB: gl.constexpr = BK // 32
+    # warpgroups split the rows; one wgmma m64nBNk32 per warpgroup per 32-block
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BN, 32])
+    BOX: gl.constexpr = a_desc.block_type.shape[1]
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BM, BOX], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BN, BOX], b_desc.layout)
+    sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BM], sa_desc.layout)
+    sb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BN], sb_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+
+    num_m = gl.cdiv(M, BM)
+    if GROUPED:
+        num_m += E + 1
+    num_n = gl.cdiv(N, BN)
+    num_tiles = num_m * num_n
+    k_iters = gl.cdiv(K, BK)
+    if PERSISTENT:
+        # tiles pid, pid + grid, ...; the next tile's first stages load during this tile's epilogue
+        tile = gl.program_id(0)
+        step = gl.num_programs(0)
+        base = 0
+        mine, m0, n0, b_row, sb_row, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n,
+                                                    GROUPED, BM, BN, GROUP_M)
+        if _computes(mine, GROUPED):
+            _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
+                      m0, n0, b_row, sb_row, k_iters, BK, STAGES)
+        while tile < num_tiles:
+            mine, m0, n0, b_row, sb_row, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n,
+                                                        GROUPED, BM, BN, GROUP_M)
+            nmine, nm0, nn0, nb_row, nsb_row, _ = _tile(tile + step, offs_ptr, M, N, E, KB_PAD,
+                                                        num_m, num_n, GROUPED, BM, BN, GROUP_M)
+            prefetch = _computes(nmine, GROUPED) & (tile + step < num_tiles)
+            if _computes(mine, GROUPED):
+                acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                                ready, base, m0, n0, b_row, sb_row, k_iters, BM, BN, BK, STAGES, MMA)
+                base += k_iters
+                if prefetch:
+                    _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                              ready, base, nm0, nn0, nb_row, nsb_row, k_iters, BK, STAGES)
+                _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
+            else:
+                if prefetch:
+                    _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                              ready, base, nm0, nn0, nb_row, nsb_row, k_iters, BK, STAGES)
+                if GROUPED:  # (a dead zero-store branch on a constant kind crashes the lowering)
+                    if mine == 2:
+                        _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, M, N, stride_cm,
+                                    BM, BN, MMA)
+            tile += step
+    else:
+        mine, m0, n0, b_row, sb_row, row_hi = _tile(gl.program_id(0), offs_ptr, M, N, E, KB_PAD, num_m,
+                                                    num_n, GROUPED, BM, BN, GROUP_M)
+        if _computes(mine, GROUPED):
+            _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, 0,
+                      m0, n0, b_row, sb_row, k_iters, BK, STAGES)
+            acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                            ready, 0, m0, n0, b_row, sb_row, k_iters, BM, BN, BK, STAGES, MMA)
+            _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
+        if GROUPED:  # (as above)
+            if mine == 2:
+                _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, M, N, stride_cm,
+                            BM, BN, MMA)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
 
@@ -307,6 +373,16 @@ def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int, tile: in
     return f.reshape(groups * kb_pad, cols_pad)  # copies into a contiguous tensor
 
 
+def _resident_ctas(cfg: WgmmaConfig, device: torch.device) -> int:
+    """CTAs of this config that fit on the device at once: SMs x per-SM limit by registers (~255 per
+    thread) and shared memory (the ring)."""
+    props = torch.cuda.get_device_properties(device)
+    ring = cfg.stages * ((cfg.bm + cfg.bn) * cfg.bk + cfg.bk // BLOCK * (cfg.bm + cfg.bn) * 4)
+    smem = props.shared_memory_per_multiprocessor
+    per_sm = max(1, min(65536 // (256 * 32 * cfg.num_warps), smem // (ring + 2048)))
+    return props.multi_processor_count * per_sm
+
+
 def _aligned(t: Tensor) -> Tensor:
     """t itself if TMA can read it (16-byte aligned base and row stride), else a contiguous copy."""
     if t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0:
@@ -336,11 +412,12 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
     )
     offs_arg = offs if offs is not None else torch.zeros(1, dtype=torch.int32, device=a_q.device)
     num_m = triton.cdiv(M, cfg.bm) + (E + 1 if offs is not None else 0)
-    grid = (num_m * triton.cdiv(N, cfg.bn),)
+    tiles = num_m * triton.cdiv(N, cfg.bn)
+    grid = (min(tiles, _resident_ctas(cfg, a_q.device)) if cfg.persistent else tiles,)
     _fp8_wgmma_kernel[grid](
         *descs, out, offs_arg, M, N, K, E, kb_pad, out.stride(0),
         GROUPED=offs is not None,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
+        PERSISTENT=cfg.persistent, num_warps=cfg.num_warps,
     )
     return out

@@ -493,10 +493,9 @@ def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
 
 WGMMA_CONFIGS = [
     fp8_wgmma.DEFAULT_CONFIG,
-    WgmmaConfig(128, 128, 256, 3, 8),  # two TMA boxes per operand and stage
-    WgmmaConfig(128, 128, 64, 8, 8),
+    WgmmaConfig(128, 128, 256, 3, 8, persistent=True),  # two TMA boxes per operand and stage
     WgmmaConfig(64, 128, 256, 2, 4),
-    WgmmaConfig(128, 64, 128, 3, 4),  # two m64 wgmmas per warpgroup and block
+    WgmmaConfig(128, 64, 128, 3, 4, persistent=True),  # two m64 wgmmas per warpgroup and block
 ]
 
 
@@ -541,6 +540,35 @@ def test_gpu_wgmma_edges_and_tiles():
         assert torch.equal(got, first), cfg
 
 
+@pytest.mark.gpu
+def test_gpu_wgmma_persistent_many_tiles():
+    """More tiles than resident CTAs: a persistent CTA runs several tiles, the ring's slots and
+    phases continuing across them and the next tile's loads issued before this tile's store."""
+    gen = torch.Generator().manual_seed(23)
+    M, N, K = 2048, 2304, 256
+    aq, as_ = _rand_operand(M, K, gen, device="cuda")
+    bq, bs = _rand_operand(N, K, gen, device="cuda")
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    ref = A @ B.t()
+    outs = [fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, cfg) for cfg in WGMMA_CONFIGS]
+    check(outs[0], ref, A.abs(), B.abs(), K, gpu=True)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    counts = [700, 0, 1, 1400, 0, 333, 900, 64]
+    E, N = len(counts), 1024
+    aq, as_ = _rand_operand(sum(counts) + 40, K, gen, device="cuda")
+    bq, bs = _rand_operand(E * N, K, gen, device="cuda")
+    bq, bs = bq.view(E, N, K), bs.view(E, N, K // 32)
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    A, B = dq64(aq, as_), dq64(bq, bs)
+    ref = grouped_rows_ref(A, B, ends)
+    bnd = grouped_rows_ref(A.abs(), B.abs(), ends) * 2.0**-7 + 2.0**-120
+    outs = [fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, cfg) for cfg in WGMMA_CONFIGS]
+    assert bool(((outs[0].cpu().double() - ref).abs() <= bnd + ref.abs() * 2.0**-8).all())
+    assert not outs[0][ends[-1]:].any()
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
 WGMMA_AOT_CHECK = r"""
 import re, subprocess, sys, tempfile
 import torch, triton
@@ -564,8 +592,8 @@ for grouped in (False, True):
         "c_ptr": "*bf16", "offs_ptr": "*i32",
     }
     sig.update({n: "i32" for n in ["M", "N", "K", "E", "KB_PAD", "stride_cm"]})
-    const = dict(GROUPED=grouped, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages,
-                 GROUP_M=cfg.group_m, num_warps=cfg.num_warps)
+    const = dict(GROUPED=grouped, PERSISTENT=cfg.persistent, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
+                 STAGES=cfg.stages, GROUP_M=cfg.group_m, num_warps=cfg.num_warps)
     sig.update({n: "constexpr" for n in const})
     src = GluonASTSource(W._fp8_wgmma_kernel, sig, constexprs=const)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
