@@ -123,8 +123,8 @@ def _sb_row(smem, slot, j, NB: gl.constexpr, W: gl.constexpr):
 
 @gluon.jit
 def _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                 slot, kstep, m0, n0, b_row, sb_row, pred, BK: gl.constexpr):
-    """Stage `kstep` (K elements [kstep*BK, +BK)) into ring slot `slot`: A and B as BK/BOX boxes
+                 slot, kstep, m0, n0, b_row, sb_row, k0, pred, BK: gl.constexpr):
+    """Stage `kstep` (K elements k0 + [kstep*BK, +BK)) into ring slot `slot`: A and B as BK/BOX boxes
     of BOX = min(BK, 128) K-bytes (the 128-byte swizzle's width), the two scale tiles as one box
     each; all on the slot's mbarrier."""
     NB: gl.constexpr = BK // 32
@@ -135,11 +135,12 @@ def _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_s
                             + sa_desc.block_type.nbytes + sb_desc.block_type.nbytes)
     mbarrier.expect(bar, nbytes, pred=pred)
     for h in gl.static_range(SUBS):
-        k = kstep * BK + h * BOX
+        k = k0 + kstep * BK + h * BOX
         tma.async_copy_global_to_shared(a_desc, [m0, k], bar, a_smem.index(slot * SUBS + h), pred=pred)
         tma.async_copy_global_to_shared(b_desc, [b_row, k], bar, b_smem.index(slot * SUBS + h), pred=pred)
-    tma.async_copy_global_to_shared(sa_desc, [kstep * NB, m0], bar, sa_smem.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(sb_desc, [sb_row + kstep * NB, n0], bar,
+    kb = k0 // 32 + kstep * NB
+    tma.async_copy_global_to_shared(sa_desc, [kb, m0], bar, sa_smem.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(sb_desc, [sb_row + kb, n0], bar,
                                     sb_smem.index(slot), pred=pred)
 
 
@@ -157,31 +158,37 @@ def _mma_block(a_smem, b_smem, slot, j, zero, BK: gl.constexpr):
 
 @gluon.jit
 def _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
-              m0, n0, b_row, sb_row, k_iters, BK: gl.constexpr, STAGES: gl.constexpr):
+              m0, n0, b_row, sb_row, k0, k_iters, BK: gl.constexpr, STAGES: gl.constexpr):
     """Put a tile's first STAGES stages in flight (ring steps base.., see `_mainloop`)."""
     for p in gl.static_range(STAGES):
         _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                     (base + p) % STAGES, p, m0, n0, b_row, sb_row, p < k_iters, BK)
+                     (base + p) % STAGES, p, m0, n0, b_row, sb_row, k0, p < k_iters, BK)
 
 
 @gluon.jit
 def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
-              m0, n0, b_row, sb_row, k_iters,
+              m0, n0, b_row, sb_row, k0, n_full, tail,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              MMA: gl.constexpr):
+              MMA: gl.constexpr, TAIL: gl.constexpr):
     """The fp32 accumulator (BM, BN) of one tile over all of K: rows m0.. of A, rows b_row.. of B,
     scale rows sb_row.. of B's scales (the group's), columns n0.. of B's scales. Its first STAGES
     stages were put in flight by `_prologue`; `base` counts the ring steps this CTA ran before (slot
     (base + i) % STAGES, phase ((base + i) // STAGES) & 1), so tiles of a persistent CTA continue
-    the ring.
+    the ring. K runs from k0: n_full whole stages, then (TAIL) one stage of which only the first
+    `tail` blocks count (0: none; the rest belong to the next group: their MMAs run, their
+    promotions are skipped, so nothing of them, not even a NaN, reaches acc).
 
     Within a stage, block j's promotion overlaps block j+1's MMA; the stage's last block is promoted
     after a full wait. No wgmma stays in flight across the loop's back edge: ptxas serializes every
     wgmma of the kernel (C7514) when registers of one are read after the back edge."""
     NB: gl.constexpr = BK // 32
+    if TAIL:
+        k_iters = n_full + (tail > 0).to(gl.int32)
+    else:
+        k_iters = n_full
     acc = gl.zeros((BM, BN), gl.float32, MMA)
     zero = gl.zeros((BM, BN), gl.float32, MMA)
-    for i in range(k_iters):
+    for i in range(n_full):
         s = (base + i) % STAGES
         mbarrier.wait(ready.index(s), ((base + i) // STAGES) & 1)
         prev = _mma_block(a_smem, b_smem, s, 0, zero, BK)
@@ -199,7 +206,18 @@ def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem
         gl.thread_barrier()  # every warpgroup is done with slot s (its MMAs and scales): refill it
         nxt = i + STAGES
         _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                     s, nxt, m0, n0, b_row, sb_row, nxt < k_iters, BK)
+                     s, nxt, m0, n0, b_row, sb_row, k0, nxt < k_iters, BK)
+    if TAIL:
+        if tail > 0:  # the partial last stage: each block waited for, promoted only if it counts
+            s = (base + n_full) % STAGES
+            mbarrier.wait(ready.index(s), ((base + n_full) // STAGES) & 1)
+            for j in gl.static_range(NB):
+                part = warpgroup_mma_wait(0, deps=(_mma_block(a_smem, b_smem, s, j, zero, BK),))
+                if j < tail:
+                    sa = _scale_row(sa_smem, s, j, NB, BM).load(gl.SliceLayout(1, MMA))
+                    sb = _sb_row(sb_smem, s, j, NB, BN).load(gl.SliceLayout(0, MMA))
+                    acc = _promote(acc, part, sa, sb)
+            gl.thread_barrier()
     return acc
 
 
@@ -264,9 +282,12 @@ def _computes(kind, GROUPED: gl.constexpr):
 
 @gluon.jit
 def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E, KB_PAD, stride_cm,
-                      GROUPED: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                      stride_ce, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                       BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                       PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+    """MODE 0 dense, 1 grouped rows (GROUPED below), 2 grouped K: program_id(1) is the group, whose
+    K range [offs[e-1], offs[e]) (multiples of 32) gives out[e] (stride_ce apart)."""
+    GROUPED: gl.constexpr = MODE == 1
     NB: gl.constexpr = BK // 32
     # warpgroups split the rows; one wgmma m64nBNk32 per warpgroup per 32-block
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -287,7 +308,23 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
     num_n = gl.cdiv(N, BN)
     num_tiles = num_m * num_n
     k_iters = gl.cdiv(K, BK)
-    if PERSISTENT:
+    if MODE == 2:
+        # whole stages from the group's first block, then a partial one (blocks past the group's
+        # end are loaded and not promoted); an empty group stores zeros
+        e = gl.program_id(1)
+        k_lo = gl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        n_blocks = (gl.load(offs_ptr + e) - k_lo) // 32
+        n_full = n_blocks // NB
+        tail = n_blocks - n_full * NB
+        _, m0, n0, b_row, sb_row, row_hi = _tile(gl.program_id(0), offs_ptr, M, N, E, KB_PAD, num_m,
+                                                 num_n, False, BM, BN, GROUP_M)
+        _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, 0,
+                  m0, n0, b_row, sb_row, k_lo, n_full + (tail > 0).to(gl.int32), BK, STAGES)
+        acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                        ready, 0, m0, n0, b_row, sb_row, k_lo, n_full, tail, BM, BN, BK, STAGES, MMA,
+                        True)
+        _store_tile(c_ptr + e.to(gl.int64) * stride_ce, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
+    elif PERSISTENT:
         # tiles pid, pid + grid, ...; the next tile's first stages load during this tile's epilogue
         tile = gl.program_id(0)
         step = gl.num_programs(0)
@@ -296,7 +333,7 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
                                                     GROUPED, BM, BN, GROUP_M)
         if _computes(mine, GROUPED):
             _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
-                      m0, n0, b_row, sb_row, k_iters, BK, STAGES)
+                      m0, n0, b_row, sb_row, 0, k_iters, BK, STAGES)
         while tile < num_tiles:
             mine, m0, n0, b_row, sb_row, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n,
                                                         GROUPED, BM, BN, GROUP_M)
@@ -305,16 +342,17 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
             prefetch = _computes(nmine, GROUPED) & (tile + step < num_tiles)
             if _computes(mine, GROUPED):
                 acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                                ready, base, m0, n0, b_row, sb_row, k_iters, BM, BN, BK, STAGES, MMA)
+                                ready, base, m0, n0, b_row, sb_row, 0, k_iters, 0, BM, BN, BK, STAGES,
+                                MMA, False)
                 base += k_iters
                 if prefetch:
                     _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                              ready, base, nm0, nn0, nb_row, nsb_row, k_iters, BK, STAGES)
+                              ready, base, nm0, nn0, nb_row, nsb_row, 0, k_iters, BK, STAGES)
                 _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
             else:
                 if prefetch:
                     _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                              ready, base, nm0, nn0, nb_row, nsb_row, k_iters, BK, STAGES)
+                              ready, base, nm0, nn0, nb_row, nsb_row, 0, k_iters, BK, STAGES)
                 if GROUPED:  # (a dead zero-store branch on a constant kind crashes the lowering)
                     if mine == 2:
                         _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, M, N, stride_cm,
@@ -325,9 +363,10 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
                                                     num_n, GROUPED, BM, BN, GROUP_M)
         if _computes(mine, GROUPED):
             _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, 0,
-                      m0, n0, b_row, sb_row, k_iters, BK, STAGES)
+                      m0, n0, b_row, sb_row, 0, k_iters, BK, STAGES)
             acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                            ready, 0, m0, n0, b_row, sb_row, k_iters, BM, BN, BK, STAGES, MMA)
+                            ready, 0, m0, n0, b_row, sb_row, 0, k_iters, 0, BM, BN, BK, STAGES, MMA,
+                            False)
             _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
         if GROUPED:  # (as above)
             if mine == 2:
@@ -392,11 +431,14 @@ def _aligned(t: Tensor) -> Tensor:
 
 def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | None, out: Tensor,
            cfg: WgmmaConfig = DEFAULT_CONFIG) -> Tensor:
-    """Dense ((M, K) x (N, K), offs None) or grouped rows ((T, K) x (E, N, K), offs (E,) int32) into
-    `out` (M, N) bf16/fp32 contiguous. Operands checked by the caller (`fp8_gemm._check`)."""
+    """Into `out` (bf16 or fp32, contiguous), operands checked by the caller (`fp8_gemm._check`):
+    dense (M, K) x (N, K) -> (M, N), offs None; grouped rows (T, K) x (E, N, K) -> (T, N), offs (E,)
+    int32 row ends; grouped K (M, T) x (N, T) -> (E, M, N), offs (E,) int32 ends over T (multiples
+    of 32; the persistent option does not apply)."""
     M, K = a_q.shape
     N = b_q.shape[-2]
-    E = b_q.shape[0] if b_q.ndim == 3 else 1
+    mode = 0 if offs is None else (1 if b_q.ndim == 3 else 2)
+    E = b_q.shape[0] if mode == 1 else 1
     la, lb, lsa, lsb, nb = _layouts(cfg)
     kb_pad = triton.cdiv(K // BLOCK, nb) * nb
     mp, np_ = triton.cdiv(M, 4) * 4, triton.cdiv(N, cfg.bn) * cfg.bn
@@ -411,13 +453,17 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         TensorDescriptor.from_tensor(sb, [nb, cfg.bn], lsb),
     )
     offs_arg = offs if offs is not None else torch.zeros(1, dtype=torch.int32, device=a_q.device)
-    num_m = triton.cdiv(M, cfg.bm) + (E + 1 if offs is not None else 0)
+    num_m = triton.cdiv(M, cfg.bm) + (E + 1 if mode == 1 else 0)
     tiles = num_m * triton.cdiv(N, cfg.bn)
-    grid = (min(tiles, _resident_ctas(cfg, a_q.device)) if cfg.persistent else tiles,)
+    persistent = cfg.persistent and mode != 2
+    if mode == 2:
+        grid = (tiles, offs.shape[0])
+    else:
+        grid = (min(tiles, _resident_ctas(cfg, a_q.device)) if persistent else tiles,)
     _fp8_wgmma_kernel[grid](
-        *descs, out, offs_arg, M, N, K, E, kb_pad, out.stride(0),
-        GROUPED=offs is not None,
+        *descs, out, offs_arg, M, N, K, E, kb_pad, out.stride(-2), out.stride(0) if mode == 2 else 0,
+        MODE=mode,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        PERSISTENT=cfg.persistent, num_warps=cfg.num_warps,
+        PERSISTENT=persistent, num_warps=cfg.num_warps,
     )
     return out
