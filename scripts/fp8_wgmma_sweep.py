@@ -26,33 +26,43 @@ CONFIGS = [  # all compiled for sm_90a first (overlapping wgmma, no spills outsi
     WgmmaConfig(128, 64, 128, 3, 4),  # 2 CTAs per SM
     WgmmaConfig(128, 64, 128, 3, 4, persistent=True),
 ]
-SHAPES = [(8192, 8192, 8192, 0), (65536, 7168, 2048, 8), (32768, 4096, 14336, 8)]  # M, K, N, groups
+# M, K, N, groups, grouped over K (wgrad: (M, T=K) x (N, T) -> (E, M, N))
+SHAPES = [(8192, 8192, 8192, 0, False), (65536, 7168, 2048, 8, False), (32768, 4096, 14336, 8, False),
+          (2048, 65536, 7168, 8, True)]
 
 
-def operands(M, K, N, E):
+def operands(M, K, N, E, over_k):
     g = torch.Generator(device="cuda").manual_seed(0)
+    nb = N if over_k else max(E, 1) * N
     a = torch.randint(-100, 100, (M, K), device="cuda", generator=g).to(torch.float8_e4m3fn)
-    b = torch.randint(-100, 100, (max(E, 1) * N, K), device="cuda", generator=g).to(torch.float8_e4m3fn)
+    b = torch.randint(-100, 100, (nb, K), device="cuda", generator=g).to(torch.float8_e4m3fn)
     sa = torch.randint(120, 130, (M, K // 32), device="cuda", generator=g).to(torch.uint8)
-    sb = torch.randint(120, 130, (max(E, 1) * N, K // 32), device="cuda", generator=g).to(torch.uint8)
+    sb = torch.randint(120, 130, (nb, K // 32), device="cuda", generator=g).to(torch.uint8)
     sa, sb = sa.view(torch.float8_e8m0fnu), sb.view(torch.float8_e8m0fnu)
     offs = None
-    if E:
+    if over_k:
+        offs = (torch.linspace(K / E, K, E, device="cuda") / 32).round().to(torch.int32) * 32
+    elif E:
         b, sb = b.view(E, N, K), sb.view(E, N, K // 32)
         offs = torch.linspace(M / E, M, E, device="cuda").round().to(torch.int32)
     return a, sa, b, sb, offs
 
 
-def sweep(M: int, K: int, N: int, E: int, iters: int) -> None:
+def sweep(M: int, K: int, N: int, E: int, over_k: bool, iters: int) -> None:
     flops = 2 * M * K * N
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(max(E, 1), N, K, device="cuda", dtype=torch.bfloat16)
-    a, sa, b, sb, offs = operands(M, K, N, E)
-    if E:
+    a, sa, b, sb, offs = operands(M, K, N, E, over_k)
+    if over_k:  # wgrad: (M, T) x (T, N) grouped over T, in the layouts of `mxmoe bench grouped_mm`
+        xt = torch.randn(K, M, device="cuda", dtype=torch.bfloat16).t()
+        wt = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        t_bf16 = bench(lambda: torch._grouped_mm(xt, wt, offs=offs), iters=iters).median_ms
+    elif E:
         t_bf16 = bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs), iters=iters).median_ms
     else:
         t_bf16 = bench(lambda: x @ w[0].t(), iters=iters).median_ms
-    print(f"{M}x{K}->{N} E={E}: bf16 {flops / t_bf16 / 1e9:.0f} TFLOP/s", flush=True)
+    kind = "grouped over K" if over_k else f"E={E}"
+    print(f"{M}x{K}->{N} {kind}: bf16 {flops / t_bf16 / 1e9:.0f} TFLOP/s", flush=True)
     ref = fp8_gemm.launch(a, sa, b, sb, offs, torch.float32, CONFIGS[0])
     for cfg in CONFIGS:
         try:
@@ -71,7 +81,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     require_cuda("fp8_wgmma_sweep")
     for shape in SHAPES:
-        sweep(*shape, args.iters)
+        sweep(*shape, iters=args.iters)
         torch.cuda.empty_cache()
     return 0
 
