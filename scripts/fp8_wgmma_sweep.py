@@ -50,9 +50,10 @@ def operands(M, K, N, E, over_k):
 
 def sweep(M: int, K: int, N: int, E: int, over_k: bool, iters: int) -> None:
     flops = 2 * M * K * N
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(max(E, 1), N, K, device="cuda", dtype=torch.bfloat16)
     a, sa, b, sb, offs = operands(M, K, N, E, over_k)
+    if not over_k:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(max(E, 1), N, K, device="cuda", dtype=torch.bfloat16)
     if over_k:  # wgrad: (M, T) x (T, N) grouped over T, in the layouts of `mxmoe bench grouped_mm`
         xt = torch.randn(K, M, device="cuda", dtype=torch.bfloat16).t()
         wt = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
