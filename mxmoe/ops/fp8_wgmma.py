@@ -417,7 +417,7 @@ def _resident_ctas(cfg: WgmmaConfig, device: torch.device) -> int:
     thread) and shared memory (the ring)."""
     props = torch.cuda.get_device_properties(device)
     ring = cfg.stages * ((cfg.bm + cfg.bn) * cfg.bk + cfg.bk // BLOCK * (cfg.bm + cfg.bn) * 4)
-    smem = props.shared_memory_per_multiprocessor
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)  # (228 KiB on sm_90)
     per_sm = max(1, min(65536 // (256 * 32 * cfg.num_warps), smem // (ring + 2048)))
     return props.multi_processor_count * per_sm
 
