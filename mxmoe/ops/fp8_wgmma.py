@@ -337,8 +337,10 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
         while tile < num_tiles:
             mine, m0, n0, b_row, sb_row, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n,
                                                         GROUPED, BM, BN, GROUP_M)
-            nmine, nm0, nn0, nb_row, nsb_row, _ = _tile(tile + step, offs_ptr, M, N, E, KB_PAD,
-                                                        num_m, num_n, GROUPED, BM, BN, GROUP_M)
+            # (clamped: past the last tile the mapping divides by zero; unused then)
+            nmine, nm0, nn0, nb_row, nsb_row, _ = _tile(gl.minimum(tile + step, num_tiles - 1), offs_ptr,
+                                                        M, N, E, KB_PAD, num_m, num_n, GROUPED, BM, BN,
+                                                        GROUP_M)
             prefetch = _computes(nmine, GROUPED) & (tile + step < num_tiles)
             if _computes(mine, GROUPED):
                 acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
@@ -409,7 +411,8 @@ def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int, tile: in
     if tile:
         # column t*tile + 8 c2 + 2 c1 + c0 -> t*tile + (tile/4) c1 + 2 c2 + c0
         f = f.reshape(groups, kb_pad, cols_pad // tile, tile // 8, 4, 2).permute(0, 1, 2, 4, 3, 5)
-    return f.reshape(groups * kb_pad, cols_pad)  # copies into a contiguous tensor
+    # (with one group a reshape of the transposed view can stay a strided view: TMA needs rows)
+    return f.reshape(groups * kb_pad, cols_pad).contiguous()
 
 
 def _resident_ctas(cfg: WgmmaConfig, device: torch.device) -> int:
