@@ -10,6 +10,9 @@ the output rounding (bf16: 2^-8 |ref|) and 2^-126 per block for contributions be
 range.
 """
 
+import functools
+import operator
+
 import pytest
 import torch
 
@@ -523,6 +526,83 @@ def test_gpu_wgmma_persistent_many_tiles():
     assert bool(((outs[0].cpu().double() - ref).abs() <= bnd + ref.abs() * 2.0**-8).all())
     assert not outs[0][ends[-1]:].any()
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def _sb_offset_to_column(W):
+    """Column at each offset of the kernel's shared layout for a row of W B scales
+    (`_sb_perm_layout`, a linear layout: an offset's column is the XOR of its set bits' bases)."""
+    bases = [b for (b,) in fp8_wgmma._sb_perm_layout(W).offset_bases]
+    return [functools.reduce(operator.xor, (b for i, b in enumerate(bases) if o >> i & 1), 0)
+            for o in range(W)]
+
+
+@pytest.mark.parametrize("mode", ["dense", "rows", "k"])
+def test_wgmma_launcher_host_side(mode, monkeypatch):
+    """What the Gluon kernel's launcher hands the kernel, on CPU (the launch itself intercepted):
+    TMA-valid descriptors (16-byte aligned bases and row strides, also for a strided A and ragged
+    M, N, K), the fp32 scales decoded from the e8m0 bytes (2^(b-127), NaN for 255) with the rows
+    innermost, B's in the documented per-tile column order, zero padding, and a grid covering
+    every tile."""
+    got = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: got.update(grid=grid, args=args, kw=kw)
+
+    monkeypatch.setattr(fp8_wgmma, "_fp8_wgmma_kernel", Launch())
+    monkeypatch.setattr(fp8_wgmma, "_resident_ctas", lambda cfg, device: 7)
+    gen = torch.Generator().manual_seed(31)
+    cfg = WgmmaConfig(128, 64, 128, 3, 4, persistent=True)
+    M, N, K, E = 333, 100, 1056, 3
+    big, bigs = _rand_operand(M, K + 64, gen)
+    aq, as_ = big[:, 32:32 + K], bigs[:, 1:1 + K // 32]
+    as_.view(torch.uint8)[5, 3] = 255
+    offs = None
+    if mode == "dense":
+        bq, bs = _rand_operand(N, K, gen)
+        out = torch.empty(M, N, dtype=torch.bfloat16)
+    elif mode == "rows":
+        bq, bs = _rand_operand(E * N, K, gen)
+        bq, bs = bq.view(E, N, K), bs.view(E, N, K // 32)
+        offs = torch.tensor([100, 100, 300], dtype=torch.int32)
+        out = torch.empty(M, N, dtype=torch.bfloat16)
+    else:
+        bq, bs = _rand_operand(N, K, gen)
+        offs = torch.tensor([320, 320, 1056], dtype=torch.int32)
+        out = torch.empty(E, M, N, dtype=torch.bfloat16)
+    fp8_wgmma.launch(aq, as_, bq, bs, offs, out, cfg)
+    a_desc, b_desc, sa_desc, sb_desc = got["args"][:4]
+    for d in (a_desc, b_desc, sa_desc, sb_desc):
+        assert d.base.data_ptr() % 16 == 0 and d.strides[-1] == 1
+        assert all(st * d.base.element_size() % 16 == 0 for st in d.strides[:-1])
+    assert torch.equal(a_desc.base.float(), aq.float())
+    groups = E if mode == "rows" else 1
+    nb, kb = cfg.bk // 32, K // 32
+    kb_pad = -(-kb // nb) * nb
+
+    def decoded(s):
+        b = s.view(torch.uint8).to(torch.float64)
+        return torch.where(b == 255, torch.nan, torch.exp2(b - 127))
+
+    sa = sa_desc.base.double()
+    assert sa.is_contiguous() and sa.shape[0] == kb_pad and sa.shape[1] % 4 == 0
+    torch.testing.assert_close(sa[:kb, :M], decoded(as_).t(), equal_nan=True, rtol=0, atol=0)
+    assert not sa[kb:].any() and not sa[:, M:].any()
+    sb = sb_desc.base.double().view(groups, kb_pad, -1)
+    np_ = sb.shape[-1]
+    assert sb.is_contiguous() and np_ % cfg.bn == 0
+    cols = torch.tensor(_sb_offset_to_column(cfg.bn))
+    logical = sb.view(groups, kb_pad, np_ // cfg.bn, cfg.bn)[..., torch.argsort(cols)]  # [.., c]
+    logical = logical.reshape(groups, kb_pad, np_)
+    want = decoded(bs.reshape(groups, N, kb)).transpose(1, 2)
+    torch.testing.assert_close(logical[:, :kb, :N], want, rtol=0, atol=0)
+    assert not logical[:, kb:].any() and not logical[:, :, N:].any()
+    tiles = (-(-M // cfg.bm) + (E + 1 if mode == "rows" else 0)) * -(-N // cfg.bn)
+    if mode == "k":
+        assert got["grid"] == (tiles, E) and got["kw"]["MODE"] == 2 and not got["kw"]["PERSISTENT"]
+    else:
+        assert got["grid"] == (min(tiles, 7),) and got["kw"]["PERSISTENT"]
+        assert got["kw"]["MODE"] == (1 if mode == "rows" else 0)
 
 
 WGMMA_AOT_CHECK = r"""
