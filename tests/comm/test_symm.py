@@ -6,6 +6,7 @@ large for a slot (the send/recv fallback)."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -13,13 +14,13 @@ import torch
 from test_comm_a2a import assert_same_bits, make_rows, split_matrix
 
 from mxmoe.comm.splits import offsets
-from mxmoe.comm.symm import Layout, halves_bytes, symm_mx_exchange
+from mxmoe.comm.symm import Layout, halves_bytes, symm_mx_exchange, tiles
 from mxmoe.quant import custom_ops
 
 
 class FakeWorld:
-    """W ranks' workspaces, filled with garbage so that a row never written cannot pass, and a mailbox
-    for the point-to-point fallback."""
+    """W ranks' workspaces (garbage until each rank's first exchange zeroes its own, as
+    SymmWorkspace.ensure does) and a mailbox for the point-to-point fallback."""
 
     def __init__(self, world: int, nbytes: int) -> None:
         g = torch.Generator().manual_seed(0)
@@ -36,17 +37,20 @@ class FakeWorkspace:
     def __init__(self, world: FakeWorld, rank: int) -> None:
         self.world, self.rank, self.buffers, self._calls = world, rank, world.buffers, 0
         self.nbytes = self.buffers[0].numel()
+        self.counters = torch.zeros(2, dtype=torch.int32)
+        self.error = torch.zeros(1, dtype=torch.int64)
+        self._ready = False
 
     def ensure(self) -> None:
-        pass
+        """As SymmWorkspace.ensure: zero this rank's buffer once, then a barrier."""
+        if not self._ready:
+            self.buffers[self.rank].zero_()
+            self.world.sync.wait()
+            self._ready = True
 
     def next_epoch(self) -> int:
         self._calls += 1
         return self._calls
-
-    def barrier(self) -> None:
-        """As SymmWorkspace's device barrier: every rank's stores are done and visible."""
-        self.world.sync.wait()
 
     def send_recv(self, sends, recvs) -> None:
         """Pairwise, like NCCL send/recv: only the two ends of a pair take part."""
@@ -149,14 +153,83 @@ def test_layout_slots_are_disjoint_and_inside_the_half(world):
     for base in (0, half):
         for dst in range(world):
             for src in (r for r in range(world) if r != dst):
-                q, s = lay.slot(buf, base, src, dst)
+                q, s, f = lay.slot(buf, base, src, dst)
                 assert q.shape == (lay.slot_rows, dim) and s.shape == (lay.slot_rows, dim // 32)
-                assert (q.data_ptr() - b0) % 256 == 0 and (s.data_ptr() - b0) % 256 == 0
-                assert base <= q.data_ptr() - b0 and s.data_ptr() + s.numel() - b0 <= base + half
+                assert f.shape == (tiles(lay.slot_rows, dim),) and f.dtype == torch.int32
+                assert all((t.data_ptr() - b0) % 256 == 0 for t in (q, s, f))
+                assert base <= q.data_ptr() - b0 and f.data_ptr() + 4 * f.numel() - b0 <= base + half
                 if dst == 0:  # every slot of one receiver marked once: no overlap
                     q.add_(1)
                     s.add_(1)
+                    f.view(torch.uint8).add_(1)
         if base == 0:
             assert int(buf.max()) == 1
-            assert int((buf == 1).sum()) == (world - 1) * lay.slot_rows * (dim + dim // 32)
+            per_slot = lay.slot_rows * (dim + dim // 32) + 4 * tiles(lay.slot_rows, dim)
+            assert int((buf == 1).sum()) == (world - 1) * per_slot
             buf.zero_()
+
+
+class SharedWorkspace:
+    """A rank's view of workspaces in shared memory (one process per rank: the Triton interpreter
+    runs one kernel per process), zeroed by the parent; no fallback pairs."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers, self.nbytes, self._calls = buffers, buffers[0].numel(), 0
+        self.counters = torch.zeros(2, dtype=torch.int32)
+        self.error = torch.zeros(1, dtype=torch.int64)
+
+    def ensure(self) -> None:
+        pass
+
+    def next_epoch(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    def send_recv(self, sends, recvs) -> None:
+        raise AssertionError("the test's workspace fits every pair")
+
+
+def _kernel_worker(rank, world, port, buffers, xs, gs, M, outs_y, outs_q, outs_s, outs_back) -> None:
+    ws = SharedWorkspace(buffers)
+    ins, outs = M[rank], [row[rank] for row in M]
+    outs_y[rank].copy_(symm_mx_exchange(xs[rank], ins, outs, rank, ws, "torch", True, impl="kernel"))
+    q, s = symm_mx_exchange(xs[rank], ins, outs, rank, ws, "torch", False, impl="kernel")
+    outs_q[rank].copy_(q.view(torch.uint8))
+    outs_s[rank].copy_(s.view(torch.uint8))
+    outs_back[rank].copy_(symm_mx_exchange(gs[rank], outs, ins, rank, ws, "torch", True, impl="kernel"))
+    assert ws.counters.tolist() == [0, 0], "the last program resets the ticket counters"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflow notes
+@pytest.mark.parametrize(("world", "dtype", "dim"), [(2, torch.bfloat16, 96), (3, torch.float32, 64)])
+def test_exchange_kernel_under_the_interpreter(world, dtype, dim, spawn_ranks):
+    """The Triton exchange kernel itself (tickets, release/acquire flags, epochs, tiles spanning rows,
+    the last partial tile, empty pairs): one process per rank under TRITON_INTERPRET=1, workspaces in
+    shared memory, three exchanges (both halves, then the first again)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU)")
+    # rank 1 sends nothing to rank 0; others several tiles of 128 blocks (the last one partial)
+    M = [[(150 + 37 * r + 11 * p) if (r, p) != (1, 0) else 0 for p in range(world)] for r in range(world)]
+    Mt = [list(c) for c in zip(*M, strict=True)]
+    xs = [make_rows(sum(M[r]), dim, dtype, seed=7 + r).share_memory_() for r in range(world)]
+    gs = [make_rows(sum(Mt[r]), dim, dtype, seed=70 + r).share_memory_() for r in range(world)]
+    buffers = [torch.zeros(1 << 18, dtype=torch.uint8).share_memory_() for _ in range(world)]
+    assert Layout(world, dim, halves_bytes(1 << 18)).slot_rows >= max(map(max, M))
+
+    def shared(rows, cols, dt):
+        return [torch.zeros(rows[r], cols, dtype=dt).share_memory_() for r in range(world)]
+
+    rows_out = [sum(Mt[r]) for r in range(world)]
+    ys, qs, ss = shared(rows_out, dim, dtype), shared(rows_out, dim, torch.uint8), shared(
+        rows_out, dim // 32, torch.uint8
+    )
+    backs = shared([sum(M[r]) for r in range(world)], dim, dtype)
+    spawn_ranks(_kernel_worker, world, buffers, xs, gs, M, ys, qs, ss, backs, timeout_s=900)
+    for r in range(world):
+        what = f"rank {r} of {world}, {dtype}"
+        assert_same_bits(ys[r], expected(xs, M, r, True), "forward " + what)
+        wq, wsc = expected(xs, M, r, False)
+        assert torch.equal(qs[r], wq.view(torch.uint8)), "dispatch elements " + what
+        assert torch.equal(ss[r], wsc.view(torch.uint8)), "dispatch scales " + what
+        assert_same_bits(backs[r], expected(gs, Mt, r, True), "backward " + what)

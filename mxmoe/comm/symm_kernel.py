@@ -1,0 +1,180 @@
+"""The symmetric-memory exchange as one persistent Triton kernel (the protocol: `mxmoe.comm.symm`).
+
+Work items are tiles of TILE_BLOCKS blocks of 32 elements over a flat sequence of blocks (rows are
+contiguous, so a tile may span rows). Programs take items by an atomic ticket counter, so item t is
+only taken after items 0..t-1 were taken by running programs. Items, in ticket order:
+
+  * the front: the store tiles (quantize x's rows for peer p into p's slot for this rank, then a
+    release flag write into that slot's flag of the tile) interleaved evenly with the own-rows tiles
+    (quantize-dequantize into the output, or quantize into it for the dispatch);
+  * then the receive tiles: spin (acquire) on the tile's flag in this rank's slot of the source until
+    it holds this exchange's epoch, then dequantize the tile into the output (or copy it out).
+
+No deadlock: a program spins only on a receive tile; every store tile on every rank precedes every
+receive tile in that rank's ticket order, so every store has been taken by a running program that
+waits for nothing. Spins time out (globaltimer; MXMOE_SYMM_TIMEOUT_MS): the kernel records the
+source and tile in the error word and traps (on a GPU the process fails with a CUDA error instead of
+hanging). The last program to finish resets the ticket counter for the next exchange.
+
+Memory ordering: a store tile's threads write the peer's slot (weak st.global over NVLink); a CTA
+barrier (bar.sync) orders them before the one thread that then writes the flag with an atomic
+exchange of release semantics at system scope (cumulative: it publishes every write the barrier
+ordered before it). A receive tile reads the flag with an atomic of acquire semantics at system
+scope, a CTA barrier follows, and only then are the tile's bytes loaded (with .cg: from L2, where the
+peer's NVLink stores land, never from this SM's L1).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+from mxmoe.comm.kernels import _dequant_tile, _qdq_tile
+from mxmoe.quant.triton_cast import _load_bits, _quantize
+
+# Rows of the item table, in the order of mxmoe.comm.symm.ROWS (int64, (12, PEERS + 1)).
+ST_START, ST_XBLK, ST_NBLK, ST_Q, ST_S, ST_F = (tl.constexpr(i) for i in range(6))
+RC_START, RC_YBLK, RC_NBLK, RC_Q, RC_S, RC_F = (tl.constexpr(i) for i in range(6, 12))
+
+
+@triton.jit
+def _meta(meta_ptr, row, i, PEERS: tl.constexpr):
+    return tl.load(meta_ptr + row * (PEERS + 1) + i)
+
+
+@triton.jit
+def _which(meta_ptr, row, k, PEERS: tl.constexpr):
+    """Index i with start[i] <= k < start[i + 1] (start: meta row `row`, prefix sums)."""
+    i = k * 0
+    for j in tl.static_range(1, PEERS):
+        i += (k >= _meta(meta_ptr, row, j, PEERS)).to(tl.int64)
+    return i
+
+
+@triton.jit
+def _as_ptr(addr, ty: tl.constexpr):
+    return addr.to(tl.pointer_type(ty))
+
+
+@triton.jit
+def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr, IN_BF16: tl.constexpr,
+                MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+                MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr, T127: tl.constexpr,
+                T126: tl.constexpr, SOFT: tl.constexpr):
+    i = _which(meta_ptr, ST_START, k, PEERS)
+    kk = k - _meta(meta_ptr, ST_START, i, PEERS)
+    blk0 = kk * NB
+    xblk = _meta(meta_ptr, ST_XBLK, i, PEERS) + blk0
+    nblk = _meta(meta_ptr, ST_NBLK, i, PEERS)
+    q_dst = _as_ptr(_meta(meta_ptr, ST_Q, i, PEERS), tl.uint8) + blk0 * 32
+    s_dst = _as_ptr(_meta(meta_ptr, ST_S, i, PEERS), tl.uint8) + blk0
+    f_dst = _as_ptr(_meta(meta_ptr, ST_F, i, PEERS), tl.int32) + kk
+    b = tl.arange(0, NB)
+    bmask = b < nblk - blk0
+    offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    X = _load_bits(x_ptr + xblk * 32, offs, bmask[:, None], IN_BF16)
+    q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+    tl.store(q_dst + offs, q, mask=bmask[:, None])
+    tl.store(s_dst + b, s, mask=bmask)
+    tl.debug_barrier()  # every thread's stores of the tile, then the one release below
+    tl.atomic_xchg(f_dst, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _own_item(x_ptr, y_ptr, ys_ptr, k, own_xblk, own_yblk, own_nblk, NB: tl.constexpr,
+              IN_BF16: tl.constexpr, DEQUANT: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
+              EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
+              RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
+    blk0 = k * NB
+    b = tl.arange(0, NB)
+    bmask = b < own_nblk - blk0
+    if DEQUANT:
+        _qdq_tile(x_ptr + (own_xblk + blk0) * 32, y_ptr + (own_yblk + blk0) * 32, b.to(tl.int64), bmask,
+                  RCEIL_C, T127, T126, IN_BF16, SOFT)  # SOFT (interpreter): the all-integer path
+    else:
+        offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+        X = _load_bits(x_ptr + (own_xblk + blk0) * 32, offs, bmask[:, None], IN_BF16)
+        q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+        tl.store(y_ptr + (own_yblk + blk0) * 32 + offs, q, mask=bmask[:, None])
+        tl.store(ys_ptr + own_yblk + blk0 + b, s, mask=bmask)
+
+
+@triton.jit
+def _recv_item(y_ptr, ys_ptr, meta_ptr, err_ptr, k, epoch, timeout, PEERS: tl.constexpr,
+               NB: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr, CLOCK: tl.constexpr):
+    i = _which(meta_ptr, RC_START, k, PEERS)
+    kk = k - _meta(meta_ptr, RC_START, i, PEERS)
+    blk0 = kk * NB
+    yblk = _meta(meta_ptr, RC_YBLK, i, PEERS) + blk0
+    nblk = _meta(meta_ptr, RC_NBLK, i, PEERS)
+    q_src = _as_ptr(_meta(meta_ptr, RC_Q, i, PEERS), tl.uint8) + blk0 * 32
+    s_src = _as_ptr(_meta(meta_ptr, RC_S, i, PEERS), tl.uint8) + blk0
+    flag = _as_ptr(_meta(meta_ptr, RC_F, i, PEERS), tl.int32) + kk
+    # Spin until the source's release of this tile (acquire, system scope), with a time limit.
+    if CLOCK:
+        t0 = globaltimer()
+    else:
+        t0 = epoch.to(tl.int64) * 0
+    waited = t0 - t0
+    v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    while (v != epoch) & (waited < timeout):
+        v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        if CLOCK:
+            waited = globaltimer() - t0
+        else:
+            waited += 1
+    if v != epoch:
+        # Timed out: say which source index and tile, then stop (GPU: trap; interpreter: return).
+        tl.atomic_xchg(err_ptr, (1 + i * (1 << 32) + kk).to(tl.int64))
+        if CLOCK:
+            tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.debug_barrier()  # the acquire above, then every thread's loads
+        b = tl.arange(0, NB)
+        bmask = b < nblk - blk0
+        if DEQUANT:
+            e = tl.arange(0, NB * 32).to(tl.int64)
+            _dequant_tile(q_src, s_src, y_ptr + yblk * 32, e, e < (nblk - blk0) * 32, 32, IN_BF16, ".cg")
+        else:
+            offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+            q = tl.load(q_src + offs, mask=bmask[:, None], other=0, cache_modifier=".cg")
+            tl.store(y_ptr + yblk * 32 + offs, q, mask=bmask[:, None])
+            s = tl.load(s_src + b, mask=bmask, other=0, cache_modifier=".cg")
+            tl.store(ys_ptr + yblk + b, s, mask=bmask)
+
+
+@triton.jit(do_not_specialize=["epoch", "n_store", "n_own", "n_recv", "own_xblk", "own_yblk", "own_nblk",
+                               "timeout", "nprog"])
+def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, err_ptr, epoch, n_store, n_own, n_recv,
+                    own_xblk, own_yblk, own_nblk, timeout, nprog, PEERS: tl.constexpr,
+                    NB: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr, CLOCK: tl.constexpr,
+                    MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+                    MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
+                    T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
+    """One rank's whole exchange. x: bits of the input rows (int16 bf16 / int32 fp32). y: output bits
+    (x's type; DEQUANT) or elements (uint8; dispatch), ys: scales (uint8; dispatch only). meta: int64
+    (12, PEERS + 1), see symm.py. ctr: int32 [ticket, finished programs], zero at launch and
+    left zero. err: int64, (1 + source index * 2^32 + tile) after a timeout. Block offsets (`*blk`)
+    count blocks of 32 elements."""
+    n_front = n_store + n_own
+    n_items = n_front + n_recv
+    t = tl.atomic_add(ctr_ptr, 1).to(tl.int64)
+    while t < n_items:
+        if t < n_front:
+            # Item t of the front is a store when the even spread of n_store among n_front says so.
+            st = (t * n_store) // n_front
+            if ((t + 1) * n_store) // n_front > st:
+                _store_item(x_ptr, meta_ptr, st, epoch, PEERS, NB, IN_BF16, MODE, IS_E5M2, EMAX, MBITS,
+                            MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+            else:
+                _own_item(x_ptr, y_ptr, ys_ptr, t - st, own_xblk, own_yblk, own_nblk, NB, IN_BF16, DEQUANT,
+                          MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+        else:
+            _recv_item(y_ptr, ys_ptr, meta_ptr, err_ptr, t - n_front, epoch, timeout, PEERS, NB, IN_BF16,
+                       DEQUANT, CLOCK)
+        t = tl.atomic_add(ctr_ptr, 1).to(tl.int64)
+    # Every program took its last ticket before it counts itself finished: the last one resets.
+    if tl.atomic_add(ctr_ptr + 1, 1) == nprog - 1:
+        tl.atomic_xchg(ctr_ptr, 0)
+        tl.atomic_xchg(ctr_ptr + 1, 0)
