@@ -11,7 +11,7 @@ import torch.distributed as dist
 from conftest import assert_same_bits, spawn_ranks
 from test_comm_a2a import _check_all_paths, make_rows
 
-from mxmoe.comm import a2a_dispatch_mxfp8, reference_mxfp8_a2a, to_mxfp8_a2a_dequant
+from mxmoe.comm import a2a_combine, a2a_dispatch_mxfp8, reference_mxfp8_a2a, to_mxfp8_a2a_dequant
 
 pytestmark = pytest.mark.gpu
 
@@ -84,3 +84,80 @@ def test_two_gpus_nccl_matches_reference(workspace_bytes):
     """Every path (symmetric memory, NCCL) against the reference on 2 GPUs; a tiny workspace (slots of a
     few rows) sends the larger pairs through NCCL send/recv."""
     spawn_ranks(_nccl_worker, 2, workspace_bytes)
+
+
+def _symm_large_worker(rank: int, world: int, port: int) -> None:
+    """Many tiles and programs: uneven splits of thousands of rows (tiles spanning rows, a partial
+    last tile, an empty pair), both dtypes, forward / backward / dispatch / combine, five rounds (both
+    workspace halves, epochs 1..n) against the reference."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", rank),
+    )
+    try:
+        S = [[3001, 4097], [0, 2500]]  # rank 1 sends nothing to rank 0
+        ins, outs = S[rank], [S[p][rank] for p in range(world)]
+        for dtype, dim in ((torch.bfloat16, 5120), (torch.float32, 1056)):
+            x0 = make_rows(sum(ins), dim, dtype, 21 + rank).cuda()
+            g = make_rows(sum(outs), dim, dtype, 41 + rank).cuda()
+            xr = x0.clone().requires_grad_()
+            yr = reference_mxfp8_a2a(xr, outs, ins)
+            yr.backward(g)
+            for it in range(5):
+                what = f"rank {rank} {dtype} dim {dim} round {it}"
+                x = x0.clone().requires_grad_()
+                y = to_mxfp8_a2a_dequant(x, outs, ins, transport="symm", check=False)
+                assert_same_bits(y, yr.detach(), "forward " + what)
+                y.backward(g)
+                assert_same_bits(x.grad, xr.grad, "backward " + what)
+                mx = a2a_dispatch_mxfp8(x0, outs, ins, transport="symm", check=False)
+                assert_same_bits(mx.dequantize(), yr.detach(), "dispatch " + what)
+                xc = x0.clone().requires_grad_()
+                a2a_combine(xc, outs, ins, transport="symm", check=False).backward(g)
+                assert_same_bits(xc.grad, xr.grad, "combine backward " + what)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_symm_kernel_many_tiles():
+    spawn_ranks(_symm_large_worker, 2)
+
+
+def _symm_timeout_worker(rank: int, world: int, port: int) -> None:
+    """Rank 1 maps the workspace but never exchanges: rank 0's kernel must fail after the timeout
+    (a CUDA error from the trap), not hang."""
+    import os
+    import time
+
+    from mxmoe.comm import symm
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", rank),
+    )
+    symm.TIMEOUT_MS = 2000
+    ws = symm.SymmWorkspace.get(None, torch.device("cuda", rank))
+    ws.ensure()
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(15)
+        os._exit(0)
+    x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
+    t0 = time.monotonic()
+    try:
+        symm.symm_mx_exchange(x, [2048, 2048], [2048, 2048], 0, ws, "auto", True)
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        took = time.monotonic() - t0
+        print(f"rank 0: failed after {took:.1f} s as it should: {e}", flush=True)
+        os._exit(0 if 1.5 < took < 12 else 3)
+    os._exit(4)  # the exchange completed without its peer
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_symm_kernel_times_out_instead_of_hanging():
+    spawn_ranks(_symm_timeout_worker, 2, timeout_s=60)
