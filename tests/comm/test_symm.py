@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_comm_a2a import assert_same_bits, make_rows, split_matrix
 
+from mxmoe.comm import symm
 from mxmoe.comm.splits import offsets
 from mxmoe.comm.symm import Layout, halves_bytes, symm_mx_exchange, tiles
 from mxmoe.quant import custom_ops
@@ -233,3 +234,82 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, spawn_ranks):
         assert torch.equal(qs[r], wq.view(torch.uint8)), "dispatch elements " + what
         assert torch.equal(ss[r], wsc.view(torch.uint8)), "dispatch scales " + what
         assert_same_bits(backs[r], expected(gs, Mt, r, True), "backward " + what)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_work_items_order_and_tiles(world):
+    """The ticket order: every store and own tile before every receive tile, stores spread evenly
+    through the front, each tile once; tile counts and block ranges per pair (empty pairs: one empty
+    tile; pairs over a slot: one empty tile, their rows go through the fallback)."""
+    dim, sd = 96, 3
+    g = torch.Generator().manual_seed(world)
+    M = torch.randint(0, 400, (world, world), generator=g).tolist()
+    M[0][1 % world] = 0
+    nbytes = 1 << 17
+    fw = FakeWorld(world, nbytes)
+    lay = Layout(world, dim, halves_bytes(nbytes))
+    cap = lay.slot_rows
+    M[1][0] = cap + 1  # over a slot
+    for me in range(world):
+        ins, outs = M[me], [row[me] for row in M]
+        items = symm.work_items(ins, outs, me, FakeWorkspace(fw, me), lay, 0)
+        kinds = [items.kind(t) for t in range(items.n_store + items.n_own + items.n_recv)]
+        front = items.n_store + items.n_own
+        assert all(k != "recv" for k, _ in kinds[:front]) and all(k == "recv" for k, _ in kinds[front:])
+        for t in range(front + 1):
+            assert sum(k == "store" for k, _ in kinds[:t]) == t * items.n_store // front
+        for kind, n in (("store", items.n_store), ("own", items.n_own), ("recv", items.n_recv)):
+            assert sorted(i for k, i in kinds if k == kind) == list(range(n))
+        assert items.n_own == -(-ins[me] * sd // symm.TILE_BLOCKS)
+        for i in range(world - 1):
+            p, s = (me + 1 + i) % world, (me - 1 - i) % world
+            n_send = ins[p] if ins[p] <= cap else 0
+            n_recv = outs[s] if outs[s] <= cap else 0
+            st, rc = items.row("st_start"), items.row("rc_start")
+            assert st[i + 1] - st[i] == max(1, -(-n_send * sd // symm.TILE_BLOCKS)) == tiles(n_send, dim)
+            assert rc[i + 1] - rc[i] == tiles(n_recv, dim)
+            assert items.row("st_nblk")[i] == n_send * sd and items.row("rc_nblk")[i] == n_recv * sd
+            q, sc, f = lay.slot(fw.buffers[p], 0, me, p)
+            assert items.row("st_q")[i] == q.data_ptr() and items.row("st_f")[i] == f.data_ptr()
+            q, sc, f = lay.slot(fw.buffers[me], 0, s, me)
+            assert items.row("rc_s")[i] == sc.data_ptr() and items.row("rc_f")[i] == f.data_ptr()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_symm_exchange_many_tiles(world):
+    """Pairs of several tiles (tiles spanning rows, a partial last one), one pair over a slot (the
+    fallback) and an empty one, six consecutive exchanges (each half three times)."""
+    dim = 96
+    M = [[(150 + 37 * r + 11 * p) for p in range(world)] for r in range(world)]
+    M[1][0], M[0][world - 1] = 0, 900
+    Mt = [list(c) for c in zip(*M, strict=True)]
+    nbytes = 1 << 17
+    assert 300 < Layout(world, dim, halves_bytes(nbytes)).slot_rows < 900
+    xs = [make_rows(sum(M[r]), dim, torch.bfloat16, seed=9 + r) for r in range(world)]
+    fw = FakeWorld(world, nbytes)
+
+    def rank(r: int):
+        ws = FakeWorkspace(fw, r)
+        return [symm_mx_exchange(xs[r], M[r], Mt[r], r, ws, "torch", True) for _ in range(6)]
+
+    for r, ys in enumerate(run_ranks(rank, world)):
+        want = expected(xs, M, r, True)
+        for i, y in enumerate(ys):
+            assert_same_bits(y, want, f"rank {r} of {world}, exchange {i + 1}")
+    assert fw.p2p_pairs == {(0, world - 1)}
+
+
+def test_symm_exchange_times_out_instead_of_hanging(monkeypatch):
+    """A peer that never exchanges: the waiting rank raises (naming the source) after the timeout."""
+    monkeypatch.setattr(symm, "TIMEOUT_MS", 300)
+    fw = FakeWorld(2, 1 << 16)
+    x = make_rows(8, 64, torch.bfloat16, seed=1)
+
+    def rank(r: int):
+        ws = FakeWorkspace(fw, r)
+        ws.ensure()
+        if r == 0:
+            with pytest.raises(RuntimeError, match="no data from source index 0 .* tile 0 after MXMOE_SYMM"):
+                symm_mx_exchange(x, [4, 4], [4, 4], 0, ws, "torch", True)
+
+    run_ranks(rank, 2)
