@@ -20,10 +20,13 @@ One exchange (number `epoch`, 1, 2, ...) on rank `me` of W ranks is one launch o
   * store tiles for each peer p (staggered: me+1, me+2, ...): quantize TILE_BLOCKS blocks of the
     rows for p into p's slot for `me`, then write `epoch` into the tile's flag there (release,
     system scope). Every pair has at least one tile, an empty one when it exchanges no rows;
-  * interleaved evenly with them, the own rows' tiles: quantize-dequantize straight into the output
-    rows (the dispatch quantizes them into its output);
-  * then the receive tiles: wait (acquire, system scope) until the tile's flag in this rank's slot of
-    the source holds `epoch`, then dequantize the tile into its output rows (or copy it out).
+  * own tiles: quantize-dequantize straight into the output rows (the dispatch quantizes them);
+  * receive tiles (sources staggered: me-1, me-2, ...): if the tile's flag in this rank's slot of
+    the source holds `epoch` (acquire, system scope), dequantize it into its output rows (or copy it
+    out); else defer it;
+  all three spread evenly over the tickets (receives from the first 1/RECV_DELAY of the stores on),
+  and none of them waits. Then each program waits until every front item is done and takes the
+  deferred receives, now waiting for each tile's flag.
   * A pair whose rows exceed slot_rows (both ends see it: it is input_splits[p] on one side and
     output_splits[me] on the other) sends an empty tile in the kernel and its rows through NCCL
     send/recv after it.
@@ -68,6 +71,9 @@ TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
 # Blocks of 32 per work item (4096 elements), warps and register cap per program, programs per SM:
 # 128 registers let two programs of 8 warps share an SM (NVLink stores need many in flight).
 TILE_BLOCKS = 128
+# Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
+# that has not is deferred to the end of the exchange).
+RECV_DELAY = 4
 _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 128, 2
 
 
@@ -140,8 +146,9 @@ def layout(world: int, dim: int, half_bytes: int) -> Layout:
 
 class SymmWorkspace:
     """A symmetric-memory buffer of one process group on one device, with every rank's buffer mapped
-    here (`buffers[r]`, 1D uint8), the exchange kernel's ticket counters (`counters`, int32 (2,)) and
-    error word (`error`, int64 (1,)), and NCCL send/recv for the rows that do not fit."""
+    here (`buffers[r]`, 1D uint8), the exchange kernel's counters (`counters`, int32 (4,), zero),
+    deferred-receive list (`deferred`, int32, grown on demand) and error word (`error`, int64 (1,)),
+    and NCCL send/recv for the rows that do not fit."""
 
     _cache: dict[tuple[str, int], SymmWorkspace] = {}
     _lock = threading.Lock()
@@ -151,7 +158,8 @@ class SymmWorkspace:
         self.device = device
         self.nbytes = 0
         self.buffers: list[Tensor] = []
-        self.counters = torch.zeros(2, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(4, dtype=torch.int32, device=device)
+        self.deferred = torch.empty(0, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int64, device=device)
         self._handle = None
         self._calls = 0
@@ -259,21 +267,31 @@ class Items:
     own_xblk: int
     own_yblk: int
     own_nblk: int
+    delay: int
     meta: dict = field(default_factory=dict, compare=False)  # device -> the table on it
 
     def row(self, name: str) -> list[int]:
         return self.table[ROWS.index(name)]
 
     def kind(self, t: int) -> tuple[str, int]:
-        """Item t of the ticket order: ("store", k), ("own", k) or ("recv", k), k its index among
-        items of its kind. The front (stores and own tiles) spreads the stores evenly; receives last."""
-        front = self.n_store + self.n_own
-        if t >= front:
-            return "recv", t - front
-        st = t * self.n_store // front
-        if (t + 1) * self.n_store // front > st:
-            return "store", st
-        return "own", t - st
+        """Item t (< front) of the ticket order: ("store", k), ("own", k) or ("recv", k), k its index
+        among items of its kind (the kernel's arithmetic: communication items spread evenly among the
+        own tiles; receives spread evenly among the stores from the `delay`-th communication item on)."""
+        n_comm = self.n_store + self.n_recv
+        c = t * n_comm // self.front
+        if (t + 1) * n_comm // self.front == c:
+            return "own", t - c
+        r = self.recv_before(c)
+        return ("recv", r) if self.recv_before(c + 1) > r else ("store", c - r)
+
+    def recv_before(self, c: int) -> int:
+        """Receive tiles among the first c communication items."""
+        n_comm = self.n_store + self.n_recv
+        return min(max(c - self.delay, 0) * self.n_recv // (n_comm - self.delay), self.n_recv)
+
+    @property
+    def front(self) -> int:
+        return self.n_store + self.n_own + self.n_recv
 
 
 def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: int) -> Items:
@@ -304,8 +322,9 @@ def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: 
             for part, off in zip("qsf", offs, strict=True):
                 col[f"{kind}_{part}"][i] = buf.data_ptr() + off
     n_own = -(-ins[me] * sd // TILE_BLOCKS)
-    items = Items(table, col["st_start"][world - 1], n_own, col["rc_start"][world - 1], in_off[me] * sd,
-                  out_off[me] * sd, ins[me] * sd)
+    n_store = col["st_start"][world - 1]
+    items = Items(table, n_store, n_own, col["rc_start"][world - 1], in_off[me] * sd, out_off[me] * sd,
+                  ins[me] * sd, n_store // RECV_DELAY)
     if len(cache) >= 64:
         cache.clear()
     cache[key] = items
@@ -321,8 +340,8 @@ def symm_mx_exchange(
     x: Tensor, input_splits, output_splits, me: int, ws, kernel: str, dequant: bool, impl: str = "auto"
 ):
     """One MXFP8 exchange of x's rows (x (sum(input_splits), C) bf16/fp32, contiguous) through
-    workspace `ws` (a SymmWorkspace, or any object with its `buffers`, `nbytes`, `counters`, `error`,
-    `ensure`, `next_epoch` and `send_recv`).
+    workspace `ws` (a SymmWorkspace, or any object with its `buffers`, `nbytes`, `counters`,
+    `deferred`, `error`, `ensure`, `next_epoch` and `send_recv`).
 
     Returns y (sum(output_splits), C) in x.dtype (dequant) or (q e4m3, s e8m0) rows, in the output
     order (rows by source rank). Bit for bit the reference exchange. kernel: the cast backend of the
@@ -407,8 +426,7 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
             items.meta["pinned"] = meta = meta.pin_memory()
             meta = meta.to(x.device, non_blocking=True)
         items.meta[x.device] = meta
-    n_items = items.n_store + items.n_own + items.n_recv
-    nprog = 1 if interpret else min(n_items, _sm_count(x.device.index) * _PROGS_PER_SM)
+    nprog = 1 if interpret else min(items.front, _sm_count(x.device.index) * _PROGS_PER_SM)
     bf16 = x.dtype == torch.bfloat16
     bits = torch.int16 if bf16 else torch.int32
     if dequant:
@@ -417,18 +435,26 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
         y, ys = outputs[0].view(torch.uint8), outputs[1].view(torch.uint8)
     # spin limit: nanoseconds of the GPU's globaltimer; polls under the interpreter
     timeout = TIMEOUT_MS * (1 if interpret else 1_000_000)
+    if ws.deferred.numel() < items.n_recv:  # stream-ordered: a kernel still using the old one keeps it
+        n = max(items.n_recv, 2 * ws.deferred.numel())
+        ws.deferred = torch.empty(n, dtype=torch.int32, device=x.device)
     exchange_kernel[(nprog,)](
-        x.view(bits), y, ys, meta, ws.counters, ws.error, epoch,
-        items.n_store, items.n_own, items.n_recv, items.own_xblk, items.own_yblk, items.own_nblk,
-        timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, IN_BF16=bf16, DEQUANT=dequant,
+        x.view(bits), y, ys, meta, ws.counters, ws.deferred, ws.error, epoch,
+        items.n_store, items.n_own, items.n_recv, items.delay, items.own_xblk, items.own_yblk,
+        items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, IN_BF16=bf16, DEQUANT=dequant,
         CLOCK=not interpret, num_warps=_WARPS, maxnreg=_MAXNREG,
         **_spec_args(_SPEC, interpret),
     )
     if interpret and int(ws.error[0]):
-        _timed_out(int(ws.error[0]) - 1, items)
+        _timed_out(int(ws.error[0]) - 1)
 
 
-def _timed_out(code: int, items: Items) -> None:
+def _timed_out(code: int) -> None:
+    if code < 0:
+        raise RuntimeError(
+            f"symmetric-memory exchange: this rank's own work items did not finish within "
+            f"MXMOE_SYMM_TIMEOUT_MS={TIMEOUT_MS}"
+        )
     i, tile = code >> 32, code & 0xFFFFFFFF
     raise RuntimeError(
         f"symmetric-memory exchange: no data from source index {i} (rank me - {i + 1}) for tile {tile} "
@@ -458,7 +484,21 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
         i = sum(k >= v for v in start[1:-1])
         return i, k - start[i]
 
-    for t in range(items.n_store + items.n_own + items.n_recv):
+    def receive(i: int, kk: int) -> None:
+        b0, nblk = kk * TILE_BLOCKS, items.row("rc_nblk")[i]
+        n = max(0, min(TILE_BLOCKS, nblk - b0))
+        q_src, s_src, _ = rc_slots[i]
+        if n:
+            y0 = items.row("rc_yblk")[i] + b0
+            qv, sv = eb(q_src, b0, n), sb(s_src, b0, n)
+            if dequant:
+                dequantize_into(qv, sv, eb(outputs[0], y0, n), kernel)
+            else:
+                eb(outputs[0], y0, n).view(torch.uint8).copy_(qv)
+                sb(outputs[1], y0, n).view(torch.uint8).copy_(sv)
+
+    deferred = []
+    for t in range(items.front):
         kind, k = items.kind(t)
         if kind == "store":
             i, kk = where(items.row("st_start"), k)
@@ -478,21 +518,16 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
                 qdq_into(xb[x0 : x0 + n], eb(outputs[0], y0, n), kernel)
             else:
                 quant(xb[x0 : x0 + n], _SPEC, out=(eb(outputs[0], y0, n), sb(outputs[1], y0, n)))
-        else:
+        else:  # a receive in the front: only if landed (acquire), else deferred
             i, kk = where(items.row("rc_start"), k)
-            b0, nblk = kk * TILE_BLOCKS, items.row("rc_nblk")[i]
-            n = max(0, min(TILE_BLOCKS, nblk - b0))
-            q_src, s_src, f_src = rc_slots[i]
-            deadline = time.monotonic() + TIMEOUT_MS / 1000
-            while int(f_src[kk]) != epoch:  # acquire
-                if time.monotonic() > deadline:
-                    _timed_out(i << 32 | kk, items)
-                time.sleep(1e-4)
-            if n:
-                y0 = items.row("rc_yblk")[i] + b0
-                qv, sv = eb(q_src, b0, n), sb(s_src, b0, n)
-                if dequant:
-                    dequantize_into(qv, sv, eb(outputs[0], y0, n), kernel)
-                else:
-                    eb(outputs[0], y0, n).view(torch.uint8).copy_(qv)
-                    sb(outputs[1], y0, n).view(torch.uint8).copy_(sv)
+            if int(rc_slots[i][2][kk]) == epoch:
+                receive(i, kk)
+            else:
+                deferred.append((i, kk))
+    for i, kk in deferred:  # the back: wait for each deferred tile
+        deadline = time.monotonic() + TIMEOUT_MS / 1000
+        while int(rc_slots[i][2][kk]) != epoch:  # acquire
+            if time.monotonic() > deadline:
+                _timed_out(i << 32 | kk)
+            time.sleep(1e-4)
+        receive(i, kk)

@@ -38,7 +38,8 @@ class FakeWorkspace:
     def __init__(self, world: FakeWorld, rank: int) -> None:
         self.world, self.rank, self.buffers, self._calls = world, rank, world.buffers, 0
         self.nbytes = self.buffers[0].numel()
-        self.counters = torch.zeros(2, dtype=torch.int32)
+        self.counters = torch.zeros(4, dtype=torch.int32)
+        self.deferred = torch.empty(0, dtype=torch.int32)
         self.error = torch.zeros(1, dtype=torch.int64)
         self._ready = False
 
@@ -176,7 +177,8 @@ class SharedWorkspace:
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         self.buffers, self.nbytes, self._calls = buffers, buffers[0].numel(), 0
-        self.counters = torch.zeros(2, dtype=torch.int32)
+        self.counters = torch.zeros(4, dtype=torch.int32)
+        self.deferred = torch.empty(0, dtype=torch.int32)
         self.error = torch.zeros(1, dtype=torch.int64)
 
     def ensure(self) -> None:
@@ -198,7 +200,7 @@ def _kernel_worker(rank, world, port, buffers, xs, gs, M, outs_y, outs_q, outs_s
     outs_q[rank].copy_(q.view(torch.uint8))
     outs_s[rank].copy_(s.view(torch.uint8))
     outs_back[rank].copy_(symm_mx_exchange(gs[rank], outs, ins, rank, ws, "torch", True, impl="kernel"))
-    assert ws.counters.tolist() == [0, 0], "the last program resets the ticket counters"
+    assert ws.counters.tolist() == [0, 0, 0, 0], "the last program resets the counters"
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflow notes
@@ -238,9 +240,10 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, spawn_ranks):
 
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_work_items_order_and_tiles(world):
-    """The ticket order: every store and own tile before every receive tile, stores spread evenly
-    through the front, each tile once; tile counts and block ranges per pair (empty pairs: one empty
-    tile; pairs over a slot: one empty tile, their rows go through the fallback)."""
+    """The ticket order: communication items (stores, receives) spread evenly among the own tiles,
+    no receive among the first `delay` communication items, then receives spread evenly among the
+    stores, each tile once; tile counts and block ranges per pair (empty pairs: one empty tile; pairs
+    over a slot: one empty tile, their rows go through the fallback)."""
     dim, sd = 96, 3
     g = torch.Generator().manual_seed(world)
     M = torch.randint(0, 400, (world, world), generator=g).tolist()
@@ -253,13 +256,17 @@ def test_work_items_order_and_tiles(world):
     for me in range(world):
         ins, outs = M[me], [row[me] for row in M]
         items = symm.work_items(ins, outs, me, FakeWorkspace(fw, me), lay, 0)
-        kinds = [items.kind(t) for t in range(items.n_store + items.n_own + items.n_recv)]
-        front = items.n_store + items.n_own
-        assert all(k != "recv" for k, _ in kinds[:front]) and all(k == "recv" for k, _ in kinds[front:])
-        for t in range(front + 1):
-            assert sum(k == "store" for k, _ in kinds[:t]) == t * items.n_store // front
+        kinds = [items.kind(t) for t in range(items.front)]
+        n_comm = items.n_store + items.n_recv
+        assert items.delay == items.n_store // symm.RECV_DELAY
+        comm = [k for k, _ in kinds if k != "own"]
+        for t in range(items.front + 1):
+            assert sum(k != "own" for k, _ in kinds[:t]) == t * n_comm // items.front
+        assert "recv" not in comm[: items.delay]
+        for c in range(items.delay, n_comm + 1):
+            assert comm[:c].count("recv") == (c - items.delay) * items.n_recv // (n_comm - items.delay)
         for kind, n in (("store", items.n_store), ("own", items.n_own), ("recv", items.n_recv)):
-            assert sorted(i for k, i in kinds if k == kind) == list(range(n))
+            assert [i for k, i in kinds if k == kind] == list(range(n))
         assert items.n_own == -(-ins[me] * sd // symm.TILE_BLOCKS)
         for i in range(world - 1):
             p, s = (me + 1 + i) % world, (me - 1 - i) % world
