@@ -9,8 +9,9 @@ rows and the dequantize of tiles that have landed use HBM and CUDA cores while s
 
 Layout. Every rank has a workspace (torch symmetric memory, one per process group and device, size
 MXMOE_SYMM_WORKSPACE_MB, default 1024; zeroed when made) of two halves used by alternate exchanges.
-A half has one slot per peer; a slot holds up to `slot_rows` rows (elements (slot_rows, C), then
-scales (slot_rows, C//32), then one int32 flag per tile of TILE_BLOCKS blocks of 32). Rows from
+A half has one slot per peer: one int32 flag per tile of TILE_BLOCKS blocks of 32 (room for any row
+width, at offsets that do not depend on it), then up to `slot_rows` rows (elements (slot_rows, C),
+then scales (slot_rows, C//32)). Rows from
 source s sit in slot (s - r - 1) mod W of receiver r, from row 0. So a rank needs only its own
 splits: where its rows go in a peer, and where a peer's rows are in its own slots, follow from the
 ranks alone (no split matrix, no collective, no host sync).
@@ -93,7 +94,9 @@ def tiles(rows: int, dim: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """The slots of one workspace half for rows of `dim` elements among `world` ranks."""
+    """The slots of one workspace half for rows of `dim` elements among `world` ranks. A slot is
+    [flags | elements | scales]; the flags come first, at offsets that do not depend on `dim`, so a
+    flag never lies on bytes that an exchange of another row width wrote as data."""
 
     world: int
     dim: int
@@ -103,30 +106,33 @@ class Layout:
     def slot_bytes(self) -> int:
         return self.half_bytes // max(1, self.world - 1) // _ALIGN * _ALIGN
 
+    @property
+    def flag_bytes(self) -> int:
+        """Room for the flags of any row width: a tile holds TILE_BLOCKS * 32 element bytes."""
+        return min(self.slot_bytes, _align(4 * (self.slot_bytes // (TILE_BLOCKS * BLOCK_SIZE) + 2)))
+
     def _need(self, rows: int) -> int:
-        return _align(rows * self.dim) + _align(rows * (self.dim // BLOCK_SIZE)) + 4 * tiles(rows, self.dim)
+        return _align(rows * self.dim) + _align(rows * (self.dim // BLOCK_SIZE))
 
     @functools.cached_property
     def slot_rows(self) -> int:
-        d, sd = self.dim, self.dim // BLOCK_SIZE
-        room = self.slot_bytes - 2 * _ALIGN - 8
-        n = max(0, room * TILE_BLOCKS // (TILE_BLOCKS * (d + sd) + 4 * sd))
-        while n > 0 and self._need(n) > self.slot_bytes:
+        room = self.slot_bytes - self.flag_bytes
+        n = max(0, (room - 2 * _ALIGN) // (self.dim + self.dim // BLOCK_SIZE))
+        while n > 0 and self._need(n) > room:
             n -= 1
         return n
 
     def offsets(self, base: int, src: int, dst: int) -> tuple[int, int, int]:
         """Byte offsets, in receiver `dst`'s workspace, of the elements, scales and flags of source
         `src`'s slot in the half at byte `base`."""
-        n, sd = self.slot_rows, self.dim // BLOCK_SIZE
-        if self._need(n) > self.slot_bytes:
+        if self.flag_bytes < 4:
             raise ValueError(
                 f"MXMOE_SYMM_WORKSPACE_MB gives slots of {self.slot_bytes} bytes for {self.world} ranks; "
-                f"expected at least {self._need(0)}"
+                f"expected at least {_ALIGN}"
             )
-        q0 = base + ((src - dst - 1) % self.world) * self.slot_bytes
-        s0 = q0 + _align(n * self.dim)
-        return q0, s0, s0 + _align(n * sd)
+        f0 = base + ((src - dst - 1) % self.world) * self.slot_bytes
+        q0 = f0 + self.flag_bytes
+        return q0, q0 + _align(self.slot_rows * self.dim), f0
 
     def slot(self, buf: Tensor, base: int, src: int, dst: int) -> tuple[Tensor, Tensor, Tensor]:
         """Slot of source rank `src` in receiver `dst`'s half at byte `base` of `buf` (1D uint8, dst's

@@ -147,28 +147,45 @@ def test_symm_exchange_matches_routing(world, kind, dtype, nbytes):
 
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_layout_slots_are_disjoint_and_inside_the_half(world):
-    dim, half = 96, 200_192  # a multiple of 256, like every real half (MiB multiples)
-    lay = Layout(world, dim, half)
-    assert lay.slot_rows > 0
-    buf = torch.zeros(2 * half, dtype=torch.uint8)
-    b0 = buf.data_ptr()
-    for base in (0, half):
-        for dst in range(world):
-            for src in (r for r in range(world) if r != dst):
-                q, s, f = lay.slot(buf, base, src, dst)
-                assert q.shape == (lay.slot_rows, dim) and s.shape == (lay.slot_rows, dim // 32)
-                assert f.shape == (tiles(lay.slot_rows, dim),) and f.dtype == torch.int32
-                assert all((t.data_ptr() - b0) % 256 == 0 for t in (q, s, f))
-                assert base <= q.data_ptr() - b0 and f.data_ptr() + 4 * f.numel() - b0 <= base + half
-                if dst == 0:  # every slot of one receiver marked once: no overlap
-                    q.add_(1)
-                    s.add_(1)
-                    f.view(torch.uint8).add_(1)
-        if base == 0:
-            assert int(buf.max()) == 1
-            per_slot = lay.slot_rows * (dim + dim // 32) + 4 * tiles(lay.slot_rows, dim)
-            assert int((buf == 1).sum()) == (world - 1) * per_slot
-            buf.zero_()
+    half = 200_192  # a multiple of 256, like every real half (MiB multiples)
+    for dim in (96, 5120):
+        lay = Layout(world, dim, half)
+        assert lay.slot_rows > 0
+        buf = torch.zeros(2 * half, dtype=torch.uint8)
+        b0 = buf.data_ptr()
+        for base in (0, half):
+            for dst in range(world):
+                for src in (r for r in range(world) if r != dst):
+                    q, s, f = lay.slot(buf, base, src, dst)
+                    assert q.shape == (lay.slot_rows, dim) and s.shape == (lay.slot_rows, dim // 32)
+                    assert f.shape == (tiles(lay.slot_rows, dim),) and f.dtype == torch.int32
+                    assert 4 * f.numel() <= lay.flag_bytes
+                    assert all((t.data_ptr() - b0) % 256 == 0 for t in (q, s, f))
+                    assert base <= f.data_ptr() - b0 and s.data_ptr() + s.numel() - b0 <= base + half
+                    if dst == 0:  # every slot of one receiver marked once: no overlap
+                        q.add_(1)
+                        s.add_(1)
+                        f.view(torch.uint8).add_(1)
+            if base == 0:
+                assert int(buf.max()) == 1
+                per_slot = lay.slot_rows * (dim + dim // 32) + 4 * tiles(lay.slot_rows, dim)
+                assert int((buf == 1).sum()) == (world - 1) * per_slot
+                buf.zero_()
+
+
+def test_flags_do_not_move_with_the_row_width():
+    """Flags sit at the same bytes for every dim (never on bytes an exchange of another width wrote as
+    elements or scales, which could hold a later epoch's value by chance)."""
+    buf = torch.zeros(1 << 20, dtype=torch.uint8)
+    for world in (2, 3):
+        lays = [Layout(world, d, 1 << 19) for d in (32, 96, 1056, 5120)]
+        for base in (0, 1 << 19):
+            for src, dst in ((0, 1), (1, 0), (world - 1, 0)):
+                f0s = {lay.offsets(base, src, dst)[2] for lay in lays}
+                assert len(f0s) == 1
+                data = [lay.slot(buf, base, src, dst)[:2] for lay in lays]
+                end = f0s.pop() + lays[0].flag_bytes
+                assert all(t.data_ptr() - buf.data_ptr() >= end for ts in data for t in ts)
 
 
 class SharedWorkspace:
