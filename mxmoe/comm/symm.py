@@ -69,9 +69,10 @@ _SPEC = make_spec(BLOCK_SIZE, "rceil", ELEM_DTYPE)
 _ALIGN = 256  # bytes: region starts
 WORKSPACE_BYTES = int(os.environ.get("MXMOE_SYMM_WORKSPACE_MB", "1024")) << 20
 TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
-# Blocks of 32 per work item (4096 elements), warps and register cap per program, programs per SM:
-# 128 registers let two programs of 8 warps share an SM (NVLink stores need many in flight).
-TILE_BLOCKS = 128
+# Blocks of 32 per work item (8192 elements: one flag, one release at system scope, one ticket),
+# done in register tiles of _SUB_BLOCKS; warps and register cap per program, programs per SM: 128
+# registers let two programs of 8 warps share an SM (NVLink stores need many in flight).
+TILE_BLOCKS, _SUB_BLOCKS = 256, 128
 # Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
 # that has not is deferred to the end of the exchange).
 RECV_DELAY = 4
@@ -448,8 +449,8 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
     exchange_kernel[(nprog,)](
         x.view(bits), y, ys, meta, ws.counters, ws.deferred, ws.error, epoch,
         items.n_store, items.n_own, items.n_recv, items.delay, items.own_xblk, items.own_yblk,
-        items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, IN_BF16=bf16, DEQUANT=dequant,
-        CLOCK=not interpret, num_warps=_WARPS, maxnreg=_MAXNREG,
+        items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, SUB=_SUB_BLOCKS, IN_BF16=bf16,
+        DEQUANT=dequant, CLOCK=not interpret, num_warps=_WARPS, maxnreg=_MAXNREG,
         **_spec_args(_SPEC, interpret),
     )
     if interpret and int(ws.error[0]):

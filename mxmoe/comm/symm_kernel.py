@@ -62,46 +62,50 @@ def _as_ptr(addr, ty: tl.constexpr):
 
 
 @triton.jit
-def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr, IN_BF16: tl.constexpr,
-                MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
-                MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr, T127: tl.constexpr,
-                T126: tl.constexpr, SOFT: tl.constexpr):
+def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr,
+                IN_BF16: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
+                MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
+                T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
     i = _which(meta_ptr, ST_START, k, PEERS)
     kk = k - _meta(meta_ptr, ST_START, i, PEERS)
     blk0 = kk * NB
     xblk = _meta(meta_ptr, ST_XBLK, i, PEERS) + blk0
-    nblk = _meta(meta_ptr, ST_NBLK, i, PEERS)
+    nblk = _meta(meta_ptr, ST_NBLK, i, PEERS) - blk0
     q_dst = _as_ptr(_meta(meta_ptr, ST_Q, i, PEERS), tl.uint8) + blk0 * 32
     s_dst = _as_ptr(_meta(meta_ptr, ST_S, i, PEERS), tl.uint8) + blk0
     f_dst = _as_ptr(_meta(meta_ptr, ST_F, i, PEERS), tl.int32) + kk
-    b = tl.arange(0, NB)
-    bmask = b < nblk - blk0
-    offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-    X = _load_bits(x_ptr + xblk * 32, offs, bmask[:, None], IN_BF16)
-    q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
-    tl.store(q_dst + offs, q, mask=bmask[:, None])
-    tl.store(s_dst + b, s, mask=bmask)
+    for u in range(0, NB // SUB):  # the tile in register tiles of SUB blocks
+        b = tl.arange(0, SUB) + u * SUB
+        bmask = b < nblk
+        offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+        X = _load_bits(x_ptr + xblk * 32, offs, bmask[:, None], IN_BF16)
+        q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+        tl.store(q_dst + offs, q, mask=bmask[:, None])
+        tl.store(s_dst + b, s, mask=bmask)
     tl.debug_barrier()  # every thread's stores of the tile, then the one release below
     tl.atomic_xchg(f_dst, epoch, sem="release", scope="sys")
 
 
 @triton.jit
-def _own_item(x_ptr, y_ptr, ys_ptr, k, own_xblk, own_yblk, own_nblk, NB: tl.constexpr,
+def _own_item(x_ptr, y_ptr, ys_ptr, k, own_xblk, own_yblk, own_nblk, NB: tl.constexpr, SUB: tl.constexpr,
               IN_BF16: tl.constexpr, DEQUANT: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
               EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
               RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
     blk0 = k * NB
-    b = tl.arange(0, NB)
-    bmask = b < own_nblk - blk0
-    if DEQUANT:
-        _qdq_tile(x_ptr + (own_xblk + blk0) * 32, y_ptr + (own_yblk + blk0) * 32, b.to(tl.int64), bmask,
-                  RCEIL_C, T127, T126, IN_BF16, SOFT)  # SOFT (interpreter): the all-integer path
-    else:
-        offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-        X = _load_bits(x_ptr + (own_xblk + blk0) * 32, offs, bmask[:, None], IN_BF16)
-        q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
-        tl.store(y_ptr + (own_yblk + blk0) * 32 + offs, q, mask=bmask[:, None])
-        tl.store(ys_ptr + own_yblk + blk0 + b, s, mask=bmask)
+    nblk = own_nblk - blk0
+    x_ptr += (own_xblk + blk0) * 32
+    for u in range(0, NB // SUB):
+        b = tl.arange(0, SUB) + u * SUB
+        bmask = b < nblk
+        if DEQUANT:
+            _qdq_tile(x_ptr, y_ptr + (own_yblk + blk0) * 32, b.to(tl.int64), bmask,
+                      RCEIL_C, T127, T126, IN_BF16, SOFT)  # SOFT (interpreter): the all-integer path
+        else:
+            offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+            X = _load_bits(x_ptr, offs, bmask[:, None], IN_BF16)
+            q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+            tl.store(y_ptr + (own_yblk + blk0) * 32 + offs, q, mask=bmask[:, None])
+            tl.store(ys_ptr + own_yblk + blk0 + b, s, mask=bmask)
 
 
 @triton.jit
@@ -113,26 +117,27 @@ def _recv_where(meta_ptr, k, PEERS: tl.constexpr):
 
 
 @triton.jit
-def _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB: tl.constexpr, PEERS: tl.constexpr, IN_BF16: tl.constexpr,
-               DEQUANT: tl.constexpr):
+def _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB: tl.constexpr, SUB: tl.constexpr, PEERS: tl.constexpr,
+               IN_BF16: tl.constexpr, DEQUANT: tl.constexpr):
     """Dequantize (or copy out) tile kk of source index i, whose flag was acquired."""
     tl.debug_barrier()  # the acquire of the flag, then every thread's loads
     blk0 = kk * NB
     yblk = _meta(meta_ptr, RC_YBLK, i, PEERS) + blk0
-    nblk = _meta(meta_ptr, RC_NBLK, i, PEERS)
+    nblk = _meta(meta_ptr, RC_NBLK, i, PEERS) - blk0
     q_src = _as_ptr(_meta(meta_ptr, RC_Q, i, PEERS), tl.uint8) + blk0 * 32
     s_src = _as_ptr(_meta(meta_ptr, RC_S, i, PEERS), tl.uint8) + blk0
-    b = tl.arange(0, NB)
-    bmask = b < nblk - blk0
-    if DEQUANT:
-        e = tl.arange(0, NB * 32).to(tl.int64)
-        _dequant_tile(q_src, s_src, y_ptr + yblk * 32, e, e < (nblk - blk0) * 32, 32, IN_BF16, ".cg")
-    else:
-        offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-        q = tl.load(q_src + offs, mask=bmask[:, None], other=0, cache_modifier=".cg")
-        tl.store(y_ptr + yblk * 32 + offs, q, mask=bmask[:, None])
-        s = tl.load(s_src + b, mask=bmask, other=0, cache_modifier=".cg")
-        tl.store(ys_ptr + yblk + b, s, mask=bmask)
+    for u in range(0, NB // SUB):
+        if DEQUANT:
+            e = tl.arange(0, SUB * 32).to(tl.int64) + u * SUB * 32
+            _dequant_tile(q_src, s_src, y_ptr + yblk * 32, e, e < nblk * 32, 32, IN_BF16, ".cg")
+        else:
+            b = tl.arange(0, SUB) + u * SUB
+            bmask = b < nblk
+            offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+            q = tl.load(q_src + offs, mask=bmask[:, None], other=0, cache_modifier=".cg")
+            tl.store(y_ptr + yblk * 32 + offs, q, mask=bmask[:, None])
+            s = tl.load(s_src + b, mask=bmask, other=0, cache_modifier=".cg")
+            tl.store(ys_ptr + yblk + b, s, mask=bmask)
 
 
 @triton.jit
@@ -169,7 +174,8 @@ def _recv_before(c, delay, n_comm, n_recv):
                                "own_nblk", "timeout", "nprog"])
 def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, epoch, n_store, n_own,
                     n_recv, delay, own_xblk, own_yblk, own_nblk, timeout, nprog, PEERS: tl.constexpr,
-                    NB: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr, CLOCK: tl.constexpr,
+                    NB: tl.constexpr, SUB: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr,
+                    CLOCK: tl.constexpr,
                     MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
                     MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
                     T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
@@ -178,7 +184,8 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
     (12, PEERS + 1), see symm.py. ctr: int32 [ticket, finished programs, finished front items,
     deferred receives], zero at launch and left zero. def: int32 (>= n_recv,), the deferred receive
     tiles. err: int64, after a timeout 1 + source index * 2^32 + tile (a peer's tile), or -1 (this
-    rank's front). Block offsets (`*blk`) count blocks of 32 elements. delay: communication items
+    rank's front). Block offsets (`*blk`) count blocks of 32 elements. NB: blocks per work item (one
+    flag each), SUB: blocks per register tile (NB // SUB of them per item). delay: communication items
     (stores and receives) before the first receive, at most n_store."""
     n_comm = n_store + n_recv
     n_front = n_comm + n_own
@@ -194,14 +201,14 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
                 # A receive: take it if its tile has landed, else defer it to the back (no waiting here).
                 i, kk, flag = _recv_where(meta_ptr, r, PEERS)
                 if tl.atomic_add(flag, 0, sem="acquire", scope="sys") == epoch:
-                    _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, PEERS, IN_BF16, DEQUANT)
+                    _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
                 else:
                     tl.store(def_ptr + tl.atomic_add(ctr_ptr + 3, 1), r.to(tl.int32))
             else:
-                _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, IN_BF16, MODE, IS_E5M2, EMAX, MBITS,
-                            MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+                _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, SUB, IN_BF16, MODE, IS_E5M2, EMAX,
+                            MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
         else:
-            _own_item(x_ptr, y_ptr, ys_ptr, t - c, own_xblk, own_yblk, own_nblk, NB, IN_BF16, DEQUANT,
+            _own_item(x_ptr, y_ptr, ys_ptr, t - c, own_xblk, own_yblk, own_nblk, NB, SUB, IN_BF16, DEQUANT,
                       MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
         mine += 1
         t = tl.atomic_add(ctr_ptr, 1).to(tl.int64)
@@ -216,7 +223,7 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
             r = tl.atomic_add(def_ptr + j, 0, sem="acquire").to(tl.int64)
             i, kk, flag = _recv_where(meta_ptr, r, PEERS)
             if _wait(flag, epoch, timeout, err_ptr, 1 + i * (1 << 32) + kk, "sys", CLOCK):
-                _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, PEERS, IN_BF16, DEQUANT)
+                _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
             j = tl.atomic_add(ctr_ptr, 1).to(tl.int64) - n_front
     # Every program took its last ticket before it counts itself finished: the last one resets.
     if tl.atomic_add(ctr_ptr + 1, 1) == nprog - 1:
