@@ -153,7 +153,7 @@ def layout(world: int, dim: int, half_bytes: int) -> Layout:
 
 class SymmWorkspace:
     """A symmetric-memory buffer of one process group on one device, with every rank's buffer mapped
-    here (`buffers[r]`, 1D uint8), the exchange kernel's counters (`counters`, int32 (4,), zero),
+    here (`buffers[r]`, 1D uint8), the exchange kernel's counters (`counters`, int32 (128,), zero),
     deferred-receive list (`deferred`, int32, grown on demand) and error word (`error`, int64 (1,)),
     and NCCL send/recv for the rows that do not fit."""
 
@@ -165,7 +165,7 @@ class SymmWorkspace:
         self.device = device
         self.nbytes = 0
         self.buffers: list[Tensor] = []
-        self.counters = torch.zeros(4, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(4 * 32, dtype=torch.int32, device=device)
         self.deferred = torch.empty(0, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int64, device=device)
         self._handle = None

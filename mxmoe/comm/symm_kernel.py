@@ -37,6 +37,8 @@ from triton.language.extra.cuda import globaltimer
 from mxmoe.comm.kernels import _dequant_tile, _qdq_tile
 from mxmoe.quant.triton_cast import _load_bits, _quantize
 
+CTR_STRIDE: tl.constexpr = tl.constexpr(32)
+
 # Rows of the item table, in the order of mxmoe.comm.symm.ROWS (int64, (12, PEERS + 1)).
 ST_START, ST_XBLK, ST_NBLK, ST_Q, ST_S, ST_F = (tl.constexpr(i) for i in range(6))
 RC_START, RC_YBLK, RC_NBLK, RC_Q, RC_S, RC_F = (tl.constexpr(i) for i in range(6, 12))
@@ -181,12 +183,14 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
                     T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
     """One rank's whole exchange. x: bits of the input rows (int16 bf16 / int32 fp32). y: output bits
     (x's type; DEQUANT) or elements (uint8; dispatch), ys: scales (uint8; dispatch only). meta: int64
-    (12, PEERS + 1), see symm.py. ctr: int32 [ticket, finished programs, finished front items,
-    deferred receives], zero at launch and left zero. def: int32 (>= n_recv,), the deferred receive
-    tiles. err: int64, after a timeout 1 + source index * 2^32 + tile (a peer's tile), or -1 (this
-    rank's front). Block offsets (`*blk`) count blocks of 32 elements. NB: blocks per work item (one
-    flag each), SUB: blocks per register tile (NB // SUB of them per item). delay: communication items
-    (stores and receives) before the first receive, at most n_store."""
+    (12, PEERS + 1), see symm.py. ctr: int32 (4 * CTR_STRIDE,): the ticket, finished programs,
+    finished front items and deferred receives at k * CTR_STRIDE (own 128-byte lines: spinning reads
+    of one do not slow the atomics of another), zero at launch and left zero. def: int32
+    (>= n_recv,), the deferred receive tiles. err: int64, after a timeout 1 + source index * 2^32 +
+    tile (a peer's tile), or -1 (this rank's front). Block offsets (`*blk`) count blocks of 32
+    elements. NB: blocks per work item (one flag each), SUB: blocks per register tile (NB // SUB of
+    them per item). delay: communication items (stores and receives) before the first receive, at
+    most n_store."""
     n_comm = n_store + n_recv
     n_front = n_comm + n_own
     mine = n_front * 0  # front items this program finished
@@ -203,7 +207,7 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
                 if tl.atomic_add(flag, 0, sem="acquire", scope="sys") == epoch:
                     _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
                 else:
-                    tl.store(def_ptr + tl.atomic_add(ctr_ptr + 3, 1), r.to(tl.int32))
+                    tl.store(def_ptr + tl.atomic_add(ctr_ptr + 3 * CTR_STRIDE, 1), r.to(tl.int32))
             else:
                 _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, SUB, IN_BF16, MODE, IS_E5M2, EMAX,
                             MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
@@ -215,9 +219,9 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
     # The back: once every front item is done (they never wait, so this comes), the deferred receives,
     # waiting for each tile's flag. Every store of this rank is done by then.
     tl.debug_barrier()
-    tl.atomic_add(ctr_ptr + 2, mine.to(tl.int32), sem="release")
-    if _wait(ctr_ptr + 2, n_front.to(tl.int32), timeout, err_ptr, t * 0 - 1, "gpu", CLOCK):
-        n_def = tl.atomic_add(ctr_ptr + 3, 0, sem="acquire")
+    tl.atomic_add(ctr_ptr + 2 * CTR_STRIDE, mine.to(tl.int32), sem="release")
+    if _wait(ctr_ptr + 2 * CTR_STRIDE, n_front.to(tl.int32), timeout, err_ptr, t * 0 - 1, "gpu", CLOCK):
+        n_def = tl.atomic_add(ctr_ptr + 3 * CTR_STRIDE, 0, sem="acquire")
         j = t - n_front
         while j < n_def:
             r = tl.atomic_add(def_ptr + j, 0, sem="acquire").to(tl.int64)
@@ -226,8 +230,8 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
                 _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
             j = tl.atomic_add(ctr_ptr, 1).to(tl.int64) - n_front
     # Every program took its last ticket before it counts itself finished: the last one resets.
-    if tl.atomic_add(ctr_ptr + 1, 1) == nprog - 1:
+    if tl.atomic_add(ctr_ptr + 1 * CTR_STRIDE, 1) == nprog - 1:
         tl.atomic_xchg(ctr_ptr, 0)
-        tl.atomic_xchg(ctr_ptr + 1, 0)
-        tl.atomic_xchg(ctr_ptr + 2, 0)
-        tl.atomic_xchg(ctr_ptr + 3, 0)
+        tl.atomic_xchg(ctr_ptr + 1 * CTR_STRIDE, 0)
+        tl.atomic_xchg(ctr_ptr + 2 * CTR_STRIDE, 0)
+        tl.atomic_xchg(ctr_ptr + 3 * CTR_STRIDE, 0)
