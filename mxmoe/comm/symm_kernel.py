@@ -194,7 +194,9 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
     n_comm = n_store + n_recv
     n_front = n_comm + n_own
     mine = n_front * 0  # front items this program finished
-    t = tl.atomic_add(ctr_ptr, 1).to(tl.int64)
+    # Tickets are relaxed atomics: they order nothing else (a release here would also wait for the
+    # previous item's NVLink stores).
+    t = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64)
     while t < n_front:
         # The front spreads the communication items evenly among the own tiles, and the receives
         # evenly among the stores from the `delay`-th communication item on.
@@ -207,7 +209,8 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
                 if tl.atomic_add(flag, 0, sem="acquire", scope="sys") == epoch:
                     _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
                 else:
-                    tl.store(def_ptr + tl.atomic_add(ctr_ptr + 3 * CTR_STRIDE, 1), r.to(tl.int32))
+                    slot = tl.atomic_add(ctr_ptr + 3 * CTR_STRIDE, 1, sem="relaxed")
+                    tl.store(def_ptr + slot, r.to(tl.int32))
             else:
                 _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, SUB, IN_BF16, MODE, IS_E5M2, EMAX,
                             MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
@@ -215,7 +218,7 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
             _own_item(x_ptr, y_ptr, ys_ptr, t - c, own_xblk, own_yblk, own_nblk, NB, SUB, IN_BF16, DEQUANT,
                       MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
         mine += 1
-        t = tl.atomic_add(ctr_ptr, 1).to(tl.int64)
+        t = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64)
     # The back: once every front item is done (they never wait, so this comes), the deferred receives,
     # waiting for each tile's flag. Every store of this rank is done by then.
     tl.debug_barrier()
@@ -228,7 +231,7 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
             i, kk, flag = _recv_where(meta_ptr, r, PEERS)
             if _wait(flag, epoch, timeout, err_ptr, 1 + i * (1 << 32) + kk, "sys", CLOCK):
                 _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
-            j = tl.atomic_add(ctr_ptr, 1).to(tl.int64) - n_front
+            j = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64) - n_front
     # Every program took its last ticket before it counts itself finished: the last one resets.
     if tl.atomic_add(ctr_ptr + 1 * CTR_STRIDE, 1) == nprog - 1:
         tl.atomic_xchg(ctr_ptr, 0)
