@@ -156,6 +156,7 @@ def test_one_gpu_two_simulated_ranks_kernel(monkeypatch):
     from mxmoe.comm import symm
 
     monkeypatch.setattr(symm, "_sm_count", lambda index: 8)  # 16 programs per rank: both resident
+    monkeypatch.setattr(symm, "TIMEOUT_MS", 20_000)
     M = [[3001, 4097], [0, 2500]]
     Mt = [list(c) for c in zip(*M, strict=True)]
     dim = 1056
