@@ -51,7 +51,7 @@ if triton is not None:
 
     @triton.jit
     def _dequant_tile(q_ptr, s_ptr, out_ptr, offs, mask, BS: tl.constexpr, OUT_BF16: tl.constexpr,
-                      CACHE: tl.constexpr = ""):
+                      CACHE: tl.constexpr):
         """Dequantize the elements at flat offsets `offs` (int64, masked by `mask`) of q (uint8) with
         scales s (uint8, one per BS elements) into out (int16 bf16 bits or int32 fp32 bits). CACHE:
         the loads' cache modifier (".cg": bytes another GPU wrote, past this SM's L1)."""
@@ -85,7 +85,7 @@ if triton is not None:
     ):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        _dequant_tile(q_ptr, s_ptr, out_ptr, offs, offs < n, BS, OUT_BF16)
+        _dequant_tile(q_ptr, s_ptr, out_ptr, offs, offs < n, BS, OUT_BF16, "")
 
     @triton.jit
     def _qdq_tile(x_ptr, out_ptr, blk, bmask, rceil_c, T127, T126, IN_BF16: tl.constexpr,
