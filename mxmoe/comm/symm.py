@@ -70,13 +70,10 @@ _ALIGN = 256  # bytes: region starts
 WORKSPACE_BYTES = int(os.environ.get("MXMOE_SYMM_WORKSPACE_MB", "1024")) << 20
 TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
 # Blocks of 32 per work item (8192 elements: one flag, one release at system scope, one ticket),
-# done in register tiles of _SUB_BLOCKS; warps and register cap per program, programs per SM: 128
-# registers let two programs of 8 warps share an SM (NVLink stores need many in flight).
-TILE_BLOCKS, _SUB_BLOCKS = 256, 128
-# Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
-# that has not is deferred to the end of the exchange).
-RECV_DELAY = 4
-_WARPS, _MAXNREG, _PROGS_PER_SM = 8, 128, 2
+# done in register tiles of _SUB_BLOCKS (8 elements a thread); warps and register cap per program,
+# programs per SM: 80 registers (no spills, tests/comm/test_symm.py checks the sm_90 build) let three
+# programs of 8 warps share an SM (NVLink stores need many in flight).
+_WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
 
 
 def _align(n: int) -> int:

@@ -340,35 +340,58 @@ def test_symm_exchange_times_out_instead_of_hanging(monkeypatch):
 
 
 _COMPILE_SM90 = r"""
-import sys, torch, triton
+import os, re, subprocess, tempfile
+import torch, triton
+import triton.backends.nvidia as nv
 from triton.backends.compiler import GPUTarget
 from mxmoe.comm import symm, symm_kernel
 from mxmoe.quant.triton_cast import _spec_args
 
+tool = os.path.join(os.path.dirname(nv.__file__), "bin")
 sig = dict(x_ptr="*i16", y_ptr="*i16", ys_ptr="*u8", meta_ptr="*i64", ctr_ptr="*i32", def_ptr="*i32",
            err_ptr="*i64", epoch="i32", n_store="i64", n_own="i64", n_recv="i64", delay="i64",
            own_xblk="i64", own_yblk="i64", own_nblk="i64", timeout="i64", nprog="i32")
-for bf16, deq, peers in ((True, True, 1), (False, True, 3), (True, False, 7)):
+fn = symm_kernel.exchange_kernel
+for bf16, deq, peers in ((True, True, 1), (False, True, 3), (True, False, 1), (False, False, 7)):
     xt = "*i16" if bf16 else "*i32"
     s = dict(sig, x_ptr=xt, y_ptr=xt if deq else "*u8")
     ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, SUB=symm._SUB_BLOCKS, IN_BF16=bf16, DEQUANT=deq, CLOCK=True,
               **_spec_args(symm._SPEC, False))
     s.update({k: "constexpr" for k in ce})
-    k = triton.compile(triton.compiler.ASTSource(fn=symm_kernel.exchange_kernel, signature=s, constexprs=ce),
+    # torch's allocations are 16-byte aligned: the launch specializes the pointers so
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in s.items() if v.startswith("*")}
+    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=s, constexprs=ce, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=symm._WARPS, maxnreg=symm._MAXNREG))
+    what = (bf16, deq, peers)
     ptx = k.asm["ptx"]
-    for op in ("atom.global.sys.release.exch.b32", "ld.global.sys.acquire.b32", "trap;", "%globaltimer",
-               "ld.global.cg"):
-        assert op in ptx, (bf16, deq, peers, op)
+    for op in ("atom.global.sys.release.exch.b32", "ld.global.sys.acquire.b32", "trap;", "%globaltimer"):
+        assert op in ptx, (what, op)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([os.path.join(tool, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tool, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    regs, local = int(re.search(r"REG:(\d+)", res)[1]), int(re.search(r"LOCAL:(\d+)", res)[1])
+    # registers for _PROGS_PER_SM programs of _WARPS warps per SM, nothing spilled
+    assert regs <= symm._MAXNREG and regs * 32 * symm._WARPS * symm._PROGS_PER_SM <= 65536, (what, regs)
+    assert local == 0, (what, "spills", local)
+    # one system-scope fence per store tile (the flag's release), vector stores (8 elements a
+    # thread), and the landed bytes read past L1 in vector loads
+    assert sass.count("MEMBAR.ALL.SYS") == 1 and "ATOMG.E.EXCH.STRONG.SYS" in sass, what
+    assert re.search(r"STG\.E\.(64|128) ", sass), what
+    assert re.search(r"LDG\.E\.(64|128)\.STRONG\.GPU ", sass), what
 print("compiled")
 """
 
 
 def test_exchange_kernel_compiles_for_sm90():
-    """The exchange kernel builds for an H100/H200 (sm_90) on this machine (Triton ships ptxas), with
-    its system-scope release flag writes, acquire flag reads, L2 loads of landed bytes, timer and
-    trap."""
+    """The exchange kernel builds for an H100/H200 (sm_90) on this machine (Triton ships ptxas and
+    cuobjdump): its system-scope release flag write (one system fence per store tile), acquire flag
+    reads, 16-byte stores and L2 loads of landed bytes, timer and trap; registers for the programs
+    per SM it launches, no spills."""
     import subprocess
     import sys
 
