@@ -73,7 +73,11 @@ TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
 # done in register tiles of _SUB_BLOCKS (8 elements a thread); warps and register cap per program,
 # programs per SM: 80 registers (no spills, tests/comm/test_symm.py checks the sm_90 build) let three
 # programs of 8 warps share an SM (NVLink stores need many in flight).
+TILE_BLOCKS, _SUB_BLOCKS = 256, 64
 _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
+# Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
+# that has not is deferred to the end of the exchange).
+RECV_DELAY = 4
 
 
 def _align(n: int) -> int:
