@@ -327,6 +327,8 @@ def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: 
             ("st", ws.buffers[p], lay.offsets(base, me, p)),
             ("rc", ws.buffers[me], lay.offsets(base, s, me)),
         ):
+            if buf.is_cuda and buf.data_ptr() % _ALIGN:  # the kernel's vector accesses rely on it
+                raise ValueError(f"workspace buffer at {buf.data_ptr():#x} is not {_ALIGN}-byte aligned")
             for part, off in zip("qsf", offs, strict=True):
                 col[f"{kind}_{part}"][i] = buf.data_ptr() + off
     n_own = -(-ins[me] * sd // TILE_BLOCKS)
@@ -455,7 +457,9 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
         **_spec_args(_SPEC, interpret),
     )
     if interpret and int(ws.error[0]):
-        _timed_out(int(ws.error[0]) - 1)
+        code = int(ws.error[0]) - 1
+        ws.error.zero_()
+        _timed_out(code)
 
 
 def _timed_out(code: int) -> None:
