@@ -163,15 +163,16 @@ def test_one_gpu_two_simulated_ranks_kernel(monkeypatch):
     xs = [make_rows(sum(M[r]), dim, torch.bfloat16, 31 + r) for r in range(2)]
     bufs = [torch.zeros(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
     wss = [_OneGpuWorkspace(bufs) for _ in range(2)]
+    xg = [x.cuda() for x in xs]
     streams = [torch.cuda.Stream() for _ in range(2)]
     torch.cuda.synchronize()
     for it in range(4):
         out = []
+        dequant = it % 2 == 0
         for r in range(2):
             with torch.cuda.stream(streams[r]):
-                xr = xs[r].cuda()
-                dequant = it % 2 == 0
-                out.append(symm.symm_mx_exchange(xr, M[r], Mt[r], r, wss[r], "auto", dequant, impl="kernel"))
+                y = symm.symm_mx_exchange(xg[r], M[r], Mt[r], r, wss[r], "auto", dequant, impl="kernel")
+                out.append(y)
         torch.cuda.synchronize()
         for r in range(2):
             if it % 2 == 0:
