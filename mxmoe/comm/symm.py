@@ -11,10 +11,10 @@ Layout. Every rank has a workspace (torch symmetric memory, one per process grou
 MXMOE_SYMM_WORKSPACE_MB, default 1024; zeroed when made) of two halves used by alternate exchanges.
 A half has one slot per peer: one int32 flag per tile of TILE_BLOCKS blocks of 32 (room for any row
 width, at offsets that do not depend on it), then up to `slot_rows` rows (elements (slot_rows, C),
-then scales (slot_rows, C//32)). Rows from
-source s sit in slot (s - r - 1) mod W of receiver r, from row 0. So a rank needs only its own
-splits: where its rows go in a peer, and where a peer's rows are in its own slots, follow from the
-ranks alone (no split matrix, no collective, no host sync).
+then scales (slot_rows, C//32)). Rows from source s sit in slot (s - r - 1) mod W of receiver r,
+from row 0. So a rank needs only its own splits: where its rows go in a peer, and where a peer's
+rows are in its own slots, follow from the ranks alone (no split matrix, no collective, no host
+sync).
 
 One exchange (number `epoch`, 1, 2, ...) on rank `me` of W ranks is one launch of
 `mxmoe.comm.symm_kernel.exchange_kernel` (work items taken in the order of an atomic ticket):
