@@ -190,16 +190,24 @@ def test_flags_do_not_move_with_the_row_width():
 
 class SharedWorkspace:
     """A rank's view of workspaces in shared memory (one process per rank: the Triton interpreter
-    runs one kernel per process), zeroed by the parent; no fallback pairs."""
+    runs one kernel per process), zeroed by the parent; no fallback pairs. ensure() waits until every
+    rank's process has started (`ready`, shared int32 (W,)), so start-up time is not waiting time."""
 
-    def __init__(self, buffers: list[torch.Tensor]) -> None:
+    def __init__(self, buffers: list[torch.Tensor], ready: torch.Tensor, rank: int) -> None:
         self.buffers, self.nbytes, self._calls = buffers, buffers[0].numel(), 0
         self.counters = torch.zeros(4 * 32, dtype=torch.int32)
         self.deferred = torch.empty(0, dtype=torch.int32)
         self.error = torch.zeros(1, dtype=torch.int64)
+        self.ready, self.rank = ready, rank
 
     def ensure(self) -> None:
-        pass
+        import time
+
+        self.ready[self.rank] = 1
+        deadline = time.monotonic() + 300
+        while not bool(self.ready.all()):
+            assert time.monotonic() < deadline, "a rank's process never started"
+            time.sleep(0.01)
 
     def next_epoch(self) -> int:
         self._calls += 1
@@ -209,8 +217,8 @@ class SharedWorkspace:
         raise AssertionError("the test's workspace fits every pair")
 
 
-def _kernel_worker(rank, world, port, buffers, xs, gs, M, outs_y, outs_q, outs_s, outs_back) -> None:
-    ws = SharedWorkspace(buffers)
+def _kernel_worker(rank, world, port, buffers, ready, xs, gs, M, outs_y, outs_q, outs_s, outs_back) -> None:
+    ws = SharedWorkspace(buffers, ready, rank)
     ins, outs = M[rank], [row[rank] for row in M]
     outs_y[rank].copy_(symm_mx_exchange(xs[rank], ins, outs, rank, ws, "torch", True, impl="kernel"))
     q, s = symm_mx_exchange(xs[rank], ins, outs, rank, ws, "torch", False, impl="kernel")
@@ -245,7 +253,8 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, spawn_ranks):
         rows_out, dim // 32, torch.uint8
     )
     backs = shared([sum(M[r]) for r in range(world)], dim, dtype)
-    spawn_ranks(_kernel_worker, world, buffers, xs, gs, M, ys, qs, ss, backs, timeout_s=900)
+    ready = torch.zeros(world, dtype=torch.int32).share_memory_()
+    spawn_ranks(_kernel_worker, world, buffers, ready, xs, gs, M, ys, qs, ss, backs, timeout_s=900)
     for r in range(world):
         what = f"rank {r} of {world}, {dtype}"
         assert_same_bits(ys[r], expected(xs, M, r, True), "forward " + what)
