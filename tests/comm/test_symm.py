@@ -392,15 +392,28 @@ for bf16, deq, peers in ((True, True, 1), (False, True, 3), (True, False, 1), (F
     assert sass.count("MEMBAR.ALL.SYS") == 1 and "ATOMG.E.EXCH.STRONG.SYS" in sass, what
     assert re.search(r"STG\.E\.(64|128) ", sass), what
     assert re.search(r"LDG\.E\.(64|128)\.STRONG\.GPU ", sass), what
+# the standalone kernels that share the exchange kernel's tile helpers
+from mxmoe.comm import kernels as kk
+for f, s, ce in (
+    (kk._qdq_kernel,
+     dict(x_ptr="*i16", out_ptr="*i16", n_blocks="i64", rceil_c="fp32", T127="i32", T126="i32"),
+     dict(NB=64, IN_BF16=True, FORCE_SLOW=False)),
+    (kk._dequant_e4m3_kernel, dict(q_ptr="*u8", s_ptr="*u8", out_ptr="*i16", n="i64"),
+     dict(BLOCK=4096, BS=32, OUT_BF16=True)),
+):
+    s.update({k: "constexpr" for k in ce})
+    src = triton.compiler.ASTSource(fn=f, signature=s, constexprs=ce)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32))
 print("compiled")
 """
 
 
 def test_exchange_kernel_compiles_for_sm90():
-    """The exchange kernel builds for an H100/H200 (sm_90) on this machine (Triton ships ptxas and
-    cuobjdump): its system-scope release flag write (one system fence per store tile), acquire flag
-    reads, 16-byte stores and L2 loads of landed bytes, timer and trap; registers for the programs
-    per SM it launches, no spills."""
+    """The exchange kernel (and the standalone kernels sharing its tile helpers) builds for an
+    H100/H200 (sm_90) on this machine (Triton ships ptxas and cuobjdump): the exchange kernel's
+    system-scope release flag write (one system fence per store tile), acquire flag reads, vector
+    stores and L2 loads of landed bytes, timer and trap; registers for the programs per SM it
+    launches, no spills."""
     import subprocess
     import sys
 
