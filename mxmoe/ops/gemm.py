@@ -118,6 +118,25 @@ QDQ_BACKENDS = frozenset({"emulated"})
 fused quantize-dequantize values (`hp_gemm`) instead of MXTensors."""
 
 
+def autocast_input(a: Tensor) -> Tensor:
+    """The activation `a` in the autocast dtype when autocast is on for its device type, as torch.mm
+    and nn.Linear take it there (so the MX ops return, save and differentiate activations of that
+    dtype, as bf16 training does); unchanged otherwise. Weights are not cast: they are quantized
+    straight from their own dtype (the fp32 master weights)."""
+    dev = a.device.type
+    if torch.is_autocast_enabled(dev) and a.is_floating_point():
+        dt = torch.get_autocast_dtype(dev)
+        if a.dtype != dt:
+            return a.to(dt)
+    return a
+
+
+def no_autocast(device: torch.device):
+    """A context in which autocast is off for `device`'s type: the MX ops choose their GEMMs' dtypes
+    themselves (the recipe's gemm_dtype) and must not have them recast."""
+    return torch.autocast(device.type, enabled=False)
+
+
 def uses_qdq(recipe: MXRecipe) -> bool:
     """Whether the ops feed `recipe`'s GEMM backend qdq'd high-precision operands."""
     return recipe.gemm_backend in QDQ_BACKENDS

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from mxmoe.ops.config import as_recipe
-from mxmoe.ops.gemm import hp_gemm, mx_gemm, uses_qdq
+from mxmoe.ops.gemm import autocast_input, hp_gemm, mx_gemm, no_autocast, uses_qdq
 from mxmoe.ops.linear import needs_grads, swap_last2, wants_grad, weight_mx, weight_qdq, wgrad_mx
 from mxmoe.quant.groups import group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
@@ -162,7 +162,8 @@ def mx_grouped_mm(
     offs: (E,) int32 cumulative group ends, offs[-1] <= T (rows after it belong to no group and
        give zero output). Any group sizes, including 0 and sizes not a multiple of 32.
     config: the MXRecipe (default mxmoe.DEFAULT_RECIPE; `MXOpConfig(...)` builds one).
-    K and N must be divisible by config.block_size. Returns (T, N) contiguous in a's (orig) dtype.
+    K and N must be divisible by config.block_size. Returns (T, N) contiguous in a's (orig) dtype;
+    under autocast (as torch._grouped_mm in bf16 training) a Tensor a is first cast to the autocast dtype.
     """
     cfg = as_recipe(config)
     if not isinstance(b_t, Tensor) or b_t.ndim != 3:
@@ -200,6 +201,7 @@ def mx_grouped_mm(
     elif isinstance(a, Tensor):
         if a.ndim != 2:
             raise ValueError(f"a must be 2D (T, K), got shape {tuple(a.shape)}")
+        a = autocast_input(a)
         T = a.shape[0]
         args = (a, None, None, cfg.scaling_mode)
         out_dtype = a.dtype
@@ -211,4 +213,5 @@ def mx_grouped_mm(
         if d % cfg.block_size:
             raise ValueError(f"mx_grouped_mm: {name}={d} is not divisible by block_size={cfg.block_size}")
     del T
-    return _MXGroupedMM.apply(*args, b_t, offs, cfg, out_dtype)
+    with no_autocast(b_t.device):
+        return _MXGroupedMM.apply(*args, b_t, offs, cfg, out_dtype)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mxmoe.ops.config import as_recipe
-from mxmoe.ops.gemm import hp_gemm, mx_gemm, uses_qdq
+from mxmoe.ops.gemm import autocast_input, hp_gemm, mx_gemm, no_autocast, uses_qdq
 from mxmoe.ops.weight_cache import cached_cast
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
@@ -200,7 +200,8 @@ def mx_mm(a: Tensor, b: Tensor, config: MXRecipe | None = None) -> Tensor:
        multiple of the block size).
     b: (K, N) bf16/fp32, typically `weight.t()` of a (N, K) nn.Linear weight.
     config: the MXRecipe (default mxmoe.DEFAULT_RECIPE; `MXOpConfig(...)` builds one).
-    K and N must be divisible by config.block_size. Returns (..., N) in a's dtype, contiguous.
+    K and N must be divisible by config.block_size. Returns (..., N) in a's dtype, contiguous; under
+    autocast (as torch.mm) a is first cast to the autocast dtype, so the result is of that dtype.
     """
     cfg = as_recipe(config)
     if not isinstance(a, Tensor) or not isinstance(b, Tensor):
@@ -215,5 +216,7 @@ def mx_mm(a: Tensor, b: Tensor, config: MXRecipe | None = None) -> Tensor:
                 f"block_size={cfg.block_size}"
             )
     lead = a.shape[:-1]
-    y = _MXMM.apply(a.reshape(-1, K), b, cfg)
+    a = autocast_input(a)
+    with no_autocast(a.device):
+        y = _MXMM.apply(a.reshape(-1, K), b, cfg)
     return y if a.ndim == 2 else y.view(*lead, N)

@@ -340,3 +340,51 @@ def test_custom_op_layouts_cpu():
 @pytest.mark.parametrize("kernel", ["torch", "triton", "cuda"])
 def test_custom_op_layouts_gpu(kernel):
     check_custom_op_layouts("cuda", kernel)
+
+
+def _run(fn, x, w, autocast):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    if autocast:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(x, w)
+    else:
+        y = fn(x.to(torch.bfloat16), w)
+    (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return y, x.grad, w.grad
+
+
+@pytest.mark.parametrize("op", ["mm", "grouped"])
+def test_autocast_casts_the_activations_as_torch_mm_does(op):
+    # under autocast an MX op takes the activation in the autocast dtype (as torch.mm) and keeps its
+    # own GEMM dtype inside (no recasting of its fp32 CPU GEMMs): bit for bit the op on x.to(bf16)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(70, 64, generator=g)
+    if op == "mm":
+        w = torch.randn(96, 64, generator=g)
+
+        def fn(a, b):
+            return mx_mm(a, b.t(), CFG)
+    else:
+        w = torch.randn(3, 64, 96, generator=g)  # b_t (E, K, N)
+        offs = torch.tensor([20, 20, 66], dtype=torch.int32)
+
+        def fn(a, b):
+            return mx_grouped_mm(a, b, offs, CFG)
+
+    y, dx, dw = _run(fn, x, w, autocast=True)
+    y_ref, dx_ref, dw_ref = _run(fn, x, w, autocast=False)
+    assert y.dtype == torch.bfloat16 and dx.dtype == torch.float32 and dw.dtype == torch.float32
+    for got, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        assert torch.equal(got, ref)
+
+
+def test_mx_linear_under_autocast_returns_the_autocast_dtype_like_nn_linear():
+    from mxmoe.nn import MXLinear
+
+    lin = torch.nn.Linear(64, 32)
+    mx = MXLinear.from_linear(lin, CFG)
+    x = torch.randn(8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lin(x).dtype == mx(x).dtype == torch.bfloat16
+    assert mx(x).dtype == torch.float32
