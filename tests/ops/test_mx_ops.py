@@ -388,3 +388,21 @@ def test_mx_linear_under_autocast_returns_the_autocast_dtype_like_nn_linear():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert lin(x).dtype == mx(x).dtype == torch.bfloat16
     assert mx(x).dtype == torch.float32
+
+
+def test_autocast_inside_compile_fullgraph_same_results():
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(96, 64, requires_grad=True)
+
+    def f(x, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mx_mm(x, w.t(), CFG)
+        return (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum()
+
+    ref = f(x, w)
+    ref.backward()
+    grads = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w)
+    out.backward()
+    assert torch.equal(out, ref) and torch.equal(x.grad, grads[0]) and torch.equal(w.grad, grads[1])
