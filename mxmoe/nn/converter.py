@@ -48,7 +48,8 @@ class MXConfig:
     """The recipe's dim0_kernel (dim0 casts, dequantize): "auto" | "triton" | "cuda" | "torch"."""
     gemm_backend: str = "emulated"
     """GEMM on MX operands: "emulated" (dequantize exactly, bf16/fp32 GEMM; default) | "fp8" (sm_90
-    fp8 tensor cores, one MMA per 32-block of K; opt-in, see mxmoe.ops.fp8_gemm)."""
+    fp8 tensor cores, one MMA per 32-block of K, promotion overlapped with the next MMA; opt-in,
+    see mxmoe.ops.fp8_gemm)."""
     gemm_dtype: str = "auto"
     """The recipe's gemm_dtype: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32"."""
 

@@ -1,4 +1,9 @@
-"""The "fp8" GEMM backend: MXFP8 operands on Hopper's fp8 tensor cores (a Triton kernel).
+"""The "fp8" GEMM backend: MXFP8 operands on Hopper's fp8 tensor cores.
+
+Two kernels, one contract (below): on an sm_90 GPU every mode runs the Gluon kernel of
+`mxmoe.ops.fp8_wgmma` (async wgmma, each block's promotion overlapped with the next block's MMA);
+under TRITON_INTERPRET=1 on CPU (Gluon has no interpreter) the Triton kernel of this module runs
+them (one `tl.dot` per 32-block, promoted after it; the description below is of this one).
 
 Every MX GEMM in mxmoe is "NT": both operands are stored with the reduction dim K innermost, as the
 casts produce them (`MXTensor.qdata_blocked` / `.scale_blocked`):
@@ -34,7 +39,9 @@ Three orientations, one kernel (`MODE`):
                   after offs[-1] are zero (MoE forward / dgrad)
   2 grouped K:    (M, T) x (N, T), offs over T (multiples of 32) -> (E, M, N); empty groups give
                   zeros (MoE wgrad)
-Nothing syncs with the host: the grouped modes read offs on the device.
+Nothing syncs with the host: the grouped modes read offs on the device. The Gluon kernel meets the
+same bounds (each block's contribution rounded once, in the same block order: its result does not
+depend on its tile config) and handles grouped rows without recomputation (its own docstring).
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from mxmoe.ops import fp8_wgmma
+from mxmoe.ops.fp8_wgmma import WgmmaConfig
 from mxmoe.quant.backends import triton_interpret
 
 BLOCK = 32
@@ -54,17 +63,15 @@ BLOCK = 32
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """Tile of one program: BM rows x BN columns, K in steps of BK (a multiple of 32)."""
+    """Tile of one program of the interpreter's Triton kernel: BM rows x BN columns, K in steps of
+    BK (a multiple of 32). The interpreter runs numpy on CPU: small tiles keep it fast; bk=64 still
+    runs two 32-blocks per step."""
 
-    bm: int = 128
-    bn: int = 64
-    bk: int = 128
-    group_m: int = 8
+    bm: int = 32
+    bn: int = 32
+    bk: int = 64
+    group_m: int = 2
     num_warps: int = 4
-    num_stages: int = 3
-    tma: bool = False
-    """Load operands and (pre-decoded) scales with TMA tensor descriptors (dense and grouped-rows
-    modes, when M and N are multiples of 4); False or not possible: pointer loads (cp.async)."""
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -75,13 +82,7 @@ class Fp8GemmConfig:
             raise ValueError(f"bk={self.bk} must be a multiple of {BLOCK}")
 
 
-# From the H200 tile sweep of 2026-11-30 (docs/training-ops.md): 128x64x128 with 4 warps was the
-# fastest tile at 8192^3 and 32768x4096->14336/8 groups. The grouped-K (wgrad) mode steps one 32-block at a
-# time (bk=32): group ends are multiples of 32, so such steps need no K mask.
-DEFAULT_CONFIG = Fp8GemmConfig()
-DEFAULT_CONFIG_GROUPED_K = Fp8GemmConfig(bm=64, bn=128, bk=32, num_warps=4, num_stages=8)
-# The interpreter runs numpy on CPU: small tiles keep tests fast; bk=64 still runs two 32-blocks per step.
-INTERPRET_CONFIG = Fp8GemmConfig(bm=32, bn=32, bk=64, group_m=2, num_warps=4, num_stages=1)
+INTERPRET_CONFIG = Fp8GemmConfig()
 
 
 def _scales(s: Tensor) -> tuple[Tensor, int, int, int]:
@@ -133,44 +134,30 @@ def _store_out(c, acc, mask, OUT_BF16: tl.constexpr):
 
 @triton.jit
 def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_hi,
-            stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk, tma_rows,
+            stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-            NO_MASK: tl.constexpr, USE_TMA: tl.constexpr):
+            NO_MASK: tl.constexpr):
     """acc += the MX product of K elements [k, k + BK) (masked to < k_hi), one MMA per 32-block.
-    ok_a / ok_b: rows of A / columns of B inside the tensors; NO_MASK: all are, and K % BK == 0.
-    USE_TMA: the four operands are tensor descriptors (A (M, K), B (E*N, K), fp32 scales
-    (K/32, M) and (E*K/32, N)); tma_rows = (first row of A, first column of B, and the group's
-    first rows in B and in B's scales)."""
+    ok_a / ok_b: rows of A / columns of B inside the tensors; NO_MASK: all are, and K % BK == 0."""
     kr = tl.arange(0, 32)
     for kk in tl.static_range(BK // 32):
         kb = k + kk * 32
         ka = kb + kr
-        if USE_TMA:
-            m0, n0, b_row0, sb_row0 = tma_rows
-            a = a_ptr.load([m0, kb])
-            b = b_ptr.load([b_row0 + n0, kb])
-            sa = tl.reshape(sa_ptr.load([kb // 32, m0]), (BM,))
-            sb = tl.reshape(sb_ptr.load([sb_row0 + kb // 32, n0]), (BN,))
-        elif NO_MASK:
-            a_p = a_ptr + rows_a[:, None] * stride_am + ka[None, :]
-            b_p = b_ptr + cols_b[:, None] * stride_bn + ka[None, :]
-            sa_p = sa_ptr + rows_a * stride_sam + (kb // 32) * stride_sak
-            sb_p = sb_ptr + cols_b * stride_sbn + (kb // 32) * stride_sbk
+        a_p = a_ptr + rows_a[:, None] * stride_am + ka[None, :]
+        b_p = b_ptr + cols_b[:, None] * stride_bn + ka[None, :]
+        sa_p = sa_ptr + rows_a * stride_sam + (kb // 32) * stride_sak
+        sb_p = sb_ptr + cols_b * stride_sbn + (kb // 32) * stride_sbk
+        if NO_MASK:
             a = tl.load(a_p)
             b = tl.load(b_p)
             sa = tl.load(sa_p)
             sb = tl.load(sb_p)
         else:
-            a_p = a_ptr + rows_a[:, None] * stride_am + ka[None, :]
-            b_p = b_ptr + cols_b[:, None] * stride_bn + ka[None, :]
-            sa_p = sa_ptr + rows_a * stride_sam + (kb // 32) * stride_sak
-            sb_p = sb_ptr + cols_b * stride_sbn + (kb // 32) * stride_sbk
             if EVEN_K:
                 msa = ok_a
                 msb = ok_b
             else:
-                # k_lo, k_hi and K are multiples of 32: a whole 32-block is in or out, so the mask
-                # is uniform along K (per-element K masks would make the loads byte loads)
+                # k_lo, k_hi and K are multiples of 32: a whole 32-block is in or out
                 msa = ok_a & (kb < k_hi)
                 msb = ok_b & (kb < k_hi)
             ma = msa[:, None] & (kr < 32)[None, :]
@@ -188,25 +175,16 @@ def _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k, k_
 
 @triton.jit
 def _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b, k_lo, k_hi,
-              stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk, tma_rows,
+              stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-              NO_MASK: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
-              K_ITERS: tl.constexpr, NUM_STAGES: tl.constexpr):
+              NO_MASK: tl.constexpr, K_ITERS: tl.constexpr):
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if INTERPRET:
-        # triton 3.6's interpreter cannot loop to a runtime bound: a fixed count (cdiv(K, BK)),
-        # masked past k_hi (EVEN_K and NO_MASK are False in the grouped-K mode, the one with k_lo > 0)
-        for i in range(K_ITERS):
-            acc = _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b,
-                          k_lo + i * BK, k_hi, stride_am, stride_sam, stride_sak,
-                          stride_bn, stride_sbn, stride_sbk, tma_rows, BM, BN, BK, EVEN_K, NO_MASK,
-                          USE_TMA)
-    else:
-        for k in tl.range(k_lo, k_hi, BK, num_stages=NUM_STAGES):
-            acc = _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b,
-                          k, k_hi, stride_am, stride_sam, stride_sak,
-                          stride_bn, stride_sbn, stride_sbk, tma_rows, BM, BN, BK, EVEN_K, NO_MASK,
-                          USE_TMA)
+    # triton 3.6's interpreter cannot loop to a runtime bound: a fixed count (cdiv(K, BK)), masked
+    # past k_hi (EVEN_K and NO_MASK are False in the grouped-K mode, the one with k_lo > 0)
+    for i in range(K_ITERS):
+        acc = _k_step(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, rows_a, ok_a, cols_b, ok_b,
+                      k_lo + i * BK, k_hi, stride_am, stride_sam, stride_sak,
+                      stride_bn, stride_sbn, stride_sbk, BM, BN, BK, EVEN_K, NO_MASK)
     return acc
 
 
@@ -218,8 +196,7 @@ def _fp8_mx_gemm_kernel(
     stride_ce, stride_cm,
     MODE: tl.constexpr, E_POW2: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, NO_MASK: tl.constexpr, USE_TMA: tl.constexpr, OUT_BF16: tl.constexpr,
-    INTERPRET: tl.constexpr, K_ITERS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, NO_MASK: tl.constexpr, OUT_BF16: tl.constexpr, K_ITERS: tl.constexpr,
 ):
     # program -> tile, GROUP_M row tiles sweep the columns together (L2 reuse of B)
     pid = tl.program_id(0)
@@ -239,8 +216,7 @@ def _fp8_mx_gemm_kernel(
     if MODE == 0:
         acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, 0, K,
                         stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
-                        (m0, pid_n * BN, 0, 0),
-                        BM, BN, BK, EVEN_K, NO_MASK, USE_TMA, INTERPRET, K_ITERS, NUM_STAGES)
+                        BM, BN, BK, EVEN_K, NO_MASK, K_ITERS)
         _store_out(c, acc, in_m[:, None] & in_n[None, :], OUT_BF16)
     elif MODE == 1:
         ge = tl.arange(0, E_POW2)
@@ -256,17 +232,10 @@ def _fp8_mx_gemm_kernel(
             hi = tl.load(offs_ptr + g)
             ok_m = (rows >= lo) & (rows < hi) & in_m
             if hi > lo:
-                if USE_TMA:  # descriptors over (E*N, K) and (E*K/32, N): the group's first rows
-                    acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, 0, K,
-                                    stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
-                                    (m0, pid_n * BN, g * N, g * (K // 32)),
-                                    BM, BN, BK, EVEN_K, NO_MASK, USE_TMA, INTERPRET, K_ITERS, NUM_STAGES)
-                else:
-                    acc = _mainloop(a_ptr, sa_ptr, b_ptr + g * stride_be, sb_ptr + g * stride_sbe,
-                                    rows, in_m, cols, in_n, 0, K,
-                                    stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
-                                    (0, 0, 0, 0),
-                                    BM, BN, BK, EVEN_K, NO_MASK, USE_TMA, INTERPRET, K_ITERS, NUM_STAGES)
+                acc = _mainloop(a_ptr, sa_ptr, b_ptr + g * stride_be, sb_ptr + g * stride_sbe,
+                                rows, in_m, cols, in_n, 0, K,
+                                stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
+                                BM, BN, BK, EVEN_K, NO_MASK, K_ITERS)
                 _store_out(c, acc, ok_m[:, None] & in_n[None, :], OUT_BF16)
             g += 1
         if last >= total:  # rows in no group
@@ -279,8 +248,8 @@ def _fp8_mx_gemm_kernel(
         k_lo = tl.multiple_of(tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 32)
         k_hi = tl.multiple_of(tl.load(offs_ptr + e), 32)
         acc = _mainloop(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, in_m, cols, in_n, k_lo, k_hi,
-                        stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk, (0, 0, 0, 0),
-                        BM, BN, BK, EVEN_K, NO_MASK, False, INTERPRET, K_ITERS, NUM_STAGES)
+                        stride_am, stride_sam, stride_sak, stride_bn, stride_sbn, stride_sbk,
+                        BM, BN, BK, EVEN_K, NO_MASK, K_ITERS)
         _store_out(c + e * stride_ce, acc, in_m[:, None] & in_n[None, :], OUT_BF16)
 
 
@@ -339,22 +308,30 @@ def _check(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
 
 
 def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | None,
-           out_dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> Tensor:
+           out_dtype: torch.dtype, config: Fp8GemmConfig | WgmmaConfig | None = None) -> Tensor:
     """Run the kernel (no custom-op wrapper: the benchmarks pass `config` to compare tiles).
 
-    Shapes and layouts as in the module docstring; returns a new contiguous tensor of `out_dtype`.
+    On a GPU the Gluon kernel (`mxmoe.ops.fp8_wgmma`, config a `WgmmaConfig`) runs every mode; in
+    the interpreter the Triton kernel here (config an `Fp8GemmConfig`). Shapes and layouts as in the
+    module docstring; returns a new contiguous tensor of `out_dtype`.
     """
     _check(a_q, a_s, b_q, b_s, offs, out_dtype)
     reason = why_unavailable(a_q.device)
     if reason is not None:
         raise RuntimeError(reason)
     interp = a_q.device.type == "cpu"
-    if config is not None:
-        cfg = config
-    elif interp:
-        cfg = INTERPRET_CONFIG
-    else:
-        cfg = DEFAULT_CONFIG_GROUPED_K if offs is not None and b_q.ndim == 2 else DEFAULT_CONFIG
+    if not interp:
+        if config is not None and not isinstance(config, WgmmaConfig):
+            raise TypeError(f"config={config!r}: on a GPU the fp8 GEMM takes a WgmmaConfig")
+        out = torch.empty(_out_shape(a_q, b_q, offs), dtype=out_dtype, device=a_q.device)
+        if out.numel() == 0:
+            return out
+        if a_q.shape[1] == 0:
+            return out.zero_()
+        return fp8_wgmma.launch(a_q, a_s, b_q, b_s, offs, out, config or fp8_wgmma.DEFAULT_CONFIG)
+    if config is not None and not isinstance(config, Fp8GemmConfig):
+        raise TypeError(f"config={config!r}: the interpreter's Triton kernel takes an Fp8GemmConfig")
+    cfg = config or INTERPRET_CONFIG
     out = torch.empty(_out_shape(a_q, b_q, offs), dtype=out_dtype, device=a_q.device)
     M, K = a_q.shape
     N = b_q.shape[-2]
@@ -370,30 +347,14 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         return out.zero_()
     offs_arg = offs if offs is not None else torch.zeros(1, dtype=torch.int32, device=a_q.device)
     grid = (triton.cdiv(M, cfg.bm) * triton.cdiv(N, cfg.bn), E if mode == 2 else 1)
-    # whole tiles and whole K steps: loads without masks
-    # grouped K: a step of bk=32 never crosses a group end (multiples of 32), except in the
-    # interpreter, which runs a fixed step count past it (masked)
-    even_k = (cfg.bk == BLOCK and not interp) if mode == 2 else K % cfg.bk == 0
+    # whole tiles and whole K steps: loads without masks (grouped K: a fixed step count runs past
+    # each group's end, masked)
+    even_k = False if mode == 2 else K % cfg.bk == 0
     no_mask = even_k and M % cfg.bm == 0 and N % cfg.bn == 0
     sa, sa_m, sa_k, _ = _scales(a_s)
     sb, sb_n, sb_k, sb_e = _scales(b_s)
-    # TMA: 16-byte aligned bases, and row strides of the fp32 scales (K/32, M), (E*K/32, N): M, N % 4 == 0
-    ops = (a_q, sa, b_q, sb)
-    use_tma = (
-        cfg.tma and mode != 2 and M % 4 == 0 and N % 4 == 0
-        and all(t.data_ptr() % 16 == 0 for t in ops)
-    )
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        ops = (
-            TensorDescriptor.from_tensor(a_q, [cfg.bm, BLOCK]),
-            TensorDescriptor.from_tensor(sa, [1, cfg.bm]),
-            TensorDescriptor.from_tensor(b_q.reshape(-1, K), [cfg.bn, BLOCK]),
-            TensorDescriptor.from_tensor(sb.reshape(-1, N), [1, cfg.bn]),
-        )
     _fp8_mx_gemm_kernel[grid](
-        *ops, out, offs_arg,
+        a_q, sa, b_q, sb, out, offs_arg,
         M, N, K, E,
         a_q.stride(0), sa_m, sa_k,
         b_q.stride(0) if b_q.ndim == 3 else 0, b_q.stride(-2),
@@ -401,9 +362,8 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         out.stride(0) if mode == 2 else 0, out.stride(-2),
         MODE=mode, E_POW2=triton.next_power_of_2(E),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-        EVEN_K=even_k, NO_MASK=no_mask, USE_TMA=use_tma, OUT_BF16=out_dtype == torch.bfloat16,
-        INTERPRET=interp, K_ITERS=triton.cdiv(K, cfg.bk) if interp else 0,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        EVEN_K=even_k, NO_MASK=no_mask, OUT_BF16=out_dtype == torch.bfloat16,
+        K_ITERS=triton.cdiv(K, cfg.bk), num_warps=cfg.num_warps,
     )
     return out
 

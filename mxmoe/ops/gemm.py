@@ -8,11 +8,12 @@ Backends:
       limits). The training ops (`mx_mm`, `mx_grouped_mm`) feed it through `hp_gemm` with operands
       made by the fused quantize-dequantize (`mxmoe.quant.qdq`), the same values without the fp8
       round trip.
-  "fp8": the fp8 tensor cores of sm_90 (mxmoe/ops/fp8_gemm.py): one fp8 MMA per 32-block of K into
-      an fp32 temporary, promoted into the fp32 accumulator with the two blocks' scales. e4m3,
+  "fp8": the fp8 tensor cores of sm_90 (mxmoe/ops/fp8_gemm.py; on the GPU the Gluon kernel of
+      mxmoe/ops/fp8_wgmma.py): one fp8 MMA per 32-block of K into an fp32 temporary, promoted into
+      the fp32 accumulator with the two blocks' scales while the next block's MMA runs. e4m3,
       block 32 only; runs on sm_90, or on CPU under TRITON_INTERPRET=1; its output is the recipe's
-      compute dtype (bf16 on CUDA by default) before mx_gemm's final cast. Opt-in (slower than the
-      emulated path today: docs/training-ops.md).
+      compute dtype (bf16 on CUDA by default) before mx_gemm's final cast. Opt-in (its speed is
+      in docs/training-ops.md).
 Room for later backends (block-scaled MMA on sm_100): add a function with the same signature to
 `_BACKENDS`; the ops give such a backend MXTensors.
 """

@@ -1,0 +1,472 @@
+"""The fp8 backend's sm_90 kernel for the dense and grouped-rows modes (a Gluon kernel).
+
+Same operands, layouts and numerics contract as `mxmoe.ops.fp8_gemm` (its docstring), but the
+scaled promotion of one 32-K block overlaps the MMA of the next (the DeepGEMM technique):
+
+    for each 32-block k:  issue async wgmma  t_k = A_k B_k^T   (fresh fp32 temporary, use_acc=False)
+                          wait until only t_k is in flight
+                          acc += (t_{k-1} * sa_{k-1}[:, None]) * sb_{k-1}[None, :]
+
+so the CUDA cores promote block k-1 (2 FP32 ops per element: FMUL, FFMA) while the tensor cores run
+block k. Triton's `tl.dot` cannot express this: it waits for each MMA before its result is used.
+
+Within a stage of BK/32 blocks each block's promotion overlaps the next block's MMA; the stage's last
+block is promoted after a full wait (no wgmma may stay in flight across the loop's back edge: ptxas
+then serializes every wgmma of the kernel, warning C7514), so BK = 256 leaves 1/8 of the
+promotions exposed, BK = 128 1/4.
+
+Operands arrive by TMA into a multi-stage shared-memory ring (one mbarrier per stage):
+    A (BM, BK) and B (BN, BK) fp8, K innermost, as boxes of min(BK, 128) K-bytes (128-byte swizzle),
+    fp32 scale tiles (BK/32, BM) of the decoded A scales and (BK/32, BN) of B's (rows innermost).
+One CTA-wide barrier per stage guards a slot's reuse (both warpgroups done with its MMAs and scales).
+Per thread: the accumulator and the two temporaries, BM*BN/(32*num_warps) fp32 registers each, and
+a block's BN/4 B scales; 128x128 with 8 warps uses ~250 of the 255 registers.
+
+Tensors (device, 16-byte aligned; built by `launch`):
+    a_q (M, K) float8_e4m3fn, K innermost (row stride a multiple of 16);
+    b_q (E*N, K) float8_e4m3fn (E = 1 dense), K innermost
+    sa (KBp, Mp) float32, sb (E*KBp, Np) float32: decoded scales (2^(b-127); byte 0 the subnormal
+        2^-127, 255 NaN), rows innermost; KBp = K/32 rounded up to BK/32, Mp/Np = M/N rounded up to a
+        multiple of 4 (TMA's 16-byte row strides); the padding is zero
+    out (M, N) bf16 or fp32, row-major, rounded once from the fp32 accumulator
+    offs (E,) int32 cumulative row ends (grouped rows), rows at or after offs[-1] are zero.
+Grouped rows: tiles never straddle groups. Row tile t maps on the device (a loop over offs) to group
+g and rows [lo_g + i*BM, min(lo_g + (i+1)*BM, offs[g])): each group's rows are cut into its own
+tiles (TMA reads past the group's end; those rows are computed and not stored), then the rows after
+offs[-1] into zero tiles. The grid has cdiv(M, BM) + E + 1 row tiles, an upper bound; spare ones exit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """One CTA: BM x BN outputs, BK of K per pipeline stage (BK/32 MMAs), `stages` stages in shared
+    memory, `num_warps` warps (4 per warpgroup, warpgroups split BM; each thread holds
+    BM*BN/(32*num_warps) fp32 of the accumulator and twice that in the two temporaries)."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 128
+    stages: int = 4
+    num_warps: int = 8
+    group_m: int = 8
+    persistent: bool = False
+    """One CTA per SM slot walks the tiles, loading the next tile's first stages during this tile's
+    epilogue; False: one CTA per tile."""
+
+    def __post_init__(self) -> None:
+        for name in ("bm", "bn", "bk"):
+            v = getattr(self, name)
+            if v < 32 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two >= 32")
+        if self.bk > 256:
+            raise ValueError(f"bk={self.bk} must be 32, 64, 128 or 256")
+        if self.num_warps % 4 or self.bm < 16 * self.num_warps:
+            raise ValueError(f"num_warps={self.num_warps} must be a multiple of 4 with bm >= 16*num_warps")
+        if self.stages < 2:
+            raise ValueError(f"stages={self.stages} must be >= 2")
+
+
+DEFAULT_CONFIG = WgmmaConfig()
+
+
+@gluon.jit
+def _promote(acc, part, sa, sb):
+    """acc += (part * sa) * sb: part * sa is exact (a multiple of 2^-18 times a power of two), the
+    multiply by sb and the add round once (contracted to one FMA)."""
+    return acc + (part * sa[:, None]) * sb[None, :]
+
+
+@gluon.jit
+def _scale_row(smem, slot, j, NB: gl.constexpr, W: gl.constexpr):
+    """Row j (one 32-block's W scales) of the (NB, W) fp32 scale tile in ring slot `slot` (stored
+    unswizzled, so a plain row-major view of it is exact)."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    return smem.index(slot)._reinterpret(gl.float32, [NB * W], plain).slice(j * W, W)
+
+
+@gluon.constexpr_function
+def _sb_perm_layout(W):
+    """Shared layout of one 32-block's W B scales as `_decoded_scales` stores them: column
+    c = c0 + 2 c1 + 8 c2 (c0 < 2, c1 < 4) at offset c0 + 2 c2 + (W/4) c1, so that the W/4 columns
+    one thread holds in the wgmma accumulator layout (c1 = lane % 4) are contiguous: 16-byte shared
+    loads instead of 8-byte ones. Bases: the column of each offset bit."""
+    bases = [[1]] + [[8 << i] for i in range((W // 8).bit_length() - 1)] + [[2], [4]]
+    return gl.SharedLinearLayout(bases)
+
+
+@gluon.jit
+def _sb_row(smem, slot, j, NB: gl.constexpr, W: gl.constexpr):
+    """Row j (one 32-block's W column scales, permuted: `_sb_perm_layout`) of the B-scale tile in
+    ring slot `slot`."""
+    return _scale_row(smem, slot, j, NB, W)._reinterpret(gl.float32, [W], _sb_perm_layout(W))
+
+
+@gluon.jit
+def _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+                 slot, kstep, m0, n0, b_row, sb_row, k0, pred, BK: gl.constexpr):
+    """Stage `kstep` (K elements k0 + [kstep*BK, +BK)) into ring slot `slot`: A and B as BK/BOX boxes
+    of BOX = min(BK, 128) K-bytes (the 128-byte swizzle's width), the two scale tiles as one box
+    each; all on the slot's mbarrier."""
+    NB: gl.constexpr = BK // 32
+    BOX: gl.constexpr = a_desc.block_type.shape[1]
+    SUBS: gl.constexpr = BK // BOX
+    bar = ready.index(slot)
+    nbytes: gl.constexpr = (SUBS * (a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                            + sa_desc.block_type.nbytes + sb_desc.block_type.nbytes)
+    mbarrier.expect(bar, nbytes, pred=pred)
+    for h in gl.static_range(SUBS):
+        k = k0 + kstep * BK + h * BOX
+        tma.async_copy_global_to_shared(a_desc, [m0, k], bar, a_smem.index(slot * SUBS + h), pred=pred)
+        tma.async_copy_global_to_shared(b_desc, [b_row, k], bar, b_smem.index(slot * SUBS + h), pred=pred)
+    kb = k0 // 32 + kstep * NB
+    tma.async_copy_global_to_shared(sa_desc, [kb, m0], bar, sa_smem.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(sb_desc, [sb_row + kb, n0], bar,
+                                    sb_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _mma_block(a_smem, b_smem, slot, j, zero, BK: gl.constexpr):
+    """Issue (async) the MMA of 32-block j of the stage in ring slot `slot` into a fresh temporary."""
+    BOX: gl.constexpr = a_smem.shape[2]
+    SUBS: gl.constexpr = BK // BOX
+    h: gl.constexpr = j // (BOX // 32)
+    kk: gl.constexpr = (j % (BOX // 32)) * 32
+    a = a_smem.index(slot * SUBS + h).slice(kk, 32, dim=1)
+    b = b_smem.index(slot * SUBS + h).slice(kk, 32, dim=1).permute((1, 0))
+    return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
+              m0, n0, b_row, sb_row, k0, k_iters, BK: gl.constexpr, STAGES: gl.constexpr):
+    """Put a tile's first STAGES stages in flight (ring steps base.., see `_mainloop`)."""
+    for p in gl.static_range(STAGES):
+        _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+                     (base + p) % STAGES, p, m0, n0, b_row, sb_row, k0, p < k_iters, BK)
+
+
+@gluon.jit
+def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
+              m0, n0, b_row, sb_row, k0, n_full, tail,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              MMA: gl.constexpr, TAIL: gl.constexpr):
+    """The fp32 accumulator (BM, BN) of one tile over all of K: rows m0.. of A, rows b_row.. of B,
+    scale rows sb_row.. of B's scales (the group's), columns n0.. of B's scales. Its first STAGES
+    stages were put in flight by `_prologue`; `base` counts the ring steps this CTA ran before (slot
+    (base + i) % STAGES, phase ((base + i) // STAGES) & 1), so tiles of a persistent CTA continue
+    the ring. K runs from k0: n_full whole stages, then (TAIL) one stage of which only the first
+    `tail` blocks count (0: none; the rest belong to the next group: their MMAs run, their
+    promotions are skipped, so nothing of them, not even a NaN, reaches acc).
+
+    Within a stage, block j's promotion overlaps block j+1's MMA; the stage's last block is promoted
+    after a full wait. No wgmma stays in flight across the loop's back edge: ptxas serializes every
+    wgmma of the kernel (C7514) when registers of one are read after the back edge."""
+    NB: gl.constexpr = BK // 32
+    if TAIL:
+        k_iters = n_full + (tail > 0).to(gl.int32)
+    else:
+        k_iters = n_full
+    acc = gl.zeros((BM, BN), gl.float32, MMA)
+    zero = gl.zeros((BM, BN), gl.float32, MMA)
+    for i in range(n_full):
+        s = (base + i) % STAGES
+        mbarrier.wait(ready.index(s), ((base + i) // STAGES) & 1)
+        prev = _mma_block(a_smem, b_smem, s, 0, zero, BK)
+        for j in gl.static_range(1, NB):
+            cur = _mma_block(a_smem, b_smem, s, j, zero, BK)
+            sa = _scale_row(sa_smem, s, j - 1, NB, BM).load(gl.SliceLayout(1, MMA))
+            sb = _sb_row(sb_smem, s, j - 1, NB, BN).load(gl.SliceLayout(0, MMA))
+            part = warpgroup_mma_wait(1, deps=(prev,))
+            acc = _promote(acc, part, sa, sb)
+            prev = cur
+        sa = _scale_row(sa_smem, s, NB - 1, NB, BM).load(gl.SliceLayout(1, MMA))
+        sb = _sb_row(sb_smem, s, NB - 1, NB, BN).load(gl.SliceLayout(0, MMA))
+        part = warpgroup_mma_wait(0, deps=(prev,))
+        acc = _promote(acc, part, sa, sb)
+        gl.thread_barrier()  # every warpgroup is done with slot s (its MMAs and scales): refill it
+        nxt = i + STAGES
+        _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+                     s, nxt, m0, n0, b_row, sb_row, k0, nxt < k_iters, BK)
+    if TAIL:
+        if tail > 0:  # the partial last stage: each block waited for, promoted only if it counts
+            s = (base + n_full) % STAGES
+            mbarrier.wait(ready.index(s), ((base + n_full) // STAGES) & 1)
+            for j in gl.static_range(NB):
+                part = warpgroup_mma_wait(0, deps=(_mma_block(a_smem, b_smem, s, j, zero, BK),))
+                if j < tail:
+                    sa = _scale_row(sa_smem, s, j, NB, BM).load(gl.SliceLayout(1, MMA))
+                    sb = _sb_row(sb_smem, s, j, NB, BN).load(gl.SliceLayout(0, MMA))
+                    acc = _promote(acc, part, sa, sb)
+            gl.thread_barrier()
+    return acc
+
+
+@gluon.jit
+def _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr,
+                MMA: gl.constexpr):
+    """Store the tile's rows below row_hi and columns below N (rounded once to c's dtype)."""
+    rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+    mask = (rows < row_hi)[:, None] & (cols < N)[None, :]
+    ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n, GROUPED: gl.constexpr, BM: gl.constexpr,
+          BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile index -> (kind, first row, first column, first row of B, first row of B's scales, row
+    end): kind 1 computes rows [first row, row end), 2 zeroes rows [first row, M) (grouped rows
+    after offs[-1]), 0 nothing (a spare tile of the grouped grid). GROUP_M row tiles sweep the
+    columns together (L2 reuse of B)."""
+    width = GROUP_M * num_n
+    first_m = (tile // width) * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % width) % size_m
+    n0 = ((tile % width) // size_m) * BN
+    if GROUPED:
+        # row tile pid_m -> group g: each group's rows are cut into its own cdiv(count, BM) tiles,
+        # then the rows after offs[-1] into zero tiles; the grid's cdiv(M, BM) + E + 1 row tiles
+        # bound both together (the rest do nothing)
+        first = 0
+        g = -1
+        lo = 0
+        row_lo = 0
+        row_hi = 0
+        for e in range(E):
+            hi = gl.load(offs_ptr + e)
+            nt = gl.cdiv(hi - lo, BM)
+            mine = (pid_m >= first) & (pid_m < first + nt)
+            g = gl.where(mine, e, g)
+            row_lo = gl.where(mine, lo + (pid_m - first) * BM, row_lo)
+            row_hi = gl.where(mine, hi, row_hi)
+            first += nt
+            lo = hi
+        z0 = lo + (pid_m - first) * BM  # lo is offs[-1] here
+        kind = gl.where(g >= 0, 1, gl.where((pid_m >= first) & (z0 < M), 2, 0))
+        m0 = gl.where(g >= 0, row_lo, z0)
+        gg = gl.maximum(g, 0)
+        return kind, m0, n0, gg * N + n0, gg * KB_PAD, row_hi
+    else:
+        return 1, pid_m * BM, n0, n0, 0, M
+
+
+@gluon.jit
+def _computes(kind, GROUPED: gl.constexpr):
+    """Whether a tile of `_tile`'s kind runs the main loop (every dense tile does)."""
+    if GROUPED:
+        return kind == 1
+    else:
+        return gl.to_tensor(True)
+
+
+@gluon.jit
+def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E, KB_PAD, stride_cm,
+                      stride_ce, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                      PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
+    """MODE 0 dense, 1 grouped rows (GROUPED below), 2 grouped K: program_id(1) is the group, whose
+    K range [offs[e-1], offs[e]) (multiples of 32) gives out[e] (stride_ce apart)."""
+    GROUPED: gl.constexpr = MODE == 1
+    NB: gl.constexpr = BK // 32
+    # warpgroups split the rows; one wgmma m64nBNk32 per warpgroup per 32-block
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BN, 32])
+    BOX: gl.constexpr = a_desc.block_type.shape[1]
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BM, BOX], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BN, BOX], b_desc.layout)
+    sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BM], sa_desc.layout)
+    sb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BN], sb_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    fence_async_shared()
+
+    num_m = gl.cdiv(M, BM)
+    if GROUPED:
+        num_m += E + 1
+    num_n = gl.cdiv(N, BN)
+    num_tiles = num_m * num_n
+    k_iters = gl.cdiv(K, BK)
+    if MODE == 2:
+        # whole stages from the group's first block, then a partial one (blocks past the group's
+        # end are loaded and not promoted); an empty group stores zeros
+        e = gl.program_id(1)
+        k_lo = gl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        n_blocks = (gl.load(offs_ptr + e) - k_lo) // 32
+        n_full = n_blocks // NB
+        tail = n_blocks - n_full * NB
+        _, m0, n0, b_row, sb_row, row_hi = _tile(gl.program_id(0), offs_ptr, M, N, E, KB_PAD, num_m,
+                                                 num_n, False, BM, BN, GROUP_M)
+        _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, 0,
+                  m0, n0, b_row, sb_row, k_lo, n_full + (tail > 0).to(gl.int32), BK, STAGES)
+        acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                        ready, 0, m0, n0, b_row, sb_row, k_lo, n_full, tail, BM, BN, BK, STAGES, MMA,
+                        True)
+        _store_tile(c_ptr + e.to(gl.int64) * stride_ce, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
+    elif PERSISTENT:
+        # tiles pid, pid + grid, ...; the next tile's first stages load during this tile's epilogue
+        tile = gl.program_id(0)
+        step = gl.num_programs(0)
+        base = 0
+        mine, m0, n0, b_row, sb_row, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n,
+                                                    GROUPED, BM, BN, GROUP_M)
+        if _computes(mine, GROUPED):
+            _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
+                      m0, n0, b_row, sb_row, 0, k_iters, BK, STAGES)
+        while tile < num_tiles:
+            mine, m0, n0, b_row, sb_row, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n,
+                                                        GROUPED, BM, BN, GROUP_M)
+            # (clamped: past the last tile the mapping divides by zero; unused then)
+            nmine, nm0, nn0, nb_row, nsb_row, _ = _tile(gl.minimum(tile + step, num_tiles - 1), offs_ptr,
+                                                        M, N, E, KB_PAD, num_m, num_n, GROUPED, BM, BN,
+                                                        GROUP_M)
+            prefetch = _computes(nmine, GROUPED) & (tile + step < num_tiles)
+            if _computes(mine, GROUPED):
+                acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                                ready, base, m0, n0, b_row, sb_row, 0, k_iters, 0, BM, BN, BK, STAGES,
+                                MMA, False)
+                base += k_iters
+                if prefetch:
+                    _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                              ready, base, nm0, nn0, nb_row, nsb_row, 0, k_iters, BK, STAGES)
+                _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
+            else:
+                if prefetch:
+                    _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                              ready, base, nm0, nn0, nb_row, nsb_row, 0, k_iters, BK, STAGES)
+                if GROUPED:  # (a dead zero-store branch on a constant kind crashes the lowering)
+                    if mine == 2:
+                        _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, M, N, stride_cm,
+                                    BM, BN, MMA)
+            tile += step
+    else:
+        mine, m0, n0, b_row, sb_row, row_hi = _tile(gl.program_id(0), offs_ptr, M, N, E, KB_PAD, num_m,
+                                                    num_n, GROUPED, BM, BN, GROUP_M)
+        if _computes(mine, GROUPED):
+            _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, 0,
+                      m0, n0, b_row, sb_row, 0, k_iters, BK, STAGES)
+            acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                            ready, 0, m0, n0, b_row, sb_row, 0, k_iters, 0, BM, BN, BK, STAGES, MMA,
+                            False)
+            _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
+        if GROUPED:  # (as above)
+            if mine == 2:
+                _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, M, N, stride_cm,
+                            BM, BN, MMA)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+
+
+def _layouts(cfg: WgmmaConfig) -> tuple:
+    nb = cfg.bk // BLOCK
+    box = min(cfg.bk, 128)
+    return (
+        gl.NVMMASharedLayout.get_default_for([cfg.bm, box], gl.float8e4nv),
+        gl.NVMMASharedLayout.get_default_for([cfg.bn, box], gl.float8e4nv),
+        # scale tiles unswizzled: the promotion reads their rows through a plain view
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+        nb,
+    )
+
+
+def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int, tile: int = 0) -> Tensor:
+    """e8m0 s (groups*cols, K/32) -> fp32 (groups*kb_pad, cols_pad), one pass: decoded (2^(b-127),
+    the subnormal 2^-127 for byte 0, NaN for 255), rows innermost, zero padding. The padding
+    k-blocks meet zero-filled operands (TMA reads past K as zeros): 0 * 0 adds exactly nothing, and
+    no tile reads the next group's scales. tile > 0 (cols_pad a multiple of it): the columns of each
+    `tile`-wide tile in the order of `_sb_perm_layout`."""
+    kb = s.shape[-1]
+    cols = s.shape[0] // groups
+    f = s.reshape(groups, cols, kb).float()
+    if cols_pad > cols or kb_pad > kb:
+        f = torch.nn.functional.pad(f, (0, kb_pad - kb, 0, cols_pad - cols))
+    f = f.transpose(1, 2)  # (groups, kb_pad, cols_pad), a view
+    if tile:
+        # column t*tile + 8 c2 + 2 c1 + c0 -> t*tile + (tile/4) c1 + 2 c2 + c0
+        f = f.reshape(groups, kb_pad, cols_pad // tile, tile // 8, 4, 2).permute(0, 1, 2, 4, 3, 5)
+    # (with one group a reshape of the transposed view can stay a strided view: TMA needs rows)
+    return f.reshape(groups * kb_pad, cols_pad).contiguous()
+
+
+def _resident_ctas(cfg: WgmmaConfig, device: torch.device) -> int:
+    """CTAs of this config that fit on the device at once: SMs x per-SM limit by registers (~255 per
+    thread) and shared memory (the ring)."""
+    props = torch.cuda.get_device_properties(device)
+    ring = cfg.stages * ((cfg.bm + cfg.bn) * cfg.bk + cfg.bk // BLOCK * (cfg.bm + cfg.bn) * 4)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)  # (228 KiB on sm_90)
+    per_sm = max(1, min(65536 // (256 * 32 * cfg.num_warps), smem // (ring + 2048)))
+    return props.multi_processor_count * per_sm
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """t itself if TMA can read it (16-byte aligned base and row stride), else a contiguous copy."""
+    if t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | None, out: Tensor,
+           cfg: WgmmaConfig = DEFAULT_CONFIG) -> Tensor:
+    """Into `out` (bf16 or fp32, contiguous), operands checked by the caller (`fp8_gemm._check`):
+    dense (M, K) x (N, K) -> (M, N), offs None; grouped rows (T, K) x (E, N, K) -> (T, N), offs (E,)
+    int32 row ends; grouped K (M, T) x (N, T) -> (E, M, N), offs (E,) int32 ends over T (multiples
+    of 32; the persistent option does not apply)."""
+    M, K = a_q.shape
+    N = b_q.shape[-2]
+    mode = 0 if offs is None else (1 if b_q.ndim == 3 else 2)
+    E = b_q.shape[0] if mode == 1 else 1
+    la, lb, lsa, lsb, nb = _layouts(cfg)
+    kb_pad = triton.cdiv(K // BLOCK, nb) * nb
+    mp, np_ = triton.cdiv(M, 4) * 4, triton.cdiv(N, cfg.bn) * cfg.bn
+    sa = _decoded_scales(a_s, 1, kb_pad, mp)
+    sb = _decoded_scales(b_s.reshape(E * N, K // BLOCK), E, kb_pad, np_, cfg.bn)  # (E*kb_pad, Np)
+    a2 = _aligned(a_q)
+    b2 = _aligned(b_q.reshape(E * N, K))
+    descs = (
+        TensorDescriptor.from_tensor(a2, [cfg.bm, min(cfg.bk, 128)], la),
+        TensorDescriptor.from_tensor(b2, [cfg.bn, min(cfg.bk, 128)], lb),
+        TensorDescriptor.from_tensor(sa, [nb, cfg.bm], lsa),
+        TensorDescriptor.from_tensor(sb, [nb, cfg.bn], lsb),
+    )
+    offs_arg = offs if offs is not None else torch.zeros(1, dtype=torch.int32, device=a_q.device)
+    num_m = triton.cdiv(M, cfg.bm) + (E + 1 if mode == 1 else 0)
+    tiles = num_m * triton.cdiv(N, cfg.bn)
+    persistent = cfg.persistent and mode != 2
+    if mode == 2:
+        grid = (tiles, offs.shape[0])
+    else:
+        grid = (min(tiles, _resident_ctas(cfg, a_q.device)) if persistent else tiles,)
+    _fp8_wgmma_kernel[grid](
+        *descs, out, offs_arg, M, N, K, E, kb_pad, out.stride(-2), out.stride(0) if mode == 2 else 0,
+        MODE=mode,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+        PERSISTENT=persistent, num_warps=cfg.num_warps,
+    )
+    return out
