@@ -1,0 +1,335 @@
+"""The Gluon fp8 kernel's index math (mxmoe/ops/fp8_wgmma.py) on CPU, for the launches of the GPU
+tests in tests/ops/test_fp8_gemm.py and for random ragged groups.
+
+The kernel's own device functions `_tile` (tile -> group, rows, columns), `_issue_loads` (one
+stage's TMA copies and its mbarrier byte count) and `_store_tile` (the store mask) run here as plain
+Python: their source is executed with `gl`, `tma` and `mbarrier` replaced by small recording shims,
+so what is checked is the kernel's code, not a copy of it. The kernel body's loops around them (which
+tiles compute, how many K stages) are short and restated here.
+
+Checked, for every TMA copy the kernel would issue:
+- the coordinate along the descriptor's innermost dimension is a multiple of 16 bytes (Hopper
+  traps otherwise: "an illegal instruction was encountered"; Triton's interpreter asserts the same
+  rule, "block offset start must be 16-byte aligned");
+- the stage's `mbarrier.expect` byte count equals the bytes of the boxes it copies (a mismatch
+  hangs or corrupts the ring);
+and for every output element: stored exactly once, by a tile of its own group (grouped rows), or
+zeroed (rows after offs[-1]).
+"""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from mxmoe.ops import fp8_wgmma
+from mxmoe.ops.fp8_wgmma import WgmmaConfig
+
+CONFIGS = [  # those of the GPU tests (tests/ops/test_fp8_gemm.py WGMMA_CONFIGS)
+    fp8_wgmma.DEFAULT_CONFIG,
+    WgmmaConfig(128, 128, 256, 3, 8, persistent=True),
+    WgmmaConfig(128, 64, 128, 3, 4, persistent=True),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# Shims: the few gl / tma / mbarrier operations the three device functions use, on Python ints and
+# numpy arrays
+# ------------------------------------------------------------------------------------------------
+
+
+class _Arr(np.ndarray):
+    def to(self, *_):
+        return self
+
+
+class _OffsPtr:
+    def __init__(self, vals, off=0):
+        self.vals, self.off = vals, off
+
+    def __add__(self, k):
+        return _OffsPtr(self.vals, self.off + int(k))
+
+
+class _Out:
+    """c_ptr: `c_ptr + offsets` gives the element offsets a store writes."""
+
+    dtype = types.SimpleNamespace(element_ty=None)
+
+    def __add__(self, offsets):
+        return _Ptrs(np.asarray(offsets))
+
+
+class _Ptrs:
+    dtype = _Out.dtype
+
+    def __init__(self, offsets):
+        self.offsets = offsets
+
+    def __add__(self, more):
+        return _Ptrs(self.offsets + np.asarray(more))
+
+
+class _Acc:
+    def to(self, *_):
+        return self
+
+
+class _Recorder:
+    def __init__(self):
+        self.stores = []  # element offsets written
+        self.expects = []  # (barrier, bytes)
+        self.copies = []  # (descriptor, coordinates, barrier)
+
+
+def _gl_shim(rec: _Recorder):
+    def store(ptrs, _value, mask):
+        rec.stores.append(ptrs.offsets[np.broadcast_to(mask, ptrs.offsets.shape)])
+
+    return types.SimpleNamespace(
+        load=lambda p, **_: int(p.vals[p.off]),
+        cdiv=lambda a, b: -(-a // b),
+        where=lambda c, a, b: a if c else b,
+        minimum=min,
+        maximum=max,
+        static_range=range,
+        arange=lambda a, b, layout=None: np.arange(a, b).view(_Arr),
+        SliceLayout=lambda *_: None,
+        int64=None,
+        store=store,
+    )
+
+
+def _tma_shim(rec: _Recorder):
+    def copy(desc, coords, bar, _smem, pred=True):
+        if pred:
+            rec.copies.append((desc, [int(c) for c in coords], bar))
+
+    def expect(bar, nbytes, pred=True):
+        if pred:
+            rec.expects.append((bar, nbytes))
+
+    return (types.SimpleNamespace(async_copy_global_to_shared=copy),
+            types.SimpleNamespace(expect=expect))
+
+
+def _host(jit_fn, **names):
+    """The device function's Python source, run with `names` in place of its module globals."""
+    fn = jit_fn.fn
+    return types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+
+
+class _Desc:
+    """A host TensorDescriptor seen as the kernel sees it (block_type), keeping the host one."""
+
+    def __init__(self, name, d):
+        self.name, self.host = name, d
+        nbytes = int(np.prod(d.block_shape)) * d.base.element_size()
+        self.block_type = types.SimpleNamespace(shape=list(d.block_shape), nbytes=nbytes)
+
+
+class _Smem:
+    def index(self, i):
+        return i
+
+
+class _Ready:
+    def index(self, s):
+        return s
+
+
+# ------------------------------------------------------------------------------------------------
+# One launch on CPU: the launcher's arguments, then the kernel's tiles, loads and stores
+# ------------------------------------------------------------------------------------------------
+
+
+def launch_args(monkeypatch, aq, as_, bq, bs, offs, out, cfg):
+    got = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: got.update(grid=grid, args=args, kw=kw)
+
+    monkeypatch.setattr(fp8_wgmma, "_fp8_wgmma_kernel", Launch())
+    monkeypatch.setattr(fp8_wgmma, "_resident_ctas", lambda cfg, device: 10**9)  # one CTA per tile
+    fp8_wgmma.launch(aq, as_, bq, bs, offs, out, cfg)
+    monkeypatch.undo()
+    return got
+
+
+def run_index_math(got):
+    """The kernel's tiles, TMA copies and stores for one launch (every tile of the grid)."""
+    a_desc, b_desc, sa_desc, sb_desc, _c, offs_t, M, N, K, E, KB_PAD, stride_cm, stride_ce = got["args"]
+    kw = got["kw"]
+    mode, BM, BN, BK, STAGES, GROUP_M = (kw[k] for k in ("MODE", "BM", "BN", "BK", "STAGES", "GROUP_M"))
+    rec = _Recorder()
+    gl_ = _gl_shim(rec)
+    tma_, mbar_ = _tma_shim(rec)
+    tile_fn = _host(fp8_wgmma._tile, gl=gl_)
+    store_fn = _host(fp8_wgmma._store_tile, gl=gl_)
+    loads_fn = _host(fp8_wgmma._issue_loads, gl=gl_, tma=tma_, mbarrier=mbar_)
+    descs = [_Desc(n, d) for n, d in zip(("a", "b", "sa", "sb"), (a_desc, b_desc, sa_desc, sb_desc),
+                                         strict=True)]
+    smem = [_Smem()] * 4
+    offs_l = offs_t.tolist()
+    offs_p = _OffsPtr(offs_l)
+    grid = got["grid"]
+    num_tiles = grid[0]
+    num_n = -(-N // BN)
+    assert num_tiles % num_n == 0
+    num_m = num_tiles // num_n
+    grouped = mode == 1
+
+    def stage(kstep, m0, n0, b_row, sb_row, k0):
+        n_before = len(rec.copies)
+        loads_fn(*descs, *smem, _Ready(), kstep % STAGES, kstep, m0, n0, b_row, sb_row, k0, True, BK)
+        bar, nbytes = rec.expects[-1]
+        new = rec.copies[n_before:]
+        assert all(c[2] == bar for c in new)
+        assert nbytes == sum(d.block_type.nbytes for d, _, _ in new), "expect bytes != copied bytes"
+
+    tiles = []
+    for t in range(num_tiles):
+        if mode == 2:
+            for e in range(grid[1]):
+                k_lo = offs_l[e - 1] if e > 0 else 0
+                n_blocks = (offs_l[e] - k_lo) // 32
+                _, m0, n0, b_row, sb_row, row_lo, row_hi = tile_fn(t, offs_p, M, N, E, KB_PAD, num_m, num_n,
+                                                                   False, BM, BN, GROUP_M)
+                for kstep in range(-(-n_blocks // (BK // 32))):
+                    stage(kstep, m0, n0, b_row, sb_row, k_lo)
+                store_fn(_Out() + e * stride_ce, _Acc(), m0, n0, row_lo, row_hi, N, stride_cm, BM, BN, None)
+            continue
+        kind, m0, n0, b_row, sb_row, row_lo, row_hi = tile_fn(t, offs_p, M, N, E, KB_PAD, num_m, num_n,
+                                                              grouped, BM, BN, GROUP_M)
+        n_stores = len(rec.stores)
+        if kind == 1:
+            for kstep in range(-(-K // BK)):
+                stage(kstep, m0, n0, b_row, sb_row, 0)
+            store_fn(_Out(), _Acc(), m0, n0, row_lo, row_hi, N, stride_cm, BM, BN, None)
+        elif kind == 2:
+            store_fn(_Out(), _Acc(), m0, n0, m0, M, N, stride_cm, BM, BN, None)
+        tiles.append((kind, b_row // N if kind == 1 else -1, rec.stores[n_stores:]))
+    return rec, tiles
+
+
+def check_tma_alignment(rec):
+    bad = []
+    for d, coords, _ in rec.copies:
+        inner_bytes = coords[-1] * d.host.base.element_size()
+        if inner_bytes % 16:
+            bad.append((d.name, coords))
+    assert not bad, f"{len(bad)} TMA copies with an innermost coordinate not 16-byte aligned, e.g. {bad[:4]}"
+
+
+def check_rows_coverage(tiles, offs, M, N):
+    """Grouped rows: every (row, column) written exactly once, by its group's tile or a zero tile."""
+    group_of = np.full(M, -1)
+    lo = 0
+    for g, hi in enumerate(offs):
+        group_of[lo:hi] = g
+        lo = hi
+    count = np.zeros(M * N, dtype=np.int64)
+    for kind, g, stores in tiles:
+        for offsets in stores:
+            np.add.at(count, offsets, 1)
+            rows = offsets // N
+            want = group_of[rows]
+            assert (want == g).all(), f"a tile of group {g} (kind {kind}) stores rows of groups {set(want)}"
+    never, twice = int((count == 0).sum()), int((count > 1).sum())
+    assert never == twice == 0, f"{never} outputs never stored, {twice} more than once"
+
+
+# ------------------------------------------------------------------------------------------------
+# Cases: the GPU tests' launches (file order), then random ragged groups
+# ------------------------------------------------------------------------------------------------
+
+
+def _q(rows, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (rows, k), generator=g).to(torch.float8_e4m3fn)
+    s = torch.randint(120, 130, (rows, k // 32), generator=g).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return q, s
+
+
+def rows_case(counts, extra, N, K):
+    E, T = len(counts), sum(counts) + extra
+    aq, as_ = _q(T, K, 1)
+    bq, bs = _q(E * N, K, 2)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return aq, as_, bq.view(E, N, K), bs.view(E, N, K // 32), offs, torch.empty(T, N)
+
+
+def k_case(kc, M, N):
+    T = max(32, sum(kc))
+    aq, as_ = _q(M, T, 3)
+    bq, bs = _q(N, T, 4)
+    offs = torch.tensor(kc).cumsum(0).to(torch.int32)
+    return aq, as_, bq, bs, offs, torch.empty(len(kc), M, N)
+
+
+def dense_case(M, N, K):
+    aq, as_ = _q(M, K, 5)
+    bq, bs = _q(N, K, 6)
+    return aq, as_, bq, bs, None, torch.empty(M, N)
+
+
+# (test, case builder args, configs): the launches of tests/ops/test_fp8_gemm.py's GPU tests that call
+# the kernel directly, in file order; test_gpu_grouped's first launch is the one that trapped on the H200
+GPU_TEST_LAUNCHES = [
+    ("test_gpu_dense[512]", dense_case, (512, 768, 1024), [0]),
+    ("test_gpu_dense[1000]", dense_case, (1000, 300, 4096), [0]),
+    ("test_gpu_exact_and_adversarial/exact", dense_case, (300, 264, 2048), [0]),
+    ("test_gpu_exact_and_adversarial/adv", dense_case, (256, 320, 1024), [0]),
+    ("test_gpu_grouped/rows", rows_case, ([0, 300, 1, 0, 555, 128, 0, 40], 17, 256, 512), [0]),
+    ("test_gpu_grouped/k", k_case, ([0, 320, 32, 0, 640, 96], 200, 136), [0]),
+    ("test_gpu_scale_byte_extremes", dense_case, (4, 4, 64), [0]),
+    ("test_gpu_wgmma_edges_and_tiles/dense", dense_case, (333, 250, 1056), [0, 1, 2]),
+    ("test_gpu_wgmma_edges_and_tiles/rows", rows_case, ([0, 130, 1, 0, 70, 128, 0], 9, 250, 1056), [0, 1, 2]),
+    ("test_gpu_wgmma_edges_and_tiles/k", k_case, ([0, 160, 32, 0, 416, 96, 224], 200, 136), [0, 1, 2]),
+    ("test_gpu_wgmma_persistent_many_tiles/dense", dense_case, (2048, 2304, 256), [0, 1, 2]),
+    ("test_gpu_wgmma_persistent_many_tiles/rows", rows_case,
+     ([700, 0, 1, 1400, 0, 333, 900, 64], 40, 1024, 256), [0, 1, 2]),
+]
+
+
+def _check_launch(monkeypatch, case, cfg):
+    aq, as_, bq, bs, offs, out = case
+    got = launch_args(monkeypatch, aq, as_, bq, bs, offs, out, cfg)
+    rec, tiles = run_index_math(got)
+    assert rec.copies or not out.numel()
+    check_tma_alignment(rec)
+    if got["kw"]["MODE"] == 1:
+        check_rows_coverage(tiles, offs.tolist(), out.shape[0], out.shape[1])
+    elif got["kw"]["MODE"] == 0:
+        check_rows_coverage(tiles, [out.shape[0]], out.shape[0], out.shape[1])
+    else:  # grouped K: every group's (M, N) output stored once (empty groups too: zeros)
+        count = np.zeros(out.numel(), dtype=np.int64)
+        for offsets in rec.stores:
+            np.add.at(count, offsets, 1)
+        assert (count == 1).all()
+
+
+@pytest.mark.parametrize("name,build,args,cfgs", GPU_TEST_LAUNCHES, ids=[x[0] for x in GPU_TEST_LAUNCHES])
+def test_gpu_test_launches_index_math(name, build, args, cfgs, monkeypatch):
+    """Every launch of the GPU tests: TMA coordinates 16-byte aligned along the innermost dimension,
+    expect bytes = copied bytes, every output stored once by its own group."""
+    case = build(*args)
+    for i in cfgs:
+        _check_launch(monkeypatch, case, CONFIGS[i])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_ragged_groups_index_math(seed, monkeypatch):
+    """Ragged and empty groups at every row offset mod 4 and mod the tile, many groups (the grid's
+    row-tile bound), every config."""
+    g = torch.Generator().manual_seed(seed)
+    E = [3, 9, 33, 70][seed]
+    counts = torch.randint(0, 90, (E,), generator=g)
+    counts[torch.randint(0, E, (E // 3,), generator=g)] = 0
+    counts = counts.tolist()
+    case = rows_case(counts, int(torch.randint(0, 7, (1,), generator=g)), 72, 256)
+    for cfg in CONFIGS:
+        _check_launch(monkeypatch, case, cfg)
