@@ -1,11 +1,14 @@
-"""The Gluon fp8 kernel's index math (mxmoe/ops/fp8_wgmma.py) on CPU, for the launches of the GPU
-tests in tests/ops/test_fp8_gemm.py and for random ragged groups.
+"""The Gluon fp8 kernel (mxmoe/ops/fp8_wgmma.py) run on CPU, for the launches of the GPU tests in
+tests/ops/test_fp8_gemm.py and for random ragged groups.
 
-The kernel's own device functions `_tile` (tile -> group, rows, columns), `_issue_loads` (one
-stage's TMA copies and its mbarrier byte count) and `_store_tile` (the store mask) run here as plain
-Python: their source is executed with `gl`, `tma` and `mbarrier` replaced by small recording shims,
-so what is checked is the kernel's code, not a copy of it. The kernel body's loops around them (which
-tiles compute, how many K stages) are short and restated here.
+The kernel's own source runs here as plain Python: its device functions (`_tile`, `_issue_loads`,
+`_store_tile`, and for the whole-kernel emulation `_fp8_wgmma_kernel` with everything it calls) are
+executed with `gl`, `tma`, `mbarrier` and `warpgroup_mma` replaced by small shims, so what is checked
+is the kernel's code, not a copy of it. Shared memory is numpy arrays (NaN until written), a TMA copy
+a synchronous box copy with zero fill, each mbarrier tracks arrivals, transaction bytes and phases,
+a wgmma is an fp64 matmul rounded to fp32; the grid runs one CTA after another, so races (a missing
+wait or barrier) are out of its reach, but a wait that could never complete or would read a stale
+ring slot, a copy still in flight at exit, and wrong results are not.
 
 Checked, for every TMA copy the kernel would issue:
 - the coordinate along the descriptor's innermost dimension is a multiple of 16 bytes (Hopper
@@ -14,7 +17,8 @@ Checked, for every TMA copy the kernel would issue:
 - the stage's `mbarrier.expect` byte count equals the bytes of the boxes it copies (a mismatch
   hangs or corrupts the ring);
 and for every output element: stored exactly once, by a tile of its own group (grouped rows), or
-zeroed (rows after offs[-1]).
+zeroed (rows after offs[-1]); in the emulation, within the fp32 accumulation bound of the fp64
+product.
 """
 
 import types
@@ -50,6 +54,9 @@ class _OffsPtr:
 
     def __add__(self, k):
         return _OffsPtr(self.vals, self.off + int(k))
+
+    def __sub__(self, k):
+        return _OffsPtr(self.vals, self.off - int(k))
 
 
 class _Out:
@@ -333,3 +340,251 @@ def test_random_ragged_groups_index_math(seed, monkeypatch):
     case = rows_case(counts, int(torch.randint(0, 7, (1,), generator=g)), 72, 256)
     for cfg in CONFIGS:
         _check_launch(monkeypatch, case, cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# The whole kernel on CPU: `_fp8_wgmma_kernel`'s source run grid-sequentially with every device
+# function of the module shimmed (shared memory as numpy arrays, TMA as a synchronous box copy with
+# zero fill, each mbarrier's arrivals, transaction bytes and phases tracked, wgmma as an fp64 matmul)
+# ------------------------------------------------------------------------------------------------
+
+
+class _I(int):
+    """A device scalar: int arithmetic whose comparisons have `.to` (as `(tail > 0).to(gl.int32)`)."""
+
+    def to(self, *_):
+        return _I(self)
+
+
+for _op in ("add", "sub", "mul", "floordiv", "mod", "radd", "rsub", "rmul", "rfloordiv", "and", "or", "xor",
+            "rand", "ror", "lt", "le", "gt", "ge", "eq", "ne"):
+    def _make(name):
+        base = getattr(int, f"__{name}__")
+        return lambda self, other: (lambda r: r if r is NotImplemented else _I(r))(base(self, other))
+    setattr(_I, f"__{_op}__", _make(_op))
+_I.__hash__ = int.__hash__
+_I.__neg__ = lambda self: _I(-int(self))
+
+
+class _Bar:
+    """One mbarrier: init(count), arrive/expect (count 1 each), transaction bytes, completed phases."""
+
+    def __init__(self):
+        self.count = self.pending = self.tx = self.phase = 0
+        self.live = False
+
+    def check_phase(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+
+class _View:
+    def __init__(self, a, bars=None):
+        self.a, self.bars = a, bars
+
+    @property
+    def shape(self):
+        return self.a.shape
+
+    def index(self, i):
+        if self.bars is not None:
+            return self.bars[int(i)]
+        return _View(self.a[int(i)])
+
+    def slice(self, start, length, dim=0):
+        idx = [slice(None)] * self.a.ndim
+        idx[dim] = slice(int(start), int(start) + length)
+        return _View(self.a[tuple(idx)])
+
+    def permute(self, order):
+        return _View(self.a.transpose(order))
+
+    def _reinterpret(self, _dtype, shape, layout):
+        if isinstance(layout, tuple) and layout[0] == "linear":  # `_sb_perm_layout`: offset -> column
+            cols = [0] * len(self.a)
+            for o in range(len(self.a)):
+                for i, (b,) in enumerate(layout[1]):
+                    if o >> i & 1:
+                        cols[o] ^= b
+            logical = np.empty_like(self.a)
+            logical[cols] = self.a
+            return _View(logical)
+        return _View(self.a.reshape(shape))
+
+    def load(self, _layout=None):
+        return np.array(self.a, dtype=np.float32).view(_Arr)
+
+
+def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
+    def alloc(dtype, shape, _layout):
+        if dtype == "i64":
+            return _View(None, bars=[_Bar() for _ in range(shape[0])])
+        return _View(np.full(shape, np.nan))  # never-written shared memory poisons the result
+
+    def load(p, mask=True, other=0):
+        return _I(p.vals[p.off]) if mask else _I(other)
+
+    def store(ptrs, value, mask):
+        m = np.broadcast_to(mask, ptrs.offsets.shape)
+        out_flat[ptrs.offsets[m]] = np.asarray(value, dtype=np.float32)[m]
+
+    def init(bar, count):
+        bar.count = bar.pending = count
+        bar.live = True
+
+    def expect(bar, nbytes, pred=True):
+        if pred:
+            assert bar.live
+            rec.expects.append((bar, nbytes))
+            bar.pending -= 1
+            bar.tx += nbytes
+            bar.check_phase()
+
+    def wait(bar, parity):
+        # sequential: every copy has landed, so a phase not completed yet never will (a hang)
+        assert bar.phase >= 1 and (bar.phase - 1) & 1 == int(parity), \
+            f"mbarrier wait for parity {parity} after {bar.phase} completed phases: a hang or a stale slot"
+
+    def invalidate(bar):
+        assert bar.pending == bar.count and bar.tx == 0, "mbarrier invalidated with a TMA copy in flight"
+        bar.live = False
+
+    def copy(desc, coords, bar, dst, pred=True):
+        if not pred:
+            return
+        rec.copies.append((desc, [int(c) for c in coords], bar))
+        src = descs_np[desc.name]
+        (r0, c0), (br, bc) = coords, desc.block_type.shape
+        box = np.zeros((br, bc))
+        rs, cs = slice(max(r0, 0), min(r0 + br, src.shape[0])), slice(max(c0, 0), min(c0 + bc, src.shape[1]))
+        if rs.start < rs.stop and cs.start < cs.stop:
+            box[rs.start - r0:rs.stop - r0, cs.start - c0:cs.stop - c0] = src[rs, cs]
+        dst.a[...] = box
+        bar.tx -= desc.block_type.nbytes
+        assert bar.tx >= 0, "more bytes copied than expected on the mbarrier"
+        bar.check_phase()
+
+    gl_ = _gl_shim(rec)
+    gl_.__dict__.update(
+        load=load, store=store, allocate_shared_memory=alloc, int64="i64", float8e4nv="f8", float32="f32",
+        int32="i32", NVMMADistributedLayout=lambda **_: None, SwizzledSharedLayout=lambda *a, **k: None,
+        SharedLinearLayout=lambda bases: ("linear", bases),
+        zeros=lambda shape, *_: np.zeros(shape, np.float32).view(_Arr),
+        program_id=lambda axis: _I(pid[axis]), num_programs=lambda axis: _I(nprog[axis]),
+        to_tensor=lambda x: x, thread_barrier=lambda: None)
+    mbar_ = types.SimpleNamespace(MBarrierLayout=lambda: None, init=init, expect=expect, wait=wait,
+                                  invalidate=invalidate)
+    tma_ = types.SimpleNamespace(async_copy_global_to_shared=copy)
+
+    def mma(a, b, _acc, use_acc=False, is_async=True):
+        return (a.a.astype(np.float64) @ b.a.astype(np.float64)).astype(np.float32).view(_Arr)
+
+    return dict(gl=gl_, mbarrier=mbar_, tma=tma_, fence_async_shared=lambda: None, warpgroup_mma=mma,
+                warpgroup_mma_wait=lambda n, deps: deps[0])
+
+
+def emulate_kernel(got):
+    """Run the launch `got` (from `launch_args`) through the kernel's own source; returns the
+    recorder (copies for the alignment check) and fills the launch's output tensor."""
+    a_desc, b_desc, sa_desc, sb_desc, out, offs_t, *ints = got["args"]
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    descs = {n: _Desc(n, d) for n, d in zip(("a", "b", "sa", "sb"), (a_desc, b_desc, sa_desc, sb_desc),
+                                            strict=True)}
+    for d in descs.values():
+        d.layout = None
+    descs_np = {n: d.host.base.float().numpy().astype(np.float64) for n, d in descs.items()}
+    out_flat = out.view(-1).numpy()
+    rec = _Recorder()
+    grid = tuple(got["grid"]) + (1,) * (3 - len(got["grid"]))
+    pid = [0, 0, 0]
+    shims = _kernel_shims(rec, pid, grid, out_flat, descs_np)
+    jit = {k: v for k, v in vars(fp8_wgmma).items() if hasattr(v, "fn") and callable(getattr(v, "fn", None))}
+    hosts = {}
+    for k, v in jit.items():  # each device function sees the others' host versions
+        hosts[k] = types.FunctionType(v.fn.__code__, {}, v.fn.__name__, v.fn.__defaults__, v.fn.__closure__)
+    for k, v in jit.items():
+        hosts[k].__globals__.update({**v.fn.__globals__, **shims, **hosts})
+    kernel = hosts["_fp8_wgmma_kernel"]
+    for p1 in range(grid[1]):
+        for p0 in range(grid[0]):
+            pid[0], pid[1] = p0, p1
+            kernel(descs["a"], descs["b"], descs["sa"], descs["sb"], _Out(), _OffsPtr(offs_t.tolist()),
+                   *[_I(x) for x in ints], **got["kw"])
+    return rec
+
+
+def _emulated(monkeypatch, case, cfg, resident=10**9):
+    aq, as_, bq, bs, offs, out = case
+    got = {}
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: got.update(grid=grid, args=args, kw=kw)
+
+    monkeypatch.setattr(fp8_wgmma, "_fp8_wgmma_kernel", Launch())
+    monkeypatch.setattr(fp8_wgmma, "_resident_ctas", lambda cfg, device: resident)
+    fp8_wgmma.launch(aq, as_, bq, bs, offs, out, cfg)
+    monkeypatch.undo()
+    got["args"] = (*got["args"][:4], out, *got["args"][5:])
+    rec = emulate_kernel(got)
+    check_tma_alignment(rec)
+    return out
+
+
+def _dq64(q, s):
+    f = torch.exp2(s.view(torch.uint8).double() - 127)
+    return q.double() * torch.repeat_interleave(f, 32, dim=-1)
+
+
+def _reference(case):
+    """(fp64 result, fp64 sum of |products|, reduction length) of a case."""
+    aq, as_, bq, bs, offs, out = case
+    A, B = _dq64(aq, as_), _dq64(bq.reshape(-1, bq.shape[-1]), bs.reshape(-1, bs.shape[-1]))
+    if offs is None:
+        return A @ B.t(), A.abs() @ B.abs().t(), A.shape[1]
+    ref, mag = torch.zeros(out.shape, dtype=torch.float64), torch.zeros(out.shape, dtype=torch.float64)
+    lo = 0
+    for e, hi in enumerate(offs.tolist()):
+        if bq.ndim == 3:  # grouped rows
+            Be = B.view(bq.shape[0], bq.shape[1], -1)[e]
+            ref[lo:hi], mag[lo:hi] = A[lo:hi] @ Be.t(), A[lo:hi].abs() @ Be.abs().t()
+        else:  # grouped K
+            ref[e], mag[e] = A[:, lo:hi] @ B[:, lo:hi].t(), A[:, lo:hi].abs() @ B[:, lo:hi].abs().t()
+        lo = hi
+    return ref, mag, A.shape[1]
+
+
+@pytest.mark.parametrize("name,build,args,cfgs", GPU_TEST_LAUNCHES, ids=[x[0] for x in GPU_TEST_LAUNCHES])
+def test_gpu_test_launches_emulated(name, build, args, cfgs, monkeypatch):
+    """The kernel's source run on CPU for every launch of the GPU tests, each config (persistent ones
+    with 5 CTAs, so each CTA runs several tiles and the ring's slots and phases continue across them):
+    no mbarrier wait that would hang or read a stale slot, no TMA copy in flight at exit, TMA
+    coordinates aligned, every output within the fp32 accumulation bound of the fp64 product (rows
+    after offs[-1] and empty groups exactly zero; the output starts as NaN)."""
+    case = build(*args)
+    ref, mag, k = _reference(case)
+    for i in cfgs:
+        out = torch.full_like(case[5], float("nan"))
+        _emulated(monkeypatch, (*case[:5], out), CONFIGS[i], resident=5)
+        err = (out.double() - ref).abs()
+        bound = mag * (k + 2) * 2.0**-23 + (k // 32 + 1) * 2.0**-126
+        assert not torch.isnan(out).any() and bool((err <= bound).all()), (name, CONFIGS[i])
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_ragged_groups_emulated(seed, monkeypatch):
+    """As above for random ragged and empty groups (group starts at every row offset mod 4), every
+    config, persistent ones with 3 CTAs."""
+    g = torch.Generator().manual_seed(100 + seed)
+    E = [5, 23][seed]
+    counts = torch.randint(0, 150, (E,), generator=g)
+    counts[torch.randint(0, E, (E // 3,), generator=g)] = 0
+    case = rows_case(counts.tolist(), int(torch.randint(0, 9, (1,), generator=g)), 72, 320)
+    ref, mag, k = _reference(case)
+    for cfg in CONFIGS:
+        out = torch.full_like(case[5], float("nan"))
+        _emulated(monkeypatch, (*case[:5], out), cfg, resident=3)
+        err = (out.double() - ref).abs()
+        bound = mag * (k + 2) * 2.0**-23 + (k // 32 + 1) * 2.0**-126
+        assert not torch.isnan(out).any() and bool((err <= bound).all()), cfg
