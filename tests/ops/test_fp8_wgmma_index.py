@@ -588,3 +588,48 @@ def test_random_ragged_groups_emulated(seed, monkeypatch):
         err = (out.double() - ref).abs()
         bound = mag * (k + 2) * 2.0**-23 + (k // 32 + 1) * 2.0**-126
         assert not torch.isnan(out).any() and bool((err <= bound).all()), cfg
+
+
+def test_mx_ops_on_the_emulated_gluon_kernel(monkeypatch):
+    """mx_mm and mx_grouped_mm forward, dgrad and wgrad with gemm_backend='fp8' at the shapes of the
+    GPU tests test_gpu_mx_ops_fp8_close_to_emulated and test_gpu_mx_grouped_mm_fp8_close_to_emulated
+    (ragged and empty experts), every GEMM run by the emulated Gluon kernel in the operand layouts
+    the ops hand it, against gemm_backend='emulated' on the same quantized operands."""
+    from mxmoe.ops import MXOpConfig, fp8_gemm, mx_grouped_mm, mx_mm
+
+    launches = []
+
+    def gluon_on_cpu(a_q, a_s, b_q, b_s, offs, out_dtype, config=None):
+        fp8_gemm._check(a_q, a_s, b_q, b_s, offs, out_dtype)
+        out = torch.full(fp8_gemm._out_shape(a_q, b_q, offs), float("nan"))
+        with pytest.MonkeyPatch.context() as mp:
+            _emulated(mp, (a_q, a_s, b_q, b_s, offs, out), fp8_wgmma.DEFAULT_CONFIG)
+        launches.append(None if offs is None else offs.tolist())
+        return out.to(out_dtype)
+
+    monkeypatch.setattr(fp8_gemm, "launch", gluon_on_cpu)
+    monkeypatch.setattr(fp8_gemm, "why_unavailable", lambda device: None)
+    kw = {"kernel": "torch", "dim1_kernel": "torch"}
+    torch.manual_seed(0)
+    x = torch.randn(1000, 1024, requires_grad=True)
+    w = (torch.randn(768, 1024) * 0.03).requires_grad_()
+    E, K, N = 6, 512, 384
+    counts = [0, 300, 7, 0, 650, 64]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    a = torch.randn(sum(counts) + 5, K, requires_grad=True)
+    we = (torch.randn(E, N, K) * K**-0.5).requires_grad_()
+    dy = torch.randn(a.shape[0], N)
+    outs = []
+    for backend in ("fp8", "emulated"):
+        x.grad = w.grad = a.grad = we.grad = None
+        cfg = MXOpConfig(gemm_backend=backend, **kw)
+        y = mx_mm(x, w.t(), cfg)
+        y.square().sum().backward()
+        ye = mx_grouped_mm(a, we.transpose(-2, -1), offs, cfg)
+        ye.backward(dy)
+        outs.append((y.detach(), x.grad, w.grad, ye.detach(), a.grad, we.grad))
+    assert len(launches) == 6 and sum(lo is not None for lo in launches) == 3
+    for got, ref in zip(outs[0], outs[1], strict=True):
+        # same quantized operands, both fp32-accumulated in different orders (K up to 1024)
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert not outs[0][5][0].any() and not outs[0][5][3].any()  # empty experts: zero dW
