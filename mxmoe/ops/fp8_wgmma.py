@@ -30,10 +30,14 @@ Tensors (device, 16-byte aligned; built by `launch`):
         multiple of 4 (TMA's 16-byte row strides); the padding is zero
     out (M, N) bf16 or fp32, row-major, rounded once from the fp32 accumulator
     offs (E,) int32 cumulative row ends (grouped rows), rows at or after offs[-1] are zero.
-Grouped rows: tiles never straddle groups. Row tile t maps on the device (a loop over offs) to group
-g and rows [lo_g + i*BM, min(lo_g + (i+1)*BM, offs[g])): each group's rows are cut into its own
-tiles (TMA reads past the group's end; those rows are computed and not stored), then the rows after
-offs[-1] into zero tiles. The grid has cdiv(M, BM) + E + 1 row tiles, an upper bound; spare ones exit.
+Grouped rows: tiles never straddle groups in what they store. Row tile t maps on the device (a loop
+over offs) to group g and rows [lo4_g + i*BM, +BM) with lo4_g = lo_g rounded down to a multiple of 4,
+storing only rows in [lo_g, offs[g]): each group's rows are cut into its own tiles, then the rows
+after offs[-1] into zero tiles. The rounding is TMA's: the A-scale tile's coordinate along its
+innermost dimension (rows, fp32) must be a multiple of 16 bytes, else the copy traps (an illegal
+instruction); the up to 3 rows of the previous group a tile starts with, and the rows past the
+group's end, are computed and not stored. The grid has cdiv(M + 3E, BM) + E + 1 row tiles, an upper
+bound; spare ones exit.
 """
 
 from __future__ import annotations
@@ -222,12 +226,12 @@ def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem
 
 
 @gluon.jit
-def _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr,
+def _store_tile(c_ptr, acc, m0, n0, row_lo, row_hi, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr,
                 MMA: gl.constexpr):
-    """Store the tile's rows below row_hi and columns below N (rounded once to c's dtype)."""
+    """Store the tile's rows in [row_lo, row_hi) and columns below N (rounded once to c's dtype)."""
     rows = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
-    mask = (rows < row_hi)[:, None] & (cols < N)[None, :]
+    mask = ((rows >= row_lo) & (rows < row_hi))[:, None] & (cols < N)[None, :]
     ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
     gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -235,40 +239,46 @@ def _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM: gl.constexpr, BN: 
 @gluon.jit
 def _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n, GROUPED: gl.constexpr, BM: gl.constexpr,
           BN: gl.constexpr, GROUP_M: gl.constexpr):
-    """Tile index -> (kind, first row, first column, first row of B, first row of B's scales, row
-    end): kind 1 computes rows [first row, row end), 2 zeroes rows [first row, M) (grouped rows
-    after offs[-1]), 0 nothing (a spare tile of the grouped grid). GROUP_M row tiles sweep the
-    columns together (L2 reuse of B)."""
+    """Tile index -> (kind, first row, first column, first row of B, first row of B's scales, first
+    and end row to store): kind 1 computes rows [first row, +BM) and stores those in [row_lo,
+    row_hi), 2 zeroes rows [first row, M) (grouped rows after offs[-1]), 0 nothing (a spare tile of
+    the grouped grid). GROUP_M row tiles sweep the columns together (L2 reuse of B)."""
     width = GROUP_M * num_n
     first_m = (tile // width) * GROUP_M
     size_m = gl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (tile % width) % size_m
     n0 = ((tile % width) // size_m) * BN
     if GROUPED:
-        # row tile pid_m -> group g: each group's rows are cut into its own cdiv(count, BM) tiles,
-        # then the rows after offs[-1] into zero tiles; the grid's cdiv(M, BM) + E + 1 row tiles
-        # bound both together (the rest do nothing)
+        # row tile pid_m -> group g: each non-empty group's rows [lo, hi) are cut into its own
+        # cdiv(hi - lo4, BM) tiles from lo4 = lo rounded down to 4 rows (TMA: the A-scale tile's
+        # innermost coordinate, rows of fp32, must be 16-byte aligned), then the rows after offs[-1]
+        # into zero tiles; the grid's cdiv(M + 3E, BM) + E + 1 row tiles bound both together (the
+        # rest do nothing)
         first = 0
         g = -1
         lo = 0
+        m0 = 0
         row_lo = 0
         row_hi = 0
         for e in range(E):
             hi = gl.load(offs_ptr + e)
-            nt = gl.cdiv(hi - lo, BM)
+            lo4 = lo - lo % 4
+            nt = gl.where(hi > lo, gl.cdiv(hi - lo4, BM), 0)
             mine = (pid_m >= first) & (pid_m < first + nt)
             g = gl.where(mine, e, g)
-            row_lo = gl.where(mine, lo + (pid_m - first) * BM, row_lo)
+            m0 = gl.where(mine, lo4 + (pid_m - first) * BM, m0)
+            row_lo = gl.where(mine, lo, row_lo)
             row_hi = gl.where(mine, hi, row_hi)
             first += nt
             lo = hi
-        z0 = lo + (pid_m - first) * BM  # lo is offs[-1] here
+        z0 = lo + (pid_m - first) * BM  # lo is offs[-1] here (zero tiles load nothing)
         kind = gl.where(g >= 0, 1, gl.where((pid_m >= first) & (z0 < M), 2, 0))
-        m0 = gl.where(g >= 0, row_lo, z0)
+        m0 = gl.where(g >= 0, m0, z0)
+        row_lo = gl.where(g >= 0, row_lo, z0)
         gg = gl.maximum(g, 0)
-        return kind, m0, n0, gg * N + n0, gg * KB_PAD, row_hi
+        return kind, m0, n0, gg * N + n0, gg * KB_PAD, row_lo, row_hi
     else:
-        return 1, pid_m * BM, n0, n0, 0, M
+        return 1, pid_m * BM, n0, n0, 0, 0, M
 
 
 @gluon.jit
@@ -302,9 +312,10 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
         mbarrier.init(ready.index(s), count=1)
     fence_async_shared()
 
-    num_m = gl.cdiv(M, BM)
     if GROUPED:
-        num_m += E + 1
+        num_m = gl.cdiv(M + 3 * E, BM) + E + 1  # (the `_tile` bound)
+    else:
+        num_m = gl.cdiv(M, BM)
     num_n = gl.cdiv(N, BN)
     num_tiles = num_m * num_n
     k_iters = gl.cdiv(K, BK)
@@ -316,29 +327,30 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
         n_blocks = (gl.load(offs_ptr + e) - k_lo) // 32
         n_full = n_blocks // NB
         tail = n_blocks - n_full * NB
-        _, m0, n0, b_row, sb_row, row_hi = _tile(gl.program_id(0), offs_ptr, M, N, E, KB_PAD, num_m,
+        _, m0, n0, b_row, sb_row, row_lo, row_hi = _tile(gl.program_id(0), offs_ptr, M, N, E, KB_PAD, num_m,
                                                  num_n, False, BM, BN, GROUP_M)
         _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, 0,
                   m0, n0, b_row, sb_row, k_lo, n_full + (tail > 0).to(gl.int32), BK, STAGES)
         acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
                         ready, 0, m0, n0, b_row, sb_row, k_lo, n_full, tail, BM, BN, BK, STAGES, MMA,
                         True)
-        _store_tile(c_ptr + e.to(gl.int64) * stride_ce, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
+        _store_tile(c_ptr + e.to(gl.int64) * stride_ce, acc, m0, n0, row_lo, row_hi, N, stride_cm, BM, BN,
+                    MMA)
     elif PERSISTENT:
         # tiles pid, pid + grid, ...; the next tile's first stages load during this tile's epilogue
         tile = gl.program_id(0)
         step = gl.num_programs(0)
         base = 0
-        mine, m0, n0, b_row, sb_row, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n,
-                                                    GROUPED, BM, BN, GROUP_M)
+        mine, m0, n0, b_row, sb_row, row_lo, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m,
+                                                            num_n, GROUPED, BM, BN, GROUP_M)
         if _computes(mine, GROUPED):
             _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
                       m0, n0, b_row, sb_row, 0, k_iters, BK, STAGES)
         while tile < num_tiles:
-            mine, m0, n0, b_row, sb_row, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n,
-                                                        GROUPED, BM, BN, GROUP_M)
+            mine, m0, n0, b_row, sb_row, row_lo, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m,
+                                                                num_n, GROUPED, BM, BN, GROUP_M)
             # (clamped: past the last tile the mapping divides by zero; unused then)
-            nmine, nm0, nn0, nb_row, nsb_row, _ = _tile(gl.minimum(tile + step, num_tiles - 1), offs_ptr,
+            nmine, nm0, nn0, nb_row, nsb_row, _, _ = _tile(gl.minimum(tile + step, num_tiles - 1), offs_ptr,
                                                         M, N, E, KB_PAD, num_m, num_n, GROUPED, BM, BN,
                                                         GROUP_M)
             prefetch = _computes(nmine, GROUPED) & (tile + step < num_tiles)
@@ -350,29 +362,29 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
                 if prefetch:
                     _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
                               ready, base, nm0, nn0, nb_row, nsb_row, 0, k_iters, BK, STAGES)
-                _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
+                _store_tile(c_ptr, acc, m0, n0, row_lo, row_hi, N, stride_cm, BM, BN, MMA)
             else:
                 if prefetch:
                     _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
                               ready, base, nm0, nn0, nb_row, nsb_row, 0, k_iters, BK, STAGES)
                 if GROUPED:  # (a dead zero-store branch on a constant kind crashes the lowering)
                     if mine == 2:
-                        _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, M, N, stride_cm,
-                                    BM, BN, MMA)
+                        _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, m0, M, N,
+                                    stride_cm, BM, BN, MMA)
             tile += step
     else:
-        mine, m0, n0, b_row, sb_row, row_hi = _tile(gl.program_id(0), offs_ptr, M, N, E, KB_PAD, num_m,
-                                                    num_n, GROUPED, BM, BN, GROUP_M)
+        mine, m0, n0, b_row, sb_row, row_lo, row_hi = _tile(gl.program_id(0), offs_ptr, M, N, E, KB_PAD,
+                                                            num_m, num_n, GROUPED, BM, BN, GROUP_M)
         if _computes(mine, GROUPED):
             _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, 0,
                       m0, n0, b_row, sb_row, 0, k_iters, BK, STAGES)
             acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
                             ready, 0, m0, n0, b_row, sb_row, 0, k_iters, 0, BM, BN, BK, STAGES, MMA,
                             False)
-            _store_tile(c_ptr, acc, m0, n0, row_hi, N, stride_cm, BM, BN, MMA)
+            _store_tile(c_ptr, acc, m0, n0, row_lo, row_hi, N, stride_cm, BM, BN, MMA)
         if GROUPED:  # (as above)
             if mine == 2:
-                _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, M, N, stride_cm,
+                _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, m0, M, N, stride_cm,
                             BM, BN, MMA)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
@@ -456,7 +468,7 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         TensorDescriptor.from_tensor(sb, [nb, cfg.bn], lsb),
     )
     offs_arg = offs if offs is not None else torch.zeros(1, dtype=torch.int32, device=a_q.device)
-    num_m = triton.cdiv(M, cfg.bm) + (E + 1 if mode == 1 else 0)
+    num_m = triton.cdiv(M + 3 * E, cfg.bm) + E + 1 if mode == 1 else triton.cdiv(M, cfg.bm)  # `_tile`
     tiles = num_m * triton.cdiv(N, cfg.bn)
     persistent = cfg.persistent and mode != 2
     if mode == 2:

@@ -597,7 +597,8 @@ def test_wgmma_launcher_host_side(mode, monkeypatch):
     want = decoded(bs.reshape(groups, N, kb)).transpose(1, 2)
     torch.testing.assert_close(logical[:, :kb, :N], want, rtol=0, atol=0)
     assert not logical[:, kb:].any() and not logical[:, :, N:].any()
-    tiles = (-(-M // cfg.bm) + (E + 1 if mode == "rows" else 0)) * -(-N // cfg.bn)
+    row_tiles = -(-(M + 3 * E) // cfg.bm) + E + 1 if mode == "rows" else -(-M // cfg.bm)  # `_tile`'s bound
+    tiles = row_tiles * -(-N // cfg.bn)
     if mode == "k":
         assert got["grid"] == (tiles, E) and got["kw"]["MODE"] == 2 and not got["kw"]["PERSISTENT"]
     else:
