@@ -11,10 +11,10 @@ bit-for-bit what `reference_mxfp8_a2a` computes (quantize -> all_to_all_single -
 fused kernels (own rows' quantize+dequantize, symmetric memory) serve the default format; other
 recipes take the same paths with the generic cast kernels (NCCL/gloo transport).
 
-Transports. On GPUs of one host (transport "auto" or "symm") the quantize kernel writes each peer's
-rows straight into that peer's symmetric-memory buffer, a device barrier follows, and each rank
-dequantizes what it received: `mxmoe.comm.symm` explains it. Otherwise ("nccl", or "auto" with
-`chunks` given) NCCL moves the bytes, as follows.
+Transports. On GPUs of one host (transport "auto" or "symm") one kernel per exchange quantizes each
+peer's rows straight into that peer's symmetric-memory buffer, does the own rows meanwhile, and
+dequantizes each received tile as soon as its flag says it has landed: `mxmoe.comm.symm` explains
+it. Otherwise ("nccl", or "auto" with `chunks` given) NCCL moves the bytes, as follows.
 
 How the NCCL exchange is overlapped (CUDA, `chunks` an int >= 1, or `None` for tensors of at least
 PIPELINE_MIN_ELEMS elements; smaller ones take the simple path, which measured faster there):

@@ -50,14 +50,13 @@ if triton is not None:
         return tl.where(sig == 0, 0, bits)
 
     @triton.jit
-    def _dequant_e4m3_kernel(
-        q_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr, BS: tl.constexpr, OUT_BF16: tl.constexpr
-    ):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        b = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
-        s = tl.load(s_ptr + offs // BS, mask=mask, other=127).to(tl.int32)
+    def _dequant_tile(q_ptr, s_ptr, out_ptr, offs, mask, BS: tl.constexpr, OUT_BF16: tl.constexpr,
+                      CACHE: tl.constexpr):
+        """Dequantize the elements at flat offsets `offs` (int64, masked by `mask`) of q (uint8) with
+        scales s (uint8, one per BS elements) into out (int16 bf16 bits or int32 fp32 bits). CACHE:
+        the loads' cache modifier (".cg": bytes another GPU wrote, past this SM's L1)."""
+        b = tl.load(q_ptr + offs, mask=mask, other=0, cache_modifier=CACHE).to(tl.int32)
+        s = tl.load(s_ptr + offs // BS, mask=mask, other=127, cache_modifier=CACHE).to(tl.int32)
         a = b & 0x7F
         neg = (b >> 7).to(tl.int32)
         nan = (a == 0x7F) | (s == 255)
@@ -81,21 +80,18 @@ if triton is not None:
             tl.store(out_ptr + offs, r, mask=mask)
 
     @triton.jit
-    def _qdq_kernel(
-        x_ptr,
-        out_ptr,
-        n_blocks,
-        rceil_c,
-        T127,
-        T126,
-        NB: tl.constexpr,
-        IN_BF16: tl.constexpr,
-        FORCE_SLOW: tl.constexpr,
+    def _dequant_e4m3_kernel(
+        q_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr, BS: tl.constexpr, OUT_BF16: tl.constexpr
     ):
-        """Quantize blocks of 32 (RCEIL, e4m3) and dequantize them again, in registers."""
         pid = tl.program_id(0)
-        blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
-        bmask = blk < n_blocks
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        _dequant_tile(q_ptr, s_ptr, out_ptr, offs, offs < n, BS, OUT_BF16, "")
+
+    @triton.jit
+    def _qdq_tile(x_ptr, out_ptr, blk, bmask, rceil_c, T127, T126, IN_BF16: tl.constexpr,
+                  FORCE_SLOW: tl.constexpr):
+        """Quantize the blocks of 32 `blk` (int64 indices, masked by `bmask`) of x (int16 bf16 bits or
+        int32 fp32 bits; RCEIL, e4m3) and dequantize them again, in registers, into out (same type)."""
         offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
         mask = bmask[:, None]
         if IN_BF16:  # bf16 bits -> fp32 bits by a shift: exact for subnormals on every backend
@@ -150,6 +146,23 @@ if triton is not None:
         else:
             r = tl.where(nan, 0x7FC00000, bits | (neg << 31))
             tl.store(out_ptr + offs, r, mask=mask)
+
+    @triton.jit
+    def _qdq_kernel(
+        x_ptr,
+        out_ptr,
+        n_blocks,
+        rceil_c,
+        T127,
+        T126,
+        NB: tl.constexpr,
+        IN_BF16: tl.constexpr,
+        FORCE_SLOW: tl.constexpr,
+    ):
+        """Quantize blocks of 32 (RCEIL, e4m3) and dequantize them again, in registers."""
+        pid = tl.program_id(0)
+        blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
+        _qdq_tile(x_ptr, out_ptr, blk, blk < n_blocks, rceil_c, T127, T126, IN_BF16, FORCE_SLOW)
 
 
 def triton_usable(device: torch.device) -> bool:

@@ -1,42 +1,59 @@
-"""The MXFP8 all-to-all through symmetric memory: quantize straight into the peers' buffers.
+"""The MXFP8 all-to-all through symmetric memory: quantize straight into the peers' buffers, with
+the stores, the own rows and the dequantize of landed tiles overlapped in one kernel.
 
 Why: over NCCL the exchange costs quantize + send + dequantize in series (or NCCL and the casts
-fight for the same SMs and memory when overlapped); see docs/benchmarks.md. Here the quantize kernel
-itself is the send: its stores go over NVLink into the receiving GPU's buffer, so the element and
-scale bytes cross the link once, at the rate of the link, with no staging copy and no NCCL kernel.
+fight for the same SMs and memory when overlapped); see docs/benchmarks.md. Here the quantize is
+itself the send: its stores go over NVLink into the receiving GPU's buffer, so the element and scale
+bytes cross the link once, at the rate of the link, with no staging copy and no NCCL kernel; the own
+rows and the dequantize of tiles that have landed use HBM and CUDA cores while stores are in flight.
 
 Layout. Every rank has a workspace (torch symmetric memory, one per process group and device, size
-MXMOE_SYMM_WORKSPACE_MB, default 1024) of two halves used by alternate exchanges. A half has one slot
-per peer; a slot holds up to `slot_rows` rows (elements (slot_rows, C), then scales (slot_rows, C//32)).
-Rows from source s sit in slot (s - r - 1) mod W of receiver r, from row 0. So a rank needs only its
-own splits: where its rows go in a peer, and where a peer's rows are in its own slots, follow from
-the ranks alone (no split matrix, no collective, no host sync).
+MXMOE_SYMM_WORKSPACE_MB, default 1024; zeroed when made) of two halves used by alternate exchanges.
+A half has one slot per peer: one int32 flag per tile of TILE_BLOCKS blocks of 32 (room for any row
+width, at offsets that do not depend on it), then up to `slot_rows` rows (elements (slot_rows, C),
+then scales (slot_rows, C//32)). Rows from source s sit in slot (s - r - 1) mod W of receiver r,
+from row 0. So a rank needs only its own splits: where its rows go in a peer, and where a peer's
+rows are in its own slots, follow from the ranks alone (no split matrix, no collective, no host
+sync).
 
-One exchange on rank `me` of W ranks:
-  * For each peer p (staggered: me+1, me+2, ...): the dim0 cast kernel stores the rows for p into
-    p's slot for `me` (one program per tile: NVLink stores need many SMs in flight).
-  * Then, on a side stream, the own rows are quantized and dequantized straight into their output
-    rows (`qdq_into`; the dispatch quantizes them into its output).
+One exchange (number `epoch`, 1, 2, ...) on rank `me` of W ranks is one launch of
+`mxmoe.comm.symm_kernel.exchange_kernel` (work items taken in the order of an atomic ticket):
+  * store tiles for each peer p (staggered: me+1, me+2, ...): quantize TILE_BLOCKS blocks of the
+    rows for p into p's slot for `me`, then write `epoch` into the tile's flag there (release,
+    system scope). Every pair has at least one tile, an empty one when it exchanges no rows;
+  * own tiles: quantize-dequantize straight into the output rows (the dispatch quantizes them);
+  * receive tiles (sources staggered: me-1, me-2, ...): if the tile's flag in this rank's slot of
+    the source holds `epoch` (acquire, system scope), dequantize it into its output rows (or copy it
+    out); else defer it;
+  all three spread evenly over the tickets (receives from the first 1/RECV_DELAY of the stores on),
+  and none of them waits. Then each program waits until every front item is done and takes the
+  deferred receives, now waiting for each tile's flag.
   * A pair whose rows exceed slot_rows (both ends see it: it is input_splits[p] on one side and
-    output_splits[me] on the other) goes through NCCL send/recv instead.
-  * A device-side barrier of the group (the symmetric memory handle's): every rank's stores are done
-    and visible.
-  * Each received slot is dequantized into its output rows (or copied out, for the dispatch).
-Alternate halves make a barrier before the stores unnecessary: a rank writing half h of exchange n
-has passed the barrier of exchange n-1, which every peer reached only after reading half h for
-exchange n-2.
+    output_splits[me] on the other) sends an empty tile in the kernel and its rows through NCCL
+    send/recv after it.
+Flags need no reset: exchange n finds values of n - 2 or less in its half. Alternate halves make a
+barrier before the stores unnecessary: rank s writes half h in exchange n only after its exchange
+n - 1 waited for a flag of every peer r in n - 1, which r wrote after its exchange n - 2 (the one that
+read half h) had finished.
 
 Every rank must make the same exchanges in the same order (as with any collective), with consistent
-splits. The barrier waits at most MXMOE_SYMM_TIMEOUT_MS milliseconds (default 300000), then traps:
-the process fails with a CUDA error instead of hanging. NVLink multicast is never used
-(TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+splits. A wait lasts at most MXMOE_SYMM_TIMEOUT_MS milliseconds (default 300000); then the kernel
+writes which source and tile it waited for into the workspace's error word and traps: the process
+fails with a CUDA error instead of hanging (on CPU the emulation raises a RuntimeError). NVLink
+multicast is never used (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+
+On CPU (tests: W ranks as threads over plain tensors) `impl="python"` runs the same work items in
+the same ticket order with torch casts, flags and waits; under TRITON_INTERPRET=1 `impl="kernel"`
+runs the kernel itself.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,13 +62,22 @@ from torch import Tensor
 from mxmoe.comm.kernels import dequantize_into, qdq_into
 from mxmoe.comm.splits import BLOCK_SIZE, offsets
 from mxmoe.formats import make_spec
-from mxmoe.quant.backends import cast_fn, resolve_kernel
+from mxmoe.quant.backends import cast_fn, resolve_kernel, triton_interpret
 
 ELEM_DTYPE = torch.float8_e4m3fn
 _SPEC = make_spec(BLOCK_SIZE, "rceil", ELEM_DTYPE)
 _ALIGN = 256  # bytes: region starts
 WORKSPACE_BYTES = int(os.environ.get("MXMOE_SYMM_WORKSPACE_MB", "1024")) << 20
 TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
+# Blocks of 32 per work item (8192 elements: one flag, one release at system scope, one ticket),
+# done in register tiles of _SUB_BLOCKS (8 elements a thread); warps and register cap per program,
+# programs per SM: 80 registers (no spills, tests/comm/test_symm.py checks the sm_90 build) let three
+# programs of 8 warps share an SM (NVLink stores need many in flight).
+TILE_BLOCKS, _SUB_BLOCKS = 256, 64
+_WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
+# Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
+# that has not is deferred to the end of the exchange).
+RECV_DELAY = 4
 
 
 def _align(n: int) -> int:
@@ -63,38 +89,74 @@ def halves_bytes(nbytes: int) -> int:
     return nbytes // 2 // _ALIGN * _ALIGN
 
 
+def tiles(rows: int, dim: int) -> int:
+    """Work items of `rows` rows of `dim` elements (at least one: an empty pair still signals)."""
+    return max(1, -(-rows * (dim // BLOCK_SIZE) // TILE_BLOCKS))
+
+
 @dataclass(frozen=True)
 class Layout:
-    """The slots of one workspace half for rows of `dim` elements among `world` ranks."""
+    """The slots of one workspace half for rows of `dim` elements among `world` ranks. A slot is
+    [flags | elements | scales]; the flags come first, at offsets that do not depend on `dim`, so a
+    flag never lies on bytes that an exchange of another row width wrote as data."""
 
     world: int
     dim: int
     half_bytes: int
 
     @property
-    def slot_rows(self) -> int:
-        per_row = self.dim + self.dim // BLOCK_SIZE
-        slots = max(1, self.world - 1)
-        return max(0, (self.half_bytes // slots - 2 * _ALIGN) // per_row)
-
-    @property
     def slot_bytes(self) -> int:
         return self.half_bytes // max(1, self.world - 1) // _ALIGN * _ALIGN
 
-    def slot(self, buf: Tensor, base: int, src: int, dst: int) -> tuple[Tensor, Tensor]:
+    @property
+    def flag_bytes(self) -> int:
+        """Room for the flags of any row width: a tile holds TILE_BLOCKS * 32 element bytes."""
+        return min(self.slot_bytes, _align(4 * (self.slot_bytes // (TILE_BLOCKS * BLOCK_SIZE) + 2)))
+
+    def _need(self, rows: int) -> int:
+        return _align(rows * self.dim) + _align(rows * (self.dim // BLOCK_SIZE))
+
+    @functools.cached_property
+    def slot_rows(self) -> int:
+        room = self.slot_bytes - self.flag_bytes
+        n = max(0, (room - 2 * _ALIGN) // (self.dim + self.dim // BLOCK_SIZE))
+        while n > 0 and self._need(n) > room:
+            n -= 1
+        return n
+
+    def offsets(self, base: int, src: int, dst: int) -> tuple[int, int, int]:
+        """Byte offsets, in receiver `dst`'s workspace, of the elements, scales and flags of source
+        `src`'s slot in the half at byte `base`."""
+        if self.flag_bytes < 4:
+            raise ValueError(
+                f"MXMOE_SYMM_WORKSPACE_MB gives slots of {self.slot_bytes} bytes for {self.world} ranks; "
+                f"expected at least {_ALIGN}"
+            )
+        f0 = base + ((src - dst - 1) % self.world) * self.slot_bytes
+        q0 = f0 + self.flag_bytes
+        return q0, q0 + _align(self.slot_rows * self.dim), f0
+
+    def slot(self, buf: Tensor, base: int, src: int, dst: int) -> tuple[Tensor, Tensor, Tensor]:
         """Slot of source rank `src` in receiver `dst`'s half at byte `base` of `buf` (1D uint8, dst's
-        workspace): (elements (slot_rows, dim) uint8, scales (slot_rows, dim // 32) uint8)."""
+        workspace): (elements (slot_rows, dim) uint8, scales (slot_rows, dim // 32) uint8, flags
+        (tiles(slot_rows, dim),) int32)."""
         n, d, sd = self.slot_rows, self.dim, self.dim // BLOCK_SIZE
-        start = base + ((src - dst - 1) % self.world) * self.slot_bytes
-        q = buf[start : start + n * d].view(n, d)
-        s0 = start + _align(n * d)
-        return q, buf[s0 : s0 + n * sd].view(n, sd)
+        q0, s0, f0 = self.offsets(base, src, dst)
+        q, sc = buf[q0 : q0 + n * d].view(n, d), buf[s0 : s0 + n * sd].view(n, sd)
+        return q, sc, buf[f0 : f0 + 4 * tiles(n, d)].view(torch.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def layout(world: int, dim: int, half_bytes: int) -> Layout:
+    """The Layout (cached: its slot_rows is computed once)."""
+    return Layout(world, dim, half_bytes)
 
 
 class SymmWorkspace:
     """A symmetric-memory buffer of one process group on one device, with every rank's buffer mapped
-    here (`buffers[r]`, 1D uint8), the group's device barrier, and NCCL send/recv for the rows that
-    do not fit."""
+    here (`buffers[r]`, 1D uint8), the exchange kernel's counters (`counters`, int32 (128,), zero),
+    deferred-receive list (`deferred`, int32, grown on demand) and error word (`error`, int64 (1,)),
+    and NCCL send/recv for the rows that do not fit."""
 
     _cache: dict[tuple[str, int], SymmWorkspace] = {}
     _lock = threading.Lock()
@@ -104,6 +166,9 @@ class SymmWorkspace:
         self.device = device
         self.nbytes = 0
         self.buffers: list[Tensor] = []
+        self.counters = torch.zeros(4 * 32, dtype=torch.int32, device=device)
+        self.deferred = torch.empty(0, dtype=torch.int32, device=device)
+        self.error = torch.zeros(1, dtype=torch.int64, device=device)
         self._handle = None
         self._calls = 0
 
@@ -118,7 +183,8 @@ class SymmWorkspace:
             return cls._cache[key]
 
     def ensure(self) -> None:
-        """Allocate and map the workspace (collective: the first exchange of every rank calls it)."""
+        """Allocate, zero and map the workspace (collective: the first exchange of every rank calls
+        it; a device barrier follows the zeroing, so no peer stores into it before)."""
         if self._handle is not None:
             return
         import torch.distributed._symmetric_memory as symm_mem
@@ -130,21 +196,18 @@ class SymmWorkspace:
             )
         t = symm_mem.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(t, self.group)
+        t.zero_()  # flags: 0 is no epoch
         self.buffers = [
             t if r == handle.rank else handle.get_buffer(r, (WORKSPACE_BYTES,), torch.uint8)
             for r in range(handle.world_size)
         ]
         self._handle, self.nbytes = handle, WORKSPACE_BYTES
+        self._handle.barrier(channel=0, timeout_ms=TIMEOUT_MS)
 
     def next_epoch(self) -> int:
         """Number of the next exchange (1, 2, ...): its half is (epoch - 1) % 2."""
         self._calls += 1
         return self._calls
-
-    def barrier(self) -> None:
-        """Every rank's work queued so far is done and visible (the symmetric-memory handle's device
-        barrier; it traps after MXMOE_SYMM_TIMEOUT_MS: the process fails instead of hanging)."""
-        self._handle.barrier(channel=0, timeout_ms=TIMEOUT_MS)
 
     def send_recv(self, sends: dict[int, tuple[Tensor, ...]], recvs: dict[int, tuple[Tensor, ...]]) -> None:
         """NCCL point-to-point: sends[p] to group rank p, recvs[s] from group rank s (the current
@@ -164,8 +227,8 @@ _usable: dict[str, bool] = {}
 def symm_usable(group, device: torch.device) -> bool:
     """True when the symmetric-memory exchange can run for `group` on CUDA `device` here: torch has
     symmetric memory, the group's backend is NCCL, every rank is on this host, and Triton is
-    installed (the dim0 cast kernel writes to peer memory; the CUDA extension would too). Decided
-    from facts every rank shares (for the auto choice to agree)."""
+    installed (the exchange kernel is Triton). Decided from facts every rank shares (for the auto
+    choice to agree)."""
     if device.type != "cuda" or not (dist.is_available() and dist.is_initialized()):
         return False
     g = group if group is not None else dist.group.WORLD
@@ -187,17 +250,118 @@ def symm_usable(group, device: torch.device) -> bool:
     return _usable[key]
 
 
+# --------------------------------------------------------------------------------------------
+# Work items
+# --------------------------------------------------------------------------------------------
+
+# Rows of the item table (int64, (len(ROWS), W)): per peer index i (stores to peer (me + 1 + i) % W)
+# and per source index i (receives from (me - 1 - i) % W). *_start: prefix sums of the tiles (entries
+# i and i + 1); *blk: offsets and counts in blocks of 32; q/s/f: addresses of the slot's elements,
+# scales and flags (the peer's slot for stores, this rank's for receives).
+ROWS = ("st_start", "st_xblk", "st_nblk", "st_q", "st_s", "st_f",
+        "rc_start", "rc_yblk", "rc_nblk", "rc_q", "rc_s", "rc_f")
+
+
+@dataclass(frozen=True)
+class Items:
+    """One rank's work items of one exchange: `table` (list of ROWS lists, W entries each), the
+    number of store, own and receive items, where the own rows are (blocks), and the table as an
+    int64 tensor on the device (`meta`, made on first use)."""
+
+    table: list[list[int]]
+    n_store: int
+    n_own: int
+    n_recv: int
+    own_xblk: int
+    own_yblk: int
+    own_nblk: int
+    delay: int
+    meta: dict = field(default_factory=dict, compare=False)  # device -> the table on it
+
+    def row(self, name: str) -> list[int]:
+        return self.table[ROWS.index(name)]
+
+    def kind(self, t: int) -> tuple[str, int]:
+        """Item t (< front) of the ticket order: ("store", k), ("own", k) or ("recv", k), k its index
+        among items of its kind (the kernel's arithmetic: communication items spread evenly among the
+        own tiles; receives spread evenly among the stores from the `delay`-th communication item on)."""
+        n_comm = self.n_store + self.n_recv
+        c = t * n_comm // self.front
+        if (t + 1) * n_comm // self.front == c:
+            return "own", t - c
+        r = self.recv_before(c)
+        return ("recv", r) if self.recv_before(c + 1) > r else ("store", c - r)
+
+    def recv_before(self, c: int) -> int:
+        """Receive tiles among the first c communication items."""
+        n_comm = self.n_store + self.n_recv
+        return min(max(c - self.delay, 0) * self.n_recv // (n_comm - self.delay), self.n_recv)
+
+    @property
+    def front(self) -> int:
+        return self.n_store + self.n_own + self.n_recv
+
+
+def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: int) -> Items:
+    """The item table of rank `me` for an exchange into the half at byte `base` (see ROWS); cached
+    per workspace for repeated splits (the table and its device copy are reused)."""
+    cache = ws.__dict__.setdefault("_items", {})
+    key = (tuple(ins), tuple(outs), me, lay, base)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    world, sd = lay.world, lay.dim // BLOCK_SIZE
+    cap = lay.slot_rows
+    in_off, out_off = offsets(ins), offsets(outs)
+    table = [[0] * world for _ in ROWS]
+    col = {name: table[r] for r, name in enumerate(ROWS)}
+    for i in range(world - 1):
+        p, s = (me + 1 + i) % world, (me - 1 - i) % world
+        n_send = ins[p] if ins[p] <= cap else 0
+        n_recv = outs[s] if outs[s] <= cap else 0
+        col["st_start"][i + 1] = col["st_start"][i] + tiles(n_send, lay.dim)
+        col["rc_start"][i + 1] = col["rc_start"][i] + tiles(n_recv, lay.dim)
+        col["st_xblk"][i], col["st_nblk"][i] = in_off[p] * sd, n_send * sd
+        col["rc_yblk"][i], col["rc_nblk"][i] = out_off[s] * sd, n_recv * sd
+        for kind, buf, offs in (
+            ("st", ws.buffers[p], lay.offsets(base, me, p)),
+            ("rc", ws.buffers[me], lay.offsets(base, s, me)),
+        ):
+            if buf.is_cuda and buf.data_ptr() % _ALIGN:  # the kernel's vector accesses rely on it
+                raise ValueError(f"workspace buffer at {buf.data_ptr():#x} is not {_ALIGN}-byte aligned")
+            for part, off in zip("qsf", offs, strict=True):
+                col[f"{kind}_{part}"][i] = buf.data_ptr() + off
+    n_own = -(-ins[me] * sd // TILE_BLOCKS)
+    n_store = col["st_start"][world - 1]
+    items = Items(table, n_store, n_own, col["rc_start"][world - 1], in_off[me] * sd, out_off[me] * sd,
+                  ins[me] * sd, n_store // RECV_DELAY)
+    if len(cache) >= 64:
+        cache.clear()
+    cache[key] = items
+    return items
+
+
+# --------------------------------------------------------------------------------------------
+# The exchange
+# --------------------------------------------------------------------------------------------
+
 
 def symm_mx_exchange(
-    x: Tensor, input_splits, output_splits, me: int, ws, kernel: str, dequant: bool,
-    self_qdq_impl: str = "auto",
+    x: Tensor, input_splits, output_splits, me: int, ws, kernel: str, dequant: bool, impl: str = "auto"
 ):
-    """One MXFP8 exchange of x's rows (x (sum(input_splits), C), contiguous) through workspace `ws`
-    (a SymmWorkspace, or any object with its `buffers`, `nbytes`, `ensure`, `next_epoch`, `barrier`
-    and `send_recv`).
+    """One MXFP8 exchange of x's rows (x (sum(input_splits), C) bf16/fp32, contiguous) through
+    workspace `ws` (a SymmWorkspace, or any object with its `buffers`, `nbytes`, `counters`,
+    `deferred`, `error`, `ensure`, `next_epoch` and `send_recv`).
 
     Returns y (sum(output_splits), C) in x.dtype (dequant) or (q e4m3, s e8m0) rows, in the output
-    order (rows by source rank). Bit for bit the reference exchange."""
+    order (rows by source rank). Bit for bit the reference exchange. kernel: the cast backend of the
+    NCCL fallback's quantize and of the CPU emulation. impl: "kernel" (the Triton exchange kernel:
+    CUDA, or CPU under TRITON_INTERPRET=1), "python" (the same work items in Python, CPU) or "auto"
+    (kernel on CUDA, python elsewhere)."""
+    if impl not in ("auto", "kernel", "python"):
+        raise ValueError(f"impl={impl!r} is not one of 'auto', 'kernel', 'python'")
+    if impl == "auto":
+        impl = "kernel" if x.is_cuda else "python"
     world = len(input_splits)
     dim = x.shape[1]
     sdim = dim // BLOCK_SIZE
@@ -206,44 +370,30 @@ def symm_mx_exchange(
     rows_out = sum(outs)
     ws.ensure()
     half = halves_bytes(ws.nbytes)
-    lay = Layout(world, dim, half)
+    lay = layout(world, dim, half)
     cap = lay.slot_rows
     epoch = ws.next_epoch()
     base = ((epoch - 1) % 2) * half
-    quant = cast_fn(resolve_kernel(kernel, x.device, "dim0"), "dim0")
     dev = x.device
-    cuda = x.is_cuda
 
     if dequant:
         y = torch.empty((rows_out, dim), dtype=x.dtype, device=dev)
+        outputs = (y,)
     else:
         q_out = torch.empty((rows_out, dim), dtype=ELEM_DTYPE, device=dev)
         s_out = torch.empty((rows_out, sdim), dtype=torch.float8_e8m0fnu, device=dev)
+        outputs = (q_out, s_out)
+    items = work_items(ins, outs, me, ws, lay, base)
+    if impl == "kernel":
+        _run_kernel(x, outputs, items, ws, epoch, dequant)
+    else:
+        _emulate(x, outputs, items, epoch, kernel, dequant, lay, ws, base, me)
 
-    def own_rows() -> None:
-        n_self = ins[me]
-        if n_self:
-            xs = x[in_off[me] : in_off[me] + n_self]
-            o0 = out_off[me]
-            if dequant:
-                qdq_into(xs, y[o0 : o0 + n_self], kernel, impl=self_qdq_impl)
-            else:
-                quant(xs, _SPEC, out=(q_out[o0 : o0 + n_self], s_out[o0 : o0 + n_self]))
-
-    def land(q_in: Tensor, s_in: Tensor, o0: int) -> None:
-        """Received rows (uint8 views) into output rows o0..."""
-        n = q_in.shape[0]
-        if dequant:
-            dequantize_into(q_in, s_in, y[o0 : o0 + n], kernel)
-        else:
-            q_out[o0 : o0 + n].view(torch.uint8).copy_(q_in)
-            s_out[o0 : o0 + n].view(torch.uint8).copy_(s_in)
-
+    # Pairs that do not fit a slot: NCCL send/recv (both ends know), after the kernel.
     peers = [(me + i) % world for i in range(1, world)]
-    cur = torch.cuda.current_stream(dev) if cuda else None
-    side = _side_stream(dev) if cuda else None
-
-    # Pairs that do not fit a slot: NCCL send/recv (both ends know), on the current stream.
+    if all(ins[p] <= cap and outs[p] <= cap for p in peers):
+        return y if dequant else (q_out, s_out)
+    quant = cast_fn(resolve_kernel(kernel, dev, "dim0"), "dim0")
     sends = {
         p: tuple(t.view(torch.uint8) for t in quant(x[in_off[p] : in_off[p] + ins[p]], _SPEC))
         for p in peers
@@ -255,42 +405,142 @@ def symm_mx_exchange(
         for s in peers
         if outs[s] > cap
     }
-    # 1. Stores into the peers' slots for me.
-    for p in peers:
-        n = ins[p]
-        if 0 < n <= cap:
-            q_dst, s_dst = lay.slot(ws.buffers[p], base, me, p)
-            quant(x[in_off[p] : in_off[p] + n], _SPEC, out=(q_dst[:n], s_dst[:n]))
-    # 2. The own rows, on a side stream (everything it uses was allocated on `cur`, which waits).
-    if cuda:
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            own_rows()
-    else:
-        own_rows()
-    if sends or recvs:
-        ws.send_recv(sends, recvs)
-    # 3. Everyone's stores are done and visible.
-    ws.barrier()
-    # 4. Received rows into the output.
-    for s in peers:
-        n = outs[s]
-        if 0 < n <= cap:
-            q_in, s_in = lay.slot(ws.buffers[me], base, s, me)
-            land(q_in[:n], s_in[:n], out_off[s])
-    for s in recvs:
-        land(*recvs[s], out_off[s])
-    if cuda:
-        cur.wait_stream(side)
+    ws.send_recv(sends, recvs)
+    for s, (q_in, s_in) in recvs.items():
+        o0, n = out_off[s], outs[s]
+        if dequant:
+            dequantize_into(q_in, s_in, y[o0 : o0 + n], kernel)
+        else:
+            q_out[o0 : o0 + n].view(torch.uint8).copy_(q_in)
+            s_out[o0 : o0 + n].view(torch.uint8).copy_(s_in)
     return y if dequant else (q_out, s_out)
 
 
-_SIDE: dict[int, torch.cuda.Stream] = {}
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of the own rows on `device` (one per device, made once)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE:
-        _SIDE[idx] = torch.cuda.Stream(device=idx)
-    return _SIDE[idx]
+def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch: int, dequant: bool) -> None:
+    """One launch of the exchange kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    from mxmoe.comm.symm_kernel import exchange_kernel
+    from mxmoe.quant.triton_cast import _spec_args
+
+    interpret = not x.is_cuda
+    if interpret and not triton_interpret():
+        raise RuntimeError("impl='kernel' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    world = len(items.table[0])
+    meta = items.meta.get(x.device)
+    if meta is None:
+        meta = torch.tensor(items.table, dtype=torch.int64)
+        if x.is_cuda:  # the pinned source stays alive in the cache until the copy is done
+            items.meta["pinned"] = meta = meta.pin_memory()
+            meta = meta.to(x.device, non_blocking=True)
+        items.meta[x.device] = meta
+    nprog = 1 if interpret else min(items.front, _sm_count(x.device.index) * _PROGS_PER_SM)
+    bf16 = x.dtype == torch.bfloat16
+    bits = torch.int16 if bf16 else torch.int32
+    if dequant:
+        y, ys = outputs[0].view(bits), outputs[0].view(torch.uint8)
+    else:
+        y, ys = outputs[0].view(torch.uint8), outputs[1].view(torch.uint8)
+    # spin limit: nanoseconds of the GPU's globaltimer; polls under the interpreter
+    timeout = TIMEOUT_MS * (1 if interpret else 1_000_000)
+    if ws.deferred.numel() < items.n_recv:  # stream-ordered: a kernel still using the old one keeps it
+        n = max(items.n_recv, 2 * ws.deferred.numel())
+        ws.deferred = torch.empty(n, dtype=torch.int32, device=x.device)
+    exchange_kernel[(nprog,)](
+        x.view(bits), y, ys, meta, ws.counters, ws.deferred, ws.error, epoch,
+        items.n_store, items.n_own, items.n_recv, items.delay, items.own_xblk, items.own_yblk,
+        items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, SUB=_SUB_BLOCKS, IN_BF16=bf16,
+        DEQUANT=dequant, CLOCK=not interpret, num_warps=_WARPS, maxnreg=_MAXNREG,
+        **_spec_args(_SPEC, interpret),
+    )
+    if interpret and int(ws.error[0]):
+        code = int(ws.error[0]) - 1
+        ws.error.zero_()
+        _timed_out(code)
+
+
+def _timed_out(code: int) -> None:
+    if code < 0:
+        raise RuntimeError(
+            f"symmetric-memory exchange: this rank's own work items did not finish within "
+            f"MXMOE_SYMM_TIMEOUT_MS={TIMEOUT_MS}"
+        )
+    i, tile = code >> 32, code & 0xFFFFFFFF
+    raise RuntimeError(
+        f"symmetric-memory exchange: no data from source index {i} (rank me - {i + 1}) for tile {tile} "
+        f"after MXMOE_SYMM_TIMEOUT_MS={TIMEOUT_MS}; every rank must make the same exchanges in the same "
+        "order with consistent splits"
+    )
+
+
+def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, kernel: str,
+             dequant: bool, lay: Layout, ws, base: int, me: int) -> None:
+    """The exchange kernel's work items in ticket order, with torch casts (CPU): the protocol's
+    reference (tests run W ranks as threads over plain tensors). Slots are views of ws.buffers."""
+    world = lay.world
+    peers = [(me + 1 + i) % world for i in range(world - 1)]
+    st_slots = [lay.slot(ws.buffers[p], base, me, p) for p in peers]
+    rc_slots = [lay.slot(ws.buffers[me], base, (me - 1 - i) % world, me) for i in range(world - 1)]
+    quant = cast_fn(resolve_kernel(kernel, x.device, "dim0"), "dim0")
+    xb = x.view(-1, BLOCK_SIZE)  # blocks of 32, in order
+
+    def eb(t: Tensor, b0: int, n: int) -> Tensor:  # blocks b0..b0+n of rows (R, C): (n, 32)
+        return t.reshape(-1, BLOCK_SIZE)[b0 : b0 + n]
+
+    def sb(t: Tensor, b0: int, n: int) -> Tensor:  # their scales in (R, C // 32): (n, 1)
+        return t.reshape(-1, 1)[b0 : b0 + n]
+
+    def where(start: list[int], k: int) -> tuple[int, int]:
+        i = sum(k >= v for v in start[1:-1])
+        return i, k - start[i]
+
+    def receive(i: int, kk: int) -> None:
+        b0, nblk = kk * TILE_BLOCKS, items.row("rc_nblk")[i]
+        n = max(0, min(TILE_BLOCKS, nblk - b0))
+        q_src, s_src, _ = rc_slots[i]
+        if n:
+            y0 = items.row("rc_yblk")[i] + b0
+            qv, sv = eb(q_src, b0, n), sb(s_src, b0, n)
+            if dequant:
+                dequantize_into(qv, sv, eb(outputs[0], y0, n), kernel)
+            else:
+                eb(outputs[0], y0, n).view(torch.uint8).copy_(qv)
+                sb(outputs[1], y0, n).view(torch.uint8).copy_(sv)
+
+    deferred = []
+    for t in range(items.front):
+        kind, k = items.kind(t)
+        if kind == "store":
+            i, kk = where(items.row("st_start"), k)
+            b0, nblk = kk * TILE_BLOCKS, items.row("st_nblk")[i]
+            n = max(0, min(TILE_BLOCKS, nblk - b0))
+            q_dst, s_dst, f_dst = st_slots[i]
+            if n:
+                x0 = items.row("st_xblk")[i] + b0
+                out = (eb(q_dst, b0, n).view(ELEM_DTYPE), sb(s_dst, b0, n).view(torch.float8_e8m0fnu))
+                quant(xb[x0 : x0 + n], _SPEC, out=out)
+            f_dst[kk] = epoch  # after the tile's stores (release)
+        elif kind == "own":
+            b0 = k * TILE_BLOCKS
+            n = min(TILE_BLOCKS, items.own_nblk - b0)
+            x0, y0 = items.own_xblk + b0, items.own_yblk + b0
+            if dequant:
+                qdq_into(xb[x0 : x0 + n], eb(outputs[0], y0, n), kernel)
+            else:
+                quant(xb[x0 : x0 + n], _SPEC, out=(eb(outputs[0], y0, n), sb(outputs[1], y0, n)))
+        else:  # a receive in the front: only if landed (acquire), else deferred
+            i, kk = where(items.row("rc_start"), k)
+            if int(rc_slots[i][2][kk]) == epoch:
+                receive(i, kk)
+            else:
+                deferred.append((i, kk))
+    for i, kk in deferred:  # the back: wait for each deferred tile
+        deadline = time.monotonic() + TIMEOUT_MS / 1000
+        while int(rc_slots[i][2][kk]) != epoch:  # acquire
+            if time.monotonic() > deadline:
+                _timed_out(i << 32 | kk)
+            time.sleep(1e-4)
+        receive(i, kk)

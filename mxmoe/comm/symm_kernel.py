@@ -1,0 +1,242 @@
+"""The symmetric-memory exchange as one persistent Triton kernel (the protocol: `mxmoe.comm.symm`).
+
+Work items are tiles of TILE_BLOCKS blocks of 32 elements over a flat sequence of blocks (rows are
+contiguous, so a tile may span rows). Programs take items by an atomic ticket counter, so item t is
+only taken after items 0..t-1 were taken by running programs. Items, in ticket order:
+
+  * the front, where nothing waits: store tiles (quantize x's rows for peer p into p's slot for this
+    rank, then a release flag write into the slot's flag of the tile), own tiles (quantize-dequantize
+    into the output, or quantize into it for the dispatch) and receive tiles, all spread evenly; the
+    receives start after `delay` communication items (stores and receives) so that the peers' first
+    tiles have landed. A receive tile reads its flag once (acquire): if it holds this exchange's
+    epoch the tile is dequantized into the output (or copied out), else it is appended to the
+    deferred list;
+  * the back: each program adds the front items it finished to a counter and waits until the whole
+    front is done, then takes the deferred receives by ticket, spinning (acquire) on each tile's flag.
+
+No deadlock: front items never wait, so every front item taken is finished by the program that took
+it; a back program waits for that, then only for peers' stores, and every store of a peer is a front
+item of the peer, finished without waiting. Spins time out (globaltimer; MXMOE_SYMM_TIMEOUT_MS): the
+kernel records the source and tile in the error word and traps (on a GPU the process fails with a
+CUDA error instead of hanging). The last program to finish resets the counters for the next exchange.
+
+Memory ordering: a store tile's threads write the peer's slot (weak st.global over NVLink); a CTA
+barrier (bar.sync) orders them before the one thread that then writes the flag with an atomic
+exchange of release semantics at system scope (cumulative: it publishes every write the barrier
+ordered before it). A receive tile reads the flag with an atomic of acquire semantics at system
+scope, a CTA barrier follows, and only then are the tile's bytes loaded (with .cg: from L2, where the
+peer's NVLink stores land, never from this SM's L1).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+from mxmoe.comm.kernels import _dequant_tile, _qdq_tile
+from mxmoe.quant.triton_cast import _load_bits, _quantize
+
+CTR_STRIDE: tl.constexpr = tl.constexpr(32)
+
+# Rows of the item table, in the order of mxmoe.comm.symm.ROWS (int64, (12, PEERS + 1)).
+ST_START, ST_XBLK, ST_NBLK, ST_Q, ST_S, ST_F = (tl.constexpr(i) for i in range(6))
+RC_START, RC_YBLK, RC_NBLK, RC_Q, RC_S, RC_F = (tl.constexpr(i) for i in range(6, 12))
+
+
+@triton.jit
+def _meta(meta_ptr, row, i, PEERS: tl.constexpr):
+    return tl.load(meta_ptr + row * (PEERS + 1) + i)
+
+
+@triton.jit
+def _which(meta_ptr, row, k, PEERS: tl.constexpr):
+    """Index i with start[i] <= k < start[i + 1] (start: meta row `row`, prefix sums)."""
+    i = k * 0
+    for j in tl.static_range(1, PEERS):
+        i += (k >= _meta(meta_ptr, row, j, PEERS)).to(tl.int64)
+    return i
+
+
+@triton.jit
+def _as_ptr(addr, ty: tl.constexpr):
+    """A slot address from the item table as a pointer; every slot region starts on 256 bytes (the
+    hint lets the compiler use 16-byte loads and stores)."""
+    return tl.multiple_of(addr.to(tl.pointer_type(ty)), 256)
+
+
+@triton.jit
+def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr,
+                IN_BF16: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
+                MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
+                T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
+    i = _which(meta_ptr, ST_START, k, PEERS)
+    kk = k - _meta(meta_ptr, ST_START, i, PEERS)
+    blk0 = kk * NB
+    xblk = _meta(meta_ptr, ST_XBLK, i, PEERS) + blk0
+    nblk = _meta(meta_ptr, ST_NBLK, i, PEERS) - blk0
+    q_dst = _as_ptr(_meta(meta_ptr, ST_Q, i, PEERS), tl.uint8) + blk0 * 32
+    s_dst = _as_ptr(_meta(meta_ptr, ST_S, i, PEERS), tl.uint8) + blk0
+    f_dst = _as_ptr(_meta(meta_ptr, ST_F, i, PEERS), tl.int32) + kk
+    for u in range(0, NB // SUB):  # the tile in register tiles of SUB blocks
+        b = tl.arange(0, SUB) + u * SUB
+        bmask = b < nblk
+        offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+        X = _load_bits(x_ptr + xblk * 32, offs, bmask[:, None], IN_BF16)
+        q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+        tl.store(q_dst + offs, q, mask=bmask[:, None])
+        tl.store(s_dst + b, s, mask=bmask)
+    tl.debug_barrier()  # every thread's stores of the tile, then the one release below
+    tl.atomic_xchg(f_dst, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _own_item(x_ptr, y_ptr, ys_ptr, k, own_xblk, own_yblk, own_nblk, NB: tl.constexpr, SUB: tl.constexpr,
+              IN_BF16: tl.constexpr, DEQUANT: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
+              EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
+              RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
+    blk0 = k * NB
+    nblk = own_nblk - blk0
+    x_ptr += (own_xblk + blk0) * 32
+    for u in range(0, NB // SUB):
+        b = tl.arange(0, SUB) + u * SUB
+        bmask = b < nblk
+        if DEQUANT:
+            _qdq_tile(x_ptr, y_ptr + (own_yblk + blk0) * 32, b.to(tl.int64), bmask,
+                      RCEIL_C, T127, T126, IN_BF16, SOFT)  # SOFT (interpreter): the all-integer path
+        else:
+            offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+            X = _load_bits(x_ptr, offs, bmask[:, None], IN_BF16)
+            q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+            tl.store(y_ptr + (own_yblk + blk0) * 32 + offs, q, mask=bmask[:, None])
+            tl.store(ys_ptr + own_yblk + blk0 + b, s, mask=bmask)
+
+
+@triton.jit
+def _recv_where(meta_ptr, k, PEERS: tl.constexpr):
+    """Receive tile k: (source index i, tile kk of that source, its flag pointer)."""
+    i = _which(meta_ptr, RC_START, k, PEERS)
+    kk = k - _meta(meta_ptr, RC_START, i, PEERS)
+    return i, kk, _as_ptr(_meta(meta_ptr, RC_F, i, PEERS), tl.int32) + kk
+
+
+@triton.jit
+def _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB: tl.constexpr, SUB: tl.constexpr, PEERS: tl.constexpr,
+               IN_BF16: tl.constexpr, DEQUANT: tl.constexpr):
+    """Dequantize (or copy out) tile kk of source index i, whose flag was acquired."""
+    tl.debug_barrier()  # the acquire of the flag, then every thread's loads
+    blk0 = kk * NB
+    yblk = _meta(meta_ptr, RC_YBLK, i, PEERS) + blk0
+    nblk = _meta(meta_ptr, RC_NBLK, i, PEERS) - blk0
+    q_src = _as_ptr(_meta(meta_ptr, RC_Q, i, PEERS), tl.uint8) + blk0 * 32
+    s_src = _as_ptr(_meta(meta_ptr, RC_S, i, PEERS), tl.uint8) + blk0
+    for u in range(0, NB // SUB):
+        if DEQUANT:
+            e = tl.arange(0, SUB * 32).to(tl.int64) + u * SUB * 32
+            _dequant_tile(q_src, s_src, y_ptr + yblk * 32, e, e < nblk * 32, 32, IN_BF16, ".cg")
+        else:
+            b = tl.arange(0, SUB) + u * SUB
+            bmask = b < nblk
+            offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+            q = tl.load(q_src + offs, mask=bmask[:, None], other=0, cache_modifier=".cg")
+            tl.store(y_ptr + yblk * 32 + offs, q, mask=bmask[:, None])
+            s = tl.load(s_src + b, mask=bmask, other=0, cache_modifier=".cg")
+            tl.store(ys_ptr + yblk + b, s, mask=bmask)
+
+
+@triton.jit
+def _wait(ptr, want, timeout, err_ptr, code, SCOPE: tl.constexpr, CLOCK: tl.constexpr):
+    """Spin until *ptr (int32) == want (acquire at SCOPE), at most `timeout` (globaltimer ns, or polls
+    without CLOCK). Returns True when it holds; else writes `code` into the error word and traps (GPU)
+    or returns False (interpreter)."""
+    if CLOCK:
+        t0 = globaltimer()
+    else:
+        t0 = want.to(tl.int64) * 0
+    waited = t0 - t0
+    v = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+    while (v != want) & (waited < timeout):
+        v = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+        if CLOCK:
+            waited = globaltimer() - t0
+        else:
+            waited += 1
+    if v != want:
+        tl.atomic_xchg(err_ptr, code.to(tl.int64))
+        if CLOCK:
+            tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    return v == want
+
+
+@triton.jit
+def _recv_before(c, delay, n_comm, n_recv):
+    """Receive tiles among the first c communication items: none before `delay`, then spread evenly."""
+    return tl.minimum(tl.maximum(c - delay, 0) * n_recv // (n_comm - delay), n_recv)
+
+
+@triton.jit(do_not_specialize=["epoch", "n_store", "n_own", "n_recv", "delay", "own_xblk", "own_yblk",
+                               "own_nblk", "timeout", "nprog"])
+def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, epoch, n_store, n_own,
+                    n_recv, delay, own_xblk, own_yblk, own_nblk, timeout, nprog, PEERS: tl.constexpr,
+                    NB: tl.constexpr, SUB: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr,
+                    CLOCK: tl.constexpr,
+                    MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+                    MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
+                    T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
+    """One rank's whole exchange. x: bits of the input rows (int16 bf16 / int32 fp32). y: output bits
+    (x's type; DEQUANT) or elements (uint8; dispatch), ys: scales (uint8; dispatch only). meta: int64
+    (12, PEERS + 1), see symm.py. ctr: int32 (4 * CTR_STRIDE,): the ticket, finished programs,
+    finished front items and deferred receives at k * CTR_STRIDE (own 128-byte lines: spinning reads
+    of one do not slow the atomics of another), zero at launch and left zero. def: int32
+    (>= n_recv,), the deferred receive tiles. err: int64, after a timeout 1 + source index * 2^32 +
+    tile (a peer's tile), or -1 (this rank's front). Block offsets (`*blk`) count blocks of 32
+    elements. NB: blocks per work item (one flag each), SUB: blocks per register tile (NB // SUB of
+    them per item). delay: communication items (stores and receives) before the first receive, at
+    most n_store."""
+    n_comm = n_store + n_recv
+    n_front = n_comm + n_own
+    mine = n_front * 0  # front items this program finished
+    # Tickets are relaxed atomics: they order nothing else (a release here would also wait for the
+    # previous item's NVLink stores).
+    t = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64)
+    while t < n_front:
+        # The front spreads the communication items evenly among the own tiles, and the receives
+        # evenly among the stores from the `delay`-th communication item on.
+        c = (t * n_comm) // n_front
+        if ((t + 1) * n_comm) // n_front > c:
+            r = _recv_before(c, delay, n_comm, n_recv)
+            if _recv_before(c + 1, delay, n_comm, n_recv) > r:
+                # A receive: take it if its tile has landed, else defer it to the back (no waiting here).
+                i, kk, flag = _recv_where(meta_ptr, r, PEERS)
+                if tl.atomic_add(flag, 0, sem="acquire", scope="sys") == epoch:
+                    _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
+                else:
+                    slot = tl.atomic_add(ctr_ptr + 3 * CTR_STRIDE, 1, sem="relaxed")
+                    tl.store(def_ptr + slot, r.to(tl.int32))
+            else:
+                _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, SUB, IN_BF16, MODE, IS_E5M2, EMAX,
+                            MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+        else:
+            _own_item(x_ptr, y_ptr, ys_ptr, t - c, own_xblk, own_yblk, own_nblk, NB, SUB, IN_BF16, DEQUANT,
+                      MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+        mine += 1
+        t = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64)
+    # The back: once every front item is done (they never wait, so this comes), the deferred receives,
+    # waiting for each tile's flag. Every store of this rank is done by then.
+    tl.debug_barrier()
+    tl.atomic_add(ctr_ptr + 2 * CTR_STRIDE, mine.to(tl.int32), sem="release")
+    if _wait(ctr_ptr + 2 * CTR_STRIDE, n_front.to(tl.int32), timeout, err_ptr, t * 0 - 1, "gpu", CLOCK):
+        n_def = tl.atomic_add(ctr_ptr + 3 * CTR_STRIDE, 0, sem="acquire")
+        j = t - n_front
+        while j < n_def:
+            r = tl.atomic_add(def_ptr + j, 0, sem="acquire").to(tl.int64)
+            i, kk, flag = _recv_where(meta_ptr, r, PEERS)
+            if _wait(flag, epoch, timeout, err_ptr, 1 + i * (1 << 32) + kk, "sys", CLOCK):
+                _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
+            j = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64) - n_front
+    # Every program took its last ticket before it counts itself finished: the last one resets.
+    if tl.atomic_add(ctr_ptr + 1 * CTR_STRIDE, 1) == nprog - 1:
+        tl.atomic_xchg(ctr_ptr, 0)
+        tl.atomic_xchg(ctr_ptr + 1 * CTR_STRIDE, 0)
+        tl.atomic_xchg(ctr_ptr + 2 * CTR_STRIDE, 0)
+        tl.atomic_xchg(ctr_ptr + 3 * CTR_STRIDE, 0)
