@@ -75,6 +75,11 @@ TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
 # programs of 8 warps share an SM (NVLink stores need many in flight).
 TILE_BLOCKS, _SUB_BLOCKS = 256, 64
 _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
+# Register tiles of a work item in flight at once (asynchronous copies into shared memory, issued
+# ahead of their use): with one at a time each register tile paid a full memory latency, and three
+# programs of 8 warps kept only 12 KiB of loads in flight an SM, a third of what HBM needs. bf16 rows:
+# the whole tile (TILE_BLOCKS // _SUB_BLOCKS); fp32 rows: two (deeper spills at 80 registers).
+_STAGES = {torch.bfloat16: TILE_BLOCKS // _SUB_BLOCKS, torch.float32: 2}
 # Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
 # that has not is deferred to the end of the exchange).
 RECV_DELAY = 4
@@ -452,7 +457,8 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
     exchange_kernel[(nprog,)](
         x.view(bits), y, ys, meta, ws.counters, ws.deferred, ws.error, epoch,
         items.n_store, items.n_own, items.n_recv, items.delay, items.own_xblk, items.own_yblk,
-        items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, SUB=_SUB_BLOCKS, IN_BF16=bf16,
+        items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, SUB=_SUB_BLOCKS,
+        STAGES=_STAGES[x.dtype], IN_BF16=bf16,
         DEQUANT=dequant, CLOCK=not interpret, num_warps=_WARPS, maxnreg=_MAXNREG,
         **_spec_args(_SPEC, interpret),
     )

@@ -24,8 +24,15 @@ Memory ordering: a store tile's threads write the peer's slot (weak st.global ov
 barrier (bar.sync) orders them before the one thread that then writes the flag with an atomic
 exchange of release semantics at system scope (cumulative: it publishes every write the barrier
 ordered before it). A receive tile reads the flag with an atomic of acquire semantics at system
-scope, a CTA barrier follows, and only then are the tile's bytes loaded (with .cg: from L2, where the
-peer's NVLink stores land, never from this SM's L1).
+scope, a CTA barrier follows, and only then are the tile's bytes loaded (the acquire invalidates this
+SM's L1, so they come from L2, where the peer's NVLink stores land).
+
+Memory-level parallelism: a work item's register tiles are loaded by asynchronous copies into shared
+memory issued STAGES - 1 tiles ahead of their use (Triton's loop pipeliner: `tl.range(num_stages=)`),
+so an item should pay about one memory latency instead of one per register tile (not measured yet).
+Before, three programs of 8 warps an SM (80 registers) loading one 16-byte vector a thread at a time
+kept at most 12 KiB of loads in flight an SM, and 16x8192 rows of 5120 a rank on 2 H200s took
+2.07 ms against 1.71 ms for the serial path (docs/comm.md has the model).
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ def _as_ptr(addr, ty: tl.constexpr):
 
 @triton.jit
 def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr,
+                STAGES: tl.constexpr,
                 IN_BF16: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
                 MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
                 T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
@@ -78,7 +86,7 @@ def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr
     q_dst = _as_ptr(_meta(meta_ptr, ST_Q, i, PEERS), tl.uint8) + blk0 * 32
     s_dst = _as_ptr(_meta(meta_ptr, ST_S, i, PEERS), tl.uint8) + blk0
     f_dst = _as_ptr(_meta(meta_ptr, ST_F, i, PEERS), tl.int32) + kk
-    for u in range(0, NB // SUB):  # the tile in register tiles of SUB blocks
+    for u in tl.range(0, NB // SUB, num_stages=STAGES):
         b = tl.arange(0, SUB) + u * SUB
         bmask = b < nblk
         offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -92,13 +100,14 @@ def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr
 
 @triton.jit
 def _own_item(x_ptr, y_ptr, ys_ptr, k, own_xblk, own_yblk, own_nblk, NB: tl.constexpr, SUB: tl.constexpr,
+              STAGES: tl.constexpr,
               IN_BF16: tl.constexpr, DEQUANT: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
               EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
               RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
     blk0 = k * NB
     nblk = own_nblk - blk0
     x_ptr += (own_xblk + blk0) * 32
-    for u in range(0, NB // SUB):
+    for u in tl.range(0, NB // SUB, num_stages=STAGES):
         b = tl.arange(0, SUB) + u * SUB
         bmask = b < nblk
         if DEQUANT:
@@ -121,7 +130,8 @@ def _recv_where(meta_ptr, k, PEERS: tl.constexpr):
 
 
 @triton.jit
-def _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB: tl.constexpr, SUB: tl.constexpr, PEERS: tl.constexpr,
+def _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
+               PEERS: tl.constexpr,
                IN_BF16: tl.constexpr, DEQUANT: tl.constexpr):
     """Dequantize (or copy out) tile kk of source index i, whose flag was acquired."""
     tl.debug_barrier()  # the acquire of the flag, then every thread's loads
@@ -130,11 +140,12 @@ def _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB: tl.constexpr, SUB: tl.constex
     nblk = _meta(meta_ptr, RC_NBLK, i, PEERS) - blk0
     q_src = _as_ptr(_meta(meta_ptr, RC_Q, i, PEERS), tl.uint8) + blk0 * 32
     s_src = _as_ptr(_meta(meta_ptr, RC_S, i, PEERS), tl.uint8) + blk0
-    for u in range(0, NB // SUB):
-        if DEQUANT:
+    if DEQUANT:
+        for u in tl.range(0, NB // SUB, num_stages=STAGES):
             e = tl.arange(0, SUB * 32).to(tl.int64) + u * SUB * 32
             _dequant_tile(q_src, s_src, y_ptr + yblk * 32, e, e < nblk * 32, 32, IN_BF16, ".cg")
-        else:
+    else:
+        for u in tl.range(0, NB // SUB, num_stages=STAGES):
             b = tl.arange(0, SUB) + u * SUB
             bmask = b < nblk
             offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -178,8 +189,8 @@ def _recv_before(c, delay, n_comm, n_recv):
                                "own_nblk", "timeout", "nprog"])
 def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, epoch, n_store, n_own,
                     n_recv, delay, own_xblk, own_yblk, own_nblk, timeout, nprog, PEERS: tl.constexpr,
-                    NB: tl.constexpr, SUB: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr,
-                    CLOCK: tl.constexpr,
+                    NB: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr, IN_BF16: tl.constexpr,
+                    DEQUANT: tl.constexpr, CLOCK: tl.constexpr,
                     MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
                     MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
                     T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
@@ -209,16 +220,16 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
                 # A receive: take it if its tile has landed, else defer it to the back (no waiting here).
                 i, kk, flag = _recv_where(meta_ptr, r, PEERS)
                 if tl.atomic_add(flag, 0, sem="acquire", scope="sys") == epoch:
-                    _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
+                    _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, STAGES, PEERS, IN_BF16, DEQUANT)
                 else:
                     slot = tl.atomic_add(ctr_ptr + 3 * CTR_STRIDE, 1, sem="relaxed")
                     tl.store(def_ptr + slot, r.to(tl.int32))
             else:
-                _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, SUB, IN_BF16, MODE, IS_E5M2, EMAX,
-                            MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+                _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, SUB, STAGES, IN_BF16, MODE, IS_E5M2,
+                            EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
         else:
-            _own_item(x_ptr, y_ptr, ys_ptr, t - c, own_xblk, own_yblk, own_nblk, NB, SUB, IN_BF16, DEQUANT,
-                      MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+            _own_item(x_ptr, y_ptr, ys_ptr, t - c, own_xblk, own_yblk, own_nblk, NB, SUB, STAGES, IN_BF16,
+                      DEQUANT, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
         mine += 1
         t = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64)
     # The back: once every front item is done (they never wait, so this comes), the deferred receives,
@@ -232,7 +243,7 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
             r = tl.atomic_add(def_ptr + j, 0, sem="acquire").to(tl.int64)
             i, kk, flag = _recv_where(meta_ptr, r, PEERS)
             if _wait(flag, epoch, timeout, err_ptr, 1 + i * (1 << 32) + kk, "sys", CLOCK):
-                _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
+                _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, STAGES, PEERS, IN_BF16, DEQUANT)
             j = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64) - n_front
     # Every program took its last ticket before it counts itself finished: the last one resets.
     if tl.atomic_add(ctr_ptr + 1 * CTR_STRIDE, 1) == nprog - 1:

@@ -364,7 +364,9 @@ fn = symm_kernel.exchange_kernel
 for bf16, deq, peers in ((True, True, 1), (False, True, 3), (True, False, 1), (False, False, 7)):
     xt = "*i16" if bf16 else "*i32"
     s = dict(sig, x_ptr=xt, y_ptr=xt if deq else "*u8")
-    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, SUB=symm._SUB_BLOCKS, IN_BF16=bf16, DEQUANT=deq, CLOCK=True,
+    stages = symm._STAGES[torch.bfloat16 if bf16 else torch.float32]
+    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, SUB=symm._SUB_BLOCKS, STAGES=stages, IN_BF16=bf16,
+              DEQUANT=deq, CLOCK=True,
               **_spec_args(symm._SPEC, False))
     s.update({k: "constexpr" for k in ce})
     # torch's allocations are 16-byte aligned: the launch specializes the pointers so
@@ -386,12 +388,17 @@ for bf16, deq, peers in ((True, True, 1), (False, True, 3), (True, False, 1), (F
     regs, local = int(re.search(r"REG:(\d+)", res)[1]), int(re.search(r"LOCAL:(\d+)", res)[1])
     # registers for _PROGS_PER_SM programs of _WARPS warps per SM, nothing spilled
     assert regs <= symm._MAXNREG and regs * 32 * symm._WARPS * symm._PROGS_PER_SM <= 65536, (what, regs)
-    assert local == 0, (what, "spills", local)
+    assert local == 0 and not re.search(r"\b(LDL|STL)\b", sass), (what, "spills", local)
     # one system-scope fence per store tile (the flag's release), vector stores (8 elements a
-    # thread), and the landed bytes read past L1 in vector loads
+    # thread), and every register tile of a work item loaded ahead by asynchronous vector copies
+    # into shared memory (cp.async: all of the item's loads in flight before the first is used)
     assert sass.count("MEMBAR.ALL.SYS") == 1 and "ATOMG.E.EXCH.STRONG.SYS" in sass, what
     assert re.search(r"STG\.E\.(64|128) ", sass), what
-    assert re.search(r"LDG\.E\.(64|128)\.STRONG\.GPU ", sass), what
+    assert re.search(r"LDGSTS\.E\.BYPASS\.128 ", sass), what
+    assert re.search(r"LDGSTS\.E\.(64|BYPASS\.128) ", sass), what
+    assert re.search(rf"cp\.async\.wait_group\s+{ce['STAGES'] - 2};", ptx), what
+    # shared memory of the programs of an SM (228 KiB an SM on sm_90, 1 KiB of it per program reserved)
+    assert (k.metadata.shared + 1024) * symm._PROGS_PER_SM <= 228 * 1024, (what, k.metadata.shared)
 # the standalone kernels that share the exchange kernel's tile helpers
 from mxmoe.comm import kernels as kk
 for f, s, ce in (
@@ -412,8 +419,8 @@ def test_exchange_kernel_compiles_for_sm90():
     """The exchange kernel (and the standalone kernels sharing its tile helpers) builds for an
     H100/H200 (sm_90) on this machine (Triton ships ptxas and cuobjdump): the exchange kernel's
     system-scope release flag write (one system fence per store tile), acquire flag reads, vector
-    stores and L2 loads of landed bytes, timer and trap; registers for the programs per SM it
-    launches, no spills."""
+    stores, the work items' loads issued ahead as asynchronous copies, timer and trap; registers and
+    shared memory for the programs per SM it launches, no spills."""
     import subprocess
     import sys
 
