@@ -18,16 +18,17 @@ sync).
 
 One exchange (number `epoch`, 1, 2, ...) on rank `me` of W ranks is one launch of
 `mxmoe.comm.symm_kernel.exchange_kernel` (work items taken in the order of an atomic ticket):
-  * store tiles for each peer p (staggered: me+1, me+2, ...): quantize TILE_BLOCKS blocks of the
-    rows for p into p's slot for `me`, then write `epoch` into the tile's flag there (release,
-    system scope). Every pair has at least one tile, an empty one when it exchanges no rows;
-  * own tiles: quantize-dequantize straight into the output rows (the dispatch quantizes them);
-  * receive tiles (sources staggered: me-1, me-2, ...): if the tile's flag in this rank's slot of
-    the source holds `epoch` (acquire, system scope), dequantize it into its output rows (or copy it
+  * store items for each peer p (staggered: me+1, me+2, ...): quantize ITEM_TILES tiles of
+    TILE_BLOCKS blocks of the rows for p into p's slot for `me`, then write `epoch` into the tiles'
+    flags there (release, system scope). Every pair has at least one tile, an empty one when it
+    exchanges no rows;
+  * own items: quantize-dequantize straight into the output rows (the dispatch quantizes them);
+  * receive items (sources staggered: me-1, me-2, ...): if the item's flags in this rank's slot of
+    the source hold `epoch` (acquire, system scope), dequantize it into its output rows (or copy it
     out); else defer it;
   all three spread evenly over the tickets (receives from the first 1/RECV_DELAY of the stores on),
   and none of them waits. Then each program waits until every front item is done and takes the
-  deferred receives, now waiting for each tile's flag.
+  deferred receives, now waiting for each flag.
   * A pair whose rows exceed slot_rows (both ends see it: it is input_splits[p] on one side and
     output_splits[me] on the other) sends an empty tile in the kernel and its rows through NCCL
     send/recv after it.

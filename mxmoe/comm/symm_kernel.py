@@ -1,18 +1,19 @@
 """The symmetric-memory exchange as one persistent Triton kernel (the protocol: `mxmoe.comm.symm`).
 
-Work items are tiles of TILE_BLOCKS blocks of 32 elements over a flat sequence of blocks (rows are
-contiguous, so a tile may span rows). Programs take items by an atomic ticket counter, so item t is
-only taken after items 0..t-1 were taken by running programs. Items, in ticket order:
+Flags are one per tile of NB blocks of 32 elements over a flat sequence of blocks (rows are
+contiguous, so a tile may span rows); a work item covers ITEM consecutive tiles of one pair (the own
+rows: ITEM * NB blocks). Programs take items by an atomic ticket counter, so item t is only taken
+after items 0..t-1 were taken by running programs. Items, in ticket order:
 
-  * the front, where nothing waits: store tiles (quantize x's rows for peer p into p's slot for this
-    rank, then a release flag write into the slot's flag of the tile), own tiles (quantize-dequantize
-    into the output, or quantize into it for the dispatch) and receive tiles, all spread evenly; the
+  * the front, where nothing waits: store items (quantize x's rows for peer p into p's slot for this
+    rank, then release writes of the item's tiles' flags in the slot), own items (quantize-dequantize
+    into the output, or quantize into it for the dispatch) and receive items, all spread evenly; the
     receives start after `delay` communication items (stores and receives) so that the peers' first
-    tiles have landed. A receive tile reads its flag once (acquire): if it holds this exchange's
-    epoch the tile is dequantized into the output (or copied out), else it is appended to the
-    deferred list;
+    items have landed. A receive item reads its flags once (acquire): if they all hold this
+    exchange's epoch the item is dequantized into the output (or copied out), else it is appended to
+    the deferred list;
   * the back: each program adds the front items it finished to a counter and waits until the whole
-    front is done, then takes the deferred receives by ticket, spinning (acquire) on each tile's flag.
+    front is done, then takes the deferred receives by ticket, spinning (acquire) on each flag.
 
 No deadlock: front items never wait, so every front item taken is finished by the program that took
 it; a back program waits for that, then only for peers' stores, and every store of a peer is a front
@@ -20,19 +21,22 @@ item of the peer, finished without waiting. Spins time out (globaltimer; MXMOE_S
 kernel records the source and tile in the error word and traps (on a GPU the process fails with a
 CUDA error instead of hanging). The last program to finish resets the counters for the next exchange.
 
-Memory ordering: a store tile's threads write the peer's slot (weak st.global over NVLink); a CTA
-barrier (bar.sync) orders them before the one thread that then writes the flag with an atomic
-exchange of release semantics at system scope (cumulative: it publishes every write the barrier
-ordered before it). A receive tile reads the flag with an atomic of acquire semantics at system
-scope, a CTA barrier follows, and only then are the tile's bytes loaded (the acquire invalidates this
-SM's L1, so they come from L2, where the peer's NVLink stores land).
+Memory ordering: a store item's threads write the peer's slot (weak st.global over NVLink); a CTA
+barrier (bar.sync) orders them before the threads of one warp (one per flag) write the flags with
+atomic exchanges of release semantics at system scope (cumulative: they publish every write the
+barrier ordered before them; one MEMBAR.SYS for the warp). A receive item reads its flags with
+atomics of acquire semantics at system scope, a CTA barrier follows, and only then are the item's
+bytes loaded (the acquire invalidates this SM's L1, so they come from L2, where the peer's NVLink
+stores land).
 
 Memory-level parallelism: a work item's register tiles are loaded by asynchronous copies into shared
-memory issued STAGES - 1 tiles ahead of their use (Triton's loop pipeliner: `tl.range(num_stages=)`),
-so an item should pay about one memory latency instead of one per register tile (not measured yet).
-Before, three programs of 8 warps an SM (80 registers) loading one 16-byte vector a thread at a time
-kept at most 12 KiB of loads in flight an SM, and 16x8192 rows of 5120 a rank on 2 H200s took
-2.07 ms against 1.71 ms for the serial path (docs/comm.md has the model).
+memory, issued STAGES - 1 (receives: RSTAGES - 1) register tiles ahead of their use (Triton's loop
+pipeliner, `tl.range(num_stages=)`; receive scales are read as int32 words, which can be copied
+asynchronously, single bytes cannot), so an item should pay about one memory latency instead of one
+per register tile (not measured yet). The version that loaded one 16-byte vector a thread at a time
+(three programs of 8 warps an SM: at most 12 KiB of loads in flight an SM) and had one ticket and one
+system fence per 8192 elements took 2.07 ms for 16x8192 rows of 5120 a rank on 2 H200s, against
+1.71 ms for the serial path; docs/comm.md has the model.
 """
 
 from __future__ import annotations
