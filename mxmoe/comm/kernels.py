@@ -57,10 +57,16 @@ if triton is not None:
         the loads' cache modifier (".cg": bytes another GPU wrote, past this SM's L1)."""
         b = tl.load(q_ptr + offs, mask=mask, other=0, cache_modifier=CACHE).to(tl.int32)
         s = tl.load(s_ptr + offs // BS, mask=mask, other=127, cache_modifier=CACHE).to(tl.int32)
+        _dequant_store(b, s, tl.min(s, axis=0), out_ptr, offs, mask, OUT_BF16)
+
+    @triton.jit
+    def _dequant_store(b, s, smin, out_ptr, offs, mask, OUT_BF16: tl.constexpr):
+        """Store at `offs` (masked by `mask`) of out (int16 bf16 bits or int32 fp32 bits) the values
+        of e4m3 bytes b (int32) with e8m0 scales s (int32, broadcastable to b; 127 where masked);
+        smin: the smallest of s (picks the fast path)."""
         a = b & 0x7F
         neg = (b >> 7).to(tl.int32)
         nan = (a == 0x7F) | (s == 255)
-        smin = tl.min(s, axis=0)
         if smin >= 10:
             # normal e4m3: rebias the exponent (7 -> 127); subnormal: mant x 2^-9 (both exact).
             normal = ((a << 20) + (120 << 23)).to(tl.float32, bitcast=True)

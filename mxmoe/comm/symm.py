@@ -18,16 +18,17 @@ sync).
 
 One exchange (number `epoch`, 1, 2, ...) on rank `me` of W ranks is one launch of
 `mxmoe.comm.symm_kernel.exchange_kernel` (work items taken in the order of an atomic ticket):
-  * store tiles for each peer p (staggered: me+1, me+2, ...): quantize TILE_BLOCKS blocks of the
-    rows for p into p's slot for `me`, then write `epoch` into the tile's flag there (release,
-    system scope). Every pair has at least one tile, an empty one when it exchanges no rows;
-  * own tiles: quantize-dequantize straight into the output rows (the dispatch quantizes them);
-  * receive tiles (sources staggered: me-1, me-2, ...): if the tile's flag in this rank's slot of
-    the source holds `epoch` (acquire, system scope), dequantize it into its output rows (or copy it
+  * store items for each peer p (staggered: me+1, me+2, ...): quantize ITEM_TILES tiles of
+    TILE_BLOCKS blocks of the rows for p into p's slot for `me`, then write `epoch` into the tiles'
+    flags there (release, system scope). Every pair has at least one tile, an empty one when it
+    exchanges no rows;
+  * own items: quantize-dequantize straight into the output rows (the dispatch quantizes them);
+  * receive items (sources staggered: me-1, me-2, ...): if the item's flags in this rank's slot of
+    the source hold `epoch` (acquire, system scope), dequantize it into its output rows (or copy it
     out); else defer it;
   all three spread evenly over the tickets (receives from the first 1/RECV_DELAY of the stores on),
   and none of them waits. Then each program waits until every front item is done and takes the
-  deferred receives, now waiting for each tile's flag.
+  deferred receives, now waiting for each flag.
   * A pair whose rows exceed slot_rows (both ends see it: it is input_splits[p] on one side and
     output_splits[me] on the other) sends an empty tile in the kernel and its rows through NCCL
     send/recv after it.
@@ -75,6 +76,18 @@ TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
 # programs of 8 warps share an SM (NVLink stores need many in flight).
 TILE_BLOCKS, _SUB_BLOCKS = 256, 64
 _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
+# Pipeline depth of a work item's register tiles (Triton's num_stages: STAGES - 1 register tiles are
+# loaded ahead, by asynchronous copies into shared memory) for store and own items, then for receive
+# items, by the rows' dtype: as deep as 80 registers allow without spills (the sm_90 build test checks
+# it). With one register tile at a time each paid a full memory latency, and three programs of 8 warps
+# kept at most 12 KiB of loads in flight an SM.
+_STAGES = {torch.bfloat16: (4, 3), torch.float32: (2, 1)}
+# Flag tiles per work item (1 or 2; 4 spills at 80 registers): an item pays a ticket, and a store
+# item one system-scope fence (it waits for the CTA's NVLink stores to be acknowledged), whatever its
+# size; larger items pay them over more bytes, smaller ones balance the programs' ends better. Flags
+# stay one per tile (the workspace layout does not depend on it); a receive item waits for all of its
+# flags.
+ITEM_TILES = 2
 # Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
 # that has not is deferred to the end of the exchange).
 RECV_DELAY = 4
@@ -90,8 +103,13 @@ def halves_bytes(nbytes: int) -> int:
 
 
 def tiles(rows: int, dim: int) -> int:
-    """Work items of `rows` rows of `dim` elements (at least one: an empty pair still signals)."""
+    """Flag tiles of `rows` rows of `dim` elements (at least one: an empty pair still signals)."""
     return max(1, -(-rows * (dim // BLOCK_SIZE) // TILE_BLOCKS))
+
+
+def items_of(rows: int, dim: int, per_item: int) -> int:
+    """Store (or receive) work items of a pair of `rows` rows: `per_item` flag tiles each."""
+    return -(-tiles(rows, dim) // per_item)
 
 
 @dataclass(frozen=True)
@@ -265,8 +283,9 @@ ROWS = ("st_start", "st_xblk", "st_nblk", "st_q", "st_s", "st_f",
 @dataclass(frozen=True)
 class Items:
     """One rank's work items of one exchange: `table` (list of ROWS lists, W entries each), the
-    number of store, own and receive items, where the own rows are (blocks), and the table as an
-    int64 tensor on the device (`meta`, made on first use)."""
+    number of store, own and receive items, where the own rows are (blocks), the receive delay, the
+    flag tiles per item (`per_item`: item k of a pair covers its tiles k * per_item ...), and the
+    table as an int64 tensor on the device (`meta`, made on first use)."""
 
     table: list[list[int]]
     n_store: int
@@ -276,6 +295,7 @@ class Items:
     own_yblk: int
     own_nblk: int
     delay: int
+    per_item: int
     meta: dict = field(default_factory=dict, compare=False)  # device -> the table on it
 
     def row(self, name: str) -> list[int]:
@@ -306,7 +326,10 @@ def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: 
     """The item table of rank `me` for an exchange into the half at byte `base` (see ROWS); cached
     per workspace for repeated splits (the table and its device copy are reused)."""
     cache = ws.__dict__.setdefault("_items", {})
-    key = (tuple(ins), tuple(outs), me, lay, base)
+    per_item = ITEM_TILES
+    if per_item not in (1, 2):
+        raise ValueError(f"ITEM_TILES={per_item}; expected 1 or 2")
+    key = (tuple(ins), tuple(outs), me, lay, base, per_item, RECV_DELAY)
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -319,8 +342,8 @@ def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: 
         p, s = (me + 1 + i) % world, (me - 1 - i) % world
         n_send = ins[p] if ins[p] <= cap else 0
         n_recv = outs[s] if outs[s] <= cap else 0
-        col["st_start"][i + 1] = col["st_start"][i] + tiles(n_send, lay.dim)
-        col["rc_start"][i + 1] = col["rc_start"][i] + tiles(n_recv, lay.dim)
+        col["st_start"][i + 1] = col["st_start"][i] + items_of(n_send, lay.dim, per_item)
+        col["rc_start"][i + 1] = col["rc_start"][i] + items_of(n_recv, lay.dim, per_item)
         col["st_xblk"][i], col["st_nblk"][i] = in_off[p] * sd, n_send * sd
         col["rc_yblk"][i], col["rc_nblk"][i] = out_off[s] * sd, n_recv * sd
         for kind, buf, offs in (
@@ -331,10 +354,10 @@ def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: 
                 raise ValueError(f"workspace buffer at {buf.data_ptr():#x} is not {_ALIGN}-byte aligned")
             for part, off in zip("qsf", offs, strict=True):
                 col[f"{kind}_{part}"][i] = buf.data_ptr() + off
-    n_own = -(-ins[me] * sd // TILE_BLOCKS)
+    n_own = -(-ins[me] * sd // (TILE_BLOCKS * per_item))
     n_store = col["st_start"][world - 1]
     items = Items(table, n_store, n_own, col["rc_start"][world - 1], in_off[me] * sd, out_off[me] * sd,
-                  ins[me] * sd, n_store // RECV_DELAY)
+                  ins[me] * sd, n_store // RECV_DELAY, per_item)
     if len(cache) >= 64:
         cache.clear()
     cache[key] = items
@@ -452,7 +475,9 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
     exchange_kernel[(nprog,)](
         x.view(bits), y, ys, meta, ws.counters, ws.deferred, ws.error, epoch,
         items.n_store, items.n_own, items.n_recv, items.delay, items.own_xblk, items.own_yblk,
-        items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, SUB=_SUB_BLOCKS, IN_BF16=bf16,
+        items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, ITEM=items.per_item,
+        SUB=_SUB_BLOCKS,
+        STAGES=_STAGES[x.dtype][0], RSTAGES=_STAGES[x.dtype][1], IN_BF16=bf16,
         DEQUANT=dequant, CLOCK=not interpret, num_warps=_WARPS, maxnreg=_MAXNREG,
         **_spec_args(_SPEC, interpret),
     )
@@ -497,9 +522,15 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
         i = sum(k >= v for v in start[1:-1])
         return i, k - start[i]
 
+    per = items.per_item
+    span = per * TILE_BLOCKS  # blocks of an item
+
+    def flags(nblk: int, kk: int) -> range:  # the flag tiles of item kk of a pair of nblk blocks
+        return range(kk * per, min((kk + 1) * per, max(1, -(-nblk // TILE_BLOCKS))))
+
     def receive(i: int, kk: int) -> None:
-        b0, nblk = kk * TILE_BLOCKS, items.row("rc_nblk")[i]
-        n = max(0, min(TILE_BLOCKS, nblk - b0))
+        b0, nblk = kk * span, items.row("rc_nblk")[i]
+        n = max(0, min(span, nblk - b0))
         q_src, s_src, _ = rc_slots[i]
         if n:
             y0 = items.row("rc_yblk")[i] + b0
@@ -515,17 +546,18 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
         kind, k = items.kind(t)
         if kind == "store":
             i, kk = where(items.row("st_start"), k)
-            b0, nblk = kk * TILE_BLOCKS, items.row("st_nblk")[i]
-            n = max(0, min(TILE_BLOCKS, nblk - b0))
+            b0, nblk = kk * span, items.row("st_nblk")[i]
+            n = max(0, min(span, nblk - b0))
             q_dst, s_dst, f_dst = st_slots[i]
             if n:
                 x0 = items.row("st_xblk")[i] + b0
                 out = (eb(q_dst, b0, n).view(ELEM_DTYPE), sb(s_dst, b0, n).view(torch.float8_e8m0fnu))
                 quant(xb[x0 : x0 + n], _SPEC, out=out)
-            f_dst[kk] = epoch  # after the tile's stores (release)
+            for f in flags(nblk, kk):  # after the item's stores (release)
+                f_dst[f] = epoch
         elif kind == "own":
-            b0 = k * TILE_BLOCKS
-            n = min(TILE_BLOCKS, items.own_nblk - b0)
+            b0 = k * span
+            n = min(span, items.own_nblk - b0)
             x0, y0 = items.own_xblk + b0, items.own_yblk + b0
             if dequant:
                 qdq_into(xb[x0 : x0 + n], eb(outputs[0], y0, n), kernel)
@@ -533,14 +565,15 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
                 quant(xb[x0 : x0 + n], _SPEC, out=(eb(outputs[0], y0, n), sb(outputs[1], y0, n)))
         else:  # a receive in the front: only if landed (acquire), else deferred
             i, kk = where(items.row("rc_start"), k)
-            if int(rc_slots[i][2][kk]) == epoch:
+            if all(int(rc_slots[i][2][f]) == epoch for f in flags(items.row("rc_nblk")[i], kk)):
                 receive(i, kk)
             else:
                 deferred.append((i, kk))
-    for i, kk in deferred:  # the back: wait for each deferred tile
-        deadline = time.monotonic() + TIMEOUT_MS / 1000
-        while int(rc_slots[i][2][kk]) != epoch:  # acquire
-            if time.monotonic() > deadline:
-                _timed_out(i << 32 | kk)
-            time.sleep(1e-4)
+    for i, kk in deferred:  # the back: wait for each flag of each deferred item
+        for f in flags(items.row("rc_nblk")[i], kk):
+            deadline = time.monotonic() + TIMEOUT_MS / 1000
+            while int(rc_slots[i][2][f]) != epoch:  # acquire
+                if time.monotonic() > deadline:
+                    _timed_out(i << 32 | f)
+                time.sleep(1e-4)
         receive(i, kk)

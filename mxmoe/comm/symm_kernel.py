@@ -1,18 +1,19 @@
 """The symmetric-memory exchange as one persistent Triton kernel (the protocol: `mxmoe.comm.symm`).
 
-Work items are tiles of TILE_BLOCKS blocks of 32 elements over a flat sequence of blocks (rows are
-contiguous, so a tile may span rows). Programs take items by an atomic ticket counter, so item t is
-only taken after items 0..t-1 were taken by running programs. Items, in ticket order:
+Flags are one per tile of NB blocks of 32 elements over a flat sequence of blocks (rows are
+contiguous, so a tile may span rows); a work item covers ITEM consecutive tiles of one pair (the own
+rows: ITEM * NB blocks). Programs take items by an atomic ticket counter, so item t is only taken
+after items 0..t-1 were taken by running programs. Items, in ticket order:
 
-  * the front, where nothing waits: store tiles (quantize x's rows for peer p into p's slot for this
-    rank, then a release flag write into the slot's flag of the tile), own tiles (quantize-dequantize
-    into the output, or quantize into it for the dispatch) and receive tiles, all spread evenly; the
+  * the front, where nothing waits: store items (quantize x's rows for peer p into p's slot for this
+    rank, then release writes of the item's tiles' flags in the slot), own items (quantize-dequantize
+    into the output, or quantize into it for the dispatch) and receive items, all spread evenly; the
     receives start after `delay` communication items (stores and receives) so that the peers' first
-    tiles have landed. A receive tile reads its flag once (acquire): if it holds this exchange's
-    epoch the tile is dequantized into the output (or copied out), else it is appended to the
-    deferred list;
+    items have landed. A receive item reads its flags once (acquire): if they all hold this
+    exchange's epoch the item is dequantized into the output (or copied out), else it is appended to
+    the deferred list;
   * the back: each program adds the front items it finished to a counter and waits until the whole
-    front is done, then takes the deferred receives by ticket, spinning (acquire) on each tile's flag.
+    front is done, then takes the deferred receives by ticket, spinning (acquire) on each flag.
 
 No deadlock: front items never wait, so every front item taken is finished by the program that took
 it; a back program waits for that, then only for peers' stores, and every store of a peer is a front
@@ -20,12 +21,22 @@ item of the peer, finished without waiting. Spins time out (globaltimer; MXMOE_S
 kernel records the source and tile in the error word and traps (on a GPU the process fails with a
 CUDA error instead of hanging). The last program to finish resets the counters for the next exchange.
 
-Memory ordering: a store tile's threads write the peer's slot (weak st.global over NVLink); a CTA
-barrier (bar.sync) orders them before the one thread that then writes the flag with an atomic
-exchange of release semantics at system scope (cumulative: it publishes every write the barrier
-ordered before it). A receive tile reads the flag with an atomic of acquire semantics at system
-scope, a CTA barrier follows, and only then are the tile's bytes loaded (with .cg: from L2, where the
-peer's NVLink stores land, never from this SM's L1).
+Memory ordering: a store item's threads write the peer's slot (weak st.global over NVLink); a CTA
+barrier (bar.sync) orders them before the threads of one warp (one per flag) write the flags with
+atomic exchanges of release semantics at system scope (cumulative: they publish every write the
+barrier ordered before them; one MEMBAR.SYS for the warp). A receive item reads its flags with
+atomics of acquire semantics at system scope, a CTA barrier follows, and only then are the item's
+bytes loaded (the acquire invalidates this SM's L1, so they come from L2, where the peer's NVLink
+stores land).
+
+Memory-level parallelism: a work item's register tiles are loaded by asynchronous copies into shared
+memory, issued STAGES - 1 (receives: RSTAGES - 1) register tiles ahead of their use (Triton's loop
+pipeliner, `tl.range(num_stages=)`; receive scales are read as int32 words, which can be copied
+asynchronously, single bytes cannot), so an item should pay about one memory latency instead of one
+per register tile (not measured yet). The version that loaded one 16-byte vector a thread at a time
+(three programs of 8 warps an SM: at most 12 KiB of loads in flight an SM) and had one ticket and one
+system fence per 8192 elements took 2.07 ms for 16x8192 rows of 5120 a rank on 2 H200s, against
+1.71 ms for the serial path; docs/comm.md has the model.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from mxmoe.comm.kernels import _dequant_tile, _qdq_tile
+from mxmoe.comm.kernels import _dequant_store, _qdq_tile
 from mxmoe.quant.triton_cast import _load_bits, _quantize
 
 CTR_STRIDE: tl.constexpr = tl.constexpr(32)
@@ -66,19 +77,27 @@ def _as_ptr(addr, ty: tl.constexpr):
 
 
 @triton.jit
-def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr,
+def _n_tiles(nblk, NB: tl.constexpr):
+    """Flag tiles of a pair of `nblk` blocks (at least one: an empty pair still signals)."""
+    return tl.maximum((nblk + NB - 1) // NB, 1)
+
+
+@triton.jit
+def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr, ITEM: tl.constexpr,
+                SUB: tl.constexpr, STAGES: tl.constexpr,
                 IN_BF16: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
                 MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
                 T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
     i = _which(meta_ptr, ST_START, k, PEERS)
     kk = k - _meta(meta_ptr, ST_START, i, PEERS)
-    blk0 = kk * NB
+    blk0 = kk * (ITEM * NB)
     xblk = _meta(meta_ptr, ST_XBLK, i, PEERS) + blk0
-    nblk = _meta(meta_ptr, ST_NBLK, i, PEERS) - blk0
+    n_all = _meta(meta_ptr, ST_NBLK, i, PEERS)
+    nblk = n_all - blk0
     q_dst = _as_ptr(_meta(meta_ptr, ST_Q, i, PEERS), tl.uint8) + blk0 * 32
     s_dst = _as_ptr(_meta(meta_ptr, ST_S, i, PEERS), tl.uint8) + blk0
-    f_dst = _as_ptr(_meta(meta_ptr, ST_F, i, PEERS), tl.int32) + kk
-    for u in range(0, NB // SUB):  # the tile in register tiles of SUB blocks
+    f_dst = _as_ptr(_meta(meta_ptr, ST_F, i, PEERS), tl.int32)
+    for u in tl.range(0, ITEM * NB // SUB, num_stages=STAGES):
         b = tl.arange(0, SUB) + u * SUB
         bmask = b < nblk
         offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -86,19 +105,26 @@ def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr
         q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
         tl.store(q_dst + offs, q, mask=bmask[:, None])
         tl.store(s_dst + b, s, mask=bmask)
-    tl.debug_barrier()  # every thread's stores of the tile, then the one release below
-    tl.atomic_xchg(f_dst, epoch, sem="release", scope="sys")
+    tl.debug_barrier()  # every thread's stores of the item, then the releases below
+    if ITEM == 1:
+        tl.atomic_xchg(f_dst + kk, epoch, sem="release", scope="sys")
+    else:
+        # the item's flags from one warp: one system fence for all of them
+        ft = kk * ITEM + tl.arange(0, ITEM)
+        tl.atomic_xchg(f_dst + ft, tl.full([ITEM], 0, tl.int32) + epoch, mask=ft < _n_tiles(n_all, NB),
+                       sem="release", scope="sys")
 
 
 @triton.jit
-def _own_item(x_ptr, y_ptr, ys_ptr, k, own_xblk, own_yblk, own_nblk, NB: tl.constexpr, SUB: tl.constexpr,
+def _own_item(x_ptr, y_ptr, ys_ptr, k, own_xblk, own_yblk, own_nblk, NB: tl.constexpr, ITEM: tl.constexpr,
+              SUB: tl.constexpr, STAGES: tl.constexpr,
               IN_BF16: tl.constexpr, DEQUANT: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
               EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
               RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
-    blk0 = k * NB
+    blk0 = k * (ITEM * NB)
     nblk = own_nblk - blk0
     x_ptr += (own_xblk + blk0) * 32
-    for u in range(0, NB // SUB):
+    for u in tl.range(0, ITEM * NB // SUB, num_stages=STAGES):
         b = tl.arange(0, SUB) + u * SUB
         bmask = b < nblk
         if DEQUANT:
@@ -113,28 +139,52 @@ def _own_item(x_ptr, y_ptr, ys_ptr, k, own_xblk, own_yblk, own_nblk, NB: tl.cons
 
 
 @triton.jit
-def _recv_where(meta_ptr, k, PEERS: tl.constexpr):
-    """Receive tile k: (source index i, tile kk of that source, its flag pointer)."""
+def _recv_where(meta_ptr, k, PEERS: tl.constexpr, NB: tl.constexpr):
+    """Receive item k: (source index i, item kk of that source, the source's flag of tile 0, the
+    source's number of tiles)."""
     i = _which(meta_ptr, RC_START, k, PEERS)
     kk = k - _meta(meta_ptr, RC_START, i, PEERS)
-    return i, kk, _as_ptr(_meta(meta_ptr, RC_F, i, PEERS), tl.int32) + kk
+    f0 = _as_ptr(_meta(meta_ptr, RC_F, i, PEERS), tl.int32)
+    return i, kk, f0, _n_tiles(_meta(meta_ptr, RC_NBLK, i, PEERS), NB)
 
 
 @triton.jit
-def _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB: tl.constexpr, SUB: tl.constexpr, PEERS: tl.constexpr,
-               IN_BF16: tl.constexpr, DEQUANT: tl.constexpr):
-    """Dequantize (or copy out) tile kk of source index i, whose flag was acquired."""
-    tl.debug_barrier()  # the acquire of the flag, then every thread's loads
-    blk0 = kk * NB
+def _landed(f0, kk, n_tiles, epoch, ITEM: tl.constexpr):
+    """Whether every flag of receive item kk holds `epoch` (one read each, acquire at system scope)."""
+    if ITEM == 1:
+        ok = tl.atomic_add(f0 + kk, 0, sem="acquire", scope="sys") == epoch
+    else:
+        ft = kk * ITEM + tl.arange(0, ITEM)
+        v = tl.atomic_add(f0 + ft, tl.zeros([ITEM], tl.int32), mask=ft < n_tiles, sem="acquire", scope="sys")
+        ok = tl.min(tl.where(ft < n_tiles, v == epoch, True).to(tl.int32), axis=0) == 1
+    return ok
+
+
+@triton.jit
+def _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB: tl.constexpr, ITEM: tl.constexpr, SUB: tl.constexpr,
+               RSTAGES: tl.constexpr, PEERS: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr):
+    """Dequantize (or copy out) item kk of source index i, whose flags were acquired."""
+    tl.debug_barrier()  # the acquire of the flags, then every thread's loads
+    blk0 = kk * (ITEM * NB)
     yblk = _meta(meta_ptr, RC_YBLK, i, PEERS) + blk0
     nblk = _meta(meta_ptr, RC_NBLK, i, PEERS) - blk0
     q_src = _as_ptr(_meta(meta_ptr, RC_Q, i, PEERS), tl.uint8) + blk0 * 32
     s_src = _as_ptr(_meta(meta_ptr, RC_S, i, PEERS), tl.uint8) + blk0
-    for u in range(0, NB // SUB):
-        if DEQUANT:
-            e = tl.arange(0, SUB * 32).to(tl.int64) + u * SUB * 32
-            _dequant_tile(q_src, s_src, y_ptr + yblk * 32, e, e < nblk * 32, 32, IN_BF16, ".cg")
-        else:
+    if DEQUANT:
+        # The scales as int32 words, one load a block row (4-byte loads become asynchronous copies,
+        # single bytes do not): the slot's scales start on 256 bytes, an item on a multiple of 4
+        # blocks, and the region is padded to 256 bytes (a word past the last block is readable).
+        s_words = s_src.to(tl.pointer_type(tl.int32))
+        for u in tl.range(0, ITEM * NB // SUB, num_stages=RSTAGES):
+            b = tl.arange(0, SUB) + u * SUB
+            bmask = b < nblk
+            offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+            q = tl.load(q_src + offs, mask=bmask[:, None], other=0, cache_modifier=".cg").to(tl.int32)
+            w = tl.load(s_words + b // 4, mask=bmask, other=0x7F7F7F7F, cache_modifier=".cg")
+            s = (w >> (8 * (b % 4)).to(tl.int32)) & 0xFF  # little-endian: block b's scale at bit 8 (b % 4)
+            _dequant_store(q, s[:, None], tl.min(s, axis=0), y_ptr + yblk * 32, offs, bmask[:, None], IN_BF16)
+    else:
+        for u in tl.range(0, ITEM * NB // SUB, num_stages=RSTAGES):
             b = tl.arange(0, SUB) + u * SUB
             bmask = b < nblk
             offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -178,8 +228,8 @@ def _recv_before(c, delay, n_comm, n_recv):
                                "own_nblk", "timeout", "nprog"])
 def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, epoch, n_store, n_own,
                     n_recv, delay, own_xblk, own_yblk, own_nblk, timeout, nprog, PEERS: tl.constexpr,
-                    NB: tl.constexpr, SUB: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr,
-                    CLOCK: tl.constexpr,
+                    NB: tl.constexpr, ITEM: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
+                    RSTAGES: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr, CLOCK: tl.constexpr,
                     MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
                     MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
                     T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
@@ -207,18 +257,20 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
             r = _recv_before(c, delay, n_comm, n_recv)
             if _recv_before(c + 1, delay, n_comm, n_recv) > r:
                 # A receive: take it if its tile has landed, else defer it to the back (no waiting here).
-                i, kk, flag = _recv_where(meta_ptr, r, PEERS)
-                if tl.atomic_add(flag, 0, sem="acquire", scope="sys") == epoch:
-                    _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
+                i, kk, f0, n_tiles = _recv_where(meta_ptr, r, PEERS, NB)
+                if _landed(f0, kk, n_tiles, epoch, ITEM):
+                    _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, ITEM, SUB, RSTAGES, PEERS, IN_BF16,
+                               DEQUANT)
                 else:
                     slot = tl.atomic_add(ctr_ptr + 3 * CTR_STRIDE, 1, sem="relaxed")
                     tl.store(def_ptr + slot, r.to(tl.int32))
             else:
-                _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, SUB, IN_BF16, MODE, IS_E5M2, EMAX,
-                            MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+                _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, ITEM, SUB, STAGES, IN_BF16, MODE,
+                            IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
         else:
-            _own_item(x_ptr, y_ptr, ys_ptr, t - c, own_xblk, own_yblk, own_nblk, NB, SUB, IN_BF16, DEQUANT,
-                      MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
+            _own_item(x_ptr, y_ptr, ys_ptr, t - c, own_xblk, own_yblk, own_nblk, NB, ITEM, SUB, STAGES,
+                      IN_BF16, DEQUANT, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126,
+                      SOFT)
         mine += 1
         t = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64)
     # The back: once every front item is done (they never wait, so this comes), the deferred receives,
@@ -230,9 +282,14 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
         j = t - n_front
         while j < n_def:
             r = tl.atomic_add(def_ptr + j, 0, sem="acquire").to(tl.int64)
-            i, kk, flag = _recv_where(meta_ptr, r, PEERS)
-            if _wait(flag, epoch, timeout, err_ptr, 1 + i * (1 << 32) + kk, "sys", CLOCK):
-                _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, SUB, PEERS, IN_BF16, DEQUANT)
+            i, kk, f0, n_tiles = _recv_where(meta_ptr, r, PEERS, NB)
+            ok = n_tiles > 0  # (always: a pair has a tile)
+            for g in range(0, ITEM):
+                ft = kk * ITEM + g
+                if ok & (ft < n_tiles):
+                    ok = _wait(f0 + ft, epoch, timeout, err_ptr, 1 + i * (1 << 32) + ft, "sys", CLOCK)
+            if ok:
+                _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, NB, ITEM, SUB, RSTAGES, PEERS, IN_BF16, DEQUANT)
             j = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64) - n_front
     # Every program took its last ticket before it counts itself finished: the last one resets.
     if tl.atomic_add(ctr_ptr + 1 * CTR_STRIDE, 1) == nprog - 1:

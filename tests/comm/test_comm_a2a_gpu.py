@@ -147,14 +147,17 @@ class _OneGpuWorkspace:
         raise AssertionError("the test's workspace fits every pair")
 
 
-def test_one_gpu_two_simulated_ranks_kernel(monkeypatch):
+@pytest.mark.parametrize("per_item", [1, 2])
+def test_one_gpu_two_simulated_ranks_kernel(per_item, monkeypatch):
     """The exchange kernel of two ranks running at once on one GPU (two streams, workspaces in this
     GPU's memory, few programs each so both are resident): both outputs bit for bit the routing
-    reference, over 4 exchanges (both halves twice), forward and dispatch."""
+    reference, over 4 exchanges (both halves twice), forward and dispatch, with work items of 1 and 2
+    flag tiles."""
     from test_symm import expected
 
     from mxmoe.comm import symm
 
+    monkeypatch.setattr(symm, "ITEM_TILES", per_item)
     monkeypatch.setattr(symm, "_sm_count", lambda index: 8)  # 16 programs per rank: both resident
     monkeypatch.setattr(symm, "TIMEOUT_MS", 20_000)
     M = [[3001, 4097], [0, 2500]]

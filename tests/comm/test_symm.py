@@ -217,7 +217,9 @@ class SharedWorkspace:
         raise AssertionError("the test's workspace fits every pair")
 
 
-def _kernel_worker(rank, world, port, buffers, ready, xs, gs, M, outs_y, outs_q, outs_s, outs_back) -> None:
+def _kernel_worker(rank, world, port, per_item, buffers, ready, xs, gs, M, outs_y, outs_q, outs_s,
+                   outs_back) -> None:
+    symm.ITEM_TILES = per_item
     ws = SharedWorkspace(buffers, ready, rank)
     ins, outs = M[rank], [row[rank] for row in M]
     outs_y[rank].copy_(symm_mx_exchange(xs[rank], ins, outs, rank, ws, "torch", True, impl="kernel"))
@@ -229,11 +231,13 @@ def _kernel_worker(rank, world, port, buffers, ready, xs, gs, M, outs_y, outs_q,
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflow notes
-@pytest.mark.parametrize(("world", "dtype", "dim"), [(2, torch.bfloat16, 96), (3, torch.float32, 64)])
-def test_exchange_kernel_under_the_interpreter(world, dtype, dim, spawn_ranks):
+@pytest.mark.parametrize(("world", "dtype", "dim", "per_item"),
+                         [(2, torch.bfloat16, 96, 2), (3, torch.float32, 64, 2), (2, torch.float32, 64, 1)])
+def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, spawn_ranks):
     """The Triton exchange kernel itself (tickets, release/acquire flags, epochs, tiles spanning rows,
-    the last partial tile, empty pairs): one process per rank under TRITON_INTERPRET=1, workspaces in
-    shared memory, three exchanges (both halves, then the first again)."""
+    the last partial tile, items of several flag tiles with the last ones missing, empty pairs): one
+    process per rank under TRITON_INTERPRET=1, workspaces in shared memory, three exchanges (both
+    halves, then the first again)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs TRITON_INTERPRET=1 (CPU)")
@@ -254,7 +258,7 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, spawn_ranks):
     )
     backs = shared([sum(M[r]) for r in range(world)], dim, dtype)
     ready = torch.zeros(world, dtype=torch.int32).share_memory_()
-    spawn_ranks(_kernel_worker, world, buffers, ready, xs, gs, M, ys, qs, ss, backs, timeout_s=900)
+    spawn_ranks(_kernel_worker, world, per_item, buffers, ready, xs, gs, M, ys, qs, ss, backs, timeout_s=900)
     for r in range(world):
         what = f"rank {r} of {world}, {dtype}"
         assert_same_bits(ys[r], expected(xs, M, r, True), "forward " + what)
@@ -264,12 +268,14 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, spawn_ranks):
         assert_same_bits(backs[r], expected(gs, Mt, r, True), "backward " + what)
 
 
+@pytest.mark.parametrize("per_item", [1, 2])
 @pytest.mark.parametrize("world", [2, 3, 5])
-def test_work_items_order_and_tiles(world):
+def test_work_items_order_and_tiles(world, per_item, monkeypatch):
     """The ticket order: communication items (stores, receives) spread evenly among the own tiles,
     no receive among the first `delay` communication items, then receives spread evenly among the
-    stores, each tile once; tile counts and block ranges per pair (empty pairs: one empty tile; pairs
-    over a slot: one empty tile, their rows go through the fallback)."""
+    stores, each item once; item counts (`per_item` flag tiles each) and block ranges per pair (empty
+    pairs: one empty tile; pairs over a slot: one empty tile, their rows go through the fallback)."""
+    monkeypatch.setattr(symm, "ITEM_TILES", per_item)
     dim, sd = 96, 3
     g = torch.Generator().manual_seed(world)
     M = torch.randint(0, 400, (world, world), generator=g).tolist()
@@ -293,14 +299,16 @@ def test_work_items_order_and_tiles(world):
             assert comm[:c].count("recv") == (c - items.delay) * items.n_recv // (n_comm - items.delay)
         for kind, n in (("store", items.n_store), ("own", items.n_own), ("recv", items.n_recv)):
             assert [i for k, i in kinds if k == kind] == list(range(n))
-        assert items.n_own == -(-ins[me] * sd // symm.TILE_BLOCKS)
+        assert items.per_item == per_item
+        assert items.n_own == -(-ins[me] * sd // (symm.TILE_BLOCKS * per_item))
         for i in range(world - 1):
             p, s = (me + 1 + i) % world, (me - 1 - i) % world
             n_send = ins[p] if ins[p] <= cap else 0
             n_recv = outs[s] if outs[s] <= cap else 0
             st, rc = items.row("st_start"), items.row("rc_start")
-            assert st[i + 1] - st[i] == max(1, -(-n_send * sd // symm.TILE_BLOCKS)) == tiles(n_send, dim)
-            assert rc[i + 1] - rc[i] == tiles(n_recv, dim)
+            assert tiles(n_send, dim) == max(1, -(-n_send * sd // symm.TILE_BLOCKS))
+            assert st[i + 1] - st[i] == -(-tiles(n_send, dim) // per_item)
+            assert rc[i + 1] - rc[i] == -(-tiles(n_recv, dim) // per_item)
             assert items.row("st_nblk")[i] == n_send * sd and items.row("rc_nblk")[i] == n_recv * sd
             q, sc, f = lay.slot(fw.buffers[p], 0, me, p)
             assert items.row("st_q")[i] == q.data_ptr() and items.row("st_f")[i] == f.data_ptr()
@@ -308,10 +316,13 @@ def test_work_items_order_and_tiles(world):
             assert items.row("rc_s")[i] == sc.data_ptr() and items.row("rc_f")[i] == f.data_ptr()
 
 
+@pytest.mark.parametrize("per_item", [1, 2])
 @pytest.mark.parametrize("world", [2, 3])
-def test_symm_exchange_many_tiles(world):
-    """Pairs of several tiles (tiles spanning rows, a partial last one), one pair over a slot (the
-    fallback) and an empty one, six consecutive exchanges (each half three times)."""
+def test_symm_exchange_many_tiles(world, per_item, monkeypatch):
+    """Pairs of several tiles (tiles spanning rows, a partial last one; items of `per_item` tiles, the
+    last one short), one pair over a slot (the fallback) and an empty one, six consecutive exchanges
+    (each half three times)."""
+    monkeypatch.setattr(symm, "ITEM_TILES", per_item)
     dim = 96
     M = [[(150 + 37 * r + 11 * p) for p in range(world)] for r in range(world)]
     M[1][0], M[0][world - 1] = 0, 900
@@ -361,18 +372,20 @@ sig = dict(x_ptr="*i16", y_ptr="*i16", ys_ptr="*u8", meta_ptr="*i64", ctr_ptr="*
            err_ptr="*i64", epoch="i32", n_store="i64", n_own="i64", n_recv="i64", delay="i64",
            own_xblk="i64", own_yblk="i64", own_nblk="i64", timeout="i64", nprog="i32")
 fn = symm_kernel.exchange_kernel
-for bf16, deq, peers in ((True, True, 1), (False, True, 3), (True, False, 1), (False, False, 7)):
+for bf16, deq, peers, item in ((True, True, 1, 2), (False, True, 3, 2), (True, False, 1, 1),
+                               (False, False, 7, 2), (True, True, 1, 1), (True, False, 3, 2)):
     xt = "*i16" if bf16 else "*i32"
     s = dict(sig, x_ptr=xt, y_ptr=xt if deq else "*u8")
-    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, SUB=symm._SUB_BLOCKS, IN_BF16=bf16, DEQUANT=deq, CLOCK=True,
-              **_spec_args(symm._SPEC, False))
+    stages = symm._STAGES[torch.bfloat16 if bf16 else torch.float32]
+    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, ITEM=item, SUB=symm._SUB_BLOCKS, STAGES=stages[0],
+              RSTAGES=stages[1], IN_BF16=bf16, DEQUANT=deq, CLOCK=True, **_spec_args(symm._SPEC, False))
     s.update({k: "constexpr" for k in ce})
     # torch's allocations are 16-byte aligned: the launch specializes the pointers so
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in s.items() if v.startswith("*")}
     k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=s, constexprs=ce, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=symm._WARPS, maxnreg=symm._MAXNREG))
-    what = (bf16, deq, peers)
+    what = (bf16, deq, peers, item)
     ptx = k.asm["ptx"]
     for op in ("atom.global.sys.release.exch.b32", "ld.global.sys.acquire.b32", "trap;", "%globaltimer"):
         assert op in ptx, (what, op)
@@ -386,12 +399,18 @@ for bf16, deq, peers in ((True, True, 1), (False, True, 3), (True, False, 1), (F
     regs, local = int(re.search(r"REG:(\d+)", res)[1]), int(re.search(r"LOCAL:(\d+)", res)[1])
     # registers for _PROGS_PER_SM programs of _WARPS warps per SM, nothing spilled
     assert regs <= symm._MAXNREG and regs * 32 * symm._WARPS * symm._PROGS_PER_SM <= 65536, (what, regs)
-    assert local == 0, (what, "spills", local)
-    # one system-scope fence per store tile (the flag's release), vector stores (8 elements a
-    # thread), and the landed bytes read past L1 in vector loads
+    assert local == 0 and not re.search(r"\b(LDL|STL)\b", sass), (what, "spills", local)
+    # one system-scope fence per store item (its flags' release, from one warp), vector stores (8
+    # elements a thread), and a work item's register tiles loaded STAGES - 1 ahead of their use by
+    # asynchronous vector copies into shared memory (cp.async)
     assert sass.count("MEMBAR.ALL.SYS") == 1 and "ATOMG.E.EXCH.STRONG.SYS" in sass, what
     assert re.search(r"STG\.E\.(64|128) ", sass), what
-    assert re.search(r"LDG\.E\.(64|128)\.STRONG\.GPU ", sass), what
+    assert re.search(r"LDGSTS\.E\.BYPASS\.128 ", sass), what
+    assert re.search(r"LDGSTS\.E\.(64|BYPASS\.128) ", sass), what
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
+    assert max(waits) >= max(stages) - 2, (what, waits)  # copies still in flight while one is used
+    # shared memory of the programs of an SM (228 KiB an SM on sm_90, 1 KiB of it per program reserved)
+    assert (k.metadata.shared + 1024) * symm._PROGS_PER_SM <= 228 * 1024, (what, k.metadata.shared)
 # the standalone kernels that share the exchange kernel's tile helpers
 from mxmoe.comm import kernels as kk
 for f, s, ce in (
@@ -412,8 +431,8 @@ def test_exchange_kernel_compiles_for_sm90():
     """The exchange kernel (and the standalone kernels sharing its tile helpers) builds for an
     H100/H200 (sm_90) on this machine (Triton ships ptxas and cuobjdump): the exchange kernel's
     system-scope release flag write (one system fence per store tile), acquire flag reads, vector
-    stores and L2 loads of landed bytes, timer and trap; registers for the programs per SM it
-    launches, no spills."""
+    stores, the work items' loads issued ahead as asynchronous copies, timer and trap; registers and
+    shared memory for the programs per SM it launches, no spills."""
     import subprocess
     import sys
 
