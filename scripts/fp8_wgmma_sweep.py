@@ -21,7 +21,7 @@ from mxmoe.ops import fp8_gemm, fp8_wgmma
 from mxmoe.ops.fp8_wgmma import WgmmaConfig
 
 CONFIGS = [  # compiled for sm_90a first: overlapping wgmma; spill ops in the main loop noted
-    fp8_wgmma.DEFAULT_CONFIG,  # 128x128x128, 4 stages, 8 warps: none
+    WgmmaConfig(),  # the class defaults, 128x128x128, 4 stages, 8 warps: none
     WgmmaConfig(128, 128, 256, 3, 8, persistent=True),  # a few per 8-block stage
     WgmmaConfig(128, 64, 128, 3, 4, persistent=True),  # 2 CTAs per SM: none
 ]

@@ -90,7 +90,9 @@ class WgmmaConfig:
             raise ValueError(f"stages={self.stages} must be >= 2")
 
 
-DEFAULT_CONFIG = WgmmaConfig()
+# the H200 sweep's fastest (scripts/fp8_wgmma_sweep.py; docs/benchmarks.md, "GEMMs"): two m64 wgmmas per
+# warpgroup and block, two CTAs per SM
+DEFAULT_CONFIG = WgmmaConfig(128, 64, 128, 3, 4, persistent=True)
 
 
 @gluon.jit

@@ -427,7 +427,7 @@ def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
 # ------------------------------------------------------------------------------------------------
 
 WGMMA_CONFIGS = [  # those of scripts/fp8_wgmma_sweep.py
-    fp8_wgmma.DEFAULT_CONFIG,
+    WgmmaConfig(),  # the class defaults: 128x128x128, 4 stages, 8 warps
     WgmmaConfig(128, 128, 256, 3, 8, persistent=True),  # two TMA boxes per operand and stage
     WgmmaConfig(128, 64, 128, 3, 4, persistent=True),  # two m64 wgmmas per warpgroup and block
 ]

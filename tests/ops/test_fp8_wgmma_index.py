@@ -31,7 +31,7 @@ from mxmoe.ops import fp8_wgmma
 from mxmoe.ops.fp8_wgmma import WgmmaConfig
 
 CONFIGS = [  # those of the GPU tests (tests/ops/test_fp8_gemm.py WGMMA_CONFIGS)
-    fp8_wgmma.DEFAULT_CONFIG,
+    WgmmaConfig(),  # the class defaults: 128x128x128, 4 stages, 8 warps
     WgmmaConfig(128, 128, 256, 3, 8, persistent=True),
     WgmmaConfig(128, 64, 128, 3, 4, persistent=True),
 ]
