@@ -46,9 +46,12 @@ def grouped_mm_hp(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """
     if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
         out = torch._grouped_mm(a, b, offs=offs)
-        if b.ndim == 3:  # rows past the last group are left unwritten: zero them without a host sync
-            tail = torch.arange(a.shape[0], device=a.device) >= offs[-1]
-            out = out.masked_fill(tail.unsqueeze(1), 0)
+        if b.ndim == 3:
+            from mxmoe.ops.tail_rows import zero_rows_after
+
+            # rows past the last group are left unwritten: zero them, with no host sync and no
+            # pass over the other rows
+            zero_rows_after(out, offs)
         return out
     ends = offs.tolist()
     if b.ndim == 3:
