@@ -97,7 +97,7 @@ def _torch_qdq(
 # Triton backend
 # ----------------------------------------------------------------------------------------------
 
-_MAX_BS = 128  # a tile holds whole blocks both ways: (bs, bs) at least
+_MAX_BS = 128  # the rows kernel holds whole blocks both ways in a tile (bs rows, bs-column blocks)
 # Rows-layout kernel: one dim1 block (bs rows) x _ROWS_WARPS * 64 columns per tile, 64 elements
 # (bf16) per thread; each program does up to _ROWS_ITERS column tiles (amortizing the group
 # lookup; one value: one compiled variant per format), e.g. 2056 x 7 programs for 65536 x 7168 in
