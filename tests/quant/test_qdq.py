@@ -444,11 +444,11 @@ from mxmoe.quant.triton_qdq import qdq_rows_kernel
 
 dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 spec = spec_of(32, "rceil", torch.float8_e4m3fn)
-for dim0, dim1, grouped, matrices, max_regs in eval(sys.argv[1]):
-    sig = {"x_ptr": "*i16", "y0_ptr": "*i16", "y1_ptr": "*i16", "offs_ptr": "*i32",
+for dim0, dim1, grouped, matrices, in_bf16, max_regs in eval(sys.argv[1]):
+    sig = {"x_ptr": "*i16" if in_bf16 else "*i32", "y0_ptr": "*i16", "y1_ptr": "*i16", "offs_ptr": "*i32",
            "T": "i32", "R": "i32", "C": "i32", "E": "i32"}
     const = dict(BS=32, N_ITER=_ROWS_ITERS, EP=128, I64=False, GROUPED=grouped, MATRICES=matrices,
-                 IN_BF16=True, OUT_BF16=True, DIM0=dim0, DIM1=dim1, **_rows_tile(32, 2),
+                 IN_BF16=in_bf16, OUT_BF16=True, DIM0=dim0, DIM1=dim1, **_rows_tile(32, 2 if in_bf16 else 4),
                  **_spec_args(spec, False))
     sig.update({n: "constexpr" for n in const})
     names = list(sig)
@@ -457,7 +457,7 @@ for dim0, dim1, grouped, matrices, max_regs in eval(sys.argv[1]):
     k = triton.compile(ASTSource(qdq_rows_kernel, sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": _ROWS_WARPS})
     ptx = k.asm["ptx"]
-    what = (dim0, dim1, grouped, matrices)
+    what = (dim0, dim1, grouped, matrices, in_bf16)
     # x and the outputs move in 16-byte vectors; the only scalar loads are offs entries
     assert set(re.findall(r"st\\.global[.\\w]*", ptx)) == {"st.global.v4.b32"}, what
     assert set(re.findall(r"ld\\.global[.\\w]*", ptx)) <= {"ld.global.v4.b32", "ld.global.b32"}, what
@@ -476,15 +476,16 @@ def test_qdq_rows_kernel_compiles_for_sm90():
     """Ahead-of-time compile of the rows kernel for sm_90 with Triton's bundled ptxas (no GPU
     needed; a subprocess, since the interpreter replaces the jit functions here): 16-byte global
     loads and stores only, no local memory, and at most the registers measured when each variant
-    was tuned (dim0 or dim1 alone 96, both 149, both grouped 150: more costs CTAs per SM); the
-    per-matrix 3D variant (MATRICES, only for 3D x with a short last block) may take more."""
+    was tuned (bf16 in: dim0 or dim1 alone 96, both 149, both grouped 150; fp32 in, dim1 alone,
+    the fp32 master weights along N: 112; more costs CTAs per SM); the per-matrix 3D variant
+    (MATRICES, only for 3D x with a short last block) may take more."""
     import os
     import subprocess
     import sys
 
-    variants = [(True, False, False, False, 96), (False, True, False, False, 96),
-                (True, True, False, False, 149), (True, True, True, False, 150),
-                (False, True, False, True, 128)]
+    variants = [(True, False, False, False, True, 96), (False, True, False, False, True, 96),
+                (True, True, False, False, True, 149), (True, True, True, False, True, 150),
+                (False, True, False, True, True, 128), (False, True, False, False, False, 112)]
     r = subprocess.run([sys.executable, "-c", AOT_CHECK, repr(variants)],
                        env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True,
                        timeout=900)
