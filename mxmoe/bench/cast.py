@@ -14,7 +14,9 @@ copy ceiling is measured in the same run with the same timing utility (mxmoe.ben
 The qdq rows (`mxmoe.quant.qdq`, the Triton kernel the emulated GEMM's operands come from, bf16 in
 and out) count the input read and each bf16 output written: dim0 or dim1 alone 4 bytes per element,
 both 6. "E=8" / "E=256": dim1 blocks per expert group (ragged groups, some empty, rows after the
-last), as `mx_grouped_mm` casts tokens and dy; the others as `mx_mm` does.
+last), as `mx_grouped_mm` casts tokens and dy; "3d E=16": the input viewed as 16 matrices, dim1
+blocks per matrix, as `mx_grouped_mm` casts the expert weights along N (the row count must divide
+by 16); the others as `mx_mm` does.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from mxmoe.bench import timing
 from mxmoe.cli import comma_list, positive_int
 
 MODES = ("dim0", "dim1", "dim0_dim1", "3d", "dequant", "qdq")
-QDQ_LABELS = ("qdq dim0", "qdq dim1 rows", "qdq dim0+dim1 rows", "qdq dim0+dim1 rows E=8",
-              "qdq dim0+dim1 rows E=256")
+QDQ_LABELS = ("qdq dim0", "qdq dim1 rows", "qdq dim1 rows 3d E=16", "qdq dim0+dim1 rows",
+              "qdq dim0+dim1 rows E=8", "qdq dim0+dim1 rows E=256")
 SCALINGS = ("floor", "rceil")
 KERNELS = ("torch", "triton", "cuda")
 DEFAULT_SHAPES_2D = ((16384, 16384), (131072, 7168), (131072, 2048))
@@ -167,11 +169,12 @@ def _qdq_fns(case: Case, elem: torch.dtype):
     o8, o256 = ragged(8), ragged(256)
     return {
         "qdq dim0": lambda x: qdq(x, -1, recipe=r, out_dtype=bf),
-        "qdq dim1 rows": lambda x: qdq(x, -2, recipe=r, out_dtype=bf, layout="rows"),
-        "qdq dim0+dim1 rows": lambda x: qdq_dim0_dim1(x, recipe=r, out_dtype=bf, layout="rows"),
-        "qdq dim0+dim1 rows E=8": lambda x: qdq_dim0_dim1(x, recipe=r, out_dtype=bf, layout="rows", offs=o8),
+        "qdq dim1 rows": lambda x: qdq(x, -2, recipe=r, out_dtype=bf),
+        "qdq dim1 rows 3d E=16": lambda x: qdq(x.view(16, R // 16, -1), -2, recipe=r, out_dtype=bf),
+        "qdq dim0+dim1 rows": lambda x: qdq_dim0_dim1(x, recipe=r, out_dtype=bf),
+        "qdq dim0+dim1 rows E=8": lambda x: qdq_dim0_dim1(x, recipe=r, out_dtype=bf, offs=o8),
         "qdq dim0+dim1 rows E=256": lambda x: qdq_dim0_dim1(
-            x, recipe=r, out_dtype=bf, layout="rows", offs=o256
+            x, recipe=r, out_dtype=bf, offs=o256
         ),
     }
 

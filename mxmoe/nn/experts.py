@@ -67,10 +67,12 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         offs = offsets_from_counts(num_tokens_per_expert)
         w1, w2, w3 = self.w1, self.w2, self.w3
-        if x.is_cuda and torch.is_autocast_enabled("cuda"):
-            # autocast does not cover torch._grouped_mm: give it operands of the autocast dtype so
-            # the grouped GEMM runs as one kernel instead of the fp32 loop
-            dt = torch.get_autocast_dtype("cuda")
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            # autocast covers neither torch._grouped_mm nor the loop: give them operands of the
+            # autocast dtype, as autocast gives nn.Linear's GEMM (on CUDA the grouped GEMM then
+            # runs as one kernel instead of the fp32 loop; CPU autocast runs what CUDA runs)
+            dt = torch.get_autocast_dtype(dev)
             x, w1, w2, w3 = (t.to(dt) for t in (x, w1, w2, w3))
         h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs))
         h = h * grouped_mm(x, w3.transpose(-2, -1), offs)

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
 from mxmoe.ops import mx_grouped_mm
 from mxmoe.ops.config import as_recipe
+from mxmoe.ops.gemm import autocast_input
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import MXRecipe
 
@@ -41,6 +42,10 @@ class MXGroupedExperts(GroupedExperts):
     def forward(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
         cfg = self.mx_config
         offs = offsets_from_counts(num_tokens_per_expert)
+        if isinstance(x, Tensor):
+            # one cast to the autocast dtype for both w1 and w3 (each op would cast x on its own:
+            # two copies forward, two gradient casts back), as GroupedExperts casts x once
+            x = autocast_input(x)
         h = F.silu(mx_grouped_mm(x, self.w1.transpose(-2, -1), offs, cfg))
         h = h * mx_grouped_mm(x, self.w3.transpose(-2, -1), offs, cfg)
         return mx_grouped_mm(h, self.w2.transpose(-2, -1), offs, cfg)

@@ -36,7 +36,10 @@ def grouped_mm_hp(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
         are a[offs[e-1]:offs[e]] @ b[e]; rows at or after offs[-1] are zero.
     2D x 2D: a (M, T), b (T, N), offs over T -> (E, M, N), out[e] = a[:, group e] @ b[group e, :];
         empty groups give zeros.
-    bf16 on CUDA runs torch._grouped_mm (no host sync). 2D x 2D there takes any group sizes (empty
+    bf16 on CUDA runs torch._grouped_mm (no host sync). Its operands' last two dims must each be
+    row-major or column-major, the other stride a multiple of 16 bytes (torch 2.11's check): 2D x
+    3D takes b (E, K, N) either way (mx_grouped_mm passes the forward's as a transposed view of the
+    row-major (E, N, K) weight cast, the dgrad's row-major). 2D x 2D takes any group sizes (empty
     included) when both operands are T-major (a column-major, b row-major: what mx_grouped_mm's
     qdq path passes, dy1ᵀ and the tokens along M); with T contiguous in either operand
     torch._grouped_mm needs every group boundary a multiple of 8 (the MX path's padded groups are
@@ -44,9 +47,12 @@ def grouped_mm_hp(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """
     if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
         out = torch._grouped_mm(a, b, offs=offs)
-        if b.ndim == 3:  # rows past the last group are left unwritten: zero them without a host sync
-            tail = torch.arange(a.shape[0], device=a.device) >= offs[-1]
-            out = out.masked_fill(tail.unsqueeze(1), 0)
+        if b.ndim == 3:
+            from mxmoe.ops.tail_rows import zero_rows_after
+
+            # rows past the last group are left unwritten: zero them, with no host sync and no
+            # pass over the other rows
+            zero_rows_after(out, offs)
         return out
     ends = offs.tolist()
     if b.ndim == 3:

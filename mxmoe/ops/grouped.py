@@ -18,15 +18,16 @@ along K (forward) and along M per group (kept for the wgrad, bf16 (T, K), the by
 keeps for its own wgrad), one read of dy gives dy along N (dgrad) and along M per group. No padded
 copy, no gather, nothing dequantized in the backward. The wgrad is torch._grouped_mm's K-grouped
 form with the real offs: dy1ᵀ (N, T) and a1 (T, K), both T-major, the layout in which
-torch._grouped_mm takes any group sizes (empty included). The weights go through
-`cache_weight_casts`.
+torch._grouped_mm takes any group sizes (empty included). The dgrad takes the weights along N as
+(E, N, K) row-major (each expert's blocks along its own N), as bf16 training's dgrad takes them.
+The weights go through `cache_weight_casts`.
 
 Other backends (the MX path, e.g. "fp8"): the casts along M run on a copy of the tokens in which each
 group starts at a multiple of the block size (`mxmoe.quant.groups`: group e occupies ceil(nₑ/32)·32
 rows, gaps zero, static size roundup(T + 31·E, 32)); the fused dim0+dim1 cast runs on it, the dim0
 result is gathered back to the T rows (an fp8 row gather), and the wgrad GEMM takes the padded
 operands. The "emulated" backend taken through this path (tests) gathers its dequantized operands
-back and makes the qdq path's wgrad call, so the two paths are bit-identical.
+back and makes the qdq path's dgrad and wgrad calls, so the two paths are bit-identical.
 
 MX activations (an `MXTensor` from the MXFP8 dispatch, 2D, blocked along K) feed the forward GEMM
 as they are, without dequantize/requantize; their gradient flows through `a.grad_anchor`. The
@@ -41,7 +42,15 @@ from torch import Tensor
 
 from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import autocast_input, hp_gemm, mx_gemm, no_autocast, uses_qdq
-from mxmoe.ops.linear import needs_grads, swap_last2, wants_grad, weight_mx, weight_qdq, wgrad_mx
+from mxmoe.ops.linear import (
+    dgrad_mx,
+    needs_grads,
+    swap_last2,
+    wants_grad,
+    weight_mx,
+    weight_qdq,
+    wgrad_mx,
+)
 from mxmoe.quant.groups import group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
@@ -75,7 +84,7 @@ class _MXGroupedMM(torch.autograd.Function):
             if hp:
                 a0 = a0.dequantize(compute, kernel=cfg.dim0_kernel)
         elif need_dw and hp:  # one read of a: along K, and along M in groups (kept for the wgrad)
-            a0, a1 = qdq_dim0_dim1(a, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
+            a0, a1 = qdq_dim0_dim1(a, recipe=cfg, out_dtype=compute, offs=offs)
         elif need_dw:
             p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), recipe=cfg)
             a0, a1q, a1s = p0.index_rows(pos), a1.qdata_blocked, a1.scale_blocked
@@ -114,13 +123,13 @@ class _MXGroupedMM(torch.autograd.Function):
         dy0 = dy1 = None
         if need_dw and hp:
             if need_da:  # one read of dy: along N, and along M in groups
-                dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
+                dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute, offs=offs)
             else:
-                dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
+                dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute, offs=offs)
             if ctx.is_mx:  # dequantize the MX activation and cast it along M (see module docstring)
                 sq, ss = ctx.saved_tensors[2:]
                 a_hp = _mx(sq, ss, 1, cfg, ctx.a_mode, ctx.a_dtype).dequantize(kernel=cfg.dim0_kernel)
-                a1 = qdq(a_hp, -2, recipe=cfg, out_dtype=compute, offs=offs, layout="rows")
+                a1 = qdq(a_hp, -2, recipe=cfg, out_dtype=compute, offs=offs)
             else:
                 (a1,) = ctx.saved_tensors[2:]
             # K-grouped (E, N, K): dy1ᵀ (N, T) and a1 (T, K), both T-major, grouped by the real offs
@@ -141,11 +150,11 @@ class _MXGroupedMM(torch.autograd.Function):
             db_t = wgrad_mx(dy1, a1, pos, offs, offs_pad, cfg, b_t.dtype).transpose(-2, -1)
         elif need_da:
             dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute) if hp else to_mx(dy, axis=-1, recipe=cfg)
-        if need_da:  # w (E, N, K) along N: the transposing cast of the contiguous weights
+        if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
             if hp:
                 da = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), offs, ctx.a_dtype)
             else:
-                da = mx_gemm(dy0, weight_mx(w, -2, cfg), offs, cfg, out_dtype=ctx.a_dtype)
+                da = dgrad_mx(dy0, weight_mx(w, -2, cfg), offs, cfg, ctx.a_dtype)
         return da, None, None, None, db_t, None, None, None
 
 

@@ -9,14 +9,15 @@ M need not be a multiple of the block size: the last block along M is short (equ
 it: zeros change no block's amax and add nothing to dW).
 
 Emulated GEMM (the recipe's gemm_backend "emulated"): each operand is made by the fused
-quantize-dequantize (`mxmoe.quant.qdq`): x and dy both ways from one read, both results in the
-operand's own row-major layout. The forward keeps x along M in the compute dtype (bf16 on CUDA:
-what bf16 training keeps for its wgrad) and the backward uses it as is: dW = dy1ᵀ x1, both M-major,
-the layout of bf16 training's wgrad. The weight casts (along K in forward, along N in backward)
-go through `cache_weight_casts` (once per optimizer step inside its scope).
+quantize-dequantize (`mxmoe.quant.qdq`), every result in the operand's own row-major layout: x and
+dy both ways from one read, W along K and along N. The forward keeps x along M in the compute dtype
+(bf16 on CUDA: what bf16 training keeps for its wgrad) and the backward uses it as is: dW = dy1ᵀ x1,
+both M-major, the layout of bf16 training's wgrad. The dgrad dx = dy0 W takes W along N row-major
+(N, K), as bf16 training's dgrad takes W. The weight casts (along K in forward, along N in
+backward) go through `cache_weight_casts` (once per optimizer step inside its scope).
 Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) of zero-padded rows and `mx_gemm`; the
-"emulated" backend taken through that path (tests) makes the qdq path's wgrad call on its
-dequantized operands (`wgrad_mx`), so the two paths are bit-identical.
+"emulated" backend taken through that path (tests) makes the qdq path's dgrad and wgrad calls on
+its dequantized operands (`dgrad_mx`, `wgrad_mx`), so the two paths are bit-identical.
 """
 
 from __future__ import annotations
@@ -98,6 +99,24 @@ def weight_mx(w: Tensor, axis: int, cfg: MXRecipe) -> MXTensor:
     return cached_cast(w, ("mx", axis, cfg), lambda: to_mx(w, axis, recipe=cfg))
 
 
+def dgrad_mx(
+    dy0: MXTensor, w1: MXTensor, offs: Tensor | None, cfg: MXRecipe, out_dtype: torch.dtype
+) -> Tensor:
+    """The MX path's input gradient dy0 W: dy0 logical (M, N) blocked along N, w1 the weight cast
+    along N, logical (N, K) or (E, N, K) (to_mx's storage: (K, N) / (E, K, N)); offs groups the
+    rows of dy0 (None: dense). Returns (M, K).
+
+    The emulated backend dequantizes, makes the weight row-major ((N, K) / (E, N, K), the layout
+    the qdq path's weight cast has) and makes the qdq path's dgrad call (`hp_gemm(dy0, w1, offs)`),
+    so the two paths stay bit-identical. Other backends get the MX operands."""
+    if cfg.gemm_backend != "emulated":
+        return mx_gemm(dy0, w1, offs, cfg, out_dtype=out_dtype)
+    compute = cfg.compute_dtype(dy0.device)
+    d = dy0.dequantize(compute, kernel=cfg.dim0_kernel)
+    w = w1.dequantize(compute, kernel=cfg.dim0_kernel).contiguous()
+    return hp_gemm(d, w, offs, out_dtype)
+
+
 def wgrad_mx(
     dy1: MXTensor, x1: MXTensor, rows: Tensor | int, offs: Tensor | None, offs_pad: Tensor | None,
     cfg: MXRecipe, out_dtype: torch.dtype,
@@ -133,7 +152,7 @@ class _MXMM(torch.autograd.Function):
         hp = uses_qdq(cfg)
         if hp:
             if need_dw:  # one read of x: along K, and along M (kept for the wgrad, row-major)
-                x0, x1 = qdq_dim0_dim1(x, recipe=cfg, out_dtype=compute, layout="rows")
+                x0, x1 = qdq_dim0_dim1(x, recipe=cfg, out_dtype=compute)
             else:
                 x0 = qdq(x, -1, recipe=cfg, out_dtype=compute)
             y = hp_gemm(x0, weight_qdq(w, -1, cfg, compute).t(), None, x.dtype)
@@ -166,12 +185,12 @@ class _MXMM(torch.autograd.Function):
         dy = dy.contiguous()
         if uses_qdq(cfg):
             if need_dx and need_dw:  # one read of dy: along N, and along M (row-major)
-                dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute, layout="rows")
+                dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute)
             elif need_dx:
                 dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute)
             else:
-                dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute, layout="rows")
-            if need_dx:  # W (N, K) along N: stored (K, N)
+                dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute)
+            if need_dx:  # W (N, K) along N, row-major
                 dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), None, ctx.x_dtype)
             if need_dw:  # dy1ᵀ (N, M) and x1 (M, K), both M-major, as bf16 training's wgrad
                 dw_t = hp_gemm(dy1.t(), ctx.saved_tensors[1], None, w_t.dtype).t()  # (N, K) -> (K, N)
@@ -187,7 +206,7 @@ class _MXMM(torch.autograd.Function):
         else:
             dy1 = cast_rows(dy, cfg)
         if need_dx:
-            dx = mx_gemm(dy0, weight_mx(w, 0, cfg), config=cfg, out_dtype=ctx.x_dtype)
+            dx = dgrad_mx(dy0, weight_mx(w, -2, cfg), None, cfg, ctx.x_dtype)
         if need_dw:
             dw_t = wgrad_mx(dy1, x1, M, None, None, cfg, w_t.dtype).t()
         return dx, dw_t, None

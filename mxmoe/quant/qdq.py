@@ -1,36 +1,30 @@
 """Fused quantize-dequantize (qdq): bf16/fp32 -> MX-rounded values in bf16/fp32, one pass.
 
-`qdq(x, axis, recipe=r, out_dtype=d)` equals `to_mx(x, axis, recipe=r).dequantize(d)` bit for bit
-(same values, same logical shape and the same storage layout; NaN where NaN, its payload not
-specified, as for `dequantize`), without writing the fp8 elements and scales and reading them back.
-The emulated GEMM of `mxmoe.ops` feeds its operands this way.
+`qdq(x, axis, recipe=r, out_dtype=d)` has the values of `to_mx(x, axis, recipe=r).dequantize(d)`
+bit for bit (NaN where NaN, its payload not specified, as for `dequantize`), without writing the
+fp8 elements and scales and reading them back, and always in x's own row-major layout: the
+emulated GEMM of `mxmoe.ops` feeds its operands this way.
 
-Layouts (x viewed as (B, R, C), contiguous):
-  dim0 (blocks along the last dim C): out (B, R, C), the input's layout.
-  dim1 (blocks along dim -2, R): out stored (B, C, R) contiguous and returned as its transposed
-      view, i.e. exactly the storage `to_mx(x, axis=-2).dequantize()` returns. The GEMM results
-      depend on the operand layout (bf16 CPU GEMMs differ bitwise between a row-major operand and
-      a transposed one), so this is what keeps the emulated GEMMs bit-identical to the
-      quantize-then-dequantize path.
-  dim0+dim1 from one read: both of the above; or the dim0 values plus the dim1 cast in MX
-      (elements (C, R) and e8m0 scales (C, R // bs), exactly `to_mx(x, axis=-2)`'s storage).
-  dim1 in rows layout (`layout="rows"`, 2D x (T, C)): out (T, C) in x's own row-major layout (what
-      the training ops feed their weight-gradient GEMMs: torch._grouped_mm takes a K-grouped
-      operand this way with any group sizes). T needs no padding: the last block is short, equal to
-      the zero-padded cast's (zeros do not change a block's amax). With `offs` (E,) int32
-      cumulative group ends (as torch._grouped_mm), the blocks start at each group's first row
-      (group e = rows offs[e-1]:offs[e], its last block short): equal to padding every group to a
-      multiple of the block size, casting, dequantizing and gathering the real rows back, without
-      the copies. Rows at or after offs[-1] belong to no group and are zero in every output (dim0
-      included), as in that padded form. The boundaries are computed on the device from offs (no
-      host sync).
+Layouts (x viewed as (B, R, C), contiguous; every output (B, R, C) row-major contiguous):
+  dim0 (blocks along the last dim C).
+  dim1 (blocks along dim -2, R, of each of the B matrices, never across two): R needs no padding:
+      the last block of each matrix is short, equal to the zero-padded cast's (zeros do not change
+      a block's amax). The training ops feed it to their GEMMs as it is: the weights (N, K) or
+      (E, N, K) along N are the dgrad's second operand in this layout, and the tokens and dy along
+      M the wgrad's K-grouped operands (torch._grouped_mm takes them this way with any group
+      sizes).
+  dim0+dim1 from one read (2D x).
+  Groups (2D x (T, C) only): with `offs` (E,) int32 cumulative group ends (as torch._grouped_mm),
+      the dim1 blocks start at each group's first row (group e = rows offs[e-1]:offs[e], its last
+      block short): equal to padding every group to a multiple of the block size, casting,
+      dequantizing and gathering the real rows back, without the copies. Rows at or after
+      offs[-1] belong to no group and are zero in every output (dim0 included), as in that padded
+      form. The boundaries are computed on the device from offs (no host sync).
 
-Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize, CPU or GPU;
-padding and gathering for the rows layout) and "triton" (on CPU under TRITON_INTERPRET=1): the
-rows-layout kernel for dim0 and for the rows layout, the tile-transposing kernel for the dim1
-modes stored transposed. A recipe's "cuda" cast kernel maps to the Triton qdq (there is no CUDA qdq
-kernel). The ops are `torch.library` custom ops with fake implementations (torch.compile
-fullgraph).
+Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize on the padded
+form, CPU or GPU) and "triton" (the rows kernel of `triton_qdq`; on CPU under TRITON_INTERPRET=1).
+A recipe's "cuda" cast kernel maps to the Triton qdq (there is no CUDA qdq kernel). The op is a
+`torch.library` custom op with a fake implementation (torch.compile fullgraph).
 """
 
 from __future__ import annotations
@@ -45,10 +39,6 @@ from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 
 QDQ_KERNELS = ("torch", "triton")
-LAYOUTS = ("transposed", "rows")
-DIM1_NONE, DIM1_QDQ, DIM1_MX, DIM1_ROWS = 0, 1, 2, 3
-"""What the dim1 half of `mxmoe::qdq` writes: nothing, dequantized values stored transposed, the
-MX cast, or dequantized values in x's layout (group-aware with offs)."""
 
 
 def qdq_kernel(kernel: str, device: torch.device) -> str:
@@ -74,9 +64,10 @@ def qdq_kernel(kernel: str, device: torch.device) -> str:
 
 
 def _torch_qdq(
-    x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: int, offs: Tensor | None
+    x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool, offs: Tensor | None
 ) -> list[Tensor]:
-    """x (B, R, C) contiguous -> the outputs listed in `qdq_op`, via torch_cast quantize+dequantize."""
+    """x (B, R, C) contiguous -> the outputs listed in `qdq_op`, via torch_cast quantize+dequantize
+    of the padded form."""
     from mxmoe.quant import torch_cast
 
     B, R, C = x.shape
@@ -89,23 +80,16 @@ def _torch_qdq(
             zero = torch.zeros((), dtype=out_dtype, device=x.device)
             y0 = torch.where(in_groups(offs, R), y0[0], zero).unsqueeze(0)
         outs.append(y0)
-    if dim1 == DIM1_ROWS:  # 2D: pad (each group, or the end) to whole blocks, cast, gather back
-        x2 = x[0]
+    if dim1:  # pad (each group, or each matrix's end) to whole blocks, cast, take the real rows
         if offs is None:
-            pos, xp = None, torch.nn.functional.pad(x2, (0, 0, 0, -R % bs))
+            pos, xp = None, torch.nn.functional.pad(x, (0, 0, 0, -R % bs))
         else:
             pos, _, cap = group_padding(offs, R, bs)
-            xp = pad_groups(x2, offs, pos, cap)
-        q, s = torch_cast.quantize_dim0(xp.t().contiguous(), spec)
-        y1 = torch_cast.dequantize(q, s, bs, out_dtype).t()
-        outs.append((y1[:R] if pos is None else y1.index_select(0, pos)).unsqueeze(0))
-    elif dim1:
-        xt = x.transpose(1, 2).contiguous().view(B * C, R)  # (B, C, R): blocks along R contiguous
-        q, s = torch_cast.quantize_dim0(xt, spec)
-        if dim1 == DIM1_QDQ:
-            outs.append(torch_cast.dequantize(q, s, bs, out_dtype).view(B, C, R))
-        else:
-            outs += [q.view(B, C, R), s.view(B, C, R // bs)]
+            xp = pad_groups(x[0], offs, pos, cap).unsqueeze(0)
+        Rp = xp.shape[1]
+        q, s = torch_cast.quantize_dim0(xp.transpose(1, 2).reshape(B * C, Rp), spec)
+        y1 = torch_cast.dequantize(q, s, bs, out_dtype).view(B, C, Rp).transpose(1, 2)
+        outs.append(y1[:, :R] if pos is None else y1[0].index_select(0, pos).unsqueeze(0))
     return outs
 
 
@@ -113,8 +97,7 @@ def _torch_qdq(
 # Triton backend
 # ----------------------------------------------------------------------------------------------
 
-_TILE = 64  # rows and columns per program (elements 64 x 64: 16 per thread at 8 warps)
-_MAX_BS = 128  # the tile holds whole blocks both ways: (bs, bs) at least
+_MAX_BS = 128  # the rows kernel holds whole blocks both ways in a tile (bs rows, bs-column blocks)
 # Rows-layout kernel: one dim1 block (bs rows) x _ROWS_WARPS * 64 columns per tile, 64 elements
 # (bf16) per thread; each program does up to _ROWS_ITERS column tiles (amortizing the group
 # lookup; one value: one compiled variant per format), e.g. 2056 x 7 programs for 65536 x 7168 in
@@ -137,72 +120,43 @@ def _rows_tile(bs: int, elem_size: int) -> dict:
 
 def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool,
                      offs: Tensor | None, outs) -> None:
-    """The rows-layout kernel on x (T, C): y0 and/or y1 (T, C) in `outs`."""
+    """The rows kernel on x (B, R, C) contiguous (B == 1 with offs): y0 and/or y1 (B, R, C) in
+    `outs`; dim1 blocks start at each matrix's first row (each group's with offs)."""
     import triton
 
     from mxmoe.quant.triton_cast import _spec_args
     from mxmoe.quant.triton_qdq import qdq_rows_kernel
 
-    T, C = x.shape
+    B, R, C = x.shape
+    T = B * R
     bs = spec.block_size
     if x.numel() == 0:
         return
+    matrices = dim1 and B > 1 and R % bs != 0  # else the 2D (T, C) view has the same blocks
     tile = _rows_tile(bs, x.element_size())
     bct = tile["W"] * tile["NB"] * bs
     E = 0 if offs is None else offs.shape[0]
-    # blocks: sum of ceil(n_e / bs) <= floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for
-    # the rows after the last group: <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups)
-    row_blocks = triton.cdiv(T + (bs - 1) * E, bs)
+    # blocks: without groups ceil(R / bs) per matrix; with groups sum of ceil(n_e / bs) <=
+    # floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for the rows after the last group:
+    # <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups)
+    row_blocks = B * triton.cdiv(R, bs) if offs is None else triton.cdiv(T + (bs - 1) * E, bs)
     progs_c = triton.cdiv(triton.cdiv(C, bct), _ROWS_ITERS)
+    if row_blocks > 2**31 - 1 or progs_c > 65535:
+        raise ValueError(f"x of shape {tuple(x.shape)} is too large for the qdq kernel's grid")
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
     it = iter(outs)
     y0 = next(it).view(bits) if dim0 else x
     y1 = next(it).view(bits) if dim1 else x
     qdq_rows_kernel[(row_blocks, progs_c)](
         x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1,
-        x if offs is None else offs, T, C, E, BS=bs, N_ITER=_ROWS_ITERS,
+        x if offs is None else offs, T, R, C, E, BS=bs, N_ITER=_ROWS_ITERS,
         EP=max(128, triton.next_power_of_2(E)),
-        I64=row_blocks * bs * C + bct >= 2**31,  # above the largest offset a program forms (masked too)
-        GROUPED=offs is not None, IN_BF16=x.dtype == torch.bfloat16,
+        # above the largest offset a program forms (masked too): its block's first row is below
+        # T, its last tile ends below bs rows and bct columns further
+        I64=(T + bs) * C + bct >= 2**31,
+        GROUPED=offs is not None, MATRICES=matrices, IN_BF16=x.dtype == torch.bfloat16,
         OUT_BF16=out_dtype == torch.bfloat16, DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS,
         **tile, **_spec_args(spec, x.device.type != "cuda" or triton_interpret()),
-    )
-
-
-def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: int, outs):
-    import triton
-
-    from mxmoe.formats import MODE_IDS, f32_bits
-
-    B, R, C = x.shape
-    bs = spec.block_size
-    if x.numel() == 0:
-        return
-    br = max(bs, min(_TILE, triton.next_power_of_2(R)))
-    bc = max(bs, min(_TILE, triton.next_power_of_2(C)))
-    grid = (triton.cdiv(R, br), triton.cdiv(C, bc), B)
-    if grid[1] > 65535 or B > 65535:
-        raise ValueError(f"x of shape {tuple(x.shape)} is too large for the qdq kernel's grid")
-    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
-    it = iter(outs)
-    y0 = next(it).view(bits) if dim0 else x
-    if dim1 == DIM1_QDQ:
-        y1, s1 = next(it).view(bits), x
-    elif dim1 == DIM1_MX:
-        y1, s1 = next(it).view(torch.uint8), next(it).view(torch.uint8)
-    else:
-        y1 = s1 = x
-    f = spec.elem
-    from mxmoe.quant.triton_qdq import qdq_triton_kernel
-
-    qdq_triton_kernel[grid](
-        x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1, s1, R, C,
-        BS=bs, BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
-        DIM0=dim0, DIM1=dim1, MODE=MODE_IDS[spec.mode], IS_E5M2=f.dtype == torch.float8_e5m2,
-        EMAX=f.emax, MBITS=f.mbits, MIN_EXP=f.min_normal_exp, MAXBITS=f32_bits(f.max_normal),
-        RCEIL_C=spec.rceil_c, T127=spec.rceil_t127, T126=spec.rceil_t126,
-        # software rounding under the interpreter, whose fp32 -> fp8 conversion misrounds
-        SOFT=x.device.type != "cuda" or triton_interpret(), num_warps=8,
     )
 
 
@@ -211,19 +165,8 @@ def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, d
 # ----------------------------------------------------------------------------------------------
 
 
-def _empty_outputs(x: Tensor, elem_dtype, out_dtype, block_size: int, dim0: bool, dim1: int) -> list[Tensor]:
-    B, R, C = x.shape
-    outs = []
-    if dim0:
-        outs.append(torch.empty((B, R, C), dtype=out_dtype, device=x.device))
-    if dim1 == DIM1_QDQ:
-        outs.append(torch.empty((B, C, R), dtype=out_dtype, device=x.device))
-    elif dim1 == DIM1_MX:
-        outs.append(torch.empty((B, C, R), dtype=elem_dtype, device=x.device))
-        outs.append(torch.empty((B, C, R // block_size), dtype=torch.float8_e8m0fnu, device=x.device))
-    elif dim1 == DIM1_ROWS:
-        outs.append(torch.empty((B, R, C), dtype=out_dtype, device=x.device))
-    return outs
+def _empty_outputs(x: Tensor, out_dtype: torch.dtype, dim0: bool, dim1: bool) -> list[Tensor]:
+    return [torch.empty(x.shape, dtype=out_dtype, device=x.device) for on in (dim0, dim1) if on]
 
 
 @torch.library.custom_op("mxmoe::qdq", mutates_args=())
@@ -234,20 +177,17 @@ def qdq_op(
     elem_dtype: torch.dtype,
     out_dtype: torch.dtype,
     dim0: bool,
-    dim1: int,
+    dim1: bool,
     kernel: str,
     offs: Tensor | None = None,
 ) -> list[Tensor]:
-    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0 (and R % block_size == 0 when dim1 is
-    1 or 2; B == 1 when dim1 is 3 or offs is given).
+    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0, any R; B == 1 when offs is given.
 
-    Returns, in order: if dim0, y0 (B, R, C) out_dtype = MX-rounded along C; if dim1 == 1, y1
-    (B, C, R) out_dtype = MX-rounded along R, stored transposed; if dim1 == 2, q1 (B, C, R)
-    elem_dtype and s1 (B, C, R // block_size) float8_e8m0fnu = the MX cast along R (to_mx's
-    storage); if dim1 == 3, y1 (B, R, C) out_dtype = MX-rounded along R in x's layout, blocks
-    starting at every group start when offs is given. offs: None, or (E,) int32 cumulative group
-    ends on x's device (dim1 0 or 3); rows at or after offs[-1] are zero in every output. All
-    contiguous. kernel: "torch" | "triton" (concrete, see `qdq_kernel`).
+    Returns, in order, each (B, R, C) out_dtype row-major contiguous: if dim0, y0 = MX-rounded
+    along C; if dim1, y1 = MX-rounded along R, blocks starting at each matrix's first row (the last
+    one short), or at every group start when offs is given. offs: None, or (E,) int32 cumulative
+    group ends on x's device; rows at or after offs[-1] are zero in every output. kernel: "torch" |
+    "triton" (concrete, see `qdq_kernel`).
     """
     return _qdq_impl(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs)
 
@@ -260,22 +200,18 @@ def _qdq_impl(
     spec = spec_of(block_size, scaling_mode, elem_dtype)
     if kernel == "torch":
         if x.numel() == 0:
-            return _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
+            return _empty_outputs(x, out_dtype, dim0, dim1)
         return [t.contiguous() for t in _torch_qdq(x, spec, out_dtype, dim0, dim1, offs)]
     if kernel != "triton":
         raise ValueError(f"kernel={kernel!r} is not a qdq kernel; expected one of {list(QDQ_KERNELS)}")
-    outs = _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
-    if dim1 in (DIM1_NONE, DIM1_ROWS):  # every row-major output: the rows kernel on (B * R, C)
-        _triton_qdq_rows(x.view(-1, x.shape[-1]), spec, out_dtype, dim0, dim1 == DIM1_ROWS, offs,
-                         [t.view(-1, x.shape[-1]) for t in outs])
-    else:
-        _triton_qdq(x, spec, out_dtype, dim0, dim1, outs)
+    outs = _empty_outputs(x, out_dtype, dim0, dim1)
+    _triton_qdq_rows(x, spec, out_dtype, dim0, dim1, offs, outs)
     return outs
 
 
 @qdq_op.register_fake
 def _(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None):
-    return _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
+    return _empty_outputs(x, out_dtype, dim0, dim1)
 
 
 def _qdq(*args) -> list[Tensor]:
@@ -295,52 +231,39 @@ def _qdq(*args) -> list[Tensor]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, axes: tuple[int, ...]) -> None:
-    """The one argument check of a public qdq call: x as the caller gave it, axes (-1 and/or -2)
-    that must be whole blocks."""
+def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | None, kernel: str) -> None:
+    """The one argument check of a public qdq call (x as the caller gave it): recipe, dtypes, the
+    last dim whole blocks, offs."""
     if not isinstance(recipe, MXRecipe):
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
     check_input_dtype("x", x)
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype={out_dtype} is not supported; expected one of {list(OUTPUT_DTYPES)}")
-    for ax in axes:
-        if x.shape[ax] % recipe.block_size:
-            raise ValueError(
-                f"x.shape[{ax}]={x.shape[ax]} (x {tuple(x.shape)}) is not divisible by "
-                f"block_size={recipe.block_size}"
-            )
-
-
-def _check_rows(x: Tensor, layout: str, offs: Tensor | None, recipe: MXRecipe, kernel: str) -> bool:
-    """Checks `layout` and `offs`; whether the dim1 result is in rows layout."""
-    if not isinstance(recipe, MXRecipe):
-        raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}; expected one of {list(LAYOUTS)}")
-    if (layout == "rows" or offs is not None) and x.ndim != 2:
-        raise ValueError(f"x must be 2D (T, C) for layout='rows' or offs, got shape {tuple(x.shape)}")
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 dims for qdq, got shape {tuple(x.shape)}")
+    if x.shape[-1] % recipe.block_size:
+        raise ValueError(
+            f"x.shape[-1]={x.shape[-1]} (x {tuple(x.shape)}) is not divisible by "
+            f"block_size={recipe.block_size}"
+        )
     if kernel == "triton" and recipe.block_size > _MAX_BS:
         raise ValueError(
             f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to {_MAX_BS}"
         )
-    if offs is not None:
-        if not isinstance(offs, Tensor) or offs.ndim != 1 or offs.dtype != torch.int32:
-            got = f"{offs.dtype} of shape {tuple(offs.shape)}" if isinstance(offs, Tensor) else repr(offs)
-            raise TypeError(
-                "offs must be a 1D torch.int32 tensor of cumulative group ends (as torch._grouped_mm), "
-                f"got {got}"
-            )
-        if not 1 <= offs.shape[0] <= _MAX_GROUPS:
-            raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
-        if offs.device != x.device:
-            raise ValueError(f"offs is on {offs.device} but x on {x.device}; they must share a device")
-    return layout == "rows"
-
-
-def _as3d(x: Tensor) -> Tensor:
-    if x.ndim < 2:
-        raise ValueError(f"x must have at least 2 dims for qdq, got shape {tuple(x.shape)}")
-    return x.contiguous().view(-1, x.shape[-2], x.shape[-1])
+    if offs is None:
+        return
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2D (T, C) with offs, got shape {tuple(x.shape)}")
+    if not isinstance(offs, Tensor) or offs.ndim != 1 or offs.dtype != torch.int32:
+        got = f"{offs.dtype} of shape {tuple(offs.shape)}" if isinstance(offs, Tensor) else repr(offs)
+        raise TypeError(
+            "offs must be a 1D torch.int32 tensor of cumulative group ends (as torch._grouped_mm), "
+            f"got {got}"
+        )
+    if not 1 <= offs.shape[0] <= _MAX_GROUPS:
+        raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
+    if offs.device != x.device:
+        raise ValueError(f"offs is on {offs.device} but x on {x.device}; they must share a device")
 
 
 def qdq(
@@ -350,42 +273,30 @@ def qdq(
     recipe: MXRecipe = DEFAULT_RECIPE,
     out_dtype: torch.dtype | None = None,
     offs: Tensor | None = None,
-    layout: str = "transposed",
 ) -> Tensor:
-    """`to_mx(x, axis, recipe=recipe).dequantize(out_dtype)` in one pass, bit for bit.
+    """The values of `to_mx(x, axis, recipe=recipe).dequantize(out_dtype)` in one pass, bit for bit,
+    in x's own row-major layout.
 
-    x: bf16/fp32, ndim >= 2, any strides (made contiguous); axis -1 (blocks along the last dim,
-    kernel recipe.dim0_kernel) or -2 (blocks along dim -2, kernel recipe.dim1_kernel);
-    x.shape[-1] % recipe.block_size == 0. out_dtype: bf16 or fp32 (default x.dtype).
-    Returns x's shape in out_dtype: axis -1 row-major contiguous; axis -2 with layout="transposed"
-    (x.shape[-2] % block_size == 0) stored with the last two dims swapped (a transposed view of a
-    contiguous tensor), as the dequantized dim1 cast is; with layout="rows" (2D x (T, C), any T)
-    row-major contiguous, the last block short (the zero-padded cast's values).
-    offs: None, or (E,) int32 cumulative group ends on x's device (2D x; axis -1, or axis -2 with
-    layout="rows"): blocks along T start at every group start; rows at or after offs[-1] are zero
-    (module docstring).
+    x: bf16/fp32, ndim >= 2, any strides (made contiguous), x.shape[-1] % recipe.block_size == 0.
+    axis: -1 (blocks along the last dim, kernel recipe.dim0_kernel) or -2 (blocks along dim -2 of
+    each matrix x[..., :, :], never across two, kernel recipe.dim1_kernel; x.shape[-2] need not be
+    a multiple of the block size: the last block is short, the zero-padded cast's values).
+    out_dtype: bf16 or fp32 (default x.dtype). Returns x's shape in out_dtype, row-major contiguous.
+    offs: None, or (E,) int32 cumulative group ends on x's device (2D x only): dim1 blocks start at
+    every group start; rows at or after offs[-1] are zero (module docstring).
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
         raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
     dim1 = axis in (-2, x.ndim - 2)
     kernel = qdq_kernel(getattr(recipe, "dim1_kernel" if dim1 else "dim0_kernel", "torch"), x.device)
-    rows = _check_rows(x, layout, offs, recipe, kernel)
-    if dim1 and offs is not None and not rows:
-        raise ValueError("offs with axis=-2 needs layout='rows' (group blocks in x's own layout)")
-    _check(x, recipe, out_dtype, (-1,) if rows or not dim1 else (-2,))
-    x3 = _as3d(x)
+    _check(x, recipe, out_dtype, offs, kernel)
+    x3 = x.contiguous().view(-1, x.shape[-2], x.shape[-1])
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
-    if dim1:
-        mode = DIM1_ROWS if rows else DIM1_QDQ
-    else:
-        mode = DIM1_NONE
     (y,) = _qdq(
-        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, not dim1, mode, kernel,
+        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, not dim1, dim1, kernel,
         offs,
     )
-    if dim1 and not rows:
-        return y.view(*x.shape[:-2], x.shape[-1], x.shape[-2]).transpose(-2, -1)
     return y.view(x.shape)
 
 
@@ -394,40 +305,25 @@ def qdq_dim0_dim1(
     *,
     recipe: MXRecipe = DEFAULT_RECIPE,
     out_dtype: torch.dtype | None = None,
-    dim1_mx: bool = False,
     offs: Tensor | None = None,
-    layout: str = "transposed",
-) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
-    """Both directions of a 2D x (R, C), bf16/fp32, C divisible by the block size (and R, unless
-    layout="rows"), from one read (kernel recipe.dim1_kernel).
+) -> tuple[Tensor, Tensor]:
+    """Both directions of a 2D x (R, C), bf16/fp32, C divisible by the block size, any R, from one
+    read (kernel recipe.dim1_kernel).
 
-    Returns y0 = qdq(x, -1) ((R, C) contiguous, out_dtype) and y1 = qdq(x, -2, layout=layout, offs=offs):
-    layout="transposed": (R, C) logical, stored (C, R) contiguous; layout="rows": (R, C) row-major
-    contiguous, any R, group-aware with offs (then rows at or after offs[-1] are zero in y0 too).
-    With dim1_mx=True (layout "transposed" only) the dim1 half is instead the MX cast along R as
-    (q1 (C, R) elem dtype, s1 (C, R // bs) float8_e8m0fnu), equal to to_mx(x, axis=0)'s
-    qdata_blocked and scale_blocked.
+    Returns y0 = qdq(x, -1, offs=offs) and y1 = qdq(x, -2, offs=offs), each (R, C) out_dtype
+    row-major contiguous (with offs, rows at or after offs[-1] are zero in both).
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.ndim != 2:
         raise ValueError(f"x must be 2D for qdq_dim0_dim1, got shape {tuple(x.shape)}")
     kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device)
-    rows = _check_rows(x, layout, offs, recipe, kernel)
-    if offs is not None and not rows:
-        raise ValueError("offs needs layout='rows' (group blocks in x's own layout)")
-    if dim1_mx and rows:
-        raise ValueError("dim1_mx=True gives the MX cast's transposed storage; it needs layout='transposed'")
-    _check(x, recipe, out_dtype, (-1,) if rows else (-2, -1))
+    _check(x, recipe, out_dtype, offs, kernel)
     x3 = x.contiguous().unsqueeze(0)
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
-    mode = DIM1_ROWS if rows else (DIM1_MX if dim1_mx else DIM1_QDQ)
-    outs = _qdq(
-        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, mode, kernel, offs
+    y0, y1 = _qdq(
+        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, True, kernel, offs
     )
-    y0 = outs[0][0]
-    if dim1_mx:
-        return y0, outs[1][0], outs[2][0]
-    return y0, (outs[1][0] if rows else outs[1][0].t())
+    return y0[0], y1[0]
 
 
-__all__ = ["LAYOUTS", "QDQ_KERNELS", "qdq", "qdq_dim0_dim1", "qdq_kernel", "qdq_op"]
+__all__ = ["QDQ_KERNELS", "qdq", "qdq_dim0_dim1", "qdq_kernel", "qdq_op"]

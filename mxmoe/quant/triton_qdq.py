@@ -1,16 +1,15 @@
-"""The Triton kernels of the fused quantize-dequantize (`mxmoe.quant.qdq`, which documents the
+"""The Triton kernel of the fused quantize-dequantize (`mxmoe.quant.qdq`, which documents the
 layouts). Imported on first use of the "triton" qdq backend.
 
-`qdq_rows_kernel`: every output in x's own row-major layout (dim0, dim1 with blocks of rows or of
-each group's rows, both from one read): the training ops' activations and gradients, and dim0 of
-anything. `qdq_triton_kernel`: the tile-transposing kernel for the dim1 outputs stored transposed
-(the weights along N) and the dim1 MX cast.
+`qdq_rows_kernel`: every output in x's own row-major layout (dim0; dim1 with blocks of each
+matrix's rows or of each group's rows; both from one read): the training ops' activations,
+gradients and weights.
 
 The quantize step is the cast backend's own (`triton_cast`'s block scale and `_to_elem`'s element
-rounding: one definition for every Triton kernel). The transposing kernel builds the dequantized
-result from integer bits, as the Triton dequantize kernel does for tiles with tiny scales; the rows
-kernel uses the hardware conversions and one exact multiply on a GPU (`_qdq_elems`) and the
-integer construction under the interpreter.
+rounding: one definition for every Triton kernel). The kernel uses the hardware conversions and one
+exact multiply on a GPU (`_qdq_elems`) and, under the interpreter, the construction of the
+dequantized result from integer bits (`_deq_bits`), as the Triton dequantize kernel does for tiles
+with tiny scales.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mxmoe.quant.triton_cast import _abs_key, _block_scale, _load_bits, _quantize, _to_elem
+from mxmoe.quant.triton_cast import _abs_key, _block_scale, _load_bits, _to_elem
 
 
 @triton.jit
@@ -44,63 +43,6 @@ def _deq_bits(qb, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr):
         return tl.where(s == 255, 0x7FC0, rh).to(tl.int16)
     else:
         return tl.where(s == 255, 0x7FC00000, ra | (Q & -2147483648))
-
-@triton.jit
-def qdq_triton_kernel(x_ptr, y0_ptr, y1_ptr, s1_ptr, R, C, BS: tl.constexpr, BR: tl.constexpr,
-                BC: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, DIM0: tl.constexpr,
-                DIM1: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr,
-                MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
-                RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
-    """x (B, R, C) read once as (BR/BS, BS, BC/BS, BS) tiles (element (i, j, k, m) at row
-    i*BS + j, col k*BS + m). DIM0: y0 (B, R, C) = qdq along C. DIM1 = 1: y1 (B, C, R) = qdq
-    along R, stored transposed; DIM1 = 2: y1 (B, C, R) element bytes and s1 (B, C, R/BS) scale
-    bytes of the cast along R (to_mx's storage)."""
-    NBR: tl.constexpr = BR // BS
-    NBC: tl.constexpr = BC // BS
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_b = tl.program_id(2).to(tl.int64)
-    r0 = pid_r * BR
-    c0 = pid_c * BC
-    base = pid_b * R * C
-    i = tl.arange(0, NBR)[:, None, None, None]
-    j = tl.arange(0, BS)[None, :, None, None]
-    k = tl.arange(0, NBC)[None, None, :, None]
-    m = tl.arange(0, BS)[None, None, None, :]
-    row = i * BS + j
-    col = k * BS + m
-    mask = (row < R - r0) & (col < C - c0)
-    offs = row * C + col
-    X = _load_bits(x_ptr + base + r0.to(tl.int64) * C + c0, offs, mask, IN_BF16)
-    if DIM0:
-        q0, s0 = _quantize(X, 3, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126,
-                           SOFT)
-        y0 = _deq_bits(q0, tl.expand_dims(s0.to(tl.int32), 3), IS_E5M2, OUT_BF16)
-        tl.store(y0_ptr + base + r0.to(tl.int64) * C + c0 + offs, y0, mask=mask)
-    if DIM1 != 0:
-        q1, s1 = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126,
-                           SOFT)
-        # (i, j, k, m) -> (k, m, i, j): element (row, col) lands at y1[col, row]
-        it = tl.arange(0, NBR)[None, None, :, None]
-        jt = tl.arange(0, BS)[None, None, None, :]
-        kt = tl.arange(0, NBC)[:, None, None, None]
-        mt = tl.arange(0, BS)[None, :, None, None]
-        offs_t = (kt * BS + mt) * R + it * BS + jt
-        mask_t = (kt * BS + mt < C - c0) & (it * BS + jt < R - r0)
-        y1_base = y1_ptr + base + c0.to(tl.int64) * R + r0
-        if DIM1 == 1:
-            y1 = _deq_bits(q1, tl.expand_dims(s1.to(tl.int32), 1), IS_E5M2, OUT_BF16)
-            tl.store(y1_base + offs_t, tl.permute(y1, (2, 3, 0, 1)), mask=mask_t)
-        else:
-            tl.store(y1_base + offs_t, tl.permute(q1, (2, 3, 0, 1)), mask=mask_t)
-            # s1 (i, k, m) -> (k, m, i): scale of column col, row block r0/BS + i
-            ks = tl.arange(0, NBC)[:, None, None]
-            ms = tl.arange(0, BS)[None, :, None]
-            i_s = tl.arange(0, NBR)[None, None, :]
-            nrb = R // BS
-            s_mask = (ks * BS + ms < C - c0) & (i_s < nrb - pid_r * NBR)
-            s_base = s1_ptr + pid_b * nrb * C + c0.to(tl.int64) * nrb + pid_r * NBR
-            tl.store(s_base + (ks * BS + ms) * nrb + i_s, tl.permute(s1, (1, 2, 0)), mask=s_mask)
 
 
 @triton.jit
@@ -134,23 +76,28 @@ def _qdq_elems(X, e, s, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr, MBITS: tl
         return o.to(tl.int32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["T", "E"])  # only masks use them: one variant for every T and E
-def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, NSL: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "R", "E"])  # masks and the row mapping: one variant for all
+def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, R, C, E, BS: tl.constexpr, NSL: tl.constexpr,
                     W: tl.constexpr, RS: tl.constexpr, NB: tl.constexpr, N_ITER: tl.constexpr,
-                    EP: tl.constexpr, I64: tl.constexpr, GROUPED: tl.constexpr, IN_BF16: tl.constexpr,
+                    EP: tl.constexpr, I64: tl.constexpr, GROUPED: tl.constexpr, MATRICES: tl.constexpr,
+                    IN_BF16: tl.constexpr,
                     OUT_BF16: tl.constexpr,
                     DIM0: tl.constexpr, DIM1: tl.constexpr, MODE: tl.constexpr, IS_E5M2: tl.constexpr,
                     EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr,
                     RCEIL_C: tl.constexpr, T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
-    """x (T, C) -> y0 (T, C) qdq along C (DIM0) and y1 (T, C) qdq along T (DIM1), both in x's
-    row-major layout, from one read of x.
+    """x (T, C) -> y0 (T, C) qdq along C (DIM0) and y1 (T, C) qdq along the rows (DIM1), both in
+    x's row-major layout, from one read of x.
 
     Program (p, q) owns one dim1 block of BS rows and the column tiles q*N_ITER .. (q+1)*N_ITER - 1
     (W*NB*BS columns each). Without GROUPED, block p is rows p*BS .. p*BS + BS - 1 (the last one
-    short). With GROUPED, p counts blocks in the padded row space of `mxmoe.quant.groups`: group e
-    (rows offs[e-1]:offs[e], offs (E,) int32 read here, E <= EP) has ceil(n_e / BS) blocks starting
-    at its first row, the last one short; blocks past the last group cover the rows after offs[-1],
-    which belong to no group and get zeros in y0 and y1.
+    short); with MATRICES, x is T / R matrices of R rows each, every one with ceil(R / BS) blocks
+    starting at its first row (the last one short), and block p is block p % ceil(R / BS) of matrix
+    p // ceil(R / BS) (the same blocks as without when R is a multiple of BS; a constexpr, so the
+    2D variants keep their registers). With GROUPED, p counts blocks in
+    the padded row space of `mxmoe.quant.groups`: group e (rows offs[e-1]:offs[e], offs (E,) int32
+    read here, E <= EP) has ceil(n_e / BS) blocks starting at its first row, the last one short;
+    blocks past the last group cover the rows after offs[-1], which belong to no group and get
+    zeros in y0 and y1.
 
     A tile is held as (NB, RS, W, NSL, BS): element (b, i, w, m, k) is row m*RS + i of the block and
     column (w*NB + b)*BS + k of the tile. Triton's default layout for it puts the 16-byte vectors
@@ -172,6 +119,12 @@ def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, C, E, BS: tl.constexpr, 
         blk0 = tl.max(tl.where(before, pend, 0))  # first block of this block's group (or tail)
         t0 = tl.max(tl.where(before, ends, 0)) + (pid_r - blk0) * BS
         t_end = tl.minimum(tl.min(tl.where(emask & ~before, ends, T)), T)
+    elif MATRICES:  # matrix m0: rows m0*R .. m0*R + R - 1
+        in_group = True
+        nbm = (R + BS - 1) // BS
+        m0 = pid_r // nbm
+        t0 = m0 * R + (pid_r - m0 * nbm) * BS
+        t_end = m0 * R + R
     else:
         in_group = True
         t0 = pid_r * BS

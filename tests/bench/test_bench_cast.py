@@ -46,6 +46,7 @@ def test_bytes_counted():
     assert cast._bytes("dim0_dim1", (64, 128), 2) == 2 * n + 2 * (n + n // 32)
     assert cast._bytes("dequant", (64, 128), 2) == n + n // 32 + 2 * n
     assert cast._bytes("qdq dim1 rows", (64, 128), 2) == 2 * n + 2 * n
+    assert cast._bytes("qdq dim1 rows 3d E=16", (64, 128), 2) == 2 * n + 2 * n
     assert cast._bytes("qdq dim0+dim1 rows E=8", (64, 128), 2) == 2 * n + 4 * n
 
 

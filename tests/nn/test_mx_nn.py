@@ -137,6 +137,29 @@ def test_mx_experts_mx_input_equals_plain():
         assert torch.equal(g, p.grad)
 
 
+@pytest.mark.parametrize("mx", [False, True])
+def test_experts_follow_cpu_autocast_as_cuda(mx):
+    """Under CPU bf16 autocast the experts run as under CUDA autocast: x entering in bf16 (cast once
+    for w1 and w3), bf16 output, fp32 weight gradients, the fp32 input's gradient in fp32; the
+    result equals the same experts run on the bf16-cast input and weights outside autocast."""
+    torch.manual_seed(4)
+    ex = GroupedExperts(64, 32, 4)
+    if mx:
+        ex = MXGroupedExperts.from_experts(ex, MXOpConfig(kernel="torch", dim1_kernel="torch",
+                                                          gemm_dtype=torch.bfloat16))
+    counts = torch.tensor(COUNTS)
+    x = torch.randn(sum(COUNTS), 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ex(x, counts)
+    y.float().square().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    assert all(p.grad.dtype == torch.float32 for p in ex.parameters())
+    ref = copy.deepcopy(ex)
+    if not mx:  # the bf16 experts' GEMMs take bf16 weights (the MX ones quantize the fp32 weights)
+        ref.to(torch.bfloat16)
+    assert torch.equal(y, ref(x.detach().to(torch.bfloat16), counts))
+
+
 def test_mx_model_trains_close_to_bf16_and_compiles():
     base = train_losses(make_model())
     mx_model = convert(make_model(), CPU_CFG)

@@ -1,5 +1,6 @@
 """The emulated GEMM's fused quantize-dequantize path against the MX path (quantize, write, read
-back, dequantize): bit-identical forward and backward, the same bytes saved for backward; the
+back, dequantize): bit-identical forward and backward from the same GEMM calls (operands of the
+same values and strides), the same bytes saved for backward; the
 weight-cast cache (reuse within a scope, never stale); the recipe as the ops' config."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mxmoe.ops.gemm as gemm_mod
 import mxmoe.ops.linear as linear_mod
@@ -59,11 +61,41 @@ def run_grouped(a, w, offs, dy, cfg, req, mx_input=False):
 
 
 QDQ_BACKENDS = gemm_mod.QDQ_BACKENDS  # as shipped (both_paths patches the module's)
+GEMM_OPS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm_hp"}
+
+
+class GemmCalls(TorchDispatchMode):
+    """Records every GEMM (aten mm / bmm / _grouped_mm, mxmoe::grouped_mm_hp) as (op name, and per
+    tensor argument its shape, strides, dtype and a contiguous copy of its values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in GEMM_OPS:
+            ts = [(tuple(t.shape), t.stride(), t.dtype, t.detach().contiguous().clone())
+                  for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)]
+            self.calls.append((name, ts))
+        return func(*args, **(kwargs or {}))
+
+
+def assert_same_gemms(got, want, what):
+    """Both paths made the same GEMM calls: same ops, operand shapes, strides, dtypes and bytes."""
+    assert [c[0] for c in got] == [c[0] for c in want], what
+    for i, ((name, gs), (_, ws)) in enumerate(zip(got, want, strict=True)):
+        layouts = [g[:3] for g in gs], [w[:3] for w in ws]  # shapes, strides, dtypes
+        assert layouts[0] == layouts[1], (what, i, name, *layouts)
+        for g, w in zip(gs, ws, strict=True):
+            assert torch.equal(g[3].view(-1).view(torch.uint8), w[3].view(-1).view(torch.uint8)), (what, i)
 
 
 def both_paths(monkeypatch, fn):
-    """(qdq path result, MX path result, saved bytes of each) of fn()."""
-    out = []
+    """(qdq path result, MX path result, saved bytes of each) of fn(), after checking that the two
+    paths made the same GEMM calls (the qdq path's forward, dgrad and wgrad, on the same operand
+    values and layouts: a GEMM's result depends on its operands' strides, not only their values)."""
+    out, gemms = [], []
     for qdq_backends in (QDQ_BACKENDS, frozenset()):
         monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", qdq_backends)
         saved: list[int] = []
@@ -72,9 +104,12 @@ def both_paths(monkeypatch, fn):
             saved.append(t.numel() * t.element_size())
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), GemmCalls() as log:
             res = fn()
         out.append((res, sum(saved)))
+        gemms.append(log.calls)
+    assert gemms[0], "no GEMM recorded"
+    assert_same_gemms(gemms[0], gemms[1], "GEMM calls, qdq path vs MX path")
     return out
 
 

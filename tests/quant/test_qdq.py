@@ -1,8 +1,10 @@
 """The fused quantize-dequantize (mxmoe.quant.qdq) against the NumPy oracle: every scale mode,
 element format, input and output dtype and input class of tests/quant/cases.py, along dim0, dim1
-(2D and 3D), both from one read, and both with the dim1 half as the MX cast. On CPU: the torch
-backend and the Triton kernel through the interpreter (smaller data); on the GPU (marked gpu): the
-Triton kernel against the oracle and against the torch backend at larger shapes."""
+(2D, 3D with blocks per matrix, groups) and both from one read, every output in the input's
+row-major layout, row counts that are no multiple of the block size against the oracle's padded
+form (pad -> cast -> dequantize). On CPU: the torch backend and the Triton kernel through the
+interpreter (smaller data); on the GPU (marked gpu): the Triton kernel against the oracle and
+against the torch backend at larger shapes."""
 
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ from tests.quant.helpers import (
     COMBOS,
     DTYPES,
     check_dequant,
-    check_quant,
     combos,
     data,
     dname,
@@ -53,34 +54,31 @@ def run_combos(kernel: str):
 @pytest.mark.parametrize("cast", ["dim0", "dim1", "dim1_3d"])
 def test_qdq_one_axis_matches_oracle(kernel, cast):
     """qdq(x, axis) == oracle dequantize of the oracle cast, bf16 and fp32 out, every combo; the
-    dim1 result is the transposed view of a contiguous (.., C, R) tensor."""
+    result row-major contiguous in x's shape (dim1 too: the weights' layout along N)."""
     for mode, elem, dtype in run_combos(kernel):
-        g32 = data(33 if cast != "dim1" else 64, BS, mode, elem, dtype, level(kernel))
+        g32 = data({"dim0": 33, "dim1": 64, "dim1_3d": 96}[cast], BS, mode, elem, dtype, level(kernel))
         ws, wq = oracle(g32, BS, mode, elem)
         if cast == "dim0":
             x = to_torch(g32, dtype)
         elif cast == "dim1":
             x = to_torch(g32.T, dtype)  # (C, 64): blocks along dim -2 are the rows of g32
-        else:  # (E=3, N=C, K=11) expert weights along N: g32's rows are (e, k)
-            x = to_torch(g32.reshape(3, 11, -1).transpose(0, 2, 1), dtype)
+        else:  # (E=3, N=C, K=32) expert weights along N: g32's rows are (e, k)
+            x = to_torch(g32.reshape(3, 32, -1).transpose(0, 2, 1), dtype)
         for out in DTYPES:
             y = qdq(x, -1 if cast == "dim0" else -2, recipe=recipe(kernel, mode, elem), out_dtype=out)
-            assert y.dtype == out and y.shape == x.shape
+            assert y.dtype == out and y.shape == x.shape and y.is_contiguous()
             what = f"qdq {cast} {kernel} {mode} {dname(elem)} {dname(dtype)} -> {dname(out)}"
             if cast == "dim0":
-                assert y.is_contiguous()
                 check_dequant(y, ws, wq, BS, elem, what)
-            else:
-                stored = y.transpose(-2, -1)
-                assert stored.is_contiguous()
-                check_dequant(stored.reshape(g32.shape), ws, wq, BS, elem, what)
+            else:  # back to g32's arrangement (blocks along the last axis)
+                check_dequant(y.transpose(-2, -1).reshape(g32.shape), ws, wq, BS, elem, what)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("orient", ["rows", "cols"])
 def test_qdq_dim0_dim1_matches_oracle(kernel, orient):
-    """Both directions from one read, as values, and with the dim1 half as the MX cast (its bytes
-    == the oracle's cast along R); orient: along which axis the special blocks lie."""
+    """Both directions from one read, both row-major; orient: along which axis the special blocks
+    lie."""
     for mode, elem, dtype in run_combos(kernel):
         g32 = data(64, BS, mode, elem, dtype, level(kernel))
         x32 = np.ascontiguousarray(g32 if orient == "rows" else g32.T)
@@ -92,11 +90,8 @@ def test_qdq_dim0_dim1_matches_oracle(kernel, orient):
             what = f"qdq dim0+dim1 {kernel} {mode} {dname(elem)} {dname(dtype)} -> {dname(out)}"
             y0, y1 = qdq_dim0_dim1(x, recipe=r, out_dtype=out)
             check_dequant(y0, s0, q0, BS, elem, what + " dim0")
-            assert y1.shape == x.shape and y1.t().is_contiguous()
+            assert y0.is_contiguous() and y1.is_contiguous() and y1.shape == x.shape
             check_dequant(y1.t(), s1, q1, BS, elem, what + " dim1")
-            z0, zq, zs = qdq_dim0_dim1(x, recipe=r, out_dtype=out, dim1_mx=True)
-            assert torch.equal(z0.view(torch.uint8), y0.view(torch.uint8))
-            check_quant(zs, zq, np.ascontiguousarray(x32.T), BS, mode, elem, what + " mx", want=(s1, q1))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -120,7 +115,8 @@ def test_qdq_other_block_sizes_and_odd_rows(kernel, bs):
 
 
 def test_qdq_equals_to_mx_dequantize_noncontiguous():
-    """Any strides in: qdq of a transposed view == to_mx(...).dequantize() of it, same storage."""
+    """Any strides in: qdq of a transposed view has the values of to_mx(...).dequantize() of it,
+    row-major."""
     from mxmoe.quant.mx_tensor import to_mx
 
     r = recipe("torch", "rceil", torch.float8_e4m3fn)
@@ -132,6 +128,7 @@ def test_qdq_equals_to_mx_dequantize_noncontiguous():
                 continue
             y = qdq(x, axis, recipe=r, out_dtype=torch.bfloat16)
             ref = to_mx(x, axis, recipe=r).dequantize(torch.bfloat16)
+            assert y.is_contiguous()
             assert torch.equal(y.view(torch.int16), ref.view(torch.int16))
 
 
@@ -147,16 +144,19 @@ def test_qdq_errors():
         qdq(torch.randn(4, 32), recipe=r, out_dtype=torch.float16)
     with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe"):
         qdq(torch.randn(4, 32), recipe="mxfp8")
-    with pytest.raises(ValueError, match=r"x.shape\[-2\]=4 .*block_size=32"):
-        qdq_dim0_dim1(torch.randn(4, 32), recipe=r)
+    with pytest.raises(ValueError, match=r"x.shape\[-1\]=48 \(x \(4, 48\)\) .*block_size=32"):
+        qdq_dim0_dim1(torch.randn(4, 48), recipe=r)
+    with pytest.raises(ValueError, match=r"x must have at least 2 dims for qdq, got shape \(32,\)"):
+        qdq(torch.randn(32), recipe=r)
 
 
 def test_qdq_fake_matches_real_and_compiles():
-    """The fake implementation promises the real outputs' layout; qdq traces with fullgraph."""
+    """The fake implementation promises the real outputs' layout (3D x, a short last block along
+    R); qdq traces with fullgraph."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    x = torch.randn(2, 64, 96)
-    for dim0, dim1 in ((True, 0), (False, 1), (True, 1), (True, 2)):
+    x = torch.randn(2, 45, 96)
+    for dim0, dim1 in ((True, False), (False, True), (True, True)):
         args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, dim1, "torch")
         real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args)]
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -173,7 +173,7 @@ def test_qdq_fake_matches_real_and_compiles():
 
 
 # ---------------------------------------------------------------------------------------------
-# rows layout: dim1 in x's own layout, any row count, blocks per group (offs)
+# dim1 in x's own layout: any row count, blocks per matrix (3D) or per group (offs)
 # ---------------------------------------------------------------------------------------------
 
 COUNTS = [0, 1, 31, 32, 33, 0, 45]  # groups: empty, 1, 31, 32, 33, empty, 45 rows
@@ -192,8 +192,8 @@ def grouped_rows(src: np.ndarray, counts: list[int], tail: int, bs: int = BS) ->
 
 
 def oracle_rows(x32: np.ndarray, bs: int, mode: str, elem, out, ends: list[int] | None):
-    """Expected (y0, y1) float64 values (NaN where NaN) of qdq_dim0_dim1(x, layout="rows",
-    offs=ends) from the oracle, as the padded form defines them: y0 the cast along the columns;
+    """Expected (y0, y1) float64 values (NaN where NaN) of qdq_dim0_dim1(x, offs=ends) from the
+    oracle, as the padded form defines them: y0 the cast along the columns;
     y1: each group (or all rows when ends is None) zero-padded to whole blocks of rows, cast along
     the rows, dequantized, its real rows taken; rows at or after ends[-1] zero in both."""
     T, C = x32.shape
@@ -233,7 +233,7 @@ def offs_of(counts: list[int], device="cpu") -> torch.Tensor:
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("grouped", [False, True])
 def test_qdq_rows_matches_oracle(kernel, grouped):
-    """layout="rows": y0 and y1 (T, C) row-major == the oracle's padded form (module helper
+    """y0 and y1 (T, C) row-major == the oracle's padded form (module helper
     oracle_rows), every scale mode, element, input and output dtype; T = 45 (a short last
     block) without groups; ragged groups with empty ones, sizes 1, 31, 32, 33, and rows after the
     last group with offs. qdq along one axis gives the same bits as the fused call."""
@@ -247,13 +247,36 @@ def test_qdq_rows_matches_oracle(kernel, grouped):
         for out in DTYPES:
             what = f"rows {kernel} {mode} {dname(elem)} {dname(dtype)} -> {dname(out)} grouped={grouped}"
             w0, w1 = oracle_rows(x32, BS, mode, elem, out, ends)
-            y0, y1 = qdq_dim0_dim1(x, recipe=r, out_dtype=out, layout="rows", offs=offs)
+            y0, y1 = qdq_dim0_dim1(x, recipe=r, out_dtype=out, offs=offs)
             assert y0.is_contiguous() and y1.is_contiguous() and y1.shape == x.shape
             check_values(y0, w0, what + " dim0")
             check_values(y1, w1, what + " dim1")
-            z1 = qdq(x, -2, recipe=r, out_dtype=out, layout="rows", offs=offs)
+            z1 = qdq(x, -2, recipe=r, out_dtype=out, offs=offs)
             z0 = qdq(x, -1, recipe=r, out_dtype=out, offs=offs)
             assert torch.equal(_bytes(z1), _bytes(y1)) and torch.equal(_bytes(z0), _bytes(y0)), what
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [64, 45])
+def test_qdq_3d_dim1_per_matrix_matches_oracle(kernel, rows):
+    """3D x (E=3, N, K) (expert weights along N): qdq(x, -2) row-major == each matrix's padded form
+    (oracle_rows of x[e]: blocks start at every matrix's first row, never across two; N = 45 has a
+    short last block per matrix), every combo, bf16 and fp32 out; dim0 of the same x too."""
+    E = 3
+    for mode, elem, dtype in run_combos(kernel):
+        src = np.ascontiguousarray(data(64, BS, mode, elem, dtype, level(kernel)).T)  # blocks along rows
+        x32 = grouped_rows(src, [rows] * E, 0).reshape(E, rows, -1)  # each matrix starts at a block
+        x = to_torch(x32, dtype)
+        r = recipe(kernel, mode, elem)
+        for out in DTYPES:
+            what = f"3d rows={rows} {kernel} {mode} {dname(elem)} {dname(dtype)} -> {dname(out)}"
+            y1 = qdq(x, -2, recipe=r, out_dtype=out)
+            y0 = qdq(x, -1, recipe=r, out_dtype=out)
+            assert y1.shape == x.shape and y1.is_contiguous() and y0.is_contiguous()
+            for e in range(E):
+                w0, w1 = oracle_rows(x32[e], BS, mode, elem, out, None)
+                check_values(y1[e], w1, f"{what} dim1 matrix {e}")
+                check_values(y0[e], w0, f"{what} dim0 matrix {e}")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -280,7 +303,7 @@ def test_qdq_rows_edge_groups(kernel):
         ends = np.cumsum(counts).tolist()
         for out in DTYPES:
             w0, w1 = oracle_rows(x32, rr.block_size, rr.scaling_mode, rr.elem_dtype, out, ends)
-            y0, y1 = qdq_dim0_dim1(x, recipe=rr, out_dtype=out, layout="rows", offs=offs_of(counts))
+            y0, y1 = qdq_dim0_dim1(x, recipe=rr, out_dtype=out, offs=offs_of(counts))
             check_values(y0, w0, f"{counts} {tail} dim0")
             check_values(y1, w1, f"{counts} {tail} dim1")
 
@@ -312,16 +335,17 @@ def test_qdq_rows_noncontiguous_offs():
     offs = torch.tensor([10, 99, 33, 99, 45], dtype=torch.int32)[::2]
     for k in KERNELS:
         r = recipe(k, "rceil", torch.float8_e4m3fn)
-        got = qdq_dim0_dim1(x, recipe=r, layout="rows", offs=offs)
-        want = qdq_dim0_dim1(x, recipe=r, layout="rows", offs=offs.contiguous())
+        got = qdq_dim0_dim1(x, recipe=r, offs=offs)
+        want = qdq_dim0_dim1(x, recipe=r, offs=offs.contiguous())
         assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(got, want, strict=True))
-        assert torch.equal(_bytes(qdq(x, -2, recipe=r, layout="rows", offs=offs)), _bytes(want[1]))
+        assert torch.equal(_bytes(qdq(x, -2, recipe=r, offs=offs)), _bytes(want[1]))
 
 
 def test_qdq_rows_kernel_writes_every_row():
     """The rows kernel's grid covers every block: outputs pre-filled with NaN are all overwritten
     (with the torch backend's values) for group sizes and a tail of 32k + 1 rows (the most blocks
-    per row) and for empty groups."""
+    per row), for empty groups, and for 3D x of matrices of 32k + 1 rows (the most blocks per
+    matrix) or 1 row."""
     from mxmoe.quant.checks import spec_of
     from mxmoe.quant.qdq import _triton_qdq_rows
 
@@ -332,11 +356,18 @@ def test_qdq_rows_kernel_writes_every_row():
         T = sum(counts) + tail
         x = torch.randn(T, 64)
         offs = offs_of(counts)
-        outs = [torch.full((T, 64), float("nan")) for _ in range(2)]
-        _triton_qdq_rows(x, spec, torch.float32, True, True, offs, outs)
-        want = qdq_dim0_dim1(x, recipe=rg, layout="rows", offs=offs)
+        outs = [torch.full((1, T, 64), float("nan")) for _ in range(2)]
+        _triton_qdq_rows(x.unsqueeze(0), spec, torch.float32, True, True, offs, outs)
+        want = qdq_dim0_dim1(x, recipe=rg, offs=offs)
         for a, b in zip(outs, want, strict=True):
-            assert torch.equal(_bytes(a), _bytes(b)), (counts, tail)
+            assert torch.equal(_bytes(a[0]), _bytes(b)), (counts, tail)
+    for shape in ((3, 33, 64), (5, 1, 64), (2, 64, 64)):
+        x = torch.randn(shape)
+        outs = [torch.full(shape, float("nan")) for _ in range(2)]
+        _triton_qdq_rows(x, spec, torch.float32, True, True, None, outs)
+        want = (qdq(x, -1, recipe=rg), qdq(x, -2, recipe=rg))
+        for a, b in zip(outs, want, strict=True):
+            assert torch.equal(_bytes(a), _bytes(b)), shape
 
 
 def test_qdq_rows_triton_interpreter_equals_torch_random():
@@ -350,8 +381,8 @@ def test_qdq_rows_triton_interpreter_equals_torch_random():
     for dtype in DTYPES:
         xd = x.to(dtype)
         for offs in (None, offs_of(counts)):
-            got = qdq_dim0_dim1(xd, recipe=rt, layout="rows", offs=offs)
-            want = qdq_dim0_dim1(xd, recipe=rg, layout="rows", offs=offs)
+            got = qdq_dim0_dim1(xd, recipe=rt, offs=offs)
+            want = qdq_dim0_dim1(xd, recipe=rg, offs=offs)
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(_bytes(a), _bytes(b)), (dtype, offs)
 
@@ -360,38 +391,32 @@ def test_qdq_rows_errors():
     r = recipe("torch", "rceil", torch.float8_e4m3fn)
     x = torch.randn(40, 64)
     offs = torch.tensor([10, 40], dtype=torch.int32)
-    with pytest.raises(ValueError, match="layout='cols'; expected one of \\['transposed', 'rows'\\]"):
-        qdq(x, -2, recipe=r, layout="cols")
     with pytest.raises(TypeError, match="offs must be a 1D torch.int32 .* got torch.int64 of shape"):
-        qdq(x, -2, recipe=r, layout="rows", offs=offs.long())
+        qdq(x, -2, recipe=r, offs=offs.long())
     with pytest.raises(TypeError, match="offs must be a 1D torch.int32 tensor .* got \\[10, 40\\]"):
-        qdq(x, -2, recipe=r, layout="rows", offs=[10, 40])
+        qdq(x, -2, recipe=r, offs=[10, 40])
     with pytest.raises(ValueError, match="offs has 0 groups; expected 1 to"):
-        qdq(x, -2, recipe=r, layout="rows", offs=offs[:0])
-    with pytest.raises(ValueError, match="x must be 2D \\(T, C\\) for layout='rows' or offs, got shape"):
-        qdq(torch.randn(2, 40, 64), -2, recipe=r, layout="rows")
-    with pytest.raises(ValueError, match="offs with axis=-2 needs layout='rows'"):
-        qdq(x, -2, recipe=r, offs=offs)
-    with pytest.raises(ValueError, match="offs needs layout='rows'"):
-        qdq_dim0_dim1(x, recipe=r, offs=offs)
-    with pytest.raises(ValueError, match="dim1_mx=True .* needs layout='transposed'"):
-        qdq_dim0_dim1(x, recipe=r, layout="rows", dim1_mx=True)
+        qdq(x, -2, recipe=r, offs=offs[:0])
+    with pytest.raises(ValueError, match="x must be 2D \\(T, C\\) with offs, got shape \\(2, 40, 64\\)"):
+        qdq(torch.randn(2, 40, 64), -2, recipe=r, offs=offs)
+    with pytest.raises(ValueError, match="offs is on meta but x on cpu"):
+        qdq_dim0_dim1(x, recipe=r, offs=offs.to("meta"))
     with pytest.raises(ValueError, match=r"x.shape\[-1\]=48 .*block_size=32"):
-        qdq(torch.randn(40, 48), -2, recipe=r, layout="rows")
+        qdq(torch.randn(40, 48), -2, recipe=r)
     r256 = recipe("triton", "rceil", torch.float8_e4m3fn, 256)
     with pytest.raises(ValueError, match="block_size=256: the Triton qdq kernel supports block sizes up to"):
-        qdq(torch.randn(4, 256), -2, recipe=r256, layout="rows")
+        qdq(torch.randn(4, 256), -2, recipe=r256)
 
 
 def test_qdq_rows_fake_matches_real_and_compiles():
-    """The rows layout's fake outputs have the real ones' layout; a grouped qdq traces with
+    """With groups, the fake outputs have the real ones' layout; a grouped qdq traces with
     fullgraph (offs a graph input: no host sync) and equals eager."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x = torch.randn(1, 45, 96)
     offs = offs_of([5, 0, 30])
     for dim0, o in ((True, None), (False, None), (True, offs), (False, offs)):
-        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, 3, "torch", o)
+        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, True, "torch", o)
         real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args)]
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fo = None if o is None else mode.from_tensor(o)
@@ -400,11 +425,71 @@ def test_qdq_rows_fake_matches_real_and_compiles():
     r = recipe("torch", "floor", torch.float8_e4m3fn)
 
     def f(x, offs):
-        a, b = qdq_dim0_dim1(x, recipe=r, out_dtype=torch.float32, layout="rows", offs=offs)
-        return a + b + qdq(x, -2, recipe=r, out_dtype=torch.float32, layout="rows")
+        a, b = qdq_dim0_dim1(x, recipe=r, out_dtype=torch.float32, offs=offs)
+        return a + b + qdq(x, -2, recipe=r, out_dtype=torch.float32)
 
     got = torch.compile(f, fullgraph=True, backend="inductor")(x[0], offs)
     assert torch.equal(got, f(x[0], offs))
+
+
+AOT_CHECK = """
+import os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mxmoe.quant.checks import spec_of
+from mxmoe.quant.qdq import _ROWS_ITERS, _ROWS_WARPS, _rows_tile
+from mxmoe.quant.triton_cast import _spec_args
+from mxmoe.quant.triton_qdq import qdq_rows_kernel
+
+dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+spec = spec_of(32, "rceil", torch.float8_e4m3fn)
+for dim0, dim1, grouped, matrices, in_bf16, max_regs in eval(sys.argv[1]):
+    sig = {"x_ptr": "*i16" if in_bf16 else "*i32", "y0_ptr": "*i16", "y1_ptr": "*i16", "offs_ptr": "*i32",
+           "T": "i32", "R": "i32", "C": "i32", "E": "i32"}
+    const = dict(BS=32, N_ITER=_ROWS_ITERS, EP=128, I64=False, GROUPED=grouped, MATRICES=matrices,
+                 IN_BF16=in_bf16, OUT_BF16=True, DIM0=dim0, DIM1=dim1, **_rows_tile(32, 2 if in_bf16 else 4),
+                 **_spec_args(spec, False))
+    sig.update({n: "constexpr" for n in const})
+    names = list(sig)
+    aligned = ("x_ptr", "y0_ptr", "y1_ptr", "offs_ptr", "C")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    k = triton.compile(ASTSource(qdq_rows_kernel, sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": _ROWS_WARPS})
+    ptx = k.asm["ptx"]
+    what = (dim0, dim1, grouped, matrices, in_bf16)
+    # x and the outputs move in 16-byte vectors; the only scalar loads are offs entries
+    assert set(re.findall(r"st\\.global[.\\w]*", ptx)) == {"st.global.v4.b32"}, what
+    assert set(re.findall(r"ld\\.global[.\\w]*", ptx)) <= {"ld.global.v4.b32", "ld.global.b32"}, what
+    assert ("ld.global.b32" in ptx) == grouped, what
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([dump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs, stack, local = (int(re.search(key + r":(\\d+)", res).group(1)) for key in ("REG", "STACK", "LOCAL"))
+    assert stack == 0 and local == 0 and regs <= max_regs, (what, res)
+print("compiled")
+"""
+
+
+def test_qdq_rows_kernel_compiles_for_sm90():
+    """Ahead-of-time compile of the rows kernel for sm_90 with Triton's bundled ptxas (no GPU
+    needed; a subprocess, since the interpreter replaces the jit functions here): 16-byte global
+    loads and stores only, no local memory, and at most the registers measured when each variant
+    was tuned (bf16 in: dim0 or dim1 alone 96, both 149, both grouped 150; fp32 in, dim1 alone,
+    the fp32 master weights along N: 112; more costs CTAs per SM); the per-matrix 3D variant
+    (MATRICES, only for 3D x with a short last block) may take more."""
+    import os
+    import subprocess
+    import sys
+
+    variants = [(True, False, False, False, True, 96), (False, True, False, False, True, 96),
+                (True, True, False, False, True, 149), (True, True, True, False, True, 150),
+                (False, True, False, True, True, 128), (False, True, False, False, False, 112)]
+    r = subprocess.run([sys.executable, "-c", AOT_CHECK, repr(variants)],
+                       env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -415,8 +500,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("combo", COMBOS, ids=[combo_id(c) for c in COMBOS])
 def test_gpu_qdq_triton_matches_oracle_and_torch(combo):
     """On the GPU: the Triton qdq == the oracle on every input class (full level), and == the torch
-    backend bit for bit on large random tensors of every shape class (dim0 odd rows, dim1 2D and 3D,
-    both, both with the MX dim1)."""
+    backend bit for bit on large random tensors of every shape class (dim0 odd rows, dim1 2D and 3D
+    (expert weights along N, also with a short last block per matrix), both)."""
     mode, elem, dtype = combo
     g32 = data(64, BS, mode, elem, dtype, "full")
     s0, q0 = oracle(g32, BS, mode, elem)
@@ -434,8 +519,9 @@ def test_gpu_qdq_triton_matches_oracle_and_torch(combo):
         ((4001, 1024), lambda t, r, o: [qdq(t, -1, recipe=r, out_dtype=o)]),
         ((2048, 1536), lambda t, r, o: [qdq(t, -2, recipe=r, out_dtype=o)]),
         ((8, 512, 768), lambda t, r, o: [qdq(t, -2, recipe=r, out_dtype=o)]),
+        ((16, 1024, 1024), lambda t, r, o: [qdq(t, -2, recipe=r, out_dtype=o)]),
+        ((7, 500, 768), lambda t, r, o: [qdq(t, -2, recipe=r, out_dtype=o)]),
         ((4096, 2048), lambda t, r, o: list(qdq_dim0_dim1(t, recipe=r, out_dtype=o))),
-        ((4096, 2048), lambda t, r, o: list(qdq_dim0_dim1(t, recipe=r, out_dtype=o, dim1_mx=True))),
     ):
         t = (torch.randn(shape, device="cuda") * scale[: shape[-2]]).to(dtype)
         for out in DTYPES:
@@ -448,8 +534,8 @@ def test_gpu_qdq_fake_matches_real_triton():
     """The Triton backend's outputs have the layout the fake implementation promises."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    x = torch.randn(3, 96, 160, device="cuda", dtype=torch.bfloat16)
-    for dim0, dim1 in ((True, 0), (False, 1), (True, 1), (True, 2)):
+    x = torch.randn(3, 90, 160, device="cuda", dtype=torch.bfloat16)
+    for dim0, dim1 in ((True, False), (False, True), (True, True)):
         args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, dim1, "triton")
         real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args)]
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -472,7 +558,7 @@ def test_gpu_qdq_rows_triton_matches_oracle(combo):
     x = to_torch(x32, dtype, "cuda")
     for out in DTYPES if dtype == torch.float32 else (torch.bfloat16,):
         w0, w1 = oracle_rows(x32, BS, mode, elem, out, ends)
-        y0, y1 = qdq_dim0_dim1(x, recipe=rt, out_dtype=out, layout="rows", offs=offs_of(COUNTS, "cuda"))
+        y0, y1 = qdq_dim0_dim1(x, recipe=rt, out_dtype=out, offs=offs_of(COUNTS, "cuda"))
         check_values(y0, w0, f"gpu rows dim0 -> {out}")
         check_values(y1, w1, f"gpu rows dim1 -> {out}")
 
@@ -494,11 +580,11 @@ def test_gpu_qdq_rows_triton_equals_torch_large():
         rt, rg = recipe("triton", mode, elem), recipe("torch", mode, elem)
         t = (torch.randn(T, 7168, device="cuda") * scale).to(dtype)
         for o in (None, offs):
-            got = qdq_dim0_dim1(t, recipe=rt, out_dtype=torch.bfloat16, layout="rows", offs=o)
-            want = qdq_dim0_dim1(t, recipe=rg, out_dtype=torch.bfloat16, layout="rows", offs=o)
+            got = qdq_dim0_dim1(t, recipe=rt, out_dtype=torch.bfloat16, offs=o)
+            want = qdq_dim0_dim1(t, recipe=rg, out_dtype=torch.bfloat16, offs=o)
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(_bytes(a), _bytes(b)), (mode, o is None)
-        got = qdq(t, -2, recipe=rt, out_dtype=torch.bfloat16, layout="rows", offs=offs)
+        got = qdq(t, -2, recipe=rt, out_dtype=torch.bfloat16, offs=offs)
         assert torch.equal(_bytes(got), _bytes(want[1])), mode
 
 
@@ -510,7 +596,7 @@ def test_gpu_qdq_rows_fake_matches_real_triton():
     x = torch.randn(1, 1000, 512, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([100, 100, 999], dtype=torch.int32, device="cuda")
     for dim0, o in ((True, None), (False, offs), (True, offs)):
-        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, 3, "triton")
+        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, True, "triton")
         real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args, o)]
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fo = None if o is None else mode.from_tensor(o)
@@ -521,16 +607,22 @@ def test_gpu_qdq_rows_fake_matches_real_triton():
 @pytest.mark.gpu
 def test_gpu_qdq_rows_beyond_2_31_elements():
     """More than 2^31 elements (the kernel's 64-bit row offsets): the groups at the end and the
-    first rows equal the same kernel on small slices (32-bit offsets)."""
+    first rows equal the same kernel on small slices (32-bit offsets); so does each matrix of the
+    same data viewed as 3D (dim1 per matrix)."""
     r = recipe("triton", "rceil", torch.float8_e4m3fn)
     C = 8192
     T = 2**31 // C + 300
     x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
     counts = [T - 350, 150, 0, 100]  # then 100 rows in no group
     offs = offs_of(counts, "cuda")
-    y0, y1 = qdq_dim0_dim1(x, recipe=r, layout="rows", offs=offs)
+    y0, y1 = qdq_dim0_dim1(x, recipe=r, offs=offs)
     s = T - 350
-    z0, z1 = qdq_dim0_dim1(x[s:], recipe=r, layout="rows", offs=offs[1:] - s)
+    z0, z1 = qdq_dim0_dim1(x[s:], recipe=r, offs=offs[1:] - s)
     assert torch.equal(_bytes(y0[s:]), _bytes(z0)) and torch.equal(_bytes(y1[s:]), _bytes(z1))
-    h0, h1 = qdq_dim0_dim1(x[:992], recipe=r, layout="rows", offs=offs_of([992], "cuda"))
+    h0, h1 = qdq_dim0_dim1(x[:992], recipe=r, offs=offs_of([992], "cuda"))
     assert torch.equal(_bytes(y0[:992]), _bytes(h0)) and torch.equal(_bytes(y1[:992]), _bytes(h1))
+    del y0, y1
+    x3 = x.view(2, T // 2, C)  # 3D: two matrices (blocks never across them), the second past 2^31
+    y3 = qdq(x3, -2, recipe=r)
+    for m in range(2):
+        assert torch.equal(_bytes(y3[m]), _bytes(qdq(x3[m], -2, recipe=r))), m

@@ -1,0 +1,155 @@
+"""What the MX step runs besides the bf16 step: the aten ops of one forward + backward of the MoE
+model (debug_moe) with the MX converter against the same model without it, under CPU bf16
+autocast (which the model follows as it follows CUDA autocast: the bf16 step of the H200 runs),
+counted outside the quantizer.
+
+The quantizer's own ops are left out: the MX ops call the qdq body directly in eager mode (the
+`mxmoe::qdq` custom op is one dispatched call only while torch.compile traces or autograd records
+its input), so the count marks the calls of `mxmoe.quant.qdq._qdq_impl` and skips the ops inside
+them. What is left is what the MX modules do around the quantizer: copies, elementwise ops and
+GEMMs, each keyed by op, phase (forward / backward), operand shapes and dtypes, output dtype.
+
+Counts on this model (2 x 64 tokens): copies outside the quantizer per step, bf16 120, MX 94 (98
+before the experts cast their input once; 96 before the ops followed autocast, 34 of those copies
+of activations and their gradients between fp32 and bf16, which the bf16 step does not make);
+elementwise 228 and GEMMs 69 in both.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mxmoe.quant.qdq as qdq_mod
+from mxmoe.models.moe import Transformer, model_args
+from mxmoe.nn.converter import convert
+from mxmoe.recipe import MXRecipe
+
+COPIES = {"_to_copy", "copy_", "clone"}  # .contiguous() / .reshape() copies dispatch as clone
+GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm_hp"}
+QDQ_IMPL = qdq_mod._qdq_impl
+
+
+class StepOps(TorchDispatchMode):
+    """Counts copies, elementwise ops and GEMMs outside the quantizer, keyed by (category, phase,
+    op, operand (shape, dtype)s, output dtype); `weight_copies`: copies that read the storage of
+    one of `weights`; `qdq_calls`, `qdq_ops`: quantizer calls and the ops inside them (skipped)."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.phase = "fwd"
+        self.depth = 0
+        self.qdq_calls = self.qdq_ops = self.weight_copies = 0
+        self.weight_storages = {w.untyped_storage().data_ptr() for w in weights}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.depth:
+            self.qdq_ops += 1
+            return out
+        name = func.overloadpacket.__name__
+        if name in COPIES:
+            cat = "copy"
+        elif name in GEMMS:
+            cat = "gemm"
+        elif torch.Tag.pointwise in func.tags:
+            cat = "elementwise"
+        else:  # views, factories, reductions, indexing: no extra data movement to audit here
+            return out
+        ts = [a for a in args if isinstance(a, torch.Tensor)]
+        if cat == "copy" and ts[-1].untyped_storage().data_ptr() in self.weight_storages:
+            self.weight_copies += 1
+        key = tuple((tuple(t.shape), t.dtype) for t in ts)
+        self.ops[(cat, self.phase, name, key, out.dtype if isinstance(out, torch.Tensor) else None)] += 1
+        return out
+
+    def of(self, cat: str) -> collections.Counter:
+        return collections.Counter({k: v for k, v in self.ops.items() if k[0] == cat})
+
+
+def one_step(model, fqns: list[str], monkeypatch) -> StepOps:
+    """Ops of one forward + backward (cross-entropy + aux loss) under bf16 autocast on the model's
+    device; weight copies: of the parameters of the modules `fqns`."""
+    log = StepOps([p for f in fqns for p in model.get_submodule(f).parameters()])
+
+    def marked(*args):
+        log.depth += 1
+        log.qdq_calls += 1
+        try:
+            return QDQ_IMPL(*args)
+        finally:
+            log.depth -= 1
+
+    monkeypatch.setattr(qdq_mod, "_qdq_impl", marked)
+    dev = next(model.parameters()).device
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(dev)
+    # autocast's weight-cast cache off, as the trainer's CUDA-graph step runs it
+    with log, torch.autocast(dev.type, dtype=torch.bfloat16, cache_enabled=False):
+        logits, aux = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()) + aux
+        log.phase = "bwd"
+        loss.backward()
+    return log
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def models(request):
+    torch.manual_seed(0)
+    bf16 = Transformer(model_args("debug_moe")).to(request.param)
+    if request.param == "cpu":  # the recipe as on the H200 (bf16 GEMM operands), CPU cast kernels
+        recipe = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_dtype=torch.bfloat16)
+    else:  # the default recipe: the Triton qdq, bf16 GEMMs (torch.mm, torch._grouped_mm)
+        recipe = MXRecipe()
+    mx = convert(copy.deepcopy(bf16), recipe)
+    fqns = [f for kind in mx.mx_conversion.converted.values() for f in kind]  # the MX modules
+    return bf16, mx, fqns
+
+
+def test_mx_step_copies_no_more_than_bf16(models, monkeypatch):
+    """Every copy the MX step makes outside the quantizer, the bf16 step makes too (same op,
+    phase, shapes and dtypes), and no MX module copies its weights.
+
+    Copies both steps make (allowed, not extra): the autocast casts of activations entering a GEMM
+    (mx_mm / mx_grouped_mm cast their input as torch.mm under autocast does; the experts once for
+    w1 and w3), their gradients cast back, each weight gradient cast from the GEMM's bf16 to the
+    fp32 parameter (the MX ops' hp_gemm(..., out_dtype=param dtype), bf16's ToCopyBackward of its
+    weight cast), the model's own fp32 islands (router, RoPE, RMSNorm, the routed sum) and the
+    attention reshapes. Extra copies justified for MX: none.
+    Copies only the bf16 step makes: the weight casts fp32 -> bf16 (MX quantizes the fp32 master
+    weights directly, once per optimizer step in a cast-cache scope) and, for the experts, the
+    gradient's layout copy (the MX wgrad writes the gradient in the parameter's layout).
+    """
+    bf16, mx, fqns = models
+    b, m = one_step(bf16, fqns, monkeypatch), one_step(mx, fqns, monkeypatch)
+    assert m.qdq_calls and m.qdq_ops and not b.qdq_calls  # the quantizer ran and was left out
+    extra = m.of("copy") - b.of("copy")
+    assert not extra, f"copies the MX step makes and the bf16 step does not: {dict(extra)}"
+    assert m.weight_copies == 0, "an MX module copies its weight (it should quantize it from fp32)"
+    # where the bf16 step casts each of those weights to bf16 once (the router gates and the output
+    # head stay high precision in both steps: autocast casts their weights in both)
+    assert b.weight_copies == sum(1 for f in fqns for _ in mx.get_submodule(f).parameters()) > 0
+    assert sum(m.of("copy").values()) < sum(b.of("copy").values())
+
+
+def test_mx_step_elementwise_and_gemms_as_bf16(models, monkeypatch):
+    """Outside the quantizer the MX step runs the bf16 step's elementwise ops exactly (same ops on
+    the same shapes and dtypes: no elementwise work in fp32 where bf16 runs bf16, no extra pass)
+    and its GEMMs (on CPU the same calls; on CUDA as many per phase: the experts' grouped GEMMs are
+    mxmoe::grouped_mm_hp there, around torch._grouped_mm, its wgrad in the parameter's layout)."""
+    bf16, mx, fqns = models
+    b, m = one_step(bf16, fqns, monkeypatch), one_step(mx, fqns, monkeypatch)
+    got, want = m.of("elementwise"), b.of("elementwise")
+    assert want and got == want, (dict(got - want), dict(want - got))
+    got, want = m.of("gemm"), b.of("gemm")
+    assert want
+    if next(mx.parameters()).is_cuda:
+        phases = [collections.Counter(k[1] for k in c.elements()) for c in (got, want)]
+        assert phases[0] == phases[1], phases
+    else:
+        assert got == want, (dict(got - want), dict(want - got))
