@@ -17,7 +17,7 @@ import torch
 
 from mxmoe.bench.gemm_common import rowwise_fp8, timed_or_reason
 from mxmoe.bench.timing import bench, require_cuda
-from mxmoe.ops import fp8_gemm, fp8_wgmma
+from mxmoe.ops import fp8_gemm
 from mxmoe.ops.fp8_wgmma import WgmmaConfig
 
 CONFIGS = [  # compiled for sm_90a first: overlapping wgmma; spill ops in the main loop noted
