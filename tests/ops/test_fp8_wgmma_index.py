@@ -21,6 +21,9 @@ zeroed (rows after offs[-1]); in the emulation, within the fp32 accumulation bou
 product.
 """
 
+import sys
+import threading
+import time
 import types
 
 import numpy as np
@@ -34,6 +37,10 @@ CONFIGS = [  # those of the GPU tests (tests/ops/test_fp8_gemm.py WGMMA_CONFIGS)
     fp8_wgmma.DEFAULT_CONFIG,
     WgmmaConfig(128, 128, 256, 3, 8, persistent=True),
     WgmmaConfig(128, 64, 128, 3, 4, persistent=True),
+]
+WS_CONFIGS = [  # the warp-specialized kernel's (tests/ops/test_fp8_gemm.py WS_CONFIGS)
+    WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
+    WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True),
 ]
 
 
@@ -416,6 +423,78 @@ class _View:
         return np.array(self.a, dtype=np.float32).view(_Arr)
 
 
+_HANG_TIMEOUT = 20.0  # seconds a partition waits on an mbarrier before the emulation calls it a hang
+
+
+class WsLaunch:
+    """`_fp8_ws_kernel[grid](...)` intercepted: records the launch into `got` (kernel "ws")."""
+
+    def __init__(self, got):
+        self.got = got
+
+    def __getitem__(self, grid):
+        def record(*args, maxnreg, **kw):
+            assert maxnreg == fp8_wgmma.WS_MAXNREG and kw["num_warps"] == 4
+            self.got.update(grid=grid, args=args, kw=kw, kernel="ws")
+        return record
+
+
+class _Partitions:
+    """`gl.warp_specialize` on CPU: every partition a thread, mbarrier waits blocking until their
+    phase completes (the threads switch at each wait and arrival; a waiter pauses after its wait,
+    so the others run ahead as far as the barriers allow), a wait that no other partition
+    completes within `_HANG_TIMEOUT` seconds a hang."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.timeout = _HANG_TIMEOUT
+        self.failed = None
+        self.active = False
+
+    def run(self, functions_and_args, worker_num_warps, worker_num_regs):
+        assert len(functions_and_args) == len(worker_num_warps) + 1 == len(worker_num_regs) + 1
+        assert all(24 <= r <= 256 and r % 8 == 0 for r in worker_num_regs)
+
+        def body(fn, args):
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 (re-raised in the launching thread)
+                with self.cond:
+                    self.failed = self.failed or e
+                    self.cond.notify_all()
+
+        threads = [threading.Thread(target=body, args=fa, daemon=True) for fa in functions_and_args]
+        self.active = True
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.active = False
+        if self.failed is not None:
+            raise self.failed
+
+    def wait(self, bar, parity):
+        """Until the phase of parity `parity` has completed: the barrier's current (incomplete)
+        phase has the other parity (a fresh barrier: phase 0 running, so parity 1 passes)."""
+        with self.cond:
+            ok = self.cond.wait_for(lambda: self.failed is not None or (bar.phase & 1) != int(parity),
+                                    timeout=self.timeout)
+            if self.failed is not None:
+                raise RuntimeError("another partition failed")
+            assert ok, f"mbarrier wait for parity {parity} never completes (phase {bar.phase}): a hang"
+        # the waiter pauses before it goes on (reads the slot, refills it): the other partitions
+        # run ahead as far as the barriers let them, so a missing wait shows as a wrong result
+        time.sleep(2e-4)
+
+    def update(self, change):
+        """Run `change` (an mbarrier's state) under the lock, then wake the waiting partitions."""
+        with self.cond:
+            change()
+            self.cond.notify_all()
+        if self.active:
+            time.sleep(0)  # let a waiting partition run (more interleavings)
+
+
 def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
     def alloc(dtype, shape, _layout):
         if dtype == "i64":
@@ -434,17 +513,33 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
         bar.live = True
 
     def expect(bar, nbytes, pred=True):
-        if pred:
+        def change():
             assert bar.live
             rec.expects.append((bar, nbytes))
             bar.pending -= 1
             bar.tx += nbytes
             bar.check_phase()
 
+        if pred:
+            parts.update(change)
+
+    parts = _Partitions()
+
     def wait(bar, parity):
+        if parts.active:
+            return parts.wait(bar, parity)
         # sequential: every copy has landed, so a phase not completed yet never will (a hang)
         assert bar.phase >= 1 and (bar.phase - 1) & 1 == int(parity), \
             f"mbarrier wait for parity {parity} after {bar.phase} completed phases: a hang or a stale slot"
+
+    def arrive(bar, count=1, pred=True):
+        def change():
+            assert bar.live and bar.pending >= count, "more arrivals than the mbarrier's count"
+            bar.pending -= count
+            bar.check_phase()
+
+        if pred:
+            parts.update(change)
 
     def invalidate(bar):
         assert bar.pending == bar.count and bar.tx == 0, "mbarrier invalidated with a TMA copy in flight"
@@ -461,9 +556,13 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
         if rs.start < rs.stop and cs.start < cs.stop:
             box[rs.start - r0:rs.stop - r0, cs.start - c0:cs.stop - c0] = src[rs, cs]
         dst.a[...] = box
-        bar.tx -= desc.block_type.nbytes
-        assert bar.tx >= 0, "more bytes copied than expected on the mbarrier"
-        bar.check_phase()
+
+        def change():
+            bar.tx -= desc.block_type.nbytes
+            assert bar.tx >= 0, "more bytes copied than expected on the mbarrier"
+            bar.check_phase()
+
+        parts.update(change)
 
     gl_ = _gl_shim(rec)
     gl_.__dict__.update(
@@ -472,9 +571,9 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
         SharedLinearLayout=lambda bases: ("linear", bases),
         zeros=lambda shape, *_: np.zeros(shape, np.float32).view(_Arr),
         program_id=lambda axis: _I(pid[axis]), num_programs=lambda axis: _I(nprog[axis]),
-        to_tensor=lambda x: x, thread_barrier=lambda: None)
+        to_tensor=lambda x: x, thread_barrier=lambda: None, warp_specialize=parts.run)
     mbar_ = types.SimpleNamespace(MBarrierLayout=lambda: None, init=init, expect=expect, wait=wait,
-                                  invalidate=invalidate)
+                                  invalidate=invalidate, arrive=arrive)
     tma_ = types.SimpleNamespace(async_copy_global_to_shared=copy)
 
     def mma(a, b, _acc, use_acc=False, is_async=True):
@@ -484,9 +583,10 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
                 warpgroup_mma_wait=lambda n, deps: deps[0])
 
 
-def emulate_kernel(got):
+def emulate_kernel(got, patch=None):
     """Run the launch `got` (from `launch_args`) through the kernel's own source; returns the
-    recorder (copies for the alignment check) and fills the launch's output tensor."""
+    recorder (copies for the alignment check) and fills the launch's output tensor. `patch`:
+    device function name -> (shims -> globals to override in that function only)."""
     a_desc, b_desc, sa_desc, sb_desc, out, offs_t, *ints = got["args"]
     assert out.dtype == torch.float32 and out.is_contiguous()
     descs = {n: _Desc(n, d) for n, d in zip(("a", "b", "sa", "sb"), (a_desc, b_desc, sa_desc, sb_desc),
@@ -505,7 +605,13 @@ def emulate_kernel(got):
         hosts[k] = types.FunctionType(v.fn.__code__, {}, v.fn.__name__, v.fn.__defaults__, v.fn.__closure__)
     for k, v in jit.items():
         hosts[k].__globals__.update({**v.fn.__globals__, **shims, **hosts})
-    kernel = hosts["_fp8_wgmma_kernel"]
+    for k, override in (patch or {}).items():
+        f = hosts[k]
+        hosts[k] = types.FunctionType(f.__code__, {**f.__globals__, **override(shims)}, f.__name__,
+                                      f.__defaults__, f.__closure__)
+        for h in hosts.values():
+            h.__globals__[k] = hosts[k]
+    kernel = hosts["_fp8_ws_kernel" if got.get("kernel") == "ws" else "_fp8_wgmma_kernel"]
     for p1 in range(grid[1]):
         for p0 in range(grid[0]):
             pid[0], pid[1] = p0, p1
@@ -514,7 +620,7 @@ def emulate_kernel(got):
     return rec
 
 
-def _emulated(monkeypatch, case, cfg, resident=10**9):
+def _emulated(monkeypatch, case, cfg, resident=10**9, patch=None):
     aq, as_, bq, bs, offs, out = case
     got = {}
 
@@ -523,11 +629,12 @@ def _emulated(monkeypatch, case, cfg, resident=10**9):
             return lambda *args, **kw: got.update(grid=grid, args=args, kw=kw)
 
     monkeypatch.setattr(fp8_wgmma, "_fp8_wgmma_kernel", Launch())
+    monkeypatch.setattr(fp8_wgmma, "_fp8_ws_kernel", WsLaunch(got))
     monkeypatch.setattr(fp8_wgmma, "_resident_ctas", lambda cfg, device: resident)
     fp8_wgmma.launch(aq, as_, bq, bs, offs, out, cfg)
     monkeypatch.undo()
     got["args"] = (*got["args"][:4], out, *got["args"][5:])
-    rec = emulate_kernel(got)
+    rec = emulate_kernel(got, patch)
     check_tma_alignment(rec)
     return out
 
@@ -633,3 +740,69 @@ def test_mx_ops_on_the_emulated_gluon_kernel(monkeypatch):
         # same quantized operands, both fp32-accumulated in different orders (K up to 1024)
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert not outs[0][5][0].any() and not outs[0][5][3].any()  # empty experts: zero dW
+
+
+# ------------------------------------------------------------------------------------------------
+# The warp-specialized kernel (`_fp8_ws_kernel`) on CPU: its partitions as threads meeting on the
+# emulated mbarriers (`_Partitions`), so the ring's full/empty protocol is exercised with the
+# loader running ahead of the consumers as far as the barriers let it
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_emulated(case, out, ref, mag, k, what):
+    err = (out.double() - ref).abs()
+    bound = mag * (k + 2) * 2.0**-23 + (k // 32 + 1) * 2.0**-126
+    assert not torch.isnan(out).any() and bool((err <= bound).all()), what
+
+
+@pytest.mark.parametrize("name,build,args,cfgs", GPU_TEST_LAUNCHES, ids=[x[0] for x in GPU_TEST_LAUNCHES])
+def test_ws_kernel_emulated(name, build, args, cfgs, monkeypatch):
+    """Every launch of the GPU tests through the warp-specialized kernel's source, each WS config,
+    with 3 persistent CTAs (several tiles per CTA: the ring's slots and phases run on across
+    tiles): no hang, no stale slot (the NaN-poisoned shared memory and the loader overwriting a
+    slot early would show in the result), aligned TMA copies, every output within the fp32
+    accumulation bound of the fp64 product (rows after offs[-1] and empty groups exactly zero)."""
+    case = build(*args)
+    ref, mag, k = _reference(case)
+    for cfg in WS_CONFIGS:
+        out = torch.full_like(case[5], float("nan"))
+        _emulated(monkeypatch, (*case[:5], out), cfg, resident=3)
+        _check_emulated(case, out, ref, mag, k, (name, cfg))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_ws_random_ragged_groups_emulated(seed, monkeypatch):
+    """Random ragged and empty groups (starts at every row offset mod 4) through the WS kernel."""
+    g = torch.Generator().manual_seed(200 + seed)
+    E = [6, 19][seed]
+    counts = torch.randint(0, 150, (E,), generator=g)
+    counts[torch.randint(0, E, (E // 3,), generator=g)] = 0
+    case = rows_case(counts.tolist(), int(torch.randint(0, 9, (1,), generator=g)), 72, 320)
+    ref, mag, k = _reference(case)
+    for cfg in WS_CONFIGS:
+        out = torch.full_like(case[5], float("nan"))
+        _emulated(monkeypatch, (*case[:5], out), cfg, resident=2)
+        _check_emulated(case, out, ref, mag, k, cfg)
+
+
+def test_ws_emulation_catches_a_broken_ring(monkeypatch):
+    """The emulation's teeth: a loader that does not wait for the consumers' release (refills racing
+    the reads of the slot's previous stage) and consumers that never release a slot both fail (a
+    wrong result, or a wait that never completes)."""
+    case = dense_case(256, 128, 1024)  # 32 blocks: 8 stages through a 4-slot ring per tile
+    ref, mag, k = _reference(case)
+    monkeypatch.setattr(sys.modules[__name__], "_HANG_TIMEOUT", 2.0)
+
+    def without(op):
+        return lambda shims: {"mbarrier": types.SimpleNamespace(**{**vars(shims["mbarrier"]),
+                                                                   op: lambda *a, **k: None})}
+
+    for name, patch in (("_ws_loader", without("wait")), ("_ws_consumer", without("arrive"))):
+        out = torch.full_like(case[5], float("nan"))
+        try:
+            _emulated(monkeypatch, (*case[:5], out), WS_CONFIGS[0], resident=1, patch={name: patch})
+        except (AssertionError, RuntimeError):
+            continue
+        err = (out.double() - ref).abs()
+        bound = mag * (k + 2) * 2.0**-23 + (k // 32 + 1) * 2.0**-126
+        assert torch.isnan(out).any() or not bool((err <= bound).all()), f"a broken {name} passed"
