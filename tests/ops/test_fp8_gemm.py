@@ -426,10 +426,15 @@ def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
 # The Gluon kernel (dense and grouped rows on sm_90): edges, tiles, ptxas
 # ------------------------------------------------------------------------------------------------
 
-WGMMA_CONFIGS = [  # those of scripts/fp8_wgmma_sweep.py
+WS_CONFIGS = [  # the warp-specialized kernel's (scripts/fp8_wgmma_sweep.py)
+    WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
+    WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True),
+]
+WGMMA_CONFIGS = [  # those of scripts/fp8_wgmma_sweep.py; every one gives the same bits
     fp8_wgmma.DEFAULT_CONFIG,
     WgmmaConfig(128, 128, 256, 3, 8, persistent=True),  # two TMA boxes per operand and stage
     WgmmaConfig(128, 64, 128, 3, 4, persistent=True),  # two m64 wgmmas per warpgroup and block
+    *WS_CONFIGS,
 ]
 
 
@@ -679,3 +684,103 @@ def test_wgmma_kernel_compiles_for_sm90():
         [sys.executable, "-c", WGMMA_AOT_CHECK], env=env, capture_output=True, text=True, timeout=900
     )
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+WS_AOT_CHECK = r"""
+import re, subprocess, sys, tempfile, collections
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.backends.nvidia.compiler import get_ptxas
+from mxmoe.ops import fp8_wgmma as W
+
+OPS = ("QGMMA", "FMUL", "FFMA", "LDS", "LDL", "STL", "BAR.SYNC", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE",
+       "SYNCS", "UTMALDG", "FENCE")
+
+
+def loops(sass):
+    # the loops (backward branches) of the SASS, innermost first, with their instruction counts
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", ln)]
+    addr = {re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1).lstrip("0"): i for i, ln in enumerate(lines)}
+    out = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", ln)
+        if m and m.group(1).lstrip("0") in addr and addr[m.group(1).lstrip("0")] < i:
+            body = lines[addr[m.group(1).lstrip("0")]:i + 1]
+            ops = collections.Counter()
+            for b in body:
+                op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", b).group(1)
+                ops.update(o for o in OPS if op.startswith(o))
+            out.append((len(body), ops, body))
+    return sorted(out, key=lambda x: x[0])
+
+
+for cfg in [W.WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
+            W.WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True)]:
+    la, lb, lsa, lsb, nb = W._layouts(cfg)
+    a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+    s = torch.empty(16, 256)
+    for mode in (0, 1, 2):
+        sig = {
+            "a_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bm, min(cfg.bk, 128)], la)),
+            "b_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bn, min(cfg.bk, 128)], lb)),
+            "sa_desc": mangle_type(TensorDescriptor.from_tensor(s, [nb, cfg.bm], lsa)),
+            "sb_desc": mangle_type(TensorDescriptor.from_tensor(s, [nb, cfg.bn], lsb)),
+            "c_ptr": "*bf16", "offs_ptr": "*i32",
+        }
+        sig.update({n: "i32" for n in ["M", "N", "K", "E", "KB_PAD", "stride_cm", "stride_ce"]})
+        const = dict(MODE=mode, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+                     num_warps=4)
+        sig.update({n: "constexpr" for n in const})
+        k = triton.compile(GluonASTSource(W._fp8_ws_kernel, sig, constexprs=const),
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "maxnreg": W.WS_MAXNREG})
+        with tempfile.TemporaryDirectory() as d:
+            open(d + "/k.ptx", "w").write(k.asm["ptx"])
+            r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", d + "/k.ptx", "-o", d + "/k.cubin"],
+                               capture_output=True, text=True)
+            info = r.stdout + r.stderr
+            assert r.returncode == 0, info
+            cuobjdump = get_ptxas(90).path.replace("ptxas", "cuobjdump")
+            sass = subprocess.run([cuobjdump, "-sass", d + "/k.cubin"], capture_output=True, text=True).stdout
+        assert "C7514" not in info, info  # no wgmma serialization
+        assert "0 bytes spill stores, 0 bytes spill loads" in info, info
+        assert f"Used {W.WS_MAXNREG} registers" in info, info
+        # the partitions' register budgets (setmaxnreg): consumers 240, loader 24
+        assert re.search(r"USETMAXREG.TRY_ALLOC.CTAPOOL UP\d, 0xf0", sass), sass[:3000]
+        assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass, sass[:3000]
+        ls = loops(sass)
+        # the consumer's stage loop: the innermost loop with wgmmas; per 32-block one m64 wgmma and
+        # 2 FP32 ops per accumulator element (BN/2 per thread), no local memory, no TMA, and only
+        # warpgroup-wide barriers (128 threads), no CTA-wide one
+        n, ops, body = next(x for x in ls if x[1]["QGMMA"])
+        nb_ = cfg.bk // 32
+        assert ops["QGMMA"] == nb_ and ops["FMUL"] == ops["FFMA"] == nb_ * cfg.bn // 2, ops
+        assert not ops["LDL"] and not ops["STL"] and not ops["UTMALDG"], ops
+        bars = [b for b in body if "BAR.SYNC" in b]
+        assert len(bars) <= 2 and all(re.search(r"BAR.SYNC\S* 0x\w+, 0x80 ;", b) for b in bars), bars
+        # the loader's loop: TMA only
+        ln, lops, _ = next(x for x in ls if x[1]["UTMALDG"])
+        assert not lops["QGMMA"] and not lops["FFMA"], lops
+        print(f"bn={cfg.bn} bk={cfg.bk} mode={mode}: consumer stage loop {n} instructions per warp "
+              f"({n / nb_:.0f} per 32-block), {dict(ops)}; loader loop {ln}: {dict(lops)}")
+print("compiled")
+"""
+
+
+def test_ws_kernel_compiles_for_sm90():
+    """Ahead-of-time compile of the warp-specialized kernel (every mode, both WS configs) for sm_90a
+    with Triton's bundled ptxas, and its SASS: no spills, no wgmma serialization (C7514), the
+    partitions' register budgets, and the consumer's stage loop (BK/32 wgmmas, 2 FP32 ops per
+    accumulator element and 32-block, no local memory, no TMA, no CTA-wide barrier)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", WS_AOT_CHECK], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0 and "compiled" in r.stdout, (r.stdout + r.stderr)[-4000:]
+    print(r.stdout)
