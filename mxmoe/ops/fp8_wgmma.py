@@ -1,4 +1,6 @@
-"""The fp8 backend's sm_90 kernel for the dense and grouped-rows modes (a Gluon kernel).
+"""The fp8 backend's sm_90 kernels (Gluon): `_fp8_wgmma_kernel` (every warp loads and computes)
+and `_fp8_ws_kernel` (warp-specialized, `WgmmaConfig(warp_specialized=True)`; its own docstrings
+and the section at the end of this one).
 
 Same operands, layouts and numerics contract as `mxmoe.ops.fp8_gemm` (its docstring), but the
 scaled promotion of one 32-K block overlaps the MMA of the next (the DeepGEMM technique):
@@ -38,6 +40,17 @@ innermost dimension (rows, fp32) must be a multiple of 16 bytes, else the copy t
 instruction); the up to 3 rows of the previous group a tile starts with, and the rows past the
 group's end, are computed and not stored. The grid has cdiv(M + 3E, BM) + E + 1 row tiles, an upper
 bound; spare ones exit.
+
+The warp-specialized kernel (`_fp8_ws_kernel`, same tensors, tile mapping and numerics: the same
+wgmma per 32-block, promoted by the same `_promote` in the same order, so the same bits): a
+one-warp loader partition (24 registers) issues the TMA copies of each stage into a free ring slot
+(`empty` mbarrier, one arrival per consumer warpgroup) and signals `ready`; two consumer partitions
+of one warpgroup each (240 registers) own 64 rows of the 128-row tile: per 32-block a wgmma into a
+fresh temporary, a wait, the promotion. No wgmma crosses a loop edge (no C7514), no CTA-wide
+barrier; ptxas itself issues block j+1's wgmma before block j's promotion, and the other
+warpgroup's MMAs fill the rest. Every partition walks the same tiles (pid, pid + grid, ...), so
+the ring's slot and phase (step it: slot it % STAGES, parity (it // STAGES) & 1) agree without
+communication.
 """
 
 from __future__ import annotations

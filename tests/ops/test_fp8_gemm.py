@@ -533,6 +533,42 @@ def test_gpu_wgmma_persistent_many_tiles():
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+@pytest.mark.gpu
+def test_gpu_ws_kernel_same_bits_at_scale():
+    """The warp-specialized kernel against the single-partition one at sizes where every
+    persistent CTA runs many tiles and the ring many laps (dense, 8 ragged groups of rows, 8 groups
+    over K): the same bits (same wgmma per block, same promotion order), and within the GPU bound
+    of the fp64 product on a sample of rows."""
+    gen = torch.Generator().manual_seed(29)
+    M, N, K = 4096, 3072, 2048
+    aq, as_ = _rand_operand(M, K, gen, device="cuda")
+    bq, bs = _rand_operand(N, K, gen, device="cuda")
+    ref = fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, fp8_wgmma.DEFAULT_CONFIG)
+    rows = torch.arange(0, M, 97)
+    A, B = dq64(aq[rows], as_[rows]), dq64(bq, bs)
+    check(ref[rows], A @ B.t(), A.abs(), B.abs(), K, gpu=True)
+    for cfg in WS_CONFIGS:
+        assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, cfg), ref), cfg
+    E = 8
+    counts = [1500, 0, 3, 2900, 777, 0, 1024, 1900]
+    aq, as_ = _rand_operand(sum(counts) + 11, K, gen, device="cuda")
+    bq, bs = _rand_operand(E * 1536, K, gen, device="cuda")
+    bq, bs = bq.view(E, 1536, K), bs.view(E, 1536, K // 32)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, fp8_wgmma.DEFAULT_CONFIG)
+    assert not ref[int(offs[-1]):].any()
+    for cfg in WS_CONFIGS:
+        assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, cfg), ref), cfg
+    kc = [4096, 0, 32, 2048, 96, 8192, 0, 1536]
+    aq, as_ = _rand_operand(1024, sum(kc), gen, device="cuda")
+    bq, bs = _rand_operand(768, sum(kc), gen, device="cuda")
+    offs = torch.tensor(kc, device="cuda").cumsum(0).to(torch.int32)
+    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, fp8_wgmma.DEFAULT_CONFIG)
+    assert not ref[1].any() and not ref[6].any()
+    for cfg in WS_CONFIGS:
+        assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, cfg), ref), cfg
+
+
 def _sb_offset_to_column(W):
     """Column at each offset of the kernel's shared layout for a row of W B scales
     (`_sb_perm_layout`, a linear layout: an offset's column is the XOR of its set bits' bases)."""
