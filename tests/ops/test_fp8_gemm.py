@@ -430,8 +430,9 @@ WS_CONFIGS = [  # the warp-specialized kernel's (scripts/fp8_wgmma_sweep.py)
     WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
     WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True),
 ]
+SINGLE_PARTITION = WgmmaConfig()  # the single-partition kernel's 128x128x128 tile, 4 stages, 8 warps
 WGMMA_CONFIGS = [  # those of scripts/fp8_wgmma_sweep.py; every one gives the same bits
-    fp8_wgmma.DEFAULT_CONFIG,
+    SINGLE_PARTITION,
     WgmmaConfig(128, 128, 256, 3, 8, persistent=True),  # two TMA boxes per operand and stage
     WgmmaConfig(128, 64, 128, 3, 4, persistent=True),  # two m64 wgmmas per warpgroup and block
     *WS_CONFIGS,
@@ -543,7 +544,7 @@ def test_gpu_ws_kernel_same_bits_at_scale():
     M, N, K = 4096, 3072, 2048
     aq, as_ = _rand_operand(M, K, gen, device="cuda")
     bq, bs = _rand_operand(N, K, gen, device="cuda")
-    ref = fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, fp8_wgmma.DEFAULT_CONFIG)
+    ref = fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, SINGLE_PARTITION)
     rows = torch.arange(0, M, 97)
     A, B = dq64(aq[rows], as_[rows]), dq64(bq, bs)
     check(ref[rows], A @ B.t(), A.abs(), B.abs(), K, gpu=True)
@@ -555,7 +556,7 @@ def test_gpu_ws_kernel_same_bits_at_scale():
     bq, bs = _rand_operand(E * 1536, K, gen, device="cuda")
     bq, bs = bq.view(E, 1536, K), bs.view(E, 1536, K // 32)
     offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, fp8_wgmma.DEFAULT_CONFIG)
+    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, SINGLE_PARTITION)
     assert not ref[int(offs[-1]):].any()
     for cfg in WS_CONFIGS:
         assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, cfg), ref), cfg
@@ -563,7 +564,7 @@ def test_gpu_ws_kernel_same_bits_at_scale():
     aq, as_ = _rand_operand(1024, sum(kc), gen, device="cuda")
     bq, bs = _rand_operand(768, sum(kc), gen, device="cuda")
     offs = torch.tensor(kc, device="cuda").cumsum(0).to(torch.int32)
-    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, fp8_wgmma.DEFAULT_CONFIG)
+    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, SINGLE_PARTITION)
     assert not ref[1].any() and not ref[6].any()
     for cfg in WS_CONFIGS:
         assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, cfg), ref), cfg
@@ -657,7 +658,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.backends.nvidia.compiler import get_ptxas
 from mxmoe.ops import fp8_wgmma as W
 
-cfg = W.DEFAULT_CONFIG
+cfg = W.WgmmaConfig()  # the single-partition kernel
 la, lb, lsa, lsb, nb = W._layouts(cfg)
 a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
 s = torch.empty(16, 256)
