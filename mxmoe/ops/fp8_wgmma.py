@@ -75,7 +75,8 @@ BLOCK = 32
 WS_MAXNREG = 168
 """Registers per thread the warp-specialized kernel launches with: its 12 warps (two consumer
 warpgroups, the loader's warp padded to a warpgroup) x 168 fill the 64K register file; the
-partitions then move them (setmaxnreg): 232 per consumer thread, 40 per loader thread."""
+partitions then move them (setmaxnreg): 240 per consumer thread, 24 per loader thread (with 232
+and 40, ptxas spilled 44 bytes in the consumers' main loop)."""
 
 
 @dataclass(frozen=True)
@@ -534,8 +535,10 @@ def _fp8_ws_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E
     """The warp-specialized kernel: the same arguments and results as `_fp8_wgmma_kernel` (MODE 0
     dense, 1 grouped rows, 2 grouped K with the group in program_id(1)); each CTA walks tiles
     program_id(0), + num_programs(0), ... Partitions: two consumer warpgroups (the default one,
-    num_warps = 4, and a worker of 4 warps; 232 registers each) and a one-warp TMA loader (40
-    registers), launched with maxnreg 168 (12 warps x 168 = the 64K register file)."""
+    num_warps = 4, and a worker of 4 warps; 240 registers per thread each: accumulator and
+    temporary BN/2 fp32 each, a block's BN/4 column scales) and a one-warp TMA loader (24
+    registers), launched with maxnreg = WS_MAXNREG. Shared memory: the ring of `_fp8_wgmma_kernel`
+    plus one `empty` mbarrier per slot."""
     NB: gl.constexpr = BK // 32
     BOX: gl.constexpr = a_desc.block_type.shape[1]
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BM, BOX], a_desc.layout)
