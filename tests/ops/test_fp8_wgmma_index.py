@@ -8,7 +8,11 @@ is the kernel's code, not a copy of it. Shared memory is numpy arrays (NaN until
 a synchronous box copy with zero fill, each mbarrier tracks arrivals, transaction bytes and phases,
 a wgmma is an fp64 matmul rounded to fp32; the grid runs one CTA after another, so races (a missing
 wait or barrier) are out of its reach, but a wait that could never complete or would read a stale
-ring slot, a copy still in flight at exit, and wrong results are not.
+ring slot, a copy still in flight at exit, and wrong results are not. The warp-specialized kernel
+(`_fp8_ws_kernel`): its partitions run as threads taking turns at the mbarriers in a fixed
+priority (`_Partitions`: the loader ahead of the consumers as far as the ring lets it, or the
+consumers ahead), so within a CTA the races between partitions are in reach too (a missing wait
+shows as a hang or a wrong result: `test_ws_emulation_catches_a_broken_ring`).
 
 Checked, for every TMA copy the kernel would issue:
 - the coordinate along the descriptor's innermost dimension is a multiple of 16 bytes (Hopper
@@ -21,9 +25,7 @@ zeroed (rows after offs[-1]); in the emulation, within the fp32 accumulation bou
 product.
 """
 
-import sys
 import threading
-import time
 import types
 
 import numpy as np
@@ -423,9 +425,6 @@ class _View:
         return np.array(self.a, dtype=np.float32).view(_Arr)
 
 
-_HANG_TIMEOUT = 20.0  # seconds a partition waits on an mbarrier before the emulation calls it a hang
-
-
 class WsLaunch:
     """`_fp8_ws_kernel[grid](...)` intercepted: records the launch into `got` (kernel "ws")."""
 
@@ -440,62 +439,99 @@ class WsLaunch:
 
 
 class _Partitions:
-    """`gl.warp_specialize` on CPU: every partition a thread, mbarrier waits blocking until their
-    phase completes (the threads switch at each wait and arrival; a waiter pauses after its wait,
-    so the others run ahead as far as the barriers allow), a wait that no other partition
-    completes within `_HANG_TIMEOUT` seconds a hang."""
+    """`gl.warp_specialize` on CPU, deterministic: every partition a thread, but one runs at a
+    time; at each mbarrier wait or state change (arrival, expect, copy) the scheduler hands the
+    turn to the first partition in `order` (indices into the warp_specialize list) that can run
+    (not waiting on a phase that has not completed). "loader": the loader (the last partition)
+    first, so it runs ahead as far as the `empty` barriers let it (a refill racing a read shows as
+    a wrong result); "consumers": the consumers first (a read racing its fill shows as NaN, the
+    shared memory's initial value). No partition able to run while some have not finished: a hang,
+    reported at once."""
 
-    def __init__(self):
+    def __init__(self, order="loader"):
         self.cond = threading.Condition()
-        self.timeout = _HANG_TIMEOUT
-        self.failed = None
+        self.order = order
+        self.local = threading.local()
         self.active = False
 
     def run(self, functions_and_args, worker_num_warps, worker_num_regs):
         assert len(functions_and_args) == len(worker_num_warps) + 1 == len(worker_num_regs) + 1
         assert all(24 <= r <= 256 and r % 8 == 0 for r in worker_num_regs)
+        n = len(functions_and_args)
+        self.prio = list(range(n))[::-1] if self.order == "loader" else list(range(n))
+        self.blocked = {}  # partition -> the condition it waits for
+        self.done, self.turn, self.failed = set(), None, None
 
-        def body(fn, args):
+        def body(i, fn, args):
+            self.local.i = i
             try:
+                with self.cond:
+                    self._await_turn(i)
                 fn(*args)
             except BaseException as e:  # noqa: BLE001 (re-raised in the launching thread)
                 with self.cond:
                     self.failed = self.failed or e
-                    self.cond.notify_all()
+            finally:
+                with self.cond:
+                    self.done.add(i)
+                    self._schedule(n)
 
-        threads = [threading.Thread(target=body, args=fa, daemon=True) for fa in functions_and_args]
+        threads = [threading.Thread(target=body, args=(i, *fa), daemon=True)
+                   for i, fa in enumerate(functions_and_args)]
         self.active = True
         for t in threads:
             t.start()
+        with self.cond:
+            self._schedule(n)
         for t in threads:
-            t.join()
+            t.join(timeout=600)
         self.active = False
         if self.failed is not None:
             raise self.failed
 
+    def _schedule(self, n):
+        """(under the lock) Give the turn to the first partition in priority order that can run."""
+        self.turn = next((i for i in self.prio if i not in self.done
+                          and (i not in self.blocked or self.blocked[i]())), None)
+        if self.turn is None and len(self.done) < n and self.failed is None:
+            waits = {i: self.blocked[i].__doc__ for i in self.blocked if i not in self.done}
+            self.failed = AssertionError(f"hang: every unfinished partition waits on a phase that "
+                                         f"never completes: {waits}")
+        self.cond.notify_all()
+
+    def _await_turn(self, i):
+        self.cond.wait_for(lambda: self.turn == i or self.failed is not None)
+        if self.failed is not None:
+            raise RuntimeError("another partition failed")
+
+    def switch(self, until=None):
+        """A scheduling point of the calling partition: it waits for `until` (a predicate) if given,
+        and runs again when it is its turn."""
+        i = self.local.i
+        with self.cond:
+            if until is not None:
+                self.blocked[i] = until
+            self._schedule(len(self.prio))
+            self._await_turn(i)
+            self.blocked.pop(i, None)
+
     def wait(self, bar, parity):
         """Until the phase of parity `parity` has completed: the barrier's current (incomplete)
         phase has the other parity (a fresh barrier: phase 0 running, so parity 1 passes)."""
-        with self.cond:
-            ok = self.cond.wait_for(lambda: self.failed is not None or (bar.phase & 1) != int(parity),
-                                    timeout=self.timeout)
-            if self.failed is not None:
-                raise RuntimeError("another partition failed")
-            assert ok, f"mbarrier wait for parity {parity} never completes (phase {bar.phase}): a hang"
-        # the waiter pauses before it goes on (reads the slot, refills it): the other partitions
-        # run ahead as far as the barriers let them, so a missing wait shows as a wrong result
-        time.sleep(2e-4)
+        def done():
+            return (bar.phase & 1) != int(parity)
+        done.__doc__ = f"parity {int(parity)}, {bar.phase} phases completed"
+        self.switch(done)
 
     def update(self, change):
-        """Run `change` (an mbarrier's state) under the lock, then wake the waiting partitions."""
+        """Apply `change` (an mbarrier's state) under the lock; then a scheduling point."""
         with self.cond:
             change()
-            self.cond.notify_all()
         if self.active:
-            time.sleep(0)  # let a waiting partition run (more interleavings)
+            self.switch()
 
 
-def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
+def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np, order="loader"):
     def alloc(dtype, shape, _layout):
         if dtype == "i64":
             return _View(None, bars=[_Bar() for _ in range(shape[0])])
@@ -523,7 +559,7 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
         if pred:
             parts.update(change)
 
-    parts = _Partitions()
+    parts = _Partitions(order)
 
     def wait(bar, parity):
         if parts.active:
@@ -583,10 +619,11 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
                 warpgroup_mma_wait=lambda n, deps: deps[0])
 
 
-def emulate_kernel(got, patch=None):
+def emulate_kernel(got, patch=None, order="loader"):
     """Run the launch `got` (from `launch_args`) through the kernel's own source; returns the
     recorder (copies for the alignment check) and fills the launch's output tensor. `patch`:
-    device function name -> (shims -> globals to override in that function only)."""
+    device function name -> (shims -> globals to override in that function only); `order`: the
+    warp-specialized kernel's partition priority (`_Partitions`)."""
     a_desc, b_desc, sa_desc, sb_desc, out, offs_t, *ints = got["args"]
     assert out.dtype == torch.float32 and out.is_contiguous()
     descs = {n: _Desc(n, d) for n, d in zip(("a", "b", "sa", "sb"), (a_desc, b_desc, sa_desc, sb_desc),
@@ -598,7 +635,7 @@ def emulate_kernel(got, patch=None):
     rec = _Recorder()
     grid = tuple(got["grid"]) + (1,) * (3 - len(got["grid"]))
     pid = [0, 0, 0]
-    shims = _kernel_shims(rec, pid, grid, out_flat, descs_np)
+    shims = _kernel_shims(rec, pid, grid, out_flat, descs_np, order)
     jit = {k: v for k, v in vars(fp8_wgmma).items() if hasattr(v, "fn") and callable(getattr(v, "fn", None))}
     hosts = {}
     for k, v in jit.items():  # each device function sees the others' host versions
@@ -620,7 +657,7 @@ def emulate_kernel(got, patch=None):
     return rec
 
 
-def _emulated(monkeypatch, case, cfg, resident=10**9, patch=None):
+def _emulated(monkeypatch, case, cfg, resident=10**9, patch=None, order="loader"):
     aq, as_, bq, bs, offs, out = case
     got = {}
 
@@ -634,7 +671,7 @@ def _emulated(monkeypatch, case, cfg, resident=10**9, patch=None):
     fp8_wgmma.launch(aq, as_, bq, bs, offs, out, cfg)
     monkeypatch.undo()
     got["args"] = (*got["args"][:4], out, *got["args"][5:])
-    rec = emulate_kernel(got, patch)
+    rec = emulate_kernel(got, patch, order)
     check_tma_alignment(rec)
     return out
 
@@ -743,31 +780,32 @@ def test_mx_ops_on_the_emulated_gluon_kernel(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# The warp-specialized kernel (`_fp8_ws_kernel`) on CPU: its partitions as threads meeting on the
-# emulated mbarriers (`_Partitions`), so the ring's full/empty protocol is exercised with the
-# loader running ahead of the consumers as far as the barriers let it
+# The warp-specialized kernel (`_fp8_ws_kernel`) on CPU: its partitions as threads taking turns at
+# the emulated mbarriers (`_Partitions`), the loader running ahead of the consumers as far as the
+# ring lets it, or the consumers ahead of the loader
 # ------------------------------------------------------------------------------------------------
 
 
-def _check_emulated(case, out, ref, mag, k, what):
+def _within_bound(out, ref, mag, k):
     err = (out.double() - ref).abs()
     bound = mag * (k + 2) * 2.0**-23 + (k // 32 + 1) * 2.0**-126
-    assert not torch.isnan(out).any() and bool((err <= bound).all()), what
+    return not torch.isnan(out).any() and bool((err <= bound).all())
 
 
 @pytest.mark.parametrize("name,build,args,cfgs", GPU_TEST_LAUNCHES, ids=[x[0] for x in GPU_TEST_LAUNCHES])
 def test_ws_kernel_emulated(name, build, args, cfgs, monkeypatch):
     """Every launch of the GPU tests through the warp-specialized kernel's source, each WS config,
-    with 3 persistent CTAs (several tiles per CTA: the ring's slots and phases run on across
-    tiles): no hang, no stale slot (the NaN-poisoned shared memory and the loader overwriting a
-    slot early would show in the result), aligned TMA copies, every output within the fp32
-    accumulation bound of the fp64 product (rows after offs[-1] and empty groups exactly zero)."""
+    3 persistent CTAs (several tiles per CTA: the ring's slots and phases run on across tiles),
+    loader first and consumers first: no hang, no read of a slot before its fill or after its
+    refill, aligned TMA copies, every output within the fp32 accumulation bound of the fp64
+    product (rows after offs[-1] and empty groups exactly zero; the output starts as NaN)."""
     case = build(*args)
     ref, mag, k = _reference(case)
     for cfg in WS_CONFIGS:
-        out = torch.full_like(case[5], float("nan"))
-        _emulated(monkeypatch, (*case[:5], out), cfg, resident=3)
-        _check_emulated(case, out, ref, mag, k, (name, cfg))
+        for order in ("loader", "consumers"):
+            out = torch.full_like(case[5], float("nan"))
+            _emulated(monkeypatch, (*case[:5], out), cfg, resident=3, order=order)
+            assert _within_bound(out, ref, mag, k), (name, cfg, order)
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -779,30 +817,32 @@ def test_ws_random_ragged_groups_emulated(seed, monkeypatch):
     counts[torch.randint(0, E, (E // 3,), generator=g)] = 0
     case = rows_case(counts.tolist(), int(torch.randint(0, 9, (1,), generator=g)), 72, 320)
     ref, mag, k = _reference(case)
-    for cfg in WS_CONFIGS:
+    for cfg, order in zip(WS_CONFIGS, ("loader", "consumers"), strict=True):
         out = torch.full_like(case[5], float("nan"))
-        _emulated(monkeypatch, (*case[:5], out), cfg, resident=2)
-        _check_emulated(case, out, ref, mag, k, cfg)
+        _emulated(monkeypatch, (*case[:5], out), cfg, resident=2, order=order)
+        assert _within_bound(out, ref, mag, k), (cfg, order)
 
 
-def test_ws_emulation_catches_a_broken_ring(monkeypatch):
-    """The emulation's teeth: a loader that does not wait for the consumers' release (refills racing
-    the reads of the slot's previous stage) and consumers that never release a slot both fail (a
-    wrong result, or a wait that never completes)."""
+def _without(op):
+    """A `patch` of `emulate_kernel`: the function's mbarrier `op` does nothing."""
+    return lambda shims: {"mbarrier": types.SimpleNamespace(**{**vars(shims["mbarrier"]),
+                                                               op: lambda *a, **k: None})}
+
+
+@pytest.mark.parametrize("broken,order", [("_ws_loader/wait", "loader"), ("_ws_consumer/arrive", "loader"),
+                                          ("_ws_consumer/wait", "consumers")])
+def test_ws_emulation_catches_a_broken_ring(broken, order, monkeypatch):
+    """The emulation's teeth: a loader that does not wait for the consumers' release (a refill
+    racing the reads of the slot's previous stage), consumers that never release a slot, and
+    consumers that do not wait for a slot's fill each fail: a hang or a wrong result."""
     case = dense_case(256, 128, 1024)  # 32 blocks: 8 stages through a 4-slot ring per tile
     ref, mag, k = _reference(case)
-    monkeypatch.setattr(sys.modules[__name__], "_HANG_TIMEOUT", 2.0)
-
-    def without(op):
-        return lambda shims: {"mbarrier": types.SimpleNamespace(**{**vars(shims["mbarrier"]),
-                                                                   op: lambda *a, **k: None})}
-
-    for name, patch in (("_ws_loader", without("wait")), ("_ws_consumer", without("arrive"))):
-        out = torch.full_like(case[5], float("nan"))
-        try:
-            _emulated(monkeypatch, (*case[:5], out), WS_CONFIGS[0], resident=1, patch={name: patch})
-        except (AssertionError, RuntimeError):
-            continue
-        err = (out.double() - ref).abs()
-        bound = mag * (k + 2) * 2.0**-23 + (k // 32 + 1) * 2.0**-126
-        assert torch.isnan(out).any() or not bool((err <= bound).all()), f"a broken {name} passed"
+    fn, op = broken.split("/")
+    out = torch.full_like(case[5], float("nan"))
+    try:
+        _emulated(monkeypatch, (*case[:5], out), WS_CONFIGS[0], resident=1, patch={fn: _without(op)},
+                  order=order)
+    except AssertionError as e:
+        assert "hang" in str(e) or "copied than expected" in str(e) or "arrivals" in str(e), e
+        return
+    assert not _within_bound(out, ref, mag, k), f"{broken} passed"
