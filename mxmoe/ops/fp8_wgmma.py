@@ -55,6 +55,8 @@ communication.
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -137,13 +139,29 @@ def _scale_row(smem, slot, j, NB: gl.constexpr, W: gl.constexpr):
 
 
 @gluon.constexpr_function
+def _sb_bases(W: int) -> list[list[int]]:
+    """`_sb_perm_layout`'s bases: the column of each offset bit (offset = XOR of the set bits')."""
+    # column c = c0 + 2 c1 + 8 c2; offset bits: c0, c2 bit 0, c2 bit 1, c1 (2 bits), c2's others
+    return [[1], [8], [16], [2], [4]] + [[32 << i] for i in range((W // 8).bit_length() - 3)]
+
+
+@gluon.constexpr_function
 def _sb_perm_layout(W):
-    """Shared layout of one 32-block's W B scales as `_decoded_scales` stores them: column
-    c = c0 + 2 c1 + 8 c2 (c0 < 2, c1 < 4) at offset c0 + 2 c2 + (W/4) c1, so that the W/4 columns
-    one thread holds in the wgmma accumulator layout (c1 = lane % 4) are contiguous: 16-byte shared
-    loads instead of 8-byte ones. Bases: the column of each offset bit."""
-    bases = [[1]] + [[8 << i] for i in range((W // 8).bit_length() - 1)] + [[2], [4]]
-    return gl.SharedLinearLayout(bases)
+    """Shared layout of one 32-block's W (>= 32) B scales as `_decoded_scales` stores them: column
+    c = c0 + 2 c1 + 8 c2 (c0 < 2, c1 < 4; a thread of the wgmma accumulator layout holds the W/4
+    columns of c1 = lane % 4) at offset c0 + 2 (c2 % 4) + 8 c1 + 32 (c2 // 4): a thread's columns
+    in 16-byte chunks (c0, c2 % 2) at its base 8 c1 plus constants (one address register), and one
+    16-byte load of the 4 groups c1 in 4 different bank quadruples (no bank conflict; the plain
+    order, each group's W/4 columns contiguous, put the 4 groups of a load into the same 4 banks
+    for W = 128: 4-way conflicts). Bases: the column of each offset bit."""
+    return gl.SharedLinearLayout(_sb_bases(W))
+
+
+def _sb_columns(W: int) -> list[int]:
+    """The column at each offset of `_sb_perm_layout(W)`."""
+    bases = [b for (b,) in _sb_bases(W)]
+    return [functools.reduce(operator.xor, (b for i, b in enumerate(bases) if o >> i & 1), 0)
+            for o in range(W)]
 
 
 @gluon.jit
@@ -594,9 +612,9 @@ def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int, tile: in
     if cols_pad > cols or kb_pad > kb:
         f = torch.nn.functional.pad(f, (0, kb_pad - kb, 0, cols_pad - cols))
     f = f.transpose(1, 2)  # (groups, kb_pad, cols_pad), a view
-    if tile:
-        # column t*tile + 8 c2 + 2 c1 + c0 -> t*tile + (tile/4) c1 + 2 c2 + c0
-        f = f.reshape(groups, kb_pad, cols_pad // tile, tile // 8, 4, 2).permute(0, 1, 2, 4, 3, 5)
+    if tile:  # offset o of each tile holds column _sb_columns(tile)[o]
+        idx = torch.tensor(_sb_columns(tile), device=f.device)
+        f = f.reshape(groups, kb_pad, cols_pad // tile, tile)[..., idx]
     # (with one group a reshape of the transposed view can stay a strided view: TMA needs rows)
     return f.reshape(groups * kb_pad, cols_pad).contiguous()
 

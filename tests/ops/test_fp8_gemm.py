@@ -578,6 +578,25 @@ def _sb_offset_to_column(W):
             for o in range(W)]
 
 
+@pytest.mark.parametrize("W", [32, 64, 128, 256])
+def test_sb_layout_vectorized_and_conflict_free(W):
+    """The B-scale row layout (`_sb_perm_layout`): a permutation of the W columns; the W/4 columns
+    a thread holds in the wgmma accumulator layout (c0 + 2 c1 + 8 c2, c1 = lane % 4) lie in
+    16-byte chunks at its base 8 c1 plus offsets shared by all threads (one address register,
+    16-byte loads), and each load's 4 chunks (one per c1) fall into 4 different groups of 4 banks
+    (32 banks of 4 bytes)."""
+    cols = _sb_offset_to_column(W)
+    assert sorted(cols) == list(range(W))
+    off = {c: o for o, c in enumerate(cols)}
+    for c1 in range(4):
+        mine = [c0 + 2 * c1 + 8 * c2 for c2 in range(W // 8) for c0 in range(2)]  # register order
+        chunks = [[off[c] for c in mine[i:i + 4]] for i in range(0, len(mine), 4)]
+        assert all(ch[0] % 4 == 0 and ch == list(range(ch[0], ch[0] + 4)) for ch in chunks), chunks
+        assert [ch[0] - 8 * c1 for ch in chunks] == [off[8 * 2 * q] for q in range(W // 16)]
+    for q in range(W // 16):
+        assert len({off[2 * c1 + 16 * q] // 4 % 8 for c1 in range(4)}) == 4, q
+
+
 @pytest.mark.parametrize("mode", ["dense", "rows", "k"])
 def test_wgmma_launcher_host_side(mode, monkeypatch):
     """What the Gluon kernel's launcher hands the kernel, on CPU (the launch itself intercepted):
