@@ -491,6 +491,9 @@ def _ws_loader(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_sme
                 # a fresh mbarrier counts as having completed the phase before its first: the
                 # ring's first lap passes
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                # the consumers' scale reads of the slot (generic proxy) before this refill (async
+                # proxy): fenced here, off the consumers' path
+                fence_async_shared()
                 _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
                              s, i, m0, n0, b_row, sb_row, k_lo, True, BK)
                 it += 1
@@ -536,9 +539,7 @@ def _ws_consumer(a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr
                             acc = _promote(acc, part, sa, sb)
                     else:
                         acc = _promote(acc, part, sa, sb)
-                # the scale reads (generic proxy) before the loader's TMA refill (async proxy)
-                fence_async_shared()
-                mbarrier.arrive(empty.index(s), count=1)
+                mbarrier.arrive(empty.index(s), count=1)  # (the loader fences before the refill)
                 it += 1
             _store_tile(c_ptr, acc, m0 + WG * HALF, n0, row_lo, row_hi, N, stride_cm, HALF, BN, MMA)
         if GROUPED:  # (a dead zero-store branch on a constant kind crashes the lowering)

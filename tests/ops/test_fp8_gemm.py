@@ -753,7 +753,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from mxmoe.ops import fp8_wgmma as W
 
 OPS = ("QGMMA", "FMUL", "FFMA", "LDS", "LDL", "STL", "BAR.SYNC", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE",
-       "SYNCS", "UTMALDG", "FENCE")
+       "SYNCS", "UTMALDG", "FENCE", "MEMBAR")
 
 
 def loops(sass):
@@ -815,6 +815,7 @@ for cfg in [W.WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized
         nb_ = cfg.bk // 32
         assert ops["QGMMA"] == nb_ and ops["FMUL"] == ops["FFMA"] == nb_ * cfg.bn // 2, ops
         assert not ops["LDL"] and not ops["STL"] and not ops["UTMALDG"], ops
+        assert not ops["FENCE"] and not ops["MEMBAR"], ops  # (the loader fences before a refill)
         bars = [b for b in body if "BAR.SYNC" in b]
         assert len(bars) <= 2 and all(re.search(r"BAR.SYNC\S* 0x\w+, 0x80 ;", b) for b in bars), bars
         # the loader's loop: TMA only
@@ -830,7 +831,7 @@ def test_ws_kernel_compiles_for_sm90():
     """Ahead-of-time compile of the warp-specialized kernel (every mode, both WS configs) for sm_90a
     with Triton's bundled ptxas, and its SASS: no spills, no wgmma serialization (C7514), the
     partitions' register budgets, and the consumer's stage loop (BK/32 wgmmas, 2 FP32 ops per
-    accumulator element and 32-block, no local memory, no TMA, no CTA-wide barrier)."""
+    accumulator element and 32-block, no local memory, no TMA, no fence, no CTA-wide barrier)."""
     import os
     import subprocess
     import sys
