@@ -578,9 +578,8 @@ def _fp8_ws_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E
         (_ws_loader, (a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, empty,
                       offs_ptr, M, N, K, E, KB_PAD, MODE, BM, BN, BK, STAGES, GROUP_M)),
     ], [4, 1], [240, 24])
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    # (no mbarrier.invalidate: nothing reuses this shared memory, and it could race with the other
+    # consumer's last `empty` arrival unless the partitions were joined first)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -97,6 +97,7 @@ class _Recorder:
         self.stores = []  # element offsets written
         self.expects = []  # (barrier, bytes)
         self.copies = []  # (descriptor, coordinates, barrier)
+        self.bars = []  # the mbarriers of the CTA being emulated
 
 
 def _gl_shim(rec: _Recorder):
@@ -534,7 +535,9 @@ class _Partitions:
 def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np, order="loader"):
     def alloc(dtype, shape, _layout):
         if dtype == "i64":
-            return _View(None, bars=[_Bar() for _ in range(shape[0])])
+            bars = [_Bar() for _ in range(shape[0])]
+            rec.bars.extend(bars)
+            return _View(None, bars=bars)
         return _View(np.full(shape, np.nan))  # never-written shared memory poisons the result
 
     def load(p, mask=True, other=0):
@@ -652,8 +655,11 @@ def emulate_kernel(got, patch=None, order="loader"):
     for p1 in range(grid[1]):
         for p0 in range(grid[0]):
             pid[0], pid[1] = p0, p1
+            rec.bars = []
             kernel(descs["a"], descs["b"], descs["sa"], descs["sb"], _Out(), _OffsPtr(offs_t.tolist()),
                    *[_I(x) for x in ints], **got["kw"])
+            # at the CTA's exit: no TMA copy in flight, no phase half-arrived
+            assert all(b.tx == 0 and b.pending == b.count for b in rec.bars), "a CTA exits mid-phase"
     return rec
 
 
