@@ -1,4 +1,6 @@
-"""The fp8 backend's sm_90 kernel for the dense and grouped-rows modes (a Gluon kernel).
+"""The fp8 backend's sm_90 kernels (Gluon): `_fp8_wgmma_kernel` (every warp loads and computes)
+and `_fp8_ws_kernel` (warp-specialized, `WgmmaConfig(warp_specialized=True)`; its own docstrings
+and the section at the end of this one).
 
 Same operands, layouts and numerics contract as `mxmoe.ops.fp8_gemm` (its docstring), but the
 scaled promotion of one 32-K block overlaps the MMA of the next (the DeepGEMM technique):
@@ -38,10 +40,23 @@ innermost dimension (rows, fp32) must be a multiple of 16 bytes, else the copy t
 instruction); the up to 3 rows of the previous group a tile starts with, and the rows past the
 group's end, are computed and not stored. The grid has cdiv(M + 3E, BM) + E + 1 row tiles, an upper
 bound; spare ones exit.
+
+The warp-specialized kernel (`_fp8_ws_kernel`, same tensors, tile mapping and numerics: the same
+wgmma per 32-block, promoted by the same `_promote` in the same order, so the same bits): a
+one-warp loader partition (24 registers) issues the TMA copies of each stage into a free ring slot
+(`empty` mbarrier, one arrival per consumer warpgroup) and signals `ready`; two consumer partitions
+of one warpgroup each (240 registers) own 64 rows of the 128-row tile: per 32-block a wgmma into a
+fresh temporary, a wait, the promotion. No wgmma crosses a loop edge (no C7514), no CTA-wide
+barrier; ptxas itself issues block j+1's wgmma before block j's promotion, and the other
+warpgroup's MMAs fill the rest. Every partition walks the same tiles (pid, pid + grid, ...), so
+the ring's slot and phase (step it: slot it % STAGES, parity (it // STAGES) & 1) agree without
+communication.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +74,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK = 32
+WS_MAXNREG = 168
+"""Registers per thread the warp-specialized kernel launches with: its 12 warps (two consumer
+warpgroups, the loader's warp padded to a warpgroup) x 168 fill the 64K register file; the
+partitions then move them (setmaxnreg): 240 per consumer thread, 24 per loader thread (with 232
+and 40, ptxas spilled 44 bytes in the consumers' main loop)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +96,10 @@ class WgmmaConfig:
     persistent: bool = False
     """One CTA per SM slot walks the tiles, loading the next tile's first stages during this tile's
     epilogue; False: one CTA per tile."""
+    warp_specialized: bool = False
+    """`_fp8_ws_kernel`: a one-warp TMA loader and two consumer warpgroups (num_warps = 8: BM/2 = 64
+    rows each; BN <= 128 for the registers) meeting on full/empty mbarriers, instead of every warp
+    loading and computing."""
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -88,11 +112,15 @@ class WgmmaConfig:
             raise ValueError(f"num_warps={self.num_warps} must be a multiple of 4 with bm >= 16*num_warps")
         if self.stages < 2:
             raise ValueError(f"stages={self.stages} must be >= 2")
+        if self.warp_specialized and ((self.bm, self.num_warps) != (128, 8) or self.bn > 128):
+            raise ValueError(f"warp_specialized needs bm=128, num_warps=8 (two consumer warpgroups of "
+                             f"64 rows) and bn <= 128; got bm={self.bm}, num_warps={self.num_warps}, "
+                             f"bn={self.bn}")
 
 
-# the H200 sweep's fastest (scripts/fp8_wgmma_sweep.py; docs/benchmarks.md, "GEMMs"): two m64 wgmmas per
-# warpgroup and block, two CTAs per SM
-DEFAULT_CONFIG = WgmmaConfig(128, 64, 128, 3, 4, persistent=True)
+DEFAULT_CONFIG = WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True)
+"""The warp-specialized kernel: on sm_90a SASS it beats the single-partition one on every count
+(docs/training-ops.md); not yet timed against it (scripts/fp8_wgmma_sweep.py)."""
 
 
 @gluon.jit
@@ -111,13 +139,29 @@ def _scale_row(smem, slot, j, NB: gl.constexpr, W: gl.constexpr):
 
 
 @gluon.constexpr_function
+def _sb_bases(W: int) -> list[list[int]]:
+    """`_sb_perm_layout`'s bases: the column of each offset bit (offset = XOR of the set bits')."""
+    # column c = c0 + 2 c1 + 8 c2; offset bits: c0, c2 bit 0, c2 bit 1, c1 (2 bits), c2's others
+    return [[1], [8], [16], [2], [4]] + [[32 << i] for i in range((W // 8).bit_length() - 3)]
+
+
+@gluon.constexpr_function
 def _sb_perm_layout(W):
-    """Shared layout of one 32-block's W B scales as `_decoded_scales` stores them: column
-    c = c0 + 2 c1 + 8 c2 (c0 < 2, c1 < 4) at offset c0 + 2 c2 + (W/4) c1, so that the W/4 columns
-    one thread holds in the wgmma accumulator layout (c1 = lane % 4) are contiguous: 16-byte shared
-    loads instead of 8-byte ones. Bases: the column of each offset bit."""
-    bases = [[1]] + [[8 << i] for i in range((W // 8).bit_length() - 1)] + [[2], [4]]
-    return gl.SharedLinearLayout(bases)
+    """Shared layout of one 32-block's W (>= 32) B scales as `_decoded_scales` stores them: column
+    c = c0 + 2 c1 + 8 c2 (c0 < 2, c1 < 4; a thread of the wgmma accumulator layout holds the W/4
+    columns of c1 = lane % 4) at offset c0 + 2 (c2 % 4) + 8 c1 + 32 (c2 // 4): a thread's columns
+    in 16-byte chunks (c0, c2 % 2) at its base 8 c1 plus constants (one address register), and one
+    16-byte load of the 4 groups c1 in 4 different bank quadruples (no bank conflict; the plain
+    order, each group's W/4 columns contiguous, put the 4 groups of a load into the same 4 banks
+    for W = 128: 4-way conflicts). Bases: the column of each offset bit."""
+    return gl.SharedLinearLayout(_sb_bases(W))
+
+
+def _sb_columns(W: int) -> list[int]:
+    """The column at each offset of `_sb_perm_layout(W)`."""
+    bases = [b for (b,) in _sb_bases(W)]
+    return [functools.reduce(operator.xor, (b for i, b in enumerate(bases) if o >> i & 1), 0)
+            for o in range(W)]
 
 
 @gluon.jit
@@ -158,6 +202,18 @@ def _mma_block(a_smem, b_smem, slot, j, zero, BK: gl.constexpr):
     h: gl.constexpr = j // (BOX // 32)
     kk: gl.constexpr = (j % (BOX // 32)) * 32
     a = a_smem.index(slot * SUBS + h).slice(kk, 32, dim=1)
+    b = b_smem.index(slot * SUBS + h).slice(kk, 32, dim=1).permute((1, 0))
+    return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _mma_rows(a_smem, b_smem, slot, j, r0: gl.constexpr, zero, BK: gl.constexpr):
+    """`_mma_block` for the rows [r0, r0 + zero.shape[0]) of the A tile only (one warpgroup's)."""
+    BOX: gl.constexpr = a_smem.shape[2]
+    SUBS: gl.constexpr = BK // BOX
+    h: gl.constexpr = j // (BOX // 32)
+    kk: gl.constexpr = (j % (BOX // 32)) * 32
+    a = a_smem.index(slot * SUBS + h).slice(r0, zero.shape[0], dim=0).slice(kk, 32, dim=1)
     b = b_smem.index(slot * SUBS + h).slice(kk, 32, dim=1).permute((1, 0))
     return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
 
@@ -393,6 +449,140 @@ def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K
 
 
 # ----------------------------------------------------------------------------------------------
+# The warp-specialized kernel (WgmmaConfig.warp_specialized)
+# ----------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _ws_schedule(offs_ptr, M, N, K, E, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """(row tiles, column tiles, first K element, 32-blocks of K) of every partition's tile walk:
+    `_tile`'s row-tile bound; grouped K: the group program_id(1)'s K range."""
+    if MODE == 1:
+        num_m = gl.cdiv(M + 3 * E, BM) + E + 1
+    else:
+        num_m = gl.cdiv(M, BM)
+    if MODE == 2:
+        e = gl.program_id(1)
+        k_lo = gl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        n_blocks = (gl.load(offs_ptr + e) - k_lo) // 32
+    else:
+        k_lo = 0
+        n_blocks = K // 32
+    return num_m, gl.cdiv(N, BN), k_lo, n_blocks
+
+
+@gluon.jit
+def _ws_loader(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, empty,
+               offs_ptr, M, N, K, E, KB_PAD, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+               BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """The loader partition (one warp): for each tile of this CTA that computes, its stages into the
+    ring, each into a slot both consumer warpgroups have released (`empty`, count 2); ring step
+    `it` runs on across tiles (slot it % STAGES, parity (it // STAGES) & 1, as the consumers')."""
+    NB: gl.constexpr = BK // 32
+    num_m, num_n, k_lo, n_blocks = _ws_schedule(offs_ptr, M, N, K, E, MODE, BM, BN)
+    k_iters = (n_blocks + NB - 1) // NB
+    it = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        kind, m0, n0, b_row, sb_row, _, _ = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m, num_n,
+                                                  MODE == 1, BM, BN, GROUP_M)
+        if _computes(kind, MODE == 1):
+            for i in range(k_iters):
+                s = it % STAGES
+                # a fresh mbarrier counts as having completed the phase before its first: the
+                # ring's first lap passes
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                # the consumers' scale reads of the slot (generic proxy) before this refill (async
+                # proxy): fenced here, off the consumers' path
+                fence_async_shared()
+                _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
+                             s, i, m0, n0, b_row, sb_row, k_lo, True, BK)
+                it += 1
+
+
+@gluon.jit
+def _ws_consumer(a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr, M, N, K, E, KB_PAD,
+                 stride_cm, stride_ce, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+    """One consumer partition (a warpgroup, 4 warps): rows [WG*BM/2, +BM/2) of every tile of this
+    CTA. Per 32-block: wgmma m64nBNk32 into a fresh temporary, wait for it, promote it into the
+    fp32 accumulator (`_promote`); while this warpgroup promotes, the other one's MMA runs (no
+    wgmma in flight across a loop edge, no CTA-wide barrier). After a stage it releases the slot
+    (one arrival on `empty`). Grouped K: blocks past the group's end (its partial last stage) are
+    multiplied and not promoted."""
+    NB: gl.constexpr = BK // 32
+    HALF: gl.constexpr = BM // 2
+    GROUPED: gl.constexpr = MODE == 1
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BN, 32])
+    num_m, num_n, k_lo, n_blocks = _ws_schedule(offs_ptr, M, N, K, E, MODE, BM, BN)
+    k_iters = (n_blocks + NB - 1) // NB
+    if MODE == 2:
+        c_ptr = c_ptr + gl.program_id(1).to(gl.int64) * stride_ce
+    zero = gl.zeros((HALF, BN), gl.float32, MMA)
+    it = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        kind, m0, n0, b_row, sb_row, row_lo, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m,
+                                                            num_n, GROUPED, BM, BN, GROUP_M)
+        if _computes(kind, GROUPED):
+            acc = gl.zeros((HALF, BN), gl.float32, MMA)
+            for i in range(k_iters):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                for j in gl.static_range(NB):
+                    part = _mma_rows(a_smem, b_smem, s, j, WG * HALF, zero, BK)
+                    sa = _scale_row(sa_smem, s, j, NB, BM).slice(WG * HALF, HALF).load(
+                        gl.SliceLayout(1, MMA))
+                    sb = _sb_row(sb_smem, s, j, NB, BN).load(gl.SliceLayout(0, MMA))
+                    part = warpgroup_mma_wait(0, deps=(part,))
+                    if MODE == 2:
+                        if i * NB + j < n_blocks:
+                            acc = _promote(acc, part, sa, sb)
+                    else:
+                        acc = _promote(acc, part, sa, sb)
+                mbarrier.arrive(empty.index(s), count=1)  # (the loader fences before the refill)
+                it += 1
+            _store_tile(c_ptr, acc, m0 + WG * HALF, n0, row_lo, row_hi, N, stride_cm, HALF, BN, MMA)
+        if GROUPED:  # (a dead zero-store branch on a constant kind crashes the lowering)
+            if kind == 2:
+                _store_tile(c_ptr, zero, m0 + WG * HALF, n0, m0, M, N, stride_cm, HALF, BN, MMA)
+
+
+@gluon.jit
+def _fp8_ws_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E, KB_PAD, stride_cm,
+                   stride_ce, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    """The warp-specialized kernel: the same arguments and results as `_fp8_wgmma_kernel` (MODE 0
+    dense, 1 grouped rows, 2 grouped K with the group in program_id(1)); each CTA walks tiles
+    program_id(0), + num_programs(0), ... Partitions: two consumer warpgroups (the default one,
+    num_warps = 4, and a worker of 4 warps; 240 registers per thread each: accumulator and
+    temporary BN/2 fp32 each, a block's BN/4 column scales) and a one-warp TMA loader (24
+    registers), launched with maxnreg = WS_MAXNREG. Shared memory: the ring of `_fp8_wgmma_kernel`
+    plus one `empty` mbarrier per slot."""
+    NB: gl.constexpr = BK // 32
+    BOX: gl.constexpr = a_desc.block_type.shape[1]
+    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BM, BOX], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BN, BOX], b_desc.layout)
+    sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BM], sa_desc.layout)
+    sb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BN], sb_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    gl.warp_specialize([
+        (_ws_consumer, (a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr, M, N, K, E, KB_PAD,
+                        stride_cm, stride_ce, MODE, BM, BN, BK, STAGES, GROUP_M, 0)),
+        (_ws_consumer, (a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr, M, N, K, E, KB_PAD,
+                        stride_cm, stride_ce, MODE, BM, BN, BK, STAGES, GROUP_M, 1)),
+        (_ws_loader, (a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, empty,
+                      offs_ptr, M, N, K, E, KB_PAD, MODE, BM, BN, BK, STAGES, GROUP_M)),
+    ], [4, 1], [240, 24])
+    # (no mbarrier.invalidate: nothing reuses this shared memory, and it could race with the other
+    # consumer's last `empty` arrival unless the partitions were joined first)
+
+
+# ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
 
@@ -422,9 +612,9 @@ def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int, tile: in
     if cols_pad > cols or kb_pad > kb:
         f = torch.nn.functional.pad(f, (0, kb_pad - kb, 0, cols_pad - cols))
     f = f.transpose(1, 2)  # (groups, kb_pad, cols_pad), a view
-    if tile:
-        # column t*tile + 8 c2 + 2 c1 + c0 -> t*tile + (tile/4) c1 + 2 c2 + c0
-        f = f.reshape(groups, kb_pad, cols_pad // tile, tile // 8, 4, 2).permute(0, 1, 2, 4, 3, 5)
+    if tile:  # offset o of each tile holds column _sb_columns(tile)[o]
+        idx = torch.tensor(_sb_columns(tile), device=f.device)
+        f = f.reshape(groups, kb_pad, cols_pad // tile, tile)[..., idx]
     # (with one group a reshape of the transposed view can stay a strided view: TMA needs rows)
     return f.reshape(groups * kb_pad, cols_pad).contiguous()
 
@@ -435,7 +625,9 @@ def _resident_ctas(cfg: WgmmaConfig, device: torch.device) -> int:
     props = torch.cuda.get_device_properties(device)
     ring = cfg.stages * ((cfg.bm + cfg.bn) * cfg.bk + cfg.bk // BLOCK * (cfg.bm + cfg.bn) * 4)
     smem = getattr(props, "shared_memory_per_multiprocessor", 233472)  # (228 KiB on sm_90)
-    per_sm = max(1, min(65536 // (256 * 32 * cfg.num_warps), smem // (ring + 2048)))
+    threads = 32 * (cfg.num_warps + 4 if cfg.warp_specialized else cfg.num_warps)  # (+ the loader's group)
+    regs = WS_MAXNREG if cfg.warp_specialized else 256
+    per_sm = max(1, min(65536 // (regs * threads), smem // (ring + 2048)))
     return props.multi_processor_count * per_sm
 
 
@@ -477,6 +669,13 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         grid = (tiles, offs.shape[0])
     else:
         grid = (min(tiles, _resident_ctas(cfg, a_q.device)) if persistent else tiles,)
+    if cfg.warp_specialized:
+        _fp8_ws_kernel[grid](
+            *descs, out, offs_arg, M, N, K, E, kb_pad, out.stride(-2), out.stride(0) if mode == 2 else 0,
+            MODE=mode, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+            num_warps=4, maxnreg=WS_MAXNREG,
+        )
+        return out
     _fp8_wgmma_kernel[grid](
         *descs, out, offs_arg, M, N, K, E, kb_pad, out.stride(-2), out.stride(0) if mode == 2 else 0,
         MODE=mode,

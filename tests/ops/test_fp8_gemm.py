@@ -426,10 +426,16 @@ def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
 # The Gluon kernel (dense and grouped rows on sm_90): edges, tiles, ptxas
 # ------------------------------------------------------------------------------------------------
 
-WGMMA_CONFIGS = [  # those of scripts/fp8_wgmma_sweep.py
-    WgmmaConfig(),  # the class defaults: 128x128x128, 4 stages, 8 warps
+WS_CONFIGS = [  # the warp-specialized kernel's (scripts/fp8_wgmma_sweep.py)
+    WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
+    WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True),
+]
+SINGLE_PARTITION = WgmmaConfig()  # the single-partition kernel's 128x128x128 tile, 4 stages, 8 warps
+WGMMA_CONFIGS = [  # those of scripts/fp8_wgmma_sweep.py; every one gives the same bits
+    SINGLE_PARTITION,
     WgmmaConfig(128, 128, 256, 3, 8, persistent=True),  # two TMA boxes per operand and stage
     WgmmaConfig(128, 64, 128, 3, 4, persistent=True),  # two m64 wgmmas per warpgroup and block
+    *WS_CONFIGS,
 ]
 
 
@@ -528,12 +534,67 @@ def test_gpu_wgmma_persistent_many_tiles():
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+@pytest.mark.gpu
+def test_gpu_ws_kernel_same_bits_at_scale():
+    """The warp-specialized kernel against the single-partition one at sizes where every
+    persistent CTA runs many tiles and the ring many laps (dense, 8 ragged groups of rows, 8 groups
+    over K): the same bits (same wgmma per block, same promotion order), and within the GPU bound
+    of the fp64 product on a sample of rows."""
+    gen = torch.Generator().manual_seed(29)
+    M, N, K = 4096, 3072, 2048
+    aq, as_ = _rand_operand(M, K, gen, device="cuda")
+    bq, bs = _rand_operand(N, K, gen, device="cuda")
+    ref = fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, SINGLE_PARTITION)
+    rows = torch.arange(0, M, 97)
+    A, B = dq64(aq[rows], as_[rows]), dq64(bq, bs)
+    check(ref[rows], A @ B.t(), A.abs(), B.abs(), K, gpu=True)
+    for cfg in WS_CONFIGS:
+        assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, cfg), ref), cfg
+    E = 8
+    counts = [1500, 0, 3, 2900, 777, 0, 1024, 1900]
+    aq, as_ = _rand_operand(sum(counts) + 11, K, gen, device="cuda")
+    bq, bs = _rand_operand(E * 1536, K, gen, device="cuda")
+    bq, bs = bq.view(E, 1536, K), bs.view(E, 1536, K // 32)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, SINGLE_PARTITION)
+    assert not ref[int(offs[-1]):].any()
+    for cfg in WS_CONFIGS:
+        assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, cfg), ref), cfg
+    kc = [4096, 0, 32, 2048, 96, 8192, 0, 1536]
+    aq, as_ = _rand_operand(1024, sum(kc), gen, device="cuda")
+    bq, bs = _rand_operand(768, sum(kc), gen, device="cuda")
+    offs = torch.tensor(kc, device="cuda").cumsum(0).to(torch.int32)
+    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, SINGLE_PARTITION)
+    assert not ref[1].any() and not ref[6].any()
+    for cfg in WS_CONFIGS:
+        assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, cfg), ref), cfg
+
+
 def _sb_offset_to_column(W):
     """Column at each offset of the kernel's shared layout for a row of W B scales
     (`_sb_perm_layout`, a linear layout: an offset's column is the XOR of its set bits' bases)."""
     bases = [b for (b,) in fp8_wgmma._sb_perm_layout(W).offset_bases]
     return [functools.reduce(operator.xor, (b for i, b in enumerate(bases) if o >> i & 1), 0)
             for o in range(W)]
+
+
+@pytest.mark.parametrize("W", [32, 64, 128, 256])
+def test_sb_layout_vectorized_and_conflict_free(W):
+    """The B-scale row layout (`_sb_perm_layout`): a permutation of the W columns; the W/4 columns
+    a thread holds in the wgmma accumulator layout (c0 + 2 c1 + 8 c2, c1 = lane % 4) lie in
+    16-byte chunks at its base 8 c1 plus offsets shared by all threads (one address register,
+    16-byte loads), and each load's 4 chunks (one per c1) fall into 4 different groups of 4 banks
+    (32 banks of 4 bytes)."""
+    cols = _sb_offset_to_column(W)
+    assert sorted(cols) == list(range(W))
+    off = {c: o for o, c in enumerate(cols)}
+    for c1 in range(4):
+        mine = [c0 + 2 * c1 + 8 * c2 for c2 in range(W // 8) for c0 in range(2)]  # register order
+        chunks = [[off[c] for c in mine[i:i + 4]] for i in range(0, len(mine), 4)]
+        assert all(ch[0] % 4 == 0 and ch == list(range(ch[0], ch[0] + 4)) for ch in chunks), chunks
+        assert [ch[0] - 8 * c1 for ch in chunks] == [off[8 * 2 * q] for q in range(W // 16)]
+    for q in range(W // 16):
+        assert len({off[2 * c1 + 16 * q] // 4 % 8 for c1 in range(4)}) == 4, q
 
 
 @pytest.mark.parametrize("mode", ["dense", "rows", "k"])
@@ -616,7 +677,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.backends.nvidia.compiler import get_ptxas
 from mxmoe.ops import fp8_wgmma as W
 
-cfg = W.DEFAULT_CONFIG
+cfg = W.WgmmaConfig()  # the single-partition kernel
 la, lb, lsa, lsb, nb = W._layouts(cfg)
 a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
 s = torch.empty(16, 256)
@@ -679,3 +740,104 @@ def test_wgmma_kernel_compiles_for_sm90():
         [sys.executable, "-c", WGMMA_AOT_CHECK], env=env, capture_output=True, text=True, timeout=900
     )
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+WS_AOT_CHECK = r"""
+import re, subprocess, sys, tempfile, collections
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.backends.nvidia.compiler import get_ptxas
+from mxmoe.ops import fp8_wgmma as W
+
+OPS = ("QGMMA", "FMUL", "FFMA", "LDS", "LDL", "STL", "BAR.SYNC", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE",
+       "SYNCS", "UTMALDG", "FENCE", "MEMBAR")
+
+
+def loops(sass):
+    # the loops (backward branches) of the SASS, innermost first, with their instruction counts
+    lines = [ln for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", ln)]
+    addr = {re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1).lstrip("0"): i for i, ln in enumerate(lines)}
+    out = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", ln)
+        if m and m.group(1).lstrip("0") in addr and addr[m.group(1).lstrip("0")] < i:
+            body = lines[addr[m.group(1).lstrip("0")]:i + 1]
+            ops = collections.Counter()
+            for b in body:
+                op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", b).group(1)
+                ops.update(o for o in OPS if op.startswith(o))
+            out.append((len(body), ops, body))
+    return sorted(out, key=lambda x: x[0])
+
+
+for cfg in [W.WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
+            W.WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True)]:
+    la, lb, lsa, lsb, nb = W._layouts(cfg)
+    a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+    s = torch.empty(16, 256)
+    for mode in (0, 1, 2):
+        sig = {
+            "a_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bm, min(cfg.bk, 128)], la)),
+            "b_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bn, min(cfg.bk, 128)], lb)),
+            "sa_desc": mangle_type(TensorDescriptor.from_tensor(s, [nb, cfg.bm], lsa)),
+            "sb_desc": mangle_type(TensorDescriptor.from_tensor(s, [nb, cfg.bn], lsb)),
+            "c_ptr": "*bf16", "offs_ptr": "*i32",
+        }
+        sig.update({n: "i32" for n in ["M", "N", "K", "E", "KB_PAD", "stride_cm", "stride_ce"]})
+        const = dict(MODE=mode, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+                     num_warps=4)
+        sig.update({n: "constexpr" for n in const})
+        k = triton.compile(GluonASTSource(W._fp8_ws_kernel, sig, constexprs=const),
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "maxnreg": W.WS_MAXNREG})
+        with tempfile.TemporaryDirectory() as d:
+            open(d + "/k.ptx", "w").write(k.asm["ptx"])
+            r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", d + "/k.ptx", "-o", d + "/k.cubin"],
+                               capture_output=True, text=True)
+            info = r.stdout + r.stderr
+            assert r.returncode == 0, info
+            cuobjdump = get_ptxas(90).path.replace("ptxas", "cuobjdump")
+            sass = subprocess.run([cuobjdump, "-sass", d + "/k.cubin"], capture_output=True, text=True).stdout
+        assert "C7514" not in info, info  # no wgmma serialization
+        assert "0 bytes spill stores, 0 bytes spill loads" in info, info
+        assert f"Used {W.WS_MAXNREG} registers" in info, info
+        # the partitions' register budgets (setmaxnreg): consumers 240, loader 24
+        assert re.search(r"USETMAXREG.TRY_ALLOC.CTAPOOL UP\d, 0xf0", sass), sass[:3000]
+        assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in sass, sass[:3000]
+        ls = loops(sass)
+        # the consumer's stage loop: the innermost loop with wgmmas; per 32-block one m64 wgmma and
+        # 2 FP32 ops per accumulator element (BN/2 per thread), no local memory, no TMA, and only
+        # warpgroup-wide barriers (128 threads), no CTA-wide one
+        n, ops, body = next(x for x in ls if x[1]["QGMMA"])
+        nb_ = cfg.bk // 32
+        assert ops["QGMMA"] == nb_ and ops["FMUL"] == ops["FFMA"] == nb_ * cfg.bn // 2, ops
+        assert not ops["LDL"] and not ops["STL"] and not ops["UTMALDG"], ops
+        assert not ops["FENCE"] and not ops["MEMBAR"], ops  # (the loader fences before a refill)
+        bars = [b for b in body if "BAR.SYNC" in b]
+        assert len(bars) <= 2 and all(re.search(r"BAR.SYNC\S* 0x\w+, 0x80 ;", b) for b in bars), bars
+        # the loader's loop: TMA only
+        ln, lops, _ = next(x for x in ls if x[1]["UTMALDG"])
+        assert not lops["QGMMA"] and not lops["FFMA"], lops
+        print(f"bn={cfg.bn} bk={cfg.bk} mode={mode}: consumer stage loop {n} instructions per warp "
+              f"({n / nb_:.0f} per 32-block), {dict(ops)}; loader loop {ln}: {dict(lops)}")
+print("compiled")
+"""
+
+
+def test_ws_kernel_compiles_for_sm90():
+    """Ahead-of-time compile of the warp-specialized kernel (every mode, both WS configs) for sm_90a
+    with Triton's bundled ptxas, and its SASS: no spills, no wgmma serialization (C7514), the
+    partitions' register budgets, and the consumer's stage loop (BK/32 wgmmas, 2 FP32 ops per
+    accumulator element and 32-block, no local memory, no TMA, no fence, no CTA-wide barrier)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", WS_AOT_CHECK], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0 and "compiled" in r.stdout, (r.stdout + r.stderr)[-4000:]
+    print(r.stdout)

@@ -8,7 +8,11 @@ is the kernel's code, not a copy of it. Shared memory is numpy arrays (NaN until
 a synchronous box copy with zero fill, each mbarrier tracks arrivals, transaction bytes and phases,
 a wgmma is an fp64 matmul rounded to fp32; the grid runs one CTA after another, so races (a missing
 wait or barrier) are out of its reach, but a wait that could never complete or would read a stale
-ring slot, a copy still in flight at exit, and wrong results are not.
+ring slot, a copy still in flight at exit, and wrong results are not. The warp-specialized kernel
+(`_fp8_ws_kernel`): its partitions run as threads taking turns at the mbarriers in a fixed
+priority (`_Partitions`: the loader ahead of the consumers as far as the ring lets it, or the
+consumers ahead), so within a CTA the races between partitions are in reach too (a missing wait
+shows as a hang or a wrong result: `test_ws_emulation_catches_a_broken_ring`).
 
 Checked, for every TMA copy the kernel would issue:
 - the coordinate along the descriptor's innermost dimension is a multiple of 16 bytes (Hopper
@@ -21,6 +25,7 @@ zeroed (rows after offs[-1]); in the emulation, within the fp32 accumulation bou
 product.
 """
 
+import threading
 import types
 
 import numpy as np
@@ -30,10 +35,14 @@ import torch
 from mxmoe.ops import fp8_wgmma
 from mxmoe.ops.fp8_wgmma import WgmmaConfig
 
-CONFIGS = [  # those of the GPU tests (tests/ops/test_fp8_gemm.py WGMMA_CONFIGS)
-    WgmmaConfig(),  # the class defaults: 128x128x128, 4 stages, 8 warps
+CONFIGS = [  # the single-partition kernel's of the GPU tests (tests/ops/test_fp8_gemm.py WGMMA_CONFIGS)
+    WgmmaConfig(),
     WgmmaConfig(128, 128, 256, 3, 8, persistent=True),
     WgmmaConfig(128, 64, 128, 3, 4, persistent=True),
+]
+WS_CONFIGS = [  # the warp-specialized kernel's (tests/ops/test_fp8_gemm.py WS_CONFIGS)
+    WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
+    WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True),
 ]
 
 
@@ -88,6 +97,7 @@ class _Recorder:
         self.stores = []  # element offsets written
         self.expects = []  # (barrier, bytes)
         self.copies = []  # (descriptor, coordinates, barrier)
+        self.bars = []  # the mbarriers of the CTA being emulated
 
 
 def _gl_shim(rec: _Recorder):
@@ -416,10 +426,118 @@ class _View:
         return np.array(self.a, dtype=np.float32).view(_Arr)
 
 
-def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
+class WsLaunch:
+    """`_fp8_ws_kernel[grid](...)` intercepted: records the launch into `got` (kernel "ws")."""
+
+    def __init__(self, got):
+        self.got = got
+
+    def __getitem__(self, grid):
+        def record(*args, maxnreg, **kw):
+            assert maxnreg == fp8_wgmma.WS_MAXNREG and kw["num_warps"] == 4
+            self.got.update(grid=grid, args=args, kw=kw, kernel="ws")
+        return record
+
+
+class _Partitions:
+    """`gl.warp_specialize` on CPU, deterministic: every partition a thread, but one runs at a
+    time; at each mbarrier wait or state change (arrival, expect, copy) the scheduler hands the
+    turn to the first partition in `order` (indices into the warp_specialize list) that can run
+    (not waiting on a phase that has not completed). "loader": the loader (the last partition)
+    first, so it runs ahead as far as the `empty` barriers let it (a refill racing a read shows as
+    a wrong result); "consumers": the consumers first (a read racing its fill shows as NaN, the
+    shared memory's initial value). No partition able to run while some have not finished: a hang,
+    reported at once."""
+
+    def __init__(self, order="loader"):
+        self.cond = threading.Condition()
+        self.order = order
+        self.local = threading.local()
+        self.active = False
+
+    def run(self, functions_and_args, worker_num_warps, worker_num_regs):
+        assert len(functions_and_args) == len(worker_num_warps) + 1 == len(worker_num_regs) + 1
+        assert all(24 <= r <= 256 and r % 8 == 0 for r in worker_num_regs)
+        n = len(functions_and_args)
+        self.prio = list(range(n))[::-1] if self.order == "loader" else list(range(n))
+        self.blocked = {}  # partition -> the condition it waits for
+        self.done, self.turn, self.failed = set(), None, None
+
+        def body(i, fn, args):
+            self.local.i = i
+            try:
+                with self.cond:
+                    self._await_turn(i)
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 (re-raised in the launching thread)
+                with self.cond:
+                    self.failed = self.failed or e
+            finally:
+                with self.cond:
+                    self.done.add(i)
+                    self._schedule(n)
+
+        threads = [threading.Thread(target=body, args=(i, *fa), daemon=True)
+                   for i, fa in enumerate(functions_and_args)]
+        self.active = True
+        for t in threads:
+            t.start()
+        with self.cond:
+            self._schedule(n)
+        for t in threads:
+            t.join(timeout=600)
+        self.active = False
+        if self.failed is not None:
+            raise self.failed
+
+    def _schedule(self, n):
+        """(under the lock) Give the turn to the first partition in priority order that can run."""
+        self.turn = next((i for i in self.prio if i not in self.done
+                          and (i not in self.blocked or self.blocked[i]())), None)
+        if self.turn is None and len(self.done) < n and self.failed is None:
+            waits = {i: self.blocked[i].__doc__ for i in self.blocked if i not in self.done}
+            self.failed = AssertionError(f"hang: every unfinished partition waits on a phase that "
+                                         f"never completes: {waits}")
+        self.cond.notify_all()
+
+    def _await_turn(self, i):
+        self.cond.wait_for(lambda: self.turn == i or self.failed is not None)
+        if self.failed is not None:
+            raise RuntimeError("another partition failed")
+
+    def switch(self, until=None):
+        """A scheduling point of the calling partition: it waits for `until` (a predicate) if given,
+        and runs again when it is its turn."""
+        i = self.local.i
+        with self.cond:
+            if until is not None:
+                self.blocked[i] = until
+            self._schedule(len(self.prio))
+            self._await_turn(i)
+            self.blocked.pop(i, None)
+
+    def wait(self, bar, parity):
+        """Until the phase of parity `parity` has completed: the barrier's current (incomplete)
+        phase has the other parity (a fresh barrier: phase 0 running, so parity 1 passes)."""
+        def done():
+            return (bar.phase & 1) != int(parity)
+        done.__doc__ = f"parity {int(parity)}, {bar.phase} phases completed"
+        self.switch(done)
+
+    def update(self, change):
+        """Apply `change` (an mbarrier's state) under the lock; then a scheduling point."""
+        with self.cond:
+            change()
+        if self.active:
+            self.switch()
+
+
+def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np, order="loader"):
     def alloc(dtype, shape, _layout):
         if dtype == "i64":
-            return _View(None, bars=[_Bar() for _ in range(shape[0])])
+            bars = [_Bar() for _ in range(shape[0])]
+            rec.bars.extend(bars)
+            return _View(None, bars=bars)
         return _View(np.full(shape, np.nan))  # never-written shared memory poisons the result
 
     def load(p, mask=True, other=0):
@@ -434,17 +552,33 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
         bar.live = True
 
     def expect(bar, nbytes, pred=True):
-        if pred:
+        def change():
             assert bar.live
             rec.expects.append((bar, nbytes))
             bar.pending -= 1
             bar.tx += nbytes
             bar.check_phase()
 
+        if pred:
+            parts.update(change)
+
+    parts = _Partitions(order)
+
     def wait(bar, parity):
+        if parts.active:
+            return parts.wait(bar, parity)
         # sequential: every copy has landed, so a phase not completed yet never will (a hang)
         assert bar.phase >= 1 and (bar.phase - 1) & 1 == int(parity), \
             f"mbarrier wait for parity {parity} after {bar.phase} completed phases: a hang or a stale slot"
+
+    def arrive(bar, count=1, pred=True):
+        def change():
+            assert bar.live and bar.pending >= count, "more arrivals than the mbarrier's count"
+            bar.pending -= count
+            bar.check_phase()
+
+        if pred:
+            parts.update(change)
 
     def invalidate(bar):
         assert bar.pending == bar.count and bar.tx == 0, "mbarrier invalidated with a TMA copy in flight"
@@ -461,9 +595,13 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
         if rs.start < rs.stop and cs.start < cs.stop:
             box[rs.start - r0:rs.stop - r0, cs.start - c0:cs.stop - c0] = src[rs, cs]
         dst.a[...] = box
-        bar.tx -= desc.block_type.nbytes
-        assert bar.tx >= 0, "more bytes copied than expected on the mbarrier"
-        bar.check_phase()
+
+        def change():
+            bar.tx -= desc.block_type.nbytes
+            assert bar.tx >= 0, "more bytes copied than expected on the mbarrier"
+            bar.check_phase()
+
+        parts.update(change)
 
     gl_ = _gl_shim(rec)
     gl_.__dict__.update(
@@ -472,9 +610,9 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
         SharedLinearLayout=lambda bases: ("linear", bases),
         zeros=lambda shape, *_: np.zeros(shape, np.float32).view(_Arr),
         program_id=lambda axis: _I(pid[axis]), num_programs=lambda axis: _I(nprog[axis]),
-        to_tensor=lambda x: x, thread_barrier=lambda: None)
+        to_tensor=lambda x: x, thread_barrier=lambda: None, warp_specialize=parts.run)
     mbar_ = types.SimpleNamespace(MBarrierLayout=lambda: None, init=init, expect=expect, wait=wait,
-                                  invalidate=invalidate)
+                                  invalidate=invalidate, arrive=arrive)
     tma_ = types.SimpleNamespace(async_copy_global_to_shared=copy)
 
     def mma(a, b, _acc, use_acc=False, is_async=True):
@@ -484,9 +622,11 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np):
                 warpgroup_mma_wait=lambda n, deps: deps[0])
 
 
-def emulate_kernel(got):
+def emulate_kernel(got, patch=None, order="loader"):
     """Run the launch `got` (from `launch_args`) through the kernel's own source; returns the
-    recorder (copies for the alignment check) and fills the launch's output tensor."""
+    recorder (copies for the alignment check) and fills the launch's output tensor. `patch`:
+    device function name -> (shims -> globals to override in that function only); `order`: the
+    warp-specialized kernel's partition priority (`_Partitions`)."""
     a_desc, b_desc, sa_desc, sb_desc, out, offs_t, *ints = got["args"]
     assert out.dtype == torch.float32 and out.is_contiguous()
     descs = {n: _Desc(n, d) for n, d in zip(("a", "b", "sa", "sb"), (a_desc, b_desc, sa_desc, sb_desc),
@@ -498,23 +638,32 @@ def emulate_kernel(got):
     rec = _Recorder()
     grid = tuple(got["grid"]) + (1,) * (3 - len(got["grid"]))
     pid = [0, 0, 0]
-    shims = _kernel_shims(rec, pid, grid, out_flat, descs_np)
+    shims = _kernel_shims(rec, pid, grid, out_flat, descs_np, order)
     jit = {k: v for k, v in vars(fp8_wgmma).items() if hasattr(v, "fn") and callable(getattr(v, "fn", None))}
     hosts = {}
     for k, v in jit.items():  # each device function sees the others' host versions
         hosts[k] = types.FunctionType(v.fn.__code__, {}, v.fn.__name__, v.fn.__defaults__, v.fn.__closure__)
     for k, v in jit.items():
         hosts[k].__globals__.update({**v.fn.__globals__, **shims, **hosts})
-    kernel = hosts["_fp8_wgmma_kernel"]
+    for k, override in (patch or {}).items():
+        f = hosts[k]
+        hosts[k] = types.FunctionType(f.__code__, {**f.__globals__, **override(shims)}, f.__name__,
+                                      f.__defaults__, f.__closure__)
+        for h in hosts.values():
+            h.__globals__[k] = hosts[k]
+    kernel = hosts["_fp8_ws_kernel" if got.get("kernel") == "ws" else "_fp8_wgmma_kernel"]
     for p1 in range(grid[1]):
         for p0 in range(grid[0]):
             pid[0], pid[1] = p0, p1
+            rec.bars = []
             kernel(descs["a"], descs["b"], descs["sa"], descs["sb"], _Out(), _OffsPtr(offs_t.tolist()),
                    *[_I(x) for x in ints], **got["kw"])
+            # at the CTA's exit: no TMA copy in flight, no phase half-arrived
+            assert all(b.tx == 0 and b.pending == b.count for b in rec.bars), "a CTA exits mid-phase"
     return rec
 
 
-def _emulated(monkeypatch, case, cfg, resident=10**9):
+def _emulated(monkeypatch, case, cfg, resident=10**9, patch=None, order="loader"):
     aq, as_, bq, bs, offs, out = case
     got = {}
 
@@ -523,11 +672,12 @@ def _emulated(monkeypatch, case, cfg, resident=10**9):
             return lambda *args, **kw: got.update(grid=grid, args=args, kw=kw)
 
     monkeypatch.setattr(fp8_wgmma, "_fp8_wgmma_kernel", Launch())
+    monkeypatch.setattr(fp8_wgmma, "_fp8_ws_kernel", WsLaunch(got))
     monkeypatch.setattr(fp8_wgmma, "_resident_ctas", lambda cfg, device: resident)
     fp8_wgmma.launch(aq, as_, bq, bs, offs, out, cfg)
     monkeypatch.undo()
     got["args"] = (*got["args"][:4], out, *got["args"][5:])
-    rec = emulate_kernel(got)
+    rec = emulate_kernel(got, patch, order)
     check_tma_alignment(rec)
     return out
 
@@ -633,3 +783,72 @@ def test_mx_ops_on_the_emulated_gluon_kernel(monkeypatch):
         # same quantized operands, both fp32-accumulated in different orders (K up to 1024)
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert not outs[0][5][0].any() and not outs[0][5][3].any()  # empty experts: zero dW
+
+
+# ------------------------------------------------------------------------------------------------
+# The warp-specialized kernel (`_fp8_ws_kernel`) on CPU: its partitions as threads taking turns at
+# the emulated mbarriers (`_Partitions`), the loader running ahead of the consumers as far as the
+# ring lets it, or the consumers ahead of the loader
+# ------------------------------------------------------------------------------------------------
+
+
+def _within_bound(out, ref, mag, k):
+    err = (out.double() - ref).abs()
+    bound = mag * (k + 2) * 2.0**-23 + (k // 32 + 1) * 2.0**-126
+    return not torch.isnan(out).any() and bool((err <= bound).all())
+
+
+@pytest.mark.parametrize("name,build,args,cfgs", GPU_TEST_LAUNCHES, ids=[x[0] for x in GPU_TEST_LAUNCHES])
+def test_ws_kernel_emulated(name, build, args, cfgs, monkeypatch):
+    """Every launch of the GPU tests through the warp-specialized kernel's source, each WS config,
+    3 persistent CTAs (several tiles per CTA: the ring's slots and phases run on across tiles),
+    loader first and consumers first: no hang, no read of a slot before its fill or after its
+    refill, aligned TMA copies, every output within the fp32 accumulation bound of the fp64
+    product (rows after offs[-1] and empty groups exactly zero; the output starts as NaN)."""
+    case = build(*args)
+    ref, mag, k = _reference(case)
+    for cfg in WS_CONFIGS:
+        for order in ("loader", "consumers"):
+            out = torch.full_like(case[5], float("nan"))
+            _emulated(monkeypatch, (*case[:5], out), cfg, resident=3, order=order)
+            assert _within_bound(out, ref, mag, k), (name, cfg, order)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_ws_random_ragged_groups_emulated(seed, monkeypatch):
+    """Random ragged and empty groups (starts at every row offset mod 4) through the WS kernel."""
+    g = torch.Generator().manual_seed(200 + seed)
+    E = [6, 19][seed]
+    counts = torch.randint(0, 150, (E,), generator=g)
+    counts[torch.randint(0, E, (E // 3,), generator=g)] = 0
+    case = rows_case(counts.tolist(), int(torch.randint(0, 9, (1,), generator=g)), 72, 320)
+    ref, mag, k = _reference(case)
+    for cfg, order in zip(WS_CONFIGS, ("loader", "consumers"), strict=True):
+        out = torch.full_like(case[5], float("nan"))
+        _emulated(monkeypatch, (*case[:5], out), cfg, resident=2, order=order)
+        assert _within_bound(out, ref, mag, k), (cfg, order)
+
+
+def _without(op):
+    """A `patch` of `emulate_kernel`: the function's mbarrier `op` does nothing."""
+    return lambda shims: {"mbarrier": types.SimpleNamespace(**{**vars(shims["mbarrier"]),
+                                                               op: lambda *a, **k: None})}
+
+
+@pytest.mark.parametrize("broken,order", [("_ws_loader/wait", "loader"), ("_ws_consumer/arrive", "loader"),
+                                          ("_ws_consumer/wait", "consumers")])
+def test_ws_emulation_catches_a_broken_ring(broken, order, monkeypatch):
+    """The emulation's teeth: a loader that does not wait for the consumers' release (a refill
+    racing the reads of the slot's previous stage), consumers that never release a slot, and
+    consumers that do not wait for a slot's fill each fail: a hang or a wrong result."""
+    case = dense_case(256, 128, 1024)  # 32 blocks: 8 stages through a 4-slot ring per tile
+    ref, mag, k = _reference(case)
+    fn, op = broken.split("/")
+    out = torch.full_like(case[5], float("nan"))
+    try:
+        _emulated(monkeypatch, (*case[:5], out), WS_CONFIGS[0], resident=1, patch={fn: _without(op)},
+                  order=order)
+    except AssertionError as e:
+        assert "hang" in str(e) or "copied than expected" in str(e) or "arrivals" in str(e), e
+        return
+    assert not _within_bound(out, ref, mag, k), f"{broken} passed"
