@@ -35,11 +35,13 @@ fullgraph).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from mxmoe.formats import OUTPUT_DTYPES, CastSpec, check_input_dtype
-from mxmoe.quant.backends import triton_interpret
+from mxmoe.quant.backends import cdiv, next_pow2, triton_interpret
 from mxmoe.quant.checks import spec_of
 from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
@@ -135,52 +137,58 @@ def _rows_tile(bs: int, elem_size: int) -> dict:
     return dict(NSL=bs // rs, W=_ROWS_WARPS, RS=rs, NB=nb)
 
 
+@functools.cache
+def _rows_launch(spec: CastSpec, in_bf16: bool, out_bf16: bool, dim0: bool, dim1: bool, grouped: bool,
+                 soft: bool) -> tuple[dict, int]:
+    """The rows kernel's compile-time arguments for one configuration and its columns per tile
+    (built once: a launch then costs Triton's own argument handling only)."""
+    from mxmoe.quant.triton_cast import _spec_args
+
+    bs = spec.block_size
+    tile = _rows_tile(bs, 2 if in_bf16 else 4)
+    consts = dict(BS=bs, N_ITER=_ROWS_ITERS, GROUPED=grouped, IN_BF16=in_bf16, OUT_BF16=out_bf16,
+                  DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS, **tile, **_spec_args(spec, soft))
+    return consts, tile["W"] * tile["NB"] * bs
+
+
 def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool,
                      offs: Tensor | None, outs) -> None:
     """The rows-layout kernel on x (T, C): y0 and/or y1 (T, C) in `outs`."""
-    import triton
-
-    from mxmoe.quant.triton_cast import _spec_args
     from mxmoe.quant.triton_qdq import qdq_rows_kernel
 
     T, C = x.shape
     bs = spec.block_size
     if x.numel() == 0:
         return
-    tile = _rows_tile(bs, x.element_size())
-    bct = tile["W"] * tile["NB"] * bs
+    in_bf16, out_bf16 = x.dtype == torch.bfloat16, out_dtype == torch.bfloat16
+    consts, bct = _rows_launch(spec, in_bf16, out_bf16, dim0, dim1, offs is not None,
+                               x.device.type != "cuda" or triton_interpret())
     E = 0 if offs is None else offs.shape[0]
     # blocks: sum of ceil(n_e / bs) <= floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for
     # the rows after the last group: <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups)
-    row_blocks = triton.cdiv(T + (bs - 1) * E, bs)
-    progs_c = triton.cdiv(triton.cdiv(C, bct), _ROWS_ITERS)
-    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    row_blocks = cdiv(T + (bs - 1) * E, bs)
+    progs_c = cdiv(cdiv(C, bct), _ROWS_ITERS)
+    bits = torch.int16 if out_bf16 else torch.int32
     it = iter(outs)
     y0 = next(it).view(bits) if dim0 else x
     y1 = next(it).view(bits) if dim1 else x
     qdq_rows_kernel[(row_blocks, progs_c)](
-        x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1,
-        x if offs is None else offs, T, C, E, BS=bs, N_ITER=_ROWS_ITERS,
-        EP=max(128, triton.next_power_of_2(E)),
+        x.view(torch.int16) if in_bf16 else x.view(torch.int32), y0, y1,
+        x if offs is None else offs, T, C, E,
+        EP=max(128, next_pow2(E)) if E else 128,
         I64=row_blocks * bs * C + bct >= 2**31,  # above the largest offset a program forms (masked too)
-        GROUPED=offs is not None, IN_BF16=x.dtype == torch.bfloat16,
-        OUT_BF16=out_dtype == torch.bfloat16, DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS,
-        **tile, **_spec_args(spec, x.device.type != "cuda" or triton_interpret()),
+        **consts,
     )
 
 
 def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: int, outs):
-    import triton
-
-    from mxmoe.formats import MODE_IDS, f32_bits
-
     B, R, C = x.shape
     bs = spec.block_size
     if x.numel() == 0:
         return
-    br = max(bs, min(_TILE, triton.next_power_of_2(R)))
-    bc = max(bs, min(_TILE, triton.next_power_of_2(C)))
-    grid = (triton.cdiv(R, br), triton.cdiv(C, bc), B)
+    br = max(bs, min(_TILE, next_pow2(R)))
+    bc = max(bs, min(_TILE, next_pow2(C)))
+    grid = (cdiv(R, br), cdiv(C, bc), B)
     if grid[1] > 65535 or B > 65535:
         raise ValueError(f"x of shape {tuple(x.shape)} is too large for the qdq kernel's grid")
     bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
@@ -192,17 +200,15 @@ def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, d
         y1, s1 = next(it).view(torch.uint8), next(it).view(torch.uint8)
     else:
         y1 = s1 = x
-    f = spec.elem
+    from mxmoe.quant.triton_cast import _spec_args
     from mxmoe.quant.triton_qdq import qdq_triton_kernel
 
     qdq_triton_kernel[grid](
         x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1, s1, R, C,
         BS=bs, BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
-        DIM0=dim0, DIM1=dim1, MODE=MODE_IDS[spec.mode], IS_E5M2=f.dtype == torch.float8_e5m2,
-        EMAX=f.emax, MBITS=f.mbits, MIN_EXP=f.min_normal_exp, MAXBITS=f32_bits(f.max_normal),
-        RCEIL_C=spec.rceil_c, T127=spec.rceil_t127, T126=spec.rceil_t126,
+        DIM0=dim0, DIM1=dim1, num_warps=8,
         # software rounding under the interpreter, whose fp32 -> fp8 conversion misrounds
-        SOFT=x.device.type != "cuda" or triton_interpret(), num_warps=8,
+        **_spec_args(spec, x.device.type != "cuda" or triton_interpret()),
     )
 
 
