@@ -218,17 +218,18 @@ def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, d
 
 
 def _empty_outputs(x: Tensor, elem_dtype, out_dtype, block_size: int, dim0: bool, dim1: int) -> list[Tensor]:
-    B, R, C = x.shape
     outs = []
     if dim0:
-        outs.append(torch.empty((B, R, C), dtype=out_dtype, device=x.device))
-    if dim1 == DIM1_QDQ:
-        outs.append(torch.empty((B, C, R), dtype=out_dtype, device=x.device))
-    elif dim1 == DIM1_MX:
-        outs.append(torch.empty((B, C, R), dtype=elem_dtype, device=x.device))
-        outs.append(torch.empty((B, C, R // block_size), dtype=torch.float8_e8m0fnu, device=x.device))
+        outs.append(torch.empty(x.shape, dtype=out_dtype, device=x.device))
+    if dim1 == DIM1_QDQ or dim1 == DIM1_MX:
+        B, R, C = x.shape
+        if dim1 == DIM1_QDQ:
+            outs.append(torch.empty((B, C, R), dtype=out_dtype, device=x.device))
+        else:
+            outs.append(torch.empty((B, C, R), dtype=elem_dtype, device=x.device))
+            outs.append(torch.empty((B, C, R // block_size), dtype=torch.float8_e8m0fnu, device=x.device))
     elif dim1 == DIM1_ROWS:
-        outs.append(torch.empty((B, R, C), dtype=out_dtype, device=x.device))
+        outs.append(torch.empty(x.shape, dtype=out_dtype, device=x.device))
     return outs
 
 
@@ -245,7 +246,8 @@ def qdq_op(
     offs: Tensor | None = None,
 ) -> list[Tensor]:
     """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0 (and R % block_size == 0 when dim1 is
-    1 or 2; B == 1 when dim1 is 3 or offs is given).
+    1 or 2; B == 1 when dim1 is 3 or offs is given). When dim1 is 0 or 3 x may also be 2D (R, C)
+    (the public 2D calls pass it so, saving the reshapes): the row-major outputs are then 2D too.
 
     Returns, in order: if dim0, y0 (B, R, C) out_dtype = MX-rounded along C; if dim1 == 1, y1
     (B, C, R) out_dtype = MX-rounded along R, stored transposed; if dim1 == 2, q1 (B, C, R)
@@ -267,13 +269,19 @@ def _qdq_impl(
     if kernel == "torch":
         if x.numel() == 0:
             return _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
+        if x.ndim == 2:
+            return [t.contiguous().view(x.shape)
+                    for t in _torch_qdq(x.unsqueeze(0), spec, out_dtype, dim0, dim1, offs)]
         return [t.contiguous() for t in _torch_qdq(x, spec, out_dtype, dim0, dim1, offs)]
     if kernel != "triton":
         raise ValueError(f"kernel={kernel!r} is not a qdq kernel; expected one of {list(QDQ_KERNELS)}")
     outs = _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
     if dim1 in (DIM1_NONE, DIM1_ROWS):  # every row-major output: the rows kernel on (B * R, C)
-        _triton_qdq_rows(x.view(-1, x.shape[-1]), spec, out_dtype, dim0, dim1 == DIM1_ROWS, offs,
-                         [t.view(-1, x.shape[-1]) for t in outs])
+        if x.ndim == 2:
+            _triton_qdq_rows(x, spec, out_dtype, dim0, dim1 == DIM1_ROWS, offs, outs)
+        else:
+            _triton_qdq_rows(x.view(-1, x.shape[-1]), spec, out_dtype, dim0, dim1 == DIM1_ROWS, offs,
+                             [t.view(-1, x.shape[-1]) for t in outs])
     else:
         _triton_qdq(x, spec, out_dtype, dim0, dim1, outs)
     return outs
@@ -380,7 +388,8 @@ def qdq(
     if dim1 and offs is not None and not rows:
         raise ValueError("offs with axis=-2 needs layout='rows' (group blocks in x's own layout)")
     _check(x, recipe, out_dtype, (-1,) if rows or not dim1 else (-2,))
-    x3 = _as3d(x)
+    flat = x.ndim == 2 and (rows or not dim1)  # row-major 2D: the op takes and returns it as is
+    x3 = x.contiguous() if flat else _as3d(x)
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     if dim1:
         mode = DIM1_ROWS if rows else DIM1_QDQ
@@ -392,7 +401,7 @@ def qdq(
     )
     if dim1 and not rows:
         return y.view(*x.shape[:-2], x.shape[-1], x.shape[-2]).transpose(-2, -1)
-    return y.view(x.shape)
+    return y if flat else y.view(x.shape)
 
 
 def qdq_dim0_dim1(
@@ -424,16 +433,20 @@ def qdq_dim0_dim1(
     if dim1_mx and rows:
         raise ValueError("dim1_mx=True gives the MX cast's transposed storage; it needs layout='transposed'")
     _check(x, recipe, out_dtype, (-1,) if rows else (-2, -1))
-    x3 = x.contiguous().unsqueeze(0)
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
-    mode = DIM1_ROWS if rows else (DIM1_MX if dim1_mx else DIM1_QDQ)
+    if rows:  # 2D in, 2D out (no reshapes)
+        y0, y1 = _qdq(x.contiguous(), recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype,
+                      True, DIM1_ROWS, kernel, offs)
+        return y0, y1
+    mode = DIM1_MX if dim1_mx else DIM1_QDQ
     outs = _qdq(
-        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, mode, kernel, offs
+        x.contiguous().unsqueeze(0), recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype,
+        True, mode, kernel, offs,
     )
     y0 = outs[0][0]
     if dim1_mx:
         return y0, outs[1][0], outs[2][0]
-    return y0, (outs[1][0] if rows else outs[1][0].t())
+    return y0, outs[1][0].t()
 
 
 __all__ = ["LAYOUTS", "QDQ_KERNELS", "qdq", "qdq_dim0_dim1", "qdq_kernel", "qdq_op"]

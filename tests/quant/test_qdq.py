@@ -407,6 +407,27 @@ def test_qdq_rows_fake_matches_real_and_compiles():
     assert torch.equal(got, f(x[0], offs))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_qdq_op_2d_input_equals_3d_and_fake(kernel):
+    """The row-major modes take a 2D x (what the public 2D calls pass, saving reshapes): the same
+    values as the (1, R, C) form, 2D outputs of the layout the fake implementation promises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(45, 64) * 4
+    offs = offs_of([5, 0, 30])
+    for dim0, dim1, o in ((True, 0, None), (True, 0, offs), (False, 3, None), (True, 3, offs)):
+        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, dim1, kernel)
+        got = qdq_op(x, *args, o)
+        want = qdq_op(x.unsqueeze(0), *args, o)
+        assert [t.shape for t in got] == [x.shape] * len(got)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(_bytes(g), _bytes(w[0])), (dim0, dim1, o is None)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fo = None if o is None else mode.from_tensor(o)
+            fake = [(t.shape, t.stride(), t.dtype) for t in qdq_op(mode.from_tensor(x), *args, fo)]
+        assert fake == [(t.shape, t.stride(), t.dtype) for t in got]
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
