@@ -126,6 +126,16 @@ _ROWS_ITERS = 4
 _MAX_GROUPS = 4096  # offs entries the rows kernel reads per program (in powers of two from 128)
 
 
+def _launcher(kernel, traced: bool):
+    """`kernel`, or `wrap_triton(kernel)` while AOTAutograd decomposes the op for inductor, which
+    then launches the kernel from its generated code."""
+    if not traced:
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
 def _rows_tile(bs: int, elem_size: int) -> dict:
     """(NSL, W, RS, NB) of the rows kernel: a warp's 32 lanes cover RS rows x NB blocks of bs
     columns with 16-byte vectors (8 bf16 / 4 fp32 elements per lane); NSL = bs / RS slices per
@@ -152,8 +162,9 @@ def _rows_launch(spec: CastSpec, in_bf16: bool, out_bf16: bool, dim0: bool, dim1
 
 
 def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool,
-                     offs: Tensor | None, outs) -> None:
-    """The rows-layout kernel on x (T, C): y0 and/or y1 (T, C) in `outs`."""
+                     offs: Tensor | None, outs, traced: bool = False) -> None:
+    """The rows-layout kernel on x (T, C): y0 and/or y1 (T, C) in `outs`. traced: launched through
+    `torch.library.wrap_triton` (the op's decomposition for inductor, `_functional_decomp`)."""
     from mxmoe.quant.triton_qdq import qdq_rows_kernel
 
     T, C = x.shape
@@ -172,22 +183,23 @@ def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bo
     it = iter(outs)
     y0 = next(it).view(bits) if dim0 else x
     y1 = next(it).view(bits) if dim1 else x
-    qdq_rows_kernel[(row_blocks, progs_c)](
+    _launcher(qdq_rows_kernel, traced)[(row_blocks, progs_c)](
         x.view(torch.int16) if in_bf16 else x.view(torch.int32), y0, y1,
         x if offs is None else offs, T, C, E,
-        EP=max(128, next_pow2(E)) if E else 128,
+        EP=max(128, next_pow2(int(E))) if E else 128,
         I64=row_blocks * bs * C + bct >= 2**31,  # above the largest offset a program forms (masked too)
         **consts,
     )
 
 
-def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: int, outs):
+def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: int, outs,
+                traced: bool = False):
     B, R, C = x.shape
     bs = spec.block_size
     if x.numel() == 0:
         return
-    br = max(bs, min(_TILE, next_pow2(R)))
-    bc = max(bs, min(_TILE, next_pow2(C)))
+    br = max(bs, min(_TILE, next_pow2(int(R))))
+    bc = max(bs, min(_TILE, next_pow2(int(C))))
     grid = (cdiv(R, br), cdiv(C, bc), B)
     if grid[1] > 65535 or B > 65535:
         raise ValueError(f"x of shape {tuple(x.shape)} is too large for the qdq kernel's grid")
@@ -203,7 +215,7 @@ def _triton_qdq(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, d
     from mxmoe.quant.triton_cast import _spec_args
     from mxmoe.quant.triton_qdq import qdq_triton_kernel
 
-    qdq_triton_kernel[grid](
+    _launcher(qdq_triton_kernel, traced)[grid](
         x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1, s1, R, C,
         BS=bs, BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
         DIM0=dim0, DIM1=dim1, num_warps=8,
@@ -261,10 +273,11 @@ def qdq_op(
 
 
 def _qdq_impl(
-    x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None
+    x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None, *, traced=False
 ) -> list[Tensor]:
     """qdq_op's body, called directly in eager mode (a custom op call costs tens of microseconds of
-    Python); arguments already checked."""
+    Python); arguments already checked. traced: the Triton launches go through wrap_triton
+    (`_functional_decomp`)."""
     spec = spec_of(block_size, scaling_mode, elem_dtype)
     if kernel == "torch":
         if x.numel() == 0:
@@ -278,18 +291,50 @@ def _qdq_impl(
     outs = _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
     if dim1 in (DIM1_NONE, DIM1_ROWS):  # every row-major output: the rows kernel on (B * R, C)
         if x.ndim == 2:
-            _triton_qdq_rows(x, spec, out_dtype, dim0, dim1 == DIM1_ROWS, offs, outs)
+            _triton_qdq_rows(x, spec, out_dtype, dim0, dim1 == DIM1_ROWS, offs, outs, traced)
         else:
             _triton_qdq_rows(x.view(-1, x.shape[-1]), spec, out_dtype, dim0, dim1 == DIM1_ROWS, offs,
-                             [t.view(-1, x.shape[-1]) for t in outs])
+                             [t.view(-1, x.shape[-1]) for t in outs], traced)
     else:
-        _triton_qdq(x, spec, out_dtype, dim0, dim1, outs)
+        _triton_qdq(x, spec, out_dtype, dim0, dim1, outs, traced)
     return outs
 
 
 @qdq_op.register_fake
 def _(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None):
     return _empty_outputs(x, elem_dtype, out_dtype, block_size, dim0, dim1)
+
+
+def _op_args(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None) -> tuple:
+    return x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs
+
+
+def _functional_decomp(mode, op, types, args=(), kwargs=None):
+    """How AOTAutograd (torch.compile's functionalization) sees `mxmoe::qdq`: for the Triton kernel
+    on CUDA tensors, as its body with the launches wrapped by `torch.library.wrap_triton` (what
+    `torch.library.triton_op` does), so that inductor launches the kernel from its generated code
+    instead of calling back into this op's Python for every launch; anything else (the torch
+    kernel, CPU tensors, the Triton interpreter, torch.export) stays the opaque op with its fake
+    implementation."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    full = _op_args(*args, **(kwargs or {}))
+    x, kernel = full[0], full[7]
+    decompose = (
+        kernel == "triton"
+        and x.is_cuda
+        and not triton_interpret()  # interpreted kernels cannot be wrapped (they run on the data)
+        and getattr(torch._functorch.config, "decompose_custom_triton_ops", True)  # False: torch.export
+        and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is Tensor for t in types)
+    )
+    if not decompose:
+        return mode.__torch_dispatch__(op, types, args, kwargs or {})
+    with mode:
+        return _qdq_impl(*full, traced=True)
+
+
+qdq_op.register_torch_dispatch(torch._subclasses.functional_tensor.FunctionalTensorMode, _functional_decomp)
 
 
 def _qdq(*args) -> list[Tensor]:
