@@ -30,7 +30,8 @@ padding and gathering for the rows layout) and "triton" (on CPU under TRITON_INT
 rows-layout kernel for dim0 and for the rows layout, the tile-transposing kernel for the dim1
 modes stored transposed. A recipe's "cuda" cast kernel maps to the Triton qdq (there is no CUDA qdq
 kernel). The ops are `torch.library` custom ops with fake implementations (torch.compile
-fullgraph).
+fullgraph); eager calls run the body directly. Under torch.compile the Triton kernel on CUDA is
+decomposed into its launches for inductor (`_functional_decomp`, docs/training-ops.md).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import functools
 
 import torch
 from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from mxmoe.formats import OUTPUT_DTYPES, CastSpec, check_input_dtype
 from mxmoe.quant.backends import cdiv, next_pow2, triton_interpret
@@ -334,7 +336,7 @@ def _functional_decomp(mode, op, types, args=(), kwargs=None):
         return _qdq_impl(*full, traced=True)
 
 
-qdq_op.register_torch_dispatch(torch._subclasses.functional_tensor.FunctionalTensorMode, _functional_decomp)
+qdq_op.register_torch_dispatch(FunctionalTensorMode, _functional_decomp)
 
 
 def _qdq(*args) -> list[Tensor]:
