@@ -189,7 +189,8 @@ def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bo
         x.view(torch.int16) if in_bf16 else x.view(torch.int32), y0, y1,
         x if offs is None else offs, T, C, E,
         EP=max(128, next_pow2(int(E))) if E else 128,
-        I64=row_blocks * bs * C + bct >= 2**31,  # above the largest offset a program forms (masked too)
+        # above the largest offset a program forms (masked too); a bool also for symbolic shapes
+        I64=bool(row_blocks * bs * C + bct >= 2**31),
         **consts,
     )
 
