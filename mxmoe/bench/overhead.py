@@ -10,9 +10,10 @@ from a CUDA graph (the GPU's time for them, with no host work per call). Runs on
     mxmoe bench overhead --shape 4096x4096 --iters 1000 --json overhead.json
     mxmoe bench overhead --kernel cuda --kernel auto
 
-Rows: op (what is called), impl ("native" or the MX cast kernel), host_us (wall µs per call),
-graph_us (wall µs per CUDA-graph replay of the same call; casts only), x_to_fp8 (host_us / that of
-`x.to(torch.float8_e4m3fn)` in the same run).
+Rows: op (what is called; `qdq ...`: the fused quantize-dequantize that feeds the emulated GEMM),
+impl ("native" or the MX cast kernel), host_us (wall µs per call), graph_us (wall µs per CUDA-graph
+replay of the same call; casts and qdq only), x_to_fp8 (host_us / that of `x.to(torch.float8_e4m3fn)`
+in the same run).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
     from mxmoe.comm import all_to_all_hp, to_mxfp8_a2a_dequant
     from mxmoe.ops import mx_grouped_mm, mx_mm
     from mxmoe.quant import available_kernels, to_mx, to_mx_dim0_dim1
+    from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
     from mxmoe.recipe import DEFAULT_RECIPE
 
     R, C = args.shape
@@ -112,6 +114,14 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
             ("to_mx 3D along K", k, lambda k=k: to_mx(w3, -1, kernel=k), True),
             ("to_mx 3D along N", k, lambda k=k: to_mx(w3, -2, kernel=k), True),
             ("dequantize", k, lambda k=k, m=mx0: m.dequantize(kernel=k), True),
+        ]
+        # the fused quantize-dequantize the emulated GEMM's operands come from ("cuda" and "auto"
+        # run its Triton kernel on a GPU)
+        rk = DEFAULT_RECIPE.replace(dim0_kernel=k, dim1_kernel=k)
+        cases += [
+            ("qdq dim0", k, lambda rk=rk: qdq(x, -1, recipe=rk), True),
+            ("qdq_dim0_dim1", k, lambda rk=rk: qdq_dim0_dim1(x, recipe=rk), True),
+            ("qdq dim1, groups", k, lambda rk=rk: qdq(x, -2, recipe=rk, offs=offs), True),
         ]
     cfg = DEFAULT_RECIPE
     cases += [

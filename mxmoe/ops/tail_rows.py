@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from mxmoe.quant.backends import cdiv
+
 _BLOCK_R = 64  # rows per program
 _BLOCK_N = 256  # columns per program
 
@@ -50,7 +52,7 @@ def zero_rows_after(out: Tensor, offs: Tensor) -> Tensor:
                          f"{tuple(offs.shape)} on {offs.device}")
     T, N = out.shape
     if out.numel():
-        _zero_rows_after_kernel[(triton.cdiv(T, _BLOCK_R), triton.cdiv(N, _BLOCK_N))](
+        _zero_rows_after_kernel[(cdiv(T, _BLOCK_R), cdiv(N, _BLOCK_N))](  # plain int math: host cost
             out, offs[-1:], T, N, out.stride(0), BLOCK_R=_BLOCK_R, BLOCK_N=_BLOCK_N, num_warps=4
         )
     return out

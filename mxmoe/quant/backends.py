@@ -46,6 +46,17 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of ints, for launch grids computed on the host. (triton 3.6's `triton.cdiv` and
+    `triton.next_power_of_2` are constexpr functions: a few µs of Python per host call each.)"""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n, for n >= 1 (`triton.next_power_of_2`'s value there)."""
+    return 1 << (n - 1).bit_length()
+
+
 @functools.cache
 def _has_triton() -> bool:
     try:

@@ -24,16 +24,21 @@ Layouts (x viewed as (B, R, C), contiguous; every output (B, R, C) row-major con
 Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize on the padded
 form, CPU or GPU) and "triton" (the rows kernel of `triton_qdq`; on CPU under TRITON_INTERPRET=1).
 A recipe's "cuda" cast kernel maps to the Triton qdq (there is no CUDA qdq kernel). The op is a
-`torch.library` custom op with a fake implementation (torch.compile fullgraph).
+`torch.library` custom op with a fake implementation (torch.compile fullgraph); eager calls run its
+body directly. Under torch.compile the Triton kernel on CUDA is decomposed into its launches for
+inductor (`_functional_decomp`, docs/training-ops.md).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from mxmoe.formats import OUTPUT_DTYPES, CastSpec, check_input_dtype
-from mxmoe.quant.backends import triton_interpret
+from mxmoe.quant.backends import cdiv, next_pow2, triton_interpret
 from mxmoe.quant.checks import spec_of
 from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
@@ -107,6 +112,16 @@ _ROWS_ITERS = 4
 _MAX_GROUPS = 4096  # offs entries the rows kernel reads per program (in powers of two from 128)
 
 
+def _launcher(kernel, traced: bool):
+    """`kernel`, or `wrap_triton(kernel)` while AOTAutograd decomposes the op for inductor, which
+    then launches the kernel from its generated code."""
+    if not traced:
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
 def _rows_tile(bs: int, elem_size: int) -> dict:
     """(NSL, W, RS, NB) of the rows kernel: a warp's 32 lanes cover RS rows x NB blocks of bs
     columns with 16-byte vectors (8 bf16 / 4 fp32 elements per lane); NSL = bs / RS slices per
@@ -118,45 +133,62 @@ def _rows_tile(bs: int, elem_size: int) -> dict:
     return dict(NSL=bs // rs, W=_ROWS_WARPS, RS=rs, NB=nb)
 
 
-def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool,
-                     offs: Tensor | None, outs) -> None:
-    """The rows kernel on x (B, R, C) contiguous (B == 1 with offs): y0 and/or y1 (B, R, C) in
-    `outs`; dim1 blocks start at each matrix's first row (each group's with offs)."""
-    import triton
-
+@functools.cache
+def _rows_launch(spec: CastSpec, in_bf16: bool, out_bf16: bool, dim0: bool, dim1: bool, grouped: bool,
+                 matrices: bool, soft: bool) -> tuple[dict, int]:
+    """The rows kernel's compile-time arguments for one configuration (all but EP and I64, which
+    depend on the shapes) and its columns per tile (built once: a launch then costs Triton's own
+    argument handling only)."""
     from mxmoe.quant.triton_cast import _spec_args
+
+    bs = spec.block_size
+    tile = _rows_tile(bs, 2 if in_bf16 else 4)
+    consts = dict(BS=bs, N_ITER=_ROWS_ITERS, GROUPED=grouped, MATRICES=matrices, IN_BF16=in_bf16,
+                  OUT_BF16=out_bf16, DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS, **tile,
+                  **_spec_args(spec, soft))
+    return consts, tile["W"] * tile["NB"] * bs
+
+
+def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool,
+                     offs: Tensor | None, outs, traced: bool = False) -> None:
+    """The rows kernel on x (B, R, C) or (R, C) (= (1, R, C)) contiguous (B == 1 with offs): y0
+    and/or y1 of x's shape in `outs`; dim1 blocks start at each matrix's first row (each group's
+    with offs). traced: launched through `torch.library.wrap_triton` (the op's decomposition for
+    inductor, `_functional_decomp`)."""
     from mxmoe.quant.triton_qdq import qdq_rows_kernel
 
-    B, R, C = x.shape
+    B, R, C = x.shape if x.ndim == 3 else (1, *x.shape)
     T = B * R
     bs = spec.block_size
     if x.numel() == 0:
         return
-    matrices = dim1 and B > 1 and R % bs != 0  # else the 2D (T, C) view has the same blocks
-    tile = _rows_tile(bs, x.element_size())
-    bct = tile["W"] * tile["NB"] * bs
+    # else the 2D (T, C) view has the same blocks (a bool also for symbolic shapes: a cache key)
+    matrices = bool(dim1 and B > 1 and R % bs != 0)
+    in_bf16, out_bf16 = x.dtype == torch.bfloat16, out_dtype == torch.bfloat16
+    consts, bct = _rows_launch(spec, in_bf16, out_bf16, dim0, dim1, offs is not None, matrices,
+                               x.device.type != "cuda" or triton_interpret())
     E = 0 if offs is None else offs.shape[0]
     # blocks: without groups ceil(R / bs) per matrix; with groups sum of ceil(n_e / bs) <=
     # floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for the rows after the last group:
-    # <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups)
-    row_blocks = B * triton.cdiv(R, bs) if offs is None else triton.cdiv(T + (bs - 1) * E, bs)
-    progs_c = triton.cdiv(triton.cdiv(C, bct), _ROWS_ITERS)
+    # <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups). Plain int math: triton's
+    # cdiv is a constexpr function, µs per host call.
+    row_blocks = B * cdiv(R, bs) if offs is None else cdiv(T + (bs - 1) * E, bs)
+    progs_c = cdiv(cdiv(C, bct), _ROWS_ITERS)
     if row_blocks > 2**31 - 1 or progs_c > 65535:
         raise ValueError(f"x of shape {tuple(x.shape)} is too large for the qdq kernel's grid")
-    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    bits = torch.int16 if out_bf16 else torch.int32
     it = iter(outs)
     y0 = next(it).view(bits) if dim0 else x
     y1 = next(it).view(bits) if dim1 else x
-    qdq_rows_kernel[(row_blocks, progs_c)](
-        x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32), y0, y1,
-        x if offs is None else offs, T, R, C, E, BS=bs, N_ITER=_ROWS_ITERS,
-        EP=max(128, triton.next_power_of_2(E)),
+    _launcher(qdq_rows_kernel, traced)[(row_blocks, progs_c)](
+        x.view(torch.int16) if in_bf16 else x.view(torch.int32), y0, y1,
+        x if offs is None else offs, T, R, C, E,
+        EP=max(128, next_pow2(int(E))) if E else 128,
         # above the largest offset a program forms (masked too): its block's first row is below
-        # T, its last tile ends below bs rows and bct columns further
-        I64=(T + bs) * C + bct >= 2**31,
-        GROUPED=offs is not None, MATRICES=matrices, IN_BF16=x.dtype == torch.bfloat16,
-        OUT_BF16=out_dtype == torch.bfloat16, DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS,
-        **tile, **_spec_args(spec, x.device.type != "cuda" or triton_interpret()),
+        # T, its last tile ends below bs rows and bct columns further; a bool also for symbolic
+        # shapes (a SymBool is not a constexpr)
+        I64=bool((T + bs) * C + bct >= 2**31),
+        **consts,
     )
 
 
@@ -181,9 +213,11 @@ def qdq_op(
     kernel: str,
     offs: Tensor | None = None,
 ) -> list[Tensor]:
-    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0, any R; B == 1 when offs is given.
+    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0, any R; B == 1 when offs is given. x may
+    also be 2D (R, C), the same as (1, R, C) (the public 2D calls pass it so, saving the reshapes):
+    the outputs are then 2D too.
 
-    Returns, in order, each (B, R, C) out_dtype row-major contiguous: if dim0, y0 = MX-rounded
+    Returns, in order, each of x's shape, out_dtype, row-major contiguous: if dim0, y0 = MX-rounded
     along C; if dim1, y1 = MX-rounded along R, blocks starting at each matrix's first row (the last
     one short), or at every group start when offs is given. offs: None, or (E,) int32 cumulative
     group ends on x's device; rows at or after offs[-1] are zero in every output. kernel: "torch" |
@@ -193,25 +227,61 @@ def qdq_op(
 
 
 def _qdq_impl(
-    x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None
+    x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None, *, traced=False
 ) -> list[Tensor]:
     """qdq_op's body, called directly in eager mode (a custom op call costs tens of microseconds of
-    Python); arguments already checked."""
+    Python); arguments already checked. traced: the Triton launches go through wrap_triton
+    (`_functional_decomp`)."""
     spec = spec_of(block_size, scaling_mode, elem_dtype)
     if kernel == "torch":
         if x.numel() == 0:
             return _empty_outputs(x, out_dtype, dim0, dim1)
+        if x.ndim == 2:
+            return [t.contiguous().view(x.shape)
+                    for t in _torch_qdq(x.unsqueeze(0), spec, out_dtype, dim0, dim1, offs)]
         return [t.contiguous() for t in _torch_qdq(x, spec, out_dtype, dim0, dim1, offs)]
     if kernel != "triton":
         raise ValueError(f"kernel={kernel!r} is not a qdq kernel; expected one of {list(QDQ_KERNELS)}")
     outs = _empty_outputs(x, out_dtype, dim0, dim1)
-    _triton_qdq_rows(x, spec, out_dtype, dim0, dim1, offs, outs)
+    _triton_qdq_rows(x, spec, out_dtype, dim0, dim1, offs, outs, traced)
     return outs
 
 
 @qdq_op.register_fake
 def _(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None):
     return _empty_outputs(x, out_dtype, dim0, dim1)
+
+
+def _op_args(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None) -> tuple:
+    return x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs
+
+
+def _functional_decomp(mode, op, types, args=(), kwargs=None):
+    """How AOTAutograd (torch.compile's functionalization) sees `mxmoe::qdq`: for the Triton kernel
+    on CUDA tensors, as its body with the launches wrapped by `torch.library.wrap_triton` (what
+    `torch.library.triton_op` does), so that inductor launches the kernel from its generated code
+    instead of calling back into this op's Python for every launch; anything else (the torch
+    kernel, CPU tensors, the Triton interpreter, torch.export) stays the opaque op with its fake
+    implementation."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    full = _op_args(*args, **(kwargs or {}))
+    x, kernel = full[0], full[7]
+    decompose = (
+        kernel == "triton"
+        and x.is_cuda
+        and not triton_interpret()  # interpreted kernels cannot be wrapped (they run on the data)
+        and getattr(torch._functorch.config, "decompose_custom_triton_ops", True)  # False: torch.export
+        and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is Tensor for t in types)
+    )
+    if not decompose:
+        return mode.__torch_dispatch__(op, types, args, kwargs or {})
+    with mode:
+        return _qdq_impl(*full, traced=True)
+
+
+qdq_op.register_torch_dispatch(FunctionalTensorMode, _functional_decomp)
 
 
 def _qdq(*args) -> list[Tensor]:
@@ -291,13 +361,15 @@ def qdq(
     dim1 = axis in (-2, x.ndim - 2)
     kernel = qdq_kernel(getattr(recipe, "dim1_kernel" if dim1 else "dim0_kernel", "torch"), x.device)
     _check(x, recipe, out_dtype, offs, kernel)
-    x3 = x.contiguous().view(-1, x.shape[-2], x.shape[-1])
+    xc = x.contiguous()
+    # 2D and 3D go to the op as they are (no reshapes); more dims as (B, R, C)
+    xb = xc if x.ndim <= 3 else xc.view(-1, x.shape[-2], x.shape[-1])
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     (y,) = _qdq(
-        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, not dim1, dim1, kernel,
+        xb, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, not dim1, dim1, kernel,
         offs,
     )
-    return y.view(x.shape)
+    return y if x.ndim <= 3 else y.view(x.shape)
 
 
 def qdq_dim0_dim1(
@@ -318,12 +390,12 @@ def qdq_dim0_dim1(
         raise ValueError(f"x must be 2D for qdq_dim0_dim1, got shape {tuple(x.shape)}")
     kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device)
     _check(x, recipe, out_dtype, offs, kernel)
-    x3 = x.contiguous().unsqueeze(0)
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
-    y0, y1 = _qdq(
-        x3, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, True, kernel, offs
+    y0, y1 = _qdq(  # 2D in, 2D out (no reshapes)
+        x.contiguous(), recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, True,
+        kernel, offs,
     )
-    return y0[0], y1[0]
+    return y0, y1
 
 
 __all__ = ["QDQ_KERNELS", "qdq", "qdq_dim0_dim1", "qdq_kernel", "qdq_op"]

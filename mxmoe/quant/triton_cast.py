@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mxmoe.formats import MODE_IDS, CastSpec, ElemFormat, f32_bits
-from mxmoe.quant.backends import triton_interpret
+from mxmoe.quant.backends import cdiv, next_pow2, triton_interpret
 from mxmoe.quant.checks import dim0_outputs
 
 # Tiles of the H200 sweep's winners (elements per thread in brackets; all read 16-byte vectors).
@@ -464,7 +464,7 @@ def _spec_args(spec: CastSpec, soft: bool) -> dict:
 def _blocks_per_program(elems: int, bs: int, n_blocks: int) -> int:
     nb = max(1, elems // bs)
     # small inputs: keep at least a few programs per SM's worth of work; never exceed the input
-    return max(1, min(nb, triton.next_power_of_2(max(1, n_blocks))))
+    return max(1, min(nb, next_pow2(max(1, n_blocks))))
 
 
 def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -476,7 +476,7 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.T
     q, s = dim0_outputs(x, spec, out)
     n_blocks = R * C // bs
     nb = _blocks_per_program(_DIM0_ELEMS, bs, n_blocks)
-    _dim0_kernel[(triton.cdiv(n_blocks, nb),)](
+    _dim0_kernel[(cdiv(n_blocks, nb),)](
         _bits_view(x), q.view(torch.uint8), s.view(torch.uint8), n_blocks, BS=bs, NB=nb,
         IN_BF16=x.dtype == torch.bfloat16, EVICT=False, num_warps=_DIM0_WARPS,
         **_spec_args(spec, _soft(x.device)),
@@ -485,8 +485,8 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.T
 
 
 def _dim1_tile(R: int, C: int, bs: int, rows: int, cols: int) -> tuple[int, int]:
-    br = max(bs, min(rows, triton.next_power_of_2(R)))
-    bc = max(1, min(cols, triton.next_power_of_2(C), _MAX_TILE // br))
+    br = max(bs, min(rows, next_pow2(R)))
+    bc = max(1, min(cols, next_pow2(C), _MAX_TILE // br))
     return br, bc
 
 
@@ -500,7 +500,7 @@ def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
     if B > 65535:
         raise ValueError(f"x.shape[0]={B} exceeds the 65535 batches the dim1 kernel's grid allows")
     br, bc = _dim1_tile(R, C, bs, _DIM1_ROWS, _DIM1_COLS)
-    grid = (triton.cdiv(R, br), triton.cdiv(C, bc), B)
+    grid = (cdiv(R, br), cdiv(C, bc), B)
     if grid[1] > 65535:
         raise ValueError(f"x.shape[-1]={C} is too wide for the dim1 kernel's grid (at most {65535 * bc})")
     # Packed int32 transposes need whole words per output row (bs >= 4); block size 2 takes the
@@ -531,9 +531,9 @@ def quantize_dim0_dim1(
     s0 = torch.empty((R, C // bs), dtype=torch.float8_e8m0fnu, device=dev)
     q1 = torch.empty((C, R), dtype=spec.elem.dtype, device=dev)
     s1 = torch.empty((C, R // bs), dtype=torch.float8_e8m0fnu, device=dev)
-    br = max(bs, min(_FUSED_ROWS, triton.next_power_of_2(R)))
-    bc = max(bs, min(_FUSED_COLS, triton.next_power_of_2(C)))
-    grid = (triton.cdiv(R, br), triton.cdiv(C, bc))
+    br = max(bs, min(_FUSED_ROWS, next_pow2(R)))
+    bc = max(bs, min(_FUSED_COLS, next_pow2(C)))
+    grid = (cdiv(R, br), cdiv(C, bc))
     if grid[1] > 65535:
         raise ValueError(f"x.shape[-1]={C} is too wide for the fused kernel's grid (at most {65535 * bc})")
     _dim0_dim1_pack4_kernel[grid](
@@ -560,7 +560,7 @@ def dequantize(
     # smallest nonzero |q|: 2^-9 (e4m3) / 2^-16 (e5m2); q * 2^(s-127) >= 2^-126 iff s >= 10 / 17
     safe_s = 17 if is_e5m2 else 10
     nb = _blocks_per_program(_DEQUANT_ELEMS, block_size, n_blocks)
-    _dequant_kernel[(triton.cdiv(n_blocks, nb),)](
+    _dequant_kernel[(cdiv(n_blocks, nb),)](
         q.view(torch.uint8), s.view(torch.uint8), out, n_blocks, BS=block_size, NB=nb,
         IS_E5M2=is_e5m2, OUT_BF16=out_dtype == torch.bfloat16, SAFE_S=safe_s, SOFT=_soft(q.device),
         EVICT=False, num_warps=_DEQUANT_WARPS,

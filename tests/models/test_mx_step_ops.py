@@ -6,8 +6,11 @@ counted outside the quantizer.
 The quantizer's own ops are left out: the MX ops call the qdq body directly in eager mode (the
 `mxmoe::qdq` custom op is one dispatched call only while torch.compile traces or autograd records
 its input), so the count marks the calls of `mxmoe.quant.qdq._qdq_impl` and skips the ops inside
-them. What is left is what the MX modules do around the quantizer: copies, elementwise ops and
-GEMMs, each keyed by op, phase (forward / backward), operand shapes and dtypes, output dtype.
+them. Likewise the MX ops call `mxmoe::grouped_mm_hp`'s body directly in eager mode: a direct call
+of `mxmoe.ops.gemm._grouped_mm_hp_impl` counts as the one GEMM `grouped_mm_hp` it stands for (what
+the bf16 experts dispatch), the ops inside it skipped. What is left is what the MX modules do
+around the quantizer: copies, elementwise ops and GEMMs, each keyed by op, phase (forward /
+backward), operand shapes and dtypes, output dtype.
 
 Counts on this model (2 x 64 tokens): copies outside the quantizer per step, bf16 120, MX 94 (98
 before the experts cast their input once; 96 before the ops followed autocast, 34 of those copies
@@ -23,8 +26,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+import mxmoe.ops.gemm as gemm_mod
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe.models.moe import Transformer, model_args
 from mxmoe.nn.converter import convert
@@ -33,6 +37,7 @@ from mxmoe.recipe import MXRecipe
 COPIES = {"_to_copy", "copy_", "clone"}  # .contiguous() / .reshape() copies dispatch as clone
 GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm_hp"}
 QDQ_IMPL = qdq_mod._qdq_impl
+GROUPED_IMPL = gemm_mod._grouped_mm_hp_impl
 
 
 class StepOps(TorchDispatchMode):
@@ -45,6 +50,7 @@ class StepOps(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.phase = "fwd"
         self.depth = 0
+        self.inside_gemm = 0  # in a direct call of grouped_mm_hp's body (recorded as the op)
         self.qdq_calls = self.qdq_ops = self.weight_copies = 0
         self.weight_storages = {w.untyped_storage().data_ptr() for w in weights}
 
@@ -53,21 +59,25 @@ class StepOps(TorchDispatchMode):
         if self.depth:
             self.qdq_ops += 1
             return out
-        name = func.overloadpacket.__name__
+        if self.inside_gemm:
+            return out
+        self.record(func.overloadpacket.__name__, func.tags, args, out)
+        return out
+
+    def record(self, name: str, tags, args, out) -> None:
         if name in COPIES:
             cat = "copy"
         elif name in GEMMS:
             cat = "gemm"
-        elif torch.Tag.pointwise in func.tags:
+        elif torch.Tag.pointwise in tags:
             cat = "elementwise"
         else:  # views, factories, reductions, indexing: no extra data movement to audit here
-            return out
+            return
         ts = [a for a in args if isinstance(a, torch.Tensor)]
         if cat == "copy" and ts[-1].untyped_storage().data_ptr() in self.weight_storages:
             self.weight_copies += 1
         key = tuple((tuple(t.shape), t.dtype) for t in ts)
         self.ops[(cat, self.phase, name, key, out.dtype if isinstance(out, torch.Tensor) else None)] += 1
-        return out
 
     def of(self, cat: str) -> collections.Counter:
         return collections.Counter({k: v for k, v in self.ops.items() if k[0] == cat})
@@ -86,7 +96,21 @@ def one_step(model, fqns: list[str], monkeypatch) -> StepOps:
         finally:
             log.depth -= 1
 
+    def grouped_body(a, b, offs):
+        # called from the op's own body while the mode dispatches the op (then the mode is off and
+        # has counted the op): no second count
+        if _get_current_dispatch_mode() is not log:
+            return GROUPED_IMPL(a, b, offs)
+        log.inside_gemm += 1
+        try:
+            out = GROUPED_IMPL(a, b, offs)
+        finally:
+            log.inside_gemm -= 1
+        log.record("grouped_mm_hp", (), (a, b, offs), out)
+        return out
+
     monkeypatch.setattr(qdq_mod, "_qdq_impl", marked)
+    monkeypatch.setattr(gemm_mod, "_grouped_mm_hp_impl", grouped_body)
     dev = next(model.parameters()).device
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(dev)
     # autocast's weight-cast cache off, as the trainer's CUDA-graph step runs it

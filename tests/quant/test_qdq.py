@@ -492,6 +492,52 @@ def test_qdq_rows_kernel_compiles_for_sm90():
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_qdq_op_2d_input_equals_3d_and_fake(kernel):
+    """The op takes a 2D x (what the public 2D calls pass, saving reshapes): the same values as the
+    (1, R, C) form, 2D outputs of the layout the fake implementation promises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(45, 64) * 4
+    offs = offs_of([5, 0, 30])
+    for dim0, dim1, o in ((True, False, None), (True, False, offs), (False, True, None), (True, True, offs)):
+        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, dim1, kernel)
+        got = qdq_op(x, *args, o)
+        want = qdq_op(x.unsqueeze(0), *args, o)
+        assert [t.shape for t in got] == [x.shape] * len(got)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(_bytes(g), _bytes(w[0])), (dim0, dim1, o is None)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fo = None if o is None else mode.from_tensor(o)
+            fake = [(t.shape, t.stride(), t.dtype) for t in qdq_op(mode.from_tensor(x), *args, fo)]
+        assert fake == [(t.shape, t.stride(), t.dtype) for t in got]
+
+
+def test_rows_launch_constants_cover_the_kernels_constexprs():
+    """The rows kernel's compile-time arguments built once per configuration (`_rows_launch`) are
+    every constexpr of `qdq_rows_kernel` but the two that depend on the shapes (EP, I64), and the
+    configuration's flags reach the kernel as given (MATRICES too)."""
+    import inspect
+
+    from mxmoe.quant.checks import spec_of
+    from mxmoe.quant.qdq import _rows_launch
+    from mxmoe.quant.triton_qdq import qdq_rows_kernel
+
+    fn = getattr(qdq_rows_kernel, "fn", qdq_rows_kernel)
+    params = inspect.signature(fn).parameters.items()
+    constexprs = {n for n, p in params if str(p.annotation).endswith("constexpr")}
+    spec = spec_of(32, "rceil", torch.float8_e4m3fn)
+    # (IN_BF16, OUT_BF16, DIM0, DIM1, GROUPED, MATRICES, SOFT)
+    for flags in ((True, False, False, True, False, False, True),
+                  (False, True, True, False, False, True, False),
+                  (True, True, False, True, True, False, True)):
+        consts, bct = _rows_launch(spec, *flags)
+        assert set(consts) - {"num_warps"} == constexprs - {"EP", "I64"}, flags
+        names = ("IN_BF16", "OUT_BF16", "DIM0", "DIM1", "GROUPED", "MATRICES", "SOFT")
+        assert tuple(consts[n] for n in names) == flags
+        assert bct == consts["W"] * consts["NB"] * 32
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 

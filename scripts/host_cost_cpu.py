@@ -1,0 +1,172 @@
+"""CPU proxy of the MX ops' host cost per call (no GPU needed).
+
+On a GPU the emulated-GEMM path of `mx_mm` / `mx_grouped_mm` spends its host time in our Python,
+torch's dispatch of each aten op (allocation, views, GEMMs) and one Triton launch per qdq. This
+script runs that same path on CPU at tiny shapes: the recipe's cast kernels are "triton" (the GPU's
+qdq path, taken on CPU through TRITON_INTERPRET=1), but the Triton kernels' launches are replaced
+by no-ops (counted), so what is timed is our Python plus torch's dispatch of real (tiny) CPU ops,
+not the interpreter. Beside each MX op: the native op it stands in for, in the same run.
+
+    TRITON_INTERPRET=1 python scripts/host_cost_cpu.py [--iters 2000] [--profile OP]
+
+Columns: us (CPU µs per call of this process, best of 5 rounds), aten (aten ops dispatched per call),
+launches (Triton kernel launches per call: each costs the Triton launcher's time on a GPU, not
+counted in us), pycalls (Python and builtin function calls per call: deterministic, where us is
+noisy on a shared machine). --profile OP prints a cProfile of that row (by total time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mxmoe
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import mxmoe  # noqa: E402
+from mxmoe.ops import mx_grouped_mm, mx_mm  # noqa: E402
+from mxmoe.quant import to_mx  # noqa: E402
+from mxmoe.quant.qdq import qdq, qdq_dim0_dim1  # noqa: E402
+
+LAUNCHES = [0]
+
+
+class _NoLaunch:
+    """Stands in for `kernel[grid]`: counts the launch, runs nothing."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            LAUNCHES[0] += 1
+
+        return launch
+
+
+def _stub_triton() -> None:
+    from mxmoe.quant import triton_cast, triton_qdq
+
+    for mod in (triton_qdq, triton_cast):
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if type(obj).__name__ in ("JITFunction", "InterpretedFunction") and name.endswith("kernel"):
+                setattr(mod, name, _NoLaunch())
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        self.names.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def _cases(M: int, K: int, E: int):
+    dt = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, dtype=dt, generator=g)
+    dy = torch.randn(M, K, dtype=dt, generator=g)
+    xg = x.clone().requires_grad_()
+    w = torch.nn.Parameter(torch.randn(K, K, dtype=dt, generator=g))  # (N, K)
+    w3 = torch.nn.Parameter(torch.randn(E, K, K, dtype=dt, generator=g))  # (E, N, K)
+    w3_t = w3.transpose(-2, -1)
+    offs = (torch.arange(1, E + 1, dtype=torch.int32) * (M // E)).contiguous()
+    r = mxmoe.recipe("mxfp8_rceil", dim0_kernel="triton", dim1_kernel="triton", gemm_dtype=torch.bfloat16)
+
+    def fwd_bwd(f):
+        def run():
+            f().backward(dy)
+            xg.grad = w.grad = w3.grad = None
+
+        return run
+
+    return [
+        ("torch.mm fwd+bwd", fwd_bwd(lambda: torch.mm(xg, w.t()))),
+        ("mx_mm fwd+bwd", fwd_bwd(lambda: mx_mm(xg, w.t(), r))),
+        ("torch._grouped_mm fwd+bwd", fwd_bwd(lambda: torch._grouped_mm(xg, w3_t, offs=offs))),
+        ("mx_grouped_mm fwd+bwd", fwd_bwd(lambda: mx_grouped_mm(xg, w3_t, offs, r))),
+        ("qdq dim0", lambda: qdq(x, -1, recipe=r)),
+        ("qdq dim1, offs", lambda: qdq(x, -2, recipe=r, offs=offs)),
+        ("qdq_dim0_dim1", lambda: qdq_dim0_dim1(x, recipe=r)),
+        ("to_mx dim0", lambda: to_mx(x, -1, recipe=r)),
+        ("to_mx dim1", lambda: to_mx(x, 0, recipe=r)),
+        ("x.to(float8_e4m3fn)", lambda: x.to(torch.float8_e4m3fn)),
+    ]
+
+
+def _calls(fn) -> int:
+    """Python and builtin function calls made by one call of fn (deterministic, unlike time)."""
+    n = [0]
+
+    def prof(frame, event, arg):
+        if event in ("call", "c_call"):
+            n[0] += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n[0]
+
+
+def _time(fn, iters: int) -> float:
+    """CPU µs per call of this process (steadier than wall time on a shared machine: the timed work
+    is single-threaded and never waits), the best of 5 rounds."""
+    for _ in range(20):
+        fn()
+    rounds = []
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(iters):
+            fn()
+        rounds.append((time.process_time() - t0) / iters * 1e6)
+    return min(rounds)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--shape", default="64x64", help="MxK (default 64x64)")
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--ops", action="store_true", help="list the aten ops of each row")
+    p.add_argument("--profile", help="cProfile the row with this op name")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    _stub_triton()
+    M, K = (int(t) for t in args.shape.split("x"))
+    print(f"torch {torch.__version__}, {M}x{K} bf16, {args.groups} groups, {args.iters} calls x 5")
+    print(f"{'op':28s} {'us':>8s} {'aten':>6s} {'launches':>9s} {'pycalls':>8s}")
+    for name, fn in _cases(M, K, args.groups):
+        fn()
+        with _Count() as c:
+            LAUNCHES[0] = 0
+            fn()
+        n_launch = LAUNCHES[0]
+        calls = _calls(fn)
+        us = _time(fn, args.iters)
+        print(f"{name:28s} {us:8.1f} {c.n:6d} {n_launch:9d} {calls:8d}")
+        if args.ops:
+            print("   ", " ".join(c.names))
+        if args.profile == name:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(args.iters):
+                fn()
+            pr.disable()
+            st = pstats.Stats(pr).sort_stats("tottime")
+            st.print_stats(30)
+            st.print_callers("jit.py")
+
+
+if __name__ == "__main__":
+    main()
