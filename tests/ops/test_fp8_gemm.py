@@ -426,12 +426,19 @@ def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
 # The Gluon kernel (dense and grouped rows on sm_90): edges, tiles, ptxas
 # ------------------------------------------------------------------------------------------------
 
-WGMMA_CONFIGS = [  # those of scripts/fp8_wgmma_sweep.py; every one gives the same bits
+WGMMA_CONFIGS = [  # the default and the tile paths that differ from it; every one gives the same bits
     fp8_wgmma.DEFAULT_CONFIG,  # 128x128x128, 4 stages, persistent
     WgmmaConfig(bn=64, bk=256, stages=3),  # two TMA boxes per operand and stage
     WgmmaConfig(bk=64, stages=8),  # a 64-byte TMA box (64-byte swizzle), a deep ring
     WgmmaConfig(persistent=False),  # one CTA per tile
 ]
+
+
+@pytest.mark.parametrize("kw,msg", [({"bm": 64}, "bm=64"), ({"bn": 256}, "bn=256"), ({"bk": 512}, "bk=512"),
+                                    ({"bn": 96}, "bn=96"), ({"stages": 1}, "stages=1")])
+def test_wgmma_config_rejects_what_the_kernel_cannot_run(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        WgmmaConfig(**kw)
 
 
 @pytest.mark.gpu
