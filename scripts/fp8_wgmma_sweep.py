@@ -1,10 +1,9 @@
-"""Speed of the fp8 backend's Gluon kernels (mxmoe/ops/fp8_wgmma.py: the single-partition
-`_fp8_wgmma_kernel` and the warp-specialized `_fp8_ws_kernel`) on an sm_90 GPU, per tile config,
-beside bf16 (torch.mm / torch._grouped_mm) and torch's fp8 row-wise GEMM (_scaled_mm /
-_scaled_grouped_mm, fast accumulation) on the same shapes: 8192^3, the two MoE forward shapes of
-issue 15 and one wgrad (grouped-K) shape. Operands are random pre-cast MX tensors; the MX time is
-`fp8_gemm.launch` (scale decoding included). Temporary: deleted once DEFAULT_CONFIG is picked from
-its output. About a minute on an H200.
+"""Speed of the fp8 backend's Gluon kernel (mxmoe/ops/fp8_wgmma.py, `_fp8_ws_kernel`) on an sm_90
+GPU, per tile config, beside bf16 (torch.mm / torch._grouped_mm) and torch's fp8 row-wise GEMM
+(_scaled_mm / _scaled_grouped_mm, fast accumulation) on the same shapes: 8192^3, the two MoE forward
+shapes of issue 15 and one wgrad (grouped-K) shape. Operands are random pre-cast MX tensors; the MX
+time is `fp8_gemm.launch` (scale decoding included); every config's result is compared bit for bit
+with the first's (the default). About a minute on an H200.
 
     python scripts/fp8_wgmma_sweep.py [--iters 10]
 """
@@ -18,21 +17,14 @@ import torch
 
 from mxmoe.bench.gemm_common import rowwise_fp8, timed_or_reason
 from mxmoe.bench.timing import bench, require_cuda
-from mxmoe.ops import fp8_gemm
+from mxmoe.ops import fp8_gemm, fp8_wgmma
 from mxmoe.ops.fp8_wgmma import WgmmaConfig
 
-CONFIGS = [  # compiled for sm_90a first: overlapping wgmma; spill ops in the main loop noted
-    WgmmaConfig(),  # 128x128x128, 4 stages, 8 warps: a spill of 8 bytes
-    WgmmaConfig(128, 128, 256, 3, 8, persistent=True),  # a few per 8-block stage
-    WgmmaConfig(128, 64, 128, 3, 4, persistent=True),  # 2 CTAs per SM: none
-    # the warp-specialized kernel (a TMA loader warp, two consumer warpgroups), the first the
-    # default (fp8_wgmma.DEFAULT_CONFIG): no spills
-    WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
-    WgmmaConfig(128, 128, 128, 5, 8, persistent=True, warp_specialized=True),
-    WgmmaConfig(128, 128, 64, 8, 8, persistent=True, warp_specialized=True),
-    WgmmaConfig(128, 128, 256, 3, 8, persistent=True, warp_specialized=True),  # 216 KiB of ring
-    WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True),
-    WgmmaConfig(128, 128, 128, 4, 8, persistent=False, warp_specialized=True),
+CONFIGS = [
+    fp8_wgmma.DEFAULT_CONFIG,  # 128x128x128, 4 stages, persistent: the fastest or within 2 %
+    WgmmaConfig(stages=5),  # a deeper ring
+    WgmmaConfig(bn=64, bk=256, stages=3),  # narrower tile, two TMA boxes per operand and stage
+    WgmmaConfig(persistent=False),  # one CTA per tile
 ]
 # M, K, N, groups, grouped over K (wgrad: (M, T=K) x (N, T) -> (E, M, N))
 SHAPES = [(8192, 8192, 8192, 0, False), (65536, 7168, 2048, 8, False), (32768, 4096, 14336, 8, False),
@@ -95,7 +87,7 @@ def sweep(M: int, K: int, N: int, E: int, over_k: bool, iters: int) -> None:
             t = bench(lambda cfg=cfg: fp8_gemm.launch(a, sa, b, sb, offs, torch.bfloat16, cfg),
                       iters=iters).median_ms
             print(f"  MX fp8 {cfg}: {flops / t / 1e9:.0f} TFLOP/s = {t_bf16 / t:.2f}x bf16, "
-                  f"same bits as the first: {same}", flush=True)
+                  f"same bits as the default: {same}", flush=True)
         except Exception as e:  # a config that fails to compile or launch: report, keep sweeping
             print(f"  MX fp8 {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 

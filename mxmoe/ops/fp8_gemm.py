@@ -1,8 +1,8 @@
 """The "fp8" GEMM backend: MXFP8 operands on Hopper's fp8 tensor cores.
 
-Two kernels, one contract (below): on an sm_90 GPU every mode runs a Gluon kernel of
-`mxmoe.ops.fp8_wgmma` (async wgmma, each block's promotion overlapped with the next block's MMA;
-by default the warp-specialized one: a TMA loader warp, two consumer warpgroups);
+Two kernels, one contract (below): on an sm_90 GPU every mode runs the Gluon kernel of
+`mxmoe.ops.fp8_wgmma` (warp-specialized: a TMA loader warp, two consumer warpgroups; async wgmma,
+one warpgroup's promotion overlapping the other's MMA);
 under TRITON_INTERPRET=1 on CPU (Gluon has no interpreter) the Triton kernel of this module runs
 them (one `tl.dot` per 32-block, promoted after it; the description below is of this one).
 

@@ -1,28 +1,21 @@
-"""The fp8 backend's sm_90 kernels (Gluon): `_fp8_wgmma_kernel` (every warp loads and computes)
-and `_fp8_ws_kernel` (warp-specialized, `WgmmaConfig(warp_specialized=True)`; its own docstrings
-and the section at the end of this one).
+"""The fp8 backend's sm_90 kernel (Gluon): `_fp8_ws_kernel`, warp-specialized (a one-warp TMA
+loader, two consumer warpgroups).
 
-Same operands, layouts and numerics contract as `mxmoe.ops.fp8_gemm` (its docstring), but the
-scaled promotion of one 32-K block overlaps the MMA of the next (the DeepGEMM technique):
+Same operands, layouts and numerics contract as `mxmoe.ops.fp8_gemm` (its docstring), but each
+32-K block is multiplied by an async wgmma into a fresh fp32 temporary and promoted by the CUDA
+cores (the DeepGEMM technique):
 
-    for each 32-block k:  issue async wgmma  t_k = A_k B_k^T   (fresh fp32 temporary, use_acc=False)
-                          wait until only t_k is in flight
-                          acc += (t_{k-1} * sa_{k-1}[:, None]) * sb_{k-1}[None, :]
+    for each 32-block k:  t_k = A_k B_k^T                        (wgmma, use_acc=False)
+                          acc += (t_k * sa_k[:, None]) * sb_k[None, :]   (2 FP32 ops: FMUL, FFMA)
 
-so the CUDA cores promote block k-1 (2 FP32 ops per element: FMUL, FFMA) while the tensor cores run
-block k. Triton's `tl.dot` cannot express this: it waits for each MMA before its result is used.
+Triton's `tl.dot` cannot express this (it accumulates in the MMA itself). While one consumer
+warpgroup promotes block k, the other's wgmma runs, and ptxas issues a warpgroup's block k+1
+wgmma before block k's promotion; no wgmma stays in flight across a loop's back edge (ptxas
+would then serialize every wgmma of the kernel, warning C7514).
 
-Within a stage of BK/32 blocks each block's promotion overlaps the next block's MMA; the stage's last
-block is promoted after a full wait (no wgmma may stay in flight across the loop's back edge: ptxas
-then serializes every wgmma of the kernel, warning C7514), so BK = 256 leaves 1/8 of the
-promotions exposed, BK = 128 1/4.
-
-Operands arrive by TMA into a multi-stage shared-memory ring (one mbarrier per stage):
+Operands arrive by TMA into a multi-stage shared-memory ring (`ready` mbarriers, one per stage):
     A (BM, BK) and B (BN, BK) fp8, K innermost, as boxes of min(BK, 128) K-bytes (128-byte swizzle),
     fp32 scale tiles (BK/32, BM) of the decoded A scales and (BK/32, BN) of B's (rows innermost).
-One CTA-wide barrier per stage guards a slot's reuse (both warpgroups done with its MMAs and scales).
-Per thread: the accumulator and the two temporaries, BM*BN/(32*num_warps) fp32 registers each, and
-a block's BN/4 B scales; 128x128 with 8 warps uses ~250 of the 255 registers.
 
 Tensors (device, 16-byte aligned; built by `launch`):
     a_q (M, K) float8_e4m3fn, K innermost (row stride a multiple of 16);
@@ -41,16 +34,13 @@ instruction); the up to 3 rows of the previous group a tile starts with, and the
 group's end, are computed and not stored. The grid has cdiv(M + 3E, BM) + E + 1 row tiles, an upper
 bound; spare ones exit.
 
-The warp-specialized kernel (`_fp8_ws_kernel`, same tensors, tile mapping and numerics: the same
-wgmma per 32-block, promoted by the same `_promote` in the same order, so the same bits): a
-one-warp loader partition (24 registers) issues the TMA copies of each stage into a free ring slot
-(`empty` mbarrier, one arrival per consumer warpgroup) and signals `ready`; two consumer partitions
-of one warpgroup each (240 registers) own 64 rows of the 128-row tile: per 32-block a wgmma into a
-fresh temporary, a wait, the promotion. No wgmma crosses a loop edge (no C7514), no CTA-wide
-barrier; ptxas itself issues block j+1's wgmma before block j's promotion, and the other
-warpgroup's MMAs fill the rest. Every partition walks the same tiles (pid, pid + grid, ...), so
-the ring's slot and phase (step it: slot it % STAGES, parity (it // STAGES) & 1) agree without
-communication.
+Partitions: the loader (one warp, 24 registers) issues the TMA copies of each stage into a free ring
+slot (`empty` mbarrier, one arrival per consumer warpgroup) and signals `ready`; two consumer
+partitions of one warpgroup each (240 registers: accumulator and temporary, BN/2 fp32 each per
+thread, and a block's BN/4 B scales) own 64 rows of the 128-row tile: per 32-block a wgmma into a
+fresh temporary, a wait, the promotion; no CTA-wide barrier. Every partition walks the same tiles
+(pid, pid + grid, ...), so the ring's slot and phase (step it: slot it % STAGES, parity
+(it // STAGES) & 1) agree without communication.
 """
 
 from __future__ import annotations
@@ -75,7 +65,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK = 32
 WS_MAXNREG = 168
-"""Registers per thread the warp-specialized kernel launches with: its 12 warps (two consumer
+"""Registers per thread the kernel launches with: its 12 warps (two consumer
 warpgroups, the loader's warp padded to a warpgroup) x 168 fill the 64K register file; the
 partitions then move them (setmaxnreg): 240 per consumer thread, 24 per loader thread (with 232
 and 40, ptxas spilled 44 bytes in the consumers' main loop)."""
@@ -83,23 +73,20 @@ and 40, ptxas spilled 44 bytes in the consumers' main loop)."""
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """One CTA: BM x BN outputs, BK of K per pipeline stage (BK/32 MMAs), `stages` stages in shared
-    memory, `num_warps` warps (4 per warpgroup, warpgroups split BM; each thread holds
-    BM*BN/(32*num_warps) fp32 of the accumulator and twice that in the two temporaries)."""
+    """One CTA: BM x BN outputs, BK of K per pipeline stage (BK/32 MMAs per warpgroup), `stages`
+    stages in shared memory. BM is 128: two consumer warpgroups of 64 rows (one m64 wgmma each);
+    BN <= 128 keeps a consumer's accumulator and temporary in its 240 registers. The warps are fixed
+    by the kernel (two consumer warpgroups and the loader's warp)."""
 
     bm: int = 128
     bn: int = 128
     bk: int = 128
     stages: int = 4
-    num_warps: int = 8
     group_m: int = 8
-    persistent: bool = False
-    """One CTA per SM slot walks the tiles, loading the next tile's first stages during this tile's
-    epilogue; False: one CTA per tile."""
-    warp_specialized: bool = False
-    """`_fp8_ws_kernel`: a one-warp TMA loader and two consumer warpgroups (num_warps = 8: BM/2 = 64
-    rows each; BN <= 128 for the registers) meeting on full/empty mbarriers, instead of every warp
-    loading and computing."""
+    """Row tiles that sweep the columns together (L2 reuse of B)."""
+    persistent: bool = True
+    """One CTA per resident slot (SMs x CTAs per SM), each walking tiles pid, pid + grid, ...;
+    False: one CTA per tile. Grouped K always runs one CTA per tile and group."""
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -108,19 +95,16 @@ class WgmmaConfig:
                 raise ValueError(f"{name}={v} must be a power of two >= 32")
         if self.bk > 256:
             raise ValueError(f"bk={self.bk} must be 32, 64, 128 or 256")
-        if self.num_warps % 4 or self.bm < 16 * self.num_warps:
-            raise ValueError(f"num_warps={self.num_warps} must be a multiple of 4 with bm >= 16*num_warps")
+        if self.bm != 128 or self.bn > 128:
+            raise ValueError(f"bm={self.bm}, bn={self.bn}: the kernel needs bm=128 (two consumer "
+                             f"warpgroups of 64 rows) and bn <= 128 (their registers)")
         if self.stages < 2:
             raise ValueError(f"stages={self.stages} must be >= 2")
-        if self.warp_specialized and ((self.bm, self.num_warps) != (128, 8) or self.bn > 128):
-            raise ValueError(f"warp_specialized needs bm=128, num_warps=8 (two consumer warpgroups of "
-                             f"64 rows) and bn <= 128; got bm={self.bm}, num_warps={self.num_warps}, "
-                             f"bn={self.bn}")
 
 
-DEFAULT_CONFIG = WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True)
-"""The warp-specialized kernel: on sm_90a SASS it beats the single-partition one on every count
-(docs/training-ops.md); not yet timed against it (scripts/fp8_wgmma_sweep.py)."""
+DEFAULT_CONFIG = WgmmaConfig()
+"""128x128x128, 4 stages, persistent: the fastest of scripts/fp8_wgmma_sweep.py's configs on an
+H200 (docs/training-ops.md)."""
 
 
 @gluon.jit
@@ -195,20 +179,9 @@ def _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_s
 
 
 @gluon.jit
-def _mma_block(a_smem, b_smem, slot, j, zero, BK: gl.constexpr):
-    """Issue (async) the MMA of 32-block j of the stage in ring slot `slot` into a fresh temporary."""
-    BOX: gl.constexpr = a_smem.shape[2]
-    SUBS: gl.constexpr = BK // BOX
-    h: gl.constexpr = j // (BOX // 32)
-    kk: gl.constexpr = (j % (BOX // 32)) * 32
-    a = a_smem.index(slot * SUBS + h).slice(kk, 32, dim=1)
-    b = b_smem.index(slot * SUBS + h).slice(kk, 32, dim=1).permute((1, 0))
-    return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-
-
-@gluon.jit
 def _mma_rows(a_smem, b_smem, slot, j, r0: gl.constexpr, zero, BK: gl.constexpr):
-    """`_mma_block` for the rows [r0, r0 + zero.shape[0]) of the A tile only (one warpgroup's)."""
+    """Issue (async) the MMA of 32-block j of the stage in ring slot `slot`, rows [r0, r0 +
+    zero.shape[0]) of the A tile only (one warpgroup's), into a fresh temporary."""
     BOX: gl.constexpr = a_smem.shape[2]
     SUBS: gl.constexpr = BK // BOX
     h: gl.constexpr = j // (BOX // 32)
@@ -216,71 +189,6 @@ def _mma_rows(a_smem, b_smem, slot, j, r0: gl.constexpr, zero, BK: gl.constexpr)
     a = a_smem.index(slot * SUBS + h).slice(r0, zero.shape[0], dim=0).slice(kk, 32, dim=1)
     b = b_smem.index(slot * SUBS + h).slice(kk, 32, dim=1).permute((1, 0))
     return warpgroup_mma(a, b, zero, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
-              m0, n0, b_row, sb_row, k0, k_iters, BK: gl.constexpr, STAGES: gl.constexpr):
-    """Put a tile's first STAGES stages in flight (ring steps base.., see `_mainloop`)."""
-    for p in gl.static_range(STAGES):
-        _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                     (base + p) % STAGES, p, m0, n0, b_row, sb_row, k0, p < k_iters, BK)
-
-
-@gluon.jit
-def _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
-              m0, n0, b_row, sb_row, k0, n_full, tail,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              MMA: gl.constexpr, TAIL: gl.constexpr):
-    """The fp32 accumulator (BM, BN) of one tile over all of K: rows m0.. of A, rows b_row.. of B,
-    scale rows sb_row.. of B's scales (the group's), columns n0.. of B's scales. Its first STAGES
-    stages were put in flight by `_prologue`; `base` counts the ring steps this CTA ran before (slot
-    (base + i) % STAGES, phase ((base + i) // STAGES) & 1), so tiles of a persistent CTA continue
-    the ring. K runs from k0: n_full whole stages, then (TAIL) one stage of which only the first
-    `tail` blocks count (0: none; the rest belong to the next group: their MMAs run, their
-    promotions are skipped, so nothing of them, not even a NaN, reaches acc).
-
-    Within a stage, block j's promotion overlaps block j+1's MMA; the stage's last block is promoted
-    after a full wait. No wgmma stays in flight across the loop's back edge: ptxas serializes every
-    wgmma of the kernel (C7514) when registers of one are read after the back edge."""
-    NB: gl.constexpr = BK // 32
-    if TAIL:
-        k_iters = n_full + (tail > 0).to(gl.int32)
-    else:
-        k_iters = n_full
-    acc = gl.zeros((BM, BN), gl.float32, MMA)
-    zero = gl.zeros((BM, BN), gl.float32, MMA)
-    for i in range(n_full):
-        s = (base + i) % STAGES
-        mbarrier.wait(ready.index(s), ((base + i) // STAGES) & 1)
-        prev = _mma_block(a_smem, b_smem, s, 0, zero, BK)
-        for j in gl.static_range(1, NB):
-            cur = _mma_block(a_smem, b_smem, s, j, zero, BK)
-            sa = _scale_row(sa_smem, s, j - 1, NB, BM).load(gl.SliceLayout(1, MMA))
-            sb = _sb_row(sb_smem, s, j - 1, NB, BN).load(gl.SliceLayout(0, MMA))
-            part = warpgroup_mma_wait(1, deps=(prev,))
-            acc = _promote(acc, part, sa, sb)
-            prev = cur
-        sa = _scale_row(sa_smem, s, NB - 1, NB, BM).load(gl.SliceLayout(1, MMA))
-        sb = _sb_row(sb_smem, s, NB - 1, NB, BN).load(gl.SliceLayout(0, MMA))
-        part = warpgroup_mma_wait(0, deps=(prev,))
-        acc = _promote(acc, part, sa, sb)
-        gl.thread_barrier()  # every warpgroup is done with slot s (its MMAs and scales): refill it
-        nxt = i + STAGES
-        _issue_loads(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready,
-                     s, nxt, m0, n0, b_row, sb_row, k0, nxt < k_iters, BK)
-    if TAIL:
-        if tail > 0:  # the partial last stage: each block waited for, promoted only if it counts
-            s = (base + n_full) % STAGES
-            mbarrier.wait(ready.index(s), ((base + n_full) // STAGES) & 1)
-            for j in gl.static_range(NB):
-                part = warpgroup_mma_wait(0, deps=(_mma_block(a_smem, b_smem, s, j, zero, BK),))
-                if j < tail:
-                    sa = _scale_row(sa_smem, s, j, NB, BM).load(gl.SliceLayout(1, MMA))
-                    sb = _sb_row(sb_smem, s, j, NB, BN).load(gl.SliceLayout(0, MMA))
-                    acc = _promote(acc, part, sa, sb)
-            gl.thread_barrier()
-    return acc
 
 
 @gluon.jit
@@ -348,108 +256,8 @@ def _computes(kind, GROUPED: gl.constexpr):
         return gl.to_tensor(True)
 
 
-@gluon.jit
-def _fp8_wgmma_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E, KB_PAD, stride_cm,
-                      stride_ce, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                      PERSISTENT: gl.constexpr, num_warps: gl.constexpr):
-    """MODE 0 dense, 1 grouped rows (GROUPED below), 2 grouped K: program_id(1) is the group, whose
-    K range [offs[e-1], offs[e]) (multiples of 32) gives out[e] (stride_ce apart)."""
-    GROUPED: gl.constexpr = MODE == 1
-    NB: gl.constexpr = BK // 32
-    # warpgroups split the rows; one wgmma m64nBNk32 per warpgroup per 32-block
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BN, 32])
-    BOX: gl.constexpr = a_desc.block_type.shape[1]
-    a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BM, BOX], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BN, BOX], b_desc.layout)
-    sa_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BM], sa_desc.layout)
-    sb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, NB, BN], sb_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-    fence_async_shared()
-
-    if GROUPED:
-        num_m = gl.cdiv(M + 3 * E, BM) + E + 1  # (the `_tile` bound)
-    else:
-        num_m = gl.cdiv(M, BM)
-    num_n = gl.cdiv(N, BN)
-    num_tiles = num_m * num_n
-    k_iters = gl.cdiv(K, BK)
-    if MODE == 2:
-        # whole stages from the group's first block, then a partial one (blocks past the group's
-        # end are loaded and not promoted); an empty group stores zeros
-        e = gl.program_id(1)
-        k_lo = gl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-        n_blocks = (gl.load(offs_ptr + e) - k_lo) // 32
-        n_full = n_blocks // NB
-        tail = n_blocks - n_full * NB
-        _, m0, n0, b_row, sb_row, row_lo, row_hi = _tile(gl.program_id(0), offs_ptr, M, N, E, KB_PAD, num_m,
-                                                 num_n, False, BM, BN, GROUP_M)
-        _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, 0,
-                  m0, n0, b_row, sb_row, k_lo, n_full + (tail > 0).to(gl.int32), BK, STAGES)
-        acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                        ready, 0, m0, n0, b_row, sb_row, k_lo, n_full, tail, BM, BN, BK, STAGES, MMA,
-                        True)
-        _store_tile(c_ptr + e.to(gl.int64) * stride_ce, acc, m0, n0, row_lo, row_hi, N, stride_cm, BM, BN,
-                    MMA)
-    elif PERSISTENT:
-        # tiles pid, pid + grid, ...; the next tile's first stages load during this tile's epilogue
-        tile = gl.program_id(0)
-        step = gl.num_programs(0)
-        base = 0
-        mine, m0, n0, b_row, sb_row, row_lo, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m,
-                                                            num_n, GROUPED, BM, BN, GROUP_M)
-        if _computes(mine, GROUPED):
-            _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, base,
-                      m0, n0, b_row, sb_row, 0, k_iters, BK, STAGES)
-        while tile < num_tiles:
-            mine, m0, n0, b_row, sb_row, row_lo, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m,
-                                                                num_n, GROUPED, BM, BN, GROUP_M)
-            # (clamped: past the last tile the mapping divides by zero; unused then)
-            nmine, nm0, nn0, nb_row, nsb_row, _, _ = _tile(gl.minimum(tile + step, num_tiles - 1), offs_ptr,
-                                                        M, N, E, KB_PAD, num_m, num_n, GROUPED, BM, BN,
-                                                        GROUP_M)
-            prefetch = _computes(nmine, GROUPED) & (tile + step < num_tiles)
-            if _computes(mine, GROUPED):
-                acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                                ready, base, m0, n0, b_row, sb_row, 0, k_iters, 0, BM, BN, BK, STAGES,
-                                MMA, False)
-                base += k_iters
-                if prefetch:
-                    _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                              ready, base, nm0, nn0, nb_row, nsb_row, 0, k_iters, BK, STAGES)
-                _store_tile(c_ptr, acc, m0, n0, row_lo, row_hi, N, stride_cm, BM, BN, MMA)
-            else:
-                if prefetch:
-                    _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                              ready, base, nm0, nn0, nb_row, nsb_row, 0, k_iters, BK, STAGES)
-                if GROUPED:  # (a dead zero-store branch on a constant kind crashes the lowering)
-                    if mine == 2:
-                        _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, m0, M, N,
-                                    stride_cm, BM, BN, MMA)
-            tile += step
-    else:
-        mine, m0, n0, b_row, sb_row, row_lo, row_hi = _tile(gl.program_id(0), offs_ptr, M, N, E, KB_PAD,
-                                                            num_m, num_n, GROUPED, BM, BN, GROUP_M)
-        if _computes(mine, GROUPED):
-            _prologue(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, 0,
-                      m0, n0, b_row, sb_row, 0, k_iters, BK, STAGES)
-            acc = _mainloop(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                            ready, 0, m0, n0, b_row, sb_row, 0, k_iters, 0, BM, BN, BK, STAGES, MMA,
-                            False)
-            _store_tile(c_ptr, acc, m0, n0, row_lo, row_hi, N, stride_cm, BM, BN, MMA)
-        if GROUPED:  # (as above)
-            if mine == 2:
-                _store_tile(c_ptr, gl.zeros((BM, BN), gl.float32, MMA), m0, n0, m0, M, N, stride_cm,
-                            BM, BN, MMA)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-
-
 # ----------------------------------------------------------------------------------------------
-# The warp-specialized kernel (WgmmaConfig.warp_specialized)
+# The kernel: loader and consumer partitions
 # ----------------------------------------------------------------------------------------------
 
 
@@ -551,13 +359,13 @@ def _ws_consumer(a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr
 def _fp8_ws_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E, KB_PAD, stride_cm,
                    stride_ce, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
-    """The warp-specialized kernel: the same arguments and results as `_fp8_wgmma_kernel` (MODE 0
-    dense, 1 grouped rows, 2 grouped K with the group in program_id(1)); each CTA walks tiles
+    """The kernel: MODE 0 dense, 1 grouped rows, 2 grouped K (program_id(1) is the group e, whose K
+    range [offs[e-1], offs[e]) (multiples of 32) gives out[e], stride_ce apart); each CTA walks tiles
     program_id(0), + num_programs(0), ... Partitions: two consumer warpgroups (the default one,
     num_warps = 4, and a worker of 4 warps; 240 registers per thread each: accumulator and
     temporary BN/2 fp32 each, a block's BN/4 column scales) and a one-warp TMA loader (24
-    registers), launched with maxnreg = WS_MAXNREG. Shared memory: the ring of `_fp8_wgmma_kernel`
-    plus one `empty` mbarrier per slot."""
+    registers), launched with maxnreg = WS_MAXNREG. Shared memory: the ring (STAGES slots of A, B
+    and their scale tiles), one `ready` and one `empty` mbarrier per slot."""
     NB: gl.constexpr = BK // 32
     BOX: gl.constexpr = a_desc.block_type.shape[1]
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BM, BOX], a_desc.layout)
@@ -620,14 +428,13 @@ def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int, tile: in
 
 
 def _resident_ctas(cfg: WgmmaConfig, device: torch.device) -> int:
-    """CTAs of this config that fit on the device at once: SMs x per-SM limit by registers (~255 per
-    thread) and shared memory (the ring)."""
+    """CTAs of this config that fit on the device at once: SMs x per-SM limit by registers (12 warps
+    at WS_MAXNREG per thread) and shared memory (the ring)."""
     props = torch.cuda.get_device_properties(device)
     ring = cfg.stages * ((cfg.bm + cfg.bn) * cfg.bk + cfg.bk // BLOCK * (cfg.bm + cfg.bn) * 4)
     smem = getattr(props, "shared_memory_per_multiprocessor", 233472)  # (228 KiB on sm_90)
-    threads = 32 * (cfg.num_warps + 4 if cfg.warp_specialized else cfg.num_warps)  # (+ the loader's group)
-    regs = WS_MAXNREG if cfg.warp_specialized else 256
-    per_sm = max(1, min(65536 // (regs * threads), smem // (ring + 2048)))
+    threads = 32 * 12  # two consumer warpgroups, the loader's warp padded to a warpgroup
+    per_sm = max(1, min(65536 // (WS_MAXNREG * threads), smem // (ring + 2048)))
     return props.multi_processor_count * per_sm
 
 
@@ -669,17 +476,9 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
         grid = (tiles, offs.shape[0])
     else:
         grid = (min(tiles, _resident_ctas(cfg, a_q.device)) if persistent else tiles,)
-    if cfg.warp_specialized:
-        _fp8_ws_kernel[grid](
-            *descs, out, offs_arg, M, N, K, E, kb_pad, out.stride(-2), out.stride(0) if mode == 2 else 0,
-            MODE=mode, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-            num_warps=4, maxnreg=WS_MAXNREG,
-        )
-        return out
-    _fp8_wgmma_kernel[grid](
+    _fp8_ws_kernel[grid](
         *descs, out, offs_arg, M, N, K, E, kb_pad, out.stride(-2), out.stride(0) if mode == 2 else 0,
-        MODE=mode,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        PERSISTENT=persistent, num_warps=cfg.num_warps,
+        MODE=mode, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+        num_warps=4, maxnreg=WS_MAXNREG,
     )
     return out

@@ -426,17 +426,19 @@ def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
 # The Gluon kernel (dense and grouped rows on sm_90): edges, tiles, ptxas
 # ------------------------------------------------------------------------------------------------
 
-WS_CONFIGS = [  # the warp-specialized kernel's (scripts/fp8_wgmma_sweep.py)
-    WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
-    WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True),
+WGMMA_CONFIGS = [  # the default and the tile paths that differ from it; every one gives the same bits
+    fp8_wgmma.DEFAULT_CONFIG,  # 128x128x128, 4 stages, persistent
+    WgmmaConfig(bn=64, bk=256, stages=3),  # two TMA boxes per operand and stage
+    WgmmaConfig(bk=64, stages=8),  # a 64-byte TMA box (64-byte swizzle), a deep ring
+    WgmmaConfig(persistent=False),  # one CTA per tile
 ]
-SINGLE_PARTITION = WgmmaConfig()  # the single-partition kernel's 128x128x128 tile, 4 stages, 8 warps
-WGMMA_CONFIGS = [  # those of scripts/fp8_wgmma_sweep.py; every one gives the same bits
-    SINGLE_PARTITION,
-    WgmmaConfig(128, 128, 256, 3, 8, persistent=True),  # two TMA boxes per operand and stage
-    WgmmaConfig(128, 64, 128, 3, 4, persistent=True),  # two m64 wgmmas per warpgroup and block
-    *WS_CONFIGS,
-]
+
+
+@pytest.mark.parametrize("kw,msg", [({"bm": 64}, "bm=64"), ({"bn": 256}, "bn=256"), ({"bk": 512}, "bk=512"),
+                                    ({"bn": 96}, "bn=96"), ({"stages": 1}, "stages=1")])
+def test_wgmma_config_rejects_what_the_kernel_cannot_run(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        WgmmaConfig(**kw)
 
 
 @pytest.mark.gpu
@@ -535,20 +537,21 @@ def test_gpu_wgmma_persistent_many_tiles():
 
 
 @pytest.mark.gpu
-def test_gpu_ws_kernel_same_bits_at_scale():
-    """The warp-specialized kernel against the single-partition one at sizes where every
-    persistent CTA runs many tiles and the ring many laps (dense, 8 ragged groups of rows, 8 groups
-    over K): the same bits (same wgmma per block, same promotion order), and within the GPU bound
-    of the fp64 product on a sample of rows."""
+def test_gpu_wgmma_same_bits_at_scale():
+    """Every tile config against the default at sizes where every persistent CTA runs many tiles
+    and the ring many laps (dense, 8 ragged groups of rows, 8 groups over K): the same bits (same
+    wgmma per block, same promotion order), and the default within the GPU bound of the fp64
+    product on a sample of rows."""
+    default, others = WGMMA_CONFIGS[0], WGMMA_CONFIGS[1:]
     gen = torch.Generator().manual_seed(29)
     M, N, K = 4096, 3072, 2048
     aq, as_ = _rand_operand(M, K, gen, device="cuda")
     bq, bs = _rand_operand(N, K, gen, device="cuda")
-    ref = fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, SINGLE_PARTITION)
+    ref = fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, default)
     rows = torch.arange(0, M, 97)
     A, B = dq64(aq[rows], as_[rows]), dq64(bq, bs)
     check(ref[rows], A @ B.t(), A.abs(), B.abs(), K, gpu=True)
-    for cfg in WS_CONFIGS:
+    for cfg in others:
         assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, None, torch.float32, cfg), ref), cfg
     E = 8
     counts = [1500, 0, 3, 2900, 777, 0, 1024, 1900]
@@ -556,17 +559,17 @@ def test_gpu_ws_kernel_same_bits_at_scale():
     bq, bs = _rand_operand(E * 1536, K, gen, device="cuda")
     bq, bs = bq.view(E, 1536, K), bs.view(E, 1536, K // 32)
     offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, SINGLE_PARTITION)
+    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, default)
     assert not ref[int(offs[-1]):].any()
-    for cfg in WS_CONFIGS:
+    for cfg in others:
         assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, offs, torch.bfloat16, cfg), ref), cfg
     kc = [4096, 0, 32, 2048, 96, 8192, 0, 1536]
     aq, as_ = _rand_operand(1024, sum(kc), gen, device="cuda")
     bq, bs = _rand_operand(768, sum(kc), gen, device="cuda")
     offs = torch.tensor(kc, device="cuda").cumsum(0).to(torch.int32)
-    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, SINGLE_PARTITION)
+    ref = fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, default)
     assert not ref[1].any() and not ref[6].any()
-    for cfg in WS_CONFIGS:
+    for cfg in others:
         assert torch.equal(fp8_gemm.launch(aq, as_, bq, bs, offs, torch.float32, cfg), ref), cfg
 
 
@@ -610,10 +613,10 @@ def test_wgmma_launcher_host_side(mode, monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: got.update(grid=grid, args=args, kw=kw)
 
-    monkeypatch.setattr(fp8_wgmma, "_fp8_wgmma_kernel", Launch())
+    monkeypatch.setattr(fp8_wgmma, "_fp8_ws_kernel", Launch())
     monkeypatch.setattr(fp8_wgmma, "_resident_ctas", lambda cfg, device: 7)
     gen = torch.Generator().manual_seed(31)
-    cfg = WgmmaConfig(128, 64, 128, 3, 4, persistent=True)
+    cfg = WgmmaConfig(bn=64, bk=128, stages=3)
     M, N, K, E = 333, 100, 1056, 3
     big, bigs = _rand_operand(M, K + 64, gen)
     aq, as_ = big[:, 32:32 + K], bigs[:, 1:1 + K // 32]
@@ -660,86 +663,12 @@ def test_wgmma_launcher_host_side(mode, monkeypatch):
     assert not logical[:, kb:].any() and not logical[:, :, N:].any()
     row_tiles = -(-(M + 3 * E) // cfg.bm) + E + 1 if mode == "rows" else -(-M // cfg.bm)  # `_tile`'s bound
     tiles = row_tiles * -(-N // cfg.bn)
-    if mode == "k":
-        assert got["grid"] == (tiles, E) and got["kw"]["MODE"] == 2 and not got["kw"]["PERSISTENT"]
-    else:
-        assert got["grid"] == (min(tiles, 7),) and got["kw"]["PERSISTENT"]
+    assert got["kw"]["num_warps"] == 4 and got["kw"]["maxnreg"] == fp8_wgmma.WS_MAXNREG
+    if mode == "k":  # one CTA per tile and group
+        assert got["grid"] == (tiles, E) and got["kw"]["MODE"] == 2
+    else:  # persistent: at most the resident CTAs
+        assert got["grid"] == (min(tiles, 7),)
         assert got["kw"]["MODE"] == (1 if mode == "rows" else 0)
-
-
-WGMMA_AOT_CHECK = r"""
-import re, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime.jit import mangle_type
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.backends.nvidia.compiler import get_ptxas
-from mxmoe.ops import fp8_wgmma as W
-
-cfg = W.WgmmaConfig()  # the single-partition kernel
-la, lb, lsa, lsb, nb = W._layouts(cfg)
-a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
-s = torch.empty(16, 256)
-for mode in (0, 1, 2):
-    sig = {
-        "a_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bm, min(cfg.bk, 128)], la)),
-        "b_desc": mangle_type(TensorDescriptor.from_tensor(a, [cfg.bn, min(cfg.bk, 128)], lb)),
-        "sa_desc": mangle_type(TensorDescriptor.from_tensor(s, [nb, cfg.bm], lsa)),
-        "sb_desc": mangle_type(TensorDescriptor.from_tensor(s, [nb, cfg.bn], lsb)),
-        "c_ptr": "*bf16", "offs_ptr": "*i32",
-    }
-    sig.update({n: "i32" for n in ["M", "N", "K", "E", "KB_PAD", "stride_cm", "stride_ce"]})
-    const = dict(MODE=mode, PERSISTENT=cfg.persistent and mode != 2, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk,
-                 STAGES=cfg.stages, GROUP_M=cfg.group_m, num_warps=cfg.num_warps)
-    sig.update({n: "constexpr" for n in const})
-    src = GluonASTSource(W._fp8_wgmma_kernel, sig, constexprs=const)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
-    ptx = k.asm["ptx"]
-    # one m64 fp8 wgmma per 32-block per warpgroup (grouped K: twice, the partial last stage's
-    # copy), and the overlap: waits leaving one in flight
-    per_stage = cfg.bk // 32 * cfg.bm // (16 * cfg.num_warps)
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n") == per_stage * (2 if mode == 2 else 1)
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx
-    with tempfile.TemporaryDirectory() as d:
-        open(d + "/k.ptx", "w").write(ptx)
-        r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", d + "/k.ptx", "-o", d + "/k.cubin"],
-                           capture_output=True, text=True)
-    info = r.stdout + r.stderr
-    assert r.returncode == 0, info
-    assert "C7514" not in info, info  # ptxas serializing the wgmmas would undo the overlap
-    # the main loop (the longest backward branch's body) touches no local memory, and it overlaps:
-    # the SASS waits with one wgmma in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        cuobjdump = get_ptxas(90).path.replace("ptxas", "cuobjdump")
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
-    lines = sass.splitlines()
-    addr = {m.group(1): i for i, ln in enumerate(lines) if (m := re.search(r"/\*([0-9a-f]{4,})\*/", ln))}
-    back = [(addr[m.group(1).rjust(4, "0")], i) for i, ln in enumerate(lines)
-            if (m := re.search(r"@!?P\d BRA 0x([0-9a-f]+)", ln)) and m.group(1).rjust(4, "0") in addr
-            and addr[m.group(1).rjust(4, "0")] < i]
-    start, end = max(back, key=lambda se: se[1] - se[0])  # the longest loop (the others: barrier polls)
-    loop = "\n".join(lines[start:end + 1])
-    assert "QGMMA" in loop and "DEPBAR.LE gsb0, 0x1" in loop, loop[:2000]
-    assert "LDL" not in loop and "STL" not in loop, (mode, info)
-print("compiled")
-"""
-
-
-def test_wgmma_kernel_compiles_for_sm90():
-    """Ahead-of-time compile of the Gluon kernel (dense and grouped rows, default config) for sm_90
-    with Triton's bundled ptxas: no wgmma serialization (ptxas C7514), no spills."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run(
-        [sys.executable, "-c", WGMMA_AOT_CHECK], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
 WS_AOT_CHECK = r"""
@@ -773,8 +702,7 @@ def loops(sass):
     return sorted(out, key=lambda x: x[0])
 
 
-for cfg in [W.WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
-            W.WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True)]:
+for cfg in [W.DEFAULT_CONFIG, W.WgmmaConfig(bn=64, bk=256, stages=3)]:
     la, lb, lsa, lsb, nb = W._layouts(cfg)
     a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     s = torch.empty(16, 256)
@@ -828,7 +756,7 @@ print("compiled")
 
 
 def test_ws_kernel_compiles_for_sm90():
-    """Ahead-of-time compile of the warp-specialized kernel (every mode, both WS configs) for sm_90a
+    """Ahead-of-time compile of the kernel (every mode, the default and a 128x64x256 config) for sm_90a
     with Triton's bundled ptxas, and its SASS: no spills, no wgmma serialization (C7514), the
     partitions' register budgets, and the consumer's stage loop (BK/32 wgmmas, 2 FP32 ops per
     accumulator element and 32-block, no local memory, no TMA, no fence, no CTA-wide barrier)."""

@@ -2,17 +2,16 @@
 tests/ops/test_fp8_gemm.py and for random ragged groups.
 
 The kernel's own source runs here as plain Python: its device functions (`_tile`, `_issue_loads`,
-`_store_tile`, and for the whole-kernel emulation `_fp8_wgmma_kernel` with everything it calls) are
+`_store_tile`, and for the whole-kernel emulation `_fp8_ws_kernel` with everything it calls) are
 executed with `gl`, `tma`, `mbarrier` and `warpgroup_mma` replaced by small shims, so what is checked
 is the kernel's code, not a copy of it. Shared memory is numpy arrays (NaN until written), a TMA copy
 a synchronous box copy with zero fill, each mbarrier tracks arrivals, transaction bytes and phases,
-a wgmma is an fp64 matmul rounded to fp32; the grid runs one CTA after another, so races (a missing
-wait or barrier) are out of its reach, but a wait that could never complete or would read a stale
-ring slot, a copy still in flight at exit, and wrong results are not. The warp-specialized kernel
-(`_fp8_ws_kernel`): its partitions run as threads taking turns at the mbarriers in a fixed
-priority (`_Partitions`: the loader ahead of the consumers as far as the ring lets it, or the
-consumers ahead), so within a CTA the races between partitions are in reach too (a missing wait
-shows as a hang or a wrong result: `test_ws_emulation_catches_a_broken_ring`).
+a wgmma is an fp64 matmul rounded to fp32. The grid runs one CTA after another (races between CTAs
+are out of reach); within a CTA the partitions run as threads taking turns at the mbarriers in a
+fixed priority (`_Partitions`: the loader ahead of the consumers as far as the ring lets it, or the
+consumers ahead), so a wait that could never complete or would read a stale ring slot, a copy still
+in flight at exit, a race between partitions and wrong results are in reach (a missing wait shows
+as a hang or a wrong result: `test_ws_emulation_catches_a_broken_ring`).
 
 Checked, for every TMA copy the kernel would issue:
 - the coordinate along the descriptor's innermost dimension is a multiple of 16 bytes (Hopper
@@ -35,14 +34,11 @@ import torch
 from mxmoe.ops import fp8_wgmma
 from mxmoe.ops.fp8_wgmma import WgmmaConfig
 
-CONFIGS = [  # the single-partition kernel's of the GPU tests (tests/ops/test_fp8_gemm.py WGMMA_CONFIGS)
-    WgmmaConfig(),
-    WgmmaConfig(128, 128, 256, 3, 8, persistent=True),
-    WgmmaConfig(128, 64, 128, 3, 4, persistent=True),
-]
-WS_CONFIGS = [  # the warp-specialized kernel's (tests/ops/test_fp8_gemm.py WS_CONFIGS)
-    WgmmaConfig(128, 128, 128, 4, 8, persistent=True, warp_specialized=True),
-    WgmmaConfig(128, 64, 256, 3, 8, persistent=True, warp_specialized=True),
+CONFIGS = [  # those of the GPU tests (tests/ops/test_fp8_gemm.py WGMMA_CONFIGS)
+    fp8_wgmma.DEFAULT_CONFIG,
+    WgmmaConfig(bn=64, bk=256, stages=3),
+    WgmmaConfig(bk=64, stages=8),
+    WgmmaConfig(persistent=False),
 ]
 
 
@@ -164,12 +160,7 @@ class _Ready:
 
 def launch_args(monkeypatch, aq, as_, bq, bs, offs, out, cfg):
     got = {}
-
-    class Launch:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: got.update(grid=grid, args=args, kw=kw)
-
-    monkeypatch.setattr(fp8_wgmma, "_fp8_wgmma_kernel", Launch())
+    monkeypatch.setattr(fp8_wgmma, "_fp8_ws_kernel", WsLaunch(got))
     monkeypatch.setattr(fp8_wgmma, "_resident_ctas", lambda cfg, device: 10**9)  # one CTA per tile
     fp8_wgmma.launch(aq, as_, bq, bs, offs, out, cfg)
     monkeypatch.undo()
@@ -295,6 +286,7 @@ def dense_case(M, N, K):
 
 # (test, case builder args, configs): the launches of tests/ops/test_fp8_gemm.py's GPU tests that call
 # the kernel directly, in file order; test_gpu_grouped's first launch is the one that trapped on the H200
+ALL = list(range(len(CONFIGS)))
 GPU_TEST_LAUNCHES = [
     ("test_gpu_dense[512]", dense_case, (512, 768, 1024), [0]),
     ("test_gpu_dense[1000]", dense_case, (1000, 300, 4096), [0]),
@@ -303,12 +295,12 @@ GPU_TEST_LAUNCHES = [
     ("test_gpu_grouped/rows", rows_case, ([0, 300, 1, 0, 555, 128, 0, 40], 17, 256, 512), [0]),
     ("test_gpu_grouped/k", k_case, ([0, 320, 32, 0, 640, 96], 200, 136), [0]),
     ("test_gpu_scale_byte_extremes", dense_case, (4, 4, 64), [0]),
-    ("test_gpu_wgmma_edges_and_tiles/dense", dense_case, (333, 250, 1056), [0, 1, 2]),
-    ("test_gpu_wgmma_edges_and_tiles/rows", rows_case, ([0, 130, 1, 0, 70, 128, 0], 9, 250, 1056), [0, 1, 2]),
-    ("test_gpu_wgmma_edges_and_tiles/k", k_case, ([0, 160, 32, 0, 416, 96, 224], 200, 136), [0, 1, 2]),
-    ("test_gpu_wgmma_persistent_many_tiles/dense", dense_case, (2048, 2304, 256), [0, 1, 2]),
+    ("test_gpu_wgmma_edges_and_tiles/dense", dense_case, (333, 250, 1056), ALL),
+    ("test_gpu_wgmma_edges_and_tiles/rows", rows_case, ([0, 130, 1, 0, 70, 128, 0], 9, 250, 1056), ALL),
+    ("test_gpu_wgmma_edges_and_tiles/k", k_case, ([0, 160, 32, 0, 416, 96, 224], 200, 136), ALL),
+    ("test_gpu_wgmma_persistent_many_tiles/dense", dense_case, (2048, 2304, 256), ALL),
     ("test_gpu_wgmma_persistent_many_tiles/rows", rows_case,
-     ([700, 0, 1, 1400, 0, 333, 900, 64], 40, 1024, 256), [0, 1, 2]),
+     ([700, 0, 1, 1400, 0, 333, 900, 64], 40, 1024, 256), ALL),
 ]
 
 
@@ -353,14 +345,14 @@ def test_random_ragged_groups_index_math(seed, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# The whole kernel on CPU: `_fp8_wgmma_kernel`'s source run grid-sequentially with every device
+# The whole kernel on CPU: `_fp8_ws_kernel`'s source run grid-sequentially with every device
 # function of the module shimmed (shared memory as numpy arrays, TMA as a synchronous box copy with
 # zero fill, each mbarrier's arrivals, transaction bytes and phases tracked, wgmma as an fp64 matmul)
 # ------------------------------------------------------------------------------------------------
 
 
 class _I(int):
-    """A device scalar: int arithmetic whose comparisons have `.to` (as `(tail > 0).to(gl.int32)`)."""
+    """A device scalar: int arithmetic with `.to` (as `gl.program_id(1).to(gl.int64)`)."""
 
     def to(self, *_):
         return _I(self)
@@ -427,7 +419,7 @@ class _View:
 
 
 class WsLaunch:
-    """`_fp8_ws_kernel[grid](...)` intercepted: records the launch into `got` (kernel "ws")."""
+    """`_fp8_ws_kernel[grid](...)` intercepted: records the launch into `got`."""
 
     def __init__(self, got):
         self.got = got
@@ -435,7 +427,7 @@ class WsLaunch:
     def __getitem__(self, grid):
         def record(*args, maxnreg, **kw):
             assert maxnreg == fp8_wgmma.WS_MAXNREG and kw["num_warps"] == 4
-            self.got.update(grid=grid, args=args, kw=kw, kernel="ws")
+            self.got.update(grid=grid, args=args, kw=kw)
         return record
 
 
@@ -610,7 +602,7 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np, order="loader"
         SharedLinearLayout=lambda bases: ("linear", bases),
         zeros=lambda shape, *_: np.zeros(shape, np.float32).view(_Arr),
         program_id=lambda axis: _I(pid[axis]), num_programs=lambda axis: _I(nprog[axis]),
-        to_tensor=lambda x: x, thread_barrier=lambda: None, warp_specialize=parts.run)
+        to_tensor=lambda x: x, warp_specialize=parts.run)
     mbar_ = types.SimpleNamespace(MBarrierLayout=lambda: None, init=init, expect=expect, wait=wait,
                                   invalidate=invalidate, arrive=arrive)
     tma_ = types.SimpleNamespace(async_copy_global_to_shared=copy)
@@ -651,7 +643,7 @@ def emulate_kernel(got, patch=None, order="loader"):
                                       f.__defaults__, f.__closure__)
         for h in hosts.values():
             h.__globals__[k] = hosts[k]
-    kernel = hosts["_fp8_ws_kernel" if got.get("kernel") == "ws" else "_fp8_wgmma_kernel"]
+    kernel = hosts["_fp8_ws_kernel"]
     for p1 in range(grid[1]):
         for p0 in range(grid[0]):
             pid[0], pid[1] = p0, p1
@@ -666,12 +658,6 @@ def emulate_kernel(got, patch=None, order="loader"):
 def _emulated(monkeypatch, case, cfg, resident=10**9, patch=None, order="loader"):
     aq, as_, bq, bs, offs, out = case
     got = {}
-
-    class Launch:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: got.update(grid=grid, args=args, kw=kw)
-
-    monkeypatch.setattr(fp8_wgmma, "_fp8_wgmma_kernel", Launch())
     monkeypatch.setattr(fp8_wgmma, "_fp8_ws_kernel", WsLaunch(got))
     monkeypatch.setattr(fp8_wgmma, "_resident_ctas", lambda cfg, device: resident)
     fp8_wgmma.launch(aq, as_, bq, bs, offs, out, cfg)
@@ -703,41 +689,6 @@ def _reference(case):
             ref[e], mag[e] = A[:, lo:hi] @ B[:, lo:hi].t(), A[:, lo:hi].abs() @ B[:, lo:hi].abs().t()
         lo = hi
     return ref, mag, A.shape[1]
-
-
-@pytest.mark.parametrize("name,build,args,cfgs", GPU_TEST_LAUNCHES, ids=[x[0] for x in GPU_TEST_LAUNCHES])
-def test_gpu_test_launches_emulated(name, build, args, cfgs, monkeypatch):
-    """The kernel's source run on CPU for every launch of the GPU tests, each config (persistent ones
-    with 5 CTAs, so each CTA runs several tiles and the ring's slots and phases continue across them):
-    no mbarrier wait that would hang or read a stale slot, no TMA copy in flight at exit, TMA
-    coordinates aligned, every output within the fp32 accumulation bound of the fp64 product (rows
-    after offs[-1] and empty groups exactly zero; the output starts as NaN)."""
-    case = build(*args)
-    ref, mag, k = _reference(case)
-    for i in cfgs:
-        out = torch.full_like(case[5], float("nan"))
-        _emulated(monkeypatch, (*case[:5], out), CONFIGS[i], resident=5)
-        err = (out.double() - ref).abs()
-        bound = mag * (k + 2) * 2.0**-23 + (k // 32 + 1) * 2.0**-126
-        assert not torch.isnan(out).any() and bool((err <= bound).all()), (name, CONFIGS[i])
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_random_ragged_groups_emulated(seed, monkeypatch):
-    """As above for random ragged and empty groups (group starts at every row offset mod 4), every
-    config, persistent ones with 3 CTAs."""
-    g = torch.Generator().manual_seed(100 + seed)
-    E = [5, 23][seed]
-    counts = torch.randint(0, 150, (E,), generator=g)
-    counts[torch.randint(0, E, (E // 3,), generator=g)] = 0
-    case = rows_case(counts.tolist(), int(torch.randint(0, 9, (1,), generator=g)), 72, 320)
-    ref, mag, k = _reference(case)
-    for cfg in CONFIGS:
-        out = torch.full_like(case[5], float("nan"))
-        _emulated(monkeypatch, (*case[:5], out), cfg, resident=3)
-        err = (out.double() - ref).abs()
-        bound = mag * (k + 2) * 2.0**-23 + (k // 32 + 1) * 2.0**-126
-        assert not torch.isnan(out).any() and bool((err <= bound).all()), cfg
 
 
 def test_mx_ops_on_the_emulated_gluon_kernel(monkeypatch):
@@ -800,14 +751,14 @@ def _within_bound(out, ref, mag, k):
 
 @pytest.mark.parametrize("name,build,args,cfgs", GPU_TEST_LAUNCHES, ids=[x[0] for x in GPU_TEST_LAUNCHES])
 def test_ws_kernel_emulated(name, build, args, cfgs, monkeypatch):
-    """Every launch of the GPU tests through the warp-specialized kernel's source, each WS config,
+    """Every launch of the GPU tests through the kernel's source, each config the GPU test runs,
     3 persistent CTAs (several tiles per CTA: the ring's slots and phases run on across tiles),
     loader first and consumers first: no hang, no read of a slot before its fill or after its
     refill, aligned TMA copies, every output within the fp32 accumulation bound of the fp64
     product (rows after offs[-1] and empty groups exactly zero; the output starts as NaN)."""
     case = build(*args)
     ref, mag, k = _reference(case)
-    for cfg in WS_CONFIGS:
+    for cfg in (CONFIGS[i] for i in cfgs):
         for order in ("loader", "consumers"):
             out = torch.full_like(case[5], float("nan"))
             _emulated(monkeypatch, (*case[:5], out), cfg, resident=3, order=order)
@@ -816,14 +767,15 @@ def test_ws_kernel_emulated(name, build, args, cfgs, monkeypatch):
 
 @pytest.mark.parametrize("seed", range(2))
 def test_ws_random_ragged_groups_emulated(seed, monkeypatch):
-    """Random ragged and empty groups (starts at every row offset mod 4) through the WS kernel."""
+    """Random ragged and empty groups (starts at every row offset mod 4) through the kernel, every
+    config, 2 persistent CTAs."""
     g = torch.Generator().manual_seed(200 + seed)
     E = [6, 19][seed]
     counts = torch.randint(0, 150, (E,), generator=g)
     counts[torch.randint(0, E, (E // 3,), generator=g)] = 0
     case = rows_case(counts.tolist(), int(torch.randint(0, 9, (1,), generator=g)), 72, 320)
     ref, mag, k = _reference(case)
-    for cfg, order in zip(WS_CONFIGS, ("loader", "consumers"), strict=True):
+    for cfg, order in zip(CONFIGS, ("loader", "consumers") * 2, strict=True):
         out = torch.full_like(case[5], float("nan"))
         _emulated(monkeypatch, (*case[:5], out), cfg, resident=2, order=order)
         assert _within_bound(out, ref, mag, k), (cfg, order)
@@ -846,7 +798,7 @@ def test_ws_emulation_catches_a_broken_ring(broken, order, monkeypatch):
     fn, op = broken.split("/")
     out = torch.full_like(case[5], float("nan"))
     try:
-        _emulated(monkeypatch, (*case[:5], out), WS_CONFIGS[0], resident=1, patch={fn: _without(op)},
+        _emulated(monkeypatch, (*case[:5], out), CONFIGS[0], resident=1, patch={fn: _without(op)},
                   order=order)
     except AssertionError as e:
         assert "hang" in str(e) or "copied than expected" in str(e) or "arrivals" in str(e), e
