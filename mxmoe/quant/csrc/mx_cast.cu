@@ -19,7 +19,9 @@
 //                     tile along its rows (16-byte fp8 stores via lane shuffles).
 //   dequantize:       dequant_flat_kernel: one-shot grid, 8 fp8 bytes per thread-vector, two vectors
 //                     per thread, 256 threads per CTA.
-//   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
+//   qdq dim0, block 32: qdq_dim0_kernel: one-shot grid, four 16-byte input vectors per thread,
+//                     quantize_vec32 (the dim0 cast's) then dequant_pairs (the dequantize's) in
+//                     registers, stored in x's layout; no q or s in memory.
 //   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
 #include "mx_cast.h"
 
