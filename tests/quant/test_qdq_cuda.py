@@ -129,14 +129,15 @@ def _same_values(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.equal(_bits(a)[~na], _bits(b)[~nb]), f"{what}: values differ"
 
 
-def _check_all(x: torch.Tensor, mode: str, elem, out: torch.dtype, what: str, bs: int = BS) -> torch.Tensor:
+def _check_all(x: torch.Tensor, mode: str, elem, out: torch.dtype, what: str, bs: int = BS,
+               triton: bool = True) -> torch.Tensor:
     """qdq with the cuda kernel == the CUDA cast + CUDA dequantize bit for bit (NaN payloads
-    included) and == the Triton qdq (NaN where NaN); returns the cuda result."""
+    included) and (triton) == the Triton qdq (NaN where NaN); returns the cuda result."""
     rc = recipe("cuda", mode, elem, bs)
     y = qdq(x, -1, recipe=rc, out_dtype=out)
     assert y.dtype == out and y.shape == x.shape and y.is_contiguous(), what
     assert torch.equal(_bits(y), _bits(_cuda_cast_dequant(x, rc, out))), f"{what}: != cast + dequantize"
-    if bs <= 128:
+    if triton and bs <= 128:
         yt = qdq(x, -1, recipe=recipe("triton", mode, elem, bs), out_dtype=out)
         _same_values(y, yt, f"{what} vs triton")
     return y
@@ -163,7 +164,9 @@ def test_gpu_qdq_cuda_matches_oracle(combo):
 @pytest.mark.gpu
 def test_gpu_qdq_cuda_shapes():
     """One row, C = 32, many rows, 3D / 4D x, empty x, a non-contiguous x (made contiguous by qdq),
-    random data over 60 binades: all against the cast + dequantize and the Triton qdq."""
+    random data over 60 binades: all against the cast + dequantize, bf16 -> bf16 RCEIL e4m3 also
+    against the Triton qdq (each other Triton variant would be one more compile; the oracle test
+    covers them all)."""
     torch.manual_seed(0)
     shapes = ((1, 32), (1, 7168), (5, 32), (4001, 1024), (3, 17, 96), (2, 3, 5, 64), (0, 64), (65536, 64))
     for shape in shapes:
@@ -172,7 +175,9 @@ def test_gpu_qdq_cuda_shapes():
             x = (torch.randn(shape, device="cuda") * scale).to(dtype)
             for mode, elem in (("rceil", torch.float8_e4m3fn), ("floor", torch.float8_e5m2)):
                 for out in DTYPES:
-                    _check_all(x, mode, elem, out, f"{shape} {dname(dtype)} {mode} -> {dname(out)}")
+                    default = mode == "rceil" and dtype == out == torch.bfloat16
+                    _check_all(x, mode, elem, out, f"{shape} {dname(dtype)} {mode} -> {dname(out)}",
+                               triton=default)
     xt = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16).t()
     _check_all(xt, "rceil", torch.float8_e4m3fn, torch.bfloat16, "transposed view")
 
