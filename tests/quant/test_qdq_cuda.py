@@ -185,14 +185,15 @@ def test_gpu_qdq_cuda_shapes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs", [2, 16, 64, 256])
 def test_gpu_qdq_cuda_other_block_sizes_match_oracle(bs):
-    """Block sizes other than 32 take the generic kernel: the oracle and the cast + dequantize."""
+    """Block sizes other than 32 take the generic kernel: the oracle and the cast + dequantize (no
+    Triton compiles per block size here)."""
     for mode, elem, dtype in (("rceil", torch.float8_e4m3fn, torch.bfloat16),
                               ("even", torch.float8_e5m2, torch.float32)):
         g32 = data(2 * bs if bs > 16 else 64, bs, mode, elem, dtype, "full")
         s0, q0 = O.oracle_quantize(g32, bs, mode, dname(elem))
         x = to_torch(g32, dtype, "cuda")
         for out in DTYPES:
-            y = _check_all(x, mode, elem, out, f"bs={bs} {mode}", bs)
+            y = _check_all(x, mode, elem, out, f"bs={bs} {mode}", bs, triton=False)
             check_dequant(y, s0, q0, bs, elem, f"bs={bs} {mode} -> {dname(out)}")
 
 
