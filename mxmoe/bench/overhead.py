@@ -115,8 +115,8 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
             ("to_mx 3D along N", k, lambda k=k: to_mx(w3, -2, kernel=k), True),
             ("dequantize", k, lambda k=k, m=mx0: m.dequantize(kernel=k), True),
         ]
-        # the fused quantize-dequantize the emulated GEMM's operands come from ("cuda" and "auto"
-        # run its Triton kernel on a GPU)
+        # the fused quantize-dequantize the emulated GEMM's operands come from (on a GPU, "cuda" and
+        # "auto" run the C++ operator mxmoe_cuda::qdq_dim0 for "qdq dim0", the Triton kernel else)
         rk = DEFAULT_RECIPE.replace(dim0_kernel=k, dim1_kernel=k)
         cases += [
             ("qdq dim0", k, lambda rk=rk: qdq(x, -1, recipe=rk), True),

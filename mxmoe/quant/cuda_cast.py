@@ -126,11 +126,15 @@ def _register_fakes() -> None:
     def deq(q, s, block_size, out_dtype):
         return q.new_empty(q.shape, dtype=out_dtype)
 
+    def qdq0(x, block_size, mode, elem_dtype, out_dtype):
+        return x.new_empty(x.shape, dtype=out_dtype)
+
     def mutating(*args):
         return None
 
     for op, fn in (("quantize_dim0", dim0), ("quantize_dim1", dim1), ("quantize_dim0_dim1", dim0_dim1),
-                   ("dequantize", deq), ("quantize_dim0_out", mutating), ("dequantize_out", mutating)):
+                   ("dequantize", deq), ("qdq_dim0", qdq0), ("quantize_dim0_out", mutating),
+                   ("dequantize_out", mutating), ("qdq_dim0_out", mutating)):
         torch.library.register_fake(lib + op, fn)
 
 
@@ -172,4 +176,19 @@ def dequantize(
     if out is None:
         return torch.ops.mxmoe_cuda.dequantize(q, s, block_size, out_dtype)
     torch.ops.mxmoe_cuda.dequantize_out(q, s, block_size, out)
+    return out
+
+
+def qdq_dim0(
+    x: Tensor, spec: CastSpec, out_dtype: torch.dtype, *, out: Tensor | None = None
+) -> Tensor:
+    """x: (..., C) bf16/fp32 CUDA, contiguous, C % bs == 0 -> x's shape, out_dtype (bf16 or fp32),
+    contiguous: the values of `dequantize(*quantize_dim0(x, spec), bs, out_dtype)` bit for bit
+    (blocks of bs along C), in one read of x and one write, without the fp8 elements and scales.
+    out: optional contiguous tensor of x's shape and out_dtype on x's device to write into."""
+    load_extension()
+    mode = MODE_IDS[spec.mode]
+    if out is None:
+        return torch.ops.mxmoe_cuda.qdq_dim0(x, spec.block_size, mode, spec.elem.dtype, out_dtype)
+    torch.ops.mxmoe_cuda.qdq_dim0_out(x, spec.block_size, mode, spec.elem.dtype, out)
     return out

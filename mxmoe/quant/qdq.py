@@ -22,11 +22,19 @@ Layouts (x viewed as (B, R, C), contiguous; every output (B, R, C) row-major con
       form. The boundaries are computed on the device from offs (no host sync).
 
 Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize on the padded
-form, CPU or GPU) and "triton" (the rows kernel of `triton_qdq`; on CPU under TRITON_INTERPRET=1).
-A recipe's "cuda" cast kernel maps to the Triton qdq (there is no CUDA qdq kernel). The op is a
-`torch.library` custom op with a fake implementation (torch.compile fullgraph); eager calls run its
-body directly. Under torch.compile the Triton kernel on CUDA is decomposed into its launches for
-inductor (`_functional_decomp`, docs/training-ops.md).
+form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`; on CPU under TRITON_INTERPRET=1) and
+"cuda" (the C++ operator `mxmoe_cuda::qdq_dim0` of the CUDA cast extension, csrc/mx_cast.cu: the
+dim0 cast's and the dequantize kernel's device functions in one kernel, one read of x and one write).
+Which one runs (`qdq_kernel`):
+  - a dim0-only call without offs (`qdq(x, -1)`) follows the recipe's dim0_kernel: "cuda" takes the
+    C++ operator, and so does "auto" on CUDA when the extension builds (else the Triton kernel);
+  - dim1 and dim0+dim1 calls follow the recipe's dim1_kernel, and dim0 calls with offs (rows after
+    the groups are zeroed) its dim0_kernel; there "cuda" and "auto" on CUDA take the Triton rows
+    kernel (the CUDA extension has no dim1 or grouped qdq kernel).
+The op is a `torch.library` custom op with a fake implementation (torch.compile fullgraph); eager
+calls run its body directly. Under torch.compile the Triton kernel on CUDA is decomposed into its
+launches for inductor, and the "cuda" kernel into the C++ operator, which inductor calls directly
+(`_functional_decomp`, docs/training-ops.md).
 """
 
 from __future__ import annotations
@@ -37,20 +45,31 @@ import torch
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from mxmoe.formats import OUTPUT_DTYPES, CastSpec, check_input_dtype
-from mxmoe.quant.backends import cdiv, next_pow2, triton_interpret
+from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, CastSpec, check_input_dtype
+from mxmoe.quant import cuda_cast
+from mxmoe.quant.backends import cdiv, next_pow2, resolve_kernel, triton_interpret
 from mxmoe.quant.checks import spec_of
 from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 
-QDQ_KERNELS = ("torch", "triton")
+QDQ_KERNELS = ("torch", "triton", "cuda")
 
 
-def qdq_kernel(kernel: str, device: torch.device) -> str:
+def qdq_kernel(kernel: str, device: torch.device, dim0_only: bool = False) -> str:
     """The qdq backend for a recipe's cast kernel choice on `device`: "torch" for "torch" and for
-    "auto" off CUDA, "triton" otherwise (CUDA, or the interpreter for an explicit "triton")."""
+    "auto" off CUDA; for a dim0-only call without offs (`dim0_only`) on CUDA, "cuda" for "cuda" (the
+    C++ operator; RuntimeError if it cannot run) and for "auto" (falling back to "triton" if the
+    extension does not build, as `to_mx`'s "auto"); "triton" otherwise (CUDA, or the interpreter for
+    an explicit "triton")."""
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
         return "torch"
+    if dim0_only and kernel in ("cuda", "auto") and device.type == "cuda":
+        # resolve_kernel: cached per (kernel, device type); "auto" builds / loads the extension once
+        if resolve_kernel(kernel, device, "dim0") != "cuda":
+            return "triton"
+        if not torch.compiler.is_compiling():
+            cuda_cast.load_extension()  # a flag test once loaded; raises if "cuda" cannot build
+        return "cuda"
     if kernel not in ("auto", "triton", "cuda"):
         raise ValueError(
             f"kernel={kernel!r} is not a cast kernel; expected 'auto', 'torch', 'triton' or 'cuda'"
@@ -221,7 +240,8 @@ def qdq_op(
     along C; if dim1, y1 = MX-rounded along R, blocks starting at each matrix's first row (the last
     one short), or at every group start when offs is given. offs: None, or (E,) int32 cumulative
     group ends on x's device; rows at or after offs[-1] are zero in every output. kernel: "torch" |
-    "triton" (concrete, see `qdq_kernel`).
+    "triton" | "cuda" (concrete, see `qdq_kernel`; "cuda": dim0 only, no offs, any ndim >= 1 (the
+    C++ operator's blocks run along the flat index), extension loaded).
     """
     return _qdq_impl(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs)
 
@@ -232,6 +252,11 @@ def _qdq_impl(
     """qdq_op's body, called directly in eager mode (a custom op call costs tens of microseconds of
     Python); arguments already checked. traced: the Triton launches go through wrap_triton
     (`_functional_decomp`)."""
+    if kernel == "cuda":
+        if dim1 or not dim0 or offs is not None:
+            raise ValueError("the cuda qdq kernel computes dim0 without offs only; dim1 takes 'triton'")
+        return [torch.ops.mxmoe_cuda.qdq_dim0.default(x, block_size, MODE_IDS[scaling_mode], elem_dtype,
+                                                      out_dtype)]
     spec = spec_of(block_size, scaling_mode, elem_dtype)
     if kernel == "torch":
         if x.numel() == 0:
@@ -260,23 +285,26 @@ def _functional_decomp(mode, op, types, args=(), kwargs=None):
     """How AOTAutograd (torch.compile's functionalization) sees `mxmoe::qdq`: for the Triton kernel
     on CUDA tensors, as its body with the launches wrapped by `torch.library.wrap_triton` (what
     `torch.library.triton_op` does), so that inductor launches the kernel from its generated code
-    instead of calling back into this op's Python for every launch; anything else (the torch
-    kernel, CPU tensors, the Triton interpreter, torch.export) stays the opaque op with its fake
-    implementation."""
+    instead of calling back into this op's Python for every launch; for the cuda kernel, as its
+    body, the C++ operator `mxmoe_cuda::qdq_dim0` (a registered op with a fake implementation), which
+    inductor calls directly; anything else (the torch kernel, CPU tensors, the Triton interpreter,
+    torch.export) stays the opaque op with its fake implementation."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     full = _op_args(*args, **(kwargs or {}))
     x, kernel = full[0], full[7]
     decompose = (
-        kernel == "triton"
+        kernel in ("triton", "cuda")
         and x.is_cuda
-        and not triton_interpret()  # interpreted kernels cannot be wrapped (they run on the data)
+        and (kernel == "cuda" or not triton_interpret())  # interpreted kernels cannot be wrapped
         and getattr(torch._functorch.config, "decompose_custom_triton_ops", True)  # False: torch.export
         and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is Tensor for t in types)
     )
     if not decompose:
         return mode.__torch_dispatch__(op, types, args, kwargs or {})
+    if kernel == "cuda":
+        cuda_cast.load_extension()  # registers torch.ops.mxmoe_cuda (a flag test once loaded)
     with mode:
         return _qdq_impl(*full, traced=True)
 
@@ -348,9 +376,11 @@ def qdq(
     in x's own row-major layout.
 
     x: bf16/fp32, ndim >= 2, any strides (made contiguous), x.shape[-1] % recipe.block_size == 0.
-    axis: -1 (blocks along the last dim, kernel recipe.dim0_kernel) or -2 (blocks along dim -2 of
-    each matrix x[..., :, :], never across two, kernel recipe.dim1_kernel; x.shape[-2] need not be
-    a multiple of the block size: the last block is short, the zero-padded cast's values).
+    axis: -1 (blocks along the last dim, kernel recipe.dim0_kernel; "cuda", or "auto" on CUDA, runs
+    the C++ operator mxmoe_cuda::qdq_dim0 without offs, the Triton rows kernel with offs)
+    or -2 (blocks along dim -2 of each matrix x[..., :, :], never across two, kernel
+    recipe.dim1_kernel, the Triton rows kernel for "cuda"; x.shape[-2] need not be a multiple of
+    the block size: the last block is short, the zero-padded cast's values).
     out_dtype: bf16 or fp32 (default x.dtype). Returns x's shape in out_dtype, row-major contiguous.
     offs: None, or (E,) int32 cumulative group ends on x's device (2D x only): dim1 blocks start at
     every group start; rows at or after offs[-1] are zero (module docstring).
@@ -359,7 +389,9 @@ def qdq(
     if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
         raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
     dim1 = axis in (-2, x.ndim - 2)
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel" if dim1 else "dim0_kernel", "torch"), x.device)
+    # dim0 with offs zeroes the rows after the groups: the rows kernel's job
+    kernel = qdq_kernel(getattr(recipe, "dim1_kernel" if dim1 else "dim0_kernel", "torch"), x.device,
+                        not dim1 and offs is None)
     _check(x, recipe, out_dtype, offs, kernel)
     xc = x.contiguous()
     # 2D and 3D go to the op as they are (no reshapes); more dims as (B, R, C)

@@ -50,9 +50,10 @@ def test_bytes_counted():
     assert cast._bytes("qdq dim0+dim1 rows E=8", (64, 128), 2) == 2 * n + 4 * n
 
 
-def test_qdq_mode_runs_the_triton_kernel_only():
+def test_qdq_mode_runs_the_triton_and_cuda_kernels():
+    """qdq rows: the Triton rows kernel and the CUDA dim0 qdq (no torch row)."""
     args = cast.build_parser().parse_args(["--mode", "qdq", "--kernel", "torch,triton,cuda"])
-    assert {c.kernel for c in cast._cases(args)} == {"triton"}
+    assert {c.kernel for c in cast._cases(args)} == {"triton", "cuda"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

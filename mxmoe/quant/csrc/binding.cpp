@@ -14,6 +14,11 @@
 //   dequantize(Tensor q, Tensor s, int block_size, ScalarType out_dtype) -> Tensor
 //       q (R, C) fp8, s (R, C / bs) e8m0 (or uint8) -> (R, C) bf16 / fp32
 //   dequantize_out(Tensor q, Tensor s, int block_size, Tensor(a!) out) -> ()
+//   qdq_dim0(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype) -> Tensor
+//       x (..., C) bf16/fp32 contiguous -> x's shape, out_dtype (bf16/fp32): the values of
+//       dequantize(quantize_dim0(x)) bit for bit, blocks along C, without writing q and s
+//   qdq_dim0_out(Tensor x, int block_size, int mode, ScalarType elem_dtype, Tensor(a!) out) -> ()
+//       the same into out (x's shape, bf16/fp32, contiguous)
 //   format_constants(ScalarType elem_dtype) -> int[]
 //       [emax, mbits, bits of max, bits of fp32(1/max), T127, T126]: what the kernels compile in,
 //       compared with mxmoe.formats when the extension loads
@@ -209,6 +214,36 @@ Tensor dequantize(const Tensor& q, const Tensor& s, int64_t block_size, at::Scal
   return out;
 }
 
+// x (..., C) bf16/fp32 contiguous, C % block_size == 0, into out (x's shape, bf16/fp32, contiguous).
+void qdq_dim0_out(const Tensor& x, int64_t block_size, int64_t mode, at::ScalarType elem, Tensor& out) {
+  TORCH_CHECK_WITH(Error, x.is_cuda(), msg("mxmoe_cuda: x must be a CUDA tensor, got device ", x.device()));
+  TORCH_CHECK_WITH(Error, x.dim() >= 1, msg("mxmoe_cuda: x must have at least 1 dim, got shape ", x.sizes()));
+  TORCH_CHECK_WITH(Error, block_size >= 2 && (block_size & (block_size - 1)) == 0, msg("mxmoe_cuda: block_size must be a power of two >= 2, got ", block_size));
+  TORCH_CHECK_WITH(Error, mode >= 0 && mode <= 3, msg("mxmoe_cuda: mode must be 0..3 (FLOOR, RCEIL, CEIL, EVEN), got ", mode));
+  const int in = float_code(x.scalar_type(), "x");
+  const int el = elem_code(elem, "elem_dtype");
+  const int od = float_code(out.scalar_type(), "out");
+  TORCH_CHECK_WITH(Error, x.is_contiguous(), msg("mxmoe_cuda: x must be contiguous, got shape ", x.sizes(), " strides ", x.strides()));
+  const int64_t C = x.size(-1);
+  TORCH_CHECK_WITH(Error, C % block_size == 0, msg("mxmoe_cuda: x.shape[-1]=", C, " is not divisible by block_size=", block_size));
+  check_out(out, "out", x.sizes(), x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (x.numel()) {
+    const ElemConstants k = constants(el);
+    check_launch(mx_qdq_dim0(x.data_ptr(), in, out.data_ptr(), od, x.numel(), static_cast<int>(block_size),
+                             static_cast<int>(mode), el, static_cast<uint32_t>(k.t127), static_cast<uint32_t>(k.t126),
+                             c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits)), stream_of(x)),
+                 "mx_qdq_dim0");
+  }
+}
+
+Tensor qdq_dim0(const Tensor& x, int64_t block_size, int64_t mode, at::ScalarType elem, at::ScalarType out_dtype) {
+  float_code(out_dtype, "out_dtype");
+  Tensor out = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  qdq_dim0_out(x, block_size, mode, elem, out);
+  return out;
+}
+
 std::vector<int64_t> format_constants(at::ScalarType elem) {
   const ElemConstants k = constants(elem_code(elem, "elem_dtype"));
   return {k.emax, k.mbits, k.max_bits, k.rceil_c_bits, k.t127, k.t126};
@@ -223,6 +258,8 @@ TORCH_LIBRARY(mxmoe_cuda, m) {
   m.def("quantize_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("dequantize(Tensor q, Tensor s, int block_size, ScalarType out_dtype) -> Tensor");
   m.def("dequantize_out(Tensor q, Tensor s, int block_size, Tensor(a!) out) -> ()");
+  m.def("qdq_dim0(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype) -> Tensor");
+  m.def("qdq_dim0_out(Tensor x, int block_size, int mode, ScalarType elem_dtype, Tensor(a!) out) -> ()");
   m.def("format_constants(ScalarType elem_dtype) -> int[]", &format_constants);
 }
 
@@ -233,4 +270,6 @@ TORCH_LIBRARY_IMPL(mxmoe_cuda, CUDA, m) {
   m.impl("quantize_dim0_dim1", &quantize_dim0_dim1);
   m.impl("dequantize", &dequantize);
   m.impl("dequantize_out", &dequantize_out);
+  m.impl("qdq_dim0", &qdq_dim0);
+  m.impl("qdq_dim0_out", &qdq_dim0_out);
 }

@@ -19,7 +19,9 @@
 //                     tile along its rows (16-byte fp8 stores via lane shuffles).
 //   dequantize:       dequant_flat_kernel: one-shot grid, 8 fp8 bytes per thread-vector, two vectors
 //                     per thread, 256 threads per CTA.
-//   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
+//   qdq dim0, block 32: qdq_dim0_kernel: one-shot grid, four 16-byte input vectors per thread,
+//                     quantize_vec32 (the dim0 cast's) then dequant_pairs (the dequantize's) in
+//                     registers, stored in x's layout; no q or s in memory.
 //   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
 #include "mx_cast.h"
 
@@ -499,17 +501,22 @@ __device__ __forceinline__ uint8_t quant1(uint32_t x_bits, float r) {
   return static_cast<uint8_t>(quant2<ELEM>(x_bits, 0u, r) & 0xFFu);
 }
 
-// Blocks of bs consecutive elements at x + blk * bs (dim0) or strided by `stride` (dim1).
-template <int IN, int ELEM>
-__device__ __forceinline__ void quantize_block_generic(const Raw<IN>* x, int64_t stride, int bs, uint8_t* q,
-                                                       uint8_t* s, const ScaleArgs& p) {
+// A block of bs elements at x, x + stride, ...: emit(i, fp8 byte of element i, scale byte) for each
+// element, returns the scale byte. The cast kernels store
+// the bytes; the qdq kernel dequantizes them in registers.
+template <int IN, int ELEM, typename Emit>
+__device__ __forceinline__ uint32_t quantize_block_generic(const Raw<IN>* x, int64_t stride, int bs,
+                                                           const ScaleArgs& p, Emit&& emit) {
   uint32_t A = 0;
   for (int i = 0; i < bs; ++i) A = max(A, f32_bits<IN>(x[i * stride]) & kAbsMask);
   const int e = block_exponent<ELEM>(A, p);
   const float r = recip_pow2(e);
   const bool nonfinite = A >= kInfBits;
-  for (int i = 0; i < bs; ++i) q[i] = nonfinite ? uint8_t(0x7F) : quant1<IN, ELEM>(f32_bits<IN>(x[i * stride]), r);
-  *s = static_cast<uint8_t>(scale_byte(A, e));
+  const uint32_t sb = scale_byte(A, e);
+  for (int i = 0; i < bs; ++i) {
+    emit(i, nonfinite ? uint8_t(0x7F) : quant1<IN, ELEM>(f32_bits<IN>(x[i * stride]), r), sb);
+  }
+  return sb;
 }
 
 template <int IN, int ELEM>
@@ -518,7 +525,9 @@ __global__ void __launch_bounds__(kThreads) dim0_generic_kernel(const Raw<IN>* _
                                                                 ScaleArgs p) {
   for (int64_t blk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; blk < nblk;
        blk += static_cast<int64_t>(gridDim.x) * kThreads) {
-    quantize_block_generic<IN, ELEM>(x + blk * bs, 1, bs, q + blk * bs, s + blk, p);
+    uint8_t* qb = q + blk * bs;
+    s[blk] = static_cast<uint8_t>(
+        quantize_block_generic<IN, ELEM>(x + blk * bs, 1, bs, p, [&](int i, uint8_t b, uint32_t) { qb[i] = b; }));
   }
 }
 
@@ -534,8 +543,9 @@ __global__ void __launch_bounds__(kThreads) dim1_generic_kernel(const Raw<IN>* _
     const int64_t c = idx % C;
     const int64_t rest = idx / C;
     const int64_t rb = rest % nrb, b = rest / nrb;
-    quantize_block_generic<IN, ELEM>(x + (b * R + rb * bs) * C + c, C, bs, q + (b * C + c) * R + rb * bs,
-                                     s + (b * C + c) * nrb + rb, p);
+    uint8_t* qb = q + (b * C + c) * R + rb * bs;
+    s[(b * C + c) * nrb + rb] = static_cast<uint8_t>(
+        quantize_block_generic<IN, ELEM>(x + (b * R + rb * bs) * C + c, C, bs, p, [&](int i, uint8_t v, uint32_t) { qb[i] = v; }));
   }
 }
 
@@ -662,6 +672,69 @@ __global__ void __launch_bounds__(kThreads) dequant_generic_kernel(const uint8_t
     } else {
       static_cast<uint32_t*>(out)[i] = bits;
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantize-dequantize along dim0 (qdq): y = dequantize(quantize_dim0(x)) without writing q and s,
+// in x's layout. The cast's device functions quantize (quantize_vec32 / quantize_block_generic)
+// and the dequantize kernels' dequantize (dequant_pairs / dequant_bits) in registers, so the
+// values are those of the two kernels one after the other, bit for bit.
+//
+// Block 32: one-shot grid, V 16-byte input vectors per thread (all loads issued first), vector u
+// of thread t of CTA b is (b * V + u) * kThreads + t, so each load / store instruction of a warp
+// covers contiguous memory and a block's LPB vectors sit in LPB consecutive lanes (the amax
+// shuffles of quantize_vec32). Stores: 16 bytes (bf16 -> bf16, fp32 -> fp32), 2 x 16 bytes
+// (bf16 -> fp32) or 8 bytes (fp32 -> bf16) per vector.
+template <int IN, int OUT, int ELEM, int V>
+__global__ void __launch_bounds__(kThreads) qdq_dim0_kernel(const uint4* __restrict__ x, uint32_t* __restrict__ y,
+                                                            int64_t nvec, ScaleArgs p) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));  // elements per vector: 8 / 4
+  constexpr int NWO = OUT == MX_BF16 ? VEC / 2 : VEC;           // 32-bit output words per vector
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * (kThreads * V) + threadIdx.x;
+  uint4 v[V];
+#pragma unroll
+  for (int u = 0; u < V; ++u) {
+    const int64_t i = first + u * kThreads;
+    v[u] = i < nvec ? __ldcs(x + i) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  // Every lane runs quantize_vec32 (shuffles); out-of-range vectors are zeros, never stored.
+#pragma unroll
+  for (int u = 0; u < V; ++u) {
+    const int64_t i = first + u * kThreads;
+    uint32_t qw[4];
+    const uint32_t sb = quantize_vec32<IN, ELEM, false>(v[u], p, qw);
+    uint32_t o[NWO];
+    dequant_pairs<OUT, ELEM, VEC / 2>(qw, e8m0_to_f32(sb), o);
+    if (i >= nvec) continue;
+    uint32_t* dst = y + i * NWO;
+    if constexpr (NWO == 2) {
+      __stcs(reinterpret_cast<uint2*>(dst), make_uint2(o[0], o[1]));
+    } else {
+#pragma unroll
+      for (int k = 0; k < NWO / 4; ++k) {
+        __stcs(reinterpret_cast<uint4*>(dst) + k, make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]));
+      }
+    }
+  }
+}
+
+// Any block size, any alignment: one thread per block.
+template <int IN, int OUT, int ELEM>
+__global__ void __launch_bounds__(kThreads) qdq_dim0_generic_kernel(const Raw<IN>* __restrict__ x,
+                                                                    void* __restrict__ y, int64_t nblk, int bs,
+                                                                    ScaleArgs p) {
+  for (int64_t blk = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; blk < nblk;
+       blk += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t base = blk * bs;
+    quantize_block_generic<IN, ELEM>(x + base, 1, bs, p, [&](int i, uint8_t b, uint32_t sb) {
+      const uint32_t bits = dequant_bits<OUT>(fp8x2_to_f32<ELEM>(b).x, e8m0_to_f32(sb));
+      if constexpr (OUT == MX_BF16) {
+        static_cast<uint16_t*>(y)[base + i] = static_cast<uint16_t>(bits);
+      } else {
+        static_cast<uint32_t*>(y)[base + i] = bits;
+      }
+    });
   }
 }
 
@@ -880,5 +953,39 @@ cudaError_t mx_dequantize(const uint8_t* q, const uint8_t* s, void* out, int out
     const unsigned grid = grid_for<dequant_generic_kernel<OUT, EL>>((n + kThreads - 1) / kThreads);
     kernel<<<grid, kThreads, 0, st>>>(q, s, out, 0, n, lg_bs);
     return launch_status();
+  });
+}
+
+cudaError_t mx_qdq_dim0(const void* x, int in_dtype, void* y, int out_dtype, int64_t n, int block_size, int mode,
+                        int elem, uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, intptr_t stream) {
+  if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
+      mode > 3 || n < 0 || n % block_size) {
+    return cudaErrorInvalidValue;
+  }
+  if (n == 0) return cudaSuccess;
+  const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
+    constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second;
+    auto launch = [&](auto out_code) -> cudaError_t {
+      constexpr int OUT = decltype(out_code)::value;
+      if (block_size == 32 && aligned(x, 16) && aligned(y, 16)) {
+        constexpr int V = 4;
+        constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+        const int64_t nvec = n / VEC;
+        const int64_t want = (nvec + kThreads * V - 1) / (kThreads * V);
+        if (want > INT_MAX) return cudaErrorInvalidValue;
+        qdq_dim0_kernel<IN, OUT, EL, V><<<static_cast<unsigned>(want), kThreads, 0, st>>>(
+            static_cast<const uint4*>(x), static_cast<uint32_t*>(y), nvec, p);
+        return launch_status();
+      }
+      const int64_t nblk = n / block_size;
+      const unsigned grid = grid_for<qdq_dim0_generic_kernel<IN, OUT, EL>>((nblk + kThreads - 1) / kThreads);
+      qdq_dim0_generic_kernel<IN, OUT, EL><<<grid, kThreads, 0, st>>>(static_cast<const Raw<IN>*>(x), y, nblk,
+                                                                      block_size, p);
+      return launch_status();
+    };
+    return out_dtype == MX_BF16 ? launch(std::integral_constant<int, MX_BF16>{})
+                                : launch(std::integral_constant<int, MX_F32>{});
   });
 }

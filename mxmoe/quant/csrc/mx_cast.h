@@ -48,3 +48,10 @@ cudaError_t mx_quantize_dim0_dim1(const void* x, int in_dtype, uint8_t* q0, uint
 // value = q * 2^(s - 127) exact in fp32, then one round-to-nearest-even to out_dtype.
 cudaError_t mx_dequantize(const uint8_t* q, const uint8_t* s, void* out, int out_dtype, int64_t n,
                           int block_size, int elem, intptr_t stream);
+
+// Quantize-dequantize along dim0: x (n,) in blocks of block_size along the flat index (as
+// mx_quantize_dim0) -> y (n,) of out_dtype = mx_dequantize(mx_quantize_dim0(x)) bit for bit, without
+// writing the fp8 elements and scales.
+cudaError_t mx_qdq_dim0(const void* x, int in_dtype, void* y, int out_dtype, int64_t n, int block_size,
+                        int mode, int elem, uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c,
+                        intptr_t stream);

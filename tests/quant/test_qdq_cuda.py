@@ -1,0 +1,291 @@
+"""The CUDA qdq kernel (the C++ operator `mxmoe_cuda::qdq_dim0`, csrc/mx_cast.cu) and which kernel a
+qdq call picks.
+
+CPU tests: the dispatch (`qdq_kernel`, and the kernel the public calls hand to the op, traced on fake
+CUDA tensors). GPU tests (marked gpu): the operator against the NumPy oracle on every input class of
+tests/quant/cases.py, every scale mode x element format x input dtype x output dtype, and bit for
+bit against the CUDA cast followed by the CUDA dequantize (`to_mx(..., kernel="cuda")
+.dequantize(kernel="cuda")`, NaN payloads included) and against the Triton qdq (NaN where NaN); odd
+shapes, other block sizes and misaligned inputs (the generic kernel), more than 2^31 elements,
+argument errors, the out variant and torch.compile(fullgraph=True).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mxmoe.quant.qdq as qdq_mod
+from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, qdq_kernel
+from mxmoe.recipe import MXRecipe
+from tests.quant import oracle as O
+from tests.quant.helpers import COMBOS, DTYPES, check_dequant, data, dname, to_f32_numpy, to_torch
+
+BS = 32
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+
+
+def recipe(kernel: str, mode: str = "rceil", elem=torch.float8_e4m3fn, bs: int = BS, dim1: str | None = None):
+    return MXRecipe(scaling_mode=mode, elem_dtype=elem, block_size=bs, dim0_kernel=kernel,
+                    dim1_kernel=kernel if dim1 is None else dim1)
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: dispatch
+
+
+@pytest.fixture
+def cuda_available(monkeypatch):
+    """resolve_kernel answers as on a GPU machine whose extension builds; load_extension recorded."""
+    loads = []
+    monkeypatch.setattr(qdq_mod, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
+    monkeypatch.setattr(qdq_mod.cuda_cast, "load_extension", lambda: loads.append(1))
+    return loads
+
+
+def test_qdq_kernel_dim0_only_takes_cuda(cuda_available):
+    assert qdq_kernel("cuda", CUDA, True) == "cuda"
+    assert qdq_kernel("auto", CUDA, True) == "cuda"
+    assert len(cuda_available) == 2  # the extension is loaded before the op is called
+    # dim1 / dim0+dim1 / grouped calls: the Triton rows kernel, as before
+    assert qdq_kernel("cuda", CUDA) == "triton"
+    assert qdq_kernel("auto", CUDA) == "triton"
+    # explicit choices and CPU tensors are unchanged
+    assert qdq_kernel("triton", CUDA, True) == "triton"
+    assert qdq_kernel("torch", CUDA, True) == "torch"
+    assert qdq_kernel("auto", CPU, True) == "torch"
+    with pytest.raises(ValueError, match="kernel='nope' is not a cast kernel"):
+        qdq_kernel("nope", CUDA, True)
+
+
+def test_qdq_kernel_auto_falls_back_to_triton(monkeypatch):
+    """"auto" without a usable extension (resolve_kernel's answer for dim0 is not cuda): Triton."""
+    monkeypatch.setattr(qdq_mod, "resolve_kernel", lambda k, dev, cast="dim1": "triton")
+    assert qdq_kernel("auto", CUDA, True) == "triton"
+
+
+def test_qdq_kernel_cuda_on_cpu_tensor_raises():
+    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
+        qdq_kernel("cuda", CPU, True)
+
+
+def test_public_calls_pick_the_kernel(cuda_available, monkeypatch):
+    """On (fake) CUDA tensors: qdq(x, -1) without offs hands "cuda" to the op for dim0_kernel
+    "cuda" / "auto"; with offs, along dim1 and both directions the Triton kernel runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = []
+
+    def record(*args):
+        x, dim0, dim1, kernel = args[0], args[5], args[6], args[7]
+        calls.append((dim0, dim1, kernel))
+        return [torch.empty(x.shape, dtype=args[4], device=x.device) for on in (dim0, dim1) if on]
+
+    monkeypatch.setattr(qdq_mod, "_qdq", record)
+    with FakeTensorMode():
+        x = torch.empty(64, 64, dtype=torch.bfloat16, device="cuda")
+        x4 = torch.empty(2, 3, 32, 64, dtype=torch.bfloat16, device="cuda")
+        offs = torch.empty(2, dtype=torch.int32, device="cuda")
+        for k in ("cuda", "auto"):
+            r = recipe(k)
+            qdq(x, -1, recipe=r)
+            qdq(x4, -1, recipe=r)
+            qdq(x, -1, recipe=r, offs=offs)
+            qdq(x, -2, recipe=r)
+            qdq_dim0_dim1(x, recipe=r)
+        qdq(x, -1, recipe=recipe("cuda", dim1="torch"))  # dim0_kernel decides dim0
+        qdq(x4.view(48, 256), -1, recipe=recipe("cuda", bs=256), out_dtype=torch.float32)  # no Triton limit
+    want = [(True, False, "cuda"), (True, False, "cuda"), (True, False, "triton"), (False, True, "triton"),
+            (True, True, "triton")] * 2 + [(True, False, "cuda"), (True, False, "cuda")]
+    assert calls == want
+
+
+def test_cuda_kernel_in_the_op_is_dim0_only():
+    with pytest.raises(ValueError, match="dim0 without offs only"):
+        qdq_mod._qdq_impl(torch.empty(4, 32), 32, "rceil", torch.float8_e4m3fn, torch.bfloat16, False, True,
+                          "cuda")
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+
+
+def _cuda_cast_dequant(x: torch.Tensor, r: MXRecipe, out: torch.dtype) -> torch.Tensor:
+    from mxmoe.quant.mx_tensor import to_mx
+
+    return to_mx(x, -1, recipe=r).dequantize(out, kernel="cuda")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Bit for bit where not NaN, NaN where NaN (the Triton qdq keeps the hardware's NaN payload)."""
+    na, nb = torch.isnan(a.float()), torch.isnan(b.float())
+    assert torch.equal(na, nb), f"{what}: NaN masks differ"
+    assert torch.equal(_bits(a)[~na], _bits(b)[~nb]), f"{what}: values differ"
+
+
+def _check_all(x: torch.Tensor, mode: str, elem, out: torch.dtype, what: str, bs: int = BS,
+               triton: bool = True) -> torch.Tensor:
+    """qdq with the cuda kernel == the CUDA cast + CUDA dequantize bit for bit (NaN payloads
+    included) and (triton) == the Triton qdq (NaN where NaN); returns the cuda result."""
+    rc = recipe("cuda", mode, elem, bs)
+    y = qdq(x, -1, recipe=rc, out_dtype=out)
+    assert y.dtype == out and y.shape == x.shape and y.is_contiguous(), what
+    assert torch.equal(_bits(y), _bits(_cuda_cast_dequant(x, rc, out))), f"{what}: != cast + dequantize"
+    if triton and bs <= 128:
+        yt = qdq(x, -1, recipe=recipe("triton", mode, elem, bs), out_dtype=out)
+        _same_values(y, yt, f"{what} vs triton")
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", COMBOS, ids=[f"{m}-{dname(e)}-{dname(d)}" for m, e, d in COMBOS])
+def test_gpu_qdq_cuda_matches_oracle(combo):
+    """Every input class (magnitudes 2^-140..2^120, zero blocks, +-0, subnormals, ties, max * 2^k,
+    NaN / Inf), both output dtypes: the oracle, the CUDA cast + dequantize, the Triton qdq; and the
+    C++ operator is what ran (the dispatch)."""
+    mode, elem, dtype = combo
+    g32 = data(64, BS, mode, elem, dtype, "full")
+    s0, q0 = O.oracle_quantize(g32, BS, mode, dname(elem))
+    x = to_torch(g32, dtype, "cuda")
+    for out in DTYPES:
+        what = f"qdq cuda {mode} {dname(elem)} {dname(dtype)} -> {dname(out)}"
+        y = _check_all(x, mode, elem, out, what)
+        check_dequant(y, s0, q0, BS, elem, what)
+        direct = torch.ops.mxmoe_cuda.qdq_dim0(x, BS, qdq_mod.MODE_IDS[mode], elem, out)
+        assert torch.equal(_bits(direct), _bits(y)), what
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_shapes():
+    """One row, C = 32, many rows, 3D / 4D x, empty x, a non-contiguous x (made contiguous by qdq),
+    random data over 60 binades: all against the cast + dequantize, bf16 -> bf16 RCEIL e4m3 also
+    against the Triton qdq (each other Triton variant would be one more compile; the oracle test
+    covers them all)."""
+    torch.manual_seed(0)
+    shapes = ((1, 32), (1, 7168), (5, 32), (4001, 1024), (3, 17, 96), (2, 3, 5, 64), (0, 64), (65536, 64))
+    for shape in shapes:
+        scale = torch.logspace(-30, 30, shape[-2], device="cuda").view(-1, 1)
+        for dtype in DTYPES:
+            x = (torch.randn(shape, device="cuda") * scale).to(dtype)
+            for mode, elem in (("rceil", torch.float8_e4m3fn), ("floor", torch.float8_e5m2)):
+                for out in DTYPES:
+                    default = mode == "rceil" and dtype == out == torch.bfloat16
+                    _check_all(x, mode, elem, out, f"{shape} {dname(dtype)} {mode} -> {dname(out)}",
+                               triton=default)
+    xt = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16).t()
+    _check_all(xt, "rceil", torch.float8_e4m3fn, torch.bfloat16, "transposed view")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [2, 16, 64, 256])
+def test_gpu_qdq_cuda_other_block_sizes_match_oracle(bs):
+    """Block sizes other than 32 take the generic kernel: the oracle and the cast + dequantize (no
+    Triton compiles per block size here)."""
+    for mode, elem, dtype in (("rceil", torch.float8_e4m3fn, torch.bfloat16),
+                              ("even", torch.float8_e5m2, torch.float32)):
+        g32 = data(2 * bs if bs > 16 else 64, bs, mode, elem, dtype, "full")
+        s0, q0 = O.oracle_quantize(g32, bs, mode, dname(elem))
+        x = to_torch(g32, dtype, "cuda")
+        for out in DTYPES:
+            y = _check_all(x, mode, elem, out, f"bs={bs} {mode}", bs, triton=False)
+            check_dequant(y, s0, q0, bs, elem, f"bs={bs} {mode} -> {dname(out)}")
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_misaligned_and_out_variant():
+    """x and out at offsets that are no multiple of 16 bytes (the generic kernel), and the out
+    variant writing into a slice of a larger buffer (nothing else touched)."""
+    from mxmoe.formats import make_spec
+    from mxmoe.quant import cuda_cast
+
+    spec = make_spec(BS, "ceil", torch.float8_e4m3fn)
+    r = recipe("cuda", "ceil")
+    g32 = data(64, BS, "ceil", torch.float8_e4m3fn, torch.bfloat16, "full")
+    x = to_torch(g32, torch.bfloat16, "cuda")
+    R, C = x.shape
+    buf = torch.empty(R * C + 1, dtype=torch.bfloat16, device="cuda")
+    buf[1:] = x.reshape(-1)
+    xm = buf[1:].view(R, C)  # 2-byte offset
+    want = _cuda_cast_dequant(x, r, torch.float32)
+    assert torch.equal(_bits(cuda_cast.qdq_dim0(xm, spec, torch.float32)), _bits(want))
+    ybuf = torch.zeros(R * C + 2, dtype=torch.float32, device="cuda")
+    cuda_cast.qdq_dim0(xm, spec, torch.float32, out=ybuf[1:-1].view(R, C))
+    assert torch.equal(_bits(ybuf[1:-1].view(R, C)), _bits(want))
+    assert bool(ybuf[0] == 0) and bool(ybuf[-1] == 0)
+    y16 = torch.zeros(R, C, dtype=torch.bfloat16, device="cuda")
+    cuda_cast.qdq_dim0(x, spec, torch.bfloat16, out=y16)
+    assert torch.equal(_bits(y16), _bits(_cuda_cast_dequant(x, r, torch.bfloat16)))
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_operator_checks_its_arguments():
+    """The C++ operator checks in C++ and names the argument, the value and what is accepted."""
+    from mxmoe.quant import cuda_cast
+
+    cuda_cast.load_extension()
+    op = torch.ops.mxmoe_cuda.qdq_dim0
+    e4, bf = torch.float8_e4m3fn, torch.bfloat16
+    x = torch.randn(4, 64, device="cuda", dtype=bf)
+    with pytest.raises(RuntimeError, match=r"x.shape\[-1\]=64 is not divisible by block_size=128"):
+        op(x, 128, 1, e4, bf)
+    with pytest.raises(RuntimeError, match="block_size must be a power of two >= 2, got 24"):
+        op(x, 24, 1, e4, bf)
+    with pytest.raises(RuntimeError, match="mode must be 0..3"):
+        op(x, 32, 4, e4, bf)
+    with pytest.raises(TypeError, match="x is Half; expected BFloat16 or Float"):
+        op(x.half(), 32, 1, e4, bf)
+    with pytest.raises(TypeError, match="elem_dtype is"):
+        op(x, 32, 1, torch.float16, bf)
+    with pytest.raises(TypeError, match="out_dtype is Half"):
+        op(x, 32, 1, e4, torch.float16)
+    with pytest.raises(RuntimeError, match=r"x must be contiguous, got shape \(64, 4\)"):
+        op(x.t(), 32, 1, e4, bf)
+    with pytest.raises(RuntimeError, match=r"out must be contiguous of shape \(4, 64\)"):
+        torch.ops.mxmoe_cuda.qdq_dim0_out(x, 32, 1, e4, torch.empty(4, 32, device="cuda", dtype=bf))
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_compiles_fullgraph():
+    """torch.compile(fullgraph=True): the op decomposes into the C++ operator, which inductor calls
+    directly (no call back into mxmoe::qdq's Python); compiled == eager bit for bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    from mxmoe.quant import cuda_cast
+
+    cuda_cast.load_extension()
+    r = recipe("cuda")
+    x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16) * 3
+
+    def f(x):
+        return qdq(x, -1, recipe=r), qdq(x, -1, recipe=r, out_dtype=torch.float32), qdq(x, -2, recipe=r)
+
+    torch._dynamo.reset()
+    got, codes = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    code = "\n".join(codes)
+    assert "mxmoe_cuda.qdq_dim0" in code and "qdq_rows_kernel" in code
+    assert "torch.ops.mxmoe.qdq" not in code
+    for g, e in zip(got, f(x), strict=True):
+        assert torch.equal(_bits(g), _bits(e))
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_beyond_2_31_elements():
+    """More than 2^31 elements (64-bit vector indices): the last rows and the first rows equal the
+    same kernel on small slices."""
+    r = recipe("cuda")
+    C = 8192
+    T = 2**31 // C + 300
+    x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
+    x[-1] *= 2.0**40
+    y = qdq(x, -1, recipe=r)
+    assert torch.equal(_bits(y[-400:]), _bits(qdq(x[-400:], -1, recipe=r)))
+    assert torch.equal(_bits(y[:64]), _bits(qdq(x[:64], -1, recipe=r)))
+    tail = to_f32_numpy(x[-2:])
+    s, q = O.oracle_quantize(tail, BS, "rceil", "float8_e4m3fn")
+    check_dequant(y[-2:], s, q, BS, torch.float8_e4m3fn, "beyond 2^31: last rows")
