@@ -198,7 +198,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        g, u = project(x, self.w1, self.w3)  # MX layers: one cast of x for the two
+        return self.w2(F.silu(g) * u)
 
 
 class Router(nn.Module):
