@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from mxmoe.models.expert_parallel import LocalExperts, expert_counts, routed_experts
 from mxmoe.nn.experts import GroupedExperts
+from mxmoe.nn.linear import project
 
 LOAD_BALANCE = ("aux_loss", "bias", "none")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -175,9 +176,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, hd)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = project(x, self.wq, self.wk, self.wv)  # MX layers: one cast of x for the three
+        q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, hd)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
@@ -196,7 +198,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        g, u = project(x, self.w1, self.w3)  # MX layers: one cast of x for the two
+        return self.w2(F.silu(g) * u)
 
 
 class Router(nn.Module):

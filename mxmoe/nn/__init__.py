@@ -1,8 +1,9 @@
-"""Modules: the high-precision GroupedExperts, their MX versions, and `convert`."""
+"""Modules: the high-precision GroupedExperts, their MX versions, `convert`, and `project` (several
+linear layers on one input, MXLinears sharing one cast of it)."""
 
 from mxmoe.nn.converter import ConversionReport, MXConfig, convert
 from mxmoe.nn.experts import GroupedExperts, grouped_mm, offsets_from_counts
-from mxmoe.nn.linear import MXLinear
+from mxmoe.nn.linear import MXLinear, project
 from mxmoe.nn.mx_experts import MXGroupedExperts
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "convert",
     "grouped_mm",
     "offsets_from_counts",
+    "project",
 ]

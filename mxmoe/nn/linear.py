@@ -1,10 +1,12 @@
-"""`MXLinear`: nn.Linear whose three GEMMs (forward, dgrad, wgrad) run on MX operands."""
+"""`MXLinear`: nn.Linear whose three GEMMs (forward, dgrad, wgrad) run on MX operands; `project`:
+several linear layers on one input (attention's q, k, v), MXLinears sharing one cast of it."""
 
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
-from mxmoe.ops import mx_mm
+from mxmoe.ops import mx_mm, mx_mm_shared
 from mxmoe.ops.config import as_recipe
 from mxmoe.recipe import MXRecipe
 
@@ -44,3 +46,31 @@ class MXLinear(nn.Linear):
     def extra_repr(self) -> str:
         c = self.mx_config
         return f"{super().extra_repr()}, mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}"
+
+
+def _plain_mx(m: nn.Module) -> bool:
+    """Whether calling `m` is exactly MXLinear.forward: an MXLinear (not a subclass) without forward
+    hooks (calls a wrapper, e.g. FSDP2 on the module itself, would expect)."""
+    return type(m) is MXLinear and not (m._forward_hooks or m._forward_pre_hooks)
+
+
+def project(x: Tensor, *linears: nn.Module) -> tuple[Tensor, ...]:
+    """(m(x) for m in linears), e.g. attention's q, k, v projections of one input.
+
+    x: (..., in_features), as each module takes it. Returns a tuple of (..., out_features_i).
+    When every module is a plain MXLinear (no subclass, no forward hooks) of one recipe, one
+    `mx_mm_shared` casts x once for all of them (bit-identical outputs and gradients, fewer
+    quantizer calls, x along M saved once); otherwise (nn.Linear: the bf16 model, mixed modules or
+    recipes) each module is called on x, as the model would call them one by one.
+    """
+    if (
+        len(linears) > 1
+        and all(_plain_mx(m) for m in linears)
+        and all(m.mx_config == linears[0].mx_config for m in linears[1:])
+        and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
+    ):
+        ys = mx_mm_shared(x, [m.weight.t() for m in linears], linears[0].mx_config)
+        return tuple(
+            y if m.bias is None else y + m.bias.to(y.dtype) for y, m in zip(ys, linears, strict=True)
+        )
+    return tuple(m(x) for m in linears)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
-from mxmoe.ops import mx_grouped_mm
+from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared
 from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import autocast_input
 from mxmoe.quant.mx_tensor import MXTensor
@@ -46,8 +46,10 @@ class MXGroupedExperts(GroupedExperts):
             # one cast to the autocast dtype for both w1 and w3 (each op would cast x on its own:
             # two copies forward, two gradient casts back), as GroupedExperts casts x once
             x = autocast_input(x)
-        h = F.silu(mx_grouped_mm(x, self.w1.transpose(-2, -1), offs, cfg))
-        h = h * mx_grouped_mm(x, self.w3.transpose(-2, -1), offs, cfg)
+        # w1 and w3 on one cast of x (bit-identical to two mx_grouped_mm calls, one quantizer call
+        # fewer in forward, the tokens along M kept once)
+        g, u = mx_grouped_mm_shared(x, (self.w1.transpose(-2, -1), self.w3.transpose(-2, -1)), offs, cfg)
+        h = F.silu(g) * u
         return mx_grouped_mm(h, self.w2.transpose(-2, -1), offs, cfg)
 
     def extra_repr(self) -> str:

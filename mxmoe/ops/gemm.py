@@ -149,12 +149,18 @@ def autocast_input(a: Tensor) -> Tensor:
     and nn.Linear take it there (so the MX ops return, save and differentiate activations of that
     dtype, as bf16 training does); unchanged otherwise. Weights are not cast: they are quantized
     straight from their own dtype (the fp32 master weights)."""
+    dt = autocast_target(a)
+    return a if dt is None else a.to(dt)
+
+
+def autocast_target(a: Tensor) -> torch.dtype | None:
+    """The dtype `autocast_input(a)` casts `a` to; None when it returns `a` unchanged."""
     dev = a.device.type
     if torch.is_autocast_enabled(dev) and a.is_floating_point():
         dt = torch.get_autocast_dtype(dev)
         if a.dtype != dt:
-            return a.to(dt)
-    return a
+            return dt
+    return None
 
 
 def no_autocast(device: torch.device):

@@ -41,10 +41,11 @@ import torch
 from torch import Tensor
 
 from mxmoe.ops.config import as_recipe
-from mxmoe.ops.gemm import autocast_input, hp_gemm, mx_gemm, no_autocast, uses_qdq
+from mxmoe.ops.gemm import autocast_input, autocast_target, hp_gemm, mx_gemm, no_autocast, uses_qdq
 from mxmoe.ops.linear import (
     dgrad_mx,
     needs_grads,
+    sum_like_autograd,
     swap_last2,
     wants_grad,
     weight_mx,
@@ -56,11 +57,103 @@ from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 from mxmoe.recipe import MXRecipe
 
-__all__ = ["mx_grouped_mm"]
+__all__ = ["mx_grouped_mm", "mx_grouped_mm_shared"]
 
 
 def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:
     return MXTensor(q, s, axis, cfg.block_size, mode, dtype)
+
+
+def _cast_a(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, need_dw: bool, out_dtype):
+    """The tokens along K for the forward GEMM and what the wgrad keeps of them, from one read.
+
+    Returns (a0, kept, cap): a0 (T, K) compute dtype (qdq path) or an MXTensor along K; kept the
+    tensors saved for the wgrad (qdq path: (a1,) along M in groups, (T, K) compute dtype; MX path:
+    (pos, offs_pad, elements, scales) of the group-padded copy along M; an MX activation: its own
+    (elements, scales) instead of a1 / the copy's; () without need_dw); cap: the padded rows."""
+    is_mx = a_q is not None
+    hp = uses_qdq(cfg)
+    compute = cfg.compute_dtype(offs.device)
+    pos = offs_pad = None
+    cap = 0
+    if need_dw and not hp:
+        pos, offs_pad, cap = group_padding(offs, a.shape[0], cfg.block_size)
+    if is_mx:
+        a0 = _mx(a_q, a_s, 1, cfg, a_mode, out_dtype)
+        if hp:
+            a0 = a0.dequantize(compute, kernel=cfg.dim0_kernel)
+        kept = (a_q, a_s) if hp else (pos, offs_pad, a_q, a_s)
+    elif need_dw and hp:  # one read of a: along K, and along M in groups (kept for the wgrad)
+        a0, a1 = qdq_dim0_dim1(a, recipe=cfg, out_dtype=compute, offs=offs)
+        kept = (a1,)
+    elif need_dw:
+        p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), recipe=cfg)
+        a0, kept = p0.index_rows(pos), (pos, offs_pad, a1.qdata_blocked, a1.scale_blocked)
+    elif hp:
+        a0 = qdq(a, -1, recipe=cfg, out_dtype=compute)
+    else:
+        a0 = to_mx(a, axis=-1, recipe=cfg)
+    return a0, (kept if need_dw else ()), cap
+
+
+def _forward_gemm(a0, w: Tensor, offs: Tensor, cfg: MXRecipe, out_dtype) -> Tensor:
+    """y (T, N) = a0 Wₑᵀ per group: a0 from `_cast_a`, w (E, N, K) cast along K (its rows, cached)."""
+    if uses_qdq(cfg):
+        compute = cfg.compute_dtype(w.device)
+        return hp_gemm(a0, weight_qdq(w, -1, cfg, compute).transpose(-2, -1), offs, out_dtype)
+    return mx_gemm(a0, swap_last2(weight_mx(w, -1, cfg)), offs, cfg, out_dtype=out_dtype)
+
+
+def _wgrad_a(kept, offs: Tensor, cfg: MXRecipe, is_mx: bool, a_mode: str, a_dtype, cap: int):
+    """The tokens along M for the wgrad from `kept` (see `_cast_a`): qdq path (T, K) compute dtype,
+    MX path an MXTensor of the group-padded copy. An MX activation is dequantized (to its
+    orig_dtype) and cast along M here (see module docstring)."""
+    if uses_qdq(cfg):
+        if not is_mx:
+            return kept[0]
+        sq, ss = kept
+        a_hp = _mx(sq, ss, 1, cfg, a_mode, a_dtype).dequantize(kernel=cfg.dim0_kernel)
+        return qdq(a_hp, -2, recipe=cfg, out_dtype=cfg.compute_dtype(offs.device), offs=offs)
+    pos, _, sq, ss = kept
+    if is_mx:
+        a_hp = _mx(sq, ss, 1, cfg, a_mode, a_dtype).dequantize(kernel=cfg.dim0_kernel)
+        return to_mx(pad_groups(a_hp, offs, pos, cap), axis=0, recipe=cfg)
+    return _mx(sq, ss, 0, cfg, cfg.scaling_mode, a_dtype)
+
+
+def _backward_gemms(dy, b_t, offs, kept, a1_fn, cfg: MXRecipe, need_da, need_dw, a_dtype, cap):
+    """(da (T, K) in a_dtype, db_t (E, K, N) in b_t's dtype) given dy (T, N): dy cast as the dgrad
+    and wgrad need it; a1_fn() gives the tokens along M (`_wgrad_a`), called only for the wgrad."""
+    w = b_t.transpose(-2, -1)
+    hp = uses_qdq(cfg)
+    compute = cfg.compute_dtype(dy.device)
+    dy = dy.contiguous()
+    da = db_t = None
+    dy0 = dy1 = None
+    if need_dw and hp:
+        if need_da:  # one read of dy: along N, and along M in groups
+            dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute, offs=offs)
+        else:
+            dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute, offs=offs)
+        # K-grouped (E, N, K): dy1ᵀ (N, T) and a1 (T, K), both T-major, grouped by the real offs
+        db_t = hp_gemm(dy1.t(), a1_fn(), offs, b_t.dtype).transpose(-2, -1)
+    elif need_dw:
+        pos, offs_pad = kept[:2]
+        dy_pad = pad_groups(dy, offs, pos, cap)
+        if need_da:
+            p0, dy1 = to_mx_dim0_dim1(dy_pad, recipe=cfg)
+            dy0 = p0.index_rows(pos)
+        else:
+            dy1 = to_mx(dy_pad, axis=0, recipe=cfg)
+        db_t = wgrad_mx(dy1, a1_fn(), pos, offs, offs_pad, cfg, b_t.dtype).transpose(-2, -1)
+    elif need_da:
+        dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute) if hp else to_mx(dy, axis=-1, recipe=cfg)
+    if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
+        if hp:
+            da = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), offs, a_dtype)
+        else:
+            da = dgrad_mx(dy0, weight_mx(w, -2, cfg), offs, cfg, a_dtype)
+    return da, db_t
 
 
 class _MXGroupedMM(torch.autograd.Function):
@@ -68,94 +161,68 @@ class _MXGroupedMM(torch.autograd.Function):
     def forward(ctx, a, a_q, a_s, a_mode, b_t, offs, cfg: MXRecipe, out_dtype):
         # a: (T, K) high precision, or the grad anchor of an MX activation given as (a_q, a_s).
         # b_t: (E, K, N), the transposed view of the expert weights w (E, N, K).
-        is_mx = a_q is not None
-        T = a.shape[0]
-        need_dw = wants_grad(b_t)
-        hp = uses_qdq(cfg)
-        compute = cfg.compute_dtype(b_t.device)
-        ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode = cfg, is_mx, out_dtype, a_mode
-        pos = offs_pad = a1q = a1s = a1 = None
-        cap = 0
-        if need_dw and not hp:
-            pos, offs_pad, cap = group_padding(offs, T, cfg.block_size)
-        w = b_t.transpose(-2, -1)
-        if is_mx:
-            a0 = _mx(a_q, a_s, 1, cfg, a_mode, out_dtype)
-            if hp:
-                a0 = a0.dequantize(compute, kernel=cfg.dim0_kernel)
-        elif need_dw and hp:  # one read of a: along K, and along M in groups (kept for the wgrad)
-            a0, a1 = qdq_dim0_dim1(a, recipe=cfg, out_dtype=compute, offs=offs)
-        elif need_dw:
-            p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), recipe=cfg)
-            a0, a1q, a1s = p0.index_rows(pos), a1.qdata_blocked, a1.scale_blocked
-        elif hp:
-            a0 = qdq(a, -1, recipe=cfg, out_dtype=compute)
-        else:
-            a0 = to_mx(a, axis=-1, recipe=cfg)
-        # w (E, N, K) along K: its rows, read in place
-        if hp:
-            y = hp_gemm(a0, weight_qdq(w, -1, cfg, compute).transpose(-2, -1), offs, out_dtype)
-        else:
-            y = mx_gemm(a0, swap_last2(weight_mx(w, -1, cfg)), offs, cfg, out_dtype=out_dtype)
-        ctx.cap = cap
-        if not need_dw:
-            ctx.save_for_backward(b_t, offs)
-        elif is_mx and hp:
-            ctx.save_for_backward(b_t, offs, a_q, a_s)
-        elif is_mx:
-            ctx.save_for_backward(b_t, offs, pos, offs_pad, a_q, a_s)
-        elif hp:  # the tokens along M in groups, (T, K) compute dtype
-            ctx.save_for_backward(b_t, offs, a1)
-        else:  # the tokens along M as MX: (K, cap) elements and scales
-            ctx.save_for_backward(b_t, offs, pos, offs_pad, a1q, a1s)
+        a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, wants_grad(b_t), out_dtype)
+        y = _forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, out_dtype)
+        ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = cfg, a_q is not None, out_dtype, a_mode, cap
+        ctx.save_for_backward(b_t, offs, *kept)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        cfg: MXRecipe = ctx.cfg
         need_da, need_dw = needs_grads(ctx, 0, 4)
-        b_t, offs = ctx.saved_tensors[:2]
-        w = b_t.transpose(-2, -1)
-        hp = uses_qdq(cfg)
-        compute = cfg.compute_dtype(dy.device)
-        dy = dy.contiguous()
-        da = db_t = None
-        dy0 = dy1 = None
-        if need_dw and hp:
-            if need_da:  # one read of dy: along N, and along M in groups
-                dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute, offs=offs)
-            else:
-                dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute, offs=offs)
-            if ctx.is_mx:  # dequantize the MX activation and cast it along M (see module docstring)
-                sq, ss = ctx.saved_tensors[2:]
-                a_hp = _mx(sq, ss, 1, cfg, ctx.a_mode, ctx.a_dtype).dequantize(kernel=cfg.dim0_kernel)
-                a1 = qdq(a_hp, -2, recipe=cfg, out_dtype=compute, offs=offs)
-            else:
-                (a1,) = ctx.saved_tensors[2:]
-            # K-grouped (E, N, K): dy1ᵀ (N, T) and a1 (T, K), both T-major, grouped by the real offs
-            db_t = hp_gemm(dy1.t(), a1, offs, b_t.dtype).transpose(-2, -1)
-        elif need_dw:
-            pos, offs_pad, sq, ss = ctx.saved_tensors[2:]
-            dy_pad = pad_groups(dy, offs, pos, ctx.cap)
-            if need_da:
-                p0, dy1 = to_mx_dim0_dim1(dy_pad, recipe=cfg)
-                dy0 = p0.index_rows(pos)
-            else:
-                dy1 = to_mx(dy_pad, axis=0, recipe=cfg)
-            if ctx.is_mx:  # dequantize the MX activation and cast it along M (see module docstring)
-                a_hp = _mx(sq, ss, 1, cfg, ctx.a_mode, ctx.a_dtype).dequantize(kernel=cfg.dim0_kernel)
-                a1 = to_mx(pad_groups(a_hp, offs, pos, ctx.cap), axis=0, recipe=cfg)
-            else:
-                a1 = _mx(sq, ss, 0, cfg, cfg.scaling_mode, ctx.a_dtype)
-            db_t = wgrad_mx(dy1, a1, pos, offs, offs_pad, cfg, b_t.dtype).transpose(-2, -1)
-        elif need_da:
-            dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute) if hp else to_mx(dy, axis=-1, recipe=cfg)
-        if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
-            if hp:
-                da = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), offs, ctx.a_dtype)
-            else:
-                da = dgrad_mx(dy0, weight_mx(w, -2, cfg), offs, cfg, ctx.a_dtype)
+        b_t, offs, *kept = ctx.saved_tensors
+        cfg = ctx.cfg
+
+        def a1_fn():
+            return _wgrad_a(kept, offs, cfg, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap)
+
+        da, db_t = _backward_gemms(dy, b_t, offs, kept, a1_fn, cfg, need_da, need_dw, ctx.a_dtype, ctx.cap)
         return da, None, None, None, db_t, None, None, None
+
+
+class _MXGroupedMMShared(torch.autograd.Function):
+    """y_i = a W_iₑᵀ per group for several expert weights with one cast of a (`mx_grouped_mm_shared`)."""
+
+    @staticmethod
+    def forward(ctx, a, a_q, a_s, a_mode, offs, cfg: MXRecipe, out_dtype, cast_to, *b_ts):
+        ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
+        ctx.x_dtype = a.dtype
+        if cast_to is not None:
+            a = a.to(cast_to)
+        need_dw = any(wants_grad(b_t) for b_t in b_ts)
+        a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, need_dw, out_dtype)
+        ys = tuple(_forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, out_dtype) for b_t in b_ts)
+        ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = cfg, a_q is not None, out_dtype, a_mode, cap
+        ctx.n = len(b_ts)
+        ctx.save_for_backward(offs, *b_ts, *kept)
+        return ys
+
+    @staticmethod
+    def backward(ctx, *dys):
+        cfg, n = ctx.cfg, ctx.n
+        offs, b_ts, kept = ctx.saved_tensors[0], ctx.saved_tensors[1 : 1 + n], ctx.saved_tensors[1 + n :]
+        need_da = ctx.needs_input_grad[0]
+        a1 = []  # the tokens along M, made once for all the wgrads
+
+        def a1_fn():
+            if not a1:
+                a1.append(_wgrad_a(kept, offs, cfg, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap))
+            return a1[0]
+
+        das, db_ts = [], []
+        for i, (dy, b_t) in enumerate(zip(dys, b_ts, strict=True)):
+            if dy is None:
+                db_ts.append(None)
+                continue
+            need_dw = ctx.needs_input_grad[8 + i]
+            da, db_t = _backward_gemms(
+                dy, b_t, offs, kept, a1_fn, cfg, need_da, need_dw, ctx.a_dtype, ctx.cap
+            )
+            db_ts.append(db_t)
+            if need_da:  # each op's da, as autograd hands it to a: through its autocast cast
+                das.append(da.to(ctx.x_dtype))
+        da = sum_like_autograd(das) if das else None
+        return (da, None, None, None, None, None, None, None, *db_ts)
 
 
 def mx_grouped_mm(
@@ -175,6 +242,45 @@ def mx_grouped_mm(
     under autocast (as torch._grouped_mm in bf16 training) a Tensor a is first cast to the autocast dtype.
     """
     cfg = as_recipe(config)
+    args, out_dtype = _checked_args(a, b_t, offs, cfg)
+    if args[1] is None:
+        args = (autocast_input(a), *args[1:])
+    with no_autocast(b_t.device):
+        return _MXGroupedMM.apply(*args, b_t, offs, cfg, out_dtype)
+
+
+def mx_grouped_mm_shared(
+    a: Tensor | MXTensor, b_ts: list[Tensor] | tuple[Tensor, ...], offs: Tensor,
+    config: MXRecipe | None = None,
+) -> tuple[Tensor, ...]:
+    """(mx_grouped_mm(a, b_t, offs, config) for b_t in b_ts) with one cast of `a` (e.g. the
+    experts' w1 and w3): bit-identical outputs and gradients, fewer quantizer calls.
+
+    a, offs, config: as for `mx_grouped_mm` (a (T, K) tokens or a 2D MXTensor along K).
+    b_ts: one or more (E, K, N_i) bf16/fp32 tensors, transposed views of (E, N_i, K) expert weights.
+    Returns a tuple of (T, N_i) tensors, contiguous, in a's (orig) dtype (the autocast dtype under
+    autocast for a Tensor a).
+
+    The forward casts a along K once (and along M in groups once, kept for all the wgrads: one
+    saved copy instead of one per weight; an MX activation is cast along M once in the backward);
+    the backward casts each dy as `mx_grouped_mm` does and sums the input gradients as autograd sums
+    those of separate calls (in a's dtype, the last weight's first).
+    """
+    cfg = as_recipe(config)
+    if not isinstance(b_ts, (list, tuple)) or not b_ts:
+        raise TypeError(f"b_ts must be a non-empty list or tuple of (E, K, N) tensors, got {b_ts!r}")
+    for b_t in b_ts:
+        args, out_dtype = _checked_args(a, b_t, offs, cfg)
+    # a Tensor a goes in as given and is cast to the autocast dtype inside (None: no cast), so that
+    # its gradient is summed after each op's cast back, as for separate calls
+    cast_to = autocast_target(a) if args[1] is None else None
+    with no_autocast(b_ts[0].device):
+        return _MXGroupedMMShared.apply(*args, offs, cfg, out_dtype, cast_to, *b_ts)
+
+
+def _checked_args(a, b_t, offs, cfg: MXRecipe):
+    """The Function's activation arguments (a or its grad anchor, elements, scales, scaling mode)
+    and the output dtype, after checking a, b_t and offs (errors name the argument)."""
     if not isinstance(b_t, Tensor) or b_t.ndim != 3:
         raise ValueError(
             f"b_t must be a 3D tensor (E, K, N), got {getattr(b_t, 'shape', type(b_t).__name__)}"
@@ -210,10 +316,9 @@ def mx_grouped_mm(
     elif isinstance(a, Tensor):
         if a.ndim != 2:
             raise ValueError(f"a must be 2D (T, K), got shape {tuple(a.shape)}")
-        a = autocast_input(a)
         T = a.shape[0]
-        args = (a, None, None, cfg.scaling_mode)
-        out_dtype = a.dtype
+        args = (a, None, None, cfg.scaling_mode)  # a not yet in the autocast dtype: the caller casts
+        out_dtype = autocast_target(a) or a.dtype
     else:
         raise TypeError(f"a must be a Tensor or an MXTensor, got {type(a).__name__}")
     if a.shape[1] != K:
@@ -222,5 +327,4 @@ def mx_grouped_mm(
         if d % cfg.block_size:
             raise ValueError(f"mx_grouped_mm: {name}={d} is not divisible by block_size={cfg.block_size}")
     del T
-    with no_autocast(b_t.device):
-        return _MXGroupedMM.apply(*args, b_t, offs, cfg, out_dtype)
+    return args, out_dtype

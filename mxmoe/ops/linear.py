@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mxmoe.ops.config import as_recipe
-from mxmoe.ops.gemm import autocast_input, hp_gemm, mx_gemm, no_autocast, uses_qdq
+from mxmoe.ops.gemm import autocast_input, autocast_target, hp_gemm, mx_gemm, no_autocast, uses_qdq
 from mxmoe.ops.weight_cache import cached_cast
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
@@ -141,75 +141,137 @@ def wgrad_mx(
     return hp_gemm(d.t(), a, offs, out_dtype)
 
 
+def _cast_x(x: Tensor, cfg: MXRecipe, need_dw: bool) -> tuple[Tensor | MXTensor, tuple[Tensor, ...]]:
+    """x (M, K) -> (x along K for the forward GEMM, what the wgrad keeps of x along M).
+
+    qdq path: x0 (M, K) compute dtype, kept (x1,) (M, K) compute dtype row-major; MX path: x0 an
+    MXTensor along K, kept (elements, scales) of x along M, zero-padded rows. Nothing kept when
+    `need_dw` is False. With need_dw, one read of x gives both."""
+    compute = cfg.compute_dtype(x.device)
+    if uses_qdq(cfg):
+        if need_dw:  # one read of x: along K, and along M (kept for the wgrad, row-major)
+            x0, x1 = qdq_dim0_dim1(x, recipe=cfg, out_dtype=compute)
+            return x0, (x1,)
+        return qdq(x, -1, recipe=cfg, out_dtype=compute), ()
+    if need_dw:
+        x0, x1 = cast_both(x, cfg)
+        return x0, (x1.qdata_blocked, x1.scale_blocked)
+    return to_mx(x, axis=-1, recipe=cfg), ()
+
+
+def _forward_gemm(x0: Tensor | MXTensor, w: Tensor, cfg: MXRecipe, out_dtype: torch.dtype) -> Tensor:
+    """y = x0 Wᵀ (M, N) in out_dtype: x0 from `_cast_x`, W (N, K) cast along K (cached)."""
+    if uses_qdq(cfg):
+        compute = cfg.compute_dtype(w.device)
+        return hp_gemm(x0, weight_qdq(w, -1, cfg, compute).t(), None, out_dtype)
+    return mx_gemm(x0, swap_last2(weight_mx(w, -1, cfg)), config=cfg)
+
+
+def _backward_gemms(
+    dy: Tensor, w_t: Tensor, kept: tuple[Tensor, ...], cfg: MXRecipe, need_dx: bool, need_dw: bool,
+    x_dtype: torch.dtype,
+) -> tuple[Tensor | None, Tensor | None]:
+    """(dx (M, K) in x_dtype, dW_t (K, N) in w_t's dtype) of y = x Wᵀ given dy (M, N): dy cast as
+    the dgrad and wgrad need it, `kept` what `_cast_x` kept of x along M."""
+    w = w_t.t()
+    compute = cfg.compute_dtype(dy.device)
+    M, bs = dy.shape[0], cfg.block_size
+    dx = dw_t = None
+    dy = dy.contiguous()
+    if uses_qdq(cfg):
+        if need_dx and need_dw:  # one read of dy: along N, and along M (row-major)
+            dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute)
+        elif need_dx:
+            dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute)
+        else:
+            dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute)
+        if need_dx:  # W (N, K) along N, row-major
+            dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), None, x_dtype)
+        if need_dw:  # dy1ᵀ (N, M) and x1 (M, K), both M-major, as bf16 training's wgrad
+            dw_t = hp_gemm(dy1.t(), kept[0], None, w_t.dtype).t()  # (N, K) -> (K, N)
+        return dx, dw_t
+    x1 = None
+    if need_dw:
+        xq, xs = kept
+        x1 = MXTensor(xq, xs, 0, bs, cfg.scaling_mode, x_dtype)  # logical (M_pad, K)
+    if need_dx and need_dw:
+        dy0, dy1 = cast_both(dy, cfg)
+    elif need_dx:
+        dy0 = to_mx(dy, axis=-1, recipe=cfg)
+    else:
+        dy1 = cast_rows(dy, cfg)
+    if need_dx:
+        dx = dgrad_mx(dy0, weight_mx(w, -2, cfg), None, cfg, x_dtype)
+    if need_dw:
+        dw_t = wgrad_mx(dy1, x1, M, None, None, cfg, w_t.dtype).t()
+    return dx, dw_t
+
+
 class _MXMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_t: Tensor, cfg: MXRecipe) -> Tensor:
         # x (M, K); w_t (K, N), the transposed view of W (N, K)
-        compute = cfg.compute_dtype(x.device)
         need_dw = wants_grad(w_t)
-        w = w_t.t()
-        x1q = x1s = x1 = None
-        hp = uses_qdq(cfg)
-        if hp:
-            if need_dw:  # one read of x: along K, and along M (kept for the wgrad, row-major)
-                x0, x1 = qdq_dim0_dim1(x, recipe=cfg, out_dtype=compute)
-            else:
-                x0 = qdq(x, -1, recipe=cfg, out_dtype=compute)
-            y = hp_gemm(x0, weight_qdq(w, -1, cfg, compute).t(), None, x.dtype)
-        else:
-            if need_dw:
-                x0, x1 = cast_both(x, cfg)
-                x1q, x1s = x1.qdata_blocked, x1.scale_blocked
-            else:
-                x0 = to_mx(x, axis=-1, recipe=cfg)
-            y = mx_gemm(x0, swap_last2(weight_mx(w, -1, cfg)), config=cfg)
+        x0, kept = _cast_x(x, cfg, need_dw)
+        y = _forward_gemm(x0, w_t.t(), cfg, x.dtype)
         ctx.cfg = cfg
         ctx.x_dtype = x.dtype
-        if need_dw and hp:  # x along M, (M, K) compute dtype
-            ctx.save_for_backward(w_t, x1)
-        elif need_dw:  # x along M as MX: (K, M_pad) elements and scales
-            ctx.save_for_backward(w_t, x1q, x1s)
-        else:
-            ctx.save_for_backward(w_t)
+        ctx.save_for_backward(w_t, *kept)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        cfg: MXRecipe = ctx.cfg
         need_dx, need_dw = needs_grads(ctx, 0, 1)
-        w_t = ctx.saved_tensors[0]
-        w = w_t.t()
-        compute = cfg.compute_dtype(dy.device)
-        M, bs = dy.shape[0], cfg.block_size
-        dx = dw_t = None
-        dy = dy.contiguous()
-        if uses_qdq(cfg):
-            if need_dx and need_dw:  # one read of dy: along N, and along M (row-major)
-                dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute)
-            elif need_dx:
-                dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute)
-            else:
-                dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute)
-            if need_dx:  # W (N, K) along N, row-major
-                dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), None, ctx.x_dtype)
-            if need_dw:  # dy1ᵀ (N, M) and x1 (M, K), both M-major, as bf16 training's wgrad
-                dw_t = hp_gemm(dy1.t(), ctx.saved_tensors[1], None, w_t.dtype).t()  # (N, K) -> (K, N)
-            return dx, dw_t, None
-        x1 = None
-        if need_dw:
-            _, xq, xs = ctx.saved_tensors
-            x1 = MXTensor(xq, xs, 0, bs, cfg.scaling_mode, ctx.x_dtype)  # logical (M_pad, K)
-        if need_dx and need_dw:
-            dy0, dy1 = cast_both(dy, cfg)
-        elif need_dx:
-            dy0 = to_mx(dy, axis=-1, recipe=cfg)
-        else:
-            dy1 = cast_rows(dy, cfg)
-        if need_dx:
-            dx = dgrad_mx(dy0, weight_mx(w, -2, cfg), None, cfg, ctx.x_dtype)
-        if need_dw:
-            dw_t = wgrad_mx(dy1, x1, M, None, None, cfg, w_t.dtype).t()
+        w_t, *kept = ctx.saved_tensors
+        dx, dw_t = _backward_gemms(dy, w_t, tuple(kept), ctx.cfg, need_dx, need_dw, ctx.x_dtype)
         return dx, dw_t, None
+
+
+def sum_like_autograd(grads: list[Tensor]) -> Tensor:
+    """The sum autograd makes of the gradients that several ops, applied to one tensor in list
+    order, give it, when their backward nodes run in reverse order of creation (the engine runs the
+    latest-created ready node first): the last op's gradient first, then each earlier one added in
+    turn, in their dtype (bit-identical: a + b == b + a, but (a + b) + c need not be a + (b + c))."""
+    acc = grads[-1]
+    for g in reversed(grads[:-1]):
+        acc = acc + g
+    return acc
+
+
+class _MXMMShared(torch.autograd.Function):
+    """y_i = x W_iᵀ for several weights with one cast of x (see `mx_mm_shared`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cast_to: torch.dtype | None, cfg: MXRecipe, *w_ts: Tensor):
+        # x (..., K) as the caller gave it; cast_to: the autocast dtype each single op would cast
+        # x to (None: no cast); w_ts (K, N_i), the transposed views of W_i (N_i, K)
+        ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
+        a = x.to(cast_to) if cast_to is not None else x
+        a = a.reshape(-1, a.shape[-1])
+        need_dw = [wants_grad(w_t) for w_t in w_ts]
+        x0, kept = _cast_x(a, cfg, any(need_dw))
+        ys = tuple(_forward_gemm(x0, w_t.t(), cfg, a.dtype) for w_t in w_ts)
+        ctx.cfg, ctx.a_dtype, ctx.x_shape, ctx.x_dtype = cfg, a.dtype, x.shape, x.dtype
+        ctx.n = len(w_ts)
+        ctx.save_for_backward(*w_ts, *kept)
+        return ys
+
+    @staticmethod
+    def backward(ctx, *dys: Tensor | None):
+        need_dx = ctx.needs_input_grad[0]
+        w_ts, kept = ctx.saved_tensors[: ctx.n], tuple(ctx.saved_tensors[ctx.n :])
+        dxs, dw_ts = [], []
+        for i, (dy, w_t) in enumerate(zip(dys, w_ts, strict=True)):
+            need_dw = ctx.needs_input_grad[3 + i]
+            if dy is None:
+                dw_ts.append(None)
+                continue
+            dx, dw_t = _backward_gemms(dy, w_t, kept, ctx.cfg, need_dx, need_dw, ctx.a_dtype)
+            dw_ts.append(dw_t)
+            if need_dx:  # each op's dx, as autograd hands it to x: through its view and cast
+                dxs.append(dx.view(ctx.x_shape).to(ctx.x_dtype))
+        dx = sum_like_autograd(dxs) if dxs else None
+        return (dx, None, None, *dw_ts)
 
 
 def mx_mm(a: Tensor, b: Tensor, config: MXRecipe | None = None) -> Tensor:
@@ -239,3 +301,44 @@ def mx_mm(a: Tensor, b: Tensor, config: MXRecipe | None = None) -> Tensor:
     with no_autocast(a.device):
         y = _MXMM.apply(a.reshape(-1, K), b, cfg)
     return y if a.ndim == 2 else y.view(*lead, N)
+
+
+def mx_mm_shared(
+    a: Tensor, bs: list[Tensor] | tuple[Tensor, ...], config: MXRecipe | None = None
+) -> tuple[Tensor, ...]:
+    """(a @ b for b in bs) with one cast of `a`: bit-identical to `mx_mm(a, b, config)` per b, in
+    outputs and in every gradient, with fewer quantizer calls (e.g. attention's q, k, v).
+
+    a: (..., K) bf16/fp32 activations, as for `mx_mm`.
+    bs: one or more (K, N_i) bf16/fp32 tensors, typically `weight.t()` of (N_i, K) weights.
+    config: the MXRecipe shared by all GEMMs (default mxmoe.DEFAULT_RECIPE).
+    Returns a tuple of (..., N_i) tensors in a's dtype (the autocast dtype under autocast),
+    contiguous.
+
+    The forward casts a along K once (and along M once, kept for all the wgrads: one saved copy
+    instead of one per weight); the backward casts each dy as `mx_mm` does and sums the input
+    gradients as autograd sums those of separate `mx_mm` calls (each through its autocast cast, in
+    a's dtype, the last weight's first), so the result is the same bits.
+    """
+    cfg = as_recipe(config)
+    if not isinstance(a, Tensor):
+        raise TypeError(f"mx_mm_shared takes a tensor a, got {type(a).__name__}")
+    if not isinstance(bs, (list, tuple)) or not bs or not all(isinstance(b, Tensor) for b in bs):
+        raise TypeError(f"mx_mm_shared takes bs: a non-empty list or tuple of tensors, got {bs!r}")
+    for b in bs:
+        if b.ndim != 2 or a.ndim < 1 or a.shape[-1] != b.shape[0]:
+            raise ValueError(
+                f"mx_mm_shared needs a (..., K) and each b (K, N); got a {tuple(a.shape)}, "
+                f"b {tuple(b.shape)}"
+            )
+        for name, d in (("K", b.shape[0]), ("N", b.shape[1])):
+            if d % cfg.block_size:
+                raise ValueError(
+                    f"mx_mm_shared: {name}={d} (a {tuple(a.shape)}, b {tuple(b.shape)}) is not "
+                    f"divisible by block_size={cfg.block_size}"
+                )
+    lead = a.shape[:-1]
+    cast_to = autocast_target(a)
+    with no_autocast(a.device):
+        ys = _MXMMShared.apply(a, cast_to, cfg, *bs)
+    return tuple(y if a.ndim == 2 else y.view(*lead, b.shape[1]) for y, b in zip(ys, bs, strict=True))

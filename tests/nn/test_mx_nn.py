@@ -11,7 +11,7 @@ from conftest import spawn_ranks
 from torch import nn
 
 import mxmoe
-from mxmoe.nn import GroupedExperts, MXConfig, MXGroupedExperts, MXLinear, convert
+from mxmoe.nn import GroupedExperts, MXConfig, MXGroupedExperts, MXLinear, convert, project
 from mxmoe.ops import MXOpConfig, mx_grouped_mm
 from mxmoe.quant.mx_tensor import make_grad_anchor, to_mx
 
@@ -284,3 +284,55 @@ def test_modules_take_the_recipe():
     assert MXGroupedExperts(64, 32, 2).mx_config == mxmoe.DEFAULT_RECIPE
     with pytest.raises(TypeError, match="config must be an mxmoe.MXRecipe"):
         MXGroupedExperts(64, 32, 2, config={"scaling_mode": "floor"})
+
+
+def _project_run(x, mods, shared: bool):
+    """Outputs and gradients (x's and every parameter's) of the modules on one input x (B, S, 64),
+    through `project` (shared) or one module call each."""
+    x = x.clone().requires_grad_()
+    for m in mods:
+        for p in m.parameters():
+            p.grad = None
+    ys = project(x, *mods) if shared else tuple(m(x) for m in mods)
+    gen = torch.Generator().manual_seed(3)
+    sum((y.float() * torch.randn(y.shape, generator=gen)).sum() for y in ys).backward()
+    return [y.detach() for y in ys] + [x.grad] + [p.grad for m in mods for p in m.parameters()]
+
+
+def _bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_project_bit_identical_to_module_calls(autocast, monkeypatch):
+    """project on MXLinears of one recipe (biases included) takes one shared op, whose outputs and
+    gradients equal the modules called one by one bit for bit; nn.Linears (the bf16 model), mixed
+    modules, different recipes or a hooked module are called one by one (no shared op)."""
+    import mxmoe.nn.linear as linear_mod
+
+    r = mxmoe.recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch", gemm_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    lins = [nn.Linear(64, n, bias=b) for n, b in ((96, False), (32, True), (32, False))]
+    mxs = [MXLinear.from_linear(m, r) for m in lins]
+    x = torch.randn(2, 15, 64)
+    calls = []
+    shared_op = linear_mod.mx_mm_shared
+    monkeypatch.setattr(linear_mod, "mx_mm_shared", lambda *a: calls.append(1) or shared_op(*a))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for mods, takes_shared in (
+            (mxs, True),
+            (lins, False),
+            ([mxs[0], lins[1]], False),
+            ([mxs[0], MXLinear.from_linear(lins[1], r.replace(scaling_mode="rceil"))], False),
+        ):
+            calls.clear()
+            got, want = _project_run(x, mods, True), _project_run(x, mods, False)
+            assert bool(calls) == takes_shared
+            assert len(got) == len(want)
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(_bits(g), _bits(w))
+    handle = mxs[1].register_forward_hook(lambda m, i, o: o * 2)
+    calls.clear()
+    y = project(x, *mxs)
+    handle.remove()
+    assert not calls and torch.equal(y[1], mxs[1](x) * 2)
