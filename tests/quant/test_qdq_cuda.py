@@ -1,5 +1,5 @@
-"""The CUDA qdq kernel (the C++ operator `mxmoe_cuda::qdq_dim0`, csrc/mx_cast.cu) and which kernel a
-qdq call picks.
+"""The CUDA qdq kernels (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1`, `qdq_dim0_dim1`,
+csrc/mx_cast.cu) and which kernel a qdq call picks.
 
 CPU tests: the dispatch (`qdq_kernel`, and the kernel the public calls hand to the op, traced on fake
 CUDA tensors). GPU tests (marked gpu): the operator against the NumPy oracle on every input class of
@@ -7,7 +7,11 @@ tests/quant/cases.py, every scale mode x element format x input dtype x output d
 bit against the CUDA cast followed by the CUDA dequantize (`to_mx(..., kernel="cuda")
 .dequantize(kernel="cuda")`, NaN payloads included) and against the Triton qdq (NaN where NaN); odd
 shapes, other block sizes and misaligned inputs (the generic kernel), more than 2^31 elements,
-argument errors, the out variant and torch.compile(fullgraph=True).
+argument errors, the out variant and torch.compile(fullgraph=True). The dim1 and dim0+dim1
+operators (no groups): the oracle on every input class and combination, the Triton rows kernel and
+the torch backend (NaN where NaN); short last blocks, 3D / 4D x (blocks per matrix), odd shapes,
+other block sizes and misaligned pointers (the generic kernels), more than 2^31 elements, argument
+errors, the fake implementations and torch.compile(fullgraph=True).
 """
 
 from __future__ import annotations
@@ -44,11 +48,11 @@ def cuda_available(monkeypatch):
     return loads
 
 
-def test_qdq_kernel_dim0_only_takes_cuda(cuda_available):
+def test_qdq_kernel_without_offs_takes_cuda(cuda_available):
     assert qdq_kernel("cuda", CUDA, True) == "cuda"
     assert qdq_kernel("auto", CUDA, True) == "cuda"
     assert len(cuda_available) == 2  # the extension is loaded before the op is called
-    # dim1 / dim0+dim1 / grouped calls: the Triton rows kernel, as before
+    # grouped calls (offs): the Triton rows kernel
     assert qdq_kernel("cuda", CUDA) == "triton"
     assert qdq_kernel("auto", CUDA) == "triton"
     # explicit choices and CPU tensors are unchanged
@@ -71,8 +75,8 @@ def test_qdq_kernel_cuda_on_cpu_tensor_raises():
 
 
 def test_public_calls_pick_the_kernel(cuda_available, monkeypatch):
-    """On (fake) CUDA tensors: qdq(x, -1) without offs hands "cuda" to the op for dim0_kernel
-    "cuda" / "auto"; with offs, along dim1 and both directions the Triton kernel runs."""
+    """On (fake) CUDA tensors: every call without offs (dim0, dim1, both; 2D, 3D, 4D) hands "cuda"
+    to the op for the deciding kernel "cuda" / "auto"; with offs the Triton kernel runs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     calls = []
@@ -93,18 +97,29 @@ def test_public_calls_pick_the_kernel(cuda_available, monkeypatch):
             qdq(x4, -1, recipe=r)
             qdq(x, -1, recipe=r, offs=offs)
             qdq(x, -2, recipe=r)
+            qdq(x4, -2, recipe=r)
+            qdq(x, -2, recipe=r, offs=offs)
             qdq_dim0_dim1(x, recipe=r)
+            qdq_dim0_dim1(x, recipe=r, offs=offs)
         qdq(x, -1, recipe=recipe("cuda", dim1="torch"))  # dim0_kernel decides dim0
+        qdq(x, -2, recipe=recipe("torch", dim1="cuda"))  # dim1_kernel decides dim1 ...
+        qdq_dim0_dim1(x, recipe=recipe("torch", dim1="cuda"))  # ... and both
+        qdq(x, -2, recipe=recipe("cuda", dim1="torch"))
         qdq(x4.view(48, 256), -1, recipe=recipe("cuda", bs=256), out_dtype=torch.float32)  # no Triton limit
-    want = [(True, False, "cuda"), (True, False, "cuda"), (True, False, "triton"), (False, True, "triton"),
-            (True, True, "triton")] * 2 + [(True, False, "cuda"), (True, False, "cuda")]
+        qdq(x4.view(48, 256), -2, recipe=recipe("cuda", bs=256), out_dtype=torch.float32)
+    want = [(True, False, "cuda"), (True, False, "cuda"), (True, False, "triton"), (False, True, "cuda"),
+            (False, True, "cuda"), (False, True, "triton"), (True, True, "cuda"), (True, True, "triton")] * 2
+    want += [(True, False, "cuda"), (False, True, "cuda"), (True, True, "cuda"), (False, True, "torch"),
+             (True, False, "cuda"), (False, True, "cuda")]
     assert calls == want
 
 
-def test_cuda_kernel_in_the_op_is_dim0_only():
-    with pytest.raises(ValueError, match="dim0 without offs only"):
-        qdq_mod._qdq_impl(torch.empty(4, 32), 32, "rceil", torch.float8_e4m3fn, torch.bfloat16, False, True,
-                          "cuda")
+def test_cuda_kernel_in_the_op_has_no_groups():
+    offs = torch.tensor([4], dtype=torch.int32)
+    for dim0, dim1 in ((True, False), (False, True), (True, True)):
+        with pytest.raises(ValueError, match=r"has no groups \(offs\); grouped calls take 'triton'"):
+            qdq_mod._qdq_impl(torch.empty(4, 32), 32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0,
+                              dim1, "cuda", offs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,15 +277,20 @@ def test_gpu_qdq_cuda_compiles_fullgraph():
     r = recipe("cuda")
     x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16) * 3
 
-    def f(x):
-        return qdq(x, -1, recipe=r), qdq(x, -1, recipe=r, out_dtype=torch.float32), qdq(x, -2, recipe=r)
+    w3 = torch.randn(4, 100, 512, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([100, 100, 999], dtype=torch.int32, device="cuda")
+
+    def f(x, w3, offs):
+        return (qdq(x, -1, recipe=r), qdq(x, -1, recipe=r, out_dtype=torch.float32), qdq(x, -2, recipe=r),
+                qdq(w3, -2, recipe=r), *qdq_dim0_dim1(x, recipe=r), qdq(x, -2, recipe=r, offs=offs))
 
     torch._dynamo.reset()
-    got, codes = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    got, codes = run_and_get_code(torch.compile(f, fullgraph=True), x, w3, offs)
     code = "\n".join(codes)
-    assert "mxmoe_cuda.qdq_dim0" in code and "qdq_rows_kernel" in code
+    for name in ("mxmoe_cuda.qdq_dim0", "mxmoe_cuda.qdq_dim1", "mxmoe_cuda.qdq_dim0_dim1", "qdq_rows_kernel"):
+        assert name in code, name
     assert "torch.ops.mxmoe.qdq" not in code
-    for g, e in zip(got, f(x), strict=True):
+    for g, e in zip(got, f(x, w3, offs), strict=True):
         assert torch.equal(_bits(g), _bits(e))
 
 
@@ -289,3 +309,201 @@ def test_gpu_qdq_cuda_beyond_2_31_elements():
     tail = to_f32_numpy(x[-2:])
     s, q = O.oracle_quantize(tail, BS, "rceil", "float8_e4m3fn")
     check_dequant(y[-2:], s, q, BS, torch.float8_e4m3fn, "beyond 2^31: last rows")
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: dim1 and dim0+dim1 (mxmoe_cuda::qdq_dim1, qdq_dim0_dim1; no groups)
+
+
+def _rows_outputs(x: torch.Tensor, r: MXRecipe, out: torch.dtype) -> list[torch.Tensor]:
+    """qdq(x, -2), and for 2D x both outputs of qdq_dim0_dim1."""
+    ys = [qdq(x, -2, recipe=r, out_dtype=out)]
+    if x.ndim == 2:
+        ys += list(qdq_dim0_dim1(x, recipe=r, out_dtype=out))
+    return ys
+
+
+def _check_rows(x: torch.Tensor, mode: str, elem, out: torch.dtype, what: str, bs: int = BS,
+                triton: bool = True) -> list[torch.Tensor]:
+    """The cuda kernel's dim1 (and for 2D x dim0+dim1) == the torch backend and (triton) the Triton
+    rows kernel, NaN where NaN; the fused dim0 output == the dim0 operator bit for bit. Returns
+    [y1] or [y1, y0 fused, y1 fused]."""
+    rc = recipe("cuda", mode, elem, bs)
+    got = _rows_outputs(x, rc, out)
+    for y in got:
+        assert y.dtype == out and y.shape == x.shape and y.is_contiguous(), what
+    for g, w in zip(got, _rows_outputs(x, recipe("torch", mode, elem, bs), out), strict=True):
+        _same_values(g, w, f"{what} vs torch")
+    if triton and bs <= 128:
+        for g, w in zip(got, _rows_outputs(x, recipe("triton", mode, elem, bs), out), strict=True):
+            _same_values(g, w, f"{what} vs triton")
+    if x.ndim == 2:
+        assert torch.equal(_bits(got[1]), _bits(qdq(x, -1, recipe=rc, out_dtype=out))), f"{what}: fused dim0"
+        assert torch.equal(_bits(got[2]), _bits(got[0])), f"{what}: fused dim1 != dim1"
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", COMBOS, ids=[f"{m}-{dname(e)}-{dname(d)}" for m, e, d in COMBOS])
+def test_gpu_qdq_cuda_rows_match_oracle(combo):
+    """Every input class along the rows (x = the oracle's input transposed: its blocks run down
+    x's columns) and along the columns (the fused dim0), both output dtypes: the oracle, the torch
+    backend, the Triton rows kernel; the C++ operators called directly give the same bits."""
+    mode, elem, dtype = combo
+    g32 = data(64, BS, mode, elem, dtype, "full")  # (64, C): blocks along C
+    x32 = g32.T.copy()  # (C, 64): blocks of x down its columns
+    s1, q1 = O.oracle_quantize(g32, BS, mode, dname(elem))
+    s0, q0 = O.oracle_quantize(x32, BS, mode, dname(elem))
+    x = to_torch(x32, dtype, "cuda")
+    m = qdq_mod.MODE_IDS[mode]
+    for out in DTYPES:
+        what = f"qdq rows cuda {mode} {dname(elem)} {dname(dtype)} -> {dname(out)}"
+        y1, f0, f1 = _check_rows(x, mode, elem, out, what)
+        check_dequant(y1.t(), s1, q1, BS, elem, what + " dim1")
+        check_dequant(f0, s0, q0, BS, elem, what + " fused dim0")
+        check_dequant(f1.t(), s1, q1, BS, elem, what + " fused dim1")
+        assert torch.equal(_bits(torch.ops.mxmoe_cuda.qdq_dim1(x, BS, m, elem, out)), _bits(y1)), what
+        d0, d1 = torch.ops.mxmoe_cuda.qdq_dim0_dim1(x, BS, m, elem, out)
+        assert torch.equal(_bits(d0), _bits(f0)) and torch.equal(_bits(d1), _bits(f1)), what
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_rows_shapes():
+    """Short last blocks (R no multiple of 32, one row), a column count that leaves a warp's unit
+    part empty (C = 32, 96), wide rows (7168), 3D weights with a short last block per matrix
+    (blocks never across two), 4D, empty x, a transposed view, random data over 60 binades: against
+    the torch backend; bf16 -> bf16 RCEIL e4m3 also against the Triton rows kernel."""
+    torch.manual_seed(0)
+    shapes = ((1, 32), (5, 96), (33, 64), (100, 7168), (4001, 1024), (7, 500, 768), (3, 17, 96),
+              (2, 3, 40, 64), (0, 64), (4, 0, 64), (65536, 64))
+    for shape in shapes:
+        scale = torch.logspace(-30, 30, max(shape[-2], 1), device="cuda").view(-1, 1)
+        for dtype in DTYPES:
+            x = (torch.randn(shape, device="cuda") * scale[: shape[-2]]).to(dtype)
+            for mode, elem in (("rceil", torch.float8_e4m3fn), ("floor", torch.float8_e5m2)):
+                for out in DTYPES:
+                    default = mode == "rceil" and dtype == out == torch.bfloat16
+                    _check_rows(x, mode, elem, out, f"{shape} {dname(dtype)} {mode} -> {dname(out)}",
+                                triton=default)
+    xt = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16).t()
+    _check_rows(xt, "rceil", torch.float8_e4m3fn, torch.bfloat16, "transposed view")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [2, 16, 64, 256])
+def test_gpu_qdq_cuda_rows_other_block_sizes_match_oracle(bs):
+    """Block sizes other than 32 take the generic dim1 kernel (the fused call: the dim0 and dim1
+    operators in turn): the oracle both ways and the torch backend (no Triton compiles here)."""
+    for mode, elem, dtype in (("rceil", torch.float8_e4m3fn, torch.bfloat16),
+                              ("even", torch.float8_e5m2, torch.float32)):
+        g32 = data(2 * bs if bs > 16 else 64, bs, mode, elem, dtype, "full")  # (n, C), n % bs == 0
+        x32 = g32.T.copy()
+        s1, q1 = O.oracle_quantize(g32, bs, mode, dname(elem))
+        s0, q0 = O.oracle_quantize(x32, bs, mode, dname(elem))
+        x = to_torch(x32, dtype, "cuda")
+        for out in DTYPES:
+            what = f"bs={bs} {mode} -> {dname(out)}"
+            y1, f0, f1 = _check_rows(x, mode, elem, out, what, bs, triton=False)
+            check_dequant(y1.t(), s1, q1, bs, elem, what + " dim1")
+            check_dequant(f0, s0, q0, bs, elem, what + " fused dim0")
+            check_dequant(f1.t(), s1, q1, bs, elem, what + " fused dim1")
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_rows_misaligned():
+    """x at an offset that is no multiple of 16 bytes (the generic dim1 kernel; the fused call
+    falls back to the two operators): the same bits as the aligned x."""
+    from mxmoe.formats import make_spec
+    from mxmoe.quant import cuda_cast
+
+    spec = make_spec(BS, "ceil", torch.float8_e4m3fn)
+    g32 = data(64, BS, "ceil", torch.float8_e4m3fn, torch.bfloat16, "full")
+    x = to_torch(g32.T.copy(), torch.bfloat16, "cuda")
+    R, C = x.shape
+    buf = torch.empty(R * C + 1, dtype=torch.bfloat16, device="cuda")
+    buf[1:] = x.reshape(-1)
+    xm = buf[1:].view(R, C)  # 2-byte offset
+    for out in DTYPES:
+        y1 = cuda_cast.qdq_dim1(x, spec, out)
+        assert torch.equal(_bits(cuda_cast.qdq_dim1(xm, spec, out)), _bits(y1)), out
+        a0, a1 = cuda_cast.qdq_dim0_dim1(x, spec, out)
+        m0, m1 = cuda_cast.qdq_dim0_dim1(xm, spec, out)
+        assert torch.equal(_bits(m0), _bits(a0)) and torch.equal(_bits(m1), _bits(a1)), out
+        assert torch.equal(_bits(a1), _bits(y1)), out
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_rows_fake_matches_real():
+    """The dim1 / dim0+dim1 operators' outputs have the layout their fake implementations promise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mxmoe.quant import cuda_cast
+
+    cuda_cast.load_extension()
+    x = torch.randn(3, 90, 160, device="cuda", dtype=torch.bfloat16)
+    args = (32, 1, torch.float8_e4m3fn, torch.float32)
+    for op in (torch.ops.mxmoe_cuda.qdq_dim1, torch.ops.mxmoe_cuda.qdq_dim0_dim1):
+        real = op(x, *args)
+        real = [real] if isinstance(real, torch.Tensor) else list(real)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = op(mode.from_tensor(x), *args)
+            fake = [fake] if isinstance(fake, torch.Tensor) else list(fake)
+            fake = [(t.shape, t.stride(), t.dtype) for t in fake]
+        assert [(t.shape, t.stride(), t.dtype) for t in real] == fake, op
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_rows_operators_check_their_arguments():
+    """qdq_dim1 / qdq_dim0_dim1 check in C++ and name the argument, the value and what is accepted."""
+    from mxmoe.quant import cuda_cast
+
+    cuda_cast.load_extension()
+    e4, bf = torch.float8_e4m3fn, torch.bfloat16
+    x = torch.randn(64, 64, device="cuda", dtype=bf)
+    for op in (torch.ops.mxmoe_cuda.qdq_dim1, torch.ops.mxmoe_cuda.qdq_dim0_dim1):
+        with pytest.raises(RuntimeError, match=r"x must have at least 2 dims, got shape \(64\)"):
+            op(x[0], 32, 1, e4, bf)
+        with pytest.raises(RuntimeError, match="x must be a CUDA tensor, got device cpu"):
+            op(x.cpu(), 32, 1, e4, bf)
+        with pytest.raises(RuntimeError, match="block_size must be a power of two >= 2, got 24"):
+            op(x, 24, 1, e4, bf)
+        with pytest.raises(RuntimeError, match="mode must be 0..3"):
+            op(x, 32, -1, e4, bf)
+        with pytest.raises(TypeError, match="x is Half; expected BFloat16 or Float"):
+            op(x.half(), 32, 1, e4, bf)
+        with pytest.raises(TypeError, match="elem_dtype is"):
+            op(x, 32, 1, torch.float16, bf)
+        with pytest.raises(TypeError, match="out_dtype is Half"):
+            op(x, 32, 1, e4, torch.float16)
+        with pytest.raises(RuntimeError, match=r"x must be contiguous, got shape \(64, 32\)"):
+            op(x[:, :32], 32, 1, e4, bf)
+    with pytest.raises(RuntimeError, match=r"x.shape\[-1\]=64 is not divisible by block_size=128"):
+        torch.ops.mxmoe_cuda.qdq_dim0_dim1(x, 128, 1, e4, bf)
+    # dim1 alone needs no whole blocks along C (blocks run along R)
+    assert torch.ops.mxmoe_cuda.qdq_dim1(x[:, :48].contiguous(), 32, 1, e4, bf).shape == (64, 48)
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_rows_beyond_2_31_elements():
+    """More than 2^31 elements (64-bit row offsets): dim1 and dim0+dim1 rows at the end and at the
+    start equal the same kernels on slices cut at block boundaries; the data viewed as two
+    matrices (3D, R no multiple of 32: blocks per matrix, the second past 2^31) equals each matrix
+    alone."""
+    r = recipe("cuda")
+    C = 8192
+    T = 2**31 // C + 300  # even
+    x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
+    x[-1] *= 2.0**40
+    s = (T // BS - 10) * BS
+    y0, y1 = qdq_dim0_dim1(x, recipe=r)
+    z0, z1 = qdq_dim0_dim1(x[s:], recipe=r)
+    assert torch.equal(_bits(y0[s:]), _bits(z0)) and torch.equal(_bits(y1[s:]), _bits(z1))
+    h0, h1 = qdq_dim0_dim1(x[:992], recipe=r)
+    assert torch.equal(_bits(y0[:992]), _bits(h0)) and torch.equal(_bits(y1[:992]), _bits(h1))
+    del y0, z0, z1, h0, h1
+    assert torch.equal(_bits(qdq(x, -2, recipe=r)), _bits(y1))
+    del y1
+    x3 = x.view(2, T // 2, C)
+    y3 = qdq(x3, -2, recipe=r)
+    for m in range(2):
+        assert torch.equal(_bits(y3[m]), _bits(qdq(x3[m], -2, recipe=r))), m
