@@ -12,9 +12,8 @@ copy ceiling is measured in the same run with the same timing utility (mxmoe.ben
     mxmoe bench cast --mode qdq --kernel cuda,triton    # fused quantize-dequantize, rows layout
 
 The qdq rows (`mxmoe.quant.qdq`, the kernels the emulated GEMM's operands come from, bf16 in and
-out): kernel triton times every row (the Triton rows kernel), kernel cuda the rows without groups
-(the C++ operators mxmoe_cuda::qdq_dim0, qdq_dim1, qdq_dim0_dim1; grouped calls run the Triton
-rows kernel whatever the kernel, so their rows are timed under triton only). They
+out): kernel triton times every row with the Triton rows kernel, kernel cuda with the C++
+operators mxmoe_cuda::qdq_dim0, qdq_dim1 and qdq_dim0_dim1 (the grouped rows too). They
 count the input read and each bf16 output written: dim0 or dim1 alone 4 bytes per element,
 both 6. "E=8" / "E=256": dim1 blocks per expert group (ragged groups, some empty, rows after the
 last), as `mx_grouped_mm` casts tokens and dy; "3d E=16": the input viewed as 16 matrices, dim1
@@ -66,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=(*MODES, "all"), default="all",
                    help="dim0: blocks along the last dim; dim1: blocks along dim 0, stored transposed; "
                    "dim0_dim1: both from one read; 3d: expert weights (E, N, K) along K and along N; "
-                   "dequant: back to bf16; qdq: fused quantize-dequantize (Triton; without groups also cuda)")
+                   "dequant: back to bf16; qdq: fused quantize-dequantize (Triton and cuda)")
     p.add_argument("--scaling", choices=(*SCALINGS, "all"), default="all", help="scale mode")
     p.add_argument("--kernel", type=comma_list(choices=(*KERNELS, "all")), action="extend",
                    help="backend(s), comma list (torch = torch_cast under torch.compile); default all")
@@ -104,7 +103,7 @@ def _cases(args) -> list[Case]:
         for shape in s3 if mode == "3d" else s2:
             for scaling in scalings if mode != "dequant" else ("-",):
                 for k in kernels:
-                    # qdq: the Triton rows kernel, and the CUDA qdq without groups (torch: no qdq row)
+                    # qdq: the Triton rows kernel and the CUDA qdq operators (torch: no qdq row)
                     if mode != "qdq" or k in ("triton", "cuda"):
                         cases.append(Case(mode, k, k, scaling, shape))
     return cases
@@ -204,10 +203,7 @@ def _inputs(mode: str, shape, elem: torch.dtype, count: int) -> list[tuple]:
 def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict]:
     from mxmoe.quant.backends import why_unavailable
 
-    # cuda: the calls without groups (grouped ones run the Triton kernel for every kernel choice)
-    ungrouped = tuple(q for q in QDQ_LABELS if "rows E=" not in q)
-    qdq_labels = QDQ_LABELS if case.backend == "triton" else ungrouped
-    labels = {"3d": ("3d axis=-1", "3d axis=-2"), "qdq": qdq_labels}.get(case.mode, (case.mode,))
+    labels = {"3d": ("3d axis=-1", "3d axis=-2"), "qdq": QDQ_LABELS}.get(case.mode, (case.mode,))
     shape_s = "x".join(map(str, case.shape))
     base = {"kernel": case.kernel, "scaling": case.scaling, "shape": shape_s}
 

@@ -25,13 +25,13 @@ Backends: "torch" (the reference: torch_cast's quantize followed by its dequanti
 form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`; on CPU under TRITON_INTERPRET=1) and
 "cuda" (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1` and `qdq_dim0_dim1` of the CUDA cast
 extension, csrc/mx_cast.cu: the casts' and the dequantize kernel's device functions in one kernel,
-one read of x and one write per output; no groups).
+one read of x and one write per output; dim1 and dim0+dim1 also with groups).
 Which one runs (`qdq_kernel`):
-  - a call without offs follows the recipe's dim0_kernel (dim0) or dim1_kernel (dim1, dim0+dim1):
-    "cuda" takes the C++ operator, and so does "auto" on CUDA when the extension builds (else the
-    Triton kernel);
-  - a call with offs (the experts' groups, rows after the groups zeroed) takes the Triton rows
-    kernel for "cuda" and "auto" on CUDA (the CUDA extension has no grouped qdq kernel).
+  - dim0 calls follow the recipe's dim0_kernel, dim1 and dim0+dim1 calls its dim1_kernel: "cuda"
+    takes the C++ operator, and so does "auto" on CUDA when the extension builds (else the Triton
+    kernel);
+  - except dim0 alone with offs (its rows after the groups zeroed): the Triton rows kernel for
+    "cuda" and "auto" on CUDA (`mxmoe_cuda::qdq_dim0` has no groups).
 The op is a `torch.library` custom op with a fake implementation (torch.compile fullgraph); eager
 calls run its body directly. Under torch.compile the Triton kernel on CUDA is decomposed into its
 launches for inductor, and the "cuda" kernel into the C++ operator, which inductor calls directly
@@ -56,15 +56,15 @@ from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 QDQ_KERNELS = ("torch", "triton", "cuda")
 
 
-def qdq_kernel(kernel: str, device: torch.device, no_offs: bool = False) -> str:
+def qdq_kernel(kernel: str, device: torch.device, cuda_op: bool = False) -> str:
     """The qdq backend for a recipe's cast kernel choice on `device`: "torch" for "torch" and for
-    "auto" off CUDA; for a call without offs (`no_offs`: dim0, dim1 or both) on CUDA, "cuda" for
-    "cuda" (the C++ operators; RuntimeError if they cannot run) and for "auto" (falling back to
-    "triton" if the extension does not build, as `to_mx`'s "auto"); "triton" otherwise (CUDA, or the
-    interpreter for an explicit "triton")."""
+    "auto" off CUDA; for a call a C++ operator covers (`cuda_op`: all but dim0 alone with offs) on
+    CUDA, "cuda" for "cuda" (the C++ operators; RuntimeError if they cannot run) and for "auto"
+    (falling back to "triton" if the extension does not build, as `to_mx`'s "auto"); "triton"
+    otherwise (CUDA, or the interpreter for an explicit "triton")."""
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
         return "torch"
-    if no_offs and kernel in ("cuda", "auto") and device.type == "cuda":
+    if cuda_op and kernel in ("cuda", "auto") and device.type == "cuda":
         # resolve_kernel: cached per (kernel, device type); "auto" builds / loads the extension once
         if resolve_kernel(kernel, device, "dim0") != "cuda":
             return "triton"
@@ -241,8 +241,9 @@ def qdq_op(
     along C; if dim1, y1 = MX-rounded along R, blocks starting at each matrix's first row (the last
     one short), or at every group start when offs is given. offs: None, or (E,) int32 cumulative
     group ends on x's device; rows at or after offs[-1] are zero in every output. kernel: "torch" |
-    "triton" | "cuda" (concrete, see `qdq_kernel`; "cuda": no offs, extension loaded; x may then have
-    any ndim >= 2, the dim1 blocks starting at each matrix x[..., :, :]'s first row).
+    "triton" | "cuda" (concrete, see `qdq_kernel`; "cuda": not dim0 alone with offs, extension
+    loaded; x may then have any ndim >= 2 without offs, the dim1 blocks starting at each matrix
+    x[..., :, :]'s first row).
     """
     return _qdq_impl(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs)
 
@@ -254,14 +255,15 @@ def _qdq_impl(
     Python); arguments already checked. traced: the Triton launches go through wrap_triton
     (`_functional_decomp`)."""
     if kernel == "cuda":
-        if offs is not None:
-            raise ValueError("the cuda qdq kernel has no groups (offs); grouped calls take 'triton'")
         mode = MODE_IDS[scaling_mode]
         if dim0 and dim1:
             both = torch.ops.mxmoe_cuda.qdq_dim0_dim1.default
-            return list(both(x, block_size, mode, elem_dtype, out_dtype))
-        op = torch.ops.mxmoe_cuda.qdq_dim1 if dim1 else torch.ops.mxmoe_cuda.qdq_dim0
-        return [op.default(x, block_size, mode, elem_dtype, out_dtype)]
+            return list(both(x, block_size, mode, elem_dtype, out_dtype, offs))
+        if dim1:
+            return [torch.ops.mxmoe_cuda.qdq_dim1.default(x, block_size, mode, elem_dtype, out_dtype, offs)]
+        if offs is not None:
+            raise ValueError("the cuda qdq kernel has no grouped dim0 alone (offs); it takes 'triton'")
+        return [torch.ops.mxmoe_cuda.qdq_dim0.default(x, block_size, mode, elem_dtype, out_dtype)]
     spec = spec_of(block_size, scaling_mode, elem_dtype)
     if kernel == "torch":
         if x.numel() == 0:
@@ -385,8 +387,8 @@ def qdq(
     axis: -1 (blocks along the last dim, kernel recipe.dim0_kernel) or -2 (blocks along dim -2 of
     each matrix x[..., :, :], never across two, kernel recipe.dim1_kernel; x.shape[-2] need not be
     a multiple of the block size: the last block is short, the zero-padded cast's values). "cuda",
-    or "auto" on CUDA, runs the C++ operator mxmoe_cuda::qdq_dim0 / qdq_dim1 without offs, the
-    Triton rows kernel with offs.
+    or "auto" on CUDA, runs the C++ operator mxmoe_cuda::qdq_dim0 (no offs) / qdq_dim1, the Triton
+    rows kernel for dim0 with offs.
     out_dtype: bf16 or fp32 (default x.dtype). Returns x's shape in out_dtype, row-major contiguous.
     offs: None, or (E,) int32 cumulative group ends on x's device (2D x only): dim1 blocks start at
     every group start; rows at or after offs[-1] are zero (module docstring).
@@ -395,9 +397,9 @@ def qdq(
     if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
         raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
     dim1 = axis in (-2, x.ndim - 2)
-    # groups (and the zeroed rows after them) are the rows kernel's job
+    # dim0 alone with groups (its rows after them zeroed) is the rows kernel's job
     kernel = qdq_kernel(getattr(recipe, "dim1_kernel" if dim1 else "dim0_kernel", "torch"), x.device,
-                        offs is None)
+                        dim1 or offs is None)
     _check(x, recipe, out_dtype, offs, kernel)
     xc = x.contiguous()
     # 2D and 3D go to the op as they are (no reshapes); more dims as (B, R, C)
@@ -419,7 +421,7 @@ def qdq_dim0_dim1(
 ) -> tuple[Tensor, Tensor]:
     """Both directions of a 2D x (R, C), bf16/fp32, C divisible by the block size, any R, from one
     read (kernel recipe.dim1_kernel; "cuda", or "auto" on CUDA, runs the C++ operator
-    mxmoe_cuda::qdq_dim0_dim1 without offs, the Triton rows kernel with offs).
+    mxmoe_cuda::qdq_dim0_dim1, with or without offs).
 
     Returns y0 = qdq(x, -1, offs=offs) and y1 = qdq(x, -2, offs=offs), each (R, C) out_dtype
     row-major contiguous (with offs, rows at or after offs[-1] are zero in both).
@@ -427,7 +429,7 @@ def qdq_dim0_dim1(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.ndim != 2:
         raise ValueError(f"x must be 2D for qdq_dim0_dim1, got shape {tuple(x.shape)}")
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device, offs is None)
+    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device, True)
     _check(x, recipe, out_dtype, offs, kernel)
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     y0, y1 = _qdq(  # 2D in, 2D out (no reshapes)

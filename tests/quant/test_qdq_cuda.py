@@ -8,14 +8,16 @@ bit against the CUDA cast followed by the CUDA dequantize (`to_mx(..., kernel="c
 .dequantize(kernel="cuda")`, NaN payloads included) and against the Triton qdq (NaN where NaN); odd
 shapes, other block sizes and misaligned inputs (the generic kernel), more than 2^31 elements,
 argument errors, the out variant and torch.compile(fullgraph=True). The dim1 and dim0+dim1
-operators (no groups): the oracle on every input class and combination, the Triton rows kernel and
-the torch backend (NaN where NaN); short last blocks, 3D / 4D x (blocks per matrix), odd shapes,
-other block sizes and misaligned pointers (the generic kernels), more than 2^31 elements, argument
+operators, without and with expert groups (offs): the oracle on every input class and
+combination, the Triton rows kernel and the torch backend (NaN where NaN); short last blocks, 3D /
+4D x (blocks per matrix), empty and ragged groups, rows after the last group, odd shapes, other
+block sizes and misaligned pointers (the generic kernels), more than 2^31 elements, argument
 errors, the fake implementations and torch.compile(fullgraph=True).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, qdq_kernel
 from mxmoe.recipe import MXRecipe
 from tests.quant import oracle as O
 from tests.quant.helpers import COMBOS, DTYPES, check_dequant, data, dname, to_f32_numpy, to_torch
+from tests.quant.test_qdq import COUNTS, TAIL, check_values, grouped_rows, offs_of, oracle_rows
 
 BS = 32
 CUDA = torch.device("cuda")
@@ -48,11 +51,11 @@ def cuda_available(monkeypatch):
     return loads
 
 
-def test_qdq_kernel_without_offs_takes_cuda(cuda_available):
+def test_qdq_kernel_takes_cuda_where_an_operator_covers_the_call(cuda_available):
     assert qdq_kernel("cuda", CUDA, True) == "cuda"
     assert qdq_kernel("auto", CUDA, True) == "cuda"
     assert len(cuda_available) == 2  # the extension is loaded before the op is called
-    # grouped calls (offs): the Triton rows kernel
+    # dim0 alone with offs: the Triton rows kernel
     assert qdq_kernel("cuda", CUDA) == "triton"
     assert qdq_kernel("auto", CUDA) == "triton"
     # explicit choices and CPU tensors are unchanged
@@ -75,8 +78,9 @@ def test_qdq_kernel_cuda_on_cpu_tensor_raises():
 
 
 def test_public_calls_pick_the_kernel(cuda_available, monkeypatch):
-    """On (fake) CUDA tensors: every call without offs (dim0, dim1, both; 2D, 3D, 4D) hands "cuda"
-    to the op for the deciding kernel "cuda" / "auto"; with offs the Triton kernel runs."""
+    """On (fake) CUDA tensors: every call (dim0, dim1, both; 2D, 3D, 4D; dim1 and both also with
+    offs) hands "cuda" to the op for the deciding kernel "cuda" / "auto", but dim0 alone with offs
+    the Triton kernel."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     calls = []
@@ -108,18 +112,17 @@ def test_public_calls_pick_the_kernel(cuda_available, monkeypatch):
         qdq(x4.view(48, 256), -1, recipe=recipe("cuda", bs=256), out_dtype=torch.float32)  # no Triton limit
         qdq(x4.view(48, 256), -2, recipe=recipe("cuda", bs=256), out_dtype=torch.float32)
     want = [(True, False, "cuda"), (True, False, "cuda"), (True, False, "triton"), (False, True, "cuda"),
-            (False, True, "cuda"), (False, True, "triton"), (True, True, "cuda"), (True, True, "triton")] * 2
+            (False, True, "cuda"), (False, True, "cuda"), (True, True, "cuda"), (True, True, "cuda")] * 2
     want += [(True, False, "cuda"), (False, True, "cuda"), (True, True, "cuda"), (False, True, "torch"),
              (True, False, "cuda"), (False, True, "cuda")]
     assert calls == want
 
 
-def test_cuda_kernel_in_the_op_has_no_groups():
+def test_cuda_kernel_in_the_op_has_no_grouped_dim0_alone():
     offs = torch.tensor([4], dtype=torch.int32)
-    for dim0, dim1 in ((True, False), (False, True), (True, True)):
-        with pytest.raises(ValueError, match=r"has no groups \(offs\); grouped calls take 'triton'"):
-            qdq_mod._qdq_impl(torch.empty(4, 32), 32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0,
-                              dim1, "cuda", offs)
+    with pytest.raises(ValueError, match=r"has no grouped dim0 alone \(offs\); it takes 'triton'"):
+        qdq_mod._qdq_impl(torch.empty(4, 32), 32, "rceil", torch.float8_e4m3fn, torch.bfloat16, True, False,
+                          "cuda", offs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -282,7 +285,8 @@ def test_gpu_qdq_cuda_compiles_fullgraph():
 
     def f(x, w3, offs):
         return (qdq(x, -1, recipe=r), qdq(x, -1, recipe=r, out_dtype=torch.float32), qdq(x, -2, recipe=r),
-                qdq(w3, -2, recipe=r), *qdq_dim0_dim1(x, recipe=r), qdq(x, -2, recipe=r, offs=offs))
+                qdq(w3, -2, recipe=r), *qdq_dim0_dim1(x, recipe=r), qdq(x, -2, recipe=r, offs=offs),
+                *qdq_dim0_dim1(x, recipe=r, offs=offs), qdq(x, -1, recipe=r, offs=offs))
 
     torch._dynamo.reset()
     got, codes = run_and_get_code(torch.compile(f, fullgraph=True), x, w3, offs)
@@ -505,3 +509,140 @@ def test_gpu_qdq_cuda_rows_beyond_2_31_elements():
     y3 = qdq(x3, -2, recipe=r)
     for m in range(2):
         assert torch.equal(_bits(y3[m]), _bits(qdq(x3[m], -2, recipe=r))), m
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: dim1 and dim0+dim1 with expert groups (offs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", COMBOS, ids=[f"{m}-{dname(e)}-{dname(d)}" for m, e, d in COMBOS])
+def test_gpu_qdq_cuda_grouped_match_oracle(combo):
+    """Every input class in ragged groups (empty ones, sizes 1, 31, 32, 33, rows after the last),
+    both output dtypes: the oracle's padded form (dim0+dim1 and dim1 alone), the torch backend and
+    (bf16 out) the Triton rows kernel."""
+    mode, elem, dtype = combo
+    src = np.ascontiguousarray(data(64, BS, mode, elem, dtype, "full").T)
+    x32 = grouped_rows(src, COUNTS, TAIL)
+    ends = np.cumsum(COUNTS).tolist()
+    x = to_torch(x32, dtype, "cuda")
+    offs = offs_of(COUNTS, "cuda")
+    rc = recipe("cuda", mode, elem)
+    for out in DTYPES:
+        what = f"grouped cuda {mode} {dname(elem)} {dname(dtype)} -> {dname(out)}"
+        w0, w1 = oracle_rows(x32, BS, mode, elem, out, ends)
+        y0, y1 = qdq_dim0_dim1(x, recipe=rc, out_dtype=out, offs=offs)
+        check_values(y0, w0, what + " dim0")
+        check_values(y1, w1, what + " dim1")
+        check_values(qdq(x, -2, recipe=rc, out_dtype=out, offs=offs), w1, what + " dim1 alone")
+        for ref in ("torch", "triton") if out == torch.bfloat16 else ("torch",):
+            r0, r1 = qdq_dim0_dim1(x, recipe=recipe(ref, mode, elem), out_dtype=out, offs=offs)
+            _same_values(y0, r0, f"{what} dim0 vs {ref}")
+            _same_values(y1, r1, f"{what} dim1 vs {ref}")
+
+
+def _grouped_all(x: torch.Tensor, r: MXRecipe, offs: torch.Tensor, out: torch.dtype) -> list[torch.Tensor]:
+    """Both outputs of qdq_dim0_dim1 and dim1 alone, with groups."""
+    y1 = qdq(x, -2, recipe=r, out_dtype=out, offs=offs)
+    return [*qdq_dim0_dim1(x, recipe=r, out_dtype=out, offs=offs), y1]
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_grouped_equals_torch_large():
+    """A large wide-range input, T no multiple of 32, 7168 columns: 100 ragged groups (every 7th
+    empty) with 13 rows after the last, one group of all rows, 4096 groups (most empty, the most
+    the public API takes; the last one ends at T), every group empty (all rows after the groups:
+    zero): the cuda kernel == the torch backend (NaN where NaN) for both outputs and dim1 alone;
+    e4m3 RCEIL bf16 also == the Triton rows kernel."""
+    g = torch.Generator().manual_seed(1)
+    counts = torch.randint(0, 200, (100,), generator=g)
+    counts[::7] = 0
+    T = int(counts.sum()) + 13
+    many = torch.zeros(4096, dtype=torch.int64)
+    many[torch.randperm(4096, generator=g)[:300]] = torch.randint(0, 20, (300,), generator=g)  # < T in all
+    many[-1] += max(0, T - int(many.sum()))
+    offs_list = [counts.cumsum(0), torch.tensor([T]), many.cumsum(0), torch.zeros(5, dtype=torch.int64)]
+    scale = torch.logspace(-30, 30, T, device="cuda").view(-1, 1)
+    for mode, elem, dtype in (("rceil", torch.float8_e4m3fn, torch.bfloat16),
+                              ("floor", torch.float8_e5m2, torch.float32)):
+        rc, rg = recipe("cuda", mode, elem), recipe("torch", mode, elem)
+        t = (torch.randn(T, 7168, device="cuda") * scale).to(dtype)
+        for i, o in enumerate(offs_list):
+            offs = o.to(torch.int32).cuda()
+            got = _grouped_all(t, rc, offs, torch.bfloat16)
+            for a, b in zip(got, _grouped_all(t, rg, offs, torch.bfloat16), strict=True):
+                _same_values(a, b, f"{mode} offs #{i} vs torch")
+            if mode == "rceil" and i < 2:
+                for a, b in zip(got, _grouped_all(t, recipe("triton", mode, elem), offs, torch.bfloat16),
+                                strict=True):
+                    _same_values(a, b, f"{mode} offs #{i} vs triton")
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_grouped_generic_paths():
+    """Groups on the generic kernels: block sizes 16 and 64 against the oracle's padded form, and a
+    misaligned x (the fused call's fallback: the dim0 operator, the rows after the groups zeroed,
+    then the generic dim1 kernel) equal to the aligned x."""
+    mode, elem, dtype = "even", torch.float8_e5m2, torch.float32
+    for bs in (16, 64):
+        src = np.ascontiguousarray(data(2 * bs if bs > 16 else 64, bs, mode, elem, dtype, "full").T)
+        counts = [0, 1, bs - 1, bs, bs + 1, 0, 45]
+        x32 = grouped_rows(src, counts, TAIL, bs)
+        x = to_torch(x32, dtype, "cuda")
+        w0, w1 = oracle_rows(x32, bs, mode, elem, torch.float32, np.cumsum(counts).tolist())
+        y0, y1 = qdq_dim0_dim1(x, recipe=recipe("cuda", mode, elem, bs), out_dtype=torch.float32,
+                               offs=offs_of(counts, "cuda"))
+        check_values(y0, w0, f"bs={bs} grouped dim0")
+        check_values(y1, w1, f"bs={bs} grouped dim1")
+    src = np.ascontiguousarray(data(64, BS, "ceil", torch.float8_e4m3fn, torch.bfloat16, "full").T)
+    x = to_torch(grouped_rows(src, COUNTS, TAIL), torch.bfloat16, "cuda")
+    R, C = x.shape
+    buf = torch.empty(R * C + 1, dtype=torch.bfloat16, device="cuda")
+    buf[1:] = x.reshape(-1)
+    xm = buf[1:].view(R, C)  # 2-byte offset
+    r = recipe("cuda", "ceil")
+    offs = offs_of(COUNTS, "cuda")
+    for out in DTYPES:
+        for a, b in zip(_grouped_all(xm, r, offs, out), _grouped_all(x, r, offs, out), strict=True):
+            assert torch.equal(_bits(a), _bits(b)), out
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_grouped_operators_check_offs():
+    """offs is checked in C++: x 2D, a 1D int32 tensor on x's device with at least one group."""
+    from mxmoe.quant import cuda_cast
+
+    cuda_cast.load_extension()
+    e4, bf = torch.float8_e4m3fn, torch.bfloat16
+    x = torch.randn(64, 64, device="cuda", dtype=bf)
+    offs = torch.tensor([10, 64], dtype=torch.int32, device="cuda")
+    for op in (torch.ops.mxmoe_cuda.qdq_dim1, torch.ops.mxmoe_cuda.qdq_dim0_dim1):
+        with pytest.raises(RuntimeError, match=r"x must be 2D \(T, C\) with offs, got shape \(2, 32, 64\)"):
+            op(x.view(2, 32, 64), 32, 1, e4, bf, offs)
+        with pytest.raises(TypeError, match=r"offs must be a 1D Int tensor of cumulative group ends, got Lo"):
+            op(x, 32, 1, e4, bf, offs.long())
+        with pytest.raises(RuntimeError, match=r"offs must have at least 1 group, got shape \(0\)"):
+            op(x, 32, 1, e4, bf, offs[:0])
+        with pytest.raises(RuntimeError, match="offs is on cpu, x on cuda"):
+            op(x, 32, 1, e4, bf, offs.cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_qdq_cuda_grouped_beyond_2_31_elements():
+    """More than 2^31 elements with groups: the groups at the end and the first rows equal the
+    same operator on slices (offsets shifted), the rows after the last group zero."""
+    r = recipe("cuda")
+    C = 8192
+    T = 2**31 // C + 300
+    x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
+    counts = [T - 350, 150, 0, 100]  # then 100 rows in no group
+    offs = offs_of(counts, "cuda")
+    y0, y1 = qdq_dim0_dim1(x, recipe=r, offs=offs)
+    s = T - 350
+    z0, z1 = qdq_dim0_dim1(x[s:], recipe=r, offs=offs[1:] - s)
+    assert torch.equal(_bits(y0[s:]), _bits(z0)) and torch.equal(_bits(y1[s:]), _bits(z1))
+    h0, h1 = qdq_dim0_dim1(x[:992], recipe=r, offs=offs_of([992], "cuda"))
+    assert torch.equal(_bits(y0[:992]), _bits(h0)) and torch.equal(_bits(y1[:992]), _bits(h1))
+    assert not bool(y0[-100:].any()) and not bool(y1[-100:].any())
+    del z0, z1, h0, h1, y0
+    assert torch.equal(_bits(qdq(x, -2, recipe=r, offs=offs)), _bits(y1))
