@@ -26,7 +26,7 @@
 //                     vectors, 16-byte loads held in registers, quantize_col (the dim1 cast's) and
 //                     fp8x2_to_f32 / dequant_bits (the dequantize's) per column, 16-byte stores in
 //                     x's layout; the fused variant adds quantize_vec32 + dequant_pairs per row.
-//                     Expert groups: group_blocks_kernel (one CTA) sums the groups' blocks, each
+//                     Expert groups: qdq_group_blocks_kernel (one CTA) sums the groups' blocks, each
 //                     warp finds its block's group by a binary search (group_block).
 //   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
 #include "mx_cast.h"
@@ -756,7 +756,7 @@ __global__ void __launch_bounds__(kThreads) qdq_dim0_generic_kernel(const Raw<IN
 
 // ---------------------------------------------------------------------------------------------
 // Expert groups of a 2D x (T rows): offs (E,) int32 cumulative group ends (as torch._grouped_mm),
-// pend (E,) the running sum of each group's blocks (group_blocks_kernel); offs == nullptr: none.
+// pend (E,) the running sum of each group's blocks (qdq_group_blocks_kernel); offs == nullptr: none.
 struct Groups {
   const int32_t* offs;
   const int32_t* pend;
@@ -765,7 +765,7 @@ struct Groups {
 
 // pend[e] = sum over groups i <= e of ceil(max(offs[i] - offs[i-1], 0) / bs) (offs[-1] = 0): one
 // CTA, each thread a run of consecutive groups, a shared-memory scan of the runs.
-__global__ void __launch_bounds__(kThreads) group_blocks_kernel(const int32_t* __restrict__ offs,
+__global__ void __launch_bounds__(kThreads) qdq_group_blocks_kernel(const int32_t* __restrict__ offs,
                                                                 int32_t* __restrict__ pend, int E, int bs) {
   __shared__ int32_t part[kThreads];
   const int per = (E + kThreads - 1) / kThreads;
@@ -816,7 +816,7 @@ __device__ __forceinline__ bool group_block(const Groups& g, int64_t T, int bs, 
 
 // y (T, C) of elem_bytes 2 / 4: zero at the rows at or after offs[E-1] (the grouped dim0 qdq of the
 // generic path; offs[E-1] is only known on the device).
-__global__ void __launch_bounds__(kThreads) zero_rows_after_groups_kernel(void* __restrict__ y, int elem_bytes,
+__global__ void __launch_bounds__(kThreads) qdq_zero_rows_after_groups_kernel(void* __restrict__ y, int elem_bytes,
                                                                           const int32_t* __restrict__ offs, int E,
                                                                           int64_t T, int64_t C) {
   const int64_t last = offs[E - 1];
@@ -1311,7 +1311,7 @@ cudaError_t launch_qdq_dim1_generic(const void* x, void* y, int64_t B, int64_t R
 cudaError_t make_groups(const int32_t* offs, int64_t E, int32_t* pend, int bs, cudaStream_t st, Groups* g) {
   *g = Groups{nullptr, nullptr, 0};
   if (offs == nullptr) return cudaSuccess;
-  group_blocks_kernel<<<1, kThreads, 0, st>>>(offs, pend, static_cast<int>(E), bs);
+  qdq_group_blocks_kernel<<<1, kThreads, 0, st>>>(offs, pend, static_cast<int>(E), bs);
   *g = Groups{offs, pend, static_cast<int>(E)};
   return launch_status();
 }
@@ -1377,8 +1377,8 @@ cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, in
                                      rceil_t127, rceil_t126, rceil_c, stream);
   if (e0 != cudaSuccess) return e0;
   if (offs != nullptr) {
-    const unsigned grid = grid_for<zero_rows_after_groups_kernel>((rows * cols + kThreads - 1) / kThreads);
-    zero_rows_after_groups_kernel<<<grid, kThreads, 0, st>>>(y0, out_dtype == MX_BF16 ? 2 : 4, offs,
+    const unsigned grid = grid_for<qdq_zero_rows_after_groups_kernel>((rows * cols + kThreads - 1) / kThreads);
+    qdq_zero_rows_after_groups_kernel<<<grid, kThreads, 0, st>>>(y0, out_dtype == MX_BF16 ? 2 : 4, offs,
                                                              static_cast<int>(num_groups), rows, cols);
     const cudaError_t ez = launch_status();
     if (ez != cudaSuccess) return ez;
