@@ -12,8 +12,8 @@ copy ceiling is measured in the same run with the same timing utility (mxmoe.ben
     mxmoe bench cast --mode qdq --kernel cuda,triton    # fused quantize-dequantize, rows layout
 
 The qdq rows (`mxmoe.quant.qdq`, the kernels the emulated GEMM's operands come from, bf16 in and
-out): kernel triton times every row (the Triton rows kernel), kernel cuda the "qdq dim0" row only
-(the C++ operator mxmoe_cuda::qdq_dim0; every other qdq call runs the Triton rows kernel). They
+out): kernel triton times every row with the Triton rows kernel, kernel cuda with the C++
+operators mxmoe_cuda::qdq_dim0, qdq_dim1 and qdq_dim0_dim1 (the grouped rows too). They
 count the input read and each bf16 output written: dim0 or dim1 alone 4 bytes per element,
 both 6. "E=8" / "E=256": dim1 blocks per expert group (ragged groups, some empty, rows after the
 last), as `mx_grouped_mm` casts tokens and dy; "3d E=16": the input viewed as 16 matrices, dim1
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=(*MODES, "all"), default="all",
                    help="dim0: blocks along the last dim; dim1: blocks along dim 0, stored transposed; "
                    "dim0_dim1: both from one read; 3d: expert weights (E, N, K) along K and along N; "
-                   "dequant: back to bf16; qdq: fused quantize-dequantize (Triton; dim0 alone also cuda)")
+                   "dequant: back to bf16; qdq: fused quantize-dequantize (Triton and cuda)")
     p.add_argument("--scaling", choices=(*SCALINGS, "all"), default="all", help="scale mode")
     p.add_argument("--kernel", type=comma_list(choices=(*KERNELS, "all")), action="extend",
                    help="backend(s), comma list (torch = torch_cast under torch.compile); default all")
@@ -103,7 +103,7 @@ def _cases(args) -> list[Case]:
         for shape in s3 if mode == "3d" else s2:
             for scaling in scalings if mode != "dequant" else ("-",):
                 for k in kernels:
-                    # qdq: the Triton rows kernel, and the CUDA dim0 qdq (torch: no qdq row)
+                    # qdq: the Triton rows kernel and the CUDA qdq operators (torch: no qdq row)
                     if mode != "qdq" or k in ("triton", "cuda"):
                         cases.append(Case(mode, k, k, scaling, shape))
     return cases
@@ -158,7 +158,8 @@ def _qdq_fns(case: Case, elem: torch.dtype):
     from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
     from mxmoe.recipe import MXRecipe
 
-    r = MXRecipe(elem_dtype=elem, scaling_mode=case.scaling, dim0_kernel=case.backend, dim1_kernel="triton")
+    r = MXRecipe(elem_dtype=elem, scaling_mode=case.scaling, dim0_kernel=case.backend,
+                 dim1_kernel=case.backend)
     bf = torch.bfloat16
     R = case.shape[0]
 
@@ -202,8 +203,7 @@ def _inputs(mode: str, shape, elem: torch.dtype, count: int) -> list[tuple]:
 def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict]:
     from mxmoe.quant.backends import why_unavailable
 
-    qdq_labels = QDQ_LABELS if case.backend == "triton" else QDQ_LABELS[:1]  # cuda: dim0 only
-    labels = {"3d": ("3d axis=-1", "3d axis=-2"), "qdq": qdq_labels}.get(case.mode, (case.mode,))
+    labels = {"3d": ("3d axis=-1", "3d axis=-2"), "qdq": QDQ_LABELS}.get(case.mode, (case.mode,))
     shape_s = "x".join(map(str, case.shape))
     base = {"kernel": case.kernel, "scaling": case.scaling, "shape": shape_s}
 

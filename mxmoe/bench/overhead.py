@@ -116,10 +116,13 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
             ("dequantize", k, lambda k=k, m=mx0: m.dequantize(kernel=k), True),
         ]
         # the fused quantize-dequantize the emulated GEMM's operands come from (on a GPU, "cuda" and
-        # "auto" run the C++ operator mxmoe_cuda::qdq_dim0 for "qdq dim0", the Triton kernel else)
+        # "auto" run the C++ operators mxmoe_cuda::qdq_dim0 / qdq_dim1 / qdq_dim0_dim1, the grouped
+        # dim1 call too)
         rk = DEFAULT_RECIPE.replace(dim0_kernel=k, dim1_kernel=k)
         cases += [
             ("qdq dim0", k, lambda rk=rk: qdq(x, -1, recipe=rk), True),
+            ("qdq dim1", k, lambda rk=rk: qdq(x, -2, recipe=rk), True),
+            ("qdq 3D along N", k, lambda rk=rk: qdq(w3, -2, recipe=rk), True),
             ("qdq_dim0_dim1", k, lambda rk=rk: qdq_dim0_dim1(x, recipe=rk), True),
             ("qdq dim1, groups", k, lambda rk=rk: qdq(x, -2, recipe=rk, offs=offs), True),
         ]

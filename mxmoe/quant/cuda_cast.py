@@ -129,11 +129,18 @@ def _register_fakes() -> None:
     def qdq0(x, block_size, mode, elem_dtype, out_dtype):
         return x.new_empty(x.shape, dtype=out_dtype)
 
+    def qdq1(x, block_size, mode, elem_dtype, out_dtype, offs=None):
+        return x.new_empty(x.shape, dtype=out_dtype)
+
+    def qdq01(x, block_size, mode, elem_dtype, out_dtype, offs=None):
+        return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=out_dtype)
+
     def mutating(*args):
         return None
 
     for op, fn in (("quantize_dim0", dim0), ("quantize_dim1", dim1), ("quantize_dim0_dim1", dim0_dim1),
-                   ("dequantize", deq), ("qdq_dim0", qdq0), ("quantize_dim0_out", mutating),
+                   ("dequantize", deq), ("qdq_dim0", qdq0), ("qdq_dim1", qdq1), ("qdq_dim0_dim1", qdq01),
+                   ("quantize_dim0_out", mutating),
                    ("dequantize_out", mutating), ("qdq_dim0_out", mutating)):
         torch.library.register_fake(lib + op, fn)
 
@@ -192,3 +199,27 @@ def qdq_dim0(
         return torch.ops.mxmoe_cuda.qdq_dim0(x, spec.block_size, mode, spec.elem.dtype, out_dtype)
     torch.ops.mxmoe_cuda.qdq_dim0_out(x, spec.block_size, mode, spec.elem.dtype, out)
     return out
+
+
+def qdq_dim1(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, offs: Tensor | None = None) -> Tensor:
+    """x: (..., R, C) bf16/fp32 CUDA, contiguous, ndim >= 2, any R -> x's shape, out_dtype (bf16 or
+    fp32), contiguous: blocks of bs rows from the first row of each matrix x[..., :, :], the last
+    one short; the values of casting each matrix zero-padded to whole blocks along R
+    (`quantize_dim1`), dequantizing and taking x's positions, bit for bit, in one read of x.
+    offs: None, or (E,) int32 cumulative group ends on x's device (x 2D): the blocks start at every
+    group's first row, rows at or after offs[-1] are zero (`mxmoe.quant.qdq`'s groups)."""
+    load_extension()
+    return torch.ops.mxmoe_cuda.qdq_dim1(x, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype, out_dtype,
+                                         offs)
+
+
+def qdq_dim0_dim1(
+    x: Tensor, spec: CastSpec, out_dtype: torch.dtype, offs: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """x: (..., R, C) bf16/fp32 CUDA, contiguous, ndim >= 2, C % bs == 0 -> (y0, y1), each of x's
+    shape, out_dtype, contiguous: y0 = `qdq_dim0(x)` and y1 = `qdq_dim1(x, offs=offs)` from one read
+    of x (block 32 with 16-byte aligned pointers; else the kernels in turn); with offs the rows at
+    or after offs[-1] are zero in y0 too."""
+    load_extension()
+    return torch.ops.mxmoe_cuda.qdq_dim0_dim1(x, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype,
+                                              out_dtype, offs)

@@ -23,14 +23,15 @@ Layouts (x viewed as (B, R, C), contiguous; every output (B, R, C) row-major con
 
 Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize on the padded
 form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`; on CPU under TRITON_INTERPRET=1) and
-"cuda" (the C++ operator `mxmoe_cuda::qdq_dim0` of the CUDA cast extension, csrc/mx_cast.cu: the
-dim0 cast's and the dequantize kernel's device functions in one kernel, one read of x and one write).
+"cuda" (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1` and `qdq_dim0_dim1` of the CUDA cast
+extension, csrc/mx_cast.cu: the casts' and the dequantize kernel's device functions in one kernel,
+one read of x and one write per output; dim1 and dim0+dim1 also with groups).
 Which one runs (`qdq_kernel`):
-  - a dim0-only call without offs (`qdq(x, -1)`) follows the recipe's dim0_kernel: "cuda" takes the
-    C++ operator, and so does "auto" on CUDA when the extension builds (else the Triton kernel);
-  - dim1 and dim0+dim1 calls follow the recipe's dim1_kernel, and dim0 calls with offs (rows after
-    the groups are zeroed) its dim0_kernel; there "cuda" and "auto" on CUDA take the Triton rows
-    kernel (the CUDA extension has no dim1 or grouped qdq kernel).
+  - dim0 calls follow the recipe's dim0_kernel, dim1 and dim0+dim1 calls its dim1_kernel: "cuda"
+    takes the C++ operator, and so does "auto" on CUDA when the extension builds (else the Triton
+    kernel);
+  - except dim0 alone with offs (its rows after the groups zeroed): the Triton rows kernel for
+    "cuda" and "auto" on CUDA (`mxmoe_cuda::qdq_dim0` has no groups).
 The op is a `torch.library` custom op with a fake implementation (torch.compile fullgraph); eager
 calls run its body directly. Under torch.compile the Triton kernel on CUDA is decomposed into its
 launches for inductor, and the "cuda" kernel into the C++ operator, which inductor calls directly
@@ -55,15 +56,15 @@ from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 QDQ_KERNELS = ("torch", "triton", "cuda")
 
 
-def qdq_kernel(kernel: str, device: torch.device, dim0_only: bool = False) -> str:
+def qdq_kernel(kernel: str, device: torch.device, cuda_op: bool = False) -> str:
     """The qdq backend for a recipe's cast kernel choice on `device`: "torch" for "torch" and for
-    "auto" off CUDA; for a dim0-only call without offs (`dim0_only`) on CUDA, "cuda" for "cuda" (the
-    C++ operator; RuntimeError if it cannot run) and for "auto" (falling back to "triton" if the
-    extension does not build, as `to_mx`'s "auto"); "triton" otherwise (CUDA, or the interpreter for
-    an explicit "triton")."""
+    "auto" off CUDA; for a call a C++ operator covers (`cuda_op`: all but dim0 alone with offs) on
+    CUDA, "cuda" for "cuda" (the C++ operators; RuntimeError if they cannot run) and for "auto"
+    (falling back to "triton" if the extension does not build, as `to_mx`'s "auto"); "triton"
+    otherwise (CUDA, or the interpreter for an explicit "triton")."""
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
         return "torch"
-    if dim0_only and kernel in ("cuda", "auto") and device.type == "cuda":
+    if cuda_op and kernel in ("cuda", "auto") and device.type == "cuda":
         # resolve_kernel: cached per (kernel, device type); "auto" builds / loads the extension once
         if resolve_kernel(kernel, device, "dim0") != "cuda":
             return "triton"
@@ -240,8 +241,9 @@ def qdq_op(
     along C; if dim1, y1 = MX-rounded along R, blocks starting at each matrix's first row (the last
     one short), or at every group start when offs is given. offs: None, or (E,) int32 cumulative
     group ends on x's device; rows at or after offs[-1] are zero in every output. kernel: "torch" |
-    "triton" | "cuda" (concrete, see `qdq_kernel`; "cuda": dim0 only, no offs, any ndim >= 1 (the
-    C++ operator's blocks run along the flat index), extension loaded).
+    "triton" | "cuda" (concrete, see `qdq_kernel`; "cuda": not dim0 alone with offs, extension
+    loaded; x may then have any ndim >= 2 without offs, the dim1 blocks starting at each matrix
+    x[..., :, :]'s first row).
     """
     return _qdq_impl(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs)
 
@@ -253,10 +255,15 @@ def _qdq_impl(
     Python); arguments already checked. traced: the Triton launches go through wrap_triton
     (`_functional_decomp`)."""
     if kernel == "cuda":
-        if dim1 or not dim0 or offs is not None:
-            raise ValueError("the cuda qdq kernel computes dim0 without offs only; dim1 takes 'triton'")
-        return [torch.ops.mxmoe_cuda.qdq_dim0.default(x, block_size, MODE_IDS[scaling_mode], elem_dtype,
-                                                      out_dtype)]
+        mode = MODE_IDS[scaling_mode]
+        if dim0 and dim1:
+            both = torch.ops.mxmoe_cuda.qdq_dim0_dim1.default
+            return list(both(x, block_size, mode, elem_dtype, out_dtype, offs))
+        if dim1:
+            return [torch.ops.mxmoe_cuda.qdq_dim1.default(x, block_size, mode, elem_dtype, out_dtype, offs)]
+        if offs is not None:
+            raise ValueError("the cuda qdq kernel has no grouped dim0 alone (offs); it takes 'triton'")
+        return [torch.ops.mxmoe_cuda.qdq_dim0.default(x, block_size, mode, elem_dtype, out_dtype)]
     spec = spec_of(block_size, scaling_mode, elem_dtype)
     if kernel == "torch":
         if x.numel() == 0:
@@ -286,9 +293,10 @@ def _functional_decomp(mode, op, types, args=(), kwargs=None):
     on CUDA tensors, as its body with the launches wrapped by `torch.library.wrap_triton` (what
     `torch.library.triton_op` does), so that inductor launches the kernel from its generated code
     instead of calling back into this op's Python for every launch; for the cuda kernel, as its
-    body, the C++ operator `mxmoe_cuda::qdq_dim0` (a registered op with a fake implementation), which
-    inductor calls directly; anything else (the torch kernel, CPU tensors, the Triton interpreter,
-    torch.export) stays the opaque op with its fake implementation."""
+    body, a C++ operator (`mxmoe_cuda::qdq_dim0`, `qdq_dim1` or `qdq_dim0_dim1`, registered ops
+    with fake implementations), which inductor calls directly; anything else (the torch kernel, CPU
+    tensors, the Triton interpreter, torch.export) stays the opaque op with its fake
+    implementation."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
@@ -376,11 +384,11 @@ def qdq(
     in x's own row-major layout.
 
     x: bf16/fp32, ndim >= 2, any strides (made contiguous), x.shape[-1] % recipe.block_size == 0.
-    axis: -1 (blocks along the last dim, kernel recipe.dim0_kernel; "cuda", or "auto" on CUDA, runs
-    the C++ operator mxmoe_cuda::qdq_dim0 without offs, the Triton rows kernel with offs)
-    or -2 (blocks along dim -2 of each matrix x[..., :, :], never across two, kernel
-    recipe.dim1_kernel, the Triton rows kernel for "cuda"; x.shape[-2] need not be a multiple of
-    the block size: the last block is short, the zero-padded cast's values).
+    axis: -1 (blocks along the last dim, kernel recipe.dim0_kernel) or -2 (blocks along dim -2 of
+    each matrix x[..., :, :], never across two, kernel recipe.dim1_kernel; x.shape[-2] need not be
+    a multiple of the block size: the last block is short, the zero-padded cast's values). "cuda",
+    or "auto" on CUDA, runs the C++ operator mxmoe_cuda::qdq_dim0 (no offs) / qdq_dim1, the Triton
+    rows kernel for dim0 with offs.
     out_dtype: bf16 or fp32 (default x.dtype). Returns x's shape in out_dtype, row-major contiguous.
     offs: None, or (E,) int32 cumulative group ends on x's device (2D x only): dim1 blocks start at
     every group start; rows at or after offs[-1] are zero (module docstring).
@@ -389,9 +397,9 @@ def qdq(
     if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
         raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
     dim1 = axis in (-2, x.ndim - 2)
-    # dim0 with offs zeroes the rows after the groups: the rows kernel's job
+    # dim0 alone with groups (its rows after them zeroed) is the rows kernel's job
     kernel = qdq_kernel(getattr(recipe, "dim1_kernel" if dim1 else "dim0_kernel", "torch"), x.device,
-                        not dim1 and offs is None)
+                        dim1 or offs is None)
     _check(x, recipe, out_dtype, offs, kernel)
     xc = x.contiguous()
     # 2D and 3D go to the op as they are (no reshapes); more dims as (B, R, C)
@@ -412,7 +420,8 @@ def qdq_dim0_dim1(
     offs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Both directions of a 2D x (R, C), bf16/fp32, C divisible by the block size, any R, from one
-    read (kernel recipe.dim1_kernel).
+    read (kernel recipe.dim1_kernel; "cuda", or "auto" on CUDA, runs the C++ operator
+    mxmoe_cuda::qdq_dim0_dim1, with or without offs).
 
     Returns y0 = qdq(x, -1, offs=offs) and y1 = qdq(x, -2, offs=offs), each (R, C) out_dtype
     row-major contiguous (with offs, rows at or after offs[-1] are zero in both).
@@ -420,7 +429,7 @@ def qdq_dim0_dim1(
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.ndim != 2:
         raise ValueError(f"x must be 2D for qdq_dim0_dim1, got shape {tuple(x.shape)}")
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device)
+    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device, True)
     _check(x, recipe, out_dtype, offs, kernel)
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     y0, y1 = _qdq(  # 2D in, 2D out (no reshapes)

@@ -37,6 +37,8 @@ def test_overhead_runs_on_cpu_and_writes_json(tmp_path, capsys):
         ("to_mx 3D along N", "torch"),
         ("dequantize", "torch"),
         ("qdq dim0", "torch"),
+        ("qdq dim1", "torch"),
+        ("qdq 3D along N", "torch"),
         ("qdq_dim0_dim1", "torch"),
         ("qdq dim1, groups", "torch"),
         ("mx_mm fwd", "auto"),

@@ -268,7 +268,8 @@ def test_binding_compiles_and_registers_every_operator():
     text = CU_FILE.with_name("binding.cpp").read_text()
     called = set(re.findall(r"torch\.ops\.mxmoe_cuda\.(\w+)", Path(cuda_cast.__file__).read_text()))
     assert called >= {"quantize_dim0", "quantize_dim0_out", "quantize_dim1", "quantize_dim0_dim1",
-                      "dequantize", "dequantize_out", "qdq_dim0", "qdq_dim0_out", "format_constants"}
+                      "dequantize", "dequantize_out", "qdq_dim0", "qdq_dim0_out", "qdq_dim1", "qdq_dim0_dim1",
+                      "format_constants"}
     for op in called:
         assert f'm.def("{op}(' in text, op
         assert op == "format_constants" or f'm.impl("{op}", &{op});' in text, op

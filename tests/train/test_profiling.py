@@ -15,6 +15,8 @@ from mxmoe.train.profiling import KERNEL_CATEGORIES, kernel_category
         ("void dim1_tile_kernel<__nv_bfloat16, 1, 2>(void const*, unsigned char*)", "mx cast / qdq"),
         ("void dequant_flat_kernel<256>(unsigned char const*)", "mx cast / qdq"),
         ("void qdq_dim0_kernel<0, 0, 0, 4>(uint4 const*, unsigned int*)", "mx cast / qdq"),
+        ("void qdq_dim1_kernel<0, 0, 0, true, 4>(uint4 const*, unsigned int*)", "mx cast / qdq"),
+        ("qdq_group_blocks_kernel(int const*, int*, int, int)", "mx cast / qdq"),
         ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64", "attention"),
         ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),

@@ -19,6 +19,17 @@
 //       dequantize(quantize_dim0(x)) bit for bit, blocks along C, without writing q and s
 //   qdq_dim0_out(Tensor x, int block_size, int mode, ScalarType elem_dtype, Tensor(a!) out) -> ()
 //       the same into out (x's shape, bf16/fp32, contiguous)
+//   qdq_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype,
+//            Tensor? offs=None) -> Tensor
+//       x (..., R, C) bf16/fp32 contiguous, ndim >= 2 -> x's shape, out_dtype: blocks of block_size
+//       rows from each matrix x[..., :, :]'s first row (the last one short), the values of
+//       quantize_dim1 of the zero-padded matrices then dequantize, at x's positions, bit for bit;
+//       offs (E,) int32 cumulative group ends on x's device (x 2D): the blocks start at each
+//       group's first row, the rows at or after offs[-1] are zero (mxmoe.quant.qdq's groups)
+//   qdq_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype,
+//                 Tensor? offs=None) -> (Tensor y0, Tensor y1): x as for qdq_dim1 with
+//       C % block_size == 0, read once: y0 = qdq_dim0(x) (with offs its rows at or after offs[-1]
+//       zero), y1 = qdq_dim1(x, offs)
 //   format_constants(ScalarType elem_dtype) -> int[]
 //       [emax, mbits, bits of max, bits of fp32(1/max), T127, T126]: what the kernels compile in,
 //       compared with mxmoe.formats when the extension loads
@@ -30,6 +41,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -244,6 +256,88 @@ Tensor qdq_dim0(const Tensor& x, int64_t block_size, int64_t mode, at::ScalarTyp
   return out;
 }
 
+// The checks of qdq_dim1 / qdq_dim0_dim1: x (..., R, C) contiguous CUDA bf16/fp32, ndim >= 2;
+// offs: none, or (E >= 1,) int32 on x's device with x 2D. Returns offs contiguous (or undefined).
+Tensor check_qdq_rows(const Tensor& x, int64_t block_size, int64_t mode, at::ScalarType elem,
+                      at::ScalarType out_dtype, const std::optional<Tensor>& offs) {
+  TORCH_CHECK_WITH(Error, x.is_cuda(), msg("mxmoe_cuda: x must be a CUDA tensor, got device ", x.device()));
+  TORCH_CHECK_WITH(Error, x.dim() >= 2, msg("mxmoe_cuda: x must have at least 2 dims, got shape ", x.sizes()));
+  TORCH_CHECK_WITH(Error, block_size >= 2 && (block_size & (block_size - 1)) == 0, msg("mxmoe_cuda: block_size must be a power of two >= 2, got ", block_size));
+  TORCH_CHECK_WITH(Error, mode >= 0 && mode <= 3, msg("mxmoe_cuda: mode must be 0..3 (FLOOR, RCEIL, CEIL, EVEN), got ", mode));
+  float_code(x.scalar_type(), "x");
+  elem_code(elem, "elem_dtype");
+  float_code(out_dtype, "out_dtype");
+  TORCH_CHECK_WITH(Error, x.is_contiguous(), msg("mxmoe_cuda: x must be contiguous, got shape ", x.sizes(), " strides ", x.strides()));
+  if (!offs.has_value() || !offs->defined()) return Tensor();
+  const Tensor& o = *offs;
+  TORCH_CHECK_WITH(Error, x.dim() == 2, msg("mxmoe_cuda: x must be 2D (T, C) with offs, got shape ", x.sizes()));
+  TORCH_CHECK_TYPE(o.scalar_type() == at::kInt && o.dim() == 1, msg("mxmoe_cuda: offs must be a 1D Int tensor of cumulative group ends, got ", o.scalar_type(), " of shape ", o.sizes()));
+  TORCH_CHECK_WITH(Error, o.size(0) >= 1 && o.size(0) <= INT32_MAX, msg("mxmoe_cuda: offs must have at least 1 group, got shape ", o.sizes()));
+  TORCH_CHECK_WITH(Error, o.device() == x.device(), msg("mxmoe_cuda: offs is on ", o.device(), ", x on ", x.device()));
+  return o.contiguous();
+}
+
+// (offs pointer, group count, scratch for the kernels' running block counts) of checked offs.
+struct GroupArgs {
+  const int32_t* offs = nullptr;
+  int64_t E = 0;
+  int32_t* pend = nullptr;
+  Tensor scratch;
+};
+
+GroupArgs group_args(const Tensor& offs) {
+  GroupArgs g;
+  if (!offs.defined()) return g;
+  g.E = offs.size(0);
+  g.scratch = at::empty({g.E}, offs.options());
+  g.offs = offs.data_ptr<int32_t>();
+  g.pend = g.scratch.data_ptr<int32_t>();
+  return g;
+}
+
+Tensor qdq_dim1(const Tensor& x, int64_t block_size, int64_t mode, at::ScalarType elem, at::ScalarType out_dtype,
+                const std::optional<Tensor>& offs_) {
+  const Tensor offs = check_qdq_rows(x, block_size, mode, elem, out_dtype, offs_);
+  const int64_t R = x.size(-2), C = x.size(-1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  if (x.numel()) {
+    const int el = elem_code(elem, "elem_dtype");
+    const ElemConstants k = constants(el);
+    const GroupArgs g = group_args(offs);
+    check_launch(mx_qdq_dim1(x.data_ptr(), float_code(x.scalar_type(), "x"), y.data_ptr(),
+                             float_code(out_dtype, "out_dtype"), x.numel() / (R * C), R, C,
+                             static_cast<int>(block_size), static_cast<int>(mode), el, static_cast<uint32_t>(k.t127),
+                             static_cast<uint32_t>(k.t126), c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits)),
+                             g.offs, g.E, g.pend, stream_of(x)),
+                 "mx_qdq_dim1");
+  }
+  return y;
+}
+
+std::tuple<Tensor, Tensor> qdq_dim0_dim1(const Tensor& x, int64_t block_size, int64_t mode, at::ScalarType elem,
+                                         at::ScalarType out_dtype, const std::optional<Tensor>& offs_) {
+  const Tensor offs = check_qdq_rows(x, block_size, mode, elem, out_dtype, offs_);
+  const int64_t R = x.size(-2), C = x.size(-1);
+  TORCH_CHECK_WITH(Error, C % block_size == 0, msg("mxmoe_cuda: x.shape[-1]=", C, " is not divisible by block_size=", block_size));
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor y0 = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  Tensor y1 = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  if (x.numel()) {
+    const int el = elem_code(elem, "elem_dtype");
+    const ElemConstants k = constants(el);
+    const GroupArgs g = group_args(offs);
+    check_launch(mx_qdq_dim0_dim1(x.data_ptr(), float_code(x.scalar_type(), "x"), y0.data_ptr(), y1.data_ptr(),
+                                  float_code(out_dtype, "out_dtype"), x.numel() / (R * C), R, C,
+                                  static_cast<int>(block_size), static_cast<int>(mode), el,
+                                  static_cast<uint32_t>(k.t127), static_cast<uint32_t>(k.t126),
+                                  c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits)), g.offs, g.E, g.pend,
+                                  stream_of(x)),
+                 "mx_qdq_dim0_dim1");
+  }
+  return {y0, y1};
+}
+
 std::vector<int64_t> format_constants(at::ScalarType elem) {
   const ElemConstants k = constants(elem_code(elem, "elem_dtype"));
   return {k.emax, k.mbits, k.max_bits, k.rceil_c_bits, k.t127, k.t126};
@@ -260,6 +354,8 @@ TORCH_LIBRARY(mxmoe_cuda, m) {
   m.def("dequantize_out(Tensor q, Tensor s, int block_size, Tensor(a!) out) -> ()");
   m.def("qdq_dim0(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype) -> Tensor");
   m.def("qdq_dim0_out(Tensor x, int block_size, int mode, ScalarType elem_dtype, Tensor(a!) out) -> ()");
+  m.def("qdq_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> Tensor");
+  m.def("qdq_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> (Tensor, Tensor)");
   m.def("format_constants(ScalarType elem_dtype) -> int[]", &format_constants);
 }
 
@@ -272,4 +368,6 @@ TORCH_LIBRARY_IMPL(mxmoe_cuda, CUDA, m) {
   m.impl("dequantize_out", &dequantize_out);
   m.impl("qdq_dim0", &qdq_dim0);
   m.impl("qdq_dim0_out", &qdq_dim0_out);
+  m.impl("qdq_dim1", &qdq_dim1);
+  m.impl("qdq_dim0_dim1", &qdq_dim0_dim1);
 }

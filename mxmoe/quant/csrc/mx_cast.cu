@@ -22,6 +22,12 @@
 //   qdq dim0, block 32: qdq_dim0_kernel: one-shot grid, four 16-byte input vectors per thread,
 //                     quantize_vec32 (the dim0 cast's) then dequant_pairs (the dequantize's) in
 //                     registers, stored in x's layout; no q or s in memory.
+//   qdq dim1 / dim0+dim1, block 32: qdq_dim1_kernel: one warp per 32-row block x 16 (8) column
+//                     vectors, 16-byte loads held in registers, quantize_col (the dim1 cast's) and
+//                     fp8x2_to_f32 / dequant_bits (the dequantize's) per column, 16-byte stores in
+//                     x's layout; the fused variant adds quantize_vec32 + dequant_pairs per row.
+//                     Expert groups: qdq_group_blocks_kernel (one CTA) sums the groups' blocks, each
+//                     warp finds its block's group by a binary search (group_block).
 //   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
 #include "mx_cast.h"
 
@@ -177,6 +183,23 @@ __device__ __forceinline__ uint32_t quantize_vec32(const uint4& v, const ScaleAr
     const uint32_t packed = quant4<ELEM, CLAMP>(vec_bits<IN>(w, 4 * k), vec_bits<IN>(w, 4 * k + 1),
                                          vec_bits<IN>(w, 4 * k + 2), vec_bits<IN>(w, 4 * k + 3), r);
     out[k] = nonfinite ? kNan4 : packed;
+  }
+  return scale_byte(A, e);
+}
+
+// One column block of N rows (N % 4 == 0) with amax bit pattern A (over its N rows, and over
+// whatever other rows share its scale): bits(i) = fp32 bits of row i -> o[N / 4] fp8 words (row 0
+// in the low byte of o[0]); returns the scale byte. The dim1 cast (dim1_tile_kernel) and the dim1
+// qdq (qdq_dim1_kernel) quantize their column blocks with it; no explicit clamp (see quant2).
+template <int ELEM, int FM, int N, typename Bits>
+__device__ __forceinline__ uint32_t quantize_col(uint32_t A, const ScaleArgs& p, Bits&& bits, uint32_t (&o)[N / 4]) {
+  const int e = block_exponent<ELEM, FM>(A, p);
+  const float rs = recip_pow2(e);
+  const bool nonfinite = A >= kInfBits;
+#pragma unroll
+  for (int kk = 0; kk < N / 4; ++kk) {
+    const uint32_t packed = quant4<ELEM, false>(bits(4 * kk), bits(4 * kk + 1), bits(4 * kk + 2), bits(4 * kk + 3), rs);
+    o[kk] = nonfinite ? kNan4 : packed;
   }
   return scale_byte(A, e);
 }
@@ -441,19 +464,12 @@ __global__ void __launch_bounds__(kThreads, MINB)
             }
           };
           const uint32_t A = IN == MX_BF16 ? (h == 0 ? M << 16 : M & 0xFFFF0000u) : M;
-          const int e = block_exponent<ELEM, FM>(A, p);
-          const float rs = recip_pow2(e);
-          const bool nonfinite = A >= kInfBits;
           uint32_t o[BS / 4];
-#pragma unroll
-          for (int kk = 0; kk < BS / 4; ++kk) {
-            const uint32_t packed = quant4<ELEM, false>(bits(4 * kk), bits(4 * kk + 1), bits(4 * kk + 2), bits(4 * kk + 3), rs);
-            o[kk] = nonfinite ? kNan4 : packed;
-          }
+          const uint32_t sb = quantize_col<ELEM, FM, BS>(A, p, bits, o);
           uint8_t* qrow = qt[h * NP + cp];  // column col = cp * CPT + h
           *reinterpret_cast<uint4*>(qrow + rb * BS) = make_uint4(o[0], o[1], o[2], o[3]);
           *reinterpret_cast<uint4*>(qrow + rb * BS + 16) = make_uint4(o[4], o[5], o[6], o[7]);
-          st[col][rb] = static_cast<uint8_t>(scale_byte(A, e));
+          st[col][rb] = static_cast<uint8_t>(sb);
         }
       }
     }
@@ -739,6 +755,267 @@ __global__ void __launch_bounds__(kThreads) qdq_dim0_generic_kernel(const Raw<IN
 }
 
 // ---------------------------------------------------------------------------------------------
+// Expert groups of a 2D x (T rows): offs (E,) int32 cumulative group ends (as torch._grouped_mm),
+// pend (E,) the running sum of each group's blocks (qdq_group_blocks_kernel); offs == nullptr: none.
+struct Groups {
+  const int32_t* offs;
+  const int32_t* pend;
+  int E;
+};
+
+// pend[e] = sum over groups i <= e of ceil(max(offs[i] - offs[i-1], 0) / bs) (offs[-1] = 0): one
+// CTA, each thread a run of consecutive groups, a shared-memory scan of the runs.
+__global__ void __launch_bounds__(kThreads) qdq_group_blocks_kernel(const int32_t* __restrict__ offs,
+                                                                int32_t* __restrict__ pend, int E, int bs) {
+  __shared__ int32_t part[kThreads];
+  const int per = (E + kThreads - 1) / kThreads;
+  const int b = threadIdx.x * per, e_end = min(b + per, E);
+  auto blocks = [&](int i) -> int32_t {
+    const int64_t n = static_cast<int64_t>(offs[i]) - (i > 0 ? offs[i - 1] : 0);
+    return n > 0 ? static_cast<int32_t>((n + bs - 1) / bs) : 0;
+  };
+  int32_t sum = 0;
+  for (int i = b; i < e_end; ++i) sum += blocks(i);
+  part[threadIdx.x] = sum;
+  __syncthreads();
+  for (int o = 1; o < kThreads; o <<= 1) {  // inclusive scan of the runs
+    const int32_t t = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
+    __syncthreads();
+    part[threadIdx.x] += t;
+    __syncthreads();
+  }
+  int32_t run = threadIdx.x > 0 ? part[threadIdx.x - 1] : 0;
+  for (int i = b; i < e_end; ++i) {
+    run += blocks(i);
+    pend[i] = run;
+  }
+}
+
+// Rows [t0, t_end) of block pb of the padded row space (the rows kernel's, mxmoe.quant.groups):
+// group e (rows offs[e-1]:offs[e]) has ceil(n_e / bs) blocks from its first row, the last one
+// short; the blocks after the last group cover rows offs[E-1].. T, which belong to no group (false
+// for them). t0 >= t_end: no rows (the grid's upper bound on blocks).
+__device__ __forceinline__ bool group_block(const Groups& g, int64_t T, int bs, int64_t pb, int64_t& t0,
+                                            int64_t& t_end) {
+  int lo = 0, hi = g.E;  // lo = the groups whose blocks all come before pb
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (__ldg(g.pend + mid) <= pb) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  const int64_t first = lo > 0 ? __ldg(g.pend + lo - 1) : 0;
+  t0 = (lo > 0 ? static_cast<int64_t>(__ldg(g.offs + lo - 1)) : 0) + (pb - first) * bs;
+  const bool in_group = lo < g.E;
+  const int64_t end = in_group ? static_cast<int64_t>(__ldg(g.offs + lo)) : T;
+  t_end = end < T ? end : T;
+  return in_group;
+}
+
+// y (T, C) of elem_bytes 2 / 4: zero at the rows at or after offs[E-1] (the grouped dim0 qdq of the
+// generic path; offs[E-1] is only known on the device).
+__global__ void __launch_bounds__(kThreads) qdq_zero_rows_after_groups_kernel(void* __restrict__ y, int elem_bytes,
+                                                                          const int32_t* __restrict__ offs, int E,
+                                                                          int64_t T, int64_t C) {
+  const int64_t last = offs[E - 1];
+  const int64_t start = (last < 0 ? 0 : (last < T ? last : T)) * C;
+  for (int64_t i = start + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < T * C;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    if (elem_bytes == 2) {
+      static_cast<uint16_t*>(y)[i] = 0;
+    } else {
+      static_cast<uint32_t*>(y)[i] = 0;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantize-dequantize along dim1 (blocks of 32 rows of each matrix, the last one short, equal to
+// the zero-padded cast's), optionally with dim0 from the same read (FUSED), every output in x's
+// own row-major layout. x is B matrices of R rows of NCVT 16-byte vectors (C = NCVT * VEC columns).
+// The dim1 cast's column quantization (quantize_col) and the dequantize's device functions
+// (fp8x2_to_f32, dequant_bits) in registers, so the values are those of the cast kernels followed
+// by the dequantize kernel, bit for bit; FUSED adds the dim0 qdq's quantize_vec32 + dequant_pairs.
+//
+// A warp owns one unit: a 32-row block x NCV = 32 / RL consecutive column vectors. Lane l holds
+// column vector l % NCV of rows (l / NCV) * NR .. + NR - 1 of the block (NR = 32 / RL rows, RL lanes
+// per column): NR 16-byte loads, all issued before the first use (each load instruction of a warp
+// reads RL rows x NCV * 16 contiguous bytes), no shared memory, a one-shot grid of 8 units per CTA.
+// Column amax: a packed max over the thread's rows (bf16: 16x2 integer max of the absolute bit
+// patterns, as dim1_tile_kernel), then shuffles across the RL lanes of the column. Each column's
+// NR fp8 bytes stay in registers; per row the fp8 bytes of two columns are paired (byte_perm),
+// converted once (fp8x2_to_f32) and scaled by each column's scale (dequant_bits); the row's VEC
+// outputs go out as one 16-byte store (bf16 -> bf16, fp32 -> fp32), two (bf16 -> fp32) or one
+// 8-byte store (fp32 -> bf16). FUSED: the LPB lanes of a 32-column block are consecutive
+// (NCV % LPB == 0, C % 32 == 0), as quantize_vec32's shuffles need.
+// Groups (g.offs != nullptr, B == 1): unit rows are blocks of the padded row space, each warp's
+// found by group_block (a binary search over g.pend, warp-uniform); units past the last block return
+// at once; rows in no group load as zeros and store +0 in both outputs (the Triton rows kernel's).
+// RL = 2 (16 rows per thread), and 4 for bf16 FUSED, which needs 230 registers at RL = 2: every
+// variant then fits 128 registers without spills (ptxas, sm_90), two CTAs (16 warps) per SM.
+template <int IN, int OUT, int ELEM, bool FUSED, int RL>
+__global__ void __launch_bounds__(kThreads, 2) qdq_dim1_kernel(const uint4* __restrict__ x, uint32_t* __restrict__ y1,
+                                                               uint32_t* __restrict__ y0, int64_t R, int64_t ncvt,
+                                                               int64_t nbm, int64_t ncc, int64_t units, Groups g,
+                                                               ScaleArgs p) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));  // elements (columns) per vector: 8 / 4
+  constexpr int NCV = 32 / RL;                                  // column vectors per unit
+  constexpr int NR = 32 / RL;                                   // rows per thread (RL lanes per column)
+  constexpr int NWO = OUT == MX_BF16 ? VEC / 2 : VEC;           // 32-bit output words per row vector
+  const int lane = threadIdx.x & 31;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
+  if (unit >= units) return;  // uniform per warp: the warps that go on keep all their lanes
+  const int64_t cc = unit % ncc, rbg = unit / ncc;
+  int64_t t0, t_end;  // the block's rows (flat over the matrices)
+  bool in_group = true;
+  if (g.offs != nullptr) {  // x is (R, C): block rbg of the padded row space
+    in_group = group_block(g, R, 32, rbg, t0, t_end);
+    if (t0 >= t_end) return;  // uniform per warp, as above
+  } else {  // matrix m: rows m * R .. m * R + R - 1
+    const int64_t m = rbg / nbm;
+    t0 = m * R + (rbg - m * nbm) * 32;
+    t_end = m * R + R;
+  }
+  const int64_t cv = cc * NCV + (lane % NCV);
+  const int half = lane / NCV;
+  const int64_t row0 = t0 + half * NR;  // this thread's first row
+  const int64_t left = t_end - row0;    // the block's rows from row0 on (may be <= 0)
+  const int nrows = static_cast<int>(left < 0 ? 0 : (left < NR ? left : NR));
+  const bool col_ok = cv < ncvt;
+  uint4 v[NR];
+  // rows in no group read as zeros, whose qdq is +0 both ways (the rows kernel's convention)
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    v[j] = in_group && col_ok && j < nrows ? __ldcs(x + (row0 + j) * ncvt + cv) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  if constexpr (FUSED) {  // dim0: every lane runs quantize_vec32 (shuffles); zero rows are not stored
+#pragma unroll
+    for (int j = 0; j < NR; ++j) {
+      uint32_t qw[4];
+      const uint32_t sb = quantize_vec32<IN, ELEM, false>(v[j], p, qw);
+      uint32_t o[NWO];
+      dequant_pairs<OUT, ELEM, VEC / 2>(qw, e8m0_to_f32(sb), o);
+      if (!col_ok || j >= nrows) continue;
+      uint32_t* dst = y0 + ((row0 + j) * ncvt + cv) * NWO;
+      if constexpr (NWO == 2) {
+        __stcs(reinterpret_cast<uint2*>(dst), make_uint2(o[0], o[1]));
+      } else {
+#pragma unroll
+        for (int k = 0; k < NWO / 4; ++k) {
+          __stcs(reinterpret_cast<uint4*>(dst) + k, make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]));
+        }
+      }
+    }
+  }
+  // Column amax: word k of a vector holds columns 2k, 2k + 1 (bf16) or column k (fp32).
+  uint32_t M[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    const uint32_t w[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) M[k] = IN == MX_BF16 ? __vmaxu2(M[k], w[k] & 0x7FFF7FFFu) : max(M[k], w[k] & kAbsMask);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int o = NCV; o < 32; o <<= 1) {
+      const uint32_t t = __shfl_xor_sync(0xFFFFFFFFu, M[k], o);
+      M[k] = IN == MX_BF16 ? __vmaxu2(M[k], t) : max(M[k], t);
+    }
+  }
+  if (!col_ok || nrows == 0) return;
+  uint32_t q[VEC][NR / 4];
+  float sc[VEC];
+#pragma unroll
+  for (int h = 0; h < VEC; ++h) {
+    const int k = IN == MX_BF16 ? h / 2 : h;
+    const bool hi = IN == MX_BF16 && (h & 1);
+    auto bits = [&](int j) -> uint32_t {
+      const uint32_t w = k == 0 ? v[j].x : (k == 1 ? v[j].y : (k == 2 ? v[j].z : v[j].w));
+      if constexpr (IN == MX_BF16) {
+        return hi ? (w & 0xFFFF0000u) : (w << 16);
+      } else {
+        return w;
+      }
+    };
+    const uint32_t A = IN == MX_BF16 ? (hi ? (M[k] & 0xFFFF0000u) : (M[k] << 16)) : M[k];
+    sc[h] = e8m0_to_f32(quantize_col<ELEM, -1, NR>(A, p, bits, q[h]));
+  }
+#pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    if (j >= nrows) break;
+    // byte j % 4 of each column's word j / 4: columns 2t (low byte) and 2t + 1
+    const unsigned sel = static_cast<unsigned>(j & 3) | (static_cast<unsigned>(4 + (j & 3)) << 4);
+    uint32_t o[NWO];
+#pragma unroll
+    for (int t = 0; t < VEC / 2; ++t) {
+      const float2 f = fp8x2_to_f32<ELEM>(__byte_perm(q[2 * t][j >> 2], q[2 * t + 1][j >> 2], sel));
+      const uint32_t a = dequant_bits<OUT>(f.x, sc[2 * t]);
+      const uint32_t c = dequant_bits<OUT>(f.y, sc[2 * t + 1]);
+      if constexpr (OUT == MX_BF16) {
+        o[t] = a | (c << 16);
+      } else {
+        o[2 * t] = a;
+        o[2 * t + 1] = c;
+      }
+    }
+    uint32_t* dst = y1 + ((row0 + j) * ncvt + cv) * NWO;
+    if constexpr (NWO == 2) {
+      __stcs(reinterpret_cast<uint2*>(dst), make_uint2(o[0], o[1]));
+    } else {
+#pragma unroll
+      for (int k = 0; k < NWO / 4; ++k) {
+        __stcs(reinterpret_cast<uint4*>(dst) + k, make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]));
+      }
+    }
+  }
+}
+
+// Any block size, any alignment: one thread per (row block, column); row blocks of bs rows from
+// each matrix's first row (nblk = B * ceil(R / bs)), or with groups the padded row space's blocks
+// (nblk its upper bound), the last one short (its rows only: zeros do not change the amax); rows
+// in no group get +0.
+template <int IN, int OUT, int ELEM>
+__global__ void __launch_bounds__(kThreads) qdq_dim1_generic_kernel(const Raw<IN>* __restrict__ x,
+                                                                    void* __restrict__ y, int64_t nblk, int64_t R,
+                                                                    int64_t C, int bs, Groups g, ScaleArgs p) {
+  const int64_t nbm = (R + bs - 1) / bs;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; idx < nblk * C;
+       idx += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t c = idx % C;
+    const int64_t pb = idx / C;
+    int64_t t0, t_end;
+    bool in_group = true;
+    if (g.offs != nullptr) {
+      in_group = group_block(g, R, bs, pb, t0, t_end);
+    } else {
+      const int64_t b = pb / nbm;
+      t0 = b * R + (pb - b * nbm) * bs;
+      t_end = b * R + R;
+    }
+    if (t0 >= t_end) continue;
+    const int n = static_cast<int>(t_end - t0 < bs ? t_end - t0 : bs);
+    const int64_t base = t0 * C + c;
+    auto store = [&](int i, uint32_t bits) {
+      if constexpr (OUT == MX_BF16) {
+        static_cast<uint16_t*>(y)[base + i * C] = static_cast<uint16_t>(bits);
+      } else {
+        static_cast<uint32_t*>(y)[base + i * C] = bits;
+      }
+    };
+    if (!in_group) {
+      for (int i = 0; i < n; ++i) store(i, 0u);
+      continue;
+    }
+    quantize_block_generic<IN, ELEM>(x + base, C, n, p, [&](int i, uint8_t q, uint32_t sb) {
+      store(i, dequant_bits<OUT>(fp8x2_to_f32<ELEM>(q).x, e8m0_to_f32(sb)));
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side.
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
@@ -988,4 +1265,124 @@ cudaError_t mx_qdq_dim0(const void* x, int in_dtype, void* y, int out_dtype, int
     return out_dtype == MX_BF16 ? launch(std::integral_constant<int, MX_BF16>{})
                                 : launch(std::integral_constant<int, MX_F32>{});
   });
+}
+
+namespace {
+
+// qdq_dim1_kernel's preconditions: block 32, x and the outputs (y0: FUSED only, else nullptr)
+// 16-byte aligned, 16-byte vectors of x never straddle a row.
+bool qdq_dim1_fast(int in_dtype, const void* x, const void* y0, const void* y1, int64_t C, int block_size) {
+  const int vec = in_dtype == MX_BF16 ? 8 : 4;
+  return block_size == 32 && C % vec == 0 && aligned(x, 16) && aligned(y1, 16) && (!y0 || aligned(y0, 16));
+}
+
+// The dim1 (FUSED: dim0 + dim1) qdq of x (B, R, C) into y1 (and y0) with qdq_dim1_kernel
+// (qdq_dim1_fast holds).
+template <int IN, int OUT, int EL, bool FUSED>
+cudaError_t launch_qdq_dim1(const void* x, void* y0, void* y1, int64_t B, int64_t R, int64_t C, const Groups& g,
+                            const ScaleArgs& p, cudaStream_t st) {
+  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+  constexpr int RL = FUSED && IN == MX_BF16 ? 4 : 2;  // lanes per column: registers (see the kernel)
+  constexpr int NCV = 32 / RL;
+  const int64_t ncvt = C / VEC, nbm = (R + 31) / 32, ncc = (ncvt + NCV - 1) / NCV;
+  // with groups (B == 1): an upper bound on the padded row space's blocks, as the rows kernel's grid
+  const int64_t units = (g.offs != nullptr ? (R + 31 * static_cast<int64_t>(g.E) + 31) / 32 : B * nbm) * ncc;
+  constexpr int64_t kWarps = kThreads / 32;
+  const int64_t want = (units + kWarps - 1) / kWarps;
+  if (want > INT_MAX) return cudaErrorInvalidValue;
+  qdq_dim1_kernel<IN, OUT, EL, FUSED, RL><<<static_cast<unsigned>(want), kThreads, 0, st>>>(
+      static_cast<const uint4*>(x), static_cast<uint32_t*>(y1), static_cast<uint32_t*>(y0), R, ncvt, nbm, ncc,
+      units, g, p);
+  return launch_status();
+}
+
+template <int IN, int OUT, int EL>
+cudaError_t launch_qdq_dim1_generic(const void* x, void* y, int64_t B, int64_t R, int64_t C, int bs, const Groups& g,
+                                    const ScaleArgs& p, cudaStream_t st) {
+  const int64_t nblk = g.offs != nullptr ? (R + (bs - 1) * static_cast<int64_t>(g.E) + bs - 1) / bs
+                                         : B * ((R + bs - 1) / bs);
+  const unsigned grid = grid_for<qdq_dim1_generic_kernel<IN, OUT, EL>>((nblk * C + kThreads - 1) / kThreads);
+  qdq_dim1_generic_kernel<IN, OUT, EL><<<grid, kThreads, 0, st>>>(static_cast<const Raw<IN>*>(x), y, nblk, R, C, bs,
+                                                                  g, p);
+  return launch_status();
+}
+
+// Groups for the kernels: pend computed into the caller's scratch (E int32) on the stream.
+cudaError_t make_groups(const int32_t* offs, int64_t E, int32_t* pend, int bs, cudaStream_t st, Groups* g) {
+  *g = Groups{nullptr, nullptr, 0};
+  if (offs == nullptr) return cudaSuccess;
+  qdq_group_blocks_kernel<<<1, kThreads, 0, st>>>(offs, pend, static_cast<int>(E), bs);
+  *g = Groups{offs, pend, static_cast<int>(E)};
+  return launch_status();
+}
+
+// f(Pair<in, elem>{}, integral_constant<out>{}) with compile-time codes.
+template <typename F>
+cudaError_t dispatch_out(int in_dtype, int elem, int out_dtype, F&& f) {
+  return dispatch(in_dtype, elem, [&](auto codes) -> cudaError_t {
+    return out_dtype == MX_BF16 ? f(codes, std::integral_constant<int, MX_BF16>{})
+                                : f(codes, std::integral_constant<int, MX_F32>{});
+  });
+}
+
+}  // namespace
+
+cudaError_t mx_qdq_dim1(const void* x, int in_dtype, void* y, int out_dtype, int64_t batch, int64_t rows,
+                        int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127, uint32_t rceil_t126,
+                        float rceil_c, const int32_t* offs, int64_t num_groups, int32_t* pend, intptr_t stream) {
+  if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
+      mode > 3 || batch < 0 || rows < 0 || cols < 0 ||
+      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX || pend == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
+  const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  Groups g;
+  const cudaError_t err = make_groups(offs, num_groups, pend, block_size, st, &g);
+  if (err != cudaSuccess) return err;
+  return dispatch_out(in_dtype, elem, out_dtype, [&](auto codes, auto out_code) -> cudaError_t {
+    constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second, OUT = decltype(out_code)::value;
+    if (qdq_dim1_fast(in_dtype, x, nullptr, y, cols, block_size)) {
+      return launch_qdq_dim1<IN, OUT, EL, false>(x, nullptr, y, batch, rows, cols, g, p, st);
+    }
+    return launch_qdq_dim1_generic<IN, OUT, EL>(x, y, batch, rows, cols, block_size, g, p, st);
+  });
+}
+
+cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, int out_dtype, int64_t batch,
+                             int64_t rows, int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
+                             uint32_t rceil_t126, float rceil_c, const int32_t* offs, int64_t num_groups,
+                             int32_t* pend, intptr_t stream) {
+  if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
+      mode > 3 || batch < 0 || rows < 0 || cols < 0 || cols % block_size ||
+      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX || pend == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
+  const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  if (qdq_dim1_fast(in_dtype, x, y0, y1, cols, block_size)) {
+    Groups g;
+    const cudaError_t err = make_groups(offs, num_groups, pend, block_size, st, &g);
+    if (err != cudaSuccess) return err;
+    return dispatch_out(in_dtype, elem, out_dtype, [&](auto codes, auto out_code) -> cudaError_t {
+      constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second, OUT = decltype(out_code)::value;
+      return launch_qdq_dim1<IN, OUT, EL, true>(x, y0, y1, batch, rows, cols, g, p, st);
+    });
+  }
+  // Other block sizes or alignments: two passes over x (the dim0 qdq, its rows after the groups
+  // zeroed, and the dim1 qdq).
+  const cudaError_t e0 = mx_qdq_dim0(x, in_dtype, y0, out_dtype, batch * rows * cols, block_size, mode, elem,
+                                     rceil_t127, rceil_t126, rceil_c, stream);
+  if (e0 != cudaSuccess) return e0;
+  if (offs != nullptr) {
+    const unsigned grid = grid_for<qdq_zero_rows_after_groups_kernel>((rows * cols + kThreads - 1) / kThreads);
+    qdq_zero_rows_after_groups_kernel<<<grid, kThreads, 0, st>>>(y0, out_dtype == MX_BF16 ? 2 : 4, offs,
+                                                             static_cast<int>(num_groups), rows, cols);
+    const cudaError_t ez = launch_status();
+    if (ez != cudaSuccess) return ez;
+  }
+  return mx_qdq_dim1(x, in_dtype, y1, out_dtype, batch, rows, cols, block_size, mode, elem, rceil_t127, rceil_t126,
+                     rceil_c, offs, num_groups, pend, stream);
 }

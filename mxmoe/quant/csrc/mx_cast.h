@@ -55,3 +55,23 @@ cudaError_t mx_dequantize(const uint8_t* q, const uint8_t* s, void* out, int out
 cudaError_t mx_qdq_dim0(const void* x, int in_dtype, void* y, int out_dtype, int64_t n, int block_size,
                         int mode, int elem, uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c,
                         intptr_t stream);
+
+// Quantize-dequantize along dim1: x (batch, rows, cols), blocks of block_size rows from each
+// matrix's first row, the last one short (rows need not be a multiple of block_size) -> y of x's
+// shape and layout, out_dtype: the values of casting the matrices zero-padded to whole blocks
+// along rows (mx_quantize_dim1) and dequantizing (mx_dequantize), at x's positions, bit for bit.
+// Groups (batch == 1; offs == nullptr: none): offs (num_groups,) int32 cumulative group ends on the
+// device; the blocks start at each group's first row instead (group e = rows offs[e-1]:offs[e]), and
+// the rows at or after offs[num_groups - 1] are zero; pend: num_groups int32 of device scratch.
+cudaError_t mx_qdq_dim1(const void* x, int in_dtype, void* y, int out_dtype, int64_t batch, int64_t rows,
+                        int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
+                        uint32_t rceil_t126, float rceil_c, const int32_t* offs, int64_t num_groups,
+                        int32_t* pend, intptr_t stream);
+
+// Both: y0 = mx_qdq_dim0 and y1 = mx_qdq_dim1 of x (batch, rows, cols), cols % block_size == 0,
+// from one read of x (block 32, 16-byte aligned pointers; else the two launchers in turn); with
+// groups the rows after the last group are zero in y0 too.
+cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, int out_dtype, int64_t batch,
+                             int64_t rows, int64_t cols, int block_size, int mode, int elem,
+                             uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, const int32_t* offs,
+                             int64_t num_groups, int32_t* pend, intptr_t stream);
