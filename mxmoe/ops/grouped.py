@@ -180,6 +180,14 @@ class _MXGroupedMM(torch.autograd.Function):
         return da, None, None, None, db_t, None, None, None
 
 
+def _grouped_shared_forward(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, out_dtype, cast_to, b_ts, need_dw: bool):
+    """The forward of `mx_grouped_mm_shared`: (the outputs, what the backward keeps, its cap)."""
+    if cast_to is not None:
+        a = a.to(cast_to)
+    a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, need_dw, out_dtype)
+    return tuple(_forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, out_dtype) for b_t in b_ts), kept, cap
+
+
 class _MXGroupedMMShared(torch.autograd.Function):
     """y_i = a W_iₑᵀ per group for several expert weights with one cast of a (`mx_grouped_mm_shared`)."""
 
@@ -187,11 +195,8 @@ class _MXGroupedMMShared(torch.autograd.Function):
     def forward(ctx, a, a_q, a_s, a_mode, offs, cfg: MXRecipe, out_dtype, cast_to, *b_ts):
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         ctx.x_dtype = a.dtype
-        if cast_to is not None:
-            a = a.to(cast_to)
         need_dw = any(wants_grad(b_t) for b_t in b_ts)
-        a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, need_dw, out_dtype)
-        ys = tuple(_forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, out_dtype) for b_t in b_ts)
+        ys, kept, cap = _grouped_shared_forward(a, a_q, a_s, a_mode, offs, cfg, out_dtype, cast_to, b_ts, need_dw)
         ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = cfg, a_q is not None, out_dtype, a_mode, cap
         ctx.n = len(b_ts)
         ctx.save_for_backward(offs, *b_ts, *kept)
@@ -275,7 +280,10 @@ def mx_grouped_mm_shared(
     # its gradient is summed after each op's cast back, as for separate calls
     cast_to = autocast_target(a) if args[1] is None else None
     with no_autocast(b_ts[0].device):
-        return _MXGroupedMMShared.apply(*args, offs, cfg, out_dtype, cast_to, *b_ts)
+        if torch.is_grad_enabled() and (args[0].requires_grad or any(b.requires_grad for b in b_ts)):
+            return _MXGroupedMMShared.apply(*args, offs, cfg, out_dtype, cast_to, *b_ts)
+        # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
+        return _grouped_shared_forward(*args, offs, cfg, out_dtype, cast_to, b_ts, False)[0]
 
 
 def _checked_args(a, b_t, offs, cfg: MXRecipe):

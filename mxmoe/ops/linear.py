@@ -238,6 +238,14 @@ def sum_like_autograd(grads: list[Tensor]) -> Tensor:
     return acc
 
 
+def _mm_shared_forward(x: Tensor, cast_to, cfg: MXRecipe, w_ts, need_dw: bool):
+    """The forward of `mx_mm_shared`: (the outputs, x as the GEMMs take it (2D), what the backward keeps)."""
+    a = x.to(cast_to) if cast_to is not None else x
+    a = a.reshape(-1, a.shape[-1])
+    x0, kept = _cast_x(a, cfg, need_dw)
+    return tuple(_forward_gemm(x0, w_t.t(), cfg, a.dtype) for w_t in w_ts), a, kept
+
+
 class _MXMMShared(torch.autograd.Function):
     """y_i = x W_iᵀ for several weights with one cast of x (see `mx_mm_shared`)."""
 
@@ -246,11 +254,7 @@ class _MXMMShared(torch.autograd.Function):
         # x (..., K) as the caller gave it; cast_to: the autocast dtype each single op would cast
         # x to (None: no cast); w_ts (K, N_i), the transposed views of W_i (N_i, K)
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
-        a = x.to(cast_to) if cast_to is not None else x
-        a = a.reshape(-1, a.shape[-1])
-        need_dw = [wants_grad(w_t) for w_t in w_ts]
-        x0, kept = _cast_x(a, cfg, any(need_dw))
-        ys = tuple(_forward_gemm(x0, w_t.t(), cfg, a.dtype) for w_t in w_ts)
+        ys, a, kept = _mm_shared_forward(x, cast_to, cfg, w_ts, any(wants_grad(w_t) for w_t in w_ts))
         ctx.cfg, ctx.a_dtype, ctx.x_shape, ctx.x_dtype = cfg, a.dtype, x.shape, x.dtype
         ctx.n = len(w_ts)
         ctx.save_for_backward(*w_ts, *kept)
@@ -340,5 +344,8 @@ def mx_mm_shared(
     lead = a.shape[:-1]
     cast_to = autocast_target(a)
     with no_autocast(a.device):
-        ys = _MXMMShared.apply(a, cast_to, cfg, *bs)
+        if torch.is_grad_enabled() and (a.requires_grad or any(b.requires_grad for b in bs)):
+            ys = _MXMMShared.apply(a, cast_to, cfg, *bs)
+        else:  # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
+            ys = _mm_shared_forward(a, cast_to, cfg, bs, False)[0]
     return tuple(y if a.ndim == 2 else y.view(*lead, b.shape[1]) for y, b in zip(ys, bs, strict=True))

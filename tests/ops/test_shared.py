@@ -298,6 +298,33 @@ def test_shared_ops_compile_fullgraph(backend):
     check(run(g, a, wg, gg, True, (True,) * 2, (0, 1), False), want)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_shared_ops_under_no_grad(monkeypatch, compiled):
+    """Validation calls the ops under torch.no_grad with weights that require grad: no autograd
+    node, the separate ops' outputs bit for bit, and x cast along K alone (no copy along M for a
+    wgrad that cannot come); compiled with fullgraph too (dynamo once failed on the Function's ctx
+    there: 'Tensor' object has no attribute 'set_materialize_grads')."""
+    counts = Counts(monkeypatch)
+    x, ws, _ = mm_operands(torch.float32)
+    a, wg, _, offs = grouped_operands(COUNTS[0], torch.float32)
+    ws = [w.requires_grad_() for w in ws]
+    wg = [w.requires_grad_() for w in wg]
+    for shared, separate, inp, weights in (
+        (shared_mm(CPU), separate_mm(CPU), x, ws),
+        (shared_grouped(CPU, offs), separate_grouped(CPU, offs), a, wg),
+    ):
+        fn = torch.compile(shared, fullgraph=True, backend="aot_eager") if compiled else shared
+        with torch.no_grad():
+            want = separate(inp, weights)
+            counts.qdq = 0
+            got = fn(inp, weights)
+        assert all(y.grad_fn is None and not y.requires_grad for y in got)
+        for g, w in zip(got, want, strict=True):
+            bits_equal(g, w, "no_grad output")
+        if not compiled:  # x along K once, each weight along K once
+            assert counts.qdq == 1 + len(weights), counts.qdq
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gemm_backend", ["emulated", "fp8"])
 def test_gpu_shared_ops_bit_identical(gemm_backend):

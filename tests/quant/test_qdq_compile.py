@@ -110,13 +110,17 @@ def test_cpu_interpreter_compiles_fullgraph_and_matches_eager():
 
 
 @pytest.mark.gpu
-def test_gpu_inductor_launches_qdq_kernels_directly():
-    """On the GPU inductor's generated code launches the qdq Triton kernel itself (no
-    `torch.ops.mxmoe.qdq` call back into Python; 2D grouped, 2D and 3D weights along N with a short
-    last block per expert) and its results equal eager's bit for bit."""
+@pytest.mark.parametrize(
+    "kernel,launch", [("auto", "torch.ops.mxmoe_cuda.qdq_"), ("triton", "qdq_rows_kernel")]
+)
+def test_gpu_inductor_launches_qdq_kernels_directly(kernel, launch):
+    """On the GPU inductor's generated code calls the CUDA qdq C++ operators ("auto") or launches
+    the qdq Triton kernel itself ("triton"): no `torch.ops.mxmoe.qdq` call back into Python (2D
+    grouped, 2D and 3D weights along N with a short last block per expert); its results equal
+    eager's bit for bit."""
     from torch._inductor.utils import run_and_get_code
 
-    r = MXRecipe()
+    r = MXRecipe(dim0_kernel=kernel, dim1_kernel=kernel)
     x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16) * 3
     w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
     w3 = torch.randn(4, 100, 512, device="cuda", dtype=torch.bfloat16)
@@ -129,7 +133,7 @@ def test_gpu_inductor_launches_qdq_kernels_directly():
     torch._dynamo.reset()
     got, codes = run_and_get_code(torch.compile(f, fullgraph=True), x, w, w3, offs)
     code = "\n".join(codes)
-    assert "qdq_rows_kernel" in code
+    assert launch in code
     assert "torch.ops.mxmoe.qdq" not in code  # (comments may still name the op the code came from)
     for g, e in zip(got, f(x, w, w3, offs), strict=True):
         assert g.shape == e.shape
