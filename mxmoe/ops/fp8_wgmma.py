@@ -421,10 +421,21 @@ def _decoded_scales(s: Tensor, groups: int, kb_pad: int, cols_pad: int, tile: in
         f = torch.nn.functional.pad(f, (0, kb_pad - kb, 0, cols_pad - cols))
     f = f.transpose(1, 2)  # (groups, kb_pad, cols_pad), a view
     if tile:  # offset o of each tile holds column _sb_columns(tile)[o]
-        idx = torch.tensor(_sb_columns(tile), device=f.device)
-        f = f.reshape(groups, kb_pad, cols_pad // tile, tile)[..., idx]
+        f = _sb_permuted(f.reshape(groups, kb_pad, cols_pad // tile, tile))
     # (with one group a reshape of the transposed view can stay a strided view: TMA needs rows)
     return f.reshape(groups * kb_pad, cols_pad).contiguous()
+
+
+def _sb_permuted(f: Tensor) -> Tensor:
+    """f (..., W) with W >= 32 a power of two -> its columns in `_sb_columns(W)` order, as a
+    permutation of the column index's bits (no index tensor: nothing to copy from the host, so it
+    can run inside CUDA graph capture). Offset bits o0..o4 hold column bits c0, c3, c4, c1, c2
+    (`_sb_bases`); the bits above stay in place."""
+    *lead, W = f.shape
+    f = f.reshape(*lead, W // 32, 2, 2, 2, 2, 2)  # column bits: hi, c4, c3, c2, c1, c0
+    n = len(lead)
+    f = f.permute(*range(n), n, n + 3, n + 4, n + 1, n + 2, n + 5)  # offset bits: hi, o4..o0
+    return f.reshape(*lead, W)
 
 
 def _resident_ctas(cfg: WgmmaConfig, device: torch.device) -> int:

@@ -769,3 +769,36 @@ def test_ws_kernel_compiles_for_sm90():
                        timeout=900)
     assert r.returncode == 0 and "compiled" in r.stdout, (r.stdout + r.stderr)[-4000:]
     print(r.stdout)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_ops_capture_in_a_cuda_graph():
+    """The fp8 backend's forward and backward (dense and grouped) record into a CUDA graph (the
+    trainer's --training.cuda_graph): no host copy or sync inside (the B-scale column order was
+    once a host index tensor), and a replay gives the eager step's bits."""
+    torch.manual_seed(3)
+    cfg = MXOpConfig(gemm_backend="fp8")
+    E, K, N = 4, 256, 384
+    offs = torch.tensor([64, 64, 200, 320], device="cuda", dtype=torch.int32)
+    x = torch.randn(320, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5).requires_grad_()
+    we = (torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5).requires_grad_()
+
+    def step():
+        x.grad = w.grad = we.grad = None
+        y = mx_mm(x, w.t(), cfg) + mx_grouped_mm(x, we.transpose(-2, -1), offs, cfg)
+        y.float().square().sum().backward()
+        return y.detach(), x.grad, w.grad, we.grad
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        want = [t.clone() for t in step()]  # warm-up outside capture (kernels compiled, caches filled)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = step()
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
