@@ -91,6 +91,11 @@ class Training:
     max_norm: float = _f(1.0, "gradient clipping max norm (0 disables)")
     seed: int = _f(0, "seed of the model init, the data order and the RNG")
     compile: bool = _f(False, "torch.compile each transformer block")
+    compile_full: bool = _f(
+        False,
+        "torch.compile the whole model as one graph (fullgraph=True; one process: no FSDP / expert "
+        "parallelism); with cuda_graph=true the fastest mode measured, bf16 and MX",
+    )
     cuda_graph: bool = _f(
         False, "capture forward+backward in one CUDA graph and replay it (one GPU, no EP/FSDP)"
     )

@@ -317,6 +317,12 @@ def _train(
             f"training.cuda_graph=true captures one GPU's step: needs device cuda and one process "
             f"(no FSDP / expert parallelism), got device {device.type} and world size {world}"
         )
+    if t.compile_full and (t.compile or world > 1):
+        raise ValueError(
+            "training.compile_full=true compiles the whole model in one graph: it needs one process "
+            f"(no FSDP / expert parallelism) and training.compile=false (per-block compile), got world "
+            f"size {world} and training.compile={t.compile}"
+        )
     if pd.tp > 1 and use_mx:
         # the converter owns this refusal: let it raise its own error before anything is built
         _mx_convert(torch.nn.Module(), cfg, pd)
@@ -335,6 +341,8 @@ def _train(
         _mx_convert(model, cfg, pd)
     if t.compile:
         compile_submodules(model)
+    elif t.compile_full:
+        model.compile(fullgraph=True)  # in place: parameter and state_dict names unchanged
     exp_params = parallel.expert_params(model) if ep_mesh is not None else []
     if distributed:
         parallel.apply_fsdp(model, dp_mesh, ignore_experts=ep_mesh is not None)

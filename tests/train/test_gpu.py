@@ -29,12 +29,16 @@ TINY_GPU = [
 ]
 
 
-@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compile"])
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--training.compile=true"], ["--training.compile_full=true", "--training.cuda_graph=true"]],
+    ids=["eager", "compile", "compile_full+graph"],
+)
 @pytest.mark.parametrize(
     "mx", [[], ["--model.converters=mx", "--mx.recipe_name=mxfp8_rceil"]], ids=["bf16", "mx"]
 )
-def test_gpu_train_runs_and_learns(tmp_path, mx, compile_):
-    argv = TINY_GPU + mx + [f"--metrics.folder={tmp_path}", f"--training.compile={compile_}"]
+def test_gpu_train_runs_and_learns(tmp_path, mx, mode):
+    argv = TINY_GPU + mx + mode + [f"--metrics.folder={tmp_path}"]
     assert trainer.main(argv) == 0
     recs = [json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, 7))

@@ -246,17 +246,33 @@ def test_profiling_settings_are_checked(tmp_path, capsys, opt, message):
 
 
 def test_compiled_mx_training_matches_eager(tmp_path):
-    """`--training.compile` with the MX converter trains like eager: same losses and gradient norms
+    """`--training.compile` (per block) and `--training.compile_full` (the whole model, one graph)
+    with the MX converter train like eager: same losses and gradient norms, validation included
     (on torch 2.11 a compiled MX op once gave every input a zero gradient)."""
-    common = TINY + MX + ["--training.steps=3"]
+    common = TINY + MX + ["--training.steps=3", "--training.val_interval=3", "--training.val_batches=1"]
     runs = {}
-    for name, flag in (("eager", "false"), ("compiled", "true")):
-        args = [f"--metrics.folder={tmp_path / name}", f"--training.compile={flag}"]
-        assert trainer.main(common + args) == 0
+    for name, flags in (
+        ("eager", []),
+        ("compiled", ["--training.compile=true"]),
+        ("compiled_full", ["--training.compile_full=true"]),
+    ):
+        assert trainer.main(common + flags + [f"--metrics.folder={tmp_path / name}"]) == 0
         recs = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = [(r["loss"], r["grad_norm"]) for r in recs]
-    assert all(g > 0 for _, g in runs["compiled"])
-    torch.testing.assert_close(torch.tensor(runs["compiled"]), torch.tensor(runs["eager"]), rtol=1e-4, atol=0)
+        runs[name] = [(r["loss"], r["grad_norm"]) for r in recs if "grad_norm" in r]
+        runs[name + "_val"] = [r["val_loss"] for r in recs if "val_loss" in r]
+    for name in ("compiled", "compiled_full"):
+        assert all(g > 0 for _, g in runs[name]) and len(runs[name]) == 3
+        torch.testing.assert_close(torch.tensor(runs[name]), torch.tensor(runs["eager"]), rtol=1e-4, atol=0)
+        assert len(runs[name + "_val"]) == 1
+        torch.testing.assert_close(runs[name + "_val"], runs["eager_val"], rtol=1e-4, atol=0)
+
+
+def test_compile_full_is_checked(tmp_path, capsys):
+    """compile_full and the per-block compile are one choice: asking for both is a clear error."""
+    args = TINY + ["--training.steps=1", f"--metrics.folder={tmp_path}", "--training.compile=true",
+                   "--training.compile_full=true"]
+    assert trainer.main(args) == 2
+    assert "training.compile_full=true" in capsys.readouterr().err
 
 
 def test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly(tmp_path):
