@@ -180,7 +180,9 @@ class _MXGroupedMM(torch.autograd.Function):
         return da, None, None, None, db_t, None, None, None
 
 
-def _grouped_shared_forward(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, out_dtype, cast_to, b_ts, need_dw: bool):
+def _grouped_shared_forward(
+    a, a_q, a_s, a_mode, offs, cfg: MXRecipe, out_dtype, cast_to, b_ts, need_dw: bool
+):
     """The forward of `mx_grouped_mm_shared`: (the outputs, what the backward keeps, its cap)."""
     if cast_to is not None:
         a = a.to(cast_to)
@@ -196,7 +198,9 @@ class _MXGroupedMMShared(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         ctx.x_dtype = a.dtype
         need_dw = any(wants_grad(b_t) for b_t in b_ts)
-        ys, kept, cap = _grouped_shared_forward(a, a_q, a_s, a_mode, offs, cfg, out_dtype, cast_to, b_ts, need_dw)
+        ys, kept, cap = _grouped_shared_forward(
+            a, a_q, a_s, a_mode, offs, cfg, out_dtype, cast_to, b_ts, need_dw
+        )
         ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = cfg, a_q is not None, out_dtype, a_mode, cap
         ctx.n = len(b_ts)
         ctx.save_for_backward(offs, *b_ts, *kept)
