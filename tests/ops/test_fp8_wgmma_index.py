@@ -94,6 +94,7 @@ class _Recorder:
         self.expects = []  # (barrier, bytes)
         self.copies = []  # (descriptor, coordinates, barrier)
         self.bars = []  # the mbarriers of the CTA being emulated
+        self.mmas = []  # the wgmmas issued (`_Mma`)
 
 
 def _gl_shim(rec: _Recorder):
@@ -447,6 +448,10 @@ class _Partitions:
         self.local = threading.local()
         self.active = False
 
+    def in_flight(self):
+        """The calling partition's issued, not yet completed wgmmas (oldest first)."""
+        return self.local.__dict__.setdefault("mmas", [])
+
     def run(self, functions_and_args, worker_num_warps, worker_num_regs):
         assert len(functions_and_args) == len(worker_num_warps) + 1 == len(worker_num_regs) + 1
         assert all(24 <= r <= 256 and r % 8 == 0 for r in worker_num_regs)
@@ -524,6 +529,19 @@ class _Partitions:
             self.switch()
 
 
+class _Mma:
+    """An issued, not yet completed wgmma (its shared-memory operands as views)."""
+
+    def __init__(self, a, b):
+        self.a, self.b, self.value = a, b, None
+
+    def complete(self):
+        self.value = (self.a.a.astype(np.float64) @ self.b.a.astype(np.float64)).astype(np.float32).view(_Arr)
+
+    def reads(self, arr):
+        return np.shares_memory(self.a.a, arr) or np.shares_memory(self.b.a, arr)
+
+
 def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np, order="loader"):
     def alloc(dtype, shape, _layout):
         if dtype == "i64":
@@ -580,6 +598,8 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np, order="loader"
         if not pred:
             return
         rec.copies.append((desc, [int(c) for c in coords], bar))
+        assert not any(m.value is None and m.reads(dst.a) for m in rec.mmas), \
+            "a TMA refill of shared memory a wgmma in flight reads"
         src = descs_np[desc.name]
         (r0, c0), (br, bc) = coords, desc.block_type.shape
         box = np.zeros((br, bc))
@@ -608,10 +628,25 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np, order="loader"
     tma_ = types.SimpleNamespace(async_copy_global_to_shared=copy)
 
     def mma(a, b, _acc, use_acc=False, is_async=True):
-        return (a.a.astype(np.float64) @ b.a.astype(np.float64)).astype(np.float32).view(_Arr)
+        """An async wgmma: it reads its operands when a wait completes it (the latest the hardware
+        may), so a slot refilled while it is in flight gives a wrong product, and `copy` fails."""
+        p = _Mma(a, b)
+        rec.mmas.append(p)
+        parts.in_flight().append(p)
+        return p
+
+    def mma_wait(num_outstanding, deps):
+        """Completes the partition's wgmmas but the `num_outstanding` latest; a dep still in flight
+        after it is an error (its registers are not written yet)."""
+        q = parts.in_flight()
+        while len(q) > num_outstanding:
+            q.pop(0).complete()
+        vals = [d.value if isinstance(d, _Mma) else d for d in deps]
+        assert all(v is not None for v in vals), "a wgmma result used while the wgmma is in flight"
+        return vals[0] if len(vals) == 1 else tuple(vals)
 
     return dict(gl=gl_, mbarrier=mbar_, tma=tma_, fence_async_shared=lambda: None, warpgroup_mma=mma,
-                warpgroup_mma_wait=lambda n, deps: deps[0])
+                warpgroup_mma_wait=mma_wait)
 
 
 def emulate_kernel(got, patch=None, order="loader"):
@@ -652,6 +687,7 @@ def emulate_kernel(got, patch=None, order="loader"):
                    *[_I(x) for x in ints], **got["kw"])
             # at the CTA's exit: no TMA copy in flight, no phase half-arrived
             assert all(b.tx == 0 and b.pending == b.count for b in rec.bars), "a CTA exits mid-phase"
+            assert all(m.value is not None for m in rec.mmas), "a CTA exits with a wgmma in flight"
     return rec
 
 
