@@ -39,6 +39,9 @@ CONFIGS = [  # those of the GPU tests (tests/ops/test_fp8_gemm.py WGMMA_CONFIGS)
     WgmmaConfig(bn=64, bk=256, stages=3),
     WgmmaConfig(bk=64, stages=8),
     WgmmaConfig(persistent=False),
+    WgmmaConfig(pipelined=True),
+    WgmmaConfig(bn=64, bk=256, stages=3, pipelined=True),
+    WgmmaConfig(bk=32, stages=8, pipelined=True),
 ]
 
 
@@ -811,7 +814,8 @@ def test_ws_random_ragged_groups_emulated(seed, monkeypatch):
     counts[torch.randint(0, E, (E // 3,), generator=g)] = 0
     case = rows_case(counts.tolist(), int(torch.randint(0, 9, (1,), generator=g)), 72, 320)
     ref, mag, k = _reference(case)
-    for cfg, order in zip(CONFIGS, ("loader", "consumers") * 2, strict=True):
+    for i, cfg in enumerate(CONFIGS):
+        order = ("loader", "consumers")[i % 2]
         out = torch.full_like(case[5], float("nan"))
         _emulated(monkeypatch, (*case[:5], out), cfg, resident=2, order=order)
         assert _within_bound(out, ref, mag, k), (cfg, order)
@@ -824,19 +828,43 @@ def _without(op):
 
 
 @pytest.mark.parametrize("broken,order", [("_ws_loader/wait", "loader"), ("_ws_consumer/arrive", "loader"),
-                                          ("_ws_consumer/wait", "consumers")])
+                                          ("_ws_consumer/wait", "consumers"),
+                                          ("_k_loop_pipelined/arrive", "loader"),
+                                          ("_k_loop_pipelined/wait", "consumers")])
 def test_ws_emulation_catches_a_broken_ring(broken, order, monkeypatch):
     """The emulation's teeth: a loader that does not wait for the consumers' release (a refill
     racing the reads of the slot's previous stage), consumers that never release a slot, and
-    consumers that do not wait for a slot's fill each fail: a hang or a wrong result."""
+    consumers that do not wait for a slot's fill each fail: a hang or a wrong result (the pipelined
+    consumer's own waits and releases too)."""
     case = dense_case(256, 128, 1024)  # 32 blocks: 8 stages through a 4-slot ring per tile
     ref, mag, k = _reference(case)
     fn, op = broken.split("/")
+    cfg = WgmmaConfig(pipelined=fn == "_k_loop_pipelined")
     out = torch.full_like(case[5], float("nan"))
     try:
-        _emulated(monkeypatch, (*case[:5], out), CONFIGS[0], resident=1, patch={fn: _without(op)},
-                  order=order)
+        _emulated(monkeypatch, (*case[:5], out), cfg, resident=1, patch={fn: _without(op)}, order=order)
     except AssertionError as e:
         assert "hang" in str(e) or "copied than expected" in str(e) or "arrivals" in str(e), e
         return
     assert not _within_bound(out, ref, mag, k), f"{broken} passed"
+
+
+def test_ws_emulation_catches_a_refill_under_a_wgmma(monkeypatch):
+    """The emulated wgmma reads shared memory when a wait completes it: a consumer that releases a
+    slot while a wgmma reading it is in flight (here: the waits leave one more wgmma in flight than
+    asked, and results are taken as if complete) meets the loader's refill: an error."""
+    case = dense_case(256, 128, 1024)
+
+    def late(shims):
+        wait = shims["warpgroup_mma_wait"]
+
+        def wait_one_more(num_outstanding, deps):
+            wait(num_outstanding + 1, ())
+            # the registers as the hardware would hand them over: garbage while in flight
+            return deps[0].value if deps[0].value is not None else np.zeros((1,), np.float32).view(_Arr)
+        return {"warpgroup_mma_wait": wait_one_more}
+
+    for fn, cfg in (("_ws_consumer", CONFIGS[0]), ("_stage_pipelined", WgmmaConfig(pipelined=True))):
+        out = torch.full_like(case[5], float("nan"))
+        with pytest.raises(AssertionError, match="refill of shared memory a wgmma in flight reads"):
+            _emulated(monkeypatch, (*case[:5], out), cfg, resident=1, patch={fn: late}, order="loader")
