@@ -347,12 +347,15 @@ def _k_loop_pipelined(a_smem, b_smem, sa_smem, sb_smem, ready, empty, it, k_iter
     [WG*BM/2, +BM/2); returns (the fp32 accumulator, the next ring step). Every block's MMA runs
     while the previous block is promoted, across stages too: the next stage's first MMA is issued
     before this stage's last block is promoted (`_ws_consumer`'s own loop waits for it idle, at the
-    start of each stage); only a tile's first MMA is waited for idle. No MMA is in flight across
-    the loop's back edge: one in flight there (issue block b + 1, `warpgroup_mma_wait(1)`, promote
-    block b) made ptxas serialize every wgmma (C7514: the loop-carried temporary's copies read its
-    registers), and issuing it before the wait also at BN = 128 (C7512, insufficient registers) or
-    spilled; so an iteration starts from the previous stage's last product, waited for. A slot is
-    released after the last MMA reading it has completed and its last scales have been read."""
+    start of each stage); only a tile's first MMA is waited for idle. An iteration starts from the
+    previous stage's last product, waited for: no MMA is in flight across the loop's back edge
+    (with one there, issue block b + 1, `warpgroup_mma_wait(1)`, promote block b, ptxas serialized
+    every wgmma, C7514, the loop-carried temporary's copies reading its registers), and a block's
+    MMA is issued after the previous one's wait, as ptxas schedules it (issued before the wait, at
+    BN = 128 ptxas ran out of registers: C7512 or spills). A slot is released after the last MMA
+    reading it has completed and its last scales have been read. Grouped K: a promotion under the
+    branch `j < n_left` keeps ptxas from issuing the next MMA during it, so there (as in the default
+    loop) only a stage's first MMA overlaps a promotion."""
     NB: gl.constexpr = BK // 32
     HALF: gl.constexpr = BM // 2
     acc = gl.zeros((HALF, BN), gl.float32, MMA)

@@ -706,7 +706,8 @@ def loops(sass):
 
 
 for cfg in [W.DEFAULT_CONFIG, W.WgmmaConfig(bn=64, bk=256, stages=3), W.WgmmaConfig(pipelined=True),
-            W.WgmmaConfig(bn=64, bk=256, stages=3, pipelined=True), W.WgmmaConfig(bk=32, stages=8, pipelined=True)]:
+            W.WgmmaConfig(bn=64, bk=256, stages=3, pipelined=True),
+            W.WgmmaConfig(bk=32, stages=8, pipelined=True)]:
     la, lb, lsa, lsb, nb = W._layouts(cfg)
     a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     s = torch.empty(16, 256)
