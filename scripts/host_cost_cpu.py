@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--ops", action="store_true", help="list the aten ops of each row")
     p.add_argument("--profile", help="cProfile the row with this op name")
-    p.add_argument("--only", action="append", help="run only the rows whose name starts with this (repeatable)")
+    p.add_argument("--only", action="append", help="only the rows whose name starts so (repeatable)")
     args = p.parse_args()
     torch.set_num_threads(1)
     _stub_triton()
