@@ -240,7 +240,8 @@ def uses_qdq(recipe: MXRecipe) -> bool:
 def hp_gemm(a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """The emulated backend's GEMM on already dequantized operands (same shapes and offs as
     `mx_gemm`, plain tensors of the compute dtype, any strides); result in `out_dtype`."""
-    out = a @ b if offs is None else _grouped(a, b, offs)
+    # torch.mm for the dense 2D GEMM: what `a @ b` runs there, without matmul's dispatch layer
+    out = torch.mm(a, b) if offs is None else _grouped(a, b, offs)
     # no `.to()` when the dtype already matches: torch 2.11's dynamo gives an autograd.Function
     # whose output is such a no-op `.to()` of an intermediate a zero gradient under torch.compile
     return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -185,12 +185,12 @@ def _forward_gemm(
 
 
 def _backward_gemms(
-    dy: Tensor, w_t: Tensor, kept: tuple[Tensor, ...], cfg: MXRecipe, plan: OpPlan, need_dx: bool,
+    dy: Tensor, w: Tensor, kept: tuple[Tensor, ...], cfg: MXRecipe, plan: OpPlan, need_dx: bool,
     need_dw: bool, x_dtype: torch.dtype,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """(dx (M, K) in x_dtype, dW_t (K, N) in w_t's dtype) of y = x Wᵀ given dy (M, N): dy cast as
-    the dgrad and wgrad need it, `kept` what `_cast_x` kept of x along M."""
-    w = w_t.t()
+    """(dx (M, K) in x_dtype, dW_t (K, N) in w's dtype) of y = x Wᵀ given dy (M, N) and W (N, K)
+    (the forward's view of w_t): dy cast as the dgrad and wgrad need it, `kept` what `_cast_x`
+    kept of x along M."""
     dx = dw_t = None
     if plan.qdq:  # (qdq_trusted makes dy contiguous)
         if need_dx and need_dw:  # one read of dy: along N, and along M (row-major)
@@ -202,7 +202,7 @@ def _backward_gemms(
         if need_dx:  # W (N, K) along N, row-major
             dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, plan), None, x_dtype)
         if need_dw:  # dy1ᵀ (N, M) and x1 (M, K), both M-major, as bf16 training's wgrad
-            dw_t = hp_gemm(dy1.t(), kept[0], None, w_t.dtype).t()  # (N, K) -> (K, N)
+            dw_t = hp_gemm(dy1.t(), kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
         return dx, dw_t
     M, bs = dy.shape[0], cfg.block_size
     dy = dy.contiguous()
@@ -219,7 +219,7 @@ def _backward_gemms(
     if need_dx:
         dx = dgrad_mx(dy0, weight_mx(w, -2, cfg), None, cfg, x_dtype)
     if need_dw:
-        dw_t = wgrad_mx(dy1, x1, M, None, None, cfg, w_t.dtype).t()
+        dw_t = wgrad_mx(dy1, x1, M, None, None, cfg, w.dtype).t()
     return dx, dw_t
 
 
@@ -228,16 +228,17 @@ class _MXMM(torch.autograd.Function):
     def forward(ctx, x: Tensor, w_t: Tensor, cfg: MXRecipe, plan: OpPlan) -> Tensor:
         # x (M, K); w_t (K, N), the transposed view of W (N, K); plan: op_plan(cfg, x.device)
         x0, kept = _cast_x(x, cfg, plan, w_t.requires_grad)
-        y = _forward_gemm(x0, w_t.t(), cfg, plan, x.dtype)
+        w = w_t.t()
+        y = _forward_gemm(x0, w, cfg, plan, x.dtype)
         ctx.cfg, ctx.plan, ctx.x_dtype = cfg, plan, x.dtype
-        ctx.save_for_backward(w_t, *kept)
+        ctx.save_for_backward(w, *kept)  # W (N, K) as the backward takes it (no transpose there)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         need_dx, need_dw, _, _ = ctx.needs_input_grad
-        w_t, *kept = ctx.saved_tensors
-        dx, dw_t = _backward_gemms(dy, w_t, kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.x_dtype)
+        w, *kept = ctx.saved_tensors
+        dx, dw_t = _backward_gemms(dy, w, kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.x_dtype)
         return dx, dw_t, None, None
 
 
@@ -286,7 +287,7 @@ class _MXMMShared(torch.autograd.Function):
             if dy is None:
                 dw_ts.append(None)
                 continue
-            dx, dw_t = _backward_gemms(dy, w_t, kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.a_dtype)
+            dx, dw_t = _backward_gemms(dy, w_t.t(), kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.a_dtype)
             dw_ts.append(dw_t)
             if need_dx:  # each op's dx, as autograd hands it to x: through its view and cast
                 dxs.append(dx.view(ctx.x_shape).to(ctx.x_dtype))
@@ -332,7 +333,7 @@ def _mm_call(a: Tensor, b: Tensor, cfg: MXRecipe) -> Tensor:
     check_dtype("a", a.dtype)
     check_dtype("b", b.dtype)
     plan = op_plan(cfg, a.device)
-    x = a.reshape(-1, b.shape[0])
+    x = a if a.ndim == 2 else a.reshape(-1, b.shape[0])  # (no view op for a 2D a)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return apply_function(_MXMM, x, b, cfg, plan)
     # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
