@@ -396,10 +396,16 @@ def qdq_trusted(
     x: bf16/fp32, 2D (R, C) or 3D (B, R, C) (no offs), any strides (made contiguous), C divisible
     by the block size. offs: None, or (E,) int32 contiguous on x's device, 2D x. out_dtype: bf16
     or fp32. Returns [y0 if dim0, y1 if dim1], each of x's shape, row-major contiguous."""
-    return _qdq(
-        x.contiguous(), recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, dim0, dim1,
-        kernel, offs,
-    )
+    x = x.contiguous()
+    args = (x, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, dim0, dim1, kernel, offs)
+    # `_qdq`'s choice inline (one Python frame less per cast): the op where it must be, else its body
+    if (
+        torch.compiler.is_compiling()
+        or (x.requires_grad and torch.is_grad_enabled())
+        or torch.autograd._profiler_enabled()
+    ):
+        return _qdq(*args)
+    return _qdq_impl(*args)
 
 
 def qdq(
