@@ -128,10 +128,10 @@ def _wgrad_a(kept, offs: Tensor, cfg: MXRecipe, plan: OpPlan, is_mx: bool, a_mod
     return _mx(sq, ss, 0, cfg, cfg.scaling_mode, a_dtype)
 
 
-def _backward_gemms(dy, b_t, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, need_da, need_dw, a_dtype, cap):
-    """(da (T, K) in a_dtype, db_t (E, K, N) in b_t's dtype) given dy (T, N): dy cast as the dgrad
-    and wgrad need it; a1_fn() gives the tokens along M (`_wgrad_a`), called only for the wgrad."""
-    w = b_t.transpose(-2, -1)
+def _backward_gemms(dy, w, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, need_da, need_dw, a_dtype, cap):
+    """(da (T, K) in a_dtype, db_t (E, K, N) in w's dtype) given dy (T, N) and the expert weights w
+    (E, N, K) (the forward's view of b_t): dy cast as the dgrad and wgrad need it; a1_fn() gives the
+    tokens along M (`_wgrad_a`), called only for the wgrad."""
     hp, compute = plan.qdq, plan.compute
     dy = dy.contiguous()
     da = db_t = None
@@ -142,7 +142,7 @@ def _backward_gemms(dy, b_t, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, nee
         else:
             (dy1,) = qdq_trusted(dy, cfg, plan.k1, compute, False, True, offs)
         # K-grouped (E, N, K): dy1ᵀ (N, T) and a1 (T, K), both T-major, grouped by the real offs
-        db_t = hp_gemm(dy1.t(), a1_fn(), offs, b_t.dtype).transpose(-2, -1)
+        db_t = hp_gemm(dy1.t(), a1_fn(), offs, w.dtype).transpose(-2, -1)
     elif need_dw:
         pos, offs_pad = kept[:2]
         dy_pad = pad_groups(dy, offs, pos, cap)
@@ -151,7 +151,7 @@ def _backward_gemms(dy, b_t, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, nee
             dy0 = p0.index_rows(pos)
         else:
             dy1 = to_mx(dy_pad, axis=0, recipe=cfg)
-        db_t = wgrad_mx(dy1, a1_fn(), pos, offs, offs_pad, cfg, b_t.dtype).transpose(-2, -1)
+        db_t = wgrad_mx(dy1, a1_fn(), pos, offs, offs_pad, cfg, w.dtype).transpose(-2, -1)
     elif need_da:
         dy0 = qdq_trusted(dy, cfg, plan.k0, compute, True, False)[0] if hp else to_mx(dy, axis=-1, recipe=cfg)
     if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
@@ -169,24 +169,25 @@ class _MXGroupedMM(torch.autograd.Function):
         # b_t: (E, K, N), the transposed view of the expert weights w (E, N, K).
         # plan: op_plan(cfg, b_t.device)
         a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, plan, b_t.requires_grad, out_dtype)
-        y = _forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype)
+        w = b_t.transpose(-2, -1)
+        y = _forward_gemm(a0, w, offs, cfg, plan, out_dtype)
         ctx.cfg, ctx.plan, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
             cfg, plan, a_q is not None, out_dtype, a_mode, cap
         )
-        ctx.save_for_backward(b_t, offs, *kept)
+        ctx.save_for_backward(w, offs, *kept)  # w (E, N, K) as the backward takes it
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
-        b_t, offs, *kept = ctx.saved_tensors
+        w, offs, *kept = ctx.saved_tensors
         cfg, plan = ctx.cfg, ctx.plan
 
         def a1_fn():
             return _wgrad_a(kept, offs, cfg, plan, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap)
 
         da, db_t = _backward_gemms(
-            dy, b_t, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap
+            dy, w, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap
         )
         return da, None, None, None, db_t, None, None, None, None
 
@@ -238,8 +239,9 @@ class _MXGroupedMMShared(torch.autograd.Function):
                 db_ts.append(None)
                 continue
             need_dw = ctx.needs_input_grad[9 + i]
+            w = b_t.transpose(-2, -1)
             da, db_t = _backward_gemms(
-                dy, b_t, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap
+                dy, w, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap
             )
             db_ts.append(db_t)
             if need_da:  # each op's da, as autograd hands it to a: through its autocast cast
