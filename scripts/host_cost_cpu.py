@@ -89,7 +89,13 @@ def _cases(M: int, K: int, E: int):
 
         return run
 
+    wt, w3t = w.detach().t(), w3_t.detach()
     return [
+        # fwd: inputs that need no gradient (no autograd graph), as `mxmoe bench overhead`'s fwd rows
+        ("torch.mm fwd", lambda: torch.mm(x, wt)),
+        ("mx_mm fwd", lambda: mx_mm(x, wt, r)),
+        ("torch._grouped_mm fwd", lambda: torch._grouped_mm(x, w3t, offs=offs)),
+        ("mx_grouped_mm fwd", lambda: mx_grouped_mm(x, w3t, offs, r)),
         ("torch.mm fwd+bwd", fwd_bwd(lambda: torch.mm(xg, w.t()))),
         ("mx_mm fwd+bwd", fwd_bwd(lambda: mx_mm(xg, w.t(), r))),
         ("torch._grouped_mm fwd+bwd", fwd_bwd(lambda: torch._grouped_mm(xg, w3_t, offs=offs))),
@@ -140,6 +146,7 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--ops", action="store_true", help="list the aten ops of each row")
     p.add_argument("--profile", help="cProfile the row with this op name")
+    p.add_argument("--only", action="append", help="only the rows whose name starts so (repeatable)")
     args = p.parse_args()
     torch.set_num_threads(1)
     _stub_triton()
@@ -147,6 +154,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {M}x{K} bf16, {args.groups} groups, {args.iters} calls x 5")
     print(f"{'op':28s} {'us':>8s} {'aten':>6s} {'launches':>9s} {'pycalls':>8s}")
     for name, fn in _cases(M, K, args.groups):
+        if args.only and not any(name.startswith(o) for o in args.only):
+            continue
         fn()
         with _Count() as c:
             LAUNCHES[0] = 0

@@ -21,11 +21,14 @@ Room for later backends (block-scaled MMA on sm_100): add a function with the sa
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from mxmoe.formats import INPUT_DTYPES
 from mxmoe.ops.config import as_recipe
+from mxmoe.quant import backends
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import MXRecipe
 
@@ -55,11 +58,11 @@ def _grouped_mm_hp_impl(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
         out = torch._grouped_mm(a, b, offs=offs)
         if b.ndim == 3:
-            from mxmoe.ops.tail_rows import zero_rows_after
+            from mxmoe.ops.tail_rows import zero_rows_after_trusted
 
             # rows past the last group are left unwritten: zero them, with no host sync and no
-            # pass over the other rows
-            zero_rows_after(out, offs)
+            # pass over the other rows (out and offs are as it needs: no checks)
+            zero_rows_after_trusted(out, offs)
         return out
     ends = offs.tolist()
     if b.ndim == 3:
@@ -172,6 +175,63 @@ def no_autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False)
 
 
+class OpPlan(NamedTuple):
+    """What a call of an MX op needs of its recipe on a device, resolved once per (recipe, device
+    type) (`op_plan`) instead of in every cast of the call."""
+
+    qdq: bool
+    """The GEMMs take qdq'd high-precision operands (`uses_qdq`)."""
+    compute: torch.dtype
+    """The emulated GEMM's operand dtype (`MXRecipe.compute_dtype`)."""
+    k0: str | None
+    """The qdq kernel of dim0 calls (no offs); None off the qdq path (`qdq_kernels`)."""
+    k1: str | None
+    """The qdq kernel of dim1 and dim0+dim1 calls (with or without offs); None off the qdq path."""
+
+
+def _make_plan(cfg: MXRecipe, device: torch.device, hp: bool) -> OpPlan:
+    from mxmoe.quant.qdq import qdq_kernels
+
+    k0, k1 = qdq_kernels(cfg, device) if hp else (None, None)
+    return OpPlan(hp, cfg.compute_dtype(device), k0, k1)
+
+
+def op_plan(cfg: MXRecipe, device: torch.device) -> OpPlan:
+    """The OpPlan of `cfg` on `device`'s type: a dict lookup after the first call (kept with the
+    cast kernels' resolved answers, `mxmoe.quant.backends.clear_resolved` forgets it too); built
+    afresh while torch.compile traces. Raises as the recipe's qdq calls would (`qdq_kernels`)."""
+    hp = uses_qdq(cfg)  # (in the key: tests switch the path per call)
+    if torch.compiler.is_compiling():
+        return _make_plan(cfg, device, hp)
+    # keyed by the recipe's id (hashing a recipe hashes its 7 fields, µs per call); the entry
+    # holds the recipe, so that id is not reused while the entry lives
+    key = ("op_plan", id(cfg), device.type, hp)
+    cache = backends._resolved  # looked up per call: tests swap the dict
+    hit = cache.get(key)
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    plan = _make_plan(cfg, device, hp)
+    cache[key] = (cfg, plan)
+    return plan
+
+
+def apply_function(fn: type[torch.autograd.Function], *args):
+    """`fn.apply(*args)`; in eager mode without functorch transforms, the C++ apply itself: the
+    Python of `torch.autograd.Function.apply` only binds default arguments for a `setup_context`
+    (the ops' Functions have none) and unwraps functorch's dead wrappers (none without
+    transforms), µs per call. torch.compile traces `fn.apply` as usual."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return fn.apply(*args)
+    return super(torch.autograd.Function, fn).apply(*args)
+
+
+def check_dtype(name: str, dtype: torch.dtype) -> None:
+    """An operand of an MX op (as its casts take it: after autocast) is bf16 or fp32; the one
+    dtype check of the call (the casts below trust it)."""
+    if dtype not in INPUT_DTYPES:
+        raise TypeError(f"{name} has dtype {dtype}; expected one of {[str(d) for d in INPUT_DTYPES]}")
+
+
 def uses_qdq(recipe: MXRecipe) -> bool:
     """Whether the ops feed `recipe`'s GEMM backend qdq'd high-precision operands."""
     return recipe.gemm_backend in QDQ_BACKENDS
@@ -180,7 +240,8 @@ def uses_qdq(recipe: MXRecipe) -> bool:
 def hp_gemm(a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """The emulated backend's GEMM on already dequantized operands (same shapes and offs as
     `mx_gemm`, plain tensors of the compute dtype, any strides); result in `out_dtype`."""
-    out = a @ b if offs is None else _grouped(a, b, offs)
+    # torch.mm for the dense 2D GEMM: what `a @ b` runs there, without matmul's dispatch layer
+    out = torch.mm(a, b) if offs is None else _grouped(a, b, offs)
     # no `.to()` when the dtype already matches: torch 2.11's dynamo gives an autograd.Function
     # whose output is such a no-op `.to()` of an intermediate a zero gradient under torch.compile
     return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -41,10 +41,19 @@ import torch
 from torch import Tensor
 
 from mxmoe.ops.config import as_recipe
-from mxmoe.ops.gemm import autocast_input, autocast_target, hp_gemm, mx_gemm, no_autocast, uses_qdq
+from mxmoe.ops.gemm import (
+    OpPlan,
+    apply_function,
+    autocast_input,
+    autocast_target,
+    check_dtype,
+    hp_gemm,
+    mx_gemm,
+    no_autocast,
+    op_plan,
+)
 from mxmoe.ops.linear import (
     dgrad_mx,
-    needs_grads,
     sum_like_autograd,
     swap_last2,
     wants_grad,
@@ -54,7 +63,7 @@ from mxmoe.ops.linear import (
 )
 from mxmoe.quant.groups import group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
-from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
+from mxmoe.quant.qdq import _MAX_GROUPS, qdq_trusted
 from mxmoe.recipe import MXRecipe
 
 __all__ = ["mx_grouped_mm", "mx_grouped_mm_shared"]
@@ -64,7 +73,7 @@ def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXRecipe, mode: str, dtype: torch.
     return MXTensor(q, s, axis, cfg.block_size, mode, dtype)
 
 
-def _cast_a(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, need_dw: bool, out_dtype):
+def _cast_a(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, need_dw: bool, out_dtype):
     """The tokens along K for the forward GEMM and what the wgrad keeps of them, from one read.
 
     Returns (a0, kept, cap): a0 (T, K) compute dtype (qdq path) or an MXTensor along K; kept the
@@ -72,8 +81,7 @@ def _cast_a(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, need_dw: bool, out_dtype):
     (pos, offs_pad, elements, scales) of the group-padded copy along M; an MX activation: its own
     (elements, scales) instead of a1 / the copy's; () without need_dw); cap: the padded rows."""
     is_mx = a_q is not None
-    hp = uses_qdq(cfg)
-    compute = cfg.compute_dtype(offs.device)
+    hp, compute = plan.qdq, plan.compute
     pos = offs_pad = None
     cap = 0
     if need_dw and not hp:
@@ -84,36 +92,35 @@ def _cast_a(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, need_dw: bool, out_dtype):
             a0 = a0.dequantize(compute, kernel=cfg.dim0_kernel)
         kept = (a_q, a_s) if hp else (pos, offs_pad, a_q, a_s)
     elif need_dw and hp:  # one read of a: along K, and along M in groups (kept for the wgrad)
-        a0, a1 = qdq_dim0_dim1(a, recipe=cfg, out_dtype=compute, offs=offs)
+        a0, a1 = qdq_trusted(a, cfg, plan.k1, compute, True, True, offs)
         kept = (a1,)
     elif need_dw:
         p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), recipe=cfg)
         a0, kept = p0.index_rows(pos), (pos, offs_pad, a1.qdata_blocked, a1.scale_blocked)
     elif hp:
-        a0 = qdq(a, -1, recipe=cfg, out_dtype=compute)
+        (a0,) = qdq_trusted(a, cfg, plan.k0, compute, True, False)
     else:
         a0 = to_mx(a, axis=-1, recipe=cfg)
     return a0, (kept if need_dw else ()), cap
 
 
-def _forward_gemm(a0, w: Tensor, offs: Tensor, cfg: MXRecipe, out_dtype) -> Tensor:
+def _forward_gemm(a0, w: Tensor, offs: Tensor, cfg: MXRecipe, plan: OpPlan, out_dtype) -> Tensor:
     """y (T, N) = a0 Wₑᵀ per group: a0 from `_cast_a`, w (E, N, K) cast along K (its rows, cached)."""
-    if uses_qdq(cfg):
-        compute = cfg.compute_dtype(w.device)
-        return hp_gemm(a0, weight_qdq(w, -1, cfg, compute).transpose(-2, -1), offs, out_dtype)
+    if plan.qdq:
+        return hp_gemm(a0, weight_qdq(w, -1, cfg, plan).transpose(-2, -1), offs, out_dtype)
     return mx_gemm(a0, swap_last2(weight_mx(w, -1, cfg)), offs, cfg, out_dtype=out_dtype)
 
 
-def _wgrad_a(kept, offs: Tensor, cfg: MXRecipe, is_mx: bool, a_mode: str, a_dtype, cap: int):
+def _wgrad_a(kept, offs: Tensor, cfg: MXRecipe, plan: OpPlan, is_mx: bool, a_mode: str, a_dtype, cap: int):
     """The tokens along M for the wgrad from `kept` (see `_cast_a`): qdq path (T, K) compute dtype,
     MX path an MXTensor of the group-padded copy. An MX activation is dequantized (to its
     orig_dtype) and cast along M here (see module docstring)."""
-    if uses_qdq(cfg):
+    if plan.qdq:
         if not is_mx:
             return kept[0]
         sq, ss = kept
         a_hp = _mx(sq, ss, 1, cfg, a_mode, a_dtype).dequantize(kernel=cfg.dim0_kernel)
-        return qdq(a_hp, -2, recipe=cfg, out_dtype=cfg.compute_dtype(offs.device), offs=offs)
+        return qdq_trusted(a_hp, cfg, plan.k1, plan.compute, False, True, offs)[0]
     pos, _, sq, ss = kept
     if is_mx:
         a_hp = _mx(sq, ss, 1, cfg, a_mode, a_dtype).dequantize(kernel=cfg.dim0_kernel)
@@ -121,22 +128,21 @@ def _wgrad_a(kept, offs: Tensor, cfg: MXRecipe, is_mx: bool, a_mode: str, a_dtyp
     return _mx(sq, ss, 0, cfg, cfg.scaling_mode, a_dtype)
 
 
-def _backward_gemms(dy, b_t, offs, kept, a1_fn, cfg: MXRecipe, need_da, need_dw, a_dtype, cap):
-    """(da (T, K) in a_dtype, db_t (E, K, N) in b_t's dtype) given dy (T, N): dy cast as the dgrad
-    and wgrad need it; a1_fn() gives the tokens along M (`_wgrad_a`), called only for the wgrad."""
-    w = b_t.transpose(-2, -1)
-    hp = uses_qdq(cfg)
-    compute = cfg.compute_dtype(dy.device)
+def _backward_gemms(dy, w, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, need_da, need_dw, a_dtype, cap):
+    """(da (T, K) in a_dtype, db_t (E, K, N) in w's dtype) given dy (T, N) and the expert weights w
+    (E, N, K) (the forward's view of b_t): dy cast as the dgrad and wgrad need it; a1_fn() gives the
+    tokens along M (`_wgrad_a`), called only for the wgrad."""
+    hp, compute = plan.qdq, plan.compute
     dy = dy.contiguous()
     da = db_t = None
     dy0 = dy1 = None
     if need_dw and hp:
         if need_da:  # one read of dy: along N, and along M in groups
-            dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute, offs=offs)
+            dy0, dy1 = qdq_trusted(dy, cfg, plan.k1, compute, True, True, offs)
         else:
-            dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute, offs=offs)
+            (dy1,) = qdq_trusted(dy, cfg, plan.k1, compute, False, True, offs)
         # K-grouped (E, N, K): dy1ᵀ (N, T) and a1 (T, K), both T-major, grouped by the real offs
-        db_t = hp_gemm(dy1.t(), a1_fn(), offs, b_t.dtype).transpose(-2, -1)
+        db_t = hp_gemm(dy1.t(), a1_fn(), offs, w.dtype).transpose(-2, -1)
     elif need_dw:
         pos, offs_pad = kept[:2]
         dy_pad = pad_groups(dy, offs, pos, cap)
@@ -145,12 +151,12 @@ def _backward_gemms(dy, b_t, offs, kept, a1_fn, cfg: MXRecipe, need_da, need_dw,
             dy0 = p0.index_rows(pos)
         else:
             dy1 = to_mx(dy_pad, axis=0, recipe=cfg)
-        db_t = wgrad_mx(dy1, a1_fn(), pos, offs, offs_pad, cfg, b_t.dtype).transpose(-2, -1)
+        db_t = wgrad_mx(dy1, a1_fn(), pos, offs, offs_pad, cfg, w.dtype).transpose(-2, -1)
     elif need_da:
-        dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute) if hp else to_mx(dy, axis=-1, recipe=cfg)
+        dy0 = qdq_trusted(dy, cfg, plan.k0, compute, True, False)[0] if hp else to_mx(dy, axis=-1, recipe=cfg)
     if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
         if hp:
-            da = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), offs, a_dtype)
+            da = hp_gemm(dy0, weight_qdq(w, -2, cfg, plan), offs, a_dtype)
         else:
             da = dgrad_mx(dy0, weight_mx(w, -2, cfg), offs, cfg, a_dtype)
     return da, db_t
@@ -158,64 +164,73 @@ def _backward_gemms(dy, b_t, offs, kept, a1_fn, cfg: MXRecipe, need_da, need_dw,
 
 class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, a_q, a_s, a_mode, b_t, offs, cfg: MXRecipe, out_dtype):
+    def forward(ctx, a, a_q, a_s, a_mode, b_t, offs, cfg: MXRecipe, plan: OpPlan, out_dtype):
         # a: (T, K) high precision, or the grad anchor of an MX activation given as (a_q, a_s).
         # b_t: (E, K, N), the transposed view of the expert weights w (E, N, K).
-        a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, wants_grad(b_t), out_dtype)
-        y = _forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, out_dtype)
-        ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = cfg, a_q is not None, out_dtype, a_mode, cap
-        ctx.save_for_backward(b_t, offs, *kept)
+        # plan: op_plan(cfg, b_t.device)
+        a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, plan, b_t.requires_grad, out_dtype)
+        w = b_t.transpose(-2, -1)
+        y = _forward_gemm(a0, w, offs, cfg, plan, out_dtype)
+        ctx.cfg, ctx.plan, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
+            cfg, plan, a_q is not None, out_dtype, a_mode, cap
+        )
+        ctx.save_for_backward(w, offs, *kept)  # w (E, N, K) as the backward takes it
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        need_da, need_dw = needs_grads(ctx, 0, 4)
-        b_t, offs, *kept = ctx.saved_tensors
-        cfg = ctx.cfg
+        need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+        w, offs, *kept = ctx.saved_tensors
+        cfg, plan = ctx.cfg, ctx.plan
 
         def a1_fn():
-            return _wgrad_a(kept, offs, cfg, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap)
+            return _wgrad_a(kept, offs, cfg, plan, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap)
 
-        da, db_t = _backward_gemms(dy, b_t, offs, kept, a1_fn, cfg, need_da, need_dw, ctx.a_dtype, ctx.cap)
-        return da, None, None, None, db_t, None, None, None
+        da, db_t = _backward_gemms(
+            dy, w, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap
+        )
+        return da, None, None, None, db_t, None, None, None, None
 
 
 def _grouped_shared_forward(
-    a, a_q, a_s, a_mode, offs, cfg: MXRecipe, out_dtype, cast_to, b_ts, need_dw: bool
+    a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, out_dtype, cast_to, b_ts, need_dw: bool
 ):
     """The forward of `mx_grouped_mm_shared`: (the outputs, what the backward keeps, its cap)."""
     if cast_to is not None:
         a = a.to(cast_to)
-    a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, need_dw, out_dtype)
-    return tuple(_forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, out_dtype) for b_t in b_ts), kept, cap
+    a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, plan, need_dw, out_dtype)
+    ys = tuple(_forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype) for b_t in b_ts)
+    return ys, kept, cap
 
 
 class _MXGroupedMMShared(torch.autograd.Function):
     """y_i = a W_iₑᵀ per group for several expert weights with one cast of a (`mx_grouped_mm_shared`)."""
 
     @staticmethod
-    def forward(ctx, a, a_q, a_s, a_mode, offs, cfg: MXRecipe, out_dtype, cast_to, *b_ts):
+    def forward(ctx, a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, out_dtype, cast_to, *b_ts):
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         ctx.x_dtype = a.dtype
         need_dw = any(wants_grad(b_t) for b_t in b_ts)
         ys, kept, cap = _grouped_shared_forward(
-            a, a_q, a_s, a_mode, offs, cfg, out_dtype, cast_to, b_ts, need_dw
+            a, a_q, a_s, a_mode, offs, cfg, plan, out_dtype, cast_to, b_ts, need_dw
         )
-        ctx.cfg, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = cfg, a_q is not None, out_dtype, a_mode, cap
+        ctx.cfg, ctx.plan, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
+            cfg, plan, a_q is not None, out_dtype, a_mode, cap
+        )
         ctx.n = len(b_ts)
         ctx.save_for_backward(offs, *b_ts, *kept)
         return ys
 
     @staticmethod
     def backward(ctx, *dys):
-        cfg, n = ctx.cfg, ctx.n
+        cfg, plan, n = ctx.cfg, ctx.plan, ctx.n
         offs, b_ts, kept = ctx.saved_tensors[0], ctx.saved_tensors[1 : 1 + n], ctx.saved_tensors[1 + n :]
         need_da = ctx.needs_input_grad[0]
         a1 = []  # the tokens along M, made once for all the wgrads
 
         def a1_fn():
             if not a1:
-                a1.append(_wgrad_a(kept, offs, cfg, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap))
+                a1.append(_wgrad_a(kept, offs, cfg, plan, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap))
             return a1[0]
 
         das, db_ts = [], []
@@ -223,15 +238,16 @@ class _MXGroupedMMShared(torch.autograd.Function):
             if dy is None:
                 db_ts.append(None)
                 continue
-            need_dw = ctx.needs_input_grad[8 + i]
+            need_dw = ctx.needs_input_grad[9 + i]
+            w = b_t.transpose(-2, -1)
             da, db_t = _backward_gemms(
-                dy, b_t, offs, kept, a1_fn, cfg, need_da, need_dw, ctx.a_dtype, ctx.cap
+                dy, w, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap
             )
             db_ts.append(db_t)
             if need_da:  # each op's da, as autograd hands it to a: through its autocast cast
                 das.append(da.to(ctx.x_dtype))
         da = sum_like_autograd(das) if das else None
-        return (da, None, None, None, None, None, None, None, *db_ts)
+        return (da, None, None, None, None, None, None, None, None, *db_ts)
 
 
 def mx_grouped_mm(
@@ -252,10 +268,23 @@ def mx_grouped_mm(
     """
     cfg = as_recipe(config)
     args, out_dtype = _checked_args(a, b_t, offs, cfg)
+    plan = op_plan(cfg, b_t.device)
+    offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
+    if not torch.is_autocast_enabled(b_t.device.type):  # (no autocast context to enter: µs per call)
+        return _grouped_call(args, b_t, offs, cfg, plan, out_dtype)
     if args[1] is None:
         args = (autocast_input(a), *args[1:])
-    with no_autocast(b_t.device):
-        return _MXGroupedMM.apply(*args, b_t, offs, cfg, out_dtype)
+    with torch.autocast(b_t.device.type, enabled=False):
+        return _grouped_call(args, b_t, offs, cfg, plan, out_dtype)
+
+
+def _grouped_call(args, b_t: Tensor, offs: Tensor, cfg: MXRecipe, plan: OpPlan, out_dtype) -> Tensor:
+    """mx_grouped_mm's (T, N) result from `_checked_args`'s args (a after autocast), autocast off."""
+    if torch.is_grad_enabled() and (args[0].requires_grad or b_t.requires_grad):
+        return apply_function(_MXGroupedMM, *args, b_t, offs, cfg, plan, out_dtype)
+    # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
+    a0 = _cast_a(*args, offs, cfg, plan, False, out_dtype)[0]
+    return _forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype)
 
 
 def mx_grouped_mm_shared(
@@ -283,11 +312,15 @@ def mx_grouped_mm_shared(
     # a Tensor a goes in as given and is cast to the autocast dtype inside (None: no cast), so that
     # its gradient is summed after each op's cast back, as for separate calls
     cast_to = autocast_target(a) if args[1] is None else None
+    if cast_to is not None:
+        check_dtype("a", cast_to)
+    plan = op_plan(cfg, b_ts[0].device)
+    offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
     with no_autocast(b_ts[0].device):
         if torch.is_grad_enabled() and (args[0].requires_grad or any(b.requires_grad for b in b_ts)):
-            return _MXGroupedMMShared.apply(*args, offs, cfg, out_dtype, cast_to, *b_ts)
+            return apply_function(_MXGroupedMMShared, *args, offs, cfg, plan, out_dtype, cast_to, *b_ts)
         # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-        return _grouped_shared_forward(*args, offs, cfg, out_dtype, cast_to, b_ts, False)[0]
+        return _grouped_shared_forward(*args, offs, cfg, plan, out_dtype, cast_to, b_ts, False)[0]
 
 
 def _checked_args(a, b_t, offs, cfg: MXRecipe):
@@ -301,6 +334,11 @@ def _checked_args(a, b_t, offs, cfg: MXRecipe):
         raise ValueError(f"offs must be a 1D int32 tensor of E={b_t.shape[0]} group ends, got {offs!r}")
     if offs.dtype != torch.int32:
         raise TypeError(f"offs has dtype {offs.dtype}; expected torch.int32 (as torch._grouped_mm)")
+    if not 1 <= offs.shape[0] <= _MAX_GROUPS:
+        raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
+    if offs.device != b_t.device:
+        raise ValueError(f"offs is on {offs.device} but b_t on {b_t.device}; they must share a device")
+    check_dtype("b_t", b_t.dtype)
     E, K, N = b_t.shape
     if isinstance(a, MXTensor):
         if a.ndim != 2 or a.axis != 1:
@@ -328,9 +366,10 @@ def _checked_args(a, b_t, offs, cfg: MXRecipe):
     elif isinstance(a, Tensor):
         if a.ndim != 2:
             raise ValueError(f"a must be 2D (T, K), got shape {tuple(a.shape)}")
+        out_dtype = autocast_target(a) or a.dtype
+        check_dtype("a", out_dtype)  # as the casts take it: after autocast
         T = a.shape[0]
         args = (a, None, None, cfg.scaling_mode)  # a not yet in the autocast dtype: the caller casts
-        out_dtype = autocast_target(a) or a.dtype
     else:
         raise TypeError(f"a must be a Tensor or an MXTensor, got {type(a).__name__}")
     if a.shape[1] != K:

@@ -27,10 +27,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mxmoe.ops.config import as_recipe
-from mxmoe.ops.gemm import autocast_input, autocast_target, hp_gemm, mx_gemm, no_autocast, uses_qdq
+from mxmoe.ops.gemm import (
+    OpPlan,
+    apply_function,
+    autocast_input,
+    autocast_target,
+    check_dtype,
+    hp_gemm,
+    mx_gemm,
+    no_autocast,
+    op_plan,
+)
 from mxmoe.ops.weight_cache import cached_cast
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
-from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
+from mxmoe.quant.qdq import qdq_trusted
 from mxmoe.recipe import MXRecipe
 
 
@@ -88,10 +98,15 @@ def cast_rows(x: Tensor, cfg: MXRecipe) -> MXTensor:
     return to_mx(pad_rows(x, cfg.block_size), axis=0, recipe=cfg)
 
 
-def weight_qdq(w: Tensor, axis: int, cfg: MXRecipe, dtype: torch.dtype) -> Tensor:
-    """qdq of a weight (any strides, e.g. W (N, K) or w (E, N, K)) along `axis` (-1 or -2) in
-    `dtype`, reused within a `cache_weight_casts` scope while w is unchanged."""
-    return cached_cast(w, ("qdq", axis, cfg, dtype), lambda: qdq(w, axis, recipe=cfg, out_dtype=dtype))
+def weight_qdq(w: Tensor, axis: int, cfg: MXRecipe, plan: OpPlan) -> Tensor:
+    """qdq of a weight (bf16/fp32, any strides, e.g. W (N, K) or w (E, N, K), checked by the op)
+    along `axis` (-1 or -2) in plan.compute, row-major, reused within a `cache_weight_casts` scope
+    while w is unchanged."""
+    dim1 = axis == -2
+    return cached_cast(
+        w, ("qdq", axis, cfg, plan.compute),
+        lambda: qdq_trusted(w, cfg, plan.k1 if dim1 else plan.k0, plan.compute, not dim1, dim1)[0],
+    )
 
 
 def weight_mx(w: Tensor, axis: int, cfg: MXRecipe) -> MXTensor:
@@ -141,55 +156,56 @@ def wgrad_mx(
     return hp_gemm(d.t(), a, offs, out_dtype)
 
 
-def _cast_x(x: Tensor, cfg: MXRecipe, need_dw: bool) -> tuple[Tensor | MXTensor, tuple[Tensor, ...]]:
+def _cast_x(
+    x: Tensor, cfg: MXRecipe, plan: OpPlan, need_dw: bool
+) -> tuple[Tensor | MXTensor, tuple[Tensor, ...]]:
     """x (M, K) -> (x along K for the forward GEMM, what the wgrad keeps of x along M).
 
     qdq path: x0 (M, K) compute dtype, kept (x1,) (M, K) compute dtype row-major; MX path: x0 an
     MXTensor along K, kept (elements, scales) of x along M, zero-padded rows. Nothing kept when
     `need_dw` is False. With need_dw, one read of x gives both."""
-    compute = cfg.compute_dtype(x.device)
-    if uses_qdq(cfg):
+    if plan.qdq:
         if need_dw:  # one read of x: along K, and along M (kept for the wgrad, row-major)
-            x0, x1 = qdq_dim0_dim1(x, recipe=cfg, out_dtype=compute)
+            x0, x1 = qdq_trusted(x, cfg, plan.k1, plan.compute, True, True)
             return x0, (x1,)
-        return qdq(x, -1, recipe=cfg, out_dtype=compute), ()
+        return qdq_trusted(x, cfg, plan.k0, plan.compute, True, False)[0], ()
     if need_dw:
         x0, x1 = cast_both(x, cfg)
         return x0, (x1.qdata_blocked, x1.scale_blocked)
     return to_mx(x, axis=-1, recipe=cfg), ()
 
 
-def _forward_gemm(x0: Tensor | MXTensor, w: Tensor, cfg: MXRecipe, out_dtype: torch.dtype) -> Tensor:
+def _forward_gemm(
+    x0: Tensor | MXTensor, w: Tensor, cfg: MXRecipe, plan: OpPlan, out_dtype: torch.dtype
+) -> Tensor:
     """y = x0 Wᵀ (M, N) in out_dtype: x0 from `_cast_x`, W (N, K) cast along K (cached)."""
-    if uses_qdq(cfg):
-        compute = cfg.compute_dtype(w.device)
-        return hp_gemm(x0, weight_qdq(w, -1, cfg, compute).t(), None, out_dtype)
+    if plan.qdq:
+        return hp_gemm(x0, weight_qdq(w, -1, cfg, plan).t(), None, out_dtype)
     return mx_gemm(x0, swap_last2(weight_mx(w, -1, cfg)), config=cfg)
 
 
 def _backward_gemms(
-    dy: Tensor, w_t: Tensor, kept: tuple[Tensor, ...], cfg: MXRecipe, need_dx: bool, need_dw: bool,
-    x_dtype: torch.dtype,
+    dy: Tensor, w: Tensor, kept: tuple[Tensor, ...], cfg: MXRecipe, plan: OpPlan, need_dx: bool,
+    need_dw: bool, x_dtype: torch.dtype,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """(dx (M, K) in x_dtype, dW_t (K, N) in w_t's dtype) of y = x Wᵀ given dy (M, N): dy cast as
-    the dgrad and wgrad need it, `kept` what `_cast_x` kept of x along M."""
-    w = w_t.t()
-    compute = cfg.compute_dtype(dy.device)
-    M, bs = dy.shape[0], cfg.block_size
+    """(dx (M, K) in x_dtype, dW_t (K, N) in w's dtype) of y = x Wᵀ given dy (M, N) and W (N, K)
+    (the forward's view of w_t): dy cast as the dgrad and wgrad need it, `kept` what `_cast_x`
+    kept of x along M."""
     dx = dw_t = None
-    dy = dy.contiguous()
-    if uses_qdq(cfg):
+    if plan.qdq:  # (qdq_trusted makes dy contiguous)
         if need_dx and need_dw:  # one read of dy: along N, and along M (row-major)
-            dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=compute)
+            dy0, dy1 = qdq_trusted(dy, cfg, plan.k1, plan.compute, True, True)
         elif need_dx:
-            dy0 = qdq(dy, -1, recipe=cfg, out_dtype=compute)
+            (dy0,) = qdq_trusted(dy, cfg, plan.k0, plan.compute, True, False)
         else:
-            dy1 = qdq(dy, -2, recipe=cfg, out_dtype=compute)
+            (dy1,) = qdq_trusted(dy, cfg, plan.k1, plan.compute, False, True)
         if need_dx:  # W (N, K) along N, row-major
-            dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, compute), None, x_dtype)
+            dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, plan), None, x_dtype)
         if need_dw:  # dy1ᵀ (N, M) and x1 (M, K), both M-major, as bf16 training's wgrad
-            dw_t = hp_gemm(dy1.t(), kept[0], None, w_t.dtype).t()  # (N, K) -> (K, N)
+            dw_t = hp_gemm(dy1.t(), kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
         return dx, dw_t
+    M, bs = dy.shape[0], cfg.block_size
+    dy = dy.contiguous()
     x1 = None
     if need_dw:
         xq, xs = kept
@@ -203,28 +219,27 @@ def _backward_gemms(
     if need_dx:
         dx = dgrad_mx(dy0, weight_mx(w, -2, cfg), None, cfg, x_dtype)
     if need_dw:
-        dw_t = wgrad_mx(dy1, x1, M, None, None, cfg, w_t.dtype).t()
+        dw_t = wgrad_mx(dy1, x1, M, None, None, cfg, w.dtype).t()
     return dx, dw_t
 
 
 class _MXMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w_t: Tensor, cfg: MXRecipe) -> Tensor:
-        # x (M, K); w_t (K, N), the transposed view of W (N, K)
-        need_dw = wants_grad(w_t)
-        x0, kept = _cast_x(x, cfg, need_dw)
-        y = _forward_gemm(x0, w_t.t(), cfg, x.dtype)
-        ctx.cfg = cfg
-        ctx.x_dtype = x.dtype
-        ctx.save_for_backward(w_t, *kept)
+    def forward(ctx, x: Tensor, w_t: Tensor, cfg: MXRecipe, plan: OpPlan) -> Tensor:
+        # x (M, K); w_t (K, N), the transposed view of W (N, K); plan: op_plan(cfg, x.device)
+        x0, kept = _cast_x(x, cfg, plan, w_t.requires_grad)
+        w = w_t.t()
+        y = _forward_gemm(x0, w, cfg, plan, x.dtype)
+        ctx.cfg, ctx.plan, ctx.x_dtype = cfg, plan, x.dtype
+        ctx.save_for_backward(w, *kept)  # W (N, K) as the backward takes it (no transpose there)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        need_dx, need_dw = needs_grads(ctx, 0, 1)
-        w_t, *kept = ctx.saved_tensors
-        dx, dw_t = _backward_gemms(dy, w_t, tuple(kept), ctx.cfg, need_dx, need_dw, ctx.x_dtype)
-        return dx, dw_t, None
+        need_dx, need_dw, _, _ = ctx.needs_input_grad
+        w, *kept = ctx.saved_tensors
+        dx, dw_t = _backward_gemms(dy, w, kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.x_dtype)
+        return dx, dw_t, None, None
 
 
 def sum_like_autograd(grads: list[Tensor]) -> Tensor:
@@ -238,24 +253,26 @@ def sum_like_autograd(grads: list[Tensor]) -> Tensor:
     return acc
 
 
-def _mm_shared_forward(x: Tensor, cast_to, cfg: MXRecipe, w_ts, need_dw: bool):
+def _mm_shared_forward(x: Tensor, cast_to, cfg: MXRecipe, plan: OpPlan, w_ts, need_dw: bool):
     """The forward of `mx_mm_shared`: (the outputs, x as the GEMMs take it (2D), what the backward keeps)."""
     a = x.to(cast_to) if cast_to is not None else x
     a = a.reshape(-1, a.shape[-1])
-    x0, kept = _cast_x(a, cfg, need_dw)
-    return tuple(_forward_gemm(x0, w_t.t(), cfg, a.dtype) for w_t in w_ts), a, kept
+    x0, kept = _cast_x(a, cfg, plan, need_dw)
+    return tuple(_forward_gemm(x0, w_t.t(), cfg, plan, a.dtype) for w_t in w_ts), a, kept
 
 
 class _MXMMShared(torch.autograd.Function):
     """y_i = x W_iᵀ for several weights with one cast of x (see `mx_mm_shared`)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, cast_to: torch.dtype | None, cfg: MXRecipe, *w_ts: Tensor):
+    def forward(ctx, x: Tensor, cast_to: torch.dtype | None, cfg: MXRecipe, plan: OpPlan, *w_ts: Tensor):
         # x (..., K) as the caller gave it; cast_to: the autocast dtype each single op would cast
-        # x to (None: no cast); w_ts (K, N_i), the transposed views of W_i (N_i, K)
+        # x to (None: no cast); plan: op_plan(cfg, x.device); w_ts (K, N_i), the transposed views
+        # of W_i (N_i, K)
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
-        ys, a, kept = _mm_shared_forward(x, cast_to, cfg, w_ts, any(wants_grad(w_t) for w_t in w_ts))
-        ctx.cfg, ctx.a_dtype, ctx.x_shape, ctx.x_dtype = cfg, a.dtype, x.shape, x.dtype
+        need_dw = any(wants_grad(w_t) for w_t in w_ts)
+        ys, a, kept = _mm_shared_forward(x, cast_to, cfg, plan, w_ts, need_dw)
+        ctx.cfg, ctx.plan, ctx.a_dtype, ctx.x_shape, ctx.x_dtype = cfg, plan, a.dtype, x.shape, x.dtype
         ctx.n = len(w_ts)
         ctx.save_for_backward(*w_ts, *kept)
         return ys
@@ -266,16 +283,16 @@ class _MXMMShared(torch.autograd.Function):
         w_ts, kept = ctx.saved_tensors[: ctx.n], tuple(ctx.saved_tensors[ctx.n :])
         dxs, dw_ts = [], []
         for i, (dy, w_t) in enumerate(zip(dys, w_ts, strict=True)):
-            need_dw = ctx.needs_input_grad[3 + i]
+            need_dw = ctx.needs_input_grad[4 + i]
             if dy is None:
                 dw_ts.append(None)
                 continue
-            dx, dw_t = _backward_gemms(dy, w_t, kept, ctx.cfg, need_dx, need_dw, ctx.a_dtype)
+            dx, dw_t = _backward_gemms(dy, w_t.t(), kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.a_dtype)
             dw_ts.append(dw_t)
             if need_dx:  # each op's dx, as autograd hands it to x: through its view and cast
                 dxs.append(dx.view(ctx.x_shape).to(ctx.x_dtype))
         dx = sum_like_autograd(dxs) if dxs else None
-        return (dx, None, None, *dw_ts)
+        return (dx, None, None, None, *dw_ts)
 
 
 def mx_mm(a: Tensor, b: Tensor, config: MXRecipe | None = None) -> Tensor:
@@ -301,10 +318,26 @@ def mx_mm(a: Tensor, b: Tensor, config: MXRecipe | None = None) -> Tensor:
                 f"block_size={cfg.block_size}"
             )
     lead = a.shape[:-1]
-    a = autocast_input(a)
-    with no_autocast(a.device):
-        y = _MXMM.apply(a.reshape(-1, K), b, cfg)
+    dev = a.device
+    if torch.is_autocast_enabled(dev.type):
+        a = autocast_input(a)
+        with torch.autocast(dev.type, enabled=False):
+            y = _mm_call(a, b, cfg)
+    else:  # (no autocast context to enter: µs per call)
+        y = _mm_call(a, b, cfg)
     return y if a.ndim == 2 else y.view(*lead, N)
+
+
+def _mm_call(a: Tensor, b: Tensor, cfg: MXRecipe) -> Tensor:
+    """mx_mm's (M, N) result of a (..., K) (after autocast) and b (K, N), autocast off."""
+    check_dtype("a", a.dtype)
+    check_dtype("b", b.dtype)
+    plan = op_plan(cfg, a.device)
+    x = a if a.ndim == 2 else a.reshape(-1, b.shape[0])  # (no view op for a 2D a)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return apply_function(_MXMM, x, b, cfg, plan)
+    # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
+    return _forward_gemm(_cast_x(x, cfg, plan, False)[0], b.t(), cfg, plan, x.dtype)
 
 
 def mx_mm_shared(
@@ -343,9 +376,13 @@ def mx_mm_shared(
                 )
     lead = a.shape[:-1]
     cast_to = autocast_target(a)
+    check_dtype("a", a.dtype if cast_to is None else cast_to)
+    for b in bs:
+        check_dtype("b", b.dtype)
+    plan = op_plan(cfg, a.device)
     with no_autocast(a.device):
         if torch.is_grad_enabled() and (a.requires_grad or any(b.requires_grad for b in bs)):
-            ys = _MXMMShared.apply(a, cast_to, cfg, *bs)
+            ys = apply_function(_MXMMShared, a, cast_to, cfg, plan, *bs)
         else:  # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-            ys = _mm_shared_forward(a, cast_to, cfg, bs, False)[0]
+            ys = _mm_shared_forward(a, cast_to, cfg, plan, bs, False)[0]
     return tuple(y if a.ndim == 2 else y.view(*lead, b.shape[1]) for y, b in zip(ys, bs, strict=True))

@@ -24,12 +24,14 @@ _BLOCK_R = 64  # rows per program
 _BLOCK_N = 256  # columns per program
 
 
-@triton.jit(do_not_specialize=["T"])
-def _zero_rows_after_kernel(out_ptr, end_ptr, T, N, stride, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out (T, N) with row stride `stride` (elements): rows end .. T - 1 set to zero, end = *end_ptr;
-    program (p, q) covers rows p*BLOCK_R.. and columns q*BLOCK_N.."""
+@triton.jit(do_not_specialize=["T", "last"])
+def _zero_rows_after_kernel(out_ptr, offs_ptr, last, T, N, stride, BLOCK_R: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """out (T, N) with row stride `stride` (elements): rows end .. T - 1 set to zero, end =
+    offs_ptr[last] (last: the offset, in elements, of offs[-1]); program (p, q) covers rows
+    p*BLOCK_R.. and columns q*BLOCK_N.."""
     r0 = tl.program_id(0) * BLOCK_R
-    end = tl.load(end_ptr)
+    end = tl.load(offs_ptr + last)
     if r0 + BLOCK_R > end:  # a scalar branch: programs wholly before the tail store nothing
         rows = r0 + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,9 +52,16 @@ def zero_rows_after(out: Tensor, offs: Tensor) -> Tensor:
     if offs.ndim != 1 or offs.dtype != torch.int32 or offs.shape[0] == 0 or offs.device != out.device:
         raise ValueError(f"offs must be a non-empty 1D int32 tensor on {out.device}, got {offs.dtype} "
                          f"{tuple(offs.shape)} on {offs.device}")
+    return zero_rows_after_trusted(out, offs)
+
+
+def zero_rows_after_trusted(out: Tensor, offs: Tensor) -> Tensor:
+    """`zero_rows_after` for arguments that are as it requires (a grouped GEMM's output and its
+    checked offs): no checks, offs[-1] read in the kernel (no slice op on the host)."""
     T, N = out.shape
     if out.numel():
         _zero_rows_after_kernel[(cdiv(T, _BLOCK_R), cdiv(N, _BLOCK_N))](  # plain int math: host cost
-            out, offs[-1:], T, N, out.stride(0), BLOCK_R=_BLOCK_R, BLOCK_N=_BLOCK_N, num_warps=4
+            out, offs, (offs.shape[0] - 1) * offs.stride(0), T, N, out.stride(0), BLOCK_R=_BLOCK_R,
+            BLOCK_N=_BLOCK_N, num_warps=4,
         )
     return out

@@ -126,12 +126,14 @@ def _cuda_extension_ready() -> bool:
 
 # (kernel, device type, cast) -> concrete kernel: `auto` and the availability checks run once per
 # combination (an unavailable kernel raises, so only answers that can run are kept; TRITON_INTERPRET
-# is read when a combination is first resolved, as Triton itself reads it once).
-_resolved: dict[tuple, str] = {}
+# is read when a combination is first resolved, as Triton itself reads it once). The MX ops keep
+# their per-recipe answers here too (`mxmoe.ops.gemm.op_plan`, keys starting "op_plan").
+_resolved: dict[tuple, object] = {}
 
 
 def clear_resolved() -> None:
-    """Forget the cached `resolve_kernel` answers (after the environment changed, e.g. in tests)."""
+    """Forget the cached `resolve_kernel` answers, and the ops' plans resolved from them (after the
+    environment changed, e.g. in tests)."""
     _resolved.clear()
 
 

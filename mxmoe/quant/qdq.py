@@ -372,6 +372,42 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | N
         raise ValueError(f"offs is on {offs.device} but x on {x.device}; they must share a device")
 
 
+def qdq_kernels(recipe: MXRecipe, device: torch.device) -> tuple[str, str]:
+    """(k0, k1): the qdq kernels of the calls the MX ops make with `recipe` on `device`: k0 for dim0
+    without offs, k1 for dim1 and dim0+dim1, with or without offs (`qdq_kernel`). Raises where
+    `qdq` would for such a call (a kernel that cannot run here, a block size above the Triton
+    kernel's). The ops resolve this once per (recipe, device type), not per qdq call."""
+    k0 = qdq_kernel(recipe.dim0_kernel, device, True)
+    k1 = qdq_kernel(recipe.dim1_kernel, device, True)
+    if "triton" in (k0, k1) and recipe.block_size > _MAX_BS:
+        raise ValueError(
+            f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to {_MAX_BS}"
+        )
+    return k0, k1
+
+
+def qdq_trusted(
+    x: Tensor, recipe: MXRecipe, kernel: str, out_dtype: torch.dtype, dim0: bool, dim1: bool,
+    offs: Tensor | None = None,
+) -> list[Tensor]:
+    """`qdq` (dim0 or dim1) or `qdq_dim0_dim1` for a caller that checked every argument already
+    (the MX ops, once per public call): no checks here, the kernel given (from `qdq_kernels`).
+
+    x: bf16/fp32, 2D (R, C) or 3D (B, R, C) (no offs), any strides (made contiguous), C divisible
+    by the block size. offs: None, or (E,) int32 contiguous on x's device, 2D x. out_dtype: bf16
+    or fp32. Returns [y0 if dim0, y1 if dim1], each of x's shape, row-major contiguous."""
+    x = x.contiguous()
+    args = (x, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, dim0, dim1, kernel, offs)
+    # `_qdq`'s choice inline (one Python frame less per cast): the op where it must be, else its body
+    if (
+        torch.compiler.is_compiling()
+        or (x.requires_grad and torch.is_grad_enabled())
+        or torch.autograd._profiler_enabled()
+    ):
+        return _qdq(*args)
+    return _qdq_impl(*args)
+
+
 def qdq(
     x: Tensor,
     axis: int = -1,
@@ -439,4 +475,4 @@ def qdq_dim0_dim1(
     return y0, y1
 
 
-__all__ = ["QDQ_KERNELS", "qdq", "qdq_dim0_dim1", "qdq_kernel", "qdq_op"]
+__all__ = ["QDQ_KERNELS", "qdq", "qdq_trusted", "qdq_dim0_dim1", "qdq_kernel", "qdq_kernels", "qdq_op"]

@@ -101,6 +101,14 @@ def test_mx_mm_errors():
         MXOpConfig(gemm_backend="cublas")
     with pytest.raises(ValueError, match="dim1_kernel"):
         MXOpConfig(dim1_kernel="tirton")
+    # the dtypes, checked once per call (the casts below trust them), as the casts take them
+    with pytest.raises(TypeError, match=r"a has dtype torch.float16; expected one of \['torch.bfloat16'"):
+        mx_mm(torch.randn(4, 64, dtype=torch.float16), torch.randn(64, 32), CFG)
+    with pytest.raises(TypeError, match="b has dtype torch.float64"):
+        mx_mm(torch.randn(4, 64), torch.randn(64, 32, dtype=torch.float64), CFG)
+    with torch.autocast("cpu", dtype=torch.float16):  # a as autocast casts it
+        with pytest.raises(TypeError, match="a has dtype torch.float16"):
+            mx_mm(torch.randn(4, 64), torch.randn(64, 32), CFG)
 
 
 def grouped_reference(a, w, counts, dy, cfg=CFG):
@@ -193,6 +201,14 @@ def test_grouped_errors():
         mx_grouped_mm(
             torch.randn(4, 64), torch.randn(2, 64, 40), torch.tensor([2, 4], dtype=torch.int32), CFG
         )
+    offs2 = torch.tensor([2, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="a has dtype torch.float16"):
+        mx_grouped_mm(torch.randn(4, 64, dtype=torch.float16), w.transpose(-2, -1), offs2, CFG)
+    with pytest.raises(TypeError, match="b_t has dtype torch.float64"):
+        mx_grouped_mm(torch.randn(4, 64), w.double().transpose(-2, -1), offs2, CFG)
+    with pytest.raises(ValueError, match="offs has 4097 groups; expected 1 to 4096"):
+        offs = torch.full((4097,), 4, dtype=torch.int32)
+        mx_grouped_mm(torch.randn(4, 64), torch.randn(4097, 64, 32), offs, CFG)
     a = to_mx(torch.randn(4, 64))
     with pytest.raises(ValueError, match="axis"):
         mx_gemm(a, to_mx(torch.randn(64, 32), axis=-1))

@@ -19,6 +19,8 @@ def check(device: str, T: int, N: int, end: int, dtype: torch.dtype, pad: int = 
     before = full.clone()
     offs = torch.tensor([0, end // 2, end], dtype=torch.int32, device=device)
     assert zero_rows_after(out, offs) is out
+    offs_strided = torch.tensor([0, 7, end // 2, 7, end], dtype=torch.int32, device=device)[::2]
+    zero_rows_after(out, offs_strided)  # offs[-1] read through its stride: the same rows (idempotent)
     want = before.clone()
     want[end:, :N] = 0
     assert torch.equal(full, want), (T, N, end, dtype, pad)  # the padding columns untouched too
@@ -83,9 +85,9 @@ from triton.compiler import ASTSource
 from mxmoe.ops.tail_rows import _BLOCK_N, _BLOCK_R, _zero_rows_after_kernel
 
 for dt in ("bf16", "fp32"):
-    sig = {"out_ptr": f"*{dt}", "end_ptr": "*i32", "T": "i32", "N": "i32", "stride": "i32",
-           "BLOCK_R": "constexpr", "BLOCK_N": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 3, 4)}  # out_ptr, N, stride
+    sig = {"out_ptr": f"*{dt}", "offs_ptr": "*i32", "last": "i32", "T": "i32", "N": "i32",
+           "stride": "i32", "BLOCK_R": "constexpr", "BLOCK_N": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 4, 5)}  # out_ptr, N, stride
     src = ASTSource(_zero_rows_after_kernel, sig, constexprs={"BLOCK_R": _BLOCK_R, "BLOCK_N": _BLOCK_N},
                     attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
