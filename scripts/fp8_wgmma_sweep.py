@@ -3,7 +3,7 @@ GPU, per tile config, beside bf16 (torch.mm / torch._grouped_mm) and torch's fp8
 (_scaled_mm / _scaled_grouped_mm, fast accumulation) on the same shapes: 8192^3, the two MoE forward
 shapes of issue 15 and one wgrad (grouped-K) shape. Operands are random pre-cast MX tensors; the MX
 time is `fp8_gemm.launch` (scale decoding included); every config's result is compared bit for bit
-with the first's (the default). About two minutes on an H200.
+with the first's (the default). About a minute on an H200.
 
     python scripts/fp8_wgmma_sweep.py [--iters 10]
 """
@@ -25,10 +25,6 @@ CONFIGS = [
     WgmmaConfig(stages=5),  # a deeper ring
     WgmmaConfig(bn=64, bk=256, stages=3),  # narrower tile, two TMA boxes per operand and stage
     WgmmaConfig(persistent=False),  # one CTA per tile
-    # the next stage's first MMA issued before a stage's last promotion (`WgmmaConfig.pipelined`)
-    WgmmaConfig(pipelined=True),
-    WgmmaConfig(stages=5, pipelined=True),
-    WgmmaConfig(bn=64, bk=256, stages=3, pipelined=True),
 ]
 # M, K, N, groups, grouped over K (wgrad: (M, T=K) x (N, T) -> (E, M, N))
 SHAPES = [(8192, 8192, 8192, 0, False), (65536, 7168, 2048, 8, False), (32768, 4096, 14336, 8, False),

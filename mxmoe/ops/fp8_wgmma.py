@@ -38,8 +38,7 @@ Partitions: the loader (one warp, 24 registers) issues the TMA copies of each st
 slot (`empty` mbarrier, one arrival per consumer warpgroup) and signals `ready`; two consumer
 partitions of one warpgroup each (240 registers: accumulator and temporary, BN/2 fp32 each per
 thread, and a block's BN/4 B scales) own 64 rows of the 128-row tile: per 32-block a wgmma into a
-fresh temporary, a wait, the promotion (`WgmmaConfig.pipelined`: the next stage's first MMA issued
-before the last promotion of a stage); no CTA-wide barrier. Every partition walks the same tiles
+fresh temporary, a wait, the promotion; no CTA-wide barrier. Every partition walks the same tiles
 (pid, pid + grid, ...), so the ring's slot and phase (step it: slot it % STAGES, parity
 (it // STAGES) & 1) agree without communication.
 """
@@ -88,11 +87,6 @@ class WgmmaConfig:
     persistent: bool = True
     """One CTA per resident slot (SMs x CTAs per SM), each walking tiles pid, pid + grid, ...;
     False: one CTA per tile. Grouped K always runs one CTA per tile and group."""
-    pipelined: bool = False
-    """Each consumer warpgroup issues the next stage's first wgmma before it promotes the stage's
-    last block (`_k_loop_pipelined`), so every MMA but a tile's first overlaps a promotion; False:
-    a stage starts with a wgmma the warpgroup waits for idle (within a stage ptxas already issues
-    the next block's wgmma during the promotion). Same bits either way."""
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -314,92 +308,15 @@ def _ws_loader(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_sme
 
 
 @gluon.jit
-def _stage_pipelined(acc, part, a_smem, b_smem, sa_smem, sb_smem, s, n_left, zero, MODE: gl.constexpr,
-                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, WG: gl.constexpr,
-                     MMA: gl.constexpr):
-    """The stage in ring slot s, its block 0's MMA in flight (`part`): blocks 0..NB-2 promoted (ptxas
-    issues each next block's MMA early in the promotion, as in `_ws_consumer`'s loop); returns (acc,
-    block NB-1's product, waited for, not promoted). Grouped K: of its blocks, only the first
-    n_left are the group's (promoted)."""
-    NB: gl.constexpr = BK // 32
-    HALF: gl.constexpr = BM // 2
-    for j in gl.static_range(NB - 1):
-        if j > 0:
-            part = _mma_rows(a_smem, b_smem, s, j, WG * HALF, zero, BK)
-        sa = _scale_row(sa_smem, s, j, NB, BM).slice(WG * HALF, HALF).load(gl.SliceLayout(1, MMA))
-        sb = _sb_row(sb_smem, s, j, NB, BN).load(gl.SliceLayout(0, MMA))
-        part = warpgroup_mma_wait(0, deps=(part,))
-        if MODE == 2:
-            if j < n_left:
-                acc = _promote(acc, part, sa, sb)
-        else:
-            acc = _promote(acc, part, sa, sb)
-    if NB > 1:
-        part = _mma_rows(a_smem, b_smem, s, NB - 1, WG * HALF, zero, BK)
-    return acc, warpgroup_mma_wait(0, deps=(part,))
-
-
-@gluon.jit
-def _k_loop_pipelined(a_smem, b_smem, sa_smem, sb_smem, ready, empty, it, k_iters, n_blocks, zero,
-                      MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                      STAGES: gl.constexpr, WG: gl.constexpr, MMA: gl.constexpr):
-    """`WgmmaConfig.pipelined`: one tile's k_iters stages (ring steps it, it + 1, ...) for rows
-    [WG*BM/2, +BM/2); returns (the fp32 accumulator, the next ring step). Every block's MMA runs
-    while the previous block is promoted, across stages too: the next stage's first MMA is issued
-    before this stage's last block is promoted (`_ws_consumer`'s own loop waits for it idle, at the
-    start of each stage); only a tile's first MMA is waited for idle. An iteration starts from the
-    previous stage's last product, waited for: no MMA is in flight across the loop's back edge
-    (with one there, issue block b + 1, `warpgroup_mma_wait(1)`, promote block b, ptxas serialized
-    every wgmma, C7514, the loop-carried temporary's copies reading its registers), and a block's
-    MMA is issued after the previous one's wait, as ptxas schedules it (issued before the wait, at
-    BN = 128 ptxas ran out of registers: C7512 or spills). A slot is released after the last MMA
-    reading it has completed and its last scales have been read. Grouped K: a promotion under the
-    branch `j < n_left` keeps ptxas from issuing the next MMA during it, so there (as in the default
-    loop) only a stage's first MMA overlaps a promotion."""
-    NB: gl.constexpr = BK // 32
-    HALF: gl.constexpr = BM // 2
-    acc = gl.zeros((HALF, BN), gl.float32, MMA)
-    if k_iters > 0:  # (grouped K: an empty group has none)
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        part = _mma_rows(a_smem, b_smem, s, 0, WG * HALF, zero, BK)
-        acc, last = _stage_pipelined(acc, part, a_smem, b_smem, sa_smem, sb_smem, s, n_blocks, zero, MODE,
-                                     BM, BN, BK, WG, MMA)
-        for i in range(1, k_iters):
-            s_next = (it + 1) % STAGES
-            mbarrier.wait(ready.index(s_next), ((it + 1) // STAGES) & 1)
-            part = _mma_rows(a_smem, b_smem, s_next, 0, WG * HALF, zero, BK)
-            sa = _scale_row(sa_smem, s, NB - 1, NB, BM).slice(WG * HALF, HALF).load(gl.SliceLayout(1, MMA))
-            sb = _sb_row(sb_smem, s, NB - 1, NB, BN).load(gl.SliceLayout(0, MMA))
-            acc = _promote(acc, last, sa, sb)  # (a whole stage: not the group's last)
-            mbarrier.arrive(empty.index(s), count=1)  # its MMAs done, its scales read
-            it += 1
-            s = s_next
-            acc, last = _stage_pipelined(acc, part, a_smem, b_smem, sa_smem, sb_smem, s, n_blocks - i * NB,
-                                         zero, MODE, BM, BN, BK, WG, MMA)
-        sa = _scale_row(sa_smem, s, NB - 1, NB, BM).slice(WG * HALF, HALF).load(gl.SliceLayout(1, MMA))
-        sb = _sb_row(sb_smem, s, NB - 1, NB, BN).load(gl.SliceLayout(0, MMA))
-        if MODE == 2:
-            if k_iters * NB <= n_blocks:  # the group's last stage is whole
-                acc = _promote(acc, last, sa, sb)
-        else:
-            acc = _promote(acc, last, sa, sb)
-        mbarrier.arrive(empty.index(s), count=1)
-        it += 1
-    return acc, it
-
-
-@gluon.jit
 def _ws_consumer(a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr, M, N, K, E, KB_PAD,
                  stride_cm, stride_ce, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                 BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, PIPELINED: gl.constexpr,
-                 WG: gl.constexpr):
+                 BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
     """One consumer partition (a warpgroup, 4 warps): rows [WG*BM/2, +BM/2) of every tile of this
     CTA. Per 32-block: wgmma m64nBNk32 into a fresh temporary, wait for it, promote it into the
     fp32 accumulator (`_promote`); while this warpgroup promotes, the other one's MMA runs (no
     wgmma in flight across a loop edge, no CTA-wide barrier). After a stage it releases the slot
     (one arrival on `empty`). Grouped K: blocks past the group's end (its partial last stage) are
-    multiplied and not promoted. PIPELINED: the stages run by `_k_loop_pipelined` instead."""
+    multiplied and not promoted."""
     NB: gl.constexpr = BK // 32
     HALF: gl.constexpr = BM // 2
     GROUPED: gl.constexpr = MODE == 1
@@ -415,27 +332,23 @@ def _ws_consumer(a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr
         kind, m0, n0, b_row, sb_row, row_lo, row_hi = _tile(tile, offs_ptr, M, N, E, KB_PAD, num_m,
                                                             num_n, GROUPED, BM, BN, GROUP_M)
         if _computes(kind, GROUPED):
-            if PIPELINED:
-                acc, it = _k_loop_pipelined(a_smem, b_smem, sa_smem, sb_smem, ready, empty, it, k_iters,
-                                            n_blocks, zero, MODE, BM, BN, BK, STAGES, WG, MMA)
-            else:
-                acc = gl.zeros((HALF, BN), gl.float32, MMA)
-                for i in range(k_iters):
-                    s = it % STAGES
-                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    for j in gl.static_range(NB):
-                        part = _mma_rows(a_smem, b_smem, s, j, WG * HALF, zero, BK)
-                        sa = _scale_row(sa_smem, s, j, NB, BM).slice(WG * HALF, HALF).load(
-                            gl.SliceLayout(1, MMA))
-                        sb = _sb_row(sb_smem, s, j, NB, BN).load(gl.SliceLayout(0, MMA))
-                        part = warpgroup_mma_wait(0, deps=(part,))
-                        if MODE == 2:
-                            if i * NB + j < n_blocks:
-                                acc = _promote(acc, part, sa, sb)
-                        else:
+            acc = gl.zeros((HALF, BN), gl.float32, MMA)
+            for i in range(k_iters):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                for j in gl.static_range(NB):
+                    part = _mma_rows(a_smem, b_smem, s, j, WG * HALF, zero, BK)
+                    sa = _scale_row(sa_smem, s, j, NB, BM).slice(WG * HALF, HALF).load(
+                        gl.SliceLayout(1, MMA))
+                    sb = _sb_row(sb_smem, s, j, NB, BN).load(gl.SliceLayout(0, MMA))
+                    part = warpgroup_mma_wait(0, deps=(part,))
+                    if MODE == 2:
+                        if i * NB + j < n_blocks:
                             acc = _promote(acc, part, sa, sb)
-                    mbarrier.arrive(empty.index(s), count=1)  # (the loader fences before the refill)
-                    it += 1
+                    else:
+                        acc = _promote(acc, part, sa, sb)
+                mbarrier.arrive(empty.index(s), count=1)  # (the loader fences before the refill)
+                it += 1
             _store_tile(c_ptr, acc, m0 + WG * HALF, n0, row_lo, row_hi, N, stride_cm, HALF, BN, MMA)
         if GROUPED:  # (a dead zero-store branch on a constant kind crashes the lowering)
             if kind == 2:
@@ -445,16 +358,14 @@ def _ws_consumer(a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr
 @gluon.jit
 def _fp8_ws_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E, KB_PAD, stride_cm,
                    stride_ce, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, PIPELINED: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     """The kernel: MODE 0 dense, 1 grouped rows, 2 grouped K (program_id(1) is the group e, whose K
     range [offs[e-1], offs[e]) (multiples of 32) gives out[e], stride_ce apart); each CTA walks tiles
     program_id(0), + num_programs(0), ... Partitions: two consumer warpgroups (the default one,
     num_warps = 4, and a worker of 4 warps; 240 registers per thread each: accumulator and
     temporary BN/2 fp32 each, a block's BN/4 column scales) and a one-warp TMA loader (24
     registers), launched with maxnreg = WS_MAXNREG. Shared memory: the ring (STAGES slots of A, B
-    and their scale tiles), one `ready` and one `empty` mbarrier per slot. PIPELINED:
-    `WgmmaConfig.pipelined`."""
+    and their scale tiles), one `ready` and one `empty` mbarrier per slot."""
     NB: gl.constexpr = BK // 32
     BOX: gl.constexpr = a_desc.block_type.shape[1]
     a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (BK // BOX), BM, BOX], a_desc.layout)
@@ -469,9 +380,9 @@ def _fp8_ws_kernel(a_desc, b_desc, sa_desc, sb_desc, c_ptr, offs_ptr, M, N, K, E
     fence_async_shared()
     gl.warp_specialize([
         (_ws_consumer, (a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr, M, N, K, E, KB_PAD,
-                        stride_cm, stride_ce, MODE, BM, BN, BK, STAGES, GROUP_M, PIPELINED, 0)),
+                        stride_cm, stride_ce, MODE, BM, BN, BK, STAGES, GROUP_M, 0)),
         (_ws_consumer, (a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr, M, N, K, E, KB_PAD,
-                        stride_cm, stride_ce, MODE, BM, BN, BK, STAGES, GROUP_M, PIPELINED, 1)),
+                        stride_cm, stride_ce, MODE, BM, BN, BK, STAGES, GROUP_M, 1)),
         (_ws_loader, (a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem, ready, empty,
                       offs_ptr, M, N, K, E, KB_PAD, MODE, BM, BN, BK, STAGES, GROUP_M)),
     ], [4, 1], [240, 24])
@@ -579,7 +490,6 @@ def launch(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, offs: Tensor | No
     _fp8_ws_kernel[grid](
         *descs, out, offs_arg, M, N, K, E, kb_pad, out.stride(-2), out.stride(0) if mode == 2 else 0,
         MODE=mode, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        PIPELINED=cfg.pipelined,
         num_warps=4, maxnreg=WS_MAXNREG,
     )
     return out

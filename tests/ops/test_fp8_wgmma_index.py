@@ -39,9 +39,6 @@ CONFIGS = [  # those of the GPU tests (tests/ops/test_fp8_gemm.py WGMMA_CONFIGS)
     WgmmaConfig(bn=64, bk=256, stages=3),
     WgmmaConfig(bk=64, stages=8),
     WgmmaConfig(persistent=False),
-    WgmmaConfig(pipelined=True),
-    WgmmaConfig(bn=64, bk=256, stages=3, pipelined=True),
-    WgmmaConfig(bk=32, stages=8, pipelined=True),
 ]
 
 
@@ -97,7 +94,6 @@ class _Recorder:
         self.expects = []  # (barrier, bytes)
         self.copies = []  # (descriptor, coordinates, barrier)
         self.bars = []  # the mbarriers of the CTA being emulated
-        self.mmas = []  # the wgmmas issued (`_Mma`)
 
 
 def _gl_shim(rec: _Recorder):
@@ -451,10 +447,6 @@ class _Partitions:
         self.local = threading.local()
         self.active = False
 
-    def in_flight(self):
-        """The calling partition's issued, not yet completed wgmmas (oldest first)."""
-        return self.local.__dict__.setdefault("mmas", [])
-
     def run(self, functions_and_args, worker_num_warps, worker_num_regs):
         assert len(functions_and_args) == len(worker_num_warps) + 1 == len(worker_num_regs) + 1
         assert all(24 <= r <= 256 and r % 8 == 0 for r in worker_num_regs)
@@ -532,19 +524,6 @@ class _Partitions:
             self.switch()
 
 
-class _Mma:
-    """An issued, not yet completed wgmma (its shared-memory operands as views)."""
-
-    def __init__(self, a, b):
-        self.a, self.b, self.value = a, b, None
-
-    def complete(self):
-        self.value = (self.a.a.astype(np.float64) @ self.b.a.astype(np.float64)).astype(np.float32).view(_Arr)
-
-    def reads(self, arr):
-        return np.shares_memory(self.a.a, arr) or np.shares_memory(self.b.a, arr)
-
-
 def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np, order="loader"):
     def alloc(dtype, shape, _layout):
         if dtype == "i64":
@@ -601,8 +580,6 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np, order="loader"
         if not pred:
             return
         rec.copies.append((desc, [int(c) for c in coords], bar))
-        assert not any(m.value is None and m.reads(dst.a) for m in rec.mmas), \
-            "a TMA refill of shared memory a wgmma in flight reads"
         src = descs_np[desc.name]
         (r0, c0), (br, bc) = coords, desc.block_type.shape
         box = np.zeros((br, bc))
@@ -631,25 +608,10 @@ def _kernel_shims(rec: _Recorder, pid, nprog, out_flat, descs_np, order="loader"
     tma_ = types.SimpleNamespace(async_copy_global_to_shared=copy)
 
     def mma(a, b, _acc, use_acc=False, is_async=True):
-        """An async wgmma: it reads its operands when a wait completes it (the latest the hardware
-        may), so a slot refilled while it is in flight gives a wrong product, and `copy` fails."""
-        p = _Mma(a, b)
-        rec.mmas.append(p)
-        parts.in_flight().append(p)
-        return p
-
-    def mma_wait(num_outstanding, deps):
-        """Completes the partition's wgmmas but the `num_outstanding` latest; a dep still in flight
-        after it is an error (its registers are not written yet)."""
-        q = parts.in_flight()
-        while len(q) > num_outstanding:
-            q.pop(0).complete()
-        vals = [d.value if isinstance(d, _Mma) else d for d in deps]
-        assert all(v is not None for v in vals), "a wgmma result used while the wgmma is in flight"
-        return vals[0] if len(vals) == 1 else tuple(vals)
+        return (a.a.astype(np.float64) @ b.a.astype(np.float64)).astype(np.float32).view(_Arr)
 
     return dict(gl=gl_, mbarrier=mbar_, tma=tma_, fence_async_shared=lambda: None, warpgroup_mma=mma,
-                warpgroup_mma_wait=mma_wait)
+                warpgroup_mma_wait=lambda n, deps: deps[0])
 
 
 def emulate_kernel(got, patch=None, order="loader"):
@@ -690,7 +652,6 @@ def emulate_kernel(got, patch=None, order="loader"):
                    *[_I(x) for x in ints], **got["kw"])
             # at the CTA's exit: no TMA copy in flight, no phase half-arrived
             assert all(b.tx == 0 and b.pending == b.count for b in rec.bars), "a CTA exits mid-phase"
-            assert all(m.value is not None for m in rec.mmas), "a CTA exits with a wgmma in flight"
     return rec
 
 
@@ -814,8 +775,7 @@ def test_ws_random_ragged_groups_emulated(seed, monkeypatch):
     counts[torch.randint(0, E, (E // 3,), generator=g)] = 0
     case = rows_case(counts.tolist(), int(torch.randint(0, 9, (1,), generator=g)), 72, 320)
     ref, mag, k = _reference(case)
-    for i, cfg in enumerate(CONFIGS):
-        order = ("loader", "consumers")[i % 2]
+    for cfg, order in zip(CONFIGS, ("loader", "consumers") * 2, strict=True):
         out = torch.full_like(case[5], float("nan"))
         _emulated(monkeypatch, (*case[:5], out), cfg, resident=2, order=order)
         assert _within_bound(out, ref, mag, k), (cfg, order)
@@ -828,43 +788,19 @@ def _without(op):
 
 
 @pytest.mark.parametrize("broken,order", [("_ws_loader/wait", "loader"), ("_ws_consumer/arrive", "loader"),
-                                          ("_ws_consumer/wait", "consumers"),
-                                          ("_k_loop_pipelined/arrive", "loader"),
-                                          ("_k_loop_pipelined/wait", "consumers")])
+                                          ("_ws_consumer/wait", "consumers")])
 def test_ws_emulation_catches_a_broken_ring(broken, order, monkeypatch):
     """The emulation's teeth: a loader that does not wait for the consumers' release (a refill
     racing the reads of the slot's previous stage), consumers that never release a slot, and
-    consumers that do not wait for a slot's fill each fail: a hang or a wrong result (the pipelined
-    consumer's own waits and releases too)."""
+    consumers that do not wait for a slot's fill each fail: a hang or a wrong result."""
     case = dense_case(256, 128, 1024)  # 32 blocks: 8 stages through a 4-slot ring per tile
     ref, mag, k = _reference(case)
     fn, op = broken.split("/")
-    cfg = WgmmaConfig(pipelined=fn == "_k_loop_pipelined")
     out = torch.full_like(case[5], float("nan"))
     try:
-        _emulated(monkeypatch, (*case[:5], out), cfg, resident=1, patch={fn: _without(op)}, order=order)
+        _emulated(monkeypatch, (*case[:5], out), CONFIGS[0], resident=1, patch={fn: _without(op)},
+                  order=order)
     except AssertionError as e:
         assert "hang" in str(e) or "copied than expected" in str(e) or "arrivals" in str(e), e
         return
     assert not _within_bound(out, ref, mag, k), f"{broken} passed"
-
-
-def test_ws_emulation_catches_a_refill_under_a_wgmma(monkeypatch):
-    """The emulated wgmma reads shared memory when a wait completes it: a consumer that releases a
-    slot while a wgmma reading it is in flight (here: the waits leave one more wgmma in flight than
-    asked, and results are taken as if complete) meets the loader's refill: an error."""
-    case = dense_case(256, 128, 1024)
-
-    def late(shims):
-        wait = shims["warpgroup_mma_wait"]
-
-        def wait_one_more(num_outstanding, deps):
-            wait(num_outstanding + 1, ())
-            # the registers as the hardware would hand them over: garbage while in flight
-            return deps[0].value if deps[0].value is not None else np.zeros((1,), np.float32).view(_Arr)
-        return {"warpgroup_mma_wait": wait_one_more}
-
-    for fn, cfg in (("_ws_consumer", CONFIGS[0]), ("_stage_pipelined", WgmmaConfig(pipelined=True))):
-        out = torch.full_like(case[5], float("nan"))
-        with pytest.raises(AssertionError, match="refill of shared memory a wgmma in flight reads"):
-            _emulated(monkeypatch, (*case[:5], out), cfg, resident=1, patch={fn: late}, order="loader")
