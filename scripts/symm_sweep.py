@@ -4,12 +4,13 @@
 
 For each shape (batch x 8192 tokens of `dim` bf16 per rank, equal splits) prints the bf16 NCCL
 all-to-all forward and the MXFP8 symm forward (`to_mxfp8_a2a_dequant`, transport="symm", check=False)
-for every (ITEM_TILES, RECV_DELAY, programs per SM): work items of ITEM_TILES flag tiles of 8192
-elements (one ticket, and for a store one system-scope fence, per item), receives start after
-1/RECV_DELAY of the stores (1: after all of them), and the kernel runs programs-per-SM x SMs
-programs. Median ms over 30 runs, maximum over ranks (mxmoe.bench.timing.bench), and the ratio
-bf16 / MXFP8. Each configuration is
-first checked bit for bit against `reference_mxfp8_a2a` on the same rows. Then, with the module's
+for every (ITEM_TILES, store tile, RECV_DELAY, programs per SM): work items of ITEM_TILES flag tiles
+of 8192 elements (one ticket, and for a store one system-scope fence, per item), store items quantize
+register tiles of `store tile` blocks of 32 (64: 8-byte NVLink element stores a thread, 128: 16-byte
+ones), receives start after 1/RECV_DELAY of the stores (1: after all of them), and the kernel runs
+programs-per-SM x SMs programs. Median ms over 30 runs, maximum over ranks
+(mxmoe.bench.timing.bench), and the ratio bf16 / MXFP8. Each configuration is first checked bit for
+bit against `reference_mxfp8_a2a` on the same rows. Then, with the module's
 own constants, the stages alone, on one pair's share of rows (rows / world): the same kernel when
 every rank keeps them (own tiles only) and when every rank sends them to the next rank (stores and
 receives only).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 
 import torch
@@ -27,7 +29,8 @@ import torch.distributed as dist
 from mxmoe.bench.timing import bench
 from mxmoe.comm import all_to_all_hp, reference_mxfp8_a2a, symm, to_mxfp8_a2a_dequant
 
-ITEMS = (1, 2)
+ITEMS = (1, 2, 4)
+STORE_SUBS = (64, 128)  # symm._STORE_SUB_BLOCKS
 DELAYS = (1, 4)
 PROGS = (1, 2, 3)  # at 80 registers a program, three fit on an SM
 
@@ -42,7 +45,7 @@ def main() -> None:
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=60), device_id=dev)
     world = dist.get_world_size()
-    default = (symm.ITEM_TILES, symm.RECV_DELAY, symm._PROGS_PER_SM)
+    default = (symm.ITEM_TILES, symm._STORE_SUB_BLOCKS, symm.RECV_DELAY, symm._PROGS_PER_SM)
     ws = symm.SymmWorkspace.get(None, dev)
     for b in (int(v) for v in args.batches.split(",")):
         rows = b * 8192
@@ -52,25 +55,24 @@ def main() -> None:
         bf = bench(lambda t, s=splits: all_to_all_hp(t, s, s, check=False), [(x,)], warmup=5, iters=30)
         if rank == 0:
             print(f"{b}x8192x{args.dim}: bf16 {bf.median_ms:.3f} ms", flush=True)
-        for item in ITEMS:
-            for delay in DELAYS:
-                for progs in PROGS:
-                    symm.ITEM_TILES, symm.RECV_DELAY, symm._PROGS_PER_SM = item, delay, progs
-                    ws.__dict__.pop("_items", None)  # the item tables hold the item size and delay
+        for item, sub, delay, progs in itertools.product(ITEMS, STORE_SUBS, DELAYS, PROGS):
+            symm.ITEM_TILES, symm._STORE_SUB_BLOCKS = item, sub
+            symm.RECV_DELAY, symm._PROGS_PER_SM = delay, progs
+            ws.__dict__.pop("_items", None)  # the item tables hold the item size and delay
 
-                    def mx(t, s=splits):
-                        return to_mxfp8_a2a_dequant(t, s, s, check=False, transport="symm")
+            def mx(t, s=splits):
+                return to_mxfp8_a2a_dequant(t, s, s, check=False, transport="symm")
 
-                    exact = torch.equal(mx(x).view(torch.int16), ref.view(torch.int16))
-                    t = bench(mx, [(x,)], warmup=5, iters=30)
-                    if rank == 0:
-                        print(
-                            f"  ITEM_TILES={item} RECV_DELAY={delay:<2} progs/SM={progs}: "
-                            f"{t.median_ms:.3f} ms "
-                            f"({bf.median_ms / t.median_ms:.2f}x bf16){'' if exact else '  NOT EXACT'}",
-                            flush=True,
-                        )
-        symm.ITEM_TILES, symm.RECV_DELAY, symm._PROGS_PER_SM = default
+            exact = torch.equal(mx(x).view(torch.int16), ref.view(torch.int16))
+            t = bench(mx, [(x,)], warmup=5, iters=30)
+            if rank == 0:
+                print(
+                    f"  ITEM_TILES={item} store tile={sub:<3} RECV_DELAY={delay:<2} progs/SM={progs}: "
+                    f"{t.median_ms:.3f} ms "
+                    f"({bf.median_ms / t.median_ms:.2f}x bf16){'' if exact else '  NOT EXACT'}",
+                    flush=True,
+                )
+        symm.ITEM_TILES, symm._STORE_SUB_BLOCKS, symm.RECV_DELAY, symm._PROGS_PER_SM = default
         ws.__dict__.pop("_items", None)
         n = rows // world  # as many rows as one pair of the equal split
         own = [n if p == rank else 0 for p in range(world)]
@@ -80,9 +82,9 @@ def main() -> None:
             t = bench(lambda t, i=i, o=o: to_mxfp8_a2a_dequant(t, o, i, check=False, transport="symm"),
                       [(x[:n],)], warmup=5, iters=30)
             if rank == 0:
-                it, d, pr = default
-                print(f"  {name} (ITEM_TILES={it}, RECV_DELAY={d}, progs/SM={pr}): {t.median_ms:.3f} ms",
-                      flush=True)
+                it, sb, d, pr = default
+                print(f"  {name} (ITEM_TILES={it}, store tile={sb}, RECV_DELAY={d}, progs/SM={pr}): "
+                      f"{t.median_ms:.3f} ms", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -72,21 +72,29 @@ WORKSPACE_BYTES = int(os.environ.get("MXMOE_SYMM_WORKSPACE_MB", "1024")) << 20
 TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
 # Blocks of 32 per work item (8192 elements: one flag, one release at system scope, one ticket),
 # done in register tiles of _SUB_BLOCKS (8 elements a thread); warps and register cap per program,
-# programs per SM: 80 registers (no spills, tests/comm/test_symm.py checks the sm_90 build) let three
-# programs of 8 warps share an SM (NVLink stores need many in flight).
+# programs per SM: 80 registers (no spills in the register-tile loops; tests/comm/test_symm.py checks
+# the sm_90 build with the launch's argument types) let three programs of 8 warps share an SM (NVLink
+# stores need many in flight).
 TILE_BLOCKS, _SUB_BLOCKS = 256, 64
+# Register tile of store items, in blocks: its element bytes a thread are the width of each NVLink
+# store (64 blocks over 8 warps: 8-byte st.global.v2, 256 consecutive bytes a warp; 128: 16-byte
+# st.global.v4, 512 a warp, 16 elements a thread). At 80 registers the launch's build (int32 scalars)
+# spills 24 (64) or 32 (128) bytes of values that stay the same over the front loop, stored once and
+# reloaded once a work item, none in the register-tile loops (its sm_90 SASS). scripts/symm_sweep.py
+# measures both.
+_STORE_SUB_BLOCKS = 64
 _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
 # Pipeline depth of a work item's register tiles (Triton's num_stages: STAGES - 1 register tiles are
 # loaded ahead, by asynchronous copies into shared memory) for store and own items, then for receive
-# items, by the rows' dtype: as deep as 80 registers allow without spills (the sm_90 build test checks
-# it). With one register tile at a time each paid a full memory latency, and three programs of 8 warps
-# kept at most 12 KiB of loads in flight an SM.
+# items, by the rows' dtype: as deep as 80 registers allow without spills in the register-tile loops
+# (the sm_90 build test checks it). With one register tile at a time each paid a full memory
+# latency, and three programs of 8 warps kept at most 12 KiB of loads in flight an SM.
 _STAGES = {torch.bfloat16: (4, 3), torch.float32: (2, 1)}
-# Flag tiles per work item (1 or 2; 4 spills at 80 registers): an item pays a ticket, and a store
-# item one system-scope fence (it waits for the CTA's NVLink stores to be acknowledged), whatever its
-# size; larger items pay them over more bytes, smaller ones balance the programs' ends better. Flags
-# stay one per tile (the workspace layout does not depend on it); a receive item waits for all of its
-# flags.
+# Flag tiles per work item (1, 2 or 4; scripts/symm_sweep.py measures all three): an item pays a
+# ticket, and a store item one system-scope fence (it waits for the CTA's NVLink stores to be
+# acknowledged), whatever its size; larger items pay them over more bytes, smaller ones balance the
+# programs' ends better. Flags stay one per tile (the workspace layout does not depend on it); a
+# receive item waits for all of its flags.
 ITEM_TILES = 2
 # Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
 # that has not is deferred to the end of the exchange).
@@ -327,8 +335,8 @@ def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: 
     per workspace for repeated splits (the table and its device copy are reused)."""
     cache = ws.__dict__.setdefault("_items", {})
     per_item = ITEM_TILES
-    if per_item not in (1, 2):
-        raise ValueError(f"ITEM_TILES={per_item}; expected 1 or 2")
+    if per_item not in (1, 2, 4):
+        raise ValueError(f"ITEM_TILES={per_item}; expected 1, 2 or 4")
     key = (tuple(ins), tuple(outs), me, lay, base, per_item, RECV_DELAY)
     hit = cache.get(key)
     if hit is not None:
@@ -476,7 +484,7 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
         x.view(bits), y, ys, meta, ws.counters, ws.deferred, ws.error, epoch,
         items.n_store, items.n_own, items.n_recv, items.delay, items.own_xblk, items.own_yblk,
         items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, ITEM=items.per_item,
-        SUB=_SUB_BLOCKS,
+        SUB=_SUB_BLOCKS, SSUB=_STORE_SUB_BLOCKS,
         STAGES=_STAGES[x.dtype][0], RSTAGES=_STAGES[x.dtype][1], IN_BF16=bf16,
         DEQUANT=dequant, CLOCK=not interpret, num_warps=_WARPS, maxnreg=_MAXNREG,
         **_spec_args(_SPEC, interpret),

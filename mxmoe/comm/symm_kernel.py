@@ -21,7 +21,9 @@ item of the peer, finished without waiting. Spins time out (globaltimer; MXMOE_S
 kernel records the source and tile in the error word and traps (on a GPU the process fails with a
 CUDA error instead of hanging). The last program to finish resets the counters for the next exchange.
 
-Memory ordering: a store item's threads write the peer's slot (weak st.global over NVLink); a CTA
+Memory ordering: a store item's threads write the peer's slot (weak st.global over NVLink: the
+elements as SSUB * 32 / (32 * warps)-byte vectors, every warp 32 such stores of consecutive bytes;
+the scales as int32 words of four blocks, SSUB bytes from one warp per register tile); a CTA
 barrier (bar.sync) orders them before the threads of one warp (one per flag) write the flags with
 atomic exchanges of release semantics at system scope (cumulative: they publish every write the
 barrier ordered before them; one MEMBAR.SYS for the warp). A receive item reads its flags with
@@ -95,7 +97,13 @@ def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr
     n_all = _meta(meta_ptr, ST_NBLK, i, PEERS)
     nblk = n_all - blk0
     q_dst = _as_ptr(_meta(meta_ptr, ST_Q, i, PEERS), tl.uint8) + blk0 * 32
-    s_dst = _as_ptr(_meta(meta_ptr, ST_S, i, PEERS), tl.uint8) + blk0
+    # The scales leave as int32 words, four blocks' bytes each (little-endian: block b at bits
+    # 8 (b % 4), the slot's byte layout): one 4-byte store a thread, SUB bytes from one warp in one
+    # instruction, instead of single bytes from SUB threads. An item starts on a multiple of 4 blocks;
+    # the last word of a pair may cover up to 3 blocks past its end: padding of the slot's scale
+    # region (256-byte aligned, so never past it), which no receive reads.
+    tl.static_assert(SUB % 4 == 0 and (ITEM * NB) % SUB == 0)
+    s_dst = _as_ptr(_meta(meta_ptr, ST_S, i, PEERS), tl.int32) + blk0 // 4
     f_dst = _as_ptr(_meta(meta_ptr, ST_F, i, PEERS), tl.int32)
     for u in tl.range(0, ITEM * NB // SUB, num_stages=STAGES):
         b = tl.arange(0, SUB) + u * SUB
@@ -104,7 +112,10 @@ def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr
         X = _load_bits(x_ptr + xblk * 32, offs, bmask[:, None], IN_BF16)
         q, s = _quantize(X, 1, MODE, IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
         tl.store(q_dst + offs, q, mask=bmask[:, None])
-        tl.store(s_dst + b, s, mask=bmask)
+        # disjoint bit fields: the sum is the bytes side by side
+        w = tl.sum(tl.reshape(s.to(tl.int32), [SUB // 4, 4]) << (8 * tl.arange(0, 4))[None, :], axis=1)
+        wi = tl.arange(0, SUB // 4) + u * (SUB // 4)
+        tl.store(s_dst + wi, w, mask=wi * 4 < nblk)
     tl.debug_barrier()  # every thread's stores of the item, then the releases below
     if ITEM == 1:
         tl.atomic_xchg(f_dst + kk, epoch, sem="release", scope="sys")
@@ -228,8 +239,9 @@ def _recv_before(c, delay, n_comm, n_recv):
                                "own_nblk", "timeout", "nprog"])
 def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, epoch, n_store, n_own,
                     n_recv, delay, own_xblk, own_yblk, own_nblk, timeout, nprog, PEERS: tl.constexpr,
-                    NB: tl.constexpr, ITEM: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
-                    RSTAGES: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr, CLOCK: tl.constexpr,
+                    NB: tl.constexpr, ITEM: tl.constexpr, SUB: tl.constexpr, SSUB: tl.constexpr,
+                    STAGES: tl.constexpr, RSTAGES: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr,
+                    CLOCK: tl.constexpr,
                     MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
                     MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
                     T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
@@ -240,9 +252,10 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
     of one do not slow the atomics of another), zero at launch and left zero. def: int32
     (>= n_recv,), the deferred receive tiles. err: int64, after a timeout 1 + source index * 2^32 +
     tile (a peer's tile), or -1 (this rank's front). Block offsets (`*blk`) count blocks of 32
-    elements. NB: blocks per work item (one flag each), SUB: blocks per register tile (NB // SUB of
-    them per item). delay: communication items (stores and receives) before the first receive, at
-    most n_store."""
+    elements. NB: blocks per flag tile (ITEM tiles per work item), SUB: blocks per register tile of
+    own and receive items, SSUB: of store items (SSUB * 32 // (32 * num_warps) element bytes a thread
+    in each store: 64 blocks and 8 warps give 8-byte stores, 128 give 16-byte ones). delay:
+    communication items (stores and receives) before the first receive, at most n_store."""
     n_comm = n_store + n_recv
     n_front = n_comm + n_own
     mine = n_front * 0  # front items this program finished
@@ -265,7 +278,7 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
                     slot = tl.atomic_add(ctr_ptr + 3 * CTR_STRIDE, 1, sem="relaxed")
                     tl.store(def_ptr + slot, r.to(tl.int32))
             else:
-                _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, ITEM, SUB, STAGES, IN_BF16, MODE,
+                _store_item(x_ptr, meta_ptr, c - r, epoch, PEERS, NB, ITEM, SSUB, STAGES, IN_BF16, MODE,
                             IS_E5M2, EMAX, MBITS, MIN_EXP, MAXBITS, RCEIL_C, T127, T126, SOFT)
         else:
             _own_item(x_ptr, y_ptr, ys_ptr, t - c, own_xblk, own_yblk, own_nblk, NB, ITEM, SUB, STAGES,

@@ -217,9 +217,9 @@ class SharedWorkspace:
         raise AssertionError("the test's workspace fits every pair")
 
 
-def _kernel_worker(rank, world, port, per_item, buffers, ready, xs, gs, M, outs_y, outs_q, outs_s,
+def _kernel_worker(rank, world, port, per_item, store_sub, buffers, ready, xs, gs, M, outs_y, outs_q, outs_s,
                    outs_back) -> None:
-    symm.ITEM_TILES = per_item
+    symm.ITEM_TILES, symm._STORE_SUB_BLOCKS = per_item, store_sub
     ws = SharedWorkspace(buffers, ready, rank)
     ins, outs = M[rank], [row[rank] for row in M]
     outs_y[rank].copy_(symm_mx_exchange(xs[rank], ins, outs, rank, ws, "torch", True, impl="kernel"))
@@ -231,13 +231,15 @@ def _kernel_worker(rank, world, port, per_item, buffers, ready, xs, gs, M, outs_
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflow notes
-@pytest.mark.parametrize(("world", "dtype", "dim", "per_item"),
-                         [(2, torch.bfloat16, 96, 2), (3, torch.float32, 64, 2), (2, torch.float32, 64, 1)])
-def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, spawn_ranks):
+@pytest.mark.parametrize(("world", "dtype", "dim", "per_item", "store_sub"),
+                         [(2, torch.bfloat16, 96, 2, 64), (3, torch.float32, 64, 2, 64),
+                          (2, torch.float32, 64, 1, 64), (2, torch.bfloat16, 96, 4, 128)])
+def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, store_sub, spawn_ranks):
     """The Triton exchange kernel itself (tickets, release/acquire flags, epochs, tiles spanning rows,
-    the last partial tile, items of several flag tiles with the last ones missing, empty pairs): one
-    process per rank under TRITON_INTERPRET=1, workspaces in shared memory, three exchanges (both
-    halves, then the first again)."""
+    the last partial tile, items of several flag tiles with the last ones missing, empty pairs, scales
+    stored as words of four blocks with pairs ending inside a word, store register tiles of 64 and
+    128 blocks): one process per rank under TRITON_INTERPRET=1, workspaces in shared memory, three
+    exchanges (both halves, then the first again)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs TRITON_INTERPRET=1 (CPU)")
@@ -258,7 +260,8 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, spaw
     )
     backs = shared([sum(M[r]) for r in range(world)], dim, dtype)
     ready = torch.zeros(world, dtype=torch.int32).share_memory_()
-    spawn_ranks(_kernel_worker, world, per_item, buffers, ready, xs, gs, M, ys, qs, ss, backs, timeout_s=900)
+    spawn_ranks(_kernel_worker, world, per_item, store_sub, buffers, ready, xs, gs, M, ys, qs, ss, backs,
+                timeout_s=900)
     for r in range(world):
         what = f"rank {r} of {world}, {dtype}"
         assert_same_bits(ys[r], expected(xs, M, r, True), "forward " + what)
@@ -268,7 +271,7 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, spaw
         assert_same_bits(backs[r], expected(gs, Mt, r, True), "backward " + what)
 
 
-@pytest.mark.parametrize("per_item", [1, 2])
+@pytest.mark.parametrize("per_item", [1, 2, 4])
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_work_items_order_and_tiles(world, per_item, monkeypatch):
     """The ticket order: communication items (stores, receives) spread evenly among the own tiles,
@@ -316,7 +319,7 @@ def test_work_items_order_and_tiles(world, per_item, monkeypatch):
             assert items.row("rc_s")[i] == sc.data_ptr() and items.row("rc_f")[i] == f.data_ptr()
 
 
-@pytest.mark.parametrize("per_item", [1, 2])
+@pytest.mark.parametrize("per_item", [1, 2, 4])
 @pytest.mark.parametrize("world", [2, 3])
 def test_symm_exchange_many_tiles(world, per_item, monkeypatch):
     """Pairs of several tiles (tiles spanning rows, a partial last one; items of `per_item` tiles, the
@@ -360,7 +363,7 @@ def test_symm_exchange_times_out_instead_of_hanging(monkeypatch):
 
 
 _COMPILE_SM90 = r"""
-import os, re, subprocess, tempfile
+import collections, inspect, os, re, subprocess, tempfile
 import torch, triton
 import triton.backends.nvidia as nv
 from triton.backends.compiler import GPUTarget
@@ -368,24 +371,32 @@ from mxmoe.comm import symm, symm_kernel
 from mxmoe.quant.triton_cast import _spec_args
 
 tool = os.path.join(os.path.dirname(nv.__file__), "bin")
+# as the launch compiles it: Python ints below 2**31 are int32 arguments, the timeout (ns) is int64
 sig = dict(x_ptr="*i16", y_ptr="*i16", ys_ptr="*u8", meta_ptr="*i64", ctr_ptr="*i32", def_ptr="*i32",
-           err_ptr="*i64", epoch="i32", n_store="i64", n_own="i64", n_recv="i64", delay="i64",
-           own_xblk="i64", own_yblk="i64", own_nblk="i64", timeout="i64", nprog="i32")
+           err_ptr="*i64", epoch="i32", n_store="i32", n_own="i32", n_recv="i32", delay="i32",
+           own_xblk="i32", own_yblk="i32", own_nblk="i32", timeout="i64", nprog="i32")
 fn = symm_kernel.exchange_kernel
-for bf16, deq, peers, item in ((True, True, 1, 2), (False, True, 3, 2), (True, False, 1, 1),
-                               (False, False, 7, 2), (True, True, 1, 1), (True, False, 3, 2)):
+lines, first = inspect.getsourcelines(symm_kernel._store_item.fn)
+store_item = range(first, first + len(lines))
+SSUB = symm._STORE_SUB_BLOCKS
+for bf16, deq, peers, item, ssub in (
+    (True, True, 1, 2, SSUB), (False, True, 3, 2, SSUB), (True, False, 1, 1, SSUB),
+    (False, False, 7, 2, SSUB), (True, True, 1, 1, SSUB), (True, False, 3, 2, SSUB),
+    (True, True, 1, 4, SSUB), (True, True, 1, 2, 128), (False, True, 1, 4, 128),
+):
     xt = "*i16" if bf16 else "*i32"
     s = dict(sig, x_ptr=xt, y_ptr=xt if deq else "*u8")
     stages = symm._STAGES[torch.bfloat16 if bf16 else torch.float32]
-    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, ITEM=item, SUB=symm._SUB_BLOCKS, STAGES=stages[0],
-              RSTAGES=stages[1], IN_BF16=bf16, DEQUANT=deq, CLOCK=True, **_spec_args(symm._SPEC, False))
+    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, ITEM=item, SUB=symm._SUB_BLOCKS, SSUB=ssub,
+              STAGES=stages[0], RSTAGES=stages[1], IN_BF16=bf16, DEQUANT=deq, CLOCK=True,
+              **_spec_args(symm._SPEC, False))
     s.update({k: "constexpr" for k in ce})
     # torch's allocations are 16-byte aligned: the launch specializes the pointers so
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in s.items() if v.startswith("*")}
     k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=s, constexprs=ce, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=symm._WARPS, maxnreg=symm._MAXNREG))
-    what = (bf16, deq, peers, item)
+    what = (bf16, deq, peers, item, ssub)
     ptx = k.asm["ptx"]
     for op in ("atom.global.sys.release.exch.b32", "ld.global.sys.acquire.b32", "trap;", "%globaltimer"):
         assert op in ptx, (what, op)
@@ -396,10 +407,19 @@ for bf16, deq, peers, item in ((True, True, 1, 2), (False, True, 3, 2), (True, F
                              text=True, check=True).stdout
         sass = subprocess.run([os.path.join(tool, "cuobjdump"), "-sass", f.name], capture_output=True,
                               text=True, check=True).stdout
-    regs, local = int(re.search(r"REG:(\d+)", res)[1]), int(re.search(r"LOCAL:(\d+)", res)[1])
-    # registers for _PROGS_PER_SM programs of _WARPS warps per SM, nothing spilled
+    regs, stack = int(re.search(r"REG:(\d+)", res)[1]), int(re.search(r"STACK:(\d+)", res)[1])
+    # registers for _PROGS_PER_SM programs of _WARPS warps per SM
     assert regs <= symm._MAXNREG and regs * 32 * symm._WARPS * symm._PROGS_PER_SM <= 65536, (what, regs)
-    assert local == 0 and not re.search(r"\b(LDL|STL)\b", sass), (what, "spills", local)
+    # Spills: at most a few values that stay the same over the work-item loop (stored once, reloaded
+    # once a work item), none in a loop inside it (the register-tile loops, the spins): loops are the
+    # spans of backward branches.
+    code = [(int(a, 16), i) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(int(m[1], 16), a) for a, i in code for m in [re.search(r"\bBRA\s+.*?(0x[0-9a-f]+)", i)]
+             if m and int(m[1], 16) < a]
+    assert len(loops) >= 3, (what, "the work-item and register-tile loops not found", loops)
+    deep = [(hex(a), i) for a, i in code
+            if re.search(r"\b(LDL|STL)\b", i) and sum(lo <= a <= hi for lo, hi in loops) > 1]
+    assert stack <= 32 and not deep, (what, "spills", stack, deep)
     # one system-scope fence per store item (its flags' release, from one warp), vector stores (8
     # elements a thread), and a work item's register tiles loaded STAGES - 1 ahead of their use by
     # asynchronous vector copies into shared memory (cp.async)
@@ -411,6 +431,23 @@ for bf16, deq, peers, item in ((True, True, 1, 2), (False, True, 3, 2), (True, F
     assert max(waits) >= max(stages) - 2, (what, waits)  # copies still in flight while one is used
     # shared memory of the programs of an SM (228 KiB an SM on sm_90, 1 KiB of it per program reserved)
     assert (k.metadata.shared + 1024) * symm._PROGS_PER_SM <= 228 * 1024, (what, k.metadata.shared)
+    # The store item's stores into the peer's slot (PTX lines of _store_item): the elements as one
+    # vector a thread, SSUB * 32 / (32 * warps) bytes (a warp's 32 cover consecutive bytes), the
+    # scales as int32 words of four blocks; nothing narrower (single-byte scale stores were what it
+    # did before).
+    files = dict(re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M))
+    ops, loc = collections.Counter(), None
+    for line in ptx.splitlines():
+        line = line.strip()
+        m = re.match(r"\.loc\s+(\d+)\s+(\d+)", line)
+        if m:
+            loc = (files.get(m[1], ""), int(m[2]))
+            continue
+        m = re.match(r"(?:@!?%p\d+\s+)?(st\.global\S*)\s", line)
+        if m and loc and loc[0].endswith("symm_kernel.py") and loc[1] in store_item:
+            ops[m[1]] += 1
+    elem = {8: "st.global.v2.b32", 16: "st.global.v4.b32"}[ssub * 32 // (32 * symm._WARPS)]
+    assert set(ops) == {elem, "st.global.b32"}, (what, dict(ops))
 # the standalone kernels that share the exchange kernel's tile helpers
 from mxmoe.comm import kernels as kk
 for f, s, ce in (
@@ -429,10 +466,12 @@ print("compiled")
 
 def test_exchange_kernel_compiles_for_sm90():
     """The exchange kernel (and the standalone kernels sharing its tile helpers) builds for an
-    H100/H200 (sm_90) on this machine (Triton ships ptxas and cuobjdump): the exchange kernel's
-    system-scope release flag write (one system fence per store tile), acquire flag reads, vector
-    stores, the work items' loads issued ahead as asynchronous copies, timer and trap; registers and
-    shared memory for the programs per SM it launches, no spills."""
+    H100/H200 (sm_90) on this machine (Triton ships ptxas and cuobjdump), with the argument types the
+    launch gives it: the exchange kernel's system-scope release flag write (one system fence per store
+    tile), acquire flag reads, vector stores, the store items' NVLink stores (elements as one 8- or
+    16-byte vector a thread, scales as 4-byte words), the work items' loads issued ahead as
+    asynchronous copies, timer and trap; registers and shared memory for the programs per SM it
+    launches, spills only of values reloaded once a work item (none in the register-tile loops)."""
     import subprocess
     import sys
 
@@ -446,3 +485,4 @@ def test_exchange_kernel_compiles_for_sm90():
     out = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+
