@@ -80,9 +80,9 @@ TILE_BLOCKS, _SUB_BLOCKS = 256, 64
 # store (64 blocks over 8 warps: 8-byte st.global.v2, 256 consecutive bytes a warp; 128: 16-byte
 # st.global.v4, 512 a warp, 16 elements a thread). At 80 registers the launch's build (int32 scalars)
 # spills 24 (64) or 32 (128) bytes of values that stay the same over the front loop, stored once and
-# reloaded once a work item, none in the register-tile loops (its sm_90 SASS). scripts/symm_sweep.py
-# measures both.
-_STORE_SUB_BLOCKS = 64
+# reloaded once a work item, none in the register-tile loops (its sm_90 SASS). 128: the fastest in
+# scripts/symm_sweep.py on 2 H200s (docs/benchmarks.md, "MXFP8 all-to-all").
+_STORE_SUB_BLOCKS = 128
 _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
 # Pipeline depth of a work item's register tiles (Triton's num_stages: STAGES - 1 register tiles are
 # loaded ahead, by asynchronous copies into shared memory) for store and own items, then for receive
@@ -94,8 +94,8 @@ _STAGES = {torch.bfloat16: (4, 3), torch.float32: (2, 1)}
 # ticket, and a store item one system-scope fence (it waits for the CTA's NVLink stores to be
 # acknowledged), whatever its size; larger items pay them over more bytes, smaller ones balance the
 # programs' ends better. Flags stay one per tile (the workspace layout does not depend on it); a
-# receive item waits for all of its flags.
-ITEM_TILES = 2
+# receive item waits for all of its flags. 4: the fastest in the sweep at 1, 4 and 16 x 8192 rows.
+ITEM_TILES = 4
 # Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
 # that has not is deferred to the end of the exchange).
 RECV_DELAY = 4
