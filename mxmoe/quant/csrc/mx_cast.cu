@@ -691,6 +691,20 @@ __global__ void __launch_bounds__(kThreads) dequant_generic_kernel(const uint8_t
   }
 }
 
+// One dequantized vector's NWO output words to dst with streaming stores (8 bytes, or 16-byte
+// pieces): the qdq kernels' output, read by the GEMM after, not by this kernel.
+template <int NWO>
+__device__ __forceinline__ void store_words_cs(uint32_t* dst, const uint32_t (&o)[NWO]) {
+  if constexpr (NWO == 2) {
+    __stcs(reinterpret_cast<uint2*>(dst), make_uint2(o[0], o[1]));
+  } else {
+#pragma unroll
+    for (int k = 0; k < NWO / 4; ++k) {
+      __stcs(reinterpret_cast<uint4*>(dst) + k, make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Quantize-dequantize along dim0 (qdq): y = dequantize(quantize_dim0(x)) without writing q and s,
 // in x's layout. The cast's device functions quantize (quantize_vec32 / quantize_block_generic)
@@ -724,14 +738,7 @@ __global__ void __launch_bounds__(kThreads) qdq_dim0_kernel(const uint4* __restr
     dequant_pairs<OUT, ELEM, VEC / 2>(qw, e8m0_to_f32(sb), o);
     if (i >= nvec) continue;
     uint32_t* dst = y + i * NWO;
-    if constexpr (NWO == 2) {
-      __stcs(reinterpret_cast<uint2*>(dst), make_uint2(o[0], o[1]));
-    } else {
-#pragma unroll
-      for (int k = 0; k < NWO / 4; ++k) {
-        __stcs(reinterpret_cast<uint4*>(dst) + k, make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]));
-      }
-    }
+    store_words_cs<NWO>(dst, o);
   }
 }
 
@@ -899,14 +906,7 @@ __global__ void __launch_bounds__(kThreads, 2) qdq_dim1_kernel(const uint4* __re
       dequant_pairs<OUT, ELEM, VEC / 2>(qw, e8m0_to_f32(sb), o);
       if (!col_ok || j >= nrows) continue;
       uint32_t* dst = y0 + ((row0 + j) * ncvt + cv) * NWO;
-      if constexpr (NWO == 2) {
-        __stcs(reinterpret_cast<uint2*>(dst), make_uint2(o[0], o[1]));
-      } else {
-#pragma unroll
-        for (int k = 0; k < NWO / 4; ++k) {
-          __stcs(reinterpret_cast<uint4*>(dst) + k, make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]));
-        }
-      }
+      store_words_cs<NWO>(dst, o);
     }
   }
   // Column amax: word k of a vector holds columns 2k, 2k + 1 (bf16) or column k (fp32).
@@ -962,14 +962,7 @@ __global__ void __launch_bounds__(kThreads, 2) qdq_dim1_kernel(const uint4* __re
       }
     }
     uint32_t* dst = y1 + ((row0 + j) * ncvt + cv) * NWO;
-    if constexpr (NWO == 2) {
-      __stcs(reinterpret_cast<uint2*>(dst), make_uint2(o[0], o[1]));
-    } else {
-#pragma unroll
-      for (int k = 0; k < NWO / 4; ++k) {
-        __stcs(reinterpret_cast<uint4*>(dst) + k, make_uint4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]));
-      }
-    }
+    store_words_cs<NWO>(dst, o);
   }
 }
 
