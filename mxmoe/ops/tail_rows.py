@@ -11,8 +11,9 @@ CTA / program, and tail rows, where there are some, are written once.
 Two kernels, the same result bit for bit:
   "cuda": the C++ operator `mxmoe_cuda::zero_rows_after` of the CUDA cast extension
       (csrc/mx_cast.cu: a warp per row, 16-byte stores where the rows are 16-byte aligned; a fake
-      implementation for torch.compile). Its host cost per call is that of the extension's other
-      C++ operators (~14-20 µs on the H200 hosts) against Triton's 35-72 µs per launch.
+      implementation for torch.compile), for its host cost: the extension's other C++ operators
+      cost ~14-20 µs per call on the H200 hosts, a Triton launch 35-72 µs (this one's own cost is
+      not yet measured: `mxmoe bench overhead`, rows `zero_rows_after`).
   "triton": a Triton kernel; each program covers a tile of 64 rows x 256 columns and stops at once
       when its rows all lie before offs[-1]. Runs on CUDA tensors, and on CPU tensors under
       TRITON_INTERPRET=1 (tests).
@@ -20,6 +21,7 @@ Two kernels, the same result bit for bit:
 the extension builds or is loaded (`mxmoe.quant.backends.resolve_kernel`'s "auto", as the casts),
 else "triton".
 """
+
 from __future__ import annotations
 
 import torch
@@ -84,8 +86,13 @@ def zero_rows_after_trusted(out: Tensor, offs: Tensor) -> Tensor:
     """`zero_rows_after(kernel="auto")` for arguments that are as it requires (a grouped GEMM's
     output and its checked offs): no checks, offs[-1] read in the kernel (no slice op on the host).
     On CUDA the C++ operator where the extension builds (the choice cached per process by
-    resolve_kernel: a dict lookup per call), else the Triton kernel."""
-    if out.is_cuda and resolve_kernel("auto", out.device, "dim0") == "cuda":
+    resolve_kernel: a dict lookup per call), else the Triton kernel. While torch.compile traces
+    before anything loaded the extension, the Triton kernel (the operator does not exist yet)."""
+    if (
+        out.is_cuda
+        and resolve_kernel("auto", out.device, "dim0") == "cuda"
+        and (cuda_cast.ops_loaded or not torch.compiler.is_compiling())
+    ):
         return cuda_cast.zero_rows_after(out, offs)
     return _zero_rows_after_triton(out, offs)
 

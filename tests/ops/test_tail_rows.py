@@ -23,13 +23,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check(device: str, T: int, N: int, end: int, dtype: torch.dtype, pad: int = 0, kernel: str = "auto",
           col: int = 0, groups: int = 3) -> None:
-    """out (T, N) = columns col .. col + N - 1 of a (T, N + pad) buffer (row stride N + pad; col > 0
+    """out (T, N) = columns col .. col + N - 1 of a (T, col + N + pad) buffer (that row stride; col > 0
     moves the data pointer off 16 bytes), filled with random values (signed zeros included); offs
     of `groups` groups ending at end. Every element of the buffer but the zeroed rows keeps its bits
     (the rows before end, and the columns outside out)."""
     g = torch.Generator().manual_seed(T * 1000 + end + 7 * groups)
-    full = torch.randn(T, N + pad, generator=g)
-    full[torch.rand(T, N + pad, generator=g) < 0.05] = -0.0
+    full = torch.randn(T, col + N + pad, generator=g)
+    full[torch.rand(T, col + N + pad, generator=g) < 0.05] = -0.0
     full = full.to(dtype).to(device)
     out = full[:, col : col + N]
     want = full.cpu().clone()
@@ -39,8 +39,8 @@ def check(device: str, T: int, N: int, end: int, dtype: torch.dtype, pad: int = 
     assert zero_rows_after(out, offs, kernel=kernel) is out
     what = (T, N, end, dtype, pad, kernel, col, groups)
     assert same_bits(full, want), what
-    offs_strided = torch.tensor([x for e in ends for x in (e, 7)], dtype=torch.int32, device=device)[::2]
-    zero_rows_after(out, offs_strided, kernel=kernel)  # offs[-1] read through its stride: the same rows
+    offs_strided = torch.tensor([x for e in ends for x in (e, 0)], dtype=torch.int32, device=device)[::2]
+    zero_rows_after(out, offs_strided, kernel=kernel)  # offs[-1] read through its stride (else 0: all rows)
     assert same_bits(full, want), (*what, "strided offs")
 
 
@@ -79,7 +79,7 @@ GPU_CASES = (
     (130, 96, 130, 0, 0, 3), (130, 96, 129, 0, 0, 3), (130, 300, 67, 0, 0, 3), (130, 256, 66, 0, 0, 1),
     (130, 32, 65, 0, 0, 64), (64, 512, 0, 0, 0, 1), (64, 512, 0, 0, 0, 64), (1, 8, 0, 0, 0, 1),
     (1, 8, 1, 0, 0, 2), (100, 40, 37, 8, 0, 3), (100, 40, 37, 24, 0, 64), (100, 40, 100, 8, 0, 1),
-    (100, 40, 37, 3, 0, 3), (100, 13, 50, 0, 0, 3), (100, 64, 50, 0, 1, 3), (100, 64, 50, 8, 3, 1),
+    (100, 40, 37, 3, 0, 3), (100, 13, 50, 0, 0, 3), (100, 64, 50, 0, 1, 3), (100, 64, 50, 5, 3, 1),
     (40000, 2048, 40000, 0, 0, 8), (40000, 2048, 39001, 0, 0, 8), (40000, 1000, 12345, 24, 0, 64),
 )
 
