@@ -308,15 +308,45 @@ def _ws_loader(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_sme
 
 
 @gluon.jit
+def _ws_stage(acc, a_smem, b_smem, sa_smem, sb_smem, ready, empty, zero, it, n_valid, BM: gl.constexpr,
+              BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+              MMA: gl.constexpr, CHECKED: gl.constexpr):
+    """One stage (ring step `it`) of a consumer warpgroup: wait for the slot's fill, per 32-block j
+    a wgmma into a fresh temporary, a wait, the promotion into acc (fp32 (BM/2, BN), layout MMA);
+    then release the slot. CHECKED: only blocks j < n_valid are promoted (a grouped-K group's
+    partial last stage: the blocks after it are the next group's, or TMA's zero fill, and add
+    nothing); the others are multiplied and dropped (a branch: no NaN of theirs gets in).
+    Unchecked, ptxas issues block j+1's wgmma during block j's promotion; the check's branch stops
+    that, so only a grouped-K group's last stage runs checked."""
+    NB: gl.constexpr = BK // 32
+    HALF: gl.constexpr = BM // 2
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    for j in gl.static_range(NB):
+        part = _mma_rows(a_smem, b_smem, s, j, WG * HALF, zero, BK)
+        sa = _scale_row(sa_smem, s, j, NB, BM).slice(WG * HALF, HALF).load(gl.SliceLayout(1, MMA))
+        sb = _sb_row(sb_smem, s, j, NB, BN).load(gl.SliceLayout(0, MMA))
+        part = warpgroup_mma_wait(0, deps=(part,))
+        if CHECKED:
+            if j < n_valid:
+                acc = _promote(acc, part, sa, sb)
+        else:
+            acc = _promote(acc, part, sa, sb)
+    mbarrier.arrive(empty.index(s), count=1)  # (the loader fences before the refill)
+    return acc
+
+
+@gluon.jit
 def _ws_consumer(a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr, M, N, K, E, KB_PAD,
                  stride_cm, stride_ce, MODE: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
     """One consumer partition (a warpgroup, 4 warps): rows [WG*BM/2, +BM/2) of every tile of this
-    CTA. Per 32-block: wgmma m64nBNk32 into a fresh temporary, wait for it, promote it into the
-    fp32 accumulator (`_promote`); while this warpgroup promotes, the other one's MMA runs (no
-    wgmma in flight across a loop edge, no CTA-wide barrier). After a stage it releases the slot
-    (one arrival on `empty`). Grouped K: blocks past the group's end (its partial last stage) are
-    multiplied and not promoted."""
+    CTA, stage by stage (`_ws_stage`): per 32-block wgmma m64nBNk32 into a fresh temporary, wait
+    for it, promote it into the fp32 accumulator (`_promote`); while this warpgroup promotes, the
+    other one's MMA runs (no wgmma in flight across a loop edge, no CTA-wide barrier). After a
+    stage it releases the slot (one arrival on `empty`). Grouped K: every stage but the group's
+    last runs unchecked (the same loop as the other modes); the last, possibly partial, promotes
+    only the blocks before the group's end (`n_blocks`)."""
     NB: gl.constexpr = BK // 32
     HALF: gl.constexpr = BM // 2
     GROUPED: gl.constexpr = MODE == 1
@@ -326,6 +356,9 @@ def _ws_consumer(a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr
     k_iters = (n_blocks + NB - 1) // NB
     if MODE == 2:
         c_ptr = c_ptr + gl.program_id(1).to(gl.int64) * stride_ce
+        n_whole = gl.maximum(k_iters - 1, 0)  # the stages before the group's last
+    else:
+        n_whole = k_iters
     zero = gl.zeros((HALF, BN), gl.float32, MMA)
     it = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
@@ -333,22 +366,15 @@ def _ws_consumer(a_smem, b_smem, sa_smem, sb_smem, ready, empty, c_ptr, offs_ptr
                                                             num_n, GROUPED, BM, BN, GROUP_M)
         if _computes(kind, GROUPED):
             acc = gl.zeros((HALF, BN), gl.float32, MMA)
-            for i in range(k_iters):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                for j in gl.static_range(NB):
-                    part = _mma_rows(a_smem, b_smem, s, j, WG * HALF, zero, BK)
-                    sa = _scale_row(sa_smem, s, j, NB, BM).slice(WG * HALF, HALF).load(
-                        gl.SliceLayout(1, MMA))
-                    sb = _sb_row(sb_smem, s, j, NB, BN).load(gl.SliceLayout(0, MMA))
-                    part = warpgroup_mma_wait(0, deps=(part,))
-                    if MODE == 2:
-                        if i * NB + j < n_blocks:
-                            acc = _promote(acc, part, sa, sb)
-                    else:
-                        acc = _promote(acc, part, sa, sb)
-                mbarrier.arrive(empty.index(s), count=1)  # (the loader fences before the refill)
+            for _ in range(n_whole):
+                acc = _ws_stage(acc, a_smem, b_smem, sa_smem, sb_smem, ready, empty, zero, it, NB, BM, BN,
+                                BK, STAGES, WG, MMA, False)
                 it += 1
+            if MODE == 2:
+                if k_iters > 0:  # (an empty group: no stage, zeros stored)
+                    acc = _ws_stage(acc, a_smem, b_smem, sa_smem, sb_smem, ready, empty, zero, it,
+                                    n_blocks - n_whole * NB, BM, BN, BK, STAGES, WG, MMA, True)
+                    it += 1
             _store_tile(c_ptr, acc, m0 + WG * HALF, n0, row_lo, row_hi, N, stride_cm, HALF, BN, MMA)
         if GROUPED:  # (a dead zero-store branch on a constant kind crashes the lowering)
             if kind == 2:

@@ -702,6 +702,19 @@ def loops(sass):
     return sorted(out, key=lambda x: x[0])
 
 
+def fp32_under_wgmmas(body):
+    # per wgmma of a loop body: the FP32 ops (FMUL, FFMA) between it and its wait (the next
+    # WARPGROUP.DEPBAR), i.e. issued while it runs
+    ops = [re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", b).group(1) for b in body]
+    out = []
+    for i, op in enumerate(ops):
+        if op.startswith("QGMMA"):
+            rest = ops[i + 1:]
+            end = next((k for k, o in enumerate(rest) if o.startswith("WARPGROUP.DEPBAR")), len(rest))
+            out.append(sum(o.startswith(("FMUL", "FFMA")) for o in rest[:end]))
+    return out
+
+
 for cfg in [W.DEFAULT_CONFIG, W.WgmmaConfig(bn=64, bk=256, stages=3)]:
     la, lb, lsa, lsb, nb = W._layouts(cfg)
     a = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
@@ -746,11 +759,22 @@ for cfg in [W.DEFAULT_CONFIG, W.WgmmaConfig(bn=64, bk=256, stages=3)]:
         assert not ops["FENCE"] and not ops["MEMBAR"], ops  # (the loader fences before a refill)
         bars = [b for b in body if "BAR.SYNC" in b]
         assert len(bars) <= 2 and all(re.search(r"BAR.SYNC\S* 0x\w+, 0x80 ;", b) for b in bars), bars
+        # overlap within a warpgroup, in both consumers' stage loops (every mode: grouped K runs the
+        # same unchecked loop): every wgmma but the stage's first is issued during the previous
+        # block's promotion, at least half of its BN FP32 ops (per thread) before the wgmma's wait
+        # (the grouped-K loop with a per-block branch had none)
+        stage_loops = [x for x in ls if x[1]["QGMMA"] == nb_ and not x[1]["UTMALDG"]][:2]
+        under = [fp32_under_wgmmas(b) for _, _, b in stage_loops]
+        assert len(under) == 2 and all(u[0] == 0 and min(u[1:], default=cfg.bn) >= cfg.bn // 2
+                                       for u in under), under
+        # wgmma code: per consumer the stage loop, and grouped K the checked last stage after it
+        assert sass.count("QGMMA") == (4 if mode == 2 else 2) * nb_, sass.count("QGMMA")
         # the loader's loop: TMA only
         ln, lops, _ = next(x for x in ls if x[1]["UTMALDG"])
         assert not lops["QGMMA"] and not lops["FFMA"], lops
         print(f"bn={cfg.bn} bk={cfg.bk} mode={mode}: consumer stage loop {n} instructions per warp "
-              f"({n / nb_:.0f} per 32-block), {dict(ops)}; loader loop {ln}: {dict(lops)}")
+              f"({n / nb_:.0f} per 32-block), {dict(ops)}, FP32 ops under each wgmma {under}; "
+              f"loader loop {ln}: {dict(lops)}")
 print("compiled")
 """
 
@@ -759,7 +783,8 @@ def test_ws_kernel_compiles_for_sm90():
     """Ahead-of-time compile of the kernel (every mode, the default and a 128x64x256 config) for sm_90a
     with Triton's bundled ptxas, and its SASS: no spills, no wgmma serialization (C7514), the
     partitions' register budgets, and the consumer's stage loop (BK/32 wgmmas, 2 FP32 ops per
-    accumulator element and 32-block, no local memory, no TMA, no fence, no CTA-wide barrier)."""
+    accumulator element and 32-block, no local memory, no TMA, no fence, no CTA-wide barrier; every
+    wgmma but the stage's first issued during the previous block's promotion, grouped K included)."""
     import os
     import subprocess
     import sys

@@ -781,14 +781,39 @@ def test_ws_random_ragged_groups_emulated(seed, monkeypatch):
         assert _within_bound(out, ref, mag, k), (cfg, order)
 
 
+# (the emulator's fp8 -> float copy of A warns on the NaN element it is given on purpose)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
+def test_ws_grouped_k_partial_stage_drops_the_next_groups_nan(monkeypatch):
+    """Grouped K: a group's partial last stage (3 blocks; BK/32 = 2, 4, 8) also loads the next
+    group's first blocks, which the check must drop without arithmetic: with a NaN A scale (byte
+    255) and a NaN fp8 element in the next group's first block, the first group's output stays
+    finite and within the bound (a multiply by 0 would leak the NaN), while the next group's rows
+    that hold them are NaN; every config, loader first and consumers first."""
+    M, N = 72, 136
+    case = k_case([96, 160], M, N)
+    aq, as_ = case[0], case[1]
+    as_.view(torch.uint8)[5, 3] = 255  # row 5, block 3: the second group's first block
+    aq.view(torch.uint8)[6, 3 * 32 + 7] = 0x7F  # row 6: an e4m3fn NaN element in that block
+    ref, mag, k = _reference(case)
+    for cfg in CONFIGS:
+        for order in ("loader", "consumers"):
+            out = torch.full_like(case[5], float("nan"))
+            _emulated(monkeypatch, (*case[:5], out), cfg, resident=1, order=order)
+            assert _within_bound(out[0], ref[0], mag[0], k), (cfg, order)
+            assert out[1, 5:7].isnan().all(), (cfg, order)
+            rest = torch.cat([out[1, :5], out[1, 7:]])
+            assert _within_bound(rest, torch.cat([ref[1, :5], ref[1, 7:]]),
+                                 torch.cat([mag[1, :5], mag[1, 7:]]), k), (cfg, order)
+
+
 def _without(op):
     """A `patch` of `emulate_kernel`: the function's mbarrier `op` does nothing."""
     return lambda shims: {"mbarrier": types.SimpleNamespace(**{**vars(shims["mbarrier"]),
                                                                op: lambda *a, **k: None})}
 
 
-@pytest.mark.parametrize("broken,order", [("_ws_loader/wait", "loader"), ("_ws_consumer/arrive", "loader"),
-                                          ("_ws_consumer/wait", "consumers")])
+@pytest.mark.parametrize("broken,order", [("_ws_loader/wait", "loader"), ("_ws_stage/arrive", "loader"),
+                                          ("_ws_stage/wait", "consumers")])
 def test_ws_emulation_catches_a_broken_ring(broken, order, monkeypatch):
     """The emulation's teeth: a loader that does not wait for the consumers' release (a refill
     racing the reads of the slot's previous stage), consumers that never release a slot, and
