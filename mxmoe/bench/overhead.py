@@ -10,10 +10,12 @@ from a CUDA graph (the GPU's time for them, with no host work per call). Runs on
     mxmoe bench overhead --shape 4096x4096 --iters 1000 --json overhead.json
     mxmoe bench overhead --kernel cuda --kernel auto
 
-Rows: op (what is called; `qdq ...`: the fused quantize-dequantize that feeds the emulated GEMM),
+Rows: op (what is called; `qdq ...`: the fused quantize-dequantize that feeds the emulated GEMM;
+`zero_rows_after`: the zeroing of the rows after the last group that follows each bf16 grouped
+forward and dgrad GEMM, `mxmoe.ops.tail_rows`),
 impl ("native" or the MX cast kernel), host_us (wall µs per call), graph_us (wall µs per CUDA-graph
-replay of the same call; casts and qdq only), x_to_fp8 (host_us / that of `x.to(torch.float8_e4m3fn)`
-in the same run).
+replay of the same call; casts, qdq and zero_rows_after only), x_to_fp8 (host_us / that of
+`x.to(torch.float8_e4m3fn)` in the same run).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
     """(op, impl, fn, graphable) for every row; inputs are made here, once."""
     from mxmoe.comm import all_to_all_hp, to_mxfp8_a2a_dequant
     from mxmoe.ops import mx_grouped_mm, mx_mm
+    from mxmoe.ops.tail_rows import zero_rows_after
     from mxmoe.quant import available_kernels, to_mx, to_mx_dim0_dim1
     from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
     from mxmoe.recipe import DEFAULT_RECIPE
@@ -142,6 +145,14 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
                 fwd_bwd(lambda: torch._grouped_mm(xg, w3g, offs=offs)),
                 False,
             ),
+        ]
+        # what mx_grouped_mm runs after each grouped forward and dgrad GEMM ("auto": the C++
+        # operator where the extension loads); the groups cover every row, as in a MoE step
+        tail = torch.zeros_like(x)
+        cases += [
+            ("zero_rows_after", k, lambda k=k: zero_rows_after(tail, offs, kernel=k), True)
+            for k in kernels
+            if k != "torch"
         ]
     cases += [
         ("mx_grouped_mm fwd", "auto", lambda: mx_grouped_mm(x, w3, offs, cfg), False),

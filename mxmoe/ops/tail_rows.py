@@ -4,11 +4,22 @@ no group (rows at or after offs[-1]), without a host sync and without touching t
 torch._grouped_mm (2D x 3D) leaves those rows unwritten. Zeroing them with a mask (arange >=
 offs[-1], then masked_fill) runs three kernels and reads and writes the whole output: an extra
 elementwise pass per grouped forward and dgrad GEMM (72 per moe_1b training step), which the bf16
-step does not run. This Triton kernel reads offs[-1] on the device; each program covers a tile
-of 64 rows x 256 columns and stops at once when its rows all lie before offs[-1]. In a MoE step
-the groups cover every row, so it costs one launch and one 4-byte load per program (2048 programs
-for a 32768 x 1024 output); tail rows, where there are some, are written once. Runs on CUDA
-tensors, and on CPU tensors under TRITON_INTERPRET=1 (tests).
+step does not run. Instead one kernel reads offs[-1] on the device and stores only the rows from
+there on; in a MoE step the groups cover every row, so it costs one launch and one 4-byte load per
+CTA / program, and tail rows, where there are some, are written once.
+
+Two kernels, the same result bit for bit:
+  "cuda": the C++ operator `mxmoe_cuda::zero_rows_after` of the CUDA cast extension
+      (csrc/mx_cast.cu: a warp per row, 16-byte stores where the rows are 16-byte aligned; a fake
+      implementation for torch.compile), for its host cost: the extension's other C++ operators
+      cost ~14-20 µs per call on the H200 hosts, a Triton launch 35-72 µs (this one's own cost is
+      not yet measured: `mxmoe bench overhead`, rows `zero_rows_after`).
+  "triton": a Triton kernel; each program covers a tile of 64 rows x 256 columns and stops at once
+      when its rows all lie before offs[-1]. Runs on CUDA tensors, and on CPU tensors under
+      TRITON_INTERPRET=1 (tests).
+"auto" (what the grouped GEMM uses, `zero_rows_after_trusted`) takes "cuda" on CUDA tensors when
+the extension builds or is loaded (`mxmoe.quant.backends.resolve_kernel`'s "auto", as the casts),
+else "triton".
 """
 
 from __future__ import annotations
@@ -18,7 +29,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mxmoe.quant.backends import cdiv
+from mxmoe.quant import cuda_cast
+from mxmoe.quant.backends import cdiv, resolve_kernel, why_unavailable
+
+KERNELS = ("auto", "triton", "cuda")
 
 _BLOCK_R = 64  # rows per program
 _BLOCK_N = 256  # columns per program
@@ -40,24 +54,51 @@ def _zero_rows_after_kernel(out_ptr, offs_ptr, last, T, N, stride, BLOCK_R: tl.c
         tl.store(ptrs, tl.zeros((BLOCK_R, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask)
 
 
-def zero_rows_after(out: Tensor, offs: Tensor) -> Tensor:
+def zero_rows_after(out: Tensor, offs: Tensor, *, kernel: str = "auto") -> Tensor:
     """Rows offs[-1] .. T - 1 of out set to zero in place; returns out.
 
     out: (T, N) bf16/fp32 with unit column stride (any row stride, e.g. torch._grouped_mm's padded
     one). offs: (E,) int32 cumulative group ends on out's device (any strides), offs[-1] <= T.
+    kernel: "auto" (the C++ operator on CUDA where the extension builds, else Triton), "cuda" or
+    "triton" (module docstring).
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; expected one of {list(KERNELS)}")
     if out.ndim != 2 or out.stride(1) != 1:
         raise ValueError(f"out must be 2D with unit column stride, got shape {tuple(out.shape)}, "
                          f"strides {out.stride()}")
+    if out.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out must be bfloat16 or float32, got {out.dtype}")
     if offs.ndim != 1 or offs.dtype != torch.int32 or offs.shape[0] == 0 or offs.device != out.device:
         raise ValueError(f"offs must be a non-empty 1D int32 tensor on {out.device}, got {offs.dtype} "
                          f"{tuple(offs.shape)} on {offs.device}")
-    return zero_rows_after_trusted(out, offs)
+    if kernel == "auto":
+        return zero_rows_after_trusted(out, offs)
+    reason = why_unavailable(kernel, out.device)
+    if reason is not None:
+        raise RuntimeError(reason)
+    if kernel == "cuda":
+        return cuda_cast.zero_rows_after(out, offs)
+    return _zero_rows_after_triton(out, offs)
 
 
 def zero_rows_after_trusted(out: Tensor, offs: Tensor) -> Tensor:
-    """`zero_rows_after` for arguments that are as it requires (a grouped GEMM's output and its
-    checked offs): no checks, offs[-1] read in the kernel (no slice op on the host)."""
+    """`zero_rows_after(kernel="auto")` for arguments that are as it requires (a grouped GEMM's
+    output and its checked offs): no checks, offs[-1] read in the kernel (no slice op on the host).
+    On CUDA the C++ operator where the extension builds (the choice cached per process by
+    resolve_kernel: a dict lookup per call), else the Triton kernel. While torch.compile traces
+    before anything loaded the extension, the Triton kernel (the operator does not exist yet)."""
+    if (
+        out.is_cuda
+        and resolve_kernel("auto", out.device, "dim0") == "cuda"
+        and (cuda_cast.ops_loaded or not torch.compiler.is_compiling())
+    ):
+        return cuda_cast.zero_rows_after(out, offs)
+    return _zero_rows_after_triton(out, offs)
+
+
+def _zero_rows_after_triton(out: Tensor, offs: Tensor) -> Tensor:
+    """The Triton kernel on checked arguments (a CUDA tensor, or CPU under TRITON_INTERPRET=1)."""
     T, N = out.shape
     if out.numel():
         _zero_rows_after_kernel[(cdiv(T, _BLOCK_R), cdiv(N, _BLOCK_N))](  # plain int math: host cost

@@ -11,6 +11,8 @@ under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so later process
 Loading it registers the operators `torch.ops.mxmoe_cuda.*` (argument checks, output allocation,
 device guard and stream in C++; see binding.cpp), with fake implementations registered here so that
 `torch.compile(fullgraph=True)` traces through them. The functions below call them directly.
+Besides the casts the extension holds `zero_rows_after` (the rows after the last expert group of a
+grouped GEMM's output set to zero; `mxmoe.ops.tail_rows`), a C++ operator for its lower host cost.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def _register_fakes() -> None:
     for op, fn in (("quantize_dim0", dim0), ("quantize_dim1", dim1), ("quantize_dim0_dim1", dim0_dim1),
                    ("dequantize", deq), ("qdq_dim0", qdq0), ("qdq_dim1", qdq1), ("qdq_dim0_dim1", qdq01),
                    ("quantize_dim0_out", mutating),
-                   ("dequantize_out", mutating), ("qdq_dim0_out", mutating)):
+                   ("dequantize_out", mutating), ("qdq_dim0_out", mutating), ("zero_rows_after", mutating)):
         torch.library.register_fake(lib + op, fn)
 
 
@@ -223,3 +225,14 @@ def qdq_dim0_dim1(
     load_extension()
     return torch.ops.mxmoe_cuda.qdq_dim0_dim1(x, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype,
                                               out_dtype, offs)
+
+
+def zero_rows_after(out: Tensor, offs: Tensor) -> Tensor:
+    """Rows offs[-1] .. T - 1 of out set to zero in place (the others untouched); returns out.
+
+    out: (T, N) bf16/fp32 CUDA, unit column stride, any row stride (torch._grouped_mm's output,
+    its row stride padded). offs: (E,) int32 cumulative group ends on out's device, any stride,
+    offs[-1] <= T; offs[-1] is read on the device (no host sync). Checked in C++."""
+    load_extension()
+    torch.ops.mxmoe_cuda.zero_rows_after(out, offs)
+    return out

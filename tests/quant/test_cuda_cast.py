@@ -269,7 +269,7 @@ def test_binding_compiles_and_registers_every_operator():
     called = set(re.findall(r"torch\.ops\.mxmoe_cuda\.(\w+)", Path(cuda_cast.__file__).read_text()))
     assert called >= {"quantize_dim0", "quantize_dim0_out", "quantize_dim1", "quantize_dim0_dim1",
                       "dequantize", "dequantize_out", "qdq_dim0", "qdq_dim0_out", "qdq_dim1", "qdq_dim0_dim1",
-                      "format_constants"}
+                      "zero_rows_after", "format_constants"}
     for op in called:
         assert f'm.def("{op}(' in text, op
         assert op == "format_constants" or f'm.impl("{op}", &{op});' in text, op
@@ -281,7 +281,7 @@ def test_binding_compiles_and_registers_every_operator():
         parsed = torch._C.parse_schema("mxmoe_cuda::" + text_schema)
         mutated = [a.name for a in parsed.arguments if a.alias_info is not None and a.alias_info.is_write]
         assert mutated == {"quantize_dim0_out": ["q", "s"], "dequantize_out": ["out"],
-                           "qdq_dim0_out": ["out"]}.get(op, []), op
+                           "qdq_dim0_out": ["out"], "zero_rows_after": ["out"]}.get(op, []), op
 
 
 # ------------------------------------------------------------------------------------------------

@@ -30,10 +30,15 @@
 //                 Tensor? offs=None) -> (Tensor y0, Tensor y1): x as for qdq_dim1 with
 //       C % block_size == 0, read once: y0 = qdq_dim0(x) (with offs its rows at or after offs[-1]
 //       zero), y1 = qdq_dim1(x, offs)
+//   zero_rows_after(Tensor(a!) out, Tensor offs) -> ()
+//       out (T, N) bf16/fp32, unit column stride, any row stride (torch._grouped_mm's output, its
+//       row stride padded); offs (E >= 1,) int32 cumulative group ends on out's device, any stride:
+//       rows offs[E-1] .. T-1 of out set to zero in place, the others untouched; offs[E-1] is read
+//       on the device (no host sync; below 0 counts as 0, above T as T)
 //   format_constants(ScalarType elem_dtype) -> int[]
 //       [emax, mbits, bits of max, bits of fp32(1/max), T127, T126]: what the kernels compile in,
 //       compared with mxmoe.formats when the extension loads
-// mode: mxmoe.formats.MODE_IDS (0 FLOOR, 1 RCEIL, 2 CEIL, 3 EVEN). Every output is contiguous.
+// mode: mxmoe.formats.MODE_IDS (0 FLOOR, 1 RCEIL, 2 CEIL, 3 EVEN). Every allocated output is contiguous.
 // Fake (meta) implementations for torch.compile are registered from Python (mxmoe/quant/cuda_cast.py).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -338,6 +343,20 @@ std::tuple<Tensor, Tensor> qdq_dim0_dim1(const Tensor& x, int64_t block_size, in
   return {y0, y1};
 }
 
+void zero_rows_after(Tensor& out, const Tensor& offs) {
+  TORCH_CHECK_WITH(Error, out.is_cuda(), msg("mxmoe_cuda: out must be a CUDA tensor, got device ", out.device()));
+  TORCH_CHECK_WITH(Error, out.dim() == 2 && out.stride(1) == 1, msg("mxmoe_cuda: out must be 2D (T, N) with unit column stride, got shape ", out.sizes(), " strides ", out.strides()));
+  const int od = float_code(out.scalar_type(), "out");
+  TORCH_CHECK_TYPE(offs.scalar_type() == at::kInt && offs.dim() == 1, msg("mxmoe_cuda: offs must be a 1D Int tensor of cumulative group ends, got ", offs.scalar_type(), " of shape ", offs.sizes()));
+  TORCH_CHECK_WITH(Error, offs.size(0) >= 1, msg("mxmoe_cuda: offs must have at least 1 group, got shape ", offs.sizes()));
+  TORCH_CHECK_WITH(Error, offs.device() == out.device(), msg("mxmoe_cuda: offs is on ", offs.device(), ", out on ", out.device()));
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int32_t* end = offs.data_ptr<int32_t>() + (offs.size(0) - 1) * offs.stride(0);  // offs[E-1]
+  check_launch(mx_zero_rows_after(out.data_ptr(), od, out.size(0), out.size(1), out.stride(0), end, stream_of(out)),
+               "mx_zero_rows_after");
+}
+
 std::vector<int64_t> format_constants(at::ScalarType elem) {
   const ElemConstants k = constants(elem_code(elem, "elem_dtype"));
   return {k.emax, k.mbits, k.max_bits, k.rceil_c_bits, k.t127, k.t126};
@@ -356,6 +375,7 @@ TORCH_LIBRARY(mxmoe_cuda, m) {
   m.def("qdq_dim0_out(Tensor x, int block_size, int mode, ScalarType elem_dtype, Tensor(a!) out) -> ()");
   m.def("qdq_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> Tensor");
   m.def("qdq_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> (Tensor, Tensor)");
+  m.def("zero_rows_after(Tensor(a!) out, Tensor offs) -> ()");
   m.def("format_constants(ScalarType elem_dtype) -> int[]", &format_constants);
 }
 
@@ -370,4 +390,5 @@ TORCH_LIBRARY_IMPL(mxmoe_cuda, CUDA, m) {
   m.impl("qdq_dim0_out", &qdq_dim0_out);
   m.impl("qdq_dim1", &qdq_dim1);
   m.impl("qdq_dim0_dim1", &qdq_dim0_dim1);
+  m.impl("zero_rows_after", &zero_rows_after);
 }

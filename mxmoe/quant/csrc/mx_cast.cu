@@ -29,6 +29,9 @@
 //                     Expert groups: qdq_group_blocks_kernel (one CTA) sums the groups' blocks, each
 //                     warp finds its block's group by a binary search (group_block).
 //   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
+//   rows after the last group (mx_zero_rows_after; torch._grouped_mm's output, the grouped qdq's
+//                     generic path): zero_rows_after_kernel, a warp per row, 16-byte stores where
+//                     the rows are 16-byte aligned, the first row read from offs on the device.
 #include "mx_cast.h"
 
 #include <cuda_fp8.h>
@@ -821,20 +824,22 @@ __device__ __forceinline__ bool group_block(const Groups& g, int64_t T, int bs, 
   return in_group;
 }
 
-// y (T, C) of elem_bytes 2 / 4: zero at the rows at or after offs[E-1] (the grouped dim0 qdq of the
-// generic path; offs[E-1] is only known on the device).
-__global__ void __launch_bounds__(kThreads) qdq_zero_rows_after_groups_kernel(void* __restrict__ y, int elem_bytes,
-                                                                          const int32_t* __restrict__ offs, int E,
-                                                                          int64_t T, int64_t C) {
-  const int64_t last = offs[E - 1];
-  const int64_t start = (last < 0 ? 0 : (last < T ? last : T)) * C;
-  for (int64_t i = start + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < T * C;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    if (elem_bytes == 2) {
-      static_cast<uint16_t*>(y)[i] = 0;
-    } else {
-      static_cast<uint32_t*>(y)[i] = 0;
-    }
+// Rows at or after *end of y set to zero: y has `rows` rows of `row_units` units U (16-byte
+// vectors, or single bf16 / fp32 elements), `row_stride` units apart; *end (a group offset, only
+// known on the device) is clamped to [0, rows]. Block (32, kZeroRows): a warp per row, its lanes
+// along the row (coalesced stores); grid-stride over the rows. When the groups cover every row (a
+// MoE step) each CTA reads *end and exits.
+constexpr int kZeroRows = kThreads / 32;  // rows per CTA per pass
+
+template <typename U>
+__global__ void __launch_bounds__(kThreads) zero_rows_after_kernel(U* __restrict__ y, const int32_t* __restrict__ end,
+                                                                 int64_t rows, int64_t row_units, int64_t row_stride) {
+  const int64_t e = __ldg(end);
+  const int64_t first = e < 0 ? 0 : (e < rows ? e : rows);
+  for (int64_t r = first + static_cast<int64_t>(blockIdx.x) * kZeroRows + threadIdx.y; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * kZeroRows) {
+    U* row = y + r * row_stride;
+    for (int64_t c = threadIdx.x; c < row_units; c += 32) row[c] = U{};
   }
 }
 
@@ -1142,6 +1147,15 @@ bool dim1_fast(const void* x, int64_t C, int block_size) {
   return block_size == 32 && aligned(x, 16) && C % VEC == 0;
 }
 
+// zero_rows_after_kernel<U> with a grid that fills the device (at most one warp per row).
+template <typename U>
+cudaError_t launch_zero_rows_after(void* y, const int32_t* end, int64_t rows, int64_t row_units, int64_t row_stride,
+                                   cudaStream_t st) {
+  const unsigned grid = grid_for<zero_rows_after_kernel<U>>((rows + kZeroRows - 1) / kZeroRows);
+  zero_rows_after_kernel<U><<<grid, dim3(32, kZeroRows), 0, st>>>(static_cast<U*>(y), end, rows, row_units, row_stride);
+  return launch_status();
+}
+
 }  // namespace
 
 cudaError_t mx_quantize_dim0(const void* x, int in_dtype, uint8_t* q, uint8_t* s, int64_t n, int block_size, int mode,
@@ -1370,12 +1384,26 @@ cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, in
                                      rceil_t127, rceil_t126, rceil_c, stream);
   if (e0 != cudaSuccess) return e0;
   if (offs != nullptr) {
-    const unsigned grid = grid_for<qdq_zero_rows_after_groups_kernel>((rows * cols + kThreads - 1) / kThreads);
-    qdq_zero_rows_after_groups_kernel<<<grid, kThreads, 0, st>>>(y0, out_dtype == MX_BF16 ? 2 : 4, offs,
-                                                             static_cast<int>(num_groups), rows, cols);
-    const cudaError_t ez = launch_status();
+    const cudaError_t ez = mx_zero_rows_after(y0, out_dtype, rows, cols, cols, offs + num_groups - 1, stream);
     if (ez != cudaSuccess) return ez;
   }
   return mx_qdq_dim1(x, in_dtype, y1, out_dtype, batch, rows, cols, block_size, mode, elem, rceil_t127, rceil_t126,
                      rceil_c, offs, num_groups, pend, stream);
+}
+
+cudaError_t mx_zero_rows_after(void* y, int dtype, int64_t rows, int64_t cols, int64_t row_stride, const int32_t* end,
+                               intptr_t stream) {
+  if ((dtype != MX_BF16 && dtype != MX_F32) || rows < 0 || cols < 0 || row_stride < 0 || end == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  const int64_t eb = dtype == MX_BF16 ? 2 : 4;
+  // 16-byte stores where every row starts and ends on a 16-byte boundary (torch._grouped_mm's
+  // outputs: their row stride is padded to 16 bytes); else element stores.
+  if (aligned(y, 16) && (cols * eb) % 16 == 0 && (rows == 1 || (row_stride * eb) % 16 == 0)) {
+    return launch_zero_rows_after<uint4>(y, end, rows, cols * eb / 16, row_stride * eb / 16, st);
+  }
+  if (eb == 2) return launch_zero_rows_after<uint16_t>(y, end, rows, cols, row_stride, st);
+  return launch_zero_rows_after<uint32_t>(y, end, rows, cols, row_stride, st);
 }

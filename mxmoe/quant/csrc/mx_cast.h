@@ -1,9 +1,10 @@
 // MX casts on CUDA (docs/mx-format.md): host launchers with a plain C-like interface.
 //
 // No torch headers here or in mx_cast.cu: scripts/check_cuda_build.sh compiles mx_cast.cu alone.
-// All tensors are raw device pointers to contiguous row-major data; every launcher enqueues on the
-// stream given as an integer handle (torch.cuda.current_stream().cuda_stream) and returns the
-// error of its launch(es) (cudaSuccess, or cudaErrorInvalidValue for bad arguments).
+// All tensors are raw device pointers to contiguous row-major data (mx_zero_rows_after: any row
+// stride); every launcher enqueues on the stream given as an integer handle
+// (torch.cuda.current_stream().cuda_stream) and returns the error of its launch(es) (cudaSuccess,
+// or cudaErrorInvalidValue for bad arguments).
 //
 // Codes (they equal mxmoe.formats.MODE_IDS and the order of mxmoe.formats.ELEM_FORMATS):
 //   in_dtype / out_dtype: 0 = bfloat16, 1 = float32
@@ -75,3 +76,10 @@ cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, in
                              int64_t rows, int64_t cols, int block_size, int mode, int elem,
                              uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, const int32_t* offs,
                              int64_t num_groups, int32_t* pend, intptr_t stream);
+
+// y (rows, cols) of dtype (bf16 / fp32), unit column stride, row_stride elements between rows:
+// rows *end .. rows - 1 set to zero, the others untouched (the rows after the last expert group of
+// a grouped GEMM's output). end: a device pointer to the last group end, offs[num_groups - 1]; it is
+// read on the device (no host sync) and clamped to [0, rows].
+cudaError_t mx_zero_rows_after(void* y, int dtype, int64_t rows, int64_t cols, int64_t row_stride, const int32_t* end,
+                               intptr_t stream);
