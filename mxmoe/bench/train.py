@@ -7,7 +7,8 @@ overrides, as `mxmoe train` takes them): the same ModelArgs, the same `mxmoe.con
 on one fixed batch, in each mode:
 
   eager          no compilation
-  compile        the trainer's `training.compile` (each block's parts compiled; experts eager)
+  compile        the trainer's `training.compile` (each block's parts compiled; at EP=1 the MoE
+                 layer, routed experts included, as one graph)
   compile_full   the whole model compiled with fullgraph=True (possible at EP=1: no host syncs)
   reduce_overhead  the same with mode="reduce-overhead" (inductor's CUDA graphs of forward and
                  backward); CUDA only
@@ -117,7 +118,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
     if variant == "mx":
         report = _mx_convert(model, cfg, parallel.make_parallel_dims(1, -1, 1, 1))
     if mode == "compile":
-        compile_submodules(model)
+        compile_submodules(model, backend=args.compile_backend)
     elif mode.startswith("compile_full"):
         model.compile(fullgraph=True, backend=args.compile_backend)
     elif mode == "reduce_overhead":

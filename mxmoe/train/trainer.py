@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mxmoe.models import GraphedStep, Transformer, apply_expert_parallel, model_args
+from mxmoe.models import GraphedStep, LocalExperts, Transformer, apply_expert_parallel, model_args
 from mxmoe.train import parallel, profiling
 from mxmoe.train.checkpoint import Checkpointer, CheckpointError
 from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
@@ -133,17 +133,34 @@ def build_model_args(cfg: JobConfig):
     return model_args(m.name, vocab_size=VOCAB_SIZE, max_seq_len=cfg.training.seq_len, **overrides)
 
 
-def compile_submodules(model: Transformer) -> None:
-    """training.compile: torch.compile each block's parts (FSDP hooks and the all-to-all stay eager)."""
+def compile_submodules(model: Transformer, backend: str = "inductor") -> None:
+    """training.compile: torch.compile each block's parts in place (`nn.Module.compile`: parameter
+    and state_dict names unchanged); what runs between them (FSDP hooks, residual adds) stays eager.
+
+    Per block: attention, the two norms, and the FFN. A dense block compiles its feed_forward. An
+    MoE layer without expert parallelism (its dispatch is `LocalExperts`: one process, or FSDP
+    only) compiles whole, with fullgraph=True: router, token permutation, routed experts (bf16
+    `GroupedExperts` or `MXGroupedExperts`, whose grouped ops are torch.library custom ops with fake
+    implementations), unpermutation and shared expert in one graph, so the high-precision and the
+    MX model get the same treatment. It has no host sync: the expert rows are always T * top_k, the
+    per-expert counts stay on the device. With expert parallelism the all-to-all needs the split
+    sizes on the host (and its collectives stay out of compiled graphs): the router and the shared
+    expert are compiled, the permutation, the experts and the exchange run eager.
+    """
     for blk in model.layers:
         for sub in (blk.attention, blk.attention_norm, blk.ffn_norm, blk.feed_forward):
             if sub is not None:
-                sub.compile()
-        if blk.moe is not None:
-            blk.moe.router.compile()
-            if blk.moe.shared_expert is not None:
-                blk.moe.shared_expert.compile()
-    model.norm.compile()
+                sub.compile(backend=backend)
+        moe = blk.moe
+        if moe is None:
+            continue
+        if isinstance(moe.dispatch, LocalExperts):
+            moe.compile(backend=backend, fullgraph=True)
+        else:
+            moe.router.compile(backend=backend)
+            if moe.shared_expert is not None:
+                moe.shared_expert.compile(backend=backend)
+    model.norm.compile(backend=backend)
 
 
 def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims):

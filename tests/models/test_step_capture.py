@@ -45,6 +45,50 @@ def test_model_step_compiles_fullgraph_and_matches_eager(mx):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _compiled_modules(model: torch.nn.Module) -> list[str]:
+    """Names of the submodules `nn.Module.compile` was called on."""
+    return [n for n, mod in model.named_modules() if mod._compiled_call_impl is not None]
+
+
+@pytest.mark.parametrize("mx", [False, True], ids=["hp", "mx"])
+def test_per_block_compile_takes_the_moe_layer_whole_and_matches_eager(mx):
+    """`training.compile` (trainer.compile_submodules) at EP=1: each MoE layer, routed experts (MX
+    or not) and their permutation included, is one fullgraph region; a training step (loss, every
+    gradient, the router's counts) and an eval forward under no_grad match eager."""
+    from torch._dynamo.utils import counters
+
+    from mxmoe.train.trainer import compile_submodules
+
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    eager, compiled = _model(mx), _model(mx)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_submodules(compiled, backend="aot_eager")
+    assert _compiled_modules(compiled) == [
+        "layers.0.attention_norm",
+        "layers.0.attention",
+        "layers.0.ffn_norm",
+        "layers.0.moe",
+        "norm",
+    ]
+    eager_loss, loss = _loss(eager, tokens), _loss(compiled, tokens)
+    eager_loss.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, eager_loss.detach(), rtol=1e-6, atol=0)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # the router's in-place count update happens inside the compiled MoE graph
+    counts = [m.layers[0].moe.router.tokens_per_expert for m in (eager, compiled)]
+    assert counts[0].sum() > 0 and torch.equal(counts[1], counts[0])
+    eager.eval(), compiled.eval()
+    with torch.no_grad():
+        (le, ae), (lc, ac) = eager(tokens), compiled(tokens)
+    torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ac, ae, rtol=1e-6, atol=0)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_graphed_step_needs_cuda_tensors():
     m = _model(False)
     if not torch.cuda.is_available():

@@ -245,11 +245,14 @@ def test_profiling_settings_are_checked(tmp_path, capsys, opt, message):
     assert message in capsys.readouterr().err
 
 
-def test_compiled_mx_training_matches_eager(tmp_path):
-    """`--training.compile` (per block) and `--training.compile_full` (the whole model, one graph)
-    with the MX converter train like eager: same losses and gradient norms, validation included
-    (on torch 2.11 a compiled MX op once gave every input a zero gradient)."""
-    common = TINY + MX + ["--training.steps=3", "--training.val_interval=3", "--training.val_batches=1"]
+@pytest.mark.parametrize("converters", [[], MX], ids=["hp", "mx"])
+def test_compiled_training_matches_eager(tmp_path, converters):
+    """`--training.compile` (per block; at EP=1 each MoE layer, routed experts included, is one
+    graph) and `--training.compile_full` (the whole model, one graph), high precision and with the
+    MX converter, train like eager: same losses and gradient norms, validation (eval, no_grad)
+    included (on torch 2.11 a compiled MX op once gave every input a zero gradient)."""
+    common = TINY + converters + ["--training.steps=3", "--training.val_interval=3"]
+    common += ["--training.val_batches=1"]
     runs = {}
     for name, flags in (
         ("eager", []),
@@ -265,6 +268,24 @@ def test_compiled_mx_training_matches_eager(tmp_path):
         torch.testing.assert_close(torch.tensor(runs[name]), torch.tensor(runs["eager"]), rtol=1e-4, atol=0)
         assert len(runs[name + "_val"]) == 1
         torch.testing.assert_close(runs[name + "_val"], runs["eager_val"], rtol=1e-4, atol=0)
+
+
+def test_two_process_fsdp_compiled_mx_matches_one_process_eager(tmp_path):
+    """`--training.compile` under FSDP without expert parallelism (2 gloo ranks, batch 2 each): the
+    MoE layers, MX experts included, compile whole inside the FSDP blocks and train like one eager
+    process with batch 4: same losses, gradient norms and validation loss."""
+    common = TINY + MX + ["--training.steps=2", "--training.val_interval=2", "--training.val_batches=1"]
+    fsdp_run, one_run = tmp_path / "fsdp", tmp_path / "one"
+    argv = common + ["--parallelism.timeout_s=60", "--training.compile=true", f"--metrics.folder={fsdp_run}"]
+    spawn_ranks(_worker, 2, argv, str(tmp_path))
+    assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+    assert trainer.main(common + ["--training.batch_size=4", f"--metrics.folder={one_run}"]) == 0
+    runs = []
+    for folder in (fsdp_run, one_run):
+        recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        runs.append([(r["loss"], r["grad_norm"], r.get("val_loss", 0.0)) for r in recs])
+    assert len(runs[0]) == 2 and "val_loss" in recs[-1]
+    torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=1e-4, atol=0)
 
 
 def test_compile_full_is_checked(tmp_path, capsys):
