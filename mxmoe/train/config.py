@@ -64,6 +64,9 @@ class MX:
         "kernel for the dim1 (transposing) casts: auto (the fastest here: cuda on a GPU, torch on "
         "CPU) | triton | cuda | torch",
     )
+    mxfp8_dim0_cast_kernel_choice: str = _f(
+        "auto", "kernel for the dim0 casts and dequantize: auto | triton | cuda | torch (as dim1's)"
+    )
     filter_fqns: list[str] = _f(
         ["output", "router"], "modules whose name contains one of these stay high precision"
     )

@@ -174,6 +174,7 @@ def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDim
         MXConfig(
             recipe_name=mx.recipe_name,
             mxfp8_dim1_cast_kernel_choice=mx.mxfp8_dim1_cast_kernel_choice,
+            mxfp8_dim0_cast_kernel_choice=mx.mxfp8_dim0_cast_kernel_choice,
             filter_fqns=list(mx.filter_fqns),
             convert_grouped_experts=mx.convert_grouped_experts,
             gemm_backend=mx.gemm_backend,

@@ -184,3 +184,22 @@ def test_mx_gemm_backend_reaches_every_converted_module():
     _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
     backends = [m.mx_config.gemm_backend for m in model.modules() if hasattr(m, "mx_config")]
     assert len(backends) >= 14 and set(backends) == {"fp8"}  # 12 linears, 2 expert groups at least
+
+
+def test_mx_cast_kernel_choices_reach_every_converted_module():
+    """--mx.mxfp8_dim0_cast_kernel_choice / dim1 set the recipe's dim0_kernel / dim1_kernel of every
+    converted module (the rest of the recipe as named)."""
+    import dataclasses
+
+    from mxmoe.models import Transformer
+    from mxmoe.recipe import recipe
+    from mxmoe.train.parallel import make_parallel_dims
+    from mxmoe.train.trainer import _mx_convert, build_model_args
+
+    cfg = parse_args(["--config", "configs/debug_moe.toml", "--mx.mxfp8_dim0_cast_kernel_choice=triton",
+                      "--mx.mxfp8_dim1_cast_kernel_choice=torch"])
+    model = Transformer(build_model_args(cfg))
+    _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
+    recipes = {m.mx_config for m in model.modules() if hasattr(m, "mx_config")}
+    base = recipe(cfg.mx.recipe_name)
+    assert recipes == {dataclasses.replace(base, dim0_kernel="triton", dim1_kernel="torch")}
