@@ -303,9 +303,9 @@ def _functional_decomp(mode, op, types, args=(), kwargs=None):
     full = _op_args(*args, **(kwargs or {}))
     x, kernel = full[0], full[7]
     decompose = (
-        kernel in QDQ_KERNELS
+        kernel in ("triton", "cuda")
         and x.is_cuda
-        and (kernel != "triton" or not triton_interpret())  # interpreted kernels cannot be wrapped
+        and (kernel == "cuda" or not triton_interpret())  # interpreted kernels cannot be wrapped
         and getattr(torch._functorch.config, "decompose_custom_triton_ops", True)  # False: torch.export
         and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is Tensor for t in types)
     )
