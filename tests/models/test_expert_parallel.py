@@ -35,7 +35,8 @@ def _run(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.
     return logits.detach(), model.layers[0].moe.experts.w1.grad.clone()
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _join(rank: int, port: int) -> dist.ProcessGroup:
+    """This rank in a 2-process gloo group (one CPU thread); returns the experts' group."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -44,8 +45,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         world_size=2,
         timeout=datetime.timedelta(seconds=60),
     )
+    return dist.new_group([0, 1])
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    group = _join(rank, port)
     try:
-        group = dist.new_group([0, 1])
         results = []
         for order in ("ep_then_convert", "convert_then_ep"):
             m = _model()
@@ -99,16 +104,8 @@ def test_expert_parallel_follows_the_experts_recipe_and_matches_one_process(tmp_
 def _compile_worker(rank: int, world: int, port: int) -> None:
     from mxmoe.train.trainer import compile_submodules
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    group = _join(rank, port)
     try:
-        group = dist.new_group([0, 1])
         for mx in (False, True):
             eager, compiled = _model(), _model()
             for m in (eager, compiled):
