@@ -90,12 +90,15 @@ _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
 # (the sm_90 build test checks it). With one register tile at a time each paid a full memory
 # latency, and three programs of 8 warps kept at most 12 KiB of loads in flight an SM.
 _STAGES = {torch.bfloat16: (4, 3), torch.float32: (2, 1)}
-# Flag tiles per work item (1, 2 or 4; scripts/symm_sweep.py measures all three): an item pays a
-# ticket, and a store item one system-scope fence (it waits for the CTA's NVLink stores to be
-# acknowledged), whatever its size; larger items pay them over more bytes, smaller ones balance the
-# programs' ends better. Flags stay one per tile (the workspace layout does not depend on it); a
-# receive item waits for all of its flags. 4: the fastest in the sweep at 1, 4 and 16 x 8192 rows.
+# Flag tiles per work item (one of ITEM_TILES_ACCEPTED; scripts/symm_sweep.py measures them): an
+# item pays a ticket, and a store item one system-scope fence (it waits for the CTA's NVLink stores
+# to be acknowledged), whatever its size; larger items pay them over more bytes, smaller ones balance
+# the programs' ends better. Flags stay one per tile (the workspace layout does not depend on it); a
+# store item releases its flags from one warp (at most 32 lanes), a receive item waits for all of
+# them. 4: the fastest in the sweep of 1, 2 and 4 at 1, 4 and 16 x 8192 rows (8 and 16 not yet
+# measured).
 ITEM_TILES = 4
+ITEM_TILES_ACCEPTED = (1, 2, 4, 8, 16)
 # Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
 # that has not is deferred to the end of the exchange).
 RECV_DELAY = 4
@@ -335,8 +338,8 @@ def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: 
     per workspace for repeated splits (the table and its device copy are reused)."""
     cache = ws.__dict__.setdefault("_items", {})
     per_item = ITEM_TILES
-    if per_item not in (1, 2, 4):
-        raise ValueError(f"ITEM_TILES={per_item}; expected 1, 2 or 4")
+    if per_item not in ITEM_TILES_ACCEPTED:
+        raise ValueError(f"ITEM_TILES={per_item}; expected one of {ITEM_TILES_ACCEPTED}")
     key = (tuple(ins), tuple(outs), me, lay, base, per_item, RECV_DELAY)
     hit = cache.get(key)
     if hit is not None:

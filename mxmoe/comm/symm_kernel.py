@@ -103,6 +103,7 @@ def _store_item(x_ptr, meta_ptr, k, epoch, PEERS: tl.constexpr, NB: tl.constexpr
     # the last word of a pair may cover up to 3 blocks past its end: padding of the slot's scale
     # region (256-byte aligned, so never past it), which no receive reads.
     tl.static_assert(SUB % 4 == 0 and (ITEM * NB) % SUB == 0)
+    tl.static_assert(ITEM <= 32)  # the flags' releases from one warp: one system fence
     s_dst = _as_ptr(_meta(meta_ptr, ST_S, i, PEERS), tl.int32) + blk0 // 4
     f_dst = _as_ptr(_meta(meta_ptr, ST_F, i, PEERS), tl.int32)
     for u in tl.range(0, ITEM * NB // SUB, num_stages=STAGES):

@@ -233,7 +233,8 @@ def _kernel_worker(rank, world, port, per_item, store_sub, buffers, ready, xs, g
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflow notes
 @pytest.mark.parametrize(("world", "dtype", "dim", "per_item", "store_sub"),
                          [(2, torch.bfloat16, 96, 2, 64), (3, torch.float32, 64, 2, 64),
-                          (2, torch.float32, 64, 1, 64), (2, torch.bfloat16, 96, 4, 128)])
+                          (2, torch.float32, 64, 1, 64), (2, torch.bfloat16, 96, 4, 128),
+                          (2, torch.bfloat16, 96, 8, 128), (3, torch.bfloat16, 64, 16, 64)])
 def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, store_sub, spawn_ranks):
     """The Triton exchange kernel itself (tickets, release/acquire flags, epochs, tiles spanning rows,
     the last partial tile, items of several flag tiles with the last ones missing, empty pairs, scales
@@ -271,7 +272,7 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, stor
         assert_same_bits(backs[r], expected(gs, Mt, r, True), "backward " + what)
 
 
-@pytest.mark.parametrize("per_item", [1, 2, 4])
+@pytest.mark.parametrize("per_item", symm.ITEM_TILES_ACCEPTED)
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_work_items_order_and_tiles(world, per_item, monkeypatch):
     """The ticket order: communication items (stores, receives) spread evenly among the own tiles,
@@ -319,7 +320,7 @@ def test_work_items_order_and_tiles(world, per_item, monkeypatch):
             assert items.row("rc_s")[i] == sc.data_ptr() and items.row("rc_f")[i] == f.data_ptr()
 
 
-@pytest.mark.parametrize("per_item", [1, 2, 4])
+@pytest.mark.parametrize("per_item", symm.ITEM_TILES_ACCEPTED)
 @pytest.mark.parametrize("world", [2, 3])
 def test_symm_exchange_many_tiles(world, per_item, monkeypatch):
     """Pairs of several tiles (tiles spanning rows, a partial last one; items of `per_item` tiles, the
@@ -344,6 +345,15 @@ def test_symm_exchange_many_tiles(world, per_item, monkeypatch):
         for i, y in enumerate(ys):
             assert_same_bits(y, want, f"rank {r} of {world}, exchange {i + 1}")
     assert fw.p2p_pairs == {(0, world - 1)}
+
+
+@pytest.mark.parametrize("per_item", [0, 3, 32])
+def test_item_tiles_outside_the_accepted_values_is_an_error(per_item, monkeypatch):
+    monkeypatch.setattr(symm, "ITEM_TILES", per_item)
+    fw = FakeWorld(2, 1 << 16)
+    lay = Layout(2, 64, halves_bytes(1 << 16))
+    with pytest.raises(ValueError, match=f"ITEM_TILES={per_item}; expected one of"):
+        symm.work_items([4, 4], [4, 4], 0, FakeWorkspace(fw, 0), lay, 0)
 
 
 def test_symm_exchange_times_out_instead_of_hanging(monkeypatch):
@@ -383,6 +393,7 @@ for bf16, deq, peers, item, ssub in (
     (True, True, 1, 2, SSUB), (False, True, 3, 2, SSUB), (True, False, 1, 1, SSUB),
     (False, False, 7, 2, SSUB), (True, True, 1, 1, SSUB), (True, False, 3, 2, SSUB),
     (True, True, 1, 4, SSUB), (True, True, 1, 2, 128), (False, True, 1, 4, 128),
+    (True, True, 1, 8, SSUB), (True, True, 1, 16, SSUB), (True, False, 1, 16, SSUB), (False, True, 3, 8, 64),
 ):
     xt = "*i16" if bf16 else "*i32"
     s = dict(sig, x_ptr=xt, y_ptr=xt if deq else "*u8")
