@@ -99,6 +99,17 @@ _STAGES = {torch.bfloat16: (4, 3), torch.float32: (2, 1)}
 # measured).
 ITEM_TILES = 4
 ITEM_TILES_ACCEPTED = (1, 2, 4, 8, 16)
+# Whether a store item's flags also say that every scale byte of the item is >= 10 (bit 31, FAST_BIT:
+# the value is epoch | FAST_BIT), so that a receive item takes the dequantize's fast path from its
+# flags: each scale is read once (one 4-byte word a block row) and no register tile reduces its
+# scales across warps (two CTA barriers and a second load of the scale words each; sm_90 SASS, bf16:
+# ~206 -> ~163 instructions a register tile and warp). The store item pays one reduction across warps
+# an item instead. A receive item whose flags do not all have the bit takes the exact integer path
+# for all its register tiles (a block of zeros has scale byte 0: one such block in an item is
+# enough). Flags compare their low 31 bits with the epoch. False: not yet measured
+# (scripts/symm_sweep.py measures both).
+_FAST_BIT_FLAGS = False
+_FAST_BIT = 1 << 31
 # Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
 # that has not is deferred to the end of the exchange).
 RECV_DELAY = 4
@@ -489,7 +500,7 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
         items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, ITEM=items.per_item,
         SUB=_SUB_BLOCKS, SSUB=_STORE_SUB_BLOCKS,
         STAGES=_STAGES[x.dtype][0], RSTAGES=_STAGES[x.dtype][1], IN_BF16=bf16,
-        DEQUANT=dequant, CLOCK=not interpret, num_warps=_WARPS, maxnreg=_MAXNREG,
+        DEQUANT=dequant, CLOCK=not interpret, SFLAG=_FAST_BIT_FLAGS, num_warps=_WARPS, maxnreg=_MAXNREG,
         **_spec_args(_SPEC, interpret),
     )
     if interpret and int(ws.error[0]):
@@ -539,6 +550,11 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
     def flags(nblk: int, kk: int) -> range:  # the flag tiles of item kk of a pair of nblk blocks
         return range(kk * per, min((kk + 1) * per, max(1, -(-nblk // TILE_BLOCKS))))
 
+    fast_bit = _FAST_BIT_FLAGS
+
+    def landed(flag: int) -> bool:  # a flag read (acquire) holds this exchange's epoch
+        return (flag & (_FAST_BIT - 1) if fast_bit else flag) == epoch
+
     def receive(i: int, kk: int) -> None:
         b0, nblk = kk * span, items.row("rc_nblk")[i]
         n = max(0, min(span, nblk - b0))
@@ -564,8 +580,11 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
                 x0 = items.row("st_xblk")[i] + b0
                 out = (eb(q_dst, b0, n).view(ELEM_DTYPE), sb(s_dst, b0, n).view(torch.float8_e8m0fnu))
                 quant(xb[x0 : x0 + n], _SPEC, out=out)
+            value = epoch
+            if fast_bit and (n == 0 or int(out[1].view(torch.uint8).min()) >= 10):
+                value = epoch - _FAST_BIT  # epoch | FAST_BIT as an int32
             for f in flags(nblk, kk):  # after the item's stores (release)
-                f_dst[f] = epoch
+                f_dst[f] = value
         elif kind == "own":
             b0 = k * span
             n = min(span, items.own_nblk - b0)
@@ -576,14 +595,14 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
                 quant(xb[x0 : x0 + n], _SPEC, out=(eb(outputs[0], y0, n), sb(outputs[1], y0, n)))
         else:  # a receive in the front: only if landed (acquire), else deferred
             i, kk = where(items.row("rc_start"), k)
-            if all(int(rc_slots[i][2][f]) == epoch for f in flags(items.row("rc_nblk")[i], kk)):
+            if all(landed(int(rc_slots[i][2][f])) for f in flags(items.row("rc_nblk")[i], kk)):
                 receive(i, kk)
             else:
                 deferred.append((i, kk))
     for i, kk in deferred:  # the back: wait for each flag of each deferred item
         for f in flags(items.row("rc_nblk")[i], kk):
             deadline = time.monotonic() + TIMEOUT_MS / 1000
-            while int(rc_slots[i][2][f]) != epoch:  # acquire
+            while not landed(int(rc_slots[i][2][f])):  # acquire
                 if time.monotonic() > deadline:
                     _timed_out(i << 32 | f)
                 time.sleep(1e-4)
