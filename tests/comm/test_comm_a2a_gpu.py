@@ -169,6 +169,12 @@ def test_one_gpu_two_simulated_ranks_kernel(per_item, store_sub, fast_bit, monke
     Mt = [list(c) for c in zip(*M, strict=True)]
     dim = 1056
     xs = [make_rows(sum(M[r]), dim, torch.bfloat16, 31 + r) for r in range(2)]
+    # awkward blocks in rows that rank 0 stores into rank 1 (make_rows puts its own at rows 0..3, which
+    # stay on rank 0): NaN and Inf blocks (0x7F elements), zeros, tiny scales (items without the fast bit)
+    xs[0][3001 + 7, 64] = float("nan")
+    xs[0][3001 + 700, 100] = float("-inf")
+    xs[0][3001 + 1400, :96] = 0.0
+    xs[0][3001 + 2100, 32:64] *= 2.0**-140
     bufs = [torch.zeros(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
     wss = [_OneGpuWorkspace(bufs) for _ in range(2)]
     xg = [x.cuda() for x in xs]

@@ -445,6 +445,8 @@ for bf16, deq, peers, item, ssub, sflag in (
     ptx = k.asm["ptx"]
     for op in ("atom.global.sys.release.exch.b32", "ld.global.sys.acquire.b32", "trap;", "%globaltimer"):
         assert op in ptx, (what, op)
+    # the quantize's non-finite blocks: 0x7F bytes selected a word of four elements at a time
+    assert "0x7F7F7F7F, 0xB8;" in ptx, what
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
