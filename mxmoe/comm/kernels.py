@@ -107,9 +107,12 @@ if triton is not None:
 
     @triton.jit
     def _qdq_tile(x_ptr, out_ptr, blk, bmask, rceil_c, T127, T126, IN_BF16: tl.constexpr,
-                  FORCE_SLOW: tl.constexpr):
+                  FORCE_SLOW: tl.constexpr, SATFINITE: tl.constexpr = False):
         """Quantize the blocks of 32 `blk` (int64 indices, masked by `bmask`) of x (int16 bf16 bits or
-        int32 fp32 bits; RCEIL, e4m3) and dequantize them again, in registers, into out (same type)."""
+        int32 fp32 bits; RCEIL, e4m3) and dequantize them again, in registers, into out (same type).
+        SATFINITE: the fp8 conversion saturates to +-448 itself (compiled for sm_89+: Triton's
+        `cvt.rn.satfinite`, as mxmoe.quant.triton_cast._to_elem relies on), so the fast path does not
+        clamp first; the interpreter's conversion needs the clamp."""
         offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
         mask = bmask[:, None]
         if IN_BF16:  # bf16 bits -> fp32 bits by a shift: exact for subnormals on every backend
@@ -132,7 +135,10 @@ if triton is not None:
         if emin >= -115:
             # Every fp32 value that matters is normal here, so flush-to-zero cannot change a result.
             recip = ((127 - e) << 23).to(tl.float32, bitcast=True)
-            y = tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)
+            if SATFINITE:
+                y = x * recip[:, None]
+            else:
+                y = tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)
             q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
             scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
             v = q.to(tl.float32) * scale[:, None]
@@ -182,11 +188,12 @@ if triton is not None:
         NB: tl.constexpr,
         IN_BF16: tl.constexpr,
         FORCE_SLOW: tl.constexpr,
+        SATFINITE: tl.constexpr,
     ):
         """Quantize blocks of 32 (RCEIL, e4m3) and dequantize them again, in registers."""
         pid = tl.program_id(0)
         blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
-        _qdq_tile(x_ptr, out_ptr, blk, blk < n_blocks, rceil_c, T127, T126, IN_BF16, FORCE_SLOW)
+        _qdq_tile(x_ptr, out_ptr, blk, blk < n_blocks, rceil_c, T127, T126, IN_BF16, FORCE_SLOW, SATFINITE)
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -311,6 +318,7 @@ def qdq_into(
         NB=_QDQ_BLOCKS,
         IN_BF16=bf16,
         FORCE_SLOW=force_slow,
+        SATFINITE=out.is_cuda,
         num_warps=_QDQ_WARPS,
     )
     return out

@@ -185,8 +185,9 @@ def _own_item(x_ptr, y_ptr, ys_ptr, k, own_xblk, own_yblk, own_nblk, NB: tl.cons
         b = tl.arange(0, SUB) + u * SUB
         bmask = b < nblk
         if DEQUANT:
+            # SOFT (interpreter): the all-integer path; compiled, the fp8 conversion saturates itself
             _qdq_tile(x_ptr, y_ptr + (own_yblk + blk0) * 32, b.to(tl.int64), bmask,
-                      RCEIL_C, T127, T126, IN_BF16, SOFT)  # SOFT (interpreter): the all-integer path
+                      RCEIL_C, T127, T126, IN_BF16, SOFT, not SOFT)
         else:
             offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
             X = _load_bits(x_ptr, offs, bmask[:, None], IN_BF16)

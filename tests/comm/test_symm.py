@@ -500,7 +500,7 @@ from mxmoe.comm import kernels as kk
 for f, s, ce in (
     (kk._qdq_kernel,
      dict(x_ptr="*i16", out_ptr="*i16", n_blocks="i64", rceil_c="fp32", T127="i32", T126="i32"),
-     dict(NB=64, IN_BF16=True, FORCE_SLOW=False)),
+     dict(NB=64, IN_BF16=True, FORCE_SLOW=False, SATFINITE=True)),
     (kk._dequant_e4m3_kernel, dict(q_ptr="*u8", s_ptr="*u8", out_ptr="*i16", n="i64"),
      dict(BLOCK=4096, BS=32, OUT_BF16=True)),
 ):
