@@ -83,6 +83,13 @@ TILE_BLOCKS, _SUB_BLOCKS = 256, 64
 # reloaded once a work item, none in the register-tile loops (its sm_90 SASS). 128: the fastest in
 # scripts/symm_sweep.py on 2 H200s (docs/benchmarks.md, "MXFP8 all-to-all").
 _STORE_SUB_BLOCKS = 128
+# Register tile of receive items, in blocks, by the rows' dtype: 64 (8 element bytes a thread: 8-byte
+# asynchronous copies, 8 output elements) or 128 (16: 16-byte copies that bypass L1, 16 outputs; the
+# per-tile work (addresses, masks, barriers, the scale minimum) over twice the elements: sm_90 SASS,
+# bf16, ~206 -> ~173 instructions per 8 elements a thread and warp, ~163 -> ~150 with fast-bit flags;
+# 48 bytes of spills of values reloaded once a work item, none in the register-tile loops).
+# scripts/symm_sweep.py measures both; 64 until measured.
+_RECV_SUB_BLOCKS = {torch.bfloat16: 64, torch.float32: 64}
 _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
 # Pipeline depth of a work item's register tiles (Triton's num_stages: STAGES - 1 register tiles are
 # loaded ahead, by asynchronous copies into shared memory) for store and own items, then for receive
@@ -498,7 +505,7 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
         x.view(bits), y, ys, meta, ws.counters, ws.deferred, ws.error, epoch,
         items.n_store, items.n_own, items.n_recv, items.delay, items.own_xblk, items.own_yblk,
         items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, ITEM=items.per_item,
-        SUB=_SUB_BLOCKS, SSUB=_STORE_SUB_BLOCKS,
+        SUB=_SUB_BLOCKS, SSUB=_STORE_SUB_BLOCKS, RSUB=_RECV_SUB_BLOCKS[x.dtype],
         STAGES=_STAGES[x.dtype][0], RSTAGES=_STAGES[x.dtype][1], IN_BF16=bf16,
         DEQUANT=dequant, CLOCK=not interpret, SFLAG=_FAST_BIT_FLAGS, num_warps=_WARPS, maxnreg=_MAXNREG,
         **_spec_args(_SPEC, interpret),

@@ -303,8 +303,8 @@ def _recv_before(c, delay, n_comm, n_recv):
 def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, epoch, n_store, n_own,
                     n_recv, delay, own_xblk, own_yblk, own_nblk, timeout, nprog, PEERS: tl.constexpr,
                     NB: tl.constexpr, ITEM: tl.constexpr, SUB: tl.constexpr, SSUB: tl.constexpr,
-                    STAGES: tl.constexpr, RSTAGES: tl.constexpr, IN_BF16: tl.constexpr, DEQUANT: tl.constexpr,
-                    CLOCK: tl.constexpr, SFLAG: tl.constexpr,
+                    RSUB: tl.constexpr, STAGES: tl.constexpr, RSTAGES: tl.constexpr, IN_BF16: tl.constexpr,
+                    DEQUANT: tl.constexpr, CLOCK: tl.constexpr, SFLAG: tl.constexpr,
                     MODE: tl.constexpr, IS_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
                     MIN_EXP: tl.constexpr, MAXBITS: tl.constexpr, RCEIL_C: tl.constexpr,
                     T127: tl.constexpr, T126: tl.constexpr, SOFT: tl.constexpr):
@@ -316,8 +316,9 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
     (>= n_recv,), the deferred receive tiles. err: int64, after a timeout 1 + source index * 2^32 +
     tile (a peer's tile), or -1 (this rank's front). Block offsets (`*blk`) count blocks of 32
     elements. NB: blocks per flag tile (ITEM tiles per work item), SUB: blocks per register tile of
-    own and receive items, SSUB: of store items (SSUB * 32 // (32 * num_warps) element bytes a thread
-    in each store: 64 blocks and 8 warps give 8-byte stores, 128 give 16-byte ones). delay:
+    own items, SSUB: of store items (SSUB * 32 // (32 * num_warps) element bytes a thread in each
+    store: 64 blocks and 8 warps give 8-byte stores, 128 give 16-byte ones), RSUB: of receive items
+    (64: 8-byte loads of elements a thread, 128: 16-byte ones). SFLAG: fast-bit flags. delay:
     communication items (stores and receives) before the first receive, at most n_store."""
     n_comm = n_store + n_recv
     n_front = n_comm + n_own
@@ -336,7 +337,7 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
                 i, kk, f0, n_tiles = _recv_where(meta_ptr, r, PEERS, NB)
                 ok, fast = _landed(f0, kk, n_tiles, epoch, ITEM, SFLAG)
                 if ok:
-                    _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, fast, NB, ITEM, SUB, RSTAGES, PEERS, IN_BF16,
+                    _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, fast, NB, ITEM, RSUB, RSTAGES, PEERS, IN_BF16,
                                DEQUANT, SFLAG)
                 else:
                     slot = tl.atomic_add(ctr_ptr + 3 * CTR_STRIDE, 1, sem="relaxed")
@@ -372,7 +373,7 @@ def exchange_kernel(x_ptr, y_ptr, ys_ptr, meta_ptr, ctr_ptr, def_ptr, err_ptr, e
                     else:
                         ok = _wait(f0 + ft, epoch, timeout, err_ptr, 1 + i * (1 << 32) + ft, "sys", CLOCK)[0]
             if ok:
-                _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, fast, NB, ITEM, SUB, RSTAGES, PEERS, IN_BF16,
+                _recv_tile(y_ptr, ys_ptr, meta_ptr, i, kk, fast, NB, ITEM, RSUB, RSTAGES, PEERS, IN_BF16,
                            DEQUANT, SFLAG)
             j = tl.atomic_add(ctr_ptr, 1, sem="relaxed").to(tl.int64) - n_front
     # Every program took its last ticket before it counts itself finished: the last one resets.

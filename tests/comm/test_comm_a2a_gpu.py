@@ -147,15 +147,17 @@ class _OneGpuWorkspace:
         raise AssertionError("the test's workspace fits every pair")
 
 
-@pytest.mark.parametrize(("per_item", "store_sub", "fast_bit"),
-                         [(1, 64, False), (2, 64, False), (4, 64, False), (2, 128, False), (4, 128, False),
-                          (8, 128, False), (16, 128, False), (1, 64, True), (4, 128, True), (16, 128, True)])
-def test_one_gpu_two_simulated_ranks_kernel(per_item, store_sub, fast_bit, monkeypatch):
+@pytest.mark.parametrize(("per_item", "store_sub", "fast_bit", "recv_sub"),
+                         [(1, 64, False, 64), (2, 64, False, 64), (4, 64, False, 64), (2, 128, False, 64),
+                          (4, 128, False, 64), (8, 128, False, 64), (16, 128, False, 64), (1, 64, True, 64),
+                          (4, 128, True, 64), (16, 128, True, 64), (4, 128, False, 128), (8, 128, True, 128)])
+def test_one_gpu_two_simulated_ranks_kernel(per_item, store_sub, fast_bit, recv_sub, monkeypatch):
     """The exchange kernel of two ranks running at once on one GPU (two streams, workspaces in this
     GPU's memory, few programs each so both are resident): both outputs bit for bit the routing
     reference, over 4 exchanges (both halves twice), forward and dispatch, with work items of 1 to 16
     flag tiles, store register tiles of 64 and 128 blocks (33 blocks a row: pairs that end inside a
-    scale word), and with the fast-bit flags off and on (symm._FAST_BIT_FLAGS)."""
+    scale word), receive register tiles of 64 and 128 blocks, and with the fast-bit flags off and on
+    (symm._FAST_BIT_FLAGS)."""
     from test_symm import expected
 
     from mxmoe.comm import symm
@@ -163,6 +165,7 @@ def test_one_gpu_two_simulated_ranks_kernel(per_item, store_sub, fast_bit, monke
     monkeypatch.setattr(symm, "ITEM_TILES", per_item)
     monkeypatch.setattr(symm, "_STORE_SUB_BLOCKS", store_sub)
     monkeypatch.setattr(symm, "_FAST_BIT_FLAGS", fast_bit)
+    monkeypatch.setattr(symm, "_RECV_SUB_BLOCKS", {torch.bfloat16: recv_sub, torch.float32: 64})
     monkeypatch.setattr(symm, "_sm_count", lambda index: 8)  # 16 programs per rank: both resident
     monkeypatch.setattr(symm, "TIMEOUT_MS", 20_000)
     M = [[3001, 4097], [0, 2500]]

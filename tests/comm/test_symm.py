@@ -217,9 +217,10 @@ class SharedWorkspace:
         raise AssertionError("the test's workspace fits every pair")
 
 
-def _kernel_worker(rank, world, port, per_item, store_sub, fast_bit, buffers, ready, xs, gs, M, outs_y,
-                   outs_q, outs_s, outs_back) -> None:
+def _kernel_worker(rank, world, port, per_item, store_sub, fast_bit, recv_sub, buffers, ready, xs, gs, M,
+                   outs_y, outs_q, outs_s, outs_back) -> None:
     symm.ITEM_TILES, symm._STORE_SUB_BLOCKS, symm._FAST_BIT_FLAGS = per_item, store_sub, fast_bit
+    symm._RECV_SUB_BLOCKS = dict.fromkeys(symm._RECV_SUB_BLOCKS, recv_sub)
     ws = SharedWorkspace(buffers, ready, rank)
     ins, outs = M[rank], [row[rank] for row in M]
     outs_y[rank].copy_(symm_mx_exchange(xs[rank], ins, outs, rank, ws, "torch", True, impl="kernel"))
@@ -231,17 +232,19 @@ def _kernel_worker(rank, world, port, per_item, store_sub, fast_bit, buffers, re
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflow notes
-@pytest.mark.parametrize(("world", "dtype", "dim", "per_item", "store_sub", "fast_bit"),
-                         [(2, torch.bfloat16, 96, 2, 64, False), (3, torch.float32, 64, 2, 64, False),
-                          (2, torch.float32, 64, 1, 64, False), (2, torch.bfloat16, 96, 4, 128, False),
-                          (2, torch.bfloat16, 96, 8, 128, False), (3, torch.bfloat16, 64, 16, 64, False),
-                          (2, torch.bfloat16, 96, 1, 128, True), (3, torch.float32, 64, 2, 64, True)])
-def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, store_sub, fast_bit, spawn_ranks):
+@pytest.mark.parametrize(("world", "dtype", "dim", "per_item", "store_sub", "fast_bit", "recv_sub"), [
+    (2, torch.bfloat16, 96, 2, 64, False, 64), (3, torch.float32, 64, 2, 64, False, 64),
+    (2, torch.float32, 64, 1, 64, False, 64), (2, torch.bfloat16, 96, 4, 128, False, 64),
+    (2, torch.bfloat16, 96, 8, 128, False, 128), (3, torch.bfloat16, 64, 16, 64, False, 64),
+    (2, torch.bfloat16, 96, 1, 128, True, 128), (3, torch.float32, 64, 2, 64, True, 64),
+])
+def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, store_sub, fast_bit, recv_sub,
+                                               spawn_ranks):
     """The Triton exchange kernel itself (tickets, release/acquire flags, epochs, tiles spanning rows,
     the last partial tile, items of several flag tiles with the last ones missing, empty pairs, scales
-    stored as words of four blocks with pairs ending inside a word, store register tiles of 64 and
-    128 blocks): one process per rank under TRITON_INTERPRET=1, workspaces in shared memory, three
-    exchanges (both halves, then the first again)."""
+    stored as words of four blocks with pairs ending inside a word, store and receive register tiles
+    of 64 and 128 blocks, fast-bit flags): one process per rank under TRITON_INTERPRET=1, workspaces
+    in shared memory, three exchanges (both halves, then the first again)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs TRITON_INTERPRET=1 (CPU)")
@@ -262,8 +265,8 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, stor
     )
     backs = shared([sum(M[r]) for r in range(world)], dim, dtype)
     ready = torch.zeros(world, dtype=torch.int32).share_memory_()
-    spawn_ranks(_kernel_worker, world, per_item, store_sub, fast_bit, buffers, ready, xs, gs, M, ys, qs, ss,
-                backs, timeout_s=900)
+    spawn_ranks(_kernel_worker, world, per_item, store_sub, fast_bit, recv_sub, buffers, ready, xs, gs, M, ys,
+                qs, ss, backs, timeout_s=900)
     for r in range(world):
         what = f"rank {r} of {world}, {dtype}"
         assert_same_bits(ys[r], expected(xs, M, r, True), "forward " + what)
@@ -421,18 +424,21 @@ lines, first = inspect.getsourcelines(symm_kernel._store_item.fn)
 store_item = range(first, first + len(lines))
 SSUB = symm._STORE_SUB_BLOCKS
 F = symm._FAST_BIT_FLAGS
-for bf16, deq, peers, item, ssub, sflag in (
-    (True, True, 1, 2, SSUB, F), (False, True, 3, 2, SSUB, F), (True, False, 1, 1, SSUB, F),
-    (False, False, 7, 2, SSUB, F), (True, True, 1, 1, SSUB, F), (True, False, 3, 2, SSUB, F),
-    (True, True, 1, 4, SSUB, F), (True, True, 1, 2, 128, F), (False, True, 1, 4, 128, F),
-    (True, True, 1, 8, SSUB, F), (True, True, 1, 16, SSUB, F), (True, False, 1, 16, SSUB, F),
-    (False, True, 3, 8, 64, F), (True, True, 1, 4, 128, True), (True, True, 3, 1, 64, True),
-    (False, True, 1, 8, 128, True), (True, False, 1, 4, 128, True),
+RB, RF = (symm._RECV_SUB_BLOCKS[t] for t in (torch.bfloat16, torch.float32))
+for bf16, deq, peers, item, ssub, sflag, rsub in (
+    (True, True, 1, 2, SSUB, F, RB), (False, True, 3, 2, SSUB, F, RF), (True, False, 1, 1, SSUB, F, RB),
+    (False, False, 7, 2, SSUB, F, RF), (True, True, 1, 1, SSUB, F, RB), (True, False, 3, 2, SSUB, F, RB),
+    (True, True, 1, 4, SSUB, F, RB), (True, True, 1, 2, 128, F, RB), (False, True, 1, 4, 128, F, RF),
+    (True, True, 1, 8, SSUB, F, RB), (True, True, 1, 16, SSUB, F, RB), (True, False, 1, 16, SSUB, F, RB),
+    (False, True, 3, 8, 64, F, RF), (True, True, 1, 4, 128, True, RB), (True, True, 3, 1, 64, True, RB),
+    (False, True, 1, 8, 128, True, RF), (True, False, 1, 4, 128, True, RB),
+    (True, True, 1, 4, 128, False, 128), (True, True, 1, 16, 128, True, 128),
+    (True, False, 3, 2, 128, F, 128),
 ):
     xt = "*i16" if bf16 else "*i32"
     s = dict(sig, x_ptr=xt, y_ptr=xt if deq else "*u8")
     stages = symm._STAGES[torch.bfloat16 if bf16 else torch.float32]
-    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, ITEM=item, SUB=symm._SUB_BLOCKS, SSUB=ssub,
+    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, ITEM=item, SUB=symm._SUB_BLOCKS, SSUB=ssub, RSUB=rsub,
               STAGES=stages[0], RSTAGES=stages[1], IN_BF16=bf16, DEQUANT=deq, CLOCK=True, SFLAG=sflag,
               **_spec_args(symm._SPEC, False))
     s.update({k: "constexpr" for k in ce})
@@ -441,7 +447,7 @@ for bf16, deq, peers, item, ssub, sflag in (
     k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=s, constexprs=ce, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=symm._WARPS, maxnreg=symm._MAXNREG))
-    what = (bf16, deq, peers, item, ssub, sflag)
+    what = (bf16, deq, peers, item, ssub, sflag, rsub)
     ptx = k.asm["ptx"]
     for op in ("atom.global.sys.release.exch.b32", "ld.global.sys.acquire.b32", "trap;", "%globaltimer"):
         assert op in ptx, (what, op)
@@ -466,7 +472,8 @@ for bf16, deq, peers, item, ssub, sflag in (
     assert len(loops) >= 3, (what, "the work-item and register-tile loops not found", loops)
     deep = [(hex(a), i) for a, i in code
             if re.search(r"\b(LDL|STL)\b", i) and sum(lo <= a <= hi for lo, hi in loops) > 1]
-    assert stack <= 32 and not deep, (what, "spills", stack, deep)
+    # receive register tiles of 128 blocks (bf16) spill 48 bytes, also only outside the loops
+    assert stack <= (48 if rsub == 128 else 32) and not deep, (what, "spills", stack, deep)
     # one system-scope fence per store item (its flags' release, from one warp), vector stores (8
     # elements a thread), and a work item's register tiles loaded STAGES - 1 ahead of their use by
     # asynchronous vector copies into shared memory (cp.async)
