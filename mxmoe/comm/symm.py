@@ -88,8 +88,9 @@ _STORE_SUB_BLOCKS = 128
 # per-tile work (addresses, masks, barriers, the scale minimum) over twice the elements: sm_90 SASS,
 # bf16, ~206 -> ~173 instructions per 8 elements a thread and warp, ~163 -> ~150 with fast-bit flags;
 # 48 bytes of spills of values reloaded once a work item, none in the register-tile loops).
-# scripts/symm_sweep.py measures both; 64 until measured.
-_RECV_SUB_BLOCKS = {torch.bfloat16: 64, torch.float32: 64}
+# bf16 128: the faster in scripts/symm_sweep.py on 2 H200s at 4 and 16 x 8192 rows (docs/benchmarks.md,
+# "MXFP8 all-to-all"); fp32 spills inside the loops at 128.
+_RECV_SUB_BLOCKS = {torch.bfloat16: 128, torch.float32: 64}
 _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
 # Pipeline depth of a work item's register tiles (Triton's num_stages: STAGES - 1 register tiles are
 # loaded ahead, by asynchronous copies into shared memory) for store and own items, then for receive
@@ -102,9 +103,9 @@ _STAGES = {torch.bfloat16: (4, 3), torch.float32: (2, 1)}
 # to be acknowledged), whatever its size; larger items pay them over more bytes, smaller ones balance
 # the programs' ends better. Flags stay one per tile (the workspace layout does not depend on it); a
 # store item releases its flags from one warp (at most 32 lanes), a receive item waits for all of
-# them. 4: the fastest in the sweep of 1, 2 and 4 at 1, 4 and 16 x 8192 rows (8 and 16 not yet
-# measured).
-ITEM_TILES = 4
+# them. 8: the fastest at 16 x 8192 rows in the sweep of 4 and 8 (1 and 2 were slower than 4 at 1, 4
+# and 16 x 8192 rows; 16 not measured).
+ITEM_TILES = 8
 ITEM_TILES_ACCEPTED = (1, 2, 4, 8, 16)
 # Whether a store item's flags also say that every scale byte of the item is >= 10 (bit 31, FAST_BIT:
 # the value is epoch | FAST_BIT), so that a receive item takes the dequantize's fast path from its
@@ -113,9 +114,9 @@ ITEM_TILES_ACCEPTED = (1, 2, 4, 8, 16)
 # ~206 -> ~163 instructions a register tile and warp). The store item pays one reduction across warps
 # an item instead. A receive item whose flags do not all have the bit takes the exact integer path
 # for all its register tiles (a block of zeros has scale byte 0: one such block in an item is
-# enough). Flags compare their low 31 bits with the epoch. False: not yet measured
-# (scripts/symm_sweep.py measures both).
-_FAST_BIT_FLAGS = False
+# enough). Flags compare their low 31 bits with the epoch. True: faster in every pair of the sweep
+# (scripts/symm_sweep.py) but one, equal, at 4 and 16 x 8192 rows.
+_FAST_BIT_FLAGS = True
 _FAST_BIT = 1 << 31
 # Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
 # that has not is deferred to the end of the exchange).
