@@ -7,11 +7,12 @@ fp32, rounded once (to nearest even) to the output dtype; NaN where the element 
 or the scale byte is 0xFF. NaNs are written as the canonical quiet NaN (payloads are not part of
 the format).
 
-The Triton kernel never relies on how the GPU treats fp32 subnormals: element bytes are decoded
-with integer arithmetic; a program whose smallest scale byte is >= 10 multiplies in fp32 (every
-product is then a normal number with at most 4 significant bits, so exact); otherwise it builds
-the fp32 bit pattern of the product with integers (subnormal products included) and rounds to
-bf16 on the bits.
+The Triton kernel never relies on how the GPU treats fp32 subnormals: a program whose smallest
+scale byte is >= 10 reads each element byte as the bits of an fp16 (the element x 2^-8 exactly,
+e4m3 subnormals as fp16 subnormals; fp16 -> fp32 is exact) and multiplies in fp32 (every product
+is then 0, inf or a normal number with at most 4 significant bits: exact, and already a bf16, so
+there is nothing to round); otherwise it builds the fp32 bit pattern of the product with integers
+(subnormal products included) and rounds to bf16 on the bits.
 """
 
 from __future__ import annotations
@@ -63,27 +64,38 @@ if triton is not None:
     def _dequant_store(b, s, smin, out_ptr, offs, mask, OUT_BF16: tl.constexpr):
         """Store at `offs` (masked by `mask`) of out (int16 bf16 bits or int32 fp32 bits) the values
         of e4m3 bytes b (int32) with e8m0 scales s (int32, broadcastable to b; 127 where masked);
-        smin: the smallest of s (picks the fast path)."""
-        a = b & 0x7F
-        neg = (b >> 7).to(tl.int32)
-        nan = (a == 0x7F) | (s == 255)
+        smin: the smallest of s, or any lower bound of it (picks the fast path)."""
         if smin >= 10:
-            # normal e4m3: rebias the exponent (7 -> 127); subnormal: mant x 2^-9 (both exact).
-            normal = ((a << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-            sub = (a & 7).to(tl.float32) * 0.001953125
-            mag = tl.where(a >= 8, normal, sub)
-            v = mag * (s << 23).to(tl.float32, bitcast=True)
+            # The e4m3 bits shifted into an fp16 (sign to bit 15, exponent and mantissa to bits
+            # 7..14) are the element x 2^-8 exactly, subnormals included (both formats' subnormals
+            # have the same exponent offset from their normals); fp16 -> fp32 is exact, so is x 2^8.
+            # The product with 2^(s - 127) is 0, a normal fp32 (>= 2^-9 x 2^-117) of at most 4
+            # significant bits, or inf: exact in bf16 (its top 16 bits) and in fp32 alike.
+            hb = (b + (b & 0x80)) << 7  # the sign's carry moves it from bit 14 to 15
+            v = (hb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0) * (
+                (s << 23).to(tl.float32, bitcast=True))
             bits = v.to(tl.int32, bitcast=True)
+            # NaN: element 0x7F/0xFF (exponent and mantissa bits all set), or scale 255. Tested on
+            # the fp16 bits here (not on b before the branch: eight predicates live across it do
+            # not fit the predicate registers, and the build packs them into a register bit by bit).
+            nan = ((hb & 0x3F80) == 0x3F80) | (s == 255)
+            if OUT_BF16:
+                r = tl.where(nan, 0x7FC0, (bits >> 16) & 0xFFFF)
+                tl.store(out_ptr + offs, r.to(tl.int16), mask=mask)
+            else:
+                tl.store(out_ptr + offs, tl.where(nan, 0x7FC00000, bits), mask=mask)
         else:
             # value = sig x 2^t with sig < 16: build the exact fp32 bits with integers.
-            bits = _int_dequant_bits(a, s)
-        if OUT_BF16:
-            r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            r = tl.where(nan, 0x7FC0, r | (neg << 15))
-            tl.store(out_ptr + offs, r.to(tl.int16), mask=mask)
-        else:
-            r = tl.where(nan, 0x7FC00000, bits | (neg << 31))
-            tl.store(out_ptr + offs, r, mask=mask)
+            nan = ((b & 0x7F) == 0x7F) | (s == 255)
+            neg = (b >> 7).to(tl.int32)
+            bits = _int_dequant_bits(b & 0x7F, s)
+            if OUT_BF16:
+                r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                r = tl.where(nan, 0x7FC0, r | (neg << 15))
+                tl.store(out_ptr + offs, r.to(tl.int16), mask=mask)
+            else:
+                r = tl.where(nan, 0x7FC00000, bits | (neg << 31))
+                tl.store(out_ptr + offs, r, mask=mask)
 
     @triton.jit
     def _dequant_e4m3_kernel(
@@ -95,9 +107,12 @@ if triton is not None:
 
     @triton.jit
     def _qdq_tile(x_ptr, out_ptr, blk, bmask, rceil_c, T127, T126, IN_BF16: tl.constexpr,
-                  FORCE_SLOW: tl.constexpr):
+                  FORCE_SLOW: tl.constexpr, SATFINITE: tl.constexpr = False):
         """Quantize the blocks of 32 `blk` (int64 indices, masked by `bmask`) of x (int16 bf16 bits or
-        int32 fp32 bits; RCEIL, e4m3) and dequantize them again, in registers, into out (same type)."""
+        int32 fp32 bits; RCEIL, e4m3) and dequantize them again, in registers, into out (same type).
+        SATFINITE: the fp8 conversion saturates to +-448 itself (compiled for sm_89+: Triton's
+        `cvt.rn.satfinite`, as mxmoe.quant.triton_cast._to_elem relies on), so the fast path does not
+        clamp first; the interpreter's conversion needs the clamp."""
         offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
         mask = bmask[:, None]
         if IN_BF16:  # bf16 bits -> fp32 bits by a shift: exact for subnormals on every backend
@@ -120,11 +135,19 @@ if triton is not None:
         if emin >= -115:
             # Every fp32 value that matters is normal here, so flush-to-zero cannot change a result.
             recip = ((127 - e) << 23).to(tl.float32, bitcast=True)
-            y = tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)
+            if SATFINITE:
+                y = x * recip[:, None]
+            else:
+                y = tl.minimum(tl.maximum(x * recip[:, None], -448.0), 448.0)
             q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
             scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
             v = q.to(tl.float32) * scale[:, None]
-            bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            # v is 0, a normal fp32 (>= 2^-9 x 2^-115) of at most 4 significant bits, or inf, with
+            # x's sign: exact in bf16 (its top 16 bits; no rounding to do) and in fp32 alike.
+            if IN_BF16:
+                r = v.to(tl.int32, bitcast=True) >> 16
+            else:
+                r = v.to(tl.int32, bitcast=True)
         else:
             # x = sig x 2^E exactly; y = x x 2^-e rounded to e4m3 (nearest even) with integers.
             exp_f = m >> 23
@@ -144,14 +167,15 @@ if triton is not None:
             byte = tl.where(ey >= -6, ((qe + 10) << 3) + n - 8, n)
             byte = tl.where(n == 0, 0, tl.minimum(byte, 0x7E))
             bits = _int_dequant_bits(byte, (e + 127)[:, None])
+            if IN_BF16:
+                r = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) | (neg << 15)
+            else:
+                r = bits | (neg << 31)
         nan = nonfinite[:, None]
         if IN_BF16:
-            r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            r = tl.where(nan, 0x7FC0, r | (neg << 15))
-            tl.store(out_ptr + offs, r.to(tl.int16), mask=mask)
+            tl.store(out_ptr + offs, tl.where(nan, 0x7FC0, r).to(tl.int16), mask=mask)
         else:
-            r = tl.where(nan, 0x7FC00000, bits | (neg << 31))
-            tl.store(out_ptr + offs, r, mask=mask)
+            tl.store(out_ptr + offs, tl.where(nan, 0x7FC00000, r), mask=mask)
 
     @triton.jit
     def _qdq_kernel(
@@ -164,11 +188,12 @@ if triton is not None:
         NB: tl.constexpr,
         IN_BF16: tl.constexpr,
         FORCE_SLOW: tl.constexpr,
+        SATFINITE: tl.constexpr,
     ):
         """Quantize blocks of 32 (RCEIL, e4m3) and dequantize them again, in registers."""
         pid = tl.program_id(0)
         blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
-        _qdq_tile(x_ptr, out_ptr, blk, blk < n_blocks, rceil_c, T127, T126, IN_BF16, FORCE_SLOW)
+        _qdq_tile(x_ptr, out_ptr, blk, blk < n_blocks, rceil_c, T127, T126, IN_BF16, FORCE_SLOW, SATFINITE)
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -293,6 +318,7 @@ def qdq_into(
         NB=_QDQ_BLOCKS,
         IN_BF16=bf16,
         FORCE_SLOW=force_slow,
+        SATFINITE=out.is_cuda,
         num_warps=_QDQ_WARPS,
     )
     return out

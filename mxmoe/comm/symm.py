@@ -83,6 +83,14 @@ TILE_BLOCKS, _SUB_BLOCKS = 256, 64
 # reloaded once a work item, none in the register-tile loops (its sm_90 SASS). 128: the fastest in
 # scripts/symm_sweep.py on 2 H200s (docs/benchmarks.md, "MXFP8 all-to-all").
 _STORE_SUB_BLOCKS = 128
+# Register tile of receive items, in blocks, by the rows' dtype: 64 (8 element bytes a thread: 8-byte
+# asynchronous copies, 8 output elements) or 128 (16: 16-byte copies that bypass L1, 16 outputs; the
+# per-tile work (addresses, masks, barriers, the scale minimum) over twice the elements: sm_90 SASS,
+# bf16, ~206 -> ~173 instructions per 8 elements a thread and warp, ~163 -> ~150 with fast-bit flags;
+# 48 bytes of spills of values reloaded once a work item, none in the register-tile loops).
+# bf16 128: the faster in scripts/symm_sweep.py on 2 H200s at 4 and 16 x 8192 rows (docs/benchmarks.md,
+# "MXFP8 all-to-all"); fp32 spills inside the loops at 128.
+_RECV_SUB_BLOCKS = {torch.bfloat16: 128, torch.float32: 64}
 _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
 # Pipeline depth of a work item's register tiles (Triton's num_stages: STAGES - 1 register tiles are
 # loaded ahead, by asynchronous copies into shared memory) for store and own items, then for receive
@@ -90,12 +98,26 @@ _WARPS, _MAXNREG, _PROGS_PER_SM = 8, 80, 3
 # (the sm_90 build test checks it). With one register tile at a time each paid a full memory
 # latency, and three programs of 8 warps kept at most 12 KiB of loads in flight an SM.
 _STAGES = {torch.bfloat16: (4, 3), torch.float32: (2, 1)}
-# Flag tiles per work item (1, 2 or 4; scripts/symm_sweep.py measures all three): an item pays a
-# ticket, and a store item one system-scope fence (it waits for the CTA's NVLink stores to be
-# acknowledged), whatever its size; larger items pay them over more bytes, smaller ones balance the
-# programs' ends better. Flags stay one per tile (the workspace layout does not depend on it); a
-# receive item waits for all of its flags. 4: the fastest in the sweep at 1, 4 and 16 x 8192 rows.
-ITEM_TILES = 4
+# Flag tiles per work item (one of ITEM_TILES_ACCEPTED; scripts/symm_sweep.py measures them): an
+# item pays a ticket, and a store item one system-scope fence (it waits for the CTA's NVLink stores
+# to be acknowledged), whatever its size; larger items pay them over more bytes, smaller ones balance
+# the programs' ends better. Flags stay one per tile (the workspace layout does not depend on it); a
+# store item releases its flags from one warp (at most 32 lanes), a receive item waits for all of
+# them. 8: the fastest at 16 x 8192 rows in the sweep of 4 and 8 (1 and 2 were slower than 4 at 1, 4
+# and 16 x 8192 rows; 16 not measured).
+ITEM_TILES = 8
+ITEM_TILES_ACCEPTED = (1, 2, 4, 8, 16)
+# Whether a store item's flags also say that every scale byte of the item is >= 10 (bit 31, FAST_BIT:
+# the value is epoch | FAST_BIT), so that a receive item takes the dequantize's fast path from its
+# flags: each scale is read once (one 4-byte word a block row) and no register tile reduces its
+# scales across warps (two CTA barriers and a second load of the scale words each; sm_90 SASS, bf16:
+# ~206 -> ~163 instructions a register tile and warp). The store item pays one reduction across warps
+# an item instead. A receive item whose flags do not all have the bit takes the exact integer path
+# for all its register tiles (a block of zeros has scale byte 0: one such block in an item is
+# enough). Flags compare their low 31 bits with the epoch. True: faster in every pair of the sweep
+# (scripts/symm_sweep.py) but one, equal, at 4 and 16 x 8192 rows.
+_FAST_BIT_FLAGS = True
+_FAST_BIT = 1 << 31
 # Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
 # that has not is deferred to the end of the exchange).
 RECV_DELAY = 4
@@ -335,8 +357,8 @@ def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: 
     per workspace for repeated splits (the table and its device copy are reused)."""
     cache = ws.__dict__.setdefault("_items", {})
     per_item = ITEM_TILES
-    if per_item not in (1, 2, 4):
-        raise ValueError(f"ITEM_TILES={per_item}; expected 1, 2 or 4")
+    if per_item not in ITEM_TILES_ACCEPTED:
+        raise ValueError(f"ITEM_TILES={per_item}; expected one of {ITEM_TILES_ACCEPTED}")
     key = (tuple(ins), tuple(outs), me, lay, base, per_item, RECV_DELAY)
     hit = cache.get(key)
     if hit is not None:
@@ -484,9 +506,9 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
         x.view(bits), y, ys, meta, ws.counters, ws.deferred, ws.error, epoch,
         items.n_store, items.n_own, items.n_recv, items.delay, items.own_xblk, items.own_yblk,
         items.own_nblk, timeout, nprog, PEERS=world - 1, NB=TILE_BLOCKS, ITEM=items.per_item,
-        SUB=_SUB_BLOCKS, SSUB=_STORE_SUB_BLOCKS,
+        SUB=_SUB_BLOCKS, SSUB=_STORE_SUB_BLOCKS, RSUB=_RECV_SUB_BLOCKS[x.dtype],
         STAGES=_STAGES[x.dtype][0], RSTAGES=_STAGES[x.dtype][1], IN_BF16=bf16,
-        DEQUANT=dequant, CLOCK=not interpret, num_warps=_WARPS, maxnreg=_MAXNREG,
+        DEQUANT=dequant, CLOCK=not interpret, SFLAG=_FAST_BIT_FLAGS, num_warps=_WARPS, maxnreg=_MAXNREG,
         **_spec_args(_SPEC, interpret),
     )
     if interpret and int(ws.error[0]):
@@ -536,6 +558,11 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
     def flags(nblk: int, kk: int) -> range:  # the flag tiles of item kk of a pair of nblk blocks
         return range(kk * per, min((kk + 1) * per, max(1, -(-nblk // TILE_BLOCKS))))
 
+    fast_bit = _FAST_BIT_FLAGS
+
+    def landed(flag: int) -> bool:  # a flag read (acquire) holds this exchange's epoch
+        return (flag & (_FAST_BIT - 1) if fast_bit else flag) == epoch
+
     def receive(i: int, kk: int) -> None:
         b0, nblk = kk * span, items.row("rc_nblk")[i]
         n = max(0, min(span, nblk - b0))
@@ -561,8 +588,11 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
                 x0 = items.row("st_xblk")[i] + b0
                 out = (eb(q_dst, b0, n).view(ELEM_DTYPE), sb(s_dst, b0, n).view(torch.float8_e8m0fnu))
                 quant(xb[x0 : x0 + n], _SPEC, out=out)
+            value = epoch
+            if fast_bit and (n == 0 or int(out[1].view(torch.uint8).min()) >= 10):
+                value = epoch - _FAST_BIT  # epoch | FAST_BIT as an int32
             for f in flags(nblk, kk):  # after the item's stores (release)
-                f_dst[f] = epoch
+                f_dst[f] = value
         elif kind == "own":
             b0 = k * span
             n = min(span, items.own_nblk - b0)
@@ -573,14 +603,14 @@ def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, k
                 quant(xb[x0 : x0 + n], _SPEC, out=(eb(outputs[0], y0, n), sb(outputs[1], y0, n)))
         else:  # a receive in the front: only if landed (acquire), else deferred
             i, kk = where(items.row("rc_start"), k)
-            if all(int(rc_slots[i][2][f]) == epoch for f in flags(items.row("rc_nblk")[i], kk)):
+            if all(landed(int(rc_slots[i][2][f])) for f in flags(items.row("rc_nblk")[i], kk)):
                 receive(i, kk)
             else:
                 deferred.append((i, kk))
     for i, kk in deferred:  # the back: wait for each flag of each deferred item
         for f in flags(items.row("rc_nblk")[i], kk):
             deadline = time.monotonic() + TIMEOUT_MS / 1000
-            while int(rc_slots[i][2][f]) != epoch:  # acquire
+            while not landed(int(rc_slots[i][2][f])):  # acquire
                 if time.monotonic() > deadline:
                     _timed_out(i << 32 | f)
                 time.sleep(1e-4)

@@ -147,25 +147,37 @@ class _OneGpuWorkspace:
         raise AssertionError("the test's workspace fits every pair")
 
 
-@pytest.mark.parametrize(("per_item", "store_sub"), [(1, 64), (2, 64), (4, 64), (2, 128), (4, 128)])
-def test_one_gpu_two_simulated_ranks_kernel(per_item, store_sub, monkeypatch):
+@pytest.mark.parametrize(("per_item", "store_sub", "fast_bit", "recv_sub"),
+                         [(1, 64, False, 64), (2, 64, False, 64), (4, 64, False, 64), (2, 128, False, 64),
+                          (4, 128, False, 64), (8, 128, False, 64), (16, 128, False, 64), (1, 64, True, 64),
+                          (4, 128, True, 64), (16, 128, True, 64), (4, 128, False, 128), (8, 128, True, 128)])
+def test_one_gpu_two_simulated_ranks_kernel(per_item, store_sub, fast_bit, recv_sub, monkeypatch):
     """The exchange kernel of two ranks running at once on one GPU (two streams, workspaces in this
     GPU's memory, few programs each so both are resident): both outputs bit for bit the routing
-    reference, over 4 exchanges (both halves twice), forward and dispatch, with work items of 1, 2 and
-    4 flag tiles and store register tiles of 64 and 128 blocks (33 blocks a row: pairs that end
-    inside a scale word)."""
+    reference, over 4 exchanges (both halves twice), forward and dispatch, with work items of 1 to 16
+    flag tiles, store register tiles of 64 and 128 blocks (33 blocks a row: pairs that end inside a
+    scale word), receive register tiles of 64 and 128 blocks, and with the fast-bit flags off and on
+    (symm._FAST_BIT_FLAGS)."""
     from test_symm import expected
 
     from mxmoe.comm import symm
 
     monkeypatch.setattr(symm, "ITEM_TILES", per_item)
     monkeypatch.setattr(symm, "_STORE_SUB_BLOCKS", store_sub)
+    monkeypatch.setattr(symm, "_FAST_BIT_FLAGS", fast_bit)
+    monkeypatch.setattr(symm, "_RECV_SUB_BLOCKS", {torch.bfloat16: recv_sub, torch.float32: 64})
     monkeypatch.setattr(symm, "_sm_count", lambda index: 8)  # 16 programs per rank: both resident
     monkeypatch.setattr(symm, "TIMEOUT_MS", 20_000)
     M = [[3001, 4097], [0, 2500]]
     Mt = [list(c) for c in zip(*M, strict=True)]
     dim = 1056
     xs = [make_rows(sum(M[r]), dim, torch.bfloat16, 31 + r) for r in range(2)]
+    # awkward blocks in rows that rank 0 stores into rank 1 (make_rows puts its own at rows 0..3, which
+    # stay on rank 0): NaN and Inf blocks (0x7F elements), zeros, tiny scales (items without the fast bit)
+    xs[0][3001 + 7, 64] = float("nan")
+    xs[0][3001 + 700, 100] = float("-inf")
+    xs[0][3001 + 1400, :96] = 0.0
+    xs[0][3001 + 2100, 32:64] *= 2.0**-140
     bufs = [torch.zeros(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
     wss = [_OneGpuWorkspace(bufs) for _ in range(2)]
     xg = [x.cuda() for x in xs]

@@ -217,9 +217,10 @@ class SharedWorkspace:
         raise AssertionError("the test's workspace fits every pair")
 
 
-def _kernel_worker(rank, world, port, per_item, store_sub, buffers, ready, xs, gs, M, outs_y, outs_q, outs_s,
-                   outs_back) -> None:
-    symm.ITEM_TILES, symm._STORE_SUB_BLOCKS = per_item, store_sub
+def _kernel_worker(rank, world, port, per_item, store_sub, fast_bit, recv_sub, buffers, ready, xs, gs, M,
+                   outs_y, outs_q, outs_s, outs_back) -> None:
+    symm.ITEM_TILES, symm._STORE_SUB_BLOCKS, symm._FAST_BIT_FLAGS = per_item, store_sub, fast_bit
+    symm._RECV_SUB_BLOCKS = dict.fromkeys(symm._RECV_SUB_BLOCKS, recv_sub)
     ws = SharedWorkspace(buffers, ready, rank)
     ins, outs = M[rank], [row[rank] for row in M]
     outs_y[rank].copy_(symm_mx_exchange(xs[rank], ins, outs, rank, ws, "torch", True, impl="kernel"))
@@ -231,15 +232,19 @@ def _kernel_worker(rank, world, port, per_item, store_sub, buffers, ready, xs, g
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflow notes
-@pytest.mark.parametrize(("world", "dtype", "dim", "per_item", "store_sub"),
-                         [(2, torch.bfloat16, 96, 2, 64), (3, torch.float32, 64, 2, 64),
-                          (2, torch.float32, 64, 1, 64), (2, torch.bfloat16, 96, 4, 128)])
-def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, store_sub, spawn_ranks):
+@pytest.mark.parametrize(("world", "dtype", "dim", "per_item", "store_sub", "fast_bit", "recv_sub"), [
+    (2, torch.bfloat16, 96, 2, 64, False, 64), (3, torch.float32, 64, 2, 64, False, 64),
+    (2, torch.float32, 64, 1, 64, False, 64), (2, torch.bfloat16, 96, 4, 128, False, 64),
+    (2, torch.bfloat16, 96, 8, 128, False, 128), (3, torch.bfloat16, 64, 16, 64, False, 64),
+    (2, torch.bfloat16, 96, 1, 128, True, 128), (3, torch.float32, 64, 2, 64, True, 64),
+])
+def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, store_sub, fast_bit, recv_sub,
+                                               spawn_ranks):
     """The Triton exchange kernel itself (tickets, release/acquire flags, epochs, tiles spanning rows,
     the last partial tile, items of several flag tiles with the last ones missing, empty pairs, scales
-    stored as words of four blocks with pairs ending inside a word, store register tiles of 64 and
-    128 blocks): one process per rank under TRITON_INTERPRET=1, workspaces in shared memory, three
-    exchanges (both halves, then the first again)."""
+    stored as words of four blocks with pairs ending inside a word, store and receive register tiles
+    of 64 and 128 blocks, fast-bit flags): one process per rank under TRITON_INTERPRET=1, workspaces
+    in shared memory, three exchanges (both halves, then the first again)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs TRITON_INTERPRET=1 (CPU)")
@@ -260,8 +265,8 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, stor
     )
     backs = shared([sum(M[r]) for r in range(world)], dim, dtype)
     ready = torch.zeros(world, dtype=torch.int32).share_memory_()
-    spawn_ranks(_kernel_worker, world, per_item, store_sub, buffers, ready, xs, gs, M, ys, qs, ss, backs,
-                timeout_s=900)
+    spawn_ranks(_kernel_worker, world, per_item, store_sub, fast_bit, recv_sub, buffers, ready, xs, gs, M, ys,
+                qs, ss, backs, timeout_s=900)
     for r in range(world):
         what = f"rank {r} of {world}, {dtype}"
         assert_same_bits(ys[r], expected(xs, M, r, True), "forward " + what)
@@ -269,9 +274,34 @@ def test_exchange_kernel_under_the_interpreter(world, dtype, dim, per_item, stor
         assert torch.equal(qs[r], wq.view(torch.uint8)), "dispatch elements " + what
         assert torch.equal(ss[r], wsc.view(torch.uint8)), "dispatch scales " + what
         assert_same_bits(backs[r], expected(gs, Mt, r, True), "backward " + what)
+    # the third exchange's flags (first half): the epoch, with the fast bit where asked for and earned
+    _check_fast_bits(buffers, Mt, dim, halves_bytes(1 << 18), 0, 3, fast_bit, per_item)
 
 
-@pytest.mark.parametrize("per_item", [1, 2, 4])
+def _check_fast_bits(buffers, rows, dim, half, base, epoch, fast_bit, per_item, both=True) -> None:
+    """After exchange `epoch` of rows[src][dst] rows into the half at `base`: every flag of a pair's
+    tiles holds `epoch` in its low 31 bits, and bit 31 exactly where `fast_bit` is on and every scale
+    byte of the flag's item is >= 10 (the first rows of every rank carry a zero block and a tiny one,
+    the others scales far above 10: with `both`, both kinds occur)."""
+    world = len(rows)
+    lay = Layout(world, dim, half)
+    span = per_item * symm.TILE_BLOCKS
+    seen = set()
+    for src in range(world):
+        for dst in (r for r in range(world) if r != src):
+            _, sc, f = lay.slot(buffers[dst], base, src, dst)
+            nblk = rows[src][dst] * (dim // 32)
+            scales = sc.reshape(-1)[:nblk]
+            for t in range(tiles(rows[src][dst], dim)):
+                v = int(f[t])
+                item = scales[t // per_item * span : (t // per_item + 1) * span]
+                want = fast_bit and (item.numel() == 0 or int(item.min()) >= 10)
+                assert (v & 0x7FFFFFFF, v < 0) == (epoch, want), (src, dst, t, v)
+                seen.add(want)
+    assert seen == ({False, True} if fast_bit else {False}) or not both and seen <= {fast_bit}, seen
+
+
+@pytest.mark.parametrize("per_item", symm.ITEM_TILES_ACCEPTED)
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_work_items_order_and_tiles(world, per_item, monkeypatch):
     """The ticket order: communication items (stores, receives) spread evenly among the own tiles,
@@ -319,13 +349,15 @@ def test_work_items_order_and_tiles(world, per_item, monkeypatch):
             assert items.row("rc_s")[i] == sc.data_ptr() and items.row("rc_f")[i] == f.data_ptr()
 
 
-@pytest.mark.parametrize("per_item", [1, 2, 4])
+@pytest.mark.parametrize("fast_bit", [False, True])
+@pytest.mark.parametrize("per_item", symm.ITEM_TILES_ACCEPTED)
 @pytest.mark.parametrize("world", [2, 3])
-def test_symm_exchange_many_tiles(world, per_item, monkeypatch):
+def test_symm_exchange_many_tiles(world, per_item, fast_bit, monkeypatch):
     """Pairs of several tiles (tiles spanning rows, a partial last one; items of `per_item` tiles, the
     last one short), one pair over a slot (the fallback) and an empty one, six consecutive exchanges
-    (each half three times)."""
+    (each half three times); flags with and without the fast bit."""
     monkeypatch.setattr(symm, "ITEM_TILES", per_item)
+    monkeypatch.setattr(symm, "_FAST_BIT_FLAGS", fast_bit)
     dim = 96
     M = [[(150 + 37 * r + 11 * p) for p in range(world)] for r in range(world)]
     M[1][0], M[0][world - 1] = 0, 900
@@ -344,6 +376,18 @@ def test_symm_exchange_many_tiles(world, per_item, monkeypatch):
         for i, y in enumerate(ys):
             assert_same_bits(y, want, f"rank {r} of {world}, exchange {i + 1}")
     assert fw.p2p_pairs == {(0, world - 1)}
+    half = halves_bytes(nbytes)
+    in_slots = [[0 if (a, b) == (0, world - 1) else n for b, n in enumerate(row)] for a, row in enumerate(M)]
+    _check_fast_bits(fw.buffers, in_slots, dim, half, half, 6, fast_bit, per_item, both=False)
+
+
+@pytest.mark.parametrize("per_item", [0, 3, 32])
+def test_item_tiles_outside_the_accepted_values_is_an_error(per_item, monkeypatch):
+    monkeypatch.setattr(symm, "ITEM_TILES", per_item)
+    fw = FakeWorld(2, 1 << 16)
+    lay = Layout(2, 64, halves_bytes(1 << 16))
+    with pytest.raises(ValueError, match=f"ITEM_TILES={per_item}; expected one of"):
+        symm.work_items([4, 4], [4, 4], 0, FakeWorkspace(fw, 0), lay, 0)
 
 
 def test_symm_exchange_times_out_instead_of_hanging(monkeypatch):
@@ -379,16 +423,23 @@ fn = symm_kernel.exchange_kernel
 lines, first = inspect.getsourcelines(symm_kernel._store_item.fn)
 store_item = range(first, first + len(lines))
 SSUB = symm._STORE_SUB_BLOCKS
-for bf16, deq, peers, item, ssub in (
-    (True, True, 1, 2, SSUB), (False, True, 3, 2, SSUB), (True, False, 1, 1, SSUB),
-    (False, False, 7, 2, SSUB), (True, True, 1, 1, SSUB), (True, False, 3, 2, SSUB),
-    (True, True, 1, 4, SSUB), (True, True, 1, 2, 128), (False, True, 1, 4, 128),
+F = symm._FAST_BIT_FLAGS
+RB, RF = (symm._RECV_SUB_BLOCKS[t] for t in (torch.bfloat16, torch.float32))
+for bf16, deq, peers, item, ssub, sflag, rsub in (
+    (True, True, 1, 2, SSUB, F, RB), (False, True, 3, 2, SSUB, F, RF), (True, False, 1, 1, SSUB, F, RB),
+    (False, False, 7, 2, SSUB, F, RF), (True, True, 1, 1, SSUB, F, RB), (True, False, 3, 2, SSUB, F, RB),
+    (True, True, 1, 4, SSUB, F, RB), (True, True, 1, 2, 128, F, RB), (False, True, 1, 4, 128, F, RF),
+    (True, True, 1, 8, SSUB, F, RB), (True, True, 1, 16, SSUB, F, RB), (True, False, 1, 16, SSUB, F, RB),
+    (False, True, 3, 8, 64, F, RF), (True, True, 1, 4, 128, True, RB), (True, True, 3, 1, 64, True, RB),
+    (False, True, 1, 8, 128, True, RF), (True, False, 1, 4, 128, True, RB),
+    (True, True, 1, 4, 128, False, 128), (True, True, 1, 16, 128, True, 128),
+    (True, False, 3, 2, 128, F, 128),
 ):
     xt = "*i16" if bf16 else "*i32"
     s = dict(sig, x_ptr=xt, y_ptr=xt if deq else "*u8")
     stages = symm._STAGES[torch.bfloat16 if bf16 else torch.float32]
-    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, ITEM=item, SUB=symm._SUB_BLOCKS, SSUB=ssub,
-              STAGES=stages[0], RSTAGES=stages[1], IN_BF16=bf16, DEQUANT=deq, CLOCK=True,
+    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, ITEM=item, SUB=symm._SUB_BLOCKS, SSUB=ssub, RSUB=rsub,
+              STAGES=stages[0], RSTAGES=stages[1], IN_BF16=bf16, DEQUANT=deq, CLOCK=True, SFLAG=sflag,
               **_spec_args(symm._SPEC, False))
     s.update({k: "constexpr" for k in ce})
     # torch's allocations are 16-byte aligned: the launch specializes the pointers so
@@ -396,10 +447,12 @@ for bf16, deq, peers, item, ssub in (
     k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=s, constexprs=ce, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=symm._WARPS, maxnreg=symm._MAXNREG))
-    what = (bf16, deq, peers, item, ssub)
+    what = (bf16, deq, peers, item, ssub, sflag, rsub)
     ptx = k.asm["ptx"]
     for op in ("atom.global.sys.release.exch.b32", "ld.global.sys.acquire.b32", "trap;", "%globaltimer"):
         assert op in ptx, (what, op)
+    # the quantize's non-finite blocks: 0x7F bytes selected a word of four elements at a time
+    assert "0x7F7F7F7F, 0xB8;" in ptx, what
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
@@ -419,7 +472,8 @@ for bf16, deq, peers, item, ssub in (
     assert len(loops) >= 3, (what, "the work-item and register-tile loops not found", loops)
     deep = [(hex(a), i) for a, i in code
             if re.search(r"\b(LDL|STL)\b", i) and sum(lo <= a <= hi for lo, hi in loops) > 1]
-    assert stack <= 32 and not deep, (what, "spills", stack, deep)
+    # receive register tiles of 128 blocks (bf16) spill 48 bytes, also only outside the loops
+    assert stack <= (48 if rsub == 128 else 32) and not deep, (what, "spills", stack, deep)
     # one system-scope fence per store item (its flags' release, from one warp), vector stores (8
     # elements a thread), and a work item's register tiles loaded STAGES - 1 ahead of their use by
     # asynchronous vector copies into shared memory (cp.async)
@@ -453,7 +507,7 @@ from mxmoe.comm import kernels as kk
 for f, s, ce in (
     (kk._qdq_kernel,
      dict(x_ptr="*i16", out_ptr="*i16", n_blocks="i64", rceil_c="fp32", T127="i32", T126="i32"),
-     dict(NB=64, IN_BF16=True, FORCE_SLOW=False)),
+     dict(NB=64, IN_BF16=True, FORCE_SLOW=False, SATFINITE=True)),
     (kk._dequant_e4m3_kernel, dict(q_ptr="*u8", s_ptr="*u8", out_ptr="*i16", n="i64"),
      dict(BLOCK=4096, BS=32, OUT_BF16=True)),
 ):
