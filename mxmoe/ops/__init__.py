@@ -9,7 +9,7 @@ step. See docs/training-ops.md.
 
 from mxmoe.ops.config import GEMM_BACKENDS, MXOpConfig
 from mxmoe.ops.gemm import mx_gemm
-from mxmoe.ops.grouped import mx_grouped_mm, mx_grouped_mm_shared
+from mxmoe.ops.grouped import mx_grouped_mm, mx_grouped_mm_shared, mx_grouped_mm_swiglu
 from mxmoe.ops.linear import mx_mm, mx_mm_shared
 from mxmoe.ops.weight_cache import cache_weight_casts
 
@@ -20,6 +20,7 @@ __all__ = [
     "mx_gemm",
     "mx_grouped_mm",
     "mx_grouped_mm_shared",
+    "mx_grouped_mm_swiglu",
     "mx_mm",
     "mx_mm_shared",
 ]
