@@ -1,7 +1,8 @@
 """MX training ops: differentiable GEMMs whose operands are cast to MX along their reduction axis.
 
 `mx_mm` (linear layers), `mx_grouped_mm` (MoE experts, drop-in for torch._grouped_mm), their
-`*_shared` forms (several weights, one cast of the shared input), the GEMM
+`*_shared` forms (several weights, one cast of the shared input), `mx_grouped_mm_swiglu` (the
+experts' w2 GEMM on F.silu(g) * u, h cast straight from g and u), the GEMM
 backend function `mx_gemm`, all configured by an `mxmoe.MXRecipe` (`MXOpConfig(...)` builds one
 from the former op-level fields); `cache_weight_casts()` reuses weight casts within an optimizer
 step. See docs/training-ops.md.
