@@ -157,7 +157,12 @@ def test_swiglu_qdq_fake_matches_real_and_compiles():
         a, b = swiglu_qdq_dim0_dim1(g, u, recipe=r, out_dtype=torch.float32, offs=offs)
         return a + b
 
-    got = torch.compile(f, fullgraph=True, backend="inductor")(g, u, offs)
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    got, codes = run_and_get_code(torch.compile(f, fullgraph=True), g, u, offs)
+    code = "\n".join(codes)
+    assert "mxmoe_cuda.swiglu_qdq_dim0_dim1" in code and "torch.ops.mxmoe.swiglu_qdq" not in code
     assert torch.equal(got, f(g, u, offs))
 
 
@@ -334,14 +339,20 @@ def test_gpu_swiglu_qdq_operator_checks_and_compiles():
     op = torch.ops.mxmoe_cuda.swiglu_qdq_dim0_dim1
     g = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
     args = (32, MODE_IDS["rceil"], torch.float8_e4m3fn, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="u is Float; expected g's dtype BFloat16"):
+    with pytest.raises(TypeError, match="u is Float; expected g's dtype BFloat16"):
         op(g, g.float(), *args)
+    with pytest.raises(RuntimeError, match=r"contiguous of g.s shape \(40, 64\), got shape \(40, 32\)"):
+        op(g, g[:, :32].contiguous(), *args)
     with pytest.raises(RuntimeError, match="u must be contiguous of g's shape"):
-        op(g, g[:, :32], *args)
-    with pytest.raises(RuntimeError, match="g must be a CUDA tensor"):
-        op(g.cpu(), g.cpu(), *args)
+        op(g, g.t().contiguous().t(), *args)
+    with pytest.raises(RuntimeError, match="u is on cpu, g on cuda"):
+        op(g, g.cpu(), *args)
+    with pytest.raises(RuntimeError, match=r"g must be contiguous, got shape \(64, 40\)"):
+        op(g.t(), g.t(), *args)
     with pytest.raises(RuntimeError, match=r"g.shape\[-1\]=48 is not divisible"):
         op(g[:, :48].contiguous(), g[:, :48].contiguous(), *args)
+    with pytest.raises(TypeError, match="g is Half; expected BFloat16 or Float"):
+        op(g.half(), g.half(), *args)
     r = recipe("cuda")
     offs = offs_of([7, 0, 30], "cuda")
     u = torch.randn_like(g)
@@ -350,5 +361,10 @@ def test_gpu_swiglu_qdq_operator_checks_and_compiles():
         a, b = swiglu_qdq_dim0_dim1(g, u, recipe=r, out_dtype=torch.float32, offs=offs)
         return a + b
 
-    got = torch.compile(f, fullgraph=True, backend="inductor")(g, u, offs)
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    got, codes = run_and_get_code(torch.compile(f, fullgraph=True), g, u, offs)
+    code = "\n".join(codes)
+    assert "mxmoe_cuda.swiglu_qdq_dim0_dim1" in code and "torch.ops.mxmoe.swiglu_qdq" not in code
     assert torch.equal(got, f(g, u, offs))
