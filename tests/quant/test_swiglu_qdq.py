@@ -4,12 +4,12 @@ PyTorch computes it on the inputs' device, without h in memory on the cuda kerne
 
 CPU: the torch kernel (the reference) against the NumPy oracle applied to torch's h (every scale
 mode, element format, input and output dtype; ragged and empty groups, rows after the last group,
-no groups); argument errors; the fake implementation and torch.compile(fullgraph=True); the
-kernel choice; the sm_90 build of the SwiGLU kernel variants (no spills, 16-byte loads, the
-stores of the qdq kernel). GPU (marked gpu): the cuda kernel bit for bit against the reference
-formed on the GPU (torch's silu and mul, then the cuda qdq_dim0_dim1) and against the oracle;
-odd shapes, misaligned inputs and other block sizes (h formed by ATen then cast), argument
-errors, torch.compile(fullgraph=True)."""
+no groups), the triton kernel through the interpreter (two combos); argument errors; the fake
+implementation and torch.compile(fullgraph=True); the kernel choice; the sm_90 build of the SwiGLU
+kernel variants (no spills, 16-byte loads, the stores of the qdq kernel).
+GPU (marked gpu): the cuda kernel bit for bit against the reference formed on the GPU (torch's
+silu and mul, then the cuda qdq_dim0_dim1) and against the oracle; odd shapes, misaligned inputs
+and other block sizes (h formed by ATen then cast), argument errors, torch.compile(fullgraph=True)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,20 @@ def test_swiglu_qdq_matches_oracle(grouped):
             check_values(y1, w1, what + " dim1")
             z0, z1 = qdq_dim0_dim1(h, recipe=r, out_dtype=out, offs=offs)
             assert torch.equal(_bits(y0), _bits(z0)) and torch.equal(_bits(y1), _bits(z1)), what
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+def test_swiglu_qdq_triton_kernel_matches_oracle():
+    """The "triton" kernel (torch's h, then the Triton rows kernel; on CPU through the interpreter)
+    in ragged groups: the oracle's padded form of h, one combo per input dtype."""
+    for mode, elem, dtype in (("floor", torch.float8_e4m3fn, torch.bfloat16),
+                              ("rceil", torch.float8_e5m2, torch.float32)):
+        g, u, offs, ends = gate_inputs(mode, elem, dtype, True)
+        w0, w1 = oracle_rows(to_f32_numpy(F.silu(g) * u), BS, mode, elem, torch.bfloat16, ends)
+        y0, y1 = swiglu_qdq_dim0_dim1(g, u, recipe=recipe("triton", mode, elem), out_dtype=torch.bfloat16,
+                                      offs=offs)
+        check_values(y0, w0, f"triton {mode} {dname(dtype)} dim0")
+        check_values(y1, w1, f"triton {mode} {dname(dtype)} dim1")
 
 
 def test_swiglu_qdq_edge_groups_noncontiguous_and_default_dtype():
