@@ -365,9 +365,8 @@ def _swiglu_qdq_impl(
         return list(op(g, u, block_size, MODE_IDS[scaling_mode], elem_dtype, out_dtype, offs))
     # the reference (and the Triton qdq, which has no SwiGLU prologue): h as the unfused code forms it
     h = torch.nn.functional.silu(g) * u
-    return _qdq_impl(
-        h, block_size, scaling_mode, elem_dtype, out_dtype, True, True, kernel, offs, traced=traced
-    )
+    args = (h, block_size, scaling_mode, elem_dtype, out_dtype, True, True, kernel, offs)
+    return _qdq_impl(*args, traced=True) if traced else _qdq_impl(*args)  # (as `_qdq` calls it)
 
 
 @swiglu_qdq_op.register_fake
