@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
-from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared
+from mxmoe.ops import mx_grouped_mm_shared, mx_grouped_mm_swiglu
 from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import autocast_input
 from mxmoe.quant.mx_tensor import MXTensor
@@ -49,8 +48,9 @@ class MXGroupedExperts(GroupedExperts):
         # w1 and w3 on one cast of x (bit-identical to two mx_grouped_mm calls, one quantizer call
         # fewer in forward, the tokens along M kept once)
         g, u = mx_grouped_mm_shared(x, (self.w1.transpose(-2, -1), self.w3.transpose(-2, -1)), offs, cfg)
-        h = F.silu(g) * u
-        return mx_grouped_mm(h, self.w2.transpose(-2, -1), offs, cfg)
+        # w2 on h = F.silu(g) * u, bit-identical to mx_grouped_mm(h, ...); on the qdq path h is cast
+        # straight from g and u (never written or read back)
+        return mx_grouped_mm_swiglu(g, u, self.w2.transpose(-2, -1), offs, cfg)
 
     def extra_repr(self) -> str:
         c = self.mx_config

@@ -1,7 +1,8 @@
 """MX training ops: differentiable GEMMs whose operands are cast to MX along their reduction axis.
 
 `mx_mm` (linear layers), `mx_grouped_mm` (MoE experts, drop-in for torch._grouped_mm), their
-`*_shared` forms (several weights, one cast of the shared input), the GEMM
+`*_shared` forms (several weights, one cast of the shared input), `mx_grouped_mm_swiglu` (the
+experts' w2 GEMM on F.silu(g) * u, h cast straight from g and u), the GEMM
 backend function `mx_gemm`, all configured by an `mxmoe.MXRecipe` (`MXOpConfig(...)` builds one
 from the former op-level fields); `cache_weight_casts()` reuses weight casts within an optimizer
 step. See docs/training-ops.md.
@@ -9,7 +10,7 @@ step. See docs/training-ops.md.
 
 from mxmoe.ops.config import GEMM_BACKENDS, MXOpConfig
 from mxmoe.ops.gemm import mx_gemm
-from mxmoe.ops.grouped import mx_grouped_mm, mx_grouped_mm_shared
+from mxmoe.ops.grouped import mx_grouped_mm, mx_grouped_mm_shared, mx_grouped_mm_swiglu
 from mxmoe.ops.linear import mx_mm, mx_mm_shared
 from mxmoe.ops.weight_cache import cache_weight_casts
 
@@ -20,6 +21,7 @@ __all__ = [
     "mx_gemm",
     "mx_grouped_mm",
     "mx_grouped_mm_shared",
+    "mx_grouped_mm_swiglu",
     "mx_mm",
     "mx_mm_shared",
 ]

@@ -38,6 +38,7 @@ They must have been quantized with the op's recipe (scaling mode, element dtype,
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mxmoe.ops.config import as_recipe
@@ -51,6 +52,7 @@ from mxmoe.ops.gemm import (
     mx_gemm,
     no_autocast,
     op_plan,
+    uses_qdq,
 )
 from mxmoe.ops.linear import (
     dgrad_mx,
@@ -63,10 +65,10 @@ from mxmoe.ops.linear import (
 )
 from mxmoe.quant.groups import group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
-from mxmoe.quant.qdq import _MAX_GROUPS, qdq_trusted
+from mxmoe.quant.qdq import _MAX_GROUPS, qdq_trusted, swiglu_qdq_trusted
 from mxmoe.recipe import MXRecipe
 
-__all__ = ["mx_grouped_mm", "mx_grouped_mm_shared"]
+__all__ = ["mx_grouped_mm", "mx_grouped_mm_shared", "mx_grouped_mm_swiglu"]
 
 
 def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:
@@ -321,6 +323,83 @@ def mx_grouped_mm_shared(
             return apply_function(_MXGroupedMMShared, *args, offs, cfg, plan, out_dtype, cast_to, *b_ts)
         # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
         return _grouped_shared_forward(*args, offs, cfg, plan, out_dtype, cast_to, b_ts, False)[0]
+
+
+class _MXGroupedMMSwiGLU(torch.autograd.Function):
+    """y = mx_grouped_mm(F.silu(g) * u, b_t, offs) on the qdq path with h = F.silu(g) * u never in
+    memory: the forward casts h along K and along M in groups from one read of g and u
+    (`swiglu_qdq_trusted`); the backward is `_MXGroupedMM`'s for dh, then autograd's own formulas
+    of `F.silu(g) * u` (MulBackward0, SiluBackward0) on it."""
+
+    @staticmethod
+    def forward(ctx, g, u, b_t, offs, cfg: MXRecipe, plan: OpPlan, out_dtype):
+        # g, u: (T, K) of out_dtype (no autocast cast left to make); b_t: (E, K, N)
+        if b_t.requires_grad:  # along K for the GEMM, along M in groups kept for the wgrad
+            h0, h1 = swiglu_qdq_trusted(g, u, cfg, plan.k1, plan.compute, offs)
+            kept = (h1,)
+        else:  # as `_cast_a` without the wgrad: h along K alone
+            (h0,) = qdq_trusted(F.silu(g) * u, cfg, plan.k0, plan.compute, True, False)
+            kept = ()
+        w = b_t.transpose(-2, -1)
+        y = _forward_gemm(h0, w, offs, cfg, plan, out_dtype)
+        ctx.cfg, ctx.plan, ctx.a_dtype = cfg, plan, out_dtype
+        ctx.save_for_backward(g, u, w, offs, *kept)  # g, u: silu's and mul's backward need them
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        need_dg, need_du, need_dw = ctx.needs_input_grad[:3]
+        g, u, w, offs, *kept = ctx.saved_tensors
+        dh, db_t = _backward_gemms(
+            dy, w, offs, kept, lambda: kept[0], ctx.cfg, ctx.plan, need_dg or need_du, need_dw, ctx.a_dtype, 0
+        )
+        dg = du = None
+        if dh is not None:  # autograd of `F.silu(g) * u`: MulBackward0 then SiluBackward0
+            if need_du:
+                du = dh * F.silu(g)
+            if need_dg:
+                dg = torch.ops.aten.silu_backward(dh * u, g)
+        return dg, du, db_t, None, None, None, None
+
+
+def mx_grouped_mm_swiglu(
+    g: Tensor, u: Tensor, b_t: Tensor, offs: Tensor, config: MXRecipe | None = None
+) -> Tensor:
+    """`mx_grouped_mm(F.silu(g) * u, b_t, offs, config)` (the SwiGLU experts' w2 GEMM), bit for bit
+    in the output and in every gradient (g, u, b_t), without h = F.silu(g) * u in memory where the
+    fused cast applies: the qdq path (the emulated backend) with g and u of one dtype and no
+    autocast cast of h to make. There the forward reads g and u once and writes h along K (the
+    GEMM's operand) and along M in groups (kept for the wgrad) (`mxmoe.quant.qdq.
+    swiglu_qdq_dim0_dim1`; on CUDA the C++ operator mxmoe_cuda::swiglu_qdq_dim0_dim1, which forms
+    h in registers as eager PyTorch does), keeps g and u (as silu's and mul's backward do) instead
+    of F.silu(g), u and h, and the backward applies autograd's formulas of `F.silu(g) * u` to the
+    dgrad. Elsewhere (other GEMM backends, mixed dtypes, autocast recasting h) it is that
+    composition.
+
+    g, u: (T, K) bf16/fp32 tensors of one shape (the w1 and w3 GEMMs' outputs), tokens grouped by
+    expert; b_t, offs, config: as for `mx_grouped_mm`. Returns (T, N) contiguous in g's dtype (the
+    autocast dtype when autocast recasts h: the unfused composition).
+    """
+    cfg = as_recipe(config)
+    for name, t in (("g", g), ("u", u)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if u.shape != g.shape:
+        raise ValueError(f"u has shape {tuple(u.shape)}; expected g's shape {tuple(g.shape)}")
+    fused = u.dtype == g.dtype and uses_qdq(cfg) and autocast_target(g) is None
+    if not fused:  # the composition (the fused cast does not apply)
+        return mx_grouped_mm(F.silu(g) * u, b_t, offs, cfg)
+    (g_, *_), out_dtype = _checked_args(g, b_t, offs, cfg)  # checks g (2D, K, dtype), b_t and offs
+    if u.device != g.device:
+        raise ValueError(f"u is on {u.device} but g on {g.device}; they must share a device")
+    plan = op_plan(cfg, b_t.device)
+    offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
+    with no_autocast(b_t.device):
+        if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad or b_t.requires_grad):
+            return apply_function(_MXGroupedMMSwiGLU, g, u, b_t, offs, cfg, plan, out_dtype)
+        # no graph to record (e.g. validation under no_grad): the forward alone, as mx_grouped_mm's
+        h0 = _cast_a(F.silu(g) * u, None, None, cfg.scaling_mode, offs, cfg, plan, False, out_dtype)[0]
+        return _forward_gemm(h0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype)
 
 
 def _checked_args(a, b_t, offs, cfg: MXRecipe):

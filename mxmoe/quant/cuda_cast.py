@@ -137,11 +137,15 @@ def _register_fakes() -> None:
     def qdq01(x, block_size, mode, elem_dtype, out_dtype, offs=None):
         return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=out_dtype)
 
+    def swiglu01(g, u, block_size, mode, elem_dtype, out_dtype, offs=None):
+        return g.new_empty(g.shape, dtype=out_dtype), g.new_empty(g.shape, dtype=out_dtype)
+
     def mutating(*args):
         return None
 
     for op, fn in (("quantize_dim0", dim0), ("quantize_dim1", dim1), ("quantize_dim0_dim1", dim0_dim1),
                    ("dequantize", deq), ("qdq_dim0", qdq0), ("qdq_dim1", qdq1), ("qdq_dim0_dim1", qdq01),
+                   ("swiglu_qdq_dim0_dim1", swiglu01),
                    ("quantize_dim0_out", mutating),
                    ("dequantize_out", mutating), ("qdq_dim0_out", mutating), ("zero_rows_after", mutating)):
         torch.library.register_fake(lib + op, fn)
@@ -225,6 +229,19 @@ def qdq_dim0_dim1(
     load_extension()
     return torch.ops.mxmoe_cuda.qdq_dim0_dim1(x, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype,
                                               out_dtype, offs)
+
+
+def swiglu_qdq_dim0_dim1(
+    g: Tensor, u: Tensor, spec: CastSpec, out_dtype: torch.dtype, offs: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """g, u: (..., R, C) bf16/fp32 CUDA, one shape and dtype, contiguous, ndim >= 2, C % bs == 0 ->
+    (y0, y1) = `qdq_dim0_dim1(h, spec, out_dtype, offs)` of h = silu(g) * u formed as eager PyTorch's
+    `F.silu(g) * u` (csrc/mx_cast.cu's SwiGLU prologue), each of g's shape, out_dtype, contiguous,
+    in one read of g and u without writing h (block 32 with 16-byte aligned pointers; else h is
+    formed by ATen's silu and mul and cast by the qdq_dim0_dim1 launcher)."""
+    load_extension()
+    op = torch.ops.mxmoe_cuda.swiglu_qdq_dim0_dim1
+    return op(g, u, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype, out_dtype, offs)
 
 
 def zero_rows_after(out: Tensor, offs: Tensor) -> Tensor:

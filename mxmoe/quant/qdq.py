@@ -333,23 +333,152 @@ def _qdq(*args) -> list[Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------
+# SwiGLU + dim0+dim1 qdq (the experts' w2 input)
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mxmoe::swiglu_qdq", mutates_args=())
+def swiglu_qdq_op(
+    g: Tensor,
+    u: Tensor,
+    block_size: int,
+    scaling_mode: str,
+    elem_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    kernel: str,
+    offs: Tensor | None = None,
+) -> list[Tensor]:
+    """g, u: (R, C) (or (B, R, C) without offs) bf16/fp32, one shape and dtype, contiguous,
+    C % block_size == 0. Returns [y0, y1] = qdq_op(h, ..., dim0=True, dim1=True, kernel, offs) of
+    h = F.silu(g) * u as eager PyTorch computes it on g's device (the definition: the "torch" and
+    "triton" kernels form h so, "cuda" forms it in registers, mxmoe_cuda::swiglu_qdq_dim0_dim1),
+    each of g's shape, out_dtype, row-major contiguous; offs as for `qdq_op`."""
+    return _swiglu_qdq_impl(g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs)
+
+
+def _swiglu_qdq_impl(
+    g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None, *, traced=False
+) -> list[Tensor]:
+    """swiglu_qdq_op's body (eager calls run it directly, as `_qdq_impl`); traced: as `_qdq_impl`."""
+    if kernel == "cuda":
+        op = torch.ops.mxmoe_cuda.swiglu_qdq_dim0_dim1.default
+        return list(op(g, u, block_size, MODE_IDS[scaling_mode], elem_dtype, out_dtype, offs))
+    # the reference (and the Triton qdq, which has no SwiGLU prologue): h as the unfused code forms it
+    h = torch.nn.functional.silu(g) * u
+    args = (h, block_size, scaling_mode, elem_dtype, out_dtype, True, True, kernel, offs)
+    return _qdq_impl(*args, traced=True) if traced else _qdq_impl(*args)  # (as `_qdq` calls it)
+
+
+@swiglu_qdq_op.register_fake
+def _(g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None):
+    return _empty_outputs(g, out_dtype, True, True)
+
+
+def _swiglu_op_args(g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None) -> tuple:
+    return g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs
+
+
+def _swiglu_functional_decomp(mode, op, types, args=(), kwargs=None):
+    """`_functional_decomp` for `mxmoe::swiglu_qdq`: on CUDA tensors the "cuda" kernel decomposes
+    into the C++ operator, the "triton" one into F.silu(g) * u (inductor fuses it) and the wrapped
+    rows kernel; anything else stays the opaque op with its fake implementation."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    full = _swiglu_op_args(*args, **(kwargs or {}))
+    g, kernel = full[0], full[6]
+    decompose = (
+        kernel in ("triton", "cuda")
+        and g.is_cuda
+        and (kernel == "cuda" or not triton_interpret())
+        and getattr(torch._functorch.config, "decompose_custom_triton_ops", True)
+        and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is Tensor for t in types)
+    )
+    if not decompose:
+        return mode.__torch_dispatch__(op, types, args, kwargs or {})
+    if kernel == "cuda":
+        cuda_cast.load_extension()
+    with mode:
+        return _swiglu_qdq_impl(*full, traced=True)
+
+
+swiglu_qdq_op.register_torch_dispatch(FunctionalTensorMode, _swiglu_functional_decomp)
+
+
+def swiglu_qdq_trusted(
+    g: Tensor, u: Tensor, recipe: MXRecipe, kernel: str, out_dtype: torch.dtype, offs: Tensor | None = None
+) -> list[Tensor]:
+    """`swiglu_qdq_dim0_dim1` for a caller that checked every argument already (the MX ops): g, u
+    2D (T, C) of one dtype (made contiguous), offs None or (E,) int32 contiguous on their device,
+    the kernel from `qdq_kernels` (its k1). Returns [y0, y1], each (T, C) out_dtype contiguous."""
+    g, u = g.contiguous(), u.contiguous()
+    args = (g, u, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, kernel, offs)
+    if (
+        torch.compiler.is_compiling()
+        or ((g.requires_grad or u.requires_grad) and torch.is_grad_enabled())
+    ):
+        return swiglu_qdq_op(*args)
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function("mxmoe::swiglu_qdq"):
+            return _swiglu_qdq_impl(*args)
+    return _swiglu_qdq_impl(*args)
+
+
+def swiglu_qdq_dim0_dim1(
+    g: Tensor,
+    u: Tensor,
+    *,
+    recipe: MXRecipe = DEFAULT_RECIPE,
+    out_dtype: torch.dtype | None = None,
+    offs: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`qdq_dim0_dim1(F.silu(g) * u, recipe=recipe, out_dtype=out_dtype, offs=offs)` bit for bit,
+    where h = F.silu(g) * u is what eager PyTorch computes on g's device (silu in fp32 rounded to
+    g's dtype, then the product in fp32 rounded to g's dtype); the "cuda" kernel (recipe.dim1_kernel
+    "cuda", or "auto" on CUDA: mxmoe_cuda::swiglu_qdq_dim0_dim1) reads g and u once and never
+    writes h; "torch" (and "auto" off CUDA) and "triton" form h with torch, then run their qdq.
+
+    g, u: 2D (R, C) bf16/fp32 of one shape, dtype and device, any strides (made contiguous),
+    C divisible by the block size. Returns (y0, y1) as `qdq_dim0_dim1`: each (R, C) out_dtype
+    (default g's dtype) row-major contiguous (with offs, rows at or after offs[-1] zero in both).
+    """
+    check_input_dtype("g", g)
+    check_input_dtype("u", u)
+    out_dtype = g.dtype if out_dtype is None else out_dtype
+    if g.ndim != 2:
+        raise ValueError(f"g must be 2D for swiglu_qdq_dim0_dim1, got shape {tuple(g.shape)}")
+    if u.shape != g.shape or u.dtype != g.dtype or u.device != g.device:
+        raise ValueError(
+            f"u ({u.dtype}, shape {tuple(u.shape)}, on {u.device}) must have g's dtype, shape and device "
+            f"({g.dtype}, {tuple(g.shape)}, {g.device})"
+        )
+    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), g.device, True)
+    _check(g, recipe, out_dtype, offs, kernel, "g")
+    offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
+    y0, y1 = swiglu_qdq_trusted(g, u, recipe, kernel, out_dtype, offs)
+    return y0, y1
+
+
+# ----------------------------------------------------------------------------------------------
 # Python API
 # ----------------------------------------------------------------------------------------------
 
 
-def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | None, kernel: str) -> None:
-    """The one argument check of a public qdq call (x as the caller gave it): recipe, dtypes, the
-    last dim whole blocks, offs."""
+def _check(
+    x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | None, kernel: str, name: str = "x"
+) -> None:
+    """The one argument check of a public qdq call (x as the caller gave it, called `name` in the
+    messages): recipe, dtypes, the last dim whole blocks, offs."""
     if not isinstance(recipe, MXRecipe):
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
-    check_input_dtype("x", x)
+    check_input_dtype(name, x)
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype={out_dtype} is not supported; expected one of {list(OUTPUT_DTYPES)}")
     if x.ndim < 2:
-        raise ValueError(f"x must have at least 2 dims for qdq, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must have at least 2 dims for qdq, got shape {tuple(x.shape)}")
     if x.shape[-1] % recipe.block_size:
         raise ValueError(
-            f"x.shape[-1]={x.shape[-1]} (x {tuple(x.shape)}) is not divisible by "
+            f"{name}.shape[-1]={x.shape[-1]} ({name} {tuple(x.shape)}) is not divisible by "
             f"block_size={recipe.block_size}"
         )
     if kernel == "triton" and recipe.block_size > _MAX_BS:
@@ -359,7 +488,7 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | N
     if offs is None:
         return
     if x.ndim != 2:
-        raise ValueError(f"x must be 2D (T, C) with offs, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must be 2D (T, C) with offs, got shape {tuple(x.shape)}")
     if not isinstance(offs, Tensor) or offs.ndim != 1 or offs.dtype != torch.int32:
         got = f"{offs.dtype} of shape {tuple(offs.shape)}" if isinstance(offs, Tensor) else repr(offs)
         raise TypeError(
@@ -369,7 +498,7 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | N
     if not 1 <= offs.shape[0] <= _MAX_GROUPS:
         raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
     if offs.device != x.device:
-        raise ValueError(f"offs is on {offs.device} but x on {x.device}; they must share a device")
+        raise ValueError(f"offs is on {offs.device} but {name} on {x.device}; they must share a device")
 
 
 def qdq_kernels(recipe: MXRecipe, device: torch.device) -> tuple[str, str]:
@@ -475,4 +604,5 @@ def qdq_dim0_dim1(
     return y0, y1
 
 
-__all__ = ["QDQ_KERNELS", "qdq", "qdq_trusted", "qdq_dim0_dim1", "qdq_kernel", "qdq_kernels", "qdq_op"]
+__all__ = ["QDQ_KERNELS", "qdq", "qdq_trusted", "qdq_dim0_dim1", "qdq_kernel", "qdq_kernels", "qdq_op",
+           "swiglu_qdq_dim0_dim1", "swiglu_qdq_op", "swiglu_qdq_trusted"]

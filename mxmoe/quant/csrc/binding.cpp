@@ -30,6 +30,11 @@
 //                 Tensor? offs=None) -> (Tensor y0, Tensor y1): x as for qdq_dim1 with
 //       C % block_size == 0, read once: y0 = qdq_dim0(x) (with offs its rows at or after offs[-1]
 //       zero), y1 = qdq_dim1(x, offs)
+//   swiglu_qdq_dim0_dim1(Tensor g, Tensor u, int block_size, int mode, ScalarType elem_dtype,
+//                        ScalarType out_dtype, Tensor? offs=None) -> (Tensor y0, Tensor y1)
+//       g, u of one shape (..., R, C) and dtype (bf16/fp32), contiguous, C % block_size == 0:
+//       qdq_dim0_dim1(h, offs) of h = silu(g) * u formed as eager PyTorch forms `F.silu(g) * u`,
+//       in one pass without writing h (block 32, 16-byte aligned; else h from at::silu and mul)
 //   zero_rows_after(Tensor(a!) out, Tensor offs) -> ()
 //       out (T, N) bf16/fp32, unit column stride, any row stride (torch._grouped_mm's output, its
 //       row stride padded); offs (E >= 1,) int32 cumulative group ends on out's device, any stride:
@@ -263,22 +268,23 @@ Tensor qdq_dim0(const Tensor& x, int64_t block_size, int64_t mode, at::ScalarTyp
 
 // The checks of qdq_dim1 / qdq_dim0_dim1: x (..., R, C) contiguous CUDA bf16/fp32, ndim >= 2;
 // offs: none, or (E >= 1,) int32 on x's device with x 2D. Returns offs contiguous (or undefined).
+// name: x's name in the messages (g for swiglu_qdq_dim0_dim1).
 Tensor check_qdq_rows(const Tensor& x, int64_t block_size, int64_t mode, at::ScalarType elem,
-                      at::ScalarType out_dtype, const std::optional<Tensor>& offs) {
-  TORCH_CHECK_WITH(Error, x.is_cuda(), msg("mxmoe_cuda: x must be a CUDA tensor, got device ", x.device()));
-  TORCH_CHECK_WITH(Error, x.dim() >= 2, msg("mxmoe_cuda: x must have at least 2 dims, got shape ", x.sizes()));
+                      at::ScalarType out_dtype, const std::optional<Tensor>& offs, const char* name = "x") {
+  TORCH_CHECK_WITH(Error, x.is_cuda(), msg("mxmoe_cuda: ", name, " must be a CUDA tensor, got device ", x.device()));
+  TORCH_CHECK_WITH(Error, x.dim() >= 2, msg("mxmoe_cuda: ", name, " must have at least 2 dims, got shape ", x.sizes()));
   TORCH_CHECK_WITH(Error, block_size >= 2 && (block_size & (block_size - 1)) == 0, msg("mxmoe_cuda: block_size must be a power of two >= 2, got ", block_size));
   TORCH_CHECK_WITH(Error, mode >= 0 && mode <= 3, msg("mxmoe_cuda: mode must be 0..3 (FLOOR, RCEIL, CEIL, EVEN), got ", mode));
-  float_code(x.scalar_type(), "x");
+  float_code(x.scalar_type(), name);
   elem_code(elem, "elem_dtype");
   float_code(out_dtype, "out_dtype");
-  TORCH_CHECK_WITH(Error, x.is_contiguous(), msg("mxmoe_cuda: x must be contiguous, got shape ", x.sizes(), " strides ", x.strides()));
+  TORCH_CHECK_WITH(Error, x.is_contiguous(), msg("mxmoe_cuda: ", name, " must be contiguous, got shape ", x.sizes(), " strides ", x.strides()));
   if (!offs.has_value() || !offs->defined()) return Tensor();
   const Tensor& o = *offs;
-  TORCH_CHECK_WITH(Error, x.dim() == 2, msg("mxmoe_cuda: x must be 2D (T, C) with offs, got shape ", x.sizes()));
+  TORCH_CHECK_WITH(Error, x.dim() == 2, msg("mxmoe_cuda: ", name, " must be 2D (T, C) with offs, got shape ", x.sizes()));
   TORCH_CHECK_TYPE(o.scalar_type() == at::kInt && o.dim() == 1, msg("mxmoe_cuda: offs must be a 1D Int tensor of cumulative group ends, got ", o.scalar_type(), " of shape ", o.sizes()));
   TORCH_CHECK_WITH(Error, o.size(0) >= 1 && o.size(0) <= INT32_MAX, msg("mxmoe_cuda: offs must have at least 1 group, got shape ", o.sizes()));
-  TORCH_CHECK_WITH(Error, o.device() == x.device(), msg("mxmoe_cuda: offs is on ", o.device(), ", x on ", x.device()));
+  TORCH_CHECK_WITH(Error, o.device() == x.device(), msg("mxmoe_cuda: offs is on ", o.device(), ", ", name, " on ", x.device()));
   return o.contiguous();
 }
 
@@ -343,6 +349,46 @@ std::tuple<Tensor, Tensor> qdq_dim0_dim1(const Tensor& x, int64_t block_size, in
   return {y0, y1};
 }
 
+// h = silu(g) * u (as eager PyTorch's `F.silu(g) * u`), then qdq_dim0_dim1(h, offs), without h in
+// memory where the one-pass kernel applies (block 32, 16-byte aligned); else h is formed with ATen's
+// own silu and mul (the definition) and cast by mx_qdq_dim0_dim1.
+std::tuple<Tensor, Tensor> swiglu_qdq_dim0_dim1(const Tensor& g, const Tensor& u, int64_t block_size, int64_t mode,
+                                                at::ScalarType elem, at::ScalarType out_dtype,
+                                                const std::optional<Tensor>& offs_) {
+  const Tensor offs = check_qdq_rows(g, block_size, mode, elem, out_dtype, offs_, "g");
+  TORCH_CHECK_WITH(Error, u.device() == g.device(), msg("mxmoe_cuda: u is on ", u.device(), ", g on ", g.device()));
+  TORCH_CHECK_TYPE(u.scalar_type() == g.scalar_type(), msg("mxmoe_cuda: u is ", u.scalar_type(), "; expected g's dtype ", g.scalar_type()));
+  TORCH_CHECK_WITH(Error, u.sizes() == g.sizes() && u.is_contiguous(), msg("mxmoe_cuda: u must be contiguous of g's shape ", g.sizes(), ", got shape ", u.sizes(), " strides ", u.strides()));
+  const int64_t R = g.size(-2), C = g.size(-1);
+  TORCH_CHECK_WITH(Error, C % block_size == 0, msg("mxmoe_cuda: g.shape[-1]=", C, " is not divisible by block_size=", block_size));
+  const c10::cuda::CUDAGuard guard(g.device());
+  Tensor y0 = at::empty(g.sizes(), g.options().dtype(out_dtype));
+  Tensor y1 = at::empty(g.sizes(), g.options().dtype(out_dtype));
+  if (g.numel()) {
+    const int in = float_code(g.scalar_type(), "g"), od = float_code(out_dtype, "out_dtype");
+    const int el = elem_code(elem, "elem_dtype");
+    const ElemConstants k = constants(el);
+    const GroupArgs ga = group_args(offs);
+    const auto t127 = static_cast<uint32_t>(k.t127), t126 = static_cast<uint32_t>(k.t126);
+    const float c = c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits));
+    if (mx_swiglu_qdq_one_pass(in, g.data_ptr(), u.data_ptr(), y0.data_ptr(), y1.data_ptr(), C,
+                               static_cast<int>(block_size))) {
+      check_launch(mx_swiglu_qdq_dim0_dim1(g.data_ptr(), u.data_ptr(), in, y0.data_ptr(), y1.data_ptr(), od,
+                                           g.numel() / (R * C), R, C, static_cast<int>(block_size),
+                                           static_cast<int>(mode), el, t127, t126, c, ga.offs, ga.E, ga.pend,
+                                           stream_of(g)),
+                   "mx_swiglu_qdq_dim0_dim1");
+    } else {
+      const Tensor h = at::silu(g) * u;
+      check_launch(mx_qdq_dim0_dim1(h.data_ptr(), in, y0.data_ptr(), y1.data_ptr(), od, h.numel() / (R * C), R, C,
+                                    static_cast<int>(block_size), static_cast<int>(mode), el, t127, t126, c, ga.offs,
+                                    ga.E, ga.pend, stream_of(h)),
+                   "mx_qdq_dim0_dim1");
+    }
+  }
+  return {y0, y1};
+}
+
 void zero_rows_after(Tensor& out, const Tensor& offs) {
   TORCH_CHECK_WITH(Error, out.is_cuda(), msg("mxmoe_cuda: out must be a CUDA tensor, got device ", out.device()));
   TORCH_CHECK_WITH(Error, out.dim() == 2 && out.stride(1) == 1, msg("mxmoe_cuda: out must be 2D (T, N) with unit column stride, got shape ", out.sizes(), " strides ", out.strides()));
@@ -375,6 +421,7 @@ TORCH_LIBRARY(mxmoe_cuda, m) {
   m.def("qdq_dim0_out(Tensor x, int block_size, int mode, ScalarType elem_dtype, Tensor(a!) out) -> ()");
   m.def("qdq_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> Tensor");
   m.def("qdq_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> (Tensor, Tensor)");
+  m.def("swiglu_qdq_dim0_dim1(Tensor g, Tensor u, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> (Tensor, Tensor)");
   m.def("zero_rows_after(Tensor(a!) out, Tensor offs) -> ()");
   m.def("format_constants(ScalarType elem_dtype) -> int[]", &format_constants);
 }
@@ -390,5 +437,6 @@ TORCH_LIBRARY_IMPL(mxmoe_cuda, CUDA, m) {
   m.impl("qdq_dim0_out", &qdq_dim0_out);
   m.impl("qdq_dim1", &qdq_dim1);
   m.impl("qdq_dim0_dim1", &qdq_dim0_dim1);
+  m.impl("swiglu_qdq_dim0_dim1", &swiglu_qdq_dim0_dim1);
   m.impl("zero_rows_after", &zero_rows_after);
 }

@@ -28,6 +28,9 @@
 //                     x's layout; the fused variant adds quantize_vec32 + dequant_pairs per row.
 //                     Expert groups: qdq_group_blocks_kernel (one CTA) sums the groups' blocks, each
 //                     warp finds its block's group by a binary search (group_block).
+//   SwiGLU + qdq dim0+dim1, block 32: qdq_dim1_kernel's fused variant with the SWIGLU prologue: it
+//                     loads g and u and forms h = silu(g) * u in registers (swiglu_vec), as eager
+//                     PyTorch does; h is never written (mx_swiglu_qdq_dim0_dim1).
 //   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
 //   rows after the last group (mx_zero_rows_after; torch._grouped_mm's output, the grouped qdq's
 //                     generic path): zero_rows_after_kernel, a warp per row, 16-byte stores where
@@ -844,6 +847,50 @@ __global__ void __launch_bounds__(kThreads) zero_rows_after_kernel(U* __restrict
 }
 
 // ---------------------------------------------------------------------------------------------
+// SwiGLU prologue of the fused qdq (swiglu_qdq_dim0_dim1): h = silu(g) * u formed in registers as
+// eager PyTorch forms `F.silu(g) * u` on CUDA. silu: ATen's silu_kernel (ActivationSiluKernel.cu),
+// x / (1 + exp(-x)) in fp32 (the opmath type of bf16 and fp32) with CUDA's expf (this file is
+// built without fast math, as ATen is: expf is not replaced by __expf), then rounded to the input
+// dtype; the product: ATen's mul in fp32, rounded to the input dtype. Every step is an IEEE
+// operation with round to nearest even and no flush (add.rn / div.rn / mul.rn, cvt.rn.bf16x2.f32)
+// except expf, CUDA's libdevice function: the same one ATen's kernel calls, bit for bit as long as
+// torch and this extension are built with CUDA math libraries that agree (the GPU test compares
+// against torch on the device).
+__device__ __forceinline__ float silu_f32(float x) {
+  float d, one_e;
+  const float e = expf(-x);
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(one_e) : "f"(1.0f), "f"(e));
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(x), "f"(one_e));
+  return d;
+}
+
+// Two fp32 values -> a bf16x2 word (lo in the low half), each rounded to nearest even (NaN: the
+// canonical bf16 NaN, as torch's CUDA float -> bf16 conversion).
+__device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// One 32-bit word of g and u (two bf16 or one fp32 element) -> the word of h = silu(g) * u.
+template <int IN>
+__device__ __forceinline__ uint32_t swiglu_word(uint32_t g, uint32_t u) {
+  if constexpr (IN == MX_BF16) {
+    const uint32_t s = bf16x2_rn(silu_f32(__uint_as_float(g << 16)), silu_f32(__uint_as_float(g & 0xFFFF0000u)));
+    return bf16x2_rn(mul_rn(__uint_as_float(s << 16), __uint_as_float(u << 16)),
+                     mul_rn(__uint_as_float(s & 0xFFFF0000u), __uint_as_float(u & 0xFFFF0000u)));
+  } else {
+    return __float_as_uint(mul_rn(silu_f32(__uint_as_float(g)), __uint_as_float(u)));
+  }
+}
+
+template <int IN>
+__device__ __forceinline__ uint4 swiglu_vec(const uint4& g, const uint4& u) {
+  return make_uint4(swiglu_word<IN>(g.x, u.x), swiglu_word<IN>(g.y, u.y), swiglu_word<IN>(g.z, u.z),
+                    swiglu_word<IN>(g.w, u.w));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Quantize-dequantize along dim1 (blocks of 32 rows of each matrix, the last one short, equal to
 // the zero-padded cast's), optionally with dim0 from the same read (FUSED), every output in x's
 // own row-major layout. x is B matrices of R rows of NCVT 16-byte vectors (C = NCVT * VEC columns).
@@ -867,11 +914,14 @@ __global__ void __launch_bounds__(kThreads) zero_rows_after_kernel(U* __restrict
 // at once; rows in no group load as zeros and store +0 in both outputs (the Triton rows kernel's).
 // RL = 2 (16 rows per thread), and 4 for bf16 FUSED, which needs 230 registers at RL = 2: every
 // variant then fits 128 registers without spills (ptxas, sm_90), two CTAs (16 warps) per SM.
-template <int IN, int OUT, int ELEM, bool FUSED, int RL>
+// SWIGLU (with FUSED: swiglu_qdq_dim0_dim1): x is g and xu is u (same layout); the thread loads its
+// NR vectors of both and forms h = silu(g) * u (swiglu_vec) before the casts, so h is never in memory;
+// RL = 4 for both input dtypes (fp32 at RL = 2 spills 88 bytes with the u vectors).
+template <int IN, int OUT, int ELEM, bool FUSED, int RL, bool SWIGLU = false>
 __global__ void __launch_bounds__(kThreads, 2) qdq_dim1_kernel(const uint4* __restrict__ x, uint32_t* __restrict__ y1,
                                                                uint32_t* __restrict__ y0, int64_t R, int64_t ncvt,
                                                                int64_t nbm, int64_t ncc, int64_t units, Groups g,
-                                                               ScaleArgs p) {
+                                                               ScaleArgs p, const uint4* __restrict__ xu = nullptr) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));  // elements (columns) per vector: 8 / 4
   constexpr int NCV = 32 / RL;                                  // column vectors per unit
   constexpr int NR = 32 / RL;                                   // rows per thread (RL lanes per column)
@@ -901,6 +951,15 @@ __global__ void __launch_bounds__(kThreads, 2) qdq_dim1_kernel(const uint4* __re
 #pragma unroll
   for (int j = 0; j < NR; ++j) {
     v[j] = in_group && col_ok && j < nrows ? __ldcs(x + (row0 + j) * ncvt + cv) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  if constexpr (SWIGLU) {  // x is g: every load of u issued, then h = silu(g) * u in place (zeros stay +0)
+    uint4 w[NR];
+#pragma unroll
+    for (int j = 0; j < NR; ++j) {
+      w[j] = in_group && col_ok && j < nrows ? __ldcs(xu + (row0 + j) * ncvt + cv) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < NR; ++j) v[j] = swiglu_vec<IN>(v[j], w[j]);
   }
   if constexpr (FUSED) {  // dim0: every lane runs quantize_vec32 (shuffles); zero rows are not stored
 #pragma unroll
@@ -1285,11 +1344,13 @@ bool qdq_dim1_fast(int in_dtype, const void* x, const void* y0, const void* y1, 
 
 // The dim1 (FUSED: dim0 + dim1) qdq of x (B, R, C) into y1 (and y0) with qdq_dim1_kernel
 // (qdq_dim1_fast holds).
-template <int IN, int OUT, int EL, bool FUSED>
+// SWIGLU: x is g, u the SwiGLU's second input (h = silu(g) * u is cast; FUSED only).
+template <int IN, int OUT, int EL, bool FUSED, bool SWIGLU = false>
 cudaError_t launch_qdq_dim1(const void* x, void* y0, void* y1, int64_t B, int64_t R, int64_t C, const Groups& g,
-                            const ScaleArgs& p, cudaStream_t st) {
+                            const ScaleArgs& p, cudaStream_t st, const void* u = nullptr) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
-  constexpr int RL = FUSED && IN == MX_BF16 ? 4 : 2;  // lanes per column: registers (see the kernel)
+  // lanes per column: registers (see the kernel; fp32 SWIGLU spills at RL = 2, its u vectors on top)
+  constexpr int RL = FUSED && (IN == MX_BF16 || SWIGLU) ? 4 : 2;
   constexpr int NCV = 32 / RL;
   const int64_t ncvt = C / VEC, nbm = (R + 31) / 32, ncc = (ncvt + NCV - 1) / NCV;
   // with groups (B == 1): an upper bound on the padded row space's blocks, as the rows kernel's grid
@@ -1297,9 +1358,9 @@ cudaError_t launch_qdq_dim1(const void* x, void* y0, void* y1, int64_t B, int64_
   constexpr int64_t kWarps = kThreads / 32;
   const int64_t want = (units + kWarps - 1) / kWarps;
   if (want > INT_MAX) return cudaErrorInvalidValue;
-  qdq_dim1_kernel<IN, OUT, EL, FUSED, RL><<<static_cast<unsigned>(want), kThreads, 0, st>>>(
+  qdq_dim1_kernel<IN, OUT, EL, FUSED, RL, SWIGLU><<<static_cast<unsigned>(want), kThreads, 0, st>>>(
       static_cast<const uint4*>(x), static_cast<uint32_t*>(y1), static_cast<uint32_t*>(y0), R, ncvt, nbm, ncc,
-      units, g, p);
+      units, g, p, static_cast<const uint4*>(u));
   return launch_status();
 }
 
@@ -1389,6 +1450,33 @@ cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, in
   }
   return mx_qdq_dim1(x, in_dtype, y1, out_dtype, batch, rows, cols, block_size, mode, elem, rceil_t127, rceil_t126,
                      rceil_c, offs, num_groups, pend, stream);
+}
+
+bool mx_swiglu_qdq_one_pass(int in_dtype, const void* g, const void* u, const void* y0, const void* y1, int64_t cols,
+                            int block_size) {
+  return qdq_dim1_fast(in_dtype, g, y0, y1, cols, block_size) && aligned(u, 16);
+}
+
+cudaError_t mx_swiglu_qdq_dim0_dim1(const void* g, const void* u, int in_dtype, void* y0, void* y1, int out_dtype,
+                                    int64_t batch, int64_t rows, int64_t cols, int block_size, int mode, int elem,
+                                    uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, const int32_t* offs,
+                                    int64_t num_groups, int32_t* pend, intptr_t stream) {
+  if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
+      mode > 3 || batch < 0 || rows < 0 || cols < 0 || cols % block_size ||
+      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX || pend == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
+  if (!mx_swiglu_qdq_one_pass(in_dtype, g, u, y0, y1, cols, block_size)) return cudaErrorInvalidValue;
+  const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  Groups gr;
+  const cudaError_t err = make_groups(offs, num_groups, pend, block_size, st, &gr);
+  if (err != cudaSuccess) return err;
+  return dispatch_out(in_dtype, elem, out_dtype, [&](auto codes, auto out_code) -> cudaError_t {
+    constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second, OUT = decltype(out_code)::value;
+    return launch_qdq_dim1<IN, OUT, EL, true, true>(g, y0, y1, batch, rows, cols, gr, p, st, u);
+  });
 }
 
 cudaError_t mx_zero_rows_after(void* y, int dtype, int64_t rows, int64_t cols, int64_t row_stride, const int32_t* end,

@@ -77,6 +77,18 @@ cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, in
                              uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, const int32_t* offs,
                              int64_t num_groups, int32_t* pend, intptr_t stream);
 
+// SwiGLU then both qdq's: y0, y1 = mx_qdq_dim0_dim1(h) with h = silu(g) * u formed in registers as
+// eager PyTorch's `F.silu(g) * u` (silu in fp32 as ATen's silu_kernel, x / (1 + expf(-x)), rounded to
+// in_dtype; the product in fp32, rounded to in_dtype); h is never written. g, u: (batch, rows, cols)
+// of in_dtype, the same layout. One pass only: needs mx_swiglu_qdq_one_pass (block 32, 16-byte
+// aligned pointers), else cudaErrorInvalidValue (the caller forms h and calls mx_qdq_dim0_dim1).
+bool mx_swiglu_qdq_one_pass(int in_dtype, const void* g, const void* u, const void* y0, const void* y1, int64_t cols,
+                            int block_size);
+cudaError_t mx_swiglu_qdq_dim0_dim1(const void* g, const void* u, int in_dtype, void* y0, void* y1, int out_dtype,
+                                    int64_t batch, int64_t rows, int64_t cols, int block_size, int mode, int elem,
+                                    uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, const int32_t* offs,
+                                    int64_t num_groups, int32_t* pend, intptr_t stream);
+
 // y (rows, cols) of dtype (bf16 / fp32), unit column stride, row_stride elements between rows:
 // rows *end .. rows - 1 set to zero, the others untouched (the rows after the last expert group of
 // a grouped GEMM's output). end: a device pointer to the last group end, offs[num_groups - 1]; it is
