@@ -35,7 +35,7 @@ import torch.distributed as dist
 from mxmoe.bench.timing import bench
 from mxmoe.comm import all_to_all_hp, reference_mxfp8_a2a, symm, to_mxfp8_a2a_dequant
 
-ITEMS = (4, 8, 16)  # symm.ITEM_TILES (1 and 2 were slower than 4 at 1, 4 and 16 x 8192 rows)
+ITEMS = (None, 4, 8)  # symm.ITEM_TILES (None: by size, the default; 1 and 2 were slower than 4)
 STORE_SUBS = (128,)  # symm._STORE_SUB_BLOCKS (64 was slower than 128)
 RECV_SUBS = (64, 128)  # symm._RECV_SUB_BLOCKS[torch.bfloat16]
 DELAYS = (4,)  # symm.RECV_DELAY (1 was slower than 4)
@@ -84,7 +84,7 @@ def main() -> None:
             t = bench(mx, [(x,)], warmup=5, iters=30)
             if rank == 0:
                 print(
-                    f"  ITEM_TILES={item:<2} store tile={sub:<3} receive tile={rsub:<3} "
+                    f"  ITEM_TILES={str(item):<4} store tile={sub:<3} receive tile={rsub:<3} "
                     f"RECV_DELAY={delay:<2} progs/SM={progs} fast bit={int(fast)}: "
                     f"{t.median_ms:.3f} ms "
                     f"({bf.median_ms / t.median_ms:.2f}x bf16){'' if exact else '  NOT EXACT'}",

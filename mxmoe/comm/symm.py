@@ -18,7 +18,7 @@ sync).
 
 One exchange (number `epoch`, 1, 2, ...) on rank `me` of W ranks is one launch of
 `mxmoe.comm.symm_kernel.exchange_kernel` (work items taken in the order of an atomic ticket):
-  * store items for each peer p (staggered: me+1, me+2, ...): quantize ITEM_TILES tiles of
+  * store items for each peer p (staggered: me+1, me+2, ...): quantize `item_tiles` tiles of
     TILE_BLOCKS blocks of the rows for p into p's slot for `me`, then write `epoch` into the tiles'
     flags there (release, system scope). Every pair has at least one tile, an empty one when it
     exchanges no rows;
@@ -101,11 +101,17 @@ _STAGES = {torch.bfloat16: (4, 3), torch.float32: (2, 1)}
 # Flag tiles per work item (one of ITEM_TILES_ACCEPTED; scripts/symm_sweep.py measures them): an
 # item pays a ticket, and a store item one system-scope fence (it waits for the CTA's NVLink stores
 # to be acknowledged), whatever its size; larger items pay them over more bytes, smaller ones balance
-# the programs' ends better. Flags stay one per tile (the workspace layout does not depend on it); a
-# store item releases its flags from one warp (at most 32 lanes), a receive item waits for all of
-# them. 8: the fastest at 16 x 8192 rows in the sweep of 4 and 8 (1 and 2 were slower than 4 at 1, 4
-# and 16 x 8192 rows; 16 not measured).
-ITEM_TILES = 8
+# the programs' ends better. Flags stay one per tile (the workspace layout does not depend on it, nor
+# on the peers' item size); a store item releases its flags from one warp (at most 32 lanes), a
+# receive item waits for all of them. None: `item_tiles` picks 8 for large exchanges and 4 otherwise
+# (2 H200s, 5120-wide bf16 rows, equal splits: at 16 x 8192 rows a rank 8 ran 1.86x bf16 against
+# 1.78x with 4; at 4 x 8192 4 ran 1.95x against 1.90x; at 1 x 8192 1.32x against 0.66x, when 8-tile
+# items left programs idle: 320 store items for 396 programs; 1 and 2 were slower than 4 at every
+# size, 16 not measured). An int forces that size (sweeps and tests).
+ITEM_TILES: int | None = None
+# ... 8 once the exchange has at least this many 8-tile items a program (16 x 8192 rows: 39; 4 x
+# 8192: 10; the crossover between them is not measured).
+_LARGE_ITEMS_PER_PROGRAM = 16
 ITEM_TILES_ACCEPTED = (1, 2, 4, 8, 16)
 # Whether a store item's flags also say that every scale byte of the item is >= 10 (bit 31, FAST_BIT:
 # the value is epoch | FAST_BIT), so that a receive item takes the dequantize's fast path from its
@@ -352,18 +358,29 @@ class Items:
         return self.n_store + self.n_own + self.n_recv
 
 
+def item_tiles(n_tiles: int, programs: int) -> int:
+    """Flag tiles per work item of an exchange whose rank quantizes, stores and receives `n_tiles`
+    flag tiles on `programs` programs: ITEM_TILES if set, else 8 when that gives at least
+    _LARGE_ITEMS_PER_PROGRAM items a program, else 4."""
+    if ITEM_TILES is not None:
+        if ITEM_TILES not in ITEM_TILES_ACCEPTED:
+            raise ValueError(f"ITEM_TILES={ITEM_TILES}; expected None or one of {ITEM_TILES_ACCEPTED}")
+        return ITEM_TILES
+    return 8 if n_tiles >= 8 * _LARGE_ITEMS_PER_PROGRAM * programs else 4
+
+
 def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: int) -> Items:
     """The item table of rank `me` for an exchange into the half at byte `base` (see ROWS); cached
     per workspace for repeated splits (the table and its device copy are reused)."""
     cache = ws.__dict__.setdefault("_items", {})
-    per_item = ITEM_TILES
-    if per_item not in ITEM_TILES_ACCEPTED:
-        raise ValueError(f"ITEM_TILES={per_item}; expected one of {ITEM_TILES_ACCEPTED}")
-    key = (tuple(ins), tuple(outs), me, lay, base, per_item, RECV_DELAY)
+    key = (tuple(ins), tuple(outs), me, lay, base, ITEM_TILES, RECV_DELAY)
     hit = cache.get(key)
     if hit is not None:
         return hit
     world, sd = lay.world, lay.dim // BLOCK_SIZE
+    buf = ws.buffers[me]
+    programs = _sm_count(buf.device.index) * _PROGS_PER_SM if buf.is_cuda else 1
+    per_item = item_tiles(tiles(sum(ins), lay.dim) + tiles(sum(outs) - outs[me], lay.dim), programs)
     cap = lay.slot_rows
     in_off, out_off = offsets(ins), offsets(outs)
     table = [[0] * world for _ in ROWS]

@@ -386,8 +386,28 @@ def test_item_tiles_outside_the_accepted_values_is_an_error(per_item, monkeypatc
     monkeypatch.setattr(symm, "ITEM_TILES", per_item)
     fw = FakeWorld(2, 1 << 16)
     lay = Layout(2, 64, halves_bytes(1 << 16))
-    with pytest.raises(ValueError, match=f"ITEM_TILES={per_item}; expected one of"):
+    with pytest.raises(ValueError, match=f"ITEM_TILES={per_item}; expected None or one of"):
         symm.work_items([4, 4], [4, 4], 0, FakeWorkspace(fw, 0), lay, 0)
+
+
+def test_item_tiles_by_size(monkeypatch):
+    """ITEM_TILES None: items of 8 tiles once that gives 16 items a program, else of 4 (on 396
+    programs, an H200's 132 SMs x 3, 5120-wide rows split evenly over 2 ranks: 4 at 1 and 4 x 8192
+    rows a rank, 8 at 16 x 8192); a set ITEM_TILES wins; the table follows the choice."""
+    monkeypatch.setattr(symm, "ITEM_TILES", None)
+    per_rank = {b: 3 * symm.tiles(b * 8192 // 2, 5120) for b in (1, 4, 16)}  # stores, own, receives
+    assert {b: symm.item_tiles(n, 396) for b, n in per_rank.items()} == {1: 4, 4: 4, 16: 8}
+    assert symm.item_tiles(8 * 16 * 396, 396) == 8 and symm.item_tiles(8 * 16 * 396 - 1, 396) == 4
+    fw = FakeWorld(2, 1 << 20)
+    lay = Layout(2, 64, halves_bytes(1 << 20))  # 2 blocks a row: 128 rows a tile
+    small = symm.work_items([128 * 4, 128 * 4], [128 * 4, 128 * 4], 0, FakeWorkspace(fw, 0), lay, 0)
+    assert (small.per_item, small.n_store, small.n_own, small.n_recv) == (4, 1, 1, 1)
+    big = 128 * 8 * 16 // 3 + 128  # 16 items of 8 tiles on one program (the interpreter's), stores, own, receives
+    large = symm.work_items([big, big], [big, big], 0, FakeWorkspace(fw, 0), lay, 0)
+    assert large.per_item == 8
+    monkeypatch.setattr(symm, "ITEM_TILES", 2)
+    assert symm.item_tiles(10**9, 1) == 2
+    assert symm.work_items([big, big], [big, big], 0, FakeWorkspace(fw, 0), lay, 0).per_item == 2
 
 
 def test_symm_exchange_times_out_instead_of_hanging(monkeypatch):
