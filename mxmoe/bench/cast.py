@@ -33,7 +33,9 @@ from mxmoe.cli import comma_list, positive_int
 
 MODES = ("dim0", "dim1", "dim0_dim1", "3d", "dequant", "qdq")
 QDQ_LABELS = ("qdq dim0", "qdq dim1 rows", "qdq dim1 rows 3d E=16", "qdq dim0+dim1 rows",
-              "qdq dim0+dim1 rows E=8", "qdq dim0+dim1 rows E=256")
+              "qdq dim0+dim1 rows E=8", "qdq dim0+dim1 rows E=256",
+              "silu(g)*u, qdq dim0+dim1 rows E=8", "swiglu_qdq dim0+dim1 rows E=8")
+SWIGLU_LABELS = QDQ_LABELS[-2:]  # inputs (g, u), both of the shape
 SCALINGS = ("floor", "rceil")
 KERNELS = ("torch", "triton", "cuda")
 DEFAULT_SHAPES_2D = ((16384, 16384), (131072, 7168), (131072, 2048))
@@ -113,6 +115,8 @@ def _bytes(mode: str, shape, in_size: int, out_size: int = 2) -> int:
     n = 1
     for d in shape:
         n *= d
+    if mode in SWIGLU_LABELS:  # g and u read, two outputs of out_size bytes
+        return 2 * n * in_size + 2 * n * out_size
     if mode.startswith("qdq"):  # read once, one or two outputs of out_size bytes
         return n * in_size + (2 if "dim0+dim1" in mode else 1) * n * out_size
     elems_and_scales = n + n // BLOCK
@@ -155,7 +159,9 @@ def _make_fns(case: Case, elem: torch.dtype):
 
 def _qdq_fns(case: Case, elem: torch.dtype):
     """{qdq label: fn(x)} through the public qdq API (bf16 out), groups as the label says."""
-    from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
+    import torch.nn.functional as F
+
+    from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, swiglu_qdq_dim0_dim1
     from mxmoe.recipe import MXRecipe
 
     r = MXRecipe(elem_dtype=elem, scaling_mode=case.scaling, dim0_kernel=case.backend,
@@ -180,6 +186,12 @@ def _qdq_fns(case: Case, elem: torch.dtype):
         "qdq dim0+dim1 rows E=256": lambda x: qdq_dim0_dim1(
             x, recipe=r, out_dtype=bf, offs=o256
         ),
+        "silu(g)*u, qdq dim0+dim1 rows E=8": lambda g, u: qdq_dim0_dim1(
+            F.silu(g) * u, recipe=r, out_dtype=bf, offs=o8
+        ),
+        "swiglu_qdq dim0+dim1 rows E=8": lambda g, u: swiglu_qdq_dim0_dim1(
+            g, u, recipe=r, out_dtype=bf, offs=o8
+        ),
     }
 
 
@@ -195,6 +207,8 @@ def _inputs(mode: str, shape, elem: torch.dtype, count: int) -> list[tuple]:
             q, s = torch_cast.quantize_dim0(x, make_spec(BLOCK, "rceil", elem))
             del x
             sets.append((q, s))
+        elif mode in SWIGLU_LABELS:
+            sets.append((x, torch.randn(shape, dtype=torch.bfloat16, device="cuda")))
         else:
             sets.append((x,))
     return sets

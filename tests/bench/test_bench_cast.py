@@ -48,6 +48,8 @@ def test_bytes_counted():
     assert cast._bytes("qdq dim1 rows", (64, 128), 2) == 2 * n + 2 * n
     assert cast._bytes("qdq dim1 rows 3d E=16", (64, 128), 2) == 2 * n + 2 * n
     assert cast._bytes("qdq dim0+dim1 rows E=8", (64, 128), 2) == 2 * n + 4 * n
+    for label in cast.SWIGLU_LABELS:  # g and u read, two bf16 outputs written
+        assert cast._bytes(label, (64, 128), 2) == 4 * n + 4 * n
 
 
 def test_qdq_mode_runs_the_triton_and_cuda_kernels():
@@ -61,6 +63,23 @@ def test_refuses_without_gpu():
     with pytest.raises(SystemExit) as exc:
         cli_main(["bench", "cast", "--mode", "dim0"])
     assert "needs a CUDA GPU" in str(exc.value.code)
+
+
+@pytest.mark.gpu
+def test_qdq_rows_run_and_the_swiglu_rows_take_g_and_u():
+    """Every qdq row runs on the CUDA kernels at a small shape (no error row); the two SwiGLU rows
+    time the fused and unfused cast of the same (g, u) and agree bit for bit."""
+    args = cast.build_parser().parse_args(["--mode", "qdq", "--kernel", "cuda", "--shape", "512x256",
+                                           "--scaling", "rceil", "--iters", "2", "--warmup", "1"])
+    (case,) = cast._cases(args)
+    rows = cast._run_case(case, args, copy_tbs=1.0, elem=torch.float8_e4m3fn)
+    assert [r["mode"] for r in rows] == list(cast.QDQ_LABELS)
+    assert all(r["note"] == "" and r["us"] > 0 for r in rows), rows
+    fns = cast._make_fns(case, torch.float8_e4m3fn)
+    g, u = cast._inputs(cast.SWIGLU_LABELS[0], case.shape, torch.float8_e4m3fn, 1)[0]
+    unfused, fused = (fns[label](g, u) for label in cast.SWIGLU_LABELS)
+    for a, b in zip(unfused, fused, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 @pytest.mark.gpu
