@@ -402,7 +402,8 @@ def test_item_tiles_by_size(monkeypatch):
     lay = Layout(2, 64, halves_bytes(1 << 20))  # 2 blocks a row: 128 rows a tile
     small = symm.work_items([128 * 4, 128 * 4], [128 * 4, 128 * 4], 0, FakeWorkspace(fw, 0), lay, 0)
     assert (small.per_item, small.n_store, small.n_own, small.n_recv) == (4, 1, 1, 1)
-    big = 128 * 8 * 16 // 3 + 128  # 16 items of 8 tiles on one program (the interpreter's), stores, own, receives
+    # 16 items of 8 tiles on one program (the interpreter's) over stores, own rows and receives
+    big = 128 * 8 * 16 // 3 + 128
     large = symm.work_items([big, big], [big, big], 0, FakeWorkspace(fw, 0), lay, 0)
     assert large.per_item == 8
     monkeypatch.setattr(symm, "ITEM_TILES", 2)
