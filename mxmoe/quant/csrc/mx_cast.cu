@@ -905,9 +905,12 @@ __device__ __forceinline__ uint4 swiglu_vec(const uint4& g, const uint4& u) {
 // the unfused backward forms them on CUDA, one eager op after another, each result rounded to the
 // input dtype: du = dh * F.silu(g) (silu as above, then mul) and dg = aten::silu_backward(dh * u, g).
 // silu_backward: ATen's silu_backward_kernel (ActivationSiluKernel.cu) in fp32, s = 1 / (1 + exp(-x)),
-// dy * s * (1 + x * (1 - s)) evaluated left to right, where nvcc (default -fmad=true, as ATen is
-// built) contracts 1 + x * (1 - s) into one fma; written here as that fma (fma.rn), the rest as
-// IEEE operations (div.rn, sub.rn, mul.rn), expf shared with silu (the same value). d = 1 + exp(-x).
+// dy * s * (1 + x * (1 - s)) evaluated left to right. nvcc (default -fmad=true, as ATen is built)
+// compiles that expression (sm_90 PTX) to rcp.rn(1 + e), mul(dy, s), sub(1, s), fma.rn(x, 1 - s, 1),
+// mul: 1 + x * (1 - s) is one fma, written so here (fma.rn), the rest as the same IEEE operations
+// (div.rn(1, d) == rcp.rn(d)). It also contracts 1 + expf(-x) with expf's last product, a power of
+// two times ex2's result: exact unless subnormal (then 1 + e rounds to 1 either way), so add.rn of
+// expf's value gives the same bits. expf is shared with silu (the same value). d = 1 + exp(-x).
 __device__ __forceinline__ float silu_bwd_f32(float dy, float x, float d) {
   float one_s, k;
   const float s = div_rn(1.0f, d);
