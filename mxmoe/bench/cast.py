@@ -18,7 +18,11 @@ count the input read and each bf16 output written: dim0 or dim1 alone 4 bytes pe
 both 6. "E=8" / "E=256": dim1 blocks per expert group (ragged groups, some empty, rows after the
 last), as `mx_grouped_mm` casts tokens and dy; "3d E=16": the input viewed as 16 matrices, dim1
 blocks per matrix, as `mx_grouped_mm` casts the expert weights along N (the row count must divide
-by 16); the others as `mx_mm` does.
+by 16); the others as `mx_mm` does. The SwiGLU rows time the experts' w2 input (h = F.silu(g) * u
+formed by torch then cast, against `swiglu_qdq_dim0_dim1`) and the casts of its gradients (dg and
+du formed by torch's silu_backward and muls then cast each, against `swiglu_bwd_qdq_dim0_dim1`),
+bytes counted the fused op's way: g, u read and two outputs written (8 per element); dh, g, u read
+and four outputs written (14 per element).
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from mxmoe.cli import comma_list, positive_int
 MODES = ("dim0", "dim1", "dim0_dim1", "3d", "dequant", "qdq")
 QDQ_LABELS = ("qdq dim0", "qdq dim1 rows", "qdq dim1 rows 3d E=16", "qdq dim0+dim1 rows",
               "qdq dim0+dim1 rows E=8", "qdq dim0+dim1 rows E=256",
-              "silu(g)*u, qdq dim0+dim1 rows E=8", "swiglu_qdq dim0+dim1 rows E=8")
-SWIGLU_LABELS = QDQ_LABELS[-2:]  # inputs (g, u), both of the shape
+              "silu(g)*u, qdq dim0+dim1 rows E=8", "swiglu_qdq dim0+dim1 rows E=8",
+              "silu bwd, 2x qdq dim0+dim1 rows E=8", "swiglu_bwd_qdq dim0+dim1 rows E=8")
+SWIGLU_LABELS = QDQ_LABELS[-4:-2]  # inputs (g, u), both of the shape
+SWIGLU_BWD_LABELS = QDQ_LABELS[-2:]  # inputs (dh, g, u), all of the shape
 SCALINGS = ("floor", "rceil")
 KERNELS = ("torch", "triton", "cuda")
 DEFAULT_SHAPES_2D = ((16384, 16384), (131072, 7168), (131072, 2048))
@@ -117,6 +123,8 @@ def _bytes(mode: str, shape, in_size: int, out_size: int = 2) -> int:
         n *= d
     if mode in SWIGLU_LABELS:  # g and u read, two outputs of out_size bytes
         return 2 * n * in_size + 2 * n * out_size
+    if mode in SWIGLU_BWD_LABELS:  # dh, g and u read, four outputs of out_size bytes
+        return 3 * n * in_size + 4 * n * out_size
     if mode.startswith("qdq"):  # read once, one or two outputs of out_size bytes
         return n * in_size + (2 if "dim0+dim1" in mode else 1) * n * out_size
     elems_and_scales = n + n // BLOCK
@@ -161,7 +169,7 @@ def _qdq_fns(case: Case, elem: torch.dtype):
     """{qdq label: fn(x)} through the public qdq API (bf16 out), groups as the label says."""
     import torch.nn.functional as F
 
-    from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, swiglu_qdq_dim0_dim1
+    from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, swiglu_bwd, swiglu_bwd_qdq_dim0_dim1, swiglu_qdq_dim0_dim1
     from mxmoe.recipe import MXRecipe
 
     r = MXRecipe(elem_dtype=elem, scaling_mode=case.scaling, dim0_kernel=case.backend,
@@ -192,6 +200,12 @@ def _qdq_fns(case: Case, elem: torch.dtype):
         "swiglu_qdq dim0+dim1 rows E=8": lambda g, u: swiglu_qdq_dim0_dim1(
             g, u, recipe=r, out_dtype=bf, offs=o8
         ),
+        "silu bwd, 2x qdq dim0+dim1 rows E=8": lambda dh, g, u: tuple(
+            y for x in swiglu_bwd(dh, g, u) for y in qdq_dim0_dim1(x, recipe=r, out_dtype=bf, offs=o8)
+        ),
+        "swiglu_bwd_qdq dim0+dim1 rows E=8": lambda dh, g, u: swiglu_bwd_qdq_dim0_dim1(
+            dh, g, u, recipe=r, out_dtype=bf, offs=o8
+        ),
     }
 
 
@@ -209,6 +223,8 @@ def _inputs(mode: str, shape, elem: torch.dtype, count: int) -> list[tuple]:
             sets.append((q, s))
         elif mode in SWIGLU_LABELS:
             sets.append((x, torch.randn(shape, dtype=torch.bfloat16, device="cuda")))
+        elif mode in SWIGLU_BWD_LABELS:  # (dh, g, u)
+            sets.append((x, *(torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2))))
         else:
             sets.append((x,))
     return sets

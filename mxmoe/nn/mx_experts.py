@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
-from mxmoe.ops import mx_grouped_mm_shared, mx_grouped_mm_swiglu
+from mxmoe.ops import mx_grouped_swiglu_mlp
 from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import autocast_input
 from mxmoe.quant.mx_tensor import MXTensor
@@ -45,12 +45,12 @@ class MXGroupedExperts(GroupedExperts):
             # one cast to the autocast dtype for both w1 and w3 (each op would cast x on its own:
             # two copies forward, two gradient casts back), as GroupedExperts casts x once
             x = autocast_input(x)
-        # w1 and w3 on one cast of x (bit-identical to two mx_grouped_mm calls, one quantizer call
-        # fewer in forward, the tokens along M kept once)
-        g, u = mx_grouped_mm_shared(x, (self.w1.transpose(-2, -1), self.w3.transpose(-2, -1)), offs, cfg)
-        # w2 on h = F.silu(g) * u, bit-identical to mx_grouped_mm(h, ...); on the qdq path h is cast
-        # straight from g and u (never written or read back)
-        return mx_grouped_mm_swiglu(g, u, self.w2.transpose(-2, -1), offs, cfg)
+        # g, u = mx_grouped_mm_shared(x, (w1ᵀ, w3ᵀ)) (w1 and w3 on one cast of x), then
+        # mx_grouped_mm_swiglu(g, u, w2ᵀ) (h = F.silu(g) * u cast straight from g and u on the qdq
+        # path), bit-identical to mx_grouped_mm calls on x and h; on the qdq path one op whose
+        # backward casts dg and du straight from dh, g and u (never written or read back)
+        w1_t, w3_t, w2_t = (w.transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
+        return mx_grouped_swiglu_mlp(x, w1_t, w3_t, w2_t, offs, cfg)
 
     def extra_repr(self) -> str:
         c = self.mx_config

@@ -2,7 +2,8 @@
 
 `mx_mm` (linear layers), `mx_grouped_mm` (MoE experts, drop-in for torch._grouped_mm), their
 `*_shared` forms (several weights, one cast of the shared input), `mx_grouped_mm_swiglu` (the
-experts' w2 GEMM on F.silu(g) * u, h cast straight from g and u), the GEMM
+experts' w2 GEMM on F.silu(g) * u, h cast straight from g and u), `mx_grouped_swiglu_mlp` (the
+whole SwiGLU expert MLP as one op: dg and du cast straight from dh, g and u in backward), the GEMM
 backend function `mx_gemm`, all configured by an `mxmoe.MXRecipe` (`MXOpConfig(...)` builds one
 from the former op-level fields); `cache_weight_casts()` reuses weight casts within an optimizer
 step. See docs/training-ops.md.
@@ -10,7 +11,7 @@ step. See docs/training-ops.md.
 
 from mxmoe.ops.config import GEMM_BACKENDS, MXOpConfig
 from mxmoe.ops.gemm import mx_gemm
-from mxmoe.ops.grouped import mx_grouped_mm, mx_grouped_mm_shared, mx_grouped_mm_swiglu
+from mxmoe.ops.grouped import mx_grouped_mm, mx_grouped_mm_shared, mx_grouped_mm_swiglu, mx_grouped_swiglu_mlp
 from mxmoe.ops.linear import mx_mm, mx_mm_shared
 from mxmoe.ops.weight_cache import cache_weight_casts
 
@@ -22,6 +23,7 @@ __all__ = [
     "mx_grouped_mm",
     "mx_grouped_mm_shared",
     "mx_grouped_mm_swiglu",
+    "mx_grouped_swiglu_mlp",
     "mx_mm",
     "mx_mm_shared",
 ]

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mxmoe.formats import INPUT_DTYPES
 from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import (
     OpPlan,
@@ -65,10 +66,10 @@ from mxmoe.ops.linear import (
 )
 from mxmoe.quant.groups import group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
-from mxmoe.quant.qdq import _MAX_GROUPS, qdq_trusted, swiglu_qdq_trusted
+from mxmoe.quant.qdq import _MAX_GROUPS, qdq_trusted, swiglu_bwd_qdq_trusted, swiglu_qdq_trusted
 from mxmoe.recipe import MXRecipe
 
-__all__ = ["mx_grouped_mm", "mx_grouped_mm_shared", "mx_grouped_mm_swiglu"]
+__all__ = ["mx_grouped_mm", "mx_grouped_mm_shared", "mx_grouped_mm_swiglu", "mx_grouped_swiglu_mlp"]
 
 
 def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:
@@ -130,18 +131,22 @@ def _wgrad_a(kept, offs: Tensor, cfg: MXRecipe, plan: OpPlan, is_mx: bool, a_mod
     return _mx(sq, ss, 0, cfg, cfg.scaling_mode, a_dtype)
 
 
-def _backward_gemms(dy, w, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, need_da, need_dw, a_dtype, cap):
+def _backward_gemms(
+    dy, w, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, need_da, need_dw, a_dtype, cap, dy_qdq=None
+):
     """(da (T, K) in a_dtype, db_t (E, K, N) in w's dtype) given dy (T, N) and the expert weights w
     (E, N, K) (the forward's view of b_t): dy cast as the dgrad and wgrad need it; a1_fn() gives the
-    tokens along M (`_wgrad_a`), called only for the wgrad."""
+    tokens along M (`_wgrad_a`), called only for the wgrad. dy_qdq (qdq path only): dy's casts made
+    already, (dy0, dy1) as qdq_dim0_dim1(dy, offs=offs) gives them (dy is then not read)."""
     hp, compute = plan.qdq, plan.compute
-    dy = dy.contiguous()
     da = db_t = None
-    dy0 = dy1 = None
+    # given casts: qdq_dim0_dim1's dy0 has its rows after the groups zeroed, dgrad rows zeroed anyway
+    dy0, dy1 = (None, None) if dy_qdq is None else dy_qdq
+    dy = dy if dy is None else dy.contiguous()
     if need_dw and hp:
-        if need_da:  # one read of dy: along N, and along M in groups
+        if dy1 is None and need_da:  # one read of dy: along N, and along M in groups
             dy0, dy1 = qdq_trusted(dy, cfg, plan.k1, compute, True, True, offs)
-        else:
+        elif dy1 is None:
             (dy1,) = qdq_trusted(dy, cfg, plan.k1, compute, False, True, offs)
         # K-grouped (E, N, K): dy1ᵀ (N, T) and a1 (T, K), both T-major, grouped by the real offs
         db_t = hp_gemm(dy1.t(), a1_fn(), offs, w.dtype).transpose(-2, -1)
@@ -154,7 +159,7 @@ def _backward_gemms(dy, w, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, need_
         else:
             dy1 = to_mx(dy_pad, axis=0, recipe=cfg)
         db_t = wgrad_mx(dy1, a1_fn(), pos, offs, offs_pad, cfg, w.dtype).transpose(-2, -1)
-    elif need_da:
+    elif need_da and dy0 is None:
         dy0 = qdq_trusted(dy, cfg, plan.k0, compute, True, False)[0] if hp else to_mx(dy, axis=-1, recipe=cfg)
     if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
         if hp:
@@ -325,6 +330,18 @@ def mx_grouped_mm_shared(
         return _grouped_shared_forward(*args, offs, cfg, plan, out_dtype, cast_to, b_ts, False)[0]
 
 
+def _swiglu_forward(g, u, b_t, offs, cfg: MXRecipe, plan: OpPlan, out_dtype):
+    """The forward of `_MXGroupedMMSwiGLU` (qdq path): (y (T, N) out_dtype, what the wgrad keeps:
+    (h1,), h along M in groups (T, K) compute dtype, when b_t needs its gradient, else ())."""
+    if b_t.requires_grad:  # along K for the GEMM, along M in groups kept for the wgrad
+        h0, h1 = swiglu_qdq_trusted(g, u, cfg, plan.k1, plan.compute, offs)
+        kept = (h1,)
+    else:  # as `_cast_a` without the wgrad: h along K alone
+        (h0,) = qdq_trusted(F.silu(g) * u, cfg, plan.k0, plan.compute, True, False)
+        kept = ()
+    return _forward_gemm(h0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype), kept
+
+
 class _MXGroupedMMSwiGLU(torch.autograd.Function):
     """y = mx_grouped_mm(F.silu(g) * u, b_t, offs) on the qdq path with h = F.silu(g) * u never in
     memory: the forward casts h along K and along M in groups from one read of g and u
@@ -334,16 +351,10 @@ class _MXGroupedMMSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u, b_t, offs, cfg: MXRecipe, plan: OpPlan, out_dtype):
         # g, u: (T, K) of out_dtype (no autocast cast left to make); b_t: (E, K, N)
-        if b_t.requires_grad:  # along K for the GEMM, along M in groups kept for the wgrad
-            h0, h1 = swiglu_qdq_trusted(g, u, cfg, plan.k1, plan.compute, offs)
-            kept = (h1,)
-        else:  # as `_cast_a` without the wgrad: h along K alone
-            (h0,) = qdq_trusted(F.silu(g) * u, cfg, plan.k0, plan.compute, True, False)
-            kept = ()
-        w = b_t.transpose(-2, -1)
-        y = _forward_gemm(h0, w, offs, cfg, plan, out_dtype)
+        y, kept = _swiglu_forward(g, u, b_t, offs, cfg, plan, out_dtype)
         ctx.cfg, ctx.plan, ctx.a_dtype = cfg, plan, out_dtype
-        ctx.save_for_backward(g, u, w, offs, *kept)  # g, u: silu's and mul's backward need them
+        # g, u: silu's and mul's backward need them
+        ctx.save_for_backward(g, u, b_t.transpose(-2, -1), offs, *kept)
         return y
 
     @staticmethod
@@ -400,6 +411,111 @@ def mx_grouped_mm_swiglu(
         # no graph to record (e.g. validation under no_grad): the forward alone, as mx_grouped_mm's
         h0 = _cast_a(F.silu(g) * u, None, None, cfg.scaling_mode, offs, cfg, plan, False, out_dtype)[0]
         return _forward_gemm(h0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype)
+
+
+class _MXGroupedSwiGLUMLP(torch.autograd.Function):
+    """The SwiGLU experts' MLP y = mx_grouped_mm_swiglu(g, u, w2_t) of g, u = mx_grouped_mm_shared(a,
+    (w1_t, w3_t)) on the qdq path as one op: the forward is those two ops' (one cast of a, h cast
+    straight from g and u); the backward forms dh (w2's dgrad) and, from one read of dh, g and u,
+    the casts of dg and du that w1's and w3's dgrads and wgrads take (`swiglu_bwd_qdq_trusted`):
+    dg and du are never written. It keeps what the two ops keep (a's cast along M, g, u, h along
+    M, the weights, offs) and gives their gradients bit for bit (`mx_grouped_swiglu_mlp`)."""
+
+    @staticmethod
+    def forward(
+        ctx, a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, out_dtype, cast_to, w1_t, w3_t, w2_t
+    ):
+        need_dw = wants_grad(w1_t) or wants_grad(w3_t)
+        ctx.x_dtype = a.dtype
+        (g, u), kept, cap = _grouped_shared_forward(
+            a, a_q, a_s, a_mode, offs, cfg, plan, out_dtype, cast_to, (w1_t, w3_t), need_dw
+        )
+        y, h_kept = _swiglu_forward(g, u, w2_t, offs, cfg, plan, out_dtype)
+        ctx.cfg, ctx.plan, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
+            cfg, plan, a_q is not None, out_dtype, a_mode, cap
+        )
+        ctx.n_h = len(h_kept)
+        ctx.save_for_backward(offs, w1_t, w3_t, w2_t, g, u, *h_kept, *kept)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        cfg, plan = ctx.cfg, ctx.plan
+        offs, w1_t, w3_t, w2_t, g, u, *rest = ctx.saved_tensors
+        h_kept, kept = rest[: ctx.n_h], rest[ctx.n_h :]
+        need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[9:12]
+        need_dh = need_da or need_dw[0] or need_dw[1]
+        dh, dw2_t = _backward_gemms(  # `_MXGroupedMMSwiGLU.backward`'s
+            dy, w2_t.transpose(-2, -1), offs, h_kept, lambda: h_kept[0], cfg, plan, need_dh, need_dw[2],
+            ctx.a_dtype, 0,
+        )
+        das, dws = [], [None, None]
+        if dh is not None:  # `_MXGroupedMMShared.backward`'s, on dg and du cast from dh, g, u at once
+            dgu = swiglu_bwd_qdq_trusted(dh, g, u, cfg, plan.k1, plan.compute, offs)
+            a1 = []
+
+            def a1_fn():
+                if not a1:
+                    a1.append(_wgrad_a(kept, offs, cfg, plan, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap))
+                return a1[0]
+
+            for i, b_t in enumerate((w1_t, w3_t)):
+                da, dws[i] = _backward_gemms(
+                    None, b_t.transpose(-2, -1), offs, kept, a1_fn, cfg, plan, need_da, need_dw[i],
+                    ctx.a_dtype, ctx.cap, dgu[2 * i : 2 * i + 2],
+                )
+                if need_da:
+                    das.append(da.to(ctx.x_dtype))
+        da = sum_like_autograd(das) if das else None
+        return (da, None, None, None, None, None, None, None, None, *dws, dw2_t)
+
+
+def mx_grouped_swiglu_mlp(
+    x: Tensor | MXTensor, w1_t: Tensor, w3_t: Tensor, w2_t: Tensor, offs: Tensor,
+    config: MXRecipe | None = None,
+) -> Tensor:
+    """The SwiGLU experts' MLP, `mx_grouped_mm_swiglu(g, u, w2_t, offs, config)` of g, u =
+    `mx_grouped_mm_shared(x, (w1_t, w3_t), offs, config)`, bit for bit in the output and in every
+    gradient (x, w1_t, w3_t, w2_t), as one op where the fusion applies: the qdq path (the emulated
+    backend), a graph to record, no autocast recasting of h (autocast off, or its dtype that of g).
+    There the backward casts dg and du (the gradients of g and u) for w1's and w3's dgrads and
+    wgrads straight from one read of dh, g and u (`mxmoe.quant.qdq.swiglu_bwd_qdq_dim0_dim1`; on
+    CUDA the C++ operator mxmoe_cuda::swiglu_bwd_qdq_dim0_dim1, which forms them in registers as
+    eager PyTorch's autograd does) instead of writing dg and du and reading each back for its
+    casts; it keeps what the composition keeps. Elsewhere it is that composition.
+
+    x: (T, D) bf16/fp32 tokens grouped by expert, or a 2D MXTensor blocked along D (as for
+    `mx_grouped_mm`). w1_t, w3_t: (E, D, H) bf16/fp32, transposed views of the (E, H, D) expert
+    weights w1 and w3; w2_t: (E, H, D') the transposed view of w2 (E, D', H). offs: (E,) int32
+    cumulative group ends (any sizes, rows after offs[-1] give zero). D, H, D' divisible by the
+    block size. Returns (T, D') contiguous in x's (orig) dtype (the autocast dtype under autocast
+    for a Tensor x).
+    """
+    cfg = as_recipe(config)
+    ws = (w1_t, w3_t, w2_t)
+    fused = (  # else the composition raises what is wrong
+        uses_qdq(cfg)
+        and torch.is_grad_enabled()
+        and all(isinstance(w, Tensor) and w.ndim == 3 and w.dtype in INPUT_DTYPES for w in ws)
+        and w3_t.shape == w1_t.shape
+        and w2_t.shape[:2] == (w1_t.shape[0], w1_t.shape[2])
+        and w2_t.shape[2] % cfg.block_size == 0
+        and w3_t.device == w2_t.device == w1_t.device
+    )
+    if fused:
+        args, out_dtype = _checked_args(x, w1_t, offs, cfg)  # x, offs and w1_t (w3_t, w2_t: above)
+        dev = w1_t.device.type
+        fused = (args[0].requires_grad or any(w.requires_grad for w in ws)) and not (
+            torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != out_dtype  # h recast
+        )
+    if not fused:  # the composition (the fusion does not apply; its checks and errors)
+        g, u = mx_grouped_mm_shared(x, (w1_t, w3_t), offs, cfg)
+        return mx_grouped_mm_swiglu(g, u, w2_t, offs, cfg)
+    cast_to = autocast_target(x) if args[1] is None else None
+    plan = op_plan(cfg, w1_t.device)
+    offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
+    with no_autocast(w1_t.device):
+        return apply_function(_MXGroupedSwiGLUMLP, *args, offs, cfg, plan, out_dtype, cast_to, *ws)
 
 
 def _checked_args(a, b_t, offs, cfg: MXRecipe):

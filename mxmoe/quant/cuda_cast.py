@@ -140,12 +140,15 @@ def _register_fakes() -> None:
     def swiglu01(g, u, block_size, mode, elem_dtype, out_dtype, offs=None):
         return g.new_empty(g.shape, dtype=out_dtype), g.new_empty(g.shape, dtype=out_dtype)
 
+    def swiglu_bwd01(dh, g, u, block_size, mode, elem_dtype, out_dtype, offs=None):
+        return tuple(dh.new_empty(dh.shape, dtype=out_dtype) for _ in range(4))
+
     def mutating(*args):
         return None
 
     for op, fn in (("quantize_dim0", dim0), ("quantize_dim1", dim1), ("quantize_dim0_dim1", dim0_dim1),
                    ("dequantize", deq), ("qdq_dim0", qdq0), ("qdq_dim1", qdq1), ("qdq_dim0_dim1", qdq01),
-                   ("swiglu_qdq_dim0_dim1", swiglu01),
+                   ("swiglu_qdq_dim0_dim1", swiglu01), ("swiglu_bwd_qdq_dim0_dim1", swiglu_bwd01),
                    ("quantize_dim0_out", mutating),
                    ("dequantize_out", mutating), ("qdq_dim0_out", mutating), ("zero_rows_after", mutating)):
         torch.library.register_fake(lib + op, fn)
@@ -242,6 +245,20 @@ def swiglu_qdq_dim0_dim1(
     load_extension()
     op = torch.ops.mxmoe_cuda.swiglu_qdq_dim0_dim1
     return op(g, u, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype, out_dtype, offs)
+
+
+def swiglu_bwd_qdq_dim0_dim1(
+    dh: Tensor, g: Tensor, u: Tensor, spec: CastSpec, out_dtype: torch.dtype, offs: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dh, g, u: (..., R, C) bf16/fp32 CUDA, one shape and dtype, contiguous, ndim >= 2, C % bs == 0 ->
+    (dg0, dg1, du0, du1) = `qdq_dim0_dim1(dg, ...)` + `qdq_dim0_dim1(du, ...)` of the SwiGLU backward
+    dg = silu_backward(dh * u, g), du = dh * silu(g) formed as eager PyTorch forms them (csrc/mx_cast.cu's
+    swiglu_bwd_vec), each of dh's shape, out_dtype, contiguous, in one read of dh, g and u without
+    writing dg and du (block 32 with 16-byte aligned pointers; else ATen forms dg and du and the
+    qdq_dim0_dim1 launcher casts them)."""
+    load_extension()
+    op = torch.ops.mxmoe_cuda.swiglu_bwd_qdq_dim0_dim1
+    return op(dh, g, u, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype, out_dtype, offs)
 
 
 def zero_rows_after(out: Tensor, offs: Tensor) -> Tensor:

@@ -378,26 +378,31 @@ def _swiglu_op_args(g, u, block_size, scaling_mode, elem_dtype, out_dtype, kerne
     return g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs
 
 
-def _swiglu_functional_decomp(mode, op, types, args=(), kwargs=None):
-    """`_functional_decomp` for `mxmoe::swiglu_qdq`: on CUDA tensors the "cuda" kernel decomposes
-    into the C++ operator, the "triton" one into F.silu(g) * u (inductor fuses it) and the wrapped
-    rows kernel; anything else stays the opaque op with its fake implementation."""
+def _decomposes(x: Tensor, kernel: str, types) -> bool:
+    """Whether a fused op (`mxmoe::swiglu_qdq`, `mxmoe::swiglu_bwd_qdq`) on x decomposes for
+    inductor, as `_functional_decomp` decides for `mxmoe::qdq` (loading the extension for "cuda")."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
-    full = _swiglu_op_args(*args, **(kwargs or {}))
-    g, kernel = full[0], full[6]
     decompose = (
         kernel in ("triton", "cuda")
-        and g.is_cuda
+        and x.is_cuda
         and (kernel == "cuda" or not triton_interpret())
         and getattr(torch._functorch.config, "decompose_custom_triton_ops", True)
         and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is Tensor for t in types)
     )
-    if not decompose:
-        return mode.__torch_dispatch__(op, types, args, kwargs or {})
-    if kernel == "cuda":
+    if decompose and kernel == "cuda":
         cuda_cast.load_extension()
+    return decompose
+
+
+def _swiglu_functional_decomp(mode, op, types, args=(), kwargs=None):
+    """`_functional_decomp` for `mxmoe::swiglu_qdq`: on CUDA tensors the "cuda" kernel decomposes
+    into the C++ operator, the "triton" one into F.silu(g) * u (inductor fuses it) and the wrapped
+    rows kernel; anything else stays the opaque op with its fake implementation."""
+    full = _swiglu_op_args(*args, **(kwargs or {}))
+    if not _decomposes(full[0], full[6], types):
+        return mode.__torch_dispatch__(op, types, args, kwargs or {})
     with mode:
         return _swiglu_qdq_impl(*full, traced=True)
 
@@ -457,6 +462,133 @@ def swiglu_qdq_dim0_dim1(
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     y0, y1 = swiglu_qdq_trusted(g, u, recipe, kernel, out_dtype, offs)
     return y0, y1
+
+
+# ----------------------------------------------------------------------------------------------
+# SwiGLU backward + dim0+dim1 qdq of dg and du (the experts' w1 / w3 gradients)
+# ----------------------------------------------------------------------------------------------
+
+
+def swiglu_bwd(dh: Tensor, g: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """(dg, du): autograd's gradients of h = F.silu(g) * u given dh, as its MulBackward0 and
+    SiluBackward0 form them (eager ops, each rounded to the inputs' dtype): dg =
+    silu_backward(dh * u, g), du = dh * F.silu(g). All of one shape, dtype and device."""
+    return torch.ops.aten.silu_backward(dh * u, g), dh * torch.nn.functional.silu(g)
+
+
+@torch.library.custom_op("mxmoe::swiglu_bwd_qdq", mutates_args=())
+def swiglu_bwd_qdq_op(
+    dh: Tensor,
+    g: Tensor,
+    u: Tensor,
+    block_size: int,
+    scaling_mode: str,
+    elem_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    kernel: str,
+    offs: Tensor | None = None,
+) -> list[Tensor]:
+    """dh, g, u: (R, C) (or (B, R, C) without offs) bf16/fp32, one shape and dtype, contiguous,
+    C % block_size == 0. Returns [dg0, dg1, du0, du1] = qdq_op(x, ..., dim0=True, dim1=True, kernel,
+    offs) of x = dg and x = du, (dg, du) = `swiglu_bwd(dh, g, u)` as eager PyTorch computes them on
+    the inputs' device (the definition: "torch" and "triton" form them so, "cuda" in registers,
+    mxmoe_cuda::swiglu_bwd_qdq_dim0_dim1), each of dh's shape, out_dtype, row-major contiguous."""
+    return _swiglu_bwd_qdq_impl(dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs)
+
+
+def _swiglu_bwd_qdq_impl(
+    dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None, *, traced=False
+) -> list[Tensor]:
+    """swiglu_bwd_qdq_op's body (eager calls run it directly, as `_qdq_impl`); traced: as `_qdq_impl`."""
+    if kernel == "cuda":
+        op = torch.ops.mxmoe_cuda.swiglu_bwd_qdq_dim0_dim1.default
+        return list(op(dh, g, u, block_size, MODE_IDS[scaling_mode], elem_dtype, out_dtype, offs))
+    outs = []
+    for x in swiglu_bwd(dh, g, u):  # the reference (and the Triton qdq): dg, du as the unfused code
+        args = (x, block_size, scaling_mode, elem_dtype, out_dtype, True, True, kernel, offs)
+        outs += _qdq_impl(*args, traced=True) if traced else _qdq_impl(*args)
+    return outs
+
+
+@swiglu_bwd_qdq_op.register_fake
+def _(dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None):
+    return _empty_outputs(dh, out_dtype, True, True) + _empty_outputs(dh, out_dtype, True, True)
+
+
+def _swiglu_bwd_op_args(dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None):
+    return dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs
+
+
+def _swiglu_bwd_functional_decomp(mode, op, types, args=(), kwargs=None):
+    """`_swiglu_functional_decomp` for `mxmoe::swiglu_bwd_qdq`."""
+    full = _swiglu_bwd_op_args(*args, **(kwargs or {}))
+    if not _decomposes(full[0], full[7], types):
+        return mode.__torch_dispatch__(op, types, args, kwargs or {})
+    with mode:
+        return _swiglu_bwd_qdq_impl(*full, traced=True)
+
+
+swiglu_bwd_qdq_op.register_torch_dispatch(FunctionalTensorMode, _swiglu_bwd_functional_decomp)
+
+
+def swiglu_bwd_qdq_trusted(
+    dh: Tensor, g: Tensor, u: Tensor, recipe: MXRecipe, kernel: str, out_dtype: torch.dtype,
+    offs: Tensor | None = None,
+) -> list[Tensor]:
+    """`swiglu_bwd_qdq_dim0_dim1` for a caller that checked every argument already (the MX ops): dh,
+    g, u 2D (T, C) of one dtype (made contiguous), offs None or (E,) int32 contiguous on their
+    device, the kernel from `qdq_kernels` (its k1). Returns [dg0, dg1, du0, du1], each (T, C)
+    out_dtype contiguous."""
+    dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
+    args = (dh, g, u, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, kernel, offs)
+    if torch.compiler.is_compiling() or (
+        any(t.requires_grad for t in (dh, g, u)) and torch.is_grad_enabled()
+    ):
+        return swiglu_bwd_qdq_op(*args)
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function("mxmoe::swiglu_bwd_qdq"):
+            return _swiglu_bwd_qdq_impl(*args)
+    return _swiglu_bwd_qdq_impl(*args)
+
+
+def swiglu_bwd_qdq_dim0_dim1(
+    dh: Tensor,
+    g: Tensor,
+    u: Tensor,
+    *,
+    recipe: MXRecipe = DEFAULT_RECIPE,
+    out_dtype: torch.dtype | None = None,
+    offs: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The SwiGLU backward fused with the dim0+dim1 qdq of its outputs: (dg0, dg1) =
+    `qdq_dim0_dim1(dg, recipe=recipe, out_dtype=out_dtype, offs=offs)` and (du0, du1) the same of du,
+    bit for bit, where (dg, du) = `swiglu_bwd(dh, g, u)` are the gradients of h = F.silu(g) * u as
+    eager PyTorch's autograd computes them on the inputs' device (dg = silu_backward(dh * u, g), du =
+    dh * F.silu(g), each op rounded to the dtype). The "cuda" kernel (recipe.dim1_kernel "cuda", or
+    "auto" on CUDA: mxmoe_cuda::swiglu_bwd_qdq_dim0_dim1) reads dh, g and u once and never writes dg
+    or du; "torch" (and "auto" off CUDA) and "triton" form them with torch, then run their qdq.
+
+    dh, g, u: 2D (R, C) bf16/fp32 of one shape, dtype and device, any strides (made contiguous),
+    C divisible by the block size. Returns (dg0, dg1, du0, du1): each (R, C) out_dtype (default dh's
+    dtype) row-major contiguous; 0 along C, 1 along R (in groups with offs: rows at or after offs[-1]
+    zero in all four).
+    """
+    for name, t in (("dh", dh), ("g", g), ("u", u)):
+        check_input_dtype(name, t)
+    out_dtype = dh.dtype if out_dtype is None else out_dtype
+    if dh.ndim != 2:
+        raise ValueError(f"dh must be 2D for swiglu_bwd_qdq_dim0_dim1, got shape {tuple(dh.shape)}")
+    for name, t in (("g", g), ("u", u)):
+        if t.shape != dh.shape or t.dtype != dh.dtype or t.device != dh.device:
+            raise ValueError(
+                f"{name} ({t.dtype}, shape {tuple(t.shape)}, on {t.device}) must have dh's dtype, shape and "
+                f"device ({dh.dtype}, {tuple(dh.shape)}, {dh.device})"
+            )
+    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), dh.device, True)
+    _check(dh, recipe, out_dtype, offs, kernel, "dh")
+    offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
+    dg0, dg1, du0, du1 = swiglu_bwd_qdq_trusted(dh, g, u, recipe, kernel, out_dtype, offs)
+    return dg0, dg1, du0, du1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -605,4 +737,5 @@ def qdq_dim0_dim1(
 
 
 __all__ = ["QDQ_KERNELS", "qdq", "qdq_trusted", "qdq_dim0_dim1", "qdq_kernel", "qdq_kernels", "qdq_op",
+           "swiglu_bwd", "swiglu_bwd_qdq_dim0_dim1", "swiglu_bwd_qdq_op", "swiglu_bwd_qdq_trusted",
            "swiglu_qdq_dim0_dim1", "swiglu_qdq_op", "swiglu_qdq_trusted"]

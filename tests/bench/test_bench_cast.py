@@ -50,6 +50,9 @@ def test_bytes_counted():
     assert cast._bytes("qdq dim0+dim1 rows E=8", (64, 128), 2) == 2 * n + 4 * n
     for label in cast.SWIGLU_LABELS:  # g and u read, two bf16 outputs written
         assert cast._bytes(label, (64, 128), 2) == 4 * n + 4 * n
+    assert len(cast.SWIGLU_BWD_LABELS) == 2 and set(cast.SWIGLU_BWD_LABELS).isdisjoint(cast.SWIGLU_LABELS)
+    for label in cast.SWIGLU_BWD_LABELS:  # dh, g and u read, four bf16 outputs written
+        assert cast._bytes(label, (64, 128), 2) == 6 * n + 8 * n
 
 
 def test_qdq_mode_runs_the_triton_and_cuda_kernels():
@@ -68,7 +71,8 @@ def test_refuses_without_gpu():
 @pytest.mark.gpu
 def test_qdq_rows_run_and_the_swiglu_rows_take_g_and_u():
     """Every qdq row runs on the CUDA kernels at a small shape (no error row); the two SwiGLU rows
-    time the fused and unfused cast of the same (g, u) and agree bit for bit."""
+    time the fused and unfused cast of the same (g, u) and agree bit for bit, and so do the two
+    SwiGLU backward rows on the same (dh, g, u)."""
     args = cast.build_parser().parse_args(["--mode", "qdq", "--kernel", "cuda", "--shape", "512x256",
                                            "--scaling", "rceil", "--iters", "2", "--warmup", "1"])
     (case,) = cast._cases(args)
@@ -78,6 +82,12 @@ def test_qdq_rows_run_and_the_swiglu_rows_take_g_and_u():
     fns = cast._make_fns(case, torch.float8_e4m3fn)
     g, u = cast._inputs(cast.SWIGLU_LABELS[0], case.shape, torch.float8_e4m3fn, 1)[0]
     unfused, fused = (fns[label](g, u) for label in cast.SWIGLU_LABELS)
+    for a, b in zip(unfused, fused, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    # the backward rows: the fused and unfused casts of dg and du from the same (dh, g, u)
+    dh, g, u = cast._inputs(cast.SWIGLU_BWD_LABELS[0], case.shape, torch.float8_e4m3fn, 1)[0]
+    unfused, fused = (fns[label](dh, g, u) for label in cast.SWIGLU_BWD_LABELS)
+    assert len(unfused) == len(fused) == 4
     for a, b in zip(unfused, fused, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 

@@ -17,7 +17,8 @@ before q/k/v and the SwiGLU w1/w3 shared one cast of their input, 98 before the 
 input once; 96 before the ops followed autocast, 34 of those copies of activations and their
 gradients between fp32 and bf16, which the bf16 step does not make); elementwise 228 and GEMMs 69
 in both, the MX step's elementwise ops plus the routed experts' silu recomputed in backward (one
-per layer, `mx_grouped_mm_swiglu`; on CUDA minus their forward silu and mul). Quantizer calls
+per layer, `mx_grouped_swiglu_mlp`; on CUDA minus their forward silu and mul and their backward's
+silu_backward and two muls, formed in the cuda kernels' registers). Quantizer calls
 per step (weights cast at each use, no cast cache): 72, 80 before the
 shared casts (`test_mx_step_shares_input_casts`).
 """
@@ -38,7 +39,8 @@ import mxmoe.ops.gemm as gemm_mod
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe.models.moe import Transformer, model_args
 from mxmoe.nn.converter import convert
-from mxmoe.ops import mx_grouped_mm, mx_mm
+from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_swiglu, mx_mm
+from mxmoe.quant import cuda_cast
 from mxmoe.recipe import MXRecipe
 
 COPIES = {"_to_copy", "copy_", "clone"}  # .contiguous() / .reshape() copies dispatch as clone
@@ -173,23 +175,30 @@ def test_mx_step_elementwise_and_gemms_as_bf16(models, monkeypatch):
     the same shapes and dtypes: no elementwise work in fp32 where bf16 runs bf16, no extra pass)
     and its GEMMs (on CPU the same calls; on CUDA as many per phase: the experts' grouped GEMMs are
     mxmoe::grouped_mm_hp there, around torch._grouped_mm, its wgrad in the parameter's layout).
-    One exception, the routed experts' SwiGLU (`mx_grouped_mm_swiglu`): its backward recomputes
+    One exception, the routed experts' SwiGLU (`mx_grouped_swiglu_mlp`): its backward recomputes
     F.silu(g) (it keeps g and u, not F.silu(g) and h; under torch.compile inductor fuses the
     recompute into the backward's elementwise kernel), and on CUDA its forward runs no silu and no
-    mul (h is formed inside the fused cast; on CPU the torch reference forms it with both ops)."""
+    mul (h is formed inside the fused cast; on CPU the torch reference forms it with both ops) and
+    its backward no silu, silu_backward and muls (dg and du are formed inside the fused cast)."""
     bf16, mx, fqns = models
     b, m = one_step(bf16, fqns, monkeypatch), one_step(mx, fqns, monkeypatch)
     got, want = m.of("elementwise"), b.of("elementwise")
     extra, missing = got - want, want - got
     n_layers = len(mx.layers)
-    assert want and len(extra) == 1, (dict(extra), dict(missing))
-    ((cat, phase, op, key, dtype), n), = extra.items()
-    assert (phase, op, n, dtype) == ("bwd", "silu", n_layers, torch.bfloat16), extra
-    fused_fwd = collections.Counter({("elementwise", "fwd", name, k, dtype): n_layers
-                                     for name, k in (("silu", key), ("mul", key * 2))})
-    # the cuda kernel (the default recipe where the extension builds); the Triton qdq and the torch
-    # reference form h with torch's silu and mul
-    assert not missing or (next(mx.parameters()).is_cuda and missing == fused_fwd), dict(missing)
+    assert want
+    if not missing:  # the torch reference (and the Triton qdq) forms h, dg and du with torch's ops
+        assert len(extra) == 1, (dict(extra), dict(missing))
+        ((cat, phase, op, key, dtype), n), = extra.items()
+        assert (phase, op, n, dtype) == ("bwd", "silu", n_layers, torch.bfloat16), extra
+    else:  # the cuda kernels (the default recipe where the extension builds): none of them
+        assert next(mx.parameters()).is_cuda and not extra, (dict(extra), dict(missing))
+        key = next(k[3] for k in missing if k[1:3] == ("fwd", "silu"))
+        fused = collections.Counter({
+            ("elementwise", phase, name, k, torch.bfloat16): n * n_layers
+            for phase, name, k, n in (("fwd", "silu", key, 1), ("fwd", "mul", key * 2, 1),
+                                      ("bwd", "mul", key * 2, 2), ("bwd", "silu_backward", key * 2, 1))
+        })
+        assert missing == fused, dict(missing)
     got, want = m.of("gemm"), b.of("gemm")
     assert want
     if next(mx.parameters()).is_cuda:
@@ -204,7 +213,8 @@ def test_mx_step_shares_input_casts(models, monkeypatch):
     expert's) cast their common input once: per layer the forward makes 2 + 1 + 1 quantizer calls
     fewer than with one single op per weight (the casts of x along K and along M, one fused call
     each), 8 on this model (2 layers): 72 calls per step instead of 80 on CPU. The backward's casts
-    (each dy, each weight) are unchanged. Same loss bits both ways."""
+    (each dy, each weight) are unchanged, except on CUDA the routed experts' casts of dg and du
+    (`mx_grouped_swiglu_mlp`: the cuda kernel, no qdq call; 2 per layer). Same loss bits both ways."""
     bf16, mx, fqns = models
     mx.zero_grad(set_to_none=True)  # the other tests' steps left theirs
     shared = one_step(mx, fqns, monkeypatch)
@@ -213,15 +223,18 @@ def test_mx_step_shares_input_casts(models, monkeypatch):
     monkeypatch.setattr(linear_mod, "mx_mm_shared", lambda x, bs, c: tuple(mx_mm(x, b, c) for b in bs))
     monkeypatch.setattr(
         experts_mod,
-        "mx_grouped_mm_shared",
-        lambda x, bs, offs, c: tuple(mx_grouped_mm(x, b, offs, c) for b in bs),
+        "mx_grouped_swiglu_mlp",
+        lambda x, w1_t, w3_t, w2_t, offs, c: mx_grouped_mm_swiglu(
+            mx_grouped_mm(x, w1_t, offs, c), mx_grouped_mm(x, w3_t, offs, c), w2_t, offs, c
+        ),
     )
     single = one_step(mx, fqns, monkeypatch)
     grads_single = [p.grad.clone() for p in mx.parameters() if p.grad is not None]
     mx.zero_grad(set_to_none=True)
     n_layers = len(mx.layers)
     assert n_layers == 2
-    assert single.qdq_calls - shared.qdq_calls == n_layers * (2 + 1 + 1)
+    bwd_fused = 2 * n_layers if next(mx.parameters()).is_cuda and cuda_cast.ops_loaded else 0
+    assert single.qdq_calls - shared.qdq_calls == n_layers * (2 + 1 + 1) + bwd_fused
     if not next(mx.parameters()).is_cuda:
         assert (shared.qdq_calls, single.qdq_calls) == (72, 80)
     assert len(grads) == len(grads_single) > 0

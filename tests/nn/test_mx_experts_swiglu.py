@@ -1,7 +1,9 @@
-"""MXGroupedExperts with the fused SwiGLU + qdq cast of the w2 input (`mx_grouped_mm_swiglu`):
-the loss and every gradient (x, w1, w2, w3) equal bit for bit to the unfused experts (h = F.silu(g)
-* u written, then mx_grouped_mm), bf16 and fp32, ragged and empty groups and tokens after the last
-group; torch.compile(fullgraph=True) traces it; GPU (marked gpu) with the default recipe."""
+"""MXGroupedExperts with the fused SwiGLU + qdq cast of the w2 input and, in backward, the fused
+SwiGLU backward + qdq casts of dg and du (`mx_grouped_swiglu_mlp`): the loss and every gradient (x,
+w1, w2, w3) equal bit for bit to the unfused experts (h = F.silu(g) * u written, then
+mx_grouped_mm; dg and du written by autograd, then cast), bf16 and fp32, ragged and empty groups
+and tokens after the last group; torch.compile(fullgraph=True) traces it; GPU (marked gpu) with the
+default recipe."""
 
 from __future__ import annotations
 
@@ -57,15 +59,18 @@ def make(dtype, device="cpu", cfg=CFG, T=64):
 @pytest.mark.parametrize("counts", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_experts_fused_swiglu_bit_identical(monkeypatch, counts, dtype):
-    calls = []
-    impl = qdq_mod._swiglu_qdq_impl
+    calls, bwd_calls = [], []
+    impl, bwd_impl = qdq_mod._swiglu_qdq_impl, qdq_mod._swiglu_bwd_qdq_impl
     monkeypatch.setattr(qdq_mod, "_swiglu_qdq_impl", lambda *a, **k: calls.append(1) or impl(*a, **k))
+    monkeypatch.setattr(qdq_mod, "_swiglu_bwd_qdq_impl",
+                        lambda *a, **k: bwd_calls.append(1) or bwd_impl(*a, **k))
     ex, x, dy = make(dtype)
     c = torch.tensor(counts)
     want = loss_and_grads(ex, unfused_forward, x, c, dy)
-    assert not calls
+    assert not calls and not bwd_calls
     got = loss_and_grads(ex, MXGroupedExperts.forward, x, c, dy)
     assert calls == [1]  # the w2 input cast: the fused op
+    assert bwd_calls == [1]  # the casts of dg and du: the fused backward op
     assert_bits(got, want)
 
 

@@ -35,6 +35,13 @@
 //       g, u of one shape (..., R, C) and dtype (bf16/fp32), contiguous, C % block_size == 0:
 //       qdq_dim0_dim1(h, offs) of h = silu(g) * u formed as eager PyTorch forms `F.silu(g) * u`,
 //       in one pass without writing h (block 32, 16-byte aligned; else h from at::silu and mul)
+//   swiglu_bwd_qdq_dim0_dim1(Tensor dh, Tensor g, Tensor u, int block_size, int mode,
+//                            ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None)
+//       -> (Tensor dg0, Tensor dg1, Tensor du0, Tensor du1)
+//       dh, g, u of one shape (..., R, C) and dtype (bf16/fp32), contiguous, C % block_size == 0:
+//       qdq_dim0_dim1(dg, offs) and qdq_dim0_dim1(du, offs) of the SwiGLU backward dg =
+//       silu_backward(dh * u, g), du = dh * silu(g) formed as eager PyTorch forms them, in one pass
+//       without writing dg and du (block 32, 16-byte aligned; else dg, du from ATen's ops)
 //   zero_rows_after(Tensor(a!) out, Tensor offs) -> ()
 //       out (T, N) bf16/fp32, unit column stride, any row stride (torch._grouped_mm's output, its
 //       row stride padded); offs (E >= 1,) int32 cumulative group ends on out's device, any stride:
@@ -389,6 +396,58 @@ std::tuple<Tensor, Tensor> swiglu_qdq_dim0_dim1(const Tensor& g, const Tensor& u
   return {y0, y1};
 }
 
+// The SwiGLU backward of h = silu(g) * u given dh (as eager PyTorch: du = dh * silu(g), dg =
+// silu_backward(dh * u, g)), then qdq_dim0_dim1 of dg and of du with offs, without dg and du in memory
+// where the one-pass kernel applies (block 32, 16-byte aligned); else dg and du are formed with ATen's
+// own ops (the definition) and cast by mx_qdq_dim0_dim1.
+std::tuple<Tensor, Tensor, Tensor, Tensor> swiglu_bwd_qdq_dim0_dim1(const Tensor& dh, const Tensor& g, const Tensor& u,
+                                                                    int64_t block_size, int64_t mode,
+                                                                    at::ScalarType elem, at::ScalarType out_dtype,
+                                                                    const std::optional<Tensor>& offs_) {
+  const Tensor offs = check_qdq_rows(dh, block_size, mode, elem, out_dtype, offs_, "dh");
+  auto check_like_dh = [&](const Tensor& t, const char* name) {
+    TORCH_CHECK_WITH(Error, t.device() == dh.device(), msg("mxmoe_cuda: ", name, " is on ", t.device(), ", dh on ", dh.device()));
+    TORCH_CHECK_TYPE(t.scalar_type() == dh.scalar_type(), msg("mxmoe_cuda: ", name, " is ", t.scalar_type(), "; expected dh's dtype ", dh.scalar_type()));
+    TORCH_CHECK_WITH(Error, t.sizes() == dh.sizes() && t.is_contiguous(), msg("mxmoe_cuda: ", name, " must be contiguous of dh's shape ", dh.sizes(), ", got shape ", t.sizes(), " strides ", t.strides()));
+  };
+  check_like_dh(g, "g");
+  check_like_dh(u, "u");
+  const int64_t R = dh.size(-2), C = dh.size(-1);
+  TORCH_CHECK_WITH(Error, C % block_size == 0, msg("mxmoe_cuda: dh.shape[-1]=", C, " is not divisible by block_size=", block_size));
+  const c10::cuda::CUDAGuard guard(dh.device());
+  const auto opts = dh.options().dtype(out_dtype);
+  Tensor dg0 = at::empty(dh.sizes(), opts), dg1 = at::empty(dh.sizes(), opts);
+  Tensor du0 = at::empty(dh.sizes(), opts), du1 = at::empty(dh.sizes(), opts);
+  if (dh.numel()) {
+    const int in = float_code(dh.scalar_type(), "dh"), od = float_code(out_dtype, "out_dtype");
+    const int el = elem_code(elem, "elem_dtype");
+    const ElemConstants k = constants(el);
+    const GroupArgs ga = group_args(offs);
+    const auto t127 = static_cast<uint32_t>(k.t127), t126 = static_cast<uint32_t>(k.t126);
+    const float c = c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits));
+    const int64_t B = dh.numel() / (R * C);
+    const int bs = static_cast<int>(block_size), md = static_cast<int>(mode);
+    if (mx_swiglu_bwd_qdq_one_pass(in, dh.data_ptr(), g.data_ptr(), u.data_ptr(), dg0.data_ptr(), dg1.data_ptr(),
+                                   du0.data_ptr(), du1.data_ptr(), C, bs)) {
+      check_launch(mx_swiglu_bwd_qdq_dim0_dim1(dh.data_ptr(), g.data_ptr(), u.data_ptr(), in, dg0.data_ptr(),
+                                               dg1.data_ptr(), du0.data_ptr(), du1.data_ptr(), od, B, R, C, bs, md, el,
+                                               t127, t126, c, ga.offs, ga.E, ga.pend, stream_of(dh)),
+                   "mx_swiglu_bwd_qdq_dim0_dim1");
+    } else {
+      const Tensor du = dh * at::silu(g);
+      const Tensor dg = at::silu_backward(dh * u, g);
+      auto cast = [&](const Tensor& x, Tensor& y0, Tensor& y1) {
+        check_launch(mx_qdq_dim0_dim1(x.data_ptr(), in, y0.data_ptr(), y1.data_ptr(), od, B, R, C, bs, md, el, t127,
+                                      t126, c, ga.offs, ga.E, ga.pend, stream_of(x)),
+                     "mx_qdq_dim0_dim1");
+      };
+      cast(dg, dg0, dg1);
+      cast(du, du0, du1);
+    }
+  }
+  return {dg0, dg1, du0, du1};
+}
+
 void zero_rows_after(Tensor& out, const Tensor& offs) {
   TORCH_CHECK_WITH(Error, out.is_cuda(), msg("mxmoe_cuda: out must be a CUDA tensor, got device ", out.device()));
   TORCH_CHECK_WITH(Error, out.dim() == 2 && out.stride(1) == 1, msg("mxmoe_cuda: out must be 2D (T, N) with unit column stride, got shape ", out.sizes(), " strides ", out.strides()));
@@ -422,6 +481,7 @@ TORCH_LIBRARY(mxmoe_cuda, m) {
   m.def("qdq_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> Tensor");
   m.def("qdq_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> (Tensor, Tensor)");
   m.def("swiglu_qdq_dim0_dim1(Tensor g, Tensor u, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> (Tensor, Tensor)");
+  m.def("swiglu_bwd_qdq_dim0_dim1(Tensor dh, Tensor g, Tensor u, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("zero_rows_after(Tensor(a!) out, Tensor offs) -> ()");
   m.def("format_constants(ScalarType elem_dtype) -> int[]", &format_constants);
 }
@@ -438,5 +498,6 @@ TORCH_LIBRARY_IMPL(mxmoe_cuda, CUDA, m) {
   m.impl("qdq_dim1", &qdq_dim1);
   m.impl("qdq_dim0_dim1", &qdq_dim0_dim1);
   m.impl("swiglu_qdq_dim0_dim1", &swiglu_qdq_dim0_dim1);
+  m.impl("swiglu_bwd_qdq_dim0_dim1", &swiglu_bwd_qdq_dim0_dim1);
   m.impl("zero_rows_after", &zero_rows_after);
 }

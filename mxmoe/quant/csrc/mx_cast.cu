@@ -31,6 +31,10 @@
 //   SwiGLU + qdq dim0+dim1, block 32: qdq_dim1_kernel's fused variant with the SWIGLU prologue: it
 //                     loads g and u and forms h = silu(g) * u in registers (swiglu_vec), as eager
 //                     PyTorch does; h is never written (mx_swiglu_qdq_dim0_dim1).
+//   SwiGLU backward + qdq dim0+dim1 of dg and du, block 32: swiglu_bwd_qdq_kernel, qdq_dim1_kernel's
+//                     units and casts (qdq_dim1_cast) on dg and du formed in registers from one read
+//                     of dh, g and u (swiglu_bwd_vec), as eager PyTorch's `dh * F.silu(g)` and
+//                     `silu_backward(dh * u, g)`; dg and du are never written (mx_swiglu_bwd_qdq_dim0_dim1).
 //   other block sizes or misaligned pointers: generic kernels, one thread per block (correct, slow).
 //   rows after the last group (mx_zero_rows_after; torch._grouped_mm's output, the grouped qdq's
 //                     generic path): zero_rows_after_kernel, a warp per row, 16-byte stores where
@@ -856,13 +860,20 @@ __global__ void __launch_bounds__(kThreads) zero_rows_after_kernel(U* __restrict
 // except expf, CUDA's libdevice function: the same one ATen's kernel calls, bit for bit as long as
 // torch and this extension are built with CUDA math libraries that agree (the GPU test compares
 // against torch on the device).
-__device__ __forceinline__ float silu_f32(float x) {
-  float d, one_e;
-  const float e = expf(-x);
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(one_e) : "f"(1.0f), "f"(e));
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(x), "f"(one_e));
+__device__ __forceinline__ float div_rn(float a, float b) {
+  float d;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
   return d;
 }
+
+// 1 + exp(-x): the denominator of silu and of silu's backward (ATen's kernels, one expf each).
+__device__ __forceinline__ float one_plus_exp_neg(float x) {
+  float d;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(1.0f), "f"(expf(-x)));
+  return d;
+}
+
+__device__ __forceinline__ float silu_f32(float x) { return div_rn(x, one_plus_exp_neg(x)); }
 
 // Two fp32 values -> a bf16x2 word (lo in the low half), each rounded to nearest even (NaN: the
 // canonical bf16 NaN, as torch's CUDA float -> bf16 conversion).
@@ -888,6 +899,56 @@ template <int IN>
 __device__ __forceinline__ uint4 swiglu_vec(const uint4& g, const uint4& u) {
   return make_uint4(swiglu_word<IN>(g.x, u.x), swiglu_word<IN>(g.y, u.y), swiglu_word<IN>(g.z, u.z),
                     swiglu_word<IN>(g.w, u.w));
+}
+
+// SwiGLU backward (swiglu_bwd_qdq_dim0_dim1): given dh = dL/dh of h = F.silu(g) * u, dg and du as
+// the unfused backward forms them on CUDA, one eager op after another, each result rounded to the
+// input dtype: du = dh * F.silu(g) (silu as above, then mul) and dg = aten::silu_backward(dh * u, g).
+// silu_backward: ATen's silu_backward_kernel (ActivationSiluKernel.cu) in fp32, s = 1 / (1 + exp(-x)),
+// dy * s * (1 + x * (1 - s)) evaluated left to right. nvcc (default -fmad=true, as ATen is built)
+// compiles that expression (sm_90 PTX) to rcp.rn(1 + e), mul(dy, s), sub(1, s), fma.rn(x, 1 - s, 1),
+// mul: 1 + x * (1 - s) is one fma, written so here (fma.rn), the rest as the same IEEE operations
+// (div.rn(1, d) == rcp.rn(d)). It also contracts 1 + expf(-x) with expf's last product, a power of
+// two times ex2's result: exact unless subnormal (then 1 + e rounds to 1 either way), so add.rn of
+// expf's value gives the same bits. expf is shared with silu (the same value). d = 1 + exp(-x).
+__device__ __forceinline__ float silu_bwd_f32(float dy, float x, float d) {
+  float one_s, k;
+  const float s = div_rn(1.0f, d);
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(one_s) : "f"(1.0f), "f"(s));
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(k) : "f"(x), "f"(one_s), "f"(1.0f));
+  return mul_rn(mul_rn(dy, s), k);
+}
+
+// One 32-bit word of dh, g and u (two bf16 or one fp32 element) -> the words of dg (in dh) and du
+// (in u).
+template <int IN>
+__device__ __forceinline__ void swiglu_bwd_word(uint32_t& dh, uint32_t g, uint32_t& u) {
+  if constexpr (IN == MX_BF16) {
+    const float x0 = __uint_as_float(g << 16), x1 = __uint_as_float(g & 0xFFFF0000u);
+    const float h0 = __uint_as_float(dh << 16), h1 = __uint_as_float(dh & 0xFFFF0000u);
+    const float d0 = one_plus_exp_neg(x0), d1 = one_plus_exp_neg(x1);
+    const uint32_t s = bf16x2_rn(div_rn(x0, d0), div_rn(x1, d1));  // F.silu(g)
+    const uint32_t t = bf16x2_rn(mul_rn(h0, __uint_as_float(u << 16)),  // dh * u
+                                 mul_rn(h1, __uint_as_float(u & 0xFFFF0000u)));
+    u = bf16x2_rn(mul_rn(h0, __uint_as_float(s << 16)), mul_rn(h1, __uint_as_float(s & 0xFFFF0000u)));
+    dh = bf16x2_rn(silu_bwd_f32(__uint_as_float(t << 16), x0, d0),
+                   silu_bwd_f32(__uint_as_float(t & 0xFFFF0000u), x1, d1));
+  } else {
+    const float x = __uint_as_float(g), h = __uint_as_float(dh);
+    const float d = one_plus_exp_neg(x);
+    const float t = mul_rn(h, __uint_as_float(u));
+    u = __float_as_uint(mul_rn(h, div_rn(x, d)));
+    dh = __float_as_uint(silu_bwd_f32(t, x, d));
+  }
+}
+
+// 16-byte vectors of dh, g, u -> dg in dh, du in u.
+template <int IN>
+__device__ __forceinline__ void swiglu_bwd_vec(uint4& dh, const uint4& g, uint4& u) {
+  swiglu_bwd_word<IN>(dh.x, g.x, u.x);
+  swiglu_bwd_word<IN>(dh.y, g.y, u.y);
+  swiglu_bwd_word<IN>(dh.z, g.z, u.z);
+  swiglu_bwd_word<IN>(dh.w, g.w, u.w);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -917,50 +978,32 @@ __device__ __forceinline__ uint4 swiglu_vec(const uint4& g, const uint4& u) {
 // SWIGLU (with FUSED: swiglu_qdq_dim0_dim1): x is g and xu is u (same layout); the thread loads its
 // NR vectors of both and forms h = silu(g) * u (swiglu_vec) before the casts, so h is never in memory;
 // RL = 4 for both input dtypes (fp32 at RL = 2 spills 88 bytes with the u vectors).
-template <int IN, int OUT, int ELEM, bool FUSED, int RL, bool SWIGLU = false>
-__global__ void __launch_bounds__(kThreads, 2) qdq_dim1_kernel(const uint4* __restrict__ x, uint32_t* __restrict__ y1,
-                                                               uint32_t* __restrict__ y0, int64_t R, int64_t ncvt,
-                                                               int64_t nbm, int64_t ncc, int64_t units, Groups g,
-                                                               ScaleArgs p, const uint4* __restrict__ xu = nullptr) {
+// The rows of the 32-row block of warp unit `unit` (see qdq_dim1_kernel): [t0, t_end) flat over the
+// matrices, in_group false for the rows after the last group. False: no rows (the warp returns).
+__device__ __forceinline__ bool unit_rows(int64_t rbg, int64_t R, int64_t nbm, const Groups& g, int64_t& t0,
+                                          int64_t& t_end, bool& in_group) {
+  in_group = true;
+  if (g.offs != nullptr) {  // x is (R, C): block rbg of the padded row space
+    in_group = group_block(g, R, 32, rbg, t0, t_end);
+    return t0 < t_end;
+  }
+  const int64_t m = rbg / nbm;  // matrix m: rows m * R .. m * R + R - 1
+  t0 = m * R + (rbg - m * nbm) * 32;
+  t_end = m * R + R;
+  return true;
+}
+
+// The casts of qdq_dim1_kernel on a thread's NR row vectors v (rows row0 .. row0 + nrows - 1 of
+// column vector cv; zeros past nrows): FUSED, the dim0 qdq into y0; then the dim1 qdq into y1.
+// Every lane of the warp calls it (shuffles).
+template <int IN, int OUT, int ELEM, bool FUSED, int RL>
+__device__ __forceinline__ void qdq_dim1_cast(const uint4 (&v)[32 / RL], uint32_t* __restrict__ y1,
+                                              uint32_t* __restrict__ y0, int64_t row0, int64_t ncvt, int64_t cv,
+                                              int nrows, bool col_ok, const ScaleArgs& p) {
   constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));  // elements (columns) per vector: 8 / 4
   constexpr int NCV = 32 / RL;                                  // column vectors per unit
   constexpr int NR = 32 / RL;                                   // rows per thread (RL lanes per column)
   constexpr int NWO = OUT == MX_BF16 ? VEC / 2 : VEC;           // 32-bit output words per row vector
-  const int lane = threadIdx.x & 31;
-  const int64_t unit = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
-  if (unit >= units) return;  // uniform per warp: the warps that go on keep all their lanes
-  const int64_t cc = unit % ncc, rbg = unit / ncc;
-  int64_t t0, t_end;  // the block's rows (flat over the matrices)
-  bool in_group = true;
-  if (g.offs != nullptr) {  // x is (R, C): block rbg of the padded row space
-    in_group = group_block(g, R, 32, rbg, t0, t_end);
-    if (t0 >= t_end) return;  // uniform per warp, as above
-  } else {  // matrix m: rows m * R .. m * R + R - 1
-    const int64_t m = rbg / nbm;
-    t0 = m * R + (rbg - m * nbm) * 32;
-    t_end = m * R + R;
-  }
-  const int64_t cv = cc * NCV + (lane % NCV);
-  const int half = lane / NCV;
-  const int64_t row0 = t0 + half * NR;  // this thread's first row
-  const int64_t left = t_end - row0;    // the block's rows from row0 on (may be <= 0)
-  const int nrows = static_cast<int>(left < 0 ? 0 : (left < NR ? left : NR));
-  const bool col_ok = cv < ncvt;
-  uint4 v[NR];
-  // rows in no group read as zeros, whose qdq is +0 both ways (the rows kernel's convention)
-#pragma unroll
-  for (int j = 0; j < NR; ++j) {
-    v[j] = in_group && col_ok && j < nrows ? __ldcs(x + (row0 + j) * ncvt + cv) : make_uint4(0u, 0u, 0u, 0u);
-  }
-  if constexpr (SWIGLU) {  // x is g: every load of u issued, then h = silu(g) * u in place (zeros stay +0)
-    uint4 w[NR];
-#pragma unroll
-    for (int j = 0; j < NR; ++j) {
-      w[j] = in_group && col_ok && j < nrows ? __ldcs(xu + (row0 + j) * ncvt + cv) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int j = 0; j < NR; ++j) v[j] = swiglu_vec<IN>(v[j], w[j]);
-  }
   if constexpr (FUSED) {  // dim0: every lane runs quantize_vec32 (shuffles); zero rows are not stored
 #pragma unroll
     for (int j = 0; j < NR; ++j) {
@@ -1028,6 +1071,83 @@ __global__ void __launch_bounds__(kThreads, 2) qdq_dim1_kernel(const uint4* __re
     uint32_t* dst = y1 + ((row0 + j) * ncvt + cv) * NWO;
     store_words_cs<NWO>(dst, o);
   }
+}
+
+// NR 16-byte vectors of rows row0 .. row0 + nrows - 1 of column vector cv (streaming loads); zeros
+// past nrows and for rows in no group (whose qdq is +0 both ways, the rows kernel's convention).
+template <int NR>
+__device__ __forceinline__ void load_rows(uint4 (&v)[NR], const uint4* __restrict__ x, int64_t row0, int64_t ncvt,
+                                          int64_t cv, int nrows, bool ok) {
+#pragma unroll
+  for (int j = 0; j < NR; ++j) v[j] = ok && j < nrows ? __ldcs(x + (row0 + j) * ncvt + cv) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+template <int IN, int OUT, int ELEM, bool FUSED, int RL, bool SWIGLU = false>
+__global__ void __launch_bounds__(kThreads, 2) qdq_dim1_kernel(const uint4* __restrict__ x, uint32_t* __restrict__ y1,
+                                                               uint32_t* __restrict__ y0, int64_t R, int64_t ncvt,
+                                                               int64_t nbm, int64_t ncc, int64_t units, Groups g,
+                                                               ScaleArgs p, const uint4* __restrict__ xu = nullptr) {
+  constexpr int NCV = 32 / RL;  // column vectors per unit
+  constexpr int NR = 32 / RL;   // rows per thread (RL lanes per column)
+  const int lane = threadIdx.x & 31;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
+  if (unit >= units) return;  // uniform per warp: the warps that go on keep all their lanes
+  const int64_t cc = unit % ncc;
+  int64_t t0, t_end;  // the block's rows (flat over the matrices)
+  bool in_group;
+  if (!unit_rows(unit / ncc, R, nbm, g, t0, t_end, in_group)) return;  // uniform per warp, as above
+  const int64_t cv = cc * NCV + (lane % NCV);
+  const int half = lane / NCV;
+  const int64_t row0 = t0 + half * NR;  // this thread's first row
+  const int64_t left = t_end - row0;    // the block's rows from row0 on (may be <= 0)
+  const int nrows = static_cast<int>(left < 0 ? 0 : (left < NR ? left : NR));
+  const bool col_ok = cv < ncvt;
+  uint4 v[NR];
+  load_rows<NR>(v, x, row0, ncvt, cv, nrows, in_group && col_ok);
+  if constexpr (SWIGLU) {  // x is g: every load of u issued, then h = silu(g) * u in place (zeros stay +0)
+    uint4 w[NR];
+    load_rows<NR>(w, xu, row0, ncvt, cv, nrows, in_group && col_ok);
+#pragma unroll
+    for (int j = 0; j < NR; ++j) v[j] = swiglu_vec<IN>(v[j], w[j]);
+  }
+  qdq_dim1_cast<IN, OUT, ELEM, FUSED, RL>(v, y1, y0, row0, ncvt, cv, nrows, col_ok, p);
+}
+
+// The SwiGLU backward then the dim0+dim1 qdq of both its outputs (swiglu_bwd_qdq_dim0_dim1): the
+// units, loads and casts of qdq_dim1_kernel's FUSED variant, on dh, g and u (one layout) read once;
+// each thread forms dg and du of its NR row vectors in registers (swiglu_bwd_vec) and casts dg into
+// dg0 / dg1, then du into du0 / du1. Rows in no group load as zeros: dg = du = +0 there.
+template <int IN, int OUT, int ELEM, int RL>
+__global__ void __launch_bounds__(kThreads, 2)
+    swiglu_bwd_qdq_kernel(const uint4* __restrict__ dh, const uint4* __restrict__ g, const uint4* __restrict__ u,
+                          uint32_t* __restrict__ dg0, uint32_t* __restrict__ dg1, uint32_t* __restrict__ du0,
+                          uint32_t* __restrict__ du1, int64_t R, int64_t ncvt, int64_t nbm, int64_t ncc,
+                          int64_t units, Groups gr, ScaleArgs p) {
+  constexpr int NCV = 32 / RL;
+  constexpr int NR = 32 / RL;
+  const int lane = threadIdx.x & 31;
+  const int64_t unit = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
+  if (unit >= units) return;
+  const int64_t cc = unit % ncc;
+  int64_t t0, t_end;
+  bool in_group;
+  if (!unit_rows(unit / ncc, R, nbm, gr, t0, t_end, in_group)) return;
+  const int64_t cv = cc * NCV + (lane % NCV);
+  const int64_t row0 = t0 + (lane / NCV) * NR;
+  const int64_t left = t_end - row0;
+  const int nrows = static_cast<int>(left < 0 ? 0 : (left < NR ? left : NR));
+  const bool col_ok = cv < ncvt;
+  uint4 a[NR], b[NR];
+  {
+    uint4 c[NR];  // every load issued before the first use
+    load_rows<NR>(a, dh, row0, ncvt, cv, nrows, in_group && col_ok);
+    load_rows<NR>(c, g, row0, ncvt, cv, nrows, in_group && col_ok);
+    load_rows<NR>(b, u, row0, ncvt, cv, nrows, in_group && col_ok);
+#pragma unroll
+    for (int j = 0; j < NR; ++j) swiglu_bwd_vec<IN>(a[j], c[j], b[j]);  // a: dg, b: du
+  }
+  qdq_dim1_cast<IN, OUT, ELEM, true, RL>(a, dg1, dg0, row0, ncvt, cv, nrows, col_ok, p);
+  qdq_dim1_cast<IN, OUT, ELEM, true, RL>(b, du1, du0, row0, ncvt, cv, nrows, col_ok, p);
 }
 
 // Any block size, any alignment: one thread per (row block, column); row blocks of bs rows from
@@ -1345,22 +1465,50 @@ bool qdq_dim1_fast(int in_dtype, const void* x, const void* y0, const void* y1, 
 // The dim1 (FUSED: dim0 + dim1) qdq of x (B, R, C) into y1 (and y0) with qdq_dim1_kernel
 // (qdq_dim1_fast holds).
 // SWIGLU: x is g, u the SwiGLU's second input (h = silu(g) * u is cast; FUSED only).
+// qdq_dim1_kernel's (and swiglu_bwd_qdq_kernel's) units of x (B, R, C) at RL lanes per column.
+template <int IN, int RL>
+struct DimUnits {
+  int64_t ncvt, nbm, ncc, units, ctas;
+  DimUnits(int64_t B, int64_t R, int64_t C, const Groups& g) {
+    constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
+    constexpr int NCV = 32 / RL;
+    ncvt = C / VEC;
+    nbm = (R + 31) / 32;
+    ncc = (ncvt + NCV - 1) / NCV;
+    // with groups (B == 1): an upper bound on the padded row space's blocks, as the rows kernel's grid
+    units = (g.offs != nullptr ? (R + 31 * static_cast<int64_t>(g.E) + 31) / 32 : B * nbm) * ncc;
+    constexpr int64_t kWarps = kThreads / 32;
+    ctas = (units + kWarps - 1) / kWarps;
+  }
+};
+
 template <int IN, int OUT, int EL, bool FUSED, bool SWIGLU = false>
 cudaError_t launch_qdq_dim1(const void* x, void* y0, void* y1, int64_t B, int64_t R, int64_t C, const Groups& g,
                             const ScaleArgs& p, cudaStream_t st, const void* u = nullptr) {
-  constexpr int VEC = 16 / static_cast<int>(sizeof(Raw<IN>));
   // lanes per column: registers (see the kernel; fp32 SWIGLU spills at RL = 2, its u vectors on top)
   constexpr int RL = FUSED && (IN == MX_BF16 || SWIGLU) ? 4 : 2;
-  constexpr int NCV = 32 / RL;
-  const int64_t ncvt = C / VEC, nbm = (R + 31) / 32, ncc = (ncvt + NCV - 1) / NCV;
-  // with groups (B == 1): an upper bound on the padded row space's blocks, as the rows kernel's grid
-  const int64_t units = (g.offs != nullptr ? (R + 31 * static_cast<int64_t>(g.E) + 31) / 32 : B * nbm) * ncc;
-  constexpr int64_t kWarps = kThreads / 32;
-  const int64_t want = (units + kWarps - 1) / kWarps;
-  if (want > INT_MAX) return cudaErrorInvalidValue;
-  qdq_dim1_kernel<IN, OUT, EL, FUSED, RL, SWIGLU><<<static_cast<unsigned>(want), kThreads, 0, st>>>(
-      static_cast<const uint4*>(x), static_cast<uint32_t*>(y1), static_cast<uint32_t*>(y0), R, ncvt, nbm, ncc,
-      units, g, p, static_cast<const uint4*>(u));
+  const DimUnits<IN, RL> d(B, R, C, g);
+  if (d.ctas > INT_MAX) return cudaErrorInvalidValue;
+  qdq_dim1_kernel<IN, OUT, EL, FUSED, RL, SWIGLU><<<static_cast<unsigned>(d.ctas), kThreads, 0, st>>>(
+      static_cast<const uint4*>(x), static_cast<uint32_t*>(y1), static_cast<uint32_t*>(y0), R, d.ncvt, d.nbm, d.ncc,
+      d.units, g, p, static_cast<const uint4*>(u));
+  return launch_status();
+}
+
+// swiglu_bwd_qdq_kernel on dh, g, u (B, R, C) (qdq_dim1_fast holds for each input and output).
+template <int IN, int OUT, int EL>
+cudaError_t launch_swiglu_bwd_qdq(const void* dh, const void* g, const void* u, void* dg0, void* dg1, void* du0,
+                                  void* du1, int64_t B, int64_t R, int64_t C, const Groups& gr, const ScaleArgs& p,
+                                  cudaStream_t st) {
+  // lanes per column: fp32 as the SWIGLU variant (NR = 8 rows per thread), bf16 8 (NR = 4; at 4 its
+  // three inputs' vectors and dg, du spill ~120 bytes at 128 registers)
+  constexpr int RL = IN == MX_BF16 ? 8 : 4;
+  const DimUnits<IN, RL> d(B, R, C, gr);
+  if (d.ctas > INT_MAX) return cudaErrorInvalidValue;
+  swiglu_bwd_qdq_kernel<IN, OUT, EL, RL><<<static_cast<unsigned>(d.ctas), kThreads, 0, st>>>(
+      static_cast<const uint4*>(dh), static_cast<const uint4*>(g), static_cast<const uint4*>(u),
+      static_cast<uint32_t*>(dg0), static_cast<uint32_t*>(dg1), static_cast<uint32_t*>(du0), static_cast<uint32_t*>(du1),
+      R, d.ncvt, d.nbm, d.ncc, d.units, gr, p);
   return launch_status();
 }
 
@@ -1476,6 +1624,37 @@ cudaError_t mx_swiglu_qdq_dim0_dim1(const void* g, const void* u, int in_dtype, 
   return dispatch_out(in_dtype, elem, out_dtype, [&](auto codes, auto out_code) -> cudaError_t {
     constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second, OUT = decltype(out_code)::value;
     return launch_qdq_dim1<IN, OUT, EL, true, true>(g, y0, y1, batch, rows, cols, gr, p, st, u);
+  });
+}
+
+bool mx_swiglu_bwd_qdq_one_pass(int in_dtype, const void* dh, const void* g, const void* u, const void* dg0,
+                                const void* dg1, const void* du0, const void* du1, int64_t cols, int block_size) {
+  return qdq_dim1_fast(in_dtype, dh, dg0, dg1, cols, block_size) && aligned(g, 16) && aligned(u, 16) &&
+         aligned(du0, 16) && aligned(du1, 16);
+}
+
+cudaError_t mx_swiglu_bwd_qdq_dim0_dim1(const void* dh, const void* g, const void* u, int in_dtype, void* dg0,
+                                        void* dg1, void* du0, void* du1, int out_dtype, int64_t batch, int64_t rows,
+                                        int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
+                                        uint32_t rceil_t126, float rceil_c, const int32_t* offs, int64_t num_groups,
+                                        int32_t* pend, intptr_t stream) {
+  if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
+      mode > 3 || batch < 0 || rows < 0 || cols < 0 || cols % block_size ||
+      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX || pend == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
+  if (!mx_swiglu_bwd_qdq_one_pass(in_dtype, dh, g, u, dg0, dg1, du0, du1, cols, block_size)) {
+    return cudaErrorInvalidValue;
+  }
+  const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  Groups gr;
+  const cudaError_t err = make_groups(offs, num_groups, pend, block_size, st, &gr);
+  if (err != cudaSuccess) return err;
+  return dispatch_out(in_dtype, elem, out_dtype, [&](auto codes, auto out_code) -> cudaError_t {
+    constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second, OUT = decltype(out_code)::value;
+    return launch_swiglu_bwd_qdq<IN, OUT, EL>(dh, g, u, dg0, dg1, du0, du1, batch, rows, cols, gr, p, st);
   });
 }
 

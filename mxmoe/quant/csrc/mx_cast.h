@@ -89,6 +89,22 @@ cudaError_t mx_swiglu_qdq_dim0_dim1(const void* g, const void* u, int in_dtype, 
                                     uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, const int32_t* offs,
                                     int64_t num_groups, int32_t* pend, intptr_t stream);
 
+// SwiGLU backward then both qdq's of its outputs: given dh, the gradient of h = silu(g) * u,
+// dg0, dg1 = mx_qdq_dim0_dim1(dg) and du0, du1 = mx_qdq_dim0_dim1(du) with dg and du formed in
+// registers as eager PyTorch's `silu_backward(dh * u, g)` and `dh * F.silu(g)` on CUDA (every
+// intermediate op's result rounded to in_dtype as there; ATen's silu_backward_kernel in fp32 with
+// 1 + x * (1 - s) one fma, as nvcc contracts it); dg and du are never written. dh, g, u: (batch,
+// rows, cols) of in_dtype, one layout; groups as mx_qdq_dim1. One pass only: needs
+// mx_swiglu_bwd_qdq_one_pass (block 32, 16-byte aligned pointers), else cudaErrorInvalidValue (the
+// caller forms dg and du and calls mx_qdq_dim0_dim1 on each).
+bool mx_swiglu_bwd_qdq_one_pass(int in_dtype, const void* dh, const void* g, const void* u, const void* dg0,
+                                const void* dg1, const void* du0, const void* du1, int64_t cols, int block_size);
+cudaError_t mx_swiglu_bwd_qdq_dim0_dim1(const void* dh, const void* g, const void* u, int in_dtype, void* dg0,
+                                        void* dg1, void* du0, void* du1, int out_dtype, int64_t batch, int64_t rows,
+                                        int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
+                                        uint32_t rceil_t126, float rceil_c, const int32_t* offs, int64_t num_groups,
+                                        int32_t* pend, intptr_t stream);
+
 // y (rows, cols) of dtype (bf16 / fp32), unit column stride, row_stride elements between rows:
 // rows *end .. rows - 1 set to zero, the others untouched (the rows after the last expert group of
 // a grouped GEMM's output). end: a device pointer to the last group end, offs[num_groups - 1]; it is
