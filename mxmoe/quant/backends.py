@@ -3,8 +3,9 @@
 Backend protocol. A backend is a module with these functions (the same arguments in the same
 order in every backend; `mxmoe.quant.torch_cast` is the reference):
 
-    quantize_dim0(x, spec, *, out=None) -> (q, s)       x (R, C), blocks along C
-    quantize_dim1(x, spec) -> (q, s)                    x (B, R, C), blocks along R, stored (B, C, R)
+    quantize_dim0(x, spec, *, out=None) -> (q, s)       x (..., C), blocks along C (out: x 2D)
+    quantize_dim1(x, spec) -> (q, s)                    x (..., R, C), ndim >= 2, blocks along R,
+                                                        stored (..., C, R)
     quantize_dim0_dim1(x, spec) -> (q0, s0, q1, s1)     x (R, C), both of the above from one read
     dequantize(q, s, block_size, out_dtype, *, out=None) -> y
 

@@ -84,12 +84,13 @@ def check_dim0_out(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, 
 
 
 def dim0_outputs(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (q, s) a dim0 cast of x (R, C) writes: `out` (already checked by check_dim0_out) viewed
-    as (element dtype, float8_e8m0fnu), or new contiguous tensors (R, C), (R, C // block_size)."""
+    """The (q, s) a dim0 cast of x (..., C) writes: `out` (x 2D, already checked by check_dim0_out)
+    viewed as (element dtype, float8_e8m0fnu), or new contiguous tensors of x's shape and
+    (..., C // block_size)."""
     if out is not None:
         return out[0].view(spec.elem.dtype), out[1].view(torch.float8_e8m0fnu)
-    R, C = x.shape
+    *lead, C = x.shape
     return (
-        torch.empty((R, C), dtype=spec.elem.dtype, device=x.device),
-        torch.empty((R, C // spec.block_size), dtype=torch.float8_e8m0fnu, device=x.device),
+        torch.empty(x.shape, dtype=spec.elem.dtype, device=x.device),
+        torch.empty((*lead, C // spec.block_size), dtype=torch.float8_e8m0fnu, device=x.device),
     )

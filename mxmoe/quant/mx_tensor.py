@@ -222,29 +222,23 @@ def mx_cast(x: Tensor, ax: int, recipe: MXRecipe, kernel: str | None = None) -> 
 
 
 def _cast(x: Tensor, ax: int, spec, dim0_kernel: str, dim1_kernel: str) -> MXTensor:
-    # (Shapes as tuples of ints: Tensor.view(torch.Size) costs several microseconds more per call.)
-    bs, nd = spec.block_size, x.ndim
-    if nd == 2:  # the common cases, with the fewest reshapes
-        R, C = x.shape
-        if ax == 1 or x.stride(0) == 1 and x.stride(1) == R:  # blocks innermost in memory: dim0
-            xs = x.contiguous() if ax == 1 else x.t()
-            q, s = dispatch.quantize_dim0(xs, spec, resolve_kernel(dim0_kernel, x.device, "dim0"))
+    # The backends take and return the final shapes ((..., C) along the last dim, (..., R, C) ->
+    # (..., C, R) along dim -2), so no reshape runs here: each Tensor.view costs about a µs of host time.
+    nd = x.ndim
+    if ax == nd - 1:
+        q, s = dispatch.quantize_dim0(x.contiguous(), spec, resolve_kernel(dim0_kernel, x.device, "dim0"))
+    elif x.is_contiguous() and (nd == 2 or x.shape[-1] != 1):
+        # row-major with blocks along dim -2 (no transpose of x is contiguous): the transposing kernel
+        q, s = dispatch.quantize_dim1(x, spec, resolve_kernel(dim1_kernel, x.device, "dim1"))
+    else:
+        xt = x.transpose(-2, -1)
+        # blocks innermost in memory (e.g. x is a transposed view): the dim0 cast of that transpose,
+        # without a copy; 2D asks for exact strides (is_contiguous ignores those of size-1 dims)
+        if (xt.stride(-1) == 1 and xt.stride(-2) == x.shape[-2]) if nd == 2 else xt.is_contiguous():
+            q, s = dispatch.quantize_dim0(xt, spec, resolve_kernel(dim0_kernel, x.device, "dim0"))
         else:
-            x3 = x.contiguous().view(1, R, C)
-            q, s = dispatch.quantize_dim1(x3, spec, resolve_kernel(dim1_kernel, x.device, "dim1"))
-            q, s = q.view(C, R), s.view(C, R // bs)
-        return MXTensor(q, s, ax, bs, spec.mode.value, x.dtype)
-    moved = x.movedim(ax, -1) if ax != nd - 1 else x
-    shape = tuple(moved.shape)
-    if ax == nd - 1 or moved.is_contiguous():
-        flat = moved.contiguous().view(_rows(shape, 1), shape[-1])
-        q, s = dispatch.quantize_dim0(flat, spec, resolve_kernel(dim0_kernel, x.device, "dim0"))
-    else:  # blocks along dim -2 of a row-major tensor: the transposing kernel
-        x3 = x.contiguous().view(_rows(shape, 2), shape[-1], shape[-2])
-        q, s = dispatch.quantize_dim1(x3, spec, resolve_kernel(dim1_kernel, x.device, "dim1"))
-    return MXTensor(
-        q.view(*shape), s.view(*shape[:-1], shape[-1] // bs), ax, bs, spec.mode.value, x.dtype
-    )
+            q, s = dispatch.quantize_dim1(x.contiguous(), spec, resolve_kernel(dim1_kernel, x.device, "dim1"))
+    return MXTensor(q, s, ax, spec.block_size, spec.mode.value, x.dtype)
 
 
 def to_mx_dim0_dim1(
