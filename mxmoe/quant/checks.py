@@ -16,7 +16,10 @@ from mxmoe.formats import (
     INPUT_DTYPES,
     CastSpec,
     ScalingMode,
+    check_block_size,
+    check_elem_dtype,
     check_input_dtype,
+    check_scaling_mode,
 )
 
 
@@ -24,6 +27,27 @@ from mxmoe.formats import (
 def spec_of(block_size: int, scaling_mode: str, elem_dtype: torch.dtype) -> CastSpec:
     """The CastSpec of already-checked arguments (cached: no work per call)."""
     return CastSpec(block_size, ScalingMode(scaling_mode), ELEM_FORMATS[elem_dtype])
+
+
+@functools.lru_cache(maxsize=None, typed=True)
+def _checked_spec(block_size: int, scaling_mode: str | ScalingMode, elem_dtype: torch.dtype) -> CastSpec:
+    block_size = check_block_size(block_size)
+    mode = check_scaling_mode(scaling_mode).value
+    check_elem_dtype(elem_dtype)
+    return spec_of(block_size, mode, elem_dtype)
+
+
+def checked_spec(block_size: int, scaling_mode: str | ScalingMode, elem_dtype: torch.dtype) -> CastSpec:
+    """The CastSpec of the public API's format arguments, checked (a bad one raises, naming it).
+    Valid combinations are remembered, by value and type (32.0 or True is checked, never taken for
+    32 or 1): a repeated call costs one cache lookup instead of the checks. (While torch.compile
+    traces, the checks run uncached: dynamo traces them, not the cache wrapper.)"""
+    if torch.compiler.is_compiling():
+        return _checked_spec.__wrapped__(block_size, scaling_mode, elem_dtype)
+    try:
+        return _checked_spec(block_size, scaling_mode, elem_dtype)
+    except TypeError:  # an unhashable argument (or a wrong elem_dtype): the checks name it
+        return _checked_spec.__wrapped__(block_size, scaling_mode, elem_dtype)
 
 
 def check_no_grad(x: torch.Tensor) -> None:

@@ -20,17 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mxmoe.formats import (
-    OUTPUT_DTYPES,
-    ScalingMode,
-    check_block_size,
-    check_elem_dtype,
-    check_input_dtype,
-    check_scaling_mode,
-)
+from mxmoe.formats import OUTPUT_DTYPES, ScalingMode, check_input_dtype
 from mxmoe.quant import dispatch
 from mxmoe.quant.backends import resolve_kernel
-from mxmoe.quant.checks import check_no_grad, check_x, spec_of
+from mxmoe.quant.checks import check_no_grad, check_x, checked_spec, spec_of
 from mxmoe.recipe import MXRecipe
 
 
@@ -200,11 +193,8 @@ def to_mx(
         _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel)
         ax = check_x(x, recipe.block_size, axis)
         return mx_cast(x, ax, recipe)
-    block_size = check_block_size(block_size)
-    mode = check_scaling_mode(scaling_mode).value
-    check_elem_dtype(elem_dtype)
-    ax = check_x(x, block_size, axis)
-    return _cast(x, ax, spec_of(block_size, mode, elem_dtype), kernel, kernel)
+    spec = checked_spec(block_size, scaling_mode, elem_dtype)
+    return _cast(x, check_x(x, spec.block_size, axis), spec, kernel, kernel)
 
 
 def mx_cast(x: Tensor, ax: int, recipe: MXRecipe, kernel: str | None = None) -> MXTensor:
@@ -258,20 +248,20 @@ def to_mx_dim0_dim1(
     """
     if recipe is not None:
         _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel)
-        scaling_mode, elem_dtype = recipe.scaling_mode, recipe.elem_dtype
-        block_size, kernel = recipe.block_size, recipe.dim1_kernel
+        spec = spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype)
+        kernel = recipe.dim1_kernel
     else:
-        block_size = check_block_size(block_size)
-        scaling_mode = check_scaling_mode(scaling_mode).value
-        check_elem_dtype(elem_dtype)
+        spec = checked_spec(block_size, scaling_mode, elem_dtype)
     check_input_dtype("x", x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2D for the fused dim0+dim1 cast, got shape {tuple(x.shape)}")
-    for ax in (0, 1):
-        if x.shape[ax] % block_size:
-            raise ValueError(f"x.shape[{ax}]={x.shape[ax]} is not divisible by block_size={block_size}")
+    R, C = x.shape
+    bs = spec.block_size
+    if R % bs or C % bs:
+        ax, n = (0, R) if R % bs else (1, C)
+        raise ValueError(f"x.shape[{ax}]={n} is not divisible by block_size={bs}")
     check_no_grad(x)
-    return _cast_dim0_dim1(x, spec_of(block_size, scaling_mode, elem_dtype), kernel)
+    return _cast_dim0_dim1(x, spec, kernel)
 
 
 def mx_cast_dim0_dim1(x: Tensor, recipe: MXRecipe, kernel: str | None = None) -> tuple[MXTensor, MXTensor]:
