@@ -65,19 +65,21 @@ def check_x(x: torch.Tensor, block_size: int, axis: int) -> int:
     """x is a bf16/fp32 tensor whose `axis` (one of the last two dims) is divisible by block_size;
     returns the non-negative axis."""
     check_input_dtype("x", x)
-    if x.ndim < 1:
+    nd = x.ndim
+    if nd < 1:
         raise ValueError("x must have at least one dimension")
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -nd <= axis < nd:
         raise ValueError(f"axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
-    ax = axis % x.ndim
-    if ax < x.ndim - 2:
+    ax = axis % nd
+    if ax < nd - 2:
         raise ValueError(
-            f"axis={axis} of a {x.ndim}D tensor is not supported: blocks run along one of the last "
+            f"axis={axis} of a {nd}D tensor is not supported: blocks run along one of the last "
             "two dims (axis=-1 or axis=-2)"
         )
     if x.shape[ax] % block_size:
         raise ValueError(f"x.shape[{axis}]={x.shape[ax]} is not divisible by block_size={block_size}")
-    check_no_grad(x)
+    if x.requires_grad:  # (the common case decided here, without a call)
+        check_no_grad(x)
     return ax
 
 

@@ -34,21 +34,19 @@ _NAMES = {"dim0": "quantize_dim0", "dim1": "quantize_dim1", "dim0_dim1": "quanti
 
 
 def _run(kernel: str, cast: str, compiling: bool, *args, **kwargs):
-    """Call the backend. Eager: its function looked up once (`cast_fn`), under the profiler inside a
-    range named like the custom op ("mxmoe::quantize_dim0", ...) so that profiles show the casts
-    whichever path ran them. While tracing: cuda_cast's own function (no cached lookup for dynamo)."""
+    """Call the backend while tracing (cuda_cast's own function: no cached lookup for dynamo) or
+    under the profiler (inside a range named like the custom op, "mxmoe::quantize_dim0", ..., so
+    that profiles show the casts whichever path ran them)."""
     if compiling:
         fn = getattr(cuda_cast, _NAMES[cast]) if kernel == "cuda" else cast_fn(kernel, cast)
         return fn(*args, **kwargs)
-    fn = cast_fn(kernel, cast)
-    if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function("mxmoe::" + _NAMES[cast]):
-            return fn(*args, **kwargs)
-    return fn(*args, **kwargs)
+    with torch.profiler.record_function("mxmoe::" + _NAMES[cast]):
+        return cast_fn(kernel, cast)(*args, **kwargs)
 
 
-# (Each function asks torch.compiler.is_compiling() once: eager calls pay for as few Python calls as
-# possible, a few tenths of a µs each.)
+# Each function asks torch.compiler.is_compiling() once, and a plain eager call goes straight to the
+# backend function (looked up once, `cast_fn`): eager calls pay for as few Python calls as possible,
+# a tenth of a µs or more each.
 
 
 def quantize_dim0(x: Tensor, spec: CastSpec, kernel: str, *, out=None) -> tuple[Tensor, Tensor]:
@@ -61,7 +59,9 @@ def quantize_dim0(x: Tensor, spec: CastSpec, kernel: str, *, out=None) -> tuple[
         if out is None:
             return custom_ops.fake_dim0(x, spec.block_size, spec.elem.dtype)
         return out[0].view(spec.elem.dtype), out[1].view(torch.float8_e8m0fnu)
-    return _run(kernel, "dim0", compiling, x, spec, out=out)
+    if compiling or torch.autograd._profiler_enabled():
+        return _run(kernel, "dim0", compiling, x, spec, out=out)
+    return cast_fn(kernel, "dim0")(x, spec, out=out)
 
 
 def quantize_dim1(x: Tensor, spec: CastSpec, kernel: str) -> tuple[Tensor, Tensor]:
@@ -72,7 +72,9 @@ def quantize_dim1(x: Tensor, spec: CastSpec, kernel: str) -> tuple[Tensor, Tenso
         return custom_ops.quantize_dim1(x, spec.block_size, spec.mode.value, spec.elem.dtype, kernel)
     if x.numel() == 0:
         return custom_ops.fake_dim1(x, spec.block_size, spec.elem.dtype)
-    return _run(kernel, "dim1", compiling, x, spec)
+    if compiling or torch.autograd._profiler_enabled():
+        return _run(kernel, "dim1", compiling, x, spec)
+    return cast_fn(kernel, "dim1")(x, spec)
 
 
 def quantize_dim0_dim1(x: Tensor, spec: CastSpec, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -82,7 +84,9 @@ def quantize_dim0_dim1(x: Tensor, spec: CastSpec, kernel: str) -> tuple[Tensor, 
         return custom_ops.quantize_dim0_dim1(x, spec.block_size, spec.mode.value, spec.elem.dtype, kernel)
     if x.numel() == 0:
         return custom_ops.fake_dim0_dim1(x, spec.block_size, spec.elem.dtype)
-    return _run(kernel, "dim0_dim1", compiling, x, spec)
+    if compiling or torch.autograd._profiler_enabled():
+        return _run(kernel, "dim0_dim1", compiling, x, spec)
+    return cast_fn(kernel, "dim0_dim1")(x, spec)
 
 
 def dequantize(q: Tensor, s: Tensor, block_size: int, out_dtype: torch.dtype, kernel: str) -> Tensor:
@@ -92,4 +96,6 @@ def dequantize(q: Tensor, s: Tensor, block_size: int, out_dtype: torch.dtype, ke
         return custom_ops.dequantize(q, s, block_size, out_dtype, kernel)
     if q.numel() == 0:
         return torch.empty(q.shape, dtype=out_dtype, device=q.device)
-    return _run(kernel, "dequant", compiling, q, s, block_size, out_dtype)
+    if compiling or torch.autograd._profiler_enabled():
+        return _run(kernel, "dequant", compiling, q, s, block_size, out_dtype)
+    return cast_fn(kernel, "dequant")(q, s, block_size, out_dtype)

@@ -379,3 +379,16 @@ def test_named_classes(kernel):
     assert ubytes(mx.qdata_blocked)[0].tolist() == [0x00, 0x80, 0x7E, 0x38, 0x77, 0x30, 0x0C, 0x00]
     s, q = O.oracle_quantize(x.numpy(), 2, "rceil", "float8_e4m3fn")
     assert s[0].tolist() == [0, 127, 128, 0] and q[0].tolist()[4:6] == [0x77, 0x30]
+
+
+def test_profiler_shows_the_casts_by_op_name():
+    """Under the profiler each eager cast runs inside a range named like its custom op."""
+    x = torch.ones(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        mx = to_mx(x, 0, kernel="torch")
+        to_mx(x, -1, kernel="torch")
+        to_mx_dim0_dim1(x, kernel="torch")
+        mx.dequantize(kernel="torch")
+    names = {e.name for e in prof.events()}
+    assert {"mxmoe::quantize_dim0", "mxmoe::quantize_dim1", "mxmoe::quantize_dim0_dim1",
+            "mxmoe::dequantize"} <= names
