@@ -260,7 +260,8 @@ def to_mx_dim0_dim1(
     if R % bs or C % bs:
         ax, n = (0, R) if R % bs else (1, C)
         raise ValueError(f"x.shape[{ax}]={n} is not divisible by block_size={bs}")
-    check_no_grad(x)
+    if x.requires_grad:
+        check_no_grad(x)
     return _cast_dim0_dim1(x, spec, kernel)
 
 
