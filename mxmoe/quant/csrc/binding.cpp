@@ -45,8 +45,7 @@
 //   format_constants(ScalarType elem_dtype) -> int[]
 //       [emax, mbits, bits of max, bits of fp32(1/max), T127, T126]: what the kernels compile in,
 //       compared with mxmoe.formats when the extension loads
-// mode: mxmoe.formats.MODE_IDS (0 FLOOR, 1 RCEIL, 2 CEIL, 3 EVEN). Every allocated output is contiguous;
-// the q and s of one quantize_* cast are two tensors on one allocation (s 256-byte aligned).
+// mode: mxmoe.formats.MODE_IDS (0 FLOOR, 1 RCEIL, 2 CEIL, 3 EVEN). Every allocated output is contiguous.
 // Fake (meta) implementations for torch.compile are registered from Python (mxmoe/quant/cuda_cast.py).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -135,24 +134,6 @@ intptr_t stream_of(const Tensor& t) {
   return reinterpret_cast<intptr_t>(c10::cuda::getCurrentCUDAStream(t.device().index()).stream());
 }
 
-// q (q_shape, elem) and s (s_shape, float8_e8m0fnu), contiguous on x's device, from one allocation:
-// q at its start, s at the next 256-byte boundary. The host time of at::empty is per tensor (about a
-// µs each through the caching allocator), and a cast's q and s are used, kept and freed together.
-// The two tensors are made as inductor's reinterpret_tensor makes views (a TensorImpl on the storage).
-std::tuple<Tensor, Tensor> empty_q_s(const Tensor& x, at::IntArrayRef q_shape, at::ScalarType elem,
-                                     at::IntArrayRef s_shape) {
-  const int64_t s_at = (c10::multiply_integers(q_shape) + 255) / 256 * 256;  // fp8 and e8m0: 1 byte
-  const Tensor buf = at::empty({s_at + c10::multiply_integers(s_shape)}, x.options().dtype(at::kByte));
-  const auto part = [&](at::IntArrayRef shape, at::ScalarType dtype, int64_t offset) {
-    Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(buf.storage()), buf.key_set(),
-                                                        c10::scalarTypeToTypeMeta(dtype));
-    t.unsafeGetTensorImpl()->set_storage_offset(offset);
-    t.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
-    return t;
-  };
-  return {part(q_shape, elem, 0), part(s_shape, at::kFloat8_e8m0fnu, s_at)};
-}
-
 // Launch the dim0 cast of contiguous x (R, C) into q, s (checked).
 void launch_dim0(const Tensor& x, const Tensor& q, const Tensor& s, int64_t block_size, int64_t mode, int elem) {
   const ElemConstants k = constants(elem);
@@ -170,9 +151,10 @@ std::tuple<Tensor, Tensor> quantize_dim0(const Tensor& x_, int64_t block_size, i
   const int64_t C = x.size(-1);
   TORCH_CHECK_WITH(Error, C % block_size == 0, msg("mxmoe_cuda: x.shape[-1]=", C, " is not divisible by block_size=", block_size));
   const c10::cuda::CUDAGuard guard(x.device());
-  at::DimVector s_shape(x.sizes().begin(), x.sizes().end());
-  s_shape.back() = C / block_size;
-  const auto [q, s] = empty_q_s(x, x.sizes(), elem, s_shape);
+  at::DimVector shape(x.sizes().begin(), x.sizes().end());
+  Tensor q = at::empty(shape, x.options().dtype(elem));
+  shape.back() = C / block_size;
+  Tensor s = at::empty(shape, x.options().dtype(at::kFloat8_e8m0fnu));
   if (x.numel()) launch_dim0(x, q, s, block_size, mode, el);
   return {q, s};
 }
@@ -198,12 +180,12 @@ std::tuple<Tensor, Tensor> quantize_dim1(const Tensor& x_, int64_t block_size, i
   TORCH_CHECK_WITH(Error, R % block_size == 0, msg("mxmoe_cuda: x.shape[-2]=", R, " is not divisible by block_size=", block_size));
   const int64_t B = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 2);  // the matrices
   const c10::cuda::CUDAGuard guard(x.device());
-  at::DimVector q_shape(x.sizes().begin(), x.sizes().end()), s_shape;
-  q_shape[n - 2] = C;
-  q_shape[n - 1] = R;
-  s_shape = q_shape;
-  s_shape[n - 1] = R / block_size;
-  const auto [q, s] = empty_q_s(x, q_shape, elem, s_shape);
+  at::DimVector shape(x.sizes().begin(), x.sizes().end());
+  shape[n - 2] = C;
+  shape[n - 1] = R;
+  Tensor q = at::empty(shape, x.options().dtype(elem));
+  shape[n - 1] = R / block_size;
+  Tensor s = at::empty(shape, x.options().dtype(at::kFloat8_e8m0fnu));
   if (x.numel()) {
     const ElemConstants k = constants(el);
     check_launch(mx_quantize_dim1(x.data_ptr(), float_code(x.scalar_type(), "x"), bytes(q), bytes(s), B, R, C,
@@ -223,10 +205,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_dim0_dim1(const Tensor& x_, 
   const int64_t R = x.size(0), C = x.size(1);
   TORCH_CHECK_WITH(Error, R % block_size == 0 && C % block_size == 0, msg("mxmoe_cuda: x of shape ", x.sizes(), " must have both dims divisible by block_size=", block_size));
   const c10::cuda::CUDAGuard guard(x.device());
-  // one allocation per cast, not one for all four: the ops keep one cast (e.g. for the backward)
-  // and drop the other early
-  const auto [q0, s0] = empty_q_s(x, {R, C}, elem, {R, C / block_size});
-  const auto [q1, s1] = empty_q_s(x, {C, R}, elem, {C, R / block_size});
+  Tensor q0 = at::empty({R, C}, x.options().dtype(elem));
+  Tensor s0 = at::empty({R, C / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
+  Tensor q1 = at::empty({C, R}, x.options().dtype(elem));
+  Tensor s1 = at::empty({C, R / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
   if (x.numel()) {
     const ElemConstants k = constants(el);
     check_launch(mx_quantize_dim0_dim1(x.data_ptr(), float_code(x.scalar_type(), "x"), bytes(q0), bytes(s0),
