@@ -157,7 +157,8 @@ def quantize_dim0(x: Tensor, spec: CastSpec, *, out=None) -> tuple[Tensor, Tenso
     written into `out`, a preallocated (q, s) checked by checks.check_dim0_out, e.g. a peer's
     buffer). (The operators are called through their OpOverload `.default`: one Python call less
     than through the overload packet.)"""
-    load_extension()
+    if not ops_loaded:  # (the check inline: a call less per cast)
+        load_extension()
     if out is None:
         return torch.ops.mxmoe_cuda.quantize_dim0.default(x, spec.block_size, MODE_IDS[spec.mode],
                                                           spec.elem.dtype)
@@ -170,7 +171,8 @@ def quantize_dim1(x: Tensor, spec: CastSpec) -> tuple[Tensor, Tensor]:
     """x: (..., R, C) bf16/fp32 CUDA, ndim >= 2, blocks along R -> qdata (..., C, R), scale
     (..., C, R // bs) float8_e8m0fnu, contiguous: every matrix x[..., :, :] stored transposed so
     that every block is contiguous."""
-    load_extension()
+    if not ops_loaded:  # (the check inline: a call less per cast)
+        load_extension()
     return torch.ops.mxmoe_cuda.quantize_dim1.default(x, spec.block_size, MODE_IDS[spec.mode],
                                                       spec.elem.dtype)
 
@@ -178,7 +180,8 @@ def quantize_dim1(x: Tensor, spec: CastSpec) -> tuple[Tensor, Tensor]:
 def quantize_dim0_dim1(x: Tensor, spec: CastSpec) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x: (R, C) bf16/fp32 CUDA, read once -> q0 (R, C), s0 (R, C // bs) along C and
     q1 (C, R), s1 (C, R // bs) along R (stored transposed); all contiguous, scales float8_e8m0fnu."""
-    load_extension()
+    if not ops_loaded:  # (the check inline: a call less per cast)
+        load_extension()
     return torch.ops.mxmoe_cuda.quantize_dim0_dim1.default(x, spec.block_size, MODE_IDS[spec.mode],
                                                            spec.elem.dtype)
 
