@@ -16,7 +16,10 @@ from mxmoe.formats import (
     INPUT_DTYPES,
     CastSpec,
     ScalingMode,
+    check_block_size,
+    check_elem_dtype,
     check_input_dtype,
+    check_scaling_mode,
 )
 
 
@@ -24,6 +27,27 @@ from mxmoe.formats import (
 def spec_of(block_size: int, scaling_mode: str, elem_dtype: torch.dtype) -> CastSpec:
     """The CastSpec of already-checked arguments (cached: no work per call)."""
     return CastSpec(block_size, ScalingMode(scaling_mode), ELEM_FORMATS[elem_dtype])
+
+
+@functools.lru_cache(maxsize=None, typed=True)
+def _checked_spec(block_size: int, scaling_mode: str | ScalingMode, elem_dtype: torch.dtype) -> CastSpec:
+    block_size = check_block_size(block_size)
+    mode = check_scaling_mode(scaling_mode).value
+    check_elem_dtype(elem_dtype)
+    return spec_of(block_size, mode, elem_dtype)
+
+
+def checked_spec(block_size: int, scaling_mode: str | ScalingMode, elem_dtype: torch.dtype) -> CastSpec:
+    """The CastSpec of the public API's format arguments, checked (a bad one raises, naming it).
+    Valid combinations are remembered, by value and type (32.0 or True is checked, never taken for
+    32 or 1): a repeated call costs one cache lookup instead of the checks. (While torch.compile
+    traces, the checks run uncached: dynamo traces them, not the cache wrapper.)"""
+    if torch.compiler.is_compiling():
+        return _checked_spec.__wrapped__(block_size, scaling_mode, elem_dtype)
+    try:
+        return _checked_spec(block_size, scaling_mode, elem_dtype)
+    except TypeError:  # an unhashable argument (or a wrong elem_dtype): the checks name it
+        return _checked_spec.__wrapped__(block_size, scaling_mode, elem_dtype)
 
 
 def check_no_grad(x: torch.Tensor) -> None:
@@ -41,19 +65,21 @@ def check_x(x: torch.Tensor, block_size: int, axis: int) -> int:
     """x is a bf16/fp32 tensor whose `axis` (one of the last two dims) is divisible by block_size;
     returns the non-negative axis."""
     check_input_dtype("x", x)
-    if x.ndim < 1:
+    nd = x.ndim
+    if nd < 1:
         raise ValueError("x must have at least one dimension")
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+    if isinstance(axis, bool) or not isinstance(axis, int) or not -nd <= axis < nd:
         raise ValueError(f"axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
-    ax = axis % x.ndim
-    if ax < x.ndim - 2:
+    ax = axis % nd
+    if ax < nd - 2:
         raise ValueError(
-            f"axis={axis} of a {x.ndim}D tensor is not supported: blocks run along one of the last "
+            f"axis={axis} of a {nd}D tensor is not supported: blocks run along one of the last "
             "two dims (axis=-1 or axis=-2)"
         )
     if x.shape[ax] % block_size:
         raise ValueError(f"x.shape[{axis}]={x.shape[ax]} is not divisible by block_size={block_size}")
-    check_no_grad(x)
+    if x.requires_grad:  # (the common case decided here, without a call)
+        check_no_grad(x)
     return ax
 
 
@@ -84,12 +110,13 @@ def check_dim0_out(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, 
 
 
 def dim0_outputs(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (q, s) a dim0 cast of x (R, C) writes: `out` (already checked by check_dim0_out) viewed
-    as (element dtype, float8_e8m0fnu), or new contiguous tensors (R, C), (R, C // block_size)."""
+    """The (q, s) a dim0 cast of x (..., C) writes: `out` (x 2D, already checked by check_dim0_out)
+    viewed as (element dtype, float8_e8m0fnu), or new contiguous tensors of x's shape and
+    (..., C // block_size)."""
     if out is not None:
         return out[0].view(spec.elem.dtype), out[1].view(torch.float8_e8m0fnu)
-    R, C = x.shape
+    *lead, C = x.shape
     return (
-        torch.empty((R, C), dtype=spec.elem.dtype, device=x.device),
-        torch.empty((R, C // spec.block_size), dtype=torch.float8_e8m0fnu, device=x.device),
+        torch.empty(x.shape, dtype=spec.elem.dtype, device=x.device),
+        torch.empty((*lead, C // spec.block_size), dtype=torch.float8_e8m0fnu, device=x.device),
     )

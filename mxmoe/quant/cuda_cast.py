@@ -111,19 +111,17 @@ def _register_fakes() -> None:
     lib = "mxmoe_cuda::"
 
     def dim0(x, block_size, mode, elem_dtype):
-        R, C = x.shape
-        s = x.new_empty((R, C // block_size), dtype=torch.float8_e8m0fnu)
-        return x.new_empty((R, C), dtype=elem_dtype), s
+        *lead, C = x.shape
+        s = x.new_empty((*lead, C // block_size), dtype=torch.float8_e8m0fnu)
+        return x.new_empty(x.shape, dtype=elem_dtype), s
 
     def dim1(x, block_size, mode, elem_dtype):
-        B, R, C = x.shape
-        return (x.new_empty((B, C, R), dtype=elem_dtype),
-                x.new_empty((B, C, R // block_size), dtype=torch.float8_e8m0fnu))
+        *lead, R, C = x.shape
+        return (x.new_empty((*lead, C, R), dtype=elem_dtype),
+                x.new_empty((*lead, C, R // block_size), dtype=torch.float8_e8m0fnu))
 
     def dim0_dim1(x, block_size, mode, elem_dtype):
-        q0, s0 = dim0(x, block_size, mode, elem_dtype)
-        q1, s1 = dim1(x.unsqueeze(0), block_size, mode, elem_dtype)
-        return q0, s0, q1[0], s1[0]
+        return (*dim0(x, block_size, mode, elem_dtype), *dim1(x, block_size, mode, elem_dtype))
 
     def deq(q, s, block_size, out_dtype):
         return q.new_empty(q.shape, dtype=out_dtype)
@@ -155,30 +153,40 @@ def _register_fakes() -> None:
 
 
 def quantize_dim0(x: Tensor, spec: CastSpec, *, out=None) -> tuple[Tensor, Tensor]:
-    """x: (R, C) bf16/fp32 CUDA -> qdata (R, C) elem dtype, scale (R, C // bs) float8_e8m0fnu.
+    """x: (..., C) bf16/fp32 CUDA, ndim >= 1 -> qdata x's shape elem dtype, scale (..., C // bs)
+    float8_e8m0fnu.
 
-    Blocks of bs consecutive elements along C; both outputs contiguous on x's device (or written
-    into `out`, a preallocated (q, s) checked by checks.check_dim0_out, e.g. a peer's buffer)."""
-    load_extension()
+    Blocks of bs consecutive elements along C; both outputs contiguous on x's device (or, x 2D,
+    written into `out`, a preallocated (q, s) checked by checks.check_dim0_out, e.g. a peer's
+    buffer). (The operators are called through their OpOverload `.default`: one Python call less
+    than through the overload packet.)"""
+    if not ops_loaded:  # (the check inline: a call less per cast)
+        load_extension()
     if out is None:
-        return torch.ops.mxmoe_cuda.quantize_dim0(x, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype)
+        return torch.ops.mxmoe_cuda.quantize_dim0.default(x, spec.block_size, MODE_IDS[spec.mode],
+                                                          spec.elem.dtype)
     q, s = out[0].view(spec.elem.dtype), out[1].view(torch.float8_e8m0fnu)
     torch.ops.mxmoe_cuda.quantize_dim0_out(x, spec.block_size, MODE_IDS[spec.mode], q, s)
     return q, s
 
 
 def quantize_dim1(x: Tensor, spec: CastSpec) -> tuple[Tensor, Tensor]:
-    """x: (B, R, C) bf16/fp32 CUDA, blocks along R -> qdata (B, C, R), scale (B, C, R // bs)
-    float8_e8m0fnu, contiguous: stored transposed so that every block is contiguous."""
-    load_extension()
-    return torch.ops.mxmoe_cuda.quantize_dim1(x, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype)
+    """x: (..., R, C) bf16/fp32 CUDA, ndim >= 2, blocks along R -> qdata (..., C, R), scale
+    (..., C, R // bs) float8_e8m0fnu, contiguous: every matrix x[..., :, :] stored transposed so
+    that every block is contiguous."""
+    if not ops_loaded:  # (the check inline: a call less per cast)
+        load_extension()
+    return torch.ops.mxmoe_cuda.quantize_dim1.default(x, spec.block_size, MODE_IDS[spec.mode],
+                                                      spec.elem.dtype)
 
 
 def quantize_dim0_dim1(x: Tensor, spec: CastSpec) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x: (R, C) bf16/fp32 CUDA, read once -> q0 (R, C), s0 (R, C // bs) along C and
     q1 (C, R), s1 (C, R // bs) along R (stored transposed); all contiguous, scales float8_e8m0fnu."""
-    load_extension()
-    return torch.ops.mxmoe_cuda.quantize_dim0_dim1(x, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype)
+    if not ops_loaded:  # (the check inline: a call less per cast)
+        load_extension()
+    return torch.ops.mxmoe_cuda.quantize_dim0_dim1.default(x, spec.block_size, MODE_IDS[spec.mode],
+                                                           spec.elem.dtype)
 
 
 def dequantize(
@@ -190,7 +198,7 @@ def dequantize(
     (R, C) out_dtype tensor on q's device to write into (e.g. rows of a larger output)."""
     load_extension()
     if out is None:
-        return torch.ops.mxmoe_cuda.dequantize(q, s, block_size, out_dtype)
+        return torch.ops.mxmoe_cuda.dequantize.default(q, s, block_size, out_dtype)
     torch.ops.mxmoe_cuda.dequantize_out(q, s, block_size, out)
     return out
 

@@ -25,34 +25,33 @@ def _contiguous(outs):
 
 
 def fake_dim0(x: Tensor, block_size: int, elem_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Empty outputs of a dim0 cast of x (R, C): (R, C) elem_dtype, (R, C // bs) e8m0."""
-    R, C = x.shape
+    """Empty outputs of a dim0 cast of x (..., C): x's shape elem_dtype, (..., C // bs) e8m0."""
+    *lead, C = x.shape
     return (
-        torch.empty((R, C), dtype=elem_dtype, device=x.device),
-        torch.empty((R, C // block_size), dtype=torch.float8_e8m0fnu, device=x.device),
+        torch.empty(x.shape, dtype=elem_dtype, device=x.device),
+        torch.empty((*lead, C // block_size), dtype=torch.float8_e8m0fnu, device=x.device),
     )
 
 
 def fake_dim1(x: Tensor, block_size: int, elem_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Empty outputs of a dim1 cast of x (B, R, C): (B, C, R) elem_dtype, (B, C, R // bs) e8m0."""
-    B, R, C = x.shape
+    """Empty outputs of a dim1 cast of x (..., R, C): (..., C, R) elem_dtype, (..., C, R // bs) e8m0."""
+    *lead, R, C = x.shape
     return (
-        torch.empty((B, C, R), dtype=elem_dtype, device=x.device),
-        torch.empty((B, C, R // block_size), dtype=torch.float8_e8m0fnu, device=x.device),
+        torch.empty((*lead, C, R), dtype=elem_dtype, device=x.device),
+        torch.empty((*lead, C, R // block_size), dtype=torch.float8_e8m0fnu, device=x.device),
     )
 
 
 def fake_dim0_dim1(x: Tensor, block_size: int, elem_dtype: torch.dtype):
-    q0, s0 = fake_dim0(x, block_size, elem_dtype)
-    q1, s1 = fake_dim1(x.unsqueeze(0), block_size, elem_dtype)
-    return q0, s0, q1[0], s1[0]
+    """Empty outputs of the fused cast of x (R, C): fake_dim0's and fake_dim1's."""
+    return (*fake_dim0(x, block_size, elem_dtype), *fake_dim1(x, block_size, elem_dtype))
 
 
 @torch.library.custom_op("mxmoe::quantize_dim0", mutates_args=())
 def quantize_dim0(
     x: Tensor, block_size: int, scaling_mode: str, elem_dtype: torch.dtype, kernel: str
 ) -> tuple[Tensor, Tensor]:
-    """x (R, C) -> qdata (R, C), scale (R, C // block_size); blocks along the last dim."""
+    """x (..., C) -> qdata x's shape, scale (..., C // block_size); blocks along the last dim."""
     if x.numel() == 0:
         return fake_dim0(x, block_size, elem_dtype)
     return _contiguous(cast_fn(kernel, "dim0")(x, spec_of(block_size, scaling_mode, elem_dtype)))
@@ -67,8 +66,8 @@ def _(x, block_size, scaling_mode, elem_dtype, kernel):
 def quantize_dim1(
     x: Tensor, block_size: int, scaling_mode: str, elem_dtype: torch.dtype, kernel: str
 ) -> tuple[Tensor, Tensor]:
-    """x (B, R, C) -> qdata (B, C, R), scale (B, C, R // block_size); blocks along R, stored
-    transposed so that each block is contiguous (the layout a GEMM reducing over R wants)."""
+    """x (..., R, C), ndim >= 2 -> qdata (..., C, R), scale (..., C, R // block_size); blocks along
+    R, stored transposed so that each block is contiguous (the layout a GEMM reducing over R wants)."""
     if x.numel() == 0:
         return fake_dim1(x, block_size, elem_dtype)
     return _contiguous(cast_fn(kernel, "dim1")(x, spec_of(block_size, scaling_mode, elem_dtype)))

@@ -43,15 +43,15 @@ def scale_exponent(amax_bits: torch.Tensor, spec: CastSpec) -> torch.Tensor:
 
 
 def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: (R, C) bf16/fp32 contiguous -> qdata (R, C) elem dtype, scale (R, C // bs) e8m0.
-    out: optional preallocated (q, s) to write into (checked by checks.check_dim0_out)."""
+    """x: (..., C) bf16/fp32 contiguous -> qdata x's shape elem dtype, scale (..., C // bs) e8m0.
+    out (x 2D): optional preallocated (q, s) to write into (checked by checks.check_dim0_out)."""
     if out is not None:
         qo, so = dim0_outputs(x, spec, out)
         q, s = quantize_dim0(x, spec)
         return qo.copy_(q), so.view(torch.uint8).copy_(s.view(torch.uint8)).view(torch.float8_e8m0fnu)
-    R, C = x.shape
+    *lead, C = x.shape
     bs = spec.block_size
-    xf = x.float().reshape(R, C // bs, bs)
+    xf = x.float().reshape(*lead, C // bs, bs)
     amax_bits = (xf.view(torch.int32) & _ABS_MASK).amax(dim=-1)
     nonfinite = amax_bits >= _F32_INF_BITS
     e = scale_exponent(amax_bits, spec)
@@ -59,23 +59,20 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.T
     recip = ((127 - e) << 23).view(torch.float32)
     y = (xf * recip.unsqueeze(-1)).clamp(-spec.elem.max_normal, spec.elem.max_normal)
     y = torch.where(nonfinite.unsqueeze(-1), float("nan"), y)
-    q = y.to(spec.elem.dtype).reshape(R, C)
+    q = y.to(spec.elem.dtype).reshape(x.shape)
     s = torch.where(nonfinite, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
     return q, s.view(torch.float8_e8m0fnu)
 
 
 def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: (B, R, C) contiguous, blocks along R -> qdata (B, C, R), scale (B, C, R // bs)."""
-    B, R, C = x.shape
-    q, s = quantize_dim0(x.transpose(1, 2).contiguous().view(B * C, R), spec)
-    return q.view(B, C, R), s.view(B, C, R // spec.block_size)
+    """x: (..., R, C) contiguous, ndim >= 2, blocks along R -> qdata (..., C, R), scale
+    (..., C, R // bs): every matrix x[..., :, :] cast along its rows, stored transposed."""
+    return quantize_dim0(x.transpose(-2, -1).contiguous(), spec)
 
 
 def quantize_dim0_dim1(x: torch.Tensor, spec: CastSpec):
     """x: (R, C) -> (q0 (R, C), s0 (R, C//bs), q1 (C, R), s1 (C, R//bs))."""
-    q0, s0 = quantize_dim0(x, spec)
-    q1, s1 = quantize_dim1(x.unsqueeze(0), spec)
-    return q0, s0, q1[0], s1[0]
+    return (*quantize_dim0(x, spec), *quantize_dim1(x, spec))
 
 
 def scale_to_f32(s: torch.Tensor) -> torch.Tensor:

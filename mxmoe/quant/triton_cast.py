@@ -24,6 +24,7 @@ Tiles and warps per cast are the fastest of the H200 sweep (docs/benchmarks.md, 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -468,13 +469,12 @@ def _blocks_per_program(elems: int, bs: int, n_blocks: int) -> int:
 
 
 def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: (R, C) bf16/fp32 contiguous -> qdata (R, C) elem dtype, scale (R, C // bs) e8m0;
-    blocks of bs consecutive elements along C. out: optional preallocated (q, s) to write into (any
-    memory the GPU can store to, e.g. a peer's buffer; checked by checks.check_dim0_out)."""
-    R, C = x.shape
+    """x: (..., C) bf16/fp32 contiguous -> qdata x's shape elem dtype, scale (..., C // bs) e8m0;
+    blocks of bs consecutive elements along C. out (x 2D): optional preallocated (q, s) to write
+    into (any memory the GPU can store to, e.g. a peer's buffer; checked by checks.check_dim0_out)."""
     bs = spec.block_size
     q, s = dim0_outputs(x, spec, out)
-    n_blocks = R * C // bs
+    n_blocks = x.numel() // bs
     nb = _blocks_per_program(_DIM0_ELEMS, bs, n_blocks)
     _dim0_kernel[(cdiv(n_blocks, nb),)](
         _bits_view(x), q.view(torch.uint8), s.view(torch.uint8), n_blocks, BS=bs, NB=nb,
@@ -491,14 +491,18 @@ def _dim1_tile(R: int, C: int, bs: int, rows: int, cols: int) -> tuple[int, int]
 
 
 def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: (B, R, C) bf16/fp32 contiguous, blocks along R -> qdata (B, C, R) elem dtype,
-    scale (B, C, R // bs) e8m0 (each block of bs elements contiguous in qdata)."""
-    B, R, C = x.shape
+    """x: (..., R, C) bf16/fp32 contiguous, ndim >= 2, blocks along R -> qdata (..., C, R) elem
+    dtype, scale (..., C, R // bs) e8m0: every matrix x[..., :, :] stored transposed (each block of
+    bs elements contiguous in qdata)."""
+    *lead, R, C = x.shape
+    B = math.prod(lead)  # the matrices, one grid row each
     bs = spec.block_size
-    q = torch.empty((B, C, R), dtype=spec.elem.dtype, device=x.device)
-    s = torch.empty((B, C, R // bs), dtype=torch.float8_e8m0fnu, device=x.device)
+    q = torch.empty((*lead, C, R), dtype=spec.elem.dtype, device=x.device)
+    s = torch.empty((*lead, C, R // bs), dtype=torch.float8_e8m0fnu, device=x.device)
     if B > 65535:
-        raise ValueError(f"x.shape[0]={B} exceeds the 65535 batches the dim1 kernel's grid allows")
+        raise ValueError(
+            f"x has {B} matrices (shape {tuple(x.shape)}), more than the 65535 the dim1 kernel's grid allows"
+        )
     br, bc = _dim1_tile(R, C, bs, _DIM1_ROWS, _DIM1_COLS)
     grid = (cdiv(R, br), cdiv(C, bc), B)
     if grid[1] > 65535:
@@ -523,9 +527,7 @@ def quantize_dim0_dim1(
     R, C = x.shape
     bs = spec.block_size
     if bs < 4 or bs > _FUSED_MAX_BS:  # no whole int32 words / a (bs, bs) tile would not fit
-        q0, s0 = quantize_dim0(x, spec)
-        q1, s1 = quantize_dim1(x.unsqueeze(0), spec)
-        return q0, s0, q1[0], s1[0]
+        return (*quantize_dim0(x, spec), *quantize_dim1(x, spec))
     dev = x.device
     q0 = torch.empty((R, C), dtype=spec.elem.dtype, device=dev)
     s0 = torch.empty((R, C // bs), dtype=torch.float8_e8m0fnu, device=dev)

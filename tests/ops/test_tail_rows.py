@@ -118,7 +118,8 @@ def test_gpu_auto_takes_the_cpp_operator_else_triton(monkeypatch):
     backends.clear_resolved()
     check("cuda", 130, 96, 67, torch.bfloat16)
     assert calls == [1, 1]
-    monkeypatch.setitem(backends._resolved, ("auto", "cuda", "dim0"), "triton")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setitem(backends._resolved, ("auto", dev, "dim0"), "triton")
     check("cuda", 130, 96, 67, torch.bfloat16)
     assert calls == [1, 1]
     out = torch.ones(8, 16, device="cuda")

@@ -38,15 +38,18 @@ def test_wrong_elem_dtype(elem):
         to_mx_dim0_dim1(torch.ones(64, 64), elem_dtype=elem)
 
 
-@pytest.mark.parametrize("bs", [0, 1, 3, 48, -32, 24, True, 32.0, "32", None])
+# (32.0 and True after a cast with 32 and 1 (invalid) remembered as checked: the memo is by type too;
+# [32] is unhashable, so never remembered: checked as given.)
+@pytest.mark.parametrize("bs", [0, 1, 3, 48, -32, 24, True, 32.0, "32", None, [32]])
 def test_bad_block_size(bs):
+    to_mx(X, kernel="torch")
     with pytest.raises(ValueError, match=r"block_size=.*power of two"):
         to_mx(X, block_size=bs)
     with pytest.raises(ValueError, match=r"block_size=.*power of two"):
         to_mx_dim0_dim1(torch.ones(64, 64), block_size=bs)
 
 
-@pytest.mark.parametrize("mode", ["round", "", "nearest", None, 1])
+@pytest.mark.parametrize("mode", ["round", "", "nearest", None, 1, ["rceil"]])
 def test_unknown_scaling_mode(mode):
     with pytest.raises(ValueError, match="scaling_mode="):
         to_mx(X, scaling_mode=mode)
@@ -191,9 +194,10 @@ def test_mxtensor_repr_names_the_layout():
 
 
 def test_arguments_are_checked_once_per_public_call(monkeypatch):
-    """The public API checks its arguments once; everything below trusts them. With a recipe (checked
-    when it was made) the block size is not checked again at all."""
-    import mxmoe.quant.mx_tensor as mt
+    """The public API checks its arguments once; everything below trusts them. The format arguments
+    (block size, scaling mode, element dtype) are checked once per distinct combination (remembered
+    by value and type); with a recipe (checked when it was made) not again at all."""
+    import mxmoe.quant.checks as checks
     from mxmoe.recipe import recipe
 
     calls = []
@@ -202,13 +206,17 @@ def test_arguments_are_checked_once_per_public_call(monkeypatch):
         calls.append(block_size)
         return block_size
 
-    monkeypatch.setattr(mt, "check_block_size", counting)
+    monkeypatch.setattr(checks, "check_block_size", counting)
     monkeypatch.setattr("mxmoe.formats.check_block_size", counting)
+    checks._checked_spec.cache_clear()
     x = torch.randn(64, 64)
     to_mx(x, -1, kernel="torch")
     to_mx(x, 0, kernel="torch").dequantize(kernel="torch")
     to_mx_dim0_dim1(x, kernel="torch")
-    assert calls == [32, 32, 32]
+    to_mx(x, 0, block_size=16, kernel="torch")
+    to_mx(x, 0, block_size=16, kernel="torch")
+    assert calls == [32, 16]
+    checks._checked_spec.cache_clear()  # forget the specs checked by the stand-in
     calls.clear()
     r = recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch")
     to_mx(x, -1, recipe=r).dequantize(kernel="torch")

@@ -122,6 +122,28 @@ def test_expert_weights_3d(kernel, combo, axis):
 
 
 @kernel_p
+@pytest.mark.parametrize("dtype", DTYPES, ids=dname)
+def test_one_and_four_dims(kernel, dtype):
+    """1D x (axis -1) and 4D x (2, 2, n, C) along either of the last two dims (row-major: the dim1
+    kernel over 4 matrices): the backends take the leading dims as they come, bit for bit."""
+    for mode, elem, dt in combos(kernel):
+        if dt != dtype:
+            continue
+        g32 = data(8, BS, mode, elem, dtype, level(kernel), seed=7)  # (8, C)
+        C = g32.shape[1]
+        mx = to_mx(to_torch(g32[0], dtype), -1, scaling_mode=mode, elem_dtype=elem, kernel=kernel)
+        _storage_ok(mx, (C,), "1d")
+        check_quant(mx.scale_blocked[None], mx.qdata_blocked[None], g32[:1], BS, mode, elem, f"1d {kernel}")
+        g4 = g32.reshape(2, 2, 2, C)
+        for axis, x32 in ((-1, g4), (-2, g4.transpose(0, 1, 3, 2))):  # storage (2, 2, 2, C) both ways
+            mx = to_mx(to_torch(x32, dtype), axis, scaling_mode=mode, elem_dtype=elem, kernel=kernel)
+            _storage_ok(mx, (2, 2, 2, C), f"4d axis={axis}")
+            check_quant(mx.scale_blocked.reshape(8, -1), mx.qdata_blocked.reshape(8, C), g32, BS, mode, elem,
+                        f"4d axis={axis} {kernel}")
+            assert tuple(mx.qdata.shape) == x32.shape
+
+
+@kernel_p
 @combo_p
 @pytest.mark.parametrize("orient", ["rows", "cols"])
 def test_dim0_dim1_fused(kernel, combo, orient):
@@ -357,3 +379,16 @@ def test_named_classes(kernel):
     assert ubytes(mx.qdata_blocked)[0].tolist() == [0x00, 0x80, 0x7E, 0x38, 0x77, 0x30, 0x0C, 0x00]
     s, q = O.oracle_quantize(x.numpy(), 2, "rceil", "float8_e4m3fn")
     assert s[0].tolist() == [0, 127, 128, 0] and q[0].tolist()[4:6] == [0x77, 0x30]
+
+
+def test_profiler_shows_the_casts_by_op_name():
+    """Under the profiler each eager cast runs inside a range named like its custom op."""
+    x = torch.ones(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        mx = to_mx(x, 0, kernel="torch")
+        to_mx(x, -1, kernel="torch")
+        to_mx_dim0_dim1(x, kernel="torch")
+        mx.dequantize(kernel="torch")
+    names = {e.name for e in prof.events()}
+    assert {"mxmoe::quantize_dim0", "mxmoe::quantize_dim1", "mxmoe::quantize_dim0_dim1",
+            "mxmoe::dequantize"} <= names

@@ -491,8 +491,14 @@ def test_cpp_operators_check_their_arguments():
         ops.quantize_dim0(x, 32, 1, torch.float16)
     with pytest.raises(TypeError, match="x is"):
         ops.quantize_dim0(x.half(), 32, 1, torch.float8_e4m3fn)
-    with pytest.raises(RuntimeError, match=r"x must be 3D, got shape \(4, 64\)"):
+    with pytest.raises(RuntimeError, match=r"x must be 2D or more, got shape \(64\)"):
+        ops.quantize_dim1(x[0], 32, 1, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"x must be 1D or more, got shape \(\)"):
+        ops.quantize_dim0(x[0, 0], 32, 1, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"x.shape\[-2\]=4 is not divisible by block_size=32"):
         ops.quantize_dim1(x, 32, 1, torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"x must be 2D, got shape \(1, 4, 64\)"):
+        ops.quantize_dim0_dim1(x[None], 32, 1, torch.float8_e4m3fn)
     q, s = ops.quantize_dim0(x, 32, 1, torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match="s must be"):
         ops.dequantize(q, s[:, :1], 32, torch.bfloat16)
@@ -511,8 +517,10 @@ def test_cpp_operators_compile_fullgraph():
     def direct(x):
         q0, s0 = cuda_cast.quantize_dim0(x, spec)
         q1, s1 = cuda_cast.quantize_dim1(x.unsqueeze(0), spec)
+        q2, s2 = cuda_cast.quantize_dim1(x, spec)  # 2D in, 2D out
+        q3, s3 = cuda_cast.quantize_dim0(x.view(2, -1, 512), spec)  # 3D in, 3D out
         f = cuda_cast.quantize_dim0_dim1(x, spec)
-        return q0, s0, q1, s1, *f, cuda_cast.dequantize(q0, s0, 32, torch.bfloat16)
+        return q0, s0, q1, s1, q2, s2, q3, s3, *f, cuda_cast.dequantize(q0, s0, 32, torch.bfloat16)
 
     def public(x):
         a = mxmoe.to_mx(x, kernel="cuda")
@@ -527,6 +535,44 @@ def test_cpp_operators_compile_fullgraph():
         assert explanation.graph_break_count == 0, explanation.break_reasons
         for got, want in zip(torch.compile(fn, fullgraph=True)(x), fn(x), strict=True):
             assert_same_bits(got, want.cpu(), f"compiled {fn.__name__}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=str)
+def test_operators_take_and_return_the_final_shapes(dtype):
+    """quantize_dim0 takes x (..., C) and returns q of x's shape, s (..., C // bs); quantize_dim1
+    takes x (..., R, C), ndim >= 2, and returns q (..., C, R), s (..., C, R // bs) (2D: what to_mx's
+    dim1 cast of a matrix calls): bit for bit the 2D / 3D casts of x reshaped (torch_cast)."""
+    spec = make_spec(32, "rceil", torch.float8_e4m3fn)
+    for shape in [(96,), (1, 64), (2, 3, 5, 64)]:
+        x = make_input("normal", shape, dtype, torch.float8_e4m3fn, seed=31).reshape(shape)
+        q, s = cuda_cast.quantize_dim0(x.cuda(), spec)
+        wq, ws = torch_cast.quantize_dim0(x.reshape(-1, shape[-1]), spec)
+        assert_same_bits(q, wq.view(shape), f"dim0 {shape} qdata")
+        assert_same_bits(s, ws.view(*shape[:-1], shape[-1] // 32), f"dim0 {shape} scale")
+    for shape in [(160, 72), (64, 1), (2, 3, 64, 40)]:
+        x = make_input("wide", shape, dtype, torch.float8_e4m3fn, seed=32)
+        *lead, R, C = shape
+        q, s = cuda_cast.quantize_dim1(x.cuda(), spec)
+        wq, ws = torch_cast.quantize_dim1(x.reshape(-1, R, C), spec)
+        assert_same_bits(q, wq.view(*lead, C, R), f"dim1 {shape} qdata")
+        assert_same_bits(s, ws.view(*lead, C, R // 32), f"dim1 {shape} scale")
+
+
+@pytest.mark.gpu
+def test_outputs_are_fresh_separate_tensors():
+    """Every output of the quantize operators is its own contiguous allocation: no output aliases
+    the input or another output (what torch.library requires of a functional operator; torch.compile
+    checks it, and a shared buffer for q and s was rejected for that reason)."""
+    spec = make_spec(32, "rceil", torch.float8_e4m3fn)
+    x = make_input("wide", (96, 160), torch.bfloat16, torch.float8_e4m3fn, seed=33).cuda()
+    for outs in (cuda_cast.quantize_dim0(x, spec), cuda_cast.quantize_dim1(x, spec),
+                 cuda_cast.quantize_dim0_dim1(x, spec)):
+        storages = {x.untyped_storage().data_ptr()}
+        for t in outs:
+            assert t.is_contiguous() and t.storage_offset() == 0
+            assert t.untyped_storage().data_ptr() not in storages
+            storages.add(t.untyped_storage().data_ptr())
 
 
 @pytest.mark.gpu

@@ -3,12 +3,14 @@
 // the output allocation, the device guard and the current stream are all here, in C++.
 //
 //   quantize_dim0(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor q, Tensor s)
-//       x (R, C) bf16/fp32 -> q (R, C) elem_dtype, s (R, C / bs) float8_e8m0fnu; blocks along C
+//       x (..., C) bf16/fp32, ndim >= 1 -> q x's shape elem_dtype, s (..., C / bs) float8_e8m0fnu;
+//       blocks along C (any leading dims, so that callers need no reshape)
 //   quantize_dim0_out(Tensor x, int block_size, int mode, Tensor(a!) q, Tensor(b!) s) -> ()
 //       the same into q (R, C) and s (R, C / bs) (fp8 / e8m0 or their uint8 views; e.g. a peer's
 //       buffer); the element format is q's dtype (uint8: e4m3)
 //   quantize_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor q, Tensor s)
-//       x (B, R, C) -> q (B, C, R), s (B, C, R / bs); blocks along R, stored transposed
+//       x (..., R, C), ndim >= 2 -> q (..., C, R), s (..., C, R / bs); blocks along R, stored
+//       transposed, every matrix x[..., :, :] on its own (2D x: q (C, R), s (C, R / bs))
 //   quantize_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype)
 //       -> (Tensor q0, Tensor s0, Tensor q1, Tensor s1): x (R, C) read once, both of the above
 //   dequantize(Tensor q, Tensor s, int block_size, ScalarType out_dtype) -> Tensor
@@ -55,6 +57,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -114,9 +117,10 @@ int float_code(at::ScalarType t, const char* name) {
   return -1;
 }
 
-void check_args(const Tensor& x, int64_t ndim, int64_t block_size, int64_t mode) {
+// ndim: the number of dims x must have; with at_least, the fewest it may have.
+void check_args(const Tensor& x, int64_t ndim, int64_t block_size, int64_t mode, bool at_least = false) {
   TORCH_CHECK_WITH(Error, x.is_cuda(), msg("mxmoe_cuda: x must be a CUDA tensor, got device ", x.device()));
-  TORCH_CHECK_WITH(Error, x.dim() == ndim, msg("mxmoe_cuda: x must be ", ndim, "D, got shape ", x.sizes()));
+  TORCH_CHECK_WITH(Error, x.dim() == ndim || (at_least && x.dim() > ndim), msg("mxmoe_cuda: x must be ", ndim, "D", at_least ? " or more" : "", ", got shape ", x.sizes()));
   TORCH_CHECK_WITH(Error, block_size >= 2 && (block_size & (block_size - 1)) == 0, msg("mxmoe_cuda: block_size must be a power of two >= 2, got ", block_size));
   TORCH_CHECK_WITH(Error, mode >= 0 && mode <= 3, msg("mxmoe_cuda: mode must be 0..3 (FLOOR, RCEIL, CEIL, EVEN), got ", mode));
   float_code(x.scalar_type(), "x");
@@ -148,14 +152,16 @@ void launch_dim0(const Tensor& x, const Tensor& q, const Tensor& s, int64_t bloc
 }
 
 std::tuple<Tensor, Tensor> quantize_dim0(const Tensor& x_, int64_t block_size, int64_t mode, at::ScalarType elem) {
-  check_args(x_, 2, block_size, mode);
+  check_args(x_, 1, block_size, mode, /*at_least=*/true);
   const int el = elem_code(elem, "elem_dtype");
   const Tensor x = x_.contiguous();
-  const int64_t R = x.size(0), C = x.size(1);
+  const int64_t C = x.size(-1);
   TORCH_CHECK_WITH(Error, C % block_size == 0, msg("mxmoe_cuda: x.shape[-1]=", C, " is not divisible by block_size=", block_size));
   const c10::cuda::CUDAGuard guard(x.device());
-  Tensor q = at::empty({R, C}, x.options().dtype(elem));
-  Tensor s = at::empty({R, C / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
+  at::DimVector shape(x.sizes().begin(), x.sizes().end());
+  Tensor q = at::empty(shape, x.options().dtype(elem));
+  shape.back() = C / block_size;
+  Tensor s = at::empty(shape, x.options().dtype(at::kFloat8_e8m0fnu));
   if (x.numel()) launch_dim0(x, q, s, block_size, mode, el);
   return {q, s};
 }
@@ -174,14 +180,19 @@ void quantize_dim0_out(const Tensor& x_, int64_t block_size, int64_t mode, Tenso
 }
 
 std::tuple<Tensor, Tensor> quantize_dim1(const Tensor& x_, int64_t block_size, int64_t mode, at::ScalarType elem) {
-  check_args(x_, 3, block_size, mode);
+  check_args(x_, 2, block_size, mode, /*at_least=*/true);
   const int el = elem_code(elem, "elem_dtype");
   const Tensor x = x_.contiguous();
-  const int64_t B = x.size(0), R = x.size(1), C = x.size(2);
+  const int64_t n = x.dim(), R = x.size(-2), C = x.size(-1);
   TORCH_CHECK_WITH(Error, R % block_size == 0, msg("mxmoe_cuda: x.shape[-2]=", R, " is not divisible by block_size=", block_size));
+  const int64_t B = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 2);  // the matrices
   const c10::cuda::CUDAGuard guard(x.device());
-  Tensor q = at::empty({B, C, R}, x.options().dtype(elem));
-  Tensor s = at::empty({B, C, R / block_size}, x.options().dtype(at::kFloat8_e8m0fnu));
+  at::DimVector shape(x.sizes().begin(), x.sizes().end());
+  shape[n - 2] = C;
+  shape[n - 1] = R;
+  Tensor q = at::empty(shape, x.options().dtype(elem));
+  shape[n - 1] = R / block_size;
+  Tensor s = at::empty(shape, x.options().dtype(at::kFloat8_e8m0fnu));
   if (x.numel()) {
     const ElemConstants k = constants(el);
     check_launch(mx_quantize_dim1(x.data_ptr(), float_code(x.scalar_type(), "x"), bytes(q), bytes(s), B, R, C,
