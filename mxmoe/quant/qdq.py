@@ -65,7 +65,7 @@ def qdq_kernel(kernel: str, device: torch.device, cuda_op: bool = False) -> str:
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
         return "torch"
     if cuda_op and kernel in ("cuda", "auto") and device.type == "cuda":
-        # resolve_kernel: cached per (kernel, device type); "auto" builds / loads the extension once
+        # resolve_kernel: cached per (kernel, device); "auto" builds / loads the extension once
         if resolve_kernel(kernel, device, "dim0") != "cuda":
             return "triton"
         if not torch.compiler.is_compiling():
