@@ -37,6 +37,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank_main(fn, *args) -> None:
+    """A spawned rank: fn(*args), then exit at once with 0 (1 after printing the traceback if fn
+    raised), skipping the interpreter's finalization: there Gloo's worker threads can abort the
+    process ("terminate called without an active exception", SIGABRT) after the rank's work and
+    destroy_process_group are done; seen once in a full CPU run (torch 2.13), never in isolation."""
+    import os
+    import sys
+    import traceback
+
+    code = 0
+    try:
+        fn(*args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def spawn_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> None:
     """Run fn(rank, world, port, *args) in `world` spawned processes and wait at most `timeout_s`.
 
@@ -49,7 +69,7 @@ def spawn_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> None:
 
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=fn, args=(rank, world, port, *args)) for rank in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world, port, *args)) for rank in range(world)]
     for p in procs:
         p.start()
     import time
