@@ -297,22 +297,10 @@ def _functional_decomp(mode, op, types, args=(), kwargs=None):
     with fake implementations), which inductor calls directly; anything else (the torch kernel, CPU
     tensors, the Triton interpreter, torch.export) stays the opaque op with its fake
     implementation."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
 
     full = _op_args(*args, **(kwargs or {}))
-    x, kernel = full[0], full[7]
-    decompose = (
-        kernel in ("triton", "cuda")
-        and x.is_cuda
-        and (kernel == "cuda" or not triton_interpret())  # interpreted kernels cannot be wrapped
-        and getattr(torch._functorch.config, "decompose_custom_triton_ops", True)  # False: torch.export
-        and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is Tensor for t in types)
-    )
-    if not decompose:
+    if not _decomposes(full[0], full[7], types):
         return mode.__torch_dispatch__(op, types, args, kwargs or {})
-    if kernel == "cuda":
-        cuda_cast.load_extension()  # registers torch.ops.mxmoe_cuda (a flag test once loaded)
     with mode:
         return _qdq_impl(*full, traced=True)
 
@@ -379,21 +367,34 @@ def _swiglu_op_args(g, u, block_size, scaling_mode, elem_dtype, out_dtype, kerne
 
 
 def _decomposes(x: Tensor, kernel: str, types) -> bool:
-    """Whether a fused op (`mxmoe::swiglu_qdq`, `mxmoe::swiglu_bwd_qdq`) on x decomposes for
-    inductor, as `_functional_decomp` decides for `mxmoe::qdq` (loading the extension for "cuda")."""
+    """Whether `mxmoe::qdq` or a fused op (`mxmoe::swiglu_qdq`, `mxmoe::swiglu_bwd_qdq`) on x
+    decomposes into its body for AOTAutograd (see `_functional_decomp`); loads the extension for
+    "cuda" (registers torch.ops.mxmoe_cuda; a flag test once loaded)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     decompose = (
         kernel in ("triton", "cuda")
         and x.is_cuda
-        and (kernel == "cuda" or not triton_interpret())
-        and getattr(torch._functorch.config, "decompose_custom_triton_ops", True)
+        and (kernel == "cuda" or not triton_interpret())  # interpreted kernels cannot be wrapped
+        and getattr(torch._functorch.config, "decompose_custom_triton_ops", True)  # False: torch.export
         and all(issubclass(t, (FakeTensor, FunctionalTensor)) or t is Tensor for t in types)
     )
     if decompose and kernel == "cuda":
         cuda_cast.load_extension()
     return decompose
+
+
+def _eager_or_op(op, impl, name: str, grads: tuple[Tensor, ...], args: tuple) -> list[Tensor]:
+    """A trusted call of a fused op: through the custom op `op` while tracing or when autograd must
+    record it (a tensor of `grads` requires grad), else its body `impl` straight away (inside a
+    profiler range called `name` while profiling, so that profiles show it either way)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in grads)):
+        return op(*args)
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return impl(*args)
+    return impl(*args)
 
 
 def _swiglu_functional_decomp(mode, op, types, args=(), kwargs=None):
@@ -418,15 +419,7 @@ def swiglu_qdq_trusted(
     the kernel from `qdq_kernels` (its k1). Returns [y0, y1], each (T, C) out_dtype contiguous."""
     g, u = g.contiguous(), u.contiguous()
     args = (g, u, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, kernel, offs)
-    if (
-        torch.compiler.is_compiling()
-        or ((g.requires_grad or u.requires_grad) and torch.is_grad_enabled())
-    ):
-        return swiglu_qdq_op(*args)
-    if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function("mxmoe::swiglu_qdq"):
-            return _swiglu_qdq_impl(*args)
-    return _swiglu_qdq_impl(*args)
+    return _eager_or_op(swiglu_qdq_op, _swiglu_qdq_impl, "mxmoe::swiglu_qdq", (g, u), args)
 
 
 def swiglu_qdq_dim0_dim1(
@@ -541,14 +534,7 @@ def swiglu_bwd_qdq_trusted(
     out_dtype contiguous."""
     dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
     args = (dh, g, u, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, kernel, offs)
-    if torch.compiler.is_compiling() or (
-        any(t.requires_grad for t in (dh, g, u)) and torch.is_grad_enabled()
-    ):
-        return swiglu_bwd_qdq_op(*args)
-    if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function("mxmoe::swiglu_bwd_qdq"):
-            return _swiglu_bwd_qdq_impl(*args)
-    return _swiglu_bwd_qdq_impl(*args)
+    return _eager_or_op(swiglu_bwd_qdq_op, _swiglu_bwd_qdq_impl, "mxmoe::swiglu_bwd_qdq", (dh, g, u), args)
 
 
 def swiglu_bwd_qdq_dim0_dim1(
