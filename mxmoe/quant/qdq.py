@@ -702,20 +702,24 @@ def qdq_dim0_dim1(
     out_dtype: torch.dtype | None = None,
     offs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Both directions of a 2D x (R, C), bf16/fp32, C divisible by the block size, any R, from one
-    read (kernel recipe.dim1_kernel; "cuda", or "auto" on CUDA, runs the C++ operator
-    mxmoe_cuda::qdq_dim0_dim1, with or without offs).
+    """Both directions of a 2D x (R, C) or a 3D x (B, R, C) (e.g. expert weights; no offs),
+    bf16/fp32, C divisible by the block size, any R, from one read (kernel recipe.dim1_kernel;
+    "cuda", or "auto" on CUDA, runs the C++ operator mxmoe_cuda::qdq_dim0_dim1, with or without
+    offs).
 
-    Returns y0 = qdq(x, -1, offs=offs) and y1 = qdq(x, -2, offs=offs), each (R, C) out_dtype
+    Returns y0 = qdq(x, -1, offs=offs) and y1 = qdq(x, -2, offs=offs), each of x's shape, out_dtype,
     row-major contiguous (with offs, rows at or after offs[-1] are zero in both).
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if x.ndim != 2:
-        raise ValueError(f"x must be 2D for qdq_dim0_dim1, got shape {tuple(x.shape)}")
+    if x.ndim not in (2, 3) or (x.ndim == 3 and offs is not None):
+        raise ValueError(
+            f"x must be 2D (R, C), or 3D (B, R, C) without offs, for qdq_dim0_dim1; got shape "
+            f"{tuple(x.shape)}{' with offs' if offs is not None else ''}"
+        )
     kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device, True)
     _check(x, recipe, out_dtype, offs, kernel)
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
-    y0, y1 = _qdq(  # 2D in, 2D out (no reshapes)
+    y0, y1 = _qdq(  # 2D / 3D in, the same out (no reshapes)
         x.contiguous(), recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, True,
         kernel, offs,
     )

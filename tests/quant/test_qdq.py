@@ -95,6 +95,28 @@ def test_qdq_dim0_dim1_matches_oracle(kernel, orient):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_qdq_dim0_dim1_3d_matches_oracle(kernel):
+    """Expert weights (E, N, K) both ways from one read (what the grouped ops' forward makes of
+    them, `keep_weight_casts`): along K, and along N within each matrix, both row-major."""
+    for mode, elem, dtype in run_combos(kernel):
+        g32 = data(96, BS, mode, elem, dtype, level(kernel))  # (rows, 32 * nb): (e, n) by k
+        x32 = np.ascontiguousarray(g32.reshape(3, 32, -1))  # (E=3, N=32, K)
+        x = to_torch(x32, dtype)
+        s0, q0 = oracle(g32, BS, mode, elem)
+        along_n = np.ascontiguousarray(x32.transpose(0, 2, 1)).reshape(-1, 32)  # (e, k) by n
+        s1, q1 = oracle(along_n, BS, mode, elem)
+        r = recipe(kernel, mode, elem)
+        for out in DTYPES:
+            what = f"qdq dim0+dim1 3D {kernel} {mode} {dname(elem)} {dname(dtype)} -> {dname(out)}"
+            y0, y1 = qdq_dim0_dim1(x, recipe=r, out_dtype=out)
+            assert y0.shape == y1.shape == x.shape and y0.is_contiguous() and y1.is_contiguous()
+            check_dequant(y0.reshape(g32.shape), s0, q0, BS, elem, what + " along K")
+            check_dequant(y1.transpose(-2, -1).reshape(-1, 32), s1, q1, BS, elem, what + " along N")
+    with pytest.raises(ValueError, match=r"3D \(B, R, C\) without offs.*with offs"):
+        qdq_dim0_dim1(torch.zeros(2, 32, 32), offs=torch.tensor([32], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bs", [2, 16, 64])
 def test_qdq_other_block_sizes_and_odd_rows(kernel, bs):
     """Block sizes other than 32, and dim0 with a row count that is no multiple of anything."""

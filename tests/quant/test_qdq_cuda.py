@@ -320,16 +320,16 @@ def test_gpu_qdq_cuda_beyond_2_31_elements():
 
 
 def _rows_outputs(x: torch.Tensor, r: MXRecipe, out: torch.dtype) -> list[torch.Tensor]:
-    """qdq(x, -2), and for 2D x both outputs of qdq_dim0_dim1."""
+    """qdq(x, -2), and for 2D and 3D x both outputs of qdq_dim0_dim1."""
     ys = [qdq(x, -2, recipe=r, out_dtype=out)]
-    if x.ndim == 2:
+    if x.ndim <= 3:
         ys += list(qdq_dim0_dim1(x, recipe=r, out_dtype=out))
     return ys
 
 
 def _check_rows(x: torch.Tensor, mode: str, elem, out: torch.dtype, what: str, bs: int = BS,
                 triton: bool = True) -> list[torch.Tensor]:
-    """The cuda kernel's dim1 (and for 2D x dim0+dim1) == the torch backend and (triton) the Triton
+    """The cuda kernel's dim1 (and for 2D and 3D x dim0+dim1) == the torch backend and (triton) the Triton
     rows kernel, NaN where NaN; the fused dim0 output == the dim0 operator bit for bit. Returns
     [y1] or [y1, y0 fused, y1 fused]."""
     rc = recipe("cuda", mode, elem, bs)
@@ -341,7 +341,7 @@ def _check_rows(x: torch.Tensor, mode: str, elem, out: torch.dtype, what: str, b
     if triton and bs <= 128:
         for g, w in zip(got, _rows_outputs(x, recipe("triton", mode, elem, bs), out), strict=True):
             _same_values(g, w, f"{what} vs triton")
-    if x.ndim == 2:
+    if x.ndim <= 3:
         assert torch.equal(_bits(got[1]), _bits(qdq(x, -1, recipe=rc, out_dtype=out))), f"{what}: fused dim0"
         assert torch.equal(_bits(got[2]), _bits(got[0])), f"{what}: fused dim1 != dim1"
     return got
