@@ -210,11 +210,14 @@ def test_swiglu_bwd_qdq_kernel_choice(monkeypatch):
     assert picked == ["cuda", "cuda", "triton"]
 
 
-def test_swiglu_bwd_kernel_compiles_for_sm90_without_spills(tmp_path):
+def test_swiglu_bwd_kernel_compiles_for_sm90_with_bounded_spills(tmp_path):
     """csrc/mx_cast.cu for sm_90 (nvcc, no GPU): every variant of swiglu_bwd_qdq_kernel (bf16 / fp32
-    in, both elements and outputs: 8) has no local memory and no spills, at most 128 registers (two
-    CTAs per SM); dh, g and u are read with 16-byte streaming loads, the four outputs written with the
-    qdq kernel's 16- / 8-byte streaming stores only; 1 + x * (1 - s) of silu_backward is one fma."""
+    in, both elements and outputs: 8): fp32 at most 128 registers (two CTAs per SM) with no spills;
+    bf16 at most 85 (three CTAs per SM, its launch bounds) with at most 32 bytes spilled (ptxas
+    spills 20-24 there: measured 8-9 % faster on the H200 than two CTAs without spills); no local
+    memory in the PTX; dh, g and u are read with 16-byte streaming loads, the four outputs written
+    with the qdq kernel's 16- / 8-byte streaming stores only; 1 + x * (1 - s) of silu_backward is
+    one fma."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found: cannot compile mx_cast.cu")
@@ -234,7 +237,10 @@ def test_swiglu_bwd_kernel_compiles_for_sm90_without_spills(tmp_path):
     assert len(entries) == 8, sorted(entries)
     for name, body in entries.items():
         stack, st, ld, regs = info[name]
-        assert stack == st == ld == 0 and regs <= 128, (name, info[name])
+        if "swiglu_bwd_qdq_kernelILi0E" in name:  # bf16 in: three CTAs per SM
+            assert max(stack, st, ld) <= 32 and regs <= 85, (name, info[name])
+        else:
+            assert stack == st == ld == 0 and regs <= 128, (name, info[name])
         loads = set(re.findall(r"ld\.global[.\w]*", body))
         stores = set(re.findall(r"st\.global[.\w]*", body))
         assert loads <= {"ld.global.cs.v4.u32", "ld.global.nc.u32", "ld.global.nc.s32", "ld.global.u32",

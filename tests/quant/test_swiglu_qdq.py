@@ -217,9 +217,10 @@ def _swiglu_entries(text: str) -> dict[str, str]:
 
 def test_swiglu_kernel_compiles_for_sm90_without_spills(tmp_path):
     """csrc/mx_cast.cu for sm_90 (nvcc, no GPU): every SWIGLU variant of qdq_dim1_kernel (bf16 /
-    fp32 in, both elements and outputs: 8) has no local memory and no spills, at most 128 registers
-    (two CTAs per SM, as the other qdq_dim1_kernel variants); g and u are read with 16-byte
-    streaming loads, the outputs written with the qdq kernel's 16- / 8-byte streaming stores only."""
+    fp32 in, both elements and outputs: 8) has no local memory and no spills, at most 85 registers
+    for bf16 (8 lanes per column, three CTAs per SM) and 128 for fp32 (4 lanes); g and u are read
+    with 16-byte streaming loads, the outputs written with the qdq kernel's 16- / 8-byte streaming
+    stores only."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found: cannot compile mx_cast.cu")
@@ -237,7 +238,8 @@ def test_swiglu_kernel_compiles_for_sm90_without_spills(tmp_path):
     assert len(entries) == 8, sorted(entries)
     for name, body in entries.items():
         stack, st, ld, regs = info[name]
-        assert stack == st == ld == 0 and regs <= 128, (name, info[name])
+        max_regs = 85 if "qdq_dim1_kernelILi0E" in name else 128  # bf16: three CTAs per SM
+        assert stack == st == ld == 0 and regs <= max_regs, (name, info[name])
         loads = set(re.findall(r"ld\.global[.\w]*", body))
         stores = set(re.findall(r"st\.global[.\w]*", body))
         assert loads <= {"ld.global.cs.v4.u32", "ld.global.nc.u32", "ld.global.nc.s32", "ld.global.u32",

@@ -973,11 +973,13 @@ __device__ __forceinline__ void swiglu_bwd_vec(uint4& dh, const uint4& g, uint4&
 // Groups (g.offs != nullptr, B == 1): unit rows are blocks of the padded row space, each warp's
 // found by group_block (a binary search over g.pend, warp-uniform); units past the last block return
 // at once; rows in no group load as zeros and store +0 in both outputs (the Triton rows kernel's).
-// RL = 2 (16 rows per thread), and 4 for bf16 FUSED, which needs 230 registers at RL = 2: every
-// variant then fits 128 registers without spills (ptxas, sm_90), two CTAs (16 warps) per SM.
+// RL = 2 (16 rows per thread) for one direction: 128 / 96 registers (bf16 / fp32 in, ptxas sm_90),
+// two CTAs (16 warps) per SM. FUSED: RL = 8 for bf16 (4 rows per thread; 72 registers, SWIGLU too,
+// three CTAs per SM; against RL = 4 (123-128 registers, two CTAs) the H200 ran SWIGLU 6-10 % and
+// the plain cast 0-2 % faster; RL = 2 needs 230) and RL = 4 for fp32 (74 registers, SWIGLU 84;
+// 7-14 % faster than RL = 2). No variant spills.
 // SWIGLU (with FUSED: swiglu_qdq_dim0_dim1): x is g and xu is u (same layout); the thread loads its
-// NR vectors of both and forms h = silu(g) * u (swiglu_vec) before the casts, so h is never in memory;
-// RL = 4 for both input dtypes (fp32 at RL = 2 spills 88 bytes with the u vectors).
+// NR vectors of both and forms h = silu(g) * u (swiglu_vec) before the casts, so h is never in memory.
 // The rows of the 32-row block of warp unit `unit` (see qdq_dim1_kernel): [t0, t_end) flat over the
 // matrices, in_group false for the rows after the last group. False: no rows (the warp returns).
 __device__ __forceinline__ bool unit_rows(int64_t rbg, int64_t R, int64_t nbm, const Groups& g, int64_t& t0,
@@ -1083,7 +1085,7 @@ __device__ __forceinline__ void load_rows(uint4 (&v)[NR], const uint4* __restric
 }
 
 template <int IN, int OUT, int ELEM, bool FUSED, int RL, bool SWIGLU = false>
-__global__ void __launch_bounds__(kThreads, 2) qdq_dim1_kernel(const uint4* __restrict__ x, uint32_t* __restrict__ y1,
+__global__ void __launch_bounds__(kThreads, RL == 8 ? 3 : 2) qdq_dim1_kernel(const uint4* __restrict__ x, uint32_t* __restrict__ y1,
                                                                uint32_t* __restrict__ y0, int64_t R, int64_t ncvt,
                                                                int64_t nbm, int64_t ncc, int64_t units, Groups g,
                                                                ScaleArgs p, const uint4* __restrict__ xu = nullptr) {
@@ -1118,7 +1120,7 @@ __global__ void __launch_bounds__(kThreads, 2) qdq_dim1_kernel(const uint4* __re
 // each thread forms dg and du of its NR row vectors in registers (swiglu_bwd_vec) and casts dg into
 // dg0 / dg1, then du into du0 / du1. Rows in no group load as zeros: dg = du = +0 there.
 template <int IN, int OUT, int ELEM, int RL>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, RL == 8 ? 3 : 2)
     swiglu_bwd_qdq_kernel(const uint4* __restrict__ dh, const uint4* __restrict__ g, const uint4* __restrict__ u,
                           uint32_t* __restrict__ dg0, uint32_t* __restrict__ dg1, uint32_t* __restrict__ du0,
                           uint32_t* __restrict__ du1, int64_t R, int64_t ncvt, int64_t nbm, int64_t ncc,
@@ -1485,8 +1487,8 @@ struct DimUnits {
 template <int IN, int OUT, int EL, bool FUSED, bool SWIGLU = false>
 cudaError_t launch_qdq_dim1(const void* x, void* y0, void* y1, int64_t B, int64_t R, int64_t C, const Groups& g,
                             const ScaleArgs& p, cudaStream_t st, const void* u = nullptr) {
-  // lanes per column: registers (see the kernel; fp32 SWIGLU spills at RL = 2, its u vectors on top)
-  constexpr int RL = FUSED && (IN == MX_BF16 || SWIGLU) ? 4 : 2;
+  // lanes per column: registers and CTAs per SM (see the kernel)
+  constexpr int RL = FUSED ? (IN == MX_BF16 ? 8 : 4) : 2;
   const DimUnits<IN, RL> d(B, R, C, g);
   if (d.ctas > INT_MAX) return cudaErrorInvalidValue;
   qdq_dim1_kernel<IN, OUT, EL, FUSED, RL, SWIGLU><<<static_cast<unsigned>(d.ctas), kThreads, 0, st>>>(
@@ -1501,7 +1503,8 @@ cudaError_t launch_swiglu_bwd_qdq(const void* dh, const void* g, const void* u, 
                                   void* du1, int64_t B, int64_t R, int64_t C, const Groups& gr, const ScaleArgs& p,
                                   cudaStream_t st) {
   // lanes per column: fp32 as the SWIGLU variant (NR = 8 rows per thread), bf16 8 (NR = 4; at 4 its
-  // three inputs' vectors and dg, du spill ~120 bytes at 128 registers)
+  // three inputs' vectors and dg, du spill ~120 bytes at 128 registers); bf16 at three CTAs per SM
+  // (the kernel's bounds: 80 registers, 24 bytes spilled), 8-9 % faster on the H200 than two (92)
   constexpr int RL = IN == MX_BF16 ? 8 : 4;
   const DimUnits<IN, RL> d(B, R, C, gr);
   if (d.ctas > INT_MAX) return cudaErrorInvalidValue;
