@@ -45,16 +45,7 @@ class MXRecipe:
     dequantized e4m3 value exactly unless its block scale byte is < 3 (e5m2: < 10), i.e. blocks
     with amax below ~2^-116; fp32 holds all of them exactly."""
 
-    keep_weight_casts: bool = True
-    """Emulated backend: the forward casts each weight along K and along N from one read and keeps
-    the cast along N for the backward's dgrad (one read of the weight per step instead of two, for
-    compute-dtype bytes per weight element held from forward to backward: what bf16 autocast
-    training holds for its own bf16 weight copy). False: the backward casts the weight again (e.g.
-    with FSDP resharding after forward, so that no unsharded weight cast outlives the forward)."""
-
     def __post_init__(self) -> None:
-        if not isinstance(self.keep_weight_casts, bool):
-            raise TypeError(f"keep_weight_casts={self.keep_weight_casts!r}; expected a bool")
         check_elem_dtype(self.elem_dtype)
         check_block_size(self.block_size)
         object.__setattr__(self, "scaling_mode", check_scaling_mode(self.scaling_mode).value)

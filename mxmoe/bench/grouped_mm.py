@@ -53,11 +53,9 @@ def run_shape(
         # the emulated GEMM's operand casts (fused quantize-dequantize), as mx_grouped_mm runs them
         def cast_all(cfg=cfg):  # a and dy: along K / N, and along M per group, one read each
             a0, a1 = qdq_dim0_dim1(a.detach(), recipe=cfg, out_dtype=bf, offs=offs)
-            if cfg.keep_weight_casts:  # w along K and N from one read (forward)
-                w0, w1 = qdq_dim0_dim1(w.detach(), recipe=cfg, out_dtype=bf)
-            else:
-                w0, w1 = (qdq(w.detach(), ax, recipe=cfg, out_dtype=bf) for ax in (-1, -2))
+            w0 = qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)
             dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=bf, offs=offs)
+            w1 = qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)
             return a0, a1, w0, dy0, dy1, w1
 
         a0, a1, w0, dy0, dy1, w1 = cast_all()

@@ -48,11 +48,9 @@ def run_shape(
         # the emulated GEMM's operand casts (fused quantize-dequantize), as mx_mm runs them
         def casts(cfg=cfg):
             x0, x1 = qdq_dim0_dim1(x.detach(), recipe=cfg, out_dtype=bf)  # x both ways
-            if cfg.keep_weight_casts:  # W along K and N from one read (forward)
-                w0, w1 = qdq_dim0_dim1(w.detach(), recipe=cfg, out_dtype=bf)
-            else:  # forward: W along K; backward: W along N
-                w0, w1 = (qdq(w.detach(), ax, recipe=cfg, out_dtype=bf) for ax in (-1, -2))
+            w0 = qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)  # forward: W along K
             dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=bf)  # dy both ways
+            w1 = qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)  # backward: W along N
             return x0, x1, w0, dy0, dy1, w1
 
         x0, x1, w0, dy0, dy1, w1 = casts()

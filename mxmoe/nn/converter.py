@@ -52,9 +52,6 @@ class MXConfig:
     see mxmoe.ops.fp8_gemm)."""
     gemm_dtype: str = "auto"
     """The recipe's gemm_dtype: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32"."""
-    keep_weight_casts: bool = True
-    """The recipe's keep_weight_casts: each weight cast along K and N from one read in forward, the
-    cast along N kept for the backward (False: cast again in the backward, less memory held)."""
 
     def __post_init__(self) -> None:
         f = self.filter_fqns
@@ -83,7 +80,6 @@ class MXConfig:
             dim1_kernel=self.mxfp8_dim1_cast_kernel_choice,
             gemm_backend=self.gemm_backend,
             gemm_dtype=GEMM_DTYPES[self.gemm_dtype],
-            keep_weight_casts=self.keep_weight_casts,
         )
 
 
@@ -97,7 +93,7 @@ def recipe_name(r: MXRecipe) -> str:
         ):
             extra = [
                 f"{k}={getattr(r, k)}"
-                for k in ("dim0_kernel", "dim1_kernel", "gemm_backend", "gemm_dtype", "keep_weight_casts")
+                for k in ("dim0_kernel", "dim1_kernel", "gemm_backend", "gemm_dtype")
                 if getattr(r, k) != getattr(base, k)
             ]
             return name + (f" ({', '.join(extra)})" if extra else "")

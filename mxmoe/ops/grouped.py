@@ -20,9 +20,7 @@ copy, no gather, nothing dequantized in the backward. The wgrad is torch._groupe
 form with the real offs: dy1ᵀ (N, T) and a1 (T, K), both T-major, the layout in which
 torch._grouped_mm takes any group sizes (empty included). The dgrad takes the weights along N as
 (E, N, K) row-major (each expert's blocks along its own N), as bf16 training's dgrad takes them.
-The weights are cast as `mx_mm`'s (`mxmoe.ops.linear.weight_casts`: along K, and along N from the
-same read, kept for the dgrad, with the recipe's `keep_weight_casts`) and go through
-`cache_weight_casts`.
+The weights go through `cache_weight_casts`.
 
 Other backends (the MX path, e.g. "fp8"): the casts along M run on a copy of the tokens in which each
 group starts at a multiple of the block size (`mxmoe.quant.groups`: group e occupies ceil(nₑ/32)·32
@@ -59,12 +57,11 @@ from mxmoe.ops.gemm import (
 )
 from mxmoe.ops.linear import (
     dgrad_mx,
-    dgrad_weight,
-    split_saved,
     sum_like_autograd,
     swap_last2,
     wants_grad,
-    weight_casts,
+    weight_mx,
+    weight_qdq,
     wgrad_mx,
 )
 from mxmoe.quant.groups import group_padding, pad_groups
@@ -110,12 +107,11 @@ def _cast_a(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, need_dw: boo
     return a0, (kept if need_dw else ()), cap
 
 
-def _forward_gemm(a0, w_k, offs: Tensor, cfg: MXRecipe, plan: OpPlan, out_dtype) -> Tensor:
-    """y (T, N) = a0 Wₑᵀ per group: a0 from `_cast_a`, w_k the weights w (E, N, K) cast along K
-    (`weight_casts`)."""
+def _forward_gemm(a0, w: Tensor, offs: Tensor, cfg: MXRecipe, plan: OpPlan, out_dtype) -> Tensor:
+    """y (T, N) = a0 Wₑᵀ per group: a0 from `_cast_a`, w (E, N, K) cast along K (its rows, cached)."""
     if plan.qdq:
-        return hp_gemm(a0, w_k.transpose(-2, -1), offs, out_dtype)
-    return mx_gemm(a0, swap_last2(w_k), offs, cfg, out_dtype=out_dtype)
+        return hp_gemm(a0, weight_qdq(w, -1, cfg, plan).transpose(-2, -1), offs, out_dtype)
+    return mx_gemm(a0, swap_last2(weight_mx(w, -1, cfg)), offs, cfg, out_dtype=out_dtype)
 
 
 def _wgrad_a(kept, offs: Tensor, cfg: MXRecipe, plan: OpPlan, is_mx: bool, a_mode: str, a_dtype, cap: int):
@@ -136,14 +132,12 @@ def _wgrad_a(kept, offs: Tensor, cfg: MXRecipe, plan: OpPlan, is_mx: bool, a_mod
 
 
 def _backward_gemms(
-    dy, w, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, need_da, need_dw, a_dtype, cap, dy_qdq=None,
-    w_kept=(),
+    dy, w, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, need_da, need_dw, a_dtype, cap, dy_qdq=None
 ):
     """(da (T, K) in a_dtype, db_t (E, K, N) in w's dtype) given dy (T, N) and the expert weights w
     (E, N, K) (the forward's view of b_t): dy cast as the dgrad and wgrad need it; a1_fn() gives the
     tokens along M (`_wgrad_a`), called only for the wgrad. dy_qdq (qdq path only): dy's casts made
-    already, (dy0, dy1) as qdq_dim0_dim1(dy, offs=offs) gives them (dy is then not read). w_kept:
-    what `weight_casts` kept of w."""
+    already, (dy0, dy1) as qdq_dim0_dim1(dy, offs=offs) gives them (dy is then not read)."""
     hp, compute = plan.qdq, plan.compute
     da = db_t = None
     # given casts: qdq_dim0_dim1's dy0 has its rows after the groups zeroed, dgrad rows zeroed anyway
@@ -169,9 +163,9 @@ def _backward_gemms(
         dy0 = qdq_trusted(dy, cfg, plan.k0, compute, True, False)[0] if hp else to_mx(dy, axis=-1, recipe=cfg)
     if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
         if hp:
-            da = hp_gemm(dy0, dgrad_weight(w, w_kept, cfg, plan), offs, a_dtype)
+            da = hp_gemm(dy0, weight_qdq(w, -2, cfg, plan), offs, a_dtype)
         else:
-            da = dgrad_mx(dy0, dgrad_weight(w, w_kept, cfg, plan), offs, cfg, a_dtype)
+            da = dgrad_mx(dy0, weight_mx(w, -2, cfg), offs, cfg, a_dtype)
     return da, db_t
 
 
@@ -183,46 +177,37 @@ class _MXGroupedMM(torch.autograd.Function):
         # plan: op_plan(cfg, b_t.device)
         a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, plan, b_t.requires_grad, out_dtype)
         w = b_t.transpose(-2, -1)
-        w_k, w_kept = weight_casts(w, cfg, plan, a.requires_grad)
-        y = _forward_gemm(a0, w_k, offs, cfg, plan, out_dtype)
+        y = _forward_gemm(a0, w, offs, cfg, plan, out_dtype)
         ctx.cfg, ctx.plan, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
             cfg, plan, a_q is not None, out_dtype, a_mode, cap
         )
-        ctx.n_w = len(w_kept)
-        ctx.save_for_backward(w, offs, *w_kept, *kept)  # w (E, N, K) as the backward takes it
+        ctx.save_for_backward(w, offs, *kept)  # w (E, N, K) as the backward takes it
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
-        w, offs, *rest = ctx.saved_tensors
-        w_kept, kept = tuple(rest[: ctx.n_w]), rest[ctx.n_w :]
+        w, offs, *kept = ctx.saved_tensors
         cfg, plan = ctx.cfg, ctx.plan
 
         def a1_fn():
             return _wgrad_a(kept, offs, cfg, plan, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap)
 
         da, db_t = _backward_gemms(
-            dy, w, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap, w_kept=w_kept
+            dy, w, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap
         )
         return da, None, None, None, db_t, None, None, None, None
 
 
 def _grouped_shared_forward(
-    a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, out_dtype, cast_to, b_ts, need_dw: bool,
-    need_da: bool,
+    a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, out_dtype, cast_to, b_ts, need_dw: bool
 ):
-    """The forward of `mx_grouped_mm_shared`: (the outputs, what the backward keeps of a, its cap,
-    what it keeps of each weight (`weight_casts`))."""
+    """The forward of `mx_grouped_mm_shared`: (the outputs, what the backward keeps, its cap)."""
     if cast_to is not None:
         a = a.to(cast_to)
     a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, plan, need_dw, out_dtype)
-    ys, w_kept = [], []
-    for b_t in b_ts:
-        w_k, wk = weight_casts(b_t.transpose(-2, -1), cfg, plan, need_da)
-        ys.append(_forward_gemm(a0, w_k, offs, cfg, plan, out_dtype))
-        w_kept.append(wk)
-    return tuple(ys), kept, cap, w_kept
+    ys = tuple(_forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype) for b_t in b_ts)
+    return ys, kept, cap
 
 
 class _MXGroupedMMShared(torch.autograd.Function):
@@ -233,21 +218,20 @@ class _MXGroupedMMShared(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         ctx.x_dtype = a.dtype
         need_dw = any(wants_grad(b_t) for b_t in b_ts)
-        ys, kept, cap, w_kept = _grouped_shared_forward(
-            a, a_q, a_s, a_mode, offs, cfg, plan, out_dtype, cast_to, b_ts, need_dw, a.requires_grad
+        ys, kept, cap = _grouped_shared_forward(
+            a, a_q, a_s, a_mode, offs, cfg, plan, out_dtype, cast_to, b_ts, need_dw
         )
         ctx.cfg, ctx.plan, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
             cfg, plan, a_q is not None, out_dtype, a_mode, cap
         )
-        ctx.n, ctx.n_ws = len(b_ts), tuple(len(k) for k in w_kept)
-        ctx.save_for_backward(offs, *b_ts, *(t for k in w_kept for t in k), *kept)
+        ctx.n = len(b_ts)
+        ctx.save_for_backward(offs, *b_ts, *kept)
         return ys
 
     @staticmethod
     def backward(ctx, *dys):
-        cfg, plan = ctx.cfg, ctx.plan
-        offs = ctx.saved_tensors[0]
-        b_ts, w_kept, kept = split_saved(ctx.saved_tensors[1:], ctx.n, ctx.n_ws)
+        cfg, plan, n = ctx.cfg, ctx.plan, ctx.n
+        offs, b_ts, kept = ctx.saved_tensors[0], ctx.saved_tensors[1 : 1 + n], ctx.saved_tensors[1 + n :]
         need_da = ctx.needs_input_grad[0]
         a1 = []  # the tokens along M, made once for all the wgrads
 
@@ -264,7 +248,7 @@ class _MXGroupedMMShared(torch.autograd.Function):
             need_dw = ctx.needs_input_grad[9 + i]
             w = b_t.transpose(-2, -1)
             da, db_t = _backward_gemms(
-                dy, w, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap, w_kept=w_kept[i]
+                dy, w, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap
             )
             db_ts.append(db_t)
             if need_da:  # each op's da, as autograd hands it to a: through its autocast cast
@@ -307,8 +291,7 @@ def _grouped_call(args, b_t: Tensor, offs: Tensor, cfg: MXRecipe, plan: OpPlan, 
         return apply_function(_MXGroupedMM, *args, b_t, offs, cfg, plan, out_dtype)
     # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
     a0 = _cast_a(*args, offs, cfg, plan, False, out_dtype)[0]
-    w_k = weight_casts(b_t.transpose(-2, -1), cfg, plan, False)[0]
-    return _forward_gemm(a0, w_k, offs, cfg, plan, out_dtype)
+    return _forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype)
 
 
 def mx_grouped_mm_shared(
@@ -344,23 +327,19 @@ def mx_grouped_mm_shared(
         if torch.is_grad_enabled() and (args[0].requires_grad or any(b.requires_grad for b in b_ts)):
             return apply_function(_MXGroupedMMShared, *args, offs, cfg, plan, out_dtype, cast_to, *b_ts)
         # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-        return _grouped_shared_forward(
-            *args, offs, cfg, plan, out_dtype, cast_to, b_ts, False, False
-        )[0]
+        return _grouped_shared_forward(*args, offs, cfg, plan, out_dtype, cast_to, b_ts, False)[0]
 
 
-def _swiglu_forward(g, u, b_t, offs, cfg: MXRecipe, plan: OpPlan, out_dtype, need_dh: bool):
+def _swiglu_forward(g, u, b_t, offs, cfg: MXRecipe, plan: OpPlan, out_dtype):
     """The forward of `_MXGroupedMMSwiGLU` (qdq path): (y (T, N) out_dtype, what the wgrad keeps:
-    (h1,), h along M in groups (T, K) compute dtype, when b_t needs its gradient, else (); what the
-    dgrad keeps of the weights (`weight_casts`; need_dh: the dgrad will run))."""
+    (h1,), h along M in groups (T, K) compute dtype, when b_t needs its gradient, else ())."""
     if b_t.requires_grad:  # along K for the GEMM, along M in groups kept for the wgrad
         h0, h1 = swiglu_qdq_trusted(g, u, cfg, plan.k1, plan.compute, offs)
         kept = (h1,)
     else:  # as `_cast_a` without the wgrad: h along K alone
         (h0,) = qdq_trusted(F.silu(g) * u, cfg, plan.k0, plan.compute, True, False)
         kept = ()
-    w_k, w_kept = weight_casts(b_t.transpose(-2, -1), cfg, plan, need_dh)
-    return _forward_gemm(h0, w_k, offs, cfg, plan, out_dtype), kept, w_kept
+    return _forward_gemm(h0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype), kept
 
 
 class _MXGroupedMMSwiGLU(torch.autograd.Function):
@@ -372,22 +351,18 @@ class _MXGroupedMMSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u, b_t, offs, cfg: MXRecipe, plan: OpPlan, out_dtype):
         # g, u: (T, K) of out_dtype (no autocast cast left to make); b_t: (E, K, N)
-        y, kept, w_kept = _swiglu_forward(
-            g, u, b_t, offs, cfg, plan, out_dtype, g.requires_grad or u.requires_grad
-        )
-        ctx.cfg, ctx.plan, ctx.a_dtype, ctx.n_w = cfg, plan, out_dtype, len(w_kept)
+        y, kept = _swiglu_forward(g, u, b_t, offs, cfg, plan, out_dtype)
+        ctx.cfg, ctx.plan, ctx.a_dtype = cfg, plan, out_dtype
         # g, u: silu's and mul's backward need them
-        ctx.save_for_backward(g, u, b_t.transpose(-2, -1), offs, *w_kept, *kept)
+        ctx.save_for_backward(g, u, b_t.transpose(-2, -1), offs, *kept)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         need_dg, need_du, need_dw = ctx.needs_input_grad[:3]
-        g, u, w, offs, *rest = ctx.saved_tensors
-        w_kept, kept = tuple(rest[: ctx.n_w]), rest[ctx.n_w :]
+        g, u, w, offs, *kept = ctx.saved_tensors
         dh, db_t = _backward_gemms(
-            dy, w, offs, kept, lambda: kept[0], ctx.cfg, ctx.plan, need_dg or need_du, need_dw,
-            ctx.a_dtype, 0, w_kept=w_kept,
+            dy, w, offs, kept, lambda: kept[0], ctx.cfg, ctx.plan, need_dg or need_du, need_dw, ctx.a_dtype, 0
         )
         dg = du = None
         if dh is not None:  # autograd of `F.silu(g) * u`: MulBackward0 then SiluBackward0
@@ -435,8 +410,7 @@ def mx_grouped_mm_swiglu(
             return apply_function(_MXGroupedMMSwiGLU, g, u, b_t, offs, cfg, plan, out_dtype)
         # no graph to record (e.g. validation under no_grad): the forward alone, as mx_grouped_mm's
         h0 = _cast_a(F.silu(g) * u, None, None, cfg.scaling_mode, offs, cfg, plan, False, out_dtype)[0]
-        w_k = weight_casts(b_t.transpose(-2, -1), cfg, plan, False)[0]
-        return _forward_gemm(h0, w_k, offs, cfg, plan, out_dtype)
+        return _forward_gemm(h0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype)
 
 
 class _MXGroupedSwiGLUMLP(torch.autograd.Function):
@@ -453,31 +427,27 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
     ):
         need_dw = wants_grad(w1_t) or wants_grad(w3_t)
         ctx.x_dtype = a.dtype
-        (g, u), kept, cap, w13_kept = _grouped_shared_forward(
-            a, a_q, a_s, a_mode, offs, cfg, plan, out_dtype, cast_to, (w1_t, w3_t), need_dw, a.requires_grad
+        (g, u), kept, cap = _grouped_shared_forward(
+            a, a_q, a_s, a_mode, offs, cfg, plan, out_dtype, cast_to, (w1_t, w3_t), need_dw
         )
-        # dh is needed for a's gradient and for w1's and w3's
-        y, h_kept, w2_kept = _swiglu_forward(
-            g, u, w2_t, offs, cfg, plan, out_dtype, a.requires_grad or need_dw
-        )
+        y, h_kept = _swiglu_forward(g, u, w2_t, offs, cfg, plan, out_dtype)
         ctx.cfg, ctx.plan, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
             cfg, plan, a_q is not None, out_dtype, a_mode, cap
         )
-        w_kept = (*w13_kept, w2_kept)
-        ctx.n_h, ctx.n_ws = len(h_kept), tuple(len(k) for k in w_kept)
-        ctx.save_for_backward(w1_t, w3_t, w2_t, *(t for k in w_kept for t in k), offs, g, u, *h_kept, *kept)
+        ctx.n_h = len(h_kept)
+        ctx.save_for_backward(offs, w1_t, w3_t, w2_t, g, u, *h_kept, *kept)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         cfg, plan = ctx.cfg, ctx.plan
-        (w1_t, w3_t, w2_t), w_kept, (offs, g, u, *rest) = split_saved(ctx.saved_tensors, 3, ctx.n_ws)
+        offs, w1_t, w3_t, w2_t, g, u, *rest = ctx.saved_tensors
         h_kept, kept = rest[: ctx.n_h], rest[ctx.n_h :]
         need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[9:12]
         need_dh = need_da or need_dw[0] or need_dw[1]
         dh, dw2_t = _backward_gemms(  # `_MXGroupedMMSwiGLU.backward`'s
             dy, w2_t.transpose(-2, -1), offs, h_kept, lambda: h_kept[0], cfg, plan, need_dh, need_dw[2],
-            ctx.a_dtype, 0, w_kept=w_kept[2],
+            ctx.a_dtype, 0,
         )
         das, dws = [], [None, None]
         if dh is not None:  # `_MXGroupedMMShared.backward`'s, on dg and du cast from dh, g, u at once
@@ -492,7 +462,7 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
             for i, b_t in enumerate((w1_t, w3_t)):
                 da, dws[i] = _backward_gemms(
                     None, b_t.transpose(-2, -1), offs, kept, a1_fn, cfg, plan, need_da, need_dw[i],
-                    ctx.a_dtype, ctx.cap, dgu[2 * i : 2 * i + 2], w_kept[i],
+                    ctx.a_dtype, ctx.cap, dgu[2 * i : 2 * i + 2],
                 )
                 if need_da:
                     das.append(da.to(ctx.x_dtype))

@@ -13,10 +13,8 @@ quantize-dequantize (`mxmoe.quant.qdq`), every result in the operand's own row-m
 dy both ways from one read, W along K and along N. The forward keeps x along M in the compute dtype
 (bf16 on CUDA: what bf16 training keeps for its wgrad) and the backward uses it as is: dW = dy1ᵀ x1,
 both M-major, the layout of bf16 training's wgrad. The dgrad dx = dy0 W takes W along N row-major
-(N, K), as bf16 training's dgrad takes W. The weight casts: along K for the forward and, when the dgrad will
-run and the recipe's `keep_weight_casts` is on (default), along N from the same read of W, kept
-for the backward (else the backward casts W along N); both go through `cache_weight_casts` (once
-per optimizer step inside its scope).
+(N, K), as bf16 training's dgrad takes W. The weight casts (along K in forward, along N in
+backward) go through `cache_weight_casts` (once per optimizer step inside its scope).
 Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) of zero-padded rows and `mx_gemm`; the
 "emulated" backend taken through that path (tests) makes the qdq path's dgrad and wgrad calls on
 its dequantized operands (`dgrad_mx`, `wgrad_mx`), so the two paths are bit-identical.
@@ -40,7 +38,7 @@ from mxmoe.ops.gemm import (
     no_autocast,
     op_plan,
 )
-from mxmoe.ops.weight_cache import cached_cast, cached_casts
+from mxmoe.ops.weight_cache import cached_cast
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq_trusted
 from mxmoe.recipe import MXRecipe
@@ -116,28 +114,6 @@ def weight_mx(w: Tensor, axis: int, cfg: MXRecipe) -> MXTensor:
     return cached_cast(w, ("mx", axis, cfg), lambda: to_mx(w, axis, recipe=cfg))
 
 
-def weight_casts(w: Tensor, cfg: MXRecipe, plan: OpPlan, keep_n: bool) -> tuple[Tensor | MXTensor, tuple]:
-    """(W along K for the forward GEMM, what the op keeps for its backward's dgrad): on the qdq
-    path with `keep_n` (the dgrad will run) and `cfg.keep_weight_casts`, W along N from the same
-    read of W (qdq_dim0_dim1; both reused like `weight_qdq`), kept as (w_n,); else () and the
-    backward casts W along N itself (`dgrad_weight`). W (N, K) or (E, N, K), any strides."""
-    if not plan.qdq:
-        return weight_mx(w, -1, cfg), ()
-    if keep_n and cfg.keep_weight_casts:
-        keys = (("qdq", -1, cfg, plan.compute), ("qdq", -2, cfg, plan.compute))
-        both = (w, cfg, plan.k1, plan.compute, True, True)  # one read: along K and along N
-        w_k, w_n = cached_casts(w, keys, lambda: tuple(qdq_trusted(*both)))
-        return w_k, (w_n,)
-    return weight_qdq(w, -1, cfg, plan), ()
-
-
-def dgrad_weight(w: Tensor, w_kept: tuple, cfg: MXRecipe, plan: OpPlan) -> Tensor | MXTensor:
-    """W along N for the dgrad: the forward's kept cast (`weight_casts`), else made here."""
-    if w_kept:
-        return w_kept[0]
-    return weight_qdq(w, -2, cfg, plan) if plan.qdq else weight_mx(w, -2, cfg)
-
-
 def dgrad_mx(
     dy0: MXTensor, w1: MXTensor, offs: Tensor | None, cfg: MXRecipe, out_dtype: torch.dtype
 ) -> Tensor:
@@ -200,21 +176,21 @@ def _cast_x(
 
 
 def _forward_gemm(
-    x0: Tensor | MXTensor, w_k: Tensor | MXTensor, cfg: MXRecipe, plan: OpPlan, out_dtype: torch.dtype
+    x0: Tensor | MXTensor, w: Tensor, cfg: MXRecipe, plan: OpPlan, out_dtype: torch.dtype
 ) -> Tensor:
-    """y = x0 Wᵀ (M, N) in out_dtype: x0 from `_cast_x`, w_k W (N, K) cast along K (`weight_casts`)."""
+    """y = x0 Wᵀ (M, N) in out_dtype: x0 from `_cast_x`, W (N, K) cast along K (cached)."""
     if plan.qdq:
-        return hp_gemm(x0, w_k.t(), None, out_dtype)
-    return mx_gemm(x0, swap_last2(w_k), config=cfg)
+        return hp_gemm(x0, weight_qdq(w, -1, cfg, plan).t(), None, out_dtype)
+    return mx_gemm(x0, swap_last2(weight_mx(w, -1, cfg)), config=cfg)
 
 
 def _backward_gemms(
     dy: Tensor, w: Tensor, kept: tuple[Tensor, ...], cfg: MXRecipe, plan: OpPlan, need_dx: bool,
-    need_dw: bool, x_dtype: torch.dtype, w_kept: tuple = (),
+    need_dw: bool, x_dtype: torch.dtype,
 ) -> tuple[Tensor | None, Tensor | None]:
     """(dx (M, K) in x_dtype, dW_t (K, N) in w's dtype) of y = x Wᵀ given dy (M, N) and W (N, K)
     (the forward's view of w_t): dy cast as the dgrad and wgrad need it, `kept` what `_cast_x`
-    kept of x along M, `w_kept` what `weight_casts` kept of W."""
+    kept of x along M."""
     dx = dw_t = None
     if plan.qdq:  # (qdq_trusted makes dy contiguous)
         if need_dx and need_dw:  # one read of dy: along N, and along M (row-major)
@@ -224,7 +200,7 @@ def _backward_gemms(
         else:
             (dy1,) = qdq_trusted(dy, cfg, plan.k1, plan.compute, False, True)
         if need_dx:  # W (N, K) along N, row-major
-            dx = hp_gemm(dy0, dgrad_weight(w, w_kept, cfg, plan), None, x_dtype)
+            dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, plan), None, x_dtype)
         if need_dw:  # dy1ᵀ (N, M) and x1 (M, K), both M-major, as bf16 training's wgrad
             dw_t = hp_gemm(dy1.t(), kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
         return dx, dw_t
@@ -241,7 +217,7 @@ def _backward_gemms(
     else:
         dy1 = cast_rows(dy, cfg)
     if need_dx:
-        dx = dgrad_mx(dy0, dgrad_weight(w, w_kept, cfg, plan), None, cfg, x_dtype)
+        dx = dgrad_mx(dy0, weight_mx(w, -2, cfg), None, cfg, x_dtype)
     if need_dw:
         dw_t = wgrad_mx(dy1, x1, M, None, None, cfg, w.dtype).t()
     return dx, dw_t
@@ -253,19 +229,16 @@ class _MXMM(torch.autograd.Function):
         # x (M, K); w_t (K, N), the transposed view of W (N, K); plan: op_plan(cfg, x.device)
         x0, kept = _cast_x(x, cfg, plan, w_t.requires_grad)
         w = w_t.t()
-        w_k, w_kept = weight_casts(w, cfg, plan, x.requires_grad)
-        y = _forward_gemm(x0, w_k, cfg, plan, x.dtype)
-        ctx.cfg, ctx.plan, ctx.x_dtype, ctx.n_w = cfg, plan, x.dtype, len(w_kept)
-        # W (N, K) as the backward takes it (no transpose there), W along N if kept
-        ctx.save_for_backward(w, *w_kept, *kept)
+        y = _forward_gemm(x0, w, cfg, plan, x.dtype)
+        ctx.cfg, ctx.plan, ctx.x_dtype = cfg, plan, x.dtype
+        ctx.save_for_backward(w, *kept)  # W (N, K) as the backward takes it (no transpose there)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         need_dx, need_dw, _, _ = ctx.needs_input_grad
-        w, *rest = ctx.saved_tensors
-        w_kept, kept = tuple(rest[: ctx.n_w]), rest[ctx.n_w :]
-        dx, dw_t = _backward_gemms(dy, w, kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.x_dtype, w_kept)
+        w, *kept = ctx.saved_tensors
+        dx, dw_t = _backward_gemms(dy, w, kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.x_dtype)
         return dx, dw_t, None, None
 
 
@@ -280,30 +253,12 @@ def sum_like_autograd(grads: list[Tensor]) -> Tensor:
     return acc
 
 
-def _mm_shared_forward(
-    x: Tensor, cast_to, cfg: MXRecipe, plan: OpPlan, w_ts, need_dw: bool, need_dx: bool
-):
-    """The forward of `mx_mm_shared`: (the outputs, x as the GEMMs take it (2D), what the backward
-    keeps of x, what it keeps of each weight (`weight_casts`))."""
+def _mm_shared_forward(x: Tensor, cast_to, cfg: MXRecipe, plan: OpPlan, w_ts, need_dw: bool):
+    """The forward of `mx_mm_shared`: (the outputs, x as the GEMMs take it (2D), what the backward keeps)."""
     a = x.to(cast_to) if cast_to is not None else x
     a = a.reshape(-1, a.shape[-1])
     x0, kept = _cast_x(a, cfg, plan, need_dw)
-    ys, w_kept = [], []
-    for w_t in w_ts:
-        w_k, wk = weight_casts(w_t.t(), cfg, plan, need_dx)
-        ys.append(_forward_gemm(x0, w_k, cfg, plan, a.dtype))
-        w_kept.append(wk)
-    return tuple(ys), a, kept, w_kept
-
-
-def split_saved(saved: tuple, n: int, n_ws: tuple[int, ...]) -> tuple[tuple, list[tuple], tuple]:
-    """The saved tensors of a shared-input op saved as (n weights, then each weight's kept casts,
-    n_ws[i] of them, then the rest) -> (weights, [kept casts of each weight], rest)."""
-    w_kept, at = [], n
-    for k in n_ws:
-        w_kept.append(tuple(saved[at : at + k]))
-        at += k
-    return tuple(saved[:n]), w_kept, tuple(saved[at:])
+    return tuple(_forward_gemm(x0, w_t.t(), cfg, plan, a.dtype) for w_t in w_ts), a, kept
 
 
 class _MXMMShared(torch.autograd.Function):
@@ -316,25 +271,23 @@ class _MXMMShared(torch.autograd.Function):
         # of W_i (N_i, K)
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         need_dw = any(wants_grad(w_t) for w_t in w_ts)
-        ys, a, kept, w_kept = _mm_shared_forward(x, cast_to, cfg, plan, w_ts, need_dw, x.requires_grad)
+        ys, a, kept = _mm_shared_forward(x, cast_to, cfg, plan, w_ts, need_dw)
         ctx.cfg, ctx.plan, ctx.a_dtype, ctx.x_shape, ctx.x_dtype = cfg, plan, a.dtype, x.shape, x.dtype
-        ctx.n, ctx.n_ws = len(w_ts), tuple(len(k) for k in w_kept)
-        ctx.save_for_backward(*w_ts, *(t for k in w_kept for t in k), *kept)
+        ctx.n = len(w_ts)
+        ctx.save_for_backward(*w_ts, *kept)
         return ys
 
     @staticmethod
     def backward(ctx, *dys: Tensor | None):
         need_dx = ctx.needs_input_grad[0]
-        w_ts, w_kept, kept = split_saved(ctx.saved_tensors, ctx.n, ctx.n_ws)
+        w_ts, kept = ctx.saved_tensors[: ctx.n], tuple(ctx.saved_tensors[ctx.n :])
         dxs, dw_ts = [], []
         for i, (dy, w_t) in enumerate(zip(dys, w_ts, strict=True)):
             need_dw = ctx.needs_input_grad[4 + i]
             if dy is None:
                 dw_ts.append(None)
                 continue
-            dx, dw_t = _backward_gemms(
-                dy, w_t.t(), kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.a_dtype, w_kept[i]
-            )
+            dx, dw_t = _backward_gemms(dy, w_t.t(), kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.a_dtype)
             dw_ts.append(dw_t)
             if need_dx:  # each op's dx, as autograd hands it to x: through its view and cast
                 dxs.append(dx.view(ctx.x_shape).to(ctx.x_dtype))
@@ -384,8 +337,7 @@ def _mm_call(a: Tensor, b: Tensor, cfg: MXRecipe) -> Tensor:
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return apply_function(_MXMM, x, b, cfg, plan)
     # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-    w_k = weight_casts(b.t(), cfg, plan, False)[0]
-    return _forward_gemm(_cast_x(x, cfg, plan, False)[0], w_k, cfg, plan, x.dtype)
+    return _forward_gemm(_cast_x(x, cfg, plan, False)[0], b.t(), cfg, plan, x.dtype)
 
 
 def mx_mm_shared(
@@ -432,5 +384,5 @@ def mx_mm_shared(
         if torch.is_grad_enabled() and (a.requires_grad or any(b.requires_grad for b in bs)):
             ys = apply_function(_MXMMShared, a, cast_to, cfg, plan, *bs)
         else:  # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-            ys = _mm_shared_forward(a, cast_to, cfg, plan, bs, False, False)[0]
+            ys = _mm_shared_forward(a, cast_to, cfg, plan, bs, False)[0]
     return tuple(y if a.ndim == 2 else y.view(*lead, b.shape[1]) for y, b in zip(ys, bs, strict=True))

@@ -19,10 +19,9 @@ A cached cast is used only if all of these still hold, else it is recomputed:
   optimizer step inside the scope invalidates every cached cast).
 Changes that none of these see, e.g. writes through `param.data`, or FSDP's re-gather of a weight
 after a `load_state_dict` of its shards within one scope, need the scope to end (or no scope).
-The cache is dropped when the scope exits. It holds one copy of each cast weight per axis (also
-when both come from one read, `MXRecipe.keep_weight_casts`) for the scope's lifetime (for FSDP
-that keeps the casts of unsharded weights alive between forward and backward). Under
-torch.compile the ops do not use it (the casts are part of the compiled graph).
+The cache is dropped when the scope exits. It holds one copy of each cast weight per axis for the
+scope's lifetime (for FSDP that keeps the casts of unsharded weights alive between forward and
+backward). Under torch.compile the ops do not use it (the casts are part of the compiled graph).
 """
 
 from __future__ import annotations
@@ -85,28 +84,6 @@ def cached_cast(w: Tensor, key: tuple, make: Callable[[], T]) -> T:
     value = make()
     cache[slot] = (weakref.ref(base), fp, value)
     return value
-
-
-def cached_casts(w: Tensor, keys: tuple[tuple, ...], make: Callable[[], tuple]) -> tuple:
-    """`make()`, several casts of weight `w` made together (one per key of `keys`, in order), as
-    `cached_cast` gives one: reused when the innermost scope holds every one of them for the
-    unchanged `w`; otherwise made afresh and each kept under its own key (`cached_cast` with that
-    key then finds it)."""
-    if torch.compiler.is_compiling() or not _scopes:
-        return make()
-    base = w if w._base is None else w._base
-    if not isinstance(base, nn.Parameter):
-        return make()
-    cache = _scopes[-1]
-    fp = _fingerprint(w, base)
-    hits = [cache.get((id(base), key)) for key in keys]
-    if all(h is not None and h[0]() is base and h[1] == fp for h in hits):
-        return tuple(h[2] for h in hits)
-    values = make()
-    ref = weakref.ref(base)
-    for key, value in zip(keys, values, strict=True):
-        cache[(id(base), key)] = (ref, fp, value)
-    return values
 
 
 def cache_size() -> int:

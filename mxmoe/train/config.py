@@ -78,11 +78,6 @@ class MX:
         "GEMM on MX operands: emulated (exact dequantize, bf16 GEMM) | fp8 (H100/H200 fp8 tensor "
         "cores, one MMA per 32-block of K; opt-in, see docs/training-ops.md)",
     )
-    keep_weight_casts: bool = _f(
-        True,
-        "cast each weight along K and N from one read in the forward and keep the cast along N for "
-        "the backward (false: cast it again in the backward; holds less memory, e.g. with FSDP)",
-    )
 
 
 @dataclass

@@ -178,7 +178,6 @@ def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDim
             filter_fqns=list(mx.filter_fqns),
             convert_grouped_experts=mx.convert_grouped_experts,
             gemm_backend=mx.gemm_backend,
-            keep_weight_casts=mx.keep_weight_casts,
         ),
         parallel_dims=pd,
     )

@@ -21,10 +21,9 @@ from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
 
-def rec(mode="rceil", elem=torch.float8_e4m3fn, kernel="torch", gemm_dtype=None, keep=True) -> MXRecipe:
+def rec(mode="rceil", elem=torch.float8_e4m3fn, kernel="torch", gemm_dtype=None) -> MXRecipe:
     return MXRecipe(
-        scaling_mode=mode, elem_dtype=elem, dim0_kernel=kernel, dim1_kernel=kernel, gemm_dtype=gemm_dtype,
-        keep_weight_casts=keep,
+        scaling_mode=mode, elem_dtype=elem, dim0_kernel=kernel, dim1_kernel=kernel, gemm_dtype=gemm_dtype
     )
 
 
@@ -131,15 +130,9 @@ def fp8_dim1_bytes(rows_padded: int, cols: int) -> int:
     return rows_padded * cols + rows_padded // 32 * cols
 
 
-def kept_weight_bytes(w: torch.Tensor, cfg: MXRecipe, need_dx: bool) -> int:
-    """What the qdq path keeps of a weight for its dgrad (`keep_weight_casts`): its cast along N in
-    the compute dtype; the MX path keeps none (it casts the weight again in the backward)."""
-    return w.numel() * cfg.compute_dtype(w.device).itemsize if need_dx and cfg.keep_weight_casts else 0
-
-
 def saved_delta_mm(M: int, K: int, compute: torch.dtype, need_dw: bool) -> int:
-    """qdq path minus MX path saved bytes of mx_mm for x: x along M in the compute dtype (M, K)
-    instead of its MX cast of the zero-padded (M_pad, K)."""
+    """qdq path minus MX path saved bytes of mx_mm: x along M in the compute dtype (M, K) instead
+    of its MX cast of the zero-padded (M_pad, K)."""
     if not need_dw:
         return 0
     m_pad = -(-M // 32) * 32
@@ -159,39 +152,29 @@ def saved_delta_grouped(T: int, K: int, E: int, compute: torch.dtype, need_dw: b
     return delta
 
 
-@pytest.mark.parametrize("mode,keep", [("rceil", True), ("floor", True), ("rceil", False)])
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
 @pytest.mark.parametrize("dtype,gemm_dtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16)])
-def test_mx_mm_qdq_path_bit_identical(monkeypatch, mode, keep, dtype, gemm_dtype):
+def test_mx_mm_qdq_path_bit_identical(monkeypatch, mode, dtype, gemm_dtype):
     """mx_mm: y, dx, dW equal bit for bit, layouts included, for every requires-grad combination
     and a row count that is no multiple of 32; the qdq path saves x along M in the compute dtype
-    where the MX path saves its MX cast, and with keep_weight_casts W along N when dx is needed."""
-    cfg = rec(mode, gemm_dtype=gemm_dtype, keep=keep)
+    where the MX path saves its MX cast."""
+    cfg = rec(mode, gemm_dtype=gemm_dtype)
     x = wide_range((45, 128), dtype, 0)
     w = wide_range((96, 128), dtype, 1) * 0.1
     dy = wide_range((45, 96), dtype, 2)
     for req in REQS:
         (new, nb), (old, ob) = both_paths(monkeypatch, lambda req=req: run_mm(x, w, dy, cfg, req))
         assert_same(new, old, f"mx_mm {req}")
-        want = saved_delta_mm(45, 128, cfg.compute_dtype(x.device), req[1])
-        want += kept_weight_bytes(w, cfg, req[0])
-        assert nb - ob == want, (req, nb, ob)
+        assert nb - ob == saved_delta_mm(45, 128, cfg.compute_dtype(x.device), req[1]), (req, nb, ob)
 
 
-@pytest.mark.parametrize(
-    "mode,elem,keep",
-    [
-        ("rceil", torch.float8_e4m3fn, True),
-        ("even", torch.float8_e5m2, True),
-        ("rceil", torch.float8_e4m3fn, False),
-    ],
-)
+@pytest.mark.parametrize("mode,elem", [("rceil", torch.float8_e4m3fn), ("even", torch.float8_e5m2)])
 @pytest.mark.parametrize("mx_input", [False, True])
-def test_mx_grouped_mm_qdq_path_bit_identical(monkeypatch, mode, elem, keep, mx_input):
+def test_mx_grouped_mm_qdq_path_bit_identical(monkeypatch, mode, elem, mx_input):
     """mx_grouped_mm (plain and MX-activation input), groups of size 0, not multiples of 32, and
     rows past the last group; bf16 operands with bf16 compute. The qdq path casts the tokens and dy
-    along M group by group without a padded copy and saves the tokens' cast in bf16 (and with
-    keep_weight_casts the weights along N when da is needed)."""
-    cfg = rec(mode, elem, gemm_dtype=torch.bfloat16, keep=keep)
+    along M group by group without a padded copy and saves the tokens' cast in bf16."""
+    cfg = rec(mode, elem, gemm_dtype=torch.bfloat16)
     counts = [0, 5, 33, 0, 40]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     T = sum(counts) + 3
@@ -204,7 +187,6 @@ def test_mx_grouped_mm_qdq_path_bit_identical(monkeypatch, mode, elem, keep, mx_
         )
         assert_same(new, old, f"grouped {req}")
         want = saved_delta_grouped(T, 64, 5, torch.bfloat16, req[1], mx_input)
-        want += kept_weight_bytes(w, cfg, req[0])
         assert nb - ob == want, (req, nb, ob)
 
 
@@ -241,19 +223,17 @@ def count_weight_casts(monkeypatch, weights):
 
     def counting(x, *args, **kw):
         if x.data_ptr() in ptrs:
-            calls.append((tuple(x.shape), *args[3:5]))  # (shape, dim0, dim1)
+            calls.append(x.shape)
         return real(x, *args, **kw)
 
     monkeypatch.setattr(linear_mod, "qdq_trusted", counting)
     return calls
 
 
-@pytest.mark.parametrize("keep", [True, False])
-def test_weight_cache_reuses_within_scope_and_matches(monkeypatch, keep):
-    """Two micro-batches in one scope: each weight cast (along K, along N) is made once (with
-    keep_weight_casts both from one read), and the gradients equal those computed without the
-    cache."""
-    cfg = rec(keep=keep)
+def test_weight_cache_reuses_within_scope_and_matches(monkeypatch):
+    """Two micro-batches in one scope: each weight cast (along K, along N) is made once, and the
+    gradients equal those computed without the cache."""
+    cfg = rec()
     lin = nn.Linear(64, 96, bias=False)
     xs = [torch.randn(37, 64, requires_grad=True), torch.randn(37, 64, requires_grad=True)]
     ref = []
@@ -269,76 +249,9 @@ def test_weight_cache_reuses_within_scope_and_matches(monkeypatch, keep):
             got.append(lin.weight.grad.clone())
         assert cache_size() == 2
     assert cache_size() == 0
-    # along K (forward) and along N (backward), once each: one read, or one per pass
-    assert calls == ([((96, 64), True, True)] if keep else [((96, 64), True, False), ((96, 64), False, True)])
+    assert len(calls) == 2  # along K (forward) and along N (backward), once each
     for g, r in zip(got, ref, strict=True):
         assert torch.equal(g, r)
-
-
-def _mlp_step(x, ws, offs, cfg):
-    """The MoE experts' MLP (one op), forward and backward."""
-    from mxmoe.ops import mx_grouped_swiglu_mlp
-
-    w1, w3, w2 = ws
-    y = mx_grouped_swiglu_mlp(x, w1.transpose(-2, -1), w3.transpose(-2, -1), w2.transpose(-2, -1), offs, cfg)
-    y.square().sum().backward()
-
-
-def _shared_step(x, ws, offs, cfg):
-    """q/k/v-style projections sharing one cast of x, forward and backward."""
-    from mxmoe.ops import mx_mm_shared
-
-    sum(y.square().sum() for y in mx_mm_shared(x, [w.t() for w in ws], cfg)).backward()
-
-
-def _grouped_shared_step(x, ws, offs, cfg):
-    from mxmoe.ops import mx_grouped_mm_shared
-
-    ys = mx_grouped_mm_shared(x, [w.transpose(-2, -1) for w in ws], offs, cfg)
-    sum(y.square().sum() for y in ys).backward()
-
-
-@pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("op", ["mm", "mm_shared", "grouped", "grouped_shared", "swiglu_mlp"])
-def test_weights_read_once_per_step(monkeypatch, op, keep):
-    """One forward + backward with every gradient: with keep_weight_casts each weight is read once
-    (along K and N together) and the backward casts none; without, once per pass. Both give the
-    same outputs' gradients, bit for bit."""
-    torch.manual_seed(0)
-    offs = torch.tensor([7, 7, 40], dtype=torch.int32)
-    if op in ("mm", "mm_shared"):
-        ws = [nn.Parameter(torch.randn(n, 64) * 0.1) for n in ((96,) if op == "mm" else (96, 32, 32))]
-    elif op == "swiglu_mlp":
-        ws = [nn.Parameter(torch.randn(3, n, k) * 0.1) for n, k in ((96, 64), (96, 64), (64, 96))]
-    else:
-        ws = [nn.Parameter(torch.randn(3, 96, 64) * 0.1) for _ in range(1 if op == "grouped" else 2)]
-    x0 = torch.randn(40, 64)
-    step = {
-        "mm": lambda x, ws, offs, cfg: mx_mm(x, ws[0].t(), cfg).square().sum().backward(),
-        "mm_shared": _shared_step,
-        "grouped": lambda x, ws, offs, cfg: mx_grouped_mm(x, ws[0].transpose(-2, -1), offs, cfg)
-        .square()
-        .sum()
-        .backward(),
-        "grouped_shared": _grouped_shared_step,
-        "swiglu_mlp": _mlp_step,
-    }[op]
-    grads, calls = {}, []
-    for k in (True, False):
-        x = x0.clone().requires_grad_(True)
-        for w in ws:
-            w.grad = None
-        with monkeypatch.context() as m:
-            log = count_weight_casts(m, ws)
-            step(x, ws, offs, rec(keep=k))
-        if k == keep:
-            calls = log
-        grads[k] = [x.grad] + [w.grad for w in ws]
-    per_pass = [(True, False), (False, True)]  # along K in forward, along N in backward
-    want = [(tuple(w.shape), *c) for w in ws for c in ([(True, True)] if keep else per_pass)]
-    assert sorted(calls) == sorted(want)
-    for a, b in zip(grads[True], grads[False], strict=True):
-        assert torch.equal(a, b)
 
 
 def test_weight_cache_never_stale(monkeypatch):
@@ -455,15 +368,13 @@ def test_gpu_qdq_path_bit_identical(monkeypatch, kernel, mode):
     for req in REQS:
         (new, nb), (old, ob) = both_paths(monkeypatch, lambda req=req: run_mm(x, w, dy, cfg, req))
         assert_same(new, old, f"gpu mx_mm {req}")
-        want = saved_delta_mm(1000, 512, torch.bfloat16, req[1]) + kept_weight_bytes(w, cfg, req[0])
-        assert nb - ob == want
+        assert nb - ob == saved_delta_mm(1000, 512, torch.bfloat16, req[1])
         for mx_input in (False, True):
             (new, nb), (old, ob) = both_paths(
                 monkeypatch, lambda req=req, m=mx_input: run_grouped(a, we, offs, dy, cfg, req, m)
             )
             assert_same(new, old, f"gpu grouped {req} mx_input={mx_input}")
-            want = saved_delta_grouped(1000, 512, 5, torch.bfloat16, req[1], mx_input)
-            assert nb - ob == want + kept_weight_bytes(we, cfg, req[0])
+            assert nb - ob == saved_delta_grouped(1000, 512, 5, torch.bfloat16, req[1], mx_input)
             if req[1]:  # empty experts (torch._grouped_mm's K-grouped GEMM over 0 rows): dW = 0
                 assert not new[2][[0, 3]].any()
 
