@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         metavar="DIR",
         help="after timing, record --profile-steps more steps of each variant and mode with "
-        "torch.profiler: DIR/<variant>_<mode>.txt (operator table by device time, GPU time per kernel "
-        "category) and the categories per step in the rows",
+        "torch.profiler: DIR/<variant>_<mode>.txt (GPU time per kernel category, the operator table by "
+        "device time, and the same grouped by input shapes) and the categories per step in the rows",
     )
     p.add_argument(
         "--profile-steps", type=positive_int, default=2, help="steps recorded with --profile (default 2)"
@@ -193,7 +193,7 @@ def _profile(step, variant: str, mode: str, device: torch.device, args) -> dict:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     n = args.profile_steps
     timing.sync()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         for _ in range(n):
             step()
         timing.sync()
@@ -206,6 +206,12 @@ def _profile(step, variant: str, mode: str, device: torch.device, args) -> dict:
             fh.write("GPU ms per step by kernel category: ")
             fh.write(", ".join(f"{k} {v:.2f}" for k, v in per_step.items()) + "\n\n")
         fh.write(prof.key_averages().table(sort_by=sort_by, row_limit=50, max_name_column_width=90))
+        fh.write(f"\n\nThe same, by input shapes ({n} steps):\n")
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        total = sort_by.replace("self_", "")  # total, not self: a C++ operator owns its kernels
+        fh.write(
+            by_shape.table(sort_by=total, row_limit=80, max_name_column_width=60, max_shapes_column_width=90)
+        )
     return {"gpu_ms_per_step": per_step} if per_step else {}
 
 

@@ -4,6 +4,7 @@ and write their JSON; bad arguments are refused clearly."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -76,6 +77,19 @@ def test_train_bench_runs_bf16_and_mx_on_cpu(tmp_path, capsys):
     assert data["config"]["model"]["name"] == "debug_moe"
     text = capsys.readouterr().out
     assert "training steps, model debug_moe, 2x32 tokens/step" in text
+
+
+def test_train_bench_profile_writes_the_operator_tables(tmp_path):
+    """--profile: per variant and mode a file with the operator table and the same grouped by input
+    shapes (the MX ops' shapes included)."""
+    argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager", "--variants", "mx", "--steps", "1",
+            "--warmup-steps", "1", "--profile", str(tmp_path), "--profile-steps", "1"]
+    assert cli_main(argv) == 0
+    text = (tmp_path / "mx_eager.txt").read_text()
+    assert text.startswith("mx, eager: 1 steps recorded")
+    head, by_shape = text.split("The same, by input shapes (1 steps):")
+    assert "Input Shapes" not in head and "Input Shapes" in by_shape
+    assert re.search(r"aten::mm\s.*\[\[\d+, \d+\], \[\d+, \d+\]", by_shape), by_shape[:2000]
 
 
 def test_train_bench_reports_a_mode_that_cannot_run(capsys):
