@@ -18,8 +18,10 @@ on one fixed batch, in each mode:
 
 After `--warmup-steps` untimed steps (compilation, capture, autotuning), `--steps` steps are timed
 by wall clock with the device synchronized only at both ends: tokens/s, ms per step, peak memory
-(CUDA: max allocated during the variant; CPU: the process's peak RSS so far), final loss. A mode
-that fails is reported with its error. Runs on CPU (tiny config) too.
+(CUDA: max allocated during the variant; CPU: the process's peak RSS so far), final loss, and
+torch.compile's graphs, graph breaks and graphs compiled during the timed steps (nonzero: the
+timing includes recompilation). A mode that fails is reported with its error. Runs on CPU (tiny
+config) too.
 
     mxmoe bench train --config configs/moe_1b.toml --json train.json
     mxmoe bench train --config configs/debug_moe.toml --training.device=cpu --modes eager --steps 2
@@ -157,11 +159,14 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    dynamo = torch._dynamo.utils.counters
+    dynamo.clear()
     t0 = time.perf_counter()
     for _ in range(args.warmup_steps):
         step()
     timing.sync()
     warm_s = time.perf_counter() - t0
+    graphs_warm = dynamo["stats"]["unique_graphs"]
     t0 = time.perf_counter()
     for _ in range(args.steps):
         ce = step()
@@ -175,6 +180,11 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         "step_ms": dt * 1e3,
         "peak_mem_gib": memory_gib(device),
         "warmup_s": warm_s,
+        # torch.compile's work: graphs compiled (warm-up and timed steps), graph breaks, and graphs
+        # compiled during the timed steps (recompiles: then the timed steps were no steady state)
+        "graphs": dynamo["stats"]["unique_graphs"],
+        "graph_breaks": sum(dynamo["graph_break"].values()),
+        "graphs_timed": dynamo["stats"]["unique_graphs"] - graphs_warm,
         "loss": float(ce.detach()),
         "converted": report.summary() if report is not None else "",
         **prof,
@@ -265,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         "step_ms",
         "peak_mem_gib",
         "warmup_s",
+        "graphs",
+        "graph_breaks",
+        "graphs_timed",
         "loss",
         "error",
     )

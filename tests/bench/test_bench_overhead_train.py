@@ -79,6 +79,20 @@ def test_train_bench_runs_bf16_and_mx_on_cpu(tmp_path, capsys):
     assert "training steps, model debug_moe, 2x32 tokens/step" in text
 
 
+def test_train_bench_counts_compiled_graphs(tmp_path):
+    """The per-block compile of the bf16 and the MX model: graphs compiled in warm-up, none in the
+    timed steps (no recompiles), no graph breaks; eager compiles nothing."""
+    out = tmp_path / "t.json"
+    argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager,compile", "--steps", "2", "--warmup-steps", "2",
+            "--compile-backend", "aot_eager", "--json", str(out)]
+    assert cli_main(argv) == 0
+    for r in json.loads(out.read_text())["rows"]:
+        if r["mode"] == "eager":
+            assert (r["graphs"], r["graph_breaks"], r["graphs_timed"]) == (0, 0, 0), r
+        else:
+            assert r["graphs"] > 0 and r["graph_breaks"] == 0 and r["graphs_timed"] == 0, r
+
+
 def test_train_bench_profile_writes_the_operator_tables(tmp_path):
     """--profile: per variant and mode a file with the operator table and the same grouped by input
     shapes (the MX ops' shapes included)."""
