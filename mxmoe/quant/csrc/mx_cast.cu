@@ -1085,10 +1085,10 @@ __device__ __forceinline__ void load_rows(uint4 (&v)[NR], const uint4* __restric
 }
 
 template <int IN, int OUT, int ELEM, bool FUSED, int RL, bool SWIGLU = false>
-__global__ void __launch_bounds__(kThreads, RL == 8 ? 3 : 2) qdq_dim1_kernel(const uint4* __restrict__ x, uint32_t* __restrict__ y1,
-                                                               uint32_t* __restrict__ y0, int64_t R, int64_t ncvt,
-                                                               int64_t nbm, int64_t ncc, int64_t units, Groups g,
-                                                               ScaleArgs p, const uint4* __restrict__ xu = nullptr) {
+__global__ void __launch_bounds__(kThreads, RL == 8 ? 3 : 2)
+    qdq_dim1_kernel(const uint4* __restrict__ x, uint32_t* __restrict__ y1, uint32_t* __restrict__ y0, int64_t R,
+                    int64_t ncvt, int64_t nbm, int64_t ncc, int64_t units, Groups g, ScaleArgs p,
+                    const uint4* __restrict__ xu = nullptr) {
   constexpr int NCV = 32 / RL;  // column vectors per unit
   constexpr int NR = 32 / RL;   // rows per thread (RL lanes per column)
   const int lane = threadIdx.x & 31;
