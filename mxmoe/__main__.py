@@ -2,4 +2,5 @@ import sys
 
 from mxmoe.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned process (bench train's rows) imports it
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`mxmoe bench train`: bf16 and MX training steps of the same model and batch, in one process.
+"""`mxmoe bench train`: bf16 and MX training steps of the same model and batch.
 
 The model comes from the trainer's configuration (`--config FILE.toml` and `--section.key=value`
 overrides, as `mxmoe train` takes them): the same ModelArgs, the same `mxmoe.convert` settings
@@ -22,6 +22,11 @@ by wall clock with the device synchronized only at both ends: tokens/s, ms per s
 torch.compile's graphs, graph breaks and graphs compiled during the timed steps (nonzero: the
 timing includes recompilation). A mode that fails is reported with its error. Runs on CPU (tiny
 config) too.
+
+Each row (variant, mode) runs in a fresh process (spawned), so no row inherits what an earlier one
+left behind: measured on one H200 (docs/benchmarks.md), the MX per-block compile step took 116.6 ms
+after the bf16 rows in the same process and 83.2 ms alone. `--same-process` runs the rows in this
+process instead (quicker to start; what torchrun launches, with several ranks, always does).
 
     mxmoe bench train --config configs/moe_1b.toml --json train.json
     mxmoe bench train --config configs/debug_moe.toml --training.device=cpu --modes eager --steps 2
@@ -82,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--json", metavar="PATH", help="also write the rows, the config and the environment as JSON"
+    )
+    p.add_argument(
+        "--same-process",
+        action="store_true",
+        help="run every row in this process (default: each row in a fresh process, so no row is slowed "
+        "by the state an earlier one left; several torchrun ranks always share)",
     )
     return p
 
@@ -225,26 +236,49 @@ def _profile(step, variant: str, mode: str, device: torch.device, args) -> dict:
     return {"gpu_ms_per_step": per_step} if per_step else {}
 
 
+def _fresh_process_row(cfg, variant: str, mode: str, args) -> dict:
+    """One row in a new process (spawned: nothing of this one's state, no CUDA context inherited)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_child_row, cfg, variant, mode, args).result()
+
+
+def _child_row(cfg, variant: str, mode: str, args) -> dict:
+    from mxmoe.train import parallel
+
+    _, _, device, _ = parallel.init_distributed(cfg.training.device, cfg.parallelism.timeout_s)
+    if cfg.training.cpu_threads:
+        torch.set_num_threads(cfg.training.cpu_threads)
+    return _one(cfg, variant, mode, device, args)
+
+
 def run(cfg, args) -> list[dict]:
     from mxmoe.train import parallel
 
-    _, _, device, own_pg = parallel.init_distributed(cfg.training.device, cfg.parallelism.timeout_s)
+    _, world, device, own_pg = parallel.init_distributed(cfg.training.device, cfg.parallelism.timeout_s)
     if cfg.training.cpu_threads:
         torch.set_num_threads(cfg.training.cpu_threads)
     modes = args.modes or (list(MODES) if device.type == "cuda" else ["eager"])
+    fresh = not args.same_process and world == 1
     rows = []
     try:
         for mode in modes:
             for variant in args.variants:
                 try:
-                    row = _one(cfg, variant, mode, device, args)
+                    if fresh:
+                        row = _fresh_process_row(cfg, variant, mode, args)
+                    else:
+                        row = _one(cfg, variant, mode, device, args)
                 except Exception as e:  # reported in the table; the other modes still run
                     row = {"variant": variant, "mode": mode, "error": f"{type(e).__name__}: {e}"[:200]}
                 rows.append(row)
-                gc.collect()
-                torch._dynamo.reset()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                if not fresh:
+                    gc.collect()
+                    torch._dynamo.reset()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
     finally:
         if own_pg:
             import torch.distributed as dist

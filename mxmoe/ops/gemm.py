@@ -88,10 +88,16 @@ def _(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
 
 
 def _grouped(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    """grouped_mm_hp while torch.compile traces (or autograd would record it); its body directly
-    otherwise: a custom op call costs ~20 µs of Python dispatch per call in eager mode (inside a
-    profiler range named "mxmoe::grouped_mm_hp" when the profiler is on)."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+    """grouped_mm_hp's body directly, the op itself where autograd would record it or where
+    torch.compile traces the exact loop (its host read of offs stays out of the graph). A custom op
+    call costs ~20 µs of Python dispatch per call, in eager mode and from a compiled graph alike;
+    traced, the CUDA bf16 body is torch._grouped_mm and the C++ zero_rows_after, which the graph
+    calls directly. Inside a profiler range named "mxmoe::grouped_mm_hp" when the profiler is on."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return grouped_mm_hp(a, b, offs)
+    if torch.compiler.is_compiling():
+        if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
+            return _grouped_mm_hp_impl(a, b, offs)
         return grouped_mm_hp(a, b, offs)
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function("mxmoe::grouped_mm_hp"):

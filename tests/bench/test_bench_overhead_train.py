@@ -64,6 +64,7 @@ def test_overhead_rejects_bad_arguments(argv, needle, capsys):
 
 
 def test_train_bench_runs_bf16_and_mx_on_cpu(tmp_path, capsys):
+    """The default: each row in a fresh (spawned) process."""
     out = tmp_path / "t.json"
     argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager", "--steps", "2", "--warmup-steps", "1"]
     assert cli_main([*argv, "--json", str(out)]) == 0
@@ -84,7 +85,7 @@ def test_train_bench_counts_compiled_graphs(tmp_path):
     timed steps (no recompiles), no graph breaks; eager compiles nothing."""
     out = tmp_path / "t.json"
     argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager,compile", "--steps", "2", "--warmup-steps", "2",
-            "--compile-backend", "aot_eager", "--json", str(out)]
+            "--compile-backend", "aot_eager", "--json", str(out), "--same-process"]
     assert cli_main(argv) == 0
     for r in json.loads(out.read_text())["rows"]:
         if r["mode"] == "eager":
@@ -97,7 +98,7 @@ def test_train_bench_profile_writes_the_operator_tables(tmp_path):
     """--profile: per variant and mode a file with the operator table and the same grouped by input
     shapes (the MX ops' shapes included)."""
     argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager", "--variants", "mx", "--steps", "1",
-            "--warmup-steps", "1", "--profile", str(tmp_path), "--profile-steps", "1"]
+            "--warmup-steps", "1", "--profile", str(tmp_path), "--profile-steps", "1", "--same-process"]
     assert cli_main(argv) == 0
     text = (tmp_path / "mx_eager.txt").read_text()
     assert text.startswith("mx, eager: 1 steps recorded")

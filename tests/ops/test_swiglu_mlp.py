@@ -231,13 +231,16 @@ def test_gpu_swiglu_mlp_bit_identical(counts, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_swiglu_mlp_compiles_fullgraph():
+@pytest.mark.parametrize("counts, T", [(COUNTS[0], 80), ([1000, 0, 2500, 590], 4096)])
+def test_gpu_swiglu_mlp_compiles_fullgraph(counts, T):
     """inductor on the GPU: one forward graph; its backward calls the C++ operator of the fused
-    backward cast (the op decomposed, no mxmoe::swiglu_bwd_qdq left); the gradients close to eager's
-    (inductor may fuse the elementwise rest)."""
+    backward cast (the op decomposed, no mxmoe::swiglu_bwd_qdq left); the grouped GEMMs are
+    torch._grouped_mm called from the graph (no mxmoe::grouped_mm_hp custom op and its Python
+    dispatch); rows after the last group (T > offs[-1]) come out zero; the output and the gradients
+    close to eager's (inductor may fuse the elementwise rest)."""
     from torch._inductor.utils import run_and_get_code
 
-    x, w1, w3, w2, dy, offs = operands(COUNTS[0], torch.bfloat16, device="cuda")
+    x, w1, w3, w2, dy, offs = operands(counts, torch.bfloat16, T=T, device="cuda")
     cfg = MXRecipe()
 
     def fwd(x, w1, w3, w2):
@@ -245,13 +248,16 @@ def test_gpu_swiglu_mlp_compiles_fullgraph():
 
     def step(fn):
         leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
-        (fn(*leaves).float() * dy).sum().backward()
-        return [t.grad for t in leaves]
+        y = fn(*leaves)
+        (y.float() * dy).sum().backward()
+        return [y.detach()] + [t.grad for t in leaves]
 
     torch._dynamo.reset()
     compiled = torch.compile(fwd, fullgraph=True)
     got, codes = run_and_get_code(step, compiled)
     code = "\n".join(codes)
     assert "mxmoe_cuda.swiglu_bwd_qdq_dim0_dim1" in code and "torch.ops.mxmoe.swiglu_bwd_qdq" not in code
+    assert "_grouped_mm" in code and "mxmoe.grouped_mm_hp" not in code
+    assert not got[0][int(offs[-1]):].any()
     for a, b in zip(got, step(fwd), strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)

@@ -174,9 +174,10 @@ def test_gpu_zero_rows_after_in_cuda_graph(kernel):
 @pytest.mark.gpu
 def test_gpu_compile_fullgraph():
     """torch.compile(fullgraph=True) traces zero_rows_after (the C++ operator through its fake
-    implementation, functionalized) and the grouped GEMM that calls it; no graph break, compiled
-    results equal eager bit for bit."""
-    from mxmoe.ops.gemm import grouped_mm_hp
+    implementation, functionalized) and the grouped GEMM that calls it, as the custom op and as the
+    MX ops' `_grouped` (traced: torch._grouped_mm and the operator, no custom op); no graph break,
+    compiled results equal eager bit for bit."""
+    from mxmoe.ops.gemm import _grouped, grouped_mm_hp
 
     cuda_cast.load_extension()
 
@@ -187,18 +188,22 @@ def test_gpu_compile_fullgraph():
     def grouped(a, b, offs):
         return (grouped_mm_hp(a, b, offs) * 3,)
 
+    def traced(a, b, offs):
+        return (_grouped(a, b, offs) * 3,)
+
     torch.manual_seed(1)
     x = torch.randn(200, 96, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([50, 120, 170], dtype=torch.int32, device="cuda")
     b = torch.randn(3, 96, 64, device="cuda", dtype=torch.bfloat16)
-    for fn, args in ((tail, (x, offs)), (grouped, (x, b, offs))):
+    for fn, args in ((tail, (x, offs)), (grouped, (x, b, offs)), (traced, (x, b, offs))):
         torch._dynamo.reset()
         explanation = torch._dynamo.explain(fn)(*args)
         assert explanation.graph_break_count == 0, explanation.break_reasons
         got, want = torch.compile(fn, fullgraph=True)(*args), fn(*args)
         for g, w in zip(got, want, strict=True):
             assert same_bits(g, w), fn.__name__
-    assert not tail(x, offs)[0][170:].any() and not grouped(x, b, offs)[0][170:].any()
+    for fn, args in ((tail, (x, offs)), (grouped, (x, b, offs)), (traced, (x, b, offs))):
+        assert not fn(*args)[0][170:].any() and not torch.compile(fn, fullgraph=True)(*args)[0][170:].any()
 
 
 @pytest.mark.gpu
