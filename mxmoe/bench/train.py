@@ -17,16 +17,20 @@ on one fixed batch, in each mode:
   compile_full+graph   both
 
 After `--warmup-steps` untimed steps (compilation, capture, autotuning), `--steps` steps are timed
-by wall clock with the device synchronized only at both ends: tokens/s, ms per step, peak memory
+by wall clock with the device synchronized only at both ends: tokens/s, ms per step; then three
+steps each started on an idle device, host_ms their median time until the step's Python returns (its
+kernels queued, not waited for: near step_ms, the step is bound by the host); peak memory
 (CUDA: max allocated during the variant; CPU: the process's peak RSS so far), final loss, and
 torch.compile's graphs, graph breaks and graphs compiled during the timed steps (nonzero: the
 timing includes recompilation). A mode that fails is reported with its error. Runs on CPU (tiny
 config) too.
 
-Each row (variant, mode) runs in a fresh process (spawned), so no row inherits what an earlier one
-left behind: measured on one H200 (docs/benchmarks.md), the MX per-block compile step took 116.6 ms
-after the bf16 rows in the same process and 83.2 ms alone. `--same-process` runs the rows in this
-process instead (quicker to start; what torchrun launches, with several ranks, always does).
+Each row (variant, mode) runs alone in a child process of its own (`python -m mxmoe bench train`
+for that row), and this process creates no CUDA context: measured on one H200 (docs/benchmarks.md),
+a row run after others in one process, or beside a parent process holding a CUDA context, can be
+slower by 20-40 % (the MX per-block compile step: 116.6 ms after the bf16 rows in one process and
+92.6-95.7 ms in a child of such a parent, against 76.7-83.2 ms alone). `--same-process` runs the
+rows in this process instead (quicker to start; several torchrun ranks always do).
 
     mxmoe bench train --config configs/moe_1b.toml --json train.json
     mxmoe bench train --config configs/debug_moe.toml --training.device=cpu --modes eager --steps 2
@@ -91,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--same-process",
         action="store_true",
-        help="run every row in this process (default: each row in a fresh process, so no row is slowed "
-        "by the state an earlier one left; several torchrun ranks always share)",
+        help="run every row in this process (default: each row alone in a child process, so no row is "
+        "slowed by what another left behind; several torchrun ranks always share one)",
     )
     return p
 
@@ -183,12 +187,20 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         ce = step()
     timing.sync()
     dt = (time.perf_counter() - t0) / args.steps
+    host = []  # steps started on an idle device: the time until step() returns, its kernels queued
+    for _ in range(3):
+        timing.sync()
+        t0 = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t0)
+    timing.sync()
     prof = _profile(step, variant, mode, device, args) if args.profile else {}
     return {
         "variant": variant,
         "mode": mode,
         "tokens_per_s": t.batch_size * t.seq_len / dt,
         "step_ms": dt * 1e3,
+        "host_ms": sorted(host)[1] * 1e3,
         "peak_mem_gib": memory_gib(device),
         "warmup_s": warm_s,
         # torch.compile's work: graphs compiled (warm-up and timed steps), graph breaks, and graphs
@@ -236,39 +248,61 @@ def _profile(step, variant: str, mode: str, device: torch.device, args) -> dict:
     return {"gpu_ms_per_step": per_step} if per_step else {}
 
 
-def _fresh_process_row(cfg, variant: str, mode: str, args) -> dict:
-    """One row in a new process (spawned: nothing of this one's state, no CUDA context inherited)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+def _row_in_subprocess(rest: list[str], variant: str, mode: str, args) -> dict:
+    """One row measured by `python -m mxmoe bench train` in a child process, the row's variant and
+    mode only (`--same-process`); the row comes back through a JSON file. The caller (this process)
+    holds no CUDA context: an H200 run whose children ran beside a parent holding one measured the
+    MX per-block compile step at 92.6-95.7 ms, against 76.7 ms for the same row run alone."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_child_row, cfg, variant, mode, args).result()
+    with tempfile.TemporaryDirectory(prefix="mxmoe_bench_train_") as tmp:
+        out = os.path.join(tmp, "row.json")
+        cmd = [sys.executable, "-m", "mxmoe", "bench", "train", *rest, "--variants", variant, "--modes", mode,
+               "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+               "--compile-backend", args.compile_backend, "--same-process", "--json", out]
+        if args.profile:
+            cmd += ["--profile", args.profile, "--profile-steps", str(args.profile_steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if os.path.exists(out):
+            with open(out) as fh:
+                return json.load(fh)["rows"][0]
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise RuntimeError(f"the row's process exited with code {proc.returncode}: {tail}")
 
 
-def _child_row(cfg, variant: str, mode: str, args) -> dict:
+def _device_type(pref: str) -> str:
+    """cpu or cuda, as init_distributed would pick, without creating a CUDA context."""
+    if pref == "cpu" or (pref == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    return "cuda"
+
+
+def run(cfg, args, rest: list[str] | tuple[str, ...] = ()) -> list[dict]:
+    """The rows, each (variant, mode) in a child process unless `args.same_process` or several
+    torchrun ranks (then here, one after another). `rest`: the trainer's arguments, for the children."""
+    import os
+
     from mxmoe.train import parallel
 
-    _, _, device, _ = parallel.init_distributed(cfg.training.device, cfg.parallelism.timeout_s)
-    if cfg.training.cpu_threads:
-        torch.set_num_threads(cfg.training.cpu_threads)
-    return _one(cfg, variant, mode, device, args)
-
-
-def run(cfg, args) -> list[dict]:
-    from mxmoe.train import parallel
-
-    _, world, device, own_pg = parallel.init_distributed(cfg.training.device, cfg.parallelism.timeout_s)
-    if cfg.training.cpu_threads:
-        torch.set_num_threads(cfg.training.cpu_threads)
+    fresh = not args.same_process and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if fresh:
+        device, own_pg = torch.device(_device_type(cfg.training.device)), False
+    else:
+        _, _, device, own_pg = parallel.init_distributed(cfg.training.device, cfg.parallelism.timeout_s)
+        if cfg.training.cpu_threads:
+            torch.set_num_threads(cfg.training.cpu_threads)
     modes = args.modes or (list(MODES) if device.type == "cuda" else ["eager"])
-    fresh = not args.same_process and world == 1
     rows = []
     try:
         for mode in modes:
             for variant in args.variants:
                 try:
                     if fresh:
-                        row = _fresh_process_row(cfg, variant, mode, args)
+                        row = _row_in_subprocess(list(rest), variant, mode, args)
                     else:
                         row = _one(cfg, variant, mode, device, args)
                 except Exception as e:  # reported in the table; the other modes still run
@@ -300,13 +334,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(rest)
     except ConfigError as e:
         parser.error(str(e))
-    rows = run(cfg, args)
+    rows = run(cfg, args, rest)
     keys = (
         "variant",
         "mode",
         "tokens_per_s",
         "vs_bf16",
         "step_ms",
+        "host_ms",
         "peak_mem_gib",
         "warmup_s",
         "graphs",
