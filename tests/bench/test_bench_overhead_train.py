@@ -137,3 +137,16 @@ def test_train_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["bench", "train", "--training.nope=1"])
     assert exc.value.code == 2 and "nope" in capsys.readouterr().err
+
+
+def test_train_bench_row_process_that_dies_is_an_error_row(monkeypatch, capsys):
+    """A row's process that exits without writing its row (a crash) gives an error row naming its
+    exit code; the other rows still run."""
+    import shutil
+    import sys
+
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))
+    argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager", "--steps", "1", "--warmup-steps", "1"]
+    assert cli_main(argv) == 1
+    out = capsys.readouterr().out
+    assert out.count("the row's process exited with code 1, no row") == 2, out
