@@ -2,5 +2,5 @@ import sys
 
 from mxmoe.cli import main
 
-if __name__ == "__main__":  # not when a spawned process (bench train's rows) imports it
+if __name__ == "__main__":  # importable without running the CLI (multiprocessing's spawn imports __main__)
     sys.exit(main())

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mxmoe.ops.gemm import on_torch_grouped_mm
+
 
 def offsets_from_counts(num_tokens_per_expert: Tensor) -> Tensor:
     """(E,) token counts -> (E,) int32 cumulative end offsets, as torch._grouped_mm wants."""
@@ -24,7 +26,7 @@ def grouped_mm(a: Tensor, b_t: Tensor, offs: Tensor) -> Tensor:
     int32 cumulative ends -> (T, N). torch._grouped_mm on CUDA bf16; elsewhere an exact loop over
     the groups inside the custom op `mxmoe::grouped_mm_hp` (its host read of `offs` stays out of a
     compiled graph, so the model compiles with fullgraph=True on CPU too)."""
-    if a.is_cuda and a.dtype == torch.bfloat16 and b_t.dtype == torch.bfloat16:
+    if on_torch_grouped_mm(a, b_t):
         return torch._grouped_mm(a, b_t, offs=offs)
     return _GroupedMMLoop.apply(a, b_t, offs)
 

@@ -53,9 +53,14 @@ def grouped_mm_hp(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     return _grouped_mm_hp_impl(a, b, offs)
 
 
+def on_torch_grouped_mm(a: Tensor, b: Tensor) -> bool:
+    """Whether a grouped GEMM of a and b runs torch._grouped_mm (CUDA, both bf16), not the loop."""
+    return a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16
+
+
 def _grouped_mm_hp_impl(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """grouped_mm_hp's body, called directly in eager mode (`_grouped`)."""
-    if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
+    if on_torch_grouped_mm(a, b):
         out = torch._grouped_mm(a, b, offs=offs)
         if b.ndim == 3:
             from mxmoe.ops.tail_rows import zero_rows_after_trusted
@@ -96,7 +101,7 @@ def _grouped(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return grouped_mm_hp(a, b, offs)
     if torch.compiler.is_compiling():
-        if a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
+        if on_torch_grouped_mm(a, b):
             return _grouped_mm_hp_impl(a, b, offs)
         return grouped_mm_hp(a, b, offs)
     if torch.autograd._profiler_enabled():
