@@ -4,6 +4,9 @@
   set before any `@triton.jit` runs, i.e. before the kernel modules are imported).
 - GPU-only tests carry `@pytest.mark.gpu` and are skipped without a CUDA GPU; select them with
   `pytest -m gpu`, or a package with `pytest tests/<package>` (scripts/gpu/suite.sh runs them in parts).
+- Tests that run Triton kernels on CPU tensors through the interpreter carry
+  `@pytest.mark.interpreter` and are skipped where it is off (a GPU host, where the GPU tests run
+  the same kernels on the device).
 - Helpers shared by several packages' tests: `free_port`, `spawn_ranks` (gloo process groups in
   spawned processes) and `assert_same_bits`, as plain functions (usable inside spawned workers via
   `from conftest import ...`) and as fixtures of the same names.
@@ -25,9 +28,15 @@ HAS_CUDA = torch.cuda.is_available()
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on one")
+    skip_interp = pytest.mark.skip(
+        reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1 (set without a GPU)"
+    )
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and not interpreting:
+            item.add_marker(skip_interp)
 
 
 def free_port() -> int:

@@ -190,6 +190,7 @@ def test_mx_grouped_mm_qdq_path_bit_identical(monkeypatch, mode, elem, mx_input)
         assert nb - ob == want, (req, nb, ob)
 
 
+@pytest.mark.interpreter
 def test_qdq_path_triton_interpreter_bit_identical(monkeypatch):
     """The Triton qdq kernel (interpreter) in the ops == the MX path with the torch casts: mx_mm
     (M no multiple of 32) and mx_grouped_mm (ragged and empty groups, rows after the last)."""

@@ -113,7 +113,7 @@ def test_swiglu_grouped_bit_identical(monkeypatch, req, counts, dtype):
     assert spy.calls == (1 if req[2] else 0)
 
 
-@pytest.mark.parametrize("path", ["fp8", "mx"])
+@pytest.mark.parametrize("path", [pytest.param("fp8", marks=pytest.mark.interpreter), "mx"])
 def test_swiglu_grouped_other_backends_are_the_composition(monkeypatch, path):
     """Off the qdq path (fp8 GEMMs, or the MX path of the emulated backend) the op is the composition:
     equal results, no fused cast."""

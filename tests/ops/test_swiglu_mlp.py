@@ -146,7 +146,7 @@ def test_swiglu_mlp_under_cpu_autocast(monkeypatch, dtype):
         assert spy.calls == 1
 
 
-@pytest.mark.parametrize("path", ["fp8", "mx"])
+@pytest.mark.parametrize("path", [pytest.param("fp8", marks=pytest.mark.interpreter), "mx"])
 def test_swiglu_mlp_other_backends_are_the_composition(monkeypatch, path):
     """Off the qdq path (fp8 GEMMs, or the MX path of the emulated backend): the composition, equal
     results, no fused backward cast."""

@@ -44,6 +44,7 @@ def check(device: str, T: int, N: int, end: int, dtype: torch.dtype, pad: int = 
     assert same_bits(full, want), (*what, "strided offs")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_zero_rows_after_interpreter(dtype):
     """Tails of 0, 1, 63, 64, 65 and all rows; N below, at and above one column tile (256); a

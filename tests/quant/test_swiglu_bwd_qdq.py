@@ -90,11 +90,13 @@ def test_swiglu_bwd_qdq_matches_oracle(grouped):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 def test_swiglu_bwd_qdq_triton_kernel_matches_oracle():
-    """The "triton" kernel (torch's dg and du, then the Triton rows kernel; on CPU through the
-    interpreter) in ragged groups: the oracle's padded form, one combo per input dtype."""
+    """The "triton" kernel (torch's dg and du, then the Triton rows kernel; on the GPU where there is
+    one, else on CPU through the interpreter) in ragged groups: the oracle's padded form, one combo
+    per input dtype."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     for mode, elem, dtype in (("floor", torch.float8_e4m3fn, torch.bfloat16),
                               ("rceil", torch.float8_e5m2, torch.float32)):
-        dh, g, u, offs, ends = bwd_inputs(mode, elem, dtype, True)
+        dh, g, u, offs, ends = bwd_inputs(mode, elem, dtype, True, device)
         dg, du = torch_bwd(dh, g, u)
         want = [*oracle_rows(to_f32_numpy(dg), BS, mode, elem, torch.bfloat16, ends),
                 *oracle_rows(to_f32_numpy(du), BS, mode, elem, torch.bfloat16, ends)]

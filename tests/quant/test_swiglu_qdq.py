@@ -89,11 +89,13 @@ def test_swiglu_qdq_matches_oracle(grouped):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 def test_swiglu_qdq_triton_kernel_matches_oracle():
-    """The "triton" kernel (torch's h, then the Triton rows kernel; on CPU through the interpreter)
-    in ragged groups: the oracle's padded form of h, one combo per input dtype."""
+    """The "triton" kernel (torch's h, then the Triton rows kernel; on the GPU where there is one, else
+    on CPU through the interpreter) in ragged groups: the oracle's padded form of h, one combo per
+    input dtype."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     for mode, elem, dtype in (("floor", torch.float8_e4m3fn, torch.bfloat16),
                               ("rceil", torch.float8_e5m2, torch.float32)):
-        g, u, offs, ends = gate_inputs(mode, elem, dtype, True)
+        g, u, offs, ends = gate_inputs(mode, elem, dtype, True, device)
         w0, w1 = oracle_rows(to_f32_numpy(F.silu(g) * u), BS, mode, elem, torch.bfloat16, ends)
         y0, y1 = swiglu_qdq_dim0_dim1(g, u, recipe=recipe("triton", mode, elem), out_dtype=torch.bfloat16,
                                       offs=offs)

@@ -16,7 +16,7 @@ from mxmoe.train.profiling import KERNEL_CATEGORIES, kernel_category
         ("void dequant_flat_kernel<256>(unsigned char const*)", "mx cast / qdq"),
         ("void qdq_dim0_kernel<0, 0, 0, 4>(uint4 const*, unsigned int*)", "mx cast / qdq"),
         ("void qdq_dim1_kernel<0, 0, 0, true, 4>(uint4 const*, unsigned int*)", "mx cast / qdq"),
-        ("qdq_group_blocks_kernel(int const*, int*, int, int)", "mx cast / qdq"),
+        ("void swiglu_bwd_qdq_kernel<0, 0, 0, 8>(uint4 const*, uint4 const*)", "mx cast / qdq"),
         ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64", "attention"),
         ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),

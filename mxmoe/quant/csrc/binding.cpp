@@ -306,22 +306,15 @@ Tensor check_qdq_rows(const Tensor& x, int64_t block_size, int64_t mode, at::Sca
   return o.contiguous();
 }
 
-// (offs pointer, group count, scratch for the kernels' running block counts) of checked offs.
+// (offs pointer, group count) of checked offs (undefined: no groups).
 struct GroupArgs {
   const int32_t* offs = nullptr;
   int64_t E = 0;
-  int32_t* pend = nullptr;
-  Tensor scratch;
 };
 
 GroupArgs group_args(const Tensor& offs) {
-  GroupArgs g;
-  if (!offs.defined()) return g;
-  g.E = offs.size(0);
-  g.scratch = at::empty({g.E}, offs.options());
-  g.offs = offs.data_ptr<int32_t>();
-  g.pend = g.scratch.data_ptr<int32_t>();
-  return g;
+  if (!offs.defined()) return {};
+  return {offs.data_ptr<int32_t>(), offs.size(0)};
 }
 
 Tensor qdq_dim1(const Tensor& x, int64_t block_size, int64_t mode, at::ScalarType elem, at::ScalarType out_dtype,
@@ -338,7 +331,7 @@ Tensor qdq_dim1(const Tensor& x, int64_t block_size, int64_t mode, at::ScalarTyp
                              float_code(out_dtype, "out_dtype"), x.numel() / (R * C), R, C,
                              static_cast<int>(block_size), static_cast<int>(mode), el, static_cast<uint32_t>(k.t127),
                              static_cast<uint32_t>(k.t126), c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits)),
-                             g.offs, g.E, g.pend, stream_of(x)),
+                             g.offs, g.E, stream_of(x)),
                  "mx_qdq_dim1");
   }
   return y;
@@ -360,7 +353,7 @@ std::tuple<Tensor, Tensor> qdq_dim0_dim1(const Tensor& x, int64_t block_size, in
                                   float_code(out_dtype, "out_dtype"), x.numel() / (R * C), R, C,
                                   static_cast<int>(block_size), static_cast<int>(mode), el,
                                   static_cast<uint32_t>(k.t127), static_cast<uint32_t>(k.t126),
-                                  c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits)), g.offs, g.E, g.pend,
+                                  c10::bit_cast<float>(static_cast<uint32_t>(k.rceil_c_bits)), g.offs, g.E,
                                   stream_of(x)),
                  "mx_qdq_dim0_dim1");
   }
@@ -393,14 +386,14 @@ std::tuple<Tensor, Tensor> swiglu_qdq_dim0_dim1(const Tensor& g, const Tensor& u
                                static_cast<int>(block_size))) {
       check_launch(mx_swiglu_qdq_dim0_dim1(g.data_ptr(), u.data_ptr(), in, y0.data_ptr(), y1.data_ptr(), od,
                                            g.numel() / (R * C), R, C, static_cast<int>(block_size),
-                                           static_cast<int>(mode), el, t127, t126, c, ga.offs, ga.E, ga.pend,
+                                           static_cast<int>(mode), el, t127, t126, c, ga.offs, ga.E,
                                            stream_of(g)),
                    "mx_swiglu_qdq_dim0_dim1");
     } else {
       const Tensor h = at::silu(g) * u;
       check_launch(mx_qdq_dim0_dim1(h.data_ptr(), in, y0.data_ptr(), y1.data_ptr(), od, h.numel() / (R * C), R, C,
                                     static_cast<int>(block_size), static_cast<int>(mode), el, t127, t126, c, ga.offs,
-                                    ga.E, ga.pend, stream_of(h)),
+                                    ga.E, stream_of(h)),
                    "mx_qdq_dim0_dim1");
     }
   }
@@ -442,14 +435,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> swiglu_bwd_qdq_dim0_dim1(const Tensor
                                    du0.data_ptr(), du1.data_ptr(), C, bs)) {
       check_launch(mx_swiglu_bwd_qdq_dim0_dim1(dh.data_ptr(), g.data_ptr(), u.data_ptr(), in, dg0.data_ptr(),
                                                dg1.data_ptr(), du0.data_ptr(), du1.data_ptr(), od, B, R, C, bs, md, el,
-                                               t127, t126, c, ga.offs, ga.E, ga.pend, stream_of(dh)),
+                                               t127, t126, c, ga.offs, ga.E, stream_of(dh)),
                    "mx_swiglu_bwd_qdq_dim0_dim1");
     } else {
       const Tensor du = dh * at::silu(g);
       const Tensor dg = at::silu_backward(dh * u, g);
       auto cast = [&](const Tensor& x, Tensor& y0, Tensor& y1) {
         check_launch(mx_qdq_dim0_dim1(x.data_ptr(), in, y0.data_ptr(), y1.data_ptr(), od, B, R, C, bs, md, el, t127,
-                                      t126, c, ga.offs, ga.E, ga.pend, stream_of(x)),
+                                      t126, c, ga.offs, ga.E, stream_of(x)),
                      "mx_qdq_dim0_dim1");
       };
       cast(dg, dg0, dg1);

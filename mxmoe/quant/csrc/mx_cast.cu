@@ -26,8 +26,8 @@
 //                     vectors, 16-byte loads held in registers, quantize_col (the dim1 cast's) and
 //                     fp8x2_to_f32 / dequant_bits (the dequantize's) per column, 16-byte stores in
 //                     x's layout; the fused variant adds quantize_vec32 + dequant_pairs per row.
-//                     Expert groups: qdq_group_blocks_kernel (one CTA) sums the groups' blocks, each
-//                     warp finds its block's group by a binary search (group_block).
+//                     Expert groups: each warp finds its block's group from offs (group_block_warp:
+//                     per-lane runs of groups, a shuffle scan, a ballot); no scratch, no pre-kernel.
 //   SwiGLU + qdq dim0+dim1, block 32: qdq_dim1_kernel's fused variant with the SWIGLU prologue: it
 //                     loads g and u and forms h = silu(g) * u in registers (swiglu_vec), as eager
 //                     PyTorch does; h is never written (mx_swiglu_qdq_dim0_dim1).
@@ -772,63 +772,104 @@ __global__ void __launch_bounds__(kThreads) qdq_dim0_generic_kernel(const Raw<IN
 }
 
 // ---------------------------------------------------------------------------------------------
-// Expert groups of a 2D x (T rows): offs (E,) int32 cumulative group ends (as torch._grouped_mm),
-// pend (E,) the running sum of each group's blocks (qdq_group_blocks_kernel); offs == nullptr: none.
+// Expert groups of a 2D x (T rows): offs (E,) int32 cumulative group ends (as torch._grouped_mm);
+// offs == nullptr: none. Group e (rows offs[e-1]:offs[e], offs[-1] = 0) has ceil(max(n_e, 0) / bs)
+// blocks of the padded row space (the rows kernel's, mxmoe.quant.groups) from its first row, the
+// last one short; the blocks after the last group cover rows offs[E-1].. T, which belong to no
+// group. Each kernel finds a block's group from offs itself (no scratch, no pre-kernel).
 struct Groups {
   const int32_t* offs;
-  const int32_t* pend;
   int E;
 };
 
-// pend[e] = sum over groups i <= e of ceil(max(offs[i] - offs[i-1], 0) / bs) (offs[-1] = 0): one
-// CTA, each thread a run of consecutive groups, a shared-memory scan of the runs.
-__global__ void __launch_bounds__(kThreads) qdq_group_blocks_kernel(const int32_t* __restrict__ offs,
-                                                                int32_t* __restrict__ pend, int E, int bs) {
-  __shared__ int32_t part[kThreads];
-  const int per = (E + kThreads - 1) / kThreads;
-  const int b = threadIdx.x * per, e_end = min(b + per, E);
-  auto blocks = [&](int i) -> int32_t {
-    const int64_t n = static_cast<int64_t>(offs[i]) - (i > 0 ? offs[i - 1] : 0);
-    return n > 0 ? static_cast<int32_t>((n + bs - 1) / bs) : 0;
-  };
-  int32_t sum = 0;
-  for (int i = b; i < e_end; ++i) sum += blocks(i);
-  part[threadIdx.x] = sum;
-  __syncthreads();
-  for (int o = 1; o < kThreads; o <<= 1) {  // inclusive scan of the runs
-    const int32_t t = threadIdx.x >= o ? part[threadIdx.x - o] : 0;
-    __syncthreads();
-    part[threadIdx.x] += t;
-    __syncthreads();
-  }
-  int32_t run = threadIdx.x > 0 ? part[threadIdx.x - 1] : 0;
-  for (int i = b; i < e_end; ++i) {
-    run += blocks(i);
-    pend[i] = run;
-  }
+// Blocks of a group with rows [start, end) (none if end <= start).
+__device__ __forceinline__ int64_t group_blocks(int64_t start, int64_t end, int bs) {
+  return end > start ? (end - start + bs - 1) / bs : 0;
 }
 
-// Rows [t0, t_end) of block pb of the padded row space (the rows kernel's, mxmoe.quant.groups):
-// group e (rows offs[e-1]:offs[e]) has ceil(n_e / bs) blocks from its first row, the last one
-// short; the blocks after the last group cover rows offs[E-1].. T, which belong to no group (false
-// for them). t0 >= t_end: no rows (the grid's upper bound on blocks).
-__device__ __forceinline__ bool group_block(const Groups& g, int64_t T, int bs, int64_t pb, int64_t& t0,
-                                            int64_t& t_end) {
-  int lo = 0, hi = g.E;  // lo = the groups whose blocks all come before pb
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (__ldg(g.pend + mid) <= pb) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
+__device__ __forceinline__ bool group_block_thread(const Groups& g, int64_t T, int bs, int64_t pb, int64_t& t0,
+                                                   int64_t& t_end);
+
+// The rows [t0, t_end) of block pb of the padded row space, pb the same in every lane of the warp
+// and every lane calling; false for the blocks after the last group (rows offs[E-1].. T). Each lane
+// sums the blocks of a run of ceil(E / 32) consecutive groups (one group for E <= 32; its loads
+// issued together), a shuffle scan gives the runs' ends, a ballot the lane whose run holds pb (the
+// ends never decrease), and that lane's run gives pb's group (a walk when it has several). The scan
+// is in 32 bits, saturated at INT32_MAX: exact up to pb (pb >= INT32_MAX: group_block_thread).
+// t0 >= t_end: no rows (the grid's upper bound on blocks).
+__device__ __forceinline__ bool group_block_warp(const Groups& g, int64_t T, int bs, int64_t pb, int64_t& t0,
+                                                 int64_t& t_end) {
+  constexpr unsigned kAll = 0xffffffffu;
+  constexpr uint32_t kMax = INT32_MAX;
+  if (pb >= kMax) return group_block_thread(g, T, bs, pb, t0, t_end);
+  const int lane = threadIdx.x & 31;
+  const int per = (g.E + 31) >> 5;
+  const int b = min(lane * per, g.E), e = min(b + per, g.E);
+  int32_t start = b > 0 ? __ldg(g.offs + b - 1) : 0;  // offs[b - 1], then offs[e - 1]
+  int32_t end = start;
+  int64_t sum = 0;  // the run's blocks
+  for (int i = b; i < e; ++i) {
+    const int32_t o = __ldg(g.offs + i);
+    sum += group_blocks(end, o, bs);
+    end = o;
   }
-  const int64_t first = lo > 0 ? __ldg(g.pend + lo - 1) : 0;
-  t0 = (lo > 0 ? static_cast<int64_t>(__ldg(g.offs + lo - 1)) : 0) + (pb - first) * bs;
-  const bool in_group = lo < g.E;
-  const int64_t end = in_group ? static_cast<int64_t>(__ldg(g.offs + lo)) : T;
+  uint32_t incl = static_cast<uint32_t>(sum < kMax ? sum : kMax);  // the blocks of groups [0, e)
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t t = __shfl_up_sync(kAll, incl, o);
+    if (lane >= o) incl = min(incl + t, kMax);  // both <= kMax: no wrap
+  }
+  const int k = __popc(__ballot_sync(kAll, incl <= pb));  // runs 0 .. k-1 end at or before pb
+  if (k == 32) {  // after the last group (lane 31's incl: every group's blocks, <= pb)
+    const uint32_t total = __shfl_sync(kAll, incl, 31);
+    t0 = static_cast<int64_t>(__ldg(g.offs + g.E - 1)) + (pb - total) * bs;
+    t_end = T;
+    return false;
+  }
+  const uint32_t before = __shfl_sync(kAll, incl, k > 0 ? k - 1 : 0);
+  int64_t first = k > 0 ? before : 0;  // the blocks before lane k's run (<= pb: exact)
+  if (per > 1) {  // lane k walks its run to pb's group: rows [start, end)
+    if (lane == k) {
+      int32_t prev = start;
+      for (int i = b; i < e; ++i) {
+        const int32_t o = __ldg(g.offs + i);
+        const int64_t next = first + group_blocks(prev, o, bs);
+        if (next > pb) {
+          start = prev;
+          end = o;
+          break;
+        }
+        first = next;
+        prev = o;
+      }
+    }
+    first = static_cast<int64_t>(__shfl_sync(kAll, static_cast<uint32_t>(first), k));
+  }
+  start = __shfl_sync(kAll, start, k);
+  end = __shfl_sync(kAll, end, k);
+  t0 = static_cast<int64_t>(start) + (pb - first) * bs;
   t_end = end < T ? end : T;
-  return in_group;
+  return true;
+}
+
+// group_block_warp's rows for one thread's pb: the groups in order until pb's.
+__device__ __forceinline__ bool group_block_thread(const Groups& g, int64_t T, int bs, int64_t pb, int64_t& t0,
+                                                   int64_t& t_end) {
+  int64_t first = 0, prev = 0;
+  for (int i = 0; i < g.E; ++i) {
+    const int64_t o = __ldg(g.offs + i);
+    const int64_t next = first + group_blocks(prev, o, bs);
+    if (next > pb) {
+      t0 = prev + (pb - first) * bs;
+      t_end = o < T ? o : T;
+      return true;
+    }
+    first = next;
+    prev = o;
+  }
+  t0 = prev + (pb - first) * bs;
+  t_end = T;
+  return false;
 }
 
 // Rows at or after *end of y set to zero: y has `rows` rows of `row_units` units U (16-byte
@@ -971,7 +1012,7 @@ __device__ __forceinline__ void swiglu_bwd_vec(uint4& dh, const uint4& g, uint4&
 // 8-byte store (fp32 -> bf16). FUSED: the LPB lanes of a 32-column block are consecutive
 // (NCV % LPB == 0, C % 32 == 0), as quantize_vec32's shuffles need.
 // Groups (g.offs != nullptr, B == 1): unit rows are blocks of the padded row space, each warp's
-// found by group_block (a binary search over g.pend, warp-uniform); units past the last block return
+// found by group_block_warp (warp-uniform); units past the last block return
 // at once; rows in no group load as zeros and store +0 in both outputs (the Triton rows kernel's).
 // RL = 2 (16 rows per thread) for one direction: 128 / 96 registers (bf16 / fp32 in, ptxas sm_90),
 // two CTAs (16 warps) per SM. FUSED: RL = 8 for bf16 (4 rows per thread; 72 registers, SWIGLU too,
@@ -980,13 +1021,35 @@ __device__ __forceinline__ void swiglu_bwd_vec(uint4& dh, const uint4& g, uint4&
 // 7-14 % faster than RL = 2). No variant spills.
 // SWIGLU (with FUSED: swiglu_qdq_dim0_dim1): x is g and xu is u (same layout); the thread loads its
 // NR vectors of both and forms h = silu(g) * u (swiglu_vec) before the casts, so h is never in memory.
-// The rows of the 32-row block of warp unit `unit` (see qdq_dim1_kernel): [t0, t_end) flat over the
-// matrices, in_group false for the rows after the last group. False: no rows (the warp returns).
-__device__ __forceinline__ bool unit_rows(int64_t rbg, int64_t R, int64_t nbm, const Groups& g, int64_t& t0,
-                                          int64_t& t_end, bool& in_group) {
+// The rows of the 32-row block of warp unit `unit` (see qdq_dim1_kernel; ncc units per row block):
+// [t0, t_end) flat over the matrices, in_group false for the rows after the last group. False: no
+// rows (the warp returns). Groups: where the CTA's warps share one row block (ncc a multiple of the
+// warps per CTA: the grid is whole CTAs, so every warp of every CTA is here) warp 0 finds it for all
+// (group_block_warp, once per CTA instead of once per warp); else each warp finds its own.
+__device__ __forceinline__ bool unit_rows(int64_t unit, int64_t ncc, int64_t R, int64_t nbm, const Groups& g,
+                                          int64_t& t0, int64_t& t_end, bool& in_group) {
+  const int64_t rbg = unit / ncc;
   in_group = true;
   if (g.offs != nullptr) {  // x is (R, C): block rbg of the padded row space
-    in_group = group_block(g, R, 32, rbg, t0, t_end);
+    if (ncc % (kThreads / 32) == 0) {
+      __shared__ int64_t s_t0, s_end;
+      __shared__ bool s_in;
+      if (threadIdx.x < 32) {
+        int64_t a, b;
+        const bool in = group_block_warp(g, R, 32, rbg, a, b);
+        if (threadIdx.x == 0) {
+          s_t0 = a;
+          s_end = b;
+          s_in = in;
+        }
+      }
+      __syncthreads();
+      t0 = s_t0;
+      t_end = s_end;
+      in_group = s_in;
+    } else {
+      in_group = group_block_warp(g, R, 32, rbg, t0, t_end);
+    }
     return t0 < t_end;
   }
   const int64_t m = rbg / nbm;  // matrix m: rows m * R .. m * R + R - 1
@@ -1097,7 +1160,7 @@ __global__ void __launch_bounds__(kThreads, RL == 8 ? 3 : 2)
   const int64_t cc = unit % ncc;
   int64_t t0, t_end;  // the block's rows (flat over the matrices)
   bool in_group;
-  if (!unit_rows(unit / ncc, R, nbm, g, t0, t_end, in_group)) return;  // uniform per warp, as above
+  if (!unit_rows(unit, ncc, R, nbm, g, t0, t_end, in_group)) return;  // uniform per warp, as above
   const int64_t cv = cc * NCV + (lane % NCV);
   const int half = lane / NCV;
   const int64_t row0 = t0 + half * NR;  // this thread's first row
@@ -1133,7 +1196,7 @@ __global__ void __launch_bounds__(kThreads, RL == 8 ? 3 : 2)
   const int64_t cc = unit % ncc;
   int64_t t0, t_end;
   bool in_group;
-  if (!unit_rows(unit / ncc, R, nbm, gr, t0, t_end, in_group)) return;
+  if (!unit_rows(unit, ncc, R, nbm, gr, t0, t_end, in_group)) return;
   const int64_t cv = cc * NCV + (lane % NCV);
   const int64_t row0 = t0 + (lane / NCV) * NR;
   const int64_t left = t_end - row0;
@@ -1168,7 +1231,7 @@ __global__ void __launch_bounds__(kThreads) qdq_dim1_generic_kernel(const Raw<IN
     int64_t t0, t_end;
     bool in_group = true;
     if (g.offs != nullptr) {
-      in_group = group_block(g, R, bs, pb, t0, t_end);
+      in_group = group_block_thread(g, R, bs, pb, t0, t_end);
     } else {
       const int64_t b = pb / nbm;
       t0 = b * R + (pb - b * nbm) * bs;
@@ -1526,15 +1589,6 @@ cudaError_t launch_qdq_dim1_generic(const void* x, void* y, int64_t B, int64_t R
   return launch_status();
 }
 
-// Groups for the kernels: pend computed into the caller's scratch (E int32) on the stream.
-cudaError_t make_groups(const int32_t* offs, int64_t E, int32_t* pend, int bs, cudaStream_t st, Groups* g) {
-  *g = Groups{nullptr, nullptr, 0};
-  if (offs == nullptr) return cudaSuccess;
-  qdq_group_blocks_kernel<<<1, kThreads, 0, st>>>(offs, pend, static_cast<int>(E), bs);
-  *g = Groups{offs, pend, static_cast<int>(E)};
-  return launch_status();
-}
-
 // f(Pair<in, elem>{}, integral_constant<out>{}) with compile-time codes.
 template <typename F>
 cudaError_t dispatch_out(int in_dtype, int elem, int out_dtype, F&& f) {
@@ -1548,18 +1602,16 @@ cudaError_t dispatch_out(int in_dtype, int elem, int out_dtype, F&& f) {
 
 cudaError_t mx_qdq_dim1(const void* x, int in_dtype, void* y, int out_dtype, int64_t batch, int64_t rows,
                         int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127, uint32_t rceil_t126,
-                        float rceil_c, const int32_t* offs, int64_t num_groups, int32_t* pend, intptr_t stream) {
+                        float rceil_c, const int32_t* offs, int64_t num_groups, intptr_t stream) {
   if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
       mode > 3 || batch < 0 || rows < 0 || cols < 0 ||
-      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX || pend == nullptr))) {
+      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX))) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
   const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  Groups g;
-  const cudaError_t err = make_groups(offs, num_groups, pend, block_size, st, &g);
-  if (err != cudaSuccess) return err;
+  const Groups g{offs, offs != nullptr ? static_cast<int>(num_groups) : 0};
   return dispatch_out(in_dtype, elem, out_dtype, [&](auto codes, auto out_code) -> cudaError_t {
     constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second, OUT = decltype(out_code)::value;
     if (qdq_dim1_fast(in_dtype, x, nullptr, y, cols, block_size)) {
@@ -1572,19 +1624,17 @@ cudaError_t mx_qdq_dim1(const void* x, int in_dtype, void* y, int out_dtype, int
 cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, int out_dtype, int64_t batch,
                              int64_t rows, int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
                              uint32_t rceil_t126, float rceil_c, const int32_t* offs, int64_t num_groups,
-                             int32_t* pend, intptr_t stream) {
+                             intptr_t stream) {
   if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
       mode > 3 || batch < 0 || rows < 0 || cols < 0 || cols % block_size ||
-      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX || pend == nullptr))) {
+      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX))) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
   const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   if (qdq_dim1_fast(in_dtype, x, y0, y1, cols, block_size)) {
-    Groups g;
-    const cudaError_t err = make_groups(offs, num_groups, pend, block_size, st, &g);
-    if (err != cudaSuccess) return err;
+    const Groups g{offs, offs != nullptr ? static_cast<int>(num_groups) : 0};
     return dispatch_out(in_dtype, elem, out_dtype, [&](auto codes, auto out_code) -> cudaError_t {
       constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second, OUT = decltype(out_code)::value;
       return launch_qdq_dim1<IN, OUT, EL, true>(x, y0, y1, batch, rows, cols, g, p, st);
@@ -1600,7 +1650,7 @@ cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, in
     if (ez != cudaSuccess) return ez;
   }
   return mx_qdq_dim1(x, in_dtype, y1, out_dtype, batch, rows, cols, block_size, mode, elem, rceil_t127, rceil_t126,
-                     rceil_c, offs, num_groups, pend, stream);
+                     rceil_c, offs, num_groups, stream);
 }
 
 bool mx_swiglu_qdq_one_pass(int in_dtype, const void* g, const void* u, const void* y0, const void* y1, int64_t cols,
@@ -1611,19 +1661,17 @@ bool mx_swiglu_qdq_one_pass(int in_dtype, const void* g, const void* u, const vo
 cudaError_t mx_swiglu_qdq_dim0_dim1(const void* g, const void* u, int in_dtype, void* y0, void* y1, int out_dtype,
                                     int64_t batch, int64_t rows, int64_t cols, int block_size, int mode, int elem,
                                     uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, const int32_t* offs,
-                                    int64_t num_groups, int32_t* pend, intptr_t stream) {
+                                    int64_t num_groups, intptr_t stream) {
   if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
       mode > 3 || batch < 0 || rows < 0 || cols < 0 || cols % block_size ||
-      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX || pend == nullptr))) {
+      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX))) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
   if (!mx_swiglu_qdq_one_pass(in_dtype, g, u, y0, y1, cols, block_size)) return cudaErrorInvalidValue;
   const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  Groups gr;
-  const cudaError_t err = make_groups(offs, num_groups, pend, block_size, st, &gr);
-  if (err != cudaSuccess) return err;
+  const Groups gr{offs, offs != nullptr ? static_cast<int>(num_groups) : 0};
   return dispatch_out(in_dtype, elem, out_dtype, [&](auto codes, auto out_code) -> cudaError_t {
     constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second, OUT = decltype(out_code)::value;
     return launch_qdq_dim1<IN, OUT, EL, true, true>(g, y0, y1, batch, rows, cols, gr, p, st, u);
@@ -1640,10 +1688,10 @@ cudaError_t mx_swiglu_bwd_qdq_dim0_dim1(const void* dh, const void* g, const voi
                                         void* dg1, void* du0, void* du1, int out_dtype, int64_t batch, int64_t rows,
                                         int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
                                         uint32_t rceil_t126, float rceil_c, const int32_t* offs, int64_t num_groups,
-                                        int32_t* pend, intptr_t stream) {
+                                        intptr_t stream) {
   if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
       mode > 3 || batch < 0 || rows < 0 || cols < 0 || cols % block_size ||
-      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX || pend == nullptr))) {
+      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX))) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
@@ -1652,9 +1700,7 @@ cudaError_t mx_swiglu_bwd_qdq_dim0_dim1(const void* dh, const void* g, const voi
   }
   const ScaleArgs p{mode, rceil_t127, rceil_t126, rceil_c};
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-  Groups gr;
-  const cudaError_t err = make_groups(offs, num_groups, pend, block_size, st, &gr);
-  if (err != cudaSuccess) return err;
+  const Groups gr{offs, offs != nullptr ? static_cast<int>(num_groups) : 0};
   return dispatch_out(in_dtype, elem, out_dtype, [&](auto codes, auto out_code) -> cudaError_t {
     constexpr int IN = decltype(codes)::first, EL = decltype(codes)::second, OUT = decltype(out_code)::value;
     return launch_swiglu_bwd_qdq<IN, OUT, EL>(dh, g, u, dg0, dg1, du0, du1, batch, rows, cols, gr, p, st);

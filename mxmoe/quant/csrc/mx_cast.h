@@ -63,11 +63,11 @@ cudaError_t mx_qdq_dim0(const void* x, int in_dtype, void* y, int out_dtype, int
 // along rows (mx_quantize_dim1) and dequantizing (mx_dequantize), at x's positions, bit for bit.
 // Groups (batch == 1; offs == nullptr: none): offs (num_groups,) int32 cumulative group ends on the
 // device; the blocks start at each group's first row instead (group e = rows offs[e-1]:offs[e]), and
-// the rows at or after offs[num_groups - 1] are zero; pend: num_groups int32 of device scratch.
+// the rows at or after offs[num_groups - 1] are zero.
 cudaError_t mx_qdq_dim1(const void* x, int in_dtype, void* y, int out_dtype, int64_t batch, int64_t rows,
                         int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
                         uint32_t rceil_t126, float rceil_c, const int32_t* offs, int64_t num_groups,
-                        int32_t* pend, intptr_t stream);
+                        intptr_t stream);
 
 // Both: y0 = mx_qdq_dim0 and y1 = mx_qdq_dim1 of x (batch, rows, cols), cols % block_size == 0,
 // from one read of x (block 32, 16-byte aligned pointers; else the two launchers in turn); with
@@ -75,7 +75,7 @@ cudaError_t mx_qdq_dim1(const void* x, int in_dtype, void* y, int out_dtype, int
 cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, int out_dtype, int64_t batch,
                              int64_t rows, int64_t cols, int block_size, int mode, int elem,
                              uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, const int32_t* offs,
-                             int64_t num_groups, int32_t* pend, intptr_t stream);
+                             int64_t num_groups, intptr_t stream);
 
 // SwiGLU then both qdq's: y0, y1 = mx_qdq_dim0_dim1(h) with h = silu(g) * u formed in registers as
 // eager PyTorch's `F.silu(g) * u` (silu in fp32 as ATen's silu_kernel, x / (1 + expf(-x)), rounded to
@@ -87,7 +87,7 @@ bool mx_swiglu_qdq_one_pass(int in_dtype, const void* g, const void* u, const vo
 cudaError_t mx_swiglu_qdq_dim0_dim1(const void* g, const void* u, int in_dtype, void* y0, void* y1, int out_dtype,
                                     int64_t batch, int64_t rows, int64_t cols, int block_size, int mode, int elem,
                                     uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, const int32_t* offs,
-                                    int64_t num_groups, int32_t* pend, intptr_t stream);
+                                    int64_t num_groups, intptr_t stream);
 
 // SwiGLU backward then both qdq's of its outputs: given dh, the gradient of h = silu(g) * u,
 // dg0, dg1 = mx_qdq_dim0_dim1(dg) and du0, du1 = mx_qdq_dim0_dim1(du) with dg and du formed in
@@ -103,7 +103,7 @@ cudaError_t mx_swiglu_bwd_qdq_dim0_dim1(const void* dh, const void* g, const voi
                                         void* dg1, void* du0, void* du1, int out_dtype, int64_t batch, int64_t rows,
                                         int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
                                         uint32_t rceil_t126, float rceil_c, const int32_t* offs, int64_t num_groups,
-                                        int32_t* pend, intptr_t stream);
+                                        intptr_t stream);
 
 // y (rows, cols) of dtype (bf16 / fp32), unit column stride, row_stride elements between rows:
 // rows *end .. rows - 1 set to zero, the others untouched (the rows after the last expert group of
