@@ -26,8 +26,9 @@
 //                     vectors, 16-byte loads held in registers, quantize_col (the dim1 cast's) and
 //                     fp8x2_to_f32 / dequant_bits (the dequantize's) per column, 16-byte stores in
 //                     x's layout; the fused variant adds quantize_vec32 + dequant_pairs per row.
-//                     Expert groups: each warp finds its block's group from offs (group_block_warp:
-//                     per-lane runs of groups, a shuffle scan, a ballot); no scratch, no pre-kernel.
+//                     Expert groups: the kernel finds a block's group from offs (group_block_warp:
+//                     per-lane runs of groups, a shuffle scan, a ballot; once per CTA where its
+//                     warps share a row block); no scratch, no pre-kernel.
 //   SwiGLU + qdq dim0+dim1, block 32: qdq_dim1_kernel's fused variant with the SWIGLU prologue: it
 //                     loads g and u and forms h = silu(g) * u in registers (swiglu_vec), as eager
 //                     PyTorch does; h is never written (mx_swiglu_qdq_dim0_dim1).
@@ -787,8 +788,26 @@ __device__ __forceinline__ int64_t group_blocks(int64_t start, int64_t end, int 
   return end > start ? (end - start + bs - 1) / bs : 0;
 }
 
+// The rows [t0, t_end) of block pb of the padded row space for one thread: the groups in order until
+// pb's; false for the blocks after the last group (rows offs[E-1].. T). t0 >= t_end: no rows.
 __device__ __forceinline__ bool group_block_thread(const Groups& g, int64_t T, int bs, int64_t pb, int64_t& t0,
-                                                   int64_t& t_end);
+                                                   int64_t& t_end) {
+  int64_t first = 0, prev = 0;
+  for (int i = 0; i < g.E; ++i) {
+    const int64_t o = __ldg(g.offs + i);
+    const int64_t next = first + group_blocks(prev, o, bs);
+    if (next > pb) {
+      t0 = prev + (pb - first) * bs;
+      t_end = o < T ? o : T;
+      return true;
+    }
+    first = next;
+    prev = o;
+  }
+  t0 = prev + (pb - first) * bs;
+  t_end = T;
+  return false;
+}
 
 // The rows [t0, t_end) of block pb of the padded row space, pb the same in every lane of the warp
 // and every lane calling; false for the blocks after the last group (rows offs[E-1].. T). Each lane
@@ -850,26 +869,6 @@ __device__ __forceinline__ bool group_block_warp(const Groups& g, int64_t T, int
   t0 = static_cast<int64_t>(start) + (pb - first) * bs;
   t_end = end < T ? end : T;
   return true;
-}
-
-// group_block_warp's rows for one thread's pb: the groups in order until pb's.
-__device__ __forceinline__ bool group_block_thread(const Groups& g, int64_t T, int bs, int64_t pb, int64_t& t0,
-                                                   int64_t& t_end) {
-  int64_t first = 0, prev = 0;
-  for (int i = 0; i < g.E; ++i) {
-    const int64_t o = __ldg(g.offs + i);
-    const int64_t next = first + group_blocks(prev, o, bs);
-    if (next > pb) {
-      t0 = prev + (pb - first) * bs;
-      t_end = o < T ? o : T;
-      return true;
-    }
-    first = next;
-    prev = o;
-  }
-  t0 = prev + (pb - first) * bs;
-  t_end = T;
-  return false;
 }
 
 // Rows at or after *end of y set to zero: y has `rows` rows of `row_units` units U (16-byte
@@ -1011,9 +1010,9 @@ __device__ __forceinline__ void swiglu_bwd_vec(uint4& dh, const uint4& g, uint4&
 // outputs go out as one 16-byte store (bf16 -> bf16, fp32 -> fp32), two (bf16 -> fp32) or one
 // 8-byte store (fp32 -> bf16). FUSED: the LPB lanes of a 32-column block are consecutive
 // (NCV % LPB == 0, C % 32 == 0), as quantize_vec32's shuffles need.
-// Groups (g.offs != nullptr, B == 1): unit rows are blocks of the padded row space, each warp's
-// found by group_block_warp (warp-uniform); units past the last block return
-// at once; rows in no group load as zeros and store +0 in both outputs (the Triton rows kernel's).
+// Groups (g.offs != nullptr, B == 1): unit rows are blocks of the padded row space, found by
+// unit_rows (group_block_warp, warp-uniform); units past the last block return at once; rows in
+// no group load as zeros and store +0 in both outputs (the Triton rows kernel's).
 // RL = 2 (16 rows per thread) for one direction: 128 / 96 registers (bf16 / fp32 in, ptxas sm_90),
 // two CTAs (16 warps) per SM. FUSED: RL = 8 for bf16 (4 rows per thread; 72 registers, SWIGLU too,
 // three CTAs per SM; against RL = 4 (123-128 registers, two CTAs) the H200 ran SWIGLU 6-10 % and
