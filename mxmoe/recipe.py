@@ -15,9 +15,25 @@ from mxmoe.formats import check_block_size, check_elem_dtype, check_scaling_mode
 
 CAST_KERNELS = ("torch", "triton", "cuda")
 """Concrete cast kernels; a recipe may also name "auto" (the fastest available per cast)."""
-GEMM_BACKENDS = ("emulated", "fp8")
+GEMM_BACKENDS = ("emulated",)
 """GEMMs on MX operands (docs/training-ops.md)."""
+REMOVED_GEMM_BACKENDS = {
+    "fp8": "the Hopper fp8 GEMM backend was removed: it ran at 0.48-0.69x bf16 forward, slower than "
+    "the emulated GEMM (0.82-0.94x); the measurements and the last commit that had it are in "
+    "docs/training-ops.md, 'Why there is no fp8 GEMM on Hopper'",
+}
+"""Backends that are gone, with the reason a config naming one is told."""
 GEMM_DTYPES = (None, torch.bfloat16, torch.float32)
+
+
+def check_gemm_backend(value: str, name: str = "gemm_backend") -> None:
+    """ValueError naming `name` and `value` unless `value` is in GEMM_BACKENDS; for a removed
+    backend the error says why it went."""
+    if value in GEMM_BACKENDS:
+        return
+    why = REMOVED_GEMM_BACKENDS.get(value) if isinstance(value, str) else None
+    expected = f"expected one of {list(GEMM_BACKENDS)}"
+    raise ValueError(f"{name}={value!r}: {why or 'not a GEMM backend'}; {expected}")
 
 
 @dataclass(frozen=True)
@@ -38,8 +54,7 @@ class MXRecipe:
     included: "auto" | "torch" | "triton" | "cuda"."""
     gemm_backend: str = "emulated"
     """GEMM on MX operands. "emulated": dequantize both operands exactly and run a high-precision
-    GEMM with fp32 accumulation (the default; sm_90 has no block-scaled MMA). "fp8": one fp8 MMA per
-    32-block of K on sm_90's tensor cores, promoted with the block scales (opt-in; e4m3, block 32)."""
+    GEMM with fp32 accumulation (the default; sm_90 has no block-scaled MMA)."""
     gemm_dtype: torch.dtype | None = None
     """Operand dtype of the emulated GEMM. None: bf16 on CUDA, fp32 elsewhere. bf16 holds every
     dequantized e4m3 value exactly unless its block scale byte is < 3 (e5m2: < 10), i.e. blocks
@@ -55,11 +70,7 @@ class MXRecipe:
                 raise ValueError(
                     f"{name}={value!r} is not a cast kernel; expected 'auto' or one of {list(CAST_KERNELS)}"
                 )
-        if self.gemm_backend not in GEMM_BACKENDS:
-            raise ValueError(
-                f"gemm_backend={self.gemm_backend!r} is not a GEMM backend; expected one of "
-                f"{list(GEMM_BACKENDS)}"
-            )
+        check_gemm_backend(self.gemm_backend)
         if self.gemm_dtype not in GEMM_DTYPES:
             raise TypeError(
                 f"gemm_dtype={self.gemm_dtype} is not supported; expected None, torch.bfloat16 or "

@@ -41,6 +41,30 @@ def test_bad_fields_are_named(kwargs, err, match):
         MXRecipe(**kwargs)
 
 
+def test_removed_gemm_backend_says_why_and_where():
+    """gemm_backend="fp8" (removed) is refused everywhere a recipe is made, with the reason and the
+    docs section that records it; that section exists."""
+    from pathlib import Path
+
+    from mxmoe import MXConfig
+    from mxmoe.ops import MXOpConfig
+    from mxmoe.recipe import GEMM_BACKENDS, REMOVED_GEMM_BACKENDS
+
+    assert "fp8" in REMOVED_GEMM_BACKENDS and "fp8" not in GEMM_BACKENDS
+    why = r"gemm_backend='fp8': the Hopper fp8 GEMM backend was removed: .*docs/training-ops.md"
+    for make in (
+        lambda: MXRecipe(gemm_backend="fp8"),
+        lambda: recipe("mxfp8", gemm_backend="fp8"),
+        lambda: MXOpConfig(gemm_backend="fp8"),
+        lambda: MXConfig(gemm_backend="fp8").to_recipe(),
+    ):
+        with pytest.raises(ValueError, match=why):
+            make()
+    doc = (Path(__file__).parents[1] / "docs" / "training-ops.md").read_text()
+    assert "\n## Why there is no fp8 GEMM on Hopper\n" in doc
+    assert "'Why there is no fp8 GEMM on Hopper'" in REMOVED_GEMM_BACKENDS["fp8"]
+
+
 def test_unknown_recipe_name():
     with pytest.raises(ValueError, match="recipe name 'mxfp4' is not an MX recipe"):
         recipe("mxfp4")

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from mxmoe.bench.timing import bench, bf16_gemm_tflops, environment, print_table, require_cuda, write_json
 from mxmoe.cli import comma_list
-from mxmoe.recipe import RECIPES  # the named recipes the benches time
+from mxmoe.recipe import GEMM_BACKENDS, RECIPES, check_gemm_backend  # RECIPES: the recipes timed
 
 
 def shape_parser(pattern: str, example: str) -> Callable[[str], tuple[int, ...]]:
@@ -96,7 +96,7 @@ def main(
     )
     p.add_argument("--kernel", default="auto", help="cast kernel: auto | torch | triton | cuda")
     p.add_argument(
-        "--gemm-backend", default="emulated", choices=["emulated", "fp8"], help="MX GEMM backend of fwd+bwd"
+        "--gemm-backend", default="emulated", help=f"MX GEMM backend of fwd+bwd: {' | '.join(GEMM_BACKENDS)}"
     )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
@@ -104,9 +104,13 @@ def main(
         p.add_argument(
             "--forward",
             action="store_true",
-            help="the forward GEMM alone: bf16, torch fp8 row-wise, MX emulated and MX fp8 backends",
+            help="the forward GEMM alone: bf16, torch fp8 row-wise, each MX GEMM backend",
         )
     args = p.parse_args(argv)
+    try:  # argparse's choices= would not say why a removed backend is gone
+        check_gemm_backend(args.gemm_backend, "--gemm-backend")
+    except ValueError as e:
+        p.error(str(e))
     require_cuda(f"mxmoe bench {name}")
     ceiling = bf16_gemm_tflops()
     if run_forward is not None and args.forward:

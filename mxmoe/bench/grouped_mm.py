@@ -9,6 +9,7 @@ import torch
 from mxmoe.bench import gemm_common
 from mxmoe.bench.gemm_common import forward_row, row, rowwise_fp8, timed_or_reason
 from mxmoe.bench.timing import bench
+from mxmoe.recipe import GEMM_BACKENDS
 from mxmoe.recipe import RECIPES as NAMED
 
 # (T tokens, K in, N out, E experts): DeepSeek-V3 w1 (7168 -> 2048) and w2, Llama4 (5120 <-> 8192).
@@ -103,7 +104,7 @@ def run_forward(T: int, K: int, N: int, E: int, kernel: str, iters: int) -> list
         )
     a0 = to_mx(a, axis=-1, kernel=kernel)
     w0 = to_mx(w.transpose(-2, -1), axis=-2, kernel=kernel)
-    for backend in ("emulated", "fp8"):
+    for backend in GEMM_BACKENDS:
         r = NAMED["mxfp8_rceil"].replace(dim0_kernel=kernel, gemm_backend=backend)
         t, why = timed_or_reason(
             lambda r=r: mx_gemm(a0, w0, offs, config=r),

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from mxmoe.bench import gemm_common
 from mxmoe.bench.gemm_common import forward_row, row, rowwise_fp8, timed_or_reason
 from mxmoe.bench.timing import bench
+from mxmoe.recipe import GEMM_BACKENDS
 from mxmoe.recipe import RECIPES as NAMED
 
 # (M tokens, K in, N out): DeepSeek-V3 expert-sized and Llama4 expert-sized projections.
@@ -90,7 +91,7 @@ def run_forward(M: int, K: int, N: int, kernel: str, iters: int) -> list[dict]:
         rows.append(forward_row(name, f"fp8 row-wise _scaled_mm fast_accum={fast}", t, t_bf16, flops, why))
     x0 = to_mx(x, axis=-1, kernel=kernel)
     w0 = to_mx(w.t(), axis=0, kernel=kernel)
-    for backend in ("emulated", "fp8"):
+    for backend in GEMM_BACKENDS:
         r = NAMED["mxfp8_rceil"].replace(dim0_kernel=kernel, gemm_backend=backend)
         t, why = timed_or_reason(
             lambda r=r: mx_gemm(x0, w0, config=r),

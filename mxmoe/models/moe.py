@@ -114,7 +114,7 @@ PRESETS: dict[str, ModelArgs] = {
     "moe_1b": ModelArgs(
         dim=1024, n_layers=12, n_heads=16, n_kv_heads=8, num_experts=16, top_k=2, moe_hidden_dim=1024
     ),
-    # ~1.9B total, ~0.7B active, expert GEMMs 2048 -> 4096 -> 2048 (where fp8 GEMMs can pay): one H200.
+    # ~1.9B total, ~0.7B active, expert GEMMs 2048 -> 4096 -> 2048: one H200.
     "moe_2b": ModelArgs(
         dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, num_experts=8, top_k=2, moe_hidden_dim=4096
     ),

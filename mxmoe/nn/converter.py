@@ -20,7 +20,7 @@ from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
 from mxmoe.nn.mx_experts import MXGroupedExperts
 from mxmoe.quant.backends import why_unavailable
-from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE_NAME, GEMM_BACKENDS, RECIPES, MXRecipe
+from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE_NAME, RECIPES, MXRecipe, check_gemm_backend
 
 log = logging.getLogger("mxmoe")
 
@@ -47,9 +47,8 @@ class MXConfig:
     mxfp8_dim0_cast_kernel_choice: str = "auto"
     """The recipe's dim0_kernel (dim0 casts, dequantize): "auto" | "triton" | "cuda" | "torch"."""
     gemm_backend: str = "emulated"
-    """GEMM on MX operands: "emulated" (dequantize exactly, bf16/fp32 GEMM; default) | "fp8" (sm_90
-    fp8 tensor cores, one MMA per 32-block of K, promotion overlapped with the next MMA; opt-in,
-    see mxmoe.ops.fp8_gemm)."""
+    """GEMM on MX operands (mxmoe.recipe.GEMM_BACKENDS): "emulated" (dequantize exactly, bf16/fp32
+    GEMM; default)."""
     gemm_dtype: str = "auto"
     """The recipe's gemm_dtype: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32"."""
 
@@ -69,8 +68,7 @@ class MXConfig:
             value = getattr(self, name)
             if value != "auto" and value not in CAST_KERNELS:
                 raise ValueError(f"{name}={value!r}; expected 'auto' or one of {list(CAST_KERNELS)}")
-        if self.gemm_backend not in GEMM_BACKENDS:
-            raise ValueError(f"gemm_backend={self.gemm_backend!r}; expected one of {list(GEMM_BACKENDS)}")
+        check_gemm_backend(self.gemm_backend)
         if self.gemm_dtype not in GEMM_DTYPES:
             raise ValueError(
                 f"gemm_dtype={self.gemm_dtype!r} is not supported; expected one of {list(GEMM_DTYPES)}"

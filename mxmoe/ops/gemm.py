@@ -8,12 +8,6 @@ Backends:
       limits). The training ops (`mx_mm`, `mx_grouped_mm`) feed it through `hp_gemm` with operands
       made by the fused quantize-dequantize (`mxmoe.quant.qdq`), the same values without the fp8
       round trip.
-  "fp8": the fp8 tensor cores of sm_90 (mxmoe/ops/fp8_gemm.py; on the GPU the Gluon kernel of
-      mxmoe/ops/fp8_wgmma.py): one fp8 MMA per 32-block of K into an fp32 temporary, promoted into
-      the fp32 accumulator with the two blocks' scales while the next block's MMA runs. e4m3,
-      block 32 only; runs on sm_90, or on CPU under TRITON_INTERPRET=1; its output is the recipe's
-      compute dtype (bf16 on CUDA by default) before mx_gemm's final cast. Opt-in (its speed is
-      in docs/training-ops.md).
 Room for later backends (block-scaled MMA on sm_100): add a function with the same signature to
 `_BACKENDS`; the ops give such a backend MXTensors.
 """
@@ -136,23 +130,7 @@ def _emulated(
     return _grouped(a_hp, b_hp, offs)
 
 
-def _fp8(a: MXTensor, b: MXTensor, offs: Tensor | None, compute_dtype: torch.dtype, kernel: str) -> Tensor:
-    from mxmoe.ops import fp8_gemm
-
-    reason = fp8_gemm.why_unavailable(a.device)
-    if reason is not None:
-        raise RuntimeError(reason)
-    for name, t in (("a", a), ("b", b)):
-        if t.elem_dtype != torch.float8_e4m3fn or t.block_size != fp8_gemm.BLOCK:
-            raise ValueError(
-                f"gemm_backend='fp8' takes e4m3 operands with block_size={fp8_gemm.BLOCK}; {name} is {t}"
-            )
-    return fp8_gemm.fp8_mx_gemm(
-        a.qdata_blocked, a.scale_blocked, b.qdata_blocked, b.scale_blocked, offs, compute_dtype
-    )
-
-
-_BACKENDS = {"emulated": _emulated, "fp8": _fp8}
+_BACKENDS = {"emulated": _emulated}
 QDQ_BACKENDS = frozenset({"emulated"})
 """Backends that are a high-precision GEMM of dequantized operands: the training ops give them
 fused quantize-dequantize values (`hp_gemm`) instead of MXTensors."""

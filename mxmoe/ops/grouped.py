@@ -22,7 +22,7 @@ torch._grouped_mm takes any group sizes (empty included). The dgrad takes the we
 (E, N, K) row-major (each expert's blocks along its own N), as bf16 training's dgrad takes them.
 The weights go through `cache_weight_casts`.
 
-Other backends (the MX path, e.g. "fp8"): the casts along M run on a copy of the tokens in which each
+Other backends (the MX path): the casts along M run on a copy of the tokens in which each
 group starts at a multiple of the block size (`mxmoe.quant.groups`: group e occupies ceil(nₑ/32)·32
 rows, gaps zero, static size roundup(T + 31·E, 32)); the fused dim0+dim1 cast runs on it, the dim0
 result is gathered back to the T rows (an fp8 row gather), and the wgrad GEMM takes the padded

@@ -75,8 +75,7 @@ class MX:
     )
     gemm_backend: str = _f(
         "emulated",
-        "GEMM on MX operands: emulated (exact dequantize, bf16 GEMM) | fp8 (H100/H200 fp8 tensor "
-        "cores, one MMA per 32-block of K; opt-in, see docs/training-ops.md)",
+        "GEMM on MX operands: emulated (exact dequantize, bf16 GEMM; see docs/training-ops.md)",
     )
 
 

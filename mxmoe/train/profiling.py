@@ -76,7 +76,7 @@ def step_profiler(cfg: Profiling, metrics_folder: str, rank: int, device: torch.
 
 
 # Kernel names -> what they do, first match wins (attention before GEMMs: cuDNN's attention kernels
-# name sm90 and wgmma; GEMMs before casts: the fp8 MX GEMM's name has "mx").
+# name sm90 and wgmma; GEMMs before casts: an MX GEMM kernel's name may have "mx").
 KERNEL_CATEGORIES = (
     ("attention", r"flash|fmha|attn|attention|sdpa"),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|matmul|_mm_|sm90_"),

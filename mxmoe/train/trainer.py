@@ -262,10 +262,9 @@ def check_values(cfg: JobConfig) -> None:
     ):
         if not ok:  # NaN fails every comparison
             raise ValueError(f"{key}={value!r}: expected {accepted}")
-    from mxmoe.recipe import GEMM_BACKENDS
+    from mxmoe.recipe import check_gemm_backend
 
-    if cfg.mx.gemm_backend not in GEMM_BACKENDS:
-        raise ValueError(f"mx.gemm_backend={cfg.mx.gemm_backend!r}: expected one of {list(GEMM_BACKENDS)}")
+    check_gemm_backend(cfg.mx.gemm_backend, "mx.gemm_backend")
 
 
 def train(cfg: JobConfig) -> int:

@@ -18,7 +18,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 
 CPU = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
 CPU_BF16 = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_dtype=torch.bfloat16)
-FP8 = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_backend="fp8")
 
 
 def rand(shape, dtype, seed, scale=1.0):
@@ -116,12 +115,11 @@ def shared_mm(cfg):
         ("qdq", torch.float32, True),  # fp32 x under bf16 autocast: each op's cast, one here
         ("mx", torch.float32, False),
         ("mx", torch.float32, True),
-        ("fp8", torch.float32, False),
     ],
 )
 def test_mx_mm_shared_bit_identical(monkeypatch, case, path, dtype, autocast):
     req_x, req_w, used = case
-    cfg = {"qdq": CPU_BF16 if autocast else CPU, "mx": CPU, "fp8": FP8}[path]
+    cfg = {"qdq": CPU_BF16 if autocast else CPU, "mx": CPU}[path]
     if path == "mx":  # the MX path with the emulated GEMM (as tests/ops/test_qdq_path.py takes it)
         monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
     x, ws, gs = mm_operands(dtype)
@@ -214,12 +212,11 @@ GROUPED_CASES = [
         ("qdq", torch.bfloat16, False),
         ("qdq", torch.float32, True),
         ("mx", torch.float32, False),
-        ("fp8", torch.float32, False),
     ],
 )
 def test_mx_grouped_mm_shared_bit_identical(monkeypatch, case, counts, path, dtype, autocast):
     req_x, req_w, used = case
-    cfg = {"qdq": CPU_BF16 if autocast else CPU, "mx": CPU, "fp8": FP8}[path]
+    cfg = {"qdq": CPU_BF16 if autocast else CPU, "mx": CPU}[path]
     if path == "mx":
         monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
     a, ws, gs, offs = grouped_operands(counts, dtype)
@@ -326,7 +323,7 @@ def test_shared_ops_under_no_grad(monkeypatch, compiled):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemm_backend", ["emulated", "fp8"])
+@pytest.mark.parametrize("gemm_backend", ["emulated"])
 def test_gpu_shared_ops_bit_identical(gemm_backend):
     """On the GPU with the default kernels and recipe (bf16 activations, bf16 autocast)."""
     cfg = MXRecipe(gemm_backend=gemm_backend)

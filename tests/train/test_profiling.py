@@ -10,7 +10,7 @@ from mxmoe.train.profiling import KERNEL_CATEGORIES, kernel_category
     [
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
         ("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT", "gemm"),
-        ("_fp8_mx_gemm_kernel", "gemm"),  # an MX GEMM is a GEMM, not a cast
+        ("_mx_gemm_kernel", "gemm"),  # an MX GEMM is a GEMM, not a cast
         ("qdq_rows_kernel", "mx cast / qdq"),
         ("void dim1_tile_kernel<__nv_bfloat16, 1, 2>(void const*, unsigned char*)", "mx cast / qdq"),
         ("void dequant_flat_kernel<256>(unsigned char const*)", "mx cast / qdq"),
