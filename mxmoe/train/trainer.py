@@ -176,8 +176,10 @@ def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDim
             mxfp8_dim1_cast_kernel_choice=mx.mxfp8_dim1_cast_kernel_choice,
             mxfp8_dim0_cast_kernel_choice=mx.mxfp8_dim0_cast_kernel_choice,
             filter_fqns=list(mx.filter_fqns),
+            convert_linears=mx.convert_linears,
             convert_grouped_experts=mx.convert_grouped_experts,
             gemm_backend=mx.gemm_backend,
+            expert_gemm=mx.expert_gemm,
         ),
         parallel_dims=pd,
     )
@@ -262,10 +264,12 @@ def check_values(cfg: JobConfig) -> None:
     ):
         if not ok:  # NaN fails every comparison
             raise ValueError(f"{key}={value!r}: expected {accepted}")
-    from mxmoe.recipe import GEMM_BACKENDS
+    from mxmoe.recipe import EXPERT_GEMMS, GEMM_BACKENDS
 
     if cfg.mx.gemm_backend not in GEMM_BACKENDS:
         raise ValueError(f"mx.gemm_backend={cfg.mx.gemm_backend!r}: expected one of {list(GEMM_BACKENDS)}")
+    if cfg.mx.expert_gemm not in EXPERT_GEMMS:
+        raise ValueError(f"mx.expert_gemm={cfg.mx.expert_gemm!r}: expected one of {list(EXPERT_GEMMS)}")
 
 
 def train(cfg: JobConfig) -> int:
@@ -629,7 +633,9 @@ def _precision(model: torch.nn.Module, cfg: JobConfig) -> str:
     n = sum(isinstance(mod, (MXLinear, MXGroupedExperts)) for mod in model.modules())
     if n == 0:
         return "high precision (the mx converter swapped no module)"
-    return f"MXFP8 {cfg.mx.recipe_name} in {n} modules"
+    hp = sum(isinstance(m, MXGroupedExperts) and m.mx_config.expert_gemm == "hp" for m in model.modules())
+    what = f" ({hp} of them bf16 experts on MXFP8-rounded rows: expert_gemm=hp)" if hp else ""
+    return f"MXFP8 {cfg.mx.recipe_name} in {n} modules{what}"
 
 
 def _train_state(step: int, scheduler, sampler) -> dict:

@@ -118,6 +118,7 @@ def test_main_reports_config_errors(capsys):
         ("--training.beta2=1", "training.beta2=1.0: expected 0 <= value < 1"),
         ("--training.weight_decay=inf", "training.weight_decay=inf: expected a finite number >= 0"),
         ("--mx.gemm_backend=fp4", "mx.gemm_backend='fp4': expected one of ['emulated', 'fp8']"),
+        ("--mx.expert_gemm=bf16", "mx.expert_gemm='bf16': expected one of ['mx', 'hp']"),
     ],
 )
 def test_main_rejects_out_of_range_values(capsys, arg, match):
@@ -184,6 +185,29 @@ def test_mx_gemm_backend_reaches_every_converted_module():
     _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
     backends = [m.mx_config.gemm_backend for m in model.modules() if hasattr(m, "mx_config")]
     assert len(backends) >= 14 and set(backends) == {"fp8"}  # 12 linears, 2 expert groups at least
+
+
+def test_mx_exchange_only_converts_the_experts_alone():
+    """--mx.expert_gemm=hp --mx.convert_linears=false: no Linear is MX, every expert group holds the
+    recipe with expert_gemm="hp" (bf16 GEMMs, MXFP8 exchange)."""
+    from torch import nn
+
+    from mxmoe.models import Transformer
+    from mxmoe.nn import MXGroupedExperts, MXLinear
+    from mxmoe.train.parallel import make_parallel_dims
+    from mxmoe.train.trainer import _mx_convert, _precision, build_model_args
+
+    args = ["--config", "configs/debug_moe.toml", "--mx.expert_gemm=hp", "--mx.convert_linears=false"]
+    cfg = parse_args(args)
+    model = Transformer(build_model_args(cfg))
+    report = _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
+    experts = [m for m in model.modules() if isinstance(m, MXGroupedExperts)]
+    assert len(experts) == model.args.n_layers
+    assert {m.mx_config.expert_gemm for m in experts} == {"hp"}
+    assert not any(isinstance(m, MXLinear) for m in model.modules())
+    assert sum(isinstance(m, nn.Linear) for m in model.modules()) >= 12
+    assert report.converted["Linear"] == [] and "expert_gemm=hp" in report.summary()
+    assert "bf16 experts on MXFP8-rounded rows" in _precision(model, cfg)
 
 
 def test_mx_cast_kernel_choices_reach_every_converted_module():
