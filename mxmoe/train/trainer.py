@@ -634,7 +634,7 @@ def _precision(model: torch.nn.Module, cfg: JobConfig) -> str:
     if n == 0:
         return "high precision (the mx converter swapped no module)"
     hp = sum(isinstance(m, MXGroupedExperts) and m.mx_config.expert_gemm == "hp" for m in model.modules())
-    what = f" ({hp} of them bf16 experts on MXFP8-rounded rows: expert_gemm=hp)" if hp else ""
+    what = f" ({hp} of them high-precision experts on MX-rounded rows: expert_gemm=hp)" if hp else ""
     return f"MXFP8 {cfg.mx.recipe_name} in {n} modules{what}"
 
 

@@ -207,7 +207,7 @@ def test_mx_exchange_only_converts_the_experts_alone():
     assert not any(isinstance(m, MXLinear) for m in model.modules())
     assert sum(isinstance(m, nn.Linear) for m in model.modules()) >= 12
     assert report.converted["Linear"] == [] and "expert_gemm=hp" in report.summary()
-    assert "bf16 experts on MXFP8-rounded rows" in _precision(model, cfg)
+    assert "high-precision experts on MX-rounded rows" in _precision(model, cfg)
 
 
 def test_mx_cast_kernel_choices_reach_every_converted_module():
