@@ -115,3 +115,31 @@ def test_hp_experts_compile_fullgraph():
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
     xl = x.clone().requires_grad_()
     assert_bits(grads(ex, compiled(xl, counts), dy, xl), want)
+
+
+@pytest.mark.gpu
+def test_gpu_tensor_rows_under_bf16_autocast():
+    """The default recipe's kernels ("auto": the CUDA qdq operator in the module, the CUDA casts in
+    the reference) under CUDA bf16 autocast, as the trainer runs: the output bit for bit the
+    reference; the gradients to bf16 rounding (the GPU's grouped GEMM reductions may reorder)."""
+    r = recipe(expert_gemm="hp")
+    ex, x, dy = make()
+    ex, x, dy = ex.cuda(), x.cuda(), dy.cuda()
+    counts = torch.tensor(COUNTS, device="cuda")
+    xl = x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        xs = xl.to(torch.bfloat16)
+        xq = q(xs, r).requires_grad_()
+        y = ex(xq, counts)
+    y.backward(q(dy.to(y.dtype), r))
+    xs.backward(xq.grad)
+    want = [y.detach(), xl.grad, *(p.grad for p in (ex.w1, ex.w2, ex.w3))]
+    ex.zero_grad(set_to_none=True)
+    m = MXGroupedExperts.from_experts(ex, r)
+    xl = x.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = m(xl, counts)
+    got = grads(ex, y, dy.to(y.dtype), xl)
+    assert_bits(got[:1], want[:1])
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert a.dtype == b.dtype and float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
