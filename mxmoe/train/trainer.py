@@ -270,6 +270,12 @@ def check_values(cfg: JobConfig) -> None:
         raise ValueError(f"mx.gemm_backend={cfg.mx.gemm_backend!r}: expected one of {list(GEMM_BACKENDS)}")
     if cfg.mx.expert_gemm not in EXPERT_GEMMS:
         raise ValueError(f"mx.expert_gemm={cfg.mx.expert_gemm!r}: expected one of {list(EXPERT_GEMMS)}")
+    if cfg.mx.expert_gemm == "hp" and not cfg.mx.convert_grouped_experts:
+        raise ValueError(
+            "mx.expert_gemm='hp' sets how the converted experts compute, but "
+            "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
+            "drop one of the two"
+        )
 
 
 def train(cfg: JobConfig) -> int:

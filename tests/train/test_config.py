@@ -119,11 +119,13 @@ def test_main_reports_config_errors(capsys):
         ("--training.weight_decay=inf", "training.weight_decay=inf: expected a finite number >= 0"),
         ("--mx.gemm_backend=fp4", "mx.gemm_backend='fp4': expected one of ['emulated', 'fp8']"),
         ("--mx.expert_gemm=bf16", "mx.expert_gemm='bf16': expected one of ['mx', 'hp']"),
+        ("--mx.expert_gemm=hp --mx.convert_grouped_experts=false",
+         "mx.convert_grouped_experts=false leaves them unconverted"),
     ],
 )
 def test_main_rejects_out_of_range_values(capsys, arg, match):
     # checked before any model or data is built: an error naming the key, not a ZeroDivisionError
-    assert trainer.main([arg, "--training.device=cpu"]) == 2
+    assert trainer.main([*arg.split(), "--training.device=cpu"]) == 2
     assert match in capsys.readouterr().err
 
 
