@@ -24,6 +24,8 @@ REMOVED_GEMM_BACKENDS = {
 }
 """Backends that are gone, with the reason a config naming one is told."""
 GEMM_DTYPES = (None, torch.bfloat16, torch.float32)
+EXPERT_GEMMS = ("mx", "hp")
+"""How the routed experts (`MXGroupedExperts`) multiply: MX GEMMs, or high precision on MX-rounded rows."""
 
 
 def check_gemm_backend(value: str, name: str = "gemm_backend") -> None:
@@ -59,6 +61,13 @@ class MXRecipe:
     """Operand dtype of the emulated GEMM. None: bf16 on CUDA, fp32 elsewhere. bf16 holds every
     dequantized e4m3 value exactly unless its block scale byte is < 3 (e5m2: < 10), i.e. blocks
     with amax below ~2^-116; fp32 holds all of them exactly."""
+    expert_gemm: str = "mx"
+    """The routed experts' grouped GEMMs (`MXGroupedExperts`; other modules ignore it). "mx" (default):
+    on MX operands (`gemm_backend`). "hp": the exchange only (docs/comm.md): the GEMMs run in high
+    precision (bf16 under autocast, as `GroupedExperts`) on the experts' input rows rounded to MX
+    once, exactly the values the MXFP8 dispatch delivers; under expert parallelism the dispatch
+    (forward) and the combine's gradient go in MXFP8, the dispatch's gradient and the combine in
+    high precision. For Hopper, whose MX GEMMs are emulated: the exchange's bytes without MX GEMMs."""
 
     def __post_init__(self) -> None:
         check_elem_dtype(self.elem_dtype)
@@ -75,6 +84,11 @@ class MXRecipe:
             raise TypeError(
                 f"gemm_dtype={self.gemm_dtype} is not supported; expected None, torch.bfloat16 or "
                 "torch.float32"
+            )
+        if self.expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(
+                f"expert_gemm={self.expert_gemm!r} is not an expert GEMM mode; expected one of "
+                f"{list(EXPERT_GEMMS)}"
             )
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:

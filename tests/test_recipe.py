@@ -34,6 +34,7 @@ def test_frozen_hashable_and_replace_checks_again():
         ({"dim1_kernel": "x"}, ValueError, "dim1_kernel='x'"),
         ({"gemm_backend": "magic"}, ValueError, "gemm_backend='magic'"),
         ({"gemm_dtype": torch.float16}, TypeError, "gemm_dtype=torch.float16"),
+        ({"expert_gemm": "bf16"}, ValueError, r"expert_gemm='bf16' is not an expert GEMM mode"),
     ],
 )
 def test_bad_fields_are_named(kwargs, err, match):

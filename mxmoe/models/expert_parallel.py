@@ -10,7 +10,9 @@ experts run where is the `dispatch` strategy the MoE layer holds (`MoE.dispatch`
     them by all-to-all. For MX experts (`MXGroupedExperts`) the rows go as MXFP8 in the experts'
     recipe (`a2a_dispatch_mxfp8`, used by the first grouped GEMM without requantizing) and come back
     in high precision with an MXFP8 gradient (`a2a_combine`); otherwise both ways in high precision
-    (`all_to_all_hp`).
+    (`all_to_all_hp`). The same exchange serves MX experts whose recipe has expert_gemm="hp" (the
+    exchange only): they dequantize the received rows exactly and run bf16 grouped GEMMs, the
+    gradient of the rows goes back in high precision.
 
 Flow for T tokens, top-k, E experts, EP degree `ep` (E_l = E / ep experts per rank):
   1. sort the T*k assignments by global expert id (so also by destination rank);

@@ -20,7 +20,14 @@ from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
 from mxmoe.nn.mx_experts import MXGroupedExperts
 from mxmoe.quant.backends import why_unavailable
-from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE_NAME, RECIPES, MXRecipe, check_gemm_backend
+from mxmoe.recipe import (
+    CAST_KERNELS,
+    DEFAULT_RECIPE_NAME,
+    EXPERT_GEMMS,
+    RECIPES,
+    MXRecipe,
+    check_gemm_backend,
+)
 
 log = logging.getLogger("mxmoe")
 
@@ -51,6 +58,10 @@ class MXConfig:
     GEMM; default)."""
     gemm_dtype: str = "auto"
     """The recipe's gemm_dtype: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32"."""
+    expert_gemm: str = "mx"
+    """The recipe's expert_gemm: "mx" (MX grouped GEMMs; default) | "hp" (the exchange only: bf16
+    grouped GEMMs on rows rounded to MX, MXFP8 dispatch and combine gradient under expert
+    parallelism; with convert_linears=False no GEMM is MX)."""
 
     def __post_init__(self) -> None:
         f = self.filter_fqns
@@ -73,11 +84,14 @@ class MXConfig:
             raise ValueError(
                 f"gemm_dtype={self.gemm_dtype!r} is not supported; expected one of {list(GEMM_DTYPES)}"
             )
+        if self.expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(f"expert_gemm={self.expert_gemm!r}; expected one of {list(EXPERT_GEMMS)}")
         return RECIPES[self.recipe_name].replace(
             dim0_kernel=self.mxfp8_dim0_cast_kernel_choice,
             dim1_kernel=self.mxfp8_dim1_cast_kernel_choice,
             gemm_backend=self.gemm_backend,
             gemm_dtype=GEMM_DTYPES[self.gemm_dtype],
+            expert_gemm=self.expert_gemm,
         )
 
 
@@ -91,7 +105,7 @@ def recipe_name(r: MXRecipe) -> str:
         ):
             extra = [
                 f"{k}={getattr(r, k)}"
-                for k in ("dim0_kernel", "dim1_kernel", "gemm_backend", "gemm_dtype")
+                for k in ("dim0_kernel", "dim1_kernel", "gemm_backend", "gemm_dtype", "expert_gemm")
                 if getattr(r, k) != getattr(base, k)
             ]
             return name + (f" ({', '.join(extra)})" if extra else "")

@@ -1,7 +1,9 @@
-"""`MXGroupedExperts`: GroupedExperts with every grouped GEMM on MX operands."""
+"""`MXGroupedExperts`: GroupedExperts with every grouped GEMM on MX operands, or (recipe
+`expert_gemm="hp"`) high-precision GEMMs on rows rounded to MX: the exchange-only mode."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
@@ -9,6 +11,7 @@ from mxmoe.ops import mx_grouped_swiglu_mlp
 from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import autocast_input
 from mxmoe.quant.mx_tensor import MXTensor
+from mxmoe.quant.qdq import qdq
 from mxmoe.recipe import MXRecipe
 
 
@@ -19,6 +22,14 @@ class MXGroupedExperts(GroupedExperts):
     bf16/fp32 sorted by expert, or a 2D MXTensor blocked along dim (the MXFP8 dispatch's output):
     the w1/w3 GEMMs then use it without requantizing, and its gradient flows to `x.grad_anchor`.
     dim and hidden_dim must be divisible by the block size (32). Group sizes are arbitrary.
+
+    With the recipe's `expert_gemm="hp"` the three GEMMs are `GroupedExperts`' own (high precision,
+    bf16 under autocast) on the input rows rounded to MX once, Q(x) (Q: quantize along dim with the
+    recipe, dequantize exactly), and the gradient flows to x unchanged (straight through). Rows that
+    come as an MXTensor (the MXFP8 dispatch's) are Q(x) already: they are dequantized, and the
+    expert-parallel combine sends the output's gradient as MXFP8, so the experts' backward starts
+    from Q(dy). Rows that come as a Tensor (no exchange: all experts local) are rounded here, and
+    so is the output's gradient, as the exchange would: the same numbers at every EP degree.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, config: MXRecipe | None = None):
@@ -40,6 +51,8 @@ class MXGroupedExperts(GroupedExperts):
 
     def forward(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
         cfg = self.mx_config
+        if cfg.expert_gemm == "hp":
+            return self._forward_hp(x, num_tokens_per_expert)
         offs = offsets_from_counts(num_tokens_per_expert)
         if isinstance(x, Tensor):
             # one cast to the autocast dtype for both w1 and w3 (each op would cast x on its own:
@@ -52,9 +65,62 @@ class MXGroupedExperts(GroupedExperts):
         w1_t, w3_t, w2_t = (w.transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
         return mx_grouped_swiglu_mlp(x, w1_t, w3_t, w2_t, offs, cfg)
 
+    def _forward_hp(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
+        """expert_gemm="hp" (class docstring): GroupedExperts.forward on Q(x)."""
+        cfg = self.mx_config
+        if isinstance(x, MXTensor):
+            if x.ndim != 2 or x.axis != 1:
+                raise ValueError(f"x must be a 2D MXTensor blocked along dim (axis=1), got {x!r}")
+            rows = x.dequantize(kernel=cfg.dim0_kernel)  # exact: the rows' orig dtype holds Q(x)
+            if x.grad_anchor is not None:  # the dispatch sends this gradient back in high precision
+                rows = _Through.apply(x.grad_anchor, rows)
+            return super().forward(rows, num_tokens_per_expert)
+        x = autocast_input(x)  # rounded in the dtype the EP dispatch sends (the autocast dtype)
+        y = super().forward(_RoundRows.apply(x, cfg), num_tokens_per_expert)
+        return _RoundGrad.apply(y, cfg)
+
     def extra_repr(self) -> str:
         c = self.mx_config
+        gemm = ", expert_gemm=hp" if c.expert_gemm == "hp" else ""
         return (
             f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
-            f"mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}"
+            f"mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}{gemm}"
         )
+
+
+class _Through(torch.autograd.Function):
+    """`rows` (an MXTensor's dequantized value) as a function of its grad anchor: identity gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, rows: Tensor) -> Tensor:
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _RoundRows(torch.autograd.Function):
+    """Q(x) along the last dim (what the MXFP8 dispatch delivers); gradient straight through (what
+    its backward sends: the high-precision gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cfg: MXRecipe) -> Tensor:
+        return qdq(x, -1, recipe=cfg)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _RoundGrad(torch.autograd.Function):
+    """Identity forward; gradient Q(dy) along the last dim (what the combine's MXFP8 backward sends)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, cfg: MXRecipe) -> Tensor:
+        ctx.cfg = cfg
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return qdq(grad, -1, recipe=ctx.cfg), None

@@ -70,8 +70,15 @@ class MX:
     filter_fqns: list[str] = _f(
         ["output", "router"], "modules whose name contains one of these stay high precision"
     )
+    convert_linears: bool = _f(True, "convert the nn.Linear layers (MX GEMMs); false keeps them bf16")
     convert_grouped_experts: bool = _f(
         True, "also convert the routed experts (MX grouped GEMM, MXFP8 all-to-all)"
+    )
+    expert_gemm: str = _f(
+        "mx",
+        "the routed experts' GEMMs: mx (MX operands) | hp (the exchange only: bf16 GEMMs on rows "
+        "rounded to MX, MXFP8 dispatch and combine gradient; with convert_linears=false no GEMM "
+        "is MX, for Hopper; docs/comm.md)",
     )
     gemm_backend: str = _f(
         "emulated",

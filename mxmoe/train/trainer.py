@@ -176,8 +176,10 @@ def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDim
             mxfp8_dim1_cast_kernel_choice=mx.mxfp8_dim1_cast_kernel_choice,
             mxfp8_dim0_cast_kernel_choice=mx.mxfp8_dim0_cast_kernel_choice,
             filter_fqns=list(mx.filter_fqns),
+            convert_linears=mx.convert_linears,
             convert_grouped_experts=mx.convert_grouped_experts,
             gemm_backend=mx.gemm_backend,
+            expert_gemm=mx.expert_gemm,
         ),
         parallel_dims=pd,
     )
@@ -262,9 +264,17 @@ def check_values(cfg: JobConfig) -> None:
     ):
         if not ok:  # NaN fails every comparison
             raise ValueError(f"{key}={value!r}: expected {accepted}")
-    from mxmoe.recipe import check_gemm_backend
+    from mxmoe.recipe import EXPERT_GEMMS, check_gemm_backend
 
     check_gemm_backend(cfg.mx.gemm_backend, "mx.gemm_backend")
+    if cfg.mx.expert_gemm not in EXPERT_GEMMS:
+        raise ValueError(f"mx.expert_gemm={cfg.mx.expert_gemm!r}: expected one of {list(EXPERT_GEMMS)}")
+    if cfg.mx.expert_gemm == "hp" and not cfg.mx.convert_grouped_experts:
+        raise ValueError(
+            "mx.expert_gemm='hp' sets how the converted experts compute, but "
+            "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
+            "drop one of the two"
+        )
 
 
 def train(cfg: JobConfig) -> int:
@@ -628,7 +638,9 @@ def _precision(model: torch.nn.Module, cfg: JobConfig) -> str:
     n = sum(isinstance(mod, (MXLinear, MXGroupedExperts)) for mod in model.modules())
     if n == 0:
         return "high precision (the mx converter swapped no module)"
-    return f"MXFP8 {cfg.mx.recipe_name} in {n} modules"
+    hp = sum(isinstance(m, MXGroupedExperts) and m.mx_config.expert_gemm == "hp" for m in model.modules())
+    what = f" ({hp} of them high-precision experts on MX-rounded rows: expert_gemm=hp)" if hp else ""
+    return f"MXFP8 {cfg.mx.recipe_name} in {n} modules{what}"
 
 
 def _train_state(step: int, scheduler, sampler) -> dict:

@@ -143,3 +143,115 @@ def test_apply_expert_parallel_needs_moe_layers():
     args = model_args("debug_dense", vocab_size=64, max_seq_len=16, n_layers=1)
     with pytest.raises(ValueError, match="has no MoE layer"):
         apply_expert_parallel(Transformer(args), None)
+
+
+# The exchange only (recipe expert_gemm="hp"): bf16 experts, MXFP8 dispatch and combine gradient.
+HP = RECIPE.replace(expert_gemm="hp")
+
+
+def _hp_run(model: Transformer, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Logits and the gradients of the expert weights and the embedding, for a loss without the
+    router's aux term (so that one process's batch-wide aux does not enter the comparison)."""
+    logits, _ = model(tokens)
+    logits.float().square().mean().backward()
+    ex = model.layers[0].moe.experts
+    out = {name: getattr(ex, name).grad.clone() for name in ("w1", "w2", "w3")}
+    return {"logits": logits.detach(), "emb": model.tok_embeddings.weight.grad.clone(), **out}
+
+
+def _hp_worker(rank: int, world: int, port: int, out: str) -> None:
+    group = _join(rank, port)
+    try:
+        m = _model()
+        cfg = mxmoe.nn.MXConfig(  # the trainer's --mx.expert_gemm=hp --mx.convert_linears=false
+            recipe_name="mxfp8",
+            mxfp8_dim0_cast_kernel_choice="torch",
+            mxfp8_dim1_cast_kernel_choice="torch",
+            convert_linears=False,
+            expert_gemm="hp",
+        )
+        assert cfg.to_recipe() == HP
+        mxmoe.convert(m, cfg)
+        apply_expert_parallel(m, group)
+        assert not any(isinstance(mod, mxmoe.nn.MXLinear) for mod in m.modules())
+        experts = m.layers[0].moe.experts
+        seen, gemm_rows = [], []
+        forward, hp_forward = experts.forward, mxmoe.nn.GroupedExperts.forward
+
+        def spy(x, counts):
+            seen.append((type(x), x.scaling_mode))
+            return forward(x, counts)
+
+        def spy_gemm(self, x, counts):  # the rows the bf16 grouped GEMMs get
+            gemm_rows.append(x.detach().clone())
+            return hp_forward(self, x, counts)
+
+        experts.forward = spy
+        mxmoe.nn.GroupedExperts.forward = spy_gemm
+        try:
+            res = _hp_run(m, _tokens(rank))
+        finally:
+            mxmoe.nn.GroupedExperts.forward = hp_forward
+        # the rows crossed as MXFP8 in the recipe's format and reached the GEMMs dequantized, exactly
+        assert seen == [(MXTensor, "floor")], seen
+        (rows,) = gemm_rows
+        assert torch.equal(rows, mxmoe.to_mx(rows, axis=-1, recipe=HP).dequantize())
+        torch.save(res, f"{out}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+class _RefRows(torch.autograd.Function):
+    """Reference of the dispatch: to_mx -> dequantize forward, the gradient unchanged backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return mxmoe.to_mx(x, axis=-1, recipe=HP).dequantize()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _RefGrad(torch.autograd.Function):
+    """Reference of the combine: identity forward, to_mx -> dequantize of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return mxmoe.to_mx(g.contiguous(), axis=-1, recipe=HP).dequantize()
+
+
+def test_exchange_only_matches_bf16_experts_on_rounded_rows(tmp_path):
+    """expert_gemm="hp" at EP=2 (2 gloo ranks) against one process holding every expert as plain
+    `GroupedExperts` whose input rows are rounded by to_mx -> dequantize (gradient straight through)
+    and whose output gradient is rounded the same way: logits, expert and embedding gradients agree
+    to fp32 summation order. The rounding matters: the plain model (no rounding) is further off."""
+    out = str(tmp_path / "hp")
+    spawn_ranks(_hp_worker, 2, out)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    tokens = torch.cat([_tokens(0), _tokens(1)])
+    ep = {k: torch.cat([r[k] for r in ranks]) for k in ("logits", "w1", "w2", "w3")}
+    ep["emb"] = ranks[0]["emb"] + ranks[1]["emb"]
+    for k in ("w1", "w2", "w3", "emb"):  # each rank's loss is a mean over its half of the batch
+        ep[k] = ep[k] / 2
+
+    def one_process(rounded: bool) -> dict[str, torch.Tensor]:
+        m = _model()
+        ex = m.layers[0].moe.experts
+        if rounded:
+            fwd = ex.forward
+            ex.forward = lambda x, counts: _RefGrad.apply(fwd(_RefRows.apply(x), counts))
+        return _hp_run(m, tokens)
+
+    ref, plain = one_process(True), one_process(False)
+    for k in ("logits", "w1", "w2", "w3", "emb"):
+        torch.testing.assert_close(ep[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+    # without the rounding the model is another one (the MoE output is a small part of the logits)
+    for k in ("logits", "w1", "w2", "emb"):
+        off, near = (float((ep[k] - r[k]).norm() / r[k].norm()) for r in (plain, ref))
+        assert off > 1e-5 and off > 100 * near, (k, off, near)

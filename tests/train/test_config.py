@@ -121,11 +121,14 @@ def test_main_reports_config_errors(capsys):
         ("--mx.gemm_backend=fp4", "mx.gemm_backend='fp4': not a GEMM backend; expected one of ['emulated']"),
         # a removed backend: why, and where to read it
         ("--mx.gemm_backend=fp8", "mx.gemm_backend='fp8': the Hopper fp8 GEMM backend was removed"),
+        ("--mx.expert_gemm=bf16", "mx.expert_gemm='bf16': expected one of ['mx', 'hp']"),
+        ("--mx.expert_gemm=hp --mx.convert_grouped_experts=false",
+         "mx.convert_grouped_experts=false leaves them unconverted"),
     ],
 )
 def test_main_rejects_out_of_range_values(capsys, arg, match):
     # checked before any model or data is built: an error naming the key, not a ZeroDivisionError
-    assert trainer.main([arg, "--training.device=cpu"]) == 2
+    assert trainer.main([*arg.split(), "--training.device=cpu"]) == 2
     assert match in capsys.readouterr().err
 
 
@@ -188,6 +191,29 @@ def test_mx_gemm_backend_reaches_every_converted_module(backend):
     _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
     backends = [m.mx_config.gemm_backend for m in model.modules() if hasattr(m, "mx_config")]
     assert len(backends) >= 14 and set(backends) == {backend}  # 12 linears, 2 expert groups at least
+
+
+def test_mx_exchange_only_converts_the_experts_alone():
+    """--mx.expert_gemm=hp --mx.convert_linears=false: no Linear is MX, every expert group holds the
+    recipe with expert_gemm="hp" (bf16 GEMMs, MXFP8 exchange)."""
+    from torch import nn
+
+    from mxmoe.models import Transformer
+    from mxmoe.nn import MXGroupedExperts, MXLinear
+    from mxmoe.train.parallel import make_parallel_dims
+    from mxmoe.train.trainer import _mx_convert, _precision, build_model_args
+
+    args = ["--config", "configs/debug_moe.toml", "--mx.expert_gemm=hp", "--mx.convert_linears=false"]
+    cfg = parse_args(args)
+    model = Transformer(build_model_args(cfg))
+    report = _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
+    experts = [m for m in model.modules() if isinstance(m, MXGroupedExperts)]
+    assert len(experts) == model.args.n_layers
+    assert {m.mx_config.expert_gemm for m in experts} == {"hp"}
+    assert not any(isinstance(m, MXLinear) for m in model.modules())
+    assert sum(isinstance(m, nn.Linear) for m in model.modules()) >= 12
+    assert report.converted["Linear"] == [] and "expert_gemm=hp" in report.summary()
+    assert "high-precision experts on MX-rounded rows" in _precision(model, cfg)
 
 
 def test_mx_cast_kernel_choices_reach_every_converted_module():

@@ -184,6 +184,22 @@ def test_two_process_fsdp_ep_mx_matches_one_process(tmp_path):
     assert sorted(losses(one_run / "resumed")) == [3]
 
 
+def test_two_process_ep_exchange_only_matches_one_process(tmp_path):
+    """--mx.expert_gemm=hp --mx.convert_linears=false (the exchange only: bf16 GEMMs everywhere,
+    MXFP8 dispatch and combine gradient) at ep=2 against one process, where the experts round their
+    rows and output gradient as the exchange does: the same losses."""
+    common = TINY + MX + ["--mx.expert_gemm=hp", "--mx.convert_linears=false", "--training.steps=2",
+                          "--parallelism.timeout_s=60"]
+    dist_run, one_run = tmp_path / "ep2", tmp_path / "one"
+    argv = common + ["--parallelism.expert_parallel_degree=2", f"--metrics.folder={dist_run}"]
+    spawn_ranks(_worker, 2, argv, str(tmp_path))
+    assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+    assert trainer.main(common + ["--training.batch_size=4", f"--metrics.folder={one_run}"]) == 0
+    d, o = losses(dist_run), losses(one_run)
+    assert sorted(d) == sorted(o) == [1, 2] and o[2] != o[1]
+    assert d[1] == pytest.approx(o[1], rel=1e-5) and d[2] == pytest.approx(o[2], rel=1e-4)
+
+
 def test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint(tmp_path):
     """High-precision experts (all_to_all_hp exchange): a one-process checkpoint loads into ep=2 and
     the resumed step's loss matches the uninterrupted one-process run."""
