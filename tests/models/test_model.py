@@ -83,6 +83,46 @@ def test_routed_experts_matches_per_token_reference():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_routed_experts_gradients_match_per_token_reference_and_repeat_exactly():
+    """top-3 of 5: forward and the gradients of x, the gate weights and the expert weights match
+    the per-token loop; under torch.use_deterministic_algorithms two calls give the same bits."""
+    torch.manual_seed(0)
+    T, D, E, k = 20, 32, 5, 3
+    experts = GroupedExperts(D, 32, E)
+    x0 = torch.randn(T, D)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    w0 = torch.rand(T, k)
+    g = torch.randn(T, D)
+
+    def run(fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        experts.zero_grad(set_to_none=True)
+        (fn(x, w) * g).sum().backward()
+        return [x.grad, w.grad] + [p.grad.clone() for p in (experts.w1, experts.w2, experts.w3)]
+
+    def reference(x, w):
+        rows = []
+        for t in range(T):
+            acc = torch.zeros(D)
+            for j in range(k):
+                e = int(idx[t, j])
+                h = torch.nn.functional.silu(x[t] @ experts.w1[e].T) * (x[t] @ experts.w3[e].T)
+                acc = acc + w[t, j] * (h @ experts.w2[e].T)
+            rows.append(acc)
+        return torch.stack(rows)
+
+    ref = run(reference)
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = run(lambda x, w: routed_experts(x, idx, w, experts, E))
+        again = run(lambda x, w: routed_experts(x, idx, w, experts, E))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b, r in zip(got, again, ref, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a, b)
+
+
 def test_expert_major_index():
     g = torch.Generator().manual_seed(1)
     recv = torch.randint(0, 4, (3, 5), generator=g)  # (ep sources, local experts)
