@@ -6,7 +6,8 @@
     mxmoe compare --runs runs/cmp/runs --baseline bf16 --out runs/cmp2     # read finished runs
 
 Running: one `python -m mxmoe train` subprocess per (variant, seed), `--parallel K` at a time
-(several small runs share one GPU; `--devices 0,1` spreads them over GPUs by CUDA_VISIBLE_DEVICES),
+(several small runs share one GPU; `--devices 0,1` spreads them over GPUs by CUDA_VISIBLE_DEVICES;
+`--nproc N` runs each under `torch.distributed.run` on N GPUs, e.g. for expert parallelism),
 each with `--config`, then `--checkpoint.folder=` (no checkpoints: a config's checkpoint folder would
 make every run resume the same one), `--training.deterministic=true` (unless --no-deterministic),
 `--training.steps`, the variant's arguments, the arguments after `--` (every run), and last the
@@ -371,13 +372,25 @@ def _run_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra, se
     return argv + list(vargs) + list(extra) + [f"--training.seed={seed}", f"--metrics.folder={folder}"]
 
 
-def launch(jobs: list[tuple[str, int, list[str], Path]], parallel: int, devices: list[str] | None) -> dict:
-    """Run `python -m mxmoe train ARGV` per job (variant, seed, argv, folder), `parallel` at a time;
-    a job whose folder's command.json records the same argv and status 0 is skipped. Returns
-    {(variant, seed): exit status}."""
+def launch(
+    jobs: list[tuple[str, int, list[str], Path]], parallel: int, devices: list[str] | None, nproc: int = 1
+) -> dict:
+    """Run `python -m mxmoe train ARGV` per job (variant, seed, argv, folder), `parallel` at a time
+    (per group of `nproc` devices when `devices` are given; with nproc > 1 under
+    `torch.distributed.run --standalone`); a job whose folder's command.json records the same argv
+    and status 0 is skipped. Returns {(variant, seed): exit status}."""
     status: dict = {}
     lock = threading.Lock()
-    free = [d for d in devices for _ in range(parallel)] if devices else None  # device slots
+    free = None  # device slots: CUDA_VISIBLE_DEVICES values, each `parallel` times
+    if devices:
+        groups = [",".join(devices[i : i + nproc]) for i in range(0, len(devices) - nproc + 1, nproc)]
+        free = [g for g in groups for _ in range(parallel)]
+    if nproc > 1:
+        # --standalone: a free rendezvous port per run, so concurrent runs do not collide
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd += ["-m", "mxmoe", "train"]
+    else:
+        cmd = [sys.executable, "-m", "mxmoe", "train"]
     todo = []
     for variant, seed, argv, folder in jobs:
         done = folder / "command.json"
@@ -385,7 +398,7 @@ def launch(jobs: list[tuple[str, int, list[str], Path]], parallel: int, devices:
             prev = json.loads(done.read_text())
         except (OSError, ValueError):
             prev = None
-        if prev and prev.get("argv") == argv and prev.get("returncode") == 0:
+        if prev and (prev.get("argv"), prev.get("nproc", 1), prev.get("returncode")) == (argv, nproc, 0):
             print(f"{variant} seed {seed}: done before ({folder}), not run again", flush=True)
             status[(variant, seed)] = 0
         else:
@@ -403,14 +416,12 @@ def launch(jobs: list[tuple[str, int, list[str], Path]], parallel: int, devices:
         (folder / "command.json").unlink(missing_ok=True)
         t0 = time.monotonic()
         with open(folder / "train.log", "w") as log:
-            rc = subprocess.run(
-                [sys.executable, "-m", "mxmoe", "train", *argv], stdout=log, stderr=subprocess.STDOUT, env=env
-            ).returncode
+            rc = subprocess.run([*cmd, *argv], stdout=log, stderr=subprocess.STDOUT, env=env).returncode
         if free is not None:
             with lock:
                 free.append(device)
         secs = time.monotonic() - t0
-        record = {"argv": argv, "returncode": rc, "seconds": round(secs, 1), "device": device}
+        record = {"argv": argv, "nproc": nproc, "returncode": rc, "seconds": round(secs, 1), "device": device}
         (folder / "command.json").write_text(json.dumps(record, indent=2) + "\n")
         with lock:
             status[(variant, seed)] = rc
@@ -454,9 +465,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--parallel", type=positive_int, default=1, help="runs at a time (default 1)")
     ap.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=1,
+        help="processes (GPUs) per run, under torch.distributed.run (for expert parallel variants; "
+        "default 1)",
+    )
+    ap.add_argument(
         "--devices",
         type=comma_list(str),
-        help="CUDA devices to spread the runs over (CUDA_VISIBLE_DEVICES of each run; --parallel runs "
+        help="CUDA devices to spread the runs over (CUDA_VISIBLE_DEVICES of each run: --nproc of them; "
+        "--parallel runs "
         "per device), e.g. 0,1,2,3; default: every run sees what this process sees",
     )
     ap.add_argument(
@@ -510,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if len(set(args.seeds)) != len(args.seeds):
                 raise ValueError(f"--seeds={','.join(map(str, args.seeds))}: a seed is given twice")
+            if args.devices and len(args.devices) < args.nproc:
+                raise ValueError(
+                    f"--devices={','.join(args.devices)}: {len(args.devices)} device(s), fewer than "
+                    f"--nproc={args.nproc} per run"
+                )
             if not Path(args.config).is_file():
                 raise ValueError(f"--config {args.config!r}: file not found")
             _check_own("arguments after `--`", extra)
@@ -525,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"mxmoe compare: {len(jobs)} runs ({len(names)} variants x {len(args.seeds)} seeds) in {out}"
             )
-            status = launch(jobs, args.parallel, args.devices)
+            status = launch(jobs, args.parallel, args.devices, args.nproc)
             failed = sorted(k for k, rc in status.items() if rc != 0)
             runs = [run_summary(n, s, f, args.tail_steps) for n, s, _, f in jobs if status[(n, s)] == 0]
             if not runs:

@@ -231,3 +231,21 @@ def test_compare_runs_two_variants_by_two_seeds_on_cpu(tmp_path, monkeypatch, ca
     assert capsys.readouterr().out.count("done before") == 4
     again = json.loads((out / "compare.json").read_text())
     assert again["variants"] == report["variants"]
+
+
+def test_launch_runs_an_expert_parallel_job_under_torch_distributed_run(tmp_path, monkeypatch):
+    """--nproc 2: one run as 2 gloo ranks (ep = 2) under torch.distributed.run; done once."""
+    monkeypatch.chdir(REPO)
+    folder = tmp_path / "ep2" / "seed0"
+    argv = compare._run_argv(
+        "configs/debug_moe.toml", 2, True, ["--parallelism.expert_parallel_degree=2"], TINY, 0, folder
+    )
+    assert compare.launch([("ep2", 0, argv, folder)], parallel=1, devices=None, nproc=2) == {("ep2", 0): 0}
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["parallelism"]["expert_parallel_degree"] == 2
+    assert "world 2 (ep 2)" in (folder / "train.log").read_text()
+    assert [json.loads(x)["step"] for x in (folder / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert json.loads((folder / "command.json").read_text())["nproc"] == 2
+    before = (folder / "metrics.jsonl").stat().st_mtime_ns
+    assert compare.launch([("ep2", 0, argv, folder)], parallel=1, devices=None, nproc=2) == {("ep2", 0): 0}
+    assert (folder / "metrics.jsonl").stat().st_mtime_ns == before  # not run again
