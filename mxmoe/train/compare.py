@@ -475,7 +475,7 @@ def _parser() -> argparse.ArgumentParser:
         "--devices",
         type=comma_list(str),
         help="CUDA devices to spread the runs over (CUDA_VISIBLE_DEVICES of each run: --nproc of them; "
-        "--parallel runs "
+        "--parallel runs on each group "
         "per device), e.g. 0,1,2,3; default: every run sees what this process sees",
     )
     ap.add_argument(
