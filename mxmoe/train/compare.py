@@ -19,7 +19,7 @@ values hold commas, as `--mx.filter_fqns=output,router`); the first is the basel
 compare continues where it stopped.
 
 Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from RUN/config.json (the
-layout the running mode writes under OUT/runs).
+layout the running mode writes under OUT/runs; a run whose command.json records a failure is left out).
 
 Written into OUT: compare.md and compare.json (per run: final training loss = the mean training loss
 per step over the last `--tail-steps` steps (default: the last 10 % of the run), final validation
@@ -322,6 +322,12 @@ def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_step
     runs = []
     for v in names:
         for folder in sorted(p for p in (root / v).iterdir() if (p / "metrics.jsonl").is_file()):
+            if _failed(folder):
+                print(
+                    f"mxmoe compare: warning: {folder} is a failed run (command.json): left out",
+                    file=sys.stderr,
+                )
+                continue
             cfg = folder / "config.json"
             try:
                 seed = int(json.loads(cfg.read_text())["training"]["seed"])
@@ -339,6 +345,14 @@ def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_step
             )
         seen[(r.variant, r.seed)] = r.folder
     return sorted(runs, key=lambda r: (names.index(r.variant), r.seed))
+
+
+def _failed(folder: Path) -> bool:
+    """Whether `folder` holds the command.json of a run that `mxmoe compare` saw fail."""
+    try:
+        return json.loads((folder / "command.json").read_text()).get("returncode") != 0
+    except (OSError, ValueError, AttributeError):
+        return False  # no record: a run made some other way
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:

@@ -119,6 +119,11 @@ def test_compare_reads_runs_and_writes_table_json_and_png(runs_root, tmp_path, c
     assert "s0 +2.00, s1 +0.00, s2 -1.00" in md
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "# mxmoe compare" in capsys.readouterr().out
+    # a run that compare saw fail is left out, with a warning
+    (runs_root / "mx" / "seed3" / "command.json").write_text(json.dumps({"argv": [], "returncode": 1}))
+    assert compare.main(["--runs", str(runs_root), "--out", str(out / "c")]) == 0
+    assert len(json.loads((out / "c" / "compare.json").read_text())["runs"]) == 6
+    assert "seed3 is a failed run" in capsys.readouterr().err
     # another baseline, and the default one (the first variant folder by name)
     assert compare.main(["--runs", str(runs_root), "--baseline", "mx", "--out", str(out / "b")]) == 0
     assert json.loads((out / "b" / "compare.json").read_text())["baseline"] == "mx"
