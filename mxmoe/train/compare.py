@@ -19,7 +19,8 @@ values hold commas, as `--mx.filter_fqns=output,router`); the first is the basel
 compare continues where it stopped.
 
 Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from RUN/config.json (the
-layout the running mode writes under OUT/runs; a run whose command.json records a failure is left out).
+layout the running mode writes under OUT/runs; a run whose command.json records a failure or a
+stop at the time limit is left out).
 
 Written into OUT: compare.md and compare.json (per run: final training loss = the mean training loss
 per step over the last `--tail-steps` steps (default: the last 10 % of the run), final validation
@@ -324,7 +325,7 @@ def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_step
         for folder in sorted(p for p in (root / v).iterdir() if (p / "metrics.jsonl").is_file()):
             if _failed(folder):
                 print(
-                    f"mxmoe compare: warning: {folder} is a failed run (command.json): left out",
+                    f"mxmoe compare: warning: {folder} did not finish (command.json): left out",
                     file=sys.stderr,
                 )
                 continue
@@ -348,9 +349,10 @@ def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_step
 
 
 def _failed(folder: Path) -> bool:
-    """Whether `folder` holds the command.json of a run that `mxmoe compare` saw fail."""
+    """Whether `folder` holds the command.json of a run that `mxmoe compare` saw fail or stopped."""
     try:
-        return json.loads((folder / "command.json").read_text()).get("returncode") != 0
+        rec = json.loads((folder / "command.json").read_text())
+        return rec.get("returncode") != 0 or bool(rec.get("stopped"))
     except (OSError, ValueError, AttributeError):
         return False  # no record: a run made some other way
 
@@ -386,13 +388,23 @@ def _run_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra, se
     return argv + list(vargs) + list(extra) + [f"--training.seed={seed}", f"--metrics.folder={folder}"]
 
 
+DONE = "done"
+
+
 def launch(
-    jobs: list[tuple[str, int, list[str], Path]], parallel: int, devices: list[str] | None, nproc: int = 1
+    jobs: list[tuple[str, int, list[str], Path]],
+    parallel: int,
+    devices: list[str] | None,
+    nproc: int = 1,
+    time_limit_s: float | None = None,
 ) -> dict:
     """Run `python -m mxmoe train ARGV` per job (variant, seed, argv, folder), `parallel` at a time
     (per group of `nproc` devices when `devices` are given; with nproc > 1 under
     `torch.distributed.run --standalone`); a job whose folder's command.json records the same argv
-    and status 0 is skipped. Returns {(variant, seed): exit status}."""
+    and status 0 is skipped. After `time_limit_s` no run starts and running ones get SIGTERM (the
+    trainer stops after its step; the run counts as unfinished). Returns {(variant, seed): DONE or
+    what else happened}."""
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
     status: dict = {}
     lock = threading.Lock()
     free = None  # device slots: CUDA_VISIBLE_DEVICES values, each `parallel` times
@@ -412,14 +424,19 @@ def launch(
             prev = json.loads(done.read_text())
         except (OSError, ValueError):
             prev = None
-        if prev and (prev.get("argv"), prev.get("nproc", 1), prev.get("returncode")) == (argv, nproc, 0):
+        key = ("argv", "nproc", "returncode", "stopped")
+        if prev and tuple(prev.get(k) for k in key) == (argv, nproc, 0, False):
             print(f"{variant} seed {seed}: done before ({folder}), not run again", flush=True)
-            status[(variant, seed)] = 0
+            status[(variant, seed)] = DONE
         else:
             todo.append((variant, seed, argv, folder))
 
     def one(job) -> None:
         variant, seed, argv, folder = job
+        if deadline is not None and time.monotonic() >= deadline:
+            with lock:
+                status[(variant, seed)] = "not started (time limit)"
+            return
         env = dict(os.environ)
         device = None
         if free is not None:
@@ -429,18 +446,40 @@ def launch(
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "command.json").unlink(missing_ok=True)
         t0 = time.monotonic()
+        stopped = False
         with open(folder / "train.log", "w") as log:
-            rc = subprocess.run([*cmd, *argv], stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+            proc = subprocess.Popen([*cmd, *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+            try:
+                proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                stopped = True
+                proc.terminate()  # SIGTERM: the trainer finishes its step, closes its metrics, exits
+                try:
+                    proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        rc = proc.returncode
         if free is not None:
             with lock:
                 free.append(device)
         secs = time.monotonic() - t0
-        record = {"argv": argv, "nproc": nproc, "returncode": rc, "seconds": round(secs, 1), "device": device}
+        record = {
+            "argv": argv,
+            "nproc": nproc,
+            "returncode": rc,
+            "stopped": stopped,
+            "seconds": round(secs, 1),
+        }
+        record["device"] = device
         (folder / "command.json").write_text(json.dumps(record, indent=2) + "\n")
         with lock:
-            status[(variant, seed)] = rc
-            what = "done" if rc == 0 else f"FAILED (exit status {rc}; see {folder / 'train.log'})"
-            print(f"{variant} seed {seed}: {what} in {secs:.0f} s", flush=True)
+            if stopped:
+                what = "stopped at the time limit"
+            else:
+                what = DONE if rc == 0 else f"FAILED (exit status {rc}; see {folder / 'train.log'})"
+            status[(variant, seed)] = what
+            print(f"{variant} seed {seed}: {what} after {secs:.0f} s", flush=True)
 
     with ThreadPoolExecutor(max_workers=len(free) if free else parallel) as pool:
         list(pool.map(one, todo))
@@ -478,6 +517,12 @@ def _parser() -> argparse.ArgumentParser:
         "--out", required=True, help="output folder: compare.md/.json/.png (and runs/ when running)"
     )
     ap.add_argument("--parallel", type=positive_int, default=1, help="runs at a time (default 1)")
+    ap.add_argument(
+        "--time-limit-s",
+        type=float,
+        help="after this many seconds start no run and stop (SIGTERM) the running ones, then write the "
+        "tables of the finished runs; the same command again runs the rest",
+    )
     ap.add_argument(
         "--nproc",
         type=positive_int,
@@ -521,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     failed: list = []
     command = shlex.join(["mxmoe", "compare", *argv, *(["--", *extra] if extra else [])])
     try:
+        if args.time_limit_s is not None and not args.time_limit_s > 0:
+            raise ValueError(f"--time-limit-s={args.time_limit_s}: expected a number of seconds > 0")
         if args.tail_steps < 0:
             raise ValueError(f"--tail-steps={args.tail_steps}: expected >= 0 (0: the last 10 % of the run)")
         if not 0.0 <= args.smooth < 1.0:
@@ -563,11 +610,11 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"mxmoe compare: {len(jobs)} runs ({len(names)} variants x {len(args.seeds)} seeds) in {out}"
             )
-            status = launch(jobs, args.parallel, args.devices, args.nproc)
-            failed = sorted(k for k, rc in status.items() if rc != 0)
-            runs = [run_summary(n, s, f, args.tail_steps) for n, s, _, f in jobs if status[(n, s)] == 0]
+            status = launch(jobs, args.parallel, args.devices, args.nproc, args.time_limit_s)
+            failed = [f"{v} seed {s}: {what}" for (v, s), what in sorted(status.items()) if what != DONE]
+            runs = [run_summary(n, s, f, args.tail_steps) for n, s, _, f in jobs if status[(n, s)] == DONE]
             if not runs:
-                raise RuntimeError(f"every run failed: {failed}")
+                raise RuntimeError(f"no run finished: {'; '.join(failed)}")
         baseline = args.baseline or runs[0].variant
         analyse(runs, baseline, out, args.tail_steps, command, args.smooth)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
@@ -576,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     print((out / "compare.md").read_text())
     if failed:
         print(
-            f"mxmoe compare: {len(failed)} run(s) failed: {failed}; the tables leave them out",
+            f"mxmoe compare: {len(failed)} run(s) did not finish ({'; '.join(failed)}); the tables leave "
+            "them out (the same command again runs them)",
             file=sys.stderr,
         )
         return 1

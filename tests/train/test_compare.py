@@ -123,7 +123,7 @@ def test_compare_reads_runs_and_writes_table_json_and_png(runs_root, tmp_path, c
     (runs_root / "mx" / "seed3" / "command.json").write_text(json.dumps({"argv": [], "returncode": 1}))
     assert compare.main(["--runs", str(runs_root), "--out", str(out / "c")]) == 0
     assert len(json.loads((out / "c" / "compare.json").read_text())["runs"]) == 6
-    assert "seed3 is a failed run" in capsys.readouterr().err
+    assert "seed3 did not finish" in capsys.readouterr().err
     # another baseline, and the default one (the first variant folder by name)
     assert compare.main(["--runs", str(runs_root), "--baseline", "mx", "--out", str(out / "b")]) == 0
     assert json.loads((out / "b" / "compare.json").read_text())["baseline"] == "mx"
@@ -254,3 +254,19 @@ def test_launch_runs_an_expert_parallel_job_under_torch_distributed_run(tmp_path
     before = (folder / "metrics.jsonl").stat().st_mtime_ns
     assert compare.launch([("ep2", 0, argv, folder)], parallel=1, devices=None, nproc=2) == {("ep2", 0): 0}
     assert (folder / "metrics.jsonl").stat().st_mtime_ns == before  # not run again
+
+
+def test_time_limit_stops_the_running_run_and_starts_no_other(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    jobs = []
+    for v in ("long", "next"):
+        folder = tmp_path / v / "seed0"
+        jobs.append(
+            (v, 0, compare._run_argv("configs/debug_moe.toml", 100_000, False, [], TINY, 0, folder), folder)
+        )
+    status = compare.launch(jobs, parallel=1, devices=None, time_limit_s=8)
+    assert status == {("long", 0): "stopped at the time limit", ("next", 0): "not started (time limit)"}
+    rec = json.loads((tmp_path / "long" / "seed0" / "command.json").read_text())
+    assert rec["stopped"] is True and rec["seconds"] < 8 + 130
+    assert not (tmp_path / "next").exists()
+    assert compare._failed(tmp_path / "long" / "seed0")
