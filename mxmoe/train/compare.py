@@ -16,7 +16,8 @@ options as one shell-quoted string, or just NAME for none (repeat --variant per 
 values hold commas, as `--mx.filter_fqns=output,router`); the first is the baseline unless
 --baseline names another. Each run's console goes to its folder's train.log; a run that finished
 (its command.json records the same command and status 0) is not run again, so an interrupted
-compare continues where it stopped.
+compare continues where it stopped; `--time-limit-s` stops the running runs (SIGTERM) and starts no
+more after that many seconds, then writes the tables of the finished ones.
 
 Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from RUN/config.json (the
 layout the running mode writes under OUT/runs; a run whose command.json records a failure or a

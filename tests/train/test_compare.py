@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mxmoe.cli import main as cli_main
 from mxmoe.train import compare
 
 REPO = Path(__file__).parents[2]
@@ -124,8 +125,8 @@ def test_compare_reads_runs_and_writes_table_json_and_png(runs_root, tmp_path, c
     assert compare.main(["--runs", str(runs_root), "--out", str(out / "c")]) == 0
     assert len(json.loads((out / "c" / "compare.json").read_text())["runs"]) == 6
     assert "seed3 did not finish" in capsys.readouterr().err
-    # another baseline, and the default one (the first variant folder by name)
-    assert compare.main(["--runs", str(runs_root), "--baseline", "mx", "--out", str(out / "b")]) == 0
+    # another baseline, through the `mxmoe` command
+    assert cli_main(["compare", "--runs", str(runs_root), "--baseline", "mx", "--out", str(out / "b")]) == 0
     assert json.loads((out / "b" / "compare.json").read_text())["baseline"] == "mx"
 
 
@@ -245,14 +246,15 @@ def test_launch_runs_an_expert_parallel_job_under_torch_distributed_run(tmp_path
     argv = compare._run_argv(
         "configs/debug_moe.toml", 2, True, ["--parallelism.expert_parallel_degree=2"], TINY, 0, folder
     )
-    assert compare.launch([("ep2", 0, argv, folder)], parallel=1, devices=None, nproc=2) == {("ep2", 0): 0}
+    job = ("ep2", 0, argv, folder)
+    assert compare.launch([job], parallel=1, devices=None, nproc=2) == {("ep2", 0): compare.DONE}
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["parallelism"]["expert_parallel_degree"] == 2
     assert "world 2 (ep 2)" in (folder / "train.log").read_text()
     assert [json.loads(x)["step"] for x in (folder / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert json.loads((folder / "command.json").read_text())["nproc"] == 2
     before = (folder / "metrics.jsonl").stat().st_mtime_ns
-    assert compare.launch([("ep2", 0, argv, folder)], parallel=1, devices=None, nproc=2) == {("ep2", 0): 0}
+    assert compare.launch([job], parallel=1, devices=None, nproc=2) == {("ep2", 0): compare.DONE}
     assert (folder / "metrics.jsonl").stat().st_mtime_ns == before  # not run again
 
 
