@@ -1,4 +1,4 @@
-"""The `mxmoe` command: `mxmoe train ...`, `mxmoe plot ...`,
+"""The `mxmoe` command: `mxmoe train ...`, `mxmoe plot ...`, `mxmoe compare ...`,
 `mxmoe bench {cast,a2a,linear,grouped_mm,overhead,train} ...`.
 
 Each subcommand lives in its own module exposing `main(argv: list[str]) -> int`; it is imported
@@ -52,6 +52,7 @@ def positive_int(text: str) -> int:
 COMMANDS = {
     "train": "mxmoe.train.trainer",
     "plot": "mxmoe.train.plot",
+    "compare": "mxmoe.train.compare",
 }
 BENCHES = {
     "cast": "mxmoe.bench.cast",
@@ -68,6 +69,7 @@ USAGE = f"""usage: mxmoe COMMAND [ARGS...]
 commands:
   train            train a model (TOML config + --section.key=value overrides)
   plot             draw loss curves of runs to a PNG
+  compare          run (or read) variants x seeds: paired loss differences, a table and a plot
   bench NAME       benchmarks on a GPU; NAME is one of {", ".join(BENCHES)}
 
 `mxmoe COMMAND --help` describes each command; lists are comma separated everywhere."""

@@ -20,7 +20,8 @@ Flow for T tokens, top-k, E experts, EP degree `ep` (E_l = E / ep experts per ra
      received rows are (source rank, local expert)-major and get permuted to local-expert-major;
   3. the grouped experts run on rows grouped by expert;
   4. ep > 1: rows are permuted back and returned;
-  5. each output row is scaled by its gate weight and summed into its token (index_add, fp32).
+  5. rows go back to assignment order (the inverse permutation), are scaled by their gate weights
+     and summed over the top-k in fp32 in a fixed order (deterministic: no atomics, see below).
 """
 
 from __future__ import annotations
@@ -166,11 +167,17 @@ def routed_experts(
     """
     T, D = x.shape
     k = idx.shape[1]
-    flat = idx.reshape(-1)
+    flat = idx.reshape(-1)  # assignment a = t * k + j
     perm = torch.argsort(flat, stable=True)  # (T*k,) assignment order grouped by expert
-    token_of = perm // k
+    # Deterministic by construction (no accumulation whose order varies, forward or backward): the
+    # rows move by permutation gathers, whose backward adds one row into each zero row, and each
+    # token's k rows are summed by a reduction over j in a fixed order. A gather by token (backward:
+    # index_add of k rows per token) and an index_add combine would add in the order the GPU's atomics
+    # land. For k = 2 the sums are the same bits either way (a + b == b + a).
+    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
     counts = expert_counts(flat, num_experts)  # (E,) int64
-    x_sorted = x.index_select(0, token_of)  # (T*k, D)
+    x_rep = x.unsqueeze(1).expand(T, k, D).reshape(T * k, D)  # (T*k, D) row a = x[a // k]
+    x_sorted = x_rep.index_select(0, perm)  # (T*k, D) grouped by expert
     y = (LocalExperts() if dispatch is None else dispatch)(x_sorted, counts, experts)
-    y = y.float() * weights.reshape(-1).index_select(0, perm).unsqueeze(-1)
-    return y.new_zeros(T, D).index_add_(0, token_of, y).to(x.dtype)
+    y = y.index_select(0, inv).view(T, k, D).float()  # back to assignment order
+    return (y * weights.unsqueeze(-1)).sum(1).to(x.dtype)

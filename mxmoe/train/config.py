@@ -99,6 +99,11 @@ class Training:
     beta2: float = _f(0.95, "AdamW beta2")
     max_norm: float = _f(1.0, "gradient clipping max norm (0 disables)")
     seed: int = _f(0, "seed of the model init, the data order and the RNG")
+    deterministic: bool = _f(
+        False,
+        "bit-reproducible runs (same config, seed, GPU and software: same losses): deterministic "
+        "algorithms, cuBLAS workspace, Inductor without benchmarking (mxmoe.train.determinism); slower",
+    )
     compile: bool = _f(False, "torch.compile each transformer block")
     compile_full: bool = _f(
         False,

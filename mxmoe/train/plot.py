@@ -36,7 +36,7 @@ def read_metrics(run: str) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def _ema(values: list[float], beta: float) -> list[float]:
+def ema(values: list[float], beta: float) -> list[float]:
     out, m = [], None
     for v in values:
         m = v if m is None else beta * m + (1 - beta) * v
@@ -44,8 +44,9 @@ def _ema(values: list[float], beta: float) -> list[float]:
     return out
 
 
-def plot_runs(runs: list[str], out: str, labels: list[str] | None = None, smooth: float = 0.0) -> Path:
-    """Draw the runs' loss curves into the PNG `out`; returns its path."""
+def pyplot():
+    """matplotlib.pyplot on the Agg (file-only) backend; ModuleNotFoundError naming the extra if
+    matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:
@@ -56,6 +57,69 @@ def plot_runs(runs: list[str], out: str, labels: list[str] | None = None, smooth
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def curve(recs: list[dict], key: str = "loss") -> dict[int, float]:
+    """{step: value} of `key` over a run's records; a non-finite value, written as null (see
+    mxmoe.train.metrics), is left out."""
+    return {r["step"]: r[key] for r in recs if r.get(key) is not None}
+
+
+def loss_panel(ax, data: list[list[dict]], labels: list[str], smooth: float = 0.0, styles=None) -> None:
+    """Each run's training loss (a line, EMA-smoothed by `smooth`) and validation loss (markers, same
+    color) against the step. styles: per run a dict of line keyword arguments (color, linestyle)."""
+    for i, (recs, label) in enumerate(zip(data, labels, strict=True)):
+        tr, va = curve(recs, "loss"), curve(recs, "val_loss")
+        loss = list(tr.values())
+        kw = styles[i] if styles else {}
+        (line,) = ax.plot(list(tr), ema(loss, smooth) if smooth else loss, label=f"{label} train", **kw)
+        if va:
+            ax.plot(list(va), list(va.values()), "o--", color=line.get_color(), ms=4, label=f"{label} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def difference_panel(
+    ax,
+    pairs: list[tuple[dict[int, float], dict[int, float], str]],
+    title: str,
+    relative: bool = False,
+    styles=None,
+    fmt: str = "",
+) -> None:
+    """For each (base, other, label): other - base at their common steps (in % of base when
+    `relative`), drawn with `fmt` and the pair's entry of `styles`; a zero line."""
+    for i, (base, other, label) in enumerate(pairs):
+        common = sorted(set(base) & set(other))
+        diff = [(other[s] - base[s]) / base[s] * 100 if relative else other[s] - base[s] for s in common]
+        fmt_arg = (fmt,) if fmt else ()  # no format string: the styles' linestyle decides
+        ax.plot(common, diff, *fmt_arg, label=label, **(styles[i] if styles else {}))
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss difference" + (" (% of baseline)" if relative else ""))
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def save_figure(fig, out: str | Path) -> Path:
+    """Write `fig` to the PNG `out` (parent folders created) and close it; returns the path."""
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    fig.clf()
+    pyplot().close(fig)
+    return out_path
+
+
+def plot_runs(runs: list[str], out: str, labels: list[str] | None = None, smooth: float = 0.0) -> Path:
+    """Draw the runs' loss curves into the PNG `out`; returns its path."""
+    plt = pyplot()
     if not runs:
         raise ValueError("runs is empty: give at least one run folder or metrics.jsonl")
     labels = labels or [Path(r).name if Path(r).is_dir() else Path(r).stem for r in runs]
@@ -66,47 +130,14 @@ def plot_runs(runs: list[str], out: str, labels: list[str] | None = None, smooth
     data = [read_metrics(r) for r in runs]
     ncols = 2 if len(runs) > 1 else 1
     fig, axes = plt.subplots(1, ncols, figsize=(6.5 * ncols, 4.5), squeeze=False)
-    ax = axes[0][0]
-    curves = []
-    for recs, label in zip(data, labels, strict=True):
-        # a non-finite value is written as null (see mxmoe.train.metrics): not drawn
-        tr = [(r["step"], r["loss"]) for r in recs if r.get("loss") is not None]
-        va = [(r["step"], r["val_loss"]) for r in recs if r.get("val_loss") is not None]
-        steps, loss = [s for s, _ in tr], [v for _, v in tr]
-        curves.append(dict(zip(steps, loss, strict=True)))
-        (line,) = ax.plot(steps, _ema(loss, smooth) if smooth else loss, label=f"{label} train")
-        if va:
-            ax.plot(
-                [s for s, _ in va],
-                [v for _, v in va],
-                "o--",
-                color=line.get_color(),
-                ms=4,
-                label=f"{label} val",
-            )
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    loss_panel(axes[0][0], data, labels, smooth)
     if ncols == 2:
-        ax2 = axes[0][1]
-        base = curves[0]
-        for curve, label in zip(curves[1:], labels[1:], strict=True):
-            common = sorted(set(base) & set(curve))
-            ax2.plot(common, [curve[s] - base[s] for s in common], label=f"{label} − {labels[0]}")
-        ax2.axhline(0.0, color="k", lw=0.8)
-        ax2.set_xlabel("step")
-        ax2.set_ylabel("loss difference")
-        ax2.set_title(f"train loss minus {labels[0]}")
-        ax2.grid(alpha=0.3)
-        ax2.legend()
-    fig.tight_layout()
-    out_path = Path(out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+        base = curve(data[0])
+        pairs = [
+            (base, curve(d), f"{label} − {labels[0]}") for d, label in zip(data[1:], labels[1:], strict=True)
+        ]
+        difference_panel(axes[0][1], pairs, f"train loss minus {labels[0]}")
+    return save_figure(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:

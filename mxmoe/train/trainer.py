@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mxmoe.models import GraphedStep, LocalExperts, Transformer, apply_expert_parallel, model_args
-from mxmoe.train import parallel, profiling
+from mxmoe.train import determinism, parallel, profiling
 from mxmoe.train.checkpoint import Checkpointer, CheckpointError
 from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
 from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, eval_windows, load_tokens
@@ -278,6 +278,13 @@ def check_values(cfg: JobConfig) -> None:
 
 
 def train(cfg: JobConfig) -> int:
+    """One training run; with training.deterministic, all of it (CUDA's first use included) runs in
+    `determinism.deterministic_mode`."""
+    with determinism.deterministic_mode(cfg.training.deterministic):
+        return _train_run(cfg)
+
+
+def _train_run(cfg: JobConfig) -> int:
     t, p = cfg.training, cfg.parallelism
     unknown = sorted(set(cfg.model.converters) - {"mx"})
     if unknown:
@@ -355,7 +362,7 @@ def _train(
         _mx_convert(torch.nn.Module(), cfg, pd)
     parallel.check_parallel_dims(pd, margs.num_experts)
 
-    torch.manual_seed(t.seed)
+    determinism.seed_everything(t.seed)
     with torch.device(device):
         model = Transformer(margs)
     dp_mesh = ep_mesh = edp_group = None

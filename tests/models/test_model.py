@@ -83,6 +83,76 @@ def test_routed_experts_matches_per_token_reference():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_routed_experts_gradients_match_per_token_reference_and_repeat_exactly():
+    """top-3 of 5: forward and the gradients of x, the gate weights and the expert weights match
+    the per-token loop; under torch.use_deterministic_algorithms two calls give the same bits."""
+    torch.manual_seed(0)
+    T, D, E, k = 20, 32, 5, 3
+    experts = GroupedExperts(D, 32, E)
+    x0 = torch.randn(T, D)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    w0 = torch.rand(T, k)
+    g = torch.randn(T, D)
+
+    def run(fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        experts.zero_grad(set_to_none=True)
+        (fn(x, w) * g).sum().backward()
+        return [x.grad, w.grad] + [p.grad.clone() for p in (experts.w1, experts.w2, experts.w3)]
+
+    def reference(x, w):
+        rows = []
+        for t in range(T):
+            acc = torch.zeros(D)
+            for j in range(k):
+                e = int(idx[t, j])
+                h = torch.nn.functional.silu(x[t] @ experts.w1[e].T) * (x[t] @ experts.w3[e].T)
+                acc = acc + w[t, j] * (h @ experts.w2[e].T)
+            rows.append(acc)
+        return torch.stack(rows)
+
+    ref = run(reference)
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = run(lambda x, w: routed_experts(x, idx, w, experts, E))
+        again = run(lambda x, w: routed_experts(x, idx, w, experts, E))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b, r in zip(got, again, ref, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_experts_repeat_bit_for_bit_on_cuda_without_deterministic_mode(dtype):
+    """The permutation gathers and the fixed-order top-k sum need no deterministic mode: top-4 of 8
+    over 8192 tokens (many rows per token, where an atomic index_add would vary), forward and the
+    gradients of x, the gate weights and the expert weights, three times, the same bits."""
+    from conftest import assert_same_bits
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    torch.manual_seed(0)
+    T, D, E, k = 8192, 256, 8, 4
+    experts = GroupedExperts(D, 256, E).cuda().to(dtype)
+    x0 = torch.randn(T, D, device="cuda", dtype=dtype)
+    idx = torch.rand(T, E, device="cuda").argsort(-1)[:, :k]
+    w0 = torch.rand(T, k, device="cuda")
+    g = torch.randn(T, D, device="cuda", dtype=dtype)
+
+    def run():
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        experts.zero_grad(set_to_none=True)
+        out = routed_experts(x, idx, w, experts, E)
+        (out.float() * g.float()).sum().backward()
+        return [out, x.grad, w.grad] + [p.grad.clone() for p in (experts.w1, experts.w2, experts.w3)]
+
+    first = run()
+    for _ in range(2):
+        for i, (a, b) in enumerate(zip(first, run(), strict=True)):
+            assert_same_bits(a, b, f"output {i}")
+
+
 def test_expert_major_index():
     g = torch.Generator().manual_seed(1)
     recv = torch.randint(0, 4, (3, 5), generator=g)  # (ep sources, local experts)

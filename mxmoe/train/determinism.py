@@ -1,0 +1,109 @@
+"""`--training.deterministic=true`: bit-reproducible runs.
+
+Two runs of the same config and seed, on the same GPU model and the same software (torch, CUDA,
+NCCL, Triton, driver), one GPU or expert parallel, give the same loss bits at every step.
+
+`seed_everything` runs in every run (it is free): Python's `random`, NumPy (when importable) and
+torch on every device, from `training.seed`. The data order has its own seeded generator
+(`mxmoe.train.data.ShardedSampler`), and the validation windows are fixed (`eval_windows`).
+
+`deterministic_mode(True)`, around the whole run, adds what costs time:
+  - CUBLAS_WORKSPACE_CONFIG=:4096:8 when the variable is unset: cuBLAS picks reproducible kernels
+    only with a fixed workspace split. cuBLAS reads it when it first runs, so the trainer sets it in
+    its own process before any CUDA work; a value the user set is kept (torch raises if it is not
+    one of the reproducible ones). It stays set after the run (cuBLAS would not read it again).
+  - `torch.use_deterministic_algorithms(True)`, warn_only=False: ops with a deterministic variant
+    use it (index_add, scatter_add, index_put with accumulate, index_copy, ... on CUDA) and an op that
+    has none raises a RuntimeError naming itself, instead of the run quietly differing;
+    `torch.utils.deterministic.fill_uninitialized_memory` stays on (torch's default), so a kernel
+    that read memory it never wrote would read NaN, not what the last run left there.
+  - cuDNN: deterministic=True, benchmark=False.
+  - Inductor's deterministic mode (`torch._inductor.config.deterministic`; recent torch turns it on
+    with use_deterministic_algorithms, set here for every supported version): no on-device
+    benchmarking that changes numerics (reduction configs, GEMM template autotuning, matmul
+    padding). What Inductor does not generate itself it leaves to the aten ops, which follow
+    use_deterministic_algorithms; its scatter/index_put lowerings fall back to them in this mode.
+All of it is restored on exit (runs in one process, such as tests, do not leak it).
+
+Deterministic by construction, in every run:
+  - the MoE token path (`mxmoe.models.expert_parallel.routed_experts`): tokens reach the experts
+    and come back by permutation gathers (whose backward adds one row into each zero row) and each
+    token's top-k rows are summed by a reduction in a fixed order, not by index_add; the per-expert
+    counts are int64 scatter-adds, and integer sums are exact in any order;
+  - the all-to-alls (`mxmoe.comm`): every received row lands at an offset fixed by the splits, so
+    the order in which pieces arrive (side streams, chunks) cannot change a bit; nothing is summed;
+  - the MX cast kernels (`mxmoe/quant/csrc/mx_cast.cu`, `mxmoe/quant/triton_cast.py`,
+    `mxmoe/quant/triton_qdq.py`, `mxmoe/comm/kernels.py`) have no atomics: each program computes and
+    writes its own blocks. The symmetric-memory exchange (`mxmoe/comm/symm_kernel.py`) uses atomics
+    only as work tickets and ready flags, never on data: which program moves a tile varies, the
+    bytes written do not;
+  - the gradient reductions over ranks (NCCL all-reduce / reduce-scatter, gloo on CPU) are
+    deterministic for a fixed world size, topology and library version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+from collections.abc import Iterator
+
+import torch
+
+log = logging.getLogger("mxmoe.train")
+
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+"""The cuBLAS workspace setting that makes its GEMMs reproducible (the larger of CUDA's two)."""
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's `random`, NumPy's global generator (if NumPy is installed) and torch (CPU and
+    every CUDA device) with `seed`."""
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        np.random.seed(seed % 2**32)  # NumPy accepts 0 <= seed < 2**32
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+@contextlib.contextmanager
+def deterministic_mode(enabled: bool = True) -> Iterator[None]:
+    """Within the block: deterministic algorithms everywhere (see the module docstring); a no-op
+    when `enabled` is False. Restores torch's previous settings on exit."""
+    if not enabled:
+        yield
+        return
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
+    import torch._inductor.config as inductor_config
+
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        getattr(inductor_config, "deterministic", None),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    if saved[4] is not None:  # the flag exists in every torch mxmoe supports; checked all the same
+        inductor_config.deterministic = True
+    log.info(
+        "deterministic mode: torch.use_deterministic_algorithms(True), cuDNN deterministic, "
+        "Inductor deterministic, CUBLAS_WORKSPACE_CONFIG=%s",
+        os.environ["CUBLAS_WORKSPACE_CONFIG"],
+    )
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+        if saved[4] is not None:
+            inductor_config.deterministic = saved[4]
+
+
+__all__ = ["CUBLAS_WORKSPACE_CONFIG", "deterministic_mode", "seed_everything"]

@@ -1,0 +1,274 @@
+"""`mxmoe compare`: the statistics on hand-made metrics files, the reading mode's files and errors,
+and (CPU) a real compare of 2 variants x 2 seeds of the tiny debug config."""
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from mxmoe.cli import main as cli_main
+from mxmoe.train import compare
+
+REPO = Path(__file__).parents[2]
+
+
+def _write_run(folder: Path, seed: int, records: list[dict]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"training": {"seed": seed}}))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def _records(tail: list[float], val: float, tps: list[float]) -> list[dict]:
+    """Steps 10..100 logged every 10 (loss_steps 10), except that the last two records split the
+    last 10 steps into 5 + 5; the last four training losses are `tail` (the first three of 10, 10
+    and 5 steps, then 5), the earlier ones 3.0; validation `val` at step 100 (and 9.0 at 50)."""
+    recs = [{"step": s, "loss": 3.0, "loss_steps": 10} for s in range(10, 80, 10)]
+    recs += [
+        {"step": 80, "loss": tail[0], "loss_steps": 10},
+        {"step": 90, "loss": tail[1], "loss_steps": 10},
+        {"step": 95, "loss": tail[2], "loss_steps": 5},
+        {"step": 100, "loss": tail[3], "loss_steps": 5, "val_loss": val},
+    ]
+    recs[4]["val_loss"] = 9.0
+    for r, t in zip(recs, tps, strict=False):
+        r["tokens_per_s"] = t
+    return recs
+
+
+# per (variant, seed): the last four training losses and the final validation loss
+DATA = {
+    ("bf16", 0): ([2.0, 1.5, 1.2, 1.0], 1.6),
+    ("bf16", 1): ([2.2, 1.7, 1.3, 1.1], 1.7),
+    ("bf16", 2): ([2.0, 1.6, 1.4, 1.2], 1.8),
+    ("mx", 0): ([2.1, 1.6, 1.26, 1.04], 1.632),
+    ("mx", 1): ([2.2, 1.7, 1.3, 1.1], 1.7),
+    ("mx", 2): ([2.0, 1.6, 1.4, 1.2], 1.782),
+    ("mx", 3): ([2.0, 1.6, 1.4, 1.2], 1.9),  # no bf16 run of seed 3: unpaired
+}
+
+
+@pytest.fixture
+def runs_root(tmp_path) -> Path:
+    root = tmp_path / "runs"
+    for (v, s), (tail, val) in DATA.items():
+        _write_run(root / v / f"seed{s}", s, _records(tail, val, [10.0 * (s + 1)] * 11))
+    return root
+
+
+def test_run_summary_weights_records_by_their_steps(runs_root):
+    r = compare.run_summary("bf16", 0, runs_root / "bf16" / "seed0", tail_steps=20)
+    # the last 20 steps: records 90 (10 steps), 95 (5), 100 (5)
+    assert r.train_loss == pytest.approx((1.5 * 10 + 1.2 * 5 + 1.0 * 5) / 20)
+    assert r.train_steps == (80, 100)
+    assert (r.val_loss, r.val_step, r.last_step) == (1.6, 100, 100)
+    assert r.tokens_per_s == 10.0
+    # default window: the last 10 % of the 100 steps = records 95 and 100
+    d = compare.run_summary("bf16", 0, runs_root / "bf16" / "seed0")
+    assert d.train_loss == pytest.approx((1.2 + 1.0) / 2) and d.train_steps == (90, 100)
+    # a window shorter than the last record's interval still takes the last record whole
+    one = compare.run_summary("bf16", 0, runs_root / "bf16" / "seed0", tail_steps=1)
+    assert one.train_loss == 1.0 and one.train_steps == (95, 100)
+
+
+def test_paired_differences_by_hand(runs_root):
+    runs = compare.read_runs(runs_root, tail_steps=10)
+    assert [(r.variant, r.seed) for r in runs] == sorted(DATA)
+    stats = compare.paired_differences(runs, "bf16")
+    # by hand: train = mean of the last two losses (5 steps each); val as given
+    train = {k: (t[2] + t[3]) / 2 for k, (t, _) in DATA.items()}
+    val = {k: v for k, (_, v) in DATA.items()}
+    mx_val = stats["mx"]["val"]["diff_pct"]
+    assert mx_val["per_seed"] == pytest.approx({0: 2.0, 1: 0.0, 2: -1.0})  # 1.632/1.6, 1.7/1.7, 1.782/1.8
+    assert mx_val["unpaired"] == [3]
+    assert mx_val["n"] == 3
+    assert mx_val["mean"] == pytest.approx(1.0 / 3)
+    assert mx_val["std"] == pytest.approx(statistics.stdev([2.0, 0.0, -1.0]))
+    assert (mx_val["min"], mx_val["max"]) == (pytest.approx(-1.0), pytest.approx(2.0))
+    mx_train = stats["mx"]["train"]["diff_pct"]
+    want = {s: (train[("mx", s)] - train[("bf16", s)]) / train[("bf16", s)] * 100 for s in (0, 1, 2)}
+    assert want[0] == pytest.approx(4.5454545) and want[1] == want[2] == 0.0
+    assert mx_train["per_seed"] == pytest.approx(want)
+    assert mx_train["mean"] == pytest.approx(sum(want.values()) / 3)
+    # identical runs differ by exactly zero
+    assert mx_train["per_seed"][1] == 0.0 and mx_val["per_seed"][1] == 0.0
+    assert stats["bf16"]["val"]["mean_loss"] == pytest.approx((1.6 + 1.7 + 1.8) / 3)
+    assert "diff_pct" not in stats["bf16"]["val"]
+    assert stats["mx"]["seeds"] == [0, 1, 2, 3]
+    assert stats["mx"]["val"]["mean_loss"] == pytest.approx(sum(val[("mx", s)] for s in range(4)) / 4)
+    with pytest.raises(ValueError, match="baseline='fp8'"):
+        compare.paired_differences(runs, "fp8")
+
+
+def test_spread_of_one_value_has_no_std():
+    assert compare.spread([1.5]) == {"n": 1, "mean": 1.5, "std": None, "min": 1.5, "max": 1.5}
+    assert compare.spread([])["mean"] is None
+
+
+def test_compare_reads_runs_and_writes_table_json_and_png(runs_root, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = compare.main(["--runs", str(runs_root), "--variant", "bf16", "--variant", "mx", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "compare.json").read_text())
+    assert report["baseline"] == "bf16" and len(report["runs"]) == 7
+    assert report["variants"]["mx"]["val"]["diff_pct"]["per_seed"] == pytest.approx(
+        {"0": 2.0, "1": 0.0, "2": -1.0}
+    )
+    md = (out / "compare.md").read_text()
+    assert "| mx | 3 | +0.33 | 1.53 | -1.00 | +2.00 |" in md  # val: mean, std, min, max
+    assert "s0 +2.00, s1 +0.00, s2 -1.00" in md
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "# mxmoe compare" in capsys.readouterr().out
+    # a run that compare saw fail is left out, with a warning
+    (runs_root / "mx" / "seed3" / "command.json").write_text(json.dumps({"argv": [], "returncode": 1}))
+    assert compare.main(["--runs", str(runs_root), "--out", str(out / "c")]) == 0
+    assert len(json.loads((out / "c" / "compare.json").read_text())["runs"]) == 6
+    assert "seed3 did not finish" in capsys.readouterr().err
+    # another baseline, through the `mxmoe` command
+    assert cli_main(["compare", "--runs", str(runs_root), "--baseline", "mx", "--out", str(out / "b")]) == 0
+    assert json.loads((out / "b" / "compare.json").read_text())["baseline"] == "mx"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--runs", "{tmp}/nope"], "not a folder"),
+        (["--runs", "{root}", "--variant", "fp8"], "no folder for variant(s) ['fp8']"),
+        (["--runs", "{root}", "--baseline", "fp8"], "baseline='fp8'"),
+        (["--runs", "{root}", "--tail-steps", "-1"], "--tail-steps=-1"),
+        (["--runs", "{root}", "--", "--training.lr=1"], "need --config"),
+        (["--config", "configs/debug_moe.toml", "--variant", "a"], "expected at least 2"),
+        (["--config", "configs/debug_moe.toml", "--variant", "a", "--variant", "a=--x.y=1"], "given twice"),
+        (
+            ["--config", "configs/debug_moe.toml", "--variant", "a", "--variant", "b", "--seeds", "1,1"],
+            "a seed is given twice",
+        ),
+        (["--config", "{tmp}/none.toml", "--variant", "a", "--variant", "b"], "file not found"),
+        (
+            ["--config", "configs/debug_moe.toml", "--variant", "a", "--variant", "b=--training.seed=3"],
+            "'--training.seed=3' is set by mxmoe compare",
+        ),
+        (
+            [
+                "--config",
+                "configs/debug_moe.toml",
+                "--variant",
+                "a",
+                "--variant",
+                "b",
+                "--",
+                "--metrics.folder=x",
+            ],
+            "'--metrics.folder=x' is set by mxmoe compare",
+        ),
+    ],
+)
+def test_errors_name_the_argument(runs_root, tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(REPO)
+    argv = [a.format(tmp=tmp_path, root=runs_root) for a in argv]
+    assert compare.main(["--out", str(tmp_path / "o"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o" / "runs").exists()
+
+
+def test_bad_variant_spelling_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--config", "c.toml", "--variant", "a b=--x", "--out", "o"])
+    assert e.value.code == 2
+    assert "expected NAME=ARGS" in capsys.readouterr().err
+    assert compare.parse_variant("mx=--model.converters=mx --mx.filter_fqns='output,router'") == (
+        "mx",
+        ["--model.converters=mx", "--mx.filter_fqns=output,router"],
+    )
+    assert compare.parse_variant("bf16") == compare.parse_variant("bf16=") == ("bf16", [])
+
+
+TINY = [
+    "--model.dim=32",
+    "--model.n_heads=2",
+    "--model.n_layers=1",
+    "--model.num_experts=4",
+    "--model.moe_hidden_dim=32",
+    "--training.seq_len=32",
+    "--training.batch_size=2",
+    "--training.warmup_steps=1",
+    "--training.val_interval=3",
+    "--training.val_batches=1",
+    "--data.max_files=6",
+    "--metrics.log_freq=1",
+]
+
+
+def test_compare_runs_two_variants_by_two_seeds_on_cpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "cmp"
+    argv = ["--config", "configs/debug_moe.toml", "--steps", "3", "--seeds", "0,1", "--out", str(out)]
+    argv += [
+        "--variant",
+        "hp=--model.converters=",
+        "--variant",
+        "mx=--model.converters=mx --mx.filter_fqns=output",
+    ]
+    argv += ["--parallel", "2", "--", *TINY]
+    assert compare.main(argv) == 0
+    report = json.loads((out / "compare.json").read_text())
+    assert [(r["variant"], r["seed"]) for r in report["runs"]] == [("hp", 0), ("hp", 1), ("mx", 0), ("mx", 1)]
+    for r in report["runs"]:
+        folder = out / "runs" / r["variant"] / f"seed{r['seed']}"
+        recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        cfg = json.loads((folder / "config.json").read_text())
+        assert cfg["training"]["seed"] == r["seed"] and cfg["training"]["deterministic"] is True
+        assert cfg["training"]["steps"] == 3 and cfg["checkpoint"]["folder"] == ""
+        assert cfg["model"]["converters"] == ([] if r["variant"] == "hp" else ["mx"])
+        if r["variant"] == "mx":
+            assert cfg["mx"]["filter_fqns"] == ["output"]
+        assert r["final_train_loss"] == recs[-1]["loss"] and r["final_val_loss"] == recs[-1]["val_loss"]
+        assert json.loads((folder / "command.json").read_text())["returncode"] == 0
+    d = report["variants"]["mx"]["val"]["diff_pct"]["per_seed"]
+    runs = {(r["variant"], r["seed"]): r for r in report["runs"]}
+    for s in (0, 1):
+        hp, mx = runs[("hp", s)]["final_val_loss"], runs[("mx", s)]["final_val_loss"]
+        assert d[str(s)] == pytest.approx((mx - hp) / hp * 100)
+    assert (out / "compare.png").is_file()
+    capsys.readouterr()
+    # the same command again: every run is found done, the report is the same
+    assert compare.main(argv) == 0
+    assert capsys.readouterr().out.count("done before") == 4
+    again = json.loads((out / "compare.json").read_text())
+    assert again["variants"] == report["variants"]
+
+
+def test_launch_runs_an_expert_parallel_job_under_torch_distributed_run(tmp_path, monkeypatch):
+    """--nproc 2: one run as 2 gloo ranks (ep = 2) under torch.distributed.run; done once."""
+    monkeypatch.chdir(REPO)
+    folder = tmp_path / "ep2" / "seed0"
+    argv = compare._run_argv(
+        "configs/debug_moe.toml", 2, True, ["--parallelism.expert_parallel_degree=2"], TINY, 0, folder
+    )
+    job = ("ep2", 0, argv, folder)
+    assert compare.launch([job], parallel=1, devices=None, nproc=2) == {("ep2", 0): compare.DONE}
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["parallelism"]["expert_parallel_degree"] == 2
+    assert "world 2 (ep 2)" in (folder / "train.log").read_text()
+    assert [json.loads(x)["step"] for x in (folder / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert json.loads((folder / "command.json").read_text())["nproc"] == 2
+    before = (folder / "metrics.jsonl").stat().st_mtime_ns
+    assert compare.launch([job], parallel=1, devices=None, nproc=2) == {("ep2", 0): compare.DONE}
+    assert (folder / "metrics.jsonl").stat().st_mtime_ns == before  # not run again
+
+
+def test_time_limit_stops_the_running_run_and_starts_no_other(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    jobs = []
+    for v in ("long", "next"):
+        folder = tmp_path / v / "seed0"
+        jobs.append(
+            (v, 0, compare._run_argv("configs/debug_moe.toml", 100_000, False, [], TINY, 0, folder), folder)
+        )
+    status = compare.launch(jobs, parallel=1, devices=None, time_limit_s=8)
+    assert status == {("long", 0): "stopped at the time limit", ("next", 0): "not started (time limit)"}
+    rec = json.loads((tmp_path / "long" / "seed0" / "command.json").read_text())
+    assert rec["stopped"] is True and rec["seconds"] < 8 + 130
+    assert not (tmp_path / "next").exists()
+    assert compare._failed(tmp_path / "long" / "seed0")

@@ -1,0 +1,204 @@
+"""`--training.deterministic=true` on CPU: two runs of the same config and seed give the same loss
+bits (high precision and MX, one process and expert parallel over 2 gloo ranks); the mode's
+settings are made for the run and restored after it. The GPU versions (`pytest -m gpu`) are at the
+end: each compile mode, bf16 and MX, and ep = 2 on 2 GPUs."""
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import spawn_ranks
+
+from mxmoe.train import determinism, trainer
+
+REPO = Path(__file__).parents[2]
+# configs/debug_moe.toml (MX converter) made tiny: a few seconds a run on one CPU thread
+DEBUG = [
+    f"--config={REPO / 'configs' / 'debug_moe.toml'}",
+    "--model.dim=32",
+    "--model.n_heads=2",
+    "--model.n_layers=1",
+    "--model.num_experts=4",
+    "--model.moe_hidden_dim=32",
+    "--training.steps=4",
+    "--training.seq_len=32",
+    "--training.batch_size=2",
+    "--training.warmup_steps=2",
+    "--training.val_interval=4",
+    "--training.val_batches=1",
+    "--training.cpu_threads=1",
+    "--training.deterministic=true",
+    "--data.max_files=6",
+    "--checkpoint.folder=",
+    "--metrics.log_freq=1",
+    "--metrics.progress_bar=false",
+    "--mx.mxfp8_dim1_cast_kernel_choice=torch",
+]
+KEYS = ("loss", "aux_loss", "grad_norm", "val_loss")
+
+
+def records(folder) -> list[dict]:
+    return [json.loads(x) for x in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+
+
+def bits(folder) -> list[tuple]:
+    """Per logged step: the step and the exact bits (float.hex) of its losses and gradient norm."""
+    return [(r["step"], *(float(r[k]).hex() for k in KEYS if k in r)) for r in records(folder)]
+
+
+@pytest.mark.parametrize("converters", ["", "mx"])
+def test_two_runs_give_the_same_loss_bits(tmp_path, converters):
+    argv = DEBUG + [f"--model.converters={converters}"]
+    runs = [tmp_path / "a", tmp_path / "b", tmp_path / "seed1"]
+    for run, seed in zip(runs, (0, 0, 1), strict=True):
+        assert trainer.main(argv + [f"--metrics.folder={run}", f"--training.seed={seed}"]) == 0
+        # the mode covered the run only
+        assert not torch.are_deterministic_algorithms_enabled()
+    a, b, other = (bits(r) for r in runs)
+    assert [x[0] for x in a] == [1, 2, 3, 4] and len(a[-1]) == 1 + len(KEYS)  # val_loss at step 4
+    assert a == b
+    assert len({x[1] for x in a}) == 4  # the losses move: the comparison is not of constants
+    assert all(x[1:] != y[1:] for x, y in zip(a, other, strict=True))  # and another seed changes every step
+    assert json.loads((runs[0] / "config.json").read_text())["training"]["deterministic"] is True
+
+
+def test_deterministic_mode_sets_and_restores_torch(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    cudnn = torch.backends.cudnn
+
+    def state():
+        return cudnn.deterministic, cudnn.benchmark, inductor_config.deterministic
+
+    before = state()
+    assert not torch.are_deterministic_algorithms_enabled()
+    with determinism.deterministic_mode():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert inductor_config.deterministic
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert state() == before
+    # a value the user set is kept; the mode is also undone when the run raises
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with pytest.raises(RuntimeError, match="boom"), determinism.deterministic_mode():
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+        raise RuntimeError("boom")
+    assert not torch.are_deterministic_algorithms_enabled()
+    with determinism.deterministic_mode(False):
+        assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_seed_everything_seeds_python_numpy_and_torch():
+    np = pytest.importorskip("numpy")
+
+    def draw():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    determinism.seed_everything(7)
+    first = draw()
+    determinism.seed_everything(7)
+    assert draw() == first
+    determinism.seed_everything(8)
+    assert draw() != first
+
+
+def _worker(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    Path(out, f"rc{rank}").write_text(str(trainer.main(argv)))
+
+
+def test_two_expert_parallel_runs_give_the_same_loss_bits(tmp_path):
+    """ep=2 over 2 gloo ranks, MX experts (MXFP8 all-to-all), twice: the same bits."""
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        run.mkdir()
+        argv = DEBUG + [
+            "--parallelism.expert_parallel_degree=2",
+            "--parallelism.timeout_s=60",
+            "--training.steps=3",
+            "--training.val_interval=3",
+            f"--metrics.folder={run}",
+        ]
+        spawn_ranks(_worker, 2, argv, str(run))
+        assert [(run / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+    a, b = bits(runs[0]), bits(runs[1])
+    assert [x[0] for x in a] == [1, 2, 3] and len(a[-1]) == 1 + len(KEYS)
+    assert a == b
+
+
+# On a GPU (`pytest -m gpu tests/train/test_determinism.py`): each run in its own process, as a
+# user would start them, so nothing (autotuning results, compiled kernels in memory) is shared
+# but what torch and Triton cache on disk.
+TINY_GPU = [
+    "--model.dim=128",
+    "--model.n_heads=4",
+    "--model.n_layers=2",
+    "--model.num_experts=8",
+    "--model.top_k=2",
+    "--model.moe_hidden_dim=128",
+    "--training.seq_len=128",
+    "--training.batch_size=4",
+    "--training.steps=6",
+    "--training.val_interval=6",
+    "--training.val_batches=2",
+    "--training.deterministic=true",
+    "--training.device=cuda",
+    "--data.max_files=20",
+    "--metrics.log_freq=1",
+    "--metrics.progress_bar=false",
+]
+
+
+def _run_process(argv: list[str], nproc: int = 1) -> None:
+    import subprocess
+    import sys
+
+    launch = [sys.executable, "-m", "mxmoe", "train"]
+    if nproc > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        launch += [f"--nproc_per_node={nproc}", "-m", "mxmoe", "train"]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(launch + argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--training.compile=true"], ["--training.compile_full=true", "--training.cuda_graph=true"]],
+    ids=["eager", "compile", "compile_full+graph"],
+)
+@pytest.mark.parametrize("mx", [[], ["--model.converters=mx"]], ids=["bf16", "mx"])
+def test_gpu_two_runs_give_the_same_loss_bits(tmp_path, mx, mode):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        _run_process(TINY_GPU + mx + mode + [f"--metrics.folder={run}"])
+    a, b = bits(runs[0]), bits(runs[1])
+    assert [x[0] for x in a] == list(range(1, 7)) and len(a[-1]) == 1 + len(KEYS)
+    assert a == b
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("mx", [[], ["--model.converters=mx"]], ids=["bf16", "mx"])
+def test_gpu_two_expert_parallel_runs_give_the_same_loss_bits(tmp_path, mx):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        argv = TINY_GPU + mx + ["--parallelism.expert_parallel_degree=2", f"--metrics.folder={run}"]
+        _run_process(argv, nproc=2)
+    a, b = bits(runs[0]), bits(runs[1])
+    assert [x[0] for x in a] == list(range(1, 7)) and len(a[-1]) == 1 + len(KEYS)
+    assert a == b
