@@ -61,6 +61,7 @@ BENCHES = {
     "grouped_mm": "mxmoe.bench.grouped_mm",
     "overhead": "mxmoe.bench.overhead",
     "train": "mxmoe.bench.train",
+    "fidelity": "mxmoe.bench.fidelity",
 }
 
 USAGE = f"""usage: mxmoe COMMAND [ARGS...]
@@ -76,11 +77,12 @@ commands:
 
 BENCH_USAGE = f"""usage: mxmoe bench NAME [ARGS...]
 
-benchmarks (each needs a CUDA GPU; `mxmoe bench NAME --help` lists its options):
+benchmarks (each but fidelity needs a CUDA GPU; `mxmoe bench NAME --help` lists its options):
   cast             MX cast kernels (torch, triton, cuda): time and bandwidth per shape
   a2a              MXFP8 vs bf16 all-to-all dispatch/combine (run under torchrun)
   linear           MXLinear vs nn.Linear forward + backward
   grouped_mm       MX grouped GEMM of the experts vs the high-precision one
+  fidelity         MX variants' gradient and loss error vs fp32 at bf16-trained weights (CPU too)
 
 NAME is one of {", ".join(BENCHES)}."""
 

@@ -1,0 +1,277 @@
+"""`mxmoe bench fidelity`: how far each MX variant's gradients and loss are from fp32's, at weights a
+short bf16 run has trained (what a user asks before a long A/B: does MX hurt *this* model, and
+which GEMMs carry the error?).
+
+    mxmoe bench fidelity --config configs/moe_2b.toml --steps 150 --variants bf16,mx,mx_fwd_only
+
+The model of the config trains `--steps` bf16 steps (its optimizer, lr schedule, batch and data);
+then, on `--batches` fixed batches, every variant computes the loss and the gradients at those
+same weights, and each is compared with fp32's (no autocast): per parameter group, the relative
+error ||g - g_fp32|| / ||g_fp32|| over the batches, and the loss difference in %. bf16's own error
+is the yardstick: a variant at a few times bf16's error adds rounding noise; one at bf16's error
+of ~1 (as on a model trained at the edge of stability) means the gradients there are dominated by
+directions that any rounding changes.
+
+Variants (all in the config's mixed precision, except fp32):
+  bf16             the high-precision model
+  mx               mxmoe.convert with the config's [mx] options (default recipe mxfp8_rceil)
+  mx_floor         the same with FLOOR scales (recipe mxfp8)
+  mx_experts_only  only the routed experts MX
+  mx_linears_only  only the linears MX (experts bf16)
+  mx_fwd_only      MX forward values, every gradient from high-precision operands (straight-through)
+  mx_hp_wgrad      MX forward and input gradients; weight gradients from high-precision operands
+  mx_hp_dgrad      MX forward and weight gradients; input gradients from high-precision operands
+  mx_gemm_fp32     mx with the emulated GEMM in fp32 instead of bf16 (rules the emulation out)
+The three straight-through variants run each MX module twice (its MX and its high-precision
+form) and take each value or gradient from the one the variant names: a measurement device, not a
+recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mxmoe.cli import comma_list, positive_int
+
+VARIANTS = (
+    "bf16",
+    "mx",
+    "mx_floor",
+    "mx_experts_only",
+    "mx_linears_only",
+    "mx_fwd_only",
+    "mx_hp_wgrad",
+    "mx_hp_dgrad",
+    "mx_gemm_fp32",
+)
+GROUPS = ("tok_embeddings", "attention.", "router", "experts.", "shared_expert", "norm", "output")
+_NOT_EXPERTS = ["output", "router", "attention", "shared_expert", "feed_forward"]
+
+
+class _Mixed(nn.Module):
+    """An MX module's forward value with gradients from its high-precision form where `mode` says.
+
+    mode "fwd": all gradients high precision; "hp_wgrad": input gradient MX, weight gradients high
+    precision; "hp_dgrad": weight gradients MX, input gradient high precision."""
+
+    def __init__(self, mx: nn.Module, hp: nn.Module, mode: str):
+        super().__init__()
+        self.mx, self.mode = mx, mode
+        self._hp = [hp]  # not a submodule: it shares mx's parameters
+
+    def forward(self, x: Tensor, *rest) -> Tensor:
+        hp = self._hp[0]
+        if self.mode == "fwd":
+            h = hp(x, *rest)
+            return h + (self.mx(x, *rest) - h).detach()
+        frozen = self.mode == "hp_wgrad"  # which side's weights get no gradient from the MX form
+        with _frozen_params(self.mx, frozen):
+            y = self.mx(x if frozen else x.detach(), *rest)
+        with _frozen_params(self.mx, not frozen):
+            h = hp(x.detach() if frozen else x, *rest)
+        return y + (h - h.detach())
+
+
+class _frozen_params:  # noqa: N801 - used as a context manager
+    """Within the block, `module`'s parameters are seen as constants (requires_grad False) if `on`."""
+
+    def __init__(self, module: nn.Module, on: bool):
+        self.params = [p for p in module.parameters() if p.requires_grad] if on else []
+
+    def __enter__(self):
+        for p in self.params:
+            p.requires_grad_(False)
+
+    def __exit__(self, *exc):
+        for p in self.params:
+            p.requires_grad_(True)
+
+
+def _hp_form(m: nn.Module) -> nn.Module:
+    """The high-precision module computing what MX module `m` computes, on m's parameters."""
+    from mxmoe.nn.experts import GroupedExperts
+    from mxmoe.nn.linear import MXLinear
+
+    if isinstance(m, MXLinear):
+        return _HPLinear(m)
+    hp = GroupedExperts.__new__(GroupedExperts)
+    nn.Module.__init__(hp)
+    hp.dim, hp.hidden_dim, hp.num_experts = m.dim, m.hidden_dim, m.num_experts
+    hp.w1, hp.w2, hp.w3 = m.w1, m.w2, m.w3
+    return hp
+
+
+class _HPLinear(nn.Module):
+    def __init__(self, m: nn.Module):
+        super().__init__()
+        self._m = [m]
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self._m[0]
+        return F.linear(x, m.weight, m.bias)
+
+
+def _build(variant: str, cfg, margs, state: dict, device: torch.device) -> nn.Module:
+    import mxmoe
+    from mxmoe.models.moe import Transformer
+    from mxmoe.nn import MXConfig
+    from mxmoe.nn.linear import MXLinear
+    from mxmoe.nn.mx_experts import MXGroupedExperts
+
+    with torch.device(device):
+        model = Transformer(margs)
+    model.load_state_dict(state)
+    if variant == "bf16":
+        return model
+    mx = cfg.mx
+    opts = dict(
+        recipe_name=mx.recipe_name,
+        filter_fqns=list(mx.filter_fqns),
+        mxfp8_dim0_cast_kernel_choice=mx.mxfp8_dim0_cast_kernel_choice,
+        mxfp8_dim1_cast_kernel_choice=mx.mxfp8_dim1_cast_kernel_choice,
+    )
+    if variant == "mx_floor":
+        opts["recipe_name"] = "mxfp8"
+    elif variant == "mx_experts_only":
+        opts["filter_fqns"] = sorted(set(opts["filter_fqns"]) | set(_NOT_EXPERTS))
+    elif variant == "mx_linears_only":
+        opts["convert_grouped_experts"] = False
+    elif variant == "mx_gemm_fp32":
+        opts["gemm_dtype"] = "float32"
+    mxmoe.convert(model, MXConfig(**opts))
+    mode = {"mx_fwd_only": "fwd", "mx_hp_wgrad": "hp_wgrad", "mx_hp_dgrad": "hp_dgrad"}.get(variant)
+    if mode is not None:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, (MXLinear, MXGroupedExperts)):
+                    setattr(parent, name, _Mixed(child, _hp_form(child), mode))
+    return model
+
+
+def _group(name: str) -> str:
+    return next((g.strip(".") for g in GROUPS if g in name), "other")
+
+
+def measure(cfg, steps: int, n_batches: int, variants: list[str], device: torch.device) -> dict:
+    """{variant: {"loss": mean loss, "dloss_pct": vs fp32, group: relative gradient error}} (fp32:
+    its loss only) after `steps` bf16 training steps of `cfg`'s model."""
+    from mxmoe.models.moe import Transformer
+    from mxmoe.train.data import VOCAB_SIZE, PackedDataset, load_tokens
+    from mxmoe.train.trainer import build_model_args, build_optimizer, lr_lambda
+
+    t = cfg.training
+    torch.manual_seed(t.seed)
+    margs = build_model_args(cfg)
+    with torch.device(device):
+        model = Transformer(margs)
+    d = cfg.data
+    train_tokens, _ = load_tokens(d.path, d.val_fraction, d.max_files, d.extensions)
+    ds = PackedDataset(train_tokens, t.seq_len)
+    gen = torch.Generator().manual_seed(t.seed)
+
+    def batch():
+        return tuple(a.to(device) for a in ds.batch(torch.randint(len(ds), (t.batch_size,), generator=gen)))
+
+    amp_on = device.type == "cuda" and t.mixed_precision == "bf16"
+
+    def loss_of(m, x, y, amp: bool):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits, aux = m(x)
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), y.reshape(-1)), aux
+
+    opt = build_optimizer(model, cfg, distributed=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    coef = margs.aux_loss_coef if margs.load_balance == "aux_loss" else 0.0
+    for _ in range(steps):
+        ce, aux = loss_of(model, *batch(), amp_on)
+        (ce + coef * aux).backward()
+        if t.max_norm > 0:
+            nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        model.update_router_bias()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    del model, opt
+    batches = [batch() for _ in range(n_batches)]
+
+    def grads_of(variant: str):
+        m = _build("bf16" if variant == "fp32" else variant, cfg, margs, state, device)
+        losses, sums = [], {}
+        for x, y in batches:
+            ce, _ = loss_of(m, x, y, amp_on and variant != "fp32")
+            ce.backward()
+            losses.append(float(ce.detach()))
+            for n, p in m.named_parameters():
+                if p.grad is not None:
+                    sums.setdefault(n.replace(".mx.", "."), []).append(p.grad.float().clone())
+        del m
+        return losses, sums
+
+    ref_losses, ref = grads_of("fp32")
+    out = {"fp32": {"loss": sum(ref_losses) / len(ref_losses)}}
+    for v in variants:
+        losses, g = grads_of(v)
+        err: dict[str, list[float]] = {}
+        for n, gs in g.items():
+            e = err.setdefault(_group(n), [0.0, 0.0])
+            e[0] += sum(float(((a - b) ** 2).sum()) for a, b in zip(gs, ref[n], strict=True))
+            e[1] += sum(float((b**2).sum()) for b in ref[n])
+        row = {"loss": sum(losses) / len(losses), "dloss_pct": 100 * (sum(losses) / sum(ref_losses) - 1)}
+        row.update({k: math.sqrt(a / b) if b > 0 else 0.0 for k, (a, b) in err.items()})
+        out[v] = row
+    return out
+
+
+def format_table(res: dict) -> str:
+    """A markdown table of `measure`'s result."""
+    groups = [g.strip(".") for g in GROUPS if any(g.strip(".") in r for r in res.values())]
+    head = "| variant | loss | vs fp32 | " + " | ".join(groups) + " |"
+    lines = [head, "|" + "---|" * (3 + len(groups))]
+    for v, r in res.items():
+        cells = [f"{r[g]:.3f}" if g in r else "" for g in groups]
+        d = f"{r['dloss_pct']:+.3f} %" if "dloss_pct" in r else ""
+        lines.append(f"| {v} | {r['loss']:.4f} | {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="mxmoe bench fidelity",
+        description="Gradient and loss error of MX variants vs fp32 at bf16-trained weights "
+        "(relative gradient error per parameter group; see the module docstring).",
+    )
+    p.add_argument("--config", required=True, help="a trainer TOML config (its model, data, optimizer)")
+    p.add_argument("--steps", type=int, default=150, help="bf16 training steps before measuring (>= 0)")
+    p.add_argument("--batches", type=positive_int, default=4, help="batches the errors are measured on")
+    p.add_argument(
+        "--variants", type=comma_list(choices=VARIANTS), default=list(VARIANTS),
+        help=f"comma-separated, of: {', '.join(VARIANTS)}",
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", help="also write the result to this JSON file")
+    p.epilog = "Other --section.key=value options override the config, as for `mxmoe train`."
+    a, overrides = p.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "." in o.split("=")[0])]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)} (trainer overrides look like --training.lr=5e-4)")
+    if a.steps < 0:
+        p.error(f"--steps={a.steps}: expected an integer >= 0")
+    from mxmoe.train.config import ConfigError, parse_args
+
+    try:
+        cfg = parse_args(["--config", a.config, *overrides])
+    except ConfigError as e:
+        p.error(str(e))
+    res = measure(cfg, a.steps, a.batches, a.variants, torch.device(a.device))
+    print(format_table(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

@@ -1,0 +1,74 @@
+"""`mxmoe bench fidelity` on CPU: each variant quantizes what its name says (errors vs fp32 land in
+the parameter groups it touches and nowhere else), and the CLI's table and JSON."""
+
+import json
+
+import pytest
+import torch
+
+from mxmoe.bench import fidelity
+from mxmoe.cli import main
+from mxmoe.train.config import parse_args
+
+SMALL = ["--training.batch_size=2", "--training.seq_len=64"]
+
+
+@pytest.fixture(scope="module")
+def res():
+    cfg = parse_args(["--config", "configs/debug_moe.toml", *SMALL])
+    return fidelity.measure(cfg, 0, 1, list(fidelity.VARIANTS), torch.device("cpu"))
+
+
+def test_bf16_on_cpu_is_fp32(res):
+    # no autocast on CPU: the high-precision model is fp32 itself, bit for bit
+    r = res["bf16"]
+    assert r["dloss_pct"] == 0.0
+    assert all(r[g] == 0.0 for g in ("attention", "experts", "router", "shared_expert"))
+
+
+def test_mx_errors_where_its_gemms_are(res):
+    mx = res["mx"]
+    for g in ("attention", "experts", "shared_expert"):  # MX GEMMs: e4m3 rounding, a few %
+        assert 0.005 < mx[g] < 0.5, (g, mx[g])
+    eo, lo = res["mx_experts_only"], res["mx_linears_only"]
+    # only the experts MX: the linears' weight gradients barely move, and the reverse
+    assert eo["attention"] < 0.05 * mx["attention"] and eo["shared_expert"] < 0.05 * mx["shared_expert"]
+    assert eo["experts"] == pytest.approx(mx["experts"], rel=0.5)
+    assert lo["experts"] < 0.05 * mx["experts"]
+    assert lo["attention"] == pytest.approx(mx["attention"], rel=0.5)
+
+
+def test_straight_through_variants(res):
+    mx = res["mx"]
+    # at the initial weights (steps=0): the experts' weight gradients come from high-precision
+    # operands in fwd_only and hp_wgrad, from MX ones in hp_dgrad
+    assert res["mx_fwd_only"]["experts"] < 0.05 * mx["experts"]
+    assert res["mx_hp_wgrad"]["experts"] < 0.05 * mx["experts"]
+    assert res["mx_hp_dgrad"]["experts"] == pytest.approx(mx["experts"], rel=0.2)
+    # forward values are MX's in all three: the same loss as mx
+    for v in ("mx_fwd_only", "mx_hp_wgrad", "mx_hp_dgrad"):
+        assert res[v]["loss"] == pytest.approx(mx["loss"], abs=1e-6)
+
+
+def test_cli_table_and_json(tmp_path, capsys):
+    out = tmp_path / "f.json"
+    rc = main(["bench", "fidelity", "--config", "configs/debug_moe.toml", "--steps", "0", "--batches", "1",
+               "--variants", "bf16,mx", "--json", str(out), "--device", "cpu", *SMALL])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].startswith("| variant | loss | vs fp32 |")
+    assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == ["fp32", "bf16", "mx"]
+    data = json.loads(out.read_text())
+    assert set(data) == {"fp32", "bf16", "mx"} and data["mx"]["experts"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [(["--variants", "mx,fp4"], "'fp4' is not one of"), (["--steps", "-1"], "--steps=-1"),
+     (["stray"], "unrecognized arguments: stray")],
+)
+def test_cli_errors(capsys, args, match):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "fidelity", "--config", "configs/debug_moe.toml", *args])
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
