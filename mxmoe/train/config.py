@@ -192,6 +192,24 @@ class JobConfig:
         return hashlib.sha256(json.dumps(self.flat(), sort_keys=True, default=str).encode()).hexdigest()
 
 
+def check_limits(cfg: JobConfig) -> None:
+    """ConfigError for values of the right type that fail at run time (the trainer's other range
+    checks are in `mxmoe.train.trainer.check_values`)."""
+    t = cfg.training
+    if cfg.parallelism.timeout_s < 1:
+        raise ConfigError(f"parallelism.timeout_s={cfg.parallelism.timeout_s}: expected >= 1")
+    # the sampler seeds torch's 64-bit generator with seed * 1_000_003 + epoch
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"training.seed={t.seed}: expected 0 <= seed < 2**32")
+    # AdamW's step size lr / (1 - beta1**t) is a float32 scalar: beyond float32 it fails mid-step
+    f32_max = float.fromhex("0x1.fffffep+127")
+    if 0 <= t.beta1 < 1 and t.lr / (1 - t.beta1) > f32_max:
+        raise ConfigError(
+            f"training.lr={t.lr!r}: expected lr / (1 - training.beta1) <= {f32_max:.4g} (AdamW's step "
+            "size in float32)"
+        )
+
+
 def check_ranks_agree(cfg: JobConfig) -> None:
     """Collective over the default process group: ConfigError on every rank, naming the differing
     keys and their values, unless every rank resolved the same config as rank 0 (a rank with

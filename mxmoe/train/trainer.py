@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from mxmoe.models import GraphedStep, LocalExperts, Transformer, apply_expert_parallel, model_args
 from mxmoe.train import parallel, profiling
 from mxmoe.train.checkpoint import Checkpointer, CheckpointError, claim_folder
-from mxmoe.train.config import ConfigError, JobConfig, check_ranks_agree, help_text, parse_args
+from mxmoe.train.config import ConfigError, JobConfig, check_limits, check_ranks_agree, help_text, parse_args
 from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, eval_windows, load_tokens
 from mxmoe.train.metrics import MetricsWriter, RunLock, new_run_id
 
@@ -236,7 +236,7 @@ def _main(cfg: JobConfig) -> int:
 
 
 def check_values(cfg: JobConfig) -> None:
-    """ConfigError naming the setting, the value and what is accepted, before anything is built."""
+    """ValueError naming the setting, the value and what is accepted, before anything is built."""
     t = cfg.training
     for key, value, low in (
         ("training.steps", t.steps, 1),
@@ -248,15 +248,11 @@ def check_values(cfg: JobConfig) -> None:
         ("checkpoint.interval", cfg.checkpoint.interval, 0),
         ("checkpoint.keep_latest", cfg.checkpoint.keep_latest, 0),
         ("metrics.log_freq", cfg.metrics.log_freq, 1),
-        ("parallelism.timeout_s", cfg.parallelism.timeout_s, 1),
     ):
         if value < low:
-            raise ConfigError(f"{key}={value}: expected >= {low}")
+            raise ValueError(f"{key}={value}: expected >= {low}")
     if not (math.isfinite(t.lr) and t.lr > 0):
-        raise ConfigError(f"training.lr={t.lr!r}: expected a finite number > 0")
-    # the sampler seeds torch's 64-bit generator with seed * 1_000_003 + epoch
-    if not 0 <= t.seed < 2**32:
-        raise ConfigError(f"training.seed={t.seed}: expected 0 <= seed < 2**32")
+        raise ValueError(f"training.lr={t.lr!r}: expected a finite number > 0")
     for key, value, ok, accepted in (
         ("training.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "0 <= value <= 1"),
         ("training.max_norm", t.max_norm, t.max_norm >= 0, "a number >= 0 (0 disables clipping)"),
@@ -265,18 +261,12 @@ def check_values(cfg: JobConfig) -> None:
         ("training.beta2", t.beta2, 0 <= t.beta2 < 1, "0 <= value < 1"),
     ):
         if not ok:  # NaN fails every comparison
-            raise ConfigError(f"{key}={value!r}: expected {accepted}")
-    # AdamW's step size lr / (1 - beta1**t) is a float32 scalar: beyond float32 it fails mid-step
-    f32_max = torch.finfo(torch.float32).max
-    if t.lr / (1 - t.beta1) > f32_max:
-        raise ConfigError(
-            f"training.lr={t.lr!r}: expected lr / (1 - training.beta1) <= {f32_max:.4g} (AdamW's step "
-            "size in float32)"
-        )
+            raise ValueError(f"{key}={value!r}: expected {accepted}")
     from mxmoe.recipe import GEMM_BACKENDS
 
     if cfg.mx.gemm_backend not in GEMM_BACKENDS:
-        raise ConfigError(f"mx.gemm_backend={cfg.mx.gemm_backend!r}: expected one of {list(GEMM_BACKENDS)}")
+        raise ValueError(f"mx.gemm_backend={cfg.mx.gemm_backend!r}: expected one of {list(GEMM_BACKENDS)}")
+    check_limits(cfg)
 
 
 def train(cfg: JobConfig) -> int:
