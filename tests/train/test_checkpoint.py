@@ -393,3 +393,31 @@ def test_a_resumed_run_with_another_config_keeps_the_first_config_json(tmp_path)
     assert later.name == f"config.{conf['run_id']}.json" and conf["run_id"] != first["run_id"]
     assert first["training"]["steps"] == 2 and conf["training"]["steps"] == 3
     assert not list((tmp_path / "run").glob(".*.tmp"))  # written by rename, nothing left behind
+
+
+def _save_to_own_folder(rank: int, world: int, port: int, out: str) -> None:
+    """A rank saving into a folder of its own (another --checkpoint.folder, or a disk not shared)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.AdamW(model.parameters())
+        try:
+            Checkpointer(f"{out}/ckpt{rank}").save(1, model, opt, {"step": 1})
+            Path(out, f"result{rank}").write_text("saved")
+        except CheckpointError as e:
+            Path(out, f"result{rank}").write_text(str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_save_missing_a_ranks_shard_fails_on_every_rank(tmp_path):
+    from conftest import spawn_ranks
+
+    spawn_ranks(_save_to_own_folder, 2, str(tmp_path))
+    for r in range(2):
+        msg = (tmp_path / f"result{r}").read_text()
+        assert msg.startswith("saving checkpoint step 1 in") and "no shard of rank(s) [1]" in msg, msg
+    assert not (tmp_path / "ckpt0" / "step-00000001").exists()  # never under a final name
