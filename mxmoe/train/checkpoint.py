@@ -80,11 +80,6 @@ def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
-    if _dist():
-        dist.barrier()
-
-
 def _all_gather(obj) -> list:
     if not _dist():
         return [obj]
@@ -386,13 +381,42 @@ class Checkpointer:
         (every rank's shard among them), each of the recorded size and SHA-256, `.metadata` holds
         only DCP metadata (allow-list unpickler) naming listed files, its byte items are the
         optimizer's. Returns the manifest; CheckpointError naming the first problem otherwise (the
-        same on every rank)."""
-        try:
-            return self._verify(path)
-        except OSError as e:
-            raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from None
+        same on every rank: the local checks are agreed on before and after the collective hashing)."""
+        manifest = self._local(self._check_listing, path)
+        files = manifest["files"]
+        got = self._hash_files(path, sorted(files))
+        for name in sorted(files):
+            want, have = files[name], got[name]
+            f = path / name
+            if have["size"] < 0:
+                raise CheckpointError(f"checkpoint file {f} is missing")
+            if have["size"] != want["size"]:
+                raise CheckpointError(
+                    f"checkpoint file {f} has {have['size']} bytes, its manifest says {want['size']}: "
+                    "truncated or overwritten"
+                )
+            if have["sha256"] != want["sha256"]:
+                raise CheckpointError(
+                    f"checkpoint file {f} does not match its SHA-256 in {MANIFEST}: the file is corrupted"
+                )
+        self._local(self._check_contents, path, files)
+        return manifest
 
-    def _verify(self, path: Path) -> dict:
+    @staticmethod
+    def _local(check, path: Path, *args):
+        """check(path, *args) on every rank; a CheckpointError on every rank if it failed on any."""
+        out, error = None, None
+        try:
+            out = check(path, *args)
+        except CheckpointError as e:
+            error = str(e)
+        except OSError as e:
+            error = f"checkpoint {path} cannot be read: {e}"
+        _agree(error)
+        return out
+
+    def _check_listing(self, path: Path) -> dict:
+        """The manifest, checked against the folder's listing."""
         if path.is_symlink() or not path.is_dir():
             raise CheckpointError(f"checkpoint {path} is not a folder (a symbolic link or a file): refused")
         manifest = self._read_manifest(path)
@@ -422,21 +446,11 @@ class Checkpointer:
                 f"checkpoint {path} was saved by {manifest['world']} ranks but its {MANIFEST} names no shard "
                 f"of rank(s) {lost} (__{lost[0]}_0.distcp): the checkpoint is incomplete"
             )
-        got = self._hash_files(path, sorted(files))
-        for name in sorted(files):
-            want, have = files[name], got[name]
-            f = path / name
-            if have["size"] < 0:
-                raise CheckpointError(f"checkpoint file {f} is missing")
-            if have["size"] != want["size"]:
-                raise CheckpointError(
-                    f"checkpoint file {f} has {have['size']} bytes, its manifest says {want['size']}: "
-                    "truncated or overwritten"
-                )
-            if have["sha256"] != want["sha256"]:
-                raise CheckpointError(
-                    f"checkpoint file {f} does not match its SHA-256 in {MANIFEST}: the file is corrupted"
-                )
+        return manifest
+
+    def _check_contents(self, path: Path, files: dict) -> None:
+        """`.metadata` (allow-list unpickler) names only listed shards and the optimizer's byte
+        items; the trainer state is JSON."""
         md = read_metadata(path / ".metadata")
         for info in md.storage_data.values():
             rel = getattr(info, "relative_path", None)
@@ -452,7 +466,6 @@ class Checkpointer:
                     "never writes: refused"
                 )
         self._read_train_state(path)
-        return manifest
 
     @staticmethod
     def _read_train_state(path: Path) -> dict:
@@ -488,12 +501,16 @@ class Checkpointer:
                         "--checkpoint.resume=false"
                     )
                     raise CheckpointError(f"cannot resume: {e}; {hint}") from None
+                error = None
                 if self.rank == 0:
                     log.warning("%s; moved aside as %s.corrupt", e, path.name)
                     aside = path.with_name(path.name + ".corrupt")
-                    shutil.rmtree(aside, ignore_errors=True)
-                    os.replace(path, aside)
-                _barrier()
+                    try:
+                        shutil.rmtree(aside, ignore_errors=True)
+                        os.replace(path, aside)
+                    except OSError as err:
+                        error = f"cannot move checkpoint {path} aside: {err}"
+                _agree(error)
         if done:
             raise CheckpointError(f"cannot resume: no checkpoint in {self.folder} verifies (all moved aside)")
         return None
@@ -637,22 +654,26 @@ class Checkpointer:
         _agree(error)
         return final
 
-    def load(self, path: Path, model, optimizer, train_state: dict) -> dict:
-        """Load `path` (verified by `resume_path` or `verify`) into model and optimizer, restore this
-        rank's RNG; returns the saved train state (the JSON `train_state` of the saving `save`).
-        CheckpointError if the checkpoint's run shape differs from this run's, or it does not load
-        (naming the step and the file)."""
+    def _before_load(self, path: Path) -> tuple[dict, dict]:
+        """The run shape checked; (DCP's state_dict_metadata, the trainer state)."""
         manifest_file = path / MANIFEST
         if manifest_file.is_file():
             try:
                 saved_run = json.loads(manifest_file.read_text()).get("run", {})
-            except (OSError, ValueError, AttributeError) as e:
+            except (ValueError, AttributeError) as e:
                 raise CheckpointError(f"{manifest_file} is not a valid manifest ({e})") from None
             self._check_run(path, saved_run)
+        return read_metadata(path / ".metadata").state_dict_metadata, self._read_train_state(path)
+
+    def load(self, path: Path, model, optimizer, train_state: dict) -> dict:
+        """Load `path` (verified by `resume_path` or `verify`) into model and optimizer, restore this
+        rank's RNG; returns the saved train state (the JSON `train_state` of the saving `save`;
+        the `train_state` argument is not read).
+        CheckpointError if the checkpoint's run shape differs from this run's, or it does not load
+        (naming the step and the file)."""
+        saved, train = self._local(self._before_load, path)
         step = _STEP_DIR.match(path.name)
         where = f"checkpoint step {int(step.group(1)) if step else '?'} ({path})"
-        saved = read_metadata(path / ".metadata").state_dict_metadata
-        train = self._read_train_state(path)
         state = self._state(model, optimizer)
         # RNG states are per rank and per device type: restore those the checkpoint has (a run
         # saved with fewer ranks, or on CPU, has none for this rank / for CUDA; they stay as seeded)
