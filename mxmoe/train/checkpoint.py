@@ -4,15 +4,18 @@ sampler position, step and every rank's RNG state.
 Layout: `folder/step-00000100/`: DCP's files (`.metadata` and one `__R_0.distcp` shard per rank R),
 `trainer_state.json` (step, scheduler, sampler: JSON, no pickle) and `manifest.json`. A save writes
 `step-XXXXXXXX.tmp/` and renames it once every rank has finished, so an interrupted save (SIGTERM,
-SIGKILL, a crash) never leaves a half-written directory under a final name; `latest()` only
-returns complete ones.
+SIGKILL, a crash) never leaves a half-written directory under a final name; a step folder under a
+final name that lacks files is reported by verification, never skipped. Pruning renames a folder
+(`step-XXXXXXXX.pruned/`) before deleting it. `claim_folder` locks the folder for one live run.
 
 `manifest.json` holds the size and SHA-256 of every file of the checkpoint (each rank hashes a
 share of them), the saving world size and the run's shape (model arguments, global batch, sequence
 length). A resume verifies all of it before loading anything: the files present must be exactly
 those listed, with every rank's shard; a corrupted, truncated, missing or unlisted file, a step
 folder that is incomplete, or a run of another shape, is a `CheckpointError` naming it, never a
-torch traceback, a silent skip or a silent continuation.
+torch traceback, a silent skip or a silent continuation. `resume_path(fallback=True)` instead moves
+a checkpoint that fails verification aside (`step-XXXXXXXX.corrupt/`) and takes the previous one.
+Pruning (`keep_latest`) never deletes the checkpoint just written (verified by the hashing).
 
 Nothing is loaded through an unrestricted unpickler (a checksum is no signature: whoever can write
 the folder can rewrite the manifest). DCP's `.metadata` is read with an allow-list unpickler (DCP's
@@ -21,9 +24,6 @@ optimizer's param-group values) are read only if this run's own state has that i
 `torch.load(weights_only=True)`; tensors are DCP's, read with `weights_only=True` by DCP itself.
 The trainer's own state is JSON. Every save or load failure, DCP's `CheckpointException` (a
 BaseException) included, is a `CheckpointError` naming the step and the file.
-`resume_path(fallback=True)` instead moves a corrupt checkpoint aside (`step-XXXXXXXX.corrupt/`)
-and takes the previous complete one. Pruning (`keep_latest`) never deletes the checkpoint just
-written (verified by the hashing).
 
 Expert-parallel experts are plain local tensors holding E / ep experts each; for saving they are
 wrapped as DTensors on the (edp, ep) mesh (Shard(0) over ep, replicated over edp), so DCP stores
@@ -119,13 +119,16 @@ def _agree(error: str | None) -> None:
 
 
 def _describe(e: BaseException) -> str:
-    """One line per failing rank: DCP's CheckpointException carries each rank's exception."""
+    """The failure in one line; DCP's CheckpointException carries each rank's exception (ranks
+    failing alike are named together)."""
     if isinstance(e, CheckpointException):
-        parts = []
+        by_text: dict[str, list[int]] = {}
         for rank, failure in sorted(e.failures.items()):
             exc = failure[0] if isinstance(failure, tuple) else failure
-            parts.append(f"rank {rank}: {_describe(exc)}")
-        return "; ".join(parts)
+            by_text.setdefault(_describe(exc), []).append(rank)
+        return "; ".join(
+            f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}" for text, r in by_text.items()
+        )
     return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
 
 
