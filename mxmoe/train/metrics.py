@@ -94,8 +94,12 @@ class RunLock:
             ) from None
         stale = os.pread(self.fd, 4096, 0).decode(errors="replace").strip()
         if stale:  # release() empties the file: this run ended without releasing (killed)
-            log.warning("%s=%s: taking over the lock of %s, which ended without releasing it", setting,
-                        self.path.parent, stale)
+            log.warning(
+                "%s=%s: taking over the lock of %s, which ended without releasing it",
+                setting,
+                self.path.parent,
+                stale,
+            )
         info = f"run {run_id}, pid {os.getpid()} on {socket.gethostname()}"
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, info.encode(), 0)
