@@ -13,6 +13,8 @@ and badly typed values raise `ConfigError` naming them. Every field carries a on
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import tomllib
 import types
 import typing
@@ -192,6 +194,56 @@ class JobConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def flat(self) -> dict[str, typing.Any]:
+        """{"section.key": value} of every field."""
+        return {f"{sec}.{k}": v for sec, body in self.to_dict().items() for k, v in body.items()}
+
+    def digest(self) -> str:
+        """SHA-256 of the resolved config (every field, as JSON)."""
+        return hashlib.sha256(json.dumps(self.flat(), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_limits(cfg: JobConfig) -> None:
+    """ConfigError for values of the right type that fail at run time (the trainer's other range
+    checks are in `mxmoe.train.trainer.check_values`)."""
+    t = cfg.training
+    if cfg.parallelism.timeout_s < 1:
+        raise ConfigError(f"parallelism.timeout_s={cfg.parallelism.timeout_s}: expected >= 1")
+    # the sampler seeds torch's 64-bit generator with seed * 1_000_003 + epoch
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"training.seed={t.seed}: expected 0 <= seed < 2**32")
+    # AdamW's step size lr / (1 - beta1**t) is a float32 scalar: beyond float32 it fails mid-step
+    f32_max = float.fromhex("0x1.fffffep+127")
+    if 0 <= t.beta1 < 1 and t.lr / (1 - t.beta1) > f32_max:
+        raise ConfigError(
+            f"training.lr={t.lr!r}: expected lr / (1 - training.beta1) <= {f32_max:.4g} (AdamW's step "
+            "size in float32)"
+        )
+
+
+def check_ranks_agree(cfg: JobConfig) -> None:
+    """Collective over the default process group: ConfigError on every rank, naming the differing
+    keys and their values, unless every rank resolved the same config as rank 0 (a rank with
+    another lr trains silently apart, another step count hangs, another checkpoint folder loses
+    that rank's shard)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    digests: list = [None] * world
+    dist.all_gather_object(digests, cfg.digest())
+    if all(d == digests[0] for d in digests):
+        return
+    flats: list = [None] * world
+    dist.all_gather_object(flats, cfg.flat())
+    ref, diffs = flats[0], []
+    for rank in range(1, world):
+        keys = sorted(k for k in set(ref) | set(flats[rank]) if ref.get(k) != flats[rank].get(k))
+        diffs += [f"{k} (rank 0: {ref.get(k)!r}, rank {rank}: {flats[rank].get(k)!r})" for k in keys]
+    raise ConfigError(
+        f"the ranks were started with different configs: {'; '.join(diffs)}; give every rank the same "
+        "--config and options"
+    )
+
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig)}
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -282,8 +334,14 @@ def load_toml(path: str, cfg: JobConfig | None = None) -> JobConfig:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"--config {path!r}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path!r}: is a folder, expected a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path!r}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path!r}: not UTF-8 text ({e}); expected a UTF-8 TOML file") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path!r}: cannot be read: {e}") from None
     for section, body in data.items():
         if not isinstance(body, dict):
             raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")

@@ -7,6 +7,11 @@ error naming the live one instead of interleaving its records. `MetricsWriter` w
 NaN and infinities are written as null and listed under "nonfinite". A run resumed at step S first
 moves the folder's records of steps > S (written after that checkpoint by the run that stopped) to
 `metrics.dropped.jsonl`, so every step appears once.
+
+The folder's own files are never written through a symbolic link: a folder holding one is refused
+at the lock (a link named `.lock` or `config.json` would truncate or overwrite its target), files
+are opened with O_NOFOLLOW and replaced by rename. `config.json` is the first run's config; a later
+run in the folder (a resume, or a new run) writes `config.<run_id>.json` beside it.
 """
 
 from __future__ import annotations
@@ -35,22 +40,66 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
 
 
-class RunLock:
-    """An exclusive lock on `folder` (created if needed) for one live run; `release()` ends it."""
+def refuse_symlinks(folder: Path, setting: str) -> None:
+    """ValueError naming the symbolic links directly in `folder` (a run writes its files there and
+    must never write through a link into someone else's file)."""
+    links = sorted(p.name for p in folder.iterdir() if p.is_symlink())
+    if links:
+        raise ValueError(
+            f"{setting}={str(folder)!r} holds symbolic links {links}: refused (the run would write "
+            "through them); remove them or use another folder"
+        )
 
-    def __init__(self, folder: str | Path, run_id: str):
+
+def _no_follow(path: str, flags: int) -> int:
+    """`open(..., opener=_no_follow)`: fails (ELOOP) instead of following a symbolic link."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a fresh temporary file (never through a link), fsync, rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class RunLock:
+    """An exclusive lock on `folder` (created if needed) for one live run; `release()` ends it.
+
+    setting: the option that named the folder, for the messages ("metrics.folder",
+    "checkpoint.folder"). A lock file still naming a run when the lock is free was left by a run
+    that was killed: it is taken over, with a warning naming that run."""
+
+    def __init__(self, folder: str | Path, run_id: str, setting: str = "metrics.folder"):
         self.path = Path(folder) / ".lock"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        refuse_symlinks(self.path.parent, setting)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(self.fd, 4096, 0).decode(errors="replace").strip() or "unknown"
             os.close(self.fd)
             raise RunFolderBusy(
-                f"metrics.folder={str(self.path.parent)!r} is in use by a live run ({holder}); wait for "
-                "it to finish or give this run another --metrics.folder"
+                f"{setting}={str(self.path.parent)!r} is in use by a live run ({holder}); wait for "
+                f"it to finish or give this run another --{setting}"
             ) from None
+        stale = os.pread(self.fd, 4096, 0).decode(errors="replace").strip()
+        if stale:  # release() empties the file: this run ended without releasing (killed)
+            log.warning(
+                "%s=%s: taking over the lock of %s, which ended without releasing it",
+                setting,
+                self.path.parent,
+                stale,
+            )
         info = f"run {run_id}, pid {os.getpid()} on {socket.gethostname()}"
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, info.encode(), 0)
@@ -86,9 +135,13 @@ class MetricsWriter:
             return
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps({"run_id": run_id, **config}, indent=2, default=str))
+        conf = path / "config.json"
+        if os.path.lexists(conf):  # keep the first run's config; this run's goes beside it
+            conf = path / f"config.{run_id}.json"
+            log.info("%s holds an earlier run's config.json: this run's config is in %s", path, conf.name)
+        write_atomic(conf, json.dumps({"run_id": run_id, **config}, indent=2, default=str))
         self._drop_after(path / METRICS, start_step)
-        self.fh = open(path / METRICS, "a")
+        self.fh = open(path / METRICS, "a", opener=_no_follow)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -117,11 +170,9 @@ class MetricsWriter:
             (keep if rec_step is not None and rec_step <= step else drop).append(line)
         if not drop:
             return
-        with open(file.with_name(DROPPED), "a") as fh:
+        with open(file.with_name(DROPPED), "a", opener=_no_follow) as fh:
             fh.write("".join(x + "\n" for x in drop))
-        tmp = file.with_name(file.name + ".tmp")
-        tmp.write_text("".join(x + "\n" for x in keep))
-        os.replace(tmp, file)
+        write_atomic(file, "".join(x + "\n" for x in keep))
         log.info("%s: moved %d records after step %d (redone now) to %s", file, len(drop), step, DROPPED)
 
     def log(self, record: dict) -> None:

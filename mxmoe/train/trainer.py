@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from mxmoe.models import GraphedStep, LocalExperts, Transformer, apply_expert_parallel, model_args
 from mxmoe.train import determinism, parallel, profiling
-from mxmoe.train.checkpoint import Checkpointer, CheckpointError
-from mxmoe.train.config import ConfigError, JobConfig, help_text, parse_args
+from mxmoe.train.checkpoint import Checkpointer, CheckpointError, claim_folder
+from mxmoe.train.config import ConfigError, JobConfig, check_limits, check_ranks_agree, help_text, parse_args
 from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, eval_windows, load_tokens
 from mxmoe.train.metrics import MetricsWriter, RunLock, new_run_id
 
@@ -275,6 +275,7 @@ def check_values(cfg: JobConfig) -> None:
             "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
             "drop one of the two"
         )
+    check_limits(cfg)
 
 
 def train(cfg: JobConfig) -> int:
@@ -304,13 +305,20 @@ def _train_run(cfg: JobConfig) -> int:
         torch.set_num_threads(t.cpu_threads)
     distributed = dist.is_initialized()
     stop = _Stop()
-    run_id, lock = new_run_id(), None
+    run_id, locks = new_run_id(), []
     try:
-        # one live run per metrics folder: rank 0 takes the lock and every rank learns the outcome
+        if distributed:
+            check_ranks_agree(cfg)
+        # one live run per metrics / checkpoint folder: rank 0 takes the locks and every rank learns
+        # the outcome
         busy = None
         if rank == 0:
             try:
-                lock = RunLock(cfg.metrics.folder, run_id)
+                locks.append(RunLock(cfg.metrics.folder, run_id))
+                ck = cfg.checkpoint
+                if ck.folder:
+                    same = os.path.realpath(ck.folder) == os.path.realpath(cfg.metrics.folder)
+                    locks += [x for x in [claim_folder(ck.folder, run_id, ck.resume, locked=same)] if x]
             except ValueError as e:
                 busy = str(e)
             except OSError as e:  # e.g. a read-only folder: every rank must hear of it, not hang
@@ -323,7 +331,7 @@ def _train_run(cfg: JobConfig) -> int:
             raise ValueError(busy)
         return _train(cfg, rank, world, device, distributed, use_mx, stop, run_id)
     finally:
-        if lock is not None:
+        for lock in locks:
             lock.release()
         stop.restore()
         torch.set_num_threads(threads)

@@ -1,7 +1,13 @@
 """Checkpoints a team can trust: checksums verified on resume, a fallback on request, pruning that
-keeps the newest good checkpoint, runs that stop on a non-finite loss, resumes of another shape."""
+keeps the newest good checkpoint, runs that stop on a non-finite loss, resumes of another shape;
+nothing in a checkpoint runs code on load, the manifest lists exactly the files present, every
+save / load failure is a CheckpointError, and a live run holds its checkpoint folder."""
 
+import errno
+import hashlib
 import json
+import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -22,12 +28,40 @@ def _shard(step_dir: Path) -> Path:
     return shard
 
 
+def _entries(folder: Path) -> list[str]:
+    """The folder's entries but the run lock."""
+    return sorted(p.name for p in folder.iterdir() if p.name != ".lock")
+
+
+def _rehash(step_dir: Path, **changes) -> None:
+    """What an attacker (or a careless script) does after editing a checkpoint: recompute the
+    manifest's sizes and SHA-256 of the files present; `changes` replace manifest fields."""
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    manifest["files"] = {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in step_dir.iterdir()
+        if p.name != MANIFEST
+    }
+    manifest.update(changes)
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+class _MakeDirs:
+    """Unpickling this calls os.makedirs(path): code run from a checkpoint."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.makedirs, (self.path,)
+
+
 @pytest.fixture
 def four_steps(tmp_path):
     """A run of 4 steps with checkpoints at steps 2 and 4 in tmp_path/ckpt; its losses."""
     args = ["--training.steps=4", "--checkpoint.interval=2", "--checkpoint.keep_latest=2"]
     assert _train(tmp_path, "full", *args) == 0
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000002", "step-00000004"]
+    assert _entries(tmp_path / "ckpt") == ["step-00000002", "step-00000004"]
     return losses(tmp_path / "full")
 
 
@@ -75,7 +109,7 @@ def test_a_damaged_checkpoint_is_a_clear_error_and_nothing_is_pruned(
         assert str(shard) in err
     assert "Traceback" not in err
     # nothing trained, nothing pruned
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000002", "step-00000004"]
+    assert _entries(tmp_path / "ckpt") == ["step-00000002", "step-00000004"]
     assert not (tmp_path / "resumed" / "metrics.jsonl").exists()
 
 
@@ -89,7 +123,7 @@ def test_fallback_resumes_from_the_previous_checkpoint_exactly(tmp_path, capsys,
     assert "moved aside as step-00000004.corrupt" in capsys.readouterr().err
     got = losses(tmp_path / "resumed")
     assert sorted(got) == [3, 4] and got[3] == four_steps[3] and got[4] == four_steps[4]
-    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    names = _entries(tmp_path / "ckpt")
     assert names == ["step-00000002", "step-00000004", "step-00000004.corrupt"]
     Checkpointer(str(tmp_path / "ckpt")).verify(tmp_path / "ckpt" / "step-00000004")
 
@@ -116,7 +150,7 @@ def test_nonfinite_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
     assert _train(tmp_path, "run", *args) == 1
     err = capsys.readouterr().err
     assert "step 2: non-finite" in err and "nothing saved" in err and "Traceback" not in err, err
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000001"]
+    assert _entries(tmp_path / "ckpt") == ["step-00000001"]
 
 
 @pytest.mark.parametrize(
@@ -137,3 +171,253 @@ def test_resuming_a_run_of_another_shape_is_a_clear_error(tmp_path, capsys, chan
         Checkpointer(str(tmp_path / "ckpt"), run={"seq_len": 7}).load(
             tmp_path / "ckpt" / "step-00000001", None, None, {}
         )
+
+
+# -- 1. nothing in a checkpoint runs code on load ------------------------------------------------
+def test_a_metadata_file_that_runs_code_is_refused(tmp_path, capsys, four_steps):
+    step4 = tmp_path / "ckpt" / "step-00000004"
+    marker = tmp_path / "pwned"
+    with open(step4 / ".metadata", "rb") as fh:
+        md = pickle.load(fh)  # our own file, read to be altered
+    md.storage_meta = _MakeDirs(marker)
+    with open(step4 / ".metadata", "wb") as fh:
+        pickle.dump(md, fh)
+    _rehash(step4)  # the checksums match again: a checksum is no signature
+    capsys.readouterr()
+    assert _train(tmp_path, "resumed", "--training.steps=6") == 1
+    err = capsys.readouterr().err
+    assert f"{step4 / '.metadata'} is refused" in err and "makedirs" in err and "Traceback" not in err, err
+    assert not marker.exists()
+    # the refusal is a verification failure: --checkpoint.fallback takes the previous checkpoint
+    assert _train(tmp_path, "resumed", "--training.steps=4", "--checkpoint.fallback=true") == 0
+    assert not marker.exists()
+    assert sorted(losses(tmp_path / "resumed")) == [3, 4]
+    assert losses(tmp_path / "resumed")[4] == four_steps[4]
+
+
+def _linear_checkpoint(folder: Path):
+    ck = Checkpointer(str(folder), keep_latest=0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    return ck, model, opt, ck.save(1, model, opt, {"step": 1, "sampler": {"epoch": 0, "pos": 3}})
+
+
+@pytest.mark.parametrize("item", ["optim.param_groups.0.lr", "extra.blob"])
+def test_byte_items_we_did_not_write_are_refused(tmp_path, item):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    ck, model, opt, path = _linear_checkpoint(tmp_path / "ckpt")
+    marker = tmp_path / "pwned"
+    # the attacker rewrites the DCP files with one byte item whose unpickling runs code
+    osd = get_optimizer_state_dict(model, opt)
+    state = {"model": get_model_state_dict(model), "optim": osd}
+    if item == "extra.blob":
+        state["extra"] = {"blob": _MakeDirs(marker)}
+    else:
+        osd["param_groups"][0]["lr"] = _MakeDirs(marker)
+    dcp.save(state, checkpoint_id=str(path))
+    _rehash(path)
+    with pytest.raises(CheckpointError, match=f"{item}.*refused|refused.*{item}"):
+        ck.load(path, model, opt, {})
+    assert not marker.exists()
+    if item == "extra.blob":  # a byte item outside the optimizer's is refused by verification too
+        with pytest.raises(CheckpointError, match="byte item 'extra.blob'"):
+            ck.verify(path)
+
+
+def test_the_trainer_state_is_json_and_reloads(tmp_path, four_steps):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from mxmoe.train.checkpoint import TRAIN_STATE, read_metadata
+
+    step4 = tmp_path / "ckpt" / "step-00000004"
+    state = json.loads((step4 / TRAIN_STATE).read_text())
+    assert state["step"] == 4 and state["scheduler"]["last_epoch"] == 4
+    assert state["sampler"]["step"] == 4 and state["sampler"]["seed"] == 0
+    md = read_metadata(step4 / ".metadata")
+    byte_items = [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    assert byte_items and all(k.startswith("optim.param_groups.") for k in byte_items), byte_items
+    assert "rng_rank0.cpu" in md.state_dict_metadata  # a uint8 tensor, no pickle
+
+
+# -- 2. the manifest lists exactly the files present ---------------------------------------------
+@pytest.mark.parametrize("damage", ["empty_files", "extra_file", "files_list", "lost_rank"])
+def test_the_manifest_must_list_exactly_the_files_present(tmp_path, capsys, four_steps, damage):
+    step4 = tmp_path / "ckpt" / "step-00000004"
+    shard = _shard(step4)
+    manifest = json.loads((step4 / MANIFEST).read_text())
+    if damage == "empty_files":  # an emptied list of files and flipped bytes in the shard
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        manifest["files"] = {}
+        message = "is not listed in manifest.json"
+    elif damage == "extra_file":
+        (step4 / "notes.txt").write_text("x")
+        message = f"{step4 / 'notes.txt'} is not listed in manifest.json"
+    elif damage == "files_list":
+        manifest["files"] = sorted(manifest["files"])
+        message = '"files" must map each file name to its size and sha256, got list'
+    else:  # saved by 2 ranks, rank 1's shard gone from the folder and the manifest
+        manifest["world"] = 2
+        message = "names no shard of rank(s) [1] (__1_0.distcp)"
+    (step4 / MANIFEST).write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert _train(tmp_path, "resumed", "--training.steps=6") == 1
+    err = capsys.readouterr().err
+    assert message in err and "--checkpoint.fallback=true" in err and "Traceback" not in err, err
+    assert not (tmp_path / "resumed" / "metrics.jsonl").exists()
+    assert _train(tmp_path, "resumed", "--training.steps=4", "--checkpoint.fallback=true") == 0
+    assert losses(tmp_path / "resumed") == {3: four_steps[3], 4: four_steps[4]}
+
+
+def test_an_incomplete_step_folder_is_an_error_not_a_skip(tmp_path, capsys, four_steps):
+    # a step folder with a shard but neither .metadata nor manifest (copied by hand, say)
+    step6 = tmp_path / "ckpt" / "step-00000006"
+    step6.mkdir()
+    (step6 / "__0_0.distcp").write_bytes(_shard(tmp_path / "ckpt" / "step-00000004").read_bytes())
+    capsys.readouterr()
+    assert _train(tmp_path, "resumed", "--training.steps=8") == 1
+    err = capsys.readouterr().err
+    assert f"checkpoint {step6} is incomplete" in err and "step-00000004 instead" in err, err
+    assert not (tmp_path / "resumed" / "metrics.jsonl").exists()
+
+
+# -- 3. DCP's own failures are the trainer's checkpoint errors -----------------------------------
+def test_a_dcp_load_failure_is_a_checkpoint_error_naming_step_and_file(tmp_path):
+    ck, model, opt, path = _linear_checkpoint(tmp_path / "ckpt")
+    _shard(path).unlink()
+    # DCP raises CheckpointException, a BaseException that `except Exception` never sees
+    with pytest.raises(CheckpointError, match=r"checkpoint step 1 .*__0_0\.distcp"):
+        ck.load(path, model, opt, {})
+
+
+def test_a_failed_save_is_a_checkpoint_error_naming_step_and_file(tmp_path, capsys, monkeypatch):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = FileSystem.create_stream
+
+    def no_space(self, path, mode):
+        if "wb" in mode and str(path).endswith(".distcp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", no_space)
+    assert _train(tmp_path, "run", "--training.steps=2", "--checkpoint.interval=2") == 1
+    err = capsys.readouterr().err
+    assert "saving checkpoint step 2 in" in err and "No space left on device" in err, err
+    assert "__0_0.distcp" in err and "Traceback" not in err, err
+    assert _entries(tmp_path / "ckpt") == ["step-00000002.tmp"]  # never under a final name
+
+
+# -- 4. one live run per checkpoint folder --------------------------------------------------------
+def test_a_live_run_holds_the_checkpoint_folder_and_a_stale_lock_is_taken_over(tmp_path, capsys):
+    from mxmoe.train.metrics import RunLock
+
+    live = RunLock(tmp_path / "ckpt", "live-run-id", "checkpoint.folder")
+    try:
+        assert _train(tmp_path, "b", "--training.steps=1") == 2
+        err = capsys.readouterr().err
+        assert "checkpoint.folder=" in err and "in use by a live run (run live-run-id" in err, err
+        assert not (tmp_path / "b" / "metrics.jsonl").exists()
+    finally:
+        live.release()
+    # a run killed while holding it leaves its name in the lock file: taken over, with a message
+    (tmp_path / "ckpt" / ".lock").write_text("run killed-run-id, pid 1 on somewhere")
+    assert _train(tmp_path, "c", "--training.steps=1") == 0
+    err = capsys.readouterr().err
+    assert "taking over the lock of run killed-run-id" in err, err
+    assert (tmp_path / "ckpt" / ".lock").read_text() == ""  # released at the end
+
+
+# -- 6. the smaller ones --------------------------------------------------------------------------
+@pytest.mark.parametrize("link", ["metrics/config.json", "ckpt/.lock"])
+def test_symlinks_in_the_run_folders_are_refused(tmp_path, capsys, link):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    (tmp_path / link).parent.mkdir(parents=True)
+    (tmp_path / link).symlink_to(target)
+    assert _train(tmp_path, "metrics", "--training.steps=1") == 2
+    err = capsys.readouterr().err
+    assert "holds symbolic links" in err and Path(link).name in err and "Traceback" not in err, err
+    assert target.read_text() == "keep me"
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_fails_at_start(tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    argv = TINY + [f"--metrics.folder={tmp_path}/run", f"--checkpoint.folder={tmp_path}/file/ckpt"]
+    assert trainer.main(argv + ["--training.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.folder='{tmp_path}/file/ckpt'" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before the first step
+
+
+def test_resume_false_in_a_used_folder_does_not_leave_the_old_run_to_resume(tmp_path, capsys):
+    assert _train(tmp_path, "a", "--training.steps=4") == 0  # run A: step-00000004
+    assert _train(tmp_path, "b", "--training.steps=2", "--checkpoint.resume=false") == 0
+    err = capsys.readouterr().err
+    (aside,) = (tmp_path / "ckpt").glob("superseded-*")
+    assert _entries(aside) == ["step-00000004"] and aside.name in err
+    assert _entries(tmp_path / "ckpt") == ["step-00000002", aside.name]
+    # a plain run later continues run B (from its step 2), not run A's step 4
+    assert _train(tmp_path, "c", "--training.steps=3") == 0
+    assert sorted(losses(tmp_path / "c")) == [3]
+    assert "resumed from " + str(tmp_path / "ckpt" / "step-00000002") in capsys.readouterr().out
+
+
+def test_stale_tmp_and_empty_step_folders_are_cleaned(tmp_path, capsys):
+    assert _train(tmp_path, "a", "--training.steps=2") == 0
+    ck = tmp_path / "ckpt"
+    (ck / "step-00000003.tmp").mkdir()  # a save killed before its rename
+    (ck / "step-00000003.tmp" / "__0_0.distcp").write_bytes(b"half")
+    (ck / "step-00000001").mkdir()  # an interrupted prune (older code deleted in place)
+    (ck / "step-00000000.pruned").mkdir()
+    capsys.readouterr()
+    assert _train(tmp_path, "b", "--training.steps=3") == 0
+    out, err = capsys.readouterr()
+    assert "removed step-00000003.tmp" in out and "removed the empty folder step-00000001" in err
+    assert _entries(ck) == ["step-00000002", "step-00000003"]
+    assert sorted(losses(tmp_path / "b")) == [3]
+
+
+def test_a_resumed_run_with_another_config_keeps_the_first_config_json(tmp_path):
+    assert _train(tmp_path, "run", "--training.steps=2") == 0
+    first = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert _train(tmp_path, "run", "--training.steps=3") == 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text()) == first
+    (later,) = (tmp_path / "run").glob("config.*.json")
+    conf = json.loads(later.read_text())
+    assert later.name == f"config.{conf['run_id']}.json" and conf["run_id"] != first["run_id"]
+    assert first["training"]["steps"] == 2 and conf["training"]["steps"] == 3
+    assert not list((tmp_path / "run").glob(".*.tmp"))  # written by rename, nothing left behind
+
+
+def _save_to_own_folder(rank: int, world: int, port: int, out: str) -> None:
+    """A rank saving into a folder of its own (another --checkpoint.folder, or a disk not shared)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.AdamW(model.parameters())
+        try:
+            Checkpointer(f"{out}/ckpt{rank}").save(1, model, opt, {"step": 1})
+            Path(out, f"result{rank}").write_text("saved")
+        except CheckpointError as e:
+            Path(out, f"result{rank}").write_text(str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_save_missing_a_ranks_shard_fails_on_every_rank(tmp_path):
+    from conftest import spawn_ranks
+
+    spawn_ranks(_save_to_own_folder, 2, str(tmp_path))
+    for r in range(2):
+        msg = (tmp_path / f"result{r}").read_text()
+        assert msg.startswith("saving checkpoint step 1 in") and "no shard of rank(s) [1]" in msg, msg
+    assert not (tmp_path / "ckpt0" / "step-00000001").exists()  # never under a final name

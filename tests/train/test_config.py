@@ -97,6 +97,59 @@ def test_bad_toml_names_the_key(tmp_path, body, match):
         load_toml(str(p))
 
 
+@pytest.mark.parametrize("kind", ["folder", "latin1"])
+def test_an_unreadable_config_file_is_a_config_error(tmp_path, capsys, kind):
+    path = tmp_path / "c.toml"
+    if kind == "folder":
+        path.mkdir()
+        match = "is a folder, expected a TOML file"
+    else:
+        path.write_bytes('[training]\n# caf\u00e9\nsteps = 3\n'.encode("latin-1"))
+        match = "not UTF-8 text"
+    with pytest.raises(ConfigError, match=match):
+        parse_args(["--config", str(path)])
+    assert trainer.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert match in err and str(path) in err and "Traceback" not in err, err
+
+
+def test_ranks_with_different_configs_stop_naming_the_keys(tmp_path):
+    """rank 1 started with another lr and step count: both ranks stop at start (no training, no
+    hang until the timeout) with an error naming the differing keys and both values."""
+    from conftest import spawn_ranks
+    from test_trainer import TINY
+
+    argv = TINY + ["--training.steps=2", "--parallelism.timeout_s=60", f"--metrics.folder={tmp_path}/run"]
+    spawn_ranks(_rank_with_extra, 2, argv, ["--training.lr=0.001", "--training.steps=3"], str(tmp_path))
+    for r in range(2):
+        assert (tmp_path / f"rc{r}").read_text() == "2"
+        err = (tmp_path / f"err{r}").read_text()
+        assert "the ranks were started with different configs" in err, err
+        assert "training.lr (rank 0: 0.003, rank 1: 0.001)" in err, err
+        assert "training.steps (rank 0: 2, rank 1: 3)" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _rank_with_extra(rank: int, world: int, port: int, argv: list[str], extra: list[str], out: str) -> None:
+    """A trainer rank; rank 1 gets `extra` options; its exit status and stderr go to files in `out`."""
+    import contextlib
+    import os
+
+    import torch
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    with open(Path(out, f"err{rank}"), "w") as err, contextlib.redirect_stderr(err):
+        rc = trainer.main(argv + (extra if rank == 1 else []))
+    Path(out, f"rc{rank}").write_text(str(rc))
+
+
 def test_main_reports_config_errors(capsys):
     assert trainer.main(["--training.stepz=3"]) == 2
     assert "training.stepz" in capsys.readouterr().err
@@ -124,6 +177,12 @@ def test_main_reports_config_errors(capsys):
         ("--mx.expert_gemm=bf16", "mx.expert_gemm='bf16': expected one of ['mx', 'hp']"),
         ("--mx.expert_gemm=hp --mx.convert_grouped_experts=false",
          "mx.convert_grouped_experts=false leaves them unconverted"),
+        # finite, but AdamW's float32 step size lr / (1 - beta1) overflows mid-step
+        ("--training.lr=1e38", "training.lr=1e+38: expected lr / (1 - training.beta1) <= 3.403e+38"),
+        (f"--training.seed={2**70}", f"training.seed={2**70}: expected 0 <= seed < 2**32"),
+        ("--training.seed=-1", "training.seed=-1: expected 0 <= seed < 2**32"),
+        ("--parallelism.timeout_s=0", "parallelism.timeout_s=0: expected >= 1"),
+        ("--parallelism.timeout_s=-5", "parallelism.timeout_s=-5: expected >= 1"),
     ],
 )
 def test_main_rejects_out_of_range_values(capsys, arg, match):

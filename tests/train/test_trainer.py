@@ -14,7 +14,7 @@ import torch
 from conftest import spawn_ranks
 
 from mxmoe.train import trainer
-from mxmoe.train.checkpoint import Checkpointer
+from mxmoe.train.checkpoint import Checkpointer, CheckpointError
 
 REPO = Path(__file__).parents[2]
 TINY = [
@@ -70,14 +70,17 @@ def test_resume_reproduces_losses_exactly(tmp_path):
     assert all(got[s] == ref[s] for s in (4, 5, 6)), (got, ref)
 
 
-def test_incomplete_checkpoint_is_ignored(tmp_path):
+def test_an_interrupted_save_is_ignored_and_an_incomplete_step_folder_is_an_error(tmp_path):
     ck = tmp_path / "ckpt"
-    (ck / "step-00000004").mkdir(parents=True)  # complete: has .metadata
+    (ck / "step-00000004").mkdir(parents=True)
     (ck / "step-00000004" / ".metadata").write_bytes(b"x")
-    (ck / "step-00000008.tmp").mkdir()  # interrupted save
+    (ck / "step-00000008.tmp").mkdir()  # interrupted save: not a checkpoint
     (ck / "step-00000008.tmp" / ".metadata").write_bytes(b"x")
-    (ck / "step-00000009").mkdir()  # no metadata
     assert Checkpointer(str(ck)).latest() == ck / "step-00000004"
+    (ck / "step-00000009").mkdir()  # a final name without its files: reported, never skipped
+    assert Checkpointer(str(ck)).latest() == ck / "step-00000009"
+    with pytest.raises(CheckpointError, match="step-00000009 is incomplete: it has no manifest.json"):
+        Checkpointer(str(ck)).resume_path()
 
 
 def test_sigterm_stops_cleanly_with_loadable_checkpoint(tmp_path):
