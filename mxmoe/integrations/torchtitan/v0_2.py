@@ -6,8 +6,8 @@ parallelizing it (`ModelConverter(job_config, parallel_dims).convert(model)`, ch
 leaves free: its own torchao converters are "quantize.linear.mx" / "quantize.grouped_mm.mx"):
 
 * swaps `nn.Linear` for `mxmoe.nn.MXLinear` (`mxmoe.convert`: forward, dgrad and wgrad GEMMs on MX
-  operands), except modules whose FQN contains a `filter_fqns` substring (default: the output head
-  and the MoE router gate);
+  operands), except modules whose FQN contains a `filter_fqns` substring (default: the output head,
+  the MoE router gate and attention: the dense and shared-expert feed-forward layers are MX);
 * turns torchtitan's `GroupedExperts` into `MXGroupedExperts`: the same module and parameters
   (w1 / w3 (E, hidden, dim), w2 (E, dim, hidden)), its SwiGLU grouped GEMMs run by
   `mxmoe.ops.mx_grouped_mm`, which takes token groups of any size (no padding to 8/16/32).
@@ -16,7 +16,7 @@ The options come from torchtitan's job config, extended with `JobConfig` below:
 
     --job.custom_config_module mxmoe.integrations.torchtitan --model.converters mxmoe \\
         --mx.recipe_name mxfp8_rceil --mx.mxfp8_dim1_cast_kernel_choice triton \\
-        --mx.filter_fqns output,router
+        --mx.filter_fqns output,router,attention
 
 or the same in TOML (`[job] custom_config_module = "mxmoe.integrations.torchtitan"`, `[model]
 converters = ["mxmoe"]`, `[mx] recipe_name = "mxfp8_rceil"`). Importing the module named by
@@ -27,8 +27,9 @@ parallelism.tensor_parallel_degree). Expert parallelism runs with torchtitan's o
 all-to-all: the MX experts take its padded, expert-sharded token groups as they are.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: torchtitan merges `JobConfig` into its own with
+# dataclasses.make_dataclass and tyro resolves the field types, which string annotations would
+# leave unresolvable outside this module.
 from dataclasses import dataclass, field
 
 import torch
@@ -56,10 +57,12 @@ class MX:
     """Kernel of the casts producing a dim1 (transposed) result: "auto" | "triton" | "cuda" | "torch"."""
     mxfp8_dim0_cast_kernel_choice: str = "auto"
     """Kernel of the dim0 casts and of dequantizing: "auto" | "triton" | "cuda" | "torch"."""
-    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router"])
+    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router", "attention"])
     """Comma-separated: Linear layers and experts whose FQN contains one of these stay high
-    precision. Default: the output head and the MoE router gate (precision-sensitive; the gate's
-    E outputs are not a multiple of 32 anyway). Add "attention" to keep attention in bf16."""
+    precision. Default: the output head, the MoE router gate (precision-sensitive; its E outputs
+    are not a multiple of 32 anyway) and the attention projections (most of MX's deviation from
+    bf16 for a small share of a MoE model's FLOPs; docs/torchtitan.md). "output,router" converts
+    attention too."""
     gemm_backend: str = "emulated"
     """GEMM on MX operands, a name in mxmoe.recipe.GEMM_BACKENDS ("emulated": exactly dequantized
     operands, bf16 GEMM with fp32 accumulation on CUDA, fp32 on CPU)."""
