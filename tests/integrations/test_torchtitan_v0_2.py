@@ -259,3 +259,16 @@ def test_moe_model_forward_backward_near_fp32(name, flavor, filter_fqns, cpu_his
     assert _rel(mx_logits, ref_logits) < 0.015
     assert abs(mx_loss - ref_loss) < 5e-4 * ref_loss
     assert np.median(list(rels.values())) < 0.1 and max(rels.values()) < 0.2, rels
+
+
+def test_byte_tokenizer_is_the_bytes_for_torchtitan(tmp_path):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from mxmoe.integrations.torchtitan.data import write_byte_tokenizer
+
+    assert write_byte_tokenizer(tmp_path) == 258
+    tok = HuggingFaceTokenizer(str(tmp_path))
+    text = "déjà vu\x00\n\t" + bytes(range(32, 256)).decode("latin-1")
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids == [tok.bos_id, *text.encode("utf-8"), tok.eos_id] and (tok.bos_id, tok.eos_id) == (256, 257)
+    assert tok.decode(ids[1:-1]) == text
