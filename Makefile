@@ -1,8 +1,14 @@
-# mxmoe: `make test` (the whole suite on CPU), `make train` (a short MX training run on CPU).
+# mxmoe: `make test` (the whole suite on CPU, then the torchtitan 0.2 adapter's tests),
+# `make train` (a short MX training run on CPU).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# torchtitan 0.2.2 beside the venv's 0.3.0 (one venv cannot hold both): installed with --no-deps
+# into a folder of its own, put first on PYTHONPATH for its adapter's tests. Its run-time
+# dependencies (torchdata, datasets, tokenizers, tyro, tensorboard, einops, pillow) are 0.3.0's too.
+TT02 := $(VENV)/torchtitan-0.2
+TT02_STAMP := $(TT02)/.installed
 TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.6.0
 
@@ -21,8 +27,13 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check mxmoe tests
 
-test: $(STAMP) lint
+$(TT02_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --no-compile --upgrade --target $(TT02) torchtitan==0.2.2
+	touch $@
+
+test: $(STAMP) $(TT02_STAMP) lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+	PYTHONPATH=$(TT02) $(BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/test_torchtitan_v0_2.py
 	PYTHON=$(BIN)/python ./scripts/check_cuda_build.sh
 
 train: $(STAMP)

@@ -1,4 +1,5 @@
-"""mxmoe inside torchtitan 0.3 on CPU: converters and overrides swap the debug MoE model's modules;
+"""mxmoe inside torchtitan 0.3 on CPU (its models and converters, torch >= 2.12): converters and
+overrides swap the debug MoE model's modules;
 the swapped modules equal mxmoe's own ops bit for bit, forward and backward; the MXFP8 token
 dispatcher (2 gloo ranks) equals torchtitan's bf16 dispatcher run on quantize-dequantized rows
 (the oracle's), and its gradients follow mxmoe's exchange rules."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.metadata
 import os
 from types import SimpleNamespace
 
@@ -15,9 +17,15 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install 'mxmoe[torchtitan]')")
+if not importlib.metadata.version("torchtitan").startswith("0.3."):
+    pytest.skip(
+        f"torchtitan {importlib.metadata.version('torchtitan')} is installed, these tests need 0.3.x "
+        "(tests/integrations/test_torchtitan_v0_2.py tests the 0.2 adapter)",
+        allow_module_level=True,
+    )
 if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12):
     pytest.skip(
-        "torchtitan 0.3 needs torch >= 2.12 (torch.distributed.fsdp.DataParallelMeshDims, "
+        "torchtitan 0.3's models need torch >= 2.12 (torch.distributed.fsdp.DataParallelMeshDims, "
         f"torch.compiler._is_non_strict_tracing); this is torch {torch.__version__}",
         allow_module_level=True,
     )

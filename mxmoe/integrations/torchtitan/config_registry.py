@@ -1,5 +1,6 @@
 """torchtitan config_registry functions with mxmoe's converters: `--module mxmoe.integrations.torchtitan
---config <function>` (torchtitan 0.3 selects a Python config function, not a TOML file).
+--config <function>` (torchtitan 0.3 selects a Python config function, not a TOML file; its trainer
+needs torch >= 2.14, checked on import).
 
 Each function is torchtitan's own config of the same name without the `_mxmoe` suffix, with the
 model built through mxmoe's converters; everything else (data, optimizer, schedule, parallelism)
@@ -9,10 +10,16 @@ is torchtitan's and is changed from the command line as usual (`--training.steps
 
 from __future__ import annotations
 
-from torchtitan.trainer import Trainer
+import torch
 
-from mxmoe.integrations.torchtitan.converters import MXGroupedExpertsConverter, MXLinearConverter
-from mxmoe.integrations.torchtitan.dispatcher import MXFP8TokenDispatcherConverter
+from mxmoe.integrations.torchtitan.common import check_trainer_torch
+
+check_trainer_torch(torch)  # before torchtitan.trainer: a clear error instead of one after step 1
+
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from mxmoe.integrations.torchtitan.converters import MXGroupedExpertsConverter, MXLinearConverter  # noqa: E402
+from mxmoe.integrations.torchtitan.dispatcher import MXFP8TokenDispatcherConverter  # noqa: E402
 
 
 def mxmoe_converters(recipe_name: str = "mxfp8_rceil", mxfp8_dim1_cast_kernel_choice: str = "auto") -> list:

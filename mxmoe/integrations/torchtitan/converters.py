@@ -25,56 +25,18 @@ from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
+from mxmoe.integrations.torchtitan.common import OPTION_NAMES, mx_recipe, tensor_parallel_error
 from mxmoe.ops import mx_grouped_mm, mx_mm
 from mxmoe.quant.mx_tensor import MXTensor
-from mxmoe.recipe import CAST_KERNELS, RECIPES, MXRecipe, recipe
+from mxmoe.recipe import MXRecipe
 
 log = logging.getLogger("mxmoe")
-
-GEMM_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def mx_recipe(
-    recipe_name: str = "mxfp8_rceil",
-    mxfp8_dim1_cast_kernel_choice: str = "auto",
-    mxfp8_dim0_cast_kernel_choice: str = "auto",
-    gemm_dtype: str = "auto",
-) -> MXRecipe:
-    """The MXRecipe named by torchtitan-style options (strings, as they come from a CLI or config).
-
-    recipe_name: "mxfp8_rceil" (RCEIL scales, the default) | "mxfp8" (FLOOR scales, OCP).
-    mxfp8_dim1_cast_kernel_choice / mxfp8_dim0_cast_kernel_choice: "auto" | "torch" | "triton" | "cuda".
-    gemm_dtype: operand dtype of the emulated GEMM, "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" |
-    "float32". Raises ValueError naming the option for anything else.
-    """
-    if recipe_name not in RECIPES:
-        raise ValueError(f"recipe_name={recipe_name!r} is not an MX recipe; expected one of {list(RECIPES)}")
-    for name, value in (
-        ("mxfp8_dim1_cast_kernel_choice", mxfp8_dim1_cast_kernel_choice),
-        ("mxfp8_dim0_cast_kernel_choice", mxfp8_dim0_cast_kernel_choice),
-    ):
-        if value != "auto" and value not in CAST_KERNELS:
-            raise ValueError(
-                f"{name}={value!r} is not a cast kernel; expected 'auto' or one of {list(CAST_KERNELS)}"
-            )
-    if gemm_dtype not in GEMM_DTYPES:
-        raise ValueError(f"gemm_dtype={gemm_dtype!r} is not supported; expected one of {list(GEMM_DTYPES)}")
-    return recipe(
-        recipe_name,
-        dim0_kernel=mxfp8_dim0_cast_kernel_choice,
-        dim1_kernel=mxfp8_dim1_cast_kernel_choice,
-        gemm_dtype=GEMM_DTYPES[gemm_dtype],
-    )
 
 
 def _refuse_tensor_parallel(module: torch.nn.Module, parallel_dims) -> None:
     tp = int(getattr(parallel_dims, "tp", 1) or 1)
     if tp > 1:
-        raise ValueError(
-            f"{type(module).__name__}: tensor parallelism is not supported with mxmoe's MX converters "
-            f"(parallelism.tensor_parallel_degree={tp}); use tensor_parallel_degree=1 with data and "
-            "expert parallelism"
-        )
+        raise tensor_parallel_error(type(module).__name__, tp)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -93,18 +55,6 @@ def _replicated(t: Tensor, name: str) -> Tensor:
             )
         return t.to_local()
     return t
-
-
-OPTION_NAMES = (
-    "recipe_name",
-    "mxfp8_dim1_cast_kernel_choice",
-    "mxfp8_dim0_cast_kernel_choice",
-    "gemm_dtype",
-)
-"""The options every mxmoe converter and swapped module's Config carries (torchtitan spellings):
-recipe_name ("mxfp8_rceil" default | "mxfp8"), the two cast kernel choices ("auto" default |
-"torch" | "triton" | "cuda") and gemm_dtype ("auto" default | "bfloat16" | "float32"); see
-`mx_recipe`."""
 
 
 def _options(cfg) -> dict:

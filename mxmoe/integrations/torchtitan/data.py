@@ -4,7 +4,12 @@
 `{"text": ...}` per line (the layout of torchtitan's `c4_test` dataset, read by
 `datasets.load_dataset(OUT_DIR, split="train")`), one line per source file of the Python standard
 library (the corpus mxmoe's own trainer uses, `mxmoe.train.data`), or of `--path`. Train on it with
-`--dataloader.dataset c4_test --dataloader.dataset_path OUT_DIR`.
+`--dataloader.dataset c4_test --dataloader.dataset_path OUT_DIR` (torchtitan 0.3) or
+`--training.dataset c4_test --training.dataset_path OUT_DIR` (0.2).
+
+`--tokenizer TOK_DIR` also writes a byte-level tokenizer (`write_byte_tokenizer`: one token per
+byte, as mxmoe's own trainer, plus BOS / EOS; nothing learned, so every machine writes the same
+one) for `--model.hf_assets_path TOK_DIR`, for machines without torchtitan's test tokenizer.
 """
 
 from __future__ import annotations
@@ -32,14 +37,55 @@ def write_text_dataset(out_dir: str | Path, path: str = "", extensions: tuple[st
     return n
 
 
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+
+
+def write_byte_tokenizer(out_dir: str | Path) -> int:
+    """Write out_dir/tokenizer.json and tokenizer_config.json (what torchtitan's
+    HuggingFaceTokenizer reads): a byte-level BPE without merges, ids 0-255 the bytes (in GPT-2's
+    byte-to-unicode order), 256 BOS and 257 EOS, which torchtitan adds around each document.
+    Returns the vocabulary size (258; the debug models' 2048-row embeddings cover it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 byte stand-ins
+    byte_order = sorted(alphabet, key=_byte_of)
+    vocab = {ch: i for i, ch in enumerate(byte_order)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BOS, EOS])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = {"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "add_eos_token": True}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return tok.get_vocab_size()
+
+
+def _byte_of(ch: str) -> int:
+    # GPT-2's byte-to-unicode map: printable bytes stand for themselves, the others are shifted
+    # to 256 + n in order
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    c = ord(ch)
+    if c in printable:
+        return c
+    others = [b for b in range(256) if b not in printable]
+    return others[c - 256]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", help="folder to write data.json into")
     ap.add_argument("--path", default="", help="text file or folder (default: the Python standard library)")
     ap.add_argument("--ext", default=".py", help="comma-separated file endings to take (default .py)")
+    ap.add_argument("--tokenizer", default="", help="also write a byte-level tokenizer into this folder")
     args = ap.parse_args(argv)
     n = write_text_dataset(args.out_dir, args.path, tuple(e for e in args.ext.split(",") if e))
     print(f"wrote {n} records to {Path(args.out_dir) / 'data.json'}")
+    if args.tokenizer:
+        v = write_byte_tokenizer(args.tokenizer)
+        print(f"wrote a byte-level tokenizer (vocabulary {v}) to {args.tokenizer}")
 
 
 if __name__ == "__main__":

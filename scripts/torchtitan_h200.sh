@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# torchtitan 0.2.2's own trainer on one GPU (an H200), three ways with the same seed, data and model:
+#   bf16    torchtitan's bf16 model
+#   mxmoe   --model.converters mxmoe: mxmoe's MX Linear layers and MX grouped experts
+#   torchao --model.converters torchao_mxfp8: torchao 0.18's MXFP8 training in its emulated mode
+#           (the only one below sm_100; scripts/torchtitan_torchao_peer.py says why torchtitan
+#           0.2.2's own "quantize.*.mx" converters cannot run there)
+# Model: torchtitan's DeepSeek-V3 debug MoE (configs/torchtitan/deepseek_v3_debug_0.2.toml), batch
+# 8 x 2048 tokens, AdamW, eager (no torch.compile). Both MX runs convert the same modules: the
+# routed experts, the dense and shared-expert feed-forward layers (--mx.filter_fqns default).
+#
+#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=160]
+#
+# writes OUT_DIR/{bf16,mxmoe,torchao}.log (torchtitan's logs), .csv (step, loss, grad_norm, tps)
+# and OUT_DIR/summary.md (loss and tokens/s side by side; scripts/torchtitan_summary.py). A run
+# longer than RUN_TIMEOUT_S is stopped and summarized with the steps it logged.
+#
+# Needs no network: torchtitan 0.2.2, torchao 0.18 and the run-time dependencies the GPU image
+# lacks are installed from wheels in .whl/ at the repository root into /tmp/site (--target; the
+# image's Python is not touched); the text data (the Python standard library's sources) and a
+# byte-level tokenizer are written by mxmoe.integrations.torchtitan.data.
+set -euo pipefail
+
+OUT=${1:?usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=160]}
+STEPS=${2:-300}
+RUN_TIMEOUT=${3:-160}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PY=python3
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$REPO"
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$REPO:$REPO/scripts
+else
+    echo "no .whl/ folder: using the installed torchtitan 0.2.x and torchao" >&2
+    export PYTHONPATH=$REPO:$REPO/scripts${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" -c "import torch, torchtitan, torchao; print('torch', torch.__version__, '| torchtitan', torchtitan.__version__, '| torchao', torchao.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$OUT/versions.txt"
+
+"$PY" -m mxmoe.integrations.torchtitan.data "$OUT/data" --tokenizer "$OUT/tokenizer"
+
+run() {  # run NAME [trainer flags...]
+    local name=$1; shift
+    echo "== $name: $STEPS steps (at most ${RUN_TIMEOUT}s)"
+    local t0=$SECONDS rc=0
+    timeout -k 15 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
+        -m torchtitan.train \
+        --job.config_file configs/torchtitan/deepseek_v3_debug_0.2.toml \
+        --job.dump_folder "$OUT/$name" \
+        --model.hf_assets_path "$OUT/tokenizer" \
+        --training.dataset_path "$OUT/data" \
+        --training.steps "$STEPS" \
+        --debug.seed 0 \
+        "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+    echo "   exit $rc after $((SECONDS - t0))s; last step line:"
+    grep -a "step:" "$OUT/$name.log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g' || echo "   (none: see $OUT/$name.log)"
+}
+
+run bf16
+run mxmoe --model.converters mxmoe
+run torchao --model.converters torchao_mxfp8 --experimental.custom_import torchtitan_torchao_peer
+
+"$PY" scripts/torchtitan_summary.py "$OUT" bf16 mxmoe torchao

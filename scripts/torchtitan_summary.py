@@ -1,0 +1,65 @@
+"""Loss and tokens/s of torchtitan trainer runs, from their logs (scripts/torchtitan_h200.sh).
+
+`python scripts/torchtitan_summary.py OUT_DIR RUN [RUN ...]` reads OUT_DIR/RUN.log for each run
+(torchtitan's step lines: "step: 10  loss:  7.1234  grad_norm: ... tps: 12,345 ..."), writes
+OUT_DIR/RUN.csv (step, loss, grad_norm, tps) and OUT_DIR/summary.md, a table: steps logged, first
+and last loss, mean loss of the last 5 logged steps and its difference from the first run's,
+median tokens/s per GPU over the logged steps after the first (the first holds warm-up), and the
+ratio to the first run's. A run that stopped early shows the steps it logged.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+NUM = r"([-+0-9.eE]+|nan|inf)"
+STEP = re.compile(rf"step:\s*(\d+)\s+loss:\s*{NUM}\s+grad_norm:\s*{NUM}.*?tps:\s*([\d,]+)")
+
+
+def parse(log: Path) -> list[tuple[int, float, float, int]]:
+    """(step, loss, grad_norm, tps) of every step line of `log` (empty when there is none)."""
+    rows = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = STEP.search(ANSI.sub("", line))
+        if m:
+            rows.append((int(m[1]), float(m[2]), float(m[3]), int(m[4].replace(",", ""))))
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        raise SystemExit(f"usage: {Path(__file__).name} OUT_DIR RUN [RUN ...]")
+    out, runs = Path(argv[0]), argv[1:]
+    lines = [
+        "| run | steps logged | first loss | last loss | mean loss, last 5 logs | vs first run | "
+        "median tokens/s | vs first run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    base_loss = base_tps = None
+    for run in runs:
+        log = out / f"{run}.log"
+        rows = parse(log) if log.exists() else []
+        with open(out / f"{run}.csv", "w") as f:
+            f.write("step,loss,grad_norm,tps\n")
+            f.writelines(f"{s},{loss},{g},{t}\n" for s, loss, g, t in rows)
+        if not rows:
+            lines.append(f"| {run} | 0 (see {run}.log) | | | | | | |")
+            continue
+        tail = statistics.fmean(r[1] for r in rows[-5:])
+        tps = statistics.median(r[3] for r in rows[1:]) if len(rows) > 1 else rows[0][3]
+        if base_loss is None:
+            base_loss, base_tps = tail, tps
+        lines.append(
+            f"| {run} | {rows[-1][0]} | {rows[0][1]:.4f} | {rows[-1][1]:.4f} | {tail:.4f} | "
+            f"{100 * (tail / base_loss - 1):+.2f} % | {tps:,.0f} | {tps / base_tps:.2f}x |"
+        )
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
