@@ -74,9 +74,10 @@ class MX:
         True, "also convert the routed experts (MX grouped GEMM, MXFP8 all-to-all)"
     )
     gemm_backend: str = _f(
-        "emulated",
-        "GEMM on MX operands: emulated (exact dequantize, bf16 GEMM) | fp8 (H100/H200 fp8 tensor "
-        "cores, one MMA per 32-block of K; opt-in, see docs/training-ops.md)",
+        "auto",
+        "GEMM on MX operands: auto (native on Blackwell sm_100 where torch runs it, else emulated) | "
+        "emulated (exact dequantize, bf16 GEMM) | native (torch's block-scaled MXFP8 GEMMs, sm_100) | "
+        "fp8 (H100/H200 fp8 tensor cores, one MMA per 32-block of K; opt-in, see docs/training-ops.md)",
     )
 
 
