@@ -313,3 +313,93 @@ def test_grouped_gemm_calls_match_torchao(ao, monkeypatch, fresh_resolution, off
             assert _same(got[name], ref[name]), (kind, name, got[name].shape, ref[name].shape)
         assert got["out_dtype"] == ref["out_dtype"] == torch.bfloat16
 
+
+
+class _Semantics:
+    """Stand-ins for torch._scaled_mm / torch._scaled_grouped_mm that compute what torch's ops
+    are documented to compute from what they are given (e4m3 operands times their e8m0 block
+    scales read from the blocked layout, fp32 GEMM, bf16 result; rows past the last group zero),
+    so that the native path's orientation and scales are checked by value on CPU."""
+
+    def __init__(self):
+        self.calls = {"mm": 0, "grouped": 0}
+
+    @staticmethod
+    def _deq_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """q (R, K) (any strides) times plain scales s (R, K / 32)."""
+        return q.float() * s.float().repeat_interleave(32, dim=-1)
+
+    def mm(self, a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        self.calls["mm"] += 1
+        M, K = a.shape
+        N = b.shape[1]
+        r128, c4 = sl.blocked_shape(M, K // 32)
+        s_a = sl.from_blocked(scale_a.view(r128, c4), M, K // 32)
+        r128, c4 = sl.blocked_shape(N, K // 32)
+        s_b = sl.from_blocked(scale_b.view(r128, c4), N, K // 32)
+        return (self._deq_rows(a, s_a) @ self._deq_rows(b.t(), s_b).t()).to(out_dtype)
+
+    def grouped(self, a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
+                use_fast_accum=False):
+        self.calls["grouped"] += 1
+        ends = [0, *offs.tolist()]
+        if b.ndim == 3:  # a (T, K), b (E, K, N)
+            (T, K), (E, _, N) = a.shape, b.shape
+            a_d = self._deq_rows(a, sl.from_blocked_m_groups(scale_a, offs, T, K // 32))
+            r128, c4 = sl.blocked_shape(N, K // 32)
+            s_b = sl.from_blocked(scale_b.view(E, r128, c4), N, K // 32)
+            out = torch.zeros(T, N)
+            for e in range(E):
+                out[ends[e] : ends[e + 1]] = a_d[ends[e] : ends[e + 1]] @ self._deq_rows(b[e].t(), s_b[e]).t()
+            return out.to(out_dtype)
+        # a (M, T) blocked along T, b (T, K) blocked along T, groups along T (multiples of 32)
+        (M, T), K = a.shape, b.shape[1]
+        k_offs = offs // 32
+        a_d = self._deq_rows(a, sl.from_blocked_k_groups(scale_a, k_offs, M, T // 32))
+        b_d = self._deq_rows(b.t(), sl.from_blocked_k_groups(scale_b, k_offs, K, T // 32)).t()
+        out = torch.zeros(len(ends) - 1, M, K)
+        for e in range(len(ends) - 1):
+            out[e] = a_d[:, ends[e] : ends[e + 1]] @ b_d[ends[e] : ends[e + 1]]
+        return out.to(out_dtype)
+
+
+def _grads(fn, *args):
+    args = [t.clone().requires_grad_() for t in args]
+    y = fn(*args)
+    g = torch.Generator().manual_seed(11)
+    dy = torch.randn(y.shape, generator=g).to(y.dtype)
+    y.backward(dy)
+    return (y, *(t.grad for t in args))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_path_computes_the_mx_products(monkeypatch, fresh_resolution, dtype):
+    """With stand-ins that compute torch's documented semantics, the native path gives the
+    emulated path's outputs and gradients (mx_mm, mx_grouped_mm with ragged, empty and tail
+    groups) up to the bf16 rounding of torch's output: orientation, strides and scales are
+    right by value, not only by layout."""
+    sem = _Semantics()
+    monkeypatch.setattr(torch, "_scaled_mm", sem.mm)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", sem.grouped)
+    monkeypatch.setattr(gemm, "native_unavailable", lambda device: None)
+    emu = NATIVE.replace(gemm_backend="emulated")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(45, 128, generator=g).to(dtype)
+    w = (torch.randn(96, 128, generator=g) * 0.1).to(dtype)
+    for got, ref in zip(
+        _grads(lambda a, b: mx_mm(a, b.t(), NATIVE), x, w), _grads(lambda a, b: mx_mm(a, b.t(), emu), x, w),
+        strict=True,
+    ):
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(got, ref.to(torch.bfloat16).to(ref.dtype), atol=1e-5, rtol=1 / 128)
+    assert sem.calls == {"mm": 3, "grouped": 0}  # forward, dgrad, wgrad
+    offs = torch.tensor([0, 37, 37, 100], dtype=torch.int32)  # empty groups, 10 tail rows
+    a = torch.randn(110, 64, generator=g).to(dtype)
+    we = (torch.randn(4, 96, 64, generator=g) * 0.1).to(dtype)
+    got = _grads(lambda a_, w_: mx_grouped_mm(a_, w_.transpose(-2, -1), offs, NATIVE), a, we)
+    ref = _grads(lambda a_, w_: mx_grouped_mm(a_, w_.transpose(-2, -1), offs, emu), a, we)
+    for gt, rf in zip(got, ref, strict=True):
+        assert gt.dtype == rf.dtype
+        torch.testing.assert_close(gt, rf.to(torch.bfloat16).to(rf.dtype), atol=1e-5, rtol=1 / 128)
+    assert not got[0][100:].any() and not got[1][100:].any()
+    assert sem.calls == {"mm": 3, "grouped": 3}
