@@ -240,8 +240,9 @@ def _torchao_calls(monkeypatch, cap, a, w_t, offs, dy, mode: str):
 
     wrapper = m._to_mxfp8_dim1_kernel_wrapper
 
-    def dim1(a, block_size, elem_dtype, hp_dtype, _kernel_preference, choice, mode):
-        return wrapper(a, block_size, elem_dtype, hp_dtype, KernelPreference.EMULATED, choice, mode)
+    def dim1(*args, **kwargs):  # the torch cast (torchao's EMULATED kernel preference)
+        kwargs["kernel_preference"] = KernelPreference.EMULATED
+        return wrapper(*args, **kwargs)
 
     def quantize_3d(x, block_size, scale_block_dim1, scale_block_dim2, scaling_mode):
         return quant._mxfp8_quantize_reference_3d(
@@ -403,3 +404,48 @@ def test_native_path_computes_the_mx_products(monkeypatch, fresh_resolution, dty
         torch.testing.assert_close(gt, rf.to(torch.bfloat16).to(rf.dtype), atol=1e-5, rtol=1 / 128)
     assert not got[0][100:].any() and not got[1][100:].any()
     assert sem.calls == {"mm": 3, "grouped": 3}
+
+
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_resolves_by_capability(fresh_resolution, caplog):
+    """On a CUDA GPU "auto" is "native" exactly where torch runs the MX GEMMs on a 10.x device, and
+    "emulated" (with the reason logged once) elsewhere, e.g. on sm_90."""
+    dev = torch.device("cuda")
+    with caplog.at_level(logging.INFO, logger="mxmoe.ops.gemm"):
+        got = gemm.resolve_gemm_backend(MXRecipe(), dev)
+    reason = gemm.native_unavailable(dev)
+    assert got == ("native" if reason is None else "emulated")
+    if _capability()[0] != 10:
+        assert reason is not None and "compute capability" in reason
+        assert any("gemm_backend='auto' runs the emulated GEMM" in r.getMessage() for r in caplog.records)
+        with pytest.raises(RuntimeError, match="compute capability 10.x"):
+            mx_mm(torch.randn(64, 64, device=dev), torch.randn(64, 64, device=dev), NATIVE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_capability()[0] != 10, reason="needs a compute capability 10.x GPU (B200)")
+@pytest.mark.parametrize("T,offs", [(4096, [0, 1000, 1000, 3000, 4000]), (256, [256])])
+def test_gpu_native_matches_emulated_on_blackwell(T, offs):
+    """On a B200: the native GEMMs' outputs and gradients (mx_mm, mx_grouped_mm) match the emulated
+    path's within bf16 accumulation-order error (same casts, same scales)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    native = MXRecipe(gemm_backend="native")
+    emu = MXRecipe(gemm_backend="emulated")
+    x = torch.randn(T, 512, device=dev, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(1024, 512, device=dev, generator=g, dtype=torch.bfloat16) * 0.05
+    for got, ref in zip(
+        _grads(lambda a, b: mx_mm(a, b.t(), native), x, w), _grads(lambda a, b: mx_mm(a, b.t(), emu), x, w),
+        strict=True,
+    ):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    o = torch.tensor(offs, dtype=torch.int32, device=dev)
+    we = torch.randn(len(offs), 1024, 512, device=dev, generator=g, dtype=torch.bfloat16) * 0.05
+    got = _grads(lambda a_, w_: mx_grouped_mm(a_, w_.transpose(-2, -1), o, native), x, we)
+    ref = _grads(lambda a_, w_: mx_grouped_mm(a_, w_.transpose(-2, -1), o, emu), x, we)
+    for gt, rf in zip(got, ref, strict=True):
+        torch.testing.assert_close(gt.float(), rf.float(), rtol=2e-2, atol=2e-2)
