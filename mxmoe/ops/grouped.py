@@ -403,7 +403,12 @@ def mx_grouped_mm_swiglu(
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
     if u.shape != g.shape:
         raise ValueError(f"u has shape {tuple(u.shape)}; expected g's shape {tuple(g.shape)}")
-    fused = u.dtype == g.dtype and uses_qdq(cfg, b_t.device) and autocast_target(g) is None
+    fused = (  # (b_t is checked by mx_grouped_mm: not a Tensor takes the composition, which says so)
+        u.dtype == g.dtype
+        and isinstance(b_t, Tensor)
+        and uses_qdq(cfg, b_t.device)
+        and autocast_target(g) is None
+    )
     if not fused:  # the composition (the fused cast does not apply)
         return mx_grouped_mm(F.silu(g) * u, b_t, offs, cfg)
     (g_, *_), out_dtype = _checked_args(g, b_t, offs, cfg)  # checks g (2D, K, dtype), b_t and offs
