@@ -16,7 +16,8 @@ Grouped operands (torch._scaled_grouped_mm), groups of a token dim given by `off
     to 4), group g's tiles at flat offset start_g * roundup(R, 128), start_g the group's first
     padded column; result (roundup(R, 128), C + 4 E). Group sizes in scale columns.
   * 3D weights (E, R, C): each matrix blocked on its own (`to_blocked`).
-Nothing syncs with the host: the grouped layouts scatter with device-computed indices.
+Nothing syncs with the host: the grouped layouts scatter rows, columns and whole tiles with
+indices computed on the device (one index per row, column or tile, not per scale).
 """
 
 from __future__ import annotations
@@ -104,19 +105,19 @@ def to_blocked_m_groups(scale: Tensor, offs: Tensor) -> Tensor:
     -> (R + 128 E, C4) in the blocked layout per group: group g's rows blocked on their own from
     row start_g = sum over earlier groups of roundup(size, 128). Rows at or after offs[-1] are in
     no group and are left out; everything not written is zero."""
-    dtype, scale = scale.dtype, scale.view(torch.uint8)  # (index_put_ takes bytes, not e8m0)
+    dtype, scale = scale.dtype, scale.view(torch.uint8)  # (index_copy takes bytes, not e8m0)
     R, C = scale.shape
     E = offs.shape[0]
-    C4 = _roundup(C, TILE_COLS)
-    out = scale.new_zeros((R + 128 * E) * C4 + 1)  # + 1: where the rows of no group go
+    F = R + 128 * E
+    # every group starts on a tile boundary, so blocking the whole frame of row-scattered groups
+    # blocks each group on its own; the groups end by row R + 127 E < F (row F - 1 stays zero:
+    # where the rows of no group go), so the frame's first F rows of tiles are the result
     g, local, _ = _group_of(offs, R)
-    pstart = _padded_starts(offs, TILE_ROWS)
-    fr = pstart[g.clamp(max=E - 1)] + local  # the row in the padded frame
-    c = torch.arange(C, device=scale.device)
-    dest = _tile_offset(fr[:, None], c[None, :], C4 // 4)
-    dest = torch.where((g < E)[:, None], dest, out.numel() - 1)
-    out.index_put_((dest.reshape(-1),), scale.reshape(-1))
-    return out[:-1].view(R + 128 * E, C4).view(dtype)
+    fr = torch.where(g < E, _padded_starts(offs, TILE_ROWS)[g.clamp(max=E - 1)] + local, F - 1)
+    src = torch.where((g < E)[:, None], scale, scale.new_zeros(()))
+    frame = scale.new_zeros(_roundup(F, TILE_ROWS), C).index_copy_(0, fr, src)
+    C4 = _roundup(C, TILE_COLS)
+    return to_blocked(frame).view(-1)[: F * C4].view(F, C4).view(dtype)
 
 
 def to_blocked_k_groups(scale: Tensor, offs: Tensor) -> Tensor:
@@ -129,16 +130,28 @@ def to_blocked_k_groups(scale: Tensor, offs: Tensor) -> Tensor:
     R, C = scale.shape
     E = offs.shape[0]
     R128 = _roundup(R, TILE_ROWS)
-    out = scale.new_zeros(R128 * (C + 4 * E) + 1)
+    Cf = _roundup(C + 4 * E, TILE_COLS)
+    # scatter the columns to a frame where every group starts on a tile boundary (the column
+    # Cf - 1 stays zero: where the columns of no group go; the groups end by column C + 3 E),
+    # cut it into tiles, then move whole tiles: group g's tiles are row-major over its own tiles
     g, local, _ = _group_of(offs, C)
     pstart = _padded_starts(offs, TILE_COLS)
-    gc = g.clamp(max=E - 1)
-    tiles_per_row = (pstart[gc + 1] - pstart[gc]) // 4  # the group's tiles per row of tiles
-    r = torch.arange(R, device=scale.device)
-    dest = pstart[gc][None, :] * R128 + _tile_offset(r[:, None], local[None, :], tiles_per_row[None, :])
-    dest = torch.where((g < E)[None, :], dest, out.numel() - 1)
-    out.index_put_((dest.reshape(-1),), scale.reshape(-1))
-    return out[:-1].view(R128, C + 4 * E).view(dtype)
+    fc = torch.where(g < E, pstart[g.clamp(max=E - 1)] + local, Cf - 1)
+    src = torch.where((g < E)[None, :], scale, scale.new_zeros(()))
+    frame = scale.new_zeros(R128, Cf)
+    frame[:R].index_copy_(1, fc, src)
+    tiles = to_blocked(frame).view(R128 // 128, Cf // 4, 512)
+    cb = torch.arange(Cf // 4, device=scale.device)
+    tg = torch.searchsorted(pstart[1:] // 4, cb, right=True)  # each frame tile column's group
+    tgc = tg.clamp(max=E - 1)
+    width = (pstart[tgc + 1] - pstart[tgc]) // 4
+    rb = torch.arange(R128 // 128, device=scale.device)[:, None]
+    n_out = R128 * (C + 4 * E)
+    n_tiles = -(-n_out // 512) + 1  # + 1: where the tiles of no group go
+    dest = (pstart[tgc] * R128 // 512)[None, :] + rb * width[None, :] + (cb - pstart[tgc] // 4)[None, :]
+    dest = torch.where((tg < E)[None, :], dest, n_tiles - 1)
+    out = scale.new_zeros(n_tiles, 512).index_copy_(0, dest.reshape(-1), tiles.reshape(-1, 512))
+    return out.view(-1)[:n_out].view(R128, C + 4 * E).view(dtype)
 
 
 def from_blocked_m_groups(blocked: Tensor, offs: Tensor, rows: int, cols: int) -> Tensor:
