@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 		numpy tabulate tqdm matplotlib pytest pytest-timeout hypothesis ruff "setuptools>=77"
 	# the torchtitan integration's tests (torch stays pinned)
 	$(BIN)/python -m pip install -q torchtitan==0.3.0 torch==$(TORCH_VERSION)
+	# the peer the native (Blackwell) GEMM's tests compare with; test-only, no deps (torch stays pinned)
+	$(BIN)/python -m pip install -q --no-deps torchao==0.18.0
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -15,7 +15,7 @@ from mxmoe.formats import check_block_size, check_elem_dtype, check_scaling_mode
 
 CAST_KERNELS = ("torch", "triton", "cuda")
 """Concrete cast kernels; a recipe may also name "auto" (the fastest available per cast)."""
-GEMM_BACKENDS = ("emulated",)
+GEMM_BACKENDS = ("auto", "emulated", "native")
 """GEMMs on MX operands (docs/training-ops.md)."""
 REMOVED_GEMM_BACKENDS = {
     "fp8": "the Hopper fp8 GEMM backend was removed: it ran at 0.48-0.69x bf16 forward, slower than "
@@ -54,9 +54,12 @@ class MXRecipe:
     dim1_kernel: str = "auto"
     """Kernel for every cast producing a dim1 (transposed) result, the fused dim0+dim1 cast
     included: "auto" | "torch" | "triton" | "cuda"."""
-    gemm_backend: str = "emulated"
-    """GEMM on MX operands. "emulated": dequantize both operands exactly and run a high-precision
-    GEMM with fp32 accumulation (the default; sm_90 has no block-scaled MMA)."""
+    gemm_backend: str = "auto"
+    """GEMM on MX operands. "auto" (default): "native" on compute capability 10.x where torch runs
+    it, else "emulated" (CPU, sm_90), with one log line saying why. "emulated": dequantize both
+    operands exactly and run a high-precision GEMM with fp32 accumulation (sm_90 has no
+    block-scaled MMA). "native": torch's block-scaled MXFP8 GEMMs on Blackwell (sm_100; e4m3,
+    block 32; an error elsewhere)."""
     gemm_dtype: torch.dtype | None = None
     """Operand dtype of the emulated GEMM. None: bf16 on CUDA, fp32 elsewhere. bf16 holds every
     dequantized e4m3 value exactly unless its block scale byte is < 3 (e5m2: < 10), i.e. blocks

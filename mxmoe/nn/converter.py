@@ -53,9 +53,10 @@ class MXConfig:
     """The recipe's dim1_kernel (casts producing a dim1 result): "auto" | "triton" | "cuda" | "torch"."""
     mxfp8_dim0_cast_kernel_choice: str = "auto"
     """The recipe's dim0_kernel (dim0 casts, dequantize): "auto" | "triton" | "cuda" | "torch"."""
-    gemm_backend: str = "emulated"
-    """GEMM on MX operands (mxmoe.recipe.GEMM_BACKENDS): "emulated" (dequantize exactly, bf16/fp32
-    GEMM; default)."""
+    gemm_backend: str = "auto"
+    """GEMM on MX operands: "auto" (default: "native" on Blackwell sm_100 where torch runs it, else
+    "emulated") | "emulated" (dequantize exactly, bf16/fp32 GEMM) | "native" (torch's block-scaled
+    MXFP8 GEMMs, sm_100 only)."""
     gemm_dtype: str = "auto"
     """The recipe's gemm_dtype: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32"."""
     expert_gemm: str = "mx"

@@ -16,7 +16,7 @@ def MXOpConfig(  # noqa: N802 - keeps the former class name callable as before
     scaling_mode: str = "rceil",
     kernel: str = "auto",
     dim1_kernel: str = "auto",
-    gemm_backend: str = "emulated",
+    gemm_backend: str = "auto",
     gemm_dtype: torch.dtype | None = None,
 ) -> MXRecipe:
     """The `MXRecipe` with these settings (the former MXOpConfig's fields and defaults; `kernel`

@@ -8,13 +8,21 @@ Backends:
       limits). The training ops (`mx_mm`, `mx_grouped_mm`) feed it through `hp_gemm` with operands
       made by the fused quantize-dequantize (`mxmoe.quant.qdq`), the same values without the fp8
       round trip.
-Room for later backends (block-scaled MMA on sm_100): add a function with the same signature to
-`_BACKENDS`; the ops give such a backend MXTensors.
+  "native": torch's block-scaled GEMMs on Blackwell (compute capability 10.x), whose tensor cores
+      read e8m0 block scales: torch._scaled_mm (dense) and torch._scaled_grouped_mm (grouped),
+      e4m3 operands, block 32, float8_e8m0fnu scales in the blocked layout
+      (`mxmoe.quant.scale_layout`), bf16 output (the op's only one) before mx_gemm's final cast.
+      A clear error where it cannot run (`native_unavailable`, `_native_refuses`).
+  "auto" (the recipe default): "native" where it can run, else "emulated" with one log line saying
+      why (`resolve_gemm_backend`); on CPU and sm_90 that is "emulated", as before.
+Other backends: add a function with the same signature to `_BACKENDS`; the ops give such a
+backend MXTensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import NamedTuple
 
 import torch
@@ -23,8 +31,11 @@ from torch import Tensor
 from mxmoe.formats import INPUT_DTYPES
 from mxmoe.ops.config import as_recipe
 from mxmoe.quant import backends
+from mxmoe.quant import scale_layout as sl
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import MXRecipe
+
+log = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("mxmoe::grouped_mm_hp", mutates_args=())
@@ -130,7 +141,166 @@ def _emulated(
     return _grouped(a_hp, b_hp, offs)
 
 
-_BACKENDS = {"emulated": _emulated}
+NATIVE_BLOCK = 32
+NATIVE_ELEM = torch.float8_e4m3fn
+
+
+def _probe_native(device: torch.device) -> None:
+    """One tiny dense and one tiny grouped MX GEMM on `device` (raises what torch raises)."""
+    e8 = torch.float8_e8m0fnu
+    one = torch.full((), 127, dtype=torch.uint8, device=device)  # e8m0 byte 127 = 2^0
+    a = torch.zeros(128, 32, dtype=NATIVE_ELEM, device=device)
+    s_a = one.expand(128, 4).contiguous().view(e8)  # (128 rows, 1 scale column padded to 4)
+    b = torch.zeros(32, 32, dtype=NATIVE_ELEM, device=device).t()  # (K, N) column-major
+    s_b = one.expand(128, 4).contiguous().view(e8)
+    torch._scaled_mm(a, b, s_a.reshape(-1), s_b.reshape(-1), out_dtype=torch.bfloat16)
+    offs = torch.tensor([128], dtype=torch.int32, device=device)
+    s_ag = one.expand(256, 4).contiguous().view(e8)  # 128 rows + 128 per group
+    b3 = torch.zeros(1, 32, 32, dtype=NATIVE_ELEM, device=device).transpose(-2, -1)
+    s_b3 = one.expand(1, 512).contiguous().view(e8)
+    torch._scaled_grouped_mm(a, b3, s_ag, s_b3, offs=offs, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize(device)
+
+
+def native_unavailable(device: torch.device) -> str | None:
+    """Why gemm_backend="native" cannot run on `device` (None: it can): it needs a CUDA device of
+    compute capability 10.x and a torch build whose torch._scaled_mm and torch._scaled_grouped_mm
+    take e4m3 operands with float8_e8m0fnu scales (CUDA >= 12.8, built with the MX grouped GEMM).
+    The first answer per device is kept (`mxmoe.quant.backends.clear_resolved` forgets it); on a
+    10.x device it runs one tiny MX GEMM of each kind to find out (not while torch.compile traces:
+    there an unprobed 10.x device counts as able)."""
+    key = ("native_gemm", device.type, device.index)
+    cache = backends._resolved
+    if key in cache:
+        return cache[key]
+    if torch.compiler.is_compiling():
+        return _native_reason(device, probe=False)
+    reason = _native_reason(device)
+    cache[key] = reason
+    return reason
+
+
+def _native_reason(device: torch.device, probe: bool = True) -> str | None:
+    need = "gemm_backend='native' needs a CUDA device of compute capability 10.x (sm_100, Blackwell)"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"{need}; got a {device.type} device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 10:
+        return f"{need}; {device} has compute capability {major}.{minor}"
+    build = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
+    if not hasattr(torch, "_scaled_grouped_mm") or not hasattr(torch, "float8_e8m0fnu"):
+        return f"gemm_backend='native' needs torch._scaled_grouped_mm with e8m0 scales; {build} has none"
+    if not probe:
+        return None
+    try:
+        _probe_native(device)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (
+            f"gemm_backend='native' needs a torch build whose torch._scaled_mm and "
+            f"torch._scaled_grouped_mm run MXFP8 (e4m3, float8_e8m0fnu scales; CUDA >= 12.8); {build} "
+            f"on {device} refused: {first}"
+        )
+    return None
+
+
+def _recipe_refuses(cfg: MXRecipe) -> str | None:
+    """Why the native GEMMs cannot take `cfg`'s operands (None: they can)."""
+    if cfg.elem_dtype != NATIVE_ELEM or cfg.block_size != NATIVE_BLOCK:
+        return (
+            f"gemm_backend='native' takes e4m3 operands in blocks of {NATIVE_BLOCK} (MXFP8); the recipe "
+            f"has elem_dtype={cfg.elem_dtype}, block_size={cfg.block_size}"
+        )
+    return None
+
+
+def resolve_gemm_backend(cfg: MXRecipe, device: torch.device) -> str:
+    """The concrete GEMM backend of `cfg` on `device`: its gemm_backend, with "auto" made
+    "native" where `native_unavailable` and the recipe allow it, else "emulated" (logged once per
+    device and reason). "native" where it cannot run: RuntimeError (ValueError for the recipe)
+    naming the requirement."""
+    name = cfg.gemm_backend
+    if name not in ("auto", "native"):
+        return name
+    reason = native_unavailable(device)
+    if name == "native":
+        if reason is not None:
+            raise RuntimeError(reason)
+        refused = _recipe_refuses(cfg)
+        if refused is not None:
+            raise ValueError(refused)
+        return "native"
+    reason = reason or _recipe_refuses(cfg)
+    if reason is None:
+        return "native"
+    _log_once(f"gemm_backend='auto' runs the emulated GEMM on {device.type}: {reason}")
+    return "emulated"
+
+
+_logged: set[str] = set()
+
+
+def _log_once(msg: str) -> None:
+    if not torch.compiler.is_compiling() and msg not in _logged:
+        _logged.add(msg)
+        log.info(msg)
+
+
+def _native_refuses(a: MXTensor, b: MXTensor, out_n: int) -> str | None:
+    """Why torch's MX GEMMs refuse these operands (None: they take them): e4m3, block 32, and
+    strides / output rows 16-byte aligned (K a multiple of 16, N of 8 for the bf16 output)."""
+    for name, t in (("a", a), ("b", b)):
+        if t.elem_dtype != NATIVE_ELEM or t.block_size != NATIVE_BLOCK:
+            return f"gemm_backend='native' takes e4m3 operands in blocks of {NATIVE_BLOCK}; {name} is {t}"
+    K = a.shape[-1]
+    if K % 16 or out_n % 8:
+        return f"gemm_backend='native' needs K % 16 == 0 and N % 8 == 0; got K={K}, N={out_n}"
+    return None
+
+
+def _m_scales(t: MXTensor, offs: Tensor | None) -> Tensor:
+    """The blocked scales of a 2D operand blocked along its last dim (tokens along the rows,
+    grouped by offs when given)."""
+    if t.scale_layout == "blocked":
+        return t.scale_blocked
+    s = t.scale_blocked
+    return sl.to_blocked(s) if offs is None else sl.to_blocked_m_groups(s, offs)
+
+
+def _native(a: MXTensor, b: MXTensor, offs: Tensor | None, compute_dtype: torch.dtype, kernel: str) -> Tensor:
+    """torch's block-scaled GEMMs (bf16 result). Operands as the ops make them, handed over as
+    torch's ops take them (what torchao's MXFP8 grouped GEMM passes, tests/ops/test_native_gemm.py):
+      dense    a (M, K) row-major, b (K, N) column-major (storage (N, K)); scales blocked, flat.
+      2D x 3D  a (T, K) row-major with its scales blocked per group of rows (offs); b (E, K, N)
+               column-major per expert (storage (E, N, K)), scales blocked per expert (E, -1).
+      2D x 2D  (wgrad) a (M, T) row-major, b (T, K) column-major (storage (K, T)), both blocked
+               along T; scales blocked per group of T (offs // 32: every group end a multiple of
+               32, as the ops' group-padded copies have them); out (E, M, K)."""
+    del compute_dtype, kernel
+    bf16 = torch.bfloat16
+    if offs is None:
+        s_a = _m_scales(a, None).reshape(-1)
+        s_b = (b.scale_blocked if b.scale_layout == "blocked" else sl.to_blocked(b.plain_scale())).reshape(-1)
+        return torch._scaled_mm(a.qdata_blocked, b.qdata, s_a, s_b, out_dtype=bf16)
+    if b.ndim == 3:
+        s_b = b.scale_blocked if b.scale_layout == "blocked" else sl.to_blocked(b.scale_blocked)
+        s_a, s_b = _m_scales(a, offs), s_b.reshape(b.shape[0], -1)
+        out = torch._scaled_grouped_mm(a.qdata_blocked, b.qdata, s_a, s_b, offs=offs, out_dtype=bf16)
+        # rows past the last group are left unwritten by the op: zero them (no host sync)
+        if out.is_cuda:
+            from mxmoe.ops.tail_rows import zero_rows_after_trusted
+
+            return zero_rows_after_trusted(out, offs)
+        rows = torch.arange(out.shape[0], device=out.device)[:, None]
+        return torch.where(rows < offs[-1].to(torch.int64), out, out.new_zeros(()))
+    # 2D x 2D: a's storage (M, T) blocked along T, b's storage (K, T) blocked along T
+    k_offs = offs // NATIVE_BLOCK
+    s_a = sl.to_blocked_k_groups(a.plain_scale(), k_offs)
+    s_b = sl.to_blocked_k_groups(b.plain_scale(), k_offs)
+    return torch._scaled_grouped_mm(a.qdata_blocked, b.qdata, s_a, s_b, offs=offs, out_dtype=bf16)
+
+
+_BACKENDS = {"emulated": _emulated, "native": _native}
 QDQ_BACKENDS = frozenset({"emulated"})
 """Backends that are a high-precision GEMM of dequantized operands: the training ops give them
 fused quantize-dequantize values (`hp_gemm`) instead of MXTensors."""
@@ -168,6 +338,8 @@ class OpPlan(NamedTuple):
     """What a call of an MX op needs of its recipe on a device, resolved once per (recipe, device
     type) (`op_plan`) instead of in every cast of the call."""
 
+    backend: str
+    """The concrete GEMM backend (`resolve_gemm_backend`)."""
     qdq: bool
     """The GEMMs take qdq'd high-precision operands (`uses_qdq`)."""
     compute: torch.dtype
@@ -178,28 +350,29 @@ class OpPlan(NamedTuple):
     """The qdq kernel of dim1 and dim0+dim1 calls (with or without offs); None off the qdq path."""
 
 
-def _make_plan(cfg: MXRecipe, device: torch.device, hp: bool) -> OpPlan:
+def _make_plan(cfg: MXRecipe, device: torch.device, backend: str, hp: bool) -> OpPlan:
     from mxmoe.quant.qdq import qdq_kernels
 
     k0, k1 = qdq_kernels(cfg, device) if hp else (None, None)
-    return OpPlan(hp, cfg.compute_dtype(device), k0, k1)
+    return OpPlan(backend, hp, cfg.compute_dtype(device), k0, k1)
 
 
 def op_plan(cfg: MXRecipe, device: torch.device) -> OpPlan:
     """The OpPlan of `cfg` on `device`'s type: a dict lookup after the first call (kept with the
     cast kernels' resolved answers, `mxmoe.quant.backends.clear_resolved` forgets it too); built
     afresh while torch.compile traces. Raises as the recipe's qdq calls would (`qdq_kernels`)."""
-    hp = uses_qdq(cfg)  # (in the key: tests switch the path per call)
+    backend = resolve_gemm_backend(cfg, device)
+    hp = backend in QDQ_BACKENDS  # (in the key: tests switch the path per call)
     if torch.compiler.is_compiling():
-        return _make_plan(cfg, device, hp)
+        return _make_plan(cfg, device, backend, hp)
     # keyed by the recipe's id (hashing a recipe hashes its 7 fields, µs per call); the entry
     # holds the recipe, so that id is not reused while the entry lives
-    key = ("op_plan", id(cfg), device.type, hp)
+    key = ("op_plan", id(cfg), device.type, hp, backend)
     cache = backends._resolved  # looked up per call: tests swap the dict
     hit = cache.get(key)
     if hit is not None and hit[0] is cfg:
         return hit[1]
-    plan = _make_plan(cfg, device, hp)
+    plan = _make_plan(cfg, device, backend, hp)
     cache[key] = (cfg, plan)
     return plan
 
@@ -221,9 +394,9 @@ def check_dtype(name: str, dtype: torch.dtype) -> None:
         raise TypeError(f"{name} has dtype {dtype}; expected one of {[str(d) for d in INPUT_DTYPES]}")
 
 
-def uses_qdq(recipe: MXRecipe) -> bool:
-    """Whether the ops feed `recipe`'s GEMM backend qdq'd high-precision operands."""
-    return recipe.gemm_backend in QDQ_BACKENDS
+def uses_qdq(recipe: MXRecipe, device: torch.device) -> bool:
+    """Whether the ops feed `recipe`'s GEMM backend on `device` qdq'd high-precision operands."""
+    return resolve_gemm_backend(recipe, device) in QDQ_BACKENDS
 
 
 def hp_gemm(a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
@@ -255,11 +428,20 @@ def mx_gemm(
     Returns a contiguous tensor of `out_dtype` (default: a's orig_dtype).
     """
     cfg = as_recipe(config)
-    if cfg.gemm_backend not in _BACKENDS:
+    if cfg.gemm_backend not in _BACKENDS and cfg.gemm_backend != "auto":
         raise ValueError(
-            f"gemm_backend={cfg.gemm_backend!r} is not a GEMM backend; expected one of {list(_BACKENDS)}"
+            f"gemm_backend={cfg.gemm_backend!r} is not a GEMM backend; expected 'auto' or one of "
+            f"{list(_BACKENDS)}"
         )
     _check_operands(a, b, offs)
-    out = _BACKENDS[cfg.gemm_backend](a, b, offs, cfg.compute_dtype(a.device), cfg.dim0_kernel)
+    backend = resolve_gemm_backend(cfg, a.device)
+    if backend == "native":
+        refused = _native_refuses(a, b, b.shape[-1])
+        if refused is not None:
+            if cfg.gemm_backend == "native":
+                raise ValueError(refused)
+            _log_once(f"gemm_backend='auto' runs the emulated GEMM for this call: {refused}")
+            backend = "emulated"
+    out = _BACKENDS[backend](a, b, offs, cfg.compute_dtype(a.device), cfg.dim0_kernel)
     dtype = a.orig_dtype if out_dtype is None else out_dtype
     return out if out.dtype == dtype else out.to(dtype)

@@ -22,12 +22,18 @@ torch._grouped_mm takes any group sizes (empty included). The dgrad takes the we
 (E, N, K) row-major (each expert's blocks along its own N), as bf16 training's dgrad takes them.
 The weights go through `cache_weight_casts`.
 
-Other backends (the MX path): the casts along M run on a copy of the tokens in which each
-group starts at a multiple of the block size (`mxmoe.quant.groups`: group e occupies ceil(nₑ/32)·32
-rows, gaps zero, static size roundup(T + 31·E, 32)); the fused dim0+dim1 cast runs on it, the dim0
-result is gathered back to the T rows (an fp8 row gather), and the wgrad GEMM takes the padded
-operands. The "emulated" backend taken through this path (tests) gathers its dequantized operands
-back and makes the qdq path's dgrad and wgrad calls, so the two paths are bit-identical.
+Other backends (the MX path, e.g. "native"): the casts along M run on a copy of the tokens in which
+each group starts at a multiple of the block size (`mxmoe.quant.groups`: group e occupies
+ceil(nₑ/32)·32 rows, gaps zero, static size roundup(T + 32·E, 32), torchao's padded copy); the fused
+dim0+dim1 cast runs on it, the dim0 result is gathered back to the T rows (an fp8 row gather), and
+the wgrad GEMM takes the padded operands with the padded offs (every group along K a multiple of
+32: what torch._scaled_grouped_mm's 2D x 2D form needs, one e8m0 scale per 32 tokens of one
+group). The forward and dgrad take the T rows with the real offs: torch._scaled_grouped_mm's 2D x 3D
+form takes any group sizes along M (each group's scales blocked from a multiple of 128 rows). The
+emulated path's wgrad is the same sum (its blocks along M start at each group's first token,
+equal to that zero padding), so a run moves between an H200 and a B200 with the same casts. The
+"emulated" backend taken through this path (tests) gathers its dequantized operands back and makes
+the qdq path's dgrad and wgrad calls, so the two paths are bit-identical.
 
 MX activations (an `MXTensor` from the MXFP8 dispatch, 2D, blocked along K) feed the forward GEMM
 as they are, without dequantize/requantize; their gradient flows through `a.grad_anchor`. The
@@ -397,7 +403,12 @@ def mx_grouped_mm_swiglu(
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
     if u.shape != g.shape:
         raise ValueError(f"u has shape {tuple(u.shape)}; expected g's shape {tuple(g.shape)}")
-    fused = u.dtype == g.dtype and uses_qdq(cfg) and autocast_target(g) is None
+    fused = (  # (b_t is checked by mx_grouped_mm: not a Tensor takes the composition, which says so)
+        u.dtype == g.dtype
+        and isinstance(b_t, Tensor)
+        and uses_qdq(cfg, b_t.device)
+        and autocast_target(g) is None
+    )
     if not fused:  # the composition (the fused cast does not apply)
         return mx_grouped_mm(F.silu(g) * u, b_t, offs, cfg)
     (g_, *_), out_dtype = _checked_args(g, b_t, offs, cfg)  # checks g (2D, K, dtype), b_t and offs
@@ -494,13 +505,13 @@ def mx_grouped_swiglu_mlp(
     cfg = as_recipe(config)
     ws = (w1_t, w3_t, w2_t)
     fused = (  # else the composition raises what is wrong
-        uses_qdq(cfg)
-        and torch.is_grad_enabled()
+        torch.is_grad_enabled()
         and all(isinstance(w, Tensor) and w.ndim == 3 and w.dtype in INPUT_DTYPES for w in ws)
         and w3_t.shape == w1_t.shape
         and w2_t.shape[:2] == (w1_t.shape[0], w1_t.shape[2])
         and w2_t.shape[2] % cfg.block_size == 0
         and w3_t.device == w2_t.device == w1_t.device
+        and uses_qdq(cfg, w1_t.device)
     )
     if fused:
         args, out_dtype = _checked_args(x, w1_t, offs, cfg)  # x, offs and w1_t (w3_t, w2_t: above)

@@ -37,6 +37,7 @@ from mxmoe.ops.gemm import (
     mx_gemm,
     no_autocast,
     op_plan,
+    resolve_gemm_backend,
 )
 from mxmoe.ops.weight_cache import cached_cast
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
@@ -56,7 +57,10 @@ def wants_grad(t: Tensor) -> bool:
 
 def swap_last2(t: MXTensor) -> MXTensor:
     """The MXTensor whose logical shape has the last two dims of `t` swapped: same storage, the
-    block axis follows its dim (2D: the transpose)."""
+    block axis follows its dim (2D: the transpose); the scale layout is kept (per-group blocked
+    scales group the logical rows: not swappable)."""
+    if t.offs is not None:
+        raise ValueError(f"swap_last2 needs scales that are not blocked per group, got {t}")
     return MXTensor(
         t.qdata_blocked,
         t.scale_blocked,
@@ -64,6 +68,7 @@ def swap_last2(t: MXTensor) -> MXTensor:
         t.block_size,
         t.scaling_mode,
         t.orig_dtype,
+        scale_layout=t.scale_layout,
     )
 
 
@@ -124,7 +129,7 @@ def dgrad_mx(
     The emulated backend dequantizes, makes the weight row-major ((N, K) / (E, N, K), the layout
     the qdq path's weight cast has) and makes the qdq path's dgrad call (`hp_gemm(dy0, w1, offs)`),
     so the two paths stay bit-identical. Other backends get the MX operands."""
-    if cfg.gemm_backend != "emulated":
+    if resolve_gemm_backend(cfg, dy0.device) != "emulated":
         return mx_gemm(dy0, w1, offs, cfg, out_dtype=out_dtype)
     compute = cfg.compute_dtype(dy0.device)
     d = dy0.dequantize(compute, kernel=cfg.dim0_kernel)
@@ -145,7 +150,7 @@ def wgrad_mx(
     call of the qdq path (`hp_gemm(dy1ᵀ, x1, offs)`), so the two paths stay bit-identical (a GEMM's
     result depends on its operands' layout and reduction length, not only on their values). Other
     backends get the padded MX operands (32-aligned groups)."""
-    if cfg.gemm_backend != "emulated":
+    if resolve_gemm_backend(cfg, x1.device) != "emulated":
         return mx_gemm(swap_last2(dy1), x1, offs_pad, cfg, out_dtype=out_dtype)
     compute = cfg.compute_dtype(x1.device)
     d, a = (t.dequantize(compute, kernel=cfg.dim0_kernel) for t in (dy1, x1))

@@ -16,12 +16,13 @@ def group_padding(offs: Tensor, rows: int, block_size: int) -> tuple[Tensor, Ten
     """Where each of `rows` tokens goes when every group starts at a multiple of `block_size`.
 
     offs: (E,) int cumulative group ends. Returns pos (rows,) int64 destination rows, offs_pad (E,)
-    int32 padded cumulative ends (the last extended to the padded size), and the padded size
-    roundup(rows + (block_size - 1) E, block_size). Rows at or after offs[-1] (in no group) go to
-    the tail, after the last padded group, and are zeroed by `pad_groups`.
+    int32 padded cumulative ends, and the padded size roundup(rows + block_size E, block_size)
+    (torchao's padded copy, the same size and group starts). Rows at or after offs[-1] (in no
+    group) go to the tail, after the last padded group (in no group of offs_pad), and are zeroed
+    by `pad_groups`.
     """
     E = offs.shape[0]
-    cap = -(-(rows + (block_size - 1) * E) // block_size) * block_size
+    cap = -(-(rows + block_size * E) // block_size) * block_size
     ends = offs.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     padded = (counts + block_size - 1) // block_size * block_size
@@ -31,7 +32,7 @@ def group_padding(offs: Tensor, rows: int, block_size: int) -> tuple[Tensor, Ten
     gc = g.clamp(max=E - 1)
     pos = (ends_pad - padded)[gc] + t - (ends - counts)[gc]
     pos = torch.where(g < E, pos, ends_pad[-1] + t - ends[-1])
-    offs_pad = torch.cat([ends_pad[:-1], ends_pad.new_full((1,), cap)]).to(torch.int32)
+    offs_pad = ends_pad.to(torch.int32)
     return pos, offs_pad, cap
 
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from mxmoe.formats import OUTPUT_DTYPES, ScalingMode, check_input_dtype
 from mxmoe.quant import dispatch
+from mxmoe.quant import scale_layout as sl
 from mxmoe.quant.backends import resolve_kernel
 from mxmoe.quant.checks import check_no_grad, check_x, checked_spec, spec_of
 from mxmoe.recipe import MXRecipe
@@ -39,6 +40,10 @@ class MXTensor:
         autograd routes the gradient of the dequantized value back to whatever produced this
         MXTensor (e.g. the MXFP8 dispatch). Ops that consume an MXTensor take it as their
         differentiable input and return the high-precision gradient for it.
+    scale_layout: "plain" (scale_blocked as above) or "blocked" (see the module docstring).
+    offs: blocked layout of a grouped 2D tensor only: (E,) int32 cumulative ends of the token
+        groups along the logical rows (the axis that is not blocked for a cast along dim 0, whose
+        group ends are then multiples of block_size); None otherwise.
     """
 
     qdata_blocked: Tensor
@@ -48,6 +53,8 @@ class MXTensor:
     scaling_mode: str = "rceil"
     orig_dtype: torch.dtype = torch.bfloat16
     grad_anchor: Tensor | None = None
+    scale_layout: str = "plain"
+    offs: Tensor | None = None
 
     @property
     def ndim(self) -> int:
@@ -60,8 +67,40 @@ class MXTensor:
 
     @property
     def scale(self) -> Tensor:
-        """E8M0 scales, logical shape = x.shape with shape[axis] // block_size (a view)."""
-        return self.scale_blocked.movedim(-1, self.axis)
+        """E8M0 scales, logical shape = x.shape with shape[axis] // block_size (a view of the plain
+        layout; a new tensor from the blocked one)."""
+        return self.plain_scale().movedim(-1, self.axis)
+
+    def plain_scale(self) -> Tensor:
+        """The scales in the plain storage layout: qdata_blocked's shape with the last dim //
+        block_size, contiguous (scale_blocked itself when the layout is plain). A grouped blocked
+        layout keeps no scales for the tokens in no group (at or after offs[-1]): byte 0 there."""
+        if self.scale_layout == "plain":
+            return self.scale_blocked
+        *lead, R, C = self.qdata_blocked.shape
+        C //= self.block_size
+        if self.offs is None:
+            return sl.from_blocked(self.scale_blocked, R, C)
+        if self.axis == 1:
+            return sl.from_blocked_m_groups(self.scale_blocked, self.offs, R, C)
+        return sl.from_blocked_k_groups(self.scale_blocked, self.offs // self.block_size, R, C)
+
+    def to_scale_layout(self, scale_layout: str, offs: Tensor | None = None) -> MXTensor:
+        """This tensor with its scales in `scale_layout` ("plain" | "blocked"; offs: the token
+        groups of a 2D tensor for "blocked", as `to_mx` takes them). Same elements, same grad
+        anchor; self when nothing changes."""
+        sl.check_scale_layout(scale_layout)
+        if scale_layout == self.scale_layout and (scale_layout == "plain" or offs is self.offs):
+            return self
+        scale = self.plain_scale()
+        if scale_layout == "blocked":
+            scale = _blocked_scales(scale, self.axis, self.block_size, offs)
+        else:
+            offs = None
+        return MXTensor(
+            self.qdata_blocked, scale, self.axis, self.block_size, self.scaling_mode, self.orig_dtype,
+            self.grad_anchor, scale_layout, offs,
+        )
 
     @property
     def shape(self) -> torch.Size:
@@ -85,10 +124,13 @@ class MXTensor:
 
     def dequantize_trusted(self, dtype: torch.dtype, kernel: str) -> Tensor:
         """`dequantize` without checks, for the ops layer: dtype bf16/fp32, kernel concrete (from
-        `resolve_kernel`). Returns the logical shape (a view of a contiguous (.., K) result)."""
-        q, sc = self.qdata_blocked, self.scale_blocked
+        `resolve_kernel`). Returns the logical shape (a view of a contiguous (.., K) result).
+        A grouped blocked layout gives zeros for the tokens in no group (at or after offs[-1])."""
+        q, sc = self.qdata_blocked, self.plain_scale()
         if q.ndim == 2:
             out = dispatch.dequantize(q, sc, self.block_size, dtype, kernel)
+            if self.offs is not None and self.scale_layout == "blocked":
+                out = _zero_ungrouped(out, self.offs, self.axis)
             return out if self.axis == 1 else out.t()
         shape = tuple(q.shape)
         rows = _rows(shape, 1)
@@ -100,6 +142,8 @@ class MXTensor:
         """Rows `index` (int64, 1D) of a dim0-quantized 2D MXTensor, keeping the grad anchor."""
         if self.ndim != 2 or self.axis != 1:
             raise ValueError("index_rows needs a 2D MXTensor quantized along axis=-1")
+        if self.scale_layout != "plain":
+            raise ValueError("index_rows needs plain scales (scale_layout='plain')")
         anchor = self.grad_anchor
         if anchor is not None:
             anchor = _IndexAnchor.apply(anchor, index)
@@ -117,6 +161,48 @@ class MXTensor:
         return (
             f"MXTensor(shape={tuple(self.shape)}, axis={self.axis}, elem={self.elem_dtype}, "
             f"block_size={self.block_size}, scaling_mode={self.scaling_mode!r})"
+        )
+
+
+def _zero_ungrouped(out: Tensor, offs: Tensor, axis: int) -> Tensor:
+    """out (storage order) with the tokens at or after offs[-1] zeroed: rows for axis 1, columns
+    for axis 0 (storage (C, T))."""
+    T = out.shape[0] if axis == 1 else out.shape[1]
+    keep = torch.arange(T, device=out.device) < offs[-1].to(torch.int64)
+    keep = keep[:, None] if axis == 1 else keep[None, :]
+    return torch.where(keep, out, out.new_zeros(()))
+
+
+def _blocked_scales(scale: Tensor, axis: int, block_size: int, offs: Tensor | None) -> Tensor:
+    """Plain storage scales -> the blocked layout (see the module docstring)."""
+    if offs is None:
+        return sl.to_blocked(scale)
+    if axis == 1:
+        return sl.to_blocked_m_groups(scale, offs)
+    return sl.to_blocked_k_groups(scale, offs // block_size)
+
+
+def _check_layout_offs(x: Tensor, ax: int, scale_layout: str, offs, block_size: int) -> None:
+    """The scale_layout / offs arguments of to_mx and to_mx_dim0_dim1 (ax: the non-negative axis
+    or None for both casts)."""
+    sl.check_scale_layout(scale_layout)
+    if offs is None:
+        return
+    if scale_layout != "blocked":
+        raise ValueError("offs groups the scales of the blocked layout; pass scale_layout='blocked' with it")
+    if x.ndim != 2:
+        raise ValueError(f"offs needs a 2D x (tokens, features), got shape {tuple(x.shape)}")
+    if not isinstance(offs, Tensor) or offs.ndim != 1 or offs.dtype != torch.int32 or offs.numel() == 0:
+        raise ValueError(f"offs must be a non-empty 1D int32 tensor of cumulative group ends, got {offs!r}")
+    if offs.device != x.device:
+        raise ValueError(f"offs is on {offs.device} but x on {x.device}; they must share a device")
+    ends = offs.tolist()  # (the public API checks them once; the ops pass trusted offs)
+    if any(b < a for a, b in zip([0, *ends], ends, strict=False)) or ends[-1] > x.shape[0]:
+        raise ValueError(f"offs={ends} must be non-decreasing group ends <= x.shape[0]={x.shape[0]}")
+    if ax != 1 and any(e % block_size for e in ends):
+        raise ValueError(
+            f"offs={ends}: a cast along dim 0 with grouped blocked scales needs every group end a "
+            f"multiple of block_size={block_size} (a block must not straddle two groups)"
         )
 
 
@@ -175,6 +261,8 @@ def to_mx(
     kernel: str = "auto",
     *,
     recipe: MXRecipe | None = None,
+    scale_layout: str = "plain",
+    offs: Tensor | None = None,
 ) -> MXTensor:
     """Quantize x (bf16 or fp32, any shape with ndim >= 1) to MX along `axis`, one of the last two
     dims (-1: "dim0" cast, -2 / 0 of 2D: "dim1"); x.shape[axis] % block_size == 0.
@@ -188,13 +276,26 @@ def to_mx(
     recipe: an `MXRecipe`; when given it supplies scaling_mode, elem_dtype, block_size and the
     kernel (its dim0_kernel for a cast along the last dim, its dim1_kernel otherwise), and the
     other keyword arguments must be left at their defaults.
+    scale_layout: "plain" (above) or "blocked": the scales in the layout of Blackwell's
+    block-scaled GEMMs (module docstring), rearranged after the cast by a torch pass (every cast
+    kernel writes the plain layout).
+    offs: with "blocked" and a 2D x (tokens, features) only: (E,) int32 cumulative ends of the
+    token groups along dim 0 (the rows of a cast along the last dim; for a cast along dim 0 every
+    end a multiple of the block size), each group's scales blocked on their own as
+    torch._scaled_grouped_mm takes them. Checked here with a host read.
     """
     if recipe is not None:
         _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel)
-        ax = check_x(x, recipe.block_size, axis)
-        return mx_cast(x, ax, recipe)
-    spec = checked_spec(block_size, scaling_mode, elem_dtype)
-    return _cast(x, check_x(x, spec.block_size, axis), spec, kernel, kernel)
+        bs = recipe.block_size
+        ax = check_x(x, bs, axis)
+        _check_layout_offs(x, ax, scale_layout, offs, bs)
+        out = mx_cast(x, ax, recipe)
+    else:
+        spec = checked_spec(block_size, scaling_mode, elem_dtype)
+        ax = check_x(x, spec.block_size, axis)
+        _check_layout_offs(x, ax, scale_layout, offs, spec.block_size)
+        out = _cast(x, ax, spec, kernel, kernel)
+    return out if scale_layout == "plain" else out.to_scale_layout(scale_layout, offs)
 
 
 def mx_cast(x: Tensor, ax: int, recipe: MXRecipe, kernel: str | None = None) -> MXTensor:
@@ -243,12 +344,15 @@ def to_mx_dim0_dim1(
     kernel: str = "auto",
     *,
     recipe: MXRecipe | None = None,
+    scale_layout: str = "plain",
+    offs: Tensor | None = None,
 ) -> tuple[MXTensor, MXTensor]:
     """Both casts of a 2D x (R, C), bf16 or fp32, R and C divisible by block_size, from one read.
 
     Returns (along dim -1: storage qdata (R, C), scale (R, C // bs); along dim 0: storage qdata
     (C, R), scale (C, R // bs)), elements in `elem_dtype`, scales float8_e8m0fnu, all contiguous.
     recipe: as in `to_mx` (the fused cast uses its dim1_kernel).
+    scale_layout, offs: as in `to_mx`, for both results (offs: token groups along R).
     """
     if recipe is not None:
         _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel)
@@ -266,7 +370,11 @@ def to_mx_dim0_dim1(
         raise ValueError(f"x.shape[{ax}]={n} is not divisible by block_size={bs}")
     if x.requires_grad:
         check_no_grad(x)
-    return _cast_dim0_dim1(x, spec, kernel)
+    _check_layout_offs(x, None, scale_layout, offs, bs)
+    d0, d1 = _cast_dim0_dim1(x, spec, kernel)
+    if scale_layout == "plain":
+        return d0, d1
+    return d0.to_scale_layout(scale_layout, offs), d1.to_scale_layout(scale_layout, offs)
 
 
 def mx_cast_dim0_dim1(x: Tensor, recipe: MXRecipe, kernel: str | None = None) -> tuple[MXTensor, MXTensor]:

@@ -83,8 +83,9 @@ class MX:
         "is MX, for Hopper; docs/comm.md)",
     )
     gemm_backend: str = _f(
-        "emulated",
-        "GEMM on MX operands: emulated (exact dequantize, bf16 GEMM; see docs/training-ops.md)",
+        "auto",
+        "GEMM on MX operands: auto (native on Blackwell sm_100 where torch runs it, else emulated) | "
+        "emulated (exact dequantize, bf16 GEMM) | native (torch's block-scaled MXFP8 GEMMs, sm_100)",
     )
 
 

@@ -145,7 +145,7 @@ def saved_delta_grouped(T: int, K: int, E: int, compute: torch.dtype, need_dw: b
     the compute dtype (T, K), or for an MX input the same MX input as the MX path."""
     if not need_dw:
         return 0
-    cap = -(-(T + 31 * E) // 32) * 32
+    cap = -(-(T + 32 * E) // 32) * 32
     delta = -(T * 8 + E * 4)
     if not mx_input:
         delta += T * K * compute.itemsize - fp8_dim1_bytes(cap, K)

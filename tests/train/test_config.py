@@ -171,7 +171,8 @@ def test_main_reports_config_errors(capsys):
         ("--training.max_norm=nan", "training.max_norm=nan: expected a number >= 0"),
         ("--training.beta2=1", "training.beta2=1.0: expected 0 <= value < 1"),
         ("--training.weight_decay=inf", "training.weight_decay=inf: expected a finite number >= 0"),
-        ("--mx.gemm_backend=fp4", "mx.gemm_backend='fp4': not a GEMM backend; expected one of ['emulated']"),
+        ("--mx.gemm_backend=fp4",
+         "mx.gemm_backend='fp4': not a GEMM backend; expected one of ['auto', 'emulated', 'native']"),
         # a removed backend: why, and where to read it
         ("--mx.gemm_backend=fp8", "mx.gemm_backend='fp8': the Hopper fp8 GEMM backend was removed"),
         ("--mx.expert_gemm=bf16", "mx.expert_gemm='bf16': expected one of ['mx', 'hp']"),
