@@ -201,28 +201,33 @@ def measure(cfg, steps: int, n_batches: int, variants: list[str], device: torch.
     del model, opt
     batches = [batch() for _ in range(n_batches)]
 
-    def grads_of(variant: str):
+    def run(variant: str, ref: list[dict] | None):
+        """The variant's per-batch losses; its per-batch gradients (fp32) when ref is None, else
+        the (squared error, squared reference) sums per group against ref, batch by batch (one
+        batch's gradients alive at a time besides the reference's)."""
         m = _build("bf16" if variant == "fp32" else variant, cfg, margs, state, device)
-        losses, sums = [], {}
-        for x, y in batches:
+        losses, kept, err = [], [], {}
+        for i, (x, y) in enumerate(batches):
             ce, _ = loss_of(m, x, y, amp_on and variant != "fp32")
             ce.backward()
             losses.append(float(ce.detach()))
-            for n, p in m.named_parameters():
-                if p.grad is not None:
-                    sums.setdefault(n.replace(".mx.", "."), []).append(p.grad.float().clone())
+            named = m.named_parameters()
+            grads = {n.replace(".mx.", "."): p.grad.float() for n, p in named if p.grad is not None}
+            if ref is None:
+                kept.append({n: g.clone() for n, g in grads.items()})
+            else:
+                for n, g in grads.items():
+                    e = err.setdefault(_group(n), [0.0, 0.0])
+                    e[0] += float(((g - ref[i][n]) ** 2).sum())
+                    e[1] += float((ref[i][n] ** 2).sum())
+            m.zero_grad(set_to_none=True)
         del m
-        return losses, sums
+        return losses, (kept if ref is None else err)
 
-    ref_losses, ref = grads_of("fp32")
+    ref_losses, ref = run("fp32", None)
     out = {"fp32": {"loss": sum(ref_losses) / len(ref_losses)}}
     for v in variants:
-        losses, g = grads_of(v)
-        err: dict[str, list[float]] = {}
-        for n, gs in g.items():
-            e = err.setdefault(_group(n), [0.0, 0.0])
-            e[0] += sum(float(((a - b) ** 2).sum()) for a, b in zip(gs, ref[n], strict=True))
-            e[1] += sum(float((b**2).sum()) for b in ref[n])
+        losses, err = run(v, ref)
         row = {"loss": sum(losses) / len(losses), "dloss_pct": 100 * (sum(losses) / sum(ref_losses) - 1)}
         row.update({k: math.sqrt(a / b) if b > 0 else 0.0 for k, (a, b) in err.items()})
         out[v] = row
