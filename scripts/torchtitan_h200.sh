@@ -37,7 +37,12 @@ else
     echo "no .whl/ folder: using the installed torchtitan 0.2.x and torchao" >&2
     export PYTHONPATH=$REPO:$REPO/scripts${PYTHONPATH:+:$PYTHONPATH}
 fi
-"$PY" -c "import torch, torchtitan, torchao; print('torch', torch.__version__, '| torchtitan', torchtitan.__version__, '| torchao', torchao.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$OUT/versions.txt"
+"$PY" - <<'EOF' | tee "$OUT/versions.txt"
+import importlib.metadata as md
+import torch
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+print("torch", torch.__version__, "|", gpu, "|", *(f"{p} {md.version(p)}" for p in ("torchtitan", "torchao", "datasets")))
+EOF
 
 "$PY" -m mxmoe.integrations.torchtitan.data "$OUT/data" --tokenizer "$OUT/tokenizer"
 
