@@ -45,6 +45,10 @@ print("torch", torch.__version__, "|", gpu, "|", *(f"{p} {md.version(p)}" for p 
 EOF
 
 "$PY" -m mxmoe.integrations.torchtitan.data "$OUT/data" --tokenizer "$OUT/tokenizer"
+# mxmoe's CUDA cast kernels are built on first use (~30 s, cached under ~/.cache/torch_extensions):
+# build them now, outside the timed runs; "auto" falls back to Triton where they cannot build.
+"$PY" -c "from mxmoe.quant import cuda_cast; cuda_cast.load_extension(); print('mxmoe CUDA cast kernels built')" \
+    || echo "mxmoe's CUDA cast kernels did not build: auto uses the Triton ones"
 
 run() {  # run NAME [trainer flags...]
     local name=$1; shift
