@@ -9,7 +9,7 @@
 # 8 x 2048 tokens, AdamW, eager (no torch.compile). Both MX runs convert the same modules: the
 # routed experts, the dense and shared-expert feed-forward layers (--mx.filter_fqns default).
 #
-#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=160]
+#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140]
 #
 # writes OUT_DIR/{bf16,mxmoe,torchao}.log (torchtitan's logs), .csv (step, loss, grad_norm, tps)
 # and OUT_DIR/summary.md (loss and tokens/s side by side; scripts/torchtitan_summary.py). A run
@@ -21,9 +21,9 @@
 # byte-level tokenizer are written by mxmoe.integrations.torchtitan.data into a /tmp folder.
 set -euo pipefail
 
-OUT=${1:?usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=160]}
+OUT=${1:?usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140]}
 STEPS=${2:-300}
-RUN_TIMEOUT=${3:-160}
+RUN_TIMEOUT=${3:-140}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=python3
 mkdir -p "$OUT"
