@@ -9,7 +9,7 @@
 # 8 x 2048 tokens, AdamW, eager (no torch.compile). Both MX runs convert the same modules: the
 # routed experts, the dense and shared-expert feed-forward layers (--mx.filter_fqns default).
 #
-#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=160]
+#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140]
 #
 # writes OUT_DIR/{bf16,mxmoe,torchao}.log (torchtitan's logs), .csv (step, loss, grad_norm, tps)
 # and OUT_DIR/summary.md (loss and tokens/s side by side; scripts/torchtitan_summary.py). A run
@@ -18,12 +18,12 @@
 # Needs no network: torchtitan 0.2.2, torchao 0.18 and the run-time dependencies the GPU image
 # lacks are installed from wheels in .whl/ at the repository root into /tmp/site (--target; the
 # image's Python is not touched); the text data (the Python standard library's sources) and a
-# byte-level tokenizer are written by mxmoe.integrations.torchtitan.data.
+# byte-level tokenizer are written by mxmoe.integrations.torchtitan.data into a /tmp folder.
 set -euo pipefail
 
-OUT=${1:?usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=160]}
+OUT=${1:?usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140]}
 STEPS=${2:-300}
-RUN_TIMEOUT=${3:-160}
+RUN_TIMEOUT=${3:-140}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=python3
 mkdir -p "$OUT"
@@ -37,9 +37,25 @@ else
     echo "no .whl/ folder: using the installed torchtitan 0.2.x and torchao" >&2
     export PYTHONPATH=$REPO:$REPO/scripts${PYTHONPATH:+:$PYTHONPATH}
 fi
-"$PY" -c "import torch, torchtitan, torchao; print('torch', torch.__version__, '| torchtitan', torchtitan.__version__, '| torchao', torchao.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$OUT/versions.txt"
+"$PY" - <<'EOF' | tee "$OUT/versions.txt"
+import importlib.metadata as md
+import torch
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+print("torch", torch.__version__, "|", gpu, "|", *(f"{p} {md.version(p)}" for p in ("torchtitan", "torchao", "datasets")))
+EOF
 
-"$PY" -m mxmoe.integrations.torchtitan.data "$OUT/data" --tokenizer "$OUT/tokenizer"
+WORK=$(mktemp -d /tmp/torchtitan_h200.XXXXXX)  # data (~33 MB) and tokenizer: not results, kept out of OUT_DIR
+"$PY" -m mxmoe.integrations.torchtitan.data "$WORK/data" --tokenizer "$WORK/tokenizer"
+# mxmoe's CUDA cast kernels are built on first use (~30 s, cached under ~/.cache/torch_extensions):
+# build them now, outside the timed runs; "auto" falls back to Triton where they cannot build.
+"$PY" - <<'EOF'
+from mxmoe.quant import cuda_cast
+try:
+    cuda_cast.load_extension()
+    print("mxmoe's CUDA cast kernels: built")
+except RuntimeError as e:
+    print(f"mxmoe's CUDA cast kernels did not build, 'auto' takes the Triton ones: {str(e)[:300]}")
+EOF
 
 run() {  # run NAME [trainer flags...]
     local name=$1; shift
@@ -49,8 +65,8 @@ run() {  # run NAME [trainer flags...]
         -m torchtitan.train \
         --job.config_file configs/torchtitan/deepseek_v3_debug_0.2.toml \
         --job.dump_folder "$OUT/$name" \
-        --model.hf_assets_path "$OUT/tokenizer" \
-        --training.dataset_path "$OUT/data" \
+        --model.hf_assets_path "$WORK/tokenizer" \
+        --training.dataset_path "$WORK/data" \
         --training.steps "$STEPS" \
         --debug.seed 0 \
         "$@" > "$OUT/$name.log" 2>&1 || rc=$?

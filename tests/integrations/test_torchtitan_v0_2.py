@@ -1,7 +1,8 @@
 """mxmoe inside torchtitan 0.2.x on CPU: the seed's flags (TOML and command line) reach the "mxmoe"
 converter; it swaps the Linear layers and the experts of torchtitan's MoE models (DeepSeek-V3 and
 Llama4 debug flavours) and their forward and backward stay within 1 % of the fp32 model; the MX
-experts' forward equals the oracle's quantize-dequantize products; tensor parallelism is refused.
+experts' forward equals the oracle's quantize-dequantize products; tensor parallelism is refused;
+torchtitan 0.2's trainer runs 3 steps on CPU with the converter (patched for CPU in its own process).
 
 torchtitan 0.2.2 and 0.3 do not share a venv: `make test` runs this file with torchtitan 0.2.2
 (installed with --no-deps into a folder of its own) first on PYTHONPATH; elsewhere it is skipped.
@@ -12,6 +13,13 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.metadata
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -272,3 +280,47 @@ def test_byte_tokenizer_is_the_bytes_for_torchtitan(tmp_path):
     ids = tok.encode(text, add_bos=True, add_eos=True)
     assert ids == [tok.bos_id, *text.encode("utf-8"), tok.eos_id] and (tok.bos_id, tok.eos_id) == (256, 257)
     assert tok.decode(ids[1:-1]) == text
+
+
+# ------------------------------------------------------------------------------------------------
+# torchtitan 0.2's trainer, 3 steps on CPU
+# ------------------------------------------------------------------------------------------------
+
+STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eE]+|nan|inf)")
+
+
+def _train(tmp_path, name: str, *flags: str) -> tuple[list[float], str]:
+    with socket.socket() as s:  # a free port for the one-rank process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([*sys.path, str(root)])}
+    cmd = [
+        sys.executable, str(Path(__file__).with_name("torchtitan_v0_2_cpu_train.py")),
+        "--job.config_file", str(root / "configs/torchtitan/deepseek_v3_debug_0.2.toml"),
+        "--job.dump_folder", str(tmp_path / name),
+        "--model.hf_assets_path", str(tmp_path / "tokenizer"),
+        "--training.dataset_path", str(tmp_path / "data"),
+        "--training.steps", "3", "--training.local_batch_size", "1", "--training.seq_len", "64",
+        "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
+        *flags,
+    ]  # fmt: skip
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr)
+    assert p.returncode == 0, log[-4000:]
+    return [float(m[2]) for m in STEP_LINE.finditer(log)], log
+
+
+@pytest.mark.slow
+def test_trainer_runs_three_steps_with_the_converter(tmp_path):
+    from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
+
+    write_byte_tokenizer(tmp_path / "tokenizer")
+    write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))  # a small corpus
+    ref, _ = _train(tmp_path, "fp32")
+    mx, log = _train(tmp_path, "mx", "--model.converters", "mxmoe", "--mx.recipe_name", "mxfp8")
+    assert "mxmoe: 5 GroupedExperts -> MXGroupedExperts (recipe mxfp8)" in log
+    assert len(ref) == len(mx) == 3 and all(math.isfinite(v) for v in ref + mx)
+    # same initialization and batch: the first loss is the forward's, MX within 0.1 % of fp32
+    assert abs(mx[0] - ref[0]) < 1e-3 * ref[0], (ref, mx)
+    assert mx[2] < mx[0] and ref[2] < ref[0], (ref, mx)  # both train
