@@ -60,11 +60,10 @@ from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 # The format the fused kernels (own rows' quantize+dequantize, symmetric memory) are written for.
 ELEM_DTYPE = torch.float8_e4m3fn
 SCALING_MODE = "rceil"
-# Auto policy, from the 2 x H200 measurements in docs/benchmarks.md (16x8192x5120 bf16, fwd+bwd):
-# simple path 4.50 ms, 2 pieces 3.94, 4 pieces 6.01, 8 pieces 8.46; below ~100 MB per peer every
-# pipelined variant measured lost to the simple path. So on CUDA, pipeline only when the group's
-# mean elements per rank reach PIPELINE_MIN_ELEMS (from the checked plan: every rank decides alike),
-# in ceil(fp8 bytes / MIN_PIECE_BYTES) pieces, at most MAX_CHUNKS per pair.
+# Auto policy: two pieces beat the simple path at 16x8192x5120 bf16 (fwd+bwd, 2 GPUs), more pieces
+# lost, and below ~100 MB per peer every pipelined variant lost to the simple path. So on CUDA,
+# pipeline only when the group's mean elements per rank reach PIPELINE_MIN_ELEMS (from the checked
+# plan: every rank decides alike), in ceil(fp8 bytes / MIN_PIECE_BYTES) pieces, at most MAX_CHUNKS per pair.
 PIPELINE_MIN_ELEMS = 512 << 20
 MIN_PIECE_BYTES = 128 << 20
 MAX_CHUNKS = 2

@@ -27,11 +27,10 @@ import torch
 
 KERNELS = ("torch", "triton", "cuda")
 CASTS = ("dim0", "dim1", "dim0_dim1", "dequant")
-# Preference of `kernel="auto"` on a CUDA device, fastest first, per cast (H200, docs/benchmarks.md).
-# CUDA everywhere: it leads the dim1 (92 % of copy bandwidth vs 78-84 %), fused (72-79 % vs 53-70 %)
-# and dequantize (96-97 % vs 81 %) kernels, and its C++ operators cost 12-32 µs of host time per call
-# against Triton's 35-72 µs (`mxmoe bench overhead`, 2026-11-30); Triton's dim0 kernel is ~10 % faster
-# on the GPU (101-103 % vs 92 %), which only pays for tensors far above a typical activation.
+# Preference of `kernel="auto"` on a CUDA device, fastest first, per cast (docs/benchmarks.md).
+# CUDA everywhere: it leads the dim1, fused and dequantize kernels, and its C++ operators cost a
+# fraction of Triton's launch path in host time per call; Triton's dim0 kernel is faster on the GPU,
+# which only pays for tensors far above a typical activation.
 AUTO_ORDER_CUDA: dict[str, tuple[str, ...]] = {
     "dim0": ("cuda", "triton", "torch"),
     "dim1": ("cuda", "triton", "torch"),
