@@ -106,7 +106,7 @@ def run_forward(T: int, K: int, N: int, E: int, kernel: str, iters: int) -> list
     for backend in ("emulated", "fp8"):
         r = NAMED["mxfp8_rceil"].replace(dim0_kernel=kernel, gemm_backend=backend)
         t, why = timed_or_reason(
-            lambda r=r: mx_gemm(a0, w0, offs, config=r),
+            lambda r=r: mx_gemm(a0, w0, offs, recipe=r),
             iters,
         )
         rows.append(forward_row(name, f"mxfp8_rceil mx_gemm {backend}", t, t_bf16, flops, why))

@@ -93,7 +93,7 @@ def run_forward(M: int, K: int, N: int, kernel: str, iters: int) -> list[dict]:
     for backend in ("emulated", "fp8"):
         r = NAMED["mxfp8_rceil"].replace(dim0_kernel=kernel, gemm_backend=backend)
         t, why = timed_or_reason(
-            lambda r=r: mx_gemm(x0, w0, config=r),
+            lambda r=r: mx_gemm(x0, w0, recipe=r),
             iters,
         )
         rows.append(forward_row(name, f"mxfp8_rceil mx_gemm {backend}", t, t_bf16, flops, why))

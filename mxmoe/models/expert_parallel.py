@@ -117,7 +117,7 @@ class ExpertParallel:
         # skip the exchanges' own cross-rank check (one all_gather and a host sync per call).
         if isinstance(experts, MXGroupedExperts):
             kw = {"check": False, "transport": self.transport, "chunks": self.chunks}
-            r = experts.mx_config
+            r = experts.recipe
             xr = a2a_dispatch_mxfp8(x_sorted, output_splits, input_splits, group, recipe=r, **kw)
             y = experts(xr.index_rows(index), local_counts)  # an MXTensor, source-major -> expert-major
             return a2a_combine(y.index_select(0, inverse), input_splits, output_splits, group, recipe=r, **kw)

@@ -6,10 +6,9 @@ from torch import Tensor, nn
 
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
 from mxmoe.ops import mx_grouped_swiglu_mlp
-from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import autocast_input
 from mxmoe.quant.mx_tensor import MXTensor
-from mxmoe.recipe import MXRecipe
+from mxmoe.recipe import MXRecipe, as_recipe
 
 
 class MXGroupedExperts(GroupedExperts):
@@ -21,12 +20,12 @@ class MXGroupedExperts(GroupedExperts):
     dim and hidden_dim must be divisible by the block size (32). Group sizes are arbitrary.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, config: MXRecipe | None = None):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, recipe: MXRecipe | None = None):
         super().__init__(dim, hidden_dim, num_experts)
-        self.mx_config = as_recipe(config)
+        self.recipe = as_recipe(recipe)
 
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, config: MXRecipe | None = None) -> MXGroupedExperts:
+    def from_experts(cls, experts: GroupedExperts, recipe: MXRecipe | None = None) -> MXGroupedExperts:
         """An MXGroupedExperts sharing `experts`' Parameter objects."""
         if not isinstance(experts, GroupedExperts):
             raise TypeError(f"from_experts needs a GroupedExperts, got {type(experts).__name__}")
@@ -34,12 +33,12 @@ class MXGroupedExperts(GroupedExperts):
         nn.Module.__init__(new)  # no fresh weights: the parameters are shared
         new.dim, new.hidden_dim, new.num_experts = experts.dim, experts.hidden_dim, experts.num_experts
         new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
-        new.mx_config = as_recipe(config)
+        new.recipe = as_recipe(recipe)
         new.train(experts.training)
         return new
 
     def forward(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
-        cfg = self.mx_config
+        cfg = self.recipe
         offs = offsets_from_counts(num_tokens_per_expert)
         if isinstance(x, Tensor):
             # one cast to the autocast dtype for both w1 and w3 (each op would cast x on its own:
@@ -53,7 +52,7 @@ class MXGroupedExperts(GroupedExperts):
         return mx_grouped_swiglu_mlp(x, w1_t, w3_t, w2_t, offs, cfg)
 
     def extra_repr(self) -> str:
-        c = self.mx_config
+        c = self.recipe
         return (
             f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
             f"mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}"

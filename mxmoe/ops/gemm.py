@@ -27,10 +27,9 @@ import torch
 from torch import Tensor
 
 from mxmoe.formats import INPUT_DTYPES
-from mxmoe.ops.config import as_recipe
 from mxmoe.quant import backends
 from mxmoe.quant.mx_tensor import MXTensor
-from mxmoe.recipe import MXRecipe
+from mxmoe.recipe import MXRecipe, as_recipe
 
 
 @torch.library.custom_op("mxmoe::grouped_mm_hp", mutates_args=())
@@ -262,7 +261,7 @@ def mx_gemm(
     a: MXTensor,
     b: MXTensor,
     offs: Tensor | None = None,
-    config: MXRecipe | None = None,
+    recipe: MXRecipe | None = None,
     *,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
@@ -272,11 +271,11 @@ def mx_gemm(
     b: MXTensor, logical (K, N) blocked along K (axis=0); or (E, K, N) blocked along K (axis=1).
     offs: None (dense), or (E,) int32 cumulative group ends: with 3D b, over the rows of a
         (MoE forward/dgrad, -> (M, N)); with 2D b, over K (MoE wgrad, -> (E, M, N)).
-    config: the MXRecipe (default DEFAULT_RECIPE): its gemm_backend, gemm_dtype (the emulated
+    recipe: the MXRecipe (default DEFAULT_RECIPE): its gemm_backend, gemm_dtype (the emulated
         GEMM's operand dtype: default bf16 on CUDA, fp32 elsewhere) and dim0_kernel (dequantize).
     Returns a contiguous tensor of `out_dtype` (default: a's orig_dtype).
     """
-    cfg = as_recipe(config)
+    cfg = as_recipe(recipe)
     if cfg.gemm_backend not in _BACKENDS:
         raise ValueError(
             f"gemm_backend={cfg.gemm_backend!r} is not a GEMM backend; expected one of {list(_BACKENDS)}"

@@ -25,7 +25,9 @@ from types import ModuleType
 
 import torch
 
-KERNELS = ("torch", "triton", "cuda")
+from mxmoe.recipe import CAST_KERNELS
+
+KERNELS = CAST_KERNELS  # the one tuple of cast kernel names (mxmoe.recipe)
 CASTS = ("dim0", "dim1", "dim0_dim1", "dequant")
 # Preference of `kernel="auto"` on a CUDA device, fastest first, per cast (docs/benchmarks.md).
 # CUDA everywhere: it leads the dim1, fused and dequantize kernels, and its C++ operators cost a

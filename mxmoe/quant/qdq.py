@@ -51,9 +51,9 @@ from mxmoe.quant import cuda_cast
 from mxmoe.quant.backends import cdiv, next_pow2, resolve_kernel, triton_interpret
 from mxmoe.quant.checks import spec_of
 from mxmoe.quant.groups import group_padding, in_groups, pad_groups
-from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
+from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
 
-QDQ_KERNELS = ("torch", "triton", "cuda")
+QDQ_KERNELS = CAST_KERNELS  # every cast kernel has its qdq
 
 
 def qdq_kernel(kernel: str, device: torch.device, cuda_op: bool = False) -> str:

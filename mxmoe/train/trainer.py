@@ -262,10 +262,16 @@ def check_values(cfg: JobConfig) -> None:
     ):
         if not ok:  # NaN fails every comparison
             raise ValueError(f"{key}={value!r}: expected {accepted}")
-    from mxmoe.recipe import GEMM_BACKENDS
+    from mxmoe.recipe import recipe_from_options
 
-    if cfg.mx.gemm_backend not in GEMM_BACKENDS:
-        raise ValueError(f"mx.gemm_backend={cfg.mx.gemm_backend!r}: expected one of {list(GEMM_BACKENDS)}")
+    mx = cfg.mx
+    recipe_from_options(
+        mx.recipe_name,
+        mx.mxfp8_dim1_cast_kernel_choice,
+        mx.mxfp8_dim0_cast_kernel_choice,
+        mx.gemm_backend,
+        option_prefix="mx.",
+    )
 
 
 def train(cfg: JobConfig) -> int:

@@ -16,11 +16,11 @@ import operator
 import pytest
 import torch
 
-from mxmoe.ops import MXOpConfig, fp8_gemm, fp8_wgmma, mx_gemm, mx_grouped_mm, mx_mm
+from mxmoe.ops import fp8_gemm, fp8_wgmma, mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.ops.fp8_gemm import Fp8GemmConfig, fp8_mx_gemm, why_unavailable
 from mxmoe.ops.fp8_wgmma import WgmmaConfig
 from mxmoe.quant.mx_tensor import MXTensor, to_mx
-from mxmoe.recipe import recipe
+from mxmoe.recipe import MXRecipe, recipe
 
 E4M3_FINITE = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
 
@@ -232,8 +232,8 @@ def test_scale_byte_extremes():
 # Through mx_gemm, mx_mm and mx_grouped_mm
 # ------------------------------------------------------------------------------------------------
 
-FP8 = MXOpConfig(kernel="torch", dim1_kernel="torch", gemm_backend="fp8")
-EMU = MXOpConfig(kernel="torch", dim1_kernel="torch")
+FP8 = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_backend="fp8")
+EMU = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
 
 
 def test_mx_mm_fp8_matches_emulated():
@@ -288,12 +288,12 @@ def test_compile_fullgraph_and_fake():
 
 def test_recipe_and_config_accept_fp8():
     assert recipe(gemm_backend="fp8").gemm_backend == "fp8"
-    assert MXOpConfig(gemm_backend="fp8").gemm_backend == "fp8"
+    assert MXRecipe(gemm_backend="fp8").gemm_backend == "fp8"
     from mxmoe.nn.converter import MXConfig
 
     assert MXConfig(gemm_backend="fp8").gemm_backend == "fp8"
     with pytest.raises(ValueError, match="gemm_backend='fp9'"):
-        MXOpConfig(gemm_backend="fp9")
+        MXRecipe(gemm_backend="fp9")
 
 
 def test_unavailable_is_a_clear_error(monkeypatch):
@@ -387,11 +387,11 @@ def test_gpu_grouped():
 @pytest.mark.gpu
 def test_gpu_mx_ops_fp8_close_to_emulated():
     torch.manual_seed(0)
-    cfg8 = MXOpConfig(gemm_backend="fp8", kernel="triton", dim1_kernel="triton")
+    cfg8 = MXRecipe(gemm_backend="fp8", dim0_kernel="triton", dim1_kernel="triton")
     x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16) * 0.03).requires_grad_()
     y8 = mx_mm(x, w.t(), cfg8)
-    ye = mx_mm(x, w.t(), MXOpConfig(kernel="triton", dim1_kernel="triton"))
+    ye = mx_mm(x, w.t(), MXRecipe(dim0_kernel="triton", dim1_kernel="triton"))
     torch.testing.assert_close(y8, ye, rtol=2e-2, atol=2e-2)
     y8.float().square().sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
@@ -413,7 +413,7 @@ def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
     outs = []
     for backend in ("fp8", "emulated"):
         a.grad = w.grad = None
-        y = mx_grouped_mm(a, w.transpose(-2, -1), offs, MXOpConfig(gemm_backend=backend, **kw))
+        y = mx_grouped_mm(a, w.transpose(-2, -1), offs, MXRecipe(gemm_backend=backend, **kw))
         y.backward(dy)
         outs.append((y.detach().float(), a.grad.float(), w.grad.float()))
     for got, ref in zip(outs[0], outs[1], strict=True):
@@ -802,7 +802,7 @@ def test_gpu_fp8_ops_capture_in_a_cuda_graph():
     trainer's --training.cuda_graph): no host copy or sync inside (the B-scale column order was
     once a host index tensor), and a replay gives the eager step's bits."""
     torch.manual_seed(3)
-    cfg = MXOpConfig(gemm_backend="fp8")
+    cfg = MXRecipe(gemm_backend="fp8")
     E, K, N = 4, 256, 384
     offs = torch.tensor([64, 64, 200, 320], device="cuda", dtype=torch.int32)
     x = torch.randn(320, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -33,6 +33,7 @@ import torch
 
 from mxmoe.ops import fp8_wgmma
 from mxmoe.ops.fp8_wgmma import WgmmaConfig
+from mxmoe.recipe import MXRecipe
 
 CONFIGS = [  # those of the GPU tests (tests/ops/test_fp8_gemm.py WGMMA_CONFIGS)
     fp8_wgmma.DEFAULT_CONFIG,
@@ -696,7 +697,7 @@ def test_mx_ops_on_the_emulated_gluon_kernel(monkeypatch):
     GPU tests test_gpu_mx_ops_fp8_close_to_emulated and test_gpu_mx_grouped_mm_fp8_close_to_emulated
     (ragged and empty experts), every GEMM run by the emulated Gluon kernel in the operand layouts
     the ops hand it, against gemm_backend='emulated' on the same quantized operands."""
-    from mxmoe.ops import MXOpConfig, fp8_gemm, mx_grouped_mm, mx_mm
+    from mxmoe.ops import fp8_gemm, mx_grouped_mm, mx_mm
 
     launches = []
 
@@ -723,7 +724,7 @@ def test_mx_ops_on_the_emulated_gluon_kernel(monkeypatch):
     outs = []
     for backend in ("fp8", "emulated"):
         x.grad = w.grad = a.grad = we.grad = None
-        cfg = MXOpConfig(gemm_backend=backend, **kw)
+        cfg = MXRecipe(gemm_backend=backend, **kw)
         y = mx_mm(x, w.t(), cfg)
         y.square().sum().backward()
         ye = mx_grouped_mm(a, we.transpose(-2, -1), offs, cfg)

@@ -1,7 +1,7 @@
 """The emulated GEMM's fused quantize-dequantize path against the MX path (quantize, write, read
 back, dequantize): bit-identical forward and backward from the same GEMM calls (operands of the
-same values and strides), the same bytes saved for backward; the
-weight-cast cache (reuse within a scope, never stale); the recipe as the ops' config."""
+same values and strides), the same bytes saved for backward; the weight-cast cache (reuse within a
+scope, never stale); the recipe as the ops' one parameter."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mxmoe.ops.gemm as gemm_mod
 import mxmoe.ops.linear as linear_mod
 from mxmoe import to_mx
-from mxmoe.ops import MXOpConfig, cache_weight_casts, mx_gemm, mx_grouped_mm, mx_mm
+from mxmoe.ops import cache_weight_casts, mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.ops.weight_cache import cache_size
 from mxmoe.quant.mx_tensor import make_grad_anchor
-from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
+from mxmoe.recipe import MXRecipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -308,25 +308,21 @@ def test_weight_cache_grouped_and_compile():
 
 
 # ---------------------------------------------------------------------------------------------
-# the recipe as config
+# the recipe as the ops' parameter
 # ---------------------------------------------------------------------------------------------
 
 
-def test_mxopconfig_builds_the_recipe():
-    assert MXOpConfig() == DEFAULT_RECIPE
-    r = MXOpConfig(scaling_mode="floor", kernel="torch", dim1_kernel="triton", gemm_dtype=torch.float32)
-    assert isinstance(r, MXRecipe)
-    assert (r.scaling_mode, r.dim0_kernel, r.dim1_kernel, r.gemm_dtype) == (
-        "floor",
-        "torch",
-        "triton",
-        torch.float32,
-    )
-    with pytest.raises(ValueError, match="dim0_kernel='cpu'"):
-        MXOpConfig(kernel="cpu")
-    with pytest.raises(TypeError, match="config must be an mxmoe.MXRecipe .* got dict"):
+def test_ops_take_the_recipe():
+    """The ops' parameter is `recipe` (positional or by name); anything but an MXRecipe or None is a
+    TypeError naming it."""
+    r = MXRecipe(scaling_mode="floor", dim0_kernel="torch", dim1_kernel="torch", gemm_dtype=torch.float32)
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 32), torch.randn(32, 64)
+    assert torch.equal(mx_mm(a, b, recipe=r), mx_mm(a, b, r))
+    assert not torch.equal(mx_mm(a, b, r), mx_mm(a, b, MXRecipe(dim0_kernel="torch", dim1_kernel="torch")))
+    with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe .* got dict"):
         mx_mm(torch.randn(4, 32), torch.randn(32, 32), {"block_size": 32})
-    with pytest.raises(TypeError, match="config must be an mxmoe.MXRecipe"):
+    with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe"):
         mx_gemm(to_mx(torch.randn(4, 32)), to_mx(torch.randn(32, 32), axis=0), None, "mxfp8")
 
 

@@ -117,7 +117,9 @@ def test_main_reports_config_errors(capsys):
         ("--training.max_norm=nan", "training.max_norm=nan: expected a number >= 0"),
         ("--training.beta2=1", "training.beta2=1.0: expected 0 <= value < 1"),
         ("--training.weight_decay=inf", "training.weight_decay=inf: expected a finite number >= 0"),
-        ("--mx.gemm_backend=fp4", "mx.gemm_backend='fp4': expected one of ['emulated', 'fp8']"),
+        ("--mx.gemm_backend=fp4", "mx.gemm_backend='fp4' is not a GEMM backend; expected one of"),
+        ("--mx.recipe_name=nvfp4", "mx.recipe_name='nvfp4' is not an MX recipe; expected one of"),
+        ("--mx.mxfp8_dim1_cast_kernel_choice=cudnn", "mx.mxfp8_dim1_cast_kernel_choice='cudnn' is not"),
     ],
 )
 def test_main_rejects_out_of_range_values(capsys, arg, match):
@@ -182,7 +184,7 @@ def test_mx_gemm_backend_reaches_every_converted_module():
     cfg = parse_args(["--config", "configs/debug_moe.toml", "--mx.gemm_backend=fp8"])
     model = Transformer(build_model_args(cfg))
     _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
-    backends = [m.mx_config.gemm_backend for m in model.modules() if hasattr(m, "mx_config")]
+    backends = [m.recipe.gemm_backend for m in model.modules() if hasattr(m, "recipe")]
     assert len(backends) >= 14 and set(backends) == {"fp8"}  # 12 linears, 2 expert groups at least
 
 
@@ -200,6 +202,6 @@ def test_mx_cast_kernel_choices_reach_every_converted_module():
                       "--mx.mxfp8_dim1_cast_kernel_choice=torch"])
     model = Transformer(build_model_args(cfg))
     _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
-    recipes = {m.mx_config for m in model.modules() if hasattr(m, "mx_config")}
+    recipes = {m.recipe for m in model.modules() if hasattr(m, "recipe")}
     base = recipe(cfg.mx.recipe_name)
     assert recipes == {dataclasses.replace(base, dim0_kernel="triton", dim1_kernel="torch")}

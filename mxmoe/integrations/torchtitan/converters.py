@@ -27,12 +27,9 @@ from torchtitan.models.common.moe import GroupedExperts
 
 from mxmoe.ops import mx_grouped_mm, mx_mm
 from mxmoe.quant.mx_tensor import MXTensor
-from mxmoe.recipe import CAST_KERNELS, RECIPES, MXRecipe, recipe
+from mxmoe.recipe import MXRecipe, recipe_from_options
 
 log = logging.getLogger("mxmoe")
-
-GEMM_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 def mx_recipe(
     recipe_name: str = "mxfp8_rceil",
@@ -47,23 +44,8 @@ def mx_recipe(
     gemm_dtype: operand dtype of the emulated GEMM, "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" |
     "float32". Raises ValueError naming the option for anything else.
     """
-    if recipe_name not in RECIPES:
-        raise ValueError(f"recipe_name={recipe_name!r} is not an MX recipe; expected one of {list(RECIPES)}")
-    for name, value in (
-        ("mxfp8_dim1_cast_kernel_choice", mxfp8_dim1_cast_kernel_choice),
-        ("mxfp8_dim0_cast_kernel_choice", mxfp8_dim0_cast_kernel_choice),
-    ):
-        if value != "auto" and value not in CAST_KERNELS:
-            raise ValueError(
-                f"{name}={value!r} is not a cast kernel; expected 'auto' or one of {list(CAST_KERNELS)}"
-            )
-    if gemm_dtype not in GEMM_DTYPES:
-        raise ValueError(f"gemm_dtype={gemm_dtype!r} is not supported; expected one of {list(GEMM_DTYPES)}")
-    return recipe(
-        recipe_name,
-        dim0_kernel=mxfp8_dim0_cast_kernel_choice,
-        dim1_kernel=mxfp8_dim1_cast_kernel_choice,
-        gemm_dtype=GEMM_DTYPES[gemm_dtype],
+    return recipe_from_options(
+        recipe_name, mxfp8_dim1_cast_kernel_choice, mxfp8_dim0_cast_kernel_choice, gemm_dtype=gemm_dtype
     )
 
 
