@@ -115,11 +115,11 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
     from mxmoe.train import parallel
     from mxmoe.train.data import VOCAB_SIZE
     from mxmoe.train.trainer import (
-        _mx_convert,
         build_model_args,
         build_optimizer,
         compile_submodules,
         memory_gib,
+        mx_convert,
     )
 
     t = cfg.training
@@ -132,7 +132,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         model = Transformer(margs)
     report = None
     if variant == "mx":
-        report = _mx_convert(model, cfg, parallel.make_parallel_dims(1, -1, 1, 1))
+        report = mx_convert(model, cfg, parallel.make_parallel_dims(1, -1, 1, 1))
     if mode == "compile":
         compile_submodules(model, backend=args.compile_backend)
     elif mode.startswith("compile_full"):

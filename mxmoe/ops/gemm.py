@@ -215,14 +215,10 @@ def op_plan(cfg: MXRecipe, device: torch.device) -> OpPlan:
         return _make_plan(cfg, device, hp)
     # keyed by the recipe's id (hashing a recipe hashes its 7 fields, µs per call); the entry
     # holds the recipe, so that id is not reused while the entry lives
-    key = ("op_plan", id(cfg), device.type, hp)
-    cache = backends._resolved  # looked up per call: tests swap the dict
-    hit = cache.get(key)
-    if hit is not None and hit[0] is cfg:
-        return hit[1]
-    plan = _make_plan(cfg, device, hp)
-    cache[key] = (cfg, plan)
-    return plan
+    held, plan = backends.remember(
+        ("op_plan", id(cfg), device.type, hp), lambda: (cfg, _make_plan(cfg, device, hp))
+    )
+    return plan if held is cfg else _make_plan(cfg, device, hp)
 
 
 def apply_function(fn: type[torch.autograd.Function], *args):

@@ -20,7 +20,6 @@ copy, no gather, nothing dequantized in the backward. The wgrad is torch._groupe
 form with the real offs: dy1ᵀ (N, T) and a1 (T, K), both T-major, the layout in which
 torch._grouped_mm takes any group sizes (empty included). The dgrad takes the weights along N as
 (E, N, K) row-major (each expert's blocks along its own N), as bf16 training's dgrad takes them.
-The weights go through `cache_weight_casts`.
 
 Other backends (the MX path, e.g. "fp8"): the casts along M run on a copy of the tokens in which each
 group starts at a multiple of the block size (`mxmoe.quant.groups`: group e occupies ceil(nₑ/32)·32

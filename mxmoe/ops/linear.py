@@ -13,8 +13,7 @@ quantize-dequantize (`mxmoe.quant.qdq`), every result in the operand's own row-m
 dy both ways from one read, W along K and along N. The forward keeps x along M in the compute dtype
 (bf16 on CUDA: what bf16 training keeps for its wgrad) and the backward uses it as is: dW = dy1ᵀ x1,
 both M-major, the layout of bf16 training's wgrad. The dgrad dx = dy0 W takes W along N row-major
-(N, K), as bf16 training's dgrad takes W. The weight casts (along K in forward, along N in
-backward) go through `cache_weight_casts` (once per optimizer step inside its scope).
+(N, K), as bf16 training's dgrad takes W.
 Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) of zero-padded rows and `mx_gemm`; the
 "emulated" backend taken through that path (tests) makes the qdq path's dgrad and wgrad calls on
 its dequantized operands (`dgrad_mx`, `wgrad_mx`), so the two paths are bit-identical.
@@ -37,15 +36,9 @@ from mxmoe.ops.gemm import (
     no_autocast,
     op_plan,
 )
-from mxmoe.ops.weight_cache import cached_cast
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq_trusted
 from mxmoe.recipe import MXRecipe, as_recipe
-
-
-def needs_grads(ctx, *indices: int) -> tuple[bool, ...]:
-    """`ctx.needs_input_grad[i]` for each index."""
-    return tuple(bool(ctx.needs_input_grad[i]) for i in indices)
 
 
 def wants_grad(t: Tensor) -> bool:
@@ -99,18 +92,14 @@ def cast_rows(x: Tensor, cfg: MXRecipe) -> MXTensor:
 
 def weight_qdq(w: Tensor, axis: int, cfg: MXRecipe, plan: OpPlan) -> Tensor:
     """qdq of a weight (bf16/fp32, any strides, e.g. W (N, K) or w (E, N, K), checked by the op)
-    along `axis` (-1 or -2) in plan.compute, row-major, reused within a `cache_weight_casts` scope
-    while w is unchanged."""
+    along `axis` (-1 or -2) in plan.compute, row-major."""
     dim1 = axis == -2
-    return cached_cast(
-        w, ("qdq", axis, cfg, plan.compute),
-        lambda: qdq_trusted(w, cfg, plan.k1 if dim1 else plan.k0, plan.compute, not dim1, dim1)[0],
-    )
+    return qdq_trusted(w, cfg, plan.k1 if dim1 else plan.k0, plan.compute, not dim1, dim1)[0]
 
 
 def weight_mx(w: Tensor, axis: int, cfg: MXRecipe) -> MXTensor:
-    """to_mx of a weight along `axis`, reused like `weight_qdq`."""
-    return cached_cast(w, ("mx", axis, cfg), lambda: to_mx(w, axis, recipe=cfg))
+    """to_mx of a weight along `axis`."""
+    return to_mx(w, axis, recipe=cfg)
 
 
 def dgrad_mx(

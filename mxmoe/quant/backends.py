@@ -129,9 +129,23 @@ def _cuda_extension_ready() -> bool:
 # (kernel, device, cast) -> concrete kernel (keyed by the torch.device itself: `device.type` costs
 # 0.2 µs, hashing the device 0.03): `auto` and the availability checks run once per
 # combination (an unavailable kernel raises, so only answers that can run are kept; TRITON_INTERPRET
-# is read when a combination is first resolved, as Triton itself reads it once). The MX ops keep
-# their per-recipe answers here too (`mxmoe.ops.gemm.op_plan`, keys starting "op_plan").
+# is read when a combination is first resolved, as Triton itself reads it once). Answers derived
+# from these (the MX ops' per-recipe plans) are kept here too, through `remember`.
 _resolved: dict[tuple, object] = {}
+
+
+def remember(key: tuple, make: Callable[[], object]) -> object:
+    """`make()`, kept under `key` (a tuple whose first item names its kind, e.g. "op_plan") beside the
+    `resolve_kernel` answers it derives from, so that `clear_resolved` forgets both. Not kept while
+    torch.compile traces (the answer may rest on a build not yet tried)."""
+    cache = _resolved  # looked up per call: tests swap the dict
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    out = make()
+    if not torch.compiler.is_compiling():
+        cache[key] = out
+    return out
 
 
 def clear_resolved() -> None:

@@ -163,8 +163,9 @@ def compile_submodules(model: Transformer, backend: str = "inductor") -> None:
     model.norm.compile(backend=backend)
 
 
-def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims):
-    """mxmoe.convert with cfg.mx; returns its ConversionReport."""
+def mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims):
+    """`mxmoe.convert(model, ...)` with the options of `cfg.mx` (the trainer's `--mx.*`), in place;
+    returns its ConversionReport (also `model.mx_conversion`)."""
     import mxmoe
     from mxmoe.nn import MXConfig
 
@@ -349,7 +350,7 @@ def _train(
         )
     if pd.tp > 1 and use_mx:
         # the converter owns this refusal: let it raise its own error before anything is built
-        _mx_convert(torch.nn.Module(), cfg, pd)
+        mx_convert(torch.nn.Module(), cfg, pd)
     parallel.check_parallel_dims(pd, margs.num_experts)
 
     torch.manual_seed(t.seed)
@@ -362,7 +363,7 @@ def _train(
             ep_group, edp_group = ep_mesh.get_group("ep"), ep_mesh.get_group("edp")
             apply_expert_parallel(model, ep_group)
     if use_mx:
-        _mx_convert(model, cfg, pd)
+        mx_convert(model, cfg, pd)
     if t.compile:
         compile_submodules(model)
     elif t.compile_full:

@@ -179,11 +179,11 @@ def test_shipped_configs_use_the_default_recipe(path):
 def test_mx_gemm_backend_reaches_every_converted_module():
     from mxmoe.models import Transformer
     from mxmoe.train.parallel import make_parallel_dims
-    from mxmoe.train.trainer import _mx_convert, build_model_args
+    from mxmoe.train.trainer import build_model_args, mx_convert
 
     cfg = parse_args(["--config", "configs/debug_moe.toml", "--mx.gemm_backend=fp8"])
     model = Transformer(build_model_args(cfg))
-    _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
+    mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
     backends = [m.recipe.gemm_backend for m in model.modules() if hasattr(m, "recipe")]
     assert len(backends) >= 14 and set(backends) == {"fp8"}  # 12 linears, 2 expert groups at least
 
@@ -196,12 +196,12 @@ def test_mx_cast_kernel_choices_reach_every_converted_module():
     from mxmoe.models import Transformer
     from mxmoe.recipe import recipe
     from mxmoe.train.parallel import make_parallel_dims
-    from mxmoe.train.trainer import _mx_convert, build_model_args
+    from mxmoe.train.trainer import build_model_args, mx_convert
 
     cfg = parse_args(["--config", "configs/debug_moe.toml", "--mx.mxfp8_dim0_cast_kernel_choice=triton",
                       "--mx.mxfp8_dim1_cast_kernel_choice=torch"])
     model = Transformer(build_model_args(cfg))
-    _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
+    mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
     recipes = {m.recipe for m in model.modules() if hasattr(m, "recipe")}
     base = recipe(cfg.mx.recipe_name)
     assert recipes == {dataclasses.replace(base, dim0_kernel="triton", dim1_kernel="torch")}
