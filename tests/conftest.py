@@ -96,20 +96,32 @@ def spawn_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> None:
     assert codes == [0] * world, f"exit codes {codes}"
 
 
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+def assert_same_bits(
+    a: torch.Tensor | None, b: torch.Tensor | None, what: str = "", *, nan_payload: bool = False
+) -> None:
     """Equal shapes and dtypes, NaNs at the same places, and equal bit patterns everywhere else
-    (so +0 != -0, and float8 / e8m0 tensors compare byte for byte)."""
+    (so +0 != -0, and float8 / e8m0 tensors compare byte for byte); with `nan_payload` the NaNs'
+    bits too (every element byte for byte). Tensors on different devices are compared on the CPU;
+    None equals only None (e.g. a gradient that must not exist). The error gives the number of
+    differing elements and the first five (flat index, both bits)."""
+    if a is None or b is None:
+        assert a is None and b is None, f"{what}: {type(a).__name__} vs {type(b).__name__}"
+        return
     assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
-    if a.dtype.itemsize == 1:
-        ba, bb = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    else:
-        na, nb = a.isnan(), b.isnan()
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
+    ba, bb = a.contiguous().view(ints).reshape(-1), b.contiguous().view(ints).reshape(-1)
+    bad = ba != bb
+    if a.dtype.itemsize > 1 and not nan_payload:
+        na, nb = a.isnan().reshape(-1), b.isnan().reshape(-1)
         assert torch.equal(na, nb), f"{what}: NaN positions differ"
-        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
-        ba, bb = a.contiguous().view(ints)[~na], b.contiguous().view(ints)[~nb]
-    if not torch.equal(ba, bb):
-        bad = (ba != bb).nonzero()[:5].flatten().tolist()
-        raise AssertionError(f"{what}: bits differ at flat indices {bad} (first 5)")
+        bad &= ~na
+    if bad.any():
+        idx = bad.nonzero().flatten()[:5].tolist()
+        detail = ", ".join(f"{i}: {int(ba[i]):#x} vs {int(bb[i]):#x}" for i in idx)
+        n = int(bad.sum())
+        raise AssertionError(f"{what}: bits differ at {n} of {bad.numel()} elements; first {detail}")
 
 
 @pytest.fixture(name="free_port")

@@ -450,6 +450,19 @@ class _Combine(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
+def _fmt_and_plan(
+    fn: str, x: Tensor, output_splits, input_splits, group, check: bool, chunks: int | None,
+    kernel: str | None, transport: str, recipe: MXRecipe | None,
+) -> tuple[_Fmt, Plan]:
+    """The format and the checked plan of one MX exchange call `fn` (its arguments, checked once)."""
+    f = _fmt(recipe, kernel, fn)
+    plan = check_and_plan(
+        fn, x, output_splits, input_splits, group,
+        check=check, chunks=chunks, transport=transport, block_size=f.block_size,
+    )
+    return f, plan
+
+
 def to_mxfp8_a2a_dequant(
     x: Tensor,
     output_splits,
@@ -478,17 +491,9 @@ def to_mxfp8_a2a_dequant(
     group's all-to-all or the `chunks` pipeline) or "auto" (symm where it can run, the format is the
     default and chunks is None, else nccl); equal on all ranks.
     """
-    f = _fmt(recipe, kernel, "to_mxfp8_a2a_dequant")
-    plan = check_and_plan(
+    f, plan = _fmt_and_plan(
         "to_mxfp8_a2a_dequant",
-        x,
-        output_splits,
-        input_splits,
-        group,
-        check=check,
-        chunks=chunks,
-        transport=transport,
-        block_size=f.block_size,
+        x, output_splits, input_splits, group, check, chunks, kernel, transport, recipe,
     )
     return _MXA2A.apply(x, plan, group, f, chunks, transport)
 
@@ -515,17 +520,8 @@ def a2a_dispatch_mxfp8(
     `mx.grad_anchor` as their differentiable input.
     check, chunks, kernel, transport, recipe: as in `to_mxfp8_a2a_dequant`.
     """
-    f = _fmt(recipe, kernel, "a2a_dispatch_mxfp8")
-    plan = check_and_plan(
-        "a2a_dispatch_mxfp8",
-        x,
-        output_splits,
-        input_splits,
-        group,
-        check=check,
-        chunks=chunks,
-        transport=transport,
-        block_size=f.block_size,
+    f, plan = _fmt_and_plan(
+        "a2a_dispatch_mxfp8", x, output_splits, input_splits, group, check, chunks, kernel, transport, recipe
     )
     anchor, q, s = _Dispatch.apply(x, plan, group, f, chunks, transport)
     return MXTensor(q, s, 1, f.block_size, f.scaling_mode, x.dtype, anchor)
@@ -551,17 +547,8 @@ def a2a_combine(
     x.dtype, exactly like `to_mxfp8_a2a_dequant`'s forward.
     check, chunks, kernel, transport, recipe: as in `to_mxfp8_a2a_dequant`.
     """
-    f = _fmt(recipe, kernel, "a2a_combine")
-    plan = check_and_plan(
-        "a2a_combine",
-        x,
-        output_splits,
-        input_splits,
-        group,
-        check=check,
-        chunks=chunks,
-        transport=transport,
-        block_size=f.block_size,
+    f, plan = _fmt_and_plan(
+        "a2a_combine", x, output_splits, input_splits, group, check, chunks, kernel, transport, recipe
     )
     return _Combine.apply(x, plan, group, f, chunks, transport)
 

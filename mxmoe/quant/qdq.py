@@ -35,7 +35,7 @@ Which one runs (`qdq_kernel`):
 The op is a `torch.library` custom op with a fake implementation (torch.compile fullgraph); eager
 calls run its body directly. Under torch.compile the Triton kernel on CUDA is decomposed into its
 launches for inductor, and the "cuda" kernel into the C++ operator, which inductor calls directly
-(`_functional_decomp`, docs/training-ops.md).
+(`_register_functional_decomp`, docs/training-ops.md).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bo
     """The rows kernel on x (B, R, C) or (R, C) (= (1, R, C)) contiguous (B == 1 with offs): y0
     and/or y1 of x's shape in `outs`; dim1 blocks start at each matrix's first row (each group's
     with offs). traced: launched through `torch.library.wrap_triton` (the op's decomposition for
-    inductor, `_functional_decomp`)."""
+    inductor, `_register_functional_decomp`)."""
     from mxmoe.quant.triton_qdq import qdq_rows_kernel
 
     B, R, C = x.shape if x.ndim == 3 else (1, *x.shape)
@@ -253,7 +253,7 @@ def _qdq_impl(
 ) -> list[Tensor]:
     """qdq_op's body, called directly in eager mode (a custom op call costs tens of microseconds of
     Python); arguments already checked. traced: the Triton launches go through wrap_triton
-    (`_functional_decomp`)."""
+    (`_register_functional_decomp`)."""
     if kernel == "cuda":
         mode = MODE_IDS[scaling_mode]
         if dim0 and dim1:
@@ -288,24 +288,29 @@ def _op_args(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, ker
     return x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs
 
 
-def _functional_decomp(mode, op, types, args=(), kwargs=None):
-    """How AOTAutograd (torch.compile's functionalization) sees `mxmoe::qdq`: for the Triton kernel
+def _register_functional_decomp(op, op_args, impl, kernel_at: int) -> None:
+    """How AOTAutograd (torch.compile's functionalization) sees a qdq custom op `op` (`mxmoe::qdq`,
+    `mxmoe::swiglu_qdq`, `mxmoe::swiglu_bwd_qdq`: the first argument the tensor read, argument
+    `kernel_at` the kernel; `op_args` binds a call's arguments in order): for the Triton kernel
     on CUDA tensors, as its body with the launches wrapped by `torch.library.wrap_triton` (what
     `torch.library.triton_op` does), so that inductor launches the kernel from its generated code
     instead of calling back into this op's Python for every launch; for the cuda kernel, as its
     body, a C++ operator (`mxmoe_cuda::qdq_dim0`, `qdq_dim1` or `qdq_dim0_dim1`, registered ops
     with fake implementations), which inductor calls directly; anything else (the torch kernel, CPU
     tensors, the Triton interpreter, torch.export) stays the opaque op with its fake
-    implementation."""
+    implementation. `impl(*args, traced=True)` is the op's body."""
 
-    full = _op_args(*args, **(kwargs or {}))
-    if not _decomposes(full[0], full[7], types):
-        return mode.__torch_dispatch__(op, types, args, kwargs or {})
-    with mode:
-        return _qdq_impl(*full, traced=True)
+    def decomp(mode, op_, types, args=(), kwargs=None):
+        full = op_args(*args, **(kwargs or {}))
+        if not _decomposes(full[0], full[kernel_at], types):
+            return mode.__torch_dispatch__(op_, types, args, kwargs or {})
+        with mode:
+            return impl(*full, traced=True)
+
+    op.register_torch_dispatch(FunctionalTensorMode, decomp)
 
 
-qdq_op.register_torch_dispatch(FunctionalTensorMode, _functional_decomp)
+_register_functional_decomp(qdq_op, _op_args, _qdq_impl, 7)
 
 
 def _qdq(*args) -> list[Tensor]:
@@ -368,7 +373,7 @@ def _swiglu_op_args(g, u, block_size, scaling_mode, elem_dtype, out_dtype, kerne
 
 def _decomposes(x: Tensor, kernel: str, types) -> bool:
     """Whether `mxmoe::qdq` or a fused op (`mxmoe::swiglu_qdq`, `mxmoe::swiglu_bwd_qdq`) on x
-    decomposes into its body for AOTAutograd (see `_functional_decomp`); loads the extension for
+    decomposes into its body for AOTAutograd (see `_register_functional_decomp`); loads the extension for
     "cuda" (registers torch.ops.mxmoe_cuda; a flag test once loaded)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
@@ -397,18 +402,9 @@ def _eager_or_op(op, impl, name: str, grads: tuple[Tensor, ...], args: tuple) ->
     return impl(*args)
 
 
-def _swiglu_functional_decomp(mode, op, types, args=(), kwargs=None):
-    """`_functional_decomp` for `mxmoe::swiglu_qdq`: on CUDA tensors the "cuda" kernel decomposes
-    into the C++ operator, the "triton" one into F.silu(g) * u (inductor fuses it) and the wrapped
-    rows kernel; anything else stays the opaque op with its fake implementation."""
-    full = _swiglu_op_args(*args, **(kwargs or {}))
-    if not _decomposes(full[0], full[6], types):
-        return mode.__torch_dispatch__(op, types, args, kwargs or {})
-    with mode:
-        return _swiglu_qdq_impl(*full, traced=True)
-
-
-swiglu_qdq_op.register_torch_dispatch(FunctionalTensorMode, _swiglu_functional_decomp)
+# on CUDA tensors the "cuda" kernel decomposes into the C++ operator, the "triton" one into
+# F.silu(g) * u (inductor fuses it) and the wrapped rows kernel
+_register_functional_decomp(swiglu_qdq_op, _swiglu_op_args, _swiglu_qdq_impl, 6)
 
 
 def swiglu_qdq_trusted(
@@ -512,16 +508,7 @@ def _swiglu_bwd_op_args(dh, g, u, block_size, scaling_mode, elem_dtype, out_dtyp
     return dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs
 
 
-def _swiglu_bwd_functional_decomp(mode, op, types, args=(), kwargs=None):
-    """`_swiglu_functional_decomp` for `mxmoe::swiglu_bwd_qdq`."""
-    full = _swiglu_bwd_op_args(*args, **(kwargs or {}))
-    if not _decomposes(full[0], full[7], types):
-        return mode.__torch_dispatch__(op, types, args, kwargs or {})
-    with mode:
-        return _swiglu_bwd_qdq_impl(*full, traced=True)
-
-
-swiglu_bwd_qdq_op.register_torch_dispatch(FunctionalTensorMode, _swiglu_bwd_functional_decomp)
+_register_functional_decomp(swiglu_bwd_qdq_op, _swiglu_bwd_op_args, _swiglu_bwd_qdq_impl, 7)
 
 
 def swiglu_bwd_qdq_trusted(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe.nn import MXGroupedExperts
@@ -42,8 +43,7 @@ def loss_and_grads(ex, fwd, x, counts, dy):
 
 def assert_bits(got, want):
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert a.dtype == b.dtype and a.shape == b.shape, i
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), i
+        assert_same_bits(a, b, str(i), nan_payload=True)
 
 
 def make(dtype, device="cpu", cfg=CFG, T=64):

@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same_bits
 
 from mxmoe.ops.tail_rows import zero_rows_after
 from mxmoe.quant import backends, cuda_cast
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit patterns (so -0 != +0), a and b of one dtype and shape."""
-    ints = {2: torch.int16, 4: torch.int32}[a.dtype.itemsize]
-    return a.dtype == b.dtype and torch.equal(a.cpu().view(ints), b.cpu().view(ints))
 
 
 def check(device: str, T: int, N: int, end: int, dtype: torch.dtype, pad: int = 0, kernel: str = "auto",
@@ -38,10 +33,10 @@ def check(device: str, T: int, N: int, end: int, dtype: torch.dtype, pad: int = 
     offs = torch.tensor(ends, dtype=torch.int32, device=device)
     assert zero_rows_after(out, offs, kernel=kernel) is out
     what = (T, N, end, dtype, pad, kernel, col, groups)
-    assert same_bits(full, want), what
+    assert_same_bits(full, want, str(what), nan_payload=True)
     offs_strided = torch.tensor([x for e in ends for x in (e, 0)], dtype=torch.int32, device=device)[::2]
     zero_rows_after(out, offs_strided, kernel=kernel)  # offs[-1] read through its stride (else 0: all rows)
-    assert same_bits(full, want), (*what, "strided offs")
+    assert_same_bits(full, want, str((*what, "strided offs")), nan_payload=True)
 
 
 @pytest.mark.interpreter
@@ -202,7 +197,7 @@ def test_gpu_compile_fullgraph():
         assert explanation.graph_break_count == 0, explanation.break_reasons
         got, want = torch.compile(fn, fullgraph=True)(*args), fn(*args)
         for g, w in zip(got, want, strict=True):
-            assert same_bits(g, w), fn.__name__
+            assert_same_bits(g, w, fn.__name__, nan_payload=True)
     for fn, args in ((tail, (x, offs)), (grouped, (x, b, offs)), (traced, (x, b, offs))):
         assert not fn(*args)[0][170:].any() and not torch.compile(fn, fullgraph=True)(*args)[0][170:].any()
 

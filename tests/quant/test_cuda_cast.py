@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_bits
 
 import mxmoe
 from mxmoe.formats import ELEM_FORMATS, ScalingMode, make_spec
@@ -162,26 +163,6 @@ def make_input(
 
 # ------------------------------------------------------------------------------------------------
 # Comparison helpers.
-
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Bitwise equality of got (any device) and want (CPU); for bf16/fp32 NaN matches any NaN."""
-    got = got.cpu()
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    if got.dtype in (torch.bfloat16, torch.float32):
-        nan_g, nan_w = torch.isnan(got), torch.isnan(want)
-        ity = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
-        bad = (nan_g != nan_w) | (~nan_w & (got.view(ity) != want.view(ity)))
-        gv, wv = got.view(ity), want.view(ity)
-    else:
-        gv, wv = got.view(torch.uint8), want.view(torch.uint8)
-        bad = gv != wv
-    nbad = int(bad.sum())
-    if nbad:
-        idx = bad.nonzero()[:5].tolist()
-        detail = ", ".join(f"{tuple(i)}: got {int(gv[tuple(i)]):#x} want {int(wv[tuple(i)]):#x}" for i in idx)
-        raise AssertionError(f"{what}: {nbad} of {bad.numel()} differ; first: {detail}")
 
 
 def check_dim0(x: torch.Tensor, spec, what: str = "dim0") -> None:

@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe.quant.qdq import qdq_dim0_dim1, swiglu_bwd_qdq_dim0_dim1, swiglu_bwd_qdq_op
 from tests.quant.helpers import COMBOS, DTYPES, data, dname, to_f32_numpy, to_torch
 from tests.quant.test_qdq import COUNTS, TAIL, check_values, grouped_rows, offs_of, oracle_rows
-from tests.quant.test_swiglu_qdq import BS, CU_FILE, _bits, _same, recipe
+from tests.quant.test_swiglu_qdq import BS, CU_FILE, _bits, recipe
 
 NAMES = ("dg0", "dg1", "du0", "du1")
 
@@ -273,7 +274,7 @@ def test_gpu_swiglu_bwd_qdq_cuda_matches_reference_and_oracle(combo, grouped):
         want = [*oracle_rows(to_f32_numpy(dg.cpu()), BS, mode, elem, out, ends),
                 *oracle_rows(to_f32_numpy(du.cpu()), BS, mode, elem, out, ends)]
         for y, z, w, name in zip(got, _unfused(dh, g, u, rc, out, offs), want, NAMES, strict=True):
-            _same(y, z, f"{what} {name}")
+            assert_same_bits(y, z, f"{what} {name}")
             check_values(y, w, f"{what} {name} oracle")
 
 
@@ -294,7 +295,7 @@ def test_gpu_swiglu_bwd_qdq_every_bf16_gate_and_random_fp32():
         for out in DTYPES:
             got = swiglu_bwd_qdq_dim0_dim1(dh, g, u, recipe=rc, out_dtype=out)
             for a, b, k in zip(got, _unfused(dh, g, u, rc, out), NAMES, strict=True):
-                _same(a, b, f"bf16 all patterns x{scale} {k} -> {dname(out)}")
+                assert_same_bits(a, b, f"bf16 all patterns x{scale} {k} -> {dname(out)}")
     bits = torch.randint(-(2**31), 2**31 - 1, (4096, 256), device="cuda", dtype=torch.int32)
     gf = torch.where(torch.rand(bits.shape, device="cuda") < 0.5, bits.view(torch.float32),
                      torch.randn(bits.shape, device="cuda") * 40)
@@ -302,7 +303,7 @@ def test_gpu_swiglu_bwd_qdq_every_bf16_gate_and_random_fp32():
     for out in DTYPES:
         got = swiglu_bwd_qdq_dim0_dim1(dhf, gf, uf, recipe=rc, out_dtype=out)
         for a, b, k in zip(got, _unfused(dhf, gf, uf, rc, out), NAMES, strict=True):
-            _same(a, b, f"fp32 random {k} -> {dname(out)}")
+            assert_same_bits(a, b, f"fp32 random {k} -> {dname(out)}")
 
 
 @pytest.mark.gpu
@@ -322,17 +323,17 @@ def test_gpu_swiglu_bwd_qdq_cuda_shapes_misaligned_and_block_sizes():
             for out in DTYPES:
                 got = swiglu_bwd_qdq_dim0_dim1(dh, g, u, recipe=r, out_dtype=out, offs=o)
                 for a, b, k in zip(got, _unfused(dh, g, u, r, out, o), NAMES, strict=True):
-                    _same(a, b, f"large {dname(dtype)} bs={r.block_size} {k} -> {dname(out)}")
+                    assert_same_bits(a, b, f"large {dname(dtype)} bs={r.block_size} {k} -> {dname(out)}")
         one = (dh[:1], g[:1], u[:1])
         for a, b, k in zip(swiglu_bwd_qdq_dim0_dim1(*one, recipe=recipe("cuda")),
                            _unfused(*one, recipe("cuda")), NAMES, strict=True):
-            _same(a, b, f"one row {k}")
+            assert_same_bits(a, b, f"one row {k}")
         flats = [torch.randn(65 * 64 + 1, device="cuda").to(dtype) for _ in range(3)]
         mis = [f[1:].view(65, 64) for f in flats]  # not 16-byte aligned
         om = offs_of([10, 0, 40], "cuda")
         for a, b, k in zip(swiglu_bwd_qdq_dim0_dim1(*mis, recipe=recipe("cuda"), offs=om),
                            _unfused(*mis, recipe("cuda"), None, om), NAMES, strict=True):
-            _same(a, b, f"misaligned {dname(dtype)} {k}")
+            assert_same_bits(a, b, f"misaligned {dname(dtype)} {k}")
 
 
 @pytest.mark.gpu

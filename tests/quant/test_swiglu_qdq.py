@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe.quant.qdq import qdq_dim0_dim1, swiglu_qdq_dim0_dim1, swiglu_qdq_op
@@ -39,15 +40,6 @@ def recipe(kernel: str, mode: str = "rceil", elem=torch.float8_e4m3fn, bs: int =
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    """Bit for bit, NaN where NaN (payloads free: a non-finite block is NaN whatever its payload)."""
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    na, nb = torch.isnan(a), torch.isnan(b)
-    assert torch.equal(na, nb), f"{what}: NaN masks differ"
-    bad = (_bits(a) != _bits(b)) & ~na
-    assert not bool(bad.any()), f"{what}: {int(bad.sum())} differ, first at {bad.nonzero()[:5].tolist()}"
 
 
 def gate_inputs(mode: str, elem, dtype, grouped: bool, device="cpu"):
@@ -274,8 +266,8 @@ def test_gpu_swiglu_qdq_cuda_matches_reference_and_oracle(combo, grouped):
         what = f"gpu swiglu {mode} {dname(elem)} {dname(dtype)} -> {dname(out)} grouped={grouped}"
         y0, y1 = swiglu_qdq_dim0_dim1(g, u, recipe=rc, out_dtype=out, offs=offs)
         z0, z1 = _reference_cuda(g, u, rc, out, offs)
-        _same(y0, z0, what + " dim0")
-        _same(y1, z1, what + " dim1")
+        assert_same_bits(y0, z0, what + " dim0")
+        assert_same_bits(y1, z1, what + " dim1")
         w0, w1 = oracle_rows(to_f32_numpy(h.cpu()), BS, mode, elem, out, ends)
         check_values(y0, w0, what + " dim0 oracle")
         check_values(y1, w1, what + " dim1 oracle")
@@ -296,7 +288,7 @@ def test_gpu_swiglu_qdq_every_bf16_gate_and_random_fp32():
         y = swiglu_qdq_dim0_dim1(g, u, recipe=rc, out_dtype=out)
         z = _reference_cuda(g, u, rc, out, None)
         for a, b, k in zip(y, z, ("dim0", "dim1"), strict=True):
-            _same(a, b, f"bf16 all patterns {k} -> {dname(out)}")
+            assert_same_bits(a, b, f"bf16 all patterns {k} -> {dname(out)}")
     bits = torch.randint(-(2**31), 2**31 - 1, (4096, 256), device="cuda", dtype=torch.int32)
     gf = torch.where(torch.rand(bits.shape, device="cuda") < 0.5, bits.view(torch.float32),
                      torch.randn(bits.shape, device="cuda") * 40)
@@ -305,7 +297,7 @@ def test_gpu_swiglu_qdq_every_bf16_gate_and_random_fp32():
         y = swiglu_qdq_dim0_dim1(gf, uf, recipe=rc, out_dtype=out)
         z = _reference_cuda(gf, uf, rc, out, None)
         for a, b, k in zip(y, z, ("dim0", "dim1"), strict=True):
-            _same(a, b, f"fp32 random {k} -> {dname(out)}")
+            assert_same_bits(a, b, f"fp32 random {k} -> {dname(out)}")
 
 
 @pytest.mark.gpu
@@ -327,9 +319,9 @@ def test_gpu_swiglu_qdq_cuda_shapes_misaligned_and_block_sizes():
                 y = swiglu_qdq_dim0_dim1(g, u, recipe=r, out_dtype=out, offs=o)
                 z = _reference_cuda(g, u, r, out, o)
                 for a, b, k in zip(y, z, ("dim0", "dim1"), strict=True):
-                    _same(a, b, f"large {dname(dtype)} bs={r.block_size} {k} -> {dname(out)}")
+                    assert_same_bits(a, b, f"large {dname(dtype)} bs={r.block_size} {k} -> {dname(out)}")
         g1, u1 = g[:1], u[:1]
-        _same(swiglu_qdq_dim0_dim1(g1, u1, recipe=recipe("cuda"))[0],
+        assert_same_bits(swiglu_qdq_dim0_dim1(g1, u1, recipe=recipe("cuda"))[0],
               _reference_cuda(g1, u1, recipe("cuda"), dtype, None)[0], "one row")
         flat_g = torch.randn(65 * 64 + 1, device="cuda").to(dtype)
         flat_u = torch.randn(65 * 64 + 1, device="cuda").to(dtype)
@@ -338,7 +330,7 @@ def test_gpu_swiglu_qdq_cuda_shapes_misaligned_and_block_sizes():
         y = swiglu_qdq_dim0_dim1(gm, um, recipe=recipe("cuda"), offs=om)
         z = _reference_cuda(gm, um, recipe("cuda"), dtype, om)
         for a, b, k in zip(y, z, ("dim0", "dim1"), strict=True):
-            _same(a, b, f"misaligned {dname(dtype)} {k}")
+            assert_same_bits(a, b, f"misaligned {dname(dtype)} {k}")
 
 
 @pytest.mark.gpu
