@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION) \
-		numpy tabulate tqdm matplotlib pytest pytest-timeout hypothesis ruff "setuptools>=77"
+		numpy tabulate tqdm matplotlib pytest pytest-timeout pytest-xdist hypothesis ruff "setuptools>=77"
 	# the torchtitan integration's tests (torch stays pinned)
 	$(BIN)/python -m pip install -q torchtitan==0.3.0 torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check mxmoe tests
 
+# two pytest workers (pytest-xdist): the suite's processes are mostly single-threaded
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2
 	PYTHON=$(BIN)/python ./scripts/check_cuda_build.sh
 
 train: $(STAMP)

@@ -15,8 +15,6 @@ inputs and block size 16 (dg, du formed by ATen then cast); the operator's check
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -28,7 +26,7 @@ import mxmoe.quant.qdq as qdq_mod
 from mxmoe.quant.qdq import qdq_dim0_dim1, swiglu_bwd_qdq_dim0_dim1, swiglu_bwd_qdq_op
 from tests.quant.helpers import COMBOS, DTYPES, data, dname, to_f32_numpy, to_torch
 from tests.quant.test_qdq import COUNTS, TAIL, check_values, grouped_rows, offs_of, oracle_rows
-from tests.quant.test_swiglu_qdq import BS, CU_FILE, _bits, recipe
+from tests.quant.test_swiglu_qdq import BS, _bits, recipe
 
 NAMES = ("dg0", "dg1", "du0", "du1")
 
@@ -213,7 +211,7 @@ def test_swiglu_bwd_qdq_kernel_choice(monkeypatch):
     assert picked == ["cuda", "cuda", "triton"]
 
 
-def test_swiglu_bwd_kernel_compiles_for_sm90_with_bounded_spills(tmp_path):
+def test_swiglu_bwd_kernel_compiles_for_sm90_with_bounded_spills(mx_cast_sm90):
     """csrc/mx_cast.cu for sm_90 (nvcc, no GPU): every variant of swiglu_bwd_qdq_kernel (bf16 / fp32
     in, both elements and outputs: 8): fp32 at most 128 registers (two CTAs per SM) with no spills;
     bf16 at most 85 (three CTAs per SM, its launch bounds) with at most 32 bytes spilled (ptxas
@@ -221,22 +219,8 @@ def test_swiglu_bwd_kernel_compiles_for_sm90_with_bounded_spills(tmp_path):
     memory in the PTX; dh, g and u are read with 16-byte streaming loads, the four outputs written
     with the qdq kernel's 16- / 8-byte streaming stores only; 1 + x * (1 - s) of silu_backward is
     one fma."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found: cannot compile mx_cast.cu")
-    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "--keep", "--keep-dir", str(tmp_path),
-           "-c", str(CU_FILE), "-o", str(tmp_path / "mx_cast.o")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    info = {}
-    pattern = (r"Compiling entry function '(\w+)'.*?\n.*?Function properties.*?\n\s*(\d+) bytes stack "
-               r"frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers")
-    for m in re.finditer(pattern, res.stdout + res.stderr):
-        info[m.group(1)] = tuple(int(m.group(i)) for i in range(2, 6))
-    (ptx_file,) = tmp_path.glob("*.ptx")
-    ptx = ptx_file.read_text()
-    entries = {m.group(1): m.group(0) for m in re.finditer(r"\.entry (\w+)\((.*?)\n}\n", ptx, re.S)
-               if "swiglu_bwd_qdq_kernel" in m.group(1)}
+    info = mx_cast_sm90.ptxas
+    entries = mx_cast_sm90.entries("swiglu_bwd_qdq_kernel")
     assert len(entries) == 8, sorted(entries)
     for name, body in entries.items():
         stack, st, ld, regs = info[name]

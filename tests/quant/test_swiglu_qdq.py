@@ -14,9 +14,6 @@ and other block sizes (h formed by ATen then cast), argument errors, torch.compi
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,7 +28,6 @@ from tests.quant.helpers import COMBOS, DTYPES, data, dname, to_f32_numpy, to_to
 from tests.quant.test_qdq import COUNTS, TAIL, check_values, grouped_rows, offs_of, oracle_rows
 
 BS = 32
-CU_FILE = Path(__file__).resolve().parents[2] / "mxmoe" / "quant" / "csrc" / "mx_cast.cu"
 
 
 def recipe(kernel: str, mode: str = "rceil", elem=torch.float8_e4m3fn, bs: int = BS) -> MXRecipe:
@@ -198,37 +194,14 @@ def test_swiglu_qdq_kernel_choice(monkeypatch):
     assert picked == ["cuda", "cuda", "triton"]
 
 
-def _swiglu_entries(text: str) -> dict[str, str]:
-    """{mangled name: body} of the PTX entries of qdq_dim1_kernel's SWIGLU variants (last template
-    argument `true`)."""
-    out = {}
-    for m in re.finditer(r"\.entry (\w+)\((.*?)\n}\n", text, re.S):
-        name = m.group(1)
-        if "qdq_dim1_kernel" in name and re.search(r"ELb1EEEv", name):
-            out[name] = m.group(0)
-    return out
-
-
-def test_swiglu_kernel_compiles_for_sm90_without_spills(tmp_path):
+def test_swiglu_kernel_compiles_for_sm90_without_spills(mx_cast_sm90):
     """csrc/mx_cast.cu for sm_90 (nvcc, no GPU): every SWIGLU variant of qdq_dim1_kernel (bf16 /
     fp32 in, both elements and outputs: 8) has no local memory and no spills, at most 85 registers
     for bf16 (8 lanes per column, three CTAs per SM) and 128 for fp32 (4 lanes); g and u are read
     with 16-byte streaming loads, the outputs written with the qdq kernel's 16- / 8-byte streaming
     stores only."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found: cannot compile mx_cast.cu")
-    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "--keep", "--keep-dir", str(tmp_path),
-           "-c", str(CU_FILE), "-o", str(tmp_path / "mx_cast.o")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    info = {}
-    pattern = (r"Compiling entry function '(\w+)'.*?\n.*?Function properties.*?\n\s*(\d+) bytes stack "
-               r"frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers")
-    for m in re.finditer(pattern, res.stdout + res.stderr):
-        info[m.group(1)] = tuple(int(m.group(i)) for i in range(2, 6))
-    (ptx_file,) = tmp_path.glob("*.ptx")
-    entries = _swiglu_entries(ptx_file.read_text())
+    info = mx_cast_sm90.ptxas
+    entries = mx_cast_sm90.entries(r"qdq_dim1_kernel.*ELb1EEEv")  # the SWIGLU variants (last argument true)
     assert len(entries) == 8, sorted(entries)
     for name, body in entries.items():
         stack, st, ld, regs = info[name]
