@@ -277,8 +277,8 @@ def test_compile_fullgraph_and_fake():
                           test_utils=("test_faketensor",))
     a = MXTensor(aq, as_, 1)
     b = MXTensor(bq, bs, 0)  # logical (K, N) blocked along K: storage (N, K)
-    f = torch.compile(lambda a, b: mx_gemm(a, b, config=FP8), fullgraph=True, backend="eager")
-    torch.testing.assert_close(f(a, b), mx_gemm(a, b, config=FP8), rtol=0, atol=0)
+    f = torch.compile(lambda a, b: mx_gemm(a, b, recipe=FP8), fullgraph=True, backend="eager")
+    torch.testing.assert_close(f(a, b), mx_gemm(a, b, recipe=FP8), rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,14 +302,14 @@ def test_unavailable_is_a_clear_error(monkeypatch):
     x = to_mx(torch.randn(32, 64), axis=-1, kernel="torch")
     w = to_mx(torch.randn(64, 32), axis=0, kernel="torch")
     with pytest.raises(RuntimeError, match="gemm_backend='fp8' needs an sm_90"):
-        mx_gemm(x, w, config=FP8)
+        mx_gemm(x, w, recipe=FP8)
 
 
 def test_bad_operands():
     x = to_mx(torch.randn(32, 64), axis=-1, kernel="torch", elem_dtype=torch.float8_e5m2)
     w = to_mx(torch.randn(64, 32), axis=0, kernel="torch", elem_dtype=torch.float8_e5m2)
     with pytest.raises(ValueError, match="e4m3 operands with block_size=32"):
-        mx_gemm(x, w, config=FP8)
+        mx_gemm(x, w, recipe=FP8)
     gen = torch.Generator().manual_seed(0)
     aq, as_ = _rand_operand(32, 64, gen)
     bq, bs = _rand_operand(32, 96, gen)
@@ -403,7 +403,7 @@ def test_gpu_mx_grouped_mm_fp8_close_to_emulated():
     """MoE experts forward, dgrad and wgrad (grouped rows and grouped K, ragged and empty groups)
     on the fp8 backend against the emulated one, same quantized operands."""
     torch.manual_seed(1)
-    kw = {"kernel": "triton", "dim1_kernel": "triton"}
+    kw = {"dim0_kernel": "triton", "dim1_kernel": "triton"}
     E, K, N = 6, 512, 384
     counts = [0, 300, 7, 0, 650, 64]
     offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)

@@ -711,7 +711,7 @@ def test_mx_ops_on_the_emulated_gluon_kernel(monkeypatch):
 
     monkeypatch.setattr(fp8_gemm, "launch", gluon_on_cpu)
     monkeypatch.setattr(fp8_gemm, "why_unavailable", lambda device: None)
-    kw = {"kernel": "torch", "dim1_kernel": "torch"}
+    kw = {"dim0_kernel": "torch", "dim1_kernel": "torch"}
     torch.manual_seed(0)
     x = torch.randn(1000, 1024, requires_grad=True)
     w = (torch.randn(768, 1024) * 0.03).requires_grad_()
