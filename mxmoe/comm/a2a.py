@@ -90,7 +90,7 @@ class _Fmt:
         return (self.elem_dtype, self.block_size, self.scaling_mode) == (ELEM_DTYPE, BLOCK_SIZE, SCALING_MODE)
 
     def resolved(self, device: torch.device) -> _Fmt:
-        k = resolve_kernel(self.kernel, device)
+        k = resolve_kernel(self.kernel, device, "dim0")  # the exchange's casts run along the rows
         return self if k == self.kernel else _fmt_of(self.elem_dtype, self.block_size, self.scaling_mode, k)
 
 

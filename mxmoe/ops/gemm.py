@@ -200,9 +200,7 @@ class OpPlan(NamedTuple):
 
 
 def _make_plan(cfg: MXRecipe, device: torch.device, hp: bool) -> OpPlan:
-    from mxmoe.quant.qdq import qdq_kernels
-
-    k0, k1 = qdq_kernels(cfg, device) if hp else (None, None)
+    k0, k1 = backends.qdq_kernels(cfg, device) if hp else (None, None)
     return OpPlan(hp, cfg.compute_dtype(device), k0, k1)
 
 

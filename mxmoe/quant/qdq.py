@@ -26,7 +26,7 @@ form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`; on CPU under TRITO
 "cuda" (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1` and `qdq_dim0_dim1` of the CUDA cast
 extension, csrc/mx_cast.cu: the casts' and the dequantize kernel's device functions in one kernel,
 one read of x and one write per output; dim1 and dim0+dim1 also with groups).
-Which one runs (`qdq_kernel`):
+Which one runs (`mxmoe.quant.backends.qdq_kernel`, where every kernel choice is made):
   - dim0 calls follow the recipe's dim0_kernel, dim1 and dim0+dim1 calls its dim1_kernel: "cuda"
     takes the C++ operator, and so does "auto" on CUDA when the extension builds (else the Triton
     kernel);
@@ -48,39 +48,13 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, CastSpec, check_input_dtype
 from mxmoe.quant import cuda_cast
-from mxmoe.quant.backends import cdiv, next_pow2, resolve_kernel, triton_interpret
+from mxmoe.quant.backends import QDQ_MAX_BLOCK_TRITON as _MAX_BS
+from mxmoe.quant.backends import cdiv, next_pow2, qdq_kernel, qdq_kernels, triton_interpret
 from mxmoe.quant.checks import spec_of
 from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
 
 QDQ_KERNELS = CAST_KERNELS  # every cast kernel has its qdq
-
-
-def qdq_kernel(kernel: str, device: torch.device, cuda_op: bool = False) -> str:
-    """The qdq backend for a recipe's cast kernel choice on `device`: "torch" for "torch" and for
-    "auto" off CUDA; for a call a C++ operator covers (`cuda_op`: all but dim0 alone with offs) on
-    CUDA, "cuda" for "cuda" (the C++ operators; RuntimeError if they cannot run) and for "auto"
-    (falling back to "triton" if the extension does not build, as `to_mx`'s "auto"); "triton"
-    otherwise (CUDA, or the interpreter for an explicit "triton")."""
-    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
-        return "torch"
-    if cuda_op and kernel in ("cuda", "auto") and device.type == "cuda":
-        # resolve_kernel: cached per (kernel, device); "auto" builds / loads the extension once
-        if resolve_kernel(kernel, device, "dim0") != "cuda":
-            return "triton"
-        if not torch.compiler.is_compiling():
-            cuda_cast.load_extension()  # a flag test once loaded; raises if "cuda" cannot build
-        return "cuda"
-    if kernel not in ("auto", "triton", "cuda"):
-        raise ValueError(
-            f"kernel={kernel!r} is not a cast kernel; expected 'auto', 'torch', 'triton' or 'cuda'"
-        )
-    if device.type == "cuda" or (kernel == "triton" and device.type == "cpu" and triton_interpret()):
-        return "triton"
-    raise RuntimeError(
-        f"kernel={kernel!r}: the qdq kernel needs a CUDA tensor (got a {device.type} tensor), or "
-        "TRITON_INTERPRET=1 for kernel='triton' on CPU"
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,7 +96,6 @@ def _torch_qdq(
 # Triton backend
 # ----------------------------------------------------------------------------------------------
 
-_MAX_BS = 128  # the rows kernel holds whole blocks both ways in a tile (bs rows, bs-column blocks)
 # Rows-layout kernel: one dim1 block (bs rows) x _ROWS_WARPS * 64 columns per tile, 64 elements
 # (bf16) per thread; each program does up to _ROWS_ITERS column tiles (amortizing the group
 # lookup; one value: one compiled variant per format), e.g. 2056 x 7 programs for 65536 x 7168 in
@@ -604,20 +577,6 @@ def _check(
         raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
     if offs.device != x.device:
         raise ValueError(f"offs is on {offs.device} but {name} on {x.device}; they must share a device")
-
-
-def qdq_kernels(recipe: MXRecipe, device: torch.device) -> tuple[str, str]:
-    """(k0, k1): the qdq kernels of the calls the MX ops make with `recipe` on `device`: k0 for dim0
-    without offs, k1 for dim1 and dim0+dim1, with or without offs (`qdq_kernel`). Raises where
-    `qdq` would for such a call (a kernel that cannot run here, a block size above the Triton
-    kernel's). The ops resolve this once per (recipe, device type), not per qdq call."""
-    k0 = qdq_kernel(recipe.dim0_kernel, device, True)
-    k1 = qdq_kernel(recipe.dim1_kernel, device, True)
-    if "triton" in (k0, k1) and recipe.block_size > _MAX_BS:
-        raise ValueError(
-            f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to {_MAX_BS}"
-        )
-    return k0, k1
 
 
 def qdq_trusted(

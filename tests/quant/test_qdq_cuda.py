@@ -23,6 +23,7 @@ import torch
 from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
+from mxmoe.quant import backends
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, qdq_kernel
 from mxmoe.recipe import MXRecipe
 from tests.quant import oracle as O
@@ -47,7 +48,7 @@ def recipe(kernel: str, mode: str = "rceil", elem=torch.float8_e4m3fn, bs: int =
 def cuda_available(monkeypatch):
     """resolve_kernel answers as on a GPU machine whose extension builds; load_extension recorded."""
     loads = []
-    monkeypatch.setattr(qdq_mod, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
+    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
     monkeypatch.setattr(qdq_mod.cuda_cast, "load_extension", lambda: loads.append(1))
     return loads
 
@@ -69,7 +70,7 @@ def test_qdq_kernel_takes_cuda_where_an_operator_covers_the_call(cuda_available)
 
 def test_qdq_kernel_auto_falls_back_to_triton(monkeypatch):
     """"auto" without a usable extension (resolve_kernel's answer for dim0 is not cuda): Triton."""
-    monkeypatch.setattr(qdq_mod, "resolve_kernel", lambda k, dev, cast="dim1": "triton")
+    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "triton")
     assert qdq_kernel("auto", CUDA, True) == "triton"
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
+from mxmoe.quant import backends
 from mxmoe.quant.qdq import qdq_dim0_dim1, swiglu_bwd_qdq_dim0_dim1, swiglu_bwd_qdq_op
 from tests.quant.helpers import COMBOS, DTYPES, data, dname, to_f32_numpy, to_torch
 from tests.quant.test_qdq import COUNTS, TAIL, check_values, grouped_rows, offs_of, oracle_rows
@@ -199,7 +200,7 @@ def test_swiglu_bwd_qdq_kernel_choice(monkeypatch):
     x = torch.randn(40, 64)
     swiglu_bwd_qdq_dim0_dim1(x, x, x, recipe=recipe("auto"))
     assert seen == ["torch"]
-    monkeypatch.setattr(qdq_mod, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
+    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
     monkeypatch.setattr(qdq_mod.cuda_cast, "load_extension", lambda: None)
     picked = []
     monkeypatch.setattr(qdq_mod, "swiglu_bwd_qdq_trusted",

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
+from mxmoe.quant import backends
 from mxmoe.quant.qdq import qdq_dim0_dim1, swiglu_qdq_dim0_dim1, swiglu_qdq_op
 from mxmoe.recipe import MXRecipe
 from tests.quant.helpers import COMBOS, DTYPES, data, dname, to_f32_numpy, to_torch
@@ -182,7 +183,7 @@ def test_swiglu_qdq_kernel_choice(monkeypatch):
     g = torch.randn(40, 64)
     swiglu_qdq_dim0_dim1(g, g, recipe=recipe("auto"))
     assert seen == ["torch"]
-    monkeypatch.setattr(qdq_mod, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
+    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
     monkeypatch.setattr(qdq_mod.cuda_cast, "load_extension", lambda: None)
     picked = []
     monkeypatch.setattr(qdq_mod, "swiglu_qdq_trusted",
