@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION) \
-		numpy tabulate tqdm matplotlib pytest pytest-timeout hypothesis ruff "setuptools>=77"
+		numpy tabulate tqdm matplotlib pytest pytest-timeout pytest-xdist hypothesis ruff "setuptools>=77"
 	# the torchtitan integration's tests (torch stays pinned)
 	$(BIN)/python -m pip install -q torchtitan==0.3.0 torch==$(TORCH_VERSION)
 	# the peer the native (Blackwell) GEMM's tests compare with; test-only, no deps (torch stays pinned)
@@ -33,8 +33,9 @@ $(TT02_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps --no-compile --upgrade --target $(TT02) torchtitan==0.2.2
 	touch $@
 
+# two pytest workers (pytest-xdist): the suite's processes are mostly single-threaded
 test: $(STAMP) $(TT02_STAMP) lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2
 	PYTHONPATH=$(TT02) $(BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/test_torchtitan_v0_2.py
 	PYTHON=$(BIN)/python ./scripts/check_cuda_build.sh
 

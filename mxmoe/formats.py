@@ -14,9 +14,6 @@ import torch
 
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
-# Unbiased scale exponents an E8M0 byte can hold (0xFF is NaN).
-SCALE_EXP_MIN = -127
-SCALE_EXP_MAX = 127
 
 
 class ScalingMode(StrEnum):

@@ -23,7 +23,12 @@ REMOVED_GEMM_BACKENDS = {
     "docs/training-ops.md, 'Why there is no fp8 GEMM on Hopper'",
 }
 """Backends that are gone, with the reason a config naming one is told."""
-GEMM_DTYPES = (None, torch.bfloat16, torch.float32)
+GEMM_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+"""The emulated GEMM's operand dtype, by its option spelling ("auto": bf16 on CUDA, fp32 elsewhere)."""
 EXPERT_GEMMS = ("mx", "hp")
 """How the routed experts (`MXGroupedExperts`) multiply: MX GEMMs, or high precision on MX-rounded rows."""
 
@@ -83,7 +88,7 @@ class MXRecipe:
                     f"{name}={value!r} is not a cast kernel; expected 'auto' or one of {list(CAST_KERNELS)}"
                 )
         check_gemm_backend(self.gemm_backend)
-        if self.gemm_dtype not in GEMM_DTYPES:
+        if self.gemm_dtype not in GEMM_DTYPES.values():
             raise TypeError(
                 f"gemm_dtype={self.gemm_dtype} is not supported; expected None, torch.bfloat16 or "
                 "torch.float32"
@@ -121,3 +126,67 @@ def recipe(name: str = DEFAULT_RECIPE_NAME, **changes) -> MXRecipe:
     if name not in RECIPES:
         raise ValueError(f"recipe name {name!r} is not an MX recipe; expected one of {list(RECIPES)}")
     return RECIPES[name].replace(**changes) if changes else RECIPES[name]
+
+
+def recipe_from_options(
+    recipe_name: str = DEFAULT_RECIPE_NAME,
+    mxfp8_dim1_cast_kernel_choice: str = "auto",
+    mxfp8_dim0_cast_kernel_choice: str = "auto",
+    gemm_backend: str = "auto",
+    gemm_dtype: str = "auto",
+    expert_gemm: str = "mx",
+    *,
+    option_prefix: str = "",
+) -> MXRecipe:
+    """The one MXRecipe that front-end options describe (strings, as a CLI, a TOML file or torchtitan
+    give them; the spellings are torchtitan's). Every front end builds its recipe here: the trainer
+    (`--mx.*`), `mxmoe.MXConfig.to_recipe` and the torchtitan adapter.
+
+    recipe_name: a name in RECIPES, "mxfp8_rceil" (default) | "mxfp8".
+    mxfp8_dim1_cast_kernel_choice / mxfp8_dim0_cast_kernel_choice: the recipe's dim1_kernel /
+    dim0_kernel, "auto" | "torch" | "triton" | "cuda".
+    gemm_backend: one of GEMM_BACKENDS. gemm_dtype: a key of GEMM_DTYPES. expert_gemm: one of
+    EXPERT_GEMMS.
+    option_prefix: put before each option's name in errors (e.g. "mx." for the trainer's options).
+    Raises ValueError naming the option, the value and what is accepted.
+    """
+    if recipe_name not in RECIPES:
+        raise ValueError(
+            f"{option_prefix}recipe_name={recipe_name!r} is not an MX recipe; expected one of {list(RECIPES)}"
+        )
+    for name, value in (
+        ("mxfp8_dim1_cast_kernel_choice", mxfp8_dim1_cast_kernel_choice),
+        ("mxfp8_dim0_cast_kernel_choice", mxfp8_dim0_cast_kernel_choice),
+    ):
+        if value != "auto" and value not in CAST_KERNELS:
+            raise ValueError(
+                f"{option_prefix}{name}={value!r} is not a cast kernel; expected 'auto' or one of "
+                f"{list(CAST_KERNELS)}"
+            )
+    check_gemm_backend(gemm_backend, f"{option_prefix}gemm_backend")
+    if expert_gemm not in EXPERT_GEMMS:
+        raise ValueError(f"{option_prefix}expert_gemm={expert_gemm!r}: expected one of {list(EXPERT_GEMMS)}")
+    if gemm_dtype not in GEMM_DTYPES:
+        raise ValueError(
+            f"{option_prefix}gemm_dtype={gemm_dtype!r} is not supported; expected one of {list(GEMM_DTYPES)}"
+        )
+    return recipe(
+        recipe_name,
+        dim0_kernel=mxfp8_dim0_cast_kernel_choice,
+        dim1_kernel=mxfp8_dim1_cast_kernel_choice,
+        gemm_backend=gemm_backend,
+        gemm_dtype=GEMM_DTYPES[gemm_dtype],
+        expert_gemm=expert_gemm,
+    )
+
+
+def as_recipe(recipe: MXRecipe | None, name: str = "recipe") -> MXRecipe:
+    """`recipe`, or DEFAULT_RECIPE for None; a TypeError naming the argument for anything else."""
+    if recipe is None:
+        return DEFAULT_RECIPE
+    if not isinstance(recipe, MXRecipe):
+        raise TypeError(
+            f"{name} must be an mxmoe.MXRecipe (e.g. mxmoe.recipe('mxfp8')) or None, got "
+            f"{type(recipe).__name__}"
+        )
+    return recipe

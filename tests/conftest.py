@@ -10,12 +10,19 @@
 - Helpers shared by several packages' tests: `free_port`, `spawn_ranks` (gloo process groups in
   spawned processes) and `assert_same_bits`, as plain functions (usable inside spawned workers via
   `from conftest import ...`) and as fixtures of the same names.
+- `mx_cast_sm90`: csrc/mx_cast.cu compiled once per session for sm_90 with nvcc (no GPU needed),
+  what every test of the build's PTX, registers and spills reads (one build for all xdist workers).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,20 +103,32 @@ def spawn_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> None:
     assert codes == [0] * world, f"exit codes {codes}"
 
 
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+def assert_same_bits(
+    a: torch.Tensor | None, b: torch.Tensor | None, what: str = "", *, nan_payload: bool = False
+) -> None:
     """Equal shapes and dtypes, NaNs at the same places, and equal bit patterns everywhere else
-    (so +0 != -0, and float8 / e8m0 tensors compare byte for byte)."""
+    (so +0 != -0, and float8 / e8m0 tensors compare byte for byte); with `nan_payload` the NaNs'
+    bits too (every element byte for byte). Tensors on different devices are compared on the CPU;
+    None equals only None (e.g. a gradient that must not exist). The error gives the number of
+    differing elements and the first five (flat index, both bits)."""
+    if a is None or b is None:
+        assert a is None and b is None, f"{what}: {type(a).__name__} vs {type(b).__name__}"
+        return
     assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
-    if a.dtype.itemsize == 1:
-        ba, bb = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    else:
-        na, nb = a.isnan(), b.isnan()
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
+    ba, bb = a.contiguous().view(ints).reshape(-1), b.contiguous().view(ints).reshape(-1)
+    bad = ba != bb
+    if a.dtype.itemsize > 1 and not nan_payload:
+        na, nb = a.isnan().reshape(-1), b.isnan().reshape(-1)
         assert torch.equal(na, nb), f"{what}: NaN positions differ"
-        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
-        ba, bb = a.contiguous().view(ints)[~na], b.contiguous().view(ints)[~nb]
-    if not torch.equal(ba, bb):
-        bad = (ba != bb).nonzero()[:5].flatten().tolist()
-        raise AssertionError(f"{what}: bits differ at flat indices {bad} (first 5)")
+        bad &= ~na
+    if bad.any():
+        idx = bad.nonzero().flatten()[:5].tolist()
+        detail = ", ".join(f"{i}: {int(ba[i]):#x} vs {int(bb[i]):#x}" for i in idx)
+        n = int(bad.sum())
+        raise AssertionError(f"{what}: bits differ at {n} of {bad.numel()} elements; first {detail}")
 
 
 @pytest.fixture(name="free_port")
@@ -125,3 +144,67 @@ def _spawn_ranks_fixture():
 @pytest.fixture(name="assert_same_bits")
 def _assert_same_bits_fixture():
     return assert_same_bits
+
+
+MX_CAST_CU = Path(__file__).resolve().parents[1] / "mxmoe" / "quant" / "csrc" / "mx_cast.cu"
+
+
+def nvcc_path() -> str | None:
+    """nvcc on PATH, else under CUDA_HOME / CUDA_PATH; None without one."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return None
+
+
+@dataclass(frozen=True)
+class Sm90Build:
+    """csrc/mx_cast.cu compiled for sm_90: the command, the object file, the PTX text and, per
+    kernel entry, (stack frame bytes, spill store bytes, spill load bytes, registers) from ptxas."""
+
+    cmd: list[str]
+    obj: Path
+    ptx: str
+    ptxas: dict[str, tuple[int, int, int, int]]
+
+    def entries(self, pattern: str) -> dict[str, str]:
+        """{mangled name: PTX of the entry} of the kernels whose name matches the regex `pattern`."""
+        return {m.group(1): m.group(0) for m in re.finditer(r"\.entry (\w+)\((.*?)\n}\n", self.ptx, re.S)
+                if re.search(pattern, m.group(1))}
+
+
+@pytest.fixture(scope="session")
+def mx_cast_sm90(tmp_path_factory) -> Sm90Build:
+    """One nvcc build of csrc/mx_cast.cu for sm_90 (-O3, as scripts/check_cuda_build.sh, plus
+    `-Xptxas -v` and the kept PTX) for the whole run, pytest-xdist workers included (the first to
+    ask builds it under a file lock in the run's temporary folder, the others read it); skips the
+    test where nvcc is missing and fails it, with nvcc's messages, if the build fails."""
+    import fcntl
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc not found (neither on PATH nor under CUDA_HOME): cannot compile mx_cast.cu")
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the run's folder
+    out = root / "mx_cast_sm90"
+    obj, log = out / "mx_cast.o", out / "nvcc.log"
+    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "--keep", "--keep-dir", str(out),
+           "-c", str(MX_CAST_CU), "-o", str(obj)]
+    with open(root / "mx_cast_sm90.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not log.exists():
+            out.mkdir(exist_ok=True)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            text = f"{res.returncode}\n{res.stdout}\n{res.stderr}"
+            log.write_text(text)
+        text = log.read_text()
+    code, messages = text.split("\n", 1)
+    assert code == "0", f"{' '.join(cmd)} failed:\n{messages[-6000:]}"
+    pattern = (r"Compiling entry function '(\w+)'.*?\n.*?Function properties.*?\n\s*(\d+) bytes stack "
+               r"frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers")
+    ptxas = {m.group(1): tuple(int(m.group(i)) for i in range(2, 6)) for m in re.finditer(pattern, messages)}
+    (ptx_file,) = out.glob("*.ptx")
+    return Sm90Build(cmd, obj, ptx_file.read_text(), ptxas)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mxmoe
-from mxmoe.recipe import DEFAULT_RECIPE, DEFAULT_RECIPE_NAME, RECIPES, MXRecipe, recipe
+from mxmoe.recipe import DEFAULT_RECIPE, DEFAULT_RECIPE_NAME, RECIPES, MXRecipe, recipe, recipe_from_options
 
 
 def test_one_default_everywhere():
@@ -48,15 +48,14 @@ def test_removed_gemm_backend_says_why_and_where():
     from pathlib import Path
 
     from mxmoe import MXConfig
-    from mxmoe.ops import MXOpConfig
-    from mxmoe.recipe import GEMM_BACKENDS, REMOVED_GEMM_BACKENDS
+    from mxmoe.recipe import GEMM_BACKENDS, REMOVED_GEMM_BACKENDS, recipe_from_options
 
     assert "fp8" in REMOVED_GEMM_BACKENDS and "fp8" not in GEMM_BACKENDS
     why = r"gemm_backend='fp8': the Hopper fp8 GEMM backend was removed: .*docs/training-ops.md"
     for make in (
         lambda: MXRecipe(gemm_backend="fp8"),
         lambda: recipe("mxfp8", gemm_backend="fp8"),
-        lambda: MXOpConfig(gemm_backend="fp8"),
+        lambda: recipe_from_options(gemm_backend="fp8"),
         lambda: MXConfig(gemm_backend="fp8").to_recipe(),
     ):
         with pytest.raises(ValueError, match=why):
@@ -69,6 +68,44 @@ def test_removed_gemm_backend_says_why_and_where():
 def test_unknown_recipe_name():
     with pytest.raises(ValueError, match="recipe name 'mxfp4' is not an MX recipe"):
         recipe("mxfp4")
+
+
+def test_recipe_from_options_is_every_front_end():
+    """One function turns option strings into a recipe; the trainer, MXConfig and the torchtitan
+    adapter all call it, so the same options give the same recipe and the same errors."""
+    from mxmoe.integrations.torchtitan.converters import mx_recipe
+    from mxmoe.nn import MXConfig
+
+    assert recipe_from_options() == DEFAULT_RECIPE == MXConfig().to_recipe() == mx_recipe()
+    r = recipe_from_options("mxfp8", "cuda", "triton", "fp8", "float32")
+    assert r == MXRecipe(
+        scaling_mode="floor",
+        dim1_kernel="cuda",
+        dim0_kernel="triton",
+        gemm_backend="fp8",
+        gemm_dtype=torch.float32,
+    )
+    opts = dict(
+        recipe_name="mxfp8", mxfp8_dim1_cast_kernel_choice="cuda", mxfp8_dim0_cast_kernel_choice="torch"
+    )
+    assert MXConfig(**opts, gemm_dtype="bfloat16").to_recipe() == mx_recipe(**opts, gemm_dtype="bfloat16")
+    assert recipe_from_options(gemm_dtype="bfloat16").gemm_dtype == torch.bfloat16
+    assert recipe_from_options(gemm_dtype="auto").gemm_dtype is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"recipe_name": "nvfp4"}, "mx.recipe_name='nvfp4' is not an MX recipe; expected one of"),
+        ({"mxfp8_dim1_cast_kernel_choice": "cudnn"}, "mxfp8_dim1_cast_kernel_choice='cudnn' is not a"),
+        ({"mxfp8_dim0_cast_kernel_choice": "x"}, "mx.mxfp8_dim0_cast_kernel_choice='x' is not a cast kernel"),
+        ({"gemm_backend": "cublas"}, "mx.gemm_backend='cublas' is not a GEMM backend"),
+        ({"gemm_dtype": "float16"}, r"mx.gemm_dtype='float16' is not supported; expected one of \['auto'"),
+    ],
+)
+def test_recipe_from_options_names_the_option(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        recipe_from_options(**kwargs, option_prefix="mx.")
 
 
 def test_compute_dtype():

@@ -34,6 +34,7 @@ import torch
 
 from mxmoe.bench import timing
 from mxmoe.cli import comma_list, positive_int
+from mxmoe.recipe import CAST_KERNELS
 
 MODES = ("dim0", "dim1", "dim0_dim1", "3d", "dequant", "qdq")
 QDQ_LABELS = ("qdq dim0", "qdq dim1 rows", "qdq dim1 rows 3d E=16", "qdq dim0+dim1 rows",
@@ -43,7 +44,7 @@ QDQ_LABELS = ("qdq dim0", "qdq dim1 rows", "qdq dim1 rows 3d E=16", "qdq dim0+di
 SWIGLU_LABELS = QDQ_LABELS[-4:-2]  # inputs (g, u), both of the shape
 SWIGLU_BWD_LABELS = QDQ_LABELS[-2:]  # inputs (dh, g, u), all of the shape
 SCALINGS = ("floor", "rceil")
-KERNELS = ("torch", "triton", "cuda")
+KERNELS = CAST_KERNELS
 DEFAULT_SHAPES_2D = ((16384, 16384), (131072, 7168), (131072, 2048))
 DEFAULT_SHAPES_3D = ((8, 2048, 7168), (8, 7168, 2048))
 ELEMS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -1,5 +1,6 @@
 """What `mxmoe bench linear` and `mxmoe bench grouped_mm` share: recipes, shape parsing, the result
-row and the command line."""
+rows, the timed fwd+bwd and forward GEMMs (dense: offs None; grouped: offs given) and the command
+line."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mxmoe.bench.timing import bench, bf16_gemm_tflops, environment, print_table, require_cuda, write_json
@@ -68,6 +70,98 @@ def timed_or_reason(fn: Callable[[], object], iters: int) -> tuple[float | None,
         return bench(fn, iters=iters).median_ms, ""
     except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError) as e:
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+
+
+def _gemm(a: Tensor, b: Tensor, offs: Tensor | None) -> Tensor:
+    """The bf16 GEMM of the bench: torch.mm (dense) or torch._grouped_mm (offs given)."""
+    return torch.mm(a, b) if offs is None else torch._grouped_mm(a, b, offs=offs)
+
+
+def fwd_bwd_rows(
+    name: str, a: Tensor, w: Tensor, dy: Tensor, offs: Tensor | None, recipes: list[str], kernel: str,
+    iters: int, gemm_backend: str,
+) -> list[dict]:
+    """Forward+backward of y = a Wᵀ, bf16 then MX (each recipe, the op the model runs: `mx_mm`, or
+    `mx_grouped_mm` with offs), the MX time split into its operand casts alone and its GEMMs alone
+    (the emulated backend's path). a (M, K) bf16 requiring grad, w (N, K) or (E, N, K) bf16
+    requiring grad, dy (M, N) bf16, offs None or (E,) int32 group ends."""
+    from mxmoe.ops import mx_grouped_mm, mx_mm
+    from mxmoe.ops.gemm import hp_gemm
+    from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
+
+    flops = 6 * a.shape[0] * a.shape[1] * w.shape[-2]
+    bf = torch.bfloat16
+
+    def bf16_step():
+        (F.linear(a, w) if offs is None else _gemm(a, w.transpose(-2, -1), offs)).backward(dy)
+
+    def bf16_gemms():
+        ad, wd = a.detach(), w.detach()
+        _gemm(ad, wd.transpose(-2, -1), offs), _gemm(dy, wd, offs), _gemm(dy.t(), ad, offs)
+
+    t_bf16 = bench(bf16_step, iters=iters).median_ms
+    t_bf16_gemm = bench(bf16_gemms, iters=iters).median_ms
+    rows = [row(name, "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
+    for recipe in recipes:
+        cfg = RECIPES[recipe].replace(dim0_kernel=kernel, dim1_kernel=kernel, gemm_backend=gemm_backend)
+
+        def mx_step(cfg=cfg):
+            w_t = w.transpose(-2, -1)
+            (mx_mm(a, w_t, cfg) if offs is None else mx_grouped_mm(a, w_t, offs, cfg)).backward(dy)
+
+        # the emulated GEMM's operand casts (fused quantize-dequantize), as the op runs them: a and dy
+        # both ways (along K / N, and along M, per group with offs) from one read each, W along K
+        # (forward) and along N (backward)
+        def casts(cfg=cfg):
+            a0, a1 = qdq_dim0_dim1(a.detach(), recipe=cfg, out_dtype=bf, offs=offs)
+            w0 = qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)
+            dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=bf, offs=offs)
+            w1 = qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)
+            return a0, a1, w0, dy0, dy1, w1
+
+        a0, a1, w0, dy0, dy1, w1 = casts()
+
+        def gemms(a0=a0, a1=a1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
+            hp_gemm(a0, w0.transpose(-2, -1), offs, bf)
+            hp_gemm(dy0, w1, offs, bf)
+            hp_gemm(dy1.t(), a1, offs, bf)
+
+        t = bench(mx_step, iters=iters).median_ms
+        emulated = gemm_backend == "emulated"  # the split below is the emulated path's
+        tc = bench(casts, iters=iters).median_ms if emulated else float("nan")
+        tg = bench(gemms, iters=iters).median_ms if emulated else float("nan")
+        rows.append(row(name, recipe, t, t_bf16, flops, tc, tg))
+        del a0, a1, w0, dy0, dy1, w1
+    a.grad = w.grad = None
+    return rows
+
+
+def forward_rows(
+    name: str, a: Tensor, w: Tensor, offs: Tensor | None, kernel: str, iters: int,
+    scaled: Callable[[bool], Tensor],
+) -> list[dict]:
+    """y = a Wᵀ alone: bf16 (torch.mm, or torch._grouped_mm with offs), fp8 row-wise (`scaled(fast_accum)`:
+    torch's `_scaled_mm` / `_scaled_grouped_mm` call on row-wise fp8 operands, with and without
+    fast accumulation), and each MX GEMM backend (recipe mxfp8_rceil) on pre-cast operands.
+    a (M, K) bf16, w (N, K) or (E, N, K) bf16, offs None or (E,) int32 group ends."""
+    from mxmoe.ops import mx_gemm
+    from mxmoe.quant.mx_tensor import to_mx
+
+    flops = 2 * a.shape[0] * a.shape[1] * w.shape[-2]
+    bf16_name = "bf16 torch.mm" if offs is None else "bf16 torch._grouped_mm"
+    scaled_name = "fp8 row-wise _scaled_mm" if offs is None else "fp8 row-wise _scaled_grouped_mm"
+    t_bf16 = bench(lambda: _gemm(a, w.transpose(-2, -1), offs), iters=iters).median_ms
+    rows = [forward_row(name, bf16_name, t_bf16, t_bf16, flops)]
+    for fast in (True, False):
+        t, why = timed_or_reason(lambda fast=fast: scaled(fast), iters)
+        rows.append(forward_row(name, f"{scaled_name} fast_accum={fast}", t, t_bf16, flops, why))
+    a0 = to_mx(a, axis=-1, kernel=kernel)
+    w0 = to_mx(w.transpose(-2, -1), axis=-2, kernel=kernel)
+    for backend in GEMM_BACKENDS:
+        r = RECIPES["mxfp8_rceil"].replace(dim0_kernel=kernel, gemm_backend=backend)
+        t, why = timed_or_reason(lambda r=r: mx_gemm(a0, w0, offs, recipe=r), iters)
+        rows.append(forward_row(name, f"mxfp8_rceil mx_gemm {backend}", t, t_bf16, flops, why))
+    return rows
 
 
 def main(

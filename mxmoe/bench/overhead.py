@@ -28,6 +28,7 @@ import torch
 
 from mxmoe.bench import timing
 from mxmoe.cli import positive_int
+from mxmoe.recipe import CAST_KERNELS
 
 BLOCK = 32
 NUM_GROUPS = 4
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kernel",
         action="append",
-        choices=("auto", "torch", "triton", "cuda"),
+        choices=("auto", *CAST_KERNELS),
         help="MX cast kernel(s), repeatable; default: auto and every kernel available here",
     )
     p.add_argument("--iters", type=positive_int, default=300, help="calls per measurement (default 300)")

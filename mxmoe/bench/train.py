@@ -26,10 +26,9 @@ timing includes recompilation). A mode that fails is reported with its error. Ru
 config) too.
 
 Each row (variant, mode) runs alone in a child process of its own (`python -m mxmoe bench train`
-for that row), and this process creates no CUDA context: measured on one H200 (docs/benchmarks.md),
-a row run after others in one process, or beside a parent process holding a CUDA context, can be
-slower by 20-40 % (the MX per-block compile step: 116.6 ms after the bf16 rows in one process and
-92.6-95.7 ms in a child of such a parent, against 76.7-83.2 ms alone). `--same-process` runs the
+for that row), and this process creates no CUDA context: a host-bound row (the MX per-block compile
+step) run after others in one process, or beside a parent process holding a CUDA context, runs
+markedly slower than alone (docs/benchmarks.md, "Training step"). `--same-process` runs the
 rows in this process instead (quicker to start; several torchrun ranks always do).
 
     mxmoe bench train --config configs/moe_1b.toml --json train.json
@@ -116,11 +115,11 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
     from mxmoe.train import parallel
     from mxmoe.train.data import VOCAB_SIZE
     from mxmoe.train.trainer import (
-        _mx_convert,
         build_model_args,
         build_optimizer,
         compile_submodules,
         memory_gib,
+        mx_convert,
     )
 
     t = cfg.training
@@ -133,7 +132,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         model = Transformer(margs)
     report = None
     if variant == "mx":
-        report = _mx_convert(model, cfg, parallel.make_parallel_dims(1, -1, 1, 1))
+        report = mx_convert(model, cfg, parallel.make_parallel_dims(1, -1, 1, 1))
     if mode == "compile":
         compile_submodules(model, backend=args.compile_backend)
     elif mode.startswith("compile_full"):
@@ -251,8 +250,8 @@ def _profile(step, variant: str, mode: str, device: torch.device, args) -> dict:
 def _row_in_subprocess(rest: list[str], variant: str, mode: str, args) -> dict:
     """One row measured by `python -m mxmoe bench train` in a child process, the row's variant and
     mode only (`--same-process`); the row comes back through a JSON file. The caller (this process)
-    holds no CUDA context: an H200 run whose children ran beside a parent holding one measured the
-    MX per-block compile step at 92.6-95.7 ms, against 76.7 ms for the same row run alone."""
+    holds no CUDA context: a child beside a parent holding one ran the host-bound MX per-block
+    compile step slower than the same row run alone."""
     import json
     import os
     import subprocess

@@ -60,11 +60,10 @@ from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 # The format the fused kernels (own rows' quantize+dequantize, symmetric memory) are written for.
 ELEM_DTYPE = torch.float8_e4m3fn
 SCALING_MODE = "rceil"
-# Auto policy, from the 2 x H200 measurements in docs/benchmarks.md (16x8192x5120 bf16, fwd+bwd):
-# simple path 4.50 ms, 2 pieces 3.94, 4 pieces 6.01, 8 pieces 8.46; below ~100 MB per peer every
-# pipelined variant measured lost to the simple path. So on CUDA, pipeline only when the group's
-# mean elements per rank reach PIPELINE_MIN_ELEMS (from the checked plan: every rank decides alike),
-# in ceil(fp8 bytes / MIN_PIECE_BYTES) pieces, at most MAX_CHUNKS per pair.
+# Auto policy: two pieces beat the simple path at 16x8192x5120 bf16 (fwd+bwd, 2 GPUs), more pieces
+# lost, and below ~100 MB per peer every pipelined variant lost to the simple path. So on CUDA,
+# pipeline only when the group's mean elements per rank reach PIPELINE_MIN_ELEMS (from the checked
+# plan: every rank decides alike), in ceil(fp8 bytes / MIN_PIECE_BYTES) pieces, at most MAX_CHUNKS per pair.
 PIPELINE_MIN_ELEMS = 512 << 20
 MIN_PIECE_BYTES = 128 << 20
 MAX_CHUNKS = 2
@@ -91,7 +90,7 @@ class _Fmt:
         return (self.elem_dtype, self.block_size, self.scaling_mode) == (ELEM_DTYPE, BLOCK_SIZE, SCALING_MODE)
 
     def resolved(self, device: torch.device) -> _Fmt:
-        k = resolve_kernel(self.kernel, device)
+        k = resolve_kernel(self.kernel, device, "dim0")  # the exchange's casts run along the rows
         return self if k == self.kernel else _fmt_of(self.elem_dtype, self.block_size, self.scaling_mode, k)
 
 
@@ -451,6 +450,19 @@ class _Combine(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
+def _fmt_and_plan(
+    fn: str, x: Tensor, output_splits, input_splits, group, check: bool, chunks: int | None,
+    kernel: str | None, transport: str, recipe: MXRecipe | None,
+) -> tuple[_Fmt, Plan]:
+    """The format and the checked plan of one MX exchange call `fn` (its arguments, checked once)."""
+    f = _fmt(recipe, kernel, fn)
+    plan = check_and_plan(
+        fn, x, output_splits, input_splits, group,
+        check=check, chunks=chunks, transport=transport, block_size=f.block_size,
+    )
+    return f, plan
+
+
 def to_mxfp8_a2a_dequant(
     x: Tensor,
     output_splits,
@@ -479,17 +491,9 @@ def to_mxfp8_a2a_dequant(
     group's all-to-all or the `chunks` pipeline) or "auto" (symm where it can run, the format is the
     default and chunks is None, else nccl); equal on all ranks.
     """
-    f = _fmt(recipe, kernel, "to_mxfp8_a2a_dequant")
-    plan = check_and_plan(
+    f, plan = _fmt_and_plan(
         "to_mxfp8_a2a_dequant",
-        x,
-        output_splits,
-        input_splits,
-        group,
-        check=check,
-        chunks=chunks,
-        transport=transport,
-        block_size=f.block_size,
+        x, output_splits, input_splits, group, check, chunks, kernel, transport, recipe,
     )
     return _MXA2A.apply(x, plan, group, f, chunks, transport)
 
@@ -516,17 +520,8 @@ def a2a_dispatch_mxfp8(
     `mx.grad_anchor` as their differentiable input.
     check, chunks, kernel, transport, recipe: as in `to_mxfp8_a2a_dequant`.
     """
-    f = _fmt(recipe, kernel, "a2a_dispatch_mxfp8")
-    plan = check_and_plan(
-        "a2a_dispatch_mxfp8",
-        x,
-        output_splits,
-        input_splits,
-        group,
-        check=check,
-        chunks=chunks,
-        transport=transport,
-        block_size=f.block_size,
+    f, plan = _fmt_and_plan(
+        "a2a_dispatch_mxfp8", x, output_splits, input_splits, group, check, chunks, kernel, transport, recipe
     )
     anchor, q, s = _Dispatch.apply(x, plan, group, f, chunks, transport)
     return MXTensor(q, s, 1, f.block_size, f.scaling_mode, x.dtype, anchor)
@@ -552,17 +547,8 @@ def a2a_combine(
     x.dtype, exactly like `to_mxfp8_a2a_dequant`'s forward.
     check, chunks, kernel, transport, recipe: as in `to_mxfp8_a2a_dequant`.
     """
-    f = _fmt(recipe, kernel, "a2a_combine")
-    plan = check_and_plan(
-        "a2a_combine",
-        x,
-        output_splits,
-        input_splits,
-        group,
-        check=check,
-        chunks=chunks,
-        transport=transport,
-        block_size=f.block_size,
+    f, plan = _fmt_and_plan(
+        "a2a_combine", x, output_splits, input_splits, group, check, chunks, kernel, transport, recipe
     )
     return _Combine.apply(x, plan, group, f, chunks, transport)
 

@@ -104,10 +104,9 @@ _STAGES = {torch.bfloat16: (4, 3), torch.float32: (2, 1)}
 # the programs' ends better. Flags stay one per tile (the workspace layout does not depend on it, nor
 # on the peers' item size); a store item releases its flags from one warp (at most 32 lanes), a
 # receive item waits for all of them. None: `item_tiles` picks 8 for large exchanges and 4 otherwise
-# (2 H200s, 5120-wide bf16 rows, equal splits: at 16 x 8192 rows a rank 8 ran 1.86x bf16 against
-# 1.78x with 4; at 4 x 8192 4 ran 1.95x against 1.90x; at 1 x 8192 1.32x against 0.66x, when 8-tile
-# items left programs idle: 320 store items for 396 programs; 1 and 2 were slower than 4 at every
-# size, 16 not measured). An int forces that size (sweeps and tests).
+# (scripts/symm_sweep.py: 8 is faster at 16 x 8192 rows a rank, 4 at 4 x 8192 and below, where 8-tile
+# items leave programs idle; 1 and 2 were slower than 4 at every size). An int forces that size
+# (sweeps and tests).
 ITEM_TILES: int | None = None
 # ... 8 once the exchange has at least this many 8-tile items a program (16 x 8192 rows: 39; 4 x
 # 8192: 10; the crossover between them is not measured).

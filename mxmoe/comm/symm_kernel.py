@@ -45,10 +45,9 @@ Memory-level parallelism: a work item's register tiles are loaded by asynchronou
 memory, issued STAGES - 1 (receives: RSTAGES - 1) register tiles ahead of their use (Triton's loop
 pipeliner, `tl.range(num_stages=)`; receive scales are read as int32 words, which can be copied
 asynchronously, single bytes cannot), so an item should pay about one memory latency instead of one
-per register tile (not measured yet). The version that loaded one 16-byte vector a thread at a time
-(three programs of 8 warps an SM: at most 12 KiB of loads in flight an SM) and had one ticket and one
-system fence per 8192 elements took 2.07 ms for 16x8192 rows of 5120 a rank on 2 H200s, against
-1.71 ms for the serial path; docs/comm.md has the model.
+per register tile. The version that loaded one 16-byte vector a thread at a time (three programs of
+8 warps an SM: at most 12 KiB of loads in flight an SM) and had one ticket and one system fence per
+8192 elements was slower than the serial path; docs/comm.md has the model.
 """
 
 from __future__ import annotations

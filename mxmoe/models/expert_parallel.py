@@ -1,10 +1,8 @@
-"""Token routing through the experts, and expert parallelism as a strategy applied from outside.
+"""Expert parallelism as a strategy applied from outside.
 
-`routed_experts` is what every MoE layer runs: sort the token->expert assignments by expert, run
-the experts on the sorted rows, scale by the gate weights and sum back into the tokens. Which
-experts run where is the `dispatch` strategy the MoE layer holds (`MoE.dispatch`):
-  - `LocalExperts` (the default): all E experts here; no host sync anywhere, so the step compiles
-    with fullgraph=True and can be captured in a CUDA graph (row counts are static: T * top_k);
+Every MoE layer runs `mxmoe.models.routing.routed_experts`; which experts run where is the
+`dispatch` strategy the MoE layer holds (`MoE.dispatch`):
+  - `LocalExperts` (the default, `mxmoe.models.routing`): all E experts here;
   - `ExpertParallel(group)`, installed by `apply_expert_parallel(model, group)` (as torchtitan's
     ExpertParallel ParallelStyle): each rank of `group` keeps E / ep experts, and tokens travel to
     them by all-to-all. For MX experts (`MXGroupedExperts`) the rows go as MXFP8 in the experts'
@@ -30,16 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from mxmoe.models.moe import MoE
+from mxmoe.models.routing import LocalExperts
 from mxmoe.nn.mx_experts import MXGroupedExperts
-
-
-def expert_counts(idx: Tensor, num_experts: int) -> Tensor:
-    """idx (...) int64 expert ids in [0, num_experts) -> (num_experts,) int64 counts. A scatter-add
-    with a static output size: no host sync (torch.bincount syncs on CUDA), compiles fullgraph."""
-    flat = idx.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
 
 
 def expert_major_index(recv_counts: Tensor) -> Tensor:
@@ -54,17 +45,6 @@ def expert_major_index(recv_counts: Tensor) -> Tensor:
     out_starts = torch.cumsum(lens, 0) - lens
     shift = torch.repeat_interleave(starts - out_starts, lens, output_size=n)
     return torch.arange(n, device=recv_counts.device) + shift
-
-
-class LocalExperts:
-    """The default dispatch: every expert is on this rank. __call__(rows (N, D) grouped by expert,
-    counts (E,) int64, experts) -> (N, D) experts(rows, counts)."""
-
-    def __call__(self, x_sorted: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
-        return experts(x_sorted, counts)
-
-    def __repr__(self) -> str:
-        return "LocalExperts()"
 
 
 class ExpertParallel:
@@ -120,7 +100,7 @@ class ExpertParallel:
         # skip the exchanges' own cross-rank check (one all_gather and a host sync per call).
         if isinstance(experts, MXGroupedExperts):
             kw = {"check": False, "transport": self.transport, "chunks": self.chunks}
-            r = experts.mx_config
+            r = experts.recipe
             xr = a2a_dispatch_mxfp8(x_sorted, output_splits, input_splits, group, recipe=r, **kw)
             y = experts(xr.index_rows(index), local_counts)  # an MXTensor, source-major -> expert-major
             return a2a_combine(y.index_select(0, inverse), input_splits, output_splits, group, recipe=r, **kw)
@@ -141,43 +121,9 @@ def apply_expert_parallel(
     `mxmoe.convert` (the dispatch reads the experts' type and recipe at each call). Each layer keeps
     experts [r E/ep, (r+1) E/ep) for group rank r; parameter names are unchanged.
     """
-    from mxmoe.models.moe import MoE
-
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError(f"apply_expert_parallel: {type(model).__name__} has no MoE layer")
     for moe in layers:
         ExpertParallel(group, transport=transport, chunks=chunks).apply(moe)
     return model
-
-
-def routed_experts(
-    x: Tensor,
-    idx: Tensor,
-    weights: Tensor,
-    experts: nn.Module,
-    num_experts: int,
-    dispatch=None,
-) -> Tensor:
-    """x (T, D) tokens, idx (T, k) int64 global expert ids, weights (T, k) fp32 gate weights ->
-    (T, D) in x's dtype: sum_j weights[t, j] * expert_{idx[t, j]}(x[t]).
-
-    `dispatch(rows, counts, experts)` runs the experts on the rows grouped by global expert
-    (default `LocalExperts`: `experts` holds all E experts). No host sync with the default dispatch.
-    """
-    T, D = x.shape
-    k = idx.shape[1]
-    flat = idx.reshape(-1)  # assignment a = t * k + j
-    perm = torch.argsort(flat, stable=True)  # (T*k,) assignment order grouped by expert
-    # Deterministic by construction (no accumulation whose order varies, forward or backward): the
-    # rows move by permutation gathers, whose backward adds one row into each zero row, and each
-    # token's k rows are summed by a reduction over j in a fixed order. A gather by token (backward:
-    # index_add of k rows per token) and an index_add combine would add in the order the GPU's atomics
-    # land. For k = 2 the sums are the same bits either way (a + b == b + a).
-    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-    counts = expert_counts(flat, num_experts)  # (E,) int64
-    x_rep = x.unsqueeze(1).expand(T, k, D).reshape(T * k, D)  # (T*k, D) row a = x[a // k]
-    x_sorted = x_rep.index_select(0, perm)  # (T*k, D) grouped by expert
-    y = (LocalExperts() if dispatch is None else dispatch)(x_sorted, counts, experts)
-    y = y.index_select(0, inv).view(T, k, D).float()  # back to assignment order
-    return (y * weights.unsqueeze(-1)).sum(1).to(x.dtype)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mxmoe.models.expert_parallel import LocalExperts, expert_counts, routed_experts
+from mxmoe.models.routing import LocalExperts, expert_counts, routed_experts
 from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import project
 

@@ -20,19 +20,9 @@ from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
 from mxmoe.nn.mx_experts import MXGroupedExperts
 from mxmoe.quant.backends import why_unavailable
-from mxmoe.recipe import (
-    CAST_KERNELS,
-    DEFAULT_RECIPE_NAME,
-    EXPERT_GEMMS,
-    RECIPES,
-    MXRecipe,
-    check_gemm_backend,
-)
+from mxmoe.recipe import DEFAULT_RECIPE_NAME, RECIPES, MXRecipe, recipe_from_options
 
 log = logging.getLogger("mxmoe")
-
-GEMM_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 @dataclass
 class MXConfig:
@@ -71,28 +61,15 @@ class MXConfig:
             raise TypeError(f"filter_fqns must be a list of strings, got {f!r}{hint}")
 
     def to_recipe(self) -> MXRecipe:
-        """The one MXRecipe these options describe (ValueError naming the option that is wrong)."""
-        if self.recipe_name not in RECIPES:
-            raise ValueError(
-                f"recipe_name={self.recipe_name!r} is not an MX recipe; expected one of {list(RECIPES)}"
-            )
-        for name in ("mxfp8_dim1_cast_kernel_choice", "mxfp8_dim0_cast_kernel_choice"):
-            value = getattr(self, name)
-            if value != "auto" and value not in CAST_KERNELS:
-                raise ValueError(f"{name}={value!r}; expected 'auto' or one of {list(CAST_KERNELS)}")
-        check_gemm_backend(self.gemm_backend)
-        if self.gemm_dtype not in GEMM_DTYPES:
-            raise ValueError(
-                f"gemm_dtype={self.gemm_dtype!r} is not supported; expected one of {list(GEMM_DTYPES)}"
-            )
-        if self.expert_gemm not in EXPERT_GEMMS:
-            raise ValueError(f"expert_gemm={self.expert_gemm!r}; expected one of {list(EXPERT_GEMMS)}")
-        return RECIPES[self.recipe_name].replace(
-            dim0_kernel=self.mxfp8_dim0_cast_kernel_choice,
-            dim1_kernel=self.mxfp8_dim1_cast_kernel_choice,
-            gemm_backend=self.gemm_backend,
-            gemm_dtype=GEMM_DTYPES[self.gemm_dtype],
-            expert_gemm=self.expert_gemm,
+        """The one MXRecipe these options describe (`mxmoe.recipe.recipe_from_options`; ValueError
+        naming the option that is wrong)."""
+        return recipe_from_options(
+            self.recipe_name,
+            self.mxfp8_dim1_cast_kernel_choice,
+            self.mxfp8_dim0_cast_kernel_choice,
+            self.gemm_backend,
+            self.gemm_dtype,
+            self.expert_gemm,
         )
 
 
@@ -171,12 +148,12 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def convert(model: nn.Module, config: MXConfig | MXRecipe | None = None, parallel_dims=None) -> nn.Module:
+def convert(model: nn.Module, recipe: MXConfig | MXRecipe | None = None, parallel_dims=None) -> nn.Module:
     """Swap matching modules of `model` in place for their MX versions; returns `model`.
 
     nn.Linear -> MXLinear and GroupedExperts -> MXGroupedExperts (sharing the Parameter objects,
     so state-dict keys and optimizer state are unchanged), all with one recipe
-    (`MXConfig.to_recipe()`, or `config` itself when it is an MXRecipe; default DEFAULT_RECIPE),
+    (`recipe` itself when it is an MXRecipe, `recipe.to_recipe()` for an MXConfig; default DEFAULT_RECIPE),
     except modules whose FQN contains a `filter_fqns` substring and modules with a dim not
     divisible by the block size (both skipped). Modules already MX with another recipe get the new
     one, with a warning. Convert before applying FSDP (`fully_shard`) or torch.compile.
@@ -185,16 +162,16 @@ def convert(model: nn.Module, config: MXConfig | MXRecipe | None = None, paralle
     Raises ValueError for an unknown recipe/choice, tensor parallelism (tp > 1), or a cast kernel
     that cannot run on the model's device (meta counts as CUDA).
     """
-    if config is None:
-        config = MXConfig()
-    if isinstance(config, MXRecipe):
-        r, filter_fqns, do_lin, do_exp = config, MXConfig().filter_fqns, True, True
-    elif isinstance(config, MXConfig):
-        config.__post_init__()  # fields may have been changed after construction
-        r, filter_fqns = config.to_recipe(), list(config.filter_fqns)
-        do_lin, do_exp = config.convert_linears, config.convert_grouped_experts
+    if recipe is None:
+        recipe = MXConfig()
+    if isinstance(recipe, MXRecipe):
+        r, filter_fqns, do_lin, do_exp = recipe, MXConfig().filter_fqns, True, True
+    elif isinstance(recipe, MXConfig):
+        recipe.__post_init__()  # fields may have been changed after construction
+        r, filter_fqns = recipe.to_recipe(), list(recipe.filter_fqns)
+        do_lin, do_exp = recipe.convert_linears, recipe.convert_grouped_experts
     else:
-        raise TypeError(f"config must be an MXConfig or an MXRecipe, got {type(config).__name__}")
+        raise TypeError(f"recipe must be an MXRecipe or an MXConfig, got {type(recipe).__name__}")
     tp = _tp_degree(parallel_dims)
     if tp > 1:
         raise ValueError(
@@ -214,9 +191,9 @@ def convert(model: nn.Module, config: MXConfig | MXRecipe | None = None, paralle
         for child_name, child in list(parent.named_children()):
             fqn = f"{prefix}.{child_name}" if prefix else child_name
             if isinstance(child, (MXLinear, MXGroupedExperts)):
-                if child.mx_config != r:
+                if child.recipe != r:
                     report.reconfigured.append(fqn)
-                    child.mx_config = r
+                    child.recipe = r
                 continue
             if isinstance(child, nn.Linear) and do_lin:
                 kind, dims = "Linear", (child.in_features, child.out_features)

@@ -7,8 +7,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 from mxmoe.ops import mx_mm, mx_mm_shared
-from mxmoe.ops.config import as_recipe
-from mxmoe.recipe import MXRecipe
+from mxmoe.recipe import MXRecipe, as_recipe
 
 
 class MXLinear(nn.Linear):
@@ -18,12 +17,12 @@ class MXLinear(nn.Linear):
     out_features must be divisible by the block size (32). The bias add is high precision.
     """
 
-    def __init__(self, *args, config: MXRecipe | None = None, **kwargs):
+    def __init__(self, *args, recipe: MXRecipe | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.mx_config = as_recipe(config)
+        self.recipe = as_recipe(recipe)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: MXRecipe | None = None) -> MXLinear:
+    def from_linear(cls, linear: nn.Linear, recipe: MXRecipe | None = None) -> MXLinear:
         """An MXLinear sharing `linear`'s Parameter objects (no copy; optimizers keep working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
@@ -32,7 +31,7 @@ class MXLinear(nn.Linear):
             linear.out_features,
             bias=linear.bias is not None,
             device="meta",
-            config=config,
+            recipe=recipe,
         )
         new.weight = linear.weight
         new.bias = linear.bias
@@ -40,11 +39,11 @@ class MXLinear(nn.Linear):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        y = mx_mm(x, self.weight.t(), self.mx_config)
+        y = mx_mm(x, self.weight.t(), self.recipe)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        c = self.mx_config
+        c = self.recipe
         return f"{super().extra_repr()}, mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}"
 
 
@@ -66,10 +65,10 @@ def project(x: Tensor, *linears: nn.Module) -> tuple[Tensor, ...]:
     if (
         len(linears) > 1
         and all(_plain_mx(m) for m in linears)
-        and all(m.mx_config == linears[0].mx_config for m in linears[1:])
+        and all(m.recipe == linears[0].recipe for m in linears[1:])
         and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
     ):
-        ys = mx_mm_shared(x, [m.weight.t() for m in linears], linears[0].mx_config)
+        ys = mx_mm_shared(x, [m.weight.t() for m in linears], linears[0].recipe)
         return tuple(
             y if m.bias is None else y + m.bias.to(y.dtype) for y, m in zip(ys, linears, strict=True)
         )

@@ -8,11 +8,10 @@ from torch import Tensor, nn
 
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
 from mxmoe.ops import mx_grouped_swiglu_mlp
-from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import autocast_input
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.quant.qdq import qdq
-from mxmoe.recipe import MXRecipe
+from mxmoe.recipe import MXRecipe, as_recipe
 
 
 class MXGroupedExperts(GroupedExperts):
@@ -32,12 +31,12 @@ class MXGroupedExperts(GroupedExperts):
     so is the output's gradient, as the exchange would: the same numbers at every EP degree.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, config: MXRecipe | None = None):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, recipe: MXRecipe | None = None):
         super().__init__(dim, hidden_dim, num_experts)
-        self.mx_config = as_recipe(config)
+        self.recipe = as_recipe(recipe)
 
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, config: MXRecipe | None = None) -> MXGroupedExperts:
+    def from_experts(cls, experts: GroupedExperts, recipe: MXRecipe | None = None) -> MXGroupedExperts:
         """An MXGroupedExperts sharing `experts`' Parameter objects."""
         if not isinstance(experts, GroupedExperts):
             raise TypeError(f"from_experts needs a GroupedExperts, got {type(experts).__name__}")
@@ -45,12 +44,12 @@ class MXGroupedExperts(GroupedExperts):
         nn.Module.__init__(new)  # no fresh weights: the parameters are shared
         new.dim, new.hidden_dim, new.num_experts = experts.dim, experts.hidden_dim, experts.num_experts
         new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
-        new.mx_config = as_recipe(config)
+        new.recipe = as_recipe(recipe)
         new.train(experts.training)
         return new
 
     def forward(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
-        cfg = self.mx_config
+        cfg = self.recipe
         if cfg.expert_gemm == "hp":
             return self._forward_hp(x, num_tokens_per_expert)
         offs = offsets_from_counts(num_tokens_per_expert)
@@ -67,7 +66,7 @@ class MXGroupedExperts(GroupedExperts):
 
     def _forward_hp(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
         """expert_gemm="hp" (class docstring): GroupedExperts.forward on Q(x)."""
-        cfg = self.mx_config
+        cfg = self.recipe
         if isinstance(x, MXTensor):
             if x.ndim != 2 or x.axis != 1:
                 raise ValueError(f"x must be a 2D MXTensor blocked along dim (axis=1), got {x!r}")
@@ -80,7 +79,7 @@ class MXGroupedExperts(GroupedExperts):
         return _RoundGrad.apply(y, cfg)
 
     def extra_repr(self) -> str:
-        c = self.mx_config
+        c = self.recipe
         gemm = ", expert_gemm=hp" if c.expert_gemm == "hp" else ""
         return (
             f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "

@@ -4,21 +4,17 @@
 `*_shared` forms (several weights, one cast of the shared input), `mx_grouped_mm_swiglu` (the
 experts' w2 GEMM on F.silu(g) * u, h cast straight from g and u), `mx_grouped_swiglu_mlp` (the
 whole SwiGLU expert MLP as one op: dg and du cast straight from dh, g and u in backward), the GEMM
-backend function `mx_gemm`, all configured by an `mxmoe.MXRecipe` (`MXOpConfig(...)` builds one
-from the former op-level fields); `cache_weight_casts()` reuses weight casts within an optimizer
-step. See docs/training-ops.md.
+backend function `mx_gemm`, all configured by an `mxmoe.MXRecipe` (the parameter `recipe`). See
+docs/training-ops.md.
 """
 
-from mxmoe.ops.config import GEMM_BACKENDS, MXOpConfig
 from mxmoe.ops.gemm import mx_gemm
 from mxmoe.ops.grouped import mx_grouped_mm, mx_grouped_mm_shared, mx_grouped_mm_swiglu, mx_grouped_swiglu_mlp
 from mxmoe.ops.linear import mx_mm, mx_mm_shared
-from mxmoe.ops.weight_cache import cache_weight_casts
+from mxmoe.recipe import GEMM_BACKENDS
 
 __all__ = [
     "GEMM_BACKENDS",
-    "MXOpConfig",
-    "cache_weight_casts",
     "mx_gemm",
     "mx_grouped_mm",
     "mx_grouped_mm_shared",

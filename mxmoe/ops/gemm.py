@@ -29,11 +29,10 @@ import torch
 from torch import Tensor
 
 from mxmoe.formats import INPUT_DTYPES
-from mxmoe.ops.config import as_recipe
 from mxmoe.quant import backends
 from mxmoe.quant import scale_layout as sl
 from mxmoe.quant.mx_tensor import MXTensor
-from mxmoe.recipe import MXRecipe
+from mxmoe.recipe import MXRecipe, as_recipe
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ def _(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
 def _grouped(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """grouped_mm_hp's body directly, the op itself where autograd would record it or where
     torch.compile traces the exact loop (its host read of offs stays out of the graph). A custom op
-    call costs ~20 µs of Python dispatch per call, in eager mode and from a compiled graph alike;
+    call costs tens of µs of Python dispatch, in eager mode and from a compiled graph alike;
     traced, the CUDA bf16 body is torch._grouped_mm and the C++ zero_rows_after, which the graph
     calls directly. Inside a profiler range named "mxmoe::grouped_mm_hp" when the profiler is on."""
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
@@ -351,9 +350,7 @@ class OpPlan(NamedTuple):
 
 
 def _make_plan(cfg: MXRecipe, device: torch.device, backend: str, hp: bool) -> OpPlan:
-    from mxmoe.quant.qdq import qdq_kernels
-
-    k0, k1 = qdq_kernels(cfg, device) if hp else (None, None)
+    k0, k1 = backends.qdq_kernels(cfg, device) if hp else (None, None)
     return OpPlan(backend, hp, cfg.compute_dtype(device), k0, k1)
 
 
@@ -367,14 +364,10 @@ def op_plan(cfg: MXRecipe, device: torch.device) -> OpPlan:
         return _make_plan(cfg, device, backend, hp)
     # keyed by the recipe's id (hashing a recipe hashes its 7 fields, µs per call); the entry
     # holds the recipe, so that id is not reused while the entry lives
-    key = ("op_plan", id(cfg), device.type, hp, backend)
-    cache = backends._resolved  # looked up per call: tests swap the dict
-    hit = cache.get(key)
-    if hit is not None and hit[0] is cfg:
-        return hit[1]
-    plan = _make_plan(cfg, device, backend, hp)
-    cache[key] = (cfg, plan)
-    return plan
+    held, plan = backends.remember(
+        ("op_plan", id(cfg), device.type, hp, backend), lambda: (cfg, _make_plan(cfg, device, backend, hp))
+    )
+    return plan if held is cfg else _make_plan(cfg, device, backend, hp)
 
 
 def apply_function(fn: type[torch.autograd.Function], *args):
@@ -413,7 +406,7 @@ def mx_gemm(
     a: MXTensor,
     b: MXTensor,
     offs: Tensor | None = None,
-    config: MXRecipe | None = None,
+    recipe: MXRecipe | None = None,
     *,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
@@ -423,11 +416,11 @@ def mx_gemm(
     b: MXTensor, logical (K, N) blocked along K (axis=0); or (E, K, N) blocked along K (axis=1).
     offs: None (dense), or (E,) int32 cumulative group ends: with 3D b, over the rows of a
         (MoE forward/dgrad, -> (M, N)); with 2D b, over K (MoE wgrad, -> (E, M, N)).
-    config: the MXRecipe (default DEFAULT_RECIPE): its gemm_backend, gemm_dtype (the emulated
+    recipe: the MXRecipe (default DEFAULT_RECIPE): its gemm_backend, gemm_dtype (the emulated
         GEMM's operand dtype: default bf16 on CUDA, fp32 elsewhere) and dim0_kernel (dequantize).
     Returns a contiguous tensor of `out_dtype` (default: a's orig_dtype).
     """
-    cfg = as_recipe(config)
+    cfg = as_recipe(recipe)
     if cfg.gemm_backend not in _BACKENDS and cfg.gemm_backend != "auto":
         raise ValueError(
             f"gemm_backend={cfg.gemm_backend!r} is not a GEMM backend; expected 'auto' or one of "

@@ -20,7 +20,6 @@ copy, no gather, nothing dequantized in the backward. The wgrad is torch._groupe
 form with the real offs: dy1ᵀ (N, T) and a1 (T, K), both T-major, the layout in which
 torch._grouped_mm takes any group sizes (empty included). The dgrad takes the weights along N as
 (E, N, K) row-major (each expert's blocks along its own N), as bf16 training's dgrad takes them.
-The weights go through `cache_weight_casts`.
 
 Other backends (the MX path, e.g. "native"): the casts along M run on a copy of the tokens in which
 each group starts at a multiple of the block size (`mxmoe.quant.groups`: group e occupies
@@ -48,7 +47,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mxmoe.formats import INPUT_DTYPES
-from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import (
     OpPlan,
     apply_function,
@@ -73,7 +71,7 @@ from mxmoe.ops.linear import (
 from mxmoe.quant.groups import group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import _MAX_GROUPS, qdq_trusted, swiglu_bwd_qdq_trusted, swiglu_qdq_trusted
-from mxmoe.recipe import MXRecipe
+from mxmoe.recipe import MXRecipe, as_recipe
 
 __all__ = ["mx_grouped_mm", "mx_grouped_mm_shared", "mx_grouped_mm_swiglu", "mx_grouped_swiglu_mlp"]
 
@@ -264,7 +262,7 @@ class _MXGroupedMMShared(torch.autograd.Function):
 
 
 def mx_grouped_mm(
-    a: Tensor | MXTensor, b_t: Tensor, offs: Tensor, config: MXRecipe | None = None
+    a: Tensor | MXTensor, b_t: Tensor, offs: Tensor, recipe: MXRecipe | None = None
 ) -> Tensor:
     """Drop-in for torch._grouped_mm(a, b_t, offs=offs) with MX operands in forward and backward.
 
@@ -275,11 +273,11 @@ def mx_grouped_mm(
     b_t: (E, K, N) bf16/fp32, the transposed view of (E, N, K) expert weights.
     offs: (E,) int32 cumulative group ends, offs[-1] <= T (rows after it belong to no group and
        give zero output). Any group sizes, including 0 and sizes not a multiple of 32.
-    config: the MXRecipe (default mxmoe.DEFAULT_RECIPE; `MXOpConfig(...)` builds one).
-    K and N must be divisible by config.block_size. Returns (T, N) contiguous in a's (orig) dtype;
+    recipe: the MXRecipe (default mxmoe.DEFAULT_RECIPE).
+    K and N must be divisible by recipe.block_size. Returns (T, N) contiguous in a's (orig) dtype;
     under autocast (as torch._grouped_mm in bf16 training) a Tensor a is first cast to the autocast dtype.
     """
-    cfg = as_recipe(config)
+    cfg = as_recipe(recipe)
     args, out_dtype = _checked_args(a, b_t, offs, cfg)
     plan = op_plan(cfg, b_t.device)
     offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
@@ -302,12 +300,12 @@ def _grouped_call(args, b_t: Tensor, offs: Tensor, cfg: MXRecipe, plan: OpPlan, 
 
 def mx_grouped_mm_shared(
     a: Tensor | MXTensor, b_ts: list[Tensor] | tuple[Tensor, ...], offs: Tensor,
-    config: MXRecipe | None = None,
+    recipe: MXRecipe | None = None,
 ) -> tuple[Tensor, ...]:
-    """(mx_grouped_mm(a, b_t, offs, config) for b_t in b_ts) with one cast of `a` (e.g. the
+    """(mx_grouped_mm(a, b_t, offs, recipe) for b_t in b_ts) with one cast of `a` (e.g. the
     experts' w1 and w3): bit-identical outputs and gradients, fewer quantizer calls.
 
-    a, offs, config: as for `mx_grouped_mm` (a (T, K) tokens or a 2D MXTensor along K).
+    a, offs, recipe: as for `mx_grouped_mm` (a (T, K) tokens or a 2D MXTensor along K).
     b_ts: one or more (E, K, N_i) bf16/fp32 tensors, transposed views of (E, N_i, K) expert weights.
     Returns a tuple of (T, N_i) tensors, contiguous, in a's (orig) dtype (the autocast dtype under
     autocast for a Tensor a).
@@ -317,7 +315,7 @@ def mx_grouped_mm_shared(
     the backward casts each dy as `mx_grouped_mm` does and sums the input gradients as autograd sums
     those of separate calls (in a's dtype, the last weight's first).
     """
-    cfg = as_recipe(config)
+    cfg = as_recipe(recipe)
     if not isinstance(b_ts, (list, tuple)) or not b_ts:
         raise TypeError(f"b_ts must be a non-empty list or tuple of (E, K, N) tensors, got {b_ts!r}")
     for b_t in b_ts:
@@ -380,9 +378,9 @@ class _MXGroupedMMSwiGLU(torch.autograd.Function):
 
 
 def mx_grouped_mm_swiglu(
-    g: Tensor, u: Tensor, b_t: Tensor, offs: Tensor, config: MXRecipe | None = None
+    g: Tensor, u: Tensor, b_t: Tensor, offs: Tensor, recipe: MXRecipe | None = None
 ) -> Tensor:
-    """`mx_grouped_mm(F.silu(g) * u, b_t, offs, config)` (the SwiGLU experts' w2 GEMM), bit for bit
+    """`mx_grouped_mm(F.silu(g) * u, b_t, offs, recipe)` (the SwiGLU experts' w2 GEMM), bit for bit
     in the output and in every gradient (g, u, b_t), without h = F.silu(g) * u in memory where the
     fused cast applies: the qdq path (the emulated backend) with g and u of one dtype and no
     autocast cast of h to make. There the forward reads g and u once and writes h along K (the
@@ -394,10 +392,10 @@ def mx_grouped_mm_swiglu(
     composition.
 
     g, u: (T, K) bf16/fp32 tensors of one shape (the w1 and w3 GEMMs' outputs), tokens grouped by
-    expert; b_t, offs, config: as for `mx_grouped_mm`. Returns (T, N) contiguous in g's dtype (the
+    expert; b_t, offs, recipe: as for `mx_grouped_mm`. Returns (T, N) contiguous in g's dtype (the
     autocast dtype when autocast recasts h: the unfused composition).
     """
-    cfg = as_recipe(config)
+    cfg = as_recipe(recipe)
     for name, t in (("g", g), ("u", u)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -483,10 +481,10 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
 
 def mx_grouped_swiglu_mlp(
     x: Tensor | MXTensor, w1_t: Tensor, w3_t: Tensor, w2_t: Tensor, offs: Tensor,
-    config: MXRecipe | None = None,
+    recipe: MXRecipe | None = None,
 ) -> Tensor:
-    """The SwiGLU experts' MLP, `mx_grouped_mm_swiglu(g, u, w2_t, offs, config)` of g, u =
-    `mx_grouped_mm_shared(x, (w1_t, w3_t), offs, config)`, bit for bit in the output and in every
+    """The SwiGLU experts' MLP, `mx_grouped_mm_swiglu(g, u, w2_t, offs, recipe)` of g, u =
+    `mx_grouped_mm_shared(x, (w1_t, w3_t), offs, recipe)`, bit for bit in the output and in every
     gradient (x, w1_t, w3_t, w2_t), as one op where the fusion applies: the qdq path (the emulated
     backend), a graph to record, no autocast recasting of h (autocast off, or its dtype that of g).
     There the backward casts dg and du (the gradients of g and u) for w1's and w3's dgrads and
@@ -502,7 +500,7 @@ def mx_grouped_swiglu_mlp(
     block size. Returns (T, D') contiguous in x's (orig) dtype (the autocast dtype under autocast
     for a Tensor x).
     """
-    cfg = as_recipe(config)
+    cfg = as_recipe(recipe)
     ws = (w1_t, w3_t, w2_t)
     fused = (  # else the composition raises what is wrong
         torch.is_grad_enabled()

@@ -13,8 +13,7 @@ quantize-dequantize (`mxmoe.quant.qdq`), every result in the operand's own row-m
 dy both ways from one read, W along K and along N. The forward keeps x along M in the compute dtype
 (bf16 on CUDA: what bf16 training keeps for its wgrad) and the backward uses it as is: dW = dy1ᵀ x1,
 both M-major, the layout of bf16 training's wgrad. The dgrad dx = dy0 W takes W along N row-major
-(N, K), as bf16 training's dgrad takes W. The weight casts (along K in forward, along N in
-backward) go through `cache_weight_casts` (once per optimizer step inside its scope).
+(N, K), as bf16 training's dgrad takes W.
 Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) of zero-padded rows and `mx_gemm`; the
 "emulated" backend taken through that path (tests) makes the qdq path's dgrad and wgrad calls on
 its dequantized operands (`dgrad_mx`, `wgrad_mx`), so the two paths are bit-identical.
@@ -26,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mxmoe.ops.config import as_recipe
 from mxmoe.ops.gemm import (
     OpPlan,
     apply_function,
@@ -39,15 +37,9 @@ from mxmoe.ops.gemm import (
     op_plan,
     resolve_gemm_backend,
 )
-from mxmoe.ops.weight_cache import cached_cast
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq_trusted
-from mxmoe.recipe import MXRecipe
-
-
-def needs_grads(ctx, *indices: int) -> tuple[bool, ...]:
-    """`ctx.needs_input_grad[i]` for each index."""
-    return tuple(bool(ctx.needs_input_grad[i]) for i in indices)
+from mxmoe.recipe import MXRecipe, as_recipe
 
 
 def wants_grad(t: Tensor) -> bool:
@@ -105,18 +97,14 @@ def cast_rows(x: Tensor, cfg: MXRecipe) -> MXTensor:
 
 def weight_qdq(w: Tensor, axis: int, cfg: MXRecipe, plan: OpPlan) -> Tensor:
     """qdq of a weight (bf16/fp32, any strides, e.g. W (N, K) or w (E, N, K), checked by the op)
-    along `axis` (-1 or -2) in plan.compute, row-major, reused within a `cache_weight_casts` scope
-    while w is unchanged."""
+    along `axis` (-1 or -2) in plan.compute, row-major."""
     dim1 = axis == -2
-    return cached_cast(
-        w, ("qdq", axis, cfg, plan.compute),
-        lambda: qdq_trusted(w, cfg, plan.k1 if dim1 else plan.k0, plan.compute, not dim1, dim1)[0],
-    )
+    return qdq_trusted(w, cfg, plan.k1 if dim1 else plan.k0, plan.compute, not dim1, dim1)[0]
 
 
 def weight_mx(w: Tensor, axis: int, cfg: MXRecipe) -> MXTensor:
-    """to_mx of a weight along `axis`, reused like `weight_qdq`."""
-    return cached_cast(w, ("mx", axis, cfg), lambda: to_mx(w, axis, recipe=cfg))
+    """to_mx of a weight along `axis`."""
+    return to_mx(w, axis, recipe=cfg)
 
 
 def dgrad_mx(
@@ -186,7 +174,7 @@ def _forward_gemm(
     """y = x0 Wᵀ (M, N) in out_dtype: x0 from `_cast_x`, W (N, K) cast along K (cached)."""
     if plan.qdq:
         return hp_gemm(x0, weight_qdq(w, -1, cfg, plan).t(), None, out_dtype)
-    return mx_gemm(x0, swap_last2(weight_mx(w, -1, cfg)), config=cfg)
+    return mx_gemm(x0, swap_last2(weight_mx(w, -1, cfg)), recipe=cfg)
 
 
 def _backward_gemms(
@@ -300,17 +288,17 @@ class _MXMMShared(torch.autograd.Function):
         return (dx, None, None, None, *dw_ts)
 
 
-def mx_mm(a: Tensor, b: Tensor, config: MXRecipe | None = None) -> Tensor:
+def mx_mm(a: Tensor, b: Tensor, recipe: MXRecipe | None = None) -> Tensor:
     """y = a @ b with MX operands in forward, dgrad and wgrad (differentiable).
 
     a: (..., K) bf16/fp32 activations, any leading dims (flattened to M rows; M need not be a
        multiple of the block size).
     b: (K, N) bf16/fp32, typically `weight.t()` of a (N, K) nn.Linear weight.
-    config: the MXRecipe (default mxmoe.DEFAULT_RECIPE; `MXOpConfig(...)` builds one).
-    K and N must be divisible by config.block_size. Returns (..., N) in a's dtype, contiguous; under
+    recipe: the MXRecipe (default mxmoe.DEFAULT_RECIPE).
+    K and N must be divisible by recipe.block_size. Returns (..., N) in a's dtype, contiguous; under
     autocast (as torch.mm) a is first cast to the autocast dtype, so the result is of that dtype.
     """
-    cfg = as_recipe(config)
+    cfg = as_recipe(recipe)
     if not isinstance(a, Tensor) or not isinstance(b, Tensor):
         raise TypeError(f"mx_mm takes tensors, got a: {type(a).__name__}, b: {type(b).__name__}")
     if b.ndim != 2 or a.ndim < 1 or a.shape[-1] != b.shape[0]:
@@ -346,14 +334,14 @@ def _mm_call(a: Tensor, b: Tensor, cfg: MXRecipe) -> Tensor:
 
 
 def mx_mm_shared(
-    a: Tensor, bs: list[Tensor] | tuple[Tensor, ...], config: MXRecipe | None = None
+    a: Tensor, bs: list[Tensor] | tuple[Tensor, ...], recipe: MXRecipe | None = None
 ) -> tuple[Tensor, ...]:
-    """(a @ b for b in bs) with one cast of `a`: bit-identical to `mx_mm(a, b, config)` per b, in
+    """(a @ b for b in bs) with one cast of `a`: bit-identical to `mx_mm(a, b, recipe)` per b, in
     outputs and in every gradient, with fewer quantizer calls (e.g. attention's q, k, v).
 
     a: (..., K) bf16/fp32 activations, as for `mx_mm`.
     bs: one or more (K, N_i) bf16/fp32 tensors, typically `weight.t()` of (N_i, K) weights.
-    config: the MXRecipe shared by all GEMMs (default mxmoe.DEFAULT_RECIPE).
+    recipe: the MXRecipe shared by all GEMMs (default mxmoe.DEFAULT_RECIPE).
     Returns a tuple of (..., N_i) tensors in a's dtype (the autocast dtype under autocast),
     contiguous.
 
@@ -362,7 +350,7 @@ def mx_mm_shared(
     gradients as autograd sums those of separate `mx_mm` calls (each through its autocast cast, in
     a's dtype, the last weight's first), so the result is the same bits.
     """
-    cfg = as_recipe(config)
+    cfg = as_recipe(recipe)
     if not isinstance(a, Tensor):
         raise TypeError(f"mx_mm_shared takes a tensor a, got {type(a).__name__}")
     if not isinstance(bs, (list, tuple)) or not bs or not all(isinstance(b, Tensor) for b in bs):

@@ -11,8 +11,8 @@ CTA / program, and tail rows, where there are some, are written once.
 Two kernels, the same result bit for bit:
   "cuda": the C++ operator `mxmoe_cuda::zero_rows_after` of the CUDA cast extension
       (csrc/mx_cast.cu: a warp per row, 16-byte stores where the rows are 16-byte aligned; a fake
-      implementation for torch.compile), for its host cost: 14.2 µs per call on an H200 host
-      against 25.6 for the Triton kernel (`mxmoe bench overhead`, rows `zero_rows_after`).
+      implementation for torch.compile), for its host cost: about half the Triton kernel's launch
+      (`mxmoe bench overhead`, rows `zero_rows_after`).
   "triton": a Triton kernel; each program covers a tile of 64 rows x 256 columns and stops at once
       when its rows all lie before offs[-1]. Runs on CUDA tensors, and on CPU tensors under
       TRITON_INTERPRET=1 (tests).

@@ -1,4 +1,6 @@
-"""The cast backends ("torch", "triton", "cuda"), where each can run, and what `kernel="auto"` picks.
+"""The cast backends ("torch", "triton", "cuda"), where each can run, and the one place a kernel is
+chosen: `resolve_kernel` for a cast (what `kernel="auto"` picks), `qdq_kernel` / `qdq_kernels` for
+the quantize-dequantize calls of a recipe (which the MX ops keep per recipe through `remember`).
 
 Backend protocol. A backend is a module with these functions (the same arguments in the same
 order in every backend; `mxmoe.quant.torch_cast` is the reference):
@@ -25,13 +27,14 @@ from types import ModuleType
 
 import torch
 
-KERNELS = ("torch", "triton", "cuda")
+from mxmoe.recipe import CAST_KERNELS, MXRecipe
+
+KERNELS = CAST_KERNELS  # the one tuple of cast kernel names (mxmoe.recipe)
 CASTS = ("dim0", "dim1", "dim0_dim1", "dequant")
-# Preference of `kernel="auto"` on a CUDA device, fastest first, per cast (H200, docs/benchmarks.md).
-# CUDA everywhere: it leads the dim1 (92 % of copy bandwidth vs 78-84 %), fused (72-79 % vs 53-70 %)
-# and dequantize (96-97 % vs 81 %) kernels, and its C++ operators cost 12-32 µs of host time per call
-# against Triton's 35-72 µs (`mxmoe bench overhead`, 2026-11-30); Triton's dim0 kernel is ~10 % faster
-# on the GPU (101-103 % vs 92 %), which only pays for tensors far above a typical activation.
+# Preference of `kernel="auto"` on a CUDA device, fastest first, per cast (docs/benchmarks.md).
+# CUDA everywhere: it leads the dim1, fused and dequantize kernels, and its C++ operators cost a
+# fraction of Triton's launch path in host time per call; Triton's dim0 kernel is faster on the GPU,
+# which only pays for tensors far above a typical activation.
 AUTO_ORDER_CUDA: dict[str, tuple[str, ...]] = {
     "dim0": ("cuda", "triton", "torch"),
     "dim1": ("cuda", "triton", "torch"),
@@ -128,9 +131,23 @@ def _cuda_extension_ready() -> bool:
 # (kernel, device, cast) -> concrete kernel (keyed by the torch.device itself: `device.type` costs
 # 0.2 µs, hashing the device 0.03): `auto` and the availability checks run once per
 # combination (an unavailable kernel raises, so only answers that can run are kept; TRITON_INTERPRET
-# is read when a combination is first resolved, as Triton itself reads it once). The MX ops keep
-# their per-recipe answers here too (`mxmoe.ops.gemm.op_plan`, keys starting "op_plan").
+# is read when a combination is first resolved, as Triton itself reads it once). Answers derived
+# from these (the MX ops' per-recipe plans) are kept here too, through `remember`.
 _resolved: dict[tuple, object] = {}
+
+
+def remember(key: tuple, make: Callable[[], object]) -> object:
+    """`make()`, kept under `key` (a tuple whose first item names its kind, e.g. "op_plan") beside the
+    `resolve_kernel` answers it derives from, so that `clear_resolved` forgets both. Not kept while
+    torch.compile traces (the answer may rest on a build not yet tried)."""
+    cache = _resolved  # looked up per call: tests swap the dict
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    out = make()
+    if not torch.compiler.is_compiling():
+        cache[key] = out
+    return out
 
 
 def clear_resolved() -> None:
@@ -166,6 +183,58 @@ def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str
     if not torch.compiler.is_compiling():  # a traced answer may rest on a build not yet tried
         _resolved[key] = out
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the quantize-dequantize calls' kernels (mxmoe.quant.qdq), fed by the recipe
+# ----------------------------------------------------------------------------------------------
+
+QDQ_MAX_BLOCK_TRITON = 128
+"""Largest block size of the Triton qdq rows kernel (it holds whole blocks both ways in a tile)."""
+
+
+def qdq_kernel(kernel: str, device: torch.device, cuda_op: bool = False) -> str:
+    """The qdq backend for a recipe's cast kernel choice on `device`: "torch" for "torch" and for
+    "auto" off CUDA; for a call a C++ operator covers (`cuda_op`: all but dim0 alone with offs) on
+    CUDA, "cuda" for "cuda" (the C++ operators; RuntimeError if they cannot run) and for "auto"
+    (falling back to "triton" if the extension does not build, as `to_mx`'s "auto"); "triton"
+    otherwise (CUDA, or the interpreter for an explicit "triton")."""
+    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
+        return "torch"
+    if cuda_op and kernel in ("cuda", "auto") and device.type == "cuda":
+        # resolve_kernel: cached per (kernel, device); "auto" builds / loads the extension once
+        if resolve_kernel(kernel, device, "dim0") != "cuda":
+            return "triton"
+        if not torch.compiler.is_compiling():
+            from mxmoe.quant import cuda_cast
+
+            cuda_cast.load_extension()  # a flag test once loaded; raises if "cuda" cannot build
+        return "cuda"
+    if kernel not in ("auto", "triton", "cuda"):
+        raise ValueError(
+            f"kernel={kernel!r} is not a cast kernel; expected 'auto', 'torch', 'triton' or 'cuda'"
+        )
+    if device.type == "cuda" or (kernel == "triton" and device.type == "cpu" and triton_interpret()):
+        return "triton"
+    raise RuntimeError(
+        f"kernel={kernel!r}: the qdq kernel needs a CUDA tensor (got a {device.type} tensor), or "
+        "TRITON_INTERPRET=1 for kernel='triton' on CPU"
+    )
+
+
+def qdq_kernels(recipe: MXRecipe, device: torch.device) -> tuple[str, str]:
+    """(k0, k1): the qdq kernels of the calls the MX ops make with `recipe` on `device`: k0 for dim0
+    without offs, k1 for dim1 and dim0+dim1, with or without offs (`qdq_kernel`). Raises where
+    `qdq` would for such a call (a kernel that cannot run here, a block size above the Triton
+    kernel's). The ops resolve this once per (recipe, device type), not per qdq call."""
+    k0 = qdq_kernel(recipe.dim0_kernel, device, True)
+    k1 = qdq_kernel(recipe.dim1_kernel, device, True)
+    if "triton" in (k0, k1) and recipe.block_size > QDQ_MAX_BLOCK_TRITON:
+        raise ValueError(
+            f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to "
+            f"{QDQ_MAX_BLOCK_TRITON}"
+        )
+    return k0, k1
 
 
 _MODULES = {

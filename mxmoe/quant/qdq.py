@@ -26,7 +26,7 @@ form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`; on CPU under TRITO
 "cuda" (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1` and `qdq_dim0_dim1` of the CUDA cast
 extension, csrc/mx_cast.cu: the casts' and the dequantize kernel's device functions in one kernel,
 one read of x and one write per output; dim1 and dim0+dim1 also with groups).
-Which one runs (`qdq_kernel`):
+Which one runs (`mxmoe.quant.backends.qdq_kernel`, where every kernel choice is made):
   - dim0 calls follow the recipe's dim0_kernel, dim1 and dim0+dim1 calls its dim1_kernel: "cuda"
     takes the C++ operator, and so does "auto" on CUDA when the extension builds (else the Triton
     kernel);
@@ -35,7 +35,7 @@ Which one runs (`qdq_kernel`):
 The op is a `torch.library` custom op with a fake implementation (torch.compile fullgraph); eager
 calls run its body directly. Under torch.compile the Triton kernel on CUDA is decomposed into its
 launches for inductor, and the "cuda" kernel into the C++ operator, which inductor calls directly
-(`_functional_decomp`, docs/training-ops.md).
+(`_register_functional_decomp`, docs/training-ops.md).
 """
 
 from __future__ import annotations
@@ -48,39 +48,13 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, CastSpec, check_input_dtype
 from mxmoe.quant import cuda_cast
-from mxmoe.quant.backends import cdiv, next_pow2, resolve_kernel, triton_interpret
+from mxmoe.quant.backends import QDQ_MAX_BLOCK_TRITON as _MAX_BS
+from mxmoe.quant.backends import cdiv, next_pow2, qdq_kernel, qdq_kernels, triton_interpret
 from mxmoe.quant.checks import spec_of
 from mxmoe.quant.groups import group_padding, in_groups, pad_groups
-from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
+from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
 
-QDQ_KERNELS = ("torch", "triton", "cuda")
-
-
-def qdq_kernel(kernel: str, device: torch.device, cuda_op: bool = False) -> str:
-    """The qdq backend for a recipe's cast kernel choice on `device`: "torch" for "torch" and for
-    "auto" off CUDA; for a call a C++ operator covers (`cuda_op`: all but dim0 alone with offs) on
-    CUDA, "cuda" for "cuda" (the C++ operators; RuntimeError if they cannot run) and for "auto"
-    (falling back to "triton" if the extension does not build, as `to_mx`'s "auto"); "triton"
-    otherwise (CUDA, or the interpreter for an explicit "triton")."""
-    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
-        return "torch"
-    if cuda_op and kernel in ("cuda", "auto") and device.type == "cuda":
-        # resolve_kernel: cached per (kernel, device); "auto" builds / loads the extension once
-        if resolve_kernel(kernel, device, "dim0") != "cuda":
-            return "triton"
-        if not torch.compiler.is_compiling():
-            cuda_cast.load_extension()  # a flag test once loaded; raises if "cuda" cannot build
-        return "cuda"
-    if kernel not in ("auto", "triton", "cuda"):
-        raise ValueError(
-            f"kernel={kernel!r} is not a cast kernel; expected 'auto', 'torch', 'triton' or 'cuda'"
-        )
-    if device.type == "cuda" or (kernel == "triton" and device.type == "cpu" and triton_interpret()):
-        return "triton"
-    raise RuntimeError(
-        f"kernel={kernel!r}: the qdq kernel needs a CUDA tensor (got a {device.type} tensor), or "
-        "TRITON_INTERPRET=1 for kernel='triton' on CPU"
-    )
+QDQ_KERNELS = CAST_KERNELS  # every cast kernel has its qdq
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,7 +96,6 @@ def _torch_qdq(
 # Triton backend
 # ----------------------------------------------------------------------------------------------
 
-_MAX_BS = 128  # the rows kernel holds whole blocks both ways in a tile (bs rows, bs-column blocks)
 # Rows-layout kernel: one dim1 block (bs rows) x _ROWS_WARPS * 64 columns per tile, 64 elements
 # (bf16) per thread; each program does up to _ROWS_ITERS column tiles (amortizing the group
 # lookup; one value: one compiled variant per format), e.g. 2056 x 7 programs for 65536 x 7168 in
@@ -174,7 +147,7 @@ def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bo
     """The rows kernel on x (B, R, C) or (R, C) (= (1, R, C)) contiguous (B == 1 with offs): y0
     and/or y1 of x's shape in `outs`; dim1 blocks start at each matrix's first row (each group's
     with offs). traced: launched through `torch.library.wrap_triton` (the op's decomposition for
-    inductor, `_functional_decomp`)."""
+    inductor, `_register_functional_decomp`)."""
     from mxmoe.quant.triton_qdq import qdq_rows_kernel
 
     B, R, C = x.shape if x.ndim == 3 else (1, *x.shape)
@@ -253,7 +226,7 @@ def _qdq_impl(
 ) -> list[Tensor]:
     """qdq_op's body, called directly in eager mode (a custom op call costs tens of microseconds of
     Python); arguments already checked. traced: the Triton launches go through wrap_triton
-    (`_functional_decomp`)."""
+    (`_register_functional_decomp`)."""
     if kernel == "cuda":
         mode = MODE_IDS[scaling_mode]
         if dim0 and dim1:
@@ -288,24 +261,29 @@ def _op_args(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, ker
     return x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs
 
 
-def _functional_decomp(mode, op, types, args=(), kwargs=None):
-    """How AOTAutograd (torch.compile's functionalization) sees `mxmoe::qdq`: for the Triton kernel
+def _register_functional_decomp(op, op_args, impl, kernel_at: int) -> None:
+    """How AOTAutograd (torch.compile's functionalization) sees a qdq custom op `op` (`mxmoe::qdq`,
+    `mxmoe::swiglu_qdq`, `mxmoe::swiglu_bwd_qdq`: the first argument the tensor read, argument
+    `kernel_at` the kernel; `op_args` binds a call's arguments in order): for the Triton kernel
     on CUDA tensors, as its body with the launches wrapped by `torch.library.wrap_triton` (what
     `torch.library.triton_op` does), so that inductor launches the kernel from its generated code
     instead of calling back into this op's Python for every launch; for the cuda kernel, as its
     body, a C++ operator (`mxmoe_cuda::qdq_dim0`, `qdq_dim1` or `qdq_dim0_dim1`, registered ops
     with fake implementations), which inductor calls directly; anything else (the torch kernel, CPU
     tensors, the Triton interpreter, torch.export) stays the opaque op with its fake
-    implementation."""
+    implementation. `impl(*args, traced=True)` is the op's body."""
 
-    full = _op_args(*args, **(kwargs or {}))
-    if not _decomposes(full[0], full[7], types):
-        return mode.__torch_dispatch__(op, types, args, kwargs or {})
-    with mode:
-        return _qdq_impl(*full, traced=True)
+    def decomp(mode, op_, types, args=(), kwargs=None):
+        full = op_args(*args, **(kwargs or {}))
+        if not _decomposes(full[0], full[kernel_at], types):
+            return mode.__torch_dispatch__(op_, types, args, kwargs or {})
+        with mode:
+            return impl(*full, traced=True)
+
+    op.register_torch_dispatch(FunctionalTensorMode, decomp)
 
 
-qdq_op.register_torch_dispatch(FunctionalTensorMode, _functional_decomp)
+_register_functional_decomp(qdq_op, _op_args, _qdq_impl, 7)
 
 
 def _qdq(*args) -> list[Tensor]:
@@ -368,7 +346,7 @@ def _swiglu_op_args(g, u, block_size, scaling_mode, elem_dtype, out_dtype, kerne
 
 def _decomposes(x: Tensor, kernel: str, types) -> bool:
     """Whether `mxmoe::qdq` or a fused op (`mxmoe::swiglu_qdq`, `mxmoe::swiglu_bwd_qdq`) on x
-    decomposes into its body for AOTAutograd (see `_functional_decomp`); loads the extension for
+    decomposes into its body for AOTAutograd (see `_register_functional_decomp`); loads the extension for
     "cuda" (registers torch.ops.mxmoe_cuda; a flag test once loaded)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
@@ -397,18 +375,9 @@ def _eager_or_op(op, impl, name: str, grads: tuple[Tensor, ...], args: tuple) ->
     return impl(*args)
 
 
-def _swiglu_functional_decomp(mode, op, types, args=(), kwargs=None):
-    """`_functional_decomp` for `mxmoe::swiglu_qdq`: on CUDA tensors the "cuda" kernel decomposes
-    into the C++ operator, the "triton" one into F.silu(g) * u (inductor fuses it) and the wrapped
-    rows kernel; anything else stays the opaque op with its fake implementation."""
-    full = _swiglu_op_args(*args, **(kwargs or {}))
-    if not _decomposes(full[0], full[6], types):
-        return mode.__torch_dispatch__(op, types, args, kwargs or {})
-    with mode:
-        return _swiglu_qdq_impl(*full, traced=True)
-
-
-swiglu_qdq_op.register_torch_dispatch(FunctionalTensorMode, _swiglu_functional_decomp)
+# on CUDA tensors the "cuda" kernel decomposes into the C++ operator, the "triton" one into
+# F.silu(g) * u (inductor fuses it) and the wrapped rows kernel
+_register_functional_decomp(swiglu_qdq_op, _swiglu_op_args, _swiglu_qdq_impl, 6)
 
 
 def swiglu_qdq_trusted(
@@ -512,16 +481,7 @@ def _swiglu_bwd_op_args(dh, g, u, block_size, scaling_mode, elem_dtype, out_dtyp
     return dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs
 
 
-def _swiglu_bwd_functional_decomp(mode, op, types, args=(), kwargs=None):
-    """`_swiglu_functional_decomp` for `mxmoe::swiglu_bwd_qdq`."""
-    full = _swiglu_bwd_op_args(*args, **(kwargs or {}))
-    if not _decomposes(full[0], full[7], types):
-        return mode.__torch_dispatch__(op, types, args, kwargs or {})
-    with mode:
-        return _swiglu_bwd_qdq_impl(*full, traced=True)
-
-
-swiglu_bwd_qdq_op.register_torch_dispatch(FunctionalTensorMode, _swiglu_bwd_functional_decomp)
+_register_functional_decomp(swiglu_bwd_qdq_op, _swiglu_bwd_op_args, _swiglu_bwd_qdq_impl, 7)
 
 
 def swiglu_bwd_qdq_trusted(
@@ -617,20 +577,6 @@ def _check(
         raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
     if offs.device != x.device:
         raise ValueError(f"offs is on {offs.device} but {name} on {x.device}; they must share a device")
-
-
-def qdq_kernels(recipe: MXRecipe, device: torch.device) -> tuple[str, str]:
-    """(k0, k1): the qdq kernels of the calls the MX ops make with `recipe` on `device`: k0 for dim0
-    without offs, k1 for dim1 and dim0+dim1, with or without offs (`qdq_kernel`). Raises where
-    `qdq` would for such a call (a kernel that cannot run here, a block size above the Triton
-    kernel's). The ops resolve this once per (recipe, device type), not per qdq call."""
-    k0 = qdq_kernel(recipe.dim0_kernel, device, True)
-    k1 = qdq_kernel(recipe.dim1_kernel, device, True)
-    if "triton" in (k0, k1) and recipe.block_size > _MAX_BS:
-        raise ValueError(
-            f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to {_MAX_BS}"
-        )
-    return k0, k1
 
 
 def qdq_trusted(

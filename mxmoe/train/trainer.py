@@ -163,8 +163,9 @@ def compile_submodules(model: Transformer, backend: str = "inductor") -> None:
     model.norm.compile(backend=backend)
 
 
-def _mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims):
-    """mxmoe.convert with cfg.mx; returns its ConversionReport."""
+def mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims):
+    """`mxmoe.convert(model, ...)` with the options of `cfg.mx` (the trainer's `--mx.*`), in place;
+    returns its ConversionReport (also `model.mx_conversion`)."""
     import mxmoe
     from mxmoe.nn import MXConfig
 
@@ -264,12 +265,18 @@ def check_values(cfg: JobConfig) -> None:
     ):
         if not ok:  # NaN fails every comparison
             raise ValueError(f"{key}={value!r}: expected {accepted}")
-    from mxmoe.recipe import EXPERT_GEMMS, check_gemm_backend
+    from mxmoe.recipe import recipe_from_options
 
-    check_gemm_backend(cfg.mx.gemm_backend, "mx.gemm_backend")
-    if cfg.mx.expert_gemm not in EXPERT_GEMMS:
-        raise ValueError(f"mx.expert_gemm={cfg.mx.expert_gemm!r}: expected one of {list(EXPERT_GEMMS)}")
-    if cfg.mx.expert_gemm == "hp" and not cfg.mx.convert_grouped_experts:
+    mx = cfg.mx
+    recipe_from_options(
+        mx.recipe_name,
+        mx.mxfp8_dim1_cast_kernel_choice,
+        mx.mxfp8_dim0_cast_kernel_choice,
+        mx.gemm_backend,
+        expert_gemm=mx.expert_gemm,
+        option_prefix="mx.",
+    )
+    if mx.expert_gemm == "hp" and not mx.convert_grouped_experts:
         raise ValueError(
             "mx.expert_gemm='hp' sets how the converted experts compute, but "
             "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
@@ -367,7 +374,7 @@ def _train(
         )
     if pd.tp > 1 and use_mx:
         # the converter owns this refusal: let it raise its own error before anything is built
-        _mx_convert(torch.nn.Module(), cfg, pd)
+        mx_convert(torch.nn.Module(), cfg, pd)
     parallel.check_parallel_dims(pd, margs.num_experts)
 
     determinism.seed_everything(t.seed)
@@ -380,7 +387,7 @@ def _train(
             ep_group, edp_group = ep_mesh.get_group("ep"), ep_mesh.get_group("edp")
             apply_expert_parallel(model, ep_group)
     if use_mx:
-        _mx_convert(model, cfg, pd)
+        mx_convert(model, cfg, pd)
     if t.compile:
         compile_submodules(model)
     elif t.compile_full:
@@ -653,7 +660,7 @@ def _precision(model: torch.nn.Module, cfg: JobConfig) -> str:
     n = sum(isinstance(mod, (MXLinear, MXGroupedExperts)) for mod in model.modules())
     if n == 0:
         return "high precision (the mx converter swapped no module)"
-    hp = sum(isinstance(m, MXGroupedExperts) and m.mx_config.expert_gemm == "hp" for m in model.modules())
+    hp = sum(isinstance(m, MXGroupedExperts) and m.recipe.expert_gemm == "hp" for m in model.modules())
     what = f" ({hp} of them high-precision experts on MX-rounded rows: expert_gemm=hp)" if hp else ""
     return f"MXFP8 {cfg.mx.recipe_name} in {n} modules{what}"
 

@@ -38,7 +38,7 @@ def test_every_module_gets_the_one_recipe_and_the_report_says_what_happened(capl
         convert(model, cfg)
     expect = cfg.to_recipe()
     assert isinstance(model.inp, MXLinear) and isinstance(model.experts, MXGroupedExperts)
-    assert model.inp.mx_config == model.experts.mx_config == expect
+    assert model.inp.recipe == model.experts.recipe == expect
     rep = model.mx_conversion
     assert isinstance(rep, ConversionReport) and rep.is_mx
     assert rep.converted == {"Linear": ["inp"], "GroupedExperts": ["experts"]}
@@ -74,7 +74,7 @@ def test_filter_fqns_as_a_string_is_a_type_error():
     cfg.filter_fqns = "router"  # changed after construction: convert checks again
     with pytest.raises(TypeError, match="filter_fqns=\\['router'\\]"):
         convert(Tiny(), cfg)
-    with pytest.raises(TypeError, match="config must be an MXConfig or an MXRecipe"):
+    with pytest.raises(TypeError, match="recipe must be an MXRecipe or an MXConfig"):
         convert(Tiny(), "mxfp8")
 
 
@@ -85,7 +85,7 @@ def test_reconverting_with_another_recipe_warns_and_applies_it():
     other = recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch")
     with pytest.warns(UserWarning, match="2 modules were already MX with another recipe"):
         convert(model, other)
-    assert model.inp.mx_config == model.experts.mx_config == other
+    assert model.inp.recipe == model.experts.recipe == other
     assert model.mx_conversion.reconfigured == ["inp", "experts"] and model.mx_conversion.is_mx
     import warnings
 
@@ -97,5 +97,5 @@ def test_reconverting_with_another_recipe_warns_and_applies_it():
 def test_convert_takes_a_recipe():
     r = MXRecipe(scaling_mode="floor", dim0_kernel="torch", dim1_kernel="torch")
     model = convert(Tiny(), r)
-    assert model.experts.mx_config == r
+    assert model.experts.recipe == r
     assert "MXFP8 recipe mxfp8 (dim0_kernel=torch, dim1_kernel=torch)" in model.mx_conversion.summary()

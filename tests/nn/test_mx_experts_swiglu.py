@@ -10,20 +10,22 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe.nn import MXGroupedExperts
 from mxmoe.nn.experts import offsets_from_counts
-from mxmoe.ops import MXOpConfig, mx_grouped_mm, mx_grouped_mm_shared
+from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared
 from mxmoe.ops.gemm import autocast_input
+from mxmoe.recipe import MXRecipe
 
-CFG = MXOpConfig(kernel="torch", dim1_kernel="torch")
+CFG = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
 CASES = [[9, 0, 40, 15], [0, 0, 64, 0], [30, 1, 0, 2]]  # the last: 31 tokens after the last group
 
 
 def unfused_forward(ex: MXGroupedExperts, x, counts):
     """MXGroupedExperts.forward as it was before the fused cast: h in memory."""
-    cfg = ex.mx_config
+    cfg = ex.recipe
     offs = offsets_from_counts(counts)
     x = autocast_input(x)
     g, u = mx_grouped_mm_shared(x, (ex.w1.transpose(-2, -1), ex.w3.transpose(-2, -1)), offs, cfg)
@@ -41,13 +43,12 @@ def loss_and_grads(ex, fwd, x, counts, dy):
 
 def assert_bits(got, want):
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert a.dtype == b.dtype and a.shape == b.shape, i
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), i
+        assert_same_bits(a, b, str(i), nan_payload=True)
 
 
 def make(dtype, device="cpu", cfg=CFG, T=64):
     torch.manual_seed(0)
-    ex = MXGroupedExperts(64, 96, 4, config=cfg).to(device=device, dtype=dtype)
+    ex = MXGroupedExperts(64, 96, 4, recipe=cfg).to(device=device, dtype=dtype)
     with torch.no_grad():
         for p in ex.parameters():
             p.normal_(0, 0.2)

@@ -12,8 +12,9 @@ from torch import nn
 
 import mxmoe
 from mxmoe.nn import GroupedExperts, MXConfig, MXGroupedExperts, MXLinear, convert, project
-from mxmoe.ops import MXOpConfig, mx_grouped_mm
+from mxmoe.ops import mx_grouped_mm
 from mxmoe.quant.mx_tensor import make_grad_anchor, to_mx
+from mxmoe.recipe import MXRecipe
 
 CPU_CFG = MXConfig(mxfp8_dim1_cast_kernel_choice="torch", mxfp8_dim0_cast_kernel_choice="torch")
 COUNTS = [9, 0, 40, 15]  # fixed routing: 64 tokens, one empty expert, sizes not multiples of 32
@@ -104,7 +105,7 @@ def test_convert_errors():
 
 def test_mxlinear_from_linear_shares_params_and_matches_mx_mm():
     lin = nn.Linear(64, 32)
-    mx = MXLinear.from_linear(lin, MXOpConfig(kernel="torch", dim1_kernel="torch"))
+    mx = MXLinear.from_linear(lin, MXRecipe(dim0_kernel="torch", dim1_kernel="torch"))
     assert mx.weight is lin.weight and mx.bias is lin.bias
     x = torch.randn(3, 5, 64)
     y = mx(x)
@@ -118,8 +119,8 @@ def test_mxlinear_from_linear_shares_params_and_matches_mx_mm():
 
 def test_mx_experts_mx_input_equals_plain():
     torch.manual_seed(3)
-    cfg = MXOpConfig(kernel="torch", dim1_kernel="torch")
-    ex = MXGroupedExperts(64, 32, 4, config=cfg)
+    cfg = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
+    ex = MXGroupedExperts(64, 32, 4, recipe=cfg)
     counts = torch.tensor(COUNTS)
     x = torch.randn(sum(COUNTS), 64, dtype=torch.bfloat16)
     x_mx = to_mx(x, kernel="torch")
@@ -145,7 +146,7 @@ def test_experts_follow_cpu_autocast_as_cuda(mx):
     torch.manual_seed(4)
     ex = GroupedExperts(64, 32, 4)
     if mx:
-        ex = MXGroupedExperts.from_experts(ex, MXOpConfig(kernel="torch", dim1_kernel="torch",
+        ex = MXGroupedExperts.from_experts(ex, MXRecipe(dim0_kernel="torch", dim1_kernel="torch",
                                                           gemm_dtype=torch.bfloat16))
     counts = torch.tensor(COUNTS)
     x = torch.randn(sum(COUNTS), 64, requires_grad=True)
@@ -246,8 +247,8 @@ def test_gpu_grouped_matches_cpu(kernel):
     dy = torch.randn(sum(counts), 128, dtype=torch.bfloat16)
     res = []
     for dev, cfg in (
-        ("cpu", MXOpConfig(kernel="torch", dim1_kernel="torch")),
-        ("cuda", MXOpConfig(kernel=kernel, dim1_kernel=kernel)),
+        ("cpu", MXRecipe(dim0_kernel="torch", dim1_kernel="torch")),
+        ("cuda", MXRecipe(dim0_kernel=kernel, dim1_kernel=kernel)),
     ):
         # Fresh leaves on each device (a.to('cpu') is `a` itself: requires_grad_ on it would make
         # the CUDA copy a non-leaf without .grad).
@@ -272,18 +273,18 @@ def test_gpu_compile_inductor_model():
 
 
 def test_modules_take_the_recipe():
-    """MXLinear / MXGroupedExperts take an MXRecipe (MXOpConfig builds the same one); anything else
+    """MXLinear / MXGroupedExperts take an MXRecipe (`recipe`, kept as `.recipe`); anything else
     is a TypeError naming what is accepted."""
     r = mxmoe.recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch")
     lin = nn.Linear(64, 32)
     a = MXLinear.from_linear(lin, r)
-    b = MXLinear.from_linear(lin, MXOpConfig(scaling_mode="floor", kernel="torch", dim1_kernel="torch"))
-    assert a.mx_config == b.mx_config == r
+    b = MXLinear.from_linear(lin, MXRecipe(scaling_mode="floor", dim0_kernel="torch", dim1_kernel="torch"))
+    assert a.recipe == b.recipe == r
     x = torch.randn(5, 64)
     assert torch.equal(a(x), b(x))
-    assert MXGroupedExperts(64, 32, 2).mx_config == mxmoe.DEFAULT_RECIPE
-    with pytest.raises(TypeError, match="config must be an mxmoe.MXRecipe"):
-        MXGroupedExperts(64, 32, 2, config={"scaling_mode": "floor"})
+    assert MXGroupedExperts(64, 32, 2).recipe == mxmoe.DEFAULT_RECIPE
+    with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe"):
+        MXGroupedExperts(64, 32, 2, recipe={"scaling_mode": "floor"})
 
 
 def _project_run(x, mods, shared: bool):

@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from mxmoe import to_mx
-from mxmoe.ops import MXOpConfig, mx_gemm, mx_grouped_mm, mx_mm
+from mxmoe.ops import mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.quant import custom_ops
 from mxmoe.quant.mx_tensor import make_grad_anchor
+from mxmoe.recipe import MXRecipe
 
-CFG = MXOpConfig(kernel="torch", dim1_kernel="torch")
+CFG = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
 
 
 def dq(t, axis, cfg=CFG):
@@ -48,7 +49,7 @@ def ref_mm(x, w, dy, cfg=CFG):
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
 @pytest.mark.parametrize("M", [32, 45])
 def test_mx_mm_matches_quantized_reference(mode, M):
-    cfg = MXOpConfig(scaling_mode=mode, kernel="torch", dim1_kernel="torch")
+    cfg = MXRecipe(scaling_mode=mode, dim0_kernel="torch", dim1_kernel="torch")
     torch.manual_seed(M)
     x = torch.randn(M, 64, requires_grad=True)
     w = (torch.randn(96, 64) * 0.1).requires_grad_()
@@ -98,9 +99,9 @@ def test_mx_mm_errors():
     with pytest.raises(ValueError, match="K=48"):
         mx_mm(torch.randn(4, 48), torch.randn(48, 64), CFG)
     with pytest.raises(ValueError, match="gemm_backend"):
-        MXOpConfig(gemm_backend="cublas")
+        MXRecipe(gemm_backend="cublas")
     with pytest.raises(ValueError, match="dim1_kernel"):
-        MXOpConfig(dim1_kernel="tirton")
+        MXRecipe(dim1_kernel="tirton")
     # the dtypes, checked once per call (the casts below trust them), as the casts take them
     with pytest.raises(TypeError, match=r"a has dtype torch.float16; expected one of \['torch.bfloat16'"):
         mx_mm(torch.randn(4, 64, dtype=torch.float16), torch.randn(64, 32), CFG)
@@ -171,7 +172,7 @@ def test_mx_grouped_mm_close_to_bf16():
 
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
 def test_mx_input_path_equals_plain_path(mode):
-    cfg = MXOpConfig(scaling_mode=mode, kernel="torch", dim1_kernel="torch")
+    cfg = MXRecipe(scaling_mode=mode, dim0_kernel="torch", dim1_kernel="torch")
     torch.manual_seed(4)
     counts = [5, 0, 33, 26]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -247,7 +248,7 @@ def test_gpu_compile_inductor_grads_match_eager(kernel):
     """mx_mm -> mx_grouped_mm on the GPU (bf16 emulated GEMMs), inductor vs eager: same loss and
     gradients up to the rounding of dy by a differently fused (y**2).mean() backward, which can move
     single fp8 elements of dy by one step; never zero or garbage gradients."""
-    cfg = MXOpConfig(kernel=kernel, dim1_kernel=kernel)
+    cfg = MXRecipe(dim0_kernel=kernel, dim1_kernel=kernel)
     torch.manual_seed(5)
     offs = torch.tensor([5, 0, 27, 64]).cumsum(0).to(torch.int32).cuda()
 

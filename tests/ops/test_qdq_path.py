@@ -1,22 +1,21 @@
 """The emulated GEMM's fused quantize-dequantize path against the MX path (quantize, write, read
 back, dequantize): bit-identical forward and backward from the same GEMM calls (operands of the
-same values and strides), the same bytes saved for backward; the
-weight-cast cache (reuse within a scope, never stale); the recipe as the ops' config."""
+same values and strides), the same bytes saved for backward; the recipe as the ops' one
+parameter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same_bits
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mxmoe.ops.gemm as gemm_mod
-import mxmoe.ops.linear as linear_mod
 from mxmoe import to_mx
-from mxmoe.ops import MXOpConfig, cache_weight_casts, mx_gemm, mx_grouped_mm, mx_mm
-from mxmoe.ops.weight_cache import cache_size
+from mxmoe.ops import mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.quant.mx_tensor import make_grad_anchor
-from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
+from mxmoe.recipe import MXRecipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -114,12 +113,10 @@ def both_paths(monkeypatch, fn):
 
 
 def assert_same(got, want, what):
+    """Each pair byte for byte (NaN payloads included), with the same strides; None only for None."""
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        if w is None:
-            assert g is None, (what, i)
-            continue
-        assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride(), (what, i)
-        assert torch.equal(g.view(-1).view(torch.uint8), w.view(-1).view(torch.uint8)), (what, i)
+        assert_same_bits(g, w, f"{what} {i}", nan_payload=True)
+        assert g is None or g.stride() == w.stride(), (what, i)
 
 
 REQS = [(True, True), (True, False), (False, True)]
@@ -211,81 +208,9 @@ def test_qdq_path_triton_interpreter_bit_identical(monkeypatch):
     assert_same(run_grouped(a, we, offs, dya, cfg_t, (True, True)), old_g, "triton qdq grouped")
 
 
-# ---------------------------------------------------------------------------------------------
-# weight-cast cache
-# ---------------------------------------------------------------------------------------------
-
-
-def count_weight_casts(monkeypatch, weights):
-    """Patch the ops' qdq to count calls on the given weights (by storage)."""
-    ptrs = {w.data_ptr() for w in weights}
-    calls = []
-    real = linear_mod.qdq_trusted
-
-    def counting(x, *args, **kw):
-        if x.data_ptr() in ptrs:
-            calls.append(x.shape)
-        return real(x, *args, **kw)
-
-    monkeypatch.setattr(linear_mod, "qdq_trusted", counting)
-    return calls
-
-
-def test_weight_cache_reuses_within_scope_and_matches(monkeypatch):
-    """Two micro-batches in one scope: each weight cast (along K, along N) is made once, and the
-    gradients equal those computed without the cache."""
-    cfg = rec()
-    lin = nn.Linear(64, 96, bias=False)
-    xs = [torch.randn(37, 64, requires_grad=True), torch.randn(37, 64, requires_grad=True)]
-    ref = []
-    for x in xs:
-        mx_mm(x, lin.weight.t(), cfg).square().sum().backward()
-        ref.append(lin.weight.grad.clone())
-    lin.weight.grad = None
-    calls = count_weight_casts(monkeypatch, [lin.weight])
-    got = []
-    with cache_weight_casts():
-        for x in xs:
-            mx_mm(x, lin.weight.t(), cfg).square().sum().backward()
-            got.append(lin.weight.grad.clone())
-        assert cache_size() == 2
-    assert cache_size() == 0
-    assert len(calls) == 2  # along K (forward) and along N (backward), once each
-    for g, r in zip(got, ref, strict=True):
-        assert torch.equal(g, r)
-
-
-def test_weight_cache_never_stale(monkeypatch):
-    """An optimizer step, an in-place update, and a different parameter each give a new cast: the
-    outputs equal a run without any cache."""
-    cfg = rec()
-    torch.manual_seed(0)
-    lin = nn.Linear(64, 32, bias=False)
-    x = torch.randn(16, 64)
-    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
-
-    def fresh():
-        return mx_mm(x, lin.weight.detach().clone().t(), cfg)
-
-    calls = count_weight_casts(monkeypatch, [lin.weight])
-    with cache_weight_casts():
-        y0 = mx_mm(x, lin.weight.t(), cfg)
-        y0.square().sum().backward()
-        opt.step()  # changes the weight: the next forward must not reuse the old cast
-        y1 = mx_mm(x, lin.weight.t(), cfg)
-        assert torch.equal(y1, fresh()) and not torch.equal(y1, y0)
-        with torch.no_grad():
-            lin.weight.mul_(-1)  # bumps the version counter
-        y2 = mx_mm(x, lin.weight.t(), cfg)
-        assert torch.equal(y2, fresh())
-        other = nn.Linear(64, 32, bias=False)
-        assert torch.equal(mx_mm(x, other.weight.t(), cfg), mx_mm(x, other.weight.detach().t(), cfg))
-    assert len(calls) == 3  # the first forward, after the step, after the in-place update
-
-
-def test_weight_cache_grouped_and_compile():
-    """MXGroupedExperts-style weights are cached too; under torch.compile the cache is bypassed and
-    results equal eager."""
+def test_grouped_compile_matches_eager():
+    """MXGroupedExperts-style weights: a second eager step gives the same weight gradient bit for
+    bit, and torch.compile (aot_eager) matches eager."""
     cfg = rec()
     torch.manual_seed(1)
     w = nn.Parameter(torch.randn(3, 64, 32) * 0.1)
@@ -298,35 +223,29 @@ def test_weight_cache_grouped_and_compile():
     step(a).backward()
     ref = w.grad.clone()
     w.grad = None
-    with cache_weight_casts():
-        step(a).backward()
-        assert cache_size() == 2
-        assert torch.equal(w.grad, ref)
-        w.grad = None
-        torch.compile(step, fullgraph=True, backend="aot_eager")(a).backward()
+    step(a).backward()
+    assert torch.equal(w.grad, ref)
+    w.grad = None
+    torch.compile(step, fullgraph=True, backend="aot_eager")(a).backward()
     torch.testing.assert_close(w.grad, ref, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
-# the recipe as config
+# the recipe as the ops' parameter
 # ---------------------------------------------------------------------------------------------
 
 
-def test_mxopconfig_builds_the_recipe():
-    assert MXOpConfig() == DEFAULT_RECIPE
-    r = MXOpConfig(scaling_mode="floor", kernel="torch", dim1_kernel="triton", gemm_dtype=torch.float32)
-    assert isinstance(r, MXRecipe)
-    assert (r.scaling_mode, r.dim0_kernel, r.dim1_kernel, r.gemm_dtype) == (
-        "floor",
-        "torch",
-        "triton",
-        torch.float32,
-    )
-    with pytest.raises(ValueError, match="dim0_kernel='cpu'"):
-        MXOpConfig(kernel="cpu")
-    with pytest.raises(TypeError, match="config must be an mxmoe.MXRecipe .* got dict"):
+def test_ops_take_the_recipe():
+    """The ops' parameter is `recipe` (positional or by name); anything but an MXRecipe or None is a
+    TypeError naming it."""
+    r = MXRecipe(scaling_mode="floor", dim0_kernel="torch", dim1_kernel="torch", gemm_dtype=torch.float32)
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 32), torch.randn(32, 64)
+    assert torch.equal(mx_mm(a, b, recipe=r), mx_mm(a, b, r))
+    assert not torch.equal(mx_mm(a, b, r), mx_mm(a, b, MXRecipe(dim0_kernel="torch", dim1_kernel="torch")))
+    with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe .* got dict"):
         mx_mm(torch.randn(4, 32), torch.randn(32, 32), {"block_size": 32})
-    with pytest.raises(TypeError, match="config must be an mxmoe.MXRecipe"):
+    with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe"):
         mx_gemm(to_mx(torch.randn(4, 32)), to_mx(torch.randn(32, 32), axis=0), None, "mxfp8")
 
 
@@ -381,9 +300,9 @@ def test_gpu_qdq_path_bit_identical(monkeypatch, kernel, mode):
 
 
 @pytest.mark.gpu
-def test_gpu_weight_cache_and_compile():
-    """On the GPU: cached weight casts give the uncached gradients; inductor (fullgraph) inside a
-    cache scope matches eager closely (the cache is bypassed while compiling)."""
+def test_gpu_eager_repeats_and_compile_matches():
+    """On the GPU: a repeated eager step gives the same gradients bit for bit; inductor (fullgraph)
+    matches eager closely."""
     cfg = rec(kernel="auto")
     torch.manual_seed(0)
     lin = nn.Linear(512, 256, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -395,11 +314,10 @@ def test_gpu_weight_cache_and_compile():
     step(x).backward()
     ref = [x.grad.clone(), lin.weight.grad.clone()]
     x.grad = lin.weight.grad = None
-    with cache_weight_casts():
-        for _ in range(2):
-            step(x).backward()
-            assert torch.equal(x.grad, ref[0]) and torch.equal(lin.weight.grad, ref[1])
-            x.grad = lin.weight.grad = None
-        torch.compile(step, fullgraph=True)(x).backward()
+    for _ in range(2):
+        step(x).backward()
+        assert torch.equal(x.grad, ref[0]) and torch.equal(lin.weight.grad, ref[1])
+        x.grad = lin.weight.grad = None
+    torch.compile(step, fullgraph=True)(x).backward()
     for g, r in zip((x.grad, lin.weight.grad), ref, strict=True):
         assert ((g.float() - r.float()).norm() / r.float().norm()).item() < 1e-2

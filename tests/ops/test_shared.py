@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same_bits
 
 import mxmoe.ops.gemm as gemm_mod
 import mxmoe.quant.qdq as qdq_mod
@@ -13,11 +14,10 @@ from mxmoe import to_mx
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared, mx_mm, mx_mm_shared
 from mxmoe.quant.mx_tensor import make_grad_anchor
 from mxmoe.recipe import MXRecipe
+from tests.ops.recipes import CPU, CPU_BF16
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
-CPU = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
-CPU_BF16 = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_dtype=torch.bfloat16)
 
 
 def rand(shape, dtype, seed, scale=1.0):
@@ -26,12 +26,9 @@ def rand(shape, dtype, seed, scale=1.0):
 
 
 def bits_equal(got, want, what):
-    if want is None:
-        assert got is None, what
-        return
-    assert got is not None, what
-    assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride(), what
-    assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), what
+    """Byte for byte (NaN payloads included) and the same strides."""
+    assert_same_bits(got, want, what, nan_payload=True)
+    assert got is None or got.stride() == want.stride(), what
 
 
 class Counts:

@@ -10,20 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same_bits
 
 import mxmoe.ops.gemm as gemm_mod
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_swiglu
 from mxmoe.recipe import MXRecipe
-
-CPU = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
-CPU_BF16 = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_dtype=torch.bfloat16)
-
-COUNTS = [
-    [5, 0, 33, 1, 31, 0],  # ragged, empty groups, 10 rows after the last group (T = 80)
-    [0, 80, 0],  # one group of every row
-    [0, 0, 0],  # every row in no group
-]
+from tests.ops.recipes import CPU, CPU_BF16
+from tests.ops.recipes import SWIGLU_COUNTS as COUNTS
 
 
 def rand(shape, dtype, seed, scale=1.0):
@@ -64,17 +58,9 @@ def run(fn, ops, cfg, req, autocast=False, grad=True):
     return y.detach(), g.grad, u.grad, w.grad
 
 
-def bits_equal(got, want, what):
-    if want is None:
-        assert got is None, what
-        return
-    assert got is not None and got.dtype == want.dtype and got.shape == want.shape, what
-    assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), what
-
-
 def compare(got, want):
     for name, a, b in zip(("output", "g.grad", "u.grad", "w.grad"), got, want, strict=True):
-        bits_equal(a, b, name)
+        assert_same_bits(a, b, name, nan_payload=True)
 
 
 class Spy:
@@ -140,10 +126,11 @@ def test_swiglu_grouped_no_grad_and_mixed_dtypes():
     ops = operands(COUNTS[0], torch.bfloat16)
     with torch.no_grad():
         y = fused(*ops[:3], ops[4], CPU_BF16)
-        bits_equal(y, unfused(*ops[:3], ops[4], CPU_BF16), "no_grad output")
+        assert_same_bits(y, unfused(*ops[:3], ops[4], CPU_BF16), "no_grad output", nan_payload=True)
     assert y.grad_fn is None
     g, u, w, _, offs = ops
-    bits_equal(fused(g, u.float(), w, offs, CPU), unfused(g, u.float(), w, offs, CPU), "mixed dtypes")
+    mixed = fused(g, u.float(), w, offs, CPU), unfused(g, u.float(), w, offs, CPU)
+    assert_same_bits(*mixed, "mixed dtypes", nan_payload=True)
 
 
 def test_swiglu_grouped_saves_less(monkeypatch):

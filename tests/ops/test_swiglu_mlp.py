@@ -18,15 +18,9 @@ from mxmoe import to_mx
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared, mx_grouped_mm_swiglu, mx_grouped_swiglu_mlp
 from mxmoe.quant.mx_tensor import make_grad_anchor
 from mxmoe.recipe import MXRecipe
+from tests.ops.recipes import CPU, CPU_BF16
+from tests.ops.recipes import SWIGLU_COUNTS as COUNTS
 
-CPU = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
-CPU_BF16 = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_dtype=torch.bfloat16)
-
-COUNTS = [
-    [5, 0, 33, 1, 31, 0],  # ragged, empty groups, 10 rows after the last group (T = 80)
-    [0, 80, 0],  # one group of every row
-    [0, 0, 0],  # every row in no group
-]
 D, H = 64, 96
 
 

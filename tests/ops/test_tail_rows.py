@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same_bits
 
 from mxmoe.ops.tail_rows import zero_rows_after
 from mxmoe.quant import backends, cuda_cast
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit patterns (so -0 != +0), a and b of one dtype and shape."""
-    ints = {2: torch.int16, 4: torch.int32}[a.dtype.itemsize]
-    return a.dtype == b.dtype and torch.equal(a.cpu().view(ints), b.cpu().view(ints))
 
 
 def check(device: str, T: int, N: int, end: int, dtype: torch.dtype, pad: int = 0, kernel: str = "auto",
@@ -38,10 +33,10 @@ def check(device: str, T: int, N: int, end: int, dtype: torch.dtype, pad: int = 
     offs = torch.tensor(ends, dtype=torch.int32, device=device)
     assert zero_rows_after(out, offs, kernel=kernel) is out
     what = (T, N, end, dtype, pad, kernel, col, groups)
-    assert same_bits(full, want), what
+    assert_same_bits(full, want, str(what), nan_payload=True)
     offs_strided = torch.tensor([x for e in ends for x in (e, 0)], dtype=torch.int32, device=device)[::2]
     zero_rows_after(out, offs_strided, kernel=kernel)  # offs[-1] read through its stride (else 0: all rows)
-    assert same_bits(full, want), (*what, "strided offs")
+    assert_same_bits(full, want, str((*what, "strided offs")), nan_payload=True)
 
 
 @pytest.mark.interpreter
@@ -202,7 +197,7 @@ def test_gpu_compile_fullgraph():
         assert explanation.graph_break_count == 0, explanation.break_reasons
         got, want = torch.compile(fn, fullgraph=True)(*args), fn(*args)
         for g, w in zip(got, want, strict=True):
-            assert same_bits(g, w), fn.__name__
+            assert_same_bits(g, w, fn.__name__, nan_payload=True)
     for fn, args in ((tail, (x, offs)), (grouped, (x, b, offs)), (traced, (x, b, offs))):
         assert not fn(*args)[0][170:].any() and not torch.compile(fn, fullgraph=True)(*args)[0][170:].any()
 
@@ -257,25 +252,14 @@ def test_kernel_compiles_for_sm90():
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
-def test_cpp_kernel_compiles_for_sm90_with_16_byte_stores(tmp_path):
+def test_cpp_kernel_compiles_for_sm90_with_16_byte_stores(mx_cast_sm90):
     """csrc/mx_cast.cu to PTX for sm_90 (nvcc, no GPU): zero_rows_after_kernel stores 16-byte
     vectors on aligned rows and single bf16 / fp32 elements otherwise, with one load (offs[-1])
     and no division."""
     import re
-    import shutil
-    import subprocess
-    from pathlib import Path
 
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found: cannot compile mx_cast.cu")
-    src = Path(cuda_cast.__file__).with_name("csrc") / "mx_cast.cu"
-    ptx_file = tmp_path / "mx_cast.ptx"
-    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-ptx", str(src), "-o", str(ptx_file)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
     stores = {}
-    ptx = ptx_file.read_text()
+    ptx = mx_cast_sm90.ptx
     for unit, body in re.findall(r"\.entry \S*zero_rows_after_kernelI(\w+?)E\S*\((.*?)\n\}", ptx, re.S):
         stores[unit] = (set(re.findall(r"st\.global[.\w]*", body)), re.findall(r"ld\.global[.\w]*", body),
                         re.findall(r"\bdiv\.", body))

@@ -294,3 +294,25 @@ def test_fast_entries_equal_the_public_casts():
     for a, b in zip(mx_cast_dim0_dim1(x3[0], r), to_mx_dim0_dim1(x3[0], recipe=r), strict=True):
         assert torch.equal(a.qdata_blocked.view(torch.uint8), b.qdata_blocked.view(torch.uint8))
         assert torch.equal(a.scale_blocked.view(torch.uint8), b.scale_blocked.view(torch.uint8))
+
+
+def test_remember_keeps_derived_answers_until_clear_resolved(monkeypatch):
+    """`backends.remember` computes once per key, and `clear_resolved` forgets its answers with the
+    kernel choices they derive from (the MX ops' plans: a plan made again after the clear)."""
+    from mxmoe.ops.gemm import op_plan
+    from mxmoe.quant import backends as kernels
+    from mxmoe.recipe import MXRecipe
+
+    monkeypatch.setattr(kernels, "_resolved", {})
+    made = []
+    assert kernels.remember(("test", 1), lambda: made.append(1) or "a") == "a"
+    assert kernels.remember(("test", 1), lambda: made.append(1) or "b") == "a"
+    assert made == [1]
+    r = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
+    plan = op_plan(r, torch.device("cpu"))
+    assert op_plan(r, torch.device("cpu")) is plan
+    assert (plan.k0, plan.k1, plan.compute) == ("torch", "torch", torch.float32)
+    kernels.clear_resolved()
+    assert kernels.remember(("test", 1), lambda: "b") == "b"
+    again = op_plan(r, torch.device("cpu"))
+    assert again is not plan and again == plan

@@ -11,15 +11,13 @@ Standalone GPU self-check (correctness sweep, then bandwidth vs device copy):
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_bits
 
 import mxmoe
 from mxmoe.formats import ELEM_FORMATS, ScalingMode, make_spec
@@ -164,26 +162,6 @@ def make_input(
 # Comparison helpers.
 
 
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Bitwise equality of got (any device) and want (CPU); for bf16/fp32 NaN matches any NaN."""
-    got = got.cpu()
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    if got.dtype in (torch.bfloat16, torch.float32):
-        nan_g, nan_w = torch.isnan(got), torch.isnan(want)
-        ity = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
-        bad = (nan_g != nan_w) | (~nan_w & (got.view(ity) != want.view(ity)))
-        gv, wv = got.view(ity), want.view(ity)
-    else:
-        gv, wv = got.view(torch.uint8), want.view(torch.uint8)
-        bad = gv != wv
-    nbad = int(bad.sum())
-    if nbad:
-        idx = bad.nonzero()[:5].tolist()
-        detail = ", ".join(f"{tuple(i)}: got {int(gv[tuple(i)]):#x} want {int(wv[tuple(i)]):#x}" for i in idx)
-        raise AssertionError(f"{what}: {nbad} of {bad.numel()} differ; first: {detail}")
-
-
 def check_dim0(x: torch.Tensor, spec, what: str = "dim0") -> None:
     q, s = cuda_cast.quantize_dim0(x.cuda(), spec)
     wq, ws = torch_cast.quantize_dim0(x, spec)
@@ -217,26 +195,10 @@ def check_dequant(
 # CPU tests.
 
 
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    return None
-
-
-def test_mx_cast_cu_compiles_for_sm90(tmp_path):
+def test_mx_cast_cu_compiles_for_sm90(mx_cast_sm90):
     """What scripts/check_cuda_build.sh does in CI: the kernels alone, no torch headers, sm_90."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (neither on PATH nor under CUDA_HOME): cannot compile mx_cast.cu")
-    obj = tmp_path / "mx_cast.o"
-    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-c", str(CU_FILE), "-o", str(obj)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout}\n{res.stderr}"
-    assert obj.stat().st_size > 0
+    assert mx_cast_sm90.obj.stat().st_size > 0
+    assert mx_cast_sm90.ptxas and mx_cast_sm90.entries("qdq_dim1_kernel")
 
 
 def test_mx_cast_sources_include_no_torch_headers():

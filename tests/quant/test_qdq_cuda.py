@@ -20,8 +20,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
+from mxmoe.quant import backends
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, qdq_kernel
 from mxmoe.recipe import MXRecipe
 from tests.quant import oracle as O
@@ -46,7 +48,7 @@ def recipe(kernel: str, mode: str = "rceil", elem=torch.float8_e4m3fn, bs: int =
 def cuda_available(monkeypatch):
     """resolve_kernel answers as on a GPU machine whose extension builds; load_extension recorded."""
     loads = []
-    monkeypatch.setattr(qdq_mod, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
+    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
     monkeypatch.setattr(qdq_mod.cuda_cast, "load_extension", lambda: loads.append(1))
     return loads
 
@@ -68,7 +70,7 @@ def test_qdq_kernel_takes_cuda_where_an_operator_covers_the_call(cuda_available)
 
 def test_qdq_kernel_auto_falls_back_to_triton(monkeypatch):
     """"auto" without a usable extension (resolve_kernel's answer for dim0 is not cuda): Triton."""
-    monkeypatch.setattr(qdq_mod, "resolve_kernel", lambda k, dev, cast="dim1": "triton")
+    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "triton")
     assert qdq_kernel("auto", CUDA, True) == "triton"
 
 
@@ -140,13 +142,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
-def _same_values(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    """Bit for bit where not NaN, NaN where NaN (the Triton qdq keeps the hardware's NaN payload)."""
-    na, nb = torch.isnan(a.float()), torch.isnan(b.float())
-    assert torch.equal(na, nb), f"{what}: NaN masks differ"
-    assert torch.equal(_bits(a)[~na], _bits(b)[~nb]), f"{what}: values differ"
-
-
 def _check_all(x: torch.Tensor, mode: str, elem, out: torch.dtype, what: str, bs: int = BS,
                triton: bool = True) -> torch.Tensor:
     """qdq with the cuda kernel == the CUDA cast + CUDA dequantize bit for bit (NaN payloads
@@ -157,7 +152,7 @@ def _check_all(x: torch.Tensor, mode: str, elem, out: torch.dtype, what: str, bs
     assert torch.equal(_bits(y), _bits(_cuda_cast_dequant(x, rc, out))), f"{what}: != cast + dequantize"
     if triton and bs <= 128:
         yt = qdq(x, -1, recipe=recipe("triton", mode, elem, bs), out_dtype=out)
-        _same_values(y, yt, f"{what} vs triton")
+        assert_same_bits(y, yt, f"{what} vs triton")
     return y
 
 
@@ -337,10 +332,10 @@ def _check_rows(x: torch.Tensor, mode: str, elem, out: torch.dtype, what: str, b
     for y in got:
         assert y.dtype == out and y.shape == x.shape and y.is_contiguous(), what
     for g, w in zip(got, _rows_outputs(x, recipe("torch", mode, elem, bs), out), strict=True):
-        _same_values(g, w, f"{what} vs torch")
+        assert_same_bits(g, w, f"{what} vs torch")
     if triton and bs <= 128:
         for g, w in zip(got, _rows_outputs(x, recipe("triton", mode, elem, bs), out), strict=True):
-            _same_values(g, w, f"{what} vs triton")
+            assert_same_bits(g, w, f"{what} vs triton")
     if x.ndim <= 3:
         assert torch.equal(_bits(got[1]), _bits(qdq(x, -1, recipe=rc, out_dtype=out))), f"{what}: fused dim0"
         assert torch.equal(_bits(got[2]), _bits(got[0])), f"{what}: fused dim1 != dim1"
@@ -537,8 +532,8 @@ def test_gpu_qdq_cuda_grouped_match_oracle(combo):
         check_values(qdq(x, -2, recipe=rc, out_dtype=out, offs=offs), w1, what + " dim1 alone")
         for ref in ("torch", "triton") if out == torch.bfloat16 else ("torch",):
             r0, r1 = qdq_dim0_dim1(x, recipe=recipe(ref, mode, elem), out_dtype=out, offs=offs)
-            _same_values(y0, r0, f"{what} dim0 vs {ref}")
-            _same_values(y1, r1, f"{what} dim1 vs {ref}")
+            assert_same_bits(y0, r0, f"{what} dim0 vs {ref}")
+            assert_same_bits(y1, r1, f"{what} dim1 vs {ref}")
 
 
 def _grouped_all(x: torch.Tensor, r: MXRecipe, offs: torch.Tensor, out: torch.dtype) -> list[torch.Tensor]:
@@ -571,11 +566,11 @@ def test_gpu_qdq_cuda_grouped_equals_torch_large():
             offs = o.to(torch.int32).cuda()
             got = _grouped_all(t, rc, offs, torch.bfloat16)
             for a, b in zip(got, _grouped_all(t, rg, offs, torch.bfloat16), strict=True):
-                _same_values(a, b, f"{mode} offs #{i} vs torch")
+                assert_same_bits(a, b, f"{mode} offs #{i} vs torch")
             if mode == "rceil" and i < 2:
                 for a, b in zip(got, _grouped_all(t, recipe("triton", mode, elem), offs, torch.bfloat16),
                                 strict=True):
-                    _same_values(a, b, f"{mode} offs #{i} vs triton")
+                    assert_same_bits(a, b, f"{mode} offs #{i} vs triton")
 
 
 @pytest.mark.gpu

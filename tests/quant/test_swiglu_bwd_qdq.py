@@ -15,19 +15,19 @@ inputs and block size 16 (dg, du formed by ATen then cast); the operator's check
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
+from mxmoe.quant import backends
 from mxmoe.quant.qdq import qdq_dim0_dim1, swiglu_bwd_qdq_dim0_dim1, swiglu_bwd_qdq_op
 from tests.quant.helpers import COMBOS, DTYPES, data, dname, to_f32_numpy, to_torch
 from tests.quant.test_qdq import COUNTS, TAIL, check_values, grouped_rows, offs_of, oracle_rows
-from tests.quant.test_swiglu_qdq import BS, CU_FILE, _bits, _same, recipe
+from tests.quant.test_swiglu_qdq import BS, _bits, recipe
 
 NAMES = ("dg0", "dg1", "du0", "du1")
 
@@ -200,7 +200,7 @@ def test_swiglu_bwd_qdq_kernel_choice(monkeypatch):
     x = torch.randn(40, 64)
     swiglu_bwd_qdq_dim0_dim1(x, x, x, recipe=recipe("auto"))
     assert seen == ["torch"]
-    monkeypatch.setattr(qdq_mod, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
+    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
     monkeypatch.setattr(qdq_mod.cuda_cast, "load_extension", lambda: None)
     picked = []
     monkeypatch.setattr(qdq_mod, "swiglu_bwd_qdq_trusted",
@@ -212,7 +212,7 @@ def test_swiglu_bwd_qdq_kernel_choice(monkeypatch):
     assert picked == ["cuda", "cuda", "triton"]
 
 
-def test_swiglu_bwd_kernel_compiles_for_sm90_with_bounded_spills(tmp_path):
+def test_swiglu_bwd_kernel_compiles_for_sm90_with_bounded_spills(mx_cast_sm90):
     """csrc/mx_cast.cu for sm_90 (nvcc, no GPU): every variant of swiglu_bwd_qdq_kernel (bf16 / fp32
     in, both elements and outputs: 8): fp32 at most 128 registers (two CTAs per SM) with no spills;
     bf16 at most 85 (three CTAs per SM, its launch bounds) with at most 32 bytes spilled (ptxas
@@ -220,22 +220,8 @@ def test_swiglu_bwd_kernel_compiles_for_sm90_with_bounded_spills(tmp_path):
     memory in the PTX; dh, g and u are read with 16-byte streaming loads, the four outputs written
     with the qdq kernel's 16- / 8-byte streaming stores only; 1 + x * (1 - s) of silu_backward is
     one fma."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found: cannot compile mx_cast.cu")
-    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "--keep", "--keep-dir", str(tmp_path),
-           "-c", str(CU_FILE), "-o", str(tmp_path / "mx_cast.o")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    info = {}
-    pattern = (r"Compiling entry function '(\w+)'.*?\n.*?Function properties.*?\n\s*(\d+) bytes stack "
-               r"frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers")
-    for m in re.finditer(pattern, res.stdout + res.stderr):
-        info[m.group(1)] = tuple(int(m.group(i)) for i in range(2, 6))
-    (ptx_file,) = tmp_path.glob("*.ptx")
-    ptx = ptx_file.read_text()
-    entries = {m.group(1): m.group(0) for m in re.finditer(r"\.entry (\w+)\((.*?)\n}\n", ptx, re.S)
-               if "swiglu_bwd_qdq_kernel" in m.group(1)}
+    info = mx_cast_sm90.ptxas
+    entries = mx_cast_sm90.entries("swiglu_bwd_qdq_kernel")
     assert len(entries) == 8, sorted(entries)
     for name, body in entries.items():
         stack, st, ld, regs = info[name]
@@ -273,7 +259,7 @@ def test_gpu_swiglu_bwd_qdq_cuda_matches_reference_and_oracle(combo, grouped):
         want = [*oracle_rows(to_f32_numpy(dg.cpu()), BS, mode, elem, out, ends),
                 *oracle_rows(to_f32_numpy(du.cpu()), BS, mode, elem, out, ends)]
         for y, z, w, name in zip(got, _unfused(dh, g, u, rc, out, offs), want, NAMES, strict=True):
-            _same(y, z, f"{what} {name}")
+            assert_same_bits(y, z, f"{what} {name}")
             check_values(y, w, f"{what} {name} oracle")
 
 
@@ -294,7 +280,7 @@ def test_gpu_swiglu_bwd_qdq_every_bf16_gate_and_random_fp32():
         for out in DTYPES:
             got = swiglu_bwd_qdq_dim0_dim1(dh, g, u, recipe=rc, out_dtype=out)
             for a, b, k in zip(got, _unfused(dh, g, u, rc, out), NAMES, strict=True):
-                _same(a, b, f"bf16 all patterns x{scale} {k} -> {dname(out)}")
+                assert_same_bits(a, b, f"bf16 all patterns x{scale} {k} -> {dname(out)}")
     bits = torch.randint(-(2**31), 2**31 - 1, (4096, 256), device="cuda", dtype=torch.int32)
     gf = torch.where(torch.rand(bits.shape, device="cuda") < 0.5, bits.view(torch.float32),
                      torch.randn(bits.shape, device="cuda") * 40)
@@ -302,7 +288,7 @@ def test_gpu_swiglu_bwd_qdq_every_bf16_gate_and_random_fp32():
     for out in DTYPES:
         got = swiglu_bwd_qdq_dim0_dim1(dhf, gf, uf, recipe=rc, out_dtype=out)
         for a, b, k in zip(got, _unfused(dhf, gf, uf, rc, out), NAMES, strict=True):
-            _same(a, b, f"fp32 random {k} -> {dname(out)}")
+            assert_same_bits(a, b, f"fp32 random {k} -> {dname(out)}")
 
 
 @pytest.mark.gpu
@@ -322,17 +308,17 @@ def test_gpu_swiglu_bwd_qdq_cuda_shapes_misaligned_and_block_sizes():
             for out in DTYPES:
                 got = swiglu_bwd_qdq_dim0_dim1(dh, g, u, recipe=r, out_dtype=out, offs=o)
                 for a, b, k in zip(got, _unfused(dh, g, u, r, out, o), NAMES, strict=True):
-                    _same(a, b, f"large {dname(dtype)} bs={r.block_size} {k} -> {dname(out)}")
+                    assert_same_bits(a, b, f"large {dname(dtype)} bs={r.block_size} {k} -> {dname(out)}")
         one = (dh[:1], g[:1], u[:1])
         for a, b, k in zip(swiglu_bwd_qdq_dim0_dim1(*one, recipe=recipe("cuda")),
                            _unfused(*one, recipe("cuda")), NAMES, strict=True):
-            _same(a, b, f"one row {k}")
+            assert_same_bits(a, b, f"one row {k}")
         flats = [torch.randn(65 * 64 + 1, device="cuda").to(dtype) for _ in range(3)]
         mis = [f[1:].view(65, 64) for f in flats]  # not 16-byte aligned
         om = offs_of([10, 0, 40], "cuda")
         for a, b, k in zip(swiglu_bwd_qdq_dim0_dim1(*mis, recipe=recipe("cuda"), offs=om),
                            _unfused(*mis, recipe("cuda"), None, om), NAMES, strict=True):
-            _same(a, b, f"misaligned {dname(dtype)} {k}")
+            assert_same_bits(a, b, f"misaligned {dname(dtype)} {k}")
 
 
 @pytest.mark.gpu

@@ -14,23 +14,21 @@ and other block sizes (h formed by ATen then cast), argument errors, torch.compi
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
+from mxmoe.quant import backends
 from mxmoe.quant.qdq import qdq_dim0_dim1, swiglu_qdq_dim0_dim1, swiglu_qdq_op
 from mxmoe.recipe import MXRecipe
 from tests.quant.helpers import COMBOS, DTYPES, data, dname, to_f32_numpy, to_torch
 from tests.quant.test_qdq import COUNTS, TAIL, check_values, grouped_rows, offs_of, oracle_rows
 
 BS = 32
-CU_FILE = Path(__file__).resolve().parents[2] / "mxmoe" / "quant" / "csrc" / "mx_cast.cu"
 
 
 def recipe(kernel: str, mode: str = "rceil", elem=torch.float8_e4m3fn, bs: int = BS) -> MXRecipe:
@@ -39,15 +37,6 @@ def recipe(kernel: str, mode: str = "rceil", elem=torch.float8_e4m3fn, bs: int =
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    """Bit for bit, NaN where NaN (payloads free: a non-finite block is NaN whatever its payload)."""
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    na, nb = torch.isnan(a), torch.isnan(b)
-    assert torch.equal(na, nb), f"{what}: NaN masks differ"
-    bad = (_bits(a) != _bits(b)) & ~na
-    assert not bool(bad.any()), f"{what}: {int(bad.sum())} differ, first at {bad.nonzero()[:5].tolist()}"
 
 
 def gate_inputs(mode: str, elem, dtype, grouped: bool, device="cpu"):
@@ -194,7 +183,7 @@ def test_swiglu_qdq_kernel_choice(monkeypatch):
     g = torch.randn(40, 64)
     swiglu_qdq_dim0_dim1(g, g, recipe=recipe("auto"))
     assert seen == ["torch"]
-    monkeypatch.setattr(qdq_mod, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
+    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
     monkeypatch.setattr(qdq_mod.cuda_cast, "load_extension", lambda: None)
     picked = []
     monkeypatch.setattr(qdq_mod, "swiglu_qdq_trusted",
@@ -206,37 +195,14 @@ def test_swiglu_qdq_kernel_choice(monkeypatch):
     assert picked == ["cuda", "cuda", "triton"]
 
 
-def _swiglu_entries(text: str) -> dict[str, str]:
-    """{mangled name: body} of the PTX entries of qdq_dim1_kernel's SWIGLU variants (last template
-    argument `true`)."""
-    out = {}
-    for m in re.finditer(r"\.entry (\w+)\((.*?)\n}\n", text, re.S):
-        name = m.group(1)
-        if "qdq_dim1_kernel" in name and re.search(r"ELb1EEEv", name):
-            out[name] = m.group(0)
-    return out
-
-
-def test_swiglu_kernel_compiles_for_sm90_without_spills(tmp_path):
+def test_swiglu_kernel_compiles_for_sm90_without_spills(mx_cast_sm90):
     """csrc/mx_cast.cu for sm_90 (nvcc, no GPU): every SWIGLU variant of qdq_dim1_kernel (bf16 /
     fp32 in, both elements and outputs: 8) has no local memory and no spills, at most 85 registers
     for bf16 (8 lanes per column, three CTAs per SM) and 128 for fp32 (4 lanes); g and u are read
     with 16-byte streaming loads, the outputs written with the qdq kernel's 16- / 8-byte streaming
     stores only."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found: cannot compile mx_cast.cu")
-    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "--keep", "--keep-dir", str(tmp_path),
-           "-c", str(CU_FILE), "-o", str(tmp_path / "mx_cast.o")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    info = {}
-    pattern = (r"Compiling entry function '(\w+)'.*?\n.*?Function properties.*?\n\s*(\d+) bytes stack "
-               r"frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers")
-    for m in re.finditer(pattern, res.stdout + res.stderr):
-        info[m.group(1)] = tuple(int(m.group(i)) for i in range(2, 6))
-    (ptx_file,) = tmp_path.glob("*.ptx")
-    entries = _swiglu_entries(ptx_file.read_text())
+    info = mx_cast_sm90.ptxas
+    entries = mx_cast_sm90.entries(r"qdq_dim1_kernel.*ELb1EEEv")  # the SWIGLU variants (last argument true)
     assert len(entries) == 8, sorted(entries)
     for name, body in entries.items():
         stack, st, ld, regs = info[name]
@@ -274,8 +240,8 @@ def test_gpu_swiglu_qdq_cuda_matches_reference_and_oracle(combo, grouped):
         what = f"gpu swiglu {mode} {dname(elem)} {dname(dtype)} -> {dname(out)} grouped={grouped}"
         y0, y1 = swiglu_qdq_dim0_dim1(g, u, recipe=rc, out_dtype=out, offs=offs)
         z0, z1 = _reference_cuda(g, u, rc, out, offs)
-        _same(y0, z0, what + " dim0")
-        _same(y1, z1, what + " dim1")
+        assert_same_bits(y0, z0, what + " dim0")
+        assert_same_bits(y1, z1, what + " dim1")
         w0, w1 = oracle_rows(to_f32_numpy(h.cpu()), BS, mode, elem, out, ends)
         check_values(y0, w0, what + " dim0 oracle")
         check_values(y1, w1, what + " dim1 oracle")
@@ -296,7 +262,7 @@ def test_gpu_swiglu_qdq_every_bf16_gate_and_random_fp32():
         y = swiglu_qdq_dim0_dim1(g, u, recipe=rc, out_dtype=out)
         z = _reference_cuda(g, u, rc, out, None)
         for a, b, k in zip(y, z, ("dim0", "dim1"), strict=True):
-            _same(a, b, f"bf16 all patterns {k} -> {dname(out)}")
+            assert_same_bits(a, b, f"bf16 all patterns {k} -> {dname(out)}")
     bits = torch.randint(-(2**31), 2**31 - 1, (4096, 256), device="cuda", dtype=torch.int32)
     gf = torch.where(torch.rand(bits.shape, device="cuda") < 0.5, bits.view(torch.float32),
                      torch.randn(bits.shape, device="cuda") * 40)
@@ -305,7 +271,7 @@ def test_gpu_swiglu_qdq_every_bf16_gate_and_random_fp32():
         y = swiglu_qdq_dim0_dim1(gf, uf, recipe=rc, out_dtype=out)
         z = _reference_cuda(gf, uf, rc, out, None)
         for a, b, k in zip(y, z, ("dim0", "dim1"), strict=True):
-            _same(a, b, f"fp32 random {k} -> {dname(out)}")
+            assert_same_bits(a, b, f"fp32 random {k} -> {dname(out)}")
 
 
 @pytest.mark.gpu
@@ -327,9 +293,9 @@ def test_gpu_swiglu_qdq_cuda_shapes_misaligned_and_block_sizes():
                 y = swiglu_qdq_dim0_dim1(g, u, recipe=r, out_dtype=out, offs=o)
                 z = _reference_cuda(g, u, r, out, o)
                 for a, b, k in zip(y, z, ("dim0", "dim1"), strict=True):
-                    _same(a, b, f"large {dname(dtype)} bs={r.block_size} {k} -> {dname(out)}")
+                    assert_same_bits(a, b, f"large {dname(dtype)} bs={r.block_size} {k} -> {dname(out)}")
         g1, u1 = g[:1], u[:1]
-        _same(swiglu_qdq_dim0_dim1(g1, u1, recipe=recipe("cuda"))[0],
+        assert_same_bits(swiglu_qdq_dim0_dim1(g1, u1, recipe=recipe("cuda"))[0],
               _reference_cuda(g1, u1, recipe("cuda"), dtype, None)[0], "one row")
         flat_g = torch.randn(65 * 64 + 1, device="cuda").to(dtype)
         flat_u = torch.randn(65 * 64 + 1, device="cuda").to(dtype)
@@ -338,7 +304,7 @@ def test_gpu_swiglu_qdq_cuda_shapes_misaligned_and_block_sizes():
         y = swiglu_qdq_dim0_dim1(gm, um, recipe=recipe("cuda"), offs=om)
         z = _reference_cuda(gm, um, recipe("cuda"), dtype, om)
         for a, b, k in zip(y, z, ("dim0", "dim1"), strict=True):
-            _same(a, b, f"misaligned {dname(dtype)} {k}")
+            assert_same_bits(a, b, f"misaligned {dname(dtype)} {k}")
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_same_bits
 
 from mxmoe.formats import make_spec
 from mxmoe.quant import to_mx, torch_cast, triton_cast
@@ -34,23 +35,6 @@ DEV = "cuda" if torch.cuda.is_available() and not triton_interpret() else "cpu"
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
-
-
-def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape, want.shape)
-    got, want = got.cpu(), want.cpu()
-    if got.is_floating_point() and got.dtype in (torch.bfloat16, torch.float32):
-        # NaN bit patterns are not specified (torch's differ between CPU and GPU): compare positions
-        nan = want.isnan()
-        assert torch.equal(got.isnan(), nan), f"{what}: NaN positions differ"
-        got, want = got.masked_fill(nan, 0), want.masked_fill(nan, 0)
-    gb, wb = _bits(got).reshape(-1), _bits(want).reshape(-1)
-    diff = (gb != wb).nonzero().flatten()
-    if diff.numel():
-        k = int(diff[0])
-        raise AssertionError(f"{what}: {diff.numel()} of {gb.numel()} bytes differ; first at flat byte {k} "
-                             f"(of shape {tuple(got.shape)} {got.dtype}): got 0x{int(gb[k]):02x}, "
-                             f"expected 0x{int(wb[k]):02x}")
 
 
 def special_values(dtype: torch.dtype) -> torch.Tensor:
@@ -106,8 +90,8 @@ def test_dim0_special_values(mode, elem, dtype):
     x = torch.cat([x, x * 2.0**-7, -x * 2.0**30 if dtype == torch.float32 else x * 2.0**30])
     want = torch_cast.quantize_dim0(x, spec)
     got = _dim0(x, spec)
-    assert_same(got[0], want[0], "q")
-    assert_same(got[1], want[1], "scale")
+    assert_same_bits(got[0], want[0], "q")
+    assert_same_bits(got[1], want[1], "scale")
 
 
 @pytest.mark.parametrize("mode,elem,dtype", list(itertools.product(MODES, ELEMS, DTYPES)))
@@ -115,7 +99,7 @@ def test_dim0_random_odd_rows(mode, elem, dtype):
     spec = make_spec(32, mode, elem)
     x = random_input((37, 96), dtype, seed=1)
     for got, want in zip(_dim0(x, spec), torch_cast.quantize_dim0(x, spec), strict=True):
-        assert_same(got, want, "dim0")
+        assert_same_bits(got, want, "dim0")
 
 
 @pytest.mark.parametrize("mode,elem", list(itertools.product(MODES, ELEMS)))
@@ -127,7 +111,7 @@ def test_normal_range_tiles(mode, elem):
     got = (*_dim0(x, spec), *triton_cast.quantize_dim0_dim1(x.to(DEV), spec))
     want = (*torch_cast.quantize_dim0(x, spec), *torch_cast.quantize_dim0_dim1(x, spec))
     for g, w in zip(got, want, strict=True):
-        assert_same(g, w, "normal range")
+        assert_same_bits(g, w, "normal range")
 
 
 @pytest.mark.parametrize("mode,elem,dtype", list(itertools.product(MODES, ELEMS, DTYPES)))
@@ -136,7 +120,7 @@ def test_dim1_3d(mode, elem, dtype):
     x = random_input((2, 96, 40), dtype, seed=2)  # R not a multiple of the row tile, C odd-sized
     for got, want in zip(triton_cast.quantize_dim1(x.to(DEV), spec), torch_cast.quantize_dim1(x, spec),
                          strict=True):
-        assert_same(got, want, "dim1")
+        assert_same_bits(got, want, "dim1")
 
 
 @pytest.mark.parametrize("mode,elem,dtype", list(itertools.product(MODES, ELEMS, DTYPES)))
@@ -146,7 +130,7 @@ def test_dim0_dim1_fused(mode, elem, dtype):
     got = triton_cast.quantize_dim0_dim1(x.to(DEV), spec)
     want = torch_cast.quantize_dim0_dim1(x, spec)
     for g, w, name in zip(got, want, ("q0", "s0", "q1", "s1"), strict=True):
-        assert_same(g, w, name)
+        assert_same_bits(g, w, name)
 
 
 @pytest.mark.parametrize("elem", ELEMS)
@@ -156,7 +140,7 @@ def test_dim1_special_blocks_transposed(elem):
     x = special_values(torch.float32).t().contiguous().unsqueeze(0)  # (1, 32, n_blocks)
     for got, want in zip(triton_cast.quantize_dim1(x.to(DEV), spec), torch_cast.quantize_dim1(x, spec),
                          strict=True):
-        assert_same(got, want, "dim1 specials")
+        assert_same_bits(got, want, "dim1 specials")
     for mode in MODES:
         spec = make_spec(32, mode, elem)
         x2 = torch.cat([x[0], x[0]], dim=0)  # (64, n)
@@ -164,7 +148,7 @@ def test_dim1_special_blocks_transposed(elem):
         got = triton_cast.quantize_dim0_dim1(x2.to(DEV), make_spec(32, mode, elem))
         want = torch_cast.quantize_dim0_dim1(x2, spec)
         for g, w in zip(got, want, strict=True):
-            assert_same(g, w, f"fused specials {mode}")
+            assert_same_bits(g, w, f"fused specials {mode}")
 
 
 @pytest.mark.parametrize("bs", [2, 4, 8, 64, 256])
@@ -172,16 +156,16 @@ def test_other_block_sizes(bs):
     spec = make_spec(bs, "rceil", torch.float8_e4m3fn)
     x = random_input((2 * bs if bs > 8 else 24, 2 * bs if bs > 8 else 40), torch.bfloat16, seed=bs)
     for got, want in zip(_dim0(x, spec), torch_cast.quantize_dim0(x, spec), strict=True):
-        assert_same(got, want, f"dim0 bs={bs}")
+        assert_same_bits(got, want, f"dim0 bs={bs}")
     x3 = x.unsqueeze(0)
     for got, want in zip(triton_cast.quantize_dim1(x3.to(DEV), spec), torch_cast.quantize_dim1(x3, spec),
                          strict=True):
-        assert_same(got, want, f"dim1 bs={bs}")
+        assert_same_bits(got, want, f"dim1 bs={bs}")
     if x.shape[0] % bs == 0:
         for got, want in zip(triton_cast.quantize_dim0_dim1(x.to(DEV), spec),
                              torch_cast.quantize_dim0_dim1(x, spec),
                              strict=True):
-            assert_same(got, want, f"fused bs={bs}")
+            assert_same_bits(got, want, f"fused bs={bs}")
 
 
 def test_nonfinite_blocks():
@@ -204,7 +188,7 @@ def test_nonfinite_blocks():
             want = (*torch_cast.quantize_dim0(xx, spec), *torch_cast.quantize_dim0_dim1(xx, spec),
                     *torch_cast.quantize_dim1(xx.unsqueeze(0), spec))
             for g, w in zip(got, want, strict=True):
-                assert_same(g, w, f"non-finite blocks {elem}")
+                assert_same_bits(g, w, f"non-finite blocks {elem}")
         q, s = _dim0(x, spec)
         assert (s.view(torch.uint8)[:9, 0] == 255).all()
         assert (q.view(torch.uint8)[:9, :32] == 0x7F).all()
@@ -220,7 +204,7 @@ def test_casts_agree_partial_tiles():
     want = torch_cast.quantize_dim0_dim1(x, spec)
     for g, w in zip((*got, *got0, got1[0][0], got1[1][0]), (*want, want[0], want[1], want[2], want[3]),
                     strict=True):
-        assert_same(g, w, "partial tiles")
+        assert_same_bits(g, w, "partial tiles")
 
 
 @pytest.mark.parametrize("elem,out_dtype", list(itertools.product(ELEMS, DTYPES)))
@@ -230,10 +214,10 @@ def test_dequantize_every_byte_and_scale(elem, out_dtype):
     s = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat_interleave(8).view(256, 8)
     s = s.view(torch.float8_e8m0fnu)
     want = torch_cast.dequantize(q, s, 32, out_dtype)
-    assert_same(triton_cast.dequantize(q.to(DEV), s.to(DEV), 32, out_dtype), want, "dequant, all scales")
+    assert_same_bits(triton_cast.dequantize(q.to(DEV), s.to(DEV), 32, out_dtype), want, "dequant, all scales")
     # rows with safe scales only take the fast path
     q2, s2 = q[20:250].contiguous(), s[20:250].contiguous()
-    assert_same(triton_cast.dequantize(q2.to(DEV), s2.to(DEV), 32, out_dtype),
+    assert_same_bits(triton_cast.dequantize(q2.to(DEV), s2.to(DEV), 32, out_dtype),
                 torch_cast.dequantize(q2, s2, 32, out_dtype), "dequant, fast path")
 
 
@@ -242,8 +226,8 @@ def test_dequantize_roundtrip_odd_shape():
     x = random_input((19, 48), torch.float32, seed=7)
     q, s = triton_cast.quantize_dim0(x.to(DEV), spec)
     for dt in DTYPES:
-        assert_same(triton_cast.dequantize(q, s, 16, dt), torch_cast.dequantize(q.cpu(), s.cpu(), 16, dt),
-                    "roundtrip")
+        got = triton_cast.dequantize(q, s, 16, dt)
+        assert_same_bits(got, torch_cast.dequantize(q.cpu(), s.cpu(), 16, dt), "roundtrip")
 
 
 def test_empty_inputs():
@@ -274,9 +258,9 @@ def test_gpu_all_casts(mode, elem, dtype):
     want1 = torch_cast.quantize_dim1(x.view(2, 512, 1088), spec)
     wantf = torch_cast.quantize_dim0_dim1(x, spec)
     for g, w in zip((*got0, *got1, *gotf), (*want0, *want1, *wantf), strict=True):
-        assert_same(g, w, f"hw rounding {mode}")
+        assert_same_bits(g, w, f"hw rounding {mode}")
     for dt in DTYPES:
-        assert_same(deq[dt], torch_cast.dequantize(want0[0], want0[1], 32, dt), f"dequant {dt}")
+        assert_same_bits(deq[dt], torch_cast.dequantize(want0[0], want0[1], 32, dt), f"dequant {dt}")
 
 
 @pytest.mark.gpu
@@ -291,7 +275,7 @@ def test_gpu_big_shape():
     for g, w in zip((*got1, *got0, *gotf),
                     (*torch_cast.quantize_dim1(x, spec), *torch_cast.quantize_dim0(x.view(-1, 544), spec),
                      *torch_cast.quantize_dim0_dim1(x[0].contiguous(), spec)), strict=True):
-        assert_same(g, w, "big shape")
+        assert_same_bits(g, w, "big shape")
 
 
 @pytest.mark.gpu
@@ -303,4 +287,4 @@ def test_gpu_dequantize_every_byte_and_scale():
         want = torch_cast.dequantize(q, s, 32, dt)
         for rows in (slice(0, 256), slice(20, 250)):
             got = triton_cast.dequantize(q[rows].contiguous().cuda(), s[rows].contiguous().cuda(), 32, dt)
-            assert_same(got, want[rows], f"dequant {elem} {dt}")
+            assert_same_bits(got, want[rows], f"dequant {elem} {dt}")

@@ -184,6 +184,7 @@ def test_main_reports_config_errors(capsys):
         ("--training.seed=-1", "training.seed=-1: expected 0 <= seed < 2**32"),
         ("--parallelism.timeout_s=0", "parallelism.timeout_s=0: expected >= 1"),
         ("--parallelism.timeout_s=-5", "parallelism.timeout_s=-5: expected >= 1"),
+        ("--mx.mxfp8_dim1_cast_kernel_choice=cudnn", "mx.mxfp8_dim1_cast_kernel_choice='cudnn' is not"),
     ],
 )
 def test_main_rejects_out_of_range_values(capsys, arg, match):
@@ -244,12 +245,12 @@ def test_shipped_configs_use_the_default_recipe(path):
 def test_mx_gemm_backend_reaches_every_converted_module(backend):
     from mxmoe.models import Transformer
     from mxmoe.train.parallel import make_parallel_dims
-    from mxmoe.train.trainer import _mx_convert, build_model_args
+    from mxmoe.train.trainer import build_model_args, mx_convert
 
     cfg = parse_args(["--config", "configs/debug_moe.toml", f"--mx.gemm_backend={backend}"])
     model = Transformer(build_model_args(cfg))
-    _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
-    backends = [m.mx_config.gemm_backend for m in model.modules() if hasattr(m, "mx_config")]
+    mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
+    backends = [m.recipe.gemm_backend for m in model.modules() if hasattr(m, "recipe")]
     assert len(backends) >= 14 and set(backends) == {backend}  # 12 linears, 2 expert groups at least
 
 
@@ -261,15 +262,15 @@ def test_mx_exchange_only_converts_the_experts_alone():
     from mxmoe.models import Transformer
     from mxmoe.nn import MXGroupedExperts, MXLinear
     from mxmoe.train.parallel import make_parallel_dims
-    from mxmoe.train.trainer import _mx_convert, _precision, build_model_args
+    from mxmoe.train.trainer import _precision, build_model_args, mx_convert
 
     args = ["--config", "configs/debug_moe.toml", "--mx.expert_gemm=hp", "--mx.convert_linears=false"]
     cfg = parse_args(args)
     model = Transformer(build_model_args(cfg))
-    report = _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
+    report = mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
     experts = [m for m in model.modules() if isinstance(m, MXGroupedExperts)]
     assert len(experts) == model.args.n_layers
-    assert {m.mx_config.expert_gemm for m in experts} == {"hp"}
+    assert {m.recipe.expert_gemm for m in experts} == {"hp"}
     assert not any(isinstance(m, MXLinear) for m in model.modules())
     assert sum(isinstance(m, nn.Linear) for m in model.modules()) >= 12
     assert report.converted["Linear"] == [] and "expert_gemm=hp" in report.summary()
@@ -284,12 +285,12 @@ def test_mx_cast_kernel_choices_reach_every_converted_module():
     from mxmoe.models import Transformer
     from mxmoe.recipe import recipe
     from mxmoe.train.parallel import make_parallel_dims
-    from mxmoe.train.trainer import _mx_convert, build_model_args
+    from mxmoe.train.trainer import build_model_args, mx_convert
 
     cfg = parse_args(["--config", "configs/debug_moe.toml", "--mx.mxfp8_dim0_cast_kernel_choice=triton",
                       "--mx.mxfp8_dim1_cast_kernel_choice=torch"])
     model = Transformer(build_model_args(cfg))
-    _mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
-    recipes = {m.mx_config for m in model.modules() if hasattr(m, "mx_config")}
+    mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
+    recipes = {m.recipe for m in model.modules() if hasattr(m, "recipe")}
     base = recipe(cfg.mx.recipe_name)
     assert recipes == {dataclasses.replace(base, dim0_kernel="triton", dim1_kernel="torch")}

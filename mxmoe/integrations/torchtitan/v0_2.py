@@ -103,18 +103,18 @@ class MXGroupedExperts(GroupedExperts):
     parallelism's padding) give zeros. Made by `MXMoEConverter` (a class swap: same parameters).
     """
 
-    mx_config: MXRecipe = DEFAULT_RECIPE
+    recipe: MXRecipe = DEFAULT_RECIPE
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         w1, w2, w3 = (_local(w).bfloat16() for w in (self.w1, self.w2, self.w3))
         offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         xb = x.bfloat16()
-        g, u = mx_grouped_mm_shared(xb, (w1.transpose(-2, -1), w3.transpose(-2, -1)), offs, self.mx_config)
-        out = mx_grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs, self.mx_config)
+        g, u = mx_grouped_mm_shared(xb, (w1.transpose(-2, -1), w3.transpose(-2, -1)), offs, self.recipe)
+        out = mx_grouped_mm(F.silu(g) * u, w2.transpose(-2, -1), offs, self.recipe)
         return out.type_as(x)
 
     def extra_repr(self) -> str:
-        c = self.mx_config
+        c = self.recipe
         return f"num_experts={self.num_experts}, mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}"
 
 
@@ -129,13 +129,13 @@ class MXMoEConverter:
         tp = int(getattr(parallel_dims, "tp", 1) or 1)
         if tp > 1:
             raise tensor_parallel_error("model.converters mxmoe", tp)
-        self.mx_config = self.options.to_mx_config()
-        self.recipe = self.mx_config.to_recipe()  # bad options fail here, naming the option
+        self.convert_options = self.options.to_mx_config()
+        self.recipe = self.convert_options.to_recipe()  # bad options fail here, naming the option
 
     def convert(self, model: nn.Module) -> None:
         """Swap the Linear layers and the experts of `model` in place (on the meta device before
         parallelization, as torchtitan calls it); logs what it did."""
-        mxmoe.convert(model, self.mx_config)
+        mxmoe.convert(model, self.convert_options)
         r, bs = self.recipe, self.recipe.block_size
         converted, skipped = [], []
         for fqn, mod in model.named_modules():
@@ -143,7 +143,7 @@ class MXMoEConverter:
                 if isinstance(mod, GroupedExperts) and not isinstance(mod, MXGroupedExperts):
                     skipped.append(f"{fqn} ({type(mod).__name__}: not torchtitan's SwiGLU experts)")
                 continue
-            hit = next((f for f in self.mx_config.filter_fqns if f in fqn), None)
+            hit = next((f for f in self.convert_options.filter_fqns if f in fqn), None)
             hidden, dim = mod.w1.shape[1], mod.w1.shape[2]
             if hit is not None:
                 skipped.append(f"{fqn} (filter_fqns {hit!r})")
@@ -151,7 +151,7 @@ class MXMoEConverter:
                 skipped.append(f"{fqn} (dim {dim}, hidden {hidden} not divisible by {bs})")
             else:
                 mod.__class__ = MXGroupedExperts  # same module, parameters and hooks
-                mod.mx_config = r
+                mod.recipe = r
                 converted.append(fqn)
         logger.info(
             "mxmoe: %d GroupedExperts -> MXGroupedExperts (recipe %s); skipped: %s",

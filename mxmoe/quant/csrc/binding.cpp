@@ -77,8 +77,8 @@ struct ElemConstants {
 };
 
 // Check messages are built here into one std::string. c10::str of integer, shape or device
-// arguments segfaulted inside this extension when a check failed (torch 2.11 image on the H200,
-// 2026-11-30), while std::string messages were raised as clean Python errors.
+// arguments segfaulted inside this extension when a check failed (torch 2.11), while std::string
+// messages were raised as clean Python errors.
 void append(std::string& o, const char* v) { o += v; }
 void append(std::string& o, const std::string& v) { o += v; }
 void append(std::string& o, int64_t v) { o += std::to_string(v); }

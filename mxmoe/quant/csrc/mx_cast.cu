@@ -1015,9 +1015,8 @@ __device__ __forceinline__ void swiglu_bwd_vec(uint4& dh, const uint4& g, uint4&
 // no group load as zeros and store +0 in both outputs (the Triton rows kernel's).
 // RL = 2 (16 rows per thread) for one direction: 128 / 96 registers (bf16 / fp32 in, ptxas sm_90),
 // two CTAs (16 warps) per SM. FUSED: RL = 8 for bf16 (4 rows per thread; 72 registers, SWIGLU too,
-// three CTAs per SM; against RL = 4 (123-128 registers, two CTAs) the H200 ran SWIGLU 6-10 % and
-// the plain cast 0-2 % faster; RL = 2 needs 230) and RL = 4 for fp32 (74 registers, SWIGLU 84;
-// 7-14 % faster than RL = 2). No variant spills.
+// three CTAs per SM, faster than RL = 4 at 123-128 registers and two CTAs; RL = 2 needs 230) and
+// RL = 4 for fp32 (74 registers, SWIGLU 84; faster than RL = 2). No variant spills.
 // SWIGLU (with FUSED: swiglu_qdq_dim0_dim1): x is g and xu is u (same layout); the thread loads its
 // NR vectors of both and forms h = silu(g) * u (swiglu_vec) before the casts, so h is never in memory.
 // The rows of the 32-row block of warp unit `unit` (see qdq_dim1_kernel; ncc units per row block):
@@ -1566,7 +1565,7 @@ cudaError_t launch_swiglu_bwd_qdq(const void* dh, const void* g, const void* u, 
                                   cudaStream_t st) {
   // lanes per column: fp32 as the SWIGLU variant (NR = 8 rows per thread), bf16 8 (NR = 4; at 4 its
   // three inputs' vectors and dg, du spill ~120 bytes at 128 registers); bf16 at three CTAs per SM
-  // (the kernel's bounds: 80 registers, 24 bytes spilled), 8-9 % faster on the H200 than two (92)
+  // (the kernel's bounds: 80 registers, 24 bytes spilled), faster than two (92 registers)
   constexpr int RL = IN == MX_BF16 ? 8 : 4;
   const DimUnits<IN, RL> d(B, R, C, gr);
   if (d.ctas > INT_MAX) return cudaErrorInvalidValue;
