@@ -112,7 +112,7 @@ def test_seed_flags_in_toml_with_command_line_overrides(tmp_path):
     assert cfg.model.converters == ["mx"]
     assert (cfg.mx.recipe_name, cfg.mx.mxfp8_dim1_cast_kernel_choice) == ("mxfp8", "cuda")
     assert cfg.mx.filter_fqns == ["output", "router"]
-    assert (cfg.mx.mxfp8_dim0_cast_kernel_choice, cfg.mx.gemm_backend) == ("auto", "emulated")  # defaults
+    assert (cfg.mx.mxfp8_dim0_cast_kernel_choice, cfg.mx.gemm_backend) == ("auto", "auto")  # defaults
     # the command line wins over the file (torchtitan's precedence)
     cfg = ConfigManager().parse_args(
         ["--job.config_file", str(toml), "--mx.recipe_name", "mxfp8_rceil", "--mx.filter_fqns", "output"]

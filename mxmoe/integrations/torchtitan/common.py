@@ -104,14 +104,14 @@ def mx_recipe(
     mxfp8_dim1_cast_kernel_choice: str = "auto",
     mxfp8_dim0_cast_kernel_choice: str = "auto",
     gemm_dtype: str = "auto",
-    gemm_backend: str = "emulated",
+    gemm_backend: str = "auto",
 ) -> MXRecipe:
     """The MXRecipe named by torchtitan-style options (strings, as they come from a CLI or config).
 
     recipe_name: "mxfp8_rceil" (RCEIL scales, the default) | "mxfp8" (FLOOR scales, OCP).
     mxfp8_dim1_cast_kernel_choice / mxfp8_dim0_cast_kernel_choice: "auto" | "torch" | "triton" | "cuda".
     gemm_dtype: operand dtype of the emulated GEMM, "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" |
-    "float32". gemm_backend: a name in mxmoe.recipe.GEMM_BACKENDS ("emulated" default).
+    "float32". gemm_backend: a name in mxmoe.recipe.GEMM_BACKENDS ("auto" default).
     Raises ValueError naming the option for anything else (`mxmoe.MXConfig.to_recipe`).
     """
     return MXConfig(

@@ -63,9 +63,10 @@ class MX:
     are not a multiple of 32 anyway) and the attention projections (most of MX's deviation from
     bf16 for a small share of a MoE model's FLOPs; docs/torchtitan.md). "output,router" converts
     attention too."""
-    gemm_backend: str = "emulated"
-    """GEMM on MX operands, a name in mxmoe.recipe.GEMM_BACKENDS ("emulated": exactly dequantized
-    operands, bf16 GEMM with fp32 accumulation on CUDA, fp32 on CPU)."""
+    gemm_backend: str = "auto"
+    """GEMM on MX operands, a name in mxmoe.recipe.GEMM_BACKENDS ("auto", the default: torch's
+    native MX GEMMs on Blackwell, else "emulated": exactly dequantized operands, bf16 GEMM with fp32
+    accumulation on CUDA, fp32 on CPU)."""
     gemm_dtype: str = "auto"
     """Operand dtype of the emulated GEMM: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32"."""
 
