@@ -77,13 +77,14 @@ def test_recipe_from_options_is_every_front_end():
     from mxmoe.nn import MXConfig
 
     assert recipe_from_options() == DEFAULT_RECIPE == MXConfig().to_recipe() == mx_recipe()
-    r = recipe_from_options("mxfp8", "cuda", "triton", "fp8", "float32")
+    r = recipe_from_options("mxfp8", "cuda", "triton", "emulated", "float32", "hp")
     assert r == MXRecipe(
         scaling_mode="floor",
         dim1_kernel="cuda",
         dim0_kernel="triton",
-        gemm_backend="fp8",
+        gemm_backend="emulated",
         gemm_dtype=torch.float32,
+        expert_gemm="hp",
     )
     opts = dict(
         recipe_name="mxfp8", mxfp8_dim1_cast_kernel_choice="cuda", mxfp8_dim0_cast_kernel_choice="torch"
@@ -99,7 +100,8 @@ def test_recipe_from_options_is_every_front_end():
         ({"recipe_name": "nvfp4"}, "mx.recipe_name='nvfp4' is not an MX recipe; expected one of"),
         ({"mxfp8_dim1_cast_kernel_choice": "cudnn"}, "mxfp8_dim1_cast_kernel_choice='cudnn' is not a"),
         ({"mxfp8_dim0_cast_kernel_choice": "x"}, "mx.mxfp8_dim0_cast_kernel_choice='x' is not a cast kernel"),
-        ({"gemm_backend": "cublas"}, "mx.gemm_backend='cublas' is not a GEMM backend"),
+        ({"gemm_backend": "cublas"}, "mx.gemm_backend='cublas': not a GEMM backend; expected one of"),
+        ({"expert_gemm": "bf16"}, r"mx.expert_gemm='bf16': expected one of \['mx', 'hp'\]"),
         ({"gemm_dtype": "float16"}, r"mx.gemm_dtype='float16' is not supported; expected one of \['auto'"),
     ],
 )

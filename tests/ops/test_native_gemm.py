@@ -147,8 +147,8 @@ def test_emulated_gemm_takes_both_layouts():
     """The emulated mx_gemm gives the same bits for plain and blocked operands (dense, 2D x 3D)."""
     cfg = MXRecipe(gemm_backend="emulated")
     a, b = torch.randn(100, 64), torch.randn(64, 96)
-    ref = mx_gemm(to_mx(a), to_mx(b, 0), config=cfg)
-    got = mx_gemm(to_mx(a, scale_layout="blocked"), to_mx(b, 0, scale_layout="blocked"), config=cfg)
+    ref = mx_gemm(to_mx(a), to_mx(b, 0), recipe=cfg)
+    got = mx_gemm(to_mx(a, scale_layout="blocked"), to_mx(b, 0, scale_layout="blocked"), recipe=cfg)
     assert torch.equal(got, ref)
     w = torch.randn(3, 96, 64)
     offs = torch.tensor([10, 10, 100], dtype=torch.int32)
