@@ -26,7 +26,7 @@ torch on every device, from `training.seed`. The data order has its own seeded g
 All of it is restored on exit (runs in one process, such as tests, do not leak it).
 
 Deterministic by construction, in every run:
-  - the MoE token path (`mxmoe.models.expert_parallel.routed_experts`): tokens reach the experts
+  - the MoE token path (`mxmoe.models.routing.routed_experts`): tokens reach the experts
     and come back by permutation gathers (whose backward adds one row into each zero row) and each
     token's top-k rows are summed by a reduction in a fixed order, not by index_add; the per-expert
     counts are int64 scatter-adds, and integer sums are exact in any order;
