@@ -10,6 +10,9 @@
 - Helpers shared by several packages' tests: `free_port`, `spawn_ranks` (gloo process groups in
   spawned processes) and `assert_same_bits`, as plain functions (usable inside spawned workers via
   `from conftest import ...`) and as fixtures of the same names.
+- `--torchtitan02 DIR` (`make test` passes the folder it installs torchtitan 0.2.2 into): the 0.2
+  adapter's tests run, inside the suite, in a pytest process of their own with DIR first on
+  PYTHONPATH (one process cannot import two torchtitan versions).
 - `mx_cast_sm90`: csrc/mx_cast.cu compiled once per session for sm_90 with nvcc (no GPU needed),
   what every test of the build's PTX, registers and spills reads (one build for all xdist workers).
 """
@@ -31,6 +34,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--torchtitan02",
+        metavar="DIR",
+        default=None,
+        help="a folder holding torchtitan 0.2.x (pip install --target): the suite then also runs "
+        "tests/integrations/test_torchtitan_v0_2.py with it first on PYTHONPATH, in a process of its own",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
