@@ -1,7 +1,8 @@
 """Shared test set-up and helpers.
 
 - On a machine without a GPU, Triton kernels run through its interpreter (TRITON_INTERPRET must be
-  set before any `@triton.jit` runs, i.e. before the kernel modules are imported).
+  set before any `@triton.jit` runs, i.e. before the kernel modules are imported), and Inductor
+  compiles without a pool of worker processes (TORCHINDUCTOR_COMPILE_THREADS=1).
 - GPU-only tests carry `@pytest.mark.gpu` and are skipped without a CUDA GPU; select them with
   `pytest -m gpu`, or a package with `pytest tests/<package>` (scripts/gpu/suite.sh runs them in parts).
 - Tests that run Triton kernels on CPU tensors through the interpreter carry
@@ -32,6 +33,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Inductor compiles in the calling process: a pool of compile workers per test process (xdist
+    # workers, spawned ranks) costs their start-up and buys nothing on a CPU host's few busy cores
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 HAS_CUDA = torch.cuda.is_available()
 
