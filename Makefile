@@ -1,4 +1,4 @@
-# mxmoe: `make test` (the whole suite on CPU, then the torchtitan 0.2 adapter's tests),
+# mxmoe: `make test` (the whole suite on CPU, the torchtitan 0.2 adapter's tests included),
 # `make train` (a short MX training run on CPU).
 PY ?= python3
 VENV := .venv
@@ -33,11 +33,12 @@ $(TT02_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps --no-compile --upgrade --target $(TT02) torchtitan==0.2.2
 	touch $@
 
-# two pytest workers (pytest-xdist): the suite's processes are mostly single-threaded
+# two pytest workers (pytest-xdist): the suite's processes are mostly single-threaded. The suite
+# checks the CUDA build too (tests/quant/test_cuda_cast.py: nvcc of mx_cast.cu for sm_90, once per
+# run, and binding.cpp against torch's headers), what scripts/check_cuda_build.sh does alone, and,
+# given --torchtitan02, the 0.2 adapter's tests in a process of their own with $(TT02) on PYTHONPATH.
 test: $(STAMP) $(TT02_STAMP) lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2
-	PYTHONPATH=$(TT02) $(BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/test_torchtitan_v0_2.py
-	PYTHON=$(BIN)/python ./scripts/check_cuda_build.sh
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --torchtitan02=$(TT02)
 
 train: $(STAMP)
 	$(BIN)/mxmoe train --config configs/debug_moe.toml

@@ -1,7 +1,8 @@
 """Shared test set-up and helpers.
 
 - On a machine without a GPU, Triton kernels run through its interpreter (TRITON_INTERPRET must be
-  set before any `@triton.jit` runs, i.e. before the kernel modules are imported).
+  set before any `@triton.jit` runs, i.e. before the kernel modules are imported), and Inductor
+  compiles without a pool of worker processes (TORCHINDUCTOR_COMPILE_THREADS=1).
 - GPU-only tests carry `@pytest.mark.gpu` and are skipped without a CUDA GPU; select them with
   `pytest -m gpu`, or a package with `pytest tests/<package>` (scripts/gpu/suite.sh runs them in parts).
 - Tests that run Triton kernels on CPU tensors through the interpreter carry
@@ -10,6 +11,9 @@
 - Helpers shared by several packages' tests: `free_port`, `spawn_ranks` (gloo process groups in
   spawned processes) and `assert_same_bits`, as plain functions (usable inside spawned workers via
   `from conftest import ...`) and as fixtures of the same names.
+- `--torchtitan02 DIR` (`make test` passes the folder it installs torchtitan 0.2.2 into): the 0.2
+  adapter's tests run, inside the suite, in a pytest process of their own with DIR first on
+  PYTHONPATH (one process cannot import two torchtitan versions).
 - `mx_cast_sm90`: csrc/mx_cast.cu compiled once per session for sm_90 with nvcc (no GPU needed),
   what every test of the build's PTX, registers and spills reads (one build for all xdist workers).
 """
@@ -29,8 +33,21 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Inductor compiles in the calling process: a pool of compile workers per test process (xdist
+    # workers, spawned ranks) costs their start-up and buys nothing on a CPU host's few busy cores
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--torchtitan02",
+        metavar="DIR",
+        default=None,
+        help="a folder holding torchtitan 0.2.x (pip install --target): the suite then also runs "
+        "tests/integrations/test_torchtitan_v0_2.py with it first on PYTHONPATH, in a process of its own",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
 // MX casts on CUDA (docs/mx-format.md): host launchers with a plain C-like interface.
 //
-// No torch headers here or in mx_cast.cu: scripts/check_cuda_build.sh compiles mx_cast.cu alone.
+// No torch headers here or in mx_cast.cu: the CPU suite (and scripts/check_cuda_build.sh) compiles
+// mx_cast.cu alone.
 // All tensors are raw device pointers to contiguous row-major data (mx_zero_rows_after: any row
 // stride); every launcher enqueues on the stream given as an integer handle
 // (torch.cuda.current_stream().cuda_stream) and returns the error of its launch(es) (cudaSuccess,
