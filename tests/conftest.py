@@ -90,6 +90,25 @@ def _rank_main(fn, *args) -> None:
     os._exit(code)
 
 
+def trainer_rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
+    """A `spawn_ranks` target: `mxmoe train argv` as rank `rank` of `world` (gloo rendezvous on
+    127.0.0.1:port, one intra-op thread); its exit status is written to out/rc{rank}."""
+    import torch
+
+    from mxmoe.train import trainer
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    rc = trainer.main(argv)
+    Path(out, f"rc{rank}").write_text(str(rc))
+
+
 def spawn_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> None:
     """Run fn(rank, world, port, *args) in `world` spawned processes and wait at most `timeout_s`.
 

@@ -72,7 +72,7 @@ class MXGroupedExperts(GroupedExperts):
                 raise ValueError(f"x must be a 2D MXTensor blocked along dim (axis=1), got {x!r}")
             rows = x.dequantize(kernel=cfg.dim0_kernel)  # exact: the rows' orig dtype holds Q(x)
             if x.grad_anchor is not None:  # the dispatch sends this gradient back in high precision
-                rows = _Through.apply(x.grad_anchor, rows)
+                rows = RowsFromAnchor.apply(x.grad_anchor, rows)
             return super().forward(rows, num_tokens_per_expert)
         x = autocast_input(x)  # rounded in the dtype the EP dispatch sends (the autocast dtype)
         y = super().forward(_RoundRows.apply(x, cfg), num_tokens_per_expert)
@@ -87,8 +87,10 @@ class MXGroupedExperts(GroupedExperts):
         )
 
 
-class _Through(torch.autograd.Function):
-    """`rows` (an MXTensor's dequantized value) as a function of its grad anchor: identity gradient."""
+class RowsFromAnchor(torch.autograd.Function):
+    """`rows` (an MXTensor's dequantized value, e.g. the MXFP8 dispatch's) as a function of its grad
+    anchor, identity gradient: `RowsFromAnchor.apply(anchor, rows)` sends the rows' gradient back
+    through the dispatch in high precision."""
 
     @staticmethod
     def forward(ctx, anchor: Tensor, rows: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import spawn_ranks
+from conftest import spawn_ranks, trainer_rank
 
 from mxmoe.train import determinism, trainer
 
@@ -108,16 +108,6 @@ def test_seed_everything_seeds_python_numpy_and_torch():
     assert draw() != first
 
 
-def _worker(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
-    Path(out, f"rc{rank}").write_text(str(trainer.main(argv)))
 
 
 def test_two_expert_parallel_runs_give_the_same_loss_bits(tmp_path):
@@ -132,7 +122,7 @@ def test_two_expert_parallel_runs_give_the_same_loss_bits(tmp_path):
             "--training.val_interval=3",
             f"--metrics.folder={run}",
         ]
-        spawn_ranks(_worker, 2, argv, str(run))
+        spawn_ranks(trainer_rank, 2, argv, str(run))
         assert [(run / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
     a, b = bits(runs[0]), bits(runs[1])
     assert [x[0] for x in a] == [1, 2, 3] and len(a[-1]) == 1 + len(KEYS)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import spawn_ranks
+from conftest import spawn_ranks, trainer_rank
 
 from mxmoe.train import trainer
 from mxmoe.train.checkpoint import Checkpointer, CheckpointError
@@ -136,17 +136,6 @@ def test_tensor_parallel_with_mx_is_refused_by_the_converter(tmp_path, capsys):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def _worker(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
-    rc = trainer.main(argv)
-    Path(out, f"rc{rank}").write_text(str(rc))
 
 
 def test_two_process_fsdp_ep_mx_matches_one_process(tmp_path):
@@ -158,7 +147,7 @@ def test_two_process_fsdp_ep_mx_matches_one_process(tmp_path):
         f"--metrics.folder={dist_run}",
         f"--checkpoint.folder={dist_run}/ckpt",
     ]
-    spawn_ranks(_worker, 2, argv, str(tmp_path))
+    spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
     assert trainer.main(common + ["--training.batch_size=4", f"--metrics.folder={one_run}"]) == 0
     d, o = losses(dist_run), losses(one_run)
@@ -195,7 +184,7 @@ def test_two_process_ep_exchange_only_matches_one_process(tmp_path):
                           "--parallelism.timeout_s=60"]
     dist_run, one_run = tmp_path / "ep2", tmp_path / "one"
     argv = common + ["--parallelism.expert_parallel_degree=2", f"--metrics.folder={dist_run}"]
-    spawn_ranks(_worker, 2, argv, str(tmp_path))
+    spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
     assert trainer.main(common + ["--training.batch_size=4", f"--metrics.folder={one_run}"]) == 0
     d, o = losses(dist_run), losses(one_run)
@@ -227,7 +216,7 @@ def test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint(tmp_pa
         f"--metrics.folder={ep_run}",
         f"--checkpoint.folder={ep_run}/ckpt",
     ]
-    spawn_ranks(_worker, 2, argv, str(tmp_path))
+    spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
     o, d = losses(one_run), losses(ep_run)
     assert sorted(d) == [2]
@@ -296,7 +285,7 @@ def test_two_process_fsdp_compiled_mx_matches_one_process_eager(tmp_path):
     common = TINY + MX + ["--training.steps=2", "--training.val_interval=2", "--training.val_batches=1"]
     fsdp_run, one_run = tmp_path / "fsdp", tmp_path / "one"
     argv = common + ["--parallelism.timeout_s=60", "--training.compile=true", f"--metrics.folder={fsdp_run}"]
-    spawn_ranks(_worker, 2, argv, str(tmp_path))
+    spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
     assert trainer.main(common + ["--training.batch_size=4", f"--metrics.folder={one_run}"]) == 0
     runs = []
@@ -325,14 +314,14 @@ def test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly(tm
     full, part = tmp_path / "full", tmp_path / "part"
     argv = common + [f"--metrics.folder={full}", f"--checkpoint.folder={full}/ckpt"]
     argv += ["--checkpoint.interval=2"]
-    spawn_ranks(_worker, 2, argv, str(tmp_path))
+    spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
     ref = losses(full)
     assert sorted(ref) == [1, 2, 3, 4]
     (part / "ckpt").mkdir(parents=True)
     shutil.copytree(full / "ckpt" / "step-00000002", part / "ckpt" / "step-00000002")
     argv = common + [f"--metrics.folder={part}", f"--checkpoint.folder={part}/ckpt"]
-    spawn_ranks(_worker, 2, argv, str(tmp_path))
+    spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
     got = losses(part)
     assert sorted(got) == [3, 4]

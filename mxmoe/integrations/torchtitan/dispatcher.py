@@ -30,25 +30,13 @@ from torchtitan.protocols.model import ModelConfigConverter
 
 from mxmoe.comm import a2a_combine, a2a_dispatch_mxfp8
 from mxmoe.integrations.torchtitan.converters import takes_mx_rows
+from mxmoe.nn.mx_experts import RowsFromAnchor
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import CAST_KERNELS
 
 log = logging.getLogger("mxmoe")
 
 TRANSPORTS = ("auto", "symm", "nccl")
-
-
-class _DequantizedRows(torch.autograd.Function):
-    """rows (dequantized MXFP8 dispatch) as a differentiable function of `anchor` (identity
-    gradient): the dispatch's backward exchanges the gradient in high precision."""
-
-    @staticmethod
-    def forward(ctx, anchor: Tensor, rows: Tensor) -> Tensor:
-        return rows
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
 
 
 def _check_choices(kernel: str, transport: str) -> None:
@@ -106,7 +94,7 @@ class MXFP8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
         if self.mx_rows and routed_input_ND.dtype == torch.bfloat16:
             return mx  # (R, D) MXTensor blocked along D; gradient through mx.grad_anchor
         rows = mx.dequantize(kernel=self.kernel)
-        return _DequantizedRows.apply(mx.grad_anchor, rows)
+        return RowsFromAnchor.apply(mx.grad_anchor, rows)
 
     def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
         if not isinstance(routed_input_RD, MXTensor):
