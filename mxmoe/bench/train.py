@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from mxmoe.bench import timing
 from mxmoe.cli import comma_list, positive_int
+from mxmoe.train import determinism
 
 MODES = ("eager", "compile", "compile_full", "reduce_overhead", "graph", "compile_full+graph")
 VARIANTS = ("bf16", "mx")
@@ -208,6 +209,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         "graph_breaks": sum(dynamo["graph_break"].values()),
         "graphs_timed": dynamo["stats"]["unique_graphs"] - graphs_warm,
         "loss": float(ce.detach()),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),  # --training.deterministic
         "converted": report.summary() if report is not None else "",
         **prof,
     }
@@ -297,21 +299,23 @@ def run(cfg, args, rest: list[str] | tuple[str, ...] = ()) -> list[dict]:
     modes = args.modes or (list(MODES) if device.type == "cuda" else ["eager"])
     rows = []
     try:
-        for mode in modes:
-            for variant in args.variants:
-                try:
-                    if fresh:
-                        row = _row_in_subprocess(list(rest), variant, mode, args)
-                    else:
-                        row = _one(cfg, variant, mode, device, args)
-                except Exception as e:  # reported in the table; the other modes still run
-                    row = {"variant": variant, "mode": mode, "error": f"{type(e).__name__}: {e}"[:200]}
-                rows.append(row)
-                if not fresh:
-                    gc.collect()
-                    torch._dynamo.reset()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+        # --training.deterministic=true times the trainer's deterministic mode (each child enters it)
+        with determinism.deterministic_mode(cfg.training.deterministic and not fresh):
+            for mode in modes:
+                for variant in args.variants:
+                    try:
+                        if fresh:
+                            row = _row_in_subprocess(list(rest), variant, mode, args)
+                        else:
+                            row = _one(cfg, variant, mode, device, args)
+                    except Exception as e:  # reported in the table; the other modes still run
+                        row = {"variant": variant, "mode": mode, "error": f"{type(e).__name__}: {e}"[:200]}
+                    rows.append(row)
+                    if not fresh:
+                        gc.collect()
+                        torch._dynamo.reset()
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
     finally:
         if own_pg:
             import torch.distributed as dist
@@ -347,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "graph_breaks",
         "graphs_timed",
         "loss",
+        "deterministic",
         "error",
     )
     table = [{k: r.get(k, "") for k in keys if any(k in q for q in rows)} for r in rows]

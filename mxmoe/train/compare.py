@@ -599,10 +599,12 @@ def main(argv: list[str] | None = None) -> int:
             if not Path(args.config).is_file():
                 raise ValueError(f"--config {args.config!r}: file not found")
             _check_own("arguments after `--`", extra)
-            jobs = []
             for name, vargs in args.variant:
                 _check_own(f"--variant {name}", vargs)
-                for seed in args.seeds:
+            # seed-major: a compare stopped early (time limit) leaves whole seeds, every variant paired
+            jobs = []
+            for seed in args.seeds:
+                for name, vargs in args.variant:
                     folder = out / "runs" / name / f"seed{seed}"
                     run_argv = _run_argv(
                         args.config, args.steps, args.deterministic, vargs, extra, seed, folder
@@ -616,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = [run_summary(n, s, f, args.tail_steps) for n, s, _, f in jobs if status[(n, s)] == DONE]
             if not runs:
                 raise RuntimeError(f"no run finished: {'; '.join(failed)}")
-        baseline = args.baseline or runs[0].variant
+        baseline = args.baseline or (names[0] if names else runs[0].variant)
         analyse(runs, baseline, out, args.tail_steps, command, args.smooth)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"mxmoe compare: error: {e}", file=sys.stderr)

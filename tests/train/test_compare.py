@@ -213,7 +213,8 @@ def test_compare_runs_two_variants_by_two_seeds_on_cpu(tmp_path, monkeypatch, ca
     argv += ["--parallel", "2", "--", *TINY]
     assert compare.main(argv) == 0
     report = json.loads((out / "compare.json").read_text())
-    assert [(r["variant"], r["seed"]) for r in report["runs"]] == [("hp", 0), ("hp", 1), ("mx", 0), ("mx", 1)]
+    order = [(r["variant"], r["seed"]) for r in report["runs"]]
+    assert order == [("hp", 0), ("mx", 0), ("hp", 1), ("mx", 1)]  # seed-major
     for r in report["runs"]:
         folder = out / "runs" / r["variant"] / f"seed{r['seed']}"
         recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
