@@ -205,15 +205,8 @@ def lm_loss(
     return ce, aux
 
 
-def _train(run: Run, stop: _Stop, run_id: str) -> int:
-    """The loop over the steps of `run`: forward + backward, gradient reduction and clipping,
-    optimizer and LR steps; metrics records, validation and checkpoints at their intervals."""
-    cfg, model, optimizer, scheduler = run.cfg, run.model, run.optimizer, run.scheduler
-    rank, world, device, distributed = run.rank, run.world, run.device, run.distributed
-    t = cfg.training
-    train_ds, val_ds, sampler, ckpt = run.train_ds, run.val_ds, run.sampler, run.ckpt
-    step = run.step
-
+def _log_run(run: Run, run_id: str) -> None:
+    cfg = run.cfg
     total, active = run.margs.num_params()
     log.info("run %s, metrics in %s", run_id, cfg.metrics.folder)
     log.info(
@@ -222,61 +215,105 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
         cfg.model.name,
         total / 1e6,
         active / 1e6,
-        precision(model, cfg) if "mx" in cfg.model.converters else "high precision",
-        device,
-        world,
+        precision(run.model, cfg) if "mx" in cfg.model.converters else "high precision",
+        run.device,
+        run.world,
         run.pd.ep,
-        len(train_ds),
-        len(val_ds) if val_ds else 0,
+        len(run.train_ds),
+        len(run.val_ds) if run.val_ds else 0,
     )
+
+
+class _TrainStep:
+    """Forward + backward of one batch, `(ce, aux) = step(x, y)`; with training.cuda_graph, captured
+    on the first batch as one CUDA graph (static shapes from then on) and replayed."""
+
+    def __init__(self, run: Run):
+        self.run, self.graphed = run, None
+
+    def _loss(self, x, y):
+        ce, aux = lm_loss(self.run.model, x, y, self.run.amp)
+        return ce + self.run.aux_coef * aux, ce, aux
+
+    def __call__(self, x, y):
+        if not self.run.cfg.training.cuda_graph:
+            loss, ce, aux = self._loss(x, y)
+            loss.backward()
+            return ce, aux
+        if self.graphed is None:
+            self.graphed = GraphedStep(self._loss, self.run.model.parameters(), (x, y))
+        _, ce, aux = self.graphed(x, y)
+        return ce, aux
+
+
+class _Validation:
+    """The validation sample (val_batches x batch_size x world windows spread over the whole set)
+    and its mean cross-entropy per token over all ranks: `loss = validation()`."""
+
+    def __init__(self, run: Run):
+        t, val_ds = run.cfg.training, run.val_ds
+        self.run = run
+        self.idx = eval_windows(len(val_ds), t.val_batches * t.batch_size * run.world, run.world)
+        self.tokens = self.idx.numel() * t.seq_len
+        log.info(
+            "validation: %d of %d windows (%d tokens%s), spread over the whole validation set",
+            self.idx.numel(),
+            len(val_ds),
+            self.tokens,
+            ", the whole set" if self.idx.numel() == len(val_ds) else "",
+        )
+
+    def __call__(self) -> float:
+        run = self.run
+        run.model.eval()
+        total = torch.zeros(2, device=run.device, dtype=torch.float64)  # (loss x tokens, tokens)
+        with torch.no_grad():
+            for idx in self.idx[run.rank].split(run.cfg.training.batch_size):
+                x, y = (a.to(run.device) for a in run.val_ds.batch(idx))
+                total[0] += lm_loss(run.model, x, y, run.amp)[0].double() * y.numel()
+                total[1] += y.numel()
+        run.model.train()
+        if run.distributed:
+            dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+
+def _diverged(run: Run, step: int, ce: torch.Tensor, norm: float, lr: float) -> TrainingDiverged:
+    local = float(ce.detach())
+    what = "gradient norm" if math.isfinite(local) else f"loss ({local} on rank {run.rank})"
+    last_ckpt = f"; the last checkpoint is {run.ckpt.latest()}" if run.ckpt is not None else ""
+    return TrainingDiverged(
+        f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
+        f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower training.lr "
+        "or training.max_norm, or check the data"
+    )
+
+
+def _stop_requested(run: Run, stop: _Stop) -> bool:
+    """Whether any rank got SIGTERM (every rank learns it, so all stop after the same step)."""
+    requested = stop.requested
+    if run.distributed:
+        flag = torch.tensor([float(requested)], device=run.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        requested = bool(flag.item())
+    return requested
+
+
+def _train(run: Run, stop: _Stop, run_id: str) -> int:
+    """The loop over the steps of `run`: forward + backward, gradient reduction and clipping,
+    optimizer and LR steps; metrics records, validation and checkpoints at their intervals."""
+    cfg, model, optimizer, scheduler = run.cfg, run.model, run.optimizer, run.scheduler
+    rank, world, device, distributed = run.rank, run.world, run.device, run.distributed
+    t, ckpt = cfg.training, run.ckpt
+    step = run.step
+
+    _log_run(run, run_id)
     metrics = MetricsWriter(
         cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, cfg.to_dict(), run_id, start_step=step
     )
     world_group = dist.group.WORLD if distributed else None
-    graphed = None
-
-    def train_step(x, y):
-        """Forward + backward of one batch: (ce, aux)."""
-        nonlocal graphed
-        if not t.cuda_graph:
-            ce, aux = lm_loss(model, x, y, run.amp)
-            (ce + run.aux_coef * aux).backward()
-            return ce, aux
-        if graphed is None:  # captured on the first batch (static shapes from then on)
-
-            def step_fn(xs, ys):
-                ce, aux = lm_loss(model, xs, ys, run.amp)
-                return ce + run.aux_coef * aux, ce, aux
-
-            graphed = GraphedStep(step_fn, model.parameters(), (x, y))
-        _, ce, aux = graphed(x, y)
-        return ce, aux
-
-    # the validation sample: val_batches x batch_size x world windows spread over the whole set
-    val_idx = eval_windows(len(val_ds), t.val_batches * t.batch_size * world, world) if val_ds else None
-    val_sample_tokens = val_idx.numel() * t.seq_len if val_ds else 0
-    if val_ds is not None:
-        log.info(
-            "validation: %d of %d windows (%d tokens%s), spread over the whole validation set",
-            val_idx.numel(),
-            len(val_ds),
-            val_sample_tokens,
-            ", the whole set" if val_idx.numel() == len(val_ds) else "",
-        )
-
-    def validate() -> float:
-        """Mean cross-entropy per token over the validation sample (all ranks)."""
-        model.eval()
-        total = torch.zeros(2, device=device, dtype=torch.float64)  # (loss x tokens, tokens)
-        with torch.no_grad():
-            for idx in val_idx[rank].split(t.batch_size):
-                x, y = (a.to(device) for a in val_ds.batch(idx))
-                total[0] += lm_loss(model, x, y, run.amp)[0].double() * y.numel()
-                total[1] += y.numel()
-        model.train()
-        if distributed:
-            dist.all_reduce(total)
-        return float(total[0] / total[1])
+    train_step = _TrainStep(run)
+    validate = _Validation(run) if run.val_ds is not None else None
 
     def save(at: int) -> None:
         ckpt.save(at, model, optimizer, run.train_state(at))
@@ -307,7 +344,8 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
         with profiling.step_profiler(cfg.profiling, cfg.metrics.folder, rank, device, step + 1) as prof_step:
             while step < t.steps:
                 step += 1
-                x, y = (a.to(device, non_blocking=True) for a in train_ds.batch(sampler.next_indices()))
+                batch = run.train_ds.batch(run.sampler.next_indices())
+                x, y = (a.to(device, non_blocking=True) for a in batch)
                 ce, aux = train_step(x, y)
                 if run.exp_params:
                     parallel.reduce_expert_grads(run.exp_params, run.edp_group, world)
@@ -321,14 +359,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                 )
                 lr = scheduler.get_last_lr()[0]  # the rate this step used (scheduler.step() moves on)
                 if not math.isfinite(norm):  # the same on every rank: all stop here, nothing is saved
-                    local = float(ce.detach())
-                    what = "gradient norm" if math.isfinite(local) else f"loss ({local} on rank {rank})"
-                    last_ckpt = f"; the last checkpoint is {ckpt.latest()}" if ckpt is not None else ""
-                    raise TrainingDiverged(
-                        f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
-                        f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower training.lr "
-                        "or training.max_norm, or check the data"
-                    )
+                    raise _diverged(run, step, ce, norm, lr)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -337,7 +368,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                 loss_sum += torch.stack([ce.detach().float(), aux.detach().float()])
 
                 last = step == t.steps
-                val_step = val_ds is not None and (step % t.val_interval == 0 or last)
+                val_step = validate is not None and (step % t.val_interval == 0 or last)
                 if step % cfg.metrics.log_freq == 0 or last or val_step:
                     # the training loss of a record is the mean over its interval's steps and ranks
                     n = step - last_step
@@ -361,7 +392,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                     }
                     if val_step:
                         record["val_loss"] = val_loss = validate()
-                        record["val_tokens"] = val_sample_tokens
+                        record["val_tokens"] = validate.tokens
                         last_t = time.perf_counter()  # validation time is not training throughput
                     metrics.log(record)
                     if bar is None or "val_loss" in record:
@@ -378,12 +409,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                 if ckpt is not None and ((every and step % every == 0) or last):
                     save(step)
                     saved_at = step
-                requested = stop.requested
-                if distributed:
-                    flag = torch.tensor([float(requested)], device=device)
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                    requested = bool(flag.item())
-                if requested:
+                if _stop_requested(run, stop):
                     if ckpt is not None and saved_at != step:
                         save(step)
                         saved_at = step
