@@ -38,12 +38,10 @@ rows in this process instead (quicker to start; several torchrun ranks always do
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import time
 
 import torch
-import torch.nn.functional as F
 
 from mxmoe.bench import timing
 from mxmoe.cli import comma_list, positive_int
@@ -51,6 +49,14 @@ from mxmoe.train import determinism
 
 MODES = ("eager", "compile", "compile_full", "reduce_overhead", "graph", "compile_full+graph")
 VARIANTS = ("bf16", "mx")
+_COMPILE = {  # mode -> build_model(compile=...)
+    "eager": None,
+    "compile": "blocks",
+    "compile_full": "full",
+    "reduce_overhead": "reduce_overhead",
+    "graph": None,
+    "compile_full+graph": "full",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,47 +118,31 @@ def _tokens(cfg, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
     """Build, warm up and time one variant in one mode."""
-    from mxmoe.models import GraphedStep, Transformer
+    from mxmoe.models import GraphedStep
     from mxmoe.train import parallel
-    from mxmoe.train.data import VOCAB_SIZE
-    from mxmoe.train.trainer import (
-        build_model_args,
-        build_optimizer,
-        compile_submodules,
-        memory_gib,
-        mx_convert,
-    )
+    from mxmoe.train.build import autocast, aux_loss_weight, build_model, build_optimizer
+    from mxmoe.train.trainer import lm_loss, memory_gib
 
-    t = cfg.training
     graph = "graph" in mode
     if (graph or mode == "reduce_overhead") and device.type != "cuda":
         raise RuntimeError("CUDA graphs need a CUDA device")
-    margs = build_model_args(cfg)
-    torch.manual_seed(t.seed)
-    with torch.device(device):
-        model = Transformer(margs)
-    report = None
-    if variant == "mx":
-        report = mx_convert(model, cfg, parallel.make_parallel_dims(1, -1, 1, 1))
-    if mode == "compile":
-        compile_submodules(model, backend=args.compile_backend)
-    elif mode.startswith("compile_full"):
-        model.compile(fullgraph=True, backend=args.compile_backend)
-    elif mode == "reduce_overhead":
-        model.compile(fullgraph=True, backend=args.compile_backend, mode="reduce-overhead")
-    opt = build_optimizer(model, cfg, distributed=False)
-    amp = (
-        torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not (graph or mode == "reduce_overhead"))
-        if device.type == "cuda" and t.mixed_precision == "bf16"
-        else contextlib.nullcontext()
+    # the trainer's model (one process: no expert parallelism, no FSDP), bf16 or converted
+    model = build_model(
+        cfg,
+        device,
+        parallel.make_parallel_dims(1, -1, 1, 1),
+        mx=variant == "mx",
+        compile=_COMPILE[mode],
+        backend=args.compile_backend,
     )
-    aux_coef = margs.aux_loss_coef if margs.load_balance == "aux_loss" else 0.0
+    report = model.mx_conversion if variant == "mx" else None
+    opt = build_optimizer(model, cfg, distributed=False)
+    amp = autocast(cfg, device, cache_enabled=not (graph or mode == "reduce_overhead"))
+    aux_coef = aux_loss_weight(model.args)
     x, y = _tokens(cfg, device)
 
     def step_fn(xs, ys):
-        with amp:
-            logits, aux = model(xs)
-        ce = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), ys.reshape(-1))
+        ce, aux = lm_loss(model, xs, ys, amp)
         return ce + aux_coef * aux, ce
 
     graphed = None
@@ -198,7 +188,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
     return {
         "variant": variant,
         "mode": mode,
-        "tokens_per_s": t.batch_size * t.seq_len / dt,
+        "tokens_per_s": cfg.training.batch_size * cfg.training.seq_len / dt,
         "step_ms": dt * 1e3,
         "host_ms": sorted(host)[1] * 1e3,
         "peak_mem_gib": memory_gib(device),

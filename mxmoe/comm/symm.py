@@ -7,8 +7,9 @@ itself the send: its stores go over NVLink into the receiving GPU's buffer, so t
 bytes cross the link once, at the rate of the link, with no staging copy and no NCCL kernel; the own
 rows and the dequantize of tiles that have landed use HBM and CUDA cores while stores are in flight.
 
-Layout. Every rank has a workspace (torch symmetric memory, one per process group and device, size
-MXMOE_SYMM_WORKSPACE_MB, default 1024; zeroed when made) of two halves used by alternate exchanges.
+Layout (the arithmetic: `mxmoe.comm.symm_layout`). Every rank has a workspace (torch symmetric
+memory, one per process group and device, size MXMOE_SYMM_WORKSPACE_MB, default 1024; zeroed when
+made) of two halves used by alternate exchanges.
 A half has one slot per peer: one int32 flag per tile of TILE_BLOCKS blocks of 32 (room for any row
 width, at offsets that do not depend on it), then up to `slot_rows` rows (elements (slot_rows, C),
 then scales (slot_rows, C//32)). Rows from source s sit in slot (s - r - 1) mod W of receiver r,
@@ -44,8 +45,8 @@ fails with a CUDA error instead of hanging (on CPU the emulation raises a Runtim
 multicast is never used (TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 
 On CPU (tests: W ranks as threads over plain tensors) `impl="python"` runs the same work items in
-the same ticket order with torch casts, flags and waits; under TRITON_INTERPRET=1 `impl="kernel"`
-runs the kernel itself.
+the same ticket order with torch casts, flags and waits (`mxmoe.comm.symm_emulation`); under
+TRITON_INTERPRET=1 `impl="kernel"` runs the kernel itself.
 """
 
 from __future__ import annotations
@@ -53,29 +54,37 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mxmoe.comm.kernels import dequantize_into, qdq_into
+from mxmoe.comm.kernels import dequantize_into
 from mxmoe.comm.splits import BLOCK_SIZE, offsets
-from mxmoe.formats import make_spec
+from mxmoe.comm.symm_emulation import emulate_exchange
+from mxmoe.comm.symm_layout import (  # noqa: F401  (Layout .. items_of: importable from here too)
+    ALIGN,
+    ELEM_DTYPE,
+    ROWS,
+    TILE_BLOCKS,
+    Items,
+    Layout,
+    halves_bytes,
+    items_of,
+    layout,
+    tiles,
+    timeout_error,
+)
+from mxmoe.comm.symm_layout import SPEC as _SPEC
 from mxmoe.quant.backends import cast_fn, resolve_kernel, triton_interpret
 
-ELEM_DTYPE = torch.float8_e4m3fn
-_SPEC = make_spec(BLOCK_SIZE, "rceil", ELEM_DTYPE)
-_ALIGN = 256  # bytes: region starts
 WORKSPACE_BYTES = int(os.environ.get("MXMOE_SYMM_WORKSPACE_MB", "1024")) << 20
 TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
-# Blocks of 32 per work item (8192 elements: one flag, one release at system scope, one ticket),
-# done in register tiles of _SUB_BLOCKS (8 elements a thread); warps and register cap per program,
-# programs per SM: 80 registers (no spills in the register-tile loops; tests/comm/test_symm.py checks
-# the sm_90 build with the launch's argument types) let three programs of 8 warps share an SM (NVLink
-# stores need many in flight).
-TILE_BLOCKS, _SUB_BLOCKS = 256, 64
+# A flag tile's TILE_BLOCKS blocks of 32 (symm_layout) are done in register tiles of _SUB_BLOCKS (8
+# elements a thread); warps and register cap per program, programs per SM: 80 registers (no spills in
+# the register-tile loops; tests/comm/test_symm.py checks the sm_90 build with the launch's argument
+# types) let three programs of 8 warps share an SM (NVLink stores need many in flight).
+_SUB_BLOCKS = 64
 # Register tile of store items, in blocks: its element bytes a thread are the width of each NVLink
 # store (64 blocks over 8 warps: 8-byte st.global.v2, 256 consecutive bytes a warp; 128: 16-byte
 # st.global.v4, 512 a warp, 16 elements a thread). At 80 registers the launch's build (int32 scalars)
@@ -121,88 +130,10 @@ ITEM_TILES_ACCEPTED = (1, 2, 4, 8, 16)
 # for all its register tiles (a block of zeros has scale byte 0: one such block in an item is
 # enough). Flags compare their low 31 bits with the epoch. True: faster in every pair of the sweep
 # (scripts/symm_sweep.py) but one, equal, at 4 and 16 x 8192 rows.
-_FAST_BIT_FLAGS = True
-_FAST_BIT = 1 << 31
+_FAST_BIT_FLAGS = True  # the bit: symm_emulation.FAST_BIT
 # Receives start after 1/RECV_DELAY of the stores (the peers' first tiles have landed by then; a tile
 # that has not is deferred to the end of the exchange).
 RECV_DELAY = 4
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def halves_bytes(nbytes: int) -> int:
-    """Bytes of one workspace half."""
-    return nbytes // 2 // _ALIGN * _ALIGN
-
-
-def tiles(rows: int, dim: int) -> int:
-    """Flag tiles of `rows` rows of `dim` elements (at least one: an empty pair still signals)."""
-    return max(1, -(-rows * (dim // BLOCK_SIZE) // TILE_BLOCKS))
-
-
-def items_of(rows: int, dim: int, per_item: int) -> int:
-    """Store (or receive) work items of a pair of `rows` rows: `per_item` flag tiles each."""
-    return -(-tiles(rows, dim) // per_item)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The slots of one workspace half for rows of `dim` elements among `world` ranks. A slot is
-    [flags | elements | scales]; the flags come first, at offsets that do not depend on `dim`, so a
-    flag never lies on bytes that an exchange of another row width wrote as data."""
-
-    world: int
-    dim: int
-    half_bytes: int
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.half_bytes // max(1, self.world - 1) // _ALIGN * _ALIGN
-
-    @property
-    def flag_bytes(self) -> int:
-        """Room for the flags of any row width: a tile holds TILE_BLOCKS * 32 element bytes."""
-        return min(self.slot_bytes, _align(4 * (self.slot_bytes // (TILE_BLOCKS * BLOCK_SIZE) + 2)))
-
-    def _need(self, rows: int) -> int:
-        return _align(rows * self.dim) + _align(rows * (self.dim // BLOCK_SIZE))
-
-    @functools.cached_property
-    def slot_rows(self) -> int:
-        room = self.slot_bytes - self.flag_bytes
-        n = max(0, (room - 2 * _ALIGN) // (self.dim + self.dim // BLOCK_SIZE))
-        while n > 0 and self._need(n) > room:
-            n -= 1
-        return n
-
-    def offsets(self, base: int, src: int, dst: int) -> tuple[int, int, int]:
-        """Byte offsets, in receiver `dst`'s workspace, of the elements, scales and flags of source
-        `src`'s slot in the half at byte `base`."""
-        if self.flag_bytes < 4:
-            raise ValueError(
-                f"MXMOE_SYMM_WORKSPACE_MB gives slots of {self.slot_bytes} bytes for {self.world} ranks; "
-                f"expected at least {_ALIGN}"
-            )
-        f0 = base + ((src - dst - 1) % self.world) * self.slot_bytes
-        q0 = f0 + self.flag_bytes
-        return q0, q0 + _align(self.slot_rows * self.dim), f0
-
-    def slot(self, buf: Tensor, base: int, src: int, dst: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Slot of source rank `src` in receiver `dst`'s half at byte `base` of `buf` (1D uint8, dst's
-        workspace): (elements (slot_rows, dim) uint8, scales (slot_rows, dim // 32) uint8, flags
-        (tiles(slot_rows, dim),) int32)."""
-        n, d, sd = self.slot_rows, self.dim, self.dim // BLOCK_SIZE
-        q0, s0, f0 = self.offsets(base, src, dst)
-        q, sc = buf[q0 : q0 + n * d].view(n, d), buf[s0 : s0 + n * sd].view(n, sd)
-        return q, sc, buf[f0 : f0 + 4 * tiles(n, d)].view(torch.int32)
-
-
-@functools.lru_cache(maxsize=256)
-def layout(world: int, dim: int, half_bytes: int) -> Layout:
-    """The Layout (cached: its slot_rows is computed once)."""
-    return Layout(world, dim, half_bytes)
 
 
 class SymmWorkspace:
@@ -243,9 +174,9 @@ class SymmWorkspace:
         import torch.distributed._symmetric_memory as symm_mem
 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        if WORKSPACE_BYTES < 2 * _ALIGN:
+        if WORKSPACE_BYTES < 2 * ALIGN:
             raise ValueError(
-                f"MXMOE_SYMM_WORKSPACE_MB gives {WORKSPACE_BYTES} bytes; expected at least {2 * _ALIGN}"
+                f"MXMOE_SYMM_WORKSPACE_MB gives {WORKSPACE_BYTES} bytes; expected at least {2 * ALIGN}"
             )
         t = symm_mem.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(t, self.group)
@@ -307,56 +238,6 @@ def symm_usable(group, device: torch.device) -> bool:
 # Work items
 # --------------------------------------------------------------------------------------------
 
-# Rows of the item table (int64, (len(ROWS), W)): per peer index i (stores to peer (me + 1 + i) % W)
-# and per source index i (receives from (me - 1 - i) % W). *_start: prefix sums of the tiles (entries
-# i and i + 1); *blk: offsets and counts in blocks of 32; q/s/f: addresses of the slot's elements,
-# scales and flags (the peer's slot for stores, this rank's for receives).
-ROWS = ("st_start", "st_xblk", "st_nblk", "st_q", "st_s", "st_f",
-        "rc_start", "rc_yblk", "rc_nblk", "rc_q", "rc_s", "rc_f")
-
-
-@dataclass(frozen=True)
-class Items:
-    """One rank's work items of one exchange: `table` (list of ROWS lists, W entries each), the
-    number of store, own and receive items, where the own rows are (blocks), the receive delay, the
-    flag tiles per item (`per_item`: item k of a pair covers its tiles k * per_item ...), and the
-    table as an int64 tensor on the device (`meta`, made on first use)."""
-
-    table: list[list[int]]
-    n_store: int
-    n_own: int
-    n_recv: int
-    own_xblk: int
-    own_yblk: int
-    own_nblk: int
-    delay: int
-    per_item: int
-    meta: dict = field(default_factory=dict, compare=False)  # device -> the table on it
-
-    def row(self, name: str) -> list[int]:
-        return self.table[ROWS.index(name)]
-
-    def kind(self, t: int) -> tuple[str, int]:
-        """Item t (< front) of the ticket order: ("store", k), ("own", k) or ("recv", k), k its index
-        among items of its kind (the kernel's arithmetic: communication items spread evenly among the
-        own tiles; receives spread evenly among the stores from the `delay`-th communication item on)."""
-        n_comm = self.n_store + self.n_recv
-        c = t * n_comm // self.front
-        if (t + 1) * n_comm // self.front == c:
-            return "own", t - c
-        r = self.recv_before(c)
-        return ("recv", r) if self.recv_before(c + 1) > r else ("store", c - r)
-
-    def recv_before(self, c: int) -> int:
-        """Receive tiles among the first c communication items."""
-        n_comm = self.n_store + self.n_recv
-        return min(max(c - self.delay, 0) * self.n_recv // (n_comm - self.delay), self.n_recv)
-
-    @property
-    def front(self) -> int:
-        return self.n_store + self.n_own + self.n_recv
-
-
 def item_tiles(n_tiles: int, programs: int) -> int:
     """Flag tiles per work item of an exchange whose rank quantizes, stores and receives `n_tiles`
     flag tiles on `programs` programs: ITEM_TILES if set, else 8 when that gives at least
@@ -396,8 +277,8 @@ def work_items(ins: list[int], outs: list[int], me: int, ws, lay: Layout, base: 
             ("st", ws.buffers[p], lay.offsets(base, me, p)),
             ("rc", ws.buffers[me], lay.offsets(base, s, me)),
         ):
-            if buf.is_cuda and buf.data_ptr() % _ALIGN:  # the kernel's vector accesses rely on it
-                raise ValueError(f"workspace buffer at {buf.data_ptr():#x} is not {_ALIGN}-byte aligned")
+            if buf.is_cuda and buf.data_ptr() % ALIGN:  # the kernel's vector accesses rely on it
+                raise ValueError(f"workspace buffer at {buf.data_ptr():#x} is not {ALIGN}-byte aligned")
             for part, off in zip("qsf", offs, strict=True):
                 col[f"{kind}_{part}"][i] = buf.data_ptr() + off
     n_own = -(-ins[me] * sd // (TILE_BLOCKS * per_item))
@@ -456,7 +337,20 @@ def symm_mx_exchange(
     if impl == "kernel":
         _run_kernel(x, outputs, items, ws, epoch, dequant)
     else:
-        _emulate(x, outputs, items, epoch, kernel, dequant, lay, ws, base, me)
+        emulate_exchange(
+            x,
+            outputs,
+            items,
+            epoch,
+            kernel,
+            dequant,
+            lay,
+            ws,
+            base,
+            me,
+            fast_bit=_FAST_BIT_FLAGS,
+            timeout_ms=TIMEOUT_MS,
+        )
 
     # Pairs that do not fit a slot: NCCL send/recv (both ends know), after the kernel.
     peers = [(me + i) % world for i in range(1, world)]
@@ -530,104 +424,4 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
     if interpret and int(ws.error[0]):
         code = int(ws.error[0]) - 1
         ws.error.zero_()
-        _timed_out(code)
-
-
-def _timed_out(code: int) -> None:
-    if code < 0:
-        raise RuntimeError(
-            f"symmetric-memory exchange: this rank's own work items did not finish within "
-            f"MXMOE_SYMM_TIMEOUT_MS={TIMEOUT_MS}"
-        )
-    i, tile = code >> 32, code & 0xFFFFFFFF
-    raise RuntimeError(
-        f"symmetric-memory exchange: no data from source index {i} (rank me - {i + 1}) for tile {tile} "
-        f"after MXMOE_SYMM_TIMEOUT_MS={TIMEOUT_MS}; every rank must make the same exchanges in the same "
-        "order with consistent splits"
-    )
-
-
-def _emulate(x: Tensor, outputs: tuple[Tensor, ...], items: Items, epoch: int, kernel: str,
-             dequant: bool, lay: Layout, ws, base: int, me: int) -> None:
-    """The exchange kernel's work items in ticket order, with torch casts (CPU): the protocol's
-    reference (tests run W ranks as threads over plain tensors). Slots are views of ws.buffers."""
-    world = lay.world
-    peers = [(me + 1 + i) % world for i in range(world - 1)]
-    st_slots = [lay.slot(ws.buffers[p], base, me, p) for p in peers]
-    rc_slots = [lay.slot(ws.buffers[me], base, (me - 1 - i) % world, me) for i in range(world - 1)]
-    quant = cast_fn(resolve_kernel(kernel, x.device, "dim0"), "dim0")
-    xb = x.view(-1, BLOCK_SIZE)  # blocks of 32, in order
-
-    def eb(t: Tensor, b0: int, n: int) -> Tensor:  # blocks b0..b0+n of rows (R, C): (n, 32)
-        return t.reshape(-1, BLOCK_SIZE)[b0 : b0 + n]
-
-    def sb(t: Tensor, b0: int, n: int) -> Tensor:  # their scales in (R, C // 32): (n, 1)
-        return t.reshape(-1, 1)[b0 : b0 + n]
-
-    def where(start: list[int], k: int) -> tuple[int, int]:
-        i = sum(k >= v for v in start[1:-1])
-        return i, k - start[i]
-
-    per = items.per_item
-    span = per * TILE_BLOCKS  # blocks of an item
-
-    def flags(nblk: int, kk: int) -> range:  # the flag tiles of item kk of a pair of nblk blocks
-        return range(kk * per, min((kk + 1) * per, max(1, -(-nblk // TILE_BLOCKS))))
-
-    fast_bit = _FAST_BIT_FLAGS
-
-    def landed(flag: int) -> bool:  # a flag read (acquire) holds this exchange's epoch
-        return (flag & (_FAST_BIT - 1) if fast_bit else flag) == epoch
-
-    def receive(i: int, kk: int) -> None:
-        b0, nblk = kk * span, items.row("rc_nblk")[i]
-        n = max(0, min(span, nblk - b0))
-        q_src, s_src, _ = rc_slots[i]
-        if n:
-            y0 = items.row("rc_yblk")[i] + b0
-            qv, sv = eb(q_src, b0, n), sb(s_src, b0, n)
-            if dequant:
-                dequantize_into(qv, sv, eb(outputs[0], y0, n), kernel)
-            else:
-                eb(outputs[0], y0, n).view(torch.uint8).copy_(qv)
-                sb(outputs[1], y0, n).view(torch.uint8).copy_(sv)
-
-    deferred = []
-    for t in range(items.front):
-        kind, k = items.kind(t)
-        if kind == "store":
-            i, kk = where(items.row("st_start"), k)
-            b0, nblk = kk * span, items.row("st_nblk")[i]
-            n = max(0, min(span, nblk - b0))
-            q_dst, s_dst, f_dst = st_slots[i]
-            if n:
-                x0 = items.row("st_xblk")[i] + b0
-                out = (eb(q_dst, b0, n).view(ELEM_DTYPE), sb(s_dst, b0, n).view(torch.float8_e8m0fnu))
-                quant(xb[x0 : x0 + n], _SPEC, out=out)
-            value = epoch
-            if fast_bit and (n == 0 or int(out[1].view(torch.uint8).min()) >= 10):
-                value = epoch - _FAST_BIT  # epoch | FAST_BIT as an int32
-            for f in flags(nblk, kk):  # after the item's stores (release)
-                f_dst[f] = value
-        elif kind == "own":
-            b0 = k * span
-            n = min(span, items.own_nblk - b0)
-            x0, y0 = items.own_xblk + b0, items.own_yblk + b0
-            if dequant:
-                qdq_into(xb[x0 : x0 + n], eb(outputs[0], y0, n), kernel)
-            else:
-                quant(xb[x0 : x0 + n], _SPEC, out=(eb(outputs[0], y0, n), sb(outputs[1], y0, n)))
-        else:  # a receive in the front: only if landed (acquire), else deferred
-            i, kk = where(items.row("rc_start"), k)
-            if all(landed(int(rc_slots[i][2][f])) for f in flags(items.row("rc_nblk")[i], kk)):
-                receive(i, kk)
-            else:
-                deferred.append((i, kk))
-    for i, kk in deferred:  # the back: wait for each flag of each deferred item
-        for f in flags(items.row("rc_nblk")[i], kk):
-            deadline = time.monotonic() + TIMEOUT_MS / 1000
-            while not landed(int(rc_slots[i][2][f])):  # acquire
-                if time.monotonic() > deadline:
-                    _timed_out(i << 32 | f)
-                time.sleep(1e-4)
-        receive(i, kk)
+        raise timeout_error(code, TIMEOUT_MS)

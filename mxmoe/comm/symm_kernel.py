@@ -64,7 +64,7 @@ CTR_STRIDE: tl.constexpr = tl.constexpr(32)
 FAST_BIT: tl.constexpr = tl.constexpr(-2147483648)
 EPOCH_BITS: tl.constexpr = tl.constexpr(0x7FFFFFFF)
 
-# Rows of the item table, in the order of mxmoe.comm.symm.ROWS (int64, (12, PEERS + 1)).
+# Rows of the item table, in the order of mxmoe.comm.symm_layout.ROWS (int64, (12, PEERS + 1)).
 ST_START, ST_XBLK, ST_NBLK, ST_Q, ST_S, ST_F = (tl.constexpr(i) for i in range(6))
 RC_START, RC_YBLK, RC_NBLK, RC_Q, RC_S, RC_F = (tl.constexpr(i) for i in range(6, 12))
 

@@ -206,7 +206,7 @@ class JobConfig:
 
 def check_limits(cfg: JobConfig) -> None:
     """ConfigError for values of the right type that fail at run time (the trainer's other range
-    checks are in `mxmoe.train.trainer.check_values`)."""
+    checks are in `mxmoe.train.build.check_values`)."""
     t = cfg.training
     if cfg.parallelism.timeout_s < 1:
         raise ConfigError(f"parallelism.timeout_s={cfg.parallelism.timeout_s}: expected >= 1")

@@ -261,8 +261,8 @@ def test_mx_exchange_only_converts_the_experts_alone():
 
     from mxmoe.models import Transformer
     from mxmoe.nn import MXGroupedExperts, MXLinear
+    from mxmoe.train.build import build_model_args, mx_convert, precision
     from mxmoe.train.parallel import make_parallel_dims
-    from mxmoe.train.trainer import _precision, build_model_args, mx_convert
 
     args = ["--config", "configs/debug_moe.toml", "--mx.expert_gemm=hp", "--mx.convert_linears=false"]
     cfg = parse_args(args)
@@ -274,7 +274,7 @@ def test_mx_exchange_only_converts_the_experts_alone():
     assert not any(isinstance(m, MXLinear) for m in model.modules())
     assert sum(isinstance(m, nn.Linear) for m in model.modules()) >= 12
     assert report.converted["Linear"] == [] and "expert_gemm=hp" in report.summary()
-    assert "high-precision experts on MX-rounded rows" in _precision(model, cfg)
+    assert "high-precision experts on MX-rounded rows" in precision(model, cfg)
 
 
 def test_mx_cast_kernel_choices_reach_every_converted_module():

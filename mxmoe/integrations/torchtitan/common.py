@@ -1,5 +1,6 @@
 """What mxmoe's torchtitan adapters share, whatever the torchtitan version: the version floors,
-the MX options in torchtitan's spellings -> one `MXRecipe`, and the tensor-parallel refusal.
+the MX options in torchtitan's spellings -> one `MXRecipe`, whether MX experts take the MXFP8
+dispatcher's rows as they arrive (`takes_mx_rows`), and the tensor-parallel refusal.
 
 This module imports neither torchtitan nor anything that does, so the version checks can run
 before a torchtitan module is imported.
@@ -121,6 +122,31 @@ def mx_recipe(
         gemm_dtype=gemm_dtype,
         gemm_backend=gemm_backend,
     ).to_recipe()
+
+
+def mx_options(cfg) -> dict:
+    """The OPTION_NAMES fields of a converter or swapped module's Config, as `mx_recipe` kwargs."""
+    return {name: getattr(cfg, name) for name in OPTION_NAMES}
+
+
+A2A_RECIPE = MXRecipe(scaling_mode="rceil")
+"""What mxmoe's MXFP8 exchange produces: e4m3 elements, blocks of 32, RCEIL scales."""
+
+
+def takes_mx_rows(experts_config) -> bool:
+    """Whether experts built from `experts_config` take the MXFP8 dispatcher's rows as MXTensor
+    without a change in results: an MX experts config with torchtitan's SwiGLU forward whose
+    recipe quantizes the rows as the exchange does (RCEIL, e4m3, blocks of 32), so that
+    requantizing the dequantized rows would give the same values."""
+    owner = getattr(type(experts_config), "_owner", None)
+    if not getattr(owner, "ACCEPTS_MX_ROWS", False):
+        return False
+    r = mx_recipe(**mx_options(experts_config))
+    return (r.elem_dtype, r.block_size, r.scaling_mode) == (
+        A2A_RECIPE.elem_dtype,
+        A2A_RECIPE.block_size,
+        A2A_RECIPE.scaling_mode,
+    )
 
 
 def tensor_parallel_error(where: str, degree: int) -> ValueError:

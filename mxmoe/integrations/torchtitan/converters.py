@@ -25,10 +25,10 @@ from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
-from mxmoe.integrations.torchtitan.common import OPTION_NAMES, mx_recipe, tensor_parallel_error
+from mxmoe.integrations.torchtitan.common import mx_options, mx_recipe, tensor_parallel_error
+from mxmoe.integrations.torchtitan.dispatcher import link_mx_rows
 from mxmoe.ops import mx_grouped_mm, mx_mm
 from mxmoe.quant.mx_tensor import MXTensor
-from mxmoe.recipe import MXRecipe
 
 log = logging.getLogger("mxmoe")
 
@@ -57,10 +57,6 @@ def _replicated(t: Tensor, name: str) -> Tensor:
     return t
 
 
-def _options(cfg) -> dict:
-    return {name: getattr(cfg, name) for name in OPTION_NAMES}
-
-
 class MXLinear(Linear):
     """torchtitan `Linear` whose forward, dgrad and wgrad GEMMs run on MX operands (`mx_mm`).
 
@@ -78,7 +74,7 @@ class MXLinear(Linear):
 
     def __init__(self, config: Config):
         super().__init__(config)
-        self.mx_recipe = mx_recipe(**_options(config))
+        self.mx_recipe = mx_recipe(**mx_options(config))
 
     def forward(self, x: Tensor) -> Tensor:
         y = mx_mm(x, _replicated(self.weight, "weight").t(), self.mx_recipe)
@@ -126,7 +122,7 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
 
         def __init__(self, config):
             super().__init__(config)
-            self.mx_recipe = mx_recipe(**_options(config))
+            self.mx_recipe = mx_recipe(**mx_options(config))
 
         def _grouped_mm(self, *, A: Tensor | MXTensor, B_t: Tensor, offs: Tensor) -> Tensor:
             return mx_grouped_mm(A, B_t, offs, self.mx_recipe)
@@ -152,26 +148,6 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
     MXGroupedExperts.Config.__qualname__ = f"MX{parent_cls.__name__}.Config"
     _mx_experts_cache[parent_cls] = MXGroupedExperts
     return MXGroupedExperts
-
-
-A2A_RECIPE = MXRecipe(scaling_mode="rceil")
-"""What mxmoe's MXFP8 exchange produces: e4m3 elements, blocks of 32, RCEIL scales."""
-
-
-def takes_mx_rows(experts_config) -> bool:
-    """Whether experts built from `experts_config` take the MXFP8 dispatcher's rows as MXTensor
-    without a change in results: an MX experts config with torchtitan's SwiGLU forward whose
-    recipe quantizes the rows as the exchange does (RCEIL, e4m3, blocks of 32), so that
-    requantizing the dequantized rows would give the same values."""
-    owner = getattr(type(experts_config), "_owner", None)
-    if not getattr(owner, "ACCEPTS_MX_ROWS", False):
-        return False
-    r = mx_recipe(**_options(experts_config))
-    return (r.elem_dtype, r.block_size, r.scaling_mode) == (
-        A2A_RECIPE.elem_dtype,
-        A2A_RECIPE.block_size,
-        A2A_RECIPE.scaling_mode,
-    )
 
 
 def _replace(model_config, parent, attr, new_config):
@@ -203,7 +179,7 @@ class MXLinearConverter(QuantizationConverter):
 
     def __init__(self, config: Config):
         self.config = config
-        self.recipe = mx_recipe(**_options(config))  # checks the options now, not at build time
+        self.recipe = mx_recipe(**mx_options(config))  # checks the options now, not at build time
 
     def convert(self, model_config):
         cfg = self.config
@@ -228,7 +204,7 @@ class MXLinearConverter(QuantizationConverter):
                 bias=lin.bias,
                 param_init=lin.param_init,
                 sharding_config=lin.sharding_config,
-                **_options(cfg),
+                **mx_options(cfg),
             )
             model_config = _replace(model_config, parent, attr, new)
             converted += 1
@@ -255,7 +231,7 @@ class MXGroupedExpertsConverter(QuantizationConverter):
 
     def __init__(self, config: Config):
         self.config = config
-        self.recipe = mx_recipe(**_options(config))
+        self.recipe = mx_recipe(**mx_options(config))
 
     def convert(self, model_config):
         bs = self.recipe.block_size
@@ -268,11 +244,9 @@ class MXGroupedExpertsConverter(QuantizationConverter):
                 skipped.append(f"{fqn} (dim {exp.dim}, hidden_dim {exp.hidden_dim} not divisible by {bs})")
                 continue
             new_cls = mx_grouped_experts_cls(base_cls).Config
-            new = new_cls(**{f.name: getattr(exp, f.name) for f in fields(exp)}, **_options(self.config))
+            new = new_cls(**{f.name: getattr(exp, f.name) for f in fields(exp)}, **mx_options(self.config))
             model_config = _replace(model_config, parent, attr, new)
             if hasattr(parent, "token_dispatcher"):  # parent: the RoutedExperts.Config
-                from mxmoe.integrations.torchtitan.dispatcher import link_mx_rows
-
                 link_mx_rows(parent)
             converted += 1
         log.info(

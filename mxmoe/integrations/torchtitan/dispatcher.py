@@ -29,7 +29,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 from torchtitan.protocols.model import ModelConfigConverter
 
 from mxmoe.comm import a2a_combine, a2a_dispatch_mxfp8
-from mxmoe.integrations.torchtitan.converters import takes_mx_rows
+from mxmoe.integrations.torchtitan.common import takes_mx_rows
 from mxmoe.nn.mx_experts import RowsFromAnchor
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import CAST_KERNELS

@@ -1,0 +1,67 @@
+"""`mxmoe.train.build`: what `build_run` makes for one CPU process, checked against a model, optimizer
+and schedule built by hand from the same settings."""
+
+import pytest
+import torch
+
+import mxmoe
+from mxmoe.models import Transformer, model_args
+from mxmoe.nn import MXConfig
+from mxmoe.train.build import build_model, build_run, check_values
+from mxmoe.train.config import parse_args
+from mxmoe.train.data import VOCAB_SIZE
+from mxmoe.train.parallel import make_parallel_dims
+
+ARGS = [
+    "--config",
+    "configs/debug_moe.toml",
+    "--model.dim=32",
+    "--model.n_layers=1",
+    "--model.num_experts=4",
+    "--model.moe_hidden_dim=32",
+    "--training.seq_len=32",
+    "--training.batch_size=2",
+    "--training.seed=7",
+    "--training.warmup_steps=4",
+    "--data.max_files=2",
+    "--checkpoint.folder=",
+    "--mx.mxfp8_dim1_cast_kernel_choice=torch",
+]
+
+
+def test_build_run_matches_a_model_built_by_hand(tmp_path):
+    cfg = parse_args([*ARGS, f"--metrics.folder={tmp_path}"])
+    check_values(cfg)
+    run = build_run(cfg, 0, 1, torch.device("cpu"))
+
+    torch.manual_seed(7)  # the reference: the preset with the overrides, seeded, converted as [mx] says
+    ref = Transformer(
+        model_args(
+            "debug_moe", vocab_size=VOCAB_SIZE, max_seq_len=32, dim=32, n_layers=1, num_experts=4,
+            moe_hidden_dim=32,
+        )
+    )
+    mxmoe.convert(ref, MXConfig(recipe_name=cfg.mx.recipe_name, mxfp8_dim1_cast_kernel_choice="torch",
+                                filter_fqns=list(cfg.mx.filter_fqns)))
+    got, want = run.model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert [type(m) for m in run.model.modules()] == [type(m) for m in ref.modules()]
+
+    # AdamW over every parameter once: weight decay on matrices, none on norms and vectors
+    groups = run.optimizer.param_groups
+    assert sum(len(g["params"]) for g in groups) == len(list(ref.parameters()))
+    assert all(p.ndim >= 2 for p in groups[0]["params"])
+    assert groups[0]["weight_decay"] == cfg.training.weight_decay
+    assert groups[1]["weight_decay"] == 0.0
+    assert run.scheduler.get_last_lr()[0] == pytest.approx(cfg.training.lr / 4)  # warmup step 1 of 4
+    assert (run.step, run.world, run.exp_params, run.ckpt, run.val_ds is not None) == (0, 1, [], None, True)
+    assert run.tokens_per_step == 2 * 32
+    assert len(run.dense_params) == len(groups[0]["params"]) + len(groups[1]["params"])
+
+
+def test_build_model_rejects_an_unknown_compile_mode():
+    cfg = parse_args(ARGS)
+    with pytest.raises(ValueError, match=r"compile='fast': expected None or one of \['blocks'"):
+        build_model(cfg, torch.device("cpu"), make_parallel_dims(1, -1, 1, 1), mx=False, compile="fast")
