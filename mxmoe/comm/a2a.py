@@ -40,9 +40,7 @@ group's timeout (`init_process_group(timeout=...)`; NCCL's watchdog aborts the c
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,9 +49,9 @@ from torch import Tensor
 from mxmoe.comm.kernels import dequantize_into, qdq_into
 from mxmoe.comm.splits import BLOCK_SIZE, Plan, check_and_plan, offsets
 from mxmoe.comm.symm import SymmWorkspace, symm_mx_exchange, symm_usable
-from mxmoe.formats import CastSpec, make_spec
 from mxmoe.quant import custom_ops
-from mxmoe.quant.backends import backend, resolve_kernel
+from mxmoe.quant.backends import backend, cast_kernel
+from mxmoe.quant.checks import spec_of
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, to_mx
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 
@@ -74,79 +72,60 @@ MAX_CHUNKS = 2
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Fmt:
-    """The exchange's format, from a recipe: elements, block, scaling mode and the concrete (or "auto",
-    before resolution) dim0 kernel; `fast` when the fused default-format kernels apply."""
-
-    elem_dtype: torch.dtype
-    block_size: int
-    scaling_mode: str
-    kernel: str
-    spec: CastSpec
-
-    @property
-    def fast(self) -> bool:
-        return (self.elem_dtype, self.block_size, self.scaling_mode) == (ELEM_DTYPE, BLOCK_SIZE, SCALING_MODE)
-
-    def resolved(self, device: torch.device) -> _Fmt:
-        k = resolve_kernel(self.kernel, device, "dim0")  # the exchange's casts run along the rows
-        return self if k == self.kernel else _fmt_of(self.elem_dtype, self.block_size, self.scaling_mode, k)
-
-
-def _fmt(recipe: MXRecipe | None, kernel: str | None, fn: str) -> _Fmt:
-    """The format of an exchange: `recipe` (default DEFAULT_RECIPE: RCEIL, e4m3, blocks of 32) with its
-    dim0_kernel, or `kernel` when given without a recipe."""
-    if recipe is not None and not isinstance(recipe, MXRecipe):
+def _recipe(recipe: MXRecipe | None, fn: str) -> MXRecipe:
+    """The exchange's recipe (None: DEFAULT_RECIPE); a TypeError naming `fn` for anything else."""
+    if recipe is None:
+        return DEFAULT_RECIPE
+    if not isinstance(recipe, MXRecipe):
         raise TypeError(f"{fn}: recipe must be an mxmoe.MXRecipe or None, got {type(recipe).__name__}")
-    if recipe is not None and kernel is not None:
-        raise ValueError(
-            f"{fn}: give the cast kernel either as kernel={kernel!r} or through the recipe "
-            f"(dim0_kernel={recipe.dim0_kernel!r}), not both"
-        )
-    r = DEFAULT_RECIPE if recipe is None else recipe
-    return _fmt_of(r.elem_dtype, r.block_size, r.scaling_mode, r.dim0_kernel if kernel is None else kernel)
+    return recipe
 
 
-@functools.lru_cache(maxsize=64)
-def _fmt_of(elem_dtype: torch.dtype, block_size: int, scaling_mode: str, kernel: str) -> _Fmt:
-    # cached: the cast spec's constants are computed once per format, not per exchange
-    return _Fmt(elem_dtype, block_size, scaling_mode, kernel, make_spec(block_size, scaling_mode, elem_dtype))
+def _fast(r: MXRecipe) -> bool:
+    """Whether the fused default-format kernels (own rows' qdq, symmetric memory) take r's format."""
+    return (r.elem_dtype, r.block_size, r.scaling_mode) == (ELEM_DTYPE, BLOCK_SIZE, SCALING_MODE)
 
 
-def quantize_rows(x: Tensor, kernel: str = "auto") -> tuple[Tensor, Tensor]:
-    """x (R, C) bf16/fp32 contiguous -> (q (R, C) float8_e4m3fn, s (R, C // 32) float8_e8m0fnu), RCEIL."""
-    return _quantize(x, _fmt(None, kernel, "quantize_rows").resolved(x.device))
+def _kernel(r: MXRecipe, device: torch.device) -> str:
+    """The exchange's concrete cast kernel (its quantize and dequantize run along the rows: the
+    recipe's dim0_kernel); a clear error for a kernel that cannot run here."""
+    return cast_kernel(r, device, "dim0")
 
 
-def _quantize(x: Tensor, f: _Fmt) -> tuple[Tensor, Tensor]:
-    # `f.kernel` is concrete. The backend is called directly: the same kernel as the custom op, without
+def quantize_rows(x: Tensor, *, recipe: MXRecipe | None = None) -> tuple[Tensor, Tensor]:
+    """x (R, C) bf16/fp32 contiguous, C % block_size == 0 -> (q (R, C) elem_dtype, s (R, C //
+    block_size) float8_e8m0fnu), with the recipe's format and dim0_kernel (default DEFAULT_RECIPE:
+    e4m3, RCEIL, blocks of 32): the exchange's quantize."""
+    r = _recipe(recipe, "quantize_rows")
+    return _quantize(x, r, _kernel(r, x.device))
+
+
+def _quantize(x: Tensor, r: MXRecipe, k: str) -> tuple[Tensor, Tensor]:
+    # `k` is concrete. The backend is called directly: the same kernel as the custom op, without
     # the dispatcher's per-call cost (the pipeline makes several calls per round).
     if x.numel() == 0:
-        return custom_ops.quantize_dim0(x, f.block_size, f.scaling_mode, f.elem_dtype, f.kernel)
-    return backend(f.kernel).quantize_dim0(x, f.spec)
+        return custom_ops.quantize_dim0(x, r.block_size, r.scaling_mode, r.elem_dtype, k)
+    return backend(k).quantize_dim0(x, spec_of(r.block_size, r.scaling_mode, r.elem_dtype))
 
 
-def _dequantize(q: Tensor, s: Tensor, dtype: torch.dtype, f: _Fmt) -> Tensor:
+def _dequantize(q: Tensor, s: Tensor, dtype: torch.dtype, r: MXRecipe, k: str) -> Tensor:
     """q (R, C) elements (or uint8 view), s (R, C // block) scales (or uint8 view) -> (R, C) dtype."""
-    return custom_ops.dequantize(
-        q.view(f.elem_dtype), s.view(torch.float8_e8m0fnu), f.block_size, dtype, f.kernel
-    )
+    return custom_ops.dequantize(q.view(r.elem_dtype), s.view(torch.float8_e8m0fnu), r.block_size, dtype, k)
 
 
-def _dequantize_into(q: Tensor, s: Tensor, out: Tensor, f: _Fmt) -> None:
-    if f.fast:
-        dequantize_into(q, s, out, f.kernel)
+def _dequantize_into(q: Tensor, s: Tensor, out: Tensor, r: MXRecipe, k: str) -> None:
+    if _fast(r):
+        dequantize_into(q, s, out, k)
     elif q.numel():
-        out.copy_(_dequantize(q, s, out.dtype, f))
+        out.copy_(_dequantize(q, s, out.dtype, r, k))
 
 
-def _qdq_into(x: Tensor, out: Tensor, f: _Fmt) -> None:
+def _qdq_into(x: Tensor, out: Tensor, r: MXRecipe, k: str) -> None:
     """out = dequantize(quantize(x)): one fused pass for the default format."""
-    if f.fast:
-        qdq_into(x, out, f.kernel)
+    if _fast(r):
+        qdq_into(x, out, k)
     elif x.numel():
-        out.copy_(_dequantize(*_quantize(x, f), out.dtype, f))
+        out.copy_(_dequantize(*_quantize(x, r, k), out.dtype, r, k))
 
 
 def all_to_all_rows(out: Tensor, inp: Tensor, output_splits, input_splits, group=None) -> Tensor:
@@ -188,18 +167,18 @@ def _use_pipeline(is_cuda: bool, plan: Plan, chunks: int | None) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _simple_mx_exchange(x: Tensor, plan: Plan, group, f: _Fmt, dequant: bool):
+def _simple_mx_exchange(x: Tensor, plan: Plan, group, r: MXRecipe, k: str, dequant: bool):
     dim = x.shape[1]
-    q, s = _quantize(x, f)
+    q, s = _quantize(x, r, k)
     rows_out = sum(plan.output_splits)
     q_out = torch.empty((rows_out, dim), dtype=torch.uint8, device=x.device)
-    s_out = torch.empty((rows_out, dim // f.block_size), dtype=torch.uint8, device=x.device)
+    s_out = torch.empty((rows_out, dim // r.block_size), dtype=torch.uint8, device=x.device)
     all_to_all_rows(q_out, q.view(torch.uint8), plan.output_splits, plan.input_splits, group)
     all_to_all_rows(s_out, s.view(torch.uint8), plan.output_splits, plan.input_splits, group)
-    q_out, s_out = q_out.view(f.elem_dtype), s_out.view(torch.float8_e8m0fnu)
+    q_out, s_out = q_out.view(r.elem_dtype), s_out.view(torch.float8_e8m0fnu)
     if not dequant:
         return q_out, s_out
-    return _dequantize(q_out, s_out, x.dtype, f)
+    return _dequantize(q_out, s_out, x.dtype, r, k)
 
 
 class _Streams:
@@ -215,9 +194,11 @@ class _Streams:
         return cls._by_device[idx]
 
 
-def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, f: _Fmt, dequant: bool, chunks: int | None):
+def _pipelined_mx_exchange(
+    x: Tensor, plan: Plan, group, r: MXRecipe, k: str, dequant: bool, chunks: int | None
+):
     dim = x.shape[1]
-    sdim = dim // f.block_size
+    sdim = dim // r.block_size
     dev = x.device
     me, world = plan.rank, plan.world
     in_off, out_off = plan.in_offsets, plan.out_offsets
@@ -270,9 +251,9 @@ def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, f: _Fmt, dequant: bool,
             return
         r0, o0 = in_off[me] + start, out_off[me] + start
         if dequant:  # one fused pass on CUDA: read x once, write y once
-            _qdq_into(x[r0 : r0 + n], y[o0 : o0 + n], f)
+            _qdq_into(x[r0 : r0 + n], y[o0 : o0 + n], r, k)
         else:
-            q, s = _quantize(x[r0 : r0 + n], f)
+            q, s = _quantize(x[r0 : r0 + n], r, k)
             keep.append((q, s))
             q_dst[o0 : o0 + n].copy_(q.view(torch.uint8))
             s_dst[o0 : o0 + n].copy_(s.view(torch.uint8))
@@ -286,7 +267,7 @@ def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, f: _Fmt, dequant: bool,
                     start, n = send_pieces[p][c]
                     if n:
                         r0 = in_off[p] + start
-                        q, s = _quantize(x[r0 : r0 + n], f)
+                        q, s = _quantize(x[r0 : r0 + n], r, k)
                         keep.append((q, s))
                         ops.append(dist.P2POp(dist.isend, q.view(torch.uint8), peer_id[p], group, tag=2 * c))
                         ops.append(
@@ -312,7 +293,7 @@ def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, f: _Fmt, dequant: bool,
                 for w in works:
                     w.wait()
                 for qv, sv, o0, n in received:
-                    _dequantize_into(qv, sv, y[o0 : o0 + n], f)
+                    _dequantize_into(qv, sv, y[o0 : o0 + n], r, k)
     with on(prod):
         self_piece(rounds - 1)
         for c in range(rounds, len(self_pieces)):
@@ -328,10 +309,10 @@ def _pipelined_mx_exchange(x: Tensor, plan: Plan, group, f: _Fmt, dequant: bool,
     keep.clear()
     if dequant:
         return y
-    return q_dst.view(f.elem_dtype), s_dst.view(torch.float8_e8m0fnu)
+    return q_dst.view(r.elem_dtype), s_dst.view(torch.float8_e8m0fnu)
 
 
-def _pick_transport(x: Tensor, plan: Plan, group, chunks: int | None, transport: str, f: _Fmt) -> str:
+def _pick_transport(x: Tensor, plan: Plan, group, chunks: int | None, transport: str, r: MXRecipe) -> str:
     """Returns "symm" or "nccl" (NCCL, or gloo on CPU): the same on every rank, from facts every rank
     shares. auto: symmetric memory when it can run here, the format is the default one and no `chunks`
     asks for the NCCL pipeline."""
@@ -344,41 +325,39 @@ def _pick_transport(x: Tensor, plan: Plan, group, chunks: int | None, transport:
                 "transport='symm' needs CUDA tensors, an NCCL process group of GPUs on one host, "
                 "torch.distributed._symmetric_memory and triton; use transport='nccl' or 'auto'"
             )
-        if not f.fast:
+        if not _fast(r):
             raise ValueError(
                 f"transport='symm' exchanges the default format only (RCEIL, e4m3, blocks of 32); the "
-                f"recipe asks for {f.scaling_mode}, {f.elem_dtype}, blocks of {f.block_size}: use "
+                f"recipe asks for {r.scaling_mode}, {r.elem_dtype}, blocks of {r.block_size}: use "
                 "transport='nccl' or 'auto'"
             )
         return "symm"
-    return "symm" if usable and chunks is None and f.fast else "nccl"
+    return "symm" if usable and chunks is None and _fast(r) else "nccl"
 
 
 def _mx_exchange(
     x: Tensor,
     plan: Plan,
     group,
-    f: _Fmt,
+    r: MXRecipe,
     dequant: bool,
     chunks: int | None,
     transport: str = "nccl",
 ):
-    """Quantize x's rows in format f, exchange per plan, and (if dequant) dequantize: y (rows_out, dim)
-    x.dtype, else (q (rows_out, dim) f.elem_dtype, s (rows_out, dim // f.block_size) e8m0)."""
+    """Quantize x's rows in r's format, exchange per plan, and (if dequant) dequantize: y (rows_out,
+    dim) x.dtype, else (q (rows_out, dim) r.elem_dtype, s (rows_out, dim // r.block_size) e8m0)."""
     x = x.contiguous()
-    f = f.resolved(x.device)  # a clear error for a kernel that cannot run here
-    if _pick_transport(x, plan, group, chunks, transport, f) == "symm":
+    k = _kernel(r, x.device)
+    if _pick_transport(x, plan, group, chunks, transport, r) == "symm":
         ws = SymmWorkspace.get(group, x.device)
-        return symm_mx_exchange(
-            x, plan.input_splits, plan.output_splits, plan.rank, ws, f.kernel, dequant
-        )
+        return symm_mx_exchange(x, plan.input_splits, plan.output_splits, plan.rank, ws, k, dequant)
     pipelined = _use_pipeline(x.is_cuda, plan, chunks)
     if plan.world == 1 and not pipelined:
-        q, s = _quantize(x, f)
-        return _dequantize(q, s, x.dtype, f) if dequant else (q, s)
+        q, s = _quantize(x, r, k)
+        return _dequantize(q, s, x.dtype, r, k) if dequant else (q, s)
     if pipelined:
-        return _pipelined_mx_exchange(x, plan, group, f, dequant, chunks)
-    return _simple_mx_exchange(x, plan, group, f, dequant)
+        return _pipelined_mx_exchange(x, plan, group, r, k, dequant, chunks)
+    return _simple_mx_exchange(x, plan, group, r, k, dequant)
 
 
 def _hp_exchange(x: Tensor, plan: Plan, group) -> Tensor:
@@ -394,14 +373,14 @@ def _hp_exchange(x: Tensor, plan: Plan, group) -> Tensor:
 
 class _MXA2A(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, f, chunks, transport):
-        ctx.args = (plan, group, f, chunks, transport)
-        return _mx_exchange(x, plan, group, f, True, chunks, transport)
+    def forward(ctx, x, plan, group, r, chunks, transport):
+        ctx.args = (plan, group, r, chunks, transport)
+        return _mx_exchange(x, plan, group, r, True, chunks, transport)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, group, f, chunks, transport = ctx.args
-        y = _mx_exchange(grad, plan.reversed(), group, f, True, chunks, transport)
+        plan, group, r, chunks, transport = ctx.args
+        y = _mx_exchange(grad, plan.reversed(), group, r, True, chunks, transport)
         return y, None, None, None, None, None
 
 
@@ -419,9 +398,9 @@ class _HPA2A(torch.autograd.Function):
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, f, chunks, transport):
+    def forward(ctx, x, plan, group, r, chunks, transport):
         ctx.args = (plan, group)
-        q, s = _mx_exchange(x, plan, group, f, False, chunks, transport)
+        q, s = _mx_exchange(x, plan, group, r, False, chunks, transport)
         anchor = make_grad_anchor((q.shape[0], q.shape[1]), x.dtype, x.device)
         ctx.mark_non_differentiable(q, s)
         return anchor, q, s
@@ -434,14 +413,14 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, plan, group, f, chunks, transport):
-        ctx.args = (plan, group, f, chunks, transport)
+    def forward(ctx, x, plan, group, r, chunks, transport):
+        ctx.args = (plan, group, r, chunks, transport)
         return _hp_exchange(x, plan, group)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, group, f, chunks, transport = ctx.args
-        y = _mx_exchange(grad, plan.reversed(), group, f, True, chunks, transport)
+        plan, group, r, chunks, transport = ctx.args
+        y = _mx_exchange(grad, plan.reversed(), group, r, True, chunks, transport)
         return y, None, None, None, None, None
 
 
@@ -450,17 +429,17 @@ class _Combine(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def _fmt_and_plan(
+def _recipe_and_plan(
     fn: str, x: Tensor, output_splits, input_splits, group, check: bool, chunks: int | None,
-    kernel: str | None, transport: str, recipe: MXRecipe | None,
-) -> tuple[_Fmt, Plan]:
-    """The format and the checked plan of one MX exchange call `fn` (its arguments, checked once)."""
-    f = _fmt(recipe, kernel, fn)
+    transport: str, recipe: MXRecipe | None,
+) -> tuple[MXRecipe, Plan]:
+    """The recipe and the checked plan of one MX exchange call `fn` (its arguments, checked once)."""
+    r = _recipe(recipe, fn)
     plan = check_and_plan(
         fn, x, output_splits, input_splits, group,
-        check=check, chunks=chunks, transport=transport, block_size=f.block_size,
+        check=check, chunks=chunks, transport=transport, block_size=r.block_size,
     )
-    return f, plan
+    return r, plan
 
 
 def to_mxfp8_a2a_dequant(
@@ -471,7 +450,6 @@ def to_mxfp8_a2a_dequant(
     *,
     check: bool = True,
     chunks: int | None = None,
-    kernel: str | None = None,
     transport: str = "auto",
     recipe: MXRecipe | None = None,
 ) -> Tensor:
@@ -484,18 +462,17 @@ def to_mxfp8_a2a_dequant(
     arguments (every rank raises if one is bad). chunks: None = auto (pipelined on CUDA for large
     tensors, else simple), 0 = simple, k >= 1 = pipelined with up to k pieces per pair of ranks (must
     be equal on all ranks). recipe: the `MXRecipe` whose elem_dtype, block_size, scaling_mode and
-    dim0_kernel the exchange uses (None: DEFAULT_RECIPE, RCEIL e4m3 blocks of 32); give the model's
-    recipe so that EP and EP=1 quantize alike. kernel: the cast kernel without a recipe (None/"auto":
-    fastest available). transport: "symm" (quantize straight into the peers' symmetric-memory
+    dim0_kernel (the cast kernel of the quantize and dequantize; "auto": the fastest available) the
+    exchange uses (None: DEFAULT_RECIPE, RCEIL e4m3 blocks of 32, "auto"); give the model's recipe
+    so that EP and EP=1 quantize alike. transport: "symm" (quantize straight into the peers' symmetric-memory
     buffers: `mxmoe.comm.symm`; CUDA, NCCL group on one host, default format), "nccl" (the process
     group's all-to-all or the `chunks` pipeline) or "auto" (symm where it can run, the format is the
     default and chunks is None, else nccl); equal on all ranks.
     """
-    f, plan = _fmt_and_plan(
-        "to_mxfp8_a2a_dequant",
-        x, output_splits, input_splits, group, check, chunks, kernel, transport, recipe,
+    r, plan = _recipe_and_plan(
+        "to_mxfp8_a2a_dequant", x, output_splits, input_splits, group, check, chunks, transport, recipe
     )
-    return _MXA2A.apply(x, plan, group, f, chunks, transport)
+    return _MXA2A.apply(x, plan, group, r, chunks, transport)
 
 
 def a2a_dispatch_mxfp8(
@@ -506,7 +483,6 @@ def a2a_dispatch_mxfp8(
     *,
     check: bool = True,
     chunks: int | None = None,
-    kernel: str | None = None,
     transport: str = "auto",
     recipe: MXRecipe | None = None,
 ) -> MXTensor:
@@ -518,13 +494,13 @@ def a2a_dispatch_mxfp8(
     `grad_anchor`, a zero-stride (rows, dim) tensor whose gradient (the high-precision gradient of the
     dequantized rows) is sent back to x's rows with a plain high-precision all-to-all. Consumers take
     `mx.grad_anchor` as their differentiable input.
-    check, chunks, kernel, transport, recipe: as in `to_mxfp8_a2a_dequant`.
+    check, chunks, transport, recipe: as in `to_mxfp8_a2a_dequant`.
     """
-    f, plan = _fmt_and_plan(
-        "a2a_dispatch_mxfp8", x, output_splits, input_splits, group, check, chunks, kernel, transport, recipe
+    r, plan = _recipe_and_plan(
+        "a2a_dispatch_mxfp8", x, output_splits, input_splits, group, check, chunks, transport, recipe
     )
-    anchor, q, s = _Dispatch.apply(x, plan, group, f, chunks, transport)
-    return MXTensor(q, s, 1, f.block_size, f.scaling_mode, x.dtype, anchor)
+    anchor, q, s = _Dispatch.apply(x, plan, group, r, chunks, transport)
+    return MXTensor(q, s, 1, r.block_size, r.scaling_mode, x.dtype, anchor)
 
 
 def a2a_combine(
@@ -535,7 +511,6 @@ def a2a_combine(
     *,
     check: bool = True,
     chunks: int | None = None,
-    kernel: str | None = None,
     transport: str = "auto",
     recipe: MXRecipe | None = None,
 ) -> Tensor:
@@ -545,12 +520,12 @@ def a2a_combine(
     (sum(output_splits), dim), x.dtype. Backward: the gradient (rows_out, dim) is quantized with the
     recipe (default RCEIL, e4m3, blocks of 32), sent back with the splits swapped and dequantized to
     x.dtype, exactly like `to_mxfp8_a2a_dequant`'s forward.
-    check, chunks, kernel, transport, recipe: as in `to_mxfp8_a2a_dequant`.
+    check, chunks, transport, recipe: as in `to_mxfp8_a2a_dequant`.
     """
-    f, plan = _fmt_and_plan(
-        "a2a_combine", x, output_splits, input_splits, group, check, chunks, kernel, transport, recipe
+    r, plan = _recipe_and_plan(
+        "a2a_combine", x, output_splits, input_splits, group, check, chunks, transport, recipe
     )
-    return _Combine.apply(x, plan, group, f, chunks, transport)
+    return _Combine.apply(x, plan, group, r, chunks, transport)
 
 
 def all_to_all_hp(x: Tensor, output_splits, input_splits, group=None, *, check: bool = True) -> Tensor:
@@ -585,7 +560,7 @@ def _reference_once(x: Tensor, outs: list[int], ins: list[int], group, r: MXReci
     out = MXTensor(
         q.view(r.elem_dtype), s.view(torch.float8_e8m0fnu), 1, r.block_size, r.scaling_mode, x.dtype
     )
-    return out.dequantize(kernel=r.dim0_kernel)
+    return out.dequantize(recipe=r)
 
 
 def reference_mxfp8_a2a(
@@ -593,16 +568,14 @@ def reference_mxfp8_a2a(
     output_splits,
     input_splits,
     group=None,
-    kernel: str | None = None,
     *,
     recipe: MXRecipe | None = None,
 ) -> Tensor:
     """The definition the MXFP8 all-to-all must match: quantize (to_mx with the recipe, default
     DEFAULT_RECIPE: RCEIL, e4m3, along dim) -> plain all_to_all_single of element and scale bytes ->
-    dequantize to x.dtype. Differentiable: backward does the same to the gradient with the splits
-    swapped. No overlap, no checks. kernel: the cast kernel without a recipe."""
-    f = _fmt(recipe, kernel, "reference_mxfp8_a2a")
-    r = (DEFAULT_RECIPE if recipe is None else recipe).replace(dim0_kernel=f.kernel)
+    dequantize to x.dtype, both with the recipe's dim0_kernel. Differentiable: backward does the
+    same to the gradient with the splits swapped. No overlap, no checks."""
+    r = _recipe(recipe, "reference_mxfp8_a2a")
     outs = list(output_splits.tolist() if isinstance(output_splits, Tensor) else output_splits)
     ins = list(input_splits.tolist() if isinstance(input_splits, Tensor) else input_splits)
     return _Reference.apply(x, outs, ins, group, r)

@@ -26,7 +26,8 @@ form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`; on CPU under TRITO
 "cuda" (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1` and `qdq_dim0_dim1` of the CUDA cast
 extension, csrc/mx_cast.cu: the casts' and the dequantize kernel's device functions in one kernel,
 one read of x and one write per output; dim1 and dim0+dim1 also with groups).
-Which one runs (`mxmoe.quant.backends.qdq_kernel`, where every kernel choice is made):
+Which one runs (`mxmoe.quant.backends.cast_kernel`, where every kernel choice is made, with the
+casts "qdq_dim0", "qdq_dim0_offs" and "qdq_dim1"):
   - dim0 calls follow the recipe's dim0_kernel, dim1 and dim0+dim1 calls its dim1_kernel: "cuda"
     takes the C++ operator, and so does "auto" on CUDA when the extension builds (else the Triton
     kernel);
@@ -48,8 +49,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, CastSpec, check_input_dtype
 from mxmoe.quant import cuda_cast
-from mxmoe.quant.backends import QDQ_MAX_BLOCK_TRITON as _MAX_BS
-from mxmoe.quant.backends import cdiv, next_pow2, qdq_kernel, qdq_kernels, triton_interpret
+from mxmoe.quant.backends import cast_kernel, cdiv, next_pow2, triton_interpret
 from mxmoe.quant.checks import spec_of
 from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
@@ -214,7 +214,7 @@ def qdq_op(
     along C; if dim1, y1 = MX-rounded along R, blocks starting at each matrix's first row (the last
     one short), or at every group start when offs is given. offs: None, or (E,) int32 cumulative
     group ends on x's device; rows at or after offs[-1] are zero in every output. kernel: "torch" |
-    "triton" | "cuda" (concrete, see `qdq_kernel`; "cuda": not dim0 alone with offs, extension
+    "triton" | "cuda" (concrete, from `cast_kernel`; "cuda": not dim0 alone with offs, extension
     loaded; x may then have any ndim >= 2 without offs, the dim1 blocks starting at each matrix
     x[..., :, :]'s first row).
     """
@@ -385,7 +385,8 @@ def swiglu_qdq_trusted(
 ) -> list[Tensor]:
     """`swiglu_qdq_dim0_dim1` for a caller that checked every argument already (the MX ops): g, u
     2D (T, C) of one dtype (made contiguous), offs None or (E,) int32 contiguous on their device,
-    the kernel from `qdq_kernels` (its k1). Returns [y0, y1], each (T, C) out_dtype contiguous."""
+    the kernel `cast_kernel(recipe, device, "qdq_dim1")`. Returns [y0, y1], each (T, C) out_dtype
+    contiguous."""
     g, u = g.contiguous(), u.contiguous()
     args = (g, u, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, kernel, offs)
     return _eager_or_op(swiglu_qdq_op, _swiglu_qdq_impl, "mxmoe::swiglu_qdq", (g, u), args)
@@ -419,8 +420,8 @@ def swiglu_qdq_dim0_dim1(
             f"u ({u.dtype}, shape {tuple(u.shape)}, on {u.device}) must have g's dtype, shape and device "
             f"({g.dtype}, {tuple(g.shape)}, {g.device})"
         )
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), g.device, True)
-    _check(g, recipe, out_dtype, offs, kernel, "g")
+    _check(g, recipe, out_dtype, offs, "g")
+    kernel = cast_kernel(recipe, g.device, "qdq_dim1")
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     y0, y1 = swiglu_qdq_trusted(g, u, recipe, kernel, out_dtype, offs)
     return y0, y1
@@ -490,7 +491,7 @@ def swiglu_bwd_qdq_trusted(
 ) -> list[Tensor]:
     """`swiglu_bwd_qdq_dim0_dim1` for a caller that checked every argument already (the MX ops): dh,
     g, u 2D (T, C) of one dtype (made contiguous), offs None or (E,) int32 contiguous on their
-    device, the kernel from `qdq_kernels` (its k1). Returns [dg0, dg1, du0, du1], each (T, C)
+    device, the kernel `cast_kernel(recipe, device, "qdq_dim1")`. Returns [dg0, dg1, du0, du1], each (T, C)
     out_dtype contiguous."""
     dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
     args = (dh, g, u, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, kernel, offs)
@@ -530,8 +531,8 @@ def swiglu_bwd_qdq_dim0_dim1(
                 f"{name} ({t.dtype}, shape {tuple(t.shape)}, on {t.device}) must have dh's dtype, shape and "
                 f"device ({dh.dtype}, {tuple(dh.shape)}, {dh.device})"
             )
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), dh.device, True)
-    _check(dh, recipe, out_dtype, offs, kernel, "dh")
+    _check(dh, recipe, out_dtype, offs, "dh")
+    kernel = cast_kernel(recipe, dh.device, "qdq_dim1")
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     dg0, dg1, du0, du1 = swiglu_bwd_qdq_trusted(dh, g, u, recipe, kernel, out_dtype, offs)
     return dg0, dg1, du0, du1
@@ -542,9 +543,7 @@ def swiglu_bwd_qdq_dim0_dim1(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check(
-    x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | None, kernel: str, name: str = "x"
-) -> None:
+def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | None, name: str = "x") -> None:
     """The one argument check of a public qdq call (x as the caller gave it, called `name` in the
     messages): recipe, dtypes, the last dim whole blocks, offs."""
     if not isinstance(recipe, MXRecipe):
@@ -558,10 +557,6 @@ def _check(
         raise ValueError(
             f"{name}.shape[-1]={x.shape[-1]} ({name} {tuple(x.shape)}) is not divisible by "
             f"block_size={recipe.block_size}"
-        )
-    if kernel == "triton" and recipe.block_size > _MAX_BS:
-        raise ValueError(
-            f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to {_MAX_BS}"
         )
     if offs is None:
         return
@@ -584,7 +579,7 @@ def qdq_trusted(
     offs: Tensor | None = None,
 ) -> list[Tensor]:
     """`qdq` (dim0 or dim1) or `qdq_dim0_dim1` for a caller that checked every argument already
-    (the MX ops, once per public call): no checks here, the kernel given (from `qdq_kernels`).
+    (the MX ops, once per public call): no checks here, the kernel given (from `cast_kernel`).
 
     x: bf16/fp32, 2D (R, C) or 3D (B, R, C) (no offs), any strides (made contiguous), C divisible
     by the block size. offs: None, or (E,) int32 contiguous on x's device, 2D x. out_dtype: bf16
@@ -626,10 +621,10 @@ def qdq(
     if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
         raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
     dim1 = axis in (-2, x.ndim - 2)
+    _check(x, recipe, out_dtype, offs)
     # dim0 alone with groups (its rows after them zeroed) is the rows kernel's job
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel" if dim1 else "dim0_kernel", "torch"), x.device,
-                        dim1 or offs is None)
-    _check(x, recipe, out_dtype, offs, kernel)
+    cast = "qdq_dim1" if dim1 else "qdq_dim0" if offs is None else "qdq_dim0_offs"
+    kernel = cast_kernel(recipe, x.device, cast)
     xc = x.contiguous()
     # 2D and 3D go to the op as they are (no reshapes); more dims as (B, R, C)
     xb = xc if x.ndim <= 3 else xc.view(-1, x.shape[-2], x.shape[-1])
@@ -662,8 +657,8 @@ def qdq_dim0_dim1(
             f"x must be 2D (R, C), or 3D (B, R, C) without offs, for qdq_dim0_dim1; got shape "
             f"{tuple(x.shape)}{' with offs' if offs is not None else ''}"
         )
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device, True)
-    _check(x, recipe, out_dtype, offs, kernel)
+    _check(x, recipe, out_dtype, offs)
+    kernel = cast_kernel(recipe, x.device, "qdq_dim1")
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     y0, y1 = _qdq(  # 2D / 3D in, the same out (no reshapes)
         x.contiguous(), recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, True,
@@ -672,6 +667,6 @@ def qdq_dim0_dim1(
     return y0, y1
 
 
-__all__ = ["QDQ_KERNELS", "qdq", "qdq_trusted", "qdq_dim0_dim1", "qdq_kernel", "qdq_kernels", "qdq_op",
+__all__ = ["QDQ_KERNELS", "qdq", "qdq_trusted", "qdq_dim0_dim1", "qdq_op",
            "swiglu_bwd", "swiglu_bwd_qdq_dim0_dim1", "swiglu_bwd_qdq_op", "swiglu_bwd_qdq_trusted",
            "swiglu_qdq_dim0_dim1", "swiglu_qdq_op", "swiglu_qdq_trusted"]
