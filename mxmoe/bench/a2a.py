@@ -33,7 +33,8 @@ from mxmoe.comm import (
     reference_mxfp8_a2a,
     to_mxfp8_a2a_dequant,
 )
-from mxmoe.comm.a2a import all_to_all_rows, quantize_rows
+from mxmoe.comm.mx_rows import quantize_rows
+from mxmoe.comm.nccl import all_to_all_rows
 from mxmoe.quant import custom_ops
 from mxmoe.quant.backends import cast_kernel
 from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
