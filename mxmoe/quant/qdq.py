@@ -21,8 +21,9 @@ Layouts (x viewed as (B, R, C), contiguous; every output (B, R, C) row-major con
       offs[-1] belong to no group and are zero in every output (dim0 included), as in that padded
       form. The boundaries are computed on the device from offs (no host sync).
 
-Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize on the padded
-form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`; on CPU under TRITON_INTERPRET=1) and
+Backends: "torch" (the reference, `torch_cast.qdq_rows`: torch_cast's quantize followed by its
+dequantize on the padded form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`, launched by
+its `qdq_rows`; on CPU under TRITON_INTERPRET=1) and
 "cuda" (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1` and `qdq_dim0_dim1` of the CUDA cast
 extension, csrc/mx_cast.cu: the casts' and the dequantize kernel's device functions in one kernel,
 one read of x and one write per output; dim1 and dim0+dim1 also with groups).
@@ -41,148 +42,20 @@ launches for inductor, and the "cuda" kernel into the C++ operator, which induct
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, CastSpec, check_input_dtype
-from mxmoe.quant import cuda_cast
-from mxmoe.quant.backends import cast_kernel, cdiv, next_pow2, triton_interpret
+from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, check_input_dtype
+from mxmoe.quant import cuda_cast, torch_cast
+from mxmoe.quant.backends import cast_kernel, triton_interpret
 from mxmoe.quant.checks import spec_of
-from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
 
 QDQ_KERNELS = CAST_KERNELS  # every cast kernel has its qdq
 
 
-# ----------------------------------------------------------------------------------------------
-# torch backend (reference)
-# ----------------------------------------------------------------------------------------------
-
-
-def _torch_qdq(
-    x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool, offs: Tensor | None
-) -> list[Tensor]:
-    """x (B, R, C) contiguous -> the outputs listed in `qdq_op`, via torch_cast quantize+dequantize
-    of the padded form."""
-    from mxmoe.quant import torch_cast
-
-    B, R, C = x.shape
-    bs = spec.block_size
-    outs: list[Tensor] = []
-    if dim0:
-        q, s = torch_cast.quantize_dim0(x.reshape(B * R, C), spec)
-        y0 = torch_cast.dequantize(q, s, bs, out_dtype).view(B, R, C)
-        if offs is not None:  # rows in no group are zero
-            zero = torch.zeros((), dtype=out_dtype, device=x.device)
-            y0 = torch.where(in_groups(offs, R), y0[0], zero).unsqueeze(0)
-        outs.append(y0)
-    if dim1:  # pad (each group, or each matrix's end) to whole blocks, cast, take the real rows
-        if offs is None:
-            pos, xp = None, torch.nn.functional.pad(x, (0, 0, 0, -R % bs))
-        else:
-            pos, _, cap = group_padding(offs, R, bs)
-            xp = pad_groups(x[0], offs, pos, cap).unsqueeze(0)
-        Rp = xp.shape[1]
-        q, s = torch_cast.quantize_dim0(xp.transpose(1, 2).reshape(B * C, Rp), spec)
-        y1 = torch_cast.dequantize(q, s, bs, out_dtype).view(B, C, Rp).transpose(1, 2)
-        outs.append(y1[:, :R] if pos is None else y1[0].index_select(0, pos).unsqueeze(0))
-    return outs
-
-
-# ----------------------------------------------------------------------------------------------
-# Triton backend
-# ----------------------------------------------------------------------------------------------
-
-# Rows-layout kernel: one dim1 block (bs rows) x _ROWS_WARPS * 64 columns per tile, 64 elements
-# (bf16) per thread; each program does up to _ROWS_ITERS column tiles (amortizing the group
-# lookup; one value: one compiled variant per format), e.g. 2056 x 7 programs for 65536 x 7168 in
-# 8 groups, 512 x 4 for 16384 x 4096.
-_ROWS_WARPS = 4
-_ROWS_ITERS = 4
-_MAX_GROUPS = 4096  # offs entries the rows kernel reads per program (in powers of two from 128)
-
-
-def _launcher(kernel, traced: bool):
-    """`kernel`, or `wrap_triton(kernel)` while AOTAutograd decomposes the op for inductor, which
-    then launches the kernel from its generated code."""
-    if not traced:
-        return kernel
-    from torch.library import wrap_triton
-
-    return wrap_triton(kernel)
-
-
-def _rows_tile(bs: int, elem_size: int) -> dict:
-    """(NSL, W, RS, NB) of the rows kernel: a warp's 32 lanes cover RS rows x NB blocks of bs
-    columns with 16-byte vectors (8 bf16 / 4 fp32 elements per lane); NSL = bs / RS slices per
-    thread."""
-    vec = 16 // elem_size
-    lanes_k = max(1, min(32, bs // vec))
-    nb = max(1, min(32 // lanes_k, 64 // bs))  # a warp's lanes cover at least 64 columns
-    rs = max(1, min(bs, 32 // (lanes_k * nb)))
-    return dict(NSL=bs // rs, W=_ROWS_WARPS, RS=rs, NB=nb)
-
-
-@functools.cache
-def _rows_launch(spec: CastSpec, in_bf16: bool, out_bf16: bool, dim0: bool, dim1: bool, grouped: bool,
-                 matrices: bool, soft: bool) -> tuple[dict, int]:
-    """The rows kernel's compile-time arguments for one configuration (all but EP and I64, which
-    depend on the shapes) and its columns per tile (built once: a launch then costs Triton's own
-    argument handling only)."""
-    from mxmoe.quant.triton_cast import _spec_args
-
-    bs = spec.block_size
-    tile = _rows_tile(bs, 2 if in_bf16 else 4)
-    consts = dict(BS=bs, N_ITER=_ROWS_ITERS, GROUPED=grouped, MATRICES=matrices, IN_BF16=in_bf16,
-                  OUT_BF16=out_bf16, DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS, **tile,
-                  **_spec_args(spec, soft))
-    return consts, tile["W"] * tile["NB"] * bs
-
-
-def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool,
-                     offs: Tensor | None, outs, traced: bool = False) -> None:
-    """The rows kernel on x (B, R, C) or (R, C) (= (1, R, C)) contiguous (B == 1 with offs): y0
-    and/or y1 of x's shape in `outs`; dim1 blocks start at each matrix's first row (each group's
-    with offs). traced: launched through `torch.library.wrap_triton` (the op's decomposition for
-    inductor, `_register_functional_decomp`)."""
-    from mxmoe.quant.triton_qdq import qdq_rows_kernel
-
-    B, R, C = x.shape if x.ndim == 3 else (1, *x.shape)
-    T = B * R
-    bs = spec.block_size
-    if x.numel() == 0:
-        return
-    # else the 2D (T, C) view has the same blocks (a bool also for symbolic shapes: a cache key)
-    matrices = bool(dim1 and B > 1 and R % bs != 0)
-    in_bf16, out_bf16 = x.dtype == torch.bfloat16, out_dtype == torch.bfloat16
-    consts, bct = _rows_launch(spec, in_bf16, out_bf16, dim0, dim1, offs is not None, matrices,
-                               x.device.type != "cuda" or triton_interpret())
-    E = 0 if offs is None else offs.shape[0]
-    # blocks: without groups ceil(R / bs) per matrix; with groups sum of ceil(n_e / bs) <=
-    # floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for the rows after the last group:
-    # <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups). Plain int math: triton's
-    # cdiv is a constexpr function, µs per host call.
-    row_blocks = B * cdiv(R, bs) if offs is None else cdiv(T + (bs - 1) * E, bs)
-    progs_c = cdiv(cdiv(C, bct), _ROWS_ITERS)
-    if row_blocks > 2**31 - 1 or progs_c > 65535:
-        raise ValueError(f"x of shape {tuple(x.shape)} is too large for the qdq kernel's grid")
-    bits = torch.int16 if out_bf16 else torch.int32
-    it = iter(outs)
-    y0 = next(it).view(bits) if dim0 else x
-    y1 = next(it).view(bits) if dim1 else x
-    _launcher(qdq_rows_kernel, traced)[(row_blocks, progs_c)](
-        x.view(torch.int16) if in_bf16 else x.view(torch.int32), y0, y1,
-        x if offs is None else offs, T, R, C, E,
-        EP=max(128, next_pow2(int(E))) if E else 128,
-        # above the largest offset a program forms (masked too): its block's first row is below
-        # T, its last tile ends below bs rows and bct columns further; a bool also for symbolic
-        # shapes (a SymBool is not a constexpr)
-        I64=bool((T + bs) * C + bct >= 2**31),
-        **consts,
-    )
+_MAX_GROUPS = 4096  # offs entries the Triton rows kernel reads per program (in powers of two from 128)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,12 +116,14 @@ def _qdq_impl(
             return _empty_outputs(x, out_dtype, dim0, dim1)
         if x.ndim == 2:
             return [t.contiguous().view(x.shape)
-                    for t in _torch_qdq(x.unsqueeze(0), spec, out_dtype, dim0, dim1, offs)]
-        return [t.contiguous() for t in _torch_qdq(x, spec, out_dtype, dim0, dim1, offs)]
+                    for t in torch_cast.qdq_rows(x.unsqueeze(0), spec, out_dtype, dim0, dim1, offs)]
+        return [t.contiguous() for t in torch_cast.qdq_rows(x, spec, out_dtype, dim0, dim1, offs)]
     if kernel != "triton":
         raise ValueError(f"kernel={kernel!r} is not a qdq kernel; expected one of {list(QDQ_KERNELS)}")
+    from mxmoe.quant.triton_qdq import qdq_rows  # (imports triton: on first use)
+
     outs = _empty_outputs(x, out_dtype, dim0, dim1)
-    _triton_qdq_rows(x, spec, out_dtype, dim0, dim1, offs, outs, traced)
+    qdq_rows(x, spec, out_dtype, dim0, dim1, offs, outs, traced)
     return outs
 
 
