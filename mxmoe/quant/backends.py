@@ -167,8 +167,8 @@ def remember(key: tuple, make: Callable[[], object]) -> object:
 
 
 def clear_resolved() -> None:
-    """Forget the cached `resolve_kernel` answers, and the ops' plans resolved from them (after the
-    environment changed, e.g. in tests)."""
+    """Forget the cached kernel choices (`cast_kernel`, `resolve_kernel`), and the ops' plans resolved
+    from them (after the environment changed, e.g. in tests)."""
     _resolved.clear()
 
 
@@ -204,7 +204,7 @@ def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str
 
 
 # ----------------------------------------------------------------------------------------------
-# the quantize-dequantize calls' kernels (mxmoe.quant.qdq), fed by the recipe
+# The one kernel choice, fed by the recipe: the casts' and the quantize-dequantize calls'
 # ----------------------------------------------------------------------------------------------
 
 QDQ_MAX_BLOCK_TRITON = 128
@@ -252,8 +252,11 @@ def _qdq_kernel(kernel: str, device: torch.device, cuda_op: bool, field: str) ->
         return "torch"
     if cuda_op and kernel in ("cuda", "auto") and device.type == "cuda":
         # resolve_kernel: cached per (kernel, device); "auto" builds / loads the extension once
-        if resolve_kernel(kernel, device, "dim0") != "cuda":
-            return "triton"
+        try:
+            if resolve_kernel(kernel, device, "dim0") != "cuda":
+                return "triton"
+        except RuntimeError as e:  # name the recipe field that asked for it
+            raise RuntimeError(f"recipe {field}={kernel!r}: {e}") from None
         if not torch.compiler.is_compiling():
             from mxmoe.quant import cuda_cast
 
