@@ -276,6 +276,32 @@ def test_auto_order_is_per_cast(monkeypatch):
         kernels.resolve_kernel("auto", torch.device("cuda"), "dim2")
 
 
+def test_cast_kernel_reads_each_casts_recipe_field(monkeypatch):
+    """`backends.cast_kernel`, the one kernel choice: dim0 and dequantize read the recipe's
+    dim0_kernel, dim1 and the fused cast its dim1_kernel, "auto" resolves per cast; a kernel that
+    cannot run on the device names the recipe field; an unknown cast is refused."""
+    from mxmoe.quant import backends, cuda_cast
+    from mxmoe.recipe import recipe
+
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="recipe dim1_kernel='cuda': kernel='cuda' needs a CUDA tensor"):
+        backends.cast_kernel(recipe(dim1_kernel="cuda"), cpu, "dim1")
+    with pytest.raises(ValueError, match="cast='dim2'; expected one of"):
+        backends.cast_kernel(recipe(), cpu, "dim2")
+    assert backends.cast_kernel(recipe(dim0_kernel="cuda"), cpu, "dim1") == "torch"  # "auto" on CPU
+    # as on a GPU machine whose extension builds
+    monkeypatch.setattr(cuda_cast, "load_extension", lambda: object())
+    monkeypatch.setattr(backends, "why_unavailable", lambda k, d: None)
+    monkeypatch.setattr(backends, "_resolved", {})
+    cuda = torch.device("cuda")
+    r = recipe(dim0_kernel="torch", dim1_kernel="auto")
+    got = {c: backends.cast_kernel(r, cuda, c) for c in backends.CASTS}
+    assert got == {"dim0": "torch", "dequant": "torch", "dim1": "cuda", "dim0_dim1": "cuda"}
+    r = recipe(dim0_kernel="triton", dim1_kernel="torch")
+    got = {c: backends.cast_kernel(r, cuda, c) for c in backends.CASTS}
+    assert got == {"dim0": "triton", "dequant": "triton", "dim1": "torch", "dim0_dim1": "torch"}
+
+
 def test_fast_entries_equal_the_public_casts():
     """mx_cast / mx_cast_dim0_dim1 (no checks, for the ops layer) give to_mx's bytes."""
     from mxmoe.quant import mx_cast, mx_cast_dim0_dim1
