@@ -43,6 +43,7 @@ RECIPE_FIELD = {
     "dim1": "dim1_kernel", "dim0_dim1": "dim1_kernel", "qdq_dim1": "dim1_kernel",
 }
 """The recipe field that names each cast's kernel (MXRecipe.dim0_kernel / dim1_kernel)."""
+_DIM1_CASTS = frozenset(c for c, f in RECIPE_FIELD.items() if f == "dim1_kernel")
 # Preference of "auto" on a CUDA device, fastest first, per cast (docs/benchmarks.md).
 # CUDA everywhere: it leads the dim1, fused and dequantize kernels, and its C++ operators cost a
 # fraction of Triton's launch path in host time per call; Triton's dim0 kernel is faster on the GPU,
@@ -225,10 +226,14 @@ def cast_kernel(recipe: MXRecipe, device: torch.device, cast: str) -> str:
     "qdq_dim0_offs"; "auto" falls back to "triton" if the extension does not build, as the casts'
     "auto"), else "triton"; on CPU "triton" only for an explicit "triton" under TRITON_INTERPRET=1.
     The Triton qdq kernel takes block sizes up to QDQ_MAX_BLOCK_TRITON (ValueError beyond)."""
+    # the casts' answers are cached (the qdq calls' are not: the ops keep them in their plans)
+    kernel = recipe.dim1_kernel if cast in _DIM1_CASTS else recipe.dim0_kernel
+    hit = _resolved.get((kernel, device, cast))
+    if hit is not None:
+        return hit
     field = RECIPE_FIELD.get(cast)
     if field is None:
         raise ValueError(f"cast={cast!r}; expected one of {list(CASTS) + list(QDQ_CASTS)}")
-    kernel = recipe.dim0_kernel if field == "dim0_kernel" else recipe.dim1_kernel
     if cast in QDQ_CASTS:
         out = _qdq_kernel(kernel, device, cast != "qdq_dim0_offs", field)
         if out == "triton" and recipe.block_size > QDQ_MAX_BLOCK_TRITON:
@@ -237,9 +242,6 @@ def cast_kernel(recipe: MXRecipe, device: torch.device, cast: str) -> str:
                 f"{QDQ_MAX_BLOCK_TRITON} (the recipe's {field}={kernel!r} takes it on {device.type})"
             )
         return out
-    hit = _resolved.get((kernel, device, cast))
-    if hit is not None:
-        return hit
     try:
         return resolve_kernel(kernel, device, cast)
     except RuntimeError as e:  # name the recipe field that asked for it
