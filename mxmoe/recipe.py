@@ -55,7 +55,8 @@ class MXRecipe:
     """Block exponent rule: "rceil" (cuBLAS round-up, never saturates; default), "floor" (OCP),
     "ceil", "even"."""
     dim0_kernel: str = "auto"
-    """Kernel for casts along the last dim and for dequantizing: "auto" | "torch" | "triton" | "cuda"."""
+    """Kernel for casts along the last dim and for dequantizing: "auto" | "torch" | "triton" | "cuda"
+    (the only way to pick one; `mxmoe.quant.backends.cast_kernel` resolves it per device)."""
     dim1_kernel: str = "auto"
     """Kernel for every cast producing a dim1 (transposed) result, the fused dim0+dim1 cast
     included: "auto" | "torch" | "triton" | "cuda"."""

@@ -167,6 +167,22 @@ def assert_same_bits(
         raise AssertionError(f"{what}: bits differ at {n} of {bad.numel()} elements; first {detail}")
 
 
+def recipe_for(
+    kernel: str,
+    scaling_mode: str = "rceil",
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    block_size: int = 32,
+):
+    """An MXRecipe in the given format whose casts all run `kernel` (its dim0_kernel and dim1_kernel):
+    how a test picks a cast kernel, which the public casts take only through a recipe."""
+    from mxmoe.recipe import MXRecipe
+
+    return MXRecipe(
+        elem_dtype=elem_dtype, block_size=block_size, scaling_mode=scaling_mode,
+        dim0_kernel=kernel, dim1_kernel=kernel,
+    )
+
+
 @pytest.fixture(name="free_port")
 def _free_port_fixture() -> int:
     return free_port()

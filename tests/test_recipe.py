@@ -122,13 +122,12 @@ def test_casts_read_the_recipe(name, assert_same_bits):
     x = torch.randn(64, 96) * 3
     for axis in (-1, 0):
         a = mxmoe.to_mx(x, axis=axis, recipe=r)
-        b = mxmoe.to_mx(x, axis=axis, scaling_mode=r.scaling_mode, kernel="torch")
+        b = mxmoe.to_mx(x, axis=axis, scaling_mode=r.scaling_mode)  # loose arguments ("auto": torch on CPU)
         assert a.scaling_mode == r.scaling_mode
         assert_same_bits(a.qdata_blocked, b.qdata_blocked)
         assert_same_bits(a.scale_blocked, b.scale_blocked)
-    (d0, d1), (e0, e1) = mxmoe.to_mx_dim0_dim1(x, recipe=r), mxmoe.to_mx_dim0_dim1(
-        x, scaling_mode=r.scaling_mode, kernel="torch"
-    )
+    (d0, d1) = mxmoe.to_mx_dim0_dim1(x, recipe=r)
+    (e0, e1) = mxmoe.to_mx_dim0_dim1(x, scaling_mode=r.scaling_mode)
     for a, b in ((d0, e0), (d1, e1)):
         assert_same_bits(a.qdata_blocked, b.qdata_blocked)
         assert_same_bits(a.scale_blocked, b.scale_blocked)
@@ -136,7 +135,12 @@ def test_casts_read_the_recipe(name, assert_same_bits):
 
 def test_recipe_and_loose_arguments_conflict():
     x = torch.randn(32, 32)
-    with pytest.raises(ValueError, match=r"pass either recipe= or \['block_size', 'kernel'\]"):
-        mxmoe.to_mx(x, block_size=16, kernel="torch", recipe=DEFAULT_RECIPE)
+    with pytest.raises(ValueError, match=r"pass either recipe= or \['block_size', 'scaling_mode'\]"):
+        mxmoe.to_mx(x, block_size=16, scaling_mode="floor", recipe=DEFAULT_RECIPE)
+    # the cast kernel comes only through a recipe (its dim0_kernel / dim1_kernel)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'kernel'"):
+        mxmoe.to_mx(x, kernel="torch")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'kernel'"):
+        mxmoe.to_mx(x, recipe=DEFAULT_RECIPE).dequantize(kernel="torch")
     with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe, got str"):
         mxmoe.to_mx_dim0_dim1(x, recipe="mxfp8")

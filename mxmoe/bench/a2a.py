@@ -33,9 +33,11 @@ from mxmoe.comm import (
     reference_mxfp8_a2a,
     to_mxfp8_a2a_dequant,
 )
-from mxmoe.comm.a2a import all_to_all_rows, quantize_rows
+from mxmoe.comm.mx_rows import quantize_rows
+from mxmoe.comm.nccl import all_to_all_rows
 from mxmoe.quant import custom_ops
-from mxmoe.quant.backends import resolve_kernel
+from mxmoe.quant.backends import cast_kernel
+from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
 
 _DEVICE = ["cuda"]  # where the small result reductions live (a list so a CPU smoke test can swap it)
 
@@ -89,7 +91,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=["auto"],
         help="MXFP8 transports to time (comma list of auto, nccl, symm; default auto)",
     )
-    p.add_argument("--kernel", default="auto", help="cast kernel: auto, cuda, triton, torch")
+    p.add_argument("--kernel", default="auto", choices=("auto", *CAST_KERNELS),
+                   help="cast kernel of the exchange (its recipe's dim0_kernel): auto, cuda, triton, torch")
     p.add_argument("--iters", type=int, default=30, help="timed runs per measurement (>= 20)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
@@ -111,6 +114,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.iters < 20:
         p.error(f"--iters={args.iters}; use at least 20 (the median needs them)")
     args.variants = variants(args.transport, args.chunks)
+    args.recipe = DEFAULT_RECIPE.replace(dim0_kernel=args.kernel)  # the exchanges' format and kernel
     return args
 
 
@@ -147,17 +151,17 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_exact(
-    x: torch.Tensor, g: torch.Tensor, outs, ins, chunks: int | None, kernel: str, transport: str = "auto"
+    x: torch.Tensor, g: torch.Tensor, outs, ins, chunks: int | None, recipe: MXRecipe, transport: str = "auto"
 ) -> list[str]:
     """Names of the checks that are NOT bit-exact against the reference (forward and backward)."""
-    return _check_exact(x, g, outs, ins, dict(chunks=chunks, kernel=kernel, transport=transport))
+    return _check_exact(x, g, outs, ins, dict(chunks=chunks, recipe=recipe, transport=transport))
 
 
 def _check_exact(x, g, outs, ins, kw) -> list[str]:
-    kernel = kw["kernel"]
+    recipe = kw["recipe"]
     failed = []
     xr = x.detach().clone().requires_grad_()
-    yr = reference_mxfp8_a2a(xr, outs, ins, kernel=kernel)
+    yr = reference_mxfp8_a2a(xr, outs, ins, recipe=recipe)
     yr.backward(g)
     xm = x.detach().clone().requires_grad_()
     ym = to_mxfp8_a2a_dequant(xm, outs, ins, **kw)
@@ -167,12 +171,12 @@ def _check_exact(x, g, outs, ins, kw) -> list[str]:
     if not _same_bits(xm.grad, xr.grad):
         failed.append("backward")
     mx = a2a_dispatch_mxfp8(x.detach(), outs, ins, **kw)
-    if not _same_bits(mx.dequantize(kernel=kernel), yr.detach()):
+    if not _same_bits(mx.dequantize(recipe=recipe), yr.detach()):
         failed.append("dispatch")
     xc = x.detach().clone().requires_grad_()
     yc = a2a_combine(xc, outs, ins, **kw)
     yc.backward(yr.detach())
-    if not _same_bits(xc.grad, reference_mxfp8_a2a(yr.detach(), ins, outs, kernel=kernel)):
+    if not _same_bits(xc.grad, reference_mxfp8_a2a(yr.detach(), ins, outs, recipe=recipe)):
         failed.append("combine backward")
     del xr, yr, xm, ym, mx, xc, yc
     return failed
@@ -201,7 +205,7 @@ def _check(args, rank: int, world: int, dev, say) -> list[dict]:
             * torch.exp2(torch.randint(-135, 100, (sum(outs), 1), device=dev))
         ).to(dtype)
         for transport, chunks in dict.fromkeys([*args.variants, ("nccl", 0), ("nccl", 3)]):
-            ok = _all_ok(check_exact(x, g, outs, ins, chunks, args.kernel, transport))
+            ok = _all_ok(check_exact(x, g, outs, ins, chunks, args.recipe, transport))
             case = f"uneven splits {dtype} transport={transport} chunks={chunks}"
             checks.append({"case": case, "exact": ok})
             say(f"check {case}: {'exact' if ok else 'MISMATCH'}")
@@ -235,7 +239,7 @@ def _bench_shape(xs, gs, splits, shape, world, args, rows, breakdown) -> None:
 
         def mxfp8(t, chunks=chunks, transport=transport):
             return to_mxfp8_a2a_dequant(
-                t, splits, splits, check=False, chunks=chunks, kernel=args.kernel, transport=transport
+                t, splits, splits, check=False, chunks=chunks, recipe=args.recipe, transport=transport
             )
 
         mx = _time_op(mxfp8, xs, gs, timed)
@@ -257,7 +261,7 @@ def _bench_shape(xs, gs, splits, shape, world, args, rows, breakdown) -> None:
     with torch.no_grad():
         checked = bench(
             lambda t: to_mxfp8_a2a_dequant(
-                t, splits, splits, check=True, chunks=chunks, kernel=args.kernel, transport=transport
+                t, splits, splits, check=True, chunks=chunks, recipe=args.recipe, transport=transport
             ),
             [(x,) for x in xs],
             **timed,
@@ -291,7 +295,7 @@ def main(argv: list[str]) -> int:
                 shape = f"{batch}x{args.seq}x{dim}"
                 if args.check or args.check_only:
                     t0, c0 = args.variants[0]
-                    ok = _all_ok(check_exact(xs[0], gs[0], splits, splits, c0, args.kernel, t0))
+                    ok = _all_ok(check_exact(xs[0], gs[0], splits, splits, c0, args.recipe, t0))
                     checks.append({"case": shape, "exact": ok})
                     say(f"check {shape}: {'exact' if ok else 'MISMATCH'}")
                 if not args.check_only:
@@ -328,10 +332,10 @@ def main(argv: list[str]) -> int:
 
 def _breakdown(xs, splits, shape, args, bf16_fwd, mx_fwd, checked_fwd) -> dict:
     timed = dict(warmup=args.warmup, iters=args.iters)
-    k = resolve_kernel(args.kernel, xs[0].device)
-    q, s = quantize_rows(xs[0], k)
+    k = cast_kernel(args.recipe, xs[0].device, "dim0")  # the exchange's kernel (its casts run along rows)
+    q, s = quantize_rows(xs[0], recipe=args.recipe)
     qo, so = torch.empty_like(q.view(torch.uint8)), torch.empty_like(s.view(torch.uint8))
-    t_q = bench(lambda x: quantize_rows(x, k), [(x,) for x in xs], **timed).median_ms
+    t_q = bench(lambda x: quantize_rows(x, recipe=args.recipe), [(x,) for x in xs], **timed).median_ms
 
     def exchange():
         all_to_all_rows(qo, q.view(torch.uint8), splits, splits)
@@ -374,7 +378,7 @@ def _profile(args, rank, world, dev) -> None:
             splits,
             check=False,
             chunks=args.variants[0][1],
-            kernel=args.kernel,
+            recipe=args.recipe,
             transport=args.variants[0][0],
         ).backward(g),
     }

@@ -155,8 +155,9 @@ def forward_rows(
     for fast in (True, False):
         t, why = timed_or_reason(lambda fast=fast: scaled(fast), iters)
         rows.append(forward_row(name, f"{scaled_name} fast_accum={fast}", t, t_bf16, flops, why))
-    a0 = to_mx(a, axis=-1, kernel=kernel)
-    w0 = to_mx(w.transpose(-2, -1), axis=-2, kernel=kernel)
+    rk = RECIPES["mxfp8_rceil"].replace(dim0_kernel=kernel, dim1_kernel=kernel)
+    a0 = to_mx(a, axis=-1, recipe=rk)
+    w0 = to_mx(w.transpose(-2, -1), axis=-2, recipe=rk)
     for backend in GEMM_BACKENDS:
         r = RECIPES["mxfp8_rceil"].replace(dim0_kernel=kernel, gemm_backend=backend)
         t, why = timed_or_reason(lambda r=r: mx_gemm(a0, w0, offs, recipe=r), iters)

@@ -110,19 +110,19 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
         ("x.to(float8_e4m3fn)", "native", lambda: x.to(torch.float8_e4m3fn), True),
     ]
     for k in kernels:
-        mx0 = to_mx(x, -1, kernel=k)
+        rk = DEFAULT_RECIPE.replace(dim0_kernel=k, dim1_kernel=k)  # the kernel goes in through a recipe
+        mx0 = to_mx(x, -1, recipe=rk)
         cases += [
-            ("to_mx dim0", k, lambda k=k: to_mx(x, -1, kernel=k), True),
-            ("to_mx dim1", k, lambda k=k: to_mx(x, 0, kernel=k), True),
-            ("to_mx_dim0_dim1", k, lambda k=k: to_mx_dim0_dim1(x, kernel=k), True),
-            ("to_mx 3D along K", k, lambda k=k: to_mx(w3, -1, kernel=k), True),
-            ("to_mx 3D along N", k, lambda k=k: to_mx(w3, -2, kernel=k), True),
-            ("dequantize", k, lambda k=k, m=mx0: m.dequantize(kernel=k), True),
+            ("to_mx dim0", k, lambda rk=rk: to_mx(x, -1, recipe=rk), True),
+            ("to_mx dim1", k, lambda rk=rk: to_mx(x, 0, recipe=rk), True),
+            ("to_mx_dim0_dim1", k, lambda rk=rk: to_mx_dim0_dim1(x, recipe=rk), True),
+            ("to_mx 3D along K", k, lambda rk=rk: to_mx(w3, -1, recipe=rk), True),
+            ("to_mx 3D along N", k, lambda rk=rk: to_mx(w3, -2, recipe=rk), True),
+            ("dequantize", k, lambda rk=rk, m=mx0: m.dequantize(recipe=rk), True),
         ]
         # the fused quantize-dequantize the emulated GEMM's operands come from (on a GPU, "cuda" and
         # "auto" run the C++ operators mxmoe_cuda::qdq_dim0 / qdq_dim1 / qdq_dim0_dim1, the grouped
         # dim1 call too)
-        rk = DEFAULT_RECIPE.replace(dim0_kernel=k, dim1_kernel=k)
         cases += [
             ("qdq dim0", k, lambda rk=rk: qdq(x, -1, recipe=rk), True),
             ("qdq dim1", k, lambda rk=rk: qdq(x, -2, recipe=rk), True),

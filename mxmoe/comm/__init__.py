@@ -5,14 +5,9 @@ any process group (NCCL on GPUs, gloo on CPU); `group=None` is the default group
 initialized process group they act as a single rank.
 """
 
-from mxmoe.comm.a2a import (
-    a2a_combine,
-    a2a_dispatch_mxfp8,
-    all_to_all_hp,
-    reference_mxfp8_a2a,
-    to_mxfp8_a2a_dequant,
-)
+from mxmoe.comm.a2a import a2a_combine, a2a_dispatch_mxfp8, all_to_all_hp, to_mxfp8_a2a_dequant
 from mxmoe.comm.kernels import dequantize_into, qdq_into
+from mxmoe.comm.reference import reference_mxfp8_a2a
 
 __all__ = [
     "a2a_combine",

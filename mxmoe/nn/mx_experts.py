@@ -70,7 +70,7 @@ class MXGroupedExperts(GroupedExperts):
         if isinstance(x, MXTensor):
             if x.ndim != 2 or x.axis != 1:
                 raise ValueError(f"x must be a 2D MXTensor blocked along dim (axis=1), got {x!r}")
-            rows = x.dequantize(kernel=cfg.dim0_kernel)  # exact: the rows' orig dtype holds Q(x)
+            rows = x.dequantize(recipe=cfg)  # exact: the rows' orig dtype holds Q(x)
             if x.grad_anchor is not None:  # the dispatch sends this gradient back in high precision
                 rows = RowsFromAnchor.apply(x.grad_anchor, rows)
             return super().forward(rows, num_tokens_per_expert)

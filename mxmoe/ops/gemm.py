@@ -131,10 +131,10 @@ def _check_operands(a: MXTensor, b: MXTensor, offs: Tensor | None) -> None:
 
 
 def _emulated(
-    a: MXTensor, b: MXTensor, offs: Tensor | None, compute_dtype: torch.dtype, kernel: str
+    a: MXTensor, b: MXTensor, offs: Tensor | None, compute_dtype: torch.dtype, recipe: MXRecipe
 ) -> Tensor:
-    a_hp = a.dequantize(compute_dtype, kernel=kernel)
-    b_hp = b.dequantize(compute_dtype, kernel=kernel)
+    a_hp = a.dequantize(compute_dtype, recipe=recipe)
+    b_hp = b.dequantize(compute_dtype, recipe=recipe)
     if offs is None:
         return a_hp @ b_hp
     return _grouped(a_hp, b_hp, offs)
@@ -168,15 +168,11 @@ def native_unavailable(device: torch.device) -> str | None:
     The first answer per device is kept (`mxmoe.quant.backends.clear_resolved` forgets it); on a
     10.x device it runs one tiny MX GEMM of each kind to find out (not while torch.compile traces:
     there an unprobed 10.x device counts as able)."""
-    key = ("native_gemm", device.type, device.index)
-    cache = backends._resolved
-    if key in cache:
-        return cache[key]
-    if torch.compiler.is_compiling():
-        return _native_reason(device, probe=False)
-    reason = _native_reason(device)
-    cache[key] = reason
-    return reason
+    # (remember keeps nothing made while torch.compile traces, where no probe runs)
+    return backends.remember(
+        ("native_gemm", device.type, device.index),
+        lambda: _native_reason(device, probe=not torch.compiler.is_compiling()),
+    )
 
 
 def _native_reason(device: torch.device, probe: bool = True) -> str | None:
@@ -266,7 +262,9 @@ def _m_scales(t: MXTensor, offs: Tensor | None) -> Tensor:
     return sl.to_blocked(s) if offs is None else sl.to_blocked_m_groups(s, offs)
 
 
-def _native(a: MXTensor, b: MXTensor, offs: Tensor | None, compute_dtype: torch.dtype, kernel: str) -> Tensor:
+def _native(
+    a: MXTensor, b: MXTensor, offs: Tensor | None, compute_dtype: torch.dtype, recipe: MXRecipe
+) -> Tensor:
     """torch's block-scaled GEMMs (bf16 result). Operands as the ops make them, handed over as
     torch's ops take them (what torchao's MXFP8 grouped GEMM passes, tests/ops/test_native_gemm.py):
       dense    a (M, K) row-major, b (K, N) column-major (storage (N, K)); scales blocked, flat.
@@ -275,7 +273,7 @@ def _native(a: MXTensor, b: MXTensor, offs: Tensor | None, compute_dtype: torch.
       2D x 2D  (wgrad) a (M, T) row-major, b (T, K) column-major (storage (K, T)), both blocked
                along T; scales blocked per group of T (offs // 32: every group end a multiple of
                32, as the ops' group-padded copies have them); out (E, M, K)."""
-    del compute_dtype, kernel
+    del compute_dtype, recipe
     bf16 = torch.bfloat16
     if offs is None:
         s_a = _m_scales(a, None).reshape(-1)
@@ -344,20 +342,24 @@ class OpPlan(NamedTuple):
     compute: torch.dtype
     """The emulated GEMM's operand dtype (`MXRecipe.compute_dtype`)."""
     k0: str | None
-    """The qdq kernel of dim0 calls (no offs); None off the qdq path (`qdq_kernels`)."""
+    """The qdq kernel of dim0 calls without offs (`backends.cast_kernel`, "qdq_dim0"); None off the
+    qdq path."""
     k1: str | None
-    """The qdq kernel of dim1 and dim0+dim1 calls (with or without offs); None off the qdq path."""
+    """The qdq kernel of dim1 and dim0+dim1 calls, with or without offs (`backends.cast_kernel`,
+    "qdq_dim1"); None off the qdq path."""
 
 
 def _make_plan(cfg: MXRecipe, device: torch.device, backend: str, hp: bool) -> OpPlan:
-    k0, k1 = backends.qdq_kernels(cfg, device) if hp else (None, None)
+    if not hp:
+        return OpPlan(backend, hp, cfg.compute_dtype(device), None, None)
+    k0, k1 = (backends.cast_kernel(cfg, device, c) for c in ("qdq_dim0", "qdq_dim1"))
     return OpPlan(backend, hp, cfg.compute_dtype(device), k0, k1)
 
 
 def op_plan(cfg: MXRecipe, device: torch.device) -> OpPlan:
     """The OpPlan of `cfg` on `device`'s type: a dict lookup after the first call (kept with the
     cast kernels' resolved answers, `mxmoe.quant.backends.clear_resolved` forgets it too); built
-    afresh while torch.compile traces. Raises as the recipe's qdq calls would (`qdq_kernels`)."""
+    afresh while torch.compile traces. Raises as the recipe's qdq calls would (`backends.cast_kernel`)."""
     backend = resolve_gemm_backend(cfg, device)
     hp = backend in QDQ_BACKENDS  # (in the key: tests switch the path per call)
     if torch.compiler.is_compiling():
@@ -435,6 +437,6 @@ def mx_gemm(
                 raise ValueError(refused)
             _log_once(f"gemm_backend='auto' runs the emulated GEMM for this call: {refused}")
             backend = "emulated"
-    out = _BACKENDS[backend](a, b, offs, cfg.compute_dtype(a.device), cfg.dim0_kernel)
+    out = _BACKENDS[backend](a, b, offs, cfg.compute_dtype(a.device), cfg)
     dtype = a.orig_dtype if out_dtype is None else out_dtype
     return out if out.dtype == dtype else out.to(dtype)

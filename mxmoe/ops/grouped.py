@@ -96,7 +96,7 @@ def _cast_a(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, need_dw: boo
     if is_mx:
         a0 = _mx(a_q, a_s, 1, cfg, a_mode, out_dtype)
         if hp:
-            a0 = a0.dequantize(compute, kernel=cfg.dim0_kernel)
+            a0 = a0.dequantize(compute, recipe=cfg)
         kept = (a_q, a_s) if hp else (pos, offs_pad, a_q, a_s)
     elif need_dw and hp:  # one read of a: along K, and along M in groups (kept for the wgrad)
         a0, a1 = qdq_trusted(a, cfg, plan.k1, compute, True, True, offs)
@@ -126,11 +126,11 @@ def _wgrad_a(kept, offs: Tensor, cfg: MXRecipe, plan: OpPlan, is_mx: bool, a_mod
         if not is_mx:
             return kept[0]
         sq, ss = kept
-        a_hp = _mx(sq, ss, 1, cfg, a_mode, a_dtype).dequantize(kernel=cfg.dim0_kernel)
+        a_hp = _mx(sq, ss, 1, cfg, a_mode, a_dtype).dequantize(recipe=cfg)
         return qdq_trusted(a_hp, cfg, plan.k1, plan.compute, False, True, offs)[0]
     pos, _, sq, ss = kept
     if is_mx:
-        a_hp = _mx(sq, ss, 1, cfg, a_mode, a_dtype).dequantize(kernel=cfg.dim0_kernel)
+        a_hp = _mx(sq, ss, 1, cfg, a_mode, a_dtype).dequantize(recipe=cfg)
         return to_mx(pad_groups(a_hp, offs, pos, cap), axis=0, recipe=cfg)
     return _mx(sq, ss, 0, cfg, cfg.scaling_mode, a_dtype)
 

@@ -120,8 +120,8 @@ def dgrad_mx(
     if resolve_gemm_backend(cfg, dy0.device) != "emulated":
         return mx_gemm(dy0, w1, offs, cfg, out_dtype=out_dtype)
     compute = cfg.compute_dtype(dy0.device)
-    d = dy0.dequantize(compute, kernel=cfg.dim0_kernel)
-    w = w1.dequantize(compute, kernel=cfg.dim0_kernel).contiguous()
+    d = dy0.dequantize(compute, recipe=cfg)
+    w = w1.dequantize(compute, recipe=cfg).contiguous()
     return hp_gemm(d, w, offs, out_dtype)
 
 
@@ -141,7 +141,7 @@ def wgrad_mx(
     if resolve_gemm_backend(cfg, x1.device) != "emulated":
         return mx_gemm(swap_last2(dy1), x1, offs_pad, cfg, out_dtype=out_dtype)
     compute = cfg.compute_dtype(x1.device)
-    d, a = (t.dequantize(compute, kernel=cfg.dim0_kernel) for t in (dy1, x1))
+    d, a = (t.dequantize(compute, recipe=cfg) for t in (dy1, x1))
     if isinstance(rows, Tensor):
         d, a = d.index_select(0, rows), a.index_select(0, rows)
     else:

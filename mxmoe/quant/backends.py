@@ -1,6 +1,8 @@
 """The cast backends ("torch", "triton", "cuda"), where each can run, and the one place a kernel is
-chosen: `resolve_kernel` for a cast (what `kernel="auto"` picks), `qdq_kernel` / `qdq_kernels` for
-the quantize-dequantize calls of a recipe (which the MX ops keep per recipe through `remember`).
+chosen: `cast_kernel(recipe, device, cast)`, which every consumer calls (the casts, the
+quantize-dequantize calls, the MX ops' plans, the MXFP8 exchange, the torchtitan dispatcher) with
+the recipe whose `dim0_kernel` / `dim1_kernel` name the choice. Answers derived from it (the MX ops'
+per-recipe plans) are kept beside its own through `remember`.
 
 Backend protocol. A backend is a module with these functions (the same arguments in the same
 order in every backend; `mxmoe.quant.torch_cast` is the reference):
@@ -31,7 +33,18 @@ from mxmoe.recipe import CAST_KERNELS, MXRecipe
 
 KERNELS = CAST_KERNELS  # the one tuple of cast kernel names (mxmoe.recipe)
 CASTS = ("dim0", "dim1", "dim0_dim1", "dequant")
-# Preference of `kernel="auto"` on a CUDA device, fastest first, per cast (docs/benchmarks.md).
+"""The MX casts (to_mx along the last dim, along dim -2, both at once; dequantize)."""
+QDQ_CASTS = ("qdq_dim0", "qdq_dim0_offs", "qdq_dim1")
+"""The quantize-dequantize calls (mxmoe.quant.qdq): dim0 without groups, dim0 alone with groups
+(offs; no C++ operator covers it), and dim1 / dim0+dim1 / the SwiGLU-fused ones with or without."""
+RECIPE_FIELD = {
+    "dim0": "dim0_kernel", "dequant": "dim0_kernel",
+    "qdq_dim0": "dim0_kernel", "qdq_dim0_offs": "dim0_kernel",
+    "dim1": "dim1_kernel", "dim0_dim1": "dim1_kernel", "qdq_dim1": "dim1_kernel",
+}
+"""The recipe field that names each cast's kernel (MXRecipe.dim0_kernel / dim1_kernel)."""
+_DIM1_CASTS = frozenset(c for c, f in RECIPE_FIELD.items() if f == "dim1_kernel")
+# Preference of "auto" on a CUDA device, fastest first, per cast (docs/benchmarks.md).
 # CUDA everywhere: it leads the dim1, fused and dequantize kernels, and its C++ operators cost a
 # fraction of Triton's launch path in host time per call; Triton's dim0 kernel is faster on the GPU,
 # which only pays for tensors far above a typical activation.
@@ -136,13 +149,17 @@ def _cuda_extension_ready() -> bool:
 _resolved: dict[tuple, object] = {}
 
 
+_MISSING = object()
+
+
 def remember(key: tuple, make: Callable[[], object]) -> object:
-    """`make()`, kept under `key` (a tuple whose first item names its kind, e.g. "op_plan") beside the
-    `resolve_kernel` answers it derives from, so that `clear_resolved` forgets both. Not kept while
-    torch.compile traces (the answer may rest on a build not yet tried)."""
+    """`make()` (any value, None included), kept under `key` (a tuple whose first item names its
+    kind, e.g. "op_plan") beside the kernel choices it derives from, so that `clear_resolved`
+    forgets both. Not kept while torch.compile traces (the answer may rest on a build not yet
+    tried)."""
     cache = _resolved  # looked up per call: tests swap the dict
-    hit = cache.get(key)
-    if hit is not None:
+    hit = cache.get(key, _MISSING)
+    if hit is not _MISSING:
         return hit
     out = make()
     if not torch.compiler.is_compiling():
@@ -151,15 +168,17 @@ def remember(key: tuple, make: Callable[[], object]) -> object:
 
 
 def clear_resolved() -> None:
-    """Forget the cached `resolve_kernel` answers, and the ops' plans resolved from them (after the
-    environment changed, e.g. in tests)."""
+    """Forget the cached kernel choices (`cast_kernel`, `resolve_kernel`), and the ops' plans resolved
+    from them (after the environment changed, e.g. in tests)."""
     _resolved.clear()
 
 
 def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str:
-    """Map `auto` to the fastest available backend for `cast` (one of CASTS; the default, dim1's
-    order, suits code that runs several casts with one kernel) and check that `kernel` can run on
-    `device`. Cached: repeated calls cost a dict lookup."""
+    """`cast_kernel`'s step on a kernel name: map "auto" to the fastest available backend for `cast`
+    (one of CASTS; the default, dim1's order, suits code that runs several casts with one kernel)
+    and check that `kernel` can run on `device`. For the building blocks below the recipe (the
+    exchange's kernels, mxmoe.comm.kernels / symm) that are handed a name `cast_kernel` chose.
+    Cached: repeated calls cost a dict lookup."""
     key = (kernel, device, cast)
     hit = _resolved.get(key)
     if hit is not None:
@@ -186,55 +205,71 @@ def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str
 
 
 # ----------------------------------------------------------------------------------------------
-# the quantize-dequantize calls' kernels (mxmoe.quant.qdq), fed by the recipe
+# The one kernel choice, fed by the recipe: the casts' and the quantize-dequantize calls'
 # ----------------------------------------------------------------------------------------------
 
 QDQ_MAX_BLOCK_TRITON = 128
 """Largest block size of the Triton qdq rows kernel (it holds whole blocks both ways in a tile)."""
 
 
-def qdq_kernel(kernel: str, device: torch.device, cuda_op: bool = False) -> str:
-    """The qdq backend for a recipe's cast kernel choice on `device`: "torch" for "torch" and for
-    "auto" off CUDA; for a call a C++ operator covers (`cuda_op`: all but dim0 alone with offs) on
-    CUDA, "cuda" for "cuda" (the C++ operators; RuntimeError if they cannot run) and for "auto"
-    (falling back to "triton" if the extension does not build, as `to_mx`'s "auto"); "triton"
-    otherwise (CUDA, or the interpreter for an explicit "triton")."""
+def cast_kernel(recipe: MXRecipe, device: torch.device, cast: str) -> str:
+    """The concrete kernel ("torch" | "triton" | "cuda") that runs `cast` for `recipe` on tensors of
+    `device`: the one kernel choice of mxmoe. The recipe field RECIPE_FIELD[cast] names it ("auto"
+    or a kernel).
+
+    cast, one of CASTS: an MX cast or dequantize. "auto" is "torch" off CUDA and on CUDA the first
+    available kernel of AUTO_ORDER_CUDA[cast] (the CUDA extension where it builds); a named kernel
+    that cannot run on `device` raises (RuntimeError naming the field and why). A dict lookup after
+    the first call per (kernel, device, cast).
+    cast, one of QDQ_CASTS: a quantize-dequantize call. "torch" for "torch" and for "auto" off CUDA;
+    on CUDA "cuda" for "cuda" and "auto" where a C++ operator covers the call (all but
+    "qdq_dim0_offs"; "auto" falls back to "triton" if the extension does not build, as the casts'
+    "auto"), else "triton"; on CPU "triton" only for an explicit "triton" under TRITON_INTERPRET=1.
+    The Triton qdq kernel takes block sizes up to QDQ_MAX_BLOCK_TRITON (ValueError beyond)."""
+    # the casts' answers are cached (the qdq calls' are not: the ops keep them in their plans)
+    kernel = recipe.dim1_kernel if cast in _DIM1_CASTS else recipe.dim0_kernel
+    hit = _resolved.get((kernel, device, cast))
+    if hit is not None:
+        return hit
+    field = RECIPE_FIELD.get(cast)
+    if field is None:
+        raise ValueError(f"cast={cast!r}; expected one of {list(CASTS) + list(QDQ_CASTS)}")
+    if cast in QDQ_CASTS:
+        out = _qdq_kernel(kernel, device, cast != "qdq_dim0_offs", field)
+        if out == "triton" and recipe.block_size > QDQ_MAX_BLOCK_TRITON:
+            raise ValueError(
+                f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to "
+                f"{QDQ_MAX_BLOCK_TRITON} (the recipe's {field}={kernel!r} takes it on {device.type})"
+            )
+        return out
+    try:
+        return resolve_kernel(kernel, device, cast)
+    except RuntimeError as e:  # name the recipe field that asked for it
+        raise RuntimeError(f"recipe {field}={kernel!r}: {e}") from None
+
+
+def _qdq_kernel(kernel: str, device: torch.device, cuda_op: bool, field: str) -> str:
+    """`cast_kernel` of a qdq call (cuda_op: a C++ operator covers it)."""
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
         return "torch"
     if cuda_op and kernel in ("cuda", "auto") and device.type == "cuda":
         # resolve_kernel: cached per (kernel, device); "auto" builds / loads the extension once
-        if resolve_kernel(kernel, device, "dim0") != "cuda":
-            return "triton"
+        try:
+            if resolve_kernel(kernel, device, "dim0") != "cuda":
+                return "triton"
+        except RuntimeError as e:  # name the recipe field that asked for it
+            raise RuntimeError(f"recipe {field}={kernel!r}: {e}") from None
         if not torch.compiler.is_compiling():
             from mxmoe.quant import cuda_cast
 
             cuda_cast.load_extension()  # a flag test once loaded; raises if "cuda" cannot build
         return "cuda"
-    if kernel not in ("auto", "triton", "cuda"):
-        raise ValueError(
-            f"kernel={kernel!r} is not a cast kernel; expected 'auto', 'torch', 'triton' or 'cuda'"
-        )
     if device.type == "cuda" or (kernel == "triton" and device.type == "cpu" and triton_interpret()):
         return "triton"
     raise RuntimeError(
-        f"kernel={kernel!r}: the qdq kernel needs a CUDA tensor (got a {device.type} tensor), or "
-        "TRITON_INTERPRET=1 for kernel='triton' on CPU"
+        f"recipe {field}={kernel!r}: the qdq kernel needs a CUDA tensor (got a {device.type} tensor), or "
+        "TRITON_INTERPRET=1 for 'triton' on CPU"
     )
-
-
-def qdq_kernels(recipe: MXRecipe, device: torch.device) -> tuple[str, str]:
-    """(k0, k1): the qdq kernels of the calls the MX ops make with `recipe` on `device`: k0 for dim0
-    without offs, k1 for dim1 and dim0+dim1, with or without offs (`qdq_kernel`). Raises where
-    `qdq` would for such a call (a kernel that cannot run here, a block size above the Triton
-    kernel's). The ops resolve this once per (recipe, device type), not per qdq call."""
-    k0 = qdq_kernel(recipe.dim0_kernel, device, True)
-    k1 = qdq_kernel(recipe.dim1_kernel, device, True)
-    if "triton" in (k0, k1) and recipe.block_size > QDQ_MAX_BLOCK_TRITON:
-        raise ValueError(
-            f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to "
-            f"{QDQ_MAX_BLOCK_TRITON}"
-        )
-    return k0, k1
 
 
 _MODULES = {

@@ -23,9 +23,9 @@ from torch import Tensor
 from mxmoe.formats import OUTPUT_DTYPES, ScalingMode, check_input_dtype
 from mxmoe.quant import dispatch
 from mxmoe.quant import scale_layout as sl
-from mxmoe.quant.backends import resolve_kernel
+from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.checks import check_no_grad, check_x, checked_spec, spec_of
-from mxmoe.recipe import MXRecipe
+from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe, as_recipe
 
 
 @dataclass
@@ -114,17 +114,21 @@ class MXTensor:
     def device(self) -> torch.device:
         return self.qdata_blocked.device
 
-    def dequantize(self, dtype: torch.dtype | None = None, kernel: str = "auto") -> Tensor:
-        """High-precision tensor of the logical shape (a view: the storage order is kept)."""
+    def dequantize(self, dtype: torch.dtype | None = None, *, recipe: MXRecipe | None = None) -> Tensor:
+        """High-precision tensor of the logical shape (a view: the storage order is kept), in `dtype`
+        (torch.bfloat16 | torch.float32; default orig_dtype).
+
+        recipe: whose dim0_kernel runs the dequantize (None: DEFAULT_RECIPE, "auto"); only the kernel
+        is read, the format is this tensor's own (its elem dtype and block_size)."""
         dtype = self.orig_dtype if dtype is None else dtype
         if dtype not in OUTPUT_DTYPES:
             what = "an output dtype" if isinstance(dtype, torch.dtype) else "a torch.dtype"
             raise TypeError(f"dtype={dtype!r} is not {what}; expected torch.bfloat16 or torch.float32")
-        return self.dequantize_trusted(dtype, resolve_kernel(kernel, self.device, "dequant"))
+        return self.dequantize_trusted(dtype, cast_kernel(as_recipe(recipe), self.device, "dequant"))
 
     def dequantize_trusted(self, dtype: torch.dtype, kernel: str) -> Tensor:
         """`dequantize` without checks, for the ops layer: dtype bf16/fp32, kernel concrete (from
-        `resolve_kernel`). Returns the logical shape (a view of a contiguous (.., K) result).
+        `cast_kernel`). Returns the logical shape (a view of a contiguous (.., K) result).
         A grouped blocked layout gives zeros for the tokens in no group (at or after offs[-1])."""
         q, sc = self.qdata_blocked, self.plain_scale()
         if q.ndim == 2:
@@ -233,10 +237,10 @@ def _rows(shape: torch.Size, trailing: int) -> int:
     return math.prod(shape[: len(shape) - trailing])
 
 
-def _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel) -> None:
+def _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size) -> None:
     if not isinstance(recipe, MXRecipe):
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
-    if (scaling_mode, block_size, kernel) == ("rceil", 32, "auto") and elem_dtype is torch.float8_e4m3fn:
+    if (scaling_mode, block_size) == ("rceil", 32) and elem_dtype is torch.float8_e4m3fn:
         return  # nothing given besides the recipe: the common case, checked cheaply
     given = {
         k: v
@@ -244,7 +248,6 @@ def _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel) -> 
             ("scaling_mode", scaling_mode, "rceil"),
             ("elem_dtype", elem_dtype, torch.float8_e4m3fn),
             ("block_size", block_size, 32),
-            ("kernel", kernel, "auto"),
         )
         if v != default
     }
@@ -258,7 +261,6 @@ def to_mx(
     scaling_mode: str | ScalingMode = "rceil",
     elem_dtype: torch.dtype = torch.float8_e4m3fn,
     block_size: int = 32,
-    kernel: str = "auto",
     *,
     recipe: MXRecipe | None = None,
     scale_layout: str = "plain",
@@ -273,9 +275,10 @@ def to_mx(
     in memory (e.g. a transposed view) it is quantized without a copy; otherwise the dim1 kernel
     reads it row-major.
 
-    recipe: an `MXRecipe`; when given it supplies scaling_mode, elem_dtype, block_size and the
-    kernel (its dim0_kernel for a cast along the last dim, its dim1_kernel otherwise), and the
-    other keyword arguments must be left at their defaults.
+    recipe: an `MXRecipe`; when given it supplies scaling_mode, elem_dtype and block_size (which
+    must then be left at their defaults). The cast kernel comes from the recipe only (its
+    dim0_kernel for a cast along the last dim, its dim1_kernel otherwise; chosen by
+    `mxmoe.quant.backends.cast_kernel`); without a recipe it is "auto".
     scale_layout: "plain" (above) or "blocked": the scales in the layout of Blackwell's
     block-scaled GEMMs (module docstring), rearranged after the cast by a torch pass (every cast
     kernel writes the plain layout).
@@ -285,7 +288,7 @@ def to_mx(
     torch._scaled_grouped_mm takes them. Checked here with a host read.
     """
     if recipe is not None:
-        _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel)
+        _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size)
         bs = recipe.block_size
         ax = check_x(x, bs, axis)
         _check_layout_offs(x, ax, scale_layout, offs, bs)
@@ -294,45 +297,42 @@ def to_mx(
         spec = checked_spec(block_size, scaling_mode, elem_dtype)
         ax = check_x(x, spec.block_size, axis)
         _check_layout_offs(x, ax, scale_layout, offs, spec.block_size)
-        out = _cast(x, ax, spec, kernel, kernel)
+        out = _cast(x, ax, spec, DEFAULT_RECIPE)  # the format given, the default ("auto") kernels
     return out if scale_layout == "plain" else out.to_scale_layout(scale_layout, offs)
 
 
-def mx_cast(x: Tensor, ax: int, recipe: MXRecipe, kernel: str | None = None) -> MXTensor:
+def mx_cast(x: Tensor, ax: int, recipe: MXRecipe) -> MXTensor:
     """`to_mx(x, ax, recipe=recipe)` without checks: the fast entry for the ops layer.
 
     The caller guarantees what `to_mx` would check: x is a bf16/fp32 tensor that does not need a
     gradient here (grad mode off or x detached), `ax` is x.ndim - 1 or x.ndim - 2 (non-negative),
     x.shape[ax] % recipe.block_size == 0; `recipe` is an MXRecipe (checked when it was made).
-    kernel: overrides the recipe's kernel for this cast ("auto" or a concrete name).
     Returns the same MXTensor as `to_mx`, bit for bit."""
-    spec = spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype)
-    if kernel is None:
-        return _cast(x, ax, spec, recipe.dim0_kernel, recipe.dim1_kernel)
-    return _cast(x, ax, spec, kernel, kernel)
+    return _cast(x, ax, spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype), recipe)
 
 
 # ScalingMode -> its name (an enum's `.value` is a Python property: 0.1 µs, a dict lookup 0.02)
 _MODE_NAMES = {m: m.value for m in ScalingMode}
 
 
-def _cast(x: Tensor, ax: int, spec, dim0_kernel: str, dim1_kernel: str) -> MXTensor:
+def _cast(x: Tensor, ax: int, spec, recipe: MXRecipe) -> MXTensor:
+    """x cast in format `spec` with the kernels `recipe` names (its format fields are not read)."""
     # The backends take and return the final shapes ((..., C) along the last dim, (..., R, C) ->
     # (..., C, R) along dim -2), so no reshape runs here: each Tensor.view costs about a µs of host time.
     nd = x.ndim
     if ax == nd - 1:
-        q, s = dispatch.quantize_dim0(x.contiguous(), spec, resolve_kernel(dim0_kernel, x.device, "dim0"))
+        q, s = dispatch.quantize_dim0(x.contiguous(), spec, cast_kernel(recipe, x.device, "dim0"))
     elif x.is_contiguous() and (nd == 2 or x.shape[-1] != 1):
         # row-major with blocks along dim -2 (no transpose of x is contiguous): the transposing kernel
-        q, s = dispatch.quantize_dim1(x, spec, resolve_kernel(dim1_kernel, x.device, "dim1"))
+        q, s = dispatch.quantize_dim1(x, spec, cast_kernel(recipe, x.device, "dim1"))
     else:
         xt = x.transpose(-2, -1)
         # blocks innermost in memory (e.g. x is a transposed view): the dim0 cast of that transpose,
         # without a copy; 2D asks for exact strides (is_contiguous ignores those of size-1 dims)
         if (xt.stride(-1) == 1 and xt.stride(-2) == x.shape[-2]) if nd == 2 else xt.is_contiguous():
-            q, s = dispatch.quantize_dim0(xt, spec, resolve_kernel(dim0_kernel, x.device, "dim0"))
+            q, s = dispatch.quantize_dim0(xt, spec, cast_kernel(recipe, x.device, "dim0"))
         else:
-            q, s = dispatch.quantize_dim1(x.contiguous(), spec, resolve_kernel(dim1_kernel, x.device, "dim1"))
+            q, s = dispatch.quantize_dim1(x.contiguous(), spec, cast_kernel(recipe, x.device, "dim1"))
     return MXTensor(q, s, ax, spec.block_size, _MODE_NAMES[spec.mode], x.dtype)
 
 
@@ -341,7 +341,6 @@ def to_mx_dim0_dim1(
     scaling_mode: str | ScalingMode = "rceil",
     elem_dtype: torch.dtype = torch.float8_e4m3fn,
     block_size: int = 32,
-    kernel: str = "auto",
     *,
     recipe: MXRecipe | None = None,
     scale_layout: str = "plain",
@@ -351,15 +350,15 @@ def to_mx_dim0_dim1(
 
     Returns (along dim -1: storage qdata (R, C), scale (R, C // bs); along dim 0: storage qdata
     (C, R), scale (C, R // bs)), elements in `elem_dtype`, scales float8_e8m0fnu, all contiguous.
-    recipe: as in `to_mx` (the fused cast uses its dim1_kernel).
+    recipe: as in `to_mx` (the fused cast runs its dim1_kernel; without a recipe "auto").
     scale_layout, offs: as in `to_mx`, for both results (offs: token groups along R).
     """
     if recipe is not None:
-        _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size, kernel)
+        _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size)
         spec = spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype)
-        kernel = recipe.dim1_kernel
     else:
         spec = checked_spec(block_size, scaling_mode, elem_dtype)
+        recipe = DEFAULT_RECIPE  # its ("auto") kernels; the format is `spec`
     check_input_dtype("x", x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2D for the fused dim0+dim1 cast, got shape {tuple(x.shape)}")
@@ -371,22 +370,22 @@ def to_mx_dim0_dim1(
     if x.requires_grad:
         check_no_grad(x)
     _check_layout_offs(x, None, scale_layout, offs, bs)
-    d0, d1 = _cast_dim0_dim1(x, spec, kernel)
+    d0, d1 = _cast_dim0_dim1(x, spec, recipe)
     if scale_layout == "plain":
         return d0, d1
     return d0.to_scale_layout(scale_layout, offs), d1.to_scale_layout(scale_layout, offs)
 
 
-def mx_cast_dim0_dim1(x: Tensor, recipe: MXRecipe, kernel: str | None = None) -> tuple[MXTensor, MXTensor]:
+def mx_cast_dim0_dim1(x: Tensor, recipe: MXRecipe) -> tuple[MXTensor, MXTensor]:
     """`to_mx_dim0_dim1(x, recipe=recipe)` without checks: the fast entry for the ops layer.
     The caller guarantees x is a 2D bf16/fp32 tensor (no gradient wanted here) with both dims
-    divisible by recipe.block_size. kernel: overrides recipe.dim1_kernel."""
+    divisible by recipe.block_size."""
     spec = spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype)
-    return _cast_dim0_dim1(x, spec, recipe.dim1_kernel if kernel is None else kernel)
+    return _cast_dim0_dim1(x, spec, recipe)
 
 
-def _cast_dim0_dim1(x: Tensor, spec, kernel: str) -> tuple[MXTensor, MXTensor]:
-    k = resolve_kernel(kernel, x.device, "dim0_dim1")
+def _cast_dim0_dim1(x: Tensor, spec, recipe: MXRecipe) -> tuple[MXTensor, MXTensor]:
+    k = cast_kernel(recipe, x.device, "dim0_dim1")
     q0, s0, q1, s1 = dispatch.quantize_dim0_dim1(x.contiguous(), spec, k)
     bs, mode = spec.block_size, _MODE_NAMES[spec.mode]
     return (

@@ -21,12 +21,14 @@ Layouts (x viewed as (B, R, C), contiguous; every output (B, R, C) row-major con
       offs[-1] belong to no group and are zero in every output (dim0 included), as in that padded
       form. The boundaries are computed on the device from offs (no host sync).
 
-Backends: "torch" (the reference: torch_cast's quantize followed by its dequantize on the padded
-form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`; on CPU under TRITON_INTERPRET=1) and
+Backends: "torch" (the reference, `torch_cast.qdq_rows`: torch_cast's quantize followed by its
+dequantize on the padded form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`, launched by
+its `qdq_rows`; on CPU under TRITON_INTERPRET=1) and
 "cuda" (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1` and `qdq_dim0_dim1` of the CUDA cast
 extension, csrc/mx_cast.cu: the casts' and the dequantize kernel's device functions in one kernel,
 one read of x and one write per output; dim1 and dim0+dim1 also with groups).
-Which one runs (`mxmoe.quant.backends.qdq_kernel`, where every kernel choice is made):
+Which one runs (`mxmoe.quant.backends.cast_kernel`, where every kernel choice is made, with the
+casts "qdq_dim0", "qdq_dim0_offs" and "qdq_dim1"):
   - dim0 calls follow the recipe's dim0_kernel, dim1 and dim0+dim1 calls its dim1_kernel: "cuda"
     takes the C++ operator, and so does "auto" on CUDA when the extension builds (else the Triton
     kernel);
@@ -40,149 +42,20 @@ launches for inductor, and the "cuda" kernel into the C++ operator, which induct
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, CastSpec, check_input_dtype
-from mxmoe.quant import cuda_cast
-from mxmoe.quant.backends import QDQ_MAX_BLOCK_TRITON as _MAX_BS
-from mxmoe.quant.backends import cdiv, next_pow2, qdq_kernel, qdq_kernels, triton_interpret
+from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, check_input_dtype
+from mxmoe.quant import cuda_cast, torch_cast
+from mxmoe.quant.backends import cast_kernel, triton_interpret
 from mxmoe.quant.checks import spec_of
-from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
 
 QDQ_KERNELS = CAST_KERNELS  # every cast kernel has its qdq
 
 
-# ----------------------------------------------------------------------------------------------
-# torch backend (reference)
-# ----------------------------------------------------------------------------------------------
-
-
-def _torch_qdq(
-    x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool, offs: Tensor | None
-) -> list[Tensor]:
-    """x (B, R, C) contiguous -> the outputs listed in `qdq_op`, via torch_cast quantize+dequantize
-    of the padded form."""
-    from mxmoe.quant import torch_cast
-
-    B, R, C = x.shape
-    bs = spec.block_size
-    outs: list[Tensor] = []
-    if dim0:
-        q, s = torch_cast.quantize_dim0(x.reshape(B * R, C), spec)
-        y0 = torch_cast.dequantize(q, s, bs, out_dtype).view(B, R, C)
-        if offs is not None:  # rows in no group are zero
-            zero = torch.zeros((), dtype=out_dtype, device=x.device)
-            y0 = torch.where(in_groups(offs, R), y0[0], zero).unsqueeze(0)
-        outs.append(y0)
-    if dim1:  # pad (each group, or each matrix's end) to whole blocks, cast, take the real rows
-        if offs is None:
-            pos, xp = None, torch.nn.functional.pad(x, (0, 0, 0, -R % bs))
-        else:
-            pos, _, cap = group_padding(offs, R, bs)
-            xp = pad_groups(x[0], offs, pos, cap).unsqueeze(0)
-        Rp = xp.shape[1]
-        q, s = torch_cast.quantize_dim0(xp.transpose(1, 2).reshape(B * C, Rp), spec)
-        y1 = torch_cast.dequantize(q, s, bs, out_dtype).view(B, C, Rp).transpose(1, 2)
-        outs.append(y1[:, :R] if pos is None else y1[0].index_select(0, pos).unsqueeze(0))
-    return outs
-
-
-# ----------------------------------------------------------------------------------------------
-# Triton backend
-# ----------------------------------------------------------------------------------------------
-
-# Rows-layout kernel: one dim1 block (bs rows) x _ROWS_WARPS * 64 columns per tile, 64 elements
-# (bf16) per thread; each program does up to _ROWS_ITERS column tiles (amortizing the group
-# lookup; one value: one compiled variant per format), e.g. 2056 x 7 programs for 65536 x 7168 in
-# 8 groups, 512 x 4 for 16384 x 4096.
-_ROWS_WARPS = 4
-_ROWS_ITERS = 4
-_MAX_GROUPS = 4096  # offs entries the rows kernel reads per program (in powers of two from 128)
-
-
-def _launcher(kernel, traced: bool):
-    """`kernel`, or `wrap_triton(kernel)` while AOTAutograd decomposes the op for inductor, which
-    then launches the kernel from its generated code."""
-    if not traced:
-        return kernel
-    from torch.library import wrap_triton
-
-    return wrap_triton(kernel)
-
-
-def _rows_tile(bs: int, elem_size: int) -> dict:
-    """(NSL, W, RS, NB) of the rows kernel: a warp's 32 lanes cover RS rows x NB blocks of bs
-    columns with 16-byte vectors (8 bf16 / 4 fp32 elements per lane); NSL = bs / RS slices per
-    thread."""
-    vec = 16 // elem_size
-    lanes_k = max(1, min(32, bs // vec))
-    nb = max(1, min(32 // lanes_k, 64 // bs))  # a warp's lanes cover at least 64 columns
-    rs = max(1, min(bs, 32 // (lanes_k * nb)))
-    return dict(NSL=bs // rs, W=_ROWS_WARPS, RS=rs, NB=nb)
-
-
-@functools.cache
-def _rows_launch(spec: CastSpec, in_bf16: bool, out_bf16: bool, dim0: bool, dim1: bool, grouped: bool,
-                 matrices: bool, soft: bool) -> tuple[dict, int]:
-    """The rows kernel's compile-time arguments for one configuration (all but EP and I64, which
-    depend on the shapes) and its columns per tile (built once: a launch then costs Triton's own
-    argument handling only)."""
-    from mxmoe.quant.triton_cast import _spec_args
-
-    bs = spec.block_size
-    tile = _rows_tile(bs, 2 if in_bf16 else 4)
-    consts = dict(BS=bs, N_ITER=_ROWS_ITERS, GROUPED=grouped, MATRICES=matrices, IN_BF16=in_bf16,
-                  OUT_BF16=out_bf16, DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS, **tile,
-                  **_spec_args(spec, soft))
-    return consts, tile["W"] * tile["NB"] * bs
-
-
-def _triton_qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool,
-                     offs: Tensor | None, outs, traced: bool = False) -> None:
-    """The rows kernel on x (B, R, C) or (R, C) (= (1, R, C)) contiguous (B == 1 with offs): y0
-    and/or y1 of x's shape in `outs`; dim1 blocks start at each matrix's first row (each group's
-    with offs). traced: launched through `torch.library.wrap_triton` (the op's decomposition for
-    inductor, `_register_functional_decomp`)."""
-    from mxmoe.quant.triton_qdq import qdq_rows_kernel
-
-    B, R, C = x.shape if x.ndim == 3 else (1, *x.shape)
-    T = B * R
-    bs = spec.block_size
-    if x.numel() == 0:
-        return
-    # else the 2D (T, C) view has the same blocks (a bool also for symbolic shapes: a cache key)
-    matrices = bool(dim1 and B > 1 and R % bs != 0)
-    in_bf16, out_bf16 = x.dtype == torch.bfloat16, out_dtype == torch.bfloat16
-    consts, bct = _rows_launch(spec, in_bf16, out_bf16, dim0, dim1, offs is not None, matrices,
-                               x.device.type != "cuda" or triton_interpret())
-    E = 0 if offs is None else offs.shape[0]
-    # blocks: without groups ceil(R / bs) per matrix; with groups sum of ceil(n_e / bs) <=
-    # floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for the rows after the last group:
-    # <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups). Plain int math: triton's
-    # cdiv is a constexpr function, µs per host call.
-    row_blocks = B * cdiv(R, bs) if offs is None else cdiv(T + (bs - 1) * E, bs)
-    progs_c = cdiv(cdiv(C, bct), _ROWS_ITERS)
-    if row_blocks > 2**31 - 1 or progs_c > 65535:
-        raise ValueError(f"x of shape {tuple(x.shape)} is too large for the qdq kernel's grid")
-    bits = torch.int16 if out_bf16 else torch.int32
-    it = iter(outs)
-    y0 = next(it).view(bits) if dim0 else x
-    y1 = next(it).view(bits) if dim1 else x
-    _launcher(qdq_rows_kernel, traced)[(row_blocks, progs_c)](
-        x.view(torch.int16) if in_bf16 else x.view(torch.int32), y0, y1,
-        x if offs is None else offs, T, R, C, E,
-        EP=max(128, next_pow2(int(E))) if E else 128,
-        # above the largest offset a program forms (masked too): its block's first row is below
-        # T, its last tile ends below bs rows and bct columns further; a bool also for symbolic
-        # shapes (a SymBool is not a constexpr)
-        I64=bool((T + bs) * C + bct >= 2**31),
-        **consts,
-    )
+_MAX_GROUPS = 4096  # offs entries the Triton rows kernel reads per program (in powers of two from 128)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +87,7 @@ def qdq_op(
     along C; if dim1, y1 = MX-rounded along R, blocks starting at each matrix's first row (the last
     one short), or at every group start when offs is given. offs: None, or (E,) int32 cumulative
     group ends on x's device; rows at or after offs[-1] are zero in every output. kernel: "torch" |
-    "triton" | "cuda" (concrete, see `qdq_kernel`; "cuda": not dim0 alone with offs, extension
+    "triton" | "cuda" (concrete, from `cast_kernel`; "cuda": not dim0 alone with offs, extension
     loaded; x may then have any ndim >= 2 without offs, the dim1 blocks starting at each matrix
     x[..., :, :]'s first row).
     """
@@ -243,12 +116,14 @@ def _qdq_impl(
             return _empty_outputs(x, out_dtype, dim0, dim1)
         if x.ndim == 2:
             return [t.contiguous().view(x.shape)
-                    for t in _torch_qdq(x.unsqueeze(0), spec, out_dtype, dim0, dim1, offs)]
-        return [t.contiguous() for t in _torch_qdq(x, spec, out_dtype, dim0, dim1, offs)]
+                    for t in torch_cast.qdq_rows(x.unsqueeze(0), spec, out_dtype, dim0, dim1, offs)]
+        return [t.contiguous() for t in torch_cast.qdq_rows(x, spec, out_dtype, dim0, dim1, offs)]
     if kernel != "triton":
         raise ValueError(f"kernel={kernel!r} is not a qdq kernel; expected one of {list(QDQ_KERNELS)}")
+    from mxmoe.quant.triton_qdq import qdq_rows  # (imports triton: on first use)
+
     outs = _empty_outputs(x, out_dtype, dim0, dim1)
-    _triton_qdq_rows(x, spec, out_dtype, dim0, dim1, offs, outs, traced)
+    qdq_rows(x, spec, out_dtype, dim0, dim1, offs, outs, traced)
     return outs
 
 
@@ -385,7 +260,8 @@ def swiglu_qdq_trusted(
 ) -> list[Tensor]:
     """`swiglu_qdq_dim0_dim1` for a caller that checked every argument already (the MX ops): g, u
     2D (T, C) of one dtype (made contiguous), offs None or (E,) int32 contiguous on their device,
-    the kernel from `qdq_kernels` (its k1). Returns [y0, y1], each (T, C) out_dtype contiguous."""
+    the kernel `cast_kernel(recipe, device, "qdq_dim1")`. Returns [y0, y1], each (T, C) out_dtype
+    contiguous."""
     g, u = g.contiguous(), u.contiguous()
     args = (g, u, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, kernel, offs)
     return _eager_or_op(swiglu_qdq_op, _swiglu_qdq_impl, "mxmoe::swiglu_qdq", (g, u), args)
@@ -419,8 +295,8 @@ def swiglu_qdq_dim0_dim1(
             f"u ({u.dtype}, shape {tuple(u.shape)}, on {u.device}) must have g's dtype, shape and device "
             f"({g.dtype}, {tuple(g.shape)}, {g.device})"
         )
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), g.device, True)
-    _check(g, recipe, out_dtype, offs, kernel, "g")
+    _check(g, recipe, out_dtype, offs, "g")
+    kernel = cast_kernel(recipe, g.device, "qdq_dim1")
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     y0, y1 = swiglu_qdq_trusted(g, u, recipe, kernel, out_dtype, offs)
     return y0, y1
@@ -490,7 +366,7 @@ def swiglu_bwd_qdq_trusted(
 ) -> list[Tensor]:
     """`swiglu_bwd_qdq_dim0_dim1` for a caller that checked every argument already (the MX ops): dh,
     g, u 2D (T, C) of one dtype (made contiguous), offs None or (E,) int32 contiguous on their
-    device, the kernel from `qdq_kernels` (its k1). Returns [dg0, dg1, du0, du1], each (T, C)
+    device, the kernel `cast_kernel(recipe, device, "qdq_dim1")`. Returns [dg0, dg1, du0, du1], each (T, C)
     out_dtype contiguous."""
     dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
     args = (dh, g, u, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, kernel, offs)
@@ -530,8 +406,8 @@ def swiglu_bwd_qdq_dim0_dim1(
                 f"{name} ({t.dtype}, shape {tuple(t.shape)}, on {t.device}) must have dh's dtype, shape and "
                 f"device ({dh.dtype}, {tuple(dh.shape)}, {dh.device})"
             )
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), dh.device, True)
-    _check(dh, recipe, out_dtype, offs, kernel, "dh")
+    _check(dh, recipe, out_dtype, offs, "dh")
+    kernel = cast_kernel(recipe, dh.device, "qdq_dim1")
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     dg0, dg1, du0, du1 = swiglu_bwd_qdq_trusted(dh, g, u, recipe, kernel, out_dtype, offs)
     return dg0, dg1, du0, du1
@@ -542,9 +418,7 @@ def swiglu_bwd_qdq_dim0_dim1(
 # ----------------------------------------------------------------------------------------------
 
 
-def _check(
-    x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | None, kernel: str, name: str = "x"
-) -> None:
+def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | None, name: str = "x") -> None:
     """The one argument check of a public qdq call (x as the caller gave it, called `name` in the
     messages): recipe, dtypes, the last dim whole blocks, offs."""
     if not isinstance(recipe, MXRecipe):
@@ -558,10 +432,6 @@ def _check(
         raise ValueError(
             f"{name}.shape[-1]={x.shape[-1]} ({name} {tuple(x.shape)}) is not divisible by "
             f"block_size={recipe.block_size}"
-        )
-    if kernel == "triton" and recipe.block_size > _MAX_BS:
-        raise ValueError(
-            f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to {_MAX_BS}"
         )
     if offs is None:
         return
@@ -584,7 +454,7 @@ def qdq_trusted(
     offs: Tensor | None = None,
 ) -> list[Tensor]:
     """`qdq` (dim0 or dim1) or `qdq_dim0_dim1` for a caller that checked every argument already
-    (the MX ops, once per public call): no checks here, the kernel given (from `qdq_kernels`).
+    (the MX ops, once per public call): no checks here, the kernel given (from `cast_kernel`).
 
     x: bf16/fp32, 2D (R, C) or 3D (B, R, C) (no offs), any strides (made contiguous), C divisible
     by the block size. offs: None, or (E,) int32 contiguous on x's device, 2D x. out_dtype: bf16
@@ -626,10 +496,10 @@ def qdq(
     if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
         raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
     dim1 = axis in (-2, x.ndim - 2)
+    _check(x, recipe, out_dtype, offs)
     # dim0 alone with groups (its rows after them zeroed) is the rows kernel's job
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel" if dim1 else "dim0_kernel", "torch"), x.device,
-                        dim1 or offs is None)
-    _check(x, recipe, out_dtype, offs, kernel)
+    cast = "qdq_dim1" if dim1 else "qdq_dim0" if offs is None else "qdq_dim0_offs"
+    kernel = cast_kernel(recipe, x.device, cast)
     xc = x.contiguous()
     # 2D and 3D go to the op as they are (no reshapes); more dims as (B, R, C)
     xb = xc if x.ndim <= 3 else xc.view(-1, x.shape[-2], x.shape[-1])
@@ -662,8 +532,8 @@ def qdq_dim0_dim1(
             f"x must be 2D (R, C), or 3D (B, R, C) without offs, for qdq_dim0_dim1; got shape "
             f"{tuple(x.shape)}{' with offs' if offs is not None else ''}"
         )
-    kernel = qdq_kernel(getattr(recipe, "dim1_kernel", "torch"), x.device, True)
-    _check(x, recipe, out_dtype, offs, kernel)
+    _check(x, recipe, out_dtype, offs)
+    kernel = cast_kernel(recipe, x.device, "qdq_dim1")
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     y0, y1 = _qdq(  # 2D / 3D in, the same out (no reshapes)
         x.contiguous(), recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, True,
@@ -672,6 +542,6 @@ def qdq_dim0_dim1(
     return y0, y1
 
 
-__all__ = ["QDQ_KERNELS", "qdq", "qdq_trusted", "qdq_dim0_dim1", "qdq_kernel", "qdq_kernels", "qdq_op",
+__all__ = ["QDQ_KERNELS", "qdq", "qdq_trusted", "qdq_dim0_dim1", "qdq_op",
            "swiglu_bwd", "swiglu_bwd_qdq_dim0_dim1", "swiglu_bwd_qdq_op", "swiglu_bwd_qdq_trusted",
            "swiglu_qdq_dim0_dim1", "swiglu_qdq_op", "swiglu_qdq_trusted"]

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from mxmoe.formats import E8M0_BIAS, E8M0_NAN, CastSpec, ScalingMode
 from mxmoe.quant.checks import dim0_outputs
+from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 
 _ABS_MASK = 0x7FFFFFFF
 _F32_INF_BITS = 0x7F800000
@@ -96,3 +97,32 @@ def dequantize(
     scale = scale_to_f32(s.view(torch.uint8))
     y = (q.float().reshape(R, C // block_size, block_size) * scale.unsqueeze(-1)).reshape(R, C)
     return y.to(out_dtype) if out is None else out.copy_(y)
+
+
+def qdq_rows(
+    x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool, offs: Tensor | None
+) -> list[Tensor]:
+    """The reference of the fused quantize-dequantize (`mxmoe.quant.qdq`, which documents the layouts):
+    x (B, R, C) contiguous -> the outputs listed in `qdq_op`, via this module's quantize + dequantize
+    of the padded form."""
+    B, R, C = x.shape
+    bs = spec.block_size
+    outs: list[Tensor] = []
+    if dim0:
+        q, s = quantize_dim0(x.reshape(B * R, C), spec)
+        y0 = dequantize(q, s, bs, out_dtype).view(B, R, C)
+        if offs is not None:  # rows in no group are zero
+            zero = torch.zeros((), dtype=out_dtype, device=x.device)
+            y0 = torch.where(in_groups(offs, R), y0[0], zero).unsqueeze(0)
+        outs.append(y0)
+    if dim1:  # pad (each group, or each matrix's end) to whole blocks, cast, take the real rows
+        if offs is None:
+            pos, xp = None, torch.nn.functional.pad(x, (0, 0, 0, -R % bs))
+        else:
+            pos, _, cap = group_padding(offs, R, bs)
+            xp = pad_groups(x[0], offs, pos, cap).unsqueeze(0)
+        Rp = xp.shape[1]
+        q, s = quantize_dim0(xp.transpose(1, 2).reshape(B * C, Rp), spec)
+        y1 = dequantize(q, s, bs, out_dtype).view(B, C, Rp).transpose(1, 2)
+        outs.append(y1[:, :R] if pos is None else y1[0].index_select(0, pos).unsqueeze(0))
+    return outs

@@ -3,7 +3,7 @@ layouts). Imported on first use of the "triton" qdq backend.
 
 `qdq_rows_kernel`: every output in x's own row-major layout (dim0; dim1 with blocks of each
 matrix's rows or of each group's rows; both from one read): the training ops' activations,
-gradients and weights.
+gradients and weights. `qdq_rows` launches it.
 
 The quantize step is the cast backend's own (`triton_cast`'s block scale and `_to_elem`'s element
 rounding: one definition for every Triton kernel). The kernel uses the hardware conversions and one
@@ -14,10 +14,16 @@ with tiny scales.
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from mxmoe.quant.triton_cast import _abs_key, _block_scale, _load_bits, _to_elem
+from mxmoe.formats import CastSpec
+from mxmoe.quant.backends import cdiv, next_pow2, triton_interpret
+from mxmoe.quant.triton_cast import _abs_key, _block_scale, _load_bits, _spec_args, _to_elem
 
 
 @triton.jit
@@ -169,3 +175,91 @@ def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, R, C, E, BS: tl.constexp
                 s1 = tl.expand_dims(tl.expand_dims(s1.to(tl.int32), 1), 3)
                 y1 = _qdq_elems(X, e1, s1, IS_E5M2, OUT_BF16, MBITS, MIN_EXP, MAXBITS, SOFT)
                 tl.store(y1_ptr + offs, y1, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+# Rows-layout kernel: one dim1 block (bs rows) x _ROWS_WARPS * 64 columns per tile, 64 elements
+# (bf16) per thread; each program does up to _ROWS_ITERS column tiles (amortizing the group
+# lookup; one value: one compiled variant per format), e.g. 2056 x 7 programs for 65536 x 7168 in
+# 8 groups, 512 x 4 for 16384 x 4096.
+_ROWS_WARPS = 4
+_ROWS_ITERS = 4
+
+
+def _launcher(kernel, traced: bool):
+    """`kernel`, or `wrap_triton(kernel)` while AOTAutograd decomposes the op for inductor, which
+    then launches the kernel from its generated code."""
+    if not traced:
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
+def _rows_tile(bs: int, elem_size: int) -> dict:
+    """(NSL, W, RS, NB) of the rows kernel: a warp's 32 lanes cover RS rows x NB blocks of bs
+    columns with 16-byte vectors (8 bf16 / 4 fp32 elements per lane); NSL = bs / RS slices per
+    thread."""
+    vec = 16 // elem_size
+    lanes_k = max(1, min(32, bs // vec))
+    nb = max(1, min(32 // lanes_k, 64 // bs))  # a warp's lanes cover at least 64 columns
+    rs = max(1, min(bs, 32 // (lanes_k * nb)))
+    return dict(NSL=bs // rs, W=_ROWS_WARPS, RS=rs, NB=nb)
+
+
+@functools.cache
+def _rows_launch(spec: CastSpec, in_bf16: bool, out_bf16: bool, dim0: bool, dim1: bool, grouped: bool,
+                 matrices: bool, soft: bool) -> tuple[dict, int]:
+    """The rows kernel's compile-time arguments for one configuration (all but EP and I64, which
+    depend on the shapes) and its columns per tile (built once: a launch then costs Triton's own
+    argument handling only)."""
+    bs = spec.block_size
+    tile = _rows_tile(bs, 2 if in_bf16 else 4)
+    consts = dict(BS=bs, N_ITER=_ROWS_ITERS, GROUPED=grouped, MATRICES=matrices, IN_BF16=in_bf16,
+                  OUT_BF16=out_bf16, DIM0=dim0, DIM1=dim1, num_warps=_ROWS_WARPS, **tile,
+                  **_spec_args(spec, soft))
+    return consts, tile["W"] * tile["NB"] * bs
+
+
+def qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1: bool,
+             offs: Tensor | None, outs, traced: bool = False) -> None:
+    """The rows kernel on x (B, R, C) or (R, C) (= (1, R, C)) contiguous (B == 1 with offs): y0
+    and/or y1 of x's shape in `outs`; dim1 blocks start at each matrix's first row (each group's
+    with offs). traced: launched through `torch.library.wrap_triton` (the op's decomposition for
+    inductor, `mxmoe.quant.qdq._register_functional_decomp`)."""
+    B, R, C = x.shape if x.ndim == 3 else (1, *x.shape)
+    T = B * R
+    bs = spec.block_size
+    if x.numel() == 0:
+        return
+    # else the 2D (T, C) view has the same blocks (a bool also for symbolic shapes: a cache key)
+    matrices = bool(dim1 and B > 1 and R % bs != 0)
+    in_bf16, out_bf16 = x.dtype == torch.bfloat16, out_dtype == torch.bfloat16
+    consts, bct = _rows_launch(spec, in_bf16, out_bf16, dim0, dim1, offs is not None, matrices,
+                               x.device.type != "cuda" or triton_interpret())
+    E = 0 if offs is None else offs.shape[0]
+    # blocks: without groups ceil(R / bs) per matrix; with groups sum of ceil(n_e / bs) <=
+    # floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for the rows after the last group:
+    # <= cdiv(T + (bs-1) E, bs) (the padded size of mxmoe.quant.groups). Plain int math: triton's
+    # cdiv is a constexpr function, µs per host call.
+    row_blocks = B * cdiv(R, bs) if offs is None else cdiv(T + (bs - 1) * E, bs)
+    progs_c = cdiv(cdiv(C, bct), _ROWS_ITERS)
+    if row_blocks > 2**31 - 1 or progs_c > 65535:
+        raise ValueError(f"x of shape {tuple(x.shape)} is too large for the qdq kernel's grid")
+    bits = torch.int16 if out_bf16 else torch.int32
+    it = iter(outs)
+    y0 = next(it).view(bits) if dim0 else x
+    y1 = next(it).view(bits) if dim1 else x
+    _launcher(qdq_rows_kernel, traced)[(row_blocks, progs_c)](
+        x.view(torch.int16) if in_bf16 else x.view(torch.int32), y0, y1,
+        x if offs is None else offs, T, R, C, E,
+        EP=max(128, next_pow2(int(E))) if E else 128,
+        # above the largest offset a program forms (masked too): its block's first row is below
+        # T, its last tile ends below bs rows and bct columns further; a bool also for symbolic
+        # shapes (a SymBool is not a constexpr)
+        I64=bool((T + bs) * C + bct >= 2**31),
+        **consts,
+    )

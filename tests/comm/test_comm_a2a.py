@@ -198,8 +198,12 @@ def _check_errors(rank: int, world: int) -> None:
     # symmetric memory needs CUDA tensors: asked for on gloo/CPU, every rank says so (no collective ran)
     with pytest.raises(RuntimeError, match="transport='symm' needs CUDA tensors"):
         to_mxfp8_a2a_dequant(x, ok, ok, transport="symm", check=False)
-    with pytest.raises(ValueError, match="either as kernel='torch' or through the recipe"):
+    # the cast kernel comes only through the recipe (its dim0_kernel), which the error names
+    with pytest.raises(TypeError, match="unexpected keyword argument 'kernel'"):
         to_mxfp8_a2a_dequant(x, ok, ok, kernel="torch", recipe=OTHER_RECIPES[0])
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="recipe dim0_kernel='cuda': kernel='cuda' needs a CUDA"):
+            to_mxfp8_a2a_dequant(x, ok, ok, recipe=recipe("mxfp8", dim0_kernel="cuda"), check=False)
     with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe"):
         a2a_dispatch_mxfp8(x, ok, ok, recipe="mxfp8")
     with pytest.raises(ValueError, match="not divisible by the MX block size 64"):

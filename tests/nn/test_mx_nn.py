@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from conftest import spawn_ranks
+from conftest import recipe_for, spawn_ranks
 from torch import nn
 
 import mxmoe
@@ -123,14 +123,14 @@ def test_mx_experts_mx_input_equals_plain():
     ex = MXGroupedExperts(64, 32, 4, recipe=cfg)
     counts = torch.tensor(COUNTS)
     x = torch.randn(sum(COUNTS), 64, dtype=torch.bfloat16)
-    x_mx = to_mx(x, kernel="torch")
+    x_mx = to_mx(x, recipe=recipe_for("torch"))
     x_mx.grad_anchor = make_grad_anchor(x_mx.shape, torch.bfloat16, x.device).requires_grad_()
     ex.to(torch.bfloat16)
     y = ex(x_mx, counts)
     y.float().square().sum().backward()
     g_mx = [p.grad.clone() for p in ex.parameters()]
     ex.zero_grad()
-    xp = x_mx.dequantize(kernel="torch").detach().requires_grad_()
+    xp = x_mx.dequantize(recipe=recipe_for("torch")).detach().requires_grad_()
     y2 = ex(xp, counts)
     y2.float().square().sum().backward()
     assert torch.equal(y, y2) and torch.equal(x_mx.grad_anchor.grad, xp.grad)

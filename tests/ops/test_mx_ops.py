@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import recipe_for
 
 from mxmoe import to_mx
 from mxmoe.ops import mx_gemm, mx_grouped_mm, mx_mm
@@ -20,10 +21,8 @@ def dq(t, axis, cfg=CFG):
     """fp64 of the MX values of t quantized along axis (rows zero-padded to the block size)."""
     if axis == 0 and t.shape[0] % cfg.block_size:
         t = torch.cat([t, t.new_zeros(-t.shape[0] % cfg.block_size, *t.shape[1:])])
-    kw = dict(
-        scaling_mode=cfg.scaling_mode, elem_dtype=cfg.elem_dtype, block_size=cfg.block_size, kernel="torch"
-    )
-    return to_mx(t.detach(), axis=axis, **kw).dequantize(torch.float32).double()
+    r = cfg.replace(dim0_kernel="torch", dim1_kernel="torch")
+    return to_mx(t.detach(), axis=axis, recipe=r).dequantize(torch.float32, recipe=r).double()
 
 
 def assert_close_sum(got, ref, a_abs, b_abs, k):
@@ -177,13 +176,13 @@ def test_mx_input_path_equals_plain_path(mode):
     counts = [5, 0, 33, 26]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     x = torch.randn(sum(counts), 64, dtype=torch.bfloat16)
-    a_mx = to_mx(x, axis=-1, scaling_mode=mode, kernel="torch")
+    a_mx = to_mx(x, axis=-1, recipe=recipe_for("torch", scaling_mode=mode))
     a_mx.grad_anchor = make_grad_anchor(a_mx.shape, torch.bfloat16, x.device).requires_grad_()
     w = torch.randn(4, 32, 64, dtype=torch.bfloat16, requires_grad=True)
     y = mx_grouped_mm(a_mx, w.transpose(-2, -1), offs, cfg)
     dy = torch.randn_like(y)
     y.backward(dy)
-    a_plain = a_mx.dequantize(torch.bfloat16, kernel="torch").detach().requires_grad_()
+    a_plain = a_mx.dequantize(torch.bfloat16, recipe=recipe_for("torch")).detach().requires_grad_()
     w2 = w.detach().clone().requires_grad_()
     y2 = mx_grouped_mm(a_plain, w2.transpose(-2, -1), offs, cfg)
     y2.backward(dy)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import recipe_for
 
 import mxmoe
 from mxmoe.formats import make_spec
@@ -26,15 +27,17 @@ def _fresh_dynamo():
 def test_no_graph_breaks(kernel):
     """torch._dynamo.explain sees one graph and no break for dim0, dim1, 3D, fused and dequantize."""
 
+    r = recipe_for(kernel)
+
     def fn(x, x3):
-        a = to_mx(x, axis=-1, kernel=kernel)
-        b = to_mx(x, axis=0, scaling_mode="floor", elem_dtype=torch.float8_e5m2, kernel=kernel)
-        c = to_mx(x3, axis=-2, scaling_mode="even", kernel=kernel)
-        d0, d1 = to_mx_dim0_dim1(x, scaling_mode="ceil", kernel=kernel)
+        a = to_mx(x, axis=-1, recipe=r)
+        b = to_mx(x, axis=0, recipe=recipe_for(kernel, scaling_mode="floor", elem_dtype=torch.float8_e5m2))
+        c = to_mx(x3, axis=-2, recipe=recipe_for(kernel, scaling_mode="even"))
+        d0, d1 = to_mx_dim0_dim1(x, recipe=recipe_for(kernel, scaling_mode="ceil"))
         return (
-            a.dequantize(torch.float32, kernel=kernel) + b.dequantize(torch.float32, kernel=kernel)
-            + d0.dequantize(torch.float32, kernel=kernel) + d1.dequantize(torch.float32, kernel=kernel),
-            c.dequantize(kernel=kernel),
+            a.dequantize(torch.float32, recipe=r) + b.dequantize(torch.float32, recipe=r)
+            + d0.dequantize(torch.float32, recipe=r) + d1.dequantize(torch.float32, recipe=r),
+            c.dequantize(recipe=r),
         )
 
     x = torch.randn(64, 128, dtype=torch.bfloat16)
@@ -45,14 +48,14 @@ def test_no_graph_breaks(kernel):
 
 
 def test_compiled_to_mx_dequantize_matches_eager():
-    """fullgraph=True compile of to_mx(kernel='torch') + dequantize: same bytes as eager and oracle."""
+    """fullgraph=True compile of to_mx + dequantize (torch kernel): same bytes as eager and oracle."""
     mode, elem, dtype = "rceil", torch.float8_e4m3fn, torch.float32
     x32 = data(33, 32, mode, elem, dtype, level("torch"))
     x = to_torch(x32, dtype)
 
     def fn(x):
-        mx = to_mx(x, scaling_mode=mode, elem_dtype=elem, kernel="torch")
-        return mx.qdata_blocked, mx.scale_blocked, mx.dequantize(torch.bfloat16, kernel="torch")
+        mx = to_mx(x, recipe=recipe_for("torch", scaling_mode=mode, elem_dtype=elem))
+        return mx.qdata_blocked, mx.scale_blocked, mx.dequantize(torch.bfloat16, recipe=recipe_for("torch"))
 
     q, s, y = torch.compile(fn, fullgraph=True)(x)
     qe, se, ye = fn(x)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import recipe_for
 
 import mxmoe
 from mxmoe.quant import MXTensor, to_mx, to_mx_dim0_dim1
@@ -19,9 +20,9 @@ X = torch.ones(4, 64, dtype=torch.bfloat16)
 def test_wrong_input_dtype(kernel, dtype):
     x = torch.ones(4, 64).to(dtype)
     with pytest.raises(TypeError, match=rf"x has dtype {dtype}"):
-        to_mx(x, kernel=kernel)
+        to_mx(x, recipe=recipe_for(kernel))
     with pytest.raises(TypeError, match=rf"x has dtype {dtype}"):
-        to_mx_dim0_dim1(torch.ones(64, 64).to(dtype), kernel=kernel)
+        to_mx_dim0_dim1(torch.ones(64, 64).to(dtype), recipe=recipe_for(kernel))
 
 
 def test_not_a_tensor():
@@ -42,7 +43,7 @@ def test_wrong_elem_dtype(elem):
 # [32] is unhashable, so never remembered: checked as given.)
 @pytest.mark.parametrize("bs", [0, 1, 3, 48, -32, 24, True, 32.0, "32", None, [32]])
 def test_bad_block_size(bs):
-    to_mx(X, kernel="torch")
+    to_mx(X, recipe=recipe_for("torch"))
     with pytest.raises(ValueError, match=r"block_size=.*power of two"):
         to_mx(X, block_size=bs)
     with pytest.raises(ValueError, match=r"block_size=.*power of two"):
@@ -58,8 +59,8 @@ def test_unknown_scaling_mode(mode):
 
 
 def test_scaling_mode_is_case_insensitive_and_accepts_the_enum():
-    a = to_mx(X * 3, scaling_mode="RCEIL", kernel="torch")
-    b = to_mx(X * 3, scaling_mode=mxmoe.ScalingMode.RCEIL, kernel="torch")
+    a = to_mx(X * 3, recipe=recipe_for("torch", scaling_mode="RCEIL"))
+    b = to_mx(X * 3, recipe=recipe_for("torch", scaling_mode=mxmoe.ScalingMode.RCEIL))
     assert torch.equal(a.scale_blocked.view(torch.uint8), b.scale_blocked.view(torch.uint8))
 
 
@@ -77,30 +78,26 @@ def test_fused_size_not_divisible_by_block():
         to_mx_dim0_dim1(torch.ones(64, 48))
 
 
-@pytest.mark.parametrize("kernel", ["tritonn", "cutlass", "TORCH", ""])
+@pytest.mark.parametrize("kernel", ["tritonn", "cutlass", "TORCH", "", None])
 def test_unknown_kernel(kernel):
-    with pytest.raises(ValueError, match=rf"unknown kernel {kernel!r}"):
-        to_mx(X, kernel=kernel)
-    with pytest.raises(ValueError, match=rf"unknown kernel {kernel!r}"):
-        to_mx_dim0_dim1(torch.ones(64, 64), kernel=kernel)
-    mx = to_mx(X, kernel="torch")
-    with pytest.raises(ValueError, match=rf"unknown kernel {kernel!r}"):
-        mx.dequantize(kernel=kernel)
-
-
-def test_kernel_not_a_string():
-    with pytest.raises(TypeError, match="kernel must be a str"):
-        to_mx(X, kernel=None)
+    """A cast kernel is named only in a recipe, which refuses a wrong name when it is made."""
+    for field in ("dim0_kernel", "dim1_kernel"):
+        with pytest.raises(ValueError, match=rf"{field}={kernel!r} is not a cast kernel"):
+            mxmoe.MXRecipe(**{field: kernel})
+    if kernel is not None:  # (None is the default recipe)
+        mx = to_mx(X, recipe=recipe_for("torch"))
+        with pytest.raises(TypeError, match="recipe must be an mxmoe.MXRecipe"):
+            mx.dequantize(recipe=kernel)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
 def test_unavailable_kernel_cuda_on_cpu():
     with pytest.raises(RuntimeError, match="kernel='cuda' needs a CUDA tensor"):
-        to_mx(X, kernel="cuda")
+        to_mx(X, recipe=recipe_for("cuda"))
     with pytest.raises(RuntimeError, match="kernel='cuda'"):
-        to_mx_dim0_dim1(torch.ones(64, 64), kernel="cuda")
+        to_mx_dim0_dim1(torch.ones(64, 64), recipe=recipe_for("cuda"))
     with pytest.raises(RuntimeError, match="kernel='cuda'"):
-        to_mx(X, kernel="torch").dequantize(kernel="cuda")
+        to_mx(X, recipe=recipe_for("torch")).dequantize(recipe=recipe_for("cuda"))
 
 
 def test_unavailable_kernel_triton_on_cpu_without_interpreter(monkeypatch):
@@ -108,7 +105,7 @@ def test_unavailable_kernel_triton_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.setattr("mxmoe.quant.backends._resolved", {})  # resolved answers are cached
     assert "triton" not in mxmoe.available_kernels("cpu")
     with pytest.raises(RuntimeError, match="kernel='triton'.*TRITON_INTERPRET=1"):
-        to_mx(X, kernel="triton")
+        to_mx(X, recipe=recipe_for("triton"))
 
 
 @pytest.mark.parametrize("shape,axis", [((4, 64), 2), ((4, 64), -3), ((2, 4, 64), 3), ((2, 4, 64), -4),
@@ -138,7 +135,7 @@ def test_fused_needs_2d():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.int32, torch.float8_e4m3fn])
 def test_dequantize_wrong_dtype(dtype):
-    mx = to_mx(X, kernel="torch")
+    mx = to_mx(X, recipe=recipe_for("torch"))
     with pytest.raises(TypeError, match=rf"dtype={dtype} is not an output dtype"):
         mx.dequantize(dtype)
 
@@ -152,16 +149,16 @@ def test_errors_raise_before_any_kernel(monkeypatch):
     monkeypatch.setattr("mxmoe.quant.custom_ops.cast_fn", boom)
     for kwargs in (dict(block_size=3), dict(scaling_mode="x"), dict(elem_dtype=torch.float16), dict(axis=5)):
         with pytest.raises((ValueError, TypeError)):
-            to_mx(X, kernel="torch", **kwargs)
+            to_mx(X, **kwargs)
     with pytest.raises(TypeError):
-        to_mx(X.half(), kernel="torch")
+        to_mx(X.half(), recipe=recipe_for("torch"))
 
 
 def test_empty_tensor_is_fine():
     """A (0, 64) input quantizes to empty storage of the right shapes (no error, no kernel)."""
-    mx = to_mx(torch.ones(0, 64), kernel="torch")
+    mx = to_mx(torch.ones(0, 64), recipe=recipe_for("torch"))
     assert tuple(mx.qdata_blocked.shape) == (0, 64) and tuple(mx.scale_blocked.shape) == (0, 2)
-    assert tuple(mx.dequantize(kernel="torch").shape) == (0, 64)
+    assert tuple(mx.dequantize(recipe=recipe_for("torch")).shape) == (0, 64)
 
 
 @pytest.mark.parametrize(
@@ -169,12 +166,12 @@ def test_empty_tensor_is_fine():
 )
 def test_zero_size_dims_are_fine(shape, axis):
     """A zero-size dim anywhere (e.g. an expert with no tokens) gives empty storage, no reshape error."""
-    mx = to_mx(torch.ones(shape), axis=axis, kernel="torch")
+    mx = to_mx(torch.ones(shape), axis=axis, recipe=recipe_for("torch"))
     assert tuple(mx.qdata.shape) == shape
     scale_shape = list(shape)
     scale_shape[axis] //= 32
     assert tuple(mx.scale.shape) == tuple(scale_shape)
-    assert tuple(mx.dequantize(kernel="torch").shape) == shape
+    assert tuple(mx.dequantize(recipe=recipe_for("torch")).shape) == shape
 
 
 def test_fused_not_a_tensor():
@@ -184,11 +181,11 @@ def test_fused_not_a_tensor():
 
 def test_dequantize_dtype_not_a_dtype():
     with pytest.raises(TypeError, match="dtype='bf16' is not a torch.dtype"):
-        to_mx(X, kernel="torch").dequantize("bf16")
+        to_mx(X, recipe=recipe_for("torch")).dequantize("bf16")
 
 
 def test_mxtensor_repr_names_the_layout():
-    mx = to_mx(X, kernel="torch")
+    mx = to_mx(X, recipe=recipe_for("torch"))
     assert isinstance(mx, MXTensor)
     assert repr(mx).startswith("MXTensor(shape=(4, 64), axis=1, elem=torch.float8_e4m3fn, block_size=32")
 
@@ -210,16 +207,16 @@ def test_arguments_are_checked_once_per_public_call(monkeypatch):
     monkeypatch.setattr("mxmoe.formats.check_block_size", counting)
     checks._checked_spec.cache_clear()
     x = torch.randn(64, 64)
-    to_mx(x, -1, kernel="torch")
-    to_mx(x, 0, kernel="torch").dequantize(kernel="torch")
-    to_mx_dim0_dim1(x, kernel="torch")
-    to_mx(x, 0, block_size=16, kernel="torch")
-    to_mx(x, 0, block_size=16, kernel="torch")
+    to_mx(x, -1)  # loose format arguments ("auto" kernels: torch on CPU)
+    to_mx(x, 0).dequantize()
+    to_mx_dim0_dim1(x)
+    to_mx(x, 0, block_size=16)
+    to_mx(x, 0, block_size=16)
     assert calls == [32, 16]
     checks._checked_spec.cache_clear()  # forget the specs checked by the stand-in
     calls.clear()
     r = recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch")
-    to_mx(x, -1, recipe=r).dequantize(kernel="torch")
+    to_mx(x, -1, recipe=r).dequantize(recipe=r)
     to_mx(x, 0, recipe=r)
     to_mx_dim0_dim1(x, recipe=r)
     assert calls == []
@@ -228,12 +225,13 @@ def test_arguments_are_checked_once_per_public_call(monkeypatch):
 def test_to_mx_of_a_tensor_that_needs_grad_says_how_to_train():
     """A cast has no gradient: refuse up front, naming the differentiable entry points."""
     w = torch.randn(64, 64, requires_grad=True)
-    for call in (lambda: to_mx(w, kernel="torch"), lambda: to_mx_dim0_dim1(w, kernel="torch")):
+    r = recipe_for("torch")
+    for call in (lambda: to_mx(w, recipe=r), lambda: to_mx_dim0_dim1(w, recipe=r)):
         with pytest.raises(RuntimeError, match="MXLinear, mxmoe.ops.mx_mm or mxmoe.ops.mx_grouped_mm"):
             call()
     with torch.no_grad():
-        to_mx(w, kernel="torch")
-    to_mx(w.detach(), kernel="torch")
+        to_mx(w, recipe=recipe_for("torch"))
+    to_mx(w.detach(), recipe=recipe_for("torch"))
 
 
 def test_auto_falls_back_when_the_cuda_extension_cannot_build(monkeypatch):
@@ -278,6 +276,32 @@ def test_auto_order_is_per_cast(monkeypatch):
         kernels.resolve_kernel("auto", torch.device("cuda"), "dim2")
 
 
+def test_cast_kernel_reads_each_casts_recipe_field(monkeypatch):
+    """`backends.cast_kernel`, the one kernel choice: dim0 and dequantize read the recipe's
+    dim0_kernel, dim1 and the fused cast its dim1_kernel, "auto" resolves per cast; a kernel that
+    cannot run on the device names the recipe field; an unknown cast is refused."""
+    from mxmoe.quant import backends, cuda_cast
+    from mxmoe.recipe import recipe
+
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="recipe dim1_kernel='cuda': kernel='cuda' needs a CUDA tensor"):
+        backends.cast_kernel(recipe(dim1_kernel="cuda"), cpu, "dim1")
+    with pytest.raises(ValueError, match="cast='dim2'; expected one of"):
+        backends.cast_kernel(recipe(), cpu, "dim2")
+    assert backends.cast_kernel(recipe(dim0_kernel="cuda"), cpu, "dim1") == "torch"  # "auto" on CPU
+    # as on a GPU machine whose extension builds
+    monkeypatch.setattr(cuda_cast, "load_extension", lambda: object())
+    monkeypatch.setattr(backends, "why_unavailable", lambda k, d: None)
+    monkeypatch.setattr(backends, "_resolved", {})
+    cuda = torch.device("cuda")
+    r = recipe(dim0_kernel="torch", dim1_kernel="auto")
+    got = {c: backends.cast_kernel(r, cuda, c) for c in backends.CASTS}
+    assert got == {"dim0": "torch", "dequant": "torch", "dim1": "cuda", "dim0_dim1": "cuda"}
+    r = recipe(dim0_kernel="triton", dim1_kernel="torch")
+    got = {c: backends.cast_kernel(r, cuda, c) for c in backends.CASTS}
+    assert got == {"dim0": "triton", "dequant": "triton", "dim1": "torch", "dim0_dim1": "torch"}
+
+
 def test_fast_entries_equal_the_public_casts():
     """mx_cast / mx_cast_dim0_dim1 (no checks, for the ops layer) give to_mx's bytes."""
     from mxmoe.quant import mx_cast, mx_cast_dim0_dim1
@@ -290,7 +314,7 @@ def test_fast_entries_equal_the_public_casts():
         assert a.axis == b.axis and a.scaling_mode == b.scaling_mode == "floor"
         assert torch.equal(a.qdata_blocked.view(torch.uint8), b.qdata_blocked.view(torch.uint8))
         assert torch.equal(a.scale_blocked.view(torch.uint8), b.scale_blocked.view(torch.uint8))
-        assert torch.equal(a.dequantize(kernel="torch"), b.dequantize(kernel="torch"))
+        assert torch.equal(a.dequantize(recipe=recipe_for("torch")), b.dequantize(recipe=recipe_for("torch")))
     for a, b in zip(mx_cast_dim0_dim1(x3[0], r), to_mx_dim0_dim1(x3[0], recipe=r), strict=True):
         assert torch.equal(a.qdata_blocked.view(torch.uint8), b.qdata_blocked.view(torch.uint8))
         assert torch.equal(a.scale_blocked.view(torch.uint8), b.scale_blocked.view(torch.uint8))

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import recipe_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -68,7 +69,7 @@ def problems(draw, finite: bool):
 
 def _quantize(kernel, device, x32, bs, mode, elem, dtype, cast):
     """Quantize per `cast`; returns [(scale_blocked, qdata_blocked, float32 blocks matrix, MXTensor)]."""
-    kw = dict(scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=kernel)
+    kw = dict(recipe=recipe_for(kernel, scaling_mode=mode, elem_dtype=elem, block_size=bs))
     R, C = x32.shape
     if cast == "dim0":
         mx = to_mx(to_torch(x32, dtype, device), axis=-1, **kw)
@@ -98,7 +99,7 @@ def check_random_problems(kernel: str, device: str, n: int) -> None:
         for s, q, blocks, mx in _quantize(kernel, device, x32, bs, mode, elem, dtype, cast):
             check_quant(s, q, blocks, bs, mode, elem, f"{cast} {mode} {dname(elem)} {kernel}")
             for out in (torch.float32, torch.bfloat16):
-                y = mx.dequantize(out, kernel=kernel).movedim(mx.axis, -1).reshape(blocks.shape)
+                y = mx.dequantize(out, recipe=recipe_for(kernel)).movedim(mx.axis, -1).reshape(blocks.shape)
                 check_dequant(y, ubytes(s), ubytes(q).reshape(blocks.shape), bs, elem, f"dequant {kernel}")
 
     run()
@@ -159,7 +160,7 @@ def check_round_trip(kernel: str, device: str, n: int) -> None:
                 f"{cast} {mode} {dname(elem)}: worst err/bound {np.max(err / bound)} at "
                 f"{np.unravel_index(np.argmax(err / bound), err.shape)}"
             )
-            y = mx.dequantize(torch.float32, kernel=kernel)
+            y = mx.dequantize(torch.float32, recipe=recipe_for(kernel))
             y = y.movedim(mx.axis, -1).reshape(R, C)
             with np.errstate(over="ignore"):
                 assert np.array_equal(y.cpu().numpy().astype(np.float64), O.round_binary(exact, O.FP32))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import recipe_for
 
 import mxmoe
 from mxmoe.quant import MXTensor, to_mx, to_mx_dim0_dim1
@@ -66,7 +67,7 @@ def test_dim0(kernel, combo):
     mode, elem, dtype = combo
     x32 = data(33, BS, mode, elem, dtype, level(kernel))
     x = to_torch(x32, dtype)
-    mx = to_mx(x, axis=-1, scaling_mode=mode, elem_dtype=elem, block_size=BS, kernel=kernel)
+    mx = to_mx(x, axis=-1, recipe=recipe_for(kernel, scaling_mode=mode, elem_dtype=elem, block_size=BS))
     assert mx.axis == 1 and mx.orig_dtype == dtype and mx.scaling_mode == mode
     _storage_ok(mx, x32.shape, "dim0")
     ws, wq = check_quant(mx.scale_blocked, mx.qdata_blocked, x32, BS, mode, elem, f"dim0 {kernel}")
@@ -82,7 +83,7 @@ def test_dim1(kernel, combo):
     g32 = data(33, BS, mode, elem, dtype, level(kernel))
     x = to_torch(g32.T, dtype)
     assert x.is_contiguous()
-    mx = to_mx(x, axis=0, scaling_mode=mode, elem_dtype=elem, block_size=BS, kernel=kernel)
+    mx = to_mx(x, axis=0, recipe=recipe_for(kernel, scaling_mode=mode, elem_dtype=elem, block_size=BS))
     assert mx.axis == 0
     _storage_ok(mx, g32.shape, "dim1")
     ws, wq = check_quant(mx.scale_blocked, mx.qdata_blocked, g32, BS, mode, elem, f"dim1 {kernel}")
@@ -106,7 +107,7 @@ def test_expert_weights_3d(kernel, combo, axis):
         x = to_torch(g32.reshape(E, inner, C), dtype)  # (E, N=11, K=C)
     else:
         x = to_torch(g32.reshape(E, inner, C).transpose(0, 2, 1), dtype)  # (E, N=C, K=11)
-    mx = to_mx(x, axis=axis, scaling_mode=mode, elem_dtype=elem, block_size=BS, kernel=kernel)
+    mx = to_mx(x, axis=axis, recipe=recipe_for(kernel, scaling_mode=mode, elem_dtype=elem, block_size=BS))
     assert mx.axis == x.ndim + axis
     _storage_ok(mx, (E, inner, C), f"3d axis={axis}")
     ws, wq = check_quant(
@@ -131,12 +132,13 @@ def test_one_and_four_dims(kernel, dtype):
             continue
         g32 = data(8, BS, mode, elem, dtype, level(kernel), seed=7)  # (8, C)
         C = g32.shape[1]
-        mx = to_mx(to_torch(g32[0], dtype), -1, scaling_mode=mode, elem_dtype=elem, kernel=kernel)
+        mx = to_mx(to_torch(g32[0], dtype), -1, recipe=recipe_for(kernel, scaling_mode=mode, elem_dtype=elem))
         _storage_ok(mx, (C,), "1d")
         check_quant(mx.scale_blocked[None], mx.qdata_blocked[None], g32[:1], BS, mode, elem, f"1d {kernel}")
         g4 = g32.reshape(2, 2, 2, C)
         for axis, x32 in ((-1, g4), (-2, g4.transpose(0, 1, 3, 2))):  # storage (2, 2, 2, C) both ways
-            mx = to_mx(to_torch(x32, dtype), axis, scaling_mode=mode, elem_dtype=elem, kernel=kernel)
+            r = recipe_for(kernel, scaling_mode=mode, elem_dtype=elem)
+            mx = to_mx(to_torch(x32, dtype), axis, recipe=r)
             _storage_ok(mx, (2, 2, 2, C), f"4d axis={axis}")
             check_quant(mx.scale_blocked.reshape(8, -1), mx.qdata_blocked.reshape(8, C), g32, BS, mode, elem,
                         f"4d axis={axis} {kernel}")
@@ -153,7 +155,7 @@ def test_dim0_dim1_fused(kernel, combo, orient):
     g32 = data(64, BS, mode, elem, dtype, level(kernel))
     x32 = np.ascontiguousarray(g32 if orient == "rows" else g32.T)
     x = to_torch(x32, dtype)
-    m0, m1 = to_mx_dim0_dim1(x, scaling_mode=mode, elem_dtype=elem, block_size=BS, kernel=kernel)
+    m0, m1 = to_mx_dim0_dim1(x, recipe=recipe_for(kernel, scaling_mode=mode, elem_dtype=elem, block_size=BS))
     assert (m0.axis, m1.axis) == (1, 0)
     R, C = x32.shape
     _storage_ok(m0, (R, C), "fused dim0")
@@ -176,15 +178,15 @@ def test_dequantize(kernel, combo, cast):
     mode, elem, dtype = combo
     g32 = data(33, BS, mode, elem, dtype, level(kernel))
     x = to_torch(g32 if cast == "dim0" else g32.T, dtype)
-    mx = to_mx(x, axis=-1 if cast == "dim0" else 0, scaling_mode=mode, elem_dtype=elem, block_size=BS,
-               kernel=kernel)
+    r = recipe_for(kernel, scaling_mode=mode, elem_dtype=elem, block_size=BS)
+    mx = to_mx(x, axis=-1 if cast == "dim0" else 0, recipe=r)
     sb, qb = ubytes(mx.scale_blocked), ubytes(mx.qdata_blocked)
     for out in (torch.bfloat16, torch.float32):
-        y = mx.dequantize(out, kernel=kernel)
+        y = mx.dequantize(out, recipe=recipe_for(kernel))
         assert y.dtype == out and tuple(y.shape) == tuple(x.shape)
         yb = y if cast == "dim0" else y.t()  # back to the storage layout
         check_dequant(yb, sb, qb, BS, elem, f"dequantize {cast} -> {dname(out)} {kernel}")
-    assert mx.dequantize(kernel=kernel).dtype == dtype
+    assert mx.dequantize(recipe=recipe_for(kernel)).dtype == dtype
 
 
 @kernel_p
@@ -201,7 +203,7 @@ def test_dequantize_every_byte(kernel, elem, out):
         torch.from_numpy(qb).view(elem), torch.from_numpy(sb).view(torch.float8_e8m0fnu), axis=1,
         block_size=BS,
     )
-    check_dequant(mx.dequantize(out, kernel=kernel), sb, qb, BS, elem, f"every byte {kernel}")
+    check_dequant(mx.dequantize(out, recipe=recipe_for(kernel)), sb, qb, BS, elem, f"every byte {kernel}")
 
 
 def _check_all_combos(kernel, x_t: torch.Tensor, x_blocks32: np.ndarray, axis: int, what: str, bs: int = BS,
@@ -211,7 +213,8 @@ def _check_all_combos(kernel, x_t: torch.Tensor, x_blocks32: np.ndarray, axis: i
     for mode, elem, dtype in combos(kernel):
         if x_t.dtype != dtype:
             continue
-        mx = to_mx(x_t, axis=axis, scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=kernel)
+        r = recipe_for(kernel, scaling_mode=mode, elem_dtype=elem, block_size=bs)
+        mx = to_mx(x_t, axis=axis, recipe=r)
         shape = storage_shape or x_blocks32.shape
         _storage_ok(mx, shape, what)
         C = x_blocks32.shape[1]
@@ -283,7 +286,7 @@ def test_fused_noncontiguous(kernel, dtype):
     for mode, elem, dt in combos(kernel):
         if dt != dtype:
             continue
-        m0, m1 = to_mx_dim0_dim1(x, scaling_mode=mode, elem_dtype=elem, kernel=kernel)
+        m0, m1 = to_mx_dim0_dim1(x, recipe=recipe_for(kernel, scaling_mode=mode, elem_dtype=elem))
         check_quant(m0.scale_blocked, m0.qdata_blocked, g32, BS, mode, elem, "fused t-view dim0")
         check_quant(m1.scale_blocked, m1.qdata_blocked, np.ascontiguousarray(g32.T), BS, mode, elem,
                     "fused t-view dim1")
@@ -304,17 +307,17 @@ def test_other_block_sizes(kernel, bs, dtype):
         if dt != dtype:
             continue
         what = f"bs={bs} {mode} {dname(elem)} {kernel}"
-        mx = to_mx(x, axis=-1, scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=kernel)
+        r = recipe_for(kernel, scaling_mode=mode, elem_dtype=elem, block_size=bs)
+        mx = to_mx(x, axis=-1, recipe=r)
         ws, wq = check_quant(mx.scale_blocked, mx.qdata_blocked, g32, bs, mode, elem, f"dim0 {what}")
-        check_dequant(mx.dequantize(torch.float32, kernel=kernel), ws, wq, bs, elem, f"dequant {what}")
-        mx = to_mx(to_torch(g32.T, dtype), axis=0, scaling_mode=mode, elem_dtype=elem, block_size=bs,
-                   kernel=kernel)
+        check_dequant(mx.dequantize(torch.float32, recipe=r), ws, wq, bs, elem, f"dequant {what}")
+        mx = to_mx(to_torch(g32.T, dtype), axis=0, recipe=r)
         check_quant(mx.scale_blocked, mx.qdata_blocked, g32, bs, mode, elem, f"dim1 {what}")
         x3 = to_torch(g32.reshape(2, R // 2, C).transpose(0, 2, 1), dtype)
-        mx = to_mx(x3, axis=-2, scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=kernel)
+        mx = to_mx(x3, axis=-2, recipe=r)
         check_quant(mx.scale_blocked.reshape(R, -1), mx.qdata_blocked.reshape(R, C), g32, bs, mode, elem,
                     f"3d axis=-2 {what}")
-        m0, m1 = to_mx_dim0_dim1(x, scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=kernel)
+        m0, m1 = to_mx_dim0_dim1(x, recipe=r)
         check_quant(m0.scale_blocked, m0.qdata_blocked, g32, bs, mode, elem, f"fused dim0 {what}")
         check_quant(m1.scale_blocked, m1.qdata_blocked, np.ascontiguousarray(g32.T), bs, mode, elem,
                     f"fused dim1 {what}")
@@ -346,12 +349,12 @@ def test_nonfinite_all_kernels_agree(dtype):
     for kernel in KERNELS:
         for mode in MODES:
             for elem in ELEMS:
-                mx = to_mx(x, scaling_mode=mode, elem_dtype=elem, kernel=kernel)
+                mx = to_mx(x, recipe=recipe_for(kernel, scaling_mode=mode, elem_dtype=elem))
                 s, q = ubytes(mx.scale_blocked), ubytes(mx.qdata_blocked).reshape(8, 8, BS)
                 assert np.all(s[mask] == 0xFF) and np.all(q[mask] == 0x7F), (kernel, mode)
                 assert np.all(s[~mask] != 0xFF), (kernel, mode)
                 check_quant(mx.scale_blocked, mx.qdata_blocked, x32, BS, mode, elem, f"nonfinite {kernel}")
-                y = mx.dequantize(torch.float32, kernel=kernel).reshape(8, 8, BS)
+                y = mx.dequantize(torch.float32, recipe=recipe_for(kernel)).reshape(8, 8, BS)
                 assert torch.isnan(y[torch.from_numpy(mask)]).all()
                 assert not torch.isnan(y[torch.from_numpy(~mask)]).any()
                 results.setdefault((mode, elem), []).append((kernel, s, q))
@@ -366,13 +369,13 @@ def test_named_classes(kernel):
     x = torch.tensor(
         [[0.0, -0.0, 448.0, 1.0, 480.0, 1.0, 3.0 * 2**-134, 2.0**-140]], dtype=torch.float32
     ).repeat(3, 1)
-    mx = to_mx(x, scaling_mode="floor", block_size=2, kernel=kernel)
+    mx = to_mx(x, recipe=recipe_for(kernel, scaling_mode="floor", block_size=2))
     # zeros: scale byte 0 (2^-127), +0 / -0 kept. amax 448: e = 8 - 8 = 0 (byte 127), 1.0 = 0x38.
     # amax 480: FLOOR e = 0, 480 saturates to 448 (0x7E). fp32 subnormals: e clamps to -127,
     # 3*2^-134 * 2^127 = 1.5*2^-6 (0x0C), 2^-140 * 2^127 = 2^-13 underflows to +0.
     assert ubytes(mx.scale_blocked)[0].tolist() == [0, 127, 127, 0]
     assert ubytes(mx.qdata_blocked)[0].tolist() == [0x00, 0x80, 0x7E, 0x38, 0x7E, 0x38, 0x0C, 0x00]
-    mx = to_mx(x, scaling_mode="rceil", block_size=2, kernel=kernel)
+    mx = to_mx(x, recipe=recipe_for(kernel, scaling_mode="rceil", block_size=2))
     # RCEIL: 448 * fp32(1/448) == 1 exactly (byte 127); 480 -> descale > 1 -> e = 1 (byte 128):
     # 480 / 2 = 240 (0x77), 1 / 2 (0x30); the subnormal block's descale is ~2^-141.6 -> e = -127.
     assert ubytes(mx.scale_blocked)[0].tolist() == [0, 127, 128, 0]
@@ -385,10 +388,10 @@ def test_profiler_shows_the_casts_by_op_name():
     """Under the profiler each eager cast runs inside a range named like its custom op."""
     x = torch.ones(64, 64)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        mx = to_mx(x, 0, kernel="torch")
-        to_mx(x, -1, kernel="torch")
-        to_mx_dim0_dim1(x, kernel="torch")
-        mx.dequantize(kernel="torch")
+        mx = to_mx(x, 0, recipe=recipe_for("torch"))
+        to_mx(x, -1, recipe=recipe_for("torch"))
+        to_mx_dim0_dim1(x, recipe=recipe_for("torch"))
+        mx.dequantize(recipe=recipe_for("torch"))
     names = {e.name for e in prof.events()}
     assert {"mxmoe::quantize_dim0", "mxmoe::quantize_dim1", "mxmoe::quantize_dim0_dim1",
             "mxmoe::dequantize"} <= names

@@ -14,6 +14,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+from conftest import recipe_for
 
 from mxmoe.formats import make_spec
 from mxmoe.quant import MXTensor, to_mx, to_mx_dim0_dim1, torch_cast
@@ -51,16 +52,16 @@ combo_p = pytest.mark.parametrize("combo", COMBOS, ids=[combo_id(c) for c in COM
 
 
 def cast(variant: str, x: torch.Tensor, axis: int, mode: str, elem, bs: int = BS) -> MXTensor:
-    return to_mx(x, axis=axis, scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=variant)
+    return to_mx(x, axis=axis, recipe=recipe_for(variant, scaling_mode=mode, elem_dtype=elem, block_size=bs))
 
 
 def cast_fused(variant: str, x: torch.Tensor, mode: str, elem, bs: int = BS):
-    return to_mx_dim0_dim1(x, scaling_mode=mode, elem_dtype=elem, block_size=bs, kernel=variant)
+    return to_mx_dim0_dim1(x, recipe=recipe_for(variant, scaling_mode=mode, elem_dtype=elem, block_size=bs))
 
 
 def dequant(variant: str, mx: MXTensor, out: torch.dtype) -> torch.Tensor:
     """Dequantized values in the *storage* layout (rows of blocks)."""
-    y = mx.dequantize(out, kernel=variant)
+    y = mx.dequantize(out, recipe=recipe_for(variant))
     return y.movedim(mx.axis, -1).reshape(-1, mx.qdata_blocked.shape[-1])
 
 
@@ -238,11 +239,13 @@ def test_torch_backend_inductor_compiled_gpu(combo):
 
 @pytest.mark.parametrize("kernel", ["torch", "triton", "cuda"])
 def test_no_graph_breaks_gpu(kernel):
+    r = recipe_for(kernel)
+
     def fn(x):
-        a = to_mx(x, kernel=kernel)
-        b = to_mx(x, axis=0, kernel=kernel)
-        c0, c1 = to_mx_dim0_dim1(x, kernel=kernel)
-        return a.dequantize(kernel=kernel), b.dequantize(kernel=kernel), c1.dequantize(kernel=kernel)
+        a = to_mx(x, recipe=r)
+        b = to_mx(x, axis=0, recipe=r)
+        c0, c1 = to_mx_dim0_dim1(x, recipe=r)
+        return a.dequantize(recipe=r), b.dequantize(recipe=r), c1.dequantize(recipe=r)
 
     torch._dynamo.reset()
     x = torch.randn(256, 512, dtype=torch.bfloat16, device=DEVICE)
@@ -272,11 +275,12 @@ def test_auto_picks_per_cast_and_matches_torch():
     got = {c: kernels.resolve_kernel("auto", dev, c) for c in kernels.CASTS}
     assert got == {"dim0": "cuda", "dim1": "cuda", "dim0_dim1": "cuda", "dequant": "cuda"}
     x = torch.randn(256, 320, device="cuda", dtype=torch.bfloat16) * 3
+    auto, ref = recipe_for("auto"), recipe_for("torch")
     for axis in (-1, 0):
-        a, t = to_mx(x, axis=axis, kernel="auto"), to_mx(x, axis=axis, kernel="torch")
+        a, t = to_mx(x, axis=axis, recipe=auto), to_mx(x, axis=axis, recipe=ref)
         assert torch.equal(a.qdata.view(torch.uint8), t.qdata.view(torch.uint8))
         assert torch.equal(a.scale.view(torch.uint8), t.scale.view(torch.uint8))
-        assert torch.equal(a.dequantize(kernel="auto"), t.dequantize(kernel="torch"))
-    for a, t in zip(to_mx_dim0_dim1(x, kernel="auto"), to_mx_dim0_dim1(x, kernel="torch"), strict=True):
+        assert torch.equal(a.dequantize(recipe=auto), t.dequantize(recipe=ref))
+    for a, t in zip(to_mx_dim0_dim1(x, recipe=auto), to_mx_dim0_dim1(x, recipe=ref), strict=True):
         assert torch.equal(a.qdata.view(torch.uint8), t.qdata.view(torch.uint8))
         assert torch.equal(a.scale.view(torch.uint8), t.scale.view(torch.uint8))

@@ -3,7 +3,7 @@
 GPU tests (`pytest -m gpu`) compare every output bit for bit with `mxmoe.quant.torch_cast` run on the
 CPU (the executable spec, docs/mx-format.md) over many input classes, all scale modes, both element
 formats, bf16/fp32 inputs and both dequantize dtypes. CPU tests check that the kernels compile for
-sm_90 with nvcc and that `kernel="cuda"` on a CPU tensor fails clearly.
+sm_90 with nvcc and that a recipe naming "cuda" on a CPU tensor fails clearly.
 
 Standalone GPU self-check (correctness sweep, then bandwidth vs device copy):
     PYTHONPATH=. python tests/quant/test_cuda_cast.py
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_bits
+from conftest import assert_same_bits, recipe_for
 
 import mxmoe
 from mxmoe.formats import ELEM_FORMATS, ScalingMode, make_spec
@@ -241,9 +241,9 @@ def test_mx_cast_sources_include_no_torch_headers():
 def test_cuda_kernel_on_cpu_tensor_raises_through_to_mx():
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match=r"kernel='cuda' needs a CUDA tensor \(got a cpu tensor\)"):
-        mxmoe.to_mx(x, kernel="cuda")
+        mxmoe.to_mx(x, recipe=recipe_for("cuda"))
     with pytest.raises(RuntimeError, match="kernel='cuda' needs a CUDA tensor"):
-        mxmoe.to_mx_dim0_dim1(x.reshape(32, 8).repeat(1, 4), kernel="cuda")
+        mxmoe.to_mx_dim0_dim1(x.reshape(32, 8).repeat(1, 4), recipe=recipe_for("cuda"))
 
 
 def test_cuda_backend_direct_call_on_cpu_tensor_raises():
@@ -399,17 +399,18 @@ def test_large_tensors_grid_stride_and_many_tiles():
 def test_public_api_kernel_cuda_matches_torch(mode):
     x3 = make_input("wide", (3, 96, 160), torch.bfloat16, torch.float8_e4m3fn, seed=8).cuda()
     for axis in (-1, -2):
-        a = mxmoe.to_mx(x3, axis=axis, scaling_mode=mode, kernel="cuda")
-        b = mxmoe.to_mx(x3.cpu(), axis=axis, scaling_mode=mode, kernel="torch")
+        a = mxmoe.to_mx(x3, axis=axis, recipe=recipe_for("cuda", scaling_mode=mode))
+        b = mxmoe.to_mx(x3.cpu(), axis=axis, recipe=recipe_for("torch", scaling_mode=mode))
         assert_same_bits(a.qdata_blocked, b.qdata_blocked, f"to_mx axis={axis} qdata")
         assert_same_bits(a.scale_blocked, b.scale_blocked, f"to_mx axis={axis} scale")
         for dt in OUT_DTYPES:
             assert_same_bits(
-                a.dequantize(dt, kernel="cuda"), b.dequantize(dt, kernel="torch"), f"deq axis={axis}"
+                a.dequantize(dt, recipe=recipe_for("cuda")), b.dequantize(dt, recipe=recipe_for("torch")),
+                f"deq axis={axis}",
             )
     x2 = x3[0]
-    got = mxmoe.to_mx_dim0_dim1(x2, scaling_mode=mode, kernel="cuda")
-    want = mxmoe.to_mx_dim0_dim1(x2.cpu(), scaling_mode=mode, kernel="torch")
+    got = mxmoe.to_mx_dim0_dim1(x2, recipe=recipe_for("cuda", scaling_mode=mode))
+    want = mxmoe.to_mx_dim0_dim1(x2.cpu(), recipe=recipe_for("torch", scaling_mode=mode))
     for g_, w_ in zip(got, want, strict=True):
         assert_same_bits(g_.qdata_blocked, w_.qdata_blocked, "to_mx_dim0_dim1 qdata")
         assert_same_bits(g_.scale_blocked, w_.scale_blocked, "to_mx_dim0_dim1 scale")
@@ -515,10 +516,10 @@ def test_cpp_operators_compile_fullgraph():
         return q0, s0, q1, s1, q2, s2, q3, s3, *f, cuda_cast.dequantize(q0, s0, 32, torch.bfloat16)
 
     def public(x):
-        a = mxmoe.to_mx(x, kernel="cuda")
-        b = mxmoe.to_mx(x, axis=0, kernel="cuda")
-        c0, c1 = mxmoe.to_mx_dim0_dim1(x, kernel="cuda")
-        return a.qdata_blocked, b.scale_blocked, c1.qdata_blocked, a.dequantize(kernel="cuda")
+        a = mxmoe.to_mx(x, recipe=recipe_for("cuda"))
+        b = mxmoe.to_mx(x, axis=0, recipe=recipe_for("cuda"))
+        c0, c1 = mxmoe.to_mx_dim0_dim1(x, recipe=recipe_for("cuda"))
+        return a.qdata_blocked, b.scale_blocked, c1.qdata_blocked, a.dequantize(recipe=recipe_for("cuda"))
 
     x = make_input("wide", (256, 512), torch.bfloat16, torch.float8_e4m3fn, seed=22).cuda()
     for fn in (direct, public):

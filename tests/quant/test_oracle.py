@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import recipe_for
 
 import mxmoe
 from mxmoe import formats as F
@@ -109,7 +110,8 @@ def test_rceil_thresholds_in_kernels(kernel, elem):
     x = np.zeros((1, 32 * len(amax)), dtype=np.float32)
     x[0, ::32] = amax
     x[0, 5::32] = -amax / 3
-    mx = mxmoe.to_mx(to_torch(x, torch.float32), scaling_mode="rceil", elem_dtype=elem, kernel=kernel)
+    r = recipe_for(kernel, scaling_mode="rceil", elem_dtype=elem)
+    mx = mxmoe.to_mx(to_torch(x, torch.float32), recipe=r)
     want = (O.scale_exponent(amax.astype(np.float64), "rceil", elem) + 127).tolist()
     assert want[:6] == [0, 0, 1, 1, 1, 2]
     assert ubytes(mx.scale_blocked)[0].tolist() == want

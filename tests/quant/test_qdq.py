@@ -369,7 +369,7 @@ def test_qdq_rows_kernel_writes_every_row():
     per row), for empty groups, and for 3D x of matrices of 32k + 1 rows (the most blocks per
     matrix) or 1 row."""
     from mxmoe.quant.checks import spec_of
-    from mxmoe.quant.qdq import _triton_qdq_rows
+    from mxmoe.quant.triton_qdq import qdq_rows as _triton_qdq_rows
 
     spec = spec_of(BS, "rceil", torch.float8_e4m3fn)
     rg = recipe("torch", "rceil", torch.float8_e4m3fn)
@@ -460,7 +460,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mxmoe.quant.checks import spec_of
-from mxmoe.quant.qdq import _ROWS_ITERS, _ROWS_WARPS, _rows_tile
+from mxmoe.quant.triton_qdq import _ROWS_ITERS, _ROWS_WARPS, _rows_tile
 from mxmoe.quant.triton_cast import _spec_args
 from mxmoe.quant.triton_qdq import qdq_rows_kernel
 
@@ -542,8 +542,7 @@ def test_rows_launch_constants_cover_the_kernels_constexprs():
     import inspect
 
     from mxmoe.quant.checks import spec_of
-    from mxmoe.quant.qdq import _rows_launch
-    from mxmoe.quant.triton_qdq import qdq_rows_kernel
+    from mxmoe.quant.triton_qdq import _rows_launch, qdq_rows_kernel
 
     fn = getattr(qdq_rows_kernel, "fn", qdq_rows_kernel)
     params = inspect.signature(fn).parameters.items()

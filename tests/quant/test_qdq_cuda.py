@@ -1,11 +1,11 @@
 """The CUDA qdq kernels (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1`, `qdq_dim0_dim1`,
 csrc/mx_cast.cu) and which kernel a qdq call picks.
 
-CPU tests: the dispatch (`qdq_kernel`, and the kernel the public calls hand to the op, traced on fake
-CUDA tensors). GPU tests (marked gpu): the operator against the NumPy oracle on every input class of
-tests/quant/cases.py, every scale mode x element format x input dtype x output dtype, and bit for
-bit against the CUDA cast followed by the CUDA dequantize (`to_mx(..., kernel="cuda")
-.dequantize(kernel="cuda")`, NaN payloads included) and against the Triton qdq (NaN where NaN); odd
+CPU tests: the dispatch (`backends.cast_kernel` for the qdq casts, and the kernel the public calls hand
+to the op, traced on fake CUDA tensors). GPU tests (marked gpu): the operator against the NumPy oracle
+on every input class of tests/quant/cases.py, every scale mode x element format x input dtype x output
+dtype, and bit for bit against the CUDA cast followed by the CUDA dequantize (`to_mx` and `dequantize`
+with a recipe naming "cuda", NaN payloads included) and against the Triton qdq (NaN where NaN); odd
 shapes, other block sizes and misaligned inputs (the generic kernel), more than 2^31 elements,
 argument errors, the out variant and torch.compile(fullgraph=True). The dim1 and dim0+dim1
 operators, without and with expert groups (offs): the oracle on every input class and
@@ -20,11 +20,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_bits
+from conftest import assert_same_bits, recipe_for
 
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe.quant import backends
-from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, qdq_kernel
+from mxmoe.quant.backends import cast_kernel
+from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 from mxmoe.recipe import MXRecipe
 from tests.quant import oracle as O
 from tests.quant.helpers import COMBOS, DTYPES, check_dequant, data, dname, to_f32_numpy, to_torch
@@ -54,29 +55,35 @@ def cuda_available(monkeypatch):
 
 
 def test_qdq_kernel_takes_cuda_where_an_operator_covers_the_call(cuda_available):
-    assert qdq_kernel("cuda", CUDA, True) == "cuda"
-    assert qdq_kernel("auto", CUDA, True) == "cuda"
-    assert len(cuda_available) == 2  # the extension is loaded before the op is called
+    for cast in ("qdq_dim0", "qdq_dim1"):
+        assert cast_kernel(recipe("cuda"), CUDA, cast) == "cuda"
+        assert cast_kernel(recipe("auto"), CUDA, cast) == "cuda"
+    assert len(cuda_available) == 4  # the extension is loaded before the op is called
     # dim0 alone with offs: the Triton rows kernel
-    assert qdq_kernel("cuda", CUDA) == "triton"
-    assert qdq_kernel("auto", CUDA) == "triton"
+    assert cast_kernel(recipe("cuda"), CUDA, "qdq_dim0_offs") == "triton"
+    assert cast_kernel(recipe("auto"), CUDA, "qdq_dim0_offs") == "triton"
     # explicit choices and CPU tensors are unchanged
-    assert qdq_kernel("triton", CUDA, True) == "triton"
-    assert qdq_kernel("torch", CUDA, True) == "torch"
-    assert qdq_kernel("auto", CPU, True) == "torch"
-    with pytest.raises(ValueError, match="kernel='nope' is not a cast kernel"):
-        qdq_kernel("nope", CUDA, True)
+    assert cast_kernel(recipe("triton"), CUDA, "qdq_dim1") == "triton"
+    assert cast_kernel(recipe("torch"), CUDA, "qdq_dim1") == "torch"
+    assert cast_kernel(recipe("auto"), CPU, "qdq_dim1") == "torch"
+    # each call reads its own field of the recipe
+    assert cast_kernel(recipe("torch", dim1="cuda"), CUDA, "qdq_dim0") == "torch"
+    assert cast_kernel(recipe("torch", dim1="cuda"), CUDA, "qdq_dim1") == "cuda"
+    with pytest.raises(ValueError, match="dim0_kernel='nope' is not a cast kernel"):
+        recipe("nope")
+    with pytest.raises(ValueError, match="cast='qdq'; expected one of"):
+        cast_kernel(recipe("cuda"), CUDA, "qdq")
 
 
 def test_qdq_kernel_auto_falls_back_to_triton(monkeypatch):
     """"auto" without a usable extension (resolve_kernel's answer for dim0 is not cuda): Triton."""
     monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "triton")
-    assert qdq_kernel("auto", CUDA, True) == "triton"
+    assert cast_kernel(recipe("auto"), CUDA, "qdq_dim1") == "triton"
 
 
 def test_qdq_kernel_cuda_on_cpu_tensor_raises():
-    with pytest.raises(RuntimeError, match="needs a CUDA tensor"):
-        qdq_kernel("cuda", CPU, True)
+    with pytest.raises(RuntimeError, match="recipe dim1_kernel='cuda': the qdq kernel needs a CUDA tensor"):
+        cast_kernel(recipe("cuda"), CPU, "qdq_dim1")
 
 
 def test_public_calls_pick_the_kernel(cuda_available, monkeypatch):
@@ -134,7 +141,7 @@ def test_cuda_kernel_in_the_op_has_no_grouped_dim0_alone():
 def _cuda_cast_dequant(x: torch.Tensor, r: MXRecipe, out: torch.dtype) -> torch.Tensor:
     from mxmoe.quant.mx_tensor import to_mx
 
-    return to_mx(x, -1, recipe=r).dequantize(out, kernel="cuda")
+    return to_mx(x, -1, recipe=r).dequantize(out, recipe=recipe_for("cuda"))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

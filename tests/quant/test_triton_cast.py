@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_same_bits
+from conftest import assert_same_bits, recipe_for
 
 from mxmoe.formats import make_spec
 from mxmoe.quant import to_mx, torch_cast, triton_cast
@@ -232,9 +232,9 @@ def test_dequantize_roundtrip_odd_shape():
 
 def test_empty_inputs():
     """Empty tensors never reach a kernel: the public API returns empty storage."""
-    mx = to_mx(torch.empty(0, 64, dtype=torch.bfloat16, device=DEV), -1, kernel="triton")
+    mx = to_mx(torch.empty(0, 64, dtype=torch.bfloat16, device=DEV), -1, recipe=recipe_for("triton"))
     assert mx.qdata_blocked.shape == (0, 64) and mx.scale_blocked.shape == (0, 2)
-    mx = to_mx(torch.empty(2, 32, 0, dtype=torch.bfloat16, device=DEV), -2, kernel="triton")
+    mx = to_mx(torch.empty(2, 32, 0, dtype=torch.bfloat16, device=DEV), -2, recipe=recipe_for("triton"))
     assert mx.qdata_blocked.shape == (2, 0, 32) and mx.scale_blocked.shape == (2, 0, 1)
 
 

@@ -32,7 +32,7 @@ from mxmoe.comm import a2a_combine, a2a_dispatch_mxfp8
 from mxmoe.integrations.torchtitan.common import takes_mx_rows
 from mxmoe.nn.mx_experts import RowsFromAnchor
 from mxmoe.quant.mx_tensor import MXTensor
-from mxmoe.recipe import CAST_KERNELS
+from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE
 
 log = logging.getLogger("mxmoe")
 
@@ -73,7 +73,8 @@ class MXFP8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
     def __init__(self, config: Config):
         super().__init__(config)
         _check_choices(config.mxfp8_a2a_kernel_choice, config.a2a_transport)
-        self.kernel = config.mxfp8_a2a_kernel_choice
+        # the exchange's format is the default one (e4m3, RCEIL, blocks of 32); the option picks its kernel
+        self.a2a_recipe = DEFAULT_RECIPE.replace(dim0_kernel=config.mxfp8_a2a_kernel_choice)
         self.transport = config.a2a_transport
         self.mx_rows = config.mx_rows
 
@@ -88,12 +89,12 @@ class MXFP8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
             input_splits,
             pg,
             check=False,
-            kernel=self.kernel,
+            recipe=self.a2a_recipe,
             transport=self.transport,
         )
         if self.mx_rows and routed_input_ND.dtype == torch.bfloat16:
             return mx  # (R, D) MXTensor blocked along D; gradient through mx.grad_anchor
-        rows = mx.dequantize(kernel=self.kernel)
+        rows = mx.dequantize(recipe=self.a2a_recipe)
         return RowsFromAnchor.apply(mx.grad_anchor, rows)
 
     def _permute(self, routed_input_RD, num_global_tokens_per_local_expert_E):
@@ -116,7 +117,7 @@ class MXFP8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
             output_splits,
             pg,
             check=False,
-            kernel=self.kernel,
+            recipe=self.a2a_recipe,
             transport=self.transport,
         )
 
