@@ -669,27 +669,3 @@ def test_gpu_qdq_rows_fake_matches_real_triton():
             fo = None if o is None else mode.from_tensor(o)
             fake = [(t.shape, t.stride(), t.dtype) for t in qdq_op(mode.from_tensor(x), *args, fo)]
         assert real == fake, (dim0, o is None)
-
-
-@pytest.mark.gpu
-def test_gpu_qdq_rows_beyond_2_31_elements():
-    """More than 2^31 elements (the kernel's 64-bit row offsets): the groups at the end and the
-    first rows equal the same kernel on small slices (32-bit offsets); so does each matrix of the
-    same data viewed as 3D (dim1 per matrix)."""
-    r = recipe("triton", "rceil", torch.float8_e4m3fn)
-    C = 8192
-    T = 2**31 // C + 300
-    x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
-    counts = [T - 350, 150, 0, 100]  # then 100 rows in no group
-    offs = offs_of(counts, "cuda")
-    y0, y1 = qdq_dim0_dim1(x, recipe=r, offs=offs)
-    s = T - 350
-    z0, z1 = qdq_dim0_dim1(x[s:], recipe=r, offs=offs[1:] - s)
-    assert torch.equal(_bytes(y0[s:]), _bytes(z0)) and torch.equal(_bytes(y1[s:]), _bytes(z1))
-    h0, h1 = qdq_dim0_dim1(x[:992], recipe=r, offs=offs_of([992], "cuda"))
-    assert torch.equal(_bytes(y0[:992]), _bytes(h0)) and torch.equal(_bytes(y1[:992]), _bytes(h1))
-    del y0, y1
-    x3 = x.view(2, T // 2, C)  # 3D: two matrices (blocks never across them), the second past 2^31
-    y3 = qdq(x3, -2, recipe=r)
-    for m in range(2):
-        assert torch.equal(_bytes(y3[m]), _bytes(qdq(x3[m], -2, recipe=r))), m

@@ -630,10 +630,13 @@ def test_gpu_qdq_cuda_grouped_operators_check_offs():
 
 
 @pytest.mark.gpu
-def test_gpu_qdq_cuda_grouped_beyond_2_31_elements():
-    """More than 2^31 elements with groups: the groups at the end and the first rows equal the
-    same operator on slices (offsets shifted), the rows after the last group zero."""
-    r = recipe("cuda")
+@pytest.mark.parametrize("kernel", ["triton", "cuda"])
+def test_gpu_qdq_grouped_beyond_2_31_elements(kernel):
+    """More than 2^31 elements with groups (the kernels' 64-bit row offsets): the groups at the end
+    and the first rows equal the same kernel on slices (offsets shifted, 32-bit offsets), the rows
+    after the last group zero, dim1 alone equals the fused call's; each matrix of the same data
+    viewed as 3D (dim1 per matrix, the second past 2^31) equals the kernel on that matrix alone."""
+    r = recipe(kernel)
     C = 8192
     T = 2**31 // C + 300
     x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
@@ -648,3 +651,8 @@ def test_gpu_qdq_cuda_grouped_beyond_2_31_elements():
     assert not bool(y0[-100:].any()) and not bool(y1[-100:].any())
     del z0, z1, h0, h1, y0
     assert torch.equal(_bits(qdq(x, -2, recipe=r, offs=offs)), _bits(y1))
+    del y1
+    x3 = x.view(2, T // 2, C)
+    y3 = qdq(x3, -2, recipe=r)
+    for m in range(2):
+        assert torch.equal(_bits(y3[m]), _bits(qdq(x3[m], -2, recipe=r))), m
