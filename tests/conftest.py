@@ -16,6 +16,12 @@
   PYTHONPATH (one process cannot import two torchtitan versions).
 - `mx_cast_sm90`: csrc/mx_cast.cu compiled once per session for sm_90 with nvcc (no GPU needed),
   what every test of the build's PTX, registers and spills reads (one build for all xdist workers).
+- Subprocess jobs (`subprocess_job`): a check that is one long subprocess (a compiler, an inner
+  pytest run) is started in the background when the session starts, once for all xdist workers, and
+  its test waits for the result: it runs beside the other tests instead of holding a worker idle at
+  whatever point the test is reached (on 2 cores a minute-long job then never ends the run alone).
+- Known-slow tests run first (`SLOW_FIRST`), spread over the xdist workers' first batches, so that no
+  long test starts last on one worker while the other has finished.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ import re
 import shutil
 import socket
 import subprocess
-from dataclasses import dataclass
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -182,6 +191,154 @@ def _assert_same_bits_fixture():
     return assert_same_bits
 
 
+# ------------------------------------------------------------------------------------------------
+# Subprocess jobs: started in the background when the session starts, awaited by their tests
+
+
+@dataclass(frozen=True)
+class Job:
+    """A subprocess to run in the background: `cmd` in `cwd` with environment `env` (None: the
+    session's), killed after `timeout_s` seconds."""
+
+    cmd: list[str]
+    timeout_s: float
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A finished job: its command, exit status (None: timed out or did not start), output and its
+    folder (outputs it was told to write)."""
+
+    cmd: list[str]
+    returncode: int | None
+    stdout: str
+    stderr: str
+    folder: Path = field(compare=False)
+
+
+# name -> spec(config, folder): the Job (writing its outputs into the empty `folder`) or, as a str,
+# why the tests waiting for it are skipped
+JOBS: dict[str, Callable[[pytest.Config, Path], Job | str]] = {}
+_STARTED: dict[str, subprocess.Popen] = {}  # the job runners this process started
+
+# the job runner: runs folder/job.json's command and writes folder/result.json (atomically)
+_JOB_RUNNER = r"""
+import json, os, subprocess, sys
+folder = sys.argv[1]
+with open(os.path.join(folder, "job.json")) as f:
+    spec = json.load(f)
+try:
+    p = subprocess.run(spec["cmd"], cwd=spec["cwd"], env=spec["env"], capture_output=True, text=True,
+                       timeout=spec["timeout_s"])
+    res = {"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+except subprocess.TimeoutExpired as e:
+    out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    res = {"returncode": None, "stdout": out, "stderr": f"timed out after {spec['timeout_s']} s"}
+except OSError as e:
+    res = {"returncode": None, "stdout": "", "stderr": f"could not start: {e}"}
+with open(os.path.join(folder, "result.json.tmp"), "w") as f:
+    json.dump(res, f)
+os.replace(os.path.join(folder, "result.json.tmp"), os.path.join(folder, "result.json"))
+"""
+
+
+def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run's temporary folder, shared by its xdist workers (each works in a folder inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _start_job(name: str, config: pytest.Config, root: Path) -> Path:
+    """Start job `name` unless this run (any xdist worker) already has; returns its folder."""
+    import fcntl
+    import json
+
+    folder = root / "jobs" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "job.json").exists() or (folder / "skip").exists():
+            return folder
+        out = folder / "out"
+        out.mkdir(exist_ok=True)
+        spec = JOBS[name](config, out)
+        if isinstance(spec, str):
+            (folder / "skip").write_text(spec)
+            return folder
+        (folder / "job.json").write_text(json.dumps(
+            {"cmd": spec.cmd, "cwd": spec.cwd, "env": spec.env, "timeout_s": spec.timeout_s}))
+        # a session of its own: killed as a group (the command with it) if this run is interrupted
+        _STARTED[name] = subprocess.Popen([sys.executable, "-c", _JOB_RUNNER, str(folder)],
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+    return folder
+
+
+def job_result(name: str, config: pytest.Config, root: Path) -> JobResult:
+    """Wait for job `name` (starting it if no one has) and return its result; skips the test where
+    the job's spec gave a reason to, fails it if the job's runner died without a result."""
+    import json
+
+    folder = _start_job(name, config, root)
+    if (folder / "skip").exists():
+        pytest.skip((folder / "skip").read_text())
+    spec = json.loads((folder / "job.json").read_text())
+    result = folder / "result.json"
+    deadline = time.monotonic() + spec["timeout_s"] + 120
+    while not result.exists():
+        runner = _STARTED.get(name)
+        if runner is not None and runner.poll() is not None and not result.exists():
+            pytest.fail(f"job {name}: its runner exited with {runner.returncode} and no result")
+        if time.monotonic() > deadline:
+            pytest.fail(f"job {name}: no result after {spec['timeout_s'] + 120:.0f} s")
+        time.sleep(0.2)
+    res = json.loads(result.read_text())
+    return JobResult(spec["cmd"], res["returncode"], res["stdout"], res["stderr"], folder / "out")
+
+
+def subprocess_job(name: str, spec: Callable[[pytest.Config, Path], Job | str]):
+    """Register job `name` (see JOBS) and return a session fixture of that name giving its JobResult;
+    a module assigns it to a global of that name. The session's first test starts every job a
+    selected test's fixtures include."""
+    JOBS[name] = spec
+
+    @pytest.fixture(scope="session", name=name)
+    def _result(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+        return job_result(name, request.config, run_root(tmp_path_factory))
+
+    return _result
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_subprocess_jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    names = {n for item in request.session.items for n in getattr(item, "fixturenames", ()) if n in JOBS}
+    root = run_root(tmp_path_factory)
+    for name in sorted(names):
+        try:
+            _start_job(name, request.config, root)
+        except Exception:  # noqa: BLE001 - reported by the job's own test, which starts it again
+            pass
+    yield
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Jobs this process started and no test has awaited yet: waited for (another xdist worker's
+    test may need one), or killed with their command if the run was interrupted or stopped."""
+    import signal
+
+    stopped = bool(session.shouldstop or session.shouldfail) or exitstatus == pytest.ExitCode.INTERRUPTED
+    for runner in _STARTED.values():
+        if runner.poll() is None and not stopped:
+            try:
+                runner.wait(timeout=1200)
+            except subprocess.TimeoutExpired:
+                pass
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
+
+
 MX_CAST_CU = Path(__file__).resolve().parents[1] / "mxmoe" / "quant" / "csrc" / "mx_cast.cu"
 
 
@@ -212,35 +369,30 @@ class Sm90Build:
                 if re.search(pattern, m.group(1))}
 
 
-@pytest.fixture(scope="session")
-def mx_cast_sm90(tmp_path_factory) -> Sm90Build:
-    """One nvcc build of csrc/mx_cast.cu for sm_90 (-O3, as scripts/check_cuda_build.sh, plus
-    `-Xptxas -v` and the kept PTX) for the whole run, pytest-xdist workers included (the first to
-    ask builds it under a file lock in the run's temporary folder, the others read it); skips the
-    test where nvcc is missing and fails it, with nvcc's messages, if the build fails."""
-    import fcntl
-
+def _mx_cast_sm90_job(config: pytest.Config, folder: Path) -> Job | str:
+    """nvcc of csrc/mx_cast.cu for sm_90 (-O3, as scripts/check_cuda_build.sh, plus `-Xptxas -v`
+    and the PTX kept in `folder`)."""
     nvcc = nvcc_path()
     if nvcc is None:
-        pytest.skip("nvcc not found (neither on PATH nor under CUDA_HOME): cannot compile mx_cast.cu")
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the run's folder
-    out = root / "mx_cast_sm90"
-    obj, log = out / "mx_cast.o", out / "nvcc.log"
-    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "--keep", "--keep-dir", str(out),
-           "-c", str(MX_CAST_CU), "-o", str(obj)]
-    with open(root / "mx_cast_sm90.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not log.exists():
-            out.mkdir(exist_ok=True)
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            text = f"{res.returncode}\n{res.stdout}\n{res.stderr}"
-            log.write_text(text)
-        text = log.read_text()
-    code, messages = text.split("\n", 1)
-    assert code == "0", f"{' '.join(cmd)} failed:\n{messages[-6000:]}"
+        return "nvcc not found (neither on PATH nor under CUDA_HOME): cannot compile mx_cast.cu"
+    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "--keep", "--keep-dir", str(folder),
+           "-c", str(MX_CAST_CU), "-o", str(folder / "mx_cast.o")]
+    return Job(cmd, timeout_s=900)
+
+
+mx_cast_sm90_nvcc = subprocess_job("mx_cast_sm90_nvcc", _mx_cast_sm90_job)
+
+
+@pytest.fixture(scope="session")
+def mx_cast_sm90(mx_cast_sm90_nvcc: JobResult) -> Sm90Build:
+    """The run's one nvcc build of csrc/mx_cast.cu for sm_90 (a subprocess job: started when the
+    session starts, shared by the xdist workers); skips the test where nvcc is missing and fails it,
+    with nvcc's messages, if the build fails."""
+    res = mx_cast_sm90_nvcc
+    messages = f"{res.stdout}\n{res.stderr}"
+    assert res.returncode == 0, f"{' '.join(res.cmd)} failed:\n{messages[-6000:]}"
     pattern = (r"Compiling entry function '(\w+)'.*?\n.*?Function properties.*?\n\s*(\d+) bytes stack "
                r"frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers")
     ptxas = {m.group(1): tuple(int(m.group(i)) for i in range(2, 6)) for m in re.finditer(pattern, messages)}
-    (ptx_file,) = out.glob("*.ptx")
-    return Sm90Build(cmd, obj, ptx_file.read_text(), ptxas)
+    (ptx_file,) = res.folder.glob("*.ptx")
+    return Sm90Build(res.cmd, res.folder / "mx_cast.o", ptx_file.read_text(), ptxas)
