@@ -59,6 +59,93 @@ def pytest_addoption(parser):
     )
 
 
+# Tests of more than ~5 s each (per parameter set) on 2 busy CPU cores, with their seconds there (a
+# run of 2026-12-01, the machine shared): the order in which they start, not a limit. Tests awaiting a
+# subprocess job are not listed: they run last, when their job is done.
+SLOW_FIRST = {
+    "tests/bench/test_bench_overhead_train.py::test_train_bench_times_the_deterministic_mode": 44,
+    "tests/train/test_compare.py::test_compare_runs_two_variants_by_two_seeds_on_cpu": 34,
+    "tests/integrations/test_torchtitan.py::test_mxfp8_dispatcher_equals_bf16_dispatch_of_qdq_rows": 33,
+    "tests/quant/test_swiglu_bwd_qdq.py::test_swiglu_bwd_qdq_matches_oracle": 20,
+    "tests/train/test_determinism.py::test_two_expert_parallel_runs_give_the_same_loss_bits": 29,
+    "tests/models/test_expert_parallel.py::test_per_block_compile_keeps_the_expert_parallel_moe_eager": 29,
+    "tests/quant/test_qdq.py::test_qdq_rows_matches_oracle": 15,
+    "tests/train/test_trainer.py::test_two_process_fsdp_compiled_mx_matches_one_process_eager": 27,
+    "tests/comm/test_symm.py::test_exchange_kernel_under_the_interpreter": 16,
+    "tests/train/test_trainer.py::test_compiled_training_matches_eager": 15,
+    "tests/models/test_expert_parallel.py::test_exchange_only_matches_bf16_experts_on_rounded_rows": 18,
+    "tests/train/test_checkpoint.py::test_a_save_missing_a_ranks_shard_fails_on_every_rank": 17,
+    "tests/quant/test_qdq.py::test_qdq_rows_triton_interpreter_equals_torch_random": 15,
+    "tests/train/test_parallel.py::test_ep_groups_use_the_configured_timeout": 14,
+    "tests/train/test_compare.py::test_launch_runs_an_expert_parallel_job_under_torch_distributed_run": 14,
+    "tests/bench/test_bench_overhead_train.py::test_train_bench_runs_bf16_and_mx_on_cpu": 14,
+    "tests/nn/test_mx_nn.py::test_fsdp2_two_ranks_same_losses": 13,
+    "tests/models/test_expert_parallel.py::"
+    "test_expert_parallel_follows_the_experts_recipe_and_matches_one_process": 13,
+    "tests/comm/test_comm_a2a.py::test_two_ranks": 13,
+    "tests/comm/test_comm_a2a.py::test_four_ranks": 13,
+    "tests/quant/test_qdq.py::test_qdq_one_axis_matches_oracle": 10,
+    "tests/quant/test_casts.py::test_one_and_four_dims": 10,
+    "tests/quant/test_casts.py::test_other_block_sizes": 7,
+    "tests/quant/test_triton_cast.py::test_other_block_sizes": 8,
+    "tests/train/test_config.py::test_ranks_with_different_configs_stop_naming_the_keys": 11,
+    "tests/quant/test_qdq.py::test_qdq_dim0_dim1_matches_oracle": 8,
+    "tests/quant/test_cast_properties.py::test_random_problems_match_oracle": 8,
+    "tests/ops/test_shared.py::test_shared_ops_compile_fullgraph": 8,
+    "tests/train/test_compare.py::test_time_limit_stops_the_running_run_and_starts_no_other": 10,
+    "tests/ops/test_mx_ops.py::test_compile_fullgraph_same_results": 7,
+    "tests/train/test_trainer.py::test_two_process_fsdp_ep_mx_matches_one_process": 9,
+    "tests/train/test_trainer.py::test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint": 9,
+    "tests/quant/test_qdq.py::test_qdq_rows_edge_groups": 8,
+    "tests/quant/test_qdq.py::test_qdq_3d_dim1_per_matrix_matches_oracle": 8,
+    "tests/quant/test_casts.py::test_noncontiguous_inputs": 8,
+    "tests/bench/test_bench_overhead_train.py::test_train_bench_counts_compiled_graphs": 9,
+    "tests/train/test_trainer.py::test_sigterm_stops_cleanly_with_loadable_checkpoint": 8,
+    "tests/train/test_trainer.py::"
+    "test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly": 8,
+    "tests/bench/test_bench_overhead_train.py::test_train_bench_reports_a_mode_that_cannot_run": 8,
+    "tests/quant/test_cast_properties.py::test_round_trip_error_bound": 7,
+    "tests/models/test_step_capture.py::"
+    "test_per_block_compile_takes_the_moe_layer_whole_and_matches_eager": 7,
+}
+
+
+def _slow_first(config, items) -> None:
+    """Reorder `items` in place: the SLOW_FIRST tests first, longest first, tests awaiting a
+    subprocess job last. Under xdist's default `--dist load`, which hands each worker a first batch
+    of consecutive tests (N // workers // 4 of them, at most --maxschedchunk) and the rest on demand,
+    the slow tests are dealt to the heads of the workers' first batches, longest to the least loaded,
+    so that each worker starts on about the same amount of slow work."""
+    def seconds(item) -> float:
+        if item.get_closest_marker("skip"):  # e.g. a GPU-only parameter set on a CPU host
+            return 0
+        return SLOW_FIRST.get(item.nodeid.split("[", 1)[0], 0)
+
+    slow = sorted((it for it in items if seconds(it)), key=seconds, reverse=True)
+    last = [it for it in items if not seconds(it) and JOBS.keys() & set(getattr(it, "fixturenames", ()))]
+    skip = {id(it) for it in slow + last}
+    rest = [it for it in items if id(it) not in skip]
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    # a worker sees --dist as given: "no" when -n alone chose "load"
+    if workers < 2 or config.getoption("dist", "no") not in ("no", "load"):
+        items[:] = slow + rest + last
+        return
+    chunk = max(2, min(len(items) // workers // 4, config.getoption("maxschedchunk", None) or len(items)))
+    lanes: list[list] = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    for it in slow:
+        k = loads.index(min(loads))
+        lanes[k].append(it)
+        loads[k] += seconds(it)
+    order = []
+    for lane in lanes:  # each worker's first batch: its slow tests, then as many others as fit
+        n = max(0, chunk - len(lane))
+        order += lane + rest[:n]
+        rest = rest[n:]
+    items[:] = order + rest + last
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: `items` are the tests that will run
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on one")
     skip_interp = pytest.mark.skip(
@@ -70,6 +157,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and not interpreting:
             item.add_marker(skip_interp)
+    _slow_first(config, items)
 
 
 def free_port() -> int:
