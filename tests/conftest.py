@@ -187,6 +187,20 @@ def _rank_main(fn, *args) -> None:
     os._exit(code)
 
 
+# what the fork server of `spawn_ranks` imports before forking ranks (one missing is skipped)
+RANK_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "triton", "mxmoe",
+                "mxmoe.quant.qdq", "mxmoe.comm.a2a", "mxmoe.comm.symm", "mxmoe.nn", "mxmoe.train.trainer",
+                "conftest"]
+
+
+def _forked_rank(env: dict[str, str], fn, *args) -> None:
+    """A rank forked from the fork server: the caller's environment (as a spawned rank would have
+    it), then `_rank_main`."""
+    os.environ.clear()
+    os.environ.update(env)
+    _rank_main(fn, *args)
+
+
 def trainer_rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
     """A `spawn_ranks` target: `mxmoe train argv` as rank `rank` of `world` (gloo rendezvous on
     127.0.0.1:port, one intra-op thread); its exit status is written to out/rc{rank}."""
@@ -216,9 +230,18 @@ def spawn_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> None:
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world, port, *args)) for rank in range(world)]
+    if HAS_CUDA:  # a fresh interpreter per rank: nothing CUDA-related inherited
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank_main, args=(fn, rank, world, port, *args)) for rank in range(world)]
+    else:
+        # CPU host: ranks forked from this process's fork server, which imported torch and mxmoe once
+        # (a spawned rank spends seconds of CPU importing them), given this process's environment now
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(RANK_PRELOAD)
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_forked_rank, args=(env, fn, rank, world, port, *args))
+                 for rank in range(world)]
     for p in procs:
         p.start()
     import time
