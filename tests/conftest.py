@@ -9,7 +9,8 @@
   `@pytest.mark.interpreter` and are skipped where it is off (a GPU host, where the GPU tests run
   the same kernels on the device).
 - Helpers shared by several packages' tests: `free_port`, `spawn_ranks` (gloo process groups in
-  spawned processes) and `assert_same_bits`, as plain functions (usable inside spawned workers via
+  processes of their own: spawned on a GPU host, forked from a fork server that imported torch and
+  mxmoe once on a CPU host) and `assert_same_bits`, as plain functions (usable inside spawned workers via
   `from conftest import ...`) and as fixtures of the same names.
 - `--torchtitan02 DIR` (`make test` passes the folder it installs torchtitan 0.2.2 into): the 0.2
   adapter's tests run, inside the suite, in a pytest process of their own with DIR first on
@@ -221,9 +222,12 @@ def trainer_rank(rank: int, world: int, port: int, argv: list[str], out: str) ->
 
 
 def spawn_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> None:
-    """Run fn(rank, world, port, *args) in `world` spawned processes and wait at most `timeout_s`.
+    """Run fn(rank, world, port, *args) in `world` processes and wait at most `timeout_s`.
 
-    `fn` must be a module-level function (spawn pickles it by name); `port` is a fresh free port for
+    Each rank is a fresh process: spawned on a GPU host; on a CPU host forked from a fork server
+    (one per test process) that has imported torch and mxmoe (RANK_PRELOAD), with the caller's
+    environment at the call, what a spawned rank would have seen. `fn` must be a module-level
+    function (it is pickled by name); `port` is a fresh free port for
     the ranks' rendezvous (e.g. `init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", ...)`
     or MASTER_PORT). Fails the test, after killing every straggler, if a rank exits non-zero or is
     still running at the deadline: a distributed test never hangs the suite.
