@@ -9,13 +9,20 @@
   `@pytest.mark.interpreter` and are skipped where it is off (a GPU host, where the GPU tests run
   the same kernels on the device).
 - Helpers shared by several packages' tests: `free_port`, `spawn_ranks` (gloo process groups in
-  spawned processes) and `assert_same_bits`, as plain functions (usable inside spawned workers via
+  processes of their own: spawned on a GPU host, forked from a fork server that imported torch and
+  mxmoe once on a CPU host) and `assert_same_bits`, as plain functions (usable inside spawned workers via
   `from conftest import ...`) and as fixtures of the same names.
 - `--torchtitan02 DIR` (`make test` passes the folder it installs torchtitan 0.2.2 into): the 0.2
   adapter's tests run, inside the suite, in a pytest process of their own with DIR first on
   PYTHONPATH (one process cannot import two torchtitan versions).
 - `mx_cast_sm90`: csrc/mx_cast.cu compiled once per session for sm_90 with nvcc (no GPU needed),
   what every test of the build's PTX, registers and spills reads (one build for all xdist workers).
+- Subprocess jobs (`subprocess_job`): a check that is one long subprocess (a compiler, an inner
+  pytest run) is started in the background when the session starts, once for all xdist workers, and
+  its test waits for the result: it runs beside the other tests instead of holding a worker idle at
+  whatever point the test is reached (on 2 cores a minute-long job then never ends the run alone).
+- Known-slow tests run first (`SLOW_FIRST`), spread over the xdist workers' first batches, so that no
+  long test starts last on one worker while the other has finished.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import re
 import shutil
 import socket
 import subprocess
-from dataclasses import dataclass
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -50,6 +60,93 @@ def pytest_addoption(parser):
     )
 
 
+# Tests of more than ~5 s each (per parameter set) on 2 busy CPU cores, with their seconds there (a
+# run of 2026-12-01, the machine shared): the order in which they start, not a limit. Tests awaiting a
+# subprocess job are not listed: they run last, when their job is done.
+SLOW_FIRST = {
+    "tests/bench/test_bench_overhead_train.py::test_train_bench_times_the_deterministic_mode": 44,
+    "tests/train/test_compare.py::test_compare_runs_two_variants_by_two_seeds_on_cpu": 34,
+    "tests/integrations/test_torchtitan.py::test_mxfp8_dispatcher_equals_bf16_dispatch_of_qdq_rows": 33,
+    "tests/quant/test_swiglu_bwd_qdq.py::test_swiglu_bwd_qdq_matches_oracle": 20,
+    "tests/train/test_determinism.py::test_two_expert_parallel_runs_give_the_same_loss_bits": 29,
+    "tests/models/test_expert_parallel.py::test_per_block_compile_keeps_the_expert_parallel_moe_eager": 29,
+    "tests/quant/test_qdq.py::test_qdq_rows_matches_oracle": 15,
+    "tests/train/test_trainer.py::test_two_process_fsdp_compiled_mx_matches_one_process_eager": 27,
+    "tests/comm/test_symm.py::test_exchange_kernel_under_the_interpreter": 16,
+    "tests/train/test_trainer.py::test_compiled_training_matches_eager": 15,
+    "tests/models/test_expert_parallel.py::test_exchange_only_matches_bf16_experts_on_rounded_rows": 18,
+    "tests/train/test_checkpoint.py::test_a_save_missing_a_ranks_shard_fails_on_every_rank": 17,
+    "tests/quant/test_qdq.py::test_qdq_rows_triton_interpreter_equals_torch_random": 15,
+    "tests/train/test_parallel.py::test_ep_groups_use_the_configured_timeout": 14,
+    "tests/train/test_compare.py::test_launch_runs_an_expert_parallel_job_under_torch_distributed_run": 14,
+    "tests/bench/test_bench_overhead_train.py::test_train_bench_runs_bf16_and_mx_on_cpu": 14,
+    "tests/nn/test_mx_nn.py::test_fsdp2_two_ranks_same_losses": 13,
+    "tests/models/test_expert_parallel.py::"
+    "test_expert_parallel_follows_the_experts_recipe_and_matches_one_process": 13,
+    "tests/comm/test_comm_a2a.py::test_two_ranks": 13,
+    "tests/comm/test_comm_a2a.py::test_four_ranks": 13,
+    "tests/quant/test_qdq.py::test_qdq_one_axis_matches_oracle": 10,
+    "tests/quant/test_casts.py::test_one_and_four_dims": 10,
+    "tests/quant/test_casts.py::test_other_block_sizes": 7,
+    "tests/quant/test_triton_cast.py::test_other_block_sizes": 8,
+    "tests/train/test_config.py::test_ranks_with_different_configs_stop_naming_the_keys": 11,
+    "tests/quant/test_qdq.py::test_qdq_dim0_dim1_matches_oracle": 8,
+    "tests/quant/test_cast_properties.py::test_random_problems_match_oracle": 8,
+    "tests/ops/test_shared.py::test_shared_ops_compile_fullgraph": 8,
+    "tests/train/test_compare.py::test_time_limit_stops_the_running_run_and_starts_no_other": 10,
+    "tests/ops/test_mx_ops.py::test_compile_fullgraph_same_results": 7,
+    "tests/train/test_trainer.py::test_two_process_fsdp_ep_mx_matches_one_process": 9,
+    "tests/train/test_trainer.py::test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint": 9,
+    "tests/quant/test_qdq.py::test_qdq_rows_edge_groups": 8,
+    "tests/quant/test_qdq.py::test_qdq_3d_dim1_per_matrix_matches_oracle": 8,
+    "tests/quant/test_casts.py::test_noncontiguous_inputs": 8,
+    "tests/bench/test_bench_overhead_train.py::test_train_bench_counts_compiled_graphs": 9,
+    "tests/train/test_trainer.py::test_sigterm_stops_cleanly_with_loadable_checkpoint": 8,
+    "tests/train/test_trainer.py::"
+    "test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly": 8,
+    "tests/bench/test_bench_overhead_train.py::test_train_bench_reports_a_mode_that_cannot_run": 8,
+    "tests/quant/test_cast_properties.py::test_round_trip_error_bound": 7,
+    "tests/models/test_step_capture.py::"
+    "test_per_block_compile_takes_the_moe_layer_whole_and_matches_eager": 7,
+}
+
+
+def _slow_first(config, items) -> None:
+    """Reorder `items` in place: the SLOW_FIRST tests first, longest first, tests awaiting a
+    subprocess job last. Under xdist's default `--dist load`, which hands each worker a first batch
+    of consecutive tests (N // workers // 4 of them, at most --maxschedchunk) and the rest on demand,
+    the slow tests are dealt to the heads of the workers' first batches, longest to the least loaded,
+    so that each worker starts on about the same amount of slow work."""
+    def seconds(item) -> float:
+        if item.get_closest_marker("skip"):  # e.g. a GPU-only parameter set on a CPU host
+            return 0
+        return SLOW_FIRST.get(item.nodeid.split("[", 1)[0], 0)
+
+    slow = sorted((it for it in items if seconds(it)), key=seconds, reverse=True)
+    last = [it for it in items if not seconds(it) and JOBS.keys() & set(getattr(it, "fixturenames", ()))]
+    skip = {id(it) for it in slow + last}
+    rest = [it for it in items if id(it) not in skip]
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    # a worker sees --dist as given: "no" when -n alone chose "load"
+    if workers < 2 or config.getoption("dist", "no") not in ("no", "load"):
+        items[:] = slow + rest + last
+        return
+    chunk = max(2, min(len(items) // workers // 4, config.getoption("maxschedchunk", None) or len(items)))
+    lanes: list[list] = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    for it in slow:
+        k = loads.index(min(loads))
+        lanes[k].append(it)
+        loads[k] += seconds(it)
+    order = []
+    for lane in lanes:  # each worker's first batch: its slow tests, then as many others as fit
+        n = max(0, chunk - len(lane))
+        order += lane + rest[:n]
+        rest = rest[n:]
+    items[:] = order + rest + last
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: `items` are the tests that will run
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on one")
     skip_interp = pytest.mark.skip(
@@ -61,6 +158,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and not interpreting:
             item.add_marker(skip_interp)
+    _slow_first(config, items)
 
 
 def free_port() -> int:
@@ -90,6 +188,20 @@ def _rank_main(fn, *args) -> None:
     os._exit(code)
 
 
+# what the fork server of `spawn_ranks` imports before forking ranks (one missing is skipped)
+RANK_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "triton", "mxmoe",
+                "mxmoe.quant.qdq", "mxmoe.comm.a2a", "mxmoe.comm.symm", "mxmoe.nn", "mxmoe.train.trainer",
+                "conftest"]
+
+
+def _forked_rank(env: dict[str, str], fn, *args) -> None:
+    """A rank forked from the fork server: the caller's environment (as a spawned rank would have
+    it), then `_rank_main`."""
+    os.environ.clear()
+    os.environ.update(env)
+    _rank_main(fn, *args)
+
+
 def trainer_rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
     """A `spawn_ranks` target: `mxmoe train argv` as rank `rank` of `world` (gloo rendezvous on
     127.0.0.1:port, one intra-op thread); its exit status is written to out/rc{rank}."""
@@ -110,18 +222,30 @@ def trainer_rank(rank: int, world: int, port: int, argv: list[str], out: str) ->
 
 
 def spawn_ranks(fn, world: int, *args, timeout_s: float = 180.0) -> None:
-    """Run fn(rank, world, port, *args) in `world` spawned processes and wait at most `timeout_s`.
+    """Run fn(rank, world, port, *args) in `world` processes and wait at most `timeout_s`.
 
-    `fn` must be a module-level function (spawn pickles it by name); `port` is a fresh free port for
+    Each rank is a fresh process: spawned on a GPU host; on a CPU host forked from a fork server
+    (one per test process) that has imported torch and mxmoe (RANK_PRELOAD), with the caller's
+    environment at the call, what a spawned rank would have seen. `fn` must be a module-level
+    function (it is pickled by name); `port` is a fresh free port for
     the ranks' rendezvous (e.g. `init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", ...)`
     or MASTER_PORT). Fails the test, after killing every straggler, if a rank exits non-zero or is
     still running at the deadline: a distributed test never hangs the suite.
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, rank, world, port, *args)) for rank in range(world)]
+    if HAS_CUDA:  # a fresh interpreter per rank: nothing CUDA-related inherited
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank_main, args=(fn, rank, world, port, *args)) for rank in range(world)]
+    else:
+        # CPU host: ranks forked from this process's fork server, which imported torch and mxmoe once
+        # (a spawned rank spends seconds of CPU importing them), given this process's environment now
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(RANK_PRELOAD)
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_forked_rank, args=(env, fn, rank, world, port, *args))
+                 for rank in range(world)]
     for p in procs:
         p.start()
     import time
@@ -198,6 +322,154 @@ def _assert_same_bits_fixture():
     return assert_same_bits
 
 
+# ------------------------------------------------------------------------------------------------
+# Subprocess jobs: started in the background when the session starts, awaited by their tests
+
+
+@dataclass(frozen=True)
+class Job:
+    """A subprocess to run in the background: `cmd` in `cwd` with environment `env` (None: the
+    session's), killed after `timeout_s` seconds."""
+
+    cmd: list[str]
+    timeout_s: float
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A finished job: its command, exit status (None: timed out or did not start), output and its
+    folder (outputs it was told to write)."""
+
+    cmd: list[str]
+    returncode: int | None
+    stdout: str
+    stderr: str
+    folder: Path = field(compare=False)
+
+
+# name -> spec(config, folder): the Job (writing its outputs into the empty `folder`) or, as a str,
+# why the tests waiting for it are skipped
+JOBS: dict[str, Callable[[pytest.Config, Path], Job | str]] = {}
+_STARTED: dict[str, subprocess.Popen] = {}  # the job runners this process started
+
+# the job runner: runs folder/job.json's command and writes folder/result.json (atomically)
+_JOB_RUNNER = r"""
+import json, os, subprocess, sys
+folder = sys.argv[1]
+with open(os.path.join(folder, "job.json")) as f:
+    spec = json.load(f)
+try:
+    p = subprocess.run(spec["cmd"], cwd=spec["cwd"], env=spec["env"], capture_output=True, text=True,
+                       timeout=spec["timeout_s"])
+    res = {"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+except subprocess.TimeoutExpired as e:
+    out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    res = {"returncode": None, "stdout": out, "stderr": f"timed out after {spec['timeout_s']} s"}
+except OSError as e:
+    res = {"returncode": None, "stdout": "", "stderr": f"could not start: {e}"}
+with open(os.path.join(folder, "result.json.tmp"), "w") as f:
+    json.dump(res, f)
+os.replace(os.path.join(folder, "result.json.tmp"), os.path.join(folder, "result.json"))
+"""
+
+
+def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run's temporary folder, shared by its xdist workers (each works in a folder inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _start_job(name: str, config: pytest.Config, root: Path) -> Path:
+    """Start job `name` unless this run (any xdist worker) already has; returns its folder."""
+    import fcntl
+    import json
+
+    folder = root / "jobs" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "job.json").exists() or (folder / "skip").exists():
+            return folder
+        out = folder / "out"
+        out.mkdir(exist_ok=True)
+        spec = JOBS[name](config, out)
+        if isinstance(spec, str):
+            (folder / "skip").write_text(spec)
+            return folder
+        (folder / "job.json").write_text(json.dumps(
+            {"cmd": spec.cmd, "cwd": spec.cwd, "env": spec.env, "timeout_s": spec.timeout_s}))
+        # a session of its own: killed as a group (the command with it) if this run is interrupted
+        _STARTED[name] = subprocess.Popen([sys.executable, "-c", _JOB_RUNNER, str(folder)],
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+    return folder
+
+
+def job_result(name: str, config: pytest.Config, root: Path) -> JobResult:
+    """Wait for job `name` (starting it if no one has) and return its result; skips the test where
+    the job's spec gave a reason to, fails it if the job's runner died without a result."""
+    import json
+
+    folder = _start_job(name, config, root)
+    if (folder / "skip").exists():
+        pytest.skip((folder / "skip").read_text())
+    spec = json.loads((folder / "job.json").read_text())
+    result = folder / "result.json"
+    deadline = time.monotonic() + spec["timeout_s"] + 120
+    while not result.exists():
+        runner = _STARTED.get(name)
+        if runner is not None and runner.poll() is not None and not result.exists():
+            pytest.fail(f"job {name}: its runner exited with {runner.returncode} and no result")
+        if time.monotonic() > deadline:
+            pytest.fail(f"job {name}: no result after {spec['timeout_s'] + 120:.0f} s")
+        time.sleep(0.2)
+    res = json.loads(result.read_text())
+    return JobResult(spec["cmd"], res["returncode"], res["stdout"], res["stderr"], folder / "out")
+
+
+def subprocess_job(name: str, spec: Callable[[pytest.Config, Path], Job | str]):
+    """Register job `name` (see JOBS) and return a session fixture of that name giving its JobResult;
+    a module assigns it to a global of that name. The session's first test starts every job a
+    selected test's fixtures include."""
+    JOBS[name] = spec
+
+    @pytest.fixture(scope="session", name=name)
+    def _result(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+        return job_result(name, request.config, run_root(tmp_path_factory))
+
+    return _result
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_subprocess_jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    names = {n for item in request.session.items for n in getattr(item, "fixturenames", ()) if n in JOBS}
+    root = run_root(tmp_path_factory)
+    for name in sorted(names):
+        try:
+            _start_job(name, request.config, root)
+        except (Exception, pytest.skip.Exception, pytest.fail.Exception):
+            pass  # reported by the job's own test, which starts it again
+    yield
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Jobs this process started and no test has awaited yet: waited for (another xdist worker's
+    test may need one), or killed with their command if the run was interrupted or stopped."""
+    import signal
+
+    stopped = bool(session.shouldstop or session.shouldfail) or exitstatus == pytest.ExitCode.INTERRUPTED
+    for runner in _STARTED.values():
+        if runner.poll() is None and not stopped:
+            try:
+                runner.wait(timeout=1200)
+            except subprocess.TimeoutExpired:
+                pass
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
+
+
 MX_CAST_CU = Path(__file__).resolve().parents[1] / "mxmoe" / "quant" / "csrc" / "mx_cast.cu"
 
 
@@ -228,35 +500,30 @@ class Sm90Build:
                 if re.search(pattern, m.group(1))}
 
 
-@pytest.fixture(scope="session")
-def mx_cast_sm90(tmp_path_factory) -> Sm90Build:
-    """One nvcc build of csrc/mx_cast.cu for sm_90 (-O3, as scripts/check_cuda_build.sh, plus
-    `-Xptxas -v` and the kept PTX) for the whole run, pytest-xdist workers included (the first to
-    ask builds it under a file lock in the run's temporary folder, the others read it); skips the
-    test where nvcc is missing and fails it, with nvcc's messages, if the build fails."""
-    import fcntl
-
+def _mx_cast_sm90_job(config: pytest.Config, folder: Path) -> Job | str:
+    """nvcc of csrc/mx_cast.cu for sm_90 (-O3, as scripts/check_cuda_build.sh, plus `-Xptxas -v`
+    and the PTX kept in `folder`)."""
     nvcc = nvcc_path()
     if nvcc is None:
-        pytest.skip("nvcc not found (neither on PATH nor under CUDA_HOME): cannot compile mx_cast.cu")
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the run's folder
-    out = root / "mx_cast_sm90"
-    obj, log = out / "mx_cast.o", out / "nvcc.log"
-    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "--keep", "--keep-dir", str(out),
-           "-c", str(MX_CAST_CU), "-o", str(obj)]
-    with open(root / "mx_cast_sm90.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not log.exists():
-            out.mkdir(exist_ok=True)
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            text = f"{res.returncode}\n{res.stdout}\n{res.stderr}"
-            log.write_text(text)
-        text = log.read_text()
-    code, messages = text.split("\n", 1)
-    assert code == "0", f"{' '.join(cmd)} failed:\n{messages[-6000:]}"
+        return "nvcc not found (neither on PATH nor under CUDA_HOME): cannot compile mx_cast.cu"
+    cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "--keep", "--keep-dir", str(folder),
+           "-c", str(MX_CAST_CU), "-o", str(folder / "mx_cast.o")]
+    return Job(cmd, timeout_s=900)
+
+
+mx_cast_sm90_nvcc = subprocess_job("mx_cast_sm90_nvcc", _mx_cast_sm90_job)
+
+
+@pytest.fixture(scope="session")
+def mx_cast_sm90(mx_cast_sm90_nvcc: JobResult) -> Sm90Build:
+    """The run's one nvcc build of csrc/mx_cast.cu for sm_90 (a subprocess job: started when the
+    session starts, shared by the xdist workers); skips the test where nvcc is missing and fails it,
+    with nvcc's messages, if the build fails."""
+    res = mx_cast_sm90_nvcc
+    messages = f"{res.stdout}\n{res.stderr}"
+    assert res.returncode == 0, f"{' '.join(res.cmd)} failed:\n{messages[-6000:]}"
     pattern = (r"Compiling entry function '(\w+)'.*?\n.*?Function properties.*?\n\s*(\d+) bytes stack "
                r"frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers")
     ptxas = {m.group(1): tuple(int(m.group(i)) for i in range(2, 6)) for m in re.finditer(pattern, messages)}
-    (ptx_file,) = out.glob("*.ptx")
-    return Sm90Build(cmd, obj, ptx_file.read_text(), ptxas)
+    (ptx_file,) = res.folder.glob("*.ptx")
+    return Sm90Build(res.cmd, res.folder / "mx_cast.o", ptx_file.read_text(), ptxas)

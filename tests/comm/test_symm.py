@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from conftest import Job, JobResult, subprocess_job
 from test_comm_a2a import assert_same_bits, make_rows, split_matrix
 
 from mxmoe.comm import symm
@@ -539,7 +540,28 @@ print("compiled")
 """
 
 
-def test_exchange_kernel_compiles_for_sm90():
+def _compile_sm90_job(config: pytest.Config, folder) -> Job | str:
+    """_COMPILE_SM90 in a process of its own (Triton's compiler, not its interpreter): a subprocess
+    job, started with the session."""
+    import sys
+
+    try:
+        import triton
+    except ImportError:
+        return "could not import triton"
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        return f"triton {triton.__version__} has no CUDA backend here"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    return Job([sys.executable, "-c", _COMPILE_SM90], timeout_s=600, env=env)
+
+
+symm_compile_sm90 = subprocess_job("symm_compile_sm90", _compile_sm90_job)
+
+
+def test_exchange_kernel_compiles_for_sm90(symm_compile_sm90: JobResult):
     """The exchange kernel (and the standalone kernels sharing its tile helpers) builds for an
     H100/H200 (sm_90) on this machine (Triton ships ptxas and cuobjdump), with the argument types the
     launch gives it: the exchange kernel's system-scope release flag write (one system fence per store
@@ -547,17 +569,6 @@ def test_exchange_kernel_compiles_for_sm90():
     16-byte vector a thread, scales as 4-byte words), the work items' loads issued ahead as
     asynchronous copies, timer and trap; registers and shared memory for the programs per SM it
     launches, spills only of values reloaded once a work item (none in the register-tile loops)."""
-    import subprocess
-    import sys
-
-    triton = pytest.importorskip("triton")
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip(f"triton {triton.__version__} has no CUDA backend here")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = symm_compile_sm90
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_bits, recipe_for
+from conftest import Job, JobResult, assert_same_bits, recipe_for, subprocess_job
 
 import mxmoe
 from mxmoe.formats import ELEM_FORMATS, ScalingMode, make_spec
@@ -202,33 +202,40 @@ def test_mx_cast_cu_compiles_for_sm90(mx_cast_sm90):
     assert mx_cast_sm90.ptxas and mx_cast_sm90.entries("qdq_dim1_kernel")
 
 
-def test_binding_cpp_compiles_against_torch_headers(tmp_path):
-    """CI's check of the operator binding (as scripts/check_cuda_build.sh): csrc/binding.cpp compiles
-    (g++ -fsyntax-only) against the installed torch's headers and CUDA's, where nvcc is found."""
+def _binding_cpp_job(config: pytest.Config, folder: Path) -> Job | str:
+    """g++ -fsyntax-only of csrc/binding.cpp against torch's and CUDA's headers: a subprocess job,
+    started with the session."""
+    import os
     import shutil
-    import subprocess
 
     from conftest import nvcc_path
     from torch.utils.cpp_extension import include_paths
 
     nvcc = nvcc_path()
     if nvcc is None:
-        pytest.skip("nvcc not found (neither on PATH nor under CUDA_HOME): no CUDA headers to check against")
-    cxx = shutil.which("g++")
-    assert cxx is not None, "g++ not found: cannot check csrc/binding.cpp"
+        return "nvcc not found (neither on PATH nor under CUDA_HOME): no CUDA headers to check against"
+    # no g++: the job reports it (the test fails, naming it)
+    cxx = shutil.which("g++") or "g++"
     # the CPU wheel of torch ships c10/cuda's headers but not the CMake-generated cuda_cmake_macros.h
     # they include; a stand-in (it only sets build macros) lets binding.cpp be checked against them
-    stub = tmp_path / "stub" / "c10" / "cuda" / "impl"
+    stub = folder / "stub" / "c10" / "cuda" / "impl"
     stub.mkdir(parents=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    import os
-
     homes = [os.environ.get("CUDA_HOME", ""), str(Path(nvcc).parents[1]), "/usr/local/cuda"]
     cuda_inc = [f"-I{h}/include" for h in homes if h and Path(h, "include", "cuda_runtime.h").is_file()][:1]
     cmd = [cxx, "-std=c++20", "-fsyntax-only", *(f"-I{p}" for p in include_paths()),
-           "-idirafter", str(tmp_path / "stub"), *cuda_inc, str(CU_FILE.with_name("binding.cpp"))]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stderr[-6000:]}"
+           "-idirafter", str(folder / "stub"), *cuda_inc, str(CU_FILE.with_name("binding.cpp"))]
+    return Job(cmd, timeout_s=600)
+
+
+binding_cpp_syntax = subprocess_job("binding_cpp_syntax", _binding_cpp_job)
+
+
+def test_binding_cpp_compiles_against_torch_headers(binding_cpp_syntax: JobResult):
+    """CI's check of the operator binding (as scripts/check_cuda_build.sh): csrc/binding.cpp compiles
+    (g++ -fsyntax-only) against the installed torch's headers and CUDA's, where nvcc is found."""
+    res = binding_cpp_syntax
+    assert res.returncode == 0, f"{' '.join(res.cmd)} failed:\n{res.stderr[-6000:]}"
 
 
 def test_mx_cast_sources_include_no_torch_headers():
