@@ -64,7 +64,7 @@ def pytest_addoption(parser):
 # run of 2026-12-01, the machine shared): the order in which they start, not a limit. Tests awaiting a
 # subprocess job are not listed: they run last, when their job is done.
 SLOW_FIRST = {
-    "tests/bench/test_bench_overhead_train.py::test_train_bench_times_the_deterministic_mode": 44,
+    "tests/bench/test_bench_overhead_train.py::test_train_bench_times_the_deterministic_mode": 20,
     "tests/train/test_compare.py::test_compare_runs_two_variants_by_two_seeds_on_cpu": 34,
     "tests/integrations/test_torchtitan.py::test_mxfp8_dispatcher_equals_bf16_dispatch_of_qdq_rows": 33,
     "tests/quant/test_swiglu_bwd_qdq.py::test_swiglu_bwd_qdq_matches_oracle": 20,
