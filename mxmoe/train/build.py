@@ -44,8 +44,8 @@ def check_values(cfg: JobConfig) -> None:
         raise ValueError(
             f"model.converters={cfg.model.converters!r}: unknown converter(s) {unknown}; expected 'mx'"
         )
-    if t.mixed_precision not in ("bf16", "fp32"):
-        raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16 or fp32")
+    if t.mixed_precision not in ("bf16", "fp32", "tf32"):
+        raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16, fp32 or tf32")
     if t.cpu_threads < 0:
         raise ValueError(f"training.cpu_threads={t.cpu_threads}: expected >= 0 (0 = torch's default)")
     for key, value, low in (
@@ -241,6 +241,15 @@ def build_model(
     return model
 
 
+def set_matmul_precision(cfg: JobConfig, device: torch.device) -> None:
+    """training.mixed_precision=tf32 on CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa
+    inputs, fp32 accumulation; weights and activations stay fp32); else torch's default (IEEE fp32
+    for fp32 matmuls). Process-wide: every run built in this process sets it."""
+    if device.type == "cuda":
+        tf32 = cfg.training.mixed_precision == "tf32"
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "none"
+
+
 def autocast(cfg: JobConfig, device: torch.device, *, cache_enabled: bool = True):
     """training.mixed_precision=bf16 on CUDA: bf16 autocast over the fp32 weights (a captured CUDA
     graph needs cache_enabled=False: no weight casts kept outside the graph); else no autocast."""
@@ -312,6 +321,7 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
             f"(no FSDP / expert parallelism) and training.compile=false (per-block compile), got world "
             f"size {world} and training.compile={t.compile}"
         )
+    set_matmul_precision(cfg, device)
     if pd.tp > 1 and use_mx:
         # the converter owns this refusal: let it raise its own error before anything is built
         mx_convert(torch.nn.Module(), cfg, pd)

@@ -117,7 +117,8 @@ class Training:
         False, "capture forward+backward in one CUDA graph and replay it (one GPU, no EP/FSDP)"
     )
     mixed_precision: str = _f(
-        "bf16", "compute dtype on CUDA: bf16 (autocast; fp32 master weights) | fp32; CPU is fp32"
+        "bf16", "compute dtype on CUDA: bf16 (autocast; fp32 master weights) | fp32 | tf32 (fp32 with TF32 "
+        "matmuls: the cheap high-precision reference); CPU is fp32"
     )
     device: str = _f("auto", "auto | cpu | cuda")
     cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default; 1 suits tiny models)")

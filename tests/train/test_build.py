@@ -7,7 +7,7 @@ import torch
 import mxmoe
 from mxmoe.models import Transformer, model_args
 from mxmoe.nn import MXConfig
-from mxmoe.train.build import build_model, build_run, check_values
+from mxmoe.train.build import build_model, build_run, check_values, set_matmul_precision
 from mxmoe.train.config import parse_args
 from mxmoe.train.data import VOCAB_SIZE
 from mxmoe.train.parallel import make_parallel_dims
@@ -65,3 +65,21 @@ def test_build_model_rejects_an_unknown_compile_mode():
     cfg = parse_args(ARGS)
     with pytest.raises(ValueError, match=r"compile='fast': expected None or one of \['blocks'"):
         build_model(cfg, torch.device("cpu"), make_parallel_dims(1, -1, 1, 1), mx=False, compile="fast")
+
+
+@pytest.mark.parametrize("mp, want", [("tf32", "tf32"), ("fp32", "none"), ("bf16", "none")])
+def test_mixed_precision_sets_cuda_fp32_matmul_precision(mp, want):
+    """tf32: fp32 matmuls on CUDA run on TF32 tensor cores; every other setting restores torch's
+    default, so runs built one after another in one process do not inherit it. CPU is untouched."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32" if want == "none" else "ieee"  # the opposite of what is wanted
+        cfg = parse_args([*ARGS, f"--training.mixed_precision={mp}"])
+        check_values(cfg)
+        set_matmul_precision(cfg, torch.device("cpu"))
+        assert matmul.fp32_precision == ("tf32" if want == "none" else "ieee")
+        set_matmul_precision(cfg, torch.device("cuda"))
+        assert matmul.fp32_precision == want
+    finally:
+        matmul.fp32_precision = before

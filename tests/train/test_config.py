@@ -183,6 +183,8 @@ def test_main_reports_config_errors(capsys):
         (f"--training.seed={2**70}", f"training.seed={2**70}: expected 0 <= seed < 2**32"),
         ("--training.seed=-1", "training.seed=-1: expected 0 <= seed < 2**32"),
         ("--parallelism.timeout_s=0", "parallelism.timeout_s=0: expected >= 1"),
+        ("--training.mixed_precision=fp16",
+         "training.mixed_precision='fp16': expected bf16, fp32 or tf32"),
         ("--parallelism.timeout_s=-5", "parallelism.timeout_s=-5: expected >= 1"),
         ("--mx.mxfp8_dim1_cast_kernel_choice=cudnn", "mx.mxfp8_dim1_cast_kernel_choice='cudnn' is not"),
     ],
