@@ -55,6 +55,12 @@ def init_distributed(device_pref: str, timeout_s: int) -> tuple[int, int, torch.
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("training.device='cuda' but no CUDA GPU is available")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"training.device={device_pref!r}: LOCAL_RANK={local_rank} needs CUDA device {local_rank}, but "
+            f"{torch.cuda.device_count()} are visible; start at most {torch.cuda.device_count()} processes "
+            "per node (torchrun --nproc_per_node), or pass --training.device=cpu"
+        )
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

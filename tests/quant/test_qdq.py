@@ -8,6 +8,8 @@ against the torch backend at larger shapes."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -28,7 +30,9 @@ from tests.quant.helpers import (
 )
 
 BS = 32
-KERNELS = ["torch", "triton"]
+# on CPU tensors: Triton through the interpreter (off on a GPU host: the gpu tests below run it there)
+KERNELS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
+CPU_KERNELS = ["torch", "triton"] if os.environ.get("TRITON_INTERPRET") == "1" else ["torch"]
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
 
@@ -355,7 +359,7 @@ def test_qdq_rows_noncontiguous_offs():
     """offs may be any 1D view (the kernel gets a contiguous copy)."""
     x = torch.randn(50, 64)
     offs = torch.tensor([10, 99, 33, 99, 45], dtype=torch.int32)[::2]
-    for k in KERNELS:
+    for k in CPU_KERNELS:
         r = recipe(k, "rceil", torch.float8_e4m3fn)
         got = qdq_dim0_dim1(x, recipe=r, offs=offs)
         want = qdq_dim0_dim1(x, recipe=r, offs=offs.contiguous())
@@ -363,6 +367,7 @@ def test_qdq_rows_noncontiguous_offs():
         assert torch.equal(_bytes(qdq(x, -2, recipe=r, offs=offs)), _bytes(want[1]))
 
 
+@pytest.mark.interpreter
 def test_qdq_rows_kernel_writes_every_row():
     """The rows kernel's grid covers every block: outputs pre-filled with NaN are all overwritten
     (with the torch backend's values) for group sizes and a tail of 32k + 1 rows (the most blocks
@@ -392,6 +397,7 @@ def test_qdq_rows_kernel_writes_every_row():
             assert torch.equal(_bytes(a), _bytes(b)), shape
 
 
+@pytest.mark.interpreter
 def test_qdq_rows_triton_interpreter_equals_torch_random():
     """The Triton rows kernel (interpreter) == the torch backend on random wide-range data, several
     column tiles per program (C = 1024) and ragged groups."""
@@ -426,8 +432,9 @@ def test_qdq_rows_errors():
     with pytest.raises(ValueError, match=r"x.shape\[-1\]=48 .*block_size=32"):
         qdq(torch.randn(40, 48), -2, recipe=r)
     r256 = recipe("triton", "rceil", torch.float8_e4m3fn, 256)
+    dev = "cpu" if "triton" in CPU_KERNELS else "cuda"  # where the Triton kernel runs
     with pytest.raises(ValueError, match="block_size=256: the Triton qdq kernel supports block sizes up to"):
-        qdq(torch.randn(4, 256), -2, recipe=r256)
+        qdq(torch.randn(4, 256, device=dev), -2, recipe=r256)
 
 
 def test_qdq_rows_fake_matches_real_and_compiles():

@@ -93,6 +93,7 @@ def test_cpu_stays_one_opaque_op(kernel):
     assert _launched_kernels(gm) == [] and _opaque_calls(gm) == 1
 
 
+@pytest.mark.interpreter
 def test_cpu_interpreter_compiles_fullgraph_and_matches_eager():
     """The Triton kernel through the interpreter under torch.compile(fullgraph=True, inductor):
     the opaque op, eager's values bit for bit."""

@@ -197,6 +197,7 @@ TINY = [
     "--training.val_batches=1",
     "--data.max_files=6",
     "--metrics.log_freq=1",
+    "--training.device=cpu",
 ]
 
 

@@ -279,6 +279,7 @@ def test_mx_exchange_only_converts_the_experts_alone():
     assert "high-precision experts on MX-rounded rows" in precision(model, cfg)
 
 
+@pytest.mark.interpreter  # a CPU model with 'triton' casts: the Triton interpreter
 def test_mx_cast_kernel_choices_reach_every_converted_module():
     """--mx.mxfp8_dim0_cast_kernel_choice / dim1 set the recipe's dim0_kernel / dim1_kernel of every
     converted module (the rest of the recipe as named)."""

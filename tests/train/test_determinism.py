@@ -29,6 +29,7 @@ DEBUG = [
     "--training.warmup_steps=2",
     "--training.val_interval=4",
     "--training.val_batches=1",
+    "--training.device=cpu",
     "--training.cpu_threads=1",
     "--training.deterministic=true",
     "--data.max_files=6",

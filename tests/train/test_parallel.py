@@ -5,6 +5,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from conftest import spawn_ranks
@@ -38,3 +39,16 @@ def test_ep_groups_use_the_configured_timeout(tmp_path):
     spawn_ranks(_worker, 4, str(tmp_path))
     # without the timeout on the sub-groups, rank 0 waits until rank 1 gives up (gloo: 30 min default)
     assert (tmp_path / "result").read_text() == "timed out"
+
+
+def test_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    """device auto on a host with 1 GPU and a second local rank: an error naming LOCAL_RANK, the
+    visible device count and the ways out, before any process group (not an invalid-ordinal crash)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 needs CUDA device 1, but 1 are visible; .*"
+                       r"--nproc_per_node.*--training.device=cpu"):
+        parallel.init_distributed("auto", 60)
+    assert not dist.is_initialized()

@@ -33,6 +33,7 @@ TINY = [
     "--metrics.tensorboard=false",
     "--data.max_files=6",
     "--training.cpu_threads=1",
+    "--training.device=cpu",  # CPU tests, also on a GPU host (the GPU's are in test_gpu.py)
 ]
 MX = ["--model.converters=mx", "--mx.mxfp8_dim1_cast_kernel_choice=torch"]
 
