@@ -20,7 +20,10 @@
 - Subprocess jobs (`subprocess_job`): a check that is one long subprocess (a compiler, an inner
   pytest run) is started in the background when the session starts, once for all xdist workers, and
   its test waits for the result: it runs beside the other tests instead of holding a worker idle at
-  whatever point the test is reached (on 2 cores a minute-long job then never ends the run alone).
+  whatever point the test is reached (on 2 cores a minute-long job then never ends the run alone);
+  it runs at nice 10, so it takes the cores the test workers leave.
+- Under xdist every worker, and every process it starts, runs torch with one intra-op thread
+  (OMP_NUM_THREADS=1 unless set): the workers already use the cores.
 - Known-slow tests run first (`SLOW_FIRST`), spread over the xdist workers' first batches, so that no
   long test starts last on one worker while the other has finished.
 """
@@ -39,7 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the workers share the host's cores: one intra-op thread each, in every process they start too
+    # (trainer runs, ranks, jobs inherit it); with torch's default of one per core their OpenMP
+    # threads spin-wait against each other (on 2 cores the suite took 25 % more CPU time)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS: OpenMP reads it once, at load)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also where torch was imported earlier
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -357,6 +370,7 @@ _STARTED: dict[str, subprocess.Popen] = {}  # the job runners this process start
 # the job runner: runs folder/job.json's command and writes folder/result.json (atomically)
 _JOB_RUNNER = r"""
 import json, os, subprocess, sys
+os.nice(10)  # the tests first: a job (and its command) takes the cores when the test workers leave them
 folder = sys.argv[1]
 with open(os.path.join(folder, "job.json")) as f:
     spec = json.load(f)
