@@ -19,6 +19,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     pd = parallel.make_parallel_dims(4, -1, 2, 1)
     _, ep_mesh = parallel.build_meshes(pd, torch.device("cpu"), timeout_s=2)
+    # every rank's sub-groups are connected before any rank goes on (or exits): on a loaded host a
+    # rank that left early closed its sockets while a slower one was still connecting
+    dist.barrier()
     gave_up = Path(out, "rank1_gave_up")
     if rank == 0:  # rank 1, in the same ep group, never joins this all_reduce
         try:
