@@ -2,7 +2,8 @@
 
 - On a machine without a GPU, Triton kernels run through its interpreter (TRITON_INTERPRET must be
   set before any `@triton.jit` runs, i.e. before the kernel modules are imported), and Inductor
-  compiles without a pool of worker processes (TORCHINDUCTOR_COMPILE_THREADS=1).
+  compiles without a pool of worker processes (TORCHINDUCTOR_COMPILE_THREADS=1) and scalar C++
+  kernels (TORCHINDUCTOR_VEC_ISA_OK=0: a third less g++ time).
 - GPU-only tests carry `@pytest.mark.gpu` and are skipped without a CUDA GPU; select them with
   `pytest -m gpu`, or a package with `pytest tests/<package>` (scripts/gpu/suite.sh runs them in parts).
 - Tests that run Triton kernels on CPU tensors through the interpreter carry
@@ -59,6 +60,11 @@ if not torch.cuda.is_available():
     # Inductor compiles in the calling process: a pool of compile workers per test process (xdist
     # workers, spawned ranks) costs their start-up and buys nothing on a CPU host's few busy cores
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    # Inductor's C++ kernels without the vector ISA (AVX2/AVX-512 templates): g++ takes a third less
+    # time on a cold cache (the MX compiled-training test: 84 -> 55 s). The CPU tests check graph
+    # capture and compiled-vs-eager numerics, which scalar kernels show as well; the GPU's Triton
+    # kernels are tested on the GPU.
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -124,6 +130,19 @@ SLOW_FIRST = {
 }
 
 
+# Tests that compile the same Inductor graphs, in the order they must run, on one xdist worker: the
+# first compiles (cold: C++ kernels through g++), the next find its graphs in Inductor's on-disk cache
+# (the FSDP ranks' per-block graphs are the one-process compiled run's: 64 s cold alone, 20 s after
+# it). Started at once on two workers, both would compile everything.
+CHAINS = (
+    (
+        "tests/train/test_trainer.py::test_compiled_training_matches_eager[mx]",
+        "tests/train/test_trainer.py::test_two_process_fsdp_compiled_mx_matches_one_process_eager",
+        "tests/train/test_trainer.py::test_compiled_training_matches_eager[hp]",
+    ),
+)
+
+
 def _slow_first(config, items) -> None:
     """Reorder `items` in place: the SLOW_FIRST tests first, longest first, tests awaiting a
     subprocess job last. Under xdist's default `--dist load`, which hands each worker a first batch
@@ -135,7 +154,13 @@ def _slow_first(config, items) -> None:
             return 0
         return SLOW_FIRST.get(item.nodeid.split("[", 1)[0], 0)
 
-    slow = sorted((it for it in items if seconds(it)), key=seconds, reverse=True)
+    # a unit: one test, or a chain's tests in the chain's order (weighed by their sum)
+    by_id = {it.nodeid: it for it in items}
+    chained = {n for chain in CHAINS for n in chain}
+    units = [[by_id[n] for n in chain if n in by_id] for chain in CHAINS]
+    units = [u for u in units if u] + [[it] for it in items if seconds(it) and it.nodeid not in chained]
+    units.sort(key=lambda u: sum(map(seconds, u)), reverse=True)
+    slow = [it for u in units for it in u]
     last = [it for it in items if not seconds(it) and JOBS.keys() & set(getattr(it, "fixturenames", ()))]
     skip = {id(it) for it in slow + last}
     rest = [it for it in items if id(it) not in skip]
@@ -147,10 +172,10 @@ def _slow_first(config, items) -> None:
     chunk = max(2, min(len(items) // workers // 4, config.getoption("maxschedchunk", None) or len(items)))
     lanes: list[list] = [[] for _ in range(workers)]
     loads = [0.0] * workers
-    for it in slow:
+    for u in units:
         k = loads.index(min(loads))
-        lanes[k].append(it)
-        loads[k] += seconds(it)
+        lanes[k] += u
+        loads[k] += sum(map(seconds, u))
     order = []
     for lane in lanes:  # each worker's first batch: its slow tests, then as many others as fit
         n = max(0, chunk - len(lane))
