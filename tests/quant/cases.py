@@ -126,7 +126,7 @@ class BlockBuilder:
             self.add(self.rng.permutation(v))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def special_blocks(bs: int, mode: str, elem, dtype: str, level: str = "full", seed: int = 0) -> np.ndarray:
     """All special classes as blocks: float32 (n, bs), read-only. level 'full' sweeps every binade;
     'small' keeps every class but samples the sweeps (for the slow Triton interpreter). Built once
