@@ -69,6 +69,50 @@ if not torch.cuda.is_available():
 HAS_CUDA = torch.cuda.is_available()
 
 
+def _patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter (3.x) patches triton.language's builtins into interpreted ones when a
+    launch starts (restoring them when it ends), and again at every call of a @triton.jit helper
+    inside the kernel (`_patch_lang`, a walk of the modules with `inspect.getmembers`): the same
+    modules, with equivalent functions, over and over (our kernels call helpers, and tl.max/tl.sum,
+    in loops), a fifth of the interpreter tests' time. Here a helper's call patches only the modules
+    the running launch has not patched yet (tl.core, say, for tl.max); as before, what a helper's call
+    patched stays patched. Launches are unchanged. Nothing is done where the interpreter lacks these
+    internals (another Triton version)."""
+    import inspect
+
+    try:
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    if not all(hasattr(ti, n) for n in ("_patch_lang", "_LangPatchScope", "tl")):
+        return
+    interpreter_patch = ti._patch_lang
+    patched: set[int] = set()  # the modules patched since the running launch started (empty: none runs)
+
+    def patch_lang(fn):
+        mods = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (ti.tl, ti.tl.core)}
+        if patched and mods <= patched:  # a helper's call inside a launch: nothing new to patch
+            return ti._LangPatchScope()
+        launch = not patched  # helpers are only called inside a launch: the first call is the launch's
+        scope = interpreter_patch(fn)
+        patched.update(mods)
+        if launch:
+            restore = scope.restore
+
+            def restore_and_end() -> None:
+                patched.clear()
+                restore()
+
+            scope.restore = restore_and_end
+        return scope
+
+    ti._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_launch()
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--torchtitan02",
@@ -226,10 +270,11 @@ def _rank_main(fn, *args) -> None:
     os._exit(code)
 
 
-# what the fork server of `spawn_ranks` imports before forking ranks (one missing is skipped)
-RANK_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "triton", "mxmoe",
-                "mxmoe.quant.qdq", "mxmoe.comm.a2a", "mxmoe.comm.symm", "mxmoe.nn", "mxmoe.train.trainer",
-                "conftest"]
+# what the fork server of `spawn_ranks` imports before forking ranks (one missing is skipped): every
+# rank imports torch._dynamo (0.75 s of CPU each, ~60 ranks a run), a compiling one Inductor too
+RANK_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo",
+                "torch._inductor.compile_fx", "triton", "mxmoe", "mxmoe.quant.qdq", "mxmoe.comm.a2a",
+                "mxmoe.comm.symm", "mxmoe.nn", "mxmoe.train.trainer", "conftest"]
 
 
 def _forked_rank(env: dict[str, str], fn, *args) -> None:

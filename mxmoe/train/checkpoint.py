@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import io
 import json
@@ -50,18 +51,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from mxmoe.train.metrics import RunLock, write_atomic
+
+# torch.distributed.checkpoint (DCP, and DTensor with it) is imported where a checkpoint is saved or
+# read, never at import: it costs every process ~1.2 s, and most runs (no checkpoint.folder, a
+# benchmark, `--help`) never touch a checkpoint.
 
 log = logging.getLogger("mxmoe.train")
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -121,6 +116,8 @@ def _agree(error: str | None) -> None:
 def _describe(e: BaseException) -> str:
     """The failure in one line; DCP's CheckpointException carries each rank's exception (ranks
     failing alike are named together)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(e, CheckpointException):
         by_text: dict[str, list[int]] = {}
         for rank, failure in sorted(e.failures.items()):
@@ -164,9 +161,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which a DCP metadata file never holds")
 
 
-def read_metadata(file: Path) -> Metadata:
-    """DCP's `.metadata` (a pickle) read with an allow-list unpickler; CheckpointError naming the
-    file if it holds anything else (an object whose unpickling would run code)."""
+def read_metadata(file: Path):
+    """DCP's `.metadata` (a pickle) read with an allow-list unpickler: its `Metadata`;
+    CheckpointError naming the file if it holds anything else (an object whose unpickling would run
+    code)."""
+    from torch.distributed.checkpoint.metadata import Metadata  # also what _allowed_global looks up
+
     try:
         md = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
     except OSError as e:
@@ -180,46 +180,54 @@ def read_metadata(file: Path) -> Metadata:
     return md
 
 
-class _CheckedReader(dcp.FileSystemReader):
-    """DCP's file reader with `.metadata` read through the allow-list unpickler."""
+@functools.cache
+def _checked_reader_and_planner() -> tuple[type, type]:
+    """DCP's file reader and load planner, restricted (classes built on first use, DCP imported)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if kwargs.get("rank") is not None:  # per-rank metadata files: a layout this module never writes
-            raise CheckpointError(f"checkpoint {self.path}: per-rank metadata files are not supported")
-        md = read_metadata(Path(self.path) / ".metadata")
-        if getattr(md, "storage_meta", None) is None:  # as DCP's own reader does
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = getattr(self, "load_id", None)
-        return md
+    class CheckedReader(dcp.FileSystemReader):
+        """DCP's file reader with `.metadata` read through the allow-list unpickler."""
 
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:  # per-rank metadata files: a layout this module never writes
+                raise CheckpointError(f"checkpoint {self.path}: per-rank metadata files are not supported")
+            md = read_metadata(Path(self.path) / ".metadata")
+            if getattr(md, "storage_meta", None) is None:  # as DCP's own reader does
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = getattr(self, "load_id", None)
+            return md
 
-class _CheckedLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner that reads only the byte items this run's own state has (as byte items),
-    each through `torch.load(weights_only=True)` before DCP's own `torch.load` sees the same bytes."""
+    class CheckedLoadPlanner(DefaultLoadPlanner):
+        """DCP's load planner that reads only the byte items this run's own state has (as byte items),
+        each through `torch.load(weights_only=True)` before DCP's own `torch.load` sees the same bytes."""
 
-    def set_up_planner(self, *args, **kwargs) -> None:
-        super().set_up_planner(*args, **kwargs)
-        foreign = sorted(
-            k
-            for k, v in self.metadata.state_dict_metadata.items()
-            if isinstance(v, BytesStorageMetadata)
-            and (k not in self.state_dict or isinstance(self.state_dict[k], torch.Tensor))
-        )
-        if foreign:
-            raise CheckpointError(
-                f"byte items {foreign[:5]}{' ...' if len(foreign) > 5 else ''} are refused: this "
-                "trainer never writes them"
+        def set_up_planner(self, *args, **kwargs) -> None:
+            super().set_up_planner(*args, **kwargs)
+            foreign = sorted(
+                k
+                for k, v in self.metadata.state_dict_metadata.items()
+                if isinstance(v, BytesStorageMetadata)
+                and (k not in self.state_dict or isinstance(self.state_dict[k], torch.Tensor))
             )
+            if foreign:
+                raise CheckpointError(
+                    f"byte items {foreign[:5]}{' ...' if len(foreign) > 5 else ''} are refused: this "
+                    "trainer never writes them"
+                )
 
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            torch.load(value, weights_only=True)  # torch's allow-list unpickler: plain values only
-        except Exception as e:
-            raise CheckpointError(
-                f"byte item {read_item.dest_index.fqn!r} is refused: {type(e).__name__}: {e}"
-            ) from None
-        value.seek(0)
-        super().load_bytes(read_item, value)
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                torch.load(value, weights_only=True)  # torch's allow-list unpickler: plain values only
+            except Exception as e:
+                raise CheckpointError(
+                    f"byte item {read_item.dest_index.fqn!r} is refused: {type(e).__name__}: {e}"
+                ) from None
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return CheckedReader, CheckedLoadPlanner
 
 
 def claim_folder(folder: str, run_id: str, resume: bool, locked: bool = False) -> RunLock | None:
@@ -454,6 +462,8 @@ class Checkpointer:
     def _check_contents(self, path: Path, files: dict) -> None:
         """`.metadata` (allow-list unpickler) names only listed shards and the optimizer's byte
         items; the trainer state is JSON."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
         md = read_metadata(path / ".metadata")
         for info in md.storage_data.values():
             rel = getattr(info, "relative_path", None)
@@ -552,6 +562,8 @@ class Checkpointer:
         optimizer's own per-parameter state dicts, and putting the DTensor wrappers into those
         would make the next `optimizer.step()` mix DTensors with plain tensors. The tensors
         themselves are shared (views), so `dcp.load` writes straight into the live state."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
         msd = {
             k: self._wrap(v) if self._is_expert(k) else v for k, v in get_model_state_dict(model).items()
         }
@@ -583,6 +595,9 @@ class Checkpointer:
         train_state: the trainer's own state (step, scheduler, sampler), stored as JSON: plain
         dicts, lists, str, int, finite floats, bools and None only. CheckpointError naming the step
         and the file on any failure (on every rank)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
         final = self.folder / f"step-{step:08d}"
         tmp = self.folder / f"step-{step:08d}.tmp"
         where = f"saving checkpoint step {step} in {tmp}"
@@ -674,6 +689,11 @@ class Checkpointer:
         the `train_state` argument is not read).
         CheckpointError if the checkpoint's run shape differs from this run's, or it does not load
         (naming the step and the file)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        reader, planner = _checked_reader_and_planner()
         saved, train = self._local(self._before_load, path)
         step = _STEP_DIR.match(path.name)
         where = f"checkpoint step {int(step.group(1)) if step else '?'} ({path})"
@@ -689,7 +709,7 @@ class Checkpointer:
                 "ignore", message=".*assuming the intent is to load in a single process.*"
             )
             try:
-                dcp.load(state, storage_reader=_CheckedReader(str(path)), planner=_CheckedLoadPlanner())
+                dcp.load(state, storage_reader=reader(str(path)), planner=planner())
             except (Exception, CheckpointException) as e:  # DCP wraps every rank's failure in one
                 raise CheckpointError(f"{where} does not load into this model: {_describe(e)}") from None
         self._unwrap(state)

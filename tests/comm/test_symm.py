@@ -218,8 +218,33 @@ class SharedWorkspace:
         raise AssertionError("the test's workspace fits every pair")
 
 
+def _poll_politely() -> None:
+    """In this process, an interpreted atomic read (add 0) of the address the previous atomic read
+    read sleeps 0.2 ms first: a rank spinning on a peer's flag leaves the CPU to the peers (the ranks
+    outnumber the test host's cores; spinning took half the test's CPU time). Memory effects and the
+    order of reads are unchanged."""
+    import time
+
+    import numpy as np
+    from triton.runtime import interpreter as ti
+
+    rmw = ti.InterpreterBuilder.create_atomic_rmw
+    last: list = [None]
+
+    def create_atomic_rmw(self, op, ptr, val, mask, sem, scope):
+        read = getattr(op, "name", "") == "ADD" and not np.any(val.data)
+        key = ptr.data.tobytes() if read else None
+        if key is not None and key == last[0]:
+            time.sleep(2e-4)
+        last[0] = key
+        return rmw(self, op, ptr, val, mask, sem, scope)
+
+    ti.InterpreterBuilder.create_atomic_rmw = create_atomic_rmw
+
+
 def _kernel_worker(rank, world, port, per_item, store_sub, fast_bit, recv_sub, buffers, ready, xs, gs, M,
                    outs_y, outs_q, outs_s, outs_back) -> None:
+    _poll_politely()
     symm.ITEM_TILES, symm._STORE_SUB_BLOCKS, symm._FAST_BIT_FLAGS = per_item, store_sub, fast_bit
     symm._RECV_SUB_BLOCKS = dict.fromkeys(symm._RECV_SUB_BLOCKS, recv_sub)
     ws = SharedWorkspace(buffers, ready, rank)
