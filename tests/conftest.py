@@ -228,6 +228,28 @@ def _slow_first(config, items) -> None:
     items[:] = order + rest + last
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's, absent where it is off (-p no:xdist)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's `--dist load` (what -n alone chooses), except that after the workers' first batches
+    (the ones `_slow_first` arranges) a worker is given one test at a time, whenever it has fewer
+    than two waiting: xdist's own refills send up to a quarter of what is left at once, so at the
+    end one worker ran a batch of tests while the other, done, sat idle (~15 s of a run)."""
+    if config.getoption("dist", "no") != "load":
+        return None
+    from xdist.scheduler import LoadScheduling
+
+    class OneAtATimeAfterTheFirstBatches(LoadScheduling):
+        def check_schedule(self, node, duration: float = 0) -> None:
+            if node.shutting_down:
+                return
+            if not self.pending:
+                node.shutdown()
+            elif len(self.node2pending[node]) < 2:  # a worker runs a test once the next one is known
+                self._send_tests(node, min(2 - len(self.node2pending[node]), len(self.pending)))
+
+    return OneAtATimeAfterTheFirstBatches(config, log)
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: `items` are the tests that will run
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on one")
@@ -271,10 +293,12 @@ def _rank_main(fn, *args) -> None:
 
 
 # what the fork server of `spawn_ranks` imports before forking ranks (one missing is skipped): every
-# rank imports torch._dynamo (0.75 s of CPU each, ~60 ranks a run), a compiling one Inductor too
-RANK_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo",
-                "torch._inductor.compile_fx", "triton", "mxmoe", "mxmoe.quant.qdq", "mxmoe.comm.a2a",
-                "mxmoe.comm.symm", "mxmoe.nn", "mxmoe.train.trainer", "conftest"]
+# rank imports torch._dynamo (0.75 s of CPU each, ~60 ranks a run), a compiling one Inductor, a
+# checkpointing one torch.distributed.checkpoint
+RANK_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.fsdp",
+                "torch.distributed.checkpoint", "torch._dynamo", "torch._inductor.compile_fx", "triton",
+                "mxmoe", "mxmoe.quant.qdq", "mxmoe.comm.a2a", "mxmoe.comm.symm", "mxmoe.nn",
+                "mxmoe.train.trainer", "conftest"]
 
 
 def _forked_rank(env: dict[str, str], fn, *args) -> None:
