@@ -26,7 +26,10 @@
 - Under xdist every worker, and every process it starts, runs torch with one intra-op thread
   (OMP_NUM_THREADS=1 unless set): the workers already use the cores.
 - Known-slow tests run first (`SLOW_FIRST`), spread over the xdist workers' first batches, so that no
-  long test starts last on one worker while the other has finished.
+  long test starts last on one worker while the other has finished; after those batches each worker
+  is handed one test at a time (`pytest_xdist_make_scheduler`).
+- Under the interpreter, a @triton.jit helper's call no longer re-patches triton.language when the
+  running launch already has (`_patch_the_language_once_per_launch`: the same patches, done once).
 """
 
 from __future__ import annotations
