@@ -38,7 +38,7 @@ $(TT02_STAMP): $(STAMP)
 # run, and binding.cpp against torch's headers), what scripts/check_cuda_build.sh does alone, and,
 # given --torchtitan02, the 0.2 adapter's tests in a process of their own with $(TT02) on PYTHONPATH.
 # Bytecode is written (env -u PYTHONDONTWRITEBYTECODE, which some environments set): a test process
-# started after the first (each `mxmoe` subprocess, the inner runs, ranks' jobs) loads mxmoe's, the
+# started after the first (each `mxmoe` subprocess, the subprocess jobs' runs) loads mxmoe's, the
 # tests' and pytest's rewritten modules from __pycache__ instead of compiling them again
 # (`pytest --collect-only`: 24.8 s without the cache, 17.3 s with it).
 test: $(STAMP) $(TT02_STAMP) lint
