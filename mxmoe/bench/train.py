@@ -81,11 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive_int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup-steps", type=positive_int, default=10, help="untimed steps first (default 10)")
     p.add_argument(
-        "--compile-backend",
-        default="inductor",
-        help="torch.compile backend (default inductor; aot_eager for a quick CPU check)",
-    )
-    p.add_argument(
         "--profile",
         metavar="DIR",
         help="after timing, record --profile-steps more steps of each variant and mode with "
@@ -133,7 +128,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         parallel.make_parallel_dims(1, -1, 1, 1),
         mx=variant == "mx",
         compile=_COMPILE[mode],
-        backend=args.compile_backend,
+        backend=cfg.training.compile_backend,
     )
     report = model.mx_conversion if variant == "mx" else None
     opt = build_optimizer(model, cfg, distributed=False)
@@ -254,7 +249,7 @@ def _row_in_subprocess(rest: list[str], variant: str, mode: str, args) -> dict:
         out = os.path.join(tmp, "row.json")
         cmd = [sys.executable, "-m", "mxmoe", "bench", "train", *rest, "--variants", variant, "--modes", mode,
                "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-               "--compile-backend", args.compile_backend, "--same-process", "--json", out]
+               "--same-process", "--json", out]
         if args.profile:
             cmd += ["--profile", args.profile, "--profile-steps", str(args.profile_steps)]
         # its stdout (its own one-row table) is dropped; its stderr (warnings, TORCH_LOGS, a crash) is ours
@@ -319,13 +314,16 @@ def run(cfg, args, rest: list[str] | tuple[str, ...] = ()) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mxmoe.train.build import check_compile_backend
     from mxmoe.train.config import ConfigError, parse_args
 
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = parse_args(rest)
-    except ConfigError as e:
+        if args.modes is None or any(_COMPILE[m] for m in args.modes):
+            check_compile_backend(cfg.training.compile_backend, "training.compile_backend")
+    except (ConfigError, ValueError) as e:
         parser.error(str(e))
     rows = run(cfg, args, rest)
     keys = (

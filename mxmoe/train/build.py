@@ -89,8 +89,20 @@ def check_values(cfg: JobConfig) -> None:
             "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
             "drop one of the two"
         )
+    if t.compile or t.compile_full:
+        check_compile_backend(t.compile_backend, "training.compile_backend")
     check_limits(cfg)
     profiling.check(cfg.profiling)
+
+
+def check_compile_backend(backend: str, key: str) -> None:
+    """ValueError naming `key` unless torch.compile knows `backend` (torch._dynamo.list_backends,
+    the debugging backends included)."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"{key}={backend!r}: not a torch.compile backend; expected one of {sorted(known)}")
 
 
 def lr_lambda(cfg: JobConfig):
@@ -333,7 +345,9 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
         if ep_mesh is not None:
             ep_group, edp_group = ep_mesh.get_group("ep"), ep_mesh.get_group("edp")
     compile = "blocks" if t.compile else "full" if t.compile_full else None
-    model = build_model(cfg, device, pd, mx=use_mx, ep_group=ep_group, compile=compile)
+    model = build_model(
+        cfg, device, pd, mx=use_mx, ep_group=ep_group, compile=compile, backend=t.compile_backend
+    )
     exp_params = parallel.expert_params(model) if ep_mesh is not None else []
     if distributed:
         parallel.apply_fsdp(model, dp_mesh, ignore_experts=ep_mesh is not None)

@@ -113,6 +113,12 @@ class Training:
         "torch.compile the whole model as one graph (fullgraph=True; one process: no FSDP / expert "
         "parallelism); with cuda_graph=true the fastest mode measured, bf16 and MX",
     )
+    compile_backend: str = _f(
+        "inductor",
+        "torch.compile backend of compile / compile_full (torchtitan's compile.backend): inductor "
+        "generates kernels; aot_eager_decomp_partition traces, decomposes and partitions the graphs "
+        "and runs them eagerly (a quick check of graph capture, e.g. on CPU)",
+    )
     cuda_graph: bool = _f(
         False, "capture forward+backward in one CUDA graph and replay it (one GPU, no EP/FSDP)"
     )

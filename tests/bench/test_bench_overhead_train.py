@@ -107,7 +107,7 @@ def test_train_bench_counts_compiled_graphs(tmp_path):
     timed steps (no recompiles), no graph breaks; eager compiles nothing."""
     out = tmp_path / "t.json"
     argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager,compile", "--steps", "2", "--warmup-steps", "2",
-            "--compile-backend", "aot_eager", "--json", str(out), "--same-process"]
+            "--training.compile_backend=aot_eager", "--json", str(out), "--same-process"]
     assert cli_main(argv) == 0
     for r in json.loads(out.read_text())["rows"]:
         if r["mode"] == "eager":
@@ -158,6 +158,9 @@ def test_train_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["bench", "train", "--training.nope=1"])
     assert exc.value.code == 2 and "nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # checked where a mode compiles
+        cli_main(["bench", "train", "--modes", "eager,compile", "--training.compile_backend=aot"])
+    assert exc.value.code == 2 and "training.compile_backend='aot'" in capsys.readouterr().err
 
 
 def test_train_bench_row_process_that_dies_is_an_error_row(monkeypatch, capsys):

@@ -187,6 +187,8 @@ def test_main_reports_config_errors(capsys):
          "training.mixed_precision='fp16': expected bf16, fp32 or tf32"),
         ("--parallelism.timeout_s=-5", "parallelism.timeout_s=-5: expected >= 1"),
         ("--mx.mxfp8_dim1_cast_kernel_choice=cudnn", "mx.mxfp8_dim1_cast_kernel_choice='cudnn' is not"),
+        ("--training.compile --training.compile_backend=inductr",
+         "training.compile_backend='inductr': not a torch.compile backend; expected one of ["),
     ],
 )
 def test_main_rejects_out_of_range_values(capsys, arg, match):
