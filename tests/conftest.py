@@ -28,8 +28,9 @@
 - Known-slow tests run first (`SLOW_FIRST`), spread over the xdist workers' first batches, so that no
   long test starts last on one worker while the other has finished; after those batches each worker
   is handed one test at a time (`pytest_xdist_make_scheduler`).
-- Under the interpreter, a @triton.jit helper's call no longer re-patches triton.language when the
-  running launch already has (`_patch_the_language_once_per_launch`: the same patches, done once).
+- Under the interpreter, Triton's type objects are memoized and a @triton.jit helper's call no
+  longer re-patches triton.language when the running launch already has (tests/triton_interpreter.py:
+  the same launches and results, less of the interpreter's own Python).
 """
 
 from __future__ import annotations
@@ -72,48 +73,10 @@ if not torch.cuda.is_available():
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _patch_the_language_once_per_launch() -> None:
-    """Triton's interpreter (3.x) patches triton.language's builtins into interpreted ones when a
-    launch starts (restoring them when it ends), and again at every call of a @triton.jit helper
-    inside the kernel (`_patch_lang`, a walk of the modules with `inspect.getmembers`): the same
-    modules, with equivalent functions, over and over (our kernels call helpers, and tl.max/tl.sum,
-    in loops), a fifth of the interpreter tests' time. Here a helper's call patches only the modules
-    the running launch has not patched yet (tl.core, say, for tl.max); as before, what a helper's call
-    patched stays patched. Launches are unchanged. Nothing is done where the interpreter lacks these
-    internals (another Triton version)."""
-    import inspect
-
-    try:
-        from triton.runtime import interpreter as ti
-    except ImportError:
-        return
-    if not all(hasattr(ti, n) for n in ("_patch_lang", "_LangPatchScope", "tl")):
-        return
-    interpreter_patch = ti._patch_lang
-    patched: set[int] = set()  # the modules patched since the running launch started (empty: none runs)
-
-    def patch_lang(fn):
-        mods = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (ti.tl, ti.tl.core)}
-        if patched and mods <= patched:  # a helper's call inside a launch: nothing new to patch
-            return ti._LangPatchScope()
-        launch = not patched  # helpers are only called inside a launch: the first call is the launch's
-        scope = interpreter_patch(fn)
-        patched.update(mods)
-        if launch:
-            restore = scope.restore
-
-            def restore_and_end() -> None:
-                patched.clear()
-                restore()
-
-            scope.restore = restore_and_end
-        return scope
-
-    ti._patch_lang = patch_lang
-
-
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_the_language_once_per_launch()
+    from triton_interpreter import speed_up
+
+    INTERPRETER_SPEED_UPS = speed_up()
 
 
 def pytest_addoption(parser):
