@@ -17,7 +17,9 @@
   adapter's tests run, inside the suite, in a pytest process of their own with DIR first on
   PYTHONPATH (one process cannot import two torchtitan versions).
 - `mx_cast_sm90`: csrc/mx_cast.cu compiled once per session for sm_90 with nvcc (no GPU needed),
-  what every test of the build's PTX, registers and spills reads (one build for all xdist workers).
+  what every test of the build's PTX, registers and spills reads (one build for all xdist workers);
+  `triton_sm90`: the Triton kernels' sm_90 build checks (tests/triton_sm90.py), once per session
+  in one process, each test asserting its checks (`assert_sm90_check`).
 - Subprocess jobs (`subprocess_job`): a check that is one long subprocess (a compiler, an inner
   pytest run) is started in the background when the session starts, once for all xdist workers, and
   its test waits for the result: it runs beside the other tests instead of holding a worker idle at
@@ -71,6 +73,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 HAS_CUDA = torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -544,7 +547,32 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             runner.wait()
 
 
-MX_CAST_CU = Path(__file__).resolve().parents[1] / "mxmoe" / "quant" / "csrc" / "mx_cast.cu"
+def _triton_sm90_job(config: pytest.Config, folder: Path) -> Job | str:
+    """tests/triton_sm90.py: every Triton kernel's sm_90 build check, in one process with Triton's
+    compiler (TRITON_INTERPRET=0), its results in folder/results.json."""
+    from triton_sm90 import unavailable
+
+    why = unavailable()
+    if why is not None:
+        return why
+    cmd = [sys.executable, "-m", "tests.triton_sm90", str(folder / "results.json")]
+    return Job(cmd, timeout_s=900, cwd=str(ROOT), env={**os.environ, "TRITON_INTERPRET": "0"})
+
+
+triton_sm90 = subprocess_job("triton_sm90", _triton_sm90_job)
+
+
+def assert_sm90_check(result: JobResult, *names: str) -> None:
+    """The `triton_sm90` job ran and its checks `names` passed (else their failures)."""
+    import json
+
+    assert result.returncode == 0, f"{' '.join(result.cmd)} failed:\n{result.stderr[-4000:]}"
+    results = json.loads((result.folder / "results.json").read_text())
+    failed = {n: results.get(n, "not run") for n in names if results.get(n) != "ok"}
+    assert not failed, "\n".join(f"{n}:\n{why}" for n, why in failed.items())
+
+
+MX_CAST_CU = ROOT / "mxmoe" / "quant" / "csrc" / "mx_cast.cu"
 
 
 def nvcc_path() -> str | None:

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from conftest import Job, JobResult, subprocess_job
+from conftest import JobResult, assert_sm90_check
 from test_comm_a2a import assert_same_bits, make_rows, split_matrix
 
 from mxmoe.comm import symm
@@ -453,140 +453,7 @@ def test_symm_exchange_times_out_instead_of_hanging(monkeypatch):
     run_ranks(rank, 2)
 
 
-_COMPILE_SM90 = r"""
-import collections, inspect, os, re, subprocess, tempfile
-import torch, triton
-import triton.backends.nvidia as nv
-from triton.backends.compiler import GPUTarget
-from mxmoe.comm import symm, symm_kernel
-from mxmoe.quant.triton_cast import _spec_args
-
-tool = os.path.join(os.path.dirname(nv.__file__), "bin")
-# as the launch compiles it: Python ints below 2**31 are int32 arguments, the timeout (ns) is int64
-sig = dict(x_ptr="*i16", y_ptr="*i16", ys_ptr="*u8", meta_ptr="*i64", ctr_ptr="*i32", def_ptr="*i32",
-           err_ptr="*i64", epoch="i32", n_store="i32", n_own="i32", n_recv="i32", delay="i32",
-           own_xblk="i32", own_yblk="i32", own_nblk="i32", timeout="i64", nprog="i32")
-fn = symm_kernel.exchange_kernel
-lines, first = inspect.getsourcelines(symm_kernel._store_item.fn)
-store_item = range(first, first + len(lines))
-SSUB = symm._STORE_SUB_BLOCKS
-F = symm._FAST_BIT_FLAGS
-RB, RF = (symm._RECV_SUB_BLOCKS[t] for t in (torch.bfloat16, torch.float32))
-for bf16, deq, peers, item, ssub, sflag, rsub in (
-    (True, True, 1, 2, SSUB, F, RB), (False, True, 3, 2, SSUB, F, RF), (True, False, 1, 1, SSUB, F, RB),
-    (False, False, 7, 2, SSUB, F, RF), (True, True, 1, 1, SSUB, F, RB), (True, False, 3, 2, SSUB, F, RB),
-    (True, True, 1, 4, SSUB, F, RB), (True, True, 1, 2, 128, F, RB), (False, True, 1, 4, 128, F, RF),
-    (True, True, 1, 8, SSUB, F, RB), (True, True, 1, 16, SSUB, F, RB), (True, False, 1, 16, SSUB, F, RB),
-    (False, True, 3, 8, 64, F, RF), (True, True, 1, 4, 128, True, RB), (True, True, 3, 1, 64, True, RB),
-    (False, True, 1, 8, 128, True, RF), (True, False, 1, 4, 128, True, RB),
-    (True, True, 1, 4, 128, False, 128), (True, True, 1, 16, 128, True, 128),
-    (True, False, 3, 2, 128, F, 128),
-):
-    xt = "*i16" if bf16 else "*i32"
-    s = dict(sig, x_ptr=xt, y_ptr=xt if deq else "*u8")
-    stages = symm._STAGES[torch.bfloat16 if bf16 else torch.float32]
-    ce = dict(PEERS=peers, NB=symm.TILE_BLOCKS, ITEM=item, SUB=symm._SUB_BLOCKS, SSUB=ssub, RSUB=rsub,
-              STAGES=stages[0], RSTAGES=stages[1], IN_BF16=bf16, DEQUANT=deq, CLOCK=True, SFLAG=sflag,
-              **_spec_args(symm._SPEC, False))
-    s.update({k: "constexpr" for k in ce})
-    # torch's allocations are 16-byte aligned: the launch specializes the pointers so
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in s.items() if v.startswith("*")}
-    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=s, constexprs=ce, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=symm._WARPS, maxnreg=symm._MAXNREG))
-    what = (bf16, deq, peers, item, ssub, sflag, rsub)
-    ptx = k.asm["ptx"]
-    for op in ("atom.global.sys.release.exch.b32", "ld.global.sys.acquire.b32", "trap;", "%globaltimer"):
-        assert op in ptx, (what, op)
-    # the quantize's non-finite blocks: 0x7F bytes selected a word of four elements at a time
-    assert "0x7F7F7F7F, 0xB8;" in ptx, what
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        res = subprocess.run([os.path.join(tool, "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(tool, "cuobjdump"), "-sass", f.name], capture_output=True,
-                              text=True, check=True).stdout
-    regs, stack = int(re.search(r"REG:(\d+)", res)[1]), int(re.search(r"STACK:(\d+)", res)[1])
-    # registers for _PROGS_PER_SM programs of _WARPS warps per SM
-    assert regs <= symm._MAXNREG and regs * 32 * symm._WARPS * symm._PROGS_PER_SM <= 65536, (what, regs)
-    # Spills: at most a few values that stay the same over the work-item loop (stored once, reloaded
-    # once a work item), none in a loop inside it (the register-tile loops, the spins): loops are the
-    # spans of backward branches.
-    code = [(int(a, 16), i) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = [(int(m[1], 16), a) for a, i in code for m in [re.search(r"\bBRA\s+.*?(0x[0-9a-f]+)", i)]
-             if m and int(m[1], 16) < a]
-    assert len(loops) >= 3, (what, "the work-item and register-tile loops not found", loops)
-    deep = [(hex(a), i) for a, i in code
-            if re.search(r"\b(LDL|STL)\b", i) and sum(lo <= a <= hi for lo, hi in loops) > 1]
-    # receive register tiles of 128 blocks (bf16) spill 48 bytes, also only outside the loops
-    assert stack <= (48 if rsub == 128 else 32) and not deep, (what, "spills", stack, deep)
-    # one system-scope fence per store item (its flags' release, from one warp), vector stores (8
-    # elements a thread), and a work item's register tiles loaded STAGES - 1 ahead of their use by
-    # asynchronous vector copies into shared memory (cp.async)
-    assert sass.count("MEMBAR.ALL.SYS") == 1 and "ATOMG.E.EXCH.STRONG.SYS" in sass, what
-    assert re.search(r"STG\.E\.(64|128) ", sass), what
-    assert re.search(r"LDGSTS\.E\.BYPASS\.128 ", sass), what
-    assert re.search(r"LDGSTS\.E\.(64|BYPASS\.128) ", sass), what
-    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
-    assert max(waits) >= max(stages) - 2, (what, waits)  # copies still in flight while one is used
-    # shared memory of the programs of an SM (228 KiB an SM on sm_90, 1 KiB of it per program reserved)
-    assert (k.metadata.shared + 1024) * symm._PROGS_PER_SM <= 228 * 1024, (what, k.metadata.shared)
-    # The store item's stores into the peer's slot (PTX lines of _store_item): the elements as one
-    # vector a thread, SSUB * 32 / (32 * warps) bytes (a warp's 32 cover consecutive bytes), the
-    # scales as int32 words of four blocks; nothing narrower (single-byte scale stores were what it
-    # did before).
-    files = dict(re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M))
-    ops, loc = collections.Counter(), None
-    for line in ptx.splitlines():
-        line = line.strip()
-        m = re.match(r"\.loc\s+(\d+)\s+(\d+)", line)
-        if m:
-            loc = (files.get(m[1], ""), int(m[2]))
-            continue
-        m = re.match(r"(?:@!?%p\d+\s+)?(st\.global\S*)\s", line)
-        if m and loc and loc[0].endswith("symm_kernel.py") and loc[1] in store_item:
-            ops[m[1]] += 1
-    elem = {8: "st.global.v2.b32", 16: "st.global.v4.b32"}[ssub * 32 // (32 * symm._WARPS)]
-    assert set(ops) == {elem, "st.global.b32"}, (what, dict(ops))
-# the standalone kernels that share the exchange kernel's tile helpers
-from mxmoe.comm import kernels as kk
-for f, s, ce in (
-    (kk._qdq_kernel,
-     dict(x_ptr="*i16", out_ptr="*i16", n_blocks="i64", rceil_c="fp32", T127="i32", T126="i32"),
-     dict(NB=64, IN_BF16=True, FORCE_SLOW=False, SATFINITE=True)),
-    (kk._dequant_e4m3_kernel, dict(q_ptr="*u8", s_ptr="*u8", out_ptr="*i16", n="i64"),
-     dict(BLOCK=4096, BS=32, OUT_BF16=True)),
-):
-    s.update({k: "constexpr" for k in ce})
-    src = triton.compiler.ASTSource(fn=f, signature=s, constexprs=ce)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32))
-print("compiled")
-"""
-
-
-def _compile_sm90_job(config: pytest.Config, folder) -> Job | str:
-    """_COMPILE_SM90 in a process of its own (Triton's compiler, not its interpreter): a subprocess
-    job, started with the session."""
-    import sys
-
-    try:
-        import triton
-    except ImportError:
-        return "could not import triton"
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        return f"triton {triton.__version__} has no CUDA backend here"
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    return Job([sys.executable, "-c", _COMPILE_SM90], timeout_s=600, env=env)
-
-
-symm_compile_sm90 = subprocess_job("symm_compile_sm90", _compile_sm90_job)
-
-
-def test_exchange_kernel_compiles_for_sm90(symm_compile_sm90: JobResult):
+def test_exchange_kernel_compiles_for_sm90(triton_sm90: JobResult):
     """The exchange kernel (and the standalone kernels sharing its tile helpers) builds for an
     H100/H200 (sm_90) on this machine (Triton ships ptxas and cuobjdump), with the argument types the
     launch gives it: the exchange kernel's system-scope release flag write (one system fence per store
@@ -594,6 +461,5 @@ def test_exchange_kernel_compiles_for_sm90(symm_compile_sm90: JobResult):
     16-byte vector a thread, scales as 4-byte words), the work items' loads issued ahead as
     asynchronous copies, timer and trap; registers and shared memory for the programs per SM it
     launches, spills only of values reloaded once a work item (none in the register-tile loops)."""
-    out = symm_compile_sm90
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    assert_sm90_check(triton_sm90, "symm_exchange_kernel", "exchange_helper_kernels")
 

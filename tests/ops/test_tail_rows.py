@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_bits
+from conftest import assert_same_bits, assert_sm90_check
 
 from mxmoe.ops.tail_rows import zero_rows_after
 from mxmoe.quant import backends, cuda_cast
@@ -221,35 +221,10 @@ def test_gpu_grouped_mm_hp_rows_after_last_group_are_zero():
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-1)
 
 
-AOT_CHECK = """
-import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from mxmoe.ops.tail_rows import _BLOCK_N, _BLOCK_R, _zero_rows_after_kernel
-
-for dt in ("bf16", "fp32"):
-    sig = {"out_ptr": f"*{dt}", "offs_ptr": "*i32", "last": "i32", "T": "i32", "N": "i32",
-           "stride": "i32", "BLOCK_R": "constexpr", "BLOCK_N": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 4, 5)}  # out_ptr, N, stride
-    src = ASTSource(_zero_rows_after_kernel, sig, constexprs={"BLOCK_R": _BLOCK_R, "BLOCK_N": _BLOCK_N},
-                    attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    assert set(re.findall(r"st\\.global[.\\w]*", ptx)) == {"st.global.v4.b32"}, dt  # 16-byte stores
-print("compiled")
-"""
-
-
-def test_kernel_compiles_for_sm90():
-    """Ahead-of-time compile for sm_90 (Triton's bundled ptxas, no GPU; a subprocess, since the
-    interpreter replaces the jit functions here): bf16 and fp32, 16-byte stores only."""
-    import os
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-c", AOT_CHECK], env={**os.environ, "TRITON_INTERPRET": "0"},
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+def test_kernel_compiles_for_sm90(triton_sm90):
+    """Ahead-of-time compile for sm_90 (Triton's bundled ptxas, no GPU; tests/triton_sm90.py, run
+    where the interpreter is off): bf16 and fp32, 16-byte stores only."""
+    assert_sm90_check(triton_sm90, "zero_rows_after_kernel")
 
 
 def test_cpp_kernel_compiles_for_sm90_with_16_byte_stores(mx_cast_sm90):

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import assert_sm90_check
 
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, qdq_op
 from mxmoe.recipe import MXRecipe
@@ -461,64 +462,14 @@ def test_qdq_rows_fake_matches_real_and_compiles():
     assert torch.equal(got, f(x[0], offs))
 
 
-AOT_CHECK = """
-import os, re, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from mxmoe.quant.checks import spec_of
-from mxmoe.quant.triton_qdq import _ROWS_ITERS, _ROWS_WARPS, _rows_tile
-from mxmoe.quant.triton_cast import _spec_args
-from mxmoe.quant.triton_qdq import qdq_rows_kernel
-
-dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-spec = spec_of(32, "rceil", torch.float8_e4m3fn)
-for dim0, dim1, grouped, matrices, in_bf16, max_regs in eval(sys.argv[1]):
-    sig = {"x_ptr": "*i16" if in_bf16 else "*i32", "y0_ptr": "*i16", "y1_ptr": "*i16", "offs_ptr": "*i32",
-           "T": "i32", "R": "i32", "C": "i32", "E": "i32"}
-    const = dict(BS=32, N_ITER=_ROWS_ITERS, EP=128, I64=False, GROUPED=grouped, MATRICES=matrices,
-                 IN_BF16=in_bf16, OUT_BF16=True, DIM0=dim0, DIM1=dim1, **_rows_tile(32, 2 if in_bf16 else 4),
-                 **_spec_args(spec, False))
-    sig.update({n: "constexpr" for n in const})
-    names = list(sig)
-    aligned = ("x_ptr", "y0_ptr", "y1_ptr", "offs_ptr", "C")
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    k = triton.compile(ASTSource(qdq_rows_kernel, sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": _ROWS_WARPS})
-    ptx = k.asm["ptx"]
-    what = (dim0, dim1, grouped, matrices, in_bf16)
-    # x and the outputs move in 16-byte vectors; the only scalar loads are offs entries
-    assert set(re.findall(r"st\\.global[.\\w]*", ptx)) == {"st.global.v4.b32"}, what
-    assert set(re.findall(r"ld\\.global[.\\w]*", ptx)) <= {"ld.global.v4.b32", "ld.global.b32"}, what
-    assert ("ld.global.b32" in ptx) == grouped, what
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        res = subprocess.run([dump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    regs, stack, local = (int(re.search(key + r":(\\d+)", res).group(1)) for key in ("REG", "STACK", "LOCAL"))
-    assert stack == 0 and local == 0 and regs <= max_regs, (what, res)
-print("compiled")
-"""
-
-
-def test_qdq_rows_kernel_compiles_for_sm90():
+def test_qdq_rows_kernel_compiles_for_sm90(triton_sm90):
     """Ahead-of-time compile of the rows kernel for sm_90 with Triton's bundled ptxas (no GPU
-    needed; a subprocess, since the interpreter replaces the jit functions here): 16-byte global
+    needed; tests/triton_sm90.py, run where the interpreter is off): 16-byte global
     loads and stores only, no local memory, and at most the registers measured when each variant
     was tuned (bf16 in: dim0 or dim1 alone 96, both 149, both grouped 150; fp32 in, dim1 alone,
     the fp32 master weights along N: 112; more costs CTAs per SM); the per-matrix 3D variant
     (MATRICES, only for 3D x with a short last block) may take more."""
-    import os
-    import subprocess
-    import sys
-
-    variants = [(True, False, False, False, True, 96), (False, True, False, False, True, 96),
-                (True, True, False, False, True, 149), (True, True, True, False, True, 150),
-                (False, True, False, True, True, 128), (False, True, False, False, False, 112)]
-    r = subprocess.run([sys.executable, "-c", AOT_CHECK, repr(variants)],
-                       env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    assert_sm90_check(triton_sm90, "qdq_rows_kernel")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

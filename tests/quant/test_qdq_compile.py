@@ -38,46 +38,14 @@ def _opaque_calls(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.target is torch.ops.mxmoe.qdq.default)
 
 
-_DECOMPOSE_SCRIPT = """
-import logging
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from tests.quant.test_qdq_compile import ARGS, _launched_kernels, _opaque_calls, _trace
-from mxmoe.quant.qdq import qdq_op
+def test_triton_on_cuda_decomposes_to_kernel_launches(triton_sm90):
+    """Traced on fake CUDA tensors (no GPU needed), with compiled Triton kernels (tests/triton_sm90.py,
+    run with TRITON_INTERPRET=0: interpreted kernels are never decomposed): the Triton kernel's calls
+    become kernel launches (the 2D grouped call and the 3D per-matrix one), the torch kernel's stays
+    the op."""
+    from conftest import assert_sm90_check  # here: tests/triton_sm90.py imports this module
 
-# without a GPU driver torch cannot analyze which arguments a kernel writes and says so at length
-# (then assumes every argument is written: the graph is still the decomposed one)
-logging.getLogger("torch._higher_order_ops.triton_kernel_wrap").setLevel(logging.ERROR)
-
-def f(x, w, offs):
-    a, b = qdq_op(x, *ARGS, True, True, "triton", offs)  # 2D, grouped, both directions
-    (c,) = qdq_op(w, *ARGS, False, True, "triton")  # 3D weights along N, per matrix (short last block)
-    (d,) = qdq_op(x, *ARGS, True, False, "torch")  # the torch kernel: stays the op
-    return a, b, c, d
-
-with FakeTensorMode():
-    x = torch.empty(256, 128, dtype=torch.bfloat16, device="cuda")
-    w = torch.empty(4, 48, 128, dtype=torch.bfloat16, device="cuda")
-    offs = torch.empty(3, dtype=torch.int32, device="cuda")
-    gm = _trace(f, x, w, offs)
-print(_launched_kernels(gm), _opaque_calls(gm))
-"""
-
-
-def test_triton_on_cuda_decomposes_to_kernel_launches():
-    """Traced on fake CUDA tensors (no GPU needed), with compiled Triton kernels (a subprocess with
-    TRITON_INTERPRET=0: interpreted kernels are never decomposed): the Triton kernel's calls become
-    kernel launches (the 2D grouped call and the 3D per-matrix one), the torch kernel's stays the
-    op."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", _DECOMPOSE_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "['qdq_rows_kernel', 'qdq_rows_kernel'] 1"
+    assert_sm90_check(triton_sm90, "qdq_decomposes_into_kernel_launches")
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
