@@ -92,122 +92,109 @@ def pytest_addoption(parser):
     )
 
 
-# Tests of more than ~5 s each (per parameter set) on 2 busy CPU cores, with their seconds there (a
-# run of 2026-12-01, the machine shared): the order in which they start, not a limit. Tests awaiting a
-# subprocess job are not listed: they run last, when their job is done.
+# Tests of more than ~5 s each (per parameter set) inside a `make test` run on 2 busy cores, with
+# those seconds (the slowest parameter set): the order in which they start, not a limit. Tests
+# awaiting a subprocess job are not listed: they run last, when their job is done.
 SLOW_FIRST = {
-    "tests/bench/test_bench_overhead_train.py::test_train_bench_times_the_deterministic_mode": 20,
-    "tests/train/test_compare.py::test_compare_runs_two_variants_by_two_seeds_on_cpu": 34,
-    "tests/integrations/test_torchtitan.py::test_mxfp8_dispatcher_equals_bf16_dispatch_of_qdq_rows": 33,
-    "tests/quant/test_swiglu_bwd_qdq.py::test_swiglu_bwd_qdq_matches_oracle": 20,
-    "tests/train/test_determinism.py::test_two_expert_parallel_runs_give_the_same_loss_bits": 29,
-    "tests/models/test_expert_parallel.py::test_per_block_compile_keeps_the_expert_parallel_moe_eager": 29,
-    "tests/quant/test_qdq.py::test_qdq_rows_matches_oracle": 15,
-    "tests/train/test_trainer.py::test_two_process_fsdp_compiled_mx_matches_one_process_eager": 27,
-    "tests/comm/test_symm.py::test_exchange_kernel_under_the_interpreter": 16,
-    "tests/train/test_trainer.py::test_compiled_training_matches_eager": 15,
-    "tests/models/test_expert_parallel.py::test_exchange_only_matches_bf16_experts_on_rounded_rows": 18,
-    "tests/train/test_checkpoint.py::test_a_save_missing_a_ranks_shard_fails_on_every_rank": 17,
-    "tests/quant/test_qdq.py::test_qdq_rows_triton_interpreter_equals_torch_random": 15,
-    "tests/train/test_parallel.py::test_ep_groups_use_the_configured_timeout": 14,
-    "tests/train/test_compare.py::test_launch_runs_an_expert_parallel_job_under_torch_distributed_run": 14,
-    "tests/bench/test_bench_overhead_train.py::test_train_bench_runs_bf16_and_mx_on_cpu": 14,
-    "tests/nn/test_mx_nn.py::test_fsdp2_two_ranks_same_losses": 13,
-    "tests/models/test_expert_parallel.py::"
-    "test_expert_parallel_follows_the_experts_recipe_and_matches_one_process": 13,
-    "tests/comm/test_comm_a2a.py::test_two_ranks": 13,
-    "tests/comm/test_comm_a2a.py::test_four_ranks": 13,
-    "tests/quant/test_qdq.py::test_qdq_one_axis_matches_oracle": 10,
-    "tests/quant/test_casts.py::test_one_and_four_dims": 10,
-    "tests/quant/test_casts.py::test_other_block_sizes": 7,
-    "tests/quant/test_triton_cast.py::test_other_block_sizes": 8,
-    "tests/train/test_config.py::test_ranks_with_different_configs_stop_naming_the_keys": 11,
-    "tests/quant/test_qdq.py::test_qdq_dim0_dim1_matches_oracle": 8,
-    "tests/quant/test_cast_properties.py::test_random_problems_match_oracle": 8,
-    "tests/ops/test_shared.py::test_shared_ops_compile_fullgraph": 8,
-    "tests/train/test_compare.py::test_time_limit_stops_the_running_run_and_starts_no_other": 10,
-    "tests/ops/test_mx_ops.py::test_compile_fullgraph_same_results": 7,
-    "tests/train/test_trainer.py::test_two_process_fsdp_ep_mx_matches_one_process": 9,
-    "tests/train/test_trainer.py::test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint": 9,
-    "tests/quant/test_qdq.py::test_qdq_rows_edge_groups": 8,
-    "tests/quant/test_qdq.py::test_qdq_3d_dim1_per_matrix_matches_oracle": 8,
-    "tests/quant/test_casts.py::test_noncontiguous_inputs": 8,
+    "tests/train/test_trainer.py::test_compiled_training_matches_eager": 139,
+    "tests/train/test_compare.py::test_compare_runs_two_variants_by_two_seeds_on_cpu": 78,
+    "tests/integrations/test_torchtitan.py::test_mxfp8_dispatcher_equals_bf16_dispatch_of_qdq_rows": 22,
+    "tests/train/test_trainer.py::test_two_process_fsdp_compiled_mx_matches_one_process_eager": 18,
+    "tests/train/test_compare.py::test_launch_runs_an_expert_parallel_job_under_torch_distributed_run": 11,
     "tests/bench/test_bench_overhead_train.py::test_train_bench_counts_compiled_graphs": 9,
-    "tests/train/test_trainer.py::test_sigterm_stops_cleanly_with_loadable_checkpoint": 8,
-    "tests/train/test_trainer.py::"
-    "test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly": 8,
-    "tests/bench/test_bench_overhead_train.py::test_train_bench_reports_a_mode_that_cannot_run": 8,
-    "tests/quant/test_cast_properties.py::test_round_trip_error_bound": 7,
+    "tests/quant/test_swiglu_bwd_qdq.py::test_swiglu_bwd_qdq_matches_oracle": 9,
+    "tests/bench/test_bench_overhead_train.py::"
+    "test_train_bench_rows_in_children_and_in_the_deterministic_mode": 15,
+    "tests/models/test_expert_parallel.py::test_per_block_compile_keeps_the_expert_parallel_moe_eager": 8,
     "tests/models/test_step_capture.py::"
-    "test_per_block_compile_takes_the_moe_layer_whole_and_matches_eager": 7,
+    "test_per_block_compile_takes_the_moe_layer_whole_and_matches_eager": 6,
+    "tests/ops/test_mx_ops.py::test_compile_fullgraph_same_results": 6,
+    "tests/train/test_trainer.py::test_profiling_writes_a_trace_and_an_operator_table": 5,
+    "tests/comm/test_symm.py::test_exchange_kernel_under_the_interpreter": 5,
+    "tests/train/test_determinism.py::test_two_expert_parallel_runs_give_the_same_loss_bits": 5,
 }
 
 
 # Tests that compile the same Inductor graphs, in the order they must run, on one xdist worker: the
 # first compiles (cold: C++ kernels through g++), the next find its graphs in Inductor's on-disk cache
-# (the FSDP ranks' per-block graphs are the one-process compiled run's: 64 s cold alone, 20 s after
-# it). Started at once on two workers, both would compile everything.
+# (the FSDP ranks' per-block graphs are the one-process compiled run's). Started at once on two
+# workers, both would compile everything.
 CHAINS = (
     (
         "tests/train/test_trainer.py::test_compiled_training_matches_eager[mx]",
         "tests/train/test_trainer.py::test_two_process_fsdp_compiled_mx_matches_one_process_eager",
-        "tests/train/test_trainer.py::test_compiled_training_matches_eager[hp]",
     ),
 )
 
 
-def _slow_first(config, items) -> None:
-    """Reorder `items` in place: the SLOW_FIRST tests first, longest first, tests awaiting a
-    subprocess job last. Under xdist's default `--dist load`, which hands each worker a first batch
-    of consecutive tests (N // workers // 4 of them, at most --maxschedchunk) and the rest on demand,
-    the slow tests are dealt to the heads of the workers' first batches, longest to the least loaded,
-    so that each worker starts on about the same amount of slow work."""
-    def seconds(item) -> float:
-        if item.get_closest_marker("skip"):  # e.g. a GPU-only parameter set on a CPU host
-            return 0
-        return SLOW_FIRST.get(item.nodeid.split("[", 1)[0], 0)
+def _slow_lanes(nodeids: list[str], workers: int) -> list[list[str]]:
+    """The SLOW_FIRST tests among `nodeids` (CHAINS kept together, in their order) dealt into one
+    lane per worker, longest first to the least loaded lane: each worker's first tests. A pure
+    function of the node ids, so that the xdist controller (which collects nothing) and the workers
+    (which order their collections by it) agree."""
+    def seconds(nodeid: str) -> float:
+        return SLOW_FIRST.get(nodeid.split("[", 1)[0], 0)
 
-    # a unit: one test, or a chain's tests in the chain's order (weighed by their sum)
-    by_id = {it.nodeid: it for it in items}
+    present = set(nodeids)
     chained = {n for chain in CHAINS for n in chain}
-    units = [[by_id[n] for n in chain if n in by_id] for chain in CHAINS]
-    units = [u for u in units if u] + [[it] for it in items if seconds(it) and it.nodeid not in chained]
+    units = [[n for n in chain if n in present] for chain in CHAINS]
+    units = [u for u in units if u] + [[n] for n in nodeids if seconds(n) and n not in chained]
     units.sort(key=lambda u: sum(map(seconds, u)), reverse=True)
-    slow = [it for u in units for it in u]
-    last = [it for it in items if not seconds(it) and JOBS.keys() & set(getattr(it, "fixturenames", ()))]
-    skip = {id(it) for it in slow + last}
-    rest = [it for it in items if id(it) not in skip]
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    # a worker sees --dist as given: "no" when -n alone chose "load"
-    if workers < 2 or config.getoption("dist", "no") not in ("no", "load"):
-        items[:] = slow + rest + last
-        return
-    chunk = max(2, min(len(items) // workers // 4, config.getoption("maxschedchunk", None) or len(items)))
-    lanes: list[list] = [[] for _ in range(workers)]
-    loads = [0.0] * workers
+    lanes: list[list[str]] = [[] for _ in range(max(workers, 1))]
+    loads = [0.0] * len(lanes)
     for u in units:
         k = loads.index(min(loads))
         lanes[k] += u
         loads[k] += sum(map(seconds, u))
-    order = []
-    for lane in lanes:  # each worker's first batch: its slow tests, then as many others as fit
-        n = max(0, chunk - len(lane))
-        order += lane + rest[:n]
-        rest = rest[n:]
-    items[:] = order + rest + last
+    return lanes
+
+
+def _slow_first(config, items) -> None:
+    """Reorder `items` in place: the slow lanes (`_slow_lanes`, one per xdist worker), then the
+    others, tests awaiting a subprocess job last. Under xdist each worker starts on its lane
+    (`pytest_xdist_make_scheduler`) and is then handed the others one at a time, so that no long test
+    starts last on one worker while the other has finished."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    lanes = _slow_lanes([it.nodeid for it in items], workers)
+    by_id = {it.nodeid: it for it in items}
+    slow = [by_id[n] for lane in lanes for n in lane]
+    first = {id(it) for it in slow}
+    last = [it for it in items if id(it) not in first and JOBS.keys() & set(getattr(it, "fixturenames", ()))]
+    placed = first | {id(it) for it in last}
+    order = slow + [it for it in items if id(it) not in placed] + last
+    assert sorted(map(id, order)) == sorted(map(id, items)), "the reordering lost or repeated tests"
+    items[:] = order
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of xdist's, absent where it is off (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's `--dist load` (what -n alone chooses), except that after the workers' first batches
-    (the ones `_slow_first` arranges) a worker is given one test at a time, whenever it has fewer
-    than two waiting: xdist's own refills send up to a quarter of what is left at once, so at the
-    end one worker ran a batch of tests while the other, done, sat idle (~15 s of a run)."""
+    """xdist's `--dist load` (what -n alone chooses), except for the tests it sends: each worker first
+    gets its slow lane (`_slow_lanes`, the same the workers put first in their collections), then one
+    test at a time whenever it has fewer than two waiting. xdist's own first batches (a quarter of the
+    tests, consecutive) and refills (up to a quarter of what is left) left one worker running a batch
+    at the end while the other, done, sat idle."""
     if config.getoption("dist", "no") != "load":
         return None
     from xdist.scheduler import LoadScheduling
 
-    class OneAtATimeAfterTheFirstBatches(LoadScheduling):
+    class LanesThenOneAtATime(LoadScheduling):
+        def schedule(self) -> None:
+            if self.collection is not None or not self.collection_is_completed:
+                return super().schedule()
+            if not self._check_nodes_have_same_collection():
+                return super().schedule()  # aborts the run, saying why
+            self.collection = next(iter(self.node2collection.values()))
+            index = {n: i for i, n in enumerate(self.collection)}
+            lanes = _slow_lanes(list(self.collection), len(self.nodes))
+            first = {index[n] for lane in lanes for n in lane}
+            self.pending[:] = [i for i in range(len(self.collection)) if i not in first]
+            for node, lane in zip(self.nodes, lanes, strict=True):
+                if lane:
+                    self.node2pending[node].extend(index[n] for n in lane)
+                    node.send_runtest_some([index[n] for n in lane])
+            for node in self.nodes:
+                self.check_schedule(node)
+
         def check_schedule(self, node, duration: float = 0) -> None:
             if node.shutting_down:
                 return
@@ -216,7 +203,7 @@ def pytest_xdist_make_scheduler(config, log):
             elif len(self.node2pending[node]) < 2:  # a worker runs a test once the next one is known
                 self._send_tests(node, min(2 - len(self.node2pending[node]), len(self.pending)))
 
-    return OneAtATimeAfterTheFirstBatches(config, log)
+    return LanesThenOneAtATime(config, log)
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: `items` are the tests that will run

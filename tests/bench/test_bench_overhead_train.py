@@ -63,27 +63,10 @@ def test_overhead_rejects_bad_arguments(argv, needle, capsys):
     assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
-def test_train_bench_runs_bf16_and_mx_on_cpu(tmp_path, capsys):
-    """The default: each row alone in a child process of its own."""
-    out = tmp_path / "t.json"
-    argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager", "--steps", "2", "--warmup-steps", "1"]
-    assert cli_main([*argv, "--json", str(out)]) == 0
-    data = json.loads(out.read_text())
-    rows = {(r["variant"], r["mode"]): r for r in data["rows"]}
-    assert set(rows) == {("bf16", "eager"), ("mx", "eager")}
-    for r in rows.values():
-        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["peak_mem_gib"] > 0 and r["loss"] > 0
-        assert 0 < r["host_ms"] < 10 * r["step_ms"]  # on CPU the step runs in its Python: about step_ms
-    assert rows[("bf16", "eager")]["vs_bf16"] == 1.0
-    assert rows[("mx", "eager")]["converted"].startswith("mxmoe.convert: MXFP8 recipe mxfp8")
-    assert data["config"]["model"]["name"] == "debug_moe"
-    text = capsys.readouterr().out
-    assert "training steps, model debug_moe, 2x32 tokens/step" in text
-
-
-def test_train_bench_times_the_deterministic_mode(tmp_path):
+def test_train_bench_rows_in_children_and_in_the_deterministic_mode(tmp_path, capsys):
     """--training.deterministic=true: the rows run in the trainer's deterministic mode, with the same
-    losses as without it on CPU; a row's child process (the default) enters it too."""
+    losses as without it on CPU; by default each row runs alone in a child process of its own, which
+    enters the mode too and gives the same row as this process."""
     rows = {}
     for det in (False, True):
         out = tmp_path / f"t{det}.json"
@@ -94,12 +77,23 @@ def test_train_bench_times_the_deterministic_mode(tmp_path):
     for variant in ("bf16", "mx"):
         assert rows[False][variant]["deterministic"] is False and rows[True][variant]["deterministic"] is True
         assert rows[False][variant]["loss"] == rows[True][variant]["loss"]
-    out = tmp_path / "child.json"
+    capsys.readouterr()
+    out = tmp_path / "children.json"
     argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager", "--steps", "1", "--warmup-steps", "1",
-            "--variants", "mx", "--training.deterministic=true", "--json", str(out)]
+            "--training.deterministic=true", "--json", str(out)]
     assert cli_main(argv) == 0
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["deterministic"] is True and row["loss"] == rows[True]["mx"]["loss"]
+    data = json.loads(out.read_text())
+    children = {(r["variant"], r["mode"]): r for r in data["rows"]}
+    assert set(children) == {("bf16", "eager"), ("mx", "eager")}
+    for (variant, _), r in children.items():
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["peak_mem_gib"] > 0 and r["loss"] > 0
+        assert 0 < r["host_ms"] < 10 * r["step_ms"]  # on CPU the step runs in its Python: about step_ms
+        assert r["deterministic"] is True and r["loss"] == rows[True][variant]["loss"]
+    assert children[("bf16", "eager")]["vs_bf16"] == 1.0
+    assert children[("mx", "eager")]["converted"].startswith("mxmoe.convert: MXFP8 recipe mxfp8")
+    assert data["config"]["model"]["name"] == "debug_moe"
+    text = capsys.readouterr().out
+    assert "training steps, model debug_moe, 2x32 tokens/step" in text
 
 
 def test_train_bench_counts_compiled_graphs(tmp_path):
