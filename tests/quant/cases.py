@@ -80,8 +80,8 @@ class BlockBuilder:
     def rnd(self, v) -> np.ndarray:
         return O.round_binary(np.asarray(v, dtype=np.float64), FMT[self.dtype])
 
-    def signs(self, n: int) -> np.ndarray:
-        # what rng.choice([-1.0, 1.0], n) returns, from the same draws, at half its cost
+    def signs(self, n) -> np.ndarray:
+        # what rng.choice([-1.0, 1.0], n) returns (n: a count or a shape), at half its cost
         return _SIGNS[self.rng.integers(0, 2, n)]
 
     def add(self, block) -> None:
@@ -89,22 +89,27 @@ class BlockBuilder:
         assert b.shape == (self.bs,)
         self.blocks.append(b.astype(np.float32))
 
-    def around(self, amax: float, span: float = 20.0, zeros: float = 0.0) -> None:
-        """A block whose largest magnitude is exactly `amax` (random sign and position); the others
-        spread over `span` binades below it (some flush to the element's subnormals or to zero)."""
-        bs, rng = self.bs, self.rng
-        v = amax * np.exp2(-rng.uniform(0.0, span, bs)) * rng.uniform(0.5, 1.0, bs)
-        v = np.minimum(self.rnd(v), amax) * self.signs(bs)
+    def around(self, amax, span=20.0, zeros: float = 0.0) -> None:
+        """Per amax (a value, or several: one block each), a block whose largest magnitude is
+        exactly amax (random sign and position); the others spread over `span` binades below it
+        (a value, or one per block; some flush to the element's subnormals or to zero), a fraction
+        `zeros` of them signed zeros. All blocks in one draw: the data sets are built from
+        thousands of them."""
+        amax = np.atleast_1d(np.asarray(amax, dtype=np.float64))[:, None]
+        n, bs, rng = len(amax), self.bs, self.rng
+        span = np.broadcast_to(np.asarray(span, dtype=np.float64).reshape(-1, 1), (n, 1))
+        v = amax * np.exp2(-rng.uniform(0.0, 1.0, (n, bs)) * span) * rng.uniform(0.5, 1.0, (n, bs))
+        v = np.minimum(self.rnd(v), amax) * self.signs((n, bs))
         if zeros:
-            z = rng.random(bs) < zeros
-            v[z] = np.copysign(0.0, self.signs(bs))[z]
-        v[rng.integers(bs)] = amax * self.signs(1)[0]
-        self.add(v)
+            z = rng.random((n, bs)) < zeros
+            v[z] = np.copysign(0.0, self.signs((n, bs)))[z]
+        v[np.arange(n), rng.integers(bs, size=n)] = amax[:, 0] * self.signs(n)
+        self.blocks.extend(v.astype(np.float32))
 
     def around_all(self, amaxes, **kw) -> None:
-        for a in amaxes:
-            if a > 0 and representable(a, self.dtype):
-                self.around(a, **kw)
+        keep = [a for a in amaxes if a > 0 and representable(a, self.dtype)]
+        if keep:
+            self.around(keep, **kw)
 
     def with_neighbours(self, values) -> list[float]:
         out = []
@@ -144,8 +149,8 @@ def special_blocks(bs: int, mode: str, elem, dtype: str, level: str = "full", se
     # normal data, per-block magnitudes over 2^-140..2^120 (fp32) / the bf16 range
     lo = -140 if dtype == "float32" else kmin
     n_rand = 16 if small else 96
-    for k in rng.integers(lo, 121, n_rand):
-        b.around(float(b.rnd(rng.uniform(1, 2) * 2.0**k)), span=rng.uniform(0, 24))
+    k = rng.integers(lo, 121, n_rand)
+    b.around(b.rnd(rng.uniform(1, 2, n_rand) * np.exp2(k)), span=rng.uniform(0, 24, n_rand))
     # powers of two, 448*2^k and 57344*2^k, each with its neighbours
     b.around_all(b.with_neighbours([2.0**k for k in ks]))
     b.around_all(b.with_neighbours([m * 2.0**k for m in (448.0, 57344.0) for k in ks]))
@@ -166,8 +171,7 @@ def special_blocks(bs: int, mode: str, elem, dtype: str, level: str = "full", se
     b.add(np.zeros(bs))
     b.add(-np.zeros(bs))
     b.add(np.copysign(0.0, b.signs(bs)))
-    for k in rng.integers(-130, 120, 2 if small else 6):
-        b.around(float(b.rnd(1.3 * 2.0**k)), zeros=0.4)
+    b.around(b.rnd(1.3 * np.exp2(rng.integers(-130, 120, 2 if small else 6))), zeros=0.4)
     # fp32/bf16 subnormals: whole blocks (random patterns, all-smallest), mixed with small normals
     mant_bits = 23 if dtype == "float32" else 7
     step = STEP[dtype]
