@@ -289,26 +289,33 @@ def test_byte_tokenizer_is_the_bytes_for_torchtitan(tmp_path):
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eE]+|nan|inf)")
 
 
-def _train(tmp_path, name: str, *flags: str) -> tuple[list[float], str]:
+def _train(tmp_path, runs: dict[str, list[str]]) -> dict[str, tuple[list[float], str]]:
+    """torchtitan 0.2's trainer on CPU, 3 steps per run, the runs one after another in one process
+    (each seeded alike: same initialization and batches); per run its losses and log."""
     with socket.socket() as s:  # a free port for the one-rank process group
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([*sys.path, str(root)])}
-    cmd = [
-        sys.executable, str(Path(__file__).with_name("torchtitan_v0_2_cpu_train.py")),
-        "--job.config_file", str(root / "configs/torchtitan/deepseek_v3_debug_0.2.toml"),
-        "--job.dump_folder", str(tmp_path / name),
-        "--model.hf_assets_path", str(tmp_path / "tokenizer"),
-        "--training.dataset_path", str(tmp_path / "data"),
-        "--training.steps", "3", "--training.local_batch_size", "1", "--training.seq_len", "64",
-        "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-        *flags,
-    ]  # fmt: skip
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-    log = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout + p.stderr)
+    cmd = [sys.executable, str(Path(__file__).with_name("torchtitan_v0_2_cpu_train.py"))]
+    for i, (name, flags) in enumerate(runs.items()):
+        cmd += ["--next-run"] if i else []
+        cmd += [
+            "--job.config_file", str(root / "configs/torchtitan/deepseek_v3_debug_0.2.toml"),
+            "--job.dump_folder", str(tmp_path / name),
+            "--model.hf_assets_path", str(tmp_path / "tokenizer"),
+            "--training.dataset_path", str(tmp_path / "data"),
+            "--training.steps", "3", "--training.local_batch_size", "1", "--training.seq_len", "64",
+            "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--debug.seed", "0",
+            *flags,
+        ]  # fmt: skip
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=540)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout)
     assert p.returncode == 0, log[-4000:]
-    return [float(m[2]) for m in STEP_LINE.finditer(log)], log
+    logs = re.split(r"^=== run \d+ ===$", log, flags=re.M)[1:]
+    assert len(logs) == len(runs), log[-4000:]
+    return {name: ([float(m[2]) for m in STEP_LINE.finditer(text)], text)
+            for name, text in zip(runs, logs, strict=True)}
 
 
 @pytest.mark.slow
@@ -317,8 +324,8 @@ def test_trainer_runs_three_steps_with_the_converter(tmp_path):
 
     write_byte_tokenizer(tmp_path / "tokenizer")
     write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))  # a small corpus
-    ref, _ = _train(tmp_path, "fp32")
-    mx, log = _train(tmp_path, "mx", "--model.converters", "mxmoe", "--mx.recipe_name", "mxfp8")
+    out = _train(tmp_path, {"fp32": [], "mx": ["--model.converters", "mxmoe", "--mx.recipe_name", "mxfp8"]})
+    (ref, _), (mx, log) = out["fp32"], out["mx"]
     assert "mxmoe: 5 GroupedExperts -> MXGroupedExperts (recipe mxfp8)" in log
     assert len(ref) == len(mx) == 3 and all(math.isfinite(v) for v in ref + mx)
     # same initialization and batch: the first loss is the forward's, MX within 0.1 % of fp32

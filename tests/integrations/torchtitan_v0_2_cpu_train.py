@@ -1,12 +1,15 @@
 """Run torchtitan 0.2's trainer (`torchtitan.train.main`) on CPU, one gloo rank; arguments as for
-`python -m torchtitan.train`. For tests only: torchtitan 0.2's trainer assumes CUDA, so this
-process patches what stands in the way (torchtitan itself stays unchanged on disk):
+`python -m torchtitan.train`, or several runs one after another in this process, their arguments
+separated by `--next-run` (each run's log starts with a line `=== run N ===`). For tests only:
+torchtitan 0.2's trainer assumes CUDA, so this process patches what stands in the way (torchtitan
+itself stays unchanged on disk):
 
 - the device: torch reports "cpu" as the available device type before torchtitan reads it;
 - torch.histc on int64 (the router's token counts), which only CUDA implements: counted as floats;
 - the device-memory monitor (CUDA memory statistics): zeros;
 - the barrier after step 1 (`set_pg_timeouts`, CUDA device ids): skipped;
-- token-group padding (a Triton kernel): torchtitan's own CPU version (`use_cpu=True`).
+- token-group padding (a Triton kernel): torchtitan's own CPU version (`use_cpu=True`);
+- the command line its config manager reads: each run's arguments.
 """
 
 import functools
@@ -53,6 +56,25 @@ moe_utils.generate_permute_indices = functools.partial(moe_utils.generate_permut
 if __name__ == "__main__":
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
+    import sys
+
+    from torchtitan.config import ConfigManager
     from torchtitan.train import Trainer, main
 
-    main(Trainer)
+    # its default arguments are sys.argv[1:] as it was at import: each run's own instead
+    parse_args = ConfigManager.parse_args
+    ConfigManager.parse_args = lambda self, args=None: parse_args(
+        self, sys.argv[1:] if args is None else args
+    )
+
+    runs, args = [], []
+    for arg in sys.argv[1:] + ["--next-run"]:
+        if arg == "--next-run":
+            runs.append(args)
+            args = []
+        else:
+            args.append(arg)
+    for i, args in enumerate(runs):
+        print(f"=== run {i} ===", flush=True)
+        sys.argv[1:] = args
+        main(Trainer)
