@@ -52,23 +52,20 @@ def _memoize_block_types(core, ti) -> bool:
     known: dict = {}  # (element type, int dims) -> the first instance's attributes
 
     def block_type_init(self, element_ty, shape):
-        dims = shape.values if isinstance(shape, core.tuple) else shape
-        key = None
-        if isinstance(dims, (list, builtins.tuple)) and all(type(d) is int for d in dims):
-            # pointer types compare (and are hashed here) by their fields
-            ty = element_ty
-            if isinstance(ty, core.pointer_type):
-                ty = ("pointer", ty.element_ty, ty.address_space, ty.const)
-            key = (type(element_ty), ty, builtins.tuple(dims))
-            try:
-                attrs = known.get(key)
-            except TypeError:  # an unhashable element type: built as before
-                attrs = key = None
-            if attrs is not None:
-                self.__dict__.update(attrs)
-                return
+        # pointer types compare (and are hashed here) by their fields
+        ty = element_ty
+        if type(ty) is core.pointer_type:
+            ty = ("pointer", ty.element_ty, ty.address_space, ty.const)
+        try:
+            key = (type(element_ty), ty, builtins.tuple(shape.values if type(shape) is core.tuple else shape))
+            attrs = known.get(key)
+        except TypeError:  # an unhashable element type, or no sequence: built as before
+            attrs = key = None
+        if attrs is not None:
+            self.__dict__.update(attrs)
+            return
         build_block_type(self, element_ty, shape)
-        if key is not None:
+        if key is not None and all(type(d) is int for d in key[2]):  # only int shapes are remembered
             attrs = dict(self.__dict__)
             attrs["_mxmoe_tensor_shape"] = core.tuple([core.constexpr(s) for s in self.shape])
             known[key] = attrs
