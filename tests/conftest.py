@@ -208,17 +208,22 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: `items` are the tests that will run
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on one")
-    skip_interp = pytest.mark.skip(
-        reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1 (set without a GPU)"
-    )
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
-            item.add_marker(skip_gpu)
-        if "interpreter" in item.keywords and not interpreting:
-            item.add_marker(skip_interp)
     _slow_first(config, items)
+
+
+GPU_SKIP = "needs a CUDA GPU; run `pytest -m gpu` on one"
+INTERPRETER_SKIP = "runs Triton on CPU tensors: needs TRITON_INTERPRET=1 (set without a GPU)"
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures are set up, and before skipif marks are read
+def pytest_runtest_setup(item):
+    """A GPU-only test without a GPU, or an interpreter test where the interpreter is off, is
+    skipped here, before its fixtures: the report names this line, so the run's summary folds each
+    kind into one line ("SKIPPED [N] tests/conftest.py:...") instead of one per test function."""
+    if "gpu" in item.keywords and not HAS_CUDA:
+        pytest.skip(GPU_SKIP)
+    if "interpreter" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(INTERPRETER_SKIP)
 
 
 def free_port() -> int:
