@@ -1,6 +1,7 @@
 """mxmoe: mixture-of-experts training in MXFP8, exact and fast on Hopper, runnable on CPU."""
 
 from mxmoe.formats import ELEM_FORMATS, ScalingMode
+from mxmoe.options import MXOptions
 from mxmoe.quant import MXTensor, available_kernels, to_mx, to_mx_dim0_dim1
 from mxmoe.recipe import DEFAULT_RECIPE, RECIPES, MXRecipe, recipe
 
@@ -8,11 +9,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # `mxmoe.convert` / `mxmoe.MXConfig` import the nn stack on first use only.
-    if name in ("convert", "MXConfig"):
+    # `mxmoe.convert` imports the nn stack on first use only.
+    if name == "convert":
         import mxmoe.nn
 
-        return getattr(mxmoe.nn, name)
+        return mxmoe.nn.convert
+    if name == "MXConfig":
+        from mxmoe.options import renamed_alias
+
+        return renamed_alias("mxmoe.MXConfig")
     raise AttributeError(f"module 'mxmoe' has no attribute {name!r}")
 
 
@@ -21,7 +26,7 @@ __all__ = [
     "ELEM_FORMATS",
     "MXRecipe",
     "RECIPES",
-    "MXConfig",
+    "MXOptions",
     "MXTensor",
     "ScalingMode",
     "available_kernels",

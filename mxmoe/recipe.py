@@ -29,8 +29,22 @@ GEMM_DTYPES: dict[str, torch.dtype | None] = {
     "float32": torch.float32,
 }
 """The emulated GEMM's operand dtype, by its option spelling ("auto": bf16 on CUDA, fp32 elsewhere)."""
-EXPERT_GEMMS = ("mx", "hp")
-"""How the routed experts (`MXGroupedExperts`) multiply: MX GEMMs, or high precision on MX-rounded rows."""
+EXPERT_GEMMS = ("mx", "bf16")
+"""How the routed experts (`MXGroupedExperts`) multiply: MX GEMMs, or in the compute dtype (bf16
+under autocast) on MX-rounded rows."""
+RENAMED_EXPERT_GEMMS = {"hp": "bf16"}
+"""Old expert_gemm spellings, refused with the new one named."""
+
+
+def check_expert_gemm(value: str, name: str = "expert_gemm") -> None:
+    """ValueError naming `name`, `value` and the accepted values unless `value` is in EXPERT_GEMMS."""
+    if value in EXPERT_GEMMS:
+        return
+    new = RENAMED_EXPERT_GEMMS.get(value) if isinstance(value, str) else None
+    renamed = f" ({name}={value!r} is now {name}={new!r})" if new else ""
+    raise ValueError(
+        f"{name}={value!r} is not an expert GEMM mode; expected one of {list(EXPERT_GEMMS)}{renamed}"
+    )
 
 
 def check_gemm_backend(value: str, name: str = "gemm_backend") -> None:
@@ -72,8 +86,8 @@ class MXRecipe:
     with amax below ~2^-116; fp32 holds all of them exactly."""
     expert_gemm: str = "mx"
     """The routed experts' grouped GEMMs (`MXGroupedExperts`; other modules ignore it). "mx" (default):
-    on MX operands (`gemm_backend`). "hp": the exchange only (docs/comm.md): the GEMMs run in high
-    precision (bf16 under autocast, as `GroupedExperts`) on the experts' input rows rounded to MX
+    on MX operands (`gemm_backend`). "bf16": the exchange only (docs/comm.md): the GEMMs run in the
+    compute dtype (bf16 under autocast, as `GroupedExperts`) on the experts' input rows rounded to MX
     once, exactly the values the MXFP8 dispatch delivers; under expert parallelism the dispatch
     (forward) and the combine's gradient go in MXFP8, the dispatch's gradient and the combine in
     high precision. For Hopper, whose MX GEMMs are emulated: the exchange's bytes without MX GEMMs."""
@@ -94,11 +108,7 @@ class MXRecipe:
                 f"gemm_dtype={self.gemm_dtype} is not supported; expected None, torch.bfloat16 or "
                 "torch.float32"
             )
-        if self.expert_gemm not in EXPERT_GEMMS:
-            raise ValueError(
-                f"expert_gemm={self.expert_gemm!r} is not an expert GEMM mode; expected one of "
-                f"{list(EXPERT_GEMMS)}"
-            )
+        check_expert_gemm(self.expert_gemm)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """The emulated GEMM's operand dtype on `device`."""
@@ -114,9 +124,11 @@ class MXRecipe:
 RECIPES: dict[str, MXRecipe] = {
     "mxfp8_rceil": MXRecipe(scaling_mode="rceil"),
     "mxfp8": MXRecipe(scaling_mode="floor"),
+    "mxfp8_emulated_rceil": MXRecipe(scaling_mode="rceil", gemm_backend="emulated"),
 }
-"""Named recipes (torchtitan's spellings): "mxfp8_rceil" (RCEIL scales; the default) and
-"mxfp8" (FLOOR scales, the OCP rule: a block's max can saturate to 448)."""
+"""Named recipes (torchao's names): "mxfp8_rceil" (RCEIL scales; the default), "mxfp8" (FLOOR
+scales, the OCP rule: a block's max can saturate to 448) and "mxfp8_emulated_rceil" (RCEIL, every
+GEMM on exactly dequantized operands, also on Blackwell)."""
 DEFAULT_RECIPE_NAME = "mxfp8_rceil"
 DEFAULT_RECIPE = RECIPES[DEFAULT_RECIPE_NAME]
 assert DEFAULT_RECIPE == MXRecipe()
@@ -141,13 +153,13 @@ def recipe_from_options(
 ) -> MXRecipe:
     """The one MXRecipe that front-end options describe (strings, as a CLI, a TOML file or torchtitan
     give them; the spellings are torchtitan's). Every front end builds its recipe here: the trainer
-    (`--mx.*`), `mxmoe.MXConfig.to_recipe` and the torchtitan adapter.
+    (`--mx.*`), `mxmoe.MXOptions.to_recipe` and the torchtitan adapters.
 
-    recipe_name: a name in RECIPES, "mxfp8_rceil" (default) | "mxfp8".
+    recipe_name: a name in RECIPES.
     mxfp8_dim1_cast_kernel_choice / mxfp8_dim0_cast_kernel_choice: the recipe's dim1_kernel /
     dim0_kernel, "auto" | "torch" | "triton" | "cuda".
-    gemm_backend: one of GEMM_BACKENDS. gemm_dtype: a key of GEMM_DTYPES. expert_gemm: one of
-    EXPERT_GEMMS.
+    gemm_backend: one of GEMM_BACKENDS ("auto" keeps the named recipe's own, e.g. the emulated GEMM of
+    "mxfp8_emulated_rceil"). gemm_dtype: a key of GEMM_DTYPES. expert_gemm: one of EXPERT_GEMMS.
     option_prefix: put before each option's name in errors (e.g. "mx." for the trainer's options).
     Raises ValueError naming the option, the value and what is accepted.
     """
@@ -165,17 +177,16 @@ def recipe_from_options(
                 f"{list(CAST_KERNELS)}"
             )
     check_gemm_backend(gemm_backend, f"{option_prefix}gemm_backend")
-    if expert_gemm not in EXPERT_GEMMS:
-        raise ValueError(f"{option_prefix}expert_gemm={expert_gemm!r}: expected one of {list(EXPERT_GEMMS)}")
+    check_expert_gemm(expert_gemm, f"{option_prefix}expert_gemm")
     if gemm_dtype not in GEMM_DTYPES:
         raise ValueError(
             f"{option_prefix}gemm_dtype={gemm_dtype!r} is not supported; expected one of {list(GEMM_DTYPES)}"
         )
-    return recipe(
-        recipe_name,
+    base = RECIPES[recipe_name]
+    return base.replace(
         dim0_kernel=mxfp8_dim0_cast_kernel_choice,
         dim1_kernel=mxfp8_dim1_cast_kernel_choice,
-        gemm_backend=gemm_backend,
+        gemm_backend=base.gemm_backend if gemm_backend == "auto" else gemm_backend,
         gemm_dtype=GEMM_DTYPES[gemm_dtype],
         expert_gemm=expert_gemm,
     )

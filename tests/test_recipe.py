@@ -34,7 +34,8 @@ def test_frozen_hashable_and_replace_checks_again():
         ({"dim1_kernel": "x"}, ValueError, "dim1_kernel='x'"),
         ({"gemm_backend": "magic"}, ValueError, "gemm_backend='magic'"),
         ({"gemm_dtype": torch.float16}, TypeError, "gemm_dtype=torch.float16"),
-        ({"expert_gemm": "bf16"}, ValueError, r"expert_gemm='bf16' is not an expert GEMM mode"),
+        ({"expert_gemm": "fp8"}, ValueError, r"expert_gemm='fp8' is not an expert GEMM mode"),
+        ({"expert_gemm": "hp"}, ValueError, r"expert_gemm='hp' is now expert_gemm='bf16'"),
     ],
 )
 def test_bad_fields_are_named(kwargs, err, match):
@@ -47,7 +48,7 @@ def test_removed_gemm_backend_says_why_and_where():
     docs section that records it; that section exists."""
     from pathlib import Path
 
-    from mxmoe import MXConfig
+    from mxmoe import MXOptions
     from mxmoe.recipe import GEMM_BACKENDS, REMOVED_GEMM_BACKENDS, recipe_from_options
 
     assert "fp8" in REMOVED_GEMM_BACKENDS and "fp8" not in GEMM_BACKENDS
@@ -56,7 +57,7 @@ def test_removed_gemm_backend_says_why_and_where():
         lambda: MXRecipe(gemm_backend="fp8"),
         lambda: recipe("mxfp8", gemm_backend="fp8"),
         lambda: recipe_from_options(gemm_backend="fp8"),
-        lambda: MXConfig(gemm_backend="fp8").to_recipe(),
+        lambda: MXOptions(gemm_backend="fp8"),
     ):
         with pytest.raises(ValueError, match=why):
             make()
@@ -71,25 +72,25 @@ def test_unknown_recipe_name():
 
 
 def test_recipe_from_options_is_every_front_end():
-    """One function turns option strings into a recipe; the trainer, MXConfig and the torchtitan
+    """One function turns option strings into a recipe; the trainer, MXOptions and the torchtitan
     adapter all call it, so the same options give the same recipe and the same errors."""
     from mxmoe.integrations.torchtitan.converters import mx_recipe
-    from mxmoe.nn import MXConfig
+    from mxmoe.options import MXOptions
 
-    assert recipe_from_options() == DEFAULT_RECIPE == MXConfig().to_recipe() == mx_recipe()
-    r = recipe_from_options("mxfp8", "cuda", "triton", "emulated", "float32", "hp")
+    assert recipe_from_options() == DEFAULT_RECIPE == MXOptions().to_recipe() == mx_recipe()
+    r = recipe_from_options("mxfp8", "cuda", "triton", "emulated", "float32", "bf16")
     assert r == MXRecipe(
         scaling_mode="floor",
         dim1_kernel="cuda",
         dim0_kernel="triton",
         gemm_backend="emulated",
         gemm_dtype=torch.float32,
-        expert_gemm="hp",
+        expert_gemm="bf16",
     )
     opts = dict(
         recipe_name="mxfp8", mxfp8_dim1_cast_kernel_choice="cuda", mxfp8_dim0_cast_kernel_choice="torch"
     )
-    assert MXConfig(**opts, gemm_dtype="bfloat16").to_recipe() == mx_recipe(**opts, gemm_dtype="bfloat16")
+    assert MXOptions(**opts, gemm_dtype="bfloat16").to_recipe() == mx_recipe(**opts, gemm_dtype="bfloat16")
     assert recipe_from_options(gemm_dtype="bfloat16").gemm_dtype == torch.bfloat16
     assert recipe_from_options(gemm_dtype="auto").gemm_dtype is None
 
@@ -101,7 +102,7 @@ def test_recipe_from_options_is_every_front_end():
         ({"mxfp8_dim1_cast_kernel_choice": "cudnn"}, "mxfp8_dim1_cast_kernel_choice='cudnn' is not a"),
         ({"mxfp8_dim0_cast_kernel_choice": "x"}, "mx.mxfp8_dim0_cast_kernel_choice='x' is not a cast kernel"),
         ({"gemm_backend": "cublas"}, "mx.gemm_backend='cublas': not a GEMM backend; expected one of"),
-        ({"expert_gemm": "bf16"}, r"mx.expert_gemm='bf16': expected one of \['mx', 'hp'\]"),
+        ({"expert_gemm": "fp8"}, r"mx.expert_gemm='fp8' is not an expert GEMM mode; expected one of \['mx'"),
         ({"gemm_dtype": "float16"}, r"mx.gemm_dtype='float16' is not supported; expected one of \['auto'"),
     ],
 )

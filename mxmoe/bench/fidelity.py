@@ -120,9 +120,9 @@ class _HPLinear(nn.Module):
 def _build(variant: str, cfg, margs, state: dict, device: torch.device) -> nn.Module:
     import mxmoe
     from mxmoe.models.moe import Transformer
-    from mxmoe.nn import MXConfig
     from mxmoe.nn.linear import MXLinear
     from mxmoe.nn.mx_experts import MXGroupedExperts
+    from mxmoe.options import MXOptions
 
     with torch.device(device):
         model = Transformer(margs)
@@ -144,7 +144,7 @@ def _build(variant: str, cfg, margs, state: dict, device: torch.device) -> nn.Mo
         opts["convert_grouped_experts"] = False
     elif variant == "mx_gemm_fp32":
         opts["gemm_dtype"] = "float32"
-    mxmoe.convert(model, MXConfig(**opts))
+    mxmoe.convert(model, MXOptions(**opts))
     mode = {"mx_fwd_only": "fwd", "mx_hp_wgrad": "hp_wgrad", "mx_hp_dgrad": "hp_dgrad"}.get(variant)
     if mode is not None:
         for parent in list(model.modules()):

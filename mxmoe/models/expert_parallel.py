@@ -8,7 +8,7 @@ Every MoE layer runs `mxmoe.models.routing.routed_experts`; which experts run wh
     them by all-to-all. For MX experts (`MXGroupedExperts`) the rows go as MXFP8 in the experts'
     recipe (`a2a_dispatch_mxfp8`, used by the first grouped GEMM without requantizing) and come back
     in high precision with an MXFP8 gradient (`a2a_combine`); otherwise both ways in high precision
-    (`all_to_all_hp`). The same exchange serves MX experts whose recipe has expert_gemm="hp" (the
+    (`all_to_all_hp`). The same exchange serves MX experts whose recipe has expert_gemm="bf16" (the
     exchange only): they dequantize the received rows exactly and run bf16 grouped GEMMs, the
     gradient of the rows goes back in high precision.
 

@@ -1,7 +1,7 @@
 """Modules: the high-precision GroupedExperts, their MX versions, `convert`, and `project` (several
 linear layers on one input, MXLinears sharing one cast of it)."""
 
-from mxmoe.nn.converter import ConversionReport, MXConfig, convert
+from mxmoe.nn.converter import ConversionReport, convert
 from mxmoe.nn.experts import GroupedExperts, grouped_mm, offsets_from_counts
 from mxmoe.nn.linear import MXLinear, project
 from mxmoe.nn.mx_experts import MXGroupedExperts
@@ -9,7 +9,6 @@ from mxmoe.nn.mx_experts import MXGroupedExperts
 __all__ = [
     "ConversionReport",
     "GroupedExperts",
-    "MXConfig",
     "MXGroupedExperts",
     "MXLinear",
     "convert",
@@ -17,3 +16,11 @@ __all__ = [
     "offsets_from_counts",
     "project",
 ]
+
+
+def __getattr__(name: str):
+    if name == "MXConfig":
+        from mxmoe.options import renamed_alias
+
+        return renamed_alias("mxmoe.nn.MXConfig")
+    raise AttributeError(f"module 'mxmoe.nn' has no attribute {name!r}")

@@ -1,10 +1,10 @@
-"""`mxmoe.convert(model, MXConfig(...))`: swap a model's Linear and GroupedExperts modules for
+"""`mxmoe.convert(model, MXOptions(...))`: swap a model's Linear and GroupedExperts modules for
 their MX versions in place (torchtitan's MX converter, for Hopper).
 
-`MXConfig` keeps torchtitan's option spellings and maps them to one `mxmoe.recipe.MXRecipe`
-(`MXConfig().to_recipe() == DEFAULT_RECIPE`); every swapped module gets that recipe, and the
-MXFP8 exchange of expert parallelism reads it from the experts. `convert` also accepts an
-`MXRecipe` directly.
+`mxmoe.MXOptions` (the one option set of every front end) says what to convert and names one
+`mxmoe.recipe.MXRecipe` (`MXOptions().to_recipe() == DEFAULT_RECIPE`); every swapped module gets
+that recipe, and the MXFP8 exchange of expert parallelism reads it from the experts. `convert` also
+accepts an `MXRecipe` directly (with the default filter).
 """
 
 from __future__ import annotations
@@ -19,59 +19,11 @@ from torch import nn
 from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
 from mxmoe.nn.mx_experts import MXGroupedExperts
+from mxmoe.options import MXOptions
 from mxmoe.quant.backends import why_unavailable
-from mxmoe.recipe import DEFAULT_RECIPE_NAME, RECIPES, MXRecipe, recipe_from_options
+from mxmoe.recipe import RECIPES, MXRecipe
 
 log = logging.getLogger("mxmoe")
-
-@dataclass
-class MXConfig:
-    """What `convert` swaps and how the swapped modules quantize (one `MXRecipe`, see `to_recipe`)."""
-
-    recipe_name: str = DEFAULT_RECIPE_NAME
-    """A name in `mxmoe.RECIPES`: "mxfp8_rceil" (RCEIL scales, cuBLAS round-up, never saturates;
-    default) | "mxfp8" (FLOOR scales, OCP; the block max can saturate to 448)."""
-    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router"])
-    """Modules whose fully qualified name contains any of these substrings stay high precision
-    (a list of strings). Default: the output projection (as torchtitan) and the MoE router (its
-    routing decisions and tiny out dim E are precision-sensitive)."""
-    convert_linears: bool = True
-    """Swap nn.Linear for MXLinear."""
-    convert_grouped_experts: bool = True
-    """Swap mxmoe.nn.GroupedExperts for MXGroupedExperts."""
-    mxfp8_dim1_cast_kernel_choice: str = "auto"
-    """The recipe's dim1_kernel (casts producing a dim1 result): "auto" | "triton" | "cuda" | "torch"."""
-    mxfp8_dim0_cast_kernel_choice: str = "auto"
-    """The recipe's dim0_kernel (dim0 casts, dequantize): "auto" | "triton" | "cuda" | "torch"."""
-    gemm_backend: str = "auto"
-    """GEMM on MX operands: "auto" (default: "native" on Blackwell sm_100 where torch runs it, else
-    "emulated") | "emulated" (dequantize exactly, bf16/fp32 GEMM) | "native" (torch's block-scaled
-    MXFP8 GEMMs, sm_100 only)."""
-    gemm_dtype: str = "auto"
-    """The recipe's gemm_dtype: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32"."""
-    expert_gemm: str = "mx"
-    """The recipe's expert_gemm: "mx" (MX grouped GEMMs; default) | "hp" (the exchange only: bf16
-    grouped GEMMs on rows rounded to MX, MXFP8 dispatch and combine gradient under expert
-    parallelism; with convert_linears=False no GEMM is MX)."""
-
-    def __post_init__(self) -> None:
-        f = self.filter_fqns
-        if isinstance(f, str) or not isinstance(f, (list, tuple)) or not all(isinstance(s, str) for s in f):
-            hint = f" (use filter_fqns=[{f!r}])" if isinstance(f, str) else ""
-            raise TypeError(f"filter_fqns must be a list of strings, got {f!r}{hint}")
-
-    def to_recipe(self) -> MXRecipe:
-        """The one MXRecipe these options describe (`mxmoe.recipe.recipe_from_options`; ValueError
-        naming the option that is wrong)."""
-        return recipe_from_options(
-            self.recipe_name,
-            self.mxfp8_dim1_cast_kernel_choice,
-            self.mxfp8_dim0_cast_kernel_choice,
-            self.gemm_backend,
-            self.gemm_dtype,
-            self.expert_gemm,
-        )
-
 
 def recipe_name(r: MXRecipe) -> str:
     """A short description of `r`: its name in RECIPES when it is one (with changed kernels listed)."""
@@ -148,12 +100,12 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def convert(model: nn.Module, recipe: MXConfig | MXRecipe | None = None, parallel_dims=None) -> nn.Module:
+def convert(model: nn.Module, recipe: MXOptions | MXRecipe | None = None, parallel_dims=None) -> nn.Module:
     """Swap matching modules of `model` in place for their MX versions; returns `model`.
 
     nn.Linear -> MXLinear and GroupedExperts -> MXGroupedExperts (sharing the Parameter objects,
     so state-dict keys and optimizer state are unchanged), all with one recipe
-    (`recipe` itself when it is an MXRecipe, `recipe.to_recipe()` for an MXConfig; default DEFAULT_RECIPE),
+    (`recipe` itself when it is an MXRecipe, `recipe.to_recipe()` for MXOptions; default DEFAULT_RECIPE),
     except modules whose FQN contains a `filter_fqns` substring and modules with a dim not
     divisible by the block size (both skipped). Modules already MX with another recipe get the new
     one, with a warning. Convert before applying FSDP (`fully_shard`) or torch.compile.
@@ -163,15 +115,14 @@ def convert(model: nn.Module, recipe: MXConfig | MXRecipe | None = None, paralle
     that cannot run on the model's device (meta counts as CUDA).
     """
     if recipe is None:
-        recipe = MXConfig()
+        recipe = MXOptions()
     if isinstance(recipe, MXRecipe):
-        r, filter_fqns, do_lin, do_exp = recipe, MXConfig().filter_fqns, True, True
-    elif isinstance(recipe, MXConfig):
-        recipe.__post_init__()  # fields may have been changed after construction
-        r, filter_fqns = recipe.to_recipe(), list(recipe.filter_fqns)
+        r, filter_fqns, do_lin, do_exp = recipe, MXOptions().filter_fqns, True, True
+    elif isinstance(recipe, MXOptions):
+        r, filter_fqns = recipe.to_recipe(), list(recipe.filter_fqns)  # to_recipe checks every field
         do_lin, do_exp = recipe.convert_linears, recipe.convert_grouped_experts
     else:
-        raise TypeError(f"recipe must be an MXRecipe or an MXConfig, got {type(recipe).__name__}")
+        raise TypeError(f"recipe must be an MXRecipe or mxmoe.MXOptions, got {type(recipe).__name__}")
     tp = _tp_degree(parallel_dims)
     if tp > 1:
         raise ValueError(

@@ -1,5 +1,5 @@
 """`MXGroupedExperts`: GroupedExperts with every grouped GEMM on MX operands, or (recipe
-`expert_gemm="hp"`) high-precision GEMMs on rows rounded to MX: the exchange-only mode."""
+`expert_gemm="bf16"`) GEMMs in the compute dtype on rows rounded to MX: the exchange-only mode."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class MXGroupedExperts(GroupedExperts):
     the w1/w3 GEMMs then use it without requantizing, and its gradient flows to `x.grad_anchor`.
     dim and hidden_dim must be divisible by the block size (32). Group sizes are arbitrary.
 
-    With the recipe's `expert_gemm="hp"` the three GEMMs are `GroupedExperts`' own (high precision,
+    With the recipe's `expert_gemm="bf16"` the three GEMMs are `GroupedExperts`' own (compute dtype,
     bf16 under autocast) on the input rows rounded to MX once, Q(x) (Q: quantize along dim with the
     recipe, dequantize exactly), and the gradient flows to x unchanged (straight through). Rows that
     come as an MXTensor (the MXFP8 dispatch's) are Q(x) already: they are dequantized, and the
@@ -50,8 +50,8 @@ class MXGroupedExperts(GroupedExperts):
 
     def forward(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
         cfg = self.recipe
-        if cfg.expert_gemm == "hp":
-            return self._forward_hp(x, num_tokens_per_expert)
+        if cfg.expert_gemm == "bf16":
+            return self._forward_bf16(x, num_tokens_per_expert)
         offs = offsets_from_counts(num_tokens_per_expert)
         if isinstance(x, Tensor):
             # one cast to the autocast dtype for both w1 and w3 (each op would cast x on its own:
@@ -64,8 +64,8 @@ class MXGroupedExperts(GroupedExperts):
         w1_t, w3_t, w2_t = (w.transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
         return mx_grouped_swiglu_mlp(x, w1_t, w3_t, w2_t, offs, cfg)
 
-    def _forward_hp(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
-        """expert_gemm="hp" (class docstring): GroupedExperts.forward on Q(x)."""
+    def _forward_bf16(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
+        """expert_gemm="bf16" (class docstring): GroupedExperts.forward on Q(x)."""
         cfg = self.recipe
         if isinstance(x, MXTensor):
             if x.ndim != 2 or x.axis != 1:
@@ -80,7 +80,7 @@ class MXGroupedExperts(GroupedExperts):
 
     def extra_repr(self) -> str:
         c = self.recipe
-        gemm = ", expert_gemm=hp" if c.expert_gemm == "hp" else ""
+        gemm = ", expert_gemm=bf16" if c.expert_gemm == "bf16" else ""
         return (
             f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
             f"mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}{gemm}"

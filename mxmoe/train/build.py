@@ -72,20 +72,11 @@ def check_values(cfg: JobConfig) -> None:
     ):
         if not ok:  # NaN fails every comparison
             raise ValueError(f"{key}={value!r}: expected {accepted}")
-    from mxmoe.recipe import recipe_from_options
-
     mx = cfg.mx
-    recipe_from_options(
-        mx.recipe_name,
-        mx.mxfp8_dim1_cast_kernel_choice,
-        mx.mxfp8_dim0_cast_kernel_choice,
-        mx.gemm_backend,
-        expert_gemm=mx.expert_gemm,
-        option_prefix="mx.",
-    )
-    if mx.expert_gemm == "hp" and not mx.convert_grouped_experts:
+    mx.check("mx.")
+    if mx.expert_gemm == "bf16" and not mx.convert_grouped_experts:
         raise ValueError(
-            "mx.expert_gemm='hp' sets how the converted experts compute, but "
+            "mx.expert_gemm='bf16' sets how the converted experts compute, but "
             "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
             "drop one of the two"
         )
@@ -189,23 +180,8 @@ def mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims
     """`mxmoe.convert(model, ...)` with the options of `cfg.mx` (the trainer's `--mx.*`), in place;
     returns its ConversionReport (also `model.mx_conversion`)."""
     import mxmoe
-    from mxmoe.nn import MXConfig
 
-    mx = cfg.mx
-    mxmoe.convert(
-        model,
-        MXConfig(
-            recipe_name=mx.recipe_name,
-            mxfp8_dim1_cast_kernel_choice=mx.mxfp8_dim1_cast_kernel_choice,
-            mxfp8_dim0_cast_kernel_choice=mx.mxfp8_dim0_cast_kernel_choice,
-            filter_fqns=list(mx.filter_fqns),
-            convert_linears=mx.convert_linears,
-            convert_grouped_experts=mx.convert_grouped_experts,
-            gemm_backend=mx.gemm_backend,
-            expert_gemm=mx.expert_gemm,
-        ),
-        parallel_dims=pd,
-    )
+    mxmoe.convert(model, cfg.mx, parallel_dims=pd)
     return model.mx_conversion
 
 
@@ -216,8 +192,8 @@ def precision(model: torch.nn.Module, cfg: JobConfig) -> str:
     n = sum(isinstance(mod, (MXLinear, MXGroupedExperts)) for mod in model.modules())
     if n == 0:
         return "high precision (the mx converter swapped no module)"
-    hp = sum(isinstance(m, MXGroupedExperts) and m.recipe.expert_gemm == "hp" for m in model.modules())
-    what = f" ({hp} of them high-precision experts on MX-rounded rows: expert_gemm=hp)" if hp else ""
+    hp = sum(isinstance(m, MXGroupedExperts) and m.recipe.expert_gemm == "bf16" for m in model.modules())
+    what = f" ({hp} of them experts in the compute dtype on MX-rounded rows: expert_gemm=bf16)" if hp else ""
     return f"MXFP8 {cfg.mx.recipe_name} in {n} modules{what}"
 
 

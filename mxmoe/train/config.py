@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from mxmoe.recipe import DEFAULT_RECIPE_NAME, RECIPES
+from mxmoe.options import MXOptions, why_not_accepted
 
 
 class ConfigError(ValueError):
@@ -52,41 +52,6 @@ class Model:
     load_balance: str | None = _f(None, "router load balancing: aux_loss | bias | none")
     aux_loss_coef: float | None = _f(None, "weight of the load-balancing aux loss in the training loss")
     bias_update_rate: float | None = _f(None, "step of the bias-based balancing update per optimizer step")
-
-
-@dataclass
-class MX:
-    recipe_name: str = _f(
-        DEFAULT_RECIPE_NAME,
-        f"MX recipe passed to mxmoe.convert, one of mxmoe.recipe.RECIPES: {', '.join(RECIPES)} "
-        "(mxfp8_rceil: RCEIL scales, never saturate; mxfp8: FLOOR scales, the OCP rule)",
-    )
-    mxfp8_dim1_cast_kernel_choice: str = _f(
-        "auto",
-        "kernel for the dim1 (transposing) casts: auto (the fastest here: cuda on a GPU, torch on "
-        "CPU) | triton | cuda | torch",
-    )
-    mxfp8_dim0_cast_kernel_choice: str = _f(
-        "auto", "kernel for the dim0 casts and dequantize: auto | triton | cuda | torch (as dim1's)"
-    )
-    filter_fqns: list[str] = _f(
-        ["output", "router"], "modules whose name contains one of these stay high precision"
-    )
-    convert_linears: bool = _f(True, "convert the nn.Linear layers (MX GEMMs); false keeps them bf16")
-    convert_grouped_experts: bool = _f(
-        True, "also convert the routed experts (MX grouped GEMM, MXFP8 all-to-all)"
-    )
-    expert_gemm: str = _f(
-        "mx",
-        "the routed experts' GEMMs: mx (MX operands) | hp (the exchange only: bf16 GEMMs on rows "
-        "rounded to MX, MXFP8 dispatch and combine gradient; with convert_linears=false no GEMM "
-        "is MX, for Hopper; docs/comm.md)",
-    )
-    gemm_backend: str = _f(
-        "auto",
-        "GEMM on MX operands: auto (native on Blackwell sm_100 where torch runs it, else emulated) | "
-        "emulated (exact dequantize, bf16 GEMM) | native (torch's block-scaled MXFP8 GEMMs, sm_100)",
-    )
 
 
 @dataclass
@@ -191,7 +156,7 @@ class Profiling:
 @dataclass
 class JobConfig:
     model: Model = field(default_factory=Model)
-    mx: MX = field(default_factory=MX)
+    mx: MXOptions = field(default_factory=MXOptions)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     data: Data = field(default_factory=Data)
@@ -262,9 +227,19 @@ def _section_types(section: str) -> dict[str, typing.Any]:
     return typing.get_type_hints(cls)
 
 
+def _check_choice(key: str, value, tp) -> typing.Any:
+    """`value` if it is one of the Literal type `tp`'s choices, else ConfigError listing them."""
+    choices = typing.get_args(tp)
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r}: {why_not_accepted(key.rpartition('.')[2], value, choices)}")
+    return value
+
+
 def _convert_str(key: str, text: str, tp) -> typing.Any:
     """Parse the command-line text of `key` as type `tp`."""
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return _check_choice(key, text, tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         # "none" is a legitimate value of an optional str field (model.load_balance=none)
@@ -290,6 +265,8 @@ def _convert_str(key: str, text: str, tp) -> typing.Any:
 def _check_value(key: str, value, tp) -> typing.Any:
     """Type-check a TOML value for `key`; ints are accepted for float fields."""
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return _check_choice(key, value, tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return _check_value(key, value, args[0])
@@ -402,6 +379,26 @@ def help_text() -> str:
             tp = hints[f.name]
             tname = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
             default = getattr(getattr(defaults, section), f.name)
-            lines.append(f"  --{section}.{f.name} ({tname}, default {default!r}): {f.metadata['doc']}")
+            doc = f.metadata.get("doc") or field_docs(type(getattr(defaults, section)))[f.name]
+            lines.append(f"  --{section}.{f.name} ({tname}, default {default!r}): {doc}")
         lines.append("")
     return "\n".join(lines)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: its docstring (the string literal after it in the class body), one line}."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs

@@ -131,8 +131,16 @@ def test_seed_flags_in_toml_with_command_line_overrides(tmp_path):
         ("gemm_dtype", "float16"),
     ],
 )
-def test_bad_options_name_the_option(option, value):
-    cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, f"--mx.{option}", value])
+def test_bad_options_name_the_option(option, value, capsys):
+    """The [mx] choices are Literal types: tyro refuses a bad one when it parses (exit code 2),
+    naming the option and listing the choices; a value set after parsing fails in the converter."""
+    with pytest.raises(SystemExit) as e:
+        ConfigManager().parse_args(["--job.custom_config_module", PKG, f"--mx.{option}", value])
+    assert e.value.code == 2
+    err = " ".join(capsys.readouterr().err.replace("│", " ").split())  # tyro's box, unwrapped
+    assert f"invalid choice {value!r} for argument '--mx.{option.replace('_', '-')}'" in err
+    cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG])
+    setattr(cfg.mx, option, value)
     with pytest.raises(ValueError, match=f"{option}={value!r}"):
         MXMoEConverter(cfg, SimpleNamespace(tp=1))
 

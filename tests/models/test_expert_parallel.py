@@ -145,8 +145,8 @@ def test_apply_expert_parallel_needs_moe_layers():
         apply_expert_parallel(Transformer(args), None)
 
 
-# The exchange only (recipe expert_gemm="hp"): bf16 experts, MXFP8 dispatch and combine gradient.
-HP = RECIPE.replace(expert_gemm="hp")
+# The exchange only (recipe expert_gemm="bf16"): bf16 experts, MXFP8 dispatch and combine gradient.
+HP = RECIPE.replace(expert_gemm="bf16")
 
 
 def _hp_run(model: Transformer, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -163,12 +163,12 @@ def _hp_worker(rank: int, world: int, port: int, out: str) -> None:
     group = _join(rank, port)
     try:
         m = _model()
-        cfg = mxmoe.nn.MXConfig(  # the trainer's --mx.expert_gemm=hp --mx.convert_linears=false
+        cfg = mxmoe.MXOptions(  # the trainer's --mx.expert_gemm=bf16 --mx.convert_linears=false
             recipe_name="mxfp8",
             mxfp8_dim0_cast_kernel_choice="torch",
             mxfp8_dim1_cast_kernel_choice="torch",
             convert_linears=False,
-            expert_gemm="hp",
+            expert_gemm="bf16",
         )
         assert cfg.to_recipe() == HP
         mxmoe.convert(m, cfg)
@@ -227,7 +227,7 @@ class _RefGrad(torch.autograd.Function):
 
 
 def test_exchange_only_matches_bf16_experts_on_rounded_rows(tmp_path):
-    """expert_gemm="hp" at EP=2 (2 gloo ranks) against one process holding every expert as plain
+    """expert_gemm="bf16" at EP=2 (2 gloo ranks) against one process holding every expert as plain
     `GroupedExperts` whose input rows are rounded by to_mx -> dequantize (gradient straight through)
     and whose output gradient is rounded the same way: logits, expert and embedding gradients agree
     to fp32 summation order. The rounding matters: the plain model (no rounding) is further off."""

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from mxmoe.nn import ConversionReport, GroupedExperts, MXConfig, MXGroupedExperts, MXLinear, convert
+from mxmoe.nn import ConversionReport, GroupedExperts, MXGroupedExperts, MXLinear, convert
+from mxmoe.options import MXOptions
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe, recipe
 
 
@@ -24,14 +25,15 @@ class Tiny(nn.Module):
 
 
 def test_default_config_is_the_default_recipe():
-    assert MXConfig().to_recipe() == DEFAULT_RECIPE
-    r = MXConfig(recipe_name="mxfp8", mxfp8_dim1_cast_kernel_choice="torch", gemm_dtype="float32").to_recipe()
+    assert MXOptions().to_recipe() == DEFAULT_RECIPE
+    opts = MXOptions(recipe_name="mxfp8", mxfp8_dim1_cast_kernel_choice="torch", gemm_dtype="float32")
+    r = opts.to_recipe()
     assert r == recipe("mxfp8", dim1_kernel="torch", gemm_dtype=torch.float32)
 
 
 def test_every_module_gets_the_one_recipe_and_the_report_says_what_happened(caplog):
     model = Tiny()
-    cfg = MXConfig(
+    cfg = MXOptions(
         recipe_name="mxfp8", mxfp8_dim0_cast_kernel_choice="torch", mxfp8_dim1_cast_kernel_choice="torch"
     )
     with caplog.at_level(logging.INFO, logger="mxmoe"):
@@ -56,7 +58,7 @@ def test_every_module_gets_the_one_recipe_and_the_report_says_what_happened(capl
 
 
 def test_all_skipped_does_not_claim_mxfp8():
-    model = convert(Tiny(), MXConfig(filter_fqns=["inp", "experts"]))
+    model = convert(Tiny(), MXOptions(filter_fqns=["inp", "experts"]))
     rep = model.mx_conversion
     assert not rep.is_mx and rep.num_converted == 0
     assert "nothing converted, the model stays high precision" in rep.summary()
@@ -69,18 +71,18 @@ def test_filter_fqns_as_a_string_is_a_type_error():
         TypeError,
         match=r"filter_fqns must be a list of strings, got 'output' \(use filter_fqns=\['output'\]\)",
     ):
-        MXConfig(filter_fqns="output")
-    cfg = MXConfig()
+        MXOptions(filter_fqns="output")
+    cfg = MXOptions()
     cfg.filter_fqns = "router"  # changed after construction: convert checks again
     with pytest.raises(TypeError, match="filter_fqns=\\['router'\\]"):
         convert(Tiny(), cfg)
-    with pytest.raises(TypeError, match="recipe must be an MXRecipe or an MXConfig"):
+    with pytest.raises(TypeError, match="recipe must be an MXRecipe or mxmoe.MXOptions"):
         convert(Tiny(), "mxfp8")
 
 
 def test_reconverting_with_another_recipe_warns_and_applies_it():
     model = convert(
-        Tiny(), MXConfig(mxfp8_dim0_cast_kernel_choice="torch", mxfp8_dim1_cast_kernel_choice="torch")
+        Tiny(), MXOptions(mxfp8_dim0_cast_kernel_choice="torch", mxfp8_dim1_cast_kernel_choice="torch")
     )
     other = recipe("mxfp8", dim0_kernel="torch", dim1_kernel="torch")
     with pytest.warns(UserWarning, match="2 modules were already MX with another recipe"):

@@ -1,4 +1,4 @@
-"""MXGroupedExperts with the recipe's expert_gemm="hp" (the exchange only), one process: the output
+"""MXGroupedExperts with the recipe's expert_gemm="bf16" (the exchange only), one process: the output
 and every gradient equal, bit for bit, an independent reference — `GroupedExperts` (the bf16 experts)
 on the rows quantized and dequantized by `to_mx` (Q(x)), the gradient of x straight through, the
 output's gradient Q(dy) — for Tensor rows (no exchange: rounded here) and for the MXFP8 dispatch's
@@ -15,7 +15,7 @@ from mxmoe.comm import a2a_dispatch_mxfp8
 from mxmoe.nn import GroupedExperts, MXGroupedExperts
 from mxmoe.recipe import recipe
 
-HP = recipe("mxfp8_rceil", dim0_kernel="torch", dim1_kernel="torch", expert_gemm="hp")
+HP = recipe("mxfp8_rceil", dim0_kernel="torch", dim1_kernel="torch", expert_gemm="bf16")
 HP_FLOOR = HP.replace(scaling_mode="floor")
 COUNTS = [9, 0, 40, 15]
 
@@ -122,7 +122,7 @@ def test_gpu_tensor_rows_under_bf16_autocast():
     """The default recipe's kernels ("auto": the CUDA qdq operator in the module, the CUDA casts in
     the reference) under CUDA bf16 autocast, as the trainer runs: the output bit for bit the
     reference; the gradients to bf16 rounding (the GPU's grouped GEMM reductions may reorder)."""
-    r = recipe(expert_gemm="hp")
+    r = recipe(expert_gemm="bf16")
     ex, x, dy = make()
     ex, x, dy = ex.cuda(), x.cuda(), dy.cuda()
     counts = torch.tensor(COUNTS, device="cuda")

@@ -11,12 +11,13 @@ from conftest import recipe_for, spawn_ranks
 from torch import nn
 
 import mxmoe
-from mxmoe.nn import GroupedExperts, MXConfig, MXGroupedExperts, MXLinear, convert, project
+from mxmoe.nn import GroupedExperts, MXGroupedExperts, MXLinear, convert, project
 from mxmoe.ops import mx_grouped_mm
+from mxmoe.options import MXOptions
 from mxmoe.quant.mx_tensor import make_grad_anchor, to_mx
 from mxmoe.recipe import MXRecipe
 
-CPU_CFG = MXConfig(mxfp8_dim1_cast_kernel_choice="torch", mxfp8_dim0_cast_kernel_choice="torch")
+CPU_CFG = MXOptions(mxfp8_dim1_cast_kernel_choice="torch", mxfp8_dim0_cast_kernel_choice="torch")
 COUNTS = [9, 0, 40, 15]  # fixed routing: 64 tokens, one empty expert, sizes not multiples of 32
 
 
@@ -94,13 +95,13 @@ def test_convert_errors():
         convert(make_model(), CPU_CFG, parallel_dims=PD())
     convert(make_model(), CPU_CFG, parallel_dims={"dp_shard": 2, "tp": 1})
     with pytest.raises(ValueError, match="recipe_name='mxfp4'"):
-        convert(make_model(), MXConfig(recipe_name="mxfp4"))
+        convert(make_model(), MXOptions(recipe_name="mxfp4"))
     with pytest.raises(ValueError, match="kernel='cuda'"):
-        convert(make_model(), MXConfig(mxfp8_dim1_cast_kernel_choice="cuda"))
+        convert(make_model(), MXOptions(mxfp8_dim1_cast_kernel_choice="cuda"))
     with pytest.raises(ValueError, match="mxfp8_dim1_cast_kernel_choice='tritonn'"):
-        convert(make_model(), MXConfig(mxfp8_dim1_cast_kernel_choice="tritonn"))
+        convert(make_model(), MXOptions(mxfp8_dim1_cast_kernel_choice="tritonn"))
     with pytest.raises(ValueError, match="mxfp8_dim0_cast_kernel_choice='cpu'"):
-        convert(make_model(), MXConfig(mxfp8_dim0_cast_kernel_choice="cpu"))
+        convert(make_model(), MXOptions(mxfp8_dim0_cast_kernel_choice="cpu"))
 
 
 def test_mxlinear_from_linear_shares_params_and_matches_mx_mm():
@@ -227,8 +228,8 @@ def _gpu_cpu_losses(model_fn, cfg_cpu, cfg_gpu):
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_rceil"])
 def test_gpu_same_loss_as_cpu(recipe, gemm_dtype):
     """MXLinear + MX experts on the H200 (triton dim1 cast) vs CPU (torch casts), same seed."""
-    cfg = MXConfig(recipe_name=recipe, mxfp8_dim1_cast_kernel_choice="triton", gemm_dtype=gemm_dtype)
-    cpu_cfg = MXConfig(
+    cfg = MXOptions(recipe_name=recipe, mxfp8_dim1_cast_kernel_choice="triton", gemm_dtype=gemm_dtype)
+    cpu_cfg = MXOptions(
         recipe_name=recipe, mxfp8_dim1_cast_kernel_choice="torch", mxfp8_dim0_cast_kernel_choice="torch"
     )
     cpu, gpu = _gpu_cpu_losses(make_model, cpu_cfg, cfg)
@@ -262,7 +263,7 @@ def test_gpu_grouped_matches_cpu(kernel):
 
 @pytest.mark.gpu
 def test_gpu_compile_inductor_model():
-    cfg = MXConfig(mxfp8_dim1_cast_kernel_choice="triton")
+    cfg = MXOptions(mxfp8_dim1_cast_kernel_choice="triton")
     model = convert(make_model().cuda(), cfg)
     counts = torch.tensor(COUNTS, device="cuda")
     x = torch.randn(sum(COUNTS), 64, device="cuda")

@@ -6,7 +6,7 @@ import torch
 
 import mxmoe
 from mxmoe.models import Transformer, model_args
-from mxmoe.nn import MXConfig
+from mxmoe.options import MXOptions
 from mxmoe.train.build import build_model, build_run, check_values, set_matmul_precision
 from mxmoe.train.config import parse_args
 from mxmoe.train.data import VOCAB_SIZE
@@ -41,7 +41,7 @@ def test_build_run_matches_a_model_built_by_hand(tmp_path):
             moe_hidden_dim=32,
         )
     )
-    mxmoe.convert(ref, MXConfig(recipe_name=cfg.mx.recipe_name, mxfp8_dim1_cast_kernel_choice="torch",
+    mxmoe.convert(ref, MXOptions(recipe_name=cfg.mx.recipe_name, mxfp8_dim1_cast_kernel_choice="torch",
                                 filter_fqns=list(cfg.mx.filter_fqns)))
     got, want = run.model.state_dict(), ref.state_dict()
     assert got.keys() == want.keys()

@@ -172,11 +172,12 @@ def test_main_reports_config_errors(capsys):
         ("--training.beta2=1", "training.beta2=1.0: expected 0 <= value < 1"),
         ("--training.weight_decay=inf", "training.weight_decay=inf: expected a finite number >= 0"),
         ("--mx.gemm_backend=fp4",
-         "mx.gemm_backend='fp4': not a GEMM backend; expected one of ['auto', 'emulated', 'native']"),
+         "mx.gemm_backend='fp4': expected one of ['auto', 'emulated', 'native']"),
         # a removed backend: why, and where to read it
         ("--mx.gemm_backend=fp8", "mx.gemm_backend='fp8': the Hopper fp8 GEMM backend was removed"),
-        ("--mx.expert_gemm=bf16", "mx.expert_gemm='bf16': expected one of ['mx', 'hp']"),
-        ("--mx.expert_gemm=hp --mx.convert_grouped_experts=false",
+        ("--mx.expert_gemm=hp",
+         "mx.expert_gemm='hp': expected one of ['mx', 'bf16'] (expert_gemm='hp' is now expert_gemm='bf16')"),
+        ("--mx.expert_gemm=bf16 --mx.convert_grouped_experts=false",
          "mx.convert_grouped_experts=false leaves them unconverted"),
         # finite, but AdamW's float32 step size lr / (1 - beta1) overflows mid-step
         ("--training.lr=1e38", "training.lr=1e+38: expected lr / (1 - training.beta1) <= 3.403e+38"),
@@ -186,7 +187,8 @@ def test_main_reports_config_errors(capsys):
         ("--training.mixed_precision=fp16",
          "training.mixed_precision='fp16': expected bf16, fp32 or tf32"),
         ("--parallelism.timeout_s=-5", "parallelism.timeout_s=-5: expected >= 1"),
-        ("--mx.mxfp8_dim1_cast_kernel_choice=cudnn", "mx.mxfp8_dim1_cast_kernel_choice='cudnn' is not"),
+        ("--mx.mxfp8_dim1_cast_kernel_choice=cudnn",
+         "mx.mxfp8_dim1_cast_kernel_choice='cudnn': expected one of ['auto', 'torch'"),
         ("--training.compile --training.compile_backend=inductr",
          "training.compile_backend='inductr': not a torch.compile backend; expected one of ["),
     ],
@@ -218,15 +220,15 @@ def test_shipped_configs_parse(path):
 
 
 def test_debug_config_trains_with_mx_and_the_default_recipe():
-    from mxmoe.nn import MXConfig
+    from mxmoe.options import MXOptions
 
     cfg = load_toml(str(Path(__file__).parents[2] / "configs" / "debug_moe.toml"))
     assert cfg.model.converters == ["mx"]
-    # the trainer's defaults are MXConfig()'s: one recipe (its "auto" kernels run torch on CPU)
-    mine = MXConfig(
+    # the trainer's defaults are MXOptions()'s: one recipe (its "auto" kernels run torch on CPU)
+    mine = MXOptions(
         recipe_name=cfg.mx.recipe_name, mxfp8_dim1_cast_kernel_choice=cfg.mx.mxfp8_dim1_cast_kernel_choice
     )
-    assert mine.to_recipe() == MXConfig().to_recipe()
+    assert mine.to_recipe() == MXOptions().to_recipe()
 
 
 def test_mx_recipe_default_is_the_library_default_and_help_lists_recipes(capsys):
@@ -255,12 +257,14 @@ def test_mx_gemm_backend_reaches_every_converted_module(backend):
     model = Transformer(build_model_args(cfg))
     mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
     backends = [m.recipe.gemm_backend for m in model.modules() if hasattr(m, "recipe")]
-    assert len(backends) >= 14 and set(backends) == {backend}  # 12 linears, 2 expert groups at least
+    # the default filter keeps attention, router and head high precision: per block the shared
+    # expert's 3 linears and the expert group
+    assert len(backends) == 8 and set(backends) == {backend}
 
 
 def test_mx_exchange_only_converts_the_experts_alone():
-    """--mx.expert_gemm=hp --mx.convert_linears=false: no Linear is MX, every expert group holds the
-    recipe with expert_gemm="hp" (bf16 GEMMs, MXFP8 exchange)."""
+    """--mx.expert_gemm=bf16 --mx.convert_linears=false: no Linear is MX, every expert group holds the
+    recipe with expert_gemm="bf16" (bf16 GEMMs, MXFP8 exchange)."""
     from torch import nn
 
     from mxmoe.models import Transformer
@@ -268,17 +272,17 @@ def test_mx_exchange_only_converts_the_experts_alone():
     from mxmoe.train.build import build_model_args, mx_convert, precision
     from mxmoe.train.parallel import make_parallel_dims
 
-    args = ["--config", "configs/debug_moe.toml", "--mx.expert_gemm=hp", "--mx.convert_linears=false"]
+    args = ["--config", "configs/debug_moe.toml", "--mx.expert_gemm=bf16", "--mx.convert_linears=false"]
     cfg = parse_args(args)
     model = Transformer(build_model_args(cfg))
     report = mx_convert(model, cfg, make_parallel_dims(1, -1, 1, 1))
     experts = [m for m in model.modules() if isinstance(m, MXGroupedExperts)]
     assert len(experts) == model.args.n_layers
-    assert {m.recipe.expert_gemm for m in experts} == {"hp"}
+    assert {m.recipe.expert_gemm for m in experts} == {"bf16"}
     assert not any(isinstance(m, MXLinear) for m in model.modules())
     assert sum(isinstance(m, nn.Linear) for m in model.modules()) >= 12
-    assert report.converted["Linear"] == [] and "expert_gemm=hp" in report.summary()
-    assert "high-precision experts on MX-rounded rows" in precision(model, cfg)
+    assert report.converted["Linear"] == [] and "expert_gemm=bf16" in report.summary()
+    assert "experts in the compute dtype on MX-rounded rows" in precision(model, cfg)
 
 
 @pytest.mark.interpreter  # a CPU model with 'triton' casts: the Triton interpreter

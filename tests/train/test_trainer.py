@@ -178,10 +178,10 @@ def test_two_process_fsdp_ep_mx_matches_one_process(tmp_path):
 
 
 def test_two_process_ep_exchange_only_matches_one_process(tmp_path):
-    """--mx.expert_gemm=hp --mx.convert_linears=false (the exchange only: bf16 GEMMs everywhere,
+    """--mx.expert_gemm=bf16 --mx.convert_linears=false (the exchange only: bf16 GEMMs everywhere,
     MXFP8 dispatch and combine gradient) at ep=2 against one process, where the experts round their
     rows and output gradient as the exchange does: the same losses."""
-    common = TINY + MX + ["--mx.expert_gemm=hp", "--mx.convert_linears=false", "--training.steps=2",
+    common = TINY + MX + ["--mx.expert_gemm=bf16", "--mx.convert_linears=false", "--training.steps=2",
                           "--parallelism.timeout_s=60"]
     dist_run, one_run = tmp_path / "ep2", tmp_path / "one"
     argv = common + ["--parallelism.expert_parallel_degree=2", f"--metrics.folder={dist_run}"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from mxmoe.nn.converter import MXConfig
+from mxmoe.options import MXOptions
 from mxmoe.recipe import MXRecipe
 
 SUPPORTED = {
@@ -113,9 +113,9 @@ def mx_recipe(
     mxfp8_dim1_cast_kernel_choice / mxfp8_dim0_cast_kernel_choice: "auto" | "torch" | "triton" | "cuda".
     gemm_dtype: operand dtype of the emulated GEMM, "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" |
     "float32". gemm_backend: a name in mxmoe.recipe.GEMM_BACKENDS ("auto" default).
-    Raises ValueError naming the option for anything else (`mxmoe.MXConfig.to_recipe`).
+    Raises ValueError naming the option for anything else (`mxmoe.MXOptions.to_recipe`).
     """
-    return MXConfig(
+    return MXOptions(
         recipe_name=recipe_name,
         mxfp8_dim1_cast_kernel_choice=mxfp8_dim1_cast_kernel_choice,
         mxfp8_dim0_cast_kernel_choice=mxfp8_dim0_cast_kernel_choice,

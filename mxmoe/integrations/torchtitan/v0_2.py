@@ -42,51 +42,20 @@ from torchtitan.tools.logging import logger
 
 import mxmoe
 from mxmoe.integrations.torchtitan.common import tensor_parallel_error
-from mxmoe.nn.converter import MXConfig, recipe_name
+from mxmoe.nn.converter import recipe_name
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared
+from mxmoe.options import MXOptions
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 
-
-@dataclass
-class MX:
-    """The `[mx]` section of the job config (`--mx.<option>` on the command line)."""
-
-    recipe_name: str = "mxfp8_rceil"
-    """"mxfp8_rceil" (RCEIL scales, never saturate; default) | "mxfp8" (FLOOR scales, OCP)."""
-    mxfp8_dim1_cast_kernel_choice: str = "auto"
-    """Kernel of the casts producing a dim1 (transposed) result: "auto" | "triton" | "cuda" | "torch"."""
-    mxfp8_dim0_cast_kernel_choice: str = "auto"
-    """Kernel of the dim0 casts and of dequantizing: "auto" | "triton" | "cuda" | "torch"."""
-    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router", "attention"])
-    """Comma-separated: Linear layers and experts whose FQN contains one of these stay high
-    precision. Default: the output head, the MoE router gate (precision-sensitive; its E outputs
-    are not a multiple of 32 anyway) and the attention projections (most of MX's deviation from
-    bf16 for a small share of a MoE model's FLOPs; docs/torchtitan.md). "output,router" converts
-    attention too."""
-    gemm_backend: str = "auto"
-    """GEMM on MX operands, a name in mxmoe.recipe.GEMM_BACKENDS ("auto", the default: torch's
-    native MX GEMMs on Blackwell, else "emulated": exactly dequantized operands, bf16 GEMM with fp32
-    accumulation on CUDA, fp32 on CPU)."""
-    gemm_dtype: str = "auto"
-    """Operand dtype of the emulated GEMM: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float32"."""
-
-    def to_mx_config(self) -> MXConfig:
-        """The `mxmoe.MXConfig` of these options (checked by `to_recipe`)."""
-        return MXConfig(
-            recipe_name=self.recipe_name,
-            filter_fqns=list(self.filter_fqns),
-            mxfp8_dim1_cast_kernel_choice=self.mxfp8_dim1_cast_kernel_choice,
-            mxfp8_dim0_cast_kernel_choice=self.mxfp8_dim0_cast_kernel_choice,
-            gemm_backend=self.gemm_backend,
-            gemm_dtype=self.gemm_dtype,
-        )
+MX = MXOptions
+"""The `[mx]` section of the job config (`--mx.<option>` on the command line): mxmoe's one option set."""
 
 
 @dataclass
 class JobConfig:
     """What `--job.custom_config_module mxmoe.integrations.torchtitan` adds to torchtitan's JobConfig."""
 
-    mx: MX = field(default_factory=MX)
+    mx: MXOptions = field(default_factory=MXOptions)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -126,12 +95,12 @@ class MXMoEConverter:
     def __init__(self, job_config, parallel_dims):
         # Without custom_config_module (converters registered through --experimental.custom_import)
         # the job config has no [mx] section: the defaults apply.
-        self.options: MX = getattr(job_config, "mx", None) or MX()
+        self.options: MXOptions = getattr(job_config, "mx", None) or MXOptions()
         tp = int(getattr(parallel_dims, "tp", 1) or 1)
         if tp > 1:
             raise tensor_parallel_error("model.converters mxmoe", tp)
-        self.convert_options = self.options.to_mx_config()
-        self.recipe = self.convert_options.to_recipe()  # bad options fail here, naming the option
+        self.convert_options = self.options
+        self.recipe = self.options.to_recipe()  # bad options fail here, naming the option
 
     def convert(self, model: nn.Module) -> None:
         """Swap the Linear layers and the experts of `model` in place (on the meta device before
