@@ -1,5 +1,5 @@
-"""The `mxmoe` command: `mxmoe train ...`, `mxmoe plot ...`, `mxmoe compare ...`,
-`mxmoe bench {cast,a2a,linear,grouped_mm,overhead,train} ...`.
+"""The `mxmoe` command: `mxmoe train ...`, `mxmoe plot ...`, `mxmoe compare ...`, `mxmoe config ...`,
+`mxmoe bench {cast,a2a,linear,grouped_mm,overhead,train,fidelity} ...`.
 
 Each subcommand lives in its own module exposing `main(argv: list[str]) -> int`; it is imported
 only when used, so `mxmoe --help` stays fast. Lists are given one way everywhere: comma separated
@@ -53,7 +53,9 @@ COMMANDS = {
     "train": "mxmoe.train.trainer",
     "plot": "mxmoe.train.plot",
     "compare": "mxmoe.train.compare",
+    "config": "mxmoe.configs",
 }
+"""Command -> the module whose `main(argv)` runs it; its docstring's first line is its help line."""
 BENCHES = {
     "cast": "mxmoe.bench.cast",
     "a2a": "mxmoe.bench.a2a",
@@ -63,38 +65,50 @@ BENCHES = {
     "train": "mxmoe.bench.train",
     "fidelity": "mxmoe.bench.fidelity",
 }
+"""Benchmark -> its module, as COMMANDS."""
 
-USAGE = f"""usage: mxmoe COMMAND [ARGS...]
-       mxmoe --version
 
-commands:
-  train            train a model (TOML config + --section.key=value overrides)
-  plot             draw loss curves of runs to a PNG
-  compare          run (or read) variants x seeds: paired loss differences, a table and a plot
-  bench NAME       benchmarks on a GPU; NAME is one of {", ".join(BENCHES)}
+def summary(module: str) -> str:
+    """The first line of `module`'s docstring without its "`mxmoe ...`: " prefix, read from its
+    source (the module, which may import torch or a GPU stack, is not imported)."""
+    import ast
+    import importlib.util
 
-`mxmoe COMMAND --help` describes each command; lists are comma separated everywhere."""
+    spec = importlib.util.find_spec(module)
+    with open(spec.origin) as fh:
+        doc = ast.get_docstring(ast.parse(fh.read())) or ""
+    first = doc.split("\n")[0]
+    return first.split("`: ", 1)[1] if first.startswith("`mxmoe") and "`: " in first else first
 
-BENCH_USAGE = f"""usage: mxmoe bench NAME [ARGS...]
 
-benchmarks (each but fidelity needs a CUDA GPU; `mxmoe bench NAME --help` lists its options):
-  cast             MX cast kernels (torch, triton, cuda): time and bandwidth per shape
-  a2a              MXFP8 vs bf16 all-to-all dispatch/combine (run under torchrun)
-  linear           MXLinear vs nn.Linear forward + backward
-  grouped_mm       MX grouped GEMM of the experts vs the high-precision one
-  fidelity         MX variants' gradient and loss error vs fp32 at bf16-trained weights (CPU too)
+def _listing(entries: dict[str, str]) -> str:
+    return "\n".join(f"  {name:16s} {summary(module)}" for name, module in entries.items())
 
-NAME is one of {", ".join(BENCHES)}."""
+
+def usage() -> str:
+    return (
+        "usage: mxmoe COMMAND [ARGS...]\n       mxmoe --version\n\ncommands:\n"
+        + _listing(COMMANDS)
+        + "\n  bench NAME       benchmarks: `mxmoe bench --help`\n\n"
+        "`mxmoe COMMAND --help` describes each command's options; lists are comma separated everywhere."
+    )
+
+
+def bench_usage() -> str:
+    return (
+        "usage: mxmoe bench NAME [ARGS...]\n\nbenchmarks (`mxmoe bench NAME --help` lists the options of "
+        "each):\n" + _listing(BENCHES)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run `mxmoe ARGS`; returns the exit status (0 ok, 2 usage error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # no command is a usage error: help on stderr, status 2 (as argparse does)
-        print(USAGE, file=sys.stderr)
+        print(usage(), file=sys.stderr)
         return 2
     if argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         return 0
     if argv[0] in ("-V", "--version"):
         from mxmoe import __version__
@@ -104,19 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         if rest and rest[0] in ("-h", "--help"):
-            print(BENCH_USAGE)
+            print(bench_usage())
             return 0
         if not rest or rest[0] not in BENCHES:
             got = repr(rest[0]) if rest else "nothing"
             err = f"mxmoe bench: expected a benchmark name, one of {list(BENCHES)}; got {got}"
             print(err, file=sys.stderr)
-            print(f"\n{BENCH_USAGE}", file=sys.stderr)
+            print(f"\n{bench_usage()}", file=sys.stderr)
             return 2
         module, rest = BENCHES[rest[0]], rest[1:]
     elif cmd in COMMANDS:
         module = COMMANDS[cmd]
     else:
-        print(f"mxmoe: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        print(f"mxmoe: unknown command {cmd!r}\n\n{usage()}", file=sys.stderr)
         return 2
     return int(importlib.import_module(module).main(rest) or 0)
 

@@ -5,7 +5,7 @@
 #   torchao --model.converters torchao_mxfp8: torchao 0.18's MXFP8 training in its emulated mode
 #           (the only one below sm_100; scripts/torchtitan_torchao_peer.py says why torchtitan
 #           0.2.2's own "quantize.*.mx" converters cannot run there)
-# Model: torchtitan's DeepSeek-V3 debug MoE (configs/torchtitan/deepseek_v3_debug_0.2.toml), batch
+# Model: torchtitan's DeepSeek-V3 debug MoE (`mxmoe config show torchtitan/deepseek_v3_debug_0.2`), batch
 # 8 x 2048 tokens, AdamW, eager (no torch.compile). Both MX runs convert the same modules: the
 # routed experts, the dense and shared-expert feed-forward layers (--mx.filter_fqns default).
 #
@@ -63,7 +63,7 @@ run() {  # run NAME [trainer flags...]
     local t0=$SECONDS rc=0
     timeout -k 15 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
         -m torchtitan.train \
-        --job.config_file configs/torchtitan/deepseek_v3_debug_0.2.toml \
+        --job.config_file "$("$PY" -m mxmoe config path torchtitan/deepseek_v3_debug_0.2)" \
         --job.dump_folder "$OUT/$name" \
         --model.hf_assets_path "$WORK/tokenizer" \
         --training.dataset_path "$WORK/data" \

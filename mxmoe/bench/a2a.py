@@ -71,7 +71,7 @@ def variants(transports: list[str], chunks: list[int | None]) -> list[tuple[str,
     return out
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mxmoe bench a2a", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -94,7 +94,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--kernel", default="auto", choices=("auto", *CAST_KERNELS),
                    help="cast kernel of the exchange (its recipe's dim0_kernel): auto, cuda, triton, torch")
     p.add_argument("--iters", type=int, default=30, help="timed runs per measurement (>= 20)")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5, help="untimed runs before each measurement (default 5)")
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
     p.add_argument(
         "--high-priority-nccl",
@@ -110,6 +110,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="write Chrome traces of bf16 and mxfp8 forward+backward (largest shape) to DIR",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write all results to PATH (rank 0)")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.iters < 20:
         p.error(f"--iters={args.iters}; use at least 20 (the median needs them)")

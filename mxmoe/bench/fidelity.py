@@ -1,8 +1,8 @@
-"""`mxmoe bench fidelity`: how far each MX variant's gradients and loss are from fp32's, at weights a
-short bf16 run has trained (what a user asks before a long A/B: does MX hurt *this* model, and
-which GEMMs carry the error?).
+"""`mxmoe bench fidelity`: each MX variant's gradient and loss error vs fp32 at bf16-trained weights.
 
-    mxmoe bench fidelity --config configs/moe_2b.toml --steps 150 --variants bf16,mx,mx_fwd_only
+What a user asks before a long A/B: does MX hurt *this* model, and which GEMMs carry the error?
+
+    mxmoe bench fidelity --config moe_2b --steps 150 --variants bf16,mx,mx_fwd_only
 
 The model of the config trains `--steps` bf16 steps (its optimizer, lr schedule, batch and data);
 then, on `--batches` fixed batches, every variant computes the loss and the gradients at those
@@ -166,17 +166,18 @@ def measure(cfg, steps: int, n_batches: int, variants: list[str], device: torch.
     from mxmoe.train.trainer import build_model_args, build_optimizer, lr_lambda
 
     t = cfg.training
-    torch.manual_seed(t.seed)
+    torch.manual_seed(cfg.debug.seed)
     margs = build_model_args(cfg)
     with torch.device(device):
         model = Transformer(margs)
     d = cfg.data
     train_tokens, _ = load_tokens(d.path, d.val_fraction, d.max_files, d.extensions)
     ds = PackedDataset(train_tokens, t.seq_len)
-    gen = torch.Generator().manual_seed(t.seed)
+    gen = torch.Generator().manual_seed(cfg.debug.seed)
 
     def batch():
-        return tuple(a.to(device) for a in ds.batch(torch.randint(len(ds), (t.batch_size,), generator=gen)))
+        idx = torch.randint(len(ds), (t.local_batch_size,), generator=gen)
+        return tuple(a.to(device) for a in ds.batch(idx))
 
     amp_on = device.type == "cuda" and t.mixed_precision == "bf16"
 
@@ -246,32 +247,43 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mxmoe bench fidelity",
         description="Gradient and loss error of MX variants vs fp32 at bf16-trained weights "
         "(relative gradient error per parameter group; see the module docstring).",
     )
-    p.add_argument("--config", required=True, help="a trainer TOML config (its model, data, optimizer)")
+    p.add_argument(
+        "--config",
+        default="debug_moe",
+        help="the trainer config whose model, data and optimizer are measured: a name (mxmoe config list) "
+        "or a TOML file (default debug_moe)",
+    )
     p.add_argument("--steps", type=int, default=150, help="bf16 training steps before measuring (>= 0)")
     p.add_argument("--batches", type=positive_int, default=4, help="batches the errors are measured on")
     p.add_argument(
         "--variants", type=comma_list(choices=VARIANTS), default=list(VARIANTS),
         help=f"comma-separated, of: {', '.join(VARIANTS)}",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="device to train and measure on (default: cuda if available, else cpu)",
+    )
     p.add_argument("--json", help="also write the result to this JSON file")
     p.epilog = "Other --section.key=value options override the config, as for `mxmoe train`."
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = build_parser()
     a, overrides = p.parse_known_args(argv)
-    bad = [o for o in overrides if not (o.startswith("--") and "." in o.split("=")[0])]
-    if bad:
-        p.error(f"unrecognized arguments: {' '.join(bad)} (trainer overrides look like --training.lr=5e-4)")
     if a.steps < 0:
         p.error(f"--steps={a.steps}: expected an integer >= 0")
     from mxmoe.train.config import ConfigError, parse_args
 
     try:
-        cfg = parse_args(["--config", a.config, *overrides])
+        cfg = parse_args(["--config", a.config, *overrides], prog="mxmoe bench fidelity")
     except ConfigError as e:
         p.error(str(e))
     res = measure(cfg, a.steps, a.batches, a.variants, torch.device(a.device))

@@ -165,20 +165,8 @@ def forward_rows(
     return rows
 
 
-def main(
-    argv: list[str],
-    *,
-    name: str,
-    doc: str,
-    pattern: str,
-    example: str,
-    shapes: Sequence[tuple[int, ...]],
-    run_shape: Callable[..., list[dict]],
-    run_forward: Callable[..., list[dict]] | None = None,
-) -> int:
-    """The command line of a GEMM bench: `run_shape(*shape, recipes, kernel, iters, gemm_backend=)` per shape;
-    with --forward, `run_forward(*shape, kernel, iters)` instead: the forward GEMM alone, bf16 vs fp8
-    row-wise (torch) vs the MX backends on pre-cast operands."""
+def build_parser(name: str, doc: str, pattern: str, example: str, forward: bool) -> argparse.ArgumentParser:
+    """The options of `mxmoe bench NAME` (linear, grouped_mm); `forward`: it has --forward."""
     p = argparse.ArgumentParser(prog=f"mxmoe bench {name}", description=doc)
     p.add_argument(
         "--shape",
@@ -193,14 +181,32 @@ def main(
     p.add_argument(
         "--gemm-backend", default="emulated", help=f"MX GEMM backend of fwd+bwd: {' | '.join(GEMM_BACKENDS)}"
     )
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="timed runs per measurement (default 20)")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
-    if run_forward is not None:
+    if forward:
         p.add_argument(
             "--forward",
             action="store_true",
             help="the forward GEMM alone: bf16, torch fp8 row-wise, each MX GEMM backend",
         )
+    return p
+
+
+def main(
+    argv: list[str],
+    *,
+    name: str,
+    doc: str,
+    pattern: str,
+    example: str,
+    shapes: Sequence[tuple[int, ...]],
+    run_shape: Callable[..., list[dict]],
+    run_forward: Callable[..., list[dict]] | None = None,
+) -> int:
+    """The command line of a GEMM bench: `run_shape(*shape, recipes, kernel, iters, gemm_backend=)` per shape;
+    with --forward, `run_forward(*shape, kernel, iters)` instead: the forward GEMM alone, bf16 vs fp8
+    row-wise (torch) vs the MX backends on pre-cast operands."""
+    p = build_parser(name, doc, pattern, example, forward=run_forward is not None)
     args = p.parse_args(argv)
     try:  # argparse's choices= would not say why a removed backend is gone
         check_gemm_backend(args.gemm_backend, "--gemm-backend")

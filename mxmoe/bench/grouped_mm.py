@@ -1,6 +1,7 @@
-"""`mxmoe bench grouped_mm`: forward+backward of an MoE grouped GEMM, bf16 torch._grouped_mm vs
-mx_grouped_mm (each recipe), split into casts alone and GEMMs alone, bf16 GEMM ceiling measured in
-the same run."""
+"""`mxmoe bench grouped_mm`: an MoE grouped GEMM's forward+backward, bf16 vs MX (each recipe).
+
+bf16 torch._grouped_mm vs mx_grouped_mm, the time split into casts alone and GEMMs alone, with the
+bf16 GEMM ceiling measured in the same run."""
 
 from __future__ import annotations
 
@@ -49,14 +50,12 @@ def run_forward(T: int, K: int, N: int, E: int, kernel: str, iters: int) -> list
     return forward_rows(f"{T}x{K}->{N}, {E} groups", a, w, offs, kernel, iters, scaled)
 
 
+_CLI = {"name": "grouped_mm", "doc": __doc__, "pattern": "TxKxNxE", "example": "65536x7168x2048x8"}
+
+
+def build_parser():
+    return gemm_common.build_parser(**_CLI, forward=True)
+
+
 def main(argv: list[str]) -> int:
-    return gemm_common.main(
-        argv,
-        name="grouped_mm",
-        doc=__doc__,
-        pattern="TxKxNxE",
-        example="65536x7168x2048x8",
-        shapes=SHAPES,
-        run_shape=run_shape,
-        run_forward=run_forward,
-    )
+    return gemm_common.main(argv, **_CLI, shapes=SHAPES, run_shape=run_shape, run_forward=run_forward)

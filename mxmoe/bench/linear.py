@@ -1,5 +1,7 @@
-"""`mxmoe bench linear`: forward+backward of a linear layer, bf16 vs MX (each recipe), with the
-time split into casts alone and GEMMs alone, and the bf16 GEMM ceiling measured in the same run."""
+"""`mxmoe bench linear`: a linear layer's forward+backward, bf16 vs MX (each recipe).
+
+The time split into casts alone and GEMMs alone, with the bf16 GEMM ceiling measured in the same
+run."""
 
 from __future__ import annotations
 
@@ -35,14 +37,12 @@ def run_forward(M: int, K: int, N: int, kernel: str, iters: int) -> list[dict]:
     return forward_rows(f"{M}x{K}->{N}", x, w, None, kernel, iters, scaled)
 
 
+_CLI = {"name": "linear", "doc": __doc__, "pattern": "MxKxN", "example": "131072x7168x2048"}
+
+
+def build_parser():
+    return gemm_common.build_parser(**_CLI, forward=True)
+
+
 def main(argv: list[str]) -> int:
-    return gemm_common.main(
-        argv,
-        name="linear",
-        doc=__doc__,
-        pattern="MxKxN",
-        example="131072x7168x2048",
-        shapes=SHAPES,
-        run_shape=run_shape,
-        run_forward=run_forward,
-    )
+    return gemm_common.main(argv, **_CLI, shapes=SHAPES, run_shape=run_shape, run_forward=run_forward)

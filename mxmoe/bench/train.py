@@ -7,9 +7,10 @@ overrides, as `mxmoe train` takes them): the same ModelArgs, the same `mxmoe.con
 on one fixed batch, in each mode:
 
   eager          no compilation
-  compile        the trainer's `training.compile` (each block's parts compiled; at EP=1 the MoE
+  compile        the trainer's `compile.enable` (each block's parts compiled; at EP=1 the MoE
                  layer, routed experts included, as one graph)
-  compile_full   the whole model compiled with fullgraph=True (possible at EP=1: no host syncs)
+  compile_full   the whole model compiled with fullgraph=True (possible at EP=1: no host syncs; the
+                 trainer's `compile.whole_model`)
   reduce_overhead  the same with mode="reduce-overhead" (inductor's CUDA graphs of forward and
                  backward); CUDA only
   graph          forward+backward captured in one CUDA graph (`mxmoe.models.GraphedStep`; the
@@ -31,8 +32,8 @@ step) run after others in one process, or beside a parent process holding a CUDA
 markedly slower than alone (docs/benchmarks.md, "Training step"). `--same-process` runs the
 rows in this process instead (quicker to start; several torchrun ranks always do).
 
-    mxmoe bench train --config configs/moe_1b.toml --json train.json
-    mxmoe bench train --config configs/debug_moe.toml --training.device=cpu --modes eager --steps 2
+    mxmoe bench train --config moe_1b --json train.json
+    mxmoe bench train --config debug_moe --training.device=cpu --modes eager --steps 2
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def _tokens(cfg, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     from mxmoe.train.data import VOCAB_SIZE
 
     t = cfg.training
-    g = torch.Generator().manual_seed(t.seed + 1)
-    seq = torch.randint(0, VOCAB_SIZE, (t.batch_size, t.seq_len + 1), generator=g).to(device)
+    g = torch.Generator().manual_seed(cfg.debug.seed + 1)
+    seq = torch.randint(0, VOCAB_SIZE, (t.local_batch_size, t.seq_len + 1), generator=g).to(device)
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
@@ -128,7 +129,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         parallel.make_parallel_dims(1, -1, 1, 1),
         mx=variant == "mx",
         compile=_COMPILE[mode],
-        backend=cfg.training.compile_backend,
+        backend=cfg.compile.backend,
     )
     report = model.mx_conversion if variant == "mx" else None
     opt = build_optimizer(model, cfg, distributed=False)
@@ -183,7 +184,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
     return {
         "variant": variant,
         "mode": mode,
-        "tokens_per_s": cfg.training.batch_size * cfg.training.seq_len / dt,
+        "tokens_per_s": cfg.training.local_batch_size * cfg.training.seq_len / dt,
         "step_ms": dt * 1e3,
         "host_ms": sorted(host)[1] * 1e3,
         "peak_mem_gib": memory_gib(device),
@@ -194,7 +195,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         "graph_breaks": sum(dynamo["graph_break"].values()),
         "graphs_timed": dynamo["stats"]["unique_graphs"] - graphs_warm,
         "loss": float(ce.detach()),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),  # --training.deterministic
+        "deterministic": torch.are_deterministic_algorithms_enabled(),  # --debug.deterministic
         "converted": report.summary() if report is not None else "",
         **prof,
     }
@@ -284,8 +285,8 @@ def run(cfg, args, rest: list[str] | tuple[str, ...] = ()) -> list[dict]:
     modes = args.modes or (list(MODES) if device.type == "cuda" else ["eager"])
     rows = []
     try:
-        # --training.deterministic=true times the trainer's deterministic mode (each child enters it)
-        with determinism.deterministic_mode(cfg.training.deterministic and not fresh):
+        # --debug.deterministic=true times the trainer's deterministic mode (each child enters it)
+        with determinism.deterministic_mode(cfg.debug.deterministic and not fresh):
             for mode in modes:
                 for variant in args.variants:
                     try:
@@ -320,9 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
-        cfg = parse_args(rest)
+        cfg = parse_args(rest, prog="mxmoe bench train")
         if args.modes is None or any(_COMPILE[m] for m in args.modes):
-            check_compile_backend(cfg.training.compile_backend, "training.compile_backend")
+            check_compile_backend(cfg.compile.backend, "compile.backend")
     except (ConfigError, ValueError) as e:
         parser.error(str(e))
     rows = run(cfg, args, rest)
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     where = ", ".join(f"{k} {v}" for k, v in env.items())
     timing.print_table(
         table,
-        title=f"training steps, model {cfg.model.name}, {t.batch_size}x{t.seq_len} tokens/step, "
+        title=f"training steps, model {cfg.model.name}, {t.local_batch_size}x{t.seq_len} tokens/step, "
         f"{args.steps} timed after {args.warmup_steps} warm-up ({where})",
         floatfmt=".4g",
     )

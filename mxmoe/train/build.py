@@ -32,13 +32,13 @@ _TUNABLE_MODEL_ARGS = ("max_seq_len", "aux_loss_coef", "bias_update_rate", "init
 
 COMPILE_MODES = ("blocks", "full", "reduce_overhead")
 """`build_model(compile=...)`: each block's parts (`compile_submodules`, the trainer's
-training.compile), the whole model with fullgraph=True (training.compile_full), or the same with
+compile.enable), the whole model with fullgraph=True (compile.whole_model), or the same with
 mode="reduce-overhead" (inductor's CUDA graphs; `mxmoe bench train` only)."""
 
 
 def check_values(cfg: JobConfig) -> None:
     """ValueError naming the setting, the value and what is accepted, before anything is built."""
-    t = cfg.training
+    t, opt, sched = cfg.training, cfg.optimizer, cfg.lr_scheduler
     unknown = sorted(set(cfg.model.converters) - {"mx"})
     if unknown:
         raise ValueError(
@@ -50,25 +50,30 @@ def check_values(cfg: JobConfig) -> None:
         raise ValueError(f"training.cpu_threads={t.cpu_threads}: expected >= 0 (0 = torch's default)")
     for key, value, low in (
         ("training.steps", t.steps, 1),
-        ("training.batch_size", t.batch_size, 1),
+        ("training.local_batch_size", t.local_batch_size, 1),
         ("training.seq_len", t.seq_len, 1),
-        ("training.warmup_steps", t.warmup_steps, 0),
-        ("training.val_interval", t.val_interval, 0),
-        ("training.val_batches", t.val_batches, 0),
+        ("lr_scheduler.warmup_steps", sched.warmup_steps, 0),
+        ("validation.freq", cfg.validation.freq, 0),
+        ("validation.steps", cfg.validation.steps, 0),
         ("checkpoint.interval", cfg.checkpoint.interval, 0),
-        ("checkpoint.keep_latest", cfg.checkpoint.keep_latest, 0),
+        ("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, 0),
         ("metrics.log_freq", cfg.metrics.log_freq, 1),
     ):
         if value < low:
             raise ValueError(f"{key}={value}: expected >= {low}")
-    if not (math.isfinite(t.lr) and t.lr > 0):
-        raise ValueError(f"training.lr={t.lr!r}: expected a finite number > 0")
+    if not (math.isfinite(opt.lr) and opt.lr > 0):
+        raise ValueError(f"optimizer.lr={opt.lr!r}: expected a finite number > 0")
     for key, value, ok, accepted in (
-        ("training.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "0 <= value <= 1"),
+        ("lr_scheduler.min_lr_factor", sched.min_lr_factor, 0 <= sched.min_lr_factor <= 1, "0 <= value <= 1"),
         ("training.max_norm", t.max_norm, t.max_norm >= 0, "a number >= 0 (0 disables clipping)"),
-        ("training.weight_decay", t.weight_decay, 0 <= t.weight_decay < math.inf, "a finite number >= 0"),
-        ("training.beta1", t.beta1, 0 <= t.beta1 < 1, "0 <= value < 1"),
-        ("training.beta2", t.beta2, 0 <= t.beta2 < 1, "0 <= value < 1"),
+        (
+            "optimizer.weight_decay",
+            opt.weight_decay,
+            0 <= opt.weight_decay < math.inf,
+            "a finite number >= 0",
+        ),
+        ("optimizer.beta1", opt.beta1, 0 <= opt.beta1 < 1, "0 <= value < 1"),
+        ("optimizer.beta2", opt.beta2, 0 <= opt.beta2 < 1, "0 <= value < 1"),
     ):
         if not ok:  # NaN fails every comparison
             raise ValueError(f"{key}={value!r}: expected {accepted}")
@@ -80,8 +85,8 @@ def check_values(cfg: JobConfig) -> None:
             "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
             "drop one of the two"
         )
-    if t.compile or t.compile_full:
-        check_compile_backend(t.compile_backend, "training.compile_backend")
+    if cfg.compile.enable:
+        check_compile_backend(cfg.compile.backend, "compile.backend")
     check_limits(cfg)
     profiling.check(cfg.profiling)
 
@@ -98,15 +103,15 @@ def check_compile_backend(backend: str, key: str) -> None:
 
 def lr_lambda(cfg: JobConfig):
     """The LR multiplier of optimizer step `step` (steps taken so far): linear warmup, then cosine
-    down to training.min_lr_ratio at training.steps."""
-    t = cfg.training
+    down to lr_scheduler.min_lr_factor at training.steps."""
+    t, s = cfg.training, cfg.lr_scheduler
 
     def f(step: int) -> float:  # step = optimizer steps taken so far
-        if step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        span = max(1, t.steps - t.warmup_steps)
-        frac = min(1.0, (step - t.warmup_steps) / span)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+        if step < s.warmup_steps:
+            return (step + 1) / s.warmup_steps
+        span = max(1, t.steps - s.warmup_steps)
+        frac = min(1.0, (step - s.warmup_steps) / span)
+        return s.min_lr_factor + (1 - s.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * frac))
 
     return f
 
@@ -116,11 +121,11 @@ def build_optimizer(model: torch.nn.Module, cfg: JobConfig, distributed: bool) -
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
-    t = cfg.training
+    opt = cfg.optimizer
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
+        [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=opt.lr,
+        betas=(opt.beta1, opt.beta2),
         foreach=not distributed,  # FSDP DTensors and EP-local tensors do not mix in foreach kernels
     )
 
@@ -147,7 +152,7 @@ def build_model_args(cfg: JobConfig) -> ModelArgs:
 
 
 def compile_submodules(model: Transformer, backend: str = "inductor") -> None:
-    """training.compile: torch.compile each block's parts in place (`nn.Module.compile`: parameter
+    """compile.enable: torch.compile each block's parts in place (`nn.Module.compile`: parameter
     and state_dict names unchanged); what runs between them (FSDP hooks, residual adds) stays eager.
 
     Per block: attention, the two norms, and the FFN. A dense block compiles its feed_forward. An
@@ -207,13 +212,13 @@ def build_model(
     compile: str | None = None,
     backend: str = "inductor",
 ) -> Transformer:
-    """cfg's Transformer on `device`, initialized from training.seed (`seed_everything` first);
+    """cfg's Transformer on `device`, initialized from debug.seed (`seed_everything` first);
     experts spread over `ep_group` (expert parallelism, when given); converted to MX with `cfg.mx`
     when `mx`; then compiled in place as `compile` says (one of COMPILE_MODES, or None: eager).
     FSDP is the caller's: it wraps the model after this (`parallel.apply_fsdp`)."""
     if compile is not None and compile not in COMPILE_MODES:
         raise ValueError(f"compile={compile!r}: expected None or one of {list(COMPILE_MODES)}")
-    determinism.seed_everything(cfg.training.seed)
+    determinism.seed_everything(cfg.debug.seed)
     with torch.device(device):
         model = Transformer(build_model_args(cfg))
     if ep_group is not None:
@@ -280,7 +285,7 @@ class Run:
     @property
     def tokens_per_step(self) -> int:
         t = self.cfg.training
-        return t.batch_size * t.seq_len * self.world
+        return t.local_batch_size * t.seq_len * self.world
 
     def train_state(self, step: int) -> dict:
         """The non-tensor state a checkpoint keeps beside model and optimizer."""
@@ -303,11 +308,12 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
             f"training.cuda_graph=true captures one GPU's step: needs device cuda and one process "
             f"(no FSDP / expert parallelism), got device {device.type} and world size {world}"
         )
-    if t.compile_full and (t.compile or world > 1):
+    c = cfg.compile
+    if c.whole_model and (not c.enable or world > 1):
         raise ValueError(
-            "training.compile_full=true compiles the whole model in one graph: it needs one process "
-            f"(no FSDP / expert parallelism) and training.compile=false (per-block compile), got world "
-            f"size {world} and training.compile={t.compile}"
+            "compile.whole_model=true compiles the whole model in one graph: it needs compile.enable=true "
+            f"and one process (no FSDP / expert parallelism), got compile.enable={str(c.enable).lower()} "
+            f"and world size {world}"
         )
     set_matmul_precision(cfg, device)
     if pd.tp > 1 and use_mx:
@@ -320,9 +326,9 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
         dp_mesh, ep_mesh = parallel.build_meshes(pd, device, p.timeout_s)
         if ep_mesh is not None:
             ep_group, edp_group = ep_mesh.get_group("ep"), ep_mesh.get_group("edp")
-    compile = "blocks" if t.compile else "full" if t.compile_full else None
+    compile = ("full" if c.whole_model else "blocks") if c.enable else None
     model = build_model(
-        cfg, device, pd, mx=use_mx, ep_group=ep_group, compile=compile, backend=t.compile_backend
+        cfg, device, pd, mx=use_mx, ep_group=ep_group, compile=compile, backend=c.backend
     )
     exp_params = parallel.expert_params(model) if ep_mesh is not None else []
     if distributed:
@@ -335,15 +341,16 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
     d = cfg.data
     train_tokens, val_tokens = load_tokens(d.path, d.val_fraction, d.max_files, d.extensions)
     train_ds = PackedDataset(train_tokens, t.seq_len)
-    val_ds = PackedDataset(val_tokens, t.seq_len) if t.val_interval > 0 and t.val_batches > 0 else None
-    sampler = ShardedSampler(len(train_ds), t.batch_size, rank, world, t.seed)
+    v = cfg.validation
+    val_ds = PackedDataset(val_tokens, t.seq_len) if v.freq > 0 and v.steps > 0 else None
+    sampler = ShardedSampler(len(train_ds), t.local_batch_size, rank, world, cfg.debug.seed)
 
     # what a resumed run must share with the saving one (another world size is fine when the global
     # batch is the same; hyperparameters such as aux_loss_coef may change)
     shape = {k: v for k, v in dataclasses.asdict(margs).items() if k not in _TUNABLE_MODEL_ARGS}
-    run_shape = {"model": shape, "global_batch": t.batch_size * world, "seq_len": t.seq_len}
+    run_shape = {"model": shape, "global_batch": t.local_batch_size * world, "seq_len": t.seq_len}
     ckpt = (
-        Checkpointer(cfg.checkpoint.folder, cfg.checkpoint.keep_latest, ep_mesh, run=run_shape)
+        Checkpointer(cfg.checkpoint.folder, cfg.checkpoint.keep_latest_k, ep_mesh, run=run_shape)
         if cfg.checkpoint.folder
         else None
     )

@@ -544,7 +544,7 @@ class Checkpointer:
         if diffs:
             raise CheckpointError(
                 f"checkpoint {path} was written by a run of another shape ({'; '.join(diffs)}): resume "
-                "with the same model, training.batch_size x world size and training.seq_len, or start "
+                "with the same model, training.local_batch_size x world size and training.seq_len, or start "
                 "a new --checkpoint.folder (or --checkpoint.resume=false)"
             )
 

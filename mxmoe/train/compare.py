@@ -1,17 +1,17 @@
 """`mxmoe compare`: variants x seeds of one training config, as a table and a plot in one folder.
 
-    mxmoe compare --config configs/moe_2b.toml --steps 300 --seeds 0,1,2 --out runs/cmp \\
+    mxmoe compare --config moe_2b --steps 300 --seeds 0,1,2 --out runs/cmp \\
         --variant bf16 --variant "mx=--model.converters=mx" --parallel 3 \\
-        -- --training.val_interval=300 --training.val_batches=40
+        -- --validation.freq=300 --validation.steps=40
     mxmoe compare --runs runs/cmp/runs --baseline bf16 --out runs/cmp2     # read finished runs
 
 Running: one `python -m mxmoe train` subprocess per (variant, seed), `--parallel K` at a time
 (several small runs share one GPU; `--devices 0,1` spreads them over GPUs by CUDA_VISIBLE_DEVICES;
 `--nproc N` runs each under `torch.distributed.run` on N GPUs, e.g. for expert parallelism),
 each with `--config`, then `--checkpoint.folder=` (no checkpoints: a config's checkpoint folder would
-make every run resume the same one), `--training.deterministic=true` (unless --no-deterministic),
+make every run resume the same one), `--debug.deterministic=true` (unless --no-deterministic),
 `--training.steps`, the variant's arguments, the arguments after `--` (every run), and last the
-seed and `--metrics.folder=OUT/runs/VARIANT/seedS`. A variant is `NAME=ARGS`, ARGS the trainer
+seed and `--job.dump_folder=OUT/runs/VARIANT/seedS`. A variant is `NAME=ARGS`, ARGS the trainer
 options as one shell-quoted string, or just NAME for none (repeat --variant per variant: trainer
 values hold commas, as `--mx.filter_fqns=output,router`); the first is the baseline unless
 --baseline names another. Each run's console goes to its folder's train.log; a run that finished
@@ -27,8 +27,8 @@ Written into OUT: compare.md and compare.json (per run: final training loss = th
 per step over the last `--tail-steps` steps (default: the last 10 % of the run), final validation
 loss = the last logged `val_loss`, median tokens/s; per variant: the paired difference from the
 baseline, seed by seed, in % of the baseline's loss, with its mean, sample standard deviation, min
-and max over the seeds) and compare.png (all loss curves; the difference curves variant - baseline
-per seed, in %).
+and max over the seeds) and compare.png (each variant's loss curves, mean and spread over seeds;
+the differences variant - baseline per seed, in %).
 """
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mxmoe import configs
 from mxmoe.cli import comma_list, positive_int
-from mxmoe.train.plot import curve, difference_panel, ema, loss_panel, pyplot, read_metrics, save_figure
+from mxmoe.train.plot import Series, plot_series, read_metrics, recorded_seed
 
 # trainer options compare sets itself for every run: a variant or the extra arguments may not
-_OWN = ("--training.seed", "--metrics.folder")
+_OWN = ("--debug.seed", "--job.dump_folder")
 
 
 @dataclass
@@ -230,46 +231,10 @@ def markdown(runs: list[Run], stats: dict, baseline: str, tail_steps: int, comma
 
 
 def plot(runs: list[Run], baseline: str, out: Path, smooth: float = 0.0) -> Path:
-    """compare.png: left, every run's loss curves (color: variant, line style: seed); right, per seed
-    and variant the training loss (lines) and validation loss (markers) minus the baseline's, in %."""
-    plt = pyplot()
-    variants = list(dict.fromkeys(r.variant for r in runs))
-    seeds = sorted({r.seed for r in runs})
-    colors = {v: f"C{i % 10}" for i, v in enumerate(variants)}
-    dashes, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D", "v", "P"]
-    style = {s: dashes[i % len(dashes)] for i, s in enumerate(seeds)}
-    marker = {s: markers[i % len(markers)] for i, s in enumerate(seeds)}
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5), squeeze=False)
-    styles = [{"color": colors[r.variant], "linestyle": style[r.seed]} for r in runs]
-    loss_panel(
-        axes[0][0], [r.records for r in runs], [f"{r.variant} s{r.seed}" for r in runs], smooth, styles
-    )
-    base = {r.seed: r for r in runs if r.variant == baseline}
-    pairs, pair_styles, val_pairs, val_styles = [], [], [], []
-    for r in runs:
-        b = base.get(r.seed)
-        if r.variant == baseline or b is None:
-            continue
-        tr_b, tr_r = curve(b.records), curve(r.records)
-        if smooth:
-            tr_b, tr_r = (_smoothed(c, smooth) for c in (tr_b, tr_r))
-        pairs.append((tr_b, tr_r, f"{r.variant} s{r.seed} train"))
-        pair_styles.append({"color": colors[r.variant], "linestyle": style[r.seed]})
-        val_pairs.append(
-            (curve(b.records, "val_loss"), curve(r.records, "val_loss"), f"{r.variant} s{r.seed} val")
-        )
-        val_styles.append(
-            {"color": colors[r.variant], "marker": marker[r.seed], "linestyle": "none", "ms": 5}
-        )
-    ax = axes[0][1]
-    difference_panel(ax, pairs, f"loss minus {baseline} (same seed)", relative=True, styles=pair_styles)
-    if any(set(b) & set(o) for b, o, _ in val_pairs):
-        difference_panel(ax, val_pairs, f"loss minus {baseline} (same seed)", True, val_styles)
-    return save_figure(fig, out)
-
-
-def _smoothed(c: dict[int, float], beta: float) -> dict[int, float]:
-    return dict(zip(c, ema(list(c.values()), beta), strict=True))
+    """compare.png: per variant the loss curves (mean over seeds, a band from the lowest to the
+    highest seed) and the training and validation loss minus the baseline's of the same seed, in %
+    (`mxmoe.train.plot.plot_series`)."""
+    return plot_series([Series(r.variant, r.seed, r.records) for r in runs], out, baseline, smooth)
 
 
 def analyse(
@@ -332,9 +297,9 @@ def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_step
                 continue
             cfg = folder / "config.json"
             try:
-                seed = int(json.loads(cfg.read_text())["training"]["seed"])
+                seed = recorded_seed(json.loads(cfg.read_text()))
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"run {str(folder)!r}: cannot read training.seed from {cfg}: {e}") from None
+                raise ValueError(f"run {str(folder)!r}: cannot read debug.seed from {cfg}: {e}") from None
             runs.append(run_summary(v, seed, folder, tail_steps))
     if not runs:
         raise FileNotFoundError(f"--runs {str(root)!r}: no VARIANT/RUN/metrics.jsonl under it")
@@ -383,10 +348,10 @@ def _check_own(where: str, args: list[str]) -> None:
 def _run_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra, seed: int, folder: Path):
     argv = [f"--config={cfg}", "--checkpoint.folder=", "--metrics.progress_bar=false"]
     if deterministic:
-        argv.append("--training.deterministic=true")
+        argv.append("--debug.deterministic=true")
     if steps is not None:
         argv.append(f"--training.steps={steps}")
-    return argv + list(vargs) + list(extra) + [f"--training.seed={seed}", f"--metrics.folder={folder}"]
+    return argv + list(vargs) + list(extra) + [f"--debug.seed={seed}", f"--job.dump_folder={folder}"]
 
 
 DONE = "done"
@@ -487,7 +452,7 @@ def launch(
     return status
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="mxmoe compare",
         description=__doc__.split("\n")[0],
@@ -495,7 +460,9 @@ def _parser() -> argparse.ArgumentParser:
         "See docs/training.md, Comparing variants.",
     )
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--config", help="run the variants of this trainer config (TOML)")
+    src.add_argument(
+        "--config", help="run the variants of this trainer config: a name (mxmoe config list) or a TOML file"
+    )
     src.add_argument("--runs", help="read finished runs: a folder of VARIANT/RUN/metrics.jsonl")
     ap.add_argument(
         "--variant",
@@ -542,7 +509,7 @@ def _parser() -> argparse.ArgumentParser:
         "--deterministic",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="run with --training.deterministic=true (default; bit-reproducible runs, slower)",
+        help="run with --debug.deterministic=true (default; bit-reproducible runs, slower)",
     )
     ap.add_argument(
         "--tail-steps",
@@ -562,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    ap = _parser()
+    ap = build_parser()
     args = ap.parse_args(argv)
     failed: list = []
     command = shlex.join(["mxmoe", "compare", *argv, *(["--", *extra] if extra else [])])
@@ -596,8 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"--devices={','.join(args.devices)}: {len(args.devices)} device(s), fewer than "
                     f"--nproc={args.nproc} per run"
                 )
-            if not Path(args.config).is_file():
-                raise ValueError(f"--config {args.config!r}: file not found")
+            if not configs.resolve(args.config, kind="trainer").is_file():
+                raise ValueError(f"--config {args.config!r}: file not found{configs.hint(args.config)}")
             _check_own("arguments after `--`", extra)
             for name, vargs in args.variant:
                 _check_own(f"--variant {name}", vargs)

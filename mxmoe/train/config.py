@@ -1,17 +1,23 @@
-"""Trainer configuration: dataclass sections, a TOML file, `--section.key=value` overrides.
+"""Trainer configuration: one dataclass per section, a TOML file, command-line overrides (tyro).
 
-    mxmoe train --config configs/debug_moe.toml --model.converters=mx --mx.recipe_name=mxfp8 \
-        --training.compile --training.steps=100
+    mxmoe train --config debug_moe --model.converters=mx --mx.recipe_name=mxfp8 \
+        --compile.enable --training.steps=100
 
-Values are typed from the field types: int, float, str, bool (true/false/1/0/yes/no; a bare
-`--section.flag` means true), `X | None` ("none" gives None, except for `str | None` fields, where
-it is the string "none") and list[str] / list[int] (comma separated). Unknown sections or keys
-and badly typed values raise `ConfigError` naming them. Every field carries a one-line doc
-(`mxmoe train --help` prints them).
+`--config` names a config that ships with mxmoe (`mxmoe config list`) or a TOML file; its values
+replace the defaults below, and `--section.key value` / `--section.key=value` options replace those.
+The command line is parsed by tyro, as torchtitan's is: `--help` lists every field with its
+docstring, type, default and, for a `Literal` field, its choices; a value of the wrong type or not
+among the choices stops at parse time (exit status 2, tyro's message). A boolean takes true/false or
+no value (`--compile.enable` is `--compile.enable=true`); a list is comma separated
+(`--mx.filter_fqns=output,router`); `None` gives an optional model field back to the preset.
+
+Keys are torchtitan 0.2's where it has one for the same idea (`training.local_batch_size`,
+`optimizer.lr`, `compile.enable`, ...); `RENAMED_KEYS` maps the old spellings to them, and an old
+key, in a file or on the command line, is refused with its replacement named. Values that parse but
+cannot run are refused after parsing (`check_limits`, `mxmoe.train.build.check_values`).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: tyro reads the field types at run time.
 import dataclasses
 import hashlib
 import json
@@ -19,150 +25,209 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
-from mxmoe.options import MXOptions, why_not_accepted
+import tyro
+
+from mxmoe.models.moe import LOAD_BALANCE, PRESETS
+from mxmoe.options import REMOVED_VALUES, RENAMED_VALUES, MXOptions, why_not_accepted
 
 
 class ConfigError(ValueError):
-    """A bad config file or command-line override; the message names the key and value."""
+    """A bad config file or command-line option; the message names the key and value."""
 
 
-def _f(default, doc: str):
-    if isinstance(default, list):
-        return field(default_factory=lambda d=default: list(d), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+LoadBalance = Literal[LOAD_BALANCE]  # type: ignore[valid-type]
+Converter = Literal["mx", "mxmoe"]
+MixedPrecision = Literal["bf16", "fp32", "tf32"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass
+class Job:
+    dump_folder: str = "runs/debug"
+    """The run's folder: metrics.jsonl, config.json, TensorBoard events and profiler traces."""
 
 
 @dataclass
 class Model:
-    name: str = _f(
-        "debug_moe",
-        "model preset (mxmoe.models.PRESETS): debug_moe, debug_dense, moe_small, moe_1b, dense_1b",
-    )
-    converters: list[str] = _f(
-        [], "model converters applied after building; 'mx' swaps in MXFP8 linears/experts"
-    )
-    dim: int | None = _f(None, "override the preset's model width")
-    n_layers: int | None = _f(None, "override the preset's number of blocks")
-    n_heads: int | None = _f(None, "override the preset's attention heads")
-    num_experts: int | None = _f(None, "override the preset's routed experts (0 = dense model)")
-    top_k: int | None = _f(None, "override the preset's experts per token")
-    moe_hidden_dim: int | None = _f(None, "override the preset's expert hidden width (multiple of 32 for mx)")
-    num_shared_experts: int | None = _f(None, "override the preset's always-on shared experts")
-    load_balance: str | None = _f(None, "router load balancing: aux_loss | bias | none")
-    aux_loss_coef: float | None = _f(None, "weight of the load-balancing aux loss in the training loss")
-    bias_update_rate: float | None = _f(None, "step of the bias-based balancing update per optimizer step")
+    name: PresetName = "debug_moe"
+    """Model preset (mxmoe.models.PRESETS)."""
+    converters: list[Converter] = field(default_factory=list)
+    """Converters applied after building: mx swaps in MXFP8 linears and experts (mxmoe: the same)."""
+    dim: int | None = None
+    """Model width (None: the preset's)."""
+    n_layers: int | None = None
+    """Transformer blocks (None: the preset's)."""
+    n_heads: int | None = None
+    """Attention heads (None: the preset's)."""
+    num_experts: int | None = None
+    """Routed experts, 0 = a dense model (None: the preset's)."""
+    top_k: int | None = None
+    """Experts per token (None: the preset's)."""
+    moe_hidden_dim: int | None = None
+    """Expert hidden width, a multiple of 32 for mx (None: the preset's)."""
+    num_shared_experts: int | None = None
+    """Always-on shared experts (None: the preset's)."""
+    load_balance: LoadBalance | None = None
+    """Router load balancing: aux_loss | bias | none (None: the preset's)."""
+    aux_loss_coef: float | None = None
+    """Weight of the load-balancing aux loss in the trained loss (None: the preset's)."""
+    bias_update_rate: float | None = None
+    """Step of the bias-based balancing update per optimizer step (None: the preset's)."""
+
+    def __post_init__(self) -> None:
+        # "mxmoe" is the converter's name in torchtitan; both name the one mx converter
+        self.converters = list(dict.fromkeys("mx" if c == "mxmoe" else c for c in self.converters))
+
+
+@dataclass
+class Optimizer:
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and 1-d parameters)."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 10
+    """Steps of linear warmup to optimizer.lr; then cosine decay to the end of training."""
+    min_lr_factor: float = 0.1
+    """Final learning rate as a fraction of optimizer.lr."""
 
 
 @dataclass
 class Training:
-    steps: int = _f(100, "optimizer steps to train for (total, including resumed ones)")
-    batch_size: int = _f(8, "sequences per rank per step")
-    seq_len: int = _f(256, "tokens per sequence")
-    lr: float = _f(3e-3, "peak learning rate (AdamW)")
-    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
-    warmup_steps: int = _f(10, "linear warmup steps")
-    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases)")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    max_norm: float = _f(1.0, "gradient clipping max norm (0 disables)")
-    seed: int = _f(0, "seed of the model init, the data order and the RNG")
-    deterministic: bool = _f(
-        False,
-        "bit-reproducible runs (same config, seed, GPU and software: same losses): deterministic "
-        "algorithms, cuBLAS workspace, Inductor without benchmarking (mxmoe.train.determinism); slower",
-    )
-    compile: bool = _f(False, "torch.compile each transformer block")
-    compile_full: bool = _f(
-        False,
-        "torch.compile the whole model as one graph (fullgraph=True; one process: no FSDP / expert "
-        "parallelism); with cuda_graph=true the fastest mode measured, bf16 and MX",
-    )
-    compile_backend: str = _f(
-        "inductor",
-        "torch.compile backend of compile / compile_full (torchtitan's compile.backend): inductor "
-        "generates kernels; aot_eager_decomp_partition traces, decomposes and partitions the graphs "
-        "and runs them eagerly (a quick check of graph capture, e.g. on CPU)",
-    )
-    cuda_graph: bool = _f(
-        False, "capture forward+backward in one CUDA graph and replay it (one GPU, no EP/FSDP)"
-    )
-    mixed_precision: str = _f(
-        "bf16", "compute dtype on CUDA: bf16 (autocast; fp32 master weights) | fp32 | tf32 (fp32 with TF32 "
-        "matmuls: the cheap high-precision reference); CPU is fp32"
-    )
-    device: str = _f("auto", "auto | cpu | cuda")
-    cpu_threads: int = _f(0, "torch intra-op threads on CPU (0 = torch's default; 1 suits tiny models)")
-    val_interval: int = _f(50, "validation loss every this many steps (0 disables; also at the last step)")
-    val_batches: int = _f(4, "batches per validation")
+    steps: int = 100
+    """Optimizer steps to train for (total, including resumed ones)."""
+    local_batch_size: int = 8
+    """Sequences per rank per step."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    max_norm: float = 1.0
+    """Gradient clipping max norm (0 disables)."""
+    mixed_precision: MixedPrecision = "bf16"
+    """Compute on CUDA: bf16 (autocast over fp32 weights) | fp32 | tf32 (TF32 matmuls); CPU: fp32."""
+    cuda_graph: bool = False
+    """Capture forward+backward as one CUDA graph and replay it (one GPU; no FSDP / expert parallelism)."""
+    device: Device = "auto"
+    """Device: auto (cuda if available) | cpu | cuda."""
+    cpu_threads: int = 0
+    """Torch intra-op threads on CPU (0 = torch's default; 1 suits tiny models)."""
+
+
+@dataclass
+class Validation:
+    freq: int = 50
+    """Validation loss every this many steps and at the last step (0 disables)."""
+    steps: int = 4
+    """Batches per validation (0 disables)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile the model: each block's parts (see whole_model)."""
+    backend: str = "inductor"
+    """torch.compile backend: inductor; aot_eager_decomp_partition traces and runs eagerly (a quick check)."""
+    whole_model: bool = False
+    """With enable: the whole model as one graph (one process); fastest with training.cuda_graph."""
 
 
 @dataclass
 class Parallelism:
-    data_parallel_shard_degree: int = _f(
-        -1, "FSDP degree of the dense parameters; -1 = world size (only value supported)"
-    )
-    expert_parallel_degree: int = _f(
-        1, "ranks the experts are sharded over (divides world size and num_experts)"
-    )
-    tensor_parallel_degree: int = _f(1, "tensor parallelism: not supported (mx converter refuses > 1)")
-    timeout_s: int = _f(300, "process-group timeout in seconds (collectives fail instead of hanging)")
+    data_parallel_shard_degree: int = -1
+    """FSDP degree of the dense parameters; -1 = the world size (the only value supported)."""
+    expert_parallel_degree: int = 1
+    """Ranks the experts are sharded over (divides the world size and num_experts)."""
+    tensor_parallel_degree: int = 1
+    """Tensor parallelism: not supported (the mx converter refuses > 1)."""
+    timeout_s: int = 300
+    """Process-group timeout in seconds (collectives fail instead of hanging)."""
 
 
 @dataclass
 class Data:
-    path: str = _f("", "text file or folder of text files; empty = the Python stdlib's own source")
-    val_fraction: float = _f(0.05, "fraction of files (chosen by file-name hash) held out for validation")
-    max_files: int = _f(0, "use at most this many files (after the split, by hash order); 0 = all")
-    extensions: list[str] = _f([".py"], "file suffixes read from a folder")
+    path: str = ""
+    """Text file or folder of text files; empty = the Python standard library's own source."""
+    val_fraction: float = 0.05
+    """Fraction of files (chosen by file-name hash) held out for validation."""
+    max_files: int = 0
+    """Use at most this many files (after the split, in hash order); 0 = all."""
+    extensions: list[str] = field(default_factory=lambda: [".py"])
+    """File suffixes read from a folder."""
 
 
 @dataclass
 class Checkpoint:
-    folder: str = _f("", "checkpoint folder (empty disables checkpointing)")
-    interval: int = _f(0, "save every this many steps (0 = only at the end / on SIGTERM)")
-    keep_latest: int = _f(2, "complete checkpoints kept (older ones deleted; 0 keeps all)")
-    resume: bool = _f(True, "resume from the latest complete checkpoint in folder if there is one")
-    fallback: bool = _f(
-        False,
-        "when the latest checkpoint fails its checksums, move it aside (step-N.corrupt) and resume "
-        "from the previous complete one (default: stop with an error naming the bad file)",
-    )
+    folder: str = ""
+    """Checkpoint folder (empty: no checkpoints)."""
+    interval: int = 0
+    """Save every this many steps (0 = only at the end and on SIGTERM)."""
+    keep_latest_k: int = 2
+    """Complete checkpoints kept, older ones deleted (0 keeps all)."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in folder, if there is one."""
+    fallback: bool = False
+    """If the latest checkpoint fails its checksums, set it aside (step-N.corrupt), resume the one before."""
 
 
 @dataclass
 class Metrics:
-    folder: str = _f("runs/debug", "metrics folder: metrics.jsonl (+ TensorBoard events if importable)")
-    log_freq: int = _f(10, "log loss (mean over the interval), lr, tokens/s and memory every this many steps")
-    tensorboard: bool = _f(
-        False, "also write TensorBoard events (needs the tensorboard extra: pip install 'mxmoe[tensorboard]')"
-    )
-    progress_bar: bool = _f(
-        True, "tqdm progress bar on rank 0 when stderr is a terminal (else a plain line every log_freq steps)"
-    )
+    log_freq: int = 10
+    """Log loss (mean over the interval), lr, tokens/s and memory every this many steps."""
+    enable_tensorboard: bool = False
+    """Also write TensorBoard events to job.dump_folder (pip install 'mxmoe[tensorboard]')."""
+    progress_bar: bool = True
+    """A tqdm progress bar on rank 0 when stderr is a terminal (else a line every log_freq steps)."""
 
 
 @dataclass
 class Profiling:
-    enable_profiling: bool = _f(False, "torch.profiler traces of training steps (torchtitan's flag)")
-    save_traces_folder: str = _f(
-        "profile_traces", "trace folder, relative to metrics.folder unless absolute"
-    )
-    profile_freq: int = _f(10, "profile the last profile_active steps of every profile_freq steps")
-    profile_active: int = _f(1, "steps recorded per trace (1 <= profile_active < profile_freq)")
-    profile_repeat: int = _f(1, "traces written per run (0 = one every profile_freq steps)")
+    enable_profiling: bool = False
+    """torch.profiler traces of training steps."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to job.dump_folder unless absolute."""
+    profile_freq: int = 10
+    """Profile the last profiler_active steps of every profile_freq steps."""
+    profiler_active: int = 1
+    """Steps recorded per trace (1 <= profiler_active < profile_freq)."""
+    profile_repeat: int = 1
+    """Traces written per run (0 = one every profile_freq steps)."""
+
+
+@dataclass
+class Debug:
+    seed: int = 0
+    """Seed of the model's initialization, the data order and the RNGs."""
+    deterministic: bool = False
+    """Bit-reproducible runs: same config, seed, GPU and software, same losses (mxmoe.train.determinism)."""
 
 
 @dataclass
 class JobConfig:
+    """`mxmoe train`'s configuration, one field per TOML section."""
+
+    job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     mx: MXOptions = field(default_factory=MXOptions)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
+    compile: Compile = field(default_factory=Compile)
     parallelism: Parallelism = field(default_factory=Parallelism)
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -176,20 +241,51 @@ class JobConfig:
         return hashlib.sha256(json.dumps(self.flat(), sort_keys=True, default=str).encode()).hexdigest()
 
 
+RENAMED_KEYS: dict[str, str] = {
+    "training.batch_size": "training.local_batch_size",
+    "training.lr": "optimizer.lr",
+    "training.beta1": "optimizer.beta1",
+    "training.beta2": "optimizer.beta2",
+    "training.weight_decay": "optimizer.weight_decay",
+    "training.warmup_steps": "lr_scheduler.warmup_steps",
+    "training.min_lr_ratio": "lr_scheduler.min_lr_factor",
+    "training.seed": "debug.seed",
+    "training.deterministic": "debug.deterministic",
+    "training.compile": "compile.enable",
+    "training.compile_backend": "compile.backend",
+    "training.compile_full": "compile.whole_model",
+    "training.val_interval": "validation.freq",
+    "training.val_batches": "validation.steps",
+    "checkpoint.keep_latest": "checkpoint.keep_latest_k",
+    "metrics.folder": "job.dump_folder",
+    "metrics.tensorboard": "metrics.enable_tensorboard",
+    "profiling.profile_active": "profiling.profiler_active",
+}
+"""Old key -> the key that replaced it (torchtitan 0.2's spelling of the same idea)."""
+_RENAME_NOTES = {
+    "training.compile_full": ", set together with compile.enable=true",
+}
+
+
+def renamed_key_message(old: str) -> str:
+    """What an error says of the old key `old` (a key of RENAMED_KEYS)."""
+    return f"{old} is now {RENAMED_KEYS[old]}{_RENAME_NOTES.get(old, '')}"
+
+
 def check_limits(cfg: JobConfig) -> None:
     """ConfigError for values of the right type that fail at run time (the trainer's other range
     checks are in `mxmoe.train.build.check_values`)."""
-    t = cfg.training
+    opt = cfg.optimizer
     if cfg.parallelism.timeout_s < 1:
         raise ConfigError(f"parallelism.timeout_s={cfg.parallelism.timeout_s}: expected >= 1")
     # the sampler seeds torch's 64-bit generator with seed * 1_000_003 + epoch
-    if not 0 <= t.seed < 2**32:
-        raise ConfigError(f"training.seed={t.seed}: expected 0 <= seed < 2**32")
+    if not 0 <= cfg.debug.seed < 2**32:
+        raise ConfigError(f"debug.seed={cfg.debug.seed}: expected 0 <= seed < 2**32")
     # AdamW's step size lr / (1 - beta1**t) is a float32 scalar: beyond float32 it fails mid-step
     f32_max = float.fromhex("0x1.fffffep+127")
-    if 0 <= t.beta1 < 1 and t.lr / (1 - t.beta1) > f32_max:
+    if 0 <= opt.beta1 < 1 and opt.lr / (1 - opt.beta1) > f32_max:
         raise ConfigError(
-            f"training.lr={t.lr!r}: expected lr / (1 - training.beta1) <= {f32_max:.4g} (AdamW's step "
+            f"optimizer.lr={opt.lr!r}: expected lr / (1 - optimizer.beta1) <= {f32_max:.4g} (AdamW's step "
             "size in float32)"
         )
 
@@ -218,187 +314,238 @@ def check_ranks_agree(cfg: JobConfig) -> None:
     )
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(JobConfig)}
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+def section_types() -> dict[str, type]:
+    """{section: its dataclass}, in JobConfig's order."""
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
 
 
-def _section_types(section: str) -> dict[str, typing.Any]:
-    cls = typing.get_type_hints(JobConfig)[section]
-    return typing.get_type_hints(cls)
+def field_types(section: type) -> dict[str, typing.Any]:
+    """{field: its type} of one section's dataclass."""
+    return typing.get_type_hints(section)
 
 
-def _check_choice(key: str, value, tp) -> typing.Any:
-    """`value` if it is one of the Literal type `tp`'s choices, else ConfigError listing them."""
-    choices = typing.get_args(tp)
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r}: {why_not_accepted(key.rpartition('.')[2], value, choices)}")
-    return value
-
-
-def _convert_str(key: str, text: str, tp) -> typing.Any:
-    """Parse the command-line text of `key` as type `tp`."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        return _check_choice(key, text, tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        # "none" is a legitimate value of an optional str field (model.load_balance=none)
-        if args[0] is not str and text.strip().lower() in ("none", "null"):
-            return None
-        return _convert_str(key, text, args[0])
-    if origin is list:
-        (elem,) = typing.get_args(tp)
-        return [_convert_str(key, t.strip(), elem) for t in text.split(",") if t.strip()]
-    if tp is bool:
-        low = text.strip().lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ConfigError(f"--{key}={text!r}: expected a bool (true/false)")
-    try:
-        return tp(text)
-    except ValueError:
-        raise ConfigError(f"--{key}={text!r}: expected {tp.__name__}") from None
+# ---------------------------------------------------------------- TOML files
 
 
 def _check_value(key: str, value, tp) -> typing.Any:
-    """Type-check a TOML value for `key`; ints are accepted for float fields."""
+    """A TOML value of `key` checked against the field type `tp`; ints are accepted for floats."""
     origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        return _check_choice(key, value, tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            why = why_not_accepted(key.rpartition(".")[2], value, typing.get_args(tp))
+            raise ConfigError(f"{key} = {value!r}: {why}")
+        return value
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return _check_value(key, value, args[0])
     if origin is list:
         (elem,) = typing.get_args(tp)
-        if isinstance(value, str):
-            return _convert_str(key, value, tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{key} = {value!r}: expected a list of {elem.__name__}")
+            raise ConfigError(f"{key} = {value!r}: expected a list, e.g. [\"a\", \"b\"]")
         return [_check_value(key, v, elem) for v in value]
-    ok = (
-        isinstance(value, bool)
-        if tp is bool
-        else isinstance(value, (int, float)) and not isinstance(value, bool)
-        if tp is float
-        else isinstance(value, tp) and not (tp is int and isinstance(value, bool))
-    )
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, tp)
     if not ok:
         raise ConfigError(f"{key} = {value!r}: expected {tp.__name__}, got {type(value).__name__}")
     return float(value) if tp is float else value
 
 
-def _field_type(key: str) -> typing.Any:
-    """The type of `section.name`; ConfigError naming the key if there is no such field."""
-    if "." not in key:
-        raise ConfigError(f"option {key!r} is not of the form section.key; sections: {list(SECTIONS)}")
-    section, name = key.split(".", 1)
-    if section not in SECTIONS:
-        raise ConfigError(
-            f"unknown config section {section!r} (in {key!r}); expected one of {list(SECTIONS)}"
-        )
-    hints = _section_types(section)
-    if name not in hints:
-        raise ConfigError(f"unknown config key {key!r}; section {section!r} has {sorted(hints)}")
-    return hints[name]
+def config_from_dict(data: dict, where: str) -> JobConfig:
+    """A JobConfig from parsed TOML `data` ({section: {key: value}}); ConfigError naming `where`
+    (the file) and the key for an unknown or renamed key or a value of the wrong type."""
+    sections = section_types()
+    built = {}
+    for section, body in data.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{where}: top-level key {section!r} must be a [section] table")
+        if section not in sections:
+            raise ConfigError(
+                f"{where}: unknown config section [{section}]; expected one of {list(sections)}"
+            )
+        hints = field_types(sections[section])
+        values = {}
+        for name, value in body.items():
+            key = f"{section}.{name}"
+            if key in RENAMED_KEYS:
+                raise ConfigError(f"{where}: {renamed_key_message(key)}")
+            if name not in hints:
+                raise ConfigError(f"{where}: unknown config key {key!r}; [{section}] has {list(hints)}")
+            values[name] = _check_value(key, value, hints[name])
+        try:
+            built[section] = sections[section](**values)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: [{section}]: {e}") from None
+    return JobConfig(**built)
 
 
-def _set(cfg: JobConfig, key: str, value, from_text: bool) -> None:
-    tp = _field_type(key)
-    section, name = key.split(".", 1)
-    value = _convert_str(key, value, tp) if from_text else _check_value(key, value, tp)
-    setattr(getattr(cfg, section), name, value)
+def load_toml(config: str) -> JobConfig:
+    """The JobConfig of `config`: a config shipped with mxmoe by name (`mxmoe.configs`) or a TOML file."""
+    from mxmoe import configs
 
-
-def load_toml(path: str, cfg: JobConfig | None = None) -> JobConfig:
-    """Read a TOML config into `cfg` (default: a fresh JobConfig)."""
-    cfg = JobConfig() if cfg is None else cfg
+    try:
+        path = configs.resolve(config, kind="trainer")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except FileNotFoundError:
-        raise ConfigError(f"--config {path!r}: file not found") from None
+        raise ConfigError(f"--config {config!r}: file not found{configs.hint(config)}") from None
     except IsADirectoryError:
-        raise ConfigError(f"--config {path!r}: is a folder, expected a TOML file") from None
+        raise ConfigError(f"--config {config!r}: is a folder, expected a TOML file") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config {path!r}: invalid TOML: {e}") from None
+        raise ConfigError(f"--config {config!r}: invalid TOML: {e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"--config {path!r}: not UTF-8 text ({e}); expected a UTF-8 TOML file") from None
+        raise ConfigError(f"--config {config!r}: not UTF-8 text ({e}); expected a UTF-8 TOML file") from None
     except OSError as e:
-        raise ConfigError(f"--config {path!r}: cannot be read: {e}") from None
-    for section, body in data.items():
-        if not isinstance(body, dict):
-            raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
-        for name, value in body.items():
-            _set(cfg, f"{section}.{name}", value, from_text=False)
-    return cfg
+        raise ConfigError(f"--config {config!r}: cannot be read: {e}") from None
+    return config_from_dict(data, str(path))
 
 
-def parse_args(argv: list[str]) -> JobConfig:
-    """`--config PATH` (applied first) then `--section.key=value` / `--section.key value` /
-    `--section.flag` overrides, in order."""
-    argv = list(argv)
-    cfg = JobConfig()
-    config_path = None
-    overrides: list[tuple[str, str | None]] = []
-    i = 0
+# ---------------------------------------------------------------- the command line
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _parse_bool(args: list[str]) -> bool:
+    low = args[0].strip().lower()
+    if low in _TRUE or low in _FALSE:
+        return low in _TRUE
+    raise ValueError(f"{args[0]!r} is not a bool: expected true or false")
+
+
+def _registry() -> tyro.constructors.ConstructorRegistry:
+    """tyro's rules for the trainer: booleans take a value (true/false); lists are comma separated
+    (torchtitan's rule), their entries checked against a Literal's choices."""
+    spec = tyro.constructors.PrimitiveConstructorSpec
+    registry = tyro.constructors.ConstructorRegistry()
+
+    @registry.primitive_rule
+    def bool_rule(info: tyro.constructors.PrimitiveTypeInfo):
+        if info.type is not bool:
+            return None
+        return spec(
+            nargs=1,
+            metavar="{true,false}",
+            instance_from_str=_parse_bool,
+            is_instance=lambda x: isinstance(x, bool),
+            str_from_instance=lambda x: ["true" if x else "false"],
+        )
+
+    @registry.primitive_rule
+    def comma_list_rule(info: tyro.constructors.PrimitiveTypeInfo):
+        if info.type_origin is not list:
+            return None
+        (elem,) = typing.get_args(info.type)
+        if elem is str:
+            choices = None
+        elif typing.get_origin(elem) is Literal:
+            choices = typing.get_args(elem)
+        else:
+            return None
+
+        def parse(args: list[str]) -> list[str]:
+            items = [t.strip() for t in args[0].split(",") if t.strip()]
+            bad = [t for t in items if choices is not None and t not in choices]
+            if bad:
+                raise ValueError(f"{bad[0]!r} is not one of {', '.join(choices)}")
+            return items
+
+        return spec(
+            nargs=1,
+            metavar=("{" + ",".join(choices) + "},..." if choices else "A,B,..."),
+            instance_from_str=parse,
+            is_instance=lambda x: isinstance(x, list) and all(isinstance(i, str) for i in x),
+            str_from_instance=lambda x: [",".join(x)],
+        )
+
+    return registry
+
+
+def _bool_keys() -> set[str]:
+    return {
+        f"{section}.{name}"
+        for section, cls in section_types().items()
+        for name, tp in field_types(cls).items()
+        if tp is bool
+    }
+
+
+def _prepare(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the --config value, the other arguments for tyro): an old key refused naming its
+    replacement, a bare boolean option given the value true."""
+    bools = _bool_keys()
+    config, out, i = None, [], 0
     while i < len(argv):
         arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key=value")
-        body = arg[2:]
-        key, eq, val = body.partition("=")
-        if not eq:
-            val = None
-            takes_value = key == "config" or _field_type(key) is not bool
-            if takes_value:
-                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise ConfigError(f"option --{key} needs a value")
-                val = argv[i + 1]
-                i += 1
+        key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        key = key.replace("-", "_")
         if key == "config":
-            config_path = val
+            if config is not None:
+                raise ConfigError(f"--config is given twice ({config!r} and {value or argv[i + 1:i + 2]})")
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                    raise ConfigError("--config needs a value: a config name (mxmoe config list) or a file")
+                i += 1
+                value = argv[i]
+            config = value
+        elif key in RENAMED_KEYS:
+            raise ConfigError(f"--{renamed_key_message(key).replace(' is now ', ' is now --', 1)}")
         else:
-            overrides.append((key, val))
+            _refuse_old_value(key, value if eq else argv[i + 1] if i + 1 < len(argv) else None)
+            out.append(arg)
+            if key in bools and not eq and (i + 1 >= len(argv) or argv[i + 1].startswith("-")):
+                out.append("true")
         i += 1
-    if config_path is not None:
-        load_toml(config_path, cfg)
-    for key, val in overrides:
-        _set(cfg, key, "true" if val is None else val, from_text=True)
-    return cfg
+    return config, out
 
 
-def help_text() -> str:
-    lines = ["usage: mxmoe train [--config FILE.toml] [--section.key=value ...] [--section.flag]", ""]
-    defaults = JobConfig()
-    for section in SECTIONS:
-        lines.append(f"[{section}]")
-        hints = _section_types(section)
-        for f in dataclasses.fields(getattr(defaults, section)):
-            tp = hints[f.name]
-            tname = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-            default = getattr(getattr(defaults, section), f.name)
-            doc = f.metadata.get("doc") or field_docs(type(getattr(defaults, section)))[f.name]
-            lines.append(f"  --{section}.{f.name} ({tname}, default {default!r}): {doc}")
-        lines.append("")
-    return "\n".join(lines)
+def _refuse_old_value(key: str, value: str | None) -> None:
+    """ConfigError for a renamed or removed value of an [mx] option, saying what replaced it or why
+    it went (tyro's own message would only list the choices)."""
+    section, _, name = key.partition(".")
+    if section == "mx" and ((name, value) in RENAMED_VALUES or (name, value) in REMOVED_VALUES):
+        choices = typing.get_args(field_types(MXOptions)[name])
+        raise ConfigError(f"{key}={value!r}: {why_not_accepted(name, value, choices)}")
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """{field: its docstring (the string literal after it in the class body), one line}."""
-    import ast
-    import inspect
+def description() -> str:
+    """The head of `mxmoe train --help`."""
     import textwrap
 
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    docs = {}
-    for stmt, nxt in zip(body, body[1:], strict=False):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[stmt.target.id] = " ".join(nxt.value.value.split())
-    return docs
+    from mxmoe import configs
+
+    paragraphs = [
+        "Train an MoE (or dense) byte-level language model, bf16 or MXFP8 (docs/training.md).",
+        "Config: --config NAME|FILE, a config that ships with mxmoe (one of "
+        f"{', '.join(configs.names('trainer'))}: `mxmoe config list`) or a TOML file of the sections "
+        "below; the options below override it.",
+        "Booleans: --key, --key=true, --key=false. Lists: comma separated. An old key (e.g. "
+        "--training.batch_size) is refused with its new name.",
+    ]
+    # tyro joins a line starting with a letter to the one before: continuation lines are indented
+    return "\n\n".join(textwrap.fill(p, 78, subsequent_indent="  ") for p in paragraphs)
+
+
+def parse_args(argv: list[str], prog: str = "mxmoe train") -> JobConfig:
+    """The JobConfig of `argv`: `--config NAME|FILE` (applied first, wherever it stands) and
+    `--section.key value` / `--section.key=value` options. ConfigError for a bad config file or an
+    old key; SystemExit from tyro (status 2, its message on stderr) for an unknown option or a bad
+    value, and for `--help` (status 0)."""
+    config, rest = _prepare(list(argv))
+    base = load_toml(config) if config is not None else JobConfig()
+    return tyro.cli(
+        JobConfig,
+        args=rest,
+        default=base,
+        prog=prog,
+        description=description(),
+        use_underscores=True,
+        config=(tyro.conf.FlagConversionOff,),
+        registry=_registry(),
+    )

@@ -147,7 +147,7 @@ class ShardedSampler:
         if n < self.global_batch:
             raise ValueError(
                 f"{n} training sequences are fewer than batch_size * world_size = {self.global_batch}; "
-                "use more data, a smaller training.batch_size or training.seq_len"
+                "use more data, a smaller training.local_batch_size or training.seq_len"
             )
         self.n, self.batch_size, self.rank, self.seed = n, batch_size, rank, seed
         self.steps_per_epoch = n // self.global_batch
@@ -175,6 +175,6 @@ class ShardedSampler:
         if int(sd["n"]) != self.n or int(sd["seed"]) != self.seed:
             raise ValueError(
                 f"checkpointed sampler (n={sd['n']}, seed={sd['seed']}) does not match this data "
-                f"(n={self.n}, seed={self.seed}): same data and training.seed are needed to resume"
+                f"(n={self.n}, seed={self.seed}): same data and debug.seed are needed to resume"
             )
         self.epoch, self.step = int(sd["epoch"]), int(sd["step"])

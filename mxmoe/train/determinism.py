@@ -1,10 +1,10 @@
-"""`--training.deterministic=true`: bit-reproducible runs.
+"""`--debug.deterministic=true`: bit-reproducible runs.
 
 Two runs of the same config and seed, on the same GPU model and the same software (torch, CUDA,
 NCCL, Triton, driver), one GPU or expert parallel, give the same loss bits at every step.
 
 `seed_everything` runs in every run (it is free): Python's `random`, NumPy (when importable) and
-torch on every device, from `training.seed`. The data order has its own seeded generator
+torch on every device, from `debug.seed`. The data order has its own seeded generator
 (`mxmoe.train.data.ShardedSampler`), and the validation windows are fixed (`eval_windows`).
 
 `deterministic_mode(True)`, around the whole run, adds what costs time:

@@ -74,11 +74,11 @@ def write_atomic(path: Path, text: str) -> None:
 class RunLock:
     """An exclusive lock on `folder` (created if needed) for one live run; `release()` ends it.
 
-    setting: the option that named the folder, for the messages ("metrics.folder",
+    setting: the option that named the folder, for the messages ("job.dump_folder",
     "checkpoint.folder"). A lock file still naming a run when the lock is free was left by a run
     that was killed: it is taken over, with a warning naming that run."""
 
-    def __init__(self, folder: str | Path, run_id: str, setting: str = "metrics.folder"):
+    def __init__(self, folder: str | Path, run_id: str, setting: str = "job.dump_folder"):
         self.path = Path(folder) / ".lock"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         refuse_symlinks(self.path.parent, setting)
@@ -147,9 +147,9 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 log.warning(
-                    "metrics.tensorboard is on but the tensorboard package is not installed: writing "
+                    "metrics.enable_tensorboard is on but the tensorboard package is not installed: writing "
                     "metrics.jsonl only. Install it with `pip install 'mxmoe[tensorboard]'` (or pass "
-                    "--metrics.tensorboard=false)"
+                    "--metrics.enable_tensorboard=false)"
                 )
             else:
                 self.tb = SummaryWriter(str(path / "tb"))

@@ -1,18 +1,47 @@
-"""`mxmoe plot`: loss curves of several runs (e.g. bf16 vs MXFP8) from their metrics.jsonl, to a PNG.
+"""`mxmoe plot`: loss curves of runs (e.g. bf16 vs MXFP8, several seeds) from their metrics, to a PNG.
 
-    mxmoe plot runs/bf16 runs/mxfp8 runs/mxfp8_rceil --out runs/loss.png [--labels a,b,c] [--smooth 0.9]
+    mxmoe plot runs/bf16/seed0 runs/mx/seed0 --out loss.png
+    mxmoe plot runs/*/seed* --out loss.png --baseline bf16 [--smooth 0.9]
 
-Each RUN is a metrics folder (holding metrics.jsonl) or a .jsonl file. Training loss (solid) and,
-where logged, validation loss (markers) are drawn against the step. With two or more runs a second
-panel shows each run's loss minus the first run's at common steps.
+Each RUN is a run folder (job.dump_folder: metrics.jsonl, config.json) or a .jsonl file. Each run
+is named by its variant and seed, read from its config.json: the variant is what its config sets
+apart from the other runs' (e.g. "mx" and "bf16" for runs that differ in model.converters, or
+"recipe_name=mxfp8"), the seed is debug.seed; `--labels` names the variants instead. Runs of one
+variant are drawn as one curve, their mean over seeds, with a band from the lowest to the highest
+seed. With two or more variants, a second panel shows each variant's training loss minus the
+baseline's (the first variant unless `--baseline`) in % of the baseline's, seed by seed (thin) and
+their mean (thick), and the same for the validation loss (markers).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+# per-run keys a comparison never varies by: where a run writes, which seed it has, how it logs
+_NOT_A_VARIANT = {
+    "job.dump_folder",
+    "metrics.folder",
+    "debug.seed",
+    "training.seed",
+    "checkpoint.folder",
+    "metrics.progress_bar",
+    "metrics.log_freq",
+}
+
+
+@dataclass
+class Series:
+    """One run in a figure: its variant's name, its seed (None: unknown) and its metrics records."""
+
+    variant: str
+    seed: int | None
+    records: list[dict]
 
 
 def read_metrics(run: str) -> list[dict]:
@@ -34,6 +63,69 @@ def read_metrics(run: str) -> list[dict]:
     # (the one the surviving run wrote) wins, in step order.
     by_step = {r["step"]: r for r in out if "step" in r}
     return [by_step[k] for k in sorted(by_step)]
+
+
+def read_config(run: str) -> dict | None:
+    """A run's recorded config (config.json beside its metrics), or None if it has none."""
+    path = Path(run)
+    path = (path if path.is_dir() else path.parent) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def recorded_seed(config: dict) -> int:
+    """The seed of a run from its recorded config.json (runs recorded before debug.seed hold it as
+    training.seed)."""
+    section = config["debug"] if "debug" in config else config["training"]
+    return int(section["seed"])
+
+
+def _flat(config: dict) -> dict[str, str]:
+    return {
+        f"{sec}.{k}": json.dumps(v, sort_keys=True)
+        for sec, body in config.items()
+        if isinstance(body, dict)
+        for k, v in body.items()
+    }
+
+
+def _precision(config: dict) -> str:
+    """"mx" for a run with the mx converter, else its compute dtype (bf16, fp32 or tf32)."""
+    if any(c in ("mx", "mxmoe") for c in config.get("model", {}).get("converters", [])):
+        return "mx"
+    return str(config.get("training", {}).get("mixed_precision", "bf16"))
+
+
+def variant_names(configs: list[dict | None], fallback: list[str]) -> list[str]:
+    """Each run's variant name from its recorded config: "mx" or the compute dtype where the runs
+    differ in that, then `key=value` of every other key they differ in (seeds, folders, logging, and
+    [mx] for a run without the converter aside); runs whose configs differ in nothing else share a
+    name. A run without a config is
+    named by `fallback`."""
+    known = [c for c in configs if c is not None]
+    flats = [_flat(c) for c in known]
+    keys = sorted(k for k in set().union(*flats) if len({f.get(k) for f in flats}) > 1) if flats else []
+    keys = [k for k in keys if k not in _NOT_A_VARIANT]
+    split_by_precision = len({_precision(c) for c in known}) > 1
+    names = []
+    for config, name in zip(configs, fallback, strict=True):
+        if config is None:
+            names.append(name)
+            continue
+        parts = [_precision(config)] if split_by_precision or not keys else []
+        flat = _flat(config)
+        for k in keys:
+            if k in ("model.converters", "training.mixed_precision") and split_by_precision:
+                continue
+            if k.startswith("mx.") and _precision(config) != "mx":  # options of a converter not used
+                continue
+            value = json.loads(flat[k]) if k in flat else None
+            value = ",".join(map(str, value)) if isinstance(value, list) else value
+            parts.append(f"{k.rpartition('.')[2]}={value}")
+        names.append(" ".join(parts))
+    return names
 
 
 def ema(values: list[float], beta: float) -> list[float]:
@@ -60,48 +152,119 @@ def pyplot():
     return plt
 
 
-def curve(recs: list[dict], key: str = "loss") -> dict[int, float]:
-    """{step: value} of `key` over a run's records; a non-finite value, written as null (see
-    mxmoe.train.metrics), is left out."""
-    return {r["step"]: r[key] for r in recs if r.get(key) is not None}
+def curve(recs: list[dict], key: str = "loss", smooth: float = 0.0) -> dict[int, float]:
+    """{step: value} of `key` over a run's records, EMA-smoothed by `smooth`; a non-finite value,
+    written as null (see mxmoe.train.metrics), is left out."""
+    c = {r["step"]: r[key] for r in recs if r.get(key) is not None}
+    return dict(zip(c, ema(list(c.values()), smooth), strict=True)) if smooth else c
 
 
-def loss_panel(ax, data: list[list[dict]], labels: list[str], smooth: float = 0.0, styles=None) -> None:
-    """Each run's training loss (a line, EMA-smoothed by `smooth`) and validation loss (markers, same
-    color) against the step. styles: per run a dict of line keyword arguments (color, linestyle)."""
-    for i, (recs, label) in enumerate(zip(data, labels, strict=True)):
-        tr, va = curve(recs, "loss"), curve(recs, "val_loss")
-        loss = list(tr.values())
-        kw = styles[i] if styles else {}
-        (line,) = ax.plot(list(tr), ema(loss, smooth) if smooth else loss, label=f"{label} train", **kw)
-        if va:
-            ax.plot(list(va), list(va.values()), "o--", color=line.get_color(), ms=4, label=f"{label} val")
+def _band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) over the curves at the steps they all have."""
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    vals = [[c[s] for c in curves] for s in steps]
+    return steps, [statistics.fmean(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
+
+
+def _seeds(series: list[Series]) -> str:
+    seeds = [s.seed for s in series if s.seed is not None]
+    if len(series) == 1:
+        return f"seed {seeds[0]}" if seeds else "1 run"
+    return f"mean of {len(series)} seeds" + (f" ({','.join(map(str, seeds))})" if seeds else "")
+
+
+def loss_panel(ax, groups: dict[str, list[Series]], colors: dict[str, str], smooth: float) -> None:
+    """Per variant: the training loss (mean over its seeds, a band from min to max) and the
+    validation loss (mean over seeds, markers)."""
+    for variant, series in groups.items():
+        steps, mean, lo, hi = _band([curve(s.records, smooth=smooth) for s in series])
+        label = f"{variant}: train, {_seeds(series)}"
+        ax.plot(steps, mean, color=colors[variant], lw=1.5, label=label)
+        if len(series) > 1:
+            ax.fill_between(steps, lo, hi, color=colors[variant], alpha=0.15, lw=0)
+        vsteps, vmean, _, _ = _band([curve(s.records, "val_loss") for s in series])
+        if vsteps:
+            ax.plot(vsteps, vmean, "o", color=colors[variant], ms=5, mfc="white", label=f"{variant}: val")
+    _zoom_past_warmup(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("loss")
+    band = "; band: lowest to highest seed" if any(len(s) > 1 for s in groups.values()) else ""
+    ax.set_title(f"loss (y axis from 5 % of the steps{band})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
 
 
+def _zoom_past_warmup(ax, skip: float = 0.05) -> None:
+    """The y range of what the axes hold after the first `skip` of the steps: the first steps' loss,
+    several times the final one, would squeeze the rest of the curves into a few pixels."""
+    ys = []
+    for line in ax.get_lines():
+        x, y = line.get_xdata(), line.get_ydata()
+        if len(x):
+            cut = min(x) + skip * (max(x) - min(x))
+            ys += [v for s, v in zip(x, y, strict=True) if s >= cut]
+    for coll in ax.collections:  # the bands
+        for path in coll.get_paths():
+            verts = path.vertices
+            if len(verts):
+                cut = verts[:, 0].min() + skip * (verts[:, 0].max() - verts[:, 0].min())
+                ys += list(verts[verts[:, 0] >= cut, 1])
+    if ys:
+        lo, hi = min(ys), max(ys)
+        pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 1.0
+        ax.set_ylim(lo - pad, hi + pad)
+
+
+def _pairs(series: list[Series], base: list[Series]) -> tuple[list[tuple[Series, Series]], bool]:
+    """(run, its baseline run) pairs: by seed; or, with one baseline run, every run against it.
+    The flag says whether the pairs are by seed."""
+    by_seed = {b.seed: b for b in base if b.seed is not None}
+    paired = [(s, by_seed[s.seed]) for s in series if s.seed in by_seed]
+    if paired:
+        return paired, True
+    return ([(s, base[0]) for s in series] if len(base) == 1 else []), False
+
+
+def _relative(run: dict[int, float], base: dict[int, float]) -> dict[int, float]:
+    return {k: (run[k] - base[k]) / base[k] * 100 for k in sorted(set(run) & set(base)) if base[k]}
+
+
 def difference_panel(
-    ax,
-    pairs: list[tuple[dict[int, float], dict[int, float], str]],
-    title: str,
-    relative: bool = False,
-    styles=None,
-    fmt: str = "",
+    ax, groups: dict[str, list[Series]], baseline: str, colors: dict[str, str], smooth: float
 ) -> None:
-    """For each (base, other, label): other - base at their common steps (in % of base when
-    `relative`), drawn with `fmt` and the pair's entry of `styles`; a zero line."""
-    for i, (base, other, label) in enumerate(pairs):
-        common = sorted(set(base) & set(other))
-        diff = [(other[s] - base[s]) / base[s] * 100 if relative else other[s] - base[s] for s in common]
-        fmt_arg = (fmt,) if fmt else ()  # no format string: the styles' linestyle decides
-        ax.plot(common, diff, *fmt_arg, label=label, **(styles[i] if styles else {}))
+    """Per variant but the baseline: its training loss minus the baseline's of the same seed, in %
+    of the baseline's (thin: each seed; thick: their mean), and the validation loss's (markers)."""
+    per_seed = True
+    for variant, series in groups.items():
+        if variant == baseline:
+            continue
+        pairs, by_seed = _pairs(series, groups[baseline])
+        per_seed &= by_seed
+        diffs = [
+            _relative(curve(s.records, smooth=smooth), curve(b.records, smooth=smooth))
+            for s, b in pairs
+        ]
+        if not diffs:
+            continue
+        if len(diffs) > 1:
+            for d in diffs:
+                ax.plot(list(d), list(d.values()), color=colors[variant], lw=0.7, alpha=0.45)
+        steps, mean, _, _ = _band(diffs)
+        what = _seeds([s for s, _ in pairs]) if len(diffs) > 1 else _seeds(pairs[0][:1])
+        ax.plot(steps, mean, color=colors[variant], lw=2, label=f"{variant} − {baseline}: train, {what}")
+        vdiffs = [_relative(curve(s.records, "val_loss"), curve(b.records, "val_loss")) for s, b in pairs]
+        vsteps, vmean, _, _ = _band([d for d in vdiffs if d])
+        if vsteps:
+            label = f"{variant} − {baseline}: val"
+            ax.plot(vsteps, vmean, "o", color=colors[variant], ms=6, mfc="white", label=label)
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss difference" + (" (% of baseline)" if relative else ""))
-    ax.set_title(title)
+    ax.set_ylabel(f"loss difference, % of {baseline}")
+    others = [v for v in groups if v != baseline]
+    what = others[0] if len(others) == 1 else "variant"
+    thin = any(len(s) > 1 for v, s in groups.items() if v != baseline)
+    per = (", per seed" + (" (thin) and their mean (thick)" if thin else "")) if per_seed else ""
+    ax.set_title(f"{what} − {baseline}{per}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
 
@@ -117,39 +280,90 @@ def save_figure(fig, out: str | Path) -> Path:
     return out_path
 
 
-def plot_runs(runs: list[str], out: str, labels: list[str] | None = None, smooth: float = 0.0) -> Path:
-    """Draw the runs' loss curves into the PNG `out`; returns its path."""
-    plt = pyplot()
-    if not runs:
-        raise ValueError("runs is empty: give at least one run folder or metrics.jsonl")
-    labels = labels or [Path(r).name if Path(r).is_dir() else Path(r).stem for r in runs]
-    if len(labels) != len(runs):
-        raise ValueError(f"labels has {len(labels)} names for {len(runs)} runs")
+def plot_series(
+    series: list[Series], out: str | Path, baseline: str | None = None, smooth: float = 0.0
+) -> Path:
+    """`figure(series, baseline, smooth)` written to the PNG `out`; returns its path."""
+    return save_figure(figure(series, baseline, smooth), out)
+
+
+def figure(series: list[Series], baseline: str | None = None, smooth: float = 0.0):
+    """A matplotlib Figure: the loss panel and, with two or more variants, the difference panel of
+    `series`; `baseline`: the variant the others are compared with (default: the first)."""
     if not 0.0 <= smooth < 1.0:
         raise ValueError(f"smooth={smooth!r}: expected 0 <= smooth < 1 (EMA factor)")
-    data = [read_metrics(r) for r in runs]
-    ncols = 2 if len(runs) > 1 else 1
-    fig, axes = plt.subplots(1, ncols, figsize=(6.5 * ncols, 4.5), squeeze=False)
-    loss_panel(axes[0][0], data, labels, smooth)
+    groups: dict[str, list[Series]] = {}
+    for s in series:
+        groups.setdefault(s.variant, []).append(s)
+    baseline = baseline if baseline is not None else series[0].variant
+    if baseline not in groups:
+        raise ValueError(f"baseline={baseline!r}: no run of that variant; variants: {list(groups)}")
+    groups = {baseline: groups.pop(baseline), **groups}
+    for g in groups.values():
+        g.sort(key=lambda s: (s.seed is None, s.seed))
+    colors = {v: f"C{i % 10}" for i, v in enumerate(groups)}
+    plt = pyplot()
+    ncols = 2 if len(groups) > 1 else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(7 * ncols, 5), squeeze=False)
+    loss_panel(axes[0][0], groups, colors, smooth)
     if ncols == 2:
-        base = curve(data[0])
-        pairs = [
-            (base, curve(d), f"{label} − {labels[0]}") for d, label in zip(data[1:], labels[1:], strict=True)
-        ]
-        difference_panel(axes[0][1], pairs, f"train loss minus {labels[0]}")
-    return save_figure(fig, out)
+        difference_panel(axes[0][1], groups, baseline, colors, smooth)
+    return fig
+
+
+def _fallback_name(run: str) -> str:
+    """A run's name from its path: the folder's (its parent's for a seedN folder), or the file's stem."""
+    p = Path(run)
+    if not p.is_dir():
+        return p.stem
+    return p.resolve().parent.name if re.fullmatch(r"seed\d+", p.name) else p.name
+
+
+def plot_runs(
+    runs: list[str],
+    out: str,
+    labels: list[str] | None = None,
+    smooth: float = 0.0,
+    baseline: str | None = None,
+) -> Path:
+    """Draw the runs' loss curves into the PNG `out` (module docstring); returns its path."""
+    if not runs:
+        raise ValueError("runs is empty: give at least one run folder or metrics.jsonl")
+    if labels is not None and len(labels) != len(runs):
+        raise ValueError(f"labels has {len(labels)} names for {len(runs)} runs")
+    data = [read_metrics(r) for r in runs]
+    configs = [read_config(r) for r in runs]
+    names = labels or variant_names(configs, [_fallback_name(r) for r in runs])
+    seeds = [recorded_seed(c) if c is not None else None for c in configs]
+    seen: dict = {}
+    for run, name, seed in zip(runs, names, seeds, strict=True):
+        if seed is not None and (name, seed) in seen:
+            raise ValueError(
+                f"runs {seen[(name, seed)]!r} and {run!r} are both variant {name!r}, seed {seed}: give "
+                "--labels to tell them apart"
+            )
+        seen[(name, seed)] = run
+    series = [Series(n, s, d) for n, s, d in zip(names, seeds, data, strict=True)]
+    return plot_series(series, out, baseline, smooth)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mxmoe plot", description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="run folders (metrics.jsonl, config.json) or .jsonl files")
+    ap.add_argument("--out", default="loss.png", help="output PNG path (default loss.png)")
+    ap.add_argument(
+        "--labels", default="", help="comma-separated variant names, one per run (default: from the configs)"
+    )
+    ap.add_argument("--baseline", help="the variant the others are compared with (default: the first)")
+    ap.add_argument("--smooth", type=float, default=0.0, help="EMA smoothing of the train loss, 0..1")
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="mxmoe plot", description=__doc__.split("\n")[0])
-    ap.add_argument("runs", nargs="+", help="metrics folders (with metrics.jsonl) or .jsonl files")
-    ap.add_argument("--out", default="loss.png", help="output PNG path (default loss.png)")
-    ap.add_argument("--labels", default="", help="comma-separated legend names, one per run")
-    ap.add_argument("--smooth", type=float, default=0.0, help="EMA smoothing of the train loss, 0..1")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
     try:
-        path = plot_runs(args.runs, args.out, labels, args.smooth)
+        path = plot_runs(args.runs, args.out, labels, args.smooth, args.baseline)
     except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
         print(f"mxmoe plot: error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """torch.profiler over training steps (`--profiling.enable_profiling`, torchtitan's flag names).
 
-Every `profile_freq` steps the last `profile_active` steps are recorded (the step before them warms
+Every `profile_freq` steps the last `profiler_active` steps are recorded (the step before them warms
 the profiler up); each recording writes, per rank, a Chrome trace `rank{R}_step{S}.json` (open in
 chrome://tracing or https://ui.perfetto.dev) and `rank{R}_step{S}.txt`, the operator table sorted by
 device time on CUDA (CPU time on CPU). S is the last recorded step.
@@ -25,29 +25,29 @@ def check(cfg: Profiling) -> None:
         return
     if cfg.profile_freq < 2:
         raise ValueError(f"profiling.profile_freq={cfg.profile_freq}: expected >= 2")
-    if not 1 <= cfg.profile_active < cfg.profile_freq:
+    if not 1 <= cfg.profiler_active < cfg.profile_freq:
         raise ValueError(
-            f"profiling.profile_active={cfg.profile_active}: expected 1 .. profile_freq - 1 "
+            f"profiling.profiler_active={cfg.profiler_active}: expected 1 .. profile_freq - 1 "
             f"(= {cfg.profile_freq - 1})"
         )
     if cfg.profile_repeat < 0:
         raise ValueError(f"profiling.profile_repeat={cfg.profile_repeat}: expected >= 0 (0 = no limit)")
 
 
-def traces_folder(cfg: Profiling, metrics_folder: str) -> str:
+def traces_folder(cfg: Profiling, dump_folder: str) -> str:
     return cfg.save_traces_folder if os.path.isabs(cfg.save_traces_folder) else os.path.join(
-        metrics_folder, cfg.save_traces_folder
+        dump_folder, cfg.save_traces_folder
     )
 
 
 @contextlib.contextmanager
-def step_profiler(cfg: Profiling, metrics_folder: str, rank: int, device: torch.device, first_step: int):
+def step_profiler(cfg: Profiling, dump_folder: str, rank: int, device: torch.device, first_step: int):
     """Context yielding `step()`, to call after every training step; a no-op when disabled.
     `first_step` is the number of the first step run under it (resumed runs start later)."""
     if not cfg.enable_profiling:
         yield lambda: None
         return
-    folder = traces_folder(cfg, metrics_folder)
+    folder = traces_folder(cfg, dump_folder)
     os.makedirs(folder, exist_ok=True)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -62,7 +62,7 @@ def step_profiler(cfg: Profiling, metrics_folder: str, rank: int, device: torch.
         if rank == 0:
             logging.getLogger("mxmoe.train").info("profiler: wrote %s.json and .txt", stem)
 
-    active = cfg.profile_active
+    active = cfg.profiler_active
     sched = schedule(
         wait=cfg.profile_freq - active - 1, warmup=1, active=active, repeat=cfg.profile_repeat
     )

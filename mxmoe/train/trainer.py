@@ -33,7 +33,7 @@ from mxmoe.train.build import (  # noqa: F401  (build_model_args .. mx_convert: 
     precision,
 )
 from mxmoe.train.checkpoint import CheckpointError, claim_folder
-from mxmoe.train.config import ConfigError, JobConfig, check_ranks_agree, help_text, parse_args
+from mxmoe.train.config import ConfigError, JobConfig, check_ranks_agree, parse_args
 from mxmoe.train.data import VOCAB_SIZE, eval_windows
 from mxmoe.train.metrics import MetricsWriter, RunLock, new_run_id
 
@@ -119,13 +119,12 @@ class _Stop:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
-        return 0
     try:
         cfg = parse_args(argv)
-    except ConfigError as e:
-        print(f"mxmoe train: {e}", file=sys.stderr)
+    except SystemExit as e:  # tyro: --help (0), or a bad option with its message printed (2)
+        return e.code if isinstance(e.code, int) else 2
+    except (ConfigError, ValueError, TypeError) as e:
+        print(f"mxmoe train: error: {e}", file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", "0"))
     with console_logging(rank):
@@ -144,9 +143,9 @@ def _main(cfg: JobConfig) -> int:
 
 
 def train(cfg: JobConfig) -> int:
-    """One training run; with training.deterministic, all of it (CUDA's first use included) runs in
+    """One training run; with debug.deterministic, all of it (CUDA's first use included) runs in
     `determinism.deterministic_mode`."""
-    with determinism.deterministic_mode(cfg.training.deterministic):
+    with determinism.deterministic_mode(cfg.debug.deterministic):
         return _train_run(cfg)
 
 
@@ -168,15 +167,15 @@ def _train_run(cfg: JobConfig) -> int:
         busy = None
         if rank == 0:
             try:
-                locks.append(RunLock(cfg.metrics.folder, run_id))
+                locks.append(RunLock(cfg.job.dump_folder, run_id))
                 ck = cfg.checkpoint
                 if ck.folder:
-                    same = os.path.realpath(ck.folder) == os.path.realpath(cfg.metrics.folder)
+                    same = os.path.realpath(ck.folder) == os.path.realpath(cfg.job.dump_folder)
                     locks += [x for x in [claim_folder(ck.folder, run_id, ck.resume, locked=same)] if x]
             except ValueError as e:
                 busy = str(e)
             except OSError as e:  # e.g. a read-only folder: every rank must hear of it, not hang
-                busy = f"metrics.folder={cfg.metrics.folder!r}: cannot lock it for this run: {e}"
+                busy = f"job.dump_folder={cfg.job.dump_folder!r}: cannot lock it for this run: {e}"
         if distributed:
             box = [busy]
             dist.broadcast_object_list(box, src=0)
@@ -208,7 +207,7 @@ def lm_loss(
 def _log_run(run: Run, run_id: str) -> None:
     cfg = run.cfg
     total, active = run.margs.num_params()
-    log.info("run %s, metrics in %s", run_id, cfg.metrics.folder)
+    log.info("run %s, metrics in %s", run_id, cfg.job.dump_folder)
     log.info(
         "model %s: %.1fM params (%.1fM active), %s, device %s, world %d (ep %d), %d train / %d val "
         "sequences",
@@ -247,13 +246,14 @@ class _TrainStep:
 
 
 class _Validation:
-    """The validation sample (val_batches x batch_size x world windows spread over the whole set)
+    """The validation sample (validation.steps x local_batch_size x world windows spread over the whole set)
     and its mean cross-entropy per token over all ranks: `loss = validation()`."""
 
     def __init__(self, run: Run):
         t, val_ds = run.cfg.training, run.val_ds
         self.run = run
-        self.idx = eval_windows(len(val_ds), t.val_batches * t.batch_size * run.world, run.world)
+        n = run.cfg.validation.steps * t.local_batch_size * run.world
+        self.idx = eval_windows(len(val_ds), n, run.world)
         self.tokens = self.idx.numel() * t.seq_len
         log.info(
             "validation: %d of %d windows (%d tokens%s), spread over the whole validation set",
@@ -268,7 +268,7 @@ class _Validation:
         run.model.eval()
         total = torch.zeros(2, device=run.device, dtype=torch.float64)  # (loss x tokens, tokens)
         with torch.no_grad():
-            for idx in self.idx[run.rank].split(run.cfg.training.batch_size):
+            for idx in self.idx[run.rank].split(run.cfg.training.local_batch_size):
                 x, y = (a.to(run.device) for a in run.val_ds.batch(idx))
                 total[0] += lm_loss(run.model, x, y, run.amp)[0].double() * y.numel()
                 total[1] += y.numel()
@@ -284,7 +284,7 @@ def _diverged(run: Run, step: int, ce: torch.Tensor, norm: float, lr: float) -> 
     last_ckpt = f"; the last checkpoint is {run.ckpt.latest()}" if run.ckpt is not None else ""
     return TrainingDiverged(
         f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
-        f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower training.lr "
+        f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower optimizer.lr "
         "or training.max_norm, or check the data"
     )
 
@@ -309,7 +309,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
 
     _log_run(run, run_id)
     metrics = MetricsWriter(
-        cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, cfg.to_dict(), run_id, start_step=step
+        cfg.job.dump_folder, rank == 0, cfg.metrics.enable_tensorboard, cfg.to_dict(), run_id, start_step=step
     )
     world_group = dist.group.WORLD if distributed else None
     train_step = _TrainStep(run)
@@ -341,7 +341,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
     record: dict | None = None
     val_loss = None
     try:
-        with profiling.step_profiler(cfg.profiling, cfg.metrics.folder, rank, device, step + 1) as prof_step:
+        with profiling.step_profiler(cfg.profiling, cfg.job.dump_folder, rank, device, step + 1) as prof_step:
             while step < t.steps:
                 step += 1
                 batch = run.train_ds.batch(run.sampler.next_indices())
@@ -368,7 +368,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                 loss_sum += torch.stack([ce.detach().float(), aux.detach().float()])
 
                 last = step == t.steps
-                val_step = validate is not None and (step % t.val_interval == 0 or last)
+                val_step = validate is not None and (step % cfg.validation.freq == 0 or last)
                 if step % cfg.metrics.log_freq == 0 or last or val_step:
                     # the training loss of a record is the mean over its interval's steps and ranks
                     n = step - last_step
@@ -436,7 +436,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
             record["loss"] if record else float("nan"),
             f", validation loss {val_loss:.4f}" if val_loss is not None else "",
             memory_gib(device),
-            cfg.metrics.folder,
+            cfg.job.dump_folder,
             f"; checkpoint {ckpt.folder / f'step-{saved_at:08d}'}" if ckpt is not None and saved_at else "",
         )
     return 0

@@ -10,12 +10,13 @@ from mxmoe.bench import fidelity
 from mxmoe.cli import main
 from mxmoe.train.config import parse_args
 
-SMALL = ["--training.batch_size=2", "--training.seq_len=64"]
+SMALL = ["--training.local_batch_size=2", "--training.seq_len=64"]
 
 
 @pytest.fixture(scope="module")
 def res():
-    cfg = parse_args(["--config", "configs/debug_moe.toml", *SMALL])
+    # attention converted too (the default filter keeps it high precision): MX GEMMs in every group
+    cfg = parse_args(["--config", "debug_moe", *SMALL, "--mx.filter_fqns=output,lm_head,router"])
     return fidelity.measure(cfg, 0, 1, list(fidelity.VARIANTS), torch.device("cpu"))
 
 
@@ -50,9 +51,11 @@ def test_straight_through_variants(res):
         assert res[v]["loss"] == pytest.approx(mx["loss"], abs=1e-6)
 
 
-def test_cli_table_and_json(tmp_path, capsys):
+def test_cli_table_and_json(tmp_path, capsys, monkeypatch):
+    """No --config: the shipped debug_moe, found by name from any folder."""
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "f.json"
-    rc = main(["bench", "fidelity", "--config", "configs/debug_moe.toml", "--steps", "0", "--batches", "1",
+    rc = main(["bench", "fidelity", "--steps", "0", "--batches", "1",
                "--variants", "bf16,mx", "--json", str(out), "--device", "cpu", *SMALL])
     assert rc == 0
     table = capsys.readouterr().out
@@ -65,10 +68,11 @@ def test_cli_table_and_json(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, match",
     [(["--variants", "mx,fp4"], "'fp4' is not one of"), (["--steps", "-1"], "--steps=-1"),
-     (["stray"], "unrecognized arguments: stray")],
+     (["stray"], "Unrecognized options: stray"),
+     (["--training.batch_size=2"], "is now --training.local_batch_size")],
 )
 def test_cli_errors(capsys, args, match):
     with pytest.raises(SystemExit) as e:
-        main(["bench", "fidelity", "--config", "configs/debug_moe.toml", *args])
+        main(["bench", "fidelity", "--config", "debug_moe", *args])
     assert e.value.code == 2
     assert match in capsys.readouterr().err

@@ -12,9 +12,9 @@ from mxmoe.cli import main as cli_main
 
 TINY_TRAIN = [
     "--config",
-    "configs/debug_moe.toml",
+    "debug_moe",
     "--training.device=cpu",
-    "--training.batch_size=2",
+    "--training.local_batch_size=2",
     "--training.seq_len=32",
     "--model.n_layers=1",
     "--mx.mxfp8_dim1_cast_kernel_choice=torch",
@@ -64,14 +64,14 @@ def test_overhead_rejects_bad_arguments(argv, needle, capsys):
 
 
 def test_train_bench_rows_in_children_and_in_the_deterministic_mode(tmp_path, capsys):
-    """--training.deterministic=true: the rows run in the trainer's deterministic mode, with the same
+    """--debug.deterministic=true: the rows run in the trainer's deterministic mode, with the same
     losses as without it on CPU; by default each row runs alone in a child process of its own, which
     enters the mode too and gives the same row as this process."""
     rows = {}
     for det in (False, True):
         out = tmp_path / f"t{det}.json"
         argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager", "--steps", "1", "--warmup-steps", "1",
-                f"--training.deterministic={str(det).lower()}", "--json", str(out), "--same-process"]
+                f"--debug.deterministic={str(det).lower()}", "--json", str(out), "--same-process"]
         assert cli_main(argv) == 0
         rows[det] = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     for variant in ("bf16", "mx"):
@@ -80,7 +80,7 @@ def test_train_bench_rows_in_children_and_in_the_deterministic_mode(tmp_path, ca
     capsys.readouterr()
     out = tmp_path / "children.json"
     argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager", "--steps", "1", "--warmup-steps", "1",
-            "--training.deterministic=true", "--json", str(out)]
+            "--debug.deterministic=true", "--json", str(out)]
     assert cli_main(argv) == 0
     data = json.loads(out.read_text())
     children = {(r["variant"], r["mode"]): r for r in data["rows"]}
@@ -101,7 +101,7 @@ def test_train_bench_counts_compiled_graphs(tmp_path):
     timed steps (no recompiles), no graph breaks; eager compiles nothing."""
     out = tmp_path / "t.json"
     argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager,compile", "--steps", "2", "--warmup-steps", "2",
-            "--training.compile_backend=aot_eager", "--json", str(out), "--same-process"]
+            "--compile.backend=aot_eager", "--json", str(out), "--same-process"]
     assert cli_main(argv) == 0
     for r in json.loads(out.read_text())["rows"]:
         if r["mode"] == "eager":
@@ -153,8 +153,8 @@ def test_train_bench_rejects_bad_arguments(capsys):
         cli_main(["bench", "train", "--training.nope=1"])
     assert exc.value.code == 2 and "nope" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # checked where a mode compiles
-        cli_main(["bench", "train", "--modes", "eager,compile", "--training.compile_backend=aot"])
-    assert exc.value.code == 2 and "training.compile_backend='aot'" in capsys.readouterr().err
+        cli_main(["bench", "train", "--modes", "eager,compile", "--compile.backend=aot"])
+    assert exc.value.code == 2 and "compile.backend='aot'" in capsys.readouterr().err
 
 
 def test_train_bench_row_process_that_dies_is_an_error_row(monkeypatch, capsys):

@@ -309,7 +309,7 @@ def _train(tmp_path, runs: dict[str, list[str]]) -> dict[str, tuple[list[float],
     for i, (name, flags) in enumerate(runs.items()):
         cmd += ["--next-run"] if i else []
         cmd += [
-            "--job.config_file", str(root / "configs/torchtitan/deepseek_v3_debug_0.2.toml"),
+            "--job.config_file", str(root / "mxmoe/configs/torchtitan/deepseek_v3_debug_0.2.toml"),
             "--job.dump_folder", str(tmp_path / name),
             "--model.hf_assets_path", str(tmp_path / "tokenizer"),
             "--training.dataset_path", str(tmp_path / "data"),

@@ -133,7 +133,7 @@ def _compile_worker(rank: int, world: int, port: int) -> None:
 
 
 def test_per_block_compile_keeps_the_expert_parallel_moe_eager():
-    """`training.compile` with EP=2 (trainer.compile_submodules): the router and the shared expert
+    """`compile.enable` with EP=2 (trainer.compile_submodules): the router and the shared expert
     are compiled, the routed experts with their all-to-all run eager; high precision and MX, the
     step matches eager on each rank."""
     spawn_ranks(_compile_worker, 2)

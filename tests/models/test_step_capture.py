@@ -52,7 +52,7 @@ def _compiled_modules(model: torch.nn.Module) -> list[str]:
 
 @pytest.mark.parametrize("mx", [False, True], ids=["hp", "mx"])
 def test_per_block_compile_takes_the_moe_layer_whole_and_matches_eager(mx):
-    """`training.compile` (trainer.compile_submodules) at EP=1: each MoE layer, routed experts (MX
+    """`compile.enable` (trainer.compile_submodules) at EP=1: each MoE layer, routed experts (MX
     or not) and their permutation included, is one fullgraph region; a training step (loss, every
     gradient, the router's counts) and an eval forward under no_grad match eager."""
     from torch._dynamo.utils import counters

@@ -3,8 +3,6 @@ weights as eager, step after step. Run with `pytest -m gpu`."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -92,22 +90,22 @@ def test_trainer_cuda_graph_matches_eager(tmp_path):
     from mxmoe.train import trainer
 
     common = [
-        f"--config={Path(__file__).parents[2] / 'configs' / 'debug_moe.toml'}",
+        "--config=debug_moe",
         "--model.converters=mx",
         "--mx.mxfp8_dim1_cast_kernel_choice=auto",
         "--training.device=cuda",
         "--training.steps=6",
-        "--training.val_interval=0",
+        "--validation.freq=0",
         "--metrics.progress_bar=false",
         "--metrics.log_freq=1",
-        "--metrics.tensorboard=false",
+        "--metrics.enable_tensorboard=false",
         "--data.max_files=20",
         "--checkpoint.folder=",
     ]
     runs = {}
     for name, extra in (("eager", []), ("graph", ["--training.cuda_graph"])):
         folder = tmp_path / name
-        assert trainer.main(common + extra + [f"--metrics.folder={folder}"]) == 0
+        assert trainer.main(common + extra + [f"--job.dump_folder={folder}"]) == 0
         lines = (folder / "metrics.jsonl").read_text().splitlines()
         runs[name] = [json.loads(line)["loss"] for line in lines]
     assert len(runs["graph"]) == 6

@@ -14,15 +14,15 @@ from mxmoe.train.parallel import make_parallel_dims
 
 ARGS = [
     "--config",
-    "configs/debug_moe.toml",
+    "debug_moe",
     "--model.dim=32",
     "--model.n_layers=1",
     "--model.num_experts=4",
     "--model.moe_hidden_dim=32",
     "--training.seq_len=32",
-    "--training.batch_size=2",
-    "--training.seed=7",
-    "--training.warmup_steps=4",
+    "--training.local_batch_size=2",
+    "--debug.seed=7",
+    "--lr_scheduler.warmup_steps=4",
     "--data.max_files=2",
     "--checkpoint.folder=",
     "--mx.mxfp8_dim1_cast_kernel_choice=torch",
@@ -30,7 +30,7 @@ ARGS = [
 
 
 def test_build_run_matches_a_model_built_by_hand(tmp_path):
-    cfg = parse_args([*ARGS, f"--metrics.folder={tmp_path}"])
+    cfg = parse_args([*ARGS, f"--job.dump_folder={tmp_path}"])
     check_values(cfg)
     run = build_run(cfg, 0, 1, torch.device("cpu"))
 
@@ -53,9 +53,9 @@ def test_build_run_matches_a_model_built_by_hand(tmp_path):
     groups = run.optimizer.param_groups
     assert sum(len(g["params"]) for g in groups) == len(list(ref.parameters()))
     assert all(p.ndim >= 2 for p in groups[0]["params"])
-    assert groups[0]["weight_decay"] == cfg.training.weight_decay
+    assert groups[0]["weight_decay"] == cfg.optimizer.weight_decay
     assert groups[1]["weight_decay"] == 0.0
-    assert run.scheduler.get_last_lr()[0] == pytest.approx(cfg.training.lr / 4)  # warmup step 1 of 4
+    assert run.scheduler.get_last_lr()[0] == pytest.approx(cfg.optimizer.lr / 4)  # warmup step 1 of 4
     assert (run.step, run.world, run.exp_params, run.ckpt, run.val_ds is not None) == (0, 1, [], None, True)
     assert run.tokens_per_step == 2 * 32
     assert len(run.dense_params) == len(groups[0]["params"]) + len(groups[1]["params"])

@@ -20,7 +20,7 @@ from mxmoe.train.checkpoint import MANIFEST, Checkpointer, CheckpointError
 
 def _train(tmp_path: Path, name: str, *extra: str) -> int:
     run = tmp_path / name
-    return trainer.main(TINY + [f"--metrics.folder={run}", f"--checkpoint.folder={tmp_path}/ckpt", *extra])
+    return trainer.main(TINY + [f"--job.dump_folder={run}", f"--checkpoint.folder={tmp_path}/ckpt", *extra])
 
 
 def _shard(step_dir: Path) -> Path:
@@ -59,7 +59,7 @@ class _MakeDirs:
 @pytest.fixture
 def four_steps(tmp_path):
     """A run of 4 steps with checkpoints at steps 2 and 4 in tmp_path/ckpt; its losses."""
-    args = ["--training.steps=4", "--checkpoint.interval=2", "--checkpoint.keep_latest=2"]
+    args = ["--training.steps=4", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=2"]
     assert _train(tmp_path, "full", *args) == 0
     assert _entries(tmp_path / "ckpt") == ["step-00000002", "step-00000004"]
     return losses(tmp_path / "full")
@@ -145,7 +145,7 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
 
 def test_nonfinite_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
     # lr 1e30 (finite, so accepted) blows the weights up: the gradient norm is NaN at step 2
-    args = ["--training.lr=1e30", "--training.warmup_steps=0", "--training.steps=4"]
+    args = ["--optimizer.lr=1e30", "--lr_scheduler.warmup_steps=0", "--training.steps=4"]
     args += ["--checkpoint.interval=1"]
     assert _train(tmp_path, "run", *args) == 1
     err = capsys.readouterr().err
@@ -156,7 +156,7 @@ def test_nonfinite_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ("--training.batch_size=4", "global_batch: checkpoint 2, this run 4"),
+        ("--training.local_batch_size=4", "global_batch: checkpoint 2, this run 4"),
         ("--training.seq_len=64", "seq_len: checkpoint 32, this run 64"),
         ("--model.dim=64", "model.dim: checkpoint 32, this run 64"),
     ],
@@ -348,7 +348,7 @@ def test_symlinks_in_the_run_folders_are_refused(tmp_path, capsys, link):
 
 def test_a_checkpoint_folder_that_cannot_be_written_fails_at_start(tmp_path, capsys):
     (tmp_path / "file").write_text("not a folder")
-    argv = TINY + [f"--metrics.folder={tmp_path}/run", f"--checkpoint.folder={tmp_path}/file/ckpt"]
+    argv = TINY + [f"--job.dump_folder={tmp_path}/run", f"--checkpoint.folder={tmp_path}/file/ckpt"]
     assert trainer.main(argv + ["--training.steps=2"]) == 2
     err = capsys.readouterr().err
     assert f"checkpoint.folder='{tmp_path}/file/ckpt'" in err and "Traceback" not in err, err

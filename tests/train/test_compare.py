@@ -137,30 +137,30 @@ def test_compare_reads_runs_and_writes_table_json_and_png(runs_root, tmp_path, c
         (["--runs", "{root}", "--variant", "fp8"], "no folder for variant(s) ['fp8']"),
         (["--runs", "{root}", "--baseline", "fp8"], "baseline='fp8'"),
         (["--runs", "{root}", "--tail-steps", "-1"], "--tail-steps=-1"),
-        (["--runs", "{root}", "--", "--training.lr=1"], "need --config"),
-        (["--config", "configs/debug_moe.toml", "--variant", "a"], "expected at least 2"),
-        (["--config", "configs/debug_moe.toml", "--variant", "a", "--variant", "a=--x.y=1"], "given twice"),
+        (["--runs", "{root}", "--", "--optimizer.lr=1"], "need --config"),
+        (["--config", "debug_moe", "--variant", "a"], "expected at least 2"),
+        (["--config", "debug_moe", "--variant", "a", "--variant", "a=--x.y=1"], "given twice"),
         (
-            ["--config", "configs/debug_moe.toml", "--variant", "a", "--variant", "b", "--seeds", "1,1"],
+            ["--config", "debug_moe", "--variant", "a", "--variant", "b", "--seeds", "1,1"],
             "a seed is given twice",
         ),
         (["--config", "{tmp}/none.toml", "--variant", "a", "--variant", "b"], "file not found"),
         (
-            ["--config", "configs/debug_moe.toml", "--variant", "a", "--variant", "b=--training.seed=3"],
-            "'--training.seed=3' is set by mxmoe compare",
+            ["--config", "debug_moe", "--variant", "a", "--variant", "b=--debug.seed=3"],
+            "'--debug.seed=3' is set by mxmoe compare",
         ),
         (
             [
                 "--config",
-                "configs/debug_moe.toml",
+                "debug_moe",
                 "--variant",
                 "a",
                 "--variant",
                 "b",
                 "--",
-                "--metrics.folder=x",
+                "--job.dump_folder=x",
             ],
-            "'--metrics.folder=x' is set by mxmoe compare",
+            "'--job.dump_folder=x' is set by mxmoe compare",
         ),
     ],
 )
@@ -191,10 +191,10 @@ TINY = [
     "--model.num_experts=4",
     "--model.moe_hidden_dim=32",
     "--training.seq_len=32",
-    "--training.batch_size=2",
-    "--training.warmup_steps=1",
-    "--training.val_interval=3",
-    "--training.val_batches=1",
+    "--training.local_batch_size=2",
+    "--lr_scheduler.warmup_steps=1",
+    "--validation.freq=3",
+    "--validation.steps=1",
     "--data.max_files=6",
     "--metrics.log_freq=1",
     "--training.device=cpu",
@@ -204,7 +204,7 @@ TINY = [
 def test_compare_runs_two_variants_by_two_seeds_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     out = tmp_path / "cmp"
-    argv = ["--config", "configs/debug_moe.toml", "--steps", "3", "--seeds", "0,1", "--out", str(out)]
+    argv = ["--config", "debug_moe", "--steps", "3", "--seeds", "0,1", "--out", str(out)]
     argv += [
         "--variant",
         "hp=--model.converters=",
@@ -220,7 +220,7 @@ def test_compare_runs_two_variants_by_two_seeds_on_cpu(tmp_path, monkeypatch, ca
         folder = out / "runs" / r["variant"] / f"seed{r['seed']}"
         recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
         cfg = json.loads((folder / "config.json").read_text())
-        assert cfg["training"]["seed"] == r["seed"] and cfg["training"]["deterministic"] is True
+        assert cfg["debug"]["seed"] == r["seed"] and cfg["debug"]["deterministic"] is True
         assert cfg["training"]["steps"] == 3 and cfg["checkpoint"]["folder"] == ""
         assert cfg["model"]["converters"] == ([] if r["variant"] == "hp" else ["mx"])
         if r["variant"] == "mx":
@@ -246,7 +246,7 @@ def test_launch_runs_an_expert_parallel_job_under_torch_distributed_run(tmp_path
     monkeypatch.chdir(REPO)
     folder = tmp_path / "ep2" / "seed0"
     argv = compare._run_argv(
-        "configs/debug_moe.toml", 2, True, ["--parallelism.expert_parallel_degree=2"], TINY, 0, folder
+        "debug_moe", 2, True, ["--parallelism.expert_parallel_degree=2"], TINY, 0, folder
     )
     job = ("ep2", 0, argv, folder)
     assert compare.launch([job], parallel=1, devices=None, nproc=2) == {("ep2", 0): compare.DONE}
@@ -266,7 +266,7 @@ def test_time_limit_stops_the_running_run_and_starts_no_other(tmp_path, monkeypa
     for v in ("long", "next"):
         folder = tmp_path / v / "seed0"
         jobs.append(
-            (v, 0, compare._run_argv("configs/debug_moe.toml", 100_000, False, [], TINY, 0, folder), folder)
+            (v, 0, compare._run_argv("debug_moe", 100_000, False, [], TINY, 0, folder), folder)
         )
     # a limit that ends the first run in its start-up or its first steps: either way it is stopped
     status = compare.launch(jobs, parallel=1, devices=None, time_limit_s=3)

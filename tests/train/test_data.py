@@ -103,12 +103,12 @@ def test_validation_uses_the_documented_number_of_tokens(tmp_path):
     text = tmp_path / "data.txt"
     text.write_bytes(bytes(range(256)) * 12)  # 3072 bytes; the last 20% (614) are validation
     args = ["--model.name=debug_dense", "--model.dim=32", "--model.n_heads=2", "--model.n_layers=1"]
-    args += ["--training.seq_len=32", "--training.batch_size=2", "--training.steps=2"]
-    args += ["--training.val_interval=1", f"--data.path={text}", "--data.val_fraction=0.2"]
+    args += ["--training.seq_len=32", "--training.local_batch_size=2", "--training.steps=2"]
+    args += ["--validation.freq=1", f"--data.path={text}", "--data.val_fraction=0.2"]
     args += ["--training.cpu_threads=1"]
     for val_batches, tokens in ((1, 2 * 32), (100, (613 // 32) * 32)):  # a sample; the whole set
         run = tmp_path / f"run{val_batches}"
-        assert trainer.main(args + [f"--training.val_batches={val_batches}", f"--metrics.folder={run}"]) == 0
+        assert trainer.main(args + [f"--validation.steps={val_batches}", f"--job.dump_folder={run}"]) == 0
         recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert [r["val_tokens"] for r in recs] == [tokens, tokens]
         assert all(r["val_loss"] > 0 for r in recs)

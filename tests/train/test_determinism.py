@@ -1,4 +1,4 @@
-"""`--training.deterministic=true` on CPU: two runs of the same config and seed give the same loss
+"""`--debug.deterministic=true` on CPU: two runs of the same config and seed give the same loss
 bits (high precision and MX, one process and expert parallel over 2 gloo ranks); the mode's
 settings are made for the run and restored after it. The GPU versions (`pytest -m gpu`) are at the
 end: each compile mode, bf16 and MX, and ep = 2 on 2 GPUs."""
@@ -15,9 +15,9 @@ from conftest import spawn_ranks, trainer_rank
 from mxmoe.train import determinism, trainer
 
 REPO = Path(__file__).parents[2]
-# configs/debug_moe.toml (MX converter) made tiny: a few seconds a run on one CPU thread
+# debug_moe (MX converter) made tiny: a few seconds a run on one CPU thread
 DEBUG = [
-    f"--config={REPO / 'configs' / 'debug_moe.toml'}",
+    "--config=debug_moe",
     "--model.dim=32",
     "--model.n_heads=2",
     "--model.n_layers=1",
@@ -25,13 +25,13 @@ DEBUG = [
     "--model.moe_hidden_dim=32",
     "--training.steps=4",
     "--training.seq_len=32",
-    "--training.batch_size=2",
-    "--training.warmup_steps=2",
-    "--training.val_interval=4",
-    "--training.val_batches=1",
+    "--training.local_batch_size=2",
+    "--lr_scheduler.warmup_steps=2",
+    "--validation.freq=4",
+    "--validation.steps=1",
     "--training.device=cpu",
     "--training.cpu_threads=1",
-    "--training.deterministic=true",
+    "--debug.deterministic=true",
     "--data.max_files=6",
     "--checkpoint.folder=",
     "--metrics.log_freq=1",
@@ -55,7 +55,7 @@ def test_two_runs_give_the_same_loss_bits(tmp_path, converters):
     argv = DEBUG + [f"--model.converters={converters}"]
     runs = [tmp_path / "a", tmp_path / "b", tmp_path / "seed1"]
     for run, seed in zip(runs, (0, 0, 1), strict=True):
-        assert trainer.main(argv + [f"--metrics.folder={run}", f"--training.seed={seed}"]) == 0
+        assert trainer.main(argv + [f"--job.dump_folder={run}", f"--debug.seed={seed}"]) == 0
         # the mode covered the run only
         assert not torch.are_deterministic_algorithms_enabled()
     a, b, other = (bits(r) for r in runs)
@@ -63,7 +63,7 @@ def test_two_runs_give_the_same_loss_bits(tmp_path, converters):
     assert a == b
     assert len({x[1] for x in a}) == 4  # the losses move: the comparison is not of constants
     assert all(x[1:] != y[1:] for x, y in zip(a, other, strict=True))  # and another seed changes every step
-    assert json.loads((runs[0] / "config.json").read_text())["training"]["deterministic"] is True
+    assert json.loads((runs[0] / "config.json").read_text())["debug"]["deterministic"] is True
 
 
 def test_deterministic_mode_sets_and_restores_torch(monkeypatch):
@@ -120,8 +120,8 @@ def test_two_expert_parallel_runs_give_the_same_loss_bits(tmp_path):
             "--parallelism.expert_parallel_degree=2",
             "--parallelism.timeout_s=60",
             "--training.steps=3",
-            "--training.val_interval=3",
-            f"--metrics.folder={run}",
+            "--validation.freq=3",
+            f"--job.dump_folder={run}",
         ]
         spawn_ranks(trainer_rank, 2, argv, str(run))
         assert [(run / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
@@ -141,11 +141,11 @@ TINY_GPU = [
     "--model.top_k=2",
     "--model.moe_hidden_dim=128",
     "--training.seq_len=128",
-    "--training.batch_size=4",
+    "--training.local_batch_size=4",
     "--training.steps=6",
-    "--training.val_interval=6",
-    "--training.val_batches=2",
-    "--training.deterministic=true",
+    "--validation.freq=6",
+    "--validation.steps=2",
+    "--debug.deterministic=true",
     "--training.device=cuda",
     "--data.max_files=20",
     "--metrics.log_freq=1",
@@ -169,14 +169,14 @@ def _run_process(argv: list[str], nproc: int = 1) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "mode",
-    [[], ["--training.compile=true"], ["--training.compile_full=true", "--training.cuda_graph=true"]],
+    [[], ["--compile.enable"], ["--compile.enable", "--compile.whole_model", "--training.cuda_graph"]],
     ids=["eager", "compile", "compile_full+graph"],
 )
 @pytest.mark.parametrize("mx", [[], ["--model.converters=mx"]], ids=["bf16", "mx"])
 def test_gpu_two_runs_give_the_same_loss_bits(tmp_path, mx, mode):
     runs = [tmp_path / "a", tmp_path / "b"]
     for run in runs:
-        _run_process(TINY_GPU + mx + mode + [f"--metrics.folder={run}"])
+        _run_process(TINY_GPU + mx + mode + [f"--job.dump_folder={run}"])
     a, b = bits(runs[0]), bits(runs[1])
     assert [x[0] for x in a] == list(range(1, 7)) and len(a[-1]) == 1 + len(KEYS)
     assert a == b
@@ -188,7 +188,7 @@ def test_gpu_two_runs_give_the_same_loss_bits(tmp_path, mx, mode):
 def test_gpu_two_expert_parallel_runs_give_the_same_loss_bits(tmp_path, mx):
     runs = [tmp_path / "a", tmp_path / "b"]
     for run in runs:
-        argv = TINY_GPU + mx + ["--parallelism.expert_parallel_degree=2", f"--metrics.folder={run}"]
+        argv = TINY_GPU + mx + ["--parallelism.expert_parallel_degree=2", f"--job.dump_folder={run}"]
         _run_process(argv, nproc=2)
     a, b = bits(runs[0]), bits(runs[1])
     assert [x[0] for x in a] == list(range(1, 7)) and len(a[-1]) == 1 + len(KEYS)

@@ -11,12 +11,12 @@ from mxmoe.train import plot, trainer
 
 
 def _run(tmp_path, *extra):
-    return trainer.main(TINY + [f"--metrics.folder={tmp_path / 'run'}", *extra])
+    return trainer.main(TINY + [f"--job.dump_folder={tmp_path / 'run'}", *extra])
 
 
 def test_redirected_output_gets_plain_lines_a_summary_and_the_convert_report(tmp_path, capsys):
     args = MX + ["--training.steps=4", "--metrics.log_freq=2", "--metrics.progress_bar=true"]
-    assert _run(tmp_path, *args, "--training.val_interval=4", "--training.val_batches=1") == 0
+    assert _run(tmp_path, *args, "--validation.freq=4", "--validation.steps=1") == 0
     out, err = capsys.readouterr()
     assert "\r" not in err and "train:" not in err  # no progress-bar frames when not on a terminal
     lines = out.splitlines()
@@ -40,7 +40,7 @@ def test_progress_bar_only_on_a_terminal(tmp_path, capsys, monkeypatch):
 
 def test_missing_tensorboard_is_a_warning_naming_the_extra(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
-    assert _run(tmp_path, "--training.steps=1", "--metrics.tensorboard=true") == 0
+    assert _run(tmp_path, "--training.steps=1", "--metrics.enable_tensorboard=true") == 0
     err = capsys.readouterr().err
     assert "tensorboard package is not installed" in err and "pip install 'mxmoe[tensorboard]'" in err
     assert sorted(losses(tmp_path / "run")) == [1]
@@ -56,8 +56,8 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
 
 def test_logged_training_loss_is_the_mean_over_the_interval(tmp_path):
     every = tmp_path / "every"
-    assert trainer.main(TINY + ["--training.steps=4", f"--metrics.folder={every}"]) == 0
-    args = ["--training.steps=4", "--metrics.log_freq=2", f"--metrics.folder={tmp_path}"]
+    assert trainer.main(TINY + ["--training.steps=4", f"--job.dump_folder={every}"]) == 0
+    args = ["--training.steps=4", "--metrics.log_freq=2", f"--job.dump_folder={tmp_path}"]
     assert trainer.main(TINY + args) == 0
     per_step = losses(every)
     recs = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}

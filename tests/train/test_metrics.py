@@ -26,19 +26,19 @@ def test_a_second_run_on_a_live_folder_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
     live = RunLock(run, "live-run-id")  # another run holding the folder
     try:
-        assert trainer.main(TINY + ["--training.steps=1", f"--metrics.folder={run}"]) == 2
+        assert trainer.main(TINY + ["--training.steps=1", f"--job.dump_folder={run}"]) == 2
         err = capsys.readouterr().err
-        assert "is in use by a live run (run live-run-id, pid" in err and "--metrics.folder" in err, err
+        assert "is in use by a live run (run live-run-id, pid" in err and "--job.dump_folder" in err, err
         assert not (run / "metrics.jsonl").exists()
     finally:
         live.release()
     # once it has finished, the folder is free again (and a finished run leaves it free too)
-    assert trainer.main(TINY + ["--training.steps=1", f"--metrics.folder={run}"]) == 0
+    assert trainer.main(TINY + ["--training.steps=1", f"--job.dump_folder={run}"]) == 0
     RunLock(run, "next").release()
 
 
 def test_records_carry_run_id_and_time_and_are_strict_json(tmp_path):
-    assert trainer.main(TINY + ["--training.steps=2", f"--metrics.folder={tmp_path}"]) == 0
+    assert trainer.main(TINY + ["--training.steps=2", f"--job.dump_folder={tmp_path}"]) == 0
     recs = _records(tmp_path)
     assert [r["step"] for r in recs] == [1, 2]
     assert len({r["run_id"] for r in recs}) == 1 and recs[0]["run_id"]
@@ -54,7 +54,8 @@ def test_records_carry_run_id_and_time_and_are_strict_json(tmp_path):
 
 def test_a_resumed_run_continues_the_records_without_duplicates(tmp_path):
     run = tmp_path / "run"
-    args = TINY + [f"--metrics.folder={run}", f"--checkpoint.folder={run}/ckpt", "--checkpoint.keep_latest=0"]
+    args = TINY + [f"--job.dump_folder={run}", f"--checkpoint.folder={run}/ckpt"]
+    args += ["--checkpoint.keep_latest_k=0"]
     assert trainer.main(args + ["--training.steps=4", "--checkpoint.interval=2"]) == 0
     first = _records(run)
     # the run died after logging step 4 but before its checkpoint: the resume starts at step 2

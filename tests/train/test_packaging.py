@@ -72,6 +72,8 @@ def test_version_comes_from_the_package():
         (["--help"], 0, "out", "usage: mxmoe COMMAND"),
         (["--version"], 0, "out", f"mxmoe {mxmoe.__version__}"),
         (["bench", "--help"], 0, "out", "usage: mxmoe bench NAME"),
+        (["config", "list"], 0, "out", "torchtitan/deepseek_v3_debug_0.2"),
+        (["config", "path", "nope"], 2, "err", "'nope' is not a config that ships with mxmoe"),
         (["bench", "-h"], 0, "out", "grouped_mm"),
         (["bench"], 2, "err", "expected a benchmark name"),
         (["bench", "nope"], 2, "err", "got 'nope'"),
@@ -105,3 +107,88 @@ def test_lists_are_comma_separated_in_every_subcommand(capsys):
             linear.main(["--recipes", "mxfp8,mxfp8_rceil", "--shape", "64x64x64,32x32x32"])
     assert plot_main(["/nonexistent", "--labels", "a,b"]) == 2
     assert "labels has 2 names for 1 runs" in capsys.readouterr().err
+
+
+def _options(parser):
+    """(prog, option strings, help) of every option of an argparse parser and its subcommands."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+        elif not isinstance(action, argparse._HelpAction):
+            yield parser.prog, action.option_strings or [action.dest], action.help
+
+
+COMMANDS = [*(c for c in cli.COMMANDS if c != "train"), *(f"bench {b}" for b in cli.BENCHES)]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_of_every_subcommand_has_help(command):
+    """Each command's module builds its parser with `build_parser()`; every option says what it does
+    (`mxmoe train`'s options are its config's fields: tests/train/test_config.py checks their docs)."""
+    import importlib
+
+    name = command.split()
+    module = cli.BENCHES[name[1]] if name[0] == "bench" else cli.COMMANDS[name[0]]
+    parser = importlib.import_module(module).build_parser()
+    assert parser.prog == f"mxmoe {command}"
+    options = list(_options(parser))
+    assert options
+    for prog, flags, text in options:
+        assert text and text.strip() and text != "==SUPPRESS==", f"{prog} {flags[0]}: no help"
+
+
+def test_command_and_bench_help_come_from_the_registries(capsys):
+    """`mxmoe --help` and `mxmoe bench --help` list every registered command and benchmark with the
+    first line of its module's docstring (issue 48: bench --help described 5 of its 7 benchmarks)."""
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command, module in cli.COMMANDS.items():
+        line = next(x for x in out.splitlines() if x.startswith(f"  {command} "))
+        assert line.split(None, 1)[1] == cli.summary(module) and len(cli.summary(module)) > 20
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    for bench, module in cli.BENCHES.items():
+        line = next(x for x in out.splitlines() if x.startswith(f"  {bench} "))
+        assert line.split(None, 1)[1] == cli.summary(module) and len(cli.summary(module)) > 20
+
+
+def test_config_command_reaches_the_shipped_configs(tmp_path, capsys, monkeypatch):
+    """`mxmoe config path|show|copy NAME` from any folder; copy refuses to overwrite without --force."""
+    from mxmoe import configs
+
+    monkeypatch.chdir(tmp_path)
+    name = "torchtitan/deepseek_v3_debug_0.2"
+    assert cli.main(["config", "path", name]) == 0
+    path = capsys.readouterr().out.strip()
+    assert path == str(configs.path(name)) and "custom_config_module" in open(path).read()
+    assert cli.main(["config", "show", "debug_moe"]) == 0
+    assert capsys.readouterr().out == configs.path("debug_moe").read_text()
+    assert cli.main(["config", "copy", "debug_moe", "."]) == 0
+    assert (tmp_path / "debug_moe.toml").read_text() == configs.path("debug_moe").read_text()
+    assert cli.main(["config", "copy", "debug_moe", "debug_moe.toml"]) == 2
+    assert "exists; give --force to replace it" in capsys.readouterr().err
+    assert cli.main(["config", "copy", "moe_1b", "debug_moe.toml", "--force"]) == 0
+    assert "moe_1b" in (tmp_path / "debug_moe.toml").read_text()
+
+
+def test_configs_ship_as_package_data():
+    """pyproject's package data names every shipped config (the wheel check installs them)."""
+    import fnmatch
+
+    from mxmoe import configs
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = tool["package-data"]["mxmoe.configs"]
+    for name in configs.names():
+        rel = str(configs.path(name).relative_to(REPO / "mxmoe" / "configs"))
+        assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel
+    assert len(configs.names("trainer")) >= 6 and configs.names("torchtitan")
+
+
+def test_package_metadata_is_complete():
+    assert PYPROJECT["authors"] == [{"name": "mxmoe developers"}]
+    assert any(c.startswith("Development Status") for c in PYPROJECT["classifiers"])
+    assert "tyro" in _names(PYPROJECT["dependencies"])

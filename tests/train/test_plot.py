@@ -1,19 +1,36 @@
-"""`mxmoe plot` writes a PNG of several runs' loss curves."""
+"""`mxmoe plot`: runs named by variant and seed from their recorded configs, one curve (mean, band)
+per variant, a difference panel titled by what it subtracts."""
 
 import json
 
-from mxmoe.train.plot import main, read_metrics
+import pytest
+
+from mxmoe.train.plot import Series, figure, main, read_metrics, variant_names
+
+pytest.importorskip("matplotlib")
 
 
-def _run(folder, offset):
-    folder.mkdir()
+def _run(folder, offset, config=None):
+    folder.mkdir(parents=True)
     with open(folder / "metrics.jsonl", "w") as fh:
         for s in range(1, 21):
             rec = {"step": s, "loss": 5.0 / s + offset, "tokens_per_s": 1.0, "memory_gib": 0.1}
             if s % 10 == 0:
                 rec["val_loss"] = rec["loss"] + 0.1
             fh.write(json.dumps(rec) + "\n")
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps({"run_id": "x", **config}))
     return folder
+
+
+def _config(converters, seed, recipe="mxfp8_rceil", folder="runs/x"):
+    return {
+        "job": {"dump_folder": folder},
+        "model": {"name": "debug_moe", "converters": converters},
+        "mx": {"recipe_name": recipe},
+        "training": {"mixed_precision": "bf16"},
+        "debug": {"seed": seed},
+    }
 
 
 def test_plot_png(tmp_path, capsys):
@@ -28,11 +45,54 @@ def test_plot_png(tmp_path, capsys):
     assert len(read_metrics(str(a))) == 20
 
 
+def test_variant_and_seed_come_from_the_recorded_configs(tmp_path, capsys):
+    """Two runs in folders both named seed0 (issue 48: both were labelled "seed0"): the variants are
+    what their configs set apart, the seeds are debug.seed (training.seed in older records)."""
+    bf16 = _run(tmp_path / "bf16" / "seed0", 0.0, _config([], 0, folder="a"))
+    old = _config(["mx"], 0, folder="b")
+    old["training"]["seed"] = old.pop("debug")["seed"]  # recorded before debug.seed
+    mx = _run(tmp_path / "mx" / "seed0", 0.01, old)
+    assert main([str(bf16), str(mx), "--out", str(tmp_path / "p.png")]) == 0
+    configs = [json.loads((f / "config.json").read_text()) for f in (bf16, mx)]
+    assert variant_names(configs, ["seed0", "seed0"]) == ["bf16", "mx"]
+    floor = _config(["mx"], 0, recipe="mxfp8")
+    names = variant_names([configs[1], floor], ["a", "b"])
+    assert names == ["recipe_name=mxfp8_rceil", "recipe_name=mxfp8"]
+    assert variant_names([configs[0], floor], ["a", "b"]) == ["bf16", "mx recipe_name=mxfp8"]
+    assert variant_names([None], ["seed0"]) == ["seed0"]
+
+
+def test_one_curve_per_variant_and_a_titled_difference_panel():
+    """2 variants x 3 seeds: 2 training curves (the mean) with bands, not 6 lines and a 12-entry
+    legend; the difference panel says what is subtracted."""
+    def records(v, s):
+        return [{"step": k, "loss": 3.0 / k + 0.01 * s + (0.02 if v == "mx" else 0.0)} for k in range(1, 11)]
+
+    fig = figure([Series(v, s, records(v, s)) for v in ("bf16", "mx") for s in range(3)])
+    loss_ax, diff_ax = fig.axes
+    labels = [t.get_text() for t in loss_ax.get_legend().get_texts()]
+    assert labels == ["bf16: train, mean of 3 seeds (0,1,2)", "mx: train, mean of 3 seeds (0,1,2)"]
+    assert len(loss_ax.collections) == 2  # the bands
+    assert diff_ax.get_title() == "mx − bf16, per seed (thin) and their mean (thick)"
+    legend = [t.get_text() for t in diff_ax.get_legend().get_texts()]
+    assert legend == ["mx − bf16: train, mean of 3 seeds (0,1,2)"]
+    mean = diff_ax.get_lines()[3]  # 3 per-seed lines, then their mean: (mx - bf16) / bf16 in %
+    expected = [sum(0.02 / (3.0 / k + 0.01 * s) * 100 for s in range(3)) / 3 for k in range(1, 11)]
+    assert list(mean.get_xdata()) == list(range(1, 11))
+    assert max(abs(a - b) for a, b in zip(mean.get_ydata(), expected, strict=True)) < 1e-9
+
+
 def test_plot_errors(tmp_path, capsys):
     assert main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.png")]) == 2
     assert "no metrics file" in capsys.readouterr().err
     a = _run(tmp_path / "a", 0.0)
     assert main([str(a), "--labels", "x,y", "--out", str(tmp_path / "x.png")]) == 2
+    assert main([str(a), "--baseline", "nope", "--out", str(tmp_path / "x.png")]) == 2
+    assert "baseline='nope': no run of that variant" in capsys.readouterr().err
+    b = _run(tmp_path / "b" / "seed0", 0.0, _config([], 0))
+    c = _run(tmp_path / "c" / "seed0", 0.0, _config([], 0))
+    assert main([str(b), str(c), "--out", str(tmp_path / "x.png")]) == 2
+    assert "both variant 'bf16', seed 0: give --labels" in capsys.readouterr().err
 
 
 def test_resumed_run_records_are_deduplicated(tmp_path):

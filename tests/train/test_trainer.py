@@ -25,12 +25,12 @@ TINY = [
     "--model.top_k=2",
     "--model.moe_hidden_dim=32",
     "--training.seq_len=32",
-    "--training.batch_size=2",
-    "--training.warmup_steps=2",
-    "--training.val_interval=0",
+    "--training.local_batch_size=2",
+    "--lr_scheduler.warmup_steps=2",
+    "--validation.freq=0",
     "--metrics.progress_bar=false",
     "--metrics.log_freq=1",
-    "--metrics.tensorboard=false",
+    "--metrics.enable_tensorboard=false",
     "--data.max_files=6",
     "--training.cpu_threads=1",
     "--training.device=cpu",  # CPU tests, also on a GPU host (the GPU's are in test_gpu.py)
@@ -44,18 +44,18 @@ def losses(folder) -> dict[int, float]:
 
 
 def test_resume_reproduces_losses_exactly(tmp_path):
-    common = TINY + MX + ["--model.load_balance=bias", "--training.steps=6", "--checkpoint.keep_latest=0"]
+    common = TINY + MX + ["--model.load_balance=bias", "--training.steps=6", "--checkpoint.keep_latest_k=0"]
     full = tmp_path / "full"
     assert (
         trainer.main(
             common
-            + [f"--metrics.folder={full}", f"--checkpoint.folder={full}/ckpt", "--checkpoint.interval=3"]
+            + [f"--job.dump_folder={full}", f"--checkpoint.folder={full}/ckpt", "--checkpoint.interval=3"]
         )
         == 0
     )
     ref = losses(full)
     assert sorted(ref) == list(range(1, 7))
-    # the logged lr is the one the step used: lr_lambda(steps taken before it) x training.lr
+    # the logged lr is the one the step used: lr_lambda(steps taken before it) x optimizer.lr
     lam = trainer.lr_lambda(trainer.parse_args(common))
     recs = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in recs] == pytest.approx([3e-3 * lam(r["step"] - 1) for r in recs], rel=1e-12)
@@ -65,7 +65,7 @@ def test_resume_reproduces_losses_exactly(tmp_path):
     part = tmp_path / "part"
     (part / "ckpt").mkdir(parents=True)
     shutil.copytree(full / "ckpt" / "step-00000003", part / "ckpt" / "step-00000003")
-    assert trainer.main(common + [f"--metrics.folder={part}", f"--checkpoint.folder={part}/ckpt"]) == 0
+    assert trainer.main(common + [f"--job.dump_folder={part}", f"--checkpoint.folder={part}/ckpt"]) == 0
     got = losses(part)
     assert sorted(got) == [4, 5, 6]
     assert all(got[s] == ref[s] for s in (4, 5, 6)), (got, ref)
@@ -87,7 +87,7 @@ def test_an_interrupted_save_is_ignored_and_an_incomplete_step_folder_is_an_erro
 def test_sigterm_stops_cleanly_with_loadable_checkpoint(tmp_path):
     run = tmp_path / "run"
     argv = TINY + [
-        f"--metrics.folder={run}",
+        f"--job.dump_folder={run}",
         f"--checkpoint.folder={run}/ckpt",
         "--checkpoint.interval=2",
         "--training.steps=100000",
@@ -119,7 +119,7 @@ def test_sigterm_stops_cleanly_with_loadable_checkpoint(tmp_path):
         trainer.main(
             TINY
             + [
-                f"--metrics.folder={run}/resumed",
+                f"--job.dump_folder={run}/resumed",
                 f"--checkpoint.folder={run}/ckpt",
                 f"--training.steps={last + 1}",
             ]
@@ -130,7 +130,7 @@ def test_sigterm_stops_cleanly_with_loadable_checkpoint(tmp_path):
 
 
 def test_tensor_parallel_with_mx_is_refused_by_the_converter(tmp_path, capsys):
-    rc = trainer.main(TINY + MX + ["--parallelism.tensor_parallel_degree=2", f"--metrics.folder={tmp_path}"])
+    rc = trainer.main(TINY + MX + ["--parallelism.tensor_parallel_degree=2", f"--job.dump_folder={tmp_path}"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "tensor parallelism with MX is not supported" in err and "tp=2" in err
@@ -145,12 +145,12 @@ def test_two_process_fsdp_ep_mx_matches_one_process(tmp_path):
     dist_run, one_run = tmp_path / "ep2", tmp_path / "one"
     argv = common + [
         "--parallelism.expert_parallel_degree=2",
-        f"--metrics.folder={dist_run}",
+        f"--job.dump_folder={dist_run}",
         f"--checkpoint.folder={dist_run}/ckpt",
     ]
     spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
-    assert trainer.main(common + ["--training.batch_size=4", f"--metrics.folder={one_run}"]) == 0
+    assert trainer.main(common + ["--training.local_batch_size=4", f"--job.dump_folder={one_run}"]) == 0
     d, o = losses(dist_run), losses(one_run)
     assert sorted(d) == sorted(o) == [1, 2]
     assert d[1] == pytest.approx(o[1], rel=1e-5) and d[2] == pytest.approx(o[2], rel=1e-4)
@@ -166,9 +166,9 @@ def test_two_process_fsdp_ep_mx_matches_one_process(tmp_path):
         trainer.main(
             common
             + [
-                "--training.batch_size=4",
+                "--training.local_batch_size=4",
                 "--training.steps=3",
-                f"--metrics.folder={one_run}/resumed",
+                f"--job.dump_folder={one_run}/resumed",
                 f"--checkpoint.folder={one_run}/ckpt",
             ]
         )
@@ -184,10 +184,10 @@ def test_two_process_ep_exchange_only_matches_one_process(tmp_path):
     common = TINY + MX + ["--mx.expert_gemm=bf16", "--mx.convert_linears=false", "--training.steps=2",
                           "--parallelism.timeout_s=60"]
     dist_run, one_run = tmp_path / "ep2", tmp_path / "one"
-    argv = common + ["--parallelism.expert_parallel_degree=2", f"--metrics.folder={dist_run}"]
+    argv = common + ["--parallelism.expert_parallel_degree=2", f"--job.dump_folder={dist_run}"]
     spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
-    assert trainer.main(common + ["--training.batch_size=4", f"--metrics.folder={one_run}"]) == 0
+    assert trainer.main(common + ["--training.local_batch_size=4", f"--job.dump_folder={one_run}"]) == 0
     d, o = losses(dist_run), losses(one_run)
     assert sorted(d) == sorted(o) == [1, 2] and o[2] != o[1]
     assert d[1] == pytest.approx(o[1], rel=1e-5) and d[2] == pytest.approx(o[2], rel=1e-4)
@@ -196,14 +196,14 @@ def test_two_process_ep_exchange_only_matches_one_process(tmp_path):
 def test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint(tmp_path):
     """High-precision experts (all_to_all_hp exchange): a one-process checkpoint loads into ep=2 and
     the resumed step's loss matches the uninterrupted one-process run."""
-    common = TINY + ["--training.steps=2", "--parallelism.timeout_s=60", "--checkpoint.keep_latest=0"]
+    common = TINY + ["--training.steps=2", "--parallelism.timeout_s=60", "--checkpoint.keep_latest_k=0"]
     one_run, ep_run = tmp_path / "one", tmp_path / "ep2"
     assert (
         trainer.main(
             common
             + [
-                "--training.batch_size=4",
-                f"--metrics.folder={one_run}",
+                "--training.local_batch_size=4",
+                f"--job.dump_folder={one_run}",
                 f"--checkpoint.folder={one_run}/ckpt",
             ]
             + ["--checkpoint.interval=1"]
@@ -214,7 +214,7 @@ def test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint(tmp_pa
     shutil.copytree(one_run / "ckpt" / "step-00000001", ep_run / "ckpt" / "step-00000001")
     argv = common + [
         "--parallelism.expert_parallel_degree=2",
-        f"--metrics.folder={ep_run}",
+        f"--job.dump_folder={ep_run}",
         f"--checkpoint.folder={ep_run}/ckpt",
     ]
     spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
@@ -226,8 +226,8 @@ def test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint(tmp_pa
 
 def test_profiling_writes_a_trace_and_an_operator_table(tmp_path):
     run = tmp_path / "run"
-    args = TINY + MX + ["--training.steps=5", f"--metrics.folder={run}", "--profiling.enable_profiling"]
-    assert trainer.main(args + ["--profiling.profile_freq=3", "--profiling.profile_active=2"]) == 0
+    args = TINY + MX + ["--training.steps=5", f"--job.dump_folder={run}", "--profiling.enable_profiling"]
+    assert trainer.main(args + ["--profiling.profile_freq=3", "--profiling.profiler_active=2"]) == 0
     # steps 1..3 form one cycle: step 1 warms up, steps 2-3 are recorded; profile_repeat=1 stops there
     traces = sorted(p.name for p in (run / "profile_traces").iterdir())
     assert traces == ["rank0_step00000003.json", "rank0_step00000003.txt"]
@@ -243,21 +243,21 @@ def test_profiling_writes_a_trace_and_an_operator_table(tmp_path):
 @pytest.mark.parametrize(
     "opt, message",
     [
-        ("--profiling.profile_active=10", r"profiling.profile_active=10: expected 1 .. profile_freq - 1"),
+        ("--profiling.profiler_active=10", r"profiling.profiler_active=10: expected 1 .. profile_freq - 1"),
         ("--profiling.profile_freq=1", r"profiling.profile_freq=1: expected >= 2"),
         ("--profiling.profile_repeat=-1", r"profiling.profile_repeat=-1: expected >= 0"),
     ],
 )
 def test_profiling_settings_are_checked(tmp_path, capsys, opt, message):
-    args = TINY + ["--training.steps=1", f"--metrics.folder={tmp_path}", "--profiling.enable_profiling", opt]
+    args = TINY + ["--training.steps=1", f"--job.dump_folder={tmp_path}", "--profiling.enable_profiling", opt]
     assert trainer.main(args) == 2
     assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("converters", [[], MX], ids=["hp", "mx"])
 def test_compiled_training_matches_eager(tmp_path, converters):
-    """`--training.compile` (per block; at EP=1 each MoE layer, routed experts included, is one
-    graph) and `--training.compile_full` (the whole model, one graph), high precision and with the
+    """`--compile.enable` (per block; at EP=1 each MoE layer, routed experts included, is one
+    graph) and `--compile.whole_model` (the whole model, one graph), high precision and with the
     MX converter, train like eager: same losses and gradient norms, validation (eval, no_grad)
     included (on torch 2.11 a compiled MX op once gave every input a zero gradient).
 
@@ -266,16 +266,16 @@ def test_compiled_training_matches_eager(tmp_path, converters):
     capture, autograd, decompositions and partition, run by eager kernels instead of Inductor's
     generated C++, whose compiles take most of a compiled CPU run's time (the GPU tests compile with
     Inductor throughout, and the ops' tests compile each MX op with Inductor on CPU too)."""
-    common = TINY + converters + ["--training.steps=3", "--training.val_interval=3"]
-    common += ["--training.val_batches=1"]
-    decomp = "--training.compile_backend=aot_eager_decomp_partition"
+    common = TINY + converters + ["--training.steps=3", "--validation.freq=3"]
+    common += ["--validation.steps=1"]
+    decomp = "--compile.backend=aot_eager_decomp_partition"
     runs = {}
     for name, flags in (
         ("eager", []),
-        ("compiled", ["--training.compile=true"] + ([] if converters else [decomp])),
-        ("compiled_full", ["--training.compile_full=true", decomp]),
+        ("compiled", ["--compile.enable=true"] + ([] if converters else [decomp])),
+        ("compiled_full", ["--compile.enable", "--compile.whole_model", decomp]),
     ):
-        assert trainer.main(common + flags + [f"--metrics.folder={tmp_path / name}"]) == 0
+        assert trainer.main(common + flags + [f"--job.dump_folder={tmp_path / name}"]) == 0
         recs = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         runs[name] = [(r["loss"], r["grad_norm"]) for r in recs if "grad_norm" in r]
         runs[name + "_val"] = [r["val_loss"] for r in recs if "val_loss" in r]
@@ -287,15 +287,15 @@ def test_compiled_training_matches_eager(tmp_path, converters):
 
 
 def test_two_process_fsdp_compiled_mx_matches_one_process_eager(tmp_path):
-    """`--training.compile` under FSDP without expert parallelism (2 gloo ranks, batch 2 each): the
+    """`--compile.enable` under FSDP without expert parallelism (2 gloo ranks, batch 2 each): the
     MoE layers, MX experts included, compile whole inside the FSDP blocks and train like one eager
     process with batch 4: same losses, gradient norms and validation loss."""
-    common = TINY + MX + ["--training.steps=2", "--training.val_interval=2", "--training.val_batches=1"]
+    common = TINY + MX + ["--training.steps=2", "--validation.freq=2", "--validation.steps=1"]
     fsdp_run, one_run = tmp_path / "fsdp", tmp_path / "one"
-    argv = common + ["--parallelism.timeout_s=60", "--training.compile=true", f"--metrics.folder={fsdp_run}"]
+    argv = common + ["--parallelism.timeout_s=60", "--compile.enable=true", f"--job.dump_folder={fsdp_run}"]
     spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
-    assert trainer.main(common + ["--training.batch_size=4", f"--metrics.folder={one_run}"]) == 0
+    assert trainer.main(common + ["--training.local_batch_size=4", f"--job.dump_folder={one_run}"]) == 0
     runs = []
     for folder in (fsdp_run, one_run):
         recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -304,23 +304,24 @@ def test_two_process_fsdp_compiled_mx_matches_one_process_eager(tmp_path):
     torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=1e-4, atol=0)
 
 
-def test_compile_full_is_checked(tmp_path, capsys):
-    """compile_full and the per-block compile are one choice: asking for both is a clear error."""
-    args = TINY + ["--training.steps=1", f"--metrics.folder={tmp_path}", "--training.compile=true",
-                   "--training.compile_full=true"]
+def test_whole_model_compile_needs_compile_enable(tmp_path, capsys):
+    """compile.whole_model says how compile.enable compiles: without it, a clear error, not eager."""
+    args = TINY + ["--training.steps=1", f"--job.dump_folder={tmp_path}", "--compile.whole_model"]
     assert trainer.main(args) == 2
-    assert "training.compile_full=true" in capsys.readouterr().err
+    assert "compile.whole_model=true compiles the whole model in one graph: it needs compile.enable=true" in (
+        capsys.readouterr().err
+    )
 
 
 def test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly(tmp_path):
     """EP=2 over 2 gloo ranks: training goes on after a periodic save (the checkpointer once wrapped
     the live optimizer state in DTensors: `aten.lerp_` mixed Tensor and DTensor on the next step),
     and a run resumed from that save logs the uninterrupted run's losses."""
-    common = TINY + ["--training.steps=4", "--parallelism.timeout_s=60", "--checkpoint.keep_latest=0"]
+    common = TINY + ["--training.steps=4", "--parallelism.timeout_s=60", "--checkpoint.keep_latest_k=0"]
     common += ["--parallelism.expert_parallel_degree=2"]
-    common += ["--training.val_interval=2", "--training.val_batches=1"]
+    common += ["--validation.freq=2", "--validation.steps=1"]
     full, part = tmp_path / "full", tmp_path / "part"
-    argv = common + [f"--metrics.folder={full}", f"--checkpoint.folder={full}/ckpt"]
+    argv = common + [f"--job.dump_folder={full}", f"--checkpoint.folder={full}/ckpt"]
     argv += ["--checkpoint.interval=2"]
     spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
@@ -328,7 +329,7 @@ def test_ep_training_continues_past_a_periodic_checkpoint_and_resumes_exactly(tm
     assert sorted(ref) == [1, 2, 3, 4]
     (part / "ckpt").mkdir(parents=True)
     shutil.copytree(full / "ckpt" / "step-00000002", part / "ckpt" / "step-00000002")
-    argv = common + [f"--metrics.folder={part}", f"--checkpoint.folder={part}/ckpt"]
+    argv = common + [f"--job.dump_folder={part}", f"--checkpoint.folder={part}/ckpt"]
     spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
     got = losses(part)
