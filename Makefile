@@ -1,5 +1,6 @@
 # mxmoe: `make test` (the whole suite on CPU, the torchtitan 0.2 adapter's tests included),
-# `make train` (a short MX training run on CPU).
+# `make train` (a short MX training run on CPU), `make wheel-check` (the wheel installed in a fresh
+# venv trains from outside the checkout).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,13 +13,14 @@ TT02_STAMP := $(TT02)/.installed
 TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.6.0
 
-.PHONY: test lint train clean
+.PHONY: test lint train wheel-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION) \
-		numpy tabulate tqdm matplotlib pytest pytest-timeout pytest-xdist hypothesis ruff "setuptools>=77"
+		numpy tabulate tqdm "tyro>=1.0,<2" matplotlib pytest pytest-timeout pytest-xdist hypothesis ruff \
+		"setuptools>=77"
 	# the torchtitan integration's tests (torch stays pinned)
 	$(BIN)/python -m pip install -q torchtitan==0.3.0 torch==$(TORCH_VERSION)
 	# the peer the native (Blackwell) GEMM's tests compare with; test-only, no deps (torch stays pinned)
@@ -45,7 +47,12 @@ test: $(STAMP) $(TT02_STAMP) lint
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --torchtitan02=$(TT02)
 
 train: $(STAMP)
-	$(BIN)/mxmoe train --config configs/debug_moe.toml
+	$(BIN)/mxmoe train --config debug_moe
+
+# the wheel in a fresh venv (torch linked from $(VENV), the rest from pip's sources): a short
+# training by config name from a folder outside the checkout (scripts/wheel_check.sh)
+wheel-check: $(STAMP)
+	bash scripts/wheel_check.sh $(BIN)/python
 
 clean:
 	rm -rf $(VENV) build *.egg-info
