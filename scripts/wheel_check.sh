@@ -10,12 +10,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 PY=${1:-$REPO/.venv/bin/python}
-WORK=$REPO/build/wheel-check
-rm -rf "$WORK"
+# the venv and the run live outside the checkout (removed when the check passes)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/mxmoe-wheel-check.XXXXXX")
 mkdir -p "$WORK/dist" "$WORK/run"
 start=$SECONDS
 
-# the wheel, built with the venv's setuptools (no isolated build env: no download)
+# the wheel, built with the venv's setuptools (no isolated build env: no download); setuptools keeps
+# build/lib between builds, where a file since deleted would still reach the wheel
+rm -rf "$REPO/build/lib" "$REPO"/build/bdist.*
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$REPO"
 wheel=$(ls "$WORK"/dist/mxmoe-*.whl)
 
@@ -38,7 +40,8 @@ import sys
 import mxmoe
 from mxmoe import configs
 assert mxmoe.__file__.startswith(sys.prefix), f"mxmoe imported from {mxmoe.__file__}, not the wheel"
-assert "debug_moe" in configs.names("trainer") and configs.path("torchtitan/deepseek_v3_debug_0.2").is_file()
+assert "debug_moe" in configs.names("trainer"), f"the wheel ships no trainer configs: {configs.names()}"
+assert "torchtitan/deepseek_v3_debug_0.2" in configs.names(), f"no torchtitan configs: {configs.names()}"
 EOF
 "$WORK/venv/bin/mxmoe" --help > /dev/null
 "$WORK/venv/bin/mxmoe" train --help > /dev/null
@@ -49,3 +52,4 @@ test -s deepseek_v3_debug_0.2.toml
     --checkpoint.folder=ckpt --checkpoint.interval=3 --job.dump_folder=run --metrics.log_freq=1
 test -s run/metrics.jsonl && test -d ckpt/step-00000003
 echo "wheel check: $(basename "$wheel") installed in a fresh venv and trained from $PWD ($((SECONDS - start)) s)"
+rm -rf "$WORK"
