@@ -486,13 +486,13 @@ def _prepare(argv: list[str]) -> tuple[str | None, list[str]]:
         key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         key = key.replace("-", "_")
         if key == "config":
-            if config is not None:
-                raise ConfigError(f"--config is given twice ({config!r} and {value or argv[i + 1:i + 2]})")
             if not eq:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
                     raise ConfigError("--config needs a value: a config name (mxmoe config list) or a file")
                 i += 1
                 value = argv[i]
+            if config is not None:
+                raise ConfigError(f"--config is given twice ({config!r} and {value!r})")
             config = value
         elif key in RENAMED_KEYS:
             raise ConfigError(f"--{renamed_key_message(key).replace(' is now ', ' is now --', 1)}")
