@@ -40,7 +40,8 @@ attention projections (docs/training-ops.md says why)."""
 
 @dataclass
 class MXOptions:
-    """What to convert to MX, the MX recipe, and the expert-parallel exchange (module docstring)."""
+    """What to convert to MX, how (the recipe), and the expert-parallel exchange: mxmoe's one option
+    set, the same in every front end."""
 
     recipe_name: RecipeName = DEFAULT_RECIPE_NAME
     """torchao's recipe names: mxfp8_rceil (RCEIL scales, never saturate; default) | mxfp8 (FLOOR
