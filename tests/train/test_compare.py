@@ -245,7 +245,7 @@ def test_launch_runs_an_expert_parallel_job_under_torch_distributed_run(tmp_path
     """--nproc 2: one run as 2 gloo ranks (ep = 2) under torch.distributed.run; done once."""
     monkeypatch.chdir(REPO)
     folder = tmp_path / "ep2" / "seed0"
-    argv = compare._run_argv(
+    argv = compare.launcher.trainer_argv(
         "configs/debug_moe.toml", 2, True, ["--parallelism.expert_parallel_degree=2"], TINY, 0, folder
     )
     job = ("ep2", 0, argv, folder)
@@ -265,13 +265,12 @@ def test_time_limit_stops_the_running_run_and_starts_no_other(tmp_path, monkeypa
     jobs = []
     for v in ("long", "next"):
         folder = tmp_path / v / "seed0"
-        jobs.append(
-            (v, 0, compare._run_argv("configs/debug_moe.toml", 100_000, False, [], TINY, 0, folder), folder)
-        )
+        argv = compare.launcher.trainer_argv("configs/debug_moe.toml", 100_000, False, [], TINY, 0, folder)
+        jobs.append((v, 0, argv, folder))
     # a limit that ends the first run in its start-up or its first steps: either way it is stopped
     status = compare.launch(jobs, parallel=1, devices=None, time_limit_s=3)
     assert status == {("long", 0): "stopped at the time limit", ("next", 0): "not started (time limit)"}
     rec = json.loads((tmp_path / "long" / "seed0" / "command.json").read_text())
     assert rec["stopped"] is True and rec["seconds"] < 3 + 130
     assert not (tmp_path / "next").exists()
-    assert compare._failed(tmp_path / "long" / "seed0")
+    assert compare.report.run_failed(tmp_path / "long" / "seed0")
