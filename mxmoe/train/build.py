@@ -48,7 +48,16 @@ def check_values(cfg: JobConfig) -> None:
         raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16, fp32 or tf32")
     if t.cpu_threads < 0:
         raise ValueError(f"training.cpu_threads={t.cpu_threads}: expected >= 0 (0 = torch's default)")
+    m = cfg.model
     for key, value, low in (
+        ("model.dim", m.dim, 1),
+        ("model.n_layers", m.n_layers, 1),
+        ("model.n_heads", m.n_heads, 1),
+        ("model.num_experts", m.num_experts, 0),
+        ("model.top_k", m.top_k, 1),
+        ("model.moe_hidden_dim", m.moe_hidden_dim, 1),
+        ("model.num_shared_experts", m.num_shared_experts, 0),
+        ("data.max_files", cfg.data.max_files, 0),
         ("training.steps", t.steps, 1),
         ("training.batch_size", t.batch_size, 1),
         ("training.seq_len", t.seq_len, 1),
@@ -59,19 +68,15 @@ def check_values(cfg: JobConfig) -> None:
         ("checkpoint.keep_latest", cfg.checkpoint.keep_latest, 0),
         ("metrics.log_freq", cfg.metrics.log_freq, 1),
     ):
-        if value < low:
+        if value is not None and value < low:  # None: the preset's value
             raise ValueError(f"{key}={value}: expected >= {low}")
-    if not (math.isfinite(t.lr) and t.lr > 0):
-        raise ValueError(f"training.lr={t.lr!r}: expected a finite number > 0")
-    for key, value, ok, accepted in (
-        ("training.min_lr_ratio", t.min_lr_ratio, 0 <= t.min_lr_ratio <= 1, "0 <= value <= 1"),
-        ("training.max_norm", t.max_norm, t.max_norm >= 0, "a number >= 0 (0 disables clipping)"),
-        ("training.weight_decay", t.weight_decay, 0 <= t.weight_decay < math.inf, "a finite number >= 0"),
-        ("training.beta1", t.beta1, 0 <= t.beta1 < 1, "0 <= value < 1"),
-        ("training.beta2", t.beta2, 0 <= t.beta2 < 1, "0 <= value < 1"),
-    ):
-        if not ok:  # NaN fails every comparison
-            raise ValueError(f"{key}={value!r}: expected {accepted}")
+    check_limits(cfg)  # every float option (FLOAT_RANGES), the seed, the timeout
+    if t.val_interval > 0 and t.val_batches > 0 and cfg.data.val_fraction == 0:
+        raise ValueError(
+            f"data.val_fraction=0 holds out no validation data, but validation is on "
+            f"(training.val_interval={t.val_interval}, training.val_batches={t.val_batches}): give "
+            "data.val_fraction > 0 or turn validation off with training.val_interval=0"
+        )
     from mxmoe.recipe import recipe_from_options
 
     mx = cfg.mx
@@ -91,7 +96,6 @@ def check_values(cfg: JobConfig) -> None:
         )
     if t.compile or t.compile_full:
         check_compile_backend(t.compile_backend, "training.compile_backend")
-    check_limits(cfg)
     profiling.check(cfg.profiling)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 import types
 import typing
@@ -211,9 +212,60 @@ class JobConfig:
         return hashlib.sha256(json.dumps(self.flat(), sort_keys=True, default=str).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class Range:
+    """The accepted values of a float option: finite, within [low, high] (an open end excludes it)."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""
+
+    def accepts(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below  # NaN fails every comparison
+
+    def __str__(self) -> str:
+        if math.isinf(self.high):
+            text = f"a finite number {'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            lo, hi = ("<" if self.low_open else "<="), ("<" if self.high_open else "<=")
+            text = f"{self.low:g} {lo} value {hi} {self.high:g}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+FLOAT_RANGES: dict[str, Range] = {
+    "model.aux_loss_coef": Range(0.0, note="none keeps the preset's"),
+    "model.bias_update_rate": Range(0.0, note="none keeps the preset's"),
+    "training.lr": Range(0.0, low_open=True),
+    "training.min_lr_ratio": Range(0.0, 1.0),
+    "training.weight_decay": Range(0.0),
+    "training.beta1": Range(0.0, 1.0, high_open=True),
+    "training.beta2": Range(0.0, 1.0, high_open=True),
+    "training.max_norm": Range(0.0, note="0 disables clipping"),
+    "data.val_fraction": Range(0.0, 1.0, high_open=True),
+}
+"""Every float option of JobConfig and what it accepts (`check_limits` checks them all; a test checks
+that every float field is listed)."""
+
+
+def check_floats(cfg: JobConfig) -> None:
+    """ConfigError naming the first float option (FLOAT_RANGES) outside its range, NaN and
+    infinities included; None (an optional field left unset) is not checked."""
+    flat = cfg.flat()
+    for key, accepted in FLOAT_RANGES.items():
+        value = flat[key]
+        if value is not None and not accepted.accepts(value):
+            raise ConfigError(f"{key}={value!r}: expected {accepted}")
+
+
 def check_limits(cfg: JobConfig) -> None:
-    """ConfigError for values of the right type that fail at run time (the trainer's other range
-    checks are in `mxmoe.train.build.check_values`)."""
+    """ConfigError for values of the right type that fail at run time: every float option
+    (`check_floats`) and the limits below (the trainer's other range checks are in
+    `mxmoe.train.build.check_values`)."""
+    check_floats(cfg)
     t = cfg.training
     if cfg.parallelism.timeout_s < 1:
         raise ConfigError(f"parallelism.timeout_s={cfg.parallelism.timeout_s}: expected >= 1")

@@ -168,7 +168,17 @@ def test_main_reports_config_errors(capsys):
         ("--training.lr=-1e-3", "training.lr=-0.001: expected a finite number > 0"),
         ("--training.min_lr_ratio=1.5", "training.min_lr_ratio=1.5: expected 0 <= value <= 1"),
         ("--training.min_lr_ratio=-0.1", "training.min_lr_ratio=-0.1: expected 0 <= value <= 1"),
-        ("--training.max_norm=nan", "training.max_norm=nan: expected a number >= 0"),
+        ("--training.max_norm=nan", "training.max_norm=nan: expected a finite number >= 0 (0 disables"),
+        # float options of the model: NaN / inf once trained with NaN expert biases, rc 0
+        ("--model.bias_update_rate=nan", "model.bias_update_rate=nan: expected a finite number >= 0"),
+        ("--model.bias_update_rate=inf", "model.bias_update_rate=inf: expected a finite number >= 0"),
+        ("--model.aux_loss_coef=nan", "model.aux_loss_coef=nan: expected a finite number >= 0"),
+        ("--model.num_shared_experts=-1", "model.num_shared_experts=-1: expected >= 0"),
+        ("--model.moe_hidden_dim=0", "model.moe_hidden_dim=0: expected >= 1"),
+        ("--data.max_files=-1", "data.max_files=-1: expected >= 0"),
+        ("--data.val_fraction=1", "data.val_fraction=1.0: expected 0 <= value < 1"),
+        # not "the corpus has 0 tokens": what is wrong and the two ways out
+        ("--data.val_fraction=0", "data.val_fraction=0 holds out no validation data, but validation is on"),
         ("--training.beta2=1", "training.beta2=1.0: expected 0 <= value < 1"),
         ("--training.weight_decay=inf", "training.weight_decay=inf: expected a finite number >= 0"),
         ("--mx.gemm_backend=fp4",
@@ -195,6 +205,37 @@ def test_main_rejects_out_of_range_values(capsys, arg, match):
     # checked before any model or data is built: an error naming the key, not a ZeroDivisionError
     assert trainer.main([*arg.split(), "--training.device=cpu"]) == 2
     assert match in capsys.readouterr().err
+
+
+def _float_fields() -> set[str]:
+    """Every `section.key` of JobConfig whose type is float or float | None."""
+    import dataclasses
+    import typing
+
+    from mxmoe.train.config import JobConfig
+
+    out = set()
+    for sec, cls in typing.get_type_hints(JobConfig).items():
+        for name, tp in typing.get_type_hints(cls).items():
+            if float in (tp, *typing.get_args(tp)):
+                out.add(f"{sec}.{name}")
+    assert {f.name for f in dataclasses.fields(JobConfig)} >= {k.split(".")[0] for k in out}
+    return out
+
+
+def test_every_float_option_has_a_range_and_refuses_nan_and_infinities():
+    from mxmoe.train.build import check_values
+    from mxmoe.train.config import FLOAT_RANGES
+
+    floats = _float_fields()
+    assert "model.bias_update_rate" in floats and "training.lr" in floats
+    assert set(FLOAT_RANGES) == floats, "a float option without a range (or a range of no option)"
+    for key in sorted(floats):
+        for bad in ("nan", "inf", "-inf"):
+            with pytest.raises(ValueError, match=rf"^{key}={bad}: expected "):
+                check_values(parse_args([f"--{key}={bad}", "--training.val_interval=0"]))
+        # the default (or the preset's, for None) passes
+        check_values(parse_args(["--training.val_interval=0"]))
 
 
 def test_help_lists_every_field_with_doc(capsys):
