@@ -21,7 +21,7 @@ from mxmoe.models import Transformer, apply_expert_parallel, model_args
 from mxmoe.models.moe import ModelArgs
 from mxmoe.models.routing import LocalExperts
 from mxmoe.train import determinism, parallel, profiling
-from mxmoe.train.checkpoint import Checkpointer
+from mxmoe.train.checkpoint import TRAIN_STATE, Checkpointer, CheckpointError
 from mxmoe.train.config import JobConfig, check_limits
 from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_tokens
 
@@ -213,6 +213,37 @@ def mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims
     return model.mx_conversion
 
 
+def precision_record(cfg: JobConfig) -> dict:
+    """The settings that decide a run's arithmetic, {option: value} (JSON): model.converters,
+    training.mixed_precision and, with the mx converter, the recipe (its name and resolved format:
+    element dtype, block size, scaling mode, expert GEMMs) and what is converted. Each checkpoint
+    records it; resuming under another is refused (checkpoint.allow_precision_change). The cast
+    kernels and the GEMM backend are left out: they give the same numbers (or run where the
+    hardware has them)."""
+    from mxmoe.recipe import recipe_from_options
+
+    rec: dict = {
+        "model.converters": sorted(cfg.model.converters),
+        "training.mixed_precision": cfg.training.mixed_precision,
+    }
+    if "mx" in cfg.model.converters:
+        mx = cfg.mx
+        r = recipe_from_options(mx.recipe_name, expert_gemm=mx.expert_gemm)
+        rec.update(
+            {
+                "mx.recipe_name": mx.recipe_name,
+                "mx.elem_dtype": str(r.elem_dtype),
+                "mx.block_size": r.block_size,
+                "mx.scaling_mode": r.scaling_mode,
+                "mx.expert_gemm": r.expert_gemm,
+                "mx.filter_fqns": sorted(mx.filter_fqns),
+                "mx.convert_linears": mx.convert_linears,
+                "mx.convert_grouped_experts": mx.convert_grouped_experts,
+            }
+        )
+    return rec
+
+
 def precision(model: torch.nn.Module, cfg: JobConfig) -> str:
     """What the mx converter actually did: the modules now MX, or that it swapped none."""
     from mxmoe.nn import MXGroupedExperts, MXLinear
@@ -310,9 +341,19 @@ class Run:
         t = self.cfg.training
         return t.batch_size * t.seq_len * self.world
 
+    def settings(self) -> dict:
+        """What the checkpoint records of this run's settings ({option: value}): the resolved
+        config, compared with a resuming run's."""
+        return self.cfg.flat()
+
     def train_state(self, step: int) -> dict:
-        """The non-tensor state a checkpoint keeps beside model and optimizer."""
-        return {"step": step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
+        """The non-tensor state a checkpoint keeps beside model and optimizer (JSON)."""
+        return {
+            "step": step,
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "settings": self.settings(),
+        }
 
 
 def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Run:
@@ -370,9 +411,17 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
     # batch is the same; hyperparameters such as aux_loss_coef may change)
     shape = {k: v for k, v in dataclasses.asdict(margs).items() if k not in _TUNABLE_MODEL_ARGS}
     run_shape = {"model": shape, "global_batch": t.batch_size * world, "seq_len": t.seq_len}
+    ck = cfg.checkpoint
     ckpt = (
-        Checkpointer(cfg.checkpoint.folder, cfg.checkpoint.keep_latest, ep_mesh, run=run_shape)
-        if cfg.checkpoint.folder
+        Checkpointer(
+            ck.folder,
+            ck.keep_latest,
+            ep_mesh,
+            run=run_shape,
+            precision=precision_record(cfg),
+            allow_precision_change=ck.allow_precision_change,
+        )
+        if ck.folder
         else None
     )
     run = Run(
@@ -399,16 +448,72 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
         amp=autocast(cfg, device, cache_enabled=not t.cuda_graph),
         aux_coef=aux_loss_weight(margs),
     )
-    if (
-        ckpt is not None
-        and cfg.checkpoint.resume
-        and (path := ckpt.resume_path(cfg.checkpoint.fallback)) is not None
-    ):
-        st = ckpt.load(path, model, optimizer, run.train_state(0))
-        run.step = int(st["step"])
-        for group in optimizer.param_groups:  # the saving run may have had another world size
-            group["foreach"] = not distributed
-        scheduler.load_state_dict(st["scheduler"])
-        sampler.load_state_dict(st["sampler"])
-        log.info("resumed from %s at step %d", path, run.step)
+    if ckpt is not None and ck.resume and (path := ckpt.resume_path(ck.fallback)) is not None:
+        _resume(run, path)
     return run
+
+
+def _resume(run: Run, path) -> None:
+    """Load checkpoint `path` into `run`. The run trains with its own settings from the resumed step
+    on: its optimizer settings (lr, betas, weight decay, eps, ...) replace the saved ones in the
+    param groups (the moments and step counts stay the checkpoint's) and the LR schedule is this
+    config's, at the resumed step; the log names each setting that differs from the saving run's."""
+    cfg, optimizer = run.cfg, run.optimizer
+    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
+    st = run.ckpt.load(path, run.model, optimizer, run.train_state(0))
+    check_train_state(st, path / TRAIN_STATE)
+    run.step = st["step"]
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        group.update(settings)  # initial_lr (training.lr) included: the schedule's base
+    # LambdaLR at the resumed step: lr = training.lr x lr_lambda(step), as the uninterrupted run's
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg), last_epoch=run.step - 1)
+    run.sampler.load_state_dict(st["sampler"])
+    log.info("resumed from %s at step %d", path, run.step)
+    if run.rank != 0:
+        return
+    saved = st.get("settings")
+    if saved is None:
+        log.info(
+            "checkpoint %s records no settings (saved by an earlier mxmoe): this run's optimizer and "
+            "schedule settings apply from step %d",
+            path,
+            run.step + 1,
+        )
+        return
+    now = run.settings()
+    changed = [
+        f"{k}={now.get(k)!r} (checkpoint: {saved.get(k)!r})"
+        for k in sorted(set(now) | set(saved))
+        if now.get(k) != saved.get(k)
+    ]
+    if changed:
+        log.warning(
+            "resuming %s with settings that differ from the run that saved it; this run's apply from "
+            "step %d: %s",
+            path.name,
+            run.step + 1,
+            ", ".join(changed),
+        )
+
+
+def check_train_state(st: dict, file) -> None:
+    """CheckpointError naming `file` and the key unless `st` is a trainer state this trainer wrote:
+    an int step, the sampler's position (ints), and, when present, the settings (an object)."""
+    sampler = st.get("sampler")
+    problem = None
+    if type(st.get("step")) is not int or st["step"] < 0:
+        problem = f"step={st.get('step')!r}: expected an int >= 0"
+    elif not isinstance(sampler, dict):
+        problem = f"sampler={sampler!r}: expected the data position, an object"
+    else:
+        for k in ("epoch", "step", "seed", "n"):
+            if type(sampler.get(k)) is not int or sampler[k] < 0:
+                problem = f"sampler.{k}={sampler.get(k)!r}: expected an int >= 0"
+                break
+    if problem is None and not isinstance(st.get("settings", {}), dict):
+        problem = f"settings={st['settings']!r}: expected an object"
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint file {file}: {problem}, not the trainer state this trainer writes: refused; "
+            "resume from another checkpoint or start a new --checkpoint.folder"
+        )

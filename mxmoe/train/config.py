@@ -164,6 +164,11 @@ class Checkpoint:
         "when the latest checkpoint fails its checksums, move it aside (step-N.corrupt) and resume "
         "from the previous complete one (default: stop with an error naming the bad file)",
     )
+    allow_precision_change: bool = _f(
+        False,
+        "resume a checkpoint trained in another precision (model.converters, the mx recipe and "
+        "options, training.mixed_precision) in this run's, with a warning (default: an error naming both)",
+    )
 
 
 @dataclass

@@ -35,7 +35,7 @@ from mxmoe.train.build import (  # noqa: F401  (build_model_args .. mx_convert: 
 from mxmoe.train.checkpoint import CheckpointError, claim_folder
 from mxmoe.train.config import ConfigError, JobConfig, check_ranks_agree, help_text, parse_args
 from mxmoe.train.data import VOCAB_SIZE, eval_windows
-from mxmoe.train.metrics import MetricsWriter, RunLock, new_run_id
+from mxmoe.train.metrics import MetricsError, MetricsWriter, RunLock, new_run_id
 
 log = logging.getLogger("mxmoe.train")
 
@@ -138,8 +138,8 @@ def _main(cfg: JobConfig) -> int:
     except (ValueError, TypeError, NotImplementedError) as e:  # bad settings: a clear message, no trace
         print(f"mxmoe train: error: {e}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingDiverged) as e:  # the run cannot go on: say why, exit 1
-        print(f"mxmoe train: error: {e}", file=sys.stderr)
+    except (CheckpointError, MetricsError, TrainingDiverged, parallel.CollectiveFailed) as e:
+        print(f"mxmoe train: error: {e}", file=sys.stderr)  # the run cannot go on: say why, exit 1
         return 1
 
 
@@ -160,8 +160,10 @@ def _train_run(cfg: JobConfig) -> int:
     distributed = dist.is_initialized()
     stop = _Stop()
     run_id, locks = new_run_id(), []
+    peers: list = []
     try:
         if distributed:
+            peers = parallel.gather_peers()
             check_ranks_agree(cfg)
         # one live run per metrics / checkpoint folder: rank 0 takes the locks and every rank learns
         # the outcome
@@ -184,6 +186,12 @@ def _train_run(cfg: JobConfig) -> int:
         if busy is not None:
             raise ValueError(busy)
         return _train(build_run(cfg, rank, world, device), stop, run_id)
+    except RuntimeError as e:  # gloo's failures are plain RuntimeErrors: say which rank and what to check
+        if distributed and parallel.is_collective_failure(e):
+            raise parallel.CollectiveFailed(
+                parallel.describe_collective_failure(e, rank, peers, p.timeout_s)
+            ) from None
+        raise
     finally:
         for lock in locks:
             lock.release()

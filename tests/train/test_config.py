@@ -238,6 +238,16 @@ def test_every_float_option_has_a_range_and_refuses_nan_and_infinities():
         check_values(parse_args(["--training.val_interval=0"]))
 
 
+def test_a_cuda_device_without_a_gpu_is_a_setting_error(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert trainer.main(["--training.device=cuda", "--training.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "mxmoe train: error: training.device='cuda': no CUDA GPU is available here" in err
+    assert "--training.device=cpu" in err and "Traceback" not in err, err
+
+
 def test_help_lists_every_field_with_doc(capsys):
     assert trainer.main(["--help"]) == 0
     out = capsys.readouterr().out

@@ -56,13 +56,26 @@ class Checkpointer:
     expert_mesh: the (edp, ep) DeviceMesh when experts are sharded by expert parallelism, else None.
     """
 
-    def __init__(self, folder: str, keep_latest: int = 2, expert_mesh=None, run: dict | None = None):
+    def __init__(
+        self,
+        folder: str,
+        keep_latest: int = 2,
+        expert_mesh=None,
+        run: dict | None = None,
+        precision: dict | None = None,
+        allow_precision_change: bool = False,
+    ):
         """run: what a resumed run must match (JSON-able; e.g. model arguments, global batch and
-        sequence length), stored in each checkpoint's manifest and compared by `load`."""
+        sequence length), stored in each checkpoint's manifest and compared by `load`.
+        precision: the settings that decide the run's arithmetic ({option: value}, JSON-able),
+        stored likewise; `load` refuses a checkpoint of another precision (naming each differing
+        option) unless `allow_precision_change`, which only warns. None: not recorded nor checked."""
         self.folder = Path(folder)
         self.keep_latest = keep_latest
         self.expert_mesh = expert_mesh
         self.run = run or {}
+        self.precision = precision
+        self.allow_precision_change = allow_precision_change
         self.rank = dist.get_rank() if distributed() else 0
         self.world = dist.get_world_size() if distributed() else 1
 
@@ -224,6 +237,7 @@ class Checkpointer:
                     "time": time.time(),
                     "world": self.world,
                     "run": self.run,
+                    "precision": self.precision,
                     "files": files,
                 }
                 write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
@@ -246,14 +260,18 @@ class Checkpointer:
         return final
 
     def _before_load(self, path: Path) -> tuple[dict, dict]:
-        """The run shape checked; (DCP's state_dict_metadata, the trainer state)."""
+        """The run shape and precision checked; (DCP's state_dict_metadata, the trainer state)."""
         manifest_file = path / MANIFEST
         if manifest_file.is_file():
             try:
-                saved_run = json.loads(manifest_file.read_text()).get("run", {})
+                manifest = json.loads(manifest_file.read_text())
+                saved_run = manifest.get("run", {})
             except (ValueError, AttributeError) as e:
                 raise CheckpointError(f"{manifest_file} is not a valid manifest ({e})") from None
             mf.check_run(path, self.run, saved_run)
+            if self.precision is not None:
+                saved = manifest.get("precision")
+                mf.check_precision(path, self.precision, saved, self.allow_precision_change, self.rank == 0)
         return read_metadata(path / ".metadata").state_dict_metadata, mf.read_train_state(path)
 
     def load(self, path: Path, model, optimizer, train_state: dict) -> dict:

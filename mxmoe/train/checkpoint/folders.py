@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,6 +14,7 @@ from mxmoe.train.checkpoint.common import LEFTOVER, STEP_DIR
 from mxmoe.train.metrics import RunLock
 
 log = logging.getLogger("mxmoe.train")
+_STEP_NAME = re.compile(r"^step-\d{8}(\.(tmp|pruned|corrupt))?$")  # what saves, prunes and fallbacks write
 
 
 def step_folders(folder: Path) -> list[tuple[int, Path]]:
@@ -30,10 +32,11 @@ def step_folders(folder: Path) -> list[tuple[int, Path]]:
 
 def claim_folder(folder: str, run_id: str, resume: bool, locked: bool = False) -> RunLock | None:
     """Rank 0, before anything is built: lock checkpoint `folder` for this run (as the metrics
-    folder is locked; symbolic links in it are refused), check that it can be written, remove what
-    interrupted saves and prunes left (`step-N.tmp`, `step-N.pruned`, empty step folders older than
-    the newest checkpoint), and with `resume=False` move the folder's checkpoints to
-    `superseded-<run_id>/`, so that a later resuming run continues this run, not the earlier one.
+    folder is locked; symbolic links in it are refused), check that it can be written, refuse files
+    under the names checkpoints are saved as, remove what interrupted saves and prunes left
+    (`step-N.tmp`, `step-N.pruned`, empty step folders older than the newest checkpoint), and with
+    `resume=False` move the folder's checkpoints to `superseded-<run_id>/`, so that a later resuming
+    run continues this run, not the earlier one.
     locked: the folder is the metrics folder, already locked by this run (no second lock; None is
     returned). ValueError naming checkpoint.folder if any of it fails."""
     path = Path(folder)
@@ -46,6 +49,15 @@ def claim_folder(folder: str, run_id: str, resume: bool, locked: bool = False) -
         fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
         os.close(fd)
         os.unlink(probe)
+        # a save at step N writes step-N.tmp/ and renames it step-N/: a file under either name
+        # would make that save fail, steps after the last checkpoint
+        taken = sorted(p.name for p in path.iterdir() if _STEP_NAME.match(p.name) and not p.is_dir())
+        if taken:
+            raise ValueError(
+                f"checkpoint.folder={folder!r} holds {taken}, not folders, under the names checkpoints "
+                "are saved as: a save at that step would fail; move them out of the folder or give this "
+                "run another --checkpoint.folder"
+            )
         for p in sorted(path.iterdir()):
             if LEFTOVER.match(p.name) and p.is_dir():
                 shutil.rmtree(p)

@@ -4,6 +4,7 @@ world size, the run's shape) and the files it lists, each checked before anythin
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from mxmoe.train.checkpoint.common import (
@@ -17,6 +18,8 @@ from mxmoe.train.checkpoint.common import (
     sha256,
 )
 from mxmoe.train.checkpoint.safe_load import read_metadata
+
+log = logging.getLogger("mxmoe.train")
 
 
 def _no_constant(name: str):
@@ -190,3 +193,44 @@ def check_run(path: Path, run: dict, saved: dict) -> None:
             "with the same model, training.batch_size x world size and training.seq_len, or start "
             "a new --checkpoint.folder (or --checkpoint.resume=false)"
         )
+
+
+def check_precision(path: Path, precision: dict, saved, allow: bool, warn: bool) -> None:
+    """CheckpointError naming each option of `precision` ({option: value}: this run's) that differs
+    from `saved` (the manifest's), unless `allow` (then a warning, logged where `warn`). A
+    checkpoint without a record (`saved` None: an earlier mxmoe) is resumed with a warning."""
+    if saved is None:
+        if warn:
+            log.warning(
+                "checkpoint %s records no precision (saved by an earlier mxmoe): resuming it in this run's "
+                "(%s) without a check",
+                path,
+                ", ".join(f"{k}={v!r}" for k, v in precision.items()),
+            )
+        return
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path / MANIFEST}: \"precision\" must be an object, got {saved!r}: refused")
+    def shown(d: dict, k: str) -> str:
+        return repr(d[k]) if k in d else "unset"
+
+    diffs = [
+        f"{k}: checkpoint {shown(saved, k)}, this run {shown(precision, k)}"
+        for k in sorted(set(saved) | set(precision))
+        if k not in saved or k not in precision or saved[k] != precision[k]
+    ]
+    if not diffs:
+        return
+    if allow:
+        if warn:
+            log.warning(
+                "checkpoint %s was trained in another precision (%s): continuing it in this run's, as "
+                "checkpoint.allow_precision_change=true asks",
+                path,
+                "; ".join(diffs),
+            )
+        return
+    raise CheckpointError(
+        f"checkpoint {path} was trained in another precision ({'; '.join(diffs)}): resume with its "
+        "--model.converters / --mx.* / --training.mixed_precision, start a new --checkpoint.folder, or "
+        "pass --checkpoint.allow_precision_change=true to continue it in this run's precision"
+    )

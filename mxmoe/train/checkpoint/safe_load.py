@@ -76,7 +76,7 @@ def checked_reader_and_planner() -> tuple[type, type]:
     """DCP's file reader and load planner, restricted (classes built on first use, DCP imported)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorStorageMetadata
 
     class CheckedReader(dcp.FileSystemReader):
         """DCP's file reader with `.metadata` read through the allow-list unpickler."""
@@ -92,10 +92,23 @@ def checked_reader_and_planner() -> tuple[type, type]:
 
     class CheckedLoadPlanner(DefaultLoadPlanner):
         """DCP's load planner that reads only the byte items this run's own state has (as byte items),
-        each through `torch.load(weights_only=True)` before DCP's own `torch.load` sees the same bytes."""
+        each through `torch.load(weights_only=True)` before DCP's own `torch.load` sees the same bytes,
+        and only tensors of this run's dtypes (DCP would cast a float64 or int64 tensor silently)."""
 
         def set_up_planner(self, *args, **kwargs) -> None:
             super().set_up_planner(*args, **kwargs)
+            mismatched = sorted(
+                f"{k!r} is {v.properties.dtype} in the checkpoint, {self.state_dict[k].dtype} in this run"
+                for k, v in self.metadata.state_dict_metadata.items()
+                if isinstance(v, TensorStorageMetadata)
+                and isinstance(self.state_dict.get(k), torch.Tensor)
+                and v.properties.dtype != self.state_dict[k].dtype
+            )
+            if mismatched:
+                more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+                raise CheckpointError(
+                    f"tensor {mismatched[0]}{more}: refused, a checkpoint's tensors are never cast"
+                )
             foreign = sorted(
                 k
                 for k, v in self.metadata.state_dict_metadata.items()
