@@ -22,8 +22,8 @@ from mxmoe.models.moe import ModelArgs
 from mxmoe.models.routing import LocalExperts
 from mxmoe.train import determinism, parallel, profiling
 from mxmoe.train.checkpoint import TRAIN_STATE, Checkpointer, CheckpointError
-from mxmoe.train.config import JobConfig, check_limits
-from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_tokens
+from mxmoe.train.config import JobConfig, check_limits, check_ranks_data
+from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_corpus
 
 log = logging.getLogger("mxmoe.train")
 
@@ -58,6 +58,7 @@ def check_values(cfg: JobConfig) -> None:
         ("model.moe_hidden_dim", m.moe_hidden_dim, 1),
         ("model.num_shared_experts", m.num_shared_experts, 0),
         ("data.max_files", cfg.data.max_files, 0),
+        ("data.max_file_bytes", cfg.data.max_file_bytes, 1),
         ("training.steps", t.steps, 1),
         ("training.batch_size", t.batch_size, 1),
         ("training.seq_len", t.seq_len, 1),
@@ -328,6 +329,7 @@ class Run:
     exp_params: list[torch.nn.Parameter]  # expert-parallel parameters (empty without EP)
     ep_mesh: DeviceMesh | None  # ("edp", "ep") with expert parallelism, else None
     edp_group: dist.ProcessGroup | None  # ranks holding the same experts: expert gradients reduced over it
+    corpus: dict  # the data's identity (mxmoe.train.data.Corpus.identity)
     train_ds: PackedDataset
     val_ds: PackedDataset | None  # None: no validation
     sampler: ShardedSampler
@@ -341,10 +343,27 @@ class Run:
         t = self.cfg.training
         return t.batch_size * t.seq_len * self.world
 
+    @property
+    def epochs(self) -> dict:
+        """How much data the whole run reads: tokens_per_epoch (the train split's windows x
+        seq_len), run_tokens (steps x global batch x seq_len) and their ratio, epochs (> 1: the
+        training data repeats)."""
+        t = self.cfg.training
+        per_epoch = len(self.train_ds) * t.seq_len
+        run_tokens = t.steps * t.batch_size * self.world * t.seq_len
+        return {
+            "steps": t.steps,
+            "global_batch": t.batch_size * self.world,
+            "seq_len": t.seq_len,
+            "tokens_per_epoch": per_epoch,
+            "run_tokens": run_tokens,
+            "epochs": run_tokens / per_epoch,
+        }
+
     def settings(self) -> dict:
         """What the checkpoint records of this run's settings ({option: value}): the resolved
-        config, compared with a resuming run's."""
-        return self.cfg.flat()
+        config and the data's identity, compared with a resuming run's."""
+        return {**self.cfg.flat(), "data.corpus": self.corpus["sha256"]}
 
     def train_state(self, step: int) -> dict:
         """The non-tensor state a checkpoint keeps beside model and optimizer (JSON)."""
@@ -402,9 +421,15 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
     d = cfg.data
-    train_tokens, val_tokens = load_tokens(d.path, d.val_fraction, d.max_files, d.extensions)
-    train_ds = PackedDataset(train_tokens, t.seq_len)
-    val_ds = PackedDataset(val_tokens, t.seq_len) if t.val_interval > 0 and t.val_batches > 0 else None
+    corpus = load_corpus(d.path, d.val_fraction, d.max_files, d.extensions, d.max_file_bytes)
+    if distributed:
+        check_ranks_data(corpus.identity, d.path)
+    train_ds = PackedDataset(corpus.train, t.seq_len, "the train split")
+    val_ds = (
+        PackedDataset(corpus.val, t.seq_len, "the validation split")
+        if t.val_interval > 0 and t.val_batches > 0
+        else None
+    )
     sampler = ShardedSampler(len(train_ds), t.batch_size, rank, world, t.seed)
 
     # what a resumed run must share with the saving one (another world size is fine when the global
@@ -439,6 +464,7 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
         exp_params=exp_params,
         ep_mesh=ep_mesh,
         edp_group=edp_group,
+        corpus=corpus.identity,
         train_ds=train_ds,
         val_ds=val_ds,
         sampler=sampler,

@@ -147,10 +147,19 @@ class Parallelism:
 
 @dataclass
 class Data:
-    path: str = _f("", "text file or folder of text files; empty = the Python stdlib's own source")
+    path: str = _f(
+        "",
+        "text file or folder of text files; empty = the Python stdlib's own source; python-env = every "
+        "Python file of the running environment (the stdlib and the installed packages; a folder of that "
+        "name: ./python-env)",
+    )
     val_fraction: float = _f(0.05, "fraction of files (chosen by file-name hash) held out for validation")
     max_files: int = _f(0, "use at most this many files (after the split, by hash order); 0 = all")
     extensions: list[str] = _f([".py"], "file suffixes read from a folder")
+    max_file_bytes: int = _f(
+        2**28,
+        "largest data file read, in bytes (each rank holds the corpus in memory); a larger one is an error",
+    )
 
 
 @dataclass
@@ -307,6 +316,31 @@ def check_ranks_agree(cfg: JobConfig) -> None:
     raise ConfigError(
         f"the ranks were started with different configs: {'; '.join(diffs)}; give every rank the same "
         "--config and options"
+    )
+
+
+def check_ranks_data(identity: dict, path: str) -> None:
+    """Collective over the default process group: ConfigError on every rank, naming what each rank
+    read, unless every rank's corpus (`mxmoe.train.data.Corpus.identity`: its files' names and
+    sizes, its token counts) is rank 0's. The same config can name different data: a relative
+    data.path from different working folders, a folder that differs between hosts."""
+    import torch.distributed as dist
+
+    def key(i: dict) -> tuple:
+        return i["sha256"], i["train_tokens"], i["val_tokens"]
+
+    ids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, identity)
+    if all(key(i) == key(ids[0]) for i in ids):
+        return
+    each = "; ".join(
+        f"rank {r}: {i['source']} ({i['files']} files, {i['train_tokens'] + i['val_tokens']} tokens, corpus "
+        f"{i['sha256'][:12]})"
+        for r, i in enumerate(ids)
+    )
+    raise ConfigError(
+        f"the ranks read different data for data.path={path!r}: {each}; give every rank the same files "
+        "(an absolute --data.path, on a file system they share)"
     )
 
 

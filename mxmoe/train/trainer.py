@@ -230,6 +230,27 @@ def _log_run(run: Run, run_id: str) -> None:
         len(run.train_ds),
         len(run.val_ds) if run.val_ds else 0,
     )
+    c, e = run.corpus, run.epochs
+    skipped = ", ".join(f"{k} {n}" for k, n in sorted(c["skipped"].items()))
+    log.info(
+        f"data {c['source']}: {c['files']:,} files, {c['train_tokens']:,} train / {c['val_tokens']:,} "
+        f"validation tokens, corpus {c['sha256'][:12]}"
+        + (f"; skipped {sum(c['skipped'].values())} not regular files ({skipped})" if skipped else "")
+    )
+    what = (
+        f"{e['run_tokens']:,} tokens (training.steps x global batch x seq_len = {e['steps']} x "
+        f"{e['global_batch']} x {e['seq_len']}), {e['epochs']:.2f} epochs of the train split's "
+        f"{e['tokens_per_epoch']:,} tokens"
+    )
+    if e["epochs"] > 1 and run.rank == 0:
+        log.warning(
+            "the run reads %s: its training data repeats, and a loss past the first epoch measures "
+            "memorization too. A larger corpus (--data.path=python-env, or a folder) or fewer steps keeps "
+            "it to one epoch",
+            what,
+        )
+    else:
+        log.info("the run reads %s", what)
 
 
 class _TrainStep:
@@ -316,8 +337,9 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
     step = run.step
 
     _log_run(run, run_id)
+    recorded = {**cfg.to_dict(), "corpus": run.corpus, "epochs": run.epochs}  # config.json
     metrics = MetricsWriter(
-        cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, cfg.to_dict(), run_id, start_step=step
+        cfg.metrics.folder, rank == 0, cfg.metrics.tensorboard, recorded, run_id, start_step=step
     )
     world_group = dist.group.WORLD if distributed else None
     train_step = _TrainStep(run)

@@ -150,6 +150,36 @@ def _rank_with_extra(rank: int, world: int, port: int, argv: list[str], extra: l
     Path(out, f"rc{rank}").write_text(str(rc))
 
 
+def _rank_in_its_folder(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
+    """A trainer rank started in out/cwd{rank}; its exit status and stderr go to files in `out`."""
+    import os
+
+    os.chdir(Path(out, f"cwd{rank}"))
+    _rank_with_extra(rank, world, port, argv, [], out)
+
+
+def test_ranks_reading_different_data_stop_naming_each_ranks_corpus(tmp_path):
+    """One config, a relative data.path, each rank started in another folder: every rank stops at start
+    naming what each read (they once trained silently on different corpora)."""
+    from conftest import spawn_ranks
+    from test_trainer import TINY
+
+    for r in range(2):
+        data = tmp_path / f"cwd{r}" / "data"
+        data.mkdir(parents=True)
+        for i in range(6):
+            (data / f"m{i}.py").write_text(f"# rank {r} file {i}\n" + "x = 1\n" * (40 + 10 * r))
+    argv = TINY + ["--training.steps=2", "--data.path=data", f"--metrics.folder={tmp_path}/run"]
+    spawn_ranks(_rank_in_its_folder, 2, argv, str(tmp_path))
+    for r in range(2):
+        assert (tmp_path / f"rc{r}").read_text() == "2"
+        err = (tmp_path / f"err{r}").read_text()
+        assert "the ranks read different data for data.path='data': rank 0: " in err, err
+        assert f"rank 0: {tmp_path / 'cwd0' / 'data'} (6 files, " in err, err
+        assert f"rank 1: {tmp_path / 'cwd1' / 'data'} (6 files, " in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_main_reports_config_errors(capsys):
     assert trainer.main(["--training.stepz=3"]) == 2
     assert "training.stepz" in capsys.readouterr().err
