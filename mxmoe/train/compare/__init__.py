@@ -11,7 +11,9 @@ Running: one `python -m mxmoe train` subprocess per (variant, seed), `--parallel
 each with `--config`, then `--checkpoint.folder=` (no checkpoints: a config's checkpoint folder would
 make every run resume the same one), `--training.deterministic=true` (unless --no-deterministic),
 `--training.steps`, the variant's arguments, the arguments after `--` (every run), and last the
-seed and `--metrics.folder=OUT/runs/VARIANT/seedS`. A variant is `NAME=ARGS`, ARGS the trainer
+seed and `--metrics.folder=OUT/runs/VARIANT/seedS`; a `--checkpoint.folder=X` among the arguments
+becomes X/VARIANT/seedS, each run's own (a stopped run resumes its own checkpoint when the same
+command runs again). A variant is `NAME=ARGS`, ARGS the trainer
 options as one shell-quoted string, or just NAME for none (repeat --variant per variant: trainer
 values hold commas, as `--mx.filter_fqns=output,router`); the first is the baseline unless
 --baseline names another. Each run's console goes to its folder's train.log; a run that finished
@@ -21,7 +23,12 @@ more after that many seconds, then writes the tables of the finished ones.
 
 Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from RUN/config.json (the
 layout the running mode writes under OUT/runs; a run whose command.json records a failure or a
-stop at the time limit is left out).
+stop at the time limit is left out). A malformed record is an error naming its file, line and field.
+
+Paired runs must share their setup (training steps, the last logged step, sequence length, global
+batch and corpus, from each run's config.json): runs that differ are refused, naming them. Each
+run's epochs (how often it reads its train split) are in the runs table; runs that read their data
+more than once are flagged.
 
 Written into OUT: compare.md and compare.json (per run: final training loss = the mean training loss
 per step over the last `--tail-steps` steps (default: the last 10 % of the run), final validation

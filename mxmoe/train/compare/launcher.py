@@ -39,13 +39,33 @@ def check_own(where: str, args: list[str]) -> None:
             raise ValueError(f"{where}: {a!r} is set by mxmoe compare itself (per run); remove it")
 
 
+def _checkpoint_folder(args: list[str]) -> str | None:
+    """The last `--checkpoint.folder` value in trainer arguments (`=VALUE` or a separate VALUE), or
+    None if they set none (the trainer takes the last one)."""
+    value = None
+    for i, a in enumerate(args):
+        if a.startswith("--checkpoint.folder="):
+            value = a.split("=", 1)[1]
+        elif a == "--checkpoint.folder" and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
 def trainer_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra, seed: int, folder: Path):
+    """The `mxmoe train` arguments of one run: the config, no checkpoints (the config's folder would
+    be every run's), the deterministic mode and steps, the variant's and the common options, then
+    the seed and the metrics folder `folder` (OUT/runs/VARIANT/seedS). A checkpoint folder X among
+    the options becomes X/VARIANT/seedS, the run's own: runs never resume one another."""
     argv = [f"--config={cfg}", "--checkpoint.folder=", "--metrics.progress_bar=false"]
     if deterministic:
         argv.append("--training.deterministic=true")
     if steps is not None:
         argv.append(f"--training.steps={steps}")
-    return argv + list(vargs) + list(extra) + [f"--training.seed={seed}", f"--metrics.folder={folder}"]
+    argv += list(vargs) + list(extra) + [f"--training.seed={seed}", f"--metrics.folder={folder}"]
+    ckpt = _checkpoint_folder(list(vargs) + list(extra))
+    if ckpt:
+        argv.append(f"--checkpoint.folder={Path(ckpt) / folder.parent.name / folder.name}")
+    return argv
 
 
 DONE = "done"

@@ -5,6 +5,7 @@ differences from the baseline (`paired_differences`), compare.md / compare.json 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -28,6 +29,54 @@ class Run:
     val_step: int | None
     tokens_per_s: float | None
     records: list[dict] = field(default_factory=list, repr=False)
+    setup: dict = field(default_factory=dict)  # `run_setup`: steps, seq_len, global batch, corpus, epochs
+
+    @property
+    def epochs(self) -> float | None:
+        """How many times the run reads its train split (> 1: its data repeats); None if unrecorded."""
+        return self.setup.get("epochs")
+
+
+SETUP = ("steps", "seq_len", "global_batch", "corpus")
+"""What paired runs must share (`check_setups`), as `run_setup` reads it."""
+
+
+def run_setup(folder: str | Path) -> dict:
+    """What a run was set up with, from its config.json (the trainer's record): training steps,
+    seq_len, global batch, the corpus's identity (sha256 and source) and the epochs the run reads.
+    What the record lacks (one written by an earlier mxmoe, or no config.json) is None; a value of
+    the wrong type is a ValueError naming the file and the key."""
+    file = Path(folder) / "config.json"
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, ValueError):
+        cfg = {}
+
+    def section(name: str) -> dict:
+        v = cfg.get(name) if isinstance(cfg, dict) else None
+        return v if isinstance(v, dict) else {}
+
+    t, e, c = section("training"), section("epochs"), section("corpus")
+    setup = {
+        "steps": t.get("steps"),
+        "seq_len": t.get("seq_len"),
+        "global_batch": e.get("global_batch"),
+        "corpus": c.get("sha256"),
+        "corpus_source": c.get("source"),
+        "epochs": e.get("epochs"),
+    }
+    for key, types in (
+        ("steps", (int,)),
+        ("seq_len", (int,)),
+        ("global_batch", (int,)),
+        ("corpus", (str,)),
+        ("corpus_source", (str,)),
+        ("epochs", (int, float)),
+    ):
+        v = setup[key]
+        if v is not None and (type(v) not in types or (key == "epochs" and not math.isfinite(v))):
+            raise ValueError(f"run {str(folder)!r}: {file} has {key}={v!r}, not what the trainer records")
+    return setup
 
 
 def run_summary(variant: str, seed: int, folder: str | Path, tail_steps: int = 0) -> Run:
@@ -68,6 +117,7 @@ def run_summary(variant: str, seed: int, folder: str | Path, tail_steps: int = 0
         val_step=vals[-1]["step"] if vals else None,
         tokens_per_s=statistics.median(tps[1:] if len(tps) > 1 else tps) if tps else None,
         records=recs,
+        setup=run_setup(folder),
     )
 
 
@@ -107,6 +157,11 @@ def paired_differences(runs: list[Run], baseline: str) -> dict:
                     x, y = getattr(by[(v, s)], attr), getattr(b, attr) if b is not None else None
                     if x is None or y is None:
                         unpaired.append(s)
+                    elif y == 0:
+                        raise ValueError(
+                            f"baseline run {b.folder!r}: final {metric} loss 0: a difference in % of it is "
+                            "undefined"
+                        )
                     else:
                         per_seed[s] = (x - y) / y * 100.0
                 m["diff_pct"] = {
@@ -119,12 +174,48 @@ def paired_differences(runs: list[Run], baseline: str) -> dict:
     return out
 
 
+def check_setups(runs: list[Run], baseline: str) -> None:
+    """ValueError naming each run and the baseline run of its seed when they differ in what a paired
+    difference needs them to share: training steps, the last logged step, seq_len, global batch and
+    corpus (runs on different data are never paired). A value one record lacks (an earlier mxmoe's
+    config.json) is not compared; such runs are listed on stderr."""
+    base = {r.seed: r for r in runs if r.variant == baseline}
+    problems = []
+    for r in runs:
+        b = base.get(r.seed)
+        if r.variant == baseline or b is None:
+            continue
+        pairs = [("last logged step", r.last_step, b.last_step)]
+        pairs += [(f"training.{k}" if k in ("steps", "seq_len") else k, r.setup.get(k), b.setup.get(k))
+                  for k in SETUP]
+        diffs = [f"{k} {x!r} vs {y!r}" for k, x, y in pairs if x is not None and y is not None and x != y]
+        if diffs:
+            problems.append(f"{r.folder} vs its baseline {b.folder}: {', '.join(diffs)}")
+    if problems:
+        raise ValueError(
+            f"runs of different setups cannot be paired: {'; '.join(problems)}. A paired difference needs "
+            "runs of the same steps, sequence length, global batch and corpus"
+        )
+    unknown = [r.folder for r in runs if r.setup.get("corpus") is None]
+    if unknown:
+        print(
+            f"mxmoe compare: warning: {len(unknown)} run(s) record no corpus (config.json of an earlier "
+            f"mxmoe), their data cannot be checked: {', '.join(unknown)}",
+            file=sys.stderr,
+        )
+
+
+def repeating(runs: list[Run]) -> list[Run]:
+    """The runs that read their training data more than once (epochs > 1)."""
+    return [r for r in runs if r.epochs is not None and r.epochs > 1]
+
+
 def _fmt(x: float | None, spec: str = ".4f") -> str:
-    return "–" if x is None else format(x, spec)
+    return "–" if x is None or not math.isfinite(x) else format(x, spec)
 
 
 def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{x:+.2f}"
+    return "–" if x is None or not math.isfinite(x) else f"{x:+.2f}"
 
 
 def markdown(runs: list[Run], stats: dict, baseline: str, tail_steps: int, command: str | None) -> str:
@@ -139,6 +230,17 @@ def markdown(runs: list[Run], stats: dict, baseline: str, tail_steps: int, comma
         f"(variant − {baseline}) / {baseline} of the same seed, in %; std is the sample standard "
         "deviation over seeds.",
         "",
+    ]
+    rep = repeating(runs)
+    if rep:
+        lines += [
+            f"**Data repeats**: {len(rep)} of {len(runs)} runs read their training data more than once "
+            f"(up to {max(r.epochs for r in rep):.2f} epochs): past the first epoch their losses measure "
+            "memorization too. A larger corpus (`--data.path=python-env`, or a folder) keeps a run to one "
+            "epoch.",
+            "",
+        ]
+    lines += [
         "## Paired difference from the baseline",
         "",
         "| variant | seeds | val Δ% mean | std | min | max | train Δ% mean | std | min | max "
@@ -175,14 +277,15 @@ def markdown(runs: list[Run], stats: dict, baseline: str, tail_steps: int, comma
         "",
         "## Runs",
         "",
-        "| variant | seed | steps | final train loss | train window | final val loss | val step "
+        "| variant | seed | steps | epochs | final train loss | train window | final val loss | val step "
         "| tokens/s (median) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         window = f"{r.train_steps[0] + 1}..{r.train_steps[1]}" if r.train_steps else "–"
+        epochs = _fmt(r.epochs, ".2f") + (" (repeats)" if any(r is x for x in rep) else "")
         lines.append(
-            f"| {r.variant} | {r.seed} | {r.last_step} | {_fmt(r.train_loss)} | {window} "
+            f"| {r.variant} | {r.seed} | {r.last_step} | {epochs} | {_fmt(r.train_loss)} | {window} "
             f"| {_fmt(r.val_loss)} | {r.val_step if r.val_step is not None else '–'} "
             f"| {_fmt(r.tokens_per_s, '.0f')} |"
         )
@@ -235,8 +338,17 @@ def _smoothed(c: dict[int, float], beta: float) -> dict[int, float]:
 def analyse(
     runs: list[Run], baseline: str, out: Path, tail_steps: int, command: str | None, smooth: float
 ) -> dict:
-    """Write compare.md, compare.json and compare.png into `out`; returns the JSON object."""
+    """Write compare.md, compare.json and compare.png into `out`; returns the JSON object.
+    ValueError (nothing written) when paired runs differ in their setup (`check_setups`)."""
+    check_setups(runs, baseline)
     stats = paired_differences(runs, baseline)
+    rep = repeating(runs)
+    if rep:
+        print(
+            f"mxmoe compare: warning: {len(rep)} run(s) read their training data more than once (epochs > 1; "
+            f"see compare.md): {', '.join(r.folder for r in rep)}",
+            file=sys.stderr,
+        )
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "command": command,
@@ -256,9 +368,12 @@ def analyse(
                 "final_val_loss": r.val_loss,
                 "val_step": r.val_step,
                 "tokens_per_s_median": r.tokens_per_s,
+                "epochs": r.epochs,
+                "corpus": r.setup.get("corpus"),
             }
             for r in runs
         ],
+        "repeats_data": [r.folder for r in rep],
         "variants": stats,
     }
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -292,7 +407,9 @@ def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_step
                 continue
             cfg = folder / "config.json"
             try:
-                seed = int(json.loads(cfg.read_text())["training"]["seed"])
+                seed = json.loads(cfg.read_text())["training"]["seed"]
+                if type(seed) is not int:
+                    raise TypeError(f"training.seed={seed!r}, expected an int")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"run {str(folder)!r}: cannot read training.seed from {cfg}: {e}") from None
             runs.append(run_summary(v, seed, folder, tail_steps))
