@@ -272,8 +272,8 @@ def describe_collective_failure(
             f"the one to look at{elsewhere}. If a step or a checkpoint legitimately takes longer, raise "
             "--parallelism.timeout_s"
         )
+    here = f"the other ranks on this host ({host}) are still running" if local else "no other rank runs here"
     return (
         f"rank {rank}: a collective failed ({what}): another rank stopped or its connection broke, and "
-        f"every other rank on this host ({host}) is still running{elsewhere}; check the network between "
-        "the hosts (MASTER_ADDR, firewalls)"
+        f"{here}{elsewhere}; check the network between the hosts (MASTER_ADDR, firewalls)"
     )

@@ -92,3 +92,24 @@ def test_a_rank_that_dies_is_named_by_the_others(tmp_path):
     assert "mxmoe train: error: rank 0: a collective failed because rank 1 (pid " in err, err
     assert ") stopped (" in err and "OOM killer" in err and "Traceback" not in err, err
     assert not (tmp_path / "rc1").exists()
+
+
+def test_a_collective_failure_says_which_rank_is_gone_or_that_it_timed_out():
+    import socket
+    import subprocess
+
+    host = socket.gethostname()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    closed = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[10.0.0.2]:38822. This is typically caused by a remote worker crashing."
+    )
+    assert parallel.is_collective_failure(closed) and not parallel.is_collective_failure(RuntimeError("oom"))
+    peers = [(host, os.getpid()), (host, gone.pid)]
+    msg = parallel.describe_collective_failure(closed, 0, peers, 60, wait_s=0)
+    assert msg.startswith(f"rank 0: a collective failed because rank 1 (pid {gone.pid} on {host}) stopped "
+                          "(Connection closed by peer [10.0.0.2]:38822)"), msg
+    timeout = RuntimeError("[/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms")
+    msg = parallel.describe_collective_failure(timeout, 0, [(host, os.getpid()), ("node2", 7)], 60, wait_s=0)
+    assert "a collective timed out after parallelism.timeout_s=60 s" in msg and "other hosts (node2)" in msg
