@@ -62,6 +62,9 @@ _NOT_A_VARIANT = {
     "metrics.progress_bar",
     "metrics.log_freq",
 }
+# what the trainer records beside the config (the corpus's identity, the data the run reads): it
+# follows from the config's keys (data.*, training.steps, ...), which name the variant instead
+_RECORDED = {"corpus", "epochs"}
 
 
 @dataclass
@@ -121,7 +124,7 @@ def _flat(config: dict) -> dict[str, str]:
     return {
         f"{sec}.{k}": json.dumps(v, sort_keys=True)
         for sec, body in config.items()
-        if isinstance(body, dict)
+        if isinstance(body, dict) and sec not in _RECORDED
         for k, v in body.items()
     }
 
