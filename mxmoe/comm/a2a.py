@@ -39,7 +39,7 @@ from mxmoe.comm.nccl import (
 from mxmoe.comm.reference import reference_mxfp8_a2a
 from mxmoe.comm.splits import Plan, check_and_plan
 from mxmoe.comm.symm import SymmWorkspace, symm_mx_exchange, symm_usable
-from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor
+from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, mx_tensor_trusted
 from mxmoe.recipe import MXRecipe
 
 __all__ = [  # (with names of mx_rows, nccl and reference, importable from here as before)
@@ -241,7 +241,7 @@ def a2a_dispatch_mxfp8(
         "a2a_dispatch_mxfp8", x, output_splits, input_splits, group, check, chunks, transport, recipe
     )
     anchor, q, s = _Dispatch.apply(x, plan, group, r, chunks, transport)
-    return MXTensor(q, s, 1, r.block_size, r.scaling_mode, x.dtype, anchor)
+    return mx_tensor_trusted(q, s, 1, r.block_size, r.scaling_mode, x.dtype, anchor)
 
 
 def a2a_combine(

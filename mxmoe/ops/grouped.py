@@ -69,7 +69,7 @@ from mxmoe.ops.linear import (
     wgrad_mx,
 )
 from mxmoe.quant.groups import group_padding, pad_groups
-from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
+from mxmoe.quant.mx_tensor import MXTensor, mx_tensor_trusted, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import _MAX_GROUPS, qdq_trusted, swiglu_bwd_qdq_trusted, swiglu_qdq_trusted
 from mxmoe.recipe import MXRecipe, as_recipe
 
@@ -77,7 +77,7 @@ __all__ = ["mx_grouped_mm", "mx_grouped_mm_shared", "mx_grouped_mm_swiglu", "mx_
 
 
 def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:
-    return MXTensor(q, s, axis, cfg.block_size, mode, dtype)
+    return mx_tensor_trusted(q, s, axis, cfg.block_size, mode, dtype)
 
 
 def _cast_a(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, need_dw: bool, out_dtype):

@@ -37,7 +37,7 @@ from mxmoe.ops.gemm import (
     op_plan,
     resolve_gemm_backend,
 )
-from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
+from mxmoe.quant.mx_tensor import MXTensor, mx_tensor_trusted, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq_trusted
 from mxmoe.recipe import MXRecipe, as_recipe
 
@@ -53,7 +53,7 @@ def swap_last2(t: MXTensor) -> MXTensor:
     scales group the logical rows: not swappable)."""
     if t.offs is not None:
         raise ValueError(f"swap_last2 needs scales that are not blocked per group, got {t}")
-    return MXTensor(
+    return mx_tensor_trusted(
         t.qdata_blocked,
         t.scale_blocked,
         2 * t.ndim - 3 - t.axis,
@@ -66,7 +66,7 @@ def swap_last2(t: MXTensor) -> MXTensor:
 
 def _slice_rows(t: MXTensor, rows: int) -> MXTensor:
     """First `rows` rows of a dim0-blocked 2D MXTensor (a view, stays contiguous)."""
-    return MXTensor(
+    return mx_tensor_trusted(
         t.qdata_blocked[:rows],
         t.scale_blocked[:rows],
         t.axis,
@@ -202,7 +202,7 @@ def _backward_gemms(
     x1 = None
     if need_dw:
         xq, xs = kept
-        x1 = MXTensor(xq, xs, 0, bs, cfg.scaling_mode, x_dtype)  # logical (M_pad, K)
+        x1 = mx_tensor_trusted(xq, xs, 0, bs, cfg.scaling_mode, x_dtype)  # logical (M_pad, K)
     if need_dx and need_dw:
         dy0, dy1 = cast_both(dy, cfg)
     elif need_dx:

@@ -10,6 +10,9 @@ that axis moved last, so every block of `block_size` elements is contiguous in m
 x.shape` with `shape[axis] // block_size`), so `qdata[i, j]` is the element of `x[i, j]` whatever the
 storage. `.qdata_blocked` / `.scale_blocked` give the storage itself (what GEMMs and the
 all-to-all use).
+
+`MXTensor(...)` checks what it is given as `to_mx` checks its arguments (dtypes, shapes, axis, block
+size, scale layout); the casts and ops make theirs with `mx_tensor_trusted`, which checks nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mxmoe.formats import OUTPUT_DTYPES, ScalingMode, check_input_dtype
+from mxmoe.formats import (
+    ELEM_FORMATS,
+    OUTPUT_DTYPES,
+    ScalingMode,
+    check_block_size,
+    check_input_dtype,
+    check_scaling_mode,
+)
 from mxmoe.quant import dispatch
 from mxmoe.quant import scale_layout as sl
 from mxmoe.quant.backends import cast_kernel
@@ -55,6 +65,11 @@ class MXTensor:
     grad_anchor: Tensor | None = None
     scale_layout: str = "plain"
     offs: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        """The public constructor's checks (`mx_tensor_trusted` skips them): TypeError / ValueError
+        naming the argument, its value and what is accepted; scaling_mode normalized to its name."""
+        self.scaling_mode = _check_fields(self)
 
     @property
     def ndim(self) -> int:
@@ -97,7 +112,7 @@ class MXTensor:
             scale = _blocked_scales(scale, self.axis, self.block_size, offs)
         else:
             offs = None
-        return MXTensor(
+        return mx_tensor_trusted(
             self.qdata_blocked, scale, self.axis, self.block_size, self.scaling_mode, self.orig_dtype,
             self.grad_anchor, scale_layout, offs,
         )
@@ -151,7 +166,7 @@ class MXTensor:
         anchor = self.grad_anchor
         if anchor is not None:
             anchor = _IndexAnchor.apply(anchor, index)
-        return MXTensor(
+        return mx_tensor_trusted(
             self.qdata_blocked.index_select(0, index),
             self.scale_blocked.index_select(0, index),
             self.axis,
@@ -166,6 +181,100 @@ class MXTensor:
             f"MXTensor(shape={tuple(self.shape)}, axis={self.axis}, elem={self.elem_dtype}, "
             f"block_size={self.block_size}, scaling_mode={self.scaling_mode!r})"
         )
+
+
+def mx_tensor_trusted(
+    qdata_blocked: Tensor,
+    scale_blocked: Tensor,
+    axis: int,
+    block_size: int,
+    scaling_mode: str,
+    orig_dtype: torch.dtype,
+    grad_anchor: Tensor | None = None,
+    scale_layout: str = "plain",
+    offs: Tensor | None = None,
+) -> MXTensor:
+    """`MXTensor(...)` without its checks, for the code that made qdata and scale itself (the casts,
+    the ops, the all-to-all): the caller guarantees what `MXTensor` would check."""
+    t = _new(MXTensor)
+    t.qdata_blocked = qdata_blocked
+    t.scale_blocked = scale_blocked
+    t.axis = axis
+    t.block_size = block_size
+    t.scaling_mode = scaling_mode
+    t.orig_dtype = orig_dtype
+    t.grad_anchor = grad_anchor
+    t.scale_layout = scale_layout
+    t.offs = offs
+    return t
+
+
+_new = object.__new__
+
+
+def _check_fields(t: MXTensor) -> str:
+    """The checks of `MXTensor(...)` (see its docstring for what each field holds); returns the
+    scaling mode's name."""
+    q, s, bs, axis = t.qdata_blocked, t.scale_blocked, t.block_size, t.axis
+    elems = [str(d) for d in ELEM_FORMATS]
+    if not isinstance(q, Tensor) or q.dtype not in ELEM_FORMATS:
+        got = q.dtype if isinstance(q, Tensor) else type(q).__name__
+        raise TypeError(
+            f"qdata_blocked is {got}; expected a tensor of an MX element dtype, one of {elems} (bytes "
+            "of one: .view(torch.float8_e4m3fn))"
+        )
+    if not isinstance(s, Tensor) or s.dtype != torch.float8_e8m0fnu:
+        got = s.dtype if isinstance(s, Tensor) else type(s).__name__
+        raise TypeError(f"scale_blocked is {got}; expected a torch.float8_e8m0fnu tensor")
+    if q.ndim < 1 or not q.is_contiguous() or not s.is_contiguous():
+        raise ValueError(
+            f"qdata_blocked {tuple(q.shape)} and scale_blocked {tuple(s.shape)} must be contiguous tensors "
+            "of at least one dim (the storage: blocks run along the last dim)"
+        )
+    if s.device != q.device:
+        raise ValueError(f"scale_blocked is on {s.device}, qdata_blocked on {q.device}: they must share one")
+    check_block_size(bs)
+    mode = check_scaling_mode(t.scaling_mode).value
+    nd = q.ndim
+    if isinstance(axis, bool) or not isinstance(axis, int) or axis not in (nd - 1, nd - 2) or axis < 0:
+        axes = [nd - 1] if nd == 1 else [nd - 2, nd - 1]
+        raise ValueError(
+            f"axis={axis!r}: expected one of {axes}, the non-negative logical axis of a {nd}D tensor that "
+            "the blocks run along (one of the last two)"
+        )
+    if t.orig_dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"orig_dtype={t.orig_dtype!r}: expected torch.bfloat16 or torch.float32")
+    sl.check_scale_layout(t.scale_layout)
+    if q.shape[-1] % bs:
+        raise ValueError(
+            f"qdata_blocked {tuple(q.shape)}: its last dim {q.shape[-1]} is not divisible by block_size={bs}"
+        )
+    if t.offs is not None:
+        _check_layout_offs(t.qdata, axis, t.scale_layout, t.offs, bs)
+    rows, cols = (q.shape[-2] if nd > 1 else 1), q.shape[-1] // bs
+    if t.scale_layout == "plain":
+        want = (*q.shape[:-1], cols)
+    elif nd < 2:
+        raise ValueError(f"scale_layout={t.scale_layout!r} needs at least 2 dims, got {tuple(q.shape)}")
+    elif t.offs is None:
+        want = (*q.shape[:-2], *sl.blocked_shape(rows, cols))
+    else:  # grouped: every group's scales blocked on their own (scale_layout's module docstring)
+        groups = t.offs.shape[0]
+        R, C = sl.blocked_shape(rows, cols)
+        want = (rows + 128 * groups, C) if axis == 1 else (R, cols + 4 * groups)
+    if tuple(s.shape) != want:
+        raise ValueError(
+            f"scale_blocked has shape {tuple(s.shape)}; expected {want}: one scale per block_size={bs} "
+            f"elements of qdata_blocked {tuple(q.shape)} in the {t.scale_layout!r} layout"
+        )
+    a = t.grad_anchor
+    if a is not None and (not isinstance(a, Tensor) or a.shape != t.qdata.shape or a.device != q.device):
+        got = f"{tuple(a.shape)} on {a.device}" if isinstance(a, Tensor) else type(a).__name__
+        raise ValueError(
+            f"grad_anchor is {got}; expected None or a tensor of the logical shape {tuple(t.qdata.shape)} "
+            f"on {q.device}"
+        )
+    return mode
 
 
 def _zero_ungrouped(out: Tensor, offs: Tensor, axis: int) -> Tensor:
@@ -333,7 +442,7 @@ def _cast(x: Tensor, ax: int, spec, recipe: MXRecipe) -> MXTensor:
             q, s = dispatch.quantize_dim0(xt, spec, cast_kernel(recipe, x.device, "dim0"))
         else:
             q, s = dispatch.quantize_dim1(x.contiguous(), spec, cast_kernel(recipe, x.device, "dim1"))
-    return MXTensor(q, s, ax, spec.block_size, _MODE_NAMES[spec.mode], x.dtype)
+    return mx_tensor_trusted(q, s, ax, spec.block_size, _MODE_NAMES[spec.mode], x.dtype)
 
 
 def to_mx_dim0_dim1(
@@ -389,6 +498,6 @@ def _cast_dim0_dim1(x: Tensor, spec, recipe: MXRecipe) -> tuple[MXTensor, MXTens
     q0, s0, q1, s1 = dispatch.quantize_dim0_dim1(x.contiguous(), spec, k)
     bs, mode = spec.block_size, _MODE_NAMES[spec.mode]
     return (
-        MXTensor(q0, s0, 1, bs, mode, x.dtype),
-        MXTensor(q1, s1, 0, bs, mode, x.dtype),
+        mx_tensor_trusted(q0, s0, 1, bs, mode, x.dtype),
+        mx_tensor_trusted(q1, s1, 0, bs, mode, x.dtype),
     )

@@ -21,9 +21,9 @@ from mxmoe.models import Transformer, apply_expert_parallel, model_args
 from mxmoe.models.moe import ModelArgs
 from mxmoe.models.routing import LocalExperts
 from mxmoe.train import determinism, parallel, profiling
-from mxmoe.train.checkpoint import Checkpointer
-from mxmoe.train.config import JobConfig, check_limits
-from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_tokens
+from mxmoe.train.checkpoint import TRAIN_STATE, Checkpointer, CheckpointError
+from mxmoe.train.config import JobConfig, check_limits, check_ranks_data
+from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_corpus
 
 log = logging.getLogger("mxmoe.train")
 
@@ -38,7 +38,7 @@ mode="reduce-overhead" (inductor's CUDA graphs; `mxmoe bench train` only)."""
 
 def check_values(cfg: JobConfig) -> None:
     """ValueError naming the setting, the value and what is accepted, before anything is built."""
-    t, opt, sched = cfg.training, cfg.optimizer, cfg.lr_scheduler
+    t, sched = cfg.training, cfg.lr_scheduler
     unknown = sorted(set(cfg.model.converters) - {"mx"})
     if unknown:
         raise ValueError(
@@ -48,7 +48,17 @@ def check_values(cfg: JobConfig) -> None:
         raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16, fp32 or tf32")
     if t.cpu_threads < 0:
         raise ValueError(f"training.cpu_threads={t.cpu_threads}: expected >= 0 (0 = torch's default)")
+    m = cfg.model
     for key, value, low in (
+        ("model.dim", m.dim, 1),
+        ("model.n_layers", m.n_layers, 1),
+        ("model.n_heads", m.n_heads, 1),
+        ("model.num_experts", m.num_experts, 0),
+        ("model.top_k", m.top_k, 1),
+        ("model.moe_hidden_dim", m.moe_hidden_dim, 1),
+        ("model.num_shared_experts", m.num_shared_experts, 0),
+        ("data.max_files", cfg.data.max_files, 0),
+        ("data.max_file_bytes", cfg.data.max_file_bytes, 1),
         ("training.steps", t.steps, 1),
         ("training.local_batch_size", t.local_batch_size, 1),
         ("training.seq_len", t.seq_len, 1),
@@ -59,24 +69,16 @@ def check_values(cfg: JobConfig) -> None:
         ("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, 0),
         ("metrics.log_freq", cfg.metrics.log_freq, 1),
     ):
-        if value < low:
+        if value is not None and value < low:  # None: the preset's value
             raise ValueError(f"{key}={value}: expected >= {low}")
-    if not (math.isfinite(opt.lr) and opt.lr > 0):
-        raise ValueError(f"optimizer.lr={opt.lr!r}: expected a finite number > 0")
-    for key, value, ok, accepted in (
-        ("lr_scheduler.min_lr_factor", sched.min_lr_factor, 0 <= sched.min_lr_factor <= 1, "0 <= value <= 1"),
-        ("training.max_norm", t.max_norm, t.max_norm >= 0, "a number >= 0 (0 disables clipping)"),
-        (
-            "optimizer.weight_decay",
-            opt.weight_decay,
-            0 <= opt.weight_decay < math.inf,
-            "a finite number >= 0",
-        ),
-        ("optimizer.beta1", opt.beta1, 0 <= opt.beta1 < 1, "0 <= value < 1"),
-        ("optimizer.beta2", opt.beta2, 0 <= opt.beta2 < 1, "0 <= value < 1"),
-    ):
-        if not ok:  # NaN fails every comparison
-            raise ValueError(f"{key}={value!r}: expected {accepted}")
+    check_limits(cfg)  # every float option (FLOAT_RANGES), the seed, the timeout
+    v = cfg.validation
+    if v.freq > 0 and v.steps > 0 and cfg.data.val_fraction == 0:
+        raise ValueError(
+            f"data.val_fraction=0 holds out no validation data, but validation is on "
+            f"(validation.freq={v.freq}, validation.steps={v.steps}): give "
+            "data.val_fraction > 0 or turn validation off with validation.freq=0"
+        )
     mx = cfg.mx
     mx.check("mx.")
     if mx.expert_gemm == "bf16" and not mx.convert_grouped_experts:
@@ -87,7 +89,6 @@ def check_values(cfg: JobConfig) -> None:
         )
     if cfg.compile.enable:
         check_compile_backend(cfg.compile.backend, "compile.backend")
-    check_limits(cfg)
     profiling.check(cfg.profiling)
 
 
@@ -190,6 +191,37 @@ def mx_convert(model: torch.nn.Module, cfg: JobConfig, pd: parallel.ParallelDims
     return model.mx_conversion
 
 
+def precision_record(cfg: JobConfig) -> dict:
+    """The settings that decide a run's arithmetic, {option: value} (JSON): model.converters,
+    training.mixed_precision and, with the mx converter, the recipe (its name and resolved format:
+    element dtype, block size, scaling mode, expert GEMMs) and what is converted. Each checkpoint
+    records it; resuming under another is refused (checkpoint.allow_precision_change). The cast
+    kernels and the GEMM backend are left out: they give the same numbers (or run where the
+    hardware has them)."""
+    from mxmoe.recipe import recipe_from_options
+
+    rec: dict = {
+        "model.converters": sorted(cfg.model.converters),
+        "training.mixed_precision": cfg.training.mixed_precision,
+    }
+    if "mx" in cfg.model.converters:
+        mx = cfg.mx
+        r = recipe_from_options(mx.recipe_name, expert_gemm=mx.expert_gemm)
+        rec.update(
+            {
+                "mx.recipe_name": mx.recipe_name,
+                "mx.elem_dtype": str(r.elem_dtype),
+                "mx.block_size": r.block_size,
+                "mx.scaling_mode": r.scaling_mode,
+                "mx.expert_gemm": r.expert_gemm,
+                "mx.filter_fqns": sorted(mx.filter_fqns),
+                "mx.convert_linears": mx.convert_linears,
+                "mx.convert_grouped_experts": mx.convert_grouped_experts,
+            }
+        )
+    return rec
+
+
 def precision(model: torch.nn.Module, cfg: JobConfig) -> str:
     """What the mx converter actually did: the modules now MX, or that it swapped none."""
     from mxmoe.nn import MXGroupedExperts, MXLinear
@@ -274,6 +306,7 @@ class Run:
     exp_params: list[torch.nn.Parameter]  # expert-parallel parameters (empty without EP)
     ep_mesh: DeviceMesh | None  # ("edp", "ep") with expert parallelism, else None
     edp_group: dist.ProcessGroup | None  # ranks holding the same experts: expert gradients reduced over it
+    corpus: dict  # the data's identity (mxmoe.train.data.Corpus.identity)
     train_ds: PackedDataset
     val_ds: PackedDataset | None  # None: no validation
     sampler: ShardedSampler
@@ -287,9 +320,36 @@ class Run:
         t = self.cfg.training
         return t.local_batch_size * t.seq_len * self.world
 
+    @property
+    def epochs(self) -> dict:
+        """How much data the whole run reads: tokens_per_epoch (the train split's windows x
+        seq_len), run_tokens (steps x global batch x seq_len) and their ratio, epochs (> 1: the
+        training data repeats)."""
+        t = self.cfg.training
+        per_epoch = len(self.train_ds) * t.seq_len
+        run_tokens = t.steps * t.local_batch_size * self.world * t.seq_len
+        return {
+            "steps": t.steps,
+            "global_batch": t.local_batch_size * self.world,
+            "seq_len": t.seq_len,
+            "tokens_per_epoch": per_epoch,
+            "run_tokens": run_tokens,
+            "epochs": run_tokens / per_epoch,
+        }
+
+    def settings(self) -> dict:
+        """What the checkpoint records of this run's settings ({option: value}): the resolved
+        config and the data's identity, compared with a resuming run's."""
+        return {**self.cfg.flat(), "data.corpus": self.corpus["sha256"]}
+
     def train_state(self, step: int) -> dict:
-        """The non-tensor state a checkpoint keeps beside model and optimizer."""
-        return {"step": step, "scheduler": self.scheduler.state_dict(), "sampler": self.sampler.state_dict()}
+        """The non-tensor state a checkpoint keeps beside model and optimizer (JSON)."""
+        return {
+            "step": step,
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "settings": self.settings(),
+        }
 
 
 def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Run:
@@ -339,19 +399,31 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
     d = cfg.data
-    train_tokens, val_tokens = load_tokens(d.path, d.val_fraction, d.max_files, d.extensions)
-    train_ds = PackedDataset(train_tokens, t.seq_len)
+    corpus = load_corpus(d.path, d.val_fraction, d.max_files, d.extensions, d.max_file_bytes)
+    if distributed:
+        check_ranks_data(corpus.identity, d.path)
+    train_ds = PackedDataset(corpus.train, t.seq_len, "the train split")
     v = cfg.validation
-    val_ds = PackedDataset(val_tokens, t.seq_len) if v.freq > 0 and v.steps > 0 else None
+    val_ds = (
+        PackedDataset(corpus.val, t.seq_len, "the validation split") if v.freq > 0 and v.steps > 0 else None
+    )
     sampler = ShardedSampler(len(train_ds), t.local_batch_size, rank, world, cfg.debug.seed)
 
     # what a resumed run must share with the saving one (another world size is fine when the global
     # batch is the same; hyperparameters such as aux_loss_coef may change)
     shape = {k: v for k, v in dataclasses.asdict(margs).items() if k not in _TUNABLE_MODEL_ARGS}
     run_shape = {"model": shape, "global_batch": t.local_batch_size * world, "seq_len": t.seq_len}
+    ck = cfg.checkpoint
     ckpt = (
-        Checkpointer(cfg.checkpoint.folder, cfg.checkpoint.keep_latest_k, ep_mesh, run=run_shape)
-        if cfg.checkpoint.folder
+        Checkpointer(
+            ck.folder,
+            ck.keep_latest_k,
+            ep_mesh,
+            run=run_shape,
+            precision=precision_record(cfg),
+            allow_precision_change=ck.allow_precision_change,
+        )
+        if ck.folder
         else None
     )
     run = Run(
@@ -369,6 +441,7 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
         exp_params=exp_params,
         ep_mesh=ep_mesh,
         edp_group=edp_group,
+        corpus=corpus.identity,
         train_ds=train_ds,
         val_ds=val_ds,
         sampler=sampler,
@@ -378,16 +451,72 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
         amp=autocast(cfg, device, cache_enabled=not t.cuda_graph),
         aux_coef=aux_loss_weight(margs),
     )
-    if (
-        ckpt is not None
-        and cfg.checkpoint.resume
-        and (path := ckpt.resume_path(cfg.checkpoint.fallback)) is not None
-    ):
-        st = ckpt.load(path, model, optimizer, run.train_state(0))
-        run.step = int(st["step"])
-        for group in optimizer.param_groups:  # the saving run may have had another world size
-            group["foreach"] = not distributed
-        scheduler.load_state_dict(st["scheduler"])
-        sampler.load_state_dict(st["sampler"])
-        log.info("resumed from %s at step %d", path, run.step)
+    if ckpt is not None and ck.resume and (path := ckpt.resume_path(ck.fallback)) is not None:
+        _resume(run, path)
     return run
+
+
+def _resume(run: Run, path) -> None:
+    """Load checkpoint `path` into `run`. The run trains with its own settings from the resumed step
+    on: its optimizer settings (lr, betas, weight decay, eps, ...) replace the saved ones in the
+    param groups (the moments and step counts stay the checkpoint's) and the LR schedule is this
+    config's, at the resumed step; the log names each setting that differs from the saving run's."""
+    cfg, optimizer = run.cfg, run.optimizer
+    own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
+    st = run.ckpt.load(path, run.model, optimizer, run.train_state(0))
+    check_train_state(st, path / TRAIN_STATE)
+    run.step = st["step"]
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        group.update(settings)  # initial_lr (optimizer.lr) included: the schedule's base
+    # LambdaLR at the resumed step: lr = optimizer.lr x lr_lambda(step), as the uninterrupted run's
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg), last_epoch=run.step - 1)
+    run.sampler.load_state_dict(st["sampler"])
+    log.info("resumed from %s at step %d", path, run.step)
+    if run.rank != 0:
+        return
+    saved = st.get("settings")
+    if saved is None:
+        log.info(
+            "checkpoint %s records no settings (saved by an earlier mxmoe): this run's optimizer and "
+            "schedule settings apply from step %d",
+            path,
+            run.step + 1,
+        )
+        return
+    now = run.settings()
+    changed = [
+        f"{k}={now.get(k)!r} (checkpoint: {saved.get(k)!r})"
+        for k in sorted(set(now) | set(saved))
+        if now.get(k) != saved.get(k)
+    ]
+    if changed:
+        log.warning(
+            "resuming %s with settings that differ from the run that saved it; this run's apply from "
+            "step %d: %s",
+            path.name,
+            run.step + 1,
+            ", ".join(changed),
+        )
+
+
+def check_train_state(st: dict, file) -> None:
+    """CheckpointError naming `file` and the key unless `st` is a trainer state this trainer wrote:
+    an int step, the sampler's position (ints), and, when present, the settings (an object)."""
+    sampler = st.get("sampler")
+    problem = None
+    if type(st.get("step")) is not int or st["step"] < 0:
+        problem = f"step={st.get('step')!r}: expected an int >= 0"
+    elif not isinstance(sampler, dict):
+        problem = f"sampler={sampler!r}: expected the data position, an object"
+    else:
+        for k in ("epoch", "step", "seed", "n"):
+            if type(sampler.get(k)) is not int or sampler[k] < 0:
+                problem = f"sampler.{k}={sampler.get(k)!r}: expected an int >= 0"
+                break
+    if problem is None and not isinstance(st.get("settings", {}), dict):
+        problem = f"settings={st['settings']!r}: expected an object"
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint file {file}: {problem}, not the trainer state this trainer writes: refused; "
+            "resume from another checkpoint or start a new --checkpoint.folder"
+        )

@@ -21,6 +21,7 @@ cannot run are refused after parsing (`check_limits`, `mxmoe.train.build.check_v
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 import types
 import typing
@@ -155,13 +156,15 @@ class Parallelism:
 @dataclass
 class Data:
     path: str = ""
-    """Text file or folder of text files; empty = the Python standard library's own source."""
+    """Text file or folder of text files; empty = the stdlib; python-env = every .py file of this env."""
     val_fraction: float = 0.05
     """Fraction of files (chosen by file-name hash) held out for validation."""
     max_files: int = 0
     """Use at most this many files (after the split, in hash order); 0 = all."""
     extensions: list[str] = field(default_factory=lambda: [".py"])
     """File suffixes read from a folder."""
+    max_file_bytes: int = 2**28
+    """Largest data file read, in bytes (each rank holds the corpus in memory); a larger one is an error."""
 
 
 @dataclass
@@ -176,6 +179,8 @@ class Checkpoint:
     """Resume from the latest complete checkpoint in folder, if there is one."""
     fallback: bool = False
     """If the latest checkpoint fails its checksums, set it aside (step-N.corrupt), resume the one before."""
+    allow_precision_change: bool = False
+    """Resume a checkpoint of another precision (converters, mx recipe, mixed_precision), with a warning."""
 
 
 @dataclass
@@ -272,9 +277,60 @@ def renamed_key_message(old: str) -> str:
     return f"{old} is now {RENAMED_KEYS[old]}{_RENAME_NOTES.get(old, '')}"
 
 
+@dataclass(frozen=True)
+class Range:
+    """The accepted values of a float option: finite, within [low, high] (an open end excludes it)."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""
+
+    def accepts(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below  # NaN fails every comparison
+
+    def __str__(self) -> str:
+        if math.isinf(self.high):
+            text = f"a finite number {'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            lo, hi = ("<" if self.low_open else "<="), ("<" if self.high_open else "<=")
+            text = f"{self.low:g} {lo} value {hi} {self.high:g}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+FLOAT_RANGES: dict[str, Range] = {
+    "model.aux_loss_coef": Range(0.0, note="none keeps the preset's"),
+    "model.bias_update_rate": Range(0.0, note="none keeps the preset's"),
+    "optimizer.lr": Range(0.0, low_open=True),
+    "optimizer.beta1": Range(0.0, 1.0, high_open=True),
+    "optimizer.beta2": Range(0.0, 1.0, high_open=True),
+    "optimizer.weight_decay": Range(0.0),
+    "lr_scheduler.min_lr_factor": Range(0.0, 1.0),
+    "training.max_norm": Range(0.0, note="0 disables clipping"),
+    "data.val_fraction": Range(0.0, 1.0, high_open=True),
+}
+"""Every float option of JobConfig and what it accepts (`check_limits` checks them all; a test checks
+that every float field is listed)."""
+
+
+def check_floats(cfg: JobConfig) -> None:
+    """ConfigError naming the first float option (FLOAT_RANGES) outside its range, NaN and
+    infinities included; None (an optional field left unset) is not checked."""
+    flat = cfg.flat()
+    for key, accepted in FLOAT_RANGES.items():
+        value = flat[key]
+        if value is not None and not accepted.accepts(value):
+            raise ConfigError(f"{key}={value!r}: expected {accepted}")
+
+
 def check_limits(cfg: JobConfig) -> None:
-    """ConfigError for values of the right type that fail at run time (the trainer's other range
-    checks are in `mxmoe.train.build.check_values`)."""
+    """ConfigError for values of the right type that fail at run time: every float option
+    (`check_floats`) and the limits below (the trainer's other range checks are in
+    `mxmoe.train.build.check_values`)."""
+    check_floats(cfg)
     opt = cfg.optimizer
     if cfg.parallelism.timeout_s < 1:
         raise ConfigError(f"parallelism.timeout_s={cfg.parallelism.timeout_s}: expected >= 1")
@@ -318,6 +374,31 @@ def section_types() -> dict[str, type]:
     """{section: its dataclass}, in JobConfig's order."""
     hints = typing.get_type_hints(JobConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def check_ranks_data(identity: dict, path: str) -> None:
+    """Collective over the default process group: ConfigError on every rank, naming what each rank
+    read, unless every rank's corpus (`mxmoe.train.data.Corpus.identity`: its files' names and
+    sizes, its token counts) is rank 0's. The same config can name different data: a relative
+    data.path from different working folders, a folder that differs between hosts."""
+    import torch.distributed as dist
+
+    def key(i: dict) -> tuple:
+        return i["sha256"], i["train_tokens"], i["val_tokens"]
+
+    ids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, identity)
+    if all(key(i) == key(ids[0]) for i in ids):
+        return
+    each = "; ".join(
+        f"rank {r}: {i['source']} ({i['files']} files, {i['train_tokens'] + i['val_tokens']} tokens, corpus "
+        f"{i['sha256'][:12]})"
+        for r, i in enumerate(ids)
+    )
+    raise ConfigError(
+        f"the ranks read different data for data.path={path!r}: {each}; give every rank the same files "
+        "(an absolute --data.path, on a file system they share)"
+    )
 
 
 def field_types(section: type) -> dict[str, typing.Any]:

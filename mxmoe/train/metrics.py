@@ -35,6 +35,11 @@ class RunFolderBusy(ValueError):
     """Another live run holds the metrics folder."""
 
 
+class MetricsError(RuntimeError):
+    """The metrics folder cannot be written (a full disk, a read-only or vanished folder): the
+    message names the folder, the file and the system's reason."""
+
+
 def new_run_id() -> str:
     """UTC start time and a random suffix, e.g. "20261130-091502-3fa2c1"."""
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
@@ -129,19 +134,26 @@ class MetricsWriter:
     def __init__(
         self, folder: str, enabled: bool, tensorboard: bool, config: dict, run_id: str, start_step: int = 0
     ):
-        self.enabled, self.run_id = enabled, run_id
+        self.enabled, self.run_id, self.folder = enabled, run_id, folder
         self.fh = self.tb = None
+        self.failed = False
         if not enabled:
             return
         path = Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
         conf = path / "config.json"
-        if os.path.lexists(conf):  # keep the first run's config; this run's goes beside it
-            conf = path / f"config.{run_id}.json"
-            log.info("%s holds an earlier run's config.json: this run's config is in %s", path, conf.name)
-        write_atomic(conf, json.dumps({"run_id": run_id, **config}, indent=2, default=str))
-        self._drop_after(path / METRICS, start_step)
-        self.fh = open(path / METRICS, "a", opener=_no_follow)
+        writing = conf.name
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.path.lexists(conf):  # keep the first run's config; this run's goes beside it
+                conf = path / f"config.{run_id}.json"
+                log.info("%s holds an earlier run's config.json: this run's config is in %s", path, conf.name)
+            writing = conf.name
+            write_atomic(conf, json.dumps({"run_id": run_id, **config}, indent=2, default=str))
+            writing = METRICS
+            self._drop_after(path / METRICS, start_step)
+            self.fh = open(path / METRICS, "a", opener=_no_follow)
+        except OSError as e:
+            raise self._error(writing, e) from None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -179,17 +191,33 @@ class MetricsWriter:
         if not self.enabled:
             return
         full = {"step": record["step"], "run_id": self.run_id, "time": round(time.time(), 3), **record}
-        self.fh.write(json.dumps(strict_record(full), allow_nan=False) + "\n")
-        self.fh.flush()
+        try:
+            self.fh.write(json.dumps(strict_record(full), allow_nan=False) + "\n")
+            self.fh.flush()
+        except OSError as e:
+            raise self._error(METRICS, e) from None
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, record["step"])
 
+    def _error(self, name: str, e: OSError) -> MetricsError:
+        self.failed = True
+        return MetricsError(
+            f"job.dump_folder={self.folder!r}: cannot write {name}: {e.strerror or e} (errno "
+            f"{e.errno}); free space there or give another --job.dump_folder"
+        )
+
     def close(self) -> None:
+        """Close the files; a failure to write what is buffered is a MetricsError, unless writing
+        has already failed (that error is the one reported)."""
         if self.fh is not None:
-            self.fh.close()
-            self.fh = None
+            fh, self.fh = self.fh, None
+            try:
+                fh.close()
+            except OSError as e:
+                if not self.failed:
+                    raise self._error(METRICS, e) from None
         if self.tb is not None:
             self.tb.close()
             self.tb = None

@@ -16,6 +16,8 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,16 +49,20 @@ class ParallelDims:
 
 def init_distributed(device_pref: str, timeout_s: int) -> tuple[int, int, torch.device, bool]:
     """(rank, world_size, device, initialized_here). Starts the default process group when
-    launched by torchrun with WORLD_SIZE > 1: nccl on CUDA, gloo on CPU, with `timeout_s`."""
+    launched by torchrun with WORLD_SIZE > 1: nccl on CUDA, gloo on CPU, with `timeout_s`.
+    ValueError naming training.device when the device asked for is not there."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device_pref not in ("auto", "cpu", "cuda"):
         raise ValueError(f"training.device={device_pref!r}: expected auto, cpu or cuda")
     use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
     if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("training.device='cuda' but no CUDA GPU is available")
+        raise ValueError(
+            f"training.device={device_pref!r}: no CUDA GPU is available here (torch.cuda.is_available() "
+            "is false); pass --training.device=cpu (or auto: a GPU when there is one)"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda and local_rank >= torch.cuda.device_count():
-        raise RuntimeError(
+        raise ValueError(
             f"training.device={device_pref!r}: LOCAL_RANK={local_rank} needs CUDA device {local_rank}, but "
             f"{torch.cuda.device_count()} are visible; start at most {torch.cuda.device_count()} processes "
             "per node (torchrun --nproc_per_node), or pass --training.device=cpu"
@@ -194,3 +200,80 @@ def clip_grad_norm(
             if p.grad is not None:
                 local(p.grad).mul_(coef)
     return norm
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective failed on this rank because another rank stopped, stalled or lost its connection;
+    the message says which rank (where this rank can tell) and what to check."""
+
+
+def gather_peers() -> list[tuple[str, int]]:
+    """Collective: (host name, pid) of every rank, by rank; what `describe_collective_failure` reads
+    to tell which rank is gone."""
+    peers: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    return peers
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """Whether `e` is a process-group failure: torch's DistError (NCCL), or the plain RuntimeError
+    gloo raises when a peer's connection closes or a collective times out."""
+    marks = ("/gloo/", "NCCL", "Connection closed by peer")
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(k in str(e) for k in marks))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` on this host is running (a zombie, exited but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def describe_collective_failure(
+    e: BaseException, rank: int, peers: list[tuple[str, int]], timeout_s: int, wait_s: float = 3.0
+) -> str:
+    """What `CollectiveFailed` says on `rank` after collective error `e`: the ranks on this host that
+    are no longer running (waited for up to `wait_s`: a crashed peer's sockets close while it exits),
+    else whether the collective timed out, and what to check. peers: `gather_peers()`'s list."""
+    what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    what = what.split("] ", 1)[1] if what.startswith("[") and "] " in what else what  # gloo's source line
+    what = what.split(" This is typically caused by")[0].rstrip(".")  # and its general advice
+    host = socket.gethostname()
+    local = {r: pid for r, (h, pid) in enumerate(peers) if h == host and r != rank}
+    remote = sorted({h for r, (h, _) in enumerate(peers) if h != host})
+    deadline = time.monotonic() + wait_s
+    while True:
+        gone = [r for r, pid in local.items() if not _alive(pid)]
+        if gone or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if gone:
+        names = ", ".join(f"rank {r} (pid {local[r]} on {host})" for r in gone)
+        return (
+            f"rank {rank}: a collective failed because {names} stopped ({what}). That rank's own output "
+            "names its error; if it printed none it was killed from outside: look for the OOM killer "
+            f"(dmesg / journalctl -k on {host}) or a stop by the job scheduler"
+        )
+    elsewhere = f"; ranks on other hosts ({', '.join(remote)}): their output and memory" if remote else ""
+    if "timed out" in what.lower() or "timeout" in what.lower():
+        return (
+            f"rank {rank}: a collective timed out after parallelism.timeout_s={timeout_s} s ({what}): "
+            "another rank did not join it, stalled or much slower; the rank whose log stops first is "
+            f"the one to look at{elsewhere}. If a step or a checkpoint legitimately takes longer, raise "
+            "--parallelism.timeout_s"
+        )
+    here = f"the other ranks on this host ({host}) are still running" if local else "no other rank runs here"
+    return (
+        f"rank {rank}: a collective failed ({what}): another rank stopped or its connection broke, and "
+        f"{here}{elsewhere}; check the network between the hosts (MASTER_ADDR, firewalls)"
+    )

@@ -17,11 +17,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+NUMBERS = ("loss", "aux_loss", "val_loss", "tokens_per_s", "memory_gib", "lr", "grad_norm")
+"""Record fields that are a finite number or null (a value that was not finite: see mxmoe.train.metrics)."""
+COUNTS = ("loss_steps", "val_tokens")
+"""Record fields that are, when present, an int >= 1."""
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number metrics.jsonl holds (a value that is not finite is null)")
+
+
+def check_record(rec, where: str) -> None:
+    """ValueError naming `where` (file:line), the field and its value unless `rec` is a record as
+    the trainer writes it: an object with an int step >= 0, NUMBERS finite or null, COUNTS ints >= 1."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+    step = rec.get("step")
+    if type(step) is not int or step < 0:
+        raise ValueError(f"{where}: step={step!r}: expected an int >= 0")
+    for k in NUMBERS:
+        v = rec.get(k)
+        if v is not None and (type(v) not in (int, float) or not math.isfinite(v)):
+            raise ValueError(f"{where} (step {step}): {k}={v!r}: expected a finite number or null")
+    for k in COUNTS:
+        v = rec.get(k, 1)
+        if type(v) is not int or v < 1:
+            raise ValueError(f"{where} (step {step}): {k}={v!r}: expected an int >= 1")
+
 
 # per-run keys a comparison never varies by: where a run writes, which seed it has, how it logs
 _NOT_A_VARIANT = {
@@ -33,6 +62,9 @@ _NOT_A_VARIANT = {
     "metrics.progress_bar",
     "metrics.log_freq",
 }
+# what the trainer records beside the config (the corpus's identity, the data the run reads): it
+# follows from the config's keys (data.*, training.steps, ...), which name the variant instead
+_RECORDED = {"corpus", "epochs"}
 
 
 @dataclass
@@ -45,7 +77,8 @@ class Series:
 
 
 def read_metrics(run: str) -> list[dict]:
-    """The records of a run folder's metrics.jsonl (or of a .jsonl file)."""
+    """The records of a run folder's metrics.jsonl (or of a .jsonl file), each checked
+    (`check_record`): ValueError naming the file, line and field of the first bad one."""
     path = Path(run)
     if path.is_dir():
         path = path / "metrics.jsonl"
@@ -56,9 +89,11 @@ def read_metrics(run: str) -> list[dict]:
         for n, line in enumerate(fh, 1):
             if line.strip():
                 try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+                    rec = json.loads(line, parse_constant=_no_constant)
+                except ValueError as e:  # JSONDecodeError, or NaN / Infinity
+                    raise ValueError(f"{path}:{n}: not a metrics record: {e}") from None
+                check_record(rec, f"{path}:{n}")
+                out.append(rec)
     # A resumed run appends to the same file and logs some steps again: the last record of a step
     # (the one the surviving run wrote) wins, in step order.
     by_step = {r["step"]: r for r in out if "step" in r}
@@ -77,16 +112,19 @@ def read_config(run: str) -> dict | None:
 
 def recorded_seed(config: dict) -> int:
     """The seed of a run from its recorded config.json (runs recorded before debug.seed hold it as
-    training.seed)."""
-    section = config["debug"] if "debug" in config else config["training"]
-    return int(section["seed"])
+    training.seed); ValueError naming the key unless it is an int."""
+    name = "debug" if "debug" in config else "training"
+    seed = config[name]["seed"]
+    if type(seed) is not int:
+        raise ValueError(f"{name}.seed={seed!r}, expected an int")
+    return seed
 
 
 def _flat(config: dict) -> dict[str, str]:
     return {
         f"{sec}.{k}": json.dumps(v, sort_keys=True)
         for sec, body in config.items()
-        if isinstance(body, dict)
+        if isinstance(body, dict) and sec not in _RECORDED
         for k, v in body.items()
     }
 

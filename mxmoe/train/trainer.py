@@ -35,7 +35,7 @@ from mxmoe.train.build import (  # noqa: F401  (build_model_args .. mx_convert: 
 from mxmoe.train.checkpoint import CheckpointError, claim_folder
 from mxmoe.train.config import ConfigError, JobConfig, check_ranks_agree, parse_args
 from mxmoe.train.data import VOCAB_SIZE, eval_windows
-from mxmoe.train.metrics import MetricsWriter, RunLock, new_run_id
+from mxmoe.train.metrics import MetricsError, MetricsWriter, RunLock, new_run_id
 
 log = logging.getLogger("mxmoe.train")
 
@@ -137,8 +137,8 @@ def _main(cfg: JobConfig) -> int:
     except (ValueError, TypeError, NotImplementedError) as e:  # bad settings: a clear message, no trace
         print(f"mxmoe train: error: {e}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingDiverged) as e:  # the run cannot go on: say why, exit 1
-        print(f"mxmoe train: error: {e}", file=sys.stderr)
+    except (CheckpointError, MetricsError, TrainingDiverged, parallel.CollectiveFailed) as e:
+        print(f"mxmoe train: error: {e}", file=sys.stderr)  # the run cannot go on: say why, exit 1
         return 1
 
 
@@ -159,8 +159,10 @@ def _train_run(cfg: JobConfig) -> int:
     distributed = dist.is_initialized()
     stop = _Stop()
     run_id, locks = new_run_id(), []
+    peers: list = []
     try:
         if distributed:
+            peers = parallel.gather_peers()
             check_ranks_agree(cfg)
         # one live run per metrics / checkpoint folder: rank 0 takes the locks and every rank learns
         # the outcome
@@ -183,6 +185,12 @@ def _train_run(cfg: JobConfig) -> int:
         if busy is not None:
             raise ValueError(busy)
         return _train(build_run(cfg, rank, world, device), stop, run_id)
+    except RuntimeError as e:  # gloo's failures are plain RuntimeErrors: say which rank and what to check
+        if distributed and parallel.is_collective_failure(e):
+            raise parallel.CollectiveFailed(
+                parallel.describe_collective_failure(e, rank, peers, p.timeout_s)
+            ) from None
+        raise
     finally:
         for lock in locks:
             lock.release()
@@ -221,6 +229,27 @@ def _log_run(run: Run, run_id: str) -> None:
         len(run.train_ds),
         len(run.val_ds) if run.val_ds else 0,
     )
+    c, e = run.corpus, run.epochs
+    skipped = ", ".join(f"{k} {n}" for k, n in sorted(c["skipped"].items()))
+    log.info(
+        f"data {c['source']}: {c['files']:,} files, {c['train_tokens']:,} train / {c['val_tokens']:,} "
+        f"validation tokens, corpus {c['sha256'][:12]}"
+        + (f"; skipped {sum(c['skipped'].values())} not regular files ({skipped})" if skipped else "")
+    )
+    what = (
+        f"{e['run_tokens']:,} tokens (training.steps x global batch x seq_len = {e['steps']} x "
+        f"{e['global_batch']} x {e['seq_len']}), {e['epochs']:.2f} epochs of the train split's "
+        f"{e['tokens_per_epoch']:,} tokens"
+    )
+    if e["epochs"] > 1 and run.rank == 0:
+        log.warning(
+            "the run reads %s: its training data repeats, and a loss past the first epoch measures "
+            "memorization too. A larger corpus (--data.path=python-env, or a folder) or fewer steps keeps "
+            "it to one epoch",
+            what,
+        )
+    else:
+        log.info("the run reads %s", what)
 
 
 class _TrainStep:
@@ -308,8 +337,9 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
     step = run.step
 
     _log_run(run, run_id)
+    recorded = {**cfg.to_dict(), "corpus": run.corpus, "epochs": run.epochs}  # config.json
     metrics = MetricsWriter(
-        cfg.job.dump_folder, rank == 0, cfg.metrics.enable_tensorboard, cfg.to_dict(), run_id, start_step=step
+        cfg.job.dump_folder, rank == 0, cfg.metrics.enable_tensorboard, recorded, run_id, start_step=step
     )
     world_group = dist.group.WORLD if distributed else None
     train_step = _TrainStep(run)

@@ -8,6 +8,7 @@ from conftest import recipe_for
 
 import mxmoe
 from mxmoe.quant import MXTensor, to_mx, to_mx_dim0_dim1
+from mxmoe.quant.scale_layout import SCALE_LAYOUTS
 
 KERNELS = mxmoe.available_kernels("cpu")
 X = torch.ones(4, 64, dtype=torch.bfloat16)
@@ -340,3 +341,105 @@ def test_remember_keeps_derived_answers_until_clear_resolved(monkeypatch):
     assert kernels.remember(("test", 1), lambda: "b") == "b"
     again = op_plan(r, torch.device("cpu"))
     assert again is not plan and again == plan
+
+
+TILED = next(x for x in SCALE_LAYOUTS if x != "plain")  # Blackwell's scale layout, whatever its name
+
+
+def _parts(x=X, **kw) -> dict:
+    """The fields of to_mx(x, **kw) as a hand-built MXTensor takes them."""
+    import dataclasses
+
+    mx = to_mx(x, recipe=recipe_for("torch"), **kw)
+    return {f.name: getattr(mx, f.name) for f in dataclasses.fields(mx)}
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        # once dequantized as the swizzled layout (max error 3.25)
+        ({"scale_layout": "Plain"}, ValueError, "scale_layout='Plain' is not a scale layout; expected"),
+        # once broadcast
+        ({"scale_blocked": torch.zeros(4, 1, dtype=torch.float8_e8m0fnu)}, ValueError,
+         "scale_blocked has shape (4, 1); expected (4, 2): one scale per block_size=32 elements"),
+        # once read as integers
+        ({"qdata_blocked": torch.zeros(4, 64, dtype=torch.int8)}, TypeError,
+         "qdata_blocked is torch.int8; expected a tensor of an MX element dtype"),
+        ({"scale_blocked": torch.zeros(4, 2, dtype=torch.uint8)}, TypeError,
+         "scale_blocked is torch.uint8; expected a torch.float8_e8m0fnu tensor"),
+        # once a transposed result
+        ({"axis": -1}, ValueError, "axis=-1: expected one of [0, 1], the non-negative logical axis"),
+        ({"axis": 2}, ValueError, "axis=2: expected one of [0, 1]"),
+        ({"axis": True}, ValueError, "axis=True: expected one of [0, 1]"),
+        ({"block_size": 48}, ValueError, "block_size=48 is not supported"),
+        ({"block_size": 64}, ValueError, "scale_blocked has shape (4, 2); expected (4, 1)"),
+        ({"scaling_mode": "nearest"}, ValueError, "scaling_mode='nearest' is not a scale mode"),
+        ({"orig_dtype": torch.float16}, TypeError, "orig_dtype=torch.float16: expected torch.bfloat16"),
+        ({"qdata_blocked": torch.zeros(64, 4, dtype=torch.float8_e4m3fn).t()}, ValueError,
+         "must be contiguous tensors"),
+        ({"grad_anchor": torch.zeros(64, 4)}, ValueError,
+         "grad_anchor is (64, 4) on cpu; expected None or a tensor of the logical shape (4, 64)"),
+        ({"scale_layout": TILED}, ValueError, "scale_blocked has shape (4, 2); expected (128, 4)"),
+        ({"offs": torch.tensor([4], dtype=torch.int32)}, ValueError,
+         "offs groups the scales of the blocked layout"),
+    ],
+)
+def test_a_hand_built_mxtensor_is_checked_as_to_mx_checks(change, error, message):
+    parts = _parts()
+    MXTensor(**parts)  # as to_mx made it: accepted
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        MXTensor(**{**parts, **change})
+
+
+def test_a_valid_hand_built_mxtensor_is_the_cast_one():
+    import dataclasses
+
+    from mxmoe.formats import ScalingMode
+
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+    for kw in ({}, {"axis": 0}, {"scale_layout": TILED}, {"axis": 0, "scale_layout": TILED, "offs": offs},
+               {"scale_layout": TILED, "offs": offs}):
+        cast = to_mx(x, recipe=recipe_for("torch"), **kw)
+        hand = MXTensor(**_parts(x, **kw))
+        assert torch.equal(hand.dequantize(), cast.dequantize()), kw
+    mx = MXTensor(**{**_parts(), "scaling_mode": ScalingMode.RCEIL})
+    assert mx.scaling_mode == "rceil"  # stored by name, as the casts store it
+    with pytest.raises(ValueError, match="axis=0: expected one of"):  # replace() is checked too
+        dataclasses.replace(mx, qdata_blocked=torch.zeros(2, 4, 64, dtype=torch.float8_e4m3fn), axis=0)
+
+
+def test_mx_grouped_mm_takes_a_hand_built_mxtensor_and_no_narrow_scales():
+    from mxmoe.ops import mx_grouped_mm
+
+    r = recipe_for("torch")
+    a = torch.randn(64, 64)
+    b_t = torch.randn(2, 64, 32)
+    offs = torch.tensor([24, 64], dtype=torch.int32)
+    cast = to_mx(a, recipe=r)
+    hand = MXTensor(**_parts(a))
+    assert torch.equal(mx_grouped_mm(hand, b_t, offs, r), mx_grouped_mm(cast, b_t, offs, r))
+    with pytest.raises(ValueError, match=r"scale_blocked has shape \(64, 1\); expected \(64, 2\)"):
+        MXTensor(cast.qdata_blocked, cast.scale_blocked[:, :1].contiguous(), 1)  # once broadcast
+
+
+def test_the_casts_and_ops_build_their_mxtensors_unchecked(monkeypatch):
+    """The public constructor checks; the casts and the ops (per call, in training) do not."""
+    import mxmoe.quant.mx_tensor as mt
+    from mxmoe.ops import mx_grouped_mm, mx_mm
+
+    calls = []
+    check = mt._check_fields
+    monkeypatch.setattr(mt, "_check_fields", lambda t: calls.append(1) or check(t))
+    r = recipe_for("torch")
+    a = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    b_t = torch.randn(2, 64, 32, requires_grad=True)
+    offs = torch.tensor([24, 64], dtype=torch.int32)
+    (mx_mm(a, w.t(), r).sum() + mx_grouped_mm(a, b_t, offs, r).sum()).backward()
+    x = to_mx(a.detach(), recipe=r)
+    x.to_scale_layout(TILED).to_scale_layout("plain").index_rows(torch.arange(3)).dequantize()
+    to_mx_dim0_dim1(a.detach(), recipe=r)
+    assert calls == []
+    MXTensor(**_parts())
+    assert calls == [1]

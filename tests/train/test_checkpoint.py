@@ -143,6 +143,77 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     assert not new.exists() and old.is_dir() and (tmp_path / "step-00000006").is_dir()
 
 
+def test_a_resumed_run_trains_with_its_own_optimizer_and_schedule_settings(tmp_path, capsys, four_steps):
+    from mxmoe.train.build import build_run, check_values, lr_lambda
+
+    new = ["--optimizer.lr=1e-4", "--lr_scheduler.warmup_steps=0", "--optimizer.beta1=0.8",
+           "--optimizer.beta2=0.9", "--optimizer.weight_decay=0.05", "--lr_scheduler.min_lr_factor=0.5",
+           "--training.steps=6"]
+    # what a resume builds: this config's settings in the param groups, its schedule at step 4
+    folders = [f"--job.dump_folder={tmp_path}/x", f"--checkpoint.folder={tmp_path}/ckpt"]
+    cfg = trainer.parse_args(TINY + folders + new)
+    check_values(cfg)
+    run = build_run(cfg, 0, 1, torch.device("cpu"))
+    lam = lr_lambda(cfg)
+    assert run.step == 4
+    for group, decay in zip(run.optimizer.param_groups, (0.05, 0.0), strict=True):
+        assert (group["betas"], group["weight_decay"], group["initial_lr"]) == ((0.8, 0.9), decay, 1e-4)
+        assert group["lr"] == 1e-4 * lam(4)
+    assert run.optimizer.state[run.optimizer.param_groups[0]["params"][0]]["step"] == 4  # moments kept
+    # the run: steps 5 and 6 at the new schedule's rates; the log names every changed setting
+    capsys.readouterr()
+    assert _train(tmp_path, "resumed", *new) == 0
+    err = capsys.readouterr().err
+    for changed in ("optimizer.lr=0.0001 (checkpoint: 0.003)", "lr_scheduler.warmup_steps=0 (checkpoint: 2)",
+                    "optimizer.beta1=0.8 (checkpoint: 0.9)", "optimizer.beta2=0.9 (checkpoint: 0.95)",
+                    "optimizer.weight_decay=0.05 (checkpoint: 0.1)",
+                    "lr_scheduler.min_lr_factor=0.5 (checkpoint: 0.1)"):
+        assert changed in err, err
+    recs = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["lr"]) for r in recs] == [(5, 1e-4 * lam(4)), (6, 1e-4 * lam(5))]
+
+
+def test_resuming_in_another_precision_is_an_error_naming_both_unless_allowed(tmp_path, capsys):
+    mx = ["--model.converters=mx", "--mx.mxfp8_dim1_cast_kernel_choice=torch"]
+    assert _train(tmp_path, "mx", "--training.steps=2", *mx) == 0
+    step2 = tmp_path / "ckpt" / "step-00000002"
+    saved = json.loads((step2 / MANIFEST).read_text())["precision"]
+    assert saved["model.converters"] == ["mx"] and saved["mx.recipe_name"] == "mxfp8_rceil"
+    for other, named in (
+        (["--model.converters="], ["model.converters: checkpoint ['mx'], this run []",
+                                   "mx.recipe_name: checkpoint 'mxfp8_rceil', this run unset"]),
+        ([*mx, "--mx.recipe_name=mxfp8"], ["mx.recipe_name: checkpoint 'mxfp8_rceil', this run 'mxfp8'",
+                                           "mx.scaling_mode: checkpoint 'rceil', this run 'floor'"]),
+        ([*mx, "--training.mixed_precision=fp32"],
+         ["training.mixed_precision: checkpoint 'bf16', this run 'fp32'"]),
+    ):
+        capsys.readouterr()
+        assert _train(tmp_path, "other", "--training.steps=4", *other) == 1
+        err = capsys.readouterr().err
+        assert f"checkpoint {step2} was trained in another precision" in err and "Traceback" not in err, err
+        assert all(n in err for n in named), err
+        assert "--checkpoint.allow_precision_change=true" in err
+    assert _entries(tmp_path / "ckpt") == ["step-00000002"]  # nothing trained or saved
+    # the explicit opt-in: continued in this run's precision, with a warning naming the change
+    assert _train(tmp_path, "floor", "--training.steps=3", *mx, "--mx.recipe_name=mxfp8",
+                  "--checkpoint.allow_precision_change=true") == 0
+    assert "mx.recipe_name: checkpoint 'mxfp8_rceil', this run 'mxfp8'" in capsys.readouterr().err
+    assert sorted(losses(tmp_path / "floor")) == [3]
+
+
+def test_a_trainer_state_missing_a_key_is_an_error_naming_it(tmp_path, capsys, four_steps):
+    step4 = tmp_path / "ckpt" / "step-00000004"
+    state = json.loads((step4 / "trainer_state.json").read_text())
+    del state["sampler"]
+    (step4 / "trainer_state.json").write_text(json.dumps(state))
+    _rehash(step4)
+    capsys.readouterr()
+    assert _train(tmp_path, "resumed", "--training.steps=6") == 1
+    err = capsys.readouterr().err
+    assert f"checkpoint file {step4 / 'trainer_state.json'}: sampler=None: expected the data position" in err
+    assert "Traceback" not in err, err
+
+
 def test_nonfinite_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
     # lr 1e30 (finite, so accepted) blows the weights up: the gradient norm is NaN at step 2
     args = ["--optimizer.lr=1e30", "--lr_scheduler.warmup_steps=0", "--training.steps=4"]
@@ -226,6 +297,24 @@ def test_byte_items_we_did_not_write_are_refused(tmp_path, item):
     if item == "extra.blob":  # a byte item outside the optimizer's is refused by verification too
         with pytest.raises(CheckpointError, match="byte item 'extra.blob'"):
             ck.verify(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_a_tensor_of_another_dtype_is_refused_not_cast(tmp_path, dtype):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    ck, model, opt, path = _linear_checkpoint(tmp_path / "ckpt")
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    state["model"]["weight"] = torch.full((4, 4), 7).to(dtype)  # once loaded as 7.0 into the fp32 weight
+    dcp.save(state, checkpoint_id=str(path))
+    _rehash(path)
+    ck.verify(path)  # checksums and contents in order: the dtype is what is wrong
+    before = model.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=rf"'model.weight' is {dtype} in the checkpoint, torch.float32 "
+                       "in this run: refused, a checkpoint's tensors are never cast"):
+        ck.load(path, model, opt, {})
+    assert torch.equal(model.weight.detach(), before)
 
 
 def test_the_trainer_state_is_json_and_reloads(tmp_path, four_steps):
@@ -381,6 +470,19 @@ def test_stale_tmp_and_empty_step_folders_are_cleaned(tmp_path, capsys):
     assert "removed step-00000003.tmp" in out and "removed the empty folder step-00000001" in err
     assert _entries(ck) == ["step-00000002", "step-00000003"]
     assert sorted(losses(tmp_path / "b")) == [3]
+
+
+@pytest.mark.parametrize("name", ["step-00000004", "step-00000002.tmp"])
+def test_a_file_under_a_checkpoint_name_is_refused_at_start(tmp_path, capsys, name):
+    # once ignored at start, then the save at that step failed (steps lost, a .tmp left behind)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / name).write_text("not a checkpoint")
+    assert _train(tmp_path, "run", "--training.steps=4", "--checkpoint.interval=2") == 2
+    err = capsys.readouterr().err
+    assert f"holds ['{name}'], not folders, under the names checkpoints are saved as" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the first step
+    assert _entries(tmp_path / "ckpt") == [name]
 
 
 def test_a_resumed_run_with_another_config_keeps_the_first_config_json(tmp_path):

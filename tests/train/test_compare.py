@@ -13,9 +13,12 @@ from mxmoe.train import compare
 REPO = Path(__file__).parents[2]
 
 
-def _write_run(folder: Path, seed: int, records: list[dict]) -> Path:
+def _write_run(folder: Path, seed: int, records: list[dict], **recorded) -> Path:
+    """A run folder: config.json (the seed, and what `recorded` adds, e.g. the corpus and epochs the
+    trainer records) and metrics.jsonl."""
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"training": {"seed": seed}}))
+    config = {**recorded, "training": {"seed": seed, **recorded.get("training", {})}}
+    (folder / "config.json").write_text(json.dumps(config))
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return folder
 
@@ -99,6 +102,105 @@ def test_paired_differences_by_hand(runs_root):
     assert stats["mx"]["val"]["mean_loss"] == pytest.approx(sum(val[("mx", s)] for s in range(4)) / 4)
     with pytest.raises(ValueError, match="baseline='fp8'"):
         compare.paired_differences(runs, "fp8")
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('{"step": 100, "loss": "abc"}', "(step 100): loss='abc': expected a finite number or null"),
+        ('{"step": "20", "loss": 1.0}', "step='20': expected an int >= 0"),
+        ('{"step": 100, "loss": 1.0, "loss_steps": 0}', "(step 100): loss_steps=0: expected an int >= 1"),
+        ('{"step": 100, "loss": NaN}', "NaN is not a number metrics.jsonl holds"),
+        ('{"step": 100, "val_loss": true}', "(step 100): val_loss=True: expected a finite number or null"),
+        ('[1, 2]', "a record must be a JSON object, got list"),
+    ],
+)
+def test_bad_records_are_named(runs_root, tmp_path, capsys, bad, message):
+    # once a TypeError, a ZeroDivisionError or a "+nan" in the table
+    metrics = runs_root / "mx" / "seed1" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + bad + "\n")
+    assert compare.main(["--runs", str(runs_root), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"mxmoe compare: error: {metrics}:12" in err and message in err, err
+    assert not (tmp_path / "o" / "compare.md").exists()
+
+
+def test_a_baseline_loss_of_zero_is_an_error_naming_the_run(runs_root, tmp_path, capsys):
+    metrics = runs_root / "bf16" / "seed2" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace('"val_loss": 1.8', '"val_loss": 0.0'))
+    assert compare.main(["--runs", str(runs_root), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"baseline run {str(runs_root / 'bf16' / 'seed2')!r}: final val loss 0: a difference in %" in err
+
+
+SETUP = {"training": {"steps": 100, "seq_len": 1024}, "epochs": {"global_batch": 16, "epochs": 0.5},
+         "corpus": {"sha256": "a" * 64, "source": "python-env"}}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"corpus": {"sha256": "b" * 64}}, f"corpus {'b' * 64!r} vs {'a' * 64!r}"),
+        ({"training": {"steps": 200}}, "training.steps 200 vs 100"),
+        ({"training": {"seq_len": 512}}, "training.seq_len 512 vs 1024"),
+        ({"epochs": {"global_batch": 8}}, "global_batch 8 vs 16"),
+        ({"last_step": 90}, "last logged step 90 vs 100"),
+    ],
+)
+def test_runs_of_different_setups_are_not_paired(tmp_path, capsys, change, message):
+    root = tmp_path / "runs"
+    for v in ("bf16", "mx"):
+        for seed in (0, 1):
+            recorded = json.loads(json.dumps(SETUP))
+            recs = _records(*DATA[(v, seed)], [1.0] * 11)
+            if (v, seed) == ("mx", 1):
+                for k, d in change.items():
+                    if k == "last_step":
+                        recs = recs[:-2]
+                    else:
+                        recorded[k].update(d)
+            _write_run(root / v / f"seed{seed}", seed, recs, **recorded)
+    assert compare.main(["--runs", str(root), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    pair = f"{root / 'mx' / 'seed1'} vs its baseline {root / 'bf16' / 'seed1'}"
+    want = f"runs of different setups cannot be paired: {pair}"
+    assert want in err and message in err, err
+    assert str(root / "mx" / "seed0") not in err  # the pairs that match are not named
+
+
+def test_the_runs_table_shows_epochs_and_flags_runs_that_repeat_data(tmp_path, capsys):
+    root = tmp_path / "runs"
+    for v, epochs in (("bf16", 1.64), ("mx", 1.64)):
+        recorded = json.loads(json.dumps(SETUP))
+        recorded["epochs"]["epochs"] = epochs
+        _write_run(root / v / "seed0", 0, _records(*DATA[(v, 0)], [1.0] * 11), **recorded)
+    assert compare.main(["--runs", str(root), "--out", str(tmp_path / "o")]) == 0
+    md = (tmp_path / "o" / "compare.md").read_text()
+    assert "**Data repeats**: 2 of 2 runs read their training data more than once (up to 1.64 epochs)" in md
+    assert "| bf16 | 0 | 100 | 1.64 (repeats) |" in md
+    report = json.loads((tmp_path / "o" / "compare.json").read_text())
+    assert report["repeats_data"] == [str(root / "bf16" / "seed0"), str(root / "mx" / "seed0")]
+    assert [r["epochs"] for r in report["runs"]] == [1.64, 1.64]
+    assert "2 run(s) read their training data more than once" in capsys.readouterr().err
+    # within one epoch: the column, no flag
+    for v in ("bf16", "mx"):
+        cfg = root / v / "seed0" / "config.json"
+        cfg.write_text(cfg.read_text().replace("1.64", "0.5"))
+    assert compare.main(["--runs", str(root), "--out", str(tmp_path / "p")]) == 0
+    md = (tmp_path / "p" / "compare.md").read_text()
+    assert "Data repeats" not in md and "| bf16 | 0 | 100 | 0.50 |" in md
+
+
+def test_each_run_gets_its_own_checkpoint_folder(tmp_path):
+    # once every variant resumed the previous variant's checkpoint and trained nothing
+    folder = tmp_path / "out" / "runs" / "mx" / "seed1"
+    for vargs, extra in ((["--checkpoint.folder=ck"], []), ([], ["--checkpoint.folder", "ck"])):
+        argv = compare.launcher.trainer_argv("c.toml", 10, True, vargs, extra, 1, folder)
+        assert argv[-1] == f"--checkpoint.folder={Path('ck') / 'mx' / 'seed1'}"  # the last one counts
+    off = ["--checkpoint.folder=ck", "--checkpoint.folder="]
+    argv = compare.launcher.trainer_argv("c.toml", 10, True, [], off, 1, folder)
+    assert not any(a.startswith("--checkpoint.folder=ck") for a in argv[-2:])  # no checkpoints asked for
+    assert "--checkpoint.folder=" in argv[:3]  # a config's own folder is never shared either
 
 
 def test_spread_of_one_value_has_no_std():
@@ -245,7 +347,7 @@ def test_launch_runs_an_expert_parallel_job_under_torch_distributed_run(tmp_path
     """--nproc 2: one run as 2 gloo ranks (ep = 2) under torch.distributed.run; done once."""
     monkeypatch.chdir(REPO)
     folder = tmp_path / "ep2" / "seed0"
-    argv = compare._run_argv(
+    argv = compare.launcher.trainer_argv(
         "debug_moe", 2, True, ["--parallelism.expert_parallel_degree=2"], TINY, 0, folder
     )
     job = ("ep2", 0, argv, folder)
@@ -265,13 +367,12 @@ def test_time_limit_stops_the_running_run_and_starts_no_other(tmp_path, monkeypa
     jobs = []
     for v in ("long", "next"):
         folder = tmp_path / v / "seed0"
-        jobs.append(
-            (v, 0, compare._run_argv("debug_moe", 100_000, False, [], TINY, 0, folder), folder)
-        )
+        argv = compare.launcher.trainer_argv("debug_moe", 100_000, False, [], TINY, 0, folder)
+        jobs.append((v, 0, argv, folder))
     # a limit that ends the first run in its start-up or its first steps: either way it is stopped
     status = compare.launch(jobs, parallel=1, devices=None, time_limit_s=3)
     assert status == {("long", 0): "stopped at the time limit", ("next", 0): "not started (time limit)"}
     rec = json.loads((tmp_path / "long" / "seed0" / "command.json").read_text())
     assert rec["stopped"] is True and rec["seconds"] < 3 + 130
     assert not (tmp_path / "next").exists()
-    assert compare._failed(tmp_path / "long" / "seed0")
+    assert compare.report.run_failed(tmp_path / "long" / "seed0")

@@ -261,6 +261,36 @@ def _rank_with_extra(rank: int, world: int, port: int, argv: list[str], extra: l
     Path(out, f"rc{rank}").write_text(str(rc))
 
 
+def _rank_in_its_folder(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
+    """A trainer rank started in out/cwd{rank}; its exit status and stderr go to files in `out`."""
+    import os
+
+    os.chdir(Path(out, f"cwd{rank}"))
+    _rank_with_extra(rank, world, port, argv, [], out)
+
+
+def test_ranks_reading_different_data_stop_naming_each_ranks_corpus(tmp_path):
+    """One config, a relative data.path, each rank started in another folder: every rank stops at start
+    naming what each read (they once trained silently on different corpora)."""
+    from conftest import spawn_ranks
+    from test_trainer import TINY
+
+    for r in range(2):
+        data = tmp_path / f"cwd{r}" / "data"
+        data.mkdir(parents=True)
+        for i in range(6):
+            (data / f"m{i}.py").write_text(f"# rank {r} file {i}\n" + "x = 1\n" * (40 + 10 * r))
+    argv = TINY + ["--training.steps=2", "--data.path=data", f"--job.dump_folder={tmp_path}/run"]
+    spawn_ranks(_rank_in_its_folder, 2, argv, str(tmp_path))
+    for r in range(2):
+        assert (tmp_path / f"rc{r}").read_text() == "2"
+        err = (tmp_path / f"err{r}").read_text()
+        assert "the ranks read different data for data.path='data': rank 0: " in err, err
+        assert f"rank 0: {tmp_path / 'cwd0' / 'data'} (6 files, " in err, err
+        assert f"rank 1: {tmp_path / 'cwd1' / 'data'} (6 files, " in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_main_reports_config_errors(capsys):
     assert trainer.main(["--training.stepz=3"]) == 2
     assert "training.stepz" in capsys.readouterr().err
@@ -279,7 +309,17 @@ def test_main_reports_config_errors(capsys):
         ("--optimizer.lr=-1e-3", "optimizer.lr=-0.001: expected a finite number > 0"),
         ("--lr_scheduler.min_lr_factor=1.5", "lr_scheduler.min_lr_factor=1.5: expected 0 <= value <= 1"),
         ("--lr_scheduler.min_lr_factor=-0.1", "lr_scheduler.min_lr_factor=-0.1: expected 0 <= value <= 1"),
-        ("--training.max_norm=nan", "training.max_norm=nan: expected a number >= 0"),
+        ("--training.max_norm=nan", "training.max_norm=nan: expected a finite number >= 0 (0 disables"),
+        # float options of the model: NaN / inf once trained with NaN expert biases, rc 0
+        ("--model.bias_update_rate=nan", "model.bias_update_rate=nan: expected a finite number >= 0"),
+        ("--model.bias_update_rate=inf", "model.bias_update_rate=inf: expected a finite number >= 0"),
+        ("--model.aux_loss_coef=nan", "model.aux_loss_coef=nan: expected a finite number >= 0"),
+        ("--model.num_shared_experts=-1", "model.num_shared_experts=-1: expected >= 0"),
+        ("--model.moe_hidden_dim=0", "model.moe_hidden_dim=0: expected >= 1"),
+        ("--data.max_files=-1", "data.max_files=-1: expected >= 0"),
+        ("--data.val_fraction=1", "data.val_fraction=1.0: expected 0 <= value < 1"),
+        # not "the corpus has 0 tokens": what is wrong and the two ways out
+        ("--data.val_fraction=0", "data.val_fraction=0 holds out no validation data, but validation is on"),
         ("--optimizer.beta2=1", "optimizer.beta2=1.0: expected 0 <= value < 1"),
         ("--optimizer.weight_decay=inf", "optimizer.weight_decay=inf: expected a finite number >= 0"),
         # a removed value: why, and where to read it; a renamed one: its new name (before tyro's check)
@@ -303,6 +343,47 @@ def test_main_rejects_out_of_range_values(capsys, arg, match):
     # checked before any model or data is built: an error naming the key, not a ZeroDivisionError
     assert trainer.main([*arg.split(), "--training.device=cpu"]) == 2
     assert match in capsys.readouterr().err
+
+
+def _float_fields() -> set[str]:
+    """Every `section.key` of JobConfig whose type is float or float | None."""
+    import dataclasses
+    import typing
+
+    from mxmoe.train.config import JobConfig
+
+    out = set()
+    for sec, cls in typing.get_type_hints(JobConfig).items():
+        for name, tp in typing.get_type_hints(cls).items():
+            if float in (tp, *typing.get_args(tp)):
+                out.add(f"{sec}.{name}")
+    assert {f.name for f in dataclasses.fields(JobConfig)} >= {k.split(".")[0] for k in out}
+    return out
+
+
+def test_every_float_option_has_a_range_and_refuses_nan_and_infinities():
+    from mxmoe.train.build import check_values
+    from mxmoe.train.config import FLOAT_RANGES
+
+    floats = _float_fields()
+    assert "model.bias_update_rate" in floats and "optimizer.lr" in floats
+    assert set(FLOAT_RANGES) == floats, "a float option without a range (or a range of no option)"
+    for key in sorted(floats):
+        for bad in ("nan", "inf", "-inf"):
+            with pytest.raises(ValueError, match=rf"^{key}={bad}: expected "):
+                check_values(parse_args([f"--{key}={bad}", "--validation.freq=0"]))
+        # the default (or the preset's, for None) passes
+        check_values(parse_args(["--validation.freq=0"]))
+
+
+def test_a_cuda_device_without_a_gpu_is_a_setting_error(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert trainer.main(["--training.device=cuda", "--training.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "mxmoe train: error: training.device='cuda': no CUDA GPU is available here" in err
+    assert "--training.device=cpu" in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("name", CONFIGS)

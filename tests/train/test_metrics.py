@@ -1,13 +1,16 @@
 """One run, one folder: a live run locks its metrics folder, records carry a run id and a time, are
 strict JSON, and a resumed run's records continue without duplicates."""
 
+import errno
 import json
 import math
+import os
 import shutil
 
+import pytest
 from test_trainer import TINY, losses
 
-from mxmoe.train import trainer
+from mxmoe.train import metrics, trainer
 from mxmoe.train.metrics import DROPPED, MetricsWriter, RunLock
 
 
@@ -69,3 +72,21 @@ def test_a_resumed_run_continues_the_records_without_duplicates(tmp_path):
     dropped = [_strict(x) for x in (run / DROPPED).read_text().splitlines()]
     assert dropped == first[2:]
     assert sorted(losses(run)) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("full", ["config.json", "metrics.jsonl"])
+def test_a_full_disk_under_the_metrics_folder_is_an_error_not_a_traceback(tmp_path, capsys, monkeypatch,
+                                                                         full):
+    if full == "config.json":
+        def write_atomic(path, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        monkeypatch.setattr(metrics, "write_atomic", write_atomic)
+    else:  # records go to a file of a full disk: /dev/full fails every write with ENOSPC
+        monkeypatch.setattr(metrics, "_no_follow", lambda path, flags: os.open("/dev/full", os.O_WRONLY))
+    run = tmp_path / "run"
+    assert trainer.main(TINY + ["--training.steps=2", f"--job.dump_folder={run}"]) == 1
+    err = capsys.readouterr().err
+    want = f"mxmoe train: error: job.dump_folder={str(run)!r}: cannot write {full}: No space left on device"
+    assert want in err
+    assert "Traceback" not in err, err

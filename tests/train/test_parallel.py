@@ -1,5 +1,7 @@
-"""Process groups of the trainer's meshes honour parallelism.timeout_s (4 gloo ranks on CPU)."""
+"""Process groups of the trainer's meshes honour parallelism.timeout_s (4 gloo ranks on CPU); a rank
+that dies is named by the others."""
 
+import contextlib
 import datetime
 import os
 import time
@@ -51,7 +53,63 @@ def test_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.raises(RuntimeError, match=r"LOCAL_RANK=1 needs CUDA device 1, but 1 are visible; .*"
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 needs CUDA device 1, but 1 are visible; .*"
                        r"--nproc_per_node.*--training.device=cpu"):
         parallel.init_distributed("auto", 60)
     assert not dist.is_initialized()
+
+
+def _dying_peer(rank: int, world: int, port: int, out: str) -> None:
+    """`mxmoe train` as rank `rank`; rank 1 vanishes in its third step (as the OOM killer would end
+    it: no exception, no message)."""
+    from test_trainer import TINY
+
+    from mxmoe.train import trainer
+
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "MASTER_PORT": port}
+    os.environ.update(MASTER_ADDR="127.0.0.1", **{k: str(v) for k, v in env.items()})
+    torch.set_num_threads(1)
+    if rank == 1:
+        step, calls = trainer._TrainStep.__call__, []
+
+        def vanishes_in_step_3(self, x, y):
+            calls.append(1)
+            if len(calls) == 3:
+                os._exit(0)
+            return step(self, x, y)
+
+        trainer._TrainStep.__call__ = vanishes_in_step_3
+    with open(Path(out, f"err{rank}"), "w") as err, contextlib.redirect_stderr(err):
+        rc = trainer.main(TINY + ["--training.steps=6", f"--job.dump_folder={out}/run"])
+    Path(out, f"rc{rank}").write_text(str(rc))
+
+
+def test_a_rank_that_dies_is_named_by_the_others(tmp_path):
+    spawn_ranks(_dying_peer, 2, str(tmp_path))
+    err = (tmp_path / "err0").read_text()
+    # once gloo's raw RuntimeError ("Connection closed by peer ...") and a traceback
+    assert (tmp_path / "rc0").read_text() == "1", err
+    assert "mxmoe train: error: rank 0: a collective failed because rank 1 (pid " in err, err
+    assert ") stopped (" in err and "OOM killer" in err and "Traceback" not in err, err
+    assert not (tmp_path / "rc1").exists()
+
+
+def test_a_collective_failure_says_which_rank_is_gone_or_that_it_timed_out():
+    import socket
+    import subprocess
+
+    host = socket.gethostname()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    closed = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[10.0.0.2]:38822. This is typically caused by a remote worker crashing."
+    )
+    assert parallel.is_collective_failure(closed) and not parallel.is_collective_failure(RuntimeError("oom"))
+    peers = [(host, os.getpid()), (host, gone.pid)]
+    msg = parallel.describe_collective_failure(closed, 0, peers, 60, wait_s=0)
+    assert msg.startswith(f"rank 0: a collective failed because rank 1 (pid {gone.pid} on {host}) stopped "
+                          "(Connection closed by peer [10.0.0.2]:38822)"), msg
+    timeout = RuntimeError("[/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms")
+    msg = parallel.describe_collective_failure(timeout, 0, [(host, os.getpid()), ("node2", 7)], 60, wait_s=0)
+    assert "a collective timed out after parallelism.timeout_s=60 s" in msg and "other hosts (node2)" in msg

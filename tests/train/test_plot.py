@@ -60,6 +60,13 @@ def test_variant_and_seed_come_from_the_recorded_configs(tmp_path, capsys):
     assert names == ["recipe_name=mxfp8_rceil", "recipe_name=mxfp8"]
     assert variant_names([configs[0], floor], ["a", "b"]) == ["bf16", "mx recipe_name=mxfp8"]
     assert variant_names([None], ["seed0"]) == ["seed0"]
+    # what the trainer records beside the config (corpus, epochs) follows from it: not a name
+    longer = _config(["mx"], 0, recipe="mxfp8")
+    floor["training"]["steps"], longer["training"]["steps"] = 100, 200
+    for c, steps in ((floor, 100), (longer, 200)):
+        c["corpus"] = {"sha256": "a" * 64, "files": 3, "skipped": {}}
+        c["epochs"] = {"steps": steps, "run_tokens": steps * 64, "epochs": steps / 100}
+    assert variant_names([floor, longer], ["a", "b"]) == ["steps=100", "steps=200"]
 
 
 def test_one_curve_per_variant_and_a_titled_difference_panel():

@@ -1,0 +1,231 @@
+"""`mxmoe compare`: variants x seeds of one training config, as a table and a plot in one folder.
+
+    mxmoe compare --config moe_2b --steps 300 --seeds 0,1,2 --out runs/cmp \\
+        --variant bf16 --variant "mx=--model.converters=mx" --parallel 3 \\
+        -- --validation.freq=300 --validation.steps=40
+    mxmoe compare --runs runs/cmp/runs --baseline bf16 --out runs/cmp2     # read finished runs
+
+Running: one `python -m mxmoe train` subprocess per (variant, seed), `--parallel K` at a time
+(several small runs share one GPU; `--devices 0,1` spreads them over GPUs by CUDA_VISIBLE_DEVICES;
+`--nproc N` runs each under `torch.distributed.run` on N GPUs, e.g. for expert parallelism),
+each with `--config`, then `--checkpoint.folder=` (no checkpoints: a config's checkpoint folder would
+make every run resume the same one), `--debug.deterministic=true` (unless --no-deterministic),
+`--training.steps`, the variant's arguments, the arguments after `--` (every run), and last the
+seed and `--job.dump_folder=OUT/runs/VARIANT/seedS`; a `--checkpoint.folder=X` among the arguments
+becomes X/VARIANT/seedS, each run's own (a stopped run resumes its own checkpoint when the same
+command runs again). A variant is `NAME=ARGS`, ARGS the trainer
+options as one shell-quoted string, or just NAME for none (repeat --variant per variant: trainer
+values hold commas, as `--mx.filter_fqns=output,router`); the first is the baseline unless
+--baseline names another. Each run's console goes to its folder's train.log; a run that finished
+(its command.json records the same command and status 0) is not run again, so an interrupted
+compare continues where it stopped; `--time-limit-s` stops the running runs (SIGTERM) and starts no
+more after that many seconds, then writes the tables of the finished ones.
+
+Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from RUN/config.json (the
+layout the running mode writes under OUT/runs; a run whose command.json records a failure or a
+stop at the time limit is left out). A malformed record is an error naming its file, line and field.
+
+Paired runs must share their setup (training steps, the last logged step, sequence length, global
+batch and corpus, from each run's config.json): runs that differ are refused, naming them. Each
+run's epochs (how often it reads its train split) are in the runs table; runs that read their data
+more than once are flagged.
+
+Written into OUT: compare.md and compare.json (per run: final training loss = the mean training loss
+per step over the last `--tail-steps` steps (default: the last 10 % of the run), final validation
+loss = the last logged `val_loss`, median tokens/s; per variant: the paired difference from the
+baseline, seed by seed, in % of the baseline's loss, with its mean, sample standard deviation, min
+and max over the seeds) and compare.png (each variant's loss curves, mean and spread over seeds;
+the differences variant - baseline per seed, in %).
+
+The package: `report` (a run's numbers, the paired differences, compare.md / .json / .png, reading
+finished runs), `launcher` (the trainer subprocesses of the variants x seeds); the command is here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from mxmoe import configs
+from mxmoe.cli import comma_list, positive_int
+from mxmoe.train.compare.launcher import DONE, check_own, launch, parse_variant, trainer_argv
+from mxmoe.train.compare.report import (
+    Run,
+    analyse,
+    markdown,
+    paired_differences,
+    plot,
+    read_runs,
+    run_summary,
+    spread,
+)
+
+__all__ = [
+    "DONE",
+    "Run",
+    "analyse",
+    "launch",
+    "main",
+    "markdown",
+    "paired_differences",
+    "parse_variant",
+    "plot",
+    "read_runs",
+    "run_summary",
+    "spread",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="mxmoe compare",
+        description=__doc__.split("\n")[0],
+        epilog="Arguments after `--` go to every run's `mxmoe train`. "
+        "See docs/training.md, Comparing variants.",
+    )
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--config", help="run the variants of this trainer config: a name (mxmoe config list) or a TOML file"
+    )
+    src.add_argument("--runs", help="read finished runs: a folder of VARIANT/RUN/metrics.jsonl")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        type=parse_variant,
+        default=[],
+        metavar="NAME=ARGS",
+        help="a variant: its name and trainer options as one quoted string, e.g. 'mx=--model.converters=mx' "
+        "or 'bf16' (no options); repeat per variant, the first is the baseline. With --runs: the "
+        "variants to read, in this order (default: every folder, by name)",
+    )
+    ap.add_argument("--baseline", help="the variant the others are compared with (default: the first)")
+    ap.add_argument(
+        "--seeds", type=comma_list(int), default=[0], help="training seeds, e.g. 0,1,2 (default 0)"
+    )
+    ap.add_argument(
+        "--steps", type=positive_int, help="--training.steps of every run (default: the config's)"
+    )
+    ap.add_argument(
+        "--out", required=True, help="output folder: compare.md/.json/.png (and runs/ when running)"
+    )
+    ap.add_argument("--parallel", type=positive_int, default=1, help="runs at a time (default 1)")
+    ap.add_argument(
+        "--time-limit-s",
+        type=float,
+        help="after this many seconds start no run and stop (SIGTERM) the running ones, then write the "
+        "tables of the finished runs; the same command again runs the rest",
+    )
+    ap.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=1,
+        help="processes (GPUs) per run, under torch.distributed.run (for expert parallel variants; "
+        "default 1)",
+    )
+    ap.add_argument(
+        "--devices",
+        type=comma_list(str),
+        help="CUDA devices to spread the runs over (CUDA_VISIBLE_DEVICES of each run: --nproc of them; "
+        "--parallel runs on each group "
+        "per device), e.g. 0,1,2,3; default: every run sees what this process sees",
+    )
+    ap.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run with --debug.deterministic=true (default; bit-reproducible runs, slower)",
+    )
+    ap.add_argument(
+        "--tail-steps",
+        type=int,
+        default=0,
+        help="final train loss = mean over this many last steps (default 0: the last 10%% of the run)",
+    )
+    ap.add_argument(
+        "--smooth", type=float, default=0.0, help="EMA smoothing of the plotted train curves, 0..1"
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    failed: list = []
+    command = shlex.join(["mxmoe", "compare", *argv, *(["--", *extra] if extra else [])])
+    try:
+        if args.time_limit_s is not None and not args.time_limit_s > 0:
+            raise ValueError(f"--time-limit-s={args.time_limit_s}: expected a number of seconds > 0")
+        if args.tail_steps < 0:
+            raise ValueError(f"--tail-steps={args.tail_steps}: expected >= 0 (0: the last 10 % of the run)")
+        if not 0.0 <= args.smooth < 1.0:
+            raise ValueError(f"--smooth={args.smooth!r}: expected 0 <= smooth < 1 (EMA factor)")
+        names = [n for n, _ in args.variant]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"--variant: name(s) {dup} given twice")
+        out = Path(args.out)
+        if args.runs is not None:
+            if extra:
+                raise ValueError(
+                    f"trainer arguments after `--` ({shlex.join(extra)}) need --config, not --runs"
+                )
+            runs = read_runs(args.runs, names or None, args.tail_steps)
+        else:
+            if len(args.variant) < 2:
+                raise ValueError(
+                    f"--variant: given {len(args.variant)}, expected at least 2 (a baseline and one more)"
+                )
+            if len(set(args.seeds)) != len(args.seeds):
+                raise ValueError(f"--seeds={','.join(map(str, args.seeds))}: a seed is given twice")
+            if args.devices and len(args.devices) < args.nproc:
+                raise ValueError(
+                    f"--devices={','.join(args.devices)}: {len(args.devices)} device(s), fewer than "
+                    f"--nproc={args.nproc} per run"
+                )
+            if not configs.resolve(args.config, kind="trainer").is_file():
+                raise ValueError(f"--config {args.config!r}: file not found{configs.hint(args.config)}")
+            check_own("arguments after `--`", extra)
+            for name, vargs in args.variant:
+                check_own(f"--variant {name}", vargs)
+            # seed-major: a compare stopped early (time limit) leaves whole seeds, every variant paired
+            jobs = []
+            for seed in args.seeds:
+                for name, vargs in args.variant:
+                    folder = out / "runs" / name / f"seed{seed}"
+                    run_argv = trainer_argv(
+                        args.config, args.steps, args.deterministic, vargs, extra, seed, folder
+                    )
+                    jobs.append((name, seed, run_argv, folder))
+            print(
+                f"mxmoe compare: {len(jobs)} runs ({len(names)} variants x {len(args.seeds)} seeds) in {out}"
+            )
+            status = launch(jobs, args.parallel, args.devices, args.nproc, args.time_limit_s)
+            failed = [f"{v} seed {s}: {what}" for (v, s), what in sorted(status.items()) if what != DONE]
+            runs = [run_summary(n, s, f, args.tail_steps) for n, s, _, f in jobs if status[(n, s)] == DONE]
+            if not runs:
+                raise RuntimeError(f"no run finished: {'; '.join(failed)}")
+        baseline = args.baseline or (names[0] if names else runs[0].variant)
+        analyse(runs, baseline, out, args.tail_steps, command, args.smooth)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"mxmoe compare: error: {e}", file=sys.stderr)
+        return 2
+    print((out / "compare.md").read_text())
+    if failed:
+        print(
+            f"mxmoe compare: {len(failed)} run(s) did not finish ({'; '.join(failed)}); the tables leave "
+            "them out (the same command again runs them)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
