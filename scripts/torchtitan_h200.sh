@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# torchtitan 0.2.2's own trainer on one GPU (an H200), three ways with the same seed, data and model:
+# torchtitan 0.2.2's own trainer on one GPU (an H200), three ways with the same seeds, data and model:
 #   bf16    torchtitan's bf16 model
 #   mxmoe   --model.converters mxmoe: mxmoe's MX Linear layers and MX grouped experts
 #   torchao --model.converters torchao_mxfp8: torchao 0.18's MXFP8 training in its emulated mode
@@ -9,10 +9,12 @@
 # 8 x 2048 tokens, AdamW, eager (no torch.compile). Both MX runs convert the same modules: the
 # routed experts, the dense and shared-expert feed-forward layers (--mx.filter_fqns default).
 #
-#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140]
+#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2]
 #
-# writes OUT_DIR/{bf16,mxmoe,torchao}.log (torchtitan's logs), .csv (step, loss, grad_norm, tps)
-# and OUT_DIR/summary.md (loss and tokens/s side by side; scripts/torchtitan_summary.py). A run
+# Each variant runs once per seed (--debug.seed), with torchtitan's deterministic mode
+# (--debug.deterministic; DETERMINISTIC=0 turns it off). Writes OUT_DIR/VARIANT_sSEED.log
+# (torchtitan's logs), .csv (step, loss, grad_norm, tps) and OUT_DIR/summary.md (per run, and per
+# variant the mean and standard deviation over the seeds; scripts/torchtitan_summary.py). A run
 # longer than RUN_TIMEOUT_S is stopped and summarized with the steps it logged.
 #
 # Needs no network: torchtitan 0.2.2, torchao 0.18 and the run-time dependencies the GPU image
@@ -21,9 +23,12 @@
 # byte-level tokenizer are written by mxmoe.integrations.torchtitan.data into a /tmp folder.
 set -euo pipefail
 
-OUT=${1:?usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140]}
+OUT=${1:?usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2]}
 STEPS=${2:-300}
 RUN_TIMEOUT=${3:-140}
+IFS=, read -r -a SEEDS <<< "${4:-0,1,2}"
+DET=()
+[ "${DETERMINISTIC:-1}" = 0 ] || DET=(--debug.deterministic)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=python3
 mkdir -p "$OUT"
@@ -57,8 +62,8 @@ except RuntimeError as e:
     print(f"mxmoe's CUDA cast kernels did not build, 'auto' takes the Triton ones: {str(e)[:300]}")
 EOF
 
-run() {  # run NAME [trainer flags...]
-    local name=$1; shift
+run() {  # run NAME SEED [trainer flags...]
+    local name=$1 seed=$2; shift 2
     echo "== $name: $STEPS steps (at most ${RUN_TIMEOUT}s)"
     local t0=$SECONDS rc=0
     timeout -k 15 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
@@ -68,14 +73,18 @@ run() {  # run NAME [trainer flags...]
         --model.hf_assets_path "$WORK/tokenizer" \
         --training.dataset_path "$WORK/data" \
         --training.steps "$STEPS" \
-        --debug.seed 0 \
+        --debug.seed "$seed" "${DET[@]}" \
         "$@" > "$OUT/$name.log" 2>&1 || rc=$?
     echo "   exit $rc after $((SECONDS - t0))s; last step line:"
     grep -a "step:" "$OUT/$name.log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g' || echo "   (none: see $OUT/$name.log)"
 }
 
-run bf16
-run mxmoe --model.converters mxmoe
-run torchao --model.converters torchao_mxfp8 --experimental.custom_import torchtitan_torchao_peer
+RUNS=()
+for seed in "${SEEDS[@]}"; do  # seed-major: an interrupted call leaves whole seeds
+    run "bf16_s$seed" "$seed"
+    run "mxmoe_s$seed" "$seed" --model.converters mxmoe
+    run "torchao_s$seed" "$seed" --model.converters torchao_mxfp8 --experimental.custom_import torchtitan_torchao_peer
+    RUNS+=("bf16_s$seed" "mxmoe_s$seed" "torchao_s$seed")
+done
 
-"$PY" scripts/torchtitan_summary.py "$OUT" bf16 mxmoe torchao
+"$PY" scripts/torchtitan_summary.py "$OUT" "${RUNS[@]}"

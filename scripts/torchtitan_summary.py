@@ -6,6 +6,10 @@ OUT_DIR/RUN.csv (step, loss, grad_norm, tps) and OUT_DIR/summary.md, a table: st
 and last loss, mean loss of the last 5 logged steps and its difference from the first run's,
 median tokens/s per GPU over the logged steps after the first (the first holds warm-up), and the
 ratio to the first run's. A run that stopped early shows the steps it logged.
+
+Runs named VARIANT_sSEED (scripts/torchtitan_h200.sh) are also summarized per variant: the mean and
+standard deviation over its seeds of the tail loss and of the median tokens/s, and their ratios to
+the first variant's means (runs that did not reach the last step of the longest run are left out).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ def main(argv: list[str]) -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base_loss = base_tps = None
+    done: dict[str, tuple[int, float, float]] = {}  # run -> (last step, tail loss, tps)
     for run in runs:
         log = out / f"{run}.log"
         rows = parse(log) if log.exists() else []
@@ -51,14 +56,54 @@ def main(argv: list[str]) -> None:
             continue
         tail = statistics.fmean(r[1] for r in rows[-5:])
         tps = statistics.median(r[3] for r in rows[1:]) if len(rows) > 1 else rows[0][3]
+        done[run] = (rows[-1][0], tail, tps)
         if base_loss is None:
             base_loss, base_tps = tail, tps
         lines.append(
             f"| {run} | {rows[-1][0]} | {rows[0][1]:.4f} | {rows[-1][1]:.4f} | {tail:.4f} | "
             f"{100 * (tail / base_loss - 1):+.2f} % | {tps:,.0f} | {tps / base_tps:.2f}x |"
         )
+    lines += per_variant(done)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+SEEDED = re.compile(r"^(.+)_s(\d+)$")
+
+
+def per_variant(done: dict[str, tuple[int, float, float]]) -> list[str]:
+    """The per-variant table's lines (none when no run is named VARIANT_sSEED)."""
+    if not done:
+        return []
+    last = max(step for step, _, _ in done.values())
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for run, (step, tail, tps) in done.items():
+        m = SEEDED.match(run)
+        if m and step == last:
+            groups.setdefault(m[1], []).append((tail, tps))
+    if not groups:
+        return []
+
+    def mean_std(xs: list[float]) -> tuple[float, float]:
+        return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+    out = [
+        "",
+        f"Per variant, runs that reached step {last}: mean ± standard deviation over the seeds.",
+        "",
+        "| variant | seeds | mean loss, last 5 logs | vs first variant | median tokens/s "
+        "| vs first variant |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    base = None
+    for name, vals in groups.items():
+        (loss, loss_sd), (tps, tps_sd) = mean_std([v[0] for v in vals]), mean_std([v[1] for v in vals])
+        base = base or (loss, tps)
+        out.append(
+            f"| {name} | {len(vals)} | {loss:.4f} ± {loss_sd:.4f} | {100 * (loss / base[0] - 1):+.2f} % | "
+            f"{tps:,.0f} ± {tps_sd:,.0f} | {tps / base[1]:.2f}x |"
+        )
+    return out
 
 
 if __name__ == "__main__":

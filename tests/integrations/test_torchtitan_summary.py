@@ -1,0 +1,44 @@
+"""scripts/torchtitan_summary.py: per-run and per-variant (mean ± std over seeds) tables from logs."""
+
+import importlib.util
+import statistics
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "torchtitan_summary.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("torchtitan_summary", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _log(path: Path, losses: list[float], tps: list[int]) -> None:
+    path.write_text(
+        "".join(
+            f"\x1b[31m[titan] step: {10 * (i + 1)}  loss: {loss:.4f}  grad_norm: 1.0  tps: {t:,}\x1b[39m\n"
+            for i, (loss, t) in enumerate(zip(losses, tps, strict=True))
+        )
+    )
+
+
+def test_per_variant_mean_and_spread_over_seeds(tmp_path):
+    tails = {("bf16", 0): 4.0, ("bf16", 1): 4.2, ("mx", 0): 4.1, ("mx", 1): 4.3}
+    for (v, s), tail in tails.items():
+        _log(tmp_path / f"{v}_s{s}.log", [5.0] + [tail] * 5, [1, 100, 100, 300, 100 + s, 100])
+    _log(tmp_path / "mx_s2.log", [5.0, 3.0], [1, 100])  # stopped early: left out of the means
+    runs = ["bf16_s0", "mx_s0", "bf16_s1", "mx_s1", "mx_s2"]
+    _load().main([str(tmp_path), *runs])
+    text = (tmp_path / "summary.md").read_text()
+    sd = statistics.stdev([4.0, 4.2])
+    assert f"| bf16 | 2 | 4.1000 ± {sd:.4f} | +0.00 % | 100 ± 0 | 1.00x |" in text
+    assert f"| mx | 2 | 4.2000 ± {sd:.4f} | +2.44 % | 100 ± 0 | 1.00x |" in text
+    assert "runs that reached step 60" in text
+    assert (tmp_path / "mx_s2.csv").read_text().splitlines()[1:] == ["10,5.0,1.0,1", "20,3.0,1.0,100"]
+
+
+def test_runs_without_seeds_get_no_per_variant_table(tmp_path):
+    _log(tmp_path / "bf16.log", [5.0, 4.0], [1, 100])
+    _load().main([str(tmp_path), "bf16"])
+    assert "Per variant" not in (tmp_path / "summary.md").read_text()
