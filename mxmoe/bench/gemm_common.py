@@ -86,7 +86,7 @@ def fwd_bwd_rows(
     (the emulated backend's path). a (M, K) bf16 requiring grad, w (N, K) or (E, N, K) bf16
     requiring grad, dy (M, N) bf16, offs None or (E,) int32 group ends."""
     from mxmoe.ops import mx_grouped_mm, mx_mm
-    from mxmoe.ops.gemm import hp_gemm
+    from mxmoe.ops.gemm import gemm
     from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 
     flops = 6 * a.shape[0] * a.shape[1] * w.shape[-2]
@@ -122,9 +122,9 @@ def fwd_bwd_rows(
         a0, a1, w0, dy0, dy1, w1 = casts()
 
         def gemms(a0=a0, a1=a1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
-            hp_gemm(a0, w0.transpose(-2, -1), offs, bf)
-            hp_gemm(dy0, w1, offs, bf)
-            hp_gemm(dy1.t(), a1, offs, bf)
+            gemm(a0, w0.transpose(-2, -1), offs, bf)
+            gemm(dy0, w1, offs, bf)
+            gemm(dy1.t(), a1, offs, bf)
 
         t = bench(mx_step, iters=iters).median_ms
         emulated = gemm_backend == "emulated"  # the split below is the emulated path's

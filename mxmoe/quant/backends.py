@@ -1,8 +1,8 @@
 """The cast backends ("torch", "triton", "cuda"), where each can run, and the one place a kernel is
 chosen: `cast_kernel(recipe, device, cast)`, which every consumer calls (the casts, the
-quantize-dequantize calls, the MX ops' plans, the MXFP8 exchange, the torchtitan dispatcher) with
+quantize-dequantize calls, the MX ops' kernel choices (`mxmoe.ops.gemm_backend.op_kernels`), the MXFP8 exchange, the torchtitan dispatcher) with
 the recipe whose `dim0_kernel` / `dim1_kernel` name the choice. Answers derived from it (the MX ops'
-per-recipe plans) are kept beside its own through `remember`.
+`op_kernels`) are kept beside its own through `remember`.
 
 Backend protocol. A backend is a module with these functions (the same arguments in the same
 order in every backend; `mxmoe.quant.torch_cast` is the reference):
@@ -145,7 +145,7 @@ def _cuda_extension_ready() -> bool:
 # 0.2 µs, hashing the device 0.03): `auto` and the availability checks run once per
 # combination (an unavailable kernel raises, so only answers that can run are kept; TRITON_INTERPRET
 # is read when a combination is first resolved, as Triton itself reads it once). Answers derived
-# from these (the MX ops' per-recipe plans) are kept here too, through `remember`.
+# from these (the MX ops' `op_kernels`) are kept here too, through `remember`.
 _resolved: dict[tuple, object] = {}
 
 
@@ -154,7 +154,7 @@ _MISSING = object()
 
 def remember(key: tuple, make: Callable[[], object]) -> object:
     """`make()` (any value, None included), kept under `key` (a tuple whose first item names its
-    kind, e.g. "op_plan") beside the kernel choices it derives from, so that `clear_resolved`
+    kind, e.g. "op_kernels") beside the kernel choices it derives from, so that `clear_resolved`
     forgets both. Not kept while torch.compile traces (the answer may rest on a build not yet
     tried)."""
     cache = _resolved  # looked up per call: tests swap the dict
@@ -168,7 +168,7 @@ def remember(key: tuple, make: Callable[[], object]) -> object:
 
 
 def clear_resolved() -> None:
-    """Forget the cached kernel choices (`cast_kernel`, `resolve_kernel`), and the ops' plans resolved
+    """Forget the cached kernel choices (`cast_kernel`, `resolve_kernel`), and the ops' kernel choices resolved
     from them (after the environment changed, e.g. in tests)."""
     _resolved.clear()
 
@@ -226,7 +226,7 @@ def cast_kernel(recipe: MXRecipe, device: torch.device, cast: str) -> str:
     "qdq_dim0_offs"; "auto" falls back to "triton" if the extension does not build, as the casts'
     "auto"), else "triton"; on CPU "triton" only for an explicit "triton" under TRITON_INTERPRET=1.
     The Triton qdq kernel takes block sizes up to QDQ_MAX_BLOCK_TRITON (ValueError beyond)."""
-    # the casts' answers are cached (the qdq calls' are not: the ops keep them in their plans)
+    # the casts' answers are cached (the qdq calls' are not: the ops keep them in their op_kernels)
     kernel = recipe.dim1_kernel if cast in _DIM1_CASTS else recipe.dim0_kernel
     hit = _resolved.get((kernel, device, cast))
     if hit is not None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mxmoe import MXRecipe
-from mxmoe.ops import gemm, mx_gemm, mx_grouped_mm, mx_mm
+from mxmoe.ops import gemm_backend, mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.quant import backends
 from mxmoe.quant import scale_layout as sl
 from mxmoe.quant.mx_tensor import to_mx, to_mx_dim0_dim1
@@ -163,9 +163,9 @@ def test_emulated_gemm_takes_both_layouts():
 
 @pytest.fixture
 def fresh_resolution(monkeypatch):
-    """A private cache of resolved answers (native availability, op plans) and of logged lines."""
+    """A private cache of resolved answers (native availability, op_kernels) and of logged lines."""
     monkeypatch.setattr(backends, "_resolved", {})
-    monkeypatch.setattr(gemm, "_logged", set())
+    monkeypatch.setattr(gemm_backend, "_logged", set())
 
 
 def test_auto_is_emulated_on_cpu_with_one_log_line(fresh_resolution, caplog):
@@ -173,13 +173,13 @@ def test_auto_is_emulated_on_cpu_with_one_log_line(fresh_resolution, caplog):
     says why once."""
     assert MXRecipe().gemm_backend == "auto"
     x, w = torch.randn(40, 64), torch.randn(64, 32)
-    with caplog.at_level(logging.INFO, logger="mxmoe.ops.gemm"):
+    with caplog.at_level(logging.INFO, logger="mxmoe.ops.gemm_backend"):
         y = mx_mm(x, w, MXRecipe())
         mx_mm(x, w, MXRecipe())
     assert torch.equal(y, mx_mm(x, w, MXRecipe(gemm_backend="emulated")))
     lines = [r.getMessage() for r in caplog.records if "gemm_backend='auto'" in r.getMessage()]
     assert len(lines) == 1 and "compute capability 10.x" in lines[0] and "cpu" in lines[0]
-    assert gemm.resolve_gemm_backend(MXRecipe(), torch.device("cpu")) == "emulated"
+    assert gemm_backend.resolve_gemm_backend(MXRecipe(), torch.device("cpu")) == "emulated"
 
 
 def test_native_where_it_cannot_run_is_a_clear_error(fresh_resolution, monkeypatch):
@@ -187,12 +187,12 @@ def test_native_where_it_cannot_run_is_a_clear_error(fresh_resolution, monkeypat
     with pytest.raises(RuntimeError, match=r"needs a CUDA device of compute capability 10\.x .*cpu"):
         mx_mm(x, w, NATIVE)
     # where the device can: a recipe the op cannot take is named; "auto" falls back instead
-    monkeypatch.setattr(gemm, "native_unavailable", lambda device: None)
+    monkeypatch.setattr(gemm_backend, "native_unavailable", lambda device: None)
     e5 = NATIVE.replace(elem_dtype=torch.float8_e5m2)
     with pytest.raises(ValueError, match="takes e4m3 operands in blocks of 32.*float8_e5m2"):
         mx_mm(x, w, e5)
-    assert gemm.resolve_gemm_backend(e5.replace(gemm_backend="auto"), torch.device("cpu")) == "emulated"
-    assert gemm.resolve_gemm_backend(NATIVE.replace(gemm_backend="auto"), torch.device("cpu")) == "native"
+    assert gemm_backend.resolve_gemm_backend(e5.replace(gemm_backend="auto"), torch.device("cpu")) == "emulated"
+    assert gemm_backend.resolve_gemm_backend(NATIVE.replace(gemm_backend="auto"), torch.device("cpu")) == "native"
 
 
 class _Capture:
@@ -295,7 +295,7 @@ def test_grouped_gemm_calls_match_torchao(ao, monkeypatch, fresh_resolution, off
     o = torch.tensor(offs, dtype=torch.int32)
     cap = _Capture()
     monkeypatch.setattr(torch, "_scaled_grouped_mm", cap.grouped)
-    monkeypatch.setattr(gemm, "native_unavailable", lambda device: None)
+    monkeypatch.setattr(gemm_backend, "native_unavailable", lambda device: None)
 
     ao_fwd, ao_dgrad, ao_wgrad = _torchao_calls(monkeypatch, cap, a, w.transpose(-2, -1), o, dy, mode)
 
@@ -382,7 +382,7 @@ def test_native_path_computes_the_mx_products(monkeypatch, fresh_resolution, dty
     sem = _Semantics()
     monkeypatch.setattr(torch, "_scaled_mm", sem.mm)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", sem.grouped)
-    monkeypatch.setattr(gemm, "native_unavailable", lambda device: None)
+    monkeypatch.setattr(gemm_backend, "native_unavailable", lambda device: None)
     emu = NATIVE.replace(gemm_backend="emulated")
     g = torch.Generator().manual_seed(5)
     x = torch.randn(45, 128, generator=g).to(dtype)
@@ -415,9 +415,9 @@ def test_gpu_auto_resolves_by_capability(fresh_resolution, caplog):
     """On a CUDA GPU "auto" is "native" exactly where torch runs the MX GEMMs on a 10.x device, and
     "emulated" (with the reason logged once) elsewhere, e.g. on sm_90."""
     dev = torch.device("cuda")
-    with caplog.at_level(logging.INFO, logger="mxmoe.ops.gemm"):
-        got = gemm.resolve_gemm_backend(MXRecipe(), dev)
-    reason = gemm.native_unavailable(dev)
+    with caplog.at_level(logging.INFO, logger="mxmoe.ops.gemm_backend"):
+        got = gemm_backend.resolve_gemm_backend(MXRecipe(), dev)
+    reason = gemm_backend.native_unavailable(dev)
     assert got == ("native" if reason is None else "emulated")
     if _capability()[0] != 10:
         assert reason is not None and "compute capability" in reason

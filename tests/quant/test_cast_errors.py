@@ -322,21 +322,21 @@ def test_fast_entries_equal_the_public_casts():
 
 def test_remember_keeps_derived_answers_until_clear_resolved(monkeypatch):
     """`backends.remember` computes once per key, and `clear_resolved` forgets its answers with the
-    kernel choices they derive from (the MX ops' plans: a plan made again after the clear)."""
-    from mxmoe.ops.gemm import op_plan
-    from mxmoe.quant import backends as kernels
+    kernel choices they derive from (the MX ops' `op_kernels`: made again after the clear)."""
+    from mxmoe.ops.gemm_backend import op_kernels
+    from mxmoe.quant import backends
     from mxmoe.recipe import MXRecipe
 
-    monkeypatch.setattr(kernels, "_resolved", {})
+    monkeypatch.setattr(backends, "_resolved", {})
     made = []
-    assert kernels.remember(("test", 1), lambda: made.append(1) or "a") == "a"
-    assert kernels.remember(("test", 1), lambda: made.append(1) or "b") == "a"
+    assert backends.remember(("test", 1), lambda: made.append(1) or "a") == "a"
+    assert backends.remember(("test", 1), lambda: made.append(1) or "b") == "a"
     assert made == [1]
     r = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
-    plan = op_plan(r, torch.device("cpu"))
-    assert op_plan(r, torch.device("cpu")) is plan
-    assert (plan.k0, plan.k1, plan.compute) == ("torch", "torch", torch.float32)
-    kernels.clear_resolved()
-    assert kernels.remember(("test", 1), lambda: "b") == "b"
-    again = op_plan(r, torch.device("cpu"))
-    assert again is not plan and again == plan
+    ks = op_kernels(r, torch.device("cpu"))
+    assert op_kernels(r, torch.device("cpu")) is ks
+    assert (ks.k0, ks.k1, ks.compute) == ("torch", "torch", torch.float32)
+    backends.clear_resolved()
+    assert backends.remember(("test", 1), lambda: "b") == "b"
+    again = op_kernels(r, torch.device("cpu"))
+    assert again is not ks and again == ks
