@@ -64,8 +64,8 @@ from mxmoe.ops.linear import (
     wants_grad,
     weight_mx,
     weight_qdq,
-    wgrad_hp,
     wgrad_mx,
+    wgrad_with_hp,
 )
 from mxmoe.quant.groups import group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, to_mx, to_mx_dim0_dim1
@@ -157,8 +157,9 @@ def _backward_gemms(
     """(da (T, K) in a_dtype, db_t (E, K, N) in w's dtype) given dy (T, N) and the expert weights w
     (E, N, K) (the forward's view of b_t): dy cast as the dgrad and wgrad need it; a1_fn() gives the
     tokens along M (`_wgrad_a`), called only for the wgrad. dy_qdq (qdq path only): dy's casts made
-    already, (dy0, dy1) as qdq_dim0_dim1(dy, offs=offs) gives them (dy is then not read). With
-    wgrad_with_hp the wgrad is `wgrad_hp` of dy and the tokens, and dy is cast for the dgrad alone."""
+    already, (dy0, dy1) as qdq_dim0_dim1(dy, offs=offs) gives them (dy is then not read). With the
+    recipe's wgrad_with_hp the wgrad is `wgrad_with_hp` of dy and the tokens, and dy is cast for the
+    dgrad alone."""
     qdq, compute = kernels.qdq, kernels.compute
     da = db_t = None
     # given casts: qdq_dim0_dim1's dy0 has its rows after the groups zeroed, dgrad rows zeroed anyway
@@ -166,7 +167,7 @@ def _backward_gemms(
     dy = dy if dy is None else dy.contiguous()
     if need_dw and recipe.wgrad_with_hp:
         # K-grouped (E, N, K): dyᵀ (N, T) and a (T, K), both T-major, grouped by the real offs
-        db_t = wgrad_hp(dy, a1_fn(), offs, w.dtype).transpose(-2, -1)
+        db_t = wgrad_with_hp(dy, a1_fn(), offs, w.dtype).transpose(-2, -1)
         need_dw = False
     if need_dw and qdq:
         if dy1 is None and need_da:  # one read of dy: along N, and along M in groups
@@ -495,9 +496,9 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
             kernels, need_dh, need_dw[2], ctx.a_dtype, 0,
         )
         das, dws = [], [None, None]
-        hp_wgrad = recipe.wgrad_with_hp
+        with_hp = recipe.wgrad_with_hp
         if dh is not None:  # `_MXGroupedMMShared.backward`'s, on dg and du cast from dh, g, u at once
-            if hp_wgrad:  # the wgrads take dg and du themselves: autograd's, then cast for the dgrads
+            if with_hp:  # the wgrads take dg and du themselves: autograd's, then cast for the dgrads
                 dgu = swiglu_bwd(dh, g, u)
             else:
                 dgu = swiglu_bwd_qdq_trusted(dh, g, u, recipe, kernels.k1, kernels.compute, offs)
@@ -511,7 +512,7 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
                 return a1[0]
 
             for i, b_t in enumerate((w1_t, w3_t)):
-                dy_i, dy_qdq = (dgu[i], None) if hp_wgrad else (None, dgu[2 * i : 2 * i + 2])
+                dy_i, dy_qdq = (dgu[i], None) if with_hp else (None, dgu[2 * i : 2 * i + 2])
                 da, dws[i] = _backward_gemms(
                     dy_i, b_t.transpose(-2, -1), offs, kept, a1_fn, recipe, kernels, need_da, need_dw[i],
                     ctx.a_dtype, ctx.cap, dy_qdq,

@@ -147,7 +147,7 @@ def wgrad_mx(
     return gemm(d.t(), a, offs, out_dtype)
 
 
-def wgrad_hp(dy: Tensor, x: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+def wgrad_with_hp(dy: Tensor, x: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """The weight gradient of torchao's wgrad_with_hp: dyᵀ x on the unquantized operands, in their
     own dtype (`gemm`, fp32 accumulation), as bf16 training's wgrad. dy (M, N) row-major, x (M, K),
     both of one dtype; offs groups the rows (None: dense). Returns (N, K), or (E, N, K) grouped,
@@ -195,7 +195,7 @@ def _backward_gemms(
     kept of x along M (with wgrad_with_hp: x itself, and dy is cast for the dgrad alone)."""
     if need_dw and recipe.wgrad_with_hp:
         dy = dy.contiguous()
-        dw_t = wgrad_hp(dy, kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
+        dw_t = wgrad_with_hp(dy, kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
         return _backward_gemms(dy, w, (), recipe, kernels, need_dx, False, x_dtype)[0], dw_t
     dx = dw_t = None
     if kernels.qdq:  # (qdq_trusted makes dy contiguous)

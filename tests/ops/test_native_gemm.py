@@ -22,6 +22,7 @@ from mxmoe.ops import gemm_backend, mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.quant import backends
 from mxmoe.quant import scale_layout as sl
 from mxmoe.quant.mx_tensor import to_mx, to_mx_dim0_dim1
+from tests.ops.native import MXGemmSemantics
 
 E8 = torch.float8_e8m0fnu
 NATIVE = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_backend="native")
@@ -191,8 +192,9 @@ def test_native_where_it_cannot_run_is_a_clear_error(fresh_resolution, monkeypat
     e5 = NATIVE.replace(elem_dtype=torch.float8_e5m2)
     with pytest.raises(ValueError, match="takes e4m3 operands in blocks of 32.*float8_e5m2"):
         mx_mm(x, w, e5)
-    assert gemm_backend.resolve_gemm_backend(e5.replace(gemm_backend="auto"), torch.device("cpu")) == "emulated"
-    assert gemm_backend.resolve_gemm_backend(NATIVE.replace(gemm_backend="auto"), torch.device("cpu")) == "native"
+    cpu = torch.device("cpu")
+    assert gemm_backend.resolve_gemm_backend(e5.replace(gemm_backend="auto"), cpu) == "emulated"
+    assert gemm_backend.resolve_gemm_backend(NATIVE.replace(gemm_backend="auto"), cpu) == "native"
 
 
 class _Capture:
@@ -316,54 +318,6 @@ def test_grouped_gemm_calls_match_torchao(ao, monkeypatch, fresh_resolution, off
 
 
 
-class _Semantics:
-    """Stand-ins for torch._scaled_mm / torch._scaled_grouped_mm that compute what torch's ops
-    are documented to compute from what they are given (e4m3 operands times their e8m0 block
-    scales read from the blocked layout, fp32 GEMM, bf16 result; rows past the last group zero),
-    so that the native path's orientation and scales are checked by value on CPU."""
-
-    def __init__(self):
-        self.calls = {"mm": 0, "grouped": 0}
-
-    @staticmethod
-    def _deq_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """q (R, K) (any strides) times plain scales s (R, K / 32)."""
-        return q.float() * s.float().repeat_interleave(32, dim=-1)
-
-    def mm(self, a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
-        self.calls["mm"] += 1
-        M, K = a.shape
-        N = b.shape[1]
-        r128, c4 = sl.blocked_shape(M, K // 32)
-        s_a = sl.from_blocked(scale_a.view(r128, c4), M, K // 32)
-        r128, c4 = sl.blocked_shape(N, K // 32)
-        s_b = sl.from_blocked(scale_b.view(r128, c4), N, K // 32)
-        return (self._deq_rows(a, s_a) @ self._deq_rows(b.t(), s_b).t()).to(out_dtype)
-
-    def grouped(self, a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
-                use_fast_accum=False):
-        self.calls["grouped"] += 1
-        ends = [0, *offs.tolist()]
-        if b.ndim == 3:  # a (T, K), b (E, K, N)
-            (T, K), (E, _, N) = a.shape, b.shape
-            a_d = self._deq_rows(a, sl.from_blocked_m_groups(scale_a, offs, T, K // 32))
-            r128, c4 = sl.blocked_shape(N, K // 32)
-            s_b = sl.from_blocked(scale_b.view(E, r128, c4), N, K // 32)
-            out = torch.zeros(T, N)
-            for e in range(E):
-                out[ends[e] : ends[e + 1]] = a_d[ends[e] : ends[e + 1]] @ self._deq_rows(b[e].t(), s_b[e]).t()
-            return out.to(out_dtype)
-        # a (M, T) blocked along T, b (T, K) blocked along T, groups along T (multiples of 32)
-        (M, T), K = a.shape, b.shape[1]
-        k_offs = offs // 32
-        a_d = self._deq_rows(a, sl.from_blocked_k_groups(scale_a, k_offs, M, T // 32))
-        b_d = self._deq_rows(b.t(), sl.from_blocked_k_groups(scale_b, k_offs, K, T // 32)).t()
-        out = torch.zeros(len(ends) - 1, M, K)
-        for e in range(len(ends) - 1):
-            out[e] = a_d[:, ends[e] : ends[e + 1]] @ b_d[ends[e] : ends[e + 1]]
-        return out.to(out_dtype)
-
-
 def _grads(fn, *args):
     args = [t.clone().requires_grad_() for t in args]
     y = fn(*args)
@@ -379,7 +333,7 @@ def test_native_path_computes_the_mx_products(monkeypatch, fresh_resolution, dty
     emulated path's outputs and gradients (mx_mm, mx_grouped_mm with ragged, empty and tail
     groups) up to the bf16 rounding of torch's output: orientation, strides and scales are
     right by value, not only by layout."""
-    sem = _Semantics()
+    sem = MXGemmSemantics()
     monkeypatch.setattr(torch, "_scaled_mm", sem.mm)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", sem.grouped)
     monkeypatch.setattr(gemm_backend, "native_unavailable", lambda device: None)
