@@ -102,10 +102,13 @@ def test_unavailable_kernel_cuda_on_cpu():
 
 def test_unavailable_kernel_triton_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr("mxmoe.quant.backends._resolved", {})  # resolved answers are cached
+    from mxmoe.quant import backends
+
+    backends.clear_resolved()  # resolved answers are kept
     assert "triton" not in mxmoe.available_kernels("cpu")
     with pytest.raises(RuntimeError, match="kernel='triton'.*TRITON_INTERPRET=1"):
         to_mx(X, recipe=recipe_for("triton"))
+    backends.clear_resolved()
 
 
 @pytest.mark.parametrize("shape,axis", [((4, 64), 2), ((4, 64), -3), ((2, 4, 64), 3), ((2, 4, 64), -4),
@@ -234,53 +237,53 @@ def test_to_mx_of_a_tensor_that_needs_grad_says_how_to_train():
     to_mx(w.detach(), recipe=recipe_for("torch"))
 
 
-def test_auto_falls_back_when_the_cuda_extension_cannot_build(monkeypatch):
-    """kernel='auto' on a CUDA device skips `cuda` whose build failed, instead of raising."""
-    from mxmoe.quant import backends as kernels
-    from mxmoe.quant import cuda_cast
+def test_auto_falls_back_when_the_cuda_extension_cannot_build(as_on_a_gpu):
+    """kernel='auto' on a CUDA device skips `cuda` whose build failed (its `ready` is False),
+    instead of raising."""
+    from mxmoe.quant import backends
 
-    monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: None)
-    kernels.clear_resolved()
-    monkeypatch.setattr(kernels, "_resolved", {})
-
-    def broken():
-        raise RuntimeError("kernel='cuda': building the CUDA extension failed")
-
-    monkeypatch.setattr(cuda_cast, "load_extension", broken)
-    assert kernels.resolve_kernel("auto", torch.device("cuda")) == "triton"
-    kernels.clear_resolved()
-    monkeypatch.setattr(cuda_cast, "load_extension", lambda: object())
-    assert kernels.resolve_kernel("auto", torch.device("cuda")) == "cuda"
+    as_on_a_gpu(builds=False)
+    assert backends.resolve_kernel("auto", torch.device("cuda")) == "triton"
+    as_on_a_gpu(builds=True)
+    assert backends.resolve_kernel("auto", torch.device("cuda")) == "cuda"
 
 
-def test_auto_order_is_per_cast(monkeypatch):
-    """kernel='auto' on a CUDA device takes, per cast, the first available kernel of
-    AUTO_ORDER_CUDA (CUDA first for every cast on the H200), skipping unavailable ones;
-    CPU tensors always get the torch backend."""
-    from mxmoe.quant import backends as kernels
-    from mxmoe.quant import cuda_cast
+def test_auto_is_a_lookup_in_the_registry(as_on_a_gpu):
+    """The cast kernels are one `mxmoe.registry.Registry`, each backend declaring in its own module
+    where it runs and its rank for "auto": on a CUDA device "auto" takes cuda for every cast (its
+    C++ operators' host cost decides), Triton where cuda is unavailable, torch where neither is;
+    CPU tensors always get torch."""
+    import importlib
 
-    monkeypatch.setattr(cuda_cast, "load_extension", lambda: object())
-    monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: None)
-    monkeypatch.setattr(kernels, "_resolved", {})
-    got = {c: kernels.resolve_kernel("auto", torch.device("cuda"), c) for c in kernels.CASTS}
-    assert got == {"dim0": "cuda", "dim1": "cuda", "dim0_dim1": "cuda", "dequant": "cuda"}
-    assert set(kernels.AUTO_ORDER_CUDA) == set(kernels.CASTS)
-    assert all(sorted(order) == sorted(kernels.KERNELS) for order in kernels.AUTO_ORDER_CUDA.values())
-    # no CUDA toolkit: every cast falls back to Triton
-    monkeypatch.setattr(kernels, "why_unavailable", lambda k, d: "missing" if k == "cuda" else None)
-    kernels.clear_resolved()
-    assert all(kernels.resolve_kernel("auto", torch.device("cuda"), c) == "triton" for c in kernels.CASTS)
-    assert all(kernels.resolve_kernel("auto", torch.device("cpu"), c) == "torch" for c in kernels.CASTS)
+    from mxmoe.quant import backends, cuda_cast, triton_cast
+
+    reg = backends.CAST_BACKENDS
+    assert reg.names() == backends.KERNELS == ("torch", "triton", "cuda")
+    for name in reg.names():  # each backend's declarations live in its own module
+        mod = importlib.import_module(reg.get(name).module)
+        assert callable(mod.why_unavailable) and callable(mod.auto_rank), name
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    casts = backends.CASTS + ("qdq_dim0", "qdq_dim1")
+    assert all(backends.resolve_kernel("auto", cuda, c) == "cuda" for c in casts)
+    as_on_a_gpu(cuda_reason="no toolkit")  # e.g. no nvcc: every cast falls back to Triton
+    assert all(backends.resolve_kernel("auto", cuda, c) == "triton" for c in casts)
+    assert all(backends.resolve_kernel("auto", cpu, c) == "torch" for c in casts)
+    with pytest.MonkeyPatch.context() as m:  # and to torch where Triton is not either
+        m.setattr(triton_cast, "why_unavailable", lambda d, c: "no triton")
+        backends.clear_resolved()
+        assert backends.resolve_kernel("auto", cuda, "dim1") == "torch"
+    assert cuda_cast.STAND_INS == {"qdq_dim0_offs": "triton"}
     with pytest.raises(ValueError, match="cast='dim2'; expected one of"):
-        kernels.resolve_kernel("auto", torch.device("cuda"), "dim2")
+        backends.resolve_kernel("auto", cuda, "dim2")
+    with pytest.raises(ValueError, match="kernel='cudnn' is not a cast kernel; expected 'auto' or one of"):
+        backends.resolve_kernel("cudnn", cuda, "dim1")
 
 
-def test_cast_kernel_reads_each_casts_recipe_field(monkeypatch):
+def test_cast_kernel_reads_each_casts_recipe_field(as_on_a_gpu):
     """`backends.cast_kernel`, the one kernel choice: dim0 and dequantize read the recipe's
     dim0_kernel, dim1 and the fused cast its dim1_kernel, "auto" resolves per cast; a kernel that
     cannot run on the device names the recipe field; an unknown cast is refused."""
-    from mxmoe.quant import backends, cuda_cast
+    from mxmoe.quant import backends
     from mxmoe.recipe import recipe
 
     cpu = torch.device("cpu")
@@ -289,11 +292,7 @@ def test_cast_kernel_reads_each_casts_recipe_field(monkeypatch):
     with pytest.raises(ValueError, match="cast='dim2'; expected one of"):
         backends.cast_kernel(recipe(), cpu, "dim2")
     assert backends.cast_kernel(recipe(dim0_kernel="cuda"), cpu, "dim1") == "torch"  # "auto" on CPU
-    # as on a GPU machine whose extension builds
-    monkeypatch.setattr(cuda_cast, "load_extension", lambda: object())
-    monkeypatch.setattr(backends, "why_unavailable", lambda k, d: None)
-    monkeypatch.setattr(backends, "_resolved", {})
-    cuda = torch.device("cuda")
+    cuda = torch.device("cuda")  # as on a GPU machine whose extension builds (the fixture)
     r = recipe(dim0_kernel="torch", dim1_kernel="auto")
     got = {c: backends.cast_kernel(r, cuda, c) for c in backends.CASTS}
     assert got == {"dim0": "torch", "dequant": "torch", "dim1": "cuda", "dim0_dim1": "cuda"}
