@@ -10,7 +10,7 @@ Backends:
       round trip.
   "native": torch's block-scaled GEMMs on Blackwell (compute capability 10.x), whose tensor cores
       read e8m0 block scales: torch._scaled_mm (dense) and torch._scaled_grouped_mm (grouped),
-      e4m3 operands, block 32, float8_e8m0fnu scales in the blocked layout
+      e4m3 operands, block 32, float8_e8m0fnu scales in the swizzled layout
       (`mxmoe.quant.scale_layout`), bf16 output (the op's only one) before mx_gemm's final cast.
       A clear error where it cannot run (`native_unavailable`, `_native_refuses`).
   "auto" (the recipe default): "native" where it can run, else "emulated" with one log line saying
@@ -149,12 +149,17 @@ def _native_refuses(a: MXTensor, b: MXTensor, out_n: int) -> str | None:
 
 
 def _m_scales(t: MXTensor, offs: Tensor | None) -> Tensor:
-    """The blocked scales of a 2D operand blocked along its last dim (tokens along the rows,
-    grouped by offs when given)."""
-    if t.scale_layout == "blocked":
-        return t.scale_blocked
+    """The swizzled scales of a 2D operand blocked along its last dim (tokens along the rows,
+    swizzled per group of offs when given): its own if it carries them."""
+    if t.scale_swizzled is not None:
+        return t.scale_swizzled
     s = t.scale_blocked
-    return sl.to_blocked(s) if offs is None else sl.to_blocked_m_groups(s, offs)
+    return sl.to_swizzled(s) if offs is None else sl.to_swizzled_m_groups(s, offs)
+
+
+def _swizzled(t: MXTensor) -> Tensor:
+    """The swizzled scales of a weight operand (each matrix on its own): its own if it carries them."""
+    return t.scale_swizzled if t.scale_swizzled is not None else sl.to_swizzled(t.scale_blocked)
 
 
 def _native(
@@ -162,21 +167,20 @@ def _native(
 ) -> Tensor:
     """torch's block-scaled GEMMs (bf16 result). Operands as the ops make them, handed over as
     torch's ops take them (what torchao's MXFP8 grouped GEMM passes, tests/ops/test_native_gemm.py):
-      dense    a (M, K) row-major, b (K, N) column-major (storage (N, K)); scales blocked, flat.
-      2D x 3D  a (T, K) row-major with its scales blocked per group of rows (offs); b (E, K, N)
-               column-major per expert (storage (E, N, K)), scales blocked per expert (E, -1).
+      dense    a (M, K) row-major, b (K, N) column-major (storage (N, K)); scales swizzled, flat.
+      2D x 3D  a (T, K) row-major with its scales swizzled per group of rows (offs); b (E, K, N)
+               column-major per expert (storage (E, N, K)), scales swizzled per expert (E, -1).
       2D x 2D  (wgrad) a (M, T) row-major, b (T, K) column-major (storage (K, T)), both blocked
-               along T; scales blocked per group of T (offs // 32: every group end a multiple of
+               along T; scales swizzled per group of T (offs // 32: every group end a multiple of
                32, as the ops' group-padded copies have them); out (E, M, K)."""
     del compute_dtype, recipe
     bf16 = torch.bfloat16
     if offs is None:
         s_a = _m_scales(a, None).reshape(-1)
-        s_b = (b.scale_blocked if b.scale_layout == "blocked" else sl.to_blocked(b.plain_scale())).reshape(-1)
+        s_b = _swizzled(b).reshape(-1)
         return torch._scaled_mm(a.qdata_blocked, b.qdata, s_a, s_b, out_dtype=bf16)
     if b.ndim == 3:
-        s_b = b.scale_blocked if b.scale_layout == "blocked" else sl.to_blocked(b.scale_blocked)
-        s_a, s_b = _m_scales(a, offs), s_b.reshape(b.shape[0], -1)
+        s_a, s_b = _m_scales(a, offs), _swizzled(b).reshape(b.shape[0], -1)
         out = torch._scaled_grouped_mm(a.qdata_blocked, b.qdata, s_a, s_b, offs=offs, out_dtype=bf16)
         # rows past the last group are left unwritten by the op: zero them (no host sync)
         if out.is_cuda:
@@ -187,8 +191,8 @@ def _native(
         return torch.where(rows < offs[-1].to(torch.int64), out, out.new_zeros(()))
     # 2D x 2D: a's storage (M, T) blocked along T, b's storage (K, T) blocked along T
     k_offs = offs // NATIVE_BLOCK
-    s_a = sl.to_blocked_k_groups(a.plain_scale(), k_offs)
-    s_b = sl.to_blocked_k_groups(b.plain_scale(), k_offs)
+    s_a = sl.to_swizzled_k_groups(a.scale_blocked, k_offs)
+    s_b = sl.to_swizzled_k_groups(b.scale_blocked, k_offs)
     return torch._scaled_grouped_mm(a.qdata_blocked, b.qdata, s_a, s_b, offs=offs, out_dtype=bf16)
 
 

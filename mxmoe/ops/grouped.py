@@ -28,7 +28,7 @@ dim0+dim1 cast runs on it, the dim0 result is gathered back to the T rows (an fp
 the wgrad GEMM takes the padded operands with the padded offs (every group along K a multiple of
 32: what torch._scaled_grouped_mm's 2D x 2D form needs, one e8m0 scale per 32 tokens of one
 group). The forward and dgrad take the T rows with the real offs: torch._scaled_grouped_mm's 2D x 3D
-form takes any group sizes along M (each group's scales blocked from a multiple of 128 rows). The
+form takes any group sizes along M (each group's scales swizzled from a multiple of 128 rows). The
 emulated path's wgrad is the same sum (its blocks along M start at each group's first token,
 equal to that zero padding), so a run moves between an H200 and a B200 with the same casts. The
 "emulated" backend taken through this path (tests) gathers its dequantized operands back and makes

@@ -47,10 +47,10 @@ def wants_grad(t: Tensor) -> bool:
 
 def swap_last2(t: MXTensor) -> MXTensor:
     """The MXTensor whose logical shape has the last two dims of `t` swapped: same storage, the
-    block axis follows its dim (2D: the transpose); the scale layout is kept (per-group blocked
-    scales group the logical rows: not swappable)."""
+    block axis follows its dim (2D: the transpose); swizzled scales are kept (swizzled per group,
+    they group the logical rows: not swappable)."""
     if t.offs is not None:
-        raise ValueError(f"swap_last2 needs scales that are not blocked per group, got {t}")
+        raise ValueError(f"swap_last2 needs scales that are not swizzled per group, got {t}")
     return MXTensor(
         t.qdata_blocked,
         t.scale_blocked,
@@ -58,7 +58,7 @@ def swap_last2(t: MXTensor) -> MXTensor:
         t.block_size,
         t.scaling_mode,
         t.orig_dtype,
-        scale_layout=t.scale_layout,
+        scale_swizzled=t.scale_swizzled,
     )
 
 

@@ -8,8 +8,9 @@ that axis moved last, so every block of `block_size` elements is contiguous in m
 
 `.qdata` and `.scale` are views with the *logical* shape (`qdata.shape == x.shape`, `scale.shape ==
 x.shape` with `shape[axis] // block_size`), so `qdata[i, j]` is the element of `x[i, j]` whatever the
-storage. `.qdata_blocked` / `.scale_blocked` give the storage itself (what GEMMs and the
-all-to-all use).
+storage. `.qdata_blocked` / `.scale_blocked` give the storage itself, blocks contiguous (what GEMMs
+and the all-to-all use). An MXTensor may also carry its scales swizzled (`scale_swizzled`: the
+128x4 tiles torch's block-scaled GEMMs read, `mxmoe.quant.scale_layout`) beside them.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ class MXTensor:
         autograd routes the gradient of the dequantized value back to whatever produced this
         MXTensor (e.g. the MXFP8 dispatch). Ops that consume an MXTensor take it as their
         differentiable input and return the high-precision gradient for it.
-    scale_layout: "plain" (scale_blocked as above) or "blocked" (see the module docstring).
-    offs: blocked layout of a grouped 2D tensor only: (E,) int32 cumulative ends of the token
+    scale_swizzled: optional float8_e8m0fnu, the same scales swizzled for torch's block-scaled
+        GEMMs (`to_scale_layout("swizzled")`; `mxmoe.quant.scale_layout`); None: not made.
+    offs: with scale_swizzled of a grouped 2D tensor only: (E,) int32 cumulative ends of the token
         groups along the logical rows (the axis that is not blocked for a cast along dim 0, whose
-        group ends are then multiples of block_size); None otherwise.
+        group ends are then multiples of block_size), each group swizzled on its own; else None.
     """
 
     qdata_blocked: Tensor
@@ -53,7 +55,7 @@ class MXTensor:
     scaling_mode: str = "rceil"
     orig_dtype: torch.dtype = torch.bfloat16
     grad_anchor: Tensor | None = None
-    scale_layout: str = "plain"
+    scale_swizzled: Tensor | None = None
     offs: Tensor | None = None
 
     @property
@@ -67,39 +69,36 @@ class MXTensor:
 
     @property
     def scale(self) -> Tensor:
-        """E8M0 scales, logical shape = x.shape with shape[axis] // block_size (a view of the plain
-        layout; a new tensor from the blocked one)."""
-        return self.plain_scale().movedim(-1, self.axis)
+        """E8M0 scales, logical shape = x.shape with shape[axis] // block_size (a view of
+        scale_blocked)."""
+        return self.scale_blocked.movedim(-1, self.axis)
+
+    @property
+    def scale_layout(self) -> str:
+        """"swizzled" when the tensor carries its scales swizzled too (`scale_swizzled`), else
+        "plain"."""
+        return "plain" if self.scale_swizzled is None else "swizzled"
 
     def plain_scale(self) -> Tensor:
-        """The scales in the plain storage layout: qdata_blocked's shape with the last dim //
-        block_size, contiguous (scale_blocked itself when the layout is plain). A grouped blocked
-        layout keeps no scales for the tokens in no group (at or after offs[-1]): byte 0 there."""
-        if self.scale_layout == "plain":
-            return self.scale_blocked
-        *lead, R, C = self.qdata_blocked.shape
-        C //= self.block_size
-        if self.offs is None:
-            return sl.from_blocked(self.scale_blocked, R, C)
-        if self.axis == 1:
-            return sl.from_blocked_m_groups(self.scale_blocked, self.offs, R, C)
-        return sl.from_blocked_k_groups(self.scale_blocked, self.offs // self.block_size, R, C)
+        """The scales in the storage layout: qdata_blocked's shape with the last dim // block_size,
+        contiguous (scale_blocked)."""
+        return self.scale_blocked
 
     def to_scale_layout(self, scale_layout: str, offs: Tensor | None = None) -> MXTensor:
-        """This tensor with its scales in `scale_layout` ("plain" | "blocked"; offs: the token
-        groups of a 2D tensor for "blocked", as `to_mx` takes them). Same elements, same grad
-        anchor; self when nothing changes."""
+        """This tensor with its scales also swizzled ("swizzled"; offs: the token groups of a 2D
+        tensor, as `to_mx` takes them) or without the swizzled copy ("plain"). Same elements, same
+        storage scales, same grad anchor; self when nothing changes."""
         sl.check_scale_layout(scale_layout)
         if scale_layout == self.scale_layout and (scale_layout == "plain" or offs is self.offs):
             return self
-        scale = self.plain_scale()
-        if scale_layout == "blocked":
-            scale = _blocked_scales(scale, self.axis, self.block_size, offs)
+        swizzled = None
+        if scale_layout == "swizzled":
+            swizzled = _swizzled_scales(self.scale_blocked, self.axis, self.block_size, offs)
         else:
             offs = None
         return MXTensor(
-            self.qdata_blocked, scale, self.axis, self.block_size, self.scaling_mode, self.orig_dtype,
-            self.grad_anchor, scale_layout, offs,
+            self.qdata_blocked, self.scale_blocked, self.axis, self.block_size, self.scaling_mode,
+            self.orig_dtype, self.grad_anchor, swizzled, offs,
         )
 
     @property
@@ -128,13 +127,10 @@ class MXTensor:
 
     def dequantize_trusted(self, dtype: torch.dtype, kernel: str) -> Tensor:
         """`dequantize` without checks, for the ops layer: dtype bf16/fp32, kernel concrete (from
-        `cast_kernel`). Returns the logical shape (a view of a contiguous (.., K) result).
-        A grouped blocked layout gives zeros for the tokens in no group (at or after offs[-1])."""
-        q, sc = self.qdata_blocked, self.plain_scale()
+        `cast_kernel`). Returns the logical shape (a view of a contiguous (.., K) result)."""
+        q, sc = self.qdata_blocked, self.scale_blocked
         if q.ndim == 2:
             out = dispatch.dequantize(q, sc, self.block_size, dtype, kernel)
-            if self.offs is not None and self.scale_layout == "blocked":
-                out = _zero_ungrouped(out, self.offs, self.axis)
             return out if self.axis == 1 else out.t()
         shape = tuple(q.shape)
         rows = _rows(shape, 1)
@@ -146,8 +142,8 @@ class MXTensor:
         """Rows `index` (int64, 1D) of a dim0-quantized 2D MXTensor, keeping the grad anchor."""
         if self.ndim != 2 or self.axis != 1:
             raise ValueError("index_rows needs a 2D MXTensor quantized along axis=-1")
-        if self.scale_layout != "plain":
-            raise ValueError("index_rows needs plain scales (scale_layout='plain')")
+        if self.scale_swizzled is not None:
+            raise ValueError("index_rows needs a tensor without swizzled scales (scale_layout='plain')")
         anchor = self.grad_anchor
         if anchor is not None:
             anchor = _IndexAnchor.apply(anchor, index)
@@ -168,22 +164,13 @@ class MXTensor:
         )
 
 
-def _zero_ungrouped(out: Tensor, offs: Tensor, axis: int) -> Tensor:
-    """out (storage order) with the tokens at or after offs[-1] zeroed: rows for axis 1, columns
-    for axis 0 (storage (C, T))."""
-    T = out.shape[0] if axis == 1 else out.shape[1]
-    keep = torch.arange(T, device=out.device) < offs[-1].to(torch.int64)
-    keep = keep[:, None] if axis == 1 else keep[None, :]
-    return torch.where(keep, out, out.new_zeros(()))
-
-
-def _blocked_scales(scale: Tensor, axis: int, block_size: int, offs: Tensor | None) -> Tensor:
-    """Plain storage scales -> the blocked layout (see the module docstring)."""
+def _swizzled_scales(scale: Tensor, axis: int, block_size: int, offs: Tensor | None) -> Tensor:
+    """Storage scales -> the swizzled layout (`mxmoe.quant.scale_layout`; per token group with offs)."""
     if offs is None:
-        return sl.to_blocked(scale)
+        return sl.to_swizzled(scale)
     if axis == 1:
-        return sl.to_blocked_m_groups(scale, offs)
-    return sl.to_blocked_k_groups(scale, offs // block_size)
+        return sl.to_swizzled_m_groups(scale, offs)
+    return sl.to_swizzled_k_groups(scale, offs // block_size)
 
 
 def _check_layout_offs(x: Tensor, ax: int, scale_layout: str, offs, block_size: int) -> None:
@@ -192,8 +179,8 @@ def _check_layout_offs(x: Tensor, ax: int, scale_layout: str, offs, block_size: 
     sl.check_scale_layout(scale_layout)
     if offs is None:
         return
-    if scale_layout != "blocked":
-        raise ValueError("offs groups the scales of the blocked layout; pass scale_layout='blocked' with it")
+    if scale_layout != "swizzled":
+        raise ValueError("offs groups the swizzled scales; pass scale_layout='swizzled' with it")
     if x.ndim != 2:
         raise ValueError(f"offs needs a 2D x (tokens, features), got shape {tuple(x.shape)}")
     if not isinstance(offs, Tensor) or offs.ndim != 1 or offs.dtype != torch.int32 or offs.numel() == 0:
@@ -205,7 +192,7 @@ def _check_layout_offs(x: Tensor, ax: int, scale_layout: str, offs, block_size: 
         raise ValueError(f"offs={ends} must be non-decreasing group ends <= x.shape[0]={x.shape[0]}")
     if ax != 1 and any(e % block_size for e in ends):
         raise ValueError(
-            f"offs={ends}: a cast along dim 0 with grouped blocked scales needs every group end a "
+            f"offs={ends}: a cast along dim 0 with grouped swizzled scales needs every group end a "
             f"multiple of block_size={block_size} (a block must not straddle two groups)"
         )
 
@@ -279,12 +266,13 @@ def to_mx(
     must then be left at their defaults). The cast kernel comes from the recipe only (its
     dim0_kernel for a cast along the last dim, its dim1_kernel otherwise; chosen by
     `mxmoe.quant.backends.cast_kernel`); without a recipe it is "auto".
-    scale_layout: "plain" (above) or "blocked": the scales in the layout of Blackwell's
-    block-scaled GEMMs (module docstring), rearranged after the cast by a torch pass (every cast
-    kernel writes the plain layout).
-    offs: with "blocked" and a 2D x (tokens, features) only: (E,) int32 cumulative ends of the
+    scale_layout: "plain" (above) or "swizzled": the scales also in the layout of Blackwell's
+    block-scaled GEMMs (`scale_swizzled`, torchao's swizzled scales), rearranged after the cast by
+    a torch pass (every cast kernel writes the storage layout). ("blocked" is refused, naming
+    "swizzled": in mxmoe it names only the storage with blocks contiguous.)
+    offs: with "swizzled" and a 2D x (tokens, features) only: (E,) int32 cumulative ends of the
     token groups along dim 0 (the rows of a cast along the last dim; for a cast along dim 0 every
-    end a multiple of the block size), each group's scales blocked on their own as
+    end a multiple of the block size), each group's scales swizzled on their own as
     torch._scaled_grouped_mm takes them. Checked here with a host read.
     """
     if recipe is not None:
