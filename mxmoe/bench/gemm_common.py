@@ -103,20 +103,20 @@ def fwd_bwd_rows(
     t_bf16_gemm = bench(bf16_gemms, iters=iters).median_ms
     rows = [row(name, "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
     for recipe in recipes:
-        cfg = RECIPES[recipe].replace(dim0_kernel=kernel, dim1_kernel=kernel, gemm_backend=gemm_backend)
+        r = RECIPES[recipe].replace(dim0_kernel=kernel, dim1_kernel=kernel, gemm_backend=gemm_backend)
 
-        def mx_step(cfg=cfg):
+        def mx_step(r=r):
             w_t = w.transpose(-2, -1)
-            (mx_mm(a, w_t, cfg) if offs is None else mx_grouped_mm(a, w_t, offs, cfg)).backward(dy)
+            (mx_mm(a, w_t, r) if offs is None else mx_grouped_mm(a, w_t, offs, r)).backward(dy)
 
         # the emulated GEMM's operand casts (fused quantize-dequantize), as the op runs them: a and dy
         # both ways (along K / N, and along M, per group with offs) from one read each, W along K
         # (forward) and along N (backward)
-        def casts(cfg=cfg):
-            a0, a1 = qdq_dim0_dim1(a.detach(), recipe=cfg, out_dtype=bf, offs=offs)
-            w0 = qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)
-            dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=bf, offs=offs)
-            w1 = qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)
+        def casts(r=r):
+            a0, a1 = qdq_dim0_dim1(a.detach(), recipe=r, out_dtype=bf, offs=offs)
+            w0 = qdq(w.detach(), -1, recipe=r, out_dtype=bf)
+            dy0, dy1 = qdq_dim0_dim1(dy, recipe=r, out_dtype=bf, offs=offs)
+            w1 = qdq(w.detach(), -2, recipe=r, out_dtype=bf)
             return a0, a1, w0, dy0, dy1, w1
 
         a0, a1, w0, dy0, dy1, w1 = casts()

@@ -38,6 +38,11 @@ MX activations (an `MXTensor` from the MXFP8 dispatch, 2D, blocked along K) feed
 as they are, without dequantize/requantize; their gradient flows through `a.grad_anchor`. The
 wgrad needs them along M: they are dequantized (to their orig_dtype) and cast along M per group.
 They must have been quantized with the op's recipe (scaling mode, element dtype, block size).
+
+With the recipe's wgrad_with_hp (torchao's, "mxfp8_rceil_wgrad_with_hp") each expert's wgrad is dyₑᵀ
+aₑ on the unquantized operands (`mxmoe.ops.linear.wgrad_with_hp`, the real offs): the forward keeps
+the tokens themselves (an MX activation: its elements and scales, dequantized exactly in the
+backward), tokens and dy are cast along K / N only, and no group-padded copy is made.
 """
 
 from __future__ import annotations
@@ -496,9 +501,8 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
             kernels, need_dh, need_dw[2], ctx.a_dtype, 0,
         )
         das, dws = [], [None, None]
-        with_hp = recipe.wgrad_with_hp
         if dh is not None:  # `_MXGroupedMMShared.backward`'s, on dg and du cast from dh, g, u at once
-            if with_hp:  # the wgrads take dg and du themselves: autograd's, then cast for the dgrads
+            if recipe.wgrad_with_hp:  # the wgrads take dg and du themselves (autograd's); cast for the dgrads
                 dgu = swiglu_bwd(dh, g, u)
             else:
                 dgu = swiglu_bwd_qdq_trusted(dh, g, u, recipe, kernels.k1, kernels.compute, offs)
@@ -512,7 +516,7 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
                 return a1[0]
 
             for i, b_t in enumerate((w1_t, w3_t)):
-                dy_i, dy_qdq = (dgu[i], None) if with_hp else (None, dgu[2 * i : 2 * i + 2])
+                dy_i, dy_qdq = (dgu[i], None) if recipe.wgrad_with_hp else (None, dgu[2 * i : 2 * i + 2])
                 da, dws[i] = _backward_gemms(
                     dy_i, b_t.transpose(-2, -1), offs, kept, a1_fn, recipe, kernels, need_da, need_dw[i],
                     ctx.a_dtype, ctx.cap, dy_qdq,

@@ -17,6 +17,10 @@ both M-major, the layout of bf16 training's wgrad. The dgrad dx = dy0 W takes W 
 Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) of zero-padded rows and `mx_gemm`; the
 "emulated" backend taken through that path (tests) makes the qdq path's dgrad and wgrad calls on
 its dequantized operands (`dgrad_mx`, `wgrad_mx`), so the two paths are bit-identical.
+
+With the recipe's wgrad_with_hp (torchao's, "mxfp8_rceil_wgrad_with_hp") the wgrad is dyᵀ x on the
+unquantized operands (`wgrad_with_hp`): the forward keeps x itself, x and dy are cast along K / N
+only, on every path.
 """
 
 from __future__ import annotations

@@ -58,10 +58,10 @@ def test_wgrad_with_hp_is_the_recipe(res):
     of the forward GEMMs before them and of the dgrads above (h, dh inside an MLP): errors below
     mx's, not near zero (the straight-through mx_fwd_only, whose whole module is high precision in
     backward, is the bound)."""
-    mx, hp = res["mx"], res["mx_wgrad_with_hp"]
-    assert hp["loss"] == mx["loss"]
+    mx, wh = res["mx"], res["mx_wgrad_with_hp"]
+    assert wh["loss"] == mx["loss"]
     for g in ("experts", "shared_expert"):
-        assert 0.005 < hp[g] < mx[g], (g, hp[g], mx[g])
+        assert 0.005 < wh[g] < mx[g], (g, wh[g], mx[g])
 
 
 def test_cli_table_and_json(tmp_path, capsys):
