@@ -10,9 +10,10 @@ and optionally `ready(device, cast)` (a costlier check: the CUDA extension build
 (casts it has no kernel for -> the backend that runs them instead). `CAST_BACKENDS`, a
 `mxmoe.registry.Registry`, registers the three here, in one place; "auto" is a lookup in it, and
 adding a backend is its module and one `register` call. Every answer is resolved once per (kernel,
-device, cast) and kept: eager calls resolve and keep it; a call torch.compile traces takes it from
-`_resolve_at_trace`, which Dynamo runs as Python at trace time and records as a constant
-(`torch.compiler.assume_constant_result`), so nothing of the resolution is traced.
+device, cast) and kept: eager calls resolve and keep it; a call torch.compile traces reads the kept
+answer, or where there is none yet takes it from `_resolve_at_trace`, which Dynamo runs as Python at
+trace time and records as a constant (`torch.compiler.assume_constant_result`): nothing of the
+resolution is traced.
 
 Backend protocol. A backend is a module with these functions (the same arguments in the same
 order in every backend; `mxmoe.quant.torch_cast` is the reference):
@@ -53,6 +54,7 @@ RECIPE_FIELD = {
     "dim1": "dim1_kernel", "dim0_dim1": "dim1_kernel", "qdq_dim1": "dim1_kernel",
 }
 """The recipe field that names each cast's kernel (MXRecipe.dim0_kernel / dim1_kernel)."""
+_DIM1_CASTS = frozenset(c for c, f in RECIPE_FIELD.items() if f == "dim1_kernel")
 _FUNCTIONS = {"dim0": "quantize_dim0", "dim1": "quantize_dim1", "dim0_dim1": "quantize_dim0_dim1",
               "dequant": "dequantize"}
 QDQ_MAX_BLOCK_TRITON = 128
@@ -207,10 +209,12 @@ def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str
     kernel) and check that `kernel` can run on `device`. For the building blocks below the recipe
     (the exchange's kernels, mxmoe.comm.kernels / symm) that are handed a name `cast_kernel` chose.
     Cached: repeated calls cost a dict lookup."""
+    hit = _resolved.get((kernel, device, cast))
+    if hit is not None:
+        return hit
     if torch.compiler.is_compiling():
         return _resolve_at_trace(kernel, device.type, device.index, cast, None)
-    hit = _resolved.get((kernel, device, cast))
-    return hit if hit is not None else _resolve(kernel, device, cast, None)
+    return _resolve(kernel, device, cast, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,16 +234,17 @@ def cast_kernel(recipe: MXRecipe, device: torch.device, cast: str) -> str:
     naming the recipe field and why). A backend's STAND_INS replace it for casts it has no kernel
     for ("qdq_dim0_offs": no C++ operator; Triton's). The Triton qdq kernel takes block sizes up to
     QDQ_MAX_BLOCK_TRITON (ValueError beyond). A dict lookup after the first call per (kernel,
-    device, cast); while torch.compile traces, a constant of the graph."""
-    field = RECIPE_FIELD.get(cast)
-    if field is None:
-        raise ValueError(f"cast={cast!r}; expected one of {list(CASTS) + list(QDQ_CASTS)}")
-    kernel = getattr(recipe, field)
-    if torch.compiler.is_compiling():
-        out = _resolve_at_trace(kernel, device.type, device.index, cast, field)
-    else:
-        out = _resolved.get((kernel, device, cast))
-        if out is None:
+    device, cast); while torch.compile traces, the first answer is made at trace time, a constant
+    of the graph."""
+    kernel = recipe.dim1_kernel if cast in _DIM1_CASTS else recipe.dim0_kernel
+    out = _resolved.get((kernel, device, cast))
+    if out is None:
+        field = RECIPE_FIELD.get(cast)
+        if field is None:
+            raise ValueError(f"cast={cast!r}; expected one of {list(CASTS) + list(QDQ_CASTS)}")
+        if torch.compiler.is_compiling():
+            out = _resolve_at_trace(kernel, device.type, device.index, cast, field)
+        else:
             out = _resolve(kernel, device, cast, field)
     if out == "triton" and cast in QDQ_CASTS and recipe.block_size > QDQ_MAX_BLOCK_TRITON:
         raise ValueError(
