@@ -35,7 +35,8 @@ from mxmoe.recipe import MXRecipe, as_recipe
 
 @torch.library.custom_op("mxmoe::grouped_mm", mutates_args=())
 def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    """High-precision grouped GEMM with fp32 accumulation, opaque to torch.compile.
+    """Grouped GEMM of bf16/fp32 tensors (not MX) with fp32 accumulation, opaque to torch.compile:
+    torch._grouped_mm's contract on every device and dtype.
 
     2D x 3D: a (T, K), b (E, K, N), offs (E,) int32 cumulative row ends -> (T, N); rows of group e
         are a[offs[e-1]:offs[e]] @ b[e]; rows at or after offs[-1] are zero.
@@ -245,8 +246,10 @@ def check_dtype(name: str, dtype: torch.dtype) -> None:
 
 
 def gemm(a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    """The emulated backend's GEMM on already dequantized operands (same shapes and offs as
-    `mx_gemm`, plain tensors of the compute dtype, any strides); result in `out_dtype`."""
+    """a @ b on bf16/fp32 tensors (not MX), dense or grouped by offs (same shapes and offs as
+    `mx_gemm`, any strides), fp32 accumulation; result in `out_dtype`. The emulated backend's GEMM
+    on dequantized operands (of the compute dtype), and the wgrad_with_hp recipe's on unquantized
+    ones."""
     # torch.mm for the dense 2D GEMM: what `a @ b` runs there, without matmul's dispatch layer
     out = torch.mm(a, b) if offs is None else _grouped(a, b, offs)
     # no `.to()` when the dtype already matches: torch 2.11's dynamo gives an autograd.Function
@@ -290,3 +293,20 @@ def mx_gemm(
     out = _BACKENDS[backend](a, b, offs, recipe.compute_dtype(a.device), recipe)
     dtype = a.orig_dtype if out_dtype is None else out_dtype
     return out if out.dtype == dtype else out.to(dtype)
+
+
+_MOVED = {
+    "grouped_mm_hp": "mxmoe.ops.gemm.grouped_mm (the custom op mxmoe::grouped_mm)",
+    "hp_gemm": "mxmoe.ops.gemm.gemm",
+    "op_plan": "mxmoe.ops.gemm_backend.op_kernels",
+    "OpPlan": "mxmoe.ops.gemm_backend.OpKernels",
+    "native_unavailable": "mxmoe.ops.gemm_backend.native_unavailable",
+    "uses_qdq": "mxmoe.ops.gemm_backend.uses_qdq",
+    "QDQ_BACKENDS": "mxmoe.ops.gemm_backend.QDQ_BACKENDS",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"mxmoe.ops.gemm.{name} is now {_MOVED[name]}")
+    raise AttributeError(f"module 'mxmoe.ops.gemm' has no attribute {name!r}")

@@ -422,3 +422,15 @@ def test_autocast_inside_compile_fullgraph_same_results():
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w)
     out.backward()
     assert torch.equal(out, ref) and torch.equal(x.grad, grads[0]) and torch.equal(w.grad, grads[1])
+
+
+def test_renamed_names_say_where_they_went():
+    """The GEMM module's old names (issue 47: one name per idea; the backend resolution in its own
+    module) are refused with the new one named."""
+    import mxmoe.ops.gemm as gemm_mod
+
+    for old, new in (("grouped_mm_hp", "mxmoe.ops.gemm.grouped_mm"), ("hp_gemm", "mxmoe.ops.gemm.gemm"),
+                     ("op_plan", "mxmoe.ops.gemm_backend.op_kernels"),
+                     ("QDQ_BACKENDS", "mxmoe.ops.gemm_backend.QDQ_BACKENDS")):
+        with pytest.raises(AttributeError, match=f"mxmoe.ops.gemm.{old} is now {new}"):
+            getattr(gemm_mod, old)
