@@ -88,9 +88,16 @@ def _declared(module: str, name: str, needs: str | None = None, missing=None) ->
     module imports; without it the answer is `missing` (a str: the reason, formatted with it)."""
 
     def call(device: torch.device, cast: str):
-        if needs is not None and importlib.util.find_spec(needs) is None:
-            return missing
-        return getattr(importlib.import_module(module), name)(device, cast)
+        if needs is not None:
+            if importlib.util.find_spec(needs) is None:
+                return missing
+            try:
+                mod = importlib.import_module(module)
+            except ImportError:  # the package is there but does not import: as if it were not
+                return missing
+        else:
+            mod = importlib.import_module(module)
+        return getattr(mod, name)(device, cast)
 
     call.__qualname__ = f"{module}.{name}"
     return call

@@ -254,6 +254,7 @@ def test_auto_is_a_lookup_in_the_registry(as_on_a_gpu):
     C++ operators' host cost decides), Triton where cuda is unavailable, torch where neither is;
     CPU tensors always get torch."""
     import importlib
+    import importlib.util
 
     from mxmoe.quant import backends, cuda_cast, triton_cast
 
@@ -272,6 +273,16 @@ def test_auto_is_a_lookup_in_the_registry(as_on_a_gpu):
         m.setattr(triton_cast, "why_unavailable", lambda d, c: "no triton")
         backends.clear_resolved()
         assert backends.resolve_kernel("auto", cuda, "dim1") == "torch"
+    with pytest.MonkeyPatch.context() as m:  # no triton package: its module is not imported
+        find_spec = importlib.util.find_spec
+        m.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "triton" else find_spec(n, *a))
+        backends.clear_resolved()
+        assert backends.why_unavailable("triton", cuda) == (
+            "kernel='triton' needs the triton package, which is not installed"
+        )
+        assert backends.resolve_kernel("auto", cuda, "dim1") == "torch"
+        assert mxmoe.available_kernels("cuda") == ["torch"]
+    backends.clear_resolved()
     assert cuda_cast.STAND_INS == {"qdq_dim0_offs": "triton"}
     with pytest.raises(ValueError, match="cast='dim2'; expected one of"):
         backends.resolve_kernel("auto", cuda, "dim2")
