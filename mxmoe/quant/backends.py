@@ -256,7 +256,7 @@ def cast_kernel(recipe: MXRecipe, device: torch.device, cast: str) -> str:
     if out == "triton" and cast in QDQ_CASTS and recipe.block_size > QDQ_MAX_BLOCK_TRITON:
         raise ValueError(
             f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to "
-            f"{QDQ_MAX_BLOCK_TRITON} (the recipe's {field}={kernel!r} takes it on {device.type})"
+            f"{QDQ_MAX_BLOCK_TRITON} (the recipe's {RECIPE_FIELD[cast]}={kernel!r} takes it on {device.type})"
         )
     return out
 

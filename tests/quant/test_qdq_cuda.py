@@ -82,6 +82,15 @@ def test_qdq_kernel_auto_falls_back_to_triton(as_on_a_gpu):
         cast_kernel(recipe("cuda"), CUDA, "qdq_dim1")
 
 
+def test_triton_qdq_block_limit_holds_for_a_kept_answer(as_on_a_gpu):
+    """The Triton qdq kernel's block-size limit is checked on every call, also where the kernel
+    choice was kept from an earlier call (of a recipe with another block size)."""
+    assert cast_kernel(recipe("triton"), CUDA, "qdq_dim1") == "triton"
+    assert cast_kernel(recipe("triton"), CUDA, "qdq_dim1") == "triton"  # kept
+    with pytest.raises(ValueError, match=r"block_size=256: .* up to 128 \(the recipe's dim1_kernel='triton'"):
+        cast_kernel(recipe("triton", bs=256), CUDA, "qdq_dim1")
+
+
 def test_qdq_kernel_cuda_on_cpu_tensor_raises():
     with pytest.raises(RuntimeError, match="recipe dim1_kernel='cuda': kernel='cuda' needs a CUDA tensor"):
         cast_kernel(recipe("cuda"), CPU, "qdq_dim1")
