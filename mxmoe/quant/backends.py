@@ -83,9 +83,9 @@ def next_pow2(n: int) -> int:
 
 
 def _declared(module: str, name: str, needs: str | None = None, missing=None) -> Callable:
-    """(device, cast) -> backend module `module`'s declaration `name` of them, the module imported
-    on first call and the function looked up at each call (tests replace it). needs: a package the
-    module imports; without it the answer is `missing` (a str: the reason, formatted with it)."""
+    """(device, cast) -> the answer of declaration `name` of backend module `module`, the module
+    imported on first call and the function looked up at each call (tests replace it). needs: a
+    package the module imports; where it is missing or does not import, the answer is `missing`."""
 
     def call(device: torch.device, cast: str):
         if needs is not None:
@@ -103,25 +103,25 @@ def _declared(module: str, name: str, needs: str | None = None, missing=None) ->
     return call
 
 
-def _register(registry: Registry, name: str, module: str, needs: str | None = None) -> None:
-    reason = f"kernel={name!r} needs the {needs} package, which is not installed" if needs else None
-    mod_ready = None
-    if name == "cuda":  # the one backend with a costlier check (its extension builds)
-        mod_ready = _declared(module, "ready")
-    registry.register(Backend(
+def _backend(name: str, module: str, needs: str | None = None, ready: bool = False) -> Backend:
+    """Cast kernel `name`, implemented and declared in `module` (its why_unavailable, auto_rank and,
+    with `ready`, ready). needs: the package the module imports (without it: unavailable, and never
+    taken by "auto")."""
+    missing = f"kernel={name!r} needs the {needs} package, which is not installed" if needs else None
+    return Backend(
         name=name,
         module=module,
-        why_unavailable=_declared(module, "why_unavailable", needs, reason),
+        why_unavailable=_declared(module, "why_unavailable", needs, missing),
         auto_rank=_declared(module, "auto_rank", needs, None),
-        ready=mod_ready,
-    ))
+        ready=_declared(module, "ready") if ready else None,
+    )
 
 
 CAST_BACKENDS = Registry("cast kernel")
 """The cast kernels by name: context (device, cast), cast one of CASTS or QDQ_CASTS."""
-_register(CAST_BACKENDS, "torch", "mxmoe.quant.torch_cast")
-_register(CAST_BACKENDS, "triton", "mxmoe.quant.triton_cast", needs="triton")
-_register(CAST_BACKENDS, "cuda", "mxmoe.quant.cuda_cast")
+CAST_BACKENDS.register(_backend("torch", "mxmoe.quant.torch_cast"))
+CAST_BACKENDS.register(_backend("triton", "mxmoe.quant.triton_cast", needs="triton"))
+CAST_BACKENDS.register(_backend("cuda", "mxmoe.quant.cuda_cast", ready=True))  # ready: its extension builds
 assert CAST_BACKENDS.names() == CAST_KERNELS
 
 
