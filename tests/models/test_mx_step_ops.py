@@ -6,8 +6,8 @@ counted outside the quantizer.
 The quantizer's own ops are left out: the MX ops call the qdq body directly in eager mode (the
 `mxmoe::qdq` custom op is one dispatched call only while torch.compile traces or autograd records
 its input), so the count marks the calls of `mxmoe.quant.qdq._qdq_impl` and skips the ops inside
-them. Likewise the MX ops call `mxmoe::grouped_mm_hp`'s body directly in eager mode: a direct call
-of `mxmoe.ops.gemm._grouped_mm_hp_impl` counts as the one GEMM `grouped_mm_hp` it stands for (what
+them. Likewise the MX ops call `mxmoe::grouped_mm`'s body directly in eager mode: a direct call
+of `mxmoe.ops.gemm._grouped_mm_impl` counts as the one GEMM `grouped_mm` it stands for (what
 the bf16 experts dispatch), the ops inside it skipped. What is left is what the MX modules do
 around the quantizer: copies, elementwise ops and GEMMs, each keyed by op, phase (forward /
 backward), operand shapes and dtypes, output dtype.
@@ -44,9 +44,9 @@ from mxmoe.quant import cuda_cast
 from mxmoe.recipe import MXRecipe
 
 COPIES = {"_to_copy", "copy_", "clone"}  # .contiguous() / .reshape() copies dispatch as clone
-GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm_hp"}
+GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm"}
 QDQ_IMPL = qdq_mod._qdq_impl
-GROUPED_IMPL = gemm_mod._grouped_mm_hp_impl
+GROUPED_IMPL = gemm_mod._grouped_mm_impl
 
 
 class StepOps(TorchDispatchMode):
@@ -59,7 +59,7 @@ class StepOps(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.phase = "fwd"
         self.depth = 0
-        self.inside_gemm = 0  # in a direct call of grouped_mm_hp's body (recorded as the op)
+        self.inside_gemm = 0  # in a direct call of grouped_mm's body (recorded as the op)
         self.qdq_calls = self.qdq_ops = self.weight_copies = 0
         self.weight_storages = {w.untyped_storage().data_ptr() for w in weights}
 
@@ -115,11 +115,11 @@ def one_step(model, fqns: list[str], monkeypatch) -> StepOps:
             out = GROUPED_IMPL(a, b, offs)
         finally:
             log.inside_gemm -= 1
-        log.record("grouped_mm_hp", (), (a, b, offs), out)
+        log.record("grouped_mm", (), (a, b, offs), out)
         return out
 
     monkeypatch.setattr(qdq_mod, "_qdq_impl", marked)
-    monkeypatch.setattr(gemm_mod, "_grouped_mm_hp_impl", grouped_body)
+    monkeypatch.setattr(gemm_mod, "_grouped_mm_impl", grouped_body)
     dev = next(model.parameters()).device
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(dev)
     # autocast's weight-cast cache off, as the trainer's CUDA-graph step runs it
@@ -174,7 +174,7 @@ def test_mx_step_elementwise_and_gemms_as_bf16(models, monkeypatch):
     """Outside the quantizer the MX step runs the bf16 step's elementwise ops exactly (same ops on
     the same shapes and dtypes: no elementwise work in fp32 where bf16 runs bf16, no extra pass)
     and its GEMMs (on CPU the same calls; on CUDA as many per phase: the experts' grouped GEMMs are
-    mxmoe::grouped_mm_hp there, around torch._grouped_mm, its wgrad in the parameter's layout).
+    mxmoe::grouped_mm there, around torch._grouped_mm, its wgrad in the parameter's layout).
     One exception, the routed experts' SwiGLU (`mx_grouped_swiglu_mlp`): its backward recomputes
     F.silu(g) (it keeps g and u, not F.silu(g) and h; under torch.compile inductor fuses the
     recompute into the backward's elementwise kernel), and on CUDA its forward runs no silu and no
