@@ -19,8 +19,8 @@ gradients between fp32 and bf16, which the bf16 step does not make); elementwise
 in both, the MX step's elementwise ops plus the routed experts' silu recomputed in backward (one
 per layer, `mx_grouped_swiglu_mlp`; on CUDA minus their forward silu and mul and their backward's
 silu_backward and two muls, formed in the cuda kernels' registers). Quantizer calls
-per step (weights cast at each use, no cast cache): 72, 80 before the
-shared casts (`test_mx_step_shares_input_casts`).
+per step (weights cast at each use, no cast cache) with attention MX too: 72, 80 before the
+shared casts (`test_mx_step_shares_input_casts`; 44 with attention high precision, the default).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import mxmoe.quant.qdq as qdq_mod
 from mxmoe.models.moe import Transformer, model_args
 from mxmoe.nn.converter import convert
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_swiglu, mx_mm
+from mxmoe.options import DEFAULT_FILTER_FQNS, MXOptions
 from mxmoe.quant import cuda_cast
-from mxmoe.recipe import MXRecipe
 
 COPIES = {"_to_copy", "copy_", "clone"}  # .contiguous() / .reshape() copies dispatch as clone
 GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm"}
@@ -131,16 +131,33 @@ def one_step(model, fqns: list[str], monkeypatch) -> StepOps:
     return log
 
 
+def _options(device: str, **kw) -> MXOptions:
+    """The MX options of these tests on `device` (kw: other fields, e.g. filter_fqns)."""
+    if device == "cpu":  # the recipe as on the H200 (bf16 GEMM operands), CPU cast kernels
+        torch_casts = {"mxfp8_dim0_cast_kernel_choice": "torch", "mxfp8_dim1_cast_kernel_choice": "torch"}
+        kw.update(torch_casts, gemm_dtype="bfloat16")
+    # else the default recipe: the Triton qdq, bf16 GEMMs (torch.mm, torch._grouped_mm)
+    return MXOptions(**kw)
+
+
+def _convert(bf16: Transformer, **kw) -> tuple[Transformer, Transformer, list[str]]:
+    mx = convert(copy.deepcopy(bf16), _options(next(bf16.parameters()).device.type, **kw))
+    fqns = [f for kind in mx.mx_conversion.converted.values() for f in kind]  # the MX modules
+    return bf16, mx, fqns
+
+
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def models(request):
     torch.manual_seed(0)
-    bf16 = Transformer(model_args("debug_moe")).to(request.param)
-    if request.param == "cpu":  # the recipe as on the H200 (bf16 GEMM operands), CPU cast kernels
-        recipe = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_dtype=torch.bfloat16)
-    else:  # the default recipe: the Triton qdq, bf16 GEMMs (torch.mm, torch._grouped_mm)
-        recipe = MXRecipe()
-    mx = convert(copy.deepcopy(bf16), recipe)
-    fqns = [f for kind in mx.mx_conversion.converted.values() for f in kind]  # the MX modules
+    return _convert(Transformer(model_args("debug_moe")).to(request.param))
+
+
+@pytest.fixture(scope="module")
+def attention_mx(models):
+    """`models` with attention MX too (the default filter, DEFAULT_FILTER_FQNS, keeps it high
+    precision): q, k, v share one cast of their input."""
+    bf16, mx, fqns = _convert(models[0], filter_fqns=[f for f in DEFAULT_FILTER_FQNS if f != "attention"])
+    assert any(".attention." in f for f in fqns) and not any(".attention." in f for f in models[2])
     return bf16, mx, fqns
 
 
@@ -208,14 +225,15 @@ def test_mx_step_elementwise_and_gemms_as_bf16(models, monkeypatch):
         assert got == want, (dict(got - want), dict(want - got))
 
 
-def test_mx_step_shares_input_casts(models, monkeypatch):
+def test_mx_step_shares_input_casts(attention_mx, monkeypatch):
     """q, k, v (`mxmoe.nn.project`) and each SwiGLU's w1, w3 (the routed experts' and the shared
     expert's) cast their common input once: per layer the forward makes 2 + 1 + 1 quantizer calls
     fewer than with one single op per weight (the casts of x along K and along M, one fused call
     each), 8 on this model (2 layers): 72 calls per step instead of 80 on CPU. The backward's casts
     (each dy, each weight) are unchanged, except on CUDA the routed experts' casts of dg and du
-    (`mx_grouped_swiglu_mlp`: the cuda kernel, no qdq call; 2 per layer). Same loss bits both ways."""
-    bf16, mx, fqns = models
+    (`mx_grouped_swiglu_mlp`: the cuda kernel, no qdq call; 2 per layer). Same loss bits both ways.
+    Attention MX here (`attention_mx`), so that q, k, v share their cast."""
+    bf16, mx, fqns = attention_mx
     mx.zero_grad(set_to_none=True)  # the other tests' steps left theirs
     shared = one_step(mx, fqns, monkeypatch)
     grads = [p.grad.clone() for p in mx.parameters() if p.grad is not None]
