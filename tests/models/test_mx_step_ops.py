@@ -168,7 +168,7 @@ def test_mx_step_copies_no_more_than_bf16(models, monkeypatch):
     Copies both steps make (allowed, not extra): the autocast casts of activations entering a GEMM
     (mx_mm / mx_grouped_mm cast their input as torch.mm under autocast does; the experts once for
     w1 and w3), their gradients cast back, each weight gradient cast from the GEMM's bf16 to the
-    fp32 parameter (the MX ops' hp_gemm(..., out_dtype=param dtype), bf16's ToCopyBackward of its
+    fp32 parameter (the MX ops' gemm(..., out_dtype=param dtype), bf16's ToCopyBackward of its
     weight cast), the model's own fp32 islands (router, RoPE, RMSNorm, the routed sum) and the
     attention reshapes. Extra copies justified for MX: none.
     Copies only the bf16 step makes: the weight casts fp32 -> bf16 (MX quantizes the fp32 master
