@@ -11,16 +11,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
 
 def comma_list(
-    item: Callable[[str], T] = str, choices: Sequence[str] | None = None
+    item: Callable[[str], T] = str,
+    choices: Sequence[str] | None = None,
+    renamed: Mapping[str, str] | None = None,
 ) -> Callable[[str], list[T]]:
     """An argparse `type` for list options: "a,b,c" -> [item("a"), item("b"), item("c")]. With
-    `action="extend"` the option may also be repeated (`--k a,b --k c` == `--k a,b,c`)."""
+    `action="extend"` the option may also be repeated (`--k a,b --k c` == `--k a,b,c`). renamed:
+    old spellings of choices -> their new ones, named in the error an old one gets."""
 
     def parse(text: str) -> list[T]:
         parts = [t.strip() for t in text.split(",") if t.strip()]
@@ -28,7 +31,9 @@ def comma_list(
             raise argparse.ArgumentTypeError(f"{text!r} is empty; expected a comma-separated list")
         bad = [t for t in parts if choices is not None and t not in choices]
         if bad:
-            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(choices)}")
+            new = (renamed or {}).get(bad[0])
+            now = f" ({bad[0]!r} is now {new!r})" if new else ""
+            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(choices)}{now}")
         try:
             return [item(t) for t in parts]
         except ValueError as e:

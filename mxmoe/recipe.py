@@ -91,6 +91,12 @@ class MXRecipe:
     once, exactly the values the MXFP8 dispatch delivers; under expert parallelism the dispatch
     (forward) and the combine's gradient go in MXFP8, the dispatch's gradient and the combine in
     high precision. For Hopper, whose MX GEMMs are emulated: the exchange's bytes without MX GEMMs."""
+    wgrad_with_hp: bool = False
+    """torchao's `wgrad_with_hp`: True runs every weight-gradient GEMM (dW = dYᵀ X, per expert for
+    the grouped ones) in high precision, on the unquantized operands as the op received them (X in
+    the compute dtype of the forward, bf16 under autocast; an MX activation's exact values), while
+    the forward and input-gradient GEMMs stay MX. Nothing is cast along the tokens (no dim1 cast of
+    X or dY). False (default): every GEMM on MX operands."""
 
     def __post_init__(self) -> None:
         check_elem_dtype(self.elem_dtype)
@@ -109,6 +115,8 @@ class MXRecipe:
                 "torch.float32"
             )
         check_expert_gemm(self.expert_gemm)
+        if not isinstance(self.wgrad_with_hp, bool):
+            raise TypeError(f"wgrad_with_hp={self.wgrad_with_hp!r}: expected a bool")
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """The emulated GEMM's operand dtype on `device`."""
@@ -124,11 +132,13 @@ class MXRecipe:
 RECIPES: dict[str, MXRecipe] = {
     "mxfp8_rceil": MXRecipe(scaling_mode="rceil"),
     "mxfp8": MXRecipe(scaling_mode="floor"),
+    "mxfp8_rceil_wgrad_with_hp": MXRecipe(scaling_mode="rceil", wgrad_with_hp=True),
     "mxfp8_emulated_rceil": MXRecipe(scaling_mode="rceil", gemm_backend="emulated"),
 }
 """Named recipes (torchao's names): "mxfp8_rceil" (RCEIL scales; the default), "mxfp8" (FLOOR
-scales, the OCP rule: a block's max can saturate to 448) and "mxfp8_emulated_rceil" (RCEIL, every
-GEMM on exactly dequantized operands, also on Blackwell)."""
+scales, the OCP rule: a block's max can saturate to 448), "mxfp8_rceil_wgrad_with_hp" (RCEIL, the
+weight-gradient GEMMs in high precision: `MXRecipe.wgrad_with_hp`) and "mxfp8_emulated_rceil"
+(RCEIL, every GEMM on exactly dequantized operands, also on Blackwell)."""
 DEFAULT_RECIPE_NAME = "mxfp8_rceil"
 DEFAULT_RECIPE = RECIPES[DEFAULT_RECIPE_NAME]
 assert DEFAULT_RECIPE == MXRecipe()

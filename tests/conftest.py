@@ -390,6 +390,41 @@ def _assert_same_bits_fixture():
     return assert_same_bits
 
 
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """The cast-kernel choices (`mxmoe.quant.backends`) as on a GPU machine, for tensors on a
+    (fake) CUDA device: `configure(builds=True, cuda_reason=None)` makes the cuda backend
+    available on CUDA devices (cuda_reason: why not, e.g. no toolkit) and its extension build
+    (builds=False: `load_extension` raises, as a failed build) and forgets the resolved choices.
+    Returns the list that records `load_extension` calls; choices are forgotten again afterwards."""
+    from mxmoe.quant import backends, cuda_cast
+
+    loads: list[int] = []
+    state = {"builds": True}
+
+    def load_extension():
+        loads.append(1)
+        if not state["builds"]:
+            raise RuntimeError("kernel='cuda': building the CUDA extension failed")
+
+    def configure(builds: bool = True, cuda_reason: str | None = None) -> list[int]:
+        state["builds"] = builds
+
+        def why_unavailable(device, cast):
+            if device.type != "cuda":
+                return f"kernel='cuda' needs a CUDA tensor (got a {device.type} tensor)"
+            return cuda_reason
+
+        monkeypatch.setattr(cuda_cast, "why_unavailable", why_unavailable)
+        backends.clear_resolved()
+        return loads
+
+    monkeypatch.setattr(cuda_cast, "load_extension", load_extension)
+    configure()
+    yield configure
+    backends.clear_resolved()
+
+
 # ------------------------------------------------------------------------------------------------
 # Subprocess jobs: started in the background when the session starts, awaited by their tests
 

@@ -18,13 +18,14 @@ Variants (all in the config's mixed precision, except fp32):
   mx_floor         the same with FLOOR scales (recipe mxfp8)
   mx_experts_only  only the routed experts MX
   mx_linears_only  only the linears MX (experts bf16)
+  mx_wgrad_with_hp recipe mxfp8_rceil_wgrad_with_hp (torchao's): MX forward and input gradients,
+                   the weight-gradient GEMMs in high precision on the unquantized operands
   mx_fwd_only      MX forward values, every gradient from high-precision operands (straight-through)
-  mx_hp_wgrad      MX forward and input gradients; weight gradients from high-precision operands
-  mx_hp_dgrad      MX forward and weight gradients; input gradients from high-precision operands
+  mx_fwd_wgrad_only  MX forward and weight gradients; input gradients from high-precision operands
   mx_gemm_fp32     mx with the emulated GEMM in fp32 instead of bf16 (rules the emulation out)
-The three straight-through variants run each MX module twice (its MX and its high-precision
-form) and take each value or gradient from the one the variant names: a measurement device, not a
-recipe.
+The two straight-through variants (mx_fwd_only, mx_fwd_wgrad_only) run each MX module twice (its MX
+and its high-precision form) and take each value or gradient from the one the variant names: a
+measurement device, not a recipe.
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ VARIANTS = (
     "mx_floor",
     "mx_experts_only",
     "mx_linears_only",
+    "mx_wgrad_with_hp",
     "mx_fwd_only",
-    "mx_hp_wgrad",
-    "mx_hp_dgrad",
+    "mx_fwd_wgrad_only",
     "mx_gemm_fp32",
 )
+RENAMED_VARIANTS = {"mx_hp_wgrad": "mx_wgrad_with_hp", "mx_hp_dgrad": "mx_fwd_wgrad_only"}
+"""Old variant names -> the new ones (mx_hp_wgrad, a straight-through stand-in, is now the recipe)."""
 GROUPS = ("tok_embeddings", "attention.", "router", "experts.", "shared_expert", "norm", "output")
 _NOT_EXPERTS = ["output", "router", "attention", "shared_expert", "feed_forward"]
 
@@ -57,32 +60,31 @@ _NOT_EXPERTS = ["output", "router", "attention", "shared_expert", "feed_forward"
 class _Mixed(nn.Module):
     """An MX module's forward value with gradients from its high-precision form where `mode` says.
 
-    mode "fwd": all gradients high precision; "hp_wgrad": input gradient MX, weight gradients high
-    precision; "hp_dgrad": weight gradients MX, input gradient high precision."""
+    mode "fwd": all gradients high precision; "fwd_wgrad": weight gradients MX, input gradient high
+    precision."""
 
-    def __init__(self, mx: nn.Module, hp: nn.Module, mode: str):
+    def __init__(self, mx: nn.Module, ref: nn.Module, mode: str):
         super().__init__()
         self.mx, self.mode = mx, mode
-        self._hp = [hp]  # not a submodule: it shares mx's parameters
+        self._ref = [ref]  # not a submodule: it shares mx's parameters
 
     def forward(self, x: Tensor, *rest) -> Tensor:
-        hp = self._hp[0]
+        ref = self._ref[0]
         if self.mode == "fwd":
-            h = hp(x, *rest)
+            h = ref(x, *rest)
             return h + (self.mx(x, *rest) - h).detach()
-        frozen = self.mode == "hp_wgrad"  # which side's weights get no gradient from the MX form
-        with _frozen_params(self.mx, frozen):
-            y = self.mx(x if frozen else x.detach(), *rest)
-        with _frozen_params(self.mx, not frozen):
-            h = hp(x.detach() if frozen else x, *rest)
+        # "fwd_wgrad": the weights' gradients from the MX form, x's from the reference form
+        y = self.mx(x.detach(), *rest)
+        with _frozen_params(self.mx):
+            h = ref(x, *rest)
         return y + (h - h.detach())
 
 
 class _frozen_params:  # noqa: N801 - used as a context manager
-    """Within the block, `module`'s parameters are seen as constants (requires_grad False) if `on`."""
+    """Within the block, `module`'s parameters are seen as constants (requires_grad False)."""
 
-    def __init__(self, module: nn.Module, on: bool):
-        self.params = [p for p in module.parameters() if p.requires_grad] if on else []
+    def __init__(self, module: nn.Module):
+        self.params = [p for p in module.parameters() if p.requires_grad]
 
     def __enter__(self):
         for p in self.params:
@@ -93,21 +95,21 @@ class _frozen_params:  # noqa: N801 - used as a context manager
             p.requires_grad_(True)
 
 
-def _hp_form(m: nn.Module) -> nn.Module:
+def _reference_form(m: nn.Module) -> nn.Module:
     """The high-precision module computing what MX module `m` computes, on m's parameters."""
     from mxmoe.nn.experts import GroupedExperts
     from mxmoe.nn.linear import MXLinear
 
     if isinstance(m, MXLinear):
-        return _HPLinear(m)
-    hp = GroupedExperts.__new__(GroupedExperts)
-    nn.Module.__init__(hp)
-    hp.dim, hp.hidden_dim, hp.num_experts = m.dim, m.hidden_dim, m.num_experts
-    hp.w1, hp.w2, hp.w3 = m.w1, m.w2, m.w3
-    return hp
+        return _ReferenceLinear(m)
+    ref = GroupedExperts.__new__(GroupedExperts)
+    nn.Module.__init__(ref)
+    ref.dim, ref.hidden_dim, ref.num_experts = m.dim, m.hidden_dim, m.num_experts
+    ref.w1, ref.w2, ref.w3 = m.w1, m.w2, m.w3
+    return ref
 
 
-class _HPLinear(nn.Module):
+class _ReferenceLinear(nn.Module):
     def __init__(self, m: nn.Module):
         super().__init__()
         self._m = [m]
@@ -138,6 +140,8 @@ def _build(variant: str, cfg, margs, state: dict, device: torch.device) -> nn.Mo
     )
     if variant == "mx_floor":
         opts["recipe_name"] = "mxfp8"
+    elif variant == "mx_wgrad_with_hp":
+        opts["recipe_name"] = "mxfp8_rceil_wgrad_with_hp"
     elif variant == "mx_experts_only":
         opts["filter_fqns"] = sorted(set(opts["filter_fqns"]) | set(_NOT_EXPERTS))
     elif variant == "mx_linears_only":
@@ -145,12 +149,12 @@ def _build(variant: str, cfg, margs, state: dict, device: torch.device) -> nn.Mo
     elif variant == "mx_gemm_fp32":
         opts["gemm_dtype"] = "float32"
     mxmoe.convert(model, MXOptions(**opts))
-    mode = {"mx_fwd_only": "fwd", "mx_hp_wgrad": "hp_wgrad", "mx_hp_dgrad": "hp_dgrad"}.get(variant)
+    mode = {"mx_fwd_only": "fwd", "mx_fwd_wgrad_only": "fwd_wgrad"}.get(variant)
     if mode is not None:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, (MXLinear, MXGroupedExperts)):
-                    setattr(parent, name, _Mixed(child, _hp_form(child), mode))
+                    setattr(parent, name, _Mixed(child, _reference_form(child), mode))
     return model
 
 
@@ -262,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=150, help="bf16 training steps before measuring (>= 0)")
     p.add_argument("--batches", type=positive_int, default=4, help="batches the errors are measured on")
     p.add_argument(
-        "--variants", type=comma_list(choices=VARIANTS), default=list(VARIANTS),
+        "--variants", type=comma_list(choices=VARIANTS, renamed=RENAMED_VARIANTS), default=list(VARIANTS),
         help=f"comma-separated, of: {', '.join(VARIANTS)}",
     )
     p.add_argument(

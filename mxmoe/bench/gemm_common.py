@@ -86,7 +86,7 @@ def fwd_bwd_rows(
     (the emulated backend's path). a (M, K) bf16 requiring grad, w (N, K) or (E, N, K) bf16
     requiring grad, dy (M, N) bf16, offs None or (E,) int32 group ends."""
     from mxmoe.ops import mx_grouped_mm, mx_mm
-    from mxmoe.ops.gemm import hp_gemm
+    from mxmoe.ops.gemm import gemm
     from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 
     flops = 6 * a.shape[0] * a.shape[1] * w.shape[-2]
@@ -103,28 +103,28 @@ def fwd_bwd_rows(
     t_bf16_gemm = bench(bf16_gemms, iters=iters).median_ms
     rows = [row(name, "bf16", t_bf16, t_bf16, flops, 0.0, t_bf16_gemm)]
     for recipe in recipes:
-        cfg = RECIPES[recipe].replace(dim0_kernel=kernel, dim1_kernel=kernel, gemm_backend=gemm_backend)
+        r = RECIPES[recipe].replace(dim0_kernel=kernel, dim1_kernel=kernel, gemm_backend=gemm_backend)
 
-        def mx_step(cfg=cfg):
+        def mx_step(r=r):
             w_t = w.transpose(-2, -1)
-            (mx_mm(a, w_t, cfg) if offs is None else mx_grouped_mm(a, w_t, offs, cfg)).backward(dy)
+            (mx_mm(a, w_t, r) if offs is None else mx_grouped_mm(a, w_t, offs, r)).backward(dy)
 
         # the emulated GEMM's operand casts (fused quantize-dequantize), as the op runs them: a and dy
         # both ways (along K / N, and along M, per group with offs) from one read each, W along K
         # (forward) and along N (backward)
-        def casts(cfg=cfg):
-            a0, a1 = qdq_dim0_dim1(a.detach(), recipe=cfg, out_dtype=bf, offs=offs)
-            w0 = qdq(w.detach(), -1, recipe=cfg, out_dtype=bf)
-            dy0, dy1 = qdq_dim0_dim1(dy, recipe=cfg, out_dtype=bf, offs=offs)
-            w1 = qdq(w.detach(), -2, recipe=cfg, out_dtype=bf)
+        def casts(r=r):
+            a0, a1 = qdq_dim0_dim1(a.detach(), recipe=r, out_dtype=bf, offs=offs)
+            w0 = qdq(w.detach(), -1, recipe=r, out_dtype=bf)
+            dy0, dy1 = qdq_dim0_dim1(dy, recipe=r, out_dtype=bf, offs=offs)
+            w1 = qdq(w.detach(), -2, recipe=r, out_dtype=bf)
             return a0, a1, w0, dy0, dy1, w1
 
         a0, a1, w0, dy0, dy1, w1 = casts()
 
         def gemms(a0=a0, a1=a1, w0=w0, dy0=dy0, dy1=dy1, w1=w1):
-            hp_gemm(a0, w0.transpose(-2, -1), offs, bf)
-            hp_gemm(dy0, w1, offs, bf)
-            hp_gemm(dy1.t(), a1, offs, bf)
+            gemm(a0, w0.transpose(-2, -1), offs, bf)
+            gemm(dy0, w1, offs, bf)
+            gemm(dy1.t(), a1, offs, bf)
 
         t = bench(mx_step, iters=iters).median_ms
         emulated = gemm_backend == "emulated"  # the split below is the emulated path's

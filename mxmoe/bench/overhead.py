@@ -130,12 +130,12 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
             ("qdq_dim0_dim1", k, lambda rk=rk: qdq_dim0_dim1(x, recipe=rk), True),
             ("qdq dim1, groups", k, lambda rk=rk: qdq(x, -2, recipe=rk, offs=offs), True),
         ]
-    cfg = DEFAULT_RECIPE
+    r = DEFAULT_RECIPE
     cases += [
         ("torch.mm fwd", "native", lambda: torch.mm(x, w), False),
-        ("mx_mm fwd", "auto", lambda: mx_mm(x, w, cfg), False),
+        ("mx_mm fwd", "auto", lambda: mx_mm(x, w, r), False),
         ("torch.mm fwd+bwd", "native", fwd_bwd(lambda: torch.mm(xg, wg)), False),
-        ("mx_mm fwd+bwd", "auto", fwd_bwd(lambda: mx_mm(xg, wg, cfg)), False),
+        ("mx_mm fwd+bwd", "auto", fwd_bwd(lambda: mx_mm(xg, wg, r)), False),
     ]
     if device.type == "cuda":  # torch._grouped_mm: CUDA bf16 only
         cases += [
@@ -156,8 +156,8 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
             if k != "torch"
         ]
     cases += [
-        ("mx_grouped_mm fwd", "auto", lambda: mx_grouped_mm(x, w3, offs, cfg), False),
-        ("mx_grouped_mm fwd+bwd", "auto", fwd_bwd(lambda: mx_grouped_mm(xg, w3g, offs, cfg)), False),
+        ("mx_grouped_mm fwd", "auto", lambda: mx_grouped_mm(x, w3, offs, r), False),
+        ("mx_grouped_mm fwd+bwd", "auto", fwd_bwd(lambda: mx_grouped_mm(xg, w3g, offs, r)), False),
         ("all_to_all_hp, 1 rank", "native", lambda: all_to_all_hp(x, [R], [R], check=False), False),
         (
             "to_mxfp8_a2a_dequant, 1 rank",

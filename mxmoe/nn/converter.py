@@ -26,20 +26,20 @@ from mxmoe.recipe import RECIPES, MXRecipe
 log = logging.getLogger("mxmoe")
 
 def recipe_name(r: MXRecipe) -> str:
-    """A short description of `r`: its name in RECIPES when it is one (with changed kernels listed)."""
+    """A short description of `r`: its name in RECIPES when it is one, else the named recipe of its
+    format with the fields that differ listed (e.g. "mxfp8_rceil (dim1_kernel=cuda)")."""
+    fields = ("dim0_kernel", "dim1_kernel", "gemm_backend", "gemm_dtype", "expert_gemm", "wgrad_with_hp")
+    best = None
     for name, base in RECIPES.items():
-        if (base.elem_dtype, base.block_size, base.scaling_mode) == (
-            r.elem_dtype,
-            r.block_size,
-            r.scaling_mode,
-        ):
-            extra = [
-                f"{k}={getattr(r, k)}"
-                for k in ("dim0_kernel", "dim1_kernel", "gemm_backend", "gemm_dtype", "expert_gemm")
-                if getattr(r, k) != getattr(base, k)
-            ]
-            return name + (f" ({', '.join(extra)})" if extra else "")
-    return repr(r)
+        fmt = (base.elem_dtype, base.block_size, base.scaling_mode)
+        if fmt == (r.elem_dtype, r.block_size, r.scaling_mode):
+            extra = [f"{k}={getattr(r, k)}" for k in fields if getattr(r, k) != getattr(base, k)]
+            if best is None or len(extra) < len(best[1]):
+                best = (name, extra)
+    if best is None:
+        return repr(r)
+    name, extra = best
+    return name + (f" ({', '.join(extra)})" if extra else "")
 
 
 @dataclass

@@ -24,7 +24,7 @@ def offsets_from_counts(num_tokens_per_expert: Tensor) -> Tensor:
 def grouped_mm(a: Tensor, b_t: Tensor, offs: Tensor) -> Tensor:
     """High-precision grouped GEMM: a (T, K) rows grouped by expert, b_t (E, K, N), offs (E,)
     int32 cumulative ends -> (T, N). torch._grouped_mm on CUDA bf16; elsewhere an exact loop over
-    the groups inside the custom op `mxmoe::grouped_mm_hp` (its host read of `offs` stays out of a
+    the groups inside the custom op `mxmoe::grouped_mm` (its host read of `offs` stays out of a
     compiled graph, so the model compiles with fullgraph=True on CPU too)."""
     if on_torch_grouped_mm(a, b_t):
         return torch._grouped_mm(a, b_t, offs=offs)
@@ -35,19 +35,19 @@ class _GroupedMMLoop(torch.autograd.Function):
     # dA_g = dY_g B_g^T, dB_g = A_g^T dY_g per group, each through the same opaque custom op.
     @staticmethod
     def forward(ctx, a: Tensor, b_t: Tensor, offs: Tensor) -> Tensor:
-        from mxmoe.ops.gemm import grouped_mm_hp
+        from mxmoe.ops.gemm import grouped_mm
 
         ctx.save_for_backward(a, b_t, offs)
-        return grouped_mm_hp(a, b_t, offs)
+        return grouped_mm(a, b_t, offs)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        from mxmoe.ops.gemm import grouped_mm_hp
+        from mxmoe.ops.gemm import grouped_mm
 
         a, b_t, offs = ctx.saved_tensors
         dy = dy.contiguous()
-        da = grouped_mm_hp(dy, b_t.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
-        db_t = grouped_mm_hp(a.t(), dy, offs) if ctx.needs_input_grad[1] else None
+        da = grouped_mm(dy, b_t.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+        db_t = grouped_mm(a.t(), dy, offs) if ctx.needs_input_grad[1] else None
         return da, db_t, None
 
 

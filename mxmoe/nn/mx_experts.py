@@ -49,8 +49,8 @@ class MXGroupedExperts(GroupedExperts):
         return new
 
     def forward(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
-        cfg = self.recipe
-        if cfg.expert_gemm == "bf16":
+        recipe = self.recipe
+        if recipe.expert_gemm == "bf16":
             return self._forward_bf16(x, num_tokens_per_expert)
         offs = offsets_from_counts(num_tokens_per_expert)
         if isinstance(x, Tensor):
@@ -62,21 +62,21 @@ class MXGroupedExperts(GroupedExperts):
         # path), bit-identical to mx_grouped_mm calls on x and h; on the qdq path one op whose
         # backward casts dg and du straight from dh, g and u (never written or read back)
         w1_t, w3_t, w2_t = (w.transpose(-2, -1) for w in (self.w1, self.w3, self.w2))
-        return mx_grouped_swiglu_mlp(x, w1_t, w3_t, w2_t, offs, cfg)
+        return mx_grouped_swiglu_mlp(x, w1_t, w3_t, w2_t, offs, recipe)
 
     def _forward_bf16(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
         """expert_gemm="bf16" (class docstring): GroupedExperts.forward on Q(x)."""
-        cfg = self.recipe
+        recipe = self.recipe
         if isinstance(x, MXTensor):
             if x.ndim != 2 or x.axis != 1:
                 raise ValueError(f"x must be a 2D MXTensor blocked along dim (axis=1), got {x!r}")
-            rows = x.dequantize(recipe=cfg)  # exact: the rows' orig dtype holds Q(x)
+            rows = x.dequantize(recipe=recipe)  # exact: the rows' orig dtype holds Q(x)
             if x.grad_anchor is not None:  # the dispatch sends this gradient back in high precision
                 rows = RowsFromAnchor.apply(x.grad_anchor, rows)
             return super().forward(rows, num_tokens_per_expert)
         x = autocast_input(x)  # rounded in the dtype the EP dispatch sends (the autocast dtype)
-        y = super().forward(_RoundRows.apply(x, cfg), num_tokens_per_expert)
-        return _RoundGrad.apply(y, cfg)
+        y = super().forward(_RoundRows.apply(x, recipe), num_tokens_per_expert)
+        return _RoundGrad.apply(y, recipe)
 
     def extra_repr(self) -> str:
         c = self.recipe
@@ -106,8 +106,8 @@ class _RoundRows(torch.autograd.Function):
     its backward sends: the high-precision gradient)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, cfg: MXRecipe) -> Tensor:
-        return qdq(x, -1, recipe=cfg)
+    def forward(ctx, x: Tensor, recipe: MXRecipe) -> Tensor:
+        return qdq(x, -1, recipe=recipe)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -118,10 +118,10 @@ class _RoundGrad(torch.autograd.Function):
     """Identity forward; gradient Q(dy) along the last dim (what the combine's MXFP8 backward sends)."""
 
     @staticmethod
-    def forward(ctx, y: Tensor, cfg: MXRecipe) -> Tensor:
-        ctx.cfg = cfg
+    def forward(ctx, y: Tensor, recipe: MXRecipe) -> Tensor:
+        ctx.recipe = recipe
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return qdq(grad, -1, recipe=ctx.cfg), None
+        return qdq(grad, -1, recipe=ctx.recipe), None

@@ -5,12 +5,12 @@ Backends:
   "emulated": dequantize both operands to `compute_dtype` (bf16 or fp32) and run a dense or grouped
       high-precision GEMM (fp32 accumulation). Exact up to the GEMM's fp32 summation: the
       dequantized values are the MX values themselves (see MXRecipe.gemm_dtype for the bf16
-      limits). The training ops (`mx_mm`, `mx_grouped_mm`) feed it through `hp_gemm` with operands
+      limits). The training ops (`mx_mm`, `mx_grouped_mm`) feed it through `gemm` with operands
       made by the fused quantize-dequantize (`mxmoe.quant.qdq`), the same values without the fp8
       round trip.
   "native": torch's block-scaled GEMMs on Blackwell (compute capability 10.x), whose tensor cores
       read e8m0 block scales: torch._scaled_mm (dense) and torch._scaled_grouped_mm (grouped),
-      e4m3 operands, block 32, float8_e8m0fnu scales in the blocked layout
+      e4m3 operands, block 32, float8_e8m0fnu scales in the swizzled layout
       (`mxmoe.quant.scale_layout`), bf16 output (the op's only one) before mx_gemm's final cast.
       A clear error where it cannot run (`native_unavailable`, `_native_refuses`).
   "auto" (the recipe default): "native" where it can run, else "emulated" with one log line saying
@@ -22,24 +22,21 @@ backend MXTensors.
 from __future__ import annotations
 
 import contextlib
-import logging
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from mxmoe.formats import INPUT_DTYPES
-from mxmoe.quant import backends
+from mxmoe.ops.gemm_backend import NATIVE_BLOCK, NATIVE_ELEM, log_once, resolve_gemm_backend
 from mxmoe.quant import scale_layout as sl
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import MXRecipe, as_recipe
 
-log = logging.getLogger(__name__)
 
-
-@torch.library.custom_op("mxmoe::grouped_mm_hp", mutates_args=())
-def grouped_mm_hp(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    """High-precision grouped GEMM with fp32 accumulation, opaque to torch.compile.
+@torch.library.custom_op("mxmoe::grouped_mm", mutates_args=())
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """Grouped GEMM of bf16/fp32 tensors (not MX) with fp32 accumulation, opaque to torch.compile:
+    torch._grouped_mm's contract on every device and dtype.
 
     2D x 3D: a (T, K), b (E, K, N), offs (E,) int32 cumulative row ends -> (T, N); rows of group e
         are a[offs[e-1]:offs[e]] @ b[e]; rows at or after offs[-1] are zero.
@@ -54,7 +51,7 @@ def grouped_mm_hp(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     torch._grouped_mm needs every group boundary a multiple of 8 (the MX path's padded groups are
     multiples of 32). Anything else: an exact loop over groups (syncs for offs).
     """
-    return _grouped_mm_hp_impl(a, b, offs)
+    return _grouped_mm_impl(a, b, offs)
 
 
 def on_torch_grouped_mm(a: Tensor, b: Tensor) -> bool:
@@ -62,8 +59,8 @@ def on_torch_grouped_mm(a: Tensor, b: Tensor) -> bool:
     return a.is_cuda and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16
 
 
-def _grouped_mm_hp_impl(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    """grouped_mm_hp's body, called directly in eager mode (`_grouped`)."""
+def _grouped_mm_impl(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """grouped_mm's body, called directly in eager mode (`_grouped`)."""
     if on_torch_grouped_mm(a, b):
         out = torch._grouped_mm(a, b, offs=offs)
         if b.ndim == 3:
@@ -89,7 +86,7 @@ def _grouped_mm_hp_impl(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     return out
 
 
-@grouped_mm_hp.register_fake
+@grouped_mm.register_fake
 def _(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     if b.ndim == 3:
         return a.new_empty(a.shape[0], b.shape[-1])
@@ -97,21 +94,21 @@ def _(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
 
 
 def _grouped(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
-    """grouped_mm_hp's body directly, the op itself where autograd would record it or where
+    """grouped_mm's body directly, the op itself where autograd would record it or where
     torch.compile traces the exact loop (its host read of offs stays out of the graph). A custom op
     call costs tens of µs of Python dispatch, in eager mode and from a compiled graph alike;
     traced, the CUDA bf16 body is torch._grouped_mm and the C++ zero_rows_after, which the graph
-    calls directly. Inside a profiler range named "mxmoe::grouped_mm_hp" when the profiler is on."""
+    calls directly. Inside a profiler range named "mxmoe::grouped_mm" when the profiler is on."""
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return grouped_mm_hp(a, b, offs)
+        return grouped_mm(a, b, offs)
     if torch.compiler.is_compiling():
         if on_torch_grouped_mm(a, b):
-            return _grouped_mm_hp_impl(a, b, offs)
-        return grouped_mm_hp(a, b, offs)
+            return _grouped_mm_impl(a, b, offs)
+        return grouped_mm(a, b, offs)
     if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function("mxmoe::grouped_mm_hp"):
-            return _grouped_mm_hp_impl(a, b, offs)
-    return _grouped_mm_hp_impl(a, b, offs)
+        with torch.profiler.record_function("mxmoe::grouped_mm"):
+            return _grouped_mm_impl(a, b, offs)
+    return _grouped_mm_impl(a, b, offs)
 
 
 def _check_operands(a: MXTensor, b: MXTensor, offs: Tensor | None) -> None:
@@ -133,112 +130,11 @@ def _check_operands(a: MXTensor, b: MXTensor, offs: Tensor | None) -> None:
 def _emulated(
     a: MXTensor, b: MXTensor, offs: Tensor | None, compute_dtype: torch.dtype, recipe: MXRecipe
 ) -> Tensor:
-    a_hp = a.dequantize(compute_dtype, recipe=recipe)
-    b_hp = b.dequantize(compute_dtype, recipe=recipe)
+    a_deq = a.dequantize(compute_dtype, recipe=recipe)
+    b_deq = b.dequantize(compute_dtype, recipe=recipe)
     if offs is None:
-        return a_hp @ b_hp
-    return _grouped(a_hp, b_hp, offs)
-
-
-NATIVE_BLOCK = 32
-NATIVE_ELEM = torch.float8_e4m3fn
-
-
-def _probe_native(device: torch.device) -> None:
-    """One tiny dense and one tiny grouped MX GEMM on `device` (raises what torch raises)."""
-    e8 = torch.float8_e8m0fnu
-    one = torch.full((), 127, dtype=torch.uint8, device=device)  # e8m0 byte 127 = 2^0
-    a = torch.zeros(128, 32, dtype=NATIVE_ELEM, device=device)
-    s_a = one.expand(128, 4).contiguous().view(e8)  # (128 rows, 1 scale column padded to 4)
-    b = torch.zeros(32, 32, dtype=NATIVE_ELEM, device=device).t()  # (K, N) column-major
-    s_b = one.expand(128, 4).contiguous().view(e8)
-    torch._scaled_mm(a, b, s_a.reshape(-1), s_b.reshape(-1), out_dtype=torch.bfloat16)
-    offs = torch.tensor([128], dtype=torch.int32, device=device)
-    s_ag = one.expand(256, 4).contiguous().view(e8)  # 128 rows + 128 per group
-    b3 = torch.zeros(1, 32, 32, dtype=NATIVE_ELEM, device=device).transpose(-2, -1)
-    s_b3 = one.expand(1, 512).contiguous().view(e8)
-    torch._scaled_grouped_mm(a, b3, s_ag, s_b3, offs=offs, out_dtype=torch.bfloat16)
-    torch.cuda.synchronize(device)
-
-
-def native_unavailable(device: torch.device) -> str | None:
-    """Why gemm_backend="native" cannot run on `device` (None: it can): it needs a CUDA device of
-    compute capability 10.x and a torch build whose torch._scaled_mm and torch._scaled_grouped_mm
-    take e4m3 operands with float8_e8m0fnu scales (CUDA >= 12.8, built with the MX grouped GEMM).
-    The first answer per device is kept (`mxmoe.quant.backends.clear_resolved` forgets it); on a
-    10.x device it runs one tiny MX GEMM of each kind to find out (not while torch.compile traces:
-    there an unprobed 10.x device counts as able)."""
-    # (remember keeps nothing made while torch.compile traces, where no probe runs)
-    return backends.remember(
-        ("native_gemm", device.type, device.index),
-        lambda: _native_reason(device, probe=not torch.compiler.is_compiling()),
-    )
-
-
-def _native_reason(device: torch.device, probe: bool = True) -> str | None:
-    need = "gemm_backend='native' needs a CUDA device of compute capability 10.x (sm_100, Blackwell)"
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return f"{need}; got a {device.type} device"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 10:
-        return f"{need}; {device} has compute capability {major}.{minor}"
-    build = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
-    if not hasattr(torch, "_scaled_grouped_mm") or not hasattr(torch, "float8_e8m0fnu"):
-        return f"gemm_backend='native' needs torch._scaled_grouped_mm with e8m0 scales; {build} has none"
-    if not probe:
-        return None
-    try:
-        _probe_native(device)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return (
-            f"gemm_backend='native' needs a torch build whose torch._scaled_mm and "
-            f"torch._scaled_grouped_mm run MXFP8 (e4m3, float8_e8m0fnu scales; CUDA >= 12.8); {build} "
-            f"on {device} refused: {first}"
-        )
-    return None
-
-
-def _recipe_refuses(cfg: MXRecipe) -> str | None:
-    """Why the native GEMMs cannot take `cfg`'s operands (None: they can)."""
-    if cfg.elem_dtype != NATIVE_ELEM or cfg.block_size != NATIVE_BLOCK:
-        return (
-            f"gemm_backend='native' takes e4m3 operands in blocks of {NATIVE_BLOCK} (MXFP8); the recipe "
-            f"has elem_dtype={cfg.elem_dtype}, block_size={cfg.block_size}"
-        )
-    return None
-
-
-def resolve_gemm_backend(cfg: MXRecipe, device: torch.device) -> str:
-    """The concrete GEMM backend of `cfg` on `device`: its gemm_backend, with "auto" made
-    "native" where `native_unavailable` and the recipe allow it, else "emulated" (logged once per
-    device and reason). "native" where it cannot run: RuntimeError (ValueError for the recipe)
-    naming the requirement."""
-    name = cfg.gemm_backend
-    if name not in ("auto", "native"):
-        return name
-    reason = native_unavailable(device)
-    if name == "native":
-        if reason is not None:
-            raise RuntimeError(reason)
-        refused = _recipe_refuses(cfg)
-        if refused is not None:
-            raise ValueError(refused)
-        return "native"
-    reason = reason or _recipe_refuses(cfg)
-    if reason is None:
-        return "native"
-    _log_once(f"gemm_backend='auto' runs the emulated GEMM on {device.type}: {reason}")
-    return "emulated"
-
-
-_logged: set[str] = set()
-
-
-def _log_once(msg: str) -> None:
-    if not torch.compiler.is_compiling() and msg not in _logged:
-        _logged.add(msg)
-        log.info(msg)
+        return a_deq @ b_deq
+    return _grouped(a_deq, b_deq, offs)
 
 
 def _native_refuses(a: MXTensor, b: MXTensor, out_n: int) -> str | None:
@@ -254,12 +150,17 @@ def _native_refuses(a: MXTensor, b: MXTensor, out_n: int) -> str | None:
 
 
 def _m_scales(t: MXTensor, offs: Tensor | None) -> Tensor:
-    """The blocked scales of a 2D operand blocked along its last dim (tokens along the rows,
-    grouped by offs when given)."""
-    if t.scale_layout == "blocked":
-        return t.scale_blocked
+    """The swizzled scales of a 2D operand blocked along its last dim (tokens along the rows,
+    swizzled per group of offs when given): its own if it carries them."""
+    if t.scale_swizzled is not None:
+        return t.scale_swizzled
     s = t.scale_blocked
-    return sl.to_blocked(s) if offs is None else sl.to_blocked_m_groups(s, offs)
+    return sl.to_swizzled(s) if offs is None else sl.to_swizzled_m_groups(s, offs)
+
+
+def _swizzled(t: MXTensor) -> Tensor:
+    """The swizzled scales of a weight operand (each matrix on its own): its own if it carries them."""
+    return t.scale_swizzled if t.scale_swizzled is not None else sl.to_swizzled(t.scale_blocked)
 
 
 def _native(
@@ -267,21 +168,20 @@ def _native(
 ) -> Tensor:
     """torch's block-scaled GEMMs (bf16 result). Operands as the ops make them, handed over as
     torch's ops take them (what torchao's MXFP8 grouped GEMM passes, tests/ops/test_native_gemm.py):
-      dense    a (M, K) row-major, b (K, N) column-major (storage (N, K)); scales blocked, flat.
-      2D x 3D  a (T, K) row-major with its scales blocked per group of rows (offs); b (E, K, N)
-               column-major per expert (storage (E, N, K)), scales blocked per expert (E, -1).
+      dense    a (M, K) row-major, b (K, N) column-major (storage (N, K)); scales swizzled, flat.
+      2D x 3D  a (T, K) row-major with its scales swizzled per group of rows (offs); b (E, K, N)
+               column-major per expert (storage (E, N, K)), scales swizzled per expert (E, -1).
       2D x 2D  (wgrad) a (M, T) row-major, b (T, K) column-major (storage (K, T)), both blocked
-               along T; scales blocked per group of T (offs // 32: every group end a multiple of
+               along T; scales swizzled per group of T (offs // 32: every group end a multiple of
                32, as the ops' group-padded copies have them); out (E, M, K)."""
     del compute_dtype, recipe
     bf16 = torch.bfloat16
     if offs is None:
         s_a = _m_scales(a, None).reshape(-1)
-        s_b = (b.scale_blocked if b.scale_layout == "blocked" else sl.to_blocked(b.plain_scale())).reshape(-1)
+        s_b = _swizzled(b).reshape(-1)
         return torch._scaled_mm(a.qdata_blocked, b.qdata, s_a, s_b, out_dtype=bf16)
     if b.ndim == 3:
-        s_b = b.scale_blocked if b.scale_layout == "blocked" else sl.to_blocked(b.scale_blocked)
-        s_a, s_b = _m_scales(a, offs), s_b.reshape(b.shape[0], -1)
+        s_a, s_b = _m_scales(a, offs), _swizzled(b).reshape(b.shape[0], -1)
         out = torch._scaled_grouped_mm(a.qdata_blocked, b.qdata, s_a, s_b, offs=offs, out_dtype=bf16)
         # rows past the last group are left unwritten by the op: zero them (no host sync)
         if out.is_cuda:
@@ -292,16 +192,12 @@ def _native(
         return torch.where(rows < offs[-1].to(torch.int64), out, out.new_zeros(()))
     # 2D x 2D: a's storage (M, T) blocked along T, b's storage (K, T) blocked along T
     k_offs = offs // NATIVE_BLOCK
-    s_a = sl.to_blocked_k_groups(a.plain_scale(), k_offs)
-    s_b = sl.to_blocked_k_groups(b.plain_scale(), k_offs)
+    s_a = sl.to_swizzled_k_groups(a.scale_blocked, k_offs)
+    s_b = sl.to_swizzled_k_groups(b.scale_blocked, k_offs)
     return torch._scaled_grouped_mm(a.qdata_blocked, b.qdata, s_a, s_b, offs=offs, out_dtype=bf16)
 
 
 _BACKENDS = {"emulated": _emulated, "native": _native}
-QDQ_BACKENDS = frozenset({"emulated"})
-"""Backends that are a high-precision GEMM of dequantized operands: the training ops give them
-fused quantize-dequantize values (`hp_gemm`) instead of MXTensors."""
-
 
 def autocast_input(a: Tensor) -> Tensor:
     """The activation `a` in the autocast dtype when autocast is on for its device type, as torch.mm
@@ -331,46 +227,6 @@ def no_autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False)
 
 
-class OpPlan(NamedTuple):
-    """What a call of an MX op needs of its recipe on a device, resolved once per (recipe, device
-    type) (`op_plan`) instead of in every cast of the call."""
-
-    backend: str
-    """The concrete GEMM backend (`resolve_gemm_backend`)."""
-    qdq: bool
-    """The GEMMs take qdq'd high-precision operands (`uses_qdq`)."""
-    compute: torch.dtype
-    """The emulated GEMM's operand dtype (`MXRecipe.compute_dtype`)."""
-    k0: str | None
-    """The qdq kernel of dim0 calls without offs (`backends.cast_kernel`, "qdq_dim0"); None off the
-    qdq path."""
-    k1: str | None
-    """The qdq kernel of dim1 and dim0+dim1 calls, with or without offs (`backends.cast_kernel`,
-    "qdq_dim1"); None off the qdq path."""
-
-
-def _make_plan(cfg: MXRecipe, device: torch.device, backend: str, hp: bool) -> OpPlan:
-    if not hp:
-        return OpPlan(backend, hp, cfg.compute_dtype(device), None, None)
-    k0, k1 = (backends.cast_kernel(cfg, device, c) for c in ("qdq_dim0", "qdq_dim1"))
-    return OpPlan(backend, hp, cfg.compute_dtype(device), k0, k1)
-
-
-def op_plan(cfg: MXRecipe, device: torch.device) -> OpPlan:
-    """The OpPlan of `cfg` on `device`'s type: a dict lookup after the first call (kept with the
-    cast kernels' resolved answers, `mxmoe.quant.backends.clear_resolved` forgets it too); built
-    afresh while torch.compile traces. Raises as the recipe's qdq calls would (`backends.cast_kernel`)."""
-    backend = resolve_gemm_backend(cfg, device)
-    hp = backend in QDQ_BACKENDS  # (in the key: tests switch the path per call)
-    if torch.compiler.is_compiling():
-        return _make_plan(cfg, device, backend, hp)
-    # keyed by the recipe's id (hashing a recipe hashes its 7 fields, µs per call); the entry
-    # holds the recipe, so that id is not reused while the entry lives
-    held, plan = backends.remember(
-        ("op_plan", id(cfg), device.type, hp, backend), lambda: (cfg, _make_plan(cfg, device, backend, hp))
-    )
-    return plan if held is cfg else _make_plan(cfg, device, backend, hp)
-
 
 def apply_function(fn: type[torch.autograd.Function], *args):
     """`fn.apply(*args)`; in eager mode without functorch transforms, the C++ apply itself: the
@@ -389,14 +245,11 @@ def check_dtype(name: str, dtype: torch.dtype) -> None:
         raise TypeError(f"{name} has dtype {dtype}; expected one of {[str(d) for d in INPUT_DTYPES]}")
 
 
-def uses_qdq(recipe: MXRecipe, device: torch.device) -> bool:
-    """Whether the ops feed `recipe`'s GEMM backend on `device` qdq'd high-precision operands."""
-    return resolve_gemm_backend(recipe, device) in QDQ_BACKENDS
-
-
-def hp_gemm(a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
-    """The emulated backend's GEMM on already dequantized operands (same shapes and offs as
-    `mx_gemm`, plain tensors of the compute dtype, any strides); result in `out_dtype`."""
+def gemm(a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """a @ b on bf16/fp32 tensors (not MX), dense or grouped by offs (same shapes and offs as
+    `mx_gemm`, any strides), fp32 accumulation; result in `out_dtype`. The emulated backend's GEMM
+    on dequantized operands (of the compute dtype), and the wgrad_with_hp recipe's on unquantized
+    ones."""
     # torch.mm for the dense 2D GEMM: what `a @ b` runs there, without matmul's dispatch layer
     out = torch.mm(a, b) if offs is None else _grouped(a, b, offs)
     # no `.to()` when the dtype already matches: torch 2.11's dynamo gives an autograd.Function
@@ -422,21 +275,38 @@ def mx_gemm(
         GEMM's operand dtype: default bf16 on CUDA, fp32 elsewhere) and dim0_kernel (dequantize).
     Returns a contiguous tensor of `out_dtype` (default: a's orig_dtype).
     """
-    cfg = as_recipe(recipe)
-    if cfg.gemm_backend not in _BACKENDS and cfg.gemm_backend != "auto":
+    recipe = as_recipe(recipe)
+    if recipe.gemm_backend not in _BACKENDS and recipe.gemm_backend != "auto":
         raise ValueError(
-            f"gemm_backend={cfg.gemm_backend!r} is not a GEMM backend; expected 'auto' or one of "
+            f"gemm_backend={recipe.gemm_backend!r} is not a GEMM backend; expected 'auto' or one of "
             f"{list(_BACKENDS)}"
         )
     _check_operands(a, b, offs)
-    backend = resolve_gemm_backend(cfg, a.device)
+    backend = resolve_gemm_backend(recipe, a.device)
     if backend == "native":
         refused = _native_refuses(a, b, b.shape[-1])
         if refused is not None:
-            if cfg.gemm_backend == "native":
+            if recipe.gemm_backend == "native":
                 raise ValueError(refused)
-            _log_once(f"gemm_backend='auto' runs the emulated GEMM for this call: {refused}")
+            log_once(f"gemm_backend='auto' runs the emulated GEMM for this call: {refused}")
             backend = "emulated"
-    out = _BACKENDS[backend](a, b, offs, cfg.compute_dtype(a.device), cfg)
+    out = _BACKENDS[backend](a, b, offs, recipe.compute_dtype(a.device), recipe)
     dtype = a.orig_dtype if out_dtype is None else out_dtype
     return out if out.dtype == dtype else out.to(dtype)
+
+
+_MOVED = {
+    "grouped_mm_hp": "mxmoe.ops.gemm.grouped_mm (the custom op mxmoe::grouped_mm)",
+    "hp_gemm": "mxmoe.ops.gemm.gemm",
+    "op_plan": "mxmoe.ops.gemm_backend.op_kernels",
+    "OpPlan": "mxmoe.ops.gemm_backend.OpKernels",
+    "native_unavailable": "mxmoe.ops.gemm_backend.native_unavailable",
+    "uses_qdq": "mxmoe.ops.gemm_backend.uses_qdq",
+    "QDQ_BACKENDS": "mxmoe.ops.gemm_backend.QDQ_BACKENDS",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"mxmoe.ops.gemm.{name} is now {_MOVED[name]}")
+    raise AttributeError(f"module 'mxmoe.ops.gemm' has no attribute {name!r}")

@@ -28,7 +28,7 @@ dim0+dim1 cast runs on it, the dim0 result is gathered back to the T rows (an fp
 the wgrad GEMM takes the padded operands with the padded offs (every group along K a multiple of
 32: what torch._scaled_grouped_mm's 2D x 2D form needs, one e8m0 scale per 32 tokens of one
 group). The forward and dgrad take the T rows with the real offs: torch._scaled_grouped_mm's 2D x 3D
-form takes any group sizes along M (each group's scales blocked from a multiple of 128 rows). The
+form takes any group sizes along M (each group's scales swizzled from a multiple of 128 rows). The
 emulated path's wgrad is the same sum (its blocks along M start at each group's first token,
 equal to that zero padding), so a run moves between an H200 and a B200 with the same casts. The
 "emulated" backend taken through this path (tests) gathers its dequantized operands back and makes
@@ -38,6 +38,11 @@ MX activations (an `MXTensor` from the MXFP8 dispatch, 2D, blocked along K) feed
 as they are, without dequantize/requantize; their gradient flows through `a.grad_anchor`. The
 wgrad needs them along M: they are dequantized (to their orig_dtype) and cast along M per group.
 They must have been quantized with the op's recipe (scaling mode, element dtype, block size).
+
+With the recipe's wgrad_with_hp (torchao's, "mxfp8_rceil_wgrad_with_hp") each expert's wgrad is dyₑᵀ
+aₑ on the unquantized operands (`mxmoe.ops.linear.wgrad_with_hp`, the real offs): the forward keeps
+the tokens themselves (an MX activation: its elements and scales, dequantized exactly in the
+backward), tokens and dy are cast along K / N only, and no group-padded copy is made.
 """
 
 from __future__ import annotations
@@ -48,17 +53,15 @@ from torch import Tensor
 
 from mxmoe.formats import INPUT_DTYPES
 from mxmoe.ops.gemm import (
-    OpPlan,
     apply_function,
     autocast_input,
     autocast_target,
     check_dtype,
-    hp_gemm,
+    gemm,
     mx_gemm,
     no_autocast,
-    op_plan,
-    uses_qdq,
 )
+from mxmoe.ops.gemm_backend import OpKernels, op_kernels, uses_qdq
 from mxmoe.ops.linear import (
     dgrad_mx,
     sum_like_autograd,
@@ -67,123 +70,150 @@ from mxmoe.ops.linear import (
     weight_mx,
     weight_qdq,
     wgrad_mx,
+    wgrad_with_hp,
 )
 from mxmoe.quant.groups import group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, mx_tensor_trusted, to_mx, to_mx_dim0_dim1
-from mxmoe.quant.qdq import _MAX_GROUPS, qdq_trusted, swiglu_bwd_qdq_trusted, swiglu_qdq_trusted
+from mxmoe.quant.qdq import (
+    _MAX_GROUPS,
+    qdq_trusted,
+    swiglu_bwd,
+    swiglu_bwd_qdq_trusted,
+    swiglu_qdq_trusted,
+)
 from mxmoe.recipe import MXRecipe, as_recipe
 
 __all__ = ["mx_grouped_mm", "mx_grouped_mm_shared", "mx_grouped_mm_swiglu", "mx_grouped_swiglu_mlp"]
 
 
-def _mx(q: Tensor, s: Tensor, axis: int, cfg: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:
-    return mx_tensor_trusted(q, s, axis, cfg.block_size, mode, dtype)
+def _mx(q: Tensor, s: Tensor, axis: int, recipe: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:
+    return mx_tensor_trusted(q, s, axis, recipe.block_size, mode, dtype)
 
 
-def _cast_a(a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, need_dw: bool, out_dtype):
+def _cast_a(a, a_q, a_s, a_mode, offs, recipe: MXRecipe, kernels: OpKernels, need_dw: bool, out_dtype):
     """The tokens along K for the forward GEMM and what the wgrad keeps of them, from one read.
 
     Returns (a0, kept, cap): a0 (T, K) compute dtype (qdq path) or an MXTensor along K; kept the
     tensors saved for the wgrad (qdq path: (a1,) along M in groups, (T, K) compute dtype; MX path:
     (pos, offs_pad, elements, scales) of the group-padded copy along M; an MX activation: its own
-    (elements, scales) instead of a1 / the copy's; () without need_dw); cap: the padded rows."""
+    (elements, scales) instead of a1 / the copy's; () without need_dw); cap: the padded rows.
+    With the recipe's wgrad_with_hp the wgrad takes the tokens themselves: a0 alone is cast, kept
+    (a,) (an MX activation: its (elements, scales)), cap 0."""
     is_mx = a_q is not None
-    hp, compute = plan.qdq, plan.compute
+    if need_dw and recipe.wgrad_with_hp:
+        a0 = _cast_a(a, a_q, a_s, a_mode, offs, recipe, kernels, False, out_dtype)[0]
+        return a0, ((a_q, a_s) if is_mx else (a,)), 0
+    qdq, compute = kernels.qdq, kernels.compute
     pos = offs_pad = None
     cap = 0
-    if need_dw and not hp:
-        pos, offs_pad, cap = group_padding(offs, a.shape[0], cfg.block_size)
+    if need_dw and not qdq:
+        pos, offs_pad, cap = group_padding(offs, a.shape[0], recipe.block_size)
     if is_mx:
-        a0 = _mx(a_q, a_s, 1, cfg, a_mode, out_dtype)
-        if hp:
-            a0 = a0.dequantize(compute, recipe=cfg)
-        kept = (a_q, a_s) if hp else (pos, offs_pad, a_q, a_s)
-    elif need_dw and hp:  # one read of a: along K, and along M in groups (kept for the wgrad)
-        a0, a1 = qdq_trusted(a, cfg, plan.k1, compute, True, True, offs)
+        a0 = _mx(a_q, a_s, 1, recipe, a_mode, out_dtype)
+        if qdq:
+            a0 = a0.dequantize(compute, recipe=recipe)
+        kept = (a_q, a_s) if qdq else (pos, offs_pad, a_q, a_s)
+    elif need_dw and qdq:  # one read of a: along K, and along M in groups (kept for the wgrad)
+        a0, a1 = qdq_trusted(a, recipe, kernels.k1, compute, True, True, offs)
         kept = (a1,)
     elif need_dw:
-        p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), recipe=cfg)
+        p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), recipe=recipe)
         a0, kept = p0.index_rows(pos), (pos, offs_pad, a1.qdata_blocked, a1.scale_blocked)
-    elif hp:
-        (a0,) = qdq_trusted(a, cfg, plan.k0, compute, True, False)
+    elif qdq:
+        (a0,) = qdq_trusted(a, recipe, kernels.k0, compute, True, False)
     else:
-        a0 = to_mx(a, axis=-1, recipe=cfg)
+        a0 = to_mx(a, axis=-1, recipe=recipe)
     return a0, (kept if need_dw else ()), cap
 
 
-def _forward_gemm(a0, w: Tensor, offs: Tensor, cfg: MXRecipe, plan: OpPlan, out_dtype) -> Tensor:
+def _forward_gemm(a0, w: Tensor, offs: Tensor, recipe: MXRecipe, kernels: OpKernels, out_dtype) -> Tensor:
     """y (T, N) = a0 Wₑᵀ per group: a0 from `_cast_a`, w (E, N, K) cast along K (its rows, cached)."""
-    if plan.qdq:
-        return hp_gemm(a0, weight_qdq(w, -1, cfg, plan).transpose(-2, -1), offs, out_dtype)
-    return mx_gemm(a0, swap_last2(weight_mx(w, -1, cfg)), offs, cfg, out_dtype=out_dtype)
+    if kernels.qdq:
+        return gemm(a0, weight_qdq(w, -1, recipe, kernels).transpose(-2, -1), offs, out_dtype)
+    return mx_gemm(a0, swap_last2(weight_mx(w, -1, recipe)), offs, recipe, out_dtype=out_dtype)
 
 
-def _wgrad_a(kept, offs: Tensor, cfg: MXRecipe, plan: OpPlan, is_mx: bool, a_mode: str, a_dtype, cap: int):
+def _wgrad_a(
+    kept, offs: Tensor, recipe: MXRecipe, kernels: OpKernels, is_mx: bool, a_mode: str, a_dtype, cap: int
+):
     """The tokens along M for the wgrad from `kept` (see `_cast_a`): qdq path (T, K) compute dtype,
     MX path an MXTensor of the group-padded copy. An MX activation is dequantized (to its
-    orig_dtype) and cast along M here (see module docstring)."""
-    if plan.qdq:
+    orig_dtype) and cast along M here (see module docstring). With wgrad_with_hp: the tokens as the
+    op received them, (T, K) a_dtype (an MX activation dequantized: its exact values)."""
+    if recipe.wgrad_with_hp:
+        return _mx(*kept, 1, recipe, a_mode, a_dtype).dequantize(recipe=recipe) if is_mx else kept[0]
+    if kernels.qdq:
         if not is_mx:
             return kept[0]
         sq, ss = kept
-        a_hp = _mx(sq, ss, 1, cfg, a_mode, a_dtype).dequantize(recipe=cfg)
-        return qdq_trusted(a_hp, cfg, plan.k1, plan.compute, False, True, offs)[0]
+        a_deq = _mx(sq, ss, 1, recipe, a_mode, a_dtype).dequantize(recipe=recipe)
+        return qdq_trusted(a_deq, recipe, kernels.k1, kernels.compute, False, True, offs)[0]
     pos, _, sq, ss = kept
     if is_mx:
-        a_hp = _mx(sq, ss, 1, cfg, a_mode, a_dtype).dequantize(recipe=cfg)
-        return to_mx(pad_groups(a_hp, offs, pos, cap), axis=0, recipe=cfg)
-    return _mx(sq, ss, 0, cfg, cfg.scaling_mode, a_dtype)
+        a_deq = _mx(sq, ss, 1, recipe, a_mode, a_dtype).dequantize(recipe=recipe)
+        return to_mx(pad_groups(a_deq, offs, pos, cap), axis=0, recipe=recipe)
+    return _mx(sq, ss, 0, recipe, recipe.scaling_mode, a_dtype)
 
 
 def _backward_gemms(
-    dy, w, offs, kept, a1_fn, cfg: MXRecipe, plan: OpPlan, need_da, need_dw, a_dtype, cap, dy_qdq=None
+    dy, w, offs, kept, a1_fn, recipe: MXRecipe, kernels: OpKernels, need_da, need_dw, a_dtype, cap,
+    dy_qdq=None,
 ):
     """(da (T, K) in a_dtype, db_t (E, K, N) in w's dtype) given dy (T, N) and the expert weights w
     (E, N, K) (the forward's view of b_t): dy cast as the dgrad and wgrad need it; a1_fn() gives the
     tokens along M (`_wgrad_a`), called only for the wgrad. dy_qdq (qdq path only): dy's casts made
-    already, (dy0, dy1) as qdq_dim0_dim1(dy, offs=offs) gives them (dy is then not read)."""
-    hp, compute = plan.qdq, plan.compute
+    already, (dy0, dy1) as qdq_dim0_dim1(dy, offs=offs) gives them (dy is then not read). With the
+    recipe's wgrad_with_hp the wgrad is `wgrad_with_hp` of dy and the tokens, and dy is cast for the
+    dgrad alone."""
+    qdq, compute = kernels.qdq, kernels.compute
     da = db_t = None
     # given casts: qdq_dim0_dim1's dy0 has its rows after the groups zeroed, dgrad rows zeroed anyway
     dy0, dy1 = (None, None) if dy_qdq is None else dy_qdq
     dy = dy if dy is None else dy.contiguous()
-    if need_dw and hp:
+    if need_dw and recipe.wgrad_with_hp:
+        # K-grouped (E, N, K): dyᵀ (N, T) and a (T, K), both T-major, grouped by the real offs
+        db_t = wgrad_with_hp(dy, a1_fn(), offs, w.dtype).transpose(-2, -1)
+        need_dw = False
+    if need_dw and qdq:
         if dy1 is None and need_da:  # one read of dy: along N, and along M in groups
-            dy0, dy1 = qdq_trusted(dy, cfg, plan.k1, compute, True, True, offs)
+            dy0, dy1 = qdq_trusted(dy, recipe, kernels.k1, compute, True, True, offs)
         elif dy1 is None:
-            (dy1,) = qdq_trusted(dy, cfg, plan.k1, compute, False, True, offs)
+            (dy1,) = qdq_trusted(dy, recipe, kernels.k1, compute, False, True, offs)
         # K-grouped (E, N, K): dy1ᵀ (N, T) and a1 (T, K), both T-major, grouped by the real offs
-        db_t = hp_gemm(dy1.t(), a1_fn(), offs, w.dtype).transpose(-2, -1)
+        db_t = gemm(dy1.t(), a1_fn(), offs, w.dtype).transpose(-2, -1)
     elif need_dw:
         pos, offs_pad = kept[:2]
         dy_pad = pad_groups(dy, offs, pos, cap)
         if need_da:
-            p0, dy1 = to_mx_dim0_dim1(dy_pad, recipe=cfg)
+            p0, dy1 = to_mx_dim0_dim1(dy_pad, recipe=recipe)
             dy0 = p0.index_rows(pos)
         else:
-            dy1 = to_mx(dy_pad, axis=0, recipe=cfg)
-        db_t = wgrad_mx(dy1, a1_fn(), pos, offs, offs_pad, cfg, w.dtype).transpose(-2, -1)
+            dy1 = to_mx(dy_pad, axis=0, recipe=recipe)
+        db_t = wgrad_mx(dy1, a1_fn(), pos, offs, offs_pad, recipe, w.dtype).transpose(-2, -1)
     elif need_da and dy0 is None:
-        dy0 = qdq_trusted(dy, cfg, plan.k0, compute, True, False)[0] if hp else to_mx(dy, axis=-1, recipe=cfg)
-    if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
-        if hp:
-            da = hp_gemm(dy0, weight_qdq(w, -2, cfg, plan), offs, a_dtype)
+        if qdq:
+            (dy0,) = qdq_trusted(dy, recipe, kernels.k0, compute, True, False)
         else:
-            da = dgrad_mx(dy0, weight_mx(w, -2, cfg), offs, cfg, a_dtype)
+            dy0 = to_mx(dy, axis=-1, recipe=recipe)
+    if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
+        if qdq:
+            da = gemm(dy0, weight_qdq(w, -2, recipe, kernels), offs, a_dtype)
+        else:
+            da = dgrad_mx(dy0, weight_mx(w, -2, recipe), offs, recipe, a_dtype)
     return da, db_t
 
 
 class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, a_q, a_s, a_mode, b_t, offs, cfg: MXRecipe, plan: OpPlan, out_dtype):
+    def forward(ctx, a, a_q, a_s, a_mode, b_t, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype):
         # a: (T, K) high precision, or the grad anchor of an MX activation given as (a_q, a_s).
         # b_t: (E, K, N), the transposed view of the expert weights w (E, N, K).
-        # plan: op_plan(cfg, b_t.device)
-        a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, plan, b_t.requires_grad, out_dtype)
+        # kernels: op_kernels(recipe, b_t.device)
+        a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, recipe, kernels, b_t.requires_grad, out_dtype)
         w = b_t.transpose(-2, -1)
-        y = _forward_gemm(a0, w, offs, cfg, plan, out_dtype)
-        ctx.cfg, ctx.plan, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
-            cfg, plan, a_q is not None, out_dtype, a_mode, cap
+        y = _forward_gemm(a0, w, offs, recipe, kernels, out_dtype)
+        ctx.recipe, ctx.kernels, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
+            recipe, kernels, a_q is not None, out_dtype, a_mode, cap
         )
         ctx.save_for_backward(w, offs, *kept)  # w (E, N, K) as the backward takes it
         return y
@@ -192,25 +222,25 @@ class _MXGroupedMM(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
         w, offs, *kept = ctx.saved_tensors
-        cfg, plan = ctx.cfg, ctx.plan
+        recipe, kernels = ctx.recipe, ctx.kernels
 
         def a1_fn():
-            return _wgrad_a(kept, offs, cfg, plan, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap)
+            return _wgrad_a(kept, offs, recipe, kernels, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap)
 
         da, db_t = _backward_gemms(
-            dy, w, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap
+            dy, w, offs, kept, a1_fn, recipe, kernels, need_da, need_dw, ctx.a_dtype, ctx.cap
         )
         return da, None, None, None, db_t, None, None, None, None
 
 
 def _grouped_shared_forward(
-    a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, out_dtype, cast_to, b_ts, need_dw: bool
+    a, a_q, a_s, a_mode, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype, cast_to, b_ts, need_dw: bool
 ):
     """The forward of `mx_grouped_mm_shared`: (the outputs, what the backward keeps, its cap)."""
     if cast_to is not None:
         a = a.to(cast_to)
-    a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, cfg, plan, need_dw, out_dtype)
-    ys = tuple(_forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype) for b_t in b_ts)
+    a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, recipe, kernels, need_dw, out_dtype)
+    ys = tuple(_forward_gemm(a0, b_t.transpose(-2, -1), offs, recipe, kernels, out_dtype) for b_t in b_ts)
     return ys, kept, cap
 
 
@@ -218,15 +248,17 @@ class _MXGroupedMMShared(torch.autograd.Function):
     """y_i = a W_iₑᵀ per group for several expert weights with one cast of a (`mx_grouped_mm_shared`)."""
 
     @staticmethod
-    def forward(ctx, a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, out_dtype, cast_to, *b_ts):
+    def forward(
+        ctx, a, a_q, a_s, a_mode, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype, cast_to, *b_ts
+    ):
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         ctx.x_dtype = a.dtype
         need_dw = any(wants_grad(b_t) for b_t in b_ts)
         ys, kept, cap = _grouped_shared_forward(
-            a, a_q, a_s, a_mode, offs, cfg, plan, out_dtype, cast_to, b_ts, need_dw
+            a, a_q, a_s, a_mode, offs, recipe, kernels, out_dtype, cast_to, b_ts, need_dw
         )
-        ctx.cfg, ctx.plan, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
-            cfg, plan, a_q is not None, out_dtype, a_mode, cap
+        ctx.recipe, ctx.kernels, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
+            recipe, kernels, a_q is not None, out_dtype, a_mode, cap
         )
         ctx.n = len(b_ts)
         ctx.save_for_backward(offs, *b_ts, *kept)
@@ -234,14 +266,14 @@ class _MXGroupedMMShared(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *dys):
-        cfg, plan, n = ctx.cfg, ctx.plan, ctx.n
+        recipe, kernels, n = ctx.recipe, ctx.kernels, ctx.n
         offs, b_ts, kept = ctx.saved_tensors[0], ctx.saved_tensors[1 : 1 + n], ctx.saved_tensors[1 + n :]
         need_da = ctx.needs_input_grad[0]
         a1 = []  # the tokens along M, made once for all the wgrads
 
         def a1_fn():
             if not a1:
-                a1.append(_wgrad_a(kept, offs, cfg, plan, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap))
+                a1.append(_wgrad_a(kept, offs, recipe, kernels, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap))
             return a1[0]
 
         das, db_ts = [], []
@@ -252,7 +284,7 @@ class _MXGroupedMMShared(torch.autograd.Function):
             need_dw = ctx.needs_input_grad[9 + i]
             w = b_t.transpose(-2, -1)
             da, db_t = _backward_gemms(
-                dy, w, offs, kept, a1_fn, cfg, plan, need_da, need_dw, ctx.a_dtype, ctx.cap
+                dy, w, offs, kept, a1_fn, recipe, kernels, need_da, need_dw, ctx.a_dtype, ctx.cap
             )
             db_ts.append(db_t)
             if need_da:  # each op's da, as autograd hands it to a: through its autocast cast
@@ -277,25 +309,25 @@ def mx_grouped_mm(
     K and N must be divisible by recipe.block_size. Returns (T, N) contiguous in a's (orig) dtype;
     under autocast (as torch._grouped_mm in bf16 training) a Tensor a is first cast to the autocast dtype.
     """
-    cfg = as_recipe(recipe)
-    args, out_dtype = _checked_args(a, b_t, offs, cfg)
-    plan = op_plan(cfg, b_t.device)
+    recipe = as_recipe(recipe)
+    args, out_dtype = _checked_args(a, b_t, offs, recipe)
+    kernels = op_kernels(recipe, b_t.device)
     offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
     if not torch.is_autocast_enabled(b_t.device.type):  # (no autocast context to enter: µs per call)
-        return _grouped_call(args, b_t, offs, cfg, plan, out_dtype)
+        return _grouped_call(args, b_t, offs, recipe, kernels, out_dtype)
     if args[1] is None:
         args = (autocast_input(a), *args[1:])
     with torch.autocast(b_t.device.type, enabled=False):
-        return _grouped_call(args, b_t, offs, cfg, plan, out_dtype)
+        return _grouped_call(args, b_t, offs, recipe, kernels, out_dtype)
 
 
-def _grouped_call(args, b_t: Tensor, offs: Tensor, cfg: MXRecipe, plan: OpPlan, out_dtype) -> Tensor:
+def _grouped_call(args, b_t: Tensor, offs: Tensor, recipe: MXRecipe, kernels: OpKernels, out_dtype) -> Tensor:
     """mx_grouped_mm's (T, N) result from `_checked_args`'s args (a after autocast), autocast off."""
     if torch.is_grad_enabled() and (args[0].requires_grad or b_t.requires_grad):
-        return apply_function(_MXGroupedMM, *args, b_t, offs, cfg, plan, out_dtype)
+        return apply_function(_MXGroupedMM, *args, b_t, offs, recipe, kernels, out_dtype)
     # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-    a0 = _cast_a(*args, offs, cfg, plan, False, out_dtype)[0]
-    return _forward_gemm(a0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype)
+    a0 = _cast_a(*args, offs, recipe, kernels, False, out_dtype)[0]
+    return _forward_gemm(a0, b_t.transpose(-2, -1), offs, recipe, kernels, out_dtype)
 
 
 def mx_grouped_mm_shared(
@@ -315,35 +347,41 @@ def mx_grouped_mm_shared(
     the backward casts each dy as `mx_grouped_mm` does and sums the input gradients as autograd sums
     those of separate calls (in a's dtype, the last weight's first).
     """
-    cfg = as_recipe(recipe)
+    recipe = as_recipe(recipe)
     if not isinstance(b_ts, (list, tuple)) or not b_ts:
         raise TypeError(f"b_ts must be a non-empty list or tuple of (E, K, N) tensors, got {b_ts!r}")
     for b_t in b_ts:
-        args, out_dtype = _checked_args(a, b_t, offs, cfg)
+        args, out_dtype = _checked_args(a, b_t, offs, recipe)
     # a Tensor a goes in as given and is cast to the autocast dtype inside (None: no cast), so that
     # its gradient is summed after each op's cast back, as for separate calls
     cast_to = autocast_target(a) if args[1] is None else None
     if cast_to is not None:
         check_dtype("a", cast_to)
-    plan = op_plan(cfg, b_ts[0].device)
+    kernels = op_kernels(recipe, b_ts[0].device)
     offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
     with no_autocast(b_ts[0].device):
         if torch.is_grad_enabled() and (args[0].requires_grad or any(b.requires_grad for b in b_ts)):
-            return apply_function(_MXGroupedMMShared, *args, offs, cfg, plan, out_dtype, cast_to, *b_ts)
+            return apply_function(_MXGroupedMMShared, *args, offs, recipe, kernels, out_dtype, cast_to, *b_ts)
         # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-        return _grouped_shared_forward(*args, offs, cfg, plan, out_dtype, cast_to, b_ts, False)[0]
+        return _grouped_shared_forward(*args, offs, recipe, kernels, out_dtype, cast_to, b_ts, False)[0]
 
 
-def _swiglu_forward(g, u, b_t, offs, cfg: MXRecipe, plan: OpPlan, out_dtype):
+def _swiglu_forward(g, u, b_t, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype):
     """The forward of `_MXGroupedMMSwiGLU` (qdq path): (y (T, N) out_dtype, what the wgrad keeps:
-    (h1,), h along M in groups (T, K) compute dtype, when b_t needs its gradient, else ())."""
-    if b_t.requires_grad:  # along K for the GEMM, along M in groups kept for the wgrad
-        h0, h1 = swiglu_qdq_trusted(g, u, cfg, plan.k1, plan.compute, offs)
+    (h1,), h along M in groups (T, K) compute dtype, when b_t needs its MX wgrad, else ())."""
+    if b_t.requires_grad and not recipe.wgrad_with_hp:  # along K for the GEMM, along M kept for the wgrad
+        h0, h1 = swiglu_qdq_trusted(g, u, recipe, kernels.k1, kernels.compute, offs)
         kept = (h1,)
-    else:  # as `_cast_a` without the wgrad: h along K alone
-        (h0,) = qdq_trusted(F.silu(g) * u, cfg, plan.k0, plan.compute, True, False)
+    else:  # as `_cast_a` without the wgrad (wgrad_with_hp: `_swiglu_wgrad_h` makes h again)
+        (h0,) = qdq_trusted(F.silu(g) * u, recipe, kernels.k0, kernels.compute, True, False)
         kept = ()
-    return _forward_gemm(h0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype), kept
+    return _forward_gemm(h0, b_t.transpose(-2, -1), offs, recipe, kernels, out_dtype), kept
+
+
+def _swiglu_wgrad_h(recipe: MXRecipe, g: Tensor, u: Tensor, kept) -> Tensor:
+    """The w2 wgrad's tokens: h = F.silu(g) * u itself with wgrad_with_hp (eager's values, made
+    again from the saved g and u), else h along M in groups from `_swiglu_forward`'s kept."""
+    return F.silu(g) * u if recipe.wgrad_with_hp else kept[0]
 
 
 class _MXGroupedMMSwiGLU(torch.autograd.Function):
@@ -353,10 +391,10 @@ class _MXGroupedMMSwiGLU(torch.autograd.Function):
     of `F.silu(g) * u` (MulBackward0, SiluBackward0) on it."""
 
     @staticmethod
-    def forward(ctx, g, u, b_t, offs, cfg: MXRecipe, plan: OpPlan, out_dtype):
+    def forward(ctx, g, u, b_t, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype):
         # g, u: (T, K) of out_dtype (no autocast cast left to make); b_t: (E, K, N)
-        y, kept = _swiglu_forward(g, u, b_t, offs, cfg, plan, out_dtype)
-        ctx.cfg, ctx.plan, ctx.a_dtype = cfg, plan, out_dtype
+        y, kept = _swiglu_forward(g, u, b_t, offs, recipe, kernels, out_dtype)
+        ctx.recipe, ctx.kernels, ctx.a_dtype = recipe, kernels, out_dtype
         # g, u: silu's and mul's backward need them
         ctx.save_for_backward(g, u, b_t.transpose(-2, -1), offs, *kept)
         return y
@@ -365,8 +403,10 @@ class _MXGroupedMMSwiGLU(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         need_dg, need_du, need_dw = ctx.needs_input_grad[:3]
         g, u, w, offs, *kept = ctx.saved_tensors
+        recipe = ctx.recipe
         dh, db_t = _backward_gemms(
-            dy, w, offs, kept, lambda: kept[0], ctx.cfg, ctx.plan, need_dg or need_du, need_dw, ctx.a_dtype, 0
+            dy, w, offs, kept, lambda: _swiglu_wgrad_h(recipe, g, u, kept), recipe, ctx.kernels,
+            need_dg or need_du, need_dw, ctx.a_dtype, 0,
         )
         dg = du = None
         if dh is not None:  # autograd of `F.silu(g) * u`: MulBackward0 then SiluBackward0
@@ -395,7 +435,7 @@ def mx_grouped_mm_swiglu(
     expert; b_t, offs, recipe: as for `mx_grouped_mm`. Returns (T, N) contiguous in g's dtype (the
     autocast dtype when autocast recasts h: the unfused composition).
     """
-    cfg = as_recipe(recipe)
+    recipe = as_recipe(recipe)
     for name, t in (("g", g), ("u", u)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -404,22 +444,23 @@ def mx_grouped_mm_swiglu(
     fused = (  # (b_t is checked by mx_grouped_mm: not a Tensor takes the composition, which says so)
         u.dtype == g.dtype
         and isinstance(b_t, Tensor)
-        and uses_qdq(cfg, b_t.device)
+        and uses_qdq(recipe, b_t.device)
         and autocast_target(g) is None
     )
     if not fused:  # the composition (the fused cast does not apply)
-        return mx_grouped_mm(F.silu(g) * u, b_t, offs, cfg)
-    (g_, *_), out_dtype = _checked_args(g, b_t, offs, cfg)  # checks g (2D, K, dtype), b_t and offs
+        return mx_grouped_mm(F.silu(g) * u, b_t, offs, recipe)
+    (g_, *_), out_dtype = _checked_args(g, b_t, offs, recipe)  # checks g (2D, K, dtype), b_t and offs
     if u.device != g.device:
         raise ValueError(f"u is on {u.device} but g on {g.device}; they must share a device")
-    plan = op_plan(cfg, b_t.device)
+    kernels = op_kernels(recipe, b_t.device)
     offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
     with no_autocast(b_t.device):
         if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad or b_t.requires_grad):
-            return apply_function(_MXGroupedMMSwiGLU, g, u, b_t, offs, cfg, plan, out_dtype)
+            return apply_function(_MXGroupedMMSwiGLU, g, u, b_t, offs, recipe, kernels, out_dtype)
         # no graph to record (e.g. validation under no_grad): the forward alone, as mx_grouped_mm's
-        h0 = _cast_a(F.silu(g) * u, None, None, cfg.scaling_mode, offs, cfg, plan, False, out_dtype)[0]
-        return _forward_gemm(h0, b_t.transpose(-2, -1), offs, cfg, plan, out_dtype)
+        h = F.silu(g) * u
+        h0 = _cast_a(h, None, None, recipe.scaling_mode, offs, recipe, kernels, False, out_dtype)[0]
+        return _forward_gemm(h0, b_t.transpose(-2, -1), offs, recipe, kernels, out_dtype)
 
 
 class _MXGroupedSwiGLUMLP(torch.autograd.Function):
@@ -432,16 +473,17 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, a, a_q, a_s, a_mode, offs, cfg: MXRecipe, plan: OpPlan, out_dtype, cast_to, w1_t, w3_t, w2_t
+        ctx, a, a_q, a_s, a_mode, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype, cast_to,
+        w1_t, w3_t, w2_t,
     ):
         need_dw = wants_grad(w1_t) or wants_grad(w3_t)
         ctx.x_dtype = a.dtype
         (g, u), kept, cap = _grouped_shared_forward(
-            a, a_q, a_s, a_mode, offs, cfg, plan, out_dtype, cast_to, (w1_t, w3_t), need_dw
+            a, a_q, a_s, a_mode, offs, recipe, kernels, out_dtype, cast_to, (w1_t, w3_t), need_dw
         )
-        y, h_kept = _swiglu_forward(g, u, w2_t, offs, cfg, plan, out_dtype)
-        ctx.cfg, ctx.plan, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
-            cfg, plan, a_q is not None, out_dtype, a_mode, cap
+        y, h_kept = _swiglu_forward(g, u, w2_t, offs, recipe, kernels, out_dtype)
+        ctx.recipe, ctx.kernels, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
+            recipe, kernels, a_q is not None, out_dtype, a_mode, cap
         )
         ctx.n_h = len(h_kept)
         ctx.save_for_backward(offs, w1_t, w3_t, w2_t, g, u, *h_kept, *kept)
@@ -449,29 +491,35 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        cfg, plan = ctx.cfg, ctx.plan
+        recipe, kernels = ctx.recipe, ctx.kernels
         offs, w1_t, w3_t, w2_t, g, u, *rest = ctx.saved_tensors
         h_kept, kept = rest[: ctx.n_h], rest[ctx.n_h :]
         need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[9:12]
         need_dh = need_da or need_dw[0] or need_dw[1]
         dh, dw2_t = _backward_gemms(  # `_MXGroupedMMSwiGLU.backward`'s
-            dy, w2_t.transpose(-2, -1), offs, h_kept, lambda: h_kept[0], cfg, plan, need_dh, need_dw[2],
-            ctx.a_dtype, 0,
+            dy, w2_t.transpose(-2, -1), offs, h_kept, lambda: _swiglu_wgrad_h(recipe, g, u, h_kept), recipe,
+            kernels, need_dh, need_dw[2], ctx.a_dtype, 0,
         )
         das, dws = [], [None, None]
         if dh is not None:  # `_MXGroupedMMShared.backward`'s, on dg and du cast from dh, g, u at once
-            dgu = swiglu_bwd_qdq_trusted(dh, g, u, cfg, plan.k1, plan.compute, offs)
+            if recipe.wgrad_with_hp:  # the wgrads take dg and du themselves (autograd's); cast for the dgrads
+                dgu = swiglu_bwd(dh, g, u)
+            else:
+                dgu = swiglu_bwd_qdq_trusted(dh, g, u, recipe, kernels.k1, kernels.compute, offs)
             a1 = []
 
             def a1_fn():
                 if not a1:
-                    a1.append(_wgrad_a(kept, offs, cfg, plan, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap))
+                    a1.append(
+                        _wgrad_a(kept, offs, recipe, kernels, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap)
+                    )
                 return a1[0]
 
             for i, b_t in enumerate((w1_t, w3_t)):
+                dy_i, dy_qdq = (dgu[i], None) if recipe.wgrad_with_hp else (None, dgu[2 * i : 2 * i + 2])
                 da, dws[i] = _backward_gemms(
-                    None, b_t.transpose(-2, -1), offs, kept, a1_fn, cfg, plan, need_da, need_dw[i],
-                    ctx.a_dtype, ctx.cap, dgu[2 * i : 2 * i + 2],
+                    dy_i, b_t.transpose(-2, -1), offs, kept, a1_fn, recipe, kernels, need_da, need_dw[i],
+                    ctx.a_dtype, ctx.cap, dy_qdq,
                 )
                 if need_da:
                     das.append(da.to(ctx.x_dtype))
@@ -500,34 +548,34 @@ def mx_grouped_swiglu_mlp(
     block size. Returns (T, D') contiguous in x's (orig) dtype (the autocast dtype under autocast
     for a Tensor x).
     """
-    cfg = as_recipe(recipe)
+    recipe = as_recipe(recipe)
     ws = (w1_t, w3_t, w2_t)
     fused = (  # else the composition raises what is wrong
         torch.is_grad_enabled()
         and all(isinstance(w, Tensor) and w.ndim == 3 and w.dtype in INPUT_DTYPES for w in ws)
         and w3_t.shape == w1_t.shape
         and w2_t.shape[:2] == (w1_t.shape[0], w1_t.shape[2])
-        and w2_t.shape[2] % cfg.block_size == 0
+        and w2_t.shape[2] % recipe.block_size == 0
         and w3_t.device == w2_t.device == w1_t.device
-        and uses_qdq(cfg, w1_t.device)
+        and uses_qdq(recipe, w1_t.device)
     )
     if fused:
-        args, out_dtype = _checked_args(x, w1_t, offs, cfg)  # x, offs and w1_t (w3_t, w2_t: above)
+        args, out_dtype = _checked_args(x, w1_t, offs, recipe)  # x, offs and w1_t (w3_t, w2_t: above)
         dev = w1_t.device.type
         fused = (args[0].requires_grad or any(w.requires_grad for w in ws)) and not (
             torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != out_dtype  # h recast
         )
     if not fused:  # the composition (the fusion does not apply; its checks and errors)
-        g, u = mx_grouped_mm_shared(x, (w1_t, w3_t), offs, cfg)
-        return mx_grouped_mm_swiglu(g, u, w2_t, offs, cfg)
+        g, u = mx_grouped_mm_shared(x, (w1_t, w3_t), offs, recipe)
+        return mx_grouped_mm_swiglu(g, u, w2_t, offs, recipe)
     cast_to = autocast_target(x) if args[1] is None else None
-    plan = op_plan(cfg, w1_t.device)
+    kernels = op_kernels(recipe, w1_t.device)
     offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
     with no_autocast(w1_t.device):
-        return apply_function(_MXGroupedSwiGLUMLP, *args, offs, cfg, plan, out_dtype, cast_to, *ws)
+        return apply_function(_MXGroupedSwiGLUMLP, *args, offs, recipe, kernels, out_dtype, cast_to, *ws)
 
 
-def _checked_args(a, b_t, offs, cfg: MXRecipe):
+def _checked_args(a, b_t, offs, recipe: MXRecipe):
     """The Function's activation arguments (a or its grad anchor, elements, scales, scaling mode)
     and the output dtype, after checking a, b_t and offs (errors name the argument)."""
     if not isinstance(b_t, Tensor) or b_t.ndim != 3:
@@ -550,9 +598,9 @@ def _checked_args(a, b_t, offs, cfg: MXRecipe):
         diff = [
             f"{name}={got!r} (recipe: {want!r})"
             for name, got, want in (
-                ("scaling_mode", a.scaling_mode, cfg.scaling_mode),
-                ("elem_dtype", a.elem_dtype, cfg.elem_dtype),
-                ("block_size", a.block_size, cfg.block_size),
+                ("scaling_mode", a.scaling_mode, recipe.scaling_mode),
+                ("elem_dtype", a.elem_dtype, recipe.elem_dtype),
+                ("block_size", a.block_size, recipe.block_size),
             )
             if got != want
         ]
@@ -573,13 +621,13 @@ def _checked_args(a, b_t, offs, cfg: MXRecipe):
         out_dtype = autocast_target(a) or a.dtype
         check_dtype("a", out_dtype)  # as the casts take it: after autocast
         T = a.shape[0]
-        args = (a, None, None, cfg.scaling_mode)  # a not yet in the autocast dtype: the caller casts
+        args = (a, None, None, recipe.scaling_mode)  # a not yet in the autocast dtype: the caller casts
     else:
         raise TypeError(f"a must be a Tensor or an MXTensor, got {type(a).__name__}")
     if a.shape[1] != K:
         raise ValueError(f"a has K={a.shape[1]} but b_t {tuple(b_t.shape)} has K={K}")
     for name, d in (("K", K), ("N", N)):
-        if d % cfg.block_size:
-            raise ValueError(f"mx_grouped_mm: {name}={d} is not divisible by block_size={cfg.block_size}")
+        if d % recipe.block_size:
+            raise ValueError(f"mx_grouped_mm: {name}={d} is not divisible by block_size={recipe.block_size}")
     del T
     return args, out_dtype

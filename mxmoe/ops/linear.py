@@ -17,6 +17,10 @@ both M-major, the layout of bf16 training's wgrad. The dgrad dx = dy0 W takes W 
 Other backends get MXTensors (`to_mx`, `to_mx_dim0_dim1`) of zero-padded rows and `mx_gemm`; the
 "emulated" backend taken through that path (tests) makes the qdq path's dgrad and wgrad calls on
 its dequantized operands (`dgrad_mx`, `wgrad_mx`), so the two paths are bit-identical.
+
+With the recipe's wgrad_with_hp (torchao's, "mxfp8_rceil_wgrad_with_hp") the wgrad is dyᵀ x on the
+unquantized operands (`wgrad_with_hp`): the forward keeps x itself, x and dy are cast along K / N
+only, on every path.
 """
 
 from __future__ import annotations
@@ -26,17 +30,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mxmoe.ops.gemm import (
-    OpPlan,
     apply_function,
     autocast_input,
     autocast_target,
     check_dtype,
-    hp_gemm,
+    gemm,
     mx_gemm,
     no_autocast,
-    op_plan,
-    resolve_gemm_backend,
 )
+from mxmoe.ops.gemm_backend import OpKernels, op_kernels, resolve_gemm_backend
 from mxmoe.quant.mx_tensor import MXTensor, mx_tensor_trusted, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq_trusted
 from mxmoe.recipe import MXRecipe, as_recipe
@@ -49,10 +51,10 @@ def wants_grad(t: Tensor) -> bool:
 
 def swap_last2(t: MXTensor) -> MXTensor:
     """The MXTensor whose logical shape has the last two dims of `t` swapped: same storage, the
-    block axis follows its dim (2D: the transpose); the scale layout is kept (per-group blocked
-    scales group the logical rows: not swappable)."""
+    block axis follows its dim (2D: the transpose); swizzled scales are kept (swizzled per group,
+    they group the logical rows: not swappable)."""
     if t.offs is not None:
-        raise ValueError(f"swap_last2 needs scales that are not blocked per group, got {t}")
+        raise ValueError(f"swap_last2 needs scales that are not swizzled per group, got {t}")
     return mx_tensor_trusted(
         t.qdata_blocked,
         t.scale_blocked,
@@ -60,7 +62,7 @@ def swap_last2(t: MXTensor) -> MXTensor:
         t.block_size,
         t.scaling_mode,
         t.orig_dtype,
-        scale_layout=t.scale_layout,
+        scale_swizzled=t.scale_swizzled,
     )
 
 
@@ -82,52 +84,52 @@ def pad_rows(x: Tensor, block_size: int) -> Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-def cast_both(x: Tensor, cfg: MXRecipe) -> tuple[MXTensor, MXTensor]:
+def cast_both(x: Tensor, recipe: MXRecipe) -> tuple[MXTensor, MXTensor]:
     """x (M, C) -> (along C: logical (M, C) axis 1, along M: logical (M_pad, C) axis 0), M_pad =
     M rounded up to the block size with zero rows, from one fused read."""
     M = x.shape[0]
-    d0, d1 = to_mx_dim0_dim1(pad_rows(x, cfg.block_size), recipe=cfg)
+    d0, d1 = to_mx_dim0_dim1(pad_rows(x, recipe.block_size), recipe=recipe)
     return (_slice_rows(d0, M) if d0.shape[0] != M else d0), d1
 
 
-def cast_rows(x: Tensor, cfg: MXRecipe) -> MXTensor:
+def cast_rows(x: Tensor, recipe: MXRecipe) -> MXTensor:
     """x (M, C) -> along M, logical (M_pad, C) axis 0, zero-padded rows."""
-    return to_mx(pad_rows(x, cfg.block_size), axis=0, recipe=cfg)
+    return to_mx(pad_rows(x, recipe.block_size), axis=0, recipe=recipe)
 
 
-def weight_qdq(w: Tensor, axis: int, cfg: MXRecipe, plan: OpPlan) -> Tensor:
+def weight_qdq(w: Tensor, axis: int, recipe: MXRecipe, kernels: OpKernels) -> Tensor:
     """qdq of a weight (bf16/fp32, any strides, e.g. W (N, K) or w (E, N, K), checked by the op)
-    along `axis` (-1 or -2) in plan.compute, row-major."""
+    along `axis` (-1 or -2) in kernels.compute, row-major."""
     dim1 = axis == -2
-    return qdq_trusted(w, cfg, plan.k1 if dim1 else plan.k0, plan.compute, not dim1, dim1)[0]
+    return qdq_trusted(w, recipe, kernels.k1 if dim1 else kernels.k0, kernels.compute, not dim1, dim1)[0]
 
 
-def weight_mx(w: Tensor, axis: int, cfg: MXRecipe) -> MXTensor:
+def weight_mx(w: Tensor, axis: int, recipe: MXRecipe) -> MXTensor:
     """to_mx of a weight along `axis`."""
-    return to_mx(w, axis, recipe=cfg)
+    return to_mx(w, axis, recipe=recipe)
 
 
 def dgrad_mx(
-    dy0: MXTensor, w1: MXTensor, offs: Tensor | None, cfg: MXRecipe, out_dtype: torch.dtype
+    dy0: MXTensor, w1: MXTensor, offs: Tensor | None, recipe: MXRecipe, out_dtype: torch.dtype
 ) -> Tensor:
     """The MX path's input gradient dy0 W: dy0 logical (M, N) blocked along N, w1 the weight cast
     along N, logical (N, K) or (E, N, K) (to_mx's storage: (K, N) / (E, K, N)); offs groups the
     rows of dy0 (None: dense). Returns (M, K).
 
     The emulated backend dequantizes, makes the weight row-major ((N, K) / (E, N, K), the layout
-    the qdq path's weight cast has) and makes the qdq path's dgrad call (`hp_gemm(dy0, w1, offs)`),
+    the qdq path's weight cast has) and makes the qdq path's dgrad call (`gemm(dy0, w1, offs)`),
     so the two paths stay bit-identical. Other backends get the MX operands."""
-    if resolve_gemm_backend(cfg, dy0.device) != "emulated":
-        return mx_gemm(dy0, w1, offs, cfg, out_dtype=out_dtype)
-    compute = cfg.compute_dtype(dy0.device)
-    d = dy0.dequantize(compute, recipe=cfg)
-    w = w1.dequantize(compute, recipe=cfg).contiguous()
-    return hp_gemm(d, w, offs, out_dtype)
+    if resolve_gemm_backend(recipe, dy0.device) != "emulated":
+        return mx_gemm(dy0, w1, offs, recipe, out_dtype=out_dtype)
+    compute = recipe.compute_dtype(dy0.device)
+    d = dy0.dequantize(compute, recipe=recipe)
+    w = w1.dequantize(compute, recipe=recipe).contiguous()
+    return gemm(d, w, offs, out_dtype)
 
 
 def wgrad_mx(
     dy1: MXTensor, x1: MXTensor, rows: Tensor | int, offs: Tensor | None, offs_pad: Tensor | None,
-    cfg: MXRecipe, out_dtype: torch.dtype,
+    recipe: MXRecipe, out_dtype: torch.dtype,
 ) -> Tensor:
     """The MX path's weight gradient dy1ᵀ x1 from the casts along M of zero-padded copies: dy1
     logical (M_pad, N), x1 (M_pad, K), both blocked along M; rows: M (dense: the real rows are the
@@ -135,95 +137,110 @@ def wgrad_mx(
     padded rows (None: dense). Returns (N, K), or (E, N, K) when grouped.
 
     The emulated backend dequantizes, takes the real rows back (row-major (M, ·)) and makes the GEMM
-    call of the qdq path (`hp_gemm(dy1ᵀ, x1, offs)`), so the two paths stay bit-identical (a GEMM's
+    call of the qdq path (`gemm(dy1ᵀ, x1, offs)`), so the two paths stay bit-identical (a GEMM's
     result depends on its operands' layout and reduction length, not only on their values). Other
     backends get the padded MX operands (32-aligned groups)."""
-    if resolve_gemm_backend(cfg, x1.device) != "emulated":
-        return mx_gemm(swap_last2(dy1), x1, offs_pad, cfg, out_dtype=out_dtype)
-    compute = cfg.compute_dtype(x1.device)
-    d, a = (t.dequantize(compute, recipe=cfg) for t in (dy1, x1))
+    if resolve_gemm_backend(recipe, x1.device) != "emulated":
+        return mx_gemm(swap_last2(dy1), x1, offs_pad, recipe, out_dtype=out_dtype)
+    compute = recipe.compute_dtype(x1.device)
+    d, a = (t.dequantize(compute, recipe=recipe) for t in (dy1, x1))
     if isinstance(rows, Tensor):
         d, a = d.index_select(0, rows), a.index_select(0, rows)
     else:
         d, a = d[:rows].contiguous(), a[:rows].contiguous()
-    return hp_gemm(d.t(), a, offs, out_dtype)
+    return gemm(d.t(), a, offs, out_dtype)
+
+
+def wgrad_with_hp(dy: Tensor, x: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """The weight gradient of torchao's wgrad_with_hp: dyᵀ x on the unquantized operands, in their
+    own dtype (`gemm`, fp32 accumulation), as bf16 training's wgrad. dy (M, N) row-major, x (M, K),
+    both of one dtype; offs groups the rows (None: dense). Returns (N, K), or (E, N, K) grouped,
+    in out_dtype."""
+    return gemm(dy.t(), x, offs, out_dtype)
 
 
 def _cast_x(
-    x: Tensor, cfg: MXRecipe, plan: OpPlan, need_dw: bool
+    x: Tensor, recipe: MXRecipe, kernels: OpKernels, need_dw: bool
 ) -> tuple[Tensor | MXTensor, tuple[Tensor, ...]]:
     """x (M, K) -> (x along K for the forward GEMM, what the wgrad keeps of x along M).
 
     qdq path: x0 (M, K) compute dtype, kept (x1,) (M, K) compute dtype row-major; MX path: x0 an
     MXTensor along K, kept (elements, scales) of x along M, zero-padded rows. Nothing kept when
-    `need_dw` is False. With need_dw, one read of x gives both."""
-    if plan.qdq:
+    `need_dw` is False. With need_dw, one read of x gives both. With the recipe's wgrad_with_hp
+    the wgrad takes x itself: x0 alone is cast, kept (x,)."""
+    if need_dw and recipe.wgrad_with_hp:
+        return _cast_x(x, recipe, kernels, False)[0], (x,)
+    if kernels.qdq:
         if need_dw:  # one read of x: along K, and along M (kept for the wgrad, row-major)
-            x0, x1 = qdq_trusted(x, cfg, plan.k1, plan.compute, True, True)
+            x0, x1 = qdq_trusted(x, recipe, kernels.k1, kernels.compute, True, True)
             return x0, (x1,)
-        return qdq_trusted(x, cfg, plan.k0, plan.compute, True, False)[0], ()
+        return qdq_trusted(x, recipe, kernels.k0, kernels.compute, True, False)[0], ()
     if need_dw:
-        x0, x1 = cast_both(x, cfg)
+        x0, x1 = cast_both(x, recipe)
         return x0, (x1.qdata_blocked, x1.scale_blocked)
-    return to_mx(x, axis=-1, recipe=cfg), ()
+    return to_mx(x, axis=-1, recipe=recipe), ()
 
 
 def _forward_gemm(
-    x0: Tensor | MXTensor, w: Tensor, cfg: MXRecipe, plan: OpPlan, out_dtype: torch.dtype
+    x0: Tensor | MXTensor, w: Tensor, recipe: MXRecipe, kernels: OpKernels, out_dtype: torch.dtype
 ) -> Tensor:
     """y = x0 Wᵀ (M, N) in out_dtype: x0 from `_cast_x`, W (N, K) cast along K (cached)."""
-    if plan.qdq:
-        return hp_gemm(x0, weight_qdq(w, -1, cfg, plan).t(), None, out_dtype)
-    return mx_gemm(x0, swap_last2(weight_mx(w, -1, cfg)), recipe=cfg)
+    if kernels.qdq:
+        return gemm(x0, weight_qdq(w, -1, recipe, kernels).t(), None, out_dtype)
+    return mx_gemm(x0, swap_last2(weight_mx(w, -1, recipe)), recipe=recipe)
 
 
 def _backward_gemms(
-    dy: Tensor, w: Tensor, kept: tuple[Tensor, ...], cfg: MXRecipe, plan: OpPlan, need_dx: bool,
+    dy: Tensor, w: Tensor, kept: tuple[Tensor, ...], recipe: MXRecipe, kernels: OpKernels, need_dx: bool,
     need_dw: bool, x_dtype: torch.dtype,
 ) -> tuple[Tensor | None, Tensor | None]:
     """(dx (M, K) in x_dtype, dW_t (K, N) in w's dtype) of y = x Wᵀ given dy (M, N) and W (N, K)
     (the forward's view of w_t): dy cast as the dgrad and wgrad need it, `kept` what `_cast_x`
-    kept of x along M."""
+    kept of x along M (with wgrad_with_hp: x itself, and dy is cast for the dgrad alone)."""
+    if need_dw and recipe.wgrad_with_hp:
+        dy = dy.contiguous()
+        dw_t = wgrad_with_hp(dy, kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
+        return _backward_gemms(dy, w, (), recipe, kernels, need_dx, False, x_dtype)[0], dw_t
     dx = dw_t = None
-    if plan.qdq:  # (qdq_trusted makes dy contiguous)
+    if kernels.qdq:  # (qdq_trusted makes dy contiguous)
         if need_dx and need_dw:  # one read of dy: along N, and along M (row-major)
-            dy0, dy1 = qdq_trusted(dy, cfg, plan.k1, plan.compute, True, True)
+            dy0, dy1 = qdq_trusted(dy, recipe, kernels.k1, kernels.compute, True, True)
         elif need_dx:
-            (dy0,) = qdq_trusted(dy, cfg, plan.k0, plan.compute, True, False)
+            (dy0,) = qdq_trusted(dy, recipe, kernels.k0, kernels.compute, True, False)
         else:
-            (dy1,) = qdq_trusted(dy, cfg, plan.k1, plan.compute, False, True)
+            (dy1,) = qdq_trusted(dy, recipe, kernels.k1, kernels.compute, False, True)
         if need_dx:  # W (N, K) along N, row-major
-            dx = hp_gemm(dy0, weight_qdq(w, -2, cfg, plan), None, x_dtype)
+            dx = gemm(dy0, weight_qdq(w, -2, recipe, kernels), None, x_dtype)
         if need_dw:  # dy1ᵀ (N, M) and x1 (M, K), both M-major, as bf16 training's wgrad
-            dw_t = hp_gemm(dy1.t(), kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
+            dw_t = gemm(dy1.t(), kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
         return dx, dw_t
-    M, bs = dy.shape[0], cfg.block_size
+    M, bs = dy.shape[0], recipe.block_size
     dy = dy.contiguous()
     x1 = None
     if need_dw:
         xq, xs = kept
-        x1 = mx_tensor_trusted(xq, xs, 0, bs, cfg.scaling_mode, x_dtype)  # logical (M_pad, K)
+        x1 = mx_tensor_trusted(xq, xs, 0, bs, recipe.scaling_mode, x_dtype)  # logical (M_pad, K)
     if need_dx and need_dw:
-        dy0, dy1 = cast_both(dy, cfg)
+        dy0, dy1 = cast_both(dy, recipe)
     elif need_dx:
-        dy0 = to_mx(dy, axis=-1, recipe=cfg)
+        dy0 = to_mx(dy, axis=-1, recipe=recipe)
     else:
-        dy1 = cast_rows(dy, cfg)
+        dy1 = cast_rows(dy, recipe)
     if need_dx:
-        dx = dgrad_mx(dy0, weight_mx(w, -2, cfg), None, cfg, x_dtype)
+        dx = dgrad_mx(dy0, weight_mx(w, -2, recipe), None, recipe, x_dtype)
     if need_dw:
-        dw_t = wgrad_mx(dy1, x1, M, None, None, cfg, w.dtype).t()
+        dw_t = wgrad_mx(dy1, x1, M, None, None, recipe, w.dtype).t()
     return dx, dw_t
 
 
 class _MXMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w_t: Tensor, cfg: MXRecipe, plan: OpPlan) -> Tensor:
-        # x (M, K); w_t (K, N), the transposed view of W (N, K); plan: op_plan(cfg, x.device)
-        x0, kept = _cast_x(x, cfg, plan, w_t.requires_grad)
+    def forward(ctx, x: Tensor, w_t: Tensor, recipe: MXRecipe, kernels: OpKernels) -> Tensor:
+        # x (M, K); w_t (K, N), the transposed view of W (N, K); kernels: op_kernels(recipe, x.device)
+        x0, kept = _cast_x(x, recipe, kernels, w_t.requires_grad)
         w = w_t.t()
-        y = _forward_gemm(x0, w, cfg, plan, x.dtype)
-        ctx.cfg, ctx.plan, ctx.x_dtype = cfg, plan, x.dtype
+        y = _forward_gemm(x0, w, recipe, kernels, x.dtype)
+        ctx.recipe, ctx.kernels, ctx.x_dtype = recipe, kernels, x.dtype
         ctx.save_for_backward(w, *kept)  # W (N, K) as the backward takes it (no transpose there)
         return y
 
@@ -231,7 +248,7 @@ class _MXMM(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         need_dx, need_dw, _, _ = ctx.needs_input_grad
         w, *kept = ctx.saved_tensors
-        dx, dw_t = _backward_gemms(dy, w, kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.x_dtype)
+        dx, dw_t = _backward_gemms(dy, w, kept, ctx.recipe, ctx.kernels, need_dx, need_dw, ctx.x_dtype)
         return dx, dw_t, None, None
 
 
@@ -246,26 +263,29 @@ def sum_like_autograd(grads: list[Tensor]) -> Tensor:
     return acc
 
 
-def _mm_shared_forward(x: Tensor, cast_to, cfg: MXRecipe, plan: OpPlan, w_ts, need_dw: bool):
+def _mm_shared_forward(x: Tensor, cast_to, recipe: MXRecipe, kernels: OpKernels, w_ts, need_dw: bool):
     """The forward of `mx_mm_shared`: (the outputs, x as the GEMMs take it (2D), what the backward keeps)."""
     a = x.to(cast_to) if cast_to is not None else x
     a = a.reshape(-1, a.shape[-1])
-    x0, kept = _cast_x(a, cfg, plan, need_dw)
-    return tuple(_forward_gemm(x0, w_t.t(), cfg, plan, a.dtype) for w_t in w_ts), a, kept
+    x0, kept = _cast_x(a, recipe, kernels, need_dw)
+    return tuple(_forward_gemm(x0, w_t.t(), recipe, kernels, a.dtype) for w_t in w_ts), a, kept
 
 
 class _MXMMShared(torch.autograd.Function):
     """y_i = x W_iᵀ for several weights with one cast of x (see `mx_mm_shared`)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, cast_to: torch.dtype | None, cfg: MXRecipe, plan: OpPlan, *w_ts: Tensor):
+    def forward(
+        ctx, x: Tensor, cast_to: torch.dtype | None, recipe: MXRecipe, kernels: OpKernels, *w_ts: Tensor
+    ):
         # x (..., K) as the caller gave it; cast_to: the autocast dtype each single op would cast
-        # x to (None: no cast); plan: op_plan(cfg, x.device); w_ts (K, N_i), the transposed views
+        # x to (None: no cast); kernels: op_kernels(recipe, x.device); w_ts (K, N_i), the transposed views
         # of W_i (N_i, K)
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         need_dw = any(wants_grad(w_t) for w_t in w_ts)
-        ys, a, kept = _mm_shared_forward(x, cast_to, cfg, plan, w_ts, need_dw)
-        ctx.cfg, ctx.plan, ctx.a_dtype, ctx.x_shape, ctx.x_dtype = cfg, plan, a.dtype, x.shape, x.dtype
+        ys, a, kept = _mm_shared_forward(x, cast_to, recipe, kernels, w_ts, need_dw)
+        ctx.recipe, ctx.kernels, ctx.a_dtype = recipe, kernels, a.dtype
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.n = len(w_ts)
         ctx.save_for_backward(*w_ts, *kept)
         return ys
@@ -280,7 +300,9 @@ class _MXMMShared(torch.autograd.Function):
             if dy is None:
                 dw_ts.append(None)
                 continue
-            dx, dw_t = _backward_gemms(dy, w_t.t(), kept, ctx.cfg, ctx.plan, need_dx, need_dw, ctx.a_dtype)
+            dx, dw_t = _backward_gemms(
+                dy, w_t.t(), kept, ctx.recipe, ctx.kernels, need_dx, need_dw, ctx.a_dtype
+            )
             dw_ts.append(dw_t)
             if need_dx:  # each op's dx, as autograd hands it to x: through its view and cast
                 dxs.append(dx.view(ctx.x_shape).to(ctx.x_dtype))
@@ -298,39 +320,39 @@ def mx_mm(a: Tensor, b: Tensor, recipe: MXRecipe | None = None) -> Tensor:
     K and N must be divisible by recipe.block_size. Returns (..., N) in a's dtype, contiguous; under
     autocast (as torch.mm) a is first cast to the autocast dtype, so the result is of that dtype.
     """
-    cfg = as_recipe(recipe)
+    recipe = as_recipe(recipe)
     if not isinstance(a, Tensor) or not isinstance(b, Tensor):
         raise TypeError(f"mx_mm takes tensors, got a: {type(a).__name__}, b: {type(b).__name__}")
     if b.ndim != 2 or a.ndim < 1 or a.shape[-1] != b.shape[0]:
         raise ValueError(f"mx_mm needs a (..., K) and b (K, N); got a {tuple(a.shape)}, b {tuple(b.shape)}")
     K, N = b.shape
     for name, d in (("K", K), ("N", N)):
-        if d % cfg.block_size:
+        if d % recipe.block_size:
             raise ValueError(
                 f"mx_mm: {name}={d} (a {tuple(a.shape)}, b {tuple(b.shape)}) is not divisible by "
-                f"block_size={cfg.block_size}"
+                f"block_size={recipe.block_size}"
             )
     lead = a.shape[:-1]
     dev = a.device
     if torch.is_autocast_enabled(dev.type):
         a = autocast_input(a)
         with torch.autocast(dev.type, enabled=False):
-            y = _mm_call(a, b, cfg)
+            y = _mm_call(a, b, recipe)
     else:  # (no autocast context to enter: µs per call)
-        y = _mm_call(a, b, cfg)
+        y = _mm_call(a, b, recipe)
     return y if a.ndim == 2 else y.view(*lead, N)
 
 
-def _mm_call(a: Tensor, b: Tensor, cfg: MXRecipe) -> Tensor:
+def _mm_call(a: Tensor, b: Tensor, recipe: MXRecipe) -> Tensor:
     """mx_mm's (M, N) result of a (..., K) (after autocast) and b (K, N), autocast off."""
     check_dtype("a", a.dtype)
     check_dtype("b", b.dtype)
-    plan = op_plan(cfg, a.device)
+    kernels = op_kernels(recipe, a.device)
     x = a if a.ndim == 2 else a.reshape(-1, b.shape[0])  # (no view op for a 2D a)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return apply_function(_MXMM, x, b, cfg, plan)
+        return apply_function(_MXMM, x, b, recipe, kernels)
     # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-    return _forward_gemm(_cast_x(x, cfg, plan, False)[0], b.t(), cfg, plan, x.dtype)
+    return _forward_gemm(_cast_x(x, recipe, kernels, False)[0], b.t(), recipe, kernels, x.dtype)
 
 
 def mx_mm_shared(
@@ -350,7 +372,7 @@ def mx_mm_shared(
     gradients as autograd sums those of separate `mx_mm` calls (each through its autocast cast, in
     a's dtype, the last weight's first), so the result is the same bits.
     """
-    cfg = as_recipe(recipe)
+    recipe = as_recipe(recipe)
     if not isinstance(a, Tensor):
         raise TypeError(f"mx_mm_shared takes a tensor a, got {type(a).__name__}")
     if not isinstance(bs, (list, tuple)) or not bs or not all(isinstance(b, Tensor) for b in bs):
@@ -362,20 +384,20 @@ def mx_mm_shared(
                 f"b {tuple(b.shape)}"
             )
         for name, d in (("K", b.shape[0]), ("N", b.shape[1])):
-            if d % cfg.block_size:
+            if d % recipe.block_size:
                 raise ValueError(
                     f"mx_mm_shared: {name}={d} (a {tuple(a.shape)}, b {tuple(b.shape)}) is not "
-                    f"divisible by block_size={cfg.block_size}"
+                    f"divisible by block_size={recipe.block_size}"
                 )
     lead = a.shape[:-1]
     cast_to = autocast_target(a)
     check_dtype("a", a.dtype if cast_to is None else cast_to)
     for b in bs:
         check_dtype("b", b.dtype)
-    plan = op_plan(cfg, a.device)
+    kernels = op_kernels(recipe, a.device)
     with no_autocast(a.device):
         if torch.is_grad_enabled() and (a.requires_grad or any(b.requires_grad for b in bs)):
-            ys = apply_function(_MXMMShared, a, cast_to, cfg, plan, *bs)
+            ys = apply_function(_MXMMShared, a, cast_to, recipe, kernels, *bs)
         else:  # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-            ys = _mm_shared_forward(a, cast_to, cfg, plan, bs, False)[0]
+            ys = _mm_shared_forward(a, cast_to, recipe, kernels, bs, False)[0]
     return tuple(y if a.ndim == 2 else y.view(*lead, b.shape[1]) for y, b in zip(ys, bs, strict=True))

@@ -1,8 +1,19 @@
 """The cast backends ("torch", "triton", "cuda"), where each can run, and the one place a kernel is
 chosen: `cast_kernel(recipe, device, cast)`, which every consumer calls (the casts, the
-quantize-dequantize calls, the MX ops' plans, the MXFP8 exchange, the torchtitan dispatcher) with
-the recipe whose `dim0_kernel` / `dim1_kernel` name the choice. Answers derived from it (the MX ops'
-per-recipe plans) are kept beside its own through `remember`.
+quantize-dequantize calls, the MX ops' `op_kernels`, the MXFP8 exchange, the torchtitan dispatcher)
+with the recipe whose `dim0_kernel` / `dim1_kernel` name the choice.
+
+Choosing. Each backend declares, in its own module (`torch_cast`, `triton_cast`, `cuda_cast`),
+`why_unavailable(device, cast)` (None where it can run a cast on tensors of a device, else why),
+`auto_rank(device, cast)` (its rank for "auto", lowest first; None: "auto" never takes it there)
+and optionally `ready(device, cast)` (a costlier check: the CUDA extension builds) and `STAND_INS`
+(casts it has no kernel for -> the backend that runs them instead). `CAST_BACKENDS`, a
+`mxmoe.registry.Registry`, registers the three here, in one place; "auto" is a lookup in it, and
+adding a backend is its module and one `register` call. Every answer is resolved once per (kernel,
+device, cast) and kept: eager calls resolve and keep it; a call torch.compile traces reads the kept
+answer, or where there is none yet takes it from `_resolve_at_trace`, which Dynamo runs as Python at
+trace time and records as a constant (`torch.compiler.assume_constant_result`): nothing of the
+resolution is traced.
 
 Backend protocol. A backend is a module with these functions (the same arguments in the same
 order in every backend; `mxmoe.quant.torch_cast` is the reference):
@@ -20,16 +31,16 @@ everything once per call). Scales are float8_e8m0fnu; every output is contiguous
 
 from __future__ import annotations
 
-import functools
 import importlib
+import importlib.util
 import os
-import shutil
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
 from mxmoe.recipe import CAST_KERNELS, MXRecipe
+from mxmoe.registry import Backend, Registry
 
 KERNELS = CAST_KERNELS  # the one tuple of cast kernel names (mxmoe.recipe)
 CASTS = ("dim0", "dim1", "dim0_dim1", "dequant")
@@ -44,18 +55,10 @@ RECIPE_FIELD = {
 }
 """The recipe field that names each cast's kernel (MXRecipe.dim0_kernel / dim1_kernel)."""
 _DIM1_CASTS = frozenset(c for c, f in RECIPE_FIELD.items() if f == "dim1_kernel")
-# Preference of "auto" on a CUDA device, fastest first, per cast (docs/benchmarks.md).
-# CUDA everywhere: it leads the dim1, fused and dequantize kernels, and its C++ operators cost a
-# fraction of Triton's launch path in host time per call; Triton's dim0 kernel is faster on the GPU,
-# which only pays for tensors far above a typical activation.
-AUTO_ORDER_CUDA: dict[str, tuple[str, ...]] = {
-    "dim0": ("cuda", "triton", "torch"),
-    "dim1": ("cuda", "triton", "torch"),
-    "dim0_dim1": ("cuda", "triton", "torch"),
-    "dequant": ("cuda", "triton", "torch"),
-}
 _FUNCTIONS = {"dim0": "quantize_dim0", "dim1": "quantize_dim1", "dim0_dim1": "quantize_dim0_dim1",
               "dequant": "dequantize"}
+QDQ_MAX_BLOCK_TRITON = 128
+"""Largest block size of the Triton qdq rows kernel (it holds whole blocks both ways in a tile)."""
 
 
 def triton_interpret() -> bool:
@@ -74,47 +77,58 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.cache
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+# ----------------------------------------------------------------------------------------------
+# The registry: each backend's declarations, read from its module on first use
+# ----------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _has_cuda_toolkit() -> bool:
-    from torch.utils.cpp_extension import CUDA_HOME
+def _declared(module: str, name: str, needs: str | None = None, missing=None) -> Callable:
+    """(device, cast) -> the answer of declaration `name` of backend module `module`, the module
+    imported on first call and the function looked up at each call (tests replace it). needs: a
+    package the module imports; where it is missing or does not import, the answer is `missing`."""
 
-    return CUDA_HOME is not None or shutil.which("nvcc") is not None
+    def call(device: torch.device, cast: str):
+        if needs is not None:
+            if importlib.util.find_spec(needs) is None:
+                return missing
+            try:
+                mod = importlib.import_module(module)
+            except ImportError:  # the package is there but does not import: as if it were not
+                return missing
+        else:
+            mod = importlib.import_module(module)
+        return getattr(mod, name)(device, cast)
+
+    call.__qualname__ = f"{module}.{name}"
+    return call
 
 
-def why_unavailable(kernel: str, device: torch.device) -> str | None:
-    """None if `kernel` can run on tensors on `device` here, else the reason."""
-    if kernel not in KERNELS:
-        return f"unknown kernel {kernel!r}; expected one of {list(KERNELS) + ['auto']}"
-    if kernel == "torch":
-        return None
-    if kernel == "triton":
-        if not _has_triton():
-            return "kernel='triton' needs the triton package, which is not installed"
-        if device.type == "cuda":
-            return None
-        if device.type == "cpu" and triton_interpret():
-            return None
-        return (
-            f"kernel='triton' needs a CUDA tensor (got a {device.type} tensor), or TRITON_INTERPRET=1 "
-            "to run the kernels on CPU through the Triton interpreter"
-        )
-    # cuda
-    if device.type != "cuda":
-        return f"kernel='cuda' needs a CUDA tensor (got a {device.type} tensor)"
-    if not torch.cuda.is_available():
-        return "kernel='cuda' needs a CUDA GPU and torch built with CUDA"
-    if not _has_cuda_toolkit():
-        return "kernel='cuda' builds its extension on first use and needs nvcc (set CUDA_HOME)"
-    return None
+def _backend(name: str, module: str, needs: str | None = None, ready: bool = False) -> Backend:
+    """Cast kernel `name`, implemented and declared in `module` (its why_unavailable, auto_rank and,
+    with `ready`, ready). needs: the package the module imports (without it: unavailable, and never
+    taken by "auto")."""
+    missing = f"kernel={name!r} needs the {needs} package, which is not installed" if needs else None
+    return Backend(
+        name=name,
+        module=module,
+        why_unavailable=_declared(module, "why_unavailable", needs, missing),
+        auto_rank=_declared(module, "auto_rank", needs, None),
+        ready=_declared(module, "ready") if ready else None,
+    )
+
+
+CAST_BACKENDS = Registry("cast kernel")
+"""The cast kernels by name: context (device, cast), cast one of CASTS or QDQ_CASTS."""
+CAST_BACKENDS.register(_backend("torch", "mxmoe.quant.torch_cast"))
+CAST_BACKENDS.register(_backend("triton", "mxmoe.quant.triton_cast", needs="triton"))
+CAST_BACKENDS.register(_backend("cuda", "mxmoe.quant.cuda_cast", ready=True))  # ready: its extension builds
+assert CAST_BACKENDS.names() == CAST_KERNELS
+
+
+def why_unavailable(kernel: str, device: torch.device, cast: str = "dim0") -> str | None:
+    """None if cast kernel `kernel` can run `cast` on tensors on `device` here, else the reason
+    (ValueError naming an unknown kernel)."""
+    return CAST_BACKENDS.why_unavailable(kernel, device, cast)
 
 
 def default_device() -> torch.device:
@@ -124,28 +138,14 @@ def default_device() -> torch.device:
 def available_kernels(device: torch.device | str | None = None) -> list[str]:
     """Cast kernels that can run on tensors of `device` (default: the GPU if any, else CPU)."""
     device = default_device() if device is None else torch.device(device)
-    return [k for k in KERNELS if why_unavailable(k, device) is None]
-
-
-def _cuda_extension_ready() -> bool:
-    """For `auto`: build (first use) or load the CUDA extension; False, so that `auto` falls back to
-    the next backend, if that fails. While torch.compile traces, only the recorded outcome is read."""
-    from mxmoe.quant import cuda_cast
-
-    if torch.compiler.is_compiling():
-        return cuda_cast.build_failed() is False
-    try:
-        cuda_cast.load_extension()
-    except RuntimeError:
-        return False
-    return True
+    return CAST_BACKENDS.available(device, "dim0")
 
 
 # (kernel, device, cast) -> concrete kernel (keyed by the torch.device itself: `device.type` costs
 # 0.2 µs, hashing the device 0.03): `auto` and the availability checks run once per
 # combination (an unavailable kernel raises, so only answers that can run are kept; TRITON_INTERPRET
 # is read when a combination is first resolved, as Triton itself reads it once). Answers derived
-# from these (the MX ops' per-recipe plans) are kept here too, through `remember`.
+# from these (the MX ops' `op_kernels`) are kept here too, through `remember`.
 _resolved: dict[tuple, object] = {}
 
 
@@ -154,7 +154,7 @@ _MISSING = object()
 
 def remember(key: tuple, make: Callable[[], object]) -> object:
     """`make()` (any value, None included), kept under `key` (a tuple whose first item names its
-    kind, e.g. "op_plan") beside the kernel choices it derives from, so that `clear_resolved`
+    kind, e.g. "op_kernels") beside the kernel choices it derives from, so that `clear_resolved`
     forgets both. Not kept while torch.compile traces (the answer may rest on a build not yet
     tried)."""
     cache = _resolved  # looked up per call: tests swap the dict
@@ -168,48 +168,65 @@ def remember(key: tuple, make: Callable[[], object]) -> object:
 
 
 def clear_resolved() -> None:
-    """Forget the cached kernel choices (`cast_kernel`, `resolve_kernel`), and the ops' plans resolved
-    from them (after the environment changed, e.g. in tests)."""
+    """Forget the resolved kernel choices (`cast_kernel`, `resolve_kernel`, the registry's), and the
+    ops' choices resolved from them (after the environment changed, e.g. in tests)."""
     _resolved.clear()
+    CAST_BACKENDS.clear()
 
 
-def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str:
-    """`cast_kernel`'s step on a kernel name: map "auto" to the fastest available backend for `cast`
-    (one of CASTS; the default, dim1's order, suits code that runs several casts with one kernel)
-    and check that `kernel` can run on `device`. For the building blocks below the recipe (the
-    exchange's kernels, mxmoe.comm.kernels / symm) that are handed a name `cast_kernel` chose.
-    Cached: repeated calls cost a dict lookup."""
+def _device(device_type: str, index: int | None) -> torch.device:
+    return torch.device(device_type) if index is None else torch.device(device_type, index)
+
+
+@torch.compiler.assume_constant_result
+def _resolve_at_trace(kernel: str, device_type: str, index: int | None, cast: str, field: str | None) -> str:
+    """`_resolve` while torch.compile traces: Dynamo runs this at trace time and keeps its answer as
+    a constant of the graph (its arguments are constants: the device as its type and index)."""
+    return _resolve(kernel, _device(device_type, index), cast, field)
+
+
+def _resolve(kernel: str, device: torch.device, cast: str, field: str | None) -> str:
+    """The concrete kernel for `kernel` ("auto" or a name) running `cast` on `device` (field: the
+    recipe field that named it, for errors; None: a building block's kernel argument). Kept per
+    (kernel, device, cast)."""
     key = (kernel, device, cast)
     hit = _resolved.get(key)
     if hit is not None:
         return hit
     if not isinstance(kernel, str):
         raise TypeError(f"kernel must be a str, got {type(kernel).__name__}")
-    if cast not in AUTO_ORDER_CUDA:
-        raise ValueError(f"cast={cast!r}; expected one of {list(CASTS)}")
-    if kernel == "auto":
-        out = "torch"
-        if device.type == "cuda":
-            for k in AUTO_ORDER_CUDA[cast]:
-                if why_unavailable(k, device) is None and (k != "cuda" or _cuda_extension_ready()):
-                    out = k
-                    break
-    else:
-        reason = why_unavailable(kernel, device)
-        if reason is not None:
-            raise ValueError(reason) if kernel not in KERNELS else RuntimeError(reason)
-        out = kernel
+    if cast not in RECIPE_FIELD:
+        raise ValueError(f"cast={cast!r}; expected one of {list(CASTS) + list(QDQ_CASTS)}")
+    option = f"recipe {field}" if field else "kernel"
+    if kernel != "auto":
+        CAST_BACKENDS.get(kernel, option)  # ValueError naming an unknown kernel
+    out = CAST_BACKENDS.resolve(kernel, device, cast, option=option)
+    module = CAST_BACKENDS.load(out)
+    out = getattr(module, "STAND_INS", {}).get(cast, out)  # a cast it has no kernel for
+    if out == "cuda" and cast in QDQ_CASTS and not torch.compiler.is_compiling():
+        module.load_extension()  # the qdq dispatch takes the operator as loaded; raises if it cannot build
     if not torch.compiler.is_compiling():  # a traced answer may rest on a build not yet tried
         _resolved[key] = out
     return out
 
 
+def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str:
+    """`cast_kernel`'s step on a kernel name: map "auto" to the fastest available backend for `cast`
+    (one of CASTS or QDQ_CASTS; the default, dim1, suits code that runs several casts with one
+    kernel) and check that `kernel` can run on `device`. For the building blocks below the recipe
+    (the exchange's kernels, mxmoe.comm.kernels / symm) that are handed a name `cast_kernel` chose.
+    Cached: repeated calls cost a dict lookup."""
+    hit = _resolved.get((kernel, device, cast))
+    if hit is not None:
+        return hit
+    if torch.compiler.is_compiling():
+        return _resolve_at_trace(kernel, device.type, device.index, cast, None)
+    return _resolve(kernel, device, cast, None)
+
+
 # ----------------------------------------------------------------------------------------------
 # The one kernel choice, fed by the recipe: the casts' and the quantize-dequantize calls'
 # ----------------------------------------------------------------------------------------------
-
-QDQ_MAX_BLOCK_TRITON = 128
-"""Largest block size of the Triton qdq rows kernel (it holds whole blocks both ways in a tile)."""
 
 
 def cast_kernel(recipe: MXRecipe, device: torch.device, cast: str) -> str:
@@ -217,75 +234,46 @@ def cast_kernel(recipe: MXRecipe, device: torch.device, cast: str) -> str:
     `device`: the one kernel choice of mxmoe. The recipe field RECIPE_FIELD[cast] names it ("auto"
     or a kernel).
 
-    cast, one of CASTS: an MX cast or dequantize. "auto" is "torch" off CUDA and on CUDA the first
-    available kernel of AUTO_ORDER_CUDA[cast] (the CUDA extension where it builds); a named kernel
-    that cannot run on `device` raises (RuntimeError naming the field and why). A dict lookup after
-    the first call per (kernel, device, cast).
-    cast, one of QDQ_CASTS: a quantize-dequantize call. "torch" for "torch" and for "auto" off CUDA;
-    on CUDA "cuda" for "cuda" and "auto" where a C++ operator covers the call (all but
-    "qdq_dim0_offs"; "auto" falls back to "triton" if the extension does not build, as the casts'
-    "auto"), else "triton"; on CPU "triton" only for an explicit "triton" under TRITON_INTERPRET=1.
-    The Triton qdq kernel takes block sizes up to QDQ_MAX_BLOCK_TRITON (ValueError beyond)."""
-    # the casts' answers are cached (the qdq calls' are not: the ops keep them in their plans)
+    cast, one of CASTS: an MX cast or dequantize; one of QDQ_CASTS: a quantize-dequantize call.
+    "auto" is the available backend of lowest `auto_rank` (`CAST_BACKENDS`): on CUDA the C++
+    operators where the extension builds, else Triton, else torch; off CUDA torch (the Triton
+    interpreter only when named). A named kernel that cannot run on `device` raises (RuntimeError
+    naming the recipe field and why). A backend's STAND_INS replace it for casts it has no kernel
+    for ("qdq_dim0_offs": no C++ operator; Triton's). The Triton qdq kernel takes block sizes up to
+    QDQ_MAX_BLOCK_TRITON (ValueError beyond). A dict lookup after the first call per (kernel,
+    device, cast); while torch.compile traces, the first answer is made at trace time, a constant
+    of the graph."""
     kernel = recipe.dim1_kernel if cast in _DIM1_CASTS else recipe.dim0_kernel
-    hit = _resolved.get((kernel, device, cast))
-    if hit is not None:
-        return hit
-    field = RECIPE_FIELD.get(cast)
-    if field is None:
-        raise ValueError(f"cast={cast!r}; expected one of {list(CASTS) + list(QDQ_CASTS)}")
-    if cast in QDQ_CASTS:
-        out = _qdq_kernel(kernel, device, cast != "qdq_dim0_offs", field)
-        if out == "triton" and recipe.block_size > QDQ_MAX_BLOCK_TRITON:
-            raise ValueError(
-                f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to "
-                f"{QDQ_MAX_BLOCK_TRITON} (the recipe's {field}={kernel!r} takes it on {device.type})"
-            )
-        return out
-    try:
-        return resolve_kernel(kernel, device, cast)
-    except RuntimeError as e:  # name the recipe field that asked for it
-        raise RuntimeError(f"recipe {field}={kernel!r}: {e}") from None
+    out = _resolved.get((kernel, device, cast))
+    if out is None:
+        field = RECIPE_FIELD.get(cast)
+        if field is None:
+            raise ValueError(f"cast={cast!r}; expected one of {list(CASTS) + list(QDQ_CASTS)}")
+        if torch.compiler.is_compiling():
+            out = _resolve_at_trace(kernel, device.type, device.index, cast, field)
+        else:
+            out = _resolve(kernel, device, cast, field)
+    if out == "triton" and cast in QDQ_CASTS and recipe.block_size > QDQ_MAX_BLOCK_TRITON:
+        raise ValueError(
+            f"block_size={recipe.block_size}: the Triton qdq kernel supports block sizes up to "
+            f"{QDQ_MAX_BLOCK_TRITON} (the recipe's {RECIPE_FIELD[cast]}={kernel!r} takes it on {device.type})"
+        )
+    return out
 
 
-def _qdq_kernel(kernel: str, device: torch.device, cuda_op: bool, field: str) -> str:
-    """`cast_kernel` of a qdq call (cuda_op: a C++ operator covers it)."""
-    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
-        return "torch"
-    if cuda_op and kernel in ("cuda", "auto") and device.type == "cuda":
-        # resolve_kernel: cached per (kernel, device); "auto" builds / loads the extension once
-        try:
-            if resolve_kernel(kernel, device, "dim0") != "cuda":
-                return "triton"
-        except RuntimeError as e:  # name the recipe field that asked for it
-            raise RuntimeError(f"recipe {field}={kernel!r}: {e}") from None
-        if not torch.compiler.is_compiling():
-            from mxmoe.quant import cuda_cast
-
-            cuda_cast.load_extension()  # a flag test once loaded; raises if "cuda" cannot build
-        return "cuda"
-    if device.type == "cuda" or (kernel == "triton" and device.type == "cpu" and triton_interpret()):
-        return "triton"
-    raise RuntimeError(
-        f"recipe {field}={kernel!r}: the qdq kernel needs a CUDA tensor (got a {device.type} tensor), or "
-        "TRITON_INTERPRET=1 for 'triton' on CPU"
-    )
+_LOADED: dict[tuple[str, str], Callable] = {}
+"""(kernel, cast) -> the backend's function, looked up once (a dict, not functools.cache: what a
+traced call reads)."""
 
 
-_MODULES = {
-    "torch": "mxmoe.quant.torch_cast",
-    "triton": "mxmoe.quant.triton_cast",
-    "cuda": "mxmoe.quant.cuda_cast",
-}
-
-
-@functools.cache
 def backend(kernel: str) -> ModuleType:
     """The module implementing a concrete kernel name (imported on first use)."""
-    return importlib.import_module(_MODULES[kernel])
+    return CAST_BACKENDS.load(kernel)
 
 
-@functools.cache
 def cast_fn(kernel: str, cast: str) -> Callable:
     """Backend `kernel`'s function for `cast` (one of CASTS), looked up once."""
-    return getattr(backend(kernel), _FUNCTIONS[cast])
+    fn = _LOADED.get((kernel, cast))
+    if fn is None:
+        fn = _LOADED[(kernel, cast)] = getattr(backend(kernel), _FUNCTIONS[cast])
+    return fn

@@ -24,9 +24,16 @@ from mxmoe.formats import (
 
 
 @functools.cache
-def spec_of(block_size: int, scaling_mode: str, elem_dtype: torch.dtype) -> CastSpec:
-    """The CastSpec of already-checked arguments (cached: no work per call)."""
+def _spec(block_size: int, scaling_mode: str, elem_dtype: torch.dtype) -> CastSpec:
     return CastSpec(block_size, ScalingMode(scaling_mode), ELEM_FORMATS[elem_dtype])
+
+
+def spec_of(block_size: int, scaling_mode: str, elem_dtype: torch.dtype) -> CastSpec:
+    """The CastSpec of already-checked arguments (cached: no work per call; while torch.compile
+    traces, made afresh: dynamo traces the function, not a cache wrapper)."""
+    if torch.compiler.is_compiling():
+        return _spec.__wrapped__(block_size, scaling_mode, elem_dtype)
+    return _spec(block_size, scaling_mode, elem_dtype)
 
 
 @functools.lru_cache(maxsize=None, typed=True)

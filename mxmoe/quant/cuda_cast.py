@@ -35,6 +35,53 @@ ops_loaded = False
 _build_error: RuntimeError | None = None
 
 
+# The backend's declarations (`mxmoe.quant.backends.CAST_BACKENDS`)
+
+STAND_INS = {"qdq_dim0_offs": "triton"}
+"""Casts no C++ operator covers -> the backend that runs them instead (a dim0 qdq with groups:
+Triton's rows kernel)."""
+_toolkit: list[bool] = []  # found or not, once
+
+
+def _has_cuda_toolkit() -> bool:
+    if not _toolkit:
+        import shutil
+
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        _toolkit.append(CUDA_HOME is not None or shutil.which("nvcc") is not None)
+    return _toolkit[0]
+
+
+def why_unavailable(device: torch.device, cast: str) -> str | None:
+    """None on CUDA tensors where torch has CUDA and nvcc builds the extension."""
+    if device.type != "cuda":
+        return f"kernel='cuda' needs a CUDA tensor (got a {device.type} tensor)"
+    if not torch.cuda.is_available():
+        return "kernel='cuda' needs a CUDA GPU and torch built with CUDA"
+    if not _has_cuda_toolkit():
+        return "kernel='cuda' builds its extension on first use and needs nvcc (set CUDA_HOME)"
+    return None
+
+
+def auto_rank(device: torch.device, cast: str) -> int:
+    """"auto"'s first choice where it runs: the fastest dim1, fused and dequantize kernels, and C++
+    operators whose host cost per call is a fraction of a Triton launch's (docs/benchmarks.md)."""
+    return 0
+
+
+def ready(device: torch.device, cast: str) -> bool:
+    """For "auto": the extension builds (first use) or loads; False, so that "auto" takes the next
+    backend, if not. While torch.compile traces, only a recorded outcome is read."""
+    if torch.compiler.is_compiling():
+        return _build_error is None
+    try:
+        load_extension()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _check_constants() -> None:
     """The format constants compiled into the kernels equal mxmoe.formats' (one definition)."""
     for dtype, f in ELEM_FORMATS.items():

@@ -8,15 +8,18 @@ that axis moved last, so every block of `block_size` elements is contiguous in m
 
 `.qdata` and `.scale` are views with the *logical* shape (`qdata.shape == x.shape`, `scale.shape ==
 x.shape` with `shape[axis] // block_size`), so `qdata[i, j]` is the element of `x[i, j]` whatever the
-storage. `.qdata_blocked` / `.scale_blocked` give the storage itself (what GEMMs and the
-all-to-all use).
+storage. `.qdata_blocked` / `.scale_blocked` give the storage itself, blocks contiguous (what GEMMs
+and the all-to-all use). An MXTensor may also carry its scales swizzled (`scale_swizzled`: the
+128x4 tiles torch's block-scaled GEMMs read, `mxmoe.quant.scale_layout`) beside them.
 
 `MXTensor(...)` checks what it is given as `to_mx` checks its arguments (dtypes, shapes, axis, block
-size, scale layout); the casts and ops make theirs with `mx_tensor_trusted`, which checks nothing.
+size, swizzled scales and offs); the casts and ops make theirs with `mx_tensor_trusted`, which
+checks nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -38,9 +41,30 @@ from mxmoe.quant.checks import check_no_grad, check_x, checked_spec, spec_of
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe, as_recipe
 
 
+def _refuse_scale_layout(cls):
+    """cls with an __init__ that refuses the `scale_layout` keyword of the old MXTensor, naming what
+    replaced it (instead of Python's "unexpected keyword argument")."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs) -> None:
+        if "scale_layout" in kwargs:
+            raise TypeError(
+                f"MXTensor() takes no scale_layout (got scale_layout={kwargs['scale_layout']!r}): "
+                "scale_blocked always holds the storage scales; pass swizzled ones as scale_swizzled= "
+                "(with offs= for token groups), or make them with .to_scale_layout('swizzled', offs)"
+            )
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_refuse_scale_layout
 @dataclass
 class MXTensor:
-    """A tensor in MX format.
+    """A tensor in MX format. `MXTensor(...)` checks its fields (TypeError / ValueError naming the
+    field, its value and what is accepted); `mx_tensor_trusted` builds one without checks.
 
     qdata_blocked: elem dtype, x.movedim(axis, -1).shape, contiguous.
     scale_blocked: float8_e8m0fnu, same shape with the last dim // block_size, contiguous.
@@ -50,10 +74,11 @@ class MXTensor:
         autograd routes the gradient of the dequantized value back to whatever produced this
         MXTensor (e.g. the MXFP8 dispatch). Ops that consume an MXTensor take it as their
         differentiable input and return the high-precision gradient for it.
-    scale_layout: "plain" (scale_blocked as above) or "blocked" (see the module docstring).
-    offs: blocked layout of a grouped 2D tensor only: (E,) int32 cumulative ends of the token
+    scale_swizzled: optional float8_e8m0fnu, the same scales swizzled for torch's block-scaled
+        GEMMs (`to_scale_layout("swizzled")`; `mxmoe.quant.scale_layout`); None: not made.
+    offs: with scale_swizzled of a grouped 2D tensor only: (E,) int32 cumulative ends of the token
         groups along the logical rows (the axis that is not blocked for a cast along dim 0, whose
-        group ends are then multiples of block_size); None otherwise.
+        group ends are then multiples of block_size), each group swizzled on its own; else None.
     """
 
     qdata_blocked: Tensor
@@ -63,7 +88,7 @@ class MXTensor:
     scaling_mode: str = "rceil"
     orig_dtype: torch.dtype = torch.bfloat16
     grad_anchor: Tensor | None = None
-    scale_layout: str = "plain"
+    scale_swizzled: Tensor | None = None
     offs: Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -82,39 +107,36 @@ class MXTensor:
 
     @property
     def scale(self) -> Tensor:
-        """E8M0 scales, logical shape = x.shape with shape[axis] // block_size (a view of the plain
-        layout; a new tensor from the blocked one)."""
-        return self.plain_scale().movedim(-1, self.axis)
+        """E8M0 scales, logical shape = x.shape with shape[axis] // block_size (a view of
+        scale_blocked)."""
+        return self.scale_blocked.movedim(-1, self.axis)
+
+    @property
+    def scale_layout(self) -> str:
+        """"swizzled" when the tensor carries its scales swizzled too (`scale_swizzled`), else
+        "plain"."""
+        return "plain" if self.scale_swizzled is None else "swizzled"
 
     def plain_scale(self) -> Tensor:
-        """The scales in the plain storage layout: qdata_blocked's shape with the last dim //
-        block_size, contiguous (scale_blocked itself when the layout is plain). A grouped blocked
-        layout keeps no scales for the tokens in no group (at or after offs[-1]): byte 0 there."""
-        if self.scale_layout == "plain":
-            return self.scale_blocked
-        *lead, R, C = self.qdata_blocked.shape
-        C //= self.block_size
-        if self.offs is None:
-            return sl.from_blocked(self.scale_blocked, R, C)
-        if self.axis == 1:
-            return sl.from_blocked_m_groups(self.scale_blocked, self.offs, R, C)
-        return sl.from_blocked_k_groups(self.scale_blocked, self.offs // self.block_size, R, C)
+        """The scales in the storage layout: qdata_blocked's shape with the last dim // block_size,
+        contiguous (scale_blocked)."""
+        return self.scale_blocked
 
     def to_scale_layout(self, scale_layout: str, offs: Tensor | None = None) -> MXTensor:
-        """This tensor with its scales in `scale_layout` ("plain" | "blocked"; offs: the token
-        groups of a 2D tensor for "blocked", as `to_mx` takes them). Same elements, same grad
-        anchor; self when nothing changes."""
+        """This tensor with its scales also swizzled ("swizzled"; offs: the token groups of a 2D
+        tensor, as `to_mx` takes them) or without the swizzled copy ("plain"). Same elements, same
+        storage scales, same grad anchor; self when nothing changes."""
         sl.check_scale_layout(scale_layout)
         if scale_layout == self.scale_layout and (scale_layout == "plain" or offs is self.offs):
             return self
-        scale = self.plain_scale()
-        if scale_layout == "blocked":
-            scale = _blocked_scales(scale, self.axis, self.block_size, offs)
+        swizzled = None
+        if scale_layout == "swizzled":
+            swizzled = _swizzled_scales(self.scale_blocked, self.axis, self.block_size, offs)
         else:
             offs = None
         return mx_tensor_trusted(
-            self.qdata_blocked, scale, self.axis, self.block_size, self.scaling_mode, self.orig_dtype,
-            self.grad_anchor, scale_layout, offs,
+            self.qdata_blocked, self.scale_blocked, self.axis, self.block_size, self.scaling_mode,
+            self.orig_dtype, self.grad_anchor, swizzled, offs,
         )
 
     @property
@@ -143,13 +165,10 @@ class MXTensor:
 
     def dequantize_trusted(self, dtype: torch.dtype, kernel: str) -> Tensor:
         """`dequantize` without checks, for the ops layer: dtype bf16/fp32, kernel concrete (from
-        `cast_kernel`). Returns the logical shape (a view of a contiguous (.., K) result).
-        A grouped blocked layout gives zeros for the tokens in no group (at or after offs[-1])."""
-        q, sc = self.qdata_blocked, self.plain_scale()
+        `cast_kernel`). Returns the logical shape (a view of a contiguous (.., K) result)."""
+        q, sc = self.qdata_blocked, self.scale_blocked
         if q.ndim == 2:
             out = dispatch.dequantize(q, sc, self.block_size, dtype, kernel)
-            if self.offs is not None and self.scale_layout == "blocked":
-                out = _zero_ungrouped(out, self.offs, self.axis)
             return out if self.axis == 1 else out.t()
         shape = tuple(q.shape)
         rows = _rows(shape, 1)
@@ -161,8 +180,8 @@ class MXTensor:
         """Rows `index` (int64, 1D) of a dim0-quantized 2D MXTensor, keeping the grad anchor."""
         if self.ndim != 2 or self.axis != 1:
             raise ValueError("index_rows needs a 2D MXTensor quantized along axis=-1")
-        if self.scale_layout != "plain":
-            raise ValueError("index_rows needs plain scales (scale_layout='plain')")
+        if self.scale_swizzled is not None:
+            raise ValueError("index_rows needs a tensor without swizzled scales (scale_layout='plain')")
         anchor = self.grad_anchor
         if anchor is not None:
             anchor = _IndexAnchor.apply(anchor, index)
@@ -191,10 +210,10 @@ def mx_tensor_trusted(
     scaling_mode: str,
     orig_dtype: torch.dtype,
     grad_anchor: Tensor | None = None,
-    scale_layout: str = "plain",
+    scale_swizzled: Tensor | None = None,
     offs: Tensor | None = None,
 ) -> MXTensor:
-    """`MXTensor(...)` without its checks, for the code that made qdata and scale itself (the casts,
+    """`MXTensor(...)` without its checks, for the code that made qdata and scales itself (the casts,
     the ops, the all-to-all): the caller guarantees what `MXTensor` would check."""
     t = _new(MXTensor)
     t.qdata_blocked = qdata_blocked
@@ -204,7 +223,7 @@ def mx_tensor_trusted(
     t.scaling_mode = scaling_mode
     t.orig_dtype = orig_dtype
     t.grad_anchor = grad_anchor
-    t.scale_layout = scale_layout
+    t.scale_swizzled = scale_swizzled
     t.offs = offs
     return t
 
@@ -244,28 +263,16 @@ def _check_fields(t: MXTensor) -> str:
         )
     if t.orig_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"orig_dtype={t.orig_dtype!r}: expected torch.bfloat16 or torch.float32")
-    sl.check_scale_layout(t.scale_layout)
     if q.shape[-1] % bs:
         raise ValueError(
             f"qdata_blocked {tuple(q.shape)}: its last dim {q.shape[-1]} is not divisible by block_size={bs}"
         )
-    if t.offs is not None:
-        _check_layout_offs(t.qdata, axis, t.scale_layout, t.offs, bs)
-    rows, cols = (q.shape[-2] if nd > 1 else 1), q.shape[-1] // bs
-    if t.scale_layout == "plain":
-        want = (*q.shape[:-1], cols)
-    elif nd < 2:
-        raise ValueError(f"scale_layout={t.scale_layout!r} needs at least 2 dims, got {tuple(q.shape)}")
-    elif t.offs is None:
-        want = (*q.shape[:-2], *sl.blocked_shape(rows, cols))
-    else:  # grouped: every group's scales blocked on their own (scale_layout's module docstring)
-        groups = t.offs.shape[0]
-        R, C = sl.blocked_shape(rows, cols)
-        want = (rows + 128 * groups, C) if axis == 1 else (R, cols + 4 * groups)
+    want = (*q.shape[:-1], q.shape[-1] // bs)
     if tuple(s.shape) != want:
         raise ValueError(
             f"scale_blocked has shape {tuple(s.shape)}; expected {want}: one scale per block_size={bs} "
-            f"elements of qdata_blocked {tuple(q.shape)} in the {t.scale_layout!r} layout"
+            f"elements of qdata_blocked {tuple(q.shape)} in the storage layout (swizzled scales go in "
+            "scale_swizzled)"
         )
     a = t.grad_anchor
     if a is not None and (not isinstance(a, Tensor) or a.shape != t.qdata.shape or a.device != q.device):
@@ -274,25 +281,66 @@ def _check_fields(t: MXTensor) -> str:
             f"grad_anchor is {got}; expected None or a tensor of the logical shape {tuple(t.qdata.shape)} "
             f"on {q.device}"
         )
+    _check_swizzled(t)
     return mode
 
 
-def _zero_ungrouped(out: Tensor, offs: Tensor, axis: int) -> Tensor:
-    """out (storage order) with the tokens at or after offs[-1] zeroed: rows for axis 1, columns
-    for axis 0 (storage (C, T))."""
-    T = out.shape[0] if axis == 1 else out.shape[1]
-    keep = torch.arange(T, device=out.device) < offs[-1].to(torch.int64)
-    keep = keep[:, None] if axis == 1 else keep[None, :]
-    return torch.where(keep, out, out.new_zeros(()))
-
-
-def _blocked_scales(scale: Tensor, axis: int, block_size: int, offs: Tensor | None) -> Tensor:
-    """Plain storage scales -> the blocked layout (see the module docstring)."""
+def _check_swizzled(t: MXTensor) -> None:
+    """`MXTensor(...)`'s checks of scale_swizzled and offs (the other fields already checked): dtype,
+    device and shape, offs as `to_mx` checks it, and the bytes those of scale_blocked swizzled (a
+    block-scaled GEMM reads only scale_swizzled: other bytes would be a silently wrong product)."""
+    q, s, sw, offs = t.qdata_blocked, t.scale_blocked, t.scale_swizzled, t.offs
+    if sw is None:
+        if offs is not None:
+            raise ValueError(
+                "offs groups the swizzled scales; pass scale_swizzled with it (or make both with "
+                ".to_scale_layout('swizzled', offs))"
+            )
+        return
+    if not isinstance(sw, Tensor) or sw.dtype != torch.float8_e8m0fnu:
+        got = f"{type(sw).__name__} {sw!r}" if not isinstance(sw, Tensor) else sw.dtype
+        raise TypeError(
+            f"scale_swizzled is {got}; expected None or a torch.float8_e8m0fnu tensor, the scales in "
+            "the swizzled layout (it replaced the scale_layout argument: .to_scale_layout('swizzled') "
+            "makes them)"
+        )
+    if q.ndim < 2:
+        raise ValueError(f"scale_swizzled needs qdata_blocked of at least 2 dims, got {tuple(q.shape)}")
+    if not sw.is_contiguous() or sw.device != q.device:
+        raise ValueError(
+            f"scale_swizzled must be a contiguous tensor on qdata_blocked's device {q.device}, got one on "
+            f"{sw.device}{'' if sw.is_contiguous() else ' (not contiguous)'}"
+        )
+    if offs is not None:
+        _check_layout_offs(t.qdata, t.axis, "swizzled", offs, t.block_size)
+    rows, cols = s.shape[-2:]
+    R, C = sl.swizzled_shape(rows, cols)
     if offs is None:
-        return sl.to_blocked(scale)
+        want = (*q.shape[:-2], R, C)
+    else:  # every group's scales swizzled on their own (scale_layout's module docstring)
+        groups = offs.shape[0]
+        want = (rows + 128 * groups, C) if t.axis == 1 else (R, cols + 4 * groups)
+    if tuple(sw.shape) != want:
+        grouped = f" in {offs.shape[0]} token groups (offs)" if offs is not None else ""
+        raise ValueError(
+            f"scale_swizzled has shape {tuple(sw.shape)}; expected {want}: scale_blocked "
+            f"{tuple(s.shape)} in the swizzled layout{grouped}"
+        )
+    made = _swizzled_scales(s, t.axis, t.block_size, offs)
+    if not torch.equal(sw.view(torch.uint8), made.view(torch.uint8)):
+        raise ValueError(
+            "scale_swizzled is not scale_blocked in the swizzled layout (padding zero); pass None and "
+            "call .to_scale_layout('swizzled', offs) to make it"
+        )
+
+
+def _swizzled_scales(scale: Tensor, axis: int, block_size: int, offs: Tensor | None) -> Tensor:
+    """Storage scales -> the swizzled layout (`mxmoe.quant.scale_layout`; per token group with offs)."""
+    if offs is None:
+        return sl.to_swizzled(scale)
     if axis == 1:
-        return sl.to_blocked_m_groups(scale, offs)
-    return sl.to_blocked_k_groups(scale, offs // block_size)
+        return sl.to_swizzled_m_groups(scale, offs)
+    return sl.to_swizzled_k_groups(scale, offs // block_size)
 
 
 def _check_layout_offs(x: Tensor, ax: int, scale_layout: str, offs, block_size: int) -> None:
@@ -301,8 +349,8 @@ def _check_layout_offs(x: Tensor, ax: int, scale_layout: str, offs, block_size: 
     sl.check_scale_layout(scale_layout)
     if offs is None:
         return
-    if scale_layout != "blocked":
-        raise ValueError("offs groups the scales of the blocked layout; pass scale_layout='blocked' with it")
+    if scale_layout != "swizzled":
+        raise ValueError("offs groups the swizzled scales; pass scale_layout='swizzled' with it")
     if x.ndim != 2:
         raise ValueError(f"offs needs a 2D x (tokens, features), got shape {tuple(x.shape)}")
     if not isinstance(offs, Tensor) or offs.ndim != 1 or offs.dtype != torch.int32 or offs.numel() == 0:
@@ -314,7 +362,7 @@ def _check_layout_offs(x: Tensor, ax: int, scale_layout: str, offs, block_size: 
         raise ValueError(f"offs={ends} must be non-decreasing group ends <= x.shape[0]={x.shape[0]}")
     if ax != 1 and any(e % block_size for e in ends):
         raise ValueError(
-            f"offs={ends}: a cast along dim 0 with grouped blocked scales needs every group end a "
+            f"offs={ends}: a cast along dim 0 with grouped swizzled scales needs every group end a "
             f"multiple of block_size={block_size} (a block must not straddle two groups)"
         )
 
@@ -388,12 +436,13 @@ def to_mx(
     must then be left at their defaults). The cast kernel comes from the recipe only (its
     dim0_kernel for a cast along the last dim, its dim1_kernel otherwise; chosen by
     `mxmoe.quant.backends.cast_kernel`); without a recipe it is "auto".
-    scale_layout: "plain" (above) or "blocked": the scales in the layout of Blackwell's
-    block-scaled GEMMs (module docstring), rearranged after the cast by a torch pass (every cast
-    kernel writes the plain layout).
-    offs: with "blocked" and a 2D x (tokens, features) only: (E,) int32 cumulative ends of the
+    scale_layout: "plain" (above) or "swizzled": the scales also in the layout of Blackwell's
+    block-scaled GEMMs (`scale_swizzled`, torchao's swizzled scales), rearranged after the cast by
+    a torch pass (every cast kernel writes the storage layout). ("blocked" is refused, naming
+    "swizzled": in mxmoe it names only the storage with blocks contiguous.)
+    offs: with "swizzled" and a 2D x (tokens, features) only: (E,) int32 cumulative ends of the
     token groups along dim 0 (the rows of a cast along the last dim; for a cast along dim 0 every
-    end a multiple of the block size), each group's scales blocked on their own as
+    end a multiple of the block size), each group's scales swizzled on their own as
     torch._scaled_grouped_mm takes them. Checked here with a host read.
     """
     if recipe is not None:

@@ -1,4 +1,5 @@
-"""E8M0 scales in the layout Blackwell's block-scaled tensor cores read ("blocked").
+"""E8M0 scales in the layout Blackwell's block-scaled tensor cores read ("swizzled", torchao's
+`is_swizzled_scales`; "blocked" in mxmoe means only storage with each block's elements contiguous).
 
 A plain scale matrix (R, C) (one scale per 32 elements along a row: C = K // 32) is padded to
 (roundup(R, 128), roundup(C, 4)) with zeros and cut into 128x4 tiles, stored tile after tile (tile
@@ -8,14 +9,14 @@ rearranged as 32x16 (cuBLAS's "1D block scaling factors layout", what torch._sca
 torch._scaled_grouped_mm take with float8_e8m0fnu scales).
 
 Grouped operands (torch._scaled_grouped_mm), groups of a token dim given by `offs`:
-  * groups along the rows (`to_blocked_m_groups`: a dim0 cast of tokens (T, K), forward/dgrad):
-    every group's rows are blocked on their own, each group starting at the next multiple of 128
+  * groups along the rows (`to_swizzled_m_groups`: a dim0 cast of tokens (T, K), forward/dgrad):
+    every group's rows are swizzled on their own, each group starting at the next multiple of 128
     rows; result (R + 128 E, C4), the rows after the last group zero.
-  * groups along the scale columns (`to_blocked_k_groups`: a dim1 cast of tokens, stored (N, T),
-    scales (N, T // 32), wgrad): every group's columns are blocked on their own (its columns padded
+  * groups along the scale columns (`to_swizzled_k_groups`: a dim1 cast of tokens, stored (N, T),
+    scales (N, T // 32), wgrad): every group's columns are swizzled on their own (its columns padded
     to 4), group g's tiles at flat offset start_g * roundup(R, 128), start_g the group's first
     padded column; result (roundup(R, 128), C + 4 E). Group sizes in scale columns.
-  * 3D weights (E, R, C): each matrix blocked on its own (`to_blocked`).
+  * 3D weights (E, R, C): each matrix swizzled on its own (`to_swizzled`).
 Nothing syncs with the host: the grouped layouts scatter rows, columns and whole tiles with
 indices computed on the device (one index per row, column or tile, not per scale).
 """
@@ -25,7 +26,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-SCALE_LAYOUTS = ("plain", "blocked")
+SCALE_LAYOUTS = ("plain", "swizzled")
+RENAMED_SCALE_LAYOUTS = {"blocked": "swizzled"}
+"""Old scale_layout values, refused with the new one named."""
+RENAMED = {
+    "to_blocked": "to_swizzled", "from_blocked": "from_swizzled", "blocked_shape": "swizzled_shape",
+    "to_blocked_m_groups": "to_swizzled_m_groups", "to_blocked_k_groups": "to_swizzled_k_groups",
+    "from_blocked_m_groups": "from_swizzled_m_groups", "from_blocked_k_groups": "from_swizzled_k_groups",
+}
+"""Old function names of this module -> the new ones (an AttributeError names the new one)."""
 TILE_ROWS, TILE_COLS = 128, 4
 
 
@@ -33,26 +42,29 @@ def _roundup(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def blocked_shape(rows: int, cols: int) -> tuple[int, int]:
-    """The (rows, cols) of a plain (rows, cols) scale matrix in the blocked layout."""
+def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
+    """The (rows, cols) of a plain (rows, cols) scale matrix in the swizzled layout."""
     return _roundup(rows, TILE_ROWS), _roundup(cols, TILE_COLS)
 
 
 def check_scale_layout(scale_layout: str) -> str:
-    """`scale_layout` if it is one of SCALE_LAYOUTS, else a ValueError naming it."""
+    """`scale_layout` if it is one of SCALE_LAYOUTS, else a ValueError naming it (and, for an old
+    spelling, the new one)."""
     if scale_layout not in SCALE_LAYOUTS:
+        new = RENAMED_SCALE_LAYOUTS.get(scale_layout) if isinstance(scale_layout, str) else None
+        now = f" (scale_layout={scale_layout!r} is now scale_layout={new!r})" if new else ""
         raise ValueError(
-            f"scale_layout={scale_layout!r} is not a scale layout; expected one of {list(SCALE_LAYOUTS)}"
+            f"scale_layout={scale_layout!r} is not a scale layout; expected one of {list(SCALE_LAYOUTS)}{now}"
         )
     return scale_layout
 
 
-def to_blocked(scale: Tensor) -> Tensor:
+def to_swizzled(scale: Tensor) -> Tensor:
     """Plain scales (..., R, C) (any dtype of one byte, e.g. float8_e8m0fnu) -> (..., R128, C4),
-    R128 = roundup(R, 128), C4 = roundup(C, 4), contiguous, each matrix in the blocked layout (its
+    R128 = roundup(R, 128), C4 = roundup(C, 4), contiguous, each matrix in the swizzled layout (its
     flat bytes are the tiles in order; padding zero)."""
     *lead, R, C = scale.shape
-    R128, C4 = blocked_shape(R, C)
+    R128, C4 = swizzled_shape(R, C)
     x = scale.view(torch.uint8)  # (zero padding and copies in bytes: e8m0 has few kernels on CPU)
     if (R128, C4) != (R, C):
         x = x.new_zeros(*lead, R128, C4)
@@ -65,17 +77,17 @@ def to_blocked(scale: Tensor) -> Tensor:
     return t.reshape(*lead, R128, C4).view(scale.dtype)
 
 
-def from_blocked(blocked: Tensor, rows: int, cols: int) -> Tensor:
-    """The inverse of `to_blocked`: (..., R128, C4) blocked -> (..., rows, cols) plain, contiguous."""
-    *lead, R128, C4 = blocked.shape
+def from_swizzled(swizzled: Tensor, rows: int, cols: int) -> Tensor:
+    """The inverse of `to_swizzled`: (..., R128, C4) swizzled -> (..., rows, cols) plain, contiguous."""
+    *lead, R128, C4 = swizzled.shape
     nb = len(lead)
-    t = blocked.view(torch.uint8).reshape(*lead, R128 // 128, C4 // 4, 32, 4, 4)
+    t = swizzled.view(torch.uint8).reshape(*lead, R128 // 128, C4 // 4, 32, 4, 4)
     t = t.permute(*range(nb), nb, nb + 3, nb + 2, nb + 1, nb + 4).reshape(*lead, R128, C4)
-    return t[..., :rows, :cols].contiguous().view(blocked.dtype)
+    return t[..., :rows, :cols].contiguous().view(swizzled.dtype)
 
 
 def _tile_offset(r: Tensor, c: Tensor, tiles_per_row: Tensor | int) -> Tensor:
-    """Flat offset of (row r, column c) in a blocked matrix with `tiles_per_row` tiles per row of
+    """Flat offset of (row r, column c) in a swizzled matrix with `tiles_per_row` tiles per row of
     tiles (int64 tensors)."""
     within = (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
     return (r // 128 * tiles_per_row + c // 4) * 512 + within
@@ -100,9 +112,9 @@ def _padded_starts(offs: Tensor, multiple: int) -> Tensor:
     return torch.cat([padded.new_zeros(1), torch.cumsum(padded, 0)])
 
 
-def to_blocked_m_groups(scale: Tensor, offs: Tensor) -> Tensor:
+def to_swizzled_m_groups(scale: Tensor, offs: Tensor) -> Tensor:
     """Plain scales (R, C) of tokens grouped along the rows (offs (E,) int cumulative row ends)
-    -> (R + 128 E, C4) in the blocked layout per group: group g's rows blocked on their own from
+    -> (R + 128 E, C4) in the swizzled layout per group: group g's rows swizzled on their own from
     row start_g = sum over earlier groups of roundup(size, 128). Rows at or after offs[-1] are in
     no group and are left out; everything not written is zero."""
     dtype, scale = scale.dtype, scale.view(torch.uint8)  # (index_copy takes bytes, not e8m0)
@@ -117,13 +129,13 @@ def to_blocked_m_groups(scale: Tensor, offs: Tensor) -> Tensor:
     src = torch.where((g < E)[:, None], scale, scale.new_zeros(()))
     frame = scale.new_zeros(_roundup(F, TILE_ROWS), C).index_copy_(0, fr, src)
     C4 = _roundup(C, TILE_COLS)
-    return to_blocked(frame).view(-1)[: F * C4].view(F, C4).view(dtype)
+    return to_swizzled(frame).view(-1)[: F * C4].view(F, C4).view(dtype)
 
 
-def to_blocked_k_groups(scale: Tensor, offs: Tensor) -> Tensor:
+def to_swizzled_k_groups(scale: Tensor, offs: Tensor) -> Tensor:
     """Plain scales (R, C) whose columns are grouped (offs (E,) int cumulative column ends, in
-    scale columns: token offsets // 32) -> (R128, C + 4 E) in the blocked layout per group: group
-    g's columns blocked on their own (padded to 4), its tiles at flat offset start_g * R128,
+    scale columns: token offsets // 32) -> (R128, C + 4 E) in the swizzled layout per group: group
+    g's columns swizzled on their own (padded to 4), its tiles at flat offset start_g * R128,
     start_g = sum over earlier groups of roundup(size, 4). Columns at or after offs[-1] are left
     out; everything not written is zero."""
     dtype, scale = scale.dtype, scale.view(torch.uint8)
@@ -140,7 +152,7 @@ def to_blocked_k_groups(scale: Tensor, offs: Tensor) -> Tensor:
     src = torch.where((g < E)[None, :], scale, scale.new_zeros(()))
     frame = scale.new_zeros(R128, Cf)
     frame[:R].index_copy_(1, fc, src)
-    tiles = to_blocked(frame).view(R128 // 128, Cf // 4, 512)
+    tiles = to_swizzled(frame).view(R128 // 128, Cf // 4, 512)
     cb = torch.arange(Cf // 4, device=scale.device)
     tg = torch.searchsorted(pstart[1:] // 4, cb, right=True)  # each frame tile column's group
     tgc = tg.clamp(max=E - 1)
@@ -154,43 +166,49 @@ def to_blocked_k_groups(scale: Tensor, offs: Tensor) -> Tensor:
     return out.view(-1)[:n_out].view(R128, C + 4 * E).view(dtype)
 
 
-def from_blocked_m_groups(blocked: Tensor, offs: Tensor, rows: int, cols: int) -> Tensor:
-    """The inverse of `to_blocked_m_groups` -> (rows, cols) plain; rows in no group get scale
+def from_swizzled_m_groups(swizzled: Tensor, offs: Tensor, rows: int, cols: int) -> Tensor:
+    """The inverse of `to_swizzled_m_groups` -> (rows, cols) plain; rows in no group get scale
     byte 0 (their elements are zero where the ops make such operands)."""
     E = offs.shape[0]
-    C4 = blocked.shape[1]
+    C4 = swizzled.shape[1]
     g, local, _ = _group_of(offs, rows)
     fr = _padded_starts(offs, TILE_ROWS)[g.clamp(max=E - 1)] + local
     src = _tile_offset(fr[:, None], torch.arange(cols, device=offs.device)[None, :], C4 // 4)
-    flat = torch.cat([blocked.reshape(-1).view(torch.uint8), blocked.new_zeros(1, dtype=torch.uint8)])
+    flat = torch.cat([swizzled.reshape(-1).view(torch.uint8), swizzled.new_zeros(1, dtype=torch.uint8)])
     src = torch.where((g < E)[:, None], src, flat.numel() - 1)
-    return flat[src].view(blocked.dtype)
+    return flat[src].view(swizzled.dtype)
 
 
-def from_blocked_k_groups(blocked: Tensor, offs: Tensor, rows: int, cols: int) -> Tensor:
-    """The inverse of `to_blocked_k_groups` -> (rows, cols) plain; columns in no group get scale
+def from_swizzled_k_groups(swizzled: Tensor, offs: Tensor, rows: int, cols: int) -> Tensor:
+    """The inverse of `to_swizzled_k_groups` -> (rows, cols) plain; columns in no group get scale
     byte 0."""
     E = offs.shape[0]
-    R128 = blocked.shape[0]
+    R128 = swizzled.shape[0]
     g, local, _ = _group_of(offs, cols)
     pstart = _padded_starts(offs, TILE_COLS)
     gc = g.clamp(max=E - 1)
     tiles_per_row = (pstart[gc + 1] - pstart[gc]) // 4
     r = torch.arange(rows, device=offs.device)
     src = pstart[gc][None, :] * R128 + _tile_offset(r[:, None], local[None, :], tiles_per_row[None, :])
-    flat = torch.cat([blocked.reshape(-1).view(torch.uint8), blocked.new_zeros(1, dtype=torch.uint8)])
+    flat = torch.cat([swizzled.reshape(-1).view(torch.uint8), swizzled.new_zeros(1, dtype=torch.uint8)])
     src = torch.where((g < E)[None, :], src, flat.numel() - 1)
-    return flat[src].view(blocked.dtype)
+    return flat[src].view(swizzled.dtype)
+
+
+def __getattr__(name: str):
+    if name in RENAMED:
+        raise AttributeError(f"mxmoe.quant.scale_layout.{name} is now {RENAMED[name]}")
+    raise AttributeError(f"module 'mxmoe.quant.scale_layout' has no attribute {name!r}")
 
 
 __all__ = [
     "SCALE_LAYOUTS",
-    "blocked_shape",
     "check_scale_layout",
-    "from_blocked",
-    "from_blocked_k_groups",
-    "from_blocked_m_groups",
-    "to_blocked",
-    "to_blocked_k_groups",
-    "to_blocked_m_groups",
+    "from_swizzled",
+    "from_swizzled_k_groups",
+    "from_swizzled_m_groups",
+    "to_swizzled",
+    "to_swizzled_k_groups",
+    "to_swizzled_m_groups",
+    "swizzled_shape",
 ]

@@ -17,6 +17,19 @@ from mxmoe.formats import E8M0_BIAS, E8M0_NAN, CastSpec, ScalingMode
 from mxmoe.quant.checks import dim0_outputs
 from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 
+# The backend's declarations (`mxmoe.quant.backends.CAST_BACKENDS`)
+
+
+def why_unavailable(device: torch.device, cast: str) -> str | None:
+    """None: the torch casts run on every device, every cast."""
+    return None
+
+
+def auto_rank(device: torch.device, cast: str) -> int:
+    """"auto"'s last choice: the kernels are faster where they run (CUDA), and the only one
+    elsewhere."""
+    return 2
+
 _ABS_MASK = 0x7FFFFFFF
 _F32_INF_BITS = 0x7F800000
 _MANT_MASK = 0x7FFFFF

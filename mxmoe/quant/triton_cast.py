@@ -35,6 +35,25 @@ from mxmoe.formats import MODE_IDS, CastSpec, ElemFormat, f32_bits
 from mxmoe.quant.backends import cdiv, next_pow2, triton_interpret
 from mxmoe.quant.checks import dim0_outputs
 
+# The backend's declarations (`mxmoe.quant.backends.CAST_BACKENDS`; its module imports triton: the
+# registry answers for a host without it)
+
+
+def why_unavailable(device: torch.device, cast: str) -> str | None:
+    """None on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1 (the interpreter)."""
+    if device.type == "cuda" or (device.type == "cpu" and triton_interpret()):
+        return None
+    return (
+        f"kernel='triton' needs a CUDA tensor (got a {device.type} tensor), or TRITON_INTERPRET=1 "
+        "to run the kernels on CPU through the Triton interpreter"
+    )
+
+
+def auto_rank(device: torch.device, cast: str) -> int | None:
+    """"auto"'s second choice on CUDA (after the C++ operators, whose host cost per call is a
+    fraction of a Triton launch's); never elsewhere (the interpreter is for tests)."""
+    return 1 if device.type == "cuda" else None
+
 # Tiles of the H200 sweep's winners (elements per thread in brackets; all read 16-byte vectors).
 _DIM0_ELEMS, _DIM0_WARPS = 8192, 8  # elements per program of the dim0 kernel (a multiple of bs) [32]
 _DIM1_ROWS, _DIM1_COLS, _DIM1_WARPS = 128, 64, 8  # rows (block axis) x cols per dim1 program [32]

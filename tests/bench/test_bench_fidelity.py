@@ -37,18 +37,39 @@ def test_mx_errors_where_its_gemms_are(res):
     assert eo["experts"] == pytest.approx(mx["experts"], rel=0.5)
     assert lo["experts"] < 0.05 * mx["experts"]
     assert lo["attention"] == pytest.approx(mx["attention"], rel=0.5)
+    assert lo["shared_expert"] == pytest.approx(mx["shared_expert"], rel=0.5)
+
+
+def test_attention_stays_high_precision_under_the_default_filter():
+    cfg = parse_args(["--config", "debug_moe", *SMALL])
+    mx = fidelity.measure(cfg, 0, 1, ["mx"], torch.device("cpu"))["mx"]
+    assert 0.005 < mx["shared_expert"] < 0.5
+    # attention stays high precision by default (mxmoe.options.DEFAULT_FILTER_FQNS): its weight
+    # gradients only see the MX dgrads of the layers above
+    assert mx["attention"] < 0.1 * mx["shared_expert"]
 
 
 def test_straight_through_variants(res):
     mx = res["mx"]
     # at the initial weights (steps=0): the experts' weight gradients come from high-precision
-    # operands in fwd_only and hp_wgrad, from MX ones in hp_dgrad
+    # operands in fwd_only, from MX ones in fwd_wgrad_only
     assert res["mx_fwd_only"]["experts"] < 0.05 * mx["experts"]
-    assert res["mx_hp_wgrad"]["experts"] < 0.05 * mx["experts"]
-    assert res["mx_hp_dgrad"]["experts"] == pytest.approx(mx["experts"], rel=0.2)
-    # forward values are MX's in all three: the same loss as mx
-    for v in ("mx_fwd_only", "mx_hp_wgrad", "mx_hp_dgrad"):
+    assert res["mx_fwd_wgrad_only"]["experts"] == pytest.approx(mx["experts"], rel=0.2)
+    # forward values are MX's in both: the same loss as mx
+    for v in ("mx_fwd_only", "mx_fwd_wgrad_only"):
         assert res[v]["loss"] == pytest.approx(mx["loss"], abs=1e-6)
+
+
+def test_wgrad_with_hp_is_the_recipe(res):
+    """mx_wgrad_with_hp runs the recipe mxfp8_rceil_wgrad_with_hp: mx's forward (the same loss, bit
+    for bit) and weight gradients from high-precision GEMMs, whose operands still carry the MX error
+    of the forward GEMMs before them and of the dgrads above (h, dh inside an MLP): errors below
+    mx's, not near zero (the straight-through mx_fwd_only, whose whole module is high precision in
+    backward, is the bound)."""
+    mx, wh = res["mx"], res["mx_wgrad_with_hp"]
+    assert wh["loss"] == mx["loss"]
+    for g in ("experts", "shared_expert"):
+        assert 0.005 < wh[g] < mx[g], (g, wh[g], mx[g])
 
 
 def test_cli_table_and_json(tmp_path, capsys, monkeypatch):
@@ -68,6 +89,8 @@ def test_cli_table_and_json(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "args, match",
     [(["--variants", "mx,fp4"], "'fp4' is not one of"), (["--steps", "-1"], "--steps=-1"),
+     (["--variants", "mx_hp_wgrad"], "'mx_hp_wgrad' is now 'mx_wgrad_with_hp'"),
+     (["--variants", "mx_hp_dgrad"], "'mx_hp_dgrad' is now 'mx_fwd_wgrad_only'"),
      (["stray"], "Unrecognized options: stray"),
      (["--training.batch_size=2"], "is now --training.local_batch_size")],
 )

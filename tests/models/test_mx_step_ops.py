@@ -6,8 +6,8 @@ counted outside the quantizer.
 The quantizer's own ops are left out: the MX ops call the qdq body directly in eager mode (the
 `mxmoe::qdq` custom op is one dispatched call only while torch.compile traces or autograd records
 its input), so the count marks the calls of `mxmoe.quant.qdq._qdq_impl` and skips the ops inside
-them. Likewise the MX ops call `mxmoe::grouped_mm_hp`'s body directly in eager mode: a direct call
-of `mxmoe.ops.gemm._grouped_mm_hp_impl` counts as the one GEMM `grouped_mm_hp` it stands for (what
+them. Likewise the MX ops call `mxmoe::grouped_mm`'s body directly in eager mode: a direct call
+of `mxmoe.ops.gemm._grouped_mm_impl` counts as the one GEMM `grouped_mm` it stands for (what
 the bf16 experts dispatch), the ops inside it skipped. What is left is what the MX modules do
 around the quantizer: copies, elementwise ops and GEMMs, each keyed by op, phase (forward /
 backward), operand shapes and dtypes, output dtype.
@@ -19,8 +19,8 @@ gradients between fp32 and bf16, which the bf16 step does not make); elementwise
 in both, the MX step's elementwise ops plus the routed experts' silu recomputed in backward (one
 per layer, `mx_grouped_swiglu_mlp`; on CUDA minus their forward silu and mul and their backward's
 silu_backward and two muls, formed in the cuda kernels' registers). Quantizer calls
-per step (weights cast at each use, no cast cache): 72, 80 before the
-shared casts (`test_mx_step_shares_input_casts`).
+per step (weights cast at each use, no cast cache) with attention MX too: 72, 80 before the
+shared casts (`test_mx_step_shares_input_casts`; 44 with attention high precision, the default).
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ import mxmoe.quant.qdq as qdq_mod
 from mxmoe.models.moe import Transformer, model_args
 from mxmoe.nn.converter import convert
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_swiglu, mx_mm
+from mxmoe.options import DEFAULT_FILTER_FQNS, MXOptions
 from mxmoe.quant import cuda_cast
-from mxmoe.recipe import MXRecipe
 
 COPIES = {"_to_copy", "copy_", "clone"}  # .contiguous() / .reshape() copies dispatch as clone
-GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm_hp"}
+GEMMS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm"}
 QDQ_IMPL = qdq_mod._qdq_impl
-GROUPED_IMPL = gemm_mod._grouped_mm_hp_impl
+GROUPED_IMPL = gemm_mod._grouped_mm_impl
 
 
 class StepOps(TorchDispatchMode):
@@ -59,7 +59,7 @@ class StepOps(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.phase = "fwd"
         self.depth = 0
-        self.inside_gemm = 0  # in a direct call of grouped_mm_hp's body (recorded as the op)
+        self.inside_gemm = 0  # in a direct call of grouped_mm's body (recorded as the op)
         self.qdq_calls = self.qdq_ops = self.weight_copies = 0
         self.weight_storages = {w.untyped_storage().data_ptr() for w in weights}
 
@@ -115,11 +115,11 @@ def one_step(model, fqns: list[str], monkeypatch) -> StepOps:
             out = GROUPED_IMPL(a, b, offs)
         finally:
             log.inside_gemm -= 1
-        log.record("grouped_mm_hp", (), (a, b, offs), out)
+        log.record("grouped_mm", (), (a, b, offs), out)
         return out
 
     monkeypatch.setattr(qdq_mod, "_qdq_impl", marked)
-    monkeypatch.setattr(gemm_mod, "_grouped_mm_hp_impl", grouped_body)
+    monkeypatch.setattr(gemm_mod, "_grouped_mm_impl", grouped_body)
     dev = next(model.parameters()).device
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(dev)
     # autocast's weight-cast cache off, as the trainer's CUDA-graph step runs it
@@ -131,16 +131,33 @@ def one_step(model, fqns: list[str], monkeypatch) -> StepOps:
     return log
 
 
+def _options(device: str, **kw) -> MXOptions:
+    """The MX options of these tests on `device` (kw: other fields, e.g. filter_fqns)."""
+    if device == "cpu":  # the recipe as on the H200 (bf16 GEMM operands), CPU cast kernels
+        torch_casts = {"mxfp8_dim0_cast_kernel_choice": "torch", "mxfp8_dim1_cast_kernel_choice": "torch"}
+        kw.update(torch_casts, gemm_dtype="bfloat16")
+    # else the default recipe: the Triton qdq, bf16 GEMMs (torch.mm, torch._grouped_mm)
+    return MXOptions(**kw)
+
+
+def _convert(bf16: Transformer, **kw) -> tuple[Transformer, Transformer, list[str]]:
+    mx = convert(copy.deepcopy(bf16), _options(next(bf16.parameters()).device.type, **kw))
+    fqns = [f for kind in mx.mx_conversion.converted.values() for f in kind]  # the MX modules
+    return bf16, mx, fqns
+
+
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def models(request):
     torch.manual_seed(0)
-    bf16 = Transformer(model_args("debug_moe")).to(request.param)
-    if request.param == "cpu":  # the recipe as on the H200 (bf16 GEMM operands), CPU cast kernels
-        recipe = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_dtype=torch.bfloat16)
-    else:  # the default recipe: the Triton qdq, bf16 GEMMs (torch.mm, torch._grouped_mm)
-        recipe = MXRecipe()
-    mx = convert(copy.deepcopy(bf16), recipe)
-    fqns = [f for kind in mx.mx_conversion.converted.values() for f in kind]  # the MX modules
+    return _convert(Transformer(model_args("debug_moe")).to(request.param))
+
+
+@pytest.fixture(scope="module")
+def attention_mx(models):
+    """`models` with attention MX too (the default filter, DEFAULT_FILTER_FQNS, keeps it high
+    precision): q, k, v share one cast of their input."""
+    bf16, mx, fqns = _convert(models[0], filter_fqns=[f for f in DEFAULT_FILTER_FQNS if f != "attention"])
+    assert any(".attention." in f for f in fqns) and not any(".attention." in f for f in models[2])
     return bf16, mx, fqns
 
 
@@ -151,7 +168,7 @@ def test_mx_step_copies_no_more_than_bf16(models, monkeypatch):
     Copies both steps make (allowed, not extra): the autocast casts of activations entering a GEMM
     (mx_mm / mx_grouped_mm cast their input as torch.mm under autocast does; the experts once for
     w1 and w3), their gradients cast back, each weight gradient cast from the GEMM's bf16 to the
-    fp32 parameter (the MX ops' hp_gemm(..., out_dtype=param dtype), bf16's ToCopyBackward of its
+    fp32 parameter (the MX ops' gemm(..., out_dtype=param dtype), bf16's ToCopyBackward of its
     weight cast), the model's own fp32 islands (router, RoPE, RMSNorm, the routed sum) and the
     attention reshapes. Extra copies justified for MX: none.
     Copies only the bf16 step makes: the weight casts fp32 -> bf16 (MX quantizes the fp32 master
@@ -174,7 +191,7 @@ def test_mx_step_elementwise_and_gemms_as_bf16(models, monkeypatch):
     """Outside the quantizer the MX step runs the bf16 step's elementwise ops exactly (same ops on
     the same shapes and dtypes: no elementwise work in fp32 where bf16 runs bf16, no extra pass)
     and its GEMMs (on CPU the same calls; on CUDA as many per phase: the experts' grouped GEMMs are
-    mxmoe::grouped_mm_hp there, around torch._grouped_mm, its wgrad in the parameter's layout).
+    mxmoe::grouped_mm there, around torch._grouped_mm, its wgrad in the parameter's layout).
     One exception, the routed experts' SwiGLU (`mx_grouped_swiglu_mlp`): its backward recomputes
     F.silu(g) (it keeps g and u, not F.silu(g) and h; under torch.compile inductor fuses the
     recompute into the backward's elementwise kernel), and on CUDA its forward runs no silu and no
@@ -208,14 +225,15 @@ def test_mx_step_elementwise_and_gemms_as_bf16(models, monkeypatch):
         assert got == want, (dict(got - want), dict(want - got))
 
 
-def test_mx_step_shares_input_casts(models, monkeypatch):
+def test_mx_step_shares_input_casts(attention_mx, monkeypatch):
     """q, k, v (`mxmoe.nn.project`) and each SwiGLU's w1, w3 (the routed experts' and the shared
     expert's) cast their common input once: per layer the forward makes 2 + 1 + 1 quantizer calls
     fewer than with one single op per weight (the casts of x along K and along M, one fused call
     each), 8 on this model (2 layers): 72 calls per step instead of 80 on CPU. The backward's casts
     (each dy, each weight) are unchanged, except on CUDA the routed experts' casts of dg and du
-    (`mx_grouped_swiglu_mlp`: the cuda kernel, no qdq call; 2 per layer). Same loss bits both ways."""
-    bf16, mx, fqns = models
+    (`mx_grouped_swiglu_mlp`: the cuda kernel, no qdq call; 2 per layer). Same loss bits both ways.
+    Attention MX here (`attention_mx`), so that q, k, v share their cast."""
+    bf16, mx, fqns = attention_mx
     mx.zero_grad(set_to_none=True)  # the other tests' steps left theirs
     shared = one_step(mx, fqns, monkeypatch)
     grads = [p.grad.clone() for p in mx.parameters() if p.grad is not None]

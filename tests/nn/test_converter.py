@@ -101,3 +101,18 @@ def test_convert_takes_a_recipe():
     model = convert(Tiny(), r)
     assert model.experts.recipe == r
     assert "MXFP8 recipe mxfp8 (dim0_kernel=torch, dim1_kernel=torch)" in model.mx_conversion.summary()
+
+
+def test_every_named_recipe_converts_by_name():
+    """Each of torchao's recipe names reaches the modules through MXOptions and is named in the
+    report: mxfp8_rceil_wgrad_with_hp (wgrad_with_hp) and mxfp8_emulated_rceil (the emulated GEMM)."""
+    from mxmoe.nn.converter import recipe_name
+    from mxmoe.recipe import RECIPES
+
+    for name, want in RECIPES.items():
+        model = convert(Tiny(), MXOptions(recipe_name=name))
+        assert model.inp.recipe == model.experts.recipe == want
+        assert recipe_name(want) == name
+    assert recipe_name(recipe("mxfp8_rceil_wgrad_with_hp", dim1_kernel="torch")) == (
+        "mxfp8_rceil_wgrad_with_hp (dim1_kernel=torch)"
+    )

@@ -105,7 +105,7 @@ def test_mx_rows_must_be_blocked_along_dim():
         m(cols, torch.tensor(COUNTS))
 
 
-def test_hp_experts_compile_fullgraph():
+def test_bf16_experts_compile_fullgraph():
     """fullgraph with aot_eager (as the trainer compiles a local MoE layer): eager's bits."""
     ex, x, dy = make()
     counts = torch.tensor(COUNTS)

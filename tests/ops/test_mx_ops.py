@@ -317,7 +317,7 @@ def _fake_vs_real(op, *args):
 def check_custom_op_layouts(device, kernel):
     """Every mxmoe custom op's real outputs have exactly the layout its fake promises (torch.compile
     builds on the fake: inductor asserts strides, AOTAutograd replays views with them)."""
-    from mxmoe.ops.gemm import grouped_mm_hp
+    from mxmoe.ops.gemm import grouped_mm
 
     for rows, cols in ((32, 64), (64, 96), (96, 32)):  # one block of rows is the transposed case
         for dtype in (torch.float32, torch.bfloat16):
@@ -339,13 +339,13 @@ def check_custom_op_layouts(device, kernel):
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(48, 64, dtype=dtype, device=device)
         b = torch.randn(3, 64, 32, dtype=dtype, device=device)
-        real, fake = _fake_vs_real(grouped_mm_hp, a, b, offs)
-        assert real == fake, ("grouped_mm_hp 3D", dtype)
+        real, fake = _fake_vs_real(grouped_mm, a, b, offs)
+        assert real == fake, ("grouped_mm 3D", dtype)
         # 2D x 2D: group boundaries along T multiples of 8 (torch._grouped_mm on CUDA needs 16-byte
         # aligned groups; mx_grouped_mm's wgrad always passes multiples of 32)
         offs2 = torch.tensor([8, 8, 40], dtype=torch.int32, device=device)
-        real, fake = _fake_vs_real(grouped_mm_hp, a.t().contiguous(), a, offs2)
-        assert real == fake, ("grouped_mm_hp 2D", dtype)
+        real, fake = _fake_vs_real(grouped_mm, a.t().contiguous(), a, offs2)
+        assert real == fake, ("grouped_mm 2D", dtype)
 
 
 def test_custom_op_layouts_cpu():
@@ -422,3 +422,15 @@ def test_autocast_inside_compile_fullgraph_same_results():
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w)
     out.backward()
     assert torch.equal(out, ref) and torch.equal(x.grad, grads[0]) and torch.equal(w.grad, grads[1])
+
+
+def test_renamed_names_say_where_they_went():
+    """The GEMM module's old names (issue 47: one name per idea; the backend resolution in its own
+    module) are refused with the new one named."""
+    import mxmoe.ops.gemm as gemm_mod
+
+    for old, new in (("grouped_mm_hp", "mxmoe.ops.gemm.grouped_mm"), ("hp_gemm", "mxmoe.ops.gemm.gemm"),
+                     ("op_plan", "mxmoe.ops.gemm_backend.op_kernels"),
+                     ("QDQ_BACKENDS", "mxmoe.ops.gemm_backend.QDQ_BACKENDS")):
+        with pytest.raises(AttributeError, match=f"mxmoe.ops.gemm.{old} is now {new}"):
+            getattr(gemm_mod, old)

@@ -1,6 +1,6 @@
 """The native (Blackwell) GEMM backend against the peer, on CPU.
 
-Blocked scales: `mxmoe.quant.scale_layout` byte-equal to torchao 0.18's `to_blocked` and its
+Swizzled scales: `mxmoe.quant.scale_layout` byte-equal to torchao 0.18's `to_blocked` and its
 per-group rearrangements (2D grouped along M, along K, 3D weights) on every shape class. The
 grouped GEMM: for the same inputs, the tensors (values, shapes, strides), scales and offsets that
 mx_grouped_mm hands torch._scaled_grouped_mm (forward, dgrad, wgrad) byte-identical to those
@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from mxmoe import MXRecipe
-from mxmoe.ops import gemm, mx_gemm, mx_grouped_mm, mx_mm
+from mxmoe.ops import gemm_backend, mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.quant import backends
 from mxmoe.quant import scale_layout as sl
 from mxmoe.quant.mx_tensor import to_mx, to_mx_dim0_dim1
+from tests.ops.native import MXGemmSemantics
 
 E8 = torch.float8_e8m0fnu
 NATIVE = MXRecipe(dim0_kernel="torch", dim1_kernel="torch", gemm_backend="native")
@@ -53,22 +54,22 @@ def ao():
 
 
 @pytest.mark.parametrize("rows,cols", DENSE_SHAPES)
-def test_to_blocked_matches_torchao(ao, rows, cols):
+def test_to_swizzled_matches_torchao(ao, rows, cols):
     ao_to_blocked, _ = ao
     s = _scales(rows, cols)
-    b = sl.to_blocked(s)
-    assert b.shape == sl.blocked_shape(rows, cols) and b.dtype == E8
+    b = sl.to_swizzled(s)
+    assert b.shape == sl.swizzled_shape(rows, cols) and b.dtype == E8
     assert torch.equal(_bytes(b).flatten(), _bytes(ao_to_blocked(s)))
-    assert torch.equal(_bytes(sl.from_blocked(b, rows, cols)), _bytes(s))
+    assert torch.equal(_bytes(sl.from_swizzled(b, rows, cols)), _bytes(s))
 
 
 @pytest.mark.parametrize("E,rows,cols", [(1, 5, 3), (3, 200, 8), (2, 128, 4), (4, 64, 6)])
-def test_to_blocked_3d_matches_torchao(ao, E, rows, cols):
+def test_to_swizzled_3d_matches_torchao(ao, E, rows, cols):
     _, quant = ao
     s = _scales(E, rows, cols, seed=1)
-    b = sl.to_blocked(s)
+    b = sl.to_swizzled(s)
     assert torch.equal(_bytes(b).reshape(E, -1), _bytes(quant.torch_to_blocked_per_group_3d(s)))
-    assert torch.equal(_bytes(sl.from_blocked(b, rows, cols)), _bytes(s))
+    assert torch.equal(_bytes(sl.from_swizzled(b, rows, cols)), _bytes(s))
 
 
 @pytest.mark.parametrize("offs", M_OFFS)
@@ -80,10 +81,10 @@ def test_m_groups_match_torchao(ao, offs, tail):
     R = offs[-1] + tail
     s = _scales(R, 8, seed=2)
     ref, _ = quant.torch_to_blocked_2d_M_groups(s, o)
-    mine = sl.to_blocked_m_groups(s, o)
+    mine = sl.to_swizzled_m_groups(s, o)
     assert mine.shape == ref.shape and mine.dtype == E8
     assert torch.equal(_bytes(mine), _bytes(ref))
-    back = _bytes(sl.from_blocked_m_groups(mine, o, R, 8))
+    back = _bytes(sl.from_swizzled_m_groups(mine, o, R, 8))
     assert torch.equal(back[: offs[-1]], _bytes(s)[: offs[-1]])
     assert not back[offs[-1] :].any()
 
@@ -96,59 +97,70 @@ def test_k_groups_match_torchao(ao, offs, rows):
     o = torch.tensor(offs, dtype=torch.int32)
     s = _scales(rows, offs[-1], seed=3)
     ref, _ = quant.torch_to_blocked_2d_K_groups(s, o)
-    mine = sl.to_blocked_k_groups(s, o)
+    mine = sl.to_swizzled_k_groups(s, o)
     assert mine.shape == ref.shape and mine.dtype == E8
     assert torch.equal(_bytes(mine), _bytes(ref))
-    assert torch.equal(_bytes(sl.from_blocked_k_groups(mine, o, rows, offs[-1])), _bytes(s))
+    assert torch.equal(_bytes(sl.from_swizzled_k_groups(mine, o, rows, offs[-1])), _bytes(s))
 
 
-def test_to_mx_blocked_layout_round_trip():
-    """to_mx(scale_layout="blocked") keeps the elements, holds the scales blocked (per group with
-    offs), and dequantizes to what the plain layout gives (zeros for tokens in no group)."""
+def test_to_mx_swizzled_scales():
+    """to_mx(scale_layout="swizzled") keeps the elements and the storage scales (scale_blocked: one
+    per block, blocks contiguous) and adds them swizzled (per group with offs); it dequantizes to
+    what the plain layout gives, and to_scale_layout("plain") drops the swizzled copy."""
     x = torch.randn(224, 96) * torch.logspace(-3, 3, 96)
     offs = torch.tensor([0, 64, 64, 160], dtype=torch.int32)
     for axis in (-1, 0):
         plain = to_mx(x, axis)
         ref = plain.dequantize(torch.float32)
-        b = to_mx(x, axis, scale_layout="blocked")
-        assert b.scale_layout == "blocked" and torch.equal(b.qdata_blocked, plain.qdata_blocked)
-        assert torch.equal(_bytes(b.scale_blocked), _bytes(sl.to_blocked(plain.scale_blocked)))
+        b = to_mx(x, axis, scale_layout="swizzled")
+        assert plain.scale_layout == "plain" and plain.scale_swizzled is None
+        assert b.scale_layout == "swizzled" and torch.equal(b.qdata_blocked, plain.qdata_blocked)
+        assert torch.equal(_bytes(b.scale_blocked), _bytes(plain.scale_blocked))
+        assert torch.equal(_bytes(b.scale_swizzled), _bytes(sl.to_swizzled(plain.scale_blocked)))
         assert torch.equal(b.dequantize(torch.float32), ref)
         assert torch.equal(_bytes(b.scale), _bytes(plain.scale))
-        g = to_mx(x, axis, scale_layout="blocked", offs=offs)
-        grouped = ref.clone()
-        grouped[160:] = 0
-        assert torch.equal(g.dequantize(torch.float32), grouped)
-        back = g.to_scale_layout("plain")  # the tokens in no group keep no scale: byte 0
-        assert torch.equal(back.dequantize(torch.float32)[:160], ref[:160])
-        assert not _bytes(back.scale)[160:].any()
-    d0, d1 = to_mx_dim0_dim1(x[:192], scale_layout="blocked", offs=offs)
-    assert d0.scale_blocked.shape == (192 + 128 * 4, 4)  # M groups, 3 scale columns padded to 4
-    assert d1.scale_blocked.shape == (128, 192 // 32 + 4 * 4)  # K groups along the tokens
+        g = to_mx(x, axis, scale_layout="swizzled", offs=offs)
+        grouped = sl.to_swizzled_m_groups if axis == -1 else sl.to_swizzled_k_groups
+        want = grouped(plain.scale_blocked, offs if axis == -1 else offs // 32)
+        assert torch.equal(_bytes(g.scale_swizzled), _bytes(want)) and g.offs is offs
+        assert torch.equal(g.dequantize(torch.float32), ref)
+        back = g.to_scale_layout("plain")
+        assert back.scale_swizzled is None and back.offs is None and back.scale_blocked is g.scale_blocked
+        assert plain.to_scale_layout("plain") is plain and g.to_scale_layout("swizzled", offs) is g
+    d0, d1 = to_mx_dim0_dim1(x[:192], scale_layout="swizzled", offs=offs)
+    assert d0.scale_swizzled.shape == (192 + 128 * 4, 4)  # M groups, 3 scale columns padded to 4
+    assert d1.scale_swizzled.shape == (128, 192 // 32 + 4 * 4)  # K groups along the tokens
     w = torch.randn(3, 64, 96)
-    p, b = to_mx(w, -2), to_mx(w, -2, scale_layout="blocked")
-    assert b.scale_blocked.shape == (3, 128, 4)
+    p, b = to_mx(w, -2), to_mx(w, -2, scale_layout="swizzled")
+    assert b.scale_swizzled.shape == (3, 128, 4)
     assert torch.equal(b.dequantize(torch.float32), p.dequantize(torch.float32))
 
 
 def test_to_mx_layout_errors():
     x = torch.randn(64, 64)
-    with pytest.raises(ValueError, match="scale_layout='swizzled' is not a scale layout"):
-        to_mx(x, scale_layout="swizzled")
-    with pytest.raises(ValueError, match="pass scale_layout='blocked' with it"):
+    with pytest.raises(ValueError, match="scale_layout='tiled' is not a scale layout"):
+        to_mx(x, scale_layout="tiled")
+    # the old spelling of the swizzled layout: "blocked" means only the storage with blocks contiguous
+    with pytest.raises(ValueError, match=r"scale_layout='blocked' is now scale_layout='swizzled'"):
+        to_mx(x, scale_layout="blocked")
+    with pytest.raises(ValueError, match=r"scale_layout='blocked' is now scale_layout='swizzled'"):
+        to_mx(x).to_scale_layout("blocked")
+    with pytest.raises(AttributeError, match="mxmoe.quant.scale_layout.to_blocked is now to_swizzled"):
+        sl.to_blocked  # noqa: B018
+    with pytest.raises(ValueError, match="pass scale_layout='swizzled' with it"):
         to_mx(x, offs=torch.tensor([64], dtype=torch.int32))
     with pytest.raises(ValueError, match="multiple of block_size=32"):
-        to_mx(x, 0, scale_layout="blocked", offs=torch.tensor([5, 64], dtype=torch.int32))
+        to_mx(x, 0, scale_layout="swizzled", offs=torch.tensor([5, 64], dtype=torch.int32))
     with pytest.raises(ValueError, match="non-decreasing group ends <= x.shape"):
-        to_mx(x, scale_layout="blocked", offs=torch.tensor([40, 20], dtype=torch.int32))
+        to_mx(x, scale_layout="swizzled", offs=torch.tensor([40, 20], dtype=torch.int32))
 
 
 def test_emulated_gemm_takes_both_layouts():
-    """The emulated mx_gemm gives the same bits for plain and blocked operands (dense, 2D x 3D)."""
+    """The emulated mx_gemm gives the same bits for plain and swizzled operands (dense, 2D x 3D)."""
     cfg = MXRecipe(gemm_backend="emulated")
     a, b = torch.randn(100, 64), torch.randn(64, 96)
     ref = mx_gemm(to_mx(a), to_mx(b, 0), recipe=cfg)
-    got = mx_gemm(to_mx(a, scale_layout="blocked"), to_mx(b, 0, scale_layout="blocked"), recipe=cfg)
+    got = mx_gemm(to_mx(a, scale_layout="swizzled"), to_mx(b, 0, scale_layout="swizzled"), recipe=cfg)
     assert torch.equal(got, ref)
     w = torch.randn(3, 96, 64)
     offs = torch.tensor([10, 10, 100], dtype=torch.int32)
@@ -156,16 +168,16 @@ def test_emulated_gemm_takes_both_layouts():
     from mxmoe.ops.linear import swap_last2
 
     ref = mx_gemm(to_mx(a), swap_last2(bt), offs, cfg)
-    a_b = to_mx(a, scale_layout="blocked", offs=offs)
-    got = mx_gemm(a_b, swap_last2(to_mx(w, -1, scale_layout="blocked")), offs, cfg)
+    a_b = to_mx(a, scale_layout="swizzled", offs=offs)
+    got = mx_gemm(a_b, swap_last2(to_mx(w, -1, scale_layout="swizzled")), offs, cfg)
     assert torch.equal(got, ref)
 
 
 @pytest.fixture
 def fresh_resolution(monkeypatch):
-    """A private cache of resolved answers (native availability, op plans) and of logged lines."""
+    """A private cache of resolved answers (native availability, op_kernels) and of logged lines."""
     monkeypatch.setattr(backends, "_resolved", {})
-    monkeypatch.setattr(gemm, "_logged", set())
+    monkeypatch.setattr(gemm_backend, "_logged", set())
 
 
 def test_auto_is_emulated_on_cpu_with_one_log_line(fresh_resolution, caplog):
@@ -173,13 +185,13 @@ def test_auto_is_emulated_on_cpu_with_one_log_line(fresh_resolution, caplog):
     says why once."""
     assert MXRecipe().gemm_backend == "auto"
     x, w = torch.randn(40, 64), torch.randn(64, 32)
-    with caplog.at_level(logging.INFO, logger="mxmoe.ops.gemm"):
+    with caplog.at_level(logging.INFO, logger="mxmoe.ops.gemm_backend"):
         y = mx_mm(x, w, MXRecipe())
         mx_mm(x, w, MXRecipe())
     assert torch.equal(y, mx_mm(x, w, MXRecipe(gemm_backend="emulated")))
     lines = [r.getMessage() for r in caplog.records if "gemm_backend='auto'" in r.getMessage()]
     assert len(lines) == 1 and "compute capability 10.x" in lines[0] and "cpu" in lines[0]
-    assert gemm.resolve_gemm_backend(MXRecipe(), torch.device("cpu")) == "emulated"
+    assert gemm_backend.resolve_gemm_backend(MXRecipe(), torch.device("cpu")) == "emulated"
 
 
 def test_native_where_it_cannot_run_is_a_clear_error(fresh_resolution, monkeypatch):
@@ -187,12 +199,13 @@ def test_native_where_it_cannot_run_is_a_clear_error(fresh_resolution, monkeypat
     with pytest.raises(RuntimeError, match=r"needs a CUDA device of compute capability 10\.x .*cpu"):
         mx_mm(x, w, NATIVE)
     # where the device can: a recipe the op cannot take is named; "auto" falls back instead
-    monkeypatch.setattr(gemm, "native_unavailable", lambda device: None)
+    monkeypatch.setattr(gemm_backend, "native_unavailable", lambda device: None)
     e5 = NATIVE.replace(elem_dtype=torch.float8_e5m2)
     with pytest.raises(ValueError, match="takes e4m3 operands in blocks of 32.*float8_e5m2"):
         mx_mm(x, w, e5)
-    assert gemm.resolve_gemm_backend(e5.replace(gemm_backend="auto"), torch.device("cpu")) == "emulated"
-    assert gemm.resolve_gemm_backend(NATIVE.replace(gemm_backend="auto"), torch.device("cpu")) == "native"
+    cpu = torch.device("cpu")
+    assert gemm_backend.resolve_gemm_backend(e5.replace(gemm_backend="auto"), cpu) == "emulated"
+    assert gemm_backend.resolve_gemm_backend(NATIVE.replace(gemm_backend="auto"), cpu) == "native"
 
 
 class _Capture:
@@ -284,7 +297,7 @@ def _torchao_calls(monkeypatch, cap, a, w_t, offs, dy, mode: str):
 def test_grouped_gemm_calls_match_torchao(ao, monkeypatch, fresh_resolution, offs, K, N, mode):
     """mx_grouped_mm with gemm_backend="native" hands torch._scaled_grouped_mm the same bytes as
     torchao's MXFP8 grouped GEMM: forward and dgrad on the T tokens with the real offs (as torchao
-    without token padding: the op takes any group sizes along M, each group's scales blocked from
+    without token padding: the op takes any group sizes along M, each group's scales swizzled from
     a multiple of 128 rows), the wgrad on the group-padded copy with the padded offs (as torchao
     with pad_token_groups_for_grouped_mm: groups along K a multiple of 32)."""
     E, T = len(offs), offs[-1]
@@ -295,7 +308,7 @@ def test_grouped_gemm_calls_match_torchao(ao, monkeypatch, fresh_resolution, off
     o = torch.tensor(offs, dtype=torch.int32)
     cap = _Capture()
     monkeypatch.setattr(torch, "_scaled_grouped_mm", cap.grouped)
-    monkeypatch.setattr(gemm, "native_unavailable", lambda device: None)
+    monkeypatch.setattr(gemm_backend, "native_unavailable", lambda device: None)
 
     ao_fwd, ao_dgrad, ao_wgrad = _torchao_calls(monkeypatch, cap, a, w.transpose(-2, -1), o, dy, mode)
 
@@ -316,54 +329,6 @@ def test_grouped_gemm_calls_match_torchao(ao, monkeypatch, fresh_resolution, off
 
 
 
-class _Semantics:
-    """Stand-ins for torch._scaled_mm / torch._scaled_grouped_mm that compute what torch's ops
-    are documented to compute from what they are given (e4m3 operands times their e8m0 block
-    scales read from the blocked layout, fp32 GEMM, bf16 result; rows past the last group zero),
-    so that the native path's orientation and scales are checked by value on CPU."""
-
-    def __init__(self):
-        self.calls = {"mm": 0, "grouped": 0}
-
-    @staticmethod
-    def _deq_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """q (R, K) (any strides) times plain scales s (R, K / 32)."""
-        return q.float() * s.float().repeat_interleave(32, dim=-1)
-
-    def mm(self, a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
-        self.calls["mm"] += 1
-        M, K = a.shape
-        N = b.shape[1]
-        r128, c4 = sl.blocked_shape(M, K // 32)
-        s_a = sl.from_blocked(scale_a.view(r128, c4), M, K // 32)
-        r128, c4 = sl.blocked_shape(N, K // 32)
-        s_b = sl.from_blocked(scale_b.view(r128, c4), N, K // 32)
-        return (self._deq_rows(a, s_a) @ self._deq_rows(b.t(), s_b).t()).to(out_dtype)
-
-    def grouped(self, a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None,
-                use_fast_accum=False):
-        self.calls["grouped"] += 1
-        ends = [0, *offs.tolist()]
-        if b.ndim == 3:  # a (T, K), b (E, K, N)
-            (T, K), (E, _, N) = a.shape, b.shape
-            a_d = self._deq_rows(a, sl.from_blocked_m_groups(scale_a, offs, T, K // 32))
-            r128, c4 = sl.blocked_shape(N, K // 32)
-            s_b = sl.from_blocked(scale_b.view(E, r128, c4), N, K // 32)
-            out = torch.zeros(T, N)
-            for e in range(E):
-                out[ends[e] : ends[e + 1]] = a_d[ends[e] : ends[e + 1]] @ self._deq_rows(b[e].t(), s_b[e]).t()
-            return out.to(out_dtype)
-        # a (M, T) blocked along T, b (T, K) blocked along T, groups along T (multiples of 32)
-        (M, T), K = a.shape, b.shape[1]
-        k_offs = offs // 32
-        a_d = self._deq_rows(a, sl.from_blocked_k_groups(scale_a, k_offs, M, T // 32))
-        b_d = self._deq_rows(b.t(), sl.from_blocked_k_groups(scale_b, k_offs, K, T // 32)).t()
-        out = torch.zeros(len(ends) - 1, M, K)
-        for e in range(len(ends) - 1):
-            out[e] = a_d[:, ends[e] : ends[e + 1]] @ b_d[ends[e] : ends[e + 1]]
-        return out.to(out_dtype)
-
-
 def _grads(fn, *args):
     args = [t.clone().requires_grad_() for t in args]
     y = fn(*args)
@@ -379,10 +344,10 @@ def test_native_path_computes_the_mx_products(monkeypatch, fresh_resolution, dty
     emulated path's outputs and gradients (mx_mm, mx_grouped_mm with ragged, empty and tail
     groups) up to the bf16 rounding of torch's output: orientation, strides and scales are
     right by value, not only by layout."""
-    sem = _Semantics()
+    sem = MXGemmSemantics()
     monkeypatch.setattr(torch, "_scaled_mm", sem.mm)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", sem.grouped)
-    monkeypatch.setattr(gemm, "native_unavailable", lambda device: None)
+    monkeypatch.setattr(gemm_backend, "native_unavailable", lambda device: None)
     emu = NATIVE.replace(gemm_backend="emulated")
     g = torch.Generator().manual_seed(5)
     x = torch.randn(45, 128, generator=g).to(dtype)
@@ -415,9 +380,9 @@ def test_gpu_auto_resolves_by_capability(fresh_resolution, caplog):
     """On a CUDA GPU "auto" is "native" exactly where torch runs the MX GEMMs on a 10.x device, and
     "emulated" (with the reason logged once) elsewhere, e.g. on sm_90."""
     dev = torch.device("cuda")
-    with caplog.at_level(logging.INFO, logger="mxmoe.ops.gemm"):
-        got = gemm.resolve_gemm_backend(MXRecipe(), dev)
-    reason = gemm.native_unavailable(dev)
+    with caplog.at_level(logging.INFO, logger="mxmoe.ops.gemm_backend"):
+        got = gemm_backend.resolve_gemm_backend(MXRecipe(), dev)
+    reason = gemm_backend.native_unavailable(dev)
     assert got == ("native" if reason is None else "emulated")
     if _capability()[0] != 10:
         assert reason is not None and "compute capability" in reason

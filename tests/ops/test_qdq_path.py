@@ -11,7 +11,7 @@ from conftest import assert_same_bits
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mxmoe.ops.gemm as gemm_mod
+import mxmoe.ops.gemm_backend as gemm_backend
 from mxmoe import to_mx
 from mxmoe.ops import mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.quant.mx_tensor import make_grad_anchor
@@ -59,12 +59,12 @@ def run_grouped(a, w, offs, dy, cfg, req, mx_input=False):
     return [y, as_.grad, ws.grad]
 
 
-QDQ_BACKENDS = gemm_mod.QDQ_BACKENDS  # as shipped (both_paths patches the module's)
-GEMM_OPS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm_hp"}
+QDQ_BACKENDS = gemm_backend.QDQ_BACKENDS  # as shipped (both_paths patches the module's)
+GEMM_OPS = {"mm", "addmm", "bmm", "_grouped_mm", "grouped_mm"}
 
 
 class GemmCalls(TorchDispatchMode):
-    """Records every GEMM (aten mm / bmm / _grouped_mm, mxmoe::grouped_mm_hp) as (op name, and per
+    """Records every GEMM (aten mm / bmm / _grouped_mm, mxmoe::grouped_mm) as (op name, and per
     tensor argument its shape, strides, dtype and a contiguous copy of its values)."""
 
     def __init__(self):
@@ -96,7 +96,7 @@ def both_paths(monkeypatch, fn):
     values and layouts: a GEMM's result depends on its operands' strides, not only their values)."""
     out, gemms = [], []
     for qdq_backends in (QDQ_BACKENDS, frozenset()):
-        monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", qdq_backends)
+        monkeypatch.setattr(gemm_backend, "QDQ_BACKENDS", qdq_backends)
         saved: list[int] = []
 
         def pack(t, saved=saved):
@@ -200,7 +200,7 @@ def test_qdq_path_triton_interpreter_bit_identical(monkeypatch):
     a = torch.cat([x, x[:5]])  # 45 rows: 4 after the last group
     dya = torch.cat([dy, dy[:5]])
     cfg_t = rec(kernel="triton", gemm_dtype=torch.bfloat16)
-    monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
+    monkeypatch.setattr(gemm_backend, "QDQ_BACKENDS", frozenset())
     old = run_mm(x, w, dy, rec(gemm_dtype=torch.bfloat16), (True, True))
     old_g = run_grouped(a, we, offs, dya, rec(gemm_dtype=torch.bfloat16), (True, True))
     monkeypatch.undo()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import assert_same_bits
 
-import mxmoe.ops.gemm as gemm_mod
+import mxmoe.ops.gemm_backend as gemm_backend
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe import to_mx
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared, mx_mm, mx_mm_shared
@@ -118,7 +118,7 @@ def test_mx_mm_shared_bit_identical(monkeypatch, case, path, dtype, autocast):
     req_x, req_w, used = case
     cfg = {"qdq": CPU_BF16 if autocast else CPU, "mx": CPU}[path]
     if path == "mx":  # the MX path with the emulated GEMM (as tests/ops/test_qdq_path.py takes it)
-        monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
+        monkeypatch.setattr(gemm_backend, "QDQ_BACKENDS", frozenset())
     x, ws, gs = mm_operands(dtype)
     want = run(separate_mm(cfg), x, ws, gs, req_x, req_w, used, autocast)
     got = run(shared_mm(cfg), x, ws, gs, req_x, req_w, used, autocast)
@@ -215,7 +215,7 @@ def test_mx_grouped_mm_shared_bit_identical(monkeypatch, case, counts, path, dty
     req_x, req_w, used = case
     cfg = {"qdq": CPU_BF16 if autocast else CPU, "mx": CPU}[path]
     if path == "mx":
-        monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
+        monkeypatch.setattr(gemm_backend, "QDQ_BACKENDS", frozenset())
     a, ws, gs, offs = grouped_operands(counts, dtype)
     want = run(separate_grouped(cfg, offs), a, ws, gs, req_x, req_w, used, autocast)
     got = run(shared_grouped(cfg, offs), a, ws, gs, req_x, req_w, used, autocast)
@@ -227,7 +227,7 @@ def test_mx_grouped_mm_shared_bit_identical(monkeypatch, case, counts, path, dty
 def test_mx_grouped_mm_shared_mx_input_bit_identical(monkeypatch, path, req_x):
     """An MXTensor input (the MXFP8 dispatch's output): gradients summed into its grad anchor."""
     if path == "mx":
-        monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
+        monkeypatch.setattr(gemm_backend, "QDQ_BACKENDS", frozenset())
     a, ws, gs, offs = grouped_operands(COUNTS[0], torch.float32)
     outs = []
     for shared in (False, True):

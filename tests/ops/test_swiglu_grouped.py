@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_same_bits
 
-import mxmoe.ops.gemm as gemm_mod
+import mxmoe.ops.gemm_backend as gemm_backend
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_swiglu
 from mxmoe.recipe import MXRecipe
@@ -102,7 +102,7 @@ def test_swiglu_grouped_other_backends_are_the_composition(monkeypatch):
     """Off the qdq path (the MX path, taken here by the emulated backend) the op is the composition:
     equal results, no fused cast."""
     spy = Spy(monkeypatch)
-    monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
+    monkeypatch.setattr(gemm_backend, "QDQ_BACKENDS", frozenset())
     ops = operands(COUNTS[0], torch.float32)
     compare(run(fused, ops, CPU, (True, True, True)), run(unfused, ops, CPU, (True, True, True)))
     assert spy.calls == 0

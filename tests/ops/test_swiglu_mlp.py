@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mxmoe.ops.gemm as gemm_mod
+import mxmoe.ops.gemm_backend as gemm_backend
 import mxmoe.quant.qdq as qdq_mod
 from mxmoe import to_mx
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared, mx_grouped_mm_swiglu, mx_grouped_swiglu_mlp
@@ -143,7 +143,7 @@ def test_swiglu_mlp_other_backends_are_the_composition(monkeypatch):
     """Off the qdq path (the MX path, taken here by the emulated backend): the composition, equal
     results, no fused backward cast."""
     spy = Spy(monkeypatch)
-    monkeypatch.setattr(gemm_mod, "QDQ_BACKENDS", frozenset())
+    monkeypatch.setattr(gemm_backend, "QDQ_BACKENDS", frozenset())
     ops = operands(COUNTS[0], torch.float32)
     req = (True, True, True, True)
     compare(run(mx_grouped_swiglu_mlp, ops, CPU, req), run(composed, ops, CPU, req))
@@ -225,7 +225,7 @@ def test_gpu_swiglu_mlp_bit_identical(counts, dtype):
 def test_gpu_swiglu_mlp_compiles_fullgraph(counts, T):
     """inductor on the GPU: one forward graph; its backward calls the C++ operator of the fused
     backward cast (the op decomposed, no mxmoe::swiglu_bwd_qdq left); the grouped GEMMs are
-    torch._grouped_mm called from the graph (no mxmoe::grouped_mm_hp custom op and its Python
+    torch._grouped_mm called from the graph (no mxmoe::grouped_mm custom op and its Python
     dispatch); rows after the last group (T > offs[-1]) come out zero; the output and the gradients
     close to eager's (inductor may fuse the elementwise rest)."""
     from torch._inductor.utils import run_and_get_code
@@ -247,7 +247,7 @@ def test_gpu_swiglu_mlp_compiles_fullgraph(counts, T):
     got, codes = run_and_get_code(step, compiled)
     code = "\n".join(codes)
     assert "mxmoe_cuda.swiglu_bwd_qdq_dim0_dim1" in code and "torch.ops.mxmoe.swiglu_bwd_qdq" not in code
-    assert "_grouped_mm" in code and "mxmoe.grouped_mm_hp" not in code
+    assert "_grouped_mm" in code and "mxmoe.grouped_mm" not in code
     assert not got[0][int(offs[-1]):].any()
     for a, b in zip(got, step(fwd), strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-3)

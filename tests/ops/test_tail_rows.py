@@ -173,7 +173,7 @@ def test_gpu_compile_fullgraph():
     implementation, functionalized) and the grouped GEMM that calls it, as the custom op and as the
     MX ops' `_grouped` (traced: torch._grouped_mm and the operator, no custom op); no graph break,
     compiled results equal eager bit for bit."""
-    from mxmoe.ops.gemm import _grouped, grouped_mm_hp
+    from mxmoe.ops.gemm import _grouped, grouped_mm
 
     cuda_cast.load_extension()
 
@@ -182,7 +182,7 @@ def test_gpu_compile_fullgraph():
         return zero_rows_after(y, offs), x + 1
 
     def grouped(a, b, offs):
-        return (grouped_mm_hp(a, b, offs) * 3,)
+        return (grouped_mm(a, b, offs) * 3,)
 
     def traced(a, b, offs):
         return (_grouped(a, b, offs) * 3,)
@@ -203,10 +203,10 @@ def test_gpu_compile_fullgraph():
 
 
 @pytest.mark.gpu
-def test_gpu_grouped_mm_hp_rows_after_last_group_are_zero():
-    """grouped_mm_hp (torch._grouped_mm, bf16) on an output whose rows after the last group are
+def test_gpu_grouped_mm_rows_after_last_group_are_zero():
+    """grouped_mm (torch._grouped_mm, bf16) on an output whose rows after the last group are
     unwritten: those rows are zero, the others equal the per-group loop on CPU (fp32 compare)."""
-    from mxmoe.ops.gemm import grouped_mm_hp
+    from mxmoe.ops.gemm import grouped_mm
 
     torch.manual_seed(0)
     counts = [0, 100, 333, 0, 500]
@@ -215,9 +215,9 @@ def test_gpu_grouped_mm_hp_rows_after_last_group_are_zero():
     a = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(5, 256, 384, device="cuda", dtype=torch.bfloat16)
     torch.empty(T * 384 * 4, device="cuda").fill_(float("nan"))  # leave garbage in the allocator
-    out = grouped_mm_hp(a, b, offs)
+    out = grouped_mm(a, b, offs)
     assert not out[sum(counts):].any()
-    ref = grouped_mm_hp(a.cpu().float(), b.cpu().float(), offs.cpu())
+    ref = grouped_mm(a.cpu().float(), b.cpu().float(), offs.cpu())
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-1)
 
 

@@ -114,15 +114,18 @@ def fp32_grouped_mm(monkeypatch):
     monkeypatch.setattr(torch, "_grouped_mm", fp32_sum)
 
 
-def _torchao_grouped(pad: bool):
+def _torchao_grouped(pad: bool, wgrad_with_hp: bool = False):
     """torchao's grouped GEMM as torchtitan calls it, with the recipe "mxfp8_emulated_rceil" and an
     fp32 output (the recipe's bf16 output would hide summation-order differences behind bf16
-    rounding). pad: pad_token_groups_for_grouped_mm."""
+    rounding). pad: pad_token_groups_for_grouped_mm; wgrad_with_hp: the weight gradient in high
+    precision (torchao's "mxfp8_rceil_wgrad_with_hp" on its emulated kernels)."""
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
     from torchao.prototype.moe_training.utils import _quantize_then_scaled_grouped_mm
 
     cfg = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
-    cfg = dataclasses.replace(cfg, out_dtype=torch.float32, pad_token_groups_for_grouped_mm=pad)
+    cfg = dataclasses.replace(
+        cfg, out_dtype=torch.float32, pad_token_groups_for_grouped_mm=pad, wgrad_with_hp=wgrad_with_hp
+    )
     return lambda a, b_t, offs: _quantize_then_scaled_grouped_mm(a, b_t, config=cfg, offs=offs)
 
 
@@ -142,16 +145,20 @@ GROUPED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("offs,pad", GROUPED_CASES)
-def test_grouped_mm_matches_torchao(ao, fp32_grouped_mm, offs, pad):
+@pytest.mark.parametrize(
+    "offs,pad,wgrad_with_hp", [(o, p, False) for o, p in GROUPED_CASES] + [([5, 5, 77, 200], True, True)]
+)
+def test_grouped_mm_matches_torchao(ao, fp32_grouped_mm, offs, pad, wgrad_with_hp):
     """mx_grouped_mm (fp32 in, default recipe) and torchao's emulated MXFP8 grouped GEMM give the same
-    output, input gradient and weight gradient up to fp32 summation order."""
+    output, input gradient and weight gradient up to fp32 summation order; with wgrad_with_hp, both with the
+    weight gradient in high precision (recipe mxfp8_rceil_wgrad_with_hp, torchao's wgrad_with_hp)."""
     T, ends = offs[-1], [0, *offs]
     g = torch.Generator().manual_seed(sum(offs))
     a, w, dy = _wide(g, T, K), _wide(g, E, N, K), _wide(g, T, N)
     o = torch.tensor(offs, dtype=torch.int32)
-    ref_mm = _torchao_grouped(pad)
-    mine = _grads(lambda a_, w_: mx_grouped_mm(a_, w_.transpose(-2, -1), o, RECIPE), a, w, dy)
+    ref_mm = _torchao_grouped(pad, wgrad_with_hp)
+    r = RECIPE.replace(wgrad_with_hp=wgrad_with_hp)
+    mine = _grads(lambda a_, w_: mx_grouped_mm(a_, w_.transpose(-2, -1), o, r), a, w, dy)
     ref = _grads(lambda a_, w_: ref_mm(a_, w_.transpose(-2, -1), o), a, w, dy)
     abs_gemm = _grouped_fp32(a.abs(), w.abs(), dy.abs(), ends)
     for name, got, want, bound, n in zip(("y", "da", "dw"), mine, ref, abs_gemm, (K, N, T), strict=True):
@@ -228,21 +235,25 @@ def test_axes_spelled_out(ao):
         assert miss.nan_to_num().max() > 100, what
 
 
-@pytest.mark.parametrize("M", [224, 200])
-def test_mx_mm_matches_torchao_mxfp8_linear(ao, M):
+@pytest.mark.parametrize("M,wgrad_with_hp", [(224, False), (200, False), (200, True)])
+def test_mx_mm_matches_torchao_mxfp8_linear(ao, M, wgrad_with_hp):
     """mx_mm (fp32 in, default recipe) and torchao's MXFP8Linear with kernel_preference EMULATED give
     the same output, input gradient and weight gradient up to fp32 summation order. torchao's
     wgrad casts dy and x along the tokens and needs their number to be a multiple of 32; for M=200
     it gets x and dy zero-padded to 224 rows (mxmoe's short last block is that zero padding) and
-    its first 200 rows are compared."""
+    its first 200 rows are compared. wgrad_with_hp: both with the weight gradient in high precision (recipe
+    mxfp8_rceil_wgrad_with_hp, torchao's wgrad_with_hp)."""
     from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
     from torchao.quantization.quantize_.common import KernelPreference
 
     g = torch.Generator().manual_seed(M)
     x, w, dy = _wide(g, M, K), _wide(g, N, K), _wide(g, M, N)
-    mine = _grads(lambda x_, w_: mx_mm(x_, w_.t(), RECIPE), x, w, dy)
+    r = RECIPE.replace(wgrad_with_hp=wgrad_with_hp)
+    mine = _grads(lambda x_, w_: mx_mm(x_, w_.t(), r), x, w, dy)
 
-    lin = MXFP8Linear(K, N, bias=False, kernel_preference=KernelPreference.EMULATED)
+    lin = MXFP8Linear(
+        K, N, bias=False, kernel_preference=KernelPreference.EMULATED, wgrad_with_hp=wgrad_with_hp
+    )
     assert lin.scale_calculation_mode.value == "rceil"
     pad = -M % 32
 

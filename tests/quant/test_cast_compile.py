@@ -84,3 +84,42 @@ def test_inductor_compiled_torch_backend_matches_oracle():
     ws, wq = check_quant(s, q, x32, 32, mode, elem, "inductor torch_cast.quantize_dim0")
     check_dequant(y, ws, wq, 32, elem, "inductor torch_cast.dequantize")
     assert np.array_equal(ubytes(q), ubytes(torch_cast.quantize_dim0(x, spec)[0]))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_compiled_mx_ops_trace_no_kernel_resolution(kernel, monkeypatch):
+    """Compiling MX ops (mx_mm on the emulated GEMM's qdq path, mx_grouped_mm on the MX path: the
+    casts, to_mx, dequantize) with nothing resolved before: Dynamo never warns that it traced a
+    `functools.lru_cache` wrapper (the kernel choice is made at trace time as a constant of the
+    graph, `mxmoe.quant.backends._resolve_at_trace`), the graph is whole, and the compiled results
+    are eager's."""
+    import warnings
+
+    import mxmoe.ops.gemm_backend as gemm_backend
+    from mxmoe.ops import mx_grouped_mm, mx_mm
+    from mxmoe.quant import backends
+
+    r = recipe_for(kernel)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 64, generator=g), torch.randn(3, 32, 64, generator=g)
+    offs = torch.tensor([10, 10, 64], dtype=torch.int32)
+
+    def fn(x, w, w2):
+        m = to_mx(x, recipe=r)
+        return mx_mm(x, w2.t(), r), mx_grouped_mm(x, w.transpose(-2, -1), offs, r), m.dequantize(recipe=r)
+
+    def mx_path(x, w, w2):  # the grouped op on its MX path (to_mx casts, as on Blackwell)
+        with monkeypatch.context() as m:
+            m.setattr(gemm_backend, "QDQ_BACKENDS", frozenset())
+            return fn(x, w, w2)
+
+    backends.clear_resolved()
+    torch._dynamo.utils.warn_once_cache.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = torch.compile(fn, backend="eager", fullgraph=True)(x, w, w[0])
+        got_mx = torch.compile(mx_path, backend="eager", fullgraph=True)(x, w, w[0])
+    lru = [str(s.message) for s in seen if "lru_cache" in str(s.message)]
+    assert not lru, lru[0]
+    for a, b in zip((*got, *got_mx), (*fn(x, w, w[0]), *mx_path(x, w, w[0])), strict=True):
+        assert torch.equal(a, b)

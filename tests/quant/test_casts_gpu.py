@@ -267,7 +267,7 @@ def test_random_problems_gpu(kernel):
 
 
 def test_auto_picks_per_cast_and_matches_torch():
-    """kernel='auto' on the H200: CUDA for every cast (backends.AUTO_ORDER_CUDA: its C++ operators'
+    """kernel='auto' on the H200: CUDA for every cast (the cuda backend's auto_rank: its C++ operators'
     host cost decides), each result bit-identical to the torch backend's."""
     from mxmoe.quant import backends as kernels
 

@@ -23,7 +23,6 @@ import torch
 from conftest import assert_same_bits, recipe_for
 
 import mxmoe.quant.qdq as qdq_mod
-from mxmoe.quant import backends
 from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 from mxmoe.recipe import MXRecipe
@@ -46,20 +45,18 @@ def recipe(kernel: str, mode: str = "rceil", elem=torch.float8_e4m3fn, bs: int =
 
 
 @pytest.fixture
-def cuda_available(monkeypatch):
-    """resolve_kernel answers as on a GPU machine whose extension builds; load_extension recorded."""
-    loads = []
-    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
-    monkeypatch.setattr(qdq_mod.cuda_cast, "load_extension", lambda: loads.append(1))
-    return loads
+def cuda_available(as_on_a_gpu):
+    """Kernel choices as on a GPU machine whose extension builds; load_extension recorded."""
+    return as_on_a_gpu()
 
 
 def test_qdq_kernel_takes_cuda_where_an_operator_covers_the_call(cuda_available):
     for cast in ("qdq_dim0", "qdq_dim1"):
-        assert cast_kernel(recipe("cuda"), CUDA, cast) == "cuda"
-        assert cast_kernel(recipe("auto"), CUDA, cast) == "cuda"
-    assert len(cuda_available) == 4  # the extension is loaded before the op is called
-    # dim0 alone with offs: the Triton rows kernel
+        for k in ("cuda", "auto"):
+            cuda_available.clear()
+            assert cast_kernel(recipe(k), CUDA, cast) == "cuda"
+            assert cuda_available  # the extension is loaded before the op is called
+    # dim0 alone with offs: the Triton rows kernel (cuda_cast.STAND_INS)
     assert cast_kernel(recipe("cuda"), CUDA, "qdq_dim0_offs") == "triton"
     assert cast_kernel(recipe("auto"), CUDA, "qdq_dim0_offs") == "triton"
     # explicit choices and CPU tensors are unchanged
@@ -75,14 +72,27 @@ def test_qdq_kernel_takes_cuda_where_an_operator_covers_the_call(cuda_available)
         cast_kernel(recipe("cuda"), CUDA, "qdq")
 
 
-def test_qdq_kernel_auto_falls_back_to_triton(monkeypatch):
-    """"auto" without a usable extension (resolve_kernel's answer for dim0 is not cuda): Triton."""
-    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "triton")
+def test_qdq_kernel_auto_falls_back_to_triton(as_on_a_gpu):
+    """"auto" without a usable extension (its build fails, or no toolkit): Triton."""
+    as_on_a_gpu(builds=False)
     assert cast_kernel(recipe("auto"), CUDA, "qdq_dim1") == "triton"
+    as_on_a_gpu(cuda_reason="kernel='cuda' builds its extension on first use and needs nvcc")
+    assert cast_kernel(recipe("auto"), CUDA, "qdq_dim1") == "triton"
+    with pytest.raises(RuntimeError, match="recipe dim1_kernel='cuda': kernel='cuda' builds its extension"):
+        cast_kernel(recipe("cuda"), CUDA, "qdq_dim1")
+
+
+def test_triton_qdq_block_limit_holds_for_a_kept_answer(as_on_a_gpu):
+    """The Triton qdq kernel's block-size limit is checked on every call, also where the kernel
+    choice was kept from an earlier call (of a recipe with another block size)."""
+    assert cast_kernel(recipe("triton"), CUDA, "qdq_dim1") == "triton"
+    assert cast_kernel(recipe("triton"), CUDA, "qdq_dim1") == "triton"  # kept
+    with pytest.raises(ValueError, match=r"block_size=256: .* up to 128 \(the recipe's dim1_kernel='triton'"):
+        cast_kernel(recipe("triton", bs=256), CUDA, "qdq_dim1")
 
 
 def test_qdq_kernel_cuda_on_cpu_tensor_raises():
-    with pytest.raises(RuntimeError, match="recipe dim1_kernel='cuda': the qdq kernel needs a CUDA tensor"):
+    with pytest.raises(RuntimeError, match="recipe dim1_kernel='cuda': kernel='cuda' needs a CUDA tensor"):
         cast_kernel(recipe("cuda"), CPU, "qdq_dim1")
 
 

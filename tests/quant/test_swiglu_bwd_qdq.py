@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
-from mxmoe.quant import backends
 from mxmoe.quant.qdq import qdq_dim0_dim1, swiglu_bwd_qdq_dim0_dim1, swiglu_bwd_qdq_op
 from tests.quant.helpers import COMBOS, DTYPES, data, dname, to_f32_numpy, to_torch
 from tests.quant.test_qdq import COUNTS, TAIL, check_values, grouped_rows, offs_of, oracle_rows
@@ -183,8 +182,8 @@ def test_swiglu_bwd_qdq_fake_matches_real_and_compiles():
     assert torch.equal(got, f(dh, g, u, offs))
 
 
-def test_swiglu_bwd_qdq_kernel_choice(monkeypatch):
-    """The kernel choice (`qdq_kernel` with the recipe's dim1_kernel): "auto" is the torch reference
+def test_swiglu_bwd_qdq_kernel_choice(monkeypatch, as_on_a_gpu):
+    """The kernel choice (`cast_kernel` with the recipe's dim1_kernel): "auto" is the torch reference
     on CPU; on CUDA (fake CUDA tensors, the extension's presence faked) "auto" and "cuda" hand "cuda"
     to the op, "triton" stays "triton"."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -200,8 +199,7 @@ def test_swiglu_bwd_qdq_kernel_choice(monkeypatch):
     x = torch.randn(40, 64)
     swiglu_bwd_qdq_dim0_dim1(x, x, x, recipe=recipe("auto"))
     assert seen == ["torch"]
-    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
-    monkeypatch.setattr(qdq_mod.cuda_cast, "load_extension", lambda: None)
+    as_on_a_gpu()
     picked = []
     monkeypatch.setattr(qdq_mod, "swiglu_bwd_qdq_trusted",
                         lambda dh, g, u, r, kernel, out, offs=None: picked.append(kernel) or [dh] * 4)

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from conftest import assert_same_bits
 
 import mxmoe.quant.qdq as qdq_mod
-from mxmoe.quant import backends
 from mxmoe.quant.qdq import qdq_dim0_dim1, swiglu_qdq_dim0_dim1, swiglu_qdq_op
 from mxmoe.recipe import MXRecipe
 from tests.quant.helpers import COMBOS, DTYPES, data, dname, to_f32_numpy, to_torch
@@ -166,8 +165,8 @@ def test_swiglu_qdq_fake_matches_real_and_compiles():
     assert torch.equal(got, f(g, u, offs))
 
 
-def test_swiglu_qdq_kernel_choice(monkeypatch):
-    """The qdq calls' kernel choice (`qdq_kernel` with the recipe's dim1_kernel): "auto" is the torch
+def test_swiglu_qdq_kernel_choice(monkeypatch, as_on_a_gpu):
+    """The qdq calls' kernel choice (`cast_kernel` with the recipe's dim1_kernel): "auto" is the torch
     reference on CPU; on CUDA (traced on fake CUDA tensors, the extension's presence faked) "auto"
     and "cuda" hand "cuda" to the op, "triton" stays "triton"."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -183,8 +182,7 @@ def test_swiglu_qdq_kernel_choice(monkeypatch):
     g = torch.randn(40, 64)
     swiglu_qdq_dim0_dim1(g, g, recipe=recipe("auto"))
     assert seen == ["torch"]
-    monkeypatch.setattr(backends, "resolve_kernel", lambda k, dev, cast="dim1": "cuda")
-    monkeypatch.setattr(qdq_mod.cuda_cast, "load_extension", lambda: None)
+    as_on_a_gpu()
     picked = []
     monkeypatch.setattr(qdq_mod, "swiglu_qdq_trusted",
                         lambda g, u, r, kernel, out, offs=None: picked.append(kernel) or [g, g])

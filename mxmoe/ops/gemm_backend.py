@@ -1,0 +1,173 @@
+"""Which GEMM backend an MX op runs, resolved from its recipe: `resolve_gemm_backend` (the recipe's
+`gemm_backend`, "auto" made concrete per device), `native_unavailable` (whether torch's
+block-scaled GEMMs run on a device, probed once) and `op_kernels` (everything a call of an MX op
+needs of its recipe on a device: the GEMM backend, whether it takes qdq'd operands, the compute
+dtype and the qdq kernels, resolved once per (recipe, device type)).
+
+The GEMMs themselves are in `mxmoe.ops.gemm`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+
+from mxmoe.quant import backends
+from mxmoe.recipe import MXRecipe
+
+log = logging.getLogger(__name__)
+
+NATIVE_BLOCK = 32
+NATIVE_ELEM = torch.float8_e4m3fn
+
+
+def _probe_native(device: torch.device) -> None:
+    """One tiny dense and one tiny grouped MX GEMM on `device` (raises what torch raises)."""
+    e8 = torch.float8_e8m0fnu
+    one = torch.full((), 127, dtype=torch.uint8, device=device)  # e8m0 byte 127 = 2^0
+    a = torch.zeros(128, 32, dtype=NATIVE_ELEM, device=device)
+    s_a = one.expand(128, 4).contiguous().view(e8)  # (128 rows, 1 scale column padded to 4)
+    b = torch.zeros(32, 32, dtype=NATIVE_ELEM, device=device).t()  # (K, N) column-major
+    s_b = one.expand(128, 4).contiguous().view(e8)
+    torch._scaled_mm(a, b, s_a.reshape(-1), s_b.reshape(-1), out_dtype=torch.bfloat16)
+    offs = torch.tensor([128], dtype=torch.int32, device=device)
+    s_ag = one.expand(256, 4).contiguous().view(e8)  # 128 rows + 128 per group
+    b3 = torch.zeros(1, 32, 32, dtype=NATIVE_ELEM, device=device).transpose(-2, -1)
+    s_b3 = one.expand(1, 512).contiguous().view(e8)
+    torch._scaled_grouped_mm(a, b3, s_ag, s_b3, offs=offs, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize(device)
+
+
+def native_unavailable(device: torch.device) -> str | None:
+    """Why gemm_backend="native" cannot run on `device` (None: it can): it needs a CUDA device of
+    compute capability 10.x and a torch build whose torch._scaled_mm and torch._scaled_grouped_mm
+    take e4m3 operands with float8_e8m0fnu scales (CUDA >= 12.8, built with the MX grouped GEMM).
+    The first answer per device is kept (`mxmoe.quant.backends.clear_resolved` forgets it); on a
+    10.x device it runs one tiny MX GEMM of each kind to find out (not while torch.compile traces:
+    there an unprobed 10.x device counts as able)."""
+    # (remember keeps nothing made while torch.compile traces, where no probe runs)
+    return backends.remember(
+        ("native_gemm", device.type, device.index),
+        lambda: _native_reason(device, probe=not torch.compiler.is_compiling()),
+    )
+
+
+def _native_reason(device: torch.device, probe: bool = True) -> str | None:
+    need = "gemm_backend='native' needs a CUDA device of compute capability 10.x (sm_100, Blackwell)"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"{need}; got a {device.type} device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 10:
+        return f"{need}; {device} has compute capability {major}.{minor}"
+    build = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
+    if not hasattr(torch, "_scaled_grouped_mm") or not hasattr(torch, "float8_e8m0fnu"):
+        return f"gemm_backend='native' needs torch._scaled_grouped_mm with e8m0 scales; {build} has none"
+    if not probe:
+        return None
+    try:
+        _probe_native(device)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (
+            f"gemm_backend='native' needs a torch build whose torch._scaled_mm and "
+            f"torch._scaled_grouped_mm run MXFP8 (e4m3, float8_e8m0fnu scales; CUDA >= 12.8); {build} "
+            f"on {device} refused: {first}"
+        )
+    return None
+
+
+def _recipe_refuses(recipe: MXRecipe) -> str | None:
+    """Why the native GEMMs cannot take `recipe`'s operands (None: they can)."""
+    if recipe.elem_dtype != NATIVE_ELEM or recipe.block_size != NATIVE_BLOCK:
+        return (
+            f"gemm_backend='native' takes e4m3 operands in blocks of {NATIVE_BLOCK} (MXFP8); the recipe "
+            f"has elem_dtype={recipe.elem_dtype}, block_size={recipe.block_size}"
+        )
+    return None
+
+
+def resolve_gemm_backend(recipe: MXRecipe, device: torch.device) -> str:
+    """The concrete GEMM backend of `recipe` on `device`: its gemm_backend, with "auto" made
+    "native" where `native_unavailable` and the recipe allow it, else "emulated" (logged once per
+    device and reason). "native" where it cannot run: RuntimeError (ValueError for the recipe)
+    naming the requirement."""
+    name = recipe.gemm_backend
+    if name not in ("auto", "native"):
+        return name
+    reason = native_unavailable(device)
+    if name == "native":
+        if reason is not None:
+            raise RuntimeError(reason)
+        refused = _recipe_refuses(recipe)
+        if refused is not None:
+            raise ValueError(refused)
+        return "native"
+    reason = reason or _recipe_refuses(recipe)
+    if reason is None:
+        return "native"
+    log_once(f"gemm_backend='auto' runs the emulated GEMM on {device.type}: {reason}")
+    return "emulated"
+
+
+_logged: set[str] = set()
+
+
+def log_once(msg: str) -> None:
+    if not torch.compiler.is_compiling() and msg not in _logged:
+        _logged.add(msg)
+        log.info(msg)
+
+
+
+QDQ_BACKENDS = frozenset({"emulated"})
+"""Backends that are a high-precision GEMM of dequantized operands: the training ops give them
+fused quantize-dequantize values (`gemm`) instead of MXTensors."""
+
+
+class OpKernels(NamedTuple):
+    """What a call of an MX op needs of its recipe on a device, resolved once per (recipe, device
+    type) (`op_kernels`) instead of in every cast of the call."""
+
+    backend: str
+    """The concrete GEMM backend (`resolve_gemm_backend`)."""
+    qdq: bool
+    """The GEMMs take qdq'd high-precision operands (`uses_qdq`)."""
+    compute: torch.dtype
+    """The emulated GEMM's operand dtype (`MXRecipe.compute_dtype`)."""
+    k0: str | None
+    """The qdq kernel of dim0 calls without offs (`backends.cast_kernel`, "qdq_dim0"); None off the
+    qdq path."""
+    k1: str | None
+    """The qdq kernel of dim1 and dim0+dim1 calls, with or without offs (`backends.cast_kernel`,
+    "qdq_dim1"); None off the qdq path."""
+
+
+def _make_kernels(recipe: MXRecipe, device: torch.device, backend: str, qdq: bool) -> OpKernels:
+    if not qdq:
+        return OpKernels(backend, qdq, recipe.compute_dtype(device), None, None)
+    k0, k1 = (backends.cast_kernel(recipe, device, c) for c in ("qdq_dim0", "qdq_dim1"))
+    return OpKernels(backend, qdq, recipe.compute_dtype(device), k0, k1)
+
+
+def op_kernels(recipe: MXRecipe, device: torch.device) -> OpKernels:
+    """The OpKernels of `recipe` on `device`'s type: a dict lookup after the first call (kept with the
+    cast kernels' resolved answers, `mxmoe.quant.backends.clear_resolved` forgets it too); built
+    afresh while torch.compile traces. Raises as the recipe's qdq calls would (`backends.cast_kernel`)."""
+    backend = resolve_gemm_backend(recipe, device)
+    qdq = backend in QDQ_BACKENDS  # (in the key: tests switch the path per call)
+    if torch.compiler.is_compiling():
+        return _make_kernels(recipe, device, backend, qdq)
+    # keyed by the recipe's id (hashing a recipe hashes its 7 fields, µs per call); the entry
+    # holds the recipe, so that id is not reused while the entry lives
+    held, kernels = backends.remember(
+        ("op_kernels", id(recipe), device.type, qdq, backend),
+        lambda: (recipe, _make_kernels(recipe, device, backend, qdq)),
+    )
+    return kernels if held is recipe else _make_kernels(recipe, device, backend, qdq)
+
+
+def uses_qdq(recipe: MXRecipe, device: torch.device) -> bool:
+    """Whether the ops feed `recipe`'s GEMM backend on `device` qdq'd high-precision operands."""
+    return resolve_gemm_backend(recipe, device) in QDQ_BACKENDS
