@@ -11,7 +11,7 @@
 # is printed. LIMIT (s, default 540) bounds each part; N (default 8) pytest-xdist workers if installed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu-suite}; mkdir -p "$OUT"
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tests/quant tests/comm tests/ops tests/nn tests/models tests/train tests/bench)
