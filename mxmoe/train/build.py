@@ -19,7 +19,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mxmoe.models import Transformer, apply_expert_parallel, model_args
 from mxmoe.models.moe import ModelArgs
-from mxmoe.models.routing import LocalExperts
 from mxmoe.train import determinism, parallel, profiling
 from mxmoe.train.checkpoint import Checkpointer
 from mxmoe.train.config import JobConfig, check_limits
@@ -151,28 +150,20 @@ def compile_submodules(model: Transformer, backend: str = "inductor") -> None:
     and state_dict names unchanged); what runs between them (FSDP hooks, residual adds) stays eager.
 
     Per block: attention, the two norms, and the FFN. A dense block compiles its feed_forward. An
-    MoE layer without expert parallelism (its dispatch is `LocalExperts`: one process, or FSDP
-    only) compiles whole, with fullgraph=True: router, token permutation, routed experts (bf16
+    MoE layer compiles whole, with fullgraph=True: router, token dispatch, routed experts (bf16
     `GroupedExperts` or `MXGroupedExperts`, whose grouped ops are torch.library custom ops with fake
-    implementations), unpermutation and shared expert in one graph, so the high-precision and the
-    MX model get the same treatment. It has no host sync: the expert rows are always T * top_k, the
-    per-expert counts stay on the device. With expert parallelism the all-to-all needs the split
-    sizes on the host (and its collectives stay out of compiled graphs): the router and the shared
-    expert are compiled, the permutation, the experts and the exchange run eager.
+    implementations), combine and shared expert in one graph, so the high-precision and the MX
+    model get the same treatment. Without expert parallelism it has no host sync (the expert rows
+    are always T * top_k, the per-expert counts stay on the device). With it, the exchange's
+    collectives are custom ops too (`mxmoe.comm.ops`): their split sizes stay tensors in the graph
+    and are read on the host inside the ops, so the layer still compiles as one graph.
     """
     for blk in model.layers:
         for sub in (blk.attention, blk.attention_norm, blk.ffn_norm, blk.feed_forward):
             if sub is not None:
                 sub.compile(backend=backend)
-        moe = blk.moe
-        if moe is None:
-            continue
-        if isinstance(moe.dispatch, LocalExperts):
-            moe.compile(backend=backend, fullgraph=True)
-        else:
-            moe.router.compile(backend=backend)
-            if moe.shared_expert is not None:
-                moe.shared_expert.compile(backend=backend)
+        if blk.moe is not None:
+            blk.moe.compile(backend=backend, fullgraph=True)
     model.norm.compile(backend=backend)
 
 
@@ -217,7 +208,8 @@ def build_model(
     with torch.device(device):
         model = Transformer(build_model_args(cfg))
     if ep_group is not None:
-        apply_expert_parallel(model, ep_group)
+        # the exchange's options are the converter's ([mx]): with no MX experts, rows go unquantized
+        apply_expert_parallel(model, ep_group, transport=cfg.mx.a2a_transport, mxfp8=cfg.mx.mxfp8_a2a)
     if mx:
         mx_convert(model, cfg, pd)
     if compile == "blocks":
