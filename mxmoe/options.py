@@ -38,9 +38,10 @@ mxmoe's and torchtitan 0.2's models, `lm_head` in torchtitan 0.3's), the MoE rou
 attention projections (docs/training-ops.md says why)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MXOptions:
-    """What to convert to MX, the MX recipe, and the expert-parallel exchange (module docstring)."""
+    """What to convert to MX, the MX recipe, and the expert-parallel exchange (module docstring).
+    Keyword-only, so that a framework's config class (torchtitan 0.3's, keyword-only) can inherit it."""
 
     recipe_name: RecipeName = DEFAULT_RECIPE_NAME
     """torchao's recipe names: mxfp8_rceil (RCEIL scales, never saturate; default) | mxfp8 (FLOOR
@@ -82,8 +83,8 @@ class MXOptions:
         if isinstance(f, str) or not isinstance(f, (list, tuple)) or not all(isinstance(s, str) for s in f):
             hint = f" (use filter_fqns=[{f!r}])" if isinstance(f, str) else ""
             raise TypeError(f"{prefix}filter_fqns must be a list of strings, got {f!r}{hint}")
-        hints = typing.get_type_hints(type(self))
-        for fl in fields(self):
+        hints = typing.get_type_hints(MXOptions)  # its own fields (a subclass may add others)
+        for fl in fields(MXOptions):
             value, tp = getattr(self, fl.name), hints[fl.name]
             if typing.get_origin(tp) is Literal and value not in typing.get_args(tp):
                 why = why_not_accepted(fl.name, value, typing.get_args(tp))

@@ -80,17 +80,19 @@ def test_converters_swap_the_debug_moe_model():
     ]
     mx_linears = {n for n, m in mods.items() if isinstance(m, MXLinear)}
     plain_linears = {n for n, m in mods.items() if type(m) is Linear}
-    assert "layers.1.attention.wq" in mx_linears and "layers.0.feed_forward.w1" in mx_linears
-    assert "layers.1.moe.shared_experts.w2" in mx_linears
-    assert plain_linears == {"lm_head"} | {f"layers.{i}.moe.router.gate" for i in range(1, 6)}
+    assert "layers.0.feed_forward.w1" in mx_linears and "layers.1.moe.shared_experts.w2" in mx_linears
+    # MXOptions' default filter, as in every front end: the output head, router gates and attention
+    attention = {n for n in mods if ".attention." in n and isinstance(mods[n], Linear)}
+    assert attention and not attention & mx_linears
+    assert plain_linears == {"lm_head"} | {f"layers.{i}.moe.router.gate" for i in range(1, 6)} | attention
     for i in range(1, 6):
         exp = mods[f"layers.{i}.moe.routed_experts.inner_experts"]
         assert isinstance(exp, GroupedExperts) and type(exp).__name__ == "MXGroupedExperts"
-        assert exp.mx_recipe == mx_recipe("mxfp8")
+        assert exp.recipe == mx_recipe("mxfp8")
         disp = mods[f"layers.{i}.moe.routed_experts"].token_dispatcher
         assert type(disp) is MXFP8AllToAllTokenDispatcher
         assert disp.mx_rows is False  # FLOOR experts requantize: rows arrive dequantized
-    assert mods["layers.1.attention.wq"].mx_recipe.scaling_mode == "floor"
+    assert mods["layers.1.moe.shared_experts.w1"].recipe.scaling_mode == "floor"
     model.verify_module_protocol()  # the trainer's check after build
 
 
@@ -132,8 +134,9 @@ def test_overrides_from_the_command_line():
     lines = apply_overrides(config.override, config)
     model = config.model_spec.model
     linears = {fqn: c for fqn, c, _, _ in model.traverse(Linear.Config)}
-    assert type(linears["layers.3.attention.wo"]) is MXLinear.Config
-    assert linears["layers.3.attention.wo"].recipe_name == "mxfp8"
+    assert type(linears["layers.3.moe.shared_experts.w2"]) is MXLinear.Config
+    assert linears["layers.3.moe.shared_experts.w2"].recipe_name == "mxfp8"
+    assert type(linears["layers.3.attention.wo"]) is Linear.Config  # MXOptions' default filter
     assert type(linears["lm_head"]) is Linear.Config
     assert type(linears["layers.3.moe.router.gate"]) is Linear.Config
     experts = [c for _, c, _, _ in model.traverse(GroupedExperts.Config)]
@@ -142,7 +145,7 @@ def test_overrides_from_the_command_line():
     dispatchers = [c for _, c, _, _ in model.traverse(AllToAllTokenDispatcher.Config)]
     assert len(dispatchers) == 5 and all(type(c) is MXFP8AllToAllTokenDispatcher.Config for c in dispatchers)
     for fqn, c in linears.items():
-        if any(k in fqn for k in ("attention.w", "feed_forward.", "shared_experts.")):
+        if any(k in fqn for k in ("feed_forward.", "shared_experts.")):
             assert type(c) is MXLinear.Config, fqn
     assert all(line.startswith("[Override] mxmoe.integrations.torchtitan.mxmoe_") for line in lines)
 
@@ -378,7 +381,7 @@ def _check_dispatch(rank: int, mesh, dtype: torch.dtype) -> None:
     E, K, T, D = 8, 3, 21 + 6 * rank, 64
     ref = AllToAllTokenDispatcher.Config(num_experts=E, top_k=K).build()
     mx = MXFP8AllToAllTokenDispatcher.Config(
-        num_experts=E, top_k=K, a2a_transport="nccl", mxfp8_a2a_kernel_choice="torch"
+        num_experts=E, top_k=K, a2a_transport="nccl", mxfp8_dim0_cast_kernel_choice="torch"
     ).build()
     # ref's combine exchange, with the gradient quantize-dequantized as MXFP8 moves it
     ref_combine = ref._combine_token_exchange
