@@ -112,6 +112,7 @@ SLOW_FIRST = {
     "tests/train/test_trainer.py::test_profiling_writes_a_trace_and_an_operator_table": 5,
     "tests/comm/test_symm.py::test_exchange_kernel_under_the_interpreter": 5,
     "tests/train/test_determinism.py::test_two_expert_parallel_runs_give_the_same_loss_bits": 5,
+    "tests/comm/test_dispatch.py::test_exchange_bytes_numbers_and_a_registered_transport": 8,
 }
 
 

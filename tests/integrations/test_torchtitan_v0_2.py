@@ -154,6 +154,65 @@ def test_tensor_parallel_is_refused():
         build_model_converters(cfg, dims)
 
 
+def test_exchange_options_reach_the_experts_and_expert_parallelism():
+    """--mx.expert_gemm, --mx.no-mxfp8-a2a and --mx.a2a_transport (tyro: choices and a bool flag)
+    reach the converted experts; with EP > 1 the converter makes torchtitan's parallelize build
+    mxmoe's style, which is torchtitan's own for experts mxmoe did not convert."""
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    from mxmoe.integrations.torchtitan import MXExpertParallel
+    from mxmoe.integrations.torchtitan.v0_2 import expert_parallel
+
+    flags = ["--job.custom_config_module", PKG, "--model.converters", "mx", "--mx.expert_gemm", "bf16",
+             "--mx.no-mxfp8-a2a", "--mx.a2a_transport", "nccl"]  # fmt: skip
+    cfg = ConfigManager().parse_args(flags)
+    assert (cfg.mx.expert_gemm, cfg.mx.mxfp8_a2a, cfg.mx.a2a_transport) == ("bf16", False, "nccl")
+    with pytest.raises(SystemExit):  # a bool flag takes no value; choices are checked when parsed
+        ConfigManager().parse_args(["--job.custom_config_module", PKG, "--mx.a2a_transport", "nvlink"])
+    experts = GroupedExperts(dim=64, hidden_dim=96, num_experts=4, use_grouped_mm=False)
+    model = torch.nn.ModuleDict({"moe": torch.nn.ModuleDict({"experts": experts})})
+    MXMoEConverter(cfg, SimpleNamespace(tp=1, ep=1)).convert(model)
+    assert type(experts) is MXGroupedExperts and experts.recipe.expert_gemm == "bf16"
+    assert (experts.mxfp8_a2a, experts.a2a_transport) == (False, "nccl")
+    plain = GroupedExperts(dim=64, hidden_dim=96, num_experts=4, use_grouped_mm=False)
+    model = torch.nn.ModuleDict({"a": GroupedExperts(dim=64, hidden_dim=96, num_experts=4,
+                                                     use_grouped_mm=False)})
+    MXMoEConverter(cfg, SimpleNamespace(tp=1, ep=2)).convert(model)
+    assert expert_parallel.installed()
+    import torchtitan.models.llama4.infra.parallelize as parallelize
+
+    assert parallelize.ExpertParallel is MXExpertParallel and issubclass(MXExpertParallel, ExpertParallel)
+    assert MXExpertParallel()._mx(plain, None) is None  # torchtitan's own exchange for it
+
+
+def test_exchange_only_experts_are_bf16_gemms_on_rounded_rows():
+    """expert_gemm="bf16": torchtitan's SwiGLU experts in bf16 on rows rounded to MX (the oracle's
+    quantize-dequantize), the output's gradient rounded the same way."""
+    torch.manual_seed(0)
+    E, dim, hidden = 3, 64, 96
+    experts = GroupedExperts(dim=dim, hidden_dim=hidden, num_experts=E, use_grouped_mm=False)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    conv = MXMoEConverter(SimpleNamespace(mx=MX(expert_gemm="bf16")), SimpleNamespace(tp=1))
+    conv.convert(torch.nn.ModuleDict({"experts": experts}))
+    counts = torch.tensor([7.0, 0.0, 41.0])
+    x = torch.randn(48, dim).bfloat16().float().requires_grad_()
+    g = torch.randn(48, dim).bfloat16().float()
+    y = experts(x, counts)
+    y.backward(g)
+    w = [t.detach().bfloat16() for t in (experts.w1, experts.w2, experts.w3)]
+    xr = _qdq(x.detach(), "rceil").bfloat16().requires_grad_()
+    outs, start = [], 0
+    for e, n in enumerate(counts.int().tolist()):
+        xe = xr[start : start + n]
+        outs.append((F.silu(xe @ w[0][e].T) * (xe @ w[2][e].T)) @ w[1][e].T)
+        start += n
+    want = torch.cat(outs)
+    torch.testing.assert_close(y, want.float(), rtol=2**-7, atol=1e-6)
+    want.backward(_qdq(g, "rceil").bfloat16())  # the output's gradient rounded; the rows' goes straight
+    torch.testing.assert_close(x.grad, xr.grad.float(), rtol=2**-6, atol=1e-5)
+
+
 def test_without_the_mx_section_the_defaults_apply():
     # converters registered by --experimental.custom_import only: no [mx] section in the job config
     conv = MXMoEConverter(TTJobConfig(), SimpleNamespace(tp=1))

@@ -84,8 +84,8 @@ def check_trainer_torch(torch_module) -> None:
     if not hasattr(torch_module.distributed, "set_timeout"):
         raise ImportError(
             f"torchtitan 0.3's trainer needs torch >= 2.14 (it calls torch.distributed.set_timeout after "
-            f"the first step), this is torch {torch_module.__version__}; torchtitan 0.2.x trains on "
-            "torch 2.11: pip install 'mxmoe[torchtitan02]'"
+            f"the first step), this is torch {torch_module.__version__}: pip install 'torch>=2.14' "
+            "(or torchtitan 0.2.x, which trains on torch 2.11: pip install 'mxmoe[torchtitan02]')"
         )
 
 
