@@ -487,3 +487,34 @@ def test_trainer_at_expert_parallel_2_exchanges_mxfp8(tmp_path):
     assert norms["compiled"] == pytest.approx(norms["mxfp8"], rel=1e-5), norms
     only1, only2 = losses["only_ep1"], losses["only_ep2"]
     assert only2[0] == pytest.approx(only1[0], rel=1e-6) and only2[1] == pytest.approx(only1[1], rel=1e-4)
+
+
+def test_ep_script_commands_parse(tmp_path):
+    """scripts/torchtitan_ep.sh's runs (scripts/torchtitan_ep.py) are what torchtitan 0.2.2's parser
+    and mxmoe's bench accept: for 2 and 4 GPUs, every trainer run's flags parse (its `[mx]` options
+    included), its custom import registers the model flavor and the torchao peer's converter, the
+    converters it names are registered, and the all-to-all bench's flags parse."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import torchtitan_ep
+
+    from mxmoe.bench.a2a import parse_args as a2a_args
+
+    for ngpu in (2, 4):
+        cmds = torchtitan_ep.commands(tmp_path, tmp_path / "data", tmp_path / "tok", ngpu, steps=30,
+                                      flavor="mxmoe_ep", local_batch=2, seq_len=8192, compile=True)
+        assert sorted(cmds) == sorted(torchtitan_ep.RUNS)
+        for name in torchtitan_ep.VARIANTS:
+            cmd = cmds[name]
+            assert cmd[cmd.index("--nproc_per_node") + 1] == str(ngpu)
+            cfg = ConfigManager().parse_args(cmd[cmd.index("torchtitan.train") + 1 :])
+            importlib.import_module(cfg.experimental.custom_import)
+            spec = importlib.import_module("torchtitan.models.deepseek_v3").get_train_spec()
+            args = spec.model_args[cfg.model.flavor]
+            assert (args.dim, args.moe_args.num_experts, args.moe_args.top_k) == (5120, 16, 8)
+            assert cfg.parallelism.expert_parallel_degree == ngpu and cfg.compile.enable
+            assert all(c in _registry_model_converter_cls for c in cfg.model.converters), name
+            if name == "exchange":
+                assert (cfg.mx.expert_gemm, cfg.mx.convert_linears, cfg.mx.mxfp8_a2a) == ("bf16", False, True)
+        a2a = cmds["a2a"]
+        ns = a2a_args(a2a[a2a.index("a2a") + 1 :])
+        assert (ns.batches, ns.seq, ns.dims) == ([16], 8192, [5120])
