@@ -1,7 +1,9 @@
 """The dispatch seam and its transports registry on 2 gloo ranks, with mxmoe's MoE model at EP=2:
 
 - the MXFP8 exchange changes the bytes on the wire, not the numbers: the same step over a
-  registered transport that sends the same MX-rounded rows unquantized gives the same bits;
+  registered transport that sends the same MX-rounded rows unquantized gives the same bits, and so
+  does the exchange in the rows' dtype (MX experts round what they get as the exchange would), with
+  MX GEMMs and with the exchange only;
 - what the collective is handed: MXFP8 rows (elements + scales) for the dispatch and the combine's
   gradient, unquantized rows for the combine and the dispatch's gradient; with the MXFP8 exchange
   off (or high-precision experts) no MXFP8 row at all;
@@ -34,6 +36,7 @@ from mxmoe.recipe import recipe
 
 DIM = 64
 RECIPE = recipe("mxfp8_rceil", dim0_kernel="torch", dim1_kernel="torch")
+BF16_EXPERTS = RECIPE.replace(expert_gemm="bf16")
 
 
 def _model() -> Transformer:
@@ -51,10 +54,10 @@ def _step(m: Transformer, rank: int) -> dict[str, torch.Tensor]:
     return {"logits": logits.detach(), **grads}
 
 
-def _run(rank, group, *, mx: bool, **ep) -> tuple[dict[str, torch.Tensor], ExchangeLog]:
+def _run(rank, group, *, mx: bool, recipe=RECIPE, **ep) -> tuple[dict[str, torch.Tensor], ExchangeLog]:
     m = _model()
     if mx:
-        mxmoe.convert(m, RECIPE)
+        mxmoe.convert(m, recipe)
     apply_expert_parallel(m, group, **ep)
     with ExchangeLog() as log:
         out = _step(m, rank)
@@ -85,11 +88,20 @@ def _worker(rank: int, world: int, port: int) -> None:
         # the rounded transport moved the same rows unquantized: no MXFP8 byte
         elems, scales, rows = mx_and_unquantized_rows(rounded_log, DIM, 4)
         assert elems == scales == [] and len(rows) == 4, rounded_log.calls
-        # the MXFP8 exchange off, or high-precision experts: rows go unquantized both ways
+        # the MXFP8 exchange off, or high-precision experts: rows go unquantized both ways; MX
+        # experts round what they are given as the exchange would: the same bits again
         for kw in ({"mx": True, "mxfp8": False}, {"mx": False}):
-            _, log = _run(rank, group, transport="nccl", **kw)
+            out, log = _run(rank, group, transport="nccl", **kw)
             elems, scales, rows = mx_and_unquantized_rows(log, DIM, 4)
             assert elems == scales == [] and len(rows) == 4, (kw, log.calls)
+            if kw["mx"]:
+                for k in mx:
+                    assert_same_bits(out[k], mx[k], f"rank {rank}: {k}, the exchange in fp32")
+        # the exchange only (bf16 GEMMs on MX-rounded rows): MXFP8 and fp32 rows, the same bits
+        only = [_run(rank, group, mx=True, recipe=BF16_EXPERTS, transport="nccl", mxfp8=m)[0]
+                for m in (True, False)]
+        for k in only[0]:
+            assert_same_bits(only[1][k], only[0][k], f"rank {rank}: {k}, the exchange only")
 
         # a token-level transport serves the model by name; "auto" takes it at rank -1
         activate("gather_tokens")
