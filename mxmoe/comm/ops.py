@@ -37,14 +37,23 @@ def _recipe(elem_dtype: torch.dtype, block_size: int, scaling_mode: str, kernel:
     )
 
 
+def _host(splits: Tensor) -> list[int] | None:
+    return getattr(splits, "_mxmoe_host_splits", None)
+
+
 def _plan(x: Tensor, send: Tensor, recv: Tensor, group: str):
-    """(Plan, process group) of one exchange; one host read of both split tensors."""
+    """(Plan, process group) of one exchange. The split tensors are read on the host once: the
+    values are kept on the tensors, which a dispatch hands unchanged to its combine and to both
+    backward exchanges (each read would be a device-to-host sync)."""
     g = resolve_group(group)
     rank, world = group_rank_world(g)
-    if send.device == recv.device:
-        ins, outs = torch.stack((send, recv)).tolist()
-    else:
-        ins, outs = send.tolist(), recv.tolist()
+    ins, outs = _host(send), _host(recv)
+    if ins is None or outs is None:
+        if send.device == recv.device:
+            ins, outs = torch.stack((send, recv)).tolist()
+        else:
+            ins, outs = send.tolist(), recv.tolist()
+        send._mxmoe_host_splits, recv._mxmoe_host_splits = ins, outs
     if len(ins) != world or len(outs) != world or sum(ins) != x.shape[0]:
         raise ValueError(
             f"exchange splits send={ins}, recv={outs} do not fit {world} ranks and x.shape[0]={x.shape[0]}"
