@@ -35,13 +35,23 @@ training.compile), the whole model with fullgraph=True (training.compile_full), 
 mode="reduce-overhead" (inductor's CUDA graphs; `mxmoe bench train` only)."""
 
 
+MX_CONVERTERS = ("mx", "mxmoe")
+"""The names of mxmoe's converter, as in every front end (torchtitan's `--model.converters` too)."""
+
+
+def uses_mx(cfg: JobConfig) -> bool:
+    """Whether cfg's model.converters names mxmoe's converter."""
+    return any(c in MX_CONVERTERS for c in cfg.model.converters)
+
+
 def check_values(cfg: JobConfig) -> None:
     """ValueError naming the setting, the value and what is accepted, before anything is built."""
     t = cfg.training
-    unknown = sorted(set(cfg.model.converters) - {"mx"})
+    unknown = sorted(set(cfg.model.converters) - set(MX_CONVERTERS))
     if unknown:
         raise ValueError(
-            f"model.converters={cfg.model.converters!r}: unknown converter(s) {unknown}; expected 'mx'"
+            f"model.converters={cfg.model.converters!r}: unknown converter(s) {unknown}; expected one "
+            f"of {list(MX_CONVERTERS)} (the same converter)"
         )
     if t.mixed_precision not in ("bf16", "fp32", "tf32"):
         raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16, fp32 or tf32")
@@ -284,7 +294,7 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
     parallel dims and meshes, the model (`build_model`; then FSDP), AdamW and its LR schedule, the
     data and its sampler, the checkpointer, and the state of a resumed run loaded into all of them."""
     t, p = cfg.training, cfg.parallelism
-    use_mx = "mx" in cfg.model.converters
+    use_mx = uses_mx(cfg)
     distributed = dist.is_initialized()
     pd = parallel.make_parallel_dims(
         world, p.data_parallel_shard_degree, p.expert_parallel_degree, p.tensor_parallel_degree

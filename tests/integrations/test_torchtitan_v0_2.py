@@ -154,8 +154,9 @@ def test_tensor_parallel_is_refused():
         build_model_converters(cfg, dims)
 
 
-def test_exchange_options_reach_the_experts_and_expert_parallelism():
-    """--mx.expert_gemm, --mx.no-mxfp8-a2a and --mx.a2a_transport (tyro: choices and a bool flag)
+def test_exchange_options_reach_the_experts_and_expert_parallelism(tmp_path):
+    """--mx.expert_gemm, --mx.no-mxfp8-a2a and --mx.a2a_transport (tyro: choices and a bool flag; or
+    the same in TOML)
     reach the converted experts; with EP > 1 the converter makes torchtitan's parallelize build
     mxmoe's style, which is torchtitan's own for experts mxmoe did not convert."""
     from torchtitan.distributed.expert_parallel import ExpertParallel
@@ -167,6 +168,12 @@ def test_exchange_options_reach_the_experts_and_expert_parallelism():
              "--mx.no-mxfp8-a2a", "--mx.a2a_transport", "nccl"]  # fmt: skip
     cfg = ConfigManager().parse_args(flags)
     assert (cfg.mx.expert_gemm, cfg.mx.mxfp8_a2a, cfg.mx.a2a_transport) == ("bf16", False, "nccl")
+    toml = tmp_path / "job.toml"
+    toml.write_text(f'[job]\ncustom_config_module = "{PKG}"\n\n[mx]\nexpert_gemm = "bf16"\n'
+                    'mxfp8_a2a = false\na2a_transport = "nccl"\nconvert_linears = false\n')
+    from_toml = ConfigManager().parse_args(["--job.config_file", str(toml)]).mx
+    assert (from_toml.expert_gemm, from_toml.mxfp8_a2a, from_toml.a2a_transport) == ("bf16", False, "nccl")
+    assert from_toml.convert_linears is False
     with pytest.raises(SystemExit):  # a bool flag takes no value; choices are checked when parsed
         ConfigManager().parse_args(["--job.custom_config_module", PKG, "--mx.a2a_transport", "nvlink"])
     experts = GroupedExperts(dim=64, hidden_dim=96, num_experts=4, use_grouped_mm=False)
