@@ -82,6 +82,11 @@ class ExpertParallel:
     def __call__(self, x_sorted: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
         """The rows-level call: rows (N, D) grouped by global expert, counts (E,) -> the experts'
         outputs (N, D), the experts run on this rank's rows (a row transport's dispatcher)."""
+        if not hasattr(self.dispatcher, "exchange_rows"):
+            raise TypeError(
+                f"transport={self.transport!r} moves tokens itself: call dispatch / combine, not the "
+                "rows-level ExpertParallel(rows, counts, experts)"
+            )
         rows, local_counts, h = self.dispatcher.exchange_rows(x_sorted, counts, rows_as=expert_rows(experts))
         return self.dispatcher.return_rows(experts(rows, local_counts), h)
 
