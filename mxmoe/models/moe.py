@@ -16,7 +16,8 @@ Load balancing (`load_balance`):
 Expert parallelism is applied from outside (`mxmoe.models.apply_expert_parallel(model, group)`):
 it installs a token dispatcher in each MoE layer (`MoE.dispatch`, the seam of
 `mxmoe.comm.dispatch`), after which the experts module holds only this rank's `num_experts // ep`
-experts and tokens travel to them by all-to-all (mxmoe.models.expert_parallel). The MoE layer itself does not know how it is parallelized.
+experts and tokens travel to them by all-to-all (mxmoe.models.expert_parallel). The MoE layer
+itself does not know how it is parallelized.
 """
 
 from __future__ import annotations

@@ -189,6 +189,9 @@ def test_exchange_options_reach_the_experts_and_expert_parallelism(tmp_path):
     import torchtitan.models.llama4.infra.parallelize as parallelize
 
     assert parallelize.ExpertParallel is MXExpertParallel and issubclass(MXExpertParallel, ExpertParallel)
+    # selective activation checkpointing keeps the exchange's outputs (as torchtitan does DeepEP's)
+    assert torch.ops.mxmoe.a2a_mxfp8.default in importlib.import_module(
+        "torchtitan.models.deepseek_v3.infra.parallelize")._op_sac_save_list
     assert MXExpertParallel()._mx(plain, None) is None  # torchtitan's own exchange for it
 
 

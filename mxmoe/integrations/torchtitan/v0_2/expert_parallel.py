@@ -75,10 +75,32 @@ class MXExpertParallel(ExpertParallel):
         return d.return_rows(routed_output, handle).to(dtype)
 
 
+SAC_SAVE_LISTS = (
+    "torchtitan.models.deepseek_v3.infra.parallelize",
+    "torchtitan.models.llama4.infra.parallelize",
+    "torchtitan.models.qwen3.infra.parallelize",
+)
+"""torchtitan 0.2's modules whose `_op_sac_save_list` (the ops selective activation checkpointing
+keeps instead of recomputing) gets the exchange's collectives, as torchtitan adds DeepEP's."""
+
+
 def install() -> None:
-    """Make torchtitan 0.2's `apply_moe_ep_tp` build `MXExpertParallel` (module docstring)."""
+    """Make torchtitan 0.2's `apply_moe_ep_tp` build `MXExpertParallel` (module docstring), and
+    selective activation checkpointing keep the exchange's outputs rather than exchange again."""
+    import importlib
+
+    import torch
+
+    from mxmoe.comm import ops  # noqa: F401  (registers torch.ops.mxmoe.a2a_*)
+
     if _parallelize.ExpertParallel is not MXExpertParallel:
         _parallelize.ExpertParallel = MXExpertParallel
+    exchange = [getattr(torch.ops.mxmoe, name).default
+                for name in ("a2a_counts", "a2a_rows", "a2a_mxfp8", "a2a_mxfp8_dequant")]
+    for name in SAC_SAVE_LISTS:
+        save = getattr(importlib.import_module(name), "_op_sac_save_list", None)
+        if isinstance(save, set):
+            save.update(exchange)
 
 
 def installed() -> bool:
