@@ -40,7 +40,8 @@ class ExchangeSite:
 class Transport:
     """How an expert-parallel group's rows travel; a registered transport's module exposes one as
     `TRANSPORT`. Row transports implement `mx_exchange` and `exchange`; a token-level transport
-    sets `moves_rows = False` and overrides `dispatcher`."""
+    sets `moves_rows = False`, overrides `dispatcher`, and declares itself unavailable at sites
+    with `rows=True` (an exchange of rows by split sizes)."""
 
     name: str = ""
     moves_rows: bool = True

@@ -99,7 +99,14 @@ def row_transport(
         return _load("nccl")
     fmt = None if recipe is None else (recipe.elem_dtype, recipe.block_size, recipe.scaling_mode)
     site = ExchangeSite(x.device.type, group_name(group), world, fmt, chunks is not None, True, group)
-    return _load(_resolve(choice, site, "transport"))
+    name = _resolve(choice, site, "transport")
+    t = _load(name)
+    if not t.moves_rows:  # its availability should have refused a rows site
+        raise RuntimeError(
+            f"transport={name!r} moves tokens, not rows by split sizes; its why_unavailable must refuse "
+            "sites with ExchangeSite.rows"
+        )
+    return t
 
 
 def make_dispatcher(group, *, transport: str = AUTO, mxfp8: bool = True, chunks: int | None = None):
