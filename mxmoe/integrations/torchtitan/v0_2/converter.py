@@ -21,10 +21,11 @@ leaves free: its own torchao converters are "quantize.linear.mx" / "quantize.gro
 The options are `mxmoe.MXOptions`, merged into torchtitan's job config as the `[mx]` section:
 
     --job.custom_config_module mxmoe.integrations.torchtitan --model.converters mxmoe \\
-        --mx.recipe_name mxfp8_rceil --mx.expert_gemm bf16 --mx.mxfp8_a2a true
+        --mx.recipe_name mxfp8_rceil --mx.expert_gemm bf16 --mx.no-convert-linears
 
 or the same in TOML (`[job] custom_config_module = "mxmoe.integrations.torchtitan"`, `[model]
-converters = ["mxmoe"]`, `[mx] expert_gemm = "bf16"`). Importing the module named by
+converters = ["mxmoe"]`, `[mx] expert_gemm = "bf16"`, `convert_linears = false`). Booleans are
+flags on torchtitan's command line (`--mx.no-mxfp8-a2a`: expert parallelism exchanges bf16). Importing the module named by
 custom_config_module registers the converters, so that one line does both.
 
 Tensor parallelism is refused when the converter is built (a ValueError naming
