@@ -38,7 +38,8 @@ mxmoe's and torchtitan 0.2's models, `lm_head` in torchtitan 0.3's), the MoE rou
 attention projections (docs/training-ops.md says why)."""
 
 
-@dataclass
+# keyword-only, so that torchtitan 0.3's config classes (keyword-only) can inherit it
+@dataclass(kw_only=True)
 class MXOptions:
     """What to convert to MX, how (the recipe), and the expert-parallel exchange: mxmoe's one option
     set, the same in every front end."""
@@ -83,8 +84,8 @@ class MXOptions:
         if isinstance(f, str) or not isinstance(f, (list, tuple)) or not all(isinstance(s, str) for s in f):
             hint = f" (use filter_fqns=[{f!r}])" if isinstance(f, str) else ""
             raise TypeError(f"{prefix}filter_fqns must be a list of strings, got {f!r}{hint}")
-        hints = typing.get_type_hints(type(self))
-        for fl in fields(self):
+        hints = typing.get_type_hints(MXOptions)  # its own fields (a subclass may add others)
+        for fl in fields(MXOptions):
             value, tp = getattr(self, fl.name), hints[fl.name]
             if typing.get_origin(tp) is Literal and value not in typing.get_args(tp):
                 why = why_not_accepted(fl.name, value, typing.get_args(tp))

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from mxmoe.bench.timing import bench
-from mxmoe.comm import all_to_all_hp, reference_mxfp8_a2a, symm, to_mxfp8_a2a_dequant
+from mxmoe.comm import a2a_unquantized, reference_mxfp8_a2a, symm, to_mxfp8_a2a_dequant
 
 ITEMS = (None, 4, 8)  # symm.ITEM_TILES (None: by size, the default; 1 and 2 were slower than 4)
 STORE_SUBS = (128,)  # symm._STORE_SUB_BLOCKS (64 was slower than 128)
@@ -67,7 +67,7 @@ def main() -> None:
         x[p0 + 2000, :64] = 0.0
         x[p0 + 3000, 64:96] *= 2.0**-140
         ref = reference_mxfp8_a2a(x, splits, splits)
-        bf = bench(lambda t, s=splits: all_to_all_hp(t, s, s, check=False), [(x,)], warmup=5, iters=30)
+        bf = bench(lambda t, s=splits: a2a_unquantized(t, s, s, check=False), [(x,)], warmup=5, iters=30)
         if rank == 0:
             print(f"{b}x8192x{args.dim}: bf16 {bf.median_ms:.3f} ms", flush=True)
         configs = itertools.product(ITEMS, STORE_SUBS, RECV_SUBS, DELAYS, PROGS, FAST_BITS)

@@ -74,7 +74,7 @@ def test_unknown_recipe_name():
 def test_recipe_from_options_is_every_front_end():
     """One function turns option strings into a recipe; the trainer, MXOptions and the torchtitan
     adapter all call it, so the same options give the same recipe and the same errors."""
-    from mxmoe.integrations.torchtitan.converters import mx_recipe
+    from mxmoe.integrations.torchtitan import mx_recipe
     from mxmoe.options import MXOptions
 
     assert recipe_from_options() == DEFAULT_RECIPE == MXOptions().to_recipe() == mx_recipe()

@@ -5,7 +5,7 @@
         [--check-only]
 
 Each rank holds batch x seq tokens of `dim` (bf16) and sends an equal share to every rank. Rows:
-forward, backward and forward+backward times of the bf16 all-to-all (`all_to_all_hp`, NCCL) and of the
+forward, backward and forward+backward times of the bf16 all-to-all (`a2a_unquantized`, NCCL) and of the
 MXFP8 one (`to_mxfp8_a2a_dequant`, one row per --transport x --chunks choice; symm ignores chunks),
 median of >= 20 runs, maximum over ranks
 (mxmoe.bench.timing.bench). The breakdown times each stage alone: quantize all rows, the NCCL exchange
@@ -27,7 +27,7 @@ from mxmoe.bench.timing import bench, environment, print_table, require_cuda, wr
 from mxmoe.comm import (
     a2a_combine,
     a2a_dispatch_mxfp8,
-    all_to_all_hp,
+    a2a_unquantized,
     dequantize_into,
     qdq_into,
     reference_mxfp8_a2a,
@@ -238,7 +238,7 @@ def _time_op(op, xs, gs, timed) -> dict:
 
 def _bench_shape(xs, gs, splits, shape, world, args, rows, breakdown) -> None:
     timed = dict(warmup=args.warmup, iters=args.iters)
-    bf = _time_op(lambda t: all_to_all_hp(t, splits, splits, check=False), xs, gs, timed)
+    bf = _time_op(lambda t: a2a_unquantized(t, splits, splits, check=False), xs, gs, timed)
     fwd = {}
     for transport, chunks in args.variants:
 
@@ -376,7 +376,7 @@ def _profile(args, rank, world, dev) -> None:
     x = torch.randn(n, dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(n, dim, device=dev, dtype=torch.bfloat16)
     ops = {
-        "bf16": lambda: all_to_all_hp(x, splits, splits, check=False).backward(g),
+        "bf16": lambda: a2a_unquantized(x, splits, splits, check=False).backward(g),
         "mxfp8": lambda: to_mxfp8_a2a_dequant(
             x,
             splits,

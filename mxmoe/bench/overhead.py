@@ -77,7 +77,7 @@ def _free_port() -> int:
 
 def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
     """(op, impl, fn, graphable) for every row; inputs are made here, once."""
-    from mxmoe.comm import all_to_all_hp, to_mxfp8_a2a_dequant
+    from mxmoe.comm import a2a_unquantized, to_mxfp8_a2a_dequant
     from mxmoe.ops import mx_grouped_mm, mx_mm
     from mxmoe.ops.tail_rows import zero_rows_after
     from mxmoe.quant import available_kernels, to_mx, to_mx_dim0_dim1
@@ -158,7 +158,7 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
     cases += [
         ("mx_grouped_mm fwd", "auto", lambda: mx_grouped_mm(x, w3, offs, r), False),
         ("mx_grouped_mm fwd+bwd", "auto", fwd_bwd(lambda: mx_grouped_mm(xg, w3g, offs, r)), False),
-        ("all_to_all_hp, 1 rank", "native", lambda: all_to_all_hp(x, [R], [R], check=False), False),
+        ("a2a_unquantized, 1 rank", "native", lambda: a2a_unquantized(x, [R], [R], check=False), False),
         (
             "to_mxfp8_a2a_dequant, 1 rank",
             "auto",

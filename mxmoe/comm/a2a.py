@@ -1,4 +1,4 @@
-"""All-to-alls for expert parallelism: MXFP8 (exact, overlapped) and plain high precision.
+"""All-to-alls for expert parallelism: MXFP8 (exact, overlapped) and unquantized (rows in their dtype).
 
 Every function exchanges *rows*: x is (rows_in, ...) ordered by destination rank, `input_splits[p]`
 rows go to rank p, and the result is (sum(output_splits), ...) ordered by source rank. Splits are
@@ -11,13 +11,14 @@ bit-for-bit what `reference_mxfp8_a2a` computes (quantize -> all_to_all_single -
 fused kernels (own rows' quantize+dequantize, symmetric memory) serve the default format; other
 recipes take the same paths with the generic cast kernels (NCCL/gloo transport).
 
-Transports. On GPUs of one host (transport "auto" or "symm") one kernel per exchange quantizes each
-peer's rows straight into that peer's symmetric-memory buffer, does the own rows meanwhile, and
-dequantizes each received tile as soon as its flag says it has landed: `mxmoe.comm.symm` explains
-it. Otherwise ("nccl", or "auto" with `chunks` given) the process group moves the bytes, overlapped
-with the casts: `mxmoe.comm.nccl` explains how. The format (rows quantized with the recipe):
-`mxmoe.comm.mx_rows`; the definition every exchange matches: `mxmoe.comm.reference`. This module:
-the transport choice and the differentiable public functions.
+Transports, chosen by name in one registry (`mxmoe.comm.transports.TRANSPORTS`). On GPUs of one
+host (transport "auto" or "symm") one kernel per exchange quantizes each peer's rows straight into
+that peer's symmetric-memory buffer, does the own rows meanwhile, and dequantizes each received
+tile as soon as its flag says it has landed: `mxmoe.comm.symm` explains it. Otherwise ("nccl", or
+"auto" with `chunks` given) the process group moves the bytes, overlapped with the casts:
+`mxmoe.comm.nccl` explains how. The format (rows quantized with the recipe): `mxmoe.comm.mx_rows`;
+the definition every exchange matches: `mxmoe.comm.reference`. This module: the differentiable
+public functions. The same exchanges as custom ops for compiled code: `mxmoe.comm.ops`.
 
 Timeouts: nothing here waits without a bound; a peer that never joins is reported by the process
 group's timeout (`init_process_group(timeout=...)`; NCCL's watchdog aborts the collective).
@@ -28,52 +29,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mxmoe.comm.mx_rows import _dequantize, _fast, _kernel, _quantize, _recipe, quantize_rows
-from mxmoe.comm.nccl import (
-    PIPELINE_MIN_ELEMS,
-    _pipelined_mx_exchange,
-    _simple_mx_exchange,
-    _use_pipeline,
-    all_to_all_rows,
-)
+from mxmoe.comm.mx_rows import _kernel, _recipe, quantize_rows
+from mxmoe.comm.nccl import PIPELINE_MIN_ELEMS, _use_pipeline, all_to_all_rows  # noqa: F401 (importable from here as before)
 from mxmoe.comm.reference import reference_mxfp8_a2a
 from mxmoe.comm.splits import Plan, check_and_plan
-from mxmoe.comm.symm import SymmWorkspace, symm_mx_exchange, symm_usable
+from mxmoe.comm.transports import row_transport
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, mx_tensor_trusted
 from mxmoe.recipe import MXRecipe
 
 __all__ = [  # (with names of mx_rows, nccl and reference, importable from here as before)
-    "PIPELINE_MIN_ELEMS", "a2a_combine", "a2a_dispatch_mxfp8", "all_to_all_hp", "all_to_all_rows",
+    "PIPELINE_MIN_ELEMS", "a2a_combine", "a2a_dispatch_mxfp8", "a2a_unquantized", "all_to_all_rows",
     "quantize_rows", "reference_mxfp8_a2a", "to_mxfp8_a2a_dequant",
 ]
 
 
 # --------------------------------------------------------------------------------------------
-# The MXFP8 exchange: transport choice
+# The exchanges (transports chosen by name in mxmoe.comm.transports.TRANSPORTS)
 # --------------------------------------------------------------------------------------------
-
-
-def _pick_transport(x: Tensor, plan: Plan, group, chunks: int | None, transport: str, r: MXRecipe) -> str:
-    """Returns "symm" or "nccl" (NCCL, or gloo on CPU): the same on every rank, from facts every rank
-    shares. auto: symmetric memory when it can run here, the format is the default one and no `chunks`
-    asks for the NCCL pipeline."""
-    if transport == "nccl" or plan.world == 1:
-        return "nccl"
-    usable = symm_usable(group, x.device)
-    if transport == "symm":
-        if not usable:
-            raise RuntimeError(
-                "transport='symm' needs CUDA tensors, an NCCL process group of GPUs on one host, "
-                "torch.distributed._symmetric_memory and triton; use transport='nccl' or 'auto'"
-            )
-        if not _fast(r):
-            raise ValueError(
-                f"transport='symm' exchanges the default format only (RCEIL, e4m3, blocks of 32); the "
-                f"recipe asks for {r.scaling_mode}, {r.elem_dtype}, blocks of {r.block_size}: use "
-                "transport='nccl' or 'auto'"
-            )
-        return "symm"
-    return "symm" if usable and chunks is None and _fast(r) else "nccl"
 
 
 def _mx_exchange(
@@ -86,25 +58,18 @@ def _mx_exchange(
     transport: str = "nccl",
 ):
     """Quantize x's rows in r's format, exchange per plan, and (if dequant) dequantize: y (rows_out,
-    dim) x.dtype, else (q (rows_out, dim) r.elem_dtype, s (rows_out, dim // r.block_size) e8m0)."""
+    dim) x.dtype, else (q (rows_out, dim) r.elem_dtype, s (rows_out, dim // r.block_size) e8m0).
+    `transport`: "auto" or a registered name, the same on every rank (the choice reads facts every
+    rank shares: the device type, the group, the format, whether `chunks` was given)."""
     x = x.contiguous()
-    k = _kernel(r, x.device)
-    if _pick_transport(x, plan, group, chunks, transport, r) == "symm":
-        ws = SymmWorkspace.get(group, x.device)
-        return symm_mx_exchange(x, plan.input_splits, plan.output_splits, plan.rank, ws, k, dequant)
-    pipelined = _use_pipeline(x.is_cuda, plan, chunks)
-    if plan.world == 1 and not pipelined:
-        q, s = _quantize(x, r, k)
-        return _dequantize(q, s, x.dtype, r, k) if dequant else (q, s)
-    if pipelined:
-        return _pipelined_mx_exchange(x, plan, group, r, k, dequant, chunks)
-    return _simple_mx_exchange(x, plan, group, r, k, dequant)
+    t = row_transport(transport, x, group, r, chunks, plan.world)
+    return t.mx_exchange(x, plan, group, r, _kernel(r, x.device), dequant, chunks)
 
 
-def _hp_exchange(x: Tensor, plan: Plan, group) -> Tensor:
+def _exchange_unquantized(x: Tensor, plan: Plan, group, transport: str = "nccl") -> Tensor:
+    """x's rows moved per plan in their own dtype."""
     x = x.contiguous()
-    out = x.new_empty((sum(plan.output_splits), *x.shape[1:]))
-    return all_to_all_rows(out, x, plan.output_splits, plan.input_splits, group)
+    return row_transport(transport, x, group, None, None, plan.world).exchange(x, plan, group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,22 +90,22 @@ class _MXA2A(torch.autograd.Function):
         return y, None, None, None, None, None
 
 
-class _HPA2A(torch.autograd.Function):
+class _UnquantizedA2A(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, group):
         ctx.args = (plan, group)
-        return _hp_exchange(x, plan, group)
+        return _exchange_unquantized(x, plan, group)
 
     @staticmethod
     def backward(ctx, grad):
         plan, group = ctx.args
-        return _hp_exchange(grad, plan.reversed(), group), None, None
+        return _exchange_unquantized(grad, plan.reversed(), group), None, None
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, group, r, chunks, transport):
-        ctx.args = (plan, group)
+        ctx.args = (plan, group, transport)
         q, s = _mx_exchange(x, plan, group, r, False, chunks, transport)
         anchor = make_grad_anchor((q.shape[0], q.shape[1]), x.dtype, x.device)
         ctx.mark_non_differentiable(q, s)
@@ -148,15 +113,15 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _gq, _gs):
-        plan, group = ctx.args
-        return _hp_exchange(grad, plan.reversed(), group), None, None, None, None, None
+        plan, group, transport = ctx.args
+        return _exchange_unquantized(grad, plan.reversed(), group, transport), None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, group, r, chunks, transport):
         ctx.args = (plan, group, r, chunks, transport)
-        return _hp_exchange(x, plan, group)
+        return _exchange_unquantized(x, plan, group, transport)
 
     @staticmethod
     def backward(ctx, grad):
@@ -269,13 +234,24 @@ def a2a_combine(
     return _Combine.apply(x, plan, group, r, chunks, transport)
 
 
-def all_to_all_hp(x: Tensor, output_splits, input_splits, group=None, *, check: bool = True) -> Tensor:
-    """Plain differentiable all-to-all of rows in x's own dtype (bf16 expert parallelism).
+def a2a_unquantized(x: Tensor, output_splits, input_splits, group=None, *, check: bool = True) -> Tensor:
+    """Differentiable all-to-all of rows in x's own dtype (the exchange of high-precision experts,
+    or of MX experts with the MXFP8 exchange off).
 
     x: (sum(input_splits), ...) any dtype. Returns (sum(output_splits), ...), contiguous. Backward:
-    the same exchange of the gradient in reverse.
+    the same exchange of the gradient in reverse. check: as in `to_mxfp8_a2a_dequant`.
     """
-    plan = check_and_plan("all_to_all_hp", x, output_splits, input_splits, group, check=check, mx=False)
-    return _HPA2A.apply(x, plan, group)
+    plan = check_and_plan("a2a_unquantized", x, output_splits, input_splits, group, check=check, mx=False)
+    return _UnquantizedA2A.apply(x, plan, group)
+
+
+def all_to_all_hp(x: Tensor, output_splits, input_splits, group=None, *, check: bool = True) -> Tensor:
+    """Renamed `a2a_unquantized` (a DeprecationWarning says so)."""
+    import warnings
+
+    warnings.warn(
+        "mxmoe.comm.all_to_all_hp is now mxmoe.comm.a2a_unquantized", DeprecationWarning, stacklevel=2
+    )
+    return a2a_unquantized(x, output_splits, input_splits, group, check=check)
 
 

@@ -30,7 +30,9 @@ from torch import Tensor
 
 from mxmoe.comm.mx_rows import _dequantize, _dequantize_into, _qdq_into, _quantize
 from mxmoe.comm.splits import Plan, offsets
+from mxmoe.comm.transport import Transport
 from mxmoe.recipe import MXRecipe
+from mxmoe.registry import Backend
 
 # Auto policy: two pieces beat the simple path at 16x8192x5120 bf16 (fwd+bwd, 2 GPUs), more pieces
 # lost, and below ~100 MB per peer every pipelined variant lost to the simple path. So on CUDA,
@@ -218,3 +220,34 @@ def _pipelined_mx_exchange(
     if dequant:
         return y
     return q_dst.view(r.elem_dtype), s_dst.view(torch.float8_e8m0fnu)
+
+
+class NCCLTransport(Transport):
+    """The process group's all-to-all (NCCL on GPUs, gloo on CPU): the simple path, or the
+    pipeline above when `chunks` asks for pieces (or the rows are large enough, on CUDA)."""
+
+    name = "nccl"
+
+    def mx_exchange(self, x, plan, group, recipe, kernel, dequant, chunks):
+        pipelined = _use_pipeline(x.is_cuda, plan, chunks)
+        if plan.world == 1 and not pipelined:  # one rank: the exchange's rounding, nothing moved
+            q, s = _quantize(x, recipe, kernel)
+            return _dequantize(q, s, x.dtype, recipe, kernel) if dequant else (q, s)
+        if pipelined:
+            return _pipelined_mx_exchange(x, plan, group, recipe, kernel, dequant, chunks)
+        return _simple_mx_exchange(x, plan, group, recipe, kernel, dequant)
+
+    def exchange(self, x, plan, group):
+        out = x.new_empty((sum(plan.output_splits), *x.shape[1:]))
+        return all_to_all_rows(out, x, plan.output_splits, plan.input_splits, group)
+
+
+TRANSPORT = NCCLTransport()
+BACKEND = Backend(
+    "nccl",
+    __name__,
+    why_unavailable=lambda site: None,  # any process group, any device, any format
+    auto_rank=lambda site: 1,
+)
+"""Registered in `mxmoe.comm.transports.TRANSPORTS`: runs everywhere; "auto" takes it where symmetric
+memory cannot run."""

@@ -149,14 +149,18 @@ def check_chunks(chunks) -> int | None:
     return chunks
 
 
-TRANSPORTS = ("auto", "nccl", "symm")
+def _transports() -> tuple[str, ...]:
+    """"auto" and the registered transports (`mxmoe.comm.transports`), in a fixed order."""
+    from mxmoe.comm.transports import choices
+
+    return choices()
 
 
 def check_transport(transport) -> str:
-    """`transport` of the MXFP8 all-to-alls: "auto", "nccl" or "symm"."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport={transport!r}; expected one of {list(TRANSPORTS)}")
-    return transport
+    """`transport` of the MXFP8 all-to-alls: "auto" or a registered transport ("nccl", "symm", ...)."""
+    from mxmoe.comm.transports import check_transport as check
+
+    return check(transport)
 
 
 def _meta_device(group, x) -> torch.device:
@@ -210,7 +214,8 @@ def check_and_plan(
         for d in plan.row_shape:
             numel *= d
         code = _DTYPE_CODES.index(x.dtype) if x.dtype in _DTYPE_CODES else len(_DTYPE_CODES)
-        row = [0, code, numel, x.ndim, -1 if chunks is None else int(chunks), TRANSPORTS.index(transport)]
+        names = _transports()
+        row = [0, code, numel, x.ndim, -1 if chunks is None else int(chunks), names.index(transport)]
         row += list(plan.input_splits) + list(plan.output_splits)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -247,8 +252,9 @@ def check_and_plan(
                 "on rank 0; all ranks must pass the same chunks"
             )
         if meta[r][5] != meta[0][5]:
+            names = _transports()
             raise ValueError(
-                f"{fn}: transport={TRANSPORTS[meta[r][5]]!r} on rank {r} but {TRANSPORTS[meta[0][5]]!r} "
+                f"{fn}: transport={names[meta[r][5]]!r} on rank {r} but {names[meta[0][5]]!r} "
                 "on rank 0; all ranks must pass the same transport"
             )
     ins_of = [m[6 : 6 + world] for m in meta]

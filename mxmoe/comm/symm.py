@@ -76,7 +76,9 @@ from mxmoe.comm.symm_layout import (  # noqa: F401  (Layout .. items_of: importa
     timeout_error,
 )
 from mxmoe.comm.symm_layout import SPEC as _SPEC
+from mxmoe.comm.transport import ExchangeSite, Transport
 from mxmoe.quant.backends import cast_fn, resolve_kernel, triton_interpret
+from mxmoe.registry import Backend
 
 WORKSPACE_BYTES = int(os.environ.get("MXMOE_SYMM_WORKSPACE_MB", "1024")) << 20
 TIMEOUT_MS = int(os.environ.get("MXMOE_SYMM_TIMEOUT_MS", "300000"))
@@ -425,3 +427,49 @@ def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch:
         code = int(ws.error[0]) - 1
         ws.error.zero_()
         raise timeout_error(code, TIMEOUT_MS)
+
+
+class SymmTransport(Transport):
+    """MXFP8 rows through symmetric memory (`symm_mx_exchange`); rows in their own dtype go through
+    the process group (`mxmoe.comm.nccl`)."""
+
+    name = "symm"
+
+    def mx_exchange(self, x, plan, group, recipe, kernel, dequant, chunks):
+        ws = SymmWorkspace.get(group, x.device)
+        return symm_mx_exchange(x, plan.input_splits, plan.output_splits, plan.rank, ws, kernel, dequant)
+
+    def exchange(self, x, plan, group):
+        from mxmoe.comm.nccl import TRANSPORT as PROCESS_GROUP
+
+        return PROCESS_GROUP.exchange(x, plan, group)
+
+
+_DEFAULT_FORMAT = (ELEM_DTYPE, BLOCK_SIZE, "rceil")
+
+
+def _why_unavailable(site: ExchangeSite) -> str | None:
+    """Why the symmetric-memory exchange cannot run at `site` (None: it can)."""
+    if site.device_type != "cuda" or (site.world > 1 and not symm_usable(site.group, torch.device("cuda"))):
+        return (
+            "needs CUDA tensors, an NCCL process group of GPUs on one host, "
+            "torch.distributed._symmetric_memory and triton; use transport='nccl' or 'auto'"
+        )
+    if site.fmt is not None and site.fmt != _DEFAULT_FORMAT:
+        elem, block, mode = site.fmt
+        return (
+            f"exchanges the default format only (RCEIL, e4m3, blocks of 32); the recipe asks for {mode}, "
+            f"{elem}, blocks of {block}: use transport='nccl' or 'auto'"
+        )
+    return None
+
+
+TRANSPORT = SymmTransport()
+BACKEND = Backend(
+    "symm",
+    __name__,
+    why_unavailable=_why_unavailable,
+    auto_rank=lambda site: None if site.chunks else 0,  # `chunks` asks for the NCCL pipeline
+)
+"""Registered in `mxmoe.comm.transports.TRANSPORTS`: "auto" takes it wherever it can run, unless
+`chunks` asks for the NCCL pipeline."""

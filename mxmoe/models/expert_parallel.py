@@ -1,25 +1,17 @@
 """Expert parallelism as a strategy applied from outside.
 
-Every MoE layer runs `mxmoe.models.routing.routed_experts`; which experts run where is the
-`dispatch` strategy the MoE layer holds (`MoE.dispatch`):
+Every MoE layer runs `mxmoe.models.routing.routed_experts` through the token dispatcher it holds
+(`MoE.dispatch`, the seam `mxmoe.comm.dispatch.TokenDispatcher`):
   - `LocalExperts` (the default, `mxmoe.models.routing`): all E experts here;
   - `ExpertParallel(group)`, installed by `apply_expert_parallel(model, group)` (as torchtitan's
     ExpertParallel ParallelStyle): each rank of `group` keeps E / ep experts, and tokens travel to
-    them by all-to-all. For MX experts (`MXGroupedExperts`) the rows go as MXFP8 in the experts'
-    recipe (`a2a_dispatch_mxfp8`, used by the first grouped GEMM without requantizing) and come back
-    in high precision with an MXFP8 gradient (`a2a_combine`); otherwise both ways in high precision
-    (`all_to_all_hp`). The same exchange serves MX experts whose recipe has expert_gemm="bf16" (the
-    exchange only): they dequantize the received rows exactly and run bf16 grouped GEMMs, the
-    gradient of the rows goes back in high precision.
-
-Flow for T tokens, top-k, E experts, EP degree `ep` (E_l = E / ep experts per rank):
-  1. sort the T*k assignments by global expert id (so also by destination rank);
-  2. ep > 1: exchange the per-expert counts (all_to_all_single on E int64), then the token rows;
-     received rows are (source rank, local expert)-major and get permuted to local-expert-major;
-  3. the grouped experts run on rows grouped by expert;
-  4. ep > 1: rows are permuted back and returned;
-  5. rows go back to assignment order (the inverse permutation), are scaled by their gate weights
-     and summed over the top-k in fp32 in a fixed order (deterministic: no atomics, see below).
+    them through the dispatcher of the transport chosen by name (`mxmoe.comm.transports`; "auto":
+    symmetric memory between GPUs of one host where it runs, else the process group). For MX
+    experts (`MXGroupedExperts`) the rows go as MXFP8 in the experts' recipe (used by the first
+    grouped GEMM without requantizing) and come back in high precision with an MXFP8 gradient;
+    otherwise (or with `mxfp8=False`) both ways in the rows' dtype. The same exchange serves MX
+    experts whose recipe has expert_gemm="bf16" (the exchange only): they dequantize the received
+    rows exactly and run bf16 grouped GEMMs; the gradient of the rows goes back in high precision.
 """
 
 from __future__ import annotations
@@ -28,38 +20,39 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from mxmoe.comm.dispatch import UNQUANTIZED, ExpertRows, expert_major_index
+from mxmoe.comm.transports import make_dispatcher
 from mxmoe.models.moe import MoE
-from mxmoe.models.routing import LocalExperts
-from mxmoe.nn.mx_experts import MXGroupedExperts
+from mxmoe.models.routing import LocalExperts, expert_rows
 
-
-def expert_major_index(recv_counts: Tensor) -> Tensor:
-    """recv_counts (ep, E_l) int64: rows received from source s for local expert e, laid out
-    source-major. Returns index (N,) int64 with `received[index]` grouped by local expert (and by
-    source within an expert)."""
-    ep, El = recv_counts.shape
-    flat = recv_counts.reshape(-1)
-    n = int(flat.sum())
-    starts = (torch.cumsum(flat, 0) - flat).view(ep, El).t().reshape(-1)  # segment start, src-major
-    lens = recv_counts.t().reshape(-1)  # segment lengths in expert-major order
-    out_starts = torch.cumsum(lens, 0) - lens
-    shift = torch.repeat_interleave(starts - out_starts, lens, output_size=n)
-    return torch.arange(n, device=recv_counts.device) + shift
+__all__ = ["ExpertParallel", "apply_expert_parallel", "expert_major_index"]
 
 
 class ExpertParallel:
-    """Experts sharded over `group` (ep ranks, E / ep experts each), tokens moved by all-to-all.
+    """Experts sharded over `group` (ep ranks, E / ep experts each), tokens moved by the token
+    dispatcher of `transport` (a `TokenDispatcher` itself, by delegation).
 
     `apply(moe)` shards the layer's experts (rank r of the group keeps experts [r E/ep, (r+1) E/ep)
     of the full set, which must be identical on every rank) and installs this strategy as
-    `moe.dispatch`. transport, chunks: of the MXFP8 exchanges (mxmoe.comm.to_mxfp8_a2a_dequant).
+    `moe.dispatch`. transport: "auto" or a registered transport (`mxmoe.comm.TRANSPORTS`), the same
+    on every rank. mxfp8: send MX experts' rows (and the combine's gradient) as MXFP8 (False: in the
+    rows' dtype). chunks: the NCCL pipeline's pieces (mxmoe.comm.to_mxfp8_a2a_dequant).
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, transport: str = "auto", chunks: int | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        transport: str = "auto",
+        chunks: int | None = None,
+        mxfp8: bool = True,
+    ):
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
-        self.transport, self.chunks = transport, chunks
+        self.transport, self.chunks, self.mxfp8 = transport, chunks, mxfp8
+        self.dispatcher = make_dispatcher(group, transport=transport, mxfp8=mxfp8, chunks=chunks)
+        """The transport's token dispatcher (resolved here, once, outside any compiled region)."""
 
     def apply(self, moe: nn.Module) -> None:
         """Shard `moe.experts` (call once per MoE layer, on every rank) and install this dispatch."""
@@ -78,52 +71,50 @@ class ExpertParallel:
         ex.num_experts = n
         moe.dispatch = self
 
-    def __call__(self, x_sorted: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
-        """Rows (N, D) grouped by global expert, counts (E,) int64 -> expert outputs (N, D)."""
-        from mxmoe.comm import a2a_combine, a2a_dispatch_mxfp8, all_to_all_hp
+    def dispatch(
+        self, x: Tensor, idx: Tensor, scores: Tensor, *, num_experts: int, rows_as: ExpertRows = UNQUANTIZED
+    ):
+        return self.dispatcher.dispatch(x, idx, scores, num_experts=num_experts, rows_as=rows_as)
 
-        group, ep = self.group, self.ep_size
-        E = counts.numel()
-        El = E // ep
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=group)  # chunk s: counts of source s for my experts
-        recv = recv_counts.view(ep, El)
-        input_splits = counts.view(ep, El).sum(1).tolist()
-        output_splits = recv.sum(1).tolist()
-        index = expert_major_index(recv)
-        inverse = torch.empty_like(index)
-        inverse[index] = torch.arange(index.numel(), device=index.device)
-        local_counts = recv.sum(0)
-        if x_sorted.is_cuda and torch.is_autocast_enabled("cuda"):  # exchange bf16, not fp32, rows
-            x_sorted = x_sorted.to(torch.get_autocast_dtype("cuda"))
-        # The splits come from the counts exchange above, so they agree across ranks by construction:
-        # skip the exchanges' own cross-rank check (one all_gather and a host sync per call).
-        if isinstance(experts, MXGroupedExperts):
-            kw = {"check": False, "transport": self.transport, "chunks": self.chunks}
-            r = experts.recipe
-            xr = a2a_dispatch_mxfp8(x_sorted, output_splits, input_splits, group, recipe=r, **kw)
-            y = experts(xr.index_rows(index), local_counts)  # an MXTensor, source-major -> expert-major
-            return a2a_combine(y.index_select(0, inverse), input_splits, output_splits, group, recipe=r, **kw)
-        xr = all_to_all_hp(x_sorted, output_splits, input_splits, group, check=False)
-        y = experts(xr.index_select(0, index), local_counts)
-        return all_to_all_hp(y.index_select(0, inverse), input_splits, output_splits, group, check=False)
+    def combine(self, y: Tensor, handle) -> Tensor:
+        return self.dispatcher.combine(y, handle)
+
+    def __call__(self, x_sorted: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
+        """The rows-level call: rows (N, D) grouped by global expert, counts (E,) -> the experts'
+        outputs (N, D), the experts run on this rank's rows (a row transport's dispatcher)."""
+        if not hasattr(self.dispatcher, "exchange_rows"):
+            raise TypeError(
+                f"transport={self.transport!r} moves tokens itself: call dispatch / combine, not the "
+                "rows-level ExpertParallel(rows, counts, experts)"
+            )
+        rows, local_counts, h = self.dispatcher.exchange_rows(x_sorted, counts, rows_as=expert_rows(experts))
+        return self.dispatcher.return_rows(experts(rows, local_counts), h)
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(ep={self.ep_size}, rank={self.ep_rank}, transport={self.transport!r})"
+        return (
+            f"ExpertParallel(ep={self.ep_size}, rank={self.ep_rank}, transport={self.transport!r}, "
+            f"mxfp8={self.mxfp8})"
+        )
 
 
 def apply_expert_parallel(
-    model: nn.Module, group: dist.ProcessGroup, *, transport: str = "auto", chunks: int | None = None
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    *,
+    transport: str = "auto",
+    chunks: int | None = None,
+    mxfp8: bool = True,
 ) -> nn.Module:
     """Expert parallelism over `group` for every MoE layer of `model` (in place; returns `model`).
 
     Call on every rank of `group` after building the model identically (same seed), before or after
     `mxmoe.convert` (the dispatch reads the experts' type and recipe at each call). Each layer keeps
-    experts [r E/ep, (r+1) E/ep) for group rank r; parameter names are unchanged.
+    experts [r E/ep, (r+1) E/ep) for group rank r; parameter names are unchanged. transport, chunks,
+    mxfp8: as in `ExpertParallel` (the trainer passes `--mx.a2a_transport` and `--mx.mxfp8_a2a`).
     """
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError(f"apply_expert_parallel: {type(model).__name__} has no MoE layer")
     for moe in layers:
-        ExpertParallel(group, transport=transport, chunks=chunks).apply(moe)
+        ExpertParallel(group, transport=transport, chunks=chunks, mxfp8=mxfp8).apply(moe)
     return model

@@ -14,9 +14,10 @@ Load balancing (`load_balance`):
     optimizer step (`Transformer.update_router_bias`); the gate weights are the unbiased scores.
   - "none".
 Expert parallelism is applied from outside (`mxmoe.models.apply_expert_parallel(model, group)`):
-it installs a dispatch strategy in each MoE layer (`MoE.dispatch`), after which the experts module
-holds only this rank's `num_experts // ep` experts and tokens travel to them by all-to-all
-(mxmoe.models.expert_parallel). The MoE layer itself does not know how it is parallelized.
+it installs a token dispatcher in each MoE layer (`MoE.dispatch`, the seam of
+`mxmoe.comm.dispatch`), after which the experts module holds only this rank's `num_experts // ep`
+experts and tokens travel to them by all-to-all (mxmoe.models.expert_parallel). The MoE layer
+itself does not know how it is parallelized.
 """
 
 from __future__ import annotations
@@ -270,8 +271,8 @@ class MoE(nn.Module):
             else None
         )
         self.dispatch = LocalExperts()
-        """How the routed rows reach the experts: `LocalExperts` (all here) or an `ExpertParallel`
-        installed by `apply_expert_parallel`."""
+        """The token dispatcher (`mxmoe.comm.dispatch.TokenDispatcher`): `LocalExperts` (all here)
+        or an `ExpertParallel` installed by `apply_expert_parallel`."""
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         B, S, D = x.shape

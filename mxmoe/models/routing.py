@@ -1,36 +1,46 @@
 """Token routing through the experts: what every MoE layer runs, whatever its parallelism.
 
-`routed_experts` sorts the token->expert assignments by expert, runs the experts on the sorted rows
-through the layer's `dispatch` strategy, scales by the gate weights and sums back into the tokens.
-`LocalExperts` is the default dispatch (all E experts here): no host sync anywhere, so the step
-compiles with fullgraph=True and can be captured in a CUDA graph (row counts are static: T * top_k).
-Expert parallelism installs another dispatch (`mxmoe.models.expert_parallel.ExpertParallel`).
+`routed_experts` hands the tokens, their top-k expert ids and gate weights to the layer's token
+dispatcher (the seam, `mxmoe.comm.dispatch.TokenDispatcher`), runs the experts on the rows it
+returns and combines their outputs back into the tokens. `LocalExperts` is the default dispatcher
+(all E experts here): no host sync anywhere, so the step compiles with fullgraph=True and can be
+captured in a CUDA graph (row counts are static: T * top_k). Expert parallelism installs another
+(`mxmoe.models.expert_parallel.ExpertParallel`).
 """
 
 from __future__ import annotations
 
-import torch
+import warnings
+
 from torch import Tensor, nn
 
+from mxmoe.comm.dispatch import (
+    UNQUANTIZED,
+    ExpertRows,
+    LocalDispatcher,
+    expert_counts,
+    sort_by_expert,
+    weighted_sum,
+)
 
-def expert_counts(idx: Tensor, num_experts: int) -> Tensor:
-    """idx (...) int64 expert ids in [0, num_experts) -> (num_experts,) int64 counts. A scatter-add
-    with a static output size: no host sync (torch.bincount syncs on CUDA), compiles fullgraph."""
-    flat = idx.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
+__all__ = ["LocalExperts", "expert_counts", "expert_rows", "routed_experts"]
 
 
-class LocalExperts:
-    """The default dispatch: every expert is on this rank. __call__(rows (N, D) grouped by expert,
-    counts (E,) int64, experts) -> (N, D) experts(rows, counts)."""
+class LocalExperts(LocalDispatcher):
+    """The default dispatcher: every expert is on this rank (`LocalDispatcher`). Called as the
+    rows-level strategy of before, `(rows (N, D) grouped by expert, counts (E,), experts)`, it runs
+    the experts on them."""
 
     def __call__(self, x_sorted: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
         return experts(x_sorted, counts)
 
-    def __repr__(self) -> str:
-        return "LocalExperts()"
+
+def expert_rows(experts: nn.Module) -> ExpertRows:
+    """What `experts` take from a dispatch: MX experts (`MXGroupedExperts`) their recipe's MX rows,
+    as an MXTensor; others rows in their own dtype."""
+    from mxmoe.nn.mx_experts import MXGroupedExperts
+
+    return ExpertRows(experts.recipe) if isinstance(experts, MXGroupedExperts) else UNQUANTIZED
 
 
 def routed_experts(
@@ -44,22 +54,18 @@ def routed_experts(
     """x (T, D) tokens, idx (T, k) int64 global expert ids, weights (T, k) fp32 gate weights ->
     (T, D) in x's dtype: sum_j weights[t, j] * expert_{idx[t, j]}(x[t]).
 
-    `dispatch(rows, counts, experts)` runs the experts on the rows grouped by global expert
-    (default `LocalExperts`: `experts` holds all E experts). No host sync with the default dispatch.
+    `dispatch`: the token dispatcher (`TokenDispatcher`; default `LocalExperts`: `experts` holds
+    all E experts). No host sync with the default dispatcher.
     """
-    T, D = x.shape
-    k = idx.shape[1]
-    flat = idx.reshape(-1)  # assignment a = t * k + j
-    perm = torch.argsort(flat, stable=True)  # (T*k,) assignment order grouped by expert
-    # Deterministic by construction (no accumulation whose order varies, forward or backward): the
-    # rows move by permutation gathers, whose backward adds one row into each zero row, and each
-    # token's k rows are summed by a reduction over j in a fixed order. A gather by token (backward:
-    # index_add of k rows per token) and an index_add combine would add in the order the GPU's atomics
-    # land. For k = 2 the sums are the same bits either way (a + b == b + a).
-    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-    counts = expert_counts(flat, num_experts)  # (E,) int64
-    x_rep = x.unsqueeze(1).expand(T, k, D).reshape(T * k, D)  # (T*k, D) row a = x[a // k]
-    x_sorted = x_rep.index_select(0, perm)  # (T*k, D) grouped by expert
-    y = (LocalExperts() if dispatch is None else dispatch)(x_sorted, counts, experts)
-    y = y.index_select(0, inv).view(T, k, D).float()  # back to assignment order
-    return (y * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+    d = LocalExperts() if dispatch is None else dispatch
+    if not hasattr(d, "dispatch"):  # a strategy of the old API: d(rows sorted by expert, counts, experts)
+        warnings.warn(
+            f"{type(d).__name__}: a dispatch strategy called as (rows, counts, experts) is the old API; "
+            "implement mxmoe.comm.dispatch.TokenDispatcher (dispatch / combine)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        rows, counts, h = sort_by_expert(x, idx, weights, num_experts)
+        return weighted_sum(d(rows, counts, experts), h)
+    rows, counts, h = d.dispatch(x, idx, weights, num_experts=num_experts, rows_as=expert_rows(experts))
+    return d.combine(experts(rows, counts), h)

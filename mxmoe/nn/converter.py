@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -44,15 +45,19 @@ def recipe_name(r: MXRecipe) -> str:
 
 @dataclass
 class ConversionReport:
-    """What one `convert` call did (also kept as `model.mx_conversion`)."""
+    """What one conversion did (also kept as `model.mx_conversion`); every front end logs it as one
+    line, `summary()`: `mxmoe.convert`, the trainer, and the torchtitan adapters."""
 
     recipe: MXRecipe
     converted: dict[str, list[str]] = field(default_factory=lambda: {"Linear": [], "GroupedExperts": []})
-    """FQNs swapped for MX modules, by kind."""
+    """FQNs swapped for MX modules, by kind (what was swapped: a key of `MX_NAMES`, or any other)."""
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(FQN, why) of the candidate modules left high precision."""
     reconfigured: list[str] = field(default_factory=list)
     """FQNs already MX with another recipe, now given this one."""
+
+    MX_NAMES: ClassVar[dict[str, str]] = {"Linear": "MXLinear", "GroupedExperts": "MXGroupedExperts"}
+    """What each kind becomes, for `summary` (another kind k reads "k -> MX k")."""
 
     @property
     def num_converted(self) -> int:
@@ -64,19 +69,27 @@ class ConversionReport:
         return self.num_converted + len(self.reconfigured) > 0
 
     def summary(self) -> str:
-        """One line: what was converted, what was skipped and why."""
-        lin, exp = len(self.converted["Linear"]), len(self.converted["GroupedExperts"])
+        """One line: what was converted (counts per kind) and what was skipped, grouped by why: a
+        reason shared by several modules is counted ("24 by filter_fqns 'attention'"), a module
+        skipped for a reason of its own is named ("odd (dims 64x40 not divisible by 32)")."""
         if self.is_mx:
-            head = (
-                f"MXFP8 recipe {recipe_name(self.recipe)}: {lin} Linear -> MXLinear, "
-                f"{exp} GroupedExperts -> MXGroupedExperts"
+            kinds = ", ".join(
+                f"{len(fqns)} {kind} -> {self.MX_NAMES.get(kind, 'MX ' + kind)}"
+                for kind, fqns in self.converted.items()
             )
+            head = f"MXFP8 recipe {recipe_name(self.recipe)}: {kinds}"
             if self.reconfigured:
                 head += f", {len(self.reconfigured)} MX modules re-given this recipe"
         else:
             head = "nothing converted, the model stays high precision"
-        skipped = ", ".join(f"{fqn} ({why})" for fqn, why in self.skipped) or "none"
-        return f"mxmoe.convert: {head}; skipped {len(self.skipped)}: {skipped}"
+        by_reason: dict[str, list[str]] = {}
+        for fqn, why in self.skipped:
+            by_reason.setdefault(why, []).append(fqn)
+        skipped = ", ".join(
+            f"{fqns[0]} ({why})" if len(fqns) == 1 else f"{len(fqns)} by {why}"
+            for why, fqns in by_reason.items()
+        )
+        return f"mxmoe.convert: {head}; skipped {len(self.skipped)}: {skipped or 'none'}"
 
 
 def _tp_degree(parallel_dims) -> int:
@@ -100,7 +113,13 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def convert(model: nn.Module, recipe: MXOptions | MXRecipe | None = None, parallel_dims=None) -> nn.Module:
+def convert(
+    model: nn.Module,
+    recipe: MXOptions | MXRecipe | None = None,
+    parallel_dims=None,
+    *,
+    log_summary: bool = True,
+) -> nn.Module:
     """Swap matching modules of `model` in place for their MX versions; returns `model`.
 
     nn.Linear -> MXLinear and GroupedExperts -> MXGroupedExperts (sharing the Parameter objects,
@@ -110,7 +129,8 @@ def convert(model: nn.Module, recipe: MXOptions | MXRecipe | None = None, parall
     divisible by the block size (both skipped). Modules already MX with another recipe get the new
     one, with a warning. Convert before applying FSDP (`fully_shard`) or torch.compile.
 
-    Logs one line (`ConversionReport.summary`) and keeps the report as `model.mx_conversion`.
+    Logs one line (`ConversionReport.summary`; not with log_summary=False: a front end that converts
+    more adds to the report and logs it) and keeps the report as `model.mx_conversion`.
     Raises ValueError for an unknown recipe/choice, tensor parallelism (tp > 1), or a cast kernel
     that cannot run on the model's device (meta counts as CUDA).
     """
@@ -175,5 +195,6 @@ def convert(model: nn.Module, recipe: MXOptions | MXRecipe | None = None, parall
             stacklevel=2,
         )
     model.mx_conversion = report
-    log.info("%s", report.summary())
+    if log_summary:
+        log.info("%s", report.summary())
     return model

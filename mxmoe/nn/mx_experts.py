@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mxmoe.comm.dispatch import RowsFromAnchor
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
 from mxmoe.ops import mx_grouped_swiglu_mlp
 from mxmoe.ops.gemm import autocast_input
@@ -85,20 +86,6 @@ class MXGroupedExperts(GroupedExperts):
             f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
             f"mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}{gemm}"
         )
-
-
-class RowsFromAnchor(torch.autograd.Function):
-    """`rows` (an MXTensor's dequantized value, e.g. the MXFP8 dispatch's) as a function of its grad
-    anchor, identity gradient: `RowsFromAnchor.apply(anchor, rows)` sends the rows' gradient back
-    through the dispatch in high precision."""
-
-    @staticmethod
-    def forward(ctx, anchor: Tensor, rows: Tensor) -> Tensor:
-        return rows
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
 
 
 class _RoundRows(torch.autograd.Function):

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import typing
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mxmoe.models import Transformer, apply_expert_parallel, model_args
 from mxmoe.models.moe import ModelArgs
-from mxmoe.models.routing import LocalExperts
 from mxmoe.train import determinism, parallel, profiling
 from mxmoe.train.checkpoint import TRAIN_STATE, Checkpointer, CheckpointError
-from mxmoe.train.config import JobConfig, check_limits, check_ranks_data
+from mxmoe.train.config import Converter, JobConfig, check_limits, check_ranks_data
 from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_corpus
 
 log = logging.getLogger("mxmoe.train")
@@ -36,13 +36,24 @@ compile.enable), the whole model with fullgraph=True (compile.whole_model), or t
 mode="reduce-overhead" (inductor's CUDA graphs; `mxmoe bench train` only)."""
 
 
+MX_CONVERTERS: tuple[str, ...] = typing.get_args(Converter)
+"""The names of mxmoe's converter, as in every front end (torchtitan's `--model.converters` too);
+parsing keeps one of them, "mx" (`mxmoe.train.config.Model`)."""
+
+
+def uses_mx(cfg: JobConfig) -> bool:
+    """Whether cfg's model.converters names mxmoe's converter (by either name)."""
+    return any(c in MX_CONVERTERS for c in cfg.model.converters)
+
+
 def check_values(cfg: JobConfig) -> None:
     """ValueError naming the setting, the value and what is accepted, before anything is built."""
     t, sched = cfg.training, cfg.lr_scheduler
-    unknown = sorted(set(cfg.model.converters) - {"mx"})
+    unknown = sorted(set(cfg.model.converters) - set(MX_CONVERTERS))
     if unknown:
         raise ValueError(
-            f"model.converters={cfg.model.converters!r}: unknown converter(s) {unknown}; expected 'mx'"
+            f"model.converters={cfg.model.converters!r}: unknown converter(s) {unknown}; expected one "
+            f"of {list(MX_CONVERTERS)} (the same converter)"
         )
     if t.mixed_precision not in ("bf16", "fp32", "tf32"):
         raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16, fp32 or tf32")
@@ -157,28 +168,20 @@ def compile_submodules(model: Transformer, backend: str = "inductor") -> None:
     and state_dict names unchanged); what runs between them (FSDP hooks, residual adds) stays eager.
 
     Per block: attention, the two norms, and the FFN. A dense block compiles its feed_forward. An
-    MoE layer without expert parallelism (its dispatch is `LocalExperts`: one process, or FSDP
-    only) compiles whole, with fullgraph=True: router, token permutation, routed experts (bf16
+    MoE layer compiles whole, with fullgraph=True: router, token dispatch, routed experts (bf16
     `GroupedExperts` or `MXGroupedExperts`, whose grouped ops are torch.library custom ops with fake
-    implementations), unpermutation and shared expert in one graph, so the high-precision and the
-    MX model get the same treatment. It has no host sync: the expert rows are always T * top_k, the
-    per-expert counts stay on the device. With expert parallelism the all-to-all needs the split
-    sizes on the host (and its collectives stay out of compiled graphs): the router and the shared
-    expert are compiled, the permutation, the experts and the exchange run eager.
+    implementations), combine and shared expert in one graph, so the high-precision and the MX
+    model get the same treatment. Without expert parallelism it has no host sync (the expert rows
+    are always T * top_k, the per-expert counts stay on the device). With it, the exchange's
+    collectives are custom ops too (`mxmoe.comm.ops`): their split sizes stay tensors in the graph
+    and are read on the host inside the ops, so the layer still compiles as one graph.
     """
     for blk in model.layers:
         for sub in (blk.attention, blk.attention_norm, blk.ffn_norm, blk.feed_forward):
             if sub is not None:
                 sub.compile(backend=backend)
-        moe = blk.moe
-        if moe is None:
-            continue
-        if isinstance(moe.dispatch, LocalExperts):
-            moe.compile(backend=backend, fullgraph=True)
-        else:
-            moe.router.compile(backend=backend)
-            if moe.shared_expert is not None:
-                moe.shared_expert.compile(backend=backend)
+        if blk.moe is not None:
+            blk.moe.compile(backend=backend, fullgraph=True)
     model.norm.compile(backend=backend)
 
 
@@ -204,7 +207,7 @@ def precision_record(cfg: JobConfig) -> dict:
         "model.converters": sorted(cfg.model.converters),
         "training.mixed_precision": cfg.training.mixed_precision,
     }
-    if "mx" in cfg.model.converters:
+    if uses_mx(cfg):
         mx = cfg.mx
         r = recipe_from_options(mx.recipe_name, expert_gemm=mx.expert_gemm)
         rec.update(
@@ -254,7 +257,8 @@ def build_model(
     with torch.device(device):
         model = Transformer(build_model_args(cfg))
     if ep_group is not None:
-        apply_expert_parallel(model, ep_group)
+        # the exchange's options are the converter's ([mx]): with no MX experts, rows go unquantized
+        apply_expert_parallel(model, ep_group, transport=cfg.mx.a2a_transport, mxfp8=cfg.mx.mxfp8_a2a)
     if mx:
         mx_convert(model, cfg, pd)
     if compile == "blocks":
@@ -357,7 +361,7 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
     parallel dims and meshes, the model (`build_model`; then FSDP), AdamW and its LR schedule, the
     data and its sampler, the checkpointer, and the state of a resumed run loaded into all of them."""
     t, p = cfg.training, cfg.parallelism
-    use_mx = "mx" in cfg.model.converters
+    use_mx = uses_mx(cfg)
     distributed = dist.is_initialized()
     pd = parallel.make_parallel_dims(
         world, p.data_parallel_shard_degree, p.expert_parallel_degree, p.tensor_parallel_degree

@@ -31,6 +31,7 @@ from mxmoe.train.build import (  # noqa: F401  (build_model_args .. mx_convert: 
     lr_lambda,
     mx_convert,
     precision,
+    uses_mx,
 )
 from mxmoe.train.checkpoint import CheckpointError, claim_folder
 from mxmoe.train.config import ConfigError, JobConfig, check_ranks_agree, parse_args
@@ -222,7 +223,7 @@ def _log_run(run: Run, run_id: str) -> None:
         cfg.model.name,
         total / 1e6,
         active / 1e6,
-        precision(run.model, cfg) if "mx" in cfg.model.converters else "high precision",
+        precision(run.model, cfg) if uses_mx(cfg) else "high precision",
         run.device,
         run.world,
         run.pd.ep,

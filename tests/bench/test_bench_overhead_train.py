@@ -46,7 +46,7 @@ def test_overhead_runs_on_cpu_and_writes_json(tmp_path, capsys):
         ("mx_mm fwd+bwd", "auto"),
         ("mx_grouped_mm fwd", "auto"),
         ("mx_grouped_mm fwd+bwd", "auto"),
-        ("all_to_all_hp, 1 rank", "native"),
+        ("a2a_unquantized, 1 rank", "native"),
         ("to_mxfp8_a2a_dequant, 1 rank", "auto"),
     ]:
         assert rows[key]["error"] == "" and rows[key]["host_us"] > 0, (key, rows[key])

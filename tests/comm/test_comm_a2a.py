@@ -15,7 +15,7 @@ from conftest import assert_same_bits, free_port, spawn_ranks
 from mxmoe.comm import (
     a2a_combine,
     a2a_dispatch_mxfp8,
-    all_to_all_hp,
+    a2a_unquantized,
     dequantize_into,
     qdq_into,
     reference_mxfp8_a2a,
@@ -113,12 +113,12 @@ def _check_all_paths(
 
     # plain high-precision all-to-all, any dtype and trailing shape
     x = x0.clone().requires_grad_()
-    y = all_to_all_hp(x, outs, ins, group)
-    assert_same_bits(y, y_exp, "all_to_all_hp")
+    y = a2a_unquantized(x, outs, ins, group)
+    assert_same_bits(y, y_exp, "a2a_unquantized")
     y.backward(g)
-    assert_same_bits(x.grad, g_back, "all_to_all_hp backward")
+    assert_same_bits(x.grad, g_back, "a2a_unquantized backward")
     xi = torch.arange(sum(ins) * 6, dtype=torch.int64, device=device).view(-1, 2, 3) + 1000 * rank
-    yi = all_to_all_hp(xi, outs, ins, group)
+    yi = a2a_unquantized(xi, outs, ins, group)
     assert yi.shape == (sum(outs), 2, 3)
     yi_exp = torch.empty_like(yi)
     dist.all_to_all_single(yi_exp, xi, outs, ins, group=group)
@@ -192,7 +192,7 @@ def _check_errors(rank: int, world: int) -> None:
         _expect_error_everywhere(rank, ValueError, "transport='nccl' on rank 1", fn, x, ok, ok, transport=tr)
         bad_tr = "nvlink" if rank == 0 else "auto"
         _expect_error_everywhere(rank, ValueError, "transport='nvlink'", fn, x, ok, ok, transport=bad_tr)
-    _expect_error_everywhere(rank, ValueError, "input_splits", all_to_all_hp, x, ok, [1] * world)
+    _expect_error_everywhere(rank, ValueError, "input_splits", a2a_unquantized, x, ok, [1] * world)
     with pytest.raises(ValueError, match="chunks"):
         to_mxfp8_a2a_dequant(x, ok, ok, chunks=-1)
     # symmetric memory needs CUDA tensors: asked for on gloo/CPU, every rank says so (no collective ran)

@@ -80,17 +80,19 @@ def test_converters_swap_the_debug_moe_model():
     ]
     mx_linears = {n for n, m in mods.items() if isinstance(m, MXLinear)}
     plain_linears = {n for n, m in mods.items() if type(m) is Linear}
-    assert "layers.1.attention.wq" in mx_linears and "layers.0.feed_forward.w1" in mx_linears
-    assert "layers.1.moe.shared_experts.w2" in mx_linears
-    assert plain_linears == {"lm_head"} | {f"layers.{i}.moe.router.gate" for i in range(1, 6)}
+    assert "layers.0.feed_forward.w1" in mx_linears and "layers.1.moe.shared_experts.w2" in mx_linears
+    # MXOptions' default filter, as in every front end: the output head, router gates and attention
+    attention = {n for n in mods if ".attention." in n and isinstance(mods[n], Linear)}
+    assert attention and not attention & mx_linears
+    assert plain_linears == {"lm_head"} | {f"layers.{i}.moe.router.gate" for i in range(1, 6)} | attention
     for i in range(1, 6):
         exp = mods[f"layers.{i}.moe.routed_experts.inner_experts"]
         assert isinstance(exp, GroupedExperts) and type(exp).__name__ == "MXGroupedExperts"
-        assert exp.mx_recipe == mx_recipe("mxfp8")
+        assert exp.recipe == mx_recipe("mxfp8")
         disp = mods[f"layers.{i}.moe.routed_experts"].token_dispatcher
         assert type(disp) is MXFP8AllToAllTokenDispatcher
         assert disp.mx_rows is False  # FLOOR experts requantize: rows arrive dequantized
-    assert mods["layers.1.attention.wq"].mx_recipe.scaling_mode == "floor"
+    assert mods["layers.1.moe.shared_experts.w1"].recipe.scaling_mode == "floor"
     model.verify_module_protocol()  # the trainer's check after build
 
 
@@ -132,8 +134,9 @@ def test_overrides_from_the_command_line():
     lines = apply_overrides(config.override, config)
     model = config.model_spec.model
     linears = {fqn: c for fqn, c, _, _ in model.traverse(Linear.Config)}
-    assert type(linears["layers.3.attention.wo"]) is MXLinear.Config
-    assert linears["layers.3.attention.wo"].recipe_name == "mxfp8"
+    assert type(linears["layers.3.moe.shared_experts.w2"]) is MXLinear.Config
+    assert linears["layers.3.moe.shared_experts.w2"].recipe_name == "mxfp8"
+    assert type(linears["layers.3.attention.wo"]) is Linear.Config  # MXOptions' default filter
     assert type(linears["lm_head"]) is Linear.Config
     assert type(linears["layers.3.moe.router.gate"]) is Linear.Config
     experts = [c for _, c, _, _ in model.traverse(GroupedExperts.Config)]
@@ -142,7 +145,7 @@ def test_overrides_from_the_command_line():
     dispatchers = [c for _, c, _, _ in model.traverse(AllToAllTokenDispatcher.Config)]
     assert len(dispatchers) == 5 and all(type(c) is MXFP8AllToAllTokenDispatcher.Config for c in dispatchers)
     for fqn, c in linears.items():
-        if any(k in fqn for k in ("attention.w", "feed_forward.", "shared_experts.")):
+        if any(k in fqn for k in ("feed_forward.", "shared_experts.")):
             assert type(c) is MXLinear.Config, fqn
     assert all(line.startswith("[Override] mxmoe.integrations.torchtitan.mxmoe_") for line in lines)
 
@@ -172,6 +175,82 @@ def test_tensor_parallel_is_refused():
         experts = cfg.build()
     with pytest.raises(ValueError, match="tensor_parallel_degree=4"):
         experts.parallelize(SimpleNamespace(tp=4))
+
+
+def test_one_option_set_and_one_line(caplog):
+    """Every converter's Config is mxmoe.MXOptions (its fields, its defaults: one filter in every
+    front end); swapped modules carry its recipe fields and keep the recipe as `.recipe`; the
+    converter logs one line per model."""
+    import dataclasses
+    import logging
+
+    from mxmoe.integrations.torchtitan import MXConverter, MXMoEConverter
+    from mxmoe.options import DEFAULT_FILTER_FQNS, MXOptions
+
+    names = {f.name: f.default for f in dataclasses.fields(MXOptions)}
+    for conv in (MXMoEConverter, MXLinearConverter, MXGroupedExpertsConverter, MXFP8TokenDispatcherConverter):
+        cfg = conv.Config()
+        assert isinstance(cfg, MXOptions) and cfg.filter_fqns == list(DEFAULT_FILTER_FQNS), conv
+        assert {n: getattr(cfg, n) for n in names if n != "filter_fqns"} == {
+            n: d for n, d in names.items() if n != "filter_fqns"
+        }
+    assert MXConverter is MXMoEConverter
+    lin = MXLinear.Config(in_features=64, out_features=32, recipe_name="mxfp8").build()
+    assert lin.recipe == mx_recipe("mxfp8") and not hasattr(lin, "mx_recipe")
+    with caplog.at_level(logging.INFO, logger="mxmoe"):
+        spec = debug_moe_spec([MXMoEConverter.Config(expert_gemm="bf16", mxfp8_a2a=False)])
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "mxmoe"]
+    assert "expert_gemm=bf16" in line
+    assert line.endswith(
+        ": 18 Linear -> MXLinear, 5 GroupedExperts -> MXGroupedExperts, 5 AllToAllTokenDispatcher -> "
+        "mxmoe's exchange; skipped 30: lm_head (filter_fqns 'lm_head'), 24 by filter_fqns 'attention', "
+        "5 by filter_fqns 'router'"
+    ), line
+    from torchtitan.models.common.moe import RoutedExperts
+
+    for _, routed, _, _ in spec.model.traverse(RoutedExperts.Config):
+        d = routed.token_dispatcher
+        assert type(d) is MXFP8AllToAllTokenDispatcher.Config and d.mxfp8_a2a is False
+        assert d.expert_gemm == "bf16" and d.mx_rows  # the experts take the exchange's MX rows
+
+
+def test_the_mxmoe_override_converts_a_stock_config():
+    """--override.imports mxmoe.integrations.torchtitan.mxmoe (or .mx), with MXOptions kwargs."""
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.config.override import apply_overrides
+
+    for name in ("mxmoe", "mx"):
+        config = ConfigManager().parse_args([
+            "--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", "--override.imports",
+            f'mxmoe.integrations.torchtitan.{name}={{"recipe_name": "mxfp8", "a2a_transport": "nccl"}}',
+        ])  # fmt: skip
+        (line,) = apply_overrides(config.override, config)
+        assert line.startswith(f"[Override] mxmoe.integrations.torchtitan.{name}: model_spec.model ")
+        model = config.model_spec.model
+        kinds = {fqn: type(c) for fqn, c, _, _ in model.traverse(Linear.Config)}
+        assert kinds["layers.2.moe.shared_experts.w1"] is MXLinear.Config
+        assert kinds["layers.2.attention.wq"] is Linear.Config and kinds["lm_head"] is Linear.Config
+        experts = [c for _, c, _, _ in model.traverse(GroupedExperts.Config)]
+        assert len(experts) == 5 and all(c.recipe_name == "mxfp8" for c in experts)
+        dispatchers = [c for _, c, _, _ in model.traverse(AllToAllTokenDispatcher.Config)]
+        assert all(type(c) is MXFP8AllToAllTokenDispatcher.Config and c.a2a_transport == "nccl"
+                   for c in dispatchers) and len(dispatchers) == 5
+
+
+def test_config_function_on_an_old_torch_says_what_to_install():
+    """torchtitan 0.3's own loader (`--module mxmoe.integrations.torchtitan --config ...`) on a torch
+    without torch.distributed.set_timeout (< 2.14): mxmoe's ImportError, not "Config function ...
+    not found" (the loader swallows the registry's ImportError and looks the function up on the
+    package, which raises it again)."""
+    from torchtitan.config.manager import ConfigManager
+
+    args = ["--module", "mxmoe.integrations.torchtitan", "--config", "deepseek_v3_debugmodel_mxmoe"]
+    if hasattr(torch.distributed, "set_timeout"):  # torch >= 2.14: it loads
+        assert ConfigManager().parse_args(args).model_spec is not None
+        return
+    for config in ("deepseek_v3_debugmodel_mxmoe", "qwen3_moe_debug_mx"):
+        with pytest.raises(ImportError, match=r"trainer needs torch >= 2.14 .*set_timeout.*pip install"):
+            ConfigManager().parse_args(args[:3] + [config])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -308,6 +387,7 @@ def _dispatcher_worker(rank: int, world: int, port: int) -> None:
             _check_dispatch(rank, mesh, dtype)
         _check_sharded_linear_refused(mesh)  # needs a process group too: shares the launch
         _check_mx_rows_path(rank, mesh)
+        _check_exchange_only_and_compiled(rank, mesh)
     finally:
         dist.destroy_process_group()
 
@@ -358,6 +438,66 @@ def _check_mx_rows_path(rank: int, mesh) -> None:
         assert_same_bits(a, b, f"rank {rank}: MX-rows weight grad {i}")
 
 
+def _routed_experts(rank: int, mesh, seed: int, **options):
+    """A RoutedExperts (EP over `mesh`, 8 experts, top-2) with MX experts and mxmoe's dispatcher,
+    both from MXOptions `options`; the same weights for the same seed."""
+    from torchtitan.models.common.moe import RoutedExperts
+
+    from mxmoe.integrations.torchtitan import mx_grouped_experts_cls
+    from mxmoe.integrations.torchtitan.v0_3.dispatcher import link_mx_rows, mxfp8_dispatcher_config
+
+    E, K, D, F = 8, 2, 64, 96
+    recipe_options = {k: v for k, v in options.items() if k not in ("mxfp8_a2a", "a2a_transport")}
+    cfg = RoutedExperts.Config(
+        inner_experts=mx_grouped_experts_cls(GroupedExperts).Config(
+            dim=D, hidden_dim=F, num_experts=E // 2, **recipe_options
+        ),
+        token_dispatcher=mxfp8_dispatcher_config(
+            AllToAllTokenDispatcher.Config(num_experts=E, top_k=K), **options
+        ),
+    )
+    link_mx_rows(cfg)
+    torch.manual_seed(seed + rank)
+    m = cfg.build()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    m.token_dispatcher.wire_meshes(ep_mesh=mesh)
+    return m
+
+
+def _step(m, rank: int, T: int = 23):
+    g = torch.Generator().manual_seed(30 + rank)
+    E, K, D = 8, 2, 64
+    x = torch.randn(1, T, D, generator=g).to(torch.bfloat16).requires_grad_()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).view(1, T, K)
+    scores = torch.rand(1, T, K, generator=g)
+    counts = torch.bincount(ids.view(-1), minlength=E)
+    y = m(x, scores, ids, counts)
+    y.backward(torch.randn(1, T, D, generator=g).to(torch.bfloat16))
+    return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+
+
+def _check_exchange_only_and_compiled(rank: int, mesh) -> None:
+    """mxmoe's dispatcher in a RoutedExperts at EP=2: the exchange only (expert_gemm="bf16") gives
+    the same bits with the MXFP8 exchange and with the bf16 one (the experts round what they get
+    as the exchange would); compiled as torchtitan compiles a block (fullgraph=True, the exchange's
+    collectives are custom ops) it gives eager's bits."""
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    set_spmd_backend("partial_dtensor")
+    kernels = {"mxfp8_dim0_cast_kernel_choice": "torch", "mxfp8_dim1_cast_kernel_choice": "torch"}
+    a = _step(_routed_experts(rank, mesh, 7, expert_gemm="bf16", **kernels), rank)
+    b = _step(_routed_experts(rank, mesh, 7, expert_gemm="bf16", mxfp8_a2a=False, **kernels), rank)
+    for i, (u, v) in enumerate(zip(a, b, strict=True)):
+        assert_same_bits(u, v, f"rank {rank}: exchange only, MXFP8 vs bf16 exchange, tensor {i}")
+    eager = _step(_routed_experts(rank, mesh, 8, **kernels), rank)
+    m = _routed_experts(rank, mesh, 8, **kernels)
+    m.compile(backend="aot_eager", fullgraph=True)
+    compiled = _step(m, rank)
+    for i, (u, v) in enumerate(zip(eager, compiled, strict=True)):
+        assert_same_bits(v, u, f"rank {rank}: compiled vs eager, tensor {i}")
+
+
 def _check_sharded_linear_refused(mesh) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -378,7 +518,7 @@ def _check_dispatch(rank: int, mesh, dtype: torch.dtype) -> None:
     E, K, T, D = 8, 3, 21 + 6 * rank, 64
     ref = AllToAllTokenDispatcher.Config(num_experts=E, top_k=K).build()
     mx = MXFP8AllToAllTokenDispatcher.Config(
-        num_experts=E, top_k=K, a2a_transport="nccl", mxfp8_a2a_kernel_choice="torch"
+        num_experts=E, top_k=K, a2a_transport="nccl", mxfp8_dim0_cast_kernel_choice="torch"
     ).build()
     # ref's combine exchange, with the gradient quantize-dequantized as MXFP8 moves it
     ref_combine = ref._combine_token_exchange

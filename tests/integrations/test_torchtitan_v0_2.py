@@ -154,6 +154,75 @@ def test_tensor_parallel_is_refused():
         build_model_converters(cfg, dims)
 
 
+def test_exchange_options_reach_the_experts_and_expert_parallelism(tmp_path):
+    """--mx.expert_gemm, --mx.no-mxfp8-a2a and --mx.a2a_transport (tyro: choices and a bool flag; or
+    the same in TOML)
+    reach the converted experts; with EP > 1 the converter makes torchtitan's parallelize build
+    mxmoe's style, which is torchtitan's own for experts mxmoe did not convert."""
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    from mxmoe.integrations.torchtitan import MXExpertParallel
+    from mxmoe.integrations.torchtitan.v0_2 import expert_parallel
+
+    flags = ["--job.custom_config_module", PKG, "--model.converters", "mx", "--mx.expert_gemm", "bf16",
+             "--mx.no-mxfp8-a2a", "--mx.a2a_transport", "nccl"]  # fmt: skip
+    cfg = ConfigManager().parse_args(flags)
+    assert (cfg.mx.expert_gemm, cfg.mx.mxfp8_a2a, cfg.mx.a2a_transport) == ("bf16", False, "nccl")
+    toml = tmp_path / "job.toml"
+    toml.write_text(f'[job]\ncustom_config_module = "{PKG}"\n\n[mx]\nexpert_gemm = "bf16"\n'
+                    'mxfp8_a2a = false\na2a_transport = "nccl"\nconvert_linears = false\n')
+    from_toml = ConfigManager().parse_args(["--job.config_file", str(toml)]).mx
+    assert (from_toml.expert_gemm, from_toml.mxfp8_a2a, from_toml.a2a_transport) == ("bf16", False, "nccl")
+    assert from_toml.convert_linears is False
+    with pytest.raises(SystemExit):  # a bool flag takes no value; choices are checked when parsed
+        ConfigManager().parse_args(["--job.custom_config_module", PKG, "--mx.a2a_transport", "nvlink"])
+    experts = GroupedExperts(dim=64, hidden_dim=96, num_experts=4, use_grouped_mm=False)
+    model = torch.nn.ModuleDict({"moe": torch.nn.ModuleDict({"experts": experts})})
+    MXMoEConverter(cfg, SimpleNamespace(tp=1, ep=1)).convert(model)
+    assert type(experts) is MXGroupedExperts and experts.recipe.expert_gemm == "bf16"
+    assert (experts.mxfp8_a2a, experts.a2a_transport) == (False, "nccl")
+    plain = GroupedExperts(dim=64, hidden_dim=96, num_experts=4, use_grouped_mm=False)
+    model = torch.nn.ModuleDict({"a": GroupedExperts(dim=64, hidden_dim=96, num_experts=4,
+                                                     use_grouped_mm=False)})
+    MXMoEConverter(cfg, SimpleNamespace(tp=1, ep=2)).convert(model)
+    assert expert_parallel.installed()
+    import torchtitan.models.llama4.infra.parallelize as parallelize
+
+    assert parallelize.ExpertParallel is MXExpertParallel and issubclass(MXExpertParallel, ExpertParallel)
+    # selective activation checkpointing keeps the exchange's outputs (as torchtitan does DeepEP's)
+    assert torch.ops.mxmoe.a2a_mxfp8.default in importlib.import_module(
+        "torchtitan.models.deepseek_v3.infra.parallelize")._op_sac_save_list
+    assert MXExpertParallel()._mx(plain, None) is None  # torchtitan's own exchange for it
+
+
+def test_exchange_only_experts_are_bf16_gemms_on_rounded_rows():
+    """expert_gemm="bf16": torchtitan's SwiGLU experts in bf16 on rows rounded to MX (the oracle's
+    quantize-dequantize), the output's gradient rounded the same way."""
+    torch.manual_seed(0)
+    E, dim, hidden = 3, 64, 96
+    experts = GroupedExperts(dim=dim, hidden_dim=hidden, num_experts=E, use_grouped_mm=False)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    conv = MXMoEConverter(SimpleNamespace(mx=MX(expert_gemm="bf16")), SimpleNamespace(tp=1))
+    conv.convert(torch.nn.ModuleDict({"experts": experts}))
+    counts = torch.tensor([7.0, 0.0, 41.0])
+    x = torch.randn(48, dim).bfloat16().float().requires_grad_()
+    g = torch.randn(48, dim).bfloat16().float()
+    y = experts(x, counts)
+    y.backward(g)
+    w = [t.detach().bfloat16() for t in (experts.w1, experts.w2, experts.w3)]
+    xr = _qdq(x.detach(), "rceil").bfloat16().requires_grad_()
+    outs, start = [], 0
+    for e, n in enumerate(counts.int().tolist()):
+        xe = xr[start : start + n]
+        outs.append((F.silu(xe @ w[0][e].T) * (xe @ w[2][e].T)) @ w[1][e].T)
+        start += n
+    want = torch.cat(outs)
+    torch.testing.assert_close(y, want.float(), rtol=2**-7, atol=1e-6)
+    want.backward(_qdq(g, "rceil").bfloat16())  # the output's gradient rounded; the rows' goes straight
+    torch.testing.assert_close(x.grad, xr.grad.float(), rtol=2**-6, atol=1e-5)
+
+
 def test_without_the_mx_section_the_defaults_apply():
     # converters registered by --experimental.custom_import only: no [mx] section in the job config
     conv = MXMoEConverter(TTJobConfig(), SimpleNamespace(tp=1))
@@ -294,17 +363,22 @@ def test_byte_tokenizer_is_the_bytes_for_torchtitan(tmp_path):
 # torchtitan 0.2's trainer, 3 steps on CPU
 # ------------------------------------------------------------------------------------------------
 
-STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eE]+|nan|inf)")
+STEP_LINE = re.compile(r"^mxmoe-test step (\d+) loss (\S+) grad_norm (\S+)$", re.M)  # the runner's
 
 
-def _train(tmp_path, runs: dict[str, list[str]]) -> dict[str, tuple[list[float], str]]:
-    """torchtitan 0.2's trainer on CPU, 3 steps per run, the runs one after another in one process
-    (each seeded alike: same initialization and batches); per run its losses and log."""
-    with socket.socket() as s:  # a free port for the one-rank process group
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _train(tmp_path, runs: dict[str, list[str]], *, world: int = 1, steps: int = 3):
+    """torchtitan 0.2's trainer on CPU, `steps` steps per run, the runs one after another in one
+    process per rank (each seeded alike: same initialization and batches); per run its losses and
+    rank 0's log. Every process is killed if the ranks are not done in time."""
+    socks = [socket.socket() for _ in runs]  # a free port per run's rendezvous (the runner's)
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    ports = [str(sock.getsockname()[1]) for sock in socks]
+    for sock in socks:
+        sock.close()
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join([*sys.path, str(root)])}
+    env = {**os.environ, "MASTER_PORT": ports[0], "MXMOE_TEST_PORTS": ",".join(ports),
+           "WORLD_SIZE": str(world), "PYTHONPATH": os.pathsep.join([*sys.path, str(root)])}
     cmd = [sys.executable, str(Path(__file__).with_name("torchtitan_v0_2_cpu_train.py"))]
     for i, (name, flags) in enumerate(runs.items()):
         cmd += ["--next-run"] if i else []
@@ -313,17 +387,34 @@ def _train(tmp_path, runs: dict[str, list[str]]) -> dict[str, tuple[list[float],
             "--job.dump_folder", str(tmp_path / name),
             "--model.hf_assets_path", str(tmp_path / "tokenizer"),
             "--training.dataset_path", str(tmp_path / "data"),
-            "--training.steps", "3", "--training.local_batch_size", "1", "--training.seq_len", "64",
+            "--training.steps", str(steps), "--training.local_batch_size", "1", "--training.seq_len", "64",
             "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1", "--debug.seed", "0",
             *flags,
         ]  # fmt: skip
-    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=540)
-    log = re.sub(r"\x1b\[[0-9;]*m", "", p.stdout)
-    assert p.returncode == 0, log[-4000:]
+    outs = [tmp_path / f"rank{r}.log" for r in range(world)]
+    procs = []
+    for r in range(world):
+        with open(outs[r], "w") as f:
+            procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                          stdout=f, stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=540) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    log = re.sub(r"\x1b\[[0-9;]*m", "", outs[0].read_text())
+    assert codes == [0] * world, f"exit codes {codes}\n{log[-4000:]}"
     logs = re.split(r"^=== run \d+ ===$", log, flags=re.M)[1:]
     assert len(logs) == len(runs), log[-4000:]
     return {name: ([float(m[2]) for m in STEP_LINE.finditer(text)], text)
             for name, text in zip(runs, logs, strict=True)}
+
+
+def _grad_norms(log: str) -> list[float]:
+    """Each step's gradient norm in a run's log (the runner's, full precision)."""
+    return [float(m[3]) for m in STEP_LINE.finditer(log)]
 
 
 @pytest.mark.slow
@@ -334,8 +425,106 @@ def test_trainer_runs_three_steps_with_the_converter(tmp_path):
     write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))  # a small corpus
     out = _train(tmp_path, {"fp32": [], "mx": ["--model.converters", "mxmoe", "--mx.recipe_name", "mxfp8"]})
     (ref, _), (mx, log) = out["fp32"], out["mx"]
-    assert "mxmoe: 5 GroupedExperts -> MXGroupedExperts (recipe mxfp8)" in log
+    # one line per model: what was converted, what was skipped (grouped by why)
+    (line,) = [x for x in log.splitlines() if "mxmoe.convert:" in x]
+    assert "MXFP8 recipe mxfp8: 18 Linear -> MXLinear, 5 GroupedExperts -> MXGroupedExperts" in line
+    assert line.endswith("skipped 30: 24 by filter_fqns 'attention', 5 by filter_fqns 'router', "
+                         "output (filter_fqns 'output')"), line
     assert len(ref) == len(mx) == 3 and all(math.isfinite(v) for v in ref + mx)
     # same initialization and batch: the first loss is the forward's, MX within 0.1 % of fp32
     assert abs(mx[0] - ref[0]) < 1e-3 * ref[0], (ref, mx)
     assert mx[2] < mx[0] and ref[2] < ref[0], (ref, mx)  # both train
+
+
+def _row_calls(path: Path, dim: int) -> tuple[list[int], list[int], list[int]]:
+    """Rows the exchange handed the collective on rank 0 (the runner's log, uint8 rows): MXFP8
+    element rows (dim bytes), their scale rows (dim / 32) and bf16 rows (2 * dim)."""
+    import json
+
+    calls = json.loads(Path(f"{path}.rank0").read_text())
+    rows = {n: [s[0] for d, s in calls if d == "torch.uint8" and len(s) == 2 and s[1] == n]
+            for n in (dim, dim // 32, 2 * dim)}
+    return rows[dim], rows[dim // 32], rows[2 * dim]
+
+
+@pytest.mark.slow
+def test_trainer_at_expert_parallel_2_exchanges_mxfp8(tmp_path):
+    """torchtitan 0.2's trainer at --parallelism.expert_parallel_degree 2 (2 gloo ranks, FSDP over
+    both, batch 1 each, fp32 parameters, 2 steps) with --model.converters mxmoe:
+
+    - the experts' rows cross as MXFP8 (e4m3 elements + e8m0 scales) in the dispatch and the
+      combine's gradient, as bf16 in the combine and the dispatch's gradient (the bytes handed to
+      the collective say so), and with --mx.mxfp8_a2a false as bf16 both ways;
+    - the MXFP8 exchange changes bytes, not numbers: the losses and gradient norms equal, bit for
+      bit, those of the same run on a transport that sends the same MX-rounded rows as bf16 (a test
+      transport "auto" takes there), and those of the bf16 exchange;
+    - compiled (--compile.enable, aot_eager) equals eager;
+    - the exchange only (--mx.expert_gemm bf16) at EP=2 equals EP=1 (same ranks and data) up to the
+      order of the weight-gradient sums."""
+    from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
+
+    write_byte_tokenizer(tmp_path / "tokenizer")
+    write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))
+    mx = ["--model.converters", "mxmoe", "--mx.mxfp8_dim0_cast_kernel_choice", "torch",
+          "--mx.mxfp8_dim1_cast_kernel_choice", "torch"]  # fmt: skip
+    ep2 = ["--parallelism.expert_parallel_degree", "2"]
+    logs = {name: tmp_path / f"{name}.calls" for name in ("mxfp8", "rounded", "bf16")}
+    out = _train(tmp_path, {
+        "mxfp8": mx + ep2 + ["--mxmoe.exchange_log", str(logs["mxfp8"])],
+        "rounded": mx + ep2 + ["--mxmoe.test_transport", "rounded_bf16", "--mxmoe.exchange_log",
+                               str(logs["rounded"])],
+        "bf16": mx + ep2 + ["--mx.no-mxfp8-a2a", "--mxmoe.exchange_log", str(logs["bf16"])],
+        "compiled": mx + ep2 + ["--compile.enable", "--compile.backend", "aot_eager"],
+        "only_ep2": mx + ep2 + ["--mx.expert_gemm", "bf16"],
+        "only_ep1": mx + ["--mx.expert_gemm", "bf16"],
+    }, world=2, steps=2)  # fmt: skip
+    losses = {name: v[0] for name, v in out.items()}
+    assert all(len(v) == 2 and all(math.isfinite(x) for x in v) for v in losses.values()), losses
+    # 5 MoE layers x 2 steps: per layer and step one MXFP8 dispatch and one MXFP8 combine gradient,
+    # one bf16 combine and one bf16 dispatch gradient (dim 256: 256 element bytes + 8 scale bytes a row)
+    elems, scales, bf16 = _row_calls(logs["mxfp8"], 256)
+    assert len(elems) == len(scales) == len(bf16) == 20 and elems == scales and sum(elems) > 0, logs
+    for name in ("rounded", "bf16"):
+        elems, scales, bf16 = _row_calls(logs[name], 256)
+        assert elems == scales == [] and len(bf16) == 40, name
+    norms = {name: _grad_norms(v[1]) for name, v in out.items()}
+    # the same numbers, bit for bit, on the MX-rounded bf16 rows, and on unrounded bf16 rows too:
+    # the MX experts round what they are given as the exchange would (the gradient norms as well:
+    # Adam's first update is about the gradients' signs alone)
+    for name in ("rounded", "bf16"):
+        assert losses[name] == losses["mxfp8"] and norms[name] == norms["mxfp8"], (name, losses, norms)
+    assert losses["compiled"] == pytest.approx(losses["mxfp8"], rel=1e-6), losses
+    assert norms["compiled"] == pytest.approx(norms["mxfp8"], rel=1e-5), norms
+    only1, only2 = losses["only_ep1"], losses["only_ep2"]
+    assert only2[0] == pytest.approx(only1[0], rel=1e-6) and only2[1] == pytest.approx(only1[1], rel=1e-4)
+
+
+def test_ep_script_commands_parse(tmp_path):
+    """scripts/torchtitan_ep.sh's runs (scripts/torchtitan_ep.py) are what torchtitan 0.2.2's parser
+    and mxmoe's bench accept: for 2 and 4 GPUs, every trainer run's flags parse (its `[mx]` options
+    included), its custom import registers the model flavor and the torchao peer's converter, the
+    converters it names are registered, and the all-to-all bench's flags parse."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import torchtitan_ep
+
+    from mxmoe.bench.a2a import parse_args as a2a_args
+
+    for ngpu in (2, 4):
+        cmds = torchtitan_ep.commands(tmp_path, tmp_path / "data", tmp_path / "tok", ngpu, steps=30,
+                                      flavor="mxmoe_ep", local_batch=2, seq_len=8192, compile=True)
+        assert sorted(cmds) == sorted(torchtitan_ep.RUNS)
+        for name in torchtitan_ep.VARIANTS:
+            cmd = cmds[name]
+            assert cmd[cmd.index("--nproc_per_node") + 1] == str(ngpu)
+            cfg = ConfigManager().parse_args(cmd[cmd.index("torchtitan.train") + 1 :])
+            importlib.import_module(cfg.experimental.custom_import)
+            spec = importlib.import_module("torchtitan.models.deepseek_v3").get_train_spec()
+            args = spec.model_args[cfg.model.flavor]
+            assert (args.dim, args.moe_args.num_experts, args.moe_args.top_k) == (5120, 16, 8)
+            assert cfg.parallelism.expert_parallel_degree == ngpu and cfg.compile.enable
+            assert all(c in _registry_model_converter_cls for c in cfg.model.converters), name
+            if name == "exchange":
+                assert (cfg.mx.expert_gemm, cfg.mx.convert_linears, cfg.mx.mxfp8_a2a) == ("bf16", False, True)
+        a2a = cmds["a2a"]
+        ns = a2a_args(a2a[a2a.index("a2a") + 1 :])
+        assert (ns.batches, ns.seq, ns.dims) == ([16], 8192, [5120])

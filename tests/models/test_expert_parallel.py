@@ -114,13 +114,13 @@ def _compile_worker(rank: int, world: int, port: int) -> None:
                     mxmoe.convert(m, RECIPE)
             compile_submodules(compiled, backend="aot_eager")
             compiled_names = [n for n, mod in compiled.named_modules() if mod._compiled_call_impl is not None]
-            # the MoE layer is not one region: the experts, their permutation and the all-to-all stay eager
+            # the MoE layer is one region (fullgraph=True): router, dispatch with its all-to-alls
+            # (custom ops), experts, combine and shared expert
             assert compiled_names == [
                 "layers.0.attention_norm",
                 "layers.0.attention",
                 "layers.0.ffn_norm",
-                "layers.0.moe.router",
-                "layers.0.moe.shared_expert",
+                "layers.0.moe",
                 "norm",
             ], compiled_names
             (le, _), (lc, _) = _run(eager, _tokens(rank)), _run(compiled, _tokens(rank))
@@ -132,9 +132,9 @@ def _compile_worker(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def test_per_block_compile_keeps_the_expert_parallel_moe_eager():
-    """`compile.enable` with EP=2 (trainer.compile_submodules): the router and the shared expert
-    are compiled, the routed experts with their all-to-all run eager; high precision and MX, the
+def test_per_block_compile_takes_the_expert_parallel_moe_whole():
+    """`compile.enable` with EP=2 (trainer.compile_submodules): each MoE layer, its exchange
+    included, compiles as one graph (fullgraph=True: no graph break); high precision and MX, the
     step matches eager on each rank."""
     spawn_ranks(_compile_worker, 2)
 

@@ -83,3 +83,19 @@ def test_mixed_precision_sets_cuda_fp32_matmul_precision(mp, want):
         assert matmul.fp32_precision == want
     finally:
         matmul.fp32_precision = before
+
+
+@pytest.mark.parametrize("name", ["mx", "mxmoe"])
+def test_the_converter_has_both_names(name, tmp_path):
+    """`--model.converters mx` or `mxmoe`: the same converter, as in torchtitan's front ends; others
+    are refused naming both."""
+    from mxmoe.train.build import uses_mx
+
+    cfg = parse_args([*ARGS, f"--job.dump_folder={tmp_path}", f"--model.converters={name}"])
+    check_values(cfg)
+    assert uses_mx(cfg)
+    model = build_model(cfg, torch.device("cpu"), make_parallel_dims(1, -1, 1, 1), mx=uses_mx(cfg))
+    assert model.mx_conversion.is_mx
+    cfg.model.converters = ["float8"]
+    with pytest.raises(ValueError, match=r"converter\(s\) \['float8'\]; expected one of \['mx', 'mxmoe'\]"):
+        check_values(cfg)

@@ -194,7 +194,7 @@ def test_two_process_ep_exchange_only_matches_one_process(tmp_path):
 
 
 def test_two_process_ep_bf16_exchange_resumes_from_one_process_checkpoint(tmp_path):
-    """High-precision experts (all_to_all_hp exchange): a one-process checkpoint loads into ep=2 and
+    """High-precision experts (a2a_unquantized exchange): a one-process checkpoint loads into ep=2 and
     the resumed step's loss matches the uninterrupted one-process run."""
     common = TINY + ["--training.steps=2", "--parallelism.timeout_s=60", "--checkpoint.keep_latest_k=0"]
     one_run, ep_run = tmp_path / "one", tmp_path / "ep2"

@@ -1,22 +1,22 @@
-"""mxmoe inside torchtitan's trainer: MX linear layers, MX expert GEMMs (and an MXFP8 token
-exchange for expert parallelism), one adapter per torchtitan version (docs/torchtitan.md).
+"""mxmoe inside torchtitan's trainer: MX linear layers, MX expert GEMMs and mxmoe's MXFP8 exchange
+for expert parallelism, one adapter per torchtitan version (docs/torchtitan.md).
 
 Importing this package picks the adapter of the installed torchtitan and exports its names:
 
-* torchtitan **0.2.x** (torch >= 2.11), `v0_2`: the TOML-era job config.
-  `--job.custom_config_module mxmoe.integrations.torchtitan --model.converters mxmoe` with the
-  options in an `[mx]` section or as `--mx.recipe_name`, `--mx.mxfp8_dim1_cast_kernel_choice`,
-  `--mx.mxfp8_dim0_cast_kernel_choice`, `--mx.filter_fqns`, `--mx.gemm_backend`,
-  `--mx.gemm_dtype`. Exports `JobConfig` (the `[mx]` section torchtitan merges into its own),
-  `MXMoEConverter`, `MXGroupedExperts`.
-* torchtitan **0.3** (torch >= 2.14 for its trainer; its models import from torch 2.12):
-  model-config converters (`MXLinearConverter`, `MXGroupedExpertsConverter`,
-  `MXFP8TokenDispatcherConverter`), overrides (`--override.imports
-  mxmoe.integrations.torchtitan.mxmoe_linear`, `...mxmoe_grouped_mm`, `...mxmoe_a2a`) and
-  config_registry functions (`--module mxmoe.integrations.torchtitan`).
+* torchtitan **0.2.x** (torch >= 2.11), `v0_2/`: the TOML-era job config.
+  `--job.custom_config_module mxmoe.integrations.torchtitan --model.converters mxmoe` (or `mx`)
+  with the options (`mxmoe.MXOptions`) in an `[mx]` section or as `--mx.*` flags. Exports
+  `JobConfig` (the `[mx]` section torchtitan merges into its own), `MXMoEConverter`,
+  `MXGroupedExperts`, `MXExpertParallel`.
+* torchtitan **0.3** (torch >= 2.14 for its trainer; its models import from torch 2.12), `v0_3/`:
+  model-config converters (`MXMoEConverter` = `MXConverter`, and one part each), overrides
+  (`--override.imports mxmoe.integrations.torchtitan.mxmoe`, or `.mx`, `.mxmoe_linear`,
+  `.mxmoe_grouped_mm`, `.mxmoe_a2a`) and config functions (`--module mxmoe.integrations.torchtitan
+  --config deepseek_v3_debugmodel_mxmoe`).
 
-Shared by both: `common` (version floors, the options -> one `mxmoe.MXRecipe`, the
-tensor-parallel refusal; tensor parallelism is refused by both).
+Both adapters are built on the shared core (`common`: version floors, MXOptions -> one
+`mxmoe.MXRecipe`, the tensor-parallel refusal) and on mxmoe's dispatch seam (`mxmoe.comm.dispatch`):
+a next version's adapter is a `v0_N/` package beside them, selected below.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ if ADAPTER == (0, 2):
     from mxmoe.integrations.torchtitan.v0_2 import (
         MX,
         JobConfig,
+        MXExpertParallel,
         MXGroupedExperts,
         MXMoEConverter,
     )
@@ -41,27 +42,29 @@ if ADAPTER == (0, 2):
     __all__ = [
         "ADAPTER",
         "MX",
+        "JobConfig",
+        "MXExpertParallel",
         "MXGroupedExperts",
         "MXMoEConverter",
-        "JobConfig",
         "TORCHTITAN_VERSION",
         "mx_recipe",
     ]
 else:
-    from mxmoe.integrations.torchtitan.common import OPTION_NAMES
-    from mxmoe.integrations.torchtitan.converters import (
+    from mxmoe.integrations.torchtitan.common import OPTION_NAMES, RECIPE_FIELDS
+    from mxmoe.integrations.torchtitan.v0_3 import (
+        CONFIG_FUNCTIONS,
+        LINEAR_OVERRIDE_FQNS,
+        MXConverter,
+        MXFP8AllToAllTokenDispatcher,
+        MXFP8TokenDispatcherConverter,
         MXGroupedExpertsConverter,
         MXLinear,
         MXLinearConverter,
+        MXMoEConverter,
+        mx,
         mx_grouped_experts_cls,
-    )
-    from mxmoe.integrations.torchtitan.dispatcher import (
-        MXFP8AllToAllTokenDispatcher,
-        MXFP8TokenDispatcherConverter,
         mxfp8_dispatcher_config,
-    )
-    from mxmoe.integrations.torchtitan.overrides import (
-        LINEAR_OVERRIDE_FQNS,
+        mxmoe,
         mxmoe_a2a,
         mxmoe_grouped_mm,
         mxmoe_linear,
@@ -69,18 +72,35 @@ else:
 
     __all__ = [
         "ADAPTER",
+        "CONFIG_FUNCTIONS",
         "LINEAR_OVERRIDE_FQNS",
+        "MXConverter",
         "MXFP8AllToAllTokenDispatcher",
         "MXFP8TokenDispatcherConverter",
         "MXGroupedExpertsConverter",
         "MXLinear",
         "MXLinearConverter",
+        "MXMoEConverter",
         "OPTION_NAMES",
+        "RECIPE_FIELDS",
         "TORCHTITAN_VERSION",
+        "mx",
         "mx_grouped_experts_cls",
         "mx_recipe",
         "mxfp8_dispatcher_config",
+        "mxmoe",
         "mxmoe_a2a",
         "mxmoe_grouped_mm",
         "mxmoe_linear",
     ]
+
+    def __getattr__(name: str):
+        # `--module mxmoe.integrations.torchtitan --config F`: torchtitan 0.3's loader imports
+        # `<module>.config_registry` and, on an ImportError (its trainer's torch floor, checked
+        # there), looks F up on this package instead; importing the registry again here raises
+        # mxmoe's ImportError (what is needed, what to install) out of the loader.
+        if name in CONFIG_FUNCTIONS:
+            from mxmoe.integrations.torchtitan.v0_3 import config_registry
+
+            return getattr(config_registry, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

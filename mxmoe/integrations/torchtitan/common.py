@@ -1,6 +1,7 @@
-"""What mxmoe's torchtitan adapters share, whatever the torchtitan version: the version floors,
-the MX options in torchtitan's spellings -> one `MXRecipe`, whether MX experts take the MXFP8
-dispatcher's rows as they arrive (`takes_mx_rows`), and the tensor-parallel refusal.
+"""The core mxmoe's torchtitan adapters (`v0_2`, `v0_3`) share, whatever the torchtitan version: the
+version floors, the MX options (`mxmoe.MXOptions`, torchtitan's spellings) -> one `MXRecipe`, and
+the tensor-parallel refusal. A new adapter (`v0_4/`) builds on these and on mxmoe's dispatch seam
+(`mxmoe.comm.dispatch`), as the two existing ones do.
 
 This module imports neither torchtitan nor anything that does, so the version checks can run
 before a torchtitan module is imported.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from mxmoe.options import MXOptions
-from mxmoe.recipe import MXRecipe
+from mxmoe.recipe import DEFAULT_RECIPE_NAME, MXRecipe
 
 SUPPORTED = {
     (0, 2): ((2, 11), "the seed's TOML-era job config: --model.converters mxmoe with an [mx] section"),
@@ -83,70 +84,57 @@ def check_trainer_torch(torch_module) -> None:
     if not hasattr(torch_module.distributed, "set_timeout"):
         raise ImportError(
             f"torchtitan 0.3's trainer needs torch >= 2.14 (it calls torch.distributed.set_timeout after "
-            f"the first step), this is torch {torch_module.__version__}; torchtitan 0.2.x trains on "
-            "torch 2.11: pip install 'mxmoe[torchtitan02]'"
+            f"the first step), this is torch {torch_module.__version__}: pip install 'torch>=2.14' "
+            "(or torchtitan 0.2.x, which trains on torch 2.11: pip install 'mxmoe[torchtitan02]')"
         )
 
 
-OPTION_NAMES = (
+RECIPE_FIELDS = (
     "recipe_name",
-    "mxfp8_dim1_cast_kernel_choice",
     "mxfp8_dim0_cast_kernel_choice",
+    "mxfp8_dim1_cast_kernel_choice",
+    "gemm_backend",
     "gemm_dtype",
+    "expert_gemm",
 )
-"""The options every 0.3 converter and swapped module's Config carries (torchtitan spellings):
-recipe_name ("mxfp8_rceil" default | "mxfp8"), the two cast kernel choices ("auto" default |
-"torch" | "triton" | "cuda") and gemm_dtype ("auto" default | "bfloat16" | "float32"); see
-`mx_recipe`."""
+"""The `mxmoe.MXOptions` fields that make its recipe (`MXOptions.to_recipe`): what a swapped module's
+Config carries (the converters' Configs carry every field of MXOptions)."""
+
+OPTION_NAMES = RECIPE_FIELDS
+"""The options a swapped module's Config carries (the old name of RECIPE_FIELDS)."""
 
 
-def mx_recipe(
-    recipe_name: str = "mxfp8_rceil",
-    mxfp8_dim1_cast_kernel_choice: str = "auto",
-    mxfp8_dim0_cast_kernel_choice: str = "auto",
-    gemm_dtype: str = "auto",
-    gemm_backend: str = "auto",
-) -> MXRecipe:
-    """The MXRecipe named by torchtitan-style options (strings, as they come from a CLI or config).
+def options_of(obj, **changes) -> MXOptions:
+    """The MXOptions that `obj` (a converter's or a swapped module's Config, or any object) carries
+    in its fields of the same names (missing ones: MXOptions' defaults), with `changes` applied;
+    ValueError naming a bad field."""
+    from dataclasses import fields
 
-    recipe_name: "mxfp8_rceil" (RCEIL scales, the default) | "mxfp8" (FLOOR scales, OCP).
-    mxfp8_dim1_cast_kernel_choice / mxfp8_dim0_cast_kernel_choice: "auto" | "torch" | "triton" | "cuda".
-    gemm_dtype: operand dtype of the emulated GEMM, "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" |
-    "float32". gemm_backend: a name in mxmoe.recipe.GEMM_BACKENDS ("auto" default).
-    Raises ValueError naming the option for anything else (`mxmoe.MXOptions.to_recipe`).
-    """
-    return MXOptions(
-        recipe_name=recipe_name,
-        mxfp8_dim1_cast_kernel_choice=mxfp8_dim1_cast_kernel_choice,
-        mxfp8_dim0_cast_kernel_choice=mxfp8_dim0_cast_kernel_choice,
-        gemm_dtype=gemm_dtype,
-        gemm_backend=gemm_backend,
-    ).to_recipe()
+    values = {f.name: getattr(obj, f.name) for f in fields(MXOptions) if hasattr(obj, f.name)}
+    return MXOptions(**{**values, **changes})
+
+
+def mx_recipe(recipe_name: str = DEFAULT_RECIPE_NAME, **options) -> MXRecipe:
+    """The MXRecipe named by MX options in torchtitan's spellings (strings, as they come from a CLI
+    or a config): recipe_name and any other recipe field of `mxmoe.MXOptions`
+    (mxfp8_dim0_cast_kernel_choice, mxfp8_dim1_cast_kernel_choice, gemm_backend, gemm_dtype,
+    expert_gemm), MXOptions' defaults for the rest. Raises ValueError naming the option for a bad
+    value, TypeError for an unknown option."""
+    unknown = sorted(set(options) - set(RECIPE_FIELDS))
+    if unknown:
+        raise TypeError(f"mx_recipe: unknown option(s) {unknown}; accepted: {list(RECIPE_FIELDS)}")
+    return MXOptions(recipe_name=recipe_name, **options).to_recipe()
 
 
 def mx_options(cfg) -> dict:
-    """The OPTION_NAMES fields of a converter or swapped module's Config, as `mx_recipe` kwargs."""
-    return {name: getattr(cfg, name) for name in OPTION_NAMES}
+    """The RECIPE_FIELDS of a converter or swapped module's Config, as `mx_recipe` kwargs."""
+    return {name: getattr(cfg, name) for name in RECIPE_FIELDS}
 
 
-A2A_RECIPE = MXRecipe(scaling_mode="rceil")
-"""What mxmoe's MXFP8 exchange produces: e4m3 elements, blocks of 32, RCEIL scales."""
-
-
-def takes_mx_rows(experts_config) -> bool:
-    """Whether experts built from `experts_config` take the MXFP8 dispatcher's rows as MXTensor
-    without a change in results: an MX experts config with torchtitan's SwiGLU forward whose
-    recipe quantizes the rows as the exchange does (RCEIL, e4m3, blocks of 32), so that
-    requantizing the dequantized rows would give the same values."""
-    owner = getattr(type(experts_config), "_owner", None)
-    if not getattr(owner, "ACCEPTS_MX_ROWS", False):
-        return False
-    r = mx_recipe(**mx_options(experts_config))
-    return (r.elem_dtype, r.block_size, r.scaling_mode) == (
-        A2A_RECIPE.elem_dtype,
-        A2A_RECIPE.block_size,
-        A2A_RECIPE.scaling_mode,
-    )
+def same_format(a: MXRecipe, b: MXRecipe) -> bool:
+    """Whether rows quantized with `a` quantize to the same values with `b` (element dtype, block
+    size, scaling mode): MX rows of one can feed GEMMs of the other without a cast."""
+    return (a.elem_dtype, a.block_size, a.scaling_mode) == (b.elem_dtype, b.block_size, b.scaling_mode)
 
 
 def tensor_parallel_error(where: str, degree: int) -> ValueError:

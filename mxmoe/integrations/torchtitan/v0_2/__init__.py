@@ -1,0 +1,12 @@
+"""mxmoe's adapter for torchtitan 0.2.x (torch >= 2.11): the TOML-era job config.
+
+`--job.custom_config_module mxmoe.integrations.torchtitan --model.converters mxmoe` (or `mx`) with
+the options (`mxmoe.MXOptions`) in an `[mx]` section or as `--mx.*` flags: `converter`. Expert
+parallelism through mxmoe's exchange: `expert_parallel`. Built on the shared core
+(`mxmoe.integrations.torchtitan.common`) and mxmoe's dispatch seam (`mxmoe.comm.dispatch`).
+"""
+
+from mxmoe.integrations.torchtitan.v0_2.converter import MX, JobConfig, MXGroupedExperts, MXMoEConverter
+from mxmoe.integrations.torchtitan.v0_2.expert_parallel import MXExpertParallel
+
+__all__ = ["MX", "JobConfig", "MXExpertParallel", "MXGroupedExperts", "MXMoEConverter"]
