@@ -216,11 +216,13 @@ def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str
     kernel) and check that `kernel` can run on `device`. For the building blocks below the recipe
     (the exchange's kernels, mxmoe.comm.kernels / symm) that are handed a name `cast_kernel` chose.
     Cached: repeated calls cost a dict lookup."""
+    # While tracing, the kept answers are not read: Dynamo would guard on the dict, which the
+    # trace-time resolution may fill (torch 2.11: "Guard failed on the same frame it was created").
+    if torch.compiler.is_compiling():
+        return _resolve_at_trace(kernel, device.type, device.index, cast, None)
     hit = _resolved.get((kernel, device, cast))
     if hit is not None:
         return hit
-    if torch.compiler.is_compiling():
-        return _resolve_at_trace(kernel, device.type, device.index, cast, None)
     return _resolve(kernel, device, cast, None)
 
 
@@ -244,7 +246,8 @@ def cast_kernel(recipe: MXRecipe, device: torch.device, cast: str) -> str:
     device, cast); while torch.compile traces, the first answer is made at trace time, a constant
     of the graph."""
     kernel = recipe.dim1_kernel if cast in _DIM1_CASTS else recipe.dim0_kernel
-    out = _resolved.get((kernel, device, cast))
+    # while tracing, not the kept answers: see resolve_kernel
+    out = None if torch.compiler.is_compiling() else _resolved.get((kernel, device, cast))
     if out is None:
         field = RECIPE_FIELD.get(cast)
         if field is None:

@@ -94,7 +94,8 @@ class MXTensor:
     def __post_init__(self) -> None:
         """The public constructor's checks (`mx_tensor_trusted` skips them): TypeError / ValueError
         naming the argument, its value and what is accepted; scaling_mode normalized to its name."""
-        self.scaling_mode = _check_fields(self)
+        if not torch.compiler.is_compiling():  # traced: mx_tensor_trusted's calls (see there)
+            self.scaling_mode = _check_fields(self)
 
     @property
     def ndim(self) -> int:
@@ -215,6 +216,13 @@ def mx_tensor_trusted(
 ) -> MXTensor:
     """`MXTensor(...)` without its checks, for the code that made qdata and scales itself (the casts,
     the ops, the all-to-all): the caller guarantees what `MXTensor` would check."""
+    if torch.compiler.is_compiling():
+        # Dynamo (torch 2.11) cannot trace object.__new__; the dataclass constructor traces, and
+        # its checks are skipped while tracing (they ran on the eager calls)
+        return MXTensor(
+            qdata_blocked, scale_blocked, axis, block_size, scaling_mode, orig_dtype, grad_anchor,
+            scale_swizzled, offs,
+        )
     t = _new(MXTensor)
     t.qdata_blocked = qdata_blocked
     t.scale_blocked = scale_blocked
