@@ -47,7 +47,8 @@ pipeliner, `tl.range(num_stages=)`; receive scales are read as int32 words, whic
 asynchronously, single bytes cannot), so an item should pay about one memory latency instead of one
 per register tile. The version that loaded one 16-byte vector a thread at a time (three programs of
 8 warps an SM: at most 12 KiB of loads in flight an SM) and had one ticket and one system fence per
-8192 elements was slower than the serial path; docs/comm.md has the model.
+8192 elements was slower than the serial path; docs/benchmarks.md ("The symmetric-memory kernel's
+schedule") has the model.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from mxmoe.options import MXOptions
 from mxmoe.recipe import DEFAULT_RECIPE_NAME, MXRecipe
 
 SUPPORTED = {
-    (0, 2): ((2, 11), "the seed's TOML-era job config: --model.converters mxmoe with an [mx] section"),
+    (0, 2): ((2, 11), "TOML job configs: --model.converters mxmoe with an [mx] section"),
     (0, 3): ((2, 14), "config_registry functions, model-config converters and overrides"),
 }
 """torchtitan (major, minor) -> (the torch it needs, what the adapter plugs into).
