@@ -273,7 +273,10 @@ def _forked_rank(env: dict[str, str], fn, *args) -> None:
 
 def trainer_rank(rank: int, world: int, port: int, argv: list[str], out: str) -> None:
     """A `spawn_ranks` target: `mxmoe train argv` as rank `rank` of `world` (gloo rendezvous on
-    127.0.0.1:port, one intra-op thread); its exit status is written to out/rc{rank}."""
+    127.0.0.1:port, one intra-op thread); its standard output is written to out/stdout{rank}, its
+    exit status to out/rc{rank}."""
+    import contextlib
+
     import torch
 
     from mxmoe.train import trainer
@@ -286,7 +289,8 @@ def trainer_rank(rank: int, world: int, port: int, argv: list[str], out: str) ->
         WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
-    rc = trainer.main(argv)
+    with open(Path(out, f"stdout{rank}"), "w") as f, contextlib.redirect_stdout(f):
+        rc = trainer.main(argv)
     Path(out, f"rc{rank}").write_text(str(rc))
 
 

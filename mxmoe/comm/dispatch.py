@@ -73,6 +73,15 @@ class TokenDispatcher(Protocol):
         ...
 
 
+def describe_exchange(dispatcher: TokenDispatcher, rows_as: ExpertRows = UNQUANTIZED) -> str:
+    """One line for a run's log: what `dispatcher` sends for experts that take `rows_as` (its own
+    `describe` where it has one, as mxmoe's all-to-all does; else its type)."""
+    describe = getattr(dispatcher, "describe", None)
+    if callable(describe):
+        return describe(rows_as)
+    return f"expert parallelism through {type(dispatcher).__name__}"
+
+
 # --------------------------------------------------------------------------------------------
 # Local ordering and combine (every expert here; also the token side of expert parallelism)
 # --------------------------------------------------------------------------------------------
@@ -285,6 +294,23 @@ class AllToAllDispatcher:
         if not isinstance(mxfp8, bool):
             raise TypeError(f"mxfp8={mxfp8!r}: expected a bool")
         self.mxfp8 = mxfp8
+
+    def describe(self, rows_as: ExpertRows = UNQUANTIZED) -> str:
+        """One line for a run's log: what crosses the wire for experts that take `rows_as`."""
+        r = rows_as.recipe
+        if r is not None and self.mxfp8:
+            elem = "e4m3" if r.elem_dtype == torch.float8_e4m3fn else "e5m2"
+            what = (
+                f"the dispatch and the combine's gradient send MXFP8 rows ({elem} elements + e8m0 "
+                f"scales per {r.block_size}, {r.scaling_mode.upper()}), the combine and the dispatch's "
+                "gradient rows in the compute dtype"
+            )
+        elif r is not None:
+            what = "rows in the compute dtype both ways (the MXFP8 exchange is off: mxfp8_a2a=False)"
+        else:
+            what = "rows in the compute dtype both ways (the experts are not MX)"
+        ranks = f"{self.ep_size} rank" + ("s" if self.ep_size != 1 else "")
+        return f"expert parallelism over {ranks}, transport {self.transport!r}: {what}"
 
     def dispatch(self, x, idx, scores, *, num_experts, rows_as=UNQUANTIZED):
         rows, counts, local = sort_by_expert(x, idx, scores, num_experts)

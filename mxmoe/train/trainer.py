@@ -19,7 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mxmoe.comm.dispatch import describe_exchange
 from mxmoe.models import GraphedStep
+from mxmoe.models.moe import MoE
+from mxmoe.models.routing import expert_rows
 from mxmoe.train import determinism, parallel, profiling
 from mxmoe.train.build import (  # noqa: F401  (build_model_args .. mx_convert: still importable from here)
     Run,
@@ -213,6 +216,13 @@ def lm_loss(
     return ce, aux
 
 
+def exchange_summary(model: torch.nn.Module) -> str:
+    """The log line of the model's expert-parallel exchange (its first MoE layer's: every layer
+    gets the same options from [mx])."""
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    return describe_exchange(getattr(moe.dispatch, "dispatcher", moe.dispatch), expert_rows(moe.experts))
+
+
 def _log_run(run: Run, run_id: str) -> None:
     cfg = run.cfg
     total, active = run.margs.num_params()
@@ -230,6 +240,8 @@ def _log_run(run: Run, run_id: str) -> None:
         len(run.train_ds),
         len(run.val_ds) if run.val_ds else 0,
     )
+    if run.pd.ep > 1:
+        log.info("%s", exchange_summary(run.model))
     c, e = run.corpus, run.epochs
     skipped = ", ".join(f"{k} {n}" for k, n in sorted(c["skipped"].items()))
     log.info(

@@ -128,3 +128,23 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 def test_exchange_bytes_numbers_and_a_registered_transport():
     spawn_ranks(_worker, 2)
+
+
+def test_a_run_log_says_what_the_exchange_sends():
+    """`describe_exchange`: the line the trainer and both torchtitan adapters log under expert
+    parallelism names the ranks, the transport and what crosses the wire for the experts' recipe;
+    a dispatcher without `describe` (a token-level transport's) is named by its type."""
+    from mxmoe.comm.dispatch import UNQUANTIZED, ExpertRows, describe_exchange
+
+    mx = ExpertRows(recipe("mxfp8_rceil"))
+    line = describe_exchange(AllToAllDispatcher(None, transport="nccl"), mx)
+    assert line.startswith("expert parallelism over 1 rank, transport 'nccl': "), line
+    assert "the dispatch and the combine's gradient send MXFP8 rows (e4m3 elements + e8m0 scales per 32, " \
+        "RCEIL), the combine and the dispatch's gradient rows in the compute dtype" in line, line
+    floor = describe_exchange(AllToAllDispatcher(None), ExpertRows(recipe("mxfp8")))
+    assert "FLOOR" in floor and "transport 'auto'" in floor, floor
+    off = describe_exchange(AllToAllDispatcher(None, mxfp8=False), mx)
+    assert "both ways (the MXFP8 exchange is off: mxfp8_a2a=False)" in off, off
+    assert "(the experts are not MX)" in describe_exchange(AllToAllDispatcher(None), UNQUANTIZED)
+    token_level = object.__new__(GatherTokensDispatcher)  # no process group needed to name it
+    assert describe_exchange(token_level, mx) == "expert parallelism through GatherTokensDispatcher"

@@ -510,6 +510,30 @@ def _check_sharded_linear_refused(mesh) -> None:
         lin(x)
 
 
+def _logged_exchange(fn, reset: bool = True) -> list[str]:
+    """The "mxmoe: expert parallelism ..." lines logged while fn() runs; reset: as a conversion
+    (`convert_dispatchers`) does, so that the next wired dispatcher logs."""
+    import logging
+
+    from mxmoe.integrations.torchtitan.v0_3 import dispatcher as dispatcher_module
+
+    if reset:
+        dispatcher_module._LOGGED = False
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("mxmoe")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        fn()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return [x for x in lines if x.startswith("mxmoe: expert parallelism")]
+
+
 def _check_dispatch(rank: int, mesh, dtype: torch.dtype) -> None:
     from torchtitan.distributed.spmd_types import set_current_spmd_mesh
     from torchtitan.distributed.utils import set_spmd_backend
@@ -523,8 +547,13 @@ def _check_dispatch(rank: int, mesh, dtype: torch.dtype) -> None:
     # ref's combine exchange, with the gradient quantize-dequantized as MXFP8 moves it
     ref_combine = ref._combine_token_exchange
     ref._combine_token_exchange = lambda *a: _QDQGrad.apply(ref_combine(*a))
-    for d in (ref, mx):
-        d.wire_meshes(ep_mesh=mesh)
+    records = _logged_exchange(lambda: [d.wire_meshes(ep_mesh=mesh) for d in (ref, mx)])
+    # one line says what crosses the wire (once per converted model, whatever its MoE layers)
+    assert len(records) == 1 and records[0].startswith(
+        "mxmoe: expert parallelism over 2 ranks, transport 'nccl': the dispatch and the combine's "
+        "gradient send MXFP8 rows (e4m3 elements + e8m0 scales per 32, RCEIL)"
+    ), records
+    assert _logged_exchange(lambda: mx.wire_meshes(ep_mesh=mesh), reset=False) == []
     g = torch.Generator().manual_seed(10 + rank)
     x = (torch.randn(T, D, generator=g) * torch.exp2(torch.randint(-8, 8, (T, 1), generator=g))).to(dtype)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])

@@ -487,6 +487,13 @@ def test_trainer_at_expert_parallel_2_exchanges_mxfp8(tmp_path):
     for name in ("rounded", "bf16"):
         elems, scales, bf16 = _row_calls(logs[name], 256)
         assert elems == scales == [] and len(bf16) == 40, name
+    # one line per run says what crosses the wire
+    said = {name: [x for x in v[1].splitlines() if "mxmoe: expert parallelism" in x]
+            for name, v in out.items()}
+    assert {name: len(lines) for name, lines in said.items()} == {**{n: 1 for n in out}, "only_ep1": 0}, said
+    assert "over 2 ranks" in said["mxfp8"][0], said
+    assert "send MXFP8 rows (e4m3 elements + e8m0 scales per 32, RCEIL)" in said["mxfp8"][0], said
+    assert "the MXFP8 exchange is off" in said["bf16"][0], said
     norms = {name: _grad_norms(v[1]) for name, v in out.items()}
     # the same numbers, bit for bit, on the MX-rounded bf16 rows, and on unrounded bf16 rows too:
     # the MX experts round what they are given as the exchange would (the gradient norms as well:

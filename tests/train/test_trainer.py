@@ -187,6 +187,9 @@ def test_two_process_ep_exchange_only_matches_one_process(tmp_path):
     argv = common + ["--parallelism.expert_parallel_degree=2", f"--job.dump_folder={dist_run}"]
     spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
     assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+    said = [x for x in (tmp_path / "stdout0").read_text().splitlines() if "expert parallelism over" in x]
+    assert len(said) == 1 and "over 2 ranks, transport 'auto': the dispatch and the combine's gradient " \
+        "send MXFP8 rows (e4m3 elements + e8m0 scales per 32, RCEIL)" in said[0], said
     assert trainer.main(common + ["--training.local_batch_size=4", f"--job.dump_folder={one_run}"]) == 0
     d, o = losses(dist_run), losses(one_run)
     assert sorted(d) == sorted(o) == [1, 2] and o[2] != o[1]

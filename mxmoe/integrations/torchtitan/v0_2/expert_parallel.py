@@ -24,11 +24,15 @@ import torchtitan.models.llama4.infra.parallelize as _parallelize
 from torch import Tensor, nn
 from torch.distributed.tensor import DeviceMesh
 from torchtitan.distributed.expert_parallel import ExpertParallel
+from torchtitan.tools.logging import logger
 
+from mxmoe.comm.dispatch import describe_exchange
 from mxmoe.comm.transports import make_dispatcher
 
 TORCHTITAN_EXPERT_PARALLEL = ExpertParallel
 """torchtitan's own style (what `apply_moe_ep_tp` builds without mxmoe)."""
+_LOGGED = False
+"""Whether the model `install()` was last called for has logged its exchange."""
 
 
 class MXExpertParallel(ExpertParallel):
@@ -50,6 +54,10 @@ class MXExpertParallel(ExpertParallel):
                         "expert parallelism hands the experts rows sorted by expert: choose a row "
                         "transport ('auto', 'nccl', 'symm')"
                     )
+                global _LOGGED
+                if not _LOGGED:  # one line per process: every experts module has the same options
+                    logger.info("mxmoe: %s", describe_exchange(d, mod.expert_rows()))
+                    _LOGGED = True
             self._mx_dispatcher, self._mx_state = d, None
         return self._mx_dispatcher
 
@@ -93,6 +101,8 @@ def install() -> None:
 
     from mxmoe.comm import ops  # noqa: F401  (registers torch.ops.mxmoe.a2a_*)
 
+    global _LOGGED
+    _LOGGED = False  # the model being converted logs its exchange once
     if _parallelize.ExpertParallel is not MXExpertParallel:
         _parallelize.ExpertParallel = MXExpertParallel
     exchange = [getattr(torch.ops.mxmoe, name).default

@@ -37,7 +37,7 @@ from torchtitan.models.common.token_dispatcher import (
 )
 from torchtitan.protocols.model import ModelConfigConverter
 
-from mxmoe.comm.dispatch import ExchangeHandle, ExpertRows
+from mxmoe.comm.dispatch import ExchangeHandle, ExpertRows, describe_exchange
 from mxmoe.comm.transports import check_transport, make_dispatcher
 from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, options_of, same_format
 from mxmoe.integrations.torchtitan.v0_3.converters import options_fields, recipe_of
@@ -45,6 +45,8 @@ from mxmoe.nn.converter import ConversionReport
 from mxmoe.options import MXOptions
 
 log = logging.getLogger("mxmoe")
+_LOGGED = False
+"""Whether the model last converted (`convert_dispatchers`) has logged its exchange."""
 
 EXCHANGE_FIELDS = (*RECIPE_FIELDS, "mxfp8_a2a", "a2a_transport")
 """The MXOptions fields the dispatcher's Config carries: the recipe of MXFP8 rows and the exchange."""
@@ -109,6 +111,10 @@ class MXFP8AllToAllTokenDispatcher(AllToAllTokenDispatcher):
                     "'nccl', 'symm')"
                 )
             self.exchange = d
+            global _LOGGED
+            if not _LOGGED:  # one line per process: every MoE layer has the same options
+                log.info("mxmoe: %s", describe_exchange(d, ExpertRows(self.recipe)))
+                _LOGGED = True
 
     def dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E):
         if self.ep_mesh is None:
@@ -170,6 +176,9 @@ def convert_dispatchers(model_config, options: MXOptions, report: ConversionRepo
     recorded in `report`; other dispatchers (DeepEP, HybridEP, TorchAO's padded one, MinimalAsyncEP)
     are left alone and recorded as skipped. Returns the config."""
     from torchtitan.models.common.moe import RoutedExperts
+
+    global _LOGGED
+    _LOGGED = False  # the model being converted logs its exchange once
 
     kind = "AllToAllTokenDispatcher"
     report.converted.setdefault(kind, [])
