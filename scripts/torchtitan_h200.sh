@@ -9,7 +9,7 @@
 # 8 x 2048 tokens, AdamW, eager (no torch.compile). Both MX runs convert the same modules: the
 # routed experts, the dense and shared-expert feed-forward layers (--mx.filter_fqns default).
 #
-#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2]
+#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2] [VARIANTS=bf16,mxmoe,torchao]
 #
 # Each variant runs once per seed (--debug.seed), with torchtitan's deterministic mode
 # (--debug.deterministic; DETERMINISTIC=0 turns it off). Writes OUT_DIR/VARIANT_sSEED.log
@@ -23,10 +23,14 @@
 # byte-level tokenizer are written by mxmoe.integrations.torchtitan.data into a /tmp folder.
 set -euo pipefail
 
-OUT=${1:?usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2]}
+OUT=${1:?usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2] [VARIANTS=bf16,mxmoe,torchao]}
 STEPS=${2:-300}
 RUN_TIMEOUT=${3:-140}
 IFS=, read -r -a SEEDS <<< "${4:-0,1,2}"
+IFS=, read -r -a VARIANTS <<< "${5:-bf16,mxmoe,torchao}"
+for v in "${VARIANTS[@]}"; do
+    case $v in bf16|mxmoe|torchao) ;; *) echo "variant '$v': expected bf16, mxmoe or torchao" >&2; exit 2 ;; esac
+done
 DET=()
 [ "${DETERMINISTIC:-1}" = 0 ] || DET=(--debug.deterministic)
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -81,10 +85,15 @@ run() {  # run NAME SEED [trainer flags...]
 
 RUNS=()
 for seed in "${SEEDS[@]}"; do  # seed-major: an interrupted call leaves whole seeds
-    run "bf16_s$seed" "$seed"
-    run "mxmoe_s$seed" "$seed" --model.converters mxmoe
-    run "torchao_s$seed" "$seed" --model.converters torchao_mxfp8 --experimental.custom_import torchtitan_torchao_peer
-    RUNS+=("bf16_s$seed" "mxmoe_s$seed" "torchao_s$seed")
+    for v in "${VARIANTS[@]}"; do
+        case $v in
+            bf16) run "bf16_s$seed" "$seed" ;;
+            mxmoe) run "mxmoe_s$seed" "$seed" --model.converters mxmoe ;;
+            torchao) run "torchao_s$seed" "$seed" --model.converters torchao_mxfp8 \
+                --experimental.custom_import torchtitan_torchao_peer ;;
+        esac
+        RUNS+=("${v}_s$seed")
+    done
 done
 
 "$PY" scripts/torchtitan_summary.py "$OUT" "${RUNS[@]}"
