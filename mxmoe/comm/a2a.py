@@ -11,14 +11,14 @@ bit-for-bit what `reference_mxfp8_a2a` computes (quantize -> all_to_all_single -
 fused kernels (own rows' quantize+dequantize, symmetric memory) serve the default format; other
 recipes take the same paths with the generic cast kernels (NCCL/gloo transport).
 
-Transports, chosen by name in one registry (`mxmoe.comm.transports.TRANSPORTS`). On GPUs of one
+Transports, chosen by name in one registry (`mxmoe.comm.transport.TRANSPORTS`). On GPUs of one
 host (transport "auto" or "symm") one kernel per exchange quantizes each peer's rows straight into
 that peer's symmetric-memory buffer, does the own rows meanwhile, and dequantizes each received
 tile as soon as its flag says it has landed: `mxmoe.comm.symm` explains it. Otherwise ("nccl", or
 "auto" with `chunks` given) the process group moves the bytes, overlapped with the casts:
 `mxmoe.comm.nccl` explains how. The format (rows quantized with the recipe): `mxmoe.comm.mx_rows`;
 the definition every exchange matches: `mxmoe.comm.reference`. This module: the differentiable
-public functions. The same exchanges as custom ops for compiled code: `mxmoe.comm.ops`.
+public functions. The same exchanges as custom ops for compiled code: `mxmoe.comm.custom_ops`.
 
 Timeouts: nothing here waits without a bound; a peer that never joins is reported by the process
 group's timeout (`init_process_group(timeout=...)`; NCCL's watchdog aborts the collective).
@@ -32,8 +32,8 @@ from torch import Tensor
 from mxmoe.comm.mx_rows import _kernel, _recipe, quantize_rows
 from mxmoe.comm.nccl import PIPELINE_MIN_ELEMS, _use_pipeline, all_to_all_rows  # noqa: F401 (importable from here as before)
 from mxmoe.comm.reference import reference_mxfp8_a2a
-from mxmoe.comm.splits import Plan, check_and_plan
-from mxmoe.comm.transports import row_transport
+from mxmoe.comm.splits import check_and_plan
+from mxmoe.comm.transport import Plan, row_transport
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, mx_tensor_trusted
 from mxmoe.recipe import MXRecipe
 
@@ -44,7 +44,7 @@ __all__ = [  # (with names of mx_rows, nccl and reference, importable from here 
 
 
 # --------------------------------------------------------------------------------------------
-# The exchanges (transports chosen by name in mxmoe.comm.transports.TRANSPORTS)
+# The exchanges (transports chosen by name in mxmoe.comm.transport.TRANSPORTS)
 # --------------------------------------------------------------------------------------------
 
 
@@ -243,15 +243,3 @@ def a2a_unquantized(x: Tensor, output_splits, input_splits, group=None, *, check
     """
     plan = check_and_plan("a2a_unquantized", x, output_splits, input_splits, group, check=check, mx=False)
     return _UnquantizedA2A.apply(x, plan, group)
-
-
-def all_to_all_hp(x: Tensor, output_splits, input_splits, group=None, *, check: bool = True) -> Tensor:
-    """Renamed `a2a_unquantized` (a DeprecationWarning says so)."""
-    import warnings
-
-    warnings.warn(
-        "mxmoe.comm.all_to_all_hp is now mxmoe.comm.a2a_unquantized", DeprecationWarning, stacklevel=2
-    )
-    return a2a_unquantized(x, output_splits, input_splits, group, check=check)
-
-

@@ -29,8 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mxmoe.comm.mx_rows import _dequantize, _dequantize_into, _qdq_into, _quantize
-from mxmoe.comm.splits import Plan, offsets
-from mxmoe.comm.transport import Transport
+from mxmoe.comm.transport import TRANSPORTS, Plan, Transport, offsets
 from mxmoe.recipe import MXRecipe
 from mxmoe.registry import Backend
 
@@ -249,5 +248,5 @@ BACKEND = Backend(
     why_unavailable=lambda site: None,  # any process group, any device, any format
     auto_rank=lambda site: 1,
 )
-"""Registered in `mxmoe.comm.transports.TRANSPORTS`: runs everywhere; "auto" takes it where symmetric
-memory cannot run."""
+"""Runs everywhere; "auto" takes it where symmetric memory cannot run."""
+TRANSPORTS.register(BACKEND)

@@ -10,11 +10,13 @@ between ranks surfaces as the process group's timeout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from mxmoe.comm.transport import Plan, check_transport, choices, group_rank_world
 
 BLOCK_SIZE = 32
 MX_DTYPES = (torch.bfloat16, torch.float32)
@@ -32,56 +34,6 @@ _DTYPE_CODES = [
     torch.float8_e5m2,
     torch.bool,
 ]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A checked exchange: this rank's place in the group and the row splits (Python ints)."""
-
-    rank: int
-    world: int
-    input_splits: tuple[int, ...]  # rows of x sent to each rank, in rank order
-    output_splits: tuple[int, ...]  # rows received from each rank, in rank order
-    row_shape: tuple[int, ...]  # x.shape[1:]
-    # Rows sent by all ranks together: known (and equal on every rank) after the shared check, or
-    # with one rank; None otherwise. Decisions every rank must take alike (the pipelined path or
-    # not) are made from it, never from this rank's own size.
-    global_rows: int | None = None
-
-    @property
-    def in_offsets(self) -> list[int]:
-        return offsets(self.input_splits)
-
-    @property
-    def out_offsets(self) -> list[int]:
-        return offsets(self.output_splits)
-
-    def reversed(self) -> Plan:
-        """The plan of the backward exchange: send back what was received."""
-        return Plan(
-            self.rank, self.world, self.output_splits, self.input_splits, self.row_shape, self.global_rows
-        )
-
-
-def offsets(splits) -> list[int]:
-    """Exclusive prefix sums: where each split starts."""
-    out, acc = [], 0
-    for n in splits:
-        out.append(acc)
-        acc += n
-    return out
-
-
-def group_rank_world(group) -> tuple[int, int]:
-    """(rank, world size) in `group`; (0, 1) when torch.distributed is not initialized."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise RuntimeError("group was given but torch.distributed is not initialized")
-        return 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group {group}")
-    return rank, dist.get_world_size(group)
 
 
 def normalize_splits(name: str, splits, world: int) -> tuple[int, ...]:
@@ -149,20 +101,6 @@ def check_chunks(chunks) -> int | None:
     return chunks
 
 
-def _transports() -> tuple[str, ...]:
-    """"auto" and the registered transports (`mxmoe.comm.transports`), in a fixed order."""
-    from mxmoe.comm.transports import choices
-
-    return choices()
-
-
-def check_transport(transport) -> str:
-    """`transport` of the MXFP8 all-to-alls: "auto" or a registered transport ("nccl", "symm", ...)."""
-    from mxmoe.comm.transports import check_transport as check
-
-    return check(transport)
-
-
 def _meta_device(group, x) -> torch.device:
     backend = str(dist.get_backend(group))
     if "nccl" in backend and torch.cuda.is_available():
@@ -214,7 +152,7 @@ def check_and_plan(
         for d in plan.row_shape:
             numel *= d
         code = _DTYPE_CODES.index(x.dtype) if x.dtype in _DTYPE_CODES else len(_DTYPE_CODES)
-        names = _transports()
+        names = choices()
         row = [0, code, numel, x.ndim, -1 if chunks is None else int(chunks), names.index(transport)]
         row += list(plan.input_splits) + list(plan.output_splits)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
@@ -252,7 +190,7 @@ def check_and_plan(
                 "on rank 0; all ranks must pass the same chunks"
             )
         if meta[r][5] != meta[0][5]:
-            names = _transports()
+            names = choices()
             raise ValueError(
                 f"{fn}: transport={names[meta[r][5]]!r} on rank {r} but {names[meta[0][5]]!r} "
                 "on rank 0; all ranks must pass the same transport"

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mxmoe.comm.kernels import dequantize_into
-from mxmoe.comm.splits import BLOCK_SIZE, offsets
+from mxmoe.comm.splits import BLOCK_SIZE
 from mxmoe.comm.symm_emulation import emulate_exchange
 from mxmoe.comm.symm_layout import (  # noqa: F401  (Layout .. items_of: importable from here too)
     ALIGN,
@@ -76,7 +76,7 @@ from mxmoe.comm.symm_layout import (  # noqa: F401  (Layout .. items_of: importa
     timeout_error,
 )
 from mxmoe.comm.symm_layout import SPEC as _SPEC
-from mxmoe.comm.transport import ExchangeSite, Transport
+from mxmoe.comm.transport import TRANSPORTS, ExchangeSite, Transport, load_transport, offsets
 from mxmoe.quant.backends import cast_fn, resolve_kernel, triton_interpret
 from mxmoe.registry import Backend
 
@@ -440,9 +440,7 @@ class SymmTransport(Transport):
         return symm_mx_exchange(x, plan.input_splits, plan.output_splits, plan.rank, ws, kernel, dequant)
 
     def exchange(self, x, plan, group):
-        from mxmoe.comm.nccl import TRANSPORT as PROCESS_GROUP
-
-        return PROCESS_GROUP.exchange(x, plan, group)
+        return load_transport("nccl").exchange(x, plan, group)
 
 
 _DEFAULT_FORMAT = (ELEM_DTYPE, BLOCK_SIZE, "rceil")
@@ -471,5 +469,5 @@ BACKEND = Backend(
     why_unavailable=_why_unavailable,
     auto_rank=lambda site: None if site.chunks else 0,  # `chunks` asks for the NCCL pipeline
 )
-"""Registered in `mxmoe.comm.transports.TRANSPORTS`: "auto" takes it wherever it can run, unless
-`chunks` asks for the NCCL pipeline."""
+""""auto" takes it wherever it can run, unless `chunks` asks for the NCCL pipeline."""
+TRANSPORTS.register(BACKEND)

@@ -1,11 +1,11 @@
 """Expert parallelism as a strategy applied from outside.
 
 Every MoE layer runs `mxmoe.models.routing.routed_experts` through the token dispatcher it holds
-(`MoE.dispatch`, the seam `mxmoe.comm.dispatch.TokenDispatcher`):
+(`MoE.dispatch`, the seam `mxmoe.token_dispatch.TokenDispatcher`):
   - `LocalExperts` (the default, `mxmoe.models.routing`): all E experts here;
   - `ExpertParallel(group)`, installed by `apply_expert_parallel(model, group)` (as torchtitan's
     ExpertParallel ParallelStyle): each rank of `group` keeps E / ep experts, and tokens travel to
-    them through the dispatcher of the transport chosen by name (`mxmoe.comm.transports`; "auto":
+    them through the dispatcher of the transport chosen by name (`mxmoe.comm.transport`; "auto":
     symmetric memory between GPUs of one host where it runs, else the process group). For MX
     experts (`MXGroupedExperts`) the rows go as MXFP8 in the experts' recipe (used by the first
     grouped GEMM without requantizing) and come back in high precision with an MXFP8 gradient;
@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from mxmoe.comm.dispatch import UNQUANTIZED, ExpertRows, expert_major_index
-from mxmoe.comm.transports import make_dispatcher
+from mxmoe.comm.a2a_dispatcher import expert_major_index, make_dispatcher
 from mxmoe.models.moe import MoE
 from mxmoe.models.routing import LocalExperts, expert_rows
+from mxmoe.token_dispatch import UNQUANTIZED, ExpertRows
 
 __all__ = ["ExpertParallel", "apply_expert_parallel", "expert_major_index"]
 

@@ -15,7 +15,7 @@ Load balancing (`load_balance`):
   - "none".
 Expert parallelism is applied from outside (`mxmoe.models.apply_expert_parallel(model, group)`):
 it installs a token dispatcher in each MoE layer (`MoE.dispatch`, the seam of
-`mxmoe.comm.dispatch`), after which the experts module holds only this rank's `num_experts // ep`
+`mxmoe.token_dispatch`), after which the experts module holds only this rank's `num_experts // ep`
 experts and tokens travel to them by all-to-all (mxmoe.models.expert_parallel). The MoE layer
 itself does not know how it is parallelized.
 """
@@ -271,7 +271,7 @@ class MoE(nn.Module):
             else None
         )
         self.dispatch = LocalExperts()
-        """The token dispatcher (`mxmoe.comm.dispatch.TokenDispatcher`): `LocalExperts` (all here)
+        """The token dispatcher (`mxmoe.token_dispatch.TokenDispatcher`): `LocalExperts` (all here)
         or an `ExpertParallel` installed by `apply_expert_parallel`."""
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,7 +1,7 @@
 """Token routing through the experts: what every MoE layer runs, whatever its parallelism.
 
 `routed_experts` hands the tokens, their top-k expert ids and gate weights to the layer's token
-dispatcher (the seam, `mxmoe.comm.dispatch.TokenDispatcher`), runs the experts on the rows it
+dispatcher (the seam, `mxmoe.token_dispatch.TokenDispatcher`), runs the experts on the rows it
 returns and combines their outputs back into the tokens. `LocalExperts` is the default dispatcher
 (all E experts here): no host sync anywhere, so the step compiles with fullgraph=True and can be
 captured in a CUDA graph (row counts are static: T * top_k). Expert parallelism installs another
@@ -14,7 +14,7 @@ import warnings
 
 from torch import Tensor, nn
 
-from mxmoe.comm.dispatch import (
+from mxmoe.token_dispatch import (
     UNQUANTIZED,
     ExpertRows,
     LocalDispatcher,
@@ -61,7 +61,7 @@ def routed_experts(
     if not hasattr(d, "dispatch"):  # a strategy of the old API: d(rows sorted by expert, counts, experts)
         warnings.warn(
             f"{type(d).__name__}: a dispatch strategy called as (rows, counts, experts) is the old API; "
-            "implement mxmoe.comm.dispatch.TokenDispatcher (dispatch / combine)",
+            "implement mxmoe.token_dispatch.TokenDispatcher (dispatch / combine)",
             DeprecationWarning,
             stacklevel=2,
         )

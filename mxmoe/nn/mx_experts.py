@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
-from mxmoe.comm.dispatch import RowsFromAnchor
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
 from mxmoe.ops import mx_grouped_swiglu_mlp
 from mxmoe.ops.gemm import autocast_input
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.quant.qdq import qdq
 from mxmoe.recipe import MXRecipe, as_recipe
+from mxmoe.token_dispatch import RowsFromAnchor
 
 
 class MXGroupedExperts(GroupedExperts):
@@ -67,17 +69,11 @@ class MXGroupedExperts(GroupedExperts):
 
     def _forward_bf16(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
         """expert_gemm="bf16" (class docstring): GroupedExperts.forward on Q(x)."""
-        recipe = self.recipe
-        if isinstance(x, MXTensor):
-            if x.ndim != 2 or x.axis != 1:
-                raise ValueError(f"x must be a 2D MXTensor blocked along dim (axis=1), got {x!r}")
-            rows = x.dequantize(recipe=recipe)  # exact: the rows' orig dtype holds Q(x)
-            if x.grad_anchor is not None:  # the dispatch sends this gradient back in high precision
-                rows = RowsFromAnchor.apply(x.grad_anchor, rows)
-            return super().forward(rows, num_tokens_per_expert)
-        x = autocast_input(x)  # rounded in the dtype the EP dispatch sends (the autocast dtype)
-        y = super().forward(_RoundRows.apply(x, recipe), num_tokens_per_expert)
-        return _RoundGrad.apply(y, recipe)
+        if isinstance(x, Tensor):
+            x = autocast_input(x)  # rounded in the dtype the EP dispatch sends (the autocast dtype)
+        return run_on_mx_rounded_rows(
+            x, self.recipe, lambda rows: GroupedExperts.forward(self, rows, num_tokens_per_expert)
+        )
 
     def extra_repr(self) -> str:
         c = self.recipe
@@ -86,6 +82,33 @@ class MXGroupedExperts(GroupedExperts):
             f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
             f"mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}{gemm}"
         )
+
+
+def run_on_mx_rounded_rows(
+    x: Tensor | MXTensor,
+    recipe: MXRecipe,
+    run: Callable[[Tensor], Tensor],
+    *,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """The experts' `expert_gemm="bf16"` path (the exchange only), shared by `MXGroupedExperts` and
+    the torchtitan adapters: `run` (rows (T, D) -> (T, D'), the experts' own high-precision GEMMs)
+    on the rows rounded to MX once, Q(x) along D with `recipe`.
+
+    x: (T, D) rows grouped by expert, a Tensor (rounded here, and so is the gradient of `run`'s
+    output, as the MXFP8 exchange would: the same numbers at every EP degree) or a 2D MXTensor
+    blocked along D (the MXFP8 dispatch's rows: Q(x) already, dequantized exactly; its gradient goes
+    to `x.grad_anchor`). dtype: the rows' dtype for `run` (None: the MXTensor's orig dtype, the
+    Tensor's own). Returns `run`'s output (its dtype)."""
+    if isinstance(x, MXTensor):
+        if x.ndim != 2 or x.axis != 1:
+            raise ValueError(f"x must be a 2D MXTensor blocked along dim (axis=1), got {x!r}")
+        rows = x.dequantize(dtype, recipe=recipe)  # exact: Q(x) in every float dtype
+        if x.grad_anchor is not None:  # the dispatch sends this gradient back in high precision
+            rows = RowsFromAnchor.apply(x.grad_anchor, rows)
+        return run(rows)
+    rows = x if dtype is None else x.to(dtype)
+    return _RoundGrad.apply(run(_RoundRows.apply(rows, recipe)), recipe)
 
 
 class _RoundRows(torch.autograd.Function):

@@ -173,7 +173,7 @@ def compile_submodules(model: Transformer, backend: str = "inductor") -> None:
     implementations), combine and shared expert in one graph, so the high-precision and the MX
     model get the same treatment. Without expert parallelism it has no host sync (the expert rows
     are always T * top_k, the per-expert counts stay on the device). With it, the exchange's
-    collectives are custom ops too (`mxmoe.comm.ops`): their split sizes stay tensors in the graph
+    collectives are custom ops too (`mxmoe.comm.custom_ops`): their split sizes stay tensors in the graph
     and are read on the host inside the ops, so the layer still compiles as one graph.
     """
     for blk in model.layers:

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mxmoe.comm.dispatch import describe_exchange
 from mxmoe.models import GraphedStep
 from mxmoe.models.moe import MoE
 from mxmoe.models.routing import expert_rows
+from mxmoe.token_dispatch import describe_exchange
 from mxmoe.train import determinism, parallel, profiling
 from mxmoe.train.build import (  # noqa: F401  (build_model_args .. mx_convert: still importable from here)
     Run,

@@ -367,7 +367,7 @@ def test_auto_pipeline_decision_is_the_same_on_every_rank():
     """Auto chooses the pipelined path from the group-wide row count of the checked plan, so ranks
     with very different local sizes (uneven MoE routing) never take different paths and hang."""
     from mxmoe.comm.a2a import PIPELINE_MIN_ELEMS, _use_pipeline
-    from mxmoe.comm.splits import Plan
+    from mxmoe.comm.transport import Plan
 
     dim = 4096
     big = PIPELINE_MIN_ELEMS // dim  # rows that alone cross the threshold

@@ -30,7 +30,7 @@ from transports_for_tests import (
 
 import mxmoe
 from mxmoe.comm import to_mxfp8_a2a_dequant
-from mxmoe.comm.dispatch import AllToAllDispatcher
+from mxmoe.comm.a2a_dispatcher import AllToAllDispatcher
 from mxmoe.models import Transformer, apply_expert_parallel, model_args
 from mxmoe.recipe import recipe
 
@@ -139,7 +139,7 @@ def test_a_run_log_says_what_the_exchange_sends():
     """`describe_exchange`: the line the trainer and both torchtitan adapters log under expert
     parallelism names the ranks, the transport and what crosses the wire for the experts' recipe;
     a dispatcher without `describe` (a token-level transport's) is named by its type."""
-    from mxmoe.comm.dispatch import UNQUANTIZED, ExpertRows, describe_exchange
+    from mxmoe.token_dispatch import UNQUANTIZED, ExpertRows, describe_exchange
 
     mx = ExpertRows(recipe("mxfp8_rceil"))
     line = describe_exchange(AllToAllDispatcher(None, transport="nccl"), mx)

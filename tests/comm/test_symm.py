@@ -15,8 +15,8 @@ from conftest import JobResult, assert_sm90_check
 from test_comm_a2a import assert_same_bits, make_rows, split_matrix
 
 from mxmoe.comm import symm
-from mxmoe.comm.splits import offsets
 from mxmoe.comm.symm import Layout, halves_bytes, symm_mx_exchange, tiles
+from mxmoe.comm.transport import offsets
 from mxmoe.quant import custom_ops
 
 

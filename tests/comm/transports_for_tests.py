@@ -25,11 +25,11 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from mxmoe.comm import TRANSPORTS
-from mxmoe.comm.dispatch import UNQUANTIZED
 from mxmoe.comm.mx_rows import _dequantize, _quantize
 from mxmoe.comm.nccl import TRANSPORT as PROCESS_GROUP
 from mxmoe.comm.transport import Transport
 from mxmoe.registry import Backend
+from mxmoe.token_dispatch import UNQUANTIZED
 
 
 class RoundedBF16Transport(Transport):

@@ -15,7 +15,7 @@ Importing this package picks the adapter of the installed torchtitan and exports
   --config deepseek_v3_debugmodel_mxmoe`).
 
 Both adapters are built on the shared core (`common`: version floors, MXOptions -> one
-`mxmoe.MXRecipe`, the tensor-parallel refusal) and on mxmoe's dispatch seam (`mxmoe.comm.dispatch`):
+`mxmoe.MXRecipe`, the tensor-parallel refusal) and on mxmoe's dispatch seam (`mxmoe.token_dispatch`):
 a next version's adapter is a `v0_N/` package beside them, selected below.
 """
 

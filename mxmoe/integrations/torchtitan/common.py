@@ -1,7 +1,7 @@
 """The core mxmoe's torchtitan adapters (`v0_2`, `v0_3`) share, whatever the torchtitan version: the
 version floors, the MX options (`mxmoe.MXOptions`, torchtitan's spellings) -> one `MXRecipe`, and
 the tensor-parallel refusal. A new adapter (`v0_4/`) builds on these and on mxmoe's dispatch seam
-(`mxmoe.comm.dispatch`), as the two existing ones do.
+(`mxmoe.token_dispatch`), as the two existing ones do.
 
 This module imports neither torchtitan nor anything that does, so the version checks can run
 before a torchtitan module is imported.

@@ -3,7 +3,7 @@
 `--job.custom_config_module mxmoe.integrations.torchtitan --model.converters mxmoe` (or `mx`) with
 the options (`mxmoe.MXOptions`) in an `[mx]` section or as `--mx.*` flags: `converter`. Expert
 parallelism through mxmoe's exchange: `expert_parallel`. Built on the shared core
-(`mxmoe.integrations.torchtitan.common`) and mxmoe's dispatch seam (`mxmoe.comm.dispatch`).
+(`mxmoe.integrations.torchtitan.common`) and mxmoe's dispatch seam (`mxmoe.token_dispatch`).
 """
 
 from mxmoe.integrations.torchtitan.v0_2.converter import MX, JobConfig, MXGroupedExperts, MXMoEConverter

@@ -38,23 +38,15 @@ parallelism.tensor_parallel_degree).
 # leave unresolvable outside this module.
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch import nn
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 from torchtitan.tools.logging import logger
 
 import mxmoe
-from mxmoe.comm.dispatch import ExpertRows, RowsFromAnchor
 from mxmoe.integrations.torchtitan.common import tensor_parallel_error
-from mxmoe.nn.experts import grouped_mm
-from mxmoe.nn.mx_experts import _RoundGrad, _RoundRows
-from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared
+from mxmoe.integrations.torchtitan.v0_2.experts import MXGroupedExperts
 from mxmoe.options import MXOptions
-from mxmoe.quant.mx_tensor import MXTensor
-from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 
 MX = MXOptions
 """The `[mx]` section of the job config (`--mx.<option>` on the command line): mxmoe's one option set."""
@@ -65,62 +57,6 @@ class JobConfig:
     """What `--job.custom_config_module mxmoe.integrations.torchtitan` adds to torchtitan's JobConfig."""
 
     mx: MXOptions = field(default_factory=MXOptions)
-
-
-def _local(t: Tensor) -> Tensor:
-    # Expert- / data-parallel shards reach the GEMMs as local tensors (as torchtitan's experts).
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class MXGroupedExperts(GroupedExperts):
-    """torchtitan 0.2's `GroupedExperts` with its grouped GEMMs on MX operands (`mx_grouped_mm`).
-
-    forward(x, num_tokens_per_expert (E,) counts, float or int) -> (T, dim): x is (T, dim) tokens
-    grouped by expert (out: x's dtype), or a 2D MXTensor blocked along dim (the MXFP8 exchange's
-    rows, bf16 origin; out: bf16). silu(x @ w1[e].T) * (x @ w3[e].T) @ w2[e].T for the rows of
-    expert e, computed in bf16 as torchtitan's `_run_experts_grouped_mm` (x and weights cast to
-    bf16): every GEMM through `mx_grouped_mm` (w1 and w3 sharing one cast of x); with the recipe's
-    `expert_gemm = "bf16"`, bf16 grouped GEMMs on the rows rounded to MX once (an MXTensor's rows
-    dequantized: they are rounded already; a tensor's rounded here, and its output's gradient too,
-    as the MXFP8 exchange would). Rows after the last group give zeros. Made by `MXMoEConverter`
-    (a class swap: same parameters), which also sets `recipe`, `mxfp8_a2a` and `a2a_transport`.
-    """
-
-    recipe: MXRecipe = DEFAULT_RECIPE
-    mxfp8_a2a: bool = True
-    a2a_transport: str = "auto"
-
-    def forward(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:
-        w1, w2, w3 = (_local(w).bfloat16().transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
-        offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        r = self.recipe
-        if r.expert_gemm == "bf16":
-            if isinstance(x, MXTensor):
-                rows = x.dequantize(torch.bfloat16, recipe=r)  # exact: the rows are MX-rounded
-                if x.grad_anchor is not None:  # the exchange sends this gradient back
-                    rows = RowsFromAnchor.apply(x.grad_anchor, rows)
-                return _swiglu_bf16(rows, w1, w3, w2, offs)
-            out = _swiglu_bf16(_RoundRows.apply(x.bfloat16(), r), w1, w3, w2, offs)
-            return _RoundGrad.apply(out, r).type_as(x)
-        xb = x if isinstance(x, MXTensor) else x.bfloat16()
-        g, u = mx_grouped_mm_shared(xb, (w1, w3), offs, r)
-        out = mx_grouped_mm(F.silu(g) * u, w2, offs, r)
-        return out if isinstance(x, MXTensor) else out.type_as(x)
-
-    def expert_rows(self) -> ExpertRows:
-        """What these experts take from mxmoe's exchange: MX rows in their recipe, as an MXTensor."""
-        return ExpertRows(self.recipe)
-
-    def extra_repr(self) -> str:
-        c = self.recipe
-        gemm = ", expert_gemm=bf16" if c.expert_gemm == "bf16" else ""
-        return f"num_experts={self.num_experts}, mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}{gemm}"
-
-
-def _swiglu_bf16(x: Tensor, w1_t: Tensor, w3_t: Tensor, w2_t: Tensor, offs: Tensor) -> Tensor:
-    """torchtitan's SwiGLU experts in bf16: x (T, dim) bf16 grouped by expert, w*_t (E, K, N) bf16."""
-    h = F.silu(grouped_mm(x, w1_t, offs)) * grouped_mm(x, w3_t, offs)
-    return grouped_mm(h, w2_t, offs)
 
 
 class MXMoEConverter:

@@ -8,7 +8,7 @@ outputs in bf16. 0.2 offers no slot a converter can fill (its `expert_parallel_c
 "standard" or "deepep", chosen by name in that function). So `install()` makes that function build
 `MXExpertParallel` instead: torchtitan's `ExpertParallel` unchanged for every experts module mxmoe
 did not convert, while for mxmoe's `MXGroupedExperts` its hooks go through mxmoe's seam at the rows
-stage (`mxmoe.comm.dispatch.AllToAllDispatcher.exchange_rows` / `return_rows`: torchtitan 0.2's MoE
+stage (`mxmoe.comm.a2a_dispatcher.AllToAllDispatcher.exchange_rows` / `return_rows`: torchtitan 0.2's MoE
 layer routes and sorts the tokens itself, and combines them after): the rows cross as MXFP8 in the
 experts' recipe (the dispatch, and the combine's gradient; bf16 with `mxfp8_a2a = false`) on the
 transport `a2a_transport` names, and reach the experts as MX data. The parameters are sharded as
@@ -26,8 +26,9 @@ from torch.distributed.tensor import DeviceMesh
 from torchtitan.distributed.expert_parallel import ExpertParallel
 from torchtitan.tools.logging import logger
 
-from mxmoe.comm.dispatch import describe_exchange
-from mxmoe.comm.transports import make_dispatcher
+from mxmoe.comm.a2a_dispatcher import make_dispatcher
+from mxmoe.integrations.torchtitan.v0_2.experts import MXGroupedExperts
+from mxmoe.token_dispatch import describe_exchange
 
 TORCHTITAN_EXPERT_PARALLEL = ExpertParallel
 """torchtitan's own style (what `apply_moe_ep_tp` builds without mxmoe)."""
@@ -43,8 +44,6 @@ class MXExpertParallel(ExpertParallel):
         """mxmoe's dispatcher for `mod` (None: not mxmoe's experts), made once, outside any compiled
         code (torchtitan 0.2 leaves the experts module out of its compiled regions)."""
         if not hasattr(self, "_mx_dispatcher"):
-            from mxmoe.integrations.torchtitan.v0_2.converter import MXGroupedExperts
-
             d = None
             if isinstance(mod, MXGroupedExperts):
                 d = make_dispatcher(device_mesh.get_group(), transport=mod.a2a_transport, mxfp8=mod.mxfp8_a2a)
@@ -99,7 +98,7 @@ def install() -> None:
 
     import torch
 
-    from mxmoe.comm import ops  # noqa: F401  (registers torch.ops.mxmoe.a2a_*)
+    from mxmoe.comm import custom_ops  # noqa: F401  (registers torch.ops.mxmoe.a2a_*)
 
     global _LOGGED
     _LOGGED = False  # the model being converted logs its exchange once

@@ -6,7 +6,7 @@ Model-config converters (`converters`: `MXMoEConverter` = `MXConverter`, one opt
 command-line overrides (`overrides`: `--override.imports mxmoe.integrations.torchtitan.mxmoe`) and
 config functions (`config_registry`: `--module mxmoe.integrations.torchtitan --config
 deepseek_v3_debugmodel_mxmoe`). Built on the shared core (`mxmoe.integrations.torchtitan.common`)
-and mxmoe's dispatch seam (`mxmoe.comm.dispatch`).
+and mxmoe's dispatch seam (`mxmoe.token_dispatch`).
 """
 
 from mxmoe.integrations.torchtitan.v0_3.converters import (

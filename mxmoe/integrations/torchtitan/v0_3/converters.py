@@ -20,7 +20,7 @@ on CPU, and take token groups of any size.
 from __future__ import annotations
 
 import logging
-from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -31,37 +31,17 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model import ModelConfigConverter
 
-from mxmoe.comm.dispatch import ExpertRows, RowsFromAnchor
-from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, mx_recipe, options_of, tensor_parallel_error
+from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, options_of, tensor_parallel_error
+from mxmoe.integrations.torchtitan.v0_3.dispatcher import convert_dispatchers, link_mx_rows
+from mxmoe.integrations.torchtitan.v0_3.fields import RecipeFields, recipe_of
 from mxmoe.nn.converter import ConversionReport
-from mxmoe.nn.mx_experts import _RoundGrad, _RoundRows
+from mxmoe.nn.mx_experts import run_on_mx_rounded_rows
 from mxmoe.ops import mx_grouped_mm, mx_mm
 from mxmoe.options import MXOptions
 from mxmoe.quant.mx_tensor import MXTensor
-from mxmoe.recipe import MXRecipe
+from mxmoe.token_dispatch import ExpertRows
 
 log = logging.getLogger("mxmoe")
-
-
-def options_fields(name: str, names: tuple[str, ...]) -> type:
-    """A keyword-only dataclass with `mxmoe.MXOptions`' fields `names` (same types and defaults):
-    the options a torchtitan Config inherits, read from the one option set, never re-listed."""
-    spec = []
-    for f in fields(MXOptions):
-        if f.name in names:
-            has_default = f.default is not MISSING
-            default = {"default": f.default} if has_default else {"default_factory": f.default_factory}
-            spec.append((f.name, f.type, field(kw_only=True, **default)))
-    return make_dataclass(name, spec, kw_only=True)
-
-
-RecipeFields = options_fields("RecipeFields", RECIPE_FIELDS)
-"""The recipe's fields of MXOptions: what a swapped module's Config carries."""
-
-
-def recipe_of(config) -> MXRecipe:
-    """The MXRecipe of a swapped module's (or converter's) Config; ValueError naming a bad field."""
-    return mx_recipe(**{name: getattr(config, name) for name in RECIPE_FIELDS})
 
 
 def _refuse_tensor_parallel(module: torch.nn.Module, parallel_dims) -> None:
@@ -161,11 +141,11 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
             if r.expert_gemm == "bf16":
                 # the exchange only: the parent's bf16 GEMMs on MX-rounded rows; rows that did not
                 # cross the MXFP8 exchange are rounded here, and their output's gradient too
-                if isinstance(x_RD, MXTensor):
-                    rows = RowsFromAnchor.apply(x_RD.grad_anchor, x_RD.dequantize(torch.bfloat16, recipe=r))
-                    return super().forward(rows, num_tokens_per_expert_E)
-                out = super().forward(_RoundRows.apply(x_RD.bfloat16(), r), num_tokens_per_expert_E)
-                return _RoundGrad.apply(out, r).type_as(x_RD)
+                parent_forward = super().forward
+                out = run_on_mx_rounded_rows(
+                    x_RD, r, lambda rows: parent_forward(rows, num_tokens_per_expert_E), dtype=torch.bfloat16
+                )
+                return out if isinstance(x_RD, MXTensor) else out.type_as(x_RD)
             if not isinstance(x_RD, MXTensor):  # the parent's own forward, with the MX `_grouped_mm`
                 return super().forward(x_RD, num_tokens_per_expert_E)
             # MXFP8 rows from the dispatcher (bf16 origin; only where accepts_mx_rows: torchtitan's
@@ -233,8 +213,6 @@ def convert_linears(model_config, options: MXOptions, report: ConversionReport, 
 def convert_experts(model_config, options: MXOptions, report: ConversionReport):
     """Every `GroupedExperts.Config` of `model_config` not filtered -> its MX subclass, recorded in
     `report`; the token dispatchers next to them learn whether they take MX rows. Returns the config."""
-    from mxmoe.integrations.torchtitan.v0_3.dispatcher import link_mx_rows
-
     bs = report.recipe.block_size
     for fqn, exp, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
         base_cls = type(exp)._owner
@@ -274,8 +252,6 @@ class MXMoEConverter(ModelConfigConverter):
         self.recipe = self.options.to_recipe()  # bad options fail now, not at build time
 
     def convert(self, model_config):
-        from mxmoe.integrations.torchtitan.v0_3.dispatcher import convert_dispatchers
-
         opts, report = self.options, ConversionReport(self.recipe)
         if opts.convert_linears:
             model_config = convert_linears(model_config, opts, report)

@@ -1,5 +1,5 @@
 """A torchtitan 0.3 token dispatcher whose expert-parallel exchange is mxmoe's (the dispatch seam,
-`mxmoe.comm.dispatch`).
+`mxmoe.token_dispatch`).
 
 `MXFP8AllToAllTokenDispatcher` is torchtitan's `AllToAllTokenDispatcher` whose exchange goes
 through mxmoe's seam at the rows stage: torchtitan's local reorder (tokens sorted by expert) and its
@@ -16,7 +16,7 @@ received rows in local-expert order:
 
 With `mxfp8_a2a = false` both go in the rows' dtype. This is the split mxmoe's own expert
 parallelism and its torchtitan 0.2 adapter use: what crosses the wire in MXFP8 is what the MX expert
-GEMMs quantize along the same axis anyway. The collectives are custom ops (`mxmoe.comm.ops`):
+GEMMs quantize along the same axis anyway. The collectives are custom ops (`mxmoe.comm.custom_ops`):
 torchtitan's `--compile.enable` (each block compiled with fullgraph=True) traces through them. With
 EP = 1 there is no exchange and it dispatches locally, as torchtitan's. It is swapped in the way
 torchtitan swaps its own dispatchers: a `Config` in the tree's `RoutedExperts.token_dispatcher` slot
@@ -37,12 +37,13 @@ from torchtitan.models.common.token_dispatcher import (
 )
 from torchtitan.protocols.model import ModelConfigConverter
 
-from mxmoe.comm.dispatch import ExchangeHandle, ExpertRows, describe_exchange
-from mxmoe.comm.transports import check_transport, make_dispatcher
+from mxmoe.comm.a2a_dispatcher import ExchangeHandle, make_dispatcher
+from mxmoe.comm.transport import check_transport
 from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, options_of, same_format
-from mxmoe.integrations.torchtitan.v0_3.converters import options_fields, recipe_of
+from mxmoe.integrations.torchtitan.v0_3.fields import options_fields, recipe_of
 from mxmoe.nn.converter import ConversionReport
 from mxmoe.options import MXOptions
+from mxmoe.token_dispatch import ExpertRows, describe_exchange
 
 log = logging.getLogger("mxmoe")
 _LOGGED = False

@@ -1,154 +1,47 @@
-"""The dispatch seam of a MoE layer: tokens, their top-k expert ids and gate scores in; rows grouped
-by expert and per-expert counts out, for the experts; a combine back to the tokens.
+"""Expert parallelism's token dispatcher (`AllToAllDispatcher`, the seam
+`mxmoe.token_dispatch.TokenDispatcher`) over a process group: rows travel by all-to-all on a row
+transport chosen by name (`mxmoe.comm.transport.TRANSPORTS`: "symm", "nccl", ...). The dispatched
+rows go as MXFP8 in the experts' recipe when the experts take MX rows (`ExpertRows.recipe`) and the
+MXFP8 exchange is on, and come back in the rows' dtype with an MXFP8 gradient; otherwise both ways
+in the rows' dtype. The collectives are custom ops (`mxmoe.comm.custom_ops`): a compiled MoE layer
+traces through them without a graph break. `make_dispatcher` builds the dispatcher of an
+expert-parallel group from the transport's name (a token-level transport brings its own).
 
-    rows, counts, handle = dispatcher.dispatch(x, idx, scores, num_experts=E, rows_as=ExpertRows(...))
-    y = experts(rows, counts)
-    out = dispatcher.combine(y, handle)
-
-x (T, D) tokens; idx (T, k) int64 global expert ids; scores (T, k) gate weights (fp32). rows
-(R, D) grouped by the experts held here (all E, or this rank's E / ep), a Tensor or, for MX experts
-that take them, an `MXTensor`; counts (E_here,) int64 rows per expert; y (R, D) the experts'
-outputs; out (T, D) in x's dtype: sum_j scores[t, j] * expert_{idx[t, j]}(x[t]).
-
-Every implementation of `TokenDispatcher` serves every MoE layer: mxmoe's own (`mxmoe.models`),
-and the exchanges of the torchtitan adapters (which keep their framework's own token ordering and
-combine and enter at the rows stage, `AllToAllDispatcher.exchange_rows` / `return_rows`):
-
-- `LocalDispatcher`: every expert here (one process, or FSDP only). No host sync, no collective.
-- `AllToAllDispatcher`: expert parallelism over a process group; rows travel by all-to-all on a row
-  transport chosen by name (`mxmoe.comm.transports`: "symm", "nccl", ...). The dispatched rows go
-  as MXFP8 in the experts' recipe when the experts take MX rows (`ExpertRows.recipe`) and the
-  MXFP8 exchange is on, and come back in the rows' dtype with an MXFP8 gradient; otherwise both
-  ways in the rows' dtype. The collectives are custom ops (`mxmoe.comm.ops`): a compiled MoE layer
-  traces through them without a graph break.
-- a token-level transport (DeepEP's kind) returns its own from `Transport.dispatcher`.
-
-Deterministic by construction (no accumulation whose order varies, forward or backward): rows move
-by permutation gathers (whose backward adds one row into each zero row) and each token's k rows are
-summed by a reduction over j in a fixed order, in fp32.
+Before its first exchange (and again whenever a rank's D, dtype or expert count changes), the
+dispatcher's ranks agree on them with one small all_gather: a rank whose inputs are bad, or that
+disagrees with its peers, makes every rank raise an error naming it and the mismatch, before any
+split size is exchanged (the process group's timeout bounds the wait).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mxmoe.comm import ops
-from mxmoe.comm.transports import check_transport, group_name
+from mxmoe.comm import custom_ops as ops
+from mxmoe.comm.splits import check_chunks
+from mxmoe.comm.transport import (
+    AUTO,
+    ExchangeSite,
+    check_transport,
+    group_name,
+    load_transport,
+    resolve_transport,
+)
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, mx_tensor_trusted
 from mxmoe.recipe import MXRecipe
-
-
-@dataclass(frozen=True)
-class ExpertRows:
-    """What a MoE layer's experts take from a dispatch: rows in their own dtype (`recipe` None), or
-    rows quantized with `recipe` (the MX experts' own), handed over as an `MXTensor` (`as_mx`: the
-    experts' GEMMs use them without a cast) or dequantized. With expert parallelism and the MXFP8
-    exchange on, MX rows cross the wire quantized, and so does the gradient of the experts' output."""
-
-    recipe: MXRecipe | None = None
-    as_mx: bool = True
-
-
-UNQUANTIZED = ExpertRows()
-"""Rows in their own dtype (high-precision experts)."""
-
-
-class TokenDispatcher(Protocol):
-    """The seam (module docstring)."""
-
-    def dispatch(
-        self, x: Tensor, idx: Tensor, scores: Tensor, *, num_experts: int, rows_as: ExpertRows = UNQUANTIZED
-    ) -> tuple[Tensor | MXTensor, Tensor, Any]:
-        """x (T, D), idx (T, k) int64, scores (T, k) -> (rows (R, D) grouped by the experts held here,
-        counts (E_here,) int64, handle for `combine`)."""
-        ...
-
-    def combine(self, y: Tensor, handle: Any) -> Tensor:
-        """y (R, D) the experts' outputs, in the dispatched rows' order -> (T, D) in x's dtype."""
-        ...
-
-
-def describe_exchange(dispatcher: TokenDispatcher, rows_as: ExpertRows = UNQUANTIZED) -> str:
-    """One line for a run's log: what `dispatcher` sends for experts that take `rows_as` (its own
-    `describe` where it has one, as mxmoe's all-to-all does; else its type)."""
-    describe = getattr(dispatcher, "describe", None)
-    if callable(describe):
-        return describe(rows_as)
-    return f"expert parallelism through {type(dispatcher).__name__}"
-
-
-# --------------------------------------------------------------------------------------------
-# Local ordering and combine (every expert here; also the token side of expert parallelism)
-# --------------------------------------------------------------------------------------------
-
-
-def expert_counts(idx: Tensor, num_experts: int) -> Tensor:
-    """idx (...) int64 expert ids in [0, num_experts) -> (num_experts,) int64 counts. A scatter-add
-    with a static output size: no host sync (torch.bincount syncs on CUDA), compiles fullgraph."""
-    flat = idx.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=idx.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
-
-
-@dataclass
-class LocalHandle:
-    """What `combine` needs of a local ordering: where each assignment's row went, the scores."""
-
-    inverse: Tensor
-    """(T*k,) int64: sorted row of assignment a = t * k + j."""
-    scores: Tensor
-    """(T, k) gate weights."""
-    dtype: torch.dtype
-    """The tokens' dtype (the combine's output dtype)."""
-
-
-def sort_by_expert(x: Tensor, idx: Tensor, scores: Tensor, num_experts: int):
-    """x (T, D), idx (T, k) int64 -> (rows (T*k, D) grouped by expert, counts (E,) int64,
-    LocalHandle). No host sync."""
-    T, D = x.shape
-    k = idx.shape[1]
-    flat = idx.reshape(-1)  # assignment a = t * k + j
-    perm = torch.argsort(flat, stable=True)  # (T*k,) assignment order grouped by expert
-    # A gather by token (backward: index_add of k rows per token) and an index_add combine would
-    # add in the order the GPU's atomics land; permutation gathers add one row into each zero row.
-    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-    counts = expert_counts(flat, num_experts)
-    x_rep = x.unsqueeze(1).expand(T, k, D).reshape(T * k, D)  # row a = x[a // k]
-    return x_rep.index_select(0, perm), counts, LocalHandle(inv, scores, x.dtype)
-
-
-def weighted_sum(y: Tensor, h: LocalHandle) -> Tensor:
-    """y (T*k, D) rows grouped by expert -> (T, D) in the tokens' dtype: each token's k rows, scaled
-    by their gate weights and summed over j in fp32 (a fixed order: the same bits every run; for
-    k = 2 the same bits as any order)."""
-    T, k = h.scores.shape
-    y = y.index_select(0, h.inverse).view(T, k, y.shape[-1]).float()  # back to assignment order
-    return (y * h.scores.unsqueeze(-1)).sum(1).to(h.dtype)
-
-
-class LocalDispatcher:
-    """Every expert here (`TokenDispatcher`): the rows sorted by expert, no collective, no host sync
-    (the step compiles with fullgraph=True and captures in a CUDA graph: T * k rows, static)."""
-
-    def dispatch(self, x, idx, scores, *, num_experts, rows_as=UNQUANTIZED):
-        return sort_by_expert(x, idx, scores, num_experts)
-
-    def combine(self, y, handle):
-        return weighted_sum(y, handle)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-# --------------------------------------------------------------------------------------------
-# Expert parallelism: rows by all-to-all
-# --------------------------------------------------------------------------------------------
+from mxmoe.token_dispatch import (
+    UNQUANTIZED,
+    ExpertRows,
+    LocalHandle,
+    RowsFromAnchor,
+    check_dispatch_args,
+    sort_by_expert,
+    weighted_sum,
+)
 
 
 def expert_major_index(recv_counts: Tensor, n: int | None = None) -> Tensor:
@@ -252,26 +145,12 @@ class _CombineMX(torch.autograd.Function):
         return (g,) + (None,) * 10
 
 
-class RowsFromAnchor(torch.autograd.Function):
-    """`rows` (an MXTensor's dequantized value, e.g. the MXFP8 dispatch's) as a function of its grad
-    anchor, identity gradient: `RowsFromAnchor.apply(anchor, rows)` sends the rows' gradient back
-    through the dispatch in its own dtype."""
-
-    @staticmethod
-    def forward(ctx, anchor: Tensor, rows: Tensor) -> Tensor:
-        return rows
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
-
-
 class AllToAllDispatcher:
     """Expert parallelism over `group` (`TokenDispatcher`): rank r of the group holds experts
     [r E/ep, (r+1) E/ep); rows travel by all-to-all on a row transport (module docstring).
 
     group: the expert-parallel process group. transport: "auto" or a registered row transport
-    (`mxmoe.comm.transports.TRANSPORTS`), the same on every rank. mxfp8: send MX experts' rows (and
+    (`mxmoe.comm.transport.TRANSPORTS`), the same on every rank. mxfp8: send MX experts' rows (and
     the combine's gradient) as MXFP8; False sends them in the rows' dtype. chunks: the NCCL
     pipeline's pieces (`mxmoe.comm.to_mxfp8_a2a_dequant`).
 
@@ -282,8 +161,6 @@ class AllToAllDispatcher:
     """
 
     def __init__(self, group, *, transport: str = "auto", mxfp8: bool = True, chunks: int | None = None):
-        from mxmoe.comm.splits import check_chunks
-
         self.group = group
         self.group_name = group_name(group)
         initialized = dist.is_available() and dist.is_initialized()
@@ -294,6 +171,7 @@ class AllToAllDispatcher:
         if not isinstance(mxfp8, bool):
             raise TypeError(f"mxfp8={mxfp8!r}: expected a bool")
         self.mxfp8 = mxfp8
+        self._agreed: tuple | None = None
 
     def describe(self, rows_as: ExpertRows = UNQUANTIZED) -> str:
         """One line for a run's log: what crosses the wire for experts that take `rows_as`."""
@@ -313,12 +191,45 @@ class AllToAllDispatcher:
         return f"expert parallelism over {ranks}, transport {self.transport!r}: {what}"
 
     def dispatch(self, x, idx, scores, *, num_experts, rows_as=UNQUANTIZED):
+        where = f"{type(self).__name__}.dispatch"
+        if torch.compiler.is_compiling():  # traced: the checks on metadata only (no collective)
+            check_dispatch_args(x, idx, scores, num_experts, rows_as, where=where, check_ids=False)
+        else:
+            self._check_and_agree(x, idx, scores, num_experts, rows_as, where)
         rows, counts, local = sort_by_expert(x, idx, scores, num_experts)
         out, local_counts, xh = self.exchange_rows(rows, counts, rows_as=rows_as)
         return out, local_counts, AllToAllHandle(local, xh)
 
     def combine(self, y, handle):
         return weighted_sum(self.return_rows(y, handle.exchange), handle.local)
+
+    def _check_and_agree(self, x, idx, scores, num_experts, rows_as: ExpertRows, where: str) -> None:
+        """The seam's checks on this rank; then, before the first exchange and whenever this rank's
+        (D, dtype, num_experts, MX rows) change, one all_gather shares every rank's outcome and
+        those values, so that a bad rank or a mismatch raises on every rank, naming the rank."""
+        err: Exception | None = None
+        first = self._agreed is None
+        try:  # the ids' range: at the first exchange on any device (one sync), later where it is free
+            check_dispatch_args(
+                x, idx, scores, num_experts, rows_as, where=where, check_ids=True if first else None
+            )
+            if num_experts % self.ep_size:
+                raise ValueError(
+                    f"{where}: num_experts={num_experts} is not divisible by the expert-parallel degree "
+                    f"{self.ep_size}"
+                )
+        except (TypeError, ValueError) as e:
+            err = e
+        if self.ep_size == 1 or (err is not None and not first):
+            # After the agreement a bad call raises here; its peers wait in the exchange until the
+            # process group's timeout (a shared check per call would cost a collective each step).
+            if err is not None:
+                raise type(err)(f"rank {self.ep_rank}: {err}") from err
+            return
+        sig = None if err is not None else _signature(x, num_experts, rows_as, self.mxfp8)
+        if sig == self._agreed:
+            return
+        self._agreed = agree_across_ranks(self.group, self.ep_rank, self.ep_size, sig, err)
 
     def exchange_rows(
         self, rows: Tensor, counts: Tensor, *, rows_as: ExpertRows = UNQUANTIZED
@@ -373,3 +284,82 @@ class AllToAllDispatcher:
             f"{type(self).__name__}(ep={self.ep_size}, rank={self.ep_rank}, transport={self.transport!r}, "
             f"mxfp8={self.mxfp8})"
         )
+
+
+# --------------------------------------------------------------------------------------------
+# The ranks' agreement before the first exchange
+# --------------------------------------------------------------------------------------------
+
+_AGREED_FIELDS = (
+    "D (x.shape[1])", "x's dtype", "num_experts", "the MX rows' block size (0: rows unquantized)"
+)
+_DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
+
+
+def _signature(x: Tensor, num_experts: int, rows_as: ExpertRows, mxfp8: bool) -> tuple[int, int, int, int]:
+    """What every rank of an exchange must share: (D, dtype code, num_experts, MX block size or 0)."""
+    code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
+    r = rows_as.recipe if mxfp8 else None
+    return (x.shape[1], code, num_experts, 0 if r is None else r.block_size)
+
+
+def _field_value(i: int, v: int) -> str:
+    if i == 1:
+        return str(_DTYPES[v]) if v < len(_DTYPES) else "another dtype"
+    return str(v)
+
+
+def agree_across_ranks(group, rank: int, world: int, sig: tuple | None, err: Exception | None) -> tuple:
+    """One all_gather of (error?, *sig) over `group`. Raises on every rank when a rank's inputs were
+    bad (its own error on that rank, "rank r rejected its inputs: ..." on the others) or when the
+    ranks' signatures differ (naming the field, the ranks and their values); returns `sig` else."""
+    n = len(_AGREED_FIELDS)
+    row = [1] + [-1] * n if sig is None else [0, *sig]
+    backend = str(dist.get_backend(group))
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    meta = torch.stack(gathered).cpu().tolist()
+    bad = [r for r in range(world) if meta[r][0]]
+    if bad:
+        msgs: list = [None] * world
+        dist.all_gather_object(msgs, None if err is None else (type(err).__name__, str(err)), group=group)
+        kind, msg = msgs[bad[0]]
+        exc = TypeError if kind == "TypeError" else ValueError
+        if rank == bad[0]:
+            raise exc(f"rank {rank}: {msg}") from err
+        raise exc(f"expert-parallel dispatch: rank {bad[0]} rejected its inputs: {msg}")
+    for i, name in enumerate(_AGREED_FIELDS):
+        values = [m[1 + i] for m in meta]
+        if len(set(values)) > 1:
+            r = next(r for r in range(world) if values[r] != values[0])
+            raise ValueError(
+                f"expert-parallel dispatch: the ranks disagree on {name}: rank {r} has "
+                f"{_field_value(i, values[r])}, rank 0 has {_field_value(i, values[0])}; every rank of "
+                "the expert-parallel group must dispatch the same"
+            )
+    return tuple(sig)
+
+
+def make_dispatcher(group, *, transport: str = AUTO, mxfp8: bool = True, chunks: int | None = None):
+    """The token dispatcher of expert-parallel group `group`: the transport `transport` names
+    ("auto": the available one of lowest rank, refined per exchange for row transports) makes it
+    (a row transport: `AllToAllDispatcher`). mxfp8: send the dispatched rows (and the combine's
+    gradient) as MXFP8 where the experts take an MX recipe; chunks: the NCCL pipeline's pieces
+    (mxmoe.comm.to_mxfp8_a2a_dequant)."""
+    check_transport(transport)
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    device = "cuda" if torch.cuda.is_available() and _backend_is_nccl(group) else "cpu"
+    site = ExchangeSite(device, group_name(group), world, None, chunks is not None, False, group)
+    name = resolve_transport(transport, site)
+    own = load_transport(name).dispatcher(group, transport=transport, mxfp8=mxfp8, chunks=chunks)
+    if own is None:
+        own = AllToAllDispatcher(group, transport=transport, mxfp8=mxfp8, chunks=chunks)
+    return own
+
+
+def _backend_is_nccl(group) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return "nccl" in str(dist.get_backend(group))

@@ -10,10 +10,10 @@ stay tensors (read on the host inside the op, where it runs eagerly), so the gra
 
 x: (rows_in, dim) rows ordered by destination; send, recv: (world,) integer tensors (any device),
 the rows sent to and received from each rank; group: the process group's name ("" without
-torch.distributed); transport: "auto" or a registered name (`mxmoe.comm.transports`), chosen here,
+torch.distributed); transport: "auto" or a registered name (`mxmoe.comm.transport`), chosen here,
 outside any traced code. out_rows: the received row count where the caller knows it (a combine or a
 backward: the rows it sent before), else None, and the fake output's rows are a new symbolic size.
-The ops carry no autograd: the dispatchers' autograd functions (`mxmoe.comm.dispatch`) pair them.
+The ops carry no autograd: the dispatchers' autograd functions (`mxmoe.token_dispatch`) pair them.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mxmoe.comm.a2a import _exchange_unquantized, _mx_exchange
-from mxmoe.comm.splits import Plan, group_rank_world
-from mxmoe.comm.transports import resolve_group
+from mxmoe.comm.transport import Plan, group_rank_world, resolve_group
 from mxmoe.recipe import MXRecipe
 
 
