@@ -227,7 +227,7 @@ class AllToAllDispatcher:
                 raise type(err)(f"rank {self.ep_rank}: {err}") from err
             return
         sig = None if err is not None else _signature(x, num_experts, rows_as, self.mxfp8)
-        if sig == self._agreed:
+        if err is None and sig == self._agreed:
             return
         self._agreed = agree_across_ranks(self.group, self.ep_rank, self.ep_size, sig, err)
 
@@ -311,7 +311,7 @@ def _field_value(i: int, v: int) -> str:
 
 def agree_across_ranks(group, rank: int, world: int, sig: tuple | None, err: Exception | None) -> tuple:
     """One all_gather of (error?, *sig) over `group`. Raises on every rank when a rank's inputs were
-    bad (its own error on that rank, "rank r rejected its inputs: ..." on the others) or when the
+    bad (its own error on a bad rank, "rank r rejected its inputs: ..." on the others) or when the
     ranks' signatures differ (naming the field, the ranks and their values); returns `sig` else."""
     n = len(_AGREED_FIELDS)
     row = [1] + [-1] * n if sig is None else [0, *sig]
@@ -325,10 +325,10 @@ def agree_across_ranks(group, rank: int, world: int, sig: tuple | None, err: Exc
     if bad:
         msgs: list = [None] * world
         dist.all_gather_object(msgs, None if err is None else (type(err).__name__, str(err)), group=group)
+        if err is not None:  # this rank's own error first
+            raise type(err)(f"rank {rank}: {err}") from err
         kind, msg = msgs[bad[0]]
         exc = TypeError if kind == "TypeError" else ValueError
-        if rank == bad[0]:
-            raise exc(f"rank {rank}: {msg}") from err
         raise exc(f"expert-parallel dispatch: rank {bad[0]} rejected its inputs: {msg}")
     for i, name in enumerate(_AGREED_FIELDS):
         values = [m[1 + i] for m in meta]

@@ -124,7 +124,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         torch.testing.assert_close(to_mxfp8_a2a_dequant(x, [2, 2], [2, 2], check=False).shape, x.shape)
         with pytest.raises(RuntimeError, match="transport='gather_tokens' moves tokens, not rows"):
             to_mxfp8_a2a_dequant(x, [2, 2], [2, 2], transport="gather_tokens", check=False)
-        with pytest.raises(ValueError, match=r"transport='deepep'; expected one of \['auto', 'symm', 'nccl'"):
+        with pytest.raises(ValueError, match=r"transport='deepep'; expected one of \['auto', 'nccl', 'symm'"):
             apply_expert_parallel(_model(), group, transport="deepep")
         dist.barrier()
     finally:

@@ -1,0 +1,96 @@
+"""The dispatch seam's inputs (issue 59, case 10): `LocalDispatcher.dispatch` (the default of every
+MoE layer) checks them before any work, with an error naming the argument, the value received and
+what is expected; and so does `routed_experts`, which every MoE layer runs. The expert-parallel
+dispatcher's own checks, across ranks: tests/comm/test_dispatch_errors.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxmoe.models.routing import routed_experts
+from mxmoe.nn import GroupedExperts
+from mxmoe.recipe import MXRecipe
+from mxmoe.token_dispatch import UNQUANTIZED, ExpertRows, LocalDispatcher
+
+T, D, K, E = 6, 64, 2, 4
+
+
+def _inputs(d: int = D):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, d, generator=g)
+    idx = torch.randint(0, E, (T, K), generator=g)
+    scores = torch.rand(T, K, generator=g)
+    return x, idx, scores
+
+
+CASES = [  # (name, change to (x, idx, scores, num_experts, rows_as), error, message pieces)
+    ("id out of range", lambda x, i, s: (x, i.clone().fill_(E), s, E, UNQUANTIZED), ValueError,
+     ["idx holds expert id 4", "[0, num_experts=4)"]),
+    ("negative id", lambda x, i, s: (x, torch.where(i == i[0, 0], -1, i), s, E, UNQUANTIZED), ValueError,
+     ["idx holds expert id -1", "[0, num_experts=4)"]),
+    ("float ids", lambda x, i, s: (x, i.float(), s, E, UNQUANTIZED), TypeError,
+     ["idx has dtype torch.float32", "expected torch.int64"]),
+    ("bool ids", lambda x, i, s: (x, i.bool(), s, E, UNQUANTIZED), TypeError, ["idx has dtype torch.bool"]),
+    ("int32 ids", lambda x, i, s: (x, i.int(), s, E, UNQUANTIZED), TypeError, ["idx has dtype torch.int32"]),
+    ("scores unlike idx", lambda x, i, s: (x, i, s[:, :1], E, UNQUANTIZED), ValueError,
+     ["scores has shape (6, 1)", "idx's shape (6, 2)"]),
+    ("1-D idx", lambda x, i, s: (x, i[:, 0], s, E, UNQUANTIZED), ValueError,
+     ["idx has shape (6,)", "2-D (T, top_k)"]),
+    ("3-D x", lambda x, i, s: (x.view(T, 2, D // 2), i, s, E, UNQUANTIZED), ValueError,
+     ["x has shape (6, 2, 32)", "2-D (tokens T, dim D)"]),
+    ("num_experts 0", lambda x, i, s: (x, i, s, 0, UNQUANTIZED), ValueError, ["num_experts=0", "int >= 1"]),
+    ("num_experts float", lambda x, i, s: (x, i, s, 4.0, UNQUANTIZED), TypeError,
+     ["num_experts=4.0 (float)", "int >= 1"]),
+    ("num_experts below the ids", lambda x, i, s: (x, i.clone().fill_(3), s, 2, UNQUANTIZED), ValueError,
+     ["idx holds expert id 3", "[0, num_experts=2)"]),
+    ("MX rows, D not a multiple of 32", lambda x, i, s: (x[:, :40], i, s, E, ExpertRows(MXRecipe())),
+     ValueError, ["D=40", "multiple of the block size 32"]),
+]
+
+
+@pytest.mark.parametrize("change,exc,pieces", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_local_dispatch_names_bad_input(change, exc, pieces):
+    x, idx, scores, num_experts, rows_as = change(*_inputs())
+    with pytest.raises(exc) as info:
+        LocalDispatcher().dispatch(x, idx, scores, num_experts=num_experts, rows_as=rows_as)
+    msg = str(info.value)
+    assert msg.startswith("LocalDispatcher.dispatch: "), msg
+    for p in pieces:
+        assert p in msg, f"{p!r} not in {msg!r}"
+
+
+def test_checked_at_dispatch_not_at_combine():
+    """Scores unlike idx used to pass the dispatch and fail in combine; now routed_experts (every
+    MoE layer) raises before running a single expert."""
+    x, idx, scores = _inputs()
+    calls = []
+
+    class Experts(GroupedExperts):
+        def forward(self, rows, counts):
+            calls.append(rows.shape)
+            return super().forward(rows, counts)
+
+    experts = Experts(D, 32, E)
+    with pytest.raises(ValueError, match=r"scores has shape \(6, 1\)"):
+        routed_experts(x, idx, scores[:, :1], experts, E)
+    assert calls == []
+
+
+def test_good_input_unchanged():
+    """The checks change nothing of a valid dispatch: rows sorted by expert, counts, exact combine."""
+    x, idx, scores = _inputs()
+    d = LocalDispatcher()
+    rows, counts, h = d.dispatch(x, idx, scores, num_experts=E)
+    assert counts.tolist() == torch.bincount(idx.reshape(-1), minlength=E).tolist()
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    assert torch.equal(rows, x.repeat_interleave(K, 0)[order])
+    out = d.combine(rows, h)
+    assert torch.equal(out, (x.unsqueeze(1) * scores.unsqueeze(-1)).sum(1))
+    # the ids' range is checked where it costs no device sync: on the CPU here, skipped for CUDA
+    # tensors (a device sync per layer); a caller may force it
+    from mxmoe.token_dispatch import check_dispatch_args
+
+    with pytest.raises(ValueError, match="expert id 4"):
+        check_dispatch_args(x, idx.clone().fill_(E), scores, E, check_ids=True)
+    check_dispatch_args(x, idx.clone().fill_(E), scores, E, check_ids=False)
