@@ -1,11 +1,17 @@
-"""The MX format: element formats, scale modes and argument checks (docs/mx-format.md).
+"""The MX format: element formats, scale modes, the registered format values and argument checks
+(docs/mx-format.md).
 
 Everything here is plain Python; every cast backend reads its constants from this module so the
-numerics are defined in exactly one place.
+numerics are defined in exactly one place. A block-scaled format is one frozen value, `MXFormat`,
+registered by name in `FORMATS`: the recipe holds it (`MXRecipe.fmt`), an `MXTensor` carries it,
+custom ops take it by its registered name, and the exchange and the GEMMs read it. A new format is
+one `register_format` call (and, for a new element type, its `ElemFormat`) plus whatever kernels
+it needs: the `torch` cast backend and the emulated GEMM read everything from the value.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
@@ -14,6 +20,8 @@ import torch
 
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
+SCALE_DTYPE = torch.float8_e8m0fnu
+"""The scale dtype of every MX format: E8M0, a biased power-of-two exponent per block."""
 
 
 class ScalingMode(StrEnum):
@@ -117,6 +125,19 @@ class CastSpec:
 
 
 _RCEIL_T = {d: rceil_subnormal_thresholds(f) for d, f in ELEM_FORMATS.items()}
+
+
+def register_elem_format(elem: ElemFormat) -> ElemFormat:
+    """Make `elem` an MX element format (its RCEIL thresholds computed once); idempotent for the
+    same value, ValueError for another value of an element dtype registered already."""
+    have = ELEM_FORMATS.get(elem.dtype)
+    if have is not None and have != elem:
+        raise ValueError(f"element dtype {elem.dtype} is registered already as {have}")
+    ELEM_FORMATS[elem.dtype] = elem
+    _RCEIL_T[elem.dtype] = rceil_subnormal_thresholds(elem)
+    return elem
+
+
 MODE_IDS = {ScalingMode.FLOOR: 0, ScalingMode.RCEIL: 1, ScalingMode.CEIL: 2, ScalingMode.EVEN: 3}
 
 
@@ -168,3 +189,123 @@ def make_spec(block_size: int, scaling_mode: str | ScalingMode, elem_dtype: torc
         check_block_size(block_size), check_scaling_mode(scaling_mode), check_elem_dtype(elem_dtype)
     )
 
+
+
+# --------------------------------------------------------------------------------------------
+# The format as one value, registered by name
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MXFormat:
+    """A block-scaled format: everything the casts, the exchange and the GEMMs read of one, as one
+    frozen value registered by `name` (`register_format`; `FORMATS`)."""
+
+    name: str
+    """The registered name (what custom ops take), e.g. "mxfp8_e4m3_rceil"."""
+    elem_dtype: torch.dtype
+    """Element dtype (an `ELEM_FORMATS` key), e.g. torch.float8_e4m3fn."""
+    block_size: int
+    """Elements per scale along the quantized axis (a power of two >= 2; MX: 32)."""
+    scaling_mode: ScalingMode
+    """The scale rule: how a block's exponent comes from its amax."""
+    scale_dtype: torch.dtype = SCALE_DTYPE
+    """Scale dtype (E8M0: the only one the casts write)."""
+    elem_bits: int = 8
+    """Bits per element."""
+    elems_per_byte: int = 1
+    """Elements packed per byte of storage (1: unpacked; 2 would be FP4)."""
+    per_tensor_scale: bool = False
+    """A second, per-tensor fp32 scale on top of the block scales (NVFP4's kind; none shipped)."""
+
+    def __post_init__(self) -> None:
+        check_elem_dtype(self.elem_dtype)
+        check_block_size(self.block_size)
+        object.__setattr__(self, "scaling_mode", check_scaling_mode(self.scaling_mode))
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"MXFormat name={self.name!r}: expected an identifier (it names custom-op args)")
+        unsupported = {
+            "scale_dtype": (self.scale_dtype, SCALE_DTYPE),
+            "elems_per_byte": (self.elems_per_byte, 1),
+            "per_tensor_scale": (self.per_tensor_scale, False),
+        }
+        for field_name, (value, only) in unsupported.items():
+            if value != only:
+                raise ValueError(
+                    f"MXFormat {self.name}: {field_name}={value!r} has no cast kernel yet; expected {only!r}"
+                )
+        if self.elem_bits != torch.finfo(self.elem_dtype).bits:
+            raise ValueError(
+                f"MXFormat {self.name}: elem_bits={self.elem_bits}, but {self.elem_dtype} has "
+                f"{torch.finfo(self.elem_dtype).bits}"
+            )
+
+    @property
+    def elem(self) -> ElemFormat:
+        """The element format's constants."""
+        return ELEM_FORMATS[self.elem_dtype]
+
+    @functools.cached_property
+    def spec(self) -> CastSpec:
+        """What a cast kernel takes (made once per format)."""
+        return CastSpec(self.block_size, self.scaling_mode, self.elem)
+
+    @property
+    def key(self) -> tuple[torch.dtype, int, ScalingMode]:
+        """(elem_dtype, block_size, scaling_mode): what tells registered formats apart."""
+        return (self.elem_dtype, self.block_size, self.scaling_mode)
+
+
+FORMATS: dict[str, MXFormat] = {}
+"""The registered formats by name."""
+_BY_KEY: dict[tuple, MXFormat] = {}
+
+
+def register_format(fmt: MXFormat, elem: ElemFormat | None = None) -> MXFormat:
+    """Register `fmt` (and `elem`, the constants of a new element dtype, first); returns it.
+    Idempotent for the same value; ValueError for a name or (elem_dtype, block_size, scaling_mode)
+    taken by another format."""
+    if elem is not None:
+        register_elem_format(elem)
+    if not isinstance(fmt, MXFormat):
+        raise TypeError(f"register_format: expected an MXFormat, got {type(fmt).__name__}")
+    for have in (FORMATS.get(fmt.name), _BY_KEY.get(fmt.key)):
+        if have is not None and have != fmt:
+            raise ValueError(f"register_format: {fmt} clashes with the registered {have}")
+    FORMATS[fmt.name] = _BY_KEY[fmt.key] = fmt
+    return fmt
+
+
+def get_format(name: str) -> MXFormat:
+    """The registered format called `name`; ValueError naming the registered ones otherwise."""
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"format {name!r} is not registered; expected one of {list(FORMATS)}") from None
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.float8_").removesuffix("fn")
+
+
+def format_of(elem_dtype: torch.dtype, block_size: int, scaling_mode: str | ScalingMode) -> MXFormat:
+    """The registered format with these (checked) fields; one not registered yet is registered
+    under the name mx<bits>_<elem>_<mode>[_b<block>] (the block only when it is not 32)."""
+    fmt = _BY_KEY.get((elem_dtype, block_size, scaling_mode))  # a registered one: one dict lookup
+    if fmt is not None:
+        return fmt
+    key = (check_elem_dtype(elem_dtype).dtype, check_block_size(block_size), check_scaling_mode(scaling_mode))
+    fmt = _BY_KEY.get(key)
+    if fmt is None:
+        bits = torch.finfo(key[0]).bits
+        block = "" if key[1] == 32 else f"_b{key[1]}"
+        name = f"mxfp{bits}_{_short(key[0])}_{key[2].value}{block}"
+        fmt = register_format(MXFormat(name, *key, elem_bits=bits))
+    return fmt
+
+
+for _elem in ELEM_FORMATS:  # the shipped formats: e4m3 / e5m2 elements, every scale rule, blocks of 32
+    for _mode in ScalingMode:
+        format_of(_elem, 32, _mode)
+DEFAULT_FORMAT = format_of(torch.float8_e4m3fn, 32, ScalingMode.RCEIL)
+"""MXFP8 as cuBLAS and torchao make it: e4m3 elements, E8M0 scales per 32, RCEIL ("mxfp8_e4m3_rceil")."""

@@ -7,11 +7,11 @@ default everywhere (`MXRecipe()` == `recipe("mxfp8_rceil")`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from mxmoe.formats import check_block_size, check_elem_dtype, check_scaling_mode
+from mxmoe.formats import MXFormat, check_scaling_mode, format_of, get_format
 
 CAST_KERNELS = ("torch", "triton", "cuda")
 """Concrete cast kernels; a recipe may also name "auto" (the fastest available per cast)."""
@@ -99,9 +99,9 @@ class MXRecipe:
     X or dY). False (default): every GEMM on MX operands."""
 
     def __post_init__(self) -> None:
-        check_elem_dtype(self.elem_dtype)
-        check_block_size(self.block_size)
         object.__setattr__(self, "scaling_mode", check_scaling_mode(self.scaling_mode).value)
+        # The format as one value (not a field: it follows elem_dtype, block_size and scaling_mode)
+        object.__setattr__(self, "fmt", format_of(self.elem_dtype, self.block_size, self.scaling_mode))
         for name in ("dim0_kernel", "dim1_kernel"):
             value = getattr(self, name)
             if value != "auto" and value not in CAST_KERNELS:
@@ -117,6 +117,19 @@ class MXRecipe:
         check_expert_gemm(self.expert_gemm)
         if not isinstance(self.wgrad_with_hp, bool):
             raise TypeError(f"wgrad_with_hp={self.wgrad_with_hp!r}: expected a bool")
+
+    fmt: MXFormat = field(init=False, repr=False, compare=False)
+    """The registered format (`mxmoe.formats.MXFormat`) of elem_dtype, block_size and scaling_mode:
+    what the casts, the exchange and the GEMMs read."""
+
+    @classmethod
+    def from_format(cls, fmt: MXFormat | str, **changes) -> MXRecipe:
+        """The recipe of a registered format (the value or its name), other fields `changes`."""
+        f = get_format(fmt) if isinstance(fmt, str) else fmt
+        if not isinstance(f, MXFormat):
+            raise TypeError(f"fmt must be an MXFormat or a registered name, got {type(fmt).__name__}")
+        mode = f.scaling_mode.value
+        return cls(elem_dtype=f.elem_dtype, block_size=f.block_size, scaling_mode=mode, **changes)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """The emulated GEMM's operand dtype on `device`."""

@@ -34,6 +34,7 @@ from mxmoe.comm.nccl import PIPELINE_MIN_ELEMS, _use_pipeline, all_to_all_rows  
 from mxmoe.comm.reference import reference_mxfp8_a2a
 from mxmoe.comm.splits import check_and_plan
 from mxmoe.comm.transport import Plan, row_transport
+from mxmoe.formats import MXFormat
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, mx_tensor_trusted
 from mxmoe.recipe import MXRecipe
 
@@ -48,22 +49,31 @@ __all__ = [  # (with names of mx_rows, nccl and reference, importable from here 
 # --------------------------------------------------------------------------------------------
 
 
-def _mx_exchange(
+def mx_exchange(
     x: Tensor,
     plan: Plan,
     group,
-    r: MXRecipe,
+    fmt: MXFormat,
+    kernel: str,
     dequant: bool,
     chunks: int | None,
     transport: str = "nccl",
 ):
-    """Quantize x's rows in r's format, exchange per plan, and (if dequant) dequantize: y (rows_out,
-    dim) x.dtype, else (q (rows_out, dim) r.elem_dtype, s (rows_out, dim // r.block_size) e8m0).
-    `transport`: "auto" or a registered name, the same on every rank (the choice reads facts every
-    rank shares: the device type, the group, the format, whether `chunks` was given)."""
+    """Quantize x's rows in format `fmt` (cast kernel `kernel`, concrete), exchange per plan, and
+    (if dequant) dequantize: y (rows_out, dim) x.dtype, else (q (rows_out, dim) fmt.elem_dtype,
+    s (rows_out, dim // fmt.block_size) fmt.scale_dtype). `transport`: "auto" or a registered
+    name, the same on every rank (the choice reads facts every rank shares: the device type, the
+    group, the format, whether `chunks` was given)."""
     x = x.contiguous()
-    t = row_transport(transport, x, group, r, chunks, plan.world)
-    return t.mx_exchange(x, plan, group, r, _kernel(r, x.device), dequant, chunks)
+    t = row_transport(transport, x, group, fmt, chunks, plan.world)
+    return t.mx_exchange(x, plan, group, fmt, kernel, dequant, chunks)
+
+
+def _mx_exchange(
+    x: Tensor, plan: Plan, group, r: MXRecipe, dequant: bool, chunks: int | None, transport: str = "nccl"
+):
+    """`mx_exchange` in r's format with r's dim0_kernel."""
+    return mx_exchange(x, plan, group, r.fmt, _kernel(r, x.device), dequant, chunks, transport)
 
 
 def _exchange_unquantized(x: Tensor, plan: Plan, group, transport: str = "nccl") -> Tensor:

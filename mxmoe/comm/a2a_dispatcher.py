@@ -31,6 +31,7 @@ from mxmoe.comm.transport import (
     load_transport,
     resolve_transport,
 )
+from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, mx_tensor_trusted
 from mxmoe.recipe import MXRecipe
 from mxmoe.token_dispatch import (
@@ -81,8 +82,10 @@ class AllToAllHandle:
     exchange: ExchangeHandle
 
 
-def _fmt(r: MXRecipe) -> tuple:
-    return (r.elem_dtype, r.block_size, r.scaling_mode, r.dim0_kernel)
+def _fmt(r: MXRecipe, device: torch.device) -> tuple[str, str]:
+    """What the exchange's custom ops take of a recipe: its format's registered name and its
+    concrete dim0 cast kernel (chosen here: an error names the recipe field, outside the op)."""
+    return (r.fmt.name, cast_kernel(r, device, "dim0"))
 
 
 class _Rows(torch.autograd.Function):
@@ -103,16 +106,14 @@ class _Rows(torch.autograd.Function):
 
 
 class _DispatchMX(torch.autograd.Function):
-    """MXFP8 rows forward (elements and scales, and a grad anchor carrying their gradient); the
+    """MX rows forward (elements and scales, and a grad anchor carrying their gradient); the
     gradient goes back in its own dtype."""
 
     @staticmethod
-    def forward(ctx, x, send, recv, group, transport, elem_dtype, block_size, scaling_mode, kernel, chunks):
+    def forward(ctx, x, send, recv, group, transport, fmt, kernel, chunks):
         ctx.save_for_backward(send, recv)
         ctx.meta = (group, transport, x.shape[0])
-        q, s = ops.a2a_mxfp8(
-            x, send, recv, group, transport, elem_dtype, block_size, scaling_mode, kernel, chunks, None
-        )
+        q, s = ops.a2a_mxfp8(x, send, recv, group, transport, fmt, kernel, chunks, None)
         ctx.mark_non_differentiable(q, s)
         return make_grad_anchor((q.shape[0], q.shape[1]), x.dtype, x.device), q, s
 
@@ -121,28 +122,24 @@ class _DispatchMX(torch.autograd.Function):
         send, recv = ctx.saved_tensors
         group, transport, rows = ctx.meta
         g = ops.a2a_rows(grad.contiguous(), recv, send, group, transport, rows)
-        return (g,) + (None,) * 9
+        return (g,) + (None,) * 7
 
 
 class _CombineMX(torch.autograd.Function):
-    """Rows forward in their own dtype; their gradient back as MXFP8 (dequantized on arrival)."""
+    """Rows forward in their own dtype; their gradient back as MX rows (dequantized on arrival)."""
 
     @staticmethod
-    def forward(ctx, y, send, recv, group, transport, out_rows, elem_dtype, block_size, scaling_mode, kernel,
-                chunks):
+    def forward(ctx, y, send, recv, group, transport, out_rows, fmt, kernel, chunks):
         ctx.save_for_backward(send, recv)
-        ctx.meta = (group, transport, y.shape[0], elem_dtype, block_size, scaling_mode, kernel, chunks)
+        ctx.meta = (group, transport, y.shape[0], fmt, kernel, chunks)
         return ops.a2a_rows(y, send, recv, group, transport, out_rows)
 
     @staticmethod
     def backward(ctx, grad):
         send, recv = ctx.saved_tensors
-        group, transport, rows, elem_dtype, block_size, scaling_mode, kernel, chunks = ctx.meta
-        g = ops.a2a_mxfp8_dequant(
-            grad.contiguous(), recv, send, group, transport, elem_dtype, block_size, scaling_mode, kernel,
-            chunks, rows,
-        )
-        return (g,) + (None,) * 10
+        group, transport, rows, fmt, kernel, chunks = ctx.meta
+        g = ops.a2a_mxfp8_dequant(grad.contiguous(), recv, send, group, transport, fmt, kernel, chunks, rows)
+        return (g,) + (None,) * 8
 
 
 class AllToAllDispatcher:
@@ -253,7 +250,7 @@ class AllToAllDispatcher:
             xr = _Rows.apply(rows, send, recv_splits, self.group_name, self.transport, None)
         else:
             anchor, q, s = _DispatchMX.apply(
-                rows, send, recv_splits, self.group_name, self.transport, *_fmt(r), chunks
+                rows, send, recv_splits, self.group_name, self.transport, *_fmt(r, rows.device), chunks
             )
             xr = mx_tensor_trusted(q, s, 1, r.block_size, r.scaling_mode, rows.dtype, anchor)
         n = xr.shape[0]
@@ -276,7 +273,7 @@ class AllToAllDispatcher:
             return _Rows.apply(y, h.recv, h.send, self.group_name, self.transport, h.rows_in)
         chunks = -1 if self.chunks is None else self.chunks
         return _CombineMX.apply(
-            y, h.recv, h.send, self.group_name, self.transport, h.rows_in, *_fmt(h.recipe), chunks
+            y, h.recv, h.send, self.group_name, self.transport, h.rows_in, *_fmt(h.recipe, y.device), chunks
         )
 
     def __repr__(self) -> str:

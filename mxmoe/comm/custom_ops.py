@@ -5,35 +5,27 @@ stay tensors (read on the host inside the op, where it runs eagerly), so the gra
 
     mxmoe::a2a_counts(counts, group)                       all-to-all of equal chunks (the counts)
     mxmoe::a2a_rows(x, send, recv, group, transport, out_rows)     rows in their own dtype
-    mxmoe::a2a_mxfp8(x, send, recv, group, transport, format..., chunks, out_rows) -> (q, s)
+    mxmoe::a2a_mxfp8(x, send, recv, group, transport, fmt, kernel, chunks, out_rows) -> (q, s)
     mxmoe::a2a_mxfp8_dequant(...)                          the same, dequantized to x.dtype
 
 x: (rows_in, dim) rows ordered by destination; send, recv: (world,) integer tensors (any device),
 the rows sent to and received from each rank; group: the process group's name ("" without
 torch.distributed); transport: "auto" or a registered name (`mxmoe.comm.transport`), chosen here,
-outside any traced code. out_rows: the received row count where the caller knows it (a combine or a
+outside any traced code. fmt: the rows' format by its registered name (`mxmoe.formats.FORMATS`);
+kernel: the concrete cast kernel. out_rows: the received row count where the caller knows it (a combine or a
 backward: the rows it sent before), else None, and the fake output's rows are a new symbolic size.
 The ops carry no autograd: the dispatchers' autograd functions (`mxmoe.token_dispatch`) pair them.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mxmoe.comm.a2a import _exchange_unquantized, _mx_exchange
+from mxmoe.comm.a2a import _exchange_unquantized, mx_exchange
 from mxmoe.comm.transport import Plan, group_rank_world, resolve_group
-from mxmoe.recipe import MXRecipe
-
-
-@functools.lru_cache(maxsize=64)
-def _recipe(elem_dtype: torch.dtype, block_size: int, scaling_mode: str, kernel: str) -> MXRecipe:
-    return MXRecipe(
-        elem_dtype=elem_dtype, block_size=block_size, scaling_mode=scaling_mode, dim0_kernel=kernel
-    )
+from mxmoe.formats import get_format
 
 
 def _host(splits: Tensor) -> list[int] | None:
@@ -101,26 +93,23 @@ def a2a_mxfp8(
     recv: Tensor,
     group: str,
     transport: str,
-    elem_dtype: torch.dtype,
-    block_size: int,
-    scaling_mode: str,
+    fmt: str,
     kernel: str,
     chunks: int,
     out_rows: int | None,
 ) -> tuple[Tensor, Tensor]:
-    """x (rows_in, dim) bf16/fp32 quantized along dim (elem_dtype, block_size, scaling_mode; cast
-    kernel `kernel`, "auto" or a name), moved as element and scale bytes: (q (rows_out, dim)
-    elem_dtype, s (rows_out, dim // block_size) float8_e8m0fnu). chunks: -1 = None."""
+    """x (rows_in, dim) bf16/fp32 quantized along dim in the registered format `fmt` (cast kernel
+    `kernel`, concrete), moved as element and scale bytes: (q (rows_out, dim) fmt's elem_dtype,
+    s (rows_out, dim // block_size) fmt's scale_dtype). chunks: -1 = None."""
     plan, g = _plan(x, send, recv, group)
-    r = _recipe(elem_dtype, block_size, scaling_mode, kernel)
-    return _mx_exchange(x, plan, g, r, False, None if chunks < 0 else chunks, transport)
+    return mx_exchange(x, plan, g, get_format(fmt), kernel, False, None if chunks < 0 else chunks, transport)
 
 
 @a2a_mxfp8.register_fake
-def _(x, send, recv, group, transport, elem_dtype, block_size, scaling_mode, kernel, chunks, out_rows):
-    rows = _rows(out_rows)
-    q = x.new_empty((rows, x.shape[1]), dtype=elem_dtype)
-    return q, x.new_empty((rows, x.shape[1] // block_size), dtype=torch.float8_e8m0fnu)
+def _(x, send, recv, group, transport, fmt, kernel, chunks, out_rows):
+    f, rows = get_format(fmt), _rows(out_rows)
+    q = x.new_empty((rows, x.shape[1]), dtype=f.elem_dtype)
+    return q, x.new_empty((rows, x.shape[1] // f.block_size), dtype=f.scale_dtype)
 
 
 @torch.library.custom_op("mxmoe::a2a_mxfp8_dequant", mutates_args=())
@@ -130,19 +119,16 @@ def a2a_mxfp8_dequant(
     recv: Tensor,
     group: str,
     transport: str,
-    elem_dtype: torch.dtype,
-    block_size: int,
-    scaling_mode: str,
+    fmt: str,
     kernel: str,
     chunks: int,
     out_rows: int | None,
 ) -> Tensor:
     """`a2a_mxfp8`, dequantized on arrival: (rows_out, dim) x.dtype."""
     plan, g = _plan(x, send, recv, group)
-    r = _recipe(elem_dtype, block_size, scaling_mode, kernel)
-    return _mx_exchange(x, plan, g, r, True, None if chunks < 0 else chunks, transport)
+    return mx_exchange(x, plan, g, get_format(fmt), kernel, True, None if chunks < 0 else chunks, transport)
 
 
 @a2a_mxfp8_dequant.register_fake
-def _(x, send, recv, group, transport, elem_dtype, block_size, scaling_mode, kernel, chunks, out_rows):
+def _(x, send, recv, group, transport, fmt, kernel, chunks, out_rows):
     return x.new_empty((_rows(out_rows), x.shape[1]))

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mxmoe.formats import DEFAULT_FORMAT
 from mxmoe.quant import dispatch
 from mxmoe.quant.backends import cast_fn, resolve_kernel, triton_interpret
-from mxmoe.quant.checks import spec_of
 
 try:
     import triton
@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover - triton is optional
     triton = None
 
-BLOCK_SIZE = 32
+BLOCK_SIZE = DEFAULT_FORMAT.block_size  # the fused kernels serve the default format
 _BLOCK = 4096
 
 if triton is not None:
@@ -325,4 +325,4 @@ def qdq_into(
 
 
 def _rceil_spec():
-    return spec_of(BLOCK_SIZE, "rceil", torch.float8_e4m3fn)
+    return DEFAULT_FORMAT.spec

@@ -1,7 +1,7 @@
-"""The MXFP8 exchange's format: rows quantized along the last dim with an `MXRecipe` (its elem
-dtype, block size, scaling mode, and its dim0_kernel chosen by `mxmoe.quant.backends.cast_kernel`),
-and dequantized back; the fused default-format kernels (`mxmoe.comm.kernels`) where they apply.
-Every transport (`mxmoe.comm.nccl`, `mxmoe.comm.symm`) and the reference use these."""
+"""The MXFP8 exchange's rows: quantized along the last dim in an `MXFormat` (the recipe's `fmt`,
+with its dim0_kernel chosen by `mxmoe.quant.backends.cast_kernel`), and dequantized back; the fused
+default-format kernels (`mxmoe.comm.kernels`) where they apply. Every transport (`mxmoe.comm.nccl`,
+`mxmoe.comm.symm`) and the reference use these."""
 
 from __future__ import annotations
 
@@ -9,15 +9,10 @@ import torch
 from torch import Tensor
 
 from mxmoe.comm.kernels import dequantize_into, qdq_into
-from mxmoe.comm.splits import BLOCK_SIZE
+from mxmoe.formats import DEFAULT_FORMAT, MXFormat
 from mxmoe.quant import custom_ops
 from mxmoe.quant.backends import backend, cast_kernel
-from mxmoe.quant.checks import spec_of
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
-
-# The format the fused kernels (own rows' quantize+dequantize, symmetric memory) are written for.
-ELEM_DTYPE = torch.float8_e4m3fn
-SCALING_MODE = "rceil"
 
 
 def _recipe(recipe: MXRecipe | None, fn: str) -> MXRecipe:
@@ -29,9 +24,10 @@ def _recipe(recipe: MXRecipe | None, fn: str) -> MXRecipe:
     return recipe
 
 
-def _fast(r: MXRecipe) -> bool:
-    """Whether the fused default-format kernels (own rows' qdq, symmetric memory) take r's format."""
-    return (r.elem_dtype, r.block_size, r.scaling_mode) == (ELEM_DTYPE, BLOCK_SIZE, SCALING_MODE)
+def _fast(fmt: MXFormat) -> bool:
+    """Whether the fused kernels (own rows' qdq, symmetric memory), written for the default format,
+    take `fmt`."""
+    return fmt == DEFAULT_FORMAT
 
 
 def _kernel(r: MXRecipe, device: torch.device) -> str:
@@ -45,30 +41,30 @@ def quantize_rows(x: Tensor, *, recipe: MXRecipe | None = None) -> tuple[Tensor,
     block_size) float8_e8m0fnu), with the recipe's format and dim0_kernel (default DEFAULT_RECIPE:
     e4m3, RCEIL, blocks of 32): the exchange's quantize."""
     r = _recipe(recipe, "quantize_rows")
-    return _quantize(x, r, _kernel(r, x.device))
+    return _quantize(x, r.fmt, _kernel(r, x.device))
 
 
-def _quantize(x: Tensor, r: MXRecipe, k: str) -> tuple[Tensor, Tensor]:
+def _quantize(x: Tensor, fmt: MXFormat, k: str) -> tuple[Tensor, Tensor]:
     # `k` is concrete. The backend is called directly: the same kernel as the custom op, without
     # the dispatcher's per-call cost (the pipeline makes several calls per round).
     if x.numel() == 0:
-        return custom_ops.quantize_dim0(x, r.block_size, r.scaling_mode, r.elem_dtype, k)
-    return backend(k).quantize_dim0(x, spec_of(r.block_size, r.scaling_mode, r.elem_dtype))
+        return custom_ops.quantize_dim0(x, fmt.block_size, fmt.scaling_mode.value, fmt.elem_dtype, k)
+    return backend(k).quantize_dim0(x, fmt.spec)
 
 
-def _dequantize(q: Tensor, s: Tensor, dtype: torch.dtype, r: MXRecipe, k: str) -> Tensor:
+def _dequantize(q: Tensor, s: Tensor, dtype: torch.dtype, fmt: MXFormat, k: str) -> Tensor:
     """q (R, C) elements (or uint8 view), s (R, C // block) scales (or uint8 view) -> (R, C) dtype."""
-    return custom_ops.dequantize(q.view(r.elem_dtype), s.view(torch.float8_e8m0fnu), r.block_size, dtype, k)
+    return custom_ops.dequantize(q.view(fmt.elem_dtype), s.view(fmt.scale_dtype), fmt.block_size, dtype, k)
 
 
-def _dequantize_into(q: Tensor, s: Tensor, out: Tensor, r: MXRecipe, k: str) -> None:
+def _dequantize_into(q: Tensor, s: Tensor, out: Tensor, r: MXFormat, k: str) -> None:
     if _fast(r):
         dequantize_into(q, s, out, k)
     elif q.numel():
         out.copy_(_dequantize(q, s, out.dtype, r, k))
 
 
-def _qdq_into(x: Tensor, out: Tensor, r: MXRecipe, k: str) -> None:
+def _qdq_into(x: Tensor, out: Tensor, r: MXFormat, k: str) -> None:
     """out = dequantize(quantize(x)): one fused pass for the default format."""
     if _fast(r):
         qdq_into(x, out, k)

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from mxmoe.comm.mx_rows import _dequantize, _dequantize_into, _qdq_into, _quantize
 from mxmoe.comm.transport import TRANSPORTS, Plan, Transport, offsets
-from mxmoe.recipe import MXRecipe
+from mxmoe.formats import MXFormat
 from mxmoe.registry import Backend
 
 # Auto policy: two pieces beat the simple path at 16x8192x5120 bf16 (fwd+bwd, 2 GPUs), more pieces
@@ -76,7 +76,7 @@ def _use_pipeline(is_cuda: bool, plan: Plan, chunks: int | None) -> bool:
     return plan.global_rows * row_numel >= PIPELINE_MIN_ELEMS * plan.world
 
 
-def _simple_mx_exchange(x: Tensor, plan: Plan, group, r: MXRecipe, k: str, dequant: bool):
+def _simple_mx_exchange(x: Tensor, plan: Plan, group, r: MXFormat, k: str, dequant: bool):
     dim = x.shape[1]
     q, s = _quantize(x, r, k)
     rows_out = sum(plan.output_splits)
@@ -84,7 +84,7 @@ def _simple_mx_exchange(x: Tensor, plan: Plan, group, r: MXRecipe, k: str, dequa
     s_out = torch.empty((rows_out, dim // r.block_size), dtype=torch.uint8, device=x.device)
     all_to_all_rows(q_out, q.view(torch.uint8), plan.output_splits, plan.input_splits, group)
     all_to_all_rows(s_out, s.view(torch.uint8), plan.output_splits, plan.input_splits, group)
-    q_out, s_out = q_out.view(r.elem_dtype), s_out.view(torch.float8_e8m0fnu)
+    q_out, s_out = q_out.view(r.elem_dtype), s_out.view(r.scale_dtype)
     if not dequant:
         return q_out, s_out
     return _dequantize(q_out, s_out, x.dtype, r, k)
@@ -104,7 +104,7 @@ class _Streams:
 
 
 def _pipelined_mx_exchange(
-    x: Tensor, plan: Plan, group, r: MXRecipe, k: str, dequant: bool, chunks: int | None
+    x: Tensor, plan: Plan, group, r: MXFormat, k: str, dequant: bool, chunks: int | None
 ):
     dim = x.shape[1]
     sdim = dim // r.block_size
@@ -218,7 +218,7 @@ def _pipelined_mx_exchange(
     keep.clear()
     if dequant:
         return y
-    return q_dst.view(r.elem_dtype), s_dst.view(torch.float8_e8m0fnu)
+    return q_dst.view(r.elem_dtype), s_dst.view(r.scale_dtype)
 
 
 class NCCLTransport(Transport):
@@ -227,14 +227,14 @@ class NCCLTransport(Transport):
 
     name = "nccl"
 
-    def mx_exchange(self, x, plan, group, recipe, kernel, dequant, chunks):
+    def mx_exchange(self, x, plan, group, fmt, kernel, dequant, chunks):
         pipelined = _use_pipeline(x.is_cuda, plan, chunks)
         if plan.world == 1 and not pipelined:  # one rank: the exchange's rounding, nothing moved
-            q, s = _quantize(x, recipe, kernel)
-            return _dequantize(q, s, x.dtype, recipe, kernel) if dequant else (q, s)
+            q, s = _quantize(x, fmt, kernel)
+            return _dequantize(q, s, x.dtype, fmt, kernel) if dequant else (q, s)
         if pipelined:
-            return _pipelined_mx_exchange(x, plan, group, recipe, kernel, dequant, chunks)
-        return _simple_mx_exchange(x, plan, group, recipe, kernel, dequant)
+            return _pipelined_mx_exchange(x, plan, group, fmt, kernel, dequant, chunks)
+        return _simple_mx_exchange(x, plan, group, fmt, kernel, dequant)
 
     def exchange(self, x, plan, group):
         out = x.new_empty((sum(plan.output_splits), *x.shape[1:]))

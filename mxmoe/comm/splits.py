@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mxmoe.comm.transport import Plan, check_transport, choices, group_rank_world
+from mxmoe.formats import DEFAULT_FORMAT
 
-BLOCK_SIZE = 32
+BLOCK_SIZE = DEFAULT_FORMAT.block_size
 MX_DTYPES = (torch.bfloat16, torch.float32)
 _DTYPE_CODES = [
     torch.bfloat16,

@@ -60,11 +60,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mxmoe.comm.kernels import dequantize_into
-from mxmoe.comm.splits import BLOCK_SIZE
 from mxmoe.comm.symm_emulation import emulate_exchange
 from mxmoe.comm.symm_layout import (  # noqa: F401  (Layout .. items_of: importable from here too)
     ALIGN,
+    BLOCK_SIZE,
     ELEM_DTYPE,
+    FORMAT,
     ROWS,
     TILE_BLOCKS,
     Items,
@@ -333,7 +334,7 @@ def symm_mx_exchange(
         outputs = (y,)
     else:
         q_out = torch.empty((rows_out, dim), dtype=ELEM_DTYPE, device=dev)
-        s_out = torch.empty((rows_out, sdim), dtype=torch.float8_e8m0fnu, device=dev)
+        s_out = torch.empty((rows_out, sdim), dtype=FORMAT.scale_dtype, device=dev)
         outputs = (q_out, s_out)
     items = work_items(ins, outs, me, ws, lay, base)
     if impl == "kernel":
@@ -435,7 +436,7 @@ class SymmTransport(Transport):
 
     name = "symm"
 
-    def mx_exchange(self, x, plan, group, recipe, kernel, dequant, chunks):
+    def mx_exchange(self, x, plan, group, fmt, kernel, dequant, chunks):
         ws = SymmWorkspace.get(group, x.device)
         return symm_mx_exchange(x, plan.input_splits, plan.output_splits, plan.rank, ws, kernel, dequant)
 
@@ -443,7 +444,6 @@ class SymmTransport(Transport):
         return load_transport("nccl").exchange(x, plan, group)
 
 
-_DEFAULT_FORMAT = (ELEM_DTYPE, BLOCK_SIZE, "rceil")
 
 
 def _why_unavailable(site: ExchangeSite) -> str | None:
@@ -453,11 +453,12 @@ def _why_unavailable(site: ExchangeSite) -> str | None:
             "needs CUDA tensors, an NCCL process group of GPUs on one host, "
             "torch.distributed._symmetric_memory and triton; use transport='nccl' or 'auto'"
         )
-    if site.fmt is not None and site.fmt != _DEFAULT_FORMAT:
-        elem, block, mode = site.fmt
+    if site.fmt is not None and site.fmt != FORMAT:
+        f = site.fmt
         return (
-            f"exchanges the default format only (RCEIL, e4m3, blocks of 32); the recipe asks for {mode}, "
-            f"{elem}, blocks of {block}: use transport='nccl' or 'auto'"
+            f"exchanges the default format only ({FORMAT.name}: RCEIL, e4m3, blocks of 32); the recipe "
+            f"asks for {f.name} ({f.scaling_mode.value}, {f.elem_dtype}, blocks of {f.block_size}): use "
+            "transport='nccl' or 'auto'"
         )
     return None
 

@@ -12,8 +12,16 @@ import torch
 from torch import Tensor
 
 from mxmoe.comm.kernels import dequantize_into, qdq_into
-from mxmoe.comm.splits import BLOCK_SIZE
-from mxmoe.comm.symm_layout import ELEM_DTYPE, SPEC, TILE_BLOCKS, Items, Layout, timeout_error
+from mxmoe.comm.symm_layout import (
+    BLOCK_SIZE,
+    ELEM_DTYPE,
+    FORMAT,
+    SPEC,
+    TILE_BLOCKS,
+    Items,
+    Layout,
+    timeout_error,
+)
 from mxmoe.quant.backends import cast_fn, resolve_kernel
 
 FAST_BIT = 1 << 31
@@ -91,7 +99,7 @@ def emulate_exchange(
             q_dst, s_dst, f_dst = st_slots[i]
             if n:
                 x0 = items.row("st_xblk")[i] + b0
-                out = (eb(q_dst, b0, n).view(ELEM_DTYPE), sb(s_dst, b0, n).view(torch.float8_e8m0fnu))
+                out = (eb(q_dst, b0, n).view(ELEM_DTYPE), sb(s_dst, b0, n).view(FORMAT.scale_dtype))
                 quant(xb[x0 : x0 + n], SPEC, out=out)
             value = epoch
             if fast_bit and (n == 0 or int(out[1].view(torch.uint8).min()) >= 10):

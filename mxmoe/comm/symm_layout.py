@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mxmoe.comm.splits import BLOCK_SIZE
-from mxmoe.formats import make_spec
+from mxmoe.formats import DEFAULT_FORMAT
 
-ELEM_DTYPE = torch.float8_e4m3fn
-SPEC = make_spec(BLOCK_SIZE, "rceil", ELEM_DTYPE)
-"""The exchanged format: e4m3 elements, RCEIL e8m0 scales, blocks of 32."""
+FORMAT = DEFAULT_FORMAT
+"""The exchanged format: e4m3 elements, RCEIL e8m0 scales, blocks of 32 (the kernel's constants)."""
+ELEM_DTYPE, BLOCK_SIZE, SPEC = FORMAT.elem_dtype, FORMAT.block_size, FORMAT.spec
 ALIGN = 256  # bytes: region starts
 # Blocks of 32 per flag tile (8192 elements: one flag, one release at system scope); a work item
 # covers `per_item` tiles.

@@ -35,8 +35,8 @@ from torch import Tensor
 
 from mxmoe.registry import Registry
 
-if TYPE_CHECKING:  # annotations only: the recipe module does not import mxmoe.comm
-    from mxmoe.recipe import MXRecipe
+if TYPE_CHECKING:  # annotations only
+    from mxmoe.formats import MXFormat
 
 AUTO = "auto"
 
@@ -133,8 +133,8 @@ class ExchangeSite:
     """The process group's name ("" without torch.distributed: one rank)."""
     world: int
     """Ranks in the group."""
-    fmt: tuple | None
-    """(elem_dtype, block_size, scaling_mode) of MXFP8 rows; None: rows in their own dtype, or not
+    fmt: MXFormat | None
+    """The format of MX rows (`mxmoe.formats.MXFormat`); None: rows in their own dtype, or not
     known yet (a token dispatcher's choice, made before any row is exchanged)."""
     chunks: bool
     """The caller asked for the NCCL pipeline (`chunks` given)."""
@@ -154,12 +154,12 @@ class Transport:
     moves_rows: bool = True
 
     def mx_exchange(
-        self, x: Tensor, plan: Plan, group, recipe: MXRecipe, kernel: str, dequant: bool, chunks: int | None
+        self, x: Tensor, plan: Plan, group, fmt: MXFormat, kernel: str, dequant: bool, chunks: int | None
     ):
-        """x (rows_in, dim) bf16/fp32 contiguous, rows ordered by destination -> quantized with
-        `recipe` along dim, moved per `plan` (cast kernel `kernel`, concrete) and, if `dequant`,
-        dequantized: y (rows_out, dim) x.dtype; else (q (rows_out, dim) recipe.elem_dtype, s
-        (rows_out, dim // block_size) float8_e8m0fnu). Bit for bit `reference_mxfp8_a2a`."""
+        """x (rows_in, dim) bf16/fp32 contiguous, rows ordered by destination -> quantized in format
+        `fmt` along dim, moved per `plan` (cast kernel `kernel`, concrete) and, if `dequant`,
+        dequantized: y (rows_out, dim) x.dtype; else (q (rows_out, dim) fmt.elem_dtype, s
+        (rows_out, dim // fmt.block_size) fmt.scale_dtype). Bit for bit `reference_mxfp8_a2a`."""
         raise NotImplementedError(f"transport {self.name!r} does not exchange rows by split sizes")
 
     def exchange(self, x: Tensor, plan: Plan, group) -> Tensor:
@@ -191,15 +191,14 @@ def resolve_transport(choice: str, site: ExchangeSite, what: str = "transport") 
 
 
 def row_transport(
-    choice: str, x: Tensor, group, recipe: MXRecipe | None, chunks: int | None, world: int
+    choice: str, x: Tensor, group, fmt: MXFormat | None, chunks: int | None, world: int
 ) -> Transport:
     """The transport that moves x's rows among the `world` ranks of `group`: `choice` ("auto" or a
-    name; RuntimeError naming it when it cannot run here), quantized in `recipe`'s format (None:
-    rows in their own dtype). One rank exchanges nothing: the process group's transport (a local
+    name; RuntimeError naming it when it cannot run here), quantized in format `fmt` (None: rows in
+    their own dtype). One rank exchanges nothing: the process group's transport (a local
     copy or quantize-dequantize) whatever the choice."""
     if world == 1:
         return load_transport("nccl")
-    fmt = None if recipe is None else (recipe.elem_dtype, recipe.block_size, recipe.scaling_mode)
     site = ExchangeSite(x.device.type, group_name(group), world, fmt, chunks is not None, True, group)
     name = resolve_transport(choice, site)
     t = load_transport(name)

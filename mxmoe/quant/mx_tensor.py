@@ -29,10 +29,12 @@ from torch import Tensor
 from mxmoe.formats import (
     ELEM_FORMATS,
     OUTPUT_DTYPES,
+    MXFormat,
     ScalingMode,
     check_block_size,
     check_input_dtype,
     check_scaling_mode,
+    format_of,
 )
 from mxmoe.quant import dispatch
 from mxmoe.quant import scale_layout as sl
@@ -147,6 +149,11 @@ class MXTensor:
     @property
     def elem_dtype(self) -> torch.dtype:
         return self.qdata_blocked.dtype
+
+    @property
+    def fmt(self) -> MXFormat:
+        """This tensor's format (elements, block size, scale rule) as the registered value."""
+        return format_of(self.elem_dtype, self.block_size, self.scaling_mode)
 
     @property
     def device(self) -> torch.device:

@@ -35,10 +35,10 @@ from mxmoe.token_dispatch import UNQUANTIZED
 class RoundedBF16Transport(Transport):
     name = "rounded_bf16"
 
-    def mx_exchange(self, x, plan, group, recipe, kernel, dequant, chunks):
-        rounded = _dequantize(*_quantize(x, recipe, kernel), x.dtype, recipe, kernel)
+    def mx_exchange(self, x, plan, group, fmt, kernel, dequant, chunks):
+        rounded = _dequantize(*_quantize(x, fmt, kernel), x.dtype, fmt, kernel)
         y = PROCESS_GROUP.exchange(rounded, plan, group)
-        return y if dequant else _quantize(y, recipe, kernel)
+        return y if dequant else _quantize(y, fmt, kernel)
 
     def exchange(self, x, plan, group):
         return PROCESS_GROUP.exchange(x, plan, group)
