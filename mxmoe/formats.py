@@ -219,7 +219,8 @@ class MXFormat:
     """A second, per-tensor fp32 scale on top of the block scales (NVFP4's kind; none shipped)."""
 
     def __post_init__(self) -> None:
-        check_elem_dtype(self.elem_dtype)
+        if not isinstance(self.elem_dtype, torch.dtype) or not self.elem_dtype.is_floating_point:
+            raise TypeError(f"MXFormat {self.name}: elem_dtype={self.elem_dtype!r}; expected a float dtype")
         check_block_size(self.block_size)
         object.__setattr__(self, "scaling_mode", check_scaling_mode(self.scaling_mode))
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -269,6 +270,7 @@ def register_format(fmt: MXFormat, elem: ElemFormat | None = None) -> MXFormat:
         register_elem_format(elem)
     if not isinstance(fmt, MXFormat):
         raise TypeError(f"register_format: expected an MXFormat, got {type(fmt).__name__}")
+    check_elem_dtype(fmt.elem_dtype)  # its constants (ElemFormat) registered first
     for have in (FORMATS.get(fmt.name), _BY_KEY.get(fmt.key)):
         if have is not None and have != fmt:
             raise ValueError(f"register_format: {fmt} clashes with the registered {have}")
