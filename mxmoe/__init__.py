@@ -14,10 +14,6 @@ def __getattr__(name: str):
         import mxmoe.nn
 
         return mxmoe.nn.convert
-    if name == "MXConfig":
-        from mxmoe.options import renamed_alias
-
-        return renamed_alias("mxmoe.MXConfig")
     raise AttributeError(f"module 'mxmoe' has no attribute {name!r}")
 
 

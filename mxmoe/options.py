@@ -121,11 +121,3 @@ def why_not_accepted(name: str, value, accepted: tuple) -> str:
         + f"expected one of {list(accepted)}"
         + (f" ({name}={value!r} is now {name}={new!r})" if new else "")
     )
-
-
-def renamed_alias(old: str) -> type[MXOptions]:
-    """`MXOptions`, with a DeprecationWarning saying that `old` (e.g. "mxmoe.MXConfig") is its old name."""
-    import warnings
-
-    warnings.warn(f"{old} is now mxmoe.MXOptions (the same fields)", DeprecationWarning, stacklevel=3)
-    return MXOptions

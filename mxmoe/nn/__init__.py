@@ -17,10 +17,3 @@ __all__ = [
     "project",
 ]
 
-
-def __getattr__(name: str):
-    if name == "MXConfig":
-        from mxmoe.options import renamed_alias
-
-        return renamed_alias("mxmoe.nn.MXConfig")
-    raise AttributeError(f"module 'mxmoe.nn' has no attribute {name!r}")

@@ -14,93 +14,38 @@ Importing this package picks the adapter of the installed torchtitan and exports
   `.mxmoe_grouped_mm`, `.mxmoe_a2a`) and config functions (`--module mxmoe.integrations.torchtitan
   --config deepseek_v3_debugmodel_mxmoe`).
 
-Both adapters are built on the shared core (`common`: version floors, MXOptions -> one
-`mxmoe.MXRecipe`, the tensor-parallel refusal) and on mxmoe's dispatch seam (`mxmoe.token_dispatch`):
-a next version's adapter is a `v0_N/` package beside them, selected below.
+Both adapters are built on the shared core (`common`: the version table, MXOptions -> one
+`mxmoe.MXRecipe`, the tensor-parallel refusal), on the experts' shared paths in `mxmoe.nn` and on
+mxmoe's dispatch seam (`mxmoe.token_dispatch`): a next version's adapter is a `v0_N/` package
+beside them and one row of `common.ADAPTERS`, which picks it here.
 """
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from mxmoe.integrations.torchtitan.common import check_versions, installed_torchtitan, mx_recipe
+from mxmoe.integrations.torchtitan.common import (
+    ADAPTERS,
+    check_versions,
+    installed_torchtitan,
+    mx_recipe,  # noqa: F401  (exported: __all__ below)
+)
 
 TORCHTITAN_VERSION = installed_torchtitan()
 """The installed torchtitan's version string."""
 ADAPTER = check_versions(TORCHTITAN_VERSION, torch.__version__)
-"""The torchtitan (major, minor) whose adapter this package exports: (0, 2) or (0, 3)."""
+"""The torchtitan (major, minor) whose adapter this package exports (a key of `common.ADAPTERS`)."""
 
-if ADAPTER == (0, 2):
-    from mxmoe.integrations.torchtitan.v0_2 import (
-        MX,
-        JobConfig,
-        MXExpertParallel,
-        MXGroupedExperts,
-        MXMoEConverter,
-    )
+_adapter = importlib.import_module(ADAPTERS[ADAPTER].package)
+globals().update({name: getattr(_adapter, name) for name in _adapter.__all__})
+__all__ = sorted({"ADAPTER", "TORCHTITAN_VERSION", "mx_recipe", *_adapter.__all__})
 
-    __all__ = [
-        "ADAPTER",
-        "MX",
-        "JobConfig",
-        "MXExpertParallel",
-        "MXGroupedExperts",
-        "MXMoEConverter",
-        "TORCHTITAN_VERSION",
-        "mx_recipe",
-    ]
-else:
-    from mxmoe.integrations.torchtitan.common import OPTION_NAMES, RECIPE_FIELDS
-    from mxmoe.integrations.torchtitan.v0_3 import (
-        CONFIG_FUNCTIONS,
-        LINEAR_OVERRIDE_FQNS,
-        MXConverter,
-        MXFP8AllToAllTokenDispatcher,
-        MXFP8TokenDispatcherConverter,
-        MXGroupedExpertsConverter,
-        MXLinear,
-        MXLinearConverter,
-        MXMoEConverter,
-        mx,
-        mx_grouped_experts_cls,
-        mxfp8_dispatcher_config,
-        mxmoe,
-        mxmoe_a2a,
-        mxmoe_grouped_mm,
-        mxmoe_linear,
-    )
 
-    __all__ = [
-        "ADAPTER",
-        "CONFIG_FUNCTIONS",
-        "LINEAR_OVERRIDE_FQNS",
-        "MXConverter",
-        "MXFP8AllToAllTokenDispatcher",
-        "MXFP8TokenDispatcherConverter",
-        "MXGroupedExpertsConverter",
-        "MXLinear",
-        "MXLinearConverter",
-        "MXMoEConverter",
-        "OPTION_NAMES",
-        "RECIPE_FIELDS",
-        "TORCHTITAN_VERSION",
-        "mx",
-        "mx_grouped_experts_cls",
-        "mx_recipe",
-        "mxfp8_dispatcher_config",
-        "mxmoe",
-        "mxmoe_a2a",
-        "mxmoe_grouped_mm",
-        "mxmoe_linear",
-    ]
-
-    def __getattr__(name: str):
-        # `--module mxmoe.integrations.torchtitan --config F`: torchtitan 0.3's loader imports
-        # `<module>.config_registry` and, on an ImportError (its trainer's torch floor, checked
-        # there), looks F up on this package instead; importing the registry again here raises
-        # mxmoe's ImportError (what is needed, what to install) out of the loader.
-        if name in CONFIG_FUNCTIONS:
-            from mxmoe.integrations.torchtitan.v0_3 import config_registry
-
-            return getattr(config_registry, name)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __getattr__(name: str):
+    # what the adapter package resolves on first use (torchtitan 0.3's config functions)
+    try:
+        return getattr(_adapter, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

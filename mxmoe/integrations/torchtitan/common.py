@@ -10,23 +10,49 @@ before a torchtitan module is imported.
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import dataclass
 
 from mxmoe.options import MXOptions
 from mxmoe.recipe import DEFAULT_RECIPE_NAME, MXRecipe
 
-SUPPORTED = {
-    (0, 2): ((2, 11), "TOML job configs: --model.converters mxmoe with an [mx] section"),
-    (0, 3): ((2, 14), "config_registry functions, model-config converters and overrides"),
+
+@dataclass(frozen=True)
+class Adapter:
+    """One row of the version table: the adapter of one torchtitan (major, minor)."""
+
+    package: str
+    """The adapter's package, imported (and its `__all__` exported) when this torchtitan is installed."""
+    torch_floor: tuple[int, int]
+    """The oldest torch its trainer runs on."""
+    import_floor: tuple[int, int]
+    """The oldest torch on which torchtitan's models and the adapter import."""
+    plugs_into: str
+    """What the adapter plugs into."""
+    floor_note: str = ""
+    """Said after the torch-floor error: why, and what else would run."""
+
+
+ADAPTERS: dict[tuple[int, int], Adapter] = {
+    (0, 2): Adapter(
+        "mxmoe.integrations.torchtitan.v0_2", (2, 11), (2, 11),
+        "TOML job configs: --model.converters mxmoe with an [mx] section",
+    ),
+    (0, 3): Adapter(
+        "mxmoe.integrations.torchtitan.v0_3", (2, 14), (2, 12),
+        "config_registry functions, model-config converters and overrides",
+        " (torchtitan 0.3's models need torch.distributed.fsdp.DataParallelMeshDims and "
+        "torch.compiler._is_non_strict_tracing, from torch 2.12; its trainer calls "
+        "torch.distributed.set_timeout, from torch 2.14); torchtitan 0.2.x runs on torch 2.11: "
+        "pip install 'mxmoe[torchtitan02]'",
+    ),
 }
-"""torchtitan (major, minor) -> (the torch it needs, what the adapter plugs into).
+"""The version table: torchtitan (major, minor) -> its adapter. torchtitan 0.4 is one new package
+(`v0_4/`, exporting its names in `__all__`) and one row here.
 
 torchtitan 0.2.x imports and trains on torch 2.11. torchtitan 0.3's models import on torch 2.12
 (they need torch.distributed.fsdp.DataParallelMeshDims, and its all-to-all dispatcher
 torch.compiler._is_non_strict_tracing), but its trainer calls torch.distributed.set_timeout after
 the first step, which torch 2.13 lacks: the trainer needs torch 2.14."""
-
-TORCHTITAN_03_IMPORT_FLOOR = (2, 12)
-"""The oldest torch on which torchtitan 0.3's models (and mxmoe's 0.3 converters) import."""
 
 
 def _major_minor(version: str) -> tuple[int, int]:
@@ -56,24 +82,18 @@ def check_versions(torchtitan_version: str, torch_version: str) -> tuple[int, in
     but its trainer needs torch 2.14 (`check_trainer_torch`, run by the 0.3 config_registry).
     """
     tt, th = _major_minor(torchtitan_version), _major_minor(torch_version)
-    if tt not in SUPPORTED:
+    row = ADAPTERS.get(tt)
+    if row is None:
+        versions = " and ".join(f"{a}.{b}.x" for a, b in ADAPTERS)
         raise ImportError(
-            f"mxmoe.integrations.torchtitan supports torchtitan 0.2.x and 0.3.x, this is torchtitan "
+            f"mxmoe.integrations.torchtitan supports torchtitan {versions}, this is torchtitan "
             f"{torchtitan_version}"
         )
-    need = TORCHTITAN_03_IMPORT_FLOOR if tt == (0, 3) else SUPPORTED[tt][0]
-    if th < need:
-        floor = SUPPORTED[tt][0]
+    if th < row.import_floor:
+        floor = row.torch_floor
         raise ImportError(
             f"torchtitan {tt[0]}.{tt[1]} needs torch >= {floor[0]}.{floor[1]}, this is torch {torch_version}"
-            + (
-                " (torchtitan 0.3's models need torch.distributed.fsdp.DataParallelMeshDims and "
-                "torch.compiler._is_non_strict_tracing, from torch 2.12; its trainer calls "
-                "torch.distributed.set_timeout, from torch 2.14); torchtitan 0.2.x runs on torch 2.11: "
-                "pip install 'mxmoe[torchtitan02]'"
-                if tt == (0, 3)
-                else ""
-            )
+            + row.floor_note
         )
     return tt
 

@@ -9,6 +9,7 @@ deepseek_v3_debugmodel_mxmoe`). Built on the shared core (`mxmoe.integrations.to
 and mxmoe's dispatch seam (`mxmoe.token_dispatch`).
 """
 
+from mxmoe.integrations.torchtitan.common import OPTION_NAMES, RECIPE_FIELDS
 from mxmoe.integrations.torchtitan.v0_3.converters import (
     MXConverter,
     MXGroupedExpertsConverter,
@@ -41,6 +42,8 @@ CONFIG_FUNCTIONS = (
 
 __all__ = [
     "CONFIG_FUNCTIONS",
+    "OPTION_NAMES",
+    "RECIPE_FIELDS",
     "LINEAR_OVERRIDE_FQNS",
     "MXConverter",
     "MXFP8AllToAllTokenDispatcher",
@@ -57,3 +60,15 @@ __all__ = [
     "mxmoe_grouped_mm",
     "mxmoe_linear",
 ]
+
+
+def __getattr__(name: str):
+    # `--module mxmoe.integrations.torchtitan --config F`: torchtitan 0.3's loader imports
+    # `<module>.config_registry` and, on an ImportError (its trainer's torch floor, checked
+    # there), looks F up on the package instead; importing the registry again here raises
+    # mxmoe's ImportError (what is needed, what to install) out of the loader.
+    if name in CONFIG_FUNCTIONS:
+        from mxmoe.integrations.torchtitan.v0_3 import config_registry
+
+        return getattr(config_registry, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
