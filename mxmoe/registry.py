@@ -1,12 +1,15 @@
-"""Backends chosen by name: the cast kernels (`mxmoe.quant.backends.CAST_KERNELS`) and the
-expert-parallel exchange's transports (`mxmoe.comm`) are each one `Registry`.
+"""Backends chosen by name: the cast kernels (`mxmoe.quant.backends.CAST_BACKENDS`), the GEMM
+backends (`mxmoe.ops.gemm_backend.GEMM_BACKENDS`) and the expert-parallel exchange's transports
+(`mxmoe.comm.transport.TRANSPORTS`) are each one `Registry`.
 
 A backend declares, in the file that implements it, whether it can run in a context (a device, or
 whatever its registry's consumers pass) and its rank for "auto"; choosing one is a lookup, not an
 `if` chain, and adding one touches its own file and one `register` call. `Registry.resolve` answers
-once per (choice, context) and keeps the answer, so that code traced by torch.compile reads a dict
-instead of calling the availability checks (resolve before compiling, e.g. when a module is built
-or converted; under tracing, an answer not resolved before is computed and not kept).
+once per (choice, context) and keeps the answer in `RESOLVED`, the one cache of resolved choices
+(every registry's, and what `mxmoe.quant.backends` derives from them), so that code traced by
+torch.compile reads a dict instead of calling the availability checks (resolve before compiling,
+e.g. when a module is built or converted; under tracing, an answer not resolved before is computed
+and not kept).
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+RESOLVED: dict[tuple, object] = {}
+"""The one cache of resolved choices: each registry's answers under (its `what`, choice, *context),
+and the answers `mxmoe.quant.backends` derives from them (`remember`). Cleared by
+`mxmoe.quant.backends.clear_resolved` (everything) or a registry's `clear`."""
 
 
 @dataclass(frozen=True)
@@ -40,17 +48,19 @@ class Backend:
 class Registry:
     """Backends of one job by name; "auto" picks the available one of lowest rank."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, *, keep: bool = True):
         self.what = what
-        """What the backends do, for messages (e.g. "cast kernel")."""
+        """What the backends do, for messages (e.g. "cast kernel"); the key of its answers in RESOLVED."""
+        self.keep = keep
+        """Keep the answers in RESOLVED (False: a registry whose costly checks keep their own answers
+        there, so that resolving again is a few dict lookups that see a check replaced in tests)."""
         self._backends: dict[str, Backend] = {}
-        self._resolved: dict[tuple, str] = {}
 
     def register(self, backend: Backend) -> Backend:
         if backend.name in self._backends or backend.name == "auto":
             raise ValueError(f"{self.what} {backend.name!r} is registered already (or is 'auto')")
         self._backends[backend.name] = backend
-        self._resolved.clear()
+        self.clear()
         return backend
 
     def names(self) -> tuple[str, ...]:
@@ -82,8 +92,8 @@ class Registry:
         RuntimeError naming `option` and the reason when it cannot run here. Kept per (choice,
         context) outside torch.compile tracing.
         """
-        key = (choice, *context)
-        hit = self._resolved.get(key)
+        key = (self.what, choice, *context)
+        hit = RESOLVED.get(key) if self.keep else None
         if hit is not None:
             return hit
         if choice == "auto":
@@ -101,8 +111,8 @@ class Registry:
             if reason is not None:
                 raise RuntimeError(f"{option or self.what}={choice!r}: {reason}")
             out = choice
-        if not torch.compiler.is_compiling():
-            self._resolved[key] = out
+        if self.keep and not torch.compiler.is_compiling():
+            RESOLVED[key] = out
         return out
 
     def load(self, name: str) -> ModuleType:
@@ -110,5 +120,6 @@ class Registry:
         return importlib.import_module(self.get(name).module)
 
     def clear(self) -> None:
-        """Forget the resolved choices (after the environment changed, e.g. in tests)."""
-        self._resolved.clear()
+        """Forget this registry's resolved choices (after the environment changed, e.g. in tests)."""
+        for key in [k for k in RESOLVED if k[0] == self.what]:
+            del RESOLVED[key]

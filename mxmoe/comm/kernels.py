@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from mxmoe.formats import DEFAULT_FORMAT
-from mxmoe.quant import dispatch
+from mxmoe.quant import call_path
 from mxmoe.quant.backends import cast_fn, resolve_kernel, triton_interpret
 
 try:
@@ -300,7 +300,7 @@ def qdq_into(
         impl = "triton" if out.is_cuda and triton_usable(out.device) else "copy"
     if impl == "copy":
         kernel = resolve_kernel(kernel, x.device)
-        q, s = dispatch.quantize_dim0(x, _rceil_spec(), kernel)
+        q, s = call_path.quantize_dim0(x, _rceil_spec(), kernel)
         return dequantize_into(q, s, out, kernel)
     if not triton_usable(out.device):
         raise RuntimeError("impl='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")

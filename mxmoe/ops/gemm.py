@@ -253,7 +253,9 @@ def gemm(a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> T
     # torch.mm for the dense 2D GEMM: what `a @ b` runs there, without matmul's dispatch layer
     out = torch.mm(a, b) if offs is None else _grouped(a, b, offs)
     # no `.to()` when the dtype already matches: torch 2.11's dynamo gives an autograd.Function
-    # whose output is such a no-op `.to()` of an intermediate a zero gradient under torch.compile
+    # whose output is such a no-op `.to()` of an intermediate a zero gradient under torch.compile.
+    # Removable once mxmoe's oldest torch traces it right (tests/ops/test_mx_ops.py, compiled, pass
+    # with a plain `.to(out_dtype)`).
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

@@ -1,5 +1,6 @@
 """Which GEMM backend an MX op runs, resolved from its recipe: `resolve_gemm_backend` (the recipe's
-`gemm_backend`, "auto" made concrete per device), `native_unavailable` (whether torch's
+`gemm_backend`, "auto" made concrete per device: a lookup in `GEMM_BACKENDS`, a
+`mxmoe.registry.Registry` as the cast kernels' and the transports'), `native_unavailable` (whether torch's
 block-scaled GEMMs run on a device, probed once) and `op_kernels` (everything a call of an MX op
 needs of its recipe on a device: the GEMM backend, whether it takes qdq'd operands, the compute
 dtype and the qdq kernels, resolved once per (recipe, device type)).
@@ -14,8 +15,10 @@ from typing import NamedTuple
 
 import torch
 
+from mxmoe.formats import MXFormat, get_format
 from mxmoe.quant import backends
 from mxmoe.recipe import MXRecipe
+from mxmoe.registry import Backend, Registry
 
 log = logging.getLogger(__name__)
 
@@ -78,40 +81,56 @@ def _native_reason(device: torch.device, probe: bool = True) -> str | None:
     return None
 
 
-def _recipe_refuses(recipe: MXRecipe) -> str | None:
-    """Why the native GEMMs cannot take `recipe`'s operands (None: they can)."""
-    if recipe.elem_dtype != NATIVE_ELEM or recipe.block_size != NATIVE_BLOCK:
+def _format_refuses(fmt: MXFormat) -> str | None:
+    """Why the native GEMMs cannot take operands of format `fmt` (None: they can)."""
+    if fmt.elem_dtype != NATIVE_ELEM or fmt.block_size != NATIVE_BLOCK:
         return (
             f"gemm_backend='native' takes e4m3 operands in blocks of {NATIVE_BLOCK} (MXFP8); the recipe "
-            f"has elem_dtype={recipe.elem_dtype}, block_size={recipe.block_size}"
+            f"has elem_dtype={fmt.elem_dtype}, block_size={fmt.block_size}"
         )
     return None
 
 
+def _native_why(device: torch.device, fmt: str) -> str | None:
+    return native_unavailable(device) or _format_refuses(get_format(fmt))
+
+
+GEMM_BACKENDS = Registry("GEMM backend")
+"""The GEMMs on MX operands by name, at a context (device, the operands' registered format name):
+"native" (torch's block-scaled GEMMs; "auto" takes it where it runs) and "emulated" (exact
+dequantized operands, a high-precision GEMM; everywhere). Answers are kept in the one cache
+(`mxmoe.registry.RESOLVED`; `mxmoe.quant.backends.clear_resolved` forgets them)."""
+GEMM_BACKENDS.register(
+    Backend("native", __name__, why_unavailable=_native_why, auto_rank=lambda device, fmt: 0)
+)
+GEMM_BACKENDS.register(
+    Backend("emulated", __name__, why_unavailable=lambda device, fmt: None, auto_rank=lambda device, fmt: 1)
+)
+
+
 def resolve_gemm_backend(recipe: MXRecipe, device: torch.device) -> str:
-    """The concrete GEMM backend of `recipe` on `device`: its gemm_backend, with "auto" made
-    "native" where `native_unavailable` and the recipe allow it, else "emulated" (logged once per
-    device and reason). "native" where it cannot run: RuntimeError (ValueError for the recipe)
-    naming the requirement."""
-    name = recipe.gemm_backend
-    if name not in ("auto", "native"):
-        return name
-    reason = native_unavailable(device)
-    if name == "native":
+    """The concrete GEMM backend of `recipe` on `device`: its gemm_backend, with "auto" the available
+    backend of lowest rank in `GEMM_BACKENDS` ("native" where `native_unavailable` and the recipe's
+    format allow it, else "emulated", logged once per device and reason). "native" where it cannot
+    run: RuntimeError (ValueError for the recipe's format) naming the requirement."""
+    name, fmt = recipe.gemm_backend, recipe.fmt.name
+    if name == "native":  # named: the requirement it misses, as an error
+        reason = native_unavailable(device)
         if reason is not None:
             raise RuntimeError(reason)
-        refused = _recipe_refuses(recipe)
+        refused = _format_refuses(recipe.fmt)
         if refused is not None:
             raise ValueError(refused)
-        return "native"
-    reason = reason or _recipe_refuses(recipe)
-    if reason is None:
-        return "native"
-    log_once(f"gemm_backend='auto' runs the emulated GEMM on {device.type}: {reason}")
-    return "emulated"
+    out = GEMM_BACKENDS.resolve(name, device, fmt, option="gemm_backend")
+    if name == "auto" and out != "native" and ("fallback", device, fmt) not in _logged:
+        if not torch.compiler.is_compiling():
+            _logged.add(("fallback", device, fmt))
+        why = GEMM_BACKENDS.why_unavailable("native", device, fmt)
+        log_once(f"gemm_backend='auto' runs the emulated GEMM on {device.type}: {why}")
+    return out
 
 
-_logged: set[str] = set()
+_logged: set = set()
 
 
 def log_once(msg: str) -> None:

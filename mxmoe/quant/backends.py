@@ -40,7 +40,7 @@ from types import ModuleType
 import torch
 
 from mxmoe.recipe import CAST_KERNELS, MXRecipe
-from mxmoe.registry import Backend, Registry
+from mxmoe.registry import RESOLVED, Backend, Registry
 
 KERNELS = CAST_KERNELS  # the one tuple of cast kernel names (mxmoe.recipe)
 CASTS = ("dim0", "dim1", "dim0_dim1", "dequant")
@@ -146,7 +146,7 @@ def available_kernels(device: torch.device | str | None = None) -> list[str]:
 # combination (an unavailable kernel raises, so only answers that can run are kept; TRITON_INTERPRET
 # is read when a combination is first resolved, as Triton itself reads it once). Answers derived
 # from these (the MX ops' `op_kernels`) are kept here too, through `remember`.
-_resolved: dict[tuple, object] = {}
+_resolved: dict[tuple, object] = RESOLVED  # the one cache (mxmoe.registry); tests may swap it
 
 
 _MISSING = object()
@@ -218,6 +218,7 @@ def resolve_kernel(kernel: str, device: torch.device, cast: str = "dim1") -> str
     Cached: repeated calls cost a dict lookup."""
     # While tracing, the kept answers are not read: Dynamo would guard on the dict, which the
     # trace-time resolution may fill (torch 2.11: "Guard failed on the same frame it was created").
+    # Removable once mxmoe's oldest torch no longer fails that guard (tests/quant/test_cast_compile.py).
     if torch.compiler.is_compiling():
         return _resolve_at_trace(kernel, device.type, device.index, cast, None)
     hit = _resolved.get((kernel, device, cast))

@@ -1,7 +1,7 @@
 """The argument checks of the public cast API, and the output allocation every backend shares.
 
 Checks run once per public call (`to_mx`, `to_mx_dim0_dim1`, `MXTensor.dequantize`, the comm
-layer's entry points); everything below them (`mxmoe.quant.dispatch`, the custom ops, the backends)
+layer's entry points); everything below them (`mxmoe.quant.call_path`, the custom ops, the backends)
 trusts its arguments. Errors name the argument, the value received and what is accepted.
 """
 

@@ -2,7 +2,7 @@
 `torch.compile(fullgraph=True)` traces through them without a graph break.
 
 Every op takes a concrete `kernel` name ("torch" | "triton" | "cuda") and checked arguments
-(`mxmoe.quant.dispatch` calls them only while torch.compile traces; eager calls go straight to the
+(`mxmoe.quant.call_path` calls them only while torch.compile traces; eager calls go straight to the
 backends). Inputs must be contiguous; outputs are fresh contiguous tensors. Scales are
 `torch.float8_e8m0fnu`.
 """

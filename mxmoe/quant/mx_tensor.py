@@ -36,7 +36,7 @@ from mxmoe.formats import (
     check_scaling_mode,
     format_of,
 )
-from mxmoe.quant import dispatch
+from mxmoe.quant import call_path
 from mxmoe.quant import scale_layout as sl
 from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.checks import check_no_grad, check_x, checked_spec, spec_of
@@ -176,12 +176,12 @@ class MXTensor:
         `cast_kernel`). Returns the logical shape (a view of a contiguous (.., K) result)."""
         q, sc = self.qdata_blocked, self.scale_blocked
         if q.ndim == 2:
-            out = dispatch.dequantize(q, sc, self.block_size, dtype, kernel)
+            out = call_path.dequantize(q, sc, self.block_size, dtype, kernel)
             return out if self.axis == 1 else out.t()
         shape = tuple(q.shape)
         rows = _rows(shape, 1)
         q2, s2 = q.view(rows, shape[-1]), sc.view(rows, sc.shape[-1])
-        out = dispatch.dequantize(q2, s2, self.block_size, dtype, kernel)
+        out = call_path.dequantize(q2, s2, self.block_size, dtype, kernel)
         return out.view(*shape).movedim(-1, self.axis)
 
     def index_rows(self, index: Tensor) -> MXTensor:
@@ -225,7 +225,8 @@ def mx_tensor_trusted(
     the ops, the all-to-all): the caller guarantees what `MXTensor` would check."""
     if torch.compiler.is_compiling():
         # Dynamo (torch 2.11) cannot trace object.__new__; the dataclass constructor traces, and
-        # its checks are skipped while tracing (they ran on the eager calls)
+        # its checks are skipped while tracing (they ran on the eager calls). Removable once
+        # mxmoe's oldest torch traces object.__new__ (tests/quant/test_cast_compile.py says so).
         return MXTensor(
             qdata_blocked, scale_blocked, axis, block_size, scaling_mode, orig_dtype, grad_anchor,
             scale_swizzled, offs,
@@ -494,18 +495,18 @@ def _cast(x: Tensor, ax: int, spec, recipe: MXRecipe) -> MXTensor:
     # (..., C, R) along dim -2), so no reshape runs here: each Tensor.view costs about a µs of host time.
     nd = x.ndim
     if ax == nd - 1:
-        q, s = dispatch.quantize_dim0(x.contiguous(), spec, cast_kernel(recipe, x.device, "dim0"))
+        q, s = call_path.quantize_dim0(x.contiguous(), spec, cast_kernel(recipe, x.device, "dim0"))
     elif x.is_contiguous() and (nd == 2 or x.shape[-1] != 1):
         # row-major with blocks along dim -2 (no transpose of x is contiguous): the transposing kernel
-        q, s = dispatch.quantize_dim1(x, spec, cast_kernel(recipe, x.device, "dim1"))
+        q, s = call_path.quantize_dim1(x, spec, cast_kernel(recipe, x.device, "dim1"))
     else:
         xt = x.transpose(-2, -1)
         # blocks innermost in memory (e.g. x is a transposed view): the dim0 cast of that transpose,
         # without a copy; 2D asks for exact strides (is_contiguous ignores those of size-1 dims)
         if (xt.stride(-1) == 1 and xt.stride(-2) == x.shape[-2]) if nd == 2 else xt.is_contiguous():
-            q, s = dispatch.quantize_dim0(xt, spec, cast_kernel(recipe, x.device, "dim0"))
+            q, s = call_path.quantize_dim0(xt, spec, cast_kernel(recipe, x.device, "dim0"))
         else:
-            q, s = dispatch.quantize_dim1(x.contiguous(), spec, cast_kernel(recipe, x.device, "dim1"))
+            q, s = call_path.quantize_dim1(x.contiguous(), spec, cast_kernel(recipe, x.device, "dim1"))
     return mx_tensor_trusted(q, s, ax, spec.block_size, _MODE_NAMES[spec.mode], x.dtype)
 
 
@@ -559,7 +560,7 @@ def mx_cast_dim0_dim1(x: Tensor, recipe: MXRecipe) -> tuple[MXTensor, MXTensor]:
 
 def _cast_dim0_dim1(x: Tensor, spec, recipe: MXRecipe) -> tuple[MXTensor, MXTensor]:
     k = cast_kernel(recipe, x.device, "dim0_dim1")
-    q0, s0, q1, s1 = dispatch.quantize_dim0_dim1(x.contiguous(), spec, k)
+    q0, s0, q1, s1 = call_path.quantize_dim0_dim1(x.contiguous(), spec, k)
     bs, mode = spec.block_size, _MODE_NAMES[spec.mode]
     return (
         mx_tensor_trusted(q0, s0, 1, bs, mode, x.dtype),

@@ -17,7 +17,7 @@ import logging
 import pytest
 import torch
 
-from mxmoe import MXRecipe
+from mxmoe import MXRecipe, registry
 from mxmoe.ops import gemm_backend, mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.quant import backends
 from mxmoe.quant import scale_layout as sl
@@ -175,8 +175,10 @@ def test_emulated_gemm_takes_both_layouts():
 
 @pytest.fixture
 def fresh_resolution(monkeypatch):
-    """A private cache of resolved answers (native availability, op_kernels) and of logged lines."""
+    """A private cache of resolved answers (native availability, op_kernels, the GEMM backend
+    registry's) and of logged lines."""
     monkeypatch.setattr(backends, "_resolved", {})
+    monkeypatch.setattr(registry, "RESOLVED", {})
     monkeypatch.setattr(gemm_backend, "_logged", set())
 
 

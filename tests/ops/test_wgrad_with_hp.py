@@ -24,7 +24,7 @@ from conftest import assert_same_bits
 import mxmoe.ops.gemm_backend as gemm_backend
 import mxmoe.ops.grouped as grouped_mod
 import mxmoe.ops.linear as linear_mod
-from mxmoe import MXOptions, to_mx
+from mxmoe import MXOptions, registry, to_mx
 from mxmoe.ops import (
     mx_grouped_mm,
     mx_grouped_mm_shared,
@@ -235,6 +235,7 @@ def test_native_gemm(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", sem.mm)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", sem.grouped)
     monkeypatch.setattr(gemm_backend, "native_unavailable", lambda device: None)
+    monkeypatch.setattr(registry, "RESOLVED", {})  # the GEMM backend's answers, kept, rest on it
     x, w, v, w1, *_, offs = operands(torch.bfloat16, "cpu")
     r = hp_recipe(gemm_backend="native")
     check(linear_checks(r, x, w, v))
@@ -319,6 +320,7 @@ def test_emulated_recipe_is_the_emulated_gemm(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", sem.mm)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", sem.grouped)
     monkeypatch.setattr(gemm_backend, "native_unavailable", lambda device: None)
+    monkeypatch.setattr(registry, "RESOLVED", {})  # the GEMM backend's answers, kept, rest on it
     emu = recipe("mxfp8_emulated_rceil", dim0_kernel="torch", dim1_kernel="torch")
     assert emu == recipe("mxfp8_rceil", dim0_kernel="torch", dim1_kernel="torch", gemm_backend="emulated")
     assert MXOptions(recipe_name="mxfp8_emulated_rceil").to_recipe().gemm_backend == "emulated"

@@ -150,7 +150,7 @@ def test_errors_raise_before_any_kernel(monkeypatch):
     def boom(kernel, cast):
         raise AssertionError(f"backend {kernel} called")
 
-    monkeypatch.setattr("mxmoe.quant.dispatch.cast_fn", boom)
+    monkeypatch.setattr("mxmoe.quant.call_path.cast_fn", boom)
     monkeypatch.setattr("mxmoe.quant.custom_ops.cast_fn", boom)
     for kwargs in (dict(block_size=3), dict(scaling_mode="x"), dict(elem_dtype=torch.float16), dict(axis=5)):
         with pytest.raises((ValueError, TypeError)):
