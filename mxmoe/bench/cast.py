@@ -138,7 +138,7 @@ def _bytes(mode: str, shape, in_size: int, out_size: int = 2) -> int:
 
 def _make_fns(case: Case, elem: torch.dtype):
     """{row label: fn} calling the cast like a user does; fn takes one input set (x,) or (q, s)."""
-    from mxmoe.formats import make_spec
+    from mxmoe.formats import format_of, make_spec
     from mxmoe.quant import custom_ops, torch_cast
 
     spec = make_spec(BLOCK, case.scaling if case.scaling != "-" else "rceil", elem)
@@ -155,7 +155,7 @@ def _make_fns(case: Case, elem: torch.dtype):
             "dequant": lambda q, s: torch_cast.dequantize(q, s, BLOCK, torch.bfloat16),
         }
         return {m: torch.compile(f, dynamic=False) for m, f in casts.items()}
-    args = (BLOCK, spec.mode.value, elem, k)
+    args = (format_of(elem, BLOCK, spec.mode).name, k)
     return {
         "dim0": lambda x: custom_ops.quantize_dim0(x, *args),
         "dim1": lambda x: custom_ops.quantize_dim1(x.unsqueeze(0), *args),

@@ -216,7 +216,7 @@ def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", imp
         raise ValueError(f"impl={impl!r} is not one of 'auto', 'cuda', 'triton', 'copy'")
     if q.dtype not in (torch.float8_e4m3fn, torch.uint8):
         raise TypeError(f"q has dtype {q.dtype}; expected torch.float8_e4m3fn (or its uint8 view)")
-    if s.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+    if s.dtype not in (DEFAULT_FORMAT.scale_dtype, torch.uint8):
         raise TypeError(f"s has dtype {s.dtype}; expected torch.float8_e8m0fnu (or its uint8 view)")
     if q.ndim != 2 or q.shape != out.shape or s.shape != (q.shape[0], q.shape[1] // BLOCK_SIZE):
         raise ValueError(
@@ -246,7 +246,8 @@ def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", imp
         return out
     if impl == "copy":
         deq = cast_fn(resolve_kernel(kernel, out.device, "dequant"), "dequant")
-        return deq(q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), BLOCK_SIZE, out.dtype, out=out)
+        f = DEFAULT_FORMAT
+        return deq(q.view(f.elem_dtype), s.view(f.scale_dtype), f.block_size, out.dtype, out=out)
     if not triton_usable(out.device):
         raise RuntimeError("impl='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
     bf16 = out.dtype == torch.bfloat16

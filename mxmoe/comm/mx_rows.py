@@ -48,7 +48,7 @@ def _quantize(x: Tensor, fmt: MXFormat, k: str) -> tuple[Tensor, Tensor]:
     # `k` is concrete. The backend is called directly: the same kernel as the custom op, without
     # the dispatcher's per-call cost (the pipeline makes several calls per round).
     if x.numel() == 0:
-        return custom_ops.quantize_dim0(x, fmt.block_size, fmt.scaling_mode.value, fmt.elem_dtype, k)
+        return custom_ops.quantize_dim0(x, fmt.name, k)
     return backend(k).quantize_dim0(x, fmt.spec)
 
 

@@ -32,7 +32,7 @@ def _reference_once(x: Tensor, outs: list[int], ins: list[int], group, r: MXReci
     all_to_all_rows(q, mx.qdata_blocked.view(torch.uint8), outs, ins, group)
     all_to_all_rows(s, mx.scale_blocked.view(torch.uint8), outs, ins, group)
     out = MXTensor(
-        q.view(r.elem_dtype), s.view(torch.float8_e8m0fnu), 1, r.block_size, r.scaling_mode, x.dtype
+        q.view(r.elem_dtype), s.view(r.fmt.scale_dtype), 1, r.block_size, r.scaling_mode, x.dtype
     )
     return out.dequantize(recipe=r)
 

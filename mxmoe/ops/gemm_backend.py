@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from mxmoe.formats import MXFormat, get_format
+from mxmoe.formats import SCALE_DTYPE, MXFormat, get_format
 from mxmoe.quant import backends
 from mxmoe.recipe import MXRecipe
 from mxmoe.registry import Backend, Registry
@@ -28,7 +28,7 @@ NATIVE_ELEM = torch.float8_e4m3fn
 
 def _probe_native(device: torch.device) -> None:
     """One tiny dense and one tiny grouped MX GEMM on `device` (raises what torch raises)."""
-    e8 = torch.float8_e8m0fnu
+    e8 = SCALE_DTYPE
     one = torch.full((), 127, dtype=torch.uint8, device=device)  # e8m0 byte 127 = 2^0
     a = torch.zeros(128, 32, dtype=NATIVE_ELEM, device=device)
     s_a = one.expand(128, 4).contiguous().view(e8)  # (128 rows, 1 scale column padded to 4)

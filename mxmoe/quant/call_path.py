@@ -18,9 +18,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mxmoe.formats import CastSpec
+from mxmoe.formats import CastSpec, format_of
 from mxmoe.quant import cuda_cast, custom_ops
 from mxmoe.quant.backends import cast_fn
+
+
+def _format_name(spec: CastSpec) -> str:
+    """The registered name of `spec`'s format, what the custom ops take (while tracing only)."""
+    return format_of(spec.elem.dtype, spec.block_size, spec.mode).name
 
 
 def _custom(kernel: str) -> bool:
@@ -54,7 +59,7 @@ def quantize_dim0(x: Tensor, spec: CastSpec, kernel: str, *, out=None) -> tuple[
     only): a (q, s) pair checked by checks.check_dim0_out (eager only)."""
     compiling = torch.compiler.is_compiling()
     if compiling and out is None and _custom(kernel):
-        return custom_ops.quantize_dim0(x, spec.block_size, spec.mode.value, spec.elem.dtype, kernel)
+        return custom_ops.quantize_dim0(x, _format_name(spec), kernel)
     if x.numel() == 0:
         if out is None:
             return custom_ops.fake_dim0(x, spec.block_size, spec.elem.dtype)
@@ -69,7 +74,7 @@ def quantize_dim1(x: Tensor, spec: CastSpec, kernel: str) -> tuple[Tensor, Tenso
     stored transposed (each matrix x[..., :, :] on its own)."""
     compiling = torch.compiler.is_compiling()
     if compiling and _custom(kernel):
-        return custom_ops.quantize_dim1(x, spec.block_size, spec.mode.value, spec.elem.dtype, kernel)
+        return custom_ops.quantize_dim1(x, _format_name(spec), kernel)
     if x.numel() == 0:
         return custom_ops.fake_dim1(x, spec.block_size, spec.elem.dtype)
     if compiling or torch.autograd._profiler_enabled():
@@ -81,7 +86,7 @@ def quantize_dim0_dim1(x: Tensor, spec: CastSpec, kernel: str) -> tuple[Tensor, 
     """x (R, C) read once -> q0 (R, C), s0 (R, C // bs), q1 (C, R), s1 (C, R // bs)."""
     compiling = torch.compiler.is_compiling()
     if compiling and _custom(kernel):
-        return custom_ops.quantize_dim0_dim1(x, spec.block_size, spec.mode.value, spec.elem.dtype, kernel)
+        return custom_ops.quantize_dim0_dim1(x, _format_name(spec), kernel)
     if x.numel() == 0:
         return custom_ops.fake_dim0_dim1(x, spec.block_size, spec.elem.dtype)
     if compiling or torch.autograd._profiler_enabled():

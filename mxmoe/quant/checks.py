@@ -14,6 +14,7 @@ import torch
 from mxmoe.formats import (
     ELEM_FORMATS,
     INPUT_DTYPES,
+    SCALE_DTYPE,
     CastSpec,
     ScalingMode,
     check_block_size,
@@ -102,7 +103,7 @@ def check_dim0_out(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, 
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise TypeError("out must be a pair (q, s) of tensors")
     shapes = ((R, C), (R, C // spec.block_size))
-    dtypes = (spec.elem.dtype, torch.float8_e8m0fnu)
+    dtypes = (spec.elem.dtype, SCALE_DTYPE)
     views = []
     for name, t, shape, dtype in zip(("out[0]", "out[1]"), out, shapes, dtypes, strict=True):
         if not isinstance(t, torch.Tensor) or t.dtype not in (dtype, torch.uint8):
@@ -121,9 +122,9 @@ def dim0_outputs(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, to
     viewed as (element dtype, float8_e8m0fnu), or new contiguous tensors of x's shape and
     (..., C // block_size)."""
     if out is not None:
-        return out[0].view(spec.elem.dtype), out[1].view(torch.float8_e8m0fnu)
+        return out[0].view(spec.elem.dtype), out[1].view(SCALE_DTYPE)
     *lead, C = x.shape
     return (
         torch.empty(x.shape, dtype=spec.elem.dtype, device=x.device),
-        torch.empty((*lead, C // spec.block_size), dtype=torch.float8_e8m0fnu, device=x.device),
+        torch.empty((*lead, C // spec.block_size), dtype=SCALE_DTYPE, device=x.device),
     )

@@ -1,10 +1,11 @@
 """The cast kernels as `torch.library` custom ops, with fake implementations so that
 `torch.compile(fullgraph=True)` traces through them without a graph break.
 
-Every op takes a concrete `kernel` name ("torch" | "triton" | "cuda") and checked arguments
+The quantize ops take the format by its registered name (`mxmoe.formats.FORMATS`). Every op takes
+a concrete `kernel` name ("torch" | "triton" | "cuda") and checked arguments
 (`mxmoe.quant.call_path` calls them only while torch.compile traces; eager calls go straight to the
 backends). Inputs must be contiguous; outputs are fresh contiguous tensors. Scales are
-`torch.float8_e8m0fnu`.
+the format's scale dtype (E8M0).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mxmoe.formats import SCALE_DTYPE, get_format
 from mxmoe.quant.backends import cast_fn
-from mxmoe.quant.checks import spec_of
 
 
 def _contiguous(outs):
@@ -29,7 +30,7 @@ def fake_dim0(x: Tensor, block_size: int, elem_dtype: torch.dtype) -> tuple[Tens
     *lead, C = x.shape
     return (
         torch.empty(x.shape, dtype=elem_dtype, device=x.device),
-        torch.empty((*lead, C // block_size), dtype=torch.float8_e8m0fnu, device=x.device),
+        torch.empty((*lead, C // block_size), dtype=SCALE_DTYPE, device=x.device),
     )
 
 
@@ -38,7 +39,7 @@ def fake_dim1(x: Tensor, block_size: int, elem_dtype: torch.dtype) -> tuple[Tens
     *lead, R, C = x.shape
     return (
         torch.empty((*lead, C, R), dtype=elem_dtype, device=x.device),
-        torch.empty((*lead, C, R // block_size), dtype=torch.float8_e8m0fnu, device=x.device),
+        torch.empty((*lead, C, R // block_size), dtype=SCALE_DTYPE, device=x.device),
     )
 
 
@@ -48,49 +49,49 @@ def fake_dim0_dim1(x: Tensor, block_size: int, elem_dtype: torch.dtype):
 
 
 @torch.library.custom_op("mxmoe::quantize_dim0", mutates_args=())
-def quantize_dim0(
-    x: Tensor, block_size: int, scaling_mode: str, elem_dtype: torch.dtype, kernel: str
-) -> tuple[Tensor, Tensor]:
+def quantize_dim0(x: Tensor, fmt: str, kernel: str) -> tuple[Tensor, Tensor]:
     """x (..., C) -> qdata x's shape, scale (..., C // block_size); blocks along the last dim."""
+    f = get_format(fmt)
     if x.numel() == 0:
-        return fake_dim0(x, block_size, elem_dtype)
-    return _contiguous(cast_fn(kernel, "dim0")(x, spec_of(block_size, scaling_mode, elem_dtype)))
+        return fake_dim0(x, f.block_size, f.elem_dtype)
+    return _contiguous(cast_fn(kernel, "dim0")(x, f.spec))
 
 
 @quantize_dim0.register_fake
-def _(x, block_size, scaling_mode, elem_dtype, kernel):
-    return fake_dim0(x, block_size, elem_dtype)
+def _(x, fmt, kernel):
+    f = get_format(fmt)
+    return fake_dim0(x, f.block_size, f.elem_dtype)
 
 
 @torch.library.custom_op("mxmoe::quantize_dim1", mutates_args=())
-def quantize_dim1(
-    x: Tensor, block_size: int, scaling_mode: str, elem_dtype: torch.dtype, kernel: str
-) -> tuple[Tensor, Tensor]:
+def quantize_dim1(x: Tensor, fmt: str, kernel: str) -> tuple[Tensor, Tensor]:
     """x (..., R, C), ndim >= 2 -> qdata (..., C, R), scale (..., C, R // block_size); blocks along
     R, stored transposed so that each block is contiguous (the layout a GEMM reducing over R wants)."""
+    f = get_format(fmt)
     if x.numel() == 0:
-        return fake_dim1(x, block_size, elem_dtype)
-    return _contiguous(cast_fn(kernel, "dim1")(x, spec_of(block_size, scaling_mode, elem_dtype)))
+        return fake_dim1(x, f.block_size, f.elem_dtype)
+    return _contiguous(cast_fn(kernel, "dim1")(x, f.spec))
 
 
 @quantize_dim1.register_fake
-def _(x, block_size, scaling_mode, elem_dtype, kernel):
-    return fake_dim1(x, block_size, elem_dtype)
+def _(x, fmt, kernel):
+    f = get_format(fmt)
+    return fake_dim1(x, f.block_size, f.elem_dtype)
 
 
 @torch.library.custom_op("mxmoe::quantize_dim0_dim1", mutates_args=())
-def quantize_dim0_dim1(
-    x: Tensor, block_size: int, scaling_mode: str, elem_dtype: torch.dtype, kernel: str
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_dim0_dim1(x: Tensor, fmt: str, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x (R, C) read once -> dim0 (R, C), (R, C//bs) and dim1 (C, R), (C, R//bs)."""
+    f = get_format(fmt)
     if x.numel() == 0:
-        return fake_dim0_dim1(x, block_size, elem_dtype)
-    return _contiguous(cast_fn(kernel, "dim0_dim1")(x, spec_of(block_size, scaling_mode, elem_dtype)))
+        return fake_dim0_dim1(x, f.block_size, f.elem_dtype)
+    return _contiguous(cast_fn(kernel, "dim0_dim1")(x, f.spec))
 
 
 @quantize_dim0_dim1.register_fake
-def _(x, block_size, scaling_mode, elem_dtype, kernel):
-    return fake_dim0_dim1(x, block_size, elem_dtype)
+def _(x, fmt, kernel):
+    f = get_format(fmt)
+    return fake_dim0_dim1(x, f.block_size, f.elem_dtype)
 
 
 @torch.library.custom_op("mxmoe::dequantize", mutates_args=())

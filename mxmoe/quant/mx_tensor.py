@@ -29,6 +29,7 @@ from torch import Tensor
 from mxmoe.formats import (
     ELEM_FORMATS,
     OUTPUT_DTYPES,
+    SCALE_DTYPE,
     MXFormat,
     ScalingMode,
     check_block_size,
@@ -258,7 +259,7 @@ def _check_fields(t: MXTensor) -> str:
             f"qdata_blocked is {got}; expected a tensor of an MX element dtype, one of {elems} (bytes "
             "of one: .view(torch.float8_e4m3fn))"
         )
-    if not isinstance(s, Tensor) or s.dtype != torch.float8_e8m0fnu:
+    if not isinstance(s, Tensor) or s.dtype != SCALE_DTYPE:
         got = s.dtype if isinstance(s, Tensor) else type(s).__name__
         raise TypeError(f"scale_blocked is {got}; expected a torch.float8_e8m0fnu tensor")
     if q.ndim < 1 or not q.is_contiguous() or not s.is_contiguous():
@@ -313,7 +314,7 @@ def _check_swizzled(t: MXTensor) -> None:
                 ".to_scale_layout('swizzled', offs))"
             )
         return
-    if not isinstance(sw, Tensor) or sw.dtype != torch.float8_e8m0fnu:
+    if not isinstance(sw, Tensor) or sw.dtype != SCALE_DTYPE:
         got = f"{type(sw).__name__} {sw!r}" if not isinstance(sw, Tensor) else sw.dtype
         raise TypeError(
             f"scale_swizzled is {got}; expected None or a torch.float8_e8m0fnu tensor, the scales in "

@@ -91,7 +91,7 @@ def _check_all_paths(
         mx = a2a_dispatch_mxfp8(x, outs, ins, group, chunks=chunks, transport=transport)
         assert mx.qdata_blocked.shape == (sum(outs), dim) and mx.axis == 1 and mx.orig_dtype == dtype
         assert_same_bits(mx.dequantize(), yr.detach(), "dispatch " + what)
-        q_ref, s_ref = custom_ops.quantize_dim0(x0, 32, "rceil", torch.float8_e4m3fn, "torch")
+        q_ref, s_ref = custom_ops.quantize_dim0(x0, "mxfp8_e4m3_rceil", "torch")
         q_exp = torch.empty(sum(outs), dim, dtype=torch.uint8, device=device)
         all_to_all_rows(q_exp, q_ref.view(torch.uint8), outs, ins, group)
         assert torch.equal(mx.qdata_blocked.view(torch.uint8), q_exp), "dispatch bytes " + what
@@ -249,7 +249,7 @@ def test_four_ranks():
 def test_single_rank_without_and_with_process_group():
     x0 = make_rows(6, 64, torch.bfloat16, 3)
     g = make_rows(6, 64, torch.bfloat16, 4)
-    q, s = custom_ops.quantize_dim0(x0, 32, "rceil", torch.float8_e4m3fn, "torch")
+    q, s = custom_ops.quantize_dim0(x0, "mxfp8_e4m3_rceil", "torch")
     expect = custom_ops.dequantize(q, s, 32, torch.bfloat16, "torch")
     for chunks in (None, 0, 4):
         x = x0.clone().requires_grad_()

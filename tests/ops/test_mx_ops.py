@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from conftest import recipe_for
 
 from mxmoe import to_mx
+from mxmoe.formats import format_of
 from mxmoe.ops import mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.quant import custom_ops
 from mxmoe.quant.mx_tensor import make_grad_anchor
@@ -323,7 +324,7 @@ def check_custom_op_layouts(device, kernel):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, cols, dtype=dtype, device=device)
             for elem in (torch.float8_e4m3fn, torch.float8_e5m2):
-                args = (32, "rceil", elem, kernel)
+                args = (format_of(elem, 32, "rceil").name, kernel)
                 for op, inp in (
                     (custom_ops.quantize_dim0, x),
                     (custom_ops.quantize_dim1, x.view(1, rows, cols)),
