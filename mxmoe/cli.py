@@ -69,6 +69,7 @@ BENCHES = {
     "overhead": "mxmoe.bench.overhead",
     "train": "mxmoe.bench.train",
     "fidelity": "mxmoe.bench.fidelity",
+    "trace": "mxmoe.bench.trace",
 }
 """Benchmark -> its module, as COMMANDS."""
 
