@@ -77,7 +77,7 @@ def measure(M: int, K: int, N: int, iters: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mxmoe bench overlap", description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of MxKxN (default {','.join(SHAPES)})")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of MxKxN (default {SHAPES})")
     p.add_argument("--iters", type=int, default=30, help="timed repeats per pattern (default 30)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = p.parse_args(argv)
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
     timing.require_cuda("mxmoe bench overlap")
     rows = [measure(*s, args.iters) for s in shapes]
-    timing.print_table(rows, title=f"a cast beside a GEMM ({', '.join(f'{k} {v}' for k, v in timing.environment().items())})")
+    env = ", ".join(f"{k} {v}" for k, v in timing.environment().items())
+    timing.print_table(rows, title=f"a cast beside a GEMM ({env})")
     if args.json:
         timing.write_json(args.json, {"bench": "overlap", "environment": timing.environment(), "rows": rows})
     return 0

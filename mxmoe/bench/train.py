@@ -49,7 +49,9 @@ from mxmoe.bench import timing
 from mxmoe.cli import comma_list, positive_int
 from mxmoe.train import determinism
 
-MODES = ("eager", "compile", "compile_full", "reduce_overhead", "graph", "compile+graph", "compile_full+graph")
+MODES = (
+    "eager", "compile", "compile_full", "reduce_overhead", "graph", "compile+graph", "compile_full+graph"
+)
 VARIANTS = ("bf16", "mx")
 _COMPILE = {  # mode -> build_model(compile=...)
     "eager": None,
