@@ -390,7 +390,7 @@ def _sm_count(index: int) -> int:
 def _run_kernel(x: Tensor, outputs: tuple[Tensor, ...], items: Items, ws, epoch: int, dequant: bool) -> None:
     """One launch of the exchange kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
     from mxmoe.comm.symm_kernel import exchange_kernel
-    from mxmoe.quant.triton_cast import _spec_args
+    from mxmoe.quant.triton_cast import spec_args as _spec_args
 
     interpret = not x.is_cuda
     if interpret and not triton_interpret():

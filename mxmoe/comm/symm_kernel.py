@@ -58,7 +58,11 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 from mxmoe.comm.kernels import _dequant_store, _qdq_tile
-from mxmoe.quant.triton_cast import _abs_key, _apply, _block_scale, _load_bits, _to_elem
+from mxmoe.quant.triton_cast import abs_key as _abs_key
+from mxmoe.quant.triton_cast import apply_scale as _apply
+from mxmoe.quant.triton_cast import block_scale as _block_scale
+from mxmoe.quant.triton_cast import load_bits as _load_bits
+from mxmoe.quant.triton_cast import to_elem as _to_elem
 
 CTR_STRIDE: tl.constexpr = tl.constexpr(32)
 # SFLAG: the flag bit (int32 sign) that says every scale byte of the store item is >= 10

@@ -587,3 +587,14 @@ def dequantize(
         EVICT=False, num_warps=_DEQUANT_WARPS,
     )
     return out
+
+
+# The cast's building blocks by public names, for kernels of other packages that quantize inside
+# their own loops (`mxmoe.comm.symm_kernel`, the symmetric-memory exchange): one definition of the
+# arithmetic, imported, never copied.
+load_bits = _load_bits
+to_elem = _to_elem
+abs_key = _abs_key
+block_scale = _block_scale
+apply_scale = _apply
+spec_args = _spec_args
