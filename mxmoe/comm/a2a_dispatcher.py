@@ -169,6 +169,7 @@ class AllToAllDispatcher:
             raise TypeError(f"mxfp8={mxfp8!r}: expected a bool")
         self.mxfp8 = mxfp8
         self._agreed: tuple | None = None
+        self._agreed_device: torch.device | None = None
 
     def describe(self, rows_as: ExpertRows = UNQUANTIZED) -> str:
         """One line for a run's log: what crosses the wire for experts that take `rows_as`."""
@@ -218,15 +219,20 @@ class AllToAllDispatcher:
         except (TypeError, ValueError) as e:
             err = e
         if self.ep_size == 1 or (err is not None and not first):
-            # After the agreement a bad call raises here; its peers wait in the exchange until the
-            # process group's timeout (a shared check per call would cost a collective each step).
+            # After the agreement a bad call (found where the check is free: ids on the CPU, shapes)
+            # still joins the counts' exchange, with counts of -1, and raises; its peers raise on
+            # reading them, before any row moves (no extra collective on good calls).
             if err is not None:
+                if self.ep_size > 1:
+                    E, device = self._agreed[2], self._agreed_device
+                    ops.a2a_counts(torch.full((E,), -1, dtype=torch.int64, device=device), self.group_name)
                 raise type(err)(f"rank {self.ep_rank}: {err}") from err
             return
         sig = None if err is not None else _signature(x, num_experts, rows_as, self.mxfp8)
         if err is None and sig == self._agreed:
             return
         self._agreed = agree_across_ranks(self.group, self.ep_rank, self.ep_size, sig, err)
+        self._agreed_device = x.device
 
     def exchange_rows(
         self, rows: Tensor, counts: Tensor, *, rows_as: ExpertRows = UNQUANTIZED

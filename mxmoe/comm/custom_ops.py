@@ -45,6 +45,12 @@ def _plan(x: Tensor, send: Tensor, recv: Tensor, group: str):
         else:
             ins, outs = send.tolist(), recv.tolist()
         send._mxmoe_host_splits, recv._mxmoe_host_splits = ins, outs
+    failed = [p for p, n in enumerate(outs) if n < 0]
+    if failed:  # counts of -1: those ranks' dispatch refused its inputs (the error is theirs)
+        raise ValueError(
+            f"expert-parallel exchange: rank(s) {failed} could not dispatch (their inputs were refused; "
+            "the error names them on those ranks); nothing was exchanged"
+        )
     if len(ins) != world or len(outs) != world or sum(ins) != x.shape[0]:
         raise ValueError(
             f"exchange splits send={ins}, recv={outs} do not fit {world} ranks and x.shape[0]={x.shape[0]}"
