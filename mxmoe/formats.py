@@ -241,6 +241,9 @@ class MXFormat:
                 f"{torch.finfo(self.elem_dtype).bits}"
             )
 
+    def __hash__(self) -> int:  # by name (unique in the registry): a str hash, kept by Python
+        return hash(self.name)
+
     @property
     def elem(self) -> ElemFormat:
         """The element format's constants."""
