@@ -256,7 +256,7 @@ def test_single_rank_without_and_with_process_group():
         y = to_mxfp8_a2a_dequant(x, [6], [6], chunks=chunks)
         assert_same_bits(y, expect)
         y.backward(g)
-        qg, sg = custom_ops.quantize_dim0(g, 32, "rceil", torch.float8_e4m3fn, "torch")
+        qg, sg = custom_ops.quantize_dim0(g, "mxfp8_e4m3_rceil", "torch")
         assert_same_bits(x.grad, custom_ops.dequantize(qg, sg, 32, torch.bfloat16, "torch"))
     with pytest.raises(ValueError, match="input_splits has 2 entries but the group has 1"):
         to_mxfp8_a2a_dequant(x0, [6], [3, 3])
@@ -322,7 +322,7 @@ def test_qdq_into_matches_quantize_then_dequantize(dtype):
     normal = (torch.randn(1024, 32, generator=g) * torch.exp2(e.repeat(4, 1).clamp(-100, 100))).to(dtype)
     # 37 x 96: 111 blocks, two programs of 64 blocks, the second masked
     for x in (make_rows(16, 128, dtype, 5), make_rows(37, 96, dtype, 6), binades, normal.view(-1, 256)):
-        q, s = custom_ops.quantize_dim0(x, 32, "rceil", torch.float8_e4m3fn, "torch")
+        q, s = custom_ops.quantize_dim0(x, "mxfp8_e4m3_rceil", "torch")
         expect = custom_ops.dequantize(q, s, 32, dtype, "torch")
         for force_slow in (True, False) if device == "cuda" else (True,):
             big = torch.full((x.shape[0] + 2, x.shape[1]), 7.0, dtype=dtype, device=device)

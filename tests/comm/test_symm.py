@@ -77,7 +77,7 @@ def expected(xs: list[torch.Tensor], M, r: int, dequant: bool):
     qs, ss = [], []
     for src in range(W):
         a = offsets(M[src])[r]
-        q, s = custom_ops.quantize_dim0(xs[src][a : a + M[src][r]], 32, "rceil", torch.float8_e4m3fn, "torch")
+        q, s = custom_ops.quantize_dim0(xs[src][a : a + M[src][r]], "mxfp8_e4m3_rceil", "torch")
         qs.append(q)
         ss.append(s)
     q, s = torch.cat(qs), torch.cat(ss)
