@@ -54,6 +54,10 @@ ELEM_FORMATS: dict[torch.dtype, ElemFormat] = {
     torch.float8_e5m2: ElemFormat(torch.float8_e5m2, 57344.0, 15, 2, -14, 0x7F),
 }
 
+KERNEL_ELEM_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The element dtypes the Triton and CUDA cast kernels are written for; a format registered with
+another one casts with the torch kernel only (`MXRecipe` says so)."""
+
 INPUT_DTYPES = (torch.bfloat16, torch.float32)
 OUTPUT_DTYPES = (torch.bfloat16, torch.float32)
 

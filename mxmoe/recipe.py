@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from mxmoe.formats import MXFormat, check_scaling_mode, format_of, get_format
+from mxmoe.formats import KERNEL_ELEM_DTYPES, MXFormat, check_scaling_mode, format_of, get_format
 
 CAST_KERNELS = ("torch", "triton", "cuda")
 """Concrete cast kernels; a recipe may also name "auto" (the fastest available per cast)."""
@@ -102,6 +102,13 @@ class MXRecipe:
         object.__setattr__(self, "scaling_mode", check_scaling_mode(self.scaling_mode).value)
         # The format as one value (not a field: it follows elem_dtype, block_size and scaling_mode)
         object.__setattr__(self, "fmt", format_of(self.elem_dtype, self.block_size, self.scaling_mode))
+        if self.elem_dtype not in KERNEL_ELEM_DTYPES:  # a registered format the kernels do not know
+            for name in ("dim0_kernel", "dim1_kernel"):
+                if getattr(self, name) != "torch":
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r}: format {self.fmt.name} ({self.elem_dtype}) casts "
+                        f"with the torch kernel only; expected {name}='torch'"
+                    )
         for name in ("dim0_kernel", "dim1_kernel"):
             value = getattr(self, name)
             if value != "auto" and value not in CAST_KERNELS:

@@ -80,6 +80,8 @@ def _worker(rank: int, world: int, port: int) -> None:
         from mxmoe.token_dispatch import ExpertRows
 
         fmt = register_format(NEW, FNUZ)  # the one line a new format needs (its kernels aside)
+        with pytest.raises(ValueError, match="dim0_kernel='auto': format mxfp8_e4m3fnuz_rceil_b16 .* torch"):
+            MXRecipe.from_format(fmt.name)  # the Triton and CUDA casts know e4m3fn / e5m2 only
         r = MXRecipe.from_format(fmt.name, dim0_kernel="torch", dim1_kernel="torch", gemm_backend="emulated")
         assert r.fmt is fmt
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
