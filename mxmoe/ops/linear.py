@@ -237,8 +237,8 @@ def _forward_gemm(
 
 
 def _backward_gemms(
-    dy: Tensor, w: Tensor | WeightCasts, kept: tuple[Tensor, ...], recipe: MXRecipe, kernels: OpKernels, need_dx: bool,
-    need_dw: bool, x_dtype: torch.dtype,
+    dy: Tensor, w: Tensor | WeightCasts, kept: tuple[Tensor, ...], recipe: MXRecipe, kernels: OpKernels,
+    need_dx: bool, need_dw: bool, x_dtype: torch.dtype,
 ) -> tuple[Tensor | None, Tensor | None]:
     """(dx (M, K) in x_dtype, dW_t (K, N) in w's dtype) of y = x Wᵀ given dy (M, N) and W (N, K)
     (the forward's view of w_t): dy cast as the dgrad and wgrad need it, `kept` what `_cast_x`
@@ -288,7 +288,7 @@ class _MXMM(torch.autograd.Function):
         y = _forward_gemm(x0, w, recipe, kernels, x.dtype)
         ctx.recipe, ctx.kernels, ctx.x_dtype = recipe, kernels, x.dtype
         ctx.w_casts, ctx.w_dtype = isinstance(w, WeightCasts), w_t.dtype
-        ctx.save_for_backward(saved_weight(w), *kept)  # W (N, K) as the backward takes it (no transpose there)
+        ctx.save_for_backward(saved_weight(w), *kept)  # W (N, K) as the backward takes it
         return y
 
     @staticmethod
