@@ -7,12 +7,15 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from mxmoe.train.checkpoint import save_seconds
 
 # trainer options compare sets itself for every run: a variant or the extra arguments may not
 _OWN = ("--debug.seed", "--job.dump_folder")
@@ -71,20 +74,39 @@ def trainer_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra,
 DONE = "done"
 
 
+def grace_seconds(jobs: list[tuple[str, int, list[str], Path]], given: float | None) -> float:
+    """How long before the time limit the runs get SIGTERM, so that a run's checkpoint (saved when
+    it gets SIGTERM) is written before the SIGKILL at the limit: 1.5 x the longest save recorded in
+    the jobs' checkpoint folders (`save_s` of their manifests; the saves of earlier calls) + 10 s, or
+    120 s when none is recorded (30 s when no run has a checkpoint folder: a run then only finishes
+    its step); `given` (--grace-s) when it is longer."""
+    folders = [f for *_, argv, _ in jobs if (f := _checkpoint_folder(argv))]
+    recorded = [x for f in folders if (x := save_seconds(f)) is not None]
+    auto = 1.5 * max(recorded) + 10.0 if recorded else (120.0 if folders else 30.0)
+    return max(auto, given or 0.0)
+
+
 def launch(
     jobs: list[tuple[str, int, list[str], Path]],
     parallel: int,
     devices: list[str] | None,
     nproc: int = 1,
     time_limit_s: float | None = None,
+    grace_s: float = 0.0,
+    delete_checkpoints: bool = False,
 ) -> dict:
     """Run `python -m mxmoe train ARGV` per job (variant, seed, argv, folder), `parallel` at a time
     (per group of `nproc` devices when `devices` are given; with nproc > 1 under
     `torch.distributed.run --standalone`); a job whose folder's command.json records the same argv
-    and status 0 is skipped. After `time_limit_s` no run starts and running ones get SIGTERM (the
-    trainer stops after its step; the run counts as unfinished). Returns {(variant, seed): DONE or
-    what else happened}."""
-    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    and status 0 is skipped. `time_limit_s` bounds the whole call: `grace_s` before it no run starts
+    and running ones get SIGTERM (the trainer stops after its step and saves its checkpoint; the run
+    counts as unfinished), at it whatever still runs is killed (`grace_seconds` picks a grace that
+    lets the save finish). delete_checkpoints: a run that finishes deletes its own checkpoint folder
+    (the last --checkpoint.folder of its argv). Returns {(variant, seed): DONE or what else happened}."""
+    if time_limit_s is not None and not 0 <= grace_s < time_limit_s:
+        raise ValueError(f"grace_s={grace_s}: expected 0 <= grace_s < time_limit_s={time_limit_s}")
+    end = None if time_limit_s is None else time.monotonic() + time_limit_s
+    deadline = None if end is None else end - grace_s  # SIGTERM; SIGKILL at `end`
     status: dict = {}
     lock = threading.Lock()
     free = None  # device slots: CUDA_VISIBLE_DEVICES values, each `parallel` times
@@ -133,13 +155,16 @@ def launch(
                 proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 stopped = True
-                proc.terminate()  # SIGTERM: the trainer finishes its step, closes its metrics, exits
+                proc.terminate()  # SIGTERM: the trainer finishes its step, saves, closes its metrics
                 try:
-                    proc.wait(120)
+                    proc.wait(max(1.0, end - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
         rc = proc.returncode
+        ckpt = _checkpoint_folder(argv)
+        if delete_checkpoints and rc == 0 and not stopped and ckpt:
+            shutil.rmtree(ckpt, ignore_errors=True)  # a finished run's: frees the disk for the others
         if free is not None:
             with lock:
                 free.append(device)
