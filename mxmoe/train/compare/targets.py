@@ -158,7 +158,10 @@ def time_to_target(
     base = [curves[(r.variant, r.seed)] for r in runs if r.variant == baseline]
     defaults = None
     if train_targets is None or val_targets is None:
-        defaults = default_targets(mean_curve([t for t, _ in base]), mean_curve([v for _, v in base]))
+        try:
+            defaults = default_targets(mean_curve([t for t, _ in base]), mean_curve([v for _, v in base]))
+        except ValueError as e:  # runs too short for the window: the other tables stand without it
+            return {"smooth_steps": smooth_steps, "skipped": str(e)}
     targets = {
         "train": list(train_targets) if train_targets is not None else defaults["train"],
         "val": list(val_targets) if val_targets is not None else defaults["val"],
@@ -229,6 +232,8 @@ def markdown(tt: dict, baseline: str) -> str:
     """compare.md's time-to-target section."""
     w = tt["smooth_steps"]
     lines = ["", "## Time to target", ""]
+    if "skipped" in tt:
+        return "\n".join([*lines, f"Not computed: {tt['skipped']}.", ""])
     lines.append(
         f"Step at which a run's loss first reaches each target (training: the mean loss per step over "
         f"the last {w} steps; validation: the logged validation loss; crossings interpolated between "
