@@ -82,6 +82,7 @@ def test_grace_comes_from_the_longest_recorded_save(tmp_path):
 
     assert compare.grace_seconds([job(None)], None) == 30.0  # no checkpoints: only the step to finish
     assert compare.grace_seconds([job(tmp_path / "a")], None) == 120.0  # none recorded yet
+    assert compare.grace_seconds([job(tmp_path / "a")], 75.0) == 75.0  # a save time known from elsewhere
     for name, secs in (("a", 40.0), ("b", 60.0)):
         step = tmp_path / name / "step-00000010"
         step.mkdir(parents=True)

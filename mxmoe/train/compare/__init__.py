@@ -152,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace-s",
         type=float,
         help="with --time-limit-s: SIGTERM the runs this many seconds before the limit, SIGKILL at it, so "
-        "that their checkpoints are saved in time (default and minimum: 1.5 x the longest save recorded in "
-        "the runs' checkpoint folders + 10 s; 120 s when none is recorded; 30 s without checkpoints)",
+        "that their checkpoints are saved in time; raised to 1.5 x the longest save recorded in the runs' "
+        "checkpoint folders + 10 s (default with none recorded: 120 s; 30 s without checkpoints)",
     )
     ap.add_argument(
         "--delete-finished-checkpoints",

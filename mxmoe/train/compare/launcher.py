@@ -76,14 +76,15 @@ DONE = "done"
 
 def grace_seconds(jobs: list[tuple[str, int, list[str], Path]], given: float | None) -> float:
     """How long before the time limit the runs get SIGTERM, so that a run's checkpoint (saved when
-    it gets SIGTERM) is written before the SIGKILL at the limit: 1.5 x the longest save recorded in
-    the jobs' checkpoint folders (`save_s` of their manifests; the saves of earlier calls) + 10 s, or
-    120 s when none is recorded (30 s when no run has a checkpoint folder: a run then only finishes
-    its step); `given` (--grace-s) when it is longer."""
+    it gets SIGTERM) is written before the SIGKILL at the limit: the longer of `given` (--grace-s)
+    and 1.5 x the longest save recorded in the jobs' checkpoint folders (`save_s` of their
+    manifests: the saves of earlier calls) + 10 s. With no save recorded: `given`, else 120 s (30 s
+    when no run has a checkpoint folder: a run then only finishes its step)."""
     folders = [f for *_, argv, _ in jobs if (f := _checkpoint_folder(argv))]
     recorded = [x for f in folders if (x := save_seconds(f)) is not None]
-    auto = 1.5 * max(recorded) + 10.0 if recorded else (120.0 if folders else 30.0)
-    return max(auto, given or 0.0)
+    if recorded:
+        return max(1.5 * max(recorded) + 10.0, given or 0.0)
+    return given if given is not None else (120.0 if folders else 30.0)
 
 
 def launch(
