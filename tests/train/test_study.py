@@ -1,9 +1,12 @@
-"""What the numerics study (scripts/gpu/numerics_study.sh) relies on, on CPU: a run's bits are the
-same alone and beside another run; no final checkpoint with checkpoint.last_save=false; the save
-time recorded and the grace taken from it; a run stopped at a deadline keeps a loadable checkpoint."""
+"""What the numerics study (scripts/gpu/numerics_study.sh) relies on, on CPU (one test on a GPU):
+a run's bits are the same alone and beside other runs; no final checkpoint with
+checkpoint.last_save=false; the save time recorded and the grace taken from it; a run stopped at a
+deadline keeps a loadable checkpoint."""
 
 import json
 from pathlib import Path
+
+import pytest
 
 from mxmoe.train import compare, trainer
 from mxmoe.train.checkpoint import MANIFEST, Checkpointer, save_seconds
@@ -117,3 +120,26 @@ def test_a_run_stopped_at_the_deadline_keeps_a_loadable_checkpoint(tmp_path, mon
     argv += [f"--job.dump_folder={resumed}", f"--checkpoint.folder={own}", f"--training.steps={last + 1}"]
     assert trainer.main(argv) == 0
     assert [r[0] for r in bits(resumed)] == [last + 1]
+
+
+@pytest.mark.gpu
+def test_a_gpu_run_has_the_same_bits_alone_and_beside_two_others(tmp_path, monkeypatch):
+    """On one GPU: a deterministic run alone and the same run started with two others (another seed,
+    MX) at once give the same loss, gradient-norm and validation bits at every step."""
+    monkeypatch.chdir(REPO)
+    gpu = [a for a in TINY if not a.startswith(("--training.device", "--training.cpu_threads"))]
+    gpu += ["--training.device=cuda", "--model.dim=128", "--model.moe_hidden_dim=128"]
+    gpu += ["--training.seq_len=128"]
+
+    def job(variant, vargs, seed, where):
+        folder = tmp_path / where / variant / f"seed{seed}"
+        argv = compare.launcher.trainer_argv("debug_moe", 8, True, vargs, gpu, seed, folder)
+        return (variant, seed, argv, folder)
+
+    mx = ["--model.converters=mx"]
+    alone = job("mx", mx, 0, "alone")
+    assert compare.launch([alone], 1, None) == {("mx", 0): compare.DONE}
+    three = [job("mx", mx, 0, "three"), job("mx", mx, 1, "three")]
+    three.append(job("bf16", ["--model.converters="], 0, "three"))
+    assert set(compare.launch(three, 3, None).values()) == {compare.DONE}
+    assert len(bits(alone[3])) == 8 and bits(three[0][3]) == bits(alone[3])
