@@ -96,6 +96,18 @@ def test_grace_comes_from_the_longest_recorded_save(tmp_path):
     assert compare.grace_seconds(jobs, 5.0) == 100.0  # never shorter than the measured rule
 
 
+def test_a_run_that_logged_its_last_step_counts_as_finished(tmp_path):
+    """A SIGTERM during the last step: the trainer finishes it and exits 0; the launcher counts the run
+    finished (not to be run again from an older checkpoint)."""
+    argv = ["--config=x", "--training.steps=5", "--training.steps", "3"]  # the last one holds
+    assert not compare.launcher.reached_last_step(argv, tmp_path)  # no metrics
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2}) + "\n")
+    assert not compare.launcher.reached_last_step(argv, tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2}) + "\n" + json.dumps({"step": 3}) + "\n")
+    assert compare.launcher.reached_last_step(argv, tmp_path)
+    assert not compare.launcher.reached_last_step(["--config=x"], tmp_path)  # steps unknown: stopped
+
+
 def test_a_run_stopped_at_the_deadline_keeps_a_loadable_checkpoint(tmp_path, monkeypatch):
     """launch with a time limit and a grace: SIGTERM `grace` seconds before the limit, the trainer saves
     and exits before the SIGKILL at the limit; the checkpoint is the last logged step's and resumes."""

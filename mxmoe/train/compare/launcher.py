@@ -74,6 +74,28 @@ def trainer_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra,
 DONE = "done"
 
 
+def _last_value(args: list[str], option: str) -> str | None:
+    """The last `option=VALUE` (or `option VALUE`) in trainer arguments, or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a.startswith(option + "="):
+            value = a.split("=", 1)[1]
+        elif a == option and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def reached_last_step(argv: list[str], folder: Path) -> bool:
+    """Whether the run of `argv` logged its last step (`--training.steps`) in folder/metrics.jsonl: a
+    run that got SIGTERM during its last step finished it, and counts as finished."""
+    steps = _last_value(argv, "--training.steps")
+    try:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return steps is not None and bool(lines) and json.loads(lines[-1]).get("step") == int(steps)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def grace_seconds(jobs: list[tuple[str, int, list[str], Path]], given: float | None) -> float:
     """How long before the time limit the runs get SIGTERM, so that a run's checkpoint (saved when
     it gets SIGTERM) is written before the SIGKILL at the limit: the longer of `given` (--grace-s)
@@ -163,6 +185,8 @@ def launch(
                     proc.kill()
                     proc.wait()
         rc = proc.returncode
+        if stopped and rc == 0 and reached_last_step(argv, folder):
+            stopped = False  # the SIGTERM came during the last step: the run finished
         ckpt = _checkpoint_folder(argv)
         if delete_checkpoints and rc == 0 and not stopped and ckpt:
             shutil.rmtree(ckpt, ignore_errors=True)  # a finished run's: frees the disk for the others
