@@ -18,8 +18,10 @@ options as one shell-quoted string, or just NAME for none (repeat --variant per 
 values hold commas, as `--mx.filter_fqns=output,router`); the first is the baseline unless
 --baseline names another. Each run's console goes to its folder's train.log; a run that finished
 (its command.json records the same command and status 0) is not run again, so an interrupted
-compare continues where it stopped; `--time-limit-s` stops the running runs (SIGTERM) and starts no
-more after that many seconds, then writes the tables of the finished ones.
+compare continues where it stopped; `--time-limit-s` bounds the call: `--grace-s` before it the running
+runs get SIGTERM (each saves its checkpoint; the grace is raised to 1.5 x the longest save recorded in
+their checkpoint manifests + 10 s) and no more start, at it they are killed, and the tables of the
+finished ones are written; `--delete-finished-checkpoints` deletes a finished run's own checkpoints.
 
 Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from RUN/config.json (the
 layout the running mode writes under OUT/runs; a run whose command.json records a failure or a
@@ -34,16 +36,19 @@ Written into OUT: compare.md and compare.json (per run: final training loss = th
 per step over the last `--tail-steps` steps (default: the last 10 % of the run), final validation
 loss = the last logged `val_loss`, median tokens/s; per variant: the paired difference from the
 baseline, seed by seed, in % of the baseline's loss, with its mean, sample standard deviation, min
-and max over the seeds) and compare.png (each variant's loss curves, mean and spread over seeds;
+and max over the seeds; time to target, final losses at the horizon and the not-converged flag,
+`targets`) and compare.png (each variant's loss curves, mean and spread over seeds;
 the differences variant - baseline per seed, in %).
 
 The package: `report` (a run's numbers, the paired differences, compare.md / .json / .png, reading
-finished runs), `launcher` (the trainer subprocesses of the variants x seeds); the command is here.
+finished runs), `launcher` (the trainer subprocesses of the variants x seeds), `targets` (time to target, the
+final losses at the horizon); the command is here.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -194,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.time_limit_s is not None and not args.time_limit_s > 0:
             raise ValueError(f"--time-limit-s={args.time_limit_s}: expected a number of seconds > 0")
+        for name in ("train_targets", "val_targets"):
+            bad = [t for t in getattr(args, name) or [] if not math.isfinite(t)]
+            if bad:
+                raise ValueError(f"--{name.replace('_', '-')}: {bad[0]!r} is not a finite loss")
         if args.grace_s is not None and (args.time_limit_s is None or not args.grace_s >= 0):
             raise ValueError(f"--grace-s={args.grace_s}: expected seconds >= 0, with --time-limit-s")
         if args.tail_steps < 0:
