@@ -562,6 +562,7 @@ def _prepare(argv: list[str]) -> tuple[str | None, list[str]]:
     replacement, a bare boolean option given the value true."""
     bools = _bool_keys()
     config, out, i = None, [], 0
+    given: dict[str, str] = {}  # key -> its first argument: a key given twice is refused, not last-wins
     while i < len(argv):
         arg = argv[i]
         key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
@@ -579,6 +580,14 @@ def _prepare(argv: list[str]) -> tuple[str | None, list[str]]:
             raise ConfigError(f"--{renamed_key_message(key).replace(' is now ', ' is now --', 1)}")
         else:
             _refuse_old_value(key, value if eq else argv[i + 1] if i + 1 < len(argv) else None)
+            if "." in key:
+                alone = eq or i + 1 >= len(argv) or argv[i + 1].startswith("--")
+                shown = arg if alone else f"{arg} {argv[i + 1]}"
+                if key in given:
+                    raise ConfigError(
+                        f"--{key} is given twice ({given[key]!r} and {shown!r}); expected it once"
+                    )
+                given[key] = shown
             out.append(arg)
             if key in bools and not eq and (i + 1 >= len(argv) or argv[i + 1].startswith("-")):
                 out.append("true")

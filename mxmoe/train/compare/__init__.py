@@ -44,6 +44,7 @@ finished runs), `launcher` (the trainer subprocesses of the variants x seeds); t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import shlex
 import sys
 from pathlib import Path
@@ -189,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"--devices={','.join(args.devices)}: {len(args.devices)} device(s), fewer than "
                     f"--nproc={args.nproc} per run"
                 )
-            if not configs.resolve(args.config, kind="trainer").is_file():
+            config_file = configs.resolve(args.config, kind="trainer")
+            if not config_file.is_file():
                 raise ValueError(f"--config {args.config!r}: file not found{configs.hint(args.config)}")
+            config_sha256 = hashlib.sha256(config_file.read_bytes()).hexdigest()
             check_own("arguments after `--`", extra)
             for name, vargs in args.variant:
                 check_own(f"--variant {name}", vargs)
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"mxmoe compare: {len(jobs)} runs ({len(names)} variants x {len(args.seeds)} seeds) in {out}"
             )
-            status = launch(jobs, args.parallel, args.devices, args.nproc, args.time_limit_s)
+            status = launch(jobs, args.parallel, args.devices, args.nproc, args.time_limit_s, config_sha256)
             failed = [f"{v} seed {s}: {what}" for (v, s), what in sorted(status.items()) if what != DONE]
             runs = [run_summary(n, s, f, args.tail_steps) for n, s, _, f in jobs if status[(n, s)] == DONE]
             if not runs:

@@ -39,30 +39,53 @@ def check_own(where: str, args: list[str]) -> None:
             raise ValueError(f"{where}: {a!r} is set by mxmoe compare itself (per run); remove it")
 
 
-def _checkpoint_folder(args: list[str]) -> str | None:
-    """The last `--checkpoint.folder` value in trainer arguments (`=VALUE` or a separate VALUE), or
-    None if they set none (the trainer takes the last one)."""
-    value = None
-    for i, a in enumerate(args):
-        if a.startswith("--checkpoint.folder="):
-            value = a.split("=", 1)[1]
-        elif a == "--checkpoint.folder" and i + 1 < len(args):
-            value = args[i + 1]
-    return value
+def _options(args: list[str]) -> list[tuple[str, list[str]]]:
+    """(key, its tokens) per option of trainer arguments, in order: `--key=value`, `--key value`
+    (two tokens) or a bare `--key`; a token that is no option gets the key ""."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        key, eq, _ = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+        if key and not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out.append((key.replace("-", "_"), [a, args[i + 1]]))
+            i += 2
+            continue
+        out.append((key.replace("-", "_"), [a]))
+        i += 1
+    return out
+
+
+def _value(tokens: list[str]) -> str:
+    return tokens[0].split("=", 1)[1] if "=" in tokens[0] else (tokens[1] if len(tokens) > 1 else "")
 
 
 def trainer_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra, seed: int, folder: Path):
     """The `mxmoe train` arguments of one run: the config, no checkpoints (the config's folder would
-    be every run's), the deterministic mode and steps, the variant's and the common options, then
-    the seed and the metrics folder `folder` (OUT/runs/VARIANT/seedS). A checkpoint folder X among
-    the options becomes X/VARIANT/seedS, the run's own: runs never resume one another."""
-    argv = [f"--config={cfg}", "--checkpoint.folder=", "--metrics.progress_bar=false"]
+    be every run's), the deterministic mode and steps (each unless the options set it), the
+    variant's and the common options, then the seed and the metrics folder `folder`
+    (OUT/runs/VARIANT/seedS). A checkpoint folder X among the options becomes X/VARIANT/seedS, the
+    run's own: runs never resume one another. ValueError naming a key the options set twice (the
+    trainer takes each key once)."""
+    user = _options(list(vargs) + list(extra))
+    keys = [k for k, _ in user if k]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(
+            f"--{twice[0]} is set twice among the variant's options and the arguments after `--` "
+            f"({', '.join(' '.join(t) for k, t in user if k == twice[0])}): expected once"
+        )
+    own = [
+        ("checkpoint.folder", "--checkpoint.folder="),
+        ("metrics.progress_bar", "--metrics.progress_bar=false"),
+    ]
     if deterministic:
-        argv.append("--debug.deterministic=true")
+        own.append(("debug.deterministic", "--debug.deterministic=true"))
     if steps is not None:
-        argv.append(f"--training.steps={steps}")
-    argv += list(vargs) + list(extra) + [f"--debug.seed={seed}", f"--job.dump_folder={folder}"]
-    ckpt = _checkpoint_folder(list(vargs) + list(extra))
+        own.append(("training.steps", f"--training.steps={steps}"))
+    ckpt = next((_value(t) for k, t in user if k == "checkpoint.folder"), None)
+    argv = [f"--config={cfg}"] + [arg for key, arg in own if key not in keys]
+    argv += [tok for k, t in user if not (ckpt and k == "checkpoint.folder") for tok in t]
+    argv += [f"--debug.seed={seed}", f"--job.dump_folder={folder}"]
     if ckpt:
         argv.append(f"--checkpoint.folder={Path(ckpt) / folder.parent.name / folder.name}")
     return argv
@@ -77,11 +100,13 @@ def launch(
     devices: list[str] | None,
     nproc: int = 1,
     time_limit_s: float | None = None,
+    config_sha256: str | None = None,
 ) -> dict:
     """Run `python -m mxmoe train ARGV` per job (variant, seed, argv, folder), `parallel` at a time
     (per group of `nproc` devices when `devices` are given; with nproc > 1 under
     `torch.distributed.run --standalone`); a job whose folder's command.json records the same argv
-    and status 0 is skipped. After `time_limit_s` no run starts and running ones get SIGTERM (the
+    and status 0 (and, when given, the same `config_sha256`: the config file's bytes, so a run of an
+    edited config runs again) is skipped. After `time_limit_s` no run starts and running ones get SIGTERM (the
     trainer stops after its step; the run counts as unfinished). Returns {(variant, seed): DONE or
     what else happened}."""
     deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
@@ -105,10 +130,16 @@ def launch(
         except (OSError, ValueError):
             prev = None
         key = ("argv", "nproc", "returncode", "stopped")
-        if prev and tuple(prev.get(k) for k in key) == (argv, nproc, 0, False):
+        same = bool(prev) and tuple(prev.get(k) for k in key) == (argv, nproc, 0, False)
+        # a record without the digest was written by an earlier mxmoe: its run stands
+        edited = same and config_sha256 is not None
+        edited = edited and prev.get("config_sha256", config_sha256) != config_sha256
+        if same and not edited:
             print(f"{variant} seed {seed}: done before ({folder}), not run again", flush=True)
             status[(variant, seed)] = DONE
         else:
+            if edited:
+                print(f"{variant} seed {seed}: its config changed since it ran ({folder}): run again", flush=True)
             todo.append((variant, seed, argv, folder))
 
     def one(job) -> None:
@@ -152,6 +183,8 @@ def launch(
             "seconds": round(secs, 1),
         }
         record["device"] = device
+        if config_sha256 is not None:
+            record["config_sha256"] = config_sha256
         (folder / "command.json").write_text(json.dumps(record, indent=2) + "\n")
         with lock:
             if stopped:
