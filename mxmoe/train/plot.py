@@ -433,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
     try:
+        from mxmoe.cli import check_out_file
+
+        check_out_file(args.out)
         path = plot_runs(args.runs, args.out, labels, args.smooth, args.baseline)
     except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
         print(f"mxmoe plot: error: {e}", file=sys.stderr)

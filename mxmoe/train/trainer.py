@@ -101,24 +101,32 @@ class TrainingDiverged(RuntimeError):
 
 
 class _Stop:
-    """SIGTERM sets a flag; the loop finishes its step, checkpoints and returns."""
+    """SIGTERM or Ctrl-C (SIGINT) sets a flag; the loop finishes its step, checkpoints and returns.
+    A second Ctrl-C interrupts at once (KeyboardInterrupt: nothing more is saved)."""
 
     def __init__(self):
         self.requested = False
-        self.prev = None
+        self.by = "SIGTERM"  # what asked to stop: "SIGTERM" or "Ctrl-C"
+        self.prev: dict = {}
 
     def install(self) -> None:
         import threading
 
         if threading.current_thread() is threading.main_thread():
-            self.prev = signal.signal(signal.SIGTERM, self._handler)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.prev[sig] = signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            if self.requested and self.by == "Ctrl-C":
+                raise KeyboardInterrupt
+            self.by = "Ctrl-C"
         self.requested = True
 
     def restore(self) -> None:
-        if self.prev is not None:
-            signal.signal(signal.SIGTERM, self.prev)
+        for sig, prev in self.prev.items():
+            signal.signal(sig, prev)
+        self.prev = {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,8 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mxmoe train: error: {e}", file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", "0"))
-    with console_logging(rank):
-        return _main(cfg)
+    try:
+        with console_logging(rank):
+            return _main(cfg)
+    except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one in it: one line, no trace
+        print(
+            "mxmoe train: interrupted (Ctrl-C): stopped at once; steps since the last checkpoint are not "
+            "saved (one Ctrl-C during training finishes the step and saves)",
+            file=sys.stderr,
+        )
+        return 130
 
 
 def _main(cfg: JobConfig) -> int:
@@ -323,7 +339,12 @@ class _Validation:
 def _diverged(run: Run, step: int, ce: torch.Tensor, norm: float, lr: float) -> TrainingDiverged:
     local = float(ce.detach())
     what = "gradient norm" if math.isfinite(local) else f"loss ({local} on rank {run.rank})"
-    last_ckpt = f"; the last checkpoint is {run.ckpt.latest()}" if run.ckpt is not None else ""
+    last_ckpt = ""
+    if run.ckpt is not None:
+        latest = run.ckpt.latest()
+        last_ckpt = f"; the last checkpoint is {latest}" if latest is not None else (
+            f"; no checkpoint in {run.ckpt.folder} yet"
+        )
     return TrainingDiverged(
         f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
         f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower optimizer.lr "
@@ -457,7 +478,8 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                         save(step)
                         saved_at = step
                     log.warning(
-                        "SIGTERM: stopped after step %d%s",
+                        "%s: stopped after step %d%s",
+                        stop.by,
                         step,
                         f", checkpoint in {ckpt.folder}" if ckpt else "",
                     )
@@ -482,7 +504,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
             cfg.job.dump_folder,
             f"; checkpoint {ckpt.folder / f'step-{saved_at:08d}'}" if ckpt is not None and saved_at else "",
         )
-    return 0
+    return 130 if stop.requested and stop.by == "Ctrl-C" else 0  # a shell's status after Ctrl-C
 
 
 def _progress_line(record: dict, steps: int) -> str:

@@ -50,7 +50,7 @@ import sys
 from pathlib import Path
 
 from mxmoe import configs
-from mxmoe.cli import comma_list, positive_int
+from mxmoe.cli import check_out_folder, comma_list, positive_int
 from mxmoe.train.compare.launcher import DONE, check_own, launch, parse_variant, trainer_argv
 from mxmoe.train.compare.report import (
     Run,
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: list = []
     command = shlex.join(["mxmoe", "compare", *argv, *(["--", *extra] if extra else [])])
     try:
+        check_out_folder(args.out)  # before any run: not at the end, on a file or a read-only folder
         if args.time_limit_s is not None and not args.time_limit_s > 0:
             raise ValueError(f"--time-limit-s={args.time_limit_s}: expected a number of seconds > 0")
         if args.tail_steps < 0:

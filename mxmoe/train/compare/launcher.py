@@ -139,7 +139,7 @@ def launch(
             status[(variant, seed)] = DONE
         else:
             if edited:
-                print(f"{variant} seed {seed}: its config changed since it ran ({folder}): run again", flush=True)
+                print(f"{variant} seed {seed}: config changed since it ran ({folder}): run again", flush=True)
             todo.append((variant, seed, argv, folder))
 
     def one(job) -> None:
