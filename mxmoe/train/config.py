@@ -379,25 +379,30 @@ def section_types() -> dict[str, type]:
 def check_ranks_data(identity: dict, path: str) -> None:
     """Collective over the default process group: ConfigError on every rank, naming what each rank
     read, unless every rank's corpus (`mxmoe.train.data.Corpus.identity`: its files' names and
-    sizes, its token counts) is rank 0's. The same config can name different data: a relative
-    data.path from different working folders, a folder that differs between hosts."""
+    sizes, its token counts, the hash of its bytes) is rank 0's. The same config can name different
+    data: a relative data.path from different working folders, a folder that differs between hosts,
+    files that differ in content only."""
     import torch.distributed as dist
 
     def key(i: dict) -> tuple:
-        return i["sha256"], i["train_tokens"], i["val_tokens"]
+        return i["sha256"], i["train_tokens"], i["val_tokens"], i.get("content_sha256")
 
     ids: list = [None] * dist.get_world_size()
     dist.all_gather_object(ids, identity)
     if all(key(i) == key(ids[0]) for i in ids):
         return
+    same_names = all(key(i)[:3] == key(ids[0])[:3] for i in ids)
     each = "; ".join(
         f"rank {r}: {i['source']} ({i['files']} files, {i['train_tokens'] + i['val_tokens']} tokens, corpus "
-        f"{i['sha256'][:12]})"
+        f"{i['sha256'][:12]}"
+        + (f", contents {str(i.get('content_sha256'))[:12]}" if same_names else "")
+        + ")"
         for r, i in enumerate(ids)
     )
+    what = " (files of the same names and sizes, other contents)" if same_names else ""
     raise ConfigError(
-        f"the ranks read different data for data.path={path!r}: {each}; give every rank the same files "
-        "(an absolute --data.path, on a file system they share)"
+        f"the ranks read different data for data.path={path!r}{what}: {each}; give every rank the same "
+        "files (an absolute --data.path, on a file system they share)"
     )
 
 

@@ -233,6 +233,16 @@ def corpus_id(names: list[str], sizes: list[int]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def content_id(train: Tensor, val: Tensor) -> str:
+    """SHA-256 of the bytes of both splits: files of the same names and sizes but other contents
+    differ in it (ranks compare it, `mxmoe.train.config.check_ranks_data`)."""
+    h = hashlib.sha256()
+    for part in (train, val):
+        h.update(part.numpy())
+        h.update(b"\xff")  # a split boundary: the same bytes split elsewhere differ
+    return h.hexdigest()
+
+
 def load_corpus(
     path: str,
     val_fraction: float,
@@ -244,11 +254,13 @@ def load_corpus(
     name (`split_names`; one text file: its last val_fraction of bytes is validation) and read."""
     c = find_files(path, extensions, max_file_bytes)
     train_idx, val_idx = split_names(c.names, val_fraction, max_files)
-    if len(c.paths) == 1:  # one text file: the last val_fraction of its bytes is validation
-        data = _read(c.paths, max_file_bytes)
+    if len(c.paths) == 1 or (len(train_idx) == 1 and train_idx == val_idx):
+        # one text file (one corpus file, or data.max_files leaving one file for both splits): the
+        # last val_fraction of its bytes is validation, never the training bytes themselves
+        data = _read([c.paths[train_idx[0]]], max_file_bytes)
         cut = int(len(data) * (1 - val_fraction))
         train, val = data[:cut], data[cut:]
-        used = [0]
+        used = train_idx
     else:
         train = _read([c.paths[i] for i in train_idx], max_file_bytes)
         val = _read([c.paths[i] for i in val_idx], max_file_bytes)
@@ -260,6 +272,7 @@ def load_corpus(
         "train_tokens": train.numel(),
         "val_tokens": val.numel(),
         "skipped": c.skipped,
+        "content_sha256": content_id(train, val),
     }
     return Corpus(train, val, identity)
 

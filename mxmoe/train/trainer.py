@@ -184,6 +184,7 @@ def _train_run(cfg: JobConfig) -> int:
         if distributed:
             peers = parallel.gather_peers()
             check_ranks_agree(cfg)
+            check_ranks_folder(cfg)
         # one live run per metrics / checkpoint folder: rank 0 takes the locks and every rank learns
         # the outcome
         busy = None
@@ -218,6 +219,26 @@ def _train_run(cfg: JobConfig) -> int:
         torch.set_num_threads(threads)
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_ranks_folder(cfg: JobConfig) -> None:
+    """Collective over the default process group: ConfigError on every rank, naming the folder each
+    rank resolved, unless they all resolve checkpoint.folder to one absolute folder (a relative one
+    from different working folders splits a checkpoint's shards between folders: its save fails at
+    the end of the run)."""
+    if not cfg.checkpoint.folder:
+        return
+    world = dist.get_world_size()
+    folders: list = [None] * world
+    dist.all_gather_object(folders, os.path.realpath(cfg.checkpoint.folder))
+    if all(f == folders[0] for f in folders):
+        return
+    each = "; ".join(f"rank {r}: {f}" for r, f in enumerate(folders))
+    raise ConfigError(
+        f"the ranks resolve checkpoint.folder={cfg.checkpoint.folder!r} to different folders ({each}): "
+        "every rank saves its shard into the one folder; give an absolute --checkpoint.folder on a file "
+        "system they share"
+    )
 
 
 def lm_loss(
