@@ -22,6 +22,8 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import sys
 import tomllib
 import types
 import typing
@@ -562,12 +564,14 @@ def _bool_keys() -> set[str]:
     }
 
 
-def _prepare(argv: list[str]) -> tuple[str | None, list[str]]:
+def _prepare(argv: list[str], twice: list[str] | None = None) -> tuple[str | None, list[str]]:
     """(the --config value, the other arguments for tyro): an old key refused naming its
-    replacement, a bare boolean option given the value true."""
+    replacement, a bare boolean option given the value true; `twice` gets a line per key given
+    more than once (the last applies, as tyro takes it)."""
+    twice = [] if twice is None else twice
     bools = _bool_keys()
     config, out, i = None, [], 0
-    given: dict[str, str] = {}  # key -> its first argument: a key given twice is refused, not last-wins
+    given: dict[str, str] = {}  # key -> its argument, to name a key given twice
     while i < len(argv):
         arg = argv[i]
         key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
@@ -589,9 +593,7 @@ def _prepare(argv: list[str]) -> tuple[str | None, list[str]]:
                 alone = eq or i + 1 >= len(argv) or argv[i + 1].startswith("--")
                 shown = arg if alone else f"{arg} {argv[i + 1]}"
                 if key in given:
-                    raise ConfigError(
-                        f"--{key} is given twice ({given[key]!r} and {shown!r}); expected it once"
-                    )
+                    twice.append(f"--{key} is given twice ({given[key]!r} and {shown!r}): the last applies")
                 given[key] = shown
             out.append(arg)
             if key in bools and not eq and (i + 1 >= len(argv) or argv[i + 1].startswith("-")):
@@ -629,11 +631,16 @@ def description() -> str:
 
 def parse_args(argv: list[str], prog: str = "mxmoe train") -> JobConfig:
     """The JobConfig of `argv`: `--config NAME|FILE` (applied first, wherever it stands) and
-    `--section.key value` / `--section.key=value` options. ConfigError for a bad config file or an
-    old key; SystemExit from tyro (status 2, its message on stderr) for an unknown option or a bad
-    value, and for `--help` (status 0)."""
-    config, rest = _prepare(list(argv))
+    `--section.key value` / `--section.key=value` options (a key given twice: the last, with a
+    warning on stderr naming both). ConfigError for a bad config file or an old key; SystemExit
+    from tyro (status 2, its message on stderr) for an unknown option or a bad value, and for
+    `--help` (status 0)."""
+    twice: list[str] = []
+    config, rest = _prepare(list(argv), twice)
     base = load_toml(config) if config is not None else JobConfig()
+    if os.environ.get("RANK", "0") == "0":  # a base list of options, overrides after it: said once
+        for line in twice:
+            print(f"{prog}: warning: {line}", file=sys.stderr)
     return tyro.cli(
         JobConfig,
         args=rest,

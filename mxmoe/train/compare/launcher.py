@@ -64,16 +64,10 @@ def trainer_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra,
     be every run's), the deterministic mode and steps (each unless the options set it), the
     variant's and the common options, then the seed and the metrics folder `folder`
     (OUT/runs/VARIANT/seedS). A checkpoint folder X among the options becomes X/VARIANT/seedS, the
-    run's own: runs never resume one another. ValueError naming a key the options set twice (the
-    trainer takes each key once)."""
+    run's own: runs never resume one another. An option compare sets itself is left out when the
+    variant's or the common options set it (the trainer warns of a key given twice)."""
     user = _options(list(vargs) + list(extra))
     keys = [k for k, _ in user if k]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
-        raise ValueError(
-            f"--{twice[0]} is set twice among the variant's options and the arguments after `--` "
-            f"({', '.join(' '.join(t) for k, t in user if k == twice[0])}): expected once"
-        )
     own = [
         ("checkpoint.folder", "--checkpoint.folder="),
         ("metrics.progress_bar", "--metrics.progress_bar=false"),
@@ -82,7 +76,8 @@ def trainer_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra,
         own.append(("debug.deterministic", "--debug.deterministic=true"))
     if steps is not None:
         own.append(("training.steps", f"--training.steps={steps}"))
-    ckpt = next((_value(t) for k, t in user if k == "checkpoint.folder"), None)
+    ckpt = [_value(t) for k, t in user if k == "checkpoint.folder"][-1:]  # the trainer takes the last
+    ckpt = ckpt[0] if ckpt else None
     argv = [f"--config={cfg}"] + [arg for key, arg in own if key not in keys]
     argv += [tok for k, t in user if not (ckpt and k == "checkpoint.folder") for tok in t]
     argv += [f"--debug.seed={seed}", f"--job.dump_folder={folder}"]
