@@ -640,7 +640,7 @@ def parse_args(argv: list[str], prog: str = "mxmoe train") -> JobConfig:
     base = load_toml(config) if config is not None else JobConfig()
     if os.environ.get("RANK", "0") == "0":  # a base list of options, overrides after it: said once
         for line in twice:
-            print(f"{prog}: warning: {line}", file=sys.stderr)
+            print(f"mxmoe WARNING: {line}", file=sys.stderr)  # as the run's own warnings
     return tyro.cli(
         JobConfig,
         args=rest,

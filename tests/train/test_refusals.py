@@ -82,7 +82,7 @@ def test_a_key_given_twice_is_said_naming_both(argv, shown, last, capsys):
     it is common), but no longer silently: a warning names both arguments."""
     assert parse_args(argv).training.steps == last
     err = capsys.readouterr().err
-    assert f"mxmoe train: warning: --training.steps is given twice {shown}: the last applies" in err, err
+    assert f"mxmoe WARNING: --training.steps is given twice {shown}: the last applies" in err, err
     assert parse_args(argv[:-1]) is not None
     assert "given twice" not in capsys.readouterr().err  # once: nothing said
 
