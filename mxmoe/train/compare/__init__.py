@@ -17,13 +17,17 @@ command runs again). A variant is `NAME=ARGS`, ARGS the trainer
 options as one shell-quoted string, or just NAME for none (repeat --variant per variant: trainer
 values hold commas, as `--mx.filter_fqns=output,router`); the first is the baseline unless
 --baseline names another. Each run's console goes to its folder's train.log; a run that finished
-(its command.json records the same command and status 0) is not run again, so an interrupted
+(its command.json records the same command, the same --config file contents and status 0) is not
+run again, so an interrupted
 compare continues where it stopped; `--time-limit-s` stops the running runs (SIGTERM) and starts no
 more after that many seconds, then writes the tables of the finished ones.
 
-Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from RUN/config.json (the
+Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from the config of the run
+that wrote the records (RUN/config.json, or config.<run_id>.json of a later run in the folder; the
 layout the running mode writes under OUT/runs; a run whose command.json records a failure or a
-stop at the time limit is left out). A malformed record is an error naming its file, line and field.
+stop at the time limit is left out, a run folder without metrics.jsonl is an error). --out is
+checked to be a writable folder before anything runs. A malformed record is an error naming its
+file, line and field.
 
 Paired runs must share their setup (training steps, the last logged step, sequence length, global
 batch and corpus, from each run's config.json): runs that differ are refused, naming them. Each
