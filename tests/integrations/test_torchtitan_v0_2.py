@@ -535,3 +535,25 @@ def test_ep_script_commands_parse(tmp_path):
         a2a = cmds["a2a"]
         ns = a2a_args(a2a[a2a.index("a2a") + 1 :])
         assert (ns.batches, ns.seq, ns.dims) == ([16], 8192, [5120])
+
+
+@pytest.mark.parametrize(
+    "line, error, message",
+    [
+        ('recipe_name = "nvfp4"', ValueError, "mx.recipe_name='nvfp4': expected one of"),
+        ('mxfp8_a2a = "yes"', TypeError, "mx.mxfp8_a2a='yes': expected a bool"),
+        ('filter_fqns = "output"', TypeError, "mx.filter_fqns must be a list of strings"),
+        ("block_size = 16", ValueError, "unknown key(s) ['block_size']; [mx] has ['recipe_name'"),
+    ],
+)
+def test_a_bad_mx_value_in_a_toml_names_the_file_and_the_key(tmp_path, line, error, message):
+    """A bad [mx] value in a TOML job config: the error names the file and mx.<key> (it once named
+    only the field, or torchtitan's "Invalid field names in <class ...>")."""
+    toml = tmp_path / "job.toml"
+    toml.write_text(f'[job]\ncustom_config_module = "{PKG}"\n\n[mx]\n{line}\n')
+    with pytest.raises(error) as e:
+        ConfigManager().parse_args(["--job.config_file", str(toml)])
+    assert str(e.value).startswith(f"{toml}: [mx]: ") and message in str(e.value), str(e.value)
+    # a good [mx] is read as before
+    toml.write_text(f'[job]\ncustom_config_module = "{PKG}"\n\n[mx]\nrecipe_name = "mxfp8"\n')
+    assert ConfigManager().parse_args(["--job.config_file", str(toml)]).mx.recipe_name == "mxfp8"

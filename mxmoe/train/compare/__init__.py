@@ -17,15 +17,19 @@ command runs again). A variant is `NAME=ARGS`, ARGS the trainer
 options as one shell-quoted string, or just NAME for none (repeat --variant per variant: trainer
 values hold commas, as `--mx.filter_fqns=output,router`); the first is the baseline unless
 --baseline names another. Each run's console goes to its folder's train.log; a run that finished
-(its command.json records the same command and status 0) is not run again, so an interrupted
+(its command.json records the same command, the same --config file contents and status 0) is not
+run again, so an interrupted
 compare continues where it stopped; `--time-limit-s` bounds the call: `--grace-s` before it the running
 runs get SIGTERM (each saves its checkpoint; the grace is raised to 1.5 x the longest save recorded in
 their checkpoint manifests + 10 s) and no more start, at it they are killed, and the tables of the
 finished ones are written; `--delete-finished-checkpoints` deletes a finished run's own checkpoints.
 
-Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from RUN/config.json (the
+Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from the config of the run
+that wrote the records (RUN/config.json, or config.<run_id>.json of a later run in the folder; the
 layout the running mode writes under OUT/runs; a run whose command.json records a failure or a
-stop at the time limit is left out). A malformed record is an error naming its file, line and field.
+stop at the time limit is left out, a run folder without metrics.jsonl is an error). --out is
+checked to be a writable folder before anything runs. A malformed record is an error naming its
+file, line and field.
 
 Paired runs must share their setup (training steps, the last logged step, sequence length, global
 batch and corpus, from each run's config.json): runs that differ are refused, naming them. Each
@@ -48,13 +52,14 @@ final losses at the horizon); the command is here.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import shlex
 import sys
 from pathlib import Path
 
 from mxmoe import configs
-from mxmoe.cli import comma_list, positive_int
+from mxmoe.cli import check_out_folder, comma_list, positive_int
 from mxmoe.train.compare.launcher import DONE, check_own, grace_seconds, launch, parse_variant, trainer_argv
 from mxmoe.train.compare.report import (
     Run,
@@ -197,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: list = []
     command = shlex.join(["mxmoe", "compare", *argv, *(["--", *extra] if extra else [])])
     try:
+        check_out_folder(args.out)  # before any run: not at the end, on a file or a read-only folder
         if args.time_limit_s is not None and not args.time_limit_s > 0:
             raise ValueError(f"--time-limit-s={args.time_limit_s}: expected a number of seconds > 0")
         for name in ("train_targets", "val_targets"):
@@ -232,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"--devices={','.join(args.devices)}: {len(args.devices)} device(s), fewer than "
                     f"--nproc={args.nproc} per run"
                 )
-            if not configs.resolve(args.config, kind="trainer").is_file():
+            config_file = configs.resolve(args.config, kind="trainer")
+            if not config_file.is_file():
                 raise ValueError(f"--config {args.config!r}: file not found{configs.hint(args.config)}")
+            config_sha256 = hashlib.sha256(config_file.read_bytes()).hexdigest()
             check_own("arguments after `--`", extra)
             for name, vargs in args.variant:
                 check_own(f"--variant {name}", vargs)
@@ -266,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.time_limit_s,
                 grace,
                 args.delete_finished_checkpoints,
+                config_sha256,
             )
             failed = [f"{v} seed {s}: {what}" for (v, s), what in sorted(status.items()) if what != DONE]
             runs = [run_summary(n, s, f, args.tail_steps) for n, s, _, f in jobs if status[(n, s)] == DONE]
