@@ -98,7 +98,8 @@ class ConversionReport:
         when nothing at all is MX, a ValueError naming why (MX was asked and would not be given)
         unless `options.allow_unconverted`."""
         opts = options if options is not None else MXOptions()
-        mx_experts = set(self.converted.get("GroupedExperts", []) + self.converted.get("transformers experts", []))
+        conv = self.converted
+        mx_experts = {*conv.get("GroupedExperts", []), *conv.get("transformers experts", [])}
         mx_experts |= set(self.already) | set(self.reconfigured)
         if self.experts and not mx_experts.intersection(self.experts) and opts.convert_grouped_experts:
             why = self.why_skipped(self.experts) or "none of them is a kind mxmoe converts"
@@ -110,7 +111,8 @@ class ConversionReport:
         if not self.is_mx and not opts.allow_unconverted:
             raise ValueError(
                 "MX was asked (mxmoe.convert) but no module was converted, the model would stay high "
-                f"precision; skipped {len(self.skipped)}: {self.why_skipped([f for f, _ in self.skipped]) or 'none'}"
+                f"precision; skipped {len(self.skipped)}: "
+                f"{self.why_skipped([f for f, _ in self.skipped]) or 'none'}"
                 f" (convert_linears={opts.convert_linears}, convert_grouped_experts="
                 f"{opts.convert_grouped_experts}, filter_fqns={list(opts.filter_fqns)}). Pass "
                 "allow_unconverted=True (--mx.allow_unconverted=true) to train high precision anyway"
@@ -267,7 +269,8 @@ def convert(
                 report.experts.append(fqn)
             elif _looks_like_experts(child_name, child):
                 report.experts.append(fqn)
-                report.skipped.append((fqn, f"{type(child).__name__}: experts of a kind mxmoe does not convert"))
+                why = f"{type(child).__name__}: experts of a kind mxmoe does not convert"
+                report.skipped.append((fqn, why))
             mx_now = getattr(child, "mx_recipe", None) if hf_dims is not None else None
             if isinstance(child, (MXLinear, MXGroupedExperts)) or isinstance(mx_now, MXRecipe):
                 if (mx_now or child.recipe) != r:
@@ -317,7 +320,7 @@ def convert(
         use_mx_experts(hf_mx, hf_hp, r)
     names = [n for n, _ in model.named_modules()]
     for f in filter_fqns:
-        if f not in DEFAULT_FILTER_FQNS and not any(_filter_hit(n, [f], False) for n in names):
+        if f not in DEFAULT_FILTER_FQNS and all(_filter_hit(n, [f], False) is None for n in names):
             warnings.warn(
                 f"mxmoe.convert: filter_fqns entry {f!r} matches no module of the model (FQNs look "
                 f"like {max(names, key=len)!r}): it keeps nothing high precision",
