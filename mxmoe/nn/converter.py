@@ -183,6 +183,29 @@ def _looks_like_experts(name: str, mod: nn.Module) -> bool:
     )
 
 
+ASKING_OPTIONS = ("recipe_name", "expert_gemm", "filter_fqns", "convert_linears", "convert_grouped_experts")
+"""The MXOptions fields that ask for MX arithmetic (what is converted, in which format): set with no
+MX converter named, they would be ignored. (Kernel, GEMM-backend and exchange choices are not: the
+test suites and launchers pass them to every run.)"""
+
+
+def asked_options(options: MXOptions, baseline: MXOptions | None = None) -> dict[str, object]:
+    """{field: value} of the ASKING_OPTIONS where `options` differs from `baseline` (default: the
+    defaults): the MX a user asked for."""
+    base = baseline if baseline is not None else MXOptions()
+    return {k: getattr(options, k) for k in ASKING_OPTIONS if getattr(options, k) != getattr(base, k)}
+
+
+def unconverted_error(asked: dict[str, object], converters: list[str], fix: str) -> ValueError:
+    """The error of MX options given with no MX converter named (`fix`: how to name one)."""
+    given = ", ".join(f"mx.{k}={v!r}" for k, v in asked.items())
+    return ValueError(
+        f"{given} given, but model.converters={list(converters)!r} names no MX converter: the run "
+        f"would train high precision with these options ignored. Add {fix}, or set "
+        "mx.allow_unconverted=true to train high precision anyway"
+    )
+
+
 def _tp_degree(parallel_dims) -> int:
     if parallel_dims is None:
         return 1

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mxmoe.models import Transformer, apply_expert_parallel, model_args
 from mxmoe.models.moe import ModelArgs
+from mxmoe.nn.converter import asked_options, unconverted_error
 from mxmoe.train import determinism, parallel, profiling
 from mxmoe.train.checkpoint import TRAIN_STATE, Checkpointer, CheckpointError
 from mxmoe.train.config import Converter, JobConfig, check_limits, check_ranks_data
@@ -55,6 +56,10 @@ def check_values(cfg: JobConfig) -> None:
             f"model.converters={cfg.model.converters!r}: unknown converter(s) {unknown}; expected one "
             f"of {list(MX_CONVERTERS)} (the same converter)"
         )
+    if not uses_mx(cfg) and not cfg.mx.allow_unconverted:
+        asked = asked_options(cfg.mx)
+        if asked:
+            raise unconverted_error(asked, cfg.model.converters, "--model.converters=mx")
     if t.mixed_precision not in ("bf16", "fp32", "tf32"):
         raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16, fp32 or tf32")
     if t.cpu_threads < 0:
