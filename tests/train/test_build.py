@@ -107,8 +107,9 @@ def test_mx_options_without_the_mx_converter_are_an_error_unless_allowed(tmp_pat
     --mx.allow_unconverted=true trains high precision."""
     base = [*ARGS, f"--job.dump_folder={tmp_path}", "--model.converters="]
     cfg = parse_args([*base, "--mx.recipe_name=mxfp8", "--mx.convert_linears=false"])
-    with pytest.raises(ValueError, match=r"mx.recipe_name='mxfp8', mx.convert_linears=False given, but "
-                       r"model.converters=\[\] names no MX converter.*--model.converters=mx.*allow_unconverted"):
+    why = (r"mx.recipe_name='mxfp8', mx.convert_linears=False given, but model.converters=\[\] names no "
+           r"MX converter.*--model.converters=mx.*allow_unconverted")
+    with pytest.raises(ValueError, match=why):
         check_values(cfg)
     check_values(parse_args([*base, "--mx.recipe_name=mxfp8", "--mx.allow_unconverted=true"]))
     check_values(parse_args(base))  # kernel choices alone (ARGS) ask for nothing
