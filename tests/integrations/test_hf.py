@@ -145,14 +145,14 @@ def test_forward_and_backward_within_mx_rounding_of_bf16(family):
     assert abs(out_mx.loss.item() - out_ref.loss.item()) < 1e-3 * out_ref.loss.item()
     lr, lm = out_ref.logits.float(), out_mx.logits.float()
     assert (lm - lr).norm() < 2**-4 * lr.norm()
-    grads = [(p.grad.float().flatten(), q.grad.float().flatten())
-             for p, q in zip(ref.parameters(), mx.parameters(), strict=True) if p.grad is not None]  # fmt: skip
+    pairs = zip(ref.parameters(), mx.parameters(), strict=True)
+    grads = [(p.grad.float().flatten(), q.grad.float().flatten()) for p, q in pairs if p.grad is not None]
     gr, gm = torch.cat([a for a, _ in grads]), torch.cat([b for _, b in grads])
     assert (gm - gr).norm() < 2**-3 * gr.norm()
     for name, p in mx.named_parameters():
         if ".experts." in name and p.ndim == 3:
             q = dict(ref.named_parameters())[name]
-            cos = torch.nn.functional.cosine_similarity(p.grad.float().flatten(), q.grad.float().flatten(), dim=0)
+            cos = torch.nn.functional.cosine_similarity(p.grad.float().flatten(), q.grad.float().flatten(), 0)
             assert cos > 0.9, (name, cos)
 
 
@@ -250,7 +250,8 @@ def test_experts_of_dims_not_divisible_by_32_warn_and_are_refused_by_name():
     why (the attention-free rest converts nothing either: an error unless allow_unconverted);
     experts_implementation="mxmoe" on them is an error naming the dims."""
     model = tiny_model("qwen3_moe", moe_intermediate_size=48)
-    with pytest.warns(UserWarning, match=r"2 experts modules .* none is MX: 2 by dims 64x48 not divisible by 32"):
+    why = r"2 experts modules .* none is MX: 2 by dims 64x48 not divisible by 32"
+    with pytest.warns(UserWarning, match=why):
         with pytest.raises(ValueError, match="no module was converted"):
             mxmoe.convert(model, mxmoe.MXOptions())
     model.set_experts_implementation("mxmoe")
@@ -270,7 +271,8 @@ def test_expert_parallel_ids_of_other_ranks_weigh_nothing():
     sentinel = idx.clone()
     sentinel[:, 1] = 4  # the second choice of every token lives on another rank
     y = hf.mxmoe_experts_forward(mod, x, sentinel, w)
-    torch.testing.assert_close(y, hf.mxmoe_experts_forward(mod, x, idx[:, :1], w[:, :1]), rtol=1e-6, atol=1e-6)
+    first_only = hf.mxmoe_experts_forward(mod, x, idx[:, :1], w[:, :1])
+    torch.testing.assert_close(y, first_only, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -286,7 +288,7 @@ def test_every_other_family_converts_and_trains_near_bf16(family):
     lr.backward()
     lm.backward()
     assert abs(lm.item() - lr.item()) < 1e-3 * lr.item()
-    grads = [(p.grad.float().flatten(), q.grad.float().flatten())
-             for p, q in zip(ref.parameters(), mx.parameters(), strict=True) if p.grad is not None]  # fmt: skip
+    pairs = zip(ref.parameters(), mx.parameters(), strict=True)
+    grads = [(p.grad.float().flatten(), q.grad.float().flatten()) for p, q in pairs if p.grad is not None]
     gr, gm = torch.cat([a for a, _ in grads]), torch.cat([b for _, b in grads])
     assert (gm - gr).norm() < 2**-3 * gr.norm()
