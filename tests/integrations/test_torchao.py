@@ -28,7 +28,8 @@ def mx_modules(model) -> dict[str, object]:
 
 def tiny_moe():
     torch.manual_seed(0)
-    return Transformer(model_args("debug_moe", dim=64, n_layers=2, n_heads=2, num_experts=4, moe_hidden_dim=32))
+    args = model_args("debug_moe", dim=64, n_layers=2, n_heads=2, num_experts=4, moe_hidden_dim=32)
+    return Transformer(args)
 
 
 @pytest.mark.parametrize("recipe", list(MXFP8TrainingRecipe))
