@@ -56,10 +56,6 @@ def check_values(cfg: JobConfig) -> None:
             f"model.converters={cfg.model.converters!r}: unknown converter(s) {unknown}; expected one "
             f"of {list(MX_CONVERTERS)} (the same converter)"
         )
-    if not uses_mx(cfg) and not cfg.mx.allow_unconverted:
-        asked = asked_options(cfg.mx)
-        if asked:
-            raise unconverted_error(asked, cfg.model.converters, "--model.converters=mx")
     if t.mixed_precision not in ("bf16", "fp32", "tf32"):
         raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16, fp32 or tf32")
     if t.cpu_threads < 0:
@@ -103,6 +99,10 @@ def check_values(cfg: JobConfig) -> None:
             "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
             "drop one of the two"
         )
+    if not uses_mx(cfg) and not mx.allow_unconverted:  # MX asked, high precision given
+        asked = asked_options(mx)
+        if asked:
+            raise unconverted_error(asked, cfg.model.converters, "--model.converters=mx")
     if cfg.compile.enable:
         check_compile_backend(cfg.compile.backend, "compile.backend")
     profiling.check(cfg.profiling)
