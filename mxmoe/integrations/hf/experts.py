@@ -106,7 +106,11 @@ def mxmoe_experts_forward(
         weights = weights * (ids < E).to(weights.dtype)
         ids = ids.clamp(max=E - 1)
     ids_g, perm = torch.sort(ids, stable=True)
-    offs = torch.cumsum(torch.bincount(ids_g, minlength=E), dim=0, dtype=torch.int32)
+    # counts as transformers' grouped_mm takes them: histc (no data-dependent shape; floats on CPU,
+    # where histc takes no integers)
+    hist_in = ids_g.float() if ids_g.device.type in ("cpu", "mps") else ids_g.int()
+    counts = torch.histc(hist_in, bins=E, min=0, max=E - 1)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
     x = hidden_states[perm // k]
     if not torch.is_autocast_enabled(x.device.type):
         x = x.to(up.dtype)  # as transformers' grouped_mm: the weights' dtype
