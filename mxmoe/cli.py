@@ -70,6 +70,7 @@ BENCHES = {
     "train": "mxmoe.bench.train",
     "fidelity": "mxmoe.bench.fidelity",
     "trace": "mxmoe.bench.trace",
+    "overlap": "mxmoe.bench.overlap",
 }
 """Benchmark -> its module, as COMMANDS."""
 

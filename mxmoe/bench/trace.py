@@ -34,7 +34,8 @@ def breakdown(trace: dict) -> dict:
     from mxmoe.train.profiling import kernel_category
 
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else []
-    steps = sum(1 for e in events if isinstance(e, dict) and re.match(r"ProfilerStep#\d+$", str(e.get("name", ""))))
+    step_name = re.compile(r"ProfilerStep#\d+$")
+    steps = sum(1 for e in events if isinstance(e, dict) and step_name.match(str(e.get("name", ""))))
     steps = max(steps, 1)
     cats: dict[str, float] = {}
     casts: dict[str, float] = {}
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     for path, r in results.items():
         rows = [{"category": k, "ms_per_step": v} for k, v in r["ms_per_step"].items()]
         rows += [{"category": f"  cast kernel {k}", "ms_per_step": v} for k, v in r["cast_kernels"].items()]
-        timing.print_table(rows, title=f"{path}: GPU ms per step ({r['steps']} steps recorded)", floatfmt=".3f")
+        title = f"{path}: GPU ms per step ({r['steps']} steps recorded)"
+        timing.print_table(rows, title=title, floatfmt=".3f")
     if args.json:
         timing.write_json(args.json, {"bench": "trace", "traces": results})
     return 0

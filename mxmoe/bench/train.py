@@ -15,6 +15,7 @@ on one fixed batch, in each mode:
                  backward); CUDA only
   graph          forward+backward captured in one CUDA graph (`mxmoe.models.GraphedStep`; the
                  trainer's `training.cuda_graph`), optimizer eager; CUDA only
+  compile+graph  per-block compile, the step as one CUDA graph
   compile_full+graph   both
 
 After `--warmup-steps` untimed steps (compilation, capture, autotuning), `--steps` steps are timed
@@ -48,7 +49,9 @@ from mxmoe.bench import timing
 from mxmoe.cli import comma_list, positive_int
 from mxmoe.train import determinism
 
-MODES = ("eager", "compile", "compile_full", "reduce_overhead", "graph", "compile_full+graph")
+MODES = (
+    "eager", "compile", "compile_full", "reduce_overhead", "graph", "compile+graph", "compile_full+graph"
+)
 VARIANTS = ("bf16", "mx")
 _COMPILE = {  # mode -> build_model(compile=...)
     "eager": None,
@@ -56,6 +59,7 @@ _COMPILE = {  # mode -> build_model(compile=...)
     "compile_full": "full",
     "reduce_overhead": "reduce_overhead",
     "graph": None,
+    "compile+graph": "blocks",
     "compile_full+graph": "full",
 }
 

@@ -173,6 +173,8 @@ class Checkpoint:
     """Checkpoint folder (empty: no checkpoints)."""
     interval: int = 0
     """Save every this many steps (0 = only at the end and on SIGTERM)."""
+    last_save: bool = True
+    """Save after the last step (false: a finished run saves none; SIGTERM and interval saves stay)."""
     keep_latest_k: int = 2
     """Complete checkpoints kept, older ones deleted (0 keeps all)."""
     resume: bool = True

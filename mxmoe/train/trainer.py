@@ -359,7 +359,10 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
     validate = _Validation(run) if run.val_ds is not None else None
 
     def save(at: int) -> None:
-        ckpt.save(at, model, optimizer, run.train_state(at))
+        t0 = time.perf_counter()
+        path = ckpt.save(at, model, optimizer, run.train_state(at))
+        # how long a save takes: what a stop at a time limit must leave it (docs/numerics.md)
+        log.info("checkpoint step %d saved in %.1f s: %s", at, time.perf_counter() - t0, path)
 
     bar = None
     # a bar only on a terminal: redirected to a file, tqdm's frames are one endless line
@@ -449,11 +452,12 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                 if bar is not None:
                     bar.update(1)
                 every = cfg.checkpoint.interval
-                if ckpt is not None and ((every and step % every == 0) or last):
+                at_end = last and cfg.checkpoint.last_save
+                if ckpt is not None and ((every and step % every == 0) or at_end):
                     save(step)
                     saved_at = step
                 if _stop_requested(run, stop):
-                    if ckpt is not None and saved_at != step:
+                    if ckpt is not None and saved_at != step and not last:  # a finished run needs none
                         save(step)
                         saved_at = step
                     log.warning(

@@ -7,12 +7,15 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from mxmoe.train.checkpoint import save_seconds
 
 # trainer options compare sets itself for every run: a variant or the extra arguments may not
 _OWN = ("--debug.seed", "--job.dump_folder")
@@ -71,20 +74,62 @@ def trainer_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra,
 DONE = "done"
 
 
+def _last_value(args: list[str], option: str) -> str | None:
+    """The last `option=VALUE` (or `option VALUE`) in trainer arguments, or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a.startswith(option + "="):
+            value = a.split("=", 1)[1]
+        elif a == option and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def reached_last_step(argv: list[str], folder: Path) -> bool:
+    """Whether the run of `argv` logged its last step (`--training.steps`) in folder/metrics.jsonl: a
+    run that got SIGTERM during its last step finished it, and counts as finished."""
+    steps = _last_value(argv, "--training.steps")
+    try:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return steps is not None and bool(lines) and json.loads(lines[-1]).get("step") == int(steps)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def grace_seconds(jobs: list[tuple[str, int, list[str], Path]], given: float | None) -> float:
+    """How long before the time limit the runs get SIGTERM, so that a run's checkpoint (saved when
+    it gets SIGTERM) is written before the SIGKILL at the limit: the longer of `given` (--grace-s)
+    and 1.5 x the longest save recorded in the jobs' checkpoint folders (`save_s` of their
+    manifests: the saves of earlier calls) + 10 s. With no save recorded: `given`, else 120 s (30 s
+    when no run has a checkpoint folder: a run then only finishes its step)."""
+    folders = [f for *_, argv, _ in jobs if (f := _checkpoint_folder(argv))]
+    recorded = [x for f in folders if (x := save_seconds(f)) is not None]
+    if recorded:
+        return max(1.5 * max(recorded) + 10.0, given or 0.0)
+    return given if given is not None else (120.0 if folders else 30.0)
+
+
 def launch(
     jobs: list[tuple[str, int, list[str], Path]],
     parallel: int,
     devices: list[str] | None,
     nproc: int = 1,
     time_limit_s: float | None = None,
+    grace_s: float = 0.0,
+    delete_checkpoints: bool = False,
 ) -> dict:
     """Run `python -m mxmoe train ARGV` per job (variant, seed, argv, folder), `parallel` at a time
     (per group of `nproc` devices when `devices` are given; with nproc > 1 under
     `torch.distributed.run --standalone`); a job whose folder's command.json records the same argv
-    and status 0 is skipped. After `time_limit_s` no run starts and running ones get SIGTERM (the
-    trainer stops after its step; the run counts as unfinished). Returns {(variant, seed): DONE or
-    what else happened}."""
-    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    and status 0 is skipped. `time_limit_s` bounds the whole call: `grace_s` before it no run starts
+    and running ones get SIGTERM (the trainer stops after its step and saves its checkpoint; the run
+    counts as unfinished), at it whatever still runs is killed (`grace_seconds` picks a grace that
+    lets the save finish). delete_checkpoints: a run that finishes deletes its own checkpoint folder
+    (the last --checkpoint.folder of its argv). Returns {(variant, seed): DONE or what else happened}."""
+    if time_limit_s is not None and not 0 <= grace_s < time_limit_s:
+        raise ValueError(f"grace_s={grace_s}: expected 0 <= grace_s < time_limit_s={time_limit_s}")
+    end = None if time_limit_s is None else time.monotonic() + time_limit_s
+    deadline = None if end is None else end - grace_s  # SIGTERM; SIGKILL at `end`
     status: dict = {}
     lock = threading.Lock()
     free = None  # device slots: CUDA_VISIBLE_DEVICES values, each `parallel` times
@@ -133,13 +178,18 @@ def launch(
                 proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 stopped = True
-                proc.terminate()  # SIGTERM: the trainer finishes its step, closes its metrics, exits
+                proc.terminate()  # SIGTERM: the trainer finishes its step, saves, closes its metrics
                 try:
-                    proc.wait(120)
+                    proc.wait(max(1.0, end - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
         rc = proc.returncode
+        if stopped and rc == 0 and reached_last_step(argv, folder):
+            stopped = False  # the SIGTERM came during the last step: the run finished
+        ckpt = _checkpoint_folder(argv)
+        if delete_checkpoints and rc == 0 and not stopped and ckpt:
+            shutil.rmtree(ckpt, ignore_errors=True)  # a finished run's: frees the disk for the others
         if free is not None:
             with lock:
                 free.append(device)

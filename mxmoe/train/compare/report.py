@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mxmoe.train.compare import targets as ttt
 from mxmoe.train.plot import Series, plot_series, read_metrics, recorded_seed
 
 
@@ -300,12 +301,22 @@ def plot(runs: list[Run], baseline: str, out: Path, smooth: float = 0.0) -> Path
 
 
 def analyse(
-    runs: list[Run], baseline: str, out: Path, tail_steps: int, command: str | None, smooth: float
+    runs: list[Run],
+    baseline: str,
+    out: Path,
+    tail_steps: int,
+    command: str | None,
+    smooth: float,
+    smooth_steps: int = 50,
+    train_targets: Sequence[float] | None = None,
+    val_targets: Sequence[float] | None = None,
 ) -> dict:
     """Write compare.md, compare.json and compare.png into `out`; returns the JSON object.
-    ValueError (nothing written) when paired runs differ in their setup (`check_setups`)."""
+    ValueError (nothing written) when paired runs differ in their setup (`check_setups`).
+    smooth_steps, train_targets, val_targets: the time-to-target section (`targets.time_to_target`)."""
     check_setups(runs, baseline)
     stats = paired_differences(runs, baseline)
+    tt = ttt.time_to_target(runs, baseline, smooth_steps, train_targets, val_targets)
     rep = repeating(runs)
     if rep:
         print(
@@ -339,9 +350,12 @@ def analyse(
         ],
         "repeats_data": [r.folder for r in rep],
         "variants": stats,
+        "time_to_target": tt,
     }
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "compare.md").write_text(markdown(runs, stats, baseline, tail_steps, command))
+    (out / "compare.md").write_text(
+        markdown(runs, stats, baseline, tail_steps, command) + ttt.markdown(tt, baseline)
+    )
     try:
         plot(runs, baseline, out / "compare.png", smooth)
     except ModuleNotFoundError as e:  # the tables are the result; the picture needs an extra
