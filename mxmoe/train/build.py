@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mxmoe.models import Transformer, apply_expert_parallel, model_args
 from mxmoe.models.moe import ModelArgs
+from mxmoe.nn.converter import asked_options, unconverted_error
 from mxmoe.train import determinism, parallel, profiling
 from mxmoe.train.checkpoint import TRAIN_STATE, Checkpointer, CheckpointError
 from mxmoe.train.config import Converter, JobConfig, check_limits, check_ranks_data
@@ -99,6 +100,10 @@ def check_values(cfg: JobConfig) -> None:
             "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
             "drop one of the two"
         )
+    if not uses_mx(cfg) and not mx.allow_unconverted:  # MX asked, high precision given
+        asked = asked_options(mx)
+        if asked:
+            raise unconverted_error(asked, cfg.model.converters, "--model.converters=mx")
     if cfg.compile.enable:
         check_compile_backend(cfg.compile.backend, "compile.backend")
     profiling.check(cfg.profiling)
