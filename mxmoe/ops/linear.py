@@ -39,7 +39,9 @@ from mxmoe.ops.gemm import (
     no_autocast,
 )
 from mxmoe.ops.gemm_backend import OpKernels, op_kernels, resolve_gemm_backend
+from mxmoe.quant.gathered import gathered_mx
 from mxmoe.quant.mx_tensor import MXTensor, mx_tensor_trusted, to_mx, to_mx_dim0_dim1
+from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.qdq import qdq_trusted
 from mxmoe.recipe import MXRecipe, as_recipe
 
@@ -99,14 +101,19 @@ def cast_rows(x: Tensor, recipe: MXRecipe) -> MXTensor:
 
 def weight_qdq(w: Tensor, axis: int, recipe: MXRecipe, kernels: OpKernels) -> Tensor:
     """qdq of a weight (bf16/fp32, any strides, e.g. W (N, K) or w (E, N, K), checked by the op)
-    along `axis` (-1 or -2) in kernels.compute, row-major."""
+    along `axis` (-1 or -2) in kernels.compute, row-major. A weight FSDP2 gathered as MX
+    (`MXGatheredWeight`) is dequantized, not cast (the same values)."""
+    pre = gathered_mx(w, axis, recipe)
+    if pre is not None:
+        return pre.dequantize_trusted(kernels.compute, cast_kernel(recipe, w.device, "dequant")).contiguous()
     dim1 = axis == -2
     return qdq_trusted(w, recipe, kernels.k1 if dim1 else kernels.k0, kernels.compute, not dim1, dim1)[0]
 
 
 def weight_mx(w: Tensor, axis: int, recipe: MXRecipe) -> MXTensor:
-    """to_mx of a weight along `axis`."""
-    return to_mx(w, axis, recipe=recipe)
+    """to_mx of a weight along `axis` (a weight FSDP2 gathered as MX: its gathered cast)."""
+    pre = gathered_mx(w, axis, recipe)
+    return to_mx(w, axis, recipe=recipe) if pre is None else pre
 
 
 def dgrad_mx(
