@@ -34,6 +34,13 @@ LAYOUTS = ("dim0", "dim1")
 Regather = Callable[[str], tuple[Tensor, Tensor]]
 """layout -> (elements, scales) of that layout, gathered (a collective over the shard group)."""
 
+class _Data:
+    """The gathered elements, scales and their layout, shared by a gathered weight and its views."""
+
+    def __init__(self, q: Tensor, s: Tensor, layout: str):
+        self.q, self.s, self.layout = q, s, layout
+
+
 _VIEW_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
 
@@ -41,39 +48,46 @@ class MXGatheredWeight(Tensor):
     """The unsharded weight as MX data of one layout (module doc). shape/dtype: the weight's
     logical shape and compute dtype (autograd's view of it; its gradient is a plain tensor)."""
 
-    _q: Tensor
-    _s: Tensor
-    _layout: str
+    _data: _Data
     _recipe: MXRecipe
     _transposed: bool
     _regather: Regather | None
 
     @staticmethod
     def __new__(
-        cls, shape, dtype: torch.dtype, q: Tensor, s: Tensor, layout: str, recipe: MXRecipe,
+        cls, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, recipe: MXRecipe,
         regather: Regather | None = None, transposed: bool = False, requires_grad: bool = False,
     ):
         shape = tuple(shape)
         if transposed:
             shape = (*shape[:-2], shape[-1], shape[-2])
         return Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=q.device, requires_grad=requires_grad
+            cls, shape, dtype=dtype, device=(q.q if isinstance(q, _Data) else q).device, requires_grad=requires_grad
         )
 
     def __init__(
-        self, shape, dtype: torch.dtype, q: Tensor, s: Tensor, layout: str, recipe: MXRecipe,
+        self, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, recipe: MXRecipe,
         regather: Regather | None = None, transposed: bool = False, requires_grad: bool = False,
     ):
-        self._q, self._s, self._layout, self._recipe = q, s, layout, recipe
-        self._regather, self._transposed = regather, transposed
+        self._data = q if isinstance(q, _Data) else _Data(q, s, layout)
+        self._recipe, self._regather, self._transposed = recipe, regather, transposed
 
     def set_data(self, q: Tensor, s: Tensor, layout: str) -> None:
-        """Refill in place (FSDP2's later all-gathers write into the same unsharded parameter)."""
-        self._q, self._s, self._layout = q, s, layout
+        """Refill in place (FSDP2's later all-gathers write into the same unsharded parameter); its
+        views (transposes, detached copies autograd saved for the backward) see the new data."""
+        self._data.q, self._data.s, self._data.layout = q, s, layout
 
     @property
     def layout(self) -> str:
-        return self._layout
+        return self._data.layout
+
+    @property
+    def _q(self) -> Tensor:
+        return self._data.q
+
+    @property
+    def _s(self) -> Tensor:
+        return self._data.s
 
     def _weight_shape(self) -> tuple[int, ...]:
         s = tuple(self.shape)
@@ -81,8 +95,8 @@ class MXGatheredWeight(Tensor):
 
     def _rewrap(self, transposed: bool) -> MXGatheredWeight:
         return MXGatheredWeight(
-            self._weight_shape(), self.dtype, self._q, self._s, self._layout, self._recipe,
-            self._regather, transposed,
+            self._weight_shape(), self.dtype, self._data, None, "", self._recipe, self._regather,
+            transposed,
         )
 
     def mx(self, axis: int, recipe: MXRecipe) -> MXTensor:
@@ -101,7 +115,8 @@ class MXGatheredWeight(Tensor):
         if axis not in (-1, -2):
             raise ValueError(f"axis={axis}: expected -1 (dim0) or -2 (dim1)")
         layout = "dim0" if axis == -1 else "dim1"
-        q, s = (self._q, self._s) if layout == self._layout else self._fetch(layout)
+        d = self._data
+        q, s = (d.q, d.s) if layout == d.layout else self._fetch(layout)
         nd = q.ndim
         if layout == "dim1" and nd == 2:  # gathered (N, K) / (N/bs, K): to_mx's storage is (K, N)
             q, s = q.t().contiguous(), s.t().contiguous()
@@ -111,17 +126,17 @@ class MXGatheredWeight(Tensor):
     def _fetch(self, layout: str) -> tuple[Tensor, Tensor]:
         if self._regather is None:
             raise RuntimeError(
-                f"this weight was gathered as MX {self._layout} and the GEMM needs {layout}, with no "
+                f"this weight was gathered as MX {self.layout} and the GEMM needs {layout}, with no "
                 "shard group to gather it from"
             )
         return self._regather(layout)
 
     def __repr__(self) -> str:
-        return (f"MXGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, layout={self._layout}, "
+        return (f"MXGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, layout={self.layout}, "
                 f"transposed={self._transposed})")
 
     def __tensor_flatten__(self):
-        return ["_q", "_s"], (self._weight_shape(), self.dtype, self._layout, self._recipe,
+        return ["_q", "_s"], (self._weight_shape(), self.dtype, self.layout, self._recipe,
                               self._transposed)
 
     @staticmethod
