@@ -18,6 +18,7 @@ from mxmoe.nn.fsdp import MXShardedWeight, enable_mxfp8_all_gather, shard_blocks
 from mxmoe.quant.gathered import MXGatheredWeight
 from mxmoe.quant.mx_tensor import to_mx
 from mxmoe.recipe import DEFAULT_RECIPE
+from mxmoe.train.parallel import apply_fsdp
 
 D, H, E, T = 128, 64, 4, 64  # D: 32·4 rows per shard block at 4 ranks
 
@@ -57,16 +58,13 @@ def make_net() -> Net:
 
 
 def shard(net: Net, mx_gather: bool, world: int, param_dtype) -> None:
+    """The trainer's FSDP2 (`parallel.apply_fsdp`): param_dtype bf16 (its CUDA bf16 runs) or fp32
+    (CPU runs: no mixed-precision policy)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    if mx_gather:
-        enable_mxfp8_all_gather(net, world)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for blk in net.layers:
-        fully_shard(blk, mesh=mesh, mp_policy=mp)
-    fully_shard(net, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    dtype = None if param_dtype == torch.float32 else param_dtype
+    apply_fsdp(net, mesh, ignore_experts=False, param_dtype=dtype, mxfp8_all_gather=mx_gather)
 
 
 class Counter:
@@ -139,6 +137,16 @@ def gather_rank(rank: int, world: int, port: int, out: str) -> None:
                     assert_same_bits(a.qdata_blocked, b.qdata_blocked, f"{attr} {axis} elements")
                     assert_same_bits(a.scale_blocked, b.scale_blocked, f"{attr} {axis} scales")
             net.layers[0].reshard()
+            # item 0: with param_dtype bf16 the high-precision gather hands the GEMMs bf16 weights,
+            # and the gradients are reduced into fp32 shards
+            hp = make_net()
+            shard(hp, False, world, dtype)
+            hp.layers[0].unshard()
+            assert type(hp.layers[0].lin1.weight.data) is torch.Tensor
+            assert hp.layers[0].lin1.weight.dtype == dtype
+            hp.layers[0].reshard()
+            hp(torch.randn(T, D)).float().sum().backward()
+            assert hp.layers[0].lin1.weight.grad.to_local().dtype == torch.float32
         # 2. training: bit for bit the high-precision gather's; 3. bytes
         for dtype in (torch.bfloat16, torch.float32):
             lm, pm, bm = train(world, True, dtype)
