@@ -388,6 +388,12 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
             f"and one process (no FSDP / expert parallelism), got compile.enable={str(c.enable).lower()} "
             f"and world size {world}"
         )
+    if c.enable and use_mx and cfg.mx.fsdp_mxfp8_all_gather and world > 1:
+        raise ValueError(
+            "mx.fsdp_mxfp8_all_gather=true runs eager: torch.compile cannot trace the MX-gathered weight "
+            "(a tensor subclass read through its MX data) in the blocks' fullgraph; pass "
+            "--compile.enable=false, or leave mx.fsdp_mxfp8_all_gather off to compile"
+        )
     set_matmul_precision(cfg, device)
     if pd.tp > 1 and use_mx:
         # the converter owns this refusal: let it raise its own error before anything is built

@@ -33,3 +33,14 @@ def test_mxfp8_all_gather_trains_bit_for_bit_and_resumes_across_the_option(tmp_p
         assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
         got = losses(part)
         assert sorted(got) == [3] and got[3] == runs["hp"][3], (src, got, runs["hp"])
+
+
+def test_mxfp8_all_gather_with_compile_is_refused(tmp_path, capfd):
+    """torch.compile (fullgraph MoE blocks) cannot trace the gathered MX weight: refused up front,
+    naming both options, on every rank (no collective hangs)."""
+    argv = TINY + MX + ["--training.steps=1", "--parallelism.timeout_s=60", "--compile.enable=true",
+                        "--mx.fsdp_mxfp8_all_gather=true", f"--job.dump_folder={tmp_path}/run"]
+    spawn_ranks(trainer_rank, 2, argv, str(tmp_path))
+    assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] != ["0", "0"]
+    err = capfd.readouterr().err
+    assert err.count("mx.fsdp_mxfp8_all_gather=true runs eager") == 2 and "--compile.enable=false" in err, err
