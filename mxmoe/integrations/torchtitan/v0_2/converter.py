@@ -136,6 +136,8 @@ class MXMoEConverter:
         if tp > 1:
             raise tensor_parallel_error("model.converters mxmoe", tp)
         self.ep = int(getattr(parallel_dims, "ep", 1) or 1)
+        # FSDP's shard degree of the dense weights (torchtitan's "fsdp" mesh: dp_shard x cp)
+        self.fsdp = int(getattr(parallel_dims, "dp_shard", 1) or 1) * int(getattr(parallel_dims, "cp", 1) or 1)
         self.options.check("mx.")
         self.recipe = self.options.to_recipe()  # bad options fail here, naming the option
 
@@ -168,6 +170,12 @@ class MXMoEConverter:
 
             install()
         logger.info("%s", report.summary())
+        if opts.fsdp_mxfp8_all_gather:
+            from mxmoe.nn.fsdp import enable_mxfp8_all_gather
+
+            # under EP the experts are DTensors of the ep mesh before FSDP (and may be sharded on
+            # dim 1): they gather as before
+            enable_mxfp8_all_gather(model, self.fsdp, skip_experts=self.ep > 1)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """Nothing to do after an optimizer step (scales are computed per GEMM call)."""
