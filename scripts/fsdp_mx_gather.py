@@ -73,7 +73,8 @@ def all_gather_ms(folder: Path) -> float | None:
     hits = [e for e in events if "allgather" in str(e.get("name", "")).lower().replace("_", "")
             and "dur" in e]
     kernels = [e for e in hits if e.get("cat") == "kernel"]
-    ops = kernels or [e for e in hits if e.get("cat") == "cpu_op" and e["name"].startswith(("c10d::", "gloo:"))]
+    gloo = [e for e in hits if e.get("cat") == "cpu_op" and e["name"].startswith(("c10d::", "gloo:"))]
+    ops = kernels or gloo
     return sum(e["dur"] for e in ops) / 1e3
 
 
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows[name] = {"rc": rc, "tokens_per_s": tokens_per_s(name, out / name, text),
                       "all_gather_ms": all_gather_ms(out / name)}
     if rows:
-        lines = [f"FSDP2 gathers over {args.ngpu} {args.device} ranks, {args.steps} steps, mxmoe config {config}",
+        head = f"FSDP2 gathers over {args.ngpu} {args.device} ranks, {args.steps} steps, config {config}"
+        lines = [head,
                  "", "| run | rc | tokens/s | all-gather ms (profiled step) |", "|---|---|---|---|"]
         for name, r in rows.items():
             tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"

@@ -68,8 +68,12 @@ def main(argv: list[str] | None = None) -> dict:
     for _, m, attr in mx_weights(model):
         w = getattr(m, attr).detach().to(torch.bfloat16)
         r, k = m.recipe, op_kernels(m.recipe, device)
-        cast = weight_qdq if k.qdq else weight_mx
-        call = (lambda w, a, r=r, k=k, c=cast: c(w, a, r, k)) if k.qdq else (lambda w, a, r=r, c=cast: c(w, a, r))
+        if k.qdq:
+            def call(w, a, r=r, k=k):
+                return weight_qdq(w, a, r, k)
+        else:
+            def call(w, a, r=r):
+                return weight_mx(w, a, r)
         rows = w.shape[0] // args.world
         bytes_bf16 += 2 * 2 * rows * w[0].numel()  # the forward's and the backward's gathers
         if shard_blocks_ok(tuple(w.shape), args.world, r.block_size) is not None:

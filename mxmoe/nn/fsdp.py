@@ -244,6 +244,32 @@ def mx_weights(model: nn.Module, skip_experts: bool = False) -> list[tuple[str, 
     return out
 
 
+def wrap_weight(module: nn.Module, attr: str, recipe: MXRecipe, world: int, fqn: str = "") -> str | None:
+    """Wrap `module.attr` (a Parameter, or a DTensor Parameter: its local tensor) in MXShardedWeight
+    if its shards over `world` FSDP ranks hold whole blocks; returns None if wrapped (or already
+    wrapped), else why not (the weight is left as it is)."""
+    from torch.distributed.tensor import DTensor
+
+    p = getattr(module, attr)
+    local = p._local_tensor if isinstance(p, DTensor) else p.data
+    if isinstance(local, MXShardedWeight):
+        return None
+    why = shard_blocks_ok(tuple(p.shape), world, recipe.block_size)
+    if why is None and isinstance(p, DTensor) and tuple(local.shape) != tuple(p.shape):
+        why = "sharded before FSDP (tensor or expert parallelism)"
+    if why is not None:
+        return why
+    data = MXShardedWeight(local.detach(), recipe, fqn)
+    if isinstance(p, DTensor):
+        data = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    setattr(module, attr, nn.Parameter(data, requires_grad=p.requires_grad))
+    if not getattr(module, "_mx_state_dict_hook", False):
+        module._register_state_dict_hook(_unwrap_state_dict)
+        module._mx_state_dict_hook = True
+    return None
+
+
 def enable_mxfp8_all_gather(
     model: nn.Module, shard_world_size: int, expert_shard_world_size: int | None = None,
     skip_experts: bool = False,
@@ -254,26 +280,17 @@ def enable_mxfp8_all_gather(
     skip_experts: leave the experts alone (not FSDP-sharded, e.g. under expert parallelism in
     mxmoe's trainer). Logs and returns what it did; a model already wrapped is left as it is."""
     check_fsdp_extension()
-    if not isinstance(shard_world_size, int) or shard_world_size < 1:
-        raise ValueError(f"shard_world_size={shard_world_size!r}: expected an int >= 1")
+    for name, v in (("shard_world_size", shard_world_size),
+                    ("expert_shard_world_size", expert_shard_world_size)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}={v!r}: expected an int >= 1")
     ew = shard_world_size if expert_shard_world_size is None else expert_shard_world_size
     report = GatherReport()
-    hooked: set[int] = set()
     for fqn, m, attr in mx_weights(model, skip_experts):
-        p = getattr(m, attr)
-        if isinstance(p, MXShardedWeight):
+        why = wrap_weight(m, attr, m.recipe, shard_world_size if attr == "weight" else ew, fqn)
+        if why is None:
             report.mx.append(fqn)
-            continue
-        world = ew if attr != "weight" else shard_world_size
-        why = shard_blocks_ok(tuple(p.shape), world, m.recipe.block_size)
-        if why is not None:
+        else:
             report.plain[fqn] = why
-            continue
-        wrapped = nn.Parameter(MXShardedWeight(p.data, m.recipe, fqn), requires_grad=p.requires_grad)
-        setattr(m, attr, wrapped)
-        report.mx.append(fqn)
-        if id(m) not in hooked:
-            m._register_state_dict_hook(_unwrap_state_dict)
-            hooked.add(id(m))
     log.info(report.summary())
     return report

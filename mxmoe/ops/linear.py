@@ -39,9 +39,9 @@ from mxmoe.ops.gemm import (
     no_autocast,
 )
 from mxmoe.ops.gemm_backend import OpKernels, op_kernels, resolve_gemm_backend
+from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.gathered import gathered_mx
 from mxmoe.quant.mx_tensor import MXTensor, mx_tensor_trusted, to_mx, to_mx_dim0_dim1
-from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.qdq import qdq_trusted
 from mxmoe.recipe import MXRecipe, as_recipe
 

@@ -62,7 +62,8 @@ class MXGatheredWeight(Tensor):
         if transposed:
             shape = (*shape[:-2], shape[-1], shape[-2])
         return Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=(q.q if isinstance(q, _Data) else q).device, requires_grad=requires_grad
+            cls, shape, dtype=dtype, device=(q.q if isinstance(q, _Data) else q).device,
+            requires_grad=requires_grad,
         )
 
     def __init__(

@@ -4,7 +4,6 @@ without it, and checkpoints that resume across the option both ways."""
 import shutil
 
 from conftest import spawn_ranks, trainer_rank
-
 from test_trainer import MX, TINY, losses
 
 

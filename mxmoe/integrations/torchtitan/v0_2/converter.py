@@ -137,7 +137,8 @@ class MXMoEConverter:
             raise tensor_parallel_error("model.converters mxmoe", tp)
         self.ep = int(getattr(parallel_dims, "ep", 1) or 1)
         # FSDP's shard degree of the dense weights (torchtitan's "fsdp" mesh: dp_shard x cp)
-        self.fsdp = int(getattr(parallel_dims, "dp_shard", 1) or 1) * int(getattr(parallel_dims, "cp", 1) or 1)
+        dp_shard, cp = (int(getattr(parallel_dims, k, 1) or 1) for k in ("dp_shard", "cp"))
+        self.fsdp = dp_shard * cp
         self.options.check("mx.")
         self.recipe = self.options.to_recipe()  # bad options fail here, naming the option
 

@@ -55,8 +55,29 @@ def options_fields(name: str, names: tuple[str, ...]) -> type:
     return make_dataclass(name, spec, kw_only=True)
 
 
-RecipeFields = options_fields("RecipeFields", RECIPE_FIELDS)
-"""The recipe's fields of MXOptions: what a swapped module's Config carries."""
+MODULE_FIELDS = (*RECIPE_FIELDS, "fsdp_mxfp8_all_gather")
+"""The MXOptions fields a swapped module's Config carries: the recipe's, and whether FSDP2 gathers
+its weights as MXFP8 (read when the module is parallelized, before torchtitan applies FSDP)."""
+RecipeFields = options_fields("RecipeFields", MODULE_FIELDS)
+"""MODULE_FIELDS of MXOptions, as a dataclass a swapped module's Config inherits."""
+
+
+def _fsdp_mxfp8_all_gather(module, attrs: tuple[str, ...], config, parallel_dims) -> None:
+    """With config.fsdp_mxfp8_all_gather: let FSDP2 gather `module`'s weights `attrs` as MXFP8
+    (`mxmoe.nn.fsdp.wrap_weight`) over torchtitan's FSDP degree (dp_shard x cp); a weight whose
+    shards would not hold whole blocks, or already sharded (expert parallelism), gathers as before."""
+    if not getattr(config, "fsdp_mxfp8_all_gather", False):
+        return
+    if attrs != ("weight",) and module.recipe.expert_gemm == "bf16":
+        return  # bf16 expert GEMMs read the weights themselves
+    from mxmoe.nn.fsdp import wrap_weight
+
+    world = int(getattr(parallel_dims, "dp_shard", 1) or 1) * int(getattr(parallel_dims, "cp", 1) or 1)
+    for attr in attrs:
+        why = wrap_weight(module, attr, module.recipe, world, f"{type(module).__name__}.{attr}")
+        if why is not None:
+            name = type(module).__name__
+            log.info("fsdp_mxfp8_all_gather: %s.%s gathers high precision: %s", name, attr, why)
 
 
 def recipe_of(config) -> MXRecipe:
@@ -103,6 +124,7 @@ class MXLinear(Linear):
     def __init__(self, config: Config):
         super().__init__(config)
         self.recipe = recipe_of(config)
+        self._mx_config = config
 
     def forward(self, x: Tensor) -> Tensor:
         y = mx_mm(x, _replicated(self.weight, "weight").t(), self.recipe)
@@ -111,6 +133,7 @@ class MXLinear(Linear):
     def parallelize(self, parallel_dims) -> None:
         _refuse_tensor_parallel(self, parallel_dims)
         super().parallelize(parallel_dims)
+        _fsdp_mxfp8_all_gather(self, ("weight",), self._mx_config, parallel_dims)
 
     def extra_repr(self) -> str:
         r = self.recipe
@@ -150,6 +173,7 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
         def __init__(self, config):
             super().__init__(config)
             self.recipe = recipe_of(config)
+            self._mx_config = config
 
         def _grouped_mm(self, *, A: Tensor | MXTensor, B_t: Tensor, offs: Tensor) -> Tensor:
             if self.recipe.expert_gemm == "bf16":  # the rows are MX-rounded already (forward)
@@ -184,6 +208,7 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
         def parallelize(self, parallel_dims) -> None:
             _refuse_tensor_parallel(self, parallel_dims)
             super().parallelize(parallel_dims)
+            _fsdp_mxfp8_all_gather(self, ("w1", "w2", "w3"), self._mx_config, parallel_dims)
 
     MXGroupedExperts.__name__ = MXGroupedExperts.__qualname__ = f"MX{parent_cls.__name__}"
     MXGroupedExperts.Config.__qualname__ = f"MX{parent_cls.__name__}.Config"
@@ -223,7 +248,7 @@ def convert_linears(model_config, options: MXOptions, report: ConversionReport, 
             bias=lin.bias,
             param_init=lin.param_init,
             sharding_config=lin.sharding_config,
-            **{name: getattr(options, name) for name in RECIPE_FIELDS},
+            **{name: getattr(options, name) for name in MODULE_FIELDS},
         )
         model_config = _replace(model_config, parent, attr, new)
         report.converted["Linear"].append(fqn)
@@ -250,7 +275,7 @@ def convert_experts(model_config, options: MXOptions, report: ConversionReport):
         new_cls = mx_grouped_experts_cls(base_cls).Config
         new = new_cls(
             **{f.name: getattr(exp, f.name) for f in fields(exp)},
-            **{name: getattr(options, name) for name in RECIPE_FIELDS},
+            **{name: getattr(options, name) for name in MODULE_FIELDS},
         )
         model_config = _replace(model_config, parent, attr, new)
         if hasattr(parent, "token_dispatcher"):  # parent: the RoutedExperts.Config
