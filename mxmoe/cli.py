@@ -69,6 +69,8 @@ BENCHES = {
     "overhead": "mxmoe.bench.overhead",
     "train": "mxmoe.bench.train",
     "fidelity": "mxmoe.bench.fidelity",
+    "trace": "mxmoe.bench.trace",
+    "overlap": "mxmoe.bench.overlap",
 }
 """Benchmark -> its module, as COMMANDS."""
 

@@ -9,8 +9,11 @@
 # 8 x 2048 tokens, AdamW, eager (no torch.compile). Both MX runs convert the same modules: the
 # routed experts, the dense and shared-expert feed-forward layers (--mx.filter_fqns default).
 #
-#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2] [VARIANTS=bf16,mxmoe,torchao]
+#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2] [VARIANTS=bf16,mxmoe,torchao] [FLAGS...]
 #
+# FLAGS (after the five positional arguments) go to every run, e.g. `--profiling.enable_profiling
+# --profiling.profile_freq 10` (then `mxmoe bench trace OUT_DIR/RUN/profile_trace/*/rank0_trace.json`
+# gives GPU ms per step by kernel category).
 # Each variant runs once per seed (--debug.seed), with torchtitan's deterministic mode
 # (--debug.deterministic; DETERMINISTIC=0 turns it off). Writes OUT_DIR/VARIANT_sSEED.log
 # (torchtitan's logs), .csv (step, loss, grad_norm, tps) and OUT_DIR/summary.md (per run, and per
@@ -28,6 +31,8 @@ STEPS=${2:-300}
 RUN_TIMEOUT=${3:-140}
 IFS=, read -r -a SEEDS <<< "${4:-0,1,2}"
 IFS=, read -r -a VARIANTS <<< "${5:-bf16,mxmoe,torchao}"
+shift $(( $# < 5 ? $# : 5 ))
+EXTRA=("$@")
 for v in "${VARIANTS[@]}"; do
     case $v in bf16|mxmoe|torchao) ;; *) echo "variant '$v': expected bf16, mxmoe or torchao" >&2; exit 2 ;; esac
 done
@@ -78,7 +83,7 @@ run() {  # run NAME SEED [trainer flags...]
         --training.dataset_path "$WORK/data" \
         --training.steps "$STEPS" \
         --debug.seed "$seed" "${DET[@]}" \
-        "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+        "$@" "${EXTRA[@]}" > "$OUT/$name.log" 2>&1 || rc=$?
     echo "   exit $rc after $((SECONDS - t0))s; last step line:"
     grep -a "step:" "$OUT/$name.log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g' || echo "   (none: see $OUT/$name.log)"
 }
