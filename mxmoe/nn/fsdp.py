@@ -172,7 +172,7 @@ class MXShardedWeight(Tensor):
         if out is not None:
             if not isinstance(out, MXGatheredWeight):
                 raise RuntimeError(f"FSDP2 handed {type(out).__name__} as the unsharded MX weight")
-            out.set_data(q, s, layout)
+            out.set_data(q, s, layout, _Regather(self, dtype, group))  # this gather's shard
             return None
         return MXGatheredWeight(shape, param_dtype, q, s, layout, self._recipe,
                                 _Regather(self, dtype, group)), (q, s)

@@ -37,8 +37,8 @@ Regather = Callable[[str], tuple[Tensor, Tensor]]
 class _Data:
     """The gathered elements, scales and their layout, shared by a gathered weight and its views."""
 
-    def __init__(self, q: Tensor, s: Tensor, layout: str):
-        self.q, self.s, self.layout = q, s, layout
+    def __init__(self, q: Tensor, s: Tensor, layout: str, regather: Regather | None):
+        self.q, self.s, self.layout, self.regather = q, s, layout, regather
 
 
 _VIEW_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
@@ -51,7 +51,6 @@ class MXGatheredWeight(Tensor):
     _data: _Data
     _recipe: MXRecipe
     _transposed: bool
-    _regather: Regather | None
 
     @staticmethod
     def __new__(
@@ -70,13 +69,14 @@ class MXGatheredWeight(Tensor):
         self, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, recipe: MXRecipe,
         regather: Regather | None = None, transposed: bool = False, requires_grad: bool = False,
     ):
-        self._data = q if isinstance(q, _Data) else _Data(q, s, layout)
-        self._recipe, self._regather, self._transposed = recipe, regather, transposed
+        self._data = q if isinstance(q, _Data) else _Data(q, s, layout, regather)
+        self._recipe, self._transposed = recipe, transposed
 
-    def set_data(self, q: Tensor, s: Tensor, layout: str) -> None:
+    def set_data(self, q: Tensor, s: Tensor, layout: str, regather: Regather | None = None) -> None:
         """Refill in place (FSDP2's later all-gathers write into the same unsharded parameter); its
         views (transposes, detached copies autograd saved for the backward) see the new data."""
-        self._data.q, self._data.s, self._data.layout = q, s, layout
+        d = self._data
+        d.q, d.s, d.layout, d.regather = q, s, layout, regather
 
     @property
     def layout(self) -> str:
@@ -96,8 +96,7 @@ class MXGatheredWeight(Tensor):
 
     def _rewrap(self, transposed: bool) -> MXGatheredWeight:
         return MXGatheredWeight(
-            self._weight_shape(), self.dtype, self._data, None, "", self._recipe, self._regather,
-            transposed,
+            self._weight_shape(), self.dtype, self._data, None, "", self._recipe, None, transposed
         )
 
     def mx(self, axis: int, recipe: MXRecipe) -> MXTensor:
@@ -125,12 +124,12 @@ class MXGatheredWeight(Tensor):
                                  r.scaling_mode, self.dtype)
 
     def _fetch(self, layout: str) -> tuple[Tensor, Tensor]:
-        if self._regather is None:
+        if self._data.regather is None:
             raise RuntimeError(
                 f"this weight was gathered as MX {self.layout} and the GEMM needs {layout}, with no "
                 "shard group to gather it from"
             )
-        return self._regather(layout)
+        return self._data.regather(layout)
 
     def __repr__(self) -> str:
         return (f"MXGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, layout={self.layout}, "
