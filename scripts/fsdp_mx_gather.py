@@ -10,8 +10,10 @@ and all-gather time per step, mxmoe's trainer and torchtitan 0.2.2's, three runs
 
 mxmoe runs: `torchrun -m mxmoe train --config CONFIG` (default moe_1b; expert parallelism off, so
 the experts are FSDP-sharded too), profiled at the last step; torchtitan runs: torchtitan.train on
-`mxmoe config path torchtitan/deepseek_v3_debug_0.2` with --model.converters mxmoe, profiled at the
-last step (torchtitan 0.2.2 and torchao as scripts/torchtitan_ep.sh installs them). --device cpu
+`mxmoe config path torchtitan/deepseek_v3_debug_0.2` with scripts/torchtitan_ep_flavor.py's
+"mxmoe_ep" model (dim 5120, 16 experts, 4 layers; FSDP over every GPU, no expert parallelism),
+local batch 2 x 8192 tokens, profiled at the last step (torchtitan 0.2.2 installed as
+scripts/torchtitan_ep.sh installs it; its text data and byte tokenizer are written to OUT_DIR). --device cpu
 runs the mxmoe runs on gloo ranks with the debug_moe config (torchtitan 0.2 assumes CUDA).
 All-gather time: the summed duration of the all-gather events of rank 0's Chrome trace of the
 profiled step (NCCL kernels on CUDA, the gloo operators on CPU). Writes OUT_DIR/<run>.log and
@@ -58,8 +60,14 @@ def commands(out: Path, ngpu: int, *, steps: int, device: str, config: str) -> d
         for name, flags in TITAN.items():
             cmds[name] = [*run, "-m", "torchtitan.train",
                           "--job.config_file", str(configs.path("torchtitan/deepseek_v3_debug_0.2")),
-                          "--job.dump_folder", str(out / name), "--training.steps", str(steps),
-                          "--metrics.log_freq", "1", "--profiling.enable_profiling",
+                          "--job.dump_folder", str(out / name),
+                          "--experimental.custom_import", "torchtitan_ep_flavor",
+                          "--model.flavor", "mxmoe_ep",
+                          "--model.hf_assets_path", str(out / "tt_tokenizer"),
+                          "--training.dataset_path", str(out / "tt_data"),
+                          "--training.steps", str(steps), "--training.local_batch_size", "2",
+                          "--training.seq_len", "8192", "--parallelism.data_parallel_shard_degree", "-1",
+                          "--debug.seed", "0", "--metrics.log_freq", "1", "--profiling.enable_profiling",
                           "--profiling.profile_freq", str(steps), *flags]  # fmt: skip
     return cmds
 
@@ -113,6 +121,14 @@ def main(argv: list[str] | None = None) -> dict:
         if unknown:
             raise SystemExit(f"--runs: unknown {sorted(unknown)}; expected some of {sorted(cmds)}")
         cmds = {k: v for k, v in cmds.items() if k in args.runs.split(",")}
+    env = dict(os.environ)
+    if any(n in TITAN for n in cmds) and not args.dry_run:
+        from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
+
+        write_byte_tokenizer(out / "tt_tokenizer")
+        write_text_dataset(out / "tt_data")  # the Python standard library
+        scripts = str(Path(__file__).resolve().parent)  # torchtitan_ep_flavor
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (scripts, env.get("PYTHONPATH")) if p)
     rows = {}
     for name, cmd in cmds.items():
         print(" ".join(cmd), flush=True)
@@ -121,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
         log = out / f"{name}.log"
         with open(log, "w") as fh:
             try:
-                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
+                                    env=env).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         text = log.read_text()

@@ -554,3 +554,31 @@ def test_trainer_fsdp_mxfp8_all_gather_equals_the_bf16_gather(tmp_path):
     assert "weights gather MXFP8" in line and " 0 weights" not in line, line
     assert "fsdp_mxfp8_all_gather" not in hp_log
     assert len(hp) == 2 and mxg == hp and _grad_norms(log) == _grad_norms(hp_log), (hp, mxg)
+
+
+def test_fsdp_mxfp8_all_gather_with_compile_is_refused():
+    from torchtitan.distributed import ParallelDims
+
+    cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, "--model.converters", "mxmoe",
+                                      "--mx.fsdp_mxfp8_all_gather", "--compile.enable"])
+    dims = ParallelDims(dp_shard=2, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
+    with pytest.raises(ValueError, match=r"mx.fsdp_mxfp8_all_gather=true runs eager.*--compile.enable"):
+        build_model_converters(cfg, dims)
+
+
+def test_fsdp_mx_gather_script_commands_parse(tmp_path):
+    """scripts/fsdp_mx_gather.py's torchtitan runs parse with torchtitan 0.2.2's parser for 2, 4 and
+    8 GPUs: FSDP over every GPU, no expert parallelism, the option only in the mx_gather run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import fsdp_mx_gather
+
+    for ngpu in (2, 4, 8):
+        cmds = fsdp_mx_gather.commands(tmp_path, ngpu, steps=30, device="cuda", config="moe_1b")
+        for name in fsdp_mx_gather.TITAN:
+            cmd = cmds[name]
+            cfg = ConfigManager().parse_args(cmd[cmd.index("torchtitan.train") + 1 :])
+            importlib.import_module(cfg.experimental.custom_import)
+            assert cfg.parallelism.data_parallel_shard_degree == -1
+            assert cfg.parallelism.expert_parallel_degree == 1 and not cfg.compile.enable
+            assert cfg.mx.fsdp_mxfp8_all_gather == (name == "titan_mx_gather"), name
+            assert all(c in _registry_model_converter_cls for c in cfg.model.converters), name

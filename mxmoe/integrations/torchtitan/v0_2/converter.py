@@ -140,6 +140,13 @@ class MXMoEConverter:
         dp_shard, cp = (int(getattr(parallel_dims, k, 1) or 1) for k in ("dp_shard", "cp"))
         self.fsdp = dp_shard * cp
         self.options.check("mx.")
+        compile_cfg = getattr(job_config, "compile", None)
+        if self.options.fsdp_mxfp8_all_gather and getattr(compile_cfg, "enable", False):
+            raise ValueError(
+                "mx.fsdp_mxfp8_all_gather=true runs eager: torch.compile cannot trace the MX-gathered "
+                "weight (a tensor subclass read through its MX data); drop --compile.enable, or leave "
+                "mx.fsdp_mxfp8_all_gather off to compile"
+            )
         self.recipe = self.options.to_recipe()  # bad options fail here, naming the option
 
     def convert(self, model: nn.Module) -> None:
