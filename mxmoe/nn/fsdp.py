@@ -100,22 +100,25 @@ class MXShardedWeight(Tensor):
     _t: Tensor
     _recipe: MXRecipe
     _name: str
+    _cast_dtype: torch.dtype | None
 
     @staticmethod
-    def __new__(cls, t: Tensor, recipe: MXRecipe, name: str = ""):
+    def __new__(cls, t: Tensor, recipe: MXRecipe, name: str = "", cast_dtype: torch.dtype | None = None):
         return Tensor._make_wrapper_subclass(
             cls, t.size(), strides=t.stride(), storage_offset=t.storage_offset(), dtype=t.dtype,
             layout=t.layout, device=t.device, requires_grad=t.requires_grad,
         )
 
-    def __init__(self, t: Tensor, recipe: MXRecipe, name: str = ""):
-        self._t, self._recipe, self._name = t, recipe, name
+    def __init__(self, t: Tensor, recipe: MXRecipe, name: str = "", cast_dtype: torch.dtype | None = None):
+        """cast_dtype: the dtype the module's forward converts the weight to before its MX cast (e.g.
+        torchtitan 0.2's experts: bf16); None: the gathered dtype (FSDP's param_dtype)."""
+        self._t, self._recipe, self._name, self._cast_dtype = t, recipe, name, cast_dtype
 
     def __repr__(self) -> str:
         return f"MXShardedWeight({self._name or 'weight'}, {self._t!r})"
 
     def __tensor_flatten__(self):
-        return ["_t"], (self._recipe, self._name)
+        return ["_t"], (self._recipe, self._name, self._cast_dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -125,18 +128,20 @@ class MXShardedWeight(Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         first = next(a for a in pytree.tree_leaves(args) if isinstance(a, MXShardedWeight))
         if func is torch.ops.aten.detach.default:
-            return MXShardedWeight(args[0]._t.detach(), first._recipe, first._name)
+            return MXShardedWeight(args[0]._t.detach(), first._recipe, first._name, first._cast_dtype)
         args, kwargs = pytree.tree_map_only(MXShardedWeight, lambda t: t._t, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _PRESERVE:
             return out
-        return pytree.tree_map_only(Tensor, lambda t: MXShardedWeight(t, first._recipe, first._name), out)
+        return pytree.tree_map_only(
+            Tensor, lambda t: MXShardedWeight(t, first._recipe, first._name, first._cast_dtype), out
+        )
 
     # FSDP2's all-gather extension -------------------------------------------------------------
 
     def _cast(self, layout: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """This shard cast in `layout`, as it is sent (module doc of mxmoe.quant.gathered)."""
-        w = self._t.to(dtype)
+        w = self._t.to(self._cast_dtype or dtype)
         mx = to_mx(w, -1 if layout == "dim0" else -2, recipe=self._recipe)
         q, s = mx.qdata_blocked, mx.scale_blocked
         if layout == "dim1" and w.ndim == 2:  # storage (K, rows): send (rows, K), rows stack
@@ -170,12 +175,16 @@ class MXShardedWeight(Tensor):
         layout, shape, dtype, group = metadata
         q, s = outputs
         if out is not None:
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(out, DTensor):  # a parameter of tensor or expert parallelism
+                out = out._local_tensor
             if not isinstance(out, MXGatheredWeight):
                 raise RuntimeError(f"FSDP2 handed {type(out).__name__} as the unsharded MX weight")
             out.set_data(q, s, layout, _Regather(self, dtype, group))  # this gather's shard
             return None
         return MXGatheredWeight(shape, param_dtype, q, s, layout, self._recipe,
-                                _Regather(self, dtype, group)), (q, s)
+                                _Regather(self, dtype, group), cast_dtype=self._cast_dtype), (q, s)
 
 
 @dataclass
@@ -229,37 +238,43 @@ def _unwrap_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_m
             state_dict[k] = v._t
 
 
-def mx_weights(model: nn.Module, skip_experts: bool = False) -> list[tuple[str, nn.Module, str]]:
-    """(fully qualified name, module, attribute) of each MX weight: MXLinear.weight and
-    MXGroupedExperts' w1, w2, w3 (none of them with skip_experts)."""
+def mx_weights(
+    model: nn.Module, skip_experts: bool = False, expert_types: tuple[type, ...] = ()
+) -> list[tuple[str, nn.Module, str]]:
+    """(fully qualified name, module, attribute) of each MX weight: MXLinear.weight and the w1, w2,
+    w3 of MXGroupedExperts and of `expert_types` (a front end's MX experts) with MX GEMMs (none of
+    the experts with skip_experts)."""
     from mxmoe.nn.linear import MXLinear
     from mxmoe.nn.mx_experts import MXGroupedExperts
 
     out = []
     for name, m in model.named_modules():
         attrs = ("weight",) if isinstance(m, MXLinear) else ()
-        if isinstance(m, MXGroupedExperts) and not skip_experts and m.recipe.expert_gemm == "mx":
+        experts = isinstance(m, (MXGroupedExperts, *expert_types))
+        if experts and not skip_experts and m.recipe.expert_gemm == "mx":
             attrs = ("w1", "w2", "w3")
         out += [(f"{name}.{a}" if name else a, m, a) for a in attrs]
     return out
 
 
-def wrap_weight(module: nn.Module, attr: str, recipe: MXRecipe, world: int, fqn: str = "") -> str | None:
-    """Wrap `module.attr` (a Parameter, or a DTensor Parameter: its local tensor) in MXShardedWeight
-    if its shards over `world` FSDP ranks hold whole blocks; returns None if wrapped (or already
-    wrapped), else why not (the weight is left as it is)."""
+def wrap_weight(
+    module: nn.Module, attr: str, recipe: MXRecipe, world: int, fqn: str = "",
+    cast_dtype: torch.dtype | None = None,
+) -> str | None:
+    """Wrap `module.attr` (a Parameter, or a DTensor Parameter of tensor or expert parallelism: its
+    local tensor, which FSDP2 shards along dim 0) in MXShardedWeight if its shards over `world` FSDP
+    ranks hold whole blocks; returns None if wrapped (or already wrapped), else why not (the weight
+    is left as it is). cast_dtype: see MXShardedWeight."""
     from torch.distributed.tensor import DTensor
 
     p = getattr(module, attr)
     local = p._local_tensor if isinstance(p, DTensor) else p.data
     if isinstance(local, MXShardedWeight):
         return None
-    why = shard_blocks_ok(tuple(p.shape), world, recipe.block_size)
-    if why is None and isinstance(p, DTensor) and tuple(local.shape) != tuple(p.shape):
-        why = "sharded before FSDP (tensor or expert parallelism)"
+    why = shard_blocks_ok(tuple(local.shape), world, recipe.block_size)
     if why is not None:
         return why
-    data = MXShardedWeight(local.detach(), recipe, fqn)
+    data = MXShardedWeight(local.detach(), recipe, fqn, cast_dtype)
     if isinstance(p, DTensor):
         data = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
@@ -272,13 +287,16 @@ def wrap_weight(module: nn.Module, attr: str, recipe: MXRecipe, world: int, fqn:
 
 def enable_mxfp8_all_gather(
     model: nn.Module, shard_world_size: int, expert_shard_world_size: int | None = None,
-    skip_experts: bool = False,
+    skip_experts: bool = False, expert_types: tuple[type, ...] = (),
+    expert_cast_dtype: torch.dtype | None = None,
 ) -> GatherReport:
     """Wrap each MX weight of `model` whose shards hold whole blocks (module doc) in MXShardedWeight,
     before `fully_shard`, so that FSDP2 gathers it as MXFP8. shard_world_size: the FSDP shard degree
     of dense weights; expert_shard_world_size: that of the experts (default: the same);
     skip_experts: leave the experts alone (not FSDP-sharded, e.g. under expert parallelism in
-    mxmoe's trainer). Logs and returns what it did; a model already wrapped is left as it is."""
+    mxmoe's trainer); expert_types: a front end's MX experts classes; expert_cast_dtype: the dtype
+    their forward converts the weights to before the MX cast (MXShardedWeight's cast_dtype). Logs
+    and returns what it did; a model already wrapped is left as it is."""
     check_fsdp_extension()
     for name, v in (("shard_world_size", shard_world_size),
                     ("expert_shard_world_size", expert_shard_world_size)):
@@ -286,8 +304,10 @@ def enable_mxfp8_all_gather(
             raise ValueError(f"{name}={v!r}: expected an int >= 1")
     ew = shard_world_size if expert_shard_world_size is None else expert_shard_world_size
     report = GatherReport()
-    for fqn, m, attr in mx_weights(model, skip_experts):
-        why = wrap_weight(m, attr, m.recipe, shard_world_size if attr == "weight" else ew, fqn)
+    for fqn, m, attr in mx_weights(model, skip_experts, expert_types):
+        dense = attr == "weight"
+        why = wrap_weight(m, attr, m.recipe, shard_world_size if dense else ew, fqn,
+                          None if dense else expert_cast_dtype)
         if why is None:
             report.mx.append(fqn)
         else:

@@ -51,11 +51,13 @@ class MXGatheredWeight(Tensor):
     _data: _Data
     _recipe: MXRecipe
     _transposed: bool
+    _cast_dtype: torch.dtype
 
     @staticmethod
     def __new__(
         cls, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, recipe: MXRecipe,
         regather: Regather | None = None, transposed: bool = False, requires_grad: bool = False,
+        cast_dtype: torch.dtype | None = None,
     ):
         shape = tuple(shape)
         if transposed:
@@ -68,8 +70,12 @@ class MXGatheredWeight(Tensor):
     def __init__(
         self, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, recipe: MXRecipe,
         regather: Regather | None = None, transposed: bool = False, requires_grad: bool = False,
+        cast_dtype: torch.dtype | None = None,
     ):
+        """cast_dtype: the dtype the weight was converted to before its MX cast (None: dtype); a
+        `.to(cast_dtype)` of this tensor is then this tensor in that dtype (the same MX data)."""
         self._data = q if isinstance(q, _Data) else _Data(q, s, layout, regather)
+        self._cast_dtype = cast_dtype or dtype
         self._recipe, self._transposed = recipe, transposed
 
     def set_data(self, q: Tensor, s: Tensor, layout: str, regather: Regather | None = None) -> None:
@@ -95,9 +101,11 @@ class MXGatheredWeight(Tensor):
         return (*s[:-2], s[-1], s[-2]) if self._transposed else s
 
     def _rewrap(self, transposed: bool) -> MXGatheredWeight:
-        return MXGatheredWeight(
-            self._weight_shape(), self.dtype, self._data, None, "", self._recipe, None, transposed
-        )
+        return self._rewrap_as(transposed, self.dtype)
+
+    def _rewrap_as(self, transposed: bool, dtype: torch.dtype) -> MXGatheredWeight:
+        return MXGatheredWeight(self._weight_shape(), dtype, self._data, None, "", self._recipe, None,
+                                transposed, cast_dtype=self._cast_dtype)
 
     def mx(self, axis: int, recipe: MXRecipe) -> MXTensor:
         """The weight (N, K) / (E, N, K) cast along `axis` (-1: dim0, -2: dim1) as `to_mx(w, axis,
@@ -112,6 +120,10 @@ class MXGatheredWeight(Tensor):
                 f"weight gathered as {r.elem_dtype}/{r.block_size}/{r.scaling_mode} but the op's recipe "
                 f"is {recipe.elem_dtype}/{recipe.block_size}/{recipe.scaling_mode}"
             )
+        if self.dtype != self._cast_dtype:
+            raise ValueError(
+                f"this weight was cast to MX from {self._cast_dtype}; read it in that dtype, not {self.dtype}"
+            )
         if axis not in (-1, -2):
             raise ValueError(f"axis={axis}: expected -1 (dim0) or -2 (dim1)")
         layout = "dim0" if axis == -1 else "dim1"
@@ -121,7 +133,7 @@ class MXGatheredWeight(Tensor):
         if layout == "dim1" and nd == 2:  # gathered (N, K) / (N/bs, K): to_mx's storage is (K, N)
             q, s = q.t().contiguous(), s.t().contiguous()
         return mx_tensor_trusted(q, s, nd - 1 if layout == "dim0" else nd - 2, r.block_size,
-                                 r.scaling_mode, self.dtype)
+                                 r.scaling_mode, self._cast_dtype)
 
     def _fetch(self, layout: str) -> tuple[Tensor, Tensor]:
         if self._data.regather is None:
@@ -137,12 +149,13 @@ class MXGatheredWeight(Tensor):
 
     def __tensor_flatten__(self):
         return ["_q", "_s"], (self._weight_shape(), self.dtype, self.layout, self._recipe,
-                              self._transposed)
+                              self._transposed, self._cast_dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        shape, dtype, layout, recipe, transposed = meta
-        return MXGatheredWeight(shape, dtype, inner["_q"], inner["_s"], layout, recipe, None, transposed)
+        shape, dtype, layout, recipe, transposed, cast_dtype = meta
+        return MXGatheredWeight(shape, dtype, inner["_q"], inner["_s"], layout, recipe, None, transposed,
+                                cast_dtype=cast_dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -154,6 +167,9 @@ class MXGatheredWeight(Tensor):
             return w._rewrap(w._transposed)  # FSDP2's unsharded view (same shape)
         if func is torch.ops.aten.view.default and tuple(args[1]) == tuple(w.shape):
             return w._rewrap(w._transposed)
+        if func is torch.ops.aten._to_copy.default and set(kwargs) <= {"dtype"} and len(args) == 1:
+            if kwargs.get("dtype", w.dtype) in (w.dtype, w._cast_dtype):  # e.g. experts' .bfloat16()
+                return w._rewrap_as(w._transposed, kwargs.get("dtype", w.dtype))
         if func is torch.ops.aten.t.default or (
             func is torch.ops.aten.transpose.int
             and sorted(d % w.ndim for d in args[1:3]) == [w.ndim - 2, w.ndim - 1]

@@ -582,3 +582,20 @@ def test_fsdp_mx_gather_script_commands_parse(tmp_path):
             assert cfg.parallelism.expert_parallel_degree == 1 and not cfg.compile.enable
             assert cfg.mx.fsdp_mxfp8_all_gather == (name == "titan_mx_gather"), name
             assert all(c in _registry_model_converter_cls for c in cfg.model.converters), name
+
+
+@pytest.mark.slow
+def test_trainer_ep_x_fsdp_mxfp8_all_gather_equals_the_bf16_gather(tmp_path):
+    """EP 2 x FSDP over 4 gloo ranks: the expert weights (3D), EP-sharded, then FSDP-sharded over the
+    other 2 ranks, gather as MXFP8 too, with the losses and gradient norms of the run without it."""
+    from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
+
+    write_byte_tokenizer(tmp_path / "tokenizer")
+    write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))
+    mx = ["--model.converters", "mxmoe", "--mx.mxfp8_dim0_cast_kernel_choice", "torch",
+          "--mx.mxfp8_dim1_cast_kernel_choice", "torch",
+          "--parallelism.expert_parallel_degree", "2"]  # fmt: skip
+    out = _train(tmp_path, {"hp": mx, "mxg": mx + ["--mx.fsdp_mxfp8_all_gather"]}, world=4, steps=2)
+    (hp, hp_log), (mxg, log) = out["hp"], out["mxg"]
+    assert "gathers high precision" not in log
+    assert len(hp) == 2 and mxg == hp and _grad_norms(log) == _grad_norms(hp_log), (hp, mxg)

@@ -221,3 +221,20 @@ def test_gathered_weight_refuses_other_ops():
         g + 1
     with pytest.raises(RuntimeError, match="needs dim1"):
         g.mx(-2, DEFAULT_RECIPE)
+
+
+def test_gathered_weight_cast_from_another_dtype():
+    """A weight whose forward converts it (torchtitan 0.2's experts: w.bfloat16()) is cast from that
+    dtype: `.to` it gives the same MX data in that dtype; read in the other dtype it refuses."""
+    w = torch.randn(64, 32)
+    mx = to_mx(w.bfloat16(), -1, recipe=DEFAULT_RECIPE)
+    g = MXGatheredWeight(w.shape, torch.float32, mx.qdata_blocked, mx.scale_blocked, "dim0", DEFAULT_RECIPE,
+                         cast_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cast to MX from torch.bfloat16"):
+        g.mx(-1, DEFAULT_RECIPE)
+    b = g.bfloat16()
+    assert b.dtype == torch.bfloat16 and isinstance(b, MXGatheredWeight)
+    assert_same_bits(b.mx(-1, DEFAULT_RECIPE).qdata_blocked, mx.qdata_blocked)
+    assert b.transpose(-2, -1).shape == (32, 64)
+    with pytest.raises(NotImplementedError, match="_to_copy"):
+        g.half()

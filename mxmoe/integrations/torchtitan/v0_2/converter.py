@@ -181,9 +181,22 @@ class MXMoEConverter:
         if opts.fsdp_mxfp8_all_gather:
             from mxmoe.nn.fsdp import enable_mxfp8_all_gather
 
-            # under EP the experts are DTensors of the ep mesh before FSDP (and may be sharded on
-            # dim 1): they gather as before
-            enable_mxfp8_all_gather(model, self.fsdp, skip_experts=self.ep > 1)
+            # under EP the experts become DTensors of the ep mesh first: MXExpertParallel wraps their
+            # local tensors then, for FSDP over the rest of the ranks ("efsdp": fsdp / ep), when
+            # torchtitan shards them on dim 0 (efsdp x ep <= experts; else on dim 1: as before)
+            enable_mxfp8_all_gather(  # the experts' forward casts w.bfloat16() before its MX casts
+                model, self.fsdp, skip_experts=self.ep > 1, expert_types=(MXGroupedExperts,),
+                expert_cast_dtype=torch.bfloat16,
+            )
+            efsdp = max(self.fsdp // self.ep, 1)
+            for fqn, mod in model.named_modules():
+                if self.ep > 1 and isinstance(mod, MXGroupedExperts) and r.expert_gemm == "mx":
+                    if efsdp * self.ep <= mod.num_experts:
+                        mod._mx_fsdp_gather_world = efsdp
+                    else:
+                        logger.info("fsdp_mxfp8_all_gather: %s gathers high precision: FSDP shards "
+                                    "its experts on dim 1 (efsdp %d x ep %d > %d experts)", fqn, efsdp,
+                                    self.ep, mod.num_experts)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """Nothing to do after an optimizer step (scales are computed per GEMM call)."""
