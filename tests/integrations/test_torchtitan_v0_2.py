@@ -598,4 +598,5 @@ def test_trainer_ep_x_fsdp_mxfp8_all_gather_equals_the_bf16_gather(tmp_path):
     out = _train(tmp_path, {"hp": mx, "mxg": mx + ["--mx.fsdp_mxfp8_all_gather"]}, world=4, steps=2)
     (hp, hp_log), (mxg, log) = out["hp"], out["mxg"]
     assert "gathers high precision" not in log
+    assert log.count("experts w1, w2, w3 gather MXFP8 (FSDP over 2 ranks after EP)") == 5, log[-3000:]
     assert len(hp) == 2 and mxg == hp and _grad_norms(log) == _grad_norms(hp_log), (hp, mxg)

@@ -72,11 +72,17 @@ class MXExpertParallel(ExpertParallel):
             return
         from mxmoe.nn.fsdp import wrap_weight
 
+        done = []
         for attr in ("w1", "w2", "w3"):
             why = wrap_weight(mod, attr, mod.recipe, world, f"{name}.{attr}" if name else attr,
                               cast_dtype=torch.bfloat16)  # the experts' forward: w.bfloat16()
             if why is not None:
-                logger.info("fsdp_mxfp8_all_gather: %s.%s gathers high precision: %s", name, attr, why)
+                logger.info("fsdp_mxfp8_all_gather: experts %s gathers high precision: %s", attr, why)
+            else:
+                done.append(attr)
+        if done:
+            logger.info("fsdp_mxfp8_all_gather: experts %s gather MXFP8 (FSDP over %d ranks after EP)",
+                        ", ".join(done), world)
 
     def _token_dispatch(self, mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh):
         d = self._mx(mod, device_mesh)
