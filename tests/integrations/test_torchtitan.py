@@ -635,3 +635,8 @@ def test_fsdp_mxfp8_all_gather_reaches_the_modules():
     odd = MXLinear.Config(in_features=64, out_features=64, fsdp_mxfp8_all_gather=True).build()
     odd.parallelize(SimpleNamespace(tp=1, dp_shard=4, cp=1))  # 64 rows over 4: 16 a rank, not whole blocks
     assert not isinstance(odd.weight.data, MXShardedWeight)
+    cfg = next(c for _, c, _, _ in spec.model.traverse(GroupedExperts.Config))
+    experts = cfg.build()
+    experts.parallelize(SimpleNamespace(tp=1, dp_shard=2, cp=1))
+    ws = [experts.w1_EFD, experts.w2_EDF, experts.w3_EFD]
+    assert all(isinstance(w.data, MXShardedWeight) and w.data._cast_dtype == torch.bfloat16 for w in ws)

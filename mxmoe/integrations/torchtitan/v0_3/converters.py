@@ -62,10 +62,13 @@ RecipeFields = options_fields("RecipeFields", MODULE_FIELDS)
 """MODULE_FIELDS of MXOptions, as a dataclass a swapped module's Config inherits."""
 
 
-def _fsdp_mxfp8_all_gather(module, attrs: tuple[str, ...], config, parallel_dims) -> None:
+def _fsdp_mxfp8_all_gather(
+    module, attrs: tuple[str, ...], config, parallel_dims, cast_dtype: torch.dtype | None = None
+) -> None:
     """With config.fsdp_mxfp8_all_gather: let FSDP2 gather `module`'s weights `attrs` as MXFP8
     (`mxmoe.nn.fsdp.wrap_weight`) over torchtitan's FSDP degree (dp_shard x cp); a weight whose
-    shards would not hold whole blocks, or already sharded (expert parallelism), gathers as before."""
+    shards would not hold whole blocks gathers as before. cast_dtype: the dtype the module's forward
+    converts the weights to before its MX casts (the experts': bf16)."""
     if not getattr(config, "fsdp_mxfp8_all_gather", False):
         return
     if attrs != ("weight",) and module.recipe.expert_gemm == "bf16":
@@ -74,7 +77,11 @@ def _fsdp_mxfp8_all_gather(module, attrs: tuple[str, ...], config, parallel_dims
 
     world = int(getattr(parallel_dims, "dp_shard", 1) or 1) * int(getattr(parallel_dims, "cp", 1) or 1)
     for attr in attrs:
-        why = wrap_weight(module, attr, module.recipe, world, f"{type(module).__name__}.{attr}")
+        if not isinstance(getattr(module, attr, None), torch.Tensor):  # experts of another layout
+            name = type(module).__name__
+            log.info("fsdp_mxfp8_all_gather: %s has no weight %s: its weights gather as before", name, attr)
+            continue
+        why = wrap_weight(module, attr, module.recipe, world, f"{type(module).__name__}.{attr}", cast_dtype)
         if why is not None:
             name = type(module).__name__
             log.info("fsdp_mxfp8_all_gather: %s.%s gathers high precision: %s", name, attr, why)
@@ -208,7 +215,8 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
         def parallelize(self, parallel_dims) -> None:
             _refuse_tensor_parallel(self, parallel_dims)
             super().parallelize(parallel_dims)
-            _fsdp_mxfp8_all_gather(self, ("w1", "w2", "w3"), self._mx_config, parallel_dims)
+            weights = ("w1_EFD", "w2_EDF", "w3_EFD")  # the forward reads w.bfloat16()
+            _fsdp_mxfp8_all_gather(self, weights, self._mx_config, parallel_dims, torch.bfloat16)
 
     MXGroupedExperts.__name__ = MXGroupedExperts.__qualname__ = f"MX{parent_cls.__name__}"
     MXGroupedExperts.Config.__qualname__ = f"MX{parent_cls.__name__}.Config"
