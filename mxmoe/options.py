@@ -78,6 +78,9 @@ class MXOptions:
     1 + 1/32 bytes an element instead of bf16's 2; the GEMMs use it uncast), bit for bit the
     high-precision gather's result; weights whose shards do not hold whole 32-blocks gather as
     before (`mxmoe.nn.fsdp`, docs/training.md)."""
+    allow_unconverted: bool = False
+    """Train high precision where MX was asked and nothing is MX (no MX converter named, or a
+    conversion that converts no module) instead of stopping with an error."""
 
     def __post_init__(self) -> None:
         self.check()

@@ -15,7 +15,9 @@
 # --profiling.profile_freq 10` (then `mxmoe bench trace OUT_DIR/RUN/profile_trace/*/rank0_trace.json`
 # gives GPU ms per step by kernel category).
 # Each variant runs once per seed (--debug.seed), with torchtitan's deterministic mode
-# (--debug.deterministic; DETERMINISTIC=0 turns it off). Writes OUT_DIR/VARIANT_sSEED.log
+# (--debug.deterministic; DETERMINISTIC=0 turns it off); PARALLEL=N runs N of them at once on the
+# GPU (default 1; the debug model takes a few GiB of the H200's 139), each in its own process and
+# folder, under its own RUN_TIMEOUT_S. Writes OUT_DIR/VARIANT_sSEED.log
 # (torchtitan's logs), .csv (step, loss, grad_norm, tps) and OUT_DIR/summary.md (per run, and per
 # variant the mean and standard deviation over the seeds; scripts/torchtitan_summary.py). A run
 # longer than RUN_TIMEOUT_S is stopped and summarized with the steps it logged.
@@ -38,6 +40,8 @@ for v in "${VARIANTS[@]}"; do
 done
 DET=()
 [ "${DETERMINISTIC:-1}" = 0 ] || DET=(--debug.deterministic)
+PARALLEL=${PARALLEL:-1}
+[[ $PARALLEL =~ ^[1-9][0-9]*$ ]] || { echo "PARALLEL=$PARALLEL: expected a number of runs >= 1" >&2; exit 2; }
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=python3
 mkdir -p "$OUT"
@@ -91,14 +95,16 @@ run() {  # run NAME SEED [trainer flags...]
 RUNS=()
 for seed in "${SEEDS[@]}"; do  # seed-major: an interrupted call leaves whole seeds
     for v in "${VARIANTS[@]}"; do
+        while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n || true; done
         case $v in
-            bf16) run "bf16_s$seed" "$seed" ;;
-            mxmoe) run "mxmoe_s$seed" "$seed" --model.converters mxmoe ;;
+            bf16) run "bf16_s$seed" "$seed" & ;;
+            mxmoe) run "mxmoe_s$seed" "$seed" --model.converters mxmoe & ;;
             torchao) run "torchao_s$seed" "$seed" --model.converters torchao_mxfp8 \
-                --experimental.custom_import torchtitan_torchao_peer ;;
+                --experimental.custom_import torchtitan_torchao_peer & ;;
         esac
         RUNS+=("${v}_s$seed")
     done
 done
+wait
 
 "$PY" scripts/torchtitan_summary.py "$OUT" "${RUNS[@]}"

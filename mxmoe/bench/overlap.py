@@ -75,12 +75,16 @@ def measure(M: int, K: int, N: int, iters: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mxmoe bench overlap", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of MxKxN (default {SHAPES})")
     p.add_argument("--iters", type=int, default=30, help="timed repeats per pattern (default 30)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     shapes = [_shape(s) for s in args.shapes.split(",") if s]
     from mxmoe.bench import timing
 

@@ -56,7 +56,7 @@ def breakdown(trace: dict) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mxmoe bench trace",
         description="GPU ms per recorded step by kernel category (GEMMs, MX casts, attention, ...) "
@@ -64,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("traces", nargs="+", metavar="TRACE", help="trace .json (or .json.gz) files")
     p.add_argument("--json", metavar="PATH", help="also write the breakdowns as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from mxmoe.bench import timing
 
     results = {path: breakdown(_load(path)) for path in args.traces}

@@ -34,6 +34,25 @@ def check(cfg: Profiling) -> None:
         raise ValueError(f"profiling.profile_repeat={cfg.profile_repeat}: expected >= 0 (0 = no limit)")
 
 
+def check_folder(cfg: Profiling, dump_folder: str) -> None:
+    """With profiling on: ValueError naming profiling.save_traces_folder unless its folder can be
+    created and written (checked at start, not at the first trace)."""
+    if not cfg.enable_profiling:
+        return
+    import tempfile
+
+    folder = traces_folder(cfg, dump_folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"profiling.save_traces_folder={cfg.save_traces_folder!r}: cannot write traces in {folder!r} "
+            f"({e.strerror or e}); give a writable folder"
+        ) from None
+
+
 def traces_folder(cfg: Profiling, dump_folder: str) -> str:
     return cfg.save_traces_folder if os.path.isabs(cfg.save_traces_folder) else os.path.join(
         dump_folder, cfg.save_traces_folder

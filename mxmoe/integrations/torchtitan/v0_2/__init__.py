@@ -6,7 +6,10 @@ parallelism through mxmoe's exchange: `expert_parallel`. Built on the shared cor
 (`mxmoe.integrations.torchtitan.common`) and mxmoe's dispatch seam (`mxmoe.comm.dispatch`).
 """
 
+from mxmoe.integrations.torchtitan.v0_2 import config
 from mxmoe.integrations.torchtitan.v0_2.converter import MX, JobConfig, MXGroupedExperts, MXMoEConverter
 from mxmoe.integrations.torchtitan.v0_2.expert_parallel import MXExpertParallel
+
+config.install()  # [mx] errors in a TOML job config name the file and the key
 
 __all__ = ["MX", "JobConfig", "MXExpertParallel", "MXGroupedExperts", "MXMoEConverter"]
