@@ -73,6 +73,11 @@ class MXOptions:
     a2a_transport: A2ATransport = "auto"
     """Transport of the expert-parallel exchange: auto (symmetric memory between GPUs of one host
     where it runs, else the process group) | nccl (the process group: NCCL, or gloo on CPU) | symm."""
+    fsdp_mxfp8_all_gather: bool = False
+    """FSDP2 all-gathers each MX linear's and MX experts' weight as MXFP8 (each rank casts its shard:
+    1 + 1/32 bytes an element instead of bf16's 2; the GEMMs use it uncast), bit for bit the
+    high-precision gather's result; weights whose shards do not hold whole 32-blocks gather as
+    before (`mxmoe.nn.fsdp`, docs/training.md)."""
     allow_unconverted: bool = False
     """Train high precision where MX was asked and nothing is MX (no MX converter named, or a
     conversion that converts no module) instead of stopping with an error."""

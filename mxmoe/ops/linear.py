@@ -42,6 +42,8 @@ from mxmoe.ops.gemm import (
     no_autocast,
 )
 from mxmoe.ops.gemm_backend import OpKernels, op_kernels, resolve_gemm_backend
+from mxmoe.quant.backends import cast_kernel
+from mxmoe.quant.gathered import MXGatheredWeight, gathered_mx
 from mxmoe.quant.mx_tensor import MXTensor, mx_tensor_trusted, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import qdq_trusted
 from mxmoe.recipe import MXRecipe, as_recipe
@@ -123,7 +125,7 @@ def cast_weight(w: Tensor, recipe: MXRecipe, kernels: OpKernels, need_dgrad: boo
     backward, as bf16 autocast keeps its bf16 copy of each weight. Several processes (FSDP frees
     each unsharded weight after the forward) or no dgrad: W itself, cast along K by the forward
     and along N by the backward (`weight_qdq`). Same values either way."""
-    if need_dgrad and kernels.qdq and _one_process():
+    if need_dgrad and kernels.qdq and _one_process() and not isinstance(w, MXGatheredWeight):
         k, n = qdq_trusted(w, recipe, kernels.k1, kernels.compute, True, True)
         return WeightCasts(k, n, w.dtype)
     return w
@@ -142,16 +144,21 @@ def restored_weight(t: Tensor, casts: bool, dtype: torch.dtype) -> Tensor | Weig
 
 def weight_qdq(w: Tensor | WeightCasts, axis: int, recipe: MXRecipe, kernels: OpKernels) -> Tensor:
     """qdq of a weight (bf16/fp32, any strides, e.g. W (N, K) or w (E, N, K), checked by the op)
-    along `axis` (-1 or -2) in kernels.compute, row-major (WeightCasts: the cast made already)."""
+    along `axis` (-1 or -2) in kernels.compute, row-major (WeightCasts: the cast made already; a
+    weight FSDP2 gathered as MX, `MXGatheredWeight`: dequantized, not cast, the same values)."""
     if isinstance(w, WeightCasts):
         return w.k if axis == -1 else w.n
+    pre = gathered_mx(w, axis, recipe)
+    if pre is not None:
+        return pre.dequantize_trusted(kernels.compute, cast_kernel(recipe, w.device, "dequant")).contiguous()
     dim1 = axis == -2
     return qdq_trusted(w, recipe, kernels.k1 if dim1 else kernels.k0, kernels.compute, not dim1, dim1)[0]
 
 
 def weight_mx(w: Tensor, axis: int, recipe: MXRecipe) -> MXTensor:
-    """to_mx of a weight along `axis`."""
-    return to_mx(w, axis, recipe=recipe)
+    """to_mx of a weight along `axis` (a weight FSDP2 gathered as MX: its gathered cast)."""
+    pre = gathered_mx(w, axis, recipe)
+    return to_mx(w, axis, recipe=recipe) if pre is None else pre
 
 
 def dgrad_mx(

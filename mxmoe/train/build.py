@@ -344,6 +344,15 @@ def autocast(cfg: JobConfig, device: torch.device, *, cache_enabled: bool = True
     return contextlib.nullcontext()
 
 
+def fsdp_param_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype | None:
+    """The dtype FSDP2 gathers parameters in (its MixedPrecisionPolicy's param_dtype, gradients
+    reduced in fp32): bf16 where the compute is bf16 (training.mixed_precision=bf16 on CUDA, what
+    autocast computes in), else None (the fp32 parameters themselves)."""
+    if device.type == "cuda" and cfg.training.mixed_precision == "bf16":
+        return torch.bfloat16
+    return None
+
+
 def aux_loss_weight(margs: ModelArgs) -> float:
     """The weight of the router's auxiliary loss in the trained loss (0 without aux_loss balancing)."""
     return margs.aux_loss_coef if margs.load_balance == "aux_loss" else 0.0
@@ -437,6 +446,12 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
             f"and one process (no FSDP / expert parallelism), got compile.enable={str(c.enable).lower()} "
             f"and world size {world}"
         )
+    if c.enable and use_mx and cfg.mx.fsdp_mxfp8_all_gather and world > 1:
+        raise ValueError(
+            "mx.fsdp_mxfp8_all_gather=true runs eager: torch.compile cannot trace the MX-gathered weight "
+            "(a tensor subclass read through its MX data) in the blocks' fullgraph; pass "
+            "--compile.enable=false, or leave mx.fsdp_mxfp8_all_gather off to compile"
+        )
     set_matmul_precision(cfg, device)
     if pd.tp > 1 and use_mx:
         # the converter owns this refusal: let it raise its own error before anything is built
@@ -454,7 +469,13 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
     )
     exp_params = parallel.expert_params(model) if ep_mesh is not None else []
     if distributed:
-        parallel.apply_fsdp(model, dp_mesh, ignore_experts=ep_mesh is not None)
+        parallel.apply_fsdp(
+            model,
+            dp_mesh,
+            ignore_experts=ep_mesh is not None,
+            param_dtype=fsdp_param_dtype(cfg, device),
+            mxfp8_all_gather=use_mx and cfg.mx.fsdp_mxfp8_all_gather,
+        )
     exp_ids = {id(q) for q in exp_params}
     dense_params = [q for q in model.parameters() if id(q) not in exp_ids]
     optimizer = build_optimizer(model, cfg, distributed)

@@ -134,10 +134,26 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for n, p in model.named_parameters() if ".experts." in n]
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, ignore_experts: bool) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh,
+    ignore_experts: bool,
+    param_dtype: torch.dtype | None = None,
+    mxfp8_all_gather: bool = False,
+) -> None:
     """FSDP2 on each block and the root. With expert parallelism (`ignore_experts`) the expert
-    weights are left out (sharded by EP instead); without it they are FSDP-sharded like the rest."""
-    from torch.distributed.fsdp import fully_shard
+    weights are left out (sharded by EP instead); without it they are FSDP-sharded like the rest.
+
+    param_dtype: the dtype parameters are all-gathered and computed in (FSDP2's
+    MixedPrecisionPolicy, gradients reduced in fp32, as torchtitan does); None: their own (fp32).
+    mxfp8_all_gather: gather the MX weights as MXFP8 (`mxmoe.nn.fsdp.enable_mxfp8_all_gather`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if mxfp8_all_gather:
+        from mxmoe.nn.fsdp import enable_mxfp8_all_gather
+
+        enable_mxfp8_all_gather(model, dp_mesh.size(), skip_experts=ignore_experts)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
 
     for blk in model.layers:
         ignored = (
@@ -145,9 +161,11 @@ def apply_fsdp(model: nn.Module, dp_mesh, ignore_experts: bool) -> None:
             if ignore_experts
             else set()
         )
-        fully_shard(blk, mesh=dp_mesh, ignored_params=ignored or None)
+        fully_shard(blk, mesh=dp_mesh, ignored_params=ignored or None, mp_policy=mp)
     root_ignored = set(expert_params(model)) if ignore_experts else set()
-    fully_shard(model, mesh=dp_mesh, ignored_params=root_ignored or None, reshard_after_forward=False)
+    fully_shard(
+        model, mesh=dp_mesh, ignored_params=root_ignored or None, reshard_after_forward=False, mp_policy=mp
+    )
 
 
 def reduce_expert_grads(params: list[nn.Parameter], edp_group, world_size: int) -> None:

@@ -609,3 +609,34 @@ def test_text_dataset_reads_as_torchtitan_c4_test(tmp_path):
     assert write_text_dataset(tmp_path / "out", str(src)) == 2
     ds = load_dataset(str(tmp_path / "out"), split="train", cache_dir=str(tmp_path / "cache"))
     assert [r["text"] for r in ds] == ['print("héllo")\n', "x = 1\n"]
+
+
+def test_fsdp_mxfp8_all_gather_reaches_the_modules():
+    """`fsdp_mxfp8_all_gather` of the converter's Config reaches every swapped module's Config, and a
+    module parallelized with it wraps its weights for FSDP2's MXFP8 gather (over dp_shard x cp) where
+    the shards hold whole blocks; the module computes the same as without it outside FSDP."""
+    from mxmoe.integrations.torchtitan import MXMoEConverter
+    from mxmoe.nn.fsdp import MXShardedWeight
+
+    spec = debug_moe_spec([MXMoEConverter.Config(fsdp_mxfp8_all_gather=True)])
+    mods = [c for _, c, _, _ in spec.model.traverse(MXLinear.Config)]
+    mods += [c for _, c, _, _ in spec.model.traverse(GroupedExperts.Config)]
+    assert mods and all(c.fsdp_mxfp8_all_gather for c in mods)
+    torch.manual_seed(0)
+    ref = MXLinear.Config(in_features=64, out_features=64).build()
+    lin = MXLinear.Config(in_features=64, out_features=64, fsdp_mxfp8_all_gather=True).build()
+    with torch.no_grad():
+        lin.weight.copy_(ref.weight)
+    lin.parallelize(SimpleNamespace(tp=1, dp_shard=2, cp=1))
+    assert isinstance(lin.weight.data, MXShardedWeight)
+    x = torch.randn(8, 64)
+    assert_same_bits(lin(x), ref(x))
+    assert type(lin.state_dict()["weight"]) is torch.Tensor
+    odd = MXLinear.Config(in_features=64, out_features=64, fsdp_mxfp8_all_gather=True).build()
+    odd.parallelize(SimpleNamespace(tp=1, dp_shard=4, cp=1))  # 64 rows over 4: 16 a rank, not whole blocks
+    assert not isinstance(odd.weight.data, MXShardedWeight)
+    cfg = next(c for _, c, _, _ in spec.model.traverse(GroupedExperts.Config))
+    experts = cfg.build()
+    experts.parallelize(SimpleNamespace(tp=1, dp_shard=2, cp=1))
+    ws = [experts.w1_EFD, experts.w2_EDF, experts.w3_EFD]
+    assert all(isinstance(w.data, MXShardedWeight) and w.data._cast_dtype == torch.bfloat16 for w in ws)

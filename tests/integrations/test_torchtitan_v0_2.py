@@ -537,6 +537,69 @@ def test_ep_script_commands_parse(tmp_path):
         assert (ns.batches, ns.seq, ns.dims) == ([16], 8192, [5120])
 
 
+@pytest.mark.slow
+def test_trainer_fsdp_mxfp8_all_gather_equals_the_bf16_gather(tmp_path):
+    """torchtitan 0.2's trainer, FSDP over 2 gloo ranks, --mx.fsdp_mxfp8_all_gather true: the MX
+    weights gather as MXFP8 (the log says which), and the losses and gradient norms equal, bit for
+    bit, those of the same run gathering the weights in the parameter dtype."""
+    from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
+
+    write_byte_tokenizer(tmp_path / "tokenizer")
+    write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))
+    mx = ["--model.converters", "mxmoe", "--mx.mxfp8_dim0_cast_kernel_choice", "torch",
+          "--mx.mxfp8_dim1_cast_kernel_choice", "torch"]  # fmt: skip
+    out = _train(tmp_path, {"hp": mx, "mxg": mx + ["--mx.fsdp_mxfp8_all_gather"]}, world=2, steps=2)
+    (hp, hp_log), (mxg, log) = out["hp"], out["mxg"]
+    (line,) = [x for x in log.splitlines() if "fsdp_mxfp8_all_gather:" in x]
+    assert "weights gather MXFP8" in line and " 0 weights" not in line, line
+    assert "fsdp_mxfp8_all_gather" not in hp_log
+    assert len(hp) == 2 and mxg == hp and _grad_norms(log) == _grad_norms(hp_log), (hp, mxg)
+
+
+def test_fsdp_mxfp8_all_gather_with_compile_is_refused():
+    from torchtitan.distributed import ParallelDims
+
+    cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, "--model.converters", "mxmoe",
+                                      "--mx.fsdp_mxfp8_all_gather", "--compile.enable"])
+    dims = ParallelDims(dp_shard=2, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
+    with pytest.raises(ValueError, match=r"mx.fsdp_mxfp8_all_gather=true runs eager.*--compile.enable"):
+        build_model_converters(cfg, dims)
+
+
+def test_fsdp_mx_gather_script_commands_parse(tmp_path):
+    """scripts/fsdp_mx_gather.py's torchtitan runs parse with torchtitan 0.2.2's parser for 2, 4 and
+    8 GPUs: FSDP over every GPU, no expert parallelism, the option only in the mx_gather run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import fsdp_mx_gather
+
+    for ngpu in (2, 4, 8):
+        cmds = fsdp_mx_gather.commands(tmp_path, ngpu, steps=30, device="cuda", config="moe_1b")
+        for name in fsdp_mx_gather.TITAN:
+            cmd = cmds[name]
+            cfg = ConfigManager().parse_args(cmd[cmd.index("torchtitan.train") + 1 :])
+            importlib.import_module(cfg.experimental.custom_import)
+            assert cfg.parallelism.data_parallel_shard_degree == -1
+            assert cfg.parallelism.expert_parallel_degree == 1 and not cfg.compile.enable
+            assert cfg.mx.fsdp_mxfp8_all_gather == (name == "titan_mx_gather"), name
+            assert all(c in _registry_model_converter_cls for c in cfg.model.converters), name
+
+
+@pytest.mark.slow
+def test_trainer_ep_x_fsdp_mxfp8_all_gather_equals_the_bf16_gather(tmp_path):
+    """EP 2 x FSDP over 4 gloo ranks: the expert weights (3D), EP-sharded, then FSDP-sharded over the
+    other 2 ranks, gather as MXFP8 too, with the losses and gradient norms of the run without it."""
+    from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
+
+    write_byte_tokenizer(tmp_path / "tokenizer")
+    write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))
+    mx = ["--model.converters", "mxmoe", "--mx.mxfp8_dim0_cast_kernel_choice", "torch",
+          "--mx.mxfp8_dim1_cast_kernel_choice", "torch",
+          "--parallelism.expert_parallel_degree", "2"]  # fmt: skip
+    out = _train(tmp_path, {"hp": mx, "mxg": mx + ["--mx.fsdp_mxfp8_all_gather"]}, world=4, steps=2)
+    (hp, hp_log), (mxg, log) = out["hp"], out["mxg"]
+    assert "gathers high precision" not in log
+    assert log.count("experts w1, w2, w3 gather MXFP8 (FSDP over 2 ranks after EP)") == 5, log[-3000:]
+    assert len(hp) == 2 and mxg == hp and _grad_norms(log) == _grad_norms(hp_log), (hp, mxg)
 @pytest.mark.parametrize(
     "line, error, message",
     [

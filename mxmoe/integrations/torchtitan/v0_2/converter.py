@@ -42,6 +42,7 @@ the bf16 runs share) with no mxmoe converter named, when the job config is parse
 import tomllib
 from dataclasses import dataclass, field, fields
 
+import torch
 from torch import nn
 from torchtitan.config import manager as _manager
 from torchtitan.models.moe.moe import GroupedExperts
@@ -78,7 +79,17 @@ class MXMoEConverter:
         if tp > 1:
             raise tensor_parallel_error("model.converters mxmoe", tp)
         self.ep = int(getattr(parallel_dims, "ep", 1) or 1)
+        # FSDP's shard degree of the dense weights (torchtitan's "fsdp" mesh: dp_shard x cp)
+        dp_shard, cp = (int(getattr(parallel_dims, k, 1) or 1) for k in ("dp_shard", "cp"))
+        self.fsdp = dp_shard * cp
         self.options.check("mx.")
+        compile_cfg = getattr(job_config, "compile", None)
+        if self.options.fsdp_mxfp8_all_gather and getattr(compile_cfg, "enable", False):
+            raise ValueError(
+                "mx.fsdp_mxfp8_all_gather=true runs eager: torch.compile cannot trace the MX-gathered "
+                "weight (a tensor subclass read through its MX data); drop --compile.enable, or leave "
+                "mx.fsdp_mxfp8_all_gather off to compile"
+            )
         self.recipe = self.options.to_recipe()  # bad options fail here, naming the option
 
     def convert(self, model: nn.Module) -> None:
@@ -116,6 +127,25 @@ class MXMoEConverter:
             install()
         logger.info("%s", report.summary())
         report.finish(opts)
+        if opts.fsdp_mxfp8_all_gather:
+            from mxmoe.nn.fsdp import enable_mxfp8_all_gather
+
+            # under EP the experts become DTensors of the ep mesh first: MXExpertParallel wraps their
+            # local tensors then, for FSDP over the rest of the ranks ("efsdp": fsdp / ep), when
+            # torchtitan shards them on dim 0 (efsdp x ep <= experts; else on dim 1: as before)
+            enable_mxfp8_all_gather(  # the experts' forward casts w.bfloat16() before its MX casts
+                model, self.fsdp, skip_experts=self.ep > 1, expert_types=(MXGroupedExperts,),
+                expert_cast_dtype=torch.bfloat16,
+            )
+            efsdp = max(self.fsdp // self.ep, 1)
+            for fqn, mod in model.named_modules():
+                if self.ep > 1 and isinstance(mod, MXGroupedExperts) and r.expert_gemm == "mx":
+                    if efsdp * self.ep <= mod.num_experts:
+                        mod._mx_fsdp_gather_world = efsdp
+                    else:
+                        logger.info("fsdp_mxfp8_all_gather: %s gathers high precision: FSDP shards "
+                                    "its experts on dim 1 (efsdp %d x ep %d > %d experts)", fqn, efsdp,
+                                    self.ep, mod.num_experts)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """Nothing to do after an optimizer step (scales are computed per GEMM call)."""

@@ -20,6 +20,7 @@ a run without mxmoe's converter, or with EP = 1, never builds this style.
 
 from __future__ import annotations
 
+import torch
 import torchtitan.models.llama4.infra.parallelize as _parallelize
 from torch import Tensor, nn
 from torch.distributed.tensor import DeviceMesh
@@ -59,6 +60,28 @@ class MXExpertParallel(ExpertParallel):
                     _LOGGED = True
             self._mx_dispatcher, self._mx_state = d, None
         return self._mx_dispatcher
+
+    def _partition_fn(self, name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
+        """torchtitan's sharding (Shard(0) on the EP mesh); then, for MX experts the converter marked
+        (`fsdp_mxfp8_all_gather`), the local expert weights are made to gather as MXFP8 over the
+        experts' FSDP degree (`mxmoe.nn.fsdp.wrap_weight`)."""
+        super()._partition_fn(name, mod, device_mesh)
+        world = getattr(mod, "_mx_fsdp_gather_world", None)
+        if world is None:
+            return
+        from mxmoe.nn.fsdp import wrap_weight
+
+        done = []
+        for attr in ("w1", "w2", "w3"):
+            why = wrap_weight(mod, attr, mod.recipe, world, f"{name}.{attr}" if name else attr,
+                              cast_dtype=torch.bfloat16)  # the experts' forward: w.bfloat16()
+            if why is not None:
+                logger.info("fsdp_mxfp8_all_gather: experts %s gathers high precision: %s", attr, why)
+            else:
+                done.append(attr)
+        if done:
+            logger.info("fsdp_mxfp8_all_gather: experts %s gather MXFP8 (FSDP over %d ranks after EP)",
+                        ", ".join(done), world)
 
     def _token_dispatch(self, mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh):
         d = self._mx(mod, device_mesh)

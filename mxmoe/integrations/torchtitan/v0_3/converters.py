@@ -31,9 +31,9 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model import ModelConfigConverter
 
-from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, options_of, tensor_parallel_error
+from mxmoe.integrations.torchtitan.common import options_of, tensor_parallel_error
 from mxmoe.integrations.torchtitan.v0_3.dispatcher import convert_dispatchers, link_mx_rows
-from mxmoe.integrations.torchtitan.v0_3.fields import RecipeFields, recipe_of
+from mxmoe.integrations.torchtitan.v0_3.fields import MODULE_FIELDS, RecipeFields, recipe_of
 from mxmoe.nn.converter import ConversionReport
 from mxmoe.nn.mx_experts import run_on_mx_rounded_rows
 from mxmoe.ops import mx_grouped_mm, mx_mm
@@ -42,6 +42,31 @@ from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.token_dispatch import ExpertRows
 
 log = logging.getLogger("mxmoe")
+
+
+def _fsdp_mxfp8_all_gather(
+    module, attrs: tuple[str, ...], config, parallel_dims, cast_dtype: torch.dtype | None = None
+) -> None:
+    """With config.fsdp_mxfp8_all_gather: let FSDP2 gather `module`'s weights `attrs` as MXFP8
+    (`mxmoe.nn.fsdp.wrap_weight`) over torchtitan's FSDP degree (dp_shard x cp); a weight whose
+    shards would not hold whole blocks gathers as before. cast_dtype: the dtype the module's forward
+    converts the weights to before its MX casts (the experts': bf16)."""
+    if not getattr(config, "fsdp_mxfp8_all_gather", False):
+        return
+    if attrs != ("weight",) and module.recipe.expert_gemm == "bf16":
+        return  # bf16 expert GEMMs read the weights themselves
+    from mxmoe.nn.fsdp import wrap_weight
+
+    world = int(getattr(parallel_dims, "dp_shard", 1) or 1) * int(getattr(parallel_dims, "cp", 1) or 1)
+    for attr in attrs:
+        if not isinstance(getattr(module, attr, None), torch.Tensor):  # experts of another layout
+            name = type(module).__name__
+            log.info("fsdp_mxfp8_all_gather: %s has no weight %s: its weights gather as before", name, attr)
+            continue
+        why = wrap_weight(module, attr, module.recipe, world, f"{type(module).__name__}.{attr}", cast_dtype)
+        if why is not None:
+            name = type(module).__name__
+            log.info("fsdp_mxfp8_all_gather: %s.%s gathers high precision: %s", name, attr, why)
 
 
 def _refuse_tensor_parallel(module: torch.nn.Module, parallel_dims) -> None:
@@ -83,6 +108,7 @@ class MXLinear(Linear):
     def __init__(self, config: Config):
         super().__init__(config)
         self.recipe = recipe_of(config)
+        self._mx_config = config
 
     def forward(self, x: Tensor) -> Tensor:
         y = mx_mm(x, _replicated(self.weight, "weight").t(), self.recipe)
@@ -91,6 +117,7 @@ class MXLinear(Linear):
     def parallelize(self, parallel_dims) -> None:
         _refuse_tensor_parallel(self, parallel_dims)
         super().parallelize(parallel_dims)
+        _fsdp_mxfp8_all_gather(self, ("weight",), self._mx_config, parallel_dims)
 
     def extra_repr(self) -> str:
         r = self.recipe
@@ -130,6 +157,7 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
         def __init__(self, config):
             super().__init__(config)
             self.recipe = recipe_of(config)
+            self._mx_config = config
 
         def _grouped_mm(self, *, A: Tensor | MXTensor, B_t: Tensor, offs: Tensor) -> Tensor:
             if self.recipe.expert_gemm == "bf16":  # the rows are MX-rounded already (forward)
@@ -164,6 +192,8 @@ def mx_grouped_experts_cls(parent_cls: type) -> type:
         def parallelize(self, parallel_dims) -> None:
             _refuse_tensor_parallel(self, parallel_dims)
             super().parallelize(parallel_dims)
+            weights = ("w1_EFD", "w2_EDF", "w3_EFD")  # the forward reads w.bfloat16()
+            _fsdp_mxfp8_all_gather(self, weights, self._mx_config, parallel_dims, torch.bfloat16)
 
     MXGroupedExperts.__name__ = MXGroupedExperts.__qualname__ = f"MX{parent_cls.__name__}"
     MXGroupedExperts.Config.__qualname__ = f"MX{parent_cls.__name__}.Config"
@@ -203,7 +233,7 @@ def convert_linears(model_config, options: MXOptions, report: ConversionReport, 
             bias=lin.bias,
             param_init=lin.param_init,
             sharding_config=lin.sharding_config,
-            **{name: getattr(options, name) for name in RECIPE_FIELDS},
+            **{name: getattr(options, name) for name in MODULE_FIELDS},
         )
         model_config = _replace(model_config, parent, attr, new)
         report.converted["Linear"].append(fqn)
@@ -228,7 +258,7 @@ def convert_experts(model_config, options: MXOptions, report: ConversionReport):
         new_cls = mx_grouped_experts_cls(base_cls).Config
         new = new_cls(
             **{f.name: getattr(exp, f.name) for f in fields(exp)},
-            **{name: getattr(options, name) for name in RECIPE_FIELDS},
+            **{name: getattr(options, name) for name in MODULE_FIELDS},
         )
         model_config = _replace(model_config, parent, attr, new)
         if hasattr(parent, "token_dispatcher"):  # parent: the RoutedExperts.Config

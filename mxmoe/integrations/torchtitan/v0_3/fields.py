@@ -23,8 +23,11 @@ def options_fields(name: str, names: tuple[str, ...]) -> type:
     return make_dataclass(name, spec, kw_only=True)
 
 
-RecipeFields = options_fields("RecipeFields", RECIPE_FIELDS)
-"""The recipe's fields of MXOptions: what a swapped module's Config carries."""
+MODULE_FIELDS = (*RECIPE_FIELDS, "fsdp_mxfp8_all_gather")
+"""The MXOptions fields a swapped module's Config carries: the recipe's, and whether FSDP2 gathers
+its weights as MXFP8 (read when the module is parallelized, before torchtitan applies FSDP)."""
+RecipeFields = options_fields("RecipeFields", MODULE_FIELDS)
+"""MODULE_FIELDS of MXOptions, as a dataclass a swapped module's Config inherits."""
 
 
 def recipe_of(config) -> MXRecipe:
