@@ -90,3 +90,55 @@ def test_a_full_disk_under_the_metrics_folder_is_an_error_not_a_traceback(tmp_pa
     want = f"mxmoe train: error: job.dump_folder={str(run)!r}: cannot write {full}: No space left on device"
     assert want in err
     assert "Traceback" not in err, err
+
+
+def _wandb_records(folder) -> list:
+    """The records of the one offline W&B run under `folder`/wandb: its `.wandb` file read as wandb
+    writes it (a 7-byte file header, then LevelDB-log records in 32 KiB blocks, each a protobuf
+    `Record`)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (file,) = (folder / "wandb").glob("offline-run-*/run-*.wandb")
+    data, pos, block, buf, out = file.read_bytes(), 7, 32768, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and n == 0:
+            break
+        buf, pos = buf + data[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind in (1, 4):  # a whole record, or its last part
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            out.append(rec)
+            buf = b""
+    return out
+
+
+def test_wandb_logs_what_tensorboard_gets(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    args = ["--training.steps=3", f"--job.dump_folder={run}", "--metrics.enable_wandb", "--metrics.wandb_project=p"]
+    assert trainer.main(TINY + args) == 0
+    recs = _wandb_records(run)
+    (start,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+    run_id = _records(run)[0]["run_id"]
+    assert (start.display_name, start.project) == (run_id, "p")
+    config = {i.key: json.loads(i.value_json) for i in start.config.update}
+    assert config["training"]["steps"] == 3
+    history = [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in recs
+        if r.WhichOneof("record_type") == "history"
+    ]
+    # every number of each metrics.jsonl record (what TensorBoard gets), at its step
+    for rec, row in zip(_records(run), history, strict=True):
+        numbers = {k: v for k, v in rec.items() if k not in ("step", "run_id", "time") and isinstance(v, (int, float))}
+        assert row["_step"] == rec["step"]
+        assert {k: row[k] for k in numbers} == pytest.approx(numbers)
