@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mxmoe.bench.timing import bench, environment, print_table, require_cuda, write_json
+from mxmoe.cli import ArgumentParser
 from mxmoe.comm import (
     a2a_combine,
     a2a_dispatch_mxfp8,
@@ -72,7 +73,7 @@ def variants(transports: list[str], chunks: list[int | None]) -> list[tuple[str,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mxmoe bench a2a", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16], help="batch sizes (comma list)")

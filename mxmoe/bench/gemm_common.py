@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mxmoe.bench.timing import bench, bf16_gemm_tflops, environment, print_table, require_cuda, write_json
-from mxmoe.cli import comma_list
+from mxmoe.cli import ArgumentParser, comma_list
 from mxmoe.recipe import GEMM_BACKENDS, RECIPES, check_gemm_backend  # RECIPES: the recipes timed
 
 
@@ -167,7 +167,7 @@ def forward_rows(
 
 def build_parser(name: str, doc: str, pattern: str, example: str, forward: bool) -> argparse.ArgumentParser:
     """The options of `mxmoe bench NAME` (linear, grouped_mm); `forward`: it has --forward."""
-    p = argparse.ArgumentParser(prog=f"mxmoe bench {name}", description=doc)
+    p = ArgumentParser(prog=f"mxmoe bench {name}", description=doc)
     p.add_argument(
         "--shape",
         type=comma_list(shape_parser(pattern, example)),

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from mxmoe.bench import timing
-from mxmoe.cli import positive_int
+from mxmoe.cli import ArgumentParser, positive_int
 from mxmoe.recipe import CAST_KERNELS
 
 BLOCK = 32
@@ -47,7 +47,7 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mxmoe bench overhead",
         description="Host microseconds per call of the MX ops (casts, dequantize, mx_mm, mx_grouped_mm, "
         "the all-to-all on one rank) beside copy_, x.to(float8), torch.mm and torch._grouped_mm.",

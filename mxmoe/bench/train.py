@@ -45,7 +45,7 @@ import time
 import torch
 
 from mxmoe.bench import timing
-from mxmoe.cli import comma_list, positive_int
+from mxmoe.cli import ArgumentParser, comma_list, positive_int
 from mxmoe.train import determinism
 
 MODES = ("eager", "compile", "compile_full", "reduce_overhead", "graph", "compile_full+graph")
@@ -61,7 +61,7 @@ _COMPILE = {  # mode -> build_model(compile=...)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mxmoe bench train",
         description="bf16 vs MX training steps of one model and batch (tokens/s, step time, peak memory), "
         "eager, compiled and CUDA-graphed. Other options (--config, --section.key=value) are the "

@@ -19,6 +19,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from mxmoe.cli import ArgumentParser
+
 TORCHTITAN = "torchtitan/"
 """The name prefix of torchtitan's job configs."""
 
@@ -74,7 +76,7 @@ def summary(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mxmoe config", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="mxmoe config", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="action", required=True, metavar="ACTION")
     sub.add_parser("list", help="every shipped config: its name, kind and first comment line")
     for action, what in (("path", "print the file's path"), ("show", "print the file's text")):

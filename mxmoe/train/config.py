@@ -283,7 +283,8 @@ _RENAME_NOTES = {
 TORCHTITAN_KEYS: dict[str, str] = {
     "checkpoint.enable": "mxmoe train checkpoints when checkpoint.folder is set (--checkpoint.folder=PATH; "
     "empty, the default, saves none)",
-    "validation.enable": "mxmoe train validates every validation.freq steps (--validation.freq=N; 0 disables)",
+    "validation.enable": "mxmoe train validates every validation.freq steps (--validation.freq=N; "
+    "0 disables)",
     "job.config_file": "the config is --config NAME|FILE",
 }
 """torchtitan keys with no field here -> what mxmoe calls the same idea. On the command line

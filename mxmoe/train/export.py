@@ -51,7 +51,9 @@ def step_folder(checkpoint: str | Path) -> Path:
 
     path = Path(checkpoint)
     if not path.is_dir():
-        raise ExportError(f"checkpoint {str(path)!r}: not a folder; expected a checkpoint folder or a step folder")
+        raise ExportError(
+            f"checkpoint {str(path)!r}: not a folder; expected a checkpoint folder or a step folder"
+        )
     if (path / MANIFEST).is_file():
         return path
     steps = step_folders(path)
@@ -67,9 +69,12 @@ def read_model_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(the model's state dict as saved (plain CPU tensors, the checkpoint's dtypes), the manifest)
     of the verified step folder `path`; CheckpointError naming the file for a damaged one."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from mxmoe.train.checkpoint import manifest as mf
+    from mxmoe.train.checkpoint.common import describe
     from mxmoe.train.checkpoint.safe_load import checked_reader_and_planner, read_metadata
 
     manifest = mf.verify(path, 0, 1)
@@ -81,11 +86,16 @@ def read_model_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     }
     if not model:
         raise CheckpointError(f"checkpoint {path} holds no model tensors (no 'model.*' items)")
-    reader, planner = checked_reader_and_planner()
+    # the metadata through the allow-list unpickler; only tensors requested (of the saved dtypes) are
+    # read, the optimizer's byte items never
+    reader, _ = checked_reader_and_planner()
     state = {"model": model}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(state, storage_reader=reader(str(path)), planner=planner())
+        try:
+            dcp.load(state, storage_reader=reader(str(path)), planner=DefaultLoadPlanner())
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            raise CheckpointError(f"checkpoint {path}: the model does not load: {describe(e)}") from None
     return state["model"], manifest
 
 
@@ -140,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         "OUTPUT.json (the architecture) beside it; load them into mxmoe.models.Transformer without "
         "the trainer.",
     )
-    p.add_argument("checkpoint", help="a --checkpoint.folder of `mxmoe train` (its newest step) or a step folder")
+    p.add_argument(
+        "checkpoint", help="a --checkpoint.folder of `mxmoe train` (its newest step) or a step folder"
+    )
     p.add_argument("output", help="the file to write: .pt, .pth or .safetensors")
     p.add_argument(
         "--dtype",
@@ -158,5 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, CheckpointError) as e:
         print(f"mxmoe export: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output} and {args.output}.json ({DTYPE_ALIASES.get(args.dtype, args.dtype)}) from {path}")
+    dtype = DTYPE_ALIASES.get(args.dtype, args.dtype)
+    print(f"wrote {args.output} and {args.output}.json ({dtype}) from {path}")
     return 0

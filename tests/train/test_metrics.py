@@ -75,9 +75,11 @@ def test_a_resumed_run_continues_the_records_without_duplicates(tmp_path):
 
 
 @pytest.mark.parametrize("full", ["config.json", "metrics.jsonl"])
-def test_a_full_disk_under_the_metrics_folder_is_an_error_not_a_traceback(tmp_path, capsys, monkeypatch,
-                                                                         full):
+def test_a_full_disk_under_the_metrics_folder_is_an_error_not_a_traceback(
+    tmp_path, capsys, monkeypatch, full
+):
     if full == "config.json":
+
         def write_atomic(path, text):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
@@ -124,7 +126,12 @@ def test_wandb_logs_what_tensorboard_gets(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
-    args = ["--training.steps=3", f"--job.dump_folder={run}", "--metrics.enable_wandb", "--metrics.wandb_project=p"]
+    args = [
+        "--training.steps=3",
+        f"--job.dump_folder={run}",
+        "--metrics.enable_wandb",
+        "--metrics.wandb_project=p",
+    ]
     assert trainer.main(TINY + args) == 0
     recs = _wandb_records(run)
     (start,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
@@ -139,6 +146,10 @@ def test_wandb_logs_what_tensorboard_gets(tmp_path, monkeypatch):
     ]
     # every number of each metrics.jsonl record (what TensorBoard gets), at its step
     for rec, row in zip(_records(run), history, strict=True):
-        numbers = {k: v for k, v in rec.items() if k not in ("step", "run_id", "time") and isinstance(v, (int, float))}
+        numbers = {
+            k: v
+            for k, v in rec.items()
+            if k not in ("step", "run_id", "time") and isinstance(v, (int, float))
+        }
         assert row["_step"] == rec["step"]
         assert {k: row[k] for k in numbers} == pytest.approx(numbers)

@@ -49,7 +49,7 @@ import sys
 from pathlib import Path
 
 from mxmoe import configs
-from mxmoe.cli import comma_list, positive_int
+from mxmoe.cli import ArgumentParser, comma_list, positive_int
 from mxmoe.train.compare.launcher import DONE, check_own, launch, parse_variant, trainer_argv
 from mxmoe.train.compare.report import (
     Run,
@@ -79,7 +79,7 @@ __all__ = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="mxmoe compare",
         description=__doc__.split("\n")[0],
         epilog="Arguments after `--` go to every run's `mxmoe train`. "
