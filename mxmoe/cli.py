@@ -52,12 +52,22 @@ def _underscored_action(container, action: argparse.Action) -> argparse.Action:
     """`action`'s long option strings (those argparse made too: BooleanOptionalAction's `--no-x`)
     respelled with underscores, in the action and in `container`'s lookup table."""
     table = container._option_string_actions
+    if isinstance(action, argparse.BooleanOptionalAction):
+        action.__class__ = _BooleanOptional
     for i, old in enumerate(action.option_strings):
         new = _underscored(old)
         if new != old:
             action.option_strings[i] = new
             table[new] = table.pop(old)
     return action
+
+
+class _BooleanOptional(argparse.BooleanOptionalAction):
+    """BooleanOptionalAction whose negative option is `--no_x` (argparse's own tests for `--no-`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.option_strings:
+            setattr(namespace, self.dest, not option_string.startswith("--no_"))
 
 
 def _underscoring(group):

@@ -645,7 +645,7 @@ def description() -> str:
         "Config: --config NAME|FILE, a config that ships with mxmoe (one of "
         f"{', '.join(configs.names('trainer'))}: `mxmoe config list`) or a TOML file of the sections "
         "below; the options below override it.",
-        "Booleans: --key, --key=true, --key=false, --no-key (e.g. --mx.no_convert_linears). Lists: comma "
+        "Booleans: --key, --key=true, --key=false, --no_key (e.g. --mx.no_convert_linears). Lists: comma "
         "separated. Dashes and underscores are one (--training.local-batch-size). An old key (e.g. "
         "--training.batch_size) is refused with its new name; --job.config_file is --config.",
     ]

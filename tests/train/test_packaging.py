@@ -192,3 +192,34 @@ def test_package_metadata_is_complete():
     assert PYPROJECT["authors"] == [{"name": "mxmoe developers"}]
     assert any(c.startswith("Development Status") for c in PYPROJECT["classifiers"])
     assert "tyro" in _names(PYPROJECT["dependencies"])
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_one_option_spelling_in_every_command(command):
+    """Every command's options are shown with underscores, as the trainer's keys (issue 57)."""
+    import importlib
+
+    name = command.split()
+    module = cli.BENCHES[name[1]] if name[0] == "bench" else cli.COMMANDS[name[0]]
+    for prog, flags, _ in _options(importlib.import_module(module).build_parser()):
+        for flag in flags:
+            assert not flag.startswith("--") or "-" not in flag[2:], f"{prog} {flag}: dashed"
+
+
+def test_dashes_and_underscores_are_one_spelling_everywhere():
+    from mxmoe.bench import a2a, train
+    from mxmoe.train.compare import build_parser as compare_parser
+    from mxmoe.train.config import parse_args
+
+    bench = train.build_parser()
+    dashed, _ = bench.parse_known_args(["--warmup-steps", "3", "--profile-steps=2", "--same-process"])
+    under, _ = bench.parse_known_args(["--warmup_steps", "3", "--profile_steps=2", "--same_process"])
+    assert dashed == under and (under.warmup_steps, under.profile_steps, under.same_process) == (3, 2, True)
+    assert a2a.build_parser().parse_args(["--no-check"]).check is False
+    for flag in ("--no-deterministic", "--no_deterministic"):
+        args = compare_parser().parse_args(["--config", "debug_moe", "--out", "o", flag])
+        assert args.deterministic is False
+    # after "--" nothing is respelled (compare hands those to the trainer)
+    assert cli._underscored("--a-b=c-d") == "--a_b=c-d" and cli._underscored("-x") == "-x"
+    t = parse_args(["--training.local-batch-size=3", "--training.local_batch_size", "4"])
+    assert t.training.local_batch_size == 4

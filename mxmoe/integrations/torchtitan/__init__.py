@@ -21,16 +21,32 @@ a next version's adapter is a `v0_N/` package beside them, selected below.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from mxmoe.integrations.torchtitan.common import check_versions, installed_torchtitan, mx_recipe
 
-TORCHTITAN_VERSION = installed_torchtitan()
-"""The installed torchtitan's version string."""
-ADAPTER = check_versions(TORCHTITAN_VERSION, torch.__version__)
-"""The torchtitan (major, minor) whose adapter this package exports: (0, 2) or (0, 3)."""
+try:
+    TORCHTITAN_VERSION: str | None = installed_torchtitan()
+    """The installed torchtitan's version string (None: torchtitan is not installed)."""
+except ImportError as e:
+    TORCHTITAN_VERSION, _MISSING = None, str(e)
+ADAPTER = None if TORCHTITAN_VERSION is None else check_versions(TORCHTITAN_VERSION, torch.__version__)
+"""The torchtitan (major, minor) whose adapter this package exports: (0, 2) or (0, 3); None without
+torchtitan."""
 
-if ADAPTER == (0, 2):
+if ADAPTER is None:
+    # Without torchtitan the package still imports, for its tools that need none (`python -m
+    # mxmoe.integrations.torchtitan.data`); an adapter's name raises the ImportError naming the fix.
+    __all__ = ["ADAPTER", "TORCHTITAN_VERSION", "mx_recipe"]
+
+    def __getattr__(name: str):
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # a submodule: import it
+        raise ImportError(_MISSING)
+
+elif ADAPTER == (0, 2):
     from mxmoe.integrations.torchtitan.v0_2 import (
         MX,
         JobConfig,

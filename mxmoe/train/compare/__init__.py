@@ -9,7 +9,7 @@ Running: one `python -m mxmoe train` subprocess per (variant, seed), `--parallel
 (several small runs share one GPU; `--devices 0,1` spreads them over GPUs by CUDA_VISIBLE_DEVICES;
 `--nproc N` runs each under `torch.distributed.run` on N GPUs, e.g. for expert parallelism),
 each with `--config`, then `--checkpoint.folder=` (no checkpoints: a config's checkpoint folder would
-make every run resume the same one), `--debug.deterministic=true` (unless --no-deterministic),
+make every run resume the same one), `--debug.deterministic=true` (unless --no_deterministic),
 `--training.steps`, the variant's arguments, the arguments after `--` (every run), and last the
 seed and `--job.dump_folder=OUT/runs/VARIANT/seedS`; a `--checkpoint.folder=X` among the arguments
 becomes X/VARIANT/seedS, each run's own (a stopped run resumes its own checkpoint when the same
@@ -18,7 +18,7 @@ options as one shell-quoted string, or just NAME for none (repeat --variant per 
 values hold commas, as `--mx.filter_fqns=output,router`); the first is the baseline unless
 --baseline names another. Each run's console goes to its folder's train.log; a run that finished
 (its command.json records the same command and status 0) is not run again, so an interrupted
-compare continues where it stopped; `--time-limit-s` stops the running runs (SIGTERM) and starts no
+compare continues where it stopped; `--time_limit_s` stops the running runs (SIGTERM) and starts no
 more after that many seconds, then writes the tables of the finished ones.
 
 Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from RUN/config.json (the
@@ -31,7 +31,7 @@ run's epochs (how often it reads its train split) are in the runs table; runs th
 more than once are flagged.
 
 Written into OUT: compare.md and compare.json (per run: final training loss = the mean training loss
-per step over the last `--tail-steps` steps (default: the last 10 % of the run), final validation
+per step over the last `--tail_steps` steps (default: the last 10 % of the run), final validation
 loss = the last logged `val_loss`, median tokens/s; per variant: the paired difference from the
 baseline, seed by seed, in % of the baseline's loss, with its mean, sample standard deviation, min
 and max over the seeds) and compare.png (each variant's loss curves, mean and spread over seeds;
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--parallel", type=positive_int, default=1, help="runs at a time (default 1)")
     ap.add_argument(
-        "--time-limit-s",
+        "--time_limit_s",
         type=float,
         help="after this many seconds start no run and stop (SIGTERM) the running ones, then write the "
         "tables of the finished runs; the same command again runs the rest",
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run with --debug.deterministic=true (default; bit-reproducible runs, slower)",
     )
     ap.add_argument(
-        "--tail-steps",
+        "--tail_steps",
         type=int,
         default=0,
         help="final train loss = mean over this many last steps (default 0: the last 10%% of the run)",
@@ -161,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["mxmoe", "compare", *argv, *(["--", *extra] if extra else [])])
     try:
         if args.time_limit_s is not None and not args.time_limit_s > 0:
-            raise ValueError(f"--time-limit-s={args.time_limit_s}: expected a number of seconds > 0")
+            raise ValueError(f"--time_limit_s={args.time_limit_s}: expected a number of seconds > 0")
         if args.tail_steps < 0:
-            raise ValueError(f"--tail-steps={args.tail_steps}: expected >= 0 (0: the last 10 % of the run)")
+            raise ValueError(f"--tail_steps={args.tail_steps}: expected >= 0 (0: the last 10 % of the run)")
         if not 0.0 <= args.smooth < 1.0:
             raise ValueError(f"--smooth={args.smooth!r}: expected 0 <= smooth < 1 (EMA factor)")
         names = [n for n, _ in args.variant]

@@ -30,7 +30,8 @@ Importing the module named by custom_config_module registers the converters, so 
 does both.
 
 Tensor parallelism is refused when the converter is built (a ValueError naming
-parallelism.tensor_parallel_degree).
+parallelism.tensor_parallel_degree), and so is a cast kernel this machine cannot run (`triton` on a
+CPU without the Triton interpreter: a ValueError naming the option).
 """
 
 # No `from __future__ import annotations`: torchtitan merges `JobConfig` into its own with
@@ -48,7 +49,7 @@ from torchtitan.tools.logging import logger
 
 import mxmoe
 from mxmoe.comm.dispatch import ExpertRows, RowsFromAnchor
-from mxmoe.integrations.torchtitan.common import tensor_parallel_error
+from mxmoe.integrations.torchtitan.common import check_kernels, tensor_parallel_error
 from mxmoe.nn.experts import grouped_mm
 from mxmoe.nn.mx_experts import _RoundGrad, _RoundRows
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared
@@ -138,6 +139,7 @@ class MXMoEConverter:
         self.ep = int(getattr(parallel_dims, "ep", 1) or 1)
         self.options.check("mx.")
         self.recipe = self.options.to_recipe()  # bad options fail here, naming the option
+        check_kernels(self.options, "model.converters mxmoe")  # a kernel this machine cannot run, too
 
     def convert(self, model: nn.Module) -> None:
         """Swap the Linear layers and the experts of `model` in place (on the meta device before

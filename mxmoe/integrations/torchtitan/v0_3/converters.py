@@ -32,7 +32,13 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model import ModelConfigConverter
 
 from mxmoe.comm.dispatch import ExpertRows, RowsFromAnchor
-from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, mx_recipe, options_of, tensor_parallel_error
+from mxmoe.integrations.torchtitan.common import (
+    RECIPE_FIELDS,
+    check_kernels,
+    mx_recipe,
+    options_of,
+    tensor_parallel_error,
+)
 from mxmoe.nn.converter import ConversionReport
 from mxmoe.nn.mx_experts import _RoundGrad, _RoundRows
 from mxmoe.ops import mx_grouped_mm, mx_mm
@@ -271,6 +277,7 @@ class MXMoEConverter(ModelConfigConverter):
     def __init__(self, config: Config):
         self.config = config
         self.options = options_of(config)
+        check_kernels(self.options, type(self).__name__)  # a kernel this machine cannot run: now
         self.recipe = self.options.to_recipe()  # bad options fail now, not at build time
 
     def convert(self, model_config):
@@ -302,6 +309,7 @@ class MXLinearConverter(QuantizationConverter):
     def __init__(self, config: Config):
         self.config = config
         self.options = options_of(config)
+        check_kernels(self.options, type(self).__name__)  # a kernel this machine cannot run: now
         self.recipe = self.options.to_recipe()  # checks the options now, not at build time
 
     def convert(self, model_config):
@@ -323,6 +331,7 @@ class MXGroupedExpertsConverter(QuantizationConverter):
     def __init__(self, config: Config):
         self.config = config
         self.options = options_of(config)
+        check_kernels(self.options, type(self).__name__)  # a kernel this machine cannot run: now
         self.recipe = self.options.to_recipe()
 
     def convert(self, model_config):
