@@ -52,7 +52,7 @@ def resolve(config: str, kind: str | None = None) -> Path:
         if kind == "trainer" and config.startswith(TORCHTITAN):
             raise ValueError(
                 f"--config {config!r} is a torchtitan job config, not mxmoe train's: give it to torchtitan "
-                f'as --job.config_file "$(mxmoe config path {config})" (docs/torchtitan.md)'
+                f'as --job.config_file "$(mxmoe config path {config})"'
             )
         return path(config)
     return Path(config)

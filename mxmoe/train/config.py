@@ -641,7 +641,7 @@ def description() -> str:
     from mxmoe import configs
 
     paragraphs = [
-        "Train an MoE (or dense) byte-level language model, bf16 or MXFP8 (docs/training.md).",
+        "Train an MoE (or dense) byte-level language model, bf16 or MXFP8.",
         "Config: --config NAME|FILE, a config that ships with mxmoe (one of "
         f"{', '.join(configs.names('trainer'))}: `mxmoe config list`) or a TOML file of the sections "
         "below; the options below override it.",

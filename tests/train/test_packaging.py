@@ -223,3 +223,33 @@ def test_dashes_and_underscores_are_one_spelling_everywhere():
     assert cli._underscored("--a-b=c-d") == "--a_b=c-d" and cli._underscored("-x") == "-x"
     t = parse_args(["--training.local-batch-size=3", "--training.local_batch_size", "4"])
     assert t.training.local_batch_size == 4
+
+
+def test_shipped_help_messages_and_configs_name_no_repository_path():
+    """A pip user has the package, not the repository: the strings mxmoe shows (help, messages; not
+    docstrings) and the configs it ships name `mxmoe` commands, not `make train`, docs/ or scripts/
+    (issue 57)."""
+    import re
+
+    repo_path = re.compile(r"\bdocs/|\bscripts/|\btests/|\bmake (train|test|lint|wheel-check)\b")
+    found = []
+    for path in sorted((REPO / "mxmoe").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        found += [
+            f"{path.relative_to(REPO)}:{n.lineno}: {n.value[:80]!r}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+            and repo_path.search(n.value)
+        ]
+    for path in sorted((REPO / "mxmoe" / "configs").rglob("*.toml")):
+        lines = path.read_text().splitlines()
+        found += [f"{path.relative_to(REPO)}: {x}" for x in lines if repo_path.search(x)]
+    assert not found, "\n".join(found)
+
+
+def test_readme_installs_from_a_clone_or_a_wheel():
+    text = (REPO / "README.md").read_text()
+    install = text[text.index("## Install") : text.index("\n## ", text.index("## Install") + 1)]
+    assert "pip install ." in install and "pip wheel --no-deps -w dist ." in install
+    assert "pip install mxmoe" not in install  # on no index yet

@@ -82,8 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(
         prog="mxmoe compare",
         description=__doc__.split("\n")[0],
-        epilog="Arguments after `--` go to every run's `mxmoe train`. "
-        "See docs/training.md, Comparing variants.",
+        epilog="Arguments after `--` go to every run's `mxmoe train`.",
     )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument(
