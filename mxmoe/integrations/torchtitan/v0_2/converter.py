@@ -25,7 +25,8 @@ The options are `mxmoe.MXOptions`, merged into torchtitan's job config as the `[
 
 or the same in TOML (`[job] custom_config_module = "mxmoe.integrations.torchtitan"`, `[model]
 converters = ["mxmoe"]`, `[mx] expert_gemm = "bf16"`, `convert_linears = false`). Booleans are
-flags on torchtitan's command line (`--mx.no-mxfp8-a2a`: expert parallelism exchanges bf16).
+flags on torchtitan's command line (`--mx.no-mxfp8-a2a`: expert parallelism exchanges bf16), and
+take a value as in `mxmoe train` too (`--mx.mxfp8_a2a=false`; `v0_2.spellings`).
 Importing the module named by custom_config_module registers the converters, so that one line
 does both.
 
