@@ -177,7 +177,11 @@ class MetricsWriter:
             else:
                 self.tb = SummaryWriter(str(path / "tb"))
         if wandb:
-            self.wb = _wandb_run(path, wandb_project, run_id, config)
+            try:
+                self.wb = _wandb_run(path, wandb_project, run_id, config)
+            except MetricsError:
+                self.close()
+                raise
 
     @staticmethod
     def _drop_after(file: Path, step: int) -> None:
@@ -242,7 +246,8 @@ class MetricsWriter:
 
 
 def _wandb_run(folder: Path, project: str, run_id: str, config: dict):
-    """A W&B run for the trainer's records (None, with a warning, where wandb is not installed)."""
+    """A W&B run for the trainer's records (None, with a warning, where wandb is not installed);
+    MetricsError naming the option and the fix when W&B does not start (no API key, no server)."""
     try:
         import wandb
     except ImportError:
@@ -251,6 +256,13 @@ def _wandb_run(folder: Path, project: str, run_id: str, config: dict):
             "Install it with `pip install 'mxmoe[wandb]'` (or pass --metrics.enable_wandb=false)"
         )
         return None
-    return wandb.init(
-        project=project, name=run_id, dir=str(folder), config=config, settings=wandb.Settings(quiet=True)
-    )
+    try:
+        return wandb.init(
+            project=project, name=run_id, dir=str(folder), config=config, settings=wandb.Settings(quiet=True)
+        )
+    except Exception as e:  # wandb's UsageError, CommError, a timeout reaching its server
+        raise MetricsError(
+            f"metrics.enable_wandb: W&B did not start ({type(e).__name__}: {e}); log in (`wandb login` or "
+            "WANDB_API_KEY), or set WANDB_MODE=offline to keep the run under job.dump_folder/wandb, or pass "
+            "--metrics.enable_wandb=false"
+        ) from None

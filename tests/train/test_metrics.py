@@ -121,8 +121,17 @@ def _wandb_records(folder) -> list:
     return out
 
 
-def test_wandb_logs_what_tensorboard_gets(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+@pytest.fixture
+def fresh_wandb(monkeypatch):
+    """wandb with no settings kept from an earlier run in this process (its setup is a singleton
+    that reads the environment once), torn down after the test."""
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_logs_what_tensorboard_gets(tmp_path, monkeypatch, fresh_wandb):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
@@ -134,6 +143,8 @@ def test_wandb_logs_what_tensorboard_gets(tmp_path, monkeypatch):
     ]
     assert trainer.main(TINY + args) == 0
     recs = _wandb_records(run)
+    kinds = [r.WhichOneof("record_type") for r in recs]
+    assert kinds.count("run") == 1 and kinds[-1] == "exit", kinds
     (start,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
     run_id = _records(run)[0]["run_id"]
     assert (start.display_name, start.project) == (run_id, "p")
@@ -153,3 +164,16 @@ def test_wandb_logs_what_tensorboard_gets(tmp_path, monkeypatch):
         }
         assert row["_step"] == rec["step"]
         assert {k: row[k] for k in numbers} == pytest.approx(numbers)
+
+
+def test_wandb_that_cannot_start_is_an_error_naming_the_fix(tmp_path, monkeypatch, capsys, fresh_wandb):
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings: not logged in
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    run = tmp_path / "run"
+    argv = ["--training.steps=1", f"--job.dump_folder={run}", "--metrics.enable_wandb"]
+    assert trainer.main(TINY + argv) == 1
+    err = capsys.readouterr().err
+    assert "mxmoe train: error: metrics.enable_wandb: W&B did not start (" in err
+    assert "set WANDB_MODE=offline" in err and "Traceback" not in err
