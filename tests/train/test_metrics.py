@@ -94,31 +94,37 @@ def test_a_full_disk_under_the_metrics_folder_is_an_error_not_a_traceback(
     assert "Traceback" not in err, err
 
 
-def _wandb_records(folder) -> list:
-    """The records of the one offline W&B run under `folder`/wandb: its `.wandb` file read as wandb
-    writes it (a 7-byte file header, then LevelDB-log records in 32 KiB blocks, each a protobuf
-    `Record`)."""
+def _wandb_records(folder, timeout_s: float = 60.0) -> list:
+    """The records of the one offline W&B run under `folder`/wandb, through its exit record: its
+    `.wandb` file read as wandb writes it (a 7-byte file header, then LevelDB-log records in 32 KiB
+    blocks, each a protobuf `Record`). wandb's service process may finish writing the file after
+    `finish()` returns: it is read again until the exit record is there."""
     import struct
+    import time
 
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (file,) = (folder / "wandb").glob("offline-run-*/run-*.wandb")
-    data, pos, block, buf, out = file.read_bytes(), 7, 32768, b"", []
-    assert data[:4] == b":W&B"
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0 and n == 0:
-            break
-        buf, pos = buf + data[pos + 7 : pos + 7 + n], pos + 7 + n
-        if kind in (1, 4):  # a whole record, or its last part
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            out.append(rec)
-            buf = b""
-    return out
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (file,) = (folder / "wandb").glob("offline-run-*/run-*.wandb")
+        data, pos, block, buf, out = file.read_bytes(), 7, 32768, b"", []
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a header is padding
+                pos += block - pos % block
+                continue
+            _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if kind == 0 and n == 0:
+                break
+            buf, pos = buf + data[pos + 7 : pos + 7 + n], pos + 7 + n
+            if kind in (1, 4):  # a whole record, or its last part
+                rec = pb.Record()
+                rec.ParseFromString(buf)
+                out.append(rec)
+                buf = b""
+        if (out and out[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            assert data[:4] == b":W&B", data[:7]
+            return out
+        time.sleep(0.2)
 
 
 @pytest.fixture
