@@ -3,6 +3,7 @@
 checkpoints are one-line errors."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,22 @@ class _no_raise:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.slow
+def test_export_of_an_expert_parallel_checkpoint_holds_every_expert(tmp_path):
+    """2 CPU processes, experts over ep=2 (each rank holds 2 of the 4): the export holds all 4,
+    equal to what torch's converter reads, and loads into the unsharded model."""
+    argv = TINY + MX + ["--training.steps=2", "--parallelism.expert_parallel_degree=2"]
+    argv += [f"--job.dump_folder={tmp_path}/run", f"--checkpoint.folder={tmp_path}/ckpt"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [*run, "-m", "mxmoe", "train", *argv]
+    subprocess.run(cmd, check=True, env=env, cwd=tmp_path, timeout=600, capture_output=True)
+    out = tmp_path / "m.pt"
+    assert cli(["export", str(tmp_path / "ckpt"), str(out)]) == 0
+    state = torch.load(out, weights_only=True)
+    assert state["layers.0.moe.experts.w1"].shape[0] == 4
+    ref_state, ref_logits = _reference(tmp_path / "ckpt" / "step-00000002", tmp_path)
+    assert state.keys() == ref_state.keys() and all(torch.equal(state[k], v) for k, v in ref_state.items())
+    assert torch.equal(_load_elsewhere(out, tmp_path)["logits"], ref_logits)
