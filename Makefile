@@ -25,8 +25,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q safetensors wandb torch==$(TORCH_VERSION)
 	# the torchtitan integration's tests (torch stays pinned)
 	$(BIN)/python -m pip install -q torchtitan==0.3.0 torch==$(TORCH_VERSION)
-	# the peer the native (Blackwell) GEMM's tests compare with; test-only, no deps (torch stays pinned)
+	# the peer the native (Blackwell) GEMM's tests compare with, and torchao's quantize_ entry point
+	# (mxmoe.integrations.torchao); no deps (torch stays pinned)
 	$(BIN)/python -m pip install -q --no-deps torchao==0.18.0
+	# Hugging Face transformers (mxmoe.integrations.hf; accelerate: its Trainer), torch stays pinned
+	$(BIN)/python -m pip install -q transformers==5.23.0 accelerate==1.16.0 torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

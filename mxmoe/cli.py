@@ -15,6 +15,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -114,6 +115,68 @@ def positive_int(text: str) -> int:
     return v
 
 
+def _probe_folder(folder: Path, option: str, value: str) -> None:
+    """ValueError naming `option` unless a file can be created in the existing `folder`."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"{option} {value!r}: cannot write in {str(folder)!r} ({e.strerror or e})") from None
+
+
+def _existing_parent(path: Path, option: str, value: str) -> Path:
+    """The nearest existing folder above `path`; ValueError naming `option` if that is not a folder."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {value!r}: {str(parent)!r} is a file, not a folder")
+    return parent
+
+
+def check_out_folder(value: str, option: str = "--out") -> None:
+    """ValueError naming `option` unless `value` is a folder this process can write in, or can be
+    created as one: checked before any work, so a run does not end at its last step on a file, a
+    device or a read-only folder."""
+    path = Path(value)
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{option} {value!r}: {_what(path)}, expected a folder (created if missing)")
+        _probe_folder(path, option, value)
+    else:
+        _probe_folder(_existing_parent(path, option, value), option, value)
+
+
+def check_out_file(value: str, option: str = "--out") -> None:
+    """ValueError naming `option` unless `value` is a regular file or a new file in a folder this
+    process can write in (missing folders above it are created later)."""
+    path = Path(value)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{option} {value!r}: {_what(path)}, expected a file path, e.g. loss.png")
+    parent = path.parent if path.parent.is_dir() else _existing_parent(path, option, value)
+    _probe_folder(parent, option, value)
+
+
+def _what(path: Path) -> str:
+    """What `path` is, in words ("a folder", "a character device", ...)."""
+    import stat
+
+    mode = path.stat().st_mode
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISREG, "a file"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return f"is {name}"
+    return "is a special file"
+
+
 COMMANDS = {
     "train": "mxmoe.train.trainer",
     "export": "mxmoe.train.export",
@@ -130,6 +193,8 @@ BENCHES = {
     "overhead": "mxmoe.bench.overhead",
     "train": "mxmoe.bench.train",
     "fidelity": "mxmoe.bench.fidelity",
+    "trace": "mxmoe.bench.trace",
+    "overlap": "mxmoe.bench.overlap",
 }
 """Benchmark -> its module, as COMMANDS."""
 

@@ -73,6 +73,9 @@ class MXOptions:
     a2a_transport: A2ATransport = "auto"
     """Transport of the expert-parallel exchange: auto (symmetric memory between GPUs of one host
     where it runs, else the process group) | nccl (the process group: NCCL, or gloo on CPU) | symm."""
+    allow_unconverted: bool = False
+    """Train high precision where MX was asked and nothing is MX (no MX converter named, or a
+    conversion that converts no module) instead of stopping with an error."""
 
     def __post_init__(self) -> None:
         self.check()

@@ -9,10 +9,15 @@
 # 8 x 2048 tokens, AdamW, eager (no torch.compile). Both MX runs convert the same modules: the
 # routed experts, the dense and shared-expert feed-forward layers (--mx.filter_fqns default).
 #
-#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2] [VARIANTS=bf16,mxmoe,torchao]
+#   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2] [VARIANTS=bf16,mxmoe,torchao] [FLAGS...]
 #
+# FLAGS (after the five positional arguments) go to every run, e.g. `--profiling.enable_profiling
+# --profiling.profile_freq 10` (then `mxmoe bench trace OUT_DIR/RUN/profile_trace/*/rank0_trace.json`
+# gives GPU ms per step by kernel category).
 # Each variant runs once per seed (--debug.seed), with torchtitan's deterministic mode
-# (--debug.deterministic; DETERMINISTIC=0 turns it off). Writes OUT_DIR/VARIANT_sSEED.log
+# (--debug.deterministic; DETERMINISTIC=0 turns it off); PARALLEL=N runs N of them at once on the
+# GPU (default 1; the debug model takes a few GiB of the H200's 139), each in its own process and
+# folder, under its own RUN_TIMEOUT_S. Writes OUT_DIR/VARIANT_sSEED.log
 # (torchtitan's logs), .csv (step, loss, grad_norm, tps) and OUT_DIR/summary.md (per run, and per
 # variant the mean and standard deviation over the seeds; scripts/torchtitan_summary.py). A run
 # longer than RUN_TIMEOUT_S is stopped and summarized with the steps it logged.
@@ -28,11 +33,15 @@ STEPS=${2:-300}
 RUN_TIMEOUT=${3:-140}
 IFS=, read -r -a SEEDS <<< "${4:-0,1,2}"
 IFS=, read -r -a VARIANTS <<< "${5:-bf16,mxmoe,torchao}"
+shift $(( $# < 5 ? $# : 5 ))
+EXTRA=("$@")
 for v in "${VARIANTS[@]}"; do
     case $v in bf16|mxmoe|torchao) ;; *) echo "variant '$v': expected bf16, mxmoe or torchao" >&2; exit 2 ;; esac
 done
 DET=()
 [ "${DETERMINISTIC:-1}" = 0 ] || DET=(--debug.deterministic)
+PARALLEL=${PARALLEL:-1}
+[[ $PARALLEL =~ ^[1-9][0-9]*$ ]] || { echo "PARALLEL=$PARALLEL: expected a number of runs >= 1" >&2; exit 2; }
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=python3
 mkdir -p "$OUT"
@@ -78,7 +87,7 @@ run() {  # run NAME SEED [trainer flags...]
         --training.dataset_path "$WORK/data" \
         --training.steps "$STEPS" \
         --debug.seed "$seed" "${DET[@]}" \
-        "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+        "$@" "${EXTRA[@]}" > "$OUT/$name.log" 2>&1 || rc=$?
     echo "   exit $rc after $((SECONDS - t0))s; last step line:"
     grep -a "step:" "$OUT/$name.log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g' || echo "   (none: see $OUT/$name.log)"
 }
@@ -86,14 +95,16 @@ run() {  # run NAME SEED [trainer flags...]
 RUNS=()
 for seed in "${SEEDS[@]}"; do  # seed-major: an interrupted call leaves whole seeds
     for v in "${VARIANTS[@]}"; do
+        while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n || true; done
         case $v in
-            bf16) run "bf16_s$seed" "$seed" ;;
-            mxmoe) run "mxmoe_s$seed" "$seed" --model.converters mxmoe ;;
+            bf16) run "bf16_s$seed" "$seed" & ;;
+            mxmoe) run "mxmoe_s$seed" "$seed" --model.converters mxmoe & ;;
             torchao) run "torchao_s$seed" "$seed" --model.converters torchao_mxfp8 \
-                --experimental.custom_import torchtitan_torchao_peer ;;
+                --experimental.custom_import torchtitan_torchao_peer & ;;
         esac
         RUNS+=("${v}_s$seed")
     done
 done
+wait
 
 "$PY" scripts/torchtitan_summary.py "$OUT" "${RUNS[@]}"

@@ -98,6 +98,8 @@ def pytest_addoption(parser):
 SLOW_FIRST = {
     "tests/train/test_trainer.py::test_compiled_training_matches_eager": 139,
     "tests/train/test_compare.py::test_compare_runs_two_variants_by_two_seeds_on_cpu": 78,
+    "tests/train/test_study.py::test_a_run_has_the_same_bits_alone_and_beside_another": 30,
+    "tests/train/test_study.py::test_a_run_stopped_at_the_deadline_keeps_a_loadable_checkpoint": 33,
     "tests/integrations/test_torchtitan.py::test_mxfp8_dispatcher_equals_bf16_dispatch_of_qdq_rows": 22,
     "tests/train/test_trainer.py::test_two_process_fsdp_compiled_mx_matches_one_process_eager": 18,
     "tests/train/test_compare.py::test_launch_runs_an_expert_parallel_job_under_torch_distributed_run": 11,

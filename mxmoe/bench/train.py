@@ -15,6 +15,7 @@ on one fixed batch, in each mode:
                  backward); CUDA only
   graph          forward+backward captured in one CUDA graph (`mxmoe.models.GraphedStep`; the
                  trainer's `training.cuda_graph`), optimizer eager; CUDA only
+  compile+graph  per-block compile, the step as one CUDA graph
   compile_full+graph   both
 
 After `--warmup_steps` untimed steps (compilation, capture, autotuning), `--steps` steps are timed
@@ -48,7 +49,9 @@ from mxmoe.bench import timing
 from mxmoe.cli import ArgumentParser, comma_list, positive_int
 from mxmoe.train import determinism
 
-MODES = ("eager", "compile", "compile_full", "reduce_overhead", "graph", "compile_full+graph")
+MODES = (
+    "eager", "compile", "compile_full", "reduce_overhead", "graph", "compile+graph", "compile_full+graph"
+)
 VARIANTS = ("bf16", "mx")
 _COMPILE = {  # mode -> build_model(compile=...)
     "eager": None,
@@ -56,6 +59,7 @@ _COMPILE = {  # mode -> build_model(compile=...)
     "compile_full": "full",
     "reduce_overhead": "reduce_overhead",
     "graph": None,
+    "compile+graph": "blocks",
     "compile_full+graph": "full",
 }
 
@@ -180,7 +184,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         step()
         host.append(time.perf_counter() - t0)
     timing.sync()
-    prof = _profile(step, variant, mode, device, args) if args.profile else {}
+    prof = _profile(step, list(model.parameters()), variant, mode, device, args) if args.profile else {}
     return {
         "variant": variant,
         "mode": mode,
@@ -201,30 +205,38 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
     }
 
 
-def _profile(step, variant: str, mode: str, device: torch.device, args) -> dict:
-    """Record `args.profile_steps` more steps; write the table, return GPU ms per step by category."""
+def _profile(step, params, variant: str, mode: str, device: torch.device, args) -> dict:
+    """Record `args.profile_steps` more steps; write the table, return GPU ms per step by kernel
+    category and (`cast_breakdown`; `params` the model's parameters) of the MX casts by what they cast."""
     import os
 
     from torch.profiler import ProfilerActivity, profile
 
-    from mxmoe.train.profiling import kernel_breakdown
+    from mxmoe.train.profiling import cast_breakdown, kernel_breakdown
 
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     n = args.profile_steps
     timing.sync()
     with profile(activities=acts, record_shapes=True) as prof:
-        for _ in range(n):
-            step()
-        timing.sync()
+        with torch.profiler.record_function("mxmoe.bench.steps"):  # marks the forward's thread
+            for _ in range(n):
+                step()
+            timing.sync()
     os.makedirs(args.profile, exist_ok=True)
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     per_step = {k: v / n for k, v in kernel_breakdown(prof).items()} if cuda else {}
+    main = next(e.thread for e in prof.events() if e.name == "mxmoe.bench.steps")
+    shapes = {tuple(p.shape) for p in params}
+    casts = {k: v / n for k, v in cast_breakdown(prof, shapes, main).items()}
     with open(os.path.join(args.profile, f"{variant}_{mode}.txt"), "w") as fh:
         fh.write(f"{variant}, {mode}: {n} steps recorded\n")
         if per_step:
             fh.write("GPU ms per step by kernel category: ")
             fh.write(", ".join(f"{k} {v:.2f}" for k, v in per_step.items()) + "\n\n")
+        if casts:
+            fh.write("GPU ms per step of the MX casts, by what they cast:\n")
+            fh.write("".join(f"  {k:70s} {v:8.3f}\n" for k, v in casts.items()) + "\n")
         fh.write(prof.key_averages().table(sort_by=sort_by, row_limit=50, max_name_column_width=90))
         fh.write(f"\n\nThe same, by input shapes ({n} steps):\n")
         by_shape = prof.key_averages(group_by_input_shape=True)
@@ -232,7 +244,10 @@ def _profile(step, variant: str, mode: str, device: torch.device, args) -> dict:
         fh.write(
             by_shape.table(sort_by=total, row_limit=80, max_name_column_width=60, max_shapes_column_width=90)
         )
-    return {"gpu_ms_per_step": per_step} if per_step else {}
+    out = {"gpu_ms_per_step": per_step} if per_step else {}
+    if casts:
+        out["cast_ms_per_step"] = casts
+    return out
 
 
 def _row_in_subprocess(rest: list[str], variant: str, mode: str, args) -> dict:

@@ -1,6 +1,11 @@
 """`mxmoe.convert(model, MXOptions(...))`: swap a model's Linear and GroupedExperts modules for
 their MX versions in place (torchtitan's MX converter, for Hopper).
 
+Hugging Face transformers models are known too: their attention (`self_attn`) counts as
+`attention` and their MoE router (`gate` beside `experts`) as `router` for `filter_fqns`, and their
+experts modules (3D `gate_up_proj` / `down_proj` behind transformers' experts interface) keep their
+parameters and run `experts_implementation="mxmoe"` (`mxmoe.integrations.hf`).
+
 `mxmoe.MXOptions` (the one option set of every front end) says what to convert and names one
 `mxmoe.recipe.MXRecipe` (`MXOptions().to_recipe() == DEFAULT_RECIPE`); every swapped module gets
 that recipe, and the MXFP8 exchange of expert parallelism reads it from the experts. `convert` also
@@ -20,7 +25,7 @@ from torch import nn
 from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
 from mxmoe.nn.mx_experts import MXGroupedExperts
-from mxmoe.options import MXOptions
+from mxmoe.options import DEFAULT_FILTER_FQNS, MXOptions
 from mxmoe.quant.backends import why_unavailable
 from mxmoe.recipe import RECIPES, MXRecipe
 
@@ -55,8 +60,16 @@ class ConversionReport:
     """(FQN, why) of the candidate modules left high precision."""
     reconfigured: list[str] = field(default_factory=list)
     """FQNs already MX with another recipe, now given this one."""
+    already: list[str] = field(default_factory=list)
+    """FQNs already MX with this recipe (a conversion applied again): left as they are."""
+    experts: list[str] = field(default_factory=list)
+    """FQNs of every routed-experts module found (converted or not): the model is an MoE."""
 
-    MX_NAMES: ClassVar[dict[str, str]] = {"Linear": "MXLinear", "GroupedExperts": "MXGroupedExperts"}
+    MX_NAMES: ClassVar[dict[str, str]] = {
+        "Linear": "MXLinear",
+        "GroupedExperts": "MXGroupedExperts",
+        "transformers experts": 'experts_implementation="mxmoe"',
+    }
     """What each kind becomes, for `summary` (another kind k reads "k -> MX k")."""
 
     @property
@@ -66,7 +79,44 @@ class ConversionReport:
     @property
     def is_mx(self) -> bool:
         """True when some module now computes in MX (converted now or before)."""
-        return self.num_converted + len(self.reconfigured) > 0
+        return self.num_converted + len(self.reconfigured) + len(self.already) > 0
+
+    def why_skipped(self, fqns: list[str]) -> str:
+        """The reasons `fqns` were skipped, grouped ("2 by filter_fqns 'experts'"), or "" if none was."""
+        by_reason: dict[str, list[str]] = {}
+        for fqn, why in self.skipped:
+            if fqn in fqns:
+                by_reason.setdefault(why, []).append(fqn)
+        return ", ".join(
+            f"{fqns_[0]} ({why})" if len(fqns_) == 1 else f"{len(fqns_)} by {why}"
+            for why, fqns_ in by_reason.items()
+        )
+
+    def finish(self, options: MXOptions | None = None, *, stacklevel: int = 3) -> None:
+        """What every front end does once its whole conversion is done: a warning when an MoE model
+        got no MX experts for a reason other than convert_grouped_experts=false (naming why), and,
+        when nothing at all is MX, a ValueError naming why (MX was asked and would not be given)
+        unless `options.allow_unconverted`."""
+        opts = options if options is not None else MXOptions()
+        conv = self.converted
+        mx_experts = {*conv.get("GroupedExperts", []), *conv.get("transformers experts", [])}
+        mx_experts |= set(self.already) | set(self.reconfigured)
+        if self.experts and not mx_experts.intersection(self.experts) and opts.convert_grouped_experts:
+            why = self.why_skipped(self.experts) or "none of them is a kind mxmoe converts"
+            warnings.warn(
+                f"mxmoe.convert: the model has {len(self.experts)} experts modules (e.g. "
+                f"{self.experts[0]}) and none is MX: {why}",
+                stacklevel=stacklevel,
+            )
+        if not self.is_mx and not opts.allow_unconverted:
+            raise ValueError(
+                "MX was asked (mxmoe.convert) but no module was converted, the model would stay high "
+                f"precision; skipped {len(self.skipped)}: "
+                f"{self.why_skipped([f for f, _ in self.skipped]) or 'none'}"
+                f" (convert_linears={opts.convert_linears}, convert_grouped_experts="
+                f"{opts.convert_grouped_experts}, filter_fqns={list(opts.filter_fqns)}). Pass "
+                "allow_unconverted=True (--mx.allow_unconverted=true) to train high precision anyway"
+            )
 
     def summary(self) -> str:
         """One line: what was converted (counts per kind) and what was skipped, grouped by why: a
@@ -76,10 +126,13 @@ class ConversionReport:
             kinds = ", ".join(
                 f"{len(fqns)} {kind} -> {self.MX_NAMES.get(kind, 'MX ' + kind)}"
                 for kind, fqns in self.converted.items()
+                if fqns or kind in ("Linear", "GroupedExperts")
             )
             head = f"MXFP8 recipe {recipe_name(self.recipe)}: {kinds}"
             if self.reconfigured:
                 head += f", {len(self.reconfigured)} MX modules re-given this recipe"
+            if self.already:
+                head += f", {len(self.already)} modules already MX with this recipe"
         else:
             head = "nothing converted, the model stays high precision"
         by_reason: dict[str, list[str]] = {}
@@ -90,6 +143,67 @@ class ConversionReport:
             for why, fqns in by_reason.items()
         )
         return f"mxmoe.convert: {head}; skipped {len(self.skipped)}: {skipped or 'none'}"
+
+
+HF_ALIASES: dict[str, tuple[str, ...]] = {"attention": ("self_attn", "cross_attn")}
+"""filter_fqns entries that also match Hugging Face's names for the same modules (an FQN part)."""
+ROUTER_NAMES = ("gate", "router")
+"""Names of an MoE router beside its `experts` (Hugging Face's `mlp.gate`): skipped by `router`."""
+
+
+def _filter_hit(fqn: str, filter_fqns: list[str], router: bool) -> str | None:
+    """The filter_fqns entry that keeps `fqn` high precision, if any (`router`: the module is an MoE
+    router by its place, which the entry "router" keeps whatever it is called)."""
+    parts = fqn.split(".")
+    for f in filter_fqns:
+        if f in fqn or any(a in parts for a in HF_ALIASES.get(f, ())) or (router and f == "router"):
+            return f
+    return None
+
+
+def hf_experts_dims(mod: nn.Module) -> tuple[int, int] | None:
+    """(hidden, intermediate) of a Hugging Face transformers experts module (3D `gate_up_proj` or
+    `up_proj` and `down_proj` parameters behind transformers' experts interface), else None."""
+    down = getattr(mod, "down_proj", None)
+    if not (isinstance(down, nn.Parameter) and down.ndim == 3 and hasattr(mod, "has_gate")):
+        return None
+    if not hasattr(getattr(mod, "config", None), "_experts_implementation"):
+        return None
+    hidden, inter = (down.shape[2], down.shape[1]) if getattr(mod, "is_transposed", False) else down.shape[1:]
+    return int(hidden), int(inter)
+
+
+def _looks_like_experts(name: str, mod: nn.Module) -> bool:
+    """A transformers routed-experts module outside transformers' experts interface (3D weights,
+    named like experts), which mxmoe cannot convert."""
+    return (
+        type(mod).__module__.startswith("transformers.")
+        and "expert" in name.lower()
+        and any(p.ndim == 3 for p in mod.parameters(recurse=False))
+    )
+
+
+ASKING_OPTIONS = ("recipe_name", "expert_gemm", "filter_fqns", "convert_linears", "convert_grouped_experts")
+"""The MXOptions fields that ask for MX arithmetic (what is converted, in which format): set with no
+MX converter named, they would be ignored. (Kernel, GEMM-backend and exchange choices are not: the
+test suites and launchers pass them to every run.)"""
+
+
+def asked_options(options: MXOptions, baseline: MXOptions | None = None) -> dict[str, object]:
+    """{field: value} of the ASKING_OPTIONS where `options` differs from `baseline` (default: the
+    defaults): the MX a user asked for."""
+    base = baseline if baseline is not None else MXOptions()
+    return {k: getattr(options, k) for k in ASKING_OPTIONS if getattr(options, k) != getattr(base, k)}
+
+
+def unconverted_error(asked: dict[str, object], converters: list[str], fix: str) -> ValueError:
+    """The error of MX options given with no MX converter named (`fix`: how to name one)."""
+    given = ", ".join(f"mx.{k}={v!r}" for k, v in asked.items())
+    return ValueError(
+        f"{given} given, but model.converters={list(converters)!r} names no MX converter: the run "
+        f"would train high precision with these options ignored. Add {fix}, or set "
+        "mx.allow_unconverted=true to train high precision anyway"
+    )
 
 
 def _tp_degree(parallel_dims) -> int:
@@ -129,16 +243,26 @@ def convert(
     divisible by the block size (both skipped). Modules already MX with another recipe get the new
     one, with a warning. Convert before applying FSDP (`fully_shard`) or torch.compile.
 
-    Logs one line (`ConversionReport.summary`; not with log_summary=False: a front end that converts
-    more adds to the report and logs it) and keeps the report as `model.mx_conversion`.
+    Hugging Face transformers models: `self_attn` counts as `attention` and the router (`gate` beside
+    `experts`) as `router` for filter_fqns; an experts module (3D gate_up_proj / down_proj) keeps
+    its parameters and computes with `experts_implementation="mxmoe"` (`mxmoe.integrations.hf`),
+    its recipe kept as its `mx_recipe`.
+
+    Logs one line (`ConversionReport.summary`) and keeps the report as `model.mx_conversion`, then
+    `ConversionReport.finish`: a warning when an MoE model gets no MX experts (naming why), a
+    ValueError when nothing is MX unless `allow_unconverted` (log_summary=False does neither: a
+    front end that converts more adds to the report, logs it and calls `finish`). A filter_fqns
+    entry of the caller's (not a default one) that matches no module of the model is warned of.
     Raises ValueError for an unknown recipe/choice, tensor parallelism (tp > 1), or a cast kernel
     that cannot run on the model's device (meta counts as CUDA).
     """
     if recipe is None:
         recipe = MXOptions()
     if isinstance(recipe, MXRecipe):
-        r, filter_fqns, do_lin, do_exp = recipe, MXOptions().filter_fqns, True, True
+        opts = MXOptions()
+        r, filter_fqns, do_lin, do_exp = recipe, opts.filter_fqns, True, True
     elif isinstance(recipe, MXOptions):
+        opts = recipe
         r, filter_fqns = recipe.to_recipe(), list(recipe.filter_fqns)  # to_recipe checks every field
         do_lin, do_exp = recipe.convert_linears, recipe.convert_grouped_experts
     else:
@@ -157,37 +281,74 @@ def convert(
                 raise ValueError(f"recipe {name}={kernel!r} cannot run for a model on {device}: {reason}")
 
     report = ConversionReport(r)
+    hf_mx: list[nn.Module] = []  # transformers experts modules to compute in MX
+    hf_hp: list[nn.Module] = []  # ... and those left high precision
 
     def visit(parent: nn.Module, prefix: str) -> None:
         for child_name, child in list(parent.named_children()):
             fqn = f"{prefix}.{child_name}" if prefix else child_name
-            if isinstance(child, (MXLinear, MXGroupedExperts)):
-                if child.recipe != r:
+            hf_dims = hf_experts_dims(child)
+            if isinstance(child, (GroupedExperts, MXGroupedExperts)) or hf_dims is not None:
+                report.experts.append(fqn)
+            elif _looks_like_experts(child_name, child):
+                report.experts.append(fqn)
+                why = f"{type(child).__name__}: experts of a kind mxmoe does not convert"
+                report.skipped.append((fqn, why))
+            mx_now = getattr(child, "mx_recipe", None) if hf_dims is not None else None
+            if isinstance(child, (MXLinear, MXGroupedExperts)) or isinstance(mx_now, MXRecipe):
+                if (mx_now or child.recipe) != r:
                     report.reconfigured.append(fqn)
-                    child.recipe = r
+                    if mx_now is None:
+                        child.recipe = r
+                    else:
+                        child.mx_recipe = r
+                else:
+                    report.already.append(fqn)
                 continue
             if isinstance(child, nn.Linear) and do_lin:
                 kind, dims = "Linear", (child.in_features, child.out_features)
             elif isinstance(child, GroupedExperts) and do_exp:
                 kind, dims = "GroupedExperts", (child.dim, child.hidden_dim)
+            elif hf_dims is not None and do_exp:
+                kind, dims = "transformers experts", hf_dims
             else:
+                if hf_dims is not None:
+                    hf_hp.append(child)
                 visit(child, fqn)
                 continue
-            hit = next((f for f in filter_fqns if f in fqn), None)
+            router = child_name in ROUTER_NAMES and hasattr(parent, "experts")
+            hit = _filter_hit(fqn, filter_fqns, router)
+            why = None
             if hit is not None:
-                report.skipped.append((fqn, f"filter_fqns {hit!r}"))
-                continue
-            if any(d % r.block_size for d in dims):
-                report.skipped.append((fqn, f"dims {dims[0]}x{dims[1]} not divisible by {r.block_size}"))
+                why = f"filter_fqns {hit!r}"
+            elif any(d % r.block_size for d in dims):
+                why = f"dims {dims[0]}x{dims[1]} not divisible by {r.block_size}"
+            if why is not None:
+                report.skipped.append((fqn, why))
+                if hf_dims is not None:
+                    hf_hp.append(child)
                 continue
             if kind == "Linear":
-                new = MXLinear.from_linear(child, r)
+                setattr(parent, child_name, MXLinear.from_linear(child, r))
+            elif kind == "GroupedExperts":
+                setattr(parent, child_name, MXGroupedExperts.from_experts(child, r))
             else:
-                new = MXGroupedExperts.from_experts(child, r)
-            setattr(parent, child_name, new)
-            report.converted[kind].append(fqn)
+                hf_mx.append(child)
+            report.converted.setdefault(kind, []).append(fqn)
 
     visit(model, "")
+    if hf_mx:
+        from mxmoe.integrations.hf import use_mx_experts  # transformers is there: its model is
+
+        use_mx_experts(hf_mx, hf_hp, r)
+    names = [n for n, _ in model.named_modules()]
+    for f in filter_fqns:
+        if f not in DEFAULT_FILTER_FQNS and all(_filter_hit(n, [f], False) is None for n in names):
+            warnings.warn(
+                f"mxmoe.convert: filter_fqns entry {f!r} matches no module of the model (FQNs look "
+                f"like {max(names, key=len)!r}): it keeps nothing high precision",
+                stacklevel=2,
+            )
     if report.reconfigured:
         warnings.warn(
             f"mxmoe.convert: {len(report.reconfigured)} modules were already MX with another recipe "
@@ -197,4 +358,5 @@ def convert(
     model.mx_conversion = report
     if log_summary:
         log.info("%s", report.summary())
+        report.finish(opts)
     return model

@@ -63,7 +63,11 @@ from mxmoe.ops.gemm import (
 )
 from mxmoe.ops.gemm_backend import OpKernels, op_kernels, uses_qdq
 from mxmoe.ops.linear import (
+    WeightCasts,
+    cast_weight,
     dgrad_mx,
+    restored_weight,
+    saved_weight,
     sum_like_autograd,
     swap_last2,
     wants_grad,
@@ -83,7 +87,13 @@ from mxmoe.quant.qdq import (
 )
 from mxmoe.recipe import MXRecipe, as_recipe
 
-__all__ = ["mx_grouped_mm", "mx_grouped_mm_shared", "mx_grouped_mm_swiglu", "mx_grouped_swiglu_mlp"]
+__all__ = [
+    "check_offsets",
+    "mx_grouped_mm",
+    "mx_grouped_mm_shared",
+    "mx_grouped_mm_swiglu",
+    "mx_grouped_swiglu_mlp",
+]
 
 
 def _mx(q: Tensor, s: Tensor, axis: int, recipe: MXRecipe, mode: str, dtype: torch.dtype) -> MXTensor:
@@ -126,8 +136,11 @@ def _cast_a(a, a_q, a_s, a_mode, offs, recipe: MXRecipe, kernels: OpKernels, nee
     return a0, (kept if need_dw else ()), cap
 
 
-def _forward_gemm(a0, w: Tensor, offs: Tensor, recipe: MXRecipe, kernels: OpKernels, out_dtype) -> Tensor:
-    """y (T, N) = a0 Wₑᵀ per group: a0 from `_cast_a`, w (E, N, K) cast along K (its rows, cached)."""
+def _forward_gemm(
+    a0, w: Tensor | WeightCasts, offs: Tensor, recipe: MXRecipe, kernels: OpKernels, out_dtype
+) -> Tensor:
+    """y (T, N) = a0 Wₑᵀ per group: a0 from `_cast_a`, w (E, N, K) cast along K (its rows), or its
+    `cast_weight`."""
     if kernels.qdq:
         return gemm(a0, weight_qdq(w, -1, recipe, kernels).transpose(-2, -1), offs, out_dtype)
     return mx_gemm(a0, swap_last2(weight_mx(w, -1, recipe)), offs, recipe, out_dtype=out_dtype)
@@ -210,18 +223,20 @@ class _MXGroupedMM(torch.autograd.Function):
         # b_t: (E, K, N), the transposed view of the expert weights w (E, N, K).
         # kernels: op_kernels(recipe, b_t.device)
         a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, recipe, kernels, b_t.requires_grad, out_dtype)
-        w = b_t.transpose(-2, -1)
+        w = cast_weight(b_t.transpose(-2, -1), recipe, kernels, a.requires_grad)
         y = _forward_gemm(a0, w, offs, recipe, kernels, out_dtype)
         ctx.recipe, ctx.kernels, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
             recipe, kernels, a_q is not None, out_dtype, a_mode, cap
         )
-        ctx.save_for_backward(w, offs, *kept)  # w (E, N, K) as the backward takes it
+        ctx.w_casts, ctx.w_dtype = isinstance(w, WeightCasts), b_t.dtype
+        ctx.save_for_backward(saved_weight(w), offs, *kept)  # w (E, N, K) as the backward takes it
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
         w, offs, *kept = ctx.saved_tensors
+        w = restored_weight(w, ctx.w_casts, ctx.w_dtype)
         recipe, kernels = ctx.recipe, ctx.kernels
 
         def a1_fn():
@@ -234,14 +249,32 @@ class _MXGroupedMM(torch.autograd.Function):
 
 
 def _grouped_shared_forward(
-    a, a_q, a_s, a_mode, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype, cast_to, b_ts, need_dw: bool
+    a, a_q, a_s, a_mode, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype, cast_to, ws, need_dw: bool
 ):
-    """The forward of `mx_grouped_mm_shared`: (the outputs, what the backward keeps, its cap)."""
+    """The forward of `mx_grouped_mm_shared`: (the outputs, what the backward keeps, its cap); ws:
+    the expert weights (E, N_i, K) or their `cast_weight`s."""
     if cast_to is not None:
         a = a.to(cast_to)
     a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, recipe, kernels, need_dw, out_dtype)
-    ys = tuple(_forward_gemm(a0, b_t.transpose(-2, -1), offs, recipe, kernels, out_dtype) for b_t in b_ts)
+    ys = tuple(_forward_gemm(a0, w, offs, recipe, kernels, out_dtype) for w in ws)
     return ys, kept, cap
+
+
+def _cast_weights(b_ts, recipe: MXRecipe, kernels: OpKernels, need_dgrad: bool) -> list:
+    """`cast_weight` of each expert weight (E, N, K) given as its transposed view b_t (E, K, N)."""
+    return [cast_weight(b_t.transpose(-2, -1), recipe, kernels, need_dgrad) for b_t in b_ts]
+
+
+def _keep_weights(ctx, ws, b_ts) -> list[Tensor]:
+    """What a forward keeps of the weights `ws` (`_cast_weights` of b_ts); `_weights_back` restores them."""
+    ctx.w_casts = [isinstance(w, WeightCasts) for w in ws]
+    ctx.w_dtypes = [b_t.dtype for b_t in b_ts]
+    return [saved_weight(w) for w in ws]
+
+
+def _weights_back(ctx, saved) -> list:
+    """The backward's weights (E, N, K) (or their WeightCasts) from `_keep_weights`' tensors."""
+    return [restored_weight(t, c, d) for t, c, d in zip(saved, ctx.w_casts, ctx.w_dtypes, strict=True)]
 
 
 class _MXGroupedMMShared(torch.autograd.Function):
@@ -254,20 +287,22 @@ class _MXGroupedMMShared(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         ctx.x_dtype = a.dtype
         need_dw = any(wants_grad(b_t) for b_t in b_ts)
+        ws = _cast_weights(b_ts, recipe, kernels, a.requires_grad)
         ys, kept, cap = _grouped_shared_forward(
-            a, a_q, a_s, a_mode, offs, recipe, kernels, out_dtype, cast_to, b_ts, need_dw
+            a, a_q, a_s, a_mode, offs, recipe, kernels, out_dtype, cast_to, ws, need_dw
         )
         ctx.recipe, ctx.kernels, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
             recipe, kernels, a_q is not None, out_dtype, a_mode, cap
         )
         ctx.n = len(b_ts)
-        ctx.save_for_backward(offs, *b_ts, *kept)
+        ctx.save_for_backward(offs, *_keep_weights(ctx, ws, b_ts), *kept)  # the weights (E, N_i, K)
         return ys
 
     @staticmethod
     def backward(ctx, *dys):
         recipe, kernels, n = ctx.recipe, ctx.kernels, ctx.n
-        offs, b_ts, kept = ctx.saved_tensors[0], ctx.saved_tensors[1 : 1 + n], ctx.saved_tensors[1 + n :]
+        offs, ws, kept = ctx.saved_tensors[0], ctx.saved_tensors[1 : 1 + n], ctx.saved_tensors[1 + n :]
+        ws = _weights_back(ctx, ws)
         need_da = ctx.needs_input_grad[0]
         a1 = []  # the tokens along M, made once for all the wgrads
 
@@ -277,12 +312,11 @@ class _MXGroupedMMShared(torch.autograd.Function):
             return a1[0]
 
         das, db_ts = [], []
-        for i, (dy, b_t) in enumerate(zip(dys, b_ts, strict=True)):
+        for i, (dy, w) in enumerate(zip(dys, ws, strict=True)):
             if dy is None:
                 db_ts.append(None)
                 continue
             need_dw = ctx.needs_input_grad[9 + i]
-            w = b_t.transpose(-2, -1)
             da, db_t = _backward_gemms(
                 dy, w, offs, kept, a1_fn, recipe, kernels, need_da, need_dw, ctx.a_dtype, ctx.cap
             )
@@ -363,19 +397,21 @@ def mx_grouped_mm_shared(
         if torch.is_grad_enabled() and (args[0].requires_grad or any(b.requires_grad for b in b_ts)):
             return apply_function(_MXGroupedMMShared, *args, offs, recipe, kernels, out_dtype, cast_to, *b_ts)
         # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-        return _grouped_shared_forward(*args, offs, recipe, kernels, out_dtype, cast_to, b_ts, False)[0]
+        ws = [b_t.transpose(-2, -1) for b_t in b_ts]
+        return _grouped_shared_forward(*args, offs, recipe, kernels, out_dtype, cast_to, ws, False)[0]
 
 
-def _swiglu_forward(g, u, b_t, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype):
+def _swiglu_forward(g, u, w, need_dw: bool, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype):
     """The forward of `_MXGroupedMMSwiGLU` (qdq path): (y (T, N) out_dtype, what the wgrad keeps:
-    (h1,), h along M in groups (T, K) compute dtype, when b_t needs its MX wgrad, else ())."""
-    if b_t.requires_grad and not recipe.wgrad_with_hp:  # along K for the GEMM, along M kept for the wgrad
+    (h1,), h along M in groups (T, K) compute dtype, when the weight needs its MX wgrad (need_dw),
+    else ()); w: the expert weights (E, N, K) or their `cast_weight`."""
+    if need_dw and not recipe.wgrad_with_hp:  # along K for the GEMM, along M kept for the wgrad
         h0, h1 = swiglu_qdq_trusted(g, u, recipe, kernels.k1, kernels.compute, offs)
         kept = (h1,)
     else:  # as `_cast_a` without the wgrad (wgrad_with_hp: `_swiglu_wgrad_h` makes h again)
         (h0,) = qdq_trusted(F.silu(g) * u, recipe, kernels.k0, kernels.compute, True, False)
         kept = ()
-    return _forward_gemm(h0, b_t.transpose(-2, -1), offs, recipe, kernels, out_dtype), kept
+    return _forward_gemm(h0, w, offs, recipe, kernels, out_dtype), kept
 
 
 def _swiglu_wgrad_h(recipe: MXRecipe, g: Tensor, u: Tensor, kept) -> Tensor:
@@ -393,16 +429,18 @@ class _MXGroupedMMSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u, b_t, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype):
         # g, u: (T, K) of out_dtype (no autocast cast left to make); b_t: (E, K, N)
-        y, kept = _swiglu_forward(g, u, b_t, offs, recipe, kernels, out_dtype)
+        (w,) = _cast_weights((b_t,), recipe, kernels, g.requires_grad or u.requires_grad)
+        y, kept = _swiglu_forward(g, u, w, b_t.requires_grad, offs, recipe, kernels, out_dtype)
         ctx.recipe, ctx.kernels, ctx.a_dtype = recipe, kernels, out_dtype
         # g, u: silu's and mul's backward need them
-        ctx.save_for_backward(g, u, b_t.transpose(-2, -1), offs, *kept)
+        ctx.save_for_backward(g, u, *_keep_weights(ctx, (w,), (b_t,)), offs, *kept)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         need_dg, need_du, need_dw = ctx.needs_input_grad[:3]
         g, u, w, offs, *kept = ctx.saved_tensors
+        (w,) = _weights_back(ctx, (w,))
         recipe = ctx.recipe
         dh, db_t = _backward_gemms(
             dy, w, offs, kept, lambda: _swiglu_wgrad_h(recipe, g, u, kept), recipe, ctx.kernels,
@@ -478,26 +516,32 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
     ):
         need_dw = wants_grad(w1_t) or wants_grad(w3_t)
         ctx.x_dtype = a.dtype
+        # w2's dgrad (dh) is needed for a's gradient and for w1's and w3's wgrads
+        need_dh = a.requires_grad or need_dw
+        w1, w3 = _cast_weights((w1_t, w3_t), recipe, kernels, a.requires_grad)
+        (w2,) = _cast_weights((w2_t,), recipe, kernels, need_dh)
         (g, u), kept, cap = _grouped_shared_forward(
-            a, a_q, a_s, a_mode, offs, recipe, kernels, out_dtype, cast_to, (w1_t, w3_t), need_dw
+            a, a_q, a_s, a_mode, offs, recipe, kernels, out_dtype, cast_to, (w1, w3), need_dw
         )
-        y, h_kept = _swiglu_forward(g, u, w2_t, offs, recipe, kernels, out_dtype)
+        y, h_kept = _swiglu_forward(g, u, w2, w2_t.requires_grad, offs, recipe, kernels, out_dtype)
         ctx.recipe, ctx.kernels, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
             recipe, kernels, a_q is not None, out_dtype, a_mode, cap
         )
         ctx.n_h = len(h_kept)
-        ctx.save_for_backward(offs, w1_t, w3_t, w2_t, g, u, *h_kept, *kept)
+        kept_ws = _keep_weights(ctx, (w1, w3, w2), (w1_t, w3_t, w2_t))  # (E, N, K) each
+        ctx.save_for_backward(offs, *kept_ws, g, u, *h_kept, *kept)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         recipe, kernels = ctx.recipe, ctx.kernels
-        offs, w1_t, w3_t, w2_t, g, u, *rest = ctx.saved_tensors
+        offs, w1, w3, w2, g, u, *rest = ctx.saved_tensors
+        w1, w3, w2 = _weights_back(ctx, (w1, w3, w2))
         h_kept, kept = rest[: ctx.n_h], rest[ctx.n_h :]
         need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[9:12]
         need_dh = need_da or need_dw[0] or need_dw[1]
         dh, dw2_t = _backward_gemms(  # `_MXGroupedMMSwiGLU.backward`'s
-            dy, w2_t.transpose(-2, -1), offs, h_kept, lambda: _swiglu_wgrad_h(recipe, g, u, h_kept), recipe,
+            dy, w2, offs, h_kept, lambda: _swiglu_wgrad_h(recipe, g, u, h_kept), recipe,
             kernels, need_dh, need_dw[2], ctx.a_dtype, 0,
         )
         das, dws = [], [None, None]
@@ -515,10 +559,10 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
                     )
                 return a1[0]
 
-            for i, b_t in enumerate((w1_t, w3_t)):
+            for i, w in enumerate((w1, w3)):
                 dy_i, dy_qdq = (dgu[i], None) if recipe.wgrad_with_hp else (None, dgu[2 * i : 2 * i + 2])
                 da, dws[i] = _backward_gemms(
-                    dy_i, b_t.transpose(-2, -1), offs, kept, a1_fn, recipe, kernels, need_da, need_dw[i],
+                    dy_i, w, offs, kept, a1_fn, recipe, kernels, need_da, need_dw[i],
                     ctx.a_dtype, ctx.cap, dy_qdq,
                 )
                 if need_da:
@@ -629,5 +673,32 @@ def _checked_args(a, b_t, offs, recipe: MXRecipe):
     for name, d in (("K", K), ("N", N)):
         if d % recipe.block_size:
             raise ValueError(f"mx_grouped_mm: {name}={d} is not divisible by block_size={recipe.block_size}")
-    del T
+    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_offsets(offs, T)  # on the host already: no sync (CUDA offsets: see check_offsets)
     return args, out_dtype
+
+
+def check_offsets(offs: Tensor, rows: int) -> None:
+    """ValueError naming `offs` unless its (E,) cumulative group ends are non-negative, never
+    decrease and stay within the `rows` rows of `a`: a negative or decreasing end, or one past the
+    rows, would give rows to no group or to two and come out as zeros or garbage. Ends below `rows`
+    are accepted (torch._grouped_mm's contract: the rows after offs[-1] belong to no group and
+    give zeros; torchtitan pads its token buffer so).
+
+    mx_grouped_mm checks offsets that are on the host on every call; offsets on a GPU are not
+    checked in the op (reading them is a host sync per call, in every MoE layer's forward):
+    call this on them where a sync does not matter (a test, a debugging run)."""
+    ends = offs.tolist()
+    bad = next((e for e, v in enumerate(ends) if v < 0), None)
+    if bad is not None:
+        raise ValueError(f"offs[{bad}]={ends[bad]}: expected group ends >= 0 (offs={ends})")
+    bad = next((e for e in range(1, len(ends)) if ends[e] < ends[e - 1]), None)
+    if bad is not None:
+        raise ValueError(
+            f"offs[{bad}]={ends[bad]} < offs[{bad - 1}]={ends[bad - 1]}: expected non-decreasing cumulative "
+            f"group ends (offs={ends})"
+        )
+    if ends and ends[-1] > rows:
+        raise ValueError(
+            f"offs[-1]={ends[-1]} is past the {rows} rows of a: expected group ends <= {rows} (offs={ends})"
+        )

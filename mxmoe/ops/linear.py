@@ -25,7 +25,10 @@ only, on every path.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -97,9 +100,51 @@ def cast_rows(x: Tensor, recipe: MXRecipe) -> MXTensor:
     return to_mx(pad_rows(x, recipe.block_size), axis=0, recipe=recipe)
 
 
-def weight_qdq(w: Tensor, axis: int, recipe: MXRecipe, kernels: OpKernels) -> Tensor:
+class WeightCasts(NamedTuple):
+    """A weight's two qdq casts made from one read (`cast_weight`): k along K (the forward GEMM's
+    operand), n along N (the dgrad's; k is None once the forward is done), both of the weight's
+    shape ((N, K) or (E, N, K)), row-major, in the compute dtype; dtype: the weight's own (its
+    gradient's)."""
+
+    k: Tensor | None
+    n: Tensor
+    dtype: torch.dtype
+
+
+def _one_process() -> bool:
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def cast_weight(w: Tensor, recipe: MXRecipe, kernels: OpKernels, need_dgrad: bool) -> Tensor | WeightCasts:
+    """What a forward on the qdq path takes of a weight W ((N, K) or (E, N, K)): with the dgrad to
+    come (`need_dgrad`) and one process, both casts from one read (WeightCasts): the forward uses
+    the cast along K and keeps the one along N for the backward, which then casts nothing; that
+    reads W once a step instead of twice and keeps 2 bytes a weight element from the forward to the
+    backward, as bf16 autocast keeps its bf16 copy of each weight. Several processes (FSDP frees
+    each unsharded weight after the forward) or no dgrad: W itself, cast along K by the forward
+    and along N by the backward (`weight_qdq`). Same values either way."""
+    if need_dgrad and kernels.qdq and _one_process():
+        k, n = qdq_trusted(w, recipe, kernels.k1, kernels.compute, True, True)
+        return WeightCasts(k, n, w.dtype)
+    return w
+
+
+def saved_weight(w: Tensor | WeightCasts) -> Tensor:
+    """The tensor a forward keeps of `cast_weight`'s answer: the cast along N, or the weight."""
+    return w.n if isinstance(w, WeightCasts) else w
+
+
+def restored_weight(t: Tensor, casts: bool, dtype: torch.dtype) -> Tensor | WeightCasts:
+    """The backward's weight from `saved_weight`'s tensor (`casts`: it was a WeightCasts of a weight
+    of `dtype`)."""
+    return WeightCasts(None, t, dtype) if casts else t
+
+
+def weight_qdq(w: Tensor | WeightCasts, axis: int, recipe: MXRecipe, kernels: OpKernels) -> Tensor:
     """qdq of a weight (bf16/fp32, any strides, e.g. W (N, K) or w (E, N, K), checked by the op)
-    along `axis` (-1 or -2) in kernels.compute, row-major."""
+    along `axis` (-1 or -2) in kernels.compute, row-major (WeightCasts: the cast made already)."""
+    if isinstance(w, WeightCasts):
+        return w.k if axis == -1 else w.n
     dim1 = axis == -2
     return qdq_trusted(w, recipe, kernels.k1 if dim1 else kernels.k0, kernels.compute, not dim1, dim1)[0]
 
@@ -182,17 +227,18 @@ def _cast_x(
 
 
 def _forward_gemm(
-    x0: Tensor | MXTensor, w: Tensor, recipe: MXRecipe, kernels: OpKernels, out_dtype: torch.dtype
+    x0: Tensor | MXTensor, w: Tensor | WeightCasts, recipe: MXRecipe, kernels: OpKernels,
+    out_dtype: torch.dtype,
 ) -> Tensor:
-    """y = x0 Wᵀ (M, N) in out_dtype: x0 from `_cast_x`, W (N, K) cast along K (cached)."""
+    """y = x0 Wᵀ (M, N) in out_dtype: x0 from `_cast_x`, W (N, K) cast along K (or `cast_weight`'s)."""
     if kernels.qdq:
         return gemm(x0, weight_qdq(w, -1, recipe, kernels).t(), None, out_dtype)
     return mx_gemm(x0, swap_last2(weight_mx(w, -1, recipe)), recipe=recipe)
 
 
 def _backward_gemms(
-    dy: Tensor, w: Tensor, kept: tuple[Tensor, ...], recipe: MXRecipe, kernels: OpKernels, need_dx: bool,
-    need_dw: bool, x_dtype: torch.dtype,
+    dy: Tensor, w: Tensor | WeightCasts, kept: tuple[Tensor, ...], recipe: MXRecipe, kernels: OpKernels,
+    need_dx: bool, need_dw: bool, x_dtype: torch.dtype,
 ) -> tuple[Tensor | None, Tensor | None]:
     """(dx (M, K) in x_dtype, dW_t (K, N) in w's dtype) of y = x Wᵀ given dy (M, N) and W (N, K)
     (the forward's view of w_t): dy cast as the dgrad and wgrad need it, `kept` what `_cast_x`
@@ -238,16 +284,18 @@ class _MXMM(torch.autograd.Function):
     def forward(ctx, x: Tensor, w_t: Tensor, recipe: MXRecipe, kernels: OpKernels) -> Tensor:
         # x (M, K); w_t (K, N), the transposed view of W (N, K); kernels: op_kernels(recipe, x.device)
         x0, kept = _cast_x(x, recipe, kernels, w_t.requires_grad)
-        w = w_t.t()
+        w = cast_weight(w_t.t(), recipe, kernels, x.requires_grad)
         y = _forward_gemm(x0, w, recipe, kernels, x.dtype)
         ctx.recipe, ctx.kernels, ctx.x_dtype = recipe, kernels, x.dtype
-        ctx.save_for_backward(w, *kept)  # W (N, K) as the backward takes it (no transpose there)
+        ctx.w_casts, ctx.w_dtype = isinstance(w, WeightCasts), w_t.dtype
+        ctx.save_for_backward(saved_weight(w), *kept)  # W (N, K) as the backward takes it
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         need_dx, need_dw, _, _ = ctx.needs_input_grad
         w, *kept = ctx.saved_tensors
+        w = restored_weight(w, ctx.w_casts, ctx.w_dtype)
         dx, dw_t = _backward_gemms(dy, w, kept, ctx.recipe, ctx.kernels, need_dx, need_dw, ctx.x_dtype)
         return dx, dw_t, None, None
 
@@ -263,12 +311,13 @@ def sum_like_autograd(grads: list[Tensor]) -> Tensor:
     return acc
 
 
-def _mm_shared_forward(x: Tensor, cast_to, recipe: MXRecipe, kernels: OpKernels, w_ts, need_dw: bool):
-    """The forward of `mx_mm_shared`: (the outputs, x as the GEMMs take it (2D), what the backward keeps)."""
+def _mm_shared_forward(x: Tensor, cast_to, recipe: MXRecipe, kernels: OpKernels, ws, need_dw: bool):
+    """The forward of `mx_mm_shared`: (the outputs, x as the GEMMs take it (2D), what the backward
+    keeps); ws: the weights W_i (N_i, K) or their `cast_weight`s."""
     a = x.to(cast_to) if cast_to is not None else x
     a = a.reshape(-1, a.shape[-1])
     x0, kept = _cast_x(a, recipe, kernels, need_dw)
-    return tuple(_forward_gemm(x0, w_t.t(), recipe, kernels, a.dtype) for w_t in w_ts), a, kept
+    return tuple(_forward_gemm(x0, w, recipe, kernels, a.dtype) for w in ws), a, kept
 
 
 class _MXMMShared(torch.autograd.Function):
@@ -283,25 +332,29 @@ class _MXMMShared(torch.autograd.Function):
         # of W_i (N_i, K)
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         need_dw = any(wants_grad(w_t) for w_t in w_ts)
-        ys, a, kept = _mm_shared_forward(x, cast_to, recipe, kernels, w_ts, need_dw)
+        ws = [cast_weight(w_t.t(), recipe, kernels, x.requires_grad) for w_t in w_ts]
+        ys, a, kept = _mm_shared_forward(x, cast_to, recipe, kernels, ws, need_dw)
         ctx.recipe, ctx.kernels, ctx.a_dtype = recipe, kernels, a.dtype
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.n = len(w_ts)
-        ctx.save_for_backward(*w_ts, *kept)
+        ctx.w_casts = [isinstance(w, WeightCasts) for w in ws]
+        ctx.w_dtypes = [w_t.dtype for w_t in w_ts]
+        ctx.save_for_backward(*(saved_weight(w) for w in ws), *kept)  # W_i (N_i, K)
         return ys
 
     @staticmethod
     def backward(ctx, *dys: Tensor | None):
         need_dx = ctx.needs_input_grad[0]
-        w_ts, kept = ctx.saved_tensors[: ctx.n], tuple(ctx.saved_tensors[ctx.n :])
+        ws, kept = ctx.saved_tensors[: ctx.n], tuple(ctx.saved_tensors[ctx.n :])
         dxs, dw_ts = [], []
-        for i, (dy, w_t) in enumerate(zip(dys, w_ts, strict=True)):
+        for i, (dy, w) in enumerate(zip(dys, ws, strict=True)):
             need_dw = ctx.needs_input_grad[4 + i]
             if dy is None:
                 dw_ts.append(None)
                 continue
             dx, dw_t = _backward_gemms(
-                dy, w_t.t(), kept, ctx.recipe, ctx.kernels, need_dx, need_dw, ctx.a_dtype
+                dy, restored_weight(w, ctx.w_casts[i], ctx.w_dtypes[i]), kept, ctx.recipe, ctx.kernels,
+                need_dx, need_dw, ctx.a_dtype,
             )
             dw_ts.append(dw_t)
             if need_dx:  # each op's dx, as autograd hands it to x: through its view and cast
@@ -399,5 +452,5 @@ def mx_mm_shared(
         if torch.is_grad_enabled() and (a.requires_grad or any(b.requires_grad for b in bs)):
             ys = apply_function(_MXMMShared, a, cast_to, recipe, kernels, *bs)
         else:  # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
-            ys = _mm_shared_forward(a, cast_to, recipe, kernels, bs, False)[0]
+            ys = _mm_shared_forward(a, cast_to, recipe, kernels, [b.t() for b in bs], False)[0]
     return tuple(y if a.ndim == 2 else y.view(*lead, b.shape[1]) for y, b in zip(ys, bs, strict=True))

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import typing
 
 import torch
@@ -20,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mxmoe.models import Transformer, apply_expert_parallel, model_args
 from mxmoe.models.moe import ModelArgs
+from mxmoe.nn.converter import asked_options, unconverted_error
 from mxmoe.train import determinism, parallel, profiling
 from mxmoe.train.checkpoint import TRAIN_STATE, Checkpointer, CheckpointError
 from mxmoe.train.config import Converter, JobConfig, check_limits, check_ranks_data
@@ -98,9 +100,64 @@ def check_values(cfg: JobConfig) -> None:
             "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
             "drop one of the two"
         )
+    if not uses_mx(cfg) and not mx.allow_unconverted:  # MX asked, high precision given
+        asked = asked_options(mx)
+        if asked:
+            raise unconverted_error(asked, cfg.model.converters, "--model.converters=mx")
     if cfg.compile.enable:
         check_compile_backend(cfg.compile.backend, "compile.backend")
     profiling.check(cfg.profiling)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory one rank can have at most: a GPU's total memory, else the host's physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_floor(margs: ModelArgs, cfg: JobConfig, world: int) -> tuple[int, str]:
+    """(bytes, what they are): a lower bound of one rank's memory for this model and batch, in
+    Python ints (no overflow): fp32 weights, gradients and both AdamW moments (16 bytes a parameter,
+    spread over `world` ranks as FSDP and expert parallelism at best spread them) and the fp32
+    logits of one local batch (local_batch_size x seq_len x the byte vocabulary x 4 bytes)."""
+    t = cfg.training
+    params = margs.num_params()[0]
+    state = 16 * params // world
+    logits = 4 * t.local_batch_size * t.seq_len * VOCAB_SIZE
+    what = (
+        f"{params:,} parameters x 16 bytes (fp32 weights, gradients, AdamW moments) / {world} rank(s) + "
+        f"fp32 logits {t.local_batch_size} x {t.seq_len} x {VOCAB_SIZE} x 4 bytes"
+    )
+    return state + logits, what
+
+
+def check_run(cfg: JobConfig, margs: ModelArgs, device: torch.device, world: int) -> None:
+    """ValueError naming the setting for what only the device tells, before anything is built: a
+    model and batch that cannot fit the device's memory (`memory_floor`, a lower bound: what is
+    refused could never run), mx.gemm_backend='native' where torch's MX GEMMs cannot run, and a
+    profiler trace folder that cannot be written."""
+    need, what = memory_floor(margs, cfg, world)
+    have = device_memory_bytes(device)
+    if need > have:
+        m = cfg.model
+        raise ValueError(
+            f"model {m.name} (dim {margs.dim}, n_layers {margs.n_layers}, n_heads {margs.n_heads}, "
+            f"num_experts {margs.num_experts}, moe_hidden_dim {margs.moe_hidden_dim}) with "
+            f"training.local_batch_size={cfg.training.local_batch_size} and training.seq_len="
+            f"{cfg.training.seq_len} needs at least {need / 2**30:,.1f} GiB per rank ({what}), more than "
+            f"the {have / 2**30:,.1f} GiB of {device.type}: make the model, the batch or the sequences "
+            "smaller"
+        )
+    if uses_mx(cfg) and cfg.mx.gemm_backend == "native":
+        from mxmoe.ops.gemm_backend import native_unavailable
+
+        why = native_unavailable(device)
+        if why is not None:
+            native = "gemm_backend='native'"
+            why = f"mx.{why}" if why.startswith(native) else f"mx.{native}: {why}"
+            raise ValueError(f"{why}; use 'auto' or 'emulated'")
+    profiling.check_folder(cfg.profiling, cfg.job.dump_folder)
 
 
 def check_compile_backend(backend: str, key: str) -> None:
@@ -367,6 +424,7 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
         world, p.data_parallel_shard_degree, p.expert_parallel_degree, p.tensor_parallel_degree
     )
     margs = build_model_args(cfg)
+    check_run(cfg, margs, device, world)
     if t.cuda_graph and (device.type != "cuda" or world > 1):
         raise ValueError(
             f"training.cuda_graph=true captures one GPU's step: needs device cuda and one process "

@@ -25,6 +25,8 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import sys
 import tomllib
 import types
 import typing
@@ -176,6 +178,8 @@ class Checkpoint:
     """Checkpoint folder (empty: no checkpoints)."""
     interval: int = 0
     """Save every this many steps (0 = only at the end and on SIGTERM)."""
+    last_save: bool = True
+    """Save after the last step (false: a finished run saves none; SIGTERM and interval saves stay)."""
     keep_latest_k: int = 2
     """Complete checkpoints kept, older ones deleted (0 keeps all)."""
     resume: bool = True
@@ -404,25 +408,30 @@ def section_types() -> dict[str, type]:
 def check_ranks_data(identity: dict, path: str) -> None:
     """Collective over the default process group: ConfigError on every rank, naming what each rank
     read, unless every rank's corpus (`mxmoe.train.data.Corpus.identity`: its files' names and
-    sizes, its token counts) is rank 0's. The same config can name different data: a relative
-    data.path from different working folders, a folder that differs between hosts."""
+    sizes, its token counts, the hash of its bytes) is rank 0's. The same config can name different
+    data: a relative data.path from different working folders, a folder that differs between hosts,
+    files that differ in content only."""
     import torch.distributed as dist
 
     def key(i: dict) -> tuple:
-        return i["sha256"], i["train_tokens"], i["val_tokens"]
+        return i["sha256"], i["train_tokens"], i["val_tokens"], i.get("content_sha256")
 
     ids: list = [None] * dist.get_world_size()
     dist.all_gather_object(ids, identity)
     if all(key(i) == key(ids[0]) for i in ids):
         return
+    same_names = all(key(i)[:3] == key(ids[0])[:3] for i in ids)
     each = "; ".join(
         f"rank {r}: {i['source']} ({i['files']} files, {i['train_tokens'] + i['val_tokens']} tokens, corpus "
-        f"{i['sha256'][:12]})"
+        f"{i['sha256'][:12]}"
+        + (f", contents {str(i.get('content_sha256'))[:12]}" if same_names else "")
+        + ")"
         for r, i in enumerate(ids)
     )
+    what = " (files of the same names and sizes, other contents)" if same_names else ""
     raise ConfigError(
-        f"the ranks read different data for data.path={path!r}: {each}; give every rank the same files "
-        "(an absolute --data.path, on a file system they share)"
+        f"the ranks read different data for data.path={path!r}{what}: {each}; give every rank the same "
+        "files (an absolute --data.path, on a file system they share)"
     )
 
 
@@ -584,13 +593,16 @@ def _bool_keys() -> set[str]:
     }
 
 
-def _prepare(argv: list[str]) -> tuple[str | None, list[str]]:
+def _prepare(argv: list[str], twice: list[str] | None = None) -> tuple[str | None, list[str]]:
     """(the --config value, the other arguments for tyro): an old key refused naming its
     replacement, torchtitan's keys taken or refused (TORCHTITAN_KEYS), a bare boolean option given
     the value true and its negative form (`--mx.no-convert-linears`, `--mx.no_convert_linears`,
-    torchtitan 0.2's flags) the value false."""
+    torchtitan 0.2's flags) the value false; `twice` gets a line per key given more than once (the
+    last applies, as tyro takes it)."""
+    twice = [] if twice is None else twice
     bools = _bool_keys()
     config, out, i = None, [], 0
+    given: dict[str, str] = {}  # key -> its argument, to name a key given twice
     while i < len(argv):
         arg = argv[i]
         key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
@@ -615,9 +627,19 @@ def _prepare(argv: list[str]) -> tuple[str | None, list[str]]:
                     f"{arg}: a negative flag takes no value; expected --{section}.{name[3:]}={value}"
                     f" or --{key}"
                 )
-            out.append(f"--{section}.{name[3:]}=false")
+            key = f"{section}.{name[3:]}"
+            if key in given:
+                twice.append(f"--{key} is given twice ({given[key]!r} and {arg!r}): the last applies")
+            given[key] = arg
+            out.append(f"--{key}=false")
         else:
             _refuse_old_value(key, value if eq else argv[i + 1] if i + 1 < len(argv) else None)
+            if "." in key:
+                alone = eq or i + 1 >= len(argv) or argv[i + 1].startswith("--")
+                shown = arg if alone else f"{arg} {argv[i + 1]}"
+                if key in given:
+                    twice.append(f"--{key} is given twice ({given[key]!r} and {shown!r}): the last applies")
+                given[key] = shown
             out.append(arg)
             if key in bools and not eq and (i + 1 >= len(argv) or argv[i + 1].startswith("-")):
                 out.append("true")
@@ -655,11 +677,16 @@ def description() -> str:
 
 def parse_args(argv: list[str], prog: str = "mxmoe train") -> JobConfig:
     """The JobConfig of `argv`: `--config NAME|FILE` (applied first, wherever it stands) and
-    `--section.key value` / `--section.key=value` options. ConfigError for a bad config file or an
-    old key; SystemExit from tyro (status 2, its message on stderr) for an unknown option or a bad
-    value, and for `--help` (status 0)."""
-    config, rest = _prepare(list(argv))
+    `--section.key value` / `--section.key=value` options (a key given twice: the last, with a
+    warning on stderr naming both). ConfigError for a bad config file or an old key; SystemExit
+    from tyro (status 2, its message on stderr) for an unknown option or a bad value, and for
+    `--help` (status 0)."""
+    twice: list[str] = []
+    config, rest = _prepare(list(argv), twice)
     base = load_toml(config) if config is not None else JobConfig()
+    if os.environ.get("RANK", "0") == "0":  # a base list of options, overrides after it: said once
+        for line in twice:
+            print(f"mxmoe WARNING: {line}", file=sys.stderr)  # as the run's own warnings
     return tyro.cli(
         JobConfig,
         args=rest,

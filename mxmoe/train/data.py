@@ -7,8 +7,8 @@ packages, each file once), and any text file or folder works too. Only regular f
 at most `data.max_file_bytes`. Files are split train/validation by a hash of their relative path
 (deterministic on every machine and rank), concatenated as bytes with a 0 byte after each file, and
 packed into windows of seq_len + 1 tokens (input = window[:-1], target = window[1:]). A corpus's
-identity (`corpus_id`: a hash of its files' names and sizes, with its token counts) is recorded in
-each run and compared between ranks.
+identity (`corpus_id`: a hash of its files' names and sizes, with its token counts, and
+`content_id`: a hash of the bytes read) is recorded in each run and compared between ranks.
 
 `ShardedSampler` visits the train windows in a seeded random order, one epoch after another; each
 step takes `batch_size * world_size` consecutive indices of the permutation and rank r takes its
@@ -220,7 +220,8 @@ def _read(files: list[Path], max_file_bytes: int) -> Tensor:
 class Corpus:
     """A run's data: `train` and `val`, uint8 (N,) token streams, and `identity`, what the run
     records of it and ranks compare: {"source", "files", "sha256" (of the sorted list of the files
-    read, with their sizes), "train_tokens", "val_tokens", "skipped"}."""
+    read, with their sizes), "train_tokens", "val_tokens", "skipped", "content_sha256" (of the
+    bytes of both splits)}."""
 
     train: Tensor
     val: Tensor
@@ -233,6 +234,16 @@ def corpus_id(names: list[str], sizes: list[int]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def content_id(train: Tensor, val: Tensor) -> str:
+    """SHA-256 of the bytes of both splits: files of the same names and sizes but other contents
+    differ in it (ranks compare it, `mxmoe.train.config.check_ranks_data`)."""
+    h = hashlib.sha256()
+    for part in (train, val):
+        h.update(part.numpy())
+        h.update(b"\xff")  # a split boundary: the same bytes split elsewhere differ
+    return h.hexdigest()
+
+
 def load_corpus(
     path: str,
     val_fraction: float,
@@ -241,14 +252,17 @@ def load_corpus(
     max_file_bytes: int = MAX_FILE_BYTES,
 ) -> Corpus:
     """The corpus `data.path` names (`find_files`), split train/validation by a hash of each file's
-    name (`split_names`; one text file: its last val_fraction of bytes is validation) and read."""
+    name (`split_names`; one text file, or one file left for both splits by max_files: its last
+    val_fraction of bytes is validation) and read."""
     c = find_files(path, extensions, max_file_bytes)
     train_idx, val_idx = split_names(c.names, val_fraction, max_files)
-    if len(c.paths) == 1:  # one text file: the last val_fraction of its bytes is validation
-        data = _read(c.paths, max_file_bytes)
+    if len(c.paths) == 1 or (len(train_idx) == 1 and train_idx == val_idx):
+        # one text file (one corpus file, or data.max_files leaving one file for both splits): the
+        # last val_fraction of its bytes is validation, never the training bytes themselves
+        data = _read([c.paths[train_idx[0]]], max_file_bytes)
         cut = int(len(data) * (1 - val_fraction))
         train, val = data[:cut], data[cut:]
-        used = [0]
+        used = train_idx
     else:
         train = _read([c.paths[i] for i in train_idx], max_file_bytes)
         val = _read([c.paths[i] for i in val_idx], max_file_bytes)
@@ -260,6 +274,7 @@ def load_corpus(
         "train_tokens": train.numel(),
         "val_tokens": val.numel(),
         "skipped": c.skipped,
+        "content_sha256": content_id(train, val),
     }
     return Corpus(train, val, identity)
 

@@ -15,8 +15,12 @@ torch on every device, from `debug.seed`. The data order has its own seeded gene
   - `torch.use_deterministic_algorithms(True)`, warn_only=False: ops with a deterministic variant
     use it (index_add, scatter_add, index_put with accumulate, index_copy, ... on CUDA) and an op that
     has none raises a RuntimeError naming itself, instead of the run quietly differing;
-    `torch.utils.deterministic.fill_uninitialized_memory` stays on (torch's default), so a kernel
-    that read memory it never wrote would read NaN, not what the last run left there.
+    `torch.utils.deterministic.fill_uninitialized_memory` is turned off: with it on (torch's
+    default) every `torch.empty` on the device is first filled with NaN, one more write of every
+    buffer the step allocates (each cast's outputs included) and one more launch each. No kernel
+    of the step reads memory it did not write: mxmoe's cast kernels are tested with poisoned outputs
+    (every element written), and two deterministic runs giving the same bits at every step is what
+    the mode promises and its tests check.
   - cuDNN: deterministic=True, benchmark=False.
   - Inductor's deterministic mode (`torch._inductor.config.deterministic`; recent torch turns it on
     with use_deterministic_algorithms, set here for every supported version): no on-device
@@ -87,20 +91,23 @@ def deterministic_mode(enabled: bool = True) -> Iterator[None]:
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
         getattr(inductor_config, "deterministic", None),
+        torch.utils.deterministic.fill_uninitialized_memory,
     )
     torch.use_deterministic_algorithms(True, warn_only=False)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     if saved[4] is not None:  # the flag exists in every torch mxmoe supports; checked all the same
         inductor_config.deterministic = True
     log.info(
-        "deterministic mode: torch.use_deterministic_algorithms(True), cuDNN deterministic, "
-        "Inductor deterministic, CUBLAS_WORKSPACE_CONFIG=%s",
+        "deterministic mode: torch.use_deterministic_algorithms(True) (no NaN fill of new buffers), "
+        "cuDNN deterministic, Inductor deterministic, CUBLAS_WORKSPACE_CONFIG=%s",
         os.environ["CUBLAS_WORKSPACE_CONFIG"],
     )
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[5]
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
         if saved[4] is not None:
             inductor_config.deterministic = saved[4]

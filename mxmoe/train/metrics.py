@@ -16,6 +16,7 @@ run in the folder (a resume, or a new run) writes `config.<run_id>.json` beside 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -183,13 +184,20 @@ class MetricsWriter:
                 self.close()
                 raise
 
-    @staticmethod
-    def _drop_after(file: Path, step: int) -> None:
+    def _drop_after(self, file: Path, step: int) -> None:
         """Move the records of steps > `step` from `file` to metrics.dropped.jsonl (atomically)."""
         if not file.is_file():
             return
         keep, drop = [], []
-        for line in file.read_text().splitlines():
+        for n, raw in enumerate(file.read_bytes().splitlines(), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise MetricsError(
+                    f"job.dump_folder={self.folder!r}: {file}:{n} is not UTF-8 text ({e.reason} at byte "
+                    f"{e.start}), not a record the trainer writes; move the file aside or give another "
+                    "--job.dump_folder"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -199,8 +207,11 @@ class MetricsWriter:
             (keep if rec_step is not None and rec_step <= step else drop).append(line)
         if not drop:
             return
-        with open(file.with_name(DROPPED), "a", opener=_no_follow) as fh:
-            fh.write("".join(x + "\n" for x in drop))
+        try:
+            with open(file.with_name(DROPPED), "a", opener=_no_follow) as fh:
+                fh.write("".join(x + "\n" for x in drop))
+        except OSError as e:
+            raise self._error(DROPPED, e) from None
         write_atomic(file, "".join(x + "\n" for x in keep))
         log.info("%s: moved %d records after step %d (redone now) to %s", file, len(drop), step, DROPPED)
 
@@ -222,9 +233,15 @@ class MetricsWriter:
 
     def _error(self, name: str, e: OSError) -> MetricsError:
         self.failed = True
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space there"
+        elif e.errno == errno.EISDIR or (Path(self.folder) / name).is_dir():
+            fix = f"{name} is a folder: move it aside"
+        else:
+            fix = "make the folder writable"
         return MetricsError(
             f"job.dump_folder={self.folder!r}: cannot write {name}: {e.strerror or e} (errno "
-            f"{e.errno}); free space there or give another --job.dump_folder"
+            f"{e.errno}); {fix} or give another --job.dump_folder"
         )
 
     def close(self) -> None:

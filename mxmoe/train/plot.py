@@ -87,8 +87,15 @@ def read_metrics(run: str) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"run {run!r}: no metrics file at {str(path)!r}")
     out = []
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start}); expected the trainer's "
+                    "JSON records, one a line"
+                ) from None
             if line.strip():
                 try:
                     rec = json.loads(line, parse_constant=_no_constant)
@@ -102,14 +109,36 @@ def read_metrics(run: str) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def read_config(run: str) -> dict | None:
-    """A run's recorded config (config.json beside its metrics), or None if it has none."""
-    path = Path(run)
-    path = (path if path.is_dir() else path.parent) / "config.json"
+def _load_config(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def read_config(run: str, records: list[dict] | None = None) -> dict | None:
+    """A run's recorded config, beside its metrics: the config of the run that wrote the last of
+    `records` (its run_id: config.json when it is that run's, else config.<run_id>.json, which a
+    later run in the folder writes), config.json for records without a run_id; None if there is
+    no config. ValueError naming the files when the folder holds configs but none of that run (a
+    retrained run would otherwise be paired and named by another run's seed and data)."""
+    path = Path(run)
+    folder = path if path.is_dir() else path.parent
+    first = _load_config(folder / "config.json")
+    run_id = records[-1].get("run_id") if records else None
+    if not isinstance(run_id, str):
+        return first
+    own = _load_config(folder / f"config.{run_id}.json")
+    if own is not None:
+        return own
+    if first is None or first.get("run_id") in (run_id, None):
+        return first
+    raise ValueError(
+        f"run {run!r}: its records were written by run {run_id}, but {folder / 'config.json'} is run "
+        f"{first.get('run_id')}'s and there is no {folder / f'config.{run_id}.json'}: the run's config "
+        "is missing"
+    )
 
 
 def recorded_seed(config: dict) -> int:
@@ -372,7 +401,10 @@ def plot_runs(
     if labels is not None and len(labels) != len(runs):
         raise ValueError(f"labels has {len(labels)} names for {len(runs)} runs")
     data = [read_metrics(r) for r in runs]
-    configs = [read_config(r) for r in runs]
+    for run, recs in zip(runs, data, strict=True):
+        if not recs:
+            raise ValueError(f"run {run!r}: its metrics file has no records: nothing to plot")
+    configs = [read_config(r, d) for r, d in zip(runs, data, strict=True)]
     names = labels or variant_names(configs, [_fallback_name(r) for r in runs])
     seeds = [recorded_seed(c) if c is not None else None for c in configs]
     seen: dict = {}
@@ -403,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
     try:
+        from mxmoe.cli import check_out_file
+
+        check_out_file(args.out)
         path = plot_runs(args.runs, args.out, labels, args.smooth, args.baseline)
     except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
         print(f"mxmoe plot: error: {e}", file=sys.stderr)

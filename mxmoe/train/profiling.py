@@ -34,6 +34,25 @@ def check(cfg: Profiling) -> None:
         raise ValueError(f"profiling.profile_repeat={cfg.profile_repeat}: expected >= 0 (0 = no limit)")
 
 
+def check_folder(cfg: Profiling, dump_folder: str) -> None:
+    """With profiling on: ValueError naming profiling.save_traces_folder unless its folder can be
+    created and written (checked at start, not at the first trace)."""
+    if not cfg.enable_profiling:
+        return
+    import tempfile
+
+    folder = traces_folder(cfg, dump_folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"profiling.save_traces_folder={cfg.save_traces_folder!r}: cannot write traces in {folder!r} "
+            f"({e.strerror or e}); give a writable folder"
+        ) from None
+
+
 def traces_folder(cfg: Profiling, dump_folder: str) -> str:
     return cfg.save_traces_folder if os.path.isabs(cfg.save_traces_folder) else os.path.join(
         dump_folder, cfg.save_traces_folder
@@ -108,3 +127,48 @@ def kernel_breakdown(prof) -> dict[str, float]:
             out[kernel_category(evt.key)] += evt.self_device_time_total / 1e3
     out["total"] = sum(out.values())
     return out
+
+
+# The MX cast operators (eager: the profiler ranges of `mxmoe.quant`; compiled: the custom ops and
+# the C++ operators inductor calls), whose kernels `cast_breakdown` sorts by what they cast.
+_CAST_OP = re.compile(r"^mxmoe(_cuda)?::(qdq|quantize|dequantize|swiglu|zero_rows)")
+
+
+def cast_breakdown(prof, weight_shapes: set[tuple[int, ...]], forward_thread: int) -> dict[str, float]:
+    """GPU ms of the MX cast operators recorded by `prof` (record_shapes=True), by what each casts:
+    "weights" (its input has a parameter's shape), "activations" (run on `forward_thread`, the
+    thread that ran the forward), "gradients" (run elsewhere: autograd's backward thread), and the
+    SwiGLU kernels with their casts fused ("swiglu+qdq fwd" / "swiglu+qdq bwd"); each also split by
+    operator ("weights: mxmoe_cuda::qdq_dim1"). Only the outermost cast operator of a nest counts.
+    CUDA graph replays record no operators: profile an ungraphed mode for this split."""
+    out: dict[str, float] = {}
+
+    def outer(evt) -> bool:
+        p = evt.cpu_parent
+        while p is not None:
+            if _CAST_OP.search(p.name):
+                return False
+            p = p.cpu_parent
+        return True
+
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CPU or not _CAST_OP.search(evt.name):
+            continue
+        if not outer(evt):
+            continue
+        ms = evt.device_time_total / 1e3
+        shaped = evt  # an eager profiler range has no shapes: the first operator under it has
+        while not shaped.input_shapes and shaped.cpu_children:
+            shaped = shaped.cpu_children[0]
+        if "swiglu" in evt.name:
+            role = "swiglu+qdq bwd" if "bwd" in evt.name else "swiglu+qdq fwd"
+        elif shaped.input_shapes and tuple(shaped.input_shapes[0]) in weight_shapes:
+            role = "weights"
+        elif evt.thread == forward_thread:
+            role = "activations"
+        else:
+            role = "gradients"
+        out[role] = out.get(role, 0.0) + ms
+        key = f"{role}: {evt.name}"
+        out[key] = out.get(key, 0.0) + ms
+    return dict(sorted(out.items(), key=lambda kv: (":" in kv[0], kv[0])))

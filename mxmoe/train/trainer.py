@@ -101,24 +101,32 @@ class TrainingDiverged(RuntimeError):
 
 
 class _Stop:
-    """SIGTERM sets a flag; the loop finishes its step, checkpoints and returns."""
+    """SIGTERM or Ctrl-C (SIGINT) sets a flag; the loop finishes its step, checkpoints and returns.
+    A second Ctrl-C interrupts at once (KeyboardInterrupt: nothing more is saved)."""
 
     def __init__(self):
         self.requested = False
-        self.prev = None
+        self.by = "SIGTERM"  # what asked to stop: "SIGTERM" or "Ctrl-C"
+        self.prev: dict = {}
 
     def install(self) -> None:
         import threading
 
         if threading.current_thread() is threading.main_thread():
-            self.prev = signal.signal(signal.SIGTERM, self._handler)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.prev[sig] = signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            if self.requested and self.by == "Ctrl-C":
+                raise KeyboardInterrupt
+            self.by = "Ctrl-C"
         self.requested = True
 
     def restore(self) -> None:
-        if self.prev is not None:
-            signal.signal(signal.SIGTERM, self.prev)
+        for sig, prev in self.prev.items():
+            signal.signal(sig, prev)
+        self.prev = {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,8 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mxmoe train: error: {e}", file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", "0"))
-    with console_logging(rank):
-        return _main(cfg)
+    try:
+        with console_logging(rank):
+            return _main(cfg)
+    except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one in it: one line, no trace
+        print(
+            "mxmoe train: interrupted (Ctrl-C): stopped at once; steps since the last checkpoint are not "
+            "saved (one Ctrl-C during training finishes the step and saves)",
+            file=sys.stderr,
+        )
+        return 130
 
 
 def _main(cfg: JobConfig) -> int:
@@ -168,6 +184,7 @@ def _train_run(cfg: JobConfig) -> int:
         if distributed:
             peers = parallel.gather_peers()
             check_ranks_agree(cfg)
+            check_ranks_folder(cfg)
         # one live run per metrics / checkpoint folder: rank 0 takes the locks and every rank learns
         # the outcome
         busy = None
@@ -202,6 +219,26 @@ def _train_run(cfg: JobConfig) -> int:
         torch.set_num_threads(threads)
         if own_pg and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_ranks_folder(cfg: JobConfig) -> None:
+    """Collective over the default process group: ConfigError on every rank, naming the folder each
+    rank resolved, unless they all resolve checkpoint.folder to one absolute folder (a relative one
+    from different working folders splits a checkpoint's shards between folders: its save fails at
+    the end of the run)."""
+    if not cfg.checkpoint.folder:
+        return
+    world = dist.get_world_size()
+    folders: list = [None] * world
+    dist.all_gather_object(folders, os.path.realpath(cfg.checkpoint.folder))
+    if all(f == folders[0] for f in folders):
+        return
+    each = "; ".join(f"rank {r}: {f}" for r, f in enumerate(folders))
+    raise ConfigError(
+        f"the ranks resolve checkpoint.folder={cfg.checkpoint.folder!r} to different folders ({each}): "
+        "every rank saves its shard into the one folder; give an absolute --checkpoint.folder on a file "
+        "system they share"
+    )
 
 
 def lm_loss(
@@ -323,7 +360,12 @@ class _Validation:
 def _diverged(run: Run, step: int, ce: torch.Tensor, norm: float, lr: float) -> TrainingDiverged:
     local = float(ce.detach())
     what = "gradient norm" if math.isfinite(local) else f"loss ({local} on rank {run.rank})"
-    last_ckpt = f"; the last checkpoint is {run.ckpt.latest()}" if run.ckpt is not None else ""
+    last_ckpt = ""
+    if run.ckpt is not None:
+        latest = run.ckpt.latest()
+        last_ckpt = f"; the last checkpoint is {latest}" if latest is not None else (
+            f"; no checkpoint in {run.ckpt.folder} yet"
+        )
     return TrainingDiverged(
         f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
         f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower optimizer.lr "
@@ -367,7 +409,10 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
     validate = _Validation(run) if run.val_ds is not None else None
 
     def save(at: int) -> None:
-        ckpt.save(at, model, optimizer, run.train_state(at))
+        t0 = time.perf_counter()
+        path = ckpt.save(at, model, optimizer, run.train_state(at))
+        # how long a save takes: what a stop at a time limit must leave it (docs/numerics.md)
+        log.info("checkpoint step %d saved in %.1f s: %s", at, time.perf_counter() - t0, path)
 
     bar = None
     # a bar only on a terminal: redirected to a file, tqdm's frames are one endless line
@@ -457,15 +502,17 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                 if bar is not None:
                     bar.update(1)
                 every = cfg.checkpoint.interval
-                if ckpt is not None and ((every and step % every == 0) or last):
+                at_end = last and cfg.checkpoint.last_save
+                if ckpt is not None and ((every and step % every == 0) or at_end):
                     save(step)
                     saved_at = step
                 if _stop_requested(run, stop):
-                    if ckpt is not None and saved_at != step:
+                    if ckpt is not None and saved_at != step and not last:  # a finished run needs none
                         save(step)
                         saved_at = step
                     log.warning(
-                        "SIGTERM: stopped after step %d%s",
+                        "%s: stopped after step %d%s",
+                        stop.by,
                         step,
                         f", checkpoint in {ckpt.folder}" if ckpt else "",
                     )
@@ -490,7 +537,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
             cfg.job.dump_folder,
             f"; checkpoint {ckpt.folder / f'step-{saved_at:08d}'}" if ckpt is not None and saved_at else "",
         )
-    return 0
+    return 130 if stop.requested and stop.by == "Ctrl-C" else 0  # a shell's status after Ctrl-C
 
 
 def _progress_line(record: dict, steps: int) -> str:

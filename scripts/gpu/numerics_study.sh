@@ -1,74 +1,122 @@
 #!/usr/bin/env bash
-# Does MXFP8 cost a model loss? bf16, the default MX recipe and torchao's wgrad-in-high-precision
-# recipe, 3 seeds each, deterministic, on a corpus that does not repeat (docs/numerics.md).
+# Does MXFP8 cost a model loss? bf16 against MX recipes, several seeds, deterministic, on a corpus
+# that does not repeat, compared by time-to-target across the loss drop (docs/numerics.md).
 #
-#   bash scripts/gpu/numerics_study.sh STATE_DIR PRESET STEPS [TIME_LIMIT_S=540] [SEEDS=0,1,2]
+#   bash scripts/gpu/numerics_study.sh STATE_DIR PRESET STEPS [TIME_LIMIT_S=540] [SEEDS=0,1,2] [NAME=VALUE...]
 #
-# Variants: bf16 (--model.converters=, whatever the config says) | mx (--model.converters=mx,
-# recipe mxfp8_rceil) | mx_wgrad_with_hp (recipe mxfp8_rceil_wgrad_with_hp). Every run: --data.path=python-env (every
-# Python file of the environment: ~200M tokens, so a 16x1024-token step reads no token twice for
-# ~12k steps; each run logs its epochs), --debug.deterministic=true, validation over 40 batches at
-# the end (and every 250 steps, for the curves).
+#   variants=bf16,mx  parallel=auto  devices=  ckpt=STATE_DIR/ckpt  val_freq=250  grace_s=
 #
-# In parts: `mxmoe train` runs one after another (seed-major) into STATE_DIR/runs/VARIANT/seedS, and
-# the call starts none after TIME_LIMIT_S; the running one is stopped (SIGTERM: the trainer saves a
-# checkpoint) and resumes from it when the same command runs again on the same machine
-# (STATE_DIR/ckpt). A finished run gets a `finished` file and its checkpoint is deleted at once
-# (moe_2b's is ~23 GB); the same command again skips it, so STATE_DIR carried from an earlier machine
-# (its runs/ folder, without ckpt/) continues with the runs not finished there. After every call
-# `mxmoe compare --runs` writes STATE_DIR/compare.md and compare.png (the runs finished so far,
-# paired by seed with bf16), and STATE_DIR/runs.tar.gz holds the records (metrics, configs, logs).
+# Variants: bf16 (--model.converters=) | mx (--model.converters=mx: the default recipe,
+# mxfp8_rceil) | mx_wgrad_with_hp (--mx.recipe_name=mxfp8_rceil_wgrad_with_hp). Every run:
+# --data.path=python-env (every Python file of the environment: ~378M train tokens, so a 16x1024-token
+# step reads no token twice for ~23k steps; each run records its epochs), --debug.deterministic=true,
+# validation over 40 batches every val_freq steps and at the end.
+#
+# One `mxmoe compare` runs the variants x seeds into STATE_DIR/runs/VARIANT/seedS (seed-major),
+# `parallel` at a time on each GPU (devices=0,1,...: spread over those GPUs; default: the one the
+# call sees). parallel=auto: as many as the GPU's free memory holds at the peak that this study's
+# earlier runs recorded (x 1.15 + 2 GiB each), 1 before any is recorded. TIME_LIMIT_S is the whole
+# call's budget, the saves included: a grace before it (grace_s, default 120 s, raised to 1.5 x the
+# longest save recorded here + 10 s) the running runs get SIGTERM, save a checkpoint into
+# ckpt/VARIANT/seedS (the latest one kept) and stop; at the limit whatever still runs is killed. The
+# same command again, on the same machine, resumes them; a run that finishes saves no final
+# checkpoint (--checkpoint.last_save=false), its checkpoint folder is deleted (12 bytes a parameter:
+# moe_2b's 23 GB, moe_1b's ~8 GB; ckpt=/dev/shm/... keeps them off a small disk) and it is not run again, so
+# STATE_DIR/runs carried to another machine (without the checkpoints) continues with the runs not
+# finished there. Give STATE_DIR as a path relative to the repository (e.g. runs/study_moe_1b): each
+# run's command, which that skip compares, holds it.
+#
+# After every call: STATE_DIR/compare.md, compare.json and compare.png (the runs finished so far:
+# time to target, final losses at the horizon, paired differences), STATE_DIR/runs.tar.gz (every
+# run's records: metrics, configs, logs, command.json) and the save times the trainers measured.
 set -uo pipefail
 
-STATE=${1:?usage: numerics_study.sh STATE_DIR PRESET STEPS [TIME_LIMIT_S=540] [SEEDS=0,1,2]}
-PRESET=${2:?preset, e.g. moe_1b}
-STEPS=${3:?steps per run}
+USAGE="usage: numerics_study.sh STATE_DIR PRESET STEPS [TIME_LIMIT_S=540] [SEEDS=0,1,2] [variants=bf16,mx] [parallel=auto] [devices=0,1] [ckpt=DIR] [val_freq=250] [grace_s=S]"
+STATE=${1:?$USAGE}
+PRESET=${2:?$USAGE}
+STEPS=${3:?$USAGE}
 LIMIT=${4:-540}
-IFS=, read -r -a SEEDS <<< "${5:-0,1,2}"
+SEEDS=${5:-0,1,2}
+shift $(( $# < 5 ? $# : 5 ))
+variants=bf16,mx parallel=auto devices="" ckpt=$STATE/ckpt val_freq=250 grace_s=""
+for kv in "$@"; do
+    case ${kv%%=*} in
+        variants|parallel|devices|ckpt|val_freq|grace_s) printf -v "${kv%%=*}" '%s' "${kv#*=}" ;;
+        *) echo "'$kv': expected NAME=VALUE, NAME one of variants parallel devices ckpt val_freq grace_s" >&2; exit 2 ;;
+    esac
+done
+IFS=, read -r -a VARIANTS <<< "$variants"
 PY=${PY:-python3}
 mkdir -p "$STATE"
-T0=$SECONDS
-status=0
 
-declare -A VARIANTS=(
+declare -A ARGS=(
     [bf16]="--model.converters="
     [mx]="--model.converters=mx"
     [mx_wgrad_with_hp]="--model.converters=mx --mx.recipe_name=mxfp8_rceil_wgrad_with_hp"
 )
-ORDER=(bf16 mx mx_wgrad_with_hp)
-COMMON=(--data.path=python-env --validation.steps=40 --validation.freq=250)
-
-for seed in "${SEEDS[@]}"; do
-    for v in "${ORDER[@]}"; do
-        run="$STATE/runs/$v/seed$seed"
-        [ -f "$run/finished" ] && { echo "== $v seed $seed: finished before"; continue; }
-        left=$((LIMIT - (SECONDS - T0)))
-        [ "$left" -gt 30 ] || { echo "== time limit: stopping before $v seed $seed"; break 2; }
-        echo "== $v seed $seed (at most ${left}s)"
-        mkdir -p "$run"
-        # SIGTERM at the limit: the trainer saves a checkpoint and exits; KILL 60 s later
-        # shellcheck disable=SC2086
-        timeout -k 60 "$left" "$PY" -m mxmoe train --config "$PRESET" --training.steps "$STEPS" \
-            --debug.seed "$seed" --debug.deterministic=true --metrics.progress_bar=false \
-            ${VARIANTS[$v]} "${COMMON[@]}" --checkpoint.folder="$STATE/ckpt/$v/seed$seed" \
-            --job.dump_folder "$run" > "$run/train.log" 2>&1
-        rc=$?
-        tail -n 2 "$run/train.log"
-        if [ $rc -eq 0 ]; then
-            touch "$run/finished"
-            rm -rf "$STATE/ckpt/$v/seed$seed"
-        elif [ $rc -ne 124 ]; then
-            echo "   exit $rc: see $run/train.log"; status=1
-        fi
-    done
+variant_args=()
+for v in "${VARIANTS[@]}"; do
+    [ -n "${ARGS[$v]+x}" ] || { echo "variant '$v': expected one of ${!ARGS[*]}" >&2; exit 2; }
+    variant_args+=(--variant "$v=${ARGS[$v]}")
 done
 
-# the tables and plot of every finished run, and their records in one file
-args=()
-for v in "${ORDER[@]}"; do [ -d "$STATE/runs/$v" ] && args+=(--variant "$v"); done
-if [ ${#args[@]} -gt 0 ]; then
-    "$PY" -m mxmoe compare --runs "$STATE/runs" --out "$STATE" "${args[@]}" || status=1
-    tar -C "$STATE" -czf "$STATE/runs.tar.gz" runs
-    echo "== $(find "$STATE/runs" -name finished | wc -l) finished runs recorded in $STATE/runs.tar.gz"
+if [ "$parallel" = auto ]; then
+    # free GPU memory (the least of the devices') / (the largest peak this study's runs recorded x 1.15 + 2 GiB)
+    parallel=$("$PY" - "$STATE/runs" "$devices" <<'EOF'
+import glob, json, subprocess, sys
+peak = 0.0
+for f in glob.glob(f"{sys.argv[1]}/*/*/metrics.jsonl"):
+    for line in open(f):
+        try:
+            peak = max(peak, float(json.loads(line).get("memory_gib") or 0))
+        except ValueError:
+            pass
+try:
+    rows = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True).stdout.splitlines()
+    free = {i.strip(): float(m) / 1024 for i, m in (r.split(",") for r in rows)}
+    want = sys.argv[2].split(",") if sys.argv[2] else list(free)[:1]
+    free = min(free[d] for d in want)
+except (OSError, ValueError, KeyError, subprocess.CalledProcessError):
+    free = 0.0
+print(max(1, int(free // (peak * 1.15 + 2))) if peak > 0 else 1)
+EOF
+)
+    echo "== parallel=auto: $parallel run(s) at a time per GPU (free GPU memory / recorded peak)"
 fi
+extra=()
+[ -n "$devices" ] && extra+=(--devices "$devices")
+[ -n "$grace_s" ] && extra+=(--grace-s "$grace_s")
+
+COMMON=(--data.path=python-env --validation.steps=40 --validation.freq="$val_freq"
+        --checkpoint.folder="$ckpt" --checkpoint.interval=0 --checkpoint.last_save=false
+        --checkpoint.keep_latest_k=1)
+"$PY" -m mxmoe compare --config "$PRESET" --steps "$STEPS" --seeds "$SEEDS" --out "$STATE" \
+    "${variant_args[@]}" --baseline "${VARIANTS[0]}" --parallel "$parallel" "${extra[@]}" \
+    --time-limit-s "$LIMIT" --delete-finished-checkpoints -- "${COMMON[@]}"
+rc=$?
+
+echo "== save times measured by the trainers (the next call's grace is 1.5 x the longest + 10 s):"
+grep -h "saved in" "$STATE"/runs/*/*/train.log 2>/dev/null | tail -n 12 || true
+# compare's status is 1 when a run did not finish, 2 when none did: a stop at the time limit is the
+# plan (the same command again goes on); only a run that failed makes this call fail
+"$PY" - "$STATE/runs" <<'EOF'
+import glob, json, os, sys
+failed = 0
+for f in sorted(glob.glob(f"{sys.argv[1]}/*/*/command.json")):
+    r, run = json.load(open(f)), os.path.dirname(f)
+    what = "stopped at the time limit" if r.get("stopped") else (
+        "finished" if r.get("returncode") == 0 else f"FAILED (exit {r.get('returncode')}; {run}/train.log)")
+    failed += what.startswith("FAILED")
+    print(f"== {run}: {what} after {r.get('seconds')} s")
+sys.exit(1 if failed else 0)
+EOF
+status=$?
+if [ $rc -ne 0 ] && [ $status -eq 0 ] && ! compgen -G "$STATE/runs/*/*/command.json" > /dev/null; then
+    status=$rc  # compare stopped before any run (bad arguments)
+fi
+[ -d "$STATE/runs" ] && tar -C "$STATE" -czf "$STATE/runs.tar.gz" runs
+mkdir -p "$ckpt" && df -h "$ckpt" | tail -n 1 | awk '{print "== checkpoint disk: " $4 " free of " $2}'
+echo "== finished runs' records: $STATE/runs (metrics.jsonl, config.json, command.json, train.log), for docs/data/"
 exit $status

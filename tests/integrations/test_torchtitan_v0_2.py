@@ -565,3 +565,70 @@ def test_ep_script_commands_parse(tmp_path):
         a2a = cmds["a2a"]
         ns = a2a_args(a2a[a2a.index("a2a") + 1 :])
         assert (ns.batches, ns.seq, ns.dims) == ([16], 8192, [5120])
+
+
+@pytest.mark.parametrize(
+    "line, error, message",
+    [
+        ('recipe_name = "nvfp4"', ValueError, "mx.recipe_name='nvfp4': expected one of"),
+        ('mxfp8_a2a = "yes"', TypeError, "mx.mxfp8_a2a='yes': expected a bool"),
+        ('filter_fqns = "output"', TypeError, "mx.filter_fqns must be a list of strings"),
+        ("block_size = 16", ValueError, "unknown key(s) ['block_size']; [mx] has ['recipe_name'"),
+    ],
+)
+def test_a_bad_mx_value_in_a_toml_names_the_file_and_the_key(tmp_path, line, error, message):
+    """A bad [mx] value in a TOML job config: the error names the file and mx.<key> (it once named
+    only the field, or torchtitan's "Invalid field names in <class ...>")."""
+    toml = tmp_path / "job.toml"
+    toml.write_text(f'[job]\ncustom_config_module = "{PKG}"\n\n[mx]\n{line}\n')
+    with pytest.raises(error) as e:
+        ConfigManager().parse_args(["--job.config_file", str(toml)])
+    assert str(e.value).startswith(f"{toml}: [mx]: ") and message in str(e.value), str(e.value)
+    # a good [mx] is read as before
+    toml.write_text(f'[job]\ncustom_config_module = "{PKG}"\n\n[mx]\nrecipe_name = "mxfp8"\n')
+    assert ConfigManager().parse_args(["--job.config_file", str(toml)]).mx.recipe_name == "mxfp8"
+
+
+def test_mx_options_without_the_mxmoe_converter_are_an_error_unless_allowed(tmp_path):
+    """Issue 59 case 2: `--mx.*` options asking for MX with no mxmoe converter named are refused
+    when the job config is parsed, naming them and the fix; `--mx.allow-unconverted` lets the run
+    train high precision. The TOML's [mx] section is a template bf16 runs share: not an error."""
+    base = ["--job.custom_config_module", PKG]
+    with pytest.raises(ValueError, match=r"mx.recipe_name='mxfp8' given, but model.converters=\[\] names "
+                       r"no MX converter.*--model.converters mxmoe.*allow_unconverted"):
+        ConfigManager().parse_args([*base, "--mx.recipe_name", "mxfp8"])
+    cfg = ConfigManager().parse_args([*base, "--mx.recipe_name", "mxfp8", "--mx.allow-unconverted"])
+    assert cfg.mx.allow_unconverted and cfg.model.converters == []
+    ConfigManager().parse_args([*base, "--mx.mxfp8_dim1_cast_kernel_choice", "torch"])  # asks no MX
+    toml = tmp_path / "job.toml"
+    toml.write_text(f'[job]\ncustom_config_module = "{PKG}"\n[model]\nconverters = []\n'
+                    '[mx]\nfilter_fqns = ["output", "router"]\nrecipe_name = "mxfp8"\n')
+    assert ConfigManager().parse_args(["--job.config_file", str(toml)]).mx.recipe_name == "mxfp8"
+    with pytest.raises(ValueError, match=r"mx.expert_gemm='bf16' given"):
+        ConfigManager().parse_args(["--job.config_file", str(toml), "--mx.expert_gemm", "bf16"])
+
+
+def test_a_conversion_that_converts_nothing_is_an_error_and_again_is_not_nothing():
+    """Issue 59 cases 2 and 12: the converter converting nothing (experts of hidden dim 33, a filter
+    matching every module) is an error naming why unless allow_unconverted; applied twice to an MX
+    model it reports the modules already MX (no "nothing converted")."""
+    def model(hidden):
+        experts = GroupedExperts(dim=64, hidden_dim=hidden, num_experts=4, use_grouped_mm=False)
+        return torch.nn.ModuleDict({"moe": torch.nn.ModuleDict({"experts": experts})})
+
+    for m, opts, why in ((model(33), MX(), "dims 64x33 not divisible by 32"),
+                         (model(64), MX(filter_fqns=["moe"]), "filter_fqns 'moe'")):
+        with pytest.raises(ValueError, match=f"no module was converted.*{why}.*allow_unconverted"):
+            with pytest.warns(UserWarning, match=f"none is MX: moe.experts \\({why}"):
+                MXMoEConverter(SimpleNamespace(mx=opts), SimpleNamespace(tp=1)).convert(m)
+        opts.allow_unconverted = True
+        with pytest.warns(UserWarning, match="none is MX"):
+            MXMoEConverter(SimpleNamespace(mx=opts), SimpleNamespace(tp=1)).convert(m)
+        assert not isinstance(m["moe"]["experts"], MXGroupedExperts)
+    m = model(64)
+    conv = MXMoEConverter(SimpleNamespace(mx=MX()), SimpleNamespace(tp=1))
+    conv.convert(m)
+    conv.convert(m)
+    rep = m.mx_conversion
+    assert rep.is_mx and rep.already == ["moe.experts"]
+    assert "nothing converted" not in rep.summary() and "1 modules already MX" in rep.summary()

@@ -58,7 +58,8 @@ def test_every_module_gets_the_one_recipe_and_the_report_says_what_happened(capl
 
 
 def test_all_skipped_does_not_claim_mxfp8():
-    model = convert(Tiny(), MXOptions(filter_fqns=["inp", "experts"]))
+    with pytest.warns(UserWarning, match="none is MX: experts \\(filter_fqns 'experts'\\)"):
+        model = convert(Tiny(), MXOptions(filter_fqns=["inp", "experts"], allow_unconverted=True))
     rep = model.mx_conversion
     assert not rep.is_mx and rep.num_converted == 0
     assert "nothing converted, the model stays high precision" in rep.summary()
@@ -116,3 +117,54 @@ def test_every_named_recipe_converts_by_name():
     assert recipe_name(recipe("mxfp8_rceil_wgrad_with_hp", dim1_kernel="torch")) == (
         "mxfp8_rceil_wgrad_with_hp (dim1_kernel=torch)"
     )
+
+
+def test_nothing_converted_is_an_error_naming_why_unless_allowed():
+    """Issue 59 case 2: MX asked and not given (a filter matching every module, experts of dims not
+    divisible by 32) is an error naming why, unless allow_unconverted."""
+    with pytest.raises(ValueError, match=r"no module was converted.*5 by filter_fqns ''.*allow_unconverted"):
+        convert(Tiny(), MXOptions(filter_fqns=[""]))  # "" is in every FQN
+    odd = nn.Sequential(GroupedExperts(64, 33, 4))
+    with pytest.raises(ValueError, match=r"0 \(dims 64x33 not divisible by 32\).*allow_unconverted=True"):
+        with pytest.warns(UserWarning, match="none is MX: 0 \\(dims 64x33"):
+            convert(odd, MXOptions())
+    with pytest.warns(UserWarning, match="none is MX"):
+        convert(odd, MXOptions(allow_unconverted=True))
+    assert not odd.mx_conversion.is_mx and isinstance(odd[0], GroupedExperts)
+
+
+def test_converting_again_reports_the_modules_already_mx(caplog):
+    """Issue 59 case 12: a converter applied twice reports the MX modules, not "nothing converted"."""
+    model = convert(Tiny(), MXOptions())
+    with caplog.at_level(logging.INFO, logger="mxmoe"):
+        convert(model, MXOptions())  # no error: the model is MX
+    rep = model.mx_conversion
+    assert rep.is_mx and rep.num_converted == 0 and rep.already == ["inp", "experts"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "mxmoe"]
+    assert "nothing converted" not in line and "2 modules already MX with this recipe" in line
+
+
+def test_moe_with_no_mx_experts_warns_naming_why():
+    """Issue 57.1: an MoE model converted without MX experts warns, naming why; not when the caller
+    turned the experts off (convert_grouped_experts=false)."""
+    why = r"1 experts modules \(e.g. experts\) and none is MX: experts \(filter_fqns 'exp'\)"
+    with pytest.warns(UserWarning, match=why):
+        convert(Tiny(), MXOptions(filter_fqns=["exp", "router", "output"]))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = convert(Tiny(), MXOptions(convert_grouped_experts=False))
+    assert model.mx_conversion.converted["Linear"] == ["inp"]
+
+
+def test_a_filter_entry_matching_nothing_warns():
+    """Issue 57.1: a filter_fqns entry of the caller's that matches no module warns (a typo would
+    otherwise keep nothing high precision, silently); the default entries do not."""
+    with pytest.warns(UserWarning, match=r"filter_fqns entry 'atention' matches no module"):
+        convert(Tiny(), MXOptions(filter_fqns=["atention", "router", "output"]))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert(Tiny(), MXOptions())  # "attention", "lm_head": defaults, not in Tiny

@@ -307,8 +307,9 @@ def test_nothing_cast_along_the_tokens(monkeypatch, path):
             assert spy.calls and not along_tokens, along_tokens
         else:
             assert along_tokens
-        # each weight cast along K (forward) and along N (dgrad)
-        assert weights == ({(True, False), (False, True)} if path == "qdq" else {(-1,), (-2,)}), weights
+        # each weight cast along K (forward) and along N (dgrad): on the qdq path both from one
+        # read in the forward (`cast_weight`)
+        assert weights == ({(True, True)} if path == "qdq" else {(-1,), (-2,)}), weights
 
 
 def test_emulated_recipe_is_the_emulated_gemm(monkeypatch):

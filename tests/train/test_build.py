@@ -99,3 +99,33 @@ def test_the_converter_has_both_names(name, tmp_path):
     cfg.model.converters = ["float8"]
     with pytest.raises(ValueError, match=r"converter\(s\) \['float8'\]; expected one of \['mx', 'mxmoe'\]"):
         check_values(cfg)
+
+
+def test_mx_options_without_the_mx_converter_are_an_error_unless_allowed(tmp_path):
+    """Issue 59 case 2: `--mx.*` options that ask for MX with `--model.converters=` (moe_1b and
+    moe_2b ship converters = []) stop before anything is built, naming the options and the fix;
+    --mx.allow_unconverted=true trains high precision."""
+    base = [*ARGS, f"--job.dump_folder={tmp_path}", "--model.converters="]
+    cfg = parse_args([*base, "--mx.recipe_name=mxfp8", "--mx.convert_linears=false"])
+    why = (r"mx.recipe_name='mxfp8', mx.convert_linears=False given, but model.converters=\[\] names no "
+           r"MX converter.*--model.converters=mx.*allow_unconverted")
+    with pytest.raises(ValueError, match=why):
+        check_values(cfg)
+    check_values(parse_args([*base, "--mx.recipe_name=mxfp8", "--mx.allow_unconverted=true"]))
+    check_values(parse_args(base))  # kernel choices alone (ARGS) ask for nothing
+
+
+def test_a_conversion_that_converts_nothing_is_an_error_unless_allowed(tmp_path):
+    """Issue 59 case 2: the mx converter converting nothing (experts of hidden dim 33, a filter
+    matching every module) is an error naming why; --mx.allow_unconverted=true builds the model."""
+    pd = make_parallel_dims(1, -1, 1, 1)
+    for extra, why in (
+        (["--model.moe_hidden_dim=33", "--mx.convert_linears=false"], "dims 32x33 not divisible by 32"),
+        (["--mx.filter_fqns=layers,output"], "by filter_fqns 'layers'"),
+    ):
+        cfg = parse_args([*ARGS, f"--job.dump_folder={tmp_path}", "--model.converters=mx", *extra])
+        check_values(cfg)
+        with pytest.raises(ValueError, match=f"no module was converted.*{why}.*allow_unconverted"):
+            build_model(cfg, torch.device("cpu"), pd, mx=True)
+        cfg.mx.allow_unconverted = True
+        assert not build_model(cfg, torch.device("cpu"), pd, mx=True).mx_conversion.is_mx

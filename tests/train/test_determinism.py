@@ -73,7 +73,8 @@ def test_deterministic_mode_sets_and_restores_torch(monkeypatch):
     cudnn = torch.backends.cudnn
 
     def state():
-        return cudnn.deterministic, cudnn.benchmark, inductor_config.deterministic
+        fill = torch.utils.deterministic.fill_uninitialized_memory
+        return cudnn.deterministic, cudnn.benchmark, inductor_config.deterministic, fill
 
     before = state()
     assert not torch.are_deterministic_algorithms_enabled()
@@ -82,6 +83,9 @@ def test_deterministic_mode_sets_and_restores_torch(monkeypatch):
         assert not torch.is_deterministic_algorithms_warn_only_enabled()
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         assert inductor_config.deterministic
+        # no NaN fill of every new buffer: a write pass and a launch per allocation, which the
+        # casts' outputs do not need (every element written)
+        assert not torch.utils.deterministic.fill_uninitialized_memory
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert not torch.are_deterministic_algorithms_enabled()
     assert state() == before

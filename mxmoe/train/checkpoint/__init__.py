@@ -35,7 +35,7 @@ what a step folder must hold), `folders` (the folder's lock, leftovers and step 
 `checkpointer` (`Checkpointer`: save, find, verify, load).
 """
 
-from mxmoe.train.checkpoint.checkpointer import Checkpointer, rng_state, set_rng_state
+from mxmoe.train.checkpoint.checkpointer import Checkpointer, rng_state, save_seconds, set_rng_state
 from mxmoe.train.checkpoint.common import FORMAT, MANIFEST, TRAIN_STATE, CheckpointError
 from mxmoe.train.checkpoint.folders import claim_folder
 from mxmoe.train.checkpoint.safe_load import read_metadata
@@ -49,5 +49,6 @@ __all__ = [
     "claim_folder",
     "read_metadata",
     "rng_state",
+    "save_seconds",
     "set_rng_state",
 ]

@@ -176,7 +176,8 @@ class Checkpointer:
 
     # -- save / load ---------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, train_state: dict) -> Path:
-        """Write checkpoint `step` atomically (temp dir, checksums, then rename) and prune old ones.
+        """Write checkpoint `step` atomically (temp dir, checksums, then rename) and prune old ones;
+        the manifest records the seconds the save took up to it (`save_s`, see `save_seconds`).
 
         train_state: the trainer's own state (step, scheduler, sampler), stored as JSON: plain
         dicts, lists, str, int, finite floats, bools and None only. CheckpointError naming the step
@@ -184,6 +185,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
+        t0 = time.perf_counter()
         final = self.folder / f"step-{step:08d}"
         tmp = self.folder / f"step-{step:08d}.tmp"
         where = f"saving checkpoint step {step} in {tmp}"
@@ -235,6 +237,7 @@ class Checkpointer:
                     "format": FORMAT,
                     "step": step,
                     "time": time.time(),
+                    "save_s": round(time.perf_counter() - t0, 3),  # what a stop at a deadline must allow
                     "world": self.world,
                     "run": self.run,
                     "precision": self.precision,
@@ -309,3 +312,17 @@ class Checkpointer:
         if rng:
             set_rng_state(rng)
         return train
+
+
+def save_seconds(folder: str | Path) -> float | None:
+    """The longest save recorded (`save_s`) in the manifests of `folder`'s step folders, or None if
+    none records one: what a run stopped at a deadline must leave its save (`mxmoe compare`'s grace)."""
+    longest = None
+    for _, path in step_folders(Path(folder)):
+        try:
+            v = json.loads((path / MANIFEST).read_text()).get("save_s")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(v, (int, float)) and v >= 0:
+            longest = v if longest is None else max(longest, v)
+    return longest

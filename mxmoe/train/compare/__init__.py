@@ -17,13 +17,19 @@ command runs again). A variant is `NAME=ARGS`, ARGS the trainer
 options as one shell-quoted string, or just NAME for none (repeat --variant per variant: trainer
 values hold commas, as `--mx.filter_fqns=output,router`); the first is the baseline unless
 --baseline names another. Each run's console goes to its folder's train.log; a run that finished
-(its command.json records the same command and status 0) is not run again, so an interrupted
-compare continues where it stopped; `--time_limit_s` stops the running runs (SIGTERM) and starts no
-more after that many seconds, then writes the tables of the finished ones.
+(its command.json records the same command, the same --config file contents and status 0) is not
+run again, so an interrupted
+compare continues where it stopped; `--time_limit_s` bounds the call: `--grace_s` before it the running
+runs get SIGTERM (each saves its checkpoint; the grace is raised to 1.5 x the longest save recorded in
+their checkpoint manifests + 10 s) and no more start, at it they are killed, and the tables of the
+finished ones are written; `--delete_finished_checkpoints` deletes a finished run's own checkpoints.
 
-Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from RUN/config.json (the
+Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from the config of the run
+that wrote the records (RUN/config.json, or config.<run_id>.json of a later run in the folder; the
 layout the running mode writes under OUT/runs; a run whose command.json records a failure or a
-stop at the time limit is left out). A malformed record is an error naming its file, line and field.
+stop at the time limit is left out, a run folder without metrics.jsonl is an error). --out is
+checked to be a writable folder before anything runs. A malformed record is an error naming its
+file, line and field.
 
 Paired runs must share their setup (training steps, the last logged step, sequence length, global
 batch and corpus, from each run's config.json): runs that differ are refused, naming them. Each
@@ -34,23 +40,27 @@ Written into OUT: compare.md and compare.json (per run: final training loss = th
 per step over the last `--tail_steps` steps (default: the last 10 % of the run), final validation
 loss = the last logged `val_loss`, median tokens/s; per variant: the paired difference from the
 baseline, seed by seed, in % of the baseline's loss, with its mean, sample standard deviation, min
-and max over the seeds) and compare.png (each variant's loss curves, mean and spread over seeds;
+and max over the seeds; time to target, final losses at the horizon and the not-converged flag,
+`targets`) and compare.png (each variant's loss curves, mean and spread over seeds;
 the differences variant - baseline per seed, in %).
 
 The package: `report` (a run's numbers, the paired differences, compare.md / .json / .png, reading
-finished runs), `launcher` (the trainer subprocesses of the variants x seeds); the command is here.
+finished runs), `launcher` (the trainer subprocesses of the variants x seeds), `targets` (time to target, the
+final losses at the horizon); the command is here.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import math
 import shlex
 import sys
 from pathlib import Path
 
 from mxmoe import configs
-from mxmoe.cli import ArgumentParser, comma_list, positive_int
-from mxmoe.train.compare.launcher import DONE, check_own, launch, parse_variant, trainer_argv
+from mxmoe.cli import ArgumentParser, check_out_folder, comma_list, positive_int
+from mxmoe.train.compare.launcher import DONE, check_own, grace_seconds, launch, parse_variant, trainer_argv
 from mxmoe.train.compare.report import (
     Run,
     analyse,
@@ -61,6 +71,7 @@ from mxmoe.train.compare.report import (
     run_summary,
     spread,
 )
+from mxmoe.train.compare.targets import time_to_target
 
 __all__ = [
     "DONE",
@@ -75,6 +86,7 @@ __all__ = [
     "read_runs",
     "run_summary",
     "spread",
+    "time_to_target",
 ]
 
 
@@ -145,6 +157,36 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--smooth", type=float, default=0.0, help="EMA smoothing of the plotted train curves, 0..1"
     )
+    ap.add_argument(
+        "--grace_s",
+        type=float,
+        help="with --time_limit_s: SIGTERM the runs this many seconds before the limit, SIGKILL at it, so "
+        "that their checkpoints are saved in time; raised to 1.5 x the longest save recorded in the runs' "
+        "checkpoint folders + 10 s (default with none recorded: 120 s; 30 s without checkpoints)",
+    )
+    ap.add_argument(
+        "--delete_finished_checkpoints",
+        action="store_true",
+        help="delete a run's own checkpoint folder when it finishes (frees the disk for the runs still "
+        "going)",
+    )
+    ap.add_argument(
+        "--smooth_steps",
+        type=positive_int,
+        default=50,
+        help="time-to-target: the smoothed training loss at step s is the mean over (s - N, s] (default 50)",
+    )
+    ap.add_argument(
+        "--train_targets",
+        type=comma_list(float),
+        help="time-to-target training losses, e.g. 1.2,1.0 (default: the baseline's mean curve past its "
+        "knee; docs/numerics.md)",
+    )
+    ap.add_argument(
+        "--val_targets",
+        type=comma_list(float),
+        help="time-to-target validation losses (default: as training's)",
+    )
     return ap
 
 
@@ -159,8 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     failed: list = []
     command = shlex.join(["mxmoe", "compare", *argv, *(["--", *extra] if extra else [])])
     try:
+        check_out_folder(args.out)  # before any run: not at the end, on a file or a read-only folder
         if args.time_limit_s is not None and not args.time_limit_s > 0:
             raise ValueError(f"--time_limit_s={args.time_limit_s}: expected a number of seconds > 0")
+        for name in ("train_targets", "val_targets"):
+            bad = [t for t in getattr(args, name) or [] if not math.isfinite(t)]
+            if bad:
+                raise ValueError(f"--{name}: {bad[0]!r} is not a finite loss")
+        if args.grace_s is not None and (args.time_limit_s is None or not args.grace_s >= 0):
+            raise ValueError(f"--grace_s={args.grace_s}: expected seconds >= 0, with --time_limit_s")
         if args.tail_steps < 0:
             raise ValueError(f"--tail_steps={args.tail_steps}: expected >= 0 (0: the last 10 % of the run)")
         if not 0.0 <= args.smooth < 1.0:
@@ -188,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"--devices={','.join(args.devices)}: {len(args.devices)} device(s), fewer than "
                     f"--nproc={args.nproc} per run"
                 )
-            if not configs.resolve(args.config, kind="trainer").is_file():
+            config_file = configs.resolve(args.config, kind="trainer")
+            if not config_file.is_file():
                 raise ValueError(f"--config {args.config!r}: file not found{configs.hint(args.config)}")
+            config_sha256 = hashlib.sha256(config_file.read_bytes()).hexdigest()
             check_own("arguments after `--`", extra)
             for name, vargs in args.variant:
                 check_own(f"--variant {name}", vargs)
@@ -202,16 +253,44 @@ def main(argv: list[str] | None = None) -> int:
                         args.config, args.steps, args.deterministic, vargs, extra, seed, folder
                     )
                     jobs.append((name, seed, run_argv, folder))
+            grace = 0.0
+            if args.time_limit_s is not None:
+                grace = grace_seconds(jobs, args.grace_s)
+                if grace >= args.time_limit_s:
+                    raise ValueError(
+                        f"--time_limit_s={args.time_limit_s}: expected more than the grace for the saves, "
+                        f"{grace:.0f} s (--grace_s, or 1.5 x the longest save recorded + 10 s)"
+                    )
             print(
                 f"mxmoe compare: {len(jobs)} runs ({len(names)} variants x {len(args.seeds)} seeds) in {out}"
+                + (f"; SIGTERM {grace:.0f} s before the time limit" if grace else "")
             )
-            status = launch(jobs, args.parallel, args.devices, args.nproc, args.time_limit_s)
+            status = launch(
+                jobs,
+                args.parallel,
+                args.devices,
+                args.nproc,
+                args.time_limit_s,
+                grace,
+                args.delete_finished_checkpoints,
+                config_sha256,
+            )
             failed = [f"{v} seed {s}: {what}" for (v, s), what in sorted(status.items()) if what != DONE]
             runs = [run_summary(n, s, f, args.tail_steps) for n, s, _, f in jobs if status[(n, s)] == DONE]
             if not runs:
                 raise RuntimeError(f"no run finished: {'; '.join(failed)}")
         baseline = args.baseline or (names[0] if names else runs[0].variant)
-        analyse(runs, baseline, out, args.tail_steps, command, args.smooth)
+        analyse(
+            runs,
+            baseline,
+            out,
+            args.tail_steps,
+            command,
+            args.smooth,
+            args.smooth_steps,
+            args.train_targets,
+            args.val_targets,
+        )
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"mxmoe compare: error: {e}", file=sys.stderr)
         return 2

@@ -7,12 +7,15 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from mxmoe.train.checkpoint import save_seconds
 
 # trainer options compare sets itself for every run: a variant or the extra arguments may not
 _OWN = ("--debug.seed", "--job.dump_folder")
@@ -51,18 +54,43 @@ def _checkpoint_folder(args: list[str]) -> str | None:
     return value
 
 
+def _options(args: list[str]) -> list[tuple[str, list[str]]]:
+    """(key, its tokens) per option of trainer arguments, in order: `--key=value`, `--key value`
+    (two tokens) or a bare `--key`; a token that is no option gets the key ""."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        key, eq, _ = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+        if key and not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out.append((key.replace("-", "_"), [a, args[i + 1]]))
+            i += 2
+            continue
+        out.append((key.replace("-", "_"), [a]))
+        i += 1
+    return out
+
+
 def trainer_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra, seed: int, folder: Path):
     """The `mxmoe train` arguments of one run: the config, no checkpoints (the config's folder would
-    be every run's), the deterministic mode and steps, the variant's and the common options, then
-    the seed and the metrics folder `folder` (OUT/runs/VARIANT/seedS). A checkpoint folder X among
-    the options becomes X/VARIANT/seedS, the run's own: runs never resume one another."""
-    argv = [f"--config={cfg}", "--checkpoint.folder=", "--metrics.progress_bar=false"]
+    be every run's), the deterministic mode and steps (each unless the options set it), the
+    variant's and the common options, then the seed and the metrics folder `folder`
+    (OUT/runs/VARIANT/seedS). A checkpoint folder X among the options becomes X/VARIANT/seedS, the
+    run's own: runs never resume one another. An option compare sets itself is left out when the
+    variant's or the common options set it (the trainer warns of a key given twice)."""
+    user = _options(list(vargs) + list(extra))
+    keys = [k for k, _ in user if k]
+    own = [
+        ("checkpoint.folder", "--checkpoint.folder="),
+        ("metrics.progress_bar", "--metrics.progress_bar=false"),
+    ]
     if deterministic:
-        argv.append("--debug.deterministic=true")
+        own.append(("debug.deterministic", "--debug.deterministic=true"))
     if steps is not None:
-        argv.append(f"--training.steps={steps}")
-    argv += list(vargs) + list(extra) + [f"--debug.seed={seed}", f"--job.dump_folder={folder}"]
+        own.append(("training.steps", f"--training.steps={steps}"))
     ckpt = _checkpoint_folder(list(vargs) + list(extra))
+    argv = [f"--config={cfg}"] + [arg for key, arg in own if key not in keys]
+    argv += [tok for k, t in user if not (ckpt and k == "checkpoint.folder") for tok in t]
+    argv += [f"--debug.seed={seed}", f"--job.dump_folder={folder}"]
     if ckpt:
         argv.append(f"--checkpoint.folder={Path(ckpt) / folder.parent.name / folder.name}")
     return argv
@@ -71,20 +99,65 @@ def trainer_argv(cfg: str, steps: int | None, deterministic: bool, vargs, extra,
 DONE = "done"
 
 
+def _last_value(args: list[str], option: str) -> str | None:
+    """The last `option=VALUE` (or `option VALUE`) in trainer arguments, or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a.startswith(option + "="):
+            value = a.split("=", 1)[1]
+        elif a == option and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def reached_last_step(argv: list[str], folder: Path) -> bool:
+    """Whether the run of `argv` logged its last step (`--training.steps`) in folder/metrics.jsonl: a
+    run that got SIGTERM during its last step finished it, and counts as finished."""
+    steps = _last_value(argv, "--training.steps")
+    try:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return steps is not None and bool(lines) and json.loads(lines[-1]).get("step") == int(steps)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def grace_seconds(jobs: list[tuple[str, int, list[str], Path]], given: float | None) -> float:
+    """How long before the time limit the runs get SIGTERM, so that a run's checkpoint (saved when
+    it gets SIGTERM) is written before the SIGKILL at the limit: the longer of `given` (--grace_s)
+    and 1.5 x the longest save recorded in the jobs' checkpoint folders (`save_s` of their
+    manifests: the saves of earlier calls) + 10 s. With no save recorded: `given`, else 120 s (30 s
+    when no run has a checkpoint folder: a run then only finishes its step)."""
+    folders = [f for *_, argv, _ in jobs if (f := _checkpoint_folder(argv))]
+    recorded = [x for f in folders if (x := save_seconds(f)) is not None]
+    if recorded:
+        return max(1.5 * max(recorded) + 10.0, given or 0.0)
+    return given if given is not None else (120.0 if folders else 30.0)
+
+
 def launch(
     jobs: list[tuple[str, int, list[str], Path]],
     parallel: int,
     devices: list[str] | None,
     nproc: int = 1,
     time_limit_s: float | None = None,
+    grace_s: float = 0.0,
+    delete_checkpoints: bool = False,
+    config_sha256: str | None = None,
 ) -> dict:
     """Run `python -m mxmoe train ARGV` per job (variant, seed, argv, folder), `parallel` at a time
     (per group of `nproc` devices when `devices` are given; with nproc > 1 under
     `torch.distributed.run --standalone`); a job whose folder's command.json records the same argv
-    and status 0 is skipped. After `time_limit_s` no run starts and running ones get SIGTERM (the
-    trainer stops after its step; the run counts as unfinished). Returns {(variant, seed): DONE or
-    what else happened}."""
-    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    and status 0 (and, when given, the same `config_sha256`: the config file's bytes, so a run of an
+    edited config runs again) is skipped. `time_limit_s` bounds the whole call: `grace_s` before it
+    no run starts and running ones get SIGTERM (the trainer stops after its step and saves its
+    checkpoint; the run counts as unfinished), at it whatever still runs is killed (`grace_seconds`
+    picks a grace that lets the save finish). delete_checkpoints: a run that finishes deletes its
+    own checkpoint folder (the last --checkpoint.folder of its argv). Returns {(variant, seed):
+    DONE or what else happened}."""
+    if time_limit_s is not None and not 0 <= grace_s < time_limit_s:
+        raise ValueError(f"grace_s={grace_s}: expected 0 <= grace_s < time_limit_s={time_limit_s}")
+    end = None if time_limit_s is None else time.monotonic() + time_limit_s
+    deadline = None if end is None else end - grace_s  # SIGTERM; SIGKILL at `end`
     status: dict = {}
     lock = threading.Lock()
     free = None  # device slots: CUDA_VISIBLE_DEVICES values, each `parallel` times
@@ -105,10 +178,16 @@ def launch(
         except (OSError, ValueError):
             prev = None
         key = ("argv", "nproc", "returncode", "stopped")
-        if prev and tuple(prev.get(k) for k in key) == (argv, nproc, 0, False):
+        same = bool(prev) and tuple(prev.get(k) for k in key) == (argv, nproc, 0, False)
+        # a record without the digest was written by an earlier mxmoe: its run stands
+        edited = same and config_sha256 is not None
+        edited = edited and prev.get("config_sha256", config_sha256) != config_sha256
+        if same and not edited:
             print(f"{variant} seed {seed}: done before ({folder}), not run again", flush=True)
             status[(variant, seed)] = DONE
         else:
+            if edited:
+                print(f"{variant} seed {seed}: config changed since it ran ({folder}): run again", flush=True)
             todo.append((variant, seed, argv, folder))
 
     def one(job) -> None:
@@ -133,13 +212,18 @@ def launch(
                 proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 stopped = True
-                proc.terminate()  # SIGTERM: the trainer finishes its step, closes its metrics, exits
+                proc.terminate()  # SIGTERM: the trainer finishes its step, saves, closes its metrics
                 try:
-                    proc.wait(120)
+                    proc.wait(max(1.0, end - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
         rc = proc.returncode
+        if stopped and rc == 0 and reached_last_step(argv, folder):
+            stopped = False  # the SIGTERM came during the last step: the run finished
+        ckpt = _checkpoint_folder(argv)
+        if delete_checkpoints and rc == 0 and not stopped and ckpt:
+            shutil.rmtree(ckpt, ignore_errors=True)  # a finished run's: frees the disk for the others
         if free is not None:
             with lock:
                 free.append(device)
@@ -152,6 +236,8 @@ def launch(
             "seconds": round(secs, 1),
         }
         record["device"] = device
+        if config_sha256 is not None:
+            record["config_sha256"] = config_sha256
         (folder / "command.json").write_text(json.dumps(record, indent=2) + "\n")
         with lock:
             if stopped:

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mxmoe.train.plot import Series, plot_series, read_metrics, recorded_seed
+from mxmoe.train.compare import targets as ttt
+from mxmoe.train.plot import Series, plot_series, read_config, read_metrics, recorded_seed
 
 
 @dataclass
@@ -41,16 +42,13 @@ SETUP = ("steps", "seq_len", "global_batch", "corpus")
 """What paired runs must share (`check_setups`), as `run_setup` reads it."""
 
 
-def run_setup(folder: str | Path) -> dict:
-    """What a run was set up with, from its config.json (the trainer's record): training steps,
-    seq_len, global batch, the corpus's identity (sha256 and source) and the epochs the run reads.
-    What the record lacks (one written by an earlier mxmoe, or no config.json) is None; a value of
-    the wrong type is a ValueError naming the file and the key."""
-    file = Path(folder) / "config.json"
-    try:
-        cfg = json.loads(file.read_text())
-    except (OSError, ValueError):
-        cfg = {}
+def run_setup(folder: str | Path, records: list[dict] | None = None) -> dict:
+    """What a run was set up with, from its recorded config (`mxmoe.train.plot.read_config`: the
+    config of the run that wrote `records`): training steps, seq_len, global batch, the corpus's
+    identity (sha256 and source) and the epochs the run reads. What the record lacks (one written by
+    an earlier mxmoe, or no config) is None; a value of the wrong type is a ValueError naming the
+    folder and the key."""
+    cfg = read_config(str(folder), records) or {}
 
     def section(name: str) -> dict:
         v = cfg.get(name) if isinstance(cfg, dict) else None
@@ -75,7 +73,9 @@ def run_setup(folder: str | Path) -> dict:
     ):
         v = setup[key]
         if v is not None and (type(v) not in types or (key == "epochs" and not math.isfinite(v))):
-            raise ValueError(f"run {str(folder)!r}: {file} has {key}={v!r}, not what the trainer records")
+            raise ValueError(
+                f"run {str(folder)!r}: its recorded config has {key}={v!r}, not what the trainer records"
+            )
     return setup
 
 
@@ -117,7 +117,7 @@ def run_summary(variant: str, seed: int, folder: str | Path, tail_steps: int = 0
         val_step=vals[-1]["step"] if vals else None,
         tokens_per_s=statistics.median(tps[1:] if len(tps) > 1 else tps) if tps else None,
         records=recs,
-        setup=run_setup(folder),
+        setup=run_setup(folder, recs),
     )
 
 
@@ -300,12 +300,22 @@ def plot(runs: list[Run], baseline: str, out: Path, smooth: float = 0.0) -> Path
 
 
 def analyse(
-    runs: list[Run], baseline: str, out: Path, tail_steps: int, command: str | None, smooth: float
+    runs: list[Run],
+    baseline: str,
+    out: Path,
+    tail_steps: int,
+    command: str | None,
+    smooth: float,
+    smooth_steps: int = 50,
+    train_targets: Sequence[float] | None = None,
+    val_targets: Sequence[float] | None = None,
 ) -> dict:
     """Write compare.md, compare.json and compare.png into `out`; returns the JSON object.
-    ValueError (nothing written) when paired runs differ in their setup (`check_setups`)."""
+    ValueError (nothing written) when paired runs differ in their setup (`check_setups`).
+    smooth_steps, train_targets, val_targets: the time-to-target section (`targets.time_to_target`)."""
     check_setups(runs, baseline)
     stats = paired_differences(runs, baseline)
+    tt = ttt.time_to_target(runs, baseline, smooth_steps, train_targets, val_targets)
     rep = repeating(runs)
     if rep:
         print(
@@ -339,9 +349,12 @@ def analyse(
         ],
         "repeats_data": [r.folder for r in rep],
         "variants": stats,
+        "time_to_target": tt,
     }
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "compare.md").write_text(markdown(runs, stats, baseline, tail_steps, command))
+    (out / "compare.md").write_text(
+        markdown(runs, stats, baseline, tail_steps, command) + ttt.markdown(tt, baseline)
+    )
     try:
         plot(runs, baseline, out / "compare.png", smooth)
     except ModuleNotFoundError as e:  # the tables are the result; the picture needs an extra
@@ -362,18 +375,29 @@ def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_step
         raise FileNotFoundError(f"--runs {str(root)!r}: no folder for variant(s) {missing}; found {found}")
     runs = []
     for v in names:
-        for folder in sorted(p for p in (root / v).iterdir() if (p / "metrics.jsonl").is_file()):
+        for folder in sorted(p for p in (root / v).iterdir() if p.is_dir()):
             if run_failed(folder):
                 print(
                     f"mxmoe compare: warning: {folder} did not finish (command.json): left out",
                     file=sys.stderr,
                 )
                 continue
-            cfg = folder / "config.json"
+            if not (folder / "metrics.jsonl").is_file():
+                raise FileNotFoundError(
+                    f"--runs {str(root)!r}: run folder {str(folder)!r} has no metrics.jsonl: expected "
+                    "VARIANT/RUN/metrics.jsonl in every run folder (remove the folder, or name the variants "
+                    "to read with --variant)"
+                )
+            recs = read_metrics(str(folder))
+            cfg = read_config(str(folder), recs)
             try:
-                seed = recorded_seed(json.loads(cfg.read_text()))
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"run {str(folder)!r}: cannot read debug.seed from {cfg}: {e}") from None
+                if cfg is None:
+                    raise ValueError("no config.json")
+                seed = recorded_seed(cfg)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"run {str(folder)!r}: cannot read debug.seed from its recorded config: {e}"
+                ) from None
             runs.append(run_summary(v, seed, folder, tail_steps))
     if not runs:
         raise FileNotFoundError(f"--runs {str(root)!r}: no VARIANT/RUN/metrics.jsonl under it")

@@ -7,10 +7,13 @@ the command line: `spellings`. Built on the shared core
 (`mxmoe.integrations.torchtitan.common`) and mxmoe's dispatch seam (`mxmoe.comm.dispatch`).
 """
 
+from mxmoe.integrations.torchtitan.v0_2 import config
 from mxmoe.integrations.torchtitan.v0_2.converter import MX, JobConfig, MXGroupedExperts, MXMoEConverter
 from mxmoe.integrations.torchtitan.v0_2.expert_parallel import MXExpertParallel
 from mxmoe.integrations.torchtitan.v0_2.spellings import install as _install_spellings
 
 _install_spellings()  # `--mx.convert_linears=false` as well as `--mx.no-convert-linears`
+
+config.install()  # [mx] errors in a TOML job config name the file and the key
 
 __all__ = ["MX", "JobConfig", "MXExpertParallel", "MXGroupedExperts", "MXMoEConverter"]

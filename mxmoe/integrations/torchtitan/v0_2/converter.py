@@ -32,18 +32,23 @@ does both.
 
 Tensor parallelism is refused when the converter is built (a ValueError naming
 parallelism.tensor_parallel_degree), and so is a cast kernel this machine cannot run (`triton` on a
-CPU without the Triton interpreter: a ValueError naming the option).
+CPU without the Triton interpreter: a ValueError naming the option). MX asked and not given is an error unless
+`--mx.allow-unconverted`: `--mx.*` options asking for MX (beyond the TOML's `[mx]`, a template
+the bf16 runs share) with no mxmoe converter named, when the job config is parsed
+(`check_mx_asked`), and a conversion that converts nothing (`ConversionReport.finish`).
 """
 
 # No `from __future__ import annotations`: torchtitan merges `JobConfig` into its own with
 # dataclasses.make_dataclass and tyro resolves the field types, which string annotations would
 # leave unresolvable outside this module.
-from dataclasses import dataclass, field
+import tomllib
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torchtitan.config import manager as _manager
 from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 from torchtitan.tools.logging import logger
@@ -51,6 +56,7 @@ from torchtitan.tools.logging import logger
 import mxmoe
 from mxmoe.comm.dispatch import ExpertRows, RowsFromAnchor
 from mxmoe.integrations.torchtitan.common import check_kernels, tensor_parallel_error
+from mxmoe.nn.converter import asked_options, unconverted_error
 from mxmoe.nn.experts import grouped_mm
 from mxmoe.nn.mx_experts import _RoundGrad, _RoundRows
 from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared
@@ -150,7 +156,12 @@ class MXMoEConverter:
         report = model.mx_conversion
         experts = report.converted["GroupedExperts"]
         for fqn, mod in model.named_modules():
-            if not isinstance(mod, GroupedExperts) or isinstance(mod, MXGroupedExperts):
+            if not isinstance(mod, GroupedExperts):
+                continue
+            report.experts.append(fqn)
+            if isinstance(mod, MXGroupedExperts):  # converted before (a converter applied again)
+                (report.already if mod.recipe == r else report.reconfigured).append(fqn)
+                mod.recipe, mod.mxfp8_a2a, mod.a2a_transport = r, opts.mxfp8_a2a, opts.a2a_transport
                 continue
             hit = next((f for f in opts.filter_fqns if f in fqn), None)
             hidden, dim = mod.w1.shape[1], mod.w1.shape[2]
@@ -171,6 +182,7 @@ class MXMoEConverter:
 
             install()
         logger.info("%s", report.summary())
+        report.finish(opts)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """Nothing to do after an optimizer step (scales are computed per GEMM call)."""
@@ -178,6 +190,44 @@ class MXMoEConverter:
 
 NAMES = ("mxmoe", "mx")
 """The names MXMoEConverter is registered under; "mx" only where torchtitan left it free."""
+
+
+def _toml_mx(path: str) -> MXOptions:
+    """The `[mx]` section of the job's TOML file as MXOptions (the defaults without one)."""
+    try:
+        with open(path, "rb") as f:
+            section = tomllib.load(f).get("mx", {})
+        names = {fl.name for fl in fields(MXOptions)}
+        return MXOptions(**{k: v for k, v in section.items() if k in names})
+    except (OSError, tomllib.TOMLDecodeError, TypeError, ValueError, AttributeError):
+        return MXOptions()  # torchtitan reports a file it cannot read; a bad value, the converter
+
+
+def check_mx_asked(job_config) -> None:
+    """ValueError when `--mx.*` options ask for MX (`mxmoe.nn.converter.ASKING_OPTIONS` differing
+    from the TOML's `[mx]`) while `model.converters` names no mxmoe converter, unless
+    `mx.allow_unconverted`: run when torchtitan parses the job config (after its own checks)."""
+    mx = getattr(job_config, "mx", None)
+    if not isinstance(mx, MXOptions) or mx.allow_unconverted:
+        return
+    converters = list(job_config.model.converters)
+    if any(c in NAMES for c in converters):
+        return
+    file = job_config.job.config_file
+    asked = asked_options(mx, _toml_mx(file) if file else None)
+    if asked:
+        raise unconverted_error(asked, converters, "--model.converters mxmoe")
+
+
+if not getattr(_manager.ConfigManager._validate_config, "mxmoe_checks", False):
+    _validate_config = _manager.ConfigManager._validate_config
+
+    def _validate_and_check_mx(self) -> None:
+        _validate_config(self)
+        check_mx_asked(self.config)
+
+    _validate_and_check_mx.mxmoe_checks = True
+    _manager.ConfigManager._validate_config = _validate_and_check_mx
 
 for _name in NAMES:
     # Registered once per process (torchtitan's registry asserts on a second registration).

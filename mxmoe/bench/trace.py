@@ -1,0 +1,84 @@
+"""`mxmoe bench trace`: GPU time per kernel category in profiler traces (Chrome trace JSON).
+
+Reads the traces torch.profiler writes (`export_chrome_trace`: mxmoe's `--profiling.*`, torchtitan's
+`--profiling.enable_profiling`), sums the GPU kernels, copies and memsets of each by the categories of
+`mxmoe.train.profiling.KERNEL_CATEGORIES` (GEMMs, MX casts, attention, optimizer, ...), and prints
+ms per recorded step: the step count is the number of `ProfilerStep#N` ranges in the trace (1 if
+none). The MX casts are also listed by kernel name.
+
+    mxmoe bench trace outputs/profile_trace/iteration_20/rank0_trace.json --json trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+
+from mxmoe.cli import ArgumentParser
+
+_GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def _load(path: str) -> dict:
+    try:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as fh:
+            return json.load(fh)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"mxmoe bench trace: cannot read {path!r} as a Chrome trace: {e}") from None
+
+
+def breakdown(trace: dict) -> dict:
+    """{"steps": n, "ms_per_step": {category: ms, ..., "total": ms}, "cast_kernels": {name: ms}} of
+    one Chrome trace: GPU events (kernels, copies, memsets) per ProfilerStep range recorded."""
+    from mxmoe.train.profiling import kernel_category
+
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else []
+    step_name = re.compile(r"ProfilerStep#\d+$")
+    steps = sum(1 for e in events if isinstance(e, dict) and step_name.match(str(e.get("name", ""))))
+    steps = max(steps, 1)
+    cats: dict[str, float] = {}
+    casts: dict[str, float] = {}
+    for e in events:
+        if not isinstance(e, dict) or e.get("cat") not in _GPU_CATS or e.get("ph") != "X":
+            continue
+        name, ms = str(e.get("name", "")), float(e.get("dur", 0.0)) / 1e3
+        cat = kernel_category(name)
+        cats[cat] = cats.get(cat, 0.0) + ms
+        if cat == "mx cast / qdq":
+            casts[name[:120]] = casts.get(name[:120], 0.0) + ms
+    per = {k: v / steps for k, v in sorted(cats.items(), key=lambda kv: -kv[1])}
+    per["total"] = sum(per.values())
+    return {
+        "steps": steps,
+        "ms_per_step": per,
+        "cast_kernels": {k: v / steps for k, v in sorted(casts.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="mxmoe bench trace",
+        description="GPU ms per recorded step by kernel category (GEMMs, MX casts, attention, ...) "
+        "of torch.profiler Chrome traces (mxmoe's or torchtitan's)",
+    )
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="trace .json (or .json.gz) files")
+    p.add_argument("--json", metavar="PATH", help="also write the breakdowns as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from mxmoe.bench import timing
+
+    results = {path: breakdown(_load(path)) for path in args.traces}
+    for path, r in results.items():
+        rows = [{"category": k, "ms_per_step": v} for k, v in r["ms_per_step"].items()]
+        rows += [{"category": f"  cast kernel {k}", "ms_per_step": v} for k, v in r["cast_kernels"].items()]
+        title = f"{path}: GPU ms per step ({r['steps']} steps recorded)"
+        timing.print_table(rows, title=title, floatfmt=".3f")
+    if args.json:
+        timing.write_json(args.json, {"bench": "trace", "traces": results})
+    return 0

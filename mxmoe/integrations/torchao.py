@@ -1,0 +1,112 @@
+"""mxmoe through torchao's entry point: `torchao.quantize_(model, config, filter_fn=...)`.
+
+    from torchao import quantize_
+    from torchao.prototype.moe_training.config import MXFP8TrainingRecipe
+    from mxmoe.integrations.torchao import MXMoETrainingConfig, mx_filter_fn
+
+    config = MXMoETrainingConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL)  # or "mxfp8_rceil"
+    quantize_(model, config, filter_fn=mx_filter_fn(config))
+
+`MXMoETrainingConfig` is a torchao `AOBaseConfig` holding one `mxmoe.MXOptions`; importing this
+module registers its handler with torchao (`register_quantize_module_handler`), which swaps each
+module `filter_fn` selects: nn.Linear -> MXLinear, GroupedExperts -> MXGroupedExperts, a Hugging
+Face transformers experts module -> `experts_implementation="mxmoe"` (parameters unchanged, as
+`mxmoe.convert`), any other module -> `mxmoe.convert(module, options)` on its children.
+`mx_filter_fn(config)` selects what `mxmoe.convert` would convert (the options' filter_fqns, dims
+divisible by 32); torchao's default filter (every nn.Linear, the output head and routers too) leaves
+the experts out. torchao is optional: only this module needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from torch import nn
+from torchao.core.config import AOBaseConfig
+from torchao.quantization.transform_module import register_quantize_module_handler
+
+from mxmoe.nn.converter import ROUTER_NAMES, _filter_hit, convert, hf_experts_dims
+from mxmoe.nn.experts import GroupedExperts
+from mxmoe.nn.linear import MXLinear
+from mxmoe.nn.mx_experts import MXGroupedExperts
+from mxmoe.options import MXOptions, RecipeName
+from mxmoe.recipe import MXRecipe
+
+
+@dataclass
+class MXMoETrainingConfig(AOBaseConfig):
+    """torchao's config for mxmoe's MX training: `options` (mxmoe.MXOptions) say the recipe and what
+    is converted, as in every mxmoe front end."""
+
+    options: MXOptions = field(default_factory=MXOptions)
+
+    @classmethod
+    def from_recipe(cls, recipe: Enum | RecipeName, **options) -> MXMoETrainingConfig:
+        """The config of a torchao recipe (`MXFP8TrainingRecipe.MXFP8_RCEIL`, `..._WGRAD_WITH_HP`,
+        `MXFP8_EMULATED_RCEIL`) or its name ("mxfp8_rceil", ...; mxmoe's "mxfp8" too), other
+        MXOptions fields as keywords. ValueError naming the recipe for an unknown one."""
+        name = recipe.value if isinstance(recipe, Enum) else recipe
+        return cls(MXOptions(recipe_name=name, **options))
+
+
+def _dims(module: nn.Module) -> tuple[int, int] | None:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, GroupedExperts):
+        return module.dim, module.hidden_dim
+    return hf_experts_dims(module)
+
+
+def mx_filter_fn(config: MXMoETrainingConfig | MXOptions | None = None) -> Callable[[nn.Module, str], bool]:
+    """A `filter_fn` for `quantize_` selecting what `mxmoe.convert` with these options converts:
+    nn.Linear (convert_linears), GroupedExperts and transformers experts modules
+    (convert_grouped_experts) whose FQN no filter_fqns entry matches (Hugging Face's self_attn
+    counts as attention) and whose dims are divisible by the block size."""
+    opts = config.options if isinstance(config, MXMoETrainingConfig) else config or MXOptions()
+    block = opts.to_recipe().block_size
+    filter_fqns = list(opts.filter_fqns)
+
+    def filter_fn(module: nn.Module, fqn: str) -> bool:
+        if isinstance(module, nn.Linear):
+            if not opts.convert_linears:
+                return False
+        elif not opts.convert_grouped_experts or _dims(module) is None:
+            return False
+        router = fqn.rsplit(".", 1)[-1] in ROUTER_NAMES and isinstance(module, nn.Linear)
+        if _filter_hit(fqn, filter_fqns, router):
+            return False
+        return not any(d % block for d in _dims(module))
+
+    return filter_fn
+
+
+@register_quantize_module_handler(MXMoETrainingConfig)
+def _mx_transform(module: nn.Module, config: MXMoETrainingConfig) -> nn.Module:
+    """The module `quantize_` hands over, made MX (module docstring)."""
+    opts = config.options
+    r: MXRecipe = opts.to_recipe()
+    if isinstance(module, (MXLinear, MXGroupedExperts)):
+        module.recipe = r
+        return module
+    dims = _dims(module)
+    if dims is not None and any(d % r.block_size for d in dims):
+        raise ValueError(
+            f"quantize_(..., MXMoETrainingConfig): a {type(module).__name__} with dims {dims[0]}x{dims[1]} "
+            f"cannot be MX (not divisible by the block size {r.block_size}); leave it out with "
+            "filter_fn=mx_filter_fn(config)"
+        )
+    if isinstance(module, nn.Linear):
+        return MXLinear.from_linear(module, r)
+    if isinstance(module, GroupedExperts):
+        return MXGroupedExperts.from_experts(module, r)
+    if dims is not None:  # a transformers experts module
+        from mxmoe.integrations.hf import use_mx_experts
+
+        use_mx_experts([module], [], r)
+        return module
+    return convert(module, opts)
+
+
+__all__ = ["MXMoETrainingConfig", "mx_filter_fn"]

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# A/B of the training step on one GPU: `mxmoe bench train` rows of bf16 (this tree), MX on another
+# tree (BEFORE: a folder holding that tree's `mxmoe` package, e.g. `git archive REV mxmoe | tar -x -C
+# DIR`) and MX on this tree, interleaved and repeated (bf16, MX before, MX after, bf16, ...), each
+# row alone in its own process; then per row kind the median tokens/s and its ratio to bf16's.
+#
+#   bash scripts/gpu/ab_train.sh OUT BEFORE CONFIG MODES [REPEATS=1] [trainer flags...]
+#   e.g. bash scripts/gpu/ab_train.sh runs/ab .before moe_1b compile,compile_full+graph 3
+#
+# Writes OUT/<mode>_<kind>_<i>.json (the bench's rows) and OUT/summary.md. BEFORE="" skips the
+# before rows; KINDS (default bf16,before,after) picks the row kinds. Each row is bounded by LIMIT
+# seconds (default 240); STEPS / WARMUP (default 10 / 3) are the bench's timed and warm-up steps.
+set -uo pipefail
+OUT=${1:?usage: ab_train.sh OUT BEFORE CONFIG MODES [REPEATS] [flags...]}
+BEFORE=${2?}; CONFIG=${3:?}; MODES=${4:?}; REPEATS=${5:-1}
+shift $(( $# < 5 ? $# : 5 ))
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+[ -z "$BEFORE" ] || BEFORE=$(cd "$BEFORE" && pwd)
+cd "$REPO"
+export PYTHONUNBUFFERED=1
+BASE=${PYTHONPATH:-}
+row() {  # row MODE KIND I [flags...]: KIND bf16 | before | after
+    local mode=$1 kind=$2 i=$3 tree=$REPO variant=mx
+    shift 3
+    [ "$kind" = bf16 ] && variant=bf16
+    [ "$kind" = before ] && tree=$BEFORE
+    PYTHONPATH=$tree${BASE:+:$BASE} timeout -k 10 "${LIMIT:-240}" python3 -m mxmoe bench train --config "$CONFIG" \
+        --variants "$variant" --modes "$mode" --steps "${STEPS:-10}" --warmup-steps "${WARMUP:-3}" "$@" \
+        --json "$OUT/${mode}_${kind}_$i.json" > "$OUT/${mode}_${kind}_$i.log" 2>&1
+}
+IFS=, read -r -a MODE_LIST <<< "$MODES"
+IFS=, read -r -a KINDS <<< "${KINDS:-bf16,before,after}"
+[ -n "$BEFORE" ] || KINDS=("${KINDS[@]/before}")
+for i in $(seq 1 "$REPEATS"); do
+    for m in "${MODE_LIST[@]}"; do
+        for k in "${KINDS[@]}"; do
+            [ -n "$k" ] || continue
+            row "$m" "$k" "$i" "$@"
+            echo "$m $k $i: rc=$? $(grep -ao '"tokens_per_s": [0-9.]*' "$OUT/${m}_${k}_$i.json" 2>/dev/null)"
+        done
+    done
+done
+python3 - "$OUT" <<'PY'
+import glob, json, os, statistics, sys
+out = sys.argv[1]
+rows = {}
+for f in glob.glob(os.path.join(out, "*.json")):
+    mode, kind, _ = os.path.basename(f)[:-5].rsplit("_", 2)
+    for r in json.load(open(f))["rows"]:
+        if "tokens_per_s" in r:
+            rows.setdefault((mode, kind), []).append(r)
+lines = ["| mode | kind | runs | median tokens/s | vs bf16 | step ms | host ms | peak GiB | last loss |", "|---|---|---|---|---|---|---|---|---|"]
+for mode in sorted({m for m, _ in rows}):
+    base = statistics.median(r["tokens_per_s"] for r in rows.get((mode, "bf16"), [])) if (mode, "bf16") in rows else None
+    for kind in ("bf16", "before", "after"):
+        rs = rows.get((mode, kind))
+        if not rs:
+            continue
+        med = statistics.median(r["tokens_per_s"] for r in rs)
+        ratio = f"{med / base:.3f}" if base else ""
+        m = lambda k: statistics.median(r[k] for r in rs)
+        lines.append(f"| {mode} | {kind} | {len(rs)} | {med:,.0f} | {ratio} | {m('step_ms'):.2f} | {m('host_ms'):.2f} | {m('peak_mem_gib'):.2f} | {' / '.join(repr(r['loss']) for r in rs)} |")
+open(os.path.join(out, "summary.md"), "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY

@@ -1,0 +1,70 @@
+"""The profile breakdowns: `mxmoe bench trace` sums a Chrome trace's GPU events by kernel category
+per ProfilerStep; `cast_breakdown` sorts the MX cast operators by what they cast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mxmoe.bench import trace
+from mxmoe.train.profiling import cast_breakdown
+
+
+def _trace(tmp_path):
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#9", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#10", "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128", "dur": 3000},
+        {"ph": "X", "cat": "kernel", "name": "void (anonymous namespace)::qdq_dim1_kernel<0>", "dur": 400},
+        {"ph": "X", "cat": "kernel", "name": "void (anonymous namespace)::qdq_dim0_kernel<0>", "dur": 200},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000},  # host time: not GPU time
+        {"ph": "i", "cat": "kernel", "name": "a marker", "dur": 7},  # not a complete event
+    ]
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_trace_breakdown_per_step_by_category(tmp_path, capsys):
+    r = trace.breakdown(json.loads(_trace(tmp_path).read_text()))
+    assert r["steps"] == 2
+    assert r["ms_per_step"] == pytest.approx(
+        {"gemm": 1.5, "mx cast / qdq": 0.3, "copy / index / pad": 0.05, "total": 1.85}
+    )
+    assert list(r["cast_kernels"].values()) == pytest.approx([0.2, 0.1])  # largest first
+    out = tmp_path / "b.json"
+    assert trace.main([str(_trace(tmp_path)), "--json", str(out)]) == 0
+    assert "mx cast / qdq" in capsys.readouterr().out
+    assert json.loads(out.read_text())["traces"][str(_trace(tmp_path))]["steps"] == 2
+
+
+def test_trace_that_is_not_a_trace_is_named(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match="x.json.*Chrome trace"):
+        trace.main([str(bad)])
+
+
+def test_cast_breakdown_sorts_casts_by_what_they_cast():
+    """Weights by their shape, the forward's casts (its thread) as activations; on CPU the backward
+    runs on the same thread, so a thread no event ran on makes every other cast a gradient."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mxmoe.ops import mx_mm
+    from mxmoe.recipe import MXRecipe
+
+    r = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(32, 64, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with torch.profiler.record_function("steps"):
+            mx_mm(x, w.t(), r).sum().backward()
+    main = next(e.thread for e in prof.events() if e.name == "steps")
+    roles = cast_breakdown(prof, {tuple(w.shape)}, main)
+    assert {"weights", "activations"} <= set(roles) and "gradients" not in roles
+    assert any(k.startswith("weights: mxmoe::qdq") for k in roles)
+    roles = cast_breakdown(prof, {tuple(w.shape)}, -1)
+    assert "gradients" in roles and "activations" not in roles

@@ -1,0 +1,84 @@
+"""torchao's entry point (mxmoe.integrations.torchao): `torchao.quantize_(model, MXMoETrainingConfig,
+filter_fn=mx_filter_fn(config))` through torchao's handler registration makes the modules MX that
+`mxmoe.convert` makes MX, with the same recipe: on mxmoe's own model and on a Hugging Face one."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchao", reason="torchao is not installed")
+from torchao import quantize_  # noqa: E402
+from torchao.prototype.moe_training.config import MXFP8TrainingRecipe  # noqa: E402
+
+import mxmoe  # noqa: E402
+from mxmoe.integrations.torchao import MXMoETrainingConfig, mx_filter_fn  # noqa: E402
+from mxmoe.models import Transformer, model_args  # noqa: E402
+from mxmoe.nn import GroupedExperts, MXGroupedExperts, MXLinear  # noqa: E402
+from mxmoe.recipe import RECIPES  # noqa: E402
+
+
+def mx_modules(model) -> dict[str, object]:
+    return {n: m.recipe for n, m in model.named_modules() if isinstance(m, (MXLinear, MXGroupedExperts))}
+
+
+def tiny_moe():
+    torch.manual_seed(0)
+    args = model_args("debug_moe", dim=64, n_layers=2, n_heads=2, num_experts=4, moe_hidden_dim=32)
+    return Transformer(args)
+
+
+@pytest.mark.parametrize("recipe", list(MXFP8TrainingRecipe))
+def test_quantize_with_torchaos_recipe_names_equals_mxmoe_convert(recipe):
+    """Each of torchao's MXFP8 training recipes (enum or name) converts what mxmoe.convert
+    converts, with mxmoe's recipe of that name; the forward is bit for bit mxmoe.convert's."""
+    config = MXMoETrainingConfig.from_recipe(recipe)
+    assert config == MXMoETrainingConfig.from_recipe(recipe.value)
+    model = tiny_moe()
+    ref = mxmoe.convert(copy.deepcopy(model), config.options)
+    quantize_(model, config, filter_fn=mx_filter_fn(config))
+    assert mx_modules(model) == mx_modules(ref) and mx_modules(model)
+    assert set(mx_modules(model).values()) == {RECIPES[recipe.value]}
+    assert any(isinstance(m, MXGroupedExperts) for m in model.modules())
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], ref(ids)[0])
+
+
+def test_quantize_a_hugging_face_model_as_mxmoe_convert():
+    """A Hugging Face model: the experts get experts_implementation="mxmoe", attention, router and
+    lm_head stay high precision, as with mxmoe.convert."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_models import tiny_model, tokens
+
+    model = tiny_model("deepseek_v3")
+    ref = mxmoe.convert(copy.deepcopy(model), mxmoe.MXOptions())
+    config = MXMoETrainingConfig.from_recipe("mxfp8_rceil")
+    quantize_(model, config, filter_fn=mx_filter_fn(config))
+    assert model.config._experts_implementation == "mxmoe"
+    assert model.model.layers[1].mlp.experts.mx_recipe == RECIPES["mxfp8_rceil"]
+    assert mx_modules(model) == mx_modules(ref)
+    assert not any("self_attn" in n or n == "lm_head" for n in mx_modules(model))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens(2, 16)).logits, ref(input_ids=tokens(2, 16)).logits)
+
+
+def test_a_parent_module_selected_converts_its_children_and_bad_input_is_named():
+    """filter_fn selecting a block converts inside it by the options; an unknown recipe name and a
+    module that cannot be MX (dims not divisible by 32) are errors naming them."""
+    model = tiny_moe()
+    config = MXMoETrainingConfig()
+    quantize_(model, config, filter_fn=lambda m, fqn: fqn == "layers.1")
+    assert {n.split(".")[1] for n in mx_modules(model)} == {"1"}
+    with pytest.raises(ValueError, match=r"recipe_name='mxfp9'"):
+        MXMoETrainingConfig.from_recipe("mxfp9")
+    odd = torch.nn.Sequential(torch.nn.Linear(64, 40), GroupedExperts(64, 33, 4))
+    with pytest.raises(ValueError, match=r"a Linear with dims 64x40 cannot be MX"):
+        quantize_(odd, config, filter_fn=lambda m, fqn: fqn == "0")
+    quantize_(odd, config, filter_fn=mx_filter_fn(config))  # leaves both out
+    assert not mx_modules(odd)

@@ -1,0 +1,188 @@
+"""`mxmoe train` refuses, at start and naming the option, the rank or the file, what used to run
+silently wrong or fail late: ranks resolving the checkpoint folder or reading file contents apart, a
+key given twice, sizes no memory holds, the native MX GEMM where it cannot run, a trace folder that
+cannot be written; one data file is never both splits; Ctrl-C saves and stops as SIGTERM does; the
+divergence error says when nothing was saved yet."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import spawn_ranks
+from test_config import _rank_in_its_folder, _rank_with_extra
+from test_trainer import TINY, losses
+
+from mxmoe.train import trainer
+from mxmoe.train.checkpoint import Checkpointer
+from mxmoe.train.config import parse_args
+from mxmoe.train.data import file_hash, load_corpus
+
+REPO = Path(__file__).parents[2]
+
+
+def test_ranks_resolving_the_checkpoint_folder_apart_stop_at_start(tmp_path):
+    """A relative checkpoint.folder from two working folders: both ranks stop before training,
+    naming the folder each resolved (the only save once failed at the end of the run)."""
+    for r in range(2):
+        (tmp_path / f"cwd{r}").mkdir()
+    argv = TINY + ["--training.steps=2", "--checkpoint.folder=ck", f"--job.dump_folder={tmp_path}/run"]
+    spawn_ranks(_rank_in_its_folder, 2, argv, str(tmp_path))
+    for r in range(2):
+        assert (tmp_path / f"rc{r}").read_text() == "2"
+        err = (tmp_path / f"err{r}").read_text()
+        assert "the ranks resolve checkpoint.folder='ck' to different folders" in err, err
+        assert f"rank 0: {tmp_path / 'cwd0' / 'ck'}; rank 1: {tmp_path / 'cwd1' / 'ck'}" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_ranks_reading_files_of_other_contents_stop_naming_them(tmp_path):
+    """The same file names and sizes on both ranks, other bytes: both stop at start (the corpus
+    identity was names and sizes only)."""
+    for r in range(2):
+        data = tmp_path / f"cwd{r}" / "data"
+        data.mkdir(parents=True)
+        for i in range(6):
+            (data / f"m{i}.py").write_text(f"# file {i}\n" + ("a = 1\n" if r == 0 else "b = 2\n") * 40)
+    argv = TINY + ["--training.steps=2", "--data.path=data", f"--job.dump_folder={tmp_path}/run"]
+    spawn_ranks(_rank_in_its_folder, 2, argv, str(tmp_path))
+    for r in range(2):
+        assert (tmp_path / f"rc{r}").read_text() == "2"
+        err = (tmp_path / f"err{r}").read_text()
+        assert "the ranks read different data for data.path='data' (files of the same names and sizes, " \
+            "other contents)" in err, err
+        assert ", contents " in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_ranks_with_the_same_files_still_train(tmp_path):
+    """The content check passes ranks that read the same bytes (an absolute data.path)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(6):
+        (data / f"m{i}.py").write_text(f"# file {i}\n" + "a = 1\n" * 40)
+    argv = TINY + ["--training.steps=1", f"--data.path={data}", f"--job.dump_folder={tmp_path}/run"]
+    spawn_ranks(_rank_with_extra, 2, argv, [], str(tmp_path))
+    assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"]
+
+
+@pytest.mark.parametrize(
+    "argv, shown, last",
+    [
+        (["--training.steps=3", "--training.steps=4"], "('--training.steps=3' and '--training.steps=4')", 4),
+        (["--training.steps", "5", "--training.steps=6"], "('--training.steps 5' and "
+         "'--training.steps=6')", 6),
+    ],
+)
+def test_a_key_given_twice_is_said_naming_both(argv, shown, last, capsys):
+    """A repeated key takes the last value, as before (a base list of options with overrides after
+    it is common), but no longer silently: a warning names both arguments."""
+    assert parse_args(argv).training.steps == last
+    err = capsys.readouterr().err
+    assert f"mxmoe WARNING: --training.steps is given twice {shown}: the last applies" in err, err
+    assert parse_args(argv[:-1]) is not None
+    assert "given twice" not in capsys.readouterr().err  # once: nothing said
+
+
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        (["--training.seq_len=99999999999999999999"], "training.seq_len=99999999999999999999 needs at least"),
+        (["--model.dim=1000000", "--model.n_heads=1"], "model debug_moe (dim 1000000, "),
+    ],
+)
+def test_sizes_no_memory_holds_are_refused_before_building(tmp_path, capsys, opts, message):
+    assert trainer.main(TINY + [f"--job.dump_folder={tmp_path}/run", *opts]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "GiB per rank" in err and "of cpu" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_native_gemm_on_a_cpu_is_refused_at_start(tmp_path, capsys):
+    argv = TINY + ["--model.converters=mx", "--mx.gemm_backend=native", f"--job.dump_folder={tmp_path}/run"]
+    assert trainer.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "mx.gemm_backend='native' needs a CUDA device of compute capability 10.x" in err, err
+    assert "got a cpu device; use 'auto' or 'emulated'" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_unwritable_trace_folder_is_refused_at_start(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    argv = TINY + [
+        f"--job.dump_folder={tmp_path}/run",
+        "--profiling.enable_profiling",
+        f"--profiling.save_traces_folder={tmp_path}/file/traces",
+    ]
+    assert trainer.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"profiling.save_traces_folder='{tmp_path}/file/traces': cannot write traces" in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _one_split_corpus(folder: Path) -> Path:
+    """Files whose names all hash at or above 0.05: with data.val_fraction=0.05 no file is held out."""
+    folder.mkdir()
+    names = [n for n in (f"m{i}.py" for i in range(100)) if file_hash(n) >= 0.05][:6]
+    for i, n in enumerate(names):
+        (folder / n).write_text(f"# file {i}\n" + "x = 1\n" * (30 + i))
+    return folder
+
+
+@pytest.mark.parametrize("max_files", [1, 2])
+def test_max_files_leaving_one_file_splits_it_by_bytes(tmp_path, max_files):
+    """data.max_files=1 (or 2) once validated on the training file itself: now its last
+    val_fraction of bytes is validation, as for a one-file corpus."""
+    data = _one_split_corpus(tmp_path / "data")
+    c = load_corpus(str(data), 0.05, max_files, [".py"])
+    assert c.identity["files"] == 1
+    sizes = sorted(p.stat().st_size for p in data.iterdir())
+    total = c.train.numel() + c.val.numel()
+    assert total - 1 in sizes  # one file and its EOS, split: no byte in both
+    assert c.val.numel() == total - int(total * 0.95) > 0
+
+
+def test_the_divergence_error_says_no_checkpoint_was_saved_yet(tmp_path, capsys):
+    args = ["--optimizer.lr=1e30", "--lr_scheduler.warmup_steps=0", "--training.steps=4"]
+    argv = TINY + [f"--job.dump_folder={tmp_path}/run", f"--checkpoint.folder={tmp_path}/ckpt", *args]
+    assert trainer.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "step 2: non-finite" in err and f"no checkpoint in {tmp_path}/ckpt yet" in err, err
+    assert "None" not in err
+
+
+def test_ctrl_c_saves_and_stops_with_one_line(tmp_path):
+    """SIGINT (Ctrl-C) finishes the step, saves it and exits 130 with one warning line, no
+    traceback (a KeyboardInterrupt traceback once lost the steps since the last checkpoint)."""
+    run = tmp_path / "run"
+    argv = TINY + [
+        f"--job.dump_folder={run}",
+        f"--checkpoint.folder={run}/ckpt",
+        "--checkpoint.interval=1000",
+        "--training.steps=100000",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mxmoe", "train", *argv], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "training did not log 3 steps in 120 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1].startswith("mxmoe WARNING: Ctrl-C: stopped after step"), err
+    last = max(losses(run))
+    assert Checkpointer(str(run / "ckpt")).latest() == run / "ckpt" / f"step-{last:08d}"
