@@ -121,6 +121,9 @@ def test_seed_flags_in_toml_with_command_line_overrides(tmp_path):
     assert isinstance(build_model_converters(cfg, SimpleNamespace(tp=1)).converters[0], MXMoEConverter)
 
 
+CONVERTER = ["--model.converters", "mxmoe"]
+
+
 @pytest.mark.parametrize(
     "spelling",
     [
@@ -133,10 +136,11 @@ def test_both_boolean_spellings_on_the_command_line(spelling):
     """`--mx.no-convert-linears` and `--mx.convert_linears=false` mean one thing here, as in `mxmoe
     train`, in the parse that imports the adapter and in every later one (issue 57)."""
     for _ in range(2):
-        cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, *spelling])
+        cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, *CONVERTER, *spelling])
         mx = cfg.mx
         assert (mx.convert_linears, mx.mxfp8_a2a, mx.convert_grouped_experts) == (False, False, True)
-    cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, "--mx.convert_linears=true"])
+    args = ["--job.custom_config_module", PKG, *CONVERTER, "--mx.convert_linears=true"]
+    cfg = ConfigManager().parse_args(args)
     assert cfg.mx.convert_linears is True
 
 
