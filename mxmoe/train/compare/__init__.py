@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--train_targets",
         type=comma_list(float),
         help="time-to-target training losses, e.g. 1.2,1.0 (default: the baseline's mean curve past its "
-        "knee; docs/numerics.md)",
+        "knee)",
     )
     ap.add_argument(
         "--val_targets",
