@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION) triton==$(TRITON_VERSION) \
 		numpy tabulate tqdm "tyro>=1.0,<2" matplotlib pytest pytest-timeout pytest-xdist hypothesis ruff \
 		"setuptools>=77"
+	# the optional extras' tests: `mxmoe export` to safetensors, `--metrics.enable_wandb` (offline)
+	$(BIN)/python -m pip install -q safetensors wandb torch==$(TORCH_VERSION)
 	# the torchtitan integration's tests (torch stays pinned)
 	$(BIN)/python -m pip install -q torchtitan==0.3.0 torch==$(TORCH_VERSION)
 	# the peer the native (Blackwell) GEMM's tests compare with, and torchao's quantize_ entry point

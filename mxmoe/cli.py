@@ -1,8 +1,11 @@
-"""The `mxmoe` command: `mxmoe train ...`, `mxmoe plot ...`, `mxmoe compare ...`, `mxmoe config ...`,
-`mxmoe bench {cast,a2a,linear,grouped_mm,overhead,train,fidelity} ...`.
+"""The `mxmoe` command: `mxmoe train ...`, `mxmoe export ...`, `mxmoe plot ...`, `mxmoe compare ...`,
+`mxmoe config ...`, `mxmoe bench {cast,a2a,linear,grouped_mm,overhead,train,fidelity} ...`.
 
 Each subcommand lives in its own module exposing `main(argv: list[str]) -> int`; it is imported
-only when used, so `mxmoe --help` stays fast. Lists are given one way everywhere: comma separated
+only when used, so `mxmoe --help` stays fast. Options are spelled one way everywhere: words joined
+by underscores, as the trainer's (torchtitan's) keys (`--training.local_batch_size`, `mxmoe bench
+train --warmup_steps 5`); dashes are accepted too (`--warmup-steps`), in every command
+(`ArgumentParser` here, tyro in the trainer). Lists are comma separated everywhere
 (`--mx.filter_fqns=output,router`, `mxmoe plot --labels a,b`, `mxmoe bench a2a --dims 5120,7168`).
 """
 
@@ -16,6 +19,63 @@ from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+def _underscored(option: str) -> str:
+    """`--warmup-steps` -> `--warmup_steps` (a long option's name; its `=value` is kept as is)."""
+    if not option.startswith("--") or option == "--":
+        return option
+    name, eq, value = option[2:].partition("=")
+    return "--" + name.replace("-", "_") + eq + value
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with mxmoe's one option spelling: long options are declared and shown with
+    underscores (`--no_graph`, `--no_deterministic` for a BooleanOptionalAction), and given with
+    either underscores or dashes (`--no-graph`)."""
+
+    def add_argument(self, *names, **kwargs):
+        return _underscored_action(self, super().add_argument(*names, **kwargs))
+
+    def add_argument_group(self, *args, **kwargs):
+        return _underscoring(super().add_argument_group(*args, **kwargs))
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        return _underscoring(super().add_mutually_exclusive_group(**kwargs))
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        end = args.index("--") if "--" in args else len(args)  # after "--": positionals only
+        return super().parse_known_args([_underscored(a) for a in args[:end]] + args[end:], namespace)
+
+
+def _underscored_action(container, action: argparse.Action) -> argparse.Action:
+    """`action`'s long option strings (those argparse made too: BooleanOptionalAction's `--no-x`)
+    respelled with underscores, in the action and in `container`'s lookup table."""
+    table = container._option_string_actions
+    if isinstance(action, argparse.BooleanOptionalAction):
+        action.__class__ = _BooleanOptional
+    for i, old in enumerate(action.option_strings):
+        new = _underscored(old)
+        if new != old:
+            action.option_strings[i] = new
+            table[new] = table.pop(old)
+    return action
+
+
+class _BooleanOptional(argparse.BooleanOptionalAction):
+    """BooleanOptionalAction whose negative option is `--no_x` (argparse's own tests for `--no-`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.option_strings:
+            setattr(namespace, self.dest, not option_string.startswith("--no_"))
+
+
+def _underscoring(group):
+    add = group.add_argument
+    group.add_argument = lambda *names, **kwargs: _underscored_action(group, add(*names, **kwargs))
+    return group
+
 
 def comma_list(
     item: Callable[[str], T] = str,
@@ -119,6 +179,7 @@ def _what(path: Path) -> str:
 
 COMMANDS = {
     "train": "mxmoe.train.trainer",
+    "export": "mxmoe.train.export",
     "plot": "mxmoe.train.plot",
     "compare": "mxmoe.train.compare",
     "config": "mxmoe.configs",
@@ -160,7 +221,8 @@ def usage() -> str:
         "usage: mxmoe COMMAND [ARGS...]\n       mxmoe --version\n\ncommands:\n"
         + _listing(COMMANDS)
         + "\n  bench NAME       benchmarks: `mxmoe bench --help`\n\n"
-        "`mxmoe COMMAND --help` describes each command's options; lists are comma separated everywhere."
+        "`mxmoe COMMAND --help` describes each command's options; options are written with underscores "
+        "(dashes accepted), lists comma separated, everywhere."
     )
 
 

@@ -20,7 +20,7 @@ GEMM_BACKENDS = ("auto", "emulated", "native")
 REMOVED_GEMM_BACKENDS = {
     "fp8": "the Hopper fp8 GEMM backend was removed: it ran at 0.48-0.69x bf16 forward, slower than "
     "the emulated GEMM (0.82-0.94x); why, and where its measurements are: "
-    "docs/training-ops.md, 'Why there is no fp8 GEMM on Hopper'",
+    "the training-ops page of mxmoe's documentation, 'Why there is no fp8 GEMM on Hopper'",
 }
 """Backends that are gone, with the reason a config naming one is told."""
 GEMM_DTYPES: dict[str, torch.dtype | None] = {

@@ -663,3 +663,16 @@ def mx_cast_sm90(mx_cast_sm90_nvcc: JobResult) -> Sm90Build:
     ptxas = {m.group(1): tuple(int(m.group(i)) for i in range(2, 6)) for m in re.finditer(pattern, messages)}
     (ptx_file,) = res.folder.glob("*.ptx")
     return Sm90Build(res.cmd, res.folder / "mx_cast.o", ptx_file.read_text(), ptxas)
+
+
+def run_without(packages: list[str], argv: list[str], cwd) -> subprocess.CompletedProcess:
+    """`python ARGV` in a subprocess (this checkout first on the path) as on a machine where
+    `packages` are not installed (tests/without/sitecustomize.py); its output captured as text."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "without"), str(ROOT)]),
+        "MXMOE_TEST_WITHOUT": ",".join(packages),
+    }
+    return subprocess.run(
+        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m mxmoe bench a2a [--batches 1,2,4,8,16] [--seq 8192] \
         [--dims 5120,7168] [--transport symm,nccl] [--chunks auto,2,4,8] [--profile DIR] [--json PATH]
-        [--check-only]
+        [--check_only]
 
 Each rank holds batch x seq tokens of `dim` (bf16) and sends an equal share to every rank. Rows:
 forward, backward and forward+backward times of the bf16 all-to-all (`a2a_unquantized`, NCCL) and of the
@@ -11,7 +11,7 @@ median of >= 20 runs, maximum over ranks
 (mxmoe.bench.timing.bench). The breakdown times each stage alone: quantize all rows, the NCCL exchange
 of the MXFP8 bytes (elements + scales, all_to_all_single), dequantize all rows, and their serial sum.
 Before timing, every shape is checked bit for bit against `reference_mxfp8_a2a` (forward and backward),
-plus one uneven-split case; `--no-check` skips that.
+plus one uneven-split case; `--no_check` skips that.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mxmoe.bench.timing import bench, environment, print_table, require_cuda, write_json
+from mxmoe.cli import ArgumentParser
 from mxmoe.comm import (
     a2a_combine,
     a2a_dispatch_mxfp8,
@@ -72,7 +73,7 @@ def variants(transports: list[str], chunks: list[int | None]) -> list[tuple[str,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mxmoe bench a2a", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16], help="batch sizes (comma list)")
@@ -97,12 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5, help="untimed runs before each measurement (default 5)")
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
     p.add_argument(
-        "--high-priority-nccl",
+        "--high_priority_nccl",
         action="store_true",
         help="give NCCL's streams high priority (ProcessGroupNCCL.Options)",
     )
-    p.add_argument("--no-check", dest="check", action="store_false", help="skip the bit-exactness check")
-    p.add_argument("--check-only", action="store_true", help="only run the bit-exactness checks")
+    p.add_argument("--no_check", dest="check", action="store_false", help="skip the bit-exactness check")
+    p.add_argument("--check_only", action="store_true", help="only run the bit-exactness checks")
     p.add_argument(
         "--profile",
         default=None,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from mxmoe.bench import timing
-from mxmoe.cli import comma_list, positive_int
+from mxmoe.cli import ArgumentParser, comma_list, positive_int
 from mxmoe.recipe import CAST_KERNELS
 
 MODES = ("dim0", "dim1", "dim0_dim1", "3d", "dequant", "qdq")
@@ -66,7 +66,7 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mxmoe bench cast",
         description="Time the MX cast kernels (median of CUDA-event timings, inputs rotated past the "
         "L2) against the device copy bandwidth measured in the same run.",

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mxmoe.cli import comma_list, positive_int
+from mxmoe.cli import ArgumentParser, comma_list, positive_int
 
 VARIANTS = (
     "bf16",
@@ -252,7 +252,7 @@ def format_table(res: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mxmoe bench fidelity",
         description="Gradient and loss error of MX variants vs fp32 at bf16-trained weights "
         "(relative gradient error per parameter group; see the module docstring).",

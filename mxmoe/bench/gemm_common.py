@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mxmoe.bench.timing import bench, bf16_gemm_tflops, environment, print_table, require_cuda, write_json
-from mxmoe.cli import comma_list
+from mxmoe.cli import ArgumentParser, comma_list
 from mxmoe.recipe import GEMM_BACKENDS, RECIPES, check_gemm_backend  # RECIPES: the recipes timed
 
 
@@ -167,7 +167,7 @@ def forward_rows(
 
 def build_parser(name: str, doc: str, pattern: str, example: str, forward: bool) -> argparse.ArgumentParser:
     """The options of `mxmoe bench NAME` (linear, grouped_mm); `forward`: it has --forward."""
-    p = argparse.ArgumentParser(prog=f"mxmoe bench {name}", description=doc)
+    p = ArgumentParser(prog=f"mxmoe bench {name}", description=doc)
     p.add_argument(
         "--shape",
         type=comma_list(shape_parser(pattern, example)),
@@ -179,7 +179,7 @@ def build_parser(name: str, doc: str, pattern: str, example: str, forward: bool)
     )
     p.add_argument("--kernel", default="auto", help="cast kernel: auto | torch | triton | cuda")
     p.add_argument(
-        "--gemm-backend", default="emulated", help=f"MX GEMM backend of fwd+bwd: {' | '.join(GEMM_BACKENDS)}"
+        "--gemm_backend", default="emulated", help=f"MX GEMM backend of fwd+bwd: {' | '.join(GEMM_BACKENDS)}"
     )
     p.add_argument("--iters", type=int, default=20, help="timed runs per measurement (default 20)")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
@@ -209,7 +209,7 @@ def main(
     p = build_parser(name, doc, pattern, example, forward=run_forward is not None)
     args = p.parse_args(argv)
     try:  # argparse's choices= would not say why a removed backend is gone
-        check_gemm_backend(args.gemm_backend, "--gemm-backend")
+        check_gemm_backend(args.gemm_backend, "--gemm_backend")
     except ValueError as e:
         p.error(str(e))
     require_cuda(f"mxmoe bench {name}")

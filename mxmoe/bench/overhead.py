@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 from collections.abc import Callable
 
 import torch
 
 from mxmoe.bench import timing
-from mxmoe.cli import positive_int
+from mxmoe.cli import ArgumentParser, positive_int
 from mxmoe.recipe import CAST_KERNELS
 
 BLOCK = 32
@@ -47,7 +48,7 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mxmoe bench overhead",
         description="Host microseconds per call of the MX ops (casts, dequantize, mx_mm, mx_grouped_mm, "
         "the all-to-all on one rank) beside copy_, x.to(float8), torch.mm and torch._grouped_mm.",
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=positive_int, default=300, help="calls per measurement (default 300)")
     p.add_argument("--warmup", type=positive_int, default=20, help="untimed calls first (default 20)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: cuda if any")
-    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replays")
+    p.add_argument("--no_graph", action="store_true", help="skip the CUDA-graph replays")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
     return p
 
@@ -79,7 +80,6 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
     """(op, impl, fn, graphable) for every row; inputs are made here, once."""
     from mxmoe.comm import a2a_unquantized, to_mxfp8_a2a_dequant
     from mxmoe.ops import mx_grouped_mm, mx_mm
-    from mxmoe.ops.tail_rows import zero_rows_after
     from mxmoe.quant import available_kernels, to_mx, to_mx_dim0_dim1
     from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
     from mxmoe.recipe import DEFAULT_RECIPE
@@ -138,6 +138,9 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
         ("mx_mm fwd+bwd", "auto", fwd_bwd(lambda: mx_mm(xg, wg, r)), False),
     ]
     if device.type == "cuda":  # torch._grouped_mm: CUDA bf16 only
+        # the tail-rows kernels are Triton's and the C++ extension's (their module imports triton)
+        from mxmoe.ops.tail_rows import zero_rows_after
+
         cases += [
             ("torch._grouped_mm fwd", "native", lambda: torch._grouped_mm(x, w3, offs=offs), False),
             (
@@ -214,8 +217,27 @@ def run(args) -> list[dict]:
     return rows
 
 
+def missing_triton(kernels: list[str] | None) -> str | None:
+    """The one-line refusal of kernels that need the triton package where it is not installed (the
+    CUDA rows all do: `zero_rows_after`'s module imports it); None when nothing asked needs it."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None:
+        return None
+    asked = sorted(set(kernels or []) & {"triton", "cuda"})
+    if asked:
+        return f"--kernel {','.join(asked)}: needs the triton package, which is not installed"
+    if torch.cuda.is_available():
+        return "the CUDA rows need the triton package, which is not installed (or pass --device cpu)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    why = missing_triton(args.kernel) if args.device != "cpu" or args.kernel else None
+    if why is not None:
+        print(f"mxmoe bench overhead: {why}: pip install 'mxmoe[triton]'", file=sys.stderr)
+        return 2
     rows = run(args)
     R, C = args.shape
     env = timing.environment()

@@ -20,6 +20,8 @@ import argparse
 
 import torch
 
+from mxmoe.cli import ArgumentParser
+
 SHAPES = ["16384x1024x1024", "32768x1024x2048", "16384x2048x2048", "16384x4096x4096", "65536x7168x2048"]
 
 
@@ -76,7 +78,7 @@ def measure(M: int, K: int, N: int, iters: int) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mxmoe bench overlap", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="mxmoe bench overlap", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of MxKxN (default {SHAPES})")
     p.add_argument("--iters", type=int, default=30, help="timed repeats per pattern (default 30)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")

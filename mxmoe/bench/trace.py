@@ -16,6 +16,8 @@ import gzip
 import json
 import re
 
+from mxmoe.cli import ArgumentParser
+
 _GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 
@@ -57,7 +59,7 @@ def breakdown(trace: dict) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mxmoe bench trace",
         description="GPU ms per recorded step by kernel category (GEMMs, MX casts, attention, ...) "
         "of torch.profiler Chrome traces (mxmoe's or torchtitan's)",

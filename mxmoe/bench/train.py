@@ -18,7 +18,7 @@ on one fixed batch, in each mode:
   compile+graph  per-block compile, the step as one CUDA graph
   compile_full+graph   both
 
-After `--warmup-steps` untimed steps (compilation, capture, autotuning), `--steps` steps are timed
+After `--warmup_steps` untimed steps (compilation, capture, autotuning), `--steps` steps are timed
 by wall clock with the device synchronized only at both ends: tokens/s, ms per step; then three
 steps each started on an idle device, host_ms their median time until the step's Python returns (its
 kernels queued, not waited for: near step_ms, the step is bound by the host); peak memory
@@ -30,7 +30,7 @@ config) too.
 Each row (variant, mode) runs alone in a child process of its own (`python -m mxmoe bench train`
 for that row), and this process creates no CUDA context: a host-bound row (the MX per-block compile
 step) run after others in one process, or beside a parent process holding a CUDA context, runs
-markedly slower than alone (docs/benchmarks.md, "Training step"). `--same-process` runs the
+markedly slower than alone (docs/benchmarks.md, "Training step"). `--same_process` runs the
 rows in this process instead (quicker to start; several torchrun ranks always do).
 
     mxmoe bench train --config moe_1b --json train.json
@@ -46,7 +46,7 @@ import time
 import torch
 
 from mxmoe.bench import timing
-from mxmoe.cli import comma_list, positive_int
+from mxmoe.cli import ArgumentParser, comma_list, positive_int
 from mxmoe.train import determinism
 
 MODES = (
@@ -65,7 +65,7 @@ _COMPILE = {  # mode -> build_model(compile=...)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="mxmoe bench train",
         description="bf16 vs MX training steps of one model and batch (tokens/s, step time, peak memory), "
         "eager, compiled and CUDA-graphed. Other options (--config, --section.key=value) are the "
@@ -84,22 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma list of {list(MODES)}; default all on CUDA, eager on CPU",
     )
     p.add_argument("--steps", type=positive_int, default=20, help="timed steps (default 20)")
-    p.add_argument("--warmup-steps", type=positive_int, default=10, help="untimed steps first (default 10)")
+    p.add_argument("--warmup_steps", type=positive_int, default=10, help="untimed steps first (default 10)")
     p.add_argument(
         "--profile",
         metavar="DIR",
-        help="after timing, record --profile-steps more steps of each variant and mode with "
+        help="after timing, record --profile_steps more steps of each variant and mode with "
         "torch.profiler: DIR/<variant>_<mode>.txt (GPU time per kernel category, the operator table by "
         "device time, and the same grouped by input shapes) and the categories per step in the rows",
     )
     p.add_argument(
-        "--profile-steps", type=positive_int, default=2, help="steps recorded with --profile (default 2)"
+        "--profile_steps", type=positive_int, default=2, help="steps recorded with --profile (default 2)"
     )
     p.add_argument(
         "--json", metavar="PATH", help="also write the rows, the config and the environment as JSON"
     )
     p.add_argument(
-        "--same-process",
+        "--same_process",
         action="store_true",
         help="run every row in this process (default: each row alone in a child process, so no row is "
         "slowed by what another left behind; several torchrun ranks always share one)",
@@ -252,7 +252,7 @@ def _profile(step, params, variant: str, mode: str, device: torch.device, args) 
 
 def _row_in_subprocess(rest: list[str], variant: str, mode: str, args) -> dict:
     """One row measured by `python -m mxmoe bench train` in a child process, the row's variant and
-    mode only (`--same-process`); the row comes back through a JSON file. The caller (this process)
+    mode only (`--same_process`); the row comes back through a JSON file. The caller (this process)
     holds no CUDA context: a child beside a parent holding one ran the host-bound MX per-block
     compile step slower than the same row run alone."""
     import json
@@ -264,10 +264,10 @@ def _row_in_subprocess(rest: list[str], variant: str, mode: str, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="mxmoe_bench_train_") as tmp:
         out = os.path.join(tmp, "row.json")
         cmd = [sys.executable, "-m", "mxmoe", "bench", "train", *rest, "--variants", variant, "--modes", mode,
-               "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
-               "--same-process", "--json", out]
+               "--steps", str(args.steps), "--warmup_steps", str(args.warmup_steps),
+               "--same_process", "--json", out]
         if args.profile:
-            cmd += ["--profile", args.profile, "--profile-steps", str(args.profile_steps)]
+            cmd += ["--profile", args.profile, "--profile_steps", str(args.profile_steps)]
         # its stdout (its own one-row table) is dropped; its stderr (warnings, TORCH_LOGS, a crash) is ours
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL)
         if os.path.exists(out):

@@ -19,6 +19,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from mxmoe.cli import ArgumentParser
+
 TORCHTITAN = "torchtitan/"
 """The name prefix of torchtitan's job configs."""
 
@@ -50,7 +52,7 @@ def resolve(config: str, kind: str | None = None) -> Path:
         if kind == "trainer" and config.startswith(TORCHTITAN):
             raise ValueError(
                 f"--config {config!r} is a torchtitan job config, not mxmoe train's: give it to torchtitan "
-                f'as --job.config_file "$(mxmoe config path {config})" (docs/torchtitan.md)'
+                f'as --job.config_file "$(mxmoe config path {config})"'
             )
         return path(config)
     return Path(config)
@@ -74,7 +76,7 @@ def summary(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mxmoe config", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="mxmoe config", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="action", required=True, metavar="ACTION")
     sub.add_parser("list", help="every shipped config: its name, kind and first comment line")
     for action, what in (("path", "print the file's path"), ("show", "print the file's text")):

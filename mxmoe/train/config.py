@@ -8,12 +8,15 @@ replace the defaults below, and `--section.key value` / `--section.key=value` op
 The command line is parsed by tyro, as torchtitan's is: `--help` lists every field with its
 docstring, type, default and, for a `Literal` field, its choices; a value of the wrong type or not
 among the choices stops at parse time (exit status 2, tyro's message). A boolean takes true/false or
-no value (`--compile.enable` is `--compile.enable=true`); a list is comma separated
+no value (`--compile.enable` is `--compile.enable=true`), and its negative flag is false
+(`--mx.no-convert-linears`, torchtitan 0.2's spelling); a list is comma separated
 (`--mx.filter_fqns=output,router`); `None` gives an optional model field back to the preset.
 
 Keys are torchtitan 0.2's where it has one for the same idea (`training.local_batch_size`,
 `optimizer.lr`, `compile.enable`, ...); `RENAMED_KEYS` maps the old spellings to them, and an old
-key, in a file or on the command line, is refused with its replacement named. Values that parse but
+key, in a file or on the command line, is refused with its replacement named; so are torchtitan keys
+mxmoe spells otherwise (`TORCHTITAN_KEYS`; `--job.config_file` is taken as `--config`). Options are
+written with underscores, as torchtitan's keys; dashes are accepted too. Values that parse but
 cannot run are refused after parsing (`check_limits`, `mxmoe.train.build.check_values`).
 """
 
@@ -193,6 +196,11 @@ class Metrics:
     """Log loss (mean over the interval), lr, tokens/s and memory every this many steps."""
     enable_tensorboard: bool = False
     """Also write TensorBoard events to job.dump_folder (pip install 'mxmoe[tensorboard]')."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases what TensorBoard gets (pip install 'mxmoe[wandb]'; WANDB_MODE=offline
+    writes the run under job.dump_folder/wandb only)."""
+    wandb_project: str = "mxmoe"
+    """W&B project of the run (with enable_wandb; the run is named after its run id)."""
     progress_bar: bool = True
     """A tqdm progress bar on rank 0 when stderr is a terminal (else a line every log_freq steps)."""
 
@@ -274,6 +282,23 @@ RENAMED_KEYS: dict[str, str] = {
 _RENAME_NOTES = {
     "training.compile_full": ", set together with compile.enable=true",
 }
+
+
+TORCHTITAN_KEYS: dict[str, str] = {
+    "checkpoint.enable": "mxmoe train checkpoints when checkpoint.folder is set (--checkpoint.folder=PATH; "
+    "empty, the default, saves none)",
+    "validation.enable": "mxmoe train validates every validation.freq steps (--validation.freq=N; "
+    "0 disables)",
+    "job.config_file": "the config is --config NAME|FILE",
+}
+"""torchtitan keys with no field here -> what mxmoe calls the same idea. On the command line
+`--job.config_file FILE` is taken as `--config FILE`; the others (and job.config_file in a file) are
+refused naming their equivalent."""
+
+
+def torchtitan_key_message(key: str) -> str:
+    """What an error says of torchtitan's key `key` (a key of TORCHTITAN_KEYS)."""
+    return f"{key} is torchtitan's key; {TORCHTITAN_KEYS[key]}"
 
 
 def renamed_key_message(old: str) -> str:
@@ -463,6 +488,8 @@ def config_from_dict(data: dict, where: str) -> JobConfig:
             key = f"{section}.{name}"
             if key in RENAMED_KEYS:
                 raise ConfigError(f"{where}: {renamed_key_message(key)}")
+            if key in TORCHTITAN_KEYS:
+                raise ConfigError(f"{where}: {torchtitan_key_message(key)}")
             if name not in hints:
                 raise ConfigError(f"{where}: unknown config key {key!r}; [{section}] has {list(hints)}")
             values[name] = _check_value(key, value, hints[name])
@@ -568,8 +595,10 @@ def _bool_keys() -> set[str]:
 
 def _prepare(argv: list[str], twice: list[str] | None = None) -> tuple[str | None, list[str]]:
     """(the --config value, the other arguments for tyro): an old key refused naming its
-    replacement, a bare boolean option given the value true; `twice` gets a line per key given
-    more than once (the last applies, as tyro takes it)."""
+    replacement, torchtitan's keys taken or refused (TORCHTITAN_KEYS), a bare boolean option given
+    the value true and its negative form (`--mx.no-convert-linears`, `--mx.no_convert_linears`,
+    torchtitan 0.2's flags) the value false; `twice` gets a line per key given more than once (the
+    last applies, as tyro takes it)."""
     twice = [] if twice is None else twice
     bools = _bool_keys()
     config, out, i = None, [], 0
@@ -578,10 +607,11 @@ def _prepare(argv: list[str], twice: list[str] | None = None) -> tuple[str | Non
         arg = argv[i]
         key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
         key = key.replace("-", "_")
-        if key == "config":
+        section, _, name = key.partition(".")
+        if key in ("config", "job.config_file"):
             if not eq:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
-                    raise ConfigError("--config needs a value: a config name (mxmoe config list) or a file")
+                    raise ConfigError(f"--{key} needs a value: a config name (mxmoe config list) or a file")
                 i += 1
                 value = argv[i]
             if config is not None:
@@ -589,6 +619,19 @@ def _prepare(argv: list[str], twice: list[str] | None = None) -> tuple[str | Non
             config = value
         elif key in RENAMED_KEYS:
             raise ConfigError(f"--{renamed_key_message(key).replace(' is now ', ' is now --', 1)}")
+        elif key in TORCHTITAN_KEYS:
+            raise ConfigError(f"--{torchtitan_key_message(key)}")
+        elif name.startswith("no_") and key not in bools and f"{section}.{name[3:]}" in bools:
+            if eq:
+                raise ConfigError(
+                    f"{arg}: a negative flag takes no value; expected --{section}.{name[3:]}={value}"
+                    f" or --{key}"
+                )
+            key = f"{section}.{name[3:]}"
+            if key in given:
+                twice.append(f"--{key} is given twice ({given[key]!r} and {arg!r}): the last applies")
+            given[key] = arg
+            out.append(f"--{key}=false")
         else:
             _refuse_old_value(key, value if eq else argv[i + 1] if i + 1 < len(argv) else None)
             if "." in key:
@@ -620,12 +663,13 @@ def description() -> str:
     from mxmoe import configs
 
     paragraphs = [
-        "Train an MoE (or dense) byte-level language model, bf16 or MXFP8 (docs/training.md).",
+        "Train an MoE (or dense) byte-level language model, bf16 or MXFP8.",
         "Config: --config NAME|FILE, a config that ships with mxmoe (one of "
         f"{', '.join(configs.names('trainer'))}: `mxmoe config list`) or a TOML file of the sections "
         "below; the options below override it.",
-        "Booleans: --key, --key=true, --key=false. Lists: comma separated. An old key (e.g. "
-        "--training.batch_size) is refused with its new name.",
+        "Booleans: --key, --key=true, --key=false, --no_key (e.g. --mx.no_convert_linears). Lists: comma "
+        "separated. Dashes and underscores are one (--training.local-batch-size). An old key (e.g. "
+        "--training.batch_size) is refused with its new name; --job.config_file is --config.",
     ]
     # tyro joins a line starting with a letter to the one before: continuation lines are indented
     return "\n\n".join(textwrap.fill(p, 78, subsequent_indent="  ") for p in paragraphs)

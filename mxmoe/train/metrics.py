@@ -129,14 +129,25 @@ def strict_record(record: dict) -> dict:
 
 
 class MetricsWriter:
-    """metrics.jsonl (+ TensorBoard events when asked and installed); a no-op unless `enabled`
-    (rank 0). `start_step`: the step the run starts after (its resume step; 0 for a new run)."""
+    """metrics.jsonl (+ TensorBoard events, + a Weights & Biases run, when asked and installed); a
+    no-op unless `enabled` (rank 0). `start_step`: the step the run starts after (its resume step; 0
+    for a new run). TensorBoard and W&B get the same scalars: every number of each record but its
+    step, at that step. The W&B run is named after `run_id`, holds `config`, and writes its local
+    files under `folder`/wandb (WANDB_MODE=offline: only there)."""
 
     def __init__(
-        self, folder: str, enabled: bool, tensorboard: bool, config: dict, run_id: str, start_step: int = 0
+        self,
+        folder: str,
+        enabled: bool,
+        tensorboard: bool,
+        config: dict,
+        run_id: str,
+        start_step: int = 0,
+        wandb: bool = False,
+        wandb_project: str = "mxmoe",
     ):
         self.enabled, self.run_id, self.folder = enabled, run_id, folder
-        self.fh = self.tb = None
+        self.fh = self.tb = self.wb = None
         self.failed = False
         if not enabled:
             return
@@ -166,6 +177,12 @@ class MetricsWriter:
                 )
             else:
                 self.tb = SummaryWriter(str(path / "tb"))
+        if wandb:
+            try:
+                self.wb = _wandb_run(path, wandb_project, run_id, config)
+            except MetricsError:
+                self.close()
+                raise
 
     def _drop_after(self, file: Path, step: int) -> None:
         """Move the records of steps > `step` from `file` to metrics.dropped.jsonl (atomically)."""
@@ -207,10 +224,12 @@ class MetricsWriter:
             self.fh.flush()
         except OSError as e:
             raise self._error(METRICS, e) from None
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, record["step"])
+        if self.wb is not None:
+            self.wb.log(scalars, step=record["step"])
 
     def _error(self, name: str, e: OSError) -> MetricsError:
         self.failed = True
@@ -238,3 +257,29 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wb is not None:
+            wb, self.wb = self.wb, None
+            wb.finish()
+
+
+def _wandb_run(folder: Path, project: str, run_id: str, config: dict):
+    """A W&B run for the trainer's records (None, with a warning, where wandb is not installed);
+    MetricsError naming the option and the fix when W&B does not start (no API key, no server)."""
+    try:
+        import wandb
+    except ImportError:
+        log.warning(
+            "metrics.enable_wandb is on but the wandb package is not installed: not logging to W&B. "
+            "Install it with `pip install 'mxmoe[wandb]'` (or pass --metrics.enable_wandb=false)"
+        )
+        return None
+    try:
+        return wandb.init(
+            project=project, name=run_id, dir=str(folder), config=config, settings=wandb.Settings(quiet=True)
+        )
+    except Exception as e:  # wandb's UsageError, CommError, a timeout reaching its server
+        raise MetricsError(
+            f"metrics.enable_wandb: W&B did not start ({type(e).__name__}: {e}); log in (`wandb login` or "
+            "WANDB_API_KEY), or set WANDB_MODE=offline to keep the run under job.dump_folder/wandb, or pass "
+            "--metrics.enable_wandb=false"
+        ) from None

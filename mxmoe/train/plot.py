@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mxmoe.cli import ArgumentParser
+
 NUMBERS = ("loss", "aux_loss", "val_loss", "tokens_per_s", "memory_gib", "lr", "grad_norm")
 """Record fields that are a finite number or null (a value that was not finite: see mxmoe.train.metrics)."""
 COUNTS = ("loss_steps", "val_tokens")
@@ -418,7 +420,7 @@ def plot_runs(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mxmoe plot", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="mxmoe plot", description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="run folders (metrics.jsonl, config.json) or .jsonl files")
     ap.add_argument("--out", default="loss.png", help="output PNG path (default loss.png)")
     ap.add_argument(

@@ -393,8 +393,16 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
 
     _log_run(run, run_id)
     recorded = {**cfg.to_dict(), "corpus": run.corpus, "epochs": run.epochs}  # config.json
+    m = cfg.metrics
     metrics = MetricsWriter(
-        cfg.job.dump_folder, rank == 0, cfg.metrics.enable_tensorboard, recorded, run_id, start_step=step
+        cfg.job.dump_folder,
+        rank == 0,
+        m.enable_tensorboard,
+        recorded,
+        run_id,
+        start_step=step,
+        wandb=m.enable_wandb,
+        wandb_project=m.wandb_project,
     )
     world_group = dist.group.WORLD if distributed else None
     train_step = _TrainStep(run)

@@ -168,3 +168,21 @@ def test_train_bench_row_process_that_dies_is_an_error_row(monkeypatch, capsys):
     assert cli_main(argv) == 1
     out = capsys.readouterr().out
     assert out.count("the row's process exited with code 1, no row") == 2, out
+
+
+def test_overhead_without_triton_runs_on_cpu_or_refuses_in_one_line(tmp_path):
+    """Without the triton package: `mxmoe bench overhead` runs its CPU rows, and `--kernel triton`
+    is one line naming the fix, not a traceback (issue 57)."""
+    from conftest import run_without
+
+    bench = ["-m", "mxmoe", "bench", "overhead", "--device", "cpu", "--shape", "128x128", "--iters", "1"]
+    done = run_without(["triton"], [*bench, "--warmup", "1", "--kernel", "triton"], tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "mxmoe bench overhead: --kernel triton: needs the triton package, which is not installed: pip "
+        "install 'mxmoe[triton]'"
+    ]
+    done = run_without(["triton"], [*bench, "--warmup", "1", "--json", "o.json"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "o.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"native", "auto", "torch"}
+    assert all(r["error"] == "" for r in rows), [r for r in rows if r["error"]]

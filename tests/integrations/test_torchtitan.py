@@ -165,6 +165,24 @@ def test_bad_options_name_the_option(options, match):
         MXGroupedExpertsConverter.Config(**options).build()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only machine's refusal")
+def test_a_kernel_this_machine_cannot_run_is_refused_when_the_converter_is_built(monkeypatch):
+    """`triton` on a CPU without the Triton interpreter stops when the converter is built, naming
+    the option, not at the first forward (issue 57)."""
+    from mxmoe.integrations.torchtitan import MXMoEConverter
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for conv in (MXMoEConverter, MXLinearConverter, MXGroupedExpertsConverter):
+        with pytest.raises(ValueError, match=rf"{conv.__name__}: mx.mxfp8_dim0_cast_kernel_choice='triton' "
+                           r"cannot run on this machine's cpu: .*TRITON_INTERPRET=1"):
+            conv.Config(mxfp8_dim0_cast_kernel_choice="triton").build()
+        with pytest.raises(ValueError, match=r"mx.mxfp8_dim1_cast_kernel_choice='cuda' cannot run"):
+            conv.Config(mxfp8_dim1_cast_kernel_choice="cuda").build()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs it
+    conv = MXLinearConverter.Config(mxfp8_dim0_cast_kernel_choice="triton").build()
+    assert conv.recipe.dim0_kernel == "triton"
+
+
 def test_tensor_parallel_is_refused():
     lin = MXLinear.Config(in_features=64, out_features=32).build()
     with pytest.raises(ValueError, match="tensor_parallel_degree=2"):

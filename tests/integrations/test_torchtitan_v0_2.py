@@ -105,12 +105,12 @@ def test_seed_flags_in_toml_with_command_line_overrides(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text(
         f'[job]\ncustom_config_module = "{PKG}"\n\n[model]\nname = "deepseek_v3"\nflavor = "debugmodel"\n'
-        'converters = ["mx"]\n\n[mx]\nrecipe_name = "mxfp8"\nmxfp8_dim1_cast_kernel_choice = "cuda"\n'
+        'converters = ["mx"]\n\n[mx]\nrecipe_name = "mxfp8"\nmxfp8_dim1_cast_kernel_choice = "torch"\n'
         'filter_fqns = ["output", "router"]\n'
     )
     cfg = ConfigManager().parse_args(["--job.config_file", str(toml)])
     assert cfg.model.converters == ["mx"]
-    assert (cfg.mx.recipe_name, cfg.mx.mxfp8_dim1_cast_kernel_choice) == ("mxfp8", "cuda")
+    assert (cfg.mx.recipe_name, cfg.mx.mxfp8_dim1_cast_kernel_choice) == ("mxfp8", "torch")
     assert cfg.mx.filter_fqns == ["output", "router"]
     assert (cfg.mx.mxfp8_dim0_cast_kernel_choice, cfg.mx.gemm_backend) == ("auto", "auto")  # defaults
     # the command line wins over the file (torchtitan's precedence)
@@ -119,6 +119,40 @@ def test_seed_flags_in_toml_with_command_line_overrides(tmp_path):
     )
     assert (cfg.mx.recipe_name, cfg.mx.filter_fqns) == ("mxfp8_rceil", ["output"])
     assert isinstance(build_model_converters(cfg, SimpleNamespace(tp=1)).converters[0], MXMoEConverter)
+
+
+CONVERTER = ["--model.converters", "mxmoe"]
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        ["--mx.no-convert-linears", "--mx.no_mxfp8_a2a"],  # torchtitan 0.2's flags
+        ["--mx.convert_linears=false", "--mx.mxfp8-a2a", "false"],  # mxmoe train's values
+        ["--mx.convert-linears=False", "--mx.mxfp8_a2a=0"],
+    ],
+)
+def test_both_boolean_spellings_on_the_command_line(spelling):
+    """`--mx.no-convert-linears` and `--mx.convert_linears=false` mean one thing here, as in `mxmoe
+    train`, in the parse that imports the adapter and in every later one (issue 57)."""
+    for _ in range(2):
+        cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, *CONVERTER, *spelling])
+        mx = cfg.mx
+        assert (mx.convert_linears, mx.mxfp8_a2a, mx.convert_grouped_experts) == (False, False, True)
+    args = ["--job.custom_config_module", PKG, *CONVERTER, "--mx.convert_linears=true"]
+    cfg = ConfigManager().parse_args(args)
+    assert cfg.mx.convert_linears is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only machine's refusal")
+def test_a_kernel_this_machine_cannot_run_is_refused_when_the_converter_is_built(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, *SEED_FLAGS])
+    with pytest.raises(ValueError, match=r"model.converters mxmoe: mx.mxfp8_dim1_cast_kernel_choice='triton' "
+                       r"cannot run on this machine's cpu: .*TRITON_INTERPRET=1"):
+        build_model_converters(cfg, SimpleNamespace(tp=1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs it
+    assert MXMoEConverter(cfg, SimpleNamespace(tp=1)).recipe.dim1_kernel == "triton"
 
 
 @pytest.mark.parametrize(

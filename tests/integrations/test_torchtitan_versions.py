@@ -5,6 +5,7 @@ strings, but importing them imports the package, which needs a torchtitan instal
 from __future__ import annotations
 
 import importlib.util
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -52,3 +53,32 @@ def test_trainer_floor_is_set_timeout():
     with pytest.raises(ImportError, match=r"trainer needs torch >= 2.14 .*set_timeout.*this is torch 2.13.0"):
         check_trainer_torch(old)
     check_trainer_torch(SimpleNamespace(__version__="2.14.1", distributed=SimpleNamespace(set_timeout=print)))
+
+
+def test_without_torchtitan_the_data_tool_runs_and_adapter_names_fail_in_one_line(tmp_path):
+    """Without torchtitan: `python -m mxmoe.integrations.torchtitan.data` (which needs none) shows
+    its help and writes its dataset; an adapter's name raises the ImportError naming what to
+    install; `--tokenizer` without the tokenizers package is one line (issue 57)."""
+    from conftest import run_without
+
+    module = ["-m", "mxmoe.integrations.torchtitan.data"]
+    done = run_without(["torchtitan"], [*module, "--help"], tmp_path)
+    assert done.returncode == 0 and "usage: python -m mxmoe.integrations.torchtitan.data" in done.stdout
+    src = tmp_path / "a.py"
+    src.write_text("print('hello')\n")
+    done = run_without(["torchtitan", "tokenizers"], [*module, "out", "--path", str(src)], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(x) for x in (tmp_path / "out" / "data.json").read_text().splitlines()] == [
+        {"text": "print('hello')\n"}
+    ]
+    done = run_without(["torchtitan", "tokenizers"], [*module, "o2", "--tokenizer", "tok"], tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.endswith("--tokenizer needs the tokenizers package: pip install tokenizers")
+    code = "from mxmoe.integrations.torchtitan import MXMoEConverter"
+    done = run_without(["torchtitan"], ["-c", code], tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ImportError: mxmoe.integrations.torchtitan needs torchtitan 0.2.x (torch >= 2.11) or 0.3 (torch >= "
+        "2.14): pip install 'mxmoe[torchtitan02]' or 'mxmoe[torchtitan]'"
+    )

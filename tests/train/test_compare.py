@@ -240,7 +240,7 @@ def test_compare_reads_runs_and_writes_table_json_and_png(runs_root, tmp_path, c
         (["--runs", "{tmp}/nope"], "not a folder"),
         (["--runs", "{root}", "--variant", "fp8"], "no folder for variant(s) ['fp8']"),
         (["--runs", "{root}", "--baseline", "fp8"], "baseline='fp8'"),
-        (["--runs", "{root}", "--tail-steps", "-1"], "--tail-steps=-1"),
+        (["--runs", "{root}", "--tail-steps", "-1"], "--tail_steps=-1"),
         (["--runs", "{root}", "--", "--optimizer.lr=1"], "need --config"),
         (["--config", "debug_moe", "--variant", "a"], "expected at least 2"),
         (["--config", "debug_moe", "--variant", "a", "--variant", "a=--x.y=1"], "given twice"),

@@ -11,6 +11,7 @@ from mxmoe.recipe import GEMM_BACKENDS
 from mxmoe.train import trainer
 from mxmoe.train.config import (
     RENAMED_KEYS,
+    TORCHTITAN_KEYS,
     ConfigError,
     JobConfig,
     field_types,
@@ -477,3 +478,51 @@ def test_mx_cast_kernel_choices_reach_every_converted_module():
     recipes = {m.recipe for m in model.modules() if hasattr(m, "recipe")}
     base = recipe(cfg.mx.recipe_name)
     assert recipes == {dataclasses.replace(base, dim0_kernel="triton", dim1_kernel="torch")}
+
+
+@pytest.mark.parametrize(
+    "key, equivalent",
+    [("checkpoint.enable", "--checkpoint.folder=PATH"), ("validation.enable", "--validation.freq=N")],
+)
+def test_torchtitan_keys_mxmoe_spells_otherwise_are_refused_naming_mxmoe_s(tmp_path, capsys, key, equivalent):
+    """torchtitan's checkpoint.enable / validation.enable, on the command line and in a file, are
+    refused with what mxmoe calls the same idea (issue 57)."""
+    assert set(TORCHTITAN_KEYS) >= {"checkpoint.enable", "validation.enable", "job.config_file"}
+    for argv in ([f"--{key}"], [f"--{key}=true"], [f"--{key.replace('_', '-')}", "false"]):
+        with pytest.raises(ConfigError, match=f"--{key} is torchtitan's key; .*{equivalent}"):
+            parse_args(argv)
+    section, name = key.split(".")
+    toml = tmp_path / "tt.toml"
+    toml.write_text(f"[{section}]\n{name} = true\n")
+    with pytest.raises(ConfigError, match=f"{key} is torchtitan's key; .*{equivalent}"):
+        load_toml(str(toml))
+    assert trainer.main([f"--{key}"]) == 2
+    assert f"mxmoe train: error: --{key} is torchtitan's key" in capsys.readouterr().err
+
+
+def test_job_config_file_is_config_and_wandb_is_a_metrics_key():
+    for argv in (["--job.config_file", "debug_dense"], ["--job.config-file=debug_dense"]):
+        assert parse_args(argv).model.name == "debug_dense"
+    with pytest.raises(ConfigError, match="--config is given twice"):
+        parse_args(["--config", "debug_moe", "--job.config_file", "debug_dense"])
+    cfg = parse_args(["--metrics.enable_wandb", "--metrics.wandb_project=p"])
+    assert (cfg.metrics.enable_wandb, cfg.metrics.wandb_project) == (True, "p")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mx.no-convert-linears", "--compile.no_enable"],  # torchtitan 0.2's flags
+        ["--mx.no_convert_linears", "--compile.no-enable"],
+        ["--mx.convert_linears=false", "--compile.enable", "false"],  # values
+        ["--mx.convert-linears", "false", "--compile.enable=0"],
+    ],
+)
+def test_both_boolean_spellings(argv):
+    cfg = parse_args(["--compile.enable", "--mx.convert_linears", *argv])  # the last one wins
+    assert (cfg.mx.convert_linears, cfg.compile.enable) == (False, False)
+
+
+def test_a_negative_flag_takes_no_value():
+    with pytest.raises(ConfigError, match="a negative flag takes no value; expected --mx.convert_linears="):
+        parse_args(["--mx.no-convert-linears=true"])

@@ -75,9 +75,11 @@ def test_a_resumed_run_continues_the_records_without_duplicates(tmp_path):
 
 
 @pytest.mark.parametrize("full", ["config.json", "metrics.jsonl"])
-def test_a_full_disk_under_the_metrics_folder_is_an_error_not_a_traceback(tmp_path, capsys, monkeypatch,
-                                                                         full):
+def test_a_full_disk_under_the_metrics_folder_is_an_error_not_a_traceback(
+    tmp_path, capsys, monkeypatch, full
+):
     if full == "config.json":
+
         def write_atomic(path, text):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
@@ -90,3 +92,94 @@ def test_a_full_disk_under_the_metrics_folder_is_an_error_not_a_traceback(tmp_pa
     want = f"mxmoe train: error: job.dump_folder={str(run)!r}: cannot write {full}: No space left on device"
     assert want in err
     assert "Traceback" not in err, err
+
+
+def _wandb_records(folder, timeout_s: float = 60.0) -> list:
+    """The records of the one offline W&B run under `folder`/wandb, through its exit record: its
+    `.wandb` file read as wandb writes it (a 7-byte file header, then LevelDB-log records in 32 KiB
+    blocks, each a protobuf `Record`). wandb's service process may finish writing the file after
+    `finish()` returns: it is read again until the exit record is there."""
+    import struct
+    import time
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        (file,) = (folder / "wandb").glob("offline-run-*/run-*.wandb")
+        data, pos, block, buf, out = file.read_bytes(), 7, 32768, b"", []
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a header is padding
+                pos += block - pos % block
+                continue
+            _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if kind == 0 and n == 0:
+                break
+            buf, pos = buf + data[pos + 7 : pos + 7 + n], pos + 7 + n
+            if kind in (1, 4):  # a whole record, or its last part
+                rec = pb.Record()
+                rec.ParseFromString(buf)
+                out.append(rec)
+                buf = b""
+        if (out and out[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            assert data[:4] == b":W&B", data[:7]
+            return out
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def fresh_wandb(monkeypatch):
+    """wandb with no settings kept from an earlier run in this process (its setup is a singleton
+    that reads the environment once), torn down after the test."""
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_logs_what_tensorboard_gets(tmp_path, monkeypatch, fresh_wandb):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    args = [
+        "--training.steps=3",
+        f"--job.dump_folder={run}",
+        "--metrics.enable_wandb",
+        "--metrics.wandb_project=p",
+    ]
+    assert trainer.main(TINY + args) == 0
+    recs = _wandb_records(run)
+    kinds = [r.WhichOneof("record_type") for r in recs]
+    assert kinds.count("run") == 1 and kinds[-1] == "exit", kinds
+    (start,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+    run_id = _records(run)[0]["run_id"]
+    assert (start.display_name, start.project) == (run_id, "p")
+    config = {i.key: json.loads(i.value_json) for i in start.config.update}
+    assert config["training"]["steps"] == 3
+    history = [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in recs
+        if r.WhichOneof("record_type") == "history"
+    ]
+    # every number of each metrics.jsonl record (what TensorBoard gets), at its step
+    for rec, row in zip(_records(run), history, strict=True):
+        numbers = {
+            k: v
+            for k, v in rec.items()
+            if k not in ("step", "run_id", "time") and isinstance(v, (int, float))
+        }
+        assert row["_step"] == rec["step"]
+        assert {k: row[k] for k in numbers} == pytest.approx(numbers)
+
+
+def test_wandb_that_cannot_start_is_an_error_naming_the_fix(tmp_path, monkeypatch, capsys, fresh_wandb):
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings: not logged in
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    run = tmp_path / "run"
+    argv = ["--training.steps=1", f"--job.dump_folder={run}", "--metrics.enable_wandb"]
+    assert trainer.main(TINY + argv) == 1
+    err = capsys.readouterr().err
+    assert "mxmoe train: error: metrics.enable_wandb: W&B did not start (" in err
+    assert "set WANDB_MODE=offline" in err and "Traceback" not in err

@@ -192,3 +192,64 @@ def test_package_metadata_is_complete():
     assert PYPROJECT["authors"] == [{"name": "mxmoe developers"}]
     assert any(c.startswith("Development Status") for c in PYPROJECT["classifiers"])
     assert "tyro" in _names(PYPROJECT["dependencies"])
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_one_option_spelling_in_every_command(command):
+    """Every command's options are shown with underscores, as the trainer's keys (issue 57)."""
+    import importlib
+
+    name = command.split()
+    module = cli.BENCHES[name[1]] if name[0] == "bench" else cli.COMMANDS[name[0]]
+    for prog, flags, _ in _options(importlib.import_module(module).build_parser()):
+        for flag in flags:
+            assert not flag.startswith("--") or "-" not in flag[2:], f"{prog} {flag}: dashed"
+
+
+def test_dashes_and_underscores_are_one_spelling_everywhere():
+    from mxmoe.bench import a2a, train
+    from mxmoe.train.compare import build_parser as compare_parser
+    from mxmoe.train.config import parse_args
+
+    bench = train.build_parser()
+    dashed, _ = bench.parse_known_args(["--warmup-steps", "3", "--profile-steps=2", "--same-process"])
+    under, _ = bench.parse_known_args(["--warmup_steps", "3", "--profile_steps=2", "--same_process"])
+    assert dashed == under and (under.warmup_steps, under.profile_steps, under.same_process) == (3, 2, True)
+    assert a2a.build_parser().parse_args(["--no-check"]).check is False
+    for flag in ("--no-deterministic", "--no_deterministic"):
+        args = compare_parser().parse_args(["--config", "debug_moe", "--out", "o", flag])
+        assert args.deterministic is False
+    # after "--" nothing is respelled (compare hands those to the trainer)
+    assert cli._underscored("--a-b=c-d") == "--a_b=c-d" and cli._underscored("-x") == "-x"
+    t = parse_args(["--training.local-batch-size=3", "--training.local_batch_size", "4"])
+    assert t.training.local_batch_size == 4
+
+
+def test_shipped_help_messages_and_configs_name_no_repository_path():
+    """A pip user has the package, not the repository: the strings mxmoe shows (help, messages; not
+    docstrings) and the configs it ships name `mxmoe` commands, not `make train`, docs/ or scripts/
+    (issue 57)."""
+    import re
+
+    repo_path = re.compile(r"\bdocs/|\bscripts/|\btests/|\bmake (train|test|lint|wheel-check)\b")
+    found = []
+    for path in sorted((REPO / "mxmoe").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        found += [
+            f"{path.relative_to(REPO)}:{n.lineno}: {n.value[:80]!r}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+            and repo_path.search(n.value)
+        ]
+    for path in sorted((REPO / "mxmoe" / "configs").rglob("*.toml")):
+        lines = path.read_text().splitlines()
+        found += [f"{path.relative_to(REPO)}: {x}" for x in lines if repo_path.search(x)]
+    assert not found, "\n".join(found)
+
+
+def test_readme_installs_from_a_clone_or_a_wheel():
+    text = (REPO / "README.md").read_text()
+    install = text[text.index("## Install") : text.index("\n## ", text.index("## Install") + 1)]
+    assert "pip install ." in install and "pip wheel --no-deps -w dist ." in install
+    assert "pip install mxmoe" not in install  # on no index yet

@@ -23,6 +23,7 @@ beside them and one row of `common.ADAPTERS`, which picks it here.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 
@@ -33,17 +34,31 @@ from mxmoe.integrations.torchtitan.common import (
     mx_recipe,  # noqa: F401  (exported: __all__ below)
 )
 
-TORCHTITAN_VERSION = installed_torchtitan()
-"""The installed torchtitan's version string."""
-ADAPTER = check_versions(TORCHTITAN_VERSION, torch.__version__)
-"""The torchtitan (major, minor) whose adapter this package exports (a key of `common.ADAPTERS`)."""
+try:
+    TORCHTITAN_VERSION: str | None = installed_torchtitan()
+    """The installed torchtitan's version string (None: torchtitan is not installed)."""
+except ImportError as e:
+    TORCHTITAN_VERSION, _MISSING = None, str(e)
+ADAPTER = None if TORCHTITAN_VERSION is None else check_versions(TORCHTITAN_VERSION, torch.__version__)
+"""The torchtitan (major, minor) whose adapter this package exports (a key of `common.ADAPTERS`);
+None without torchtitan."""
 
-_adapter = importlib.import_module(ADAPTERS[ADAPTER].package)
-globals().update({name: getattr(_adapter, name) for name in _adapter.__all__})
-__all__ = sorted({"ADAPTER", "TORCHTITAN_VERSION", "mx_recipe", *_adapter.__all__})
+if ADAPTER is None:
+    # Without torchtitan the package still imports, for its tools that need none (`python -m
+    # mxmoe.integrations.torchtitan.data`); an adapter's name raises the ImportError naming the fix.
+    _adapter = None
+    __all__ = ["ADAPTER", "TORCHTITAN_VERSION", "mx_recipe"]
+else:
+    _adapter = importlib.import_module(ADAPTERS[ADAPTER].package)
+    globals().update({name: getattr(_adapter, name) for name in _adapter.__all__})
+    __all__ = sorted({"ADAPTER", "TORCHTITAN_VERSION", "mx_recipe", *_adapter.__all__})
 
 
 def __getattr__(name: str):
+    if _adapter is None:
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # a submodule: import it
+        raise ImportError(_MISSING)
     # what the adapter package resolves on first use (torchtitan 0.3's config functions)
     try:
         return getattr(_adapter, name)

@@ -157,6 +157,29 @@ def same_format(a: MXRecipe, b: MXRecipe) -> bool:
     return (a.elem_dtype, a.block_size, a.scaling_mode) == (b.elem_dtype, b.block_size, b.scaling_mode)
 
 
+KERNEL_FIELDS = ("mxfp8_dim0_cast_kernel_choice", "mxfp8_dim1_cast_kernel_choice")
+"""The MXOptions fields that name a cast kernel."""
+
+
+def check_kernels(options: MXOptions, where: str, device=None) -> None:
+    """ValueError naming the option, its value and why, when a cast kernel `options` names (not
+    "auto") cannot run on `device` (default: the one torchtitan trains on, CUDA where there is one,
+    else the CPU): called when a converter is built, so that `triton` on a CPU without the Triton
+    interpreter stops there, not at the first forward."""
+    import torch
+
+    from mxmoe.quant.backends import default_device, why_unavailable
+
+    device = default_device() if device is None else torch.device(device)
+    for name in KERNEL_FIELDS:
+        kernel = getattr(options, name)
+        reason = None if kernel == "auto" else why_unavailable(kernel, device)
+        if reason is not None:
+            raise ValueError(
+                f"{where}: mx.{name}={kernel!r} cannot run on this machine's {device.type}: {reason}"
+            )
+
+
 def tensor_parallel_error(where: str, degree: int) -> ValueError:
     """The refusal of tensor parallelism (both adapters): MX linears and experts compute on whole
     weights (no sharded-K GEMM, no sharded scales)."""

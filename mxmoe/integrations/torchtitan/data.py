@@ -14,10 +14,10 @@ one) for `--model.hf_assets_path TOK_DIR`, for machines without torchtitan's tes
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
+from mxmoe.cli import ArgumentParser
 from mxmoe.train.data import list_files
 
 
@@ -75,7 +75,8 @@ def _byte_of(ch: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    prog = "python -m mxmoe.integrations.torchtitan.data"
+    ap = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", help="folder to write data.json into")
     ap.add_argument("--path", default="", help="text file or folder (default: the Python standard library)")
     ap.add_argument("--ext", default=".py", help="comma-separated file endings to take (default .py)")
@@ -84,7 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     n = write_text_dataset(args.out_dir, args.path, tuple(e for e in args.ext.split(",") if e))
     print(f"wrote {n} records to {Path(args.out_dir) / 'data.json'}")
     if args.tokenizer:
-        v = write_byte_tokenizer(args.tokenizer)
+        try:
+            v = write_byte_tokenizer(args.tokenizer)
+        except ImportError:
+            ap.exit(2, f"{ap.prog}: --tokenizer needs the tokenizers package: pip install tokenizers\n")
         print(f"wrote a byte-level tokenizer (vocabulary {v}) to {args.tokenizer}")
 
 

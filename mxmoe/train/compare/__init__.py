@@ -9,7 +9,7 @@ Running: one `python -m mxmoe train` subprocess per (variant, seed), `--parallel
 (several small runs share one GPU; `--devices 0,1` spreads them over GPUs by CUDA_VISIBLE_DEVICES;
 `--nproc N` runs each under `torch.distributed.run` on N GPUs, e.g. for expert parallelism),
 each with `--config`, then `--checkpoint.folder=` (no checkpoints: a config's checkpoint folder would
-make every run resume the same one), `--debug.deterministic=true` (unless --no-deterministic),
+make every run resume the same one), `--debug.deterministic=true` (unless --no_deterministic),
 `--training.steps`, the variant's arguments, the arguments after `--` (every run), and last the
 seed and `--job.dump_folder=OUT/runs/VARIANT/seedS`; a `--checkpoint.folder=X` among the arguments
 becomes X/VARIANT/seedS, each run's own (a stopped run resumes its own checkpoint when the same
@@ -19,10 +19,10 @@ values hold commas, as `--mx.filter_fqns=output,router`); the first is the basel
 --baseline names another. Each run's console goes to its folder's train.log; a run that finished
 (its command.json records the same command, the same --config file contents and status 0) is not
 run again, so an interrupted
-compare continues where it stopped; `--time-limit-s` bounds the call: `--grace-s` before it the running
+compare continues where it stopped; `--time_limit_s` bounds the call: `--grace_s` before it the running
 runs get SIGTERM (each saves its checkpoint; the grace is raised to 1.5 x the longest save recorded in
 their checkpoint manifests + 10 s) and no more start, at it they are killed, and the tables of the
-finished ones are written; `--delete-finished-checkpoints` deletes a finished run's own checkpoints.
+finished ones are written; `--delete_finished_checkpoints` deletes a finished run's own checkpoints.
 
 Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from the config of the run
 that wrote the records (RUN/config.json, or config.<run_id>.json of a later run in the folder; the
@@ -37,7 +37,7 @@ run's epochs (how often it reads its train split) are in the runs table; runs th
 more than once are flagged.
 
 Written into OUT: compare.md and compare.json (per run: final training loss = the mean training loss
-per step over the last `--tail-steps` steps (default: the last 10 % of the run), final validation
+per step over the last `--tail_steps` steps (default: the last 10 % of the run), final validation
 loss = the last logged `val_loss`, median tokens/s; per variant: the paired difference from the
 baseline, seed by seed, in % of the baseline's loss, with its mean, sample standard deviation, min
 and max over the seeds; time to target, final losses at the horizon and the not-converged flag,
@@ -59,7 +59,7 @@ import sys
 from pathlib import Path
 
 from mxmoe import configs
-from mxmoe.cli import check_out_folder, comma_list, positive_int
+from mxmoe.cli import ArgumentParser, check_out_folder, comma_list, positive_int
 from mxmoe.train.compare.launcher import DONE, check_own, grace_seconds, launch, parse_variant, trainer_argv
 from mxmoe.train.compare.report import (
     Run,
@@ -91,11 +91,10 @@ __all__ = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ArgumentParser(
         prog="mxmoe compare",
         description=__doc__.split("\n")[0],
-        epilog="Arguments after `--` go to every run's `mxmoe train`. "
-        "See docs/training.md, Comparing variants.",
+        epilog="Arguments after `--` go to every run's `mxmoe train`.",
     )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument(
@@ -124,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--parallel", type=positive_int, default=1, help="runs at a time (default 1)")
     ap.add_argument(
-        "--time-limit-s",
+        "--time_limit_s",
         type=float,
         help="after this many seconds start no run and stop (SIGTERM) the running ones, then write the "
         "tables of the finished runs; the same command again runs the rest",
@@ -150,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run with --debug.deterministic=true (default; bit-reproducible runs, slower)",
     )
     ap.add_argument(
-        "--tail-steps",
+        "--tail_steps",
         type=int,
         default=0,
         help="final train loss = mean over this many last steps (default 0: the last 10%% of the run)",
@@ -159,32 +158,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--smooth", type=float, default=0.0, help="EMA smoothing of the plotted train curves, 0..1"
     )
     ap.add_argument(
-        "--grace-s",
+        "--grace_s",
         type=float,
-        help="with --time-limit-s: SIGTERM the runs this many seconds before the limit, SIGKILL at it, so "
+        help="with --time_limit_s: SIGTERM the runs this many seconds before the limit, SIGKILL at it, so "
         "that their checkpoints are saved in time; raised to 1.5 x the longest save recorded in the runs' "
         "checkpoint folders + 10 s (default with none recorded: 120 s; 30 s without checkpoints)",
     )
     ap.add_argument(
-        "--delete-finished-checkpoints",
+        "--delete_finished_checkpoints",
         action="store_true",
         help="delete a run's own checkpoint folder when it finishes (frees the disk for the runs still "
         "going)",
     )
     ap.add_argument(
-        "--smooth-steps",
+        "--smooth_steps",
         type=positive_int,
         default=50,
         help="time-to-target: the smoothed training loss at step s is the mean over (s - N, s] (default 50)",
     )
     ap.add_argument(
-        "--train-targets",
+        "--train_targets",
         type=comma_list(float),
         help="time-to-target training losses, e.g. 1.2,1.0 (default: the baseline's mean curve past its "
-        "knee; docs/numerics.md)",
+        "knee)",
     )
     ap.add_argument(
-        "--val-targets",
+        "--val_targets",
         type=comma_list(float),
         help="time-to-target validation losses (default: as training's)",
     )
@@ -204,15 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_out_folder(args.out)  # before any run: not at the end, on a file or a read-only folder
         if args.time_limit_s is not None and not args.time_limit_s > 0:
-            raise ValueError(f"--time-limit-s={args.time_limit_s}: expected a number of seconds > 0")
+            raise ValueError(f"--time_limit_s={args.time_limit_s}: expected a number of seconds > 0")
         for name in ("train_targets", "val_targets"):
             bad = [t for t in getattr(args, name) or [] if not math.isfinite(t)]
             if bad:
-                raise ValueError(f"--{name.replace('_', '-')}: {bad[0]!r} is not a finite loss")
+                raise ValueError(f"--{name}: {bad[0]!r} is not a finite loss")
         if args.grace_s is not None and (args.time_limit_s is None or not args.grace_s >= 0):
-            raise ValueError(f"--grace-s={args.grace_s}: expected seconds >= 0, with --time-limit-s")
+            raise ValueError(f"--grace_s={args.grace_s}: expected seconds >= 0, with --time_limit_s")
         if args.tail_steps < 0:
-            raise ValueError(f"--tail-steps={args.tail_steps}: expected >= 0 (0: the last 10 % of the run)")
+            raise ValueError(f"--tail_steps={args.tail_steps}: expected >= 0 (0: the last 10 % of the run)")
         if not 0.0 <= args.smooth < 1.0:
             raise ValueError(f"--smooth={args.smooth!r}: expected 0 <= smooth < 1 (EMA factor)")
         names = [n for n, _ in args.variant]
@@ -259,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 grace = grace_seconds(jobs, args.grace_s)
                 if grace >= args.time_limit_s:
                     raise ValueError(
-                        f"--time-limit-s={args.time_limit_s}: expected more than the grace for the saves, "
-                        f"{grace:.0f} s (--grace-s, or 1.5 x the longest save recorded + 10 s)"
+                        f"--time_limit_s={args.time_limit_s}: expected more than the grace for the saves, "
+                        f"{grace:.0f} s (--grace_s, or 1.5 x the longest save recorded + 10 s)"
                     )
             print(
                 f"mxmoe compare: {len(jobs)} runs ({len(names)} variants x {len(args.seeds)} seeds) in {out}"

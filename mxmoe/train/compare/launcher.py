@@ -123,7 +123,7 @@ def reached_last_step(argv: list[str], folder: Path) -> bool:
 
 def grace_seconds(jobs: list[tuple[str, int, list[str], Path]], given: float | None) -> float:
     """How long before the time limit the runs get SIGTERM, so that a run's checkpoint (saved when
-    it gets SIGTERM) is written before the SIGKILL at the limit: the longer of `given` (--grace-s)
+    it gets SIGTERM) is written before the SIGKILL at the limit: the longer of `given` (--grace_s)
     and 1.5 x the longest save recorded in the jobs' checkpoint folders (`save_s` of their
     manifests: the saves of earlier calls) + 10 s. With no save recorded: `given`, else 120 s (30 s
     when no run has a checkpoint folder: a run then only finishes its step)."""

@@ -120,7 +120,7 @@ def default_targets(base_train: Curve, base_val: Curve) -> dict:
     if len(base_train) < 2:
         raise ValueError(
             f"time-to-target: the baseline's smoothed training curve has {len(base_train)} point(s), "
-            "expected >= 2 (more logged steps than --smooth-steps)"
+            "expected >= 2 (more logged steps than --smooth_steps)"
         )
     knee, last = knee_step(base_train), base_train[-1][0]
     steps = [knee + q * (last - knee) for q in KNEE_FRACTIONS]

@@ -25,12 +25,14 @@ The options are `mxmoe.MXOptions`, merged into torchtitan's job config as the `[
 
 or the same in TOML (`[job] custom_config_module = "mxmoe.integrations.torchtitan"`, `[model]
 converters = ["mxmoe"]`, `[mx] expert_gemm = "bf16"`, `convert_linears = false`). Booleans are
-flags on torchtitan's command line (`--mx.no-mxfp8-a2a`: expert parallelism exchanges bf16).
+flags on torchtitan's command line (`--mx.no-mxfp8-a2a`: expert parallelism exchanges bf16), and
+take a value as in `mxmoe train` too (`--mx.mxfp8_a2a=false`; `v0_2.spellings`).
 Importing the module named by custom_config_module registers the converters, so that one line
 does both.
 
 Tensor parallelism is refused when the converter is built (a ValueError naming
-parallelism.tensor_parallel_degree). MX asked and not given is an error unless
+parallelism.tensor_parallel_degree), and so is a cast kernel this machine cannot run (`triton` on a
+CPU without the Triton interpreter: a ValueError naming the option). MX asked and not given is an error unless
 `--mx.allow-unconverted`: `--mx.*` options asking for MX (beyond the TOML's `[mx]`, a template
 the bf16 runs share) with no mxmoe converter named, when the job config is parsed
 (`check_mx_asked`), and a conversion that converts nothing (`ConversionReport.finish`).
@@ -50,7 +52,7 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls, 
 from torchtitan.tools.logging import logger
 
 import mxmoe
-from mxmoe.integrations.torchtitan.common import tensor_parallel_error
+from mxmoe.integrations.torchtitan.common import check_kernels, tensor_parallel_error
 from mxmoe.integrations.torchtitan.v0_2.experts import MXGroupedExperts
 from mxmoe.nn.converter import asked_options, unconverted_error
 from mxmoe.options import MXOptions
@@ -91,6 +93,7 @@ class MXMoEConverter:
                 "mx.fsdp_mxfp8_all_gather off to compile"
             )
         self.recipe = self.options.to_recipe()  # bad options fail here, naming the option
+        check_kernels(self.options, "model.converters mxmoe")  # a kernel this machine cannot run, too
 
     def convert(self, model: nn.Module) -> None:
         """Swap the Linear layers and the experts of `model` in place (on the meta device before

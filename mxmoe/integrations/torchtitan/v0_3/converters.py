@@ -31,7 +31,7 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model import ModelConfigConverter
 
-from mxmoe.integrations.torchtitan.common import options_of, tensor_parallel_error
+from mxmoe.integrations.torchtitan.common import check_kernels, options_of, tensor_parallel_error
 from mxmoe.integrations.torchtitan.v0_3.dispatcher import convert_dispatchers, link_mx_rows
 from mxmoe.integrations.torchtitan.v0_3.fields import MODULE_FIELDS, RecipeFields, recipe_of
 from mxmoe.nn.converter import ConversionReport
@@ -279,6 +279,7 @@ class MXMoEConverter(ModelConfigConverter):
     def __init__(self, config: Config):
         self.config = config
         self.options = options_of(config)
+        check_kernels(self.options, type(self).__name__)  # a kernel this machine cannot run: now
         self.recipe = self.options.to_recipe()  # bad options fail now, not at build time
 
     def convert(self, model_config):
@@ -308,6 +309,7 @@ class MXLinearConverter(QuantizationConverter):
     def __init__(self, config: Config):
         self.config = config
         self.options = options_of(config)
+        check_kernels(self.options, type(self).__name__)  # a kernel this machine cannot run: now
         self.recipe = self.options.to_recipe()  # checks the options now, not at build time
 
     def convert(self, model_config):
@@ -329,6 +331,7 @@ class MXGroupedExpertsConverter(QuantizationConverter):
     def __init__(self, config: Config):
         self.config = config
         self.options = options_of(config)
+        check_kernels(self.options, type(self).__name__)  # a kernel this machine cannot run: now
         self.recipe = self.options.to_recipe()
 
     def convert(self, model_config):
