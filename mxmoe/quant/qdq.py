@@ -46,10 +46,9 @@ import torch
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, check_input_dtype
+from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, MXFormat, check_input_dtype, get_format
 from mxmoe.quant import cuda_cast, torch_cast
 from mxmoe.quant.backends import cast_kernel, triton_interpret
-from mxmoe.quant.checks import spec_of
 from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
 
 QDQ_KERNELS = CAST_KERNELS  # every cast kernel has its qdq
@@ -70,16 +69,15 @@ def _empty_outputs(x: Tensor, out_dtype: torch.dtype, dim0: bool, dim1: bool) ->
 @torch.library.custom_op("mxmoe::qdq", mutates_args=())
 def qdq_op(
     x: Tensor,
-    block_size: int,
-    scaling_mode: str,
-    elem_dtype: torch.dtype,
+    fmt: str,
     out_dtype: torch.dtype,
     dim0: bool,
     dim1: bool,
     kernel: str,
     offs: Tensor | None = None,
 ) -> list[Tensor]:
-    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0, any R; B == 1 when offs is given. x may
+    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0, any R; B == 1 when offs is given; fmt:
+    a registered format's name (`mxmoe.formats.FORMATS`). x may
     also be 2D (R, C), the same as (1, R, C) (the public 2D calls pass it so, saving the reshapes):
     the outputs are then 2D too.
 
@@ -91,26 +89,25 @@ def qdq_op(
     loaded; x may then have any ndim >= 2 without offs, the dim1 blocks starting at each matrix
     x[..., :, :]'s first row).
     """
-    return _qdq_impl(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs)
+    return _qdq_impl(x, get_format(fmt), out_dtype, dim0, dim1, kernel, offs)
 
 
 def _qdq_impl(
-    x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None, *, traced=False
+    x, fmt: MXFormat, out_dtype, dim0, dim1, kernel, offs=None, *, traced=False
 ) -> list[Tensor]:
     """qdq_op's body, called directly in eager mode (a custom op call costs tens of microseconds of
-    Python); arguments already checked. traced: the Triton launches go through wrap_triton
-    (`_register_functional_decomp`)."""
-    if kernel == "cuda":
-        mode = MODE_IDS[scaling_mode]
+    Python) with the format itself (the op passes its name); arguments already checked. traced: the
+    Triton launches go through wrap_triton (`_register_functional_decomp`)."""
+    if kernel == "cuda":  # the C++ operators take the format as scalars (csrc/binding.cpp)
+        bs, mode, elem = fmt.block_size, MODE_IDS[fmt.scaling_mode], fmt.elem_dtype
         if dim0 and dim1:
-            both = torch.ops.mxmoe_cuda.qdq_dim0_dim1.default
-            return list(both(x, block_size, mode, elem_dtype, out_dtype, offs))
+            return list(torch.ops.mxmoe_cuda.qdq_dim0_dim1.default(x, bs, mode, elem, out_dtype, offs))
         if dim1:
-            return [torch.ops.mxmoe_cuda.qdq_dim1.default(x, block_size, mode, elem_dtype, out_dtype, offs)]
+            return [torch.ops.mxmoe_cuda.qdq_dim1.default(x, bs, mode, elem, out_dtype, offs)]
         if offs is not None:
             raise ValueError("the cuda qdq kernel has no grouped dim0 alone (offs); it takes 'triton'")
-        return [torch.ops.mxmoe_cuda.qdq_dim0.default(x, block_size, mode, elem_dtype, out_dtype)]
-    spec = spec_of(block_size, scaling_mode, elem_dtype)
+        return [torch.ops.mxmoe_cuda.qdq_dim0.default(x, bs, mode, elem, out_dtype)]
+    spec = fmt.spec
     if kernel == "torch":
         if x.numel() == 0:
             return _empty_outputs(x, out_dtype, dim0, dim1)
@@ -128,18 +125,19 @@ def _qdq_impl(
 
 
 @qdq_op.register_fake
-def _(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None):
+def _(x, fmt, out_dtype, dim0, dim1, kernel, offs=None):
     return _empty_outputs(x, out_dtype, dim0, dim1)
 
 
-def _op_args(x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs=None) -> tuple:
-    return x, block_size, scaling_mode, elem_dtype, out_dtype, dim0, dim1, kernel, offs
+def _op_args(x, fmt, out_dtype, dim0, dim1, kernel, offs=None) -> tuple:
+    return x, get_format(fmt), out_dtype, dim0, dim1, kernel, offs
 
 
 def _register_functional_decomp(op, op_args, impl, kernel_at: int) -> None:
     """How AOTAutograd (torch.compile's functionalization) sees a qdq custom op `op` (`mxmoe::qdq`,
     `mxmoe::swiglu_qdq`, `mxmoe::swiglu_bwd_qdq`: the first argument the tensor read, argument
-    `kernel_at` the kernel; `op_args` binds a call's arguments in order): for the Triton kernel
+    `kernel_at` the kernel; `op_args` binds a call's arguments in order, the format's name replaced
+    by the registered format, as `impl` takes them): for the Triton kernel
     on CUDA tensors, as its body with the launches wrapped by `torch.library.wrap_triton` (what
     `torch.library.triton_op` does), so that inductor launches the kernel from its generated code
     instead of calling back into this op's Python for every launch; for the cuda kernel, as its
@@ -158,19 +156,18 @@ def _register_functional_decomp(op, op_args, impl, kernel_at: int) -> None:
     op.register_torch_dispatch(FunctionalTensorMode, decomp)
 
 
-_register_functional_decomp(qdq_op, _op_args, _qdq_impl, 7)
+_register_functional_decomp(qdq_op, _op_args, _qdq_impl, 5)
 
 
-def _qdq(*args) -> list[Tensor]:
-    """qdq_op while torch.compile traces (or autograd records x); its body directly otherwise
-    (inside a profiler range named "mxmoe::qdq" when the profiler is on)."""
-    x = args[0]
+def _qdq(x: Tensor, fmt: MXFormat, *rest) -> list[Tensor]:
+    """qdq_op (taking fmt's name) while torch.compile traces (or autograd records x); its body
+    directly otherwise (inside a profiler range named "mxmoe::qdq" when the profiler is on)."""
     if torch.compiler.is_compiling() or (x.requires_grad and torch.is_grad_enabled()):
-        return qdq_op(*args)
+        return qdq_op(x, fmt.name, *rest)
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function("mxmoe::qdq"):
-            return _qdq_impl(*args)
-    return _qdq_impl(*args)
+            return _qdq_impl(x, fmt, *rest)
+    return _qdq_impl(x, fmt, *rest)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,9 +179,7 @@ def _qdq(*args) -> list[Tensor]:
 def swiglu_qdq_op(
     g: Tensor,
     u: Tensor,
-    block_size: int,
-    scaling_mode: str,
-    elem_dtype: torch.dtype,
+    fmt: str,
     out_dtype: torch.dtype,
     kernel: str,
     offs: Tensor | None = None,
@@ -194,29 +189,28 @@ def swiglu_qdq_op(
     h = F.silu(g) * u as eager PyTorch computes it on g's device (the definition: the "torch" and
     "triton" kernels form h so, "cuda" forms it in registers, mxmoe_cuda::swiglu_qdq_dim0_dim1),
     each of g's shape, out_dtype, row-major contiguous; offs as for `qdq_op`."""
-    return _swiglu_qdq_impl(g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs)
+    return _swiglu_qdq_impl(g, u, get_format(fmt), out_dtype, kernel, offs)
 
 
-def _swiglu_qdq_impl(
-    g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None, *, traced=False
-) -> list[Tensor]:
-    """swiglu_qdq_op's body (eager calls run it directly, as `_qdq_impl`); traced: as `_qdq_impl`."""
+def _swiglu_qdq_impl(g, u, fmt: MXFormat, out_dtype, kernel, offs=None, *, traced=False) -> list[Tensor]:
+    """swiglu_qdq_op's body (eager calls run it directly with the format, as `_qdq_impl`); traced:
+    as `_qdq_impl`."""
     if kernel == "cuda":
         op = torch.ops.mxmoe_cuda.swiglu_qdq_dim0_dim1.default
-        return list(op(g, u, block_size, MODE_IDS[scaling_mode], elem_dtype, out_dtype, offs))
+        return list(op(g, u, fmt.block_size, MODE_IDS[fmt.scaling_mode], fmt.elem_dtype, out_dtype, offs))
     # the reference (and the Triton qdq, which has no SwiGLU prologue): h as the unfused code forms it
     h = torch.nn.functional.silu(g) * u
-    args = (h, block_size, scaling_mode, elem_dtype, out_dtype, True, True, kernel, offs)
+    args = (h, fmt, out_dtype, True, True, kernel, offs)
     return _qdq_impl(*args, traced=True) if traced else _qdq_impl(*args)  # (as `_qdq` calls it)
 
 
 @swiglu_qdq_op.register_fake
-def _(g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None):
+def _(g, u, fmt, out_dtype, kernel, offs=None):
     return _empty_outputs(g, out_dtype, True, True)
 
 
-def _swiglu_op_args(g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None) -> tuple:
-    return g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs
+def _swiglu_op_args(g, u, fmt, out_dtype, kernel, offs=None) -> tuple:
+    return g, u, get_format(fmt), out_dtype, kernel, offs
 
 
 def _decomposes(x: Tensor, kernel: str, types) -> bool:
@@ -238,21 +232,24 @@ def _decomposes(x: Tensor, kernel: str, types) -> bool:
     return decompose
 
 
-def _eager_or_op(op, impl, name: str, grads: tuple[Tensor, ...], args: tuple) -> list[Tensor]:
-    """A trusted call of a fused op: through the custom op `op` while tracing or when autograd must
-    record it (a tensor of `grads` requires grad), else its body `impl` straight away (inside a
-    profiler range called `name` while profiling, so that profiles show it either way)."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in grads)):
-        return op(*args)
+def _eager_or_op(
+    op, impl, name: str, tensors: tuple[Tensor, ...], fmt: MXFormat, rest: tuple
+) -> list[Tensor]:
+    """A trusted call of a fused op on (*tensors, fmt, *rest): through the custom op `op` (taking
+    fmt's name) while tracing or when autograd must record it (one of `tensors` requires grad), else
+    its body `impl` (taking fmt itself) straight away (inside a profiler range called `name` while
+    profiling, so that profiles show it either way)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return op(*tensors, fmt.name, *rest)
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function(name):
-            return impl(*args)
-    return impl(*args)
+            return impl(*tensors, fmt, *rest)
+    return impl(*tensors, fmt, *rest)
 
 
 # on CUDA tensors the "cuda" kernel decomposes into the C++ operator, the "triton" one into
 # F.silu(g) * u (inductor fuses it) and the wrapped rows kernel
-_register_functional_decomp(swiglu_qdq_op, _swiglu_op_args, _swiglu_qdq_impl, 6)
+_register_functional_decomp(swiglu_qdq_op, _swiglu_op_args, _swiglu_qdq_impl, 4)
 
 
 def swiglu_qdq_trusted(
@@ -263,8 +260,8 @@ def swiglu_qdq_trusted(
     the kernel `cast_kernel(recipe, device, "qdq_dim1")`. Returns [y0, y1], each (T, C) out_dtype
     contiguous."""
     g, u = g.contiguous(), u.contiguous()
-    args = (g, u, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, kernel, offs)
-    return _eager_or_op(swiglu_qdq_op, _swiglu_qdq_impl, "mxmoe::swiglu_qdq", (g, u), args)
+    rest = (out_dtype, kernel, offs)
+    return _eager_or_op(swiglu_qdq_op, _swiglu_qdq_impl, "mxmoe::swiglu_qdq", (g, u), recipe.fmt, rest)
 
 
 def swiglu_qdq_dim0_dim1(
@@ -319,9 +316,7 @@ def swiglu_bwd_qdq_op(
     dh: Tensor,
     g: Tensor,
     u: Tensor,
-    block_size: int,
-    scaling_mode: str,
-    elem_dtype: torch.dtype,
+    fmt: str,
     out_dtype: torch.dtype,
     kernel: str,
     offs: Tensor | None = None,
@@ -331,33 +326,34 @@ def swiglu_bwd_qdq_op(
     offs) of x = dg and x = du, (dg, du) = `swiglu_bwd(dh, g, u)` as eager PyTorch computes them on
     the inputs' device (the definition: "torch" and "triton" form them so, "cuda" in registers,
     mxmoe_cuda::swiglu_bwd_qdq_dim0_dim1), each of dh's shape, out_dtype, row-major contiguous."""
-    return _swiglu_bwd_qdq_impl(dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs)
+    return _swiglu_bwd_qdq_impl(dh, g, u, get_format(fmt), out_dtype, kernel, offs)
 
 
 def _swiglu_bwd_qdq_impl(
-    dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None, *, traced=False
+    dh, g, u, fmt: MXFormat, out_dtype, kernel, offs=None, *, traced=False
 ) -> list[Tensor]:
-    """swiglu_bwd_qdq_op's body (eager calls run it directly, as `_qdq_impl`); traced: as `_qdq_impl`."""
+    """swiglu_bwd_qdq_op's body (eager calls run it directly with the format, as `_qdq_impl`);
+    traced: as `_qdq_impl`."""
     if kernel == "cuda":
         op = torch.ops.mxmoe_cuda.swiglu_bwd_qdq_dim0_dim1.default
-        return list(op(dh, g, u, block_size, MODE_IDS[scaling_mode], elem_dtype, out_dtype, offs))
+        return list(op(dh, g, u, fmt.block_size, MODE_IDS[fmt.scaling_mode], fmt.elem_dtype, out_dtype, offs))
     outs = []
     for x in swiglu_bwd(dh, g, u):  # the reference (and the Triton qdq): dg, du as the unfused code
-        args = (x, block_size, scaling_mode, elem_dtype, out_dtype, True, True, kernel, offs)
+        args = (x, fmt, out_dtype, True, True, kernel, offs)
         outs += _qdq_impl(*args, traced=True) if traced else _qdq_impl(*args)
     return outs
 
 
 @swiglu_bwd_qdq_op.register_fake
-def _(dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None):
+def _(dh, g, u, fmt, out_dtype, kernel, offs=None):
     return _empty_outputs(dh, out_dtype, True, True) + _empty_outputs(dh, out_dtype, True, True)
 
 
-def _swiglu_bwd_op_args(dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs=None):
-    return dh, g, u, block_size, scaling_mode, elem_dtype, out_dtype, kernel, offs
+def _swiglu_bwd_op_args(dh, g, u, fmt, out_dtype, kernel, offs=None) -> tuple:
+    return dh, g, u, get_format(fmt), out_dtype, kernel, offs
 
 
-_register_functional_decomp(swiglu_bwd_qdq_op, _swiglu_bwd_op_args, _swiglu_bwd_qdq_impl, 7)
+_register_functional_decomp(swiglu_bwd_qdq_op, _swiglu_bwd_op_args, _swiglu_bwd_qdq_impl, 5)
 
 
 def swiglu_bwd_qdq_trusted(
@@ -369,8 +365,9 @@ def swiglu_bwd_qdq_trusted(
     device, the kernel `cast_kernel(recipe, device, "qdq_dim1")`. Returns [dg0, dg1, du0, du1], each (T, C)
     out_dtype contiguous."""
     dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
-    args = (dh, g, u, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, kernel, offs)
-    return _eager_or_op(swiglu_bwd_qdq_op, _swiglu_bwd_qdq_impl, "mxmoe::swiglu_bwd_qdq", (dh, g, u), args)
+    rest = (out_dtype, kernel, offs)
+    return _eager_or_op(swiglu_bwd_qdq_op, _swiglu_bwd_qdq_impl, "mxmoe::swiglu_bwd_qdq", (dh, g, u),
+                        recipe.fmt, rest)
 
 
 def swiglu_bwd_qdq_dim0_dim1(
@@ -460,15 +457,14 @@ def qdq_trusted(
     by the block size. offs: None, or (E,) int32 contiguous on x's device, 2D x. out_dtype: bf16
     or fp32. Returns [y0 if dim0, y1 if dim1], each of x's shape, row-major contiguous."""
     x = x.contiguous()
-    args = (x, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, dim0, dim1, kernel, offs)
     # `_qdq`'s choice inline (one Python frame less per cast): the op where it must be, else its body
     if (
         torch.compiler.is_compiling()
         or (x.requires_grad and torch.is_grad_enabled())
         or torch.autograd._profiler_enabled()
     ):
-        return _qdq(*args)
-    return _qdq_impl(*args)
+        return _qdq(x, recipe.fmt, out_dtype, dim0, dim1, kernel, offs)
+    return _qdq_impl(x, recipe.fmt, out_dtype, dim0, dim1, kernel, offs)
 
 
 def qdq(
@@ -504,10 +500,7 @@ def qdq(
     # 2D and 3D go to the op as they are (no reshapes); more dims as (B, R, C)
     xb = xc if x.ndim <= 3 else xc.view(-1, x.shape[-2], x.shape[-1])
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
-    (y,) = _qdq(
-        xb, recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, not dim1, dim1, kernel,
-        offs,
-    )
+    (y,) = _qdq(xb, recipe.fmt, out_dtype, not dim1, dim1, kernel, offs)
     return y if x.ndim <= 3 else y.view(x.shape)
 
 
@@ -535,10 +528,7 @@ def qdq_dim0_dim1(
     _check(x, recipe, out_dtype, offs)
     kernel = cast_kernel(recipe, x.device, "qdq_dim1")
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
-    y0, y1 = _qdq(  # 2D / 3D in, the same out (no reshapes)
-        x.contiguous(), recipe.block_size, recipe.scaling_mode, recipe.elem_dtype, out_dtype, True, True,
-        kernel, offs,
-    )
+    y0, y1 = _qdq(x.contiguous(), recipe.fmt, out_dtype, True, True, kernel, offs)  # 2D / 3D as they are
     return y0, y1
 
 

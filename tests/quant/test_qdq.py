@@ -184,7 +184,7 @@ def test_qdq_fake_matches_real_and_compiles():
 
     x = torch.randn(2, 45, 96)
     for dim0, dim1 in ((True, False), (False, True), (True, True)):
-        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, dim1, "torch")
+        args = ("mxfp8_e4m3_rceil", torch.bfloat16, dim0, dim1, "torch")
         real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args)]
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = [(t.shape, t.stride(), t.dtype) for t in qdq_op(mode.from_tensor(x), *args)]
@@ -446,7 +446,7 @@ def test_qdq_rows_fake_matches_real_and_compiles():
     x = torch.randn(1, 45, 96)
     offs = offs_of([5, 0, 30])
     for dim0, o in ((True, None), (False, None), (True, offs), (False, offs)):
-        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, True, "torch", o)
+        args = ("mxfp8_e4m3_rceil", torch.bfloat16, dim0, True, "torch", o)
         real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args)]
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fo = None if o is None else mode.from_tensor(o)
@@ -481,7 +481,7 @@ def test_qdq_op_2d_input_equals_3d_and_fake(kernel):
     x = torch.randn(45, 64) * 4
     offs = offs_of([5, 0, 30])
     for dim0, dim1, o in ((True, False, None), (True, False, offs), (False, True, None), (True, True, offs)):
-        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, dim1, kernel)
+        args = ("mxfp8_e4m3_rceil", torch.bfloat16, dim0, dim1, kernel)
         got = qdq_op(x, *args, o)
         want = qdq_op(x.unsqueeze(0), *args, o)
         assert [t.shape for t in got] == [x.shape] * len(got)
@@ -561,7 +561,7 @@ def test_gpu_qdq_fake_matches_real_triton():
 
     x = torch.randn(3, 90, 160, device="cuda", dtype=torch.bfloat16)
     for dim0, dim1 in ((True, False), (False, True), (True, True)):
-        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, dim1, "triton")
+        args = ("mxfp8_e4m3_rceil", torch.bfloat16, dim0, dim1, "triton")
         real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args)]
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = [(t.shape, t.stride(), t.dtype) for t in qdq_op(mode.from_tensor(x), *args)]
@@ -621,7 +621,7 @@ def test_gpu_qdq_rows_fake_matches_real_triton():
     x = torch.randn(1, 1000, 512, device="cuda", dtype=torch.bfloat16)
     offs = torch.tensor([100, 100, 999], dtype=torch.int32, device="cuda")
     for dim0, o in ((True, None), (False, offs), (True, offs)):
-        args = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16, dim0, True, "triton")
+        args = ("mxfp8_e4m3_rceil", torch.bfloat16, dim0, True, "triton")
         real = [(t.shape, t.stride(), t.dtype) for t in qdq_op(x, *args, o)]
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fo = None if o is None else mode.from_tensor(o)

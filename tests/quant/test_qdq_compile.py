@@ -13,7 +13,7 @@ import torch
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, qdq_op
 from mxmoe.recipe import MXRecipe
 
-ARGS = (32, "rceil", torch.float8_e4m3fn, torch.bfloat16)
+ARGS = ("mxfp8_e4m3_rceil", torch.bfloat16)
 
 
 def _trace(f, *inputs) -> torch.fx.GraphModule:

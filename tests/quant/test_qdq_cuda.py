@@ -23,6 +23,7 @@ import torch
 from conftest import assert_same_bits, recipe_for
 
 import mxmoe.quant.qdq as qdq_mod
+from mxmoe.formats import get_format
 from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1
 from mxmoe.recipe import MXRecipe
@@ -105,9 +106,9 @@ def test_public_calls_pick_the_kernel(cuda_available, monkeypatch):
     calls = []
 
     def record(*args):
-        x, dim0, dim1, kernel = args[0], args[5], args[6], args[7]
+        x, out_dtype, dim0, dim1, kernel = args[0], *args[2:6]
         calls.append((dim0, dim1, kernel))
-        return [torch.empty(x.shape, dtype=args[4], device=x.device) for on in (dim0, dim1) if on]
+        return [torch.empty(x.shape, dtype=out_dtype, device=x.device) for on in (dim0, dim1) if on]
 
     monkeypatch.setattr(qdq_mod, "_qdq", record)
     with FakeTensorMode():
@@ -140,7 +141,7 @@ def test_public_calls_pick_the_kernel(cuda_available, monkeypatch):
 def test_cuda_kernel_in_the_op_has_no_grouped_dim0_alone():
     offs = torch.tensor([4], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"has no grouped dim0 alone \(offs\); it takes 'triton'"):
-        qdq_mod._qdq_impl(torch.empty(4, 32), 32, "rceil", torch.float8_e4m3fn, torch.bfloat16, True, False,
+        qdq_mod._qdq_impl(torch.empty(4, 32), get_format("mxfp8_e4m3_rceil"), torch.bfloat16, True, False,
                           "cuda", offs)
 
 

@@ -165,7 +165,7 @@ def test_swiglu_bwd_qdq_fake_matches_real_and_compiles():
     dh, g, u = (torch.randn(45, 64, dtype=torch.bfloat16) for _ in range(3))
     offs = offs_of([5, 0, 30])
     for o in (None, offs):
-        args = (32, "rceil", torch.float8_e4m3fn, torch.float32, "torch")
+        args = ("mxfp8_e4m3_rceil", torch.float32, "torch")
         real = [(t.shape, t.stride(), t.dtype) for t in swiglu_bwd_qdq_op(dh, g, u, *args, o)]
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fo = None if o is None else mode.from_tensor(o)
@@ -192,7 +192,7 @@ def test_swiglu_bwd_qdq_kernel_choice(monkeypatch, as_on_a_gpu):
     real = qdq_mod._swiglu_bwd_qdq_impl
 
     def spy(*args, **kw):
-        seen.append(args[7])
+        seen.append(args[5])
         return real(*args, **kw)
 
     monkeypatch.setattr(qdq_mod, "_swiglu_bwd_qdq_impl", spy)
