@@ -348,7 +348,7 @@ def _breakdown(xs, splits, shape, args, bf16_fwd, mx_fwd, checked_fwd) -> dict:
         all_to_all_rows(so, s.view(torch.uint8), splits, splits)
 
     t_x = bench(exchange, **timed).median_ms
-    q8, s8 = qo.view(torch.float8_e4m3fn), so.view(torch.float8_e8m0fnu)
+    q8, s8 = qo.view(torch.float8_e4m3fn), so.view(args.recipe.fmt.scale_dtype)
     t_d = bench(lambda: custom_ops.dequantize(q8, s8, 32, torch.bfloat16, k), **timed).median_ms
     out = torch.empty_like(xs[0])
     t_di = bench(lambda: dequantize_into(qo, so, out, k), **timed).median_ms

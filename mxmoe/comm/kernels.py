@@ -206,7 +206,7 @@ def triton_usable(device: torch.device) -> bool:
 def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", impl: str = "auto") -> Tensor:
     """Dequantize MXFP8 rows into `out` (written in place; returned).
 
-    q: (R, C) float8_e4m3fn (or its uint8 view), contiguous. s: (R, C // 32) float8_e8m0fnu (or
+    q: (R, C) float8_e4m3fn (or its uint8 view), contiguous. s: (R, C // 32) e8m0 (or
     uint8), contiguous. out: (R, C) bfloat16 or float32, contiguous (e.g. a row slice of a larger
     contiguous tensor). impl: "cuda" (the CUDA extension's dequantize, writing into `out`), "triton"
     (the kernel above), "copy" (the cast backend `kernel`, writing into `out`) or
@@ -217,7 +217,7 @@ def dequantize_into(q: Tensor, s: Tensor, out: Tensor, kernel: str = "auto", imp
     if q.dtype not in (torch.float8_e4m3fn, torch.uint8):
         raise TypeError(f"q has dtype {q.dtype}; expected torch.float8_e4m3fn (or its uint8 view)")
     if s.dtype not in (DEFAULT_FORMAT.scale_dtype, torch.uint8):
-        raise TypeError(f"s has dtype {s.dtype}; expected torch.float8_e8m0fnu (or its uint8 view)")
+        raise TypeError(f"s has dtype {s.dtype}; expected {DEFAULT_FORMAT.scale_dtype} (or its uint8 view)")
     if q.ndim != 2 or q.shape != out.shape or s.shape != (q.shape[0], q.shape[1] // BLOCK_SIZE):
         raise ValueError(
             f"dequantize_into: q {tuple(q.shape)}, s {tuple(s.shape)} and out {tuple(out.shape)} do not "

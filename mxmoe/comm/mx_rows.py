@@ -38,7 +38,7 @@ def _kernel(r: MXRecipe, device: torch.device) -> str:
 
 def quantize_rows(x: Tensor, *, recipe: MXRecipe | None = None) -> tuple[Tensor, Tensor]:
     """x (R, C) bf16/fp32 contiguous, C % block_size == 0 -> (q (R, C) elem_dtype, s (R, C //
-    block_size) float8_e8m0fnu), with the recipe's format and dim0_kernel (default DEFAULT_RECIPE:
+    block_size) e8m0), with the recipe's format and dim0_kernel (default DEFAULT_RECIPE:
     e4m3, RCEIL, blocks of 32): the exchange's quantize."""
     r = _recipe(recipe, "quantize_rows")
     return _quantize(x, r.fmt, _kernel(r, x.device))

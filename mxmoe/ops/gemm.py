@@ -10,7 +10,7 @@ Backends:
       round trip.
   "native": torch's block-scaled GEMMs on Blackwell (compute capability 10.x), whose tensor cores
       read e8m0 block scales: torch._scaled_mm (dense) and torch._scaled_grouped_mm (grouped),
-      e4m3 operands, block 32, float8_e8m0fnu scales in the swizzled layout
+      e4m3 operands, block 32, E8M0 scales (`SCALE_DTYPE`) in the swizzled layout
       (`mxmoe.quant.scale_layout`), bf16 output (the op's only one) before mx_gemm's final cast.
       A clear error where it cannot run (`native_unavailable`, `_native_refuses`).
   "auto" (the recipe default): "native" where it can run, else "emulated" with one log line saying

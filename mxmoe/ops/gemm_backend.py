@@ -46,7 +46,7 @@ def _probe_native(device: torch.device) -> None:
 def native_unavailable(device: torch.device) -> str | None:
     """Why gemm_backend="native" cannot run on `device` (None: it can): it needs a CUDA device of
     compute capability 10.x and a torch build whose torch._scaled_mm and torch._scaled_grouped_mm
-    take e4m3 operands with float8_e8m0fnu scales (CUDA >= 12.8, built with the MX grouped GEMM).
+    take e4m3 operands with E8M0 scales (CUDA >= 12.8, built with the MX grouped GEMM).
     The first answer per device is kept (`mxmoe.quant.backends.clear_resolved` forgets it); on a
     10.x device it runs one tiny MX GEMM of each kind to find out (not while torch.compile traces:
     there an unprobed 10.x device counts as able)."""
@@ -65,7 +65,7 @@ def _native_reason(device: torch.device, probe: bool = True) -> str | None:
     if major != 10:
         return f"{need}; {device} has compute capability {major}.{minor}"
     build = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
-    if not hasattr(torch, "_scaled_grouped_mm") or not hasattr(torch, "float8_e8m0fnu"):
+    if not hasattr(torch, "_scaled_grouped_mm"):  # (mxmoe.formats needs torch's E8M0 dtype)
         return f"gemm_backend='native' needs torch._scaled_grouped_mm with e8m0 scales; {build} has none"
     if not probe:
         return None
@@ -75,7 +75,7 @@ def _native_reason(device: torch.device, probe: bool = True) -> str | None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return (
             f"gemm_backend='native' needs a torch build whose torch._scaled_mm and "
-            f"torch._scaled_grouped_mm run MXFP8 (e4m3, float8_e8m0fnu scales; CUDA >= 12.8); {build} "
+            f"torch._scaled_grouped_mm run MXFP8 (e4m3, {SCALE_DTYPE} scales; CUDA >= 12.8); {build} "
             f"on {device} refused: {first}"
         )
     return None

@@ -26,7 +26,7 @@ order in every backend; `mxmoe.quant.torch_cast` is the reference):
 
 Backends trust their arguments: x is a non-empty contiguous bf16/fp32 tensor whose blocked dims are
 divisible by spec.block_size, `out` was checked by `mxmoe.quant.checks` (the public API checks
-everything once per call). Scales are float8_e8m0fnu; every output is contiguous.
+everything once per call). Scales are `SCALE_DTYPE` (E8M0); every output is contiguous.
 """
 
 from __future__ import annotations

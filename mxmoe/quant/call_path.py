@@ -4,7 +4,7 @@
 Every function here trusts its arguments (the public API in `mxmoe.quant.mx_tensor` checks them
 once): `kernel` is concrete ("torch" | "triton" | "cuda", already resolved for the device), `spec`
 a `mxmoe.formats.CastSpec`, inputs contiguous bf16/fp32 with the blocked dims divisible by the
-block size. Outputs are contiguous; scales float8_e8m0fnu.
+block size. Outputs are contiguous; scales `SCALE_DTYPE` (E8M0).
 
 Why two paths: a `torch.library.custom_op` call costs tens of microseconds of Python per call in
 eager mode, which dominates the cast of a small or medium tensor on a GPU. Eager calls therefore go
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mxmoe.formats import CastSpec, format_of
+from mxmoe.formats import SCALE_DTYPE, CastSpec, format_of
 from mxmoe.quant import cuda_cast, custom_ops
 from mxmoe.quant.backends import cast_fn
 
@@ -63,7 +63,7 @@ def quantize_dim0(x: Tensor, spec: CastSpec, kernel: str, *, out=None) -> tuple[
     if x.numel() == 0:
         if out is None:
             return custom_ops.fake_dim0(x, spec.block_size, spec.elem.dtype)
-        return out[0].view(spec.elem.dtype), out[1].view(torch.float8_e8m0fnu)
+        return out[0].view(spec.elem.dtype), out[1].view(SCALE_DTYPE)
     if compiling or torch.autograd._profiler_enabled():
         return _run(kernel, "dim0", compiling, x, spec, out=out)
     return cast_fn(kernel, "dim0")(x, spec, out=out)

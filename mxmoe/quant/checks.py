@@ -93,8 +93,8 @@ def check_x(x: torch.Tensor, block_size: int, axis: int) -> int:
 
 def check_dim0_out(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, torch.Tensor]:
     """`out` for a dim0 cast of x (R, C): a pair (q, s), contiguous, on x's device, q (R, C) of
-    spec's element dtype or uint8, s (R, C // block_size) float8_e8m0fnu or uint8 (e.g. slices of a
-    communication buffer). Returns them viewed as (element dtype, float8_e8m0fnu)."""
+    spec's element dtype or uint8, s (R, C // block_size) e8m0 or uint8 (e.g. slices of a
+    communication buffer). Returns them viewed as (element dtype, SCALE_DTYPE)."""
     if x.dtype not in INPUT_DTYPES or x.ndim != 2 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous 2D bf16/fp32 tensor, got {x.dtype} {tuple(x.shape)}")
     R, C = x.shape
@@ -119,7 +119,7 @@ def check_dim0_out(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, 
 
 def dim0_outputs(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, torch.Tensor]:
     """The (q, s) a dim0 cast of x (..., C) writes: `out` (x 2D, already checked by check_dim0_out)
-    viewed as (element dtype, float8_e8m0fnu), or new contiguous tensors of x's shape and
+    viewed as (element dtype, SCALE_DTYPE), or new contiguous tensors of x's shape and
     (..., C // block_size)."""
     if out is not None:
         return out[0].view(spec.elem.dtype), out[1].view(SCALE_DTYPE)

@@ -2,7 +2,7 @@
 
 Same protocol and bit-for-bit the same results as `mxmoe.quant.torch_cast` (docs/mx-format.md):
 inputs are bf16 or fp32 CUDA tensors, quantized along their *last* dim in blocks of
-`spec.block_size`; scales come back as `torch.float8_e8m0fnu`. Block size 32 with 16-byte aligned
+`spec.block_size`; scales come back as `SCALE_DTYPE` (E8M0). Block size 32 with 16-byte aligned
 data takes the fast kernels; everything else takes generic kernels (correct, slower).
 
 The extension (csrc/binding.cpp + csrc/mx_cast.cu) is built once per process with
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mxmoe.formats import ELEM_FORMATS, MODE_IDS, CastSpec, ScalingMode, f32_bits
+from mxmoe.formats import ELEM_FORMATS, MODE_IDS, SCALE_DTYPE, CastSpec, ScalingMode, f32_bits
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "binding.cpp", _CSRC / "mx_cast.cu")
@@ -159,13 +159,13 @@ def _register_fakes() -> None:
 
     def dim0(x, block_size, mode, elem_dtype):
         *lead, C = x.shape
-        s = x.new_empty((*lead, C // block_size), dtype=torch.float8_e8m0fnu)
+        s = x.new_empty((*lead, C // block_size), dtype=SCALE_DTYPE)
         return x.new_empty(x.shape, dtype=elem_dtype), s
 
     def dim1(x, block_size, mode, elem_dtype):
         *lead, R, C = x.shape
         return (x.new_empty((*lead, C, R), dtype=elem_dtype),
-                x.new_empty((*lead, C, R // block_size), dtype=torch.float8_e8m0fnu))
+                x.new_empty((*lead, C, R // block_size), dtype=SCALE_DTYPE))
 
     def dim0_dim1(x, block_size, mode, elem_dtype):
         return (*dim0(x, block_size, mode, elem_dtype), *dim1(x, block_size, mode, elem_dtype))
@@ -201,7 +201,7 @@ def _register_fakes() -> None:
 
 def quantize_dim0(x: Tensor, spec: CastSpec, *, out=None) -> tuple[Tensor, Tensor]:
     """x: (..., C) bf16/fp32 CUDA, ndim >= 1 -> qdata x's shape elem dtype, scale (..., C // bs)
-    float8_e8m0fnu.
+    e8m0.
 
     Blocks of bs consecutive elements along C; both outputs contiguous on x's device (or, x 2D,
     written into `out`, a preallocated (q, s) checked by checks.check_dim0_out, e.g. a peer's
@@ -212,14 +212,14 @@ def quantize_dim0(x: Tensor, spec: CastSpec, *, out=None) -> tuple[Tensor, Tenso
     if out is None:
         return torch.ops.mxmoe_cuda.quantize_dim0.default(x, spec.block_size, MODE_IDS[spec.mode],
                                                           spec.elem.dtype)
-    q, s = out[0].view(spec.elem.dtype), out[1].view(torch.float8_e8m0fnu)
+    q, s = out[0].view(spec.elem.dtype), out[1].view(SCALE_DTYPE)
     torch.ops.mxmoe_cuda.quantize_dim0_out(x, spec.block_size, MODE_IDS[spec.mode], q, s)
     return q, s
 
 
 def quantize_dim1(x: Tensor, spec: CastSpec) -> tuple[Tensor, Tensor]:
     """x: (..., R, C) bf16/fp32 CUDA, ndim >= 2, blocks along R -> qdata (..., C, R), scale
-    (..., C, R // bs) float8_e8m0fnu, contiguous: every matrix x[..., :, :] stored transposed so
+    (..., C, R // bs) e8m0, contiguous: every matrix x[..., :, :] stored transposed so
     that every block is contiguous."""
     if not ops_loaded:  # (the check inline: a call less per cast)
         load_extension()
@@ -229,7 +229,7 @@ def quantize_dim1(x: Tensor, spec: CastSpec) -> tuple[Tensor, Tensor]:
 
 def quantize_dim0_dim1(x: Tensor, spec: CastSpec) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x: (R, C) bf16/fp32 CUDA, read once -> q0 (R, C), s0 (R, C // bs) along C and
-    q1 (C, R), s1 (C, R // bs) along R (stored transposed); all contiguous, scales float8_e8m0fnu."""
+    q1 (C, R), s1 (C, R // bs) along R (stored transposed); all contiguous, scales e8m0."""
     if not ops_loaded:  # (the check inline: a call less per cast)
         load_extension()
     return torch.ops.mxmoe_cuda.quantize_dim0_dim1.default(x, spec.block_size, MODE_IDS[spec.mode],
@@ -239,7 +239,7 @@ def quantize_dim0_dim1(x: Tensor, spec: CastSpec) -> tuple[Tensor, Tensor, Tenso
 def dequantize(
     q: Tensor, s: Tensor, block_size: int, out_dtype: torch.dtype, *, out: Tensor | None = None
 ) -> Tensor:
-    """q: (R, C) float8_e4m3fn/e5m2 CUDA, s: (R, C // bs) float8_e8m0fnu (or uint8) -> (R, C) out_dtype
+    """q: (R, C) float8_e4m3fn/e5m2 CUDA, s: (R, C // bs) e8m0 (or uint8) -> (R, C) out_dtype
     (bf16 or fp32), contiguous. Value q * 2^(s-127) exact in fp32, one RNE rounding to out_dtype;
     NaN (scale 0xFF or element NaN) is written as the canonical quiet NaN. out: optional contiguous
     (R, C) out_dtype tensor on q's device to write into (e.g. rows of a larger output)."""

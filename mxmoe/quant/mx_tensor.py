@@ -70,14 +70,14 @@ class MXTensor:
     field, its value and what is accepted); `mx_tensor_trusted` builds one without checks.
 
     qdata_blocked: elem dtype, x.movedim(axis, -1).shape, contiguous.
-    scale_blocked: float8_e8m0fnu, same shape with the last dim // block_size, contiguous.
+    scale_blocked: e8m0 (`SCALE_DTYPE`), same shape with the last dim // block_size, contiguous.
     axis: the (non-negative) logical axis the blocks run along.
     orig_dtype: the dtype of the tensor that was quantized (default of `dequantize`).
     grad_anchor: optional zero-stride tensor of the logical shape (no memory) through which
         autograd routes the gradient of the dequantized value back to whatever produced this
         MXTensor (e.g. the MXFP8 dispatch). Ops that consume an MXTensor take it as their
         differentiable input and return the high-precision gradient for it.
-    scale_swizzled: optional float8_e8m0fnu, the same scales swizzled for torch's block-scaled
+    scale_swizzled: optional e8m0, the same scales swizzled for torch's block-scaled
         GEMMs (`to_scale_layout("swizzled")`; `mxmoe.quant.scale_layout`); None: not made.
     offs: with scale_swizzled of a grouped 2D tensor only: (E,) int32 cumulative ends of the token
         groups along the logical rows (the axis that is not blocked for a cast along dim 0, whose
@@ -261,7 +261,7 @@ def _check_fields(t: MXTensor) -> str:
         )
     if not isinstance(s, Tensor) or s.dtype != SCALE_DTYPE:
         got = s.dtype if isinstance(s, Tensor) else type(s).__name__
-        raise TypeError(f"scale_blocked is {got}; expected a torch.float8_e8m0fnu tensor")
+        raise TypeError(f"scale_blocked is {got}; expected a {SCALE_DTYPE} tensor")
     if q.ndim < 1 or not q.is_contiguous() or not s.is_contiguous():
         raise ValueError(
             f"qdata_blocked {tuple(q.shape)} and scale_blocked {tuple(s.shape)} must be contiguous tensors "
@@ -317,7 +317,7 @@ def _check_swizzled(t: MXTensor) -> None:
     if not isinstance(sw, Tensor) or sw.dtype != SCALE_DTYPE:
         got = f"{type(sw).__name__} {sw!r}" if not isinstance(sw, Tensor) else sw.dtype
         raise TypeError(
-            f"scale_swizzled is {got}; expected None or a torch.float8_e8m0fnu tensor, the scales in "
+            f"scale_swizzled is {got}; expected None or a {SCALE_DTYPE} tensor, the scales in "
             "the swizzled layout (it replaced the scale_layout argument: .to_scale_layout('swizzled') "
             "makes them)"
         )
@@ -444,7 +444,7 @@ def to_mx(
     dims (-1: "dim0" cast, -2 / 0 of 2D: "dim1"); x.shape[axis] % block_size == 0.
 
     Returns an MXTensor whose storage is `x.movedim(axis, -1)` made contiguous: qdata_blocked in
-    `elem_dtype` of that shape, scale_blocked float8_e8m0fnu with the last dim // block_size
+    `elem_dtype` of that shape, scale_blocked e8m0 with the last dim // block_size
     (docs/mx-format.md, Layouts). Any input layout is accepted: if x already has `axis` innermost
     in memory (e.g. a transposed view) it is quantized without a copy; otherwise the dim1 kernel
     reads it row-major.
@@ -524,7 +524,7 @@ def to_mx_dim0_dim1(
     """Both casts of a 2D x (R, C), bf16 or fp32, R and C divisible by block_size, from one read.
 
     Returns (along dim -1: storage qdata (R, C), scale (R, C // bs); along dim 0: storage qdata
-    (C, R), scale (C, R // bs)), elements in `elem_dtype`, scales float8_e8m0fnu, all contiguous.
+    (C, R), scale (C, R // bs)), elements in `elem_dtype`, scales e8m0, all contiguous.
     recipe: as in `to_mx` (the fused cast runs its dim1_kernel; without a recipe "auto").
     scale_layout, offs: as in `to_mx`, for both results (offs: token groups along R).
     """

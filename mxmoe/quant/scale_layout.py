@@ -6,7 +6,7 @@ A plain scale matrix (R, C) (one scale per 32 elements along a row: C = K // 32)
 (i, j) at flat offset (i * C4 / 4 + j) * 512, row-major over tiles); inside a tile the 128 rows are
 four groups of 32 and row r, column c sits at (r % 32) * 16 + (r // 32) * 4 + c, i.e. the tile is
 rearranged as 32x16 (cuBLAS's "1D block scaling factors layout", what torch._scaled_mm and
-torch._scaled_grouped_mm take with float8_e8m0fnu scales).
+torch._scaled_grouped_mm take with E8M0 scales, `SCALE_DTYPE`).
 
 Grouped operands (torch._scaled_grouped_mm), groups of a token dim given by `offs`:
   * groups along the rows (`to_swizzled_m_groups`: a dim0 cast of tokens (T, K), forward/dgrad):
@@ -60,7 +60,7 @@ def check_scale_layout(scale_layout: str) -> str:
 
 
 def to_swizzled(scale: Tensor) -> Tensor:
-    """Plain scales (..., R, C) (any dtype of one byte, e.g. float8_e8m0fnu) -> (..., R128, C4),
+    """Plain scales (..., R, C) (any dtype of one byte, e.g. e8m0) -> (..., R128, C4),
     R128 = roundup(R, 128), C4 = roundup(C, 4), contiguous, each matrix in the swizzled layout (its
     flat bytes are the tiles in order; padding zero)."""
     *lead, R, C = scale.shape

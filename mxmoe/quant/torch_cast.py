@@ -2,7 +2,7 @@
 
 This is the executable form of docs/mx-format.md; the Triton and CUDA backends must agree with it
 bit for bit. All functions take contiguous inputs and quantize along the *last* dim in blocks of
-`spec.block_size`; scales come back as `torch.float8_e8m0fnu`.
+`spec.block_size`; scales come back as `SCALE_DTYPE` (E8M0).
 
 Scale exponents are derived from integer views of fp32 bit patterns so the result does not depend
 on how a device treats fp32 subnormals (flush-to-zero): see the RCEIL thresholds in formats.py.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mxmoe.formats import E8M0_BIAS, E8M0_NAN, CastSpec, ScalingMode
+from mxmoe.formats import E8M0_BIAS, E8M0_NAN, SCALE_DTYPE, CastSpec, ScalingMode
 from mxmoe.quant.checks import dim0_outputs
 from mxmoe.quant.groups import group_padding, in_groups, pad_groups
 
@@ -62,7 +62,7 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.T
     if out is not None:
         qo, so = dim0_outputs(x, spec, out)
         q, s = quantize_dim0(x, spec)
-        return qo.copy_(q), so.view(torch.uint8).copy_(s.view(torch.uint8)).view(torch.float8_e8m0fnu)
+        return qo.copy_(q), so.view(torch.uint8).copy_(s.view(torch.uint8)).view(SCALE_DTYPE)
     *lead, C = x.shape
     bs = spec.block_size
     xf = x.float().reshape(*lead, C // bs, bs)
@@ -75,7 +75,7 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.T
     y = torch.where(nonfinite.unsqueeze(-1), float("nan"), y)
     q = y.to(spec.elem.dtype).reshape(x.shape)
     s = torch.where(nonfinite, E8M0_NAN, e + E8M0_BIAS).to(torch.uint8)
-    return q, s.view(torch.float8_e8m0fnu)
+    return q, s.view(SCALE_DTYPE)
 
 
 def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Same interface as `mxmoe.quant.torch_cast` (docs/mx-format.md is the spec); see docs/casts.md for
 the kernel designs and the benchmark. Inputs are contiguous bf16/fp32; outputs are fresh
-contiguous tensors; scales are `torch.float8_e8m0fnu` (kernels see them as uint8).
+contiguous tensors; scales are `SCALE_DTYPE`, E8M0 (kernels see them as uint8).
 
 Exactness does not depend on flush-to-zero behaviour where the GPU could flush:
 - inputs are loaded as integers (bf16 bits << 16 or fp32 bits), the block amax is an integer max
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mxmoe.formats import MODE_IDS, CastSpec, ElemFormat, f32_bits
+from mxmoe.formats import MODE_IDS, SCALE_DTYPE, CastSpec, ElemFormat, f32_bits
 from mxmoe.quant.backends import cdiv, next_pow2, triton_interpret
 from mxmoe.quant.checks import dim0_outputs
 
@@ -517,7 +517,7 @@ def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
     B = math.prod(lead)  # the matrices, one grid row each
     bs = spec.block_size
     q = torch.empty((*lead, C, R), dtype=spec.elem.dtype, device=x.device)
-    s = torch.empty((*lead, C, R // bs), dtype=torch.float8_e8m0fnu, device=x.device)
+    s = torch.empty((*lead, C, R // bs), dtype=SCALE_DTYPE, device=x.device)
     if B > 65535:
         raise ValueError(
             f"x has {B} matrices (shape {tuple(x.shape)}), more than the 65535 the dim1 kernel's grid allows"
@@ -549,9 +549,9 @@ def quantize_dim0_dim1(
         return (*quantize_dim0(x, spec), *quantize_dim1(x, spec))
     dev = x.device
     q0 = torch.empty((R, C), dtype=spec.elem.dtype, device=dev)
-    s0 = torch.empty((R, C // bs), dtype=torch.float8_e8m0fnu, device=dev)
+    s0 = torch.empty((R, C // bs), dtype=SCALE_DTYPE, device=dev)
     q1 = torch.empty((C, R), dtype=spec.elem.dtype, device=dev)
-    s1 = torch.empty((C, R // bs), dtype=torch.float8_e8m0fnu, device=dev)
+    s1 = torch.empty((C, R // bs), dtype=SCALE_DTYPE, device=dev)
     br = max(bs, min(_FUSED_ROWS, next_pow2(R)))
     bc = max(bs, min(_FUSED_COLS, next_pow2(C)))
     grid = (cdiv(R, br), cdiv(C, bc))
