@@ -76,10 +76,10 @@ def qdq_op(
     kernel: str,
     offs: Tensor | None = None,
 ) -> list[Tensor]:
-    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0, any R; B == 1 when offs is given; fmt:
-    a registered format's name (`mxmoe.formats.FORMATS`). x may
+    """x (B, R, C) bf16/fp32 contiguous, C % block_size == 0, any R; B == 1 when offs is given. x may
     also be 2D (R, C), the same as (1, R, C) (the public 2D calls pass it so, saving the reshapes):
-    the outputs are then 2D too.
+    the outputs are then 2D too. fmt: a registered format's name (`mxmoe.formats.FORMATS`), whose
+    block size, scale rule and element dtype the values take.
 
     Returns, in order, each of x's shape, out_dtype, row-major contiguous: if dim0, y0 = MX-rounded
     along C; if dim1, y1 = MX-rounded along R, blocks starting at each matrix's first row (the last
