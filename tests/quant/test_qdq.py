@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import assert_sm90_check
+from conftest import assert_same_bits, assert_sm90_check
 
 from mxmoe.quant.qdq import qdq, qdq_dim0_dim1, qdq_op
 from mxmoe.recipe import MXRecipe
@@ -197,6 +197,33 @@ def test_qdq_fake_matches_real_and_compiles():
 
     got = torch.compile(f, fullgraph=True, backend="inductor")(x)
     assert torch.equal(got, f(x))
+
+
+def test_qdq_ops_take_the_format_by_its_registered_name():
+    """mxmoe::qdq, swiglu_qdq and swiglu_bwd_qdq take a registered format's name: its block size,
+    scale rule and element dtype give the values (those of the recipe made from it); a name not
+    registered is refused, naming it."""
+    from mxmoe.formats import FORMATS
+    from mxmoe.quant.mx_tensor import to_mx
+    from mxmoe.quant.qdq import swiglu_bwd, swiglu_bwd_qdq_op, swiglu_qdq_op
+
+    g, u, dh = (torch.randn(64, 32, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    r = recipe("torch", "floor", torch.float8_e5m2, 16)  # not shipped: registered by its fields
+    assert r.fmt.name == "mxfp8_e5m2_floor_b16" and FORMATS[r.fmt.name] is r.fmt
+    f32 = torch.float32
+    y0, y1 = qdq_op(g, r.fmt.name, f32, True, True, "torch")
+    assert_same_bits(y0, to_mx(g, -1, recipe=r).dequantize(f32), "dim0")
+    assert_same_bits(y1, to_mx(g, -2, recipe=r).dequantize(f32), "dim1")
+    h = torch.nn.functional.silu(g) * u
+    want = qdq_dim0_dim1(h, recipe=r, out_dtype=f32)
+    for got, w in zip(swiglu_qdq_op(g, u, r.fmt.name, f32, "torch"), want, strict=True):
+        assert_same_bits(got, w, "swiglu")
+    dg, du = swiglu_bwd(dh, g, u)
+    want = [*qdq_dim0_dim1(dg, recipe=r, out_dtype=f32), *qdq_dim0_dim1(du, recipe=r, out_dtype=f32)]
+    for got, w in zip(swiglu_bwd_qdq_op(dh, g, u, r.fmt.name, f32, "torch"), want, strict=True):
+        assert_same_bits(got, w, "swiglu backward")
+    with pytest.raises(ValueError, match=r"format 'mxfp8_e4m3_rceil_b7' is not registered; expected one of"):
+        qdq_op(g, "mxfp8_e4m3_rceil_b7", f32, True, False, "torch")
 
 
 # ---------------------------------------------------------------------------------------------
