@@ -21,19 +21,26 @@ from mxmoe.formats import (
     check_elem_dtype,
     check_input_dtype,
     check_scaling_mode,
+    format_of,
 )
+
+
+def _new_spec(block_size: int, scaling_mode: str, elem_dtype: torch.dtype) -> CastSpec:
+    return CastSpec(block_size, ScalingMode(scaling_mode), ELEM_FORMATS[elem_dtype])
 
 
 @functools.cache
 def _spec(block_size: int, scaling_mode: str, elem_dtype: torch.dtype) -> CastSpec:
-    return CastSpec(block_size, ScalingMode(scaling_mode), ELEM_FORMATS[elem_dtype])
+    """The format's own CastSpec (`MXFormat.spec`): one object per format, which the kernels'
+    caches keyed by a spec find by identity."""
+    return format_of(elem_dtype, block_size, ScalingMode(scaling_mode)).spec
 
 
 def spec_of(block_size: int, scaling_mode: str, elem_dtype: torch.dtype) -> CastSpec:
     """The CastSpec of already-checked arguments (cached: no work per call; while torch.compile
     traces, made afresh: dynamo traces the function, not a cache wrapper)."""
     if torch.compiler.is_compiling():
-        return _spec.__wrapped__(block_size, scaling_mode, elem_dtype)
+        return _new_spec(block_size, scaling_mode, elem_dtype)
     return _spec(block_size, scaling_mode, elem_dtype)
 
 
