@@ -4,17 +4,13 @@ key given twice, sizes no memory holds, the native MX GEMM where it cannot run, 
 cannot be written; one data file is never both splits; Ctrl-C saves and stops as SIGTERM does; the
 divergence error says when nothing was saved yet."""
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import spawn_ranks
 from test_config import _rank_in_its_folder, _rank_with_extra
-from test_trainer import TINY, losses
+from test_trainer import TINY, losses, signal_after_three_steps
 
 from mxmoe.train import trainer
 from mxmoe.train.checkpoint import Checkpointer
@@ -159,29 +155,8 @@ def test_ctrl_c_saves_and_stops_with_one_line(tmp_path):
     """SIGINT (Ctrl-C) finishes the step, saves it and exits 130 with one warning line, no
     traceback (a KeyboardInterrupt traceback once lost the steps since the last checkpoint)."""
     run = tmp_path / "run"
-    argv = TINY + [
-        f"--job.dump_folder={run}",
-        f"--checkpoint.folder={run}/ckpt",
-        "--checkpoint.interval=1000",
-        "--training.steps=100000",
-    ]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mxmoe", "train", *argv], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        metrics = run / "metrics.jsonl"
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "training did not log 3 steps in 120 s"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err
+    rc, err = signal_after_three_steps(run, 1000, signal.SIGINT)
+    assert rc == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.strip().splitlines()[-1].startswith("mxmoe WARNING: Ctrl-C: stopped after step"), err
     last = max(losses(run))

@@ -84,12 +84,13 @@ def test_an_interrupted_save_is_ignored_and_an_incomplete_step_folder_is_an_erro
         Checkpointer(str(ck)).resume_path()
 
 
-def test_sigterm_stops_cleanly_with_loadable_checkpoint(tmp_path):
-    run = tmp_path / "run"
+def signal_after_three_steps(run: Path, interval: int, sig: int) -> tuple[int, str]:
+    """`mxmoe train` (TINY, checkpoints every `interval` steps under run/ckpt) in a subprocess, sent
+    `sig` once it has logged 3 steps: (its exit status, its stderr)."""
     argv = TINY + [
         f"--job.dump_folder={run}",
         f"--checkpoint.folder={run}/ckpt",
-        "--checkpoint.interval=2",
+        f"--checkpoint.interval={interval}",
         "--training.steps=100000",
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -103,12 +104,18 @@ def test_sigterm_stops_cleanly_with_loadable_checkpoint(tmp_path):
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "training did not log 3 steps in 120 s"
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, err
+    return proc.returncode, err
+
+
+def test_sigterm_stops_cleanly_with_loadable_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    rc, err = signal_after_three_steps(run, 2, signal.SIGTERM)
+    assert rc == 0, err
     assert "SIGTERM: stopped after step" in err
     last = max(losses(run))
     ck = Checkpointer(str(run / "ckpt"))
