@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mxmoe.comm import custom_ops as ops
-from mxmoe.comm.splits import check_chunks
+from mxmoe.comm.splits import check_chunks, gather_rows
 from mxmoe.comm.transport import (
     AUTO,
     ExchangeSite,
@@ -320,14 +320,8 @@ def agree_across_ranks(group, rank: int, world: int, sig: tuple | None, err: Exc
     row = [1] + [-1] * n if sig is None else [0, *sig]
     backend = str(dist.get_backend(group))
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    meta = torch.stack(gathered).cpu().tolist()
-    bad = [r for r in range(world) if meta[r][0]]
+    meta, bad, msgs = gather_rows(group, world, row, err, device)
     if bad:
-        msgs: list = [None] * world
-        dist.all_gather_object(msgs, None if err is None else (type(err).__name__, str(err)), group=group)
         if err is not None:  # this rank's own error first
             raise type(err)(f"rank {rank}: {err}") from err
         kind, msg = msgs[bad[0]]

@@ -95,6 +95,25 @@ def _local_plan(
     return Plan(rank, world, ins, outs, tuple(x.shape[1:]))
 
 
+def gather_rows(
+    group, world: int, row: list[int], err: Exception | None, device: torch.device
+) -> tuple[list[list[int]], list[int], list | None]:
+    """One all_gather of every rank's int row (the same length on every rank; row[0] nonzero where
+    that rank's own checks failed with `err`): (the rows, the ranks whose checks failed, and, only
+    when there are such ranks, every rank's (error type name, message) or None, gathered so that
+    every rank can report the actual problem)."""
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    meta = torch.stack(gathered).cpu().tolist()
+    bad = [r for r in range(world) if meta[r][0]]
+    if not bad:
+        return meta, bad, None
+    msgs: list = [None] * world
+    dist.all_gather_object(msgs, None if err is None else (type(err).__name__, str(err)), group=group)
+    return meta, bad, msgs
+
+
 def check_chunks(chunks) -> int | None:
     """`chunks` of the MXFP8 all-to-alls: None (auto), 0 (no pipelining) or an int >= 1."""
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0):
@@ -156,17 +175,8 @@ def check_and_plan(
         names = choices()
         row = [0, code, numel, x.ndim, -1 if chunks is None else int(chunks), names.index(transport)]
         row += list(plan.input_splits) + list(plan.output_splits)
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    meta = torch.stack(gathered).cpu().tolist()
-
-    bad = [r for r in range(world) if meta[r][0]]
+    meta, bad, msgs = gather_rows(group, world, row, err, device)
     if bad:
-        # Rare path: share the messages so every rank reports the actual problem.
-        msgs = [None] * world
-        local = None if err is None else (type(err).__name__, str(err))
-        dist.all_gather_object(msgs, local, group=group)
         kind, msg = msgs[bad[0]]
         exc = TypeError if kind == "TypeError" else ValueError
         if rank == bad[0]:
