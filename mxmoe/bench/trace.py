@@ -3,8 +3,8 @@
 Reads the traces torch.profiler writes (`export_chrome_trace`: mxmoe's `--profiling.*`, torchtitan's
 `--profiling.enable_profiling`), sums the GPU kernels, copies and memsets of each by the categories of
 `mxmoe.train.profiling.KERNEL_CATEGORIES` (GEMMs, MX casts, attention, optimizer, ...), and prints
-ms per recorded step: the step count is the number of `ProfilerStep#N` ranges in the trace (1 if
-none). The MX casts are also listed by kernel name.
+ms per recorded step: the step count is the number of `ProfilerStep#N` ranges in the trace within
+which the host launched GPU work (1 if none). The MX casts are also listed by kernel name.
 
     mxmoe bench trace outputs/profile_trace/iteration_20/rank0_trace.json --json trace.json
 """
@@ -12,6 +12,7 @@ none). The MX casts are also listed by kernel name.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import re
@@ -35,9 +36,19 @@ def breakdown(trace: dict) -> dict:
     one Chrome trace: GPU events (kernels, copies, memsets) per ProfilerStep range recorded."""
     from mxmoe.train.profiling import kernel_category
 
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else []
+    raw = trace.get("traceEvents", []) if isinstance(trace, dict) else []
+    events = [e for e in raw if isinstance(e, dict)]
     step_name = re.compile(r"ProfilerStep#\d+$")
-    steps = sum(1 for e in events if isinstance(e, dict) and step_name.match(str(e.get("name", ""))))
+    # a step counts when the host launched GPU work inside its range (a trace can also hold the
+    # empty start of the step after the recorded ones)
+    host_api = ("cuda_runtime", "cuda_driver")
+    launches = sorted(float(e.get("ts", 0)) for e in events if e.get("cat") in host_api)
+    steps = 0
+    for e in events:
+        if step_name.match(str(e.get("name", ""))):
+            t0, t1 = float(e.get("ts", 0)), float(e.get("ts", 0)) + float(e.get("dur", 0))
+            i = bisect.bisect_left(launches, t0)
+            steps += not launches or (i < len(launches) and launches[i] <= t1)
     steps = max(steps, 1)
     cats: dict[str, float] = {}
     casts: dict[str, float] = {}

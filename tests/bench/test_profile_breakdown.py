@@ -16,6 +16,9 @@ def _trace(tmp_path):
     events = [
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#9", "ts": 0, "dur": 100},
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#10", "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#11", "ts": 200, "dur": 5},  # no launch
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 2},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 150, "dur": 2},
         {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x128", "dur": 3000},
         {"ph": "X", "cat": "kernel", "name": "void (anonymous namespace)::qdq_dim1_kernel<0>", "dur": 400},
         {"ph": "X", "cat": "kernel", "name": "void (anonymous namespace)::qdq_dim0_kernel<0>", "dur": 200},
