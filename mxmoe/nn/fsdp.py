@@ -9,7 +9,9 @@ The forward's gather (outside autograd's backward) sends the cast along the last
 GEMM's operand), the backward's the cast along dim -2 (the dgrad's), and the gathered weight
 (`mxmoe.quant.gathered.MXGatheredWeight`) feeds the GEMMs with no cast. A GEMM that needs the other
 layout (a module FSDP does not reshard after the forward; a forward recomputed in the backward)
-gathers it then from the shards (a collective; the same bits).
+gathers it then from the shards (a collective; the same bits). Compiled graphs cannot gather:
+`prepare_compiled_gathers(model)` (after `fully_shard`) makes the weights of such modules gather in
+the compute dtype (see `mxmoe.quant.gathered`).
 
 Exactness: the gathered cast equals the cast of the whole weight bit for bit when each shard holds
 whole blocks: the shard dim is dim 0 (FSDP's default), and a 2D weight (N, K) has N divisible by
@@ -93,6 +95,20 @@ def shard_blocks_ok(shape: tuple[int, ...], world: int, block_size: int) -> str 
     return None
 
 
+@dataclass
+class _Plan:
+    """How a wrapped weight gathers, shared by the sharded tensors FSDP2 derives from it (chunks,
+    copies, a reset after loading a checkpoint): `prepare_compiled_gathers` sets it before the
+    first gather."""
+
+    compiled: bool = False
+    """Prepared for torch.compile: the forward reads only the forward's gather, the backward only
+    the backward's (MXGatheredWeight's phase_layouts)."""
+    hp_reason: str | None = None
+    """Set: gathers in the compute dtype, for this reason."""
+    gathered: bool = False
+
+
 class MXShardedWeight(Tensor):
     """A master weight (plain data `_t`, any dtype) that FSDP2 all-gathers as MX (module doc).
     Every op but FSDP's own sharding ops (`_PRESERVE`) sees the plain tensor."""
@@ -101,24 +117,32 @@ class MXShardedWeight(Tensor):
     _recipe: MXRecipe
     _name: str
     _cast_dtype: torch.dtype | None
+    _plan: _Plan
 
     @staticmethod
-    def __new__(cls, t: Tensor, recipe: MXRecipe, name: str = "", cast_dtype: torch.dtype | None = None):
+    def __new__(cls, t: Tensor, recipe: MXRecipe, name: str = "", cast_dtype: torch.dtype | None = None,
+                plan: _Plan | None = None):
         return Tensor._make_wrapper_subclass(
             cls, t.size(), strides=t.stride(), storage_offset=t.storage_offset(), dtype=t.dtype,
             layout=t.layout, device=t.device, requires_grad=t.requires_grad,
         )
 
-    def __init__(self, t: Tensor, recipe: MXRecipe, name: str = "", cast_dtype: torch.dtype | None = None):
+    def __init__(self, t: Tensor, recipe: MXRecipe, name: str = "", cast_dtype: torch.dtype | None = None,
+                 plan: _Plan | None = None):
         """cast_dtype: the dtype the module's forward converts the weight to before its MX cast (e.g.
-        torchtitan 0.2's experts: bf16); None: the gathered dtype (FSDP's param_dtype)."""
+        torchtitan 0.2's experts: bf16); None: the gathered dtype (FSDP's param_dtype). plan: the
+        gather plan shared with the tensor this one derives from (None: a new one)."""
         self._t, self._recipe, self._name, self._cast_dtype = t, recipe, name, cast_dtype
+        self._plan = plan if plan is not None else _Plan()
+
+    def _like(self, t: Tensor) -> MXShardedWeight:
+        return MXShardedWeight(t, self._recipe, self._name, self._cast_dtype, self._plan)
 
     def __repr__(self) -> str:
         return f"MXShardedWeight({self._name or 'weight'}, {self._t!r})"
 
     def __tensor_flatten__(self):
-        return ["_t"], (self._recipe, self._name, self._cast_dtype)
+        return ["_t"], (self._recipe, self._name, self._cast_dtype, self._plan)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -128,14 +152,12 @@ class MXShardedWeight(Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         first = next(a for a in pytree.tree_leaves(args) if isinstance(a, MXShardedWeight))
         if func is torch.ops.aten.detach.default:
-            return MXShardedWeight(args[0]._t.detach(), first._recipe, first._name, first._cast_dtype)
+            return first._like(args[0]._t.detach())
         args, kwargs = pytree.tree_map_only(MXShardedWeight, lambda t: t._t, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _PRESERVE:
             return out
-        return pytree.tree_map_only(
-            Tensor, lambda t: MXShardedWeight(t, first._recipe, first._name, first._cast_dtype), out
-        )
+        return pytree.tree_map_only(Tensor, first._like, out)
 
     # FSDP2's all-gather extension -------------------------------------------------------------
 
@@ -155,6 +177,8 @@ class MXShardedWeight(Tensor):
         rows = -(-outer_size[0] // world)
         if why is None and tuple(self._t.shape) != (rows, *outer_size[1:]):
             why = f"its shard {tuple(self._t.shape)} is not dim 0's 1/{world} of {tuple(outer_size)}"
+        why = why or self._plan.hp_reason
+        self._plan.gathered = True
         if why is not None:  # the compute dtype, padded to FSDP's padded shard
             if not getattr(self, "_warned", False):
                 log.warning("%s gathers in %s, not MXFP8: %s", self._name or "a weight", dtype, why)
@@ -183,8 +207,9 @@ class MXShardedWeight(Tensor):
                 raise RuntimeError(f"FSDP2 handed {type(out).__name__} as the unsharded MX weight")
             out.set_data(q, s, layout, _Regather(self, dtype, group))  # this gather's shard
             return None
-        return MXGatheredWeight(shape, param_dtype, q, s, layout, self._recipe,
-                                _Regather(self, dtype, group), cast_dtype=self._cast_dtype), (q, s)
+        return MXGatheredWeight(shape, param_dtype, q, s, layout, self._recipe.fmt.name,
+                                _Regather(self, dtype, group), cast_dtype=self._cast_dtype,
+                                phase_layouts=self._plan.compiled), (q, s)
 
 
 @dataclass
@@ -204,6 +229,51 @@ class _Regather:
             dist.all_gather_into_tensor(o.view(torch.uint8), t.view(torch.uint8), group=self.group)
             res.append(o)
         return res[0], res[1]
+
+
+def prepare_compiled_gathers(model: nn.Module) -> dict[str, str]:
+    """Make the MXFP8 gathers of `model` (after `fully_shard`, before its first forward) safe for
+    torch.compile, whose graphs read a gathered weight's buffers without knowing which gather
+    filled them: the forward reads the forward's gather (blocks along K), the backward the
+    backward's (along N) in the same buffers. That holds where FSDP2 reshards the weight's module
+    after the forward (the backward gathers again) and nothing recomputes the forward in the
+    backward; every other wrapped weight gathers in the compute dtype from now on (eager, the
+    gathered weight would fetch the other layout with a collective, which a graph cannot).
+    Returns {fully qualified name: why} of those, and logs them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    recomputed: set[int] = set()  # modules under activation checkpointing
+    for m in model.modules():
+        if isinstance(m, CheckpointWrapper):
+            recomputed.update(id(sub) for sub in m.modules())
+    names = {id(p): n for n, p in model.named_parameters()}
+    plain: dict[str, str] = {}
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for fp in group.fsdp_params if group is not None else ():
+            t = fp.sharded_param._local_tensor if isinstance(fp.sharded_param, DTensor) else fp.sharded_param
+            t = getattr(t, "_local_tensor", t)
+            if not isinstance(t, MXShardedWeight):
+                continue
+            if t._plan.gathered:
+                raise RuntimeError(
+                    "prepare_compiled_gathers(model) must run before the model's first forward (the "
+                    f"first all-gather fixes each weight's buffers); {t._name or 'a weight'} was gathered"
+                )
+            why = None
+            if group.post_forward_mesh_info is None:
+                why = "its FSDP module does not reshard after the forward (no backward gather)"
+            elif id(fp._module_info.module) in recomputed:
+                why = "activation checkpointing recomputes its forward in the backward"
+            t._plan.compiled, t._plan.hp_reason = why is None, why
+            if why is not None:
+                plain[t._name or names.get(id(fp.sharded_param), "?")] = why
+    if plain:
+        log.info("compiled: %d MX weights gather in the compute dtype: %s", len(plain),
+                 "; ".join(f"{k} ({v})" for k, v in plain.items()))
+    return plain
 
 
 @dataclass

@@ -210,9 +210,9 @@ def _backward_gemms(
             dy0 = to_mx(dy, axis=-1, recipe=recipe)
     if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
         if qdq:
-            da = gemm(dy0, weight_qdq(w, -2, recipe, kernels), offs, a_dtype)
+            da = gemm(dy0, weight_qdq(w, -2, recipe, kernels, dy0), offs, a_dtype)
         else:
-            da = dgrad_mx(dy0, weight_mx(w, -2, recipe), offs, recipe, a_dtype)
+            da = dgrad_mx(dy0, weight_mx(w, -2, recipe, dy0.qdata_blocked), offs, recipe, a_dtype)
     return da, db_t
 
 
@@ -301,7 +301,8 @@ class _MXGroupedMMShared(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *dys):
         recipe, kernels, n = ctx.recipe, ctx.kernels, ctx.n
-        offs, ws, kept = ctx.saved_tensors[0], ctx.saved_tensors[1 : 1 + n], ctx.saved_tensors[1 + n :]
+        saved = ctx.saved_tensors  # read once: under non-reentrant checkpointing each read unpacks
+        offs, ws, kept = saved[0], saved[1 : 1 + n], saved[1 + n :]
         ws = _weights_back(ctx, ws)
         need_da = ctx.needs_input_grad[0]
         a1 = []  # the tokens along M, made once for all the wgrads

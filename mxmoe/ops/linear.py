@@ -142,22 +142,26 @@ def restored_weight(t: Tensor, casts: bool, dtype: torch.dtype) -> Tensor | Weig
     return WeightCasts(None, t, dtype) if casts else t
 
 
-def weight_qdq(w: Tensor | WeightCasts, axis: int, recipe: MXRecipe, kernels: OpKernels) -> Tensor:
+def weight_qdq(
+    w: Tensor | WeightCasts, axis: int, recipe: MXRecipe, kernels: OpKernels, after: Tensor | None = None
+) -> Tensor:
     """qdq of a weight (bf16/fp32, any strides, e.g. W (N, K) or w (E, N, K), checked by the op)
     along `axis` (-1 or -2) in kernels.compute, row-major (WeightCasts: the cast made already; a
-    weight FSDP2 gathered as MX, `MXGatheredWeight`: dequantized, not cast, the same values)."""
+    weight FSDP2 gathered as MX, `MXGatheredWeight`: dequantized, not cast, the same values; `after`:
+    the backward's gradient, see `gathered_mx`)."""
     if isinstance(w, WeightCasts):
         return w.k if axis == -1 else w.n
-    pre = gathered_mx(w, axis, recipe)
+    pre = gathered_mx(w, axis, recipe, after)
     if pre is not None:
         return pre.dequantize_trusted(kernels.compute, cast_kernel(recipe, w.device, "dequant")).contiguous()
     dim1 = axis == -2
     return qdq_trusted(w, recipe, kernels.k1 if dim1 else kernels.k0, kernels.compute, not dim1, dim1)[0]
 
 
-def weight_mx(w: Tensor, axis: int, recipe: MXRecipe) -> MXTensor:
-    """to_mx of a weight along `axis` (a weight FSDP2 gathered as MX: its gathered cast)."""
-    pre = gathered_mx(w, axis, recipe)
+def weight_mx(w: Tensor, axis: int, recipe: MXRecipe, after: Tensor | None = None) -> MXTensor:
+    """to_mx of a weight along `axis` (a weight FSDP2 gathered as MX: its gathered cast; `after`: see
+    `gathered_mx`)."""
+    pre = gathered_mx(w, axis, recipe, after)
     return to_mx(w, axis, recipe=recipe) if pre is None else pre
 
 
@@ -263,7 +267,7 @@ def _backward_gemms(
         else:
             (dy1,) = qdq_trusted(dy, recipe, kernels.k1, kernels.compute, False, True)
         if need_dx:  # W (N, K) along N, row-major
-            dx = gemm(dy0, weight_qdq(w, -2, recipe, kernels), None, x_dtype)
+            dx = gemm(dy0, weight_qdq(w, -2, recipe, kernels, dy0), None, x_dtype)
         if need_dw:  # dy1ᵀ (N, M) and x1 (M, K), both M-major, as bf16 training's wgrad
             dw_t = gemm(dy1.t(), kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
         return dx, dw_t
@@ -280,7 +284,7 @@ def _backward_gemms(
     else:
         dy1 = cast_rows(dy, recipe)
     if need_dx:
-        dx = dgrad_mx(dy0, weight_mx(w, -2, recipe), None, recipe, x_dtype)
+        dx = dgrad_mx(dy0, weight_mx(w, -2, recipe, dy0.qdata_blocked), None, recipe, x_dtype)
     if need_dw:
         dw_t = wgrad_mx(dy1, x1, M, None, None, recipe, w.dtype).t()
     return dx, dw_t
@@ -352,7 +356,8 @@ class _MXMMShared(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *dys: Tensor | None):
         need_dx = ctx.needs_input_grad[0]
-        ws, kept = ctx.saved_tensors[: ctx.n], tuple(ctx.saved_tensors[ctx.n :])
+        saved = ctx.saved_tensors  # read once: under non-reentrant checkpointing each read unpacks
+        ws, kept = saved[: ctx.n], tuple(saved[ctx.n :])
         dxs, dw_ts = [], []
         for i, (dy, w) in enumerate(zip(dys, ws, strict=True)):
             need_dw = ctx.needs_input_grad[4 + i]

@@ -14,6 +14,15 @@ A GEMM that asks for the layout this tensor does not hold (its module is not res
 forward, or the forward is recomputed in the backward) gets it from `regather`, a collective that
 all-gathers that layout of the shards (exact: the same cast of the same shards).
 
+torch.compile: dynamo does not trace a subclass's Python methods, so a compiled graph reads the
+weight through the custom op `mxmoe::gathered_weight`, which `__torch_dispatch__` answers with the
+buffers. A graph cannot gather, and its backward is traced with the forward's metadata: with
+`phase_layouts` (set by `mxmoe.nn.fsdp.prepare_compiled_gathers`: the module reshards after the
+forward and recomputes nothing) the backward's read takes the same buffers in the backward's
+layout, which FSDP2's backward gather has written into them by then (`mxmoe::gathered_as`, whose
+input `after`, the gradient, keeps the read in the backward: a read of primal inputs alone may be
+scheduled in the forward, before the refill).
+
 Any other op on it raises: its values are MX data, not the weight's.
 """
 
@@ -25,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from mxmoe.formats import get_format
 from mxmoe.quant.mx_tensor import MXTensor, mx_tensor_trusted
 from mxmoe.recipe import MXRecipe
 
@@ -49,15 +59,16 @@ class MXGatheredWeight(Tensor):
     logical shape and compute dtype (autograd's view of it; its gradient is a plain tensor)."""
 
     _data: _Data
-    _recipe: MXRecipe
+    _fmt: str
     _transposed: bool
     _cast_dtype: torch.dtype
+    _phase_layouts: bool
 
     @staticmethod
     def __new__(
-        cls, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, recipe: MXRecipe,
+        cls, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, fmt: str,
         regather: Regather | None = None, transposed: bool = False, requires_grad: bool = False,
-        cast_dtype: torch.dtype | None = None,
+        cast_dtype: torch.dtype | None = None, phase_layouts: bool = False,
     ):
         shape = tuple(shape)
         if transposed:
@@ -68,15 +79,18 @@ class MXGatheredWeight(Tensor):
         )
 
     def __init__(
-        self, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, recipe: MXRecipe,
+        self, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, fmt: str,
         regather: Regather | None = None, transposed: bool = False, requires_grad: bool = False,
-        cast_dtype: torch.dtype | None = None,
+        cast_dtype: torch.dtype | None = None, phase_layouts: bool = False,
     ):
         """cast_dtype: the dtype the weight was converted to before its MX cast (None: dtype); a
-        `.to(cast_dtype)` of this tensor is then this tensor in that dtype (the same MX data)."""
+        `.to(cast_dtype)` of this tensor is then this tensor in that dtype (the same MX data).
+        phase_layouts: the forward reads only the forward's gather and the backward only the
+        backward's (its module reshards after the forward and recomputes nothing), which a
+        compiled graph relies on (module doc)."""
         self._data = q if isinstance(q, _Data) else _Data(q, s, layout, regather)
         self._cast_dtype = cast_dtype or dtype
-        self._recipe, self._transposed = recipe, transposed
+        self._fmt, self._transposed, self._phase_layouts = fmt, transposed, phase_layouts
 
     def set_data(self, q: Tensor, s: Tensor, layout: str, regather: Regather | None = None) -> None:
         """Refill in place (FSDP2's later all-gathers write into the same unsharded parameter); its
@@ -104,22 +118,29 @@ class MXGatheredWeight(Tensor):
         return self._rewrap_as(transposed, self.dtype)
 
     def _rewrap_as(self, transposed: bool, dtype: torch.dtype) -> MXGatheredWeight:
-        return MXGatheredWeight(self._weight_shape(), dtype, self._data, None, "", self._recipe, None,
-                                transposed, cast_dtype=self._cast_dtype)
+        return MXGatheredWeight(self._weight_shape(), dtype, self._data, None, "", self._fmt, None,
+                                transposed, cast_dtype=self._cast_dtype, phase_layouts=self._phase_layouts)
 
     def mx(self, axis: int, recipe: MXRecipe) -> MXTensor:
         """The weight (N, K) / (E, N, K) cast along `axis` (-1: dim0, -2: dim1) as `to_mx(w, axis,
         recipe=recipe)` returns it (bit for bit). ValueError when `recipe`'s format is not the one
         the weight was gathered in."""
+        q, s = self._layout_data(axis, recipe.fmt.name, traced=False)
+        return mx_tensor_trusted(q, s, q.ndim - 1 if axis == -1 else q.ndim - 2, recipe.block_size,
+                                 recipe.scaling_mode, self._cast_dtype)
+
+    def _layout_data(
+        self, axis: int, fmt: str, traced: bool, after: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(elements, scales) of the cast along `axis`, in to_mx's storage. Eager (traced=False): a
+        layout this tensor does not hold is gathered (`_fetch`). Traced by torch.compile: the
+        buffers hold the layout of the phase that reads them (phase_layouts), so the backward's read
+        (`after`: a tensor of the backward, which keeps the read there) takes the buffers in the
+        layout it asks for."""
         if self._transposed:
             raise ValueError("MXGatheredWeight.mx takes the weight (N, K), not its transposed view")
-        r = self._recipe
-        if (r.elem_dtype, r.block_size, r.scaling_mode) != (recipe.elem_dtype, recipe.block_size,
-                                                            recipe.scaling_mode):
-            raise ValueError(
-                f"weight gathered as {r.elem_dtype}/{r.block_size}/{r.scaling_mode} but the op's recipe "
-                f"is {recipe.elem_dtype}/{recipe.block_size}/{recipe.scaling_mode}"
-            )
+        if fmt != self._fmt:
+            raise ValueError(f"weight gathered in format {self._fmt} but the op's recipe is {fmt}")
         if self.dtype != self._cast_dtype:
             raise ValueError(
                 f"this weight was cast to MX from {self._cast_dtype}; read it in that dtype, not {self.dtype}"
@@ -128,12 +149,23 @@ class MXGatheredWeight(Tensor):
             raise ValueError(f"axis={axis}: expected -1 (dim0) or -2 (dim1)")
         layout = "dim0" if axis == -1 else "dim1"
         d = self._data
-        q, s = (d.q, d.s) if layout == d.layout else self._fetch(layout)
-        nd = q.ndim
-        if layout == "dim1" and nd == 2:  # gathered (N, K) / (N/bs, K): to_mx's storage is (K, N)
+        if layout != d.layout and not traced:
+            q, s = self._fetch(layout)
+        elif layout != d.layout:
+            if not self._phase_layouts or after is None:
+                raise RuntimeError(
+                    f"torch.compile reads this MXFP8-gathered weight ({d.layout}) as {layout}"
+                    + (" in the forward" if after is None else "") + ": its module must reshard after "
+                    "the forward and not recompute it in the backward, checked by "
+                    "mxmoe.nn.fsdp.prepare_compiled_gathers(model) after fully_shard"
+                )
+            q_shape, s_shape = _gathered_shapes(self._weight_shape(), layout, get_format(fmt).block_size)
+            return torch.ops.mxmoe.gathered_as(d.q, d.s, after, q_shape, s_shape, len(q_shape) == 2)
+        else:
+            q, s = d.q, d.s
+        if layout == "dim1" and q.ndim == 2:  # gathered (N, K) / (N/bs, K): to_mx's storage is (K, N)
             q, s = q.t().contiguous(), s.t().contiguous()
-        return mx_tensor_trusted(q, s, nd - 1 if layout == "dim0" else nd - 2, r.block_size,
-                                 r.scaling_mode, self._cast_dtype)
+        return q, s
 
     def _fetch(self, layout: str) -> tuple[Tensor, Tensor]:
         if self._data.regather is None:
@@ -148,19 +180,21 @@ class MXGatheredWeight(Tensor):
                 f"transposed={self._transposed})")
 
     def __tensor_flatten__(self):
-        return ["_q", "_s"], (self._weight_shape(), self.dtype, self.layout, self._recipe,
-                              self._transposed, self._cast_dtype)
+        return ["_q", "_s"], (self._weight_shape(), self.dtype, self.layout, self._fmt,
+                              self._transposed, self._cast_dtype, self._phase_layouts)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        shape, dtype, layout, recipe, transposed, cast_dtype = meta
-        return MXGatheredWeight(shape, dtype, inner["_q"], inner["_s"], layout, recipe, None, transposed,
-                                cast_dtype=cast_dtype)
+        shape, dtype, layout, fmt, transposed, cast_dtype, phase_layouts = meta
+        return MXGatheredWeight(shape, dtype, inner["_q"], inner["_s"], layout, fmt, None, transposed,
+                                cast_dtype=cast_dtype, phase_layouts=phase_layouts)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         w = args[0]
+        if func is torch.ops.mxmoe.gathered_weight.default:  # traced by torch.compile only
+            return w._layout_data(args[1], args[2], traced=True, after=args[3])
         if func in _VIEW_OPS:
             return w._rewrap(w._transposed)
         if func is torch.ops.aten.as_strided.default and tuple(args[1]) == tuple(w.shape):
@@ -183,6 +217,55 @@ class MXGatheredWeight(Tensor):
         )
 
 
-def gathered_mx(w: Tensor, axis: int, recipe: MXRecipe) -> MXTensor | None:
-    """`w.mx(axis, recipe)` for an MXGatheredWeight, else None (the ops then cast w themselves)."""
-    return w.mx(axis, recipe) if isinstance(w, MXGatheredWeight) else None
+def _gathered_shapes(weight_shape: tuple[int, ...], layout: str, bs: int) -> tuple[tuple, tuple]:
+    """Shapes of the gathered (elements, scales) of `layout` for a weight (N, K) / (E, N, K)."""
+    *e, n, k = weight_shape
+    if layout == "dim0":
+        return (*e, n, k), (*e, n, k // bs)
+    return ((n, k), (n // bs, k)) if not e else ((*e, k, n), (*e, k, n // bs))
+
+
+@torch.library.custom_op("mxmoe::gathered_weight", mutates_args=())
+def gathered_weight(w: Tensor, axis: int, fmt: str, after: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(elements, scales) of an MXGatheredWeight's cast along `axis` in format `fmt`: what
+    `gathered_mx` reads while torch.compile traces (MXGatheredWeight.__torch_dispatch__ answers it:
+    the traced graph reads its buffers). Any other tensor: TypeError."""
+    raise TypeError(f"mxmoe::gathered_weight reads an MXGatheredWeight, got a {type(w).__name__}")
+
+
+@gathered_weight.register_fake
+def _(w, axis, fmt, after):
+    raise TypeError(f"mxmoe::gathered_weight reads an MXGatheredWeight, got a {type(w).__name__}")
+
+
+@torch.library.custom_op("mxmoe::gathered_as", mutates_args=())
+def gathered_as(
+    q: Tensor, s: Tensor, after: Tensor, q_shape: list[int], s_shape: list[int], transpose: bool
+) -> tuple[Tensor, Tensor]:
+    """Copies of gathered buffers read with another layout's shapes (then each transposed, for a 2D
+    weight's cast along N): the backward's read of a compiled graph. `after` (not read) is a tensor
+    of the backward, so that the graph cannot read the buffers before the backward's gather has
+    refilled them."""
+    q, s = q.reshape(q_shape), s.reshape(s_shape)
+    return (q.t().contiguous(), s.t().contiguous()) if transpose else (q.clone(), s.clone())
+
+
+@gathered_as.register_fake
+def _(q, s, after, q_shape, s_shape, transpose):
+    if transpose:
+        q_shape, s_shape = q_shape[::-1], s_shape[::-1]
+    return q.new_empty(q_shape), s.new_empty(s_shape)
+
+
+def gathered_mx(w: Tensor, axis: int, recipe: MXRecipe, after: Tensor | None = None) -> MXTensor | None:
+    """`w.mx(axis, recipe)` for an MXGatheredWeight, else None (the ops then cast w themselves).
+    While torch.compile traces: through the `mxmoe::gathered_weight` op (dynamo does not trace a
+    tensor subclass's Python methods); `after`: in a backward, a tensor of the backward (the
+    gradient), which keeps the read of the backward's gather in the backward."""
+    if not isinstance(w, MXGatheredWeight):
+        return None
+    if not torch.compiler.is_compiling():
+        return w.mx(axis, recipe)
+    q, s = torch.ops.mxmoe.gathered_weight(w, axis, recipe.fmt.name, after)
+    return mx_tensor_trusted(q, s, q.ndim - 1 if axis == -1 else q.ndim - 2, recipe.block_size,
+                             recipe.scaling_mode, w.dtype)

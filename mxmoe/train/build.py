@@ -446,12 +446,6 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
             f"and one process (no FSDP / expert parallelism), got compile.enable={str(c.enable).lower()} "
             f"and world size {world}"
         )
-    if c.enable and use_mx and cfg.mx.fsdp_mxfp8_all_gather and world > 1:
-        raise ValueError(
-            "mx.fsdp_mxfp8_all_gather=true runs eager: torch.compile cannot trace the MX-gathered weight "
-            "(a tensor subclass read through its MX data) in the blocks' fullgraph; pass "
-            "--compile.enable=false, or leave mx.fsdp_mxfp8_all_gather off to compile"
-        )
     set_matmul_precision(cfg, device)
     if pd.tp > 1 and use_mx:
         # the converter owns this refusal: let it raise its own error before anything is built
@@ -475,6 +469,7 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
             ignore_experts=ep_mesh is not None,
             param_dtype=fsdp_param_dtype(cfg, device),
             mxfp8_all_gather=use_mx and cfg.mx.fsdp_mxfp8_all_gather,
+            compiled=c.enable,
         )
     exp_ids = {id(q) for q in exp_params}
     dense_params = [q for q in model.parameters() if id(q) not in exp_ids]

@@ -590,14 +590,30 @@ def test_trainer_fsdp_mxfp8_all_gather_equals_the_bf16_gather(tmp_path):
     assert len(hp) == 2 and mxg == hp and _grad_norms(log) == _grad_norms(hp_log), (hp, mxg)
 
 
-def test_fsdp_mxfp8_all_gather_with_compile_is_refused():
-    from torchtitan.distributed import ParallelDims
+@pytest.mark.slow
+def test_trainer_compiled_fsdp_mxfp8_all_gather_equals_eager(tmp_path):
+    """torchtitan 0.2's trainer with --compile.enable, FSDP over 2 gloo ranks: with its default
+    policy (every block resharded after the forward) the MX weights gather as MXFP8 under compile,
+    with the losses of the eager run without the option (bit for bit); with blocks that keep their
+    weights for the backward (`fsdp_reshard_after_forward never`) or recompute their forward in it
+    (activation checkpointing) they gather high precision, the log says why, and the losses are
+    the same."""
+    from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
 
-    cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, "--model.converters", "mxmoe",
-                                      "--mx.fsdp_mxfp8_all_gather", "--compile.enable"])
-    dims = ParallelDims(dp_shard=2, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=2)
-    with pytest.raises(ValueError, match=r"mx.fsdp_mxfp8_all_gather=true runs eager.*--compile.enable"):
-        build_model_converters(cfg, dims)
+    write_byte_tokenizer(tmp_path / "tokenizer")
+    write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))
+    mx = ["--model.converters", "mxmoe", "--mx.mxfp8_dim0_cast_kernel_choice", "torch",
+          "--mx.mxfp8_dim1_cast_kernel_choice", "torch"]  # fmt: skip
+    compiled = mx + ["--mx.fsdp_mxfp8_all_gather", "--compile.enable", "--compile.backend", "aot_eager"]
+    never = compiled + ["--parallelism.fsdp_reshard_after_forward", "never"]
+    ac = compiled + ["--activation_checkpoint.mode", "full"]
+    out = _train(tmp_path, {"eager": mx, "default": compiled, "never": never, "ac": ac}, world=2, steps=2)
+    (eager, _), (default, log), (kept, kept_log), (rec, ac_log) = (out[k] for k in ("eager", "default",
+                                                                                      "never", "ac"))
+    assert "weights gather MXFP8" in log and "gather in the compute dtype" not in log, log[-3000:]
+    assert "does not reshard after the forward" in kept_log, kept_log[-3000:]
+    assert "activation checkpointing recomputes its forward" in ac_log, ac_log[-3000:]
+    assert len(eager) == 2 and default == kept == rec == eager, (eager, default, kept, rec)
 
 
 def test_fsdp_mx_gather_script_commands_parse(tmp_path):

@@ -215,7 +215,8 @@ def test_shard_block_rule_and_report(caplog):
 def test_gathered_weight_refuses_other_ops():
     w = torch.randn(64, 32)
     mx = to_mx(w, -1, recipe=DEFAULT_RECIPE)
-    g = MXGatheredWeight(w.shape, torch.float32, mx.qdata_blocked, mx.scale_blocked, "dim0", DEFAULT_RECIPE)
+    fmt = DEFAULT_RECIPE.fmt.name
+    g = MXGatheredWeight(w.shape, torch.float32, mx.qdata_blocked, mx.scale_blocked, "dim0", fmt)
     assert g.t().shape == (32, 64)
     with pytest.raises(NotImplementedError, match="gathered as MXFP8"):
         g + 1
@@ -228,7 +229,8 @@ def test_gathered_weight_cast_from_another_dtype():
     dtype: `.to` it gives the same MX data in that dtype; read in the other dtype it refuses."""
     w = torch.randn(64, 32)
     mx = to_mx(w.bfloat16(), -1, recipe=DEFAULT_RECIPE)
-    g = MXGatheredWeight(w.shape, torch.float32, mx.qdata_blocked, mx.scale_blocked, "dim0", DEFAULT_RECIPE,
+    fmt = DEFAULT_RECIPE.fmt.name
+    g = MXGatheredWeight(w.shape, torch.float32, mx.qdata_blocked, mx.scale_blocked, "dim0", fmt,
                          cast_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="cast to MX from torch.bfloat16"):
         g.mx(-1, DEFAULT_RECIPE)
