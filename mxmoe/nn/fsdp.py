@@ -9,9 +9,12 @@ The forward's gather (outside autograd's backward) sends the cast along the last
 GEMM's operand), the backward's the cast along dim -2 (the dgrad's), and the gathered weight
 (`mxmoe.quant.gathered.MXGatheredWeight`) feeds the GEMMs with no cast. A GEMM that needs the other
 layout (a module FSDP does not reshard after the forward; a forward recomputed in the backward)
-gathers it then from the shards (a collective; the same bits). Compiled graphs cannot gather:
-`prepare_compiled_gathers(model)` (after `fully_shard`) makes the weights of such modules gather in
-the compute dtype (see `mxmoe.quant.gathered`).
+gathers it then from the shards (a collective; the same bits), where FSDP2's state did not say so
+at the first gather: a weight whose module FSDP2 does not reshard after the forward (the backward
+then has no gather) or whose forward activation checkpointing (a `CheckpointWrapper` inside the FSDP
+module, as torchtitan applies it) recomputes in the backward gathers in the compute dtype, with a
+warning naming it (fewer bytes than an MXFP8 gather plus a second one, no collective outside
+FSDP2's overlap, and what compiled graphs need: they cannot gather; `mxmoe.quant.gathered`).
 
 Exactness: the gathered cast equals the cast of the whole weight bit for bit when each shard holds
 whole blocks: the shard dim is dim 0 (FSDP's default), and a 2D weight (N, K) has N divisible by
@@ -98,15 +101,44 @@ def shard_blocks_ok(shape: tuple[int, ...], world: int, block_size: int) -> str 
 @dataclass
 class _Plan:
     """How a wrapped weight gathers, shared by the sharded tensors FSDP2 derives from it (chunks,
-    copies, a reset after loading a checkpoint): `prepare_compiled_gathers` sets it before the
-    first gather."""
+    copies, a reset after loading a checkpoint); decided at its first gather (`_decide`)."""
 
-    compiled: bool = False
-    """Prepared for torch.compile: the forward reads only the forward's gather, the backward only
-    the backward's (MXGatheredWeight's phase_layouts)."""
+    decided: bool = False
     hp_reason: str | None = None
-    """Set: gathers in the compute dtype, for this reason."""
-    gathered: bool = False
+    """Set: the weight gathers in the compute dtype, for this reason."""
+    phase_layouts: bool = False
+    """The forward reads only the forward's gather, the backward only the backward's (the module
+    reshards after the forward and recomputes nothing): what a compiled graph relies on."""
+    warned: bool = False
+
+
+def _decide(plan: _Plan, name: str) -> None:
+    """Decide `plan` from FSDP2's state of the group that holds the weight (module doc): a module
+    FSDP2 does not reshard after the forward (no backward gather), or whose forward activation
+    checkpointing recomputes in the backward (that reads the forward's layout after the backward's
+    gather), gathers in the compute dtype; any other gathers MXFP8 by phase."""
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    plan.decided = True
+    for fsdp_module, ref in list(_module_state_mapping.items()):
+        group = getattr(ref(), "_fsdp_param_group", None)
+        for fp in group.fsdp_params if group is not None else ():
+            t = fp.sharded_param
+            while not isinstance(t, MXShardedWeight) and hasattr(t, "_local_tensor"):
+                t = t._local_tensor
+            if not isinstance(t, MXShardedWeight) or t._plan is not plan:
+                continue
+            owner = fp._module_info.module
+            recomputed = any(isinstance(cw, CheckpointWrapper) and any(m is owner for m in cw.modules())
+                             for cw in fsdp_module.modules())
+            if group.post_forward_mesh_info is None:
+                plan.hp_reason = "its FSDP module does not reshard after the forward (no backward gather)"
+            elif recomputed:
+                plan.hp_reason = "activation checkpointing recomputes its forward in the backward"
+            plan.phase_layouts = plan.hp_reason is None
+            return
+    log.warning("%s: its FSDP2 parameter group was not found; it gathers MXFP8 eager only", name)
 
 
 class MXShardedWeight(Tensor):
@@ -177,12 +209,13 @@ class MXShardedWeight(Tensor):
         rows = -(-outer_size[0] // world)
         if why is None and tuple(self._t.shape) != (rows, *outer_size[1:]):
             why = f"its shard {tuple(self._t.shape)} is not dim 0's 1/{world} of {tuple(outer_size)}"
+        if not self._plan.decided:
+            _decide(self._plan, self._name or "a weight")
         why = why or self._plan.hp_reason
-        self._plan.gathered = True
         if why is not None:  # the compute dtype, padded to FSDP's padded shard
-            if not getattr(self, "_warned", False):
+            if not self._plan.warned:
                 log.warning("%s gathers in %s, not MXFP8: %s", self._name or "a weight", dtype, why)
-                self._warned = True
+                self._plan.warned = True
             w = self._t.to(dtype)
             if w.shape[0] != rows:
                 w = torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
@@ -209,7 +242,7 @@ class MXShardedWeight(Tensor):
             return None
         return MXGatheredWeight(shape, param_dtype, q, s, layout, self._recipe.fmt.name,
                                 _Regather(self, dtype, group), cast_dtype=self._cast_dtype,
-                                phase_layouts=self._plan.compiled), (q, s)
+                                phase_layouts=self._plan.phase_layouts), (q, s)
 
 
 @dataclass
@@ -229,51 +262,6 @@ class _Regather:
             dist.all_gather_into_tensor(o.view(torch.uint8), t.view(torch.uint8), group=self.group)
             res.append(o)
         return res[0], res[1]
-
-
-def prepare_compiled_gathers(model: nn.Module) -> dict[str, str]:
-    """Make the MXFP8 gathers of `model` (after `fully_shard`, before its first forward) safe for
-    torch.compile, whose graphs read a gathered weight's buffers without knowing which gather
-    filled them: the forward reads the forward's gather (blocks along K), the backward the
-    backward's (along N) in the same buffers. That holds where FSDP2 reshards the weight's module
-    after the forward (the backward gathers again) and nothing recomputes the forward in the
-    backward; every other wrapped weight gathers in the compute dtype from now on (eager, the
-    gathered weight would fetch the other layout with a collective, which a graph cannot).
-    Returns {fully qualified name: why} of those, and logs them."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    recomputed: set[int] = set()  # modules under activation checkpointing
-    for m in model.modules():
-        if isinstance(m, CheckpointWrapper):
-            recomputed.update(id(sub) for sub in m.modules())
-    names = {id(p): n for n, p in model.named_parameters()}
-    plain: dict[str, str] = {}
-    for m in model.modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-        for fp in group.fsdp_params if group is not None else ():
-            t = fp.sharded_param._local_tensor if isinstance(fp.sharded_param, DTensor) else fp.sharded_param
-            t = getattr(t, "_local_tensor", t)
-            if not isinstance(t, MXShardedWeight):
-                continue
-            if t._plan.gathered:
-                raise RuntimeError(
-                    "prepare_compiled_gathers(model) must run before the model's first forward (the "
-                    f"first all-gather fixes each weight's buffers); {t._name or 'a weight'} was gathered"
-                )
-            why = None
-            if group.post_forward_mesh_info is None:
-                why = "its FSDP module does not reshard after the forward (no backward gather)"
-            elif id(fp._module_info.module) in recomputed:
-                why = "activation checkpointing recomputes its forward in the backward"
-            t._plan.compiled, t._plan.hp_reason = why is None, why
-            if why is not None:
-                plain[t._name or names.get(id(fp.sharded_param), "?")] = why
-    if plain:
-        log.info("compiled: %d MX weights gather in the compute dtype: %s", len(plain),
-                 "; ".join(f"{k} ({v})" for k, v in plain.items()))
-    return plain
 
 
 @dataclass

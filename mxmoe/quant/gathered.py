@@ -17,8 +17,8 @@ all-gathers that layout of the shards (exact: the same cast of the same shards).
 torch.compile: dynamo does not trace a subclass's Python methods, so a compiled graph reads the
 weight through the custom op `mxmoe::gathered_weight`, which `__torch_dispatch__` answers with the
 buffers. A graph cannot gather, and its backward is traced with the forward's metadata: with
-`phase_layouts` (set by `mxmoe.nn.fsdp.prepare_compiled_gathers`: the module reshards after the
-forward and recomputes nothing) the backward's read takes the same buffers in the backward's
+`phase_layouts` (`mxmoe.nn.fsdp` sets it where the module reshards after the forward and
+recomputes nothing) the backward's read takes the same buffers in the backward's
 layout, which FSDP2's backward gather has written into them by then (`mxmoe::gathered_as`, whose
 input `after`, the gradient, keeps the read in the backward: a read of primal inputs alone may be
 scheduled in the forward, before the refill).
@@ -155,9 +155,9 @@ class MXGatheredWeight(Tensor):
             if not self._phase_layouts or after is None:
                 raise RuntimeError(
                     f"torch.compile reads this MXFP8-gathered weight ({d.layout}) as {layout}"
-                    + (" in the forward" if after is None else "") + ": its module must reshard after "
-                    "the forward and not recompute it in the backward, checked by "
-                    "mxmoe.nn.fsdp.prepare_compiled_gathers(model) after fully_shard"
+                    + (" in the forward" if after is None else "") + ": a compiled graph reads only "
+                    "the layout of its phase (the module must reshard after the forward and recompute "
+                    "nothing in the backward, as mxmoe.nn.fsdp checks at the first gather)"
                 )
             q_shape, s_shape = _gathered_shapes(self._weight_shape(), layout, get_format(fmt).block_size)
             return torch.ops.mxmoe.gathered_as(d.q, d.s, after, q_shape, s_shape, len(q_shape) == 2)

@@ -469,7 +469,6 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
             ignore_experts=ep_mesh is not None,
             param_dtype=fsdp_param_dtype(cfg, device),
             mxfp8_all_gather=use_mx and cfg.mx.fsdp_mxfp8_all_gather,
-            compiled=c.enable,
         )
     exp_ids = {id(q) for q in exp_params}
     dense_params = [q for q in model.parameters() if id(q) not in exp_ids]

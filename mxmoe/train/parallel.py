@@ -140,15 +140,13 @@ def apply_fsdp(
     ignore_experts: bool,
     param_dtype: torch.dtype | None = None,
     mxfp8_all_gather: bool = False,
-    compiled: bool = False,
 ) -> None:
     """FSDP2 on each block and the root. With expert parallelism (`ignore_experts`) the expert
     weights are left out (sharded by EP instead); without it they are FSDP-sharded like the rest.
 
     param_dtype: the dtype parameters are all-gathered and computed in (FSDP2's
     MixedPrecisionPolicy, gradients reduced in fp32, as torchtitan does); None: their own (fp32).
-    mxfp8_all_gather: gather the MX weights as MXFP8 (`mxmoe.nn.fsdp.enable_mxfp8_all_gather`);
-    compiled: the blocks are compiled (then `mxmoe.nn.fsdp.prepare_compiled_gathers`)."""
+    mxfp8_all_gather: gather the MX weights as MXFP8 (`mxmoe.nn.fsdp.enable_mxfp8_all_gather`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mxfp8_all_gather:
@@ -168,10 +166,6 @@ def apply_fsdp(
     fully_shard(
         model, mesh=dp_mesh, ignored_params=root_ignored or None, reshard_after_forward=False, mp_policy=mp
     )
-    if mxfp8_all_gather and compiled:
-        from mxmoe.nn.fsdp import prepare_compiled_gathers
-
-        prepare_compiled_gathers(model)
 
 
 def reduce_expert_grads(params: list[nn.Parameter], edp_group, world_size: int) -> None:

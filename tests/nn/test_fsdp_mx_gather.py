@@ -163,25 +163,26 @@ def gather_rank(rank: int, world: int, port: int, out: str) -> None:
         Path(out, "res.json").write_text(json.dumps(res))
 
 
-def mx_bytes_per_step(world: int) -> tuple[int, int]:
-    """(MXFP8 bytes, bf16 bytes) one rank hands to the all-gathers in one step of `Net`: each block's
-    weights twice (forward, backward), the root's head once plus its dgrad layout on demand."""
+def mx_bytes_per_step(world: int, esize: int) -> tuple[int, int]:
+    """(MXFP8 bytes, compute-dtype bytes) one rank hands to the all-gathers in one step of `Net`, in a
+    compute dtype of `esize` bytes: each block's weights twice (forward, backward), the root's head
+    once, in the compute dtype either way (FSDP2 does not reshard the root after the forward: its
+    backward has no gather of the dgrad's layout)."""
     net = make_net()
     blocks = sum(p.numel() for p in net.layers.parameters()) // world
     head = net.head.weight.numel() // world
-    mx = int((2 * blocks + 2 * head) * (1 + 1 / 32))
-    return mx, 2 * (2 * blocks + head)
+    return int(2 * blocks * (1 + 1 / 32)) + esize * head, esize * (2 * blocks + head)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_mxfp8_gather_equals_whole_cast_and_trains_bit_for_bit(tmp_path, world):
     spawn_ranks(gather_rank, world, str(tmp_path), timeout_s=300)
     res = json.loads((tmp_path / "res.json").read_text())
-    mx, bf16 = mx_bytes_per_step(world)
+    for dtype in (torch.bfloat16, torch.float32):
+        mx, hp = mx_bytes_per_step(world, dtype.itemsize)
+        r = res[str(dtype)]
+        assert r["mx_bytes"] == mx and r["hp_bytes"] == hp, (dtype, r, mx, hp)
     b = res[str(torch.bfloat16)]
-    assert b["mx_bytes"] == mx and b["hp_bytes"] == bf16, (b, mx, bf16)
-    f = res[str(torch.float32)]
-    assert f["mx_bytes"] == mx and f["hp_bytes"] == 2 * bf16
     assert b["losses"][0] != b["losses"][-1]
 
 

@@ -85,7 +85,6 @@ class MXMoEConverter:
         dp_shard, cp = (int(getattr(parallel_dims, k, 1) or 1) for k in ("dp_shard", "cp"))
         self.fsdp = dp_shard * cp
         self.options.check("mx.")
-        self.compiled = bool(getattr(getattr(job_config, "compile", None), "enable", False))
         self.recipe = self.options.to_recipe()  # bad options fail here, naming the option
         check_kernels(self.options, "model.converters mxmoe")  # a kernel this machine cannot run, too
 
@@ -143,21 +142,9 @@ class MXMoEConverter:
                         logger.info("fsdp_mxfp8_all_gather: %s gathers high precision: FSDP shards "
                                     "its experts on dim 1 (efsdp %d x ep %d > %d experts)", fqn, efsdp,
                                     self.ep, mod.num_experts)
-            if self.compiled:  # torchtitan shards the model after converting it: check at its first forward
-                model.register_forward_pre_hook(_prepare_compiled_gathers_once)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """Nothing to do after an optimizer step (scales are computed per GEMM call)."""
-
-
-def _prepare_compiled_gathers_once(model: nn.Module, args) -> None:
-    """Forward pre-hook: `mxmoe.nn.fsdp.prepare_compiled_gathers` on the sharded model, once, before
-    its first all-gather."""
-    from mxmoe.nn.fsdp import prepare_compiled_gathers
-
-    if not getattr(model, "_mx_compiled_gathers", False):
-        model._mx_compiled_gathers = True
-        prepare_compiled_gathers(model)
 
 
 NAMES = ("mxmoe", "mx")
