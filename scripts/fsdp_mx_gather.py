@@ -8,6 +8,8 @@ and all-gather time per step, mxmoe's trainer and torchtitan 0.2.2's, three runs
     python scripts/fsdp_mx_gather.py OUT_DIR --ngpu 8 [--steps 30] [--runs mxmoe_bf16,mxmoe_mx,...]
     python scripts/fsdp_mx_gather.py OUT_DIR --ngpu 2 --device cpu --steps 4   # gloo, mxmoe only
 
+On CUDA every run compiles its blocks (`--compile.enable`; the MXFP8 gather compiles too), as the
+trainers run for speed; on CPU they run eager.
 mxmoe runs: `torchrun -m mxmoe train --config CONFIG` (default moe_1b; expert parallelism off, so
 the experts are FSDP-sharded too), profiled at the last step; torchtitan runs: torchtitan.train on
 `mxmoe config path torchtitan/deepseek_v3_debug_0.2` with scripts/torchtitan_ep_flavor.py's
@@ -55,7 +57,8 @@ def commands(out: Path, ngpu: int, *, steps: int, device: str, config: str) -> d
                       f"--training.steps={steps}", f"--training.device={device}",
                       "--metrics.progress_bar=false", "--metrics.log_freq=1", "--validation.freq=0",
                       "--checkpoint.folder=", "--profiling.enable_profiling=true",
-                      f"--profiling.profile_freq={steps}", "--profiling.profiler_active=1", *flags]
+                      f"--profiling.profile_freq={steps}", "--profiling.profiler_active=1",
+                      f"--compile.enable={str(device == 'cuda').lower()}", *flags]
     if device == "cuda":
         for name, flags in TITAN.items():
             cmds[name] = [*run, "-m", "torchtitan.train",
@@ -68,7 +71,7 @@ def commands(out: Path, ngpu: int, *, steps: int, device: str, config: str) -> d
                           "--training.steps", str(steps), "--training.local_batch_size", "2",
                           "--training.seq_len", "8192", "--parallelism.data_parallel_shard_degree", "-1",
                           "--debug.seed", "0", "--metrics.log_freq", "1", "--profiling.enable_profiling",
-                          "--profiling.profile_freq", str(steps), *flags]  # fmt: skip
+                          "--profiling.profile_freq", str(steps), "--compile.enable", *flags]  # fmt: skip
     return cmds
 
 

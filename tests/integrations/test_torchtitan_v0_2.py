@@ -629,7 +629,7 @@ def test_fsdp_mx_gather_script_commands_parse(tmp_path):
             cfg = ConfigManager().parse_args(cmd[cmd.index("torchtitan.train") + 1 :])
             importlib.import_module(cfg.experimental.custom_import)
             assert cfg.parallelism.data_parallel_shard_degree == -1
-            assert cfg.parallelism.expert_parallel_degree == 1 and not cfg.compile.enable
+            assert cfg.parallelism.expert_parallel_degree == 1 and cfg.compile.enable
             assert cfg.mx.fsdp_mxfp8_all_gather == (name == "titan_mx_gather"), name
             assert all(c in _registry_model_converter_cls for c in cfg.model.converters), name
 

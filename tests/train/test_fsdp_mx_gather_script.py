@@ -14,8 +14,9 @@ def test_gpu_commands_for_2_4_8_gpus(tmp_path):
     for n in (2, 4, 8):
         cmds = fsdp_mx_gather.commands(tmp_path, n, steps=30, device="cuda", config="moe_1b")
         assert sorted(cmds) == sorted([*fsdp_mx_gather.MXMOE, *fsdp_mx_gather.TITAN])
-        for cmd in cmds.values():
+        for name, cmd in cmds.items():
             assert cmd[cmd.index("--nproc_per_node") + 1] == str(n)
+            assert ("--compile.enable=true" if name in fsdp_mx_gather.MXMOE else "--compile.enable") in cmd
         assert "--mx.fsdp_mxfp8_all_gather=true" in cmds["mxmoe_mx_gather"]
         assert "--mx.fsdp_mxfp8_all_gather" in cmds["titan_mx_gather"]
         assert not any("fsdp_mxfp8" in a for a in cmds["mxmoe_mx"] + cmds["titan_mx"])
