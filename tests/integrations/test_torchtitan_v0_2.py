@@ -720,3 +720,23 @@ def test_a_conversion_that_converts_nothing_is_an_error_and_again_is_not_nothing
     rep = m.mx_conversion
     assert rep.is_mx and rep.already == ["moe.experts"]
     assert "nothing converted" not in rep.summary() and "1 modules already MX" in rep.summary()
+
+
+@pytest.mark.slow
+def test_trainer_activation_checkpointing_equals_none_at_ep2(tmp_path):
+    """torchtitan 0.2's trainer at EP 2 (2 gloo ranks) with --activation_checkpoint.mode selective and
+    full: the losses and gradient norms of the run without it, bit for bit (the MX ops' backward
+    once read their saved tensors twice, which non-reentrant checkpointing refuses)."""
+    from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
+
+    write_byte_tokenizer(tmp_path / "tokenizer")
+    write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))
+    mx = ["--model.converters", "mxmoe", "--mx.mxfp8_dim0_cast_kernel_choice", "torch",
+          "--mx.mxfp8_dim1_cast_kernel_choice", "torch", "--parallelism.expert_parallel_degree", "2"]
+    runs = {mode: mx + ["--activation_checkpoint.mode", mode] for mode in ("none", "selective", "full")}
+    out = _train(tmp_path, runs, world=2, steps=2)
+    (ref, ref_log) = out["none"]
+    assert len(ref) == 2
+    for mode in ("selective", "full"):
+        got, log = out[mode]
+        assert got == ref and _grad_norms(log) == _grad_norms(ref_log), (mode, got, ref)
