@@ -575,19 +575,25 @@ def test_ep_script_commands_parse(tmp_path):
 def test_trainer_fsdp_mxfp8_all_gather_equals_the_bf16_gather(tmp_path):
     """torchtitan 0.2's trainer, FSDP over 2 gloo ranks, --mx.fsdp_mxfp8_all_gather true: the MX
     weights gather as MXFP8 (the log says which), and the losses and gradient norms equal, bit for
-    bit, those of the same run gathering the weights in the parameter dtype."""
+    bit, those of the same run gathering the weights in the parameter dtype: fp32 parameters, and
+    bf16 ones (what GPU runs gather) with gradient accumulation (2 microbatches a step)."""
     from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
 
     write_byte_tokenizer(tmp_path / "tokenizer")
     write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))
     mx = ["--model.converters", "mxmoe", "--mx.mxfp8_dim0_cast_kernel_choice", "torch",
           "--mx.mxfp8_dim1_cast_kernel_choice", "torch"]  # fmt: skip
-    out = _train(tmp_path, {"hp": mx, "mxg": mx + ["--mx.fsdp_mxfp8_all_gather"]}, world=2, steps=2)
-    (hp, hp_log), (mxg, log) = out["hp"], out["mxg"]
-    (line,) = [x for x in log.splitlines() if "fsdp_mxfp8_all_gather:" in x]
-    assert "weights gather MXFP8" in line and " 0 weights" not in line, line
-    assert "fsdp_mxfp8_all_gather" not in hp_log
-    assert len(hp) == 2 and mxg == hp and _grad_norms(log) == _grad_norms(hp_log), (hp, mxg)
+    bf16 = ["--training.mixed_precision_param", "bfloat16", "--training.global_batch_size", "4"]
+    on = ["--mx.fsdp_mxfp8_all_gather"]
+    out = _train(tmp_path, {"hp": mx, "mxg": mx + on, "hp_bf16": mx + bf16, "mxg_bf16": mx + bf16 + on},
+                 world=2, steps=2)
+    for name in ("mxg", "mxg_bf16"):
+        (hp, hp_log), (mxg, log) = out["hp" + name[3:]], out[name]
+        (line,) = [x for x in log.splitlines() if "fsdp_mxfp8_all_gather:" in x]
+        assert "weights gather MXFP8" in line and " 0 weights" not in line, line
+        assert "fsdp_mxfp8_all_gather" not in hp_log
+        assert len(hp) == 2 and mxg == hp and _grad_norms(log) == _grad_norms(hp_log), (name, hp, mxg)
+    assert out["hp"][0] != out["hp_bf16"][0]  # the bf16 runs are other runs
 
 
 @pytest.mark.slow
