@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
         q1, s1 = d1.qdata_blocked, d1.scale_blocked
         if w.ndim == 2:  # as gathered: (N, K) elements, (N/32, K) scales
             q1, s1 = q1.t().contiguous(), s1.t().contiguous()
-        g0 = MXGatheredWeight(w.shape, w.dtype, d0.qdata_blocked, d0.scale_blocked, "dim0", r)
-        g1 = MXGatheredWeight(w.shape, w.dtype, q1, s1, "dim1", r)
+        g0 = MXGatheredWeight(w.shape, w.dtype, d0.qdata_blocked, d0.scale_blocked, "dim0", r.fmt.name)
+        g1 = MXGatheredWeight(w.shape, w.dtype, q1, s1, "dim1", r.fmt.name)
         gathered.append((call, g0, g1))
         bytes_mx += 2 * (rows * w[0].numel() + d0.scale_blocked.numel() // args.world)
 
