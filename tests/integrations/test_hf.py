@@ -24,6 +24,7 @@ if int(transformers.__version__.split(".")[0]) < 5:
                 allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).parent))
+from conftest import assert_same_bits  # noqa: E402
 from hf_models import ALL_FAMILIES, TINY, tiny_model, tokens  # noqa: E402
 
 import mxmoe  # noqa: E402
@@ -154,6 +155,26 @@ def test_forward_and_backward_within_mx_rounding_of_bf16(family):
             q = dict(ref.named_parameters())[name]
             cos = torch.nn.functional.cosine_similarity(p.grad.float().flatten(), q.grad.float().flatten(), 0)
             assert cos > 0.9, (name, cos)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_equals_none_bit_for_bit(reentrant):
+    """`gradient_checkpointing_enable()` (torch.utils.checkpoint, either kind) on a converted model:
+    the loss and every gradient of the run without it, bit for bit."""
+    ref = converted(tiny_model("qwen3_moe", dtype=torch.bfloat16))
+    ref.train()
+    ckpt = copy.deepcopy(ref)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = tokens()
+    losses = []
+    for m in (ref, ckpt):
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss)
+    assert_same_bits(losses[1], losses[0], "loss")
+    for (name, p), q in zip(ref.named_parameters(), ckpt.parameters(), strict=True):
+        if p.grad is not None:
+            assert_same_bits(q.grad, p.grad, name)
 
 
 def test_save_pretrained_writes_the_models_weights_and_loads_back(tmp_path):

@@ -600,10 +600,10 @@ def test_trainer_fsdp_mxfp8_all_gather_equals_the_bf16_gather(tmp_path):
 def test_trainer_compiled_fsdp_mxfp8_all_gather_equals_eager(tmp_path):
     """torchtitan 0.2's trainer with --compile.enable, FSDP over 2 gloo ranks: with its default
     policy (every block resharded after the forward) the MX weights gather as MXFP8 under compile,
-    with the losses of the eager run without the option (bit for bit); with blocks that keep their
-    weights for the backward (`fsdp_reshard_after_forward never`) or recompute their forward in it
-    (activation checkpointing) they gather high precision, the log says why, and the losses are
-    the same."""
+    with the losses of the compiled run without the option (bit for bit; compiled and eager differ in
+    the last bit on torch 2.11, with or without it); with blocks that keep their weights for the
+    backward (`fsdp_reshard_after_forward never`) or recompute their forward in it (activation
+    checkpointing) they gather high precision, the log says why, and the losses are the same."""
     from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
 
     write_byte_tokenizer(tmp_path / "tokenizer")
@@ -613,9 +613,9 @@ def test_trainer_compiled_fsdp_mxfp8_all_gather_equals_eager(tmp_path):
     compiled = mx + ["--mx.fsdp_mxfp8_all_gather", "--compile.enable", "--compile.backend", "aot_eager"]
     never = compiled + ["--parallelism.fsdp_reshard_after_forward", "never"]
     ac = compiled + ["--activation_checkpoint.mode", "full"]
-    out = _train(tmp_path, {"eager": mx, "default": compiled, "never": never, "ac": ac}, world=2, steps=2)
-    (eager, _), (default, log), (kept, kept_log), (rec, ac_log) = (out[k] for k in ("eager", "default",
-                                                                                      "never", "ac"))
+    runs = {"off": mx + compiled[-3:], "default": compiled, "never": never, "ac": ac}
+    out = _train(tmp_path, runs, world=2, steps=2)
+    (eager, _), (default, log), (kept, kept_log), (rec, ac_log) = (out[k] for k in runs)
     assert "weights gather MXFP8" in log and "gather in the compute dtype" not in log, log[-3000:]
     assert "does not reshard after the forward" in kept_log, kept_log[-3000:]
     assert "activation checkpointing recomputes its forward" in ac_log, ac_log[-3000:]
