@@ -112,32 +112,40 @@ class _Plan:
     warned: bool = False
 
 
+def _fsdp_params():
+    """(FSDP module, its parameter group, FSDPParam) of every FSDP2-sharded parameter in this
+    process (FSDP2's registry of module states)."""
+    from torch.distributed._composable_state import _module_state_mapping
+
+    for fsdp_module, ref in list(_module_state_mapping.items()):
+        group = getattr(ref(), "_fsdp_param_group", None)
+        for fp in group.fsdp_params if group is not None else ():
+            yield fsdp_module, group, fp
+
+
 def _decide(plan: _Plan, name: str) -> None:
     """Decide `plan` from FSDP2's state of the group that holds the weight (module doc): a module
     FSDP2 does not reshard after the forward (no backward gather), or whose forward activation
     checkpointing recomputes in the backward (that reads the forward's layout after the backward's
     gather), gathers in the compute dtype; any other gathers MXFP8 by phase."""
-    from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     plan.decided = True
-    for fsdp_module, ref in list(_module_state_mapping.items()):
-        group = getattr(ref(), "_fsdp_param_group", None)
-        for fp in group.fsdp_params if group is not None else ():
-            t = fp.sharded_param
-            while not isinstance(t, MXShardedWeight) and hasattr(t, "_local_tensor"):
-                t = t._local_tensor
-            if not isinstance(t, MXShardedWeight) or t._plan is not plan:
-                continue
-            owner = fp._module_info.module
-            recomputed = any(isinstance(cw, CheckpointWrapper) and any(m is owner for m in cw.modules())
-                             for cw in fsdp_module.modules())
-            if group.post_forward_mesh_info is None:
-                plan.hp_reason = "its FSDP module does not reshard after the forward (no backward gather)"
-            elif recomputed:
-                plan.hp_reason = "activation checkpointing recomputes its forward in the backward"
-            plan.phase_layouts = plan.hp_reason is None
-            return
+    for fsdp_module, group, fp in _fsdp_params():
+        t = fp.sharded_param
+        while not isinstance(t, MXShardedWeight) and hasattr(t, "_local_tensor"):
+            t = t._local_tensor
+        if not isinstance(t, MXShardedWeight) or t._plan is not plan:
+            continue
+        owner = fp._module_info.module
+        recomputed = any(isinstance(cw, CheckpointWrapper) and any(m is owner for m in cw.modules())
+                         for cw in fsdp_module.modules())
+        if group.post_forward_mesh_info is None:
+            plan.hp_reason = "its FSDP module does not reshard after the forward (no backward gather)"
+        elif recomputed:
+            plan.hp_reason = "activation checkpointing recomputes its forward in the backward"
+        plan.phase_layouts = plan.hp_reason is None
+        return
     log.warning("%s: its FSDP2 parameter group was not found; it gathers MXFP8 eager only", name)
 
 
@@ -322,13 +330,19 @@ def wrap_weight(
     """Wrap `module.attr` (a Parameter, or a DTensor Parameter of tensor or expert parallelism: its
     local tensor, which FSDP2 shards along dim 0) in MXShardedWeight if its shards over `world` FSDP
     ranks hold whole blocks; returns None if wrapped (or already wrapped), else why not (the weight
-    is left as it is). cast_dtype: see MXShardedWeight."""
+    is left as it is). cast_dtype: see MXShardedWeight. RuntimeError if FSDP2 shards it already
+    (the wrap must come before `fully_shard`)."""
     from torch.distributed.tensor import DTensor
 
     p = getattr(module, attr)
     local = p._local_tensor if isinstance(p, DTensor) else p.data
     if isinstance(local, MXShardedWeight):
         return None
+    if any(fp.sharded_param is p for _, _, fp in _fsdp_params()):
+        raise RuntimeError(
+            f"fsdp_mxfp8_all_gather: {fqn or attr} is sharded by FSDP2 already: wrap the MX weights "
+            "(mxmoe.nn.fsdp.enable_mxfp8_all_gather / wrap_weight) before fully_shard"
+        )
     why = shard_blocks_ok(tuple(local.shape), world, recipe.block_size)
     if why is not None:
         return why

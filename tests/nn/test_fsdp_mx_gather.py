@@ -147,6 +147,12 @@ def gather_rank(rank: int, world: int, port: int, out: str) -> None:
             hp.layers[0].reshard()
             hp(torch.randn(T, D)).float().sum().backward()
             assert hp.layers[0].lin1.weight.grad.to_local().dtype == torch.float32
+        # wrapping after fully_shard is refused, naming the weight (it once reported "gathers
+        # MXFP8" and failed in the forward on a freed storage)
+        late = make_net()
+        shard(late, False, world, torch.float32)
+        with pytest.raises(RuntimeError, match=r"layers.0.lin1.weight is sharded by FSDP2 already"):
+            enable_mxfp8_all_gather(late, world)
         # 2. training: bit for bit the high-precision gather's; 3. bytes
         for dtype in (torch.bfloat16, torch.float32):
             lm, pm, bm = train(world, True, dtype)
