@@ -462,6 +462,8 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
         cfg, device, pd, mx=use_mx, ep_group=ep_group, compile=compile, backend=c.backend
     )
     exp_params = parallel.expert_params(model) if ep_mesh is not None else []
+    if use_mx and cfg.mx.fsdp_mxfp8_all_gather and not distributed:
+        log.info("mx.fsdp_mxfp8_all_gather=true: one process, no FSDP: no weight is all-gathered")
     if distributed:
         parallel.apply_fsdp(
             model,

@@ -51,3 +51,14 @@ def test_mxfp8_all_gather_compiled_equals_eager_bit_for_bit(tmp_path):
         runs[name] = losses(tmp_path / name)
     assert sorted(runs["eager"]) == [1, 2, 3]
     assert all(v == runs["eager"] for v in runs.values()), runs
+
+
+def test_mxfp8_all_gather_in_one_process_says_it_gathers_nothing(tmp_path, capsys):
+    """One process has no FSDP: the option is accepted and the log says it gathers nothing."""
+    from mxmoe.train import trainer
+
+    argv = TINY + MX + ["--training.steps=1", "--mx.fsdp_mxfp8_all_gather=true"]
+    argv.append(f"--job.dump_folder={tmp_path}")
+    assert trainer.main(argv) == 0
+    out = capsys.readouterr()
+    assert "one process, no FSDP: no weight is all-gathered" in out.out + out.err
