@@ -7,14 +7,17 @@ its own shard (in the compute dtype, FSDP's param_dtype) and hands FSDP the MX e
 instead of the high-precision shard: 1 + 1/32 bytes an element instead of 2 (bf16) or 4 (fp32).
 The forward's gather (outside autograd's backward) sends the cast along the last dim (the forward
 GEMM's operand), the backward's the cast along dim -2 (the dgrad's), and the gathered weight
-(`mxmoe.quant.gathered.MXGatheredWeight`) feeds the GEMMs with no cast. A GEMM that needs the other
-layout (a module FSDP does not reshard after the forward; a forward recomputed in the backward)
-gathers it then from the shards (a collective; the same bits), where FSDP2's state did not say so
-at the first gather: a weight whose module FSDP2 does not reshard after the forward (the backward
-then has no gather) or whose forward activation checkpointing (a `CheckpointWrapper` inside the FSDP
-module, as torchtitan applies it) recomputes in the backward gathers in the compute dtype, with a
-warning naming it (fewer bytes than an MXFP8 gather plus a second one, no collective outside
-FSDP2's overlap, and what compiled graphs need: they cannot gather; `mxmoe.quant.gathered`).
+(`mxmoe.quant.gathered.MXGatheredWeight`) feeds the GEMMs with no cast.
+
+Two kinds of weight gather in the compute dtype instead, decided from FSDP2's state at each
+weight's first gather and logged with a warning: those of a module FSDP2 does not reshard after the
+forward (its backward has no gather; an MXFP8 gather plus a second one for the dgrad's layout would
+send more bytes than bf16, the second outside FSDP2's overlap), and those whose forward activation
+checkpointing recomputes in the backward (a `CheckpointWrapper` inside the FSDP module, as
+torchtitan applies it: the recompute reads the forward's layout after the backward's gather). Where
+FSDP2's state cannot show it (checkpointing applied around the FSDP module), a GEMM that needs the
+layout the weight does not hold gathers it from the shards (a collective; the same bits), eager
+only: a compiled graph cannot gather (`mxmoe.quant.gathered`).
 
 Exactness: the gathered cast equals the cast of the whole weight bit for bit when each shard holds
 whole blocks: the shard dim is dim 0 (FSDP's default), and a 2D weight (N, K) has N divisible by
@@ -39,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from mxmoe.quant.gathered import MXGatheredWeight
+from mxmoe.quant.gathered import MXGatheredWeight, layout_tag
 from mxmoe.quant.mx_tensor import to_mx
 from mxmoe.recipe import MXRecipe
 
@@ -229,7 +232,8 @@ class MXShardedWeight(Tensor):
                 w = torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])])
             return (w,), ("hp", tuple(outer_size))
         layout = _phase()
-        return self._cast(layout, dtype), (layout, tuple(outer_size), dtype, mesh.get_group())
+        q, s = self._cast(layout, dtype)
+        return (q, s, layout_tag(layout, q.device)), (layout, tuple(outer_size), dtype, mesh.get_group())
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         if metadata[0] == "hp":
@@ -238,7 +242,7 @@ class MXShardedWeight(Tensor):
                 return None
             return g[: metadata[1][0]], (g,)
         layout, shape, dtype, group = metadata
-        q, s = outputs
+        q, s, tag = outputs
         if out is not None:
             from torch.distributed.tensor import DTensor
 
@@ -246,11 +250,11 @@ class MXShardedWeight(Tensor):
                 out = out._local_tensor
             if not isinstance(out, MXGatheredWeight):
                 raise RuntimeError(f"FSDP2 handed {type(out).__name__} as the unsharded MX weight")
-            out.set_data(q, s, layout, _Regather(self, dtype, group))  # this gather's shard
+            out.set_data(q, s, layout, _Regather(self, dtype, group), tag)  # this gather's shard
             return None
         return MXGatheredWeight(shape, param_dtype, q, s, layout, self._recipe.fmt.name,
                                 _Regather(self, dtype, group), cast_dtype=self._cast_dtype,
-                                phase_layouts=self._plan.phase_layouts), (q, s)
+                                phase_layouts=self._plan.phase_layouts, tag=tag), (q, s, tag)
 
 
 @dataclass

@@ -21,7 +21,10 @@ buffers. A graph cannot gather, and its backward is traced with the forward's me
 recomputes nothing) the backward's read takes the same buffers in the backward's
 layout, which FSDP2's backward gather has written into them by then (`mxmoe::gathered_as`, whose
 input `after`, the gradient, keeps the read in the backward: a read of primal inputs alone may be
-scheduled in the forward, before the refill).
+scheduled in the forward, before the refill). Each gather carries a layout tag (one uint8 per rank),
+which the compiled reads check (`mxmoe::gathered_scales` in the forward, `mxmoe::gathered_as` in
+the backward): a graph that re-reads the buffers in the other phase (a forward recomputed by
+`torch.utils.checkpoint` inside a compiled block, invisible to FSDP2's state) stops there.
 
 Any other op on it raises: its values are MX data, not the weight's.
 """
@@ -44,11 +47,22 @@ LAYOUTS = ("dim0", "dim1")
 Regather = Callable[[str], tuple[Tensor, Tensor]]
 """layout -> (elements, scales) of that layout, gathered (a collective over the shard group)."""
 
-class _Data:
-    """The gathered elements, scales and their layout, shared by a gathered weight and its views."""
+LAYOUT_IDS = {"dim0": 0, "dim1": 1}
+"""A layout's id in the gathered layout tag (one uint8 per rank, gathered with the data)."""
 
-    def __init__(self, q: Tensor, s: Tensor, layout: str, regather: Regather | None):
+
+def layout_tag(layout: str, device: torch.device) -> Tensor:
+    """One rank's layout tag: a uint8 holding LAYOUT_IDS[layout]."""
+    return torch.full((1,), LAYOUT_IDS[layout], dtype=torch.uint8, device=device)
+
+
+class _Data:
+    """The gathered elements, scales, layout tag (uint8, one per rank: the layout the data hold,
+    which compiled graphs check) and layout, shared by a gathered weight and its views."""
+
+    def __init__(self, q: Tensor, s: Tensor, layout: str, regather: Regather | None, tag: Tensor | None):
         self.q, self.s, self.layout, self.regather = q, s, layout, regather
+        self.tag = layout_tag(layout, q.device) if tag is None else tag
 
 
 _VIEW_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
@@ -68,7 +82,7 @@ class MXGatheredWeight(Tensor):
     def __new__(
         cls, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, fmt: str,
         regather: Regather | None = None, transposed: bool = False, requires_grad: bool = False,
-        cast_dtype: torch.dtype | None = None, phase_layouts: bool = False,
+        cast_dtype: torch.dtype | None = None, phase_layouts: bool = False, tag: Tensor | None = None,
     ):
         shape = tuple(shape)
         if transposed:
@@ -81,22 +95,25 @@ class MXGatheredWeight(Tensor):
     def __init__(
         self, shape, dtype: torch.dtype, q, s: Tensor | None, layout: str, fmt: str,
         regather: Regather | None = None, transposed: bool = False, requires_grad: bool = False,
-        cast_dtype: torch.dtype | None = None, phase_layouts: bool = False,
+        cast_dtype: torch.dtype | None = None, phase_layouts: bool = False, tag: Tensor | None = None,
     ):
         """cast_dtype: the dtype the weight was converted to before its MX cast (None: dtype); a
         `.to(cast_dtype)` of this tensor is then this tensor in that dtype (the same MX data).
         phase_layouts: the forward reads only the forward's gather and the backward only the
         backward's (its module reshards after the forward and recomputes nothing), which a
-        compiled graph relies on (module doc)."""
-        self._data = q if isinstance(q, _Data) else _Data(q, s, layout, regather)
+        compiled graph relies on (module doc). tag: the gathered layout tag (None: this layout's)."""
+        self._data = q if isinstance(q, _Data) else _Data(q, s, layout, regather, tag)
         self._cast_dtype = cast_dtype or dtype
         self._fmt, self._transposed, self._phase_layouts = fmt, transposed, phase_layouts
 
-    def set_data(self, q: Tensor, s: Tensor, layout: str, regather: Regather | None = None) -> None:
+    def set_data(
+        self, q: Tensor, s: Tensor, layout: str, regather: Regather | None = None, tag: Tensor | None = None
+    ) -> None:
         """Refill in place (FSDP2's later all-gathers write into the same unsharded parameter); its
         views (transposes, detached copies autograd saved for the backward) see the new data."""
         d = self._data
         d.q, d.s, d.layout, d.regather = q, s, layout, regather
+        d.tag = layout_tag(layout, q.device) if tag is None else tag
 
     @property
     def layout(self) -> str:
@@ -109,6 +126,10 @@ class MXGatheredWeight(Tensor):
     @property
     def _s(self) -> Tensor:
         return self._data.s
+
+    @property
+    def _tag(self) -> Tensor:
+        return self._data.tag
 
     def _weight_shape(self) -> tuple[int, ...]:
         s = tuple(self.shape)
@@ -160,7 +181,11 @@ class MXGatheredWeight(Tensor):
                     "nothing in the backward, as mxmoe.nn.fsdp checks at the first gather)"
                 )
             q_shape, s_shape = _gathered_shapes(self._weight_shape(), layout, get_format(fmt).block_size)
-            return torch.ops.mxmoe.gathered_as(d.q, d.s, after, q_shape, s_shape, len(q_shape) == 2)
+            return torch.ops.mxmoe.gathered_as(d.q, d.s, d.tag, after, LAYOUT_IDS[layout], q_shape, s_shape,
+                                               len(q_shape) == 2)
+        elif traced:  # the scales through the tag's check: a graph that re-reads the buffers later
+            # (a forward recomputed in the backward that FSDP2's state did not show) stops there
+            q, s = d.q, torch.ops.mxmoe.gathered_scales(d.s, d.tag, LAYOUT_IDS[layout])
         else:
             q, s = d.q, d.s
         if layout == "dim1" and q.ndim == 2:  # gathered (N, K) / (N/bs, K): to_mx's storage is (K, N)
@@ -180,14 +205,14 @@ class MXGatheredWeight(Tensor):
                 f"transposed={self._transposed})")
 
     def __tensor_flatten__(self):
-        return ["_q", "_s"], (self._weight_shape(), self.dtype, self.layout, self._fmt,
-                              self._transposed, self._cast_dtype, self._phase_layouts)
+        return ["_q", "_s", "_tag"], (self._weight_shape(), self.dtype, self.layout, self._fmt,
+                                      self._transposed, self._cast_dtype, self._phase_layouts)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         shape, dtype, layout, fmt, transposed, cast_dtype, phase_layouts = meta
         return MXGatheredWeight(shape, dtype, inner["_q"], inner["_s"], layout, fmt, None, transposed,
-                                cast_dtype=cast_dtype, phase_layouts=phase_layouts)
+                                cast_dtype=cast_dtype, phase_layouts=phase_layouts, tag=inner["_tag"])
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -238,20 +263,53 @@ def _(w, axis, fmt, after):
     raise TypeError(f"mxmoe::gathered_weight reads an MXGatheredWeight, got a {type(w).__name__}")
 
 
+def _check_tag(tag: Tensor, layout_id: int) -> None:
+    """The buffers hold layout `layout_id` (every rank's tag says so): RuntimeError on CPU; on a GPU
+    an asynchronous device-side assert (no host synchronization), fatal to the process."""
+    name = [k for k, v in LAYOUT_IDS.items() if v == layout_id][0]
+    msg = (f"a compiled graph read an MXFP8-gathered weight as {name} but the buffers hold another "
+           "layout: the module's forward is recomputed in the backward (torch.utils.checkpoint inside "
+           "it, which FSDP2's state does not show) or it is not resharded after the forward; wrap its "
+           "checkpointing in a CheckpointWrapper inside the FSDP module, or turn off "
+           "mx.fsdp_mxfp8_all_gather")
+    ok = (tag == layout_id).all()
+    if tag.device.type == "cpu":
+        if not bool(ok):
+            raise RuntimeError(msg)
+    else:
+        torch._assert_async(ok, msg)
+
+
+@torch.library.custom_op("mxmoe::gathered_scales", mutates_args=())
+def gathered_scales(s: Tensor, tag: Tensor, layout_id: int) -> Tensor:
+    """A copy of gathered scales, once the layout tag says the buffers hold `layout_id` (the
+    compiled forward's read: the elements are read as they are, the scales, 1/32 of the bytes,
+    through this check)."""
+    _check_tag(tag, layout_id)
+    return s.clone()
+
+
+@gathered_scales.register_fake
+def _(s, tag, layout_id):
+    return torch.empty_like(s)
+
+
 @torch.library.custom_op("mxmoe::gathered_as", mutates_args=())
 def gathered_as(
-    q: Tensor, s: Tensor, after: Tensor, q_shape: list[int], s_shape: list[int], transpose: bool
+    q: Tensor, s: Tensor, tag: Tensor, after: Tensor, layout_id: int, q_shape: list[int],
+    s_shape: list[int], transpose: bool,
 ) -> tuple[Tensor, Tensor]:
     """Copies of gathered buffers read with another layout's shapes (then each transposed, for a 2D
-    weight's cast along N): the backward's read of a compiled graph. `after` (not read) is a tensor
-    of the backward, so that the graph cannot read the buffers before the backward's gather has
-    refilled them."""
+    weight's cast along N), once the layout tag says they hold `layout_id`: the backward's read of a
+    compiled graph. `after` (not read) is a tensor of the backward, so that the graph cannot read
+    the buffers before the backward's gather has refilled them."""
+    _check_tag(tag, layout_id)
     q, s = q.reshape(q_shape), s.reshape(s_shape)
     return (q.t().contiguous(), s.t().contiguous()) if transpose else (q.clone(), s.clone())
 
 
 @gathered_as.register_fake
-def _(q, s, after, q_shape, s_shape, transpose):
+def _(q, s, tag, after, layout_id, q_shape, s_shape, transpose):
     if transpose:
         q_shape, s_shape = q_shape[::-1], s_shape[::-1]
     return q.new_empty(q_shape), s.new_empty(s_shape)

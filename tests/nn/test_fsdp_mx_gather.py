@@ -171,13 +171,15 @@ def gather_rank(rank: int, world: int, port: int, out: str) -> None:
 
 def mx_bytes_per_step(world: int, esize: int) -> tuple[int, int]:
     """(MXFP8 bytes, compute-dtype bytes) one rank hands to the all-gathers in one step of `Net`, in a
-    compute dtype of `esize` bytes: each block's weights twice (forward, backward), the root's head
-    once, in the compute dtype either way (FSDP2 does not reshard the root after the forward: its
-    backward has no gather of the dgrad's layout)."""
+    compute dtype of `esize` bytes: each block's weights twice (forward, backward; MXFP8: elements,
+    scales and a one-byte layout tag per weight), the root's head once, in the compute dtype either
+    way (FSDP2 does not reshard the root after the forward: its backward has no gather of the
+    dgrad's layout)."""
     net = make_net()
     blocks = sum(p.numel() for p in net.layers.parameters()) // world
+    tags = 2 * len(list(net.layers.parameters()))
     head = net.head.weight.numel() // world
-    return int(2 * blocks * (1 + 1 / 32)) + esize * head, esize * (2 * blocks + head)
+    return int(2 * blocks * (1 + 1 / 32)) + tags + esize * head, esize * (2 * blocks + head)
 
 
 @pytest.mark.parametrize("world", [2, 4])
