@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
         g0 = MXGatheredWeight(w.shape, w.dtype, d0.qdata_blocked, d0.scale_blocked, "dim0", r.fmt.name)
         g1 = MXGatheredWeight(w.shape, w.dtype, q1, s1, "dim1", r.fmt.name)
         gathered.append((call, g0, g1))
-        bytes_mx += 2 * (rows * w[0].numel() + d0.scale_blocked.numel() // args.world)
+        # elements, scales and the one-byte layout tag, in each of the two gathers
+        bytes_mx += 2 * (rows * w[0].numel() + d0.scale_blocked.numel() // args.world + 1)
 
     def today():
         for call, w in whole:
