@@ -35,12 +35,13 @@ def test_script_runs_end_to_end_on_cpu_with_gloo(tmp_path):
 @pytest.mark.slow
 def test_cast_bench_runs_on_cpu():
     """scripts/fsdp_mx_gather_cast.py (issue 58, item 4) end to end on CPU: at N=2 every MX weight of
-    debug_moe gathers MXFP8 with (1 + 1/32) / 2 of bf16's bytes; at N=8 half of them stay bf16."""
+    debug_moe gathers MXFP8 with (1 + 1/32) / 2 of bf16's bytes (and a one-byte layout tag per
+    weight and gather); at N=8 half of them stay bf16."""
     import fsdp_mx_gather_cast
 
     r = fsdp_mx_gather_cast.main(["--config", "debug_moe", "--world", "2", "--device", "cpu", "--iters", "1"])
     assert r["mx_weights_mxfp8_gather"] == 12 and r["mx_weights_high_precision_gather"] == 0
-    assert r["gather_bytes_mxfp8"] * 64 == r["gather_bytes_bf16"] * 33
+    assert (r["gather_bytes_mxfp8"] - 12 * 2) * 64 == r["gather_bytes_bf16"] * 33
     assert r["today_ms"] > 0 and r["option_shard_casts_ms"] > 0 and r["option_gathered_use_ms"] > 0
     r = fsdp_mx_gather_cast.main(["--config", "debug_moe", "--world", "8", "--device", "cpu", "--iters", "1"])
     assert r["mx_weights_mxfp8_gather"] == 6 and r["mx_weights_high_precision_gather"] == 6
