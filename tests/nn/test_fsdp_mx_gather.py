@@ -233,6 +233,27 @@ def test_gathered_weight_refuses_other_ops():
         g.mx(-2, DEFAULT_RECIPE)
 
 
+def test_compiled_reads_check_the_layout_tag():
+    """The custom ops compiled graphs read a gathered weight through: a plain tensor is refused; the
+    reads return the buffers (the scales copied) when the tag holds the layout asked for, and stop
+    (CPU: RuntimeError) when it does not."""
+    from mxmoe.quant.gathered import LAYOUT_IDS, layout_tag
+
+    w = torch.randn(64, 32)
+    mx = to_mx(w, -1, recipe=DEFAULT_RECIPE)
+    with pytest.raises(TypeError, match="reads an MXGatheredWeight, got a Tensor"):
+        torch.ops.mxmoe.gathered_weight(w, -1, DEFAULT_RECIPE.fmt.name, None)
+    tag = torch.cat([layout_tag("dim0", w.device)] * 2)  # two ranks' tags
+    s = torch.ops.mxmoe.gathered_scales(mx.scale_blocked, tag, LAYOUT_IDS["dim0"])
+    assert_same_bits(s, mx.scale_blocked, "scales")
+    assert s.data_ptr() != mx.scale_blocked.data_ptr()  # a copy: custom ops' outputs alias no input
+    with pytest.raises(RuntimeError, match="read an MXFP8-gathered weight as dim1 but the buffers hold"):
+        torch.ops.mxmoe.gathered_scales(mx.scale_blocked, tag, LAYOUT_IDS["dim1"])
+    mixed = torch.tensor([0, 1], dtype=torch.uint8)  # one rank's data in the other layout
+    with pytest.raises(RuntimeError, match="as dim0 but the buffers hold"):
+        torch.ops.mxmoe.gathered_as(mx.qdata_blocked, mx.scale_blocked, mixed, w, 0, [64, 32], [64, 1], False)
+
+
 def test_gathered_weight_cast_from_another_dtype():
     """A weight whose forward converts it (torchtitan 0.2's experts: w.bfloat16()) is cast from that
     dtype: `.to` it gives the same MX data in that dtype; read in the other dtype it refuses."""
