@@ -127,29 +127,32 @@ def _fsdp_params():
 
 
 def _decide(plan: _Plan, name: str) -> None:
-    """Decide `plan` from FSDP2's state of the group that holds the weight (module doc): a module
-    FSDP2 does not reshard after the forward (no backward gather), or whose forward activation
-    checkpointing recomputes in the backward (that reads the forward's layout after the backward's
-    gather), gathers in the compute dtype; any other gathers MXFP8 by phase."""
+    """Decide `plan`, and every other undecided plan of a wrapped weight FSDP2 shards (one pass over
+    FSDP2's parameters, at the first gather), from the state of the group that holds each (module
+    doc): a module FSDP2 does not reshard after the forward (no backward gather), or whose forward
+    activation checkpointing recomputes in the backward (that reads the forward's layout after the
+    backward's gather), gathers in the compute dtype; any other gathers MXFP8 by phase."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    plan.decided = True
+    recomputed: dict[int, set[int]] = {}  # FSDP module -> the modules a CheckpointWrapper in it holds
     for fsdp_module, group, fp in _fsdp_params():
         t = fp.sharded_param
         while not isinstance(t, MXShardedWeight) and hasattr(t, "_local_tensor"):
             t = t._local_tensor
-        if not isinstance(t, MXShardedWeight) or t._plan is not plan:
+        if not isinstance(t, MXShardedWeight) or t._plan.decided:
             continue
-        owner = fp._module_info.module
-        recomputed = any(isinstance(cw, CheckpointWrapper) and any(m is owner for m in cw.modules())
-                         for cw in fsdp_module.modules())
+        p = t._plan
+        if id(fsdp_module) not in recomputed:
+            recomputed[id(fsdp_module)] = {id(m) for cw in fsdp_module.modules()
+                                           if isinstance(cw, CheckpointWrapper) for m in cw.modules()}
         if group.post_forward_mesh_info is None:
-            plan.hp_reason = "its FSDP module does not reshard after the forward (no backward gather)"
-        elif recomputed:
-            plan.hp_reason = "activation checkpointing recomputes its forward in the backward"
-        plan.phase_layouts = plan.hp_reason is None
-        return
-    log.warning("%s: its FSDP2 parameter group was not found; it gathers MXFP8 eager only", name)
+            p.hp_reason = "its FSDP module does not reshard after the forward (no backward gather)"
+        elif id(fp._module_info.module) in recomputed[id(fsdp_module)]:
+            p.hp_reason = "activation checkpointing recomputes its forward in the backward"
+        p.phase_layouts, p.decided = p.hp_reason is None, True
+    if not plan.decided:
+        plan.decided = True
+        log.warning("%s: its FSDP2 parameter group was not found; it gathers MXFP8 eager only", name)
 
 
 class MXShardedWeight(Tensor):
