@@ -86,7 +86,10 @@ def _phase() -> str:
 
 def shard_blocks_ok(shape: tuple[int, ...], world: int, block_size: int) -> str | None:
     """None when a weight of `shape` sharded along dim 0 over `world` ranks gives each rank whole
-    blocks of both casts (module doc); else why not."""
+    blocks of both casts (module doc); else why not (one rank: FSDP2 gathers nothing, and its
+    one-rank path takes no all-gather extension with several inputs)."""
+    if world == 1:
+        return "FSDP over one rank gathers nothing"
     if len(shape) == 2:
         n = shape[0]
         if n % (block_size * world):

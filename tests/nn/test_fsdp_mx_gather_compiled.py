@@ -21,9 +21,9 @@ R = MXRecipe(dim0_kernel="torch", dim1_kernel="torch")
 
 
 class Block(nn.Module):
-    def __init__(self, checkpointed: bool):
+    def __init__(self, checkpointed: bool, recipe: MXRecipe = R):
         super().__init__()
-        self.lin = MXLinear(64, 64, bias=False, recipe=R)
+        self.lin = MXLinear(64, 64, bias=False, recipe=recipe)
         self.checkpointed = checkpointed
 
     def forward(self, x):
@@ -31,25 +31,29 @@ class Block(nn.Module):
         return torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False) if self.checkpointed else f(x)
 
 
-def grads(world: int, mx_gather: bool, compiled: bool, checkpointed: bool) -> list[float] | str:
-    """Every gradient's sum (input and weights) after one step, or the error's message."""
+def grads(world: int, mx_gather: bool, compiled: bool, checkpointed: bool, device: str = "cpu",
+          backend: str = "aot_eager") -> list[float] | str:
+    """Every gradient's sum (input and weights) after one step, or the error's message. CPU: the
+    torch casts; CUDA (several GPUs): the recipe's default kernels, bf16 parameters in the gather."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from mxmoe.nn.fsdp import enable_mxfp8_all_gather
 
     torch.manual_seed(0)
-    net = nn.Sequential(Block(checkpointed), Block(checkpointed))
+    recipe = R if device == "cpu" else MXRecipe()
+    net = nn.Sequential(Block(checkpointed, recipe), Block(checkpointed, recipe)).to(device)
     if mx_gather:
         enable_mxfp8_all_gather(net, world)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device == "cuda" else None)
     for blk in net:
         if compiled:
-            blk.compile(backend="aot_eager")
-        fully_shard(blk, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+            blk.compile(backend=backend)
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(net, mesh=mesh, mp_policy=mp)
     torch.manual_seed(1)
-    x = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(64, 64, device=device, requires_grad=True)
     try:
         net(x).square().sum().backward()
     except RuntimeError as e:
@@ -87,3 +91,27 @@ def test_compiled_mxfp8_gather_is_exact_and_a_hidden_recompute_stops(tmp_path):
             assert "read an MXFP8-gathered weight as dim0" in got and "torch.utils.checkpoint" in got, got
         else:
             assert got == eager, (got, eager)
+
+
+def one_rank(rank: int, world: int, port: int, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world)
+    try:
+        from mxmoe.nn.fsdp import enable_mxfp8_all_gather
+
+        report = enable_mxfp8_all_gather(nn.Sequential(Block(False), Block(False)), 1)
+        res = {"mx": report.mx, "plain": report.plain,
+               **{f"{on}-{c}": grads(1, on, c, False) for on in (False, True) for c in (False, True)}}
+    finally:
+        torch.distributed.destroy_process_group()
+    Path(out, "res0.json").write_text(json.dumps(res))
+
+
+def test_fsdp_over_one_rank_wraps_nothing(tmp_path):
+    """FSDP2 over one rank gathers nothing (and its one-rank path takes no all-gather extension with
+    several inputs: the wrapped weights once failed there): the option wraps no weight, says why,
+    and the step is the one without it, eager and compiled."""
+    spawn_ranks(one_rank, 1, str(tmp_path), timeout_s=300)
+    res = json.loads((tmp_path / "res0.json").read_text())
+    assert res["mx"] == [] and set(res["plain"].values()) == {"FSDP over one rank gathers nothing"}, res
+    assert res["True-False"] == res["False-False"] and res["True-True"] == res["False-True"], res

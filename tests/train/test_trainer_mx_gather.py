@@ -62,3 +62,4 @@ def test_mxfp8_all_gather_in_one_process_says_it_gathers_nothing(tmp_path, capsy
     assert trainer.main(argv) == 0
     out = capsys.readouterr()
     assert "one process, no FSDP: no weight is all-gathered" in out.out + out.err
+
