@@ -746,3 +746,21 @@ def test_trainer_activation_checkpointing_equals_none_at_ep2(tmp_path):
     for mode in ("selective", "full"):
         got, log = out[mode]
         assert got == ref and _grad_norms(log) == _grad_norms(ref_log), (mode, got, ref)
+
+
+@pytest.mark.slow
+def test_trainer_hsdp_mxfp8_all_gather_equals_the_bf16_gather(tmp_path):
+    """HSDP over 4 gloo ranks (2 replicas x FSDP over 2): the MX weights gather as MXFP8 within each
+    replica, with the losses and gradient norms of the run without the option, bit for bit."""
+    from mxmoe.integrations.torchtitan.data import write_byte_tokenizer, write_text_dataset
+
+    write_byte_tokenizer(tmp_path / "tokenizer")
+    write_text_dataset(tmp_path / "data", str(Path(torch.__file__).parent / "optim"))
+    mx = ["--model.converters", "mxmoe", "--mx.mxfp8_dim0_cast_kernel_choice", "torch",
+          "--mx.mxfp8_dim1_cast_kernel_choice", "torch", "--parallelism.data_parallel_replicate_degree", "2",
+          "--parallelism.data_parallel_shard_degree", "2"]  # fmt: skip
+    out = _train(tmp_path, {"hp": mx, "mxg": mx + ["--mx.fsdp_mxfp8_all_gather"]}, world=4, steps=2)
+    (hp, hp_log), (mxg, log) = out["hp"], out["mxg"]
+    (line,) = [x for x in log.splitlines() if "fsdp_mxfp8_all_gather:" in x]
+    assert "weights gather MXFP8" in line and " 0 weights" not in line and "not MXFP8" not in log, line
+    assert len(hp) == 2 and mxg == hp and _grad_norms(log) == _grad_norms(hp_log), (hp, mxg)
