@@ -10,9 +10,9 @@ picks the format: `.pt` / `.pth` (`torch.save` of a plain state dict) or `.safet
 `--dtype` (torchtitan's `checkpoint.export_dtype`; default float32, the trainer's master weights).
 
 Beside OUTPUT, `OUTPUT.json` (e.g. `model.pt.json`) holds the architecture (`mxmoe.models.ModelArgs`
-fields), the dtype and the step. The weights are the model's own: an MX-trained model stores its
-high-precision weights (MX only rounds inside the GEMMs), with the state-dict keys of
-`mxmoe.models.Transformer`:
+fields; `max_seq_len` is the run's `training.seq_len`), the dtype and the step. The weights are the
+model's own: an MX-trained model stores its high-precision weights (MX only rounds inside the
+GEMMs), with the state-dict keys of `mxmoe.models.Transformer`:
 
     args = ModelArgs(**json.load(open("model.pt.json"))["model_args"])
     model = Transformer(args)
@@ -126,9 +126,12 @@ def export(checkpoint: str | Path, output: str | Path, dtype: str = "float32") -
         raise ExportError(f"output={str(out)!r}: folder {str(out.parent)!r} does not exist")
     path = step_folder(checkpoint)
     state, manifest = read_model_state(path)
-    model_args = (manifest.get("run") or {}).get("model")
+    run = manifest.get("run") or {}
+    model_args = run.get("model")
     if not isinstance(model_args, dict):
         raise ExportError(f"checkpoint {str(path)!r}: its {MANIFEST} records no model arguments (run.model)")
+    if type(run.get("seq_len")) is int:  # the rotary cache's length: the trainer's is training.seq_len
+        model_args = {**model_args, "max_seq_len": run["seq_len"]}
     target = DTYPES[name]
     state = {k: (v.to(target) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
     info = {"model_args": model_args, "dtype": name, "step": manifest.get("step"), "checkpoint": str(path)}

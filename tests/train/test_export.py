@@ -162,3 +162,20 @@ def test_export_of_an_expert_parallel_checkpoint_holds_every_expert(tmp_path):
     ref_state, ref_logits = _reference(tmp_path / "ckpt" / "step-00000002", tmp_path)
     assert state.keys() == ref_state.keys() and all(torch.equal(state[k], v) for k, v in ref_state.items())
     assert torch.equal(_load_elsewhere(out, tmp_path)["logits"], ref_logits)
+
+
+def test_the_exported_architecture_runs_the_trained_sequence_length(tmp_path):
+    """A run with training.seq_len above ModelArgs' default max_seq_len (256) exports
+    max_seq_len = seq_len: the loaded model runs sequences of the length it was trained on."""
+    argv = TINY + ["--training.seq_len=300", "--training.local_batch_size=1", "--training.steps=1"]
+    argv += [f"--job.dump_folder={tmp_path}/run", f"--checkpoint.folder={tmp_path}/ckpt"]
+    assert trainer.main(argv) == 0
+    out = tmp_path / "m.pt"
+    assert cli(["export", str(tmp_path / "ckpt"), str(out)]) == 0
+    args = ModelArgs(**json.loads(out.with_name("m.pt.json").read_text())["model_args"])
+    assert args.max_seq_len == 300
+    model = Transformer(args)
+    model.load_state_dict(torch.load(out, weights_only=True))
+    with torch.no_grad():
+        logits, _ = model(torch.zeros(1, 300, dtype=torch.long))
+    assert logits.shape == (1, 300, 256) and torch.isfinite(logits).all()
