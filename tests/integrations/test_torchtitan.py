@@ -165,6 +165,58 @@ def test_bad_options_name_the_option(options, match):
         MXGroupedExpertsConverter.Config(**options).build()
 
 
+def test_an_include_list_given_as_a_string_is_refused():
+    """MXLinearConverter's fqns="w1" (a string) is refused naming the fix; it was read as the
+    include list ["w", "1"], which converted every Linear with a "w" or a "1" in its FQN."""
+    with pytest.raises(TypeError, match=r"MXLinearConverter: fqns must be a list of strings, got 'w1' "
+                       r"\(use fqns=\['w1'\]\)"):
+        MXLinearConverter.Config(fqns="w1").build()
+
+
+def test_a_conversion_that_converts_nothing_stops_as_mxmoe_convert_does():
+    """As mxmoe.convert, the trainer and the 0.2 converter: MX asked of a model where nothing becomes
+    MX (experts or the exchange on a dense model, an include list or a filter that leaves nothing)
+    is a ValueError naming allow_unconverted, which lets it through; an MoE whose experts are all
+    filtered, and a caller's filter_fqns / fqns entry that matches no module, are warned of."""
+    from torchtitan.models.llama3 import model_registry as dense
+
+    from mxmoe.integrations.torchtitan import MXMoEConverter
+
+    nothing = "MX was asked .* but no module was converted.*allow_unconverted=True"
+    for conv in (MXGroupedExpertsConverter.Config(), MXFP8TokenDispatcherConverter.Config()):
+        with pytest.raises(ValueError, match=nothing):
+            dense("debugmodel", converters=[conv])
+    with pytest.warns(UserWarning, match="MXLinearConverter: fqns entry 'zzz' matches no module"):
+        with pytest.raises(ValueError, match=nothing):
+            debug_moe_spec([MXLinearConverter.Config(fqns=["zzz"])])
+    with pytest.raises(ValueError, match=nothing):
+        debug_moe_spec([MXLinearConverter.Config(filter_fqns=["layers", "lm_head"])])
+    spec = debug_moe_spec([MXGroupedExpertsConverter.Config(allow_unconverted=True, filter_fqns=["moe"])])
+    kinds = {type(c) for _, c, _, _ in spec.model.traverse(GroupedExperts.Config)}
+    assert kinds == {GroupedExperts.Config}  # allowed: nothing converted
+    with pytest.warns(UserWarning, match=r"the model has 5 experts modules .* none is MX: 5 by filter_fqns"):
+        debug_moe_spec([MXMoEConverter.Config(filter_fqns=["experts", "lm_head"])])
+    with pytest.warns(UserWarning, match="MXMoEConverter: filter_fqns entry 'zzz' matches no module"):
+        debug_moe_spec([MXMoEConverter.Config(filter_fqns=["zzz", "lm_head"])])
+
+
+def test_a_converter_applied_again_gives_its_recipe_to_what_is_mx_already():
+    """A second converter over MX modules (the same converter twice, or a part converter then
+    MXMoEConverter) records them as MX (no "nothing converted" error) and gives them its recipe,
+    with a warning naming them, as mxmoe.convert does."""
+    from mxmoe.integrations.torchtitan import MXMoEConverter
+
+    spec = debug_moe_spec([MXMoEConverter.Config(), MXMoEConverter.Config()])  # same recipe: no warning
+    assert all(c.recipe_name == "mxfp8_rceil" for _, c, _, _ in spec.model.traverse(MXLinear.Config))
+    with pytest.warns(UserWarning, match=r"MXMoEConverter: 18 modules were already MX with another recipe "
+                      r"\(e.g. layers.0.feed_forward.w1\); they now use mxfp8_rceil"):
+        spec = debug_moe_spec([MXLinearConverter.Config(recipe_name="mxfp8"), MXMoEConverter.Config()])
+    linears = [c for _, c, _, _ in spec.model.traverse(MXLinear.Config)]
+    experts = [c for _, c, _, _ in spec.model.traverse(GroupedExperts.Config)]
+    assert len(linears) == 18 and all(c.recipe_name == "mxfp8_rceil" for c in linears + experts)
+    assert all(type(c) is not GroupedExperts.Config for c in experts)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only machine's refusal")
 def test_a_kernel_this_machine_cannot_run_is_refused_when_the_converter_is_built(monkeypatch):
     """`triton` on a CPU without the Triton interpreter stops when the converter is built, naming

@@ -33,7 +33,13 @@ from torchtitan.protocols.model import ModelConfigConverter
 
 from mxmoe.integrations.torchtitan.common import check_kernels, options_of, tensor_parallel_error
 from mxmoe.integrations.torchtitan.v0_3.dispatcher import convert_dispatchers, link_mx_rows
-from mxmoe.integrations.torchtitan.v0_3.fields import MODULE_FIELDS, RecipeFields, recipe_of
+from mxmoe.integrations.torchtitan.v0_3.fields import (
+    MODULE_FIELDS,
+    RecipeFields,
+    finish_conversion,
+    recipe_of,
+    reconvert,
+)
 from mxmoe.nn.converter import ConversionReport
 from mxmoe.nn.mx_experts import run_on_mx_rounded_rows
 from mxmoe.ops import mx_grouped_mm, mx_mm
@@ -216,9 +222,12 @@ def convert_linears(model_config, options: MXOptions, report: ConversionReport, 
     matching `fqns` when given) -> `MXLinear.Config`, recorded in `report`. Returns the config."""
     bs = report.recipe.block_size
     for fqn, lin, parent, attr in list(model_config.traverse(Linear.Config)):
-        if type(lin) is not Linear.Config:  # subclasses (e.g. TP's scaled-bias rowwise) keep their forward
-            continue
         if fqns and not any(f in fqn for f in fqns):
+            continue
+        if isinstance(lin, MXLinear.Config):  # converted before (a converter applied again)
+            reconvert(fqn, lin, options, report)
+            continue
+        if type(lin) is not Linear.Config:  # subclasses (e.g. TP's scaled-bias rowwise) keep their forward
             continue
         hit = next((f for f in options.filter_fqns if f in fqn), None)
         if hit is not None:
@@ -245,8 +254,12 @@ def convert_experts(model_config, options: MXOptions, report: ConversionReport):
     `report`; the token dispatchers next to them learn whether they take MX rows. Returns the config."""
     bs = report.recipe.block_size
     for fqn, exp, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        report.experts.append(fqn)
         base_cls = type(exp)._owner
-        if base_cls in _mx_experts_cache.values():  # already converted
+        if base_cls in _mx_experts_cache.values():  # converted before (a converter applied again)
+            reconvert(fqn, exp, options, report)
+            if hasattr(parent, "token_dispatcher"):
+                link_mx_rows(parent)
             continue
         hit = next((f for f in options.filter_fqns if f in fqn), None)
         if hit is not None:
@@ -289,7 +302,7 @@ class MXMoEConverter(ModelConfigConverter):
         model_config = convert_dispatchers(model_config, opts, report)
         if opts.convert_grouped_experts:
             model_config = convert_experts(model_config, opts, report)
-        log.info("%s", report.summary())
+        finish_conversion(model_config, opts, report, type(self).__name__)
         return model_config
 
 
@@ -309,13 +322,17 @@ class MXLinearConverter(QuantizationConverter):
     def __init__(self, config: Config):
         self.config = config
         self.options = options_of(config)
+        f = config.fqns
+        if isinstance(f, str) or not isinstance(f, (list, tuple)) or not all(isinstance(s, str) for s in f):
+            hint = f" (use fqns=[{f!r}])" if isinstance(f, str) else ""
+            raise TypeError(f"{type(self).__name__}: fqns must be a list of strings, got {f!r}{hint}")
         check_kernels(self.options, type(self).__name__)  # a kernel this machine cannot run: now
         self.recipe = self.options.to_recipe()  # checks the options now, not at build time
 
     def convert(self, model_config):
         report = ConversionReport(self.recipe, converted={"Linear": []})
         model_config = convert_linears(model_config, self.options, report, self.config.fqns)
-        log.info("%s", report.summary())
+        finish_conversion(model_config, self.options, report, type(self).__name__, self.config.fqns)
         return model_config
 
 
@@ -337,5 +354,5 @@ class MXGroupedExpertsConverter(QuantizationConverter):
     def convert(self, model_config):
         report = ConversionReport(self.recipe, converted={"GroupedExperts": []})
         model_config = convert_experts(model_config, self.options, report)
-        log.info("%s", report.summary())
+        finish_conversion(model_config, self.options, report, type(self).__name__)
         return model_config

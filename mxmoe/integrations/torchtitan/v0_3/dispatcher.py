@@ -40,7 +40,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 from mxmoe.comm.a2a_dispatcher import ExchangeHandle, make_dispatcher
 from mxmoe.comm.transport import check_transport
 from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, options_of, same_format
-from mxmoe.integrations.torchtitan.v0_3.fields import options_fields, recipe_of
+from mxmoe.integrations.torchtitan.v0_3.fields import finish_conversion, options_fields, recipe_of
 from mxmoe.nn.converter import ConversionReport
 from mxmoe.options import MXOptions
 from mxmoe.token_dispatch import ExpertRows, describe_exchange
@@ -188,7 +188,11 @@ def convert_dispatchers(model_config, options: MXOptions, report: ConversionRepo
         if type(d) is AllToAllTokenDispatcher.Config:
             routed.token_dispatcher = mxfp8_dispatcher_config(d, options)
             report.converted[kind].append(f"{fqn}.token_dispatcher")
-        elif not isinstance(d, MXFP8AllToAllTokenDispatcher.Config):
+        elif isinstance(d, MXFP8AllToAllTokenDispatcher.Config):  # converted before: given `options`
+            same = recipe_of(d) == report.recipe
+            (report.already if same else report.reconfigured).append(f"{fqn}.token_dispatcher")
+            routed.token_dispatcher = mxfp8_dispatcher_config(d, options)
+        else:
             why = f"{type(d).__qualname__}: not the all-to-all one"
             report.skipped.append((f"{fqn}.token_dispatcher", why))
         link_mx_rows(routed)
@@ -214,5 +218,5 @@ class MXFP8TokenDispatcherConverter(ModelConfigConverter):
     def convert(self, model_config):
         report = ConversionReport(self.recipe, converted={})
         model_config = convert_dispatchers(model_config, self.options, report)
-        log.info("%s", report.summary())
+        finish_conversion(model_config, self.options, report, type(self).__name__)
         return model_config

@@ -4,11 +4,18 @@ dispatcher (`v0_3.converters`, `v0_3.dispatcher`), below both."""
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import MISSING, field, fields, make_dataclass
 
+from torchtitan.config import Configurable
+
 from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, mx_recipe
-from mxmoe.options import MXOptions
+from mxmoe.nn.converter import ConversionReport, recipe_name
+from mxmoe.options import DEFAULT_FILTER_FQNS, MXOptions
 from mxmoe.recipe import MXRecipe
+
+log = logging.getLogger("mxmoe")
 
 
 def options_fields(name: str, names: tuple[str, ...]) -> type:
@@ -33,3 +40,41 @@ RecipeFields = options_fields("RecipeFields", MODULE_FIELDS)
 def recipe_of(config) -> MXRecipe:
     """The MXRecipe of a swapped module's (or converter's) Config; ValueError naming a bad field."""
     return mx_recipe(**{name: getattr(config, name) for name in RECIPE_FIELDS})
+
+
+def reconvert(fqn: str, config, options: MXOptions, report: ConversionReport) -> None:
+    """A module Config that a converter made MX before (a converter applied again): given
+    `options`' MODULE_FIELDS, recorded in `report` as already MX (same recipe) or reconfigured."""
+    (report.already if recipe_of(config) == report.recipe else report.reconfigured).append(fqn)
+    for name in MODULE_FIELDS:
+        setattr(config, name, getattr(options, name))
+
+
+def finish_conversion(
+    model_config, options: MXOptions, report: ConversionReport, where: str, fqns: list[str] = ()
+) -> None:
+    """What `mxmoe.convert` does once done, for a converted config tree: logs the report's line,
+    warns of a caller's `filter_fqns` entry (or `fqns` include entry) that matches no module and of
+    modules given another recipe, then `ConversionReport.finish` (nothing MX: ValueError unless
+    `allow_unconverted`; an MoE without MX experts: a warning)."""
+    log.info("%s", report.summary())
+    names = [fqn for fqn, *_ in model_config.traverse(Configurable.Config, recurse=True)]
+    own = [f for f in options.filter_fqns if f not in DEFAULT_FILTER_FQNS]
+    for key, entries, effect in (
+        ("filter_fqns", own, "keeps nothing high precision"),
+        ("fqns", fqns, "converts nothing"),
+    ):
+        for f in entries:
+            if not any(f in n for n in names):
+                warnings.warn(
+                    f"{where}: {key} entry {f!r} matches no module of the model (FQNs look like "
+                    f"{max(names, key=len)!r}): it {effect}",
+                    stacklevel=3,
+                )
+    if report.reconfigured:
+        warnings.warn(
+            f"{where}: {len(report.reconfigured)} modules were already MX with another recipe (e.g. "
+            f"{report.reconfigured[0]}); they now use {recipe_name(report.recipe)}",
+            stacklevel=3,
+        )
+    report.finish(options, stacklevel=4)
