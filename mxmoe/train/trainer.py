@@ -36,7 +36,7 @@ from mxmoe.train.build import (  # noqa: F401  (build_model_args .. mx_convert: 
     precision,
     uses_mx,
 )
-from mxmoe.train.checkpoint import CheckpointError, claim_folder
+from mxmoe.train.checkpoint import Checkpointer, CheckpointError, claim_folder
 from mxmoe.train.config import ConfigError, JobConfig, check_ranks_agree, parse_args
 from mxmoe.train.data import VOCAB_SIZE, eval_windows
 from mxmoe.train.metrics import MetricsError, MetricsWriter, RunLock, new_run_id
@@ -358,14 +358,35 @@ class _Validation:
 
 
 def _diverged(run: Run, step: int, ce: torch.Tensor, norm: float, lr: float) -> TrainingDiverged:
+    """The error of a non-finite loss or gradient norm at `step`. A checkpoint of step - 1 holds
+    the weights this step started from: resuming it computes this step again (the same batch, the
+    same weights, whatever the new settings), so rank 0 moves it aside as `step-N.diverged` (kept,
+    never resumed) and the error names the checkpoint a resume now starts from."""
     local = float(ce.detach())
     what = "gradient norm" if math.isfinite(local) else f"loss ({local} on rank {run.rank})"
     last_ckpt = ""
     if run.ckpt is not None:
-        latest = run.ckpt.latest()
-        last_ckpt = f"; the last checkpoint is {latest}" if latest is not None else (
-            f"; no checkpoint in {run.ckpt.folder} yet"
-        )
+        done = run.ckpt.complete()
+        if run.distributed:
+            dist.barrier()  # every rank has listed the folder before rank 0 changes it
+        if done and done[-1][0] == step - 1:
+            path = done.pop()[1]
+            try:
+                if run.rank == 0:
+                    Checkpointer.set_aside(path, "diverged")
+                last_ckpt = (
+                    f"; checkpoint {path.name} holds the weights this step started from (resuming it "
+                    f"repeats this step), moved aside as {path.name}.diverged"
+                )
+            except OSError as e:
+                last_ckpt = (
+                    f"; checkpoint {path} holds the weights this step started from (resuming it repeats "
+                    f"this step) and could not be moved aside ({e}): move it out of the folder first"
+                )
+        if done:
+            last_ckpt += f"; the last checkpoint is {done[-1][1]}"
+        else:
+            last_ckpt += f"; no {'other ' if last_ckpt else ''}checkpoint in {run.ckpt.folder} yet"
     return TrainingDiverged(
         f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
         f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower optimizer.lr "

@@ -221,7 +221,28 @@ def test_nonfinite_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
     assert _train(tmp_path, "run", *args) == 1
     err = capsys.readouterr().err
     assert "step 2: non-finite" in err and "nothing saved" in err and "Traceback" not in err, err
-    assert _entries(tmp_path / "ckpt") == ["step-00000001"]
+    # step 1's checkpoint holds the weights step 2 diverged from: set aside, not resumed
+    assert "moved aside as step-00000001.diverged; no other checkpoint in" in err, err
+    assert _entries(tmp_path / "ckpt") == ["step-00000001.diverged"]
+
+
+def test_the_checkpoint_a_divergence_started_from_is_set_aside_and_the_one_before_resumed(tmp_path, capsys):
+    """A checkpoint of the step before a non-finite loss holds the weights that gave it: resumed,
+    with any new lr, it repeats the failure (it once did, the error naming it as the last
+    checkpoint). It is moved aside as step-N.diverged (kept), the error names the checkpoint before
+    it, and the next run resumes that one and trains on."""
+    common = ["--lr_scheduler.warmup_steps=0", "--checkpoint.interval=1", "--checkpoint.keep_latest_k=0"]
+    assert _train(tmp_path, "good", *common, "--training.steps=2") == 0
+    # resumed at step 2 with lr 1e30: step 3's update blows the weights up, checkpoint 3 is written
+    # from them, step 4's gradient norm is NaN
+    assert _train(tmp_path, "bad", *common, "--training.steps=6", "--optimizer.lr=1e30") == 1
+    err = capsys.readouterr().err
+    assert "step 4: non-finite" in err and "moved aside as step-00000003.diverged" in err, err
+    assert f"the last checkpoint is {tmp_path}/ckpt/step-00000002. Lower optimizer.lr" in err, err
+    assert _entries(tmp_path / "ckpt") == ["step-00000001", "step-00000002", "step-00000003.diverged"]
+    assert _train(tmp_path, "again", *common, "--training.steps=4") == 0  # resumes step 2
+    assert sorted(losses(tmp_path / "again")) == [3, 4]
+    assert "step-00000003.diverged" in _entries(tmp_path / "ckpt")  # kept, not resumed or pruned
 
 
 @pytest.mark.parametrize(

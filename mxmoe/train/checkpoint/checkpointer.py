@@ -97,6 +97,16 @@ class Checkpointer:
         same on every rank: the local checks are agreed on before and after the collective hashing)."""
         return mf.verify(path, self.rank, self.world)
 
+    @staticmethod
+    def set_aside(path: Path, why: str) -> Path:
+        """Rename step folder `path` to `path.why` (`corrupt`, `diverged`; an earlier folder of that
+        name is replaced): kept for inspection, neither resumed nor pruned. Rank 0 only;
+        OSError if it cannot be renamed. Returns the new path."""
+        aside = path.with_name(f"{path.name}.{why}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        return aside
+
     def resume_path(self, fallback: bool = False) -> Path | None:
         """The newest complete checkpoint that verifies, or None if the folder has none.
 
@@ -123,10 +133,8 @@ class Checkpointer:
                 error = None
                 if self.rank == 0:
                     log.warning("%s; moved aside as %s.corrupt", e, path.name)
-                    aside = path.with_name(path.name + ".corrupt")
                     try:
-                        shutil.rmtree(aside, ignore_errors=True)
-                        os.replace(path, aside)
+                        self.set_aside(path, "corrupt")
                     except OSError as err:
                         error = f"cannot move checkpoint {path} aside: {err}"
                 agree(error)

@@ -14,7 +14,8 @@ from mxmoe.train.checkpoint.common import LEFTOVER, STEP_DIR
 from mxmoe.train.metrics import RunLock
 
 log = logging.getLogger("mxmoe.train")
-_STEP_NAME = re.compile(r"^step-\d{8}(\.(tmp|pruned|corrupt))?$")  # what saves, prunes and fallbacks write
+# what saves, prunes, fallbacks and divergences write
+_STEP_NAME = re.compile(r"^step-\d{8}(\.(tmp|pruned|corrupt|diverged))?$")
 
 
 def step_folders(folder: Path) -> list[tuple[int, Path]]:
