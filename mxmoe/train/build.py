@@ -24,6 +24,7 @@ from mxmoe.models.moe import ModelArgs
 from mxmoe.nn.converter import asked_options, unconverted_error
 from mxmoe.train import determinism, parallel, profiling
 from mxmoe.train.checkpoint import TRAIN_STATE, Checkpointer, CheckpointError
+from mxmoe.train.checkpoint.common import STEP_DIR
 from mxmoe.train.config import Converter, JobConfig, check_limits, check_ranks_data
 from mxmoe.train.data import VOCAB_SIZE, PackedDataset, ShardedSampler, load_corpus
 
@@ -543,7 +544,8 @@ def _resume(run: Run, path) -> None:
     cfg, optimizer = run.cfg, run.optimizer
     own = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     st = run.ckpt.load(path, run.model, optimizer, run.train_state(0))
-    check_train_state(st, path / TRAIN_STATE)
+    named = STEP_DIR.match(path.name)
+    check_train_state(st, path / TRAIN_STATE, int(named.group(1)) if named else None)
     run.step = st["step"]
     for group, settings in zip(optimizer.param_groups, own, strict=True):
         group.update(settings)  # initial_lr (optimizer.lr) included: the schedule's base
@@ -578,13 +580,16 @@ def _resume(run: Run, path) -> None:
         )
 
 
-def check_train_state(st: dict, file) -> None:
+def check_train_state(st: dict, file, step: int | None = None) -> None:
     """CheckpointError naming `file` and the key unless `st` is a trainer state this trainer wrote:
-    an int step, the sampler's position (ints), and, when present, the settings (an object)."""
+    an int step (`step`, its folder's, when given), the sampler's position (ints), and, when
+    present, the settings (an object)."""
     sampler = st.get("sampler")
     problem = None
     if type(st.get("step")) is not int or st["step"] < 0:
         problem = f"step={st.get('step')!r}: expected an int >= 0"
+    elif step is not None and st["step"] != step:
+        problem = f"step={st['step']}: expected {step}, the step its folder is named after"
     elif not isinstance(sampler, dict):
         problem = f"sampler={sampler!r}: expected the data position, an object"
     else:

@@ -214,6 +214,23 @@ def test_a_trainer_state_missing_a_key_is_an_error_naming_it(tmp_path, capsys, f
     assert "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("saved_step", [3, 999])
+def test_a_trainer_state_of_another_step_than_its_folder_is_refused(tmp_path, capsys, four_steps, saved_step):
+    """step-00000004/trainer_state.json saying step 3 resumed at step 3 with the sampler of step 4
+    (the data one batch off), and step 999 trained nothing; both are refused naming the file."""
+    step4 = tmp_path / "ckpt" / "step-00000004"
+    state = json.loads((step4 / "trainer_state.json").read_text())
+    state["step"] = saved_step
+    (step4 / "trainer_state.json").write_text(json.dumps(state))
+    _rehash(step4)
+    capsys.readouterr()
+    assert _train(tmp_path, "resumed", "--training.steps=6") == 1
+    err = capsys.readouterr().err
+    want = f"{step4 / 'trainer_state.json'}: step={saved_step}: expected 4, the step its folder"
+    assert want in err and "Traceback" not in err, err
+    assert not (tmp_path / "resumed" / "metrics.jsonl").exists()  # nothing trained
+
+
 def test_nonfinite_loss_stops_the_run_and_saves_nothing(tmp_path, capsys):
     # lr 1e30 (finite, so accepted) blows the weights up: the gradient norm is NaN at step 2
     args = ["--optimizer.lr=1e30", "--lr_scheduler.warmup_steps=0", "--training.steps=4"]
