@@ -249,6 +249,23 @@ def test_compare_reads_runs_and_writes_table_json_and_png(runs_root, tmp_path, c
             "a seed is given twice",
         ),
         (["--config", "{tmp}/none.toml", "--variant", "a", "--variant", "b"], "file not found"),
+        # refused before any run (they once ran the baseline, then failed in the variant's own runs)
+        (
+            ["--config", "debug_moe", "--variant", "a", "--variant", "b", "--seeds", "0,-1"],
+            "--seeds: -1 is not a seed; expected 0 <= seed < 2**32",
+        ),
+        (
+            ["--config", "debug_moe", "--variant", "a", "--variant", "b=--training.stpes=3"],
+            "--variant b: `mxmoe train` refuses its options",
+        ),
+        (
+            ["--config", "debug_moe", "--variant", "a", "--variant", "b=--optimizer.lr=-1"],
+            "--variant b: optimizer.lr=-1.0: expected a finite number > 0",
+        ),
+        (
+            ["--config", "debug_moe", "--variant", "a", "--variant", "b", "--", "--training.steps=0"],
+            "arguments after `--`: training.steps=0: expected >= 1",
+        ),
         (
             ["--config", "debug_moe", "--variant", "a", "--variant", "b=--debug.seed=3"],
             "'--debug.seed=3' is set by mxmoe compare",

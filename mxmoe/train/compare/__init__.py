@@ -60,7 +60,15 @@ from pathlib import Path
 
 from mxmoe import configs
 from mxmoe.cli import ArgumentParser, check_out_folder, comma_list, positive_int
-from mxmoe.train.compare.launcher import DONE, check_own, grace_seconds, launch, parse_variant, trainer_argv
+from mxmoe.train.compare.launcher import (
+    DONE,
+    check_own,
+    check_trainer_args,
+    grace_seconds,
+    launch,
+    parse_variant,
+    trainer_argv,
+)
 from mxmoe.train.compare.report import (
     Run,
     analyse,
@@ -232,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if len(set(args.seeds)) != len(args.seeds):
                 raise ValueError(f"--seeds={','.join(map(str, args.seeds))}: a seed is given twice")
+            bad = [s for s in args.seeds if not 0 <= s < 2**32]
+            if bad:
+                raise ValueError(f"--seeds: {bad[0]} is not a seed; expected 0 <= seed < 2**32 (debug.seed)")
             if args.devices and len(args.devices) < args.nproc:
                 raise ValueError(
                     f"--devices={','.join(args.devices)}: {len(args.devices)} device(s), fewer than "
@@ -253,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
                         args.config, args.steps, args.deterministic, vargs, extra, seed, folder
                     )
                     jobs.append((name, seed, run_argv, folder))
+            if extra:  # the common options alone first: an error in them is not a variant's
+                common = trainer_argv(
+                    args.config, args.steps, args.deterministic, [], extra, args.seeds[0], out / "runs"
+                )
+                check_trainer_args("arguments after `--`", common)
+            for name, _, run_argv, _ in jobs[: len(args.variant)]:  # each variant's options, once
+                check_trainer_args(f"--variant {name}", run_argv)
             grace = 0.0
             if args.time_limit_s is not None:
                 grace = grace_seconds(jobs, args.grace_s)

@@ -42,6 +42,22 @@ def check_own(where: str, args: list[str]) -> None:
             raise ValueError(f"{where}: {a!r} is set by mxmoe compare itself (per run); remove it")
 
 
+def check_trainer_args(where: str, argv: list[str]) -> None:
+    """ValueError naming `where` unless `mxmoe train` accepts `argv` (its parser and its checks of
+    the values, `mxmoe.train.build.check_values`): a misspelled or out-of-range option stops compare
+    before any run starts, not in its own run after the others (tyro's message, for an option it
+    refuses, is on stderr above)."""
+    from mxmoe.train.build import check_values
+    from mxmoe.train.config import parse_args
+
+    try:
+        check_values(parse_args(argv, prog="mxmoe train"))
+    except SystemExit:
+        raise ValueError(f"{where}: `mxmoe train` refuses its options (its message is above)") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def _checkpoint_folder(args: list[str]) -> str | None:
     """The last `--checkpoint.folder` value in trainer arguments (`=VALUE` or a separate VALUE), or
     None if they set none (the trainer takes the last one)."""
