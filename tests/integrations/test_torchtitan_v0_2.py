@@ -119,6 +119,11 @@ def test_seed_flags_in_toml_with_command_line_overrides(tmp_path):
     )
     assert (cfg.mx.recipe_name, cfg.mx.filter_fqns) == ("mxfp8_rceil", ["output"])
     assert isinstance(build_model_converters(cfg, SimpleNamespace(tp=1)).converters[0], MXMoEConverter)
+    # `--mx.filter_fqns=` (torchtitan parses [""], a substring of every FQN) is no filter, as in
+    # mxmoe train; an empty entry among others is dropped
+    for given, want in (("", []), ("output,,router", ["output", "router"])):
+        cfg = ConfigManager().parse_args(["--job.config_file", str(toml), f"--mx.filter_fqns={given}"])
+        assert cfg.mx.filter_fqns == want
 
 
 CONVERTER = ["--model.converters", "mxmoe"]

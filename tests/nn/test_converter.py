@@ -81,6 +81,17 @@ def test_filter_fqns_as_a_string_is_a_type_error():
         convert(Tiny(), "mxfp8")
 
 
+def test_an_empty_filter_entry_is_no_entry():
+    """torchtitan 0.2 parses `--mx.filter_fqns=` as [""] (mxmoe train as []): an empty entry, a
+    substring of every FQN, kept the whole model high precision; it is dropped, in every front end."""
+    assert MXOptions(filter_fqns=["", " ", "router"]).filter_fqns == ["router"]
+    cfg = MXOptions()
+    cfg.filter_fqns = [""]  # changed after construction: convert checks again
+    model = convert(Tiny(), cfg)
+    rep = model.mx_conversion
+    assert rep.is_mx and not any(why.startswith("filter_fqns") for _, why in rep.skipped), rep.skipped
+
+
 def test_reconverting_with_another_recipe_warns_and_applies_it():
     model = convert(
         Tiny(), MXOptions(mxfp8_dim0_cast_kernel_choice="torch", mxfp8_dim1_cast_kernel_choice="torch")
@@ -122,8 +133,9 @@ def test_every_named_recipe_converts_by_name():
 def test_nothing_converted_is_an_error_naming_why_unless_allowed():
     """Issue 59 case 2: MX asked and not given (a filter matching every module, experts of dims not
     divisible by 32) is an error naming why, unless allow_unconverted."""
-    with pytest.raises(ValueError, match=r"no module was converted.*5 by filter_fqns ''.*allow_unconverted"):
-        convert(Tiny(), MXOptions(filter_fqns=[""]))  # "" is in every FQN
+    every = r"no module was converted.*skipped 5: 2 by filter_fqns 'p', 3 by filter_fqns 'o'.*allow_"
+    with pytest.raises(ValueError, match=every):
+        convert(Tiny(), MXOptions(filter_fqns=["o", "p"]))  # "o" or "p" is in every FQN
     odd = nn.Sequential(GroupedExperts(64, 33, 4))
     with pytest.raises(ValueError, match=r"0 \(dims 64x33 not divisible by 32\).*allow_unconverted=True"):
         with pytest.warns(UserWarning, match="none is MX: 0 \\(dims 64x33"):
