@@ -387,10 +387,13 @@ def _diverged(run: Run, step: int, ce: torch.Tensor, norm: float, lr: float) -> 
             last_ckpt += f"; the last checkpoint is {done[-1][1]}"
         else:
             last_ckpt += f"; no {'other ' if last_ckpt else ''}checkpoint in {run.ckpt.folder} yet"
+    clip = "training.max_norm"
+    if run.cfg.training.max_norm == 0:
+        clip = "turn clipping on (training.max_norm=0 is off)"
     return TrainingDiverged(
         f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
         f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower optimizer.lr "
-        "or training.max_norm, or check the data"
+        f"or {clip}, or check the data"
     )
 
 

@@ -148,7 +148,16 @@ def test_the_divergence_error_says_no_checkpoint_was_saved_yet(tmp_path, capsys)
     assert trainer.main(argv) == 1
     err = capsys.readouterr().err
     assert "step 2: non-finite" in err and f"no checkpoint in {tmp_path}/ckpt yet" in err, err
-    assert "None" not in err
+    assert "None" not in err and "Lower optimizer.lr or training.max_norm" in err
+
+
+def test_the_divergence_error_without_clipping_does_not_say_lower_max_norm(tmp_path, capsys):
+    """training.max_norm=0 (no clipping): the advice was "lower training.max_norm", below 0."""
+    args = ["--optimizer.lr=1e30", "--lr_scheduler.warmup_steps=0", "--training.steps=4"]
+    args += ["--training.max_norm=0"]
+    assert trainer.main(TINY + [f"--job.dump_folder={tmp_path}/run", *args]) == 1
+    err = capsys.readouterr().err
+    assert "Lower optimizer.lr or turn clipping on (training.max_norm=0 is off)" in err, err
 
 
 def test_ctrl_c_saves_and_stops_with_one_line(tmp_path):
