@@ -353,3 +353,10 @@ class Transformer(nn.Module):
         """After an optimizer step: bias-based balancing update of every router (no-op otherwise)."""
         for moe in self.moe_layers():
             moe.router.update_bias(self.args.bias_update_rate, group)
+
+    def router_bias_finite(self) -> bool:
+        """Whether every router's `expert_bias` is finite (true without bias balancing): the bias
+        moves outside the optimizer, past the loss and gradient checks."""
+        if self.args.load_balance != "bias" or not self.moe_layers():
+            return True
+        return bool(torch.isfinite(torch.cat([m.router.expert_bias for m in self.moe_layers()])).all())

@@ -397,6 +397,18 @@ def _diverged(run: Run, step: int, ce: torch.Tensor, norm: float, lr: float) -> 
     )
 
 
+def _bias_diverged(run: Run, step: int) -> TrainingDiverged:
+    """The error of a router bias that is no longer finite after step `step`'s bias update."""
+    rate = run.model.args.bias_update_rate
+    latest = run.ckpt.latest() if run.ckpt is not None else None
+    where = f"; the last checkpoint is {latest}" if latest is not None else ""
+    return TrainingDiverged(
+        f"step {step}: a router's expert_bias is not finite after the bias update "
+        f"(model.bias_update_rate={rate:g}): stopped before saving this step{where}. Lower "
+        "model.bias_update_rate"
+    )
+
+
 def _stop_requested(run: Run, stop: _Stop) -> bool:
     """Whether any rank got SIGTERM (every rank learns it, so all stop after the same step)."""
     requested = stop.requested
@@ -484,6 +496,8 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 model.update_router_bias(world_group)
+                if not model.router_bias_finite():  # the same on every rank (counts summed over all)
+                    raise _bias_diverged(run, step)
                 prof_step()
                 loss_sum += torch.stack([ce.detach().float(), aux.detach().float()])
 

@@ -151,6 +151,22 @@ def test_the_divergence_error_says_no_checkpoint_was_saved_yet(tmp_path, capsys)
     assert "None" not in err and "Lower optimizer.lr or training.max_norm" in err
 
 
+def test_a_router_bias_that_overflows_stops_the_run_before_it_is_saved(tmp_path, capsys):
+    """load_balance=bias moves expert_bias outside the optimizer: at a rate of 2e38 it reaches inf
+    at the 2nd update, past the loss and gradient checks; the run once finished "done" and saved
+    inf biases. It stops at that step, before the save, naming the option."""
+    # 8 experts, top 2: experts left out twice running get +2e38 twice (+inf)
+    args = ["--model.num_experts=8", "--model.load_balance=bias", "--model.bias_update_rate=2e38"]
+    args += ["--training.steps=4"]
+    args += [f"--job.dump_folder={tmp_path}/run", f"--checkpoint.folder={tmp_path}/ckpt"]
+    assert trainer.main(TINY + args + ["--checkpoint.interval=1"]) == 1
+    err = capsys.readouterr().err
+    want = "step 2: a router's expert_bias is not finite after the bias update (model.bias_update_rate=2e+38)"
+    assert want in err and "Traceback" not in err, err
+    assert f"the last checkpoint is {tmp_path}/ckpt/step-00000001. Lower model.bias_update_rate" in err
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-00000001"]
+
+
 def test_the_divergence_error_without_clipping_does_not_say_lower_max_norm(tmp_path, capsys):
     """training.max_norm=0 (no clipping): the advice was "lower training.max_norm", below 0."""
     args = ["--optimizer.lr=1e30", "--lr_scheduler.warmup_steps=0", "--training.steps=4"]
