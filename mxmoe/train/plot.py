@@ -338,6 +338,19 @@ def difference_panel(
     ax.legend(fontsize="small")
 
 
+def check_image_suffix(out: str, option: str = "--out") -> None:
+    """ValueError naming `option` unless `out` ends in an image format matplotlib writes (none:
+    its default, PNG), checked before any run is read."""
+    suffix = Path(out).suffix.lower().lstrip(".")
+    from matplotlib.figure import Figure
+
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    if suffix and suffix not in formats:
+        raise ValueError(
+            f"{option} {out!r}: expected a file name ending in an image format, one of {formats}"
+        )
+
+
 def save_figure(fig, out: str | Path) -> Path:
     """Write `fig` to the PNG `out` (parent folders created) and close it; returns the path."""
     out_path = Path(out)
@@ -438,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         from mxmoe.cli import check_out_file
 
         check_out_file(args.out)
+        check_image_suffix(args.out)
         path = plot_runs(args.runs, args.out, labels, args.smooth, args.baseline)
     except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
         print(f"mxmoe plot: error: {e}", file=sys.stderr)

@@ -100,6 +100,11 @@ def test_plot_errors(tmp_path, capsys):
     c = _run(tmp_path / "c" / "seed0", 0.0, _config([], 0))
     assert main([str(b), str(c), "--out", str(tmp_path / "x.png")]) == 2
     assert "both variant 'bf16', seed 0: give --labels" in capsys.readouterr().err
+    # an --out matplotlib cannot write: named (it was matplotlib's "Format 'txt' is not supported")
+    assert main([str(a), "--out", str(tmp_path / "x.txt")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out '{tmp_path / 'x.txt'}': expected a file name ending in an image format, one of [" in err
+    assert "'png'" in err and not (tmp_path / "x.txt").exists()
 
 
 def test_resumed_run_records_are_deduplicated(tmp_path):
