@@ -410,8 +410,10 @@ class Run:
 
     def settings(self) -> dict:
         """What the checkpoint records of this run's settings ({option: value}): the resolved
-        config and the data's identity, compared with a resuming run's."""
-        return {**self.cfg.flat(), "data.corpus": self.corpus["sha256"]}
+        config and the data's identity (its files' names and sizes, and their bytes), compared with
+        a resuming run's."""
+        ids = {"data.corpus": self.corpus["sha256"], "data.content": self.corpus.get("content_sha256")}
+        return {**self.cfg.flat(), **ids}
 
     def train_state(self, step: int) -> dict:
         """The non-tensor state a checkpoint keeps beside model and optimizer (JSON)."""

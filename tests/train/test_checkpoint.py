@@ -173,6 +173,24 @@ def test_a_resumed_run_trains_with_its_own_optimizer_and_schedule_settings(tmp_p
     assert [(r["step"], r["lr"]) for r in recs] == [(5, 1e-4 * lam(4)), (6, 1e-4 * lam(5))]
 
 
+def test_resuming_on_data_whose_bytes_changed_names_it(tmp_path, capsys):
+    """A file of data.path edited in place (same names and sizes) resumed with no word: the
+    checkpoint recorded the files' names and sizes only. Its bytes are recorded too, and the
+    resume's warning names data.content."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(8):
+        (data / f"f{i}.py").write_text("".join(chr(97 + (i * j) % 26) for j in range(400)))
+    opts = [f"--data.path={data}", "--data.max_files=0", "--training.steps=2"]
+    assert _train(tmp_path, "a", *opts) == 0
+    (data / "f3.py").write_text((data / "f3.py").read_text()[::-1])  # same size, other bytes
+    capsys.readouterr()
+    assert _train(tmp_path, "b", *opts[:-1], "--training.steps=3") == 0
+    err = capsys.readouterr().err
+    assert "with settings that differ from the run that saved it" in err and "data.content='" in err, err
+    assert "data.corpus=" not in err  # the names and sizes are the same
+
+
 def test_resuming_in_another_precision_is_an_error_naming_both_unless_allowed(tmp_path, capsys):
     mx = ["--model.converters=mx", "--mx.mxfp8_dim1_cast_kernel_choice=torch"]
     assert _train(tmp_path, "mx", "--training.steps=2", *mx) == 0
