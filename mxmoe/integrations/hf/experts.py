@@ -29,7 +29,20 @@ def use_mx_experts(mx: list[nn.Module], high_precision: list[nn.Module], recipe:
     """What `mxmoe.convert` does to transformers experts modules: `mx` compute with
     `experts_implementation="mxmoe"` in `recipe` (kept as their `mx_recipe`); `high_precision`
     (skipped by the filter or their dims) keep their implementation (their `mx_recipe` is None) even
-    where they share a config with `mx`. Parameters and state-dict keys are unchanged."""
+    where they share a config with `mx`. Parameters and state-dict keys are unchanged.
+
+    TypeError for a `recipe` that is not an MXRecipe; ValueError for `expert_gemm="bf16"` (the
+    exchange-only mode of mxmoe's expert parallelism: transformers experts have no MXFP8 exchange),
+    before any module changes."""
+    if not isinstance(recipe, MXRecipe):
+        raise TypeError(f"recipe must be an mxmoe.MXRecipe (mxmoe.recipe(name)), got {type(recipe).__name__}")
+    if mx and recipe.expert_gemm != "mx":
+        raise ValueError(
+            f"expert_gemm={recipe.expert_gemm!r} (the exchange-only mode of mxmoe's expert parallelism) "
+            f"does not apply to transformers experts ({type(mx[0]).__name__}): they have no MXFP8 "
+            "exchange. Use expert_gemm='mx' (both GEMMs in MX), or convert_grouped_experts=False to keep "
+            "them high precision"
+        )
     register()
     for mod in [*mx, *high_precision]:
         impl = mod.config._experts_implementation
@@ -89,6 +102,11 @@ def mxmoe_experts_forward(
     E = self.num_experts
     up = self.gate_up_proj if self.has_gate else self.up_proj
     down = self.down_proj
+    if up.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(
+            f'experts_implementation="mxmoe": {type(self).__name__} has {up.dtype} weights; MX experts '
+            "take bfloat16 or float32 (load with dtype=torch.bfloat16)"
+        )
     up_t = up if self.is_transposed else up.transpose(-2, -1)  # (E, H, 2I or I)
     down_t = down if self.is_transposed else down.transpose(-2, -1)  # (E, I, H)
     bad = [d for d in (*up_t.shape[1:], down_t.shape[1]) if d % recipe.block_size]
