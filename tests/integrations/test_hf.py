@@ -313,3 +313,56 @@ def test_every_other_family_converts_and_trains_near_bf16(family):
     grads = [(p.grad.float().flatten(), q.grad.float().flatten()) for p, q in pairs if p.grad is not None]
     gr, gm = torch.cat([a for a, _ in grads]), torch.cat([b for _, b in grads])
     assert (gm - gr).norm() < 2**-3 * gr.norm()
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("qwen3_next", dict(layer_types=["linear_attention", "full_attention"])),  # `linear_attn`
+        ("zaya", dict(num_experts_per_tok=1)),  # its router `gate` is an MLP (down_proj, router_mlp)
+    ],
+)
+def test_linear_attention_and_a_router_mlp_stay_high_precision(family, overrides):
+    """Attention whatever its kind (Qwen3-Next's linear attention, `linear_attn`) and every Linear
+    of a router that is an MLP of its own (ZAYA's `gate`) stay high precision, as the docs say; the
+    experts and the shared-expert MLP are MX."""
+    model = converted(tiny_model(family, **overrides))
+    mx_linears = [n for n, m in model.named_modules() if isinstance(m, MXLinear)]
+    assert not any({"linear_attn", "self_attn", "gate"} & set(n.split(".")) for n in mx_linears), mx_linears
+    assert len(model.mx_conversion.converted["transformers experts"]) == LAYERS
+    skipped = dict(model.mx_conversion.skipped)
+    if family == "qwen3_next":
+        assert any("shared_expert." in n for n in mx_linears)
+        assert skipped["model.layers.0.linear_attn.in_proj_qkvz"] == "filter_fqns 'attention'"
+    else:
+        assert skipped["model.layers.0.mlp.gate.down_proj"] == "filter_fqns 'router'"
+
+
+def test_experts_outside_the_interface_are_named():
+    """JetMoE's experts (`input_linear` / `output_linear`, 3D weights outside transformers' experts
+    interface, no "expert" in their names) are found by their class and named: a warning that no
+    experts module is MX and why, and the error that nothing converted."""
+    model = tiny_model("jetmoe")
+    why = r"8 experts modules .* none is MX: 8 by JetMoeParallelExperts: experts of a kind mxmoe does not"
+    with pytest.warns(UserWarning, match=why):
+        with pytest.raises(ValueError, match="no module was converted"):
+            mxmoe.convert(model, mxmoe.MXOptions())
+    assert "model.layers.0.mlp.input_linear" in model.mx_conversion.experts
+
+
+def test_float16_and_expert_gemm_bf16_are_refused_before_anything_changes():
+    """A float16 model: mxmoe.convert names the experts module, its dtype and the fix, and so does
+    experts_implementation="mxmoe" at the forward (both GEMMs' casts take bf16 / fp32).
+    expert_gemm="bf16" (the exchange-only mode) on transformers experts, which have no MXFP8
+    exchange, is an error (they ran MX GEMMs while the log said bf16), and the model is unchanged."""
+    model = tiny_model("qwen3_moe", dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts \(Qwen3MoeExperts\) has torch.float16"):
+        mxmoe.convert(model, mxmoe.MXOptions())
+    model.set_experts_implementation("mxmoe")
+    with pytest.raises(TypeError, match=r"Qwen3MoeExperts has torch.float16 weights; MX experts take"):
+        model(input_ids=tokens(1, 8))
+    model = tiny_model("deepseek_v3", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"expert_gemm='bf16' .* does not apply to transformers experts"):
+        mxmoe.convert(model, mxmoe.MXOptions(expert_gemm="bf16"))
+    assert not any(isinstance(m, MXLinear) for m in model.modules())
+    assert model.config._experts_implementation != "mxmoe"

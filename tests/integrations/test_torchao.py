@@ -82,3 +82,15 @@ def test_a_parent_module_selected_converts_its_children_and_bad_input_is_named()
         quantize_(odd, config, filter_fn=lambda m, fqn: fqn == "0")
     quantize_(odd, config, filter_fn=mx_filter_fn(config))  # leaves both out
     assert not mx_modules(odd)
+
+
+def test_attention_and_router_by_what_they_are_as_mxmoe_convert():
+    """mx_filter_fn keeps what mxmoe.convert keeps by what it is, not by its name: attention of a
+    class named *Attention, `linear_attn`, a vision tower's `attn`, every Linear of a router MLP."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "nn"))
+    from test_converter import HybridBlock
+
+    model, ref = HybridBlock(), mxmoe.convert(HybridBlock(), mxmoe.MXOptions())
+    config = MXMoETrainingConfig()
+    quantize_(model, config, filter_fn=mx_filter_fn(config))
+    assert mx_modules(model) == mx_modules(ref) and set(mx_modules(model)) == {"mlp", "experts"}
