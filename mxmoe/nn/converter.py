@@ -348,7 +348,10 @@ def convert(
                 report.experts.append(fqn)
                 why = f"{type(child).__name__}: experts of a kind mxmoe does not convert"
                 report.skipped.append((fqn, why))
-            mx_now = getattr(child, "mx_recipe", None) if hf_dims is not None else None
+            # transformers experts are MX while their config still says so (set_experts_implementation
+            # since the last conversion would have them compute in high precision)
+            hf_mx_now = hf_dims is not None and child.config._experts_implementation == "mxmoe"
+            mx_now = getattr(child, "mx_recipe", None) if hf_mx_now else None
             if isinstance(child, (MXLinear, MXGroupedExperts)) or isinstance(mx_now, MXRecipe):
                 if (mx_now or child.recipe) != r:
                     report.reconfigured.append(fqn)

@@ -366,3 +366,15 @@ def test_float16_and_expert_gemm_bf16_are_refused_before_anything_changes():
         mxmoe.convert(model, mxmoe.MXOptions(expert_gemm="bf16"))
     assert not any(isinstance(m, MXLinear) for m in model.modules())
     assert model.config._experts_implementation != "mxmoe"
+
+
+def test_converting_again_after_set_experts_implementation_makes_the_experts_mx_again():
+    """set_experts_implementation("grouped_mm") after a conversion puts the experts back in high
+    precision; converting again makes them MX again (it reported them "already MX" and left them)."""
+    model = converted(tiny_model("qwen3_moe"))
+    model.set_experts_implementation("grouped_mm")
+    converted(model)
+    assert model.config._experts_implementation == "mxmoe"
+    assert model.mx_conversion.converted["transformers experts"] == list(experts_modules(model))
+    converted(model)
+    assert len(model.mx_conversion.already) == LAYERS
