@@ -312,10 +312,10 @@ def _mx_inside_attention_or_router(model) -> list[str]:
 def test_every_other_family_converts_and_trains_near_bf16(family):
     """Every other MoE family transformers ships with an experts-interface module (tiny generic
     configs): its experts become MX, no Linear inside attention (of any kind) or a router does, its
-    experts' output equals the MX oracle's (fp32), and loss and gradients stay within MX rounding of
-    bf16: the gradient within 2^-3 of bf16's, or, for a tiny model whose gradient rounding alone
-    moves further (Gemma 4's: bf16's is 73 % from fp32's; MX's e4m3 has 3 mantissa bits to bf16's 7),
-    within twice bf16's distance from fp32's."""
+    experts' output equals the MX oracle's (fp32), it generates, and loss and gradients stay within
+    MX rounding of bf16: the gradient within 2^-3 of bf16's, or, for a tiny model whose gradient
+    rounding alone moves further (Gemma 4's: bf16's is 73 % from fp32's; MX's e4m3 has 3 mantissa
+    bits to bf16's 7), within twice bf16's distance from fp32's."""
     ref = tiny_model(family, dtype=torch.bfloat16)
     mx = mxmoe.convert(copy.deepcopy(ref), mxmoe.MXOptions())
     assert mx.mx_conversion.converted["transformers experts"], mx.mx_conversion.summary()
@@ -339,6 +339,9 @@ def test_every_other_family_converts_and_trains_near_bf16(family):
     if (gm - gr).norm() >= 2**-3 * gr.norm():
         fp32(input_ids=ids, labels=ids).loss.backward()
         assert (gm - gr).norm() < 2 * (_all_grads(fp32) - gr).norm()
+    with torch.no_grad():  # decoding: one token a step through the MX experts
+        out = mx.eval().generate(ids[:1, :8], max_new_tokens=3, do_sample=False)
+    assert out.shape[0] == 1 and 8 < out.shape[1] <= 11  # 11, or fewer at an end-of-text token
 
 
 def _random_routing(mod, num_tokens: int = 24, seed: int = 0):
