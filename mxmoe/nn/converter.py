@@ -1,10 +1,11 @@
 """`mxmoe.convert(model, MXOptions(...))`: swap a model's Linear and GroupedExperts modules for
 their MX versions in place (torchtitan's MX converter, for Hopper).
 
-Hugging Face transformers models are known too: their attention (`self_attn`) counts as
-`attention` and their MoE router (`gate` beside `experts`) as `router` for `filter_fqns`, and their
-experts modules (3D `gate_up_proj` / `down_proj` behind transformers' experts interface) keep their
-parameters and run `experts_implementation="mxmoe"` (`mxmoe.integrations.hf`).
+Hugging Face transformers models are known too: their attention (`self_attn`, `linear_attn`, a
+class named *Attention) counts as `attention` and their MoE router (`gate` beside `experts`, with
+everything in it) as `router` for `filter_fqns`, and their experts modules (3D `gate_up_proj` /
+`down_proj` behind transformers' experts interface) keep their parameters and run
+`experts_implementation="mxmoe"` (`mxmoe.integrations.hf`).
 
 `mxmoe.MXOptions` (the one option set of every front end) says what to convert and names one
 `mxmoe.recipe.MXRecipe` (`MXOptions().to_recipe() == DEFAULT_RECIPE`); every swapped module gets
@@ -294,18 +295,20 @@ def convert(
     divisible by the block size (both skipped). Modules already MX with another recipe get the new
     one, with a warning. Convert before applying FSDP (`fully_shard`) or torch.compile.
 
-    Hugging Face transformers models: `self_attn` counts as `attention` and the router (`gate` beside
-    `experts`) as `router` for filter_fqns; an experts module (3D gate_up_proj / down_proj) keeps
-    its parameters and computes with `experts_implementation="mxmoe"` (`mxmoe.integrations.hf`),
-    its recipe kept as its `mx_recipe`.
+    Hugging Face transformers models: attention of any name (`implied_entries`) counts as
+    `attention` and the router (`gate` beside `experts`, with everything in it) as `router` for
+    filter_fqns; an experts module (3D gate_up_proj / down_proj) keeps its parameters and computes
+    with `experts_implementation="mxmoe"` (`mxmoe.integrations.hf`), its recipe kept as its
+    `mx_recipe`.
 
     Logs one line (`ConversionReport.summary`) and keeps the report as `model.mx_conversion`, then
     `ConversionReport.finish`: a warning when an MoE model gets no MX experts (naming why), a
     ValueError when nothing is MX unless `allow_unconverted` (log_summary=False does neither: a
     front end that converts more adds to the report, logs it and calls `finish`). A filter_fqns
     entry of the caller's (not a default one) that matches no module of the model is warned of.
-    Raises ValueError for an unknown recipe/choice, tensor parallelism (tp > 1), or a cast kernel
-    that cannot run on the model's device (meta counts as CUDA).
+    Raises ValueError for an unknown recipe/choice, tensor parallelism (tp > 1), a cast kernel that
+    cannot run on the model's device (meta counts as CUDA), or a module to convert with float16
+    parameters (before any module changes); TypeError for a `model` that is not an nn.Module.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (converted in place), got {type(model).__name__}")
