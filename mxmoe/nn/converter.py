@@ -256,6 +256,8 @@ def convert(
     Raises ValueError for an unknown recipe/choice, tensor parallelism (tp > 1), or a cast kernel
     that cannot run on the model's device (meta counts as CUDA).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
     if recipe is None:
         recipe = MXOptions()
     if isinstance(recipe, MXRecipe):

@@ -79,6 +79,8 @@ def test_filter_fqns_as_a_string_is_a_type_error():
         convert(Tiny(), cfg)
     with pytest.raises(TypeError, match="recipe must be an MXRecipe or mxmoe.MXOptions"):
         convert(Tiny(), "mxfp8")
+    with pytest.raises(TypeError, match="convert: model must be a torch.nn.Module, got str"):
+        convert("model.pt", MXOptions())
 
 
 def test_reconverting_with_another_recipe_warns_and_applies_it():
