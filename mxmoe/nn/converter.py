@@ -311,7 +311,7 @@ def convert(
     parameters (before any module changes); TypeError for a `model` that is not an nn.Module.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (converted in place), got {type(model).__name__}")
+        raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
     if recipe is None:
         recipe = MXOptions()
     if isinstance(recipe, MXRecipe):
