@@ -435,3 +435,15 @@ def test_experts_outside_the_interface_stay_high_precision_and_are_named(family)
     ids = tokens()
     lr, lm = ref(input_ids=ids, labels=ids).loss, mx(input_ids=ids, labels=ids).loss
     assert abs(lm.item() - lr.item()) < 1e-3 * lr.item()
+
+
+@pytest.mark.parametrize("family, fused", [("qwen3_moe", True), ("lfm2_moe", True), ("gemma4_text", False)])
+def test_swiglu_experts_take_the_fused_op_whatever_their_silu(family, fused):
+    """SwiGLU experts run as one fused op whether their SiLU is a module (Qwen3-MoE) or `F.silu`
+    itself (LFM2-MoE); Gemma 4's GeGLU takes the general path. Both equal the MX oracle (fp32)."""
+    mod = next(iter(experts_modules(tiny_model(family)).values()))
+    assert hf.experts._is_swiglu(mod) == fused
+    x, idx, w = _random_routing(mod)
+    with torch.no_grad():
+        y = hf.mxmoe_experts_forward(mod, x, idx, w)
+        torch.testing.assert_close(y, _oracle(mod, x, idx, w), rtol=1e-5, atol=1e-6)

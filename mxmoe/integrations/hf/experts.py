@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from mxmoe.ops import mx_grouped_mm, mx_grouped_swiglu_mlp
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
@@ -67,13 +68,14 @@ def _high_precision(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
 
 
 def _is_swiglu(self: nn.Module) -> bool:
-    """The module's gate is transformers' default (chunk, act(gate) * up) with SiLU: one fused op."""
+    """The module's gate is transformers' default (chunk, act(gate) * up) with SiLU (a module, or
+    LFM2-MoE's `F.silu` itself): one fused op."""
     from transformers.integrations.moe import _default_apply_gate
 
     act = getattr(self, "act_fn", None)
     return (
         getattr(type(self), "_apply_gate", None) is _default_apply_gate
-        and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
+        and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is F.silu)
         and self.has_gate
         and not self.has_bias
         and not self.is_transposed
