@@ -34,6 +34,7 @@ from mxmoe.nn.converter import (
     convert,
     hf_experts_dims,
     implied_entries,
+    llama4_experts_dims,
 )
 from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
@@ -63,7 +64,7 @@ def _dims(module: nn.Module) -> tuple[int, int] | None:
         return module.in_features, module.out_features
     if isinstance(module, GroupedExperts):
         return module.dim, module.hidden_dim
-    return hf_experts_dims(module)
+    return hf_experts_dims(module) or llama4_experts_dims(module)
 
 
 def mx_filter_fn(config: MXMoETrainingConfig | MXOptions | None = None) -> Callable[[nn.Module, str], bool]:
@@ -105,6 +106,9 @@ def _mx_transform(module: nn.Module, config: MXMoETrainingConfig) -> nn.Module:
     if isinstance(module, (MXLinear, MXGroupedExperts)):
         module.recipe = r
         return module
+    if isinstance(getattr(module, "mx_recipe", None), MXRecipe) and llama4_experts_dims(module):
+        module.mx_recipe = r  # Llama 4's experts made MX before
+        return module
     dims = _dims(module)
     if dims is not None and any(d % r.block_size for d in dims):
         raise ValueError(
@@ -116,6 +120,11 @@ def _mx_transform(module: nn.Module, config: MXMoETrainingConfig) -> nn.Module:
         return MXLinear.from_linear(module, r)
     if isinstance(module, GroupedExperts):
         return MXGroupedExperts.from_experts(module, r)
+    if llama4_experts_dims(module) is not None:  # Llama 4's experts (outside the experts interface)
+        from mxmoe.integrations.hf.llama4 import use_mx_llama4_experts
+
+        use_mx_llama4_experts([module], r)
+        return module
     if dims is not None:  # a transformers experts module
         from mxmoe.integrations.hf import use_mx_experts
 

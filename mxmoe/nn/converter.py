@@ -70,8 +70,11 @@ class ConversionReport:
         "Linear": "MXLinear",
         "GroupedExperts": "MXGroupedExperts",
         "transformers experts": 'experts_implementation="mxmoe"',
+        "Llama 4 experts": "MXLlama4TextExperts",
     }
     """What each kind becomes, for `summary` (another kind k reads "k -> MX k")."""
+    EXPERT_KINDS: ClassVar[tuple[str, ...]] = ("GroupedExperts", "transformers experts", "Llama 4 experts")
+    """The kinds that are routed experts."""
 
     @property
     def num_converted(self) -> int:
@@ -100,7 +103,7 @@ class ConversionReport:
         unless `options.allow_unconverted`."""
         opts = options if options is not None else MXOptions()
         conv = self.converted
-        mx_experts = {*conv.get("GroupedExperts", []), *conv.get("transformers experts", [])}
+        mx_experts = {fqn for kind in self.EXPERT_KINDS for fqn in conv.get(kind, [])}
         mx_experts |= set(self.already) | set(self.reconfigured)
         if self.experts and not mx_experts.intersection(self.experts) and opts.convert_grouped_experts:
             why = self.why_skipped(self.experts) or "none of them is a kind mxmoe converts"
@@ -205,10 +208,23 @@ def hf_experts_dims(mod: nn.Module) -> tuple[int, int] | None:
     return int(hidden), int(inter)
 
 
+def llama4_experts_dims(mod: nn.Module) -> tuple[int, int] | None:
+    """(hidden, intermediate) of transformers' `Llama4TextExperts` (outside its experts interface;
+    `mxmoe.integrations.hf.llama4` converts it) or its MX version, else None. Known by class name
+    and module: transformers is not imported."""
+    cls = type(mod)
+    if cls.__name__ == "MXLlama4TextExperts" and cls.__module__ == "mxmoe.integrations.hf.llama4":
+        return int(mod.hidden_size), int(mod.expert_dim)
+    if cls.__name__ == "Llama4TextExperts" and cls.__module__.startswith("transformers."):
+        return int(mod.hidden_size), int(mod.expert_dim)
+    return None
+
+
 def _looks_like_experts(name: str, mod: nn.Module) -> bool:
     """A transformers experts module outside transformers' experts interface (weights of its own,
-    not Linear layers, in a module named or of a class named like experts: Llama 4's 3D ones,
-    JetMoE's `input_linear`, DBRX's 2D stacks), which mxmoe cannot convert."""
+    not Linear layers, in a module named or of a class named like experts: LongCat-Flash's,
+    JetMoE's `input_linear`, DBRX's 2D stacks), which mxmoe cannot convert (Llama 4's it can:
+    `llama4_experts_dims`, checked first)."""
     return (
         type(mod).__module__.startswith("transformers.")
         and "expert" in f"{name} {type(mod).__name__}".lower()
@@ -345,7 +361,8 @@ def convert(
         for child_name, child in list(parent.named_children()):
             fqn = f"{prefix}.{child_name}" if prefix else child_name
             hf_dims = hf_experts_dims(child)
-            if isinstance(child, (GroupedExperts, MXGroupedExperts)) or hf_dims is not None:
+            l4_dims = llama4_experts_dims(child)
+            if isinstance(child, (GroupedExperts, MXGroupedExperts)) or (hf_dims or l4_dims) is not None:
                 report.experts.append(fqn)
             elif _looks_like_experts(child_name, child):
                 report.experts.append(fqn)
@@ -354,7 +371,7 @@ def convert(
             # transformers experts are MX while their config still says so (set_experts_implementation
             # since the last conversion would have them compute in high precision)
             hf_mx_now = hf_dims is not None and child.config._experts_implementation == "mxmoe"
-            mx_now = getattr(child, "mx_recipe", None) if hf_mx_now else None
+            mx_now = getattr(child, "mx_recipe", None) if hf_mx_now or l4_dims is not None else None
             if isinstance(child, (MXLinear, MXGroupedExperts)) or isinstance(mx_now, MXRecipe):
                 if (mx_now or child.recipe) != r:
                     report.reconfigured.append(fqn)
@@ -371,6 +388,8 @@ def convert(
                 kind, dims = "GroupedExperts", (child.dim, child.hidden_dim)
             elif hf_dims is not None and do_exp:
                 kind, dims = "transformers experts", hf_dims
+            elif l4_dims is not None and do_exp:
+                kind, dims = "Llama 4 experts", l4_dims
             else:
                 if hf_dims is not None:
                     hf_hp.append(child)
@@ -396,6 +415,11 @@ def convert(
         from mxmoe.integrations.hf import use_mx_experts  # transformers is there: its model is
 
         use_mx_experts(hf_mx, hf_hp, r)  # first: it refuses a recipe they cannot take
+    l4_mx = [child for _, _, child, kind, _ in swaps if kind == "Llama 4 experts"]
+    if l4_mx:
+        from mxmoe.integrations.hf.llama4 import use_mx_llama4_experts
+
+        use_mx_llama4_experts(l4_mx, r)  # (refuses expert_gemm="bf16" before any module changes)
     for parent, child_name, child, kind, fqn in swaps:
         if kind == "Linear":
             setattr(parent, child_name, MXLinear.from_linear(child, r))

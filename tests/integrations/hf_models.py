@@ -36,10 +36,7 @@ ALL_FAMILIES = (
     "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "nemotron_h",
     "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next", "solar_open", "zaya",
 )  # fmt: skip
-UNCONVERTED_FAMILIES = {
-    "llama4_text": "Llama4TextExperts", "longcat_flash": "LongcatFlashExperts",
-    "jetmoe": "JetMoeParallelExperts",
-}  # fmt: skip
+UNCONVERTED_FAMILIES = {"longcat_flash": "LongcatFlashExperts", "jetmoe": "JetMoeParallelExperts"}
 """Families whose experts live outside transformers' experts interface: left high precision, named."""
 GENERIC = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
@@ -82,7 +79,8 @@ def _per_layer(fields: dict, layers: int) -> dict:
 
 
 def tiny_config(family: str, **overrides):
-    """The tiny config of `family` (a key of TINY, or of ALL_FAMILIES / UNCONVERTED_FAMILIES: its
+    """The tiny config of `family` (a key of TINY, or of ALL_FAMILIES / UNCONVERTED_FAMILIES /
+    "llama4_text": its
     defaults with GENERIC's and FAMILY_FIELDS' fields where it has them, its per-layer lists cut to
     two layers)."""
     import transformers

@@ -424,7 +424,7 @@ def test_converting_again_after_set_experts_implementation_makes_the_experts_mx_
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(UNCONVERTED_FAMILIES))
 def test_experts_outside_the_interface_stay_high_precision_and_are_named(family):
-    """Llama 4, LongCat-Flash and JetMoE keep their experts outside transformers' experts interface:
+    """LongCat-Flash and JetMoE keep their experts outside transformers' experts interface:
     mxmoe.convert leaves them high precision and a warning names their class; what it converts
     (their MLPs) trains as the other families do."""
     ref = tiny_model(family, dtype=torch.bfloat16)
@@ -447,3 +447,81 @@ def test_swiglu_experts_take_the_fused_op_whatever_their_silu(family, fused):
     with torch.no_grad():
         y = hf.mxmoe_experts_forward(mod, x, idx, w)
         torch.testing.assert_close(y, _oracle(mod, x, idx, w), rtol=1e-5, atol=1e-6)
+
+
+# Llama 4: experts outside transformers' experts interface (every expert runs every token, scaled by
+# its router score), made MX by a class of mxmoe's own (mxmoe.integrations.hf.llama4)
+
+
+def _llama4_oracle(mod, x):
+    """Llama4TextExperts' output on rows x (E * T, H) from the MX oracle (fp32): per expert,
+    quantize-dequantize products (blocks of 32 along each GEMM's reduction dim), act(gate) * up."""
+    r, E = DEFAULT_RECIPE, mod.num_experts
+    out = []
+    for e, xe in enumerate(x.view(E, -1, x.shape[-1])):
+        gu = qdq(xe, -1, recipe=r) @ qdq(mod.gate_up_proj[e].t().contiguous(), -1, recipe=r).t()
+        gate, up = gu.chunk(2, dim=-1)
+        h = up * mod.act_fn(gate)
+        out.append(qdq(h, -1, recipe=r) @ qdq(mod.down_proj[e].t().contiguous(), -1, recipe=r).t())
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_llama4_experts_are_mx_and_equal_the_oracle(act):
+    """mxmoe.convert makes Llama 4's experts MX (class MXLlama4TextExperts, the same parameters)
+    with no warning, keeps attention and the router high precision; the experts equal the MX oracle
+    in fp32: SiLU through the fused SwiGLU op, another activation through two grouped GEMMs."""
+    from mxmoe.integrations.hf.llama4 import MXLlama4TextExperts
+
+    ref = tiny_model("llama4_text", hidden_act=act)
+    model = converted(copy.deepcopy(ref))
+    rep = model.mx_conversion
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, MXLlama4TextExperts)}
+    assert list(experts) == rep.converted["Llama 4 experts"] == ["model.layers.0.feed_forward.experts"]
+    assert "1 Llama 4 experts -> MXLlama4TextExperts" in rep.summary()
+    assert not _mx_inside_attention_or_router(model)
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    mod = experts["model.layers.0.feed_forward.experts"]
+    assert mod.mx_recipe == DEFAULT_RECIPE and mod.gate_up_proj is dict(model.named_parameters())[
+        "model.layers.0.feed_forward.experts.gate_up_proj"]
+    x = torch.randn(mod.num_experts * 12, mod.hidden_size, generator=torch.Generator().manual_seed(0))
+    x[::3] = 0  # rows of tokens an expert was not chosen for: score 0
+    with torch.no_grad():
+        torch.testing.assert_close(mod(x), _llama4_oracle(mod, x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not a multiple of the 4 experts"):
+        mod(x[:-1])
+
+
+def test_llama4_trains_near_bf16_generates_and_saves():
+    """Converted Llama 4 (bf16): loss within MX rounding of the bf16 model's, finite gradients that
+    reach the experts, generate, and save_pretrained writing the model's own weights, which load
+    back into a plain model."""
+    ref = tiny_model("llama4_text", dtype=torch.bfloat16)
+    model = converted(copy.deepcopy(ref))
+    ids = tokens()
+    lr, lm = ref(input_ids=ids, labels=ids).loss, model(input_ids=ids, labels=ids).loss
+    assert abs(lm.item() - lr.item()) < 1e-2 * lr.item()
+    lm.backward()
+    g = model.model.layers[0].feed_forward.experts.gate_up_proj.grad
+    assert g is not None and g.isfinite().all() and g.abs().sum() > 0
+    assert model.generate(ids[:1, :4], max_new_tokens=3).shape == (1, 7)
+
+
+def test_llama4_saves_reconverts_and_refuses_expert_gemm_bf16(tmp_path):
+    """save_pretrained writes the weights (a plain model loads them); converting again with another
+    recipe re-gives it (a warning says so); expert_gemm="bf16" is refused before anything changes."""
+    from mxmoe.integrations.hf.llama4 import MXLlama4TextExperts
+
+    model = converted(tiny_model("llama4_text"))
+    model.save_pretrained(tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(back.model.layers[0].feed_forward.experts).__name__ == "Llama4TextExperts"
+    assert_same_bits(back.model.layers[0].feed_forward.experts.down_proj,
+                     model.model.layers[0].feed_forward.experts.down_proj, "down_proj")
+    with pytest.warns(UserWarning, match="already MX with another recipe"):
+        mxmoe.convert(model, mxmoe.MXOptions(recipe_name="mxfp8"))
+    assert model.model.layers[0].feed_forward.experts.mx_recipe == mxmoe.recipe("mxfp8")
+    plain = tiny_model("llama4_text")
+    with pytest.raises(ValueError, match="expert_gemm='bf16' .* does not apply to Llama 4's experts"):
+        mxmoe.convert(plain, mxmoe.MXOptions(expert_gemm="bf16"))
+    assert not any(isinstance(m, (MXLinear, MXLlama4TextExperts)) for m in plain.modules())

@@ -68,6 +68,26 @@ def test_quantize_a_hugging_face_model_as_mxmoe_convert():
         assert torch.equal(model(input_ids=tokens(2, 16)).logits, ref(input_ids=tokens(2, 16)).logits)
 
 
+def test_quantize_llama4_as_mxmoe_convert():
+    """Llama 4's experts (outside transformers' experts interface) become MXLlama4TextExperts
+    through quantize_ as through mxmoe.convert; the logits are bit for bit the same."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_models import tiny_model, tokens
+
+    from mxmoe.integrations.hf.llama4 import MXLlama4TextExperts
+
+    model = tiny_model("llama4_text")
+    ref = mxmoe.convert(copy.deepcopy(model), mxmoe.MXOptions())
+    config = MXMoETrainingConfig.from_recipe("mxfp8_rceil")
+    quantize_(model, config, filter_fn=mx_filter_fn(config))
+    experts = model.model.layers[0].feed_forward.experts
+    assert isinstance(experts, MXLlama4TextExperts) and experts.mx_recipe == RECIPES["mxfp8_rceil"]
+    assert mx_modules(model) == mx_modules(ref)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens(2, 16)).logits, ref(input_ids=tokens(2, 16)).logits)
+
+
 def test_a_parent_module_selected_converts_its_children_and_bad_input_is_named():
     """filter_fn selecting a block converts inside it by the options; an unknown recipe name and a
     module that cannot be MX (dims not divisible by 32) are errors naming them."""
