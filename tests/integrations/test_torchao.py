@@ -49,41 +49,28 @@ def test_quantize_with_torchaos_recipe_names_equals_mxmoe_convert(recipe):
         assert torch.equal(model(ids)[0], ref(ids)[0])
 
 
-def test_quantize_a_hugging_face_model_as_mxmoe_convert():
-    """A Hugging Face model: the experts get experts_implementation="mxmoe", attention, router and
-    lm_head stay high precision, as with mxmoe.convert."""
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama4_text"])
+def test_quantize_a_hugging_face_model_as_mxmoe_convert(family):
+    """A Hugging Face model: the experts get experts_implementation="mxmoe" (Llama 4's, outside
+    transformers' experts interface: MXLlama4TextExperts), attention, router and lm_head stay high
+    precision, as with mxmoe.convert; the logits are bit for bit the same."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).parent))
     from hf_models import tiny_model, tokens
 
-    model = tiny_model("deepseek_v3")
+    model = tiny_model(family)
     ref = mxmoe.convert(copy.deepcopy(model), mxmoe.MXOptions())
     config = MXMoETrainingConfig.from_recipe("mxfp8_rceil")
     quantize_(model, config, filter_fn=mx_filter_fn(config))
-    assert model.config._experts_implementation == "mxmoe"
-    assert model.model.layers[1].mlp.experts.mx_recipe == RECIPES["mxfp8_rceil"]
+    if family == "llama4_text":
+        experts = model.model.layers[0].feed_forward.experts
+        assert type(experts).__name__ == "MXLlama4TextExperts"
+    else:
+        assert model.config._experts_implementation == "mxmoe"
+        experts = model.model.layers[1].mlp.experts
+    assert experts.mx_recipe == RECIPES["mxfp8_rceil"]
     assert mx_modules(model) == mx_modules(ref)
     assert not any("self_attn" in n or n == "lm_head" for n in mx_modules(model))
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=tokens(2, 16)).logits, ref(input_ids=tokens(2, 16)).logits)
-
-
-def test_quantize_llama4_as_mxmoe_convert():
-    """Llama 4's experts (outside transformers' experts interface) become MXLlama4TextExperts
-    through quantize_ as through mxmoe.convert; the logits are bit for bit the same."""
-    pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from hf_models import tiny_model, tokens
-
-    from mxmoe.integrations.hf.llama4 import MXLlama4TextExperts
-
-    model = tiny_model("llama4_text")
-    ref = mxmoe.convert(copy.deepcopy(model), mxmoe.MXOptions())
-    config = MXMoETrainingConfig.from_recipe("mxfp8_rceil")
-    quantize_(model, config, filter_fn=mx_filter_fn(config))
-    experts = model.model.layers[0].feed_forward.experts
-    assert isinstance(experts, MXLlama4TextExperts) and experts.mx_recipe == RECIPES["mxfp8_rceil"]
-    assert mx_modules(model) == mx_modules(ref)
     with torch.no_grad():
         assert torch.equal(model(input_ids=tokens(2, 16)).logits, ref(input_ids=tokens(2, 16)).logits)
 

@@ -35,15 +35,7 @@ def use_mx_experts(mx: list[nn.Module], high_precision: list[nn.Module], recipe:
     TypeError for a `recipe` that is not an MXRecipe; ValueError for `expert_gemm="bf16"` (the
     exchange-only mode of mxmoe's expert parallelism: transformers experts have no MXFP8 exchange),
     before any module changes."""
-    if not isinstance(recipe, MXRecipe):
-        raise TypeError(f"recipe must be an mxmoe.MXRecipe (mxmoe.recipe(name)), got {type(recipe).__name__}")
-    if mx and recipe.expert_gemm != "mx":
-        raise ValueError(
-            f"expert_gemm={recipe.expert_gemm!r} (the exchange-only mode of mxmoe's expert parallelism) "
-            f"does not apply to transformers experts ({type(mx[0]).__name__}): they have no MXFP8 "
-            "exchange. Use expert_gemm='mx' (both GEMMs in MX), or convert_grouped_experts=False to keep "
-            "them high precision"
-        )
+    check_recipe(mx, recipe)
     register()
     for mod in [*mx, *high_precision]:
         impl = mod.config._experts_implementation
@@ -56,6 +48,21 @@ def use_mx_experts(mx: list[nn.Module], high_precision: list[nn.Module], recipe:
     for mod in mx:
         # the config object's own attribute: no check of sub-configs, not written by save_pretrained
         mod.config._experts_implementation_internal = NAME
+
+
+def check_recipe(mx: list[nn.Module], recipe: MXRecipe) -> None:
+    """TypeError for a `recipe` that is not an MXRecipe; ValueError for `expert_gemm="bf16"` (the
+    exchange-only mode of mxmoe's expert parallelism) when there are transformers experts `mx` to
+    make MX: they have no MXFP8 exchange."""
+    if not isinstance(recipe, MXRecipe):
+        raise TypeError(f"recipe must be an mxmoe.MXRecipe (mxmoe.recipe(name)), got {type(recipe).__name__}")
+    if mx and recipe.expert_gemm != "mx":
+        raise ValueError(
+            f"expert_gemm={recipe.expert_gemm!r} (the exchange-only mode of mxmoe's expert parallelism) "
+            f"does not apply to transformers experts ({type(mx[0]).__name__}): they have no MXFP8 "
+            "exchange. Use expert_gemm='mx' (both GEMMs in MX), or convert_grouped_experts=False to keep "
+            "them high precision"
+        )
 
 
 def _high_precision(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor):

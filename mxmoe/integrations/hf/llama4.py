@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
 
+from mxmoe.integrations.hf.experts import check_recipe
 from mxmoe.ops import mx_grouped_mm, mx_grouped_swiglu_mlp
 from mxmoe.recipe import MXRecipe
 
@@ -53,17 +54,9 @@ class MXLlama4TextExperts(Llama4TextExperts):
 
 def use_mx_llama4_experts(mods: list[nn.Module], recipe: MXRecipe) -> None:
     """What `mxmoe.convert` does to Llama 4 experts modules: each becomes an `MXLlama4TextExperts`
-    (class swapped in place: the same parameters) computing in `recipe`. ValueError for
-    `expert_gemm="bf16"` (mxmoe's exchange-only mode: transformers experts have no MXFP8 exchange),
+    (class swapped in place: the same parameters) computing in `recipe`; `check_recipe`'s errors
     before any module changes."""
-    if not isinstance(recipe, MXRecipe):
-        raise TypeError(f"recipe must be an mxmoe.MXRecipe (mxmoe.recipe(name)), got {type(recipe).__name__}")
-    if mods and recipe.expert_gemm != "mx":
-        raise ValueError(
-            f"expert_gemm={recipe.expert_gemm!r} (the exchange-only mode of mxmoe's expert parallelism) "
-            "does not apply to Llama 4's experts: they have no MXFP8 exchange. Use expert_gemm='mx' "
-            "(both GEMMs in MX), or convert_grouped_experts=False to keep them high precision"
-        )
+    check_recipe(mods, recipe)  # before any module changes
     for mod in mods:
         if type(mod) is not Llama4TextExperts and not isinstance(mod, MXLlama4TextExperts):
             raise TypeError(f"{type(mod).__name__} is not transformers' Llama4TextExperts")
