@@ -27,7 +27,15 @@ from torch import nn
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
-from mxmoe.nn.converter import ROUTER_NAMES, _filter_hit, convert, hf_experts_dims
+from mxmoe.nn.converter import (
+    ROUTER_NAMES,
+    _filter_hit,
+    _implied_here,
+    convert,
+    hf_experts_dims,
+    implied_entries,
+    llama4_experts_dims,
+)
 from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
 from mxmoe.nn.mx_experts import MXGroupedExperts
@@ -56,26 +64,34 @@ def _dims(module: nn.Module) -> tuple[int, int] | None:
         return module.in_features, module.out_features
     if isinstance(module, GroupedExperts):
         return module.dim, module.hidden_dim
-    return hf_experts_dims(module)
+    return hf_experts_dims(module) or llama4_experts_dims(module)
 
 
 def mx_filter_fn(config: MXMoETrainingConfig | MXOptions | None = None) -> Callable[[nn.Module, str], bool]:
     """A `filter_fn` for `quantize_` selecting what `mxmoe.convert` with these options converts:
     nn.Linear (convert_linears), GroupedExperts and transformers experts modules
-    (convert_grouped_experts) whose FQN no filter_fqns entry matches (Hugging Face's self_attn
-    counts as attention) and whose dims are divisible by the block size."""
+    (convert_grouped_experts) whose FQN no filter_fqns entry matches (what is attention or an MoE
+    router counts as such whatever its name, as in `mxmoe.convert`: `implied_entries`, read from
+    the model `quantize_` hands over first) and whose dims are divisible by the block size."""
     opts = config.options if isinstance(config, MXMoETrainingConfig) else config or MXOptions()
     block = opts.to_recipe().block_size
     filter_fqns = list(opts.filter_fqns)
+    implied: dict[str, frozenset[str]] = {}
 
     def filter_fn(module: nn.Module, fqn: str) -> bool:
+        if fqn == "":  # quantize_ asks about the model itself first
+            implied.clear()
+            implied.update(implied_entries(module))
         if isinstance(module, nn.Linear):
             if not opts.convert_linears:
                 return False
         elif not opts.convert_grouped_experts or _dims(module) is None:
             return False
-        router = fqn.rsplit(".", 1)[-1] in ROUTER_NAMES and isinstance(module, nn.Linear)
-        if _filter_hit(fqn, filter_fqns, router):
+        name = fqn.rsplit(".", 1)[-1]
+        # called on its own (not from quantize_): what the module itself is; a Linear "gate" a router
+        alone = _implied_here(None, name, module) | ({"router"} if name in ROUTER_NAMES else set())
+        here = implied.get(fqn, alone)
+        if _filter_hit(fqn, filter_fqns, here):
             return False
         return not any(d % block for d in _dims(module))
 
@@ -90,6 +106,9 @@ def _mx_transform(module: nn.Module, config: MXMoETrainingConfig) -> nn.Module:
     if isinstance(module, (MXLinear, MXGroupedExperts)):
         module.recipe = r
         return module
+    if isinstance(getattr(module, "mx_recipe", None), MXRecipe) and llama4_experts_dims(module):
+        module.mx_recipe = r  # Llama 4's experts made MX before
+        return module
     dims = _dims(module)
     if dims is not None and any(d % r.block_size for d in dims):
         raise ValueError(
@@ -101,6 +120,11 @@ def _mx_transform(module: nn.Module, config: MXMoETrainingConfig) -> nn.Module:
         return MXLinear.from_linear(module, r)
     if isinstance(module, GroupedExperts):
         return MXGroupedExperts.from_experts(module, r)
+    if llama4_experts_dims(module) is not None:  # Llama 4's experts (outside the experts interface)
+        from mxmoe.integrations.hf.llama4 import use_mx_llama4_experts
+
+        use_mx_llama4_experts([module], r)
+        return module
     if dims is not None:  # a transformers experts module
         from mxmoe.integrations.hf import use_mx_experts
 

@@ -47,6 +47,11 @@ class ExpertParallel:
         chunks: int | None = None,
         mxfp8: bool = True,
     ):
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"ExpertParallel: group must be a torch.distributed.ProcessGroup (e.g. "
+                f"mesh.get_group('ep')) or None for the default group, got {type(group).__name__}"
+            )
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)

@@ -335,6 +335,12 @@ class Transformer(nn.Module):
         nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
 
     def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        ok = isinstance(tokens, Tensor) and tokens.ndim == 2 and tokens.dtype in (torch.int64, torch.int32)
+        if not ok:
+            got = type(tokens).__name__
+            if isinstance(tokens, Tensor):
+                got = f"{tuple(tokens.shape)} {tokens.dtype}"
+            raise ValueError(f"tokens: expected a (batch, seq) int64 tensor of token ids, got {got}")
         S = tokens.shape[1]
         if S > self.args.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.args.max_seq_len}")

@@ -1,10 +1,11 @@
 """`mxmoe.convert(model, MXOptions(...))`: swap a model's Linear and GroupedExperts modules for
 their MX versions in place (torchtitan's MX converter, for Hopper).
 
-Hugging Face transformers models are known too: their attention (`self_attn`) counts as
-`attention` and their MoE router (`gate` beside `experts`) as `router` for `filter_fqns`, and their
-experts modules (3D `gate_up_proj` / `down_proj` behind transformers' experts interface) keep their
-parameters and run `experts_implementation="mxmoe"` (`mxmoe.integrations.hf`).
+Hugging Face transformers models are known too: their attention (`self_attn`, `linear_attn`, a
+class named *Attention) counts as `attention` and their MoE router (`gate` beside `experts`, with
+everything in it) as `router` for `filter_fqns`, and their experts modules (3D `gate_up_proj` /
+`down_proj` behind transformers' experts interface) keep their parameters and run
+`experts_implementation="mxmoe"` (`mxmoe.integrations.hf`).
 
 `mxmoe.MXOptions` (the one option set of every front end) says what to convert and names one
 `mxmoe.recipe.MXRecipe` (`MXOptions().to_recipe() == DEFAULT_RECIPE`); every swapped module gets
@@ -69,8 +70,11 @@ class ConversionReport:
         "Linear": "MXLinear",
         "GroupedExperts": "MXGroupedExperts",
         "transformers experts": 'experts_implementation="mxmoe"',
+        "Llama 4 experts": "MXLlama4TextExperts",
     }
     """What each kind becomes, for `summary` (another kind k reads "k -> MX k")."""
+    EXPERT_KINDS: ClassVar[tuple[str, ...]] = ("GroupedExperts", "transformers experts", "Llama 4 experts")
+    """The kinds that are routed experts."""
 
     @property
     def num_converted(self) -> int:
@@ -99,7 +103,7 @@ class ConversionReport:
         unless `options.allow_unconverted`."""
         opts = options if options is not None else MXOptions()
         conv = self.converted
-        mx_experts = {*conv.get("GroupedExperts", []), *conv.get("transformers experts", [])}
+        mx_experts = {fqn for kind in self.EXPERT_KINDS for fqn in conv.get(kind, [])}
         mx_experts |= set(self.already) | set(self.reconfigured)
         if self.experts and not mx_experts.intersection(self.experts) and opts.convert_grouped_experts:
             why = self.why_skipped(self.experts) or "none of them is a kind mxmoe converts"
@@ -145,18 +149,49 @@ class ConversionReport:
         return f"mxmoe.convert: {head}; skipped {len(self.skipped)}: {skipped or 'none'}"
 
 
-HF_ALIASES: dict[str, tuple[str, ...]] = {"attention": ("self_attn", "cross_attn")}
-"""filter_fqns entries that also match Hugging Face's names for the same modules (an FQN part)."""
+HF_ALIASES: dict[str, tuple[str, ...]] = {
+    "attention": ("self_attn", "cross_attn", "attn", "linear_attn", "self_attention", "encoder_attn")
+}
+"""filter_fqns entries that also match Hugging Face's names for the same modules (an FQN part, and
+everything under it: `linear_attn` is Qwen3-Next's linear attention, `attn` a vision tower's)."""
 ROUTER_NAMES = ("gate", "router")
-"""Names of an MoE router beside its `experts` (Hugging Face's `mlp.gate`): skipped by `router`."""
+"""Names of an MoE router beside its `experts` (Hugging Face's `mlp.gate`): skipped by `router`,
+with every module inside it (a router that is an MLP of its own)."""
 
 
-def _filter_hit(fqn: str, filter_fqns: list[str], router: bool) -> str | None:
-    """The filter_fqns entry that keeps `fqn` high precision, if any (`router`: the module is an MoE
-    router by its place, which the entry "router" keeps whatever it is called)."""
-    parts = fqn.split(".")
+def _implied_here(parent: nn.Module | None, name: str, mod: nn.Module) -> frozenset[str]:
+    """The default filter entries `mod` stands for by what it is, whatever its FQN says: "attention"
+    for a class named *Attention (Nemotron-H's attention is its `mixer`) or a name in HF_ALIASES,
+    "router" for a module named in ROUTER_NAMES beside an `experts` module."""
+    here = set()
+    if type(mod).__name__.endswith("Attention") or name in HF_ALIASES["attention"]:
+        here.add("attention")
+    if name in ROUTER_NAMES and parent is not None and hasattr(parent, "experts"):
+        here.add("router")
+    return frozenset(here)
+
+
+def implied_entries(model: nn.Module) -> dict[str, frozenset[str]]:
+    """{FQN: the default filter entries the module stands for by what it or a module above it is}
+    (`_implied_here`): every module inside an attention module or an MoE router is kept by
+    "attention" / "router" as the module itself is."""
+    out: dict[str, frozenset[str]] = {"": _implied_here(None, "", model)}
+
+    def walk(parent: nn.Module, prefix: str, above: frozenset[str]) -> None:
+        for name, child in parent.named_children():
+            fqn = f"{prefix}.{name}" if prefix else name
+            out[fqn] = above | _implied_here(parent, name, child)
+            walk(child, fqn, out[fqn])
+
+    walk(model, "", out[""])
+    return out
+
+
+def _filter_hit(fqn: str, filter_fqns: list[str], implied: frozenset[str] = frozenset()) -> str | None:
+    """The filter_fqns entry that keeps `fqn` high precision, if any: a substring of it, or an entry
+    the module stands for by what it is (`implied`, from `implied_entries`)."""
     for f in filter_fqns:
-        if f in fqn or any(a in parts for a in HF_ALIASES.get(f, ())) or (router and f == "router"):
+        if f in fqn or f in implied:
             return f
     return None
 
@@ -173,13 +208,27 @@ def hf_experts_dims(mod: nn.Module) -> tuple[int, int] | None:
     return int(hidden), int(inter)
 
 
+def llama4_experts_dims(mod: nn.Module) -> tuple[int, int] | None:
+    """(hidden, intermediate) of transformers' `Llama4TextExperts` (outside its experts interface;
+    `mxmoe.integrations.hf.llama4` converts it) or its MX version, else None. Known by class name
+    and module: transformers is not imported."""
+    cls = type(mod)
+    if cls.__name__ == "MXLlama4TextExperts" and cls.__module__ == "mxmoe.integrations.hf.llama4":
+        return int(mod.hidden_size), int(mod.expert_dim)
+    if cls.__name__ == "Llama4TextExperts" and cls.__module__.startswith("transformers."):
+        return int(mod.hidden_size), int(mod.expert_dim)
+    return None
+
+
 def _looks_like_experts(name: str, mod: nn.Module) -> bool:
-    """A transformers routed-experts module outside transformers' experts interface (3D weights,
-    named like experts), which mxmoe cannot convert."""
+    """A transformers experts module outside transformers' experts interface (weights of its own,
+    not Linear layers, in a module named or of a class named like experts: LongCat-Flash's,
+    JetMoE's `input_linear`, DBRX's 2D stacks), which mxmoe cannot convert (Llama 4's it can:
+    `llama4_experts_dims`, checked first)."""
     return (
         type(mod).__module__.startswith("transformers.")
-        and "expert" in name.lower()
-        and any(p.ndim == 3 for p in mod.parameters(recurse=False))
+        and "expert" in f"{name} {type(mod).__name__}".lower()
+        and any(p.ndim >= 2 for p in mod.parameters(recurse=False))
     )
 
 
@@ -227,6 +276,25 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+MX_PARAM_DTYPES = (torch.bfloat16, torch.float32)
+"""Parameter dtypes an MX module takes (its casts read bf16 or fp32)."""
+
+
+def _check_dtypes(swaps: list[tuple[nn.Module, str, nn.Module, str, str]]) -> None:
+    """ValueError, before anything is converted, for a module to convert whose parameters have a
+    dtype the MX casts do not take (float16): its forward would fail deep in an MX op."""
+    ok = set(MX_PARAM_DTYPES)
+    odd = [(fqn, mod, {p.dtype for p in mod.parameters()} - ok) for _, _, mod, _, fqn in swaps]
+    bad = [t for t in odd if t[2]]
+    if bad:
+        fqn, mod, dtypes = bad[0]
+        raise ValueError(
+            f"mxmoe.convert: {fqn} ({type(mod).__name__}) has {', '.join(sorted(map(str, dtypes)))} "
+            f"parameters ({len(bad)} of the modules to convert do); MX modules take bfloat16 or float32: "
+            "model.to(torch.bfloat16) first, or keep them high precision with filter_fqns"
+        )
+
+
 def convert(
     model: nn.Module,
     recipe: MXOptions | MXRecipe | None = None,
@@ -243,19 +311,23 @@ def convert(
     divisible by the block size (both skipped). Modules already MX with another recipe get the new
     one, with a warning. Convert before applying FSDP (`fully_shard`) or torch.compile.
 
-    Hugging Face transformers models: `self_attn` counts as `attention` and the router (`gate` beside
-    `experts`) as `router` for filter_fqns; an experts module (3D gate_up_proj / down_proj) keeps
-    its parameters and computes with `experts_implementation="mxmoe"` (`mxmoe.integrations.hf`),
-    its recipe kept as its `mx_recipe`.
+    Hugging Face transformers models: attention of any name (`implied_entries`) counts as
+    `attention` and the router (`gate` beside `experts`, with everything in it) as `router` for
+    filter_fqns; an experts module (3D gate_up_proj / down_proj) keeps its parameters and computes
+    with `experts_implementation="mxmoe"` (`mxmoe.integrations.hf`), its recipe kept as its
+    `mx_recipe`.
 
     Logs one line (`ConversionReport.summary`) and keeps the report as `model.mx_conversion`, then
     `ConversionReport.finish`: a warning when an MoE model gets no MX experts (naming why), a
     ValueError when nothing is MX unless `allow_unconverted` (log_summary=False does neither: a
     front end that converts more adds to the report, logs it and calls `finish`). A filter_fqns
     entry of the caller's (not a default one) that matches no module of the model is warned of.
-    Raises ValueError for an unknown recipe/choice, tensor parallelism (tp > 1), or a cast kernel
-    that cannot run on the model's device (meta counts as CUDA).
+    Raises ValueError for an unknown recipe/choice, tensor parallelism (tp > 1), a cast kernel that
+    cannot run on the model's device (meta counts as CUDA), or a module to convert with float16
+    parameters (before any module changes); TypeError for a `model` that is not an nn.Module.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
     if recipe is None:
         recipe = MXOptions()
     if isinstance(recipe, MXRecipe):
@@ -281,20 +353,25 @@ def convert(
                 raise ValueError(f"recipe {name}={kernel!r} cannot run for a model on {device}: {reason}")
 
     report = ConversionReport(r)
-    hf_mx: list[nn.Module] = []  # transformers experts modules to compute in MX
-    hf_hp: list[nn.Module] = []  # ... and those left high precision
+    implied = implied_entries(model)
+    swaps: list[tuple[nn.Module, str, nn.Module, str, str]] = []  # (parent, name, module, kind, FQN)
+    hf_hp: list[nn.Module] = []  # transformers experts modules left high precision
 
     def visit(parent: nn.Module, prefix: str) -> None:
         for child_name, child in list(parent.named_children()):
             fqn = f"{prefix}.{child_name}" if prefix else child_name
             hf_dims = hf_experts_dims(child)
-            if isinstance(child, (GroupedExperts, MXGroupedExperts)) or hf_dims is not None:
+            l4_dims = llama4_experts_dims(child)
+            if isinstance(child, (GroupedExperts, MXGroupedExperts)) or (hf_dims or l4_dims) is not None:
                 report.experts.append(fqn)
             elif _looks_like_experts(child_name, child):
                 report.experts.append(fqn)
                 why = f"{type(child).__name__}: experts of a kind mxmoe does not convert"
                 report.skipped.append((fqn, why))
-            mx_now = getattr(child, "mx_recipe", None) if hf_dims is not None else None
+            # transformers experts are MX while their config still says so (set_experts_implementation
+            # since the last conversion would have them compute in high precision)
+            hf_mx_now = hf_dims is not None and child.config._experts_implementation == "mxmoe"
+            mx_now = getattr(child, "mx_recipe", None) if hf_mx_now or l4_dims is not None else None
             if isinstance(child, (MXLinear, MXGroupedExperts)) or isinstance(mx_now, MXRecipe):
                 if (mx_now or child.recipe) != r:
                     report.reconfigured.append(fqn)
@@ -311,13 +388,14 @@ def convert(
                 kind, dims = "GroupedExperts", (child.dim, child.hidden_dim)
             elif hf_dims is not None and do_exp:
                 kind, dims = "transformers experts", hf_dims
+            elif l4_dims is not None and do_exp:
+                kind, dims = "Llama 4 experts", l4_dims
             else:
                 if hf_dims is not None:
                     hf_hp.append(child)
                 visit(child, fqn)
                 continue
-            router = child_name in ROUTER_NAMES and hasattr(parent, "experts")
-            hit = _filter_hit(fqn, filter_fqns, router)
+            hit = _filter_hit(fqn, filter_fqns, implied[fqn])
             why = None
             if hit is not None:
                 why = f"filter_fqns {hit!r}"
@@ -328,22 +406,29 @@ def convert(
                 if hf_dims is not None:
                     hf_hp.append(child)
                 continue
-            if kind == "Linear":
-                setattr(parent, child_name, MXLinear.from_linear(child, r))
-            elif kind == "GroupedExperts":
-                setattr(parent, child_name, MXGroupedExperts.from_experts(child, r))
-            else:
-                hf_mx.append(child)
-            report.converted.setdefault(kind, []).append(fqn)
+            swaps.append((parent, child_name, child, kind, fqn))
 
     visit(model, "")
+    _check_dtypes(swaps)  # before any module changes
+    hf_mx = [child for _, _, child, kind, _ in swaps if kind == "transformers experts"]
     if hf_mx:
         from mxmoe.integrations.hf import use_mx_experts  # transformers is there: its model is
 
-        use_mx_experts(hf_mx, hf_hp, r)
+        use_mx_experts(hf_mx, hf_hp, r)  # first: it refuses a recipe they cannot take
+    l4_mx = [child for _, _, child, kind, _ in swaps if kind == "Llama 4 experts"]
+    if l4_mx:
+        from mxmoe.integrations.hf.llama4 import use_mx_llama4_experts
+
+        use_mx_llama4_experts(l4_mx, r)  # (refuses expert_gemm="bf16" before any module changes)
+    for parent, child_name, child, kind, fqn in swaps:
+        if kind == "Linear":
+            setattr(parent, child_name, MXLinear.from_linear(child, r))
+        elif kind == "GroupedExperts":
+            setattr(parent, child_name, MXGroupedExperts.from_experts(child, r))
+        report.converted.setdefault(kind, []).append(fqn)
     names = [n for n, _ in model.named_modules()]
     for f in filter_fqns:
-        if f not in DEFAULT_FILTER_FQNS and all(_filter_hit(n, [f], False) is None for n in names):
+        if f not in DEFAULT_FILTER_FQNS and all(_filter_hit(n, [f]) is None for n in names):
             warnings.warn(
                 f"mxmoe.convert: filter_fqns entry {f!r} matches no module of the model (FQNs look "
                 f"like {max(names, key=len)!r}): it keeps nothing high precision",

@@ -35,6 +35,7 @@ FSDP2's extension API (`fsdp_pre_all_gather(mesh, outer_size, outer_stride, modu
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -394,5 +395,11 @@ def enable_mxfp8_all_gather(
             report.mx.append(fqn)
         else:
             report.plain[fqn] = why
+    if not report.mx and not report.plain:
+        warnings.warn(
+            f"enable_mxfp8_all_gather: {type(model).__name__} has no MX weight to wrap (convert it with "
+            "mxmoe.convert first); every weight gathers in its own dtype",
+            stacklevel=2,
+        )
     log.info(report.summary())
     return report

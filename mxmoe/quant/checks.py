@@ -83,7 +83,9 @@ def check_x(x: torch.Tensor, block_size: int, axis: int) -> int:
     nd = x.ndim
     if nd < 1:
         raise ValueError("x must have at least one dimension")
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -nd <= axis < nd:
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise ValueError(f"axis={axis!r} ({type(axis).__name__}): expected an int, one of the last two dims")
+    if not -nd <= axis < nd:
         raise ValueError(f"axis={axis!r} is out of range for x of shape {tuple(x.shape)}")
     ax = axis % nd
     if ax < nd - 2:

@@ -413,7 +413,8 @@ def _rows(shape: torch.Size, trailing: int) -> int:
 
 def _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size) -> None:
     if not isinstance(recipe, MXRecipe):
-        raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
+        hint = f" (mxmoe.recipe({recipe!r}) makes one)" if isinstance(recipe, str) else ""
+        raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}{hint}")
     if (scaling_mode, block_size) == ("rceil", 32) and elem_dtype is torch.float8_e4m3fn:
         return  # nothing given besides the recipe: the common case, checked cheaply
     given = {

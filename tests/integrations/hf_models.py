@@ -29,10 +29,15 @@ TINY = {
 with an experts-interface module whose tiny config builds from generic fields."""
 
 ALL_FAMILIES = (
-    "afmoe", "deepseek_v4", "dots1", "ernie4_5_moe", "flint", "glm4_moe", "granitemoe", "granitemoe_swa",
-    "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "kolibri1", "minimax", "minimax_m2", "nemotron_h",
-    "olmoe", "phimoe", "qwen2_moe", "solar_open",
+    "afmoe", "aria_text", "axk1", "axk2", "beam", "cohere2_moe", "deepseek_v2",
+    "deepseek_v32", "deepseek_v4", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4_text",
+    "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+    "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling_text", "jamba", "kolibri1", "laguna",
+    "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "nemotron_h",
+    "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_next", "solar_open", "zaya",
 )  # fmt: skip
+UNCONVERTED_FAMILIES = {"longcat_flash": "LongcatFlashExperts", "jetmoe": "JetMoeParallelExperts"}
+"""Families whose experts live outside transformers' experts interface: left high precision, named."""
 GENERIC = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
     num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, n_routed_experts=4,
@@ -41,22 +46,65 @@ GENERIC = dict(
     shared_expert_intermediate_size=32, n_shared_experts=1, max_position_embeddings=64, layer_types=None,
     mlp_only_layers=[], decoder_sparse_step=1,
 )  # fmt: skip
+_MLA = dict(num_key_value_heads=2)  # multi-head latent attention: as many kv heads as heads
+_DSA = dict(num_key_value_heads=2, index_n_heads=2, index_head_dim=64, index_topk=8)
+_HYBRID = dict(layer_types=["linear_attention", "full_attention"])  # one layer of each kind
+FAMILY_FIELDS = {
+    "axk1": _MLA, "axk2": _MLA, "deepseek_v2": _MLA, "glm4_moe_lite": _MLA, "deepseek_v32": _DSA,
+    "glm_moe_dsa": _DSA,
+    "flex_olmo": dict(pad_token_id=0),
+    "hy_v4": dict(pad_token_id=0), "zaya": dict(num_experts_per_tok=1), "qwen3_next": _HYBRID,
+    "qwen3_5_moe_text": _HYBRID, "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=32, mamba_expand=2, mamba_n_groups=1,
+                             layer_types=["mamba", "attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0,
+                  mamba_dt_rank=8, use_mamba_kernels=False),
+    "gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                        layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=32,
+                        vocab_size_per_layer_input=VOCAB, global_head_dim=32),
+    "longcat_flash": dict(num_layers=2, num_key_value_heads=2, qk_head_dim=64, ffn_hidden_size=64,
+                          expert_ffn_hidden_size=32, moe_topk=2, zero_expert_num=2),
+}  # fmt: skip
+"""Fields a family needs besides GENERIC's to build (and run) tiny."""
+
+
+def _per_layer(fields: dict, layers: int) -> dict:
+    """Two entries of each per-layer list (one of each kind where they differ: a dense and an MoE
+    layer), the same two for every list."""
+    if not fields:
+        return {}
+    rows = list(zip(*fields.values(), strict=True))
+    first = next((i for i in range(layers) if rows[i] != rows[-1]), 0)
+    return {k: [v[first], v[-1]] for k, v in fields.items()}
 
 
 def tiny_config(family: str, **overrides):
-    """The tiny config of `family` (a key of TINY, or of ALL_FAMILIES: its defaults with GENERIC's
-    fields where it has them)."""
+    """The tiny config of `family` (a key of TINY, or of ALL_FAMILIES / UNCONVERTED_FAMILIES /
+    "llama4_text": its
+    defaults with GENERIC's and FAMILY_FIELDS' fields where it has them, its per-layer lists cut to
+    two layers)."""
     import transformers
 
     if family in TINY:
         cfg_name, _, fields = TINY[family]
         return getattr(transformers, cfg_name)(vocab_size=VOCAB, **{**fields, **overrides})
     cls = transformers.models.auto.configuration_auto.CONFIG_MAPPING[family]
-    cfg = cls()
-    for k, v in {**GENERIC, **overrides}.items():
+    defaults = cls().to_dict()
+    layers = defaults.get("num_hidden_layers") or 0
+    lists = {k: v for k, v in defaults.items() if isinstance(v, list) and layers > 2 and len(v) == layers}
+    fields = {**GENERIC, **_per_layer(lists, layers), **FAMILY_FIELDS.get(family, {}), **overrides}
+    if defaults.pop("per_layer_config", None) is not None:  # per-layer attributes (Gemma 4): by name only
+        return cls(**{**defaults, **{k: v for k, v in fields.items() if k in defaults}})
+    cfg = cls(**defaults)
+    for k, v in fields.items():
         if hasattr(cfg, k):
-            setattr(cfg, k, v)
-    return cls(**cfg.to_dict())
+            try:
+                setattr(cfg, k, v)
+            except AttributeError:  # a property without a setter (derived from other fields)
+                pass
+    built = cfg.to_dict()
+    built.update({k: v for k, v in fields.items() if k in built})
+    return cls(**built)
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):

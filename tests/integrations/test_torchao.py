@@ -49,19 +49,26 @@ def test_quantize_with_torchaos_recipe_names_equals_mxmoe_convert(recipe):
         assert torch.equal(model(ids)[0], ref(ids)[0])
 
 
-def test_quantize_a_hugging_face_model_as_mxmoe_convert():
-    """A Hugging Face model: the experts get experts_implementation="mxmoe", attention, router and
-    lm_head stay high precision, as with mxmoe.convert."""
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama4_text"])
+def test_quantize_a_hugging_face_model_as_mxmoe_convert(family):
+    """A Hugging Face model: the experts get experts_implementation="mxmoe" (Llama 4's, outside
+    transformers' experts interface: MXLlama4TextExperts), attention, router and lm_head stay high
+    precision, as with mxmoe.convert; the logits are bit for bit the same."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).parent))
     from hf_models import tiny_model, tokens
 
-    model = tiny_model("deepseek_v3")
+    model = tiny_model(family)
     ref = mxmoe.convert(copy.deepcopy(model), mxmoe.MXOptions())
     config = MXMoETrainingConfig.from_recipe("mxfp8_rceil")
     quantize_(model, config, filter_fn=mx_filter_fn(config))
-    assert model.config._experts_implementation == "mxmoe"
-    assert model.model.layers[1].mlp.experts.mx_recipe == RECIPES["mxfp8_rceil"]
+    if family == "llama4_text":
+        experts = model.model.layers[0].feed_forward.experts
+        assert type(experts).__name__ == "MXLlama4TextExperts"
+    else:
+        assert model.config._experts_implementation == "mxmoe"
+        experts = model.model.layers[1].mlp.experts
+    assert experts.mx_recipe == RECIPES["mxfp8_rceil"]
     assert mx_modules(model) == mx_modules(ref)
     assert not any("self_attn" in n or n == "lm_head" for n in mx_modules(model))
     with torch.no_grad():
@@ -82,3 +89,15 @@ def test_a_parent_module_selected_converts_its_children_and_bad_input_is_named()
         quantize_(odd, config, filter_fn=lambda m, fqn: fqn == "0")
     quantize_(odd, config, filter_fn=mx_filter_fn(config))  # leaves both out
     assert not mx_modules(odd)
+
+
+def test_attention_and_router_by_what_they_are_as_mxmoe_convert():
+    """mx_filter_fn keeps what mxmoe.convert keeps by what it is, not by its name: attention of a
+    class named *Attention, `linear_attn`, a vision tower's `attn`, every Linear of a router MLP."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "nn"))
+    from test_converter import HybridBlock
+
+    model, ref = HybridBlock(), mxmoe.convert(HybridBlock(), mxmoe.MXOptions())
+    config = MXMoETrainingConfig()
+    quantize_(model, config, filter_fn=mx_filter_fn(config))
+    assert mx_modules(model) == mx_modules(ref) and set(mx_modules(model)) == {"mlp", "experts"}

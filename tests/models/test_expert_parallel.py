@@ -145,6 +145,11 @@ def test_apply_expert_parallel_needs_moe_layers():
         apply_expert_parallel(Transformer(args), None)
 
 
+def test_apply_expert_parallel_needs_a_process_group():
+    with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup .* got int"):
+        apply_expert_parallel(Transformer(model_args("debug_moe", vocab_size=64, max_seq_len=16)), 2)
+
+
 # The exchange only (recipe expert_gemm="bf16"): bf16 experts, MXFP8 dispatch and combine gradient.
 HP = RECIPE.replace(expert_gemm="bf16")
 

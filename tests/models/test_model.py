@@ -57,6 +57,14 @@ def test_seq_len_limit():
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
+@pytest.mark.parametrize(
+    "tokens", [torch.zeros(8, dtype=torch.long), torch.zeros(1, 8), torch.zeros(1, 8, 1, dtype=torch.long)]
+)
+def test_tokens_not_batch_by_seq_ids_are_refused(tokens):
+    with pytest.raises(ValueError, match="tokens: expected a \\(batch, seq\\) int64 tensor of token ids"):
+        Transformer(tiny())(tokens)
+
+
 def test_bad_args_name_the_field():
     with pytest.raises(ValueError, match="top_k=5"):
         tiny(top_k=5)

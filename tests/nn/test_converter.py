@@ -79,6 +79,8 @@ def test_filter_fqns_as_a_string_is_a_type_error():
         convert(Tiny(), cfg)
     with pytest.raises(TypeError, match="recipe must be an MXRecipe or mxmoe.MXOptions"):
         convert(Tiny(), "mxfp8")
+    with pytest.raises(TypeError, match="convert: model must be a torch.nn.Module, got str"):
+        convert("model.pt", MXOptions())
 
 
 def test_an_empty_filter_entry_is_no_entry():
@@ -180,3 +182,63 @@ def test_a_filter_entry_matching_nothing_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         convert(Tiny(), MXOptions())  # "attention", "lm_head": defaults, not in Tiny
+
+
+class MixerAttention(nn.Module):
+    """Attention by its class, under a name that says nothing (Nemotron-H's `mixer`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(64, 64)
+
+
+class RouterMLP(nn.Module):
+    """A router that is an MLP of its own (ZAYA's `gate`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.down_proj = nn.Linear(64, 64)
+        self.out_proj = nn.Linear(64, 4)
+
+
+class HybridBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mixer = MixerAttention()
+        self.linear_attn = nn.Sequential(nn.Linear(64, 64))  # Qwen3-Next's linear attention
+        self.vision = nn.ModuleDict({"attn": nn.Linear(64, 64)})  # a vision tower's attention
+        self.gate = RouterMLP()
+        self.experts = GroupedExperts(64, 32, 4)
+        self.mlp = nn.Linear(64, 64)
+
+
+def test_attention_and_routers_stay_high_precision_by_what_they_are():
+    """The default filter keeps attention and routers whatever they are called: a module of a class
+    named *Attention, `linear_attn` / `attn`, and every Linear inside a router that is an MLP
+    (`gate` beside `experts`); only the MLP and the experts are MX. Without "attention" in the
+    filter, attention converts."""
+    model = convert(HybridBlock(), MXOptions())
+    rep = model.mx_conversion
+    assert rep.converted == {"Linear": ["mlp"], "GroupedExperts": ["experts"]}
+    assert dict(rep.skipped) == {
+        "mixer.q_proj": "filter_fqns 'attention'",
+        "linear_attn.0": "filter_fqns 'attention'",
+        "vision.attn": "filter_fqns 'attention'",
+        "gate.down_proj": "filter_fqns 'router'",
+        "gate.out_proj": "filter_fqns 'router'",
+    }
+    model = convert(HybridBlock(), MXOptions(filter_fqns=["router"]))
+    assert isinstance(model.mixer.q_proj, MXLinear) and isinstance(model.linear_attn[0], MXLinear)
+    assert not isinstance(model.gate.down_proj, MXLinear)
+
+
+def test_float16_modules_are_refused_before_anything_changes():
+    """A float16 model (MX casts take bf16 / fp32) is an error naming the module, its dtype and the
+    fix, raised before any module is swapped."""
+    model = Tiny().half()
+    with pytest.raises(ValueError, match=r"inp \(Linear\) has torch.float16 parameters \(2 of the modules"):
+        convert(model, MXOptions())
+    assert not any(isinstance(m, (MXLinear, MXGroupedExperts)) for m in model.modules())
+    assert isinstance(convert(Tiny().bfloat16(), MXOptions()).inp, MXLinear)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module.*got OrderedDict"):
+        convert(Tiny().state_dict(), MXOptions())

@@ -221,6 +221,13 @@ def test_shard_block_rule_and_report(caplog):
         enable_mxfp8_all_gather(net, 0)
 
 
+def test_a_model_without_mx_weights_is_warned_of():
+    plain = nn.Sequential(nn.Linear(64, 64))  # not converted: nothing to gather as MXFP8
+    with pytest.warns(UserWarning, match="Sequential has no MX weight to wrap \\(convert it with mxmoe"):
+        rep = enable_mxfp8_all_gather(plain, 2)
+    assert rep.mx == [] and rep.plain == {}
+
+
 def test_gathered_weight_refuses_other_ops():
     w = torch.randn(64, 32)
     mx = to_mx(w, -1, recipe=DEFAULT_RECIPE)

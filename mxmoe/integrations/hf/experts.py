@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from mxmoe.ops import mx_grouped_mm, mx_grouped_swiglu_mlp
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
@@ -29,7 +30,12 @@ def use_mx_experts(mx: list[nn.Module], high_precision: list[nn.Module], recipe:
     """What `mxmoe.convert` does to transformers experts modules: `mx` compute with
     `experts_implementation="mxmoe"` in `recipe` (kept as their `mx_recipe`); `high_precision`
     (skipped by the filter or their dims) keep their implementation (their `mx_recipe` is None) even
-    where they share a config with `mx`. Parameters and state-dict keys are unchanged."""
+    where they share a config with `mx`. Parameters and state-dict keys are unchanged.
+
+    TypeError for a `recipe` that is not an MXRecipe; ValueError for `expert_gemm="bf16"` (the
+    exchange-only mode of mxmoe's expert parallelism: transformers experts have no MXFP8 exchange),
+    before any module changes."""
+    check_recipe(mx, recipe)
     register()
     for mod in [*mx, *high_precision]:
         impl = mod.config._experts_implementation
@@ -44,6 +50,21 @@ def use_mx_experts(mx: list[nn.Module], high_precision: list[nn.Module], recipe:
         mod.config._experts_implementation_internal = NAME
 
 
+def check_recipe(mx: list[nn.Module], recipe: MXRecipe) -> None:
+    """TypeError for a `recipe` that is not an MXRecipe; ValueError for `expert_gemm="bf16"` (the
+    exchange-only mode of mxmoe's expert parallelism) when there are transformers experts `mx` to
+    make MX: they have no MXFP8 exchange."""
+    if not isinstance(recipe, MXRecipe):
+        raise TypeError(f"recipe must be an mxmoe.MXRecipe (mxmoe.recipe(name)), got {type(recipe).__name__}")
+    if mx and recipe.expert_gemm != "mx":
+        raise ValueError(
+            f"expert_gemm={recipe.expert_gemm!r} (the exchange-only mode of mxmoe's expert parallelism) "
+            f"does not apply to transformers experts ({type(mx[0]).__name__}): they have no MXFP8 "
+            "exchange. Use expert_gemm='mx' (both GEMMs in MX), or convert_grouped_experts=False to keep "
+            "them high precision"
+        )
+
+
 def _high_precision(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor):
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -54,13 +75,14 @@ def _high_precision(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
 
 
 def _is_swiglu(self: nn.Module) -> bool:
-    """The module's gate is transformers' default (chunk, act(gate) * up) with SiLU: one fused op."""
+    """The module's gate is transformers' default (chunk, act(gate) * up) with SiLU (a module, or
+    LFM2-MoE's `F.silu` itself): one fused op."""
     from transformers.integrations.moe import _default_apply_gate
 
     act = getattr(self, "act_fn", None)
     return (
         getattr(type(self), "_apply_gate", None) is _default_apply_gate
-        and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
+        and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is F.silu)
         and self.has_gate
         and not self.has_bias
         and not self.is_transposed
@@ -89,6 +111,11 @@ def mxmoe_experts_forward(
     E = self.num_experts
     up = self.gate_up_proj if self.has_gate else self.up_proj
     down = self.down_proj
+    if up.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(
+            f'experts_implementation="mxmoe": {type(self).__name__} has {up.dtype} weights; MX experts '
+            "take bfloat16 or float32 (load with dtype=torch.bfloat16)"
+        )
     up_t = up if self.is_transposed else up.transpose(-2, -1)  # (E, H, 2I or I)
     down_t = down if self.is_transposed else down.transpose(-2, -1)  # (E, I, H)
     bad = [d for d in (*up_t.shape[1:], down_t.shape[1]) if d % recipe.block_size]
