@@ -397,13 +397,19 @@ def _diverged(run: Run, step: int, ce: torch.Tensor, norm: float, lr: float) -> 
     )
 
 
-def _bias_diverged(run: Run, step: int) -> TrainingDiverged:
-    """The error of a router bias that is no longer finite after step `step`'s bias update."""
+def _check_router_bias(run: Run, step: int, finite_at: int) -> int:
+    """`step` if every router's expert_bias is finite after step `step`'s bias update (it moves
+    outside the optimizer, past the loss and gradient checks), else TrainingDiverged naming the
+    steps since `finite_at` (the last step checked). A host sync: called where the loop has one
+    (a record) or needs one (before a save)."""
+    if run.model.router_bias_finite():
+        return step
     rate = run.model.args.bias_update_rate
     latest = run.ckpt.latest() if run.ckpt is not None else None
     where = f"; the last checkpoint is {latest}" if latest is not None else ""
-    return TrainingDiverged(
-        f"step {step}: a router's expert_bias is not finite after the bias update "
+    since = f" of one of steps {finite_at + 1}-{step}" if finite_at < step - 1 else ""
+    raise TrainingDiverged(
+        f"step {step}: a router's expert_bias is not finite after the bias update{since} "
         f"(model.bias_update_rate={rate:g}): stopped before saving this step{where}. Lower "
         "model.bias_update_rate"
     )
@@ -468,7 +474,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start_step, start_t = step, time.perf_counter()
-    last_t, last_step, saved_at = start_t, step, step
+    last_t, last_step, saved_at, bias_finite_at = start_t, step, step, step
     loss_sum = torch.zeros(2, device=device)  # (ce, aux) summed over the steps since the last record
     record: dict | None = None
     val_loss = None
@@ -496,14 +502,18 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 model.update_router_bias(world_group)
-                if not model.router_bias_finite():  # the same on every rank (counts summed over all)
-                    raise _bias_diverged(run, step)
                 prof_step()
                 loss_sum += torch.stack([ce.detach().float(), aux.detach().float()])
 
                 last = step == t.steps
                 val_step = validate is not None and (step % cfg.validation.freq == 0 or last)
-                if step % cfg.metrics.log_freq == 0 or last or val_step:
+                every = cfg.checkpoint.interval
+                at_end = last and cfg.checkpoint.last_save
+                save_now = ckpt is not None and ((every and step % every == 0) or at_end)
+                record_now = step % cfg.metrics.log_freq == 0 or last or val_step
+                if record_now or save_now:  # the same on every rank (the bias counts are summed over all)
+                    bias_finite_at = _check_router_bias(run, step, bias_finite_at)
+                if record_now:
                     # the training loss of a record is the mean over its interval's steps and ranks
                     n = step - last_step
                     stats = loss_sum / n
@@ -539,13 +549,12 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                         )
                 if bar is not None:
                     bar.update(1)
-                every = cfg.checkpoint.interval
-                at_end = last and cfg.checkpoint.last_save
-                if ckpt is not None and ((every and step % every == 0) or at_end):
+                if save_now:
                     save(step)
                     saved_at = step
                 if _stop_requested(run, stop):
                     if ckpt is not None and saved_at != step and not last:  # a finished run needs none
+                        bias_finite_at = _check_router_bias(run, step, bias_finite_at)
                         save(step)
                         saved_at = step
                     log.warning(

@@ -165,6 +165,15 @@ def test_a_router_bias_that_overflows_stops_the_run_before_it_is_saved(tmp_path,
     assert want in err and "Traceback" not in err, err
     assert f"the last checkpoint is {tmp_path}/ckpt/step-00000001. Lower model.bias_update_rate" in err
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step-*")) == ["step-00000001"]
+    # checked where the loop syncs anyway (a record) or must (before a save), not after every step:
+    # saves every 4 steps, records every 3 -> checked at step 3, which names the steps since the last
+    ckpt = tmp_path / "ckpt4"
+    args = args[:3] + ["--training.steps=8", f"--job.dump_folder={tmp_path}/run4"]
+    args += [f"--checkpoint.folder={ckpt}", "--checkpoint.interval=4", "--metrics.log_freq=3"]
+    assert trainer.main(TINY + args) == 1
+    err = capsys.readouterr().err
+    assert "step 3: a router's expert_bias is not finite after the bias update of one of steps 1-3" in err
+    assert not list(ckpt.glob("step-*"))
 
 
 def test_the_divergence_error_without_clipping_does_not_say_lower_max_norm(tmp_path, capsys):
