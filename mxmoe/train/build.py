@@ -158,6 +158,12 @@ def check_run(cfg: JobConfig, margs: ModelArgs, device: torch.device, world: int
             native = "gemm_backend='native'"
             why = f"mx.{why}" if why.startswith(native) else f"mx.{native}: {why}"
             raise ValueError(f"{why}; use 'auto' or 'emulated'")
+    ep = cfg.parallelism.expert_parallel_degree
+    if cfg.mx.a2a_transport == "symm" and ep > 1 and device.type != "cuda":
+        raise ValueError(
+            f"mx.a2a_transport='symm' (symmetric memory between GPUs of one host) cannot run on "
+            f"training.device={device.type!r}: use 'auto' or 'nccl' (the process group)"
+        )
     profiling.check_folder(cfg.profiling, cfg.job.dump_folder)
 
 

@@ -235,8 +235,9 @@ def gather_peers() -> list[tuple[str, int]]:
 
 def is_collective_failure(e: BaseException) -> bool:
     """Whether `e` is a process-group failure: torch's DistError (NCCL), or the plain RuntimeError
-    gloo raises when a peer's connection closes or a collective times out."""
-    marks = ("/gloo/", "NCCL", "Connection closed by peer")
+    gloo raises when a peer's connection closes or a collective times out (not any error that
+    mentions NCCL: mxmoe's own refusals name it, e.g. a transport that needs an NCCL group)."""
+    marks = ("/gloo/", "NCCL error", "ProcessGroupNCCL", "Connection closed by peer")
     return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(k in str(e) for k in marks))
 
 

@@ -106,6 +106,29 @@ def test_native_gemm_on_a_cpu_is_refused_at_start(tmp_path, capsys):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_the_symmetric_memory_exchange_on_cpu_is_refused_at_start(tmp_path):
+    """2 gloo ranks, ep = 2, mx.a2a_transport='symm' on CPU: each rank stops before building, naming
+    the option and the fix (it failed at the first exchange as a broken connection: 'check the
+    network', its message naming NCCL passed for a process-group failure)."""
+    argv = TINY + ["--model.converters=mx", "--parallelism.expert_parallel_degree=2"]
+    argv += ["--mx.a2a_transport=symm", f"--job.dump_folder={tmp_path}/run"]
+    spawn_ranks(_rank_with_extra, 2, argv, [], str(tmp_path), timeout_s=120)
+    for r in range(2):
+        err = (tmp_path / f"err{r}").read_text()
+        assert (tmp_path / f"rc{r}").read_text() == "2", err
+        assert "mx.a2a_transport='symm'" in err and "training.device='cpu'" in err, err
+        assert "use 'auto' or 'nccl'" in err and "collective" not in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_error_naming_nccl_is_no_collective_failure():
+    from mxmoe.train import parallel
+
+    refusal = RuntimeError("transport='symm' needs CUDA tensors, an NCCL process group of GPUs on one host")
+    assert not parallel.is_collective_failure(refusal)
+    assert parallel.is_collective_failure(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled"))
+
+
 def test_an_unwritable_trace_folder_is_refused_at_start(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     argv = TINY + [
