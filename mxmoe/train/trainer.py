@@ -357,7 +357,9 @@ class _Validation:
         return float(total[0] / total[1])
 
 
-def _diverged(run: Run, step: int, ce: torch.Tensor, norm: float, lr: float) -> TrainingDiverged:
+def _diverged(
+    run: Run, step: int, ce: torch.Tensor, aux: torch.Tensor, norm: float, lr: float
+) -> TrainingDiverged:
     """The error of a non-finite loss or gradient norm at `step`. A checkpoint of step - 1 holds
     the weights this step started from: resuming it computes this step again (the same batch, the
     same weights, whatever the new settings), so rank 0 moves it aside as `step-N.diverged` (kept,
@@ -390,10 +392,17 @@ def _diverged(run: Run, step: int, ce: torch.Tensor, norm: float, lr: float) -> 
     clip = "training.max_norm"
     if run.cfg.training.max_norm == 0:
         clip = "turn clipping on (training.max_norm=0 is off)"
+    advice = f"Lower optimizer.lr or {clip}, or check the data"
+    coef = run.aux_coef
+    term = coef * float(aux.detach()) if coef > 0 else 0.0
+    if coef > 0 and math.isfinite(local) and not term < abs(local):  # the router's term dominates
+        advice = (
+            f"Lower model.aux_loss_coef ({coef:g}: its term, {term:.3g} on rank {run.rank}, outweighs the "
+            f"LM loss {local:.3g}); else lower optimizer.lr or {clip}, or check the data"
+        )
     return TrainingDiverged(
         f"step {step}: non-finite {what} (global gradient norm {norm}) at lr {lr:.3g}: "
-        f"stopped before the optimizer step, nothing saved{last_ckpt}. Lower optimizer.lr "
-        f"or {clip}, or check the data"
+        f"stopped before the optimizer step, nothing saved{last_ckpt}. {advice}"
     )
 
 
@@ -497,7 +506,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                 )
                 lr = scheduler.get_last_lr()[0]  # the rate this step used (scheduler.step() moves on)
                 if not math.isfinite(norm):  # the same on every rank: all stop here, nothing is saved
-                    raise _diverged(run, step, ce, norm, lr)
+                    raise _diverged(run, step, ce, aux, norm, lr)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -208,6 +208,16 @@ def test_the_divergence_error_without_clipping_does_not_say_lower_max_norm(tmp_p
     assert "Lower optimizer.lr or turn clipping on (training.max_norm=0 is off)" in err, err
 
 
+def test_the_divergence_error_of_a_huge_aux_loss_coef_names_it(tmp_path, capsys):
+    """model.aux_loss_coef=1e38: the gradients overflow at step 1; the error says to lower the
+    coefficient, whose term outweighs the LM loss (it advised only optimizer.lr and max_norm)."""
+    argv = TINY + ["--training.steps=2", "--model.aux_loss_coef=1e38", f"--job.dump_folder={tmp_path}/run"]
+    assert trainer.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "step 1: non-finite" in err and "Lower model.aux_loss_coef (1e+38: its term, " in err, err
+    assert "outweighs the LM loss" in err and "else lower optimizer.lr or training.max_norm" in err, err
+
+
 def test_ctrl_c_saves_and_stops_with_one_line(tmp_path):
     """SIGINT (Ctrl-C) finishes the step, saves it and exits 130 with one warning line, no
     traceback (a KeyboardInterrupt traceback once lost the steps since the last checkpoint)."""
