@@ -492,7 +492,10 @@ def config_from_dict(data: dict, where: str) -> JobConfig:
                 raise ConfigError(f"{where}: {torchtitan_key_message(key)}")
             if name not in hints:
                 raise ConfigError(f"{where}: unknown config key {key!r}; [{section}] has {list(hints)}")
-            values[name] = _check_value(key, value, hints[name])
+            try:
+                values[name] = _check_value(key, value, hints[name])
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
         try:
             built[section] = sections[section](**values)
         except (TypeError, ValueError) as e:

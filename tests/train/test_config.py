@@ -157,10 +157,12 @@ def test_bad_config_names_it(argv, match):
     ],
 )
 def test_bad_toml_names_the_key(tmp_path, body, match):
+    """... and the file (a value of the wrong type or outside the choices did not name it)."""
     p = tmp_path / "bad.toml"
     p.write_text(body)
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as e:
         load_toml(str(p))
+    assert str(p) in str(e.value), e.value
 
 
 def _field_docs(cls: type) -> dict[str, str]:
