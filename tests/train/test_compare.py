@@ -125,6 +125,22 @@ def test_bad_records_are_named(runs_root, tmp_path, capsys, bad, message):
     assert not (tmp_path / "o" / "compare.md").exists()
 
 
+def test_a_failed_compare_sets_the_previous_tables_aside(runs_root, tmp_path, capsys):
+    """A compare that fails leaves no table of an earlier compare in --out looking current: they
+    are renamed *.stale and the error says so."""
+    out = tmp_path / "o"
+    assert compare.main(["--runs", str(runs_root), "--out", str(out)]) == 0
+    before = (out / "compare.md").read_text()
+    metrics = runs_root / "mx" / "seed1" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": "x"}\n')
+    capsys.readouterr()
+    assert compare.main(["--runs", str(runs_root), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert not any((out / name).exists() for name in compare.TABLES), sorted(out.iterdir())
+    assert (out / "compare.md.stale").read_text() == before and (out / "compare.json.stale").is_file()
+    assert f"the tables of a previous compare in {out} (compare.md, compare.json" in err, err
+
+
 def test_a_baseline_loss_of_zero_is_an_error_naming_the_run(runs_root, tmp_path, capsys):
     metrics = runs_root / "bf16" / "seed2" / "metrics.jsonl"
     metrics.write_text(metrics.read_text().replace('"val_loss": 1.8', '"val_loss": 0.0'))

@@ -198,6 +198,26 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+TABLES = ("compare.md", "compare.json", "compare.png")
+
+
+def _set_aside_tables(out: Path) -> str:
+    """After a failed compare: the tables a previous compare wrote in `out` renamed NAME.stale (they
+    no longer answer the command just run, and looked current); what the error adds about them."""
+    moved = []
+    for name in TABLES:
+        table = out / name
+        if table.is_file():
+            try:
+                table.replace(out / f"{name}.stale")
+            except OSError:
+                continue
+            moved.append(name)
+    if not moved:
+        return ""
+    return f"; the tables of a previous compare in {out} ({', '.join(moved)}) renamed *.stale"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -310,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             args.val_targets,
         )
     except (FileNotFoundError, ValueError, RuntimeError) as e:
-        print(f"mxmoe compare: error: {e}", file=sys.stderr)
+        print(f"mxmoe compare: error: {e}{_set_aside_tables(Path(args.out))}", file=sys.stderr)
         return 2
     print((out / "compare.md").read_text())
     if failed:
