@@ -96,7 +96,12 @@ def check_parallel_dims(pd: ParallelDims, num_experts: int) -> None:
             f"parallelism.expert_parallel_degree={pd.ep} must be >= 1 and divide the world size "
             f"{pd.world_size}"
         )
-    if pd.ep > 1 and (num_experts == 0 or num_experts % pd.ep):
+    if pd.ep > 1 and num_experts == 0:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree={pd.ep}: the model is dense (model.num_experts=0), "
+            "it has no experts to split; use 1"
+        )
+    if pd.ep > 1 and num_experts % pd.ep:
         raise ValueError(
             f"parallelism.expert_parallel_degree={pd.ep} must divide model num_experts={num_experts}"
         )

@@ -113,3 +113,18 @@ def test_a_collective_failure_says_which_rank_is_gone_or_that_it_timed_out():
     timeout = RuntimeError("[/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms")
     msg = parallel.describe_collective_failure(timeout, 0, [(host, os.getpid()), ("node2", 7)], 60, wait_s=0)
     assert "a collective timed out after parallelism.timeout_s=60 s" in msg and "other hosts (node2)" in msg
+
+
+@pytest.mark.parametrize(
+    "world, ep, experts, message",
+    [
+        (2, 2, 0, "expert_parallel_degree=2: the model is dense (model.num_experts=0), it has no experts"),
+        (2, 2, 3, "expert_parallel_degree=2 must divide model num_experts=3"),
+        (2, 4, 4, "expert_parallel_degree=4 must be >= 1 and divide the world size 2"),
+        (4, 3, 6, "expert_parallel_degree=3 must be >= 1 and divide the world size 4"),
+    ],
+)
+def test_expert_parallel_degrees_that_cannot_split_the_experts_are_named(world, ep, experts, message):
+    """A dense model under ep > 1 was told ep 'must divide num_experts=0' (which it does)."""
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        parallel.check_parallel_dims(parallel.make_parallel_dims(world, -1, ep, 1), experts)
