@@ -72,11 +72,21 @@ def init_distributed(device_pref: str, timeout_s: int) -> tuple[int, int, torch.
         torch.cuda.set_device(device)
     if world == 1 or dist.is_initialized():
         return (dist.get_rank() if dist.is_initialized() else 0), world, device, False
-    dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo",
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if use_cuda else None,
-    )
+    try:
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if use_cuda else None,
+        )
+    except dist.DistError as e:  # the rendezvous: a rank missing, or another address or port
+        what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        env = {k: os.environ.get(k, "unset") for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+        raise CollectiveFailed(
+            f"rank {os.environ.get('RANK', '?')}: the {world} ranks did not all meet at start within "
+            f"parallelism.timeout_s={timeout_s} s ({what}): a rank did not start or stopped before "
+            "(its own output says why), or the ranks were given another "
+            + " / ".join(f"{k} (here {v})" for k, v in env.items())
+        ) from None
     return dist.get_rank(), dist.get_world_size(), device, True
 
 

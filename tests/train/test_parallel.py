@@ -128,3 +128,26 @@ def test_expert_parallel_degrees_that_cannot_split_the_experts_are_named(world, 
     """A dense model under ep > 1 was told ep 'must divide num_experts=0' (which it does)."""
     with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
         parallel.check_parallel_dims(parallel.make_parallel_dims(world, -1, ep, 1), experts)
+
+
+def test_a_rank_left_alone_at_the_rendezvous_stops_naming_it(tmp_path, monkeypatch, capsys):
+    """Rank 0 of 2 whose peer never starts: after parallelism.timeout_s it stops with one line naming
+    the rendezvous and what to check (torch's DistStoreError traceback from inside
+    init_process_group)."""
+    from conftest import free_port
+    from test_trainer import TINY
+
+    from mxmoe.train import trainer
+
+    port = free_port()
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="2")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = TINY + ["--parallelism.timeout_s=1", f"--job.dump_folder={tmp_path}/run"]
+    start = time.monotonic()
+    assert trainer.main(argv) == 1
+    err = capsys.readouterr().err
+    assert time.monotonic() - start < 60 and not dist.is_initialized()
+    assert err.startswith("mxmoe train: error: rank 0: the 2 ranks did not all meet at start within "
+                          "parallelism.timeout_s=1 s ("), err
+    assert f"MASTER_PORT (here {port}) / WORLD_SIZE (here 2)" in err and "Traceback" not in err, err
