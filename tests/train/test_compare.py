@@ -286,6 +286,21 @@ def test_compare_reads_runs_and_writes_table_json_and_png(runs_root, tmp_path, c
             ["--config", "debug_moe", "--variant", "a", "--variant", "b=--debug.seed=3"],
             "'--debug.seed=3' is set by mxmoe compare",
         ),
+        (  # the parallel degrees against --nproc: refused before any run (b failed after a's run)
+            ["--config", "debug_moe", "--nproc", "2", "--variant", "a",
+             "--variant", "b=--parallelism.expert_parallel_degree=4"],
+            "--variant b: parallelism.expert_parallel_degree=4 must be >= 1 and divide the world size 2",
+        ),
+        (
+            ["--config", "debug_moe", "--variant", "a",
+             "--variant", "b=--parallelism.expert_parallel_degree=2"],
+            "--variant b: parallelism.expert_parallel_degree=2 must be >= 1 and divide the world size 1",
+        ),
+        (
+            ["--config", "debug_moe", "--nproc", "2", "--variant", "a", "--variant", "b", "--",
+             "--parallelism.expert_parallel_degree=2", "--model.num_experts=3"],
+            "arguments after `--`: parallelism.expert_parallel_degree=2 must divide model num_experts=3",
+        ),
         (
             [
                 "--config",

@@ -288,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                 common = trainer_argv(
                     args.config, args.steps, args.deterministic, [], extra, args.seeds[0], out / "runs"
                 )
-                check_trainer_args("arguments after `--`", common)
+                check_trainer_args("arguments after `--`", common, args.nproc)
             for name, _, run_argv, _ in jobs[: len(args.variant)]:  # each variant's options, once
-                check_trainer_args(f"--variant {name}", run_argv)
+                check_trainer_args(f"--variant {name}", run_argv, args.nproc)
             grace = 0.0
             if args.time_limit_s is not None:
                 grace = grace_seconds(jobs, args.grace_s)

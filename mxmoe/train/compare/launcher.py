@@ -42,16 +42,24 @@ def check_own(where: str, args: list[str]) -> None:
             raise ValueError(f"{where}: {a!r} is set by mxmoe compare itself (per run); remove it")
 
 
-def check_trainer_args(where: str, argv: list[str]) -> None:
-    """ValueError naming `where` unless `mxmoe train` accepts `argv` (its parser and its checks of
-    the values, `mxmoe.train.build.check_values`): a misspelled or out-of-range option stops compare
-    before any run starts, not in its own run after the others (tyro's message, for an option it
-    refuses, is on stderr above)."""
-    from mxmoe.train.build import check_values
+def check_trainer_args(where: str, argv: list[str], world: int = 1) -> None:
+    """ValueError naming `where` unless `mxmoe train` accepts `argv` on `world` processes (its parser,
+    its checks of the values, `mxmoe.train.build.check_values`, and of the parallel degrees against
+    `world` and the model, `mxmoe.train.parallel.check_parallel_dims`): a misspelled or out-of-range
+    option stops compare before any run starts, not in its own run after the others (tyro's
+    message, for an option it refuses, is on stderr above)."""
+    from mxmoe.train import parallel
+    from mxmoe.train.build import build_model_args, check_values
     from mxmoe.train.config import parse_args
 
     try:
-        check_values(parse_args(argv, prog="mxmoe train"))
+        cfg = parse_args(argv, prog="mxmoe train")
+        check_values(cfg)
+        p = cfg.parallelism
+        pd = parallel.make_parallel_dims(
+            world, p.data_parallel_shard_degree, p.expert_parallel_degree, p.tensor_parallel_degree
+        )
+        parallel.check_parallel_dims(pd, build_model_args(cfg).num_experts)
     except SystemExit:
         raise ValueError(f"{where}: `mxmoe train` refuses its options (its message is above)") from None
     except (ValueError, TypeError) as e:
