@@ -76,7 +76,7 @@ from mxmoe.ops.linear import (
     wgrad_mx,
     wgrad_with_hp,
 )
-from mxmoe.quant.groups import group_padding, pad_groups
+from mxmoe.quant.groups import check_offsets, group_padding, pad_groups
 from mxmoe.quant.mx_tensor import MXTensor, mx_tensor_trusted, to_mx, to_mx_dim0_dim1
 from mxmoe.quant.qdq import (
     _MAX_GROUPS,
@@ -678,28 +678,3 @@ def _checked_args(a, b_t, offs, recipe: MXRecipe):
         check_offsets(offs, T)  # on the host already: no sync (CUDA offsets: see check_offsets)
     return args, out_dtype
 
-
-def check_offsets(offs: Tensor, rows: int) -> None:
-    """ValueError naming `offs` unless its (E,) cumulative group ends are non-negative, never
-    decrease and stay within the `rows` rows of `a`: a negative or decreasing end, or one past the
-    rows, would give rows to no group or to two and come out as zeros or garbage. Ends below `rows`
-    are accepted (torch._grouped_mm's contract: the rows after offs[-1] belong to no group and
-    give zeros; torchtitan pads its token buffer so).
-
-    mx_grouped_mm checks offsets that are on the host on every call; offsets on a GPU are not
-    checked in the op (reading them is a host sync per call, in every MoE layer's forward):
-    call this on them where a sync does not matter (a test, a debugging run)."""
-    ends = offs.tolist()
-    bad = next((e for e, v in enumerate(ends) if v < 0), None)
-    if bad is not None:
-        raise ValueError(f"offs[{bad}]={ends[bad]}: expected group ends >= 0 (offs={ends})")
-    bad = next((e for e in range(1, len(ends)) if ends[e] < ends[e - 1]), None)
-    if bad is not None:
-        raise ValueError(
-            f"offs[{bad}]={ends[bad]} < offs[{bad - 1}]={ends[bad - 1]}: expected non-decreasing cumulative "
-            f"group ends (offs={ends})"
-        )
-    if ends and ends[-1] > rows:
-        raise ValueError(
-            f"offs[-1]={ends[-1]} is past the {rows} rows of a: expected group ends <= {rows} (offs={ends})"
-        )

@@ -47,4 +47,31 @@ def pad_groups(x: Tensor, offs: Tensor, pos: Tensor, cap: int) -> Tensor:
     return x.new_zeros(cap, x.shape[1]).index_copy(0, pos, src)
 
 
-__all__ = ["group_padding", "in_groups", "pad_groups"]
+def check_offsets(offs: Tensor, rows: int, name: str = "a") -> None:
+    """ValueError naming `offs` unless its (E,) cumulative group ends are non-negative, never
+    decrease and stay within the `rows` rows of `name` (the grouped tensor): a negative or
+    decreasing end, or one past the rows, would give rows to no group or to two and come out as
+    zeros or garbage. Ends below `rows` are accepted (torch._grouped_mm's contract: the rows after
+    offs[-1] belong to no group and give zeros; torchtitan pads its token buffer so).
+
+    mx_grouped_mm and qdq check offsets that are on the host on every call; offsets on a GPU are not
+    checked there (reading them is a host sync per call, in every MoE layer's forward): call this
+    on them where a sync does not matter (a test, a debugging run)."""
+    ends = offs.tolist()
+    bad = next((e for e, v in enumerate(ends) if v < 0), None)
+    if bad is not None:
+        raise ValueError(f"offs[{bad}]={ends[bad]}: expected group ends >= 0 (offs={ends})")
+    bad = next((e for e in range(1, len(ends)) if ends[e] < ends[e - 1]), None)
+    if bad is not None:
+        raise ValueError(
+            f"offs[{bad}]={ends[bad]} < offs[{bad - 1}]={ends[bad - 1]}: expected non-decreasing cumulative "
+            f"group ends (offs={ends})"
+        )
+    if ends and ends[-1] > rows:
+        raise ValueError(
+            f"offs[-1]={ends[-1]} is past the {rows} rows of {name}: expected group ends <= {rows} "
+            f"(offs={ends})"
+        )
+
+
+__all__ = ["check_offsets", "group_padding", "in_groups", "pad_groups"]

@@ -49,6 +49,8 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, MXFormat, check_input_dtype, get_format
 from mxmoe.quant import cuda_cast, torch_cast
 from mxmoe.quant.backends import cast_kernel, triton_interpret
+from mxmoe.quant.checks import check_no_grad
+from mxmoe.quant.groups import check_offsets
 from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
 
 QDQ_KERNELS = CAST_KERNELS  # every cast kernel has its qdq
@@ -421,6 +423,8 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | N
     if not isinstance(recipe, MXRecipe):
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
     check_input_dtype(name, x)
+    if x.requires_grad:
+        check_no_grad(x, "qdq")
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype={out_dtype} is not supported; expected one of {list(OUTPUT_DTYPES)}")
     if x.ndim < 2:
@@ -444,6 +448,8 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | N
         raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
     if offs.device != x.device:
         raise ValueError(f"offs is on {offs.device} but {name} on {x.device}; they must share a device")
+    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
+        check_offsets(offs, x.shape[0], name)  # on the host already: no sync (as mx_grouped_mm)
 
 
 def qdq_trusted(
@@ -488,8 +494,9 @@ def qdq(
     offs: None, or (E,) int32 cumulative group ends on x's device (2D x only): dim1 blocks start at
     every group start; rows at or after offs[-1] are zero (module docstring).
     """
+    check_input_dtype("x", x)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
+    if isinstance(axis, bool) or not isinstance(axis, int) or axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
         raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
     dim1 = axis in (-2, x.ndim - 2)
     _check(x, recipe, out_dtype, offs)
@@ -519,6 +526,7 @@ def qdq_dim0_dim1(
     Returns y0 = qdq(x, -1, offs=offs) and y1 = qdq(x, -2, offs=offs), each of x's shape, out_dtype,
     row-major contiguous (with offs, rows at or after offs[-1] are zero in both).
     """
+    check_input_dtype("x", x)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.ndim not in (2, 3) or (x.ndim == 3 and offs is not None):
         raise ValueError(

@@ -177,6 +177,33 @@ def test_qdq_errors():
         qdq(torch.randn(32), recipe=r)
 
 
+def test_qdq_refuses_what_it_cannot_take():
+    """qdq names what is wrong at the call: a tensor autograd tracks (no gradient: backward failed
+    deep in torch), group ends on the host that decrease, are negative or pass x's rows (silently
+    used), a bool axis (taken for 1) and a non-tensor x (an AttributeError)."""
+    r = recipe("torch", "rceil", torch.float8_e4m3fn)
+    x = torch.randn(64, 64)
+    with pytest.raises(RuntimeError, match="qdq got a tensor that requires grad with grad mode on"):
+        qdq(x.clone().requires_grad_(), recipe=r)
+    with pytest.raises(RuntimeError, match="qdq got a tensor that requires grad"):
+        qdq_dim0_dim1(x.clone().requires_grad_(), recipe=r)
+    with torch.no_grad():
+        assert torch.equal(qdq(x.clone().requires_grad_(), recipe=r), qdq(x, recipe=r))
+    o = lambda ends: torch.tensor(ends, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match=r"offs\[1\]=16 < offs\[0\]=48: expected non-decreasing"):
+        qdq(x, -2, recipe=r, offs=o([48, 16]))
+    with pytest.raises(ValueError, match=r"offs\[-1\]=640 is past the 64 rows of x"):
+        qdq(x, -1, recipe=r, offs=o([32, 640]))
+    with pytest.raises(ValueError, match=r"offs\[0\]=-32: expected group ends >= 0"):
+        qdq_dim0_dim1(x, recipe=r, offs=o([-32, 64]))
+    with pytest.raises(ValueError, match="axis=True; expected -1 or -2"):
+        qdq(x, True, recipe=r)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        qdq([[1.0] * 32], recipe=r)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        qdq_dim0_dim1([[1.0] * 32], recipe=r)
+
+
 def test_qdq_fake_matches_real_and_compiles():
     """The fake implementation promises the real outputs' layout (3D x, a short last block along
     R); qdq traces with fullgraph."""
