@@ -208,10 +208,16 @@ def autocast_input(a: Tensor) -> Tensor:
     return a if dt is None else a.to(dt)
 
 
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for `device_type` (never on meta, for which torch.is_autocast_enabled
+    raises: the MX ops run on meta tensors as nn.Linear does)."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
+
+
 def autocast_target(a: Tensor) -> torch.dtype | None:
     """The dtype `autocast_input(a)` casts `a` to; None when it returns `a` unchanged."""
     dev = a.device.type
-    if torch.is_autocast_enabled(dev) and a.is_floating_point():
+    if autocast_on(dev) and a.is_floating_point():
         dt = torch.get_autocast_dtype(dev)
         if a.dtype != dt:
             return dt
@@ -222,7 +228,7 @@ def no_autocast(device: torch.device):
     """A context in which autocast is off for `device`'s type: the MX ops choose their GEMMs' dtypes
     themselves (the recipe's gemm_dtype) and must not have them recast. A no-op context when
     autocast is already off (entering torch.autocast costs a few µs of Python)."""
-    if not torch.is_autocast_enabled(device.type):
+    if not autocast_on(device.type):
         return contextlib.nullcontext()
     return torch.autocast(device.type, enabled=False)
 

@@ -55,6 +55,7 @@ from mxmoe.formats import INPUT_DTYPES
 from mxmoe.ops.gemm import (
     apply_function,
     autocast_input,
+    autocast_on,
     autocast_target,
     check_dtype,
     gemm,
@@ -348,7 +349,7 @@ def mx_grouped_mm(
     args, out_dtype = _checked_args(a, b_t, offs, recipe)
     kernels = op_kernels(recipe, b_t.device)
     offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
-    if not torch.is_autocast_enabled(b_t.device.type):  # (no autocast context to enter: µs per call)
+    if not autocast_on(b_t.device.type):  # (no autocast context to enter: µs per call)
         return _grouped_call(args, b_t, offs, recipe, kernels, out_dtype)
     if args[1] is None:
         args = (autocast_input(a), *args[1:])
@@ -608,7 +609,7 @@ def mx_grouped_swiglu_mlp(
         args, out_dtype = _checked_args(x, w1_t, offs, recipe)  # x, offs and w1_t (w3_t, w2_t: above)
         dev = w1_t.device.type
         fused = (args[0].requires_grad or any(w.requires_grad for w in ws)) and not (
-            torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != out_dtype  # h recast
+            autocast_on(dev) and torch.get_autocast_dtype(dev) != out_dtype  # h recast
         )
     if not fused:  # the composition (the fusion does not apply; its checks and errors)
         g, u = mx_grouped_mm_shared(x, (w1_t, w3_t), offs, recipe)
@@ -671,6 +672,13 @@ def _checked_args(a, b_t, offs, recipe: MXRecipe):
         raise TypeError(f"a must be a Tensor or an MXTensor, got {type(a).__name__}")
     if a.shape[1] != K:
         raise ValueError(f"a has K={a.shape[1]} but b_t {tuple(b_t.shape)} has K={K}")
+    if a.device != b_t.device:
+        raise ValueError(f"a is on {a.device} but b_t on {b_t.device}; they must share a device")
+    if b_t.device.type == "meta":
+        raise ValueError(
+            "the MX grouped GEMMs do not run on meta tensors (a, b_t and offs are on meta): they read "
+            "the group ends offs"
+        )
     for name, d in (("K", K), ("N", N)):
         if d % recipe.block_size:
             raise ValueError(f"mx_grouped_mm: {name}={d} is not divisible by block_size={recipe.block_size}")

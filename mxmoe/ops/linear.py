@@ -35,6 +35,7 @@ from torch import Tensor
 from mxmoe.ops.gemm import (
     apply_function,
     autocast_input,
+    autocast_on,
     autocast_target,
     check_dtype,
     gemm,
@@ -390,6 +391,8 @@ def mx_mm(a: Tensor, b: Tensor, recipe: MXRecipe | None = None) -> Tensor:
         raise TypeError(f"mx_mm takes tensors, got a: {type(a).__name__}, b: {type(b).__name__}")
     if b.ndim != 2 or a.ndim < 1 or a.shape[-1] != b.shape[0]:
         raise ValueError(f"mx_mm needs a (..., K) and b (K, N); got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if b.device != a.device:
+        raise ValueError(f"mx_mm: a is on {a.device} but b on {b.device}; they must share a device")
     K, N = b.shape
     for name, d in (("K", K), ("N", N)):
         if d % recipe.block_size:
@@ -399,7 +402,7 @@ def mx_mm(a: Tensor, b: Tensor, recipe: MXRecipe | None = None) -> Tensor:
             )
     lead = a.shape[:-1]
     dev = a.device
-    if torch.is_autocast_enabled(dev.type):
+    if autocast_on(dev.type):
         a = autocast_input(a)
         with torch.autocast(dev.type, enabled=False):
             y = _mm_call(a, b, recipe)
@@ -447,6 +450,10 @@ def mx_mm_shared(
             raise ValueError(
                 f"mx_mm_shared needs a (..., K) and each b (K, N); got a {tuple(a.shape)}, "
                 f"b {tuple(b.shape)}"
+            )
+        if b.device != a.device:
+            raise ValueError(
+                f"mx_mm_shared: a is on {a.device} but b on {b.device}; they must share a device"
             )
         for name, d in (("K", b.shape[0]), ("N", b.shape[1])):
             if d % recipe.block_size:

@@ -112,6 +112,27 @@ def test_mx_mm_errors():
             mx_mm(torch.randn(4, 64), torch.randn(64, 32), CFG)
 
 
+def test_operands_on_two_devices_or_on_meta():
+    """a and the weight on different devices are refused naming both (a weight left on meta gave a
+    tensor of garbage, a on meta torch's autocast error); mx_mm runs on meta as nn.Linear does (shapes
+    and dtypes, forward and backward); the grouped GEMMs, which read offs on the host, refuse meta."""
+    a, w = torch.randn(8, 64), torch.randn(32, 64)
+    with pytest.raises(ValueError, match="mx_mm: a is on cpu but b on meta; they must share a device"):
+        mx_mm(a, w.t().to("meta"), CFG)
+    with pytest.raises(ValueError, match="mx_mm: a is on meta but b on cpu"):
+        mx_mm(a.to("meta"), w.t(), CFG)
+    am, wm = a.to("meta").bfloat16().requires_grad_(), w.to("meta").requires_grad_()
+    y = mx_mm(am, wm.t(), CFG)
+    assert (y.device.type, y.shape, y.dtype) == ("meta", (8, 32), torch.bfloat16)
+    y.sum().backward()
+    assert am.grad.shape == am.shape and wm.grad.shape == wm.shape
+    b_t, offs = torch.randn(2, 64, 32), torch.tensor([3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="a is on meta but b_t on cpu; they must share a device"):
+        mx_grouped_mm(a.to("meta"), b_t, offs, CFG)
+    with pytest.raises(ValueError, match="the MX grouped GEMMs do not run on meta tensors"):
+        mx_grouped_mm(a.to("meta"), b_t.to("meta"), offs.to("meta"), CFG)
+
+
 def grouped_reference(a, w, counts, dy, cfg=CFG):
     """Per-expert fp64 reference: y, da, dw (and the abs operands for error bounds)."""
     ys, das, dws, bounds = [], [], [], []
