@@ -324,10 +324,23 @@ def convert(
     entry of the caller's (not a default one) that matches no module of the model is warned of.
     Raises ValueError for an unknown recipe/choice, tensor parallelism (tp > 1), a cast kernel that
     cannot run on the model's device (meta counts as CUDA), or a module to convert with float16
-    parameters (before any module changes); TypeError for a `model` that is not an nn.Module.
+    parameters (before any module changes); TypeError for a `model` that is not an nn.Module or is
+    itself a Linear or GroupedExperts (nothing to swap it in).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, (nn.Linear, GroupedExperts)):  # (their MX versions are subclasses)
+        use = (
+            "it is MX already (its recipe: model.recipe)"
+            if isinstance(model, (MXLinear, MXGroupedExperts))
+            else "use mxmoe.nn.MXLinear.from_linear(model, recipe)"
+            if isinstance(model, nn.Linear)
+            else "use mxmoe.nn.MXGroupedExperts.from_experts(model, recipe)"
+        )
+        raise TypeError(
+            f"convert: model is itself a {type(model).__name__}; convert swaps the modules inside a model "
+            f"in place and cannot replace the model object: {use}"
+        )
     if recipe is None:
         recipe = MXOptions()
     if isinstance(recipe, MXRecipe):

@@ -147,6 +147,17 @@ def test_nothing_converted_is_an_error_naming_why_unless_allowed():
     assert not odd.mx_conversion.is_mx and isinstance(odd[0], GroupedExperts)
 
 
+def test_a_model_that_is_itself_a_linear_or_experts_names_what_to_use():
+    """convert swaps modules inside a model: a bare nn.Linear or GroupedExperts was reported as
+    'no module was converted ... skipped 0: none'; now the error names the constructor to use."""
+    with pytest.raises(TypeError, match=r"model is itself a Linear.*MXLinear.from_linear\(model, recipe\)"):
+        convert(nn.Linear(64, 64))
+    with pytest.raises(TypeError, match=r"itself a GroupedExperts.*MXGroupedExperts.from_experts\(model"):
+        convert(GroupedExperts(64, 32, 4), MXOptions(allow_unconverted=True))
+    with pytest.raises(TypeError, match="model is itself a MXLinear; .*it is MX already"):
+        convert(MXLinear(64, 64), recipe("mxfp8"))
+
+
 def test_converting_again_reports_the_modules_already_mx(caplog):
     """Issue 59 case 12: a converter applied twice reports the MX modules, not "nothing converted"."""
     model = convert(Tiny(), MXOptions())
