@@ -64,7 +64,7 @@ def _refuse_scale_layout(cls):
 
 
 @_refuse_scale_layout
-@dataclass
+@dataclass(eq=False)
 class MXTensor:
     """A tensor in MX format. `MXTensor(...)` checks its fields (TypeError / ValueError naming the
     field, its value and what is accepted); `mx_tensor_trusted` builds one without checks.
@@ -99,6 +99,22 @@ class MXTensor:
         naming the argument, its value and what is accepted; scaling_mode normalized to its name."""
         if not torch.compiler.is_compiling():  # traced: mx_tensor_trusted's calls (see there)
             self.scaling_mode = _check_fields(self)
+
+    __hash__ = None  # (a dataclass's: mutable fields)
+
+    def __eq__(self, other):
+        """Identity, as a dataclass of tensors compares; two distinct MXTensors have no `==` (the
+        dataclass's failed with "Boolean value of Tensor ... is ambiguous"): TypeError naming what to
+        compare instead."""
+        if self is other:
+            return True
+        if not isinstance(other, MXTensor):
+            return NotImplemented
+        raise TypeError(
+            "MXTensor has no ==: compare the storage with torch.equal(a.qdata_blocked, b.qdata_blocked) "
+            "and torch.equal(a.scale_blocked, b.scale_blocked), or the values with "
+            "torch.equal(a.dequantize(), b.dequantize())"
+        )
 
     @property
     def ndim(self) -> int:

@@ -497,3 +497,14 @@ def test_the_casts_and_ops_build_their_mxtensors_unchecked(monkeypatch):
     assert calls == []
     MXTensor(**_parts())
     assert calls == [1]
+
+
+def test_mxtensor_equality_names_what_to_compare():
+    """`==` of two MXTensors (the dataclass's: "Boolean value of Tensor ... is ambiguous") is a
+    TypeError naming what to compare; a tensor equals itself, and nothing else."""
+    a, b = to_mx(torch.randn(4, 64)), to_mx(torch.randn(4, 64))
+    assert a == a and a != 3 and not (a == 3) and a in [a]
+    with pytest.raises(TypeError, match=r"MXTensor has no ==: compare the storage with torch.equal\(a.qdata"):
+        _ = a == b
+    with pytest.raises(TypeError, match="unhashable type"):
+        hash(a)
