@@ -145,8 +145,13 @@ class MXTensor:
     def to_scale_layout(self, scale_layout: str, offs: Tensor | None = None) -> MXTensor:
         """This tensor with its scales also swizzled ("swizzled"; offs: the token groups of a 2D
         tensor, as `to_mx` takes them) or without the swizzled copy ("plain"). Same elements, same
-        storage scales, same grad anchor; self when nothing changes."""
-        sl.check_scale_layout(scale_layout)
+        storage scales, same grad anchor; self when nothing changes. offs is checked as `to_mx`
+        checks it (a host read)."""
+        _check_layout_offs(self, self.axis, scale_layout, offs, self.block_size, "MXTensor")
+        return self._with_scale_layout(scale_layout, offs)
+
+    def _with_scale_layout(self, scale_layout: str, offs: Tensor | None) -> MXTensor:
+        """`to_scale_layout` of checked arguments (to_mx checked them)."""
         if scale_layout == self.scale_layout and (scale_layout == "plain" or offs is self.offs):
             return self
         swizzled = None
@@ -376,23 +381,24 @@ def _swizzled_scales(scale: Tensor, axis: int, block_size: int, offs: Tensor | N
     return sl.to_swizzled_k_groups(scale, offs // block_size)
 
 
-def _check_layout_offs(x: Tensor, ax: int, scale_layout: str, offs, block_size: int) -> None:
-    """The scale_layout / offs arguments of to_mx and to_mx_dim0_dim1 (ax: the non-negative axis
-    or None for both casts)."""
+def _check_layout_offs(x, ax: int, scale_layout: str, offs, block_size: int, name: str = "x") -> None:
+    """The scale_layout / offs arguments of to_mx, to_mx_dim0_dim1 and MXTensor.to_scale_layout
+    (x: the Tensor, or the MXTensor, called `name` in messages; ax: the non-negative axis or None for
+    both casts)."""
     sl.check_scale_layout(scale_layout)
     if offs is None:
         return
     if scale_layout != "swizzled":
         raise ValueError("offs groups the swizzled scales; pass scale_layout='swizzled' with it")
     if x.ndim != 2:
-        raise ValueError(f"offs needs a 2D x (tokens, features), got shape {tuple(x.shape)}")
+        raise ValueError(f"offs needs a 2D {name} (tokens, features), got shape {tuple(x.shape)}")
     if not isinstance(offs, Tensor) or offs.ndim != 1 or offs.dtype != torch.int32 or offs.numel() == 0:
         raise ValueError(f"offs must be a non-empty 1D int32 tensor of cumulative group ends, got {offs!r}")
     if offs.device != x.device:
-        raise ValueError(f"offs is on {offs.device} but x on {x.device}; they must share a device")
+        raise ValueError(f"offs is on {offs.device} but {name} on {x.device}; they must share a device")
     ends = offs.tolist()  # (the public API checks them once; the ops pass trusted offs)
     if any(b < a for a, b in zip([0, *ends], ends, strict=False)) or ends[-1] > x.shape[0]:
-        raise ValueError(f"offs={ends} must be non-decreasing group ends <= x.shape[0]={x.shape[0]}")
+        raise ValueError(f"offs={ends} must be non-decreasing group ends <= {name}.shape[0]={x.shape[0]}")
     if ax != 1 and any(e % block_size for e in ends):
         raise ValueError(
             f"offs={ends}: a cast along dim 0 with grouped swizzled scales needs every group end a "
@@ -490,7 +496,7 @@ def to_mx(
         ax = check_x(x, spec.block_size, axis)
         _check_layout_offs(x, ax, scale_layout, offs, spec.block_size)
         out = _cast(x, ax, spec, DEFAULT_RECIPE)  # the format given, the default ("auto") kernels
-    return out if scale_layout == "plain" else out.to_scale_layout(scale_layout, offs)
+    return out if scale_layout == "plain" else out._with_scale_layout(scale_layout, offs)
 
 
 def mx_cast(x: Tensor, ax: int, recipe: MXRecipe) -> MXTensor:
@@ -565,7 +571,7 @@ def to_mx_dim0_dim1(
     d0, d1 = _cast_dim0_dim1(x, spec, recipe)
     if scale_layout == "plain":
         return d0, d1
-    return d0.to_scale_layout(scale_layout, offs), d1.to_scale_layout(scale_layout, offs)
+    return d0._with_scale_layout(scale_layout, offs), d1._with_scale_layout(scale_layout, offs)
 
 
 def mx_cast_dim0_dim1(x: Tensor, recipe: MXRecipe) -> tuple[MXTensor, MXTensor]:
