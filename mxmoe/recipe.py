@@ -166,7 +166,7 @@ assert DEFAULT_RECIPE == MXRecipe()
 
 def recipe(name: str = DEFAULT_RECIPE_NAME, **changes) -> MXRecipe:
     """The named recipe, with `changes` applied (e.g. `recipe("mxfp8", dim1_kernel="cuda")`)."""
-    if name not in RECIPES:
+    if not isinstance(name, str) or name not in RECIPES:
         raise ValueError(f"recipe name {name!r} is not an MX recipe; expected one of {list(RECIPES)}")
     return RECIPES[name].replace(**changes) if changes else RECIPES[name]
 
@@ -193,7 +193,7 @@ def recipe_from_options(
     option_prefix: put before each option's name in errors (e.g. "mx." for the trainer's options).
     Raises ValueError naming the option, the value and what is accepted.
     """
-    if recipe_name not in RECIPES:
+    if not isinstance(recipe_name, str) or recipe_name not in RECIPES:
         raise ValueError(
             f"{option_prefix}recipe_name={recipe_name!r} is not an MX recipe; expected one of {list(RECIPES)}"
         )

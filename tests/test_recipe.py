@@ -69,6 +69,11 @@ def test_removed_gemm_backend_says_why_and_where():
 def test_unknown_recipe_name():
     with pytest.raises(ValueError, match="recipe name 'mxfp4' is not an MX recipe"):
         recipe("mxfp4")
+    # a name that is no string (a list: "unhashable type: 'list'") is named as any other
+    with pytest.raises(ValueError, match=r"recipe name \['mxfp8'\] is not an MX recipe; expected one of"):
+        recipe(["mxfp8"])
+    with pytest.raises(ValueError, match=r"recipe_name=\['mxfp8'\] is not an MX recipe"):
+        recipe_from_options(["mxfp8"])
 
 
 def test_recipe_from_options_is_every_front_end():
