@@ -50,6 +50,13 @@ class MXMoETrainingConfig(AOBaseConfig):
 
     options: MXOptions = field(default_factory=MXOptions)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.options, MXOptions):
+            raise TypeError(
+                f"MXMoETrainingConfig options must be an mxmoe.MXOptions, got {type(self.options).__name__} "
+                "(a recipe by name: MXMoETrainingConfig.from_recipe('mxfp8_rceil'))"
+            )
+
     @classmethod
     def from_recipe(cls, recipe: Enum | RecipeName, **options) -> MXMoETrainingConfig:
         """The config of a torchao recipe (`MXFP8TrainingRecipe.MXFP8_RCEIL`, `..._WGRAD_WITH_HP`,
@@ -73,6 +80,11 @@ def mx_filter_fn(config: MXMoETrainingConfig | MXOptions | None = None) -> Calla
     (convert_grouped_experts) whose FQN no filter_fqns entry matches (what is attention or an MoE
     router counts as such whatever its name, as in `mxmoe.convert`: `implied_entries`, read from
     the model `quantize_` hands over first) and whose dims are divisible by the block size."""
+    if config is not None and not isinstance(config, (MXMoETrainingConfig, MXOptions)):
+        raise TypeError(
+            f"mx_filter_fn takes an MXMoETrainingConfig, an mxmoe.MXOptions or None, got "
+            f"{type(config).__name__} (a recipe by name: mx_filter_fn(MXMoETrainingConfig.from_recipe(name)))"
+        )
     opts = config.options if isinstance(config, MXMoETrainingConfig) else config or MXOptions()
     block = opts.to_recipe().block_size
     filter_fqns = list(opts.filter_fqns)

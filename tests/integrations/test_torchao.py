@@ -91,6 +91,19 @@ def test_a_parent_module_selected_converts_its_children_and_bad_input_is_named()
     assert not mx_modules(odd)
 
 
+def test_a_recipe_where_options_go_is_named():
+    """A recipe name or an MXRecipe given to mx_filter_fn or as MXMoETrainingConfig's options (an
+    AttributeError "... has no attribute 'to_recipe'", for the config only once quantize_ ran) is a
+    TypeError naming what is taken and how to make it."""
+    takes = r"mx_filter_fn takes an MXMoETrainingConfig, an mxmoe.MXOptions or None, got "
+    for bad in ("mxfp8_rceil", mxmoe.recipe()):
+        with pytest.raises(TypeError, match=takes + r".*MXMoETrainingConfig.from_recipe\(name\)"):
+            mx_filter_fn(bad)
+    with pytest.raises(TypeError, match=r"options must be an mxmoe.MXOptions, got MXRecipe .*from_recipe"):
+        MXMoETrainingConfig(options=mxmoe.recipe())
+    assert mx_filter_fn(mxmoe.MXOptions())(torch.nn.Linear(64, 64), "x")
+
+
 def test_attention_and_router_by_what_they_are_as_mxmoe_convert():
     """mx_filter_fn keeps what mxmoe.convert keeps by what it is, not by its name: attention of a
     class named *Attention, `linear_attn`, a vision tower's `attn`, every Linear of a router MLP."""
