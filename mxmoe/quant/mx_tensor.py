@@ -102,6 +102,24 @@ class MXTensor:
 
     __hash__ = None  # (a dataclass's: mutable fields)
 
+    def __getstate__(self) -> dict:
+        """Pickle state: the fields, the one-byte float tensors (elements, scales) as their bytes
+        (uint8 views) with their dtypes under "_bytes_of". torch pickles a float8 tensor but cannot
+        unpickle it (torch 2.13: "'UntypedStorage' has no attribute 'dtype'"); bytes it can."""
+        state = dict(self.__dict__)
+        dtypes = {}
+        for k, v in self.__dict__.items():
+            if isinstance(v, Tensor) and v.is_floating_point() and v.element_size() == 1:
+                state[k], dtypes[k] = v.view(torch.uint8), v.dtype
+        state["_bytes_of"] = dtypes
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        for k, dtype in state.pop("_bytes_of", {}).items():
+            state[k] = state[k].view(dtype)
+        self.__dict__.update(state)
+
     def __eq__(self, other):
         """Identity, as a dataclass of tensors compares; two distinct MXTensors have no `==` (the
         dataclass's failed with "Boolean value of Tensor ... is ambiguous"): TypeError naming what to

@@ -529,3 +529,17 @@ def test_to_scale_layout_checks_offs_as_to_mx():
     want = to_mx(x.dequantize(), scale_layout="swizzled", offs=o([4, 8]))
     u8 = torch.uint8
     assert g.offs is not None and torch.equal(g.scale_swizzled.view(u8), want.scale_swizzled.view(u8))
+
+
+def test_mxtensor_pickles_and_deepcopies():
+    """pickle.loads of an MXTensor failed in torch ("'UntypedStorage' has no attribute 'dtype'": torch
+    cannot unpickle float8 tensors); its fields round-trip bit for bit, swizzled scales too."""
+    import copy
+    import pickle
+
+    x = to_mx(torch.randn(64, 64), scale_layout="swizzled")
+    for y in (pickle.loads(pickle.dumps(x)), copy.deepcopy(x)):
+        assert (y.axis, y.block_size, y.scaling_mode, y.orig_dtype) == (1, 32, "rceil", torch.float32)
+        for name in ("qdata_blocked", "scale_blocked", "scale_swizzled"):
+            a, b = getattr(x, name), getattr(y, name)
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
