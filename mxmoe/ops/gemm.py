@@ -29,6 +29,7 @@ from torch import Tensor
 from mxmoe.formats import INPUT_DTYPES
 from mxmoe.ops.gemm_backend import NATIVE_BLOCK, NATIVE_ELEM, log_once, resolve_gemm_backend
 from mxmoe.quant import scale_layout as sl
+from mxmoe.quant.groups import check_offsets
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import MXRecipe, as_recipe
 
@@ -125,6 +126,25 @@ def _check_operands(a: MXTensor, b: MXTensor, offs: Tensor | None) -> None:
         raise ValueError(f"2D b (K, N) must be blocked along K (axis=0), got {b}")
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"reduction dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if b.device != a.device:
+        raise ValueError(f"mx_gemm: a is on {a.device} but b on {b.device}; they must share a device")
+    if offs is None:
+        return
+    if not isinstance(offs, Tensor) or offs.ndim != 1 or offs.dtype != torch.int32 or offs.device != a.device:
+        got = offs if not isinstance(offs, Tensor) else f"{offs.dtype} {tuple(offs.shape)} on {offs.device}"
+        raise TypeError(f"offs must be a 1D torch.int32 tensor of group ends on {a.device}, got {got}")
+    if b.ndim == 3 and offs.shape[0] != b.shape[0]:
+        raise ValueError(f"offs has {offs.shape[0]} groups but b {tuple(b.shape)} has E={b.shape[0]}")
+    if offs.device.type == "cpu" and not torch.compiler.is_compiling():  # on the host: no sync
+        if b.ndim == 3:
+            check_offsets(offs, a.shape[0], "a")
+            return
+        check_offsets(offs, b.shape[0], "b")  # with a 2D b the groups run over K, b's rows
+        if any(e % a.block_size for e in offs.tolist()):
+            raise ValueError(
+                f"offs={offs.tolist()}: with a 2D b the groups run over K, every end a multiple of "
+                f"block_size={a.block_size} (a block must not straddle two groups)"
+            )
 
 
 def _emulated(

@@ -236,6 +236,30 @@ def test_grouped_errors():
         mx_gemm(a, to_mx(torch.randn(64, 32), axis=-1))
 
 
+def test_mx_gemm_checks_offs_and_devices():
+    """mx_gemm's offs (none of it was checked: decreasing ends, ends past the rows or not whole
+    blocks over K gave wrong products silently, another length or int64 a deep error or garbage)
+    and the operands' devices (b on meta gave NaNs) are refused naming them."""
+    a, b3 = to_mx(torch.randn(8, 64)), to_mx(torch.randn(3, 64, 32), axis=1)
+    o = lambda ends, dtype=torch.int32: torch.tensor(ends, dtype=dtype)  # noqa: E731
+    with pytest.raises(TypeError, match=r"offs must be a 1D torch.int32 .* got torch.int64 \(3,\) on cpu"):
+        mx_gemm(a, b3, o([2, 5, 8], torch.int64), CFG)
+    with pytest.raises(ValueError, match=r"offs has 2 groups but b \(3, 64, 32\) has E=3"):
+        mx_gemm(a, b3, o([2, 8]), CFG)
+    with pytest.raises(ValueError, match=r"offs\[1\]=2 < offs\[0\]=5: expected non-decreasing"):
+        mx_gemm(a, b3, o([5, 2, 8]), CFG)
+    with pytest.raises(ValueError, match=r"offs\[-1\]=80 is past the 8 rows of a"):
+        mx_gemm(a, b3, o([2, 5, 80]), CFG)
+    b2 = to_mx(torch.randn(64, 16), axis=0)  # 2D b: groups over K (the wgrad)
+    with pytest.raises(ValueError, match=r"offs=\[20, 64\]: with a 2D b the groups run over K, every end"):
+        mx_gemm(a, b2, o([20, 64]), CFG)
+    with pytest.raises(ValueError, match=r"offs\[-1\]=96 is past the 64 rows of b"):
+        mx_gemm(a, b2, o([32, 96]), CFG)
+    assert mx_gemm(a, b2, o([32, 64]), CFG).shape == (2, 8, 16)
+    with pytest.raises(ValueError, match="mx_gemm: a is on cpu but b on meta; they must share a device"):
+        mx_gemm(a, to_mx(torch.randn(64, 16, device="meta"), axis=0), recipe=CFG)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_fullgraph_same_results(backend):
     """Compiled (fullgraph) mx_mm -> mx_grouped_mm: the same loss and gradients as eager. inductor on
