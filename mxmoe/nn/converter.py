@@ -412,6 +412,8 @@ def convert(
             why = None
             if hit is not None:
                 why = f"filter_fqns {hit!r}"
+            elif kind == "Linear" and isinstance(child.weight, nn.parameter.UninitializedParameter):
+                why = "uninitialized (lazy): run a forward first"  # an MXLinear would never initialize it
             elif any(d % r.block_size for d in dims):
                 why = f"dims {dims[0]}x{dims[1]} not divisible by {r.block_size}"
             if why is not None:

@@ -26,6 +26,11 @@ class MXLinear(nn.Linear):
         """An MXLinear sharing `linear`'s Parameter objects (no copy; optimizers keep working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
+        if isinstance(linear.weight, nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"from_linear: the {type(linear).__name__}'s weight is uninitialized (a lazy module before "
+                "its first forward, which an MXLinear would never run): run a forward first"
+            )
         new = cls(
             linear.in_features,
             linear.out_features,

@@ -158,6 +158,19 @@ def test_a_model_that_is_itself_a_linear_or_experts_names_what_to_use():
         convert(MXLinear(64, 64), recipe("mxfp8"))
 
 
+def test_a_lazy_linear_not_yet_initialized_is_left_alone():
+    """An uninitialized nn.LazyLinear became an MXLinear that never initialized its weight (torch's
+    'uninitialized parameter' error at the first forward): convert skips it naming why, and
+    MXLinear.from_linear refuses it."""
+    m = nn.Sequential(nn.LazyLinear(64), nn.Linear(64, 64))
+    convert(m)
+    assert type(m[0]) is nn.LazyLinear and isinstance(m[1], MXLinear)
+    assert m.mx_conversion.skipped == [("0", "uninitialized (lazy): run a forward first")]
+    assert m(torch.randn(2, 64)).shape == (2, 64)
+    with pytest.raises(ValueError, match="LazyLinear's weight is uninitialized .* run a forward first"):
+        MXLinear.from_linear(nn.LazyLinear(64))
+
+
 def test_converting_again_reports_the_modules_already_mx(caplog):
     """Issue 59 case 12: a converter applied twice reports the MX modules, not "nothing converted"."""
     model = convert(Tiny(), MXOptions())
