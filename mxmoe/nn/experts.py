@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mxmoe.ops.gemm import on_torch_grouped_mm
+from mxmoe.ops.gemm import autocast_on, on_torch_grouped_mm
 
 
 def offsets_from_counts(num_tokens_per_expert: Tensor) -> Tensor:
@@ -70,7 +70,7 @@ class GroupedExperts(nn.Module):
         offs = offsets_from_counts(num_tokens_per_expert)
         w1, w2, w3 = self.w1, self.w2, self.w3
         dev = x.device.type
-        if torch.is_autocast_enabled(dev):
+        if autocast_on(dev):
             # autocast covers neither torch._grouped_mm nor the loop: give them operands of the
             # autocast dtype, as autocast gives nn.Linear's GEMM (on CUDA the grouped GEMM then
             # runs as one kernel instead of the fp32 loop; CPU autocast runs what CUDA runs)

@@ -100,8 +100,8 @@ def _grouped(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     call costs tens of µs of Python dispatch, in eager mode and from a compiled graph alike;
     traced, the CUDA bf16 body is torch._grouped_mm and the C++ zero_rows_after, which the graph
     calls directly. Inside a profiler range named "mxmoe::grouped_mm" when the profiler is on."""
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return grouped_mm(a, b, offs)
+    if (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)) or a.device.type == "meta":
+        return grouped_mm(a, b, offs)  # (on meta: its fake, shapes only)
     if torch.compiler.is_compiling():
         if on_torch_grouped_mm(a, b):
             return _grouped_mm_impl(a, b, offs)

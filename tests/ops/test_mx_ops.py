@@ -10,6 +10,7 @@ from conftest import recipe_for
 
 from mxmoe import to_mx
 from mxmoe.formats import format_of
+from mxmoe.nn import GroupedExperts, MXGroupedExperts
 from mxmoe.ops import mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.quant import custom_ops
 from mxmoe.quant.mx_tensor import make_grad_anchor
@@ -114,8 +115,8 @@ def test_mx_mm_errors():
 
 def test_operands_on_two_devices_or_on_meta():
     """a and the weight on different devices are refused naming both (a weight left on meta gave a
-    tensor of garbage, a on meta torch's autocast error); mx_mm runs on meta as nn.Linear does (shapes
-    and dtypes, forward and backward); the grouped GEMMs, which read offs on the host, refuse meta."""
+    tensor of garbage, a on meta torch's autocast error); the ops run on meta as nn.Linear does
+    (shapes and dtypes, forward and backward), the grouped ones too (they failed reading offs)."""
     a, w = torch.randn(8, 64), torch.randn(32, 64)
     with pytest.raises(ValueError, match="mx_mm: a is on cpu but b on meta; they must share a device"):
         mx_mm(a, w.t().to("meta"), CFG)
@@ -129,8 +130,15 @@ def test_operands_on_two_devices_or_on_meta():
     b_t, offs = torch.randn(2, 64, 32), torch.tensor([3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="a is on meta but b_t on cpu; they must share a device"):
         mx_grouped_mm(a.to("meta"), b_t, offs, CFG)
-    with pytest.raises(ValueError, match="the MX grouped GEMMs do not run on meta tensors"):
-        mx_grouped_mm(a.to("meta"), b_t.to("meta"), offs.to("meta"), CFG)
+    am, bm = a.to("meta").requires_grad_(), b_t.to("meta").requires_grad_()
+    y = mx_grouped_mm(am, bm, offs.to("meta"), CFG)
+    assert (y.device.type, y.shape) == ("meta", (8, 32))
+    y.sum().backward()
+    assert am.grad.shape == am.shape and bm.grad.shape == bm.shape
+    with torch.device("meta"):
+        experts = [GroupedExperts(64, 32, 2), MXGroupedExperts(64, 32, 2, CFG)]
+    for m in experts:  # (GroupedExperts failed on meta too: torch's autocast error)
+        assert m(am, torch.tensor([3, 5], device="meta")).shape == (8, 64)
 
 
 def grouped_reference(a, w, counts, dy, cfg=CFG):
