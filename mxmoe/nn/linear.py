@@ -41,6 +41,7 @@ class MXLinear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
+        carry_hooks(linear, new)
         return new
 
     def forward(self, x: Tensor) -> Tensor:
@@ -50,6 +51,17 @@ class MXLinear(nn.Linear):
     def extra_repr(self) -> str:
         c = self.recipe
         return f"{super().extra_repr()}, mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}"
+
+
+_HOOK_ATTRS = tuple(k for k in vars(nn.Module()) if "hook" in k)
+"""nn.Module's own hook attributes (forward, backward, state dict), as this torch names them."""
+
+
+def carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """`new` (the MX module swapped in for `old`) runs `old`'s hooks (forward, backward, state dict):
+    the same hook dicts, so the handles their registration returned still remove them."""
+    for name in _HOOK_ATTRS:
+        setattr(new, name, getattr(old, name))
 
 
 def _plain_mx(m: nn.Module) -> bool:

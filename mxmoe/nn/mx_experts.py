@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
+from mxmoe.nn.linear import carry_hooks
 from mxmoe.ops import mx_grouped_swiglu_mlp
 from mxmoe.ops.gemm import autocast_input
 from mxmoe.quant.mx_tensor import MXTensor
@@ -49,6 +50,7 @@ class MXGroupedExperts(GroupedExperts):
         new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
         new.recipe = as_recipe(recipe)
         new.train(experts.training)
+        carry_hooks(experts, new)
         return new
 
     def forward(self, x: Tensor | MXTensor, num_tokens_per_expert: Tensor) -> Tensor:

@@ -171,6 +171,29 @@ def test_a_lazy_linear_not_yet_initialized_is_left_alone():
         MXLinear.from_linear(nn.LazyLinear(64))
 
 
+def test_hooks_of_a_converted_module_keep_running():
+    """A Linear's or GroupedExperts' hooks (forward, pre-forward, full backward) were dropped
+    silently by the swap; the MX module runs them, and their handles still remove them."""
+    m = nn.Sequential(nn.Linear(64, 64), nn.ModuleDict({"experts": GroupedExperts(64, 32, 2)}))
+    seen = []
+    handles = [
+        m[0].register_forward_hook(lambda mod, i, o: seen.append(("fwd", type(mod).__name__))),
+        m[0].register_forward_pre_hook(lambda mod, i: seen.append(("pre", type(mod).__name__))),
+        m[0].register_full_backward_hook(lambda mod, gi, go: seen.append(("bwd", type(mod).__name__))),
+        m[1]["experts"].register_forward_hook(lambda mod, i, o: seen.append(("fwd", type(mod).__name__))),
+    ]
+    convert(m)
+    x = torch.randn(4, 64, requires_grad=True)
+    m[1]["experts"](m[0](x), torch.tensor([1, 3])).sum().backward()
+    want = [("pre", "MXLinear"), ("fwd", "MXLinear"), ("fwd", "MXGroupedExperts"), ("bwd", "MXLinear")]
+    assert seen == want
+    for h in handles:
+        h.remove()
+    seen.clear()
+    m[1]["experts"](m[0](x), torch.tensor([1, 3])).sum().backward()
+    assert seen == []
+
+
 def test_converting_again_reports_the_modules_already_mx(caplog):
     """Issue 59 case 12: a converter applied twice reports the MX modules, not "nothing converted"."""
     model = convert(Tiny(), MXOptions())
