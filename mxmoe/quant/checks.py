@@ -65,11 +65,11 @@ def checked_spec(block_size: int, scaling_mode: str | ScalingMode, elem_dtype: t
         return _checked_spec.__wrapped__(block_size, scaling_mode, elem_dtype)
 
 
-def check_no_grad(x: torch.Tensor, caller: str = "to_mx") -> None:
+def check_no_grad(x: torch.Tensor) -> None:
     """Casts are not differentiable: refuse a tensor autograd would track, before backward fails."""
     if x.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(
-            f"{caller} got a tensor that requires grad with grad mode on; an MX cast has no gradient. "
+            "to_mx got a tensor that requires grad with grad mode on; an MX cast has no gradient. "
             "For training use mxmoe.nn.MXLinear, mxmoe.ops.mx_mm or mxmoe.ops.mx_grouped_mm (they "
             "quantize inside and return high-precision gradients), or cast x.detach() (or under "
             "torch.no_grad()) if no gradient is wanted."

@@ -49,7 +49,6 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, MXFormat, check_input_dtype, get_format
 from mxmoe.quant import cuda_cast, torch_cast
 from mxmoe.quant.backends import cast_kernel, triton_interpret
-from mxmoe.quant.checks import check_no_grad
 from mxmoe.quant.groups import check_offsets
 from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
 
@@ -159,6 +158,19 @@ def _register_functional_decomp(op, op_args, impl, kernel_at: int) -> None:
 
 
 _register_functional_decomp(qdq_op, _op_args, _qdq_impl, 5)
+
+
+def _no_gradient(ctx, *grads):
+    """Backward through a qdq of a tensor that needs a gradient (the forward runs: a value without
+    one is fine): an error saying so, instead of torch's "no autograd formula was registered"."""
+    raise RuntimeError(
+        "backward through mxmoe.quant.qdq: an MX quantize-dequantize has no gradient. For training "
+        "use mxmoe.nn.MXLinear, mxmoe.ops.mx_mm or mxmoe.ops.mx_grouped_mm (they return high-precision "
+        "gradients), or qdq(x.detach()) if no gradient is wanted"
+    )
+
+
+qdq_op.register_autograd(_no_gradient, setup_context=lambda ctx, inputs, output: None)
 
 
 def _qdq(x: Tensor, fmt: MXFormat, *rest) -> list[Tensor]:
@@ -423,8 +435,6 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | N
     if not isinstance(recipe, MXRecipe):
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
     check_input_dtype(name, x)
-    if x.requires_grad:
-        check_no_grad(x, "qdq")
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype={out_dtype} is not supported; expected one of {list(OUTPUT_DTYPES)}")
     if x.ndim < 2:
