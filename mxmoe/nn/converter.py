@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
@@ -414,6 +415,8 @@ def convert(
                 why = f"filter_fqns {hit!r}"
             elif kind == "Linear" and isinstance(child.weight, nn.parameter.UninitializedParameter):
                 why = "uninitialized (lazy): run a forward first"  # an MXLinear would never initialize it
+            elif parametrize.is_parametrized(child):  # its weight is computed: no Parameter to share
+                why = "parametrized (torch.nn.utils.parametrize, e.g. weight_norm)"
             elif any(d % r.block_size for d in dims):
                 why = f"dims {dims[0]}x{dims[1]} not divisible by {r.block_size}"
             if why is not None:

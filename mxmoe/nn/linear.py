@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
+from torch.nn.utils import parametrize
 
 from mxmoe.ops import mx_mm, mx_mm_shared
 from mxmoe.recipe import MXRecipe, as_recipe
@@ -26,6 +27,12 @@ class MXLinear(nn.Linear):
         """An MXLinear sharing `linear`'s Parameter objects (no copy; optimizers keep working)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
+        if parametrize.is_parametrized(linear):
+            raise ValueError(
+                f"from_linear: the {type(linear).__name__}'s weight is parametrized (torch.nn.utils."
+                "parametrize, e.g. weight_norm): an MXLinear shares a Parameter; remove the "
+                "parametrization first"
+            )
         if isinstance(linear.weight, nn.parameter.UninitializedParameter):
             raise ValueError(
                 f"from_linear: the {type(linear).__name__}'s weight is uninitialized (a lazy module before "

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
 from mxmoe.nn.linear import carry_hooks
@@ -44,6 +45,11 @@ class MXGroupedExperts(GroupedExperts):
         """An MXGroupedExperts sharing `experts`' Parameter objects."""
         if not isinstance(experts, GroupedExperts):
             raise TypeError(f"from_experts needs a GroupedExperts, got {type(experts).__name__}")
+        if parametrize.is_parametrized(experts):
+            raise ValueError(
+                "from_experts: the experts' weights are parametrized (torch.nn.utils.parametrize): "
+                "an MXGroupedExperts shares their Parameters; remove the parametrization first"
+            )
         new = cls.__new__(cls)
         nn.Module.__init__(new)  # no fresh weights: the parameters are shared
         new.dim, new.hidden_dim, new.num_experts = experts.dim, experts.hidden_dim, experts.num_experts

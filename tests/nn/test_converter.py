@@ -171,6 +171,30 @@ def test_a_lazy_linear_not_yet_initialized_is_left_alone():
         MXLinear.from_linear(nn.LazyLinear(64))
 
 
+def test_a_parametrized_module_is_left_alone():
+    """A Linear under torch.nn.utils.parametrize (weight_norm, ...) failed inside the swap with torch's
+    "cannot assign 'torch.FloatTensor' as parameter 'weight'": convert skips it naming why, and
+    from_linear / from_experts refuse one."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    m = nn.Sequential(weight_norm(nn.Linear(64, 64)), nn.Linear(64, 64))
+    convert(m)
+    assert not isinstance(m[0], MXLinear) and isinstance(m[1], MXLinear)
+    assert m.mx_conversion.skipped == [("0", "parametrized (torch.nn.utils.parametrize, e.g. weight_norm)")]
+    with pytest.raises(ValueError, match="weight is parametrized .* remove the parametrization first"):
+        MXLinear.from_linear(weight_norm(nn.Linear(64, 64)))
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    experts = GroupedExperts(64, 32, 2)
+    parametrize.register_parametrization(experts, "w1", Scale())
+    with pytest.raises(ValueError, match="experts' weights are parametrized"):
+        MXGroupedExperts.from_experts(experts)
+
+
 def test_hooks_of_a_converted_module_keep_running():
     """A Linear's or GroupedExperts' hooks (forward, pre-forward, full backward) were dropped
     silently by the swap; the MX module runs them, and their handles still remove them."""
