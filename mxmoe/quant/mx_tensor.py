@@ -404,6 +404,11 @@ def _check_layout_offs(x, ax: int, scale_layout: str, offs, block_size: int, nam
     (x: the Tensor, or the MXTensor, called `name` in messages; ax: the non-negative axis or None for
     both casts)."""
     sl.check_scale_layout(scale_layout)
+    if scale_layout == "swizzled" and x.ndim < 2:
+        raise ValueError(
+            f"scale_layout='swizzled' needs {name} of at least 2 dims (the swizzled tiles are 128 rows by 4 "
+            f"scales), got shape {tuple(x.shape)}"
+        )
     if offs is None:
         return
     if scale_layout != "swizzled":

@@ -513,7 +513,8 @@ def test_mxtensor_equality_names_what_to_compare():
 def test_to_scale_layout_checks_offs_as_to_mx():
     """MXTensor.to_scale_layout's offs (the fix to_mx's errors name) is checked as to_mx checks it:
     decreasing ends or ends past the rows were swizzled silently, a list failed deep in the swizzle."""
-    x = to_mx(torch.randn(8, 64))
+    src = torch.randn(8, 64)
+    x = to_mx(src)
     o = lambda ends, dtype=torch.int32: torch.tensor(ends, dtype=dtype)  # noqa: E731
     with pytest.raises(ValueError, match=r"offs=\[6, 2\] must be non-decreasing .* <= MXTensor.shape\[0\]=8"):
         x.to_scale_layout("swizzled", o([6, 2]))
@@ -525,8 +526,13 @@ def test_to_scale_layout_checks_offs_as_to_mx():
         x.to_scale_layout("swizzled", o([4, 8], torch.int64))
     with pytest.raises(ValueError, match="offs groups the swizzled scales"):
         x.to_scale_layout("plain", o([4, 8]))
+    # a 1D tensor has no swizzled layout ("not enough values to unpack" inside the swizzle)
+    with pytest.raises(ValueError, match=r"'swizzled' needs x of at least 2 dims .* got shape \(64,\)"):
+        to_mx(torch.randn(64), scale_layout="swizzled")
+    with pytest.raises(ValueError, match=r"'swizzled' needs MXTensor of at least 2 dims"):
+        to_mx(torch.randn(64)).to_scale_layout("swizzled")
     g = x.to_scale_layout("swizzled", o([4, 8]))
-    want = to_mx(x.dequantize(), scale_layout="swizzled", offs=o([4, 8]))
+    want = to_mx(src, scale_layout="swizzled", offs=o([4, 8]))
     u8 = torch.uint8
     assert g.offs is not None and torch.equal(g.scale_swizzled.view(u8), want.scale_swizzled.view(u8))
 
