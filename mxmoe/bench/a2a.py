@@ -23,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mxmoe.bench.timing import bench, environment, print_table, require_cuda, write_json
+from mxmoe.bench.timing import bench, check_json, environment, print_table, require_cuda, write_json
 from mxmoe.cli import ArgumentParser
 from mxmoe.comm import (
     a2a_combine,
@@ -119,6 +119,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.iters < 20:
         p.error(f"--iters={args.iters}; use at least 20 (the median needs them)")
+    check_json(p, args.json)
     args.variants = variants(args.transport, args.chunks)
     args.recipe = DEFAULT_RECIPE.replace(dim0_kernel=args.kernel)  # the exchanges' format and kernel
     return args

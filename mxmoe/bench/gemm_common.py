@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mxmoe.bench.timing import bench, bf16_gemm_tflops, environment, print_table, require_cuda, write_json
+from mxmoe.bench.timing import (
+    bench,
+    bf16_gemm_tflops,
+    check_json,
+    environment,
+    print_table,
+    require_cuda,
+    write_json,
+)
 from mxmoe.cli import ArgumentParser, comma_list
 from mxmoe.recipe import GEMM_BACKENDS, RECIPES, check_gemm_backend  # RECIPES: the recipes timed
 
@@ -212,6 +220,7 @@ def main(
         check_gemm_backend(args.gemm_backend, "--gemm_backend")
     except ValueError as e:
         p.error(str(e))
+    check_json(p, args.json)
     require_cuda(f"mxmoe bench {name}")
     ceiling = bf16_gemm_tflops()
     if run_forward is not None and args.forward:

@@ -233,7 +233,9 @@ def missing_triton(kernels: list[str] | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    timing.check_json(parser, args.json)
     why = missing_triton(args.kernel) if args.device != "cpu" or args.kernel else None
     if why is not None:
         print(f"mxmoe bench overhead: {why}: pip install 'mxmoe[triton]'", file=sys.stderr)

@@ -86,10 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     shapes = [_shape(s) for s in args.shapes.split(",") if s]
     from mxmoe.bench import timing
 
+    timing.check_json(p, args.json)
     timing.require_cuda("mxmoe bench overlap")
     rows = [measure(*s, args.iters) for s in shapes]
     env = ", ".join(f"{k} {v}" for k, v in timing.environment().items())

@@ -81,9 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     from mxmoe.bench import timing
 
+    timing.check_json(p, args.json)
     results = {path: breakdown(_load(path)) for path in args.traces}
     for path, r in results.items():
         rows = [{"category": k, "ms_per_step": v} for k, v in r["ms_per_step"].items()]

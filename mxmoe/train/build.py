@@ -110,6 +110,12 @@ def check_values(cfg: JobConfig) -> None:
     profiling.check(cfg.profiling)
 
 
+def check_bench_values(cfg: JobConfig) -> None:
+    """`check_values` for a command that builds the MX model whatever model.converters says (`mxmoe
+    bench train`, `mxmoe bench fidelity`): [mx] options without a converter are not refused."""
+    check_values(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, converters=["mx"])))
+
+
 def device_memory_bytes(device: torch.device) -> int:
     """The memory one rank can have at most: a GPU's total memory, else the host's physical memory."""
     if device.type == "cuda":

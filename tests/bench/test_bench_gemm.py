@@ -73,3 +73,12 @@ def test_forward_row_and_flag():
         for module in (linear, grouped_mm):
             with pytest.raises(SystemExit, match="needs a CUDA GPU"):
                 module.main(["--forward", "--iters", "1"])
+
+
+@pytest.mark.parametrize("bench", ["cast", "linear", "grouped_mm", "overlap", "a2a"])
+def test_unwritable_json_is_refused_before_measuring(bench, capsys):
+    from mxmoe.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", bench, "--json", "/proc/no/x.json"])
+    assert e.value.code == 2 and "--json '/proc/no/x.json': cannot write in" in capsys.readouterr().err
