@@ -417,6 +417,11 @@ def plot_runs(
     for run, recs in zip(runs, data, strict=True):
         if not recs:
             raise ValueError(f"run {run!r}: its metrics file has no records: nothing to plot")
+        if all(r.get("loss") is None and r.get("val_loss") is None for r in recs):
+            raise ValueError(
+                f"run {run!r}: none of its {len(recs)} records has a loss or val_loss (a value that was "
+                "not finite is null): nothing to plot"
+            )
     configs = [read_config(r, d) for r, d in zip(runs, data, strict=True)]
     names = labels or variant_names(configs, [_fallback_name(r) for r in runs])
     seeds = [recorded_seed(c) if c is not None else None for c in configs]
