@@ -198,6 +198,15 @@ def test_a_conversion_that_converts_nothing_stops_as_mxmoe_convert_does():
         debug_moe_spec([MXMoEConverter.Config(filter_fqns=["experts", "lm_head"])])
     with pytest.warns(UserWarning, match="MXMoEConverter: filter_fqns entry 'zzz' matches no module"):
         debug_moe_spec([MXMoEConverter.Config(filter_fqns=["zzz", "lm_head"])])
+    # mxmoe's dispatcher exchanging bf16 rows (mxfp8_a2a=False) with nothing else MX: nothing is MX
+    bf16_rows = "MX was asked .* no module computes in MX: mxfp8_a2a=False leaves the 5 token dispatchers"
+    off = {"convert_linears": False, "convert_grouped_experts": False, "mxfp8_a2a": False}
+    with pytest.raises(ValueError, match=bf16_rows):
+        debug_moe_spec([MXMoEConverter.Config(**off)])
+    with pytest.raises(ValueError, match=bf16_rows):
+        debug_moe_spec([MXFP8TokenDispatcherConverter.Config(mxfp8_a2a=False)])
+    debug_moe_spec([MXMoEConverter.Config(**off, allow_unconverted=True)])
+    debug_moe_spec([MXLinearConverter.Config(), MXFP8TokenDispatcherConverter.Config(mxfp8_a2a=False)])
 
 
 def test_a_converter_applied_again_gives_its_recipe_to_what_is_mx_already():
