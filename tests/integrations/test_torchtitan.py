@@ -314,6 +314,13 @@ def test_the_mxmoe_override_converts_a_stock_config():
         dispatchers = [c for _, c, _, _ in model.traverse(AllToAllTokenDispatcher.Config)]
         assert all(type(c) is MXFP8AllToAllTokenDispatcher.Config and c.a2a_transport == "nccl"
                    for c in dispatchers) and len(dispatchers) == 5
+    # an option MXOptions does not have is named with the accepted ones (was the dataclass's TypeError)
+    config = ConfigManager().parse_args([
+        "--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", "--override.imports",
+        'mxmoe.integrations.torchtitan.mxmoe={"recipe": "mxfp8"}',
+    ])  # fmt: skip
+    with pytest.raises(ValueError, match=r"mxmoe: unknown option\(s\) \['recipe'\]; accepted: \['recipe_"):
+        apply_overrides(config.override, config)
 
 
 def test_config_function_on_an_old_torch_says_what_to_install():
