@@ -184,6 +184,17 @@ def test_bad_options_name_the_option(option, value, capsys):
         MXMoEConverter(cfg, SimpleNamespace(tp=1))
 
 
+def test_bf16_expert_gemms_without_mx_experts_are_refused():
+    """mx.expert_gemm='bf16' (the exchange only) with no MX experts: neither the bf16 GEMMs on rounded
+    rows nor the MXFP8 exchange would apply (both are the MX experts'), as mxmoe train refuses."""
+    cfg = ConfigManager().parse_args([
+        "--job.custom_config_module", PKG, "--model.converters", "mxmoe", "--mx.expert_gemm", "bf16",
+        "--mx.no-convert-grouped-experts",
+    ])  # fmt: skip
+    with pytest.raises(ValueError, match=r"mx.expert_gemm='bf16' .* mx.convert_grouped_experts=false leaves"):
+        MXMoEConverter(cfg, SimpleNamespace(tp=1))
+
+
 def test_tensor_parallel_is_refused():
     from torchtitan.distributed import ParallelDims
 
