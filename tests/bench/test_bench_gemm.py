@@ -82,3 +82,20 @@ def test_unwritable_json_is_refused_before_measuring(bench, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", bench, "--json", "/proc/no/x.json"])
     assert e.value.code == 2 and "--json '/proc/no/x.json': cannot write in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--shapes", "10x10x10"], "argument --shapes: shape '10x10x10': expected M >= 32"),
+        (["--shapes", "1024x1024"], "argument --shapes: shape '1024x1024': expected MxKxN"),
+        (["--shapes", ","], "argument --shapes: ',' holds no shape"),
+        (["--iters", "0"], "argument --iters: '0' is not a positive integer"),
+    ],
+)
+def test_overlap_bad_arguments_are_usage_errors(argv, needle, capsys):
+    from mxmoe.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "overlap", *argv])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
