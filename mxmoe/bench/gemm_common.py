@@ -20,8 +20,8 @@ from mxmoe.bench.timing import (
     require_cuda,
     write_json,
 )
-from mxmoe.cli import ArgumentParser, comma_list
-from mxmoe.recipe import GEMM_BACKENDS, RECIPES, check_gemm_backend  # RECIPES: the recipes timed
+from mxmoe.cli import ArgumentParser, comma_list, positive_int
+from mxmoe.recipe import CAST_KERNELS, GEMM_BACKENDS, RECIPES, check_gemm_backend  # RECIPES: timed
 
 
 def shape_parser(pattern: str, example: str) -> Callable[[str], tuple[int, ...]]:
@@ -185,11 +185,13 @@ def build_parser(name: str, doc: str, pattern: str, example: str, forward: bool)
     p.add_argument(
         "--recipes", type=comma_list(choices=list(RECIPES)), action="extend", help="comma list; default: all"
     )
-    p.add_argument("--kernel", default="auto", help="cast kernel: auto | torch | triton | cuda")
+    p.add_argument(
+        "--kernel", default="auto", choices=("auto", *CAST_KERNELS), help="cast kernel (default auto)"
+    )
     p.add_argument(
         "--gemm_backend", default="emulated", help=f"MX GEMM backend of fwd+bwd: {' | '.join(GEMM_BACKENDS)}"
     )
-    p.add_argument("--iters", type=int, default=20, help="timed runs per measurement (default 20)")
+    p.add_argument("--iters", type=positive_int, default=20, help="timed runs per measurement (default 20)")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
     if forward:
         p.add_argument(

@@ -99,3 +99,23 @@ def test_overlap_bad_arguments_are_usage_errors(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", "overlap", *argv])
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "bench, argv, needle",
+    [
+        ("a2a", ["--seq", "0"], "argument --seq: '0' is not a positive integer"),
+        ("a2a", ["--batches", "4,-1"], "argument --batches: '-1' is not a positive integer"),
+        ("a2a", ["--dims", "5120,100"], "--dims=100: expected multiples of 32"),
+        ("a2a", ["--warmup", "-1"], "argument --warmup: '-1' is not an integer >= 0"),
+        ("a2a", ["--timeout", "0"], "argument --timeout: '0' is not a positive number of seconds"),
+        ("linear", ["--iters", "0"], "argument --iters: '0' is not a positive integer"),
+        ("grouped_mm", ["--kernel", "cutlass"], "argument --kernel: invalid choice: 'cutlass'"),
+    ],
+)
+def test_gpu_bench_bad_counts_are_usage_errors_before_the_gpu_check(bench, argv, needle, capsys):
+    from mxmoe.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", bench, *argv])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
