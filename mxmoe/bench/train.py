@@ -337,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     timing.check_json(parser, args.json)
+    if args.profile:
+        from mxmoe.cli import check_out_folder
+
+        try:  # before any row: each row writes its table there after its timed steps
+            check_out_folder(args.profile, "--profile")
+        except ValueError as e:
+            parser.error(str(e))
     try:
         cfg = parse_args(rest, prog="mxmoe bench train")
         check_bench_values(cfg)

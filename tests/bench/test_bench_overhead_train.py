@@ -166,6 +166,7 @@ def test_train_bench_rejects_bad_arguments(capsys):
         (["--training.local_batch_size=0"], "training.local_batch_size=0: expected >= 1"),
         (["--training.seq_len=-1"], "training.seq_len=-1: expected >= 1"),
         (["--json", "/proc/no/x.json"], "--json '/proc/no/x.json': cannot write in"),
+        (["--profile", "/proc/no/prof"], "--profile '/proc/no/prof': cannot write in"),
     ] + ([] if torch.cuda.is_available() else [(["--training.device=cuda"], "no CUDA GPU is available")]):
         with pytest.raises(SystemExit) as exc:
             cli_main(["bench", "train", *TINY_TRAIN, "--modes", "eager", *argv])
