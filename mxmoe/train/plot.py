@@ -413,6 +413,9 @@ def plot_runs(
         raise ValueError("runs is empty: give at least one run folder or metrics.jsonl")
     if labels is not None and len(labels) != len(runs):
         raise ValueError(f"labels has {len(labels)} names for {len(runs)} runs")
+    if labels is not None and "" in labels:
+        where = labels.index("") + 1
+        raise ValueError(f"labels={','.join(labels)!r}: name {where} is empty; give every run a name")
     data = [read_metrics(r) for r in runs]
     for run, recs in zip(runs, data, strict=True):
         if not recs:

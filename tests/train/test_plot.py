@@ -100,6 +100,8 @@ def test_plot_errors(tmp_path, capsys):
     c = _run(tmp_path / "c" / "seed0", 0.0, _config([], 0))
     assert main([str(b), str(c), "--out", str(tmp_path / "x.png")]) == 2
     assert "both variant 'bf16', seed 0: give --labels" in capsys.readouterr().err
+    assert main([str(b), str(c), "--labels", "x,", "--out", str(tmp_path / "x.png")]) == 2
+    assert "labels='x,': name 2 is empty; give every run a name" in capsys.readouterr().err
     # an --out matplotlib cannot write: named (it was matplotlib's "Format 'txt' is not supported")
     assert main([str(a), "--out", str(tmp_path / "x.txt")]) == 2
     err = capsys.readouterr().err
