@@ -61,6 +61,7 @@ def test_overhead_runs_on_cpu_and_writes_json(tmp_path, capsys):
         (["--shape", "100x128"], "multiples of 128"),
         (["--iters", "0"], "positive"),
         (["--json", "/"], "--json '/': is a folder, expected a file path, e.g. result.json"),
+        (["--device", "cpu", "--kernel", "cuda"], "--kernel cuda cannot run on the cpu: kernel='cuda' needs"),
     ],
 )
 def test_overhead_rejects_bad_arguments(argv, needle, capsys):
