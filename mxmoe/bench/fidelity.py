@@ -303,15 +303,18 @@ def main(argv: list[str]) -> int:
     from mxmoe.bench.timing import check_json
 
     check_json(p, a.json)
-    from mxmoe.train.build import check_bench_values
+    from mxmoe.train.build import check_bench_values, check_cast_kernels
     from mxmoe.train.config import ConfigError, parse_args
 
+    device = _device(p, a.device)
     try:
         cfg = parse_args(["--config", a.config, *overrides], prog="mxmoe bench fidelity")
         check_bench_values(cfg)
+        if any(v.startswith("mx") for v in a.variants):
+            check_cast_kernels(cfg, device)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
-    res = measure(cfg, a.steps, a.batches, a.variants, _device(p, a.device))
+    res = measure(cfg, a.steps, a.batches, a.variants, device)
     print(format_table(res))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,9 @@ def test_cli_table_and_json(tmp_path, capsys, monkeypatch):
      (["--training.local_batch_size=0"], "training.local_batch_size=0: expected >= 1"),
      (["--device", "tpu"], "--device='tpu': expected cpu, cuda or cuda:N"),
      (["--json", "/proc/no/x.json"], "--json '/proc/no/x.json': cannot write in"),
-     (["--json", "/"], "--json '/': is a folder, expected a file path")],
+     (["--json", "/"], "--json '/': is a folder, expected a file path"),
+     (["--device", "cpu", "--mx.mxfp8_dim0_cast_kernel_choice=cuda"],
+      "mx.mxfp8_dim0_cast_kernel_choice='cuda' cannot run on cpu: kernel='cuda' needs")],
 )
 def test_cli_errors(capsys, args, match):  # before anything is trained
     with pytest.raises(SystemExit) as e:

@@ -168,6 +168,7 @@ def test_train_bench_rejects_bad_arguments(capsys):
         (["--training.seq_len=-1"], "training.seq_len=-1: expected >= 1"),
         (["--json", "/proc/no/x.json"], "--json '/proc/no/x.json': cannot write in"),
         (["--profile", "/proc/no/prof"], "--profile '/proc/no/prof': cannot write in"),
+        (["--mx.mxfp8_dim1_cast_kernel_choice=cuda"], "_dim1_cast_kernel_choice='cuda' cannot run on cpu"),
     ] + ([] if torch.cuda.is_available() else [(["--training.device=cuda"], "no CUDA GPU is available")]):
         with pytest.raises(SystemExit) as exc:
             cli_main(["bench", "train", *TINY_TRAIN, "--modes", "eager", *argv])
