@@ -239,6 +239,9 @@ def test_a_kernel_this_machine_cannot_run_is_refused_when_the_converter_is_built
             conv.Config(mxfp8_dim0_cast_kernel_choice="triton").build()
         with pytest.raises(ValueError, match=r"mx.mxfp8_dim1_cast_kernel_choice='cuda' cannot run"):
             conv.Config(mxfp8_dim1_cast_kernel_choice="cuda").build()
+        with pytest.raises(ValueError, match=rf"{conv.__name__}: mx.gemm_backend='native' needs a CUDA "
+                           r"device of compute capability 10.x .*; use gemm_backend 'auto' or 'emulated'"):
+            conv.Config(gemm_backend="native").build()  # was the first forward's RuntimeError
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs it
     conv = MXLinearConverter.Config(mxfp8_dim0_cast_kernel_choice="triton").build()
     assert conv.recipe.dim0_kernel == "triton"
