@@ -352,11 +352,12 @@ def check_image_suffix(out: str, option: str = "--out") -> None:
 
 
 def save_figure(fig, out: str | Path) -> Path:
-    """Write `fig` to the PNG `out` (parent folders created) and close it; returns the path."""
+    """Write `fig` to the PNG `out` (parent folders created) and close it; returns the path. A name
+    without a suffix is written as PNG under that very name (matplotlib would add ".png")."""
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
+    fig.savefig(out_path, dpi=120, format=None if out_path.suffix else "png")
     fig.clf()
     pyplot().close(fig)
     return out_path

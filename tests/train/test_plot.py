@@ -109,6 +109,15 @@ def test_plot_errors(tmp_path, capsys):
     assert "'png'" in err and not (tmp_path / "x.txt").exists()
 
 
+def test_an_out_without_a_suffix_is_the_png_written(tmp_path, capsys):
+    # matplotlib appended ".png" while the command printed (and checked) the name given
+    a = _run(tmp_path / "a", 0.0)
+    out = tmp_path / "curves"
+    assert main([str(a), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "curves.png").exists()
+
+
 def test_resumed_run_records_are_deduplicated(tmp_path):
     """A resumed run appends steps it had already logged: the later record of a step wins."""
     f = tmp_path / "metrics.jsonl"
