@@ -149,12 +149,12 @@ def check_out_folder(value: str, option: str = "--out") -> None:
         _probe_folder(_existing_parent(path, option, value), option, value)
 
 
-def check_out_file(value: str, option: str = "--out") -> None:
+def check_out_file(value: str, option: str = "--out", example: str = "loss.png") -> None:
     """ValueError naming `option` unless `value` is a regular file or a new file in a folder this
     process can write in (missing folders above it are created later)."""
     path = Path(value)
     if path.exists() and not path.is_file():
-        raise ValueError(f"{option} {value!r}: {_what(path)}, expected a file path, e.g. loss.png")
+        raise ValueError(f"{option} {value!r}: {_what(path)}, expected a file path, e.g. {example}")
     parent = path.parent if path.parent.is_dir() else _existing_parent(path, option, value)
     _probe_folder(parent, option, value)
 

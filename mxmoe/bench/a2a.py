@@ -23,8 +23,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from mxmoe.bench.timing import bench, environment, print_table, require_cuda, write_json
-from mxmoe.cli import ArgumentParser
+from mxmoe.bench.timing import bench, check_json, environment, print_table, require_cuda, write_json
+from mxmoe.cli import ArgumentParser, comma_list, positive_int
 from mxmoe.comm import (
     a2a_combine,
     a2a_dispatch_mxfp8,
@@ -44,7 +44,28 @@ _DEVICE = ["cuda"]  # where the small result reductions live (a list so a CPU sm
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+    """An argparse `type`: a comma list of positive ints."""
+    return comma_list(positive_int)(text)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return v
 
 
 def _chunks(text: str) -> list[int | None]:
@@ -77,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mxmoe bench a2a", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16], help="batch sizes (comma list)")
-    p.add_argument("--seq", type=int, default=8192, help="sequence length; tokens per rank = batch x seq")
+    p.add_argument(
+        "--seq", type=positive_int, default=8192, help="sequence length; tokens per rank = batch x seq"
+    )
     p.add_argument("--dims", type=_ints, default=[5120], help="model dims (comma list), e.g. 5120,7168")
     p.add_argument(
         "--chunks",
@@ -95,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel", default="auto", choices=("auto", *CAST_KERNELS),
                    help="cast kernel of the exchange (its recipe's dim0_kernel): auto, cuda, triton, torch")
     p.add_argument("--iters", type=int, default=30, help="timed runs per measurement (>= 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed runs before each measurement (default 5)")
-    p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
+    p.add_argument(
+        "--warmup", type=_non_negative, default=5, help="untimed runs before each measurement (default 5)"
+    )
+    p.add_argument("--timeout", type=_seconds, default=300.0, help="process-group timeout in seconds")
     p.add_argument(
         "--high_priority_nccl",
         action="store_true",
@@ -119,6 +144,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.iters < 20:
         p.error(f"--iters={args.iters}; use at least 20 (the median needs them)")
+    odd = [d for d in args.dims if d % DEFAULT_RECIPE.block_size]
+    if odd:
+        p.error(f"--dims={odd[0]}: expected multiples of {DEFAULT_RECIPE.block_size} (the MX block)")
+    check_json(p, args.json)
     args.variants = variants(args.transport, args.chunks)
     args.recipe = DEFAULT_RECIPE.replace(dim0_kernel=args.kernel)  # the exchanges' format and kernel
     return args

@@ -267,7 +267,9 @@ def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    timing.check_json(p, args.json)
     timing.require_cuda("mxmoe bench cast")
     from tqdm import tqdm
 

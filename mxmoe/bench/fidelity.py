@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -279,20 +280,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _device(p: argparse.ArgumentParser, text: str) -> torch.device:
+    """The device --device names; p.error naming it unless it is cpu or a CUDA device present here."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        p.error(f"--device={text!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device={text!r}: no CUDA GPU is available here; pass --device cpu")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        p.error(f"--device={text!r}: {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
 def main(argv: list[str]) -> int:
     p = build_parser()
     a, overrides = p.parse_known_args(argv)
     if a.steps < 0:
         p.error(f"--steps={a.steps}: expected an integer >= 0")
+    from mxmoe.bench.timing import check_json
+
+    check_json(p, a.json)
+    from mxmoe.train.build import check_bench_values, check_cast_kernels
     from mxmoe.train.config import ConfigError, parse_args
 
+    device = _device(p, a.device)
     try:
         cfg = parse_args(["--config", a.config, *overrides], prog="mxmoe bench fidelity")
-    except ConfigError as e:
+        check_bench_values(cfg)
+        if any(v.startswith("mx") for v in a.variants):
+            check_cast_kernels(cfg, device)
+    except (ConfigError, ValueError) as e:
         p.error(str(e))
-    res = measure(cfg, a.steps, a.batches, a.variants, torch.device(a.device))
+    res = measure(cfg, a.steps, a.batches, a.variants, device)
     print(format_table(res))
     if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     return 0

@@ -11,9 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mxmoe.bench.timing import bench, bf16_gemm_tflops, environment, print_table, require_cuda, write_json
-from mxmoe.cli import ArgumentParser, comma_list
-from mxmoe.recipe import GEMM_BACKENDS, RECIPES, check_gemm_backend  # RECIPES: the recipes timed
+from mxmoe.bench.timing import (
+    bench,
+    bf16_gemm_tflops,
+    check_json,
+    environment,
+    print_table,
+    require_cuda,
+    write_json,
+)
+from mxmoe.cli import ArgumentParser, comma_list, positive_int
+from mxmoe.recipe import CAST_KERNELS, GEMM_BACKENDS, RECIPES, check_gemm_backend  # RECIPES: timed
 
 
 def shape_parser(pattern: str, example: str) -> Callable[[str], tuple[int, ...]]:
@@ -177,11 +185,13 @@ def build_parser(name: str, doc: str, pattern: str, example: str, forward: bool)
     p.add_argument(
         "--recipes", type=comma_list(choices=list(RECIPES)), action="extend", help="comma list; default: all"
     )
-    p.add_argument("--kernel", default="auto", help="cast kernel: auto | torch | triton | cuda")
+    p.add_argument(
+        "--kernel", default="auto", choices=("auto", *CAST_KERNELS), help="cast kernel (default auto)"
+    )
     p.add_argument(
         "--gemm_backend", default="emulated", help=f"MX GEMM backend of fwd+bwd: {' | '.join(GEMM_BACKENDS)}"
     )
-    p.add_argument("--iters", type=int, default=20, help="timed runs per measurement (default 20)")
+    p.add_argument("--iters", type=positive_int, default=20, help="timed runs per measurement (default 20)")
     p.add_argument("--json", metavar="PATH", help="also write the rows and the environment as JSON")
     if forward:
         p.add_argument(
@@ -212,6 +222,7 @@ def main(
         check_gemm_backend(args.gemm_backend, "--gemm_backend")
     except ValueError as e:
         p.error(str(e))
+    check_json(p, args.json)
     require_cuda(f"mxmoe bench {name}")
     ceiling = bf16_gemm_tflops()
     if run_forward is not None and args.forward:

@@ -233,11 +233,20 @@ def missing_triton(kernels: list[str] | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    timing.check_json(parser, args.json)
     why = missing_triton(args.kernel) if args.device != "cpu" or args.kernel else None
     if why is not None:
         print(f"mxmoe bench overhead: {why}: pip install 'mxmoe[triton]'", file=sys.stderr)
         return 2
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        from mxmoe.quant.backends import why_unavailable
+
+        for k in args.kernel or []:  # on CUDA every kernel runs (require_cuda refuses no GPU)
+            why = None if k == "auto" else why_unavailable(k, torch.device("cpu"))
+            if why is not None:
+                parser.error(f"--kernel {k} cannot run on the cpu: {why}")
     rows = run(args)
     R, C = args.shape
     env = timing.environment()

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from mxmoe.cli import ArgumentParser
+from mxmoe.cli import ArgumentParser, positive_int
 
 SHAPES = ["16384x1024x1024", "32768x1024x2048", "16384x2048x2048", "16384x4096x4096", "65536x7168x2048"]
 
@@ -33,6 +33,14 @@ def _shape(text: str) -> tuple[int, int, int]:
     if min(m, k, n) < 32 or k % 32 or n % 32:
         raise argparse.ArgumentTypeError(f"shape {text!r}: expected M >= 32 and K, N multiples of 32")
     return m, k, n
+
+
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    """An argparse `type`: "MxKxN,MxKxN" -> the shapes (ArgumentTypeError naming a bad one)."""
+    shapes = [_shape(s.strip()) for s in text.split(",") if s.strip()]
+    if not shapes:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no shape; expected MxKxN, e.g. 16384x1024x1024")
+    return shapes
 
 
 def measure(M: int, K: int, N: int, iters: int) -> dict:
@@ -79,17 +87,21 @@ def measure(M: int, K: int, N: int, iters: int) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="mxmoe bench overlap", description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of MxKxN (default {SHAPES})")
-    p.add_argument("--iters", type=int, default=30, help="timed repeats per pattern (default 30)")
+    p.add_argument(
+        "--shapes", type=_shapes, default=",".join(SHAPES), help=f"comma list of MxKxN (default {SHAPES})"
+    )
+    p.add_argument("--iters", type=positive_int, default=30, help="timed repeats per pattern (default 30)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    shapes = [_shape(s) for s in args.shapes.split(",") if s]
+    p = build_parser()
+    args = p.parse_args(argv)
+    shapes = args.shapes
     from mxmoe.bench import timing
 
+    timing.check_json(p, args.json)
     timing.require_cuda("mxmoe bench overlap")
     rows = [measure(*s, args.iters) for s in shapes]
     env = ", ".join(f"{k} {v}" for k, v in timing.environment().items())

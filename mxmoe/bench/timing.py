@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -165,12 +166,27 @@ def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".3f
     return text
 
 
+def check_json(parser, path: str | None) -> None:
+    """parser.error naming --json unless `path` (None: not asked for) can be written: checked before
+    anything is measured, so a run does not end on a folder, a device or a read-only place."""
+    if path:
+        from mxmoe.cli import check_out_file
+
+        try:
+            check_out_file(path, "--json", "result.json")
+        except ValueError as e:
+            parser.error(str(e))
+
+
 def write_json(path: str, payload) -> None:
+    """`payload` as JSON in `path`, its missing folders created (`check_json` checked it)."""
+
     def default(o):
         if hasattr(o, "__dataclass_fields__"):
             return asdict(o)
         return str(o)
 
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=default)
 

@@ -4,7 +4,8 @@ Reads the traces torch.profiler writes (`export_chrome_trace`: mxmoe's `--profil
 `--profiling.enable_profiling`), sums the GPU kernels, copies and memsets of each by the categories of
 `mxmoe.train.profiling.KERNEL_CATEGORIES` (GEMMs, MX casts, attention, optimizer, ...), and prints
 ms per recorded step: the step count is the number of `ProfilerStep#N` ranges in the trace within
-which the host launched GPU work (1 if none). The MX casts are also listed by kernel name.
+which the host launched GPU work (1 if none). The MX casts are also listed by kernel name. A trace
+without GPU events (recorded on a CPU) is refused.
 
     mxmoe bench trace outputs/profile_trace/iteration_20/rank0_trace.json --json trace.json
 """
@@ -36,7 +37,9 @@ def breakdown(trace: dict) -> dict:
     one Chrome trace: GPU events (kernels, copies, memsets) per ProfilerStep range recorded."""
     from mxmoe.train.profiling import kernel_category
 
-    raw = trace.get("traceEvents", []) if isinstance(trace, dict) else []
+    # the JSON Object Format (torch's) or the JSON Array Format (the events alone)
+    raw = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    raw = raw if isinstance(raw, list) else []
     events = [e for e in raw if isinstance(e, dict)]
     step_name = re.compile(r"ProfilerStep#\d+$")
     # a step counts when the host launched GPU work inside its range (a trace can also hold the
@@ -81,10 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     from mxmoe.bench import timing
 
+    timing.check_json(p, args.json)
     results = {path: breakdown(_load(path)) for path in args.traces}
+    for path, r in results.items():
+        if len(r["ms_per_step"]) == 1:  # the total alone: not one GPU event
+            raise SystemExit(
+                f"mxmoe bench trace: {path!r} holds no GPU kernel, copy or memset (a trace recorded on a "
+                "CPU, or without ProfilerActivity.CUDA?): nothing to break down"
+            )
     for path, r in results.items():
         rows = [{"category": k, "ms_per_step": v} for k, v in r["ms_per_step"].items()]
         rows += [{"category": f"  cast kernel {k}", "ms_per_step": v} for k, v in r["cast_kernels"].items()]

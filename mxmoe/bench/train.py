@@ -330,13 +330,26 @@ def run(cfg, args, rest: list[str] | tuple[str, ...] = ()) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mxmoe.train.build import check_compile_backend
+    from mxmoe.train.build import check_bench_values, check_cast_kernels, check_compile_backend
     from mxmoe.train.config import ConfigError, parse_args
+    from mxmoe.train.parallel import check_device
 
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    timing.check_json(parser, args.json)
+    if args.profile:
+        from mxmoe.cli import check_out_folder
+
+        try:  # before any row: each row writes its table there after its timed steps
+            check_out_folder(args.profile, "--profile")
+        except ValueError as e:
+            parser.error(str(e))
     try:
         cfg = parse_args(rest, prog="mxmoe bench train")
+        check_bench_values(cfg)
+        check_device(cfg.training.device)
+        if "mx" in args.variants:
+            check_cast_kernels(cfg, torch.device(_device_type(cfg.training.device)))
         if args.modes is None or any(_COMPILE[m] for m in args.modes):
             check_compile_backend(cfg.compile.backend, "compile.backend")
     except (ConfigError, ValueError) as e:

@@ -55,6 +55,10 @@ def resolve(config: str, kind: str | None = None) -> Path:
                 f'as --job.config_file "$(mxmoe config path {config})"'
             )
         return path(config)
+    if not config.strip():  # Path("") is the current folder: "is a folder" would be the error
+        raise ValueError(
+            f"--config {config!r} is empty; expected a config name (`mxmoe config list`) or a TOML file"
+        )
     return Path(config)
 
 

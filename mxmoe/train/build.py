@@ -110,6 +110,24 @@ def check_values(cfg: JobConfig) -> None:
     profiling.check(cfg.profiling)
 
 
+def check_bench_values(cfg: JobConfig) -> None:
+    """`check_values` for a command that builds the MX model whatever model.converters says (`mxmoe
+    bench train`, `mxmoe bench fidelity`): [mx] options without a converter are not refused."""
+    check_values(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, converters=["mx"])))
+
+
+def check_cast_kernels(cfg: JobConfig, device: torch.device) -> None:
+    """ValueError naming the mx.* option when a cast kernel it names cannot run on `device` (checked
+    before anything is built or trained: `mxmoe bench fidelity`, `mxmoe bench train`)."""
+    from mxmoe.quant.backends import why_unavailable
+
+    for key in ("mxfp8_dim0_cast_kernel_choice", "mxfp8_dim1_cast_kernel_choice"):
+        kernel = getattr(cfg.mx, key)
+        why = None if kernel == "auto" else why_unavailable(kernel, device)
+        if why is not None:
+            raise ValueError(f"mx.{key}={kernel!r} cannot run on {device.type}: {why}")
+
+
 def device_memory_bytes(device: torch.device) -> int:
     """The memory one rank can have at most: a GPU's total memory, else the host's physical memory."""
     if device.type == "cuda":

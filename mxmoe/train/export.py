@@ -124,6 +124,15 @@ def export(checkpoint: str | Path, output: str | Path, dtype: str = "float32") -
         raise ExportError(f"output={str(out)!r} is a folder; expected a file name")
     if not out.parent.is_dir():
         raise ExportError(f"output={str(out)!r}: folder {str(out.parent)!r} does not exist")
+    sidecar = out.with_name(out.name + ".json")
+    if sidecar.is_dir():
+        raise ExportError(f"output={str(out)!r}: {str(sidecar)!r}, where its architecture goes, is a folder")
+    from mxmoe.cli import check_out_file
+
+    try:  # before the checkpoint is read: not a traceback from torch.save at the end
+        check_out_file(str(out), "output", "model.pt")
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     path = step_folder(checkpoint)
     state, manifest = read_model_state(path)
     run = manifest.get("run") or {}
@@ -139,7 +148,6 @@ def export(checkpoint: str | Path, output: str | Path, dtype: str = "float32") -
         save_file(state, str(out), metadata={"format": "pt", "mxmoe": json.dumps(info)})
     else:
         torch.save(state, out)
-    sidecar = out.with_name(out.name + ".json")
     sidecar.write_text(json.dumps(info, indent=1) + "\n")
     return path
 

@@ -47,11 +47,9 @@ class ParallelDims:
         return self.dp_shard > 1
 
 
-def init_distributed(device_pref: str, timeout_s: int) -> tuple[int, int, torch.device, bool]:
-    """(rank, world_size, device, initialized_here). Starts the default process group when
-    launched by torchrun with WORLD_SIZE > 1: nccl on CUDA, gloo on CPU, with `timeout_s`.
-    ValueError naming training.device when the device asked for is not there."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def check_device(device_pref: str) -> bool:
+    """Whether training.device `device_pref` picks CUDA here; ValueError naming training.device for
+    a value other than auto, cpu or cuda, or cuda without a GPU."""
     if device_pref not in ("auto", "cpu", "cuda"):
         raise ValueError(f"training.device={device_pref!r}: expected auto, cpu or cuda")
     use_cuda = torch.cuda.is_available() if device_pref == "auto" else device_pref == "cuda"
@@ -60,6 +58,15 @@ def init_distributed(device_pref: str, timeout_s: int) -> tuple[int, int, torch.
             f"training.device={device_pref!r}: no CUDA GPU is available here (torch.cuda.is_available() "
             "is false); pass --training.device=cpu (or auto: a GPU when there is one)"
         )
+    return use_cuda
+
+
+def init_distributed(device_pref: str, timeout_s: int) -> tuple[int, int, torch.device, bool]:
+    """(rank, world_size, device, initialized_here). Starts the default process group when
+    launched by torchrun with WORLD_SIZE > 1: nccl on CUDA, gloo on CPU, with `timeout_s`.
+    ValueError naming training.device when the device asked for is not there."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = check_device(device_pref)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda and local_rank >= torch.cuda.device_count():
         raise ValueError(

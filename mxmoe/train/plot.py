@@ -352,11 +352,12 @@ def check_image_suffix(out: str, option: str = "--out") -> None:
 
 
 def save_figure(fig, out: str | Path) -> Path:
-    """Write `fig` to the PNG `out` (parent folders created) and close it; returns the path."""
+    """Write `fig` to the PNG `out` (parent folders created) and close it; returns the path. A name
+    without a suffix is written as PNG under that very name (matplotlib would add ".png")."""
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
+    fig.savefig(out_path, dpi=120, format=None if out_path.suffix else "png")
     fig.clf()
     pyplot().close(fig)
     return out_path
@@ -413,10 +414,18 @@ def plot_runs(
         raise ValueError("runs is empty: give at least one run folder or metrics.jsonl")
     if labels is not None and len(labels) != len(runs):
         raise ValueError(f"labels has {len(labels)} names for {len(runs)} runs")
+    if labels is not None and "" in labels:
+        where = labels.index("") + 1
+        raise ValueError(f"labels={','.join(labels)!r}: name {where} is empty; give every run a name")
     data = [read_metrics(r) for r in runs]
     for run, recs in zip(runs, data, strict=True):
         if not recs:
             raise ValueError(f"run {run!r}: its metrics file has no records: nothing to plot")
+        if all(r.get("loss") is None and r.get("val_loss") is None for r in recs):
+            raise ValueError(
+                f"run {run!r}: none of its {len(recs)} records has a loss or val_loss (a value that was "
+                "not finite is null): nothing to plot"
+            )
     configs = [read_config(r, d) for r, d in zip(runs, data, strict=True)]
     names = labels or variant_names(configs, [_fallback_name(r) for r in runs])
     seeds = [recorded_seed(c) if c is not None else None for c in configs]

@@ -92,9 +92,15 @@ def test_cli_table_and_json(tmp_path, capsys, monkeypatch):
      (["--variants", "mx_hp_wgrad"], "'mx_hp_wgrad' is now 'mx_wgrad_with_hp'"),
      (["--variants", "mx_hp_dgrad"], "'mx_hp_dgrad' is now 'mx_fwd_wgrad_only'"),
      (["stray"], "Unrecognized options: stray"),
-     (["--training.batch_size=2"], "is now --training.local_batch_size")],
+     (["--training.batch_size=2"], "is now --training.local_batch_size"),
+     (["--training.local_batch_size=0"], "training.local_batch_size=0: expected >= 1"),
+     (["--device", "tpu"], "--device='tpu': expected cpu, cuda or cuda:N"),
+     (["--json", "/proc/no/x.json"], "--json '/proc/no/x.json': cannot write in"),
+     (["--json", "/"], "--json '/': is a folder, expected a file path"),
+     (["--device", "cpu", "--mx.mxfp8_dim0_cast_kernel_choice=cuda"],
+      "mx.mxfp8_dim0_cast_kernel_choice='cuda' cannot run on cpu: kernel='cuda' needs")],
 )
-def test_cli_errors(capsys, args, match):
+def test_cli_errors(capsys, args, match):  # before anything is trained
     with pytest.raises(SystemExit) as e:
         main(["bench", "fidelity", "--config", "debug_moe", *args])
     assert e.value.code == 2

@@ -73,3 +73,49 @@ def test_forward_row_and_flag():
         for module in (linear, grouped_mm):
             with pytest.raises(SystemExit, match="needs a CUDA GPU"):
                 module.main(["--forward", "--iters", "1"])
+
+
+@pytest.mark.parametrize("bench", ["cast", "linear", "grouped_mm", "overlap", "a2a"])
+def test_unwritable_json_is_refused_before_measuring(bench, capsys):
+    from mxmoe.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", bench, "--json", "/proc/no/x.json"])
+    assert e.value.code == 2 and "--json '/proc/no/x.json': cannot write in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--shapes", "10x10x10"], "argument --shapes: shape '10x10x10': expected M >= 32"),
+        (["--shapes", "1024x1024"], "argument --shapes: shape '1024x1024': expected MxKxN"),
+        (["--shapes", ","], "argument --shapes: ',' holds no shape"),
+        (["--iters", "0"], "argument --iters: '0' is not a positive integer"),
+    ],
+)
+def test_overlap_bad_arguments_are_usage_errors(argv, needle, capsys):
+    from mxmoe.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "overlap", *argv])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "bench, argv, needle",
+    [
+        ("a2a", ["--seq", "0"], "argument --seq: '0' is not a positive integer"),
+        ("a2a", ["--batches", "4,-1"], "argument --batches: '-1' is not a positive integer"),
+        ("a2a", ["--dims", "5120,100"], "--dims=100: expected multiples of 32"),
+        ("a2a", ["--warmup", "-1"], "argument --warmup: '-1' is not an integer >= 0"),
+        ("a2a", ["--timeout", "0"], "argument --timeout: '0' is not a positive number of seconds"),
+        ("linear", ["--iters", "0"], "argument --iters: '0' is not a positive integer"),
+        ("grouped_mm", ["--kernel", "cutlass"], "argument --kernel: invalid choice: 'cutlass'"),
+    ],
+)
+def test_gpu_bench_bad_counts_are_usage_errors_before_the_gpu_check(bench, argv, needle, capsys):
+    from mxmoe.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", bench, *argv])
+    assert e.value.code == 2 and needle in capsys.readouterr().err

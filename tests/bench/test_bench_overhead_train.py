@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from mxmoe.cli import main as cli_main
 
@@ -55,7 +56,13 @@ def test_overhead_runs_on_cpu_and_writes_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv,needle", [(["--shape", "100x128"], "multiples of 128"), (["--iters", "0"], "positive")]
+    "argv,needle",
+    [
+        (["--shape", "100x128"], "multiples of 128"),
+        (["--iters", "0"], "positive"),
+        (["--json", "/"], "--json '/': is a folder, expected a file path, e.g. result.json"),
+        (["--device", "cpu", "--kernel", "cuda"], "--kernel cuda cannot run on the cpu: kernel='cuda' needs"),
+    ],
 )
 def test_overhead_rejects_bad_arguments(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -155,6 +162,17 @@ def test_train_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exc:  # checked where a mode compiles
         cli_main(["bench", "train", "--modes", "eager,compile", "--compile.backend=aot"])
     assert exc.value.code == 2 and "compile.backend='aot'" in capsys.readouterr().err
+    # the trainer's value checks and an unwritable --json, before any row runs
+    for argv, needle in [
+        (["--training.local_batch_size=0"], "training.local_batch_size=0: expected >= 1"),
+        (["--training.seq_len=-1"], "training.seq_len=-1: expected >= 1"),
+        (["--json", "/proc/no/x.json"], "--json '/proc/no/x.json': cannot write in"),
+        (["--profile", "/proc/no/prof"], "--profile '/proc/no/prof': cannot write in"),
+        (["--mx.mxfp8_dim1_cast_kernel_choice=cuda"], "_dim1_cast_kernel_choice='cuda' cannot run on cpu"),
+    ] + ([] if torch.cuda.is_available() else [(["--training.device=cuda"], "no CUDA GPU is available")]):
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["bench", "train", *TINY_TRAIN, "--modes", "eager", *argv])
+        assert exc.value.code == 2 and needle in capsys.readouterr().err
 
 
 def test_train_bench_row_process_that_dies_is_an_error_row(monkeypatch, capsys):

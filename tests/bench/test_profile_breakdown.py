@@ -51,6 +51,18 @@ def test_trace_that_is_not_a_trace_is_named(tmp_path):
         trace.main([str(bad)])
 
 
+def test_trace_without_gpu_events_is_refused_and_array_traces_are_read(tmp_path):
+    for name, data in [("obj.json", {"traceEvents": []}), ("arr.json", []), ("num.json", 5)]:
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        with pytest.raises(SystemExit, match=f"{name}' holds no GPU kernel, copy or memset"):
+            trace.main([str(path)])
+    # the JSON Array Format: the same events as the object's
+    events = json.loads(_trace(tmp_path).read_text())["traceEvents"]
+    assert trace.breakdown(events) == trace.breakdown({"traceEvents": events})
+    assert trace.breakdown(events)["ms_per_step"]["total"] == pytest.approx(1.85)
+
+
 def test_cast_breakdown_sorts_casts_by_what_they_cast():
     """Weights by their shape, the forward's casts (its thread) as activations; on CPU the backward
     runs on the same thread, so a thread no event ran on makes every other cast a gradient."""

@@ -198,6 +198,15 @@ def test_a_conversion_that_converts_nothing_stops_as_mxmoe_convert_does():
         debug_moe_spec([MXMoEConverter.Config(filter_fqns=["experts", "lm_head"])])
     with pytest.warns(UserWarning, match="MXMoEConverter: filter_fqns entry 'zzz' matches no module"):
         debug_moe_spec([MXMoEConverter.Config(filter_fqns=["zzz", "lm_head"])])
+    # mxmoe's dispatcher exchanging bf16 rows (mxfp8_a2a=False) with nothing else MX: nothing is MX
+    bf16_rows = "MX was asked .* no module computes in MX: mxfp8_a2a=False leaves the 5 token dispatchers"
+    off = {"convert_linears": False, "convert_grouped_experts": False, "mxfp8_a2a": False}
+    with pytest.raises(ValueError, match=bf16_rows):
+        debug_moe_spec([MXMoEConverter.Config(**off)])
+    with pytest.raises(ValueError, match=bf16_rows):
+        debug_moe_spec([MXFP8TokenDispatcherConverter.Config(mxfp8_a2a=False)])
+    debug_moe_spec([MXMoEConverter.Config(**off, allow_unconverted=True)])
+    debug_moe_spec([MXLinearConverter.Config(), MXFP8TokenDispatcherConverter.Config(mxfp8_a2a=False)])
 
 
 def test_a_converter_applied_again_gives_its_recipe_to_what_is_mx_already():
@@ -230,6 +239,9 @@ def test_a_kernel_this_machine_cannot_run_is_refused_when_the_converter_is_built
             conv.Config(mxfp8_dim0_cast_kernel_choice="triton").build()
         with pytest.raises(ValueError, match=r"mx.mxfp8_dim1_cast_kernel_choice='cuda' cannot run"):
             conv.Config(mxfp8_dim1_cast_kernel_choice="cuda").build()
+        with pytest.raises(ValueError, match=rf"{conv.__name__}: mx.gemm_backend='native' needs a CUDA "
+                           r"device of compute capability 10.x .*; use gemm_backend 'auto' or 'emulated'"):
+            conv.Config(gemm_backend="native").build()  # was the first forward's RuntimeError
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs it
     conv = MXLinearConverter.Config(mxfp8_dim0_cast_kernel_choice="triton").build()
     assert conv.recipe.dim0_kernel == "triton"
@@ -305,6 +317,13 @@ def test_the_mxmoe_override_converts_a_stock_config():
         dispatchers = [c for _, c, _, _ in model.traverse(AllToAllTokenDispatcher.Config)]
         assert all(type(c) is MXFP8AllToAllTokenDispatcher.Config and c.a2a_transport == "nccl"
                    for c in dispatchers) and len(dispatchers) == 5
+    # an option MXOptions does not have is named with the accepted ones (was the dataclass's TypeError)
+    config = ConfigManager().parse_args([
+        "--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", "--override.imports",
+        'mxmoe.integrations.torchtitan.mxmoe={"recipe": "mxfp8"}',
+    ])  # fmt: skip
+    with pytest.raises(ValueError, match=r"mxmoe: unknown option\(s\) \['recipe'\]; accepted: \['recipe_"):
+        apply_overrides(config.override, config)
 
 
 def test_config_function_on_an_old_torch_says_what_to_install():

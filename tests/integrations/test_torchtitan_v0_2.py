@@ -184,6 +184,24 @@ def test_bad_options_name_the_option(option, value, capsys):
         MXMoEConverter(cfg, SimpleNamespace(tp=1))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only machine's refusal")
+def test_native_gemms_on_a_cpu_are_refused_when_the_converter_is_built():
+    cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, "--mx.gemm_backend", "native"])
+    with pytest.raises(ValueError, match=r"model.converters mxmoe: mx.gemm_backend='native' needs a CUDA"):
+        MXMoEConverter(cfg, SimpleNamespace(tp=1))
+
+
+def test_bf16_expert_gemms_without_mx_experts_are_refused():
+    """mx.expert_gemm='bf16' (the exchange only) with no MX experts: neither the bf16 GEMMs on rounded
+    rows nor the MXFP8 exchange would apply (both are the MX experts'), as mxmoe train refuses."""
+    cfg = ConfigManager().parse_args([
+        "--job.custom_config_module", PKG, "--model.converters", "mxmoe", "--mx.expert_gemm", "bf16",
+        "--mx.no-convert-grouped-experts",
+    ])  # fmt: skip
+    with pytest.raises(ValueError, match=r"mx.expert_gemm='bf16' .* mx.convert_grouped_experts=false leaves"):
+        MXMoEConverter(cfg, SimpleNamespace(tp=1))
+
+
 def test_tensor_parallel_is_refused():
     from torchtitan.distributed import ParallelDims
 

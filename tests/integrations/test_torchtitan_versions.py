@@ -82,3 +82,30 @@ def test_without_torchtitan_the_data_tool_runs_and_adapter_names_fail_in_one_lin
         "ImportError: mxmoe.integrations.torchtitan needs torchtitan 0.2.x (torch >= 2.11) or 0.3 (torch >= "
         "2.14): pip install 'mxmoe[torchtitan02]' or 'mxmoe[torchtitan]'"
     )
+
+
+def test_the_data_tool_names_a_bad_argument_in_one_line(tmp_path, capsys):
+    """`python -m mxmoe.integrations.torchtitan.data`: an out_dir or --tokenizer that is a file or
+    cannot be written, a --path that is missing, holds no matching file or only blank ones, is a
+    usage error naming the argument (tracebacks from mkdir and the trainer's data.path before)."""
+    from mxmoe.integrations.torchtitan.data import main
+
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.py").write_text("  \n")
+    (tmp_path / "src.py").write_text("print(1)\n")
+    src = str(tmp_path / "src.py")
+    for argv, needle in [
+        ([str(tmp_path / "f"), "--path", src], f"out_dir {str(tmp_path / 'f')!r}: is a file"),
+        (["/proc/no/out", "--path", src], "out_dir '/proc/no/out': cannot write in"),
+        ([str(tmp_path / "o"), "--path", src, "--tokenizer", str(tmp_path / "f")], "--tokenizer "),
+        ([str(tmp_path / "o"), "--path", str(tmp_path / "none")], f"--path={str(tmp_path / 'none')!r}: "),
+        ([str(tmp_path / "o"), "--path", str(tmp_path / "empty")], "holds no files ending in ['.py']"),
+        ([str(tmp_path / "o"), "--path", str(tmp_path / "blank")], "every file it names is empty or blank"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and "data.path" not in err, err
+    assert not (tmp_path / "o" / "data.json").exists()

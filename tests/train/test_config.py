@@ -227,6 +227,13 @@ def test_an_unreadable_config_file_is_a_config_error(tmp_path, capsys, kind):
     assert match in err and str(path) in err and "Traceback" not in err, err
 
 
+def test_an_empty_config_name_is_named_as_empty(capsys):
+    # Path("") is the current folder: it was refused as "is a folder, expected a TOML file"
+    assert trainer.main(["--config", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--config '' is empty; expected a config name (`mxmoe config list`) or a TOML file" in err, err
+
+
 def test_ranks_with_different_configs_stop_naming_the_keys(tmp_path):
     """rank 1 started with another lr and step count: both ranks stop at start (no training, no
     hang until the timeout) with an error naming the differing keys and both values."""

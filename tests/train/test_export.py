@@ -111,10 +111,13 @@ def test_export_safetensors_bfloat16_of_a_step_folder(ckpt, tmp_path):
         (["{tmp}", "{tmp}/m.pt"], "checkpoint '{tmp}' holds no step folder"),
         (["{tmp}/none", "{tmp}/m.pt"], "checkpoint '{tmp}/none': not a folder"),
         (["{ckpt}", "{tmp}/no/m.pt"], "folder '{tmp}/no' does not exist"),
+        (["{ckpt}", "/proc/m.pt"], "output '/proc/m.pt': cannot write in '/proc'"),
+        (["{ckpt}", "{tmp}/d.pt"], "'{tmp}/d.pt.json', where its architecture goes, is a folder"),
     ],
 )
 def test_bad_arguments_are_one_line_errors_naming_them(ckpt, tmp_path, capsys, args, message):
     fill = {"ckpt": str(ckpt), "tmp": str(tmp_path)}
+    (tmp_path / "d.pt.json").mkdir()
     with pytest.raises(SystemExit) if "--dtype" in args else _no_raise():
         assert cli(["export", *(a.format(**fill) for a in args)]) == 2
     err = capsys.readouterr().err

@@ -100,11 +100,22 @@ def test_plot_errors(tmp_path, capsys):
     c = _run(tmp_path / "c" / "seed0", 0.0, _config([], 0))
     assert main([str(b), str(c), "--out", str(tmp_path / "x.png")]) == 2
     assert "both variant 'bf16', seed 0: give --labels" in capsys.readouterr().err
+    assert main([str(b), str(c), "--labels", "x,", "--out", str(tmp_path / "x.png")]) == 2
+    assert "labels='x,': name 2 is empty; give every run a name" in capsys.readouterr().err
     # an --out matplotlib cannot write: named (it was matplotlib's "Format 'txt' is not supported")
     assert main([str(a), "--out", str(tmp_path / "x.txt")]) == 2
     err = capsys.readouterr().err
     assert f"--out '{tmp_path / 'x.txt'}': expected a file name ending in an image format, one of [" in err
     assert "'png'" in err and not (tmp_path / "x.txt").exists()
+
+
+def test_an_out_without_a_suffix_is_the_png_written(tmp_path, capsys):
+    # matplotlib appended ".png" while the command printed (and checked) the name given
+    a = _run(tmp_path / "a", 0.0)
+    out = tmp_path / "curves"
+    assert main([str(a), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "curves.png").exists()
 
 
 def test_resumed_run_records_are_deduplicated(tmp_path):

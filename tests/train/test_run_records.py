@@ -87,6 +87,11 @@ def test_plotting_an_empty_metrics_file_is_an_error(tmp_path, capsys):
     assert plot.main([str(run), "--out", str(tmp_path / "p.png")]) == 2
     assert "its metrics file has no records: nothing to plot" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+    # records without a loss (other files' records, or every loss not finite): no empty figure
+    run = _write(tmp_path / "s", [{"step": 1}, {"step": 2, "loss": None, "grad_norm": None}])
+    assert plot.main([str(run), "--out", str(tmp_path / "p.png")]) == 2
+    assert "none of its 2 records has a loss or val_loss" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
 
 
 def test_a_metrics_file_not_utf8_names_file_and_line(tmp_path, capsys):

@@ -163,9 +163,9 @@ KERNEL_FIELDS = ("mxfp8_dim0_cast_kernel_choice", "mxfp8_dim1_cast_kernel_choice
 
 def check_kernels(options: MXOptions, where: str, device=None) -> None:
     """ValueError naming the option, its value and why, when a cast kernel `options` names (not
-    "auto") cannot run on `device` (default: the one torchtitan trains on, CUDA where there is one,
-    else the CPU): called when a converter is built, so that `triton` on a CPU without the Triton
-    interpreter stops there, not at the first forward."""
+    "auto"), or gemm_backend='native', cannot run on `device` (default: the one torchtitan trains
+    on, CUDA where there is one, else the CPU): called when a converter is built, so that `triton`
+    on a CPU without the Triton interpreter stops there, not at the first forward."""
     import torch
 
     from mxmoe.quant.backends import default_device, why_unavailable
@@ -178,6 +178,12 @@ def check_kernels(options: MXOptions, where: str, device=None) -> None:
             raise ValueError(
                 f"{where}: mx.{name}={kernel!r} cannot run on this machine's {device.type}: {reason}"
             )
+    if options.gemm_backend == "native":
+        from mxmoe.ops.gemm_backend import native_unavailable
+
+        reason = native_unavailable(device)
+        if reason is not None:
+            raise ValueError(f"{where}: mx.{reason}; use gemm_backend 'auto' or 'emulated'")
 
 
 def tensor_parallel_error(where: str, degree: int) -> ValueError:

@@ -82,7 +82,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ext", default=".py", help="comma-separated file endings to take (default .py)")
     ap.add_argument("--tokenizer", default="", help="also write a byte-level tokenizer into this folder")
     args = ap.parse_args(argv)
-    n = write_text_dataset(args.out_dir, args.path, tuple(e for e in args.ext.split(",") if e))
+    from mxmoe.cli import check_out_folder
+
+    try:  # before anything is read or written: one line naming the argument
+        check_out_folder(args.out_dir, "out_dir")
+        if args.tokenizer:
+            check_out_folder(args.tokenizer, "--tokenizer")
+        n = write_text_dataset(args.out_dir, args.path, tuple(e for e in args.ext.split(",") if e))
+    except ValueError as e:  # the trainer's data.path is this tool's --path
+        msg = str(e)
+        ap.error("--path=" + msg[len("data.path=") :] if msg.startswith("data.path=") else msg)
+    if n == 0:  # an empty data.json would be a dataset torchtitan reads no batch from
+        (Path(args.out_dir) / "data.json").unlink()
+        ap.error(f"--path={args.path!r}: every file it names is empty or blank; no record was written")
     print(f"wrote {n} records to {Path(args.out_dir) / 'data.json'}")
     if args.tokenizer:
         try:

@@ -85,6 +85,12 @@ class MXMoEConverter:
         dp_shard, cp = (int(getattr(parallel_dims, k, 1) or 1) for k in ("dp_shard", "cp"))
         self.fsdp = dp_shard * cp
         self.options.check("mx.")
+        if self.options.expert_gemm == "bf16" and not self.options.convert_grouped_experts:
+            raise ValueError(  # as mxmoe train: the exchange is the MX experts', so neither would apply
+                "mx.expert_gemm='bf16' sets how the converted experts compute, but "
+                "mx.convert_grouped_experts=false leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
+                "drop one of the two"
+            )
         self.recipe = self.options.to_recipe()  # bad options fail here, naming the option
         check_kernels(self.options, "model.converters mxmoe")  # a kernel this machine cannot run, too
 

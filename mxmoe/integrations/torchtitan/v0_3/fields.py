@@ -77,4 +77,21 @@ def finish_conversion(
             f"{report.reconfigured[0]}); they now use {recipe_name(report.recipe)}",
             stacklevel=3,
         )
+    if not options.mxfp8_a2a and not options.allow_unconverted and report.is_mx:
+        # mxmoe's dispatcher sending bf16 rows is all this conversion did, and nothing else is MX
+        lists = (*report.converted.values(), report.already, report.reconfigured)
+        done = [f for names in lists for f in names]
+        exchange = [f for f in done if f.endswith(".token_dispatcher")]
+        mx_modules = [
+            fqn
+            for fqn, c, *_ in model_config.traverse(Configurable.Config, recurse=True)
+            if isinstance(c, RecipeFields) and not fqn.endswith("token_dispatcher")
+        ]
+        if len(exchange) == len(done) and not mx_modules:
+            raise ValueError(
+                f"MX was asked ({where}) but no module computes in MX: mxfp8_a2a=False leaves the "
+                f"{len(exchange)} token dispatchers exchanging bf16 rows (convert_linears="
+                f"{options.convert_linears}, convert_grouped_experts={options.convert_grouped_experts}). "
+                "Pass allow_unconverted=True to train high precision anyway"
+            )
     report.finish(options, stacklevel=4)

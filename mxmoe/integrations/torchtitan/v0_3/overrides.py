@@ -11,6 +11,8 @@ exchange's too for `mxmoe_a2a`). Re-exported by the package when torchtitan 0.3 
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from torchtitan.config.override import derive, override
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
@@ -25,6 +27,7 @@ from mxmoe.integrations.torchtitan.v0_3.dispatcher import (
     MXFP8AllToAllTokenDispatcher,
     mxfp8_dispatcher_config,
 )
+from mxmoe.options import MXOptions
 
 PACKAGE = "mxmoe.integrations.torchtitan"
 
@@ -37,7 +40,8 @@ def _in_package(fn):
     return fn
 
 
-def _convert_model(cfg: BaseModel.Config, options: dict) -> BaseModel.Config:
+def _convert_model(cfg: BaseModel.Config, options: dict, where: str) -> BaseModel.Config:
+    _check_option_names(where, options, tuple(f.name for f in fields(MXOptions)))
     return MXMoEConverter(MXMoEConverter.Config(**options)).convert(cfg)
 
 
@@ -45,14 +49,14 @@ def _convert_model(cfg: BaseModel.Config, options: dict) -> BaseModel.Config:
 @_in_package
 def mxmoe(cfg: BaseModel.Config, **options) -> BaseModel.Config:
     """Override: the model config through `MXMoEConverter`; kwargs: fields of mxmoe.MXOptions."""
-    return _convert_model(cfg, options)
+    return _convert_model(cfg, options, "mxmoe")
 
 
 @override(target=BaseModel.Config, description="mxmoe (the same as ...torchtitan.mxmoe)")
 @_in_package
 def mx(cfg: BaseModel.Config, **options) -> BaseModel.Config:
     """Override: the same as `mxmoe`, by mxmoe's other converter name."""
-    return _convert_model(cfg, options)
+    return _convert_model(cfg, options, "mx")
 
 
 LINEAR_OVERRIDE_FQNS = ["*layers.*.feed_forward.*", "*layers.*.moe.shared_experts.*"]
