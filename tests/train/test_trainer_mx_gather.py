@@ -35,22 +35,28 @@ def test_mxfp8_all_gather_trains_bit_for_bit_and_resumes_across_the_option(tmp_p
 
 
 def test_mxfp8_all_gather_compiled_equals_eager_bit_for_bit(tmp_path):
-    """Compiled blocks (inductor, and aot_eager) with the MXFP8 gather: the losses of eager runs
-    with and without the option, bit for bit. The compiled backward reads the backward's gather
-    (blocks along N) from the buffers the forward's filled: a graph that read them in the forward
-    (a partitioner's choice, which inductor's made before the read took the gradient as a
-    dependency) gives other gradients from step 2 on."""
+    """Compiled blocks (inductor, and aot_eager) with the MXFP8 gather: the losses of the same runs
+    without the option, bit for bit (aot_eager's: the eager runs'). The compiled backward reads the
+    backward's gather (blocks along N) from the buffers the forward's filled: a graph that read them
+    in the forward (a partitioner's choice, which inductor's made before the read took the gradient
+    as a dependency) gives other gradients from step 2 on."""
     common = TINY + MX + ["--training.steps=3", "--parallelism.timeout_s=60"]
     on = ["--mx.fsdp_mxfp8_all_gather=true"]
+    inductor = ["--compile.enable=true"]
+    aot_eager = ["--compile.enable=true", "--compile.backend=aot_eager"]
     runs = {}
-    for name, extra in (("eager", []), ("eager_mx", on), ("inductor_mx", on + ["--compile.enable=true"]),
-                        ("aot_eager_mx", on + ["--compile.enable=true", "--compile.backend=aot_eager"])):
+    for name, extra in (("eager", []), ("eager_mx", on), ("inductor", inductor),
+                        ("inductor_mx", on + inductor), ("aot_eager_mx", on + aot_eager)):
         spawn_ranks(trainer_rank, 2, common + extra + [f"--job.dump_folder={tmp_path / name}"], str(tmp_path))
         assert [(tmp_path / f"rc{r}").read_text() for r in range(2)] == ["0", "0"], name
-        assert "gather in the compute dtype" not in (tmp_path / "stdout0").read_text()  # all MXFP8
+        if name.endswith("_mx"):
+            assert "gather in the compute dtype" not in (tmp_path / "stdout0").read_text()  # all MXFP8
         runs[name] = losses(tmp_path / name)
     assert sorted(runs["eager"]) == [1, 2, 3]
-    assert all(v == runs["eager"] for v in runs.values()), runs
+    # with the option as without it: eager, aot_eager and inductor (whose own fusions may round the
+    # model's other ops in another order than eager: torch 2.11's do in the last bit, 2.13's not)
+    assert runs["inductor_mx"] == runs["inductor"], runs
+    assert all(runs[k] == runs["eager"] for k in ("eager_mx", "aot_eager_mx")), runs
 
 
 def test_mxfp8_all_gather_in_one_process_says_it_gathers_nothing(tmp_path, capsys):
