@@ -209,10 +209,11 @@ def test_arguments_are_checked_once_per_public_call(monkeypatch):
         calls.append(block_size)
         return block_size
 
+    x = torch.randn(64, 64)
+    to_mx(x, 0, block_size=16)  # registers its format (once a process, checked then): as if a test ran before
     monkeypatch.setattr(checks, "check_block_size", counting)
     monkeypatch.setattr("mxmoe.formats.check_block_size", counting)
     checks._checked_spec.cache_clear()
-    x = torch.randn(64, 64)
     to_mx(x, -1)  # loose format arguments ("auto" kernels: torch on CPU)
     to_mx(x, 0).dequantize()
     to_mx_dim0_dim1(x)
