@@ -141,7 +141,9 @@ def test_casts_read_the_recipe(name, assert_same_bits):
 
 def test_recipe_and_loose_arguments_conflict():
     x = torch.randn(32, 32)
-    with pytest.raises(ValueError, match=r"pass either recipe= or \['block_size', 'scaling_mode'\]"):
+    with pytest.raises(
+        ValueError, match=r"^scaling_mode='floor' but recipe.scaling_mode='rceil'; block_size=16 but recipe"
+    ):
         mxmoe.to_mx(x, block_size=16, scaling_mode="floor", recipe=DEFAULT_RECIPE)
     # the cast kernel comes only through a recipe (its dim0_kernel / dim1_kernel)
     with pytest.raises(TypeError, match="unexpected keyword argument 'kernel'"):
@@ -150,3 +152,28 @@ def test_recipe_and_loose_arguments_conflict():
         mxmoe.to_mx(x, recipe=DEFAULT_RECIPE).dequantize(kernel="torch")
     with pytest.raises(TypeError, match=r"MXRecipe, got str \(mxmoe.recipe\('mxfp8'\) makes one\)"):
         mxmoe.to_mx_dim0_dim1(x, recipe="mxfp8")
+
+
+def test_format_arguments_beside_a_recipe(assert_same_bits):
+    # an explicit format argument equal to the default was taken as "not given": the recipe's won
+    x = torch.randn(64, 64)
+    r16 = recipe(block_size=16)
+    with pytest.raises(ValueError, match=r"^block_size=32 but recipe.block_size=16: the recipe holds"):
+        mxmoe.to_mx(x, recipe=r16, block_size=32)
+    with pytest.raises(ValueError, match=r"^scaling_mode='rceil' but recipe.scaling_mode='floor'"):
+        mxmoe.to_mx_dim0_dim1(x, recipe=recipe("mxfp8"), scaling_mode="rceil")
+    with pytest.raises(ValueError, match=r"^elem_dtype=torch.float8_e4m3fn but recipe.elem_dtype"):
+        mxmoe.to_mx(x, recipe=recipe(elem_dtype=torch.float8_e5m2), elem_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"^block_size=32.0 is not supported"):  # checked, not compared
+        mxmoe.to_mx(x, recipe=DEFAULT_RECIPE, block_size=32.0)
+    # arguments that agree with the recipe are accepted: the same cast
+    a = mxmoe.to_mx(x, recipe=r16)
+    b = mxmoe.to_mx(x, recipe=r16, block_size=16, scaling_mode=mxmoe.ScalingMode.RCEIL)
+    c = mxmoe.to_mx(x, block_size=16)  # without a recipe, None is the default format's
+    assert a.block_size == b.block_size == c.block_size == 16
+    for m in (b, c):
+        assert_same_bits(a.qdata_blocked, m.qdata_blocked)
+        assert_same_bits(a.scale_blocked, m.scale_blocked)
+    d0, d1 = mxmoe.to_mx_dim0_dim1(x, recipe=r16, block_size=16, elem_dtype=torch.float8_e4m3fn)
+    assert (d0.block_size, d1.block_size) == (16, 16)
+    assert mxmoe.to_mx(x).fmt == DEFAULT_RECIPE.fmt

@@ -33,6 +33,7 @@ from mxmoe.formats import (
     MXFormat,
     ScalingMode,
     check_block_size,
+    check_elem_dtype,
     check_input_dtype,
     check_scaling_mode,
     format_of,
@@ -457,30 +458,46 @@ def _rows(shape: torch.Size, trailing: int) -> int:
 
 
 def _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size) -> None:
+    """to_mx's and to_mx_dim0_dim1's recipe beside format arguments: each one given (not None) is
+    checked and must equal the recipe's own (ValueError naming both values where they differ)."""
     if not isinstance(recipe, MXRecipe):
         hint = f" (mxmoe.recipe({recipe!r}) makes one)" if isinstance(recipe, str) else ""
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}{hint}")
-    if (scaling_mode, block_size) == ("rceil", 32) and elem_dtype is torch.float8_e4m3fn:
+    if scaling_mode is None and elem_dtype is None and block_size is None:
         return  # nothing given besides the recipe: the common case, checked cheaply
-    given = {
-        k: v
-        for k, v, default in (
-            ("scaling_mode", scaling_mode, "rceil"),
-            ("elem_dtype", elem_dtype, torch.float8_e4m3fn),
-            ("block_size", block_size, 32),
+    differ = []
+    mode = None if scaling_mode is None else check_scaling_mode(scaling_mode).value
+    if mode is not None and mode != recipe.scaling_mode:
+        differ.append(f"scaling_mode={mode!r} but recipe.scaling_mode={recipe.scaling_mode!r}")
+    if elem_dtype is not None:
+        check_elem_dtype(elem_dtype)
+        if elem_dtype != recipe.elem_dtype:
+            differ.append(f"elem_dtype={elem_dtype} but recipe.elem_dtype={recipe.elem_dtype}")
+    if block_size is not None and check_block_size(block_size) != recipe.block_size:
+        differ.append(f"block_size={block_size!r} but recipe.block_size={recipe.block_size}")
+    if differ:
+        raise ValueError(
+            f"{'; '.join(differ)}: the recipe holds the format; pass the recipe alone, or arguments that "
+            "agree with it"
         )
-        if v != default
-    }
-    if given:
-        raise ValueError(f"pass either recipe= or {sorted(given)}, not both (the recipe holds them)")
+
+
+def _format_args(block_size, scaling_mode, elem_dtype) -> tuple:
+    """The format arguments of a cast without a recipe, None the default format's (DEFAULT_RECIPE's)."""
+    r = DEFAULT_RECIPE
+    return (
+        r.block_size if block_size is None else block_size,
+        r.scaling_mode if scaling_mode is None else scaling_mode,
+        r.elem_dtype if elem_dtype is None else elem_dtype,
+    )
 
 
 def to_mx(
     x: Tensor,
     axis: int = -1,
-    scaling_mode: str | ScalingMode = "rceil",
-    elem_dtype: torch.dtype = torch.float8_e4m3fn,
-    block_size: int = 32,
+    scaling_mode: str | ScalingMode | None = None,
+    elem_dtype: torch.dtype | None = None,
+    block_size: int | None = None,
     *,
     recipe: MXRecipe | None = None,
     scale_layout: str = "plain",
@@ -495,10 +512,13 @@ def to_mx(
     in memory (e.g. a transposed view) it is quantized without a copy; otherwise the dim1 kernel
     reads it row-major.
 
-    recipe: an `MXRecipe`; when given it supplies scaling_mode, elem_dtype and block_size (which
-    must then be left at their defaults). The cast kernel comes from the recipe only (its
-    dim0_kernel for a cast along the last dim, its dim1_kernel otherwise; chosen by
-    `mxmoe.quant.backends.cast_kernel`); without a recipe it is "auto".
+    scaling_mode, elem_dtype, block_size: the format; None: the recipe's, or without a recipe the
+    default format's ("rceil", torch.float8_e4m3fn, 32).
+    recipe: an `MXRecipe`; when given it supplies scaling_mode, elem_dtype and block_size (any of
+    them also given must equal the recipe's: a ValueError names both values otherwise). The cast
+    kernel comes from the recipe only (its dim0_kernel for a cast along the last dim, its
+    dim1_kernel otherwise; chosen by `mxmoe.quant.backends.cast_kernel`); without a recipe it is
+    "auto".
     scale_layout: "plain" (above) or "swizzled": the scales also in the layout of Blackwell's
     block-scaled GEMMs (`scale_swizzled`, torchao's swizzled scales), rearranged after the cast by
     a torch pass (every cast kernel writes the storage layout). ("blocked" is refused, naming
@@ -515,7 +535,7 @@ def to_mx(
         _check_layout_offs(x, ax, scale_layout, offs, bs)
         out = mx_cast(x, ax, recipe)
     else:
-        spec = checked_spec(block_size, scaling_mode, elem_dtype)
+        spec = checked_spec(*_format_args(block_size, scaling_mode, elem_dtype))
         ax = check_x(x, spec.block_size, axis)
         _check_layout_offs(x, ax, scale_layout, offs, spec.block_size)
         out = _cast(x, ax, spec, DEFAULT_RECIPE)  # the format given, the default ("auto") kernels
@@ -559,9 +579,9 @@ def _cast(x: Tensor, ax: int, spec, recipe: MXRecipe) -> MXTensor:
 
 def to_mx_dim0_dim1(
     x: Tensor,
-    scaling_mode: str | ScalingMode = "rceil",
-    elem_dtype: torch.dtype = torch.float8_e4m3fn,
-    block_size: int = 32,
+    scaling_mode: str | ScalingMode | None = None,
+    elem_dtype: torch.dtype | None = None,
+    block_size: int | None = None,
     *,
     recipe: MXRecipe | None = None,
     scale_layout: str = "plain",
@@ -571,14 +591,15 @@ def to_mx_dim0_dim1(
 
     Returns (along dim -1: storage qdata (R, C), scale (R, C // bs); along dim 0: storage qdata
     (C, R), scale (C, R // bs)), elements in `elem_dtype`, scales e8m0, all contiguous.
-    recipe: as in `to_mx` (the fused cast runs its dim1_kernel; without a recipe "auto").
+    scaling_mode, elem_dtype, block_size, recipe: as in `to_mx` (the fused cast runs the recipe's
+    dim1_kernel; without a recipe "auto").
     scale_layout, offs: as in `to_mx`, for both results (offs: token groups along R).
     """
     if recipe is not None:
         _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size)
         spec = spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype)
     else:
-        spec = checked_spec(block_size, scaling_mode, elem_dtype)
+        spec = checked_spec(*_format_args(block_size, scaling_mode, elem_dtype))
         recipe = DEFAULT_RECIPE  # its ("auto") kernels; the format is `spec`
     check_input_dtype("x", x)
     if x.ndim != 2:

@@ -42,8 +42,8 @@ def test_wrong_elem_dtype(elem):
 
 
 # (32.0 and True after a cast with 32 and 1 (invalid) remembered as checked: the memo is by type too;
-# [32] is unhashable, so never remembered: checked as given.)
-@pytest.mark.parametrize("bs", [0, 1, 3, 48, -32, 24, True, 32.0, "32", None, [32]])
+# [32] is unhashable, so never remembered: checked as given. None is the default format's: 32.)
+@pytest.mark.parametrize("bs", [0, 1, 3, 48, -32, 24, True, 32.0, "32", [32]])
 def test_bad_block_size(bs):
     to_mx(X, recipe=recipe_for("torch"))
     with pytest.raises(ValueError, match=r"block_size=.*power of two"):
@@ -52,7 +52,7 @@ def test_bad_block_size(bs):
         to_mx_dim0_dim1(torch.ones(64, 64), block_size=bs)
 
 
-@pytest.mark.parametrize("mode", ["round", "", "nearest", None, 1, ["rceil"]])
+@pytest.mark.parametrize("mode", ["round", "", "nearest", 1, ["rceil"]])  # (None: the default's)
 def test_unknown_scaling_mode(mode):
     with pytest.raises(ValueError, match="scaling_mode="):
         to_mx(X, scaling_mode=mode)
