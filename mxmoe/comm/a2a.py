@@ -35,6 +35,7 @@ from mxmoe.comm.reference import reference_mxfp8_a2a
 from mxmoe.comm.splits import check_and_plan
 from mxmoe.comm.transport import Plan, row_transport
 from mxmoe.formats import MXFormat
+from mxmoe.ops.gemm import first_order
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, mx_tensor_trusted
 from mxmoe.recipe import MXRecipe
 
@@ -94,6 +95,7 @@ class _MXA2A(torch.autograd.Function):
         return _mx_exchange(x, plan, group, r, True, chunks, transport)
 
     @staticmethod
+    @first_order("mxmoe.comm.to_mxfp8_a2a_dequant")
     def backward(ctx, grad):
         plan, group, r, chunks, transport = ctx.args
         y = _mx_exchange(grad, plan.reversed(), group, r, True, chunks, transport)
@@ -134,6 +136,7 @@ class _Combine(torch.autograd.Function):
         return _exchange_unquantized(x, plan, group, transport)
 
     @staticmethod
+    @first_order("mxmoe.comm.a2a_combine")
     def backward(ctx, grad):
         plan, group, r, chunks, transport = ctx.args
         y = _mx_exchange(grad, plan.reversed(), group, r, True, chunks, transport)

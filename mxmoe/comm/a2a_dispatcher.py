@@ -31,6 +31,7 @@ from mxmoe.comm.transport import (
     load_transport,
     resolve_transport,
 )
+from mxmoe.ops.gemm import first_order
 from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, mx_tensor_trusted
 from mxmoe.recipe import MXRecipe
@@ -135,6 +136,7 @@ class _CombineMX(torch.autograd.Function):
         return ops.a2a_rows(y, send, recv, group, transport, out_rows)
 
     @staticmethod
+    @first_order("AllToAllDispatcher.combine")
     def backward(ctx, grad):
         send, recv = ctx.saved_tensors
         group, transport, rows, fmt, kernel, chunks = ctx.meta

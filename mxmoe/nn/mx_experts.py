@@ -12,7 +12,7 @@ from torch.nn.utils import parametrize
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
 from mxmoe.nn.linear import carry_hooks
 from mxmoe.ops import mx_grouped_swiglu_mlp
-from mxmoe.ops.gemm import autocast_input
+from mxmoe.ops.gemm import autocast_input, first_order
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.quant.qdq import qdq
 from mxmoe.recipe import MXRecipe, as_recipe
@@ -141,5 +141,6 @@ class _RoundGrad(torch.autograd.Function):
         return y.view_as(y)
 
     @staticmethod
+    @first_order("mxmoe.nn.mx_experts.run_on_mx_rounded_rows (expert_gemm='bf16')")
     def backward(ctx, grad: Tensor):
         return qdq(grad, -1, recipe=ctx.recipe), None

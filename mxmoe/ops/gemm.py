@@ -22,6 +22,7 @@ backend MXTensors.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import Tensor
@@ -258,10 +259,41 @@ def apply_function(fn: type[torch.autograd.Function], *args):
     """`fn.apply(*args)`; in eager mode without functorch transforms, the C++ apply itself: the
     Python of `torch.autograd.Function.apply` only binds default arguments for a `setup_context`
     (the ops' Functions have none) and unwraps functorch's dead wrappers (none without
-    transforms), µs per call. torch.compile traces `fn.apply` as usual."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    transforms), µs per call. torch.compile traces `fn.apply` as usual. Under a torch.func
+    transform (which such a Function cannot run under) a RuntimeError names the op."""
+    if torch.compiler.is_compiling():
         return fn.apply(*args)
+    if torch._C._are_functorch_transforms_active():
+        op = getattr(fn.backward, "mx_op", fn.__name__)
+        raise RuntimeError(
+            f"{op} does not run under torch.func transforms (grad, vmap, jvp, jacrev, ...): call it "
+            "outside them (its gradient: torch.autograd.grad or .backward(), first order only)"
+        )
     return super(torch.autograd.Function, fn).apply(*args)
+
+
+def first_order(op: str):
+    """Decorator of an MX autograd Function's backward, whose gradients have no derivative (they go
+    through MX casts): a backward under create_graph=True (grad mode on in the backward) is a
+    RuntimeError naming `op`, instead of an error from a cast inside at the second differentiation,
+    or a second derivative through only the backward's unquantized parts. (torch's
+    once_differentiable errs only where the second differentiation reaches the op's gradient, not
+    one asked of the op's inputs, which it would leave out.)"""
+
+    def decorate(backward):
+        @functools.wraps(backward)
+        def first_order_backward(ctx, *grads):
+            if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"{op} has no double backward (create_graph=True): its gradients go through MX casts, "
+                    "which have no derivative; differentiate it once, without create_graph"
+                )
+            return backward(ctx, *grads)
+
+        first_order_backward.mx_op = op
+        return first_order_backward
+
+    return decorate
 
 
 def check_dtype(name: str, dtype: torch.dtype) -> None:

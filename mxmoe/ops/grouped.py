@@ -58,6 +58,7 @@ from mxmoe.ops.gemm import (
     autocast_on,
     autocast_target,
     check_dtype,
+    first_order,
     gemm,
     mx_gemm,
     no_autocast,
@@ -234,6 +235,7 @@ class _MXGroupedMM(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("mxmoe.ops.mx_grouped_mm")
     def backward(ctx, dy: Tensor):
         need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
         w, offs, *kept = ctx.saved_tensors
@@ -300,6 +302,7 @@ class _MXGroupedMMShared(torch.autograd.Function):
         return ys
 
     @staticmethod
+    @first_order("mxmoe.ops.mx_grouped_mm_shared")
     def backward(ctx, *dys):
         recipe, kernels, n = ctx.recipe, ctx.kernels, ctx.n
         saved = ctx.saved_tensors  # read once: under non-reentrant checkpointing each read unpacks
@@ -439,6 +442,7 @@ class _MXGroupedMMSwiGLU(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("mxmoe.ops.mx_grouped_mm_swiglu")
     def backward(ctx, dy: Tensor):
         need_dg, need_du, need_dw = ctx.needs_input_grad[:3]
         g, u, w, offs, *kept = ctx.saved_tensors
@@ -535,6 +539,7 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("mxmoe.ops.mx_grouped_swiglu_mlp")
     def backward(ctx, dy: Tensor):
         recipe, kernels = ctx.recipe, ctx.kernels
         offs, w1, w3, w2, g, u, *rest = ctx.saved_tensors

@@ -38,6 +38,7 @@ from mxmoe.ops.gemm import (
     autocast_on,
     autocast_target,
     check_dtype,
+    first_order,
     gemm,
     mx_gemm,
     no_autocast,
@@ -304,6 +305,7 @@ class _MXMM(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("mxmoe.ops.mx_mm")
     def backward(ctx, dy: Tensor):
         need_dx, need_dw, _, _ = ctx.needs_input_grad
         w, *kept = ctx.saved_tensors
@@ -355,6 +357,7 @@ class _MXMMShared(torch.autograd.Function):
         return ys
 
     @staticmethod
+    @first_order("mxmoe.ops.mx_mm_shared")
     def backward(ctx, *dys: Tensor | None):
         need_dx = ctx.needs_input_grad[0]
         saved = ctx.saved_tensors  # read once: under non-reentrant checkpointing each read unpacks

@@ -488,3 +488,53 @@ def test_renamed_names_say_where_they_went():
                      ("QDQ_BACKENDS", "mxmoe.ops.gemm_backend.QDQ_BACKENDS")):
         with pytest.raises(AttributeError, match=f"mxmoe.ops.gemm.{old} is now {new}"):
             getattr(gemm_mod, old)
+
+
+def _double_backward_cases():
+    """(op name, a function of (x, w) through one MX op): x (64, 64), w (64, 64)."""
+    from mxmoe.nn.mx_experts import run_on_mx_rounded_rows
+    from mxmoe.ops import mx_grouped_mm_shared, mx_grouped_mm_swiglu, mx_grouped_swiglu_mlp, mx_mm_shared
+
+    offs = torch.tensor([16, 64], dtype=torch.int32)
+    e = lambda w: w.view(1, 64, 64).expand(2, 64, 64)  # two experts' (K, N) weights
+    hp = CFG.replace(wgrad_with_hp=True)  # the weight gradient's GEMM unquantized: still refused
+    return [
+        ("mx_mm", lambda x, w: mx_mm(x, w, CFG)),
+        ("mx_mm", lambda x, w: mx_mm(x, w, hp)),
+        ("mx_mm_shared", lambda x, w: mx_mm_shared(x, [w, w], CFG)[1]),
+        ("mx_grouped_mm", lambda x, w: mx_grouped_mm(x, e(w), offs, CFG)),
+        ("mx_grouped_mm_shared", lambda x, w: mx_grouped_mm_shared(x, [e(w)], offs, CFG)[0]),
+        ("mx_grouped_mm_swiglu", lambda x, w: mx_grouped_mm_swiglu(x, x * 2, e(w), offs, CFG)),
+        ("mx_grouped_swiglu_mlp", lambda x, w: mx_grouped_swiglu_mlp(x, e(w), e(w), e(w), offs, CFG)),
+        ("run_on_mx_rounded_rows", lambda x, w: run_on_mx_rounded_rows(x, CFG, lambda r: r @ w)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_double_backward_is_refused_naming_the_op(case):
+    """create_graph=True through an MX op: its gradients have no derivative (MX casts). The first
+    backward says so, naming the op (the second differentiation failed inside a cast's or grouped
+    GEMM's backward, or took a second derivative through the unquantized parts only)."""
+    name, f = _double_backward_cases()[case]
+    torch.manual_seed(case)
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    y = f(x, w)
+    with pytest.raises(RuntimeError, match=rf"{name}.* has no double backward \(create_graph=True\)"):
+        torch.autograd.grad(y.pow(2).sum(), (x, w), create_graph=True)
+    # one differentiation is unchanged
+    gx, gw = torch.autograd.grad(f(x, w).pow(2).sum(), (x, w))
+    assert gx.shape == x.shape and gw.shape == w.shape and not gx.requires_grad
+
+
+def test_torch_func_transforms_are_refused_naming_the_op():
+    """torch.func.grad (once, or of itself) of an MX op: torch's "must override the setup_context
+    staticmethod" named neither the op nor what to do."""
+    w = torch.randn(64, 32)
+    f = lambda x: mx_mm(x, w, CFG).sum()
+    for g in (torch.func.grad(f), torch.func.grad(lambda x: torch.func.grad(f)(x).sum())):
+        with pytest.raises(RuntimeError, match=r"^mxmoe.ops.mx_mm does not run under torch.func transforms"):
+            g(torch.randn(64, 64))
+    offs = torch.tensor([64], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"^mxmoe.ops.mx_grouped_mm does not run under torch.func"):
+        torch.func.grad(lambda x: mx_grouped_mm(x, w.view(1, 64, 32), offs, CFG).sum())(torch.randn(64, 64))
