@@ -135,29 +135,48 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_memory_bytes(device: torch.device) -> int:
+    """The memory a rank can take now: a GPU's free memory (torch.cuda.mem_get_info), else the
+    host's available memory (/proc/meminfo's MemAvailable: free memory and the page cache the kernel
+    gives back; os.sysconf's free pages leave that cache out); without /proc/meminfo (not Linux) the
+    physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return device_memory_bytes(device)
+
+
 def memory_floor(margs: ModelArgs, cfg: JobConfig, world: int) -> tuple[int, str]:
     """(bytes, what they are): a lower bound of one rank's memory for this model and batch, in
     Python ints (no overflow): fp32 weights, gradients and both AdamW moments (16 bytes a parameter,
-    spread over `world` ranks as FSDP and expert parallelism at best spread them) and the fp32
-    logits of one local batch (local_batch_size x seq_len x the byte vocabulary x 4 bytes)."""
+    spread over `world` ranks as FSDP and expert parallelism at best spread them) and, for one local
+    batch, the fp32 logits and their log-softmax, which the loss's cross-entropy holds together
+    (2 x local_batch_size x seq_len x the byte vocabulary x 4 bytes)."""
     t = cfg.training
     params = margs.num_params()[0]
     state = 16 * params // world
-    logits = 4 * t.local_batch_size * t.seq_len * VOCAB_SIZE
+    logits = 2 * 4 * t.local_batch_size * t.seq_len * VOCAB_SIZE
     what = (
         f"{params:,} parameters x 16 bytes (fp32 weights, gradients, AdamW moments) / {world} rank(s) + "
-        f"fp32 logits {t.local_batch_size} x {t.seq_len} x {VOCAB_SIZE} x 4 bytes"
+        f"fp32 logits and their log-softmax 2 x {t.local_batch_size} x {t.seq_len} x {VOCAB_SIZE} x 4 bytes"
     )
     return state + logits, what
 
 
 def check_run(cfg: JobConfig, margs: ModelArgs, device: torch.device, world: int) -> None:
     """ValueError naming the setting for what only the device tells, before anything is built: a
-    model and batch that cannot fit the device's memory (`memory_floor`, a lower bound: what is
-    refused could never run), mx.gemm_backend='native' where torch's MX GEMMs cannot run, and a
-    profiler trace folder that cannot be written."""
+    model and batch that cannot fit the memory the device has available now (`memory_floor`, a
+    lower bound: what is refused could not run beside what else holds that memory),
+    mx.gemm_backend='native' where torch's MX GEMMs cannot run, and a profiler trace folder that
+    cannot be written."""
     need, what = memory_floor(margs, cfg, world)
-    have = device_memory_bytes(device)
+    have = available_memory_bytes(device)
     if need > have:
         m = cfg.model
         raise ValueError(
@@ -165,7 +184,8 @@ def check_run(cfg: JobConfig, margs: ModelArgs, device: torch.device, world: int
             f"num_experts {margs.num_experts}, moe_hidden_dim {margs.moe_hidden_dim}) with "
             f"training.local_batch_size={cfg.training.local_batch_size} and training.seq_len="
             f"{cfg.training.seq_len} needs at least {need / 2**30:,.1f} GiB per rank ({what}), more than "
-            f"the {have / 2**30:,.1f} GiB of {device.type}: make the model, the batch or the sequences "
+            f"the {have / 2**30:,.1f} GiB available of {device.type}'s "
+            f"{device_memory_bytes(device) / 2**30:,.1f} GiB: make the model, the batch or the sequences "
             "smaller"
         )
     if uses_mx(cfg) and cfg.mx.gemm_backend == "native":

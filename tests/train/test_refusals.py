@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import spawn_ranks
 from test_config import _rank_in_its_folder, _rank_with_extra
 from test_trainer import TINY, losses, signal_after_three_steps
@@ -95,6 +96,25 @@ def test_sizes_no_memory_holds_are_refused_before_building(tmp_path, capsys, opt
     err = capsys.readouterr().err
     assert message in err and "GiB per rank" in err and "of cpu" in err and "Traceback" not in err, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_batch_beyond_the_available_memory_is_refused_before_building(tmp_path, capsys, monkeypatch):
+    """The memory floor is held against the memory available now (a 100000-sequence batch, whose
+    floor was below the host's physical memory, filled 18 GB before it was killed); here the host
+    is said to have 1 GiB available, so the test allocates nothing big."""
+    from mxmoe.train import build
+
+    monkeypatch.setattr(build, "available_memory_bytes", lambda device: 2**30)
+    argv = TINY + ["--training.local_batch_size=50000", f"--job.dump_folder={tmp_path}/run"]
+    assert trainer.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "training.local_batch_size=50000 and training.seq_len=32 needs at least 3.1 GiB" in err, err
+    assert "log-softmax 2 x 50000 x 32 x 256 x 4 bytes), more than the 1.0 GiB available of cpu's" in err, err
+    assert "Traceback" not in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    cpu = torch.device("cpu")
+    monkeypatch.undo()
+    assert 0 < build.available_memory_bytes(cpu) <= build.device_memory_bytes(cpu)
 
 
 def test_native_gemm_on_a_cpu_is_refused_at_start(tmp_path, capsys):
