@@ -116,10 +116,13 @@ class MXTensor:
         return state
 
     def __setstate__(self, state: dict) -> None:
+        """The fields of `__getstate__`'s state, checked as `MXTensor(...)` checks them (a pickle, or
+        a file `torch.load(..., weights_only=True)` reads, is an outside input)."""
         state = dict(state)
         for k, dtype in state.pop("_bytes_of", {}).items():
             state[k] = state[k].view(dtype)
         self.__dict__.update(state)
+        self.scaling_mode = _check_fields(self)
 
     def __eq__(self, other):
         """Identity, as a dataclass of tensors compares; two distinct MXTensors have no `==` (the
@@ -428,6 +431,11 @@ def _check_layout_offs(x, ax: int, scale_layout: str, offs, block_size: int, nam
             f"offs={ends}: a cast along dim 0 with grouped swizzled scales needs every group end a "
             f"multiple of block_size={block_size} (a block must not straddle two groups)"
         )
+
+
+# torch.load(..., weights_only=True) takes an MXTensor (as torchao allowlists its tensor classes): its
+# state is tensors, ints, a str and dtypes, which that unpickler takes, checked by __setstate__
+torch.serialization.add_safe_globals([MXTensor])
 
 
 def make_grad_anchor(shape, dtype: torch.dtype, device: torch.device) -> Tensor:

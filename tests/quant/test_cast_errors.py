@@ -550,3 +550,39 @@ def test_mxtensor_pickles_and_deepcopies():
         for name in ("qdata_blocked", "scale_blocked", "scale_swizzled"):
             a, b = getattr(x, name), getattr(y, name)
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def test_mxtensor_loads_with_weights_only(tmp_path):
+    """torch.load(path, weights_only=True) refused an MXTensor ("Unsupported global: GLOBAL
+    mxmoe.quant.mx_tensor.MXTensor") unless the caller allowlisted it; it round-trips bit for bit, and
+    a file whose fields MXTensor(...) would refuse is refused the same way."""
+    from mxmoe.quant.mx_tensor import mx_tensor_trusted
+
+    offs = torch.tensor([16, 64], dtype=torch.int32)
+    saved = {
+        "plain": to_mx(torch.randn(64, 96)),
+        "dim1_e5m2": to_mx(torch.randn(64, 96, dtype=torch.bfloat16), axis=0,
+                           recipe=recipe_for("torch", scaling_mode="floor", elem_dtype=torch.float8_e5m2)),
+        "swizzled": to_mx(torch.randn(64, 64), scale_layout="swizzled", offs=offs),
+        "3d_block16": to_mx(torch.randn(2, 8, 32), block_size=16),
+    }
+    torch.save(saved, tmp_path / "mx.pt")
+    loaded = torch.load(tmp_path / "mx.pt", weights_only=True)
+    assert sorted(loaded) == sorted(saved)
+    for k, x in saved.items():
+        y = loaded[k]
+        assert isinstance(y, MXTensor), k
+        assert (y.axis, y.block_size, y.scaling_mode, y.orig_dtype) == (
+            x.axis, x.block_size, x.scaling_mode, x.orig_dtype
+        ), k
+        for name in ("qdata_blocked", "scale_blocked", "scale_swizzled", "offs"):
+            a, b = getattr(x, name), getattr(y, name)
+            assert (a is None) == (b is None), (k, name)
+            if a is not None:
+                assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (k, name)
+    x = saved["plain"]
+    short = x.scale_blocked[:, :2].contiguous()
+    bad = mx_tensor_trusted(x.qdata_blocked, short, 1, 32, "rceil", torch.float32)
+    torch.save(bad, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=r"scale_blocked has shape \(64, 2\); expected \(64, 3\)"):
+        torch.load(tmp_path / "bad.pt", weights_only=True)
