@@ -60,8 +60,10 @@ def check_values(cfg: JobConfig) -> None:
         )
     if t.mixed_precision not in ("bf16", "fp32", "tf32"):
         raise ValueError(f"training.mixed_precision={t.mixed_precision!r}: expected bf16, fp32 or tf32")
-    if t.cpu_threads < 0:
-        raise ValueError(f"training.cpu_threads={t.cpu_threads}: expected >= 0 (0 = torch's default)")
+    if not 0 <= t.cpu_threads < 2**31:  # (torch.set_num_threads takes an int32: "Overflow when unpacking")
+        raise ValueError(
+            f"training.cpu_threads={t.cpu_threads}: expected >= 0 (0 = torch's default) and < 2**31"
+        )
     m = cfg.model
     for key, value, low in (
         ("model.dim", m.dim, 1),

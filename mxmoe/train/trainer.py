@@ -175,6 +175,13 @@ def _train_run(cfg: JobConfig) -> int:
     rank, world, device, own_pg = parallel.init_distributed(t.device, p.timeout_s)
     threads = torch.get_num_threads()
     if device.type == "cpu" and t.cpu_threads > 0:
+        cpus = os.cpu_count()
+        if cpus is not None and t.cpu_threads > cpus:
+            log.warning(
+                "training.cpu_threads=%d is more than the %d CPUs of this host (os.cpu_count()): the "
+                "threads take turns on them, which slows every step; at most %d is useful",
+                t.cpu_threads, cpus, cpus,
+            )
         torch.set_num_threads(t.cpu_threads)
     distributed = dist.is_initialized()
     stop = _Stop()

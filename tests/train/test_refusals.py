@@ -4,6 +4,7 @@ key given twice, sizes no memory holds, the native MX GEMM where it cannot run, 
 cannot be written; one data file is never both splits; Ctrl-C saves and stops as SIGTERM does; the
 divergence error says when nothing was saved yet."""
 
+import os
 import signal
 from pathlib import Path
 
@@ -115,6 +116,30 @@ def test_a_batch_beyond_the_available_memory_is_refused_before_building(tmp_path
     cpu = torch.device("cpu")
     monkeypatch.undo()
     assert 0 < build.available_memory_bytes(cpu) <= build.device_memory_bytes(cpu)
+
+
+@pytest.mark.parametrize("threads", [-1, 2**31])
+def test_cpu_threads_out_of_range_is_refused(tmp_path, capsys, threads):
+    """2**31 failed in torch.set_num_threads as "Overflow when unpacking long", naming no option."""
+    argv = TINY + [f"--training.cpu_threads={threads}", f"--job.dump_folder={tmp_path}/run"]
+    assert trainer.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"training.cpu_threads={threads}: expected >= 0 (0 = torch's default) and < 2**31" in err, err
+
+
+def test_more_cpu_threads_than_cpus_is_said(tmp_path, capsys):
+    """training.cpu_threads above os.cpu_count() ran silently, its threads taking turns on the CPUs."""
+    cpus = os.cpu_count()
+    threads = torch.get_num_threads()
+    argv = TINY + ["--training.steps=1", f"--training.cpu_threads={cpus + 1}"]
+    argv += [f"--job.dump_folder={tmp_path}/run"]
+    assert trainer.main(argv) == 0
+    err = capsys.readouterr().err
+    said = f"mxmoe WARNING: training.cpu_threads={cpus + 1} is more than the {cpus} CPUs of this host"
+    assert said in err, err
+    assert torch.get_num_threads() == threads  # restored after the run
+    assert trainer.main(TINY + ["--training.steps=1", f"--job.dump_folder={tmp_path}/run2"]) == 0
+    assert "cpu_threads" not in capsys.readouterr().err  # TINY's 1 thread: nothing said
 
 
 def test_native_gemm_on_a_cpu_is_refused_at_start(tmp_path, capsys):
