@@ -203,6 +203,42 @@ class MXTensor:
     def device(self) -> torch.device:
         return self.qdata_blocked.device
 
+    def to(self, device: torch.device | str | int | None = None, dtype=None, *, non_blocking: bool = False):
+        """This tensor on `device`: a new MXTensor whose fields (elements, scales, swizzled scales,
+        offs) are those tensors' `.to(device, non_blocking=non_blocking)`, the grad anchor made again
+        there (zero-stride; its gradient goes back to the original's device). self where nothing
+        moves (device None, or already there), as torch.Tensor.to returns self.
+
+        Only the device changes: a dtype (here or as `device`) is a TypeError; `dequantize(dtype)`
+        gives a high-precision tensor."""
+        if dtype is not None or isinstance(device, torch.dtype):
+            got = dtype if dtype is not None else device
+            raise TypeError(
+                f"MXTensor.to takes a device only, got dtype {got}: its elements stay in their MX format "
+                f"({self.elem_dtype}); use .dequantize(dtype) for a high-precision tensor"
+            )
+        if device is None:
+            return self
+        try:
+            device = torch.device(device)
+        except (TypeError, RuntimeError) as e:
+            raise TypeError(f"MXTensor.to: device={device!r} is not a device ({e})") from None
+        fields = (self.qdata_blocked, self.scale_blocked, self.scale_swizzled, self.offs)
+        moved = [None if t is None else t.to(device, non_blocking=non_blocking) for t in fields]
+        if all(m is t for m, t in zip(moved, fields, strict=True)):
+            return self
+        anchor = self.grad_anchor
+        if anchor is not None:
+            anchor = _MoveAnchor.apply(anchor, moved[0].device)
+        q, s, sw, offs = moved
+        return mx_tensor_trusted(
+            q, s, self.axis, self.block_size, self.scaling_mode, self.orig_dtype, anchor, sw, offs
+        )
+
+    def cpu(self) -> MXTensor:
+        """`.to("cpu")`."""
+        return self.to("cpu")
+
     def dequantize(self, dtype: torch.dtype | None = None, *, recipe: MXRecipe | None = None) -> Tensor:
         """High-precision tensor of the logical shape (a view: the storage order is kept), in `dtype`
         (torch.bfloat16 | torch.float32; default orig_dtype).
@@ -457,6 +493,20 @@ class _IndexAnchor(torch.autograd.Function):
         (index,) = ctx.saved_tensors
         out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
         return out.index_add_(0, index, grad), None
+
+
+class _MoveAnchor(torch.autograd.Function):
+    """A grad anchor made again on another device (zero-stride there too); backward: the gradient
+    back on the original's device."""
+
+    @staticmethod
+    def forward(ctx, anchor: Tensor, device: torch.device) -> Tensor:
+        ctx.device = anchor.device
+        return make_grad_anchor(anchor.shape, anchor.dtype, device)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.to(ctx.device), None
 
 
 def _rows(shape: torch.Size, trailing: int) -> int:

@@ -586,3 +586,39 @@ def test_mxtensor_loads_with_weights_only(tmp_path):
     torch.save(bad, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match=r"scale_blocked has shape \(64, 2\); expected \(64, 3\)"):
         torch.load(tmp_path / "bad.pt", weights_only=True)
+
+
+def test_mxtensor_to_a_device():
+    """MXTensor had no .to / .cpu (AttributeError): .to(device) moves every field, self where
+    nothing moves, and a dtype is refused naming dequantize."""
+    from mxmoe.quant.mx_tensor import _MoveAnchor, mx_tensor_trusted
+
+    offs = torch.tensor([32, 64], dtype=torch.int32)
+    x = to_mx(torch.randn(64, 64), scale_layout="swizzled", offs=offs)
+    assert x.to("cpu") is x and x.to(torch.device("cpu"), non_blocking=True) is x and x.cpu() is x
+    assert x.to() is x
+    m = x.to("meta")
+    assert m is not x and isinstance(m, MXTensor)
+    for name in ("qdata_blocked", "scale_blocked", "scale_swizzled", "offs"):
+        a, b = getattr(x, name), getattr(m, name)
+        assert b.device.type == "meta", name
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), name
+    fields = lambda t: (t.axis, t.block_size, t.scaling_mode, t.orig_dtype)
+    assert fields(m) == fields(x) and x.device.type == "cpu"  # the original is left as it was
+    # a grad anchor is made again on the new device (zero-stride), its gradient back on the old one
+    src = torch.zeros((), requires_grad=True)
+    y = mx_tensor_trusted(x.qdata_blocked, x.scale_blocked, 1, 32, "rceil", torch.float32, src.expand(64, 64))
+    ym = y.to("meta")
+    assert ym.grad_anchor.device.type == "meta" and ym.grad_anchor.stride() == (0, 0)
+    assert ym.grad_anchor.requires_grad and y.to("cpu") is y
+    moved = _MoveAnchor.apply(src.expand(64, 64), torch.device("cpu"))
+    assert moved.stride() == (0, 0)
+    moved.backward(torch.full((64, 64), 0.5))
+    assert src.grad.item() == 64 * 64 * 0.5
+    said = r"^MXTensor.to takes a device only, got dtype torch.bfloat16: .* use .dequantize\(dtype\)"
+    with pytest.raises(TypeError, match=said):
+        x.to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^MXTensor.to takes a device only, got dtype torch.float32"):
+        x.to("cpu", dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"^MXTensor.to: device='float32' is not a device"):
+        x.to("float32")
