@@ -276,9 +276,9 @@ def first_order(op: str):
     """Decorator of an MX autograd Function's backward, whose gradients have no derivative (they go
     through MX casts): a backward under create_graph=True (grad mode on in the backward) is a
     RuntimeError naming `op`, instead of an error from a cast inside at the second differentiation,
-    or a second derivative through only the backward's unquantized parts. (torch's
-    once_differentiable errs only where the second differentiation reaches the op's gradient, not
-    one asked of the op's inputs, which it would leave out.)"""
+    or a gradient without the history it has (dy of none: dx came back not requiring grad, and a
+    second derivative left its part out silently). (torch's once_differentiable errs only where
+    the second differentiation reaches the op's gradient, not one asked of the op's inputs.)"""
 
     def decorate(backward):
         @functools.wraps(backward)

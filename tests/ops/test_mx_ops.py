@@ -527,6 +527,15 @@ def test_double_backward_is_refused_naming_the_op(case):
     assert gx.shape == x.shape and gw.shape == w.shape and not gx.requires_grad
 
 
+def test_double_backward_of_a_gradient_without_history_is_refused():
+    """With dy of no history (loss = y.sum()) the gradient of x came back not requiring grad, though
+    it depends on w: d(||dx||^2 + ||w||^2)/dw was 2w alone, silently."""
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 32, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"^mxmoe.ops.mx_mm has no double backward"):
+        torch.autograd.grad(mx_mm(x, w, CFG).sum(), x, create_graph=True)
+
+
 def test_torch_func_transforms_are_refused_naming_the_op():
     """torch.func.grad (once, or of itself) of an MX op: torch's "must override the setup_context
     staticmethod" named neither the op nor what to do."""
