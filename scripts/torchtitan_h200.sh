@@ -11,6 +11,13 @@
 #
 #   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2] [VARIANTS=bf16,mxmoe,torchao] [FLAGS...]
 #
+# Speed comparisons (issue 54): REPEATS=N runs every seed x variant N times, interleaved in time
+# (bf16, mxmoe, ..., bf16, mxmoe, ...), as VARIANT_sSEED_rR; BEFORE=DIR adds the variant
+# mxmoe_before, mxmoe from another tree (DIR holds its `mxmoe` package: `git archive REV mxmoe | tar
+# -x -C DIR`); FLAVOR=mxmoe_ep trains the wider DeepSeek-V3 of scripts/torchtitan_ep_flavor.py
+# (dim 5120, 16 experts of 2048, top-8: 2.1 B parameters), whose step is the GPU's, not the host's.
+#   DETERMINISTIC=0 REPEATS=3 BEFORE=.before bash scripts/torchtitan_h200.sh OUT 100 120 0 bf16,mxmoe,mxmoe_before
+#
 # FLAGS (after the five positional arguments) go to every run, e.g. `--profiling.enable_profiling
 # --profiling.profile_freq 10` (then `mxmoe bench trace OUT_DIR/RUN/profile_trace/*/rank0_trace.json`
 # gives GPU ms per step by kernel category).
@@ -36,8 +43,22 @@ IFS=, read -r -a VARIANTS <<< "${5:-bf16,mxmoe,torchao}"
 shift $(( $# < 5 ? $# : 5 ))
 EXTRA=("$@")
 for v in "${VARIANTS[@]}"; do
-    case $v in bf16|mxmoe|torchao) ;; *) echo "variant '$v': expected bf16, mxmoe or torchao" >&2; exit 2 ;; esac
+    case $v in
+        bf16|mxmoe|torchao) ;;
+        mxmoe_before) [ -d "${BEFORE:-}/mxmoe" ] || { echo "variant mxmoe_before: BEFORE=${BEFORE:-} must be a folder holding an mxmoe package" >&2; exit 2; } ;;
+        *) echo "variant '$v': expected bf16, mxmoe, mxmoe_before or torchao" >&2; exit 2 ;;
+    esac
 done
+REPEATS=${REPEATS:-1}
+[[ $REPEATS =~ ^[1-9][0-9]*$ ]] || { echo "REPEATS=$REPEATS: expected a number of runs >= 1" >&2; exit 2; }
+[ -z "${BEFORE:-}" ] || BEFORE=$(cd "$BEFORE" && pwd)
+MODEL=()  # the model's flags; torchao's peer is registered by the flavor's module too
+PEER=torchtitan_torchao_peer
+case ${FLAVOR:-} in
+    "") ;;
+    mxmoe_ep) MODEL=(--model.flavor mxmoe_ep --experimental.custom_import torchtitan_ep_flavor); PEER="" ;;
+    *) echo "FLAVOR=$FLAVOR: expected mxmoe_ep (or unset: the debug model)" >&2; exit 2 ;;
+esac
 DET=()
 [ "${DETERMINISTIC:-1}" = 0 ] || DET=(--debug.deterministic)
 PARALLEL=${PARALLEL:-1}
@@ -62,6 +83,14 @@ gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
 print("torch", torch.__version__, "|", gpu, "|", *(f"{p} {md.version(p)}" for p in ("torchtitan", "torchao", "datasets")))
 EOF
 
+# each run imports its tree's mxmoe (PYTHONSAFEPATH: `python -m` would put this checkout first)
+for tree in "$REPO" ${BEFORE:+"$BEFORE"}; do
+    [ "$tree" = "$REPO" ] || [[ " ${VARIANTS[*]} " == *" mxmoe_before "* ]] || continue
+    got=$(PYTHONSAFEPATH=1 PYTHONPATH=$tree:$PYTHONPATH "$PY" -c \
+        "import mxmoe, os; print(os.path.realpath(os.path.dirname(mxmoe.__file__)))")
+    [ "$got" = "$(realpath "$tree/mxmoe")" ] || { echo "PYTHONPATH=$tree imports mxmoe from $got, not $tree/mxmoe" >&2; exit 2; }
+done
+
 WORK=$(mktemp -d /tmp/torchtitan_h200.XXXXXX)  # data (~33 MB) and tokenizer: not results, kept out of OUT_DIR
 "$PY" -m mxmoe.integrations.torchtitan.data "$WORK/data" --tokenizer "$WORK/tokenizer"
 # mxmoe's CUDA cast kernels are built on first use (~30 s, cached under ~/.cache/torch_extensions):
@@ -75,36 +104,41 @@ except RuntimeError as e:
     print(f"mxmoe's CUDA cast kernels did not build, 'auto' takes the Triton ones: {str(e)[:300]}")
 EOF
 
-run() {  # run NAME SEED [trainer flags...]
+run() {  # run NAME SEED [trainer flags...]; TREE=DIR: mxmoe from that folder
     local name=$1 seed=$2; shift 2
     echo "== $name: $STEPS steps (at most ${RUN_TIMEOUT}s)"
     local t0=$SECONDS rc=0
-    timeout -k 15 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
+    PYTHONSAFEPATH=1 PYTHONPATH=${TREE:+$TREE:}$PYTHONPATH timeout -k 15 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
         -m torchtitan.train \
         --job.config_file "$("$PY" -m mxmoe config path torchtitan/deepseek_v3_debug_0.2)" \
         --job.dump_folder "$OUT/$name" \
         --model.hf_assets_path "$WORK/tokenizer" \
         --training.dataset_path "$WORK/data" \
         --training.steps "$STEPS" \
-        --debug.seed "$seed" "${DET[@]}" \
+        --debug.seed "$seed" "${DET[@]}" "${MODEL[@]}" \
         "$@" "${EXTRA[@]}" > "$OUT/$name.log" 2>&1 || rc=$?
     echo "   exit $rc after $((SECONDS - t0))s; last step line:"
     grep -a "step:" "$OUT/$name.log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g' || echo "   (none: see $OUT/$name.log)"
 }
 
-RUNS=()
-for seed in "${SEEDS[@]}"; do  # seed-major: an interrupted call leaves whole seeds
-    for v in "${VARIANTS[@]}"; do
-        while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n || true; done
-        case $v in
-            bf16) run "bf16_s$seed" "$seed" & ;;
-            mxmoe) run "mxmoe_s$seed" "$seed" --model.converters mxmoe & ;;
-            torchao) run "torchao_s$seed" "$seed" --model.converters torchao_mxfp8 \
-                --experimental.custom_import torchtitan_torchao_peer & ;;
-        esac
-        RUNS+=("${v}_s$seed")
+RUNS=() PIDS=()
+for r in $(seq 1 "$REPEATS"); do  # repeat-major, then seed-major: an interrupted call leaves whole rounds
+    for seed in "${SEEDS[@]}"; do
+        for v in "${VARIANTS[@]}"; do
+            while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n || true; done
+            name=${v}_s$seed
+            [ "$REPEATS" = 1 ] || name+=_r$r
+            case $v in
+                bf16) run "$name" "$seed" & ;;
+                mxmoe) run "$name" "$seed" --model.converters mxmoe & ;;
+                mxmoe_before) TREE=$BEFORE run "$name" "$seed" --model.converters mxmoe & ;;
+                torchao) run "$name" "$seed" --model.converters torchao_mxfp8 \
+                    ${PEER:+--experimental.custom_import $PEER} & ;;
+            esac
+            PIDS+=($!) RUNS+=("$name")
+        done
     done
 done
-wait
+for pid in "${PIDS[@]}"; do wait "$pid" || true; done
 
 "$PY" scripts/torchtitan_summary.py "$OUT" "${RUNS[@]}"

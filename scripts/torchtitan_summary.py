@@ -7,9 +7,11 @@ and last loss, mean loss of the last 5 logged steps and its difference from the 
 median tokens/s per GPU over the logged steps after the first (the first holds warm-up), and the
 ratio to the first run's. A run that stopped early shows the steps it logged.
 
-Runs named VARIANT_sSEED (scripts/torchtitan_h200.sh) are also summarized per variant: the mean and
-standard deviation over its seeds of the tail loss and of the median tokens/s, and their ratios to
-the first variant's means (runs that did not reach the last step of the longest run are left out).
+Runs named VARIANT_sSEED or VARIANT_sSEED_rR (scripts/torchtitan_h200.sh; R a repeat) are also
+summarized per variant: the mean and standard deviation over its runs of the tail loss and of the
+median tokens/s, and their ratios to the first variant's means; and the median over its runs of
+the median tokens/s, with its ratio to the first variant's (the speed figure where runs repeat: one
+slow run moves it least). Runs that did not reach the last step of the longest run are left out.
 """
 
 from __future__ import annotations
@@ -61,14 +63,14 @@ def main(argv: list[str]) -> None:
             base_loss, base_tps = tail, tps
         lines.append(
             f"| {run} | {rows[-1][0]} | {rows[0][1]:.4f} | {rows[-1][1]:.4f} | {tail:.4f} | "
-            f"{100 * (tail / base_loss - 1):+.2f} % | {tps:,.0f} | {tps / base_tps:.2f}x |"
+            f"{100 * (tail / base_loss - 1):+.2f} % | {tps:,.0f} | {tps / base_tps:.3f}x |"
         )
     lines += per_variant(done)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-SEEDED = re.compile(r"^(.+)_s(\d+)$")
+SEEDED = re.compile(r"^(.+)_s(\d+)(?:_r(\d+))?$")
 
 
 def per_variant(done: dict[str, tuple[int, float, float]]) -> list[str]:
@@ -89,19 +91,21 @@ def per_variant(done: dict[str, tuple[int, float, float]]) -> list[str]:
 
     out = [
         "",
-        f"Per variant, runs that reached step {last}: mean ± standard deviation over the seeds.",
+        f"Per variant, runs that reached step {last}: mean ± standard deviation over the runs, and the "
+        "median over the runs.",
         "",
-        "| variant | seeds | mean loss, last 5 logs | vs first variant | median tokens/s "
-        "| vs first variant |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| variant | runs | mean loss, last 5 logs | vs first variant | median tokens/s "
+        "| vs first variant | median over runs | vs first variant |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = None
     for name, vals in groups.items():
         (loss, loss_sd), (tps, tps_sd) = mean_std([v[0] for v in vals]), mean_std([v[1] for v in vals])
-        base = base or (loss, tps)
+        med = statistics.median(v[1] for v in vals)
+        base = base or (loss, tps, med)
         out.append(
             f"| {name} | {len(vals)} | {loss:.4f} ± {loss_sd:.4f} | {100 * (loss / base[0] - 1):+.2f} % | "
-            f"{tps:,.0f} ± {tps_sd:,.0f} | {tps / base[1]:.2f}x |"
+            f"{tps:,.0f} ± {tps_sd:,.0f} | {tps / base[1]:.3f}x | {med:,.0f} | {med / base[2]:.3f}x |"
         )
     return out
 

@@ -191,11 +191,23 @@ def write_json(path: str, payload) -> None:
         json.dump(payload, f, indent=2, default=default)
 
 
+def mxmoe_folder() -> str:
+    """The folder of the mxmoe package this process imported: an A/B of two trees checks that each
+    row ran the tree it names (a `python -m` started in a checkout imports that checkout's mxmoe
+    before PYTHONPATH's)."""
+    import os
+
+    import mxmoe
+
+    return os.path.dirname(os.path.abspath(mxmoe.__file__))
+
+
 def environment() -> dict:
-    """GPU, versions: what docs/benchmarks.md records next to every table."""
+    """GPU, versions and the mxmoe package that ran: what docs/benchmarks.md records next to every
+    table."""
     import platform
 
-    env = {"torch": torch.__version__, "python": platform.python_version()}
+    env = {"torch": torch.__version__, "python": platform.python_version(), "mxmoe": mxmoe_folder()}
     try:
         import triton
 

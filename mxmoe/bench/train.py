@@ -200,6 +200,7 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         "graphs_timed": dynamo["stats"]["unique_graphs"] - graphs_warm,
         "loss": float(ce.detach()),
         "deterministic": torch.are_deterministic_algorithms_enabled(),  # --debug.deterministic
+        "mxmoe": timing.mxmoe_folder(),  # the package this row ran (its own process's)
         "converted": report.summary() if report is not None else "",
         **prof,
     }

@@ -21,14 +21,34 @@ cd "$REPO"
 export PYTHONUNBUFFERED=1
 BASE=${PYTHONPATH:-}
 row() {  # row MODE KIND I [flags...]: KIND bf16 | before | after
-    local mode=$1 kind=$2 i=$3 tree=$REPO variant=mx
+    local mode=$1 kind=$2 i=$3 tree=$REPO variant=mx rc=0
     shift 3
     [ "$kind" = bf16 ] && variant=bf16
     [ "$kind" = before ] && tree=$BEFORE
-    PYTHONPATH=$tree${BASE:+:$BASE} timeout -k 10 "${LIMIT:-240}" python3 -m mxmoe bench train --config "$CONFIG" \
-        --variants "$variant" --modes "$mode" --steps "${STEPS:-10}" --warmup-steps "${WARMUP:-3}" "$@" \
-        --json "$OUT/${mode}_${kind}_$i.json" > "$OUT/${mode}_${kind}_$i.log" 2>&1
+    # PYTHONSAFEPATH: `python -m` puts the working folder (this checkout) first on sys.path, ahead
+    # of PYTHONPATH, and every row would run this checkout's mxmoe
+    PYTHONSAFEPATH=1 PYTHONPATH=$tree${BASE:+:$BASE} timeout -k 10 "${LIMIT:-240}" python3 -m mxmoe bench train \
+        --config "$CONFIG" --variants "$variant" --modes "$mode" --steps "${STEPS:-10}" --warmup-steps "${WARMUP:-3}" \
+        "$@" --json "$OUT/${mode}_${kind}_$i.json" > "$OUT/${mode}_${kind}_$i.log" 2>&1 || rc=$?
+    # the row ran the tree it names (rows of trees that record it), or it is set aside (the summary
+    # reads *.json only)
+    if [ -f "$OUT/${mode}_${kind}_$i.json" ] && ! python3 - "$OUT/${mode}_${kind}_$i.json" "$tree/mxmoe" <<'PY'
+import json, os, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+sys.exit(any(os.path.realpath(r["mxmoe"]) != os.path.realpath(sys.argv[2]) for r in rows if "mxmoe" in r))
+PY
+    then
+        echo "row $mode $kind $i did not run $tree/mxmoe: set aside as ${mode}_${kind}_$i.json.wrong_tree" >&2
+        mv "$OUT/${mode}_${kind}_$i.json" "$OUT/${mode}_${kind}_$i.json.wrong_tree"
+        rc=3
+    fi
+    return $rc
 }
+for tree in "$REPO" ${BEFORE:+"$BEFORE"}; do  # each tree's rows import that tree's mxmoe, or no row runs
+    got=$(PYTHONSAFEPATH=1 PYTHONPATH=$tree${BASE:+:$BASE} python3 -c \
+        "import mxmoe, os; print(os.path.realpath(os.path.dirname(mxmoe.__file__)))")
+    [ "$got" = "$(realpath "$tree/mxmoe")" ] || { echo "PYTHONPATH=$tree imports mxmoe from $got, not $tree/mxmoe" >&2; exit 2; }
+done
 IFS=, read -r -a MODE_LIST <<< "$MODES"
 IFS=, read -r -a KINDS <<< "${KINDS:-bf16,before,after}"
 [ -n "$BEFORE" ] || KINDS=("${KINDS[@]/before}")

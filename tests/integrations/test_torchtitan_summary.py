@@ -32,8 +32,8 @@ def test_per_variant_mean_and_spread_over_seeds(tmp_path):
     _load().main([str(tmp_path), *runs])
     text = (tmp_path / "summary.md").read_text()
     sd = statistics.stdev([4.0, 4.2])
-    assert f"| bf16 | 2 | 4.1000 ± {sd:.4f} | +0.00 % | 100 ± 0 | 1.00x |" in text
-    assert f"| mx | 2 | 4.2000 ± {sd:.4f} | +2.44 % | 100 ± 0 | 1.00x |" in text
+    assert f"| bf16 | 2 | 4.1000 ± {sd:.4f} | +0.00 % | 100 ± 0 | 1.000x | 100 | 1.000x |" in text
+    assert f"| mx | 2 | 4.2000 ± {sd:.4f} | +2.44 % | 100 ± 0 | 1.000x | 100 | 1.000x |" in text
     assert "runs that reached step 60" in text
     assert (tmp_path / "mx_s2.csv").read_text().splitlines()[1:] == ["10,5.0,1.0,1", "20,3.0,1.0,100"]
 
@@ -42,3 +42,23 @@ def test_runs_without_seeds_get_no_per_variant_table(tmp_path):
     _log(tmp_path / "bf16.log", [5.0, 4.0], [1, 100])
     _load().main([str(tmp_path), "bf16"])
     assert "Per variant" not in (tmp_path / "summary.md").read_text()
+
+
+def test_repeats_are_grouped_per_variant_with_the_median_over_runs(tmp_path):
+    """VARIANT_sSEED_rR runs (REPEATS=N) group by variant; the median over runs shrugs off one slow run."""
+    tps = {("bf16", 1): 200, ("bf16", 2): 210, ("bf16", 3): 120, ("mxmoe", 1): 190, ("mxmoe", 2): 195,
+           ("mxmoe", 3): 197}
+    runs = []
+    for r in (1, 2, 3):
+        for v in ("bf16", "mxmoe"):
+            name = f"{v}_s0_r{r}"
+            _log(tmp_path / f"{name}.log", [4.0, 4.0, 4.0], [1, tps[v, r], tps[v, r]])
+            runs.append(name)
+    _load().main([str(tmp_path), *runs])
+    text = (tmp_path / "summary.md").read_text()
+    bf16_mean = statistics.fmean([200, 210, 120])
+    mx_mean = statistics.fmean([190, 195, 197])
+    assert f"| bf16 | 3 | 4.0000 ± 0.0000 | +0.00 % | {bf16_mean:,.0f} ± " in text
+    assert "| 1.000x | 200 | 1.000x |" in text
+    assert f"| mxmoe | 3 | 4.0000 ± 0.0000 | +0.00 % | {mx_mean:,.0f} ± " in text
+    assert f"| {mx_mean / bf16_mean:.3f}x | 195 | 0.975x |" in text
