@@ -31,6 +31,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mxmoe import configs
@@ -75,9 +76,18 @@ def commands(out: Path, ngpu: int, *, steps: int, device: str, config: str) -> d
     return cmds
 
 
-def all_gather_ms(folder: Path) -> float | None:
-    """Summed duration (ms) of the all-gather events in rank 0's Chrome trace under `folder`."""
-    traces = sorted(glob.glob(str(folder / "**" / "rank0*.json"), recursive=True))
+def _fresh(path: str | Path, since: float | None) -> bool:
+    """Whether `path` was written at or after `since` (time.time() when its run started; a second of
+    slack for file systems that keep whole seconds): files an earlier call left in a run's folder
+    are not this run's."""
+    return since is None or os.path.getmtime(path) >= since - 1.0
+
+
+def all_gather_ms(folder: Path, since: float | None = None) -> float | None:
+    """Summed duration (ms) of the all-gather events in rank 0's Chrome trace under `folder` (of the
+    last step profiled; only traces written since `since`: see `_fresh`)."""
+    found = glob.glob(str(folder / "**" / "rank0*.json"), recursive=True)
+    traces = sorted(t for t in found if _fresh(t, since))
     if not traces:
         return None
     events = json.loads(Path(traces[-1]).read_text()).get("traceEvents", [])
@@ -89,11 +99,11 @@ def all_gather_ms(folder: Path) -> float | None:
     return sum(e["dur"] for e in ops) / 1e3
 
 
-def tokens_per_s(name: str, folder: Path, log: str) -> float | None:
-    """Mean tokens/s over the steps after the first."""
+def tokens_per_s(name: str, folder: Path, log: str, since: float | None = None) -> float | None:
+    """Mean tokens/s over the steps after the first (mxmoe: of a metrics.jsonl written since `since`)."""
     if name.startswith("mxmoe"):
         path = folder / "metrics.jsonl"
-        if not path.exists():
+        if not path.exists() or not _fresh(path, since):
             return None
         tps = [json.loads(x)["tokens_per_s"] for x in path.read_text().splitlines()]
     else:
@@ -138,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.dry_run:
             continue
         log = out / f"{name}.log"
+        t0 = time.time()  # the run's own files only: an earlier call's stay in its folder
         with open(log, "w") as fh:
             try:
                 rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
@@ -145,8 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         text = log.read_text()
-        rows[name] = {"rc": rc, "tokens_per_s": tokens_per_s(name, out / name, text),
-                      "all_gather_ms": all_gather_ms(out / name)}
+        rows[name] = {"rc": rc, "tokens_per_s": tokens_per_s(name, out / name, text, t0),
+                      "all_gather_ms": all_gather_ms(out / name, t0)}
     if rows:
         head = f"FSDP2 gathers over {args.ngpu} {args.device} ranks, {args.steps} steps, config {config}"
         lines = [head,

@@ -5,13 +5,15 @@
 OUT_DIR/RUN.csv (step, loss, grad_norm, tps) and OUT_DIR/summary.md, a table: steps logged, first
 and last loss, mean loss of the last 5 logged steps and its difference from the first run's,
 median tokens/s per GPU over the logged steps after the first (the first holds warm-up), and the
-ratio to the first run's. A run that stopped early shows the steps it logged.
+ratio to the first run's. A run that stopped early shows the steps it logged. When the first run
+logged no step, no run has a ratio (not one to the next run's, under the first run's name).
 
 Runs named VARIANT_sSEED or VARIANT_sSEED_rR (scripts/torchtitan_h200.sh; R a repeat) are also
 summarized per variant: the mean and standard deviation over its runs of the tail loss and of the
 median tokens/s, and their ratios to the first variant's means; and the median over its runs of
 the median tokens/s, with its ratio to the first variant's (the speed figure where runs repeat: one
-slow run moves it least). Runs that did not reach the last step of the longest run are left out.
+slow run moves it least). Runs that did not reach the last step of the longest run are left out;
+when no run of the first variant (the first run's) is left, no variant has a ratio.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def main(argv: list[str]) -> None:
     ]
     base_loss = base_tps = None
     done: dict[str, tuple[int, float, float]] = {}  # run -> (last step, tail loss, tps)
-    for run in runs:
+    for k, run in enumerate(runs):
         log = out / f"{run}.log"
         rows = parse(log) if log.exists() else []
         with open(out / f"{run}.csv", "w") as f:
@@ -59,13 +61,18 @@ def main(argv: list[str]) -> None:
         tail = statistics.fmean(r[1] for r in rows[-5:])
         tps = statistics.median(r[3] for r in rows[1:]) if len(rows) > 1 else rows[0][3]
         done[run] = (rows[-1][0], tail, tps)
-        if base_loss is None:
+        if k == 0:  # the first run named is the baseline, or there is none
             base_loss, base_tps = tail, tps
+        vs_loss = "" if base_loss is None else f"{100 * (tail / base_loss - 1):+.2f} %"
+        vs_tps = "" if base_tps is None else f"{tps / base_tps:.3f}x"
         lines.append(
             f"| {run} | {rows[-1][0]} | {rows[0][1]:.4f} | {rows[-1][1]:.4f} | {tail:.4f} | "
-            f"{100 * (tail / base_loss - 1):+.2f} % | {tps:,.0f} | {tps / base_tps:.3f}x |"
+            f"{vs_loss} | {tps:,.0f} | {vs_tps} |"
         )
-    lines += per_variant(done)
+    if base_loss is None and done:
+        lines += ["", f"The first run, {runs[0]}, logged no step: no ratios."]
+    first = SEEDED.match(runs[0])
+    lines += per_variant(done, first[1] if first else None)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -73,8 +80,9 @@ def main(argv: list[str]) -> None:
 SEEDED = re.compile(r"^(.+)_s(\d+)(?:_r(\d+))?$")
 
 
-def per_variant(done: dict[str, tuple[int, float, float]]) -> list[str]:
-    """The per-variant table's lines (none when no run is named VARIANT_sSEED)."""
+def per_variant(done: dict[str, tuple[int, float, float]], first: str | None = None) -> list[str]:
+    """The per-variant table's lines (none when no run is named VARIANT_sSEED); the ratios are to
+    variant `first`'s means (default: the first variant in `done`), none when it has no run here."""
     if not done:
         return []
     last = max(step for step, _, _ in done.values())
@@ -98,15 +106,22 @@ def per_variant(done: dict[str, tuple[int, float, float]]) -> list[str]:
         "| vs first variant | median over runs | vs first variant |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    base = None
+    first = next(iter(groups)) if first is None else first
+    stats = {}
     for name, vals in groups.items():
         (loss, loss_sd), (tps, tps_sd) = mean_std([v[0] for v in vals]), mean_std([v[1] for v in vals])
-        med = statistics.median(v[1] for v in vals)
-        base = base or (loss, tps, med)
+        stats[name] = (len(vals), loss, loss_sd, tps, tps_sd, statistics.median(v[1] for v in vals))
+    base = stats.get(first)
+    for name, (n, loss, loss_sd, tps, tps_sd, med) in stats.items():
+        vs = ("", "", "")
+        if base is not None:
+            vs = (f"{100 * (loss / base[1] - 1):+.2f} %", f"{tps / base[3]:.3f}x", f"{med / base[5]:.3f}x")
         out.append(
-            f"| {name} | {len(vals)} | {loss:.4f} ± {loss_sd:.4f} | {100 * (loss / base[0] - 1):+.2f} % | "
-            f"{tps:,.0f} ± {tps_sd:,.0f} | {tps / base[1]:.3f}x | {med:,.0f} | {med / base[2]:.3f}x |"
+            f"| {name} | {n} | {loss:.4f} ± {loss_sd:.4f} | {vs[0]} | "
+            f"{tps:,.0f} ± {tps_sd:,.0f} | {vs[1]} | {med:,.0f} | {vs[2]} |"
         )
+    if first not in groups:
+        out += ["", f"No run of the first variant, {first}, reached step {last}: no ratios."]
     return out
 
 

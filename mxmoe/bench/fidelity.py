@@ -316,8 +316,12 @@ def main(argv: list[str]) -> int:
         p.error(str(e))
     res = measure(cfg, a.steps, a.batches, a.variants, device)
     print(format_table(res))
-    if a.json:
+    if a.json:  # the results with what they were measured on: the model, its training, the machine
+        from mxmoe.bench.timing import environment
+
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        payload = {"bench": "fidelity", "config": cfg.to_dict(), "steps": a.steps, "batches": a.batches,
+                   "device": str(device), "environment": environment(), "results": res}
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump(payload, f, indent=1, default=str)
     return 0

@@ -225,6 +225,8 @@ def main(
     check_json(p, args.json)
     require_cuda(f"mxmoe bench {name}")
     ceiling = bf16_gemm_tflops()
+    # what the rows were measured with: without it, runs of two backends or kernels read the same
+    asked = {"kernel": args.kernel, "iters": args.iters, "forward": bool(getattr(args, "forward", False))}
     if run_forward is not None and args.forward:
         rows = []
         for shape in args.shape or shapes:
@@ -232,7 +234,7 @@ def main(
             torch.cuda.empty_cache()
         print_table(rows, title=f"{name} forward GEMM; bf16 GEMM ceiling 8192^3: {ceiling:.0f} TFLOP/s")
         if args.json:
-            write_json(args.json, {"env": environment(), "bf16_gemm_tflops": ceiling, "rows": rows})
+            write_json(args.json, {"env": environment(), **asked, "bf16_gemm_tflops": ceiling, "rows": rows})
         return 0
     rows = []
     for shape in args.shape or shapes:
@@ -246,5 +248,9 @@ def main(
     )
     print_table(rows, title=title)
     if args.json:
-        write_json(args.json, {"env": environment(), "bf16_gemm_tflops": ceiling, "rows": rows})
+        write_json(
+            args.json,
+            {"env": environment(), **asked, "gemm_backend": args.gemm_backend, "bf16_gemm_tflops": ceiling,
+             "rows": rows},
+        )
     return 0

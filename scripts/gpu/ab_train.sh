@@ -7,7 +7,8 @@
 #   bash scripts/gpu/ab_train.sh OUT BEFORE CONFIG MODES [REPEATS=1] [trainer flags...]
 #   e.g. bash scripts/gpu/ab_train.sh runs/ab .before moe_1b compile,compile_full+graph 3
 #
-# Writes OUT/<mode>_<kind>_<i>.json (the bench's rows) and OUT/summary.md. BEFORE="" skips the
+# Writes OUT/<mode>_<kind>_<i>.json (the bench's rows) and OUT/summary.md, of this call's rows only (a
+# row's file of an earlier call is removed before the row runs; other files in OUT are not read). BEFORE="" skips the
 # before rows; KINDS (default bf16,before,after) picks the row kinds. Each row is bounded by LIMIT
 # seconds (default 240); STEPS / WARMUP (default 10 / 3) are the bench's timed and warm-up steps.
 set -uo pipefail
@@ -25,13 +26,15 @@ row() {  # row MODE KIND I [flags...]: KIND bf16 | before | after
     shift 3
     [ "$kind" = bf16 ] && variant=bf16
     [ "$kind" = before ] && tree=$BEFORE
+    # an earlier call's file of this row would stand for it if the row wrote none
+    rm -f "$OUT/${mode}_${kind}_$i.json" "$OUT/${mode}_${kind}_$i.json.wrong_tree"
     # PYTHONSAFEPATH: `python -m` puts the working folder (this checkout) first on sys.path, ahead
     # of PYTHONPATH, and every row would run this checkout's mxmoe
     PYTHONSAFEPATH=1 PYTHONPATH=$tree${BASE:+:$BASE} timeout -k 10 "${LIMIT:-240}" python3 -m mxmoe bench train \
         --config "$CONFIG" --variants "$variant" --modes "$mode" --steps "${STEPS:-10}" --warmup-steps "${WARMUP:-3}" \
         "$@" --json "$OUT/${mode}_${kind}_$i.json" > "$OUT/${mode}_${kind}_$i.log" 2>&1 || rc=$?
     # the row ran the tree it names (rows of trees that record it), or it is set aside (the summary
-    # reads *.json only)
+    # reads this call's *.json only)
     if [ -f "$OUT/${mode}_${kind}_$i.json" ] && ! python3 - "$OUT/${mode}_${kind}_$i.json" "$tree/mxmoe" <<'PY'
 import json, os, sys
 rows = json.load(open(sys.argv[1]))["rows"]
@@ -50,6 +53,7 @@ for tree in "$REPO" ${BEFORE:+"$BEFORE"}; do  # each tree's rows import that tre
     [ "$got" = "$(realpath "$tree/mxmoe")" ] || { echo "PYTHONPATH=$tree imports mxmoe from $got, not $tree/mxmoe" >&2; exit 2; }
 done
 IFS=, read -r -a MODE_LIST <<< "$MODES"
+ROWS=()  # this call's row files: the summary reads these, not every *.json in OUT
 IFS=, read -r -a KINDS <<< "${KINDS:-bf16,before,after}"
 [ -n "$BEFORE" ] || KINDS=("${KINDS[@]/before}")
 for i in $(seq 1 "$REPEATS"); do
@@ -57,15 +61,16 @@ for i in $(seq 1 "$REPEATS"); do
         for k in "${KINDS[@]}"; do
             [ -n "$k" ] || continue
             row "$m" "$k" "$i" "$@"
+            ROWS+=("$OUT/${m}_${k}_$i.json")
             echo "$m $k $i: rc=$? $(grep -ao '"tokens_per_s": [0-9.]*' "$OUT/${m}_${k}_$i.json" 2>/dev/null)"
         done
     done
 done
-python3 - "$OUT" <<'PY'
-import glob, json, os, statistics, sys
+python3 - "$OUT" "${ROWS[@]}" <<'PY'
+import json, os, statistics, sys
 out = sys.argv[1]
 rows = {}
-for f in glob.glob(os.path.join(out, "*.json")):
+for f in (f for f in sys.argv[2:] if os.path.exists(f)):  # this call's rows that wrote a file
     mode, kind, _ = os.path.basename(f)[:-5].rsplit("_", 2)
     for r in json.load(open(f))["rows"]:
         if "tokens_per_s" in r:

@@ -7,7 +7,8 @@
 #   bash scripts/gpu/profile_breakdown.sh OUT [CONFIGS=moe_1b,moe_2b] [MODES=compile,compile_full+graph] [TT=1]
 #
 # Writes OUT/<config>.json and OUT/<config>/ (the bench's rows and profiler tables), OUT/tt/ and
-# OUT/tt_trace.json (torchtitan: TT=0 skips it), and OUT/results.tar.gz of all of it after each step.
+# OUT/tt_trace.json (torchtitan: TT=0 skips it), and OUT/results.tar.gz of all of it after each step;
+# each step first removes what an earlier call's same step wrote there (it would pass for this call's).
 # The cast split by role needs an ungraphed mode (graph replays record no operators): `compile` gives it.
 # Each step is bounded by `timeout` (LIMIT seconds, default 300). Wheels in .whl/ are installed first
 # (a machine without network: scripts/torchtitan_h200.sh says which).
@@ -30,6 +31,8 @@ timeout -k 10 300 python3 -c "from mxmoe.quant import cuda_cast; cuda_cast.load_
     || echo "CUDA extension did not build (auto takes Triton): $(tail -2 "$OUT/build.log")"
 for c in "${CONFIGS[@]}"; do
     echo "== bench train $c ($MODES)"
+    [ -n "$c" ] || continue
+    rm -f "$OUT/$c.json" "$OUT/$c"/*.txt
     timeout -k 10 "${LIMIT:-300}" python3 -m mxmoe bench train --config "$c" --modes "$MODES" --steps 10 \
         --warmup-steps 3 --profile "$OUT/$c" --json "$OUT/$c.json" > "$OUT/$c.log" 2>&1
     echo "   rc=$?"; grep -E "^\| (bf16|mx) " "$OUT/$c.log" | cut -c1-150
@@ -38,6 +41,7 @@ for c in "${CONFIGS[@]}"; do
 done
 if [ "$TT" = 1 ]; then
     echo "== torchtitan 0.2.2 DeepSeek-V3 debug, bf16 and mxmoe, profiled"
+    rm -rf "$OUT/tt" "$OUT/tt_trace.json" "$OUT/tt_trace.txt"
     DETERMINISTIC=0 timeout -k 10 "${LIMIT:-300}" bash scripts/torchtitan_h200.sh "$OUT/tt" 30 120 0 bf16,mxmoe \
         --profiling.enable_profiling --profiling.profile_freq 10 > "$OUT/tt.log" 2>&1
     echo "   rc=$?"; tail -8 "$OUT/tt/summary.md" 2>/dev/null

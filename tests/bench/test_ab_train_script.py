@@ -45,3 +45,46 @@ def test_a_before_folder_without_mxmoe_is_refused(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"PYTHONPATH={tmp_path} imports mxmoe from" in proc.stderr
+
+
+def _stub_tree(root: Path) -> Path:
+    """A BEFORE tree whose `python -m mxmoe bench train ... --json PATH` writes one row of STUB_TPS
+    tokens/s, or exits 1 without a file when STUB_TPS is unset (a row that failed)."""
+    (root / "mxmoe").mkdir(parents=True)
+    (root / "mxmoe" / "__init__.py").write_text("")
+    (root / "mxmoe" / "__main__.py").write_text(
+        "import json, os, sys\n"
+        "tps = os.environ.get('STUB_TPS')\n"
+        "if not tps:\n"
+        "    sys.exit(1)\n"
+        "row = {'tokens_per_s': float(tps), 'step_ms': 1.0, 'host_ms': 1.0, 'peak_mem_gib': 1.0,\n"
+        "       'loss': 1.0}\n"
+        "json.dump({'rows': [row]}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n"
+    )
+    return root
+
+
+@pytest.mark.parametrize("tps", ["100", ""])
+def test_summary_reads_only_this_calls_rows(tmp_path, tps):
+    """Files of an earlier call in OUT (a row of a repeat not run now, this row's file when it wrote
+    none now) are not this call's rows: they once went into the summary's medians."""
+    before = _stub_tree(tmp_path / "before")
+    out = tmp_path / "ab"
+    out.mkdir()
+    old = {"tokens_per_s": 999.0, "step_ms": 9.0, "host_ms": 9.0, "peak_mem_gib": 9.0, "loss": 9.0}
+    stale = {"rows": [old]}
+    for i in (1, 2):  # an earlier call's REPEATS=2
+        (out / f"eager_before_{i}.json").write_text(json.dumps(stale))
+    env = dict(os.environ, KINDS="before", STUB_TPS=tps,
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("PYTHONPATH", None)
+    cmd = ["bash", str(REPO / "scripts/gpu/ab_train.sh"), str(out), str(before), "debug_moe", "eager", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = (out / "summary.md").read_text()
+    assert "999" not in summary
+    if tps:
+        assert "| eager | before | 1 | 100 |" in summary
+    else:  # the row failed: no row, and not the earlier call's file of it
+        assert "| eager | before |" not in summary
+        assert not (out / "eager_before_1.json").exists()

@@ -83,7 +83,11 @@ def test_cli_table_and_json(tmp_path, capsys, monkeypatch):
     assert table.splitlines()[0].startswith("| variant | loss | vs fp32 |")
     assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == ["fp32", "bf16", "mx"]
     data = json.loads(out.read_text())
-    assert set(data) == {"fp32", "bf16", "mx"} and data["mx"]["experts"] > 0
+    assert set(data["results"]) == {"fp32", "bf16", "mx"} and data["results"]["mx"]["experts"] > 0
+    # what the numbers were measured on (the file held the results alone)
+    assert (data["bench"], data["steps"], data["batches"], data["device"]) == ("fidelity", 0, 1, "cpu")
+    assert data["config"]["model"]["name"] == "debug_moe"
+    assert {"torch", "python", "mxmoe"} <= set(data["environment"])
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,7 @@
 """CPU checks of the GEMM benchmarks' command lines (the timing itself needs a GPU)."""
 
+import json
+
 import pytest
 import torch
 
@@ -119,3 +121,32 @@ def test_gpu_bench_bad_counts_are_usage_errors_before_the_gpu_check(bench, argv,
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", bench, *argv])
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("forward", [False, True])
+def test_json_records_what_the_rows_were_measured_with(tmp_path, monkeypatch, forward):
+    """The JSON held the rows and the environment only: runs of `--gemm_backend native` and
+    `emulated` (or of two cast kernels) could not be told apart."""
+    from mxmoe.bench import gemm_common
+
+    monkeypatch.setattr(gemm_common, "require_cuda", lambda what: None)
+    monkeypatch.setattr(gemm_common, "bf16_gemm_tflops", lambda: 900.0)
+    seen = []
+
+    def run_shape(*a, gemm_backend):
+        seen.append((a, gemm_backend))
+        return [{"shape": "x"}]
+
+    def run_forward(*a):
+        seen.append(a)
+        return [{"shape": "x"}]
+
+    out = tmp_path / "r.json"
+    argv = ["--shape", "64x64x64", "--kernel", "triton", "--gemm_backend", "native", "--iters", "3",
+            "--json", str(out), *(["--forward"] if forward else [])]
+    assert gemm_common.main(argv, name="linear", doc="", pattern="MxKxN", example="1x2x3", shapes=[],
+                            run_shape=run_shape, run_forward=run_forward) == 0
+    doc = json.loads(out.read_text())
+    assert (doc["kernel"], doc["iters"], doc["forward"]) == ("triton", 3, forward)
+    assert doc.get("gemm_backend") == (None if forward else "native")  # --forward times every backend
+    assert seen and doc["rows"] == [{"shape": "x"}]

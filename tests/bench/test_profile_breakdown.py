@@ -83,3 +83,28 @@ def test_cast_breakdown_sorts_casts_by_what_they_cast():
     assert any(k.startswith("weights: mxmoe::qdq") for k in roles)
     roles = cast_breakdown(prof, {tuple(w.shape)}, -1)
     assert "gradients" in roles and "activations" not in roles
+
+
+def test_profile_breakdown_script_shows_no_earlier_calls_files(tmp_path):
+    """scripts/gpu/profile_breakdown.sh printed (and packed) every table in OUT/<config>/ and kept
+    OUT/<config>.json: an earlier call's, where this call's bench wrote none, passed for its result."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    (out / "no_such_config").mkdir(parents=True)
+    (out / "no_such_config" / "mx_eager.txt").write_text("mx, eager\nEARLIER CALL\n")
+    (out / "no_such_config.json").write_text('{"rows": [{"tokens_per_s": 1}]}')
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    script = Path(__file__).parents[2] / "scripts/gpu/profile_breakdown.sh"
+    proc = subprocess.run(["bash", str(script), str(out), "no_such_config", "eager", "0"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "rc=2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]  # the bench refused the config
+    assert "EARLIER CALL" not in proc.stdout
+    assert not (out / "no_such_config.json").exists()
+    assert not (out / "no_such_config" / "mx_eager.txt").exists()
+    with tarfile.open(out / "results.tar.gz") as tar:
+        assert not {"./no_such_config.json", "./no_such_config/mx_eager.txt"} & set(tar.getnames())

@@ -62,3 +62,27 @@ def test_repeats_are_grouped_per_variant_with_the_median_over_runs(tmp_path):
     assert "| 1.000x | 200 | 1.000x |" in text
     assert f"| mxmoe | 3 | 4.0000 ± 0.0000 | +0.00 % | {mx_mean:,.0f} ± " in text
     assert f"| {mx_mean / bf16_mean:.3f}x | 195 | 0.975x |" in text
+
+
+def test_no_ratios_when_the_first_run_or_variant_has_no_result(tmp_path):
+    """The ratios are to the first run (variant): when it logged nothing (or no run of it reached the
+    last step) the next one was taken as the baseline, and mxmoe read 1.000x "vs first run"."""
+    (tmp_path / "bf16_s0.log").write_text("Traceback: CUDA out of memory\n")  # no step logged
+    _log(tmp_path / "bf16_s1.log", [5.0, 4.0], [1, 100])  # stopped at step 20
+    _log(tmp_path / "mxmoe_s0.log", [5.0, 4.0, 3.0], [1, 90, 90])
+    _load().main([str(tmp_path), "bf16_s0", "mxmoe_s0", "bf16_s1"])
+    text = (tmp_path / "summary.md").read_text()
+    assert "| mxmoe_s0 | 30 | 5.0000 | 3.0000 | 4.0000 |  | 90 |  |" in text
+    assert "The first run, bf16_s0, logged no step: no ratios." in text
+    assert "| mxmoe | 1 | 4.0000 ± 0.0000 |  | 90 ± 0 |  | 90 |  |" in text
+    assert "No run of the first variant, bf16, reached step 30: no ratios." in text
+
+
+def test_the_first_variant_is_the_baseline_wherever_its_runs_are(tmp_path):
+    _log(tmp_path / "bf16_s0.log", [5.0], [1])  # logged, but not to the last step
+    _log(tmp_path / "mxmoe_s0.log", [5.0, 4.0], [1, 90])
+    _log(tmp_path / "bf16_s1.log", [5.0, 4.0], [1, 100])
+    _load().main([str(tmp_path), "bf16_s0", "mxmoe_s0", "bf16_s1"])
+    text = (tmp_path / "summary.md").read_text()
+    assert "| mxmoe | 1 | 4.5000 ± 0.0000 | +0.00 % | 90 ± 0 | 0.900x | 90 | 0.900x |" in text
+    assert "| bf16 | 1 | 4.5000 ± 0.0000 | +0.00 % | 100 ± 0 | 1.000x | 100 | 1.000x |" in text

@@ -1,7 +1,10 @@
 """scripts/fsdp_mx_gather.py (issue 58's 2/4/8-GPU comparison) end to end on CPU with 2 gloo ranks,
 and its GPU command lines for 2, 4 and 8 GPUs."""
 
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +49,24 @@ def test_cast_bench_runs_on_cpu():
     r = fsdp_mx_gather_cast.main(["--config", "debug_moe", "--world", "8", "--device", "cpu", "--iters", "1"])
     assert r["mx_weights_mxfp8_gather"] == 6 and r["mx_weights_high_precision_gather"] == 6
     assert r["option_other_weights_ms"] > 0
+
+
+def _trace(path: Path, ms: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": [
+        {"name": "ncclDevKernel_AllGather_RING_LL", "cat": "kernel", "dur": ms * 1e3}]}))
+
+
+def test_an_earlier_calls_trace_and_metrics_are_not_this_runs(tmp_path):
+    """A run's folder keeps an earlier call's files: its trace of a later step (--steps 30, now 4) was
+    the one read, and a run that wrote no metrics got the earlier call's tokens/s."""
+    old = time.time() - 3600
+    _trace(tmp_path / "profile_traces" / "rank0_step00000030.json", 9.0)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "tokens_per_s": 5.0}\n')
+    for f in (tmp_path / "profile_traces" / "rank0_step00000030.json", tmp_path / "metrics.jsonl"):
+        os.utime(f, (old, old))
+    t0 = time.time()
+    assert fsdp_mx_gather.all_gather_ms(tmp_path, t0) is None
+    assert fsdp_mx_gather.tokens_per_s("mxmoe_mx", tmp_path, "", t0) is None
+    _trace(tmp_path / "profile_traces" / "rank0_step00000004.json", 2.0)
+    assert fsdp_mx_gather.all_gather_ms(tmp_path, t0) == 2.0
