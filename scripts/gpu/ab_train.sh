@@ -61,8 +61,9 @@ for i in $(seq 1 "$REPEATS"); do
         for k in "${KINDS[@]}"; do
             [ -n "$k" ] || continue
             row "$m" "$k" "$i" "$@"
+            rc=$?
             ROWS+=("$OUT/${m}_${k}_$i.json")
-            echo "$m $k $i: rc=$? $(grep -ao '"tokens_per_s": [0-9.]*' "$OUT/${m}_${k}_$i.json" 2>/dev/null)"
+            echo "$m $k $i: rc=$rc $(grep -ao '"tokens_per_s": [0-9.]*' "$OUT/${m}_${k}_$i.json" 2>/dev/null)"
         done
     done
 done

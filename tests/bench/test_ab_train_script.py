@@ -85,6 +85,8 @@ def test_summary_reads_only_this_calls_rows(tmp_path, tps):
     assert "999" not in summary
     if tps:
         assert "| eager | before | 1 | 100 |" in summary
-    else:  # the row failed: no row, and not the earlier call's file of it
+        assert "eager before 1: rc=0 " in proc.stdout
+    else:  # the row failed (its exit code printed): no row, and not the earlier call's file of it
+        assert "eager before 1: rc=1 " in proc.stdout
         assert "| eager | before |" not in summary
         assert not (out / "eager_before_1.json").exists()
