@@ -235,9 +235,18 @@ def measure(cfg, steps: int, n_batches: int, variants: list[str], device: torch.
     for v in variants:
         losses, err = run(v, ref)
         row = {"loss": sum(losses) / len(losses), "dloss_pct": 100 * (sum(losses) / sum(ref_losses) - 1)}
-        row.update({k: math.sqrt(a / b) if b > 0 else 0.0 for k, (a, b) in err.items()})
+        row.update({k: rel_error(a, b) for k, (a, b) in err.items()})
         out[v] = row
     return out
+
+
+def rel_error(diff_sq: float, ref_sq: float) -> float:
+    """||g - g_fp32|| / ||g_fp32|| from the two sums of squares. Where the fp32 gradient is zero: 0
+    if the variant's is zero too, else inf (no bounded relative error; never a 0.0 that reads as
+    exact)."""
+    if ref_sq > 0:
+        return math.sqrt(diff_sq / ref_sq)
+    return math.inf if diff_sq > 0 else 0.0
 
 
 def format_table(res: dict) -> str:

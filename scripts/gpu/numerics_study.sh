@@ -100,12 +100,17 @@ rc=$?
 echo "== save times measured by the trainers (the next call's grace is 1.5 x the longest + 10 s):"
 grep -h "saved in" "$STATE"/runs/*/*/train.log 2>/dev/null | tail -n 12 || true
 # compare's status is 1 when a run did not finish, 2 when none did: a stop at the time limit is the
-# plan (the same command again goes on); only a run that failed makes this call fail
-"$PY" - "$STATE/runs" <<'EOF'
-import glob, json, os, sys
+# plan (the same command again goes on); only a run of this call's variants and seeds that failed
+# makes this call fail (another study's runs in STATE/runs are not this call's)
+"$PY" - "$STATE/runs" "$variants" "$SEEDS" <<'EOF'
+import json, os, sys
 failed = 0
-for f in sorted(glob.glob(f"{sys.argv[1]}/*/*/command.json")):
-    r, run = json.load(open(f)), os.path.dirname(f)
+runs = [f"{sys.argv[1]}/{v}/seed{s}" for v in sys.argv[2].split(",") for s in sys.argv[3].split(",")]
+for run in runs:
+    f = f"{run}/command.json"
+    if not os.path.exists(f):
+        continue
+    r = json.load(open(f))
     what = "stopped at the time limit" if r.get("stopped") else (
         "finished" if r.get("returncode") == 0 else f"FAILED (exit {r.get('returncode')}; {run}/train.log)")
     failed += what.startswith("FAILED")

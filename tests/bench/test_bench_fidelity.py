@@ -109,3 +109,12 @@ def test_cli_errors(capsys, args, match):  # before anything is trained
         main(["bench", "fidelity", "--config", "debug_moe", *args])
     assert e.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_relative_error_where_the_fp32_gradient_is_zero():
+    """A zero reference group: exact only if the variant's gradient is zero too (it read 0.0 before)."""
+    from mxmoe.bench.fidelity import rel_error
+
+    assert rel_error(4.0, 16.0) == 0.5
+    assert rel_error(0.0, 0.0) == 0.0
+    assert rel_error(1e-30, 0.0) == float("inf")

@@ -1,0 +1,38 @@
+"""scripts/gpu/numerics_study.sh's final status: the runs of this call's variants and seeds decide it,
+not other runs an earlier study left in the same state folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[2]
+
+
+def _study(tmp_path: Path, runs: dict[str, int]) -> subprocess.CompletedProcess:
+    """The script with `mxmoe compare` stood in for (exit 0, runs nothing) over a state folder holding
+    `runs` (VARIANT/seedS -> the run's return code in its command.json)."""
+    state = tmp_path / "state"
+    for run, rc in runs.items():
+        (state / "runs" / run).mkdir(parents=True)
+        (state / "runs" / run / "command.json").write_text(json.dumps({"returncode": rc, "seconds": 1}))
+    py = tmp_path / "py"
+    py.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && exit 0\nexec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+    cmd = ["bash", str(REPO / "scripts/gpu/numerics_study.sh"), str(state), "debug_moe", "2", "60", "0",
+           "variants=bf16,mx", "parallel=1", f"ckpt={tmp_path / 'ckpt'}"]
+    return subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PY=str(py)), capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("mx_rc, status", [(0, 0), (1, 1)])
+def test_status_is_this_calls_runs(tmp_path, mx_rc, status):
+    proc = _study(tmp_path, {"bf16/seed0": 0, "mx/seed0": mx_rc, "mx_floor/seed0": 1, "bf16/seed7": 1})
+    assert proc.returncode == status, proc.stdout + proc.stderr
+    assert "mx_floor" not in proc.stdout and "seed7" not in proc.stdout  # another study's runs
+    assert ("FAILED" in proc.stdout) == bool(mx_rc)
