@@ -201,9 +201,21 @@ def _one(cfg, variant: str, mode: str, device: torch.device, args) -> dict:
         "loss": float(ce.detach()),
         "deterministic": torch.are_deterministic_algorithms_enabled(),  # --debug.deterministic
         "mxmoe": timing.mxmoe_folder(),  # the package this row ran (its own process's)
+        "kernels": _kernels(cfg, device) if variant == "mx" else {},  # what "auto" chose
         "converted": report.summary() if report is not None else "",
         **prof,
     }
+
+
+def _kernels(cfg, device: torch.device) -> dict:
+    """The concrete cast kernels and GEMM backend the MX row ran (the options may say "auto")."""
+    from mxmoe.ops.gemm_backend import resolve_gemm_backend
+    from mxmoe.quant.backends import cast_kernel
+
+    r = cfg.mx.to_recipe()
+    out = {c: cast_kernel(r, device, c) for c in ("dim0", "dim1", "qdq_dim0", "qdq_dim1", "dequant")}
+    out["gemm"] = resolve_gemm_backend(r, device)
+    return out
 
 
 def _profile(step, params, variant: str, mode: str, device: torch.device, args) -> dict:

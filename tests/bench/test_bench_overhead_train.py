@@ -4,6 +4,7 @@ and write their JSON; bad arguments are refused clearly."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -98,6 +99,14 @@ def test_train_bench_rows_in_children_and_in_the_deterministic_mode(tmp_path, ca
         assert r["deterministic"] is True and r["loss"] == rows[True][variant]["loss"]
     assert children[("bf16", "eager")]["vs_bf16"] == 1.0
     assert children[("mx", "eager")]["converted"].startswith("mxmoe.convert: MXFP8 recipe mxfp8")
+    # what ran: the package, and what "auto" chose for the MX row (on CPU the torch casts, emulated GEMMs)
+    import mxmoe
+
+    for r in children.values():
+        assert r["mxmoe"] == os.path.dirname(os.path.abspath(mxmoe.__file__))
+    kernels = children[("mx", "eager")]["kernels"]
+    assert kernels["gemm"] == "emulated" and set(kernels) >= {"dim0", "dim1", "qdq_dim0", "qdq_dim1"}
+    assert children[("bf16", "eager")]["kernels"] == {}
     assert data["config"]["model"]["name"] == "debug_moe"
     text = capsys.readouterr().out
     assert "training steps, model debug_moe, 2x32 tokens/step" in text
