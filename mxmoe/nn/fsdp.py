@@ -319,8 +319,8 @@ def mx_weights(
     model: nn.Module, skip_experts: bool = False, expert_types: tuple[type, ...] = ()
 ) -> list[tuple[str, nn.Module, str]]:
     """(fully qualified name, module, attribute) of each MX weight: MXLinear.weight and the w1, w2,
-    w3 of MXGroupedExperts and of `expert_types` (a front end's MX experts) with MX GEMMs (none of
-    the experts with skip_experts)."""
+    w3 of MXGroupedExperts and of `expert_types` (a front end's MX experts; none with skip_experts;
+    those with expert_gemm='bf16' too, which `enable_mxfp8_all_gather` leaves plain, naming them)."""
     from mxmoe.nn.linear import MXLinear
     from mxmoe.nn.mx_experts import MXGroupedExperts
 
@@ -328,7 +328,7 @@ def mx_weights(
     for name, m in model.named_modules():
         attrs = ("weight",) if isinstance(m, MXLinear) else ()
         experts = isinstance(m, (MXGroupedExperts, *expert_types))
-        if experts and not skip_experts and m.recipe.expert_gemm == "mx":
+        if experts and not skip_experts:
             attrs = ("w1", "w2", "w3")
         out += [(f"{name}.{a}" if name else a, m, a) for a in attrs]
     return out
@@ -389,6 +389,10 @@ def enable_mxfp8_all_gather(
     report = GatherReport()
     for fqn, m, attr in mx_weights(model, skip_experts, expert_types):
         dense = attr == "weight"
+        if not dense and m.recipe.expert_gemm != "mx":
+            gemm = m.recipe.expert_gemm
+            report.plain[fqn] = f"expert_gemm={gemm!r}: its GEMMs take the weight in high precision"
+            continue
         why = wrap_weight(m, attr, m.recipe, shard_world_size if dense else ew, fqn,
                           None if dense else expert_cast_dtype)
         if why is None:

@@ -513,6 +513,11 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
     exp_params = parallel.expert_params(model) if ep_mesh is not None else []
     if use_mx and cfg.mx.fsdp_mxfp8_all_gather and not distributed:
         log.info("mx.fsdp_mxfp8_all_gather=true: one process, no FSDP: no weight is all-gathered")
+    if cfg.mx.fsdp_mxfp8_all_gather and not use_mx:
+        log.warning(
+            "mx.fsdp_mxfp8_all_gather=true, but model.converters=%r names no MX converter: no weight is MX, "
+            "every weight gathers in the compute dtype", list(cfg.model.converters)
+        )
     if distributed:
         parallel.apply_fsdp(
             model,

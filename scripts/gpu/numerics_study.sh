@@ -46,6 +46,7 @@ for kv in "$@"; do
     esac
 done
 IFS=, read -r -a VARIANTS <<< "$variants"
+[ ${#VARIANTS[@]} -gt 0 ] || { echo "variants='$variants': expected a comma list of bf16, mx, mx_wgrad_with_hp" >&2; exit 2; }
 PY=${PY:-python3}
 mkdir -p "$STATE"
 
@@ -56,7 +57,7 @@ declare -A ARGS=(
 )
 variant_args=()
 for v in "${VARIANTS[@]}"; do
-    [ -n "${ARGS[$v]+x}" ] || { echo "variant '$v': expected one of ${!ARGS[*]}" >&2; exit 2; }
+    [ -n "$v" ] && [ -n "${ARGS[$v]+x}" ] || { echo "variant '$v': expected one of ${!ARGS[*]}" >&2; exit 2; }
     variant_args+=(--variant "$v=${ARGS[$v]}")
 done
 
@@ -89,6 +90,7 @@ extra=()
 [ -n "$devices" ] && extra+=(--devices "$devices")
 [ -n "$grace_s" ] && extra+=(--grace-s "$grace_s")
 
+marker=$(mktemp) && trap 'rm -f "$marker"' EXIT  # the command.json files this call's runs write are newer
 COMMON=(--data.path=python-env --validation.steps=40 --validation.freq="$val_freq"
         --checkpoint.folder="$ckpt" --checkpoint.interval=0 --checkpoint.last_save=false
         --checkpoint.keep_latest_k=1)
@@ -118,8 +120,8 @@ for run in runs:
 sys.exit(1 if failed else 0)
 EOF
 status=$?
-if [ $rc -ne 0 ] && [ $status -eq 0 ] && ! compgen -G "$STATE/runs/*/*/command.json" > /dev/null; then
-    status=$rc  # compare stopped before any run (bad arguments)
+if [ $rc -ne 0 ] && [ $status -eq 0 ] && [ -z "$(find "$STATE/runs" -name command.json -newer "$marker" 2>/dev/null)" ]; then
+    status=$rc  # compare ran no run (bad arguments, or its tables failed): earlier calls' runs do not pass for it
 fi
 [ -d "$STATE/runs" ] && tar -C "$STATE" -czf "$STATE/runs.tar.gz" runs
 mkdir -p "$ckpt" && df -h "$ckpt" | tail -n 1 | awk '{print "== checkpoint disk: " $4 " free of " $2}'

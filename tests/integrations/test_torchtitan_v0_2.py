@@ -706,6 +706,23 @@ def test_a_bad_mx_value_in_a_toml_names_the_file_and_the_key(tmp_path, line, err
     assert ConfigManager().parse_args(["--job.config_file", str(toml)]).mx.recipe_name == "mxfp8"
 
 
+def test_fsdp_mxfp8_all_gather_without_the_mxmoe_converter_is_warned_of(caplog):
+    """`--mx.fsdp_mxfp8_all_gather` with no mxmoe converter gathers nothing as MXFP8: a warning says
+    so when the job config is parsed (it was ignored without a word); not an error, as a TOML that
+    bf16 runs share may hold it."""
+    import logging
+
+    base = ["--job.custom_config_module", PKG, "--mx.fsdp_mxfp8_all_gather"]
+    with caplog.at_level(logging.WARNING):
+        cfg = ConfigManager().parse_args(base)
+    assert cfg.mx.fsdp_mxfp8_all_gather and cfg.model.converters == []
+    assert "mx.fsdp_mxfp8_all_gather=true, but model.converters=[] names no mxmoe converter" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ConfigManager().parse_args([*base, "--model.converters", "mxmoe"])
+    assert "fsdp_mxfp8_all_gather" not in caplog.text
+
+
 def test_mx_options_without_the_mxmoe_converter_are_an_error_unless_allowed(tmp_path):
     """Issue 59 case 2: `--mx.*` options asking for MX with no mxmoe converter named are refused
     when the job config is parsed, naming them and the fix; `--mx.allow-unconverted` lets the run

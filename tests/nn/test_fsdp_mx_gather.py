@@ -277,3 +277,19 @@ def test_gathered_weight_cast_from_another_dtype():
     assert b.transpose(-2, -1).shape == (32, 64)
     with pytest.raises(NotImplementedError, match="_to_copy"):
         g.half()
+
+
+def test_experts_of_bf16_gemms_are_named_as_gathering_high_precision(caplog):
+    """MX experts with expert_gemm='bf16' (the exchange only: high-precision GEMMs) are not wrapped,
+    and the report names them with why (they were left out of it without a word, and a model whose
+    only MX modules they were was told to convert first)."""
+    import dataclasses
+
+    bf16 = dataclasses.replace(DEFAULT_RECIPE, expert_gemm="bf16")
+    net = nn.Sequential(MXGroupedExperts(D, H, E, recipe=bf16))
+    with caplog.at_level(logging.INFO, logger="mxmoe.nn.fsdp"):
+        rep = enable_mxfp8_all_gather(net, 2)
+    assert rep.mx == [] and list(rep.plain) == ["0.w1", "0.w2", "0.w3"]
+    assert rep.plain["0.w1"] == "expert_gemm='bf16': its GEMMs take the weight in high precision"
+    assert "3 gather high precision: 0.w1 (expert_gemm='bf16'" in caplog.text
+    assert type(net[0].w1.data) is torch.Tensor

@@ -265,6 +265,10 @@ def test_compare_reads_runs_and_writes_table_json_and_png(runs_root, tmp_path, c
             "a seed is given twice",
         ),
         (["--config", "{tmp}/none.toml", "--variant", "a", "--variant", "b"], "file not found"),
+        (  # refused before any run (it was found after every run had trained)
+            ["--config", "debug_moe", "--variant", "a", "--variant", "b", "--baseline", "c"],
+            "--baseline='c': not a --variant; expected one of ['a', 'b']",
+        ),
         # refused before any run (they once ran the baseline, then failed in the variant's own runs)
         (
             ["--config", "debug_moe", "--variant", "a", "--variant", "b", "--seeds", "0,-1"],
@@ -426,3 +430,17 @@ def test_time_limit_stops_the_running_run_and_starts_no_other(tmp_path, monkeypa
     assert rec["stopped"] is True and rec["seconds"] < 3 + 130
     assert not (tmp_path / "next").exists()
     assert compare.report.run_failed(tmp_path / "long" / "seed0")
+
+
+def test_a_done_run_whose_metrics_are_gone_runs_again(tmp_path, monkeypatch, capsys):
+    """A run recorded as done whose metrics.jsonl was removed since is run again (it was skipped as
+    done, and the tables then failed on the missing file)."""
+    monkeypatch.chdir(REPO)
+    folder = tmp_path / "a" / "seed0"
+    job = ("a", 0, compare.launcher.trainer_argv("debug_moe", 1, False, [], TINY, 0, folder), folder)
+    assert compare.launch([job], parallel=1, devices=None) == {("a", 0): compare.DONE}
+    (folder / "metrics.jsonl").unlink()
+    capsys.readouterr()
+    assert compare.launch([job], parallel=1, devices=None) == {("a", 0): compare.DONE}
+    assert "done before, but its metrics.jsonl is gone" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in (folder / "metrics.jsonl").read_text().splitlines()] == [1]

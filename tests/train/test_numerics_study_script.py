@@ -14,18 +14,19 @@ import pytest
 REPO = Path(__file__).parents[2]
 
 
-def _study(tmp_path: Path, runs: dict[str, int]) -> subprocess.CompletedProcess:
-    """The script with `mxmoe compare` stood in for (exit 0, runs nothing) over a state folder holding
-    `runs` (VARIANT/seedS -> the run's return code in its command.json)."""
+def _study(tmp_path: Path, runs: dict[str, int], compare_rc: int = 0,
+           options: tuple[str, ...] = ("variants=bf16,mx",)) -> subprocess.CompletedProcess:
+    """The script with `mxmoe compare` stood in for (exit `compare_rc`, runs nothing) over a state
+    folder holding `runs` (VARIANT/seedS -> the run's return code in its command.json)."""
     state = tmp_path / "state"
     for run, rc in runs.items():
         (state / "runs" / run).mkdir(parents=True)
         (state / "runs" / run / "command.json").write_text(json.dumps({"returncode": rc, "seconds": 1}))
     py = tmp_path / "py"
-    py.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && exit 0\nexec {sys.executable} "$@"\n')
+    py.write_text(f'#!/usr/bin/env bash\n[ "$1" = -m ] && exit {compare_rc}\nexec {sys.executable} "$@"\n')
     py.chmod(0o755)
     cmd = ["bash", str(REPO / "scripts/gpu/numerics_study.sh"), str(state), "debug_moe", "2", "60", "0",
-           "variants=bf16,mx", "parallel=1", f"ckpt={tmp_path / 'ckpt'}"]
+           *options, "parallel=1", f"ckpt={tmp_path / 'ckpt'}"]
     return subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PY=str(py)), capture_output=True, text=True,
                           timeout=120)
 
@@ -36,3 +37,18 @@ def test_status_is_this_calls_runs(tmp_path, mx_rc, status):
     assert proc.returncode == status, proc.stdout + proc.stderr
     assert "mx_floor" not in proc.stdout and "seed7" not in proc.stdout  # another study's runs
     assert ("FAILED" in proc.stdout) == bool(mx_rc)
+
+
+def test_a_refused_call_fails_beside_earlier_finished_runs(tmp_path):
+    """compare refusing its arguments (status 2, no run started) over a state folder whose runs an
+    earlier call finished: the call fails (it exited 0, the earlier runs passing for its own)."""
+    proc = _study(tmp_path, {"bf16/seed0": 0, "mx/seed0": 0}, compare_rc=2)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("variants, message", [("", "variants='': expected a comma list"),
+                                               ("bf16,,mx", "variant '': expected one of")])
+def test_an_empty_variant_is_refused(tmp_path, variants, message):
+    proc = _study(tmp_path, {}, options=(f"variants={variants}",))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "unbound variable" not in proc.stderr and "bad array subscript" not in proc.stderr

@@ -69,3 +69,15 @@ def test_mxfp8_all_gather_in_one_process_says_it_gathers_nothing(tmp_path, capsy
     out = capsys.readouterr()
     assert "one process, no FSDP: no weight is all-gathered" in out.out + out.err
 
+
+
+def test_mxfp8_all_gather_without_an_mx_converter_is_warned_of(tmp_path, capsys):
+    """The option with no MX converter (model.converters=) gathers nothing as MXFP8: said, not
+    ignored silently."""
+    from mxmoe.train import trainer
+
+    argv = TINY + ["--model.converters=", "--training.steps=1", "--mx.fsdp_mxfp8_all_gather=true"]
+    argv.append(f"--job.dump_folder={tmp_path}")
+    assert trainer.main(argv) == 0
+    out = capsys.readouterr()
+    assert "mx.fsdp_mxfp8_all_gather=true, but model.converters=[] names no MX converter" in out.out + out.err

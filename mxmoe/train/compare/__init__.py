@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"--variant: name(s) {dup} given twice")
+        if args.baseline is not None and names and args.baseline not in names:  # before any run
+            raise ValueError(f"--baseline={args.baseline!r}: not a --variant; expected one of {names}")
         out = Path(args.out)
         if args.runs is not None:
             if extra:

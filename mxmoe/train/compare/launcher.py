@@ -206,12 +206,16 @@ def launch(
         # a record without the digest was written by an earlier mxmoe: its run stands
         edited = same and config_sha256 is not None
         edited = edited and prev.get("config_sha256", config_sha256) != config_sha256
-        if same and not edited:
+        gone = same and not edited and not (folder / "metrics.jsonl").is_file()  # removed since
+        if same and not edited and not gone:
             print(f"{variant} seed {seed}: done before ({folder}), not run again", flush=True)
             status[(variant, seed)] = DONE
         else:
             if edited:
                 print(f"{variant} seed {seed}: config changed since it ran ({folder}): run again", flush=True)
+            if gone:
+                print(f"{variant} seed {seed}: done before, but its metrics.jsonl is gone ({folder}): "
+                      "run again", flush=True)
             todo.append((variant, seed, argv, folder))
 
     def one(job) -> None:

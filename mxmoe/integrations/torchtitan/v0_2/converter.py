@@ -173,10 +173,15 @@ def check_mx_asked(job_config) -> None:
     from the TOML's `[mx]`) while `model.converters` names no mxmoe converter, unless
     `mx.allow_unconverted`: run when torchtitan parses the job config (after its own checks)."""
     mx = getattr(job_config, "mx", None)
-    if not isinstance(mx, MXOptions) or mx.allow_unconverted:
+    if not isinstance(mx, MXOptions):
         return
     converters = list(job_config.model.converters)
     if any(c in NAMES for c in converters):
+        return
+    if mx.fsdp_mxfp8_all_gather:  # not an error: a TOML shared with bf16 runs may hold it
+        logger.warning("mx.fsdp_mxfp8_all_gather=true, but model.converters=%r names no mxmoe converter: "
+                       "no weight is MX, every weight gathers as before", converters)
+    if mx.allow_unconverted:
         return
     file = job_config.job.config_file
     asked = asked_options(mx, _toml_mx(file) if file else None)
