@@ -149,6 +149,31 @@ def test_a_baseline_loss_of_zero_is_an_error_naming_the_run(runs_root, tmp_path,
     assert f"baseline run {str(runs_root / 'bf16' / 'seed2')!r}: final val loss 0: a difference in %" in err
 
 
+def test_a_last_validation_that_was_not_finite_is_not_replaced_by_an_earlier_one(runs_root):
+    """A run whose last validation was not finite (written null, listed under "nonfinite") took an
+    earlier step's validation as its final one: paired with the baseline's step-100 loss and averaged
+    at the horizon as if of the same step. Now it has none there, and the tables say over how many
+    runs their means are."""
+    from mxmoe.train.compare import targets as tt
+
+    metrics = runs_root / "mx" / "seed0" / "metrics.jsonl"
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    recs[-1].update(val_loss=None, nonfinite=["val_loss"])
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = compare.run_summary("mx", 0, metrics.parent)
+    assert (run.val_loss, run.val_step) == (None, 100)  # not step 50's 9.0
+    runs = compare.read_runs(runs_root, ["bf16", "mx"])
+    diff = compare.paired_differences(runs, "bf16")["mx"]["val"]["diff_pct"]
+    assert diff["unpaired"] == [0, 3] and sorted(diff["per_seed"]) == [1, 2]
+    rep = tt.time_to_target(runs, "bf16", smooth_steps=10, train_targets=[2.0], val_targets=[2.0])
+    assert next(e for e in rep["runs"] if (e["variant"], e["seed"]) == ("mx", 0))["final_val"] is None
+    final = rep["variants"]["mx"]["final_val"]
+    assert final["n"] == 3 and final["mean"] == pytest.approx(statistics.fmean([1.7, 1.782, 1.9]))
+    assert "| mx | 0,1,2,3 | 1.7940 ± 0.1005 (3 of 4 runs) |" in tt.markdown(rep, "bf16")
+    md = compare.markdown(runs, compare.paired_differences(runs, "bf16"), "bf16", 0, None)
+    assert f"| mx | 0,1,2,3 | {statistics.fmean([1.7, 1.782, 1.9]):.4f} (3 of 4 runs) |" in md
+
+
 SETUP = {"training": {"steps": 100, "seq_len": 1024}, "epochs": {"global_batch": 16, "epochs": 0.5},
          "corpus": {"sha256": "a" * 64, "source": "python-env"}}
 

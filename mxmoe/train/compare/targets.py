@@ -177,7 +177,9 @@ def time_to_target(
             entry[f"{metric}_steps"] = steps
             entry[f"{metric}_tokens"] = [None if s is None or tokens is None else s * tokens for s in steps]
         entry["final_train"] = tr[-1][1] if tr else None
-        entry["final_val"] = va[-1][1] if va else None
+        # the last validation's loss, None where it was not finite (null): not an earlier one's
+        vals = [x for x in r.records if "val_loss" in x]
+        entry["final_val"] = vals[-1]["val_loss"] if vals else None
         entry["last_step"] = r.records[-1]["step"] if r.records else None
         per_run.append(entry)
     out_variants: dict = {}
@@ -289,8 +291,9 @@ def markdown(tt: dict, baseline: str) -> str:
         "|---|---|---|---|---|---|",
     ]
 
-    def ms(s: dict) -> str:
-        return _f(s["mean"], ".4f") + (f" ± {s['std']:.4f}" if s["std"] is not None else "")
+    def ms(s: dict, runs: int) -> str:  # over fewer runs than the seeds column: says how many
+        out = _f(s["mean"], ".4f") + (f" ± {s['std']:.4f}" if s["std"] is not None else "")
+        return out + (f" ({s['n']} of {runs} runs)" if s["n"] < runs else "")
 
     for v, ve in tt["variants"].items():
         if v == baseline:
@@ -304,6 +307,7 @@ def markdown(tt: dict, baseline: str) -> str:
             within = "–" if wt is None else ("yes" if wt else "**no**")
         seeds = ",".join(map(str, ve["seeds"]))
         lines.append(
-            f"| {v} | {seeds} | {ms(ve['final_val'])} | {ms(ve['final_train'])} | {flag} | {within} |"
+            f"| {v} | {seeds} | {ms(ve['final_val'], len(ve['seeds']))} | "
+            f"{ms(ve['final_train'], len(ve['seeds']))} | {flag} | {within} |"
         )
     return "\n".join(lines) + "\n"
