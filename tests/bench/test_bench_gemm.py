@@ -150,3 +150,23 @@ def test_json_records_what_the_rows_were_measured_with(tmp_path, monkeypatch, fo
     assert (doc["kernel"], doc["iters"], doc["forward"]) == ("triton", 3, forward)
     assert doc.get("gemm_backend") == (None if forward else "native")  # --forward times every backend
     assert seen and doc["rows"] == [{"shape": "x"}]
+
+
+def test_overlap_records_the_cast_kernel_auto_chose(tmp_path, monkeypatch, capsys):
+    """The overlap JSON and table did not say which kernel the timed cast ran: its recipe's "auto" takes
+    the C++ operator where the extension builds and Triton where it does not, unrecorded."""
+    from mxmoe.bench import overlap, timing
+    from mxmoe.quant.backends import cast_kernel
+    from mxmoe.recipe import recipe
+
+    monkeypatch.setattr(timing, "require_cuda", lambda what: None)
+    monkeypatch.setattr(overlap, "measure", lambda M, K, N, iters: {"shape": f"{M}x{K}->{N}", "hidden": 0.5})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    out = tmp_path / "o.json"
+    assert overlap.main(["--shapes", "64x64x64", "--iters", "3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    want = cast_kernel(recipe("mxfp8_rceil"), torch.device("cuda", 0), "qdq_dim1")
+    assert want in ("cuda", "triton") and doc["cast_kernel"] == want
+    assert (doc["recipe"], doc["iters"]) == ("mxfp8_rceil", 3)
+    assert doc["rows"] == [{"shape": "64x64->64", "hidden": 0.5}]
+    assert f"cast kernel {want};" in capsys.readouterr().out
