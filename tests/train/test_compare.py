@@ -196,10 +196,13 @@ def test_runs_of_different_setups_are_not_paired(tmp_path, capsys, change, messa
             recs = _records(*DATA[(v, seed)], [1.0] * 11)
             if (v, seed) == ("mx", 1):
                 for k, d in change.items():
-                    if k == "last_step":
+                    if k == "last_step":  # a run of 90 steps (one of 100 that stopped is left out)
                         recs = recs[:-2]
+                        recorded["training"]["steps"] = 90
                     else:
                         recorded[k].update(d)
+                steps = recorded["training"]["steps"]  # a run of more steps runs them all
+                recs += [{"step": s, "loss": 1.0, "loss_steps": 10} for s in range(110, steps + 1, 10)]
             _write_run(root / v / f"seed{seed}", seed, recs, **recorded)
     assert compare.main(["--runs", str(root), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
@@ -207,6 +210,22 @@ def test_runs_of_different_setups_are_not_paired(tmp_path, capsys, change, messa
     want = f"runs of different setups cannot be paired: {pair}"
     assert want in err and message in err, err
     assert str(root / "mx" / "seed0") not in err  # the pairs that match are not named
+
+
+def test_a_run_that_stopped_before_its_steps_is_left_out(tmp_path, capsys):
+    """A run folder without command.json whose records end before its training.steps (a run killed or
+    stopped outside `mxmoe compare`) was read as finished: with no baseline run of its seed it was
+    paired with nothing and checked against nothing, and its loss at step 90 went into its variant's
+    means at the horizon of 100."""
+    root = tmp_path / "runs"
+    for v, seeds in (("bf16", (0, 1)), ("mx", (0, 1, 3))):
+        for seed in seeds:
+            recs = _records(*DATA[(v, seed)], [1.0] * 11)
+            _write_run(root / v / f"seed{seed}", seed, recs[:-2] if seed == 3 else recs, **SETUP)
+    runs = compare.read_runs(root)
+    assert [(r.variant, r.seed) for r in runs] == [("bf16", 0), ("bf16", 1), ("mx", 0), ("mx", 1)]
+    err = capsys.readouterr().err
+    assert f"{root / 'mx' / 'seed3'} did not finish (its last logged step is 90 of training.steps=100)" in err
 
 
 def test_the_runs_table_shows_epochs_and_flags_runs_that_repeat_data(tmp_path, capsys):

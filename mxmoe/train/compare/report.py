@@ -369,7 +369,8 @@ def analyse(
 
 def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_steps: int = 0) -> list[Run]:
     """The runs under root/VARIANT/RUN/ (metrics.jsonl, and config.json for the seed), in variant
-    order (`variants`, else sorted names) and seed order."""
+    order (`variants`, else sorted names) and seed order. A run that did not finish (its command.json
+    says so, or its records end before its recorded training.steps) is left out, with a warning."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"--runs {str(root)!r}: not a folder")
@@ -403,7 +404,16 @@ def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_step
                 raise ValueError(
                     f"run {str(folder)!r}: cannot read debug.seed from its recorded config: {e}"
                 ) from None
-            runs.append(run_summary(v, seed, folder, tail_steps))
+            run = run_summary(v, seed, folder, tail_steps)
+            steps = run.setup.get("steps")
+            if steps is not None and run.last_step < steps:  # stopped, and no command.json says so
+                print(
+                    f"mxmoe compare: warning: {folder} did not finish (its last logged step is "
+                    f"{run.last_step} of training.steps={steps}): left out",
+                    file=sys.stderr,
+                )
+                continue
+            runs.append(run)
     if not runs:
         raise FileNotFoundError(f"--runs {str(root)!r}: no VARIANT/RUN/metrics.jsonl under it")
     seen: dict = {}
