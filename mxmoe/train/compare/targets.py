@@ -17,7 +17,7 @@ mean smoothed training curve (the mean over its seeds at the steps they share) f
 straight line from its first to its last point, both axes scaled to [0, 1] (the "Kneedle" rule);
 the target steps are knee + q (last - knee) for q in `KNEE_FRACTIONS`; the training targets are the
 baseline's mean smoothed training loss there, the validation targets its mean validation loss
-there (interpolated between validation points). So the baseline's mean curve reaches target k at
+there (each interpolated between logged points). So the baseline's mean curve reaches target k at
 about target step k, and a variant that drops earlier reaches it sooner.
 
 Not converged at this horizon: a variant whose mean final validation loss or mean final smoothed
@@ -124,10 +124,13 @@ def default_targets(base_train: Curve, base_val: Curve) -> dict:
         )
     knee, last = knee_step(base_train), base_train[-1][0]
     steps = [knee + q * (last - knee) for q in KNEE_FRACTIONS]
-    train = []
-    for st in steps:  # the baseline's loss at the first logged step at or after the target step
-        train.append(next(v for s, v in base_train if s >= st))
-    return {"knee": knee, "steps": steps, "train": train, "val": [value_at(base_val, st) for st in steps]}
+    # both interpolated at the target step (between logged points), so both refer to that step
+    return {
+        "knee": knee,
+        "steps": steps,
+        "train": [value_at(base_train, st) for st in steps],
+        "val": [value_at(base_val, st) for st in steps],
+    }
 
 
 def _spread(values: Sequence[float]) -> dict:
