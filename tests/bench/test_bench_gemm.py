@@ -170,3 +170,20 @@ def test_overlap_records_the_cast_kernel_auto_chose(tmp_path, monkeypatch, capsy
     assert (doc["recipe"], doc["iters"]) == ("mxfp8_rceil", 3)
     assert doc["rows"] == [{"shape": "64x64->64", "hidden": 0.5}]
     assert f"cast kernel {want};" in capsys.readouterr().out
+
+
+def test_a2a_rows_record_the_transport_auto_chose(monkeypatch):
+    """A row of `--transport auto` did not say which transport ran: symm where symmetric memory can
+    run (and no --chunks asks for the NCCL pipeline), NCCL elsewhere. Each row names it (`ran`); here,
+    off CUDA, NCCL."""
+    from mxmoe.bench import a2a
+
+    monkeypatch.setattr(a2a, "_time_op", lambda op, xs, gs, timed: dict(forward=2.0, backward=3.0, both=4.0))
+    monkeypatch.setattr(a2a, "bench", lambda *a, **k: type("T", (), {"median_ms": 1.0})())
+    monkeypatch.setattr(a2a, "_breakdown", lambda *a: {})
+    args = a2a.parse_args(["--transport", "auto,nccl", "--chunks", "auto,2"])
+    xs = [torch.randn(64, 64, dtype=torch.bfloat16)]
+    rows: list = []
+    a2a._bench_shape(xs, xs, [32, 32], "1x64x64", 2, args, rows, [])
+    got = {(r["transport"], r["chunks"], r["ran"]) for r in rows}
+    assert got == {(t, c, "nccl") for t in ("auto", "nccl") for c in ("auto", 2)}
