@@ -6,8 +6,8 @@
 
 Each rank holds batch x seq tokens of `dim` (bf16) and sends an equal share to every rank. Rows:
 forward, backward and forward+backward times of the bf16 all-to-all (`a2a_unquantized`, NCCL) and of the
-MXFP8 one (`to_mxfp8_a2a_dequant`, one row per --transport x --chunks choice; symm ignores chunks),
-median of >= 20 runs, maximum over ranks
+MXFP8 one (`to_mxfp8_a2a_dequant`, one row per --transport x --chunks choice; symm ignores chunks;
+`ran`: the transport that ran, what "auto" chose), median of >= 20 runs, maximum over ranks
 (mxmoe.bench.timing.bench). The breakdown times each stage alone: quantize all rows, the NCCL exchange
 of the MXFP8 bytes (elements + scales, all_to_all_single), dequantize all rows, and their serial sum.
 Before timing, every shape is checked bit for bit against `reference_mxfp8_a2a` (forward and backward),
@@ -36,6 +36,7 @@ from mxmoe.comm import (
 )
 from mxmoe.comm.mx_rows import quantize_rows
 from mxmoe.comm.nccl import all_to_all_rows
+from mxmoe.comm.transport import row_transport_name
 from mxmoe.quant import custom_ops
 from mxmoe.quant.backends import cast_kernel
 from mxmoe.recipe import CAST_KERNELS, DEFAULT_RECIPE, MXRecipe
@@ -279,6 +280,7 @@ def _bench_shape(xs, gs, splits, shape, world, args, rows, breakdown) -> None:
 
         mx = _time_op(mxfp8, xs, gs, timed)
         fwd[transport, chunks] = mx["forward"]
+        ran = row_transport_name(transport, xs[0], None, args.recipe.fmt, chunks, world)  # "auto" chose
         for part in ("forward", "backward", "both"):
             rows.append(
                 {
@@ -286,6 +288,7 @@ def _bench_shape(xs, gs, splits, shape, world, args, rows, breakdown) -> None:
                     "input_shape": shape,
                     "num_splits": world,
                     "transport": transport,
+                    "ran": ran,
                     "chunks": "-" if transport.startswith("symm") else "auto" if chunks is None else chunks,
                     "bf16_ms": bf[part],
                     "mxfp8_ms": mx[part],

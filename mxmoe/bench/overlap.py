@@ -3,7 +3,8 @@
 The case for casting on a side stream: in a linear layer's backward the wgrad's cast of dy along M
 (`qdq` dim1) does not wait for the dgrad GEMM dx = dy0 W, so the two could run at once, the
 memory-bound cast beside the compute-bound GEMM. For each M×K→N (bf16 operands, recipe
-mxfp8_rceil, the cast kernels `auto`), with CUDA events around each whole pattern:
+mxfp8_rceil, the cast kernels `auto`: the title and the JSON name the one it chose), with CUDA
+events around each whole pattern:
 
   gemm      dx = dy0 @ W ((M, N) @ (N, K)) alone
   cast      qdq of dy (M, N) along M alone
@@ -22,6 +23,7 @@ import torch
 
 from mxmoe.cli import ArgumentParser, positive_int
 
+RECIPE = "mxfp8_rceil"  # its cast kernels "auto": `cast_kernel` says which one ran
 SHAPES = ["16384x1024x1024", "32768x1024x2048", "16384x2048x2048", "16384x4096x4096", "65536x7168x2048"]
 
 
@@ -48,7 +50,7 @@ def measure(M: int, K: int, N: int, iters: int) -> dict:
     from mxmoe.quant.qdq import qdq
     from mxmoe.recipe import recipe
 
-    r = recipe("mxfp8_rceil")
+    r = recipe(RECIPE)
     sets = timing.rotation_count(2 * M * N)
     dys = [torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * N**-0.5
@@ -104,8 +106,22 @@ def main(argv: list[str] | None = None) -> int:
     timing.check_json(p, args.json)
     timing.require_cuda("mxmoe bench overlap")
     rows = [measure(*s, args.iters) for s in shapes]
+    kernel = cast_kernel()
     env = ", ".join(f"{k} {v}" for k, v in timing.environment().items())
-    timing.print_table(rows, title=f"a cast beside a GEMM ({env})")
+    timing.print_table(rows, title=f"a cast beside a GEMM (cast kernel {kernel}; {env})")
     if args.json:
-        timing.write_json(args.json, {"bench": "overlap", "environment": timing.environment(), "rows": rows})
+        timing.write_json(
+            args.json,
+            {"bench": "overlap", "recipe": RECIPE, "cast_kernel": kernel, "iters": args.iters,
+             "environment": timing.environment(), "rows": rows},
+        )
     return 0
+
+
+def cast_kernel() -> str:
+    """The kernel the timed cast ran: what the recipe's "auto" chose on this GPU (the C++ operator
+    where the extension builds, else Triton)."""
+    from mxmoe.quant.backends import cast_kernel
+    from mxmoe.recipe import recipe
+
+    return cast_kernel(recipe(RECIPE), torch.device("cuda", torch.cuda.current_device()), "qdq_dim1")

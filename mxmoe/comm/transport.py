@@ -190,6 +190,16 @@ def resolve_transport(choice: str, site: ExchangeSite, what: str = "transport") 
     return choice
 
 
+def row_transport_name(
+    choice: str, x: Tensor, group, fmt: MXFormat | None, chunks: int | None, world: int
+) -> str:
+    """The name of the transport `row_transport` takes (what "auto" chose: benchmarks record it)."""
+    if world == 1:
+        return "nccl"
+    site = ExchangeSite(x.device.type, group_name(group), world, fmt, chunks is not None, True, group)
+    return resolve_transport(choice, site)
+
+
 def row_transport(
     choice: str, x: Tensor, group, fmt: MXFormat | None, chunks: int | None, world: int
 ) -> Transport:
@@ -197,10 +207,7 @@ def row_transport(
     name; RuntimeError naming it when it cannot run here), quantized in format `fmt` (None: rows in
     their own dtype). One rank exchanges nothing: the process group's transport (a local
     copy or quantize-dequantize) whatever the choice."""
-    if world == 1:
-        return load_transport("nccl")
-    site = ExchangeSite(x.device.type, group_name(group), world, fmt, chunks is not None, True, group)
-    name = resolve_transport(choice, site)
+    name = row_transport_name(choice, x, group, fmt, chunks, world)
     t = load_transport(name)
     if not t.moves_rows:  # its availability should have refused a rows site
         raise RuntimeError(

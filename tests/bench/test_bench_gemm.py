@@ -150,3 +150,40 @@ def test_json_records_what_the_rows_were_measured_with(tmp_path, monkeypatch, fo
     assert (doc["kernel"], doc["iters"], doc["forward"]) == ("triton", 3, forward)
     assert doc.get("gemm_backend") == (None if forward else "native")  # --forward times every backend
     assert seen and doc["rows"] == [{"shape": "x"}]
+
+
+def test_overlap_records_the_cast_kernel_auto_chose(tmp_path, monkeypatch, capsys):
+    """The overlap JSON and table did not say which kernel the timed cast ran: its recipe's "auto" takes
+    the C++ operator where the extension builds and Triton where it does not, unrecorded."""
+    from mxmoe.bench import overlap, timing
+    from mxmoe.quant.backends import cast_kernel
+    from mxmoe.recipe import recipe
+
+    monkeypatch.setattr(timing, "require_cuda", lambda what: None)
+    monkeypatch.setattr(overlap, "measure", lambda M, K, N, iters: {"shape": f"{M}x{K}->{N}", "hidden": 0.5})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    out = tmp_path / "o.json"
+    assert overlap.main(["--shapes", "64x64x64", "--iters", "3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    want = cast_kernel(recipe("mxfp8_rceil"), torch.device("cuda", 0), "qdq_dim1")
+    assert want in ("cuda", "triton") and doc["cast_kernel"] == want
+    assert (doc["recipe"], doc["iters"]) == ("mxfp8_rceil", 3)
+    assert doc["rows"] == [{"shape": "64x64->64", "hidden": 0.5}]
+    assert f"cast kernel {want};" in capsys.readouterr().out
+
+
+def test_a2a_rows_record_the_transport_auto_chose(monkeypatch):
+    """A row of `--transport auto` did not say which transport ran: symm where symmetric memory can
+    run (and no --chunks asks for the NCCL pipeline), NCCL elsewhere. Each row names it (`ran`); here,
+    off CUDA, NCCL."""
+    from mxmoe.bench import a2a
+
+    monkeypatch.setattr(a2a, "_time_op", lambda op, xs, gs, timed: dict(forward=2.0, backward=3.0, both=4.0))
+    monkeypatch.setattr(a2a, "bench", lambda *a, **k: type("T", (), {"median_ms": 1.0})())
+    monkeypatch.setattr(a2a, "_breakdown", lambda *a: {})
+    args = a2a.parse_args(["--transport", "auto,nccl", "--chunks", "auto,2"])
+    xs = [torch.randn(64, 64, dtype=torch.bfloat16)]
+    rows: list = []
+    a2a._bench_shape(xs, xs, [32, 32], "1x64x64", 2, args, rows, [])
+    got = {(r["transport"], r["chunks"], r["ran"]) for r in rows}
+    assert got == {(t, c, "nccl") for t in ("auto", "nccl") for c in ("auto", 2)}

@@ -149,6 +149,31 @@ def test_a_baseline_loss_of_zero_is_an_error_naming_the_run(runs_root, tmp_path,
     assert f"baseline run {str(runs_root / 'bf16' / 'seed2')!r}: final val loss 0: a difference in %" in err
 
 
+def test_a_last_validation_that_was_not_finite_is_not_replaced_by_an_earlier_one(runs_root):
+    """A run whose last validation was not finite (written null, listed under "nonfinite") took an
+    earlier step's validation as its final one: paired with the baseline's step-100 loss and averaged
+    at the horizon as if of the same step. Now it has none there, and the tables say over how many
+    runs their means are."""
+    from mxmoe.train.compare import targets as tt
+
+    metrics = runs_root / "mx" / "seed0" / "metrics.jsonl"
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    recs[-1].update(val_loss=None, nonfinite=["val_loss"])
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = compare.run_summary("mx", 0, metrics.parent)
+    assert (run.val_loss, run.val_step) == (None, 100)  # not step 50's 9.0
+    runs = compare.read_runs(runs_root, ["bf16", "mx"])
+    diff = compare.paired_differences(runs, "bf16")["mx"]["val"]["diff_pct"]
+    assert diff["unpaired"] == [0, 3] and sorted(diff["per_seed"]) == [1, 2]
+    rep = tt.time_to_target(runs, "bf16", smooth_steps=10, train_targets=[2.0], val_targets=[2.0])
+    assert next(e for e in rep["runs"] if (e["variant"], e["seed"]) == ("mx", 0))["final_val"] is None
+    final = rep["variants"]["mx"]["final_val"]
+    assert final["n"] == 3 and final["mean"] == pytest.approx(statistics.fmean([1.7, 1.782, 1.9]))
+    assert "| mx | 0,1,2,3 | 1.7940 ± 0.1005 (3 of 4 runs) |" in tt.markdown(rep, "bf16")
+    md = compare.markdown(runs, compare.paired_differences(runs, "bf16"), "bf16", 0, None)
+    assert f"| mx | 0,1,2,3 | {statistics.fmean([1.7, 1.782, 1.9]):.4f} (3 of 4 runs) |" in md
+
+
 SETUP = {"training": {"steps": 100, "seq_len": 1024}, "epochs": {"global_batch": 16, "epochs": 0.5},
          "corpus": {"sha256": "a" * 64, "source": "python-env"}}
 
@@ -171,10 +196,13 @@ def test_runs_of_different_setups_are_not_paired(tmp_path, capsys, change, messa
             recs = _records(*DATA[(v, seed)], [1.0] * 11)
             if (v, seed) == ("mx", 1):
                 for k, d in change.items():
-                    if k == "last_step":
+                    if k == "last_step":  # a run of 90 steps (one of 100 that stopped is left out)
                         recs = recs[:-2]
+                        recorded["training"]["steps"] = 90
                     else:
                         recorded[k].update(d)
+                steps = recorded["training"]["steps"]  # a run of more steps runs them all
+                recs += [{"step": s, "loss": 1.0, "loss_steps": 10} for s in range(110, steps + 1, 10)]
             _write_run(root / v / f"seed{seed}", seed, recs, **recorded)
     assert compare.main(["--runs", str(root), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
@@ -182,6 +210,22 @@ def test_runs_of_different_setups_are_not_paired(tmp_path, capsys, change, messa
     want = f"runs of different setups cannot be paired: {pair}"
     assert want in err and message in err, err
     assert str(root / "mx" / "seed0") not in err  # the pairs that match are not named
+
+
+def test_a_run_that_stopped_before_its_steps_is_left_out(tmp_path, capsys):
+    """A run folder without command.json whose records end before its training.steps (a run killed or
+    stopped outside `mxmoe compare`) was read as finished: with no baseline run of its seed it was
+    paired with nothing and checked against nothing, and its loss at step 90 went into its variant's
+    means at the horizon of 100."""
+    root = tmp_path / "runs"
+    for v, seeds in (("bf16", (0, 1)), ("mx", (0, 1, 3))):
+        for seed in seeds:
+            recs = _records(*DATA[(v, seed)], [1.0] * 11)
+            _write_run(root / v / f"seed{seed}", seed, recs[:-2] if seed == 3 else recs, **SETUP)
+    runs = compare.read_runs(root)
+    assert [(r.variant, r.seed) for r in runs] == [("bf16", 0), ("bf16", 1), ("mx", 0), ("mx", 1)]
+    err = capsys.readouterr().err
+    assert f"{root / 'mx' / 'seed3'} did not finish (its last logged step is 90 of training.steps=100)" in err
 
 
 def test_the_runs_table_shows_epochs_and_flags_runs_that_repeat_data(tmp_path, capsys):

@@ -89,6 +89,18 @@ def test_knee_is_the_point_farthest_below_the_chord():
     assert tt.knee_step([(0, 1.0), (10, 1.0), (20, 1.0)]) == 0  # flat: no knee
 
 
+def test_default_targets_are_the_baseline_curves_at_the_target_steps():
+    """The training target was the curve's value at the first logged step at or after the target step
+    (here step 100, the last, for the target step 92), the validation target the value at that step:
+    the baseline reached its own third training target 8 steps late, at another step than the one
+    compare.md names. Both are interpolated at the target step now."""
+    curve = [(0, 10.0), (10, 4.0)] + [(s, 2.0 - 0.02 * (s - 20)) for s in range(20, 101, 10)]
+    d = tt.default_targets(curve, curve)
+    assert d["knee"] == 20 and d["steps"] == pytest.approx([60, 80, 92])
+    assert d["train"] == pytest.approx([1.2, 0.8, 0.56]) and d["val"] == pytest.approx(d["train"])
+    assert [tt.crossing(curve, t) for t in d["train"]] == pytest.approx([60, 80, 92])
+
+
 def test_time_to_given_targets_matches_the_closed_form(runs):
     """With smooth_steps = the log interval, the smoothed loss at step s is the mean of the linear ramp
     over (s - 10, s] = loss_at(s - 4.5): a target T is crossed at drop + (1.5 - T) / 0.6 * RAMP + 4.5."""
@@ -117,7 +129,7 @@ def test_default_targets_lie_on_the_baseline_curve_past_its_knee(runs):
     assert rep["knee_step"] == knee and 600 <= knee <= 900  # where the ramp flattens
     assert rep["target_steps"] == pytest.approx([knee + q * (1000 - knee) for q in tt.KNEE_FRACTIONS])
     for st, target in zip(rep["target_steps"], rep["targets"]["train"], strict=True):
-        assert target == next(v for s, v in base if s >= st)
+        assert target == pytest.approx(tt.value_at(base, st))
     # the variant that drops 200 steps earlier reaches every target it can sooner
     for k in range(len(tt.KNEE_FRACTIONS)):
         mx, bf = rep["variants"]["mx"]["train"][k], rep["variants"]["bf16"]["train"][k]
@@ -163,13 +175,12 @@ def test_compare_writes_the_time_to_target_tables(runs, tmp_path, capsys):
 
 def test_the_real_moe_2b_pair_reads_and_mx_reaches_each_target_first(tmp_path, capsys):
     """The records of docs/data/2026-12-05 (bf16 and MX, seed 0, 1000 steps): every default target is
-    reached; the baseline reaches its own at the first logged step at or after the target step."""
+    reached; the baseline reaches its own at the target step."""
     runs = compare.read_runs(REAL, ["bf16", "mx"])
     rep = tt.time_to_target(runs, "bf16")
     bf16, mx = (next(e for e in rep["runs"] if e["variant"] == v) for v in ("bf16", "mx"))
     assert all(s is not None for s in bf16["train_steps"] + mx["train_steps"] + mx["val_steps"])
-    steps = [s for s, _ in tt.smoothed_train(runs[0].records, 50)]
-    assert bf16["train_steps"] == [next(s for s in steps if s >= st) for st in rep["target_steps"]]
+    assert bf16["train_steps"] == pytest.approx(rep["target_steps"])
     assert bf16["tokens_per_step"] == 16 * 1024
     assert all(m < b for m, b in zip(mx["train_steps"], bf16["train_steps"], strict=True))
     argv = ["--runs", str(REAL), "--out", str(tmp_path), "--variant", "bf16", "--variant", "mx"]

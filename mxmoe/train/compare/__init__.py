@@ -27,7 +27,8 @@ finished ones are written; `--delete_finished_checkpoints` deletes a finished ru
 Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from the config of the run
 that wrote the records (RUN/config.json, or config.<run_id>.json of a later run in the folder; the
 layout the running mode writes under OUT/runs; a run whose command.json records a failure or a
-stop at the time limit is left out, a run folder without metrics.jsonl is an error). --out is
+stop at the time limit, or whose records end before its training.steps, is left out, a run folder
+without metrics.jsonl is an error). --out is
 checked to be a writable folder before anything runs. A malformed record is an error naming its
 file, line and field.
 

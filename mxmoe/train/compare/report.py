@@ -85,9 +85,10 @@ def run_summary(variant: str, seed: int, folder: str | Path, tail_steps: int = 0
     Final training loss: the mean per step of the training loss over the last `tail_steps` steps
     (0: the last 10 % of the logged steps, at least the last record): records carry the mean over
     their `loss_steps` steps, so they are weighted by it, and only records wholly inside the window
-    count (the last one always does). Final validation loss: the last record's with a val_loss.
-    Tokens/s: the median over the records (the first, which includes compilation, left out when
-    there are others)."""
+    count (the last one always does). Final validation loss: the last validation's (the last record
+    with a val_loss; None where it was not finite, written null: never an earlier step's). Tokens/s:
+    the median over the records (the first, which includes compilation, left out when there are
+    others)."""
     recs = read_metrics(str(folder))
     if not recs:
         raise ValueError(f"run {str(folder)!r}: metrics.jsonl has no records")
@@ -104,7 +105,7 @@ def run_summary(variant: str, seed: int, folder: str | Path, tail_steps: int = 0
         train_steps = (first, last)
     else:  # the last record's loss was not finite
         train_loss = train_steps = None
-    vals = [r for r in recs if r.get("val_loss") is not None]
+    vals = [r for r in recs if "val_loss" in r]  # a value that was not finite is null, its key kept
     tps = [r["tokens_per_s"] for r in recs if r.get("tokens_per_s") is not None]
     return Run(
         variant=variant,
@@ -270,9 +271,13 @@ def markdown(runs: list[Run], stats: dict, baseline: str, tail_steps: int, comma
     for v, e in stats.items():
         seeds = ",".join(map(str, e["seeds"]))
         mark = " (baseline)" if v == baseline else ""
-        lines.append(
-            f"| {v}{mark} | {seeds} | {_fmt(e['val']['mean_loss'])} | {_fmt(e['train']['mean_loss'])} |"
-        )
+        own = [r for r in runs if r.variant == v]
+        cells = []
+        for metric, attr in (("val", "val_loss"), ("train", "train_loss")):
+            n = sum(getattr(r, attr) is not None for r in own)  # fewer than the seeds: says how many
+            fewer = f" ({n} of {len(own)} runs)" if n < len(own) else ""
+            cells.append(_fmt(e[metric]["mean_loss"]) + fewer)
+        lines.append(f"| {v}{mark} | {seeds} | {cells[0]} | {cells[1]} |")
     lines += [
         "",
         "## Runs",
@@ -364,7 +369,8 @@ def analyse(
 
 def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_steps: int = 0) -> list[Run]:
     """The runs under root/VARIANT/RUN/ (metrics.jsonl, and config.json for the seed), in variant
-    order (`variants`, else sorted names) and seed order."""
+    order (`variants`, else sorted names) and seed order. A run that did not finish (its command.json
+    says so, or its records end before its recorded training.steps) is left out, with a warning."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"--runs {str(root)!r}: not a folder")
@@ -398,7 +404,16 @@ def read_runs(root: str | Path, variants: Sequence[str] | None = None, tail_step
                 raise ValueError(
                     f"run {str(folder)!r}: cannot read debug.seed from its recorded config: {e}"
                 ) from None
-            runs.append(run_summary(v, seed, folder, tail_steps))
+            run = run_summary(v, seed, folder, tail_steps)
+            steps = run.setup.get("steps")
+            if steps is not None and run.last_step < steps:  # stopped, and no command.json says so
+                print(
+                    f"mxmoe compare: warning: {folder} did not finish (its last logged step is "
+                    f"{run.last_step} of training.steps={steps}): left out",
+                    file=sys.stderr,
+                )
+                continue
+            runs.append(run)
     if not runs:
         raise FileNotFoundError(f"--runs {str(root)!r}: no VARIANT/RUN/metrics.jsonl under it")
     seen: dict = {}

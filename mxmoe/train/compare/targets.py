@@ -17,7 +17,7 @@ mean smoothed training curve (the mean over its seeds at the steps they share) f
 straight line from its first to its last point, both axes scaled to [0, 1] (the "Kneedle" rule);
 the target steps are knee + q (last - knee) for q in `KNEE_FRACTIONS`; the training targets are the
 baseline's mean smoothed training loss there, the validation targets its mean validation loss
-there (interpolated between validation points). So the baseline's mean curve reaches target k at
+there (each interpolated between logged points). So the baseline's mean curve reaches target k at
 about target step k, and a variant that drops earlier reaches it sooner.
 
 Not converged at this horizon: a variant whose mean final validation loss or mean final smoothed
@@ -124,10 +124,13 @@ def default_targets(base_train: Curve, base_val: Curve) -> dict:
         )
     knee, last = knee_step(base_train), base_train[-1][0]
     steps = [knee + q * (last - knee) for q in KNEE_FRACTIONS]
-    train = []
-    for st in steps:  # the baseline's loss at the first logged step at or after the target step
-        train.append(next(v for s, v in base_train if s >= st))
-    return {"knee": knee, "steps": steps, "train": train, "val": [value_at(base_val, st) for st in steps]}
+    # both interpolated at the target step (between logged points), so both refer to that step
+    return {
+        "knee": knee,
+        "steps": steps,
+        "train": [value_at(base_train, st) for st in steps],
+        "val": [value_at(base_val, st) for st in steps],
+    }
 
 
 def _spread(values: Sequence[float]) -> dict:
@@ -177,7 +180,9 @@ def time_to_target(
             entry[f"{metric}_steps"] = steps
             entry[f"{metric}_tokens"] = [None if s is None or tokens is None else s * tokens for s in steps]
         entry["final_train"] = tr[-1][1] if tr else None
-        entry["final_val"] = va[-1][1] if va else None
+        # the last validation's loss, None where it was not finite (null): not an earlier one's
+        vals = [x for x in r.records if "val_loss" in x]
+        entry["final_val"] = vals[-1]["val_loss"] if vals else None
         entry["last_step"] = r.records[-1]["step"] if r.records else None
         per_run.append(entry)
     out_variants: dict = {}
@@ -289,8 +294,9 @@ def markdown(tt: dict, baseline: str) -> str:
         "|---|---|---|---|---|---|",
     ]
 
-    def ms(s: dict) -> str:
-        return _f(s["mean"], ".4f") + (f" ± {s['std']:.4f}" if s["std"] is not None else "")
+    def ms(s: dict, runs: int) -> str:  # over fewer runs than the seeds column: says how many
+        out = _f(s["mean"], ".4f") + (f" ± {s['std']:.4f}" if s["std"] is not None else "")
+        return out + (f" ({s['n']} of {runs} runs)" if s["n"] < runs else "")
 
     for v, ve in tt["variants"].items():
         if v == baseline:
@@ -304,6 +310,7 @@ def markdown(tt: dict, baseline: str) -> str:
             within = "–" if wt is None else ("yes" if wt else "**no**")
         seeds = ",".join(map(str, ve["seeds"]))
         lines.append(
-            f"| {v} | {seeds} | {ms(ve['final_val'])} | {ms(ve['final_train'])} | {flag} | {within} |"
+            f"| {v} | {seeds} | {ms(ve['final_val'], len(ve['seeds']))} | "
+            f"{ms(ve['final_train'], len(ve['seeds']))} | {flag} | {within} |"
         )
     return "\n".join(lines) + "\n"
