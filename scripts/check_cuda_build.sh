@@ -11,7 +11,12 @@ fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 shopt -s nullglob
-for f in mxmoe/*/csrc/*.cu; do
+sources=(mxmoe/*/csrc/*.cu) bindings=(mxmoe/*/csrc/binding.cpp)
+if [ ${#sources[@]} -eq 0 ] || [ ${#bindings[@]} -eq 0 ]; then  # a check of nothing is no pass
+  echo "check_cuda_build: no mxmoe/*/csrc/*.cu or binding.cpp under $PWD: nothing to compile" >&2
+  exit 1
+fi
+for f in "${sources[@]}"; do
   start=$(date +%s)
   nvcc -std=c++17 -O3 -arch=sm_90 -c "$f" -o "$out/$(basename "$f").o"
   echo "check_cuda_build: $f compiled for sm_90 in $(( $(date +%s) - start )) s"
@@ -28,7 +33,7 @@ print(' '.join('-I' + p for p in c.include_paths()))" 2>/dev/null); then
   for d in "${CUDA_HOME:-}" "$(dirname "$(dirname "$(command -v nvcc)")")" /usr/local/cuda; do
     [ -n "$d" ] && [ -f "$d/include/cuda_runtime.h" ] && { cuda_inc=$d/include; break; }
   done
-  for f in mxmoe/*/csrc/binding.cpp; do
+  for f in "${bindings[@]}"; do
     start=$(date +%s)
     # shellcheck disable=SC2086
     ${CXX:-g++} -std=c++20 -fsyntax-only $inc -idirafter "$out/stub" ${cuda_inc:+-I"$cuda_inc"} "$f"

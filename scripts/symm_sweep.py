@@ -56,6 +56,7 @@ def main() -> None:
     default = (symm.ITEM_TILES, symm._STORE_SUB_BLOCKS, symm.RECV_DELAY, symm._PROGS_PER_SM,
                symm._FAST_BIT_FLAGS, symm._RECV_SUB_BLOCKS)
     ws = symm.SymmWorkspace.get(None, dev)
+    inexact = 0  # configurations whose output differed from the reference on some rank
     for b in (int(v) for v in args.batches.split(",")):
         rows = b * 8192
         splits = [rows // world] * world
@@ -80,7 +81,11 @@ def main() -> None:
             def mx(t, s=splits):
                 return to_mxfp8_a2a_dequant(t, s, s, check=False, transport="symm")
 
-            exact = torch.equal(mx(x).view(torch.int16), ref.view(torch.int16))
+            # every rank's output against the reference: rank 0 prints, and a miss on any rank counts
+            flag = torch.tensor(int(torch.equal(mx(x).view(torch.int16), ref.view(torch.int16))), device=dev)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            exact = bool(flag)
+            inexact += not exact
             t = bench(mx, [(x,)], warmup=5, iters=30)
             if rank == 0:
                 print(
@@ -107,6 +112,8 @@ def main() -> None:
                       f"{t.median_ms:.3f} ms", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    if inexact:
+        raise SystemExit(f"{inexact} configuration(s) NOT EXACT on some rank (marked above)")
 
 
 if __name__ == "__main__":

@@ -395,10 +395,14 @@ def figure(series: list[Series], baseline: str | None = None, smooth: float = 0.
 
 
 def _fallback_name(run: str) -> str:
-    """A run's name from its path: the folder's (its parent's for a seedN folder), or the file's stem."""
+    """A run's name from its path: the folder's (its parent's for a seedN folder), or the file's stem
+    (a run folder's own metrics.jsonl: the folder's name, as if the folder were given: every such file
+    is called "metrics", and runs of one name are drawn as seeds of one variant)."""
     p = Path(run)
     if not p.is_dir():
-        return p.stem
+        if p.name != "metrics.jsonl":
+            return p.stem
+        p = p.resolve().parent
     return p.resolve().parent.name if re.fullmatch(r"seed\d+", p.name) else p.name
 
 

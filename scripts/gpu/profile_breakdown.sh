@@ -25,8 +25,12 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-pack() { tar -czf "$OUT/results.tar.gz.part" -C "$OUT" --exclude results.tar.gz --exclude results.tar.gz.part . \
-    && mv "$OUT/results.tar.gz.part" "$OUT/results.tar.gz"; }
+pack() {  # GNU tar exits 1 when a file changed while read (a log still flushed): the archive stands
+    tar -czf "$OUT/results.tar.gz.part" -C "$OUT" --exclude results.tar.gz --exclude results.tar.gz.part . \
+        --warning=no-file-changed
+    local rc=$?
+    if [ $rc -le 1 ]; then mv "$OUT/results.tar.gz.part" "$OUT/results.tar.gz"; else echo "   pack: tar exited $rc" >&2; fi
+}
 timeout -k 10 300 python3 -c "from mxmoe.quant import cuda_cast; cuda_cast.load_extension()" > "$OUT/build.log" 2>&1 \
     || echo "CUDA extension did not build (auto takes Triton): $(tail -2 "$OUT/build.log")"
 for c in "${CONFIGS[@]}"; do

@@ -106,5 +106,6 @@ def test_profile_breakdown_script_shows_no_earlier_calls_files(tmp_path):
     assert "EARLIER CALL" not in proc.stdout
     assert not (out / "no_such_config.json").exists()
     assert not (out / "no_such_config" / "mx_eager.txt").exists()
+    assert (out / "results.tar.gz").is_file(), proc.stdout[-2000:] + proc.stderr[-2000:]
     with tarfile.open(out / "results.tar.gz") as tar:
         assert not {"./no_such_config.json", "./no_such_config/mx_eager.txt"} & set(tar.getnames())

@@ -685,3 +685,22 @@ def _self_check() -> int:
 
 if __name__ == "__main__":
     sys.exit(_self_check())
+
+
+def test_check_cuda_build_script_refuses_a_tree_without_sources(tmp_path):
+    """scripts/check_cuda_build.sh outside a tree holding the CUDA sources checks nothing: an error,
+    not a pass (its globs once came back empty without a word)."""
+    import shutil
+    import subprocess
+
+    from conftest import nvcc_path
+
+    if nvcc_path() is None or shutil.which("nvcc") is None:
+        pytest.skip("the script skips its checks without nvcc on PATH")
+    script = Path(__file__).parents[2] / "scripts" / "check_cuda_build.sh"
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(script, tmp_path / "scripts")
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / script.name)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert "no mxmoe/*/csrc/*.cu or binding.cpp" in proc.stderr

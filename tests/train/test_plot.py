@@ -125,3 +125,16 @@ def test_resumed_run_records_are_deduplicated(tmp_path):
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     got = read_metrics(str(tmp_path))
     assert [(r["step"], r["loss"]) for r in got] == [(1, 3.0), (2, 2.4), (3, 2.0)]
+
+
+def test_metrics_files_without_configs_are_named_by_their_folders(tmp_path):
+    """Two runs' metrics.jsonl files, no config.json: named bf16 and mx by their folders (seedN folders
+    by their parents), not both "metrics", which drew them as two seeds of one variant."""
+    from mxmoe.train.plot import _fallback_name
+
+    a, b = _run(tmp_path / "bf16", 0.0), _run(tmp_path / "mx" / "seed3", 0.01)
+    assert _fallback_name(str(a / "metrics.jsonl")) == "bf16"
+    assert _fallback_name(str(b / "metrics.jsonl")) == "mx"
+    other = tmp_path / "loss_curve.jsonl"
+    other.write_text((a / "metrics.jsonl").read_text())
+    assert _fallback_name(str(other)) == "loss_curve"
