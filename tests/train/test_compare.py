@@ -488,3 +488,16 @@ def test_a_done_run_whose_metrics_are_gone_runs_again(tmp_path, monkeypatch, cap
     assert compare.launch([job], parallel=1, devices=None) == {("a", 0): compare.DONE}
     assert "done before, but its metrics.jsonl is gone" in capsys.readouterr().out
     assert [json.loads(x)["step"] for x in (folder / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_tokens_per_s_leaves_out_the_first_record_of_each_start(tmp_path):
+    """A resumed run (a run_id of its own from step 60): its first record after the resume holds start-up
+    and compilation like the run's first, and the median leaves both out (it took the resume's in)."""
+    recs = _records([2.0, 1.5, 1.2, 1.0], 1.6, [1.0, 10, 10, 10, 10, 1.0, 200, 200, 200, 200, 200])
+    for r in recs:
+        r["run_id"] = "a" if r["step"] <= 50 else "b"
+    _write_run(tmp_path / "bf16" / "seed0", 0, recs)
+    r = compare.run_summary("bf16", 0, tmp_path / "bf16" / "seed0")
+    # left out: step 10 (a's first) and step 60 (b's first): 10 x 4 and 200 x 5 (with step 60's 1.0
+    # the median was 105)
+    assert r.tokens_per_s == 200

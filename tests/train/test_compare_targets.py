@@ -186,3 +186,22 @@ def test_the_real_moe_2b_pair_reads_and_mx_reaches_each_target_first(tmp_path, c
     argv = ["--runs", str(REAL), "--out", str(tmp_path), "--variant", "bf16", "--variant", "mx"]
     assert compare.main(argv) == 0
     assert "unknown (< 2 seeds)" in capsys.readouterr().out
+
+
+def test_no_crossing_or_target_is_interpolated_across_a_validation_that_was_not_finite():
+    """A validation at step 200 that was not finite (null, listed under "nonfinite") is a point at
+    inf: the curve reaches 1.5 at step 300, where it is logged again (it was dropped and a crossing
+    interpolated over the gap, at 200), and the value between 100 and 300 is no target."""
+    records = [
+        {"step": 100, "loss": 2.0, "val_loss": 2.0},
+        {"step": 200, "loss": 1.8, "val_loss": None, "nonfinite": ["val_loss"]},
+        {"step": 300, "loss": 1.0, "val_loss": 1.0},
+        {"step": 400, "loss": 0.9},
+    ]
+    curve = tt.val_curve(records)
+    assert curve == [(100, 2.0), (200, float("inf")), (300, 1.0)]
+    assert tt.crossing(curve, 1.5) == 300.0
+    assert tt.crossing(curve, 2.0) == 100.0
+    assert tt.value_at(curve, 150) is None and tt.value_at(curve, 200) is None
+    assert tt.value_at(curve, 100) == 2.0 and tt.value_at(curve, 300) == 1.0
+    assert tt.value_at(curve, 250) is None

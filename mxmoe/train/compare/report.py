@@ -87,8 +87,8 @@ def run_summary(variant: str, seed: int, folder: str | Path, tail_steps: int = 0
     their `loss_steps` steps, so they are weighted by it, and only records wholly inside the window
     count (the last one always does). Final validation loss: the last validation's (the last record
     with a val_loss; None where it was not finite, written null: never an earlier step's). Tokens/s:
-    the median over the records (the first, which includes compilation, left out when there are
-    others)."""
+    the median over the records, leaving out the first of the run and of each resume of it (a
+    `run_id` of its own: their steps include start-up and compilation) when there are others."""
     recs = read_metrics(str(folder))
     if not recs:
         raise ValueError(f"run {str(folder)!r}: metrics.jsonl has no records")
@@ -106,7 +106,14 @@ def run_summary(variant: str, seed: int, folder: str | Path, tail_steps: int = 0
     else:  # the last record's loss was not finite
         train_loss = train_steps = None
     vals = [r for r in recs if "val_loss" in r]  # a value that was not finite is null, its key kept
-    tps = [r["tokens_per_s"] for r in recs if r.get("tokens_per_s") is not None]
+    tps_all = [r["tokens_per_s"] for r in recs if r.get("tokens_per_s") is not None]
+    starts, tps = set(), []
+    for r in recs:  # the first record of each start (its run_id) holds its compilation
+        first = r.get("run_id") not in starts
+        starts.add(r.get("run_id"))
+        if r.get("tokens_per_s") is not None and not first:
+            tps.append(r["tokens_per_s"])
+    tps = tps or tps_all
     return Run(
         variant=variant,
         seed=seed,
@@ -116,7 +123,7 @@ def run_summary(variant: str, seed: int, folder: str | Path, tail_steps: int = 0
         train_steps=train_steps,
         val_loss=vals[-1]["val_loss"] if vals else None,
         val_step=vals[-1]["step"] if vals else None,
-        tokens_per_s=statistics.median(tps[1:] if len(tps) > 1 else tps) if tps else None,
+        tokens_per_s=statistics.median(tps) if tps else None,
         records=recs,
         setup=run_setup(folder, recs),
     )

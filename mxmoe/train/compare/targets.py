@@ -62,28 +62,43 @@ def smoothed_train(records: Sequence[dict], window: int) -> Curve:
 
 
 def val_curve(records: Sequence[dict]) -> Curve:
-    """(step, validation loss) of every record that has one."""
-    return [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    """(step, validation loss) of every record that ran validation; one whose loss was not finite
+    (written as null, listed under "nonfinite") is a point at inf, so that no crossing is interpolated
+    across it."""
+    return [(r["step"], r["val_loss"] if r.get("val_loss") is not None else math.inf)
+            for r in records if r.get("val_loss") is not None or "val_loss" in (r.get("nonfinite") or ())]
 
 
 def crossing(curve: Curve, target: float) -> float | None:
-    """The step at which `curve` first reaches `target` (module docstring), or None."""
+    """The step at which `curve` first reaches `target` (module docstring), or None. From a point at
+    inf (a loss that was not finite) the next point that reaches it is the crossing, not interpolated."""
     for i, (s, v) in enumerate(curve):
         if v <= target:
             if i == 0:
                 return float(s)
             s0, v0 = curve[i - 1]
+            if not math.isfinite(v0):
+                return float(s)
             return s0 + (s - s0) * (v0 - target) / (v0 - v)
     return None
 
 
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
 def value_at(curve: Curve, step: float) -> float | None:
-    """`curve` linearly interpolated at `step` (None outside its steps)."""
+    """`curve` linearly interpolated at `step` (None outside its steps, and between or at points at
+    inf: a loss that was not finite gives no target)."""
     for (s0, v0), (s1, v1) in zip(curve, curve[1:], strict=False):
         if s0 <= step <= s1:
+            if step == s0 or step == s1:
+                return _finite(v0 if step == s0 else v1)
+            if not (math.isfinite(v0) and math.isfinite(v1)):
+                return None
             return v0 + (v1 - v0) * (step - s0) / (s1 - s0)
     if curve and curve[-1][0] == step:
-        return curve[-1][1]
+        return _finite(curve[-1][1])
     return None
 
 
