@@ -117,6 +117,26 @@ class _Plan:
     """The forward reads only the forward's gather, the backward only the backward's (the module
     reshards after the forward and recomputes nothing): what a compiled graph relies on."""
     warned: bool = False
+    world: int | None = None
+    """The FSDP shard degree the wrap was judged for (`wrap_weight`'s world), checked at the first
+    gather against the mesh's."""
+
+
+_WORLDS_WARNED: set[tuple[int, int]] = set()
+
+
+def _check_world(given: int | None, world: int) -> None:
+    """Warn once per (given, actual) where the wrap was judged for another shard degree than FSDP2's:
+    weights that would gather MXFP8 at the real degree were left in high precision (or wrapped ones
+    fall back), for a reason that does not hold."""
+    if given is None or given == world or (given, world) in _WORLDS_WARNED:
+        return
+    _WORLDS_WARNED.add((given, world))
+    log.warning(
+        "fsdp_mxfp8_all_gather: the MX weights were wrapped for %d FSDP ranks (shard_world_size) but "
+        "FSDP2 shards them over %d: which weights gather MXFP8 was judged for the wrong size; pass the "
+        "mesh's size (mesh.size()) to enable_mxfp8_all_gather", given, world,
+    )
 
 
 def _fsdp_params():
@@ -223,6 +243,7 @@ class MXShardedWeight(Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self._t.dtype
         world = mesh.size()
+        _check_world(self._plan.world, world)
         why = shard_blocks_ok(tuple(outer_size), world, self._recipe.block_size)
         rows = -(-outer_size[0] // world)
         if why is None and tuple(self._t.shape) != (rows, *outer_size[1:]):
@@ -358,6 +379,7 @@ def wrap_weight(
     if why is not None:
         return why
     data = MXShardedWeight(local.detach(), recipe, fqn, cast_dtype)
+    data._plan.world = world
     if isinstance(p, DTensor):
         data = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())
@@ -383,8 +405,8 @@ def enable_mxfp8_all_gather(
     check_fsdp_extension()
     for name, v in (("shard_world_size", shard_world_size),
                     ("expert_shard_world_size", expert_shard_world_size)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise ValueError(f"{name}={v!r}: expected an int >= 1")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name}={v!r}: expected an int >= 1 (the FSDP shard degree, mesh.size())")
     ew = shard_world_size if expert_shard_world_size is None else expert_shard_world_size
     report = GatherReport()
     for fqn, m, attr in mx_weights(model, skip_experts, expert_types):

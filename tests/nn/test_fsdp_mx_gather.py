@@ -293,3 +293,43 @@ def test_experts_of_bf16_gemms_are_named_as_gathering_high_precision(caplog):
     assert rep.plain["0.w1"] == "expert_gemm='bf16': its GEMMs take the weight in high precision"
     assert "3 gather high precision: 0.w1 (expert_gemm='bf16'" in caplog.text
     assert type(net[0].w1.data) is torch.Tensor
+
+
+def wrong_world_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Wraps for 4 ranks, shards over `world`: the first gather says so (rank 0 writes the log)."""
+    import io
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.set_num_threads(1)
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    logging.getLogger("mxmoe.nn.fsdp").addHandler(handler)
+    try:
+        net = make_net()
+        enable_mxfp8_all_gather(net, 4)
+        mesh = init_device_mesh("cpu", (world,))
+        for blk in net.layers:
+            fully_shard(blk, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        net(torch.randn(T, D)).float().sum().backward()
+        if rank == 0:
+            Path(out, "log.txt").write_text(buf.getvalue())
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_wrap_for_another_shard_degree_is_named_at_the_first_gather(tmp_path):
+    spawn_ranks(wrong_world_rank, 2, str(tmp_path), timeout_s=300)
+    text = (tmp_path / "log.txt").read_text()
+    assert "wrapped for 4 FSDP ranks (shard_world_size) but FSDP2 shards them over 2" in text
+    assert text.count("wrapped for 4 FSDP ranks") == 1  # once, not per weight
+
+
+def test_a_bool_shard_degree_is_refused():
+    with pytest.raises(ValueError, match=r"shard_world_size=True: expected an int >= 1"):
+        enable_mxfp8_all_gather(make_net(), True)
