@@ -21,6 +21,10 @@ mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$REPO"
 export PYTHONUNBUFFERED=1
 BASE=${PYTHONPATH:-}
+# Each tree builds its CUDA extension in a folder of its own: the build's command names the
+# sources' absolute paths, so trees sharing one folder would rebuild it at every other row.
+EXT_BASE=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
+ext_dir() { echo "$EXT_BASE/tree_$(echo "$1" | cksum | cut -d' ' -f1)"; }
 row() {  # row MODE KIND I [flags...]: KIND bf16 | before | after
     local mode=$1 kind=$2 i=$3 tree=$REPO variant=mx rc=0
     shift 3
@@ -30,7 +34,7 @@ row() {  # row MODE KIND I [flags...]: KIND bf16 | before | after
     rm -f "$OUT/${mode}_${kind}_$i.json" "$OUT/${mode}_${kind}_$i.json.wrong_tree"
     # PYTHONSAFEPATH: `python -m` puts the working folder (this checkout) first on sys.path, ahead
     # of PYTHONPATH, and every row would run this checkout's mxmoe
-    PYTHONSAFEPATH=1 PYTHONPATH=$tree${BASE:+:$BASE} timeout -k 10 "${LIMIT:-240}" python3 -m mxmoe bench train \
+    TORCH_EXTENSIONS_DIR=$(ext_dir "$tree") PYTHONSAFEPATH=1 PYTHONPATH=$tree${BASE:+:$BASE} timeout -k 10 "${LIMIT:-240}" python3 -m mxmoe bench train \
         --config "$CONFIG" --variants "$variant" --modes "$mode" --steps "${STEPS:-10}" --warmup-steps "${WARMUP:-3}" \
         "$@" --json "$OUT/${mode}_${kind}_$i.json" > "$OUT/${mode}_${kind}_$i.log" 2>&1 || rc=$?
     # the row ran the tree it names (rows of trees that record it), or it is set aside (the summary
@@ -51,6 +55,11 @@ for tree in "$REPO" ${BEFORE:+"$BEFORE"}; do  # each tree's rows import that tre
     got=$(PYTHONSAFEPATH=1 PYTHONPATH=$tree${BASE:+:$BASE} python3 -c \
         "import mxmoe, os; print(os.path.realpath(os.path.dirname(mxmoe.__file__)))")
     [ "$got" = "$(realpath "$tree/mxmoe")" ] || { echo "PYTHONPATH=$tree imports mxmoe from $got, not $tree/mxmoe" >&2; exit 2; }
+    # on a GPU, the tree's CUDA extension is built now, not inside its first row's warm-up
+    TORCH_EXTENSIONS_DIR=$(ext_dir "$tree") PYTHONSAFEPATH=1 PYTHONPATH=$tree${BASE:+:$BASE} python3 -c \
+        "import torch; from mxmoe.quant import cuda_cast
+torch.cuda.is_available() and cuda_cast.load_extension()" \
+        || echo "$tree: the CUDA extension did not build; its rows use the other kernels" >&2
 done
 IFS=, read -r -a MODE_LIST <<< "$MODES"
 ROWS=()  # this call's row files: the summary reads these, not every *.json in OUT
