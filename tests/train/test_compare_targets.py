@@ -205,3 +205,27 @@ def test_no_crossing_or_target_is_interpolated_across_a_validation_that_was_not_
     assert tt.value_at(curve, 150) is None and tt.value_at(curve, 200) is None
     assert tt.value_at(curve, 100) == 2.0 and tt.value_at(curve, 300) == 1.0
     assert tt.value_at(curve, 250) is None
+
+
+STUDY_1B = REPO / "docs/data/2026-12-07/numerics_moe_1b_python-env/runs"
+
+
+def test_the_moe_1b_study_records_give_the_tables_of_numerics_md():
+    """docs/numerics.md's moe_1b table (bf16 and MX x seeds 0-2, 800 steps) is what `mxmoe compare`
+    computes from the records kept in docs/data/2026-12-07: knee, targets, reached counts, the
+    horizon's verdicts and the per-seed paired difference."""
+    runs = compare.read_runs(STUDY_1B, ["bf16", "mx"])
+    rep = tt.time_to_target(runs, "bf16")
+    assert rep["knee_step"] == 210 and rep["target_steps"] == [505.0, 652.5, 741.0]
+    assert [round(t, 4) for t in rep["targets"]["train"]] == [1.2717, 1.1335, 1.0788]
+    bf16, mx = rep["variants"]["bf16"], rep["variants"]["mx"]
+    assert [(e["n"], round(e["mean"])) for e in bf16["train"]] == [(3, 513), (3, 685), (2, 695)]
+    assert [(e["n"], round(e["mean"])) for e in mx["train"]] == [(3, 487), (2, 545), (2, 590)]
+    assert round(bf16["final_val"]["mean"], 4) == 1.0471 and round(mx["final_val"]["mean"], 4) == 1.0055
+    assert mx["within_loss_target"] and not mx["not_converged"]
+    val = {(r.variant, r.seed): r.val_loss for r in runs}
+    paired = [round(100 * (val["mx", s] - val["bf16", s]) / val["bf16", s], 2) for s in (0, 1, 2)]
+    assert paired == [-15.03, 0.98, 2.6]
+    per_run = {(e["variant"], e["seed"]): e for e in rep["runs"]}
+    assert per_run[("mx", 1)]["train_steps"][1:] == [None, None]  # MX seed 1 never reaches targets 2, 3
+    assert per_run[("bf16", 1)]["train_steps"][2] is None
