@@ -179,13 +179,19 @@ def implied_entries(model: nn.Module) -> dict[str, frozenset[str]]:
     out: dict[str, frozenset[str]] = {"": _implied_here(None, "", model)}
 
     def walk(parent: nn.Module, prefix: str, above: frozenset[str]) -> None:
-        for name, child in parent.named_children():
+        for name, child in _children(parent):
             fqn = f"{prefix}.{name}" if prefix else name
             out[fqn] = above | _implied_here(parent, name, child)
             walk(child, fqn, out[fqn])
 
     walk(model, "", out[""])
     return out
+
+
+def _children(parent: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, child) for every child of `parent`, under each of its names: one module registered
+    twice (`m.a = m.b = linear`) is there twice, where `named_children` gives its first name only."""
+    return [(name, child) for name, child in parent._modules.items() if child is not None]
 
 
 def _filter_hit(fqn: str, filter_fqns: list[str], implied: frozenset[str] = frozenset()) -> str | None:
@@ -372,7 +378,7 @@ def convert(
     hf_hp: list[nn.Module] = []  # transformers experts modules left high precision
 
     def visit(parent: nn.Module, prefix: str) -> None:
-        for child_name, child in list(parent.named_children()):
+        for child_name, child in _children(parent):
             fqn = f"{prefix}.{child_name}" if prefix else child_name
             hf_dims = hf_experts_dims(child)
             l4_dims = llama4_experts_dims(child)
@@ -438,11 +444,17 @@ def convert(
         from mxmoe.integrations.hf.llama4 import use_mx_llama4_experts
 
         use_mx_llama4_experts(l4_mx, r)  # (refuses expert_gemm="bf16" before any module changes)
+    made: dict[int, nn.Module] = {}  # id(module) -> its MX version: a shared module stays one module
     for parent, child_name, child, kind, fqn in swaps:
         if kind == "Linear":
-            setattr(parent, child_name, MXLinear.from_linear(child, r))
+            new = made.get(id(child)) or MXLinear.from_linear(child, r)
         elif kind == "GroupedExperts":
-            setattr(parent, child_name, MXGroupedExperts.from_experts(child, r))
+            new = made.get(id(child)) or MXGroupedExperts.from_experts(child, r)
+        else:
+            new = child  # (changed in place above)
+        made[id(child)] = new
+        if new is not child:
+            setattr(parent, child_name, new)
         report.converted.setdefault(kind, []).append(fqn)
     names = [n for n, _ in model.named_modules()]
     for f in filter_fqns:
