@@ -288,6 +288,23 @@ def test_modules_take_the_recipe():
         MXGroupedExperts(64, 32, 2, recipe={"scaling_mode": "floor"})
 
 
+def test_modules_refuse_dims_their_block_size_does_not_divide():
+    """MXLinear / MXGroupedExperts of dims that are not multiples of the recipe's block size are
+    refused when made (from_linear / from_experts too), naming the dims, not at the first forward."""
+    msg = r"not divisible by the recipe's block_size=32 \(its MX GEMMs block along every dim\)"
+    with pytest.raises(ValueError, match=r"^MXLinear: in_features=33 " + msg):
+        MXLinear(33, 64)
+    with pytest.raises(ValueError, match=r"^MXLinear: in_features=40, out_features=48 " + msg):
+        MXLinear.from_linear(nn.Linear(40, 48))
+    with pytest.raises(ValueError, match=r"^MXGroupedExperts: dim=40 " + msg):
+        MXGroupedExperts(40, 64, 2)
+    with pytest.raises(ValueError, match=r"^MXGroupedExperts: hidden_dim=48 " + msg):
+        MXGroupedExperts.from_experts(GroupedExperts(64, 48, 2))
+    r16 = mxmoe.recipe(block_size=16)
+    assert MXLinear(48, 16, recipe=r16).weight.shape == (16, 48)
+    assert MXGroupedExperts(48, 16, 2, recipe=r16).w2.shape == (2, 48, 16)
+
+
 def _project_run(x, mods, shared: bool):
     """Outputs and gradients (x's and every parameter's) of the modules on one input x (B, S, 64),
     through `project` (shared) or one module call each."""
