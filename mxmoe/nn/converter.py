@@ -302,6 +302,26 @@ def _check_dtypes(swaps: list[tuple[nn.Module, str, nn.Module, str, str]]) -> No
         )
 
 
+def _check_regiven(regive: list[tuple[nn.Module, str, tuple[int, int], bool]], r: MXRecipe) -> None:
+    """ValueError, before anything changes, for a module already MX that cannot take recipe `r`
+    (`regive`, from `convert`): a dim not divisible by its block size (its first forward would fail),
+    or transformers experts given `expert_gemm="bf16"` (refused as for a first conversion)."""
+    unfit = [(fqn, mod, dims) for mod, fqn, dims, _ in regive if any(d % r.block_size for d in dims)]
+    if unfit:
+        fqn, mod, dims = unfit[0]
+        raise ValueError(
+            f"mxmoe.convert: {fqn} ({type(mod).__name__}, dims {dims[0]}x{dims[1]}) is MX already and cannot "
+            f"take this recipe: its dims are not divisible by block_size={r.block_size} ({len(unfit)} of the "
+            "MX modules are not); convert with a recipe of a block size they take, or rebuild them high "
+            "precision first"
+        )
+    hf = [mod for mod, _, _, own in regive if not own]
+    if hf:
+        from mxmoe.integrations.hf.experts import check_recipe
+
+        check_recipe(hf, r)
+
+
 def convert(
     model: nn.Module,
     recipe: MXOptions | MXRecipe | None = None,
@@ -375,6 +395,9 @@ def convert(
     report = ConversionReport(r)
     implied = implied_entries(model)
     swaps: list[tuple[nn.Module, str, nn.Module, str, str]] = []  # (parent, name, module, kind, FQN)
+    # MX modules of another recipe, given this one once every check passed: (module, FQN, dims,
+    # whether the recipe is its `recipe` (mxmoe's modules) rather than its `mx_recipe`)
+    regive: list[tuple[nn.Module, str, tuple[int, int], bool]] = []
     hf_hp: list[nn.Module] = []  # transformers experts modules left high precision
 
     def visit(parent: nn.Module, prefix: str) -> None:
@@ -395,10 +418,13 @@ def convert(
             if isinstance(child, (MXLinear, MXGroupedExperts)) or isinstance(mx_now, MXRecipe):
                 if (mx_now or child.recipe) != r:
                     report.reconfigured.append(fqn)
-                    if mx_now is None:
-                        child.recipe = r
+                    if isinstance(child, MXLinear):
+                        dims = (child.in_features, child.out_features)
+                    elif isinstance(child, MXGroupedExperts):
+                        dims = (child.dim, child.hidden_dim)
                     else:
-                        child.mx_recipe = r
+                        dims = hf_dims or l4_dims
+                    regive.append((child, fqn, dims, mx_now is None))
                 else:
                     report.already.append(fqn)
                 continue
@@ -434,6 +460,7 @@ def convert(
 
     visit(model, "")
     _check_dtypes(swaps)  # before any module changes
+    _check_regiven(regive, r)
     hf_mx = [child for _, _, child, kind, _ in swaps if kind == "transformers experts"]
     if hf_mx:
         from mxmoe.integrations.hf import use_mx_experts  # transformers is there: its model is
@@ -444,6 +471,11 @@ def convert(
         from mxmoe.integrations.hf.llama4 import use_mx_llama4_experts
 
         use_mx_llama4_experts(l4_mx, r)  # (refuses expert_gemm="bf16" before any module changes)
+    for child, _, _, own in regive:
+        if own:
+            child.recipe = r
+        else:
+            child.mx_recipe = r
     made: dict[int, nn.Module] = {}  # id(module) -> its MX version: a shared module stays one module
     for parent, child_name, child, kind, fqn in swaps:
         if kind == "Linear":

@@ -334,3 +334,14 @@ def test_a_module_registered_under_two_names_becomes_one_mx_module():
     assert sorted(f for f, _ in report.skipped) == ["filtered.output", "filtered.output2"]
     x = torch.randn(4, 64)
     assert torch.equal(m.a(x), m.b(x))
+
+
+def test_reconverting_with_a_block_size_the_dims_cannot_take_is_refused_before_anything_changes():
+    """An MX module re-given a recipe whose block size its dims are not multiples of failed at its
+    first forward; now convert refuses, naming it, and no module changes."""
+    r16 = recipe(block_size=16)
+    m = nn.Sequential(MXLinear(64, 64, recipe=r16), MXLinear(48, 48, recipe=r16), nn.Linear(64, 64))
+    why = r"^mxmoe.convert: 1 \(MXLinear, dims 48x48\) is MX already and cannot take this recipe: its dims"
+    with pytest.raises(ValueError, match=why + r" are not divisible by block_size=32 \(1 of the MX modules"):
+        convert(m, DEFAULT_RECIPE)
+    assert m[0].recipe == m[1].recipe == r16 and type(m[2]) is nn.Linear
