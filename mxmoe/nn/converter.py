@@ -368,6 +368,8 @@ def convert(
             f"convert: model is itself a {type(model).__name__}; convert swaps the modules inside a model "
             f"in place and cannot replace the model object: {use}"
         )
+    if not isinstance(log_summary, bool):
+        raise TypeError(f"convert: log_summary={log_summary!r}: expected a bool")
     if recipe is None:
         recipe = MXOptions()
     if isinstance(recipe, MXRecipe):

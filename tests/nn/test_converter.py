@@ -345,3 +345,12 @@ def test_reconverting_with_a_block_size_the_dims_cannot_take_is_refused_before_a
     with pytest.raises(ValueError, match=why + r" are not divisible by block_size=32 \(1 of the MX modules"):
         convert(m, DEFAULT_RECIPE)
     assert m[0].recipe == m[1].recipe == r16 and type(m[2]) is nn.Linear
+
+
+def test_log_summary_must_be_a_bool():
+    """log_summary="no" was taken as true (a truthy string): the summary logged and finish run."""
+    model = nn.Sequential(nn.Linear(64, 64))
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=rf"^convert: log_summary={bad!r}: expected a bool$"):
+            convert(model, log_summary=bad)
+    assert type(model[0]) is nn.Linear
