@@ -3,6 +3,7 @@
 import copy
 import logging
 import os
+import re
 from datetime import timedelta
 
 import pytest
@@ -355,3 +356,20 @@ def test_project_bit_identical_to_module_calls(autocast, monkeypatch):
     y = project(x, *mxs)
     handle.remove()
     assert not calls and torch.equal(y[1], mxs[1](x) * 2)
+
+
+@pytest.mark.parametrize("cls", [GroupedExperts, MXGroupedExperts])
+def test_experts_refuse_counts_that_are_not_one_per_expert(cls):
+    """num_tokens_per_expert must be a 1D tensor of num_experts counts (float or int): a list failed
+    inside torch.cumsum, and a shorter tensor was taken by GroupedExperts as fewer groups."""
+    ex = cls(64, 32, 4)
+    x = torch.randn(4, 64)
+    why = r"^num_tokens_per_expert must be a tensor of num_experts=4 token counts, got list"
+    with pytest.raises(TypeError, match=why):
+        ex(x, [1, 1, 1, 1])
+    for bad in (torch.tensor([4, 0]), torch.ones(2, 2)):
+        shape = re.escape(str(tuple(bad.shape)))
+        why = rf"^num_tokens_per_expert has shape {shape}; expected \(4,\): one token count per expert"
+        with pytest.raises(ValueError, match=why):
+            ex(x, bad)
+    assert torch.equal(ex(x, torch.tensor([2, 2, 0, 0])), ex(x, torch.tensor([2.0, 2.0, 0.0, 0.0])))
