@@ -102,6 +102,12 @@ def project(x: Tensor, *linears: nn.Module) -> tuple[Tensor, ...]:
     quantizer calls, x along M saved once); otherwise (nn.Linear: the bf16 model, mixed modules or
     recipes) each module is called on x, as the model would call them one by one.
     """
+    for i, m in enumerate(linears):
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"project: linears[{i}] is a {type(m).__name__}; expected modules (nn.Linear, MXLinear) to "
+                "call on x"
+            )
     if (
         len(linears) > 1
         and all(_plain_mx(m) for m in linears)

@@ -373,3 +373,10 @@ def test_experts_refuse_counts_that_are_not_one_per_expert(cls):
         with pytest.raises(ValueError, match=why):
             ex(x, bad)
     assert torch.equal(ex(x, torch.tensor([2, 2, 0, 0])), ex(x, torch.tensor([2.0, 2.0, 0.0, 0.0])))
+
+
+def test_project_refuses_what_is_not_a_module():
+    """project(x, weight) failed with "'Tensor' object is not callable"; it names the argument."""
+    lin = MXLinear(64, 32)
+    with pytest.raises(TypeError, match=r"^project: linears\[1\] is a Tensor; expected modules"):
+        project(torch.randn(4, 64), lin, lin.weight.detach())
