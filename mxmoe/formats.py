@@ -286,11 +286,35 @@ def register_format(fmt: MXFormat, elem: ElemFormat | None = None) -> MXFormat:
 
 
 def get_format(name: str) -> MXFormat:
-    """The registered format called `name`; ValueError naming the registered ones otherwise."""
+    """The registered format called `name`, or the one whose fields `format_name` spells so
+    (registered now: a cast traced by torch.compile passes its custom ops the name of a format no
+    eager call may have made yet); ValueError naming the registered ones otherwise."""
     try:
         return FORMATS[name]
     except (KeyError, TypeError):
+        fmt = _format_named(name)
+        if fmt is not None:
+            return fmt
         raise ValueError(f"format {name!r} is not registered; expected one of {list(FORMATS)}") from None
+
+
+def _format_named(name) -> MXFormat | None:
+    """The format whose fields `format_name` spells as `name` (registered now if it was not), or None
+    when `name` is no such name."""
+    if not isinstance(name, str):
+        return None
+    stem, _, block = name.rpartition("_b")
+    if not (stem and block.isdigit() and block == str(int(block)) and block != "32"):
+        stem, block = name, "32"
+    for dtype in ELEM_FORMATS:
+        for mode in ScalingMode:
+            if stem == format_name(dtype, 32, mode):
+                try:
+                    fmt = format_of(dtype, int(block), mode)
+                except ValueError:  # a block size that is not one
+                    return None
+                return fmt  # (registered under this name, or under another by register_format)
+    return None
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -306,11 +330,16 @@ def format_of(elem_dtype: torch.dtype, block_size: int, scaling_mode: str | Scal
     key = (check_elem_dtype(elem_dtype).dtype, check_block_size(block_size), check_scaling_mode(scaling_mode))
     fmt = _BY_KEY.get(key)
     if fmt is None:
-        bits = torch.finfo(key[0]).bits
-        block = "" if key[1] == 32 else f"_b{key[1]}"
-        name = f"mxfp{bits}_{_short(key[0])}_{key[2].value}{block}"
-        fmt = register_format(MXFormat(name, *key, elem_bits=bits))
+        fmt = register_format(MXFormat(format_name(*key), *key, elem_bits=torch.finfo(key[0]).bits))
     return fmt
+
+
+def format_name(elem_dtype: torch.dtype, block_size: int, scaling_mode: ScalingMode) -> str:
+    """The name `format_of` registers a format under: mx<bits>_<elem>_<mode>[_b<block>] (the block
+    only when it is not 32), from checked fields, without reading the registry (`get_format` finds
+    the format by this name even where it is not registered yet or was registered under another)."""
+    block = "" if block_size == 32 else f"_b{block_size}"
+    return f"mxfp{torch.finfo(elem_dtype).bits}_{_short(elem_dtype)}_{scaling_mode.value}{block}"
 
 
 for _elem in ELEM_FORMATS:  # the shipped formats: e4m3 / e5m2 elements, every scale rule, blocks of 32

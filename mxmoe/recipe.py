@@ -11,7 +11,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from mxmoe.formats import KERNEL_ELEM_DTYPES, MXFormat, check_scaling_mode, format_of, get_format
+from mxmoe.formats import (
+    KERNEL_ELEM_DTYPES,
+    MXFormat,
+    check_block_size,
+    check_scaling_mode,
+    format_of,
+    get_format,
+)
 
 CAST_KERNELS = ("torch", "triton", "cuda")
 """Concrete cast kernels; a recipe may also name "auto" (the fastest available per cast)."""
@@ -100,6 +107,9 @@ class MXRecipe:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scaling_mode", check_scaling_mode(self.scaling_mode).value)
+        # checked before format_of, whose registry lookup takes any key equal to a registered one
+        # (32.0 or a numpy int would find the block-32 format and stay in the recipe as they are)
+        check_block_size(self.block_size)
         # The format as one value (not a field: it follows elem_dtype, block_size and scaling_mode)
         object.__setattr__(self, "fmt", format_of(self.elem_dtype, self.block_size, self.scaling_mode))
         if self.elem_dtype not in KERNEL_ELEM_DTYPES:  # a registered format the kernels do not know

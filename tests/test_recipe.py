@@ -30,6 +30,9 @@ def test_frozen_hashable_and_replace_checks_again():
     [
         ({"scaling_mode": "round"}, ValueError, "scaling_mode='round'"),
         ({"block_size": 24}, ValueError, "block_size=24"),
+        # equal to 32 but not an int: was found in the format registry and kept as it was
+        ({"block_size": 32.0}, ValueError, r"^block_size=32.0 is not supported; expected a power of two"),
+        ({"block_size": True}, ValueError, r"^block_size=True is not supported"),
         ({"elem_dtype": torch.bfloat16}, TypeError, "elem_dtype=torch.bfloat16"),
         ({"dim1_kernel": "x"}, ValueError, "dim1_kernel='x'"),
         ({"gemm_backend": "magic"}, ValueError, "gemm_backend='magic'"),

@@ -152,6 +152,8 @@ def check_and_plan(
     err: Exception | None = None
     plan = None
     try:
+        if not isinstance(check, bool):  # ("no" was taken as true; the peers still hear of it below)
+            raise TypeError(f"{fn}: check={check!r}: expected a bool")
         check_chunks(chunks)
         check_transport(transport)
         plan = _local_plan(fn, x, output_splits, input_splits, rank, world, mx, block_size)

@@ -19,6 +19,7 @@ the experts out. torchao is optional: only this module needs it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -94,6 +95,7 @@ def mx_filter_fn(config: MXMoETrainingConfig | MXOptions | None = None) -> Calla
         if fqn == "":  # quantize_ asks about the model itself first
             implied.clear()
             implied.update(implied_entries(module))
+            _warn_twice_registered(module)
         if isinstance(module, nn.Linear):
             if not opts.convert_linears:
                 return False
@@ -110,24 +112,45 @@ def mx_filter_fn(config: MXMoETrainingConfig | MXOptions | None = None) -> Calla
     return filter_fn
 
 
+def _warn_twice_registered(model: nn.Module) -> None:
+    """A warning naming a module with something to convert registered under two names of one parent
+    (`m.a = m.b = linear`): quantize_ walks `named_children`, which gives it once, so it would be
+    MX under its first name only, high precision under the other (`mxmoe.convert` swaps both)."""
+    for prefix, parent in model.named_modules():
+        seen: dict[int, str] = {}
+        for name, child in parent._modules.items():
+            if child is None:
+                continue
+            if id(child) in seen and any(_dims(m) is not None for m in child.modules()):
+                at = f"{prefix}." if prefix else ""
+                warnings.warn(
+                    f"quantize_(..., MXMoETrainingConfig): {at}{seen[id(child)]} and {at}{name} are one "
+                    "module; quantize_ visits it under its first name only, so the second would stay high "
+                    "precision: mxmoe.convert(model, config.options) converts both",
+                    stacklevel=4,
+                )
+                return
+            seen[id(child)] = name
+
+
 @register_quantize_module_handler(MXMoETrainingConfig)
 def _mx_transform(module: nn.Module, config: MXMoETrainingConfig) -> nn.Module:
     """The module `quantize_` hands over, made MX (module docstring)."""
     opts = config.options
     r: MXRecipe = opts.to_recipe()
+    dims = _dims(module)
+    if dims is not None and any(d % r.block_size for d in dims):  # (an MX one re-given `r` too)
+        raise ValueError(
+            f"quantize_(..., MXMoETrainingConfig): a {type(module).__name__} with dims {dims[0]}x{dims[1]} "
+            f"cannot be MX (not divisible by the block size {r.block_size}); leave it out with "
+            "filter_fn=mx_filter_fn(config)"
+        )
     if isinstance(module, (MXLinear, MXGroupedExperts)):
         module.recipe = r
         return module
     if isinstance(getattr(module, "mx_recipe", None), MXRecipe) and llama4_experts_dims(module):
         module.mx_recipe = r  # Llama 4's experts made MX before
         return module
-    dims = _dims(module)
-    if dims is not None and any(d % r.block_size for d in dims):
-        raise ValueError(
-            f"quantize_(..., MXMoETrainingConfig): a {type(module).__name__} with dims {dims[0]}x{dims[1]} "
-            f"cannot be MX (not divisible by the block size {r.block_size}); leave it out with "
-            "filter_fn=mx_filter_fn(config)"
-        )
     if isinstance(module, nn.Linear):
         return MXLinear.from_linear(module, r)
     if isinstance(module, GroupedExperts):

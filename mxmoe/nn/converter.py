@@ -179,13 +179,19 @@ def implied_entries(model: nn.Module) -> dict[str, frozenset[str]]:
     out: dict[str, frozenset[str]] = {"": _implied_here(None, "", model)}
 
     def walk(parent: nn.Module, prefix: str, above: frozenset[str]) -> None:
-        for name, child in parent.named_children():
+        for name, child in _children(parent):
             fqn = f"{prefix}.{name}" if prefix else name
             out[fqn] = above | _implied_here(parent, name, child)
             walk(child, fqn, out[fqn])
 
     walk(model, "", out[""])
     return out
+
+
+def _children(parent: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, child) for every child of `parent`, under each of its names: one module registered
+    twice (`m.a = m.b = linear`) is there twice, where `named_children` gives its first name only."""
+    return [(name, child) for name, child in parent._modules.items() if child is not None]
 
 
 def _filter_hit(fqn: str, filter_fqns: list[str], implied: frozenset[str] = frozenset()) -> str | None:
@@ -296,6 +302,26 @@ def _check_dtypes(swaps: list[tuple[nn.Module, str, nn.Module, str, str]]) -> No
         )
 
 
+def _check_regiven(regive: list[tuple[nn.Module, str, tuple[int, int], bool]], r: MXRecipe) -> None:
+    """ValueError, before anything changes, for a module already MX that cannot take recipe `r`
+    (`regive`, from `convert`): a dim not divisible by its block size (its first forward would fail),
+    or transformers experts given `expert_gemm="bf16"` (refused as for a first conversion)."""
+    unfit = [(fqn, mod, dims) for mod, fqn, dims, _ in regive if any(d % r.block_size for d in dims)]
+    if unfit:
+        fqn, mod, dims = unfit[0]
+        raise ValueError(
+            f"mxmoe.convert: {fqn} ({type(mod).__name__}, dims {dims[0]}x{dims[1]}) is MX already and cannot "
+            f"take this recipe: its dims are not divisible by block_size={r.block_size} ({len(unfit)} of the "
+            "MX modules are not); convert with a recipe of a block size they take, or rebuild them high "
+            "precision first"
+        )
+    hf = [mod for mod, _, _, own in regive if not own]
+    if hf:
+        from mxmoe.integrations.hf.experts import check_recipe
+
+        check_recipe(hf, r)
+
+
 def convert(
     model: nn.Module,
     recipe: MXOptions | MXRecipe | None = None,
@@ -342,6 +368,8 @@ def convert(
             f"convert: model is itself a {type(model).__name__}; convert swaps the modules inside a model "
             f"in place and cannot replace the model object: {use}"
         )
+    if not isinstance(log_summary, bool):
+        raise TypeError(f"convert: log_summary={log_summary!r}: expected a bool")
     if recipe is None:
         recipe = MXOptions()
     if isinstance(recipe, MXRecipe):
@@ -369,10 +397,13 @@ def convert(
     report = ConversionReport(r)
     implied = implied_entries(model)
     swaps: list[tuple[nn.Module, str, nn.Module, str, str]] = []  # (parent, name, module, kind, FQN)
+    # MX modules of another recipe, given this one once every check passed: (module, FQN, dims,
+    # whether the recipe is its `recipe` (mxmoe's modules) rather than its `mx_recipe`)
+    regive: list[tuple[nn.Module, str, tuple[int, int], bool]] = []
     hf_hp: list[nn.Module] = []  # transformers experts modules left high precision
 
     def visit(parent: nn.Module, prefix: str) -> None:
-        for child_name, child in list(parent.named_children()):
+        for child_name, child in _children(parent):
             fqn = f"{prefix}.{child_name}" if prefix else child_name
             hf_dims = hf_experts_dims(child)
             l4_dims = llama4_experts_dims(child)
@@ -389,10 +420,13 @@ def convert(
             if isinstance(child, (MXLinear, MXGroupedExperts)) or isinstance(mx_now, MXRecipe):
                 if (mx_now or child.recipe) != r:
                     report.reconfigured.append(fqn)
-                    if mx_now is None:
-                        child.recipe = r
+                    if isinstance(child, MXLinear):
+                        dims = (child.in_features, child.out_features)
+                    elif isinstance(child, MXGroupedExperts):
+                        dims = (child.dim, child.hidden_dim)
                     else:
-                        child.mx_recipe = r
+                        dims = hf_dims or l4_dims
+                    regive.append((child, fqn, dims, mx_now is None))
                 else:
                     report.already.append(fqn)
                 continue
@@ -428,6 +462,7 @@ def convert(
 
     visit(model, "")
     _check_dtypes(swaps)  # before any module changes
+    _check_regiven(regive, r)
     hf_mx = [child for _, _, child, kind, _ in swaps if kind == "transformers experts"]
     if hf_mx:
         from mxmoe.integrations.hf import use_mx_experts  # transformers is there: its model is
@@ -438,11 +473,22 @@ def convert(
         from mxmoe.integrations.hf.llama4 import use_mx_llama4_experts
 
         use_mx_llama4_experts(l4_mx, r)  # (refuses expert_gemm="bf16" before any module changes)
+    for child, _, _, own in regive:
+        if own:
+            child.recipe = r
+        else:
+            child.mx_recipe = r
+    made: dict[int, nn.Module] = {}  # id(module) -> its MX version: a shared module stays one module
     for parent, child_name, child, kind, fqn in swaps:
         if kind == "Linear":
-            setattr(parent, child_name, MXLinear.from_linear(child, r))
+            new = made.get(id(child)) or MXLinear.from_linear(child, r)
         elif kind == "GroupedExperts":
-            setattr(parent, child_name, MXGroupedExperts.from_experts(child, r))
+            new = made.get(id(child)) or MXGroupedExperts.from_experts(child, r)
+        else:
+            new = child  # (changed in place above)
+        made[id(child)] = new
+        if new is not child:
+            setattr(parent, child_name, new)
         report.converted.setdefault(kind, []).append(fqn)
     names = [n for n, _ in model.named_modules()]
     for f in filter_fqns:

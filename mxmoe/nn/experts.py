@@ -66,7 +66,23 @@ class GroupedExperts(nn.Module):
         for w in (self.w1, self.w2, self.w3):
             nn.init.trunc_normal_(w, std=std if std is not None else 1.0 / math.sqrt(w.shape[-1]))
 
+    def check_counts(self, num_tokens_per_expert: Tensor) -> None:
+        """TypeError / ValueError naming `num_tokens_per_expert` unless it is a 1D tensor of
+        num_experts counts (a shorter one was taken by the high-precision GEMMs as fewer groups)."""
+        c = num_tokens_per_expert
+        if not isinstance(c, Tensor):
+            raise TypeError(
+                f"num_tokens_per_expert must be a tensor of num_experts={self.num_experts} token counts, "
+                f"got {type(c).__name__}"
+            )
+        if c.ndim != 1 or c.shape[0] != self.num_experts:
+            raise ValueError(
+                f"num_tokens_per_expert has shape {tuple(c.shape)}; expected ({self.num_experts},): one "
+                f"token count per expert (num_experts={self.num_experts})"
+            )
+
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
+        self.check_counts(num_tokens_per_expert)
         offs = offsets_from_counts(num_tokens_per_expert)
         w1, w2, w3 = self.w1, self.w2, self.w3
         dev = x.device.type

@@ -21,6 +21,8 @@ class MXLinear(nn.Linear):
     def __init__(self, *args, recipe: MXRecipe | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.recipe = as_recipe(recipe)
+        dims = {"in_features": self.in_features, "out_features": self.out_features}
+        check_block_dims(self, self.recipe, dims)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: MXRecipe | None = None) -> MXLinear:
@@ -60,6 +62,20 @@ class MXLinear(nn.Linear):
         return f"{super().extra_repr()}, mx={c.elem_dtype}/{c.scaling_mode}/{c.block_size}"
 
 
+def check_block_dims(module: nn.Module, recipe: MXRecipe, dims: dict[str, int]) -> None:
+    """ValueError naming each dim of an MX module (of `recipe`) that is not a multiple of the block
+    size (every GEMM of forward and backward blocks along each of them): refused when the module is
+    made, not at its first forward or backward."""
+    bs = recipe.block_size
+    bad = {k: v for k, v in dims.items() if v % bs}
+    if bad:
+        got = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ValueError(
+            f"{type(module).__name__}: {got} not divisible by the recipe's block_size={bs} (its MX GEMMs "
+            "block along every dim); keep the module high precision (mxmoe.convert skips it)"
+        )
+
+
 _HOOK_ATTRS = tuple(k for k in vars(nn.Module()) if "hook" in k)
 """nn.Module's own hook attributes (forward, backward, state dict), as this torch names them."""
 
@@ -86,6 +102,12 @@ def project(x: Tensor, *linears: nn.Module) -> tuple[Tensor, ...]:
     quantizer calls, x along M saved once); otherwise (nn.Linear: the bf16 model, mixed modules or
     recipes) each module is called on x, as the model would call them one by one.
     """
+    for i, m in enumerate(linears):
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"project: linears[{i}] is a {type(m).__name__}; expected modules (nn.Linear, MXLinear) to "
+                "call on x"
+            )
     if (
         len(linears) > 1
         and all(_plain_mx(m) for m in linears)

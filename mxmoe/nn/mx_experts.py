@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from mxmoe.nn.experts import GroupedExperts, offsets_from_counts
-from mxmoe.nn.linear import carry_hooks
+from mxmoe.nn.linear import carry_hooks, check_block_dims
 from mxmoe.ops import mx_grouped_swiglu_mlp
 from mxmoe.ops.gemm import autocast_input, first_order
 from mxmoe.quant.mx_tensor import MXTensor
@@ -37,8 +37,10 @@ class MXGroupedExperts(GroupedExperts):
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, recipe: MXRecipe | None = None):
+        recipe = as_recipe(recipe)
+        check_block_dims(self, recipe, {"dim": dim, "hidden_dim": hidden_dim})  # before the weights are made
         super().__init__(dim, hidden_dim, num_experts)
-        self.recipe = as_recipe(recipe)
+        self.recipe = recipe
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, recipe: MXRecipe | None = None) -> MXGroupedExperts:
@@ -52,9 +54,10 @@ class MXGroupedExperts(GroupedExperts):
             )
         new = cls.__new__(cls)
         nn.Module.__init__(new)  # no fresh weights: the parameters are shared
+        new.recipe = as_recipe(recipe)
+        check_block_dims(new, new.recipe, {"dim": experts.dim, "hidden_dim": experts.hidden_dim})
         new.dim, new.hidden_dim, new.num_experts = experts.dim, experts.hidden_dim, experts.num_experts
         new.w1, new.w2, new.w3 = experts.w1, experts.w2, experts.w3
-        new.recipe = as_recipe(recipe)
         new.train(experts.training)
         carry_hooks(experts, new)
         return new
@@ -63,6 +66,7 @@ class MXGroupedExperts(GroupedExperts):
         recipe = self.recipe
         if recipe.expert_gemm == "bf16":
             return self._forward_bf16(x, num_tokens_per_expert)
+        self.check_counts(num_tokens_per_expert)
         offs = offsets_from_counts(num_tokens_per_expert)
         if isinstance(x, Tensor):
             # one cast to the autocast dtype for both w1 and w3 (each op would cast x on its own:

@@ -236,11 +236,19 @@ def autocast_on(device_type: str) -> bool:
 
 
 def autocast_target(a: Tensor) -> torch.dtype | None:
-    """The dtype `autocast_input(a)` casts `a` to; None when it returns `a` unchanged."""
+    """The dtype `autocast_input(a)` casts `a` to; None when it returns `a` unchanged. TypeError
+    for an autocast dtype the MX casts do not take (float16), naming autocast (the caller's tensors
+    never had that dtype)."""
     dev = a.device.type
     if autocast_on(dev) and a.is_floating_point():
         dt = torch.get_autocast_dtype(dev)
         if a.dtype != dt:
+            if dt not in INPUT_DTYPES:
+                raise TypeError(
+                    f"torch.autocast(dtype={dt}) is on for {dev}: MX ops take bfloat16 or float32 "
+                    f"operands (got a {a.dtype} activation autocast would make {dt}); autocast with "
+                    "dtype=torch.bfloat16"
+                )
             return dt
     return None
 

@@ -18,14 +18,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mxmoe.formats import SCALE_DTYPE, CastSpec, format_of
+from mxmoe.formats import SCALE_DTYPE, CastSpec, format_name
 from mxmoe.quant import cuda_cast, custom_ops
 from mxmoe.quant.backends import cast_fn
 
 
 def _format_name(spec: CastSpec) -> str:
-    """The registered name of `spec`'s format, what the custom ops take (while tracing only)."""
-    return format_of(spec.elem.dtype, spec.block_size, spec.mode).name
+    """The name of `spec`'s format, what the custom ops take (while tracing only): spelled from its
+    fields, without the registry (`get_format` finds the format by it, registering one that is not
+    yet; a registration traced here would fail dynamo's guards on the registry)."""
+    return format_name(spec.elem.dtype, spec.block_size, spec.mode)
 
 
 def _custom(kernel: str) -> bool:

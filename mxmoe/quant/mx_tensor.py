@@ -19,6 +19,7 @@ checks nothing.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -123,6 +124,22 @@ class MXTensor:
             state[k] = state[k].view(dtype)
         self.__dict__.update(state)
         self.scaling_mode = _check_fields(self)
+
+    def __deepcopy__(self, memo: dict) -> MXTensor:
+        """A copy of every field (tensors deep-copied). RuntimeError naming the grad anchor when it is
+        part of an autograd graph (e.g. the MXFP8 dispatch's output), which torch cannot deep-copy
+        (it failed inside torch, with a hint about weight_norm)."""
+        a = self.grad_anchor
+        if isinstance(a, Tensor) and a.grad_fn is not None:
+            raise RuntimeError(
+                "deepcopy of an MXTensor whose grad_anchor is part of an autograd graph (its gradient goes "
+                "back to what made it): torch deep-copies no such tensor. Copy it without the link, "
+                "copy.deepcopy(dataclasses.replace(t, grad_anchor=None)), or use it as it is"
+            )
+        new = _new(MXTensor)
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
 
     def __eq__(self, other):
         """Identity, as a dataclass of tensors compares; two distinct MXTensors have no `==` (the

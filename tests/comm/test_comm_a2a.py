@@ -273,6 +273,14 @@ def test_single_rank_without_and_with_process_group():
         dist.destroy_process_group()
 
 
+def test_check_must_be_a_bool():
+    """check="no" was taken as true (a truthy string); every all-to-all refuses a non-bool check."""
+    x = make_rows(4, 64, torch.float32, 5)
+    for fn in (to_mxfp8_a2a_dequant, a2a_dispatch_mxfp8, a2a_combine, a2a_unquantized):
+        with pytest.raises(TypeError, match=rf"^{fn.__name__}: check='no': expected a bool$"):
+            fn(x, [4], [4], check="no")
+
+
 def test_double_backward_through_the_mx_exchange_is_refused():
     """The exchanges whose backward sends the gradient as MXFP8 have no double backward: a backward
     with create_graph=True names the op (it failed at the second differentiation, in a cast)."""

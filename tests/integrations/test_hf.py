@@ -421,6 +421,20 @@ def test_converting_again_after_set_experts_implementation_makes_the_experts_mx_
     assert len(model.mx_conversion.already) == LAYERS
 
 
+def test_reconverting_refuses_expert_gemm_bf16_and_a_block_the_experts_cannot_take():
+    """Converting a converted model again with expert_gemm="bf16" or a block size its experts' dims
+    cannot take is refused as a first conversion is, before anything changes (both were re-given:
+    the experts ran MX GEMMs under a recipe saying bf16, or failed at their forward)."""
+    model = converted(tiny_model("mixtral"))
+    with pytest.raises(ValueError, match=r"expert_gemm='bf16' .* does not apply to transformers experts"):
+        mxmoe.convert(model, mxmoe.MXOptions(expert_gemm="bf16"))
+    why = r"model.layers.0.mlp.experts \(MixtralExperts, dims 64x32\) is MX already and cannot take this"
+    why += r" recipe: its dims are not divisible by block_size=64 \(2 of"
+    with pytest.raises(ValueError, match=why):
+        mxmoe.convert(model, mxmoe.recipe(block_size=64))
+    assert {m.mx_recipe for m in experts_modules(model).values()} == {DEFAULT_RECIPE}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(UNCONVERTED_FAMILIES))
 def test_experts_outside_the_interface_stay_high_precision_and_are_named(family):

@@ -91,6 +91,29 @@ def test_a_parent_module_selected_converts_its_children_and_bad_input_is_named()
     assert not mx_modules(odd)
 
 
+def test_an_mx_module_re_given_a_block_it_cannot_take_is_refused():
+    """quantize_ re-gave an MXLinear of block 16 (dims 48) the config's block-32 recipe, which failed
+    at its forward; it is refused as a high-precision Linear of those dims is."""
+    from mxmoe.nn import MXLinear
+
+    model = torch.nn.Sequential(MXLinear(48, 48, recipe=mxmoe.recipe(block_size=16)))
+    why = r"a MXLinear with dims 48x48 cannot be MX \(not divisible by the block size 32\)"
+    with pytest.raises(ValueError, match=why):
+        quantize_(model, MXMoETrainingConfig(), filter_fn=lambda m, fqn: fqn == "0")
+    assert model[0].recipe.block_size == 16
+
+
+def test_a_module_registered_under_two_names_is_warned_of():
+    """quantize_ visits `m.a = m.b = linear` under its first name only (torch's named_children): the
+    second name stayed high precision without a word; mx_filter_fn warns, naming both."""
+    lin = torch.nn.Linear(64, 64)
+    model = torch.nn.Module()
+    model.a = model.b = lin
+    config = MXMoETrainingConfig()
+    with pytest.warns(UserWarning, match=r"a and b are one module; quantize_ visits it under its first name"):
+        quantize_(model, config, filter_fn=mx_filter_fn(config))
+
+
 def test_a_recipe_where_options_go_is_named():
     """A recipe name or an MXRecipe given to mx_filter_fn or as MXMoETrainingConfig's options (an
     AttributeError "... has no attribute 'to_recipe'", for the config only once quantize_ ran) is a

@@ -313,3 +313,44 @@ def test_float16_modules_are_refused_before_anything_changes():
     assert isinstance(convert(Tiny().bfloat16(), MXOptions()).inp, MXLinear)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module.*got OrderedDict"):
         convert(Tiny().state_dict(), MXOptions())
+
+
+def test_a_module_registered_under_two_names_becomes_one_mx_module():
+    """`m.a = m.b = linear` (one parent) and one Linear inside two blocks: every name gets the same
+    MXLinear (the second name of one parent was left an nn.Linear, without a word), and the model
+    computes as before on both paths."""
+    lin, inner = nn.Linear(64, 64), nn.Linear(64, 64)
+    m = nn.Module()
+    m.a, m.b = lin, lin
+    m.blocks = nn.Sequential(nn.Sequential(inner), nn.Sequential(inner))
+    m.filtered = nn.Module()
+    m.filtered.output = m.filtered.output2 = nn.Linear(64, 64)  # (kept high precision under both names)
+    convert(m, MXOptions(filter_fqns=["output"]))
+    assert type(m.a) is MXLinear and m.b is m.a and m.a.weight is lin.weight
+    assert type(m.blocks[0][0]) is MXLinear and m.blocks[1][0] is m.blocks[0][0]
+    assert type(m.filtered.output) is nn.Linear and m.filtered.output2 is m.filtered.output
+    report = m.mx_conversion
+    assert sorted(report.converted["Linear"]) == ["a", "b", "blocks.0.0", "blocks.1.0"]
+    assert sorted(f for f, _ in report.skipped) == ["filtered.output", "filtered.output2"]
+    x = torch.randn(4, 64)
+    assert torch.equal(m.a(x), m.b(x))
+
+
+def test_reconverting_with_a_block_size_the_dims_cannot_take_is_refused_before_anything_changes():
+    """An MX module re-given a recipe whose block size its dims are not multiples of failed at its
+    first forward; now convert refuses, naming it, and no module changes."""
+    r16 = recipe(block_size=16)
+    m = nn.Sequential(MXLinear(64, 64, recipe=r16), MXLinear(48, 48, recipe=r16), nn.Linear(64, 64))
+    why = r"^mxmoe.convert: 1 \(MXLinear, dims 48x48\) is MX already and cannot take this recipe: its dims"
+    with pytest.raises(ValueError, match=why + r" are not divisible by block_size=32 \(1 of the MX modules"):
+        convert(m, DEFAULT_RECIPE)
+    assert m[0].recipe == m[1].recipe == r16 and type(m[2]) is nn.Linear
+
+
+def test_log_summary_must_be_a_bool():
+    """log_summary="no" was taken as true (a truthy string): the summary logged and finish run."""
+    model = nn.Sequential(nn.Linear(64, 64))
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=rf"^convert: log_summary={bad!r}: expected a bool$"):
+            convert(model, log_summary=bad)
+    assert type(model[0]) is nn.Linear

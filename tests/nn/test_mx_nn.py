@@ -3,6 +3,7 @@
 import copy
 import logging
 import os
+import re
 from datetime import timedelta
 
 import pytest
@@ -288,6 +289,23 @@ def test_modules_take_the_recipe():
         MXGroupedExperts(64, 32, 2, recipe={"scaling_mode": "floor"})
 
 
+def test_modules_refuse_dims_their_block_size_does_not_divide():
+    """MXLinear / MXGroupedExperts of dims that are not multiples of the recipe's block size are
+    refused when made (from_linear / from_experts too), naming the dims, not at the first forward."""
+    msg = r"not divisible by the recipe's block_size=32 \(its MX GEMMs block along every dim\)"
+    with pytest.raises(ValueError, match=r"^MXLinear: in_features=33 " + msg):
+        MXLinear(33, 64)
+    with pytest.raises(ValueError, match=r"^MXLinear: in_features=40, out_features=48 " + msg):
+        MXLinear.from_linear(nn.Linear(40, 48))
+    with pytest.raises(ValueError, match=r"^MXGroupedExperts: dim=40 " + msg):
+        MXGroupedExperts(40, 64, 2)
+    with pytest.raises(ValueError, match=r"^MXGroupedExperts: hidden_dim=48 " + msg):
+        MXGroupedExperts.from_experts(GroupedExperts(64, 48, 2))
+    r16 = mxmoe.recipe(block_size=16)
+    assert MXLinear(48, 16, recipe=r16).weight.shape == (16, 48)
+    assert MXGroupedExperts(48, 16, 2, recipe=r16).w2.shape == (2, 48, 16)
+
+
 def _project_run(x, mods, shared: bool):
     """Outputs and gradients (x's and every parameter's) of the modules on one input x (B, S, 64),
     through `project` (shared) or one module call each."""
@@ -338,3 +356,27 @@ def test_project_bit_identical_to_module_calls(autocast, monkeypatch):
     y = project(x, *mxs)
     handle.remove()
     assert not calls and torch.equal(y[1], mxs[1](x) * 2)
+
+
+@pytest.mark.parametrize("cls", [GroupedExperts, MXGroupedExperts])
+def test_experts_refuse_counts_that_are_not_one_per_expert(cls):
+    """num_tokens_per_expert must be a 1D tensor of num_experts counts (float or int): a list failed
+    inside torch.cumsum, and a shorter tensor was taken by GroupedExperts as fewer groups."""
+    ex = cls(64, 32, 4)
+    x = torch.randn(4, 64)
+    why = r"^num_tokens_per_expert must be a tensor of num_experts=4 token counts, got list"
+    with pytest.raises(TypeError, match=why):
+        ex(x, [1, 1, 1, 1])
+    for bad in (torch.tensor([4, 0]), torch.ones(2, 2)):
+        shape = re.escape(str(tuple(bad.shape)))
+        why = rf"^num_tokens_per_expert has shape {shape}; expected \(4,\): one token count per expert"
+        with pytest.raises(ValueError, match=why):
+            ex(x, bad)
+    assert torch.equal(ex(x, torch.tensor([2, 2, 0, 0])), ex(x, torch.tensor([2.0, 2.0, 0.0, 0.0])))
+
+
+def test_project_refuses_what_is_not_a_module():
+    """project(x, weight) failed with "'Tensor' object is not callable"; it names the argument."""
+    lin = MXLinear(64, 32)
+    with pytest.raises(TypeError, match=r"^project: linears\[1\] is a Tensor; expected modules"):
+        project(torch.randn(4, 64), lin, lin.weight.detach())

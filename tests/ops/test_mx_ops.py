@@ -108,8 +108,8 @@ def test_mx_mm_errors():
         mx_mm(torch.randn(4, 64, dtype=torch.float16), torch.randn(64, 32), CFG)
     with pytest.raises(TypeError, match="b has dtype torch.float64"):
         mx_mm(torch.randn(4, 64), torch.randn(64, 32, dtype=torch.float64), CFG)
-    with torch.autocast("cpu", dtype=torch.float16):  # a as autocast casts it
-        with pytest.raises(TypeError, match="a has dtype torch.float16"):
+    with torch.autocast("cpu", dtype=torch.float16):  # a as autocast casts it: autocast named
+        with pytest.raises(TypeError, match=r"torch.autocast\(dtype=torch.float16\) is on for cpu"):
             mx_mm(torch.randn(4, 64), torch.randn(64, 32), CFG)
 
 
@@ -458,6 +458,24 @@ def test_mx_linear_under_autocast_returns_the_autocast_dtype_like_nn_linear():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert lin(x).dtype == mx(x).dtype == torch.bfloat16
     assert mx(x).dtype == torch.float32
+
+
+def test_float16_autocast_is_named():
+    """Under torch.autocast(dtype=float16) the MX modules and ops said "a has dtype torch.float16"
+    of fp32 tensors; the error names autocast and its dtype."""
+    from mxmoe.nn import MXLinear
+
+    why = r"^torch.autocast\(dtype=torch.float16\) is on for cpu: MX ops take bfloat16 or float32 operands"
+    x = torch.randn(8, 64)
+    calls = (
+        lambda: MXLinear(64, 32, recipe=CFG)(x),
+        lambda: mx_mm(x, torch.randn(64, 32), CFG),
+        lambda: mx_grouped_mm(x, torch.randn(2, 64, 32), torch.tensor([4, 8], dtype=torch.int32), CFG),
+        lambda: MXGroupedExperts(64, 32, 2, CFG)(x, torch.tensor([4, 4])),
+    )
+    for call in calls:
+        with torch.autocast("cpu", dtype=torch.float16), pytest.raises(TypeError, match=why):
+            call()
 
 
 def test_autocast_inside_compile_fullgraph_same_results():

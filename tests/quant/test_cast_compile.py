@@ -123,3 +123,39 @@ def test_compiled_mx_ops_trace_no_kernel_resolution(kernel, monkeypatch):
     assert not lru, lru[0]
     for a, b in zip((*got, *got_mx), (*fn(x, w, w[0]), *mx_path(x, w, w[0])), strict=True):
         assert torch.equal(a, b)
+
+
+def test_compiled_cast_of_a_format_no_eager_call_made(monkeypatch):
+    """A cast whose format (block 16, e5m2, floor) is first met inside torch.compile(fullgraph=True):
+    the custom ops get the format's name before anything registered it, and find it (it failed with
+    "format 'mxfp8_e5m2_floor_b16' is not registered"); same bytes as eager."""
+    from mxmoe import formats
+
+    key = (torch.float8_e5m2, 16, formats.ScalingMode.FLOOR)
+    name = formats.format_name(*key)
+    assert name == "mxfp8_e5m2_floor_b16"
+    monkeypatch.delitem(formats.FORMATS, name, raising=False)  # (restored after the test)
+    monkeypatch.delitem(formats._BY_KEY, key, raising=False)
+    x = torch.randn(64, 64)
+
+    def fn(x):
+        mx = to_mx(x, 0, "floor", torch.float8_e5m2, 16)
+        d0, d1 = to_mx_dim0_dim1(x, "floor", torch.float8_e5m2, 16)
+        return mx.qdata_blocked, mx.scale_blocked, mx.dequantize(), d0.dequantize(), d1.dequantize()
+
+    got = torch.compile(fn, fullgraph=True, backend="eager")(x)
+    assert formats.FORMATS[name].key == key
+    for i, (g, w) in enumerate(zip(got, fn(x), strict=True)):
+        assert g.dtype == w.dtype and g.shape == w.shape, i
+        assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), i
+
+
+def test_get_format_by_generated_name_only():
+    """get_format takes the names format_name spells (registering the format), nothing else."""
+    from mxmoe.formats import ScalingMode, format_of, get_format
+
+    assert get_format("mxfp8_e4m3_ceil_b8") is format_of(torch.float8_e4m3fn, 8, ScalingMode.CEIL)
+    bads = ("mxfp8_e4m3_rceil_b3", "mxfp8_e4m3_rceil_b016", "mxfp8_e4m3_rceil_b32", "mxfp8_e4m3_round", 5)
+    for bad in bads:
+        with pytest.raises(ValueError, match=rf"^format {bad!r} is not registered; expected one of \["):
+            get_format(bad)

@@ -552,6 +552,28 @@ def test_mxtensor_pickles_and_deepcopies():
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
 
 
+def test_deepcopy_of_an_mxtensor_with_a_graph_anchor_is_named():
+    """deepcopy of the MXFP8 dispatch's output (its grad_anchor is in an autograd graph) failed inside
+    torch with a hint about weight_norm; the error names the anchor and the way to copy it, which
+    works. A leaf anchor (no graph) is copied, and a memo keeps shared fields shared."""
+    import copy
+    import dataclasses
+
+    from mxmoe.comm import a2a_dispatch_mxfp8
+
+    x = torch.randn(8, 64, requires_grad=True)
+    d = a2a_dispatch_mxfp8(x, [8], [8])
+    why = r"^deepcopy of an MXTensor whose grad_anchor is part of an autograd graph"
+    with pytest.raises(RuntimeError, match=why):
+        copy.deepcopy(d)
+    c = copy.deepcopy(dataclasses.replace(d, grad_anchor=None))
+    assert c.grad_anchor is None and torch.equal(c.dequantize(), d.dequantize())
+    m = to_mx(torch.randn(8, 64))
+    a, b = copy.deepcopy([m, m])
+    assert a is b and a is not m
+    assert torch.equal(a.qdata_blocked.view(torch.uint8), m.qdata_blocked.view(torch.uint8))
+
+
 def test_mxtensor_loads_with_weights_only(tmp_path):
     """torch.load(path, weights_only=True) refused an MXTensor ("Unsupported global: GLOBAL
     mxmoe.quant.mx_tensor.MXTensor") unless the caller allowlisted it; it round-trips bit for bit, and
