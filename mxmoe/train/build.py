@@ -589,6 +589,33 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
     return run
 
 
+DATA_KEYS = ("data.path", "data.val_fraction", "data.max_files", "data.extensions", "debug.seed")
+"""The options that decide the data order a resume continues (with training.seq_len, checked as the
+run's shape)."""
+
+
+def _check_same_data(run: Run, path, st: dict) -> None:
+    """ValueError naming checkpoint `path` and each data option (DATA_KEYS; else the corpus's files)
+    whose value differs from the saving run's, when its sampler (sequence count, seed) is not this
+    run's: the data order could not continue."""
+    sd, sampler = st["sampler"], run.sampler
+    if int(sd["n"]) == sampler.n and int(sd["seed"]) == sampler.seed:
+        return
+    saved, now = st.get("settings") or {}, run.settings()
+    differ = [k for k in DATA_KEYS if k in saved and saved[k] != now[k]]
+    diffs = [f"{k}: checkpoint {saved[k]!r}, this run {now[k]!r}" for k in differ]
+    if not diffs and saved.get("data.corpus") not in (None, now["data.corpus"]):
+        diffs = [f"the files under data.path={now['data.path']!r} changed since the save"]
+    diffs.append(f"training sequences: checkpoint {sd['n']}, this run {sampler.n}")
+    if int(sd["seed"]) != sampler.seed and "debug.seed" not in saved:
+        diffs.append(f"debug.seed: checkpoint {sd['seed']}, this run {sampler.seed}")
+    raise ValueError(
+        f"checkpoint {path} was trained on other data or with another seed ({'; '.join(diffs)}): its data "
+        "order cannot be continued; resume with its data.* options and debug.seed, or start a new "
+        "--checkpoint.folder (or --checkpoint.resume=false)"
+    )
+
+
 def _resume(run: Run, path) -> None:
     """Load checkpoint `path` into `run`. The run trains with its own settings from the resumed step
     on: its optimizer settings (lr, betas, weight decay, eps, ...) replace the saved ones in the
@@ -604,6 +631,7 @@ def _resume(run: Run, path) -> None:
         group.update(settings)  # initial_lr (optimizer.lr) included: the schedule's base
     # LambdaLR at the resumed step: lr = optimizer.lr x lr_lambda(step), as the uninterrupted run's
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg), last_epoch=run.step - 1)
+    _check_same_data(run, path, st)
     run.sampler.load_state_dict(st["sampler"])
     log.info("resumed from %s at step %d", path, run.step)
     if run.rank != 0:
