@@ -110,6 +110,44 @@ def check_values(cfg: JobConfig) -> None:
     if cfg.compile.enable:
         check_compile_backend(cfg.compile.backend, "compile.backend")
     profiling.check(cfg.profiling)
+    check_model_overrides(cfg)
+
+
+_EXPERT_OPTIONS = (
+    "top_k",
+    "moe_hidden_dim",
+    "num_shared_experts",
+    "load_balance",
+    "aux_loss_coef",
+    "bias_update_rate",
+)
+"""model.* options that configure the routed experts (a dense model has none)."""
+
+
+def check_model_overrides(cfg: JobConfig) -> None:
+    """ValueError naming a model.* option given (not None) that the model it configures ignores:
+    an experts option on a dense model (num_experts 0), aux_loss_coef unless load_balance is aux_loss,
+    bias_update_rate unless it is bias (they were dropped without a word)."""
+    from mxmoe.models.moe import PRESETS
+
+    m = cfg.model
+    preset = PRESETS[m.name]
+    experts = preset.num_experts if m.num_experts is None else m.num_experts
+    balance = preset.load_balance if m.load_balance is None else m.load_balance
+    given = [k for k in _EXPERT_OPTIONS if getattr(m, k) is not None]
+    if experts == 0 and given:
+        where = "model.num_experts=0" if m.num_experts is not None else f"model {m.name!r} (num_experts 0)"
+        raise ValueError(
+            f"model.{given[0]}={getattr(m, given[0])!r} configures routed experts, but {where} is dense: it "
+            "has none and would ignore it; drop the option, or give model.num_experts >= 1"
+        )
+    for key, needs in (("aux_loss_coef", "aux_loss"), ("bias_update_rate", "bias")):
+        if getattr(m, key) is not None and balance != needs:
+            raise ValueError(
+                f"model.{key}={getattr(m, key)!r} applies with model.load_balance={needs!r} only; this model "
+                f"balances with load_balance={balance!r} and would ignore it: drop the option, or give "
+                f"--model.load_balance={needs}"
+            )
 
 
 def check_bench_values(cfg: JobConfig) -> None:
