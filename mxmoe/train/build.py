@@ -127,7 +127,8 @@ _EXPERT_OPTIONS = (
 def check_model_overrides(cfg: JobConfig) -> None:
     """ValueError naming a model.* option given (not None) that the model it configures ignores:
     an experts option on a dense model (num_experts 0), aux_loss_coef unless load_balance is aux_loss,
-    bias_update_rate unless it is bias (they were dropped without a word)."""
+    bias_update_rate unless it is bias (they were dropped without a word); and, named as the options,
+    the preset-and-overrides values ModelArgs refuses (dim / n_heads, top_k)."""
     from mxmoe.models.moe import PRESETS
 
     m = cfg.model
@@ -141,6 +142,23 @@ def check_model_overrides(cfg: JobConfig) -> None:
             f"model.{given[0]}={getattr(m, given[0])!r} configures routed experts, but {where} is dense: it "
             "has none and would ignore it; drop the option, or give model.num_experts >= 1"
         )
+
+    def named(key: str) -> str:  # "model.dim=64", or "model.dim=64 (preset debug_moe's)" when not given
+        v = getattr(m, key)
+        if v is not None:
+            return f"model.{key}={v}"
+        return f"model.{key}={getattr(preset, key)} (preset {m.name}'s)"
+
+    dim = preset.dim if m.dim is None else m.dim
+    heads = preset.n_heads if m.n_heads is None else m.n_heads
+    if dim % heads or (dim // heads) % 2:  # named as the options, not as ModelArgs' fields
+        raise ValueError(
+            f"{named('dim')} and {named('n_heads')}: expected a dim divisible by n_heads into an even head "
+            f"dim (dim / n_heads = {dim / heads:g})"
+        )
+    top_k = preset.top_k if m.top_k is None else m.top_k
+    if experts and not 1 <= top_k <= experts:
+        raise ValueError(f"{named('top_k')}: expected 1 <= top_k <= {named('num_experts')}")
     for key, needs in (("aux_loss_coef", "aux_loss"), ("bias_update_rate", "bias")):
         if getattr(m, key) is not None and balance != needs:
             raise ValueError(

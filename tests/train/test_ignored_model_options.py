@@ -64,3 +64,28 @@ def test_the_trainer_refuses_before_building(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "mxmoe train: error: model.top_k=2 configures routed experts" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--model.top_k=100"],
+            "model.top_k=100: expected 1 <= top_k <= model.num_experts=8 (preset debug_moe's)",
+        ),
+        (
+            ["--model.num_experts=1"],
+            "model.top_k=2 (preset debug_moe's): expected 1 <= top_k <= model.num_experts=1",
+        ),
+        (
+            ["--model.n_heads=7"],
+            "model.dim=64 (preset debug_moe's) and model.n_heads=7: expected a dim divisible",
+        ),
+        (["--model.dim=48", "--model.n_heads=16"], "model.dim=48 and model.n_heads=16: expected"),
+    ],
+)
+def test_model_shape_errors_name_the_options(argv, message):
+    # they named ModelArgs' fields ("ModelArgs.top_k=100: expected 1..num_experts=8"), not the options
+    with pytest.raises(ValueError) as e:
+        check_values(parse_args(argv))
+    assert message in str(e.value) and "ModelArgs" not in str(e.value)
