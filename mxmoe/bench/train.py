@@ -363,6 +363,14 @@ def main(argv: list[str] | None = None) -> int:
         check_device(cfg.training.device)
         if "mx" in args.variants:
             check_cast_kernels(cfg, torch.device(_device_type(cfg.training.device)))
+        device_type = _device_type(cfg.training.device)
+        graphed = [m for m in args.modes or () if "graph" in m or m == "reduce_overhead"]
+        if graphed and device_type != "cuda":  # before any row (each failed in its own process)
+            raise ValueError(
+                f"--modes={','.join(args.modes)}: {', '.join(graphed)} replay CUDA graphs, which need a CUDA "
+                f"device; this run's is {device_type} (training.device={cfg.training.device!r}): use eager, "
+                "compile or compile_full"
+            )
         if args.modes is None or any(_COMPILE[m] for m in args.modes):
             check_compile_backend(cfg.compile.backend, "compile.backend")
     except (ConfigError, ValueError) as e:

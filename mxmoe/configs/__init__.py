@@ -14,6 +14,7 @@ configs are torchtitan/NAME.toml, named `torchtitan/NAME`.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from importlib import resources
@@ -112,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
             dest = Path(args.dest)
             if dest.is_dir():
                 dest = dest / src.name
+            elif args.dest.endswith(("/", os.sep)):  # Path drops the slash: it would be a file named so
+                raise ValueError(f"DEST {args.dest!r}: no such folder; create it first, or give a file path")
+            elif not dest.parent.is_dir():
+                raise ValueError(
+                    f"DEST {args.dest!r}: folder {str(dest.parent)!r} does not exist; expected a file path "
+                    "in an existing folder, or an existing folder"
+                )
             if dest.exists() and not args.force:
                 raise ValueError(f"{str(dest)!r} exists; give --force to replace it")
             shutil.copyfile(src, dest)

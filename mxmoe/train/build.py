@@ -110,6 +110,62 @@ def check_values(cfg: JobConfig) -> None:
     if cfg.compile.enable:
         check_compile_backend(cfg.compile.backend, "compile.backend")
     profiling.check(cfg.profiling)
+    check_model_overrides(cfg)
+
+
+_EXPERT_OPTIONS = (
+    "top_k",
+    "moe_hidden_dim",
+    "num_shared_experts",
+    "load_balance",
+    "aux_loss_coef",
+    "bias_update_rate",
+)
+"""model.* options that configure the routed experts (a dense model has none)."""
+
+
+def check_model_overrides(cfg: JobConfig) -> None:
+    """ValueError naming a model.* option given (not None) that the model it configures ignores:
+    an experts option on a dense model (num_experts 0), aux_loss_coef unless load_balance is aux_loss,
+    bias_update_rate unless it is bias (they were dropped without a word); and, named as the options,
+    the preset-and-overrides values ModelArgs refuses (dim / n_heads, top_k)."""
+    from mxmoe.models.moe import PRESETS
+
+    m = cfg.model
+    preset = PRESETS[m.name]
+    experts = preset.num_experts if m.num_experts is None else m.num_experts
+    balance = preset.load_balance if m.load_balance is None else m.load_balance
+    given = [k for k in _EXPERT_OPTIONS if getattr(m, k) is not None]
+    if experts == 0 and given:
+        where = "model.num_experts=0" if m.num_experts is not None else f"model {m.name!r} (num_experts 0)"
+        raise ValueError(
+            f"model.{given[0]}={getattr(m, given[0])!r} configures routed experts, but {where} is dense: it "
+            "has none and would ignore it; drop the option, or give model.num_experts >= 1"
+        )
+
+    def named(key: str) -> str:  # "model.dim=64", or "model.dim=64 (preset debug_moe's)" when not given
+        v = getattr(m, key)
+        if v is not None:
+            return f"model.{key}={v}"
+        return f"model.{key}={getattr(preset, key)} (preset {m.name}'s)"
+
+    dim = preset.dim if m.dim is None else m.dim
+    heads = preset.n_heads if m.n_heads is None else m.n_heads
+    if dim % heads or (dim // heads) % 2:  # named as the options, not as ModelArgs' fields
+        raise ValueError(
+            f"{named('dim')} and {named('n_heads')}: expected a dim divisible by n_heads into an even head "
+            f"dim (dim / n_heads = {dim / heads:g})"
+        )
+    top_k = preset.top_k if m.top_k is None else m.top_k
+    if experts and not 1 <= top_k <= experts:
+        raise ValueError(f"{named('top_k')}: expected 1 <= top_k <= {named('num_experts')}")
+    for key, needs in (("aux_loss_coef", "aux_loss"), ("bias_update_rate", "bias")):
+        if getattr(m, key) is not None and balance != needs:
+            raise ValueError(
+                f"model.{key}={getattr(m, key)!r} applies with model.load_balance={needs!r} only; this model "
+                f"balances with load_balance={balance!r} and would ignore it: drop the option, or give "
+                f"--model.load_balance={needs}"
+            )
 
 
 def check_bench_values(cfg: JobConfig) -> None:
@@ -589,6 +645,33 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
     return run
 
 
+DATA_KEYS = ("data.path", "data.val_fraction", "data.max_files", "data.extensions", "debug.seed")
+"""The options that decide the data order a resume continues (with training.seq_len, checked as the
+run's shape)."""
+
+
+def _check_same_data(run: Run, path, st: dict) -> None:
+    """ValueError naming checkpoint `path` and each data option (DATA_KEYS; else the corpus's files)
+    whose value differs from the saving run's, when its sampler (sequence count, seed) is not this
+    run's: the data order could not continue."""
+    sd, sampler = st["sampler"], run.sampler
+    if int(sd["n"]) == sampler.n and int(sd["seed"]) == sampler.seed:
+        return
+    saved, now = st.get("settings") or {}, run.settings()
+    differ = [k for k in DATA_KEYS if k in saved and saved[k] != now[k]]
+    diffs = [f"{k}: checkpoint {saved[k]!r}, this run {now[k]!r}" for k in differ]
+    if not diffs and saved.get("data.corpus") not in (None, now["data.corpus"]):
+        diffs = [f"the files under data.path={now['data.path']!r} changed since the save"]
+    diffs.append(f"training sequences: checkpoint {sd['n']}, this run {sampler.n}")
+    if int(sd["seed"]) != sampler.seed and "debug.seed" not in saved:
+        diffs.append(f"debug.seed: checkpoint {sd['seed']}, this run {sampler.seed}")
+    raise ValueError(
+        f"checkpoint {path} was trained on other data or with another seed ({'; '.join(diffs)}): its data "
+        "order cannot be continued; resume with its data.* options and debug.seed, or start a new "
+        "--checkpoint.folder (or --checkpoint.resume=false)"
+    )
+
+
 def _resume(run: Run, path) -> None:
     """Load checkpoint `path` into `run`. The run trains with its own settings from the resumed step
     on: its optimizer settings (lr, betas, weight decay, eps, ...) replace the saved ones in the
@@ -604,6 +687,7 @@ def _resume(run: Run, path) -> None:
         group.update(settings)  # initial_lr (optimizer.lr) included: the schedule's base
     # LambdaLR at the resumed step: lr = optimizer.lr x lr_lambda(step), as the uninterrupted run's
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg), last_epoch=run.step - 1)
+    _check_same_data(run, path, st)
     run.sampler.load_state_dict(st["sampler"])
     log.info("resumed from %s at step %d", path, run.step)
     if run.rank != 0:

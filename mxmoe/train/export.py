@@ -128,7 +128,15 @@ def export(checkpoint: str | Path, output: str | Path, dtype: str = "float32") -
     if sidecar.is_dir():
         raise ExportError(f"output={str(out)!r}: {str(sidecar)!r}, where its architecture goes, is a folder")
     from mxmoe.cli import check_out_file
+    from mxmoe.train.checkpoint.folders import enclosing_step_folder
 
+    inside = enclosing_step_folder(out.parent)
+    if inside is not None:  # a file there is unlisted in its manifest: resume and export refuse it
+        raise ExportError(
+            f"output={str(out)!r} lies in the checkpoint step folder {str(inside)!r}: a file its "
+            f"{MANIFEST} does not list spoils that checkpoint (resuming and exporting refuse it); write "
+            "the output outside the step folders"
+        )
     try:  # before the checkpoint is read: not a traceback from torch.save at the end
         check_out_file(str(out), "output", "model.pt")
     except ValueError as e:

@@ -436,9 +436,13 @@ def plot_runs(
     seen: dict = {}
     for run, name, seed in zip(runs, names, seeds, strict=True):
         if seed is not None and (name, seed) in seen:
+            fix = (  # given labels name the variants: these two got the same one
+                f"--labels={','.join(labels)} names both {name!r}: give them different labels"
+                if labels
+                else "give --labels to tell them apart"
+            )
             raise ValueError(
-                f"runs {seen[(name, seed)]!r} and {run!r} are both variant {name!r}, seed {seed}: give "
-                "--labels to tell them apart"
+                f"runs {seen[(name, seed)]!r} and {run!r} are both variant {name!r}, seed {seed}: {fix}"
             )
         seen[(name, seed)] = run
     series = [Series(n, s, d) for n, s, d in zip(names, seeds, data, strict=True)]

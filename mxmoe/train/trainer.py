@@ -29,6 +29,7 @@ from mxmoe.train.build import (  # noqa: F401  (build_model_args .. mx_convert: 
     build_model_args,
     build_optimizer,
     build_run,
+    check_cast_kernels,
     check_values,
     compile_submodules,
     lr_lambda,
@@ -173,6 +174,8 @@ def _train_run(cfg: JobConfig) -> int:
     t, p = cfg.training, cfg.parallelism
     check_values(cfg)
     rank, world, device, own_pg = parallel.init_distributed(t.device, p.timeout_s)
+    if uses_mx(cfg):  # a cast kernel the device cannot run, named as the option (not the recipe's field)
+        check_cast_kernels(cfg, device)
     threads = torch.get_num_threads()
     if device.type == "cpu" and t.cpu_threads > 0:
         cpus = os.cpu_count()

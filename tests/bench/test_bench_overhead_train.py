@@ -139,7 +139,7 @@ def test_train_bench_profile_writes_the_operator_tables(tmp_path):
     assert re.search(r"aten::mm\s.*\[\[\d+, \d+\], \[\d+, \d+\]", by_shape), by_shape[:2000]
 
 
-def test_train_bench_reports_a_mode_that_cannot_run(capsys):
+def test_train_bench_refuses_a_mode_the_device_cannot_run(capsys):
     argv = [
         "bench",
         "train",
@@ -157,8 +157,12 @@ def test_train_bench_reports_a_mode_that_cannot_run(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("graphs run on a GPU")
-    assert cli_main(argv) == 1
-    assert "CUDA graphs need a CUDA device" in capsys.readouterr().out
+    # refused before any row (each row failed in its own process, exit 1 after all of them)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "--modes=graph: graph replay CUDA graphs, which need a CUDA device; this run's is cpu" in err, err
 
 
 def test_train_bench_rejects_bad_arguments(capsys):

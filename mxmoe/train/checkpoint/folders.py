@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from mxmoe.train.checkpoint.common import LEFTOVER, STEP_DIR
+from mxmoe.train.checkpoint.common import LEFTOVER, MANIFEST, STEP_DIR, TRAIN_STATE
 from mxmoe.train.metrics import RunLock
 
 log = logging.getLogger("mxmoe.train")
@@ -31,6 +31,17 @@ def step_folders(folder: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def enclosing_step_folder(path: str | Path) -> Path | None:
+    """The checkpoint step folder that `path` is or lies in (`path` or the nearest folder above it
+    holding a manifest.json and named step-XXXXXXXX or holding trainer_state.json), else None. A
+    file written there is unlisted in its manifest: resuming and exporting refuse the checkpoint."""
+    here = Path(os.path.abspath(path))
+    for p in (here, *here.parents):
+        if (p / MANIFEST).is_file() and (_STEP_NAME.match(p.name) or (p / TRAIN_STATE).is_file()):
+            return p
+    return None
+
+
 def claim_folder(folder: str, run_id: str, resume: bool, locked: bool = False) -> RunLock | None:
     """Rank 0, before anything is built: lock checkpoint `folder` for this run (as the metrics
     folder is locked; symbolic links in it are refused), check that it can be written, refuse files
@@ -41,6 +52,15 @@ def claim_folder(folder: str, run_id: str, resume: bool, locked: bool = False) -
     locked: the folder is the metrics folder, already locked by this run (no second lock; None is
     returned). ValueError naming checkpoint.folder if any of it fails."""
     path = Path(folder)
+    step = enclosing_step_folder(path)
+    if step is not None:  # a run there would start afresh and write into that checkpoint
+        what = "is" if step == Path(os.path.abspath(path)) else f"lies in {str(step)!r},"
+        raise ValueError(
+            f"checkpoint.folder={folder!r} {what} a checkpoint's step folder (it holds {MANIFEST}), not a "
+            f"checkpoint folder: a run there would not resume it and would write into it (a file its "
+            f"manifest does not list spoils it); give --checkpoint.folder={str(step.parent)!r} to resume "
+            "its newest checkpoint"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
         lock = None if locked else RunLock(path, run_id, "checkpoint.folder")

@@ -64,6 +64,7 @@ from mxmoe.cli import ArgumentParser, check_out_folder, comma_list, positive_int
 from mxmoe.train.compare.launcher import (
     DONE,
     check_own,
+    check_paired_setup,
     check_trainer_args,
     grace_seconds,
     launch,
@@ -292,8 +293,11 @@ def main(argv: list[str] | None = None) -> int:
                     args.config, args.steps, args.deterministic, [], extra, args.seeds[0], out / "runs"
                 )
                 check_trainer_args("arguments after `--`", common, args.nproc)
-            for name, _, run_argv, _ in jobs[: len(args.variant)]:  # each variant's options, once
-                check_trainer_args(f"--variant {name}", run_argv, args.nproc)
+            resolved = {  # each variant's options, once
+                name: check_trainer_args(f"--variant {name}", run_argv, args.nproc)
+                for name, _, run_argv, _ in jobs[: len(args.variant)]
+            }
+            check_paired_setup(resolved, args.baseline or names[0])  # not after every run has run
             grace = 0.0
             if args.time_limit_s is not None:
                 grace = grace_seconds(jobs, args.grace_s)

@@ -42,12 +42,12 @@ def check_own(where: str, args: list[str]) -> None:
             raise ValueError(f"{where}: {a!r} is set by mxmoe compare itself (per run); remove it")
 
 
-def check_trainer_args(where: str, argv: list[str], world: int = 1) -> None:
+def check_trainer_args(where: str, argv: list[str], world: int = 1):
     """ValueError naming `where` unless `mxmoe train` accepts `argv` on `world` processes (its parser,
     its checks of the values, `mxmoe.train.build.check_values`, and of the parallel degrees against
     `world` and the model, `mxmoe.train.parallel.check_parallel_dims`): a misspelled or out-of-range
     option stops compare before any run starts, not in its own run after the others (tyro's
-    message, for an option it refuses, is on stderr above)."""
+    message, for an option it refuses, is on stderr above). Returns the resolved `JobConfig`."""
     from mxmoe.train import parallel
     from mxmoe.train.build import build_model_args, check_values
     from mxmoe.train.config import parse_args
@@ -60,10 +60,45 @@ def check_trainer_args(where: str, argv: list[str], world: int = 1) -> None:
             world, p.data_parallel_shard_degree, p.expert_parallel_degree, p.tensor_parallel_degree
         )
         parallel.check_parallel_dims(pd, build_model_args(cfg).num_experts)
+        return cfg
     except SystemExit:
         raise ValueError(f"{where}: `mxmoe train` refuses its options (its message is above)") from None
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+PAIRED_KEYS = (
+    "training.steps",
+    "training.seq_len",
+    "training.local_batch_size",
+    "data.path",
+    "data.val_fraction",
+    "data.max_files",
+    "data.extensions",
+)
+"""Trainer options every variant must share with the baseline: what a paired difference needs the
+runs to share (`mxmoe.train.compare.report.SETUP`: steps, seq_len, global batch, corpus)."""
+
+
+def check_paired_setup(configs: dict, baseline: str) -> None:
+    """ValueError naming each variant and option whose value differs from the baseline's among
+    PAIRED_KEYS (`configs`: variant -> its resolved JobConfig), before any run: the runs could not be
+    paired after they finished (`report.check_setups`)."""
+    base = configs[baseline].flat()
+    diffs = []
+    for name, cfg in configs.items():
+        flat = cfg.flat()
+        diffs += [
+            f"--variant {name}: {k}={flat[k]!r}, the baseline {baseline}'s is {base[k]!r}"
+            for k in PAIRED_KEYS
+            if name != baseline and flat[k] != base[k]
+        ]
+    if diffs:
+        raise ValueError(
+            f"{'; '.join(diffs)}: runs of different setups cannot be paired (a paired difference needs the "
+            "same steps, sequence length, global batch and corpus); set these for every variant "
+            "(--steps, or trainer options after `--`)"
+        )
 
 
 def _checkpoint_folder(args: list[str]) -> str | None:
