@@ -20,6 +20,7 @@ mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 [ -z "$BEFORE" ] || BEFORE=$(cd "$BEFORE" && pwd)
 cd "$REPO"
 export PYTHONUNBUFFERED=1
+source scripts/gpu/deps.sh  # .whl/ installed, mxmoe's dependencies checked
 BASE=${PYTHONPATH:-}
 # Each tree builds its CUDA extension in a folder of its own: the build's command names the
 # sources' absolute paths, so trees sharing one folder would rebuild it at every other row.

@@ -48,6 +48,7 @@ done
 IFS=, read -r -a VARIANTS <<< "$variants"
 [ ${#VARIANTS[@]} -gt 0 ] || { echo "variants='$variants': expected a comma list of bf16, mx, mx_wgrad_with_hp" >&2; exit 2; }
 PY=${PY:-python3}
+source "$(dirname "$0")/deps.sh"  # .whl/ installed, mxmoe's dependencies checked
 mkdir -p "$STATE"
 
 declare -A ARGS=(

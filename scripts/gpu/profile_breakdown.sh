@@ -11,7 +11,7 @@
 # each step first removes what an earlier call's same step wrote there (it would pass for this call's).
 # The cast split by role needs an ungraphed mode (graph replays record no operators): `compile` gives it.
 # Each step is bounded by `timeout` (LIMIT seconds, default 300). Wheels in .whl/ are installed first
-# (a machine without network: scripts/torchtitan_h200.sh says which).
+# and the dependencies checked (scripts/gpu/deps.sh).
 set -uo pipefail
 OUT=${1:?usage: profile_breakdown.sh OUT [CONFIGS] [MODES] [TT]}
 IFS=, read -r -a CONFIGS <<< "${2:-moe_1b,moe_2b}"
@@ -21,10 +21,7 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$REPO"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source scripts/gpu/deps.sh  # .whl/ installed, mxmoe's dependencies checked
 pack() {  # GNU tar exits 1 when a file changed while read (a log still flushed): the archive stands
     tar -czf "$OUT/results.tar.gz.part" -C "$OUT" --exclude results.tar.gz --exclude results.tar.gz.part . \
         --warning=no-file-changed

@@ -52,3 +52,22 @@ def test_an_empty_variant_is_refused(tmp_path, variants, message):
     proc = _study(tmp_path, {}, options=(f"variants={variants}",))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "unbound variable" not in proc.stderr and "bad array subscript" not in proc.stderr
+
+
+def test_missing_dependencies_stop_the_study_before_any_run(tmp_path):
+    """A Python without mxmoe's run-time dependencies (here: site-packages hidden, -I -S) stops the
+    script at scripts/gpu/deps.sh with exit 2, naming them, before `mxmoe compare` starts a run
+    (each run failed on `import tyro` on its own before)."""
+    py = tmp_path / "py"
+    log = tmp_path / "compare_called"
+    py.write_text(f'#!/usr/bin/env bash\n[ "$1 $2" = "-m mxmoe" ] && touch {log} && exit 0\n'
+                  f'exec {sys.executable} -I -S "$@"\n')
+    py.chmod(0o755)
+    cmd = ["bash", str(REPO / "scripts/gpu/numerics_study.sh"), str(tmp_path / "state"), "debug_moe",
+           "2", "60", "0", "parallel=1", f"ckpt={tmp_path / 'ckpt'}"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(env, PY=str(py)), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "tyro" in proc.stderr and "pyproject.toml" in proc.stderr
+    assert not log.exists()
