@@ -307,18 +307,7 @@ def build_model_args(cfg: JobConfig) -> ModelArgs:
     m = cfg.model
     overrides = {
         k: getattr(m, k)
-        for k in (
-            "dim",
-            "n_layers",
-            "n_heads",
-            "num_experts",
-            "top_k",
-            "moe_hidden_dim",
-            "num_shared_experts",
-            "load_balance",
-            "aux_loss_coef",
-            "bias_update_rate",
-        )
+        for k in ("dim", "n_layers", "n_heads", "num_experts", *_EXPERT_OPTIONS)
     }
     return model_args(m.name, vocab_size=VOCAB_SIZE, max_seq_len=cfg.training.seq_len, **overrides)
 
