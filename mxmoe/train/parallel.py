@@ -61,13 +61,61 @@ def check_device(device_pref: str) -> bool:
     return use_cuda
 
 
+def launch_env() -> tuple[int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) as the launcher (torchrun) set them; unset: 0, 1, 0 (one
+    process). ValueError naming the variable, its value and what is expected for one that is not an
+    integer, WORLD_SIZE < 1, RANK outside [0, WORLD_SIZE) (a rank that would otherwise wait at the
+    rendezvous for parallelism.timeout_s, or train alone in silence), RANK unset with WORLD_SIZE > 1,
+    LOCAL_RANK < 0, or (WORLD_SIZE > 1, before the rendezvous) MASTER_ADDR / MASTER_PORT unset or a
+    port that is not one."""
+
+    def read(name: str, default: str) -> int:
+        value = os.environ.get(name, default)
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(
+                f"environment variable {name}={value!r}: expected an integer (torchrun sets it; launched "
+                "another way, set RANK, WORLD_SIZE and LOCAL_RANK for every process)"
+            ) from None
+
+    world = read("WORLD_SIZE", "1")
+    if world < 1:
+        raise ValueError(f"environment variable WORLD_SIZE={world}: expected the number of processes, >= 1")
+    if world > 1 and "RANK" not in os.environ:
+        raise ValueError(
+            f"environment variable WORLD_SIZE={world} but RANK is not set: expected each process's rank, "
+            f"0..{world - 1} (torchrun sets both)"
+        )
+    rank = read("RANK", "0")
+    if not 0 <= rank < world:
+        raise ValueError(
+            f"environment variable RANK={rank}: expected 0 <= RANK < WORLD_SIZE={world} (every process of "
+            "the run needs its own rank among WORLD_SIZE)"
+        )
+    local_rank = read("LOCAL_RANK", "0")
+    if local_rank < 0:
+        raise ValueError(f"environment variable LOCAL_RANK={local_rank}: expected >= 0")
+    if world > 1 and not dist.is_initialized():  # env:// reads them (torch: a bare int() error)
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not os.environ.get(name):
+                raise ValueError(
+                    f"environment variable WORLD_SIZE={world} but {name} is not set: expected rank 0's "
+                    "address and a free port on it, the same for every process (torchrun sets both)"
+                )
+        port = os.environ["MASTER_PORT"]
+        if not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ValueError(f"environment variable MASTER_PORT={port!r}: expected a TCP port, 1..65535")
+    return rank, world, local_rank
+
+
 def init_distributed(device_pref: str, timeout_s: int) -> tuple[int, int, torch.device, bool]:
     """(rank, world_size, device, initialized_here). Starts the default process group when
     launched by torchrun with WORLD_SIZE > 1: nccl on CUDA, gloo on CPU, with `timeout_s`.
-    ValueError naming training.device when the device asked for is not there."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ValueError naming training.device when the device asked for is not there, naming the environment
+    variable when RANK, WORLD_SIZE or LOCAL_RANK is malformed or inconsistent (`launch_env`)."""
+    _, world, local_rank = launch_env()
     use_cuda = check_device(device_pref)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda and local_rank >= torch.cuda.device_count():
         raise ValueError(
             f"training.device={device_pref!r}: LOCAL_RANK={local_rank} needs CUDA device {local_rank}, but "

@@ -139,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, TypeError) as e:
         print(f"mxmoe train: error: {e}", file=sys.stderr)
         return 2
-    rank = int(os.environ.get("RANK", "0"))
+    try:
+        rank = parallel.launch_env()[0]
+    except ValueError as e:
+        print(f"mxmoe train: error: {e}", file=sys.stderr)
+        return 2
     try:
         with console_logging(rank):
             return _main(cfg)

@@ -52,7 +52,10 @@ def test_more_local_ranks_than_gpus_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     with pytest.raises(ValueError, match=r"LOCAL_RANK=1 needs CUDA device 1, but 1 are visible; .*"
                        r"--nproc_per_node.*--training.device=cpu"):
         parallel.init_distributed("auto", 60)
