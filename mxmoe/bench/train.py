@@ -299,11 +299,9 @@ def _device_type(pref: str) -> str:
 def run(cfg, args, rest: list[str] | tuple[str, ...] = ()) -> list[dict]:
     """The rows, each (variant, mode) in a child process unless `args.same_process` or several
     torchrun ranks (then here, one after another). `rest`: the trainer's arguments, for the children."""
-    import os
-
     from mxmoe.train import parallel
 
-    fresh = not args.same_process and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    fresh = not args.same_process and parallel.launch_env()[1] == 1
     if fresh:
         device, own_pg = torch.device(_device_type(cfg.training.device)), False
     else:
@@ -345,7 +343,7 @@ def run(cfg, args, rest: list[str] | tuple[str, ...] = ()) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     from mxmoe.train.build import check_bench_values, check_cast_kernels, check_compile_backend
     from mxmoe.train.config import ConfigError, parse_args
-    from mxmoe.train.parallel import check_device
+    from mxmoe.train.parallel import check_device, launch_env
 
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -373,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.modes is None or any(_COMPILE[m] for m in args.modes):
             check_compile_backend(cfg.compile.backend, "compile.backend")
+        launch_env()  # the launcher's variables, before any row
     except (ConfigError, ValueError) as e:
         parser.error(str(e))
     rows = run(cfg, args, rest)

@@ -59,3 +59,16 @@ def test_a_torchrun_environment_and_none_are_accepted(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "node0")
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert parallel.launch_env() == (3, 4, 1)
+
+
+def test_bench_train_names_a_bad_launch_environment_before_any_row(monkeypatch, capsys):
+    """`mxmoe bench train` read WORLD_SIZE with a bare int() (a traceback naming nothing)."""
+    from mxmoe.bench import train as bench_train
+
+    for k in LAUNCH:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    with pytest.raises(SystemExit) as e:
+        bench_train.main(["--config", "debug_moe", "--steps", "1", "--warmup-steps", "1"])
+    assert e.value.code == 2
+    assert "WORLD_SIZE='abc': expected an integer" in capsys.readouterr().err
