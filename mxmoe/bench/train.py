@@ -341,6 +341,7 @@ def run(cfg, args, rest: list[str] | tuple[str, ...] = ()) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mxmoe.nn.converter import asked_options
     from mxmoe.train.build import check_bench_values, check_cast_kernels, check_compile_backend
     from mxmoe.train.config import ConfigError, parse_args
     from mxmoe.train.parallel import check_device, launch_env
@@ -361,6 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         check_device(cfg.training.device)
         if "mx" in args.variants:
             check_cast_kernels(cfg, torch.device(_device_type(cfg.training.device)))
+        elif not args.same_process and not cfg.mx.allow_unconverted and asked_options(cfg.mx):
+            # (a row's own process, --same_process, gets the parent's options with its one variant)
+            given = ", ".join(f"mx.{k}={v!r}" for k, v in asked_options(cfg.mx).items())
+            raise ValueError(
+                f"{given} given, but --variants={','.join(args.variants)} has no mx row: the options would "
+                "be ignored. Add mx to --variants, or set mx.allow_unconverted=true"
+            )
         device_type = _device_type(cfg.training.device)
         graphed = [m for m in args.modes or () if "graph" in m or m == "reduce_overhead"]
         if graphed and device_type != "cuda":  # before any row (each failed in its own process)

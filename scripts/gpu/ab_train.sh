@@ -27,9 +27,11 @@ BASE=${PYTHONPATH:-}
 EXT_BASE=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
 ext_dir() { echo "$EXT_BASE/tree_$(echo "$1" | cksum | cut -d' ' -f1)"; }
 row() {  # row MODE KIND I [flags...]: KIND bf16 | before | after
-    local mode=$1 kind=$2 i=$3 tree=$REPO variant=mx rc=0
+    local mode=$1 kind=$2 i=$3 tree=$REPO variant=mx rc=0 bf16=()
     shift 3
-    [ "$kind" = bf16 ] && variant=bf16
+    # the bf16 rows take the MX rows' flags too: mx.* ones they ignore, as asked (bench train refuses
+    # mx.* options without an mx row otherwise)
+    [ "$kind" = bf16 ] && variant=bf16 && bf16=(--mx.allow_unconverted=true)
     [ "$kind" = before ] && tree=$BEFORE
     # an earlier call's file of this row would stand for it if the row wrote none
     rm -f "$OUT/${mode}_${kind}_$i.json" "$OUT/${mode}_${kind}_$i.json.wrong_tree"
@@ -37,7 +39,7 @@ row() {  # row MODE KIND I [flags...]: KIND bf16 | before | after
     # of PYTHONPATH, and every row would run this checkout's mxmoe
     TORCH_EXTENSIONS_DIR=$(ext_dir "$tree") PYTHONSAFEPATH=1 PYTHONPATH=$tree${BASE:+:$BASE} timeout -k 10 "${LIMIT:-240}" python3 -m mxmoe bench train \
         --config "$CONFIG" --variants "$variant" --modes "$mode" --steps "${STEPS:-10}" --warmup-steps "${WARMUP:-3}" \
-        "$@" --json "$OUT/${mode}_${kind}_$i.json" > "$OUT/${mode}_${kind}_$i.log" 2>&1 || rc=$?
+        "$@" "${bf16[@]}" --json "$OUT/${mode}_${kind}_$i.json" > "$OUT/${mode}_${kind}_$i.log" 2>&1 || rc=$?
     # the row ran the tree it names (rows of trees that record it), or it is set aside (the summary
     # reads this call's *.json only)
     if [ -f "$OUT/${mode}_${kind}_$i.json" ] && ! python3 - "$OUT/${mode}_${kind}_$i.json" "$tree/mxmoe" <<'PY'

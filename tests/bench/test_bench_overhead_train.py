@@ -165,6 +165,16 @@ def test_train_bench_refuses_a_mode_the_device_cannot_run(capsys):
     assert "--modes=graph: graph replay CUDA graphs, which need a CUDA device; this run's is cpu" in err, err
 
 
+def test_train_bench_refuses_mx_options_without_an_mx_row(capsys):
+    """--variants bf16 with an mx.* option: the option was ignored without a word (each row's own
+    process, --same_process, still takes the parent's options with its one variant)."""
+    argv = ["bench", "train", *TINY_TRAIN, "--modes", "eager", "--variants", "bf16", "--mx.recipe_name=mxfp8"]
+    with pytest.raises(SystemExit) as exc:
+        cli_main(argv)
+    assert exc.value.code == 2
+    assert "mx.recipe_name='mxfp8' given, but --variants=bf16 has no mx row" in capsys.readouterr().err
+
+
 def test_train_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["bench", "train", "--modes", "eager,fast"])
