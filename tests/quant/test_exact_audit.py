@@ -41,10 +41,8 @@ from tests.quant.helpers import (
     to_torch,
     ubytes,
 )
-from tests.quant.test_qdq import COUNTS, TAIL, check_values, grouped_rows, offs_of, oracle_rows
+from tests.quant.test_qdq import BS, COUNTS, KERNELS, TAIL, check_values, grouped_rows, offs_of, oracle_rows
 
-BS = 32
-KERNELS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
 

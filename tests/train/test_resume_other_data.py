@@ -5,17 +5,14 @@ names the checkpoint, each differing option with both values, and the ways on.""
 from pathlib import Path
 
 import pytest
-from test_trainer import TINY
+from test_trainer import TINY, two_step_checkpoint
 
 from mxmoe.train import trainer
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("otherdata")
-    argv = TINY + ["--training.steps=2", f"--job.dump_folder={tmp}/run", f"--checkpoint.folder={tmp}/ckpt"]
-    assert trainer.main(argv) == 0
-    return tmp / "ckpt"
+    return two_step_checkpoint(tmp_path_factory.mktemp("otherdata"))
 
 
 @pytest.mark.parametrize(

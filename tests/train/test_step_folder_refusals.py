@@ -7,7 +7,7 @@ naming the option and the folder."""
 from pathlib import Path
 
 import pytest
-from test_trainer import TINY
+from test_trainer import TINY, two_step_checkpoint
 
 from mxmoe.cli import main as cli
 from mxmoe.train import trainer
@@ -15,11 +15,7 @@ from mxmoe.train import trainer
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    """A checkpoint folder of a 2-step run (step 2 saved)."""
-    tmp = tmp_path_factory.mktemp("stepfolder")
-    argv = TINY + ["--training.steps=2", f"--job.dump_folder={tmp}/run", f"--checkpoint.folder={tmp}/ckpt"]
-    assert trainer.main(argv) == 0
-    return tmp / "ckpt"
+    return two_step_checkpoint(tmp_path_factory.mktemp("stepfolder"))
 
 
 def _files(folder: Path) -> list[str]:

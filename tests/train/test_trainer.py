@@ -38,6 +38,13 @@ TINY = [
 MX = ["--model.converters=mx", "--mx.mxfp8_dim1_cast_kernel_choice=torch"]
 
 
+def two_step_checkpoint(tmp: Path) -> Path:
+    """The checkpoint folder of a TINY 2-step run in `tmp` (step 2 saved)."""
+    argv = TINY + ["--training.steps=2", f"--job.dump_folder={tmp}/run", f"--checkpoint.folder={tmp}/ckpt"]
+    assert trainer.main(argv) == 0
+    return tmp / "ckpt"
+
+
 def losses(folder) -> dict[int, float]:
     lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
