@@ -219,7 +219,10 @@ def _train_run(cfg: JobConfig) -> int:
             busy = box[0]
         if busy is not None:
             raise ValueError(busy)
-        return _train(build_run(cfg, rank, world, device), stop, run_id)
+        code = _train(build_run(cfg, rank, world, device), stop, run_id)
+        if distributed:  # every rank done before any tears its process group down (a rank whose peer
+            dist.barrier()  # had closed its sockets first aborted in the teardown, now and then)
+        return code
     except RuntimeError as e:  # gloo's failures are plain RuntimeErrors: say which rank and what to check
         if distributed and parallel.is_collective_failure(e):
             raise parallel.CollectiveFailed(
