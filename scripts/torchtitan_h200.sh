@@ -93,22 +93,29 @@ done
 
 WORK=$(mktemp -d /tmp/torchtitan_h200.XXXXXX)  # data (~33 MB) and tokenizer: not results, kept out of OUT_DIR
 "$PY" -m mxmoe.integrations.torchtitan.data "$WORK/data" --tokenizer "$WORK/tokenizer"
-# mxmoe's CUDA cast kernels are built on first use (~30 s, cached under ~/.cache/torch_extensions):
-# build them now, outside the timed runs; "auto" falls back to Triton where they cannot build.
-"$PY" - <<'EOF'
+# mxmoe's CUDA cast kernels are built on first use (~30 s, cached under TORCH_EXTENSIONS_DIR):
+# build them now, outside the timed runs, each tree in a folder of its own (the build names the
+# sources' absolute paths: two trees sharing one folder would rebuild it at every other run);
+# "auto" falls back to Triton where they cannot build.
+EXT_BASE=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
+ext_dir() { echo "$EXT_BASE/tree_$(echo "$1" | cksum | cut -d' ' -f1)"; }
+for tree in "$REPO" ${BEFORE:+"$BEFORE"}; do
+    [ "$tree" = "$REPO" ] || [[ " ${VARIANTS[*]} " == *" mxmoe_before "* ]] || continue
+    TORCH_EXTENSIONS_DIR=$(ext_dir "$tree") PYTHONSAFEPATH=1 PYTHONPATH=$tree:$PYTHONPATH "$PY" - <<'EOF'
 from mxmoe.quant import cuda_cast
 try:
     cuda_cast.load_extension()
-    print("mxmoe's CUDA cast kernels: built")
+    print(f"mxmoe's CUDA cast kernels ({cuda_cast.__file__}): built")
 except RuntimeError as e:
     print(f"mxmoe's CUDA cast kernels did not build, 'auto' takes the Triton ones: {str(e)[:300]}")
 EOF
+done
 
 run() {  # run NAME SEED [trainer flags...]; TREE=DIR: mxmoe from that folder
     local name=$1 seed=$2; shift 2
     echo "== $name: $STEPS steps (at most ${RUN_TIMEOUT}s)"
     local t0=$SECONDS rc=0
-    PYTHONSAFEPATH=1 PYTHONPATH=${TREE:+$TREE:}$PYTHONPATH timeout -k 15 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
+    TORCH_EXTENSIONS_DIR=$(ext_dir "${TREE:-$REPO}") PYTHONSAFEPATH=1 PYTHONPATH=${TREE:+$TREE:}$PYTHONPATH timeout -k 15 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
         -m torchtitan.train \
         --job.config_file "$("$PY" -m mxmoe config path torchtitan/deepseek_v3_debug_0.2)" \
         --job.dump_folder "$OUT/$name" \

@@ -4,8 +4,12 @@ Reads the traces torch.profiler writes (`export_chrome_trace`: mxmoe's `--profil
 `--profiling.enable_profiling`), sums the GPU kernels, copies and memsets of each by the categories of
 `mxmoe.train.profiling.KERNEL_CATEGORIES` (GEMMs, MX casts, attention, optimizer, ...), and prints
 ms per recorded step: the step count is the number of `ProfilerStep#N` ranges in the trace within
-which the host launched GPU work (1 if none). The MX casts are also listed by kernel name. A trace
-without GPU events (recorded on a CPU) is refused.
+which the host launched GPU work (1 if none). The MX casts are also listed by kernel name. Beside
+the GPU time, the host's side of the same steps (where a step is host-bound, the GPU ms say little):
+the steps' wall ms, operator calls, kernel launches, CUDA runtime / driver calls and their µs, and the
+calls that wait for the GPU (synchronizes, blocking copies), so that two runs' traces show whether
+one issues more work or issues the same work more slowly. A trace without GPU events (recorded on a
+CPU) is refused.
 
     mxmoe bench trace outputs/profile_trace/iteration_20/rank0_trace.json --json trace.json
 """
@@ -46,12 +50,15 @@ def breakdown(trace: dict) -> dict:
     # empty start of the step after the recorded ones)
     host_api = ("cuda_runtime", "cuda_driver")
     launches = sorted(float(e.get("ts", 0)) for e in events if e.get("cat") in host_api)
-    steps = 0
+    steps, step_us = 0, 0.0
     for e in events:
         if step_name.match(str(e.get("name", ""))):
             t0, t1 = float(e.get("ts", 0)), float(e.get("ts", 0)) + float(e.get("dur", 0))
             i = bisect.bisect_left(launches, t0)
-            steps += not launches or (i < len(launches) and launches[i] <= t1)
+            counted = not launches or (i < len(launches) and launches[i] <= t1)
+            steps += counted
+            step_us += (t1 - t0) if counted else 0.0
+    wall = step_us / steps / 1e3 if steps else None  # no ProfilerStep range: the wall time is unknown
     steps = max(steps, 1)
     cats: dict[str, float] = {}
     casts: dict[str, float] = {}
@@ -69,6 +76,41 @@ def breakdown(trace: dict) -> dict:
         "steps": steps,
         "ms_per_step": per,
         "cast_kernels": {k: v / steps for k, v in sorted(casts.items(), key=lambda kv: -kv[1])},
+        "host_per_step": _host(events, steps, wall),
+    }
+
+
+# CUDA runtime / driver calls that wait for the GPU (the host cannot run ahead past them)
+_WAITS = re.compile(
+    r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy(2D)?|"
+    r"cuStreamSynchronize|cuCtxSynchronize|cuEventSynchronize|cuMemcpy(DtoH|HtoD|DtoD)?(_v2)?)$"
+)
+
+
+def _host(events: list[dict], steps: int, wall_ms: float | None) -> dict:
+    """The host's side of the recorded steps, per step: wall ms of the ProfilerStep ranges (None
+    without them), operator calls (cpu_op), kernel launches, CUDA runtime / driver calls and their
+    µs, and of those the calls that wait for the GPU."""
+    ops = launches = api = waits = 0
+    api_us = 0.0
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, name = e.get("cat"), str(e.get("name", ""))
+        if cat == "cpu_op":
+            ops += 1
+        elif cat in ("cuda_runtime", "cuda_driver"):
+            api += 1
+            api_us += float(e.get("dur", 0.0))
+            launches += "LaunchKernel" in name
+            waits += bool(_WAITS.match(name))
+    return {
+        "wall_ms": wall_ms,
+        "operator_calls": ops / steps,
+        "kernel_launches": launches / steps,
+        "cuda_api_calls": api / steps,
+        "cuda_api_us": api_us / steps,
+        "gpu_waits": waits / steps,
     }
 
 
@@ -101,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += [{"category": f"  cast kernel {k}", "ms_per_step": v} for k, v in r["cast_kernels"].items()]
         title = f"{path}: GPU ms per step ({r['steps']} steps recorded)"
         timing.print_table(rows, title=title, floatfmt=".3f")
+        host = [{"host, per step": k, "value": v} for k, v in r["host_per_step"].items()]
+        timing.print_table(host, title=f"{path}: the host, per step", floatfmt=".1f")
     if args.json:
         timing.write_json(args.json, {"bench": "trace", "traces": results})
     return 0

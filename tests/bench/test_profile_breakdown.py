@@ -24,6 +24,10 @@ def _trace(tmp_path):
         {"ph": "X", "cat": "kernel", "name": "void (anonymous namespace)::qdq_dim0_kernel<0>", "dur": 200},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 100},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000},  # host time: not GPU time
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "dur": 40},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 60, "dur": 30},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 70, "dur": 4},  # no wait
+        {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 160, "dur": 2},
         {"ph": "i", "cat": "kernel", "name": "a marker", "dur": 7},  # not a complete event
     ]
     path = tmp_path / "rank0_trace.json"
@@ -38,9 +42,16 @@ def test_trace_breakdown_per_step_by_category(tmp_path, capsys):
         {"gemm": 1.5, "mx cast / qdq": 0.3, "copy / index / pad": 0.05, "total": 1.85}
     )
     assert list(r["cast_kernels"].values()) == pytest.approx([0.2, 0.1])  # largest first
+    # the host's side: the two counted steps' wall time (the empty third is not a step), operators,
+    # launches (runtime and driver), every API call and its µs, the one call that waits for the GPU
+    assert r["host_per_step"] == pytest.approx(
+        {"wall_ms": 0.1, "operator_calls": 1.0, "kernel_launches": 1.5, "cuda_api_calls": 2.5,
+         "cuda_api_us": 20.0, "gpu_waits": 0.5}
+    )
     out = tmp_path / "b.json"
     assert trace.main([str(_trace(tmp_path)), "--json", str(out)]) == 0
-    assert "mx cast / qdq" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mx cast / qdq" in printed and "the host, per step" in printed and "gpu_waits" in printed
     assert json.loads(out.read_text())["traces"][str(_trace(tmp_path))]["steps"] == 2
 
 
@@ -61,6 +72,9 @@ def test_trace_without_gpu_events_is_refused_and_array_traces_are_read(tmp_path)
     events = json.loads(_trace(tmp_path).read_text())["traceEvents"]
     assert trace.breakdown(events) == trace.breakdown({"traceEvents": events})
     assert trace.breakdown(events)["ms_per_step"]["total"] == pytest.approx(1.85)
+    # no ProfilerStep range: GPU time over one step, and no wall time to give
+    r = trace.breakdown([e for e in events if not e["name"].startswith("ProfilerStep")])
+    assert r["steps"] == 1 and r["host_per_step"]["wall_ms"] is None
 
 
 def test_cast_breakdown_sorts_casts_by_what_they_cast():
