@@ -12,7 +12,7 @@
 #   scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2] [VARIANTS=bf16,mxmoe,torchao] [FLAGS...]
 #
 # Speed comparisons (issue 54): REPEATS=N runs every seed x variant N times, interleaved in time
-# (bf16, mxmoe, ..., bf16, mxmoe, ...), as VARIANT_sSEED_rR; BEFORE=DIR adds the variant
+# (bf16, mxmoe, ...; every other round in reverse: ..., mxmoe, bf16), as VARIANT_sSEED_rR; BEFORE=DIR adds the variant
 # mxmoe_before, mxmoe from another tree (DIR holds its `mxmoe` package: `git archive REV mxmoe | tar
 # -x -C DIR`); FLAVOR=mxmoe_ep trains the wider DeepSeek-V3 of scripts/torchtitan_ep_flavor.py
 # (dim 5120, 16 experts of 2048, top-8: 2.1 B parameters), whose step is the GPU's, not the host's.
@@ -131,7 +131,11 @@ run() {  # run NAME SEED [trainer flags...]; TREE=DIR: mxmoe from that folder
 RUNS=() PIDS=()
 for r in $(seq 1 "$REPEATS"); do  # repeat-major, then seed-major: an interrupted call leaves whole rounds
     for seed in "${SEEDS[@]}"; do
-        for v in "${VARIANTS[@]}"; do
+        # every other round in reverse (bf16, mxmoe, before; before, mxmoe, bf16; ...): no variant
+        # always runs first, last or right after the same one (an order effect would pass for speed)
+        nv=${#VARIANTS[@]}
+        for j in $(seq 0 $((nv - 1))); do
+            v=${VARIANTS[$(( r % 2 ? j : nv - 1 - j ))]}
             while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n || true; done
             name=${v}_s$seed
             [ "$REPEATS" = 1 ] || name+=_r$r

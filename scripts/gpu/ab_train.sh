@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A/B of the training step on one GPU: `mxmoe bench train` rows of bf16 (this tree), MX on another
 # tree (BEFORE: a folder holding that tree's `mxmoe` package, e.g. `git archive REV mxmoe | tar -x -C
-# DIR`) and MX on this tree, interleaved and repeated (bf16, MX before, MX after, bf16, ...), each
-# row alone in its own process; then per row kind the median tokens/s and its ratio to bf16's.
+# DIR`) and MX on this tree, interleaved and repeated (bf16, MX before, MX after; every other round in
+# reverse: MX after, MX before, bf16; ...), each row alone in its own process; then per row
+# kind the median tokens/s and its ratio to bf16's.
 #
 #   bash scripts/gpu/ab_train.sh OUT BEFORE CONFIG MODES [REPEATS=1] [trainer flags...]
 #   e.g. bash scripts/gpu/ab_train.sh runs/ab .before moe_1b compile,compile_full+graph 3
@@ -70,7 +71,11 @@ IFS=, read -r -a KINDS <<< "${KINDS:-bf16,before,after}"
 [ -n "$BEFORE" ] || KINDS=("${KINDS[@]/before}")
 for i in $(seq 1 "$REPEATS"); do
     for m in "${MODE_LIST[@]}"; do
-        for k in "${KINDS[@]}"; do
+        # every other round in reverse (bf16, before, after; after, before, bf16; ...): no kind always
+        # runs first, last or right after the same one (an order effect would pass for a speed one)
+        n=${#KINDS[@]}
+        for j in $(seq 0 $((n - 1))); do
+            k=${KINDS[$(( i % 2 ? j : n - 1 - j ))]}
             [ -n "$k" ] || continue
             row "$m" "$k" "$i" "$@"
             rc=$?

@@ -90,3 +90,19 @@ def test_summary_reads_only_this_calls_rows(tmp_path, tps):
         assert "eager before 1: rc=1 " in proc.stdout
         assert "| eager | before |" not in summary
         assert not (out / "eager_before_1.json").exists()
+
+
+@pytest.mark.slow
+def test_every_other_round_runs_the_kinds_in_reverse(tmp_path):
+    """Rounds alternate the kinds' order (before, bf16; bf16, before): a kind that always ran right
+    after the same other one would carry an order effect into its ratio."""
+    before = _stub_tree(tmp_path / "before")
+    env = dict(os.environ, KINDS="before,bf16", STUB_TPS="100", STEPS="1", WARMUP="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("PYTHONPATH", None)
+    cmd = ["bash", str(REPO / "scripts/gpu/ab_train.sh"), str(tmp_path / "ab"), str(before), "debug_moe",
+           "eager", "2", "--training.device=cpu"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    order = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("eager ")]
+    assert order == ["eager before 1", "eager bf16 1", "eager bf16 2", "eager before 2"]
