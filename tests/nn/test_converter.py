@@ -95,6 +95,17 @@ def test_an_empty_filter_entry_is_no_entry():
     assert rep.is_mx and not any(why.startswith("filter_fqns") for _, why in rep.skipped), rep.skipped
 
 
+def test_filter_entries_are_stripped_of_spaces():
+    """`--mx.filter_fqns "output, router"` gives ["output", " router"]: " router" (an FQN has no
+    spaces) matched nothing and the router became MX, with only a warning; entries are stripped."""
+    assert MXOptions(filter_fqns=["output", " router ", "  "]).filter_fqns == ["output", "router"]
+    cfg = MXOptions()
+    cfg.filter_fqns = ["output", " router"]  # changed after construction: convert checks again
+    model = convert(Tiny(), cfg)
+    assert type(model.router) is nn.Linear
+    assert ("router", "filter_fqns 'router'") in model.mx_conversion.skipped
+
+
 def test_reconverting_with_another_recipe_warns_and_applies_it():
     model = convert(
         Tiny(), MXOptions(mxfp8_dim0_cast_kernel_choice="torch", mxfp8_dim1_cast_kernel_choice="torch")
