@@ -60,7 +60,8 @@ class MXOptions:
     """Operand dtype of the emulated GEMM: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32."""
     filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
     """Modules whose fully qualified name contains one of these substrings stay high precision
-    (empty entries are dropped: `--mx.filter_fqns=` is no filter in every front end)."""
+    (entries are stripped of spaces and empty ones dropped: `--mx.filter_fqns=` is no filter in
+    every front end)."""
     convert_linears: bool = True
     """Swap nn.Linear layers for MXLinear (MX forward, dgrad and wgrad GEMMs)."""
     convert_grouped_experts: bool = True
@@ -93,10 +94,11 @@ class MXOptions:
         if isinstance(f, str) or not isinstance(f, (list, tuple)) or not all(isinstance(s, str) for s in f):
             hint = f" (use filter_fqns=[{f!r}])" if isinstance(f, str) else ""
             raise TypeError(f"{prefix}filter_fqns must be a list of strings, got {f!r}{hint}")
-        if any(not s.strip() for s in f):
+        if any(s != s.strip() or not s for s in f):
             # an empty entry is no entry (torchtitan 0.2 parses `--mx.filter_fqns=` as [""]), never
-            # a substring of every FQN that keeps the whole model high precision
-            self.filter_fqns = [s for s in f if s.strip()]
+            # a substring of every FQN that keeps the whole model high precision; an FQN has no
+            # spaces (`--mx.filter_fqns "output, router"` gives " router", which matched nothing)
+            self.filter_fqns = [s.strip() for s in f if s.strip()]
         hints = typing.get_type_hints(MXOptions)  # its own fields (a subclass may add others)
         for fl in fields(MXOptions):
             value, tp = getattr(self, fl.name), hints[fl.name]

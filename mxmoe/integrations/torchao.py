@@ -29,6 +29,7 @@ from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
 from mxmoe.nn.converter import (
+    MX_PARAM_DTYPES,
     ROUTER_NAMES,
     _filter_hit,
     _implied_here,
@@ -36,6 +37,7 @@ from mxmoe.nn.converter import (
     hf_experts_dims,
     implied_entries,
     llama4_experts_dims,
+    why_not_plain,
 )
 from mxmoe.nn.experts import GroupedExperts
 from mxmoe.nn.linear import MXLinear
@@ -107,6 +109,8 @@ def mx_filter_fn(config: MXMoETrainingConfig | MXOptions | None = None) -> Calla
         here = implied.get(fqn, alone)
         if _filter_hit(fqn, filter_fqns, here):
             return False
+        if isinstance(module, (nn.Linear, GroupedExperts)) and why_not_plain(module):
+            return False  # (mxmoe.convert skips it too: the MX module would drop what it adds)
         return not any(d % block for d in _dims(module))
 
     return filter_fn
@@ -148,6 +152,16 @@ def _mx_transform(module: nn.Module, config: MXMoETrainingConfig) -> nn.Module:
     if isinstance(module, (MXLinear, MXGroupedExperts)):
         module.recipe = r
         return module
+    if isinstance(module, (nn.Linear, GroupedExperts)):  # what mxmoe.convert skips or refuses
+        why = why_not_plain(module)
+        odd = sorted(map(str, {p.dtype for p in module.parameters()} - set(MX_PARAM_DTYPES)))
+        if why is None and odd:
+            why = f"{', '.join(odd)} parameters; MX modules take bfloat16 or float32: model.to(bfloat16)"
+        if why is not None:
+            raise ValueError(
+                f"quantize_(..., MXMoETrainingConfig): a {type(module).__name__} cannot be MX ({why}); "
+                "leave it out with filter_fn=mx_filter_fn(config)"
+            )
     if isinstance(getattr(module, "mx_recipe", None), MXRecipe) and llama4_experts_dims(module):
         module.mx_recipe = r  # Llama 4's experts made MX before
         return module

@@ -227,6 +227,30 @@ def llama4_experts_dims(mod: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def why_not_plain(mod: nn.Module) -> str | None:
+    """Why `mod`, an nn.Linear or GroupedExperts of a subclass, cannot become the MX module (which
+    runs the base class's forward on `weight`/`bias` or w1/w2/w3 only), else None: a forward of its
+    own or parameters, buffers or modules beyond the base class's would be dropped silently, and
+    torch's NonDynamicallyQuantizableLinear (MultiheadAttention's out_proj) is never called, its
+    parent reads the weight."""
+    base = nn.Linear if isinstance(mod, nn.Linear) else GroupedExperts
+    cls = type(mod)
+    if cls is base:
+        return None
+    if parametrize.is_parametrized(mod):  # (a subclass torch makes; from_linear says what to do)
+        return "parametrized (torch.nn.utils.parametrize, e.g. weight_norm)"
+    if isinstance(mod, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return f"{cls.__name__}: its parent reads its weight and never calls it"
+    if cls.forward is not base.forward:
+        return f"{cls.__name__}: a {base.__name__} subclass with a forward of its own"
+    own = {"weight", "bias"} if base is nn.Linear else {"w1", "w2", "w3"}
+    extra = [n for n, _ in mod.named_parameters(recurse=False) if n not in own]
+    extra += [n for n, _ in mod.named_buffers(recurse=False)] + [n for n, _ in mod.named_children()]
+    if extra:
+        return f"{cls.__name__}: a {base.__name__} subclass with {extra[0]!r} of its own"
+    return None
+
+
 def _looks_like_experts(name: str, mod: nn.Module) -> bool:
     """A transformers experts module outside transformers' experts interface (weights of its own,
     not Linear layers, in a module named or of a class named like experts: LongCat-Flash's,
@@ -451,6 +475,10 @@ def convert(
                 why = "uninitialized (lazy): run a forward first"  # an MXLinear would never initialize it
             elif parametrize.is_parametrized(child):  # its weight is computed: no Parameter to share
                 why = "parametrized (torch.nn.utils.parametrize, e.g. weight_norm)"
+            elif kind in ("Linear", "GroupedExperts") and (odd := why_not_plain(child)):
+                report.skipped.append((fqn, odd))
+                visit(child, fqn)  # its own modules (a wrapper's Linear layers) may convert
+                continue
             elif any(d % r.block_size for d in dims):
                 why = f"dims {dims[0]}x{dims[1]} not divisible by {r.block_size}"
             if why is not None:

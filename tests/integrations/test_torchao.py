@@ -137,3 +137,28 @@ def test_attention_and_router_by_what_they_are_as_mxmoe_convert():
     config = MXMoETrainingConfig()
     quantize_(model, config, filter_fn=mx_filter_fn(config))
     assert mx_modules(model) == mx_modules(ref) and set(mx_modules(model)) == {"mlp", "experts"}
+
+
+def test_subclasses_and_float16_modules_are_left_out_or_refused_as_mxmoe_convert():
+    """A Linear subclass with its own forward became a plain MXLinear (its forward dropped, outputs
+    twice off) and a float16 Linear an MXLinear whose first forward failed deep in an MX op;
+    mx_filter_fn leaves the subclass out as mxmoe.convert does, and quantize_ handed either is an
+    error naming why."""
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    config = MXMoETrainingConfig()
+    model = torch.nn.Sequential(Scaled(64, 64), torch.nn.Linear(64, 64))
+    ref = copy.deepcopy(model)
+    quantize_(model, config, filter_fn=mx_filter_fn(config))
+    assert type(model[0]) is Scaled and type(model[1]) is MXLinear
+    x = torch.randn(4, 64)
+    assert torch.equal(model[0](x), ref[0](x))
+    with pytest.raises(ValueError, match=r"a Scaled cannot be MX \(Scaled: a Linear subclass with a forward"):
+        quantize_(torch.nn.Sequential(Scaled(64, 64)), config)
+    half = torch.nn.Sequential(torch.nn.Linear(64, 64)).half()
+    with pytest.raises(ValueError, match=r"a Linear cannot be MX \(torch.float16 parameters; MX modules"):
+        quantize_(half, config, filter_fn=mx_filter_fn(config))
+    assert type(half[0]) is torch.nn.Linear

@@ -184,6 +184,16 @@ def test_bad_options_name_the_option(option, value, capsys):
         MXMoEConverter(cfg, SimpleNamespace(tp=1))
 
 
+def test_an_mx_section_that_is_not_mx_options_is_named():
+    """A job config built by hand with `mx` a dict failed with "'dict' object has no attribute
+    'check'"; a TypeError names job_config.mx and what it must be. Filter entries are stripped."""
+    with pytest.raises(TypeError, match=r"job_config.mx must be an mxmoe.MXOptions .*got dict"):
+        MXMoEConverter(SimpleNamespace(mx={"recipe_name": "mxfp8"}), SimpleNamespace(tp=1))
+    cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, "--model.converters", "mxmoe",
+                                      "--mx.filter_fqns", "output, router"])
+    assert cfg.mx.filter_fqns == ["output", "router"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only machine's refusal")
 def test_native_gemms_on_a_cpu_are_refused_when_the_converter_is_built():
     cfg = ConfigManager().parse_args(["--job.custom_config_module", PKG, "--mx.gemm_backend", "native"])

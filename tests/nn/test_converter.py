@@ -3,6 +3,7 @@ filter_fqns checks, re-conversion with another recipe."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -92,6 +93,17 @@ def test_an_empty_filter_entry_is_no_entry():
     model = convert(Tiny(), cfg)
     rep = model.mx_conversion
     assert rep.is_mx and not any(why.startswith("filter_fqns") for _, why in rep.skipped), rep.skipped
+
+
+def test_filter_entries_are_stripped_of_spaces():
+    """`--mx.filter_fqns "output, router"` gives ["output", " router"]: " router" (an FQN has no
+    spaces) matched nothing and the router became MX, with only a warning; entries are stripped."""
+    assert MXOptions(filter_fqns=["output", " router ", "  "]).filter_fqns == ["output", "router"]
+    cfg = MXOptions()
+    cfg.filter_fqns = ["output", " router"]  # changed after construction: convert checks again
+    model = convert(Tiny(), cfg)
+    assert type(model.router) is nn.Linear
+    assert ("router", "filter_fqns 'router'") in model.mx_conversion.skipped
 
 
 def test_reconverting_with_another_recipe_warns_and_applies_it():
@@ -354,3 +366,58 @@ def test_log_summary_must_be_a_bool():
         with pytest.raises(TypeError, match=rf"^convert: log_summary={bad!r}: expected a bool$"):
             convert(model, log_summary=bad)
     assert type(model[0]) is nn.Linear
+
+
+def test_subclasses_with_a_forward_or_parameters_of_their_own_are_left_alone():
+    """A Linear / GroupedExperts subclass with its own forward (or a parameter the base class lacks)
+    became a plain MXLinear / MXGroupedExperts without a word: the forward changed (outputs twice
+    off) and the parameter left the state dict. MultiheadAttention's out_proj (its parent reads the
+    weight) was reported MX while computing high precision. Each is skipped now, named; a subclass
+    that only adds methods converts; a skipped wrapper's own Linear layers convert."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    class Lora(nn.Linear):
+        def __init__(self):
+            super().__init__(64, 64)
+            self.lora_a = nn.Parameter(torch.zeros(8, 64))
+
+    class Wrapped(nn.Linear):
+        def __init__(self):
+            super().__init__(64, 64)
+            self.inner = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return super().forward(self.inner(x))
+
+    class Named(nn.Linear):
+        def describe(self):
+            return "named"
+
+    class Zeroed(GroupedExperts):
+        def forward(self, x, counts):
+            return super().forward(x, counts) * 0
+
+    m = nn.Module()
+    m.scaled, m.lora, m.wrapped, m.named = Scaled(64, 64), Lora(), Wrapped(), Named(64, 64)
+    m.mha, m.experts = nn.MultiheadAttention(64, 2), Zeroed(64, 32, 4)
+    ref = copy.deepcopy(m)
+    keys = set(m.state_dict())
+    with pytest.warns(UserWarning, match=r"none is MX: experts \(Zeroed: a GroupedExperts subclass with a"):
+        convert(m, MXOptions(filter_fqns=[]))
+    assert [type(c) for c in (m.scaled, m.lora, m.wrapped, m.mha.out_proj, m.experts)] == [
+        Scaled, Lora, Wrapped, nn.modules.linear.NonDynamicallyQuantizableLinear, Zeroed
+    ]
+    assert type(m.named) is MXLinear and type(m.wrapped.inner) is MXLinear
+    assert set(m.state_dict()) == keys
+    assert dict(m.mx_conversion.skipped) == {
+        "scaled": "Scaled: a Linear subclass with a forward of its own",
+        "lora": "Lora: a Linear subclass with 'lora_a' of its own",
+        "wrapped": "Wrapped: a Linear subclass with a forward of its own",
+        "mha.out_proj": "NonDynamicallyQuantizableLinear: its parent reads its weight and never calls it",
+        "experts": "Zeroed: a GroupedExperts subclass with a forward of its own",
+    }
+    x = torch.randn(4, 64)
+    assert torch.equal(m.scaled(x), ref.scaled(x)) and torch.equal(m.lora(x), ref.lora(x))

@@ -77,6 +77,12 @@ class MXMoEConverter:
         # Without custom_config_module (converters registered through --experimental.custom_import)
         # the job config has no [mx] section: the defaults apply.
         self.options: MXOptions = getattr(job_config, "mx", None) or MXOptions()
+        if not isinstance(self.options, MXOptions):
+            raise TypeError(
+                f"model.converters mxmoe: job_config.mx must be an mxmoe.MXOptions (the [mx] section "
+                f"--job.custom_config_module mxmoe.integrations.torchtitan adds), got "
+                f"{type(self.options).__name__} {self.options!r}"
+            )
         tp = int(getattr(parallel_dims, "tp", 1) or 1)
         if tp > 1:
             raise tensor_parallel_error("model.converters mxmoe", tp)
