@@ -187,3 +187,13 @@ def test_a2a_rows_record_the_transport_auto_chose(monkeypatch):
     a2a._bench_shape(xs, xs, [32, 32], "1x64x64", 2, args, rows, [])
     got = {(r["transport"], r["chunks"], r["ran"]) for r in rows}
     assert got == {(t, c, "nccl") for t in ("auto", "nccl") for c in ("auto", 2)}
+
+
+@pytest.mark.parametrize("bench", ["cast", "linear", "grouped_mm", "overlap", "overhead", "trace"])
+def test_empty_json_path_is_refused(bench, capsys):
+    """`--json ''` passed the check and then wrote nothing (every write was `if args.json:`)."""
+    from mxmoe.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", bench, "--json", "", *(["x.json"] if bench == "trace" else [])])
+    assert e.value.code == 2 and "--json '' is empty; expected a file path" in capsys.readouterr().err

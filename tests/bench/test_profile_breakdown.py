@@ -123,3 +123,20 @@ def test_profile_breakdown_script_shows_no_earlier_calls_files(tmp_path):
     assert (out / "results.tar.gz").is_file(), proc.stdout[-2000:] + proc.stderr[-2000:]
     with tarfile.open(out / "results.tar.gz") as tar:
         assert not {"./no_such_config.json", "./no_such_config/mx_eager.txt"} & set(tar.getnames())
+
+
+@pytest.mark.parametrize(
+    "i, name, field, value",
+    [(1, "gemm_kernel", "dur", None), (0, "cudaLaunchKernel", "ts", "a"),
+     (0, "cudaLaunchKernel", "dur", True)],
+)
+def test_trace_event_with_a_time_that_is_not_a_number_is_named(tmp_path, i, name, field, value):
+    """A ts or dur that is not a number was a TypeError / ValueError traceback from float()."""
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 2},
+              {"ph": "X", "cat": "kernel", "name": "gemm_kernel", "ts": 1, "dur": 3}]
+    events[i][field] = value
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    with pytest.raises(SystemExit, match=rf"t.json' is not a torch.profiler Chrome trace: event "
+                       rf"'{name}': {field}={value!r}, expected a number"):
+        trace.main([str(path)])
