@@ -140,3 +140,28 @@ def test_trace_event_with_a_time_that_is_not_a_number_is_named(tmp_path, i, name
     with pytest.raises(SystemExit, match=rf"t.json' is not a torch.profiler Chrome trace: event "
                        rf"'{name}': {field}={value!r}, expected a number"):
         trace.main([str(path)])
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        ([], {}, "usage: profile_breakdown.sh OUT"),
+        (["OUT", "debug_moe", "eager", "yes"], {}, "TT=yes: expected 1 (profile torchtitan too) or 0"),
+        (["OUT", "debug_moe", "eager", "0"], {"LIMIT": "5m"}, "LIMIT=5m: expected seconds per step >= 1"),
+        (["/proc/pb", "debug_moe", "eager", "0"], {}, "OUT=/proc/pb: cannot create or write in the folder"),
+    ],
+)
+def test_profile_breakdown_script_refuses_bad_arguments_first(tmp_path, args, env, message):
+    """TT=yes skipped torchtitan silently, LIMIT=5m failed every step in `timeout`, an OUT that could
+    not be created put the files under / (each with exit 0)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    script = Path(__file__).parents[2] / "scripts/gpu/profile_breakdown.sh"
+    proc = subprocess.run(["bash", str(script), *args], env=dict(os.environ, **env), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert not (tmp_path / "out").exists()
