@@ -35,13 +35,22 @@
 # byte-level tokenizer are written by mxmoe.integrations.torchtitan.data into a /tmp folder.
 set -euo pipefail
 
-OUT=${1:?usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2] [VARIANTS=bf16,mxmoe,torchao]}
+# a bad argument stops the call here, exit 2 naming it, before anything is installed or run (every
+# run would fail on it, and the call exit 0)
+die() { echo "torchtitan_h200.sh: $*" >&2; exit 2; }
+[ -n "${1:-}" ] || die "usage: scripts/torchtitan_h200.sh OUT_DIR [STEPS=300] [RUN_TIMEOUT_S=140] [SEEDS=0,1,2] [VARIANTS=bf16,mxmoe,torchao]"
+OUT=$1
 STEPS=${2:-300}
 RUN_TIMEOUT=${3:-140}
 IFS=, read -r -a SEEDS <<< "${4:-0,1,2}"
 IFS=, read -r -a VARIANTS <<< "${5:-bf16,mxmoe,torchao}"
 shift $(( $# < 5 ? $# : 5 ))
 EXTRA=("$@")
+[[ $STEPS =~ ^[1-9][0-9]*$ ]] || die "STEPS=$STEPS: expected a number of training steps >= 1"
+[[ $RUN_TIMEOUT =~ ^[1-9][0-9]*$ ]] || die "RUN_TIMEOUT_S=$RUN_TIMEOUT: expected seconds per run >= 1"
+for s in "${SEEDS[@]}"; do
+    [[ $s =~ ^[0-9]+$ ]] || die "SEEDS: '$s' is not a seed; expected a comma list of integers >= 0, e.g. 0,1,2"
+done
 for v in "${VARIANTS[@]}"; do
     case $v in
         bf16|mxmoe|torchao) ;;
@@ -51,6 +60,7 @@ for v in "${VARIANTS[@]}"; do
 done
 REPEATS=${REPEATS:-1}
 [[ $REPEATS =~ ^[1-9][0-9]*$ ]] || { echo "REPEATS=$REPEATS: expected a number of runs >= 1" >&2; exit 2; }
+[ -z "${BEFORE:-}" ] || [ -d "$BEFORE" ] || die "BEFORE=$BEFORE: no such folder; expected one holding an mxmoe package"
 [ -z "${BEFORE:-}" ] || BEFORE=$(cd "$BEFORE" && pwd)
 MODEL=()  # the model's flags; torchao's peer is registered by the flavor's module too
 PEER=torchtitan_torchao_peer
@@ -65,8 +75,7 @@ PARALLEL=${PARALLEL:-1}
 [[ $PARALLEL =~ ^[1-9][0-9]*$ ]] || { echo "PARALLEL=$PARALLEL: expected a number of runs >= 1" >&2; exit 2; }
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=python3
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) && [ -w "$OUT" ] || die "OUT_DIR=$OUT: cannot create or write in the folder"
 cd "$REPO"
 
 if compgen -G ".whl/*.whl" > /dev/null; then

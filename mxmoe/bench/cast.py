@@ -269,6 +269,13 @@ def _run_case(case: Case, args, copy_tbs: float, elem: torch.dtype) -> list[dict
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    # a shape no chosen mode takes (RxC for the 2D modes, ExNxK for 3d) would leave that mode's
+    # default shapes timed in its place
+    ranks = {3 if m == "3d" else 2 for m in (MODES if args.mode == "all" else (args.mode,))}
+    unused = [s for s in args.shape or [] if len(s) not in ranks]
+    if unused:
+        p.error(f"--shape {'x'.join(map(str, unused[0]))}: --mode {args.mode} takes "
+                f"{'ExNxK' if 3 in ranks else 'RxC'} shapes")
     timing.check_json(p, args.json)
     timing.require_cuda("mxmoe bench cast")
     from tqdm import tqdm

@@ -23,18 +23,27 @@ from mxmoe.bench.timing import (
 from mxmoe.cli import ArgumentParser, comma_list, positive_int
 from mxmoe.recipe import CAST_KERNELS, GEMM_BACKENDS, RECIPES, check_gemm_backend  # RECIPES: timed
 
+BLOCK = 32
+"""The MX block of every timed recipe: K and N (the dims the casts block) are multiples of it."""
+
 
 def shape_parser(pattern: str, example: str) -> Callable[[str], tuple[int, ...]]:
-    """argparse type for shapes like `pattern` ("MxKxN"): a tuple of len(pattern.split('x')) ints."""
-    n = len(pattern.split("x"))
+    """argparse type for shapes like `pattern` ("MxKxN"): a tuple of len(pattern.split('x')) ints,
+    its K and N multiples of BLOCK."""
+    names = pattern.split("x")
 
     def parse(s: str) -> tuple[int, ...]:
         try:
             dims = tuple(int(v) for v in s.lower().split("x"))
         except ValueError:
             dims = ()
-        if len(dims) != n or min(dims) <= 0:
+        if len(dims) != len(names) or min(dims) <= 0:
             raise argparse.ArgumentTypeError(f"shape {s!r}: expected {pattern}, e.g. {example}")
+        bad = [f"{k}={d}" for k, d in zip(names, dims, strict=True) if k in ("K", "N") and d % BLOCK]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"shape {s!r}: {', '.join(bad)}: expected K and N multiples of {BLOCK} (the MX block)"
+            )
         return dims
 
     return parse

@@ -104,7 +104,7 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
 
         return run
 
-    kernels = args.kernel or ["auto", *available_kernels(device)]
+    kernels = list(dict.fromkeys(args.kernel)) if args.kernel else ["auto", *available_kernels(device)]
     cases: list[tuple[str, str, Callable, bool]] = [
         ("copy_", "native", lambda: dst.copy_(x), True),
         ("x.to(float8_e4m3fn)", "native", lambda: x.to(torch.float8_e4m3fn), True),

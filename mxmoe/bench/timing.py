@@ -168,14 +168,18 @@ def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".3f
 
 def check_json(parser, path: str | None) -> None:
     """parser.error naming --json unless `path` (None: not asked for) can be written: checked before
-    anything is measured, so a run does not end on a folder, a device or a read-only place."""
-    if path:
-        from mxmoe.cli import check_out_file
+    anything is measured, so a run does not end on a folder, a device or a read-only place. An empty
+    path is refused too (the rows would silently not be written)."""
+    if path is None:
+        return
+    if not path.strip():  # Path("") is the current folder
+        parser.error(f"--json {path!r} is empty; expected a file path, e.g. result.json")
+    from mxmoe.cli import check_out_file
 
-        try:
-            check_out_file(path, "--json", "result.json")
-        except ValueError as e:
-            parser.error(str(e))
+    try:
+        check_out_file(path, "--json", "result.json")
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def write_json(path: str, payload) -> None:

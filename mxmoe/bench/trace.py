@@ -36,9 +36,19 @@ def _load(path: str) -> dict:
         raise SystemExit(f"mxmoe bench trace: cannot read {path!r} as a Chrome trace: {e}") from None
 
 
+def _us(e: dict, key: str) -> float:
+    """Event `e`'s "ts" or "dur" (µs; 0 if absent); ValueError naming the event and the value unless
+    it is a number."""
+    v = e.get(key, 0)
+    if type(v) not in (int, float):
+        raise ValueError(f"event {str(e.get('name', ''))[:80]!r}: {key}={v!r}, expected a number of µs")
+    return float(v)
+
+
 def breakdown(trace: dict) -> dict:
     """{"steps": n, "ms_per_step": {category: ms, ..., "total": ms}, "cast_kernels": {name: ms}} of
-    one Chrome trace: GPU events (kernels, copies, memsets) per ProfilerStep range recorded."""
+    one Chrome trace: GPU events (kernels, copies, memsets) per ProfilerStep range recorded; ValueError
+    naming the event whose ts or dur is not a number."""
     from mxmoe.train.profiling import kernel_category
 
     # the JSON Object Format (torch's) or the JSON Array Format (the events alone)
@@ -49,11 +59,12 @@ def breakdown(trace: dict) -> dict:
     # a step counts when the host launched GPU work inside its range (a trace can also hold the
     # empty start of the step after the recorded ones)
     host_api = ("cuda_runtime", "cuda_driver")
-    launches = sorted(float(e.get("ts", 0)) for e in events if e.get("cat") in host_api)
+    launches = sorted(_us(e, "ts") for e in events if e.get("cat") in host_api)
     steps, step_us = 0, 0.0
     for e in events:
         if step_name.match(str(e.get("name", ""))):
-            t0, t1 = float(e.get("ts", 0)), float(e.get("ts", 0)) + float(e.get("dur", 0))
+            t0 = _us(e, "ts")
+            t1 = t0 + _us(e, "dur")
             i = bisect.bisect_left(launches, t0)
             counted = not launches or (i < len(launches) and launches[i] <= t1)
             steps += counted
@@ -65,7 +76,7 @@ def breakdown(trace: dict) -> dict:
     for e in events:
         if not isinstance(e, dict) or e.get("cat") not in _GPU_CATS or e.get("ph") != "X":
             continue
-        name, ms = str(e.get("name", "")), float(e.get("dur", 0.0)) / 1e3
+        name, ms = str(e.get("name", "")), _us(e, "dur") / 1e3
         cat = kernel_category(name)
         cats[cat] = cats.get(cat, 0.0) + ms
         if cat == "mx cast / qdq":
@@ -101,7 +112,7 @@ def _host(events: list[dict], steps: int, wall_ms: float | None) -> dict:
             ops += 1
         elif cat in ("cuda_runtime", "cuda_driver"):
             api += 1
-            api_us += float(e.get("dur", 0.0))
+            api_us += _us(e, "dur")
             launches += "LaunchKernel" in name
             waits += bool(_WAITS.match(name))
     return {
@@ -131,7 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     from mxmoe.bench import timing
 
     timing.check_json(p, args.json)
-    results = {path: breakdown(_load(path)) for path in args.traces}
+    results = {}
+    for path in args.traces:
+        try:
+            results[path] = breakdown(_load(path))
+        except ValueError as e:
+            raise SystemExit(
+                f"mxmoe bench trace: {path!r} is not a torch.profiler Chrome trace: {e}"
+            ) from None
     for path, r in results.items():
         if len(r["ms_per_step"]) == 1:  # the total alone: not one GPU event
             raise SystemExit(

@@ -122,7 +122,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if dest.exists() and not args.force:
                 raise ValueError(f"{str(dest)!r} exists; give --force to replace it")
-            shutil.copyfile(src, dest)
+            try:
+                shutil.copyfile(src, dest)
+            except shutil.SameFileError:
+                raise ValueError(
+                    f"DEST {args.dest!r} is the shipped config itself; give a path to copy it to"
+                ) from None
+            except OSError as e:
+                raise ValueError(
+                    f"DEST {args.dest!r}: cannot write {str(dest)!r} ({e.strerror or e})"
+                ) from None
             print(dest)
     except (ValueError, OSError) as e:
         print(f"mxmoe config: error: {e}", file=sys.stderr)

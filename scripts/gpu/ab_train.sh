@@ -13,11 +13,30 @@
 # before rows; KINDS (default bf16,before,after) picks the row kinds. Each row is bounded by LIMIT
 # seconds (default 240); STEPS / WARMUP (default 10 / 3) are the bench's timed and warm-up steps.
 set -uo pipefail
-OUT=${1:?usage: ab_train.sh OUT BEFORE CONFIG MODES [REPEATS] [flags...]}
-BEFORE=${2?}; CONFIG=${3:?}; MODES=${4:?}; REPEATS=${5:-1}
+# a bad argument stops the call here, exit 2 naming it, before any row (a row would fail on it, or
+# a missing BEFORE or OUT folder would drop the before rows or write under /)
+die() { echo "ab_train.sh: $*" >&2; exit 2; }
+[ $# -ge 4 ] || die "usage: ab_train.sh OUT BEFORE CONFIG MODES [REPEATS] [flags...] (BEFORE may be '')"
+OUT=$1 BEFORE=$2 CONFIG=$3 MODES=$4 REPEATS=${5:-1}
 shift $(( $# < 5 ? $# : 5 ))
+[ -n "$OUT" ] || die "OUT is empty: expected the output folder"
+[ -n "$CONFIG" ] || die "CONFIG is empty: expected a config name (mxmoe config list) or a TOML file"
+[[ $MODES =~ [^,] ]] || die "MODES='$MODES': expected a comma list of bench train modes, e.g. eager,compile"
+[[ $REPEATS =~ ^[1-9][0-9]*$ ]] || die "REPEATS=$REPEATS: expected a number of rounds >= 1"
+[[ ${LIMIT:-240} =~ ^[1-9][0-9]*$ ]] || die "LIMIT=$LIMIT: expected seconds per row >= 1"
+[[ ${STEPS:-10} =~ ^[1-9][0-9]*$ ]] || die "STEPS=$STEPS: expected a number of timed steps >= 1"
+[[ ${WARMUP:-3} =~ ^[1-9][0-9]*$ ]] || die "WARMUP=$WARMUP: expected a number of warm-up steps >= 1"
+IFS=, read -r -a KINDS <<< "${KINDS:-bf16,before,after}"
+for k in "${KINDS[@]}"; do
+    case $k in
+        bf16|before|after) ;;
+        *) die "KINDS: '$k' is not a row kind; expected a comma list of bf16, before, after" ;;
+    esac
+done
+[ -z "$BEFORE" ] || [ -d "$BEFORE" ] \
+    || die "BEFORE=$BEFORE: no such folder; expected one holding an mxmoe package, or '' (no before rows)"
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
-mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) && [ -w "$OUT" ] || die "OUT=$OUT: cannot create or write in the folder"
 [ -z "$BEFORE" ] || BEFORE=$(cd "$BEFORE" && pwd)
 cd "$REPO"
 export PYTHONUNBUFFERED=1
@@ -67,7 +86,6 @@ torch.cuda.is_available() and cuda_cast.load_extension()" \
 done
 IFS=, read -r -a MODE_LIST <<< "$MODES"
 ROWS=()  # this call's row files: the summary reads these, not every *.json in OUT
-IFS=, read -r -a KINDS <<< "${KINDS:-bf16,before,after}"
 [ -n "$BEFORE" ] || KINDS=("${KINDS[@]/before}")
 for i in $(seq 1 "$REPEATS"); do
     for m in "${MODE_LIST[@]}"; do

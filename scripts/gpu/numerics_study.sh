@@ -32,9 +32,11 @@
 set -uo pipefail
 
 USAGE="usage: numerics_study.sh STATE_DIR PRESET STEPS [TIME_LIMIT_S=540] [SEEDS=0,1,2] [variants=bf16,mx] [parallel=auto] [devices=0,1] [ckpt=DIR] [val_freq=250] [grace_s=S]"
-STATE=${1:?$USAGE}
-PRESET=${2:?$USAGE}
-STEPS=${3:?$USAGE}
+# missing arguments: status 2, as every other refusal here (`${1:?}` exits 1)
+[ $# -ge 3 ] && [ -n "$1" ] && [ -n "$2" ] && [ -n "$3" ] || { echo "$USAGE" >&2; exit 2; }
+STATE=$1
+PRESET=$2
+STEPS=$3
 LIMIT=${4:-540}
 SEEDS=${5:-0,1,2}
 shift $(( $# < 5 ? $# : 5 ))

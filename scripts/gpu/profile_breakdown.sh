@@ -13,12 +13,18 @@
 # Each step is bounded by `timeout` (LIMIT seconds, default 300). Wheels in .whl/ are installed first
 # and the dependencies checked (scripts/gpu/deps.sh).
 set -uo pipefail
-OUT=${1:?usage: profile_breakdown.sh OUT [CONFIGS] [MODES] [TT]}
+# a bad argument stops the call here, exit 2 naming it (TT=yes skipped torchtitan, a bad LIMIT failed
+# every step, an OUT it cannot create put the files under /)
+die() { echo "profile_breakdown.sh: $*" >&2; exit 2; }
+[ -n "${1:-}" ] || die "usage: profile_breakdown.sh OUT [CONFIGS] [MODES] [TT]"
+OUT=$1
 IFS=, read -r -a CONFIGS <<< "${2:-moe_1b,moe_2b}"
 MODES=${3:-compile,compile_full+graph}
 TT=${4:-1}
+[[ $TT =~ ^[01]$ ]] || die "TT=$TT: expected 1 (profile torchtitan too) or 0"
+[[ ${LIMIT:-300} =~ ^[1-9][0-9]*$ ]] || die "LIMIT=$LIMIT: expected seconds per step >= 1"
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
-mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) && [ -w "$OUT" ] || die "OUT=$OUT: cannot create or write in the folder"
 cd "$REPO"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 source scripts/gpu/deps.sh  # .whl/ installed, mxmoe's dependencies checked

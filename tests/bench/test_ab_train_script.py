@@ -106,3 +106,30 @@ def test_every_other_round_runs_the_kinds_in_reverse(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     order = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("eager ")]
     assert order == ["eager before 1", "eager bf16 1", "eager bf16 2", "eager before 2"]
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["debug_moe"], {}, "usage: ab_train.sh OUT BEFORE CONFIG MODES"),
+        (["debug_moe", "eager", "abc"], {}, "REPEATS=abc: expected a number of rounds >= 1"),
+        (["debug_moe", "eager", "0"], {}, "REPEATS=0: expected a number of rounds >= 1"),
+        (["debug_moe", "eager"], {"KINDS": "bf16,mx"}, "KINDS: 'mx' is not a row kind"),
+        (["debug_moe", "eager"], {"LIMIT": "4m"}, "LIMIT=4m: expected seconds per row >= 1"),
+        (["debug_moe", ","], {}, "MODES=',': expected a comma list of bench train modes"),
+        (["debug_moe", "eager"], {"BEFORE": "missing"}, "no such folder; expected one holding an mxmoe"),
+        (["debug_moe", "eager"], {"OUT": "/proc/ab"}, "OUT=/proc/ab: cannot create or write in the folder"),
+    ],
+)
+def test_bad_arguments_stop_the_call_before_any_row(tmp_path, args, env, message):
+    """They ran every row into its error and exited 0 (REPEATS=abc or 0: no row at all; LIMIT: every
+    row's `timeout` refused it); a missing BEFORE folder dropped the before rows with a `cd` error,
+    and an OUT that cannot be created wrote the rows' files under /."""
+    out = env.pop("OUT", str(tmp_path / "ab"))
+    before = str(tmp_path / env.pop("BEFORE")) if "BEFORE" in env else ""
+    run_env = dict(os.environ, **env, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    cmd = ["bash", str(REPO / "scripts/gpu/ab_train.sh"), out, before, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert not (tmp_path / "ab").exists()  # refused before OUT was made

@@ -19,6 +19,9 @@ from mxmoe.cli import main as cli_main
         (["--shape", "0x64"], "not RxC"),
         (["--shape", "100x64"], "multiples of 32"),
         (["--iters", "0"], "positive integer"),
+        # a shape the mode does not take: its default shapes were timed instead, silently
+        (["--mode", "dim0", "--shape", "8x2048x7168"], "--shape 8x2048x7168: --mode dim0 takes RxC shapes"),
+        (["--mode", "3d", "--shape", "8x64x64,1024x1024"], "--shape 1024x1024: --mode 3d takes ExNxK shapes"),
     ],
 )
 def test_bad_arguments_are_rejected(argv, needle, capsys):

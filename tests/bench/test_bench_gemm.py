@@ -41,7 +41,7 @@ def test_refuses_without_gpu(module):
 
 
 def test_shape_parser_and_row():
-    assert shape_parser("MxKxN", "1x2x3")("4x5x6") == (4, 5, 6)
+    assert shape_parser("MxKxN", "1x32x32")("4x32x64") == (4, 32, 64)
     r = row("s", "mxfp8", t=2.0, t_bf16=1.0, flops=4e9, tc=0.5, tg=1.0)
     assert r["vs bf16"] == 0.5 and r["TFLOP/s"] == 2.0 and r["cast share"] == 0.25
 
@@ -113,6 +113,9 @@ def test_overlap_bad_arguments_are_usage_errors(argv, needle, capsys):
         ("a2a", ["--timeout", "0"], "argument --timeout: '0' is not a positive number of seconds"),
         ("linear", ["--iters", "0"], "argument --iters: '0' is not a positive integer"),
         ("grouped_mm", ["--kernel", "cutlass"], "argument --kernel: invalid choice: 'cutlass'"),
+        # K, N not whole MX blocks: a ValueError traceback on the GPU after the bf16 rows ran
+        ("linear", ["--shape", "64x100x64"], "shape '64x100x64': K=100: expected K and N multiples of 32"),
+        ("grouped_mm", ["--shape", "64x64x48x4"], "shape '64x64x48x4': N=48: expected K and N multiples"),
     ],
 )
 def test_gpu_bench_bad_counts_are_usage_errors_before_the_gpu_check(bench, argv, needle, capsys):
@@ -187,3 +190,13 @@ def test_a2a_rows_record_the_transport_auto_chose(monkeypatch):
     a2a._bench_shape(xs, xs, [32, 32], "1x64x64", 2, args, rows, [])
     got = {(r["transport"], r["chunks"], r["ran"]) for r in rows}
     assert got == {(t, c, "nccl") for t in ("auto", "nccl") for c in ("auto", 2)}
+
+
+@pytest.mark.parametrize("bench", ["cast", "linear", "grouped_mm", "overlap", "overhead", "trace"])
+def test_empty_json_path_is_refused(bench, capsys):
+    """`--json ''` passed the check and then wrote nothing (every write was `if args.json:`)."""
+    from mxmoe.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", bench, "--json", "", *(["x.json"] if bench == "trace" else [])])
+    assert e.value.code == 2 and "--json '' is empty; expected a file path" in capsys.readouterr().err

@@ -56,6 +56,15 @@ def test_overhead_runs_on_cpu_and_writes_json(tmp_path, capsys):
     assert "host cost per call, 128x128" in capsys.readouterr().out
 
 
+def test_overhead_a_kernel_given_twice_is_timed_once():
+    """`--kernel torch --kernel torch` timed (and printed) every torch row twice."""
+    from mxmoe.bench import overhead
+
+    args = overhead.build_parser().parse_args(["--shape", "128x128", "--kernel", "torch", "--kernel=torch"])
+    rows = [(op, impl) for op, impl, _, _ in overhead._cases(args, torch.device("cpu"))]
+    assert len(rows) == len(set(rows)) and ("to_mx dim0", "torch") in rows
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [

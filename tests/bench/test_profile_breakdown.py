@@ -123,3 +123,45 @@ def test_profile_breakdown_script_shows_no_earlier_calls_files(tmp_path):
     assert (out / "results.tar.gz").is_file(), proc.stdout[-2000:] + proc.stderr[-2000:]
     with tarfile.open(out / "results.tar.gz") as tar:
         assert not {"./no_such_config.json", "./no_such_config/mx_eager.txt"} & set(tar.getnames())
+
+
+@pytest.mark.parametrize(
+    "i, name, field, value",
+    [(1, "gemm_kernel", "dur", None), (0, "cudaLaunchKernel", "ts", "a"),
+     (0, "cudaLaunchKernel", "dur", True)],
+)
+def test_trace_event_with_a_time_that_is_not_a_number_is_named(tmp_path, i, name, field, value):
+    """A ts or dur that is not a number was a TypeError / ValueError traceback from float()."""
+    events = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 2},
+              {"ph": "X", "cat": "kernel", "name": "gemm_kernel", "ts": 1, "dur": 3}]
+    events[i][field] = value
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    with pytest.raises(SystemExit, match=rf"t.json' is not a torch.profiler Chrome trace: event "
+                       rf"'{name}': {field}={value!r}, expected a number"):
+        trace.main([str(path)])
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        ([], {}, "usage: profile_breakdown.sh OUT"),
+        (["OUT", "debug_moe", "eager", "yes"], {}, "TT=yes: expected 1 (profile torchtitan too) or 0"),
+        (["OUT", "debug_moe", "eager", "0"], {"LIMIT": "5m"}, "LIMIT=5m: expected seconds per step >= 1"),
+        (["/proc/pb", "debug_moe", "eager", "0"], {}, "OUT=/proc/pb: cannot create or write in the folder"),
+    ],
+)
+def test_profile_breakdown_script_refuses_bad_arguments_first(tmp_path, args, env, message):
+    """TT=yes skipped torchtitan silently, LIMIT=5m failed every step in `timeout`, an OUT that could
+    not be created put the files under / (each with exit 0)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    script = Path(__file__).parents[2] / "scripts/gpu/profile_breakdown.sh"
+    proc = subprocess.run(["bash", str(script), *args], env=dict(os.environ, **env), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from mxmoe.cli import main as cli_main
 from mxmoe.train import compare
@@ -369,6 +370,15 @@ def test_errors_name_the_argument(runs_root, tmp_path, capsys, monkeypatch, argv
     argv = [a.format(tmp=tmp_path, root=runs_root) for a in argv]
     assert compare.main(["--out", str(tmp_path / "o"), *argv]) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "o" / "runs").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_devices_without_a_gpu_are_refused(tmp_path, capsys):
+    """--devices set CUDA_VISIBLE_DEVICES of GPUs that are not there: every run trained on the CPU."""
+    argv = ["--config", "debug_moe", "--variant", "a", "--variant", "b", "--devices", "0,1"]
+    assert compare.main(["--out", str(tmp_path / "o"), *argv]) == 2
+    assert "--devices=0,1: no CUDA GPU is available here" in capsys.readouterr().err
     assert not (tmp_path / "o" / "runs").exists()
 
 

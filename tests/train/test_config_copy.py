@@ -23,3 +23,16 @@ def test_an_existing_folder_with_a_slash_gets_name_toml(tmp_path, capsys, monkey
     (tmp_path / "d").mkdir()
     assert cli.main(["config", "copy", "debug_moe", "d/"]) == 0
     assert (tmp_path / "d" / "debug_moe.toml").read_text() == configs.path("debug_moe").read_text()
+
+
+def test_a_copy_that_cannot_be_written_names_dest(capsys):
+    """The shipped file itself (with --force) and a folder no file can be made in were shutil's
+    "PosixPath(...) and PosixPath(...) are the same file" and a bare "[Errno 2] ..."."""
+    shipped = str(configs.path("debug_moe"))
+    before = configs.path("debug_moe").read_text()
+    assert cli.main(["config", "copy", "debug_moe", shipped, "--force"]) == 2
+    err = capsys.readouterr().err
+    assert f"DEST {shipped!r} is the shipped config itself" in err and "PosixPath" not in err, err
+    assert configs.path("debug_moe").read_text() == before
+    assert cli.main(["config", "copy", "debug_moe", "/proc/x.toml"]) == 2
+    assert "DEST '/proc/x.toml': cannot write '/proc/x.toml' (" in capsys.readouterr().err

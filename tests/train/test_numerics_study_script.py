@@ -71,3 +71,11 @@ def test_missing_dependencies_stop_the_study_before_any_run(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "tyro" in proc.stderr and "pyproject.toml" in proc.stderr
     assert not log.exists()
+
+
+@pytest.mark.parametrize("args", [[], ["state", "debug_moe"], ["state", "", "2"]])
+def test_missing_arguments_are_a_usage_error(args):
+    """`${1:?usage}` exited 1 (bash's status for it), beside every other refusal's 2."""
+    cmd = ["bash", str(REPO / "scripts/gpu/numerics_study.sh"), *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "usage: numerics_study.sh STATE_DIR PRESET STEPS" in proc.stderr

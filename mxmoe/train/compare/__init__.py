@@ -267,6 +267,14 @@ def main(argv: list[str] | None = None) -> int:
             bad = [s for s in args.seeds if not 0 <= s < 2**32]
             if bad:
                 raise ValueError(f"--seeds: {bad[0]} is not a seed; expected 0 <= seed < 2**32 (debug.seed)")
+            if args.devices:  # CUDA_VISIBLE_DEVICES of GPUs that are not there: the runs train on the CPU
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise ValueError(
+                        f"--devices={','.join(args.devices)}: no CUDA GPU is available here; leave it out to "
+                        "run on what this machine has"
+                    )
             if args.devices and len(args.devices) < args.nproc:
                 raise ValueError(
                     f"--devices={','.join(args.devices)}: {len(args.devices)} device(s), fewer than "
