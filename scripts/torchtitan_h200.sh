@@ -26,7 +26,8 @@
 # GPU (default 1; the debug model takes a few GiB of the H200's 139), each in its own process and
 # folder, under its own RUN_TIMEOUT_S. Writes OUT_DIR/VARIANT_sSEED.log
 # (torchtitan's logs), .csv (step, loss, grad_norm, tps) and OUT_DIR/summary.md (per run, and per
-# variant the mean and standard deviation over the seeds; scripts/torchtitan_summary.py). A run
+# variant the mean and standard deviation over the seeds; with seeds and `--metrics.log_freq 1`,
+# time to target and the loss at the horizon: scripts/torchtitan_summary.py). A run
 # longer than RUN_TIMEOUT_S is stopped and summarized with the steps it logged.
 #
 # Needs no network: torchtitan 0.2.2, torchao 0.18 and the run-time dependencies the GPU image

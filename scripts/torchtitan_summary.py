@@ -14,6 +14,15 @@ median tokens/s, and their ratios to the first variant's means; and the median o
 the median tokens/s, with its ratio to the first variant's (the speed figure where runs repeat: one
 slow run moves it least). Runs that did not reach the last step of the longest run are left out;
 when no run of the first variant (the first run's) is left, no variant has a ratio.
+
+Runs named VARIANT_sSEED (seeds, no repeats) that logged more steps than the smoothing window (50
+steps; log every step with `--metrics.log_freq 1`) also get the loss study's comparison of
+`mxmoe compare` (mxmoe.train.compare.targets): per run and per variant the step at which the
+smoothed training loss (mean over the last 50 steps) first reaches targets along the first
+variant's mean curve past its knee, and at the last step each variant's mean smoothed loss, whether
+it differs from the first variant's by more than the seeds' spread, and whether it is within
+max(0.5 %, one std of the first variant's seeds) of it. The data does not repeat within such runs
+(torchtitan's text corpus is read once in order), so each step's loss is on unseen tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +31,11 @@ import re
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+from mxmoe.train.compare import targets
+
+SMOOTH_STEPS = 50
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NUM = r"([-+0-9.eE]+|nan|inf)"
@@ -73,6 +87,7 @@ def main(argv: list[str]) -> None:
         lines += ["", f"The first run, {runs[0]}, logged no step: no ratios."]
     first = SEEDED.match(runs[0])
     lines += per_variant(done, first[1] if first else None)
+    lines += time_to_target({run: parse(out / f"{run}.log") for run in done}, first[1] if first else None)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -122,6 +137,72 @@ def per_variant(done: dict[str, tuple[int, float, float]], first: str | None = N
         )
     if first not in groups:
         out += ["", f"No run of the first variant, {first}, reached step {last}: no ratios."]
+    return out
+
+
+def time_to_target(logged: dict[str, list[tuple[int, float, float, int]]], first: str | None) -> list[str]:
+    """The time-to-target and horizon tables (module docstring) of the runs named VARIANT_sSEED that
+    reached the last step of the longest; none when fewer than two such runs or no run of `first`."""
+    runs = []
+    last = max((rows[-1][0] for rows in logged.values() if rows), default=0)
+    for run, rows in logged.items():
+        m = SEEDED.match(run)
+        if m and m[3] is None and rows and rows[-1][0] == last:
+            records = [{"step": s, "loss": loss} for s, loss, _, _ in rows]
+            runs.append(SimpleNamespace(variant=m[1], seed=int(m[2]), records=records, setup={}))
+    if first is None or len(runs) < 2 or not any(r.variant == first for r in runs):
+        return []
+    tt = targets.time_to_target(runs, first, smooth_steps=SMOOTH_STEPS)
+    if "skipped" in tt:
+        return ["", f"Time to target: not computed ({tt['skipped']})."]
+    tg = tt["targets"]["train"]
+    out = [
+        "",
+        f"Time to target: the step at which a run's training loss, mean over the last {SMOOTH_STEPS} "
+        f"steps, first reaches {first}'s mean curve at steps "
+        f"{', '.join(f'{s:.0f}' for s in tt['target_steps'])} (past its knee at step {tt['knee_step']}); "
+        "mean ± std over the seeds that reach it (reached / runs).",
+        "",
+        "| variant | " + " | ".join(f"loss ≤ {t:.4f}" for t in tg) + " |",
+        "| --- " * (len(tg) + 1) + "|",
+    ]
+    for v, ve in tt["variants"].items():
+        cells = []
+        for c in ve["train"]:
+            cell = "not reached" if c["mean"] is None else f"{c['mean']:.0f}"
+            cell += f" ± {c['std']:.0f}" if c["std"] is not None else ""
+            cells.append(f"{cell} ({c['n']}/{c['runs']})")
+        out.append(f"| {v} | {' | '.join(cells)} |")
+    out += ["", "| run | steps to each target |", "| --- | --- |"]
+    for e in tt["runs"]:
+        steps = ", ".join("–" if s is None else f"{s:.0f}" for s in e["train_steps"])
+        out.append(f"| {e['variant']}_s{e['seed']} | {steps} |")
+    base = tt["variants"][first]["final_train"]
+    tol = max(targets.LOSS_TOLERANCE_PCT / 100 * base["mean"], base["std"] or 0.0)
+    out += [
+        "",
+        f"At step {last}: training loss, mean over the last {SMOOTH_STEPS} steps, mean ± std over the "
+        f"seeds; differs: by more than the larger std of the variant's and {first}'s seeds (unknown "
+        f"below 2 seeds each); within target: at most max({targets.LOSS_TOLERANCE_PCT} %, one std of "
+        f"{first}'s seeds) = {tol:.4f} above {first}'s mean.",
+        "",
+        "| variant | seeds | smoothed loss | vs first variant | differs | within target |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for v, ve in tt["variants"].items():
+        f = ve["final_train"]
+        sd = f" ± {f['std']:.4f}" if f["std"] is not None else ""
+        if v == first:
+            differs = within = "(baseline)"
+        else:
+            sds = (f["std"], base["std"])
+            differs = ("unknown" if None in sds else
+                       ("**yes**" if abs(f["mean"] - base["mean"]) > max(sds) else "no"))
+            within = "yes" if f["mean"] - base["mean"] <= tol else "**no**"
+        out.append(
+            f"| {v} | {','.join(map(str, ve['seeds']))} | {f['mean']:.4f}{sd} | "
+            f"{100 * (f['mean'] / base['mean'] - 1):+.2f} % | {differs} | {within} |"
+        )
     return out
 
 

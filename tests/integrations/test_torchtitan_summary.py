@@ -86,3 +86,56 @@ def test_the_first_variant_is_the_baseline_wherever_its_runs_are(tmp_path):
     text = (tmp_path / "summary.md").read_text()
     assert "| mxmoe | 1 | 4.5000 ± 0.0000 | +0.00 % | 90 ± 0 | 0.900x | 90 | 0.900x |" in text
     assert "| bf16 | 1 | 4.5000 ± 0.0000 | +0.00 % | 100 ± 0 | 1.000x | 100 | 1.000x |" in text
+
+
+def _curve_log(path: Path, losses: list[float]) -> None:
+    """A log of every step (`--metrics.log_freq 1`)."""
+    path.write_text("".join(
+        f"[titan] step: {i + 1}  loss: {loss:.4f}  grad_norm: 1.0  tps: 1,000\n"
+        for i, loss in enumerate(losses)
+    ))
+
+
+def test_seeded_runs_get_time_to_target_and_the_horizon_check(tmp_path):
+    """bf16 falls from 5 to 3 over 200 steps, then by 0.002 a step; mx drops 20 steps sooner. The
+    targets lie on bf16's mean smoothed curve past its knee, so mx reaches each ~20 steps sooner and
+    ends 0.04 lower, more than the seeds' spread (0.02) and inside the loss target."""
+    def curve(drop_end: int, offset: float) -> list[float]:
+        return [(5.0 - 2.0 * s / drop_end if s < drop_end else 3.0 - 0.002 * (s - drop_end)) + offset
+                for s in range(1, 401)]
+
+    runs = []
+    for seed, off in ((0, 0.0), (1, 0.02), (2, -0.02)):
+        _curve_log(tmp_path / f"bf16_s{seed}.log", curve(200, off))
+        _curve_log(tmp_path / f"mx_s{seed}.log", curve(180, off + 0.001))
+        runs += [f"bf16_s{seed}", f"mx_s{seed}"]
+    mod = _load()
+    mod.main([str(tmp_path), *runs])
+    text = (tmp_path / "summary.md").read_text()
+    assert "Time to target" in text and "past its knee at step" in text
+    # per run: mx reaches every target before bf16 of the same seed
+    steps = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.strip("|").split("|")]
+        if len(parts) == 2 and parts[0] in runs:
+            steps[parts[0]] = [float(x) for x in parts[1].split(", ")]
+    assert set(steps) == set(runs)
+    for seed in (0, 1, 2):
+        assert all(m < b for m, b in zip(steps[f"mx_s{seed}"], steps[f"bf16_s{seed}"], strict=True))
+    # smoothed over steps 351-400: bf16 3 - 0.002 * 175.5, mx 0.039 below
+    bf16 = 3.0 - 0.002 * 175.5
+    assert f"| bf16 | 0,1,2 | {bf16:.4f} ± 0.0200 | +0.00 % | (baseline) | (baseline) |" in text
+    mx = f"| mx | 0,1,2 | {bf16 - 0.039:.4f} ± 0.0200 | {100 * -0.039 / bf16:+.2f} % | **yes** | yes |"
+    assert mx in text
+
+
+def test_time_to_target_left_out_for_repeats_and_short_logs(tmp_path):
+    """Repeats (VARIANT_sSEED_rR) are speed runs, and logs every 10 steps hold too few points."""
+    for name in ("bf16_s0_r1", "mx_s0_r1"):
+        _curve_log(tmp_path / f"{name}.log", [5.0 - 0.01 * s for s in range(100)])
+    _load().main([str(tmp_path), "bf16_s0_r1", "mx_s0_r1"])
+    assert "Time to target" not in (tmp_path / "summary.md").read_text()
+    for name in ("bf16_s0", "mx_s0"):
+        _log(tmp_path / f"{name}.log", [5.0, 4.0, 3.0], [1, 100, 100])
+    _load().main([str(tmp_path), "bf16_s0", "mx_s0"])
+    assert "Time to target: not computed" in (tmp_path / "summary.md").read_text()
