@@ -70,15 +70,16 @@ _FUSED_MAX_BS = 128  # larger blocks: the fused cast runs the dim0 and dim1 kern
 
 @triton.jit
 def _load_bits(ptr, offs, mask, IN_BF16: tl.constexpr, EVICT: tl.constexpr = False):
-    """fp32 bit patterns (int32) of bf16 (int16 view) or fp32 (int32 view) inputs; 0 where masked."""
+    """fp32 bit patterns (int32) of bf16 or fp32 inputs (the tensor itself, or its int16 / int32
+    view); 0 where masked."""
     if EVICT:
         v = tl.load(ptr + offs, mask=mask, other=0, eviction_policy="evict_first")
     else:
         v = tl.load(ptr + offs, mask=mask, other=0)
     if IN_BF16:
-        return v.to(tl.int32) << 16
+        return v.to(tl.int16, bitcast=True).to(tl.int32) << 16
     else:
-        return v
+        return v.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -453,10 +454,6 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BS: tl.constexpr, NB: tl.co
 # ----------------------------------------------------------------------------------------------
 
 
-def _bits_view(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32)
-
-
 def _soft(device: torch.device) -> bool:
     """Element rounding in software: under the interpreter (its fp32->fp8 conversion misrounds),
     the hardware's cvt.rn.satfinite on a GPU."""
@@ -496,7 +493,7 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.T
     n_blocks = x.numel() // bs
     nb = _blocks_per_program(_DIM0_ELEMS, bs, n_blocks)
     _dim0_kernel[(cdiv(n_blocks, nb),)](
-        _bits_view(x), q.view(torch.uint8), s.view(torch.uint8), n_blocks, BS=bs, NB=nb,
+        x, q.view(torch.uint8), s.view(torch.uint8), n_blocks, BS=bs, NB=nb,
         IN_BF16=x.dtype == torch.bfloat16, EVICT=False, num_warps=_DIM0_WARPS,
         **_spec_args(spec, _soft(x.device)),
     )
@@ -531,7 +528,7 @@ def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
     packed = bs >= 4
     kernel = _dim1_pack4_kernel if packed else _dim1_kernel
     kernel[grid](
-        _bits_view(x), q.view(torch.int32 if packed else torch.uint8), s.view(torch.uint8), R, C, BS=bs,
+        x, q.view(torch.int32 if packed else torch.uint8), s.view(torch.uint8), R, C, BS=bs,
         BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, EVICT=False, num_warps=_DIM1_WARPS,
         **_spec_args(spec, _soft(x.device)),
     )
@@ -558,7 +555,7 @@ def quantize_dim0_dim1(
     if grid[1] > 65535:
         raise ValueError(f"x.shape[-1]={C} is too wide for the fused kernel's grid (at most {65535 * bc})")
     _dim0_dim1_pack4_kernel[grid](
-        _bits_view(x), q0.view(torch.uint8), s0.view(torch.uint8), q1.view(torch.int32), s1.view(torch.uint8),
+        x, q0.view(torch.uint8), s0.view(torch.uint8), q1.view(torch.int32), s1.view(torch.uint8),
         R, C, BS=bs, BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, EVICT=True, num_warps=_FUSED_WARPS,
         **_spec_args(spec, _soft(dev)),
     )
