@@ -513,8 +513,8 @@ def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
     *lead, R, C = x.shape
     B = math.prod(lead)  # the matrices, one grid row each
     bs = spec.block_size
-    q = torch.empty((*lead, C, R), dtype=spec.elem.dtype, device=x.device)
-    s = torch.empty((*lead, C, R // bs), dtype=SCALE_DTYPE, device=x.device)
+    q = torch.empty(*lead, C, R, dtype=spec.elem.dtype, device=x.device)  # (sizes as ints: see dim0_outputs)
+    s = torch.empty(*lead, C, R // bs, dtype=SCALE_DTYPE, device=x.device)
     if B > 65535:
         raise ValueError(
             f"x has {B} matrices (shape {tuple(x.shape)}), more than the 65535 the dim1 kernel's grid allows"
@@ -545,10 +545,10 @@ def quantize_dim0_dim1(
     if bs < 4 or bs > _FUSED_MAX_BS:  # no whole int32 words / a (bs, bs) tile would not fit
         return (*quantize_dim0(x, spec), *quantize_dim1(x, spec))
     dev = x.device
-    q0 = torch.empty((R, C), dtype=spec.elem.dtype, device=dev)
-    s0 = torch.empty((R, C // bs), dtype=SCALE_DTYPE, device=dev)
-    q1 = torch.empty((C, R), dtype=spec.elem.dtype, device=dev)
-    s1 = torch.empty((C, R // bs), dtype=SCALE_DTYPE, device=dev)
+    q0 = torch.empty(R, C, dtype=spec.elem.dtype, device=dev)  # (sizes as ints: see dim0_outputs)
+    s0 = torch.empty(R, C // bs, dtype=SCALE_DTYPE, device=dev)
+    q1 = torch.empty(C, R, dtype=spec.elem.dtype, device=dev)
+    s1 = torch.empty(C, R // bs, dtype=SCALE_DTYPE, device=dev)
     br = max(bs, min(_FUSED_ROWS, next_pow2(R)))
     bc = max(bs, min(_FUSED_COLS, next_pow2(C)))
     grid = (cdiv(R, br), cdiv(C, bc))
@@ -572,7 +572,7 @@ def dequantize(
     write into."""
     R, C = q.shape
     if out is None:
-        out = torch.empty((R, C), dtype=out_dtype, device=q.device)
+        out = torch.empty(R, C, dtype=out_dtype, device=q.device)
     n_blocks = R * C // block_size
     is_e5m2 = q.dtype == torch.float8_e5m2
     # smallest nonzero |q|: 2^-9 (e4m3) / 2^-16 (e5m2); q * 2^(s-127) >= 2^-126 iff s >= 10 / 17
