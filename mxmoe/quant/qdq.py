@@ -464,7 +464,7 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | N
         raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
     if offs.device != x.device:
         raise ValueError(f"offs is on {offs.device} but {name} on {x.device}; they must share a device")
-    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
+    if offs.is_cpu and not torch.compiler.is_compiling():
         check_offsets(offs, x.shape[0], name)  # on the host already: no sync (as mx_grouped_mm)
 
 
