@@ -454,11 +454,16 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BS: tl.constexpr, NB: tl.co
 # ----------------------------------------------------------------------------------------------
 
 
+INTERPRETED = triton_interpret()
+"""Whether this module's kernels run in Triton's interpreter: TRITON_INTERPRET as `triton.jit` read
+it when it made them (read once: os.environ costs a µs of host time per launch)."""
+
+
 def _soft(x: torch.Tensor) -> bool:
     """Element rounding in software for a kernel on x: under the interpreter (its fp32->fp8
     conversion misrounds), the hardware's cvt.rn.satfinite on a GPU. (x.is_cuda: a fifth of the
     host time of x.device.type.)"""
-    return not x.is_cuda or triton_interpret()
+    return not x.is_cuda or INTERPRETED
 
 
 @functools.cache

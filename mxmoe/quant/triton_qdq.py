@@ -22,8 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 from mxmoe.formats import CastSpec
-from mxmoe.quant.backends import cdiv, next_pow2, triton_interpret
-from mxmoe.quant.triton_cast import _abs_key, _block_scale, _load_bits, _spec_args, _to_elem
+from mxmoe.quant.backends import cdiv, next_pow2
+from mxmoe.quant.triton_cast import INTERPRETED, _abs_key, _block_scale, _load_bits, _spec_args, _to_elem
 
 
 @triton.jit
@@ -239,7 +239,7 @@ def qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1
     matrices = bool(dim1 and B > 1 and R % bs != 0)
     in_bf16, out_bf16 = x.dtype == torch.bfloat16, out_dtype == torch.bfloat16
     consts, bct = _rows_launch(spec, in_bf16, out_bf16, dim0, dim1, offs is not None, matrices,
-                               not x.is_cuda or triton_interpret())
+                               not x.is_cuda or INTERPRETED)
     E = 0 if offs is None else offs.shape[0]
     # blocks: without groups ceil(R / bs) per matrix; with groups sum of ceil(n_e / bs) <=
     # floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for the rows after the last group:
