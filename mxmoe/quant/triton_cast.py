@@ -454,6 +454,12 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BS: tl.constexpr, NB: tl.co
 # ----------------------------------------------------------------------------------------------
 
 
+def _bits_view(x: torch.Tensor) -> torch.Tensor:
+    """x's int16 / int32 view, as these kernels take it (taken as bf16 / fp32, the fused dim0+dim1
+    kernel needs more registers on sm_90: 76 against 72)."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32)
+
+
 INTERPRETED = triton_interpret()
 """Whether this module's kernels run in Triton's interpreter: TRITON_INTERPRET as `triton.jit` read
 it when it made them (read once: os.environ costs a µs of host time per launch)."""
@@ -499,7 +505,7 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.T
     n_blocks = x.numel() // bs
     nb = _blocks_per_program(_DIM0_ELEMS, bs, n_blocks)
     _dim0_kernel[(cdiv(n_blocks, nb),)](
-        x, q.view(torch.uint8), s.view(torch.uint8), n_blocks, BS=bs, NB=nb,
+        _bits_view(x), q.view(torch.uint8), s.view(torch.uint8), n_blocks, BS=bs, NB=nb,
         IN_BF16=x.dtype == torch.bfloat16, EVICT=False, num_warps=_DIM0_WARPS,
         **_spec_args(spec, _soft(x)),
     )
@@ -534,7 +540,7 @@ def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
     packed = bs >= 4
     kernel = _dim1_pack4_kernel if packed else _dim1_kernel
     kernel[grid](
-        x, q.view(torch.int32 if packed else torch.uint8), s.view(torch.uint8), R, C, BS=bs,
+        _bits_view(x), q.view(torch.int32 if packed else torch.uint8), s.view(torch.uint8), R, C, BS=bs,
         BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, EVICT=False, num_warps=_DIM1_WARPS,
         **_spec_args(spec, _soft(x)),
     )
@@ -561,7 +567,7 @@ def quantize_dim0_dim1(
     if grid[1] > 65535:
         raise ValueError(f"x.shape[-1]={C} is too wide for the fused kernel's grid (at most {65535 * bc})")
     _dim0_dim1_pack4_kernel[grid](
-        x, q0.view(torch.uint8), s0.view(torch.uint8), q1.view(torch.int32), s1.view(torch.uint8),
+        _bits_view(x), q0.view(torch.uint8), s0.view(torch.uint8), q1.view(torch.int32), s1.view(torch.uint8),
         R, C, BS=bs, BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, EVICT=True, num_warps=_FUSED_WARPS,
         **_spec_args(spec, _soft(x)),
     )
