@@ -185,8 +185,8 @@ def qdq_rows_kernel() -> None:
         (True, True, False, False, True, 149), (True, True, True, False, True, 150),
         (False, True, False, True, True, 128), (False, True, False, False, False, 112),
     ):
-        sig = {"x_ptr": "*i16" if in_bf16 else "*i32", "y0_ptr": "*i16", "y1_ptr": "*i16", "offs_ptr": "*i32",
-               "T": "i32", "R": "i32", "C": "i32", "E": "i32"}
+        sig = {"x_ptr": "*bf16" if in_bf16 else "*fp32", "y0_ptr": "*bf16", "y1_ptr": "*bf16",
+               "offs_ptr": "*i32", "T": "i32", "R": "i32", "C": "i32", "E": "i32"}
         const = dict(BS=32, N_ITER=_ROWS_ITERS, EP=128, I64=False, GROUPED=grouped, MATRICES=matrices,
                      IN_BF16=in_bf16, OUT_BF16=True, DIM0=dim0, DIM1=dim1,
                      **_rows_tile(32, 2 if in_bf16 else 4), **_spec_args(spec, False))

@@ -101,7 +101,7 @@ def _grouped(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     call costs tens of µs of Python dispatch, in eager mode and from a compiled graph alike;
     traced, the CUDA bf16 body is torch._grouped_mm and the C++ zero_rows_after, which the graph
     calls directly. Inside a profiler range named "mxmoe::grouped_mm" when the profiler is on."""
-    if (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)) or a.device.type == "meta":
+    if (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)) or a.is_meta:
         return grouped_mm(a, b, offs)  # (on meta: its fake, shapes only)
     if torch.compiler.is_compiling():
         if on_torch_grouped_mm(a, b):
@@ -136,7 +136,7 @@ def _check_operands(a: MXTensor, b: MXTensor, offs: Tensor | None) -> None:
         raise TypeError(f"offs must be a 1D torch.int32 tensor of group ends on {a.device}, got {got}")
     if b.ndim == 3 and offs.shape[0] != b.shape[0]:
         raise ValueError(f"offs has {offs.shape[0]} groups but b {tuple(b.shape)} has E={b.shape[0]}")
-    if offs.device.type == "cpu" and not torch.compiler.is_compiling():  # on the host: no sync
+    if offs.is_cpu and not torch.compiler.is_compiling():  # on the host: no sync
         if b.ndim == 3:
             check_offsets(offs, a.shape[0], "a")
             return

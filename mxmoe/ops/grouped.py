@@ -682,7 +682,7 @@ def _checked_args(a, b_t, offs, recipe: MXRecipe):
     for name, d in (("K", K), ("N", N)):
         if d % recipe.block_size:
             raise ValueError(f"mx_grouped_mm: {name}={d} is not divisible by block_size={recipe.block_size}")
-    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
+    if offs.is_cpu and not torch.compiler.is_compiling():
         check_offsets(offs, T)  # on the host already: no sync (CUDA offsets: see check_offsets)
     return args, out_dtype
 

@@ -133,7 +133,8 @@ def dim0_outputs(x: torch.Tensor, spec: CastSpec, out) -> tuple[torch.Tensor, to
     if out is not None:
         return out[0].view(spec.elem.dtype), out[1].view(SCALE_DTYPE)
     *lead, C = x.shape
+    # empty_like and sizes as separate ints: host time a µs below a torch.Size or tuple argument each
     return (
-        torch.empty(x.shape, dtype=spec.elem.dtype, device=x.device),
-        torch.empty((*lead, C // spec.block_size), dtype=SCALE_DTYPE, device=x.device),
+        torch.empty_like(x, dtype=spec.elem.dtype, memory_format=torch.contiguous_format),
+        torch.empty(*lead, C // spec.block_size, dtype=SCALE_DTYPE, device=x.device),
     )

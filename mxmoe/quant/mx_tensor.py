@@ -42,7 +42,7 @@ from mxmoe.formats import (
 from mxmoe.quant import call_path
 from mxmoe.quant import scale_layout as sl
 from mxmoe.quant.backends import cast_kernel
-from mxmoe.quant.checks import check_no_grad, check_x, checked_spec, spec_of
+from mxmoe.quant.checks import check_no_grad, check_x, checked_spec
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe, as_recipe
 
 
@@ -624,7 +624,7 @@ def mx_cast(x: Tensor, ax: int, recipe: MXRecipe) -> MXTensor:
     gradient here (grad mode off or x detached), `ax` is x.ndim - 1 or x.ndim - 2 (non-negative),
     x.shape[ax] % recipe.block_size == 0; `recipe` is an MXRecipe (checked when it was made).
     Returns the same MXTensor as `to_mx`, bit for bit."""
-    return _cast(x, ax, spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype), recipe)
+    return _cast(x, ax, recipe.fmt.spec, recipe)
 
 
 # ScalingMode -> its name (an enum's `.value` is a Python property: 0.1 µs, a dict lookup 0.02)
@@ -672,7 +672,7 @@ def to_mx_dim0_dim1(
     """
     if recipe is not None:
         _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size)
-        spec = spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype)
+        spec = recipe.fmt.spec
     else:
         spec = checked_spec(*_format_args(block_size, scaling_mode, elem_dtype))
         recipe = DEFAULT_RECIPE  # its ("auto") kernels; the format is `spec`
@@ -697,7 +697,7 @@ def mx_cast_dim0_dim1(x: Tensor, recipe: MXRecipe) -> tuple[MXTensor, MXTensor]:
     """`to_mx_dim0_dim1(x, recipe=recipe)` without checks: the fast entry for the ops layer.
     The caller guarantees x is a 2D bf16/fp32 tensor (no gradient wanted here) with both dims
     divisible by recipe.block_size."""
-    spec = spec_of(recipe.block_size, recipe.scaling_mode, recipe.elem_dtype)
+    spec = recipe.fmt.spec
     return _cast_dim0_dim1(x, spec, recipe)
 
 

@@ -64,7 +64,9 @@ _MAX_GROUPS = 4096  # offs entries the Triton rows kernel reads per program (in 
 
 
 def _empty_outputs(x: Tensor, out_dtype: torch.dtype, dim0: bool, dim1: bool) -> list[Tensor]:
-    return [torch.empty(x.shape, dtype=out_dtype, device=x.device) for on in (dim0, dim1) if on]
+    # empty_like: host time a µs below torch.empty(x.shape, ...), whose torch.Size argument parses slowly
+    fmt = torch.contiguous_format
+    return [torch.empty_like(x, dtype=out_dtype, memory_format=fmt) for on in (dim0, dim1) if on]
 
 
 @torch.library.custom_op("mxmoe::qdq", mutates_args=())
@@ -118,11 +120,15 @@ def _qdq_impl(
         return [t.contiguous() for t in torch_cast.qdq_rows(x, spec, out_dtype, dim0, dim1, offs)]
     if kernel != "triton":
         raise ValueError(f"kernel={kernel!r} is not a qdq kernel; expected one of {list(QDQ_KERNELS)}")
-    from mxmoe.quant.triton_qdq import qdq_rows  # (imports triton: on first use)
-
+    global _qdq_rows
+    if _qdq_rows is None:  # (an import statement per call: half a µs of host time)
+        from mxmoe.quant.triton_qdq import qdq_rows as _qdq_rows  # (imports triton: on first use)
     outs = _empty_outputs(x, out_dtype, dim0, dim1)
-    qdq_rows(x, spec, out_dtype, dim0, dim1, offs, outs, traced)
+    _qdq_rows(x, spec, out_dtype, dim0, dim1, offs, outs, traced)
     return outs
+
+
+_qdq_rows = None  # mxmoe.quant.triton_qdq.qdq_rows once imported
 
 
 @qdq_op.register_fake
@@ -431,10 +437,10 @@ def swiglu_bwd_qdq_dim0_dim1(
 
 def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | None, name: str = "x") -> None:
     """The one argument check of a public qdq call (x as the caller gave it, called `name` in the
-    messages): recipe, dtypes, the last dim whole blocks, offs."""
+    messages, a tensor of an input dtype: the caller checked that first, `check_input_dtype`):
+    recipe, out_dtype, the last dim whole blocks, offs."""
     if not isinstance(recipe, MXRecipe):
         raise TypeError(f"recipe must be an mxmoe.MXRecipe, got {type(recipe).__name__}")
-    check_input_dtype(name, x)
     if out_dtype not in OUTPUT_DTYPES:
         raise TypeError(f"out_dtype={out_dtype} is not supported; expected one of {list(OUTPUT_DTYPES)}")
     if x.ndim < 2:
@@ -458,7 +464,7 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | N
         raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
     if offs.device != x.device:
         raise ValueError(f"offs is on {offs.device} but {name} on {x.device}; they must share a device")
-    if offs.device.type == "cpu" and not torch.compiler.is_compiling():
+    if offs.is_cpu and not torch.compiler.is_compiling():
         check_offsets(offs, x.shape[0], name)  # on the host already: no sync (as mx_grouped_mm)
 
 

@@ -70,15 +70,16 @@ _FUSED_MAX_BS = 128  # larger blocks: the fused cast runs the dim0 and dim1 kern
 
 @triton.jit
 def _load_bits(ptr, offs, mask, IN_BF16: tl.constexpr, EVICT: tl.constexpr = False):
-    """fp32 bit patterns (int32) of bf16 (int16 view) or fp32 (int32 view) inputs; 0 where masked."""
+    """fp32 bit patterns (int32) of bf16 or fp32 inputs (the tensor itself, or its int16 / int32
+    view); 0 where masked."""
     if EVICT:
         v = tl.load(ptr + offs, mask=mask, other=0, eviction_policy="evict_first")
     else:
         v = tl.load(ptr + offs, mask=mask, other=0)
     if IN_BF16:
-        return v.to(tl.int32) << 16
+        return v.to(tl.int16, bitcast=True).to(tl.int32) << 16
     else:
-        return v
+        return v.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -454,13 +455,21 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BS: tl.constexpr, NB: tl.co
 
 
 def _bits_view(x: torch.Tensor) -> torch.Tensor:
+    """x's int16 / int32 view, as these kernels take it (taken as bf16 / fp32, the fused dim0+dim1
+    kernel needs more registers on sm_90: 76 against 72)."""
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32)
 
 
-def _soft(device: torch.device) -> bool:
-    """Element rounding in software: under the interpreter (its fp32->fp8 conversion misrounds),
-    the hardware's cvt.rn.satfinite on a GPU."""
-    return device.type != "cuda" or triton_interpret()
+INTERPRETED = triton_interpret()
+"""Whether this module's kernels run in Triton's interpreter: TRITON_INTERPRET as `triton.jit` read
+it when it made them (read once: os.environ costs a µs of host time per launch)."""
+
+
+def _soft(x: torch.Tensor) -> bool:
+    """Element rounding in software for a kernel on x: under the interpreter (its fp32->fp8
+    conversion misrounds), the hardware's cvt.rn.satfinite on a GPU. (x.is_cuda: a fifth of the
+    host time of x.device.type.)"""
+    return not x.is_cuda or INTERPRETED
 
 
 @functools.cache
@@ -498,7 +507,7 @@ def quantize_dim0(x: torch.Tensor, spec: CastSpec, *, out=None) -> tuple[torch.T
     _dim0_kernel[(cdiv(n_blocks, nb),)](
         _bits_view(x), q.view(torch.uint8), s.view(torch.uint8), n_blocks, BS=bs, NB=nb,
         IN_BF16=x.dtype == torch.bfloat16, EVICT=False, num_warps=_DIM0_WARPS,
-        **_spec_args(spec, _soft(x.device)),
+        **_spec_args(spec, _soft(x)),
     )
     return q, s
 
@@ -516,8 +525,8 @@ def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
     *lead, R, C = x.shape
     B = math.prod(lead)  # the matrices, one grid row each
     bs = spec.block_size
-    q = torch.empty((*lead, C, R), dtype=spec.elem.dtype, device=x.device)
-    s = torch.empty((*lead, C, R // bs), dtype=SCALE_DTYPE, device=x.device)
+    q = torch.empty(*lead, C, R, dtype=spec.elem.dtype, device=x.device)  # (sizes as ints: see dim0_outputs)
+    s = torch.empty(*lead, C, R // bs, dtype=SCALE_DTYPE, device=x.device)
     if B > 65535:
         raise ValueError(
             f"x has {B} matrices (shape {tuple(x.shape)}), more than the 65535 the dim1 kernel's grid allows"
@@ -533,7 +542,7 @@ def quantize_dim1(x: torch.Tensor, spec: CastSpec) -> tuple[torch.Tensor, torch.
     kernel[grid](
         _bits_view(x), q.view(torch.int32 if packed else torch.uint8), s.view(torch.uint8), R, C, BS=bs,
         BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, EVICT=False, num_warps=_DIM1_WARPS,
-        **_spec_args(spec, _soft(x.device)),
+        **_spec_args(spec, _soft(x)),
     )
     return q, s
 
@@ -548,10 +557,10 @@ def quantize_dim0_dim1(
     if bs < 4 or bs > _FUSED_MAX_BS:  # no whole int32 words / a (bs, bs) tile would not fit
         return (*quantize_dim0(x, spec), *quantize_dim1(x, spec))
     dev = x.device
-    q0 = torch.empty((R, C), dtype=spec.elem.dtype, device=dev)
-    s0 = torch.empty((R, C // bs), dtype=SCALE_DTYPE, device=dev)
-    q1 = torch.empty((C, R), dtype=spec.elem.dtype, device=dev)
-    s1 = torch.empty((C, R // bs), dtype=SCALE_DTYPE, device=dev)
+    q0 = torch.empty(R, C, dtype=spec.elem.dtype, device=dev)  # (sizes as ints: see dim0_outputs)
+    s0 = torch.empty(R, C // bs, dtype=SCALE_DTYPE, device=dev)
+    q1 = torch.empty(C, R, dtype=spec.elem.dtype, device=dev)
+    s1 = torch.empty(C, R // bs, dtype=SCALE_DTYPE, device=dev)
     br = max(bs, min(_FUSED_ROWS, next_pow2(R)))
     bc = max(bs, min(_FUSED_COLS, next_pow2(C)))
     grid = (cdiv(R, br), cdiv(C, bc))
@@ -560,7 +569,7 @@ def quantize_dim0_dim1(
     _dim0_dim1_pack4_kernel[grid](
         _bits_view(x), q0.view(torch.uint8), s0.view(torch.uint8), q1.view(torch.int32), s1.view(torch.uint8),
         R, C, BS=bs, BR=br, BC=bc, IN_BF16=x.dtype == torch.bfloat16, EVICT=True, num_warps=_FUSED_WARPS,
-        **_spec_args(spec, _soft(dev)),
+        **_spec_args(spec, _soft(x)),
     )
     return q0, s0, q1, s1
 
@@ -575,7 +584,7 @@ def dequantize(
     write into."""
     R, C = q.shape
     if out is None:
-        out = torch.empty((R, C), dtype=out_dtype, device=q.device)
+        out = torch.empty(R, C, dtype=out_dtype, device=q.device)
     n_blocks = R * C // block_size
     is_e5m2 = q.dtype == torch.float8_e5m2
     # smallest nonzero |q|: 2^-9 (e4m3) / 2^-16 (e5m2); q * 2^(s-127) >= 2^-126 iff s >= 10 / 17
@@ -583,7 +592,7 @@ def dequantize(
     nb = _blocks_per_program(_DEQUANT_ELEMS, block_size, n_blocks)
     _dequant_kernel[(cdiv(n_blocks, nb),)](
         q.view(torch.uint8), s.view(torch.uint8), out, n_blocks, BS=block_size, NB=nb,
-        IS_E5M2=is_e5m2, OUT_BF16=out_dtype == torch.bfloat16, SAFE_S=safe_s, SOFT=_soft(q.device),
+        IS_E5M2=is_e5m2, OUT_BF16=out_dtype == torch.bfloat16, SAFE_S=safe_s, SOFT=_soft(q),
         EVICT=False, num_warps=_DEQUANT_WARPS,
     )
     return out

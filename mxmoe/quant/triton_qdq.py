@@ -22,8 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 from mxmoe.formats import CastSpec
-from mxmoe.quant.backends import cdiv, next_pow2, triton_interpret
-from mxmoe.quant.triton_cast import _abs_key, _block_scale, _load_bits, _spec_args, _to_elem
+from mxmoe.quant.backends import cdiv, next_pow2
+from mxmoe.quant.triton_cast import INTERPRETED, _abs_key, _block_scale, _load_bits, _spec_args, _to_elem
 
 
 @triton.jit
@@ -167,14 +167,14 @@ def qdq_rows_kernel(x_ptr, y0_ptr, y1_ptr, offs_ptr, T, R, C, E, BS: tl.constexp
                 e0, _, s0 = _block_scale(tl.max(key, axis=4), MODE, EMAX, MBITS, RCEIL_C, T127, T126)
                 y0 = _qdq_elems(X, tl.expand_dims(e0, 4), tl.expand_dims(s0.to(tl.int32), 4), IS_E5M2,
                                 OUT_BF16, MBITS, MIN_EXP, MAXBITS, SOFT)
-                tl.store(y0_ptr + offs, y0, mask=mask)
+                tl.store(y0_ptr + offs, y0.to(y0_ptr.dtype.element_ty, bitcast=True), mask=mask)
             if DIM1:  # blocks along the rows: a thread's NSL slices (axis 3), then the RS lanes (axis 1)
                 e1, _, s1 = _block_scale(tl.max(tl.max(key, axis=3), axis=1), MODE, EMAX, MBITS, RCEIL_C,
                                          T127, T126)
                 e1 = tl.expand_dims(tl.expand_dims(e1, 1), 3)
                 s1 = tl.expand_dims(tl.expand_dims(s1.to(tl.int32), 1), 3)
                 y1 = _qdq_elems(X, e1, s1, IS_E5M2, OUT_BF16, MBITS, MIN_EXP, MAXBITS, SOFT)
-                tl.store(y1_ptr + offs, y1, mask=mask)
+                tl.store(y1_ptr + offs, y1.to(y1_ptr.dtype.element_ty, bitcast=True), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,7 +239,7 @@ def qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1
     matrices = bool(dim1 and B > 1 and R % bs != 0)
     in_bf16, out_bf16 = x.dtype == torch.bfloat16, out_dtype == torch.bfloat16
     consts, bct = _rows_launch(spec, in_bf16, out_bf16, dim0, dim1, offs is not None, matrices,
-                               x.device.type != "cuda" or triton_interpret())
+                               not x.is_cuda or INTERPRETED)
     E = 0 if offs is None else offs.shape[0]
     # blocks: without groups ceil(R / bs) per matrix; with groups sum of ceil(n_e / bs) <=
     # floor((offs[-1] + (bs-1) E) / bs), plus ceil(tail / bs) for the rows after the last group:
@@ -249,12 +249,11 @@ def qdq_rows(x: Tensor, spec: CastSpec, out_dtype: torch.dtype, dim0: bool, dim1
     progs_c = cdiv(cdiv(C, bct), _ROWS_ITERS)
     if row_blocks > 2**31 - 1 or progs_c > 65535:
         raise ValueError(f"x of shape {tuple(x.shape)} is too large for the qdq kernel's grid")
-    bits = torch.int16 if out_bf16 else torch.int32
-    it = iter(outs)
-    y0 = next(it).view(bits) if dim0 else x
-    y1 = next(it).view(bits) if dim1 else x
+    # the tensors themselves (no int views: an aten op each), the kernel bitcasts
+    y0 = outs[0] if dim0 else x
+    y1 = outs[-1] if dim1 else x
     _launcher(qdq_rows_kernel, traced)[(row_blocks, progs_c)](
-        x.view(torch.int16) if in_bf16 else x.view(torch.int32), y0, y1,
+        x, y0, y1,
         x if offs is None else offs, T, R, C, E,
         EP=max(128, next_pow2(int(E))) if E else 128,
         # above the largest offset a program forms (masked too): its block's first row is below
