@@ -74,6 +74,30 @@ DET=()
 [ "${DETERMINISTIC:-1}" = 0 ] || DET=(--debug.deterministic)
 PARALLEL=${PARALLEL:-1}
 [[ $PARALLEL =~ ^[1-9][0-9]*$ ]] || { echo "PARALLEL=$PARALLEL: expected a number of runs >= 1" >&2; exit 2; }
+# Runs at once must fit the GPU's memory (a run that does not gets "CUDA out of memory" at its start):
+# the debug model's processes held up to 11.2 GiB (bf16, mxmoe) and 25.9 GiB (torchao's emulated
+# MXFP8) on one H100 (2026-12-07, deterministic, 8 x 2048); with PARALLEL > 1 the PARALLEL largest
+# of those (+ 1 GiB each) must fit in the GPU's memory (nvidia-smi), or the call stops here.
+if [ "$PARALLEL" -gt 1 ] && [ -z "${FLAVOR:-}" ] && command -v nvidia-smi > /dev/null; then
+    total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -d ' ')
+    if [[ $total =~ ^[0-9]+$ ]]; then
+        needs=()
+        for v in "${VARIANTS[@]}"; do
+            for _ in $(seq 1 $(( ${#SEEDS[@]} * ${REPEATS:-1} ))); do
+                case $v in torchao) needs+=(27) ;; *) needs+=(13) ;; esac
+            done
+        done
+        # largest first: the most memory PARALLEL runs at once can hold
+        mapfile -t needs < <(printf '%s\n' "${needs[@]}" | sort -rn)
+        sum=0 fit=0 n=0
+        for g in "${needs[@]}"; do
+            n=$((n + 1)); sum=$((sum + g))
+            [ $((sum * 1024)) -le "$total" ] && fit=$n
+            [ "$n" -lt "$PARALLEL" ] || break
+        done
+        [ $((sum * 1024)) -le "$total" ] || die "PARALLEL=$PARALLEL: that many of these runs at once need up to ~$sum GiB (13 a bf16 or mxmoe run, 27 a torchao one) and the GPU has $((total / 1024)) GiB; at most $fit at once fit (or run torchao apart)"
+    fi
+fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=python3
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) && [ -w "$OUT" ] || die "OUT_DIR=$OUT: cannot create or write in the folder"

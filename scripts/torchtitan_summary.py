@@ -5,7 +5,8 @@
 OUT_DIR/RUN.csv (step, loss, grad_norm, tps) and OUT_DIR/summary.md, a table: steps logged, first
 and last loss, mean loss of the last 5 logged steps and its difference from the first run's,
 median tokens/s per GPU over the logged steps after the first (the first holds warm-up), and the
-ratio to the first run's. A run that stopped early shows the steps it logged. When the first run
+ratio to the first run's. A run that stopped early shows the steps it logged; one whose log says
+"CUDA out of memory" (or "Failed to CUDA calloc") is no result (too many runs at once), and says so. When the first run
 logged no step, no run has a ratio (not one to the next run's, under the first run's name).
 
 Runs named VARIANT_sSEED or VARIANT_sSEED_rR (scripts/torchtitan_h200.sh; R a repeat) are also
@@ -39,6 +40,7 @@ SMOOTH_STEPS = 50
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NUM = r"([-+0-9.eE]+|nan|inf)"
+OOM = re.compile(r"CUDA out of memory|Failed to CUDA calloc")  # torch's allocator, or NCCL's / cuBLAS's
 STEP = re.compile(rf"step:\s*(\d+)\s+loss:\s*{NUM}\s+grad_norm:\s*{NUM}.*?tps:\s*([\d,]+)")
 
 
@@ -63,14 +65,17 @@ def main(argv: list[str]) -> None:
     ]
     base_loss = base_tps = None
     done: dict[str, tuple[int, float, float]] = {}  # run -> (last step, tail loss, tps)
+    logged = {run: parse(out / f"{run}.log") if (out / f"{run}.log").exists() else [] for run in runs}
     for k, run in enumerate(runs):
         log = out / f"{run}.log"
-        rows = parse(log) if log.exists() else []
+        rows = logged[run]
         with open(out / f"{run}.csv", "w") as f:
             f.write("step,loss,grad_norm,tps\n")
             f.writelines(f"{s},{loss},{g},{t}\n" for s, loss, g, t in rows)
-        if not rows:
-            lines.append(f"| {run} | 0 (see {run}.log) | | | | | | |")
+        oom = log.exists() and OOM.search(log.read_text(errors="replace")) is not None
+        if not rows or oom:  # a run that died of memory is no result, whatever steps it logged
+            why = "out of GPU memory: fewer runs at once (PARALLEL)" if oom else f"see {run}.log"
+            lines.append(f"| {run} | {rows[-1][0] if rows else 0} ({why}) | | | | | | |")
             continue
         tail = statistics.fmean(r[1] for r in rows[-5:])
         tps = statistics.median(r[3] for r in rows[1:]) if len(rows) > 1 else rows[0][3]

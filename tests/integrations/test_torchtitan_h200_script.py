@@ -37,3 +37,33 @@ def test_bad_arguments_stop_the_call_before_any_run(tmp_path, args, env, message
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert message in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _fake_nvidia_smi(folder: Path, mib: int) -> dict:
+    """A PATH whose nvidia-smi reports a GPU of `mib` MiB."""
+    folder.mkdir()
+    tool = folder / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\necho {mib}\n")
+    tool.chmod(0o755)
+    return {"PATH": f"{folder}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize(
+    "parallel, variants, mib, message",
+    [
+        # the loss study's nine runs at once on an H100 (80 GiB): six of them died out of memory
+        ("9", "bf16,mxmoe,torchao", 81559, "PARALLEL=9: that many of these runs at once need up to ~159 GiB"),
+        ("3", "bf16,mxmoe,torchao", 81559, "at most 2 at once fit"),
+        ("6", "bf16,mxmoe", 65536, "and the GPU has 64 GiB; at most 4 at once fit"),
+    ],
+)
+def test_parallel_runs_must_fit_the_gpus_memory(tmp_path, parallel, variants, mib, message):
+    env = dict(_fake_nvidia_smi(tmp_path / "bin", mib), PARALLEL=parallel)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts/torchtitan_h200.sh"), str(tmp_path / "out"), "10", "30", "0,1,2",
+         variants],
+        cwd=REPO, env=dict(os.environ, **env), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert not (tmp_path / "out").exists()

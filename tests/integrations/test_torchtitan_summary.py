@@ -139,3 +139,16 @@ def test_time_to_target_left_out_for_repeats_and_short_logs(tmp_path):
         _log(tmp_path / f"{name}.log", [5.0, 4.0, 3.0], [1, 100, 100])
     _load().main([str(tmp_path), "bf16_s0", "mx_s0"])
     assert "Time to target: not computed" in (tmp_path / "summary.md").read_text()
+
+
+def test_a_run_out_of_gpu_memory_is_no_result(tmp_path):
+    """Nine runs at once on an H100: some died at step 1 with "CUDA out of memory", and one of them
+    read +253 % against the first run."""
+    _log(tmp_path / "bf16_s0.log", [5.0, 4.0, 3.0], [1, 100, 100])
+    _log(tmp_path / "mxmoe_s0.log", [8.0], [1])
+    with open(tmp_path / "mxmoe_s0.log", "a") as f:
+        f.write("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n")
+    _load().main([str(tmp_path), "bf16_s0", "mxmoe_s0"])
+    text = (tmp_path / "summary.md").read_text()
+    assert "| mxmoe_s0 | 10 (out of GPU memory: fewer runs at once (PARALLEL)) | | | | | | |" in text
+    assert "| mxmoe |" not in text
