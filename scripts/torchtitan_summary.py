@@ -6,8 +6,9 @@ OUT_DIR/RUN.csv (step, loss, grad_norm, tps) and OUT_DIR/summary.md, a table: st
 and last loss, mean loss of the last 5 logged steps and its difference from the first run's,
 median tokens/s per GPU over the logged steps after the first (the first holds warm-up), and the
 ratio to the first run's. A run that stopped early shows the steps it logged; one whose log says
-"CUDA out of memory" (or "Failed to CUDA calloc") is no result (too many runs at once), and says so. When the first run
-logged no step, no run has a ratio (not one to the next run's, under the first run's name).
+"CUDA out of memory" (or "Failed to CUDA calloc") is no result (too many runs at once), and says
+so. When the first run logged no step, no run has a ratio (not one to the next run's, under the
+first run's name).
 
 Runs named VARIANT_sSEED or VARIANT_sSEED_rR (scripts/torchtitan_h200.sh; R a repeat) are also
 summarized per variant: the mean and standard deviation over its runs of the tail loss and of the
