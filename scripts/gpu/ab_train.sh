@@ -86,6 +86,7 @@ torch.cuda.is_available() and cuda_cast.load_extension()" \
 done
 IFS=, read -r -a MODE_LIST <<< "$MODES"
 ROWS=()  # this call's row files: the summary reads these, not every *.json in OUT
+FAILED=()  # rows that failed: the call exits 1 after the summary of the others
 [ -n "$BEFORE" ] || KINDS=("${KINDS[@]/before}")
 for i in $(seq 1 "$REPEATS"); do
     for m in "${MODE_LIST[@]}"; do
@@ -97,6 +98,7 @@ for i in $(seq 1 "$REPEATS"); do
             [ -n "$k" ] || continue
             row "$m" "$k" "$i" "$@"
             rc=$?
+            [ "$rc" = 0 ] || FAILED+=("$m $k $i (rc=$rc, $OUT/${m}_${k}_$i.log)")
             ROWS+=("$OUT/${m}_${k}_$i.json")
             echo "$m $k $i: rc=$rc $(grep -ao '"tokens_per_s": [0-9.]*' "$OUT/${m}_${k}_$i.json" 2>/dev/null)"
         done
@@ -125,3 +127,10 @@ for mode in sorted({m for m, _ in rows}):
 open(os.path.join(out, "summary.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
+# a failed row is missing from the summary's medians: the call says so and fails (exit 0 would read as
+# a complete A/B)
+if [ ${#FAILED[@]} -gt 0 ]; then
+    printf 'ab_train.sh: %d row(s) failed, left out of the summary:\n' "${#FAILED[@]}" >&2
+    printf '  %s\n' "${FAILED[@]}" >&2
+    exit 1
+fi

@@ -80,7 +80,8 @@ def test_summary_reads_only_this_calls_rows(tmp_path, tps):
     env.pop("PYTHONPATH", None)
     cmd = ["bash", str(REPO / "scripts/gpu/ab_train.sh"), str(out), str(before), "debug_moe", "eager", "1"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # a failed row fails the call (it exited 0, as if the A/B were whole), after the summary
+    assert proc.returncode == (0 if tps else 1), proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = (out / "summary.md").read_text()
     assert "999" not in summary
     if tps:
@@ -90,6 +91,8 @@ def test_summary_reads_only_this_calls_rows(tmp_path, tps):
         assert "eager before 1: rc=1 " in proc.stdout
         assert "| eager | before |" not in summary
         assert not (out / "eager_before_1.json").exists()
+        assert "1 row(s) failed, left out of the summary" in proc.stderr
+        assert "eager before 1 (rc=1, " in proc.stderr
 
 
 @pytest.mark.slow
