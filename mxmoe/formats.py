@@ -11,7 +11,6 @@ it needs: the `torch` cast backend and the emulated GEMM read everything from th
 
 from __future__ import annotations
 
-import functools
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
@@ -253,10 +252,18 @@ class MXFormat:
         """The element format's constants."""
         return ELEM_FORMATS[self.elem_dtype]
 
-    @functools.cached_property
+    @property
     def spec(self) -> CastSpec:
-        """What a cast kernel takes (made once per format)."""
-        return CastSpec(self.block_size, self.scaling_mode, self.elem)
+        """What a cast kernel takes: one object per format, made on first use (the kernels' caches
+        find it by identity). While torch.compile traces, made afresh: dynamo cannot enter
+        functools.cached_property's lock (Python 3.11), a graph break in every cast."""
+        if torch.compiler.is_compiling():
+            return CastSpec(self.block_size, self.scaling_mode, self.elem)
+        spec = self.__dict__.get("_spec")
+        if spec is None:
+            spec = CastSpec(self.block_size, self.scaling_mode, self.elem)
+            object.__setattr__(self, "_spec", spec)
+        return spec
 
     @property
     def key(self) -> tuple[torch.dtype, int, ScalingMode]:
