@@ -382,6 +382,25 @@ def test_devices_without_a_gpu_are_refused(tmp_path, capsys):
     assert not (tmp_path / "o" / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        ("0,2", "--devices=0,2: no GPU 2 here; this machine has 2 (0..1)"),
+        ("1,1", "--devices=1,1: a device is named twice"),
+    ],
+)
+def test_devices_not_on_this_machine_are_refused(tmp_path, capsys, monkeypatch, devices, message):
+    """On a GPU host an index past its GPUs gave that run no GPU (it trained on the CPU), and a
+    device named twice put two groups of runs on one GPU."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    argv = ["--config", "debug_moe", "--variant", "a", "--variant", "b", "--devices", devices]
+    assert compare.main(["--out", str(tmp_path / "o"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o" / "runs").exists()
+
+
 def test_bad_variant_spelling_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         compare.main(["--config", "c.toml", "--variant", "a b=--x", "--out", "o"])

@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -275,6 +276,19 @@ def main(argv: list[str] | None = None) -> int:
                         f"--devices={','.join(args.devices)}: no CUDA GPU is available here; leave it out to "
                         "run on what this machine has"
                     )
+                # an index past the GPUs there: a run that sees no GPU trains on the CPU; a device
+                # named twice: two groups of runs share it. (CUDA_VISIBLE_DEVICES of this process
+                # set: its children's indices are the machine's, not checked against it.)
+                if len(set(args.devices)) != len(args.devices):
+                    raise ValueError(f"--devices={','.join(args.devices)}: a device is named twice")
+                if "CUDA_VISIBLE_DEVICES" not in os.environ:
+                    n = torch.cuda.device_count()
+                    bad = [d for d in args.devices if d.isdigit() and int(d) >= n]
+                    if bad:
+                        raise ValueError(
+                            f"--devices={','.join(args.devices)}: no GPU {bad[0]} here; this machine has {n} "
+                            f"(0..{n - 1})"
+                        )
             if args.devices and len(args.devices) < args.nproc:
                 raise ValueError(
                     f"--devices={','.join(args.devices)}: {len(args.devices)} device(s), fewer than "
