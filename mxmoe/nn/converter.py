@@ -286,15 +286,18 @@ def unconverted_error(asked: dict[str, object], converters: list[str], fix: str)
     )
 
 
-def _tp_degree(parallel_dims) -> int:
+def _tp_described(parallel_dims) -> str | None:
+    """How `parallel_dims` says tensor parallelism is on ("tp=4", "tp_enabled=True"), None if off."""
     if parallel_dims is None:
-        return 1
+        return None
     if isinstance(parallel_dims, dict):
-        return int(parallel_dims.get("tp", 1) or 1)
+        tp = int(parallel_dims.get("tp", 1) or 1)
+        return f"tp={tp}" if tp > 1 else None
     if hasattr(parallel_dims, "tp_enabled") and not hasattr(parallel_dims, "tp"):
-        return 2 if parallel_dims.tp_enabled else 1
+        return "tp_enabled=True" if parallel_dims.tp_enabled else None
     if hasattr(parallel_dims, "tp"):
-        return int(parallel_dims.tp or 1)
+        tp = int(parallel_dims.tp or 1)
+        return f"tp={tp}" if tp > 1 else None
     raise TypeError(
         f"parallel_dims must be None, a dict like {{'dp_shard': 4, 'ep': 2, 'tp': 1}} or an object with "
         f"`tp` / `tp_enabled`; got {type(parallel_dims).__name__}"
@@ -405,10 +408,10 @@ def convert(
         do_lin, do_exp = recipe.convert_linears, recipe.convert_grouped_experts
     else:
         raise TypeError(f"recipe must be an MXRecipe or mxmoe.MXOptions, got {type(recipe).__name__}")
-    tp = _tp_degree(parallel_dims)
-    if tp > 1:
+    tp = _tp_described(parallel_dims)
+    if tp is not None:
         raise ValueError(
-            f"tensor parallelism with MX is not supported yet (parallel_dims has tp={tp}); "
+            f"tensor parallelism with MX is not supported yet (parallel_dims has {tp}); "
             "use tp=1 with data/expert parallelism"
         )
     device = _model_device(model)
