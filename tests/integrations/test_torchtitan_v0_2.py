@@ -341,6 +341,41 @@ def test_mx_experts_forward_equals_the_oracle(recipe_name, mode):
     torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_mx_experts_are_the_composition_of_the_mx_ops_bit_for_bit(autocast):
+    """The experts' forward (one fused op, `mx_grouped_swiglu_mlp`) gives the output and the
+    gradients of x, w1, w2, w3 of mx_grouped_mm_shared(x, (w1, w3)) then mx_grouped_mm(F.silu(g) * u,
+    w2) bit for bit, fp32 parameters under bf16 autocast (torchtitan on one GPU) or not."""
+    from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=64, hidden_dim=96, num_experts=3, use_grouped_mm=False)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    conv = MXMoEConverter(SimpleNamespace(mx=MX(gemm_dtype="bfloat16")), SimpleNamespace(tp=1))
+    conv.convert(torch.nn.ModuleDict({"experts": experts}))
+    counts = torch.tensor([7.0, 0.0, 41.0])
+    x = torch.randn(50, 64, requires_grad=True)  # 2 rows after the groups
+    dy = torch.randn(50, 64)
+
+    def grads(forward):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = forward()
+        y.backward(dy)
+        out = [y.detach(), *(t.grad for t in (x, experts.w1, experts.w2, experts.w3))]
+        x.grad = experts.w1.grad = experts.w2.grad = experts.w3.grad = None
+        return out
+
+    def composition():
+        w1, w2, w3 = (w.bfloat16().transpose(-2, -1) for w in (experts.w1, experts.w2, experts.w3))
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        g, u = mx_grouped_mm_shared(x.bfloat16(), (w1, w3), offs, experts.recipe)
+        return mx_grouped_mm(F.silu(g) * u, w2, offs, experts.recipe).type_as(x)
+
+    for got, want in zip(grads(lambda: experts(x, counts)), grads(composition), strict=True):
+        assert torch.equal(got, want)
+
+
 def _model(name: str, flavor: str, converters: list[str], mx: MX | None = None):
     spec = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
     args = copy.deepcopy(spec.model_args[flavor])

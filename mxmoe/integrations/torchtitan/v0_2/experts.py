@@ -11,7 +11,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 
 from mxmoe.nn.experts import grouped_mm
 from mxmoe.nn.mx_experts import run_on_mx_rounded_rows
-from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared
+from mxmoe.ops import mx_grouped_swiglu_mlp
 from mxmoe.quant.mx_tensor import MXTensor
 from mxmoe.recipe import DEFAULT_RECIPE, MXRecipe
 from mxmoe.token_dispatch import ExpertRows
@@ -23,17 +23,18 @@ def _local(t: Tensor) -> Tensor:
 
 
 class MXGroupedExperts(GroupedExperts):
-    """torchtitan 0.2's `GroupedExperts` with its grouped GEMMs on MX operands (`mx_grouped_mm`).
+    """torchtitan 0.2's `GroupedExperts` with its grouped GEMMs on MX operands (`mx_grouped_mm`'s).
 
     forward(x, num_tokens_per_expert (E,) counts, float or int) -> (T, dim): x is (T, dim) tokens
     grouped by expert (out: x's dtype), or a 2D MXTensor blocked along dim (the MXFP8 exchange's
     rows, bf16 origin; out: bf16). silu(x @ w1[e].T) * (x @ w3[e].T) @ w2[e].T for the rows of
     expert e, computed in bf16 as torchtitan's `_run_experts_grouped_mm` (x and weights cast to
-    bf16): every GEMM through `mx_grouped_mm` (w1 and w3 sharing one cast of x); with the recipe's
-    `expert_gemm = "bf16"`, bf16 grouped GEMMs on the rows rounded to MX once (an MXTensor's rows
-    dequantized: they are rounded already; a tensor's rounded here, and its output's gradient too,
-    as the MXFP8 exchange would). Rows after the last group give zeros. Made by `MXMoEConverter`
-    (a class swap: same parameters), which also sets `recipe`, `mxfp8_a2a` and `a2a_transport`.
+    bf16): every GEMM on MX operands (`mx_grouped_swiglu_mlp`: w1 and w3 sharing one cast of x);
+    with the recipe's `expert_gemm = "bf16"`, bf16 grouped GEMMs on the rows rounded to MX once (an
+    MXTensor's rows dequantized: they are rounded already; a tensor's rounded here, and its output's
+    gradient too, as the MXFP8 exchange would). Rows after the last group give zeros. Made by
+    `MXMoEConverter` (a class swap: same parameters), which also sets `recipe`, `mxfp8_a2a` and
+    `a2a_transport`.
     """
 
     recipe: MXRecipe = DEFAULT_RECIPE
@@ -50,8 +51,9 @@ class MXGroupedExperts(GroupedExperts):
             )
             return out if isinstance(x, MXTensor) else out.type_as(x)
         xb = x if isinstance(x, MXTensor) else x.bfloat16()
-        g, u = mx_grouped_mm_shared(xb, (w1, w3), offs, r)
-        out = mx_grouped_mm(F.silu(g) * u, w2, offs, r)
+        # mx_grouped_mm(F.silu(g) * u, w2) of g, u = mx_grouped_mm_shared(xb, (w1, w3)) bit for bit,
+        # as one autograd op where it fuses (its docstring)
+        out = mx_grouped_swiglu_mlp(xb, w1, w3, w2, offs, r)
         return out if isinstance(x, MXTensor) else out.type_as(x)
 
     def expert_rows(self) -> ExpertRows:
