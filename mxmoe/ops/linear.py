@@ -35,6 +35,7 @@ from torch import Tensor
 from mxmoe.ops.gemm import (
     apply_function,
     autocast_input,
+    autocast_off,
     autocast_on,
     autocast_target,
     check_dtype,
@@ -407,7 +408,7 @@ def mx_mm(a: Tensor, b: Tensor, recipe: MXRecipe | None = None) -> Tensor:
     dev = a.device
     if autocast_on(dev.type):
         a = autocast_input(a)
-        with torch.autocast(dev.type, enabled=False):
+        with autocast_off(dev.type):
             y = _mm_call(a, b, recipe)
     else:  # (no autocast context to enter: µs per call)
         y = _mm_call(a, b, recipe)
