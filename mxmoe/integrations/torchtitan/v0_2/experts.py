@@ -1,5 +1,6 @@
 """`MXGroupedExperts`: torchtitan 0.2's `GroupedExperts` on MX operands (made by the converter,
-`v0_2.converter`; given mxmoe's exchange by `v0_2.expert_parallel`, both above this module)."""
+`v0_2.converter`; given mxmoe's exchange by `v0_2.expert_parallel`, both above this module);
+`MXFeedForward`: its `FeedForward` (dense layers, shared experts) with one cast of x for w1 and w3."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.moe.moe import FeedForward, GroupedExperts
 
-from mxmoe.nn.experts import grouped_mm
+from mxmoe.nn import grouped_mm, project
 from mxmoe.nn.mx_experts import run_on_mx_rounded_rows
 from mxmoe.ops import mx_grouped_swiglu_mlp
 from mxmoe.quant.mx_tensor import MXTensor
@@ -70,3 +71,14 @@ def _swiglu_bf16(x: Tensor, w1_t: Tensor, w3_t: Tensor, w2_t: Tensor, offs: Tens
     """torchtitan's SwiGLU experts in bf16: x (T, dim) bf16 grouped by expert, w*_t (E, K, N) bf16."""
     h = F.silu(grouped_mm(x, w1_t, offs)) * grouped_mm(x, w3_t, offs)
     return grouped_mm(h, w2_t, offs)
+
+
+class MXFeedForward(FeedForward):
+    """torchtitan 0.2's `FeedForward` (the SwiGLU MLP of the dense layers and of the shared experts)
+    whose w1 and w3 are MXLinears: w2(F.silu(g) * u) of g, u = `mxmoe.nn.project(x, w1, w3)`, one
+    cast of x for both (one op, x along M kept once), the outputs and gradients of w1(x) and w3(x)
+    bit for bit. Made by `MXMoEConverter` (a class swap: same module and parameters)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        g, u = project(x, self.w1, self.w3)
+        return self.w2(F.silu(g) * u)
