@@ -116,8 +116,11 @@ class WeightCasts(NamedTuple):
     dtype: torch.dtype
 
 
+_DIST = dist.is_available()
+
+
 def _one_process() -> bool:
-    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    return not (_DIST and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def cast_weight(w: Tensor, recipe: MXRecipe, kernels: OpKernels, need_dgrad: bool) -> Tensor | WeightCasts:
