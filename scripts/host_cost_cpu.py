@@ -8,6 +8,17 @@ by no-ops (counted), so what is timed is our Python plus torch's dispatch of rea
 not the interpreter. Beside each MX op: the native op it stands in for, in the same run.
 
     TRITON_INTERPRET=1 python scripts/host_cost_cpu.py [--iters 2000] [--profile OP]
+    TRITON_INTERPRET=1 python scripts/host_cost_cpu.py --model [--iters 20]
+
+--model: a training step (forward, cross-entropy, backward) of torchtitan 0.2.2's DeepSeek-V3 debug
+model (configs/torchtitan/deepseek_v3_debug_0.2.toml: 6 layers, 8 routed experts top-3, 2 shared,
+attention, router and head high precision) with its dims cut to 64 (2 heads of 32 + 32, vocabulary
+256: what is timed is the host's work, not the CPU's GEMMs) and a batch of 1 x 64 tokens,
+bf16 and converted by `--model.converters mxmoe` (the 0.2 adapter), as torchtitan runs it on one
+GPU: fp32 parameters under bf16 autocast, grouped GEMMs through torch._grouped_mm (as on CUDA: the
+CPU's exact loop over groups is not what a GPU runs), the casts' kernels Triton (launches counted,
+not run), the emulated GEMMs in bf16. torchtitan 0.2.2 is imported from --torchtitan02 (default
+.venv/torchtitan-0.2, where `make test` installs it).
 
 Columns: us (CPU µs per call of this process, best of 5 rounds), aten (aten ops dispatched per call),
 launches (Triton kernel launches per call: each costs the Triton launcher's time on a GPU, not
@@ -19,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import logging
 import os
 import pstats
 import sys
 import time
+import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mxmoe
@@ -139,6 +152,84 @@ def _time(fn, iters: int) -> float:
     return min(rounds)
 
 
+def _model_steps(torchtitan02: str):
+    """(name, step) of the torchtitan 0.2 debug model, bf16 and mxmoe (see the module docstring)."""
+    import copy
+    from types import SimpleNamespace
+
+    sys.path.insert(0, torchtitan02)
+    import torch.nn.functional as F
+    import torchtitan.models.moe.kernels as tt_kernels
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.deepseek_v3 import get_train_spec
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    from mxmoe.nn import experts as nn_experts
+    from mxmoe.ops import gemm as ops_gemm
+    from mxmoe.ops import tail_rows
+
+    histc = torch.histc  # the router counts int64 indices with torch.histc, which only CUDA has
+
+    def cpu_histc(x, *a, **k):
+        return histc(x, *a, **k) if x.is_floating_point() else histc(x.float(), *a, **k).to(x.dtype)
+
+    torch.histc = cpu_histc
+    # bf16's token-group padding: its Triton kernel's launch counted, its indices (the same every
+    # step: no optimizer step) from torchtitan's CPU version, once per input
+    filled = {}
+
+    def fill_indices(counts, *args):
+        key = (tuple(counts.tolist()), args[2:])
+        if key not in filled:
+            filled[key] = tt_kernels.fill_indices_cpu(counts, *args)
+        LAUNCHES[0] += 1
+        return filled[key]
+
+    tt_kernels.fill_indices_wrapper = fill_indices
+    # grouped GEMMs as on CUDA: torch._grouped_mm for bf16 operands, its tail rows zeroed by a launch
+    on_grouped = lambda a, b: a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16  # noqa: E731
+    ops_gemm.on_torch_grouped_mm = nn_experts.on_torch_grouped_mm = on_grouped
+    tail_rows._zero_rows_after_kernel = _NoLaunch()
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    toml = os.path.join(root, "mxmoe/configs/torchtitan/deepseek_v3_debug_0.2.toml")
+    mx = ["--mx.mxfp8_dim0_cast_kernel_choice", "triton", "--mx.mxfp8_dim1_cast_kernel_choice", "triton",
+          "--mx.gemm_dtype", "bfloat16"]  # fmt: skip
+    spec = get_train_spec()
+    logging.getLogger().setLevel(logging.ERROR)  # (no tokenizer, no GPU: warnings)
+    warnings.filterwarnings("ignore", "Mismatch dtype between input and weight")  # rms_norm under autocast
+    out = []
+    for name, converters in (("bf16", []), ("mxmoe", ["--model.converters", "mxmoe"])):
+        cli = ["--job.config_file", toml, "--training.seq_len", "64", *converters, *mx]
+        jc = ConfigManager().parse_args(cli)
+        args = copy.deepcopy(spec.model_args[jc.model.flavor])
+        args.update_from_config(jc)
+        args.dim = args.inter_dim = args.moe_inter_dim = args.kv_lora_rank = 64
+        args.n_heads, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim = 2, 32, 32, 32
+        args.vocab_size = 256
+        args.moe_args.use_grouped_mm = True  # (off without an sm_90 GPU)
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        build_model_converters(jc, SimpleNamespace(tp=1, ep=1)).convert(model)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        tokens = torch.randint(0, args.vocab_size, (1, 64))
+        labels = torch.randint(0, args.vocab_size, (1, 64))
+
+        def step(model=model, tokens=tokens, labels=labels, params=tuple(model.parameters())):  # noqa: B008
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(tokens)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss.backward()
+            for p in params:
+                p.grad = None
+
+        out.append((name, step))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=2000)
@@ -147,13 +238,21 @@ def main() -> None:
     p.add_argument("--ops", action="store_true", help="list the aten ops of each row")
     p.add_argument("--profile", help="cProfile the row with this op name")
     p.add_argument("--only", action="append", help="only the rows whose name starts so (repeatable)")
+    p.add_argument("--model", action="store_true", help="a training step of the torchtitan 0.2 debug model")
+    p.add_argument("--torchtitan02", default=".venv/torchtitan-0.2", help="the folder of torchtitan 0.2.2")
     args = p.parse_args()
     torch.set_num_threads(1)
     _stub_triton()
-    M, K = (int(t) for t in args.shape.split("x"))
-    print(f"torch {torch.__version__}, {M}x{K} bf16, {args.groups} groups, {args.iters} calls x 5")
+    if args.model:
+        cases = _model_steps(os.path.abspath(args.torchtitan02))
+        print(f"torch {torch.__version__}, torchtitan 0.2 DeepSeek-V3 debug model (dims 64), 1 x 64 tokens, "
+              f"{args.iters} steps x 5")
+    else:
+        M, K = (int(t) for t in args.shape.split("x"))
+        cases = _cases(M, K, args.groups)
+        print(f"torch {torch.__version__}, {M}x{K} bf16, {args.groups} groups, {args.iters} calls x 5")
     print(f"{'op':28s} {'us':>8s} {'aten':>6s} {'launches':>9s} {'pycalls':>8s}")
-    for name, fn in _cases(M, K, args.groups):
+    for name, fn in cases:
         if args.only and not any(name.startswith(o) for o in args.only):
             continue
         fn()

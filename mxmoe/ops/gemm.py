@@ -256,10 +256,20 @@ def autocast_target(a: Tensor) -> torch.dtype | None:
 def no_autocast(device: torch.device):
     """A context in which autocast is off for `device`'s type: the MX ops choose their GEMMs' dtypes
     themselves (the recipe's gemm_dtype) and must not have them recast. A no-op context when
-    autocast is already off (entering torch.autocast costs a few µs of Python)."""
+    autocast is already off."""
     if not autocast_on(device.type):
         return contextlib.nullcontext()
-    return torch.autocast(device.type, enabled=False)
+    return autocast_off(device.type)
+
+
+def autocast_off(device_type: str):
+    """`torch.autocast(device_type, enabled=False)` for a caller that found autocast on. In eager
+    mode torch's C++ guard that AOTAutograd's compiled graphs run under (torch._C._DisableAutocast:
+    autocast off for every device type, no Python in its enter and exit, where torch.autocast's
+    run some 20 Python calls); traced, torch.autocast (what dynamo traces)."""
+    if torch.compiler.is_compiling():
+        return torch.autocast(device_type, enabled=False)
+    return torch._C._DisableAutocast()
 
 
 

@@ -55,6 +55,7 @@ from mxmoe.formats import INPUT_DTYPES
 from mxmoe.ops.gemm import (
     apply_function,
     autocast_input,
+    autocast_off,
     autocast_on,
     autocast_target,
     check_dtype,
@@ -356,7 +357,7 @@ def mx_grouped_mm(
         return _grouped_call(args, b_t, offs, recipe, kernels, out_dtype)
     if args[1] is None:
         args = (autocast_input(a), *args[1:])
-    with torch.autocast(b_t.device.type, enabled=False):
+    with autocast_off(b_t.device.type):
         return _grouped_call(args, b_t, offs, recipe, kernels, out_dtype)
 
 

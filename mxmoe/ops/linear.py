@@ -35,6 +35,7 @@ from torch import Tensor
 from mxmoe.ops.gemm import (
     apply_function,
     autocast_input,
+    autocast_off,
     autocast_on,
     autocast_target,
     check_dtype,
@@ -115,8 +116,11 @@ class WeightCasts(NamedTuple):
     dtype: torch.dtype
 
 
+_DIST = dist.is_available()
+
+
 def _one_process() -> bool:
-    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    return not (_DIST and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def cast_weight(w: Tensor, recipe: MXRecipe, kernels: OpKernels, need_dgrad: bool) -> Tensor | WeightCasts:
@@ -407,7 +411,7 @@ def mx_mm(a: Tensor, b: Tensor, recipe: MXRecipe | None = None) -> Tensor:
     dev = a.device
     if autocast_on(dev.type):
         a = autocast_input(a)
-        with torch.autocast(dev.type, enabled=False):
+        with autocast_off(dev.type):
             y = _mm_call(a, b, recipe)
     else:  # (no autocast context to enter: µs per call)
         y = _mm_call(a, b, recipe)

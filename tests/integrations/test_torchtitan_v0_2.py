@@ -36,7 +36,7 @@ if not importlib.metadata.version("torchtitan").startswith("0.2."):
 import torch.nn.functional as F  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.config import JobConfig as TTJobConfig  # noqa: E402
-from torchtitan.models.moe.moe import GroupedExperts  # noqa: E402
+from torchtitan.models.moe.moe import FeedForward, GroupedExperts  # noqa: E402
 from torchtitan.protocols.model_converter import (  # noqa: E402
     _registry_model_converter_cls,
     build_model_converters,
@@ -44,6 +44,7 @@ from torchtitan.protocols.model_converter import (  # noqa: E402
 
 import mxmoe.integrations.torchtitan as tt  # noqa: E402
 from mxmoe.integrations.torchtitan import MX, MXGroupedExperts, MXMoEConverter  # noqa: E402
+from mxmoe.integrations.torchtitan.v0_2.experts import MXFeedForward  # noqa: E402
 from mxmoe.nn import MXLinear  # noqa: E402
 from tests.quant import helpers as H  # noqa: E402
 from tests.quant import oracle as O  # noqa: E402
@@ -341,6 +342,41 @@ def test_mx_experts_forward_equals_the_oracle(recipe_name, mode):
     torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_mx_experts_are_the_composition_of_the_mx_ops_bit_for_bit(autocast):
+    """The experts' forward (one fused op, `mx_grouped_swiglu_mlp`) gives the output and the
+    gradients of x, w1, w2, w3 of mx_grouped_mm_shared(x, (w1, w3)) then mx_grouped_mm(F.silu(g) * u,
+    w2) bit for bit, fp32 parameters under bf16 autocast (torchtitan on one GPU) or not."""
+    from mxmoe.ops import mx_grouped_mm, mx_grouped_mm_shared
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=64, hidden_dim=96, num_experts=3, use_grouped_mm=False)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    conv = MXMoEConverter(SimpleNamespace(mx=MX(gemm_dtype="bfloat16")), SimpleNamespace(tp=1))
+    conv.convert(torch.nn.ModuleDict({"experts": experts}))
+    counts = torch.tensor([7.0, 0.0, 41.0])
+    x = torch.randn(50, 64, requires_grad=True)  # 2 rows after the groups
+    dy = torch.randn(50, 64)
+
+    def grads(forward):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = forward()
+        y.backward(dy)
+        out = [y.detach(), *(t.grad for t in (x, experts.w1, experts.w2, experts.w3))]
+        x.grad = experts.w1.grad = experts.w2.grad = experts.w3.grad = None
+        return out
+
+    def composition():
+        w1, w2, w3 = (w.bfloat16().transpose(-2, -1) for w in (experts.w1, experts.w2, experts.w3))
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        g, u = mx_grouped_mm_shared(x.bfloat16(), (w1, w3), offs, experts.recipe)
+        return mx_grouped_mm(F.silu(g) * u, w2, offs, experts.recipe).type_as(x)
+
+    for got, want in zip(grads(lambda: experts(x, counts)), grads(composition), strict=True):
+        assert torch.equal(got, want)
+
+
 def _model(name: str, flavor: str, converters: list[str], mx: MX | None = None):
     spec = importlib.import_module(f"torchtitan.models.{name}").get_train_spec()
     args = copy.deepcopy(spec.model_args[flavor])
@@ -383,6 +419,8 @@ def test_moe_model_forward_backward_near_fp32(name, flavor, filter_fqns, cpu_his
     plain = {n for n, m in mods.items() if type(m) is torch.nn.Linear}
     assert any(".feed_forward." in n for n in mx_linears) and any(".shared_expert" in n for n in mx_linears)
     assert any(".attention." in n for n in mx_linears) == (filter_fqns is not None)
+    ffs = [m for m in mods.values() if isinstance(m, FeedForward)]
+    assert ffs and all(type(m) is MXFeedForward for m in ffs)  # w1 and w3 on one cast of x
     assert all(n == "output" or n.endswith("router.gate") or ".attention." in n for n in plain), plain
     # same parameters, names and values: checkpoints and optimizers see the same model
     names = [(n, p.shape) for n, p in mx.named_parameters()]
@@ -412,6 +450,36 @@ def test_moe_model_forward_backward_near_fp32(name, flavor, filter_fqns, cpu_his
     assert abs(mx_loss - ref_loss) < 5e-4 * ref_loss
     assert np.median(list(rels.values())) < 0.1 and max(rels.values()) < 0.2, rels
 
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_mx_feed_forward_shares_the_cast_of_x_bit_for_bit(autocast):
+    """A FeedForward whose w1 and w3 are converted becomes MXFeedForward (one cast of x for both:
+    `mxmoe.nn.project`), whose output and gradients (x's beside another use of x, w1, w2, w3) are
+    torchtitan's forward's bit for bit; with w1 left high precision (filter_fqns) it stays a
+    FeedForward."""
+    torch.manual_seed(0)
+    ff = FeedForward(64, 96)
+    conv = MXMoEConverter(SimpleNamespace(mx=MX(filter_fqns=[])), SimpleNamespace(tp=1))
+    conv.convert(torch.nn.ModuleDict({"ff": ff}))
+    assert type(ff) is MXFeedForward and isinstance(ff.w1, MXLinear) and isinstance(ff.w3, MXLinear)
+    x = torch.randn(2, 40, 64, requires_grad=True)
+    dy = torch.randn(2, 40, 64)
+
+    def grads(forward):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = forward(x * 0.5) + x  # x's gradient: a sum with another use of it
+        y.backward(dy)
+        out = [y.detach(), *(t.grad for t in (x, ff.w1.weight, ff.w2.weight, ff.w3.weight))]
+        x.grad = ff.w1.weight.grad = ff.w2.weight.grad = ff.w3.weight.grad = None
+        return out
+
+    for got, want in zip(grads(ff), grads(lambda h: FeedForward.forward(ff, h)), strict=True):
+        assert torch.equal(got, want)
+    kept = FeedForward(64, 96)
+    MXMoEConverter(SimpleNamespace(mx=MX(filter_fqns=["w1"])), SimpleNamespace(tp=1)).convert(
+        torch.nn.ModuleDict({"ff": kept})
+    )
+    assert type(kept) is FeedForward and isinstance(kept.w3, MXLinear)
 
 def test_byte_tokenizer_is_the_bytes_for_torchtitan(tmp_path):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer

@@ -97,3 +97,32 @@ def test_mx_ops_fwd_bwd_allocate_one_output_per_cast(launches):
     assert (Counter(ops), n) == (Counter(t=6, empty_like=6, mm=3), 3), ops
     ops, n = _ops(grouped, launches)  # (on CPU the grouped GEMMs are loops of mm over the groups)
     assert (ops.count("empty_like"), n) == (6, 3), ops
+
+
+def test_shared_casts_make_fewer_launches_than_separate_calls(launches):
+    """Under bf16 autocast with fp32 weights (torchtitan on one GPU), forward+backward: two MXLinears
+    on one x through `project` cast x once (5 launches: x, each W and each dy both ways), two calls 6;
+    the SwiGLU experts' MLP as one op (`mx_grouped_swiglu_mlp`) launches 8 casts: x, w1, w3, w2, h
+    (from g and u), dy and dg, du (from dh, g and u), each both ways."""
+    from mxmoe.nn import MXLinear, project
+    from mxmoe.ops import mx_grouped_swiglu_mlp
+
+    x = torch.randn(64, 64, requires_grad=True)
+    w1, w3 = (MXLinear(64, 64, bias=False, recipe=R) for _ in range(2))
+    ws = [torch.randn(4, 64, 64, requires_grad=True) for _ in range(3)]  # w1, w3, w2 (E, N, K)
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+
+    def step(forward):
+        def run():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = forward()
+            y.float().sum().backward()
+            for t in (x, w1.weight, w3.weight, *ws):
+                t.grad = None
+
+        return run
+
+    assert _ops(step(lambda: sum(project(x, w1, w3))), launches)[1] == 5
+    assert _ops(step(lambda: w1(x) + w3(x)), launches)[1] == 6
+    mlp = step(lambda: mx_grouped_swiglu_mlp(x, *(w.transpose(-2, -1) for w in ws), offs, R))
+    assert _ops(mlp, launches)[1] == 8

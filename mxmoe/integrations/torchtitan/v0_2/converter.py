@@ -7,7 +7,8 @@ leaves free: its own torchao converters are "quantize.linear.mx" / "quantize.gro
 
 * swaps `nn.Linear` for `mxmoe.nn.MXLinear` (`mxmoe.convert`: forward, dgrad and wgrad GEMMs on MX
   operands), except modules whose FQN contains a `filter_fqns` substring (default: the output head,
-  the MoE router gate and attention: the dense and shared-expert feed-forward layers are MX);
+  the MoE router gate and attention: the dense and shared-expert feed-forward layers are MX); a
+  `FeedForward` whose w1 and w3 are MX becomes `MXFeedForward` (one cast of x for the two);
 * turns torchtitan's `GroupedExperts` into `MXGroupedExperts`: the same module and parameters
   (w1 / w3 (E, hidden, dim), w2 (E, dim, hidden)), its SwiGLU grouped GEMMs on MX operands
   (`mxmoe.ops`), or, with `expert_gemm = "bf16"`, bf16 GEMMs on MX-rounded rows (the exchange only);
@@ -47,13 +48,14 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import nn
 from torchtitan.config import manager as _manager
-from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.models.moe.moe import FeedForward, GroupedExperts
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 from torchtitan.tools.logging import logger
 
 import mxmoe
 from mxmoe.integrations.torchtitan.common import check_kernels, tensor_parallel_error
-from mxmoe.integrations.torchtitan.v0_2.experts import MXGroupedExperts
+from mxmoe.integrations.torchtitan.v0_2.experts import MXFeedForward, MXGroupedExperts
+from mxmoe.nn import MXLinear
 from mxmoe.nn.converter import asked_options, unconverted_error
 from mxmoe.options import MXOptions
 
@@ -107,6 +109,9 @@ class MXMoEConverter:
         mxmoe.convert(model, opts, log_summary=False)
         report = model.mx_conversion
         experts = report.converted["GroupedExperts"]
+        for mod in model.modules():  # feed-forward layers whose w1 and w3 are MX: one cast of x for both
+            if type(mod) is FeedForward and isinstance(mod.w1, MXLinear) and isinstance(mod.w3, MXLinear):
+                mod.__class__ = MXFeedForward
         for fqn, mod in model.named_modules():
             if not isinstance(mod, GroupedExperts):
                 continue
