@@ -199,6 +199,19 @@ def make_spec(block_size: int, scaling_mode: str | ScalingMode, elem_dtype: torc
 # --------------------------------------------------------------------------------------------
 
 
+class _SpecOnce:
+    """`MXFormat.spec`: made on first access and kept in the format's __dict__, where later reads find
+    it with no call (a non-data descriptor, as functools.cached_property, without the lock that
+    torch.compile's dynamo cannot enter on Python 3.11: a graph break in every cast)."""
+
+    def __get__(self, fmt: MXFormat | None, owner: type | None = None):
+        if fmt is None:
+            return self
+        spec = CastSpec(fmt.block_size, fmt.scaling_mode, fmt.elem)
+        object.__setattr__(fmt, "spec", spec)  # (a frozen dataclass)
+        return spec
+
+
 @dataclass(frozen=True)
 class MXFormat:
     """A block-scaled format: everything the casts, the exchange and the GEMMs read of one, as one
@@ -252,18 +265,9 @@ class MXFormat:
         """The element format's constants."""
         return ELEM_FORMATS[self.elem_dtype]
 
-    @property
-    def spec(self) -> CastSpec:
-        """What a cast kernel takes: one object per format, made on first use (the kernels' caches
-        find it by identity). While torch.compile traces, made afresh: dynamo cannot enter
-        functools.cached_property's lock (Python 3.11), a graph break in every cast."""
-        if torch.compiler.is_compiling():
-            return CastSpec(self.block_size, self.scaling_mode, self.elem)
-        spec = self.__dict__.get("_spec")
-        if spec is None:
-            spec = CastSpec(self.block_size, self.scaling_mode, self.elem)
-            object.__setattr__(self, "_spec", spec)
-        return spec
+    spec = _SpecOnce()
+    """What a cast kernel takes: one object per format, made on first use and kept (the kernels'
+    caches find it by identity); made when the format is registered."""
 
     @property
     def key(self) -> tuple[torch.dtype, int, ScalingMode]:
@@ -289,6 +293,7 @@ def register_format(fmt: MXFormat, elem: ElemFormat | None = None) -> MXFormat:
         if have is not None and have != fmt:
             raise ValueError(f"register_format: {fmt} clashes with the registered {have}")
     FORMATS[fmt.name] = _BY_KEY[fmt.key] = fmt
+    fmt.spec  # noqa: B018 (made now, not while torch.compile traces a cast)
     return fmt
 
 
