@@ -318,7 +318,19 @@ def check_dtype(name: str, dtype: torch.dtype) -> None:
     """An operand of an MX op (as its casts take it: after autocast) is bf16 or fp32; the one
     dtype check of the call (the casts below trust it)."""
     if dtype not in INPUT_DTYPES:
-        raise TypeError(f"{name} has dtype {dtype}; expected one of {[str(d) for d in INPUT_DTYPES]}")
+        what = _OPERANDS.get(name, "")
+        raise TypeError(
+            f"{name} has dtype {dtype}; expected one of {[str(d) for d in INPUT_DTYPES]} ({what}the MX "
+            "casts read bf16 or fp32: cast it, or run under torch.autocast with dtype=torch.bfloat16)"
+        )
+
+
+_OPERANDS = {
+    "a": "a: the activations, the input x of an MXLinear or of MX experts; ",
+    "b": "b: the weight; ",
+    "b_t": "b_t: the experts' weights; ",
+}
+"""What each operand name of the MX ops is, in a module's terms (check_dtype's errors)."""
 
 
 def gemm(a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:

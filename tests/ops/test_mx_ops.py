@@ -10,7 +10,7 @@ from conftest import recipe_for
 
 from mxmoe import to_mx
 from mxmoe.formats import format_of
-from mxmoe.nn import GroupedExperts, MXGroupedExperts
+from mxmoe.nn import GroupedExperts, MXGroupedExperts, MXLinear
 from mxmoe.ops import mx_gemm, mx_grouped_mm, mx_mm
 from mxmoe.quant import custom_ops
 from mxmoe.quant.mx_tensor import make_grad_anchor
@@ -108,6 +108,10 @@ def test_mx_mm_errors():
         mx_mm(torch.randn(4, 64, dtype=torch.float16), torch.randn(64, 32), CFG)
     with pytest.raises(TypeError, match="b has dtype torch.float64"):
         mx_mm(torch.randn(4, 64), torch.randn(64, 32, dtype=torch.float64), CFG)
+    # through a module: the error says what `a` is and what to do (it named only the op's argument)
+    lin = MXLinear(64, 32, recipe=CFG)
+    with pytest.raises(TypeError, match=r"a: the activations, the input x of an MXLinear .* torch.autocast"):
+        lin(torch.randn(4, 64, dtype=torch.float16))
     with torch.autocast("cpu", dtype=torch.float16):  # a as autocast casts it: autocast named
         with pytest.raises(TypeError, match=r"torch.autocast\(dtype=torch.float16\) is on for cpu"):
             mx_mm(torch.randn(4, 64), torch.randn(64, 32), CFG)
