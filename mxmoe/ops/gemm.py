@@ -253,33 +253,35 @@ def autocast_target(a: Tensor) -> torch.dtype | None:
     return None
 
 
-def no_autocast(device: torch.device):
+def no_autocast(device: torch.device, eager: bool = False):
     """A context in which autocast is off for `device`'s type: the MX ops choose their GEMMs' dtypes
     themselves (the recipe's gemm_dtype) and must not have them recast. A no-op context when
-    autocast is already off."""
+    autocast is already off. eager: as for `autocast_off`."""
     if not autocast_on(device.type):
         return contextlib.nullcontext()
-    return autocast_off(device.type)
+    return autocast_off(device.type, eager)
 
 
-def autocast_off(device_type: str):
+def autocast_off(device_type: str, eager: bool = False):
     """`torch.autocast(device_type, enabled=False)` for a caller that found autocast on. In eager
     mode torch's C++ guard that AOTAutograd's compiled graphs run under (torch._C._DisableAutocast:
     autocast off for every device type, no Python in its enter and exit, where torch.autocast's
-    run some 20 Python calls); traced, torch.autocast (what dynamo traces)."""
-    if torch.compiler.is_compiling():
+    run some 20 Python calls); traced, torch.autocast (what dynamo traces). eager: the caller knows
+    that torch.compile is not tracing (`OpKernels.direct`)."""
+    if not eager and torch.compiler.is_compiling():
         return torch.autocast(device_type, enabled=False)
     return torch._C._DisableAutocast()
 
 
 
-def apply_function(fn: type[torch.autograd.Function], *args):
+def apply_function(fn: type[torch.autograd.Function], *args, eager: bool = False):
     """`fn.apply(*args)`; in eager mode without functorch transforms, the C++ apply itself: the
     Python of `torch.autograd.Function.apply` only binds default arguments for a `setup_context`
     (the ops' Functions have none) and unwraps functorch's dead wrappers (none without
     transforms), µs per call. torch.compile traces `fn.apply` as usual. Under a torch.func
-    transform (which such a Function cannot run under) a RuntimeError names the op."""
-    if torch.compiler.is_compiling():
+    transform (which such a Function cannot run under) a RuntimeError names the op. eager: the
+    caller knows that torch.compile is not tracing (its kernels are `OpKernels.direct`)."""
+    if not eager and torch.compiler.is_compiling():
         return fn.apply(*args)
     if torch._C._are_functorch_transforms_active():
         op = getattr(fn.backward, "mx_op", fn.__name__)
@@ -333,13 +335,19 @@ _OPERANDS = {
 """What each operand name of the MX ops is, in a module's terms (check_dtype's errors)."""
 
 
-def gemm(a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+def gemm(
+    a: Tensor, b: Tensor, offs: Tensor | None, out_dtype: torch.dtype, direct: bool = False
+) -> Tensor:
     """a @ b on bf16/fp32 tensors (not MX), dense or grouped by offs (same shapes and offs as
     `mx_gemm`, any strides), fp32 accumulation; result in `out_dtype`. The emulated backend's GEMM
     on dequantized operands (of the compute dtype), and the wgrad_with_hp recipe's on unquantized
-    ones."""
+    ones. direct: the caller knows that nothing traces, profiles or differentiates this call and
+    the operands are not meta (`OpKernels.direct`): the grouped GEMM's body runs without asking."""
     # torch.mm for the dense 2D GEMM: what `a @ b` runs there, without matmul's dispatch layer
-    out = torch.mm(a, b) if offs is None else _grouped(a, b, offs)
+    if offs is None:
+        out = torch.mm(a, b)
+    else:
+        out = _grouped_mm_impl(a, b, offs) if direct else _grouped(a, b, offs)
     # no `.to()` when the dtype already matches: torch 2.11's dynamo gives an autograd.Function
     # whose output is such a no-op `.to()` of an intermediate a zero gradient under torch.compile.
     # Removable once mxmoe's oldest torch traces it right (tests/ops/test_mx_ops.py, compiled, pass

@@ -161,30 +161,56 @@ class OpKernels(NamedTuple):
     k1: str | None
     """The qdq kernel of dim1 and dim0+dim1 calls, with or without offs (`backends.cast_kernel`,
     "qdq_dim1"); None off the qdq path."""
+    direct: bool = False
+    """The op's qdq casts and high-precision GEMMs call their bodies straight away, asking nothing per
+    call: set by `op_kernels` (and kept by `backward_kernels`) in plain eager mode, where nothing
+    traces (torch.compile), records (the profiler) or differentiates them (autograd: inside an
+    autograd Function, or a call with nothing that requires grad), on tensors that are not meta.
+    False: each cast and GEMM chooses between its body and its custom op itself."""
 
 
-def _make_kernels(recipe: MXRecipe, device: torch.device, backend: str, qdq: bool) -> OpKernels:
+def _make_kernels(recipe: MXRecipe, device: torch.device, backend: str, qdq: bool, direct: bool) -> OpKernels:
+    compute = recipe.compute_dtype(device)
     if not qdq:
-        return OpKernels(backend, qdq, recipe.compute_dtype(device), None, None)
+        return OpKernels(backend, qdq, compute, None, None, direct)
     k0, k1 = (backends.cast_kernel(recipe, device, c) for c in ("qdq_dim0", "qdq_dim1"))
-    return OpKernels(backend, qdq, recipe.compute_dtype(device), k0, k1)
+    return OpKernels(backend, qdq, compute, k0, k1, direct)
+
+
+def _both_kernels(recipe: MXRecipe, device: torch.device, backend: str, qdq: bool) -> tuple:
+    """(recipe, general OpKernels, direct OpKernels): the direct ones are the general ones on meta."""
+    general = _make_kernels(recipe, device, backend, qdq, False)
+    return recipe, general, general if device.type == "meta" else general._replace(direct=True)
 
 
 def op_kernels(recipe: MXRecipe, device: torch.device) -> OpKernels:
-    """The OpKernels of `recipe` on `device`'s type: a dict lookup after the first call (kept with the
-    cast kernels' resolved answers, `mxmoe.quant.backends.clear_resolved` forgets it too); built
-    afresh while torch.compile traces. Raises as the recipe's qdq calls would (`backends.cast_kernel`)."""
+    """The OpKernels of `recipe` on `device`'s type for one call of an MX op (its forward, or all of
+    it without a graph to record), `direct` where the call runs in plain eager mode (see
+    OpKernels.direct; a backward asks again, `backward_kernels`): a dict lookup after the first call
+    (kept with the cast kernels' resolved answers, `mxmoe.quant.backends.clear_resolved` forgets it
+    too); built afresh, not direct, while torch.compile traces. Raises as the recipe's qdq calls
+    would (`backends.cast_kernel`)."""
     backend = resolve_gemm_backend(recipe, device)
     qdq = backend in QDQ_BACKENDS  # (in the key: tests switch the path per call)
     if torch.compiler.is_compiling():
-        return _make_kernels(recipe, device, backend, qdq)
+        return _make_kernels(recipe, device, backend, qdq, False)
     # keyed by the recipe's id (hashing a recipe hashes its 7 fields, µs per call); the entry
     # holds the recipe, so that id is not reused while the entry lives
-    held, kernels = backends.remember(
+    held, general, direct = backends.remember(
         ("op_kernels", id(recipe), device.type, qdq, backend),
-        lambda: (recipe, _make_kernels(recipe, device, backend, qdq)),
+        lambda: _both_kernels(recipe, device, backend, qdq),
     )
-    return kernels if held is recipe else _make_kernels(recipe, device, backend, qdq)
+    if held is not recipe:
+        _, general, direct = _both_kernels(recipe, device, backend, qdq)
+    return general if torch.autograd._profiler_enabled() else direct
+
+
+def backward_kernels(kernels: OpKernels) -> OpKernels:
+    """The OpKernels of an MX op's backward given its forward's: direct ones stay direct only where
+    the backward runs in plain eager mode too (not traced by compiled autograd, not profiled)."""
+    if kernels.direct and (torch.compiler.is_compiling() or torch.autograd._profiler_enabled()):
+        return kernels._replace(direct=False)
+    return kernels
 
 
 def uses_qdq(recipe: MXRecipe, device: torch.device) -> bool:

@@ -64,10 +64,11 @@ from mxmoe.ops.gemm import (
     mx_gemm,
     no_autocast,
 )
-from mxmoe.ops.gemm_backend import OpKernels, op_kernels, uses_qdq
+from mxmoe.ops.gemm_backend import OpKernels, backward_kernels, op_kernels, uses_qdq
 from mxmoe.ops.linear import (
     WeightCasts,
     cast_weight,
+    casts_both,
     dgrad_mx,
     restored_weight,
     saved_weight,
@@ -116,7 +117,7 @@ def _cast_a(a, a_q, a_s, a_mode, offs, recipe: MXRecipe, kernels: OpKernels, nee
     if need_dw and recipe.wgrad_with_hp:
         a0 = _cast_a(a, a_q, a_s, a_mode, offs, recipe, kernels, False, out_dtype)[0]
         return a0, ((a_q, a_s) if is_mx else (a,)), 0
-    qdq, compute = kernels.qdq, kernels.compute
+    qdq, compute, direct = kernels.qdq, kernels.compute, kernels.direct
     pos = offs_pad = None
     cap = 0
     if need_dw and not qdq:
@@ -127,13 +128,13 @@ def _cast_a(a, a_q, a_s, a_mode, offs, recipe: MXRecipe, kernels: OpKernels, nee
             a0 = a0.dequantize(compute, recipe=recipe)
         kept = (a_q, a_s) if qdq else (pos, offs_pad, a_q, a_s)
     elif need_dw and qdq:  # one read of a: along K, and along M in groups (kept for the wgrad)
-        a0, a1 = qdq_trusted(a, recipe, kernels.k1, compute, True, True, offs)
+        a0, a1 = qdq_trusted(a, recipe, kernels.k1, compute, True, True, offs, direct)
         kept = (a1,)
     elif need_dw:
         p0, a1 = to_mx_dim0_dim1(pad_groups(a, offs, pos, cap), recipe=recipe)
         a0, kept = p0.index_rows(pos), (pos, offs_pad, a1.qdata_blocked, a1.scale_blocked)
     elif qdq:
-        (a0,) = qdq_trusted(a, recipe, kernels.k0, compute, True, False)
+        (a0,) = qdq_trusted(a, recipe, kernels.k0, compute, True, False, None, direct)
     else:
         a0 = to_mx(a, axis=-1, recipe=recipe)
     return a0, (kept if need_dw else ()), cap
@@ -145,7 +146,8 @@ def _forward_gemm(
     """y (T, N) = a0 Wₑᵀ per group: a0 from `_cast_a`, w (E, N, K) cast along K (its rows), or its
     `cast_weight`."""
     if kernels.qdq:
-        return gemm(a0, weight_qdq(w, -1, recipe, kernels).transpose(-2, -1), offs, out_dtype)
+        w0 = weight_qdq(w, -1, recipe, kernels).transpose(-2, -1)
+        return gemm(a0, w0, offs, out_dtype, kernels.direct)
     return mx_gemm(a0, swap_last2(weight_mx(w, -1, recipe)), offs, recipe, out_dtype=out_dtype)
 
 
@@ -163,7 +165,7 @@ def _wgrad_a(
             return kept[0]
         sq, ss = kept
         a_deq = _mx(sq, ss, 1, recipe, a_mode, a_dtype).dequantize(recipe=recipe)
-        return qdq_trusted(a_deq, recipe, kernels.k1, kernels.compute, False, True, offs)[0]
+        return qdq_trusted(a_deq, recipe, kernels.k1, kernels.compute, False, True, offs, kernels.direct)[0]
     pos, _, sq, ss = kept
     if is_mx:
         a_deq = _mx(sq, ss, 1, recipe, a_mode, a_dtype).dequantize(recipe=recipe)
@@ -181,22 +183,22 @@ def _backward_gemms(
     already, (dy0, dy1) as qdq_dim0_dim1(dy, offs=offs) gives them (dy is then not read). With the
     recipe's wgrad_with_hp the wgrad is `wgrad_with_hp` of dy and the tokens, and dy is cast for the
     dgrad alone."""
-    qdq, compute = kernels.qdq, kernels.compute
+    qdq, compute, direct = kernels.qdq, kernels.compute, kernels.direct
     da = db_t = None
     # given casts: qdq_dim0_dim1's dy0 has its rows after the groups zeroed, dgrad rows zeroed anyway
     dy0, dy1 = (None, None) if dy_qdq is None else dy_qdq
     dy = dy if dy is None else dy.contiguous()
     if need_dw and recipe.wgrad_with_hp:
         # K-grouped (E, N, K): dyᵀ (N, T) and a (T, K), both T-major, grouped by the real offs
-        db_t = wgrad_with_hp(dy, a1_fn(), offs, w.dtype).transpose(-2, -1)
+        db_t = wgrad_with_hp(dy, a1_fn(), offs, w.dtype, direct).transpose(-2, -1)
         need_dw = False
     if need_dw and qdq:
         if dy1 is None and need_da:  # one read of dy: along N, and along M in groups
-            dy0, dy1 = qdq_trusted(dy, recipe, kernels.k1, compute, True, True, offs)
+            dy0, dy1 = qdq_trusted(dy, recipe, kernels.k1, compute, True, True, offs, direct)
         elif dy1 is None:
-            (dy1,) = qdq_trusted(dy, recipe, kernels.k1, compute, False, True, offs)
+            (dy1,) = qdq_trusted(dy, recipe, kernels.k1, compute, False, True, offs, direct)
         # K-grouped (E, N, K): dy1ᵀ (N, T) and a1 (T, K), both T-major, grouped by the real offs
-        db_t = gemm(dy1.t(), a1_fn(), offs, w.dtype).transpose(-2, -1)
+        db_t = gemm(dy1.t(), a1_fn(), offs, w.dtype, direct).transpose(-2, -1)
     elif need_dw:
         pos, offs_pad = kept[:2]
         dy_pad = pad_groups(dy, offs, pos, cap)
@@ -208,12 +210,12 @@ def _backward_gemms(
         db_t = wgrad_mx(dy1, a1_fn(), pos, offs, offs_pad, recipe, w.dtype).transpose(-2, -1)
     elif need_da and dy0 is None:
         if qdq:
-            (dy0,) = qdq_trusted(dy, recipe, kernels.k0, compute, True, False)
+            (dy0,) = qdq_trusted(dy, recipe, kernels.k0, compute, True, False, None, direct)
         else:
             dy0 = to_mx(dy, axis=-1, recipe=recipe)
     if need_da:  # w (E, N, K) along N per expert, row-major (torch._grouped_mm's row-major b)
         if qdq:
-            da = gemm(dy0, weight_qdq(w, -2, recipe, kernels, dy0), offs, a_dtype)
+            da = gemm(dy0, weight_qdq(w, -2, recipe, kernels, dy0), offs, a_dtype, direct)
         else:
             da = dgrad_mx(dy0, weight_mx(w, -2, recipe, dy0.qdata_blocked), offs, recipe, a_dtype)
     return da, db_t
@@ -226,7 +228,7 @@ class _MXGroupedMM(torch.autograd.Function):
         # b_t: (E, K, N), the transposed view of the expert weights w (E, N, K).
         # kernels: op_kernels(recipe, b_t.device)
         a0, kept, cap = _cast_a(a, a_q, a_s, a_mode, offs, recipe, kernels, b_t.requires_grad, out_dtype)
-        w = cast_weight(b_t.transpose(-2, -1), recipe, kernels, a.requires_grad)
+        w = cast_weight(b_t.transpose(-2, -1), recipe, kernels, casts_both(kernels, a.requires_grad))
         y = _forward_gemm(a0, w, offs, recipe, kernels, out_dtype)
         ctx.recipe, ctx.kernels, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
             recipe, kernels, a_q is not None, out_dtype, a_mode, cap
@@ -241,7 +243,7 @@ class _MXGroupedMM(torch.autograd.Function):
         need_da, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
         w, offs, *kept = ctx.saved_tensors
         w = restored_weight(w, ctx.w_casts, ctx.w_dtype)
-        recipe, kernels = ctx.recipe, ctx.kernels
+        recipe, kernels = ctx.recipe, backward_kernels(ctx.kernels)
 
         def a1_fn():
             return _wgrad_a(kept, offs, recipe, kernels, ctx.is_mx, ctx.a_mode, ctx.a_dtype, ctx.cap)
@@ -264,9 +266,10 @@ def _grouped_shared_forward(
     return ys, kept, cap
 
 
-def _cast_weights(b_ts, recipe: MXRecipe, kernels: OpKernels, need_dgrad: bool) -> list:
-    """`cast_weight` of each expert weight (E, N, K) given as its transposed view b_t (E, K, N)."""
-    return [cast_weight(b_t.transpose(-2, -1), recipe, kernels, need_dgrad) for b_t in b_ts]
+def _cast_weights(b_ts, recipe: MXRecipe, kernels: OpKernels, both: bool) -> list:
+    """`cast_weight` of each expert weight (E, N, K) given as its transposed view b_t (E, K, N)
+    (both: `casts_both`)."""
+    return [cast_weight(b_t.transpose(-2, -1), recipe, kernels, both) for b_t in b_ts]
 
 
 def _keep_weights(ctx, ws, b_ts) -> list[Tensor]:
@@ -291,7 +294,7 @@ class _MXGroupedMMShared(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         ctx.x_dtype = a.dtype
         need_dw = any(wants_grad(b_t) for b_t in b_ts)
-        ws = _cast_weights(b_ts, recipe, kernels, a.requires_grad)
+        ws = _cast_weights(b_ts, recipe, kernels, casts_both(kernels, a.requires_grad))
         ys, kept, cap = _grouped_shared_forward(
             a, a_q, a_s, a_mode, offs, recipe, kernels, out_dtype, cast_to, ws, need_dw
         )
@@ -305,7 +308,7 @@ class _MXGroupedMMShared(torch.autograd.Function):
     @staticmethod
     @first_order("mxmoe.ops.mx_grouped_mm_shared")
     def backward(ctx, *dys):
-        recipe, kernels, n = ctx.recipe, ctx.kernels, ctx.n
+        recipe, kernels, n = ctx.recipe, backward_kernels(ctx.kernels), ctx.n
         saved = ctx.saved_tensors  # read once: under non-reentrant checkpointing each read unpacks
         offs, ws, kept = saved[0], saved[1 : 1 + n], saved[1 + n :]
         ws = _weights_back(ctx, ws)
@@ -357,14 +360,16 @@ def mx_grouped_mm(
         return _grouped_call(args, b_t, offs, recipe, kernels, out_dtype)
     if args[1] is None:
         args = (autocast_input(a), *args[1:])
-    with autocast_off(b_t.device.type):
+    with autocast_off(b_t.device.type, kernels.direct):
         return _grouped_call(args, b_t, offs, recipe, kernels, out_dtype)
 
 
 def _grouped_call(args, b_t: Tensor, offs: Tensor, recipe: MXRecipe, kernels: OpKernels, out_dtype) -> Tensor:
     """mx_grouped_mm's (T, N) result from `_checked_args`'s args (a after autocast), autocast off."""
     if torch.is_grad_enabled() and (args[0].requires_grad or b_t.requires_grad):
-        return apply_function(_MXGroupedMM, *args, b_t, offs, recipe, kernels, out_dtype)
+        return apply_function(
+            _MXGroupedMM, *args, b_t, offs, recipe, kernels, out_dtype, eager=kernels.direct
+        )
     # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
     a0 = _cast_a(*args, offs, recipe, kernels, False, out_dtype)[0]
     return _forward_gemm(a0, b_t.transpose(-2, -1), offs, recipe, kernels, out_dtype)
@@ -399,9 +404,12 @@ def mx_grouped_mm_shared(
         check_dtype("a", cast_to)
     kernels = op_kernels(recipe, b_ts[0].device)
     offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
-    with no_autocast(b_ts[0].device):
+    with no_autocast(b_ts[0].device, kernels.direct):
         if torch.is_grad_enabled() and (args[0].requires_grad or any(b.requires_grad for b in b_ts)):
-            return apply_function(_MXGroupedMMShared, *args, offs, recipe, kernels, out_dtype, cast_to, *b_ts)
+            return apply_function(
+                _MXGroupedMMShared, *args, offs, recipe, kernels, out_dtype, cast_to, *b_ts,
+                eager=kernels.direct,
+            )
         # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
         ws = [b_t.transpose(-2, -1) for b_t in b_ts]
         return _grouped_shared_forward(*args, offs, recipe, kernels, out_dtype, cast_to, ws, False)[0]
@@ -412,10 +420,11 @@ def _swiglu_forward(g, u, w, need_dw: bool, offs, recipe: MXRecipe, kernels: OpK
     (h1,), h along M in groups (T, K) compute dtype, when the weight needs its MX wgrad (need_dw),
     else ()); w: the expert weights (E, N, K) or their `cast_weight`."""
     if need_dw and not recipe.wgrad_with_hp:  # along K for the GEMM, along M kept for the wgrad
-        h0, h1 = swiglu_qdq_trusted(g, u, recipe, kernels.k1, kernels.compute, offs)
+        h0, h1 = swiglu_qdq_trusted(g, u, recipe, kernels.k1, kernels.compute, offs, kernels.direct)
         kept = (h1,)
     else:  # as `_cast_a` without the wgrad (wgrad_with_hp: `_swiglu_wgrad_h` makes h again)
-        (h0,) = qdq_trusted(F.silu(g) * u, recipe, kernels.k0, kernels.compute, True, False)
+        h = F.silu(g) * u
+        (h0,) = qdq_trusted(h, recipe, kernels.k0, kernels.compute, True, False, None, kernels.direct)
         kept = ()
     return _forward_gemm(h0, w, offs, recipe, kernels, out_dtype), kept
 
@@ -435,7 +444,7 @@ class _MXGroupedMMSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u, b_t, offs, recipe: MXRecipe, kernels: OpKernels, out_dtype):
         # g, u: (T, K) of out_dtype (no autocast cast left to make); b_t: (E, K, N)
-        (w,) = _cast_weights((b_t,), recipe, kernels, g.requires_grad or u.requires_grad)
+        (w,) = _cast_weights((b_t,), recipe, kernels, casts_both(kernels, g.requires_grad or u.requires_grad))
         y, kept = _swiglu_forward(g, u, w, b_t.requires_grad, offs, recipe, kernels, out_dtype)
         ctx.recipe, ctx.kernels, ctx.a_dtype = recipe, kernels, out_dtype
         # g, u: silu's and mul's backward need them
@@ -448,9 +457,9 @@ class _MXGroupedMMSwiGLU(torch.autograd.Function):
         need_dg, need_du, need_dw = ctx.needs_input_grad[:3]
         g, u, w, offs, *kept = ctx.saved_tensors
         (w,) = _weights_back(ctx, (w,))
-        recipe = ctx.recipe
+        recipe, kernels = ctx.recipe, backward_kernels(ctx.kernels)
         dh, db_t = _backward_gemms(
-            dy, w, offs, kept, lambda: _swiglu_wgrad_h(recipe, g, u, kept), recipe, ctx.kernels,
+            dy, w, offs, kept, lambda: _swiglu_wgrad_h(recipe, g, u, kept), recipe, kernels,
             need_dg or need_du, need_dw, ctx.a_dtype, 0,
         )
         dg = du = None
@@ -499,9 +508,11 @@ def mx_grouped_mm_swiglu(
         raise ValueError(f"u is on {u.device} but g on {g.device}; they must share a device")
     kernels = op_kernels(recipe, b_t.device)
     offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
-    with no_autocast(b_t.device):
+    with no_autocast(b_t.device, kernels.direct):
         if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad or b_t.requires_grad):
-            return apply_function(_MXGroupedMMSwiGLU, g, u, b_t, offs, recipe, kernels, out_dtype)
+            return apply_function(
+                _MXGroupedMMSwiGLU, g, u, b_t, offs, recipe, kernels, out_dtype, eager=kernels.direct
+            )
         # no graph to record (e.g. validation under no_grad): the forward alone, as mx_grouped_mm's
         h = F.silu(g) * u
         h0 = _cast_a(h, None, None, recipe.scaling_mode, offs, recipe, kernels, False, out_dtype)[0]
@@ -525,8 +536,9 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
         ctx.x_dtype = a.dtype
         # w2's dgrad (dh) is needed for a's gradient and for w1's and w3's wgrads
         need_dh = a.requires_grad or need_dw
-        w1, w3 = _cast_weights((w1_t, w3_t), recipe, kernels, a.requires_grad)
-        (w2,) = _cast_weights((w2_t,), recipe, kernels, need_dh)
+        both = casts_both(kernels, True)  # (asked once for the three weights)
+        w1, w3 = _cast_weights((w1_t, w3_t), recipe, kernels, both and a.requires_grad)
+        (w2,) = _cast_weights((w2_t,), recipe, kernels, both and need_dh)
         (g, u), kept, cap = _grouped_shared_forward(
             a, a_q, a_s, a_mode, offs, recipe, kernels, out_dtype, cast_to, (w1, w3), need_dw
         )
@@ -542,7 +554,7 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
     @staticmethod
     @first_order("mxmoe.ops.mx_grouped_swiglu_mlp")
     def backward(ctx, dy: Tensor):
-        recipe, kernels = ctx.recipe, ctx.kernels
+        recipe, kernels = ctx.recipe, backward_kernels(ctx.kernels)
         offs, w1, w3, w2, g, u, *rest = ctx.saved_tensors
         w1, w3, w2 = _weights_back(ctx, (w1, w3, w2))
         h_kept, kept = rest[: ctx.n_h], rest[ctx.n_h :]
@@ -557,7 +569,9 @@ class _MXGroupedSwiGLUMLP(torch.autograd.Function):
             if recipe.wgrad_with_hp:  # the wgrads take dg and du themselves (autograd's); cast for the dgrads
                 dgu = swiglu_bwd(dh, g, u)
             else:
-                dgu = swiglu_bwd_qdq_trusted(dh, g, u, recipe, kernels.k1, kernels.compute, offs)
+                dgu = swiglu_bwd_qdq_trusted(
+                    dh, g, u, recipe, kernels.k1, kernels.compute, offs, kernels.direct
+                )
             a1 = []
 
             def a1_fn():
@@ -623,8 +637,10 @@ def mx_grouped_swiglu_mlp(
     cast_to = autocast_target(x) if args[1] is None else None
     kernels = op_kernels(recipe, w1_t.device)
     offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
-    with no_autocast(w1_t.device):
-        return apply_function(_MXGroupedSwiGLUMLP, *args, offs, recipe, kernels, out_dtype, cast_to, *ws)
+    with no_autocast(w1_t.device, kernels.direct):
+        return apply_function(
+            _MXGroupedSwiGLUMLP, *args, offs, recipe, kernels, out_dtype, cast_to, *ws, eager=kernels.direct
+        )
 
 
 def _checked_args(a, b_t, offs, recipe: MXRecipe):

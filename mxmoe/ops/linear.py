@@ -44,7 +44,7 @@ from mxmoe.ops.gemm import (
     mx_gemm,
     no_autocast,
 )
-from mxmoe.ops.gemm_backend import OpKernels, op_kernels, resolve_gemm_backend
+from mxmoe.ops.gemm_backend import OpKernels, backward_kernels, op_kernels, resolve_gemm_backend
 from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.gathered import MXGatheredWeight, gathered_mx
 from mxmoe.quant.mx_tensor import MXTensor, mx_tensor_trusted, to_mx, to_mx_dim0_dim1
@@ -123,16 +123,23 @@ def _one_process() -> bool:
     return not (_DIST and dist.is_initialized() and dist.get_world_size() > 1)
 
 
-def cast_weight(w: Tensor, recipe: MXRecipe, kernels: OpKernels, need_dgrad: bool) -> Tensor | WeightCasts:
-    """What a forward on the qdq path takes of a weight W ((N, K) or (E, N, K)): with the dgrad to
-    come (`need_dgrad`) and one process, both casts from one read (WeightCasts): the forward uses
-    the cast along K and keeps the one along N for the backward, which then casts nothing; that
-    reads W once a step instead of twice and keeps 2 bytes a weight element from the forward to the
-    backward, as bf16 autocast keeps its bf16 copy of each weight. Several processes (FSDP frees
-    each unsharded weight after the forward) or no dgrad: W itself, cast along K by the forward
-    and along N by the backward (`weight_qdq`). Same values either way."""
-    if need_dgrad and kernels.qdq and _one_process() and not isinstance(w, MXGatheredWeight):
-        k, n = qdq_trusted(w, recipe, kernels.k1, kernels.compute, True, True)
+def casts_both(kernels: OpKernels, need_dgrad: bool) -> bool:
+    """Whether a forward's `cast_weight` calls make both casts of their weights (asked once per
+    forward, for all its weights): on the qdq path, with the dgrad to come, in one process."""
+    return need_dgrad and kernels.qdq and _one_process()
+
+
+def cast_weight(w: Tensor, recipe: MXRecipe, kernels: OpKernels, both: bool) -> Tensor | WeightCasts:
+    """What a forward on the qdq path takes of a weight W ((N, K) or (E, N, K)): with `both`
+    (`casts_both`: the dgrad to come, one process), both casts from one read (WeightCasts): the
+    forward uses the cast along K and keeps the one along N for the backward, which then casts
+    nothing; that reads W once a step instead of twice and keeps 2 bytes a weight element from the
+    forward to the backward, as bf16 autocast keeps its bf16 copy of each weight. Several processes
+    (FSDP frees each unsharded weight after the forward), no dgrad or a weight FSDP2 gathered as MX:
+    W itself, cast along K by the forward and along N by the backward (`weight_qdq`). Same values
+    either way."""
+    if both and not isinstance(w, MXGatheredWeight):
+        k, n = qdq_trusted(w, recipe, kernels.k1, kernels.compute, True, True, None, kernels.direct)
         return WeightCasts(k, n, w.dtype)
     return w
 
@@ -161,7 +168,8 @@ def weight_qdq(
     if pre is not None:
         return pre.dequantize_trusted(kernels.compute, cast_kernel(recipe, w.device, "dequant")).contiguous()
     dim1 = axis == -2
-    return qdq_trusted(w, recipe, kernels.k1 if dim1 else kernels.k0, kernels.compute, not dim1, dim1)[0]
+    k = kernels.k1 if dim1 else kernels.k0
+    return qdq_trusted(w, recipe, k, kernels.compute, not dim1, dim1, None, kernels.direct)[0]
 
 
 def weight_mx(w: Tensor, axis: int, recipe: MXRecipe, after: Tensor | None = None) -> MXTensor:
@@ -213,12 +221,14 @@ def wgrad_mx(
     return gemm(d.t(), a, offs, out_dtype)
 
 
-def wgrad_with_hp(dy: Tensor, x: Tensor, offs: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+def wgrad_with_hp(
+    dy: Tensor, x: Tensor, offs: Tensor | None, out_dtype: torch.dtype, direct: bool = False
+) -> Tensor:
     """The weight gradient of torchao's wgrad_with_hp: dyᵀ x on the unquantized operands, in their
     own dtype (`gemm`, fp32 accumulation), as bf16 training's wgrad. dy (M, N) row-major, x (M, K),
     both of one dtype; offs groups the rows (None: dense). Returns (N, K), or (E, N, K) grouped,
-    in out_dtype."""
-    return gemm(dy.t(), x, offs, out_dtype)
+    in out_dtype. direct: as for `gemm`."""
+    return gemm(dy.t(), x, offs, out_dtype, direct)
 
 
 def _cast_x(
@@ -234,9 +244,9 @@ def _cast_x(
         return _cast_x(x, recipe, kernels, False)[0], (x,)
     if kernels.qdq:
         if need_dw:  # one read of x: along K, and along M (kept for the wgrad, row-major)
-            x0, x1 = qdq_trusted(x, recipe, kernels.k1, kernels.compute, True, True)
+            x0, x1 = qdq_trusted(x, recipe, kernels.k1, kernels.compute, True, True, None, kernels.direct)
             return x0, (x1,)
-        return qdq_trusted(x, recipe, kernels.k0, kernels.compute, True, False)[0], ()
+        return qdq_trusted(x, recipe, kernels.k0, kernels.compute, True, False, None, kernels.direct)[0], ()
     if need_dw:
         x0, x1 = cast_both(x, recipe)
         return x0, (x1.qdata_blocked, x1.scale_blocked)
@@ -249,7 +259,7 @@ def _forward_gemm(
 ) -> Tensor:
     """y = x0 Wᵀ (M, N) in out_dtype: x0 from `_cast_x`, W (N, K) cast along K (or `cast_weight`'s)."""
     if kernels.qdq:
-        return gemm(x0, weight_qdq(w, -1, recipe, kernels).t(), None, out_dtype)
+        return gemm(x0, weight_qdq(w, -1, recipe, kernels).t(), None, out_dtype, kernels.direct)
     return mx_gemm(x0, swap_last2(weight_mx(w, -1, recipe)), recipe=recipe)
 
 
@@ -262,20 +272,21 @@ def _backward_gemms(
     kept of x along M (with wgrad_with_hp: x itself, and dy is cast for the dgrad alone)."""
     if need_dw and recipe.wgrad_with_hp:
         dy = dy.contiguous()
-        dw_t = wgrad_with_hp(dy, kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
+        dw_t = wgrad_with_hp(dy, kept[0], None, w.dtype, kernels.direct).t()  # (N, K) -> (K, N)
         return _backward_gemms(dy, w, (), recipe, kernels, need_dx, False, x_dtype)[0], dw_t
     dx = dw_t = None
     if kernels.qdq:  # (qdq_trusted makes dy contiguous)
+        direct = kernels.direct
         if need_dx and need_dw:  # one read of dy: along N, and along M (row-major)
-            dy0, dy1 = qdq_trusted(dy, recipe, kernels.k1, kernels.compute, True, True)
+            dy0, dy1 = qdq_trusted(dy, recipe, kernels.k1, kernels.compute, True, True, None, direct)
         elif need_dx:
-            (dy0,) = qdq_trusted(dy, recipe, kernels.k0, kernels.compute, True, False)
+            (dy0,) = qdq_trusted(dy, recipe, kernels.k0, kernels.compute, True, False, None, direct)
         else:
-            (dy1,) = qdq_trusted(dy, recipe, kernels.k1, kernels.compute, False, True)
+            (dy1,) = qdq_trusted(dy, recipe, kernels.k1, kernels.compute, False, True, None, direct)
         if need_dx:  # W (N, K) along N, row-major
-            dx = gemm(dy0, weight_qdq(w, -2, recipe, kernels, dy0), None, x_dtype)
+            dx = gemm(dy0, weight_qdq(w, -2, recipe, kernels, dy0), None, x_dtype, direct)
         if need_dw:  # dy1ᵀ (N, M) and x1 (M, K), both M-major, as bf16 training's wgrad
-            dw_t = gemm(dy1.t(), kept[0], None, w.dtype).t()  # (N, K) -> (K, N)
+            dw_t = gemm(dy1.t(), kept[0], None, w.dtype, direct).t()  # (N, K) -> (K, N)
         return dx, dw_t
     M, bs = dy.shape[0], recipe.block_size
     dy = dy.contiguous()
@@ -301,7 +312,7 @@ class _MXMM(torch.autograd.Function):
     def forward(ctx, x: Tensor, w_t: Tensor, recipe: MXRecipe, kernels: OpKernels) -> Tensor:
         # x (M, K); w_t (K, N), the transposed view of W (N, K); kernels: op_kernels(recipe, x.device)
         x0, kept = _cast_x(x, recipe, kernels, w_t.requires_grad)
-        w = cast_weight(w_t.t(), recipe, kernels, x.requires_grad)
+        w = cast_weight(w_t.t(), recipe, kernels, casts_both(kernels, x.requires_grad))
         y = _forward_gemm(x0, w, recipe, kernels, x.dtype)
         ctx.recipe, ctx.kernels, ctx.x_dtype = recipe, kernels, x.dtype
         ctx.w_casts, ctx.w_dtype = isinstance(w, WeightCasts), w_t.dtype
@@ -314,7 +325,8 @@ class _MXMM(torch.autograd.Function):
         need_dx, need_dw, _, _ = ctx.needs_input_grad
         w, *kept = ctx.saved_tensors
         w = restored_weight(w, ctx.w_casts, ctx.w_dtype)
-        dx, dw_t = _backward_gemms(dy, w, kept, ctx.recipe, ctx.kernels, need_dx, need_dw, ctx.x_dtype)
+        kernels = backward_kernels(ctx.kernels)
+        dx, dw_t = _backward_gemms(dy, w, kept, ctx.recipe, kernels, need_dx, need_dw, ctx.x_dtype)
         return dx, dw_t, None, None
 
 
@@ -350,7 +362,8 @@ class _MXMMShared(torch.autograd.Function):
         # of W_i (N_i, K)
         ctx.set_materialize_grads(False)  # an unused output: no GEMMs, no gradient (as its own op)
         need_dw = any(wants_grad(w_t) for w_t in w_ts)
-        ws = [cast_weight(w_t.t(), recipe, kernels, x.requires_grad) for w_t in w_ts]
+        both = casts_both(kernels, x.requires_grad)
+        ws = [cast_weight(w_t.t(), recipe, kernels, both) for w_t in w_ts]
         ys, a, kept = _mm_shared_forward(x, cast_to, recipe, kernels, ws, need_dw)
         ctx.recipe, ctx.kernels, ctx.a_dtype = recipe, kernels, a.dtype
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -366,6 +379,7 @@ class _MXMMShared(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         saved = ctx.saved_tensors  # read once: under non-reentrant checkpointing each read unpacks
         ws, kept = saved[: ctx.n], tuple(saved[ctx.n :])
+        kernels = backward_kernels(ctx.kernels)
         dxs, dw_ts = [], []
         for i, (dy, w) in enumerate(zip(dys, ws, strict=True)):
             need_dw = ctx.needs_input_grad[4 + i]
@@ -373,7 +387,7 @@ class _MXMMShared(torch.autograd.Function):
                 dw_ts.append(None)
                 continue
             dx, dw_t = _backward_gemms(
-                dy, restored_weight(w, ctx.w_casts[i], ctx.w_dtypes[i]), kept, ctx.recipe, ctx.kernels,
+                dy, restored_weight(w, ctx.w_casts[i], ctx.w_dtypes[i]), kept, ctx.recipe, kernels,
                 need_dx, need_dw, ctx.a_dtype,
             )
             dw_ts.append(dw_t)
@@ -409,23 +423,25 @@ def mx_mm(a: Tensor, b: Tensor, recipe: MXRecipe | None = None) -> Tensor:
             )
     lead = a.shape[:-1]
     dev = a.device
-    if autocast_on(dev.type):
+    autocast = autocast_on(dev.type)
+    if autocast:
         a = autocast_input(a)
-        with autocast_off(dev.type):
-            y = _mm_call(a, b, recipe)
+    check_dtype("a", a.dtype)
+    check_dtype("b", b.dtype)
+    kernels = op_kernels(recipe, dev)
+    if autocast:
+        with autocast_off(dev.type, kernels.direct):
+            y = _mm_call(a, b, recipe, kernels)
     else:  # (no autocast context to enter: µs per call)
-        y = _mm_call(a, b, recipe)
+        y = _mm_call(a, b, recipe, kernels)
     return y if a.ndim == 2 else y.view(*lead, N)
 
 
-def _mm_call(a: Tensor, b: Tensor, recipe: MXRecipe) -> Tensor:
-    """mx_mm's (M, N) result of a (..., K) (after autocast) and b (K, N), autocast off."""
-    check_dtype("a", a.dtype)
-    check_dtype("b", b.dtype)
-    kernels = op_kernels(recipe, a.device)
+def _mm_call(a: Tensor, b: Tensor, recipe: MXRecipe, kernels: OpKernels) -> Tensor:
+    """mx_mm's (M, N) result of a (..., K) (after autocast, checked) and b (K, N), autocast off."""
     x = a if a.ndim == 2 else a.reshape(-1, b.shape[0])  # (no view op for a 2D a)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return apply_function(_MXMM, x, b, recipe, kernels)
+        return apply_function(_MXMM, x, b, recipe, kernels, eager=kernels.direct)
     # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
     return _forward_gemm(_cast_x(x, recipe, kernels, False)[0], b.t(), recipe, kernels, x.dtype)
 
@@ -474,9 +490,9 @@ def mx_mm_shared(
     for b in bs:
         check_dtype("b", b.dtype)
     kernels = op_kernels(recipe, a.device)
-    with no_autocast(a.device):
+    with no_autocast(a.device, kernels.direct):
         if torch.is_grad_enabled() and (a.requires_grad or any(b.requires_grad for b in bs)):
-            ys = apply_function(_MXMMShared, a, cast_to, recipe, kernels, *bs)
+            ys = apply_function(_MXMMShared, a, cast_to, recipe, kernels, *bs, eager=kernels.direct)
         else:  # no graph to record (e.g. validation under no_grad): the forward alone, nothing kept
             ys = _mm_shared_forward(a, cast_to, recipe, kernels, [b.t() for b in bs], False)[0]
     return tuple(y if a.ndim == 2 else y.view(*lead, b.shape[1]) for y, b in zip(ys, bs, strict=True))

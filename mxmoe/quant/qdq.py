@@ -273,13 +273,17 @@ _register_functional_decomp(swiglu_qdq_op, _swiglu_op_args, _swiglu_qdq_impl, 4)
 
 
 def swiglu_qdq_trusted(
-    g: Tensor, u: Tensor, recipe: MXRecipe, kernel: str, out_dtype: torch.dtype, offs: Tensor | None = None
+    g: Tensor, u: Tensor, recipe: MXRecipe, kernel: str, out_dtype: torch.dtype, offs: Tensor | None = None,
+    direct: bool = False,
 ) -> list[Tensor]:
     """`swiglu_qdq_dim0_dim1` for a caller that checked every argument already (the MX ops): g, u
     2D (T, C) of one dtype (made contiguous), offs None or (E,) int32 contiguous on their device,
-    the kernel `cast_kernel(recipe, device, "qdq_dim1")`. Returns [y0, y1], each (T, C) out_dtype
-    contiguous."""
+    the kernel `cast_kernel(recipe, device, "qdq_dim1")`; direct: the caller knows that nothing
+    traces, profiles or differentiates this call (`qdq_trusted`). Returns [y0, y1], each (T, C)
+    out_dtype contiguous."""
     g, u = g.contiguous(), u.contiguous()
+    if direct:
+        return _swiglu_qdq_impl(g, u, recipe.fmt, out_dtype, kernel, offs)
     rest = (out_dtype, kernel, offs)
     return _eager_or_op(swiglu_qdq_op, _swiglu_qdq_impl, "mxmoe::swiglu_qdq", (g, u), recipe.fmt, rest)
 
@@ -378,13 +382,15 @@ _register_functional_decomp(swiglu_bwd_qdq_op, _swiglu_bwd_op_args, _swiglu_bwd_
 
 def swiglu_bwd_qdq_trusted(
     dh: Tensor, g: Tensor, u: Tensor, recipe: MXRecipe, kernel: str, out_dtype: torch.dtype,
-    offs: Tensor | None = None,
+    offs: Tensor | None = None, direct: bool = False,
 ) -> list[Tensor]:
     """`swiglu_bwd_qdq_dim0_dim1` for a caller that checked every argument already (the MX ops): dh,
     g, u 2D (T, C) of one dtype (made contiguous), offs None or (E,) int32 contiguous on their
-    device, the kernel `cast_kernel(recipe, device, "qdq_dim1")`. Returns [dg0, dg1, du0, du1], each (T, C)
-    out_dtype contiguous."""
+    device, the kernel `cast_kernel(recipe, device, "qdq_dim1")`; direct: as for `qdq_trusted`.
+    Returns [dg0, dg1, du0, du1], each (T, C) out_dtype contiguous."""
     dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
+    if direct:
+        return _swiglu_bwd_qdq_impl(dh, g, u, recipe.fmt, out_dtype, kernel, offs)
     rest = (out_dtype, kernel, offs)
     return _eager_or_op(swiglu_bwd_qdq_op, _swiglu_bwd_qdq_impl, "mxmoe::swiglu_bwd_qdq", (dh, g, u),
                         recipe.fmt, rest)
@@ -470,17 +476,20 @@ def _check(x: Tensor, recipe: MXRecipe, out_dtype: torch.dtype, offs: Tensor | N
 
 def qdq_trusted(
     x: Tensor, recipe: MXRecipe, kernel: str, out_dtype: torch.dtype, dim0: bool, dim1: bool,
-    offs: Tensor | None = None,
+    offs: Tensor | None = None, direct: bool = False,
 ) -> list[Tensor]:
     """`qdq` (dim0 or dim1) or `qdq_dim0_dim1` for a caller that checked every argument already
     (the MX ops, once per public call): no checks here, the kernel given (from `cast_kernel`).
 
     x: bf16/fp32, 2D (R, C) or 3D (B, R, C) (no offs), any strides (made contiguous), C divisible
     by the block size. offs: None, or (E,) int32 contiguous on x's device, 2D x. out_dtype: bf16
-    or fp32. Returns [y0 if dim0, y1 if dim1], each of x's shape, row-major contiguous."""
+    or fp32. direct: the caller knows that nothing traces (torch.compile), profiles or
+    differentiates this call and x is not meta (the MX ops' `OpKernels.direct`, decided once per
+    forward or backward): the body runs without asking. Returns [y0 if dim0, y1 if dim1], each of
+    x's shape, row-major contiguous."""
     x = x.contiguous()
     # `_qdq`'s choice inline (one Python frame less per cast): the op where it must be, else its body
-    if (
+    if not direct and (
         torch.compiler.is_compiling()
         or (x.requires_grad and torch.is_grad_enabled())
         or torch.autograd._profiler_enabled()
