@@ -70,8 +70,8 @@ from mxmoe.ops.linear import (
     cast_weight,
     casts_both,
     dgrad_mx,
+    kept_weight,
     restored_weight,
-    saved_weight,
     sum_like_autograd,
     swap_last2,
     wants_grad,
@@ -233,8 +233,9 @@ class _MXGroupedMM(torch.autograd.Function):
         ctx.recipe, ctx.kernels, ctx.is_mx, ctx.a_dtype, ctx.a_mode, ctx.cap = (
             recipe, kernels, a_q is not None, out_dtype, a_mode, cap
         )
-        ctx.w_casts, ctx.w_dtype = isinstance(w, WeightCasts), b_t.dtype
-        ctx.save_for_backward(saved_weight(w), offs, *kept)  # w (E, N, K) as the backward takes it
+        w, ctx.w_casts = kept_weight(w)
+        ctx.w_dtype = b_t.dtype
+        ctx.save_for_backward(w, offs, *kept)  # w (E, N, K) as the backward takes it
         return y
 
     @staticmethod
@@ -274,9 +275,9 @@ def _cast_weights(b_ts, recipe: MXRecipe, kernels: OpKernels, both: bool) -> lis
 
 def _keep_weights(ctx, ws, b_ts) -> list[Tensor]:
     """What a forward keeps of the weights `ws` (`_cast_weights` of b_ts); `_weights_back` restores them."""
-    ctx.w_casts = [isinstance(w, WeightCasts) for w in ws]
+    saved, ctx.w_casts = zip(*map(kept_weight, ws), strict=True)
     ctx.w_dtypes = [b_t.dtype for b_t in b_ts]
-    return [saved_weight(w) for w in ws]
+    return saved
 
 
 def _weights_back(ctx, saved) -> list:

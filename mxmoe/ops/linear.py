@@ -25,8 +25,6 @@ only, on every path.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -105,15 +103,16 @@ def cast_rows(x: Tensor, recipe: MXRecipe) -> MXTensor:
     return to_mx(pad_rows(x, recipe.block_size), axis=0, recipe=recipe)
 
 
-class WeightCasts(NamedTuple):
+class WeightCasts:
     """A weight's two qdq casts made from one read (`cast_weight`): k along K (the forward GEMM's
     operand), n along N (the dgrad's; k is None once the forward is done), both of the weight's
     shape ((N, K) or (E, N, K)), row-major, in the compute dtype; dtype: the weight's own (its
-    gradient's)."""
+    gradient's). A slotted class: made per weight twice a step, in one Python call."""
 
-    k: Tensor | None
-    n: Tensor
-    dtype: torch.dtype
+    __slots__ = ("k", "n", "dtype")
+
+    def __init__(self, k: Tensor | None, n: Tensor, dtype: torch.dtype):
+        self.k, self.n, self.dtype = k, n, dtype
 
 
 _DIST = dist.is_available()
@@ -144,13 +143,14 @@ def cast_weight(w: Tensor, recipe: MXRecipe, kernels: OpKernels, both: bool) -> 
     return w
 
 
-def saved_weight(w: Tensor | WeightCasts) -> Tensor:
-    """The tensor a forward keeps of `cast_weight`'s answer: the cast along N, or the weight."""
-    return w.n if isinstance(w, WeightCasts) else w
+def kept_weight(w: Tensor | WeightCasts) -> tuple[Tensor, bool]:
+    """(the tensor a forward keeps of `cast_weight`'s answer, whether it is a WeightCasts' cast
+    along N (else the weight itself))."""
+    return (w.n, True) if isinstance(w, WeightCasts) else (w, False)
 
 
 def restored_weight(t: Tensor, casts: bool, dtype: torch.dtype) -> Tensor | WeightCasts:
-    """The backward's weight from `saved_weight`'s tensor (`casts`: it was a WeightCasts of a weight
+    """The backward's weight from `kept_weight`'s tensor (`casts`: it was a WeightCasts of a weight
     of `dtype`)."""
     return WeightCasts(None, t, dtype) if casts else t
 
@@ -315,8 +315,9 @@ class _MXMM(torch.autograd.Function):
         w = cast_weight(w_t.t(), recipe, kernels, casts_both(kernels, x.requires_grad))
         y = _forward_gemm(x0, w, recipe, kernels, x.dtype)
         ctx.recipe, ctx.kernels, ctx.x_dtype = recipe, kernels, x.dtype
-        ctx.w_casts, ctx.w_dtype = isinstance(w, WeightCasts), w_t.dtype
-        ctx.save_for_backward(saved_weight(w), *kept)  # W (N, K) as the backward takes it
+        w, ctx.w_casts = kept_weight(w)
+        ctx.w_dtype = w_t.dtype
+        ctx.save_for_backward(w, *kept)  # W (N, K) as the backward takes it
         return y
 
     @staticmethod
@@ -368,9 +369,9 @@ class _MXMMShared(torch.autograd.Function):
         ctx.recipe, ctx.kernels, ctx.a_dtype = recipe, kernels, a.dtype
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.n = len(w_ts)
-        ctx.w_casts = [isinstance(w, WeightCasts) for w in ws]
+        saved, ctx.w_casts = zip(*map(kept_weight, ws), strict=True)
         ctx.w_dtypes = [w_t.dtype for w_t in w_ts]
-        ctx.save_for_backward(*(saved_weight(w) for w in ws), *kept)  # W_i (N_i, K)
+        ctx.save_for_backward(*saved, *kept)  # W_i (N_i, K)
         return ys
 
     @staticmethod

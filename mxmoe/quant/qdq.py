@@ -64,9 +64,13 @@ _MAX_GROUPS = 4096  # offs entries the Triton rows kernel reads per program (in 
 
 
 def _empty_outputs(x: Tensor, out_dtype: torch.dtype, dim0: bool, dim1: bool) -> list[Tensor]:
-    # empty_like: host time a µs below torch.empty(x.shape, ...), whose torch.Size argument parses slowly
+    # empty_like: host time a µs below torch.empty(x.shape, ...), whose torch.Size argument parses
+    # slowly; no comprehension (a Python call of its own per cast)
     fmt = torch.contiguous_format
-    return [torch.empty_like(x, dtype=out_dtype, memory_format=fmt) for on in (dim0, dim1) if on]
+    if dim0 and dim1:
+        return [torch.empty_like(x, dtype=out_dtype, memory_format=fmt),
+                torch.empty_like(x, dtype=out_dtype, memory_format=fmt)]
+    return [torch.empty_like(x, dtype=out_dtype, memory_format=fmt)] if dim0 or dim1 else []
 
 
 @torch.library.custom_op("mxmoe::qdq", mutates_args=())
