@@ -230,6 +230,39 @@ def test_grouped_compile_matches_eager():
     torch.testing.assert_close(w.grad, ref, rtol=1e-5, atol=1e-6)
 
 
+def _profiled_ranges(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+def test_profiler_sees_the_casts_and_gemms_of_forward_and_backward():
+    """The ops ask once per forward and once per backward whether they run in plain eager mode
+    (OpKernels.direct); under the profiler, on for the whole step or only for the backward, the
+    casts and grouped GEMMs still run in their named ranges, with the unprofiled results bit for
+    bit."""
+    cfg = rec(gemm_dtype=torch.bfloat16)
+    x, dy = wide_range((40, 64), torch.bfloat16, 3), wide_range((40, 32), torch.bfloat16, 4)
+    w, we = wide_range((32, 64), torch.bfloat16, 5), wide_range((3, 32, 64), torch.bfloat16, 6)
+    offs = torch.tensor([5, 5, 40], dtype=torch.int32)
+    ref = run_mm(x, w, dy, cfg, (True, True))
+    ref_g = run_grouped(x, we, offs, dy, cfg, (True, True))
+    out = []
+    names = _profiled_ranges(lambda: out.extend(run_mm(x, w, dy, cfg, (True, True))))
+    assert "mxmoe::qdq" in names
+    assert_same(out, ref, "mx_mm profiled")
+    out = []
+    names = _profiled_ranges(lambda: out.extend(run_grouped(x, we, offs, dy, cfg, (True, True))))
+    assert {"mxmoe::qdq", "mxmoe::grouped_mm"} <= names
+    assert_same(out, ref_g, "mx_grouped_mm profiled")
+    # forward unprofiled (direct), backward profiled: the backward's casts and GEMMs in their ranges
+    a, ws = x.clone().requires_grad_(), we.clone().requires_grad_()
+    y = mx_grouped_mm(a, ws.transpose(-2, -1), offs, cfg)
+    names = _profiled_ranges(lambda: y.backward(dy))
+    assert {"mxmoe::qdq", "mxmoe::grouped_mm"} <= names
+    assert_same([y, a.grad, ws.grad], ref_g, "mx_grouped_mm, backward profiled")
+
+
 # ---------------------------------------------------------------------------------------------
 # the recipe as the ops' parameter
 # ---------------------------------------------------------------------------------------------
