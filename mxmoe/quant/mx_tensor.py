@@ -14,12 +14,15 @@ and the all-to-all use). An MXTensor may also carry its scales swizzled (`scale_
 
 `MXTensor(...)` checks what it is given as `to_mx` checks its arguments (dtypes, shapes, axis, block
 size, swizzled scales and offs); the casts and ops make theirs with `mx_tensor_trusted`, which
-checks nothing.
+checks nothing. Its fields are read-only once it is made (they were checked together: another
+`qdata_blocked`, `block_size` or `axis` alone would make the next op silently wrong): a changed one
+is a new MXTensor, `dataclasses.replace(t, field=...)` (checked).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -69,7 +72,9 @@ def _refuse_scale_layout(cls):
 @dataclass(eq=False)
 class MXTensor:
     """A tensor in MX format. `MXTensor(...)` checks its fields (TypeError / ValueError naming the
-    field, its value and what is accepted); `mx_tensor_trusted` builds one without checks.
+    field, its value and what is accepted); `mx_tensor_trusted` builds one without checks. The
+    fields are read-only after that (assigning or deleting one is an AttributeError naming it;
+    `dataclasses.replace(t, field=...)` makes a new, checked MXTensor).
 
     qdata_blocked: elem dtype, x.movedim(axis, -1).shape, contiguous.
     scale_blocked: e8m0 (`SCALE_DTYPE`), same shape with the last dim // block_size, contiguous.
@@ -100,9 +105,22 @@ class MXTensor:
         """The public constructor's checks (`mx_tensor_trusted` skips them): TypeError / ValueError
         naming the argument, its value and what is accepted; scaling_mode normalized to its name."""
         if not torch.compiler.is_compiling():  # traced: mx_tensor_trusted's calls (see there)
-            self.scaling_mode = _check_fields(self)
+            object.__setattr__(self, "scaling_mode", _check_fields(self))
 
-    __hash__ = None  # (a dataclass's: mutable fields)
+    __hash__ = None  # (unhashable, as a dataclass of tensors)
+
+    def __setattr__(self, name: str, value) -> None:
+        """Each field is set once, as the MXTensor is made (the dataclass's `__init__`; torch.compile's
+        rebuild of one made in a graph): after that, an AttributeError naming the field. Its fields
+        were checked together (`_check_fields`), and one changed alone (another qdata_blocked of other
+        dims, block_size, axis, scales) made later ops silently wrong."""
+        if name in _FIELD_NAMES and name not in self.__dict__:
+            object.__setattr__(self, name, value)
+            return
+        raise _read_only(name)
+
+    def __delattr__(self, name: str) -> None:
+        raise _read_only(name, "deleted")
 
     def __getstate__(self) -> dict:
         """Pickle state: the fields, the one-byte float tensors (elements, scales) as their bytes
@@ -123,7 +141,7 @@ class MXTensor:
         for k, dtype in state.pop("_bytes_of", {}).items():
             state[k] = state[k].view(dtype)
         self.__dict__.update(state)
-        self.scaling_mode = _check_fields(self)
+        self.__dict__["scaling_mode"] = _check_fields(self)
 
     def __deepcopy__(self, memo: dict) -> MXTensor:
         """A copy of every field (tensors deep-copied). RuntimeError naming the grad anchor when it is
@@ -329,19 +347,44 @@ def mx_tensor_trusted(
             scale_swizzled, offs,
         )
     t = _new(MXTensor)
-    t.qdata_blocked = qdata_blocked
-    t.scale_blocked = scale_blocked
-    t.axis = axis
-    t.block_size = block_size
-    t.scaling_mode = scaling_mode
-    t.orig_dtype = orig_dtype
-    t.grad_anchor = grad_anchor
-    t.scale_swizzled = scale_swizzled
-    t.offs = offs
+    # the fields straight into the new object's __dict__ (MXTensor.__setattr__ is Python code: nine
+    # calls of it would cost the casts' hot path more than this one update)
+    t.__dict__.update(
+        qdata_blocked=qdata_blocked,
+        scale_blocked=scale_blocked,
+        axis=axis,
+        block_size=block_size,
+        scaling_mode=scaling_mode,
+        orig_dtype=orig_dtype,
+        grad_anchor=grad_anchor,
+        scale_swizzled=scale_swizzled,
+        offs=offs,
+    )
     return t
 
 
 _new = object.__new__
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(MXTensor))
+
+
+def _read_only(name: str, done: str = "assigned") -> AttributeError:
+    """The error of assigning or deleting (`done`) attribute `name` of a made MXTensor."""
+    if name in ("qdata", "scale"):
+        what = f"MXTensor.{name} is a view of {name}_blocked (the storage) and cannot be {done}"
+        fix = f"dataclasses.replace(t, {name}_blocked=...) with the storage tensor"
+    elif name in _FIELD_NAMES:
+        what = f"MXTensor.{name} cannot be {done}"
+        fix = f"dataclasses.replace(t, {name}=...)"
+    else:
+        fields = ", ".join(f.name for f in dataclasses.fields(MXTensor))
+        what = f"MXTensor has no field {name!r} ({fields}) and takes no other attribute"
+        fix = "dataclasses.replace(t, field=...)"
+    return dataclasses.FrozenInstanceError(
+        f"{what}: an MXTensor's fields are read-only, checked together when it was made (one changed "
+        "alone, such as another qdata_blocked, scale_blocked, axis or block_size, would make later ops "
+        f"silently wrong); make a new MXTensor: {fix} (checked as MXTensor(...) checks) or mxmoe.to_mx "
+        "of the new values"
+    )
 
 
 def _check_fields(t: MXTensor) -> str:

@@ -126,6 +126,9 @@ class Training:
     """Device: auto (cuda if available) | cpu | cuda."""
     cpu_threads: int = 0
     """Torch intra-op threads on CPU (0 = torch's default; 1 suits tiny models)."""
+    stop_grace_s: float = 20.0
+    """Seconds SIGTERM / Ctrl-C leaves the step in progress to finish before its save and stop; a step
+    still running then is given up, nothing of it saved (exit status 143 / 130)."""
 
 
 @dataclass
@@ -339,6 +342,7 @@ FLOAT_RANGES: dict[str, Range] = {
     "optimizer.weight_decay": Range(0.0),
     "lr_scheduler.min_lr_factor": Range(0.0, 1.0),
     "training.max_norm": Range(0.0, note="0 disables clipping"),
+    "training.stop_grace_s": Range(0.0, low_open=True),
     "data.val_fraction": Range(0.0, 1.0, high_open=True),
 }
 """Every float option of JobConfig and what it accepts (`check_limits` checks them all; a test checks

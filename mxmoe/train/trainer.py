@@ -11,8 +11,10 @@ import logging
 import math
 import os
 import resource
+import select
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -101,33 +103,179 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm stopped being finite; the run stops before the optimizer step."""
 
 
+# after training.stop_grace_s: how long the main thread has to unwind StepAbandoned (close the metrics,
+# release the folders' locks, leave the process group) before the watchdog ends the process itself
+UNWIND_S = 5.0
+
+
+class StepAbandoned(BaseException):
+    """The step in progress when SIGTERM / Ctrl-C came was given up: it did not finish within
+    training.stop_grace_s, or a second SIGTERM came. Nothing of it is saved; the checkpoints saved
+    before stay as they are. `code`: the exit status, 128 + the signal's number. A BaseException, as
+    KeyboardInterrupt is: no `except Exception` on its way (a save's, a collective's) reports it as
+    a failure of its own."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
 class _Stop:
     """SIGTERM or Ctrl-C (SIGINT) sets a flag; the loop finishes its step, checkpoints and returns.
-    A second Ctrl-C interrupts at once (KeyboardInterrupt: nothing more is saved)."""
+    A second Ctrl-C interrupts at once (KeyboardInterrupt: nothing more is saved); a second SIGTERM
+    gives the step up at once (StepAbandoned). A step still running `grace_s` after the first signal
+    is given up too: a watchdog thread signals the main thread again, whose handler raises
+    StepAbandoned (a step stuck in Python code, or in a sleep or wait that a signal interrupts).
+    If the process still runs UNWIND_S after that, or after a second signal, its main thread is
+    blocked where no handler runs (e.g. a collective waiting in C++): the watchdog writes why to
+    stderr and ends the process (os._exit). The watchdog learns of each signal from the signal
+    module's wakeup fd, so it times a step whose main thread never runs the handler too.
+
+    Saves are not timed: once the step's work is done (`finished`), its checkpoint is written,
+    however long that takes. A save cut short (a second signal) leaves its `step-N.tmp` (a save
+    renames it when whole): the checkpoints before it stay as they are. The loop keeps `step` (the
+    step in progress), `finished` (the last step whose work is done: its saves follow), `folder` and
+    `last_saved` (for the messages) up to date."""
 
     def __init__(self):
         self.requested = False
         self.by = "SIGTERM"  # what asked to stop: "SIGTERM" or "Ctrl-C"
         self.prev: dict = {}
+        self.grace_s = 0.0
+        self.step = self.finished = 0
+        self.folder = None  # the checkpoint folder, None without checkpoints
+        self.last_saved: int | None = None  # the step of the run's last checkpoint, None before one
+        self._expired = False  # the grace is over: the handler raises StepAbandoned
+        self._closing = False  # restore() has begun: the handler and the watchdog do nothing
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pipe: tuple[int, int] | None = None  # (read, write) of the wakeup fd
+        self._prev_wakeup = -1
+        self._main = 0
 
-    def install(self) -> None:
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.prev[sig] = signal.signal(sig, self._handler)
+    def install(self, grace_s: float) -> None:
+        """The handlers, the wakeup fd and the watchdog thread; in the main thread only (elsewhere
+        signals reach no handler of the run: nothing is installed, as before)."""
+        self.grace_s = grace_s
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.prev[sig] = signal.signal(sig, self._handler)
+        r, w = os.pipe()
+        os.set_blocking(w, False)  # the C handler must never block on a full pipe
+        self._pipe = (r, w)
+        self._prev_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._main = threading.get_ident()
+        self._thread = threading.Thread(target=self._watch, name="mxmoe-stop-watchdog", daemon=True)
+        self._thread.start()
 
     def _handler(self, signum, frame) -> None:
+        # flags only: the handler runs between any two bytecodes of the main thread, which may hold
+        # any lock (the watchdog thread logs, waits and times instead)
+        if self._closing:
+            return
+        if self._expired:  # the watchdog's signal: the step ran past the grace
+            what = f"{self._past_grace()}: stopped without finishing it; {self._saved()}"
+            raise StepAbandoned(what, 128 + signum)
         if signum == signal.SIGINT:
             if self.requested and self.by == "Ctrl-C":
                 raise KeyboardInterrupt
             self.by = "Ctrl-C"
+        elif self.requested:  # a second SIGTERM
+            what = ", that save not written" if self.finished == self.step else " without finishing it"
+            raise StepAbandoned(
+                f"{self._second('SIGTERM')}: stopped at once{what}; {self._saved()}", 128 + signum
+            )
         self.requested = True
 
+    def _second(self, name: str) -> str:
+        """What a second signal `name` interrupted, for the messages."""
+        if self.finished == self.step:
+            return f"a second {name} during the checkpoint save after step {self.step}"
+        return f"a second {name} during step {self.step}"
+
+    def _past_grace(self) -> str:
+        return (
+            f"{self.by} came during step {self.step}, which did not finish within "
+            f"training.stop_grace_s={self.grace_s:g} s"
+        )
+
+    def _saved(self) -> str:
+        """What the run has saved, for the messages of a step given up."""
+        if self.folder is None:
+            return "nothing is saved (no checkpoint.folder)"
+        if self.last_saved is None:
+            return f"no checkpoint of this run in {self.folder} yet"
+        k, n = self.last_saved, self.step
+        lost = ""
+        if n > k:
+            lost = f" (steps {k + 1}..{n} are not saved)" if n > k + 1 else f" (step {n} is not saved)"
+        return f"the last checkpoint is {self.folder / f'step-{k:08d}'}, as it was{lost}"
+
+    def _watch(self) -> None:
+        """The watchdog thread: reads the signals' numbers from the wakeup fd; times the step after
+        the first SIGTERM / SIGINT, then the unwinding after the grace or after a second signal."""
+        r = self._pipe[0]
+        first = None  # the first signal's number
+        deadline = None  # when the grace, or the unwinding, is over
+        why = ""  # why the process is unwinding ("" while it is not)
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([r], [], [], wait)
+            if self._closing:
+                return
+            if ready:
+                for signum in os.read(r, 64):
+                    if signum not in (signal.SIGTERM, signal.SIGINT) or why:
+                        continue
+                    if first is None:
+                        first = signum
+                        if self.finished != self.step:
+                            log.warning(
+                                "%s during step %d: finishing it (training.stop_grace_s=%g s), then stopping",
+                                "Ctrl-C" if signum == signal.SIGINT else "SIGTERM", self.step, self.grace_s,
+                            )
+                        deadline = time.monotonic() + self.grace_s
+                    elif signum == signal.SIGTERM or first == signal.SIGINT:  # the second: at once
+                        why = self._second("SIGTERM" if signum == signal.SIGTERM else "Ctrl-C")
+                        code, deadline = 128 + signum, time.monotonic() + UNWIND_S
+                continue
+            if not why:  # the grace is over
+                with self._lock:
+                    if self._closing:
+                        return
+                    if self.finished == self.step:  # the step is done: its save goes on, however long
+                        deadline = None
+                        continue
+                    self._expired = True
+                    signal.pthread_kill(self._main, first)
+                why = self._past_grace()
+                code, deadline = 128 + first, time.monotonic() + UNWIND_S
+                continue
+            msg = (
+                f"mxmoe train: error: {why}, and the process still ran "
+                f"{UNWIND_S:g} s later (its main thread is blocked where no signal handler runs, e.g. in a "
+                f"collective or a kernel): exiting now; {self._saved()}\n"
+            )
+            os.write(2, msg.encode())
+            os._exit(code)
+
     def restore(self) -> None:
+        """The previous handlers and wakeup fd back, the watchdog ended (a process that trains again
+        installs anew)."""
+        self._closing = True
         for sig, prev in self.prev.items():
             signal.signal(sig, prev)
         self.prev = {}
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._prev_wakeup)
+        with self._lock:  # a watchdog past its checks has sent its signal (the handler ignores it now)
+            os.write(self._pipe[1], b"\0")  # wakes the watchdog, which sees _closing
+        self._thread.join()
+        for fd in self._pipe:
+            os.close(fd)
+        self._pipe = self._thread = None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    except StepAbandoned as e:  # the step did not finish in its grace after SIGTERM / Ctrl-C: one line
+        print(f"mxmoe train: error: {e}", file=sys.stderr)
+        return e.code
 
 
 def _main(cfg: JobConfig) -> int:
@@ -230,12 +381,14 @@ def _train_run(cfg: JobConfig) -> int:
             ) from None
         raise
     finally:
-        for lock in locks:
-            lock.release()
-        stop.restore()
-        torch.set_num_threads(threads)
-        if own_pg and dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            for lock in locks:
+                lock.release()
+            torch.set_num_threads(threads)
+            if own_pg and dist.is_initialized():
+                dist.destroy_process_group()
+        finally:  # last: a step given up still has its watchdog while this unwinds
+            stop.restore()
 
 
 def check_ranks_folder(cfg: JobConfig) -> None:
@@ -479,6 +632,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
     def save(at: int) -> None:
         t0 = time.perf_counter()
         path = ckpt.save(at, model, optimizer, run.train_state(at))
+        stop.last_saved = at
         # how long a save takes: what a stop at a time limit must leave it (docs/numerics.md)
         log.info("checkpoint step %d saved in %.1f s: %s", at, time.perf_counter() - t0, path)
 
@@ -495,7 +649,10 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
             step,
             t.steps,
         )
-    stop.install()
+    stop.folder = ckpt.folder if ckpt is not None else None
+    stop.last_saved = step if ckpt is not None and step > 0 else None  # the checkpoint resumed
+    stop.step = stop.finished = step
+    stop.install(t.stop_grace_s)
     model.train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -508,6 +665,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
         with profiling.step_profiler(cfg.profiling, cfg.job.dump_folder, rank, device, step + 1) as prof_step:
             while step < t.steps:
                 step += 1
+                stop.step = step
                 batch = run.train_ds.batch(run.sampler.next_indices())
                 x, y = (a.to(device, non_blocking=True) for a in batch)
                 ce, aux = train_step(x, y)
@@ -575,6 +733,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                         )
                 if bar is not None:
                     bar.update(1)
+                stop.finished = step  # the step's work is done: SIGTERM's grace does not time its saves
                 if save_now:
                     save(step)
                     saved_at = step

@@ -1,6 +1,7 @@
 """MXLinear, MXGroupedExperts, mxmoe.convert: drop-in behaviour, errors, compile, FSDP2, GPU."""
 
 import copy
+import dataclasses
 import logging
 import os
 import re
@@ -127,7 +128,8 @@ def test_mx_experts_mx_input_equals_plain():
     counts = torch.tensor(COUNTS)
     x = torch.randn(sum(COUNTS), 64, dtype=torch.bfloat16)
     x_mx = to_mx(x, recipe=recipe_for("torch"))
-    x_mx.grad_anchor = make_grad_anchor(x_mx.shape, torch.bfloat16, x.device).requires_grad_()
+    anchor = make_grad_anchor(x_mx.shape, torch.bfloat16, x.device).requires_grad_()
+    x_mx = dataclasses.replace(x_mx, grad_anchor=anchor)
     ex.to(torch.bfloat16)
     y = ex(x_mx, counts)
     y.float().square().sum().backward()

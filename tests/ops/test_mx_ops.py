@@ -1,6 +1,7 @@
 """mx_mm / mx_grouped_mm against an fp64 reference of the same quantized math, against bf16
 autograd, the MXTensor input path, and torch.compile(fullgraph=True)."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -211,7 +212,8 @@ def test_mx_input_path_equals_plain_path(mode):
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     x = torch.randn(sum(counts), 64, dtype=torch.bfloat16)
     a_mx = to_mx(x, axis=-1, recipe=recipe_for("torch", scaling_mode=mode))
-    a_mx.grad_anchor = make_grad_anchor(a_mx.shape, torch.bfloat16, x.device).requires_grad_()
+    anchor = make_grad_anchor(a_mx.shape, torch.bfloat16, x.device).requires_grad_()
+    a_mx = dataclasses.replace(a_mx, grad_anchor=anchor)
     w = torch.randn(4, 32, 64, dtype=torch.bfloat16, requires_grad=True)
     y = mx_grouped_mm(a_mx, w.transpose(-2, -1), offs, cfg)
     dy = torch.randn_like(y)

@@ -5,6 +5,8 @@ parameter."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import assert_same_bits
@@ -49,7 +51,8 @@ def run_grouped(a, w, offs, dy, cfg, req, mx_input=False):
     ws = w.clone().requires_grad_(req[1])
     if mx_input:
         am = to_mx(a, recipe=cfg)
-        am.grad_anchor = make_grad_anchor(am.shape, a.dtype, a.device).requires_grad_(req[0])
+        anchor = make_grad_anchor(am.shape, a.dtype, a.device).requires_grad_(req[0])
+        am = dataclasses.replace(am, grad_anchor=anchor)
         y = mx_grouped_mm(am, ws.transpose(-2, -1), offs, cfg)
         y.backward(dy)
         return [y, am.grad_anchor.grad, ws.grad]

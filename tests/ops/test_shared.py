@@ -4,6 +4,8 @@ every weight's gradient), with fewer quantizer calls and one saved copy of the i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import assert_same_bits
@@ -233,7 +235,8 @@ def test_mx_grouped_mm_shared_mx_input_bit_identical(monkeypatch, path, req_x):
     outs = []
     for shared in (False, True):
         am = to_mx(a, recipe=CPU)
-        am.grad_anchor = make_grad_anchor(am.shape, a.dtype, a.device).requires_grad_(req_x)
+        anchor = make_grad_anchor(am.shape, a.dtype, a.device).requires_grad_(req_x)
+        am = dataclasses.replace(am, grad_anchor=anchor)
         wl = [w.clone().requires_grad_() for w in ws]
         if shared:
             ys = mx_grouped_mm_shared(am, [w.transpose(-2, -1) for w in wl], offs, CPU)

@@ -9,6 +9,8 @@ equalities with the default recipe (the cuda kernels)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,7 +52,8 @@ def run(fn, ops, cfg, req, autocast=False, grad=True, mx_input=False):
     w1, w3, w2 = (t.clone().requires_grad_(r and grad) for t, r in zip((w1, w3, w2), req[1:], strict=True))
     if mx_input:
         xm = to_mx(x, recipe=cfg)
-        xm.grad_anchor = leaf = make_grad_anchor(xm.shape, x.dtype, x.device).requires_grad_(req[0] and grad)
+        leaf = make_grad_anchor(xm.shape, x.dtype, x.device).requires_grad_(req[0] and grad)
+        xm = dataclasses.replace(xm, grad_anchor=leaf)
     else:
         xm = leaf = x.clone().requires_grad_(req[0] and grad)
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(grad):

@@ -16,6 +16,8 @@ torch's MX GEMMs that compute their documented semantics), the torch casts and t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,7 +143,7 @@ def grouped_checks(r, x, w1, w3, w2, offs):
 
     def from_mx(rr, anchor, w):  # an MX activation: its values (exactly dequantized) are the wgrad's x
         xm = to_mx(x, recipe=rr)
-        xm.grad_anchor = anchor
+        xm = dataclasses.replace(xm, grad_anchor=anchor)
         return mx_grouped_mm(xm, t(w), offs, rr)
 
     def shared(rr, a, p, q):

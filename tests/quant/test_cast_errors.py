@@ -644,3 +644,83 @@ def test_mxtensor_to_a_device():
         x.to("cpu", dtype=torch.float32)
     with pytest.raises(TypeError, match=r"^MXTensor.to: device='float32' is not a device"):
         x.to("float32")
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("qdata_blocked", torch.zeros(4, 32, dtype=torch.float8_e4m3fn)),  # its scales no longer agree
+        ("scale_blocked", torch.zeros(4, 1, dtype=torch.float8_e8m0fnu)),
+        ("axis", 0),
+        ("block_size", 16),
+        ("scaling_mode", "floor"),
+        ("orig_dtype", torch.float32),
+        ("grad_anchor", None),
+        ("scale_swizzled", None),
+        ("offs", None),
+    ],
+)
+def test_mxtensor_fields_are_read_only(name, value):
+    """A field assigned after construction was never checked again: `t.block_size = 16` or another
+    qdata_blocked made the next dequantize or GEMM silently wrong. Each assignment and deletion is now
+    an AttributeError naming the field and the way to a new, checked MXTensor; the tensor is
+    unchanged and still dequantizes to the same values."""
+    import dataclasses
+
+    t = to_mx(torch.randn(4, 64))
+    before = t.dequantize(torch.float32)
+    fields = dict(t.__dict__)
+    msg = rf"^MXTensor\.{name} cannot be assigned: an MXTensor's fields are read-only, checked together"
+    with pytest.raises(AttributeError, match=msg) as e:
+        setattr(t, name, value)
+    assert isinstance(e.value, dataclasses.FrozenInstanceError)
+    assert f"make a new MXTensor: dataclasses.replace(t, {name}=...) (checked" in str(e.value)
+    with pytest.raises(AttributeError, match=rf"^MXTensor\.{name} cannot be deleted: "):
+        delattr(t, name)
+    assert t.__dict__ == fields
+    assert torch.equal(t.dequantize(torch.float32), before)
+
+
+def test_mxtensor_views_and_other_attributes_are_refused():
+    """`.qdata` / `.scale` (views of the storage) and names that are not fields: refused naming them,
+    the views with the storage field to replace; dataclasses.replace makes the new tensor, checked."""
+    import dataclasses
+
+    t = to_mx(torch.randn(4, 64))
+    for view in ("qdata", "scale"):
+        with pytest.raises(
+            AttributeError,
+            match=rf"^MXTensor\.{view} is a view of {view}_blocked \(the storage\) and cannot be "
+            rf"assigned: .* dataclasses\.replace\(t, {view}_blocked=\.\.\.\) with the storage tensor",
+        ):
+            setattr(t, view, getattr(t, view))
+    no_field = r"^MXTensor has no field 'qdata_blockd' \(qdata_blocked, scale_blocked"
+    with pytest.raises(AttributeError, match=no_field):
+        t.qdata_blockd = t.qdata_blocked
+    assert "qdata_blockd" not in t.__dict__
+    # the way the errors name: a new MXTensor, checked as MXTensor(...) checks
+    with pytest.raises(ValueError, match=r"scale_blocked has shape \(4, 2\); expected \(4, 4\)"):
+        dataclasses.replace(t, block_size=16)
+    u = dataclasses.replace(t, orig_dtype=torch.bfloat16)
+    assert u is not t and u.orig_dtype == torch.bfloat16 and t.orig_dtype == torch.float32
+    assert u.qdata_blocked is t.qdata_blocked
+
+
+def test_mxtensor_read_only_under_compile_and_its_copies():
+    """What makes MXTensors still does: a graph that builds one and returns it (torch.compile sets
+    the fields of the object it rebuilds once each), pickle, deepcopy and .to; each result is as
+    read-only as one made eagerly."""
+    import copy
+    import pickle
+
+    x = torch.randn(64, 64)
+    r = recipe_for("torch")
+    made = torch.compile(lambda x: to_mx(x, recipe=r), fullgraph=True, backend="eager")(x)
+    eager = to_mx(x, recipe=r)
+    assert torch.equal(made.qdata_blocked.view(torch.uint8), eager.qdata_blocked.view(torch.uint8))
+    copies = [pickle.loads(pickle.dumps(eager)), copy.deepcopy(eager), copy.copy(eager), eager.to("meta")]
+    for c in [made, *copies]:
+        assert isinstance(c, MXTensor) and c.axis == 1
+        with pytest.raises(AttributeError, match=r"^MXTensor\.axis cannot be assigned"):
+            c.axis = 0
+        assert c.axis == 1
