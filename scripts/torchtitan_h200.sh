@@ -74,17 +74,24 @@ DET=()
 [ "${DETERMINISTIC:-1}" = 0 ] || DET=(--debug.deterministic)
 PARALLEL=${PARALLEL:-1}
 [[ $PARALLEL =~ ^[1-9][0-9]*$ ]] || { echo "PARALLEL=$PARALLEL: expected a number of runs >= 1" >&2; exit 2; }
-# Runs at once must fit the GPU's memory (a run that does not gets "CUDA out of memory" at its start):
-# the debug model's processes held up to 11.2 GiB (bf16, mxmoe) and 25.9 GiB (torchao's emulated
-# MXFP8) on one H100 (2026-12-07, deterministic, 8 x 2048); with PARALLEL > 1 the PARALLEL largest
-# of those (+ 1 GiB each) must fit in the GPU's memory (nvidia-smi), or the call stops here.
+# Runs at once must fit the GPU's memory (a run that does not gets "CUDA out of memory" at its start
+# or later): the debug model's processes at 8 x 2048 (GiB, CUDA context included), measured on one
+# H200 and one H100 on 2026-12-07: in deterministic mode mxmoe 26.3 (torchtitan's "memory" 25.1 GiB
+# reserved), torchao's emulated MXFP8 26.3, bf16 at least 13.2 (11.2 held when a 2 GiB allocation
+# failed); without it bf16 and mxmoe 5.6 / 5.2 reserved. With PARALLEL > 1 the PARALLEL largest of
+# those (+ a margin) must fit in the GPU's memory (nvidia-smi), or the call stops here. Runs of
+# another call on the same GPU are not counted: run those apart.
 if [ "$PARALLEL" -gt 1 ] && [ -z "${FLAVOR:-}" ] && command -v nvidia-smi > /dev/null; then
     total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | tr -d ' ')
     if [[ $total =~ ^[0-9]+$ ]]; then
         needs=()
         for v in "${VARIANTS[@]}"; do
             for _ in $(seq 1 $(( ${#SEEDS[@]} * ${REPEATS:-1} ))); do
-                case $v in torchao) needs+=(27) ;; *) needs+=(13) ;; esac
+                case $v,${DETERMINISTIC:-1} in
+                    torchao,*|mxmoe*,1) needs+=(28) ;;
+                    bf16,1) needs+=(15) ;;
+                    *) needs+=(7) ;;
+                esac
             done
         done
         # largest first: the most memory PARALLEL runs at once can hold
@@ -95,7 +102,7 @@ if [ "$PARALLEL" -gt 1 ] && [ -z "${FLAVOR:-}" ] && command -v nvidia-smi > /dev
             [ $((sum * 1024)) -le "$total" ] && fit=$n
             [ "$n" -lt "$PARALLEL" ] || break
         done
-        [ $((sum * 1024)) -le "$total" ] || die "PARALLEL=$PARALLEL: that many of these runs at once need up to ~$sum GiB (13 a bf16 or mxmoe run, 27 a torchao one) and the GPU has $((total / 1024)) GiB; at most $fit at once fit (or run torchao apart)"
+        [ $((sum * 1024)) -le "$total" ] || die "PARALLEL=$PARALLEL: that many of these runs at once need up to ~$sum GiB (deterministic: 15 a bf16 run, 28 an mxmoe or torchao one; else 7, torchao 28) and the GPU has $((total / 1024)) GiB; at most $fit at once fit (or run torchao apart)"
     fi
 fi
 REPO=$(cd "$(dirname "$0")/.." && pwd)
