@@ -10,6 +10,21 @@ not the interpreter. Beside each MX op: the native op it stands in for, in the s
     TRITON_INTERPRET=1 python scripts/host_cost_cpu.py [--iters 2000] [--profile OP]
     TRITON_INTERPRET=1 python scripts/host_cost_cpu.py --model [--iters 20]
 
+--cuda-route: the GPU's default route ("auto" takes the CUDA backend: the C++ operators of mxmoe's
+CUDA extension, torch.ops.mxmoe_cuda.*) measured on this CPU. The operators are replaced by CPU
+stand-ins registered under the same names and schemas (csrc/binding.cpp) that return outputs of the
+right shapes and dtypes, preallocated once per shape, and compute nothing; the "cuda" backend is made
+resolvable on CPU tensors, the bf16 grouped GEMM runs torch._grouped_mm followed by the tail-rows
+operator as on CUDA, the CPU GEMMs (aten::mm, aten::_grouped_mm: torch.mm, torch._grouped_mm and
+their backward formulas, in the native rows and inside the MX ops alike) are stand-ins too, and offs
+are not read on the host (on a GPU they live on the device). All this
+is set up by this script only (never by mxmoe): what is timed is mxmoe's Python around the operators
+plus torch's dispatch of the stand-ins and of real (tiny) CPU aten ops, NOT kernel time, and not a
+GPU's own per-op host cost. The row "stand-in op alone" gives one stand-in call's cost. Emulated
+GEMMs in bf16 (the recipe's gemm_dtype, as on CUDA), the default recipe's kernels ("auto").
+
+    python scripts/host_cost_cpu.py --cuda-route [--iters 2000] [--profile OP] [--only OP]
+
 --model: a training step (forward, cross-entropy, backward) of torchtitan 0.2.2's DeepSeek-V3 debug
 model (configs/torchtitan/deepseek_v3_debug_0.2.toml: 6 layers, 8 routed experts top-3, 2 shared,
 attention, router and head high precision) with its dims cut to 64 (2 heads of 32 + 32, vocabulary
@@ -119,6 +134,175 @@ def _cases(M: int, K: int, E: int):
         ("to_mx dim0", lambda: to_mx(x, -1, recipe=r)),
         ("to_mx dim1", lambda: to_mx(x, 0, recipe=r)),
         ("x.to(float8_e4m3fn)", lambda: x.to(torch.float8_e4m3fn)),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# --cuda-route: the C++ operators replaced by CPU stand-ins (this script only; see the docstring)
+# ----------------------------------------------------------------------------------------------
+
+# csrc/binding.cpp's TORCH_LIBRARY(mxmoe_cuda, m), the operators mxmoe calls
+_STANDIN_SCHEMAS = (
+    "quantize_dim0(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor, Tensor)",
+    "quantize_dim0_out(Tensor x, int block_size, int mode, Tensor(a!) q, Tensor(b!) s) -> ()",
+    "quantize_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor, Tensor)",
+    "quantize_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype) -> (Tensor, Tensor, Tensor, Tensor)",  # noqa: E501
+    "dequantize(Tensor q, Tensor s, int block_size, ScalarType out_dtype) -> Tensor",
+    "dequantize_out(Tensor q, Tensor s, int block_size, Tensor(a!) out) -> ()",
+    "qdq_dim0(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype) -> Tensor",
+    "qdq_dim0_out(Tensor x, int block_size, int mode, ScalarType elem_dtype, Tensor(a!) out) -> ()",
+    "qdq_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> Tensor",  # noqa: E501
+    "qdq_dim0_dim1(Tensor x, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> (Tensor, Tensor)",  # noqa: E501
+    "swiglu_qdq_dim0_dim1(Tensor g, Tensor u, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> (Tensor, Tensor)",  # noqa: E501
+    "swiglu_bwd_qdq_dim0_dim1(Tensor dh, Tensor g, Tensor u, int block_size, int mode, ScalarType elem_dtype, ScalarType out_dtype, Tensor? offs=None) -> (Tensor, Tensor, Tensor, Tensor)",  # noqa: E501
+    "zero_rows_after(Tensor(a!) out, Tensor offs) -> ()",
+)  # fmt: skip
+_standin_lib = []  # the torch.library.Library, kept alive
+
+
+def _install_cuda_standins() -> None:
+    """torch.ops.mxmoe_cuda.* as CPU stand-ins (outputs of the right shapes and dtypes, preallocated
+    per shape, nothing computed), the "cuda" backend resolvable on CPU tensors, the bf16 grouped
+    GEMM as on CUDA (torch._grouped_mm, then the tail-rows operator), offs not read on the host."""
+    from mxmoe.formats import SCALE_DTYPE
+    from mxmoe.ops import gemm as ops_gemm
+    from mxmoe.ops import grouped as ops_grouped
+    from mxmoe.ops import tail_rows
+    from mxmoe.quant import cuda_cast
+    from mxmoe.quant.backends import resolve_kernel
+
+    lib = torch.library.Library("mxmoe_cuda", "DEF")
+    _standin_lib.append(lib)
+    cache: dict = {}
+
+    def alloc(key, make):
+        out = cache.get(key)
+        if out is None:
+            out = cache[key] = make()
+        return out
+
+    def dim0(x, bs, mode, elem):
+        s_shape = (*x.shape[:-1], x.shape[-1] // bs)
+        return alloc(("d0", x.shape, elem, bs), lambda: (
+            torch.empty(x.shape, dtype=elem), torch.empty(s_shape, dtype=SCALE_DTYPE)))
+
+    def dim1(x, bs, mode, elem):
+        *lead, R, C = x.shape
+        return alloc(("d1", x.shape, elem, bs), lambda: (
+            torch.empty((*lead, C, R), dtype=elem), torch.empty((*lead, C, R // bs), dtype=SCALE_DTYPE)))
+
+    def dim0_dim1(x, bs, mode, elem):
+        return (*dim0(x, bs, mode, elem), *dim1(x, bs, mode, elem))
+
+    def deq(q, s, bs, out_dtype):
+        return alloc(("dq", q.shape, out_dtype), lambda: torch.empty(q.shape, dtype=out_dtype))
+
+    def like(x, out_dtype, n):
+        outs = alloc(("like", x.shape, out_dtype, n), lambda: tuple(torch.empty(x.shape, dtype=out_dtype)
+                                                                     for _ in range(n)))
+        return outs[0] if n == 1 else outs
+
+    impls = {
+        "quantize_dim0": dim0,
+        "quantize_dim0_out": lambda x, bs, mode, q, s: None,
+        "quantize_dim1": dim1,
+        "quantize_dim0_dim1": dim0_dim1,
+        "dequantize": deq,
+        "dequantize_out": lambda q, s, bs, out: None,
+        "qdq_dim0": lambda x, bs, mode, elem, od: like(x, od, 1),
+        "qdq_dim0_out": lambda x, bs, mode, elem, out: None,
+        "qdq_dim1": lambda x, bs, mode, elem, od, offs=None: like(x, od, 1),
+        "qdq_dim0_dim1": lambda x, bs, mode, elem, od, offs=None: like(x, od, 2),
+        "swiglu_qdq_dim0_dim1": lambda g, u, bs, mode, elem, od, offs=None: like(g, od, 2),
+        "swiglu_bwd_qdq_dim0_dim1": lambda dh, g, u, bs, mode, elem, od, offs=None: like(dh, od, 4),
+        "zero_rows_after": lambda out, offs: None,
+    }
+    for schema in _STANDIN_SCHEMAS:
+        lib.define(schema)
+        name = schema.split("(", 1)[0]
+        lib.impl(name, impls[name], "CPU")
+    # the backend: resolvable on CPU tensors, its extension "loaded" (the stand-ins above)
+    cuda_cast.why_unavailable = lambda device, cast: None
+    cuda_cast.ready = lambda device, cast: True
+    cuda_cast.ops_loaded = True
+    # the bf16 grouped GEMM as on CUDA: torch._grouped_mm, its tail rows zeroed by the operator
+    # (tail_rows.zero_rows_after_trusted's CUDA branch, without its out.is_cuda)
+    ops_gemm.on_torch_grouped_mm = lambda a, b: a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16
+
+    def zero_rows_after_trusted(out, offs):
+        if resolve_kernel("auto", out.device, "dim0") == "cuda":
+            return cuda_cast.zero_rows_after(out, offs)
+        raise RuntimeError("the cuda stand-ins are not installed")
+
+    tail_rows.zero_rows_after_trusted = zero_rows_after_trusted
+    # the GEMMs (aten::mm, aten::_grouped_mm on CPU; what torch.mm, torch._grouped_mm and their
+    # backward formulas dispatch to, for the native rows and inside the MX ops alike) as stand-ins too:
+    # their outputs preallocated per shape, nothing computed (a CPU's bf16 GEMM would be timed else)
+    aten = torch.library.Library("aten", "IMPL")
+    _standin_lib.append(aten)
+
+    def mm(a, b):
+        M, N = a.shape[0], b.shape[1]
+        return alloc(("mm", M, N, a.dtype), lambda: torch.empty(M, N, dtype=a.dtype))
+
+    def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+        dt = a.dtype if out_dtype is None else out_dtype
+        shape = (a.shape[0], b.shape[-1]) if b.ndim == 3 else (offs.shape[0], a.shape[0], b.shape[-1])
+        return alloc(("gmm", shape, dt), lambda: torch.empty(shape, dtype=dt))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (overriding a previously registered kernel)
+        aten.impl("mm", mm, "CPU")
+        aten.impl("_grouped_mm", grouped_mm, "CPU")
+    # offs live on the device on a GPU: the ops do not read them on the host there
+    ops_grouped.check_offsets = lambda *a, **k: None
+    ops_gemm.check_offsets = lambda *a, **k: None
+
+
+def _cuda_cases(M: int, K: int, E: int):
+    """The rows of `mxmoe bench overhead` (its inputs: x (M, K), w (K, N) row-major, w3 (E, K, N)
+    row-major, dy; the default recipe, "auto"), gemm_dtype bf16 as the default recipe has on CUDA."""
+    from mxmoe.quant import to_mx_dim0_dim1
+    from mxmoe.recipe import DEFAULT_RECIPE
+
+    dt = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, dtype=dt, generator=g)
+    dy = torch.randn(M, K, dtype=dt, generator=g)
+    w = torch.randn(K, K, dtype=dt, generator=g)  # (K, N)
+    w3 = torch.randn(E, K, K, dtype=dt, generator=g)  # (E, K, N)
+    xg, wg, w3g = x.clone().requires_grad_(), w.clone().requires_grad_(), w3.clone().requires_grad_()
+    offs = (torch.arange(1, E + 1, dtype=torch.int32) * (M // E)).contiguous()
+    r = DEFAULT_RECIPE.replace(gemm_dtype=torch.bfloat16)  # compute_dtype as on CUDA
+    rk = DEFAULT_RECIPE
+    mx0 = to_mx(x, -1, recipe=rk)
+    standin = torch.ops.mxmoe_cuda.quantize_dim0.default
+    bs, e4 = rk.block_size, torch.float8_e4m3fn
+
+    def fwd_bwd(f):
+        def run():
+            f().backward(dy)
+            xg.grad = wg.grad = w3g.grad = None
+
+        return run
+
+    return [
+        ("x.to(float8_e4m3fn)", lambda: x.to(torch.float8_e4m3fn)),
+        ("stand-in op alone", lambda: standin(x, bs, 1, e4)),
+        ("to_mx dim0", lambda: to_mx(x, -1, recipe=rk)),
+        ("to_mx dim1", lambda: to_mx(x, 0, recipe=rk)),
+        ("to_mx_dim0_dim1", lambda: to_mx_dim0_dim1(x, recipe=rk)),
+        ("dequantize", lambda: mx0.dequantize(recipe=rk)),
+        ("qdq dim0", lambda: qdq(x, -1, recipe=rk)),
+        ("qdq dim1", lambda: qdq(x, -2, recipe=rk)),
+        ("torch.mm fwd", lambda: torch.mm(x, w)),
+        ("mx_mm fwd", lambda: mx_mm(x, w, r)),
+        ("torch.mm fwd+bwd", fwd_bwd(lambda: torch.mm(xg, wg))),
+        ("mx_mm fwd+bwd", fwd_bwd(lambda: mx_mm(xg, wg, r))),
+        ("torch._grouped_mm fwd", lambda: torch._grouped_mm(x, w3, offs=offs)),
+        ("mx_grouped_mm fwd", lambda: mx_grouped_mm(x, w3, offs, r)),
+        ("torch._grouped_mm fwd+bwd", fwd_bwd(lambda: torch._grouped_mm(xg, w3g, offs=offs))),
+        ("mx_grouped_mm fwd+bwd", fwd_bwd(lambda: mx_grouped_mm(xg, w3g, offs, r))),
     ]
 
 
@@ -239,11 +423,19 @@ def main() -> None:
     p.add_argument("--profile", help="cProfile the row with this op name")
     p.add_argument("--only", action="append", help="only the rows whose name starts so (repeatable)")
     p.add_argument("--model", action="store_true", help="a training step of the torchtitan 0.2 debug model")
+    p.add_argument("--cuda-route", action="store_true",
+                   help="the GPU's CUDA route, its C++ operators replaced by CPU stand-ins (docstring)")
     p.add_argument("--torchtitan02", default=".venv/torchtitan-0.2", help="the folder of torchtitan 0.2.2")
     args = p.parse_args()
     torch.set_num_threads(1)
     _stub_triton()
-    if args.model:
+    if args.cuda_route:
+        _install_cuda_standins()
+        M, K = (int(t) for t in args.shape.split("x"))
+        cases = _cuda_cases(M, K, args.groups)
+        print(f"torch {torch.__version__}, {M}x{K} bf16, {args.groups} groups, {args.iters} calls x 5; "
+              "CUDA route on CPU stand-ins: Python overhead, not kernel time")
+    elif args.model:
         cases = _model_steps(os.path.abspath(args.torchtitan02))
         print(f"torch {torch.__version__}, torchtitan 0.2 DeepSeek-V3 debug model (dims 64), 1 x 64 tokens, "
               f"{args.iters} steps x 5")
@@ -272,8 +464,9 @@ def main() -> None:
                 fn()
             pr.disable()
             st = pstats.Stats(pr).sort_stats("tottime")
-            st.print_stats(30)
-            st.print_callers("jit.py")
+            st.print_stats(40)
+            if not args.cuda_route:
+                st.print_callers("jit.py")
 
 
 if __name__ == "__main__":

@@ -177,9 +177,10 @@ def _make_kernels(recipe: MXRecipe, device: torch.device, backend: str, qdq: boo
     return OpKernels(backend, qdq, compute, k0, k1, direct)
 
 
-def _both_kernels(recipe: MXRecipe, device: torch.device, backend: str, qdq: bool) -> tuple:
+def _both_kernels(recipe: MXRecipe, device: torch.device) -> tuple:
     """(recipe, general OpKernels, direct OpKernels): the direct ones are the general ones on meta."""
-    general = _make_kernels(recipe, device, backend, qdq, False)
+    backend = resolve_gemm_backend(recipe, device)
+    general = _make_kernels(recipe, device, backend, backend in QDQ_BACKENDS, False)
     return recipe, general, general if device.type == "meta" else general._replace(direct=True)
 
 
@@ -190,18 +191,18 @@ def op_kernels(recipe: MXRecipe, device: torch.device) -> OpKernels:
     (kept with the cast kernels' resolved answers, `mxmoe.quant.backends.clear_resolved` forgets it
     too); built afresh, not direct, while torch.compile traces. Raises as the recipe's qdq calls
     would (`backends.cast_kernel`)."""
-    backend = resolve_gemm_backend(recipe, device)
-    qdq = backend in QDQ_BACKENDS  # (in the key: tests switch the path per call)
     if torch.compiler.is_compiling():
-        return _make_kernels(recipe, device, backend, qdq, False)
-    # keyed by the recipe's id (hashing a recipe hashes its 7 fields, µs per call); the entry
-    # holds the recipe, so that id is not reused while the entry lives
+        backend = resolve_gemm_backend(recipe, device)
+        return _make_kernels(recipe, device, backend, backend in QDQ_BACKENDS, False)
+    # keyed by the recipe's id (hashing a recipe hashes its 7 fields, µs per call; the entry holds
+    # the recipe, so that id is not reused while the entry lives), the device (the GEMM backend is
+    # resolved per device, kept beside this entry: `clear_resolved` forgets both) and QDQ_BACKENDS
+    # (tests switch the path per call): a hit asks nothing else
     held, general, direct = backends.remember(
-        ("op_kernels", id(recipe), device.type, qdq, backend),
-        lambda: _both_kernels(recipe, device, backend, qdq),
+        ("op_kernels", id(recipe), device, QDQ_BACKENDS), lambda: _both_kernels(recipe, device)
     )
     if held is not recipe:
-        _, general, direct = _both_kernels(recipe, device, backend, qdq)
+        _, general, direct = _both_kernels(recipe, device)
     return general if torch.autograd._profiler_enabled() else direct
 
 

@@ -353,7 +353,8 @@ def mx_grouped_mm(
     K and N must be divisible by recipe.block_size. Returns (T, N) contiguous in a's (orig) dtype;
     under autocast (as torch._grouped_mm in bf16 training) a Tensor a is first cast to the autocast dtype.
     """
-    recipe = as_recipe(recipe)
+    if type(recipe) is not MXRecipe:  # (None, or one to check: a call only then)
+        recipe = as_recipe(recipe)
     args, out_dtype = _checked_args(a, b_t, offs, recipe)
     kernels = op_kernels(recipe, b_t.device)
     offs = offs.contiguous()  # the casts read offs[e] at offs_ptr + e
@@ -659,7 +660,8 @@ def _checked_args(a, b_t, offs, recipe: MXRecipe):
         raise ValueError(f"offs has {offs.shape[0]} groups; expected 1 to {_MAX_GROUPS}")
     if offs.device != b_t.device:
         raise ValueError(f"offs is on {offs.device} but b_t on {b_t.device}; they must share a device")
-    check_dtype("b_t", b_t.dtype)
+    if b_t.dtype not in INPUT_DTYPES:
+        check_dtype("b_t", b_t.dtype)
     E, K, N = b_t.shape
     if isinstance(a, MXTensor):
         if a.ndim != 2 or a.axis != 1:
@@ -688,7 +690,8 @@ def _checked_args(a, b_t, offs, recipe: MXRecipe):
         if a.ndim != 2:
             raise ValueError(f"a must be 2D (T, K), got shape {tuple(a.shape)}")
         out_dtype = autocast_target(a) or a.dtype
-        check_dtype("a", out_dtype)  # as the casts take it: after autocast
+        if out_dtype not in INPUT_DTYPES:  # as the casts take it: after autocast
+            check_dtype("a", out_dtype)
         T = a.shape[0]
         args = (a, None, None, recipe.scaling_mode)  # a not yet in the autocast dtype: the caller casts
     else:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from mxmoe.formats import INPUT_DTYPES
 from mxmoe.ops.gemm import (
     apply_function,
     autocast_input,
@@ -164,8 +165,8 @@ def weight_qdq(
     the backward's gradient, see `gathered_mx`)."""
     if isinstance(w, WeightCasts):
         return w.k if axis == -1 else w.n
-    pre = gathered_mx(w, axis, recipe, after)
-    if pre is not None:
+    if isinstance(w, MXGatheredWeight):  # (gathered_mx's own test, without its call otherwise)
+        pre = gathered_mx(w, axis, recipe, after)
         return pre.dequantize_trusted(kernels.compute, cast_kernel(recipe, w.device, "dequant")).contiguous()
     dim1 = axis == -2
     k = kernels.k1 if dim1 else kernels.k0
@@ -408,7 +409,8 @@ def mx_mm(a: Tensor, b: Tensor, recipe: MXRecipe | None = None) -> Tensor:
     K and N must be divisible by recipe.block_size. Returns (..., N) in a's dtype, contiguous; under
     autocast (as torch.mm) a is first cast to the autocast dtype, so the result is of that dtype.
     """
-    recipe = as_recipe(recipe)
+    if type(recipe) is not MXRecipe:  # (None, or one to check: a call only then)
+        recipe = as_recipe(recipe)
     if not isinstance(a, Tensor) or not isinstance(b, Tensor):
         raise TypeError(f"mx_mm takes tensors, got a: {type(a).__name__}, b: {type(b).__name__}")
     if b.ndim != 2 or a.ndim < 1 or a.shape[-1] != b.shape[0]:
@@ -427,8 +429,9 @@ def mx_mm(a: Tensor, b: Tensor, recipe: MXRecipe | None = None) -> Tensor:
     autocast = autocast_on(dev.type)
     if autocast:
         a = autocast_input(a)
-    check_dtype("a", a.dtype)
-    check_dtype("b", b.dtype)
+    if a.dtype not in INPUT_DTYPES or b.dtype not in INPUT_DTYPES:  # (the checks' own test, inline)
+        check_dtype("a", a.dtype)
+        check_dtype("b", b.dtype)
     kernels = op_kernels(recipe, dev)
     if autocast:
         with autocast_off(dev.type, kernels.direct):

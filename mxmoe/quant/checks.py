@@ -79,6 +79,14 @@ def check_no_grad(x: torch.Tensor) -> None:
 def check_x(x: torch.Tensor, block_size: int, axis: int) -> int:
     """x is a bf16/fp32 tensor whose `axis` (one of the last two dims) is divisible by block_size;
     returns the non-negative axis."""
+    # the common case decided without a call: a bf16/fp32 tensor, an int axis among the last two dims
+    # whose size is whole blocks, no gradient asked for; anything else takes the checks below, which
+    # name what is wrong
+    if isinstance(x, torch.Tensor) and x.dtype in INPUT_DTYPES and type(axis) is int and not x.requires_grad:
+        nd = x.ndim
+        ax = axis + nd if axis < 0 else axis
+        if 0 <= ax < nd and ax >= nd - 2 and not x.shape[ax] % block_size:
+            return ax
     check_input_dtype("x", x)
     nd = x.ndim
     if nd < 1:
@@ -95,7 +103,7 @@ def check_x(x: torch.Tensor, block_size: int, axis: int) -> int:
         )
     if x.shape[ax] % block_size:
         raise ValueError(f"x.shape[{axis}]={x.shape[ax]} is not divisible by block_size={block_size}")
-    if x.requires_grad:  # (the common case decided here, without a call)
+    if x.requires_grad:
         check_no_grad(x)
     return ax
 

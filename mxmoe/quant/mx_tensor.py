@@ -32,6 +32,7 @@ from torch import Tensor
 
 from mxmoe.formats import (
     ELEM_FORMATS,
+    INPUT_DTYPES,
     OUTPUT_DTYPES,
     SCALE_DTYPE,
     MXFormat,
@@ -284,7 +285,9 @@ class MXTensor:
         if dtype not in OUTPUT_DTYPES:
             what = "an output dtype" if isinstance(dtype, torch.dtype) else "a torch.dtype"
             raise TypeError(f"dtype={dtype!r} is not {what}; expected torch.bfloat16 or torch.float32")
-        return self.dequantize_trusted(dtype, cast_kernel(as_recipe(recipe), self.device, "dequant"))
+        if type(recipe) is not MXRecipe:  # (None, or one to check: a call only then)
+            recipe = as_recipe(recipe)
+        return self.dequantize_trusted(dtype, cast_kernel(recipe, self.qdata_blocked.device, "dequant"))
 
     def dequantize_trusted(self, dtype: torch.dtype, kernel: str) -> Tensor:
         """`dequantize` without checks, for the ops layer: dtype bf16/fp32, kernel concrete (from
@@ -647,11 +650,15 @@ def to_mx(
     torch._scaled_grouped_mm takes them. Checked here with a host read.
     """
     if recipe is not None:
-        _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size)
+        # (the common call, a recipe alone with plain scales, costs no call of the checks that
+        # would find nothing: each Python call is a tenth of a µs or more of host time)
+        if type(recipe) is not MXRecipe or not (scaling_mode is elem_dtype is block_size is None):
+            _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size)
         bs = recipe.block_size
         ax = check_x(x, bs, axis)
-        _check_layout_offs(x, ax, scale_layout, offs, bs)
-        out = mx_cast(x, ax, recipe)
+        if scale_layout != "plain" or offs is not None:
+            _check_layout_offs(x, ax, scale_layout, offs, bs)
+        out = _cast(x, ax, recipe.fmt.spec, recipe)  # (mx_cast's body)
     else:
         spec = checked_spec(*_format_args(block_size, scaling_mode, elem_dtype))
         ax = check_x(x, spec.block_size, axis)
@@ -714,12 +721,14 @@ def to_mx_dim0_dim1(
     scale_layout, offs: as in `to_mx`, for both results (offs: token groups along R).
     """
     if recipe is not None:
-        _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size)
+        if type(recipe) is not MXRecipe or not (scaling_mode is elem_dtype is block_size is None):
+            _check_recipe_only(recipe, scaling_mode, elem_dtype, block_size)
         spec = recipe.fmt.spec
     else:
         spec = checked_spec(*_format_args(block_size, scaling_mode, elem_dtype))
         recipe = DEFAULT_RECIPE  # its ("auto") kernels; the format is `spec`
-    check_input_dtype("x", x)
+    if not isinstance(x, Tensor) or x.dtype not in INPUT_DTYPES:
+        check_input_dtype("x", x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2D for the fused dim0+dim1 cast, got shape {tuple(x.shape)}")
     R, C = x.shape
@@ -729,7 +738,8 @@ def to_mx_dim0_dim1(
         raise ValueError(f"x.shape[{ax}]={n} is not divisible by block_size={bs}")
     if x.requires_grad:
         check_no_grad(x)
-    _check_layout_offs(x, None, scale_layout, offs, bs)
+    if scale_layout != "plain" or offs is not None:
+        _check_layout_offs(x, None, scale_layout, offs, bs)
     d0, d1 = _cast_dim0_dim1(x, spec, recipe)
     if scale_layout == "plain":
         return d0, d1

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from mxmoe.formats import MODE_IDS, OUTPUT_DTYPES, MXFormat, check_input_dtype, get_format
+from mxmoe.formats import INPUT_DTYPES, MODE_IDS, OUTPUT_DTYPES, MXFormat, check_input_dtype, get_format
 from mxmoe.quant import cuda_cast, torch_cast
 from mxmoe.quant.backends import cast_kernel, triton_interpret
 from mxmoe.quant.groups import check_offsets
@@ -523,12 +523,16 @@ def qdq(
     offs: None, or (E,) int32 cumulative group ends on x's device (2D x only): dim1 blocks start at
     every group start; rows at or after offs[-1] are zero (module docstring).
     """
-    check_input_dtype("x", x)
+    if not isinstance(x, Tensor) or x.dtype not in INPUT_DTYPES:
+        check_input_dtype("x", x)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if isinstance(axis, bool) or not isinstance(axis, int) or axis not in (-1, -2, x.ndim - 1, x.ndim - 2):
         raise ValueError(f"axis={axis!r}; expected -1 or -2 (blocks along one of the last two dims)")
     dim1 = axis in (-2, x.ndim - 2)
-    _check(x, recipe, out_dtype, offs)
+    # `_check` only where it may find something (the same tests; offs always checked)
+    if (type(recipe) is not MXRecipe or out_dtype not in OUTPUT_DTYPES or x.ndim < 2
+            or x.shape[-1] % recipe.block_size or offs is not None):
+        _check(x, recipe, out_dtype, offs)
     # dim0 alone with groups (its rows after them zeroed) is the rows kernel's job
     cast = "qdq_dim1" if dim1 else "qdq_dim0" if offs is None else "qdq_dim0_offs"
     kernel = cast_kernel(recipe, x.device, cast)
@@ -555,14 +559,18 @@ def qdq_dim0_dim1(
     Returns y0 = qdq(x, -1, offs=offs) and y1 = qdq(x, -2, offs=offs), each of x's shape, out_dtype,
     row-major contiguous (with offs, rows at or after offs[-1] are zero in both).
     """
-    check_input_dtype("x", x)
+    if not isinstance(x, Tensor) or x.dtype not in INPUT_DTYPES:
+        check_input_dtype("x", x)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.ndim not in (2, 3) or (x.ndim == 3 and offs is not None):
         raise ValueError(
             f"x must be 2D (R, C), or 3D (B, R, C) without offs, for qdq_dim0_dim1; got shape "
             f"{tuple(x.shape)}{' with offs' if offs is not None else ''}"
         )
-    _check(x, recipe, out_dtype, offs)
+    # `_check` only where it may find something (the same tests; offs always checked)
+    if (type(recipe) is not MXRecipe or out_dtype not in OUTPUT_DTYPES or x.ndim < 2
+            or x.shape[-1] % recipe.block_size or offs is not None):
+        _check(x, recipe, out_dtype, offs)
     kernel = cast_kernel(recipe, x.device, "qdq_dim1")
     offs = None if offs is None else offs.contiguous()  # the kernel reads offs[e] at offs_ptr + e
     y0, y1 = _qdq(x.contiguous(), recipe.fmt, out_dtype, True, True, kernel, offs)  # 2D / 3D as they are
