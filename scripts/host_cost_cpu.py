@@ -260,8 +260,9 @@ def _install_cuda_standins() -> None:
 
 
 def _cuda_cases(M: int, K: int, E: int):
-    """The rows of `mxmoe bench overhead` (its inputs: x (M, K), w (K, N) row-major, w3 (E, K, N)
-    row-major, dy; the default recipe, "auto"), gemm_dtype bf16 as the default recipe has on CUDA."""
+    """The rows of `mxmoe bench overhead` (its inputs: x (M, K), the GEMMs' weights as the modules
+    hand them over, w (K, N) = an (N, K) weight transposed, w3 (E, K, N) = (E, N, K) transposed; dy;
+    the default recipe, "auto"), gemm_dtype bf16 as the default recipe has on CUDA."""
     from mxmoe.quant import to_mx_dim0_dim1
     from mxmoe.recipe import DEFAULT_RECIPE
 
@@ -269,9 +270,10 @@ def _cuda_cases(M: int, K: int, E: int):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(M, K, dtype=dt, generator=g)
     dy = torch.randn(M, K, dtype=dt, generator=g)
-    w = torch.randn(K, K, dtype=dt, generator=g)  # (K, N)
-    w3 = torch.randn(E, K, K, dtype=dt, generator=g)  # (E, K, N)
-    xg, wg, w3g = x.clone().requires_grad_(), w.clone().requires_grad_(), w3.clone().requires_grad_()
+    wl = torch.randn(K, K, dtype=dt, generator=g).requires_grad_()  # (N, K) leaf
+    w3l = torch.randn(E, K, K, dtype=dt, generator=g).requires_grad_()  # (E, N, K) leaf
+    w, w3 = wl.detach().t(), w3l.detach().transpose(-2, -1)  # (K, N), (E, K, N), column-major
+    xg = x.clone().requires_grad_()
     offs = (torch.arange(1, E + 1, dtype=torch.int32) * (M // E)).contiguous()
     r = DEFAULT_RECIPE.replace(gemm_dtype=torch.bfloat16)  # compute_dtype as on CUDA
     rk = DEFAULT_RECIPE
@@ -282,7 +284,7 @@ def _cuda_cases(M: int, K: int, E: int):
     def fwd_bwd(f):
         def run():
             f().backward(dy)
-            xg.grad = wg.grad = w3g.grad = None
+            xg.grad = wl.grad = w3l.grad = None
 
         return run
 
@@ -297,12 +299,12 @@ def _cuda_cases(M: int, K: int, E: int):
         ("qdq dim1", lambda: qdq(x, -2, recipe=rk)),
         ("torch.mm fwd", lambda: torch.mm(x, w)),
         ("mx_mm fwd", lambda: mx_mm(x, w, r)),
-        ("torch.mm fwd+bwd", fwd_bwd(lambda: torch.mm(xg, wg))),
-        ("mx_mm fwd+bwd", fwd_bwd(lambda: mx_mm(xg, wg, r))),
+        ("torch.mm fwd+bwd", fwd_bwd(lambda: torch.mm(xg, wl.t()))),
+        ("mx_mm fwd+bwd", fwd_bwd(lambda: mx_mm(xg, wl.t(), r))),
         ("torch._grouped_mm fwd", lambda: torch._grouped_mm(x, w3, offs=offs)),
         ("mx_grouped_mm fwd", lambda: mx_grouped_mm(x, w3, offs, r)),
-        ("torch._grouped_mm fwd+bwd", fwd_bwd(lambda: torch._grouped_mm(xg, w3g, offs=offs))),
-        ("mx_grouped_mm fwd+bwd", fwd_bwd(lambda: mx_grouped_mm(xg, w3g, offs, r))),
+        ("torch._grouped_mm fwd+bwd", fwd_bwd(lambda: torch._grouped_mm(xg, w3l.mT, offs=offs))),
+        ("mx_grouped_mm fwd+bwd", fwd_bwd(lambda: mx_grouped_mm(xg, w3l.mT, offs, r))),
     ]
 
 

@@ -89,13 +89,17 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(R, C, device=device, dtype=dt, generator=g)
     dst = torch.empty_like(x)
-    w = torch.randn(C, C, device=device, dtype=dt, generator=g)  # (K, N)
-    w3 = torch.randn(NUM_GROUPS, C, C, device=device, dtype=dt, generator=g)  # (E, K, N)
+    w3 = torch.randn(NUM_GROUPS, C, C, device=device, dtype=dt, generator=g)  # (E, K, N), the casts' rows
+    # the GEMM rows' weights as the modules hand them over: nn.Linear's (N, K) weight transposed
+    # (MXLinear: weight.t()), the experts' (E, N, K) transposed; a row-major (K, N) operand would
+    # add a copy per call to the MX rows (the cast wants each column's blocks contiguous)
+    w = torch.randn(C, C, device=device, dtype=dt, generator=g).t()  # (K, N), column-major
+    w3t = torch.randn(NUM_GROUPS, C, C, device=device, dtype=dt, generator=g).transpose(-2, -1)
     offs = torch.arange(1, NUM_GROUPS + 1, device=device, dtype=torch.int32) * (R // NUM_GROUPS)
     dy = torch.randn(R, C, device=device, dtype=dt, generator=g)
     xg = x.clone().requires_grad_()
-    wg = w.clone().requires_grad_()
-    w3g = w3.clone().requires_grad_()
+    wg = w.t().clone().requires_grad_()  # (N, K) leaves, used transposed as above
+    w3g = w3t.transpose(-2, -1).clone().requires_grad_()
 
     def fwd_bwd(f: Callable) -> Callable:
         def run():
@@ -134,19 +138,19 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
     cases += [
         ("torch.mm fwd", "native", lambda: torch.mm(x, w), False),
         ("mx_mm fwd", "auto", lambda: mx_mm(x, w, r), False),
-        ("torch.mm fwd+bwd", "native", fwd_bwd(lambda: torch.mm(xg, wg)), False),
-        ("mx_mm fwd+bwd", "auto", fwd_bwd(lambda: mx_mm(xg, wg, r)), False),
+        ("torch.mm fwd+bwd", "native", fwd_bwd(lambda: torch.mm(xg, wg.t())), False),
+        ("mx_mm fwd+bwd", "auto", fwd_bwd(lambda: mx_mm(xg, wg.t(), r)), False),
     ]
     if device.type == "cuda":  # torch._grouped_mm: CUDA bf16 only
         # the tail-rows kernels are Triton's and the C++ extension's (their module imports triton)
         from mxmoe.ops.tail_rows import zero_rows_after
 
         cases += [
-            ("torch._grouped_mm fwd", "native", lambda: torch._grouped_mm(x, w3, offs=offs), False),
+            ("torch._grouped_mm fwd", "native", lambda: torch._grouped_mm(x, w3t, offs=offs), False),
             (
                 "torch._grouped_mm fwd+bwd",
                 "native",
-                fwd_bwd(lambda: torch._grouped_mm(xg, w3g, offs=offs)),
+                fwd_bwd(lambda: torch._grouped_mm(xg, w3g.mT, offs=offs)),
                 False,
             ),
         ]
@@ -159,8 +163,8 @@ def _cases(args, device: torch.device) -> list[tuple[str, str, Callable, bool]]:
             if k != "torch"
         ]
     cases += [
-        ("mx_grouped_mm fwd", "auto", lambda: mx_grouped_mm(x, w3, offs, r), False),
-        ("mx_grouped_mm fwd+bwd", "auto", fwd_bwd(lambda: mx_grouped_mm(xg, w3g, offs, r)), False),
+        ("mx_grouped_mm fwd", "auto", lambda: mx_grouped_mm(x, w3t, offs, r), False),
+        ("mx_grouped_mm fwd+bwd", "auto", fwd_bwd(lambda: mx_grouped_mm(xg, w3g.mT, offs, r)), False),
         ("a2a_unquantized, 1 rank", "native", lambda: a2a_unquantized(x, [R], [R], check=False), False),
         (
             "to_mxfp8_a2a_dequant, 1 rank",
