@@ -107,7 +107,7 @@ def test_a_step_stuck_in_python_past_the_grace_ends_the_run(tmp_path):
     assert err.strip().splitlines()[-1].startswith(said), err
     assert "mxmoe WARNING: SIGTERM during step 4: finishing it (training.stop_grace_s=1 s)" in err, err
     assert "Traceback" not in err, err
-    assert 1.0 <= secs < 6.0, secs
+    assert 1.0 <= secs < 20.0, secs  # not the step's 600 s (slack for a loaded CI machine)
     assert_step_2_kept(run, err)
 
 
@@ -117,7 +117,7 @@ def test_a_second_sigterm_ends_a_stuck_step_at_once(tmp_path):
     assert rc == 143, err
     said = "mxmoe train: error: a second SIGTERM during step 4: stopped at once without finishing it; "
     assert err.strip().splitlines()[-1].startswith(said), err
-    assert secs < 5.0, secs
+    assert secs < 30.0, secs  # not the 60 s grace
     assert_step_2_kept(run, err)
 
 
@@ -138,7 +138,7 @@ def test_a_step_blocked_where_no_handler_runs_is_ended_by_the_watchdog(tmp_path,
         "where no signal handler runs, e.g. in a collective or a kernel): exiting now; "
     )
     assert err.strip().splitlines()[-1].startswith(said), err
-    assert least <= secs < least + 5.0, secs
+    assert least <= secs < least + 20.0, secs  # not the grace of 60 s / the step's 600 s
     assert_step_2_kept(run, err)
 
 
@@ -148,7 +148,7 @@ def test_a_slow_step_that_ends_within_the_grace_saves_and_stops(tmp_path):
     rc, err, secs, run = signal_in_step_4(tmp_path, "slow=1.5", grace=10)
     assert rc == 0, err
     assert "SIGTERM: stopped after step 4" in err and "mxmoe train: error" not in err, err
-    assert 1.5 <= secs < 10, secs
+    assert 1.5 <= secs < 60, secs
     ck = Checkpointer(str(run / "ckpt"))
     assert ck.latest() == run / "ckpt" / "step-00000004"
     ck.verify(ck.latest())
