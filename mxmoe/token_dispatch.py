@@ -24,8 +24,8 @@ This module stands below `mxmoe.comm` and `mxmoe.models`: the model's MoE code a
 expert-parallel dispatchers both build on it, and it communicates nothing.
 
 Deterministic by construction (no accumulation whose order varies, forward or backward): rows move
-by permutation gathers (whose backward adds one row into each zero row) and each token's k rows are
-summed by a reduction over j in a fixed order, in fp32.
+by gathers whose backward is the gather back (each token's k gradients then summed over j in a
+fixed order), and each token's k rows are summed by a reduction over j in a fixed order, in fp32.
 """
 
 from __future__ import annotations
@@ -176,6 +176,8 @@ class LocalHandle:
 
     inverse: Tensor
     """(T*k,) int64: sorted row of assignment a = t * k + j."""
+    perm: Tensor
+    """(T*k,) int64: assignment of sorted row r (`inverse`'s inverse)."""
     scores: Tensor
     """(T, k) gate weights."""
     dtype: torch.dtype
@@ -189,12 +191,9 @@ def sort_by_expert(x: Tensor, idx: Tensor, scores: Tensor, num_experts: int):
     k = idx.shape[1]
     flat = idx.reshape(-1)  # assignment a = t * k + j
     perm = torch.argsort(flat, stable=True)  # (T*k,) assignment order grouped by expert
-    # A gather by token (backward: index_add of k rows per token) and an index_add combine would
-    # add in the order the GPU's atomics land; permutation gathers add one row into each zero row.
     inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
     counts = expert_counts(flat, num_experts)
-    x_rep = x.unsqueeze(1).expand(T, k, D).reshape(T * k, D)  # row a = x[a // k]
-    return x_rep.index_select(0, perm), counts, LocalHandle(inv, scores, x.dtype)
+    return _ToExpertRows.apply(x, perm, inv, k), counts, LocalHandle(inv, perm, scores, x.dtype)
 
 
 def weighted_sum(y: Tensor, h: LocalHandle) -> Tensor:
@@ -202,8 +201,45 @@ def weighted_sum(y: Tensor, h: LocalHandle) -> Tensor:
     by their gate weights and summed over j in fp32 (a fixed order: the same bits every run; for
     k = 2 the same bits as any order)."""
     T, k = h.scores.shape
-    y = y.index_select(0, h.inverse).view(T, k, y.shape[-1]).float()  # back to assignment order
+    y = _Permute.apply(y, h.inverse, h.perm).view(T, k, y.shape[-1]).float()  # back to assignment order
     return (y * h.scores.unsqueeze(-1)).sum(1).to(h.dtype)
+
+
+# Rows move by gathers both ways. A gather's autograd backward is an index_add (which adds in the
+# order the GPU's atomics land, and which the deterministic mode runs as a sort and an ordered
+# scatter); a permutation's backward is the gather by its inverse, exact and in a fixed order.
+
+
+class _ToExpertRows(torch.autograd.Function):
+    """x (T, D), perm (T*k,) assignment a = t * k + j of each sorted row, inv its inverse, k ->
+    rows (T*k, D), rows[r] = x[perm[r] // k]. Backward: each token's gradient is the sum over j of
+    its k rows' (gathered back by inv, summed over j as an expand's backward sums: the same bits)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, perm: Tensor, inv: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x.index_select(0, torch.div(perm, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inv,) = ctx.saved_tensors
+        g = grad.index_select(0, inv)
+        return g.view(inv.numel() // ctx.k, ctx.k, g.shape[-1]).sum(1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """rows[perm] for a permutation perm of the rows, inv its inverse; backward grad[inv]."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, perm: Tensor, inv: Tensor) -> Tensor:
+        ctx.save_for_backward(inv)
+        return rows.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inv,) = ctx.saved_tensors
+        return grad.index_select(0, inv), None, None
 
 
 class LocalDispatcher:

@@ -31,8 +31,9 @@ All of it is restored on exit (runs in one process, such as tests, do not leak i
 
 Deterministic by construction, in every run:
   - the MoE token path (`mxmoe.models.routing.routed_experts`): tokens reach the experts
-    and come back by permutation gathers (whose backward adds one row into each zero row) and each
-    token's top-k rows are summed by a reduction in a fixed order, not by index_add; the per-expert
+    and come back by gathers whose backward is the gather back (no index_add, which this mode would
+    run as a sort and an ordered scatter) and each token's top-k rows, and their gradients, are
+    summed by a reduction in a fixed order; the per-expert
     counts are int64 scatter-adds, and integer sums are exact in any order;
   - the all-to-alls (`mxmoe.comm`): every received row lands at an offset fixed by the splits, so
     the order in which pieces arrive (side streams, chunks) cannot change a bit; nothing is summed;
