@@ -49,7 +49,7 @@ def test_peak_and_owners():
     assert "peak of what it allocated: 0.09 GiB at event 5" in r  # 64 + 16 + 16 MiB
     assert "allocated before recording began (still live at the snapshot): 0.10 GiB" in r  # 100 MiB
     assert "reserved at the snapshot: 0.25 GiB; allocated: 0.14 GiB" in r
-    rows = [l for l in r.splitlines() if l.startswith("| `")]
+    rows = [line for line in r.splitlines() if line.startswith("| `")]
     # grouped by the first frame outside torch, largest first; the freed block is not live at the peak
     assert rows[0].startswith("| `torchtitan/models/moe/moe.py:408 forward` | 0.062 | 1 |")
     assert rows[1].startswith("| `repo/mxmoe/quant/cast.py:77 to_mx` | 0.031 | 2 |")
@@ -71,8 +71,8 @@ def test_bad_snapshot_is_named(tmp_path):
     assert p.returncode == 1 and "cannot read a pickled memory snapshot" in p.stderr
     good = tmp_path / "s.pickle"
     good.write_bytes(pickle.dumps(snap()))
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/memory_snapshot_peak.py"), str(good), "--top", "0"],
-                       capture_output=True, text=True)
+    script = str(ROOT / "scripts/memory_snapshot_peak.py")
+    p = subprocess.run([sys.executable, script, str(good), "--top", "0"], capture_output=True, text=True)
     assert p.returncode == 2 and "--top 0" in p.stderr
     p = subprocess.run([sys.executable, str(ROOT / "scripts/memory_snapshot_peak.py"), str(good)],
                        capture_output=True, text=True)
