@@ -64,7 +64,9 @@ for v in "${VARIANTS[@]}"; do
     variant_args+=(--variant "$v=${ARGS[$v]}")
 done
 
+par_auto=0
 if [ "$parallel" = auto ]; then
+    par_auto=1
     # free GPU memory (the least of the devices') / (the largest peak this study's runs recorded x 1.15 + 2 GiB)
     parallel=$("$PY" - "$STATE/runs" "$devices" <<'EOF'
 import glob, json, subprocess, sys
@@ -89,6 +91,51 @@ EOF
 )
     echo "== parallel=auto: $parallel run(s) at a time per GPU (free GPU memory / recorded peak)"
 fi
+# Checkpoint space: a run saves once a call, when the call stops it (no periodic saves), and a resumed
+# run's previous checkpoint stays until the new one is written; so the runs that can run at once
+# (parallel x GPUs, at most the runs not finished yet) must each find a checkpoint's bytes (12 a
+# parameter: fp32 weights and AdamW's two moments) free on ckpt's disk at the call's start, or their
+# saves fail at the stop (the older checkpoint kept) and the call's steps are lost. parallel=auto is
+# lowered to what fits; a parallel given that does not fit is kept (runs that finish before the stop
+# save nothing) with a warning naming the sizes and what fits.
+parallel=$("$PY" - "$PRESET" "$ckpt" "$parallel" "$par_auto" "$devices" "$STATE/runs" "$variants" "$SEEDS" <<'EOF'
+import json, os, shutil, sys
+from mxmoe.train.build import build_model_args
+from mxmoe.train.config import ConfigError, load_toml
+preset, ckpt, parallel, auto, devices, runs, variants, seeds = sys.argv[1:]
+try:
+    one = 12 * build_model_args(load_toml(preset)).num_params()[0]
+    int(parallel)
+except (ConfigError, ValueError):  # compare names a bad config or parallel itself, with its own exit
+    print(parallel)
+    sys.exit(0)
+def finished(run):
+    try:
+        r = json.load(open(f"{runs}/{run}/command.json"))
+    except (OSError, ValueError):
+        return False
+    return r.get("returncode") == 0 and not r.get("stopped")
+left = sum(not finished(f"{v}/seed{s}") for v in variants.split(",") for s in seeds.split(","))
+gpus = len(devices.split(",")) if devices else 1
+os.makedirs(ckpt, exist_ok=True)
+free = shutil.disk_usage(ckpt).free
+fits = free // one  # runs at once whose stop-saves fit
+at_once = min(int(parallel) * gpus, left)
+if at_once <= fits:
+    print(parallel)
+elif auto == "1" and fits >= gpus:
+    print(fits // gpus)
+    print(f"== parallel=auto lowered to {fits // gpus}: the checkpoint disk of {ckpt} has {free / 1e9:.1f} GB "
+          f"free, {one / 1e9:.1f} GB a run's checkpoint", file=sys.stderr)
+else:
+    print(parallel)
+    print(f"== WARNING parallel={parallel}: {at_once} run(s) at once would each save a {one / 1e9:.1f} GB "
+          f"checkpoint (12 bytes x {one // 12:,} parameters) if the call stops them, {at_once * one / 1e9:.1f} GB, "
+          f"and {ckpt}'s disk has {free / 1e9:.1f} GB free: at most {fits} fit. A run not finished by the stop "
+          "then loses this call's steps (its older checkpoint is kept); lower parallel, or give ckpt= a folder "
+          "on a larger disk", file=sys.stderr)
+EOF
+) || exit 2
 extra=()
 [ -n "$devices" ] && extra+=(--devices "$devices")
 [ -n "$grace_s" ] && extra+=(--grace-s "$grace_s")
