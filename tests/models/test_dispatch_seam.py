@@ -133,3 +133,39 @@ def test_backward_is_gathers_not_index_add():
     # the combine sums in fp32: float64 inputs agree to fp32's precision
     torch.testing.assert_close(x.grad, gx, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(scores.grad, gs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gathers_give_autograd_index_selects_bits(dtype):
+    """The dispatch and combine with their gather backwards give the same bits (forward and every
+    gradient; equal as values, so -0 and +0 alike) as the same gathers left to autograd, whose
+    backward is index_add into zeros."""
+    g = torch.Generator().manual_seed(3)
+    T_, D_, K_, E_ = 40, 64, 3, 5
+    x0 = torch.randn(T_, D_, generator=g).to(dtype)
+    idx = torch.randint(0, E_, (T_, K_), generator=g)
+    s0 = torch.rand(T_, K_, generator=g)
+    w = torch.randn(E_, D_, generator=g).to(dtype)
+    gout = torch.randn(T_, D_, generator=g).to(dtype)
+
+    def ours():
+        x, s = x0.clone().requires_grad_(), s0.clone().requires_grad_()
+        rows, counts, h = LocalDispatcher().dispatch(x, idx, s, num_experts=E_)
+        out = LocalDispatcher().combine(rows * w[torch.repeat_interleave(torch.arange(E_), counts)], h)
+        out.backward(gout)
+        return out, x.grad, s.grad
+
+    def autograd_gathers():
+        x, s = x0.clone().requires_grad_(), s0.clone().requires_grad_()
+        perm = torch.argsort(idx.reshape(-1), stable=True)
+        inv = torch.argsort(perm)
+        rows = x.unsqueeze(1).expand(T_, K_, D_).reshape(T_ * K_, D_).index_select(0, perm)
+        counts = torch.bincount(idx.reshape(-1), minlength=E_)
+        y = rows * w[torch.repeat_interleave(torch.arange(E_), counts)]
+        y = y.index_select(0, inv).view(T_, K_, D_).float()
+        out = (y * s.unsqueeze(-1)).sum(1).to(dtype)
+        out.backward(gout)
+        return out, x.grad, s.grad
+
+    for a, b in zip(ours(), autograd_gathers(), strict=True):
+        assert torch.equal(a, b)
