@@ -51,6 +51,9 @@ def peak_report(snapshot: dict, top: int = 20) -> str:
               if b.get("state") == "active_allocated"}
     traces = snapshot.get("device_traces") or [[]]
     trace = traces[0] if traces else []
+    if not trace:
+        raise ValueError("snapshot: it holds no allocation trace (device_traces empty): it was taken while "
+                         "torch.cuda.memory._record_memory_history() was off; record, then snapshot")
 
     # pass 1: the running sum of what the trace allocated, and where it peaks
     live: dict[int, tuple[int, str]] = {}

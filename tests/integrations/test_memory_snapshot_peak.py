@@ -64,6 +64,8 @@ def test_top_folds_the_rest():
 def test_bad_snapshot_is_named(tmp_path):
     with pytest.raises(ValueError, match="segments"):
         msp.peak_report([1, 2])
+    with pytest.raises(ValueError, match="_record_memory_history"):
+        msp.peak_report({"segments": [], "device_traces": [[]]})
     bad = tmp_path / "x.pickle"
     bad.write_bytes(b"not a pickle")
     p = subprocess.run([sys.executable, str(ROOT / "scripts/memory_snapshot_peak.py"), str(bad)],
