@@ -313,6 +313,7 @@ def run(cfg, args, rest: list[str] | tuple[str, ...] = ()) -> list[dict]:
     try:
         # --debug.deterministic=true times the trainer's deterministic mode (each child enters it)
         with determinism.deterministic_mode(cfg.debug.deterministic and not fresh):
+            determinism.settle_cublas_config(device)
             for mode in modes:
                 for variant in args.variants:
                     try:

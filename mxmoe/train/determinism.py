@@ -8,10 +8,20 @@ torch on every device, from `debug.seed`. The data order has its own seeded gene
 (`mxmoe.train.data.ShardedSampler`), and the validation windows are fixed (`eval_windows`).
 
 `deterministic_mode(True)`, around the whole run, adds what costs time:
-  - CUBLAS_WORKSPACE_CONFIG=:4096:8 when the variable is unset: cuBLAS picks reproducible kernels
-    only with a fixed workspace split. cuBLAS reads it when it first runs, so the trainer sets it in
-    its own process before any CUDA work; a value the user set is kept (torch raises if it is not
-    one of the reproducible ones). It stays set after the run (cuBLAS would not read it again).
+  - CUBLAS_WORKSPACE_CONFIG=:4096:8 when the variable is unset: torch refuses cuBLAS GEMMs in this
+    mode without one of the reproducible settings. Torch checks it once, at the process's first
+    cuBLAS GEMM, so the trainer enters the mode in its own process before any CUDA work; a value the
+    user set is kept (torch raises if it is not one of the reproducible ones). What makes the GEMMs
+    reproducible is torch's own workspace for each cuBLAS handle and stream (cuBLAS's documented
+    condition); the variable sets its size. But torch (2.11's `at::cuda::getChosenWorkspaceSize`)
+    parses the variable again, with a `std::regex`, at every cuBLAS GEMM while it is set: in a
+    profile of moe_1b (per-block compile, one H100) each `aten::mm` took 53-76 µs more host time in
+    this mode than without it, 16-22 ms a step, at the same GPU time, and no other op's host time
+    rose by 1 ms a step. So where torch's default workspace is the same size as this
+    setting's (32 MiB on sm90: H100, H200), the mode runs that first GEMM itself with the variable
+    set and then removes the variable it set (`settle_cublas_config`, called by the trainer once its
+    device is set): the check has passed, every GEMM gets the same workspace as with the variable,
+    and none parses it. On other GPUs, and a value the user set, the variable stays.
   - `torch.use_deterministic_algorithms(True)`, warn_only=False: ops with a deterministic variant
     use it (index_add, scatter_add, index_put with accumulate, index_copy, ... on CUDA) and an op that
     has none raises a RuntimeError naming itself, instead of the run quietly differing;
@@ -79,10 +89,12 @@ def seed_everything(seed: int) -> None:
 def deterministic_mode(enabled: bool = True) -> Iterator[None]:
     """Within the block: deterministic algorithms everywhere (see the module docstring); a no-op
     when `enabled` is False. Restores torch's previous settings on exit."""
+    global _cublas_set_here
     if not enabled:
         yield
         return
-    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+    cublas_set_here = "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    if cublas_set_here:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
     import torch._inductor.config as inductor_config
 
@@ -99,6 +111,7 @@ def deterministic_mode(enabled: bool = True) -> Iterator[None]:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     if saved[4] is not None:  # the flag exists in every torch mxmoe supports; checked all the same
         inductor_config.deterministic = True
+    _cublas_set_here = cublas_set_here
     log.info(
         "deterministic mode: torch.use_deterministic_algorithms(True) (no NaN fill of new buffers), "
         "cuDNN deterministic, Inductor deterministic, CUBLAS_WORKSPACE_CONFIG=%s",
@@ -107,6 +120,7 @@ def deterministic_mode(enabled: bool = True) -> Iterator[None]:
     try:
         yield
     finally:
+        _cublas_set_here = False
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.utils.deterministic.fill_uninitialized_memory = saved[5]
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
@@ -114,4 +128,40 @@ def deterministic_mode(enabled: bool = True) -> Iterator[None]:
             inductor_config.deterministic = saved[4]
 
 
-__all__ = ["CUBLAS_WORKSPACE_CONFIG", "deterministic_mode", "seed_everything"]
+_cublas_set_here = False
+"""Whether the active `deterministic_mode` set CUBLAS_WORKSPACE_CONFIG (not the user)."""
+
+
+def settle_cublas_config(device: torch.device) -> bool:
+    """Within `deterministic_mode`, once the run's device is set and before its first GEMM: where
+    the mode set CUBLAS_WORKSPACE_CONFIG and torch's default cuBLAS workspace on `device` has the
+    size it sets (8 x 4096 KiB = 32 MiB: sm90, i.e. H100 and H200), run one cuBLAS GEMM on `device`
+    (torch's check of the variable, once a process; it raises there if a GEMM ran before without
+    it) and remove the variable, so that no GEMM parses it again (module docstring). Returns
+    whether it did; without CUDA, on ROCm, on other GPUs or with the user's value, a no-op."""
+    global _cublas_set_here
+    if not (_cublas_set_here and torch.are_deterministic_algorithms_enabled()):
+        return False
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") != CUBLAS_WORKSPACE_CONFIG:
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    _first_cublas_gemm(device)
+    del os.environ["CUBLAS_WORKSPACE_CONFIG"]
+    _cublas_set_here = False
+    log.info(
+        "deterministic mode: CUBLAS_WORKSPACE_CONFIG=%s passed torch's check and is removed: torch's "
+        "default workspace on %s is the same size, and none of the GEMMs parses it again",
+        CUBLAS_WORKSPACE_CONFIG, device,
+    )
+    return True
+
+
+def _first_cublas_gemm(device: torch.device) -> None:
+    a = torch.ones(8, 8, device=device)
+    torch.mm(a, a)
+
+
+__all__ = ["CUBLAS_WORKSPACE_CONFIG", "deterministic_mode", "seed_everything", "settle_cublas_config"]

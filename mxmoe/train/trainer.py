@@ -329,6 +329,7 @@ def _train_run(cfg: JobConfig) -> int:
     t, p = cfg.training, cfg.parallelism
     check_values(cfg)
     rank, world, device, own_pg = parallel.init_distributed(t.device, p.timeout_s)
+    determinism.settle_cublas_config(device)  # deterministic mode on sm90: no GEMM parses the variable
     if uses_mx(cfg):  # a cast kernel the device cannot run, named as the option (not the recipe's field)
         check_cast_kernels(cfg, device)
     threads = torch.get_num_threads()

@@ -39,6 +39,7 @@ DEBUG = [
     "--mx.mxfp8_dim1_cast_kernel_choice=torch",
 ]
 KEYS = ("loss", "aux_loss", "grad_norm", "val_loss")
+VAR = "CUBLAS_WORKSPACE_CONFIG"
 
 
 def records(folder) -> list[dict]:
@@ -99,6 +100,42 @@ def test_deterministic_mode_sets_and_restores_torch(monkeypatch):
         assert not torch.are_deterministic_algorithms_enabled()
 
 
+def test_settle_cublas_config_removes_only_its_own_value_on_sm90(monkeypatch):
+    """On sm90 torch's default cuBLAS workspace is the size :4096:8 sets, so once torch's check has
+    seen the variable (one GEMM) the mode removes the value it set: no GEMM parses it again. The
+    GEMM and the GPU are stood in for here; the bits with and without it are the GPU test's."""
+    seen = []
+    monkeypatch.setattr(determinism, "_first_cublas_gemm", lambda d: seen.append((d, os.environ.get(VAR))))
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(torch.version, "hip", None)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv(VAR, raising=False)
+    assert not determinism.settle_cublas_config(cuda)  # outside the mode: nothing to settle
+    with determinism.deterministic_mode():
+        assert not determinism.settle_cublas_config(torch.device("cpu"))
+        assert os.environ[VAR] == ":4096:8" and seen == []
+        assert determinism.settle_cublas_config(cuda)
+        assert seen == [(cuda, ":4096:8")] and VAR not in os.environ  # checked with it, then removed
+        assert not determinism.settle_cublas_config(cuda)  # once
+        assert torch.are_deterministic_algorithms_enabled()
+    assert VAR not in os.environ and not torch.are_deterministic_algorithms_enabled()
+    # another GPU (another default workspace size), a value the user set, ROCm: the variable stays
+    capability[0] = (8, 0)
+    with determinism.deterministic_mode():
+        assert not determinism.settle_cublas_config(cuda) and os.environ[VAR] == ":4096:8"
+    capability[0] = (9, 0)
+    for value in (":4096:8", ":16:8"):
+        monkeypatch.setenv(VAR, value)
+        with determinism.deterministic_mode():
+            assert not determinism.settle_cublas_config(cuda) and os.environ[VAR] == value
+    monkeypatch.delenv(VAR)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    with determinism.deterministic_mode():
+        assert not determinism.settle_cublas_config(cuda) and os.environ[VAR] == ":4096:8"
+    assert len(seen) == 1
+
+
 def test_seed_everything_seeds_python_numpy_and_torch():
     np = pytest.importorskip("numpy")
 
@@ -157,7 +194,9 @@ TINY_GPU = [
 ]
 
 
-def _run_process(argv: list[str], nproc: int = 1) -> None:
+def _run_process(argv: list[str], nproc: int = 1, cublas_config: str | None = None) -> None:
+    """`mxmoe train ARGV` in a new process (torchrun for nproc > 1), CUBLAS_WORKSPACE_CONFIG unset
+    or `cublas_config` (the user's value)."""
     import subprocess
     import sys
 
@@ -165,7 +204,10 @@ def _run_process(argv: list[str], nproc: int = 1) -> None:
     if nproc > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         launch += [f"--nproc_per_node={nproc}", "-m", "mxmoe", "train"]
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {k: v for k, v in os.environ.items() if k != VAR}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    if cublas_config is not None:
+        env[VAR] = cublas_config
     proc = subprocess.run(launch + argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -184,6 +226,24 @@ def test_gpu_two_runs_give_the_same_loss_bits(tmp_path, mx, mode):
     a, b = bits(runs[0]), bits(runs[1])
     assert [x[0] for x in a] == list(range(1, 7)) and len(a[-1]) == 1 + len(KEYS)
     assert a == b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mx", [[], ["--model.converters=mx"]], ids=["bf16", "mx"])
+def test_gpu_same_bits_with_cublas_config_kept_or_removed(tmp_path, mx):
+    """The mode removes its CUBLAS_WORKSPACE_CONFIG after torch's check on sm90 (torch's default
+    workspace has the same size); the user's :4096:8 stays, and torch parses it at every GEMM. The
+    two give the same bits (per-block compile: its GEMMs are aten's, through cuBLAS)."""
+    runs = {"removed": tmp_path / "removed", "kept": tmp_path / "kept"}
+    for name, run in runs.items():
+        argv = TINY_GPU + mx + ["--compile.enable", f"--job.dump_folder={run}"]
+        _run_process(argv, cublas_config=":4096:8" if name == "kept" else None)
+    a, b = bits(runs["removed"]), bits(runs["kept"])
+    assert [x[0] for x in a] == list(range(1, 7)) and len(a[-1]) == 1 + len(KEYS)
+    assert a == b
+    removed = "passed torch's check and is removed" in (runs["removed"] / "train.log").read_text()
+    assert removed == (torch.cuda.get_device_capability() == (9, 0))
+    assert "passed torch's check and is removed" not in (runs["kept"] / "train.log").read_text()
 
 
 @pytest.mark.gpu
