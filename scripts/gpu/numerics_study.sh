@@ -18,7 +18,8 @@
 # earlier runs recorded (x 1.15 + 2 GiB each), 1 before any is recorded. TIME_LIMIT_S is the whole
 # call's budget, the saves included: a grace before it (grace_s, default 120 s, raised to 1.5 x the
 # longest save recorded here + 10 s) the running runs get SIGTERM, save a checkpoint into
-# ckpt/VARIANT/seedS (the latest one kept) and stop; at the limit whatever still runs is killed. The
+# ckpt/VARIANT/seedS (the latest one kept) and stop (a run whose remaining steps fit before the limit
+# at its logged rate, x 1.1 + 15 s, finishes instead); at the limit whatever still runs is killed. The
 # same command again, on the same machine, resumes them; a run that finishes saves no final
 # checkpoint (--checkpoint.last_save=false), its checkpoint folder is deleted (12 bytes a parameter:
 # moe_2b's 23 GB, moe_1b's ~8 GB; ckpt=/dev/shm/... keeps them off a small disk) and it is not run again, so

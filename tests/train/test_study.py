@@ -4,6 +4,7 @@ checkpoint.last_save=false; the save time recorded and the grace taken from it; 
 deadline keeps a loadable checkpoint."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,75 @@ def test_a_run_stopped_at_the_deadline_keeps_a_loadable_checkpoint(tmp_path, mon
     argv += [f"--job.dump_folder={resumed}", f"--checkpoint.folder={own}", f"--training.steps={last + 1}"]
     assert trainer.main(argv) == 0
     assert [r[0] for r in bits(resumed)] == [last + 1]
+
+
+# a stand-in trainer for the launcher: --training.steps=N steps of --step_s=S seconds, a metrics
+# record per step (step, time, run_id); on SIGTERM it writes SIGTERM into its folder and exits 0
+FAKE_TRAINER = """
+import json, signal, sys, time, uuid
+from pathlib import Path
+opts = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+folder, steps, step_s = Path(opts["job.dump_folder"]), int(opts["training.steps"]), float(opts["step_s"])
+folder.mkdir(parents=True, exist_ok=True)
+def stop(*_):
+    (folder / "SIGTERM").write_text("")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+run_id = uuid.uuid4().hex
+with open(folder / "metrics.jsonl", "a") as f:
+    for step in range(1, steps + 1):
+        time.sleep(step_s)
+        f.write(json.dumps({"step": step, "time": time.time(), "run_id": run_id, "loss": 1.0}) + "\\n")
+        f.flush()
+"""
+
+
+def test_seconds_to_finish_reads_the_rate_of_the_latest_process(tmp_path):
+    """The steps left and their time: at the rate between the first and the last record of the
+    process that wrote the last one (a resumed run's own), less the time since that record; None
+    where it cannot be told."""
+    argv = ["--training.steps=100"]
+    assert compare.launcher.seconds_to_finish(argv, tmp_path) is None  # no metrics yet
+    recs = [{"step": s, "time": 1000.0 + s, "run_id": "a"} for s in (10, 20, 30)]  # 1 s a step
+    # resumed from step 30: 0.5 s a step from its first record (its start-up before it left out)
+    recs += [{"step": s, "time": 2000.0 + (s - 40) * 0.5, "run_id": "b"} for s in (40, 50, 60)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert compare.launcher.seconds_to_finish(argv, tmp_path, now=2010.0) == (40, 20.0)
+    assert compare.launcher.seconds_to_finish(argv, tmp_path, now=2016.0) == (40, 14.0)
+    assert compare.launcher.seconds_to_finish(argv, tmp_path, now=2100.0) == (40, 0.0)
+    assert compare.launcher.seconds_to_finish(["--config=x"], tmp_path) is None  # steps unknown
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(recs[3]) + "\n")  # one record of the process
+    assert compare.launcher.seconds_to_finish(argv, tmp_path) is None
+    (tmp_path / "metrics.jsonl").write_text("{not json\n")
+    assert compare.launcher.seconds_to_finish(argv, tmp_path) is None
+
+
+@pytest.mark.parametrize("steps, finishes", [(100, True), (400, False)])
+def test_at_the_grace_a_run_that_fits_finishes_and_one_that_does_not_is_stopped(
+    tmp_path, monkeypatch, capsys, steps, finishes
+):
+    """The SIGTERM at the grace would make a run save a checkpoint (moe_2b: 23 GB, more than 75 s)
+    even when its last steps take less: a run whose remaining steps fit before the limit (x
+    FINISH_FACTOR + FINISH_MARGIN_S) finishes instead; one that does not is stopped as before."""
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+    monkeypatch.setattr(compare.launcher, "trainer_command", lambda nproc: [sys.executable, str(script)])
+    monkeypatch.setattr(compare.launcher, "FINISH_MARGIN_S", 0.5)
+    folder = tmp_path / "runs" / "a" / "seed0"
+    argv = [f"--training.steps={steps}", "--step_s=0.05", f"--job.dump_folder={folder}"]
+    # SIGTERM due at 4 s, within the 100 steps (5 s and the start-up) or the 400 (20 s); limit at 14 s
+    status = compare.launch([("a", 0, argv, folder)], 1, None, time_limit_s=14, grace_s=10)
+    out = capsys.readouterr().out
+    rec = json.loads((folder / "command.json").read_text())
+    last = json.loads((folder / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    if finishes:
+        assert status == {("a", 0): compare.DONE} and rec["stopped"] is False
+        assert last == steps and not (folder / "SIGTERM").exists()
+        assert "a seed 0: " in out and "finishing it instead of stopping it" in out
+    else:
+        assert status == {("a", 0): "stopped at the time limit"} and rec["stopped"] is True
+        assert (folder / "SIGTERM").exists() and last < steps
+        assert "finishing it" not in out and rec["seconds"] < 14
 
 
 @pytest.mark.gpu

@@ -21,7 +21,8 @@ values hold commas, as `--mx.filter_fqns=output,router`); the first is the basel
 run again, so an interrupted
 compare continues where it stopped; `--time_limit_s` bounds the call: `--grace_s` before it the running
 runs get SIGTERM (each saves its checkpoint; the grace is raised to 1.5 x the longest save recorded in
-their checkpoint manifests + 10 s) and no more start, at it they are killed, and the tables of the
+their checkpoint manifests + 10 s; a run whose remaining steps fit before the limit at the rate it
+logged them finishes instead) and no more start, at it they are killed, and the tables of the
 finished ones are written; `--delete_finished_checkpoints` deletes a finished run's own checkpoints.
 
 Reading (`--runs DIR`): DIR/VARIANT/RUN/metrics.jsonl, the seed read from the config of the run
@@ -173,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="with --time_limit_s: SIGTERM the runs this many seconds before the limit, SIGKILL at it, so "
         "that their checkpoints are saved in time; raised to 1.5 x the longest save recorded in the runs' "
-        "checkpoint folders + 10 s (default with none recorded: 120 s; 30 s without checkpoints)",
+        "checkpoint folders + 10 s (default with none recorded: 120 s; 30 s without checkpoints); a run "
+        "whose remaining steps fit before the limit at its logged rate (x 1.1 + 15 s) finishes instead",
     )
     ap.add_argument(
         "--delete_finished_checkpoints",

@@ -180,6 +180,37 @@ def reached_last_step(argv: list[str], folder: Path) -> bool:
         return False
 
 
+# a run the grace would stop finishes instead when its remaining steps, at the rate its current
+# process logged them, take at most (time left before the limit - FINISH_MARGIN_S) / FINISH_FACTOR:
+# a stop saves a checkpoint that takes longer to write than the last steps take to run (moe_2b's
+# 23 GB: more than 75 s on an H100 host's /dev/shm, where its last 109 steps needed ~27 s)
+FINISH_FACTOR = 1.1
+FINISH_MARGIN_S = 15.0
+
+
+def seconds_to_finish(argv: list[str], folder: Path, now: float | None = None) -> tuple[int, float] | None:
+    """(steps left, seconds they need) for the run of `argv` from its folder/metrics.jsonl: the steps
+    up to `--training.steps` after the last record, at the rate between the first and the last
+    record of the process that wrote the last one (its run_id: a resumed run's start-up and
+    compilation come before its first record), less the time since the last record (wall clock
+    `now`, default time.time()). None when that cannot be told: no --training.steps, fewer than two
+    records of that process, or records without step, time or run_id."""
+    steps = _last_value(argv, "--training.steps")
+    try:
+        recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        last = recs[-1]
+        mine = [r for r in recs if r.get("run_id") == last["run_id"]]
+        first = mine[0]
+        dstep, dt = int(last["step"]) - int(first["step"]), float(last["time"]) - float(first["time"])
+        left = int(steps) - int(last["step"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    if dstep <= 0 or dt <= 0:
+        return None
+    now = time.time() if now is None else now
+    return left, max(0.0, left * dt / dstep - max(0.0, now - float(last["time"])))
+
+
 def grace_seconds(jobs: list[tuple[str, int, list[str], Path]], given: float | None) -> float:
     """How long before the time limit the runs get SIGTERM, so that a run's checkpoint (saved when
     it gets SIGTERM) is written before the SIGKILL at the limit: the longer of `given` (--grace_s)
@@ -191,6 +222,40 @@ def grace_seconds(jobs: list[tuple[str, int, list[str], Path]], given: float | N
     if recorded:
         return max(1.5 * max(recorded) + 10.0, given or 0.0)
     return given if given is not None else (120.0 if folders else 30.0)
+
+
+def trainer_command(nproc: int) -> list[str]:
+    """The command a run's trainer arguments follow: `python -m mxmoe train`, under
+    `torch.distributed.run --standalone` (a free rendezvous port per run, so concurrent runs do not
+    collide) for nproc > 1."""
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                "-m", "mxmoe", "train"]
+    return [sys.executable, "-m", "mxmoe", "train"]
+
+
+def _finishes_before(proc: subprocess.Popen, argv: list[str], folder: Path, end: float, name: str) -> bool:
+    """At the grace: let the run finish while its remaining steps fit before `end` (monotonic;
+    FINISH_FACTOR, FINISH_MARGIN_S), checked again every few seconds at its latest rate. True when
+    it ended so; False when it must be stopped now (it does not fit, or no longer does: then
+    SIGTERM at once, its save getting what is left)."""
+    told = False
+    while True:
+        left = end - time.monotonic()
+        est = seconds_to_finish(argv, folder)
+        if est is None or FINISH_FACTOR * est[1] + FINISH_MARGIN_S > left:
+            if told:
+                print(f"{name}: no longer finishes before the time limit: stopping it", flush=True)
+            return False
+        if not told:
+            print(f"{name}: {est[0]} steps left, ~{est[1]:.0f} s at its rate; finishing it instead of "
+                  f"stopping it ({left:.0f} s to the time limit)", flush=True)
+            told = True
+        try:
+            proc.wait(min(5.0, left))
+            return True
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def launch(
@@ -210,7 +275,8 @@ def launch(
     edited config runs again) is skipped. `time_limit_s` bounds the whole call: `grace_s` before it
     no run starts and running ones get SIGTERM (the trainer stops after its step and saves its
     checkpoint; the run counts as unfinished), at it whatever still runs is killed (`grace_seconds`
-    picks a grace that lets the save finish). delete_checkpoints: a run that finishes deletes its
+    picks a grace that lets the save finish), except a run whose remaining steps fit before the
+limit (`seconds_to_finish`): it finishes instead. delete_checkpoints: a run that finishes deletes its
     own checkpoint folder (the last --checkpoint.folder of its argv). Returns {(variant, seed):
     DONE or what else happened}."""
     if time_limit_s is not None and not 0 <= grace_s < time_limit_s:
@@ -223,12 +289,7 @@ def launch(
     if devices:
         groups = [",".join(devices[i : i + nproc]) for i in range(0, len(devices) - nproc + 1, nproc)]
         free = [g for g in groups for _ in range(parallel)]
-    if nproc > 1:
-        # --standalone: a free rendezvous port per run, so concurrent runs do not collide
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        cmd += ["-m", "mxmoe", "train"]
-    else:
-        cmd = [sys.executable, "-m", "mxmoe", "train"]
+    cmd = trainer_command(nproc)
     todo = []
     for variant, seed, argv, folder in jobs:
         done = folder / "command.json"
@@ -274,13 +335,14 @@ def launch(
             try:
                 proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                stopped = True
-                proc.terminate()  # SIGTERM: the trainer finishes its step, saves, closes its metrics
-                try:
-                    proc.wait(max(1.0, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                if not _finishes_before(proc, argv, folder, end, f"{variant} seed {seed}"):
+                    stopped = True
+                    proc.terminate()  # SIGTERM: the trainer finishes its step, saves, closes its metrics
+                    try:
+                        proc.wait(max(1.0, end - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
         rc = proc.returncode
         if stopped and rc == 0 and reached_last_step(argv, folder):
             stopped = False  # the SIGTERM came during the last step: the run finished
