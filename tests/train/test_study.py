@@ -159,7 +159,7 @@ with open(folder / "metrics.jsonl", "a") as f:
 def test_seconds_to_finish_reads_the_rate_of_the_latest_process(tmp_path):
     """The steps left and their time: at the rate between the first and the last record of the
     process that wrote the last one (a resumed run's own), less the time since that record; None
-    where it cannot be told."""
+    where it cannot be told or the records stopped coming."""
     argv = ["--training.steps=100"]
     assert compare.launcher.seconds_to_finish(argv, tmp_path) is None  # no metrics yet
     recs = [{"step": s, "time": 1000.0 + s, "run_id": "a"} for s in (10, 20, 30)]  # 1 s a step
@@ -168,7 +168,10 @@ def test_seconds_to_finish_reads_the_rate_of_the_latest_process(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert compare.launcher.seconds_to_finish(argv, tmp_path, now=2010.0) == (40, 20.0)
     assert compare.launcher.seconds_to_finish(argv, tmp_path, now=2016.0) == (40, 14.0)
-    assert compare.launcher.seconds_to_finish(argv, tmp_path, now=2100.0) == (40, 0.0)
+    assert compare.launcher.seconds_to_finish(argv, tmp_path, now=2030.0) == (40, 0.0)
+    # no record for longer than launcher.STALE_S (60 s; more than 5 of its 5-s intervals): not
+    # progressing as it logged, so unknown (the run is stopped as before)
+    assert compare.launcher.seconds_to_finish(argv, tmp_path, now=2071.0) is None
     assert compare.launcher.seconds_to_finish(["--config=x"], tmp_path) is None  # steps unknown
     (tmp_path / "metrics.jsonl").write_text(json.dumps(recs[3]) + "\n")  # one record of the process
     assert compare.launcher.seconds_to_finish(argv, tmp_path) is None

@@ -186,6 +186,7 @@ def reached_last_step(argv: list[str], folder: Path) -> bool:
 # 23 GB: more than 75 s on an H100 host's /dev/shm, where its last 109 steps needed ~27 s)
 FINISH_FACTOR = 1.1
 FINISH_MARGIN_S = 15.0
+STALE_S = 60.0
 
 
 def seconds_to_finish(argv: list[str], folder: Path, now: float | None = None) -> tuple[int, float] | None:
@@ -194,7 +195,8 @@ def seconds_to_finish(argv: list[str], folder: Path, now: float | None = None) -
     record of the process that wrote the last one (its run_id: a resumed run's start-up and
     compilation come before its first record), less the time since the last record (wall clock
     `now`, default time.time()). None when that cannot be told: no --training.steps, fewer than two
-    records of that process, or records without step, time or run_id."""
+    records of that process, records without step, time or run_id, or a last record older than
+    STALE_S or 5 record intervals (a run not progressing as it logged: stopped as before)."""
     steps = _last_value(argv, "--training.steps")
     try:
         recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -208,7 +210,10 @@ def seconds_to_finish(argv: list[str], folder: Path, now: float | None = None) -
     if dstep <= 0 or dt <= 0:
         return None
     now = time.time() if now is None else now
-    return left, max(0.0, left * dt / dstep - max(0.0, now - float(last["time"])))
+    since = max(0.0, now - float(last["time"]))
+    if since > max(STALE_S, 5 * dt / (len(mine) - 1)):
+        return None
+    return left, max(0.0, left * dt / dstep - since)
 
 
 def grace_seconds(jobs: list[tuple[str, int, list[str], Path]], given: float | None) -> float:
