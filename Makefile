@@ -41,7 +41,7 @@ $(TT02_STAMP): $(STAMP)
 	touch $@
 
 # two pytest workers (pytest-xdist): the suite's processes are mostly single-threaded. The suite
-# checks the CUDA build too (tests/quant/test_cuda_cast.py: nvcc of mx_cast.cu for sm_90, once per
+# checks the CUDA build too (tests/quant/test_cuda_cast.py: nvcc of csrc/*.cu for sm_90, once per
 # run, and binding.cpp against torch's headers), what scripts/check_cuda_build.sh does alone, and,
 # given --torchtitan02, the 0.2 adapter's tests in a process of their own with $(TT02) on PYTHONPATH.
 # Bytecode is written (env -u PYTHONDONTWRITEBYTECODE, which some environments set): a test process

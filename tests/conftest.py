@@ -16,7 +16,7 @@
 - `--torchtitan02 DIR` (`make test` passes the folder it installs torchtitan 0.2.2 into): the 0.2
   adapter's tests run, inside the suite, in a pytest process of their own with DIR first on
   PYTHONPATH (one process cannot import two torchtitan versions).
-- `mx_cast_sm90`: csrc/mx_cast.cu compiled once per session for sm_90 with nvcc (no GPU needed),
+- `mx_cast_sm90`: csrc/*.cu compiled once per session for sm_90 with nvcc (no GPU needed),
   what every test of the build's PTX, registers and spills reads (one build for all xdist workers);
   `triton_sm90`: the Triton kernels' sm_90 build checks (tests/triton_sm90.py), once per session
   in one process, each test asserting its checks (`assert_sm90_check`).
@@ -229,8 +229,33 @@ def pytest_runtest_setup(item):
         pytest.skip(INTERPRETER_SKIP)
 
 
+def _ephemeral_ports() -> range:
+    """The kernel's range of ports for connections' local ends (Linux; else IANA's)."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return range(lo, hi + 1)
+    except (OSError, ValueError):
+        return range(49152, 65536)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous), taken
+    below the kernel's ephemeral range where there is room: a port from that range (what binding port
+    0 gives) can be taken between this check and the rendezvous's listen by any connection's local
+    end, e.g. another test's Gloo pairs (EADDRINUSE, once in a full CPU run). Drawn from the OS's
+    randomness: the xdist workers seed `random` alike."""
+    import random
+
+    low = _ephemeral_ports().start
+    pick = random.SystemRandom()
+    for _ in range(64 if low > 11024 else 0):
+        port = pick.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -606,7 +631,7 @@ def assert_sm90_check(result: JobResult, *names: str) -> None:
     assert not failed, "\n".join(f"{n}:\n{why}" for n, why in failed.items())
 
 
-MX_CAST_CU = ROOT / "mxmoe" / "quant" / "csrc" / "mx_cast.cu"
+CSRC = ROOT / "mxmoe" / "quant" / "csrc"
 
 
 def nvcc_path() -> str | None:
@@ -622,11 +647,12 @@ def nvcc_path() -> str | None:
 
 @dataclass(frozen=True)
 class Sm90Build:
-    """csrc/mx_cast.cu compiled for sm_90: the command, the object file, the PTX text and, per
-    kernel entry, (stack frame bytes, spill store bytes, spill load bytes, registers) from ptxas."""
+    """csrc/*.cu (the kernels' translation units) compiled for sm_90: the command, the object files,
+    the PTX text of all of them and, per kernel entry, (stack frame bytes, spill store bytes, spill
+    load bytes, registers) from ptxas."""
 
     cmd: list[str]
-    obj: Path
+    objs: list[Path]
     ptx: str
     ptxas: dict[str, tuple[int, int, int, int]]
 
@@ -637,13 +663,13 @@ class Sm90Build:
 
 
 def _mx_cast_sm90_job(config: pytest.Config, folder: Path) -> Job | str:
-    """nvcc of csrc/mx_cast.cu for sm_90 (-O3, as scripts/check_cuda_build.sh, plus `-Xptxas -v`
-    and the PTX kept in `folder`)."""
+    """nvcc of csrc/*.cu for sm_90 (-O3, as scripts/check_cuda_build.sh, plus `-Xptxas -v`; the
+    objects and the PTX kept in `folder`)."""
     nvcc = nvcc_path()
     if nvcc is None:
-        return "nvcc not found (neither on PATH nor under CUDA_HOME): cannot compile mx_cast.cu"
+        return "nvcc not found (neither on PATH nor under CUDA_HOME): cannot compile csrc/*.cu"
     cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xptxas", "-v", "--keep", "--keep-dir", str(folder),
-           "-c", str(MX_CAST_CU), "-o", str(folder / "mx_cast.o")]
+           "-odir", str(folder), "-c", *(str(p) for p in sorted(CSRC.glob("*.cu")))]
     return Job(cmd, timeout_s=900)
 
 
@@ -652,7 +678,7 @@ mx_cast_sm90_nvcc = subprocess_job("mx_cast_sm90_nvcc", _mx_cast_sm90_job)
 
 @pytest.fixture(scope="session")
 def mx_cast_sm90(mx_cast_sm90_nvcc: JobResult) -> Sm90Build:
-    """The run's one nvcc build of csrc/mx_cast.cu for sm_90 (a subprocess job: started when the
+    """The run's one nvcc build of csrc/*.cu for sm_90 (a subprocess job: started when the
     session starts, shared by the xdist workers); skips the test where nvcc is missing and fails it,
     with nvcc's messages, if the build fails."""
     res = mx_cast_sm90_nvcc
@@ -661,8 +687,9 @@ def mx_cast_sm90(mx_cast_sm90_nvcc: JobResult) -> Sm90Build:
     pattern = (r"Compiling entry function '(\w+)'.*?\n.*?Function properties.*?\n\s*(\d+) bytes stack "
                r"frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers")
     ptxas = {m.group(1): tuple(int(m.group(i)) for i in range(2, 6)) for m in re.finditer(pattern, messages)}
-    (ptx_file,) = res.folder.glob("*.ptx")
-    return Sm90Build(res.cmd, res.folder / "mx_cast.o", ptx_file.read_text(), ptxas)
+    units = sorted(CSRC.glob("*.cu"))
+    ptx = "\n".join((res.folder / f"{p.stem}.ptx").read_text() for p in units)
+    return Sm90Build(res.cmd, [res.folder / f"{p.stem}.o" for p in units], ptx, ptxas)
 
 
 def run_without(packages: list[str], argv: list[str], cwd) -> subprocess.CompletedProcess:

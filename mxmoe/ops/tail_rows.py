@@ -10,7 +10,7 @@ CTA / program, and tail rows, where there are some, are written once.
 
 Two kernels, the same result bit for bit:
   "cuda": the C++ operator `mxmoe_cuda::zero_rows_after` of the CUDA cast extension
-      (csrc/mx_cast.cu: a warp per row, 16-byte stores where the rows are 16-byte aligned; a fake
+      (csrc/mx_qdq_kernels.cuh: a warp per row, 16-byte stores where the rows are 16-byte aligned; a fake
       implementation for torch.compile), for its host cost: about half the Triton kernel's launch
       (`mxmoe bench overhead`, rows `zero_rows_after`).
   "triton": a Triton kernel; each program covers a tile of 64 rows x 256 columns and stops at once

@@ -1,11 +1,12 @@
-"""The `cuda` cast backend: CUDA C++ kernels (csrc/mx_cast.cu) registered as torch operators.
+"""The `cuda` cast backend: CUDA C++ kernels (csrc/*.cu) registered as torch operators.
 
 Same protocol and bit-for-bit the same results as `mxmoe.quant.torch_cast` (docs/mx-format.md):
 inputs are bf16 or fp32 CUDA tensors, quantized along their *last* dim in blocks of
 `spec.block_size`; scales come back as `SCALE_DTYPE` (E8M0). Block size 32 with 16-byte aligned
 data takes the fast kernels; everything else takes generic kernels (correct, slower).
 
-The extension (csrc/binding.cpp + csrc/mx_cast.cu) is built once per process with
+The extension (csrc/binding.cpp and the kernels' three translation units, csrc/mx_cast.cu, mx_qdq.cu and
+mx_swiglu_qdq.cu, which the build compiles at once) is built once per process with
 `torch.utils.cpp_extension.load` for the current GPU's architecture (sm_90 on Hopper) and cached
 under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so later processes reuse the build.
 Loading it registers the operators `torch.ops.mxmoe_cuda.*` (argument checks, output allocation,
@@ -27,7 +28,9 @@ from torch import Tensor
 from mxmoe.formats import ELEM_FORMATS, MODE_IDS, SCALE_DTYPE, CastSpec, ScalingMode, f32_bits
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "binding.cpp", _CSRC / "mx_cast.cu")
+# the kernels in three units that the build compiles at once (ninja; nvcc on one CPU core: 17 s for the
+# longest, 43 s for the three as one unit)
+_SOURCES = tuple(_CSRC / f for f in ("binding.cpp", "mx_cast.cu", "mx_qdq.cu", "mx_swiglu_qdq.cu"))
 
 _lock = threading.Lock()
 ops_loaded = False
@@ -131,7 +134,7 @@ def load_extension() -> None:
         from torch.utils import cpp_extension
 
         name = "mxmoe_cuda_ops_" + arch.rsplit("=", 1)[1]
-        logging.getLogger("mxmoe").info("loading CUDA cast extension %s (built on first use, ~30 s)", name)
+        logging.getLogger("mxmoe").info("loading CUDA cast extension %s (built on first use, ~20 s)", name)
         try:
             cpp_extension.load(
                 name=name,
@@ -295,7 +298,7 @@ def swiglu_qdq_dim0_dim1(
 ) -> tuple[Tensor, Tensor]:
     """g, u: (..., R, C) bf16/fp32 CUDA, one shape and dtype, contiguous, ndim >= 2, C % bs == 0 ->
     (y0, y1) = `qdq_dim0_dim1(h, spec, out_dtype, offs)` of h = silu(g) * u formed as eager PyTorch's
-    `F.silu(g) * u` (csrc/mx_cast.cu's SwiGLU prologue), each of g's shape, out_dtype, contiguous,
+    `F.silu(g) * u` (csrc/mx_qdq_kernels.cuh's SwiGLU prologue), each of g's shape, out_dtype, contiguous,
     in one read of g and u without writing h (block 32 with 16-byte aligned pointers; else h is
     formed by ATen's silu and mul and cast by the qdq_dim0_dim1 launcher)."""
     load_extension()
@@ -308,10 +311,10 @@ def swiglu_bwd_qdq_dim0_dim1(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dh, g, u: (..., R, C) bf16/fp32 CUDA, one shape and dtype, contiguous, ndim >= 2, C % bs == 0 ->
     (dg0, dg1, du0, du1) = `qdq_dim0_dim1(dg, ...)` + `qdq_dim0_dim1(du, ...)` of the SwiGLU backward
-    dg = silu_backward(dh * u, g), du = dh * silu(g) formed as eager PyTorch forms them (csrc/mx_cast.cu's
-    swiglu_bwd_vec), each of dh's shape, out_dtype, contiguous, in one read of dh, g and u without
-    writing dg and du (block 32 with 16-byte aligned pointers; else ATen forms dg and du and the
-    qdq_dim0_dim1 launcher casts them)."""
+    dg = silu_backward(dh * u, g), du = dh * silu(g) formed as eager PyTorch forms them
+    (csrc/mx_qdq_kernels.cuh's swiglu_bwd_vec), each of dh's shape, out_dtype, contiguous, in one
+    read of dh, g and u without writing dg and du (block 32 with 16-byte aligned pointers; else ATen
+    forms dg and du and the qdq_dim0_dim1 launcher casts them)."""
     load_extension()
     op = torch.ops.mxmoe_cuda.swiglu_bwd_qdq_dim0_dim1
     return op(dh, g, u, spec.block_size, MODE_IDS[spec.mode], spec.elem.dtype, out_dtype, offs)

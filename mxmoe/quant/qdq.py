@@ -25,7 +25,7 @@ Backends: "torch" (the reference, `torch_cast.qdq_rows`: torch_cast's quantize f
 dequantize on the padded form, CPU or GPU), "triton" (the rows kernel of `triton_qdq`, launched by
 its `qdq_rows`; on CPU under TRITON_INTERPRET=1) and
 "cuda" (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1` and `qdq_dim0_dim1` of the CUDA cast
-extension, csrc/mx_cast.cu: the casts' and the dequantize kernel's device functions in one kernel,
+extension, csrc/mx_qdq.cu: the casts' and the dequantize kernel's device functions in one kernel,
 one read of x and one write per output; dim1 and dim0+dim1 also with groups).
 Which one runs (`mxmoe.quant.backends.cast_kernel`, where every kernel choice is made, with the
 casts "qdq_dim0", "qdq_dim0_offs" and "qdq_dim1"):

@@ -47,7 +47,7 @@ Deterministic by construction, in every run:
     counts are int64 scatter-adds, and integer sums are exact in any order;
   - the all-to-alls (`mxmoe.comm`): every received row lands at an offset fixed by the splits, so
     the order in which pieces arrive (side streams, chunks) cannot change a bit; nothing is summed;
-  - the MX cast kernels (`mxmoe/quant/csrc/mx_cast.cu`, `mxmoe/quant/triton_cast.py`,
+  - the MX cast kernels (`mxmoe/quant/csrc/*.cu`, `mxmoe/quant/triton_cast.py`,
     `mxmoe/quant/triton_qdq.py`, `mxmoe/comm/kernels.py`) have no atomics: each program computes and
     writes its own blocks. The symmetric-memory exchange (`mxmoe/comm/symm_kernel.py`) uses atomics
     only as work tickets and ready flags, never on data: which program moves a tile varies, the

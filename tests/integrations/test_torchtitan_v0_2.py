@@ -16,7 +16,6 @@ import importlib.metadata
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import free_port
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed")
 if not importlib.metadata.version("torchtitan").startswith("0.2."):
@@ -505,12 +505,10 @@ def _train(tmp_path, runs: dict[str, list[str]], *, world: int = 1, steps: int =
     """torchtitan 0.2's trainer on CPU, `steps` steps per run, the runs one after another in one
     process per rank (each seeded alike: same initialization and batches); per run its losses and
     rank 0's log. Every process is killed if the ranks are not done in time."""
-    socks = [socket.socket() for _ in runs]  # a free port per run's rendezvous (the runner's)
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [str(sock.getsockname()[1]) for sock in socks]
-    for sock in socks:
-        sock.close()
+    ports = []  # a free port per run's rendezvous (the runner's), each its own
+    while len(ports) < len(runs):
+        if (port := str(free_port())) not in ports:
+            ports.append(port)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "MASTER_PORT": ports[0], "MXMOE_TEST_PORTS": ",".join(ports),
            "WORLD_SIZE": str(world), "PYTHONPATH": os.pathsep.join([*sys.path, str(root)])}

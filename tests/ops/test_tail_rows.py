@@ -228,7 +228,7 @@ def test_kernel_compiles_for_sm90(triton_sm90):
 
 
 def test_cpp_kernel_compiles_for_sm90_with_16_byte_stores(mx_cast_sm90):
-    """csrc/mx_cast.cu to PTX for sm_90 (nvcc, no GPU): zero_rows_after_kernel stores 16-byte
+    """csrc/*.cu to PTX for sm_90 (nvcc, no GPU): zero_rows_after_kernel stores 16-byte
     vectors on aligned rows and single bf16 / fp32 elements otherwise, with one load (offs[-1])
     and no division."""
     import re

@@ -1,4 +1,4 @@
-"""The `cuda` cast backend (mxmoe/quant/cuda_cast.py, csrc/mx_cast.cu) against `torch_cast`.
+"""The `cuda` cast backend (mxmoe/quant/cuda_cast.py, csrc/*.cu) against `torch_cast`.
 
 GPU tests (`pytest -m gpu`) compare every output bit for bit with `mxmoe.quant.torch_cast` run on the
 CPU (the executable spec, docs/mx-format.md) over many input classes, all scale modes, both element
@@ -197,9 +197,31 @@ def check_dequant(
 
 def test_mx_cast_cu_compiles_for_sm90(mx_cast_sm90):
     """CI's check of the CUDA build (as scripts/check_cuda_build.sh): the kernels alone, no torch
-    headers, sm_90; the session's one nvcc build, which fails this test if mx_cast.cu breaks."""
-    assert mx_cast_sm90.obj.stat().st_size > 0
-    assert mx_cast_sm90.ptxas and mx_cast_sm90.entries("qdq_dim1_kernel")
+    headers, sm_90; the session's one nvcc build, which fails this test if a csrc/*.cu breaks."""
+    assert [p.name for p in mx_cast_sm90.objs] == ["mx_cast.o", "mx_qdq.o", "mx_swiglu_qdq.o"]
+    assert all(p.stat().st_size > 0 for p in mx_cast_sm90.objs)
+    for kernel in ("dim0_grp_kernel", "dim1_tile_kernel", "dequant_flat_kernel", "qdq_dim0_kernel",
+                   "qdq_dim1_kernel", "swiglu_bwd_qdq_kernel", "zero_rows_after_kernel"):
+        assert mx_cast_sm90.entries(kernel), kernel
+    assert mx_cast_sm90.ptxas
+
+
+def test_extension_builds_every_kernel_unit():
+    """The extension's sources are binding.cpp and every csrc/*.cu (a unit left out would leave its
+    launchers undefined at load), each .cu one of the units the build compiles at once; every
+    launcher that mx_cast.h declares is defined in exactly one of them."""
+    import re
+
+    from mxmoe.quant import cuda_cast
+
+    csrc = CU_FILE.parent
+    assert [p.name for p in cuda_cast._SOURCES] == ["binding.cpp", *sorted(p.name for p in csrc.glob("*.cu"))]
+    declared = re.findall(r"^(?:cudaError_t|bool) (mx_\w+)\(", (csrc / "mx_cast.h").read_text(), re.M)
+    assert len(declared) == 12
+    for name in declared:
+        definition = re.compile(rf"^(?:cudaError_t|bool) {name}\(", re.M)
+        defined_in = [p.name for p in csrc.glob("*.cu") if definition.search(p.read_text())]
+        assert len(defined_in) == 1, (name, defined_in)
 
 
 def _binding_cpp_job(config: pytest.Config, folder: Path) -> Job | str:
@@ -239,10 +261,11 @@ def test_binding_cpp_compiles_against_torch_headers(binding_cpp_syntax: JobResul
 
 
 def test_mx_cast_sources_include_no_torch_headers():
-    """The kernels' sources (mx_cast.cu, its parts, mx_cast.h) compile alone: no torch headers
+    """The kernels' sources (the .cu units, their parts, mx_cast.h) compile alone: no torch headers
     (binding.cpp, the operator binding, is the one file that includes them)."""
     paths = sorted(p for p in CU_FILE.parent.iterdir() if p.suffix in (".cu", ".cuh", ".h"))
-    assert {p.name for p in paths} >= {"mx_cast.cu", "mx_cast.h", "mx_numerics.cuh", "mx_cast_kernels.cuh",
+    assert {p.name for p in paths} >= {"mx_cast.cu", "mx_qdq.cu", "mx_swiglu_qdq.cu", "mx_cast.h",
+                                       "mx_launch.cuh", "mx_numerics.cuh", "mx_cast_kernels.cuh",
                                        "mx_dequant_kernels.cuh", "mx_qdq_kernels.cuh"}
     for path in paths:
         includes = [ln for ln in path.read_text().splitlines() if ln.startswith("#include")]

@@ -1,5 +1,5 @@
 """The CUDA qdq kernels (the C++ operators `mxmoe_cuda::qdq_dim0`, `qdq_dim1`, `qdq_dim0_dim1`,
-csrc/mx_cast.cu) and which kernel a qdq call picks.
+csrc/mx_qdq.cu) and which kernel a qdq call picks.
 
 CPU tests: the dispatch (`backends.cast_kernel` for the qdq casts, and the kernel the public calls hand
 to the op, traced on fake CUDA tensors). GPU tests (marked gpu): the operator against the NumPy oracle

@@ -211,7 +211,7 @@ def test_swiglu_bwd_qdq_kernel_choice(monkeypatch, as_on_a_gpu):
 
 
 def test_swiglu_bwd_kernel_compiles_for_sm90_with_bounded_spills(mx_cast_sm90):
-    """csrc/mx_cast.cu for sm_90 (nvcc, no GPU): every variant of swiglu_bwd_qdq_kernel (bf16 / fp32
+    """csrc/mx_swiglu_qdq.cu for sm_90 (nvcc, no GPU): every variant of swiglu_bwd_qdq_kernel (bf16 / fp32
     in, both elements and outputs: 8): fp32 at most 128 registers (two CTAs per SM) with no spills;
     bf16 at most 85 (three CTAs per SM, its launch bounds) with at most 32 bytes spilled (ptxas
     spills 20-24 there: measured 8-9 % faster on the H200 than two CTAs without spills); no local
@@ -267,7 +267,7 @@ def test_gpu_swiglu_bwd_qdq_every_bf16_gate_and_random_fp32():
     bit patterns (subnormals, |g| > 88 where expf over- or underflows, NaN / Inf), half N(0, 40): the
     four outputs of the cuda kernel == torch's dg and du on the GPU then the cuda qdq, bit for bit.
     Also dh, u at the bf16 extremes (huge: products overflow to Inf). A failure in dg only would mean
-    torch's silu_backward rounds differently (csrc/mx_cast.cu's silu_bwd_f32)."""
+    torch's silu_backward rounds differently (csrc/mx_numerics.cuh's silu_bwd_f32)."""
     rc = recipe("cuda")
     torch.manual_seed(0)
     gb = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).cuda()

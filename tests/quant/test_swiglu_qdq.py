@@ -194,7 +194,7 @@ def test_swiglu_qdq_kernel_choice(monkeypatch, as_on_a_gpu):
 
 
 def test_swiglu_kernel_compiles_for_sm90_without_spills(mx_cast_sm90):
-    """csrc/mx_cast.cu for sm_90 (nvcc, no GPU): every SWIGLU variant of qdq_dim1_kernel (bf16 /
+    """csrc/mx_swiglu_qdq.cu for sm_90 (nvcc, no GPU): every SWIGLU variant of qdq_dim1_kernel (bf16 /
     fp32 in, both elements and outputs: 8) has no local memory and no spills, at most 85 registers
     for bf16 (8 lanes per column, three CTAs per SM) and 128 for fp32 (4 lanes); g and u are read
     with 16-byte streaming loads, the outputs written with the qdq kernel's 16- / 8-byte streaming
