@@ -83,6 +83,7 @@ def check_values(cfg: JobConfig) -> None:
         ("validation.steps", cfg.validation.steps, 0),
         ("checkpoint.interval", cfg.checkpoint.interval, 0),
         ("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, 0),
+        ("checkpoint.threads", cfg.checkpoint.threads, 0),
         ("metrics.log_freq", cfg.metrics.log_freq, 1),
     ):
         if value is not None and value < low:  # None: the preset's value
@@ -600,6 +601,7 @@ def build_run(cfg: JobConfig, rank: int, world: int, device: torch.device) -> Ru
             run=run_shape,
             precision=precision_record(cfg),
             allow_precision_change=ck.allow_precision_change,
+            threads=ck.threads,
         )
         if ck.folder
         else None

@@ -185,6 +185,9 @@ class Checkpoint:
     """Save after the last step (false: a finished run saves none; SIGTERM and interval saves stay)."""
     keep_latest_k: int = 2
     """Complete checkpoints kept, older ones deleted (0 keeps all)."""
+    threads: int = 0
+    """Threads per rank that write (a file each) and hash a save (0: min(8, this process's CPUs / the
+    host's ranks)); one thread writes ~3.5x slower (docs/training.md#checkpoints)."""
     resume: bool = True
     """Resume from the latest complete checkpoint in folder, if there is one."""
     fallback: bool = False

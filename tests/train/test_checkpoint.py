@@ -24,7 +24,9 @@ def _train(tmp_path: Path, name: str, *extra: str) -> int:
 
 
 def _shard(step_dir: Path) -> Path:
-    (shard,) = step_dir.glob("*.distcp")
+    """Rank 0's first file (a save writes one a thread, `--checkpoint.threads`)."""
+    shard = step_dir / "__0_0.distcp"
+    assert shard.is_file(), sorted(p.name for p in step_dir.iterdir())
     return shard
 
 
@@ -579,3 +581,64 @@ def test_a_save_missing_a_ranks_shard_fails_on_every_rank(tmp_path):
         msg = (tmp_path / f"result{r}").read_text()
         assert msg.startswith("saving checkpoint step 1 in") and "no shard of rank(s) [1]" in msg, msg
     assert not (tmp_path / "ckpt0" / "step-00000001").exists()  # never under a final name
+
+
+# -- 4. a save writes a file a thread; a writer thread's failure is the save's --------------------
+def test_a_save_in_threads_writes_a_file_each_and_resumes_the_same_bits(tmp_path, four_steps):
+    """`--checkpoint.threads=3`: rank 0 writes __0_0 .. __0_2 (DCP's FileSystemWriter, a file per
+    thread), all in the manifest; resuming it continues with the losses of the run that never
+    stopped (four_steps saved with the default threads)."""
+    run = tmp_path / "threads"
+    common = [f"--checkpoint.folder={tmp_path}/ckpt3", "--checkpoint.threads=3"]
+    assert trainer.main(TINY + [f"--job.dump_folder={run}", "--training.steps=2", "--checkpoint.interval=2",
+                                *common]) == 0
+    step = tmp_path / "ckpt3" / "step-00000002"
+    shards = sorted(p.name for p in step.glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    assert set(shards) <= set(json.loads((step / MANIFEST).read_text())["files"])
+    assert trainer.main(TINY + [f"--job.dump_folder={run}", "--training.steps=4", *common]) == 0
+    assert losses(run)[3] == four_steps[3] and losses(run)[4] == four_steps[4]
+
+
+def test_a_writer_threads_failure_fails_the_save(tmp_path, monkeypatch):
+    """DCP joins its writer threads without looking at how they ended: a file one of them could not
+    write would be missing from a checkpoint declared whole. The save is a CheckpointError naming
+    the file, nothing is printed as an unhandled thread exception, no step folder is made."""
+    import threading
+    import time
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = FileSystem.create_stream
+
+    def helper_threads_fail(self, path, mode):
+        if "wb" in mode and str(path).endswith(".distcp"):
+            if threading.current_thread() is threading.main_thread():
+                time.sleep(0.3)  # the helper threads take their files first
+            else:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", helper_threads_fail)
+    ck = Checkpointer(str(tmp_path / "ckpt"), keep_latest=0, threads=4)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    hooked = threading.excepthook
+    with pytest.raises(CheckpointError, match=r"saving checkpoint step 1 in .*__0_\d\.distcp.*No space left"):
+        ck.save(1, model, opt, {"step": 1})
+    assert threading.excepthook is hooked
+    assert _entries(tmp_path / "ckpt") == ["step-00000001.tmp"]
+
+
+def test_io_threads_share_the_cpus_among_the_hosts_ranks(monkeypatch):
+    from mxmoe.train.checkpoint.common import io_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert io_threads() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert io_threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert io_threads() == 1

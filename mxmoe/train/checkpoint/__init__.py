@@ -1,8 +1,9 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): model, optimizer, lr scheduler, data
 sampler position, step and every rank's RNG state.
 
-Layout: `folder/step-00000100/`: DCP's files (`.metadata` and one `__R_0.distcp` shard per rank R),
-`trainer_state.json` (step, scheduler, sampler: JSON, no pickle) and `manifest.json`. A save writes
+Layout: `folder/step-00000100/`: DCP's files (`.metadata` and rank R's `__R_0.distcp`, `__R_1.distcp`,
+...: one a writer thread), `trainer_state.json` (step, scheduler, sampler: JSON, no pickle) and
+`manifest.json`. A save writes
 `step-XXXXXXXX.tmp/` and renames it once every rank has finished, so an interrupted save (SIGTERM,
 SIGKILL, a crash) never leaves a half-written directory under a final name; a step folder under a
 final name that lacks files is reported by verification, never skipped. Pruning renames a folder

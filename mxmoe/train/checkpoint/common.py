@@ -34,6 +34,20 @@ def all_gather(obj) -> list:
     return out
 
 
+def io_threads() -> int:
+    """Threads one rank writes and hashes a checkpoint with: min(8, the CPUs this process may run on
+    / the ranks on this host (torchrun's LOCAL_WORLD_SIZE)), at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(8, cpus // local))
+
+
 def sha256(path: Path) -> str:
     with open(path, "rb") as fh:
         return hashlib.file_digest(fh, "sha256").hexdigest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mxmoe.train.checkpoint.common import (
@@ -14,6 +15,7 @@ from mxmoe.train.checkpoint.common import (
     TRAIN_STATE,
     CheckpointError,
     all_gather,
+    io_threads,
     run_local,
     sha256,
 )
@@ -26,18 +28,24 @@ def _no_constant(name: str):
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def hash_files(path: Path, names: list[str], rank: int, world: int) -> dict[str, dict]:
-    """{name: {"size", "sha256"}} of `names` under `path`, each rank hashing a share; the same
-    dict on every rank. A missing (or unreadable, or not regular) file has size -1."""
-    mine = {}
-    for name in names[rank::world]:
-        f = path / name
-        try:
-            if not f.is_file() or f.is_symlink():
-                raise FileNotFoundError(name)
-            mine[name] = {"size": f.stat().st_size, "sha256": sha256(f)}
-        except OSError:
-            mine[name] = {"size": -1, "sha256": ""}
+def _size_and_hash(f: Path) -> dict:
+    try:
+        if not f.is_file() or f.is_symlink():
+            raise FileNotFoundError(f.name)
+        return {"size": f.stat().st_size, "sha256": sha256(f)}
+    except OSError:
+        return {"size": -1, "sha256": ""}
+
+
+def hash_files(
+    path: Path, names: list[str], rank: int, world: int, threads: int | None = None
+) -> dict[str, dict]:
+    """{name: {"size", "sha256"}} of `names` under `path`, each rank hashing a share in `threads`
+    threads (default `io_threads()`; hashlib releases the GIL); the same dict on every rank. A
+    missing (or unreadable, or not regular) file has size -1."""
+    share = names[rank::world]
+    with ThreadPoolExecutor(max(1, min(threads or io_threads(), len(share) or 1))) as pool:
+        mine = dict(zip(share, pool.map(_size_and_hash, [path / n for n in share]), strict=True))
     out: dict[str, dict] = {}
     for part in all_gather(mine):
         out.update(part)
