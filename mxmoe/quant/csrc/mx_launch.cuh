@@ -33,6 +33,15 @@ bool valid_common(int dtype, int block_size, int elem) {
          (block_size & (block_size - 1)) == 0;
 }
 
+// The arguments of the (batch, rows, cols) qdq launchers (mx_qdq_dim1, mx_qdq_dim0_dim1 and the
+// SwiGLU ones; cols_in_blocks: cols % block_size == 0 too): groups (offs) only with batch 1.
+bool valid_qdq(int in_dtype, int out_dtype, int block_size, int mode, int elem, int64_t batch, int64_t rows,
+               int64_t cols, const int32_t* offs, int64_t num_groups, bool cols_in_blocks) {
+  return valid_common(in_dtype, block_size, elem) && (out_dtype == MX_BF16 || out_dtype == MX_F32) && mode >= 0 &&
+         mode <= 3 && batch >= 0 && rows >= 0 && cols >= 0 && (!cols_in_blocks || cols % block_size == 0) &&
+         (offs == nullptr || (batch == 1 && num_groups >= 1 && num_groups <= INT_MAX));
+}
+
 int sm_count() {
   static int cache[64] = {};  // per device; benign race: every writer stores the same value
   int dev = 0, sms = 0;

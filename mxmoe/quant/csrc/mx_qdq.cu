@@ -63,9 +63,7 @@ cudaError_t mx_qdq_dim0(const void* x, int in_dtype, void* y, int out_dtype, int
 cudaError_t mx_qdq_dim1(const void* x, int in_dtype, void* y, int out_dtype, int64_t batch, int64_t rows,
                         int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127, uint32_t rceil_t126,
                         float rceil_c, const int32_t* offs, int64_t num_groups, intptr_t stream) {
-  if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
-      mode > 3 || batch < 0 || rows < 0 || cols < 0 ||
-      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX))) {
+  if (!valid_qdq(in_dtype, out_dtype, block_size, mode, elem, batch, rows, cols, offs, num_groups, false)) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
@@ -85,9 +83,7 @@ cudaError_t mx_qdq_dim0_dim1(const void* x, int in_dtype, void* y0, void* y1, in
                              int64_t rows, int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
                              uint32_t rceil_t126, float rceil_c, const int32_t* offs, int64_t num_groups,
                              intptr_t stream) {
-  if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
-      mode > 3 || batch < 0 || rows < 0 || cols < 0 || cols % block_size ||
-      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX))) {
+  if (!valid_qdq(in_dtype, out_dtype, block_size, mode, elem, batch, rows, cols, offs, num_groups, true)) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;

@@ -33,9 +33,7 @@ cudaError_t mx_swiglu_qdq_dim0_dim1(const void* g, const void* u, int in_dtype, 
                                     int64_t batch, int64_t rows, int64_t cols, int block_size, int mode, int elem,
                                     uint32_t rceil_t127, uint32_t rceil_t126, float rceil_c, const int32_t* offs,
                                     int64_t num_groups, intptr_t stream) {
-  if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
-      mode > 3 || batch < 0 || rows < 0 || cols < 0 || cols % block_size ||
-      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX))) {
+  if (!valid_qdq(in_dtype, out_dtype, block_size, mode, elem, batch, rows, cols, offs, num_groups, true)) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
@@ -60,9 +58,7 @@ cudaError_t mx_swiglu_bwd_qdq_dim0_dim1(const void* dh, const void* g, const voi
                                         int64_t cols, int block_size, int mode, int elem, uint32_t rceil_t127,
                                         uint32_t rceil_t126, float rceil_c, const int32_t* offs, int64_t num_groups,
                                         intptr_t stream) {
-  if (!valid_common(in_dtype, block_size, elem) || (out_dtype != MX_BF16 && out_dtype != MX_F32) || mode < 0 ||
-      mode > 3 || batch < 0 || rows < 0 || cols < 0 || cols % block_size ||
-      (offs != nullptr && (batch != 1 || num_groups < 1 || num_groups > INT_MAX))) {
+  if (!valid_qdq(in_dtype, out_dtype, block_size, mode, elem, batch, rows, cols, offs, num_groups, true)) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0 || rows == 0 || cols == 0) return cudaSuccess;
