@@ -333,3 +333,23 @@ def test_a_wrap_for_another_shard_degree_is_named_at_the_first_gather(tmp_path):
 def test_a_bool_shard_degree_is_refused():
     with pytest.raises(ValueError, match=r"shard_world_size=True: expected an int >= 1"):
         enable_mxfp8_all_gather(make_net(), True)
+
+
+def test_bad_arguments_are_named():
+    # each was taken as it was: a string model failed inside named_modules, skip_experts="no" skipped
+    # the experts (a true string), expert_types=SomeClass failed unpacking it, and a float16 (or
+    # string) expert_cast_dtype was kept until the first gather's cast
+    net = make_net()
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        enable_mxfp8_all_gather("net", 2)
+    with pytest.raises(TypeError, match="skip_experts='no': expected a bool"):
+        enable_mxfp8_all_gather(net, 2, skip_experts="no")
+    with pytest.raises(TypeError, match="expert_types=<class .*MXGroupedExperts'>: expected a tuple of classes"):
+        enable_mxfp8_all_gather(net, 2, expert_types=MXGroupedExperts)
+    for bad in (torch.float16, "bf16"):
+        with pytest.raises(TypeError, match="expert_cast_dtype=.*expected None, torch.bfloat16 or torch.float32"):
+            enable_mxfp8_all_gather(net, 2, expert_cast_dtype=bad)
+    assert not any(isinstance(p, MXShardedWeight) for p in net.parameters())  # refused before any wrap
+    rep = enable_mxfp8_all_gather(net, 2, skip_experts=True, expert_types=(MXGroupedExperts,),
+                                  expert_cast_dtype=torch.bfloat16)
+    assert rep.mx and not any(".experts." in f for f in rep.mx)
