@@ -634,6 +634,7 @@ def mx_grouped_swiglu_mlp(
             autocast_on(dev) and torch.get_autocast_dtype(dev) != out_dtype  # h recast
         )
     if not fused:  # the composition (the fusion does not apply; its checks and errors)
+        _check_mlp_weights(w1_t, w3_t, w2_t)
         g, u = mx_grouped_mm_shared(x, (w1_t, w3_t), offs, recipe)
         return mx_grouped_mm_swiglu(g, u, w2_t, offs, recipe)
     cast_to = autocast_target(x) if args[1] is None else None
@@ -642,6 +643,25 @@ def mx_grouped_swiglu_mlp(
     with no_autocast(w1_t.device, kernels.direct):
         return apply_function(
             _MXGroupedSwiGLUMLP, *args, offs, recipe, kernels, out_dtype, cast_to, *ws, eager=kernels.direct
+        )
+
+
+def _check_mlp_weights(w1_t, w3_t, w2_t) -> None:
+    """ValueError naming the weight of `mx_grouped_swiglu_mlp` whose shape does not fit w1_t (E, D, H)
+    where all three are 3D tensors (the composition's own checks would name its inner arguments: g
+    and u, `a` for h, `offs` for another expert count; other mistakes get those, naming the weight)."""
+    if not all(isinstance(w, Tensor) and w.ndim == 3 for w in (w1_t, w3_t, w2_t)):
+        return
+    E, D, H = w1_t.shape
+    if w3_t.shape != w1_t.shape:
+        raise ValueError(
+            f"w3_t has shape {tuple(w3_t.shape)}; expected w1_t's shape {tuple(w1_t.shape)} (E, D, H): "
+            "the transposed views of the (E, H, D) weights w1 and w3"
+        )
+    if w2_t.shape[:2] != (E, H):
+        raise ValueError(
+            f"w2_t has shape {tuple(w2_t.shape)}; expected ({E}, {H}, D'): the transposed view of w2 "
+            f"(E, D', H) with w1_t's E={E} experts and hidden size H={H} (w1_t {tuple(w1_t.shape)})"
         )
 
 

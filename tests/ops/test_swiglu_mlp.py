@@ -164,10 +164,14 @@ def test_swiglu_mlp_no_grad_and_errors():
     compare(run(mx_grouped_swiglu_mlp, ops, CPU, (True,) * 4, grad=False),
             run(composed, ops, CPU, (True,) * 4, grad=False))
     w1r, w3r, w2r = (w.transpose(-2, -1).requires_grad_() for w in (w1.clone(), w3.clone(), w2.clone()))
-    with pytest.raises(ValueError, match=r"u has shape \(80, 64\); expected g's shape \(80, 96\)"):
+    # the weights' shapes are named as the weights (the composition named g and u, `a` for h, and
+    # blamed offs for a w2 of another expert count)
+    with pytest.raises(ValueError, match=r"w3_t has shape \(6, 64, 64\); expected w1_t's shape \(6, 64, 96\)"):
         mx_grouped_swiglu_mlp(x, w1r, w3r[..., :64], w2r, offs, CPU)
-    with pytest.raises(ValueError, match="a has K=96"):
+    with pytest.raises(ValueError, match=r"w2_t has shape \(6, 32, 64\); expected \(6, 96, D'\)"):
         mx_grouped_swiglu_mlp(x, w1r, w3r, w2r[:, :32], offs, CPU)
+    with pytest.raises(ValueError, match=r"w2_t has shape \(3, 96, 64\); expected \(6, 96, D'\)"):
+        mx_grouped_swiglu_mlp(x, w1r, w3r, w2r[:3], offs, CPU)
     with pytest.raises(TypeError, match="offs has dtype torch.int64"):
         mx_grouped_swiglu_mlp(x, w1r, w3r, w2r, offs.long(), CPU)
     with pytest.raises(TypeError, match="b_t has dtype torch.float16"):
