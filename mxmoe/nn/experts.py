@@ -66,9 +66,11 @@ class GroupedExperts(nn.Module):
         for w in (self.w1, self.w2, self.w3):
             nn.init.trunc_normal_(w, std=std if std is not None else 1.0 / math.sqrt(w.shape[-1]))
 
-    def check_counts(self, num_tokens_per_expert: Tensor) -> None:
+    def check_counts(self, num_tokens_per_expert: Tensor, rows: int | None = None) -> None:
         """TypeError / ValueError naming `num_tokens_per_expert` unless it is a 1D tensor of
-        num_experts counts (a shorter one was taken by the high-precision GEMMs as fewer groups)."""
+        num_experts counts (a shorter one was taken by the high-precision GEMMs as fewer groups);
+        counts on the host (no sync) must also be >= 0 and, with `rows` (x's), sum to at most rows
+        (the high-precision GEMMs took a negative count or one past x's rows silently)."""
         c = num_tokens_per_expert
         if not isinstance(c, Tensor):
             raise TypeError(
@@ -80,9 +82,16 @@ class GroupedExperts(nn.Module):
                 f"num_tokens_per_expert has shape {tuple(c.shape)}; expected ({self.num_experts},): one "
                 f"token count per expert (num_experts={self.num_experts})"
             )
+        if c.is_cpu and not torch.compiler.is_compiling():
+            counts = c.tolist()
+            if any(n < 0 for n in counts) or (rows is not None and sum(counts) > rows):
+                raise ValueError(
+                    f"num_tokens_per_expert={counts}: expected counts >= 0 that sum to at most x's {rows} "
+                    "rows (the tokens sorted by expert)"
+                )
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
-        self.check_counts(num_tokens_per_expert)
+        self.check_counts(num_tokens_per_expert, x.shape[0])
         offs = offsets_from_counts(num_tokens_per_expert)
         w1, w2, w3 = self.w1, self.w2, self.w3
         dev = x.device.type

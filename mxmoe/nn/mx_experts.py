@@ -66,7 +66,7 @@ class MXGroupedExperts(GroupedExperts):
         recipe = self.recipe
         if recipe.expert_gemm == "bf16":
             return self._forward_bf16(x, num_tokens_per_expert)
-        self.check_counts(num_tokens_per_expert)
+        self.check_counts(num_tokens_per_expert, x.shape[0])
         offs = offsets_from_counts(num_tokens_per_expert)
         if isinstance(x, Tensor):
             # one cast to the autocast dtype for both w1 and w3 (each op would cast x on its own:
