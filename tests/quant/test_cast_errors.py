@@ -307,6 +307,10 @@ def test_cast_kernel_reads_each_casts_recipe_field(as_on_a_gpu):
     with pytest.raises(ValueError, match="cast='dim2'; expected one of"):
         backends.cast_kernel(recipe(), cpu, "dim2")
     assert backends.cast_kernel(recipe(dim0_kernel="cuda"), cpu, "dim1") == "torch"  # "auto" on CPU
+    # a device given as a string failed inside a backend's check ("'str' object has no attribute 'type'")
+    for fn in (backends.cast_kernel, lambda r, d, c: backends.resolve_kernel(r.dim0_kernel, d, c)):
+        with pytest.raises(TypeError, match=r"device='cpu' \(str\): expected a torch.device"):
+            fn(recipe(), "cpu", "dim0")
     cuda = torch.device("cuda")  # as on a GPU machine whose extension builds (the fixture)
     r = recipe(dim0_kernel="torch", dim1_kernel="auto")
     got = {c: backends.cast_kernel(r, cuda, c) for c in backends.CASTS}
