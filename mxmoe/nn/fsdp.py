@@ -404,7 +404,9 @@ def enable_mxfp8_all_gather(
     and returns what it did; a model already wrapped is left as it is."""
     check_fsdp_extension()
     if not isinstance(model, nn.Module):
-        raise TypeError(f"enable_mxfp8_all_gather: model must be a torch.nn.Module, got {type(model).__name__}")
+        raise TypeError(
+            f"enable_mxfp8_all_gather: model must be a torch.nn.Module, got {type(model).__name__}"
+        )
     if not isinstance(skip_experts, bool):
         raise TypeError(f"enable_mxfp8_all_gather: skip_experts={skip_experts!r}: expected a bool")
     if not isinstance(expert_types, tuple) or not all(isinstance(t, type) for t in expert_types):
@@ -414,9 +416,9 @@ def enable_mxfp8_all_gather(
         )
     if expert_cast_dtype not in (None, torch.bfloat16, torch.float32):
         raise TypeError(
-            f"enable_mxfp8_all_gather: expert_cast_dtype={expert_cast_dtype!r}: expected None, torch.bfloat16 "
-            "or torch.float32 (the dtype the experts' forward casts the weights to; the MX casts read "
-            "bf16 or fp32)"
+            f"enable_mxfp8_all_gather: expert_cast_dtype={expert_cast_dtype!r}: expected None, "
+            "torch.bfloat16 or torch.float32 (the dtype the experts' forward casts the weights to; the "
+            "MX casts read bf16 or fp32)"
         )
     for name, v in (("shard_world_size", shard_world_size),
                     ("expert_shard_world_size", expert_shard_world_size)):

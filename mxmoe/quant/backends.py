@@ -197,7 +197,8 @@ def _resolve(kernel: str, device: torch.device, cast: str, field: str | None) ->
         raise TypeError(f"kernel must be a str, got {type(kernel).__name__}")
     if not isinstance(device, torch.device):  # (a str failed inside a backend's availability check)
         raise TypeError(
-            f"device={device!r} ({type(device).__name__}): expected a torch.device, e.g. torch.device({device!r})"
+            f"device={device!r} ({type(device).__name__}): expected a torch.device, e.g. "
+            f"torch.device({device!r})"
         )
     if cast not in RECIPE_FIELD:
         raise ValueError(f"cast={cast!r}; expected one of {list(CASTS) + list(QDQ_CASTS)}")

@@ -344,10 +344,11 @@ def test_bad_arguments_are_named():
         enable_mxfp8_all_gather("net", 2)
     with pytest.raises(TypeError, match="skip_experts='no': expected a bool"):
         enable_mxfp8_all_gather(net, 2, skip_experts="no")
-    with pytest.raises(TypeError, match="expert_types=<class .*MXGroupedExperts'>: expected a tuple of classes"):
+    why = "expert_types=<class .*MXGroupedExperts'>: expected a tuple of classes"
+    with pytest.raises(TypeError, match=why):
         enable_mxfp8_all_gather(net, 2, expert_types=MXGroupedExperts)
     for bad in (torch.float16, "bf16"):
-        with pytest.raises(TypeError, match="expert_cast_dtype=.*expected None, torch.bfloat16 or torch.float32"):
+        with pytest.raises(TypeError, match="expert_cast_dtype=.*expected None, torch.bfloat16 or torch"):
             enable_mxfp8_all_gather(net, 2, expert_cast_dtype=bad)
     assert not any(isinstance(p, MXShardedWeight) for p in net.parameters())  # refused before any wrap
     rep = enable_mxfp8_all_gather(net, 2, skip_experts=True, expert_types=(MXGroupedExperts,),

@@ -379,7 +379,7 @@ def test_experts_refuse_counts_that_are_not_one_per_expert(cls):
     # a negative count, or counts past x's rows: GroupedExperts took them silently, MXGroupedExperts
     # named the group ends it made of them (offs), which the caller never gave
     for bad in ([3, -1, 1, 1], [2, 2, 1, 0]):
-        why = rf"^num_tokens_per_expert={re.escape(str(bad))}: expected counts >= 0 that sum to at most x's 4 rows"
+        why = rf"^num_tokens_per_expert={re.escape(str(bad))}: expected counts >= 0 that sum to at most x's 4"
         with pytest.raises(ValueError, match=why):
             ex(x, torch.tensor(bad))
     assert ex(x, torch.tensor([1, 0, 1, 0]))[2:].abs().max() == 0  # fewer: the rows after are no group's

@@ -166,7 +166,7 @@ def test_swiglu_mlp_no_grad_and_errors():
     w1r, w3r, w2r = (w.transpose(-2, -1).requires_grad_() for w in (w1.clone(), w3.clone(), w2.clone()))
     # the weights' shapes are named as the weights (the composition named g and u, `a` for h, and
     # blamed offs for a w2 of another expert count)
-    with pytest.raises(ValueError, match=r"w3_t has shape \(6, 64, 64\); expected w1_t's shape \(6, 64, 96\)"):
+    with pytest.raises(ValueError, match=r"w3_t has shape \(6, 64, 64\); expected w1_t's shape \(6, 64, 96"):
         mx_grouped_swiglu_mlp(x, w1r, w3r[..., :64], w2r, offs, CPU)
     with pytest.raises(ValueError, match=r"w2_t has shape \(6, 32, 64\); expected \(6, 96, D'\)"):
         mx_grouped_swiglu_mlp(x, w1r, w3r, w2r[:, :32], offs, CPU)
