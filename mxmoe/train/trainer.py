@@ -637,6 +637,43 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
         # how long a save takes: what a stop at a time limit must leave it (docs/numerics.md)
         log.info("checkpoint step %d saved in %.1f s: %s", at, time.perf_counter() - t0, path)
 
+    def log_record(at: int, lr: float, norm: float, val_step: bool) -> None:
+        """The metrics record of step `at`: its training loss is the mean over the steps since the
+        previous record and over the ranks (a collective: every rank calls it at the same step)."""
+        nonlocal last_t, last_step, record, val_loss
+        n = at - last_step
+        stats = loss_sum / n
+        if distributed:
+            dist.all_reduce(stats)
+            stats /= world
+        loss_sum.zero_()
+        now = time.perf_counter()
+        tps = run.tokens_per_step * n / max(now - last_t, 1e-9)
+        last_t, last_step = now, at
+        record = {
+            "step": at,
+            "loss": float(stats[0]),
+            "loss_steps": n,
+            "aux_loss": float(stats[1]),
+            "tokens_per_s": tps,
+            "memory_gib": memory_gib(device),
+            "lr": lr,
+            "grad_norm": norm,
+        }
+        if val_step:
+            record["val_loss"] = val_loss = validate()
+            record["val_tokens"] = validate.tokens
+            last_t = time.perf_counter()  # validation time is not training throughput
+        metrics.log(record)
+        if bar is None or "val_loss" in record:
+            log.info(_progress_line(record, t.steps))
+        if bar is not None:
+            bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                mem=f"{record['memory_gib']:.2f}GiB",
+            )
+
     bar = None
     # a bar only on a terminal: redirected to a file, tqdm's frames are one endless line
     if rank == 0 and cfg.metrics.progress_bar and sys.stderr.isatty():
@@ -699,39 +736,7 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                 if record_now or save_now:  # the same on every rank (the bias counts are summed over all)
                     bias_finite_at = _check_router_bias(run, step, bias_finite_at)
                 if record_now:
-                    # the training loss of a record is the mean over its interval's steps and ranks
-                    n = step - last_step
-                    stats = loss_sum / n
-                    if distributed:
-                        dist.all_reduce(stats)
-                        stats /= world
-                    loss_sum.zero_()
-                    now = time.perf_counter()
-                    tps = run.tokens_per_step * n / max(now - last_t, 1e-9)
-                    last_t, last_step = now, step
-                    record = {
-                        "step": step,
-                        "loss": float(stats[0]),
-                        "loss_steps": n,
-                        "aux_loss": float(stats[1]),
-                        "tokens_per_s": tps,
-                        "memory_gib": memory_gib(device),
-                        "lr": lr,
-                        "grad_norm": norm,
-                    }
-                    if val_step:
-                        record["val_loss"] = val_loss = validate()
-                        record["val_tokens"] = validate.tokens
-                        last_t = time.perf_counter()  # validation time is not training throughput
-                    metrics.log(record)
-                    if bar is None or "val_loss" in record:
-                        log.info(_progress_line(record, t.steps))
-                    if bar is not None:
-                        bar.set_postfix(
-                            loss=f"{record['loss']:.4f}",
-                            tok_s=f"{record['tokens_per_s']:.0f}",
-                            mem=f"{record['memory_gib']:.2f}GiB",
-                        )
+                    log_record(step, lr, norm, val_step)
                 if bar is not None:
                     bar.update(1)
                 stop.finished = step  # the step's work is done: SIGTERM's grace does not time its saves
@@ -739,8 +744,14 @@ def _train(run: Run, stop: _Stop, run_id: str) -> int:
                     save(step)
                     saved_at = step
                 if _stop_requested(run, stop):
-                    if ckpt is not None and saved_at != step and not last:  # a finished run needs none
+                    # the losses of the steps since the last record: recorded, as the run stops here
+                    record_left = last_step != step
+                    save_left = ckpt is not None and saved_at != step and not last  # a finished run: none
+                    if record_left or save_left:
                         bias_finite_at = _check_router_bias(run, step, bias_finite_at)
+                    if record_left:
+                        log_record(step, lr, norm, val_step=False)
+                    if save_left:
                         save(step)
                         saved_at = step
                     log.warning(

@@ -91,23 +91,27 @@ def test_an_interrupted_save_is_ignored_and_an_incomplete_step_folder_is_an_erro
         Checkpointer(str(ck)).resume_path()
 
 
-def signal_after_three_steps(run: Path, interval: int, sig: int) -> tuple[int, str]:
-    """`mxmoe train` (TINY, checkpoints every `interval` steps under run/ckpt) in a subprocess, sent
-    `sig` once it has logged 3 steps: (its exit status, its stderr)."""
+def signal_after_three_steps(
+    run: Path, interval: int, sig: int, extra: tuple = (), ready=None
+) -> tuple[int, str]:
+    """`mxmoe train` (TINY, checkpoints every `interval` steps under run/ckpt, then `extra`) in a
+    subprocess, sent `sig` once it has logged 3 steps (or once `ready()`): (its exit status, its stderr)."""
     argv = TINY + [
         f"--job.dump_folder={run}",
         f"--checkpoint.folder={run}/ckpt",
         f"--checkpoint.interval={interval}",
         "--training.steps=100000",
+        *extra,
     ]
+    metrics = run / "metrics.jsonl"
+    ready = ready or (lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
         [sys.executable, "-m", "mxmoe", "train", *argv], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
     )
     try:
         deadline = time.monotonic() + 120
-        metrics = run / "metrics.jsonl"
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        while not ready():
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "training did not log 3 steps in 120 s"
             time.sleep(0.2)
@@ -141,6 +145,24 @@ def test_sigterm_stops_cleanly_with_loadable_checkpoint(tmp_path):
         == 0
     )
     assert sorted(losses(run / "resumed")) == [last + 1]
+
+
+def test_a_stop_records_the_losses_of_the_steps_since_the_last_record(tmp_path):
+    """SIGTERM between two records (metrics.log_freq=1000): the steps since the last record are the
+    checkpoint's, so their mean loss is recorded at the step the run stopped after (it was dropped:
+    metrics.jsonl lacked those steps, and the resumed run's records began after them)."""
+    run = tmp_path / "run"
+    saved = lambda: any((run / "ckpt").glob("step-0*"))  # noqa: E731
+    rc, err = signal_after_three_steps(run, 3, signal.SIGTERM, ("--metrics.log_freq=1000",), saved)
+    assert rc == 0, err
+    last = Checkpointer(str(run / "ckpt")).latest()
+    step = int(last.name.split("-")[1])
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss_steps"]) for r in recs] == [(step, step)], recs
+    argv = TINY + [f"--job.dump_folder={run}", f"--checkpoint.folder={run}/ckpt", "--metrics.log_freq=1000"]
+    assert trainer.main(argv + [f"--training.steps={step + 2}"]) == 0
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss_steps"]) for r in recs] == [(step, step), (step + 2, 2)], recs
 
 
 def test_tensor_parallel_with_mx_is_refused_by_the_converter(tmp_path, capsys):
