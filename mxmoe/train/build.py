@@ -52,6 +52,11 @@ def uses_mx(cfg: JobConfig) -> bool:
 def check_values(cfg: JobConfig) -> None:
     """ValueError naming the setting, the value and what is accepted, before anything is built."""
     t, sched = cfg.training, cfg.lr_scheduler
+    if not cfg.job.dump_folder.strip():  # not "no folder": the run wrote into the working folder
+        raise ValueError(
+            f"job.dump_folder={cfg.job.dump_folder!r}: expected the run's folder (metrics.jsonl, "
+            "config.json, its lock); give --job.dump_folder=. for the working folder"
+        )
     unknown = sorted(set(cfg.model.converters) - set(MX_CONVERTERS))
     if unknown:
         raise ValueError(

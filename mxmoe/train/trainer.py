@@ -40,6 +40,7 @@ from mxmoe.train.build import (  # noqa: F401  (build_model_args .. mx_convert: 
     uses_mx,
 )
 from mxmoe.train.checkpoint import Checkpointer, CheckpointError, claim_folder
+from mxmoe.train.checkpoint.folders import enclosing_step_folder
 from mxmoe.train.config import ConfigError, JobConfig, check_ranks_agree, parse_args
 from mxmoe.train.data import VOCAB_SIZE, eval_windows
 from mxmoe.train.metrics import MetricsError, MetricsWriter, RunLock, new_run_id
@@ -356,6 +357,7 @@ def _train_run(cfg: JobConfig) -> int:
         busy = None
         if rank == 0:
             try:
+                refuse_step_folder(cfg.job.dump_folder)
                 locks.append(RunLock(cfg.job.dump_folder, run_id))
                 ck = cfg.checkpoint
                 if ck.folder:
@@ -390,6 +392,19 @@ def _train_run(cfg: JobConfig) -> int:
                 dist.destroy_process_group()
         finally:  # last: a step given up still has its watchdog while this unwinds
             stop.restore()
+
+
+def refuse_step_folder(dump_folder: str) -> None:
+    """ValueError naming job.dump_folder if it is or lies in a checkpoint's step folder: the run's
+    lock, metrics and config written there are files the checkpoint's manifest does not list, and
+    resuming or exporting that checkpoint refuses it."""
+    step = enclosing_step_folder(dump_folder)
+    if step is not None:
+        raise ValueError(
+            f"job.dump_folder={dump_folder!r} lies in the checkpoint step folder {str(step)!r}: the run's "
+            "lock, metrics and config written there would spoil that checkpoint (files its manifest does "
+            "not list); give another --job.dump_folder"
+        )
 
 
 def check_ranks_folder(cfg: JobConfig) -> None:

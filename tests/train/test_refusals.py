@@ -142,6 +142,18 @@ def test_more_cpu_threads_than_cpus_is_said(tmp_path, capsys):
     assert "cpu_threads" not in capsys.readouterr().err  # TINY's 1 thread: nothing said
 
 
+@pytest.mark.parametrize("folder", ["", " "])
+def test_an_empty_dump_folder_is_refused(tmp_path, capsys, monkeypatch, folder):
+    """job.dump_folder='' ran in the working folder (its lock, config.json and metrics.jsonl there),
+    without a word: an empty checkpoint.folder means none, an empty dump folder did not."""
+    monkeypatch.chdir(tmp_path)
+    assert trainer.main(TINY + ["--training.steps=1", f"--job.dump_folder={folder}"]) == 2
+    err = capsys.readouterr().err
+    assert f"job.dump_folder={folder!r}: expected the run's folder" in err, err
+    assert "--job.dump_folder=. for the working folder" in err, err
+    assert not list(tmp_path.iterdir())
+
+
 def test_native_gemm_on_a_cpu_is_refused_at_start(tmp_path, capsys):
     argv = TINY + ["--model.converters=mx", "--mx.gemm_backend=native", f"--job.dump_folder={tmp_path}/run"]
     assert trainer.main(argv) == 2

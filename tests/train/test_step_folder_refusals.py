@@ -52,3 +52,17 @@ def test_export_refuses_an_output_inside_a_step_folder(ckpt, tmp_path, capsys):
     beside = ckpt / "model.pt"  # the checkpoint folder itself is fine: not a step folder
     assert cli(["export", str(ckpt), str(beside)]) == 0
     assert beside.is_file() and _files(step) == before
+
+
+@pytest.mark.parametrize("sub", ["", "/run"])
+def test_train_refuses_a_dump_folder_in_a_step_folder(ckpt, tmp_path, capsys, sub):
+    """job.dump_folder inside a checkpoint's step folder wrote the run's lock (and metrics) there: the
+    next resume refused that checkpoint for a file its manifest does not list."""
+    step = max(ckpt.glob("step-*"))
+    before = _files(step)
+    argv = TINY + ["--training.steps=9", f"--job.dump_folder={step}{sub}", f"--checkpoint.folder={ckpt}"]
+    assert trainer.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"job.dump_folder='{step}{sub}' lies in the checkpoint step folder '{step}'" in err, err
+    assert "Traceback" not in err
+    assert _files(step) == before  # nothing written into the checkpoint
