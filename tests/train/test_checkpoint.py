@@ -543,6 +543,23 @@ def test_a_file_under_a_checkpoint_name_is_refused_at_start(tmp_path, capsys, na
     assert _entries(tmp_path / "ckpt") == [name]
 
 
+def test_a_folder_of_another_trainers_checkpoints_is_refused_unless_resume_false(tmp_path, capsys):
+    """torchtitan's `step-100/` (a DCP checkpoint mxmoe does not read) was passed over without a word:
+    a run meant to resume it trained from step 1 beside it."""
+    other = tmp_path / "ckpt" / "step-100"
+    other.mkdir(parents=True)
+    (other / ".metadata").write_bytes(b"x")
+    assert _train(tmp_path, "run", "--training.steps=2") == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.folder='{tmp_path}/ckpt' holds ['step-100'], not a checkpoint of mxmoe train" in err
+    assert "--checkpoint.resume=false to start afresh" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the first step
+    assert _train(tmp_path, "run", "--training.steps=2", "--checkpoint.resume=false") == 0
+    assert _train(tmp_path, "run2", "--training.steps=3") == 0  # mxmoe's own checkpoint resumes beside it
+    assert sorted(losses(tmp_path / "run2")) == [3]
+    assert _entries(tmp_path / "ckpt") == ["step-00000002", "step-00000003", "step-100"]
+
+
 def test_a_resumed_run_with_another_config_keeps_the_first_config_json(tmp_path):
     assert _train(tmp_path, "run", "--training.steps=2") == 0
     first = json.loads((tmp_path / "run" / "config.json").read_text())

@@ -16,6 +16,8 @@ from mxmoe.train.metrics import RunLock
 log = logging.getLogger("mxmoe.train")
 # what saves, prunes, fallbacks and divergences write
 _STEP_NAME = re.compile(r"^step-\d{8}(\.(tmp|pruned|corrupt|diverged))?$")
+# a step folder of another trainer (torchtitan's step-100), which resuming does not read
+_OTHER_STEP = re.compile(r"^step-\d+$")
 
 
 def step_folders(folder: Path) -> list[tuple[int, Path]]:
@@ -90,6 +92,16 @@ def claim_folder(folder: str, run_id: str, resume: bool, locked: bool = False) -
                 p.rmdir()
                 log.warning("%s: removed the empty folder %s (an interrupted prune)", path, p.name)
         steps = [(s, p) for s, p in steps if os.path.lexists(p)]
+        other = sorted(
+            p.name for p in path.iterdir() if _OTHER_STEP.match(p.name) and not STEP_DIR.match(p.name)
+        )
+        if resume and other and not steps:  # the run would start at step 1 where a resume was meant
+            raise ValueError(
+                f"checkpoint.folder={folder!r} holds {other[:3]}{' ...' if len(other) > 3 else ''}, not a "
+                "checkpoint of mxmoe train (step-XXXXXXXX, 8 digits; torchtitan's checkpoints are not "
+                "read): a run would not resume it but start at step 1; give another --checkpoint.folder, or "
+                "--checkpoint.resume=false to start afresh in this one"
+            )
         if not resume and steps:
             aside = path / f"superseded-{run_id}"
             aside.mkdir()
