@@ -40,6 +40,7 @@ from mxmoe.train.build import (  # noqa: F401  (build_model_args .. mx_convert: 
     uses_mx,
 )
 from mxmoe.train.checkpoint import Checkpointer, CheckpointError, claim_folder
+from mxmoe.train.checkpoint.common import process_cpus
 from mxmoe.train.checkpoint.folders import enclosing_step_folder
 from mxmoe.train.config import ConfigError, JobConfig, check_ranks_agree, parse_args
 from mxmoe.train.data import VOCAB_SIZE, eval_windows
@@ -343,6 +344,14 @@ def _train_run(cfg: JobConfig) -> int:
                 t.cpu_threads, cpus, cpus,
             )
         torch.set_num_threads(t.cpu_threads)
+    ck_threads, cpus = cfg.checkpoint.threads, process_cpus()
+    if cfg.checkpoint.folder and ck_threads > cpus:
+        log.warning(
+            "checkpoint.threads=%d is more than the %d CPUs this process may run on: each save writes %d "
+            "files a rank (one a thread, empty ones where the threads outnumber the tensors) and hashes "
+            "them in as many threads, which take turns on the CPUs; 0 picks min(8, CPUs / the host's ranks)",
+            ck_threads, cpus, ck_threads,
+        )
     distributed = dist.is_initialized()
     stop = _Stop()
     run_id, locks = new_run_id(), []

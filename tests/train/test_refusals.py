@@ -142,6 +142,18 @@ def test_more_cpu_threads_than_cpus_is_said(tmp_path, capsys):
     assert "cpu_threads" not in capsys.readouterr().err  # TINY's 1 thread: nothing said
 
 
+def test_more_checkpoint_threads_than_cpus_is_said(tmp_path, capsys, monkeypatch):
+    """checkpoint.threads=100000 on 2 CPUs saved 100,000 files (most empty) in 48 s where 0 took
+    0.1 s, without a word; above the CPUs this process may run on, a warning says so."""
+    monkeypatch.setattr(trainer, "process_cpus", lambda: 1)
+    argv = TINY + [f"--job.dump_folder={tmp_path}/run", f"--checkpoint.folder={tmp_path}/ck"]
+    assert trainer.main(argv + ["--checkpoint.threads=2", "--training.steps=1"]) == 0
+    err = capsys.readouterr().err
+    assert "mxmoe WARNING: checkpoint.threads=2 is more than the 1 CPUs this process may run on" in err, err
+    assert trainer.main(argv + ["--checkpoint.threads=1", "--training.steps=2"]) == 0
+    assert "more than the 1 CPUs" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("folder", ["", " "])
 def test_an_empty_dump_folder_is_refused(tmp_path, capsys, monkeypatch, folder):
     """job.dump_folder='' ran in the working folder (its lock, config.json and metrics.jsonl there),

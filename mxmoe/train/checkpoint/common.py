@@ -34,13 +34,18 @@ def all_gather(obj) -> list:
     return out
 
 
+def process_cpus() -> int:
+    """The CPUs this process may run on (its affinity; else the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def io_threads() -> int:
     """Threads one rank writes and hashes a checkpoint with: min(8, the CPUs this process may run on
     / the ranks on this host (torchrun's LOCAL_WORLD_SIZE)), at least 1."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
+    cpus = process_cpus()
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
