@@ -156,7 +156,7 @@ def _recipe_and_plan(
     r = _recipe(recipe, fn)
     plan = check_and_plan(
         fn, x, output_splits, input_splits, group,
-        check=check, chunks=chunks, transport=transport, block_size=r.block_size,
+        check=check, chunks=chunks, transport=transport, fmt=r.fmt,
     )
     return r, plan
 

@@ -7,8 +7,8 @@ in the rows' dtype. The collectives are custom ops (`mxmoe.comm.custom_ops`): a 
 traces through them without a graph break. `make_dispatcher` builds the dispatcher of an
 expert-parallel group from the transport's name (a token-level transport brings its own).
 
-Before its first exchange (and again whenever a rank's D, dtype or expert count changes), the
-dispatcher's ranks agree on them with one small all_gather: a rank whose inputs are bad, or that
+Before its first exchange (and again whenever a rank's D, dtype, expert count or MX rows' format
+changes), the dispatcher's ranks agree on them with one small all_gather: a rank whose inputs are bad, or that
 disagrees with its peers, makes every rank raise an error naming it and the mismatch, before any
 split size is exchanged (the process group's timeout bounds the wait).
 """
@@ -31,6 +31,7 @@ from mxmoe.comm.transport import (
     load_transport,
     resolve_transport,
 )
+from mxmoe.formats import MODE_IDS
 from mxmoe.ops.gemm import first_order
 from mxmoe.quant.backends import cast_kernel
 from mxmoe.quant.mx_tensor import MXTensor, make_grad_anchor, mx_tensor_trusted
@@ -205,7 +206,7 @@ class AllToAllDispatcher:
 
     def _check_and_agree(self, x, idx, scores, num_experts, rows_as: ExpertRows, where: str) -> None:
         """The seam's checks on this rank; then, before the first exchange and whenever this rank's
-        (D, dtype, num_experts, MX rows) change, one all_gather shares every rank's outcome and
+        (D, dtype, num_experts, MX rows' format) change, one all_gather shares every rank's outcome and
         those values, so that a bad rank or a mismatch raises on every rank, naming the rank."""
         err: Exception | None = None
         first = self._agreed is None
@@ -296,21 +297,33 @@ class AllToAllDispatcher:
 # --------------------------------------------------------------------------------------------
 
 _AGREED_FIELDS = (
-    "D (x.shape[1])", "x's dtype", "num_experts", "the MX rows' block size (0: rows unquantized)"
+    "D (x.shape[1])", "x's dtype", "num_experts", "the MX rows' block size (0: rows unquantized)",
+    "the MX rows' element dtype", "the MX rows' scaling mode",
 )
 _DTYPES = (torch.bfloat16, torch.float32, torch.float16, torch.float64)
+_ELEM_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _signature(x: Tensor, num_experts: int, rows_as: ExpertRows, mxfp8: bool) -> tuple[int, int, int, int]:
-    """What every rank of an exchange must share: (D, dtype code, num_experts, MX block size or 0)."""
+def _signature(x: Tensor, num_experts: int, rows_as: ExpertRows, mxfp8: bool) -> tuple[int, ...]:
+    """What every rank of an exchange must share: (D, dtype code, num_experts, and the MX rows'
+    format: block size, element dtype code, scaling mode id; 0, -1, -1 for rows unquantized)."""
     code = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
     r = rows_as.recipe if mxfp8 else None
-    return (x.shape[1], code, num_experts, 0 if r is None else r.block_size)
+    if r is None:
+        return (x.shape[1], code, num_experts, 0, -1, -1)
+    elem = _ELEM_DTYPES.index(r.elem_dtype) if r.elem_dtype in _ELEM_DTYPES else len(_ELEM_DTYPES)
+    return (x.shape[1], code, num_experts, r.block_size, elem, MODE_IDS[r.fmt.scaling_mode])
 
 
 def _field_value(i: int, v: int) -> str:
     if i == 1:
         return str(_DTYPES[v]) if v < len(_DTYPES) else "another dtype"
+    if i in (4, 5) and v < 0:
+        return "none (rows unquantized)"
+    if i == 4:
+        return str(_ELEM_DTYPES[v]) if v < len(_ELEM_DTYPES) else "another dtype"
+    if i == 5:
+        return next((m.value for m, k in MODE_IDS.items() if k == v), "another scaling mode")
     return str(v)
 
 

@@ -1,11 +1,12 @@
 """Argument checks for the all-to-alls: splits, shapes, dtypes, and the optional cross-rank check.
 
-Local checks (types, lengths, sums, dtype, dim, chunks) run on every rank. With `check=True` their outcome
-and a few ints per rank (dim, dtype, chunks, both split lists) are exchanged with one small
-all_gather, so a bad argument on one rank raises on *every* rank instead of leaving the others
-waiting in the exchange, and mismatches between ranks (dims, dtypes, output_splits that disagree
-with what the peers send) are caught. With `check=False` only the local checks run, and a mismatch
-between ranks surfaces as the process group's timeout.
+Local checks (types, lengths, sums, dtype, dim, chunks, the rows a rank sends itself) run on every
+rank. With `check=True` their outcome and a few ints per rank (dim, dtype, chunks, the MX format,
+both split lists) are exchanged with one small all_gather, so a bad argument on one rank raises on
+*every* rank instead of leaving the others waiting in the exchange, and mismatches between ranks
+(dims, dtypes, MX formats, output_splits that disagree with what the peers send) are caught. With
+`check=False` only the local checks run, and a mismatch between ranks surfaces as the process
+group's timeout.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mxmoe.comm.transport import Plan, check_transport, choices, group_rank_world
-from mxmoe.formats import DEFAULT_FORMAT
+from mxmoe.formats import DEFAULT_FORMAT, MODE_IDS, MXFormat
 
 BLOCK_SIZE = DEFAULT_FORMAT.block_size
 MX_DTYPES = (torch.bfloat16, torch.float32)
@@ -92,6 +93,11 @@ def _local_plan(
             f"{fn}: input_splits {list(ins)} sum to {sum(ins)} but x.shape[0]={x.shape[0]}; they must "
             "split the rows of x"
         )
+    if outs[rank] != ins[rank]:  # the rows this rank sends itself: known here, whatever `check`
+        raise ValueError(
+            f"{fn}: output_splits[{rank}]={outs[rank]} but input_splits[{rank}]={ins[rank]}: rank {rank} "
+            f"(this rank) sends itself {ins[rank]} rows; output_splits must equal what each peer sends"
+        )
     return Plan(rank, world, ins, outs, tuple(x.shape[1:]))
 
 
@@ -142,12 +148,17 @@ def check_and_plan(
     chunks: int | None = None,
     transport: str = "auto",
     block_size: int = BLOCK_SIZE,
+    fmt: MXFormat | None = None,
 ) -> Plan:
     """Validate the arguments of an all-to-all and return its Plan.
 
     Raises TypeError / ValueError naming the argument. With check=True (and more than one rank)
-    every rank raises when any rank's arguments are bad or inconsistent with its peers'.
+    every rank raises when any rank's arguments are bad or inconsistent with its peers' (fmt: the
+    MX format the rows are quantized in, which every rank must share; its block size is the one
+    checked against x's dim, else `block_size`).
     """
+    if fmt is not None:
+        block_size = fmt.block_size
     rank, world = group_rank_world(group)
     err: Exception | None = None
     plan = None
@@ -164,11 +175,11 @@ def check_and_plan(
             raise err
         return replace(plan, global_rows=sum(plan.input_splits)) if world == 1 else plan
 
-    # One all_gather of [error, dtype, row numel, ndim, chunks, transport, input_splits...,
-    # output_splits...].
+    # One all_gather of [error, dtype, row numel, ndim, chunks, transport, MX element dtype, block
+    # size, scaling mode, input_splits..., output_splits...].
     device = _meta_device(group, x)
     if plan is None:
-        row = [1] + [-1] * (5 + 2 * world)
+        row = [1] + [-1] * (8 + 2 * world)
     else:
         numel = 1
         for d in plan.row_shape:
@@ -176,7 +187,7 @@ def check_and_plan(
         code = _DTYPE_CODES.index(x.dtype) if x.dtype in _DTYPE_CODES else len(_DTYPE_CODES)
         names = choices()
         row = [0, code, numel, x.ndim, -1 if chunks is None else int(chunks), names.index(transport)]
-        row += list(plan.input_splits) + list(plan.output_splits)
+        row += _format_codes(fmt) + list(plan.input_splits) + list(plan.output_splits)
     meta, bad, msgs = gather_rows(group, world, row, err, device)
     if bad:
         kind, msg = msgs[bad[0]]
@@ -208,8 +219,14 @@ def check_and_plan(
                 f"{fn}: transport={names[meta[r][5]]!r} on rank {r} but {names[meta[0][5]]!r} "
                 "on rank 0; all ranks must pass the same transport"
             )
-    ins_of = [m[6 : 6 + world] for m in meta]
-    outs_of = [m[6 + world : 6 + 2 * world] for m in meta]
+        if meta[r][6:9] != meta[0][6:9]:
+            raise ValueError(
+                f"{fn}: the rows are quantized in {_format_name(meta[r][6:9])} on rank {r} but in "
+                f"{_format_name(meta[0][6:9])} on rank 0; all ranks must pass recipes of the same MX "
+                "format (element dtype, block size, scaling mode)"
+            )
+    ins_of = [m[9 : 9 + world] for m in meta]
+    outs_of = [m[9 + world : 9 + 2 * world] for m in meta]
     for r in range(world):
         for p in range(world):
             if outs_of[r][p] != ins_of[p][r]:
@@ -219,6 +236,21 @@ def check_and_plan(
                     "equal what each peer sends"
                 )
     return replace(plan, global_rows=sum(sum(ins) for ins in ins_of))
+
+
+def _format_codes(fmt: MXFormat | None) -> list[int]:
+    """[element dtype code, block size, scaling mode id] of an MX format; [-1, -1, -1] for none."""
+    if fmt is None:
+        return [-1, -1, -1]
+    code = _DTYPE_CODES.index(fmt.elem_dtype) if fmt.elem_dtype in _DTYPE_CODES else len(_DTYPE_CODES)
+    return [code, fmt.block_size, MODE_IDS[fmt.scaling_mode]]
+
+
+def _format_name(codes: list[int]) -> str:
+    if codes[0] < 0:
+        return "no MX format"
+    mode = next((m.value for m, i in MODE_IDS.items() if i == codes[2]), "another scaling mode")
+    return f"{_name(codes[0])} blocks of {codes[1]} ({mode})"
 
 
 def _name(code: int) -> str:

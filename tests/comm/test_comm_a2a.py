@@ -192,6 +192,17 @@ def _check_errors(rank: int, world: int) -> None:
         _expect_error_everywhere(rank, ValueError, "transport='nccl' on rank 1", fn, x, ok, ok, transport=tr)
         bad_tr = "nvlink" if rank == 0 else "auto"
         _expect_error_everywhere(rank, ValueError, "transport='nvlink'", fn, x, ok, ok, transport=bad_tr)
+        # recipes of another MX format on one rank (each fine on its own): the bytes of one format
+        # were decoded as another's, without a word (e5m2 elements read as e4m3; blocks of 16 as 32)
+        e4m3 = "quantized in torch.float8_e4m3fn blocks of"
+        others = (
+            (recipe("mxfp8_rceil", elem_dtype=torch.float8_e5m2), "torch.float8_e5m2 blocks of 32 (rceil)"),
+            (recipe("mxfp8_rceil", block_size=16), f"{e4m3} 16 (rceil) on rank 1"),
+            (recipe("mxfp8"), f"{e4m3} 32 (floor) on rank 1"),
+        )
+        for other, what in others:
+            r = other if rank == 1 else recipe("mxfp8_rceil")
+            _expect_error_everywhere(rank, ValueError, what, fn, x, ok, ok, recipe=r)
     _expect_error_everywhere(rank, ValueError, "input_splits", a2a_unquantized, x, ok, [1] * world)
     with pytest.raises(ValueError, match="chunks"):
         to_mxfp8_a2a_dequant(x, ok, ok, chunks=-1)
@@ -271,6 +282,17 @@ def test_single_rank_without_and_with_process_group():
         assert_same_bits(reference_mxfp8_a2a(x0, [6], [6]), expect)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_rows_a_rank_sends_itself_are_checked_locally():
+    """output_splits[rank] must equal input_splits[rank] (the rows this rank sends itself): one rank
+    (or check=False) got torch's "The size of tensor a (3) must match ..." or gloo's enforce."""
+    x = make_rows(4, 64, torch.float32, 5)
+    for fn in (to_mxfp8_a2a_dequant, a2a_dispatch_mxfp8, a2a_combine, a2a_unquantized):
+        for check in (True, False):
+            with pytest.raises(ValueError, match=rf"^{fn.__name__}: output_splits\[0\]=3 but "
+                               r"input_splits\[0\]=4: rank 0 \(this rank\) sends itself 4 rows"):
+                fn(x, [3], [4], check=check)
 
 
 def test_check_must_be_a_bool():

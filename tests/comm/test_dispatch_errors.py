@@ -87,6 +87,16 @@ def _worker(rank: int, world: int, port: int) -> None:
         m_msg = "disagree on the MX rows' block size (0: rows unquantized): rank 1 has 32, rank 0 has 0"
         _expect(rank, ValueError, {0: [m_msg], 1: [m_msg]}, x, idx, scores,
                 rows_as=MX_ROWS if rank == 1 else UNQUANTIZED)
+        # MX rows of another format on one rank: e5m2 bytes were read as e4m3 without a word
+        e5m2 = ExpertRows(recipe("mxfp8_rceil", elem_dtype=torch.float8_e5m2, dim0_kernel="torch"))
+        f_msg = ("disagree on the MX rows' element dtype: rank 1 has torch.float8_e5m2, rank 0 has "
+                 "torch.float8_e4m3fn")
+        _expect(rank, ValueError, {0: [f_msg], 1: [f_msg]}, x, idx, scores,
+                rows_as=e5m2 if rank == 1 else MX_ROWS)
+        floor = ExpertRows(recipe("mxfp8", dim0_kernel="torch"))
+        s_msg = "disagree on the MX rows' scaling mode: rank 1 has floor, rank 0 has rceil"
+        _expect(rank, ValueError, {0: [s_msg], 1: [s_msg]}, x, idx, scores,
+                rows_as=floor if rank == 1 else MX_ROWS)
         # agreed inputs still dispatch and combine (the agreement runs once per signature)
         d = AllToAllDispatcher(dist.group.WORLD, transport="nccl")
         for _ in range(2):
