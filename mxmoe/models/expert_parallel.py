@@ -47,6 +47,12 @@ class ExpertParallel:
         chunks: int | None = None,
         mxfp8: bool = True,
     ):
+        if group is dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group gives a rank outside it
+            raise ValueError(
+                "ExpertParallel: this process is not a member of group (dist.new_group returned "
+                "GroupMember.NON_GROUP_MEMBER on it): apply expert parallelism on the group's ranks only, "
+                "with the group they share"
+            )
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(
                 f"ExpertParallel: group must be a torch.distributed.ProcessGroup (e.g. "
@@ -59,15 +65,23 @@ class ExpertParallel:
         self.dispatcher = make_dispatcher(group, transport=transport, mxfp8=mxfp8, chunks=chunks)
         """The transport's token dispatcher (resolved here, once, outside any compiled region)."""
 
+    def check(self, moe: nn.Module, name: str = "") -> None:
+        """The errors `apply(moe)` raises, before anything changes (`name`: the layer's, for them)."""
+        where = f"{name}: " if name else ""
+        if moe.num_experts % self.ep_size:
+            raise ValueError(
+                f"{where}num_experts={moe.num_experts} is not divisible by the expert-parallel degree "
+                f"{self.ep_size}"
+            )
+        if moe.experts.num_experts != moe.num_experts or not isinstance(moe.dispatch, LocalExperts):
+            raise RuntimeError(
+                f"apply_expert_parallel: {where}the experts of this MoE layer are already sharded"
+            )
+
     def apply(self, moe: nn.Module) -> None:
         """Shard `moe.experts` (call once per MoE layer, on every rank) and install this dispatch."""
+        self.check(moe)
         ex, ep = moe.experts, self.ep_size
-        if moe.num_experts % ep:
-            raise ValueError(
-                f"num_experts={moe.num_experts} is not divisible by the expert-parallel degree {ep}"
-            )
-        if ex.num_experts != moe.num_experts or not isinstance(moe.dispatch, LocalExperts):
-            raise RuntimeError("apply_expert_parallel: the experts of this MoE layer are already sharded")
         n = moe.num_experts // ep
         with torch.no_grad():
             for name in ("w1", "w2", "w3"):
@@ -116,10 +130,15 @@ def apply_expert_parallel(
     `mxmoe.convert` (the dispatch reads the experts' type and recipe at each call). Each layer keeps
     experts [r E/ep, (r+1) E/ep) for group rank r; parameter names are unchanged. transport, chunks,
     mxfp8: as in `ExpertParallel` (the trainer passes `--mx.a2a_transport` and `--mx.mxfp8_a2a`).
+    A layer it cannot shard (its experts not divisible by the group's size, or sharded already) is
+    an error naming it, raised before any layer changes.
     """
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError(f"apply_expert_parallel: {type(model).__name__} has no MoE layer")
-    for moe in layers:
-        ExpertParallel(group, transport=transport, chunks=chunks, mxfp8=mxfp8).apply(moe)
+    strategies = [ExpertParallel(group, transport=transport, chunks=chunks, mxfp8=mxfp8) for _ in layers]
+    for (name, moe), ep in zip(layers, strategies, strict=True):  # every layer checked before any changes
+        ep.check(moe, name)
+    for (_, moe), ep in zip(layers, strategies, strict=True):
+        ep.apply(moe)
     return model

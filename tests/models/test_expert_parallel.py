@@ -80,6 +80,20 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         torch.save({"logits": la, "w1_grad": ga}, f"{out}.{rank}")
         with pytest.raises(ValueError, match="num_experts=3 is not divisible"):
             apply_expert_parallel(_model(num_experts=3), group)
+        # a layer it cannot shard, after one it can: refused naming it, before any layer changes (the
+        # first layer was sharded, and a second call said "already sharded")
+        m = _model()
+        m.layers.append(_model(num_experts=3).layers[0])
+        with pytest.raises(ValueError, match=r"^layers.1.moe: num_experts=3 is not divisible by the "
+                           r"expert-parallel degree 2$"):
+            apply_expert_parallel(m, group)
+        assert all(isinstance(b.moe.dispatch, LocalExperts) for b in m.layers)
+        assert [b.moe.experts.w1.shape[0] for b in m.layers] == [4, 3]
+        # a group this rank is not in (what dist.new_group gives the others): said so, not "got int"
+        only_0 = dist.new_group([0])
+        if rank == 1:
+            with pytest.raises(ValueError, match="this process is not a member of group"):
+                apply_expert_parallel(_model(), only_0)
         dist.barrier()
     finally:
         dist.destroy_process_group()
