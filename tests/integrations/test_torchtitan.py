@@ -242,9 +242,46 @@ def test_a_kernel_this_machine_cannot_run_is_refused_when_the_converter_is_built
         with pytest.raises(ValueError, match=rf"{conv.__name__}: mx.gemm_backend='native' needs a CUDA "
                            r"device of compute capability 10.x .*; use gemm_backend 'auto' or 'emulated'"):
             conv.Config(gemm_backend="native").build()  # was the first forward's RuntimeError
+    # the exchange's converter and the one-part overrides too (they built, and the first exchange or
+    # forward failed naming the recipe's kernel)
+    from mxmoe.integrations.torchtitan import mxmoe_a2a, mxmoe_grouped_mm, mxmoe_linear
+
+    with pytest.raises(ValueError, match=r"MXFP8TokenDispatcherConverter: mx.mxfp8_dim0_cast_kernel_choice="
+                       r"'triton' cannot run on this machine's cpu"):
+        MXFP8TokenDispatcherConverter.Config(mxfp8_dim0_cast_kernel_choice="triton").build()
+    spec = debug_moe_spec()
+    experts = next(c for _, c, _, _ in spec.model.traverse(GroupedExperts.Config))
+    dispatcher = next(c for _, c, _, _ in spec.model.traverse(AllToAllTokenDispatcher.Config))
+    for override, cfg in ((mxmoe_linear, Linear.Config(in_features=64, out_features=64)),
+                          (mxmoe_grouped_mm, experts), (mxmoe_a2a, dispatcher)):
+        with pytest.raises(ValueError, match=rf"^{override.__name__}: mx.mxfp8_dim0_cast_kernel_choice="
+                           r"'cuda' cannot run on this machine's cpu"):
+            override(cfg, mxfp8_dim0_cast_kernel_choice="cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs it
     conv = MXLinearConverter.Config(mxfp8_dim0_cast_kernel_choice="triton").build()
     assert conv.recipe.dim0_kernel == "triton"
+
+
+def test_switches_a_converter_would_ignore_are_refused():
+    """A one-part converter whose own switch is off (MXLinearConverter(convert_linears=False),
+    MXGroupedExpertsConverter(convert_grouped_experts=False)) converted anyway, and
+    MXMoEConverter(expert_gemm="bf16", convert_grouped_experts=False) left the experts bf16 with
+    expert_gemm ignored, without a word; each is refused when built, naming the options (as the 0.2
+    converter and mxmoe train refuse the second)."""
+    from mxmoe.integrations.torchtitan import MXMoEConverter
+
+    for conv, switch in ((MXLinearConverter, "convert_linears"),
+                         (MXGroupedExpertsConverter, "convert_grouped_experts")):
+        with pytest.raises(ValueError, match=rf"^{conv.__name__}: {switch}=False, but this converter does "
+                           r"nothing else: drop it from the converters"):
+            debug_moe_spec([conv.Config(**{switch: False})])
+    for conv in (MXMoEConverter, MXLinearConverter):
+        with pytest.raises(ValueError, match=rf"^{conv.__name__}: expert_gemm='bf16' sets how the converted "
+                           r"experts compute, but convert_grouped_experts=False leaves them unconverted"):
+            conv.Config(expert_gemm="bf16", convert_grouped_experts=False).build()
+    # the other switch of a one-part converter is not its own: still converts its part
+    spec = debug_moe_spec([MXLinearConverter.Config(convert_grouped_experts=False)])
+    assert any(isinstance(c, MXLinear.Config) for _, c, _, _ in spec.model.traverse(Linear.Config))
 
 
 def test_tensor_parallel_is_refused():

@@ -75,6 +75,23 @@ def _fsdp_mxfp8_all_gather(
             log.info("fsdp_mxfp8_all_gather: %s.%s gathers high precision: %s", name, attr, why)
 
 
+def check_switches(options: MXOptions, where: str, part: str | None = None) -> None:
+    """ValueError naming the options whose switches contradict each other or the converter `where`
+    (`part`: the one MXOptions switch a one-part converter is, which must be on), as the 0.2
+    converter and `mxmoe train` refuse them: each would be ignored without a word."""
+    if part is not None and not getattr(options, part):
+        raise ValueError(
+            f"{where}: {part}=False, but this converter does nothing else: drop it from the converters "
+            "(or use MXMoEConverter, which reads every switch of MXOptions)"
+        )
+    if options.expert_gemm == "bf16" and not options.convert_grouped_experts:
+        raise ValueError(  # as mxmoe train and 0.2: the exchange is the MX experts', so neither applies
+            f"{where}: expert_gemm='bf16' sets how the converted experts compute, but "
+            "convert_grouped_experts=False leaves them unconverted (bf16 GEMMs and a bf16 exchange); "
+            "drop one of the two"
+        )
+
+
 def _refuse_tensor_parallel(module: torch.nn.Module, parallel_dims) -> None:
     tp = int(getattr(parallel_dims, "tp", 1) or 1)
     if tp > 1:
@@ -293,6 +310,7 @@ class MXMoEConverter(ModelConfigConverter):
         self.config = config
         self.options = options_of(config)
         check_kernels(self.options, type(self).__name__)  # a kernel this machine cannot run: now
+        check_switches(self.options, type(self).__name__)
         self.recipe = self.options.to_recipe()  # bad options fail now, not at build time
 
     def convert(self, model_config):
@@ -327,6 +345,7 @@ class MXLinearConverter(QuantizationConverter):
             hint = f" (use fqns=[{f!r}])" if isinstance(f, str) else ""
             raise TypeError(f"{type(self).__name__}: fqns must be a list of strings, got {f!r}{hint}")
         check_kernels(self.options, type(self).__name__)  # a kernel this machine cannot run: now
+        check_switches(self.options, type(self).__name__, "convert_linears")
         self.recipe = self.options.to_recipe()  # checks the options now, not at build time
 
     def convert(self, model_config):
@@ -349,6 +368,7 @@ class MXGroupedExpertsConverter(QuantizationConverter):
         self.config = config
         self.options = options_of(config)
         check_kernels(self.options, type(self).__name__)  # a kernel this machine cannot run: now
+        check_switches(self.options, type(self).__name__, "convert_grouped_experts")
         self.recipe = self.options.to_recipe()
 
     def convert(self, model_config):

@@ -39,7 +39,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 
 from mxmoe.comm.a2a_dispatcher import ExchangeHandle, make_dispatcher
 from mxmoe.comm.transport import check_transport
-from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, options_of, same_format
+from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, check_kernels, options_of, same_format
 from mxmoe.integrations.torchtitan.v0_3.fields import finish_conversion, options_fields, recipe_of
 from mxmoe.nn.converter import ConversionReport
 from mxmoe.options import MXOptions
@@ -213,6 +213,8 @@ class MXFP8TokenDispatcherConverter(ModelConfigConverter):
     def __init__(self, config: Config):
         self.config = config
         self.options = options_of(config)
+        # the exchange casts with the recipe's dim0 kernel: one this machine cannot run stops now
+        check_kernels(self.options, type(self).__name__)
         self.recipe = self.options.to_recipe()
 
     def convert(self, model_config):

@@ -19,7 +19,7 @@ from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 from torchtitan.protocols.model import BaseModel
 
-from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, mx_recipe
+from mxmoe.integrations.torchtitan.common import RECIPE_FIELDS, check_kernels, mx_recipe
 from mxmoe.integrations.torchtitan.v0_3.converters import MXLinear, MXMoEConverter, mx_grouped_experts_cls
 from mxmoe.integrations.torchtitan.v0_3.dispatcher import (
     EXCHANGE_FIELDS,
@@ -40,8 +40,11 @@ def _in_package(fn):
     return fn
 
 
+_ALL_OPTIONS = tuple(f.name for f in fields(MXOptions))
+
+
 def _convert_model(cfg: BaseModel.Config, options: dict, where: str) -> BaseModel.Config:
-    _check_option_names(where, options, tuple(f.name for f in fields(MXOptions)))
+    _check_option_names(where, options, _ALL_OPTIONS)
     return MXMoEConverter(MXMoEConverter.Config(**options)).convert(cfg)
 
 
@@ -114,12 +117,17 @@ def mxmoe_a2a(cfg: AllToAllTokenDispatcher.Config, **options) -> MXFP8AllToAllTo
 
 
 def _check_option_names(where: str, options: dict, accepted: tuple[str, ...]) -> None:
+    """Unknown or renamed option names, then (for a one-part override, whose options are MXOptions
+    fields) a cast kernel or GEMM backend this machine cannot run: errors naming them, as the
+    converters' when they are built (not the first forward's)."""
     for old, new in RENAMED.items():
         if old in options:
             raise ValueError(f"{where}: {old} is now {new}")
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(f"{where}: unknown option(s) {unknown}; accepted: {list(accepted)}")
+    if accepted is not _ALL_OPTIONS:  # mxmoe / mx: MXMoEConverter checks them itself
+        check_kernels(MXOptions(**options), where)
 
 
 __all__ = ["LINEAR_OVERRIDE_FQNS", "mx", "mxmoe", "mxmoe_a2a", "mxmoe_grouped_mm", "mxmoe_linear"]
