@@ -156,6 +156,21 @@ def check_dispatch_args(
             )
 
 
+def check_combine_rows(y: Any, rows: int, where: str = "combine") -> None:
+    """y, the experts' outputs for `rows` dispatched rows: a 2-D tensor of `rows` rows, else a
+    TypeError / ValueError naming it (fewer rows failed in a gather, more were dropped silently).
+    Eager calls only (its shapes are checked where torch.compile traces nothing)."""
+    if not isinstance(y, Tensor):
+        raise TypeError(f"{where}: y must be a torch.Tensor (the experts' outputs), got {type(y).__name__}")
+    if torch.compiler.is_compiling():
+        return
+    if y.ndim != 2 or y.shape[0] != rows:
+        raise ValueError(
+            f"{where}: y has shape {_shape(y)}; expected ({rows}, D): one output row per row the "
+            "dispatch gave, in its order"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Local ordering and combine (every expert here; also the token side of expert parallelism)
 # --------------------------------------------------------------------------------------------
@@ -252,6 +267,7 @@ class LocalDispatcher:
         return sort_by_expert(x, idx, scores, num_experts)
 
     def combine(self, y, handle):
+        check_combine_rows(y, handle.perm.numel(), f"{type(self).__name__}.combine")
         return weighted_sum(y, handle)
 
     def __repr__(self) -> str:

@@ -41,6 +41,7 @@ from mxmoe.token_dispatch import (
     ExpertRows,
     LocalHandle,
     RowsFromAnchor,
+    check_combine_rows,
     check_dispatch_args,
     sort_by_expert,
     weighted_sum,
@@ -277,6 +278,7 @@ class AllToAllDispatcher:
     def return_rows(self, y: Tensor, h: ExchangeHandle) -> Tensor:
         """y (R, D) in the order `exchange_rows` gave -> (N, D) back on the rows' ranks, in the order
         they were sent; the gradient comes back as MXFP8 when the dispatch went so."""
+        check_combine_rows(y, h.inverse.numel(), f"{type(self).__name__}.combine")
         y = y.index_select(0, h.inverse)
         if h.recipe is None:
             return _Rows.apply(y, h.recv, h.send, self.group_name, self.transport, h.rows_in)

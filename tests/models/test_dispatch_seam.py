@@ -5,6 +5,8 @@ dispatcher's own checks, across ranks: tests/comm/test_dispatch_errors.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -75,6 +77,21 @@ def test_checked_at_dispatch_not_at_combine():
     with pytest.raises(ValueError, match=r"scores has shape \(6, 1\)"):
         routed_experts(x, idx, scores[:, :1], experts, E)
     assert calls == []
+
+
+def test_combine_names_outputs_of_another_row_count():
+    """combine(y) with y not one row per dispatched row: fewer rows failed with "index out of range
+    in self", more were dropped without a word; both are a ValueError naming y and the count."""
+    x, idx, scores = _inputs()
+    d = LocalDispatcher()
+    rows, _, h = d.dispatch(x, idx, scores, num_experts=E)
+    for y in (rows[:-1], torch.cat([rows, rows[:1]]), rows.view(T * K, 2, D // 2)):
+        shape = re.escape(str(tuple(y.shape)))
+        with pytest.raises(ValueError, match=rf"^LocalDispatcher.combine: y has shape {shape}; "
+                           rf"expected \({T * K}, D\): one output row per row the dispatch gave"):
+            d.combine(y, h)
+    with pytest.raises(TypeError, match="y must be a torch.Tensor"):
+        d.combine(rows.tolist(), h)
 
 
 def test_good_input_unchanged():
