@@ -170,7 +170,7 @@ class Data:
     max_files: int = 0
     """Use at most this many files (after the split, in hash order); 0 = all."""
     extensions: list[str] = field(default_factory=lambda: [".py"])
-    """File suffixes read from a folder."""
+    """File suffixes read from a folder (each a file name's ending, e.g. ".py"); empty = every file."""
     max_file_bytes: int = 2**28
     """Largest data file read, in bytes (each rank holds the corpus in memory); a larger one is an error."""
 

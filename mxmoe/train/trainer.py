@@ -367,15 +367,19 @@ def _train_run(cfg: JobConfig) -> int:
         if rank == 0:
             try:
                 refuse_step_folder(cfg.job.dump_folder)
-                locks.append(RunLock(cfg.job.dump_folder, run_id))
                 ck = cfg.checkpoint
+                refuse_non_folders({"job.dump_folder": cfg.job.dump_folder, "checkpoint.folder": ck.folder})
+                locks.append(RunLock(cfg.job.dump_folder, run_id))
                 if ck.folder:
                     same = os.path.realpath(ck.folder) == os.path.realpath(cfg.job.dump_folder)
                     locks += [x for x in [claim_folder(ck.folder, run_id, ck.resume, locked=same)] if x]
             except ValueError as e:
                 busy = str(e)
             except OSError as e:  # e.g. a read-only folder: every rank must hear of it, not hang
-                busy = f"job.dump_folder={cfg.job.dump_folder!r}: cannot lock it for this run: {e}"
+                where = f"job.dump_folder={cfg.job.dump_folder!r}"
+                if cfg.checkpoint.folder:
+                    where += f" or checkpoint.folder={cfg.checkpoint.folder!r}"
+                busy = f"{where}: cannot lock it for this run: {e}"
         if distributed:
             box = [busy]
             dist.broadcast_object_list(box, src=0)
@@ -401,6 +405,14 @@ def _train_run(cfg: JobConfig) -> int:
                 dist.destroy_process_group()
         finally:  # last: a step given up still has its watchdog while this unwinds
             stop.restore()
+
+
+def refuse_non_folders(folders: dict[str, str]) -> None:
+    """ValueError naming the setting whose path (a non-empty value of `folders`: setting -> path)
+    exists and is not a folder (a file: the lock's "File exists" said neither which nor why)."""
+    for name, path in folders.items():
+        if path and os.path.lexists(path) and not os.path.isdir(path):
+            raise ValueError(f"{name}={path!r} is a file, not a folder: expected a folder (made if missing)")
 
 
 def refuse_step_folder(dump_folder: str) -> None:

@@ -166,6 +166,20 @@ def test_an_empty_dump_folder_is_refused(tmp_path, capsys, monkeypatch, folder):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("which", ["job.dump_folder", "checkpoint.folder"])
+def test_a_file_given_as_a_folder_is_named(tmp_path, capsys, which):
+    """A file where a folder goes was "job.dump_folder=...: cannot lock it for this run: [Errno 17]
+    File exists", naming the dump folder even when the checkpoint folder was the file."""
+    f = tmp_path / "a_file"
+    f.write_text("not a folder")
+    folders = {"job.dump_folder": f"{tmp_path}/run", "checkpoint.folder": f"{tmp_path}/ckpt", which: str(f)}
+    argv = TINY + ["--training.steps=1"] + [f"--{k}={v}" for k, v in folders.items()]
+    assert trainer.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{which}='{f}' is a file, not a folder" in err, err
+    assert f.read_text() == "not a folder" and "Traceback" not in err
+
+
 def test_native_gemm_on_a_cpu_is_refused_at_start(tmp_path, capsys):
     argv = TINY + ["--model.converters=mx", "--mx.gemm_backend=native", f"--job.dump_folder={tmp_path}/run"]
     assert trainer.main(argv) == 2
